@@ -1,0 +1,75 @@
+"""`align` command line: run, validate, report, stage (internal)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="align", description="Staged alignment pipelines: SFT -> RM -> PPO / DPO.")
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a pipeline (completed stages with the same fingerprint are skipped)")
+    run.add_argument("pipeline", help="pipeline YAML")
+    run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. dpo.beta=0.2 sft.learning_rate=1e-4")
+    run.add_argument("--only", metavar="STAGE", help="run only this stage (its inputs must already be complete)")
+    run.add_argument("--from", dest="from_stage", metavar="STAGE", help="rerun this stage and everything after it")
+    run.add_argument("--run-id", help="run directory name under runs/<pipeline>/ (default: the pipeline's run_id)")
+    run.add_argument("--force", action="store_true", help="rerun the selected stages even if up to date")
+    run.add_argument("--num-processes", type=int, help="processes per stage (default: each accelerate config's)")
+    val = sub.add_parser("validate", help="check config, data cards and stage settings without training")
+    val.add_argument("pipeline")
+    val.add_argument("overrides", nargs="*")
+    rep = sub.add_parser("report", help="rebuild the evaluation report of a run directory (no training)")
+    rep.add_argument("run_dir")
+    stage = sub.add_parser("stage", help=argparse.SUPPRESS)
+    stage.add_argument("spec")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may come after options (`run x.yaml --run-id a dpo.beta=0.2`): argparse leaves those in `extra`.
+    stray = [e for e in extra if e.startswith("-") or "=" not in e]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    if args.command == "stage":
+        from align.stages.base import main as stage_main
+
+        stage_main(args.spec)
+        return 0
+
+    from align.config import ConfigError, load_pipeline
+    from align.data.cards import DataCardError
+    from align.pipeline import PipelineError, build_plan, run, validate
+
+    try:
+        if args.command == "report":
+            from align.report import rebuild
+
+            rebuild(args.run_dir)
+            return 0
+        overrides = list(args.overrides)
+        if args.command == "run" and args.run_id:
+            overrides.append(f"run_id={args.run_id}")
+        cfg = load_pipeline(args.pipeline, overrides)
+        if args.command == "validate":
+            plans = validate(cfg, args.pipeline)
+            for plan in plans:
+                print(f"  {plan.name:12s} {plan.cfg.type:12s} <- {', '.join(plan.deps) or '-':24s} "
+                      f"fingerprint {plan.fingerprint}")
+            print(f"[align] {args.pipeline}: valid ({len(plans)} stages)")
+            return 0
+        run(cfg, args.pipeline, only=args.only, from_stage=args.from_stage, force=args.force,
+            num_processes=args.num_processes)
+        return 0
+    except (ConfigError, DataCardError, PipelineError) as exc:
+        print(f"align: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

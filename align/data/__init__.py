@@ -1,0 +1,1 @@
+"""Data cards and canonical data formats."""

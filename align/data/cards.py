@@ -1,0 +1,252 @@
+"""Data cards: a YAML file that says where a dataset lives, its licence, how to read it, and how to split it.
+
+A card is validated before anything trains: the card's fields, the file's existence and encoding, each
+row's parse (errors name the file and line), the column mapping, the transform, and non-empty splits.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import hashlib
+import io
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from align.data.formats import CANONICAL_COLUMNS, TRANSFORMS, FormatError, check_canonical
+
+FORMATS = ("jsonl", "json", "tsv", "csv", "parquet", "hub")
+
+
+class DataCardError(ValueError):
+    """A data card or its data is invalid; the message names the file, line/row or field, and the fix."""
+
+
+@dataclass
+class DataCard:
+    """A validated data card (see data_cards/README.md for every field)."""
+
+    path: Path
+    name: str
+    source: dict[str, Any]
+    format: str
+    produces: str
+    columns: dict[str, Any] = field(default_factory=dict)
+    transform: dict[str, Any] = field(default_factory=dict)
+    splits: dict[str, Any] = field(default_factory=lambda: {"train": 1.0, "seed": 0})
+    license: str = ""
+    description: str = ""
+    citation: str = ""
+
+    @property
+    def file(self) -> Path | None:
+        """The local data file, resolved relative to the card's directory."""
+        if "path" not in self.source:
+            return None
+        return (self.path.parent / self.source["path"]).resolve()
+
+    def content_hash(self) -> str:
+        """sha256 of the card text and the local data file (or the hub id + revision)."""
+        h = hashlib.sha256(self.path.read_bytes())
+        if self.file is not None:
+            with open(self.file, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+        else:
+            h.update(json.dumps(self.source, sort_keys=True).encode())
+        return h.hexdigest()
+
+
+_CARD_FIELDS = {"name", "description", "source", "license", "citation", "format", "columns", "produces",
+                "transform", "splits"}
+
+
+def load_card(path: str | Path) -> DataCard:
+    """Parse and check a card's fields (not its data: see `load_split`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataCardError(f"{path}: data card not found (check the path in the pipeline YAML)")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise DataCardError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise DataCardError(f"{path}: a data card is a mapping of fields ({', '.join(sorted(_CARD_FIELDS))})")
+    unknown = set(raw) - _CARD_FIELDS
+    if unknown:
+        raise DataCardError(f"{path}: unknown field(s) {sorted(unknown)}; valid: {sorted(_CARD_FIELDS)}")
+    for key in ("name", "source", "format", "produces", "license"):
+        if not raw.get(key):
+            raise DataCardError(f"{path}: field '{key}' is required")
+    if raw["format"] not in FORMATS:
+        raise DataCardError(f"{path}: field 'format': '{raw['format']}' is not one of {FORMATS}")
+    if raw["produces"] not in CANONICAL_COLUMNS:
+        raise DataCardError(f"{path}: field 'produces': '{raw['produces']}' is not one of {list(CANONICAL_COLUMNS)}")
+    source = raw["source"]
+    if not isinstance(source, dict) or not ({"path"} <= source.keys() or {"hub"} <= source.keys()):
+        raise DataCardError(f"{path}: field 'source' needs `path: <file>` or `hub: <org/name>` (+ revision)")
+    for name in (raw.get("transform") or {}):
+        if name not in TRANSFORMS:
+            raise DataCardError(f"{path}: field 'transform': unknown transform '{name}'; known: {sorted(TRANSFORMS)}")
+    card = DataCard(path=path, name=raw["name"], source=source, format=raw["format"], produces=raw["produces"],
+                    columns=raw.get("columns") or {}, transform=raw.get("transform") or {},
+                    splits=raw.get("splits") or {"train": 1.0, "seed": 0}, license=raw["license"],
+                    description=raw.get("description", ""), citation=raw.get("citation", ""))
+    if card.file is not None and not card.file.is_file():
+        raise DataCardError(f"{path}: field 'source.path': file {card.file} does not exist")
+    fractions = {k: v for k, v in card.splits.items() if k != "seed"}
+    if not fractions or any(not isinstance(v, (int, float)) or v < 0 for v in fractions.values()) \
+            or abs(sum(fractions.values()) - 1.0) > 1e-6:
+        raise DataCardError(f"{path}: field 'splits': fractions must be >= 0 and sum to 1, got {fractions}")
+    return card
+
+
+# --------------------------------------------------------------------------------------------- reading
+def _read_text(file: Path) -> str:
+    data = file.read_bytes()
+    if file.suffix == ".gz":
+        data = gzip.decompress(data)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise DataCardError(f"{file}: line {line}: bytes that are not UTF-8 at offset {exc.start}; "
+                            "re-encode the file as UTF-8") from exc
+
+
+def _map_columns(card: DataCard, row: Any, where: str) -> dict[str, Any]:
+    if not card.columns:
+        if not isinstance(row, dict):
+            raise DataCardError(f"{where}: rows are not named; add `columns:` to {card.path}")
+        return row
+    out = {}
+    for name, key in card.columns.items():
+        try:
+            out[name] = row[key]
+        except (KeyError, IndexError, TypeError):
+            have = list(row.keys()) if isinstance(row, dict) else f"{len(row)} columns"
+            raise DataCardError(f"{where}: column {key!r} (mapped to '{name}' in {card.path}) is missing; "
+                                f"the row has {have}") from None
+    return out
+
+
+def read_rows(card: DataCard) -> list[dict[str, Any]]:
+    """Read every row of the card's source, mapped to the card's column names."""
+    if card.format == "hub":
+        return _read_hub(card)
+    file = card.file
+    assert file is not None
+    if card.format == "parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(file).to_pylist()
+        return [_map_columns(card, r, f"{file}: row {i}") for i, r in enumerate(table)]
+    text = _read_text(file)
+    rows: list[dict[str, Any]] = []
+    if card.format == "jsonl":
+        for n, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataCardError(f"{file}: line {n}: invalid JSON ({exc.msg}); fix or remove the line") from None
+            rows.append(_map_columns(card, obj, f"{file}: line {n}"))
+    elif card.format == "json":
+        try:
+            objs = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataCardError(f"{file}: line {exc.lineno}: invalid JSON ({exc.msg})") from None
+        if not isinstance(objs, list):
+            raise DataCardError(f"{file}: a json source must hold a list of rows")
+        rows = [_map_columns(card, o, f"{file}: row {i}") for i, o in enumerate(objs)]
+    else:  # tsv / csv: columns by index
+        delim = "\t" if card.format == "tsv" else ","
+        reader = csv.reader(io.StringIO(text), delimiter=delim, quoting=csv.QUOTE_NONE if delim == "\t" else 0)
+        for n, fields_ in enumerate(reader, start=1):
+            if not fields_:
+                continue
+            rows.append(_map_columns(card, fields_, f"{file}: line {n}"))
+    return rows
+
+
+def _read_hub(card: DataCard) -> list[dict[str, Any]]:
+    import datasets
+
+    src = card.source
+    try:
+        ds = datasets.load_dataset(src["hub"], src.get("config"), split=src.get("split", "train"),
+                                   revision=src.get("revision"))
+    except Exception as exc:  # network, auth, missing revision: all need the same advice
+        raise DataCardError(f"{card.path}: could not load hub dataset {src['hub']!r} "
+                            f"(revision {src.get('revision')!r}): {exc}") from exc
+    return [_map_columns(card, r, f"{card.path}: hub row {i}") for i, r in enumerate(ds)]
+
+
+# --------------------------------------------------------------------------------------------- splits
+@dataclass
+class LoadedSplit:
+    """Rows of one split in canonical form, plus counts of what the transform dropped."""
+
+    card: DataCard
+    split: str
+    rows: list[dict[str, Any]]
+    dropped: Counter
+    total_rows: int
+
+
+def load_split(card: DataCard | str | Path, split: str) -> LoadedSplit:
+    """Read, transform, validate and split a card; return one split (an empty split is an error)."""
+    if not isinstance(card, DataCard):
+        card = load_card(card)
+    rows = read_rows(card)
+    if not rows:
+        raise DataCardError(f"{card.file or card.path}: the dataset is empty")
+    seed = int(card.splits.get("seed", 0))
+    dropped: Counter = Counter()
+    try:
+        for name, args in card.transform.items():
+            rows, d = TRANSFORMS[name](rows, args, seed)
+            dropped.update(d)
+        check_canonical(rows, card.produces, str(card.file or card.path))
+    except FormatError as exc:
+        raise DataCardError(f"{card.path}: {exc}") from None
+    fractions = {k: float(v) for k, v in card.splits.items() if k != "seed"}
+    if split not in fractions:
+        raise DataCardError(f"{card.path}: no split '{split}'; the card defines {sorted(fractions)}")
+    # Assign whole prompt groups to splits, so rows sharing a prompt never straddle train and test.
+    groups: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(_split_key(row), []).append(i)
+    keys = sorted(groups)
+    random.Random(seed).shuffle(keys)
+    start = 0.0
+    chosen: list[int] = []
+    for name, frac in fractions.items():
+        lo, hi = round(start * len(keys)), round((start + frac) * len(keys))
+        if name == split:
+            chosen = sorted(i for k in keys[lo:hi] for i in groups[k])
+        start += frac
+    if not chosen:
+        raise DataCardError(f"{card.path}: split '{split}' is empty ({len(rows)} rows after transforms, "
+                            f"fraction {fractions[split]}); give it a larger fraction or more data")
+    return LoadedSplit(card, split, [rows[i] for i in chosen], dropped, len(rows))
+
+
+def _split_key(row: dict[str, Any]) -> str:
+    if "prompt" in row:
+        return str(row["prompt"])
+    if "messages" in row:
+        return json.dumps(row["messages"][:-1], sort_keys=True)
+    return json.dumps(row, sort_keys=True)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL file that a stage wrote (e.g. preference pairs)."""
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -1,0 +1,156 @@
+"""Converters from source rows to the canonical forms every stage consumes.
+
+Canonical forms (they match TRL's dataset formats):
+- ``prompt_completion``: ``{"prompt": str, "completion": str}``
+- ``messages``: ``{"messages": [{"role": ..., "content": ...}, ...]}``
+- ``preference``: ``{"prompt": str, "chosen": str, "rejected": str}``
+- ``prompt``: ``{"prompt": str}``
+
+Each transform takes a list of row dicts and returns ``(rows, dropped)``, where ``dropped`` counts rows
+skipped for a stated reason (reported by ``align validate``), so nothing disappears silently.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections import Counter
+from typing import Any, Callable
+
+CANONICAL_COLUMNS = {
+    "prompt_completion": ("prompt", "completion"),
+    "messages": ("messages",),
+    "preference": ("prompt", "chosen", "rejected"),
+    "prompt": ("prompt",),
+}
+
+Rows = list[dict[str, Any]]
+
+
+class FormatError(ValueError):
+    """A row that cannot be converted; the message names the row and field."""
+
+
+def prefix_words(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
+    """Split `text` into a prompt of the first k words (k uniform in [lo, hi]) and the rest as completion.
+
+    This is the DPO paper's controlled-sentiment prompt construction (review prefixes). Rows with too few
+    words to leave a non-empty completion are dropped and counted.
+    """
+    lo, hi = (int(args[0]), int(args[1])) if isinstance(args, (list, tuple)) else (int(args), int(args))
+    if not 1 <= lo <= hi:
+        raise FormatError(f"transform prefix_words: expected [min, max] with 1 <= min <= max, got {args!r}")
+    rng = random.Random(seed)
+    out, dropped = [], Counter()
+    for i, row in enumerate(rows):
+        if "text" not in row:
+            raise FormatError(f"row {i}: transform prefix_words needs a `text` column (map one in `columns`)")
+        words = str(row["text"]).split()
+        k = rng.randint(lo, hi)
+        if len(words) <= k:
+            dropped["too few words for the prefix"] += 1
+            continue
+        out.append({**_keep(row), "prompt": " ".join(words[:k]), "completion": " " + " ".join(words[k:])})
+    return out, dropped
+
+
+_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+
+
+def parse_hh_turns(transcript: str) -> list[tuple[str, str]]:
+    """Split an Anthropic HH transcript ("\\n\\nHuman: ...\\n\\nAssistant: ...") into (role, text) turns."""
+    pieces = _HH_TURN.split(transcript)
+    if pieces[0].strip():
+        raise FormatError("transcript does not start with '\\n\\nHuman:'")
+    turns = []
+    for role, text in zip(pieces[1::2], pieces[2::2]):
+        turns.append(("user" if role == "Human" else "assistant", text.strip()))
+    if not turns or turns[-1][0] != "assistant":
+        raise FormatError("transcript does not end with an Assistant turn")
+    return turns
+
+
+def render_hh_prompt(turns: list[tuple[str, str]]) -> str:
+    """The prompt text: every turn, then the cue for the final assistant reply."""
+    body = "".join(f"\n\n{'Human' if r == 'user' else 'Assistant'}: {t}" for r, t in turns)
+    return body + "\n\nAssistant:"
+
+
+def hh_transcript(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
+    """HH-RLHF pairs -> preference rows.
+
+    prompt = every turn before the final assistant reply (rendered in the HH format, ending with the
+    "Assistant:" cue); chosen / rejected = the two final replies. Pairs whose turns differ before the final
+    reply, whose final replies are identical, or that do not parse, are dropped and counted by reason.
+    """
+    out, dropped = [], Counter()
+    for row in rows:
+        try:
+            chosen, rejected = parse_hh_turns(row["chosen"]), parse_hh_turns(row["rejected"])
+        except FormatError:
+            dropped["unparseable transcript"] += 1
+            continue
+        except KeyError as exc:
+            raise FormatError(f"transform hh_transcript needs a {exc} column") from exc
+        if chosen[:-1] != rejected[:-1]:
+            dropped["chosen and rejected diverge before the final reply"] += 1
+            continue
+        if chosen[-1][1] == rejected[-1][1]:
+            dropped["chosen identical to rejected"] += 1
+            continue
+        out.append({"prompt": render_hh_prompt(chosen[:-1]), "chosen": " " + chosen[-1][1],
+                    "rejected": " " + rejected[-1][1]})
+    return out, dropped
+
+
+def hh_chosen_sft(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
+    """HH-RLHF pairs -> prompt_completion rows for SFT on the chosen transcript's final reply."""
+    pairs, dropped = hh_transcript(rows, args, seed)
+    return [{"prompt": r["prompt"], "completion": r["chosen"]} for r in pairs], dropped
+
+
+def alpaca(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
+    """Alpaca rows (instruction / input / output) -> prompt_completion."""
+    out, dropped = [], Counter()
+    for i, row in enumerate(rows):
+        if "instruction" not in row or "output" not in row:
+            raise FormatError(f"row {i}: transform alpaca needs `instruction` and `output` columns")
+        if not str(row["output"]).strip():
+            dropped["empty output"] += 1
+            continue
+        extra = str(row.get("input") or "").strip()
+        prompt = str(row["instruction"]).strip() + (f"\n\n{extra}" if extra else "")
+        out.append({"prompt": prompt, "completion": " " + str(row["output"]).strip()})
+    return out, dropped
+
+
+def _keep(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if k in ("id", "score")}
+
+
+TRANSFORMS: dict[str, Callable[[Rows, Any, int], tuple[Rows, Counter]]] = {
+    "prefix_words": prefix_words,
+    "hh_transcript": hh_transcript,
+    "hh_chosen_sft": hh_chosen_sft,
+    "alpaca": alpaca,
+}
+
+
+def check_canonical(rows: Rows, produces: str, source: str) -> None:
+    """Every row must carry the canonical columns of `produces` with the right types."""
+    needed = CANONICAL_COLUMNS[produces]
+    for i, row in enumerate(rows):
+        for col in needed:
+            if col not in row:
+                raise FormatError(f"{source}: row {i}: missing field '{col}' required by produces={produces}")
+        if produces == "messages":
+            msgs = row["messages"]
+            if not isinstance(msgs, list) or not all(isinstance(m, dict) and {"role", "content"} <= m.keys()
+                                                      for m in msgs):
+                raise FormatError(f"{source}: row {i}: field 'messages' must be a list of {{role, content}}")
+        else:
+            for col in needed:
+                if not isinstance(row[col], str):
+                    raise FormatError(f"{source}: row {i}: field '{col}' must be text, got {type(row[col]).__name__}")
+        if produces == "preference" and row["chosen"] == row["rejected"]:
+            raise FormatError(f"{source}: row {i}: 'chosen' is identical to 'rejected' (drop the row or fix the data)")

@@ -1,0 +1,120 @@
+"""Batched sampling and the forward passes that score what was sampled.
+
+Prompts are left-padded (so every response starts at the same column), responses are right-padded, and
+every token after a response's first EOS is masked out. Positions are computed from the attention mask so
+left padding does not shift them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from align.config import Generation
+from align.losses import entropy_from_logits, logprobs_from_logits, response_mask_after_eos
+
+
+@dataclass
+class Rollout:
+    """Sampled responses. query_* (B, Lq) left-padded; response_* (B, Lr) right-padded."""
+
+    query_ids: torch.Tensor
+    query_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    eos_found: torch.Tensor  # (B,) bool: the response emitted EOS
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.query_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.query_mask, self.response_mask], dim=1)
+
+
+def tokenize_prompts(tokenizer, prompts: list[str], max_length: int | None = None):
+    """Left-padded prompt ids and mask (B, Lq)."""
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=True,
+                        truncation=max_length is not None, max_length=max_length)
+    finally:
+        tokenizer.padding_side = side
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def position_ids(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[str], gen: Generation, seed: int, max_prompt_length: int | None = None,
+             synced_gpus: bool = False) -> Rollout:
+    """Sample one response per prompt (duplicate prompts for several). Deterministic given `seed`."""
+    device = next(model.parameters()).device
+    q_ids, q_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length)
+    q_ids, q_mask = q_ids.to(device), q_mask.to(device)
+    torch.manual_seed(seed)
+    out = model.generate(
+        input_ids=q_ids, attention_mask=q_mask, do_sample=True, temperature=gen.temperature,
+        top_k=gen.top_k or None, top_p=gen.top_p, max_new_tokens=gen.max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, synced_gpus=synced_gpus,
+    )
+    resp = out[:, q_ids.size(1):]
+    if resp.size(1) == 0:  # every sequence stopped at once: keep one column so shapes stay valid
+        resp = torch.full((len(prompts), 1), tokenizer.eos_token_id, device=device)
+    mask = response_mask_after_eos(resp, tokenizer.eos_token_id)
+    resp = torch.where(mask.bool(), resp, torch.full_like(resp, tokenizer.pad_token_id))
+    eos_found = ((resp == tokenizer.eos_token_id) & mask.bool()).any(dim=1)
+    return Rollout(q_ids, q_mask, resp, mask, eos_found)
+
+
+def sample_texts(model, tokenizer, prompts: list[str], gen: Generation, seed: int) -> list[str]:
+    """Sampled response texts (EOS and padding removed), in batches of gen.batch_size."""
+    texts: list[str] = []
+    for start in range(0, len(prompts), gen.batch_size):
+        batch = prompts[start:start + gen.batch_size]
+        r = generate(model, tokenizer, batch, gen, seed=seed + start)
+        for ids, m in zip(r.response_ids, r.response_mask):
+            texts.append(tokenizer.decode(ids[m.bool()], skip_special_tokens=True))
+    return texts
+
+
+def response_logprobs(model, rollout: Rollout, temperature: float = 1.0, with_entropy: bool = False):
+    """Per-token log-probs (B, Lr) of the sampled responses under `model` (and entropies if asked).
+
+    Logits are divided by the sampling temperature so the log-probs are those of the sampling policy.
+    """
+    ids, mask = rollout.input_ids, rollout.attention_mask
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+    lq = rollout.query_ids.size(1)
+    logits = logits[:, lq - 1:-1] / temperature  # (B, Lr, V): the logit at t predicts token t+1
+    lp = logprobs_from_logits(logits, rollout.response_ids)
+    return (lp, entropy_from_logits(logits)) if with_entropy else lp
+
+
+def scalar_outputs(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token scalar head outputs (B, T) of a *ForSequenceClassification model (reward or value)."""
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()
+
+
+@torch.no_grad()
+def sequence_scores(model, tokenizer, texts: list[str], batch_size: int = 64) -> list[float]:
+    """Reward-model scores of whole texts, tokenised as TRL's RewardTrainer does (text + EOS)."""
+    device = next(model.parameters()).device
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "right"
+    out: list[float] = []
+    try:
+        for start in range(0, len(texts), batch_size):
+            batch = [t + tokenizer.eos_token for t in texts[start:start + batch_size]]
+            enc = tokenizer(batch, return_tensors="pt", padding=True).to(device)
+            out.extend(model(**enc).logits.squeeze(-1).float().tolist())
+    finally:
+        tokenizer.padding_side = side
+    return out

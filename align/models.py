@@ -1,0 +1,162 @@
+"""Loading models and tokenizers: local paths, hub ids, and `builtin:` tiny models built from a config.
+
+Everything here is explicit about two things users trip over: tokenizers without a pad token or chat
+template (fixed and logged, never silently), and repositories that ship their own Python code (refused
+unless the pipeline sets `trust_remote_code: true`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from align.config import BuiltinModel, LoraSettings
+
+log = logging.getLogger(__name__)
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_KINDS = ("tiny-llama",)
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+# A minimal chat template for tokenizers that ship none: role-tagged turns, EOS after each turn.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+class ModelError(ValueError):
+    """A model or tokenizer cannot be used as configured; the message says how to fix it."""
+
+
+def is_builtin(spec: str) -> bool:
+    return spec.startswith(BUILTIN_PREFIX)
+
+
+def check_builtin(spec: str) -> None:
+    kind = spec[len(BUILTIN_PREFIX):]
+    if kind not in BUILTIN_KINDS:
+        raise ModelError(f"base_model '{spec}': unknown builtin model; available: "
+                         f"{', '.join(BUILTIN_PREFIX + k for k in BUILTIN_KINDS)}")
+
+
+def check_remote_code(path_or_id: str, trust_remote_code: bool) -> None:
+    """Refuse a local model whose config asks for custom code unless the user opted in."""
+    cfg = Path(path_or_id) / "config.json"
+    if trust_remote_code or not cfg.is_file():
+        return
+    try:
+        auto_map = json.loads(cfg.read_text()).get("auto_map")
+    except (OSError, json.JSONDecodeError):
+        return
+    if auto_map:
+        raise ModelError(f"{path_or_id}: this model ships its own Python code (config.json auto_map); align does "
+                         "not run remote code by default. Read the code, then set `trust_remote_code: true` "
+                         "in the pipeline YAML to allow it.")
+
+
+# --------------------------------------------------------------------------------------------- tokenizers
+def train_tokenizer(texts: Iterable[str], vocab_size: int, max_length: int):
+    """Train a byte-level BPE tokenizer on `texts` (deterministic: BPE merges are ranked by count, ties by
+    byte order) with EOS and PAD special tokens and a default chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN, PAD_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
+                                   pad_token=PAD_TOKEN, model_max_length=max_length)
+    fast.chat_template = DEFAULT_CHAT_TEMPLATE
+    return fast
+
+
+def prepare_tokenizer(tok, needs_chat_template: bool = False):
+    """Give a tokenizer what training needs, and say what was changed.
+
+    - No pad token: reuse EOS as pad (labels are masked by attention mask, so EOS still gets a loss).
+    - No chat template and the stage needs one: install align's default template.
+    """
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ModelError("tokenizer has neither a pad nor an EOS token; add one (e.g. tokenizer.add_special_"
+                             "tokens({'pad_token': '<|pad|>'})) and save it with the model")
+        tok.pad_token = tok.eos_token
+        log.warning("tokenizer has no pad token: using EOS (%r) as pad", tok.eos_token)
+    if needs_chat_template and not getattr(tok, "chat_template", None):
+        tok.chat_template = DEFAULT_CHAT_TEMPLATE
+        log.warning("tokenizer has no chat template: installed align's default role-tagged template")
+    return tok
+
+
+def load_tokenizer(path_or_id: str, trust_remote_code: bool = False, needs_chat_template: bool = False):
+    from transformers import AutoTokenizer
+
+    check_remote_code(path_or_id, trust_remote_code)
+    tok = AutoTokenizer.from_pretrained(path_or_id, trust_remote_code=trust_remote_code)
+    return prepare_tokenizer(tok, needs_chat_template)
+
+
+# --------------------------------------------------------------------------------------------- models
+def build_builtin(size: BuiltinModel, tokenizer, seed: int):
+    """A tiny Llama-style causal LM with fresh weights (deterministic given `seed`)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=size.hidden_size, intermediate_size=size.intermediate_size,
+        num_hidden_layers=size.num_layers, num_attention_heads=size.num_heads,
+        num_key_value_heads=size.num_heads, max_position_embeddings=size.max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg)
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_causal_lm(path_or_id: str, dtype: str = "float32", trust_remote_code: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    check_remote_code(path_or_id, trust_remote_code)
+    return AutoModelForCausalLM.from_pretrained(path_or_id, dtype=_DTYPES[dtype],
+                                                trust_remote_code=trust_remote_code)
+
+
+def load_scalar_model(path_or_id: str, pad_token_id: int | None, dtype: str = "float32",
+                      trust_remote_code: bool = False):
+    """A sequence-classification model with one output: a reward or value model.
+
+    Loading a causal-LM checkpoint this way keeps its transformer and adds a freshly initialised scalar
+    head; loading a reward checkpoint keeps its trained head.
+    """
+    from transformers import AutoModelForSequenceClassification
+
+    check_remote_code(path_or_id, trust_remote_code)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path_or_id, num_labels=1, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code)
+    if pad_token_id is not None:
+        model.config.pad_token_id = pad_token_id
+    return model
+
+
+def peft_config(lora: LoraSettings, task_type: str) -> Any:
+    """A peft LoraConfig when LoRA is enabled, else None (full fine-tuning)."""
+    if not lora.enabled:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                      target_modules=list(lora.target_modules), task_type=task_type)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,1 @@
+"""One module per stage; each exposes `run(ctx: StageContext) -> dict` (final metrics)."""

@@ -1,0 +1,44 @@
+"""DPO stage: TRL's DPOTrainer; the starting policy is also the frozen reference (Rafailov et al. 2023)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from align.config import DPOStage
+from align.models import load_causal_lm, load_tokenizer, peft_config
+from align.stages.base import StageContext, load_rows, metrics_callback, train_with_resume, trainer_kwargs
+
+OUTPUTS = ["model"]
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    cfg: DPOStage = ctx.cfg  # type: ignore[assignment]
+    columns = ("prompt", "chosen", "rejected")
+    train = [{c: r[c] for c in columns} for r in load_rows(ctx, cfg.data, "train", cfg.max_train_examples)]
+    test = [{c: r[c] for c in columns} for r in load_rows(ctx, cfg.data, "test")]
+    path = ctx.input_model(cfg.policy)
+    tokenizer = load_tokenizer(path)
+    dtype = ctx.pipeline["dtype"]
+    model = load_causal_lm(path, dtype)
+    lora = peft_config(cfg.lora, "CAUSAL_LM")
+    # With LoRA the reference is the base model with adapters disabled; otherwise a frozen copy.
+    ref = None if lora is not None else load_causal_lm(path, dtype)
+    args = DPOConfig(**trainer_kwargs(cfg, ctx), beta=cfg.beta, loss_type=[cfg.loss_type],
+                     label_smoothing=cfg.label_smoothing, eval_strategy="no")
+    trainer = DPOTrainer(model=model, ref_model=ref, args=args, processing_class=tokenizer,
+                         train_dataset=Dataset.from_list(train),
+                         eval_dataset=Dataset.from_list(test) if test else None,
+                         callbacks=[metrics_callback(ctx)], peft_config=lora)
+    final = train_with_resume(ctx, trainer)
+    if test:
+        ev = trainer.evaluate()
+        metrics = {f"eval/{k[5:]}".replace("margins", "margin").replace("accuracies", "accuracy"): v
+                   for k, v in ev.items() if k.startswith("eval_rewards/") or k == "eval_loss"}
+        ctx.log(metrics, step=trainer.state.global_step)
+        final.update(metrics)
+    final["train/pairs"] = len(train)
+    ctx.save_trainer_model(trainer, tokenizer)
+    return final

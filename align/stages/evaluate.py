@@ -1,0 +1,137 @@
+"""Evaluate stage: every policy samples the same held-out prompts with the same seed and decoding; each
+sample is scored by every judge (gold functions and the reward model); KL to the reference is measured on
+the policy's own samples; win rates against the baseline come with 95% bootstrap CIs.
+
+Writes `<run>/report/metrics.json` and `<run>/report/report.md` atomically.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from align.config import EvaluateStage
+from align.generation import generate, response_logprobs
+from align.judges import PYTHON_JUDGES, RewardModelJudge
+from align.models import load_causal_lm, load_tokenizer
+from align.stages.base import StageContext, load_rows, unique_prompts
+from align.stats import mean_ci, win_rate
+
+OUTPUTS = ["../report"]
+
+
+@torch.no_grad()
+def sample_with_kl(policy, reference, tokenizer, prompts: list[str], cfg: EvaluateStage, seed: int):
+    """Responses (text) and sequence-level KL(policy || reference) = sum_t log pi - log ref on them."""
+    texts, kls, lengths = [], [], []
+    gen = cfg.generation
+    for start in tqdm(range(0, len(prompts), gen.batch_size), desc="  sampling", leave=False):
+        r = generate(policy, tokenizer, prompts[start:start + gen.batch_size], gen, seed=seed + start)
+        lp = response_logprobs(policy, r, gen.temperature)
+        ref_lp = response_logprobs(reference, r, gen.temperature)
+        mask = r.response_mask.float()
+        kls.extend(((lp - ref_lp) * mask).sum(1).tolist())
+        lengths.extend(mask.sum(1).tolist())
+        texts.extend(tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
+                     for ids, m in zip(r.response_ids, r.response_mask))
+    return texts, kls, lengths
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    cfg: EvaluateStage = ctx.cfg  # type: ignore[assignment]
+    prompts = unique_prompts(load_rows(ctx, cfg.prompts, cfg.split), cfg.max_prompts)
+    ref_path = ctx.input_model(cfg.reference)
+    tokenizer = load_tokenizer(ref_path)
+    dtype = ctx.pipeline["dtype"]
+    reference = load_causal_lm(ref_path, dtype).eval()
+    judges: dict[str, Any] = {name: PYTHON_JUDGES[name] for name in cfg.judges}
+    if cfg.reward:
+        judges["reward_model"] = RewardModelJudge(ctx.input_model(cfg.reward))
+
+    samples: dict[str, dict[str, Any]] = {}
+    for name in cfg.policies:
+        if ctx.is_main:
+            print(f"[align] {ctx.name}: sampling {len(prompts)} prompts from '{name}'", flush=True)
+        policy = load_causal_lm(ctx.input_model(name), dtype).eval()
+        texts, kls, lengths = sample_with_kl(policy, reference, tokenizer, prompts, cfg, ctx.seed)
+        scores = {j: fn(prompts, texts) for j, fn in judges.items()}
+        samples[name] = {"responses": texts, "kl": kls, "length": lengths, "scores": scores}
+
+    metrics: dict[str, Any] = {"eval/prompts": len(prompts)}
+    for name, s in samples.items():
+        metrics[f"eval/{name}/kl"] = float(np.mean(s["kl"]))
+        metrics[f"eval/{name}/kl_std"] = float(np.std(s["kl"]))
+        metrics[f"eval/{name}/response_length"] = float(np.mean(s["length"]))
+        for j, sc in s["scores"].items():
+            m = mean_ci(sc, cfg.bootstrap_samples, ctx.seed)
+            metrics[f"eval/{name}/{j}/mean"] = m["mean"]
+            metrics[f"eval/{name}/{j}/mean_ci"] = [m["ci_low"], m["ci_high"]]
+            if np.std(sc) > 0 and np.std(s["length"]) > 0:
+                metrics[f"eval/{name}/{j}/length_corr"] = float(np.corrcoef(sc, s["length"])[0, 1])
+            if name != cfg.baseline:
+                w = win_rate(sc, samples[cfg.baseline]["scores"][j], cfg.bootstrap_samples, ctx.seed)
+                metrics[f"eval/{name}/{j}/win_rate"] = w["win_rate"]
+                metrics[f"eval/{name}/{j}/win_rate_ci"] = [w["ci_low"], w["ci_high"]]
+    if cfg.reward and cfg.preferences:
+        from align.stages.reward import pairwise_accuracy
+
+        pairs = load_rows(ctx, cfg.preferences, "test")
+        rm = judges["reward_model"]
+        acc = pairwise_accuracy(rm.model, rm.tokenizer, pairs)
+        metrics.update({"eval/reward_model/accuracy": acc["accuracy"], "eval/reward_model/margin": acc["margin"],
+                        "eval/reward_model/pairs": len(pairs)})
+
+    def write(out: Path) -> None:
+        if not ctx.is_main:
+            return
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        (out / "report.md").write_text(render_report(cfg, metrics, prompts, samples))
+        with open(out / "samples.jsonl", "w", encoding="utf-8") as fh:
+            for i, p in enumerate(prompts):
+                fh.write(json.dumps({"prompt": p, **{n: {"response": s["responses"][i], "kl": s["kl"][i],
+                                                         **{j: sc[i] for j, sc in s["scores"].items()}}
+                                                     for n, s in samples.items()}}) + "\n")
+
+    ctx.publish("../report", write)
+    ctx.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=0)
+    if ctx.is_main:
+        print(headline(cfg, metrics), flush=True)
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+
+
+def headline(cfg: EvaluateStage, m: dict[str, Any]) -> str:
+    judges = [*cfg.judges, *(["reward_model"] if cfg.reward else [])]
+    lines = [f"| policy | {' | '.join(f'{j} mean' for j in judges)} | KL to {cfg.reference} | "
+             + " | ".join(f"{j} win rate vs {cfg.baseline} [95% CI]" for j in judges) + " |",
+             "|" + "---|" * (2 + 2 * len(judges))]
+    for p in cfg.policies:
+        cells = [f"{m[f'eval/{p}/{j}/mean']:.3f}" for j in judges] + [f"{m[f'eval/{p}/kl']:.2f}"]
+        for j in judges:
+            if p == cfg.baseline:
+                cells.append("(baseline)")
+            else:
+                lo, hi = m[f"eval/{p}/{j}/win_rate_ci"]
+                cells.append(f"{m[f'eval/{p}/{j}/win_rate']:.3f} [{lo:.3f}, {hi:.3f}]")
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + f"\n\nn = {m['eval/prompts']} held-out prompts"
+
+
+def render_report(cfg: EvaluateStage, m: dict[str, Any], prompts: list[str], samples: dict[str, Any]) -> str:
+    out = ["# Evaluation report", "", headline(cfg, m), ""]
+    if "eval/reward_model/accuracy" in m:
+        out += ["## Reward model", "",
+                f"Held-out pairwise accuracy: {m['eval/reward_model/accuracy']:.3f} on "
+                f"{m['eval/reward_model/pairs']} pairs (mean margin {m['eval/reward_model/margin']:.3f}).", ""]
+    out += ["## Samples", ""]
+    for i in range(min(5, len(prompts))):
+        out.append(f"**{prompts[i]}**")
+        for name, s in samples.items():
+            scores = ", ".join(f"{j} {sc[i]:.2f}" for j, sc in s["scores"].items())
+            out.append(f"- {name}: {s['responses'][i]!r} ({scores})")
+        out.append("")
+    return "\n".join(out)

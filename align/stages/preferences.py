@@ -1,0 +1,99 @@
+"""Preferences stage: sample several completions per prompt from a policy, judge them, keep ordered pairs.
+
+For each prompt: `samples_per_prompt` completions are sampled; the best and the worst by the judge form a
+(chosen, rejected) pair. Pairs whose scores differ by less than `min_margin`, or whose texts are identical,
+are ties: dropped and counted. Pairs are split by prompt into `train` and `test` (held-out prompts) and
+written atomically to `data/{train,test}.jsonl`, with every scored sample in `data/samples.jsonl`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from align.config import PreferencesStage
+from align.generation import sample_texts
+from align.judges import PYTHON_JUDGES, RewardModelJudge
+from align.models import load_causal_lm, load_tokenizer
+from align.stages.base import StageContext, load_rows, unique_prompts
+
+OUTPUTS = ["data"]
+
+
+def make_judge(ctx: StageContext, name: str):
+    if name in ctx.inputs:
+        return RewardModelJudge(ctx.input_model(name))
+    return PYTHON_JUDGES[name]
+
+
+def pair_up(prompt: str, responses: list[str], scores: list[float], min_margin: float) -> dict[str, Any] | None:
+    """(chosen, rejected) = (best, worst) by score; None for a tie (margin < min_margin or same text)."""
+    best = max(range(len(scores)), key=scores.__getitem__)
+    worst = min(range(len(scores)), key=scores.__getitem__)
+    margin = scores[best] - scores[worst]
+    if margin < min_margin or responses[best] == responses[worst]:
+        return None
+    return {"prompt": prompt, "chosen": responses[best], "rejected": responses[worst],
+            "score_chosen": scores[best], "score_rejected": scores[worst]}
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    cfg: PreferencesStage = ctx.cfg  # type: ignore[assignment]
+    prompts = unique_prompts(load_rows(ctx, cfg.prompts, cfg.split), cfg.max_prompts)
+    path = ctx.input_model(cfg.policy)
+    tokenizer = load_tokenizer(path)
+    policy = load_causal_lm(path, ctx.pipeline["dtype"]).eval()
+    judge = make_judge(ctx, cfg.judge)
+    n = cfg.samples_per_prompt
+    per_batch = max(1, cfg.generation.batch_size // n)
+
+    records = []
+    with ctx.state.split_between_processes(list(enumerate(prompts))) as mine:
+        for start in tqdm(range(0, len(mine), per_batch), desc=f"{ctx.name}: sampling",
+                          disable=not ctx.is_main):
+            batch = mine[start:start + per_batch]
+            flat = [p for _, p in batch for _ in range(n)]
+            texts = sample_texts(policy, tokenizer, flat, cfg.generation, seed=ctx.seed * 1_000_003 + batch[0][0])
+            scores = judge(flat, texts)
+            for j, (idx, prompt) in enumerate(batch):
+                records.append({"index": idx, "prompt": prompt, "responses": texts[j * n:(j + 1) * n],
+                                "scores": scores[j * n:(j + 1) * n]})
+    from accelerate.utils import gather_object
+
+    records = sorted(gather_object(records), key=lambda r: r["index"])
+
+    pairs, ties = [], 0
+    for r in records:
+        pair = pair_up(r["prompt"], r["responses"], r["scores"], cfg.min_margin)
+        if pair is None:
+            ties += 1
+        else:
+            pairs.append(pair)
+    if not pairs:
+        raise RuntimeError(f"stage '{ctx.name}': every one of {len(records)} prompts was a tie (min_margin "
+                           f"{cfg.min_margin}); sample more per prompt or lower min_margin")
+    held_out = set(random.Random(ctx.seed).sample(range(len(records)), round(cfg.test_fraction * len(records))))
+    test_prompts = {records[i]["prompt"] for i in held_out}
+    splits = {"train": [p for p in pairs if p["prompt"] not in test_prompts],
+              "test": [p for p in pairs if p["prompt"] in test_prompts]}
+
+    def write(out: Path) -> None:
+        if not ctx.is_main:
+            return
+        for name, rows in {**splits, "samples": records}.items():
+            with open(out / f"{name}.jsonl", "w", encoding="utf-8") as fh:
+                fh.writelines(json.dumps(r) + "\n" for r in rows)
+
+    ctx.publish("data", write)
+    all_scores = [s for r in records for s in r["scores"]]
+    margins = [p["score_chosen"] - p["score_rejected"] for p in pairs]
+    final = {"preferences/prompts": len(records), "preferences/pairs_train": len(splits["train"]),
+             "preferences/pairs_test": len(splits["test"]), "preferences/ties_dropped": ties,
+             "preferences/mean_margin": sum(margins) / len(margins),
+             "objective/scores": sum(all_scores) / len(all_scores)}
+    ctx.log(final, step=0)
+    return final

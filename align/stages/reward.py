@@ -1,0 +1,55 @@
+"""Reward stage: a Bradley-Terry reward model (TRL's RewardTrainer), initialised from a policy checkpoint.
+
+Held-out pairwise accuracy is measured after training on pairs from prompts the model never trained on,
+with the same scoring rule the PPO and evaluate stages use (prompt + response + EOS, last real token).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from align.config import RewardStage
+from align.generation import sequence_scores
+from align.models import load_scalar_model, load_tokenizer, peft_config
+from align.stages.base import StageContext, load_rows, metrics_callback, train_with_resume, trainer_kwargs
+
+OUTPUTS = ["model"]
+
+
+def pairwise_accuracy(model, tokenizer, pairs: list[dict[str, Any]]) -> dict[str, float]:
+    """Fraction of pairs whose chosen response scores above the rejected one, and the mean margin."""
+    chosen = sequence_scores(model, tokenizer, [p["prompt"] + p["chosen"] for p in pairs])
+    rejected = sequence_scores(model, tokenizer, [p["prompt"] + p["rejected"] for p in pairs])
+    margins = [c - r for c, r in zip(chosen, rejected)]
+    return {"accuracy": sum(m > 0 for m in margins) / len(margins), "margin": sum(margins) / len(margins),
+            "chosen": sum(chosen) / len(chosen), "rejected": sum(rejected) / len(rejected)}
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    from datasets import Dataset
+    from trl import RewardConfig, RewardTrainer
+
+    cfg: RewardStage = ctx.cfg  # type: ignore[assignment]
+    train = load_rows(ctx, cfg.data, "train", cfg.max_train_examples)
+    test = load_rows(ctx, cfg.data, "test")
+    path = ctx.input_model(cfg.init)
+    tokenizer = load_tokenizer(path)
+    model = load_scalar_model(path, tokenizer.pad_token_id, ctx.pipeline["dtype"])
+    args = RewardConfig(**trainer_kwargs(cfg, ctx), center_rewards_coefficient=cfg.center_rewards_coefficient,
+                        eval_strategy="no")
+    columns = ("prompt", "chosen", "rejected")
+    trainer = RewardTrainer(model=model, args=args, processing_class=tokenizer, callbacks=[metrics_callback(ctx)],
+                            train_dataset=Dataset.from_list([{c: r[c] for c in columns} for r in train]),
+                            peft_config=peft_config(cfg.lora, "SEQ_CLS"))
+    final = train_with_resume(ctx, trainer)
+    ctx.save_trainer_model(trainer, tokenizer)
+    if test:
+        scorer = load_scalar_model(str(ctx.dir / "model"), tokenizer.pad_token_id).eval()
+        held_out = pairwise_accuracy(scorer, tokenizer, test)
+        metrics = {"eval/rewards/accuracy": held_out["accuracy"], "eval/rewards/margin": held_out["margin"],
+                   "eval/rewards/chosen": held_out["chosen"], "eval/rewards/rejected": held_out["rejected"],
+                   "eval/pairs": len(test)}
+        ctx.log(metrics, step=trainer.state.global_step)
+        final.update(metrics)
+    final["train/pairs"] = len(train)
+    return final

@@ -1,0 +1,114 @@
+"""Metrics: every value goes to the stage's metrics.jsonl, and to W&B when it is enabled.
+
+One W&B run per stage, grouped by pipeline run, job_type = stage type. Without an API key W&B runs in
+offline mode (no prompt, no network); the run directory lands in `<stage>/wandb/` and can be synced later
+with `wandb sync`. Only the main process logs. Secrets never reach W&B config or files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+SECRET_ENV = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_API_TOKEN", "OPENAI_API_KEY")
+# Keys that hold credentials (api_key, hf_token, auth_token, password, ...), not e.g. max_new_tokens or pad_token.
+_SECRET_KEY = re.compile(r"(api[_-]?key|secret|passw(or)?d|^token$|(^|[_-])(hf|hub|auth|access|wandb|api|bearer)[_-]?token$)",
+                         re.IGNORECASE)
+
+
+def scrub(obj: Any) -> Any:
+    """Drop secret-looking keys and replace any secret env value found inside strings."""
+    secrets = [os.environ[k] for k in SECRET_ENV if os.environ.get(k)]
+    if isinstance(obj, dict):
+        return {k: ("<redacted>" if _SECRET_KEY.search(str(k)) else scrub(v)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [scrub(v) for v in obj]
+    if isinstance(obj, str):
+        for s in secrets:
+            obj = obj.replace(s, "<redacted>")
+    return obj
+
+
+def wandb_mode(setting: str) -> str | None:
+    """Resolve the tracking.wandb setting to a wandb mode, or None when disabled."""
+    if setting == "disabled" or os.environ.get("WANDB_MODE") == "disabled":
+        return None
+    if setting == "auto":
+        return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    return setting
+
+
+def _clean(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN; keep it visible as a string
+    return value
+
+
+class Tracker:
+    """Writes metrics.jsonl and mirrors to W&B. Construct on every rank; only the main process writes."""
+
+    def __init__(self, stage_dir: Path, *, main_process: bool, wandb_setting: str, project: str,
+                 entity: str | None, group: str, name: str, job_type: str, config: dict[str, Any]):
+        self.main = main_process
+        self.path = Path(stage_dir) / "metrics.jsonl"
+        self.run = None
+        if not self.main:
+            return
+        mode = wandb_mode(wandb_setting)
+        if mode is not None:
+            import wandb
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.run = wandb.init(project=project, entity=entity, group=group, name=name, job_type=job_type,
+                                  dir=str(stage_dir), mode=mode, config=scrub(config), reinit="finish_previous",
+                                  settings=wandb.Settings(console="off", x_disable_stats=True))
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if not self.main or not metrics:
+            return
+        row = {"step": int(step), "time": round(time.time(), 3), **{k: _clean(v) for k, v in metrics.items()}}
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(row) + "\n")
+        if self.run is not None:
+            self.run.log({k: v for k, v in row.items() if k not in ("step", "time")}, step=int(step))
+
+    def table(self, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+        """A table of samples: to W&B as a wandb.Table, locally as `<name>.jsonl` beside metrics.jsonl."""
+        if not self.main:
+            return
+        with open(self.path.parent / f"{name.replace('/', '_')}.jsonl", "a", encoding="utf-8") as fh:
+            for r in rows:
+                fh.write(json.dumps({"step": step, **dict(zip(columns, r))}) + "\n")
+        if self.run is not None:
+            import wandb
+
+            self.run.log({name: wandb.Table(columns=columns, data=rows)}, step=int(step))
+
+    def summary(self, values: dict[str, Any]) -> None:
+        if self.run is not None:
+            for k, v in values.items():
+                self.run.summary[k] = _clean(v)
+
+    def finish(self) -> dict[str, Any]:
+        """Close the W&B run; return its id/path/dir for the manifest."""
+        if self.run is None:
+            return {}
+        info = {"id": self.run.id, "path": "/".join(p for p in (self.run.entity, self.run.project, self.run.id) if p),
+                "dir": str(Path(self.run.dir).parent), "mode": self.run.settings.mode}
+        self.run.finish()
+        return info
+
+
+def read_metrics(stage_dir: str | Path) -> list[dict[str, Any]]:
+    """All rows of a stage's metrics.jsonl."""
+    path = Path(stage_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
