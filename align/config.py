@@ -393,6 +393,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return dict(value)
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         return float(value)

@@ -81,10 +81,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
         from align.stages.reward import pairwise_accuracy
 
         pairs = load_rows(ctx, cfg.preferences, "test")
-        rm = judges["reward_model"]
-        acc = pairwise_accuracy(rm.model, rm.tokenizer, pairs)
-        metrics.update({"eval/reward_model/accuracy": acc["accuracy"], "eval/reward_model/margin": acc["margin"],
-                        "eval/reward_model/pairs": len(pairs)})
+        if pairs:
+            rm = judges["reward_model"]
+            acc = pairwise_accuracy(rm.model, rm.tokenizer, pairs)
+            metrics.update({"eval/reward_model/accuracy": acc["accuracy"], "eval/reward_model/margin": acc["margin"],
+                            "eval/reward_model/pairs": len(pairs)})
 
     def write(out: Path) -> None:
         if not ctx.is_main:

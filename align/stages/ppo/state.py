@@ -1,0 +1,97 @@
+"""Small state objects of the PPO loop, each serialisable (state_dict / load_state_dict) for resume."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class FixedKLController:
+    """beta stays where it was set."""
+
+    def __init__(self, value: float):
+        self.value = float(value)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController(FixedKLController):
+    """Ziegler et al. 2019, sec. 2.2: proportional control of beta towards a target KL.
+
+    e_t = clip(KL_t / KL_target - 1, -0.2, 0.2);  beta_{t+1} = beta_t * (1 + K_beta * e_t),
+    with K_beta = n_steps / horizon (n_steps = episodes in this update).
+    """
+
+    def __init__(self, value: float, target: float, horizon: int):
+        super().__init__(value)
+        self.target, self.horizon = float(target), int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+
+class RunningMoments:
+    """Running mean and std of every score seen (Chan et al.'s parallel update), for reward normalisation."""
+
+    def __init__(self):
+        self.mean, self.var, self.count = 0.0, 1.0, 1e-24
+
+    def update(self, xs: torch.Tensor) -> None:
+        xs = xs.detach().double().flatten()
+        n = xs.numel()
+        if n == 0:
+            return
+        batch_mean, batch_var = xs.mean().item(), xs.var(unbiased=False).item()
+        delta = batch_mean - self.mean
+        total = self.count + n
+        m2 = self.var * self.count + batch_var * n + delta**2 * self.count * n / total
+        self.mean += delta * n / total
+        self.var = m2 / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(max(self.var, 1e-12))
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean, "var": self.var, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean, self.var, self.count = state["mean"], state["var"], state["count"]
+
+
+class PromptStream:
+    """Position in a seeded, per-epoch shuffled prompt list: where the data loader resumes."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch, self.index = n, seed, 0, 0
+
+    def _order(self) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def take(self, k: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < k:
+            order = self._order()
+            take = min(k - len(out), self.n - self.index)
+            out += order[self.index:self.index + take]
+            self.index += take
+            if self.index == self.n:
+                self.epoch, self.index = self.epoch + 1, 0
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.index = state["epoch"], state["index"]

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# align launcher.
+#   ./launch.sh                                  set up .venv if needed, run pipelines/default.yaml
+#   ./launch.sh PIPELINE.yaml [align run args]   run that pipeline (e.g. --only ppo, dpo.beta=0.2)
+#   ./launch.sh --tests [pytest args]            set up .venv if needed, run the test suite
+# On a box with several GPUs every stage whose accelerate config is distributed gets one process per GPU.
+# Environment: ALIGN_VENV (default .venv), ALIGN_TORCH (default torch==2.13.0), ALIGN_TORCH_INDEX_URL
+# (e.g. https://download.pytorch.org/whl/cpu for a CPU-only build from the PyTorch index).
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=${ALIGN_VENV:-.venv}
+PY=${PYTHON:-python3}
+
+setup() {
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  # shellcheck disable=SC1091
+  . "$VENV/bin/activate"
+  if ! python -c "import torch" 2>/dev/null; then
+    echo "[launch] installing PyTorch first (so no dependency pulls another build)"
+    python -m pip install -q --upgrade pip
+    python -m pip install -q "${ALIGN_TORCH:-torch==2.13.0}" ${ALIGN_TORCH_INDEX_URL:+--index-url "$ALIGN_TORCH_INDEX_URL"}
+  fi
+  # Reinstall the project only when its dependency list changed.
+  stamp="$VENV/.align-install-$(sha256sum pyproject.toml | cut -c1-16)"
+  if [ ! -f "$stamp" ]; then
+    echo "[launch] installing align and its dependencies"
+    python -m pip install -q -e ".[dev]"
+    rm -f "$VENV"/.align-install-* && touch "$stamp"
+  fi
+}
+
+gpu_count() {
+  if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true; else echo 0; fi
+}
+
+setup
+if [ "${1:-}" = "--tests" ]; then
+  shift
+  exec python -m pytest "$@"
+fi
+pipeline=pipelines/default.yaml
+if [ $# -gt 0 ] && [ "${1#-}" = "$1" ] && [ "${1%.yaml}" != "$1" ]; then pipeline=$1; shift; fi
+extra=()
+n=$(gpu_count)
+if [ "$n" -gt 1 ]; then extra+=(--num-processes "$n"); fi
+exec align run "$pipeline" "${extra[@]}" "$@"

@@ -1,0 +1,48 @@
+"""Shared fixtures. Tests never touch the network: W&B runs offline, the hub is disabled."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.pop("WANDB_API_KEY", None)  # offline mode, whatever the developer's shell holds
+
+# The smallest sizes that still exercise every stage of pipelines/default.yaml (used by e2e and stage tests).
+TINY = [
+    "builtin.vocab_size=512", "builtin.hidden_size=32", "builtin.num_layers=2", "builtin.num_heads=2",
+    "builtin.intermediate_size=64", "builtin.max_position_embeddings=96",
+    "sft.max_steps=30", "sft.per_device_batch_size=16", "sft.logging_steps=5", "sft.save_steps=10",
+    "sft.learning_rate=3e-3", "sft.max_train_examples=2000", "sft.eval_max_examples=64",
+    "preferences.max_prompts=96", "preferences.samples_per_prompt=2", "preferences.min_margin=0.05",
+    "preferences.generation.max_new_tokens=12",
+    "reward.max_steps=8", "reward.logging_steps=2", "reward.save_steps=4", "reward.per_device_batch_size=8",
+    "dpo.max_steps=8", "dpo.logging_steps=2", "dpo.save_steps=4", "dpo.per_device_batch_size=8",
+    "evaluate.max_prompts=24", "evaluate.generation.max_new_tokens=12", "evaluate.bootstrap_samples=200",
+]
+
+
+def align_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "align.cli", *args]
+
+
+def run_align(*args: str, cwd: Path, timeout: int = 900, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the align CLI as a user would; output is captured for assertions."""
+    return subprocess.run(align_cmd(*args), cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """A scratch project root with the repo's pipelines/ and data_cards/ linked in (runs/ goes here)."""
+    for name in ("pipelines", "data_cards"):
+        (tmp_path / name).symlink_to(REPO / name)
+    return tmp_path

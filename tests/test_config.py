@@ -1,0 +1,118 @@
+"""Config strictness: unknown keys name the closest valid key; overrides get the same checks."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from align.config import ConfigError, DPOStage, PPOStage, apply_overrides, load_pipeline, parse_pipeline
+from align.pipeline import PipelineError, build_plan, validate
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _raw():
+    return yaml.safe_load((REPO / "pipelines" / "default.yaml").read_text())
+
+
+def _parse(raw):
+    return parse_pipeline(raw, "pipelines/default.yaml")
+
+
+def test_default_parses_with_types():
+    cfg = _parse(_raw())
+    assert isinstance(cfg.stages["dpo"], DPOStage)
+    assert cfg.stages["dpo"].beta == 0.1
+    assert list(cfg.stages) == ["sft", "preferences", "reward", "dpo", "evaluate"]
+
+
+@pytest.mark.parametrize("where, key, suggestion", [
+    ((), "sed", "seed"),
+    (("stages", "sft"), "lerning_rate", "learning_rate"),
+    (("stages", "dpo"), "betta", "beta"),
+    (("builtin",), "hidden_sise", "hidden_size"),
+    (("stages", "preferences", "generation"), "max_new_token", "max_new_tokens"),
+])
+def test_unknown_key_names_closest(where, key, suggestion):
+    raw = _raw()
+    node = raw
+    for w in where:
+        node = node.setdefault(w, {})
+    node[key] = 1
+    with pytest.raises(ConfigError) as err:
+        _parse(raw)
+    msg = str(err.value)
+    assert f"unknown key '{key}'" in msg and f"did you mean '{suggestion}'" in msg
+    assert "pipelines/default.yaml" in msg
+
+
+def test_wrong_types_are_errors():
+    raw = _raw()
+    raw["stages"]["dpo"]["beta"] = "high"
+    with pytest.raises(ConfigError, match=r"stages.dpo.beta: expected a number"):
+        _parse(raw)
+    raw = _raw()
+    raw["stages"]["sft"]["max_steps"] = 1.5
+    with pytest.raises(ConfigError, match=r"max_steps: expected an integer"):
+        _parse(raw)
+
+
+def test_unknown_stage_type():
+    raw = _raw()
+    raw["stages"]["grpo"] = {"policy": "sft"}
+    with pytest.raises(ConfigError, match="unknown stage type 'grpo'"):
+        _parse(raw)
+
+
+def test_overrides_address_stages_and_nested_fields():
+    raw = apply_overrides(_raw(), ["dpo.beta=0.3", "seed=5", "preferences.generation.top_k=50"])
+    cfg = _parse(raw)
+    assert cfg.stages["dpo"].beta == 0.3 and cfg.seed == 5
+    assert cfg.stages["preferences"].generation.top_k == 50
+    with pytest.raises(ConfigError, match="did you mean 'beta'"):
+        _parse(apply_overrides(_raw(), ["dpo.bta=0.3"]))
+    with pytest.raises(ConfigError, match="dotted.key=value"):
+        apply_overrides(_raw(), ["dpo.beta"])
+
+
+def test_ppo_nested_kl_override():
+    raw = _raw()
+    raw["stages"]["ppo"] = {"policy": "sft", "reward": "reward", "prompts": "../data_cards/movie_review_snippets.yaml"}
+    cfg = _parse(apply_overrides(raw, ["ppo.kl.target=6"]))
+    assert isinstance(cfg.stages["ppo"], PPOStage) and cfg.stages["ppo"].kl.target == 6.0
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "pipelines").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_pipeline_validates(path):
+    cfg = load_pipeline(path)
+    plans = validate(cfg, path, verbose=False)
+    assert plans and all(p.fingerprint for p in plans)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "pipelines" / "accelerate").glob("*.yaml")), ids=lambda p: p.name)
+def test_accelerate_configs_parse(path):
+    cfg = yaml.safe_load(path.read_text())
+    assert cfg["distributed_type"] in ("NO", "MULTI_GPU", "DEEPSPEED")
+    if cfg["distributed_type"] == "DEEPSPEED":
+        assert cfg["deepspeed_config"]["zero_stage"] in (1, 2, 3)
+
+
+def test_graph_errors():
+    raw = _raw()
+    raw["stages"]["dpo"]["policy"] = "sfft"
+    with pytest.raises(PipelineError, match="'sfft' is not a stage.*did you mean 'sft'"):
+        build_plan(_parse(raw), REPO / "pipelines" / "default.yaml")
+    raw = _raw()
+    raw["stages"]["sft"]["model"] = "dpo"  # sft <- dpo <- sft
+    with pytest.raises(PipelineError, match="dependency cycle: .*sft.*dpo.*sft|dependency cycle: .*dpo.*sft.*dpo"):
+        build_plan(_parse(raw), REPO / "pipelines" / "default.yaml")
+
+
+def test_fingerprints_change_downstream_only():
+    path = REPO / "pipelines" / "default.yaml"
+    a = {p.name: p.fingerprint for p in build_plan(_parse(_raw()), path)}
+    b = {p.name: p.fingerprint for p in build_plan(_parse(apply_overrides(_raw(), ["dpo.beta=0.2"])), path)}
+    changed = {n for n in a if a[n] != b[n]}
+    assert changed == {"dpo", "evaluate"}
+    c = {p.name: p.fingerprint for p in build_plan(_parse(apply_overrides(_raw(), ["sft.logging_steps=7"])), path)}
+    assert c == a  # logging cadence does not change results

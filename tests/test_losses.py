@@ -1,0 +1,138 @@
+"""Loss math against values computed by hand (the derivation is in each docstring)."""
+
+import math
+
+import pytest
+import torch
+
+from align import losses as L
+
+
+def test_bradley_terry_hand_value():
+    """r_w = 1, r_l = 0: loss = -log sigmoid(1) = log(1 + e^-1) = 0.313262."""
+    loss, m = L.bradley_terry_loss(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]))
+    # second pair: margin -1 -> -log sigmoid(-1) = log(1 + e) = 1.313262; mean = 0.813262
+    assert loss.item() == pytest.approx((math.log1p(math.e**-1) + math.log1p(math.e)) / 2, abs=1e-6)
+    assert m["rewards/accuracy"].item() == 0.5
+
+
+def test_dpo_hand_value():
+    """pi_w=-1, pi_l=-2, ref_w=ref_l=-1.5, beta=0.5: chosen = 0.25, rejected = -0.25,
+    loss = -log sigmoid(0.5) = log(1 + e^-0.5) = 0.474077."""
+    loss, m = L.dpo_loss(torch.tensor([-1.0]), torch.tensor([-2.0]), torch.tensor([-1.5]), torch.tensor([-1.5]), 0.5)
+    assert loss.item() == pytest.approx(math.log1p(math.exp(-0.5)), abs=1e-6)
+    assert m["rewards/chosen"].item() == pytest.approx(0.25)
+    assert m["rewards/rejected"].item() == pytest.approx(-0.25)
+    assert m["rewards/accuracy"].item() == 1.0
+
+
+def test_kl_estimators_hand_values():
+    """p = 0.5, ref = 0.25: log r = log(ref/p) = -ln 2. k1 = ln 2 = 0.693147;
+    k2 = (ln 2)^2 / 2 = 0.240227; k3 = (r - 1) - log r = -0.5 + ln 2 = 0.193147."""
+    lp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
+    assert L.kl_estimate(lp, ref, "k1").item() == pytest.approx(math.log(2), abs=1e-6)
+    assert L.kl_estimate(lp, ref, "k2").item() == pytest.approx(math.log(2) ** 2 / 2, abs=1e-6)
+    assert L.kl_estimate(lp, ref, "k3").item() == pytest.approx(-0.5 + math.log(2), abs=1e-6)
+    # equal distributions: every estimator is exactly 0
+    for kind in ("k1", "k2", "k3"):
+        assert L.kl_estimate(lp, lp, kind).item() == 0.0
+    with pytest.raises(ValueError, match="k1, k2 or k3"):
+        L.kl_estimate(lp, ref, "k4")
+
+
+def test_gae_hand_values():
+    """rewards [0, 0, 1], values [0.5, 0.6, 0.7], gamma 0.9, lambda 0.5:
+    d2 = 1 - 0.7 = 0.3, A2 = 0.3; d1 = 0.9*0.7 - 0.6 = 0.03, A1 = 0.03 + 0.45*0.3 = 0.165;
+    d0 = 0.9*0.6 - 0.5 = 0.04, A0 = 0.04 + 0.45*0.165 = 0.11425. Returns = A + V."""
+    r = torch.tensor([[0.0, 0.0, 1.0]])
+    v = torch.tensor([[0.5, 0.6, 0.7]])
+    adv, ret = L.gae(r, v, torch.ones(1, 3), gamma=0.9, lam=0.5)
+    assert adv[0].tolist() == pytest.approx([0.11425, 0.165, 0.3], abs=1e-6)
+    assert ret[0].tolist() == pytest.approx([0.61425, 0.765, 1.0], abs=1e-6)
+    # gamma = lambda = 1: advantage = (sum of future rewards) - V
+    adv, _ = L.gae(r, v, torch.ones(1, 3), gamma=1.0, lam=1.0)
+    assert adv[0].tolist() == pytest.approx([0.5, 0.4, 0.3], abs=1e-6)
+
+
+def _gae_loop(rewards, values, length, gamma, lam):
+    """A plain per-example loop: the textbook recursion over the first `length` tokens only."""
+    adv = [0.0] * len(rewards)
+    last = 0.0
+    for t in reversed(range(length)):
+        next_v = values[t + 1] if t + 1 < length else 0.0
+        delta = rewards[t] + gamma * next_v - values[t]
+        last = delta + gamma * lam * last
+        adv[t] = last
+    return adv
+
+
+def test_gae_vectorised_equals_loop_with_padding():
+    torch.manual_seed(0)
+    b, t = 6, 9
+    rewards, values = torch.randn(b, t), torch.randn(b, t)
+    lengths = [9, 1, 4, 7, 2, 5]
+    mask = torch.tensor([[1.0] * n + [0.0] * (t - n) for n in lengths])
+    adv, ret = L.gae(rewards, values, mask, gamma=0.97, lam=0.9)
+    for i, n in enumerate(lengths):
+        expected = _gae_loop(rewards[i].tolist(), values[i].tolist(), n, 0.97, 0.9)
+        assert adv[i].tolist() == pytest.approx(expected, abs=1e-5)
+        assert ret[i, n:].abs().sum().item() == 0.0  # nothing leaks past the end of a response
+
+
+def test_masked_whiten_hand_values():
+    """x = [1, 2, 3, 4] (+ a masked 100): mean 2.5, unbiased var 5/3, std 1.290994."""
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0, 100.0])
+    mask = torch.tensor([1, 1, 1, 1, 0])
+    w = L.masked_whiten(x, mask)
+    s = math.sqrt(5 / 3)
+    assert w.tolist() == pytest.approx([-1.5 / s, -0.5 / s, 0.5 / s, 1.5 / s, 0.0], abs=1e-5)
+    kept = L.masked_whiten(x, mask, shift_mean=False)
+    assert kept[:4].tolist() == pytest.approx([2.5 - 1.5 / s, 2.5 - 0.5 / s, 2.5 + 0.5 / s, 2.5 + 1.5 / s], abs=1e-5)
+
+
+def test_ppo_policy_loss_hand_values():
+    """A = +1 on both tokens. Token 1: ratio 1.5 -> losses -1.5 and clip -1.2 -> max -1.2 (clipped).
+    Token 2: ratio 0.5 -> losses -0.5 and clip(0.8) -0.8 -> max -0.5 (not clipped). Mean -0.85, clipfrac 0.5."""
+    old = torch.zeros(1, 3)
+    new = torch.tensor([[math.log(1.5), math.log(0.5), 5.0]])  # third token masked out
+    adv = torch.ones(1, 3)
+    loss, m = L.ppo_policy_loss(new, old, adv, torch.tensor([[1, 1, 0]]), clip_range=0.2)
+    assert loss.item() == pytest.approx(-0.85, abs=1e-6)
+    assert m["policy/clipfrac"].item() == pytest.approx(0.5)
+    assert m["policy/approx_kl"].item() == pytest.approx(0.25 * (math.log(1.5) ** 2 + math.log(0.5) ** 2), abs=1e-6)
+
+
+def test_ppo_value_loss_hand_values():
+    """V = 2, V_old = 1, R = 3, eps = 0.2: unclipped (2-3)^2 = 1, clipped (1.2-3)^2 = 3.24 -> 0.5*3.24 = 1.62."""
+    loss, m = L.ppo_value_loss(torch.tensor([[2.0]]), torch.tensor([[1.0]]), torch.tensor([[3.0]]),
+                               torch.ones(1, 1), clip_range=0.2)
+    assert loss.item() == pytest.approx(1.62, abs=1e-6)
+    assert m["value/clipfrac"].item() == 1.0
+
+
+def test_eos_masking_and_first_true():
+    eos = 9
+    resp = torch.tensor([[4, 9, 5, 9], [4, 5, 6, 7], [9, 1, 1, 1]])
+    assert L.first_true_indices(resp == eos).tolist() == [1, 4, 0]
+    assert L.response_mask_after_eos(resp, eos).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+
+
+def test_last_token_index_left_and_right_padding():
+    pad = 0
+    right = torch.tensor([[5, 6, 7, 0, 0]])
+    left = torch.tensor([[0, 0, 5, 6, 7]])
+    assert L.last_token_index(right, torch.tensor([[1, 1, 1, 0, 0]]), pad).item() == 2
+    assert L.last_token_index(left, torch.tensor([[0, 0, 1, 1, 1]]), pad).item() == 4
+    # left-padded query + right-padded response, as PPO builds them
+    seq = torch.tensor([[0, 3, 4, 8, 9, 0, 0]])
+    assert L.last_token_index(seq, torch.tensor([[0, 1, 1, 1, 1, 0, 0]]), pad).item() == 4
+    # pad == eos (GPT-2 style): the score is read at the token before EOS, as transformers' classifier does
+    eos = 9
+    assert L.last_token_index(seq, torch.tensor([[0, 1, 1, 1, 1, 0, 0]]), eos).item() == 3
+
+
+def test_token_rewards_put_score_on_last_token():
+    kl = torch.tensor([[0.1, 0.2, 0.3]])
+    mask = torch.tensor([[1, 1, 0]])
+    r = L.token_rewards(torch.tensor([2.0]), kl, mask, kl_coef=0.5, score_index=torch.tensor([1]))
+    assert r[0].tolist() == pytest.approx([-0.05, -0.1 + 2.0, 0.0])
