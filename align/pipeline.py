@@ -273,8 +273,11 @@ def _stream(cmd: list[str], log_path: Path, env: dict[str, str]) -> int:
 
 
 def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_stage: str | None = None,
-        force: bool = False, num_processes: int | None = None) -> Path:
-    """Validate, then run every stage that is not already complete with the same fingerprint."""
+        force: bool = False, num_processes: int | None = None, trust_completed_inputs: bool = False) -> Path:
+    """Validate, then run every stage that is not already complete with the same fingerprint.
+
+    `trust_completed_inputs` accepts inputs that completed under another fingerprint (e.g. an older code
+    version): used by `align report`, which only re-evaluates existing models."""
     t0 = time.time()
     for flag, value in (("--only", only), ("--from", from_stage)):
         if value and value not in cfg.stages:
@@ -302,7 +305,8 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
             statuses[plan.name] = "skipped"
             continue
         for d in plan.deps:
-            if not is_complete(run_dir / d, next(p.fingerprint for p in plans if p.name == d)):
+            expected = None if trust_completed_inputs else next(p.fingerprint for p in plans if p.name == d)
+            if not is_complete(run_dir / d, expected):
                 raise PipelineError(f"stage '{plan.name}' needs stage '{d}' completed in {run_dir / d} with the "
                                     "current config; run the pipeline without --only first")
         stage_dir.mkdir(parents=True, exist_ok=True)
@@ -310,7 +314,7 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
             "stage_name": plan.name, "stage_dir": str(stage_dir.resolve()), "fingerprint": plan.fingerprint,
             "stage": _resolved_stage(plan), "pipeline": pipeline_info,
             "inputs": {d: str((run_dir / d).resolve()) for d in plan.deps},
-            "input_fingerprints": {d: next(p.fingerprint for p in plans if p.name == d) for d in plan.deps},
+            "input_fingerprints": {d: (read_manifest(run_dir / d) or {}).get("fingerprint") for d in plan.deps},
             "data_cards": {fld: {"path": str(p), "sha256": plan.card_hashes[fld]} for fld, p in plan.cards.items()},
             "code_version": code, "git_commit": git,
         }
@@ -323,12 +327,16 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
         if rc != 0 or not is_complete(stage_dir, plan.fingerprint):
             m = read_manifest(stage_dir) or {}
             statuses[plan.name] = "failed"
-            _write_pipeline_manifest(run_dir, cfg, plans, statuses)
+            _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)
             raise PipelineError(f"stage '{plan.name}' failed (exit code {rc}): {m.get('error', 'see the log')}\n"
                                 f"  log: {stage_dir / 'stage.log'}\n  manifest: {stage_dir / MANIFEST}")
         statuses[plan.name] = "completed"
         print(f"{header}: done in {time.time() - t_stage:.0f}s", flush=True)
-    _write_pipeline_manifest(run_dir, cfg, plans, statuses)
+    _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)
+    report = run_dir / "report" / "report.md"
+    if report.is_file():
+        table = report.read_text().split("\n\n")[1]  # the headline table follows the title
+        print(f"[align] headline ({report}):\n{table}", flush=True)
     print(f"[align] pipeline {cfg.name} finished in {time.time() - t0:.0f}s: {run_dir}", flush=True)
     return run_dir
 
@@ -341,9 +349,9 @@ def _resolved_stage(plan: StagePlan) -> dict[str, Any]:
 
 
 def _write_pipeline_manifest(run_dir: Path, cfg: PipelineConfig, plans: list[StagePlan],
-                             statuses: dict[str, str]) -> None:
+                             statuses: dict[str, str], source: str | Path) -> None:
     atomic_write_json(run_dir / "pipeline.json", scrub({
-        "pipeline": cfg.name, "run_id": cfg.run_id, "config": to_dict(cfg),
+        "pipeline": cfg.name, "run_id": cfg.run_id, "source": str(Path(source).resolve()), "config": to_dict(cfg),
         "stages": [{"name": p.name, "type": p.cfg.type, "deps": p.deps, "fingerprint": p.fingerprint,
                     "status": (read_manifest(run_dir / p.name) or {}).get("status", "not run"),
                     "this_invocation": statuses.get(p.name, "not run")} for p in plans],

@@ -91,6 +91,13 @@ class Tracker:
 
             self.run.log({name: wandb.Table(columns=columns, data=rows)}, step=int(step))
 
+    def images(self, paths: dict[str, Path], step: int) -> None:
+        """PNG files (already on disk) as W&B images."""
+        if self.run is not None and paths:
+            import wandb
+
+            self.run.log({k: wandb.Image(str(v)) for k, v in paths.items() if Path(v).is_file()}, step=int(step))
+
     def summary(self, values: dict[str, Any]) -> None:
         if self.run is not None:
             for k, v in values.items():

@@ -22,10 +22,12 @@ TINY = [
     "builtin.intermediate_size=64", "builtin.max_position_embeddings=96",
     "sft.max_steps=30", "sft.per_device_batch_size=16", "sft.logging_steps=5", "sft.save_steps=10",
     "sft.learning_rate=3e-3", "sft.max_train_examples=2000", "sft.eval_max_examples=64",
-    "preferences.max_prompts=96", "preferences.samples_per_prompt=2", "preferences.min_margin=0.05",
+    "preferences.max_prompts=128", "preferences.samples_per_prompt=4", "preferences.min_margin=0.05",
     "preferences.generation.max_new_tokens=12",
     "reward.max_steps=8", "reward.logging_steps=2", "reward.save_steps=4", "reward.per_device_batch_size=8",
     "dpo.max_steps=8", "dpo.logging_steps=2", "dpo.save_steps=4", "dpo.per_device_batch_size=8",
+    "ppo.iterations=4", "ppo.rollout_batch_size=16", "ppo.mini_batch_size=8", "ppo.save_every=2",
+    "ppo.generation.max_new_tokens=12", "ppo.max_prompt_length=48",
     "evaluate.max_prompts=24", "evaluate.generation.max_new_tokens=12", "evaluate.bootstrap_samples=200",
 ]
 

@@ -23,7 +23,7 @@ def test_default_parses_with_types():
     cfg = _parse(_raw())
     assert isinstance(cfg.stages["dpo"], DPOStage)
     assert cfg.stages["dpo"].beta == 0.1
-    assert list(cfg.stages) == ["sft", "preferences", "reward", "dpo", "evaluate"]
+    assert list(cfg.stages) == ["sft", "preferences", "reward", "ppo", "dpo", "evaluate"]
 
 
 @pytest.mark.parametrize("where, key, suggestion", [

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 FAKE_WANDB_KEY = "0123456789abcdef0123456789abcdef01234567"
 FAKE_HF_TOKEN = "hf_DoNotLeakThisTokenAnywhere12345"
-STAGES = ["sft", "preferences", "reward", "dpo", "evaluate"]
+STAGES = ["sft", "preferences", "reward", "ppo", "dpo", "evaluate"]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_every_stage_completed_with_outputs(e2e):
         assert m["status"] == "completed" and m["fingerprint"]
         for out in m["outputs"]:
             assert (run / stage / out).exists()
-    assert "[align] stage 1/5 sft (sft): running" in e2e["first"].stdout
+    assert "[align] stage 1/6 sft (sft): running" in e2e["first"].stdout
     report = json.loads((run / "report" / "metrics.json").read_text())
     for key in ("eval/sft/vader/mean", "eval/dpo/vader/mean", "eval/dpo/kl", "eval/dpo/vader/win_rate",
                 "eval/dpo/reward_model/win_rate", "eval/reward_model/accuracy"):
@@ -81,7 +81,7 @@ def test_sft_learned_from_a_fresh_model(e2e):
     assert len(changed) == len(trained), "every parameter should have moved"
 
 
-@pytest.mark.parametrize("stage", ["reward", "dpo"])
+@pytest.mark.parametrize("stage", ["reward", "ppo", "dpo"])
 def test_stage_changed_parameters_of_its_sft_start(e2e, stage):
     run = e2e["run"]
     sft, after = _state(run / "sft" / "model"), _state(run / stage / "model")
@@ -98,7 +98,18 @@ def test_preference_pairs_are_ordered_by_the_judge(e2e):
     assert pairs
     assert all(p["score_chosen"] - p["score_rejected"] >= 0.05 for p in pairs)
     m = _manifest(e2e["run"], "preferences")["final_metrics"]
-    assert m["preferences/pairs_train"] + m["preferences/pairs_test"] + m["preferences/ties_dropped"] == 96
+    assert m["preferences/pairs_train"] + m["preferences/pairs_test"] + m["preferences/ties_dropped"] == 128
+
+
+def test_ppo_logs_every_iteration_with_shared_metric_names(e2e):
+    rows = [r for r in _metrics(e2e["run"], "ppo") if "objective/kl" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for key in ("objective/scores", "objective/kl", "objective/kl_coef", "objective/rlhf_reward",
+                "policy/approx_kl", "policy/clipfrac", "policy/entropy", "value/loss", "value/clipfrac",
+                "rollout/response_length", "rollout/eos_fraction", "perf/episodes_per_s", "perf/tokens_per_s"):
+        assert all(key in r for r in rows), key
+    final = _manifest(e2e["run"], "ppo")["final_metrics"]
+    assert final["ppo/iterations"] == 4 and "objective/scores_last" in final
 
 
 def test_offline_wandb_run_per_stage(e2e):
@@ -126,7 +137,7 @@ def test_rerun_skips_everything_then_beta_reruns_only_downstream(e2e):
     again = run_align(*e2e["args"], cwd=e2e["root"])
     assert again.returncode == 0, again.stderr[-2000:]
     assert time.time() - t0 < 60
-    assert again.stdout.count("skipped") == 5 and "running" not in again.stdout
+    assert again.stdout.count("skipped") == 6 and "running" not in again.stdout
     assert {s: _manifest(run, s)["attempts"] for s in STAGES} == before
 
     changed = run_align(*e2e["args"], "dpo.beta=0.3", cwd=e2e["root"])
@@ -152,3 +163,71 @@ def test_bad_input_fails_fast_and_keeps_completed_stages(e2e, override, message)
     assert message in proc.stderr
     assert time.time() - t0 < 15
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == snapshot
+
+
+def test_report_has_plots_and_tables(e2e):
+    report = e2e["run"] / "report"
+    for name in ("metrics.json", "report.md", "win_rates.png", "reward_vs_kl_vader.png",
+                 "reward_vs_kl_reward_model.png"):
+        assert (report / name).is_file(), name
+    assert (report / "win_rates.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = (report / "report.md").read_text()
+    assert "| policy |" in text and "| ppo |" in text and "| dpo |" in text
+    assert "[align] headline" in e2e["first"].stdout
+
+
+def test_align_report_rebuilds_without_training_and_refuses_incomplete_models(e2e, tmp_path):
+    import shutil
+
+    run = e2e["run"]
+    before = {s: _manifest(run, s)["attempts"] for s in ("sft", "reward", "ppo", "dpo")}
+    old = (run / "report" / "metrics.json").stat().st_mtime_ns
+    proc = run_align("report", str(run), cwd=e2e["root"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (run / "report" / "metrics.json").stat().st_mtime_ns > old
+    assert {s: _manifest(run, s)["attempts"] for s in before} == before  # nothing retrained
+
+    copy = tmp_path / "runs" / "default" / "e2e"
+    shutil.copytree(run, copy)
+    shutil.rmtree(copy / "dpo" / "model")
+    proc = run_align("report", str(copy), cwd=e2e["root"])
+    assert proc.returncode == 2
+    assert "dpo" in proc.stderr and "missing or incomplete" in proc.stderr
+
+
+def test_ppo_killed_mid_run_resumes_iteration_beta_and_statistics(e2e):
+    """Runs last in this module: it retrains ppo with a longer config in the same run directory."""
+    import os
+    import signal
+    import subprocess
+
+    from conftest import align_cmd
+
+    args = [*e2e["args"], "--only", "ppo", "ppo.iterations=24", "ppo.save_every=3", "ppo.kl.horizon=50",
+            "tracking.wandb=disabled"]
+    stage = e2e["run"] / "ppo"
+    proc = subprocess.Popen(align_cmd(*args), cwd=e2e["root"], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        t0 = time.time()
+        while not any((p / "COMPLETE").is_file() for p in (stage / "checkpoints").glob("iter-*")):
+            assert proc.poll() is None, "ppo finished before it could be killed"
+            assert time.time() - t0 < 300
+            time.sleep(0.1)
+        time.sleep(1.0)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert _manifest(e2e["run"], "ppo")["status"] == "running"
+    before = [r for r in _metrics(e2e["run"], "ppo") if "objective/kl_coef" in r]
+
+    again = run_align(*args, cwd=e2e["root"])
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    m = _manifest(e2e["run"], "ppo")
+    start = m["resumed_from_iteration"]
+    assert m["status"] == "completed" and start >= 3 and start % 3 == 0
+    rows = [r for r in _metrics(e2e["run"], "ppo") if "objective/kl_coef" in r][len(before):]
+    assert [r["step"] for r in rows] == list(range(start + 1, 25))  # continues, does not restart
+    beta_at_start = next(r["objective/kl_coef"] for r in before if r["step"] == start)
+    assert abs(beta_at_start / 0.05 - 1) > 0.05  # beta had moved away from its initial value...
+    assert abs(rows[0]["objective/kl_coef"] / beta_at_start - 1) <= 16 / 50 * 0.2 + 1e-9  # ...and continued

@@ -82,7 +82,9 @@ def hh_transcript(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
     prompt = every turn before the final assistant reply (rendered in the HH format, ending with the
     "Assistant:" cue); chosen / rejected = the two final replies. Pairs whose turns differ before the final
     reply, whose final replies are identical, or that do not parse, are dropped and counted by reason.
+    Args: `true`, or `{max_prompt_chars: N}` to also drop (and count) pairs with longer prompts.
     """
+    max_chars = args.get("max_prompt_chars") if isinstance(args, dict) else None
     out, dropped = [], Counter()
     for row in rows:
         try:
@@ -98,13 +100,16 @@ def hh_transcript(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
         if chosen[-1][1] == rejected[-1][1]:
             dropped["chosen identical to rejected"] += 1
             continue
-        out.append({"prompt": render_hh_prompt(chosen[:-1]), "chosen": " " + chosen[-1][1],
-                    "rejected": " " + rejected[-1][1]})
+        prompt = render_hh_prompt(chosen[:-1])
+        if max_chars is not None and len(prompt) > max_chars:
+            dropped[f"prompt longer than {max_chars} characters"] += 1
+            continue
+        out.append({"prompt": prompt, "chosen": " " + chosen[-1][1], "rejected": " " + rejected[-1][1]})
     return out, dropped
 
 
 def hh_chosen_sft(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
-    """HH-RLHF pairs -> prompt_completion rows for SFT on the chosen transcript's final reply."""
+    """HH-RLHF pairs -> prompt_completion rows for SFT on the chosen transcript's final reply (same args)."""
     pairs, dropped = hh_transcript(rows, args, seed)
     return [{"prompt": r["prompt"], "completion": r["chosen"]} for r in pairs], dropped
 

@@ -258,6 +258,15 @@ def main(spec_path: str) -> None:
     logging.basicConfig(level=logging.INFO, format="[align] %(levelname)s %(message)s")
     spec = json.loads(Path(spec_path).read_text())
     ctx = StageContext(spec)
+    old = read_manifest(ctx.dir)
+    # Resume only an interrupted attempt of this very fingerprint; anything else starts clean.
+    resumable = bool(old) and old.get("fingerprint") == ctx.fingerprint and old.get("status") != "completed"
+    if ctx.is_main and not resumable:
+        shutil.rmtree(ctx.checkpoints, ignore_errors=True)
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            if (ctx.dir / name).exists():
+                os.replace(ctx.dir / name, ctx.dir / f"{name}.prev")
+    ctx.state.wait_for_everyone()
     ctx.write_manifest("running")
     module = importlib.import_module(f"align.stages.{ctx.cfg.type}")
     try:

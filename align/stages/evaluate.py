@@ -77,20 +77,35 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 w = win_rate(sc, samples[cfg.baseline]["scores"][j], cfg.bootstrap_samples, ctx.seed)
                 metrics[f"eval/{name}/{j}/win_rate"] = w["win_rate"]
                 metrics[f"eval/{name}/{j}/win_rate_ci"] = [w["ci_low"], w["ci_high"]]
+    buckets: list[dict[str, float]] = []
     if cfg.reward and cfg.preferences:
-        from align.stages.reward import pairwise_accuracy
+        from align.stages.reward import calibration_buckets, pairwise_accuracy
 
         pairs = load_rows(ctx, cfg.preferences, "test")
         if pairs:
             rm = judges["reward_model"]
             acc = pairwise_accuracy(rm.model, rm.tokenizer, pairs)
+            buckets = calibration_buckets(acc["margins"])
             metrics.update({"eval/reward_model/accuracy": acc["accuracy"], "eval/reward_model/margin": acc["margin"],
-                            "eval/reward_model/pairs": len(pairs)})
+                            "eval/reward_model/pairs": len(pairs), "eval/reward_model/calibration": buckets,
+                            "eval/reward_model/chosen_mean": acc["chosen"],
+                            "eval/reward_model/rejected_mean": acc["rejected"],
+                            "eval/reward_model/chosen_std": float(np.std(acc["chosen_scores"])),
+                            "eval/reward_model/rejected_std": float(np.std(acc["rejected_scores"]))})
 
     def write(out: Path) -> None:
         if not ctx.is_main:
             return
+        from align import plots
+
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        judge_names = [*cfg.judges, *(["reward_model"] if cfg.reward else [])]
+        for j in judge_names:
+            plots.reward_vs_kl(metrics, cfg.policies, j, cfg.reference, out / f"reward_vs_kl_{j}.png")
+        if len(cfg.policies) > 1:
+            plots.win_rates(metrics, cfg.policies, judge_names, cfg.baseline, out / "win_rates.png")
+        if buckets:
+            plots.calibration(buckets, out / "reward_model_calibration.png")
         (out / "report.md").write_text(render_report(cfg, metrics, prompts, samples))
         with open(out / "samples.jsonl", "w", encoding="utf-8") as fh:
             for i, p in enumerate(prompts):
@@ -100,6 +115,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     ctx.publish("../report", write)
     ctx.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=0)
+    if ctx.tracker is not None:
+        report = ctx.run_dir / "report"
+        ctx.tracker.images({f"report/{p.stem}": p for p in sorted(report.glob("*.png"))}, step=0)
+        judge_names = [*cfg.judges, *(["reward_model"] if cfg.reward else [])]
+        ctx.tracker.table("report/headline", ["policy", "judge", "mean", "kl", "win_rate", "ci_low", "ci_high", "n"],
+                          [[p, j, metrics[f"eval/{p}/{j}/mean"], metrics[f"eval/{p}/kl"],
+                            metrics.get(f"eval/{p}/{j}/win_rate"), *(metrics.get(f"eval/{p}/{j}/win_rate_ci")
+                                                                     or [None, None]), len(prompts)]
+                           for p in cfg.policies for j in judge_names], step=0)
     if ctx.is_main:
         print(headline(cfg, metrics), flush=True)
     return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
@@ -124,10 +148,28 @@ def headline(cfg: EvaluateStage, m: dict[str, Any]) -> str:
 
 def render_report(cfg: EvaluateStage, m: dict[str, Any], prompts: list[str], samples: dict[str, Any]) -> str:
     out = ["# Evaluation report", "", headline(cfg, m), ""]
+    judges = [*cfg.judges, *(["reward_model"] if cfg.reward else [])]
+    out += ["## Length and reward", "", "| policy | mean response length [tokens] | "
+            + " | ".join(f"corr({j}, length)" for j in judges) + " |", "|" + "---|" * (2 + len(judges))]
+    for p in cfg.policies:
+        out.append(f"| {p} | {m[f'eval/{p}/response_length']:.1f} | "
+                   + " | ".join(f"{m.get(f'eval/{p}/{j}/length_corr', float('nan')):.3f}" for j in judges) + " |")
+    out += ["", "A strong positive correlation of the reward model's score with length, without the same in the "
+            "gold judge, is a sign of reward hacking.", ""]
+    out += [f"![reward vs KL](reward_vs_kl_{j}.png)" for j in judges]
+    if len(cfg.policies) > 1:
+        out.append("![win rates](win_rates.png)")
+    out.append("")
     if "eval/reward_model/accuracy" in m:
         out += ["## Reward model", "",
                 f"Held-out pairwise accuracy: {m['eval/reward_model/accuracy']:.3f} on "
-                f"{m['eval/reward_model/pairs']} pairs (mean margin {m['eval/reward_model/margin']:.3f}).", ""]
+                f"{m['eval/reward_model/pairs']} pairs (mean margin {m['eval/reward_model/margin']:.3f}). "
+                f"Scores: chosen {m['eval/reward_model/chosen_mean']:.3f} ± {m['eval/reward_model/chosen_std']:.3f}, "
+                f"rejected {m['eval/reward_model/rejected_mean']:.3f} ± {m['eval/reward_model/rejected_std']:.3f}.",
+                "", "| abs margin bucket | pairs | accuracy |", "|---|---|---|"]
+        out += [f"| {b['lo']:.2f} - {b['hi']:.2f} | {b['n']} | {b['accuracy']:.3f} |"
+                for b in m["eval/reward_model/calibration"]]
+        out += ["", "![calibration](reward_model_calibration.png)", ""]
     out += ["## Samples", ""]
     for i in range(min(5, len(prompts))):
         out.append(f"**{prompts[i]}**")

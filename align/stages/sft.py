@@ -33,7 +33,10 @@ def load_start(ctx: StageContext, cfg: SFTStage, rows: list[dict[str, Any]], cha
         from align.config import BuiltinModel, from_dict
 
         size = from_dict(BuiltinModel, p["builtin"], "builtin")
-        tok = train_tokenizer(_corpus(rows), size.vocab_size, size.max_position_embeddings)
+        if p["tokenizer"]:  # a real tokenizer (e.g. GPT-2) for the fresh model: fix what it lacks
+            tok = load_tokenizer(p["tokenizer"], p["trust_remote_code"], needs_chat_template=chat)
+        else:
+            tok = train_tokenizer(_corpus(rows), size.vocab_size, size.max_position_embeddings)
         return build_builtin(size, tok, ctx.seed), tok
     tok = load_tokenizer(p["tokenizer"] or p["base_model"], p["trust_remote_code"], needs_chat_template=chat)
     return load_causal_lm(p["base_model"], p["dtype"], p["trust_remote_code"]), tok

@@ -1,0 +1,76 @@
+"""Report figures (matplotlib, Agg backend, PNG). Every axis is labelled with its unit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def reward_vs_kl(m: dict[str, Any], policies: list[str], judge: str, reference: str, out: Path) -> None:
+    """DPO-paper style frontier: each policy a point (mean KL to the reference, mean judge score, 95% CI)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for p in policies:
+        x, y = m[f"eval/{p}/kl"], m[f"eval/{p}/{judge}/mean"]
+        lo, hi = m[f"eval/{p}/{judge}/mean_ci"]
+        ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt="o", capsize=4, label=p)
+        ax.annotate(p, (x, y), textcoords="offset points", xytext=(6, 4))
+    ax.set_xlabel(f"KL(policy || {reference}) per response [nats]")
+    ax.set_ylabel(f"mean {judge} score [judge units]")
+    ax.set_title(f"{judge} score vs KL on held-out prompts")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def win_rates(m: dict[str, Any], policies: list[str], judges: list[str], baseline: str, out: Path) -> None:
+    """Win rate against the baseline per policy and judge, with 95% bootstrap CIs; 0.5 = no difference."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    others = [p for p in policies if p != baseline]
+    width = 0.8 / max(1, len(judges))
+    for j_i, j in enumerate(judges):
+        xs = [i + j_i * width for i in range(len(others))]
+        ys = [m[f"eval/{p}/{j}/win_rate"] for p in others]
+        errs = [[y - m[f"eval/{p}/{j}/win_rate_ci"][0] for p, y in zip(others, ys)],
+                [m[f"eval/{p}/{j}/win_rate_ci"][1] - y for p, y in zip(others, ys)]]
+        ax.bar(xs, ys, width=width, yerr=errs, capsize=4, label=j)
+    ax.axhline(0.5, color="black", linestyle="--", linewidth=1)
+    ax.set_xticks([i + width * (len(judges) - 1) / 2 for i in range(len(others))], others)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel(f"win rate vs {baseline} [fraction of prompts, ties = 0.5]")
+    ax.set_xlabel("policy")
+    ax.set_title("Win rate against the baseline (95% CI)")
+    ax.legend(title="judge")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def calibration(buckets: list[dict[str, float]], out: Path) -> None:
+    """Reward-model pairwise accuracy by |score margin| bucket (a calibrated model is surer when right)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    labels = [f"{b['lo']:.2f}-{b['hi']:.2f}" for b in buckets]
+    ax.bar(range(len(buckets)), [b["accuracy"] for b in buckets])
+    for i, b in enumerate(buckets):
+        ax.annotate(f"n={b['n']}", (i, b["accuracy"]), ha="center", textcoords="offset points", xytext=(0, 3))
+    ax.set_xticks(range(len(buckets)), labels)
+    ax.axhline(0.5, color="black", linestyle="--", linewidth=1)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("|reward(chosen) - reward(rejected)| bucket [reward units]")
+    ax.set_ylabel("pairwise accuracy [fraction of held-out pairs]")
+    ax.set_title("Reward-model calibration")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)

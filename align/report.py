@@ -1,0 +1,54 @@
+"""`align report <run-dir>`: rebuild the evaluation report of an existing run without retraining.
+
+Reads the run's pipeline.json (resolved config and the pipeline file it came from), checks that every
+policy, reference and reward model the evaluate stage needs is a completed, loadable `model/`, and reruns
+only the evaluate stage(s).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from align.config import parse_pipeline
+from align.pipeline import PipelineError, run
+from align.stages.base import read_manifest
+
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def check_model_dir(run_dir: Path, stage: str) -> None:
+    """Refuse (with the fix) when a stage's model/ is missing, incomplete, or its stage did not complete."""
+    manifest = read_manifest(run_dir / stage) or {}
+    model = run_dir / stage / "model"
+    status = manifest.get("status", "no manifest")
+    if status != "completed":
+        raise PipelineError(f"{run_dir / stage}: stage '{stage}' is {status!r}, not completed; rerun the "
+                            "pipeline to finish it before building a report")
+    if not (model / "config.json").is_file() or not any((model / w).is_file() for w in _WEIGHTS):
+        raise PipelineError(f"{model}: missing or incomplete (no config.json or weights); rerun the pipeline "
+                            f"with --from {stage}")
+
+
+def rebuild(run_dir: str | Path) -> Path:
+    run_dir = Path(run_dir)
+    info_path = run_dir / "pipeline.json"
+    if not info_path.is_file():
+        raise PipelineError(f"{run_dir}: not a run directory (no pipeline.json)")
+    info = json.loads(info_path.read_text())
+    source = info.get("source")
+    if not source or not Path(source).is_file():
+        raise PipelineError(f"{run_dir}: the pipeline file this run came from ({source}) is gone")
+    raw = info["config"]
+    cfg = parse_pipeline(raw, source)
+    cfg.runs_dir = str(run_dir.parent.parent)
+    evaluations = [n for n, st in cfg.stages.items() if st.type == "evaluate"]
+    if not evaluations:
+        raise PipelineError(f"{run_dir}: the pipeline has no evaluate stage")
+    for name in evaluations:
+        st = cfg.stages[name]
+        for stage in dict.fromkeys([*st.policies, st.reference, *([st.reward] if st.reward else [])]):
+            check_model_dir(run_dir, stage)
+    for name in evaluations:
+        run(cfg, source, only=name, force=True, trust_completed_inputs=True)
+    return run_dir / "report"

@@ -1,0 +1,124 @@
+"""Throughput of align's PPO stage and TRL's RLOOTrainer, side by side, in one run.
+
+Both get the same policy (an SFT checkpoint), the same frozen reward model, the same prompts, the same
+episodes per generation batch, optimiser micro-batch, passes over each batch and response length:
+
+  align PPO : rollout_batch_size = B, mini_batch_size = M, ppo_epochs = E, max_new_tokens = L
+  TRL RLOO  : generation_batch_size = B (B/2 prompts x num_generations 2), per_device_train_batch_size = M,
+              steps_per_generation = B/M, num_iterations = E, max_completion_length = L
+
+The algorithms differ (PPO trains a value model; RLOO uses a leave-one-out baseline and no value model), so
+PPO does more work per episode by design; the table says so. The first iteration of each is a warm-up and is
+not timed.
+
+    python benchmarks/ppo_vs_rloo.py --run-dir runs/default/main --iterations 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+
+def ours(run_dir: Path, prompts_card: str, args) -> dict[str, float]:
+    from align.config import PPOStage, Generation, KLSettings, to_dict
+    from align.stages.base import main as stage_main
+
+    cfg = PPOStage(type="ppo", policy="sft", reward="reward", prompts=prompts_card, iterations=args.iterations,
+                   rollout_batch_size=args.batch, mini_batch_size=args.mini_batch, ppo_epochs=args.epochs,
+                   max_prompt_length=64, save_every=10_000, sample_every=0, kl=KLSettings(coef=0.05),
+                   generation=Generation(max_new_tokens=args.max_new_tokens))
+    with tempfile.TemporaryDirectory() as tmp:
+        stage_dir = Path(tmp) / "ppo"
+        stage_dir.mkdir()
+        spec = {"stage_name": "ppo", "stage_dir": str(stage_dir), "fingerprint": "benchmark",
+                "stage": to_dict(cfg), "inputs": {"sft": str(run_dir / "sft"), "reward": str(run_dir / "reward")},
+                "input_fingerprints": {"sft": None, "reward": None}, "data_cards": {}, "code_version": "bench",
+                "pipeline": {"name": "bench", "run_id": "bench", "seed": 0, "dtype": "float32",
+                             "tracking": {"wandb": "disabled", "project": "align", "entity": None}}}
+        (stage_dir / "spec.json").write_text(json.dumps(spec))
+        stage_main(str(stage_dir / "spec.json"))
+        rows = [json.loads(x) for x in (stage_dir / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in rows if "perf/episodes_per_s" in r][1:]
+    seconds = sum(args.batch / r["perf/episodes_per_s"] for r in timed)
+    tokens = sum(r["perf/tokens_per_s"] * args.batch / r["perf/episodes_per_s"] for r in timed)
+    return {"episodes": args.batch * len(timed), "seconds": seconds, "tokens": tokens}
+
+
+def rloo(run_dir: Path, prompts: list[str], args) -> dict[str, float]:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import RLOOConfig, RLOOTrainer
+
+    from align.models import load_causal_lm, load_scalar_model, load_tokenizer
+
+    tok = load_tokenizer(str(run_dir / "sft" / "model"))
+    tok.padding_side = "left"
+    policy = load_causal_lm(str(run_dir / "sft" / "model"))
+    reward = load_scalar_model(str(run_dir / "reward" / "model"), tok.pad_token_id)
+    steps_per_gen = args.batch // args.mini_batch
+    total_steps = args.iterations * steps_per_gen * args.epochs
+    marks: list[tuple[int, float]] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, a, state, control, **kw):
+            marks.append((state.global_step, time.time()))
+
+    lengths: list[float] = []
+
+    class Lengths(TrainerCallback):
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(logs["completions/mean_length"])
+
+    cfg = RLOOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=args.mini_batch,
+                     generation_batch_size=args.batch, num_generations=2, num_iterations=args.epochs,
+                     max_completion_length=args.max_new_tokens, max_steps=total_steps, learning_rate=1e-5,
+                     beta=0.05, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
+                     temperature=1.0, disable_tqdm=True, seed=0)
+    trainer = RLOOTrainer(model=policy, reward_funcs=reward, args=cfg, processing_class=tok,
+                          reward_processing_classes=tok, callbacks=[Clock(), Lengths()],
+                          train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]))
+    trainer.train()
+    # one generation batch = steps_per_gen * epochs optimiser steps; skip the first (warm-up) batch
+    per_gen = steps_per_gen * args.epochs
+    start = next(t for s, t in marks if s == per_gen)
+    seconds = marks[-1][1] - start
+    episodes = args.batch * (args.iterations - 1)
+    mean_len = sum(lengths) / len(lengths) if lengths else float("nan")
+    return {"episodes": episodes, "seconds": seconds, "tokens": episodes * mean_len}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run-dir", type=Path, default=Path("runs/default/main"),
+                   help="a run directory with completed sft/ and reward/ stages")
+    p.add_argument("--prompts", default=str(Path(__file__).resolve().parent.parent / "data_cards" /
+                                            "movie_review_snippets.yaml"))
+    p.add_argument("--iterations", type=int, default=6)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--mini-batch", type=int, default=16)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    args = p.parse_args()
+    for stage in ("sft", "reward"):
+        if not (args.run_dir / stage / "model").is_dir():
+            raise SystemExit(f"{args.run_dir / stage / 'model'} is missing: run the default pipeline first")
+    from align.data.cards import load_split
+
+    prompts = list(dict.fromkeys(r["prompt"] for r in load_split(args.prompts, "train").rows))[:4096]
+    results = {"align PPO": ours(args.run_dir, args.prompts, args), "TRL RLOO": rloo(args.run_dir, prompts, args)}
+    print(f"\nsettings: B={args.batch} episodes/iteration, M={args.mini_batch}, epochs={args.epochs}, "
+          f"L={args.max_new_tokens} tokens, {args.iterations - 1} timed iterations")
+    print("| trainer | episodes/s | tokens/s | timed episodes | seconds |")
+    print("|---|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['episodes'] / r['seconds']:.2f} | {r['tokens'] / r['seconds']:.1f} | "
+              f"{r['episodes']} | {r['seconds']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

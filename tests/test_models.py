@@ -1,0 +1,84 @@
+"""Real tokenizers and model-loading guards; PPO misconfigurations that must fail before any rollout."""
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import yaml
+
+from align.config import parse_pipeline
+from align.models import DEFAULT_CHAT_TEMPLATE, ModelError, check_remote_code, load_tokenizer, train_tokenizer
+from align.pipeline import PipelineError, validate
+
+REPO = Path(__file__).resolve().parent.parent
+GPT2 = REPO / "tokenizers" / "gpt2"
+
+
+def test_gpt2_tokenizer_gets_pad_and_chat_template_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING):
+        tok = load_tokenizer(str(GPT2), needs_chat_template=True)
+    assert len(tok) == 50257
+    assert tok.pad_token == tok.eos_token == "<|endoftext|>"
+    assert tok.chat_template == DEFAULT_CHAT_TEMPLATE
+    assert "no pad token" in caplog.text and "no chat template" in caplog.text
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text == "user: hi<|endoftext|>\nassistant:"
+
+
+def test_trained_tokenizer_is_deterministic():
+    texts = ["a good film", "a bad film", "the plot was thin"] * 20
+    a, b = train_tokenizer(texts, 300, 64), train_tokenizer(texts, 300, 64)
+    assert a.get_vocab() == b.get_vocab()
+    assert a.pad_token_id != a.eos_token_id
+
+
+def test_remote_code_refused_unless_opted_in(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"auto_map": {"AutoModel": "modeling_x.X"}}))
+    with pytest.raises(ModelError, match="trust_remote_code: true"):
+        check_remote_code(str(tmp_path), trust_remote_code=False)
+    check_remote_code(str(tmp_path), trust_remote_code=True)  # the user opted in
+
+
+class _Ctx:
+    name = "ppo"
+
+
+def test_ppo_refuses_mismatched_reward_tokenizer_and_long_prompts():
+    from align.config import PPOStage
+    from align.stages.ppo import check_models
+
+    gpt2 = load_tokenizer(str(GPT2))
+    small = train_tokenizer(["a good film", "a bad film"] * 10, 300, 64)
+    cfg = PPOStage(type="ppo", max_prompt_length=4)
+    with pytest.raises(ValueError, match="reward model's tokenizer .* differs"):
+        check_models(_Ctx(), cfg, gpt2, small, ["a film"])
+    with pytest.raises(ValueError, match=r"1 of 2 prompts are longer than max_prompt_length=4"):
+        check_models(_Ctx(), cfg, gpt2, gpt2, ["short", "this prompt is clearly longer than four tokens"])
+
+
+def _default_with(**ppo):
+    raw = yaml.safe_load((REPO / "pipelines" / "default.yaml").read_text())
+    raw["stages"]["ppo"].update(ppo)
+    return parse_pipeline(raw, str(REPO / "pipelines" / "default.yaml"))
+
+
+def test_ppo_batch_not_divisible_is_a_validation_error():
+    cfg = _default_with(rollout_batch_size=60, mini_batch_size=16)
+    with pytest.raises(PipelineError, match=r"rollout_batch_size \(60\) must be divisible"):
+        validate(cfg, REPO / "pipelines" / "default.yaml", verbose=False)
+
+
+def test_ppo_without_reward_stage_is_a_validation_error():
+    raw = yaml.safe_load((REPO / "pipelines" / "default.yaml").read_text())
+    del raw["stages"]["reward"]
+    raw["stages"]["evaluate"]["reward"] = None
+    with pytest.raises(PipelineError, match=r"stages.ppo.reward: 'reward' is not a stage"):
+        validate(parse_pipeline(raw, "default.yaml"), REPO / "pipelines" / "default.yaml", verbose=False)
+
+
+def test_evaluation_prompts_overlapping_training_prompts_are_an_error():
+    raw = yaml.safe_load((REPO / "pipelines" / "default.yaml").read_text())
+    raw["stages"]["evaluate"]["split"] = "train"
+    with pytest.raises(PipelineError, match="evaluation prompts .* also occur in the training prompts"):
+        validate(parse_pipeline(raw, "default.yaml"), REPO / "pipelines" / "default.yaml", verbose=False)
