@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -146,6 +147,21 @@ def load_scalar_model(path_or_id: str, pad_token_id: int | None, dtype: str = "f
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return model
+
+
+@contextmanager
+def unsharded_loading():
+    """Inside, from_pretrained loads whole weights even in a DeepSpeed ZeRO-3 process (for evaluation in the
+    main process after training). transformers decides ZeRO-3 init from the HfDeepSpeedConfig that the
+    Trainer registered; it is set aside here and restored after."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    saved = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = saved
 
 
 def peft_config(lora: LoraSettings, task_type: str) -> Any:

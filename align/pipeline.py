@@ -241,8 +241,8 @@ def launch_command(plan: StagePlan, spec: Path, source: str | Path, num_processe
     n = plan.cfg.num_processes or num_processes
     if n:
         cmd += ["--num_processes", str(n)]
-    if not _has_cuda():
-        cmd += ["--cpu"]
+    # No `--cpu` flag: accelerate then ignores a DeepSpeed config and runs one plain process. cpu.yaml says
+    # use_cpu itself, and DeepSpeed picks its CPU accelerator (gloo) when no GPU is present.
     cmd += ["--main_process_port", str(_free_port()), "-m", "align.cli", "stage", str(spec)]
     assert importlib.util.find_spec("accelerate") is not None
     return cmd

@@ -53,6 +53,7 @@ class StageContext:
     """Everything a stage's `run()` needs, built from spec.json."""
 
     def __init__(self, spec: dict[str, Any]):
+        import torch
         from accelerate import PartialState
 
         self.spec = spec
@@ -64,7 +65,9 @@ class StageContext:
         self.fingerprint: str = spec["fingerprint"]
         self.inputs: dict[str, str] = spec["inputs"]
         self.seed: int = self.cfg.seed if self.cfg.seed is not None else int(self.pipeline["seed"])
-        self.state = PartialState()
+        # On CPU, PartialState must be told so: without `cpu=True` it reports 1 process on every rank under
+        # the DeepSpeed launcher (measured with accelerate 1.15), and every rank would think it is the main one.
+        self.state = PartialState(cpu=not torch.cuda.is_available())
         self.is_main = self.state.is_main_process
         self.checkpoints = self.dir / "checkpoints"
         self.tracker: Tracker | None = None

@@ -10,7 +10,7 @@ from typing import Any
 
 from align.config import RewardStage
 from align.generation import sequence_scores
-from align.models import load_scalar_model, load_tokenizer, peft_config
+from align.models import load_scalar_model, load_tokenizer, peft_config, unsharded_loading
 from align.stages.base import StageContext, load_rows, metrics_callback, train_with_resume, trainer_kwargs
 
 OUTPUTS = ["model"]
@@ -59,8 +59,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
                             peft_config=peft_config(cfg.lora, "SEQ_CLS"))
     final = train_with_resume(ctx, trainer)
     ctx.save_trainer_model(trainer, tokenizer)
-    if test:
-        scorer = load_scalar_model(str(ctx.dir / "model"), tokenizer.pad_token_id).eval()
+    if test and ctx.is_main:  # held-out accuracy of the saved model/, in the main process only
+        with unsharded_loading():
+            scorer = load_scalar_model(str(ctx.dir / "model"), tokenizer.pad_token_id).eval()
         held_out = pairwise_accuracy(scorer, tokenizer, test)
         metrics = {"eval/rewards/accuracy": held_out["accuracy"], "eval/rewards/margin": held_out["margin"],
                    "eval/rewards/chosen": held_out["chosen"], "eval/rewards/rejected": held_out["rejected"],

@@ -92,6 +92,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     cfg: PPOStage = ctx.cfg  # type: ignore[assignment]
     accelerator = Accelerator(gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None:  # no dataloader goes through prepare(), so DeepSpeed is told the micro-batch here
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.mini_batch_size
+        plugin.deepspeed_config["gradient_accumulation_steps"] = cfg.gradient_accumulation_steps
     dtype = ctx.pipeline["dtype"]
     policy_path, reward_path = ctx.input_model(cfg.policy), ctx.input_model(cfg.reward)
     tokenizer, reward_tokenizer = load_tokenizer(policy_path), load_tokenizer(reward_path)

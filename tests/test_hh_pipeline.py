@@ -1,0 +1,57 @@
+"""The real-data path end to end: HH-RLHF transcripts, the GPT-2 tokenizer (no pad token, no chat template),
+every stage, on CPU (pipelines/hh_rlhf_tiny.yaml)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_align
+
+pytestmark = pytest.mark.slow
+
+
+def test_hh_pipeline_runs_every_stage_with_gpt2_tokenizer(workdir):
+    from conftest import REPO
+
+    (workdir / "tokenizers").symlink_to(REPO / "tokenizers")
+    proc = run_align("run", "pipelines/hh_rlhf_tiny.yaml", "tracking.wandb=disabled", cwd=workdir)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = workdir / "runs" / "hh_rlhf_tiny" / "main"
+    for stage in ("sft", "reward", "ppo", "dpo", "evaluate"):
+        assert json.loads((run / stage / "manifest.json").read_text())["status"] == "completed", stage
+    assert "no pad token: using EOS" in (run / "sft" / "stage.log").read_text()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(run / "ppo" / "model")
+    assert len(tok) == 50257 and tok.pad_token == "<|endoftext|>"
+    model = AutoModelForCausalLM.from_pretrained(run / "ppo" / "model")
+    assert model.config.vocab_size == 50257
+    report = json.loads((run / "report" / "metrics.json").read_text())
+    assert report["eval/prompts"] > 0 and "eval/dpo/reward_model/win_rate" in report
+
+
+def test_nan_loss_stops_the_stage_and_keeps_the_last_good_checkpoint(workdir):
+    """A learning rate of 1e9 makes the loss overflow within a few steps: the stage must stop with the step
+    number, mark itself failed, and leave only complete (finite) checkpoints behind."""
+    from conftest import TINY
+
+    proc = run_align("run", "pipelines/default.yaml", "--run-id", "nan", "--only", "sft", "tracking.wandb=disabled",
+                     *TINY, "sft.learning_rate=1e9", "sft.max_steps=60", "sft.logging_steps=1", "sft.save_steps=1",
+                     "sft.warmup_ratio=0.0", cwd=workdir)
+    assert proc.returncode == 2
+    stage = workdir / "runs" / "default" / "nan" / "sft"
+    manifest = json.loads((stage / "manifest.json").read_text())
+    assert manifest["status"] == "failed"
+    assert "NonFiniteLossError" in manifest["error"] and "at step" in manifest["error"]
+    assert not (stage / "model").exists()
+    step = int(manifest["error"].split("at step ")[1].split(";")[0])
+    ckpts = sorted(int(p.name.split("-")[1]) for p in (stage / "checkpoints").glob("checkpoint-*"))
+    assert ckpts and max(ckpts) < step  # nothing was saved at or after the bad step
+    import torch
+    from safetensors.torch import load_file
+
+    weights = load_file(str(stage / "checkpoints" / f"checkpoint-{max(ckpts)}" / "model.safetensors"))
+    assert all(torch.isfinite(w).all() for w in weights.values())
