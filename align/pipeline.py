@@ -124,6 +124,26 @@ def _fingerprint(plan: StagePlan, cfg: PipelineConfig, inputs: dict[str, str], c
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:20]
 
 
+def resolve_model_paths(cfg: PipelineConfig, source: str | Path) -> dict[str, str | None]:
+    """base_model / tokenizer that name local paths are relative to the pipeline file (like data cards);
+    anything else is a hub id and passes through. A value that looks like a path but is missing is an error."""
+    base_dir = Path(source).resolve().parent
+    out: dict[str, str | None] = {}
+    for key in ("base_model", "tokenizer"):
+        value = getattr(cfg, key)
+        if not value or value.startswith("builtin:"):
+            out[key] = value
+            continue
+        local = base_dir / value
+        if local.exists():
+            out[key] = str(local.resolve())
+        elif value.startswith((".", "/", "~")):
+            raise PipelineError(f"{source}: {key}: local path '{value}' not found (looked for {local})")
+        else:
+            out[key] = value  # a hub id: loaded by transformers when the stage runs
+    return out
+
+
 def build_plan(cfg: PipelineConfig, source: str | Path) -> list[StagePlan]:
     """Resolve references and card paths, order the graph, fingerprint every stage. Fast: no training."""
     source = str(source)
@@ -132,6 +152,7 @@ def build_plan(cfg: PipelineConfig, source: str | Path) -> list[StagePlan]:
         kind = cfg.base_model.split(":", 1)[1]
         if kind != "tiny-llama":
             raise PipelineError(f"{source}: base_model '{cfg.base_model}': unknown builtin; use builtin:tiny-llama")
+    resolve_model_paths(cfg, source)
     plans: dict[str, StagePlan] = {}
     for name, st in cfg.stages.items():
         plan = StagePlan(name, st, stage_dependencies(name, st, cfg.stages, source))
@@ -234,8 +255,6 @@ def _free_port() -> int:
 
 
 def launch_command(plan: StagePlan, spec: Path, source: str | Path, num_processes: int | None) -> list[str]:
-    import importlib.util
-
     cmd = [sys.executable, "-m", "accelerate.commands.launch",
            "--config_file", str(accelerate_config(plan.cfg.accelerate, source))]
     n = plan.cfg.num_processes or num_processes
@@ -244,15 +263,7 @@ def launch_command(plan: StagePlan, spec: Path, source: str | Path, num_processe
     # No `--cpu` flag: accelerate then ignores a DeepSpeed config and runs one plain process. cpu.yaml says
     # use_cpu itself, and DeepSpeed picks its CPU accelerator (gloo) when no GPU is present.
     cmd += ["--main_process_port", str(_free_port()), "-m", "align.cli", "stage", str(spec)]
-    assert importlib.util.find_spec("accelerate") is not None
     return cmd
-
-
-def _has_cuda() -> bool:
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
-        return False
-    return shutil.which("nvidia-smi") is not None and subprocess.run(
-        ["nvidia-smi", "-L"], capture_output=True).returncode == 0
 
 
 def _stream(cmd: list[str], log_path: Path, env: dict[str, str]) -> int:
@@ -291,6 +302,7 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     pipeline_info = {k: v for k, v in to_dict(cfg).items() if k != "stages"}
+    pipeline_info.update(resolve_model_paths(cfg, source))
     code = code_version()
     git = _git_commit()
     statuses: dict[str, str] = {}

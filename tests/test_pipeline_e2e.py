@@ -198,23 +198,29 @@ def test_align_report_rebuilds_without_training_and_refuses_incomplete_models(e2
 def test_ppo_killed_mid_run_resumes_iteration_beta_and_statistics(e2e):
     """Runs last in this module: it retrains ppo with a longer config in the same run directory."""
     import os
+    import random
     import signal
     import subprocess
 
     from conftest import align_cmd
 
-    args = [*e2e["args"], "--only", "ppo", "ppo.iterations=24", "ppo.save_every=3", "ppo.kl.horizon=50",
+    args = [*e2e["args"], "--only", "ppo", "ppo.iterations=120", "ppo.save_every=3", "ppo.kl.horizon=50",
             "tracking.wandb=disabled"]
     stage = e2e["run"] / "ppo"
     proc = subprocess.Popen(align_cmd(*args), cwd=e2e["root"], start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         t0 = time.time()
-        while not any((p / "COMPLETE").is_file() for p in (stage / "checkpoints").glob("iter-*")):
+        def new_checkpoint() -> bool:  # of this run (every 3 iterations), not the finished run's iter-2
+            m = json.loads((stage / "manifest.json").read_text())
+            return m["status"] == "running" and any(
+                (p / "COMPLETE").is_file() and int(p.name[5:]) % 3 == 0 for p in (stage / "checkpoints").glob("iter-*"))
+
+        while not new_checkpoint():
             assert proc.poll() is None, "ppo finished before it could be killed"
             assert time.time() - t0 < 300
-            time.sleep(0.1)
-        time.sleep(1.0)
+            time.sleep(0.05)
+        time.sleep(random.uniform(0.0, 0.3))  # a random point after the first complete checkpoint
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -227,7 +233,7 @@ def test_ppo_killed_mid_run_resumes_iteration_beta_and_statistics(e2e):
     start = m["resumed_from_iteration"]
     assert m["status"] == "completed" and start >= 3 and start % 3 == 0
     rows = [r for r in _metrics(e2e["run"], "ppo") if "objective/kl_coef" in r][len(before):]
-    assert [r["step"] for r in rows] == list(range(start + 1, 25))  # continues, does not restart
+    assert [r["step"] for r in rows] == list(range(start + 1, 121))  # continues, does not restart
     beta_at_start = next(r["objective/kl_coef"] for r in before if r["step"] == start)
     assert abs(beta_at_start / 0.05 - 1) > 0.05  # beta had moved away from its initial value...
     assert abs(rows[0]["objective/kl_coef"] / beta_at_start - 1) <= 16 / 50 * 0.2 + 1e-9  # ...and continued

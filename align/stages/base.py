@@ -209,6 +209,9 @@ def metrics_callback(ctx: StageContext):
     class AlignMetrics(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             logs = logs or {}
+            inject = os.environ.get("ALIGN_INJECT_NAN_AT_STEP")  # fault injection for crash-safety tests
+            if inject and "loss" in logs and state.global_step >= int(inject):
+                logs["loss"] = float("nan")
             loss = logs.get("loss")
             if loss is not None and not math.isfinite(float(loss)):
                 raise NonFiniteLossError(
