@@ -130,3 +130,26 @@ def test_vendored_hh_sample_parses():
     assert len(train.rows) > 80 and set(train.dropped) <= {"prompt longer than 400 characters",
                                                             "chosen and rejected diverge before the final reply"}
     assert all(p["prompt"].endswith("\n\nAssistant:") and p["chosen"] != p["rejected"] for p in train.rows)
+
+
+def test_alpaca_rows_become_prompt_completion_and_empty_outputs_are_counted(tmp_path):
+    rows = [{"instruction": "Name a colour.", "input": "", "output": "Blue."},
+            {"instruction": "Translate", "input": "chat", "output": "cat"},
+            {"instruction": "Say nothing", "input": "", "output": "  "}]
+    (tmp_path / "a.json").write_text(json.dumps(rows))
+    card = _card(tmp_path, None, name="a.json", format="json", produces="prompt_completion",
+                 transform={"alpaca": True})
+    data = load_split(card, "train")
+    assert data.rows == [{"prompt": "Name a colour.", "completion": " Blue."},
+                         {"prompt": "Translate\n\nchat", "completion": " cat"}]
+    assert data.dropped == {"empty output": 1}
+
+
+def test_messages_form_validates_and_rejects_bad_turns(tmp_path):
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    card = _card(tmp_path, json.dumps(good) + "\n", produces="messages")
+    assert load_split(card, "train").rows == [good]
+    bad = {"messages": [{"role": "user"}]}
+    card = _card(tmp_path, json.dumps(bad) + "\n", produces="messages")
+    with pytest.raises(DataCardError, match="row 0: field 'messages' must be a list of"):
+        load_split(card, "train")
