@@ -257,7 +257,9 @@ def _free_port() -> int:
 def launch_command(plan: StagePlan, spec: Path, source: str | Path, num_processes: int | None) -> list[str]:
     cmd = [sys.executable, "-m", "accelerate.commands.launch",
            "--config_file", str(accelerate_config(plan.cfg.accelerate, source))]
-    n = plan.cfg.num_processes or num_processes
+    # The pipeline-wide --num-processes (one per GPU, from launch.sh) applies to distributed configs only:
+    # a stage on `cpu` stays one process unless the stage itself asks for more.
+    n = plan.cfg.num_processes or (num_processes if plan.cfg.accelerate != "cpu" else None)
     if n:
         cmd += ["--num_processes", str(n)]
     # No `--cpu` flag: accelerate then ignores a DeepSpeed config and runs one plain process. cpu.yaml says

@@ -116,3 +116,16 @@ def test_fingerprints_change_downstream_only():
     assert changed == {"dpo", "evaluate"}
     c = {p.name: p.fingerprint for p in build_plan(_parse(apply_overrides(_raw(), ["sft.logging_steps=7"])), path)}
     assert c == a  # logging cadence does not change results
+
+
+def test_launch_command_applies_gpu_count_to_distributed_stages_only(tmp_path):
+    from align.pipeline import launch_command
+
+    cfg = _parse(apply_overrides(_raw(), ["dpo.accelerate=zero2"]))
+    plans = {p.name: p for p in build_plan(cfg, REPO / "pipelines" / "default.yaml")}
+    spec = tmp_path / "spec.json"
+    sft = launch_command(plans["sft"], spec, REPO / "pipelines" / "default.yaml", num_processes=8)
+    dpo = launch_command(plans["dpo"], spec, REPO / "pipelines" / "default.yaml", num_processes=8)
+    assert "--num_processes" not in sft and sft[sft.index("--config_file") + 1].endswith("cpu.yaml")
+    assert dpo[dpo.index("--num_processes") + 1] == "8" and dpo[dpo.index("--config_file") + 1].endswith("zero2.yaml")
+    assert "--cpu" not in sft + dpo  # --cpu would silently turn a DeepSpeed config into one plain process
