@@ -99,18 +99,25 @@ class StageContext:
         self.tracker.log(metrics, step)
 
     # ------------------------------------------------------------------ checkpoints
+    def prepare_checkpoints(self) -> None:
+        """Main process: make checkpoints/ belong to this fingerprint (checkpoints of another config are not
+        resumable and are removed). Every process then waits for it."""
+        stamp = self.checkpoints / "FINGERPRINT"
+        if self.is_main:
+            if self.checkpoints.exists() and (not stamp.is_file() or stamp.read_text() != self.fingerprint):
+                shutil.rmtree(self.checkpoints)
+            self.checkpoints.mkdir(parents=True, exist_ok=True)
+            stamp.write_text(self.fingerprint)
+        self.state.wait_for_everyone()
+
     def last_checkpoint(self) -> str | None:
         """The newest complete Trainer checkpoint of this fingerprint; stale or partial ones are removed.
 
         transformers writes trainer_state.json last, so a checkpoint whose trainer_state.json parses is
         complete; one killed mid-write is deleted rather than resumed from.
         """
-        stamp = self.checkpoints / "FINGERPRINT"
+        self.prepare_checkpoints()
         if self.is_main:
-            if self.checkpoints.exists() and (not stamp.is_file() or stamp.read_text() != self.fingerprint):
-                shutil.rmtree(self.checkpoints)  # checkpoints of another config: not resumable
-            self.checkpoints.mkdir(parents=True, exist_ok=True)
-            stamp.write_text(self.fingerprint)
             for ckpt in self.checkpoints.glob("checkpoint-*"):
                 try:
                     json.loads((ckpt / "trainer_state.json").read_text())
@@ -228,9 +235,9 @@ def trainer_kwargs(cfg: TrainedStage, ctx: StageContext) -> dict[str, Any]:
     """The TRL/transformers TrainingArguments that every trained stage shares."""
     import torch
 
-    if cfg.save_steps % cfg.logging_steps:
-        raise ValueError(f"stage '{ctx.name}': save_steps ({cfg.save_steps}) must be a multiple of logging_steps "
-                         f"({cfg.logging_steps}) so a NaN loss is caught before a checkpoint is written")
+    from align.stages.checks import check_trained
+
+    check_trained(cfg)  # the same check `align validate` runs, in case the stage is started directly
     return dict(
         output_dir=str(ctx.checkpoints), learning_rate=cfg.learning_rate, lr_scheduler_type=cfg.lr_scheduler,
         warmup_steps=cfg.warmup_ratio, weight_decay=cfg.weight_decay, num_train_epochs=cfg.epochs,

@@ -11,7 +11,8 @@ from align.config import (DPOStage, EvaluateStage, PipelineConfig, PPOStage, Pre
                           SFTStage, TrainedStage)
 
 
-def _trained(cfg: TrainedStage) -> None:
+def check_trained(cfg: TrainedStage) -> None:
+    """Settings every TRL-trained stage needs; also called by the stage process itself."""
     if cfg.save_steps % cfg.logging_steps:
         raise ValueError(f"save_steps ({cfg.save_steps}) must be a multiple of logging_steps ({cfg.logging_steps}) "
                          "so a NaN loss is caught before a checkpoint is written")
@@ -24,7 +25,7 @@ def _trained(cfg: TrainedStage) -> None:
 def check_stage(plan: Any, pipeline: PipelineConfig, split_of: Callable) -> None:
     cfg = plan.cfg
     if isinstance(cfg, TrainedStage):
-        _trained(cfg)
+        check_trained(cfg)
     if isinstance(cfg, SFTStage):
         if cfg.model != "base" and cfg.model not in pipeline.stages:
             raise ValueError(f"model: '{cfg.model}' is neither `base` nor a stage of this pipeline")

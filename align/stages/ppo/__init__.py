@@ -265,12 +265,8 @@ def resume(ctx: StageContext, accelerator, kl_ctl, moments, stream, progress) ->
 
     _register(accelerator, kl_ctl, moments, stream, Progress())
     ckpts = ctx.checkpoints
-    stamp = ckpts / "FINGERPRINT"
+    ctx.prepare_checkpoints()
     if accelerator.is_main_process:
-        if ckpts.exists() and (not stamp.is_file() or stamp.read_text() != ctx.fingerprint):
-            shutil.rmtree(ckpts)
-        ckpts.mkdir(parents=True, exist_ok=True)
-        stamp.write_text(ctx.fingerprint)
         for partial in ckpts.glob(".iter-*"):  # a save that was killed mid-write
             shutil.rmtree(partial)
     accelerator.wait_for_everyone()
