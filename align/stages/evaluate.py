@@ -99,7 +99,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         from align import plots
 
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-        judge_names = [*cfg.judges, *(["reward_model"] if cfg.reward else [])]
+        judge_names = all_judges(cfg)
         for j in judge_names:
             plots.reward_vs_kl(metrics, cfg.policies, j, cfg.reference, out / f"reward_vs_kl_{j}.png")
         if len(cfg.policies) > 1:
@@ -118,7 +118,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if ctx.tracker is not None:
         report = ctx.run_dir / "report"
         ctx.tracker.images({f"report/{p.stem}": p for p in sorted(report.glob("*.png"))}, step=0)
-        judge_names = [*cfg.judges, *(["reward_model"] if cfg.reward else [])]
+        judge_names = all_judges(cfg)
         ctx.tracker.table("report/headline", ["policy", "judge", "mean", "kl", "win_rate", "ci_low", "ci_high", "n"],
                           [[p, j, metrics[f"eval/{p}/{j}/mean"], metrics[f"eval/{p}/kl"],
                             metrics.get(f"eval/{p}/{j}/win_rate"), *(metrics.get(f"eval/{p}/{j}/win_rate_ci")
@@ -129,8 +129,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
     return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
 
 
+def all_judges(cfg: EvaluateStage) -> list[str]:
+    """The judges every sample is scored by: the gold functions, then the reward model if there is one."""
+    return [*cfg.judges, *(["reward_model"] if cfg.reward else [])]
+
+
 def headline(cfg: EvaluateStage, m: dict[str, Any]) -> str:
-    judges = [*cfg.judges, *(["reward_model"] if cfg.reward else [])]
+    judges = all_judges(cfg)
     lines = [f"| policy | {' | '.join(f'{j} mean' for j in judges)} | KL to {cfg.reference} | "
              + " | ".join(f"{j} win rate vs {cfg.baseline} [95% CI]" for j in judges) + " |",
              "|" + "---|" * (2 + 2 * len(judges))]
@@ -148,7 +153,7 @@ def headline(cfg: EvaluateStage, m: dict[str, Any]) -> str:
 
 def render_report(cfg: EvaluateStage, m: dict[str, Any], prompts: list[str], samples: dict[str, Any]) -> str:
     out = ["# Evaluation report", "", headline(cfg, m), ""]
-    judges = [*cfg.judges, *(["reward_model"] if cfg.reward else [])]
+    judges = all_judges(cfg)
     out += ["## Length and reward", "", "| policy | mean response length [tokens] | "
             + " | ".join(f"corr({j}, length)" for j in judges) + " |", "|" + "---|" * (2 + len(judges))]
     for p in cfg.policies:

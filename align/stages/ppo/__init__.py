@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from align.config import PPOStage
-from align.generation import Rollout, generate, position_ids, scalar_outputs
+from align.generation import Rollout, generate, position_ids, response_logprobs, scalar_outputs
 from align.losses import (entropy_from_logits, gae, kl_estimate, last_token_index, logprobs_from_logits,
                           masked_mean, masked_whiten, ppo_policy_loss, ppo_value_loss, token_rewards)
 from align.models import load_causal_lm, load_scalar_model, load_tokenizer
@@ -61,11 +61,15 @@ def check_models(ctx: StageContext, cfg: PPOStage, tokenizer, reward_tokenizer, 
                          "max_prompt_length or shorten the prompts")
 
 
+def _zero3(accelerator) -> bool:
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return plugin is not None and plugin.zero_stage == 3
+
+
 def prepare_frozen(model, accelerator):
     """A frozen model for inference: sharded by DeepSpeed ZeRO-3 when that is the plan, else just moved."""
     model.eval().requires_grad_(False)
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is None or plugin.zero_stage != 3:
+    if not _zero3(accelerator):
         return model.to(accelerator.device)
     import deepspeed
 
@@ -77,8 +81,7 @@ def prepare_frozen(model, accelerator):
 
 def gathered_for_generation(model, accelerator):
     """Under ZeRO-3, gather the policy's weights once per rollout (not once per token)."""
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is not None and plugin.zero_stage == 3:
+    if _zero3(accelerator):
         import deepspeed
 
         return deepspeed.zero.GatheredParameters(list(model.parameters()))
@@ -154,9 +157,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 scores_used = scores
             # 3. log-probs under policy and reference, and values, by a forward pass
             logprobs, _, values = model(ids, mask, lq, cfg.generation.temperature)
-            ref_logits = reference(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
-            ref_logprobs = logprobs_from_logits(ref_logits[:, lq - 1:-1] / cfg.generation.temperature,
-                                                r.response_ids)
+            ref_logprobs = response_logprobs(reference, r, cfg.generation.temperature)
             # 4. per-token rewards: -beta * KL, plus the score on the last response token
             kl = kl_estimate(logprobs, ref_logprobs, cfg.kl.estimator) * rmask
             last = (rmask.sum(1) - 1).clamp(min=0).long()
