@@ -21,7 +21,7 @@ TINY = [
     "builtin.vocab_size=512", "builtin.hidden_size=32", "builtin.num_layers=2", "builtin.num_heads=2",
     "builtin.intermediate_size=64", "builtin.max_position_embeddings=96",
     "sft.max_steps=30", "sft.per_device_batch_size=16", "sft.logging_steps=5", "sft.save_steps=10",
-    "sft.learning_rate=3e-3", "sft.max_train_examples=2000", "sft.eval_max_examples=64",
+    "sft.learning_rate=3e-3", "sft.max_truncated_fraction=0.1", "sft.max_train_examples=2000", "sft.eval_max_examples=64",
     "preferences.max_prompts=128", "preferences.samples_per_prompt=4", "preferences.min_margin=0.05",
     "preferences.generation.max_new_tokens=12",
     "reward.max_steps=8", "reward.logging_steps=2", "reward.save_steps=4", "reward.per_device_batch_size=8",

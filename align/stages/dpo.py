@@ -6,7 +6,7 @@ from typing import Any
 
 from align.config import DPOStage
 from align.models import load_causal_lm, load_tokenizer, peft_config
-from align.stages.base import StageContext, load_rows, metrics_callback, train_with_resume, trainer_kwargs
+from align.stages.base import StageContext, check_lengths, load_rows, metrics_callback, train_with_resume, trainer_kwargs
 
 OUTPUTS = ["model"]
 
@@ -21,6 +21,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     test = [{c: r[c] for c in columns} for r in load_rows(ctx, cfg.data, "test")]
     path = ctx.input_model(cfg.policy)
     tokenizer = load_tokenizer(path)
+    check_lengths(ctx, "dpo", train, tokenizer)
     dtype = ctx.pipeline["dtype"]
     model = load_causal_lm(path, dtype)
     lora = peft_config(cfg.lora, "CAUSAL_LM")

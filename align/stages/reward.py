@@ -11,7 +11,7 @@ from typing import Any
 from align.config import RewardStage
 from align.generation import sequence_scores
 from align.models import load_scalar_model, load_tokenizer, peft_config, unsharded_loading
-from align.stages.base import StageContext, load_rows, metrics_callback, train_with_resume, trainer_kwargs
+from align.stages.base import StageContext, check_lengths, load_rows, metrics_callback, train_with_resume, trainer_kwargs
 
 OUTPUTS = ["model"]
 
@@ -50,6 +50,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     test = load_rows(ctx, cfg.data, "test")
     path = ctx.input_model(cfg.init)
     tokenizer = load_tokenizer(path)
+    check_lengths(ctx, "reward", train, tokenizer)
     model = load_scalar_model(path, tokenizer.pad_token_id, ctx.pipeline["dtype"])
     args = RewardConfig(**trainer_kwargs(cfg, ctx), center_rewards_coefficient=cfg.center_rewards_coefficient,
                         eval_strategy="no")

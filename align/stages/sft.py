@@ -12,7 +12,7 @@ from align.config import SFTStage
 from align.data.cards import load_split
 from align.models import (build_builtin, is_builtin, load_causal_lm, load_tokenizer, peft_config,
                           train_tokenizer)
-from align.stages.base import StageContext, metrics_callback, train_with_resume, trainer_kwargs
+from align.stages.base import StageContext, check_lengths, metrics_callback, train_with_resume, trainer_kwargs
 
 OUTPUTS = ["model"]
 
@@ -51,6 +51,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     rows = data.rows[: cfg.max_train_examples] if cfg.max_train_examples else data.rows
     chat = data.card.produces == "messages"
     model, tokenizer = load_start(ctx, cfg, rows, chat)
+    check_lengths(ctx, "sft", rows, tokenizer)
     columns = ["messages"] if chat else ["prompt", "completion"]
     train = Dataset.from_list([{c: r[c] for c in columns} for r in rows])
     eval_ds = None

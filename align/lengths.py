@@ -1,0 +1,101 @@
+"""How many examples exceed a stage's `max_length` once templated and tokenised, checked before training.
+
+The TRL trainers treat over-long examples differently, and silently: SFTTrainer truncates (a completion-only
+example whose prompt fills the window teaches nothing), DPOTrainer truncates and drops pairs whose prompt alone
+fills it, RewardTrainer drops pairs whose chosen or rejected sequence is longer. align counts them first, logs
+the counts, writes them to the manifest, and refuses to train when more than `max_truncated_fraction` of the
+examples would be affected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+class LengthError(ValueError):
+    """Too many examples would be truncated or dropped by a stage's max_length."""
+
+
+@dataclass
+class LengthReport:
+    stage: str
+    kind: str
+    examples: int
+    truncated: int  # the sequence is cut but the example still trains
+    dropped: int  # the example is removed or teaches nothing
+    longest: int
+    max_length: int
+
+    @property
+    def affected(self) -> int:
+        return self.truncated + self.dropped
+
+    @property
+    def fraction(self) -> float:
+        return self.affected / self.examples if self.examples else 0.0
+
+    def summary(self) -> str:
+        return (f"{self.stage}: {self.examples} examples, {self.truncated} truncated and {self.dropped} dropped at "
+                f"max_length={self.max_length} ({100 * self.fraction:.1f}%); longest {self.longest} tokens")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "fraction": round(self.fraction, 6)}
+
+
+def _ids(tokenizer, texts: list[str]) -> list[int]:
+    """Token counts as the trainers tokenise (special tokens such as BOS included)."""
+    return [len(x) for x in tokenizer(texts)["input_ids"]] if texts else []
+
+
+def _chat_lengths(tokenizer, conversations: list[list[dict[str, str]]]) -> list[int]:
+    out = []
+    for messages in conversations:
+        ids = tokenizer.apply_chat_template(messages, tokenize=True)
+        if hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding by default
+            ids = ids["input_ids"]
+        out.append(len(ids))
+    return out
+
+
+def measure(stage: str, kind: str, rows: list[dict[str, Any]], tokenizer, max_length: int) -> LengthReport:
+    """Count over-long examples. kind: sft (prompt/completion or messages), dpo, or reward."""
+    eos = 1  # every trainer appends EOS to the completion
+    if kind == "sft" and rows and "messages" in rows[0]:
+        lengths = _chat_lengths(tokenizer, [r["messages"] for r in rows])
+        # the first turns alone fill the window: no assistant token left to learn from
+        firsts = _chat_lengths(tokenizer, [r["messages"][:-1] or r["messages"] for r in rows])
+        dropped = sum(f >= max_length for f in firsts)
+        truncated = sum(n > max_length for n in lengths) - dropped
+        return LengthReport(stage, kind, len(rows), truncated, dropped, max(lengths, default=0), max_length)
+    prompts = _ids(tokenizer, [r["prompt"] for r in rows])
+    if kind == "sft":
+        completions = _ids(tokenizer, [r["completion"] for r in rows])
+        totals = [p + c + eos for p, c in zip(prompts, completions)]
+        dropped = sum(p >= max_length for p in prompts)
+        truncated = sum(t > max_length for t in totals) - dropped
+        return LengthReport(stage, kind, len(rows), truncated, dropped, max(totals, default=0), max_length)
+    chosen = _ids(tokenizer, [r["chosen"] for r in rows])
+    rejected = _ids(tokenizer, [r["rejected"] for r in rows])
+    totals = [p + max(c, r) + eos for p, c, r in zip(prompts, chosen, rejected)]
+    if kind == "reward":  # RewardTrainer filters out pairs where either side is longer than max_length
+        return LengthReport(stage, kind, len(rows), 0, sum(t > max_length for t in totals), max(totals, default=0),
+                            max_length)
+    if kind == "dpo":  # DPOTrainer drops pairs whose prompt fills max_length, truncates the rest
+        dropped = sum(p >= max_length for p in prompts)
+        truncated = sum(t > max_length for t in totals) - dropped
+        return LengthReport(stage, kind, len(rows), truncated, dropped, max(totals, default=0), max_length)
+    raise ValueError(f"unknown length-check kind '{kind}'")
+
+
+def enforce(report: LengthReport, max_fraction: float) -> None:
+    """Raise LengthError naming the field and the fix when too many examples are affected."""
+    if report.fraction <= max_fraction:
+        return
+    suggestion = min(report.longest, 2 ** (report.longest - 1).bit_length()) if report.longest else 0
+    raise LengthError(
+        f"stages.{report.stage}.max_length={report.max_length}: {report.affected} of {report.examples} examples "
+        f"({100 * report.fraction:.1f}%) are longer after templating and tokenisation ({report.truncated} would be "
+        f"truncated, {report.dropped} dropped; longest {report.longest} tokens), above "
+        f"stages.{report.stage}.max_truncated_fraction={max_fraction}. Raise max_length (e.g. to {suggestion}), "
+        "shorten or filter the data, or raise max_truncated_fraction to accept the loss.")

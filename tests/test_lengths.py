@@ -1,0 +1,153 @@
+"""Over-long examples are counted before training (align/lengths.py), at `align validate` when the tokenizer is
+loadable and at every trained stage's start otherwise; SFT on chat `messages` data end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_align
+
+GPT2 = REPO / "tokenizers" / "gpt2"
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    from align.models import load_tokenizer
+
+    return load_tokenizer(str(GPT2), needs_chat_template=True)
+
+
+def _n(tok, text: str) -> int:
+    return len(tok(text)["input_ids"])
+
+
+def test_sft_counts_truncated_and_prompt_filling_examples(gpt2):
+    from align.lengths import measure
+
+    rows = [{"prompt": " ".join("a" * 3), "completion": " ".join("b" * 3)},  # 3 + 3 + EOS = 7 tokens: fits in 10
+            {"prompt": " ".join("a" * 5), "completion": " ".join("b" * 8)},  # 5 + 8 + 1 = 14 > 10: truncated
+            {"prompt": " ".join("a" * 12), "completion": "b"}]  # the prompt alone fills 10: teaches nothing -> dropped
+    assert [_n(gpt2, r["prompt"]) for r in rows] == [3, 5, 12]
+    rep = measure("sft", "sft", rows, gpt2, max_length=10)
+    assert (rep.examples, rep.truncated, rep.dropped, rep.longest) == (3, 1, 1, 14)
+    assert rep.fraction == pytest.approx(2 / 3)
+
+
+def test_reward_drops_and_dpo_truncates(gpt2):
+    from align.lengths import measure
+
+    rows = [{"prompt": " ".join("q" * 4), "chosen": " ".join("c" * 2), "rejected": " ".join("r" * 9)},  # 4 + 9 + 1 = 14 > 10
+            {"prompt": " ".join("q" * 4), "chosen": " ".join("c" * 2), "rejected": " ".join("r" * 3)},  # 4 + 3 + 1 = 8
+            {"prompt": " ".join("q" * 10), "chosen": "c", "rejected": "r"}]  # prompt fills the window
+    rew = measure("reward", "reward", rows, gpt2, max_length=10)
+    assert (rew.truncated, rew.dropped, rew.longest) == (0, 2, 14)  # RewardTrainer filters both out
+    dpo = measure("dpo", "dpo", rows, gpt2, max_length=10)
+    assert (dpo.truncated, dpo.dropped) == (1, 1)  # DPOTrainer truncates one, drops the prompt-filling one
+
+
+def test_messages_are_measured_after_the_chat_template(gpt2):
+    from align.lengths import measure
+
+    msgs = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi " * 20}]
+    templated = gpt2.apply_chat_template(msgs, tokenize=False)
+    n = _n(gpt2, templated)
+    assert n > 20  # the role tags and EOS of the template count too
+    rep = measure("sft", "sft", [{"messages": msgs}], gpt2, max_length=n)
+    assert (rep.truncated, rep.dropped, rep.longest) == (0, 0, n)
+    rep = measure("sft", "sft", [{"messages": msgs}], gpt2, max_length=n - 1)
+    assert (rep.truncated, rep.dropped) == (1, 0)
+
+
+def test_enforce_names_field_counts_and_fix(gpt2):
+    from align.lengths import LengthError, LengthReport, enforce
+
+    enforce(LengthReport("dpo", "dpo", 100, 3, 2, 300, 256), max_fraction=0.05)  # 5% is allowed
+    with pytest.raises(LengthError) as err:
+        enforce(LengthReport("dpo", "dpo", 100, 4, 2, 300, 256), max_fraction=0.05)
+    msg = str(err.value)
+    for part in ("stages.dpo.max_length=256", "6 of 100", "4 would be truncated, 2 dropped", "longest 300",
+                 "max_truncated_fraction=0.05", "Raise max_length"):
+        assert part in msg
+
+
+def test_validate_refuses_when_too_many_hh_pairs_would_be_dropped(workdir):
+    ok = run_align("validate", "pipelines/hh_rlhf_tiny.yaml", cwd=workdir)
+    assert ok.returncode == 0, ok.stderr
+    assert "length check reward: 97 examples" in ok.stdout
+    bad = run_align("validate", "pipelines/hh_rlhf_tiny.yaml", "reward.max_length=96", cwd=workdir)
+    assert bad.returncode == 2
+    assert "stages.reward.max_length=96" in bad.stderr and "dropped" in bad.stderr
+    assert not (workdir / "runs").exists()
+
+
+CHAT_PIPELINE = """
+name: chat
+base_model: builtin:tiny-llama
+builtin: {vocab_size: 320, hidden_size: 32, num_layers: 2, num_heads: 2, intermediate_size: 64,
+          max_position_embeddings: 96}
+tracking: {wandb: disabled}
+stages:
+  sft:
+    data: chat.card.yaml
+    max_steps: 12
+    per_device_batch_size: 8
+    learning_rate: 3.0e-3
+    logging_steps: 4
+    save_steps: 4
+    max_length: 64
+    eval_split: null
+"""
+CHAT_CARD = """
+name: chat_numbers
+description: synthetic two-turn chats for the messages path
+source: {path: chat.jsonl}
+license: CC0-1.0
+format: jsonl
+produces: messages
+splits: {train: 0.9, test: 0.1, seed: 1}
+"""
+WORDS = "zero one two three four five six seven eight nine".split()
+
+
+def _chat_project(root: Path) -> Path:
+    rows = []
+    for i in range(300):
+        digits = str(i)
+        rows.append({"messages": [{"role": "user", "content": f"spell {digits}"},
+                                  {"role": "assistant", "content": " ".join(WORDS[int(d)] for d in digits)}]})
+    (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "chat.card.yaml").write_text(CHAT_CARD)
+    (root / "chat.yaml").write_text(CHAT_PIPELINE)
+    return root / "chat.yaml"
+
+
+def test_sft_on_messages_trains_and_too_short_max_length_stops_before_training(tmp_path):
+    pipeline = _chat_project(tmp_path)
+    proc = run_align("run", str(pipeline), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    stage = tmp_path / "runs" / "chat" / "main" / "sft"
+    manifest = json.loads((stage / "manifest.json").read_text())
+    assert manifest["status"] == "completed"
+    assert manifest["length_check"]["examples"] == 270 and manifest["length_check"]["truncated"] == 0
+    losses = [json.loads(x)["train/loss"] for x in (stage / "metrics.jsonl").read_text().splitlines()
+              if "train/loss" in x]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(stage / "model")
+    tok = AutoTokenizer.from_pretrained(stage / "model")
+    assert tok.chat_template  # installed by align for the builtin tokenizer and saved with the model
+
+    short = run_align("run", str(pipeline), "--run-id", "short", "sft.max_length=8", cwd=tmp_path)
+    assert short.returncode == 2
+    assert "stages.sft.max_length=8" in short.stderr and "LengthError" in short.stderr
+    stage = tmp_path / "runs" / "chat" / "short" / "sft"
+    manifest = json.loads((stage / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and manifest["length_check"]["dropped"] > 0
+    assert not (stage / "model").exists()
+    assert not list(stage.glob("checkpoints/checkpoint-*"))
+    metrics = stage / "metrics.jsonl"
+    assert not metrics.exists() or "train/loss" not in metrics.read_text()
