@@ -4,8 +4,12 @@
 #   ./launch.sh PIPELINE.yaml [align run args]   run that pipeline (e.g. --only ppo, dpo.beta=0.2)
 #   ./launch.sh --tests [pytest args]            set up .venv if needed, run the test suite
 # On a box with several GPUs every stage whose accelerate config is distributed gets one process per GPU.
+# Multi-node: start one launch.sh per node. Under SLURM (srun --nodes=N --ntasks-per-node=1 ./launch.sh ...)
+# each one reads SLURM_NNODES, SLURM_NODEID and the first host of SLURM_JOB_NODELIST (the master); elsewhere
+# pass --nodes N --node-rank R --master-addr HOST [--master-port P] [--rdzv-timeout S] yourself.
 # Environment: ALIGN_VENV (default .venv), ALIGN_TORCH (default torch==2.13.0), ALIGN_TORCH_INDEX_URL
-# (e.g. https://download.pytorch.org/whl/cpu for a CPU-only build from the PyTorch index).
+# (e.g. https://download.pytorch.org/whl/cpu for a CPU-only build from the PyTorch index), ALIGN_MASTER_PORT
+# (default 29500), ALIGN_DRY_RUN=1 (print the align command instead of setting up and running it).
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${ALIGN_VENV:-.venv}
@@ -33,7 +37,7 @@ gpu_count() {
   if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true; else echo 0; fi
 }
 
-setup
+[ -n "${ALIGN_DRY_RUN:-}" ] || setup
 if [ "${1:-}" = "--tests" ]; then
   shift
   exec python -m pytest "$@"
@@ -43,4 +47,10 @@ if [ $# -gt 0 ] && [ "${1#-}" = "$1" ] && [ "${1%.yaml}" != "$1" ]; then pipelin
 extra=()
 n=$(gpu_count)
 if [ "$n" -gt 1 ]; then extra+=(--num-processes "$n"); fi
+if [ -n "${SLURM_JOB_NODELIST:-}" ] && [ "${SLURM_NNODES:-1}" -gt 1 ]; then
+  master=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+  extra+=(--nodes "$SLURM_NNODES" --node-rank "${SLURM_NODEID:?SLURM_NODEID is not set: run one task per node}"
+          --master-addr "$master" --master-port "${ALIGN_MASTER_PORT:-29500}")
+fi
+if [ -n "${ALIGN_DRY_RUN:-}" ]; then echo align run "$pipeline" "${extra[@]}" "$@"; exit 0; fi
 exec align run "$pipeline" "${extra[@]}" "$@"

@@ -17,6 +17,20 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--run-id", help="run directory name under runs/<pipeline>/ (default: the pipeline's run_id)")
     run.add_argument("--force", action="store_true", help="rerun the selected stages even if up to date")
     run.add_argument("--num-processes", type=int, help="processes per stage (default: each accelerate config's)")
+    run.add_argument("--ignore-memory-check", action="store_true",
+                     help="launch even when `align estimate` says a stage does not fit the GPUs")
+    run.add_argument("--nodes", type=int, default=1, help="machines in a multi-node job (default 1)")
+    run.add_argument("--node-rank", type=int, default=0, help="this machine's rank, 0 .. nodes-1")
+    run.add_argument("--master-addr", help="address of node 0 (required with --nodes > 1)")
+    run.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0 (default 29500)")
+    run.add_argument("--rdzv-timeout", type=int, default=600,
+                     help="seconds to wait for all nodes to join a stage before failing (default 600)")
+    est = sub.add_parser("estimate", help="per-stage parameter counts and per-GPU memory for ZeRO-2/3/offload")
+    est.add_argument("pipeline")
+    est.add_argument("overrides", nargs="*")
+    est.add_argument("--gpus", type=int, help="GPUs per node (default: the pipeline's hardware, else detected)")
+    est.add_argument("--gpu-memory-gb", type=float, help="memory of one GPU in GB (default: declared or detected)")
+    est.add_argument("--nodes", type=int, help="machines (default: the pipeline's hardware.nodes)")
     val = sub.add_parser("validate", help="check config, data cards and stage settings without training")
     val.add_argument("pipeline")
     val.add_argument("overrides", nargs="*")
@@ -56,6 +70,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run" and args.run_id:
             overrides.append(f"run_id={args.run_id}")
         cfg = load_pipeline(args.pipeline, overrides)
+        if args.command == "estimate":
+            from align.estimate import EstimateError, estimate_pipeline, hardware, render, too_big
+
+            hw = hardware(cfg, args.gpus, args.gpu_memory_gb, args.nodes)
+            try:
+                estimates = estimate_pipeline(cfg, args.pipeline, hw)
+            except EstimateError as exc:
+                raise PipelineError(str(exc)) from None
+            print(render(estimates, hw))
+            for line in too_big(estimates, hw):
+                print(f"[align] does not fit: {line}")
+            return 0
         if args.command == "validate":
             plans = validate(cfg, args.pipeline)
             for plan in plans:
@@ -63,8 +89,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"fingerprint {plan.fingerprint}")
             print(f"[align] {args.pipeline}: valid ({len(plans)} stages)")
             return 0
+        from align.pipeline import MultiNode
+
+        multi = MultiNode(args.nodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_timeout)
         run(cfg, args.pipeline, only=args.only, from_stage=args.from_stage, force=args.force,
-            num_processes=args.num_processes)
+            num_processes=args.num_processes, ignore_memory_check=args.ignore_memory_check, multi=multi)
         return 0
     except (ConfigError, DataCardError, PipelineError) as exc:
         print(f"align: error: {exc}", file=sys.stderr)

@@ -109,7 +109,9 @@ class TrainedStage(StageBase):
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimiser step."""
     max_length: int = 128
-    """Longest tokenised example; longer ones are truncated (counted and reported by `align validate`)."""
+    """Longest tokenised example (after the chat template); longer ones are truncated or dropped by the trainer."""
+    max_truncated_fraction: float = 0.05
+    """Refuse to train when more than this fraction of examples exceed max_length (counted before training)."""
     logging_steps: int = 10
     """Log metrics every N optimiser steps."""
     save_steps: int = 50
@@ -325,6 +327,19 @@ class Tracking:
 
 
 @dataclass
+class Hardware:
+    """The GPUs a pipeline is sized for. `align estimate` and `align run` compare per-GPU memory estimates with
+    it; unset fields are detected from the GPUs present (none on a CPU machine: nothing to compare)."""
+
+    nodes: int = 1
+    """Machines in the job."""
+    gpus_per_node: int | None = None
+    """GPUs (processes) per machine for distributed stages (None = torch.cuda.device_count())."""
+    gpu_memory_gb: float | None = None
+    """Memory of one GPU in GB (1e9 bytes; None = detected)."""
+
+
+@dataclass
 class PipelineConfig:
     """A whole pipeline: base model, stages in any order (the graph comes from their inputs)."""
 
@@ -335,6 +350,11 @@ class PipelineConfig:
     first stage's corpus)."""
     tokenizer: str | None = None
     """Tokenizer path or hub id (default: the base model's own)."""
+    base_model_config: str | None = None
+    """A copy of the base model's config.json (path relative to the pipeline file), so `align estimate` can size
+    a hub model on a machine that cannot reach the hub. The model itself is still loaded from base_model."""
+    hardware: Hardware = field(default_factory=Hardware)
+    """GPUs the pipeline is sized for (memory preflight)."""
     trust_remote_code: bool = False
     """Allow model repositories to run their own Python code. Off unless you set it."""
     builtin: BuiltinModel = field(default_factory=BuiltinModel)

@@ -17,12 +17,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from align.config import (STAGE_REFERENCE_FIELDS, PipelineConfig, ConfigError, StageBase, to_dict)
-from align.data.cards import DataCardError, LoadedSplit, load_card, load_split
+from align.data.cards import (DataCardError, DataUnavailableError, LoadedSplit, hub_reachable, load_card,
+                              load_split)
 from align.fsutil import atomic_write_json
 from align.stages.base import MANIFEST, is_complete, read_manifest
 from align.tracking import scrub
@@ -32,7 +34,7 @@ REPO_DIR = PACKAGE_DIR.parent
 # Fields that hold a data card path (relative to the pipeline file) unless they name a stage.
 CARD_FIELDS = ("data", "prompts")
 # Fields that never change a stage's result: left out of its fingerprint.
-NON_SEMANTIC = ("logging_steps", "save_steps", "save_every", "sample_every", "accelerate")
+NON_SEMANTIC = ("logging_steps", "save_steps", "save_every", "sample_every", "accelerate", "max_truncated_fraction")
 
 
 class PipelineError(ValueError):
@@ -195,7 +197,14 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
         key = (str(card), split)
         if key not in cache:
             try:
-                cache[key] = load_split(card, split)
+                loaded = load_card(card)
+                if loaded.format == "hub" and not hub_reachable():
+                    raise DataUnavailableError(str(card))
+                cache[key] = load_split(loaded, split)
+            except DataUnavailableError:
+                # A hub dataset this machine cannot reach (e.g. an offline login node): the card is checked,
+                # its rows are checked when the stage starts on a machine that can fetch them.
+                cache[key] = LoadedSplit(load_card(card), split, [], Counter(), 0, available=False)
             except DataCardError as exc:
                 raise PipelineError(str(exc)) from None
         return cache[key]
@@ -203,7 +212,10 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
     for plan in plans:
         for fld, card in plan.cards.items():
             data = split_of(card, getattr(plan.cfg, "split", "train"))
-            if verbose:
+            if verbose and not data.available:
+                print(f"  {plan.name}.{fld}: {card.name}: warning: hub dataset {data.card.source.get('hub')} not "
+                      "reachable from here; its rows are checked when the stage starts")
+            elif verbose:
                 dropped = ", ".join(f"{n} {why}" for why, n in data.dropped.items()) or "none dropped"
                 print(f"  {plan.name}.{fld}: {card.name} split '{data.split}': {len(data.rows)} rows ({dropped})")
         try:
@@ -211,7 +223,52 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
         except (ConfigError, ValueError) as exc:
             raise PipelineError(f"{source}: stages.{plan.name}: {exc}") from None
     _check_eval_overlap(plans, split_of, str(source))
+    _check_lengths(cfg, plans, split_of, str(source), verbose)
     return plans
+
+
+LENGTH_KINDS = {"sft": "sft", "reward": "reward", "dpo": "dpo"}
+
+
+def _check_lengths(cfg: PipelineConfig, plans: list[StagePlan], split_of, source: str, verbose: bool) -> None:
+    """Over-long examples per trained stage whose data is a card, when the tokenizer can be loaded here.
+
+    Every stage repeats the check at its start (the only place it can run when the tokenizer is trained by
+    the first stage, or the hub is unreachable), so skipping it here never lets a bad run train."""
+    from align.lengths import LengthError, enforce, measure
+
+    todo = [p for p in plans if p.cfg.type in LENGTH_KINDS and "data" in p.cards
+            and split_of(p.cards["data"], getattr(p.cfg, "split", "train")).available]
+    if not todo:
+        return
+    paths = resolve_model_paths(cfg, source)
+    name = paths["tokenizer"] or (None if str(paths["base_model"]).startswith("builtin:") else paths["base_model"])
+    if name is None:
+        if verbose:
+            print("  length check: at stage start (the builtin model's tokenizer is trained by the first stage)")
+        return
+    from align.models import ModelError, load_tokenizer
+
+    try:
+        chat = any(split_of(p.cards["data"], p.cfg.split if hasattr(p.cfg, "split") else "train").card.produces
+                   == "messages" for p in todo)
+        tokenizer = load_tokenizer(name, cfg.trust_remote_code, needs_chat_template=chat)
+    except ModelError as exc:
+        raise PipelineError(f"{source}: tokenizer: {exc}") from None
+    except (OSError, ValueError) as exc:
+        if verbose:
+            print(f"  length check: at stage start (tokenizer '{name}' not loadable here: {type(exc).__name__})")
+        return
+    for plan in todo:
+        rows = split_of(plan.cards["data"], getattr(plan.cfg, "split", "train")).rows
+        rows = rows[: plan.cfg.max_train_examples] if plan.cfg.max_train_examples else rows
+        report = measure(plan.name, LENGTH_KINDS[plan.cfg.type], rows, tokenizer, plan.cfg.max_length)
+        if verbose:
+            print(f"  length check {report.summary()}")
+        try:
+            enforce(report, plan.cfg.max_truncated_fraction)
+        except LengthError as exc:
+            raise PipelineError(f"{source}: {exc}") from None
 
 
 def _check_eval_overlap(plans: list[StagePlan], split_of, source: str) -> None:
@@ -254,18 +311,105 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_command(plan: StagePlan, spec: Path, source: str | Path, num_processes: int | None) -> list[str]:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch",
-           "--config_file", str(accelerate_config(plan.cfg.accelerate, source))]
+@dataclass
+class MultiNode:
+    """Where this `align run` sits in a multi-node job (one runner per machine; see launch.sh)."""
+
+    nodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int = 29500
+    rdzv_timeout: int = 600
+
+    def check(self) -> None:
+        if self.nodes < 1:
+            raise PipelineError(f"--nodes {self.nodes}: must be >= 1")
+        if not 0 <= self.node_rank < self.nodes:
+            raise PipelineError(f"--node-rank {self.node_rank}: must be in 0..{self.nodes - 1} for --nodes {self.nodes}")
+        if self.nodes > 1 and not self.master_addr:
+            raise PipelineError("--nodes > 1 needs --master-addr (the address of node 0; launch.sh sets it from "
+                                "SLURM_JOB_NODELIST under SLURM)")
+        if self.rdzv_timeout < 1:
+            raise PipelineError(f"--rdzv-timeout {self.rdzv_timeout}: must be >= 1 second")
+
+    @property
+    def is_main(self) -> bool:
+        return self.node_rank == 0
+
+
+def is_distributed(plan: StagePlan) -> bool:
+    return plan.cfg.accelerate != "cpu"
+
+
+def launch_command(plan: StagePlan, spec: Path, source: str | Path, num_processes: int | None,
+                   multi: MultiNode | None = None) -> list[str]:
+    config = accelerate_config(plan.cfg.accelerate, source)
     # The pipeline-wide --num-processes (one per GPU, from launch.sh) applies to distributed configs only:
     # a stage on `cpu` stays one process unless the stage itself asks for more.
-    n = plan.cfg.num_processes or (num_processes if plan.cfg.accelerate != "cpu" else None)
-    if n:
-        cmd += ["--num_processes", str(n)]
+    n = plan.cfg.num_processes or (num_processes if is_distributed(plan) else None)
+    multi = multi or MultiNode()
+    raw = yaml_load(config) or {}
+    if str(raw.get("distributed_type", "NO")).upper() == "NO" and (n or raw.get("num_processes", 1)) == 1:
+        # One plain process: accelerate launch would only add ~2.6 s of imports (measured) before starting it.
+        return [sys.executable, "-m", "align.cli", "stage", str(spec)]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    if multi.nodes > 1 and is_distributed(plan):
+        per_node = n or int(raw.get("num_processes", 1))
+        # accelerate counts processes over all machines; torchrun (DeepSpeed's `standard` multi-node launcher,
+        # no ssh/pdsh needed) starts per_node of them here and meets the others at the master's port.
+        cmd += ["--num_processes", str(per_node * multi.nodes), "--num_machines", str(multi.nodes),
+                "--machine_rank", str(multi.node_rank), "--main_process_ip", str(multi.master_addr),
+                "--main_process_port", str(multi.master_port), "--rdzv_backend", "static",
+                "--rdzv_conf", f"timeout={multi.rdzv_timeout}", "--max_restarts", "0"]
+        if raw.get("distributed_type") == "DEEPSPEED":
+            cmd += ["--deepspeed_multinode_launcher", "standard"]
+    else:
+        if n:
+            cmd += ["--num_processes", str(n)]
+        cmd += ["--main_process_port", str(_free_port())]
     # No `--cpu` flag: accelerate then ignores a DeepSpeed config and runs one plain process. cpu.yaml says
     # use_cpu itself, and DeepSpeed picks its CPU accelerator (gloo) when no GPU is present.
-    cmd += ["--main_process_port", str(_free_port()), "-m", "align.cli", "stage", str(spec)]
+    cmd += ["-m", "align.cli", "stage", str(spec)]
     return cmd
+
+
+def yaml_load(path: Path) -> Any:
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
+def wait_for_master(multi: MultiNode, stage: str) -> None:
+    """Worker nodes: wait until node 0 listens on the rendezvous port, or fail with the host and port after the
+    timeout (instead of the silent hang of a rendezvous that never completes)."""
+    deadline = time.time() + multi.rdzv_timeout
+    last = ""
+    while time.time() < deadline:
+        try:
+            with socket.create_connection((str(multi.master_addr), multi.master_port),
+                                          timeout=min(5.0, max(0.1, deadline - time.time()))):
+                return
+        except OSError as exc:
+            last = f"{type(exc).__name__}: {exc}"
+            time.sleep(min(1.0, max(0.0, deadline - time.time())))
+    raise PipelineError(
+        f"node {multi.node_rank}: rendezvous for stage '{stage}' timed out after {multi.rdzv_timeout}s: the master "
+        f"node {multi.master_addr}:{multi.master_port} could not be reached ({last}). Check --master-addr / "
+        "--master-port (under SLURM: the first host of SLURM_JOB_NODELIST), that node 0 is running, and that the "
+        "port is open between the nodes; --rdzv-timeout sets the wait.")
+
+
+def wait_for_stage(stage_dir: Path, fingerprint: str, name: str, timeout: float | None) -> None:
+    """Worker nodes: wait until node 0 has recorded the stage as completed (or failed)."""
+    t0 = time.time()
+    while not is_complete(stage_dir, fingerprint):
+        m = read_manifest(stage_dir) or {}
+        if m.get("fingerprint") == fingerprint and m.get("status") == "failed":
+            raise PipelineError(f"stage '{name}' failed on node 0: {m.get('error', 'see its log')}")
+        if timeout is not None and time.time() - t0 > timeout:
+            raise PipelineError(f"stage '{name}': node 0 did not record it as completed within {timeout:.0f}s "
+                                f"({stage_dir / MANIFEST})")
+        time.sleep(1.0)
 
 
 def _stream(cmd: list[str], log_path: Path, env: dict[str, str]) -> int:
@@ -286,12 +430,20 @@ def _stream(cmd: list[str], log_path: Path, env: dict[str, str]) -> int:
 
 
 def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_stage: str | None = None,
-        force: bool = False, num_processes: int | None = None, trust_completed_inputs: bool = False) -> Path:
+        force: bool = False, num_processes: int | None = None, trust_completed_inputs: bool = False,
+        ignore_memory_check: bool = False, multi: MultiNode | None = None) -> Path:
     """Validate, then run every stage that is not already complete with the same fingerprint.
 
     `trust_completed_inputs` accepts inputs that completed under another fingerprint (e.g. an older code
-    version): used by `align report`, which only re-evaluates existing models."""
+    version): used by `align report`, which only re-evaluates existing models.
+
+    Multi-node (`multi.nodes` > 1): every machine runs this with its own node rank against the same run
+    directory on a shared filesystem. Node 0 writes everything (specs, manifests, outputs); other nodes only
+    launch their share of each distributed stage, skip stages that run on one process (node 0 runs them), and
+    wait for node 0 to record each stage before moving on."""
     t0 = time.time()
+    multi = multi or MultiNode()
+    multi.check()
     for flag, value in (("--only", only), ("--from", from_stage)):
         if value and value not in cfg.stages:
             hint = difflib.get_close_matches(value, list(cfg.stages), n=1)
@@ -302,7 +454,11 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
     selected = {only} if only else descendants(from_stage, deps) if from_stage else set(deps)
     forced = selected if (force or from_stage) else set()
     run_dir = run_dir_of(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    to_run = [p.name for p in plans if p.name in selected
+              and (p.name in forced or not is_complete(run_dir / p.name, p.fingerprint))]
+    memory_preflight(cfg, source, set(to_run), num_processes, multi, ignore_memory_check)
+    if multi.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
     pipeline_info = {k: v for k, v in to_dict(cfg).items() if k != "stages"}
     pipeline_info.update(resolve_model_paths(cfg, source))
     code = code_version()
@@ -323,6 +479,10 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
             if not is_complete(run_dir / d, expected):
                 raise PipelineError(f"stage '{plan.name}' needs stage '{d}' completed in {run_dir / d} with the "
                                     "current config; run the pipeline without --only first")
+        if not multi.is_main:
+            _follow_stage(plan, stage_dir, header, source, num_processes, multi, run_dir)
+            statuses[plan.name] = "completed"
+            continue
         stage_dir.mkdir(parents=True, exist_ok=True)
         spec = {
             "stage_name": plan.name, "stage_dir": str(stage_dir.resolve()), "fingerprint": plan.fingerprint,
@@ -337,15 +497,21 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
         print(f"{header}: running (fingerprint {plan.fingerprint})", flush=True)
         t_stage = time.time()
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-        rc = _stream(launch_command(plan, spec_path, source, num_processes), stage_dir / "stage.log", env)
+        rc = _stream(launch_command(plan, spec_path, source, num_processes, multi), stage_dir / "stage.log", env)
         if rc != 0 or not is_complete(stage_dir, plan.fingerprint):
             m = read_manifest(stage_dir) or {}
             statuses[plan.name] = "failed"
             _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)
-            raise PipelineError(f"stage '{plan.name}' failed (exit code {rc}): {m.get('error', 'see the log')}\n"
+            hint = (f"\n  multi-node: if the log shows a rendezvous timeout, a node did not join "
+                    f"{multi.master_addr}:{multi.master_port} within --rdzv-timeout {multi.rdzv_timeout}s"
+                    if multi.nodes > 1 and is_distributed(plan) else "")
+            raise PipelineError(f"stage '{plan.name}' failed (exit code {rc}): {m.get('error', 'see the log')}{hint}\n"
                                 f"  log: {stage_dir / 'stage.log'}\n  manifest: {stage_dir / MANIFEST}")
         statuses[plan.name] = "completed"
         print(f"{header}: done in {time.time() - t_stage:.0f}s", flush=True)
+    if not multi.is_main:
+        print(f"[align] node {multi.node_rank}: pipeline {cfg.name} finished in {time.time() - t0:.0f}s", flush=True)
+        return run_dir
     _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)
     report = run_dir / "report" / "report.md"
     if report.is_file():
@@ -353,6 +519,61 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
         print(f"[align] headline ({report}):\n{table}", flush=True)
     print(f"[align] pipeline {cfg.name} finished in {time.time() - t0:.0f}s: {run_dir}", flush=True)
     return run_dir
+
+
+def _follow_stage(plan: StagePlan, stage_dir: Path, header: str, source: str | Path, num_processes: int | None,
+                  multi: MultiNode, run_dir: Path) -> None:
+    """A worker node's part of one stage: launch its processes for a distributed stage (reading the spec node 0
+    wrote), or wait while node 0 runs a one-process stage. Writes nothing under the run directory."""
+    import tempfile
+
+    if not is_distributed(plan):
+        print(f"{header}: runs on node 0 only ({plan.cfg.accelerate}); waiting for it", flush=True)
+        wait_for_stage(stage_dir, plan.fingerprint, plan.name, None)
+        return
+    wait_for_master(multi, plan.name)
+    spec_path = stage_dir / "spec.json"
+    t_wait = time.time()
+    while not (spec_path.is_file() and json.loads(spec_path.read_text()).get("fingerprint") == plan.fingerprint):
+        if time.time() - t_wait > multi.rdzv_timeout:
+            raise PipelineError(f"node {multi.node_rank}: node 0 ({multi.master_addr}:{multi.master_port}) did not "
+                                f"start stage '{plan.name}' within {multi.rdzv_timeout}s (no {spec_path} with "
+                                f"fingerprint {plan.fingerprint}); is the run directory on a filesystem all nodes share?")
+        time.sleep(0.5)
+    print(f"{header}: running on node {multi.node_rank} of {multi.nodes}", flush=True)
+    log = Path(tempfile.gettempdir()) / f"align-{plan.name}-node{multi.node_rank}.log"
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    rc = _stream(launch_command(plan, spec_path, source, num_processes, multi), log, env)
+    if rc != 0:
+        raise PipelineError(f"stage '{plan.name}' failed on node {multi.node_rank} (exit code {rc}); log: {log}")
+    wait_for_stage(stage_dir, plan.fingerprint, plan.name, multi.rdzv_timeout)
+
+
+def memory_preflight(cfg: PipelineConfig, source: str | Path, names: set[str], num_processes: int | None,
+                     multi: MultiNode, ignore: bool) -> None:
+    """Refuse, before anything is launched, stages whose per-GPU estimate exceeds the GPU memory (align/estimate.py).
+    Skipped when no GPU is present or declared, or when the base model's config cannot be read here."""
+    from align.estimate import EstimateError, estimate_pipeline, hardware, too_big
+
+    if not names:
+        return
+    hw = hardware(cfg, nodes=multi.nodes)
+    if not hw.gpu_memory:
+        return
+    try:
+        estimates = estimate_pipeline(cfg, source, hw, num_processes)
+    except EstimateError as exc:
+        print(f"[align] memory preflight skipped: {exc}", flush=True)
+        return
+    problems = too_big(estimates, hw, names)
+    if not problems:
+        return
+    if ignore:
+        for line in problems:
+            print(f"[align] warning (--ignore-memory-check): {line}", flush=True)
+        return
+    raise PipelineError("memory preflight: " + "\n  ".join(problems) + "\n  (see `align estimate`; "
+                        "--ignore-memory-check launches anyway)")
 
 
 def _resolved_stage(plan: StagePlan) -> dict[str, Any]:

@@ -126,6 +126,25 @@ def test_launch_command_applies_gpu_count_to_distributed_stages_only(tmp_path):
     spec = tmp_path / "spec.json"
     sft = launch_command(plans["sft"], spec, REPO / "pipelines" / "default.yaml", num_processes=8)
     dpo = launch_command(plans["dpo"], spec, REPO / "pipelines" / "default.yaml", num_processes=8)
-    assert "--num_processes" not in sft and sft[sft.index("--config_file") + 1].endswith("cpu.yaml")
+    assert sft[1:] == ["-m", "align.cli", "stage", str(spec)]  # one plain process: no accelerate launcher
     assert dpo[dpo.index("--num_processes") + 1] == "8" and dpo[dpo.index("--config_file") + 1].endswith("zero2.yaml")
-    assert "--cpu" not in sft + dpo  # --cpu would silently turn a DeepSpeed config into one plain process
+    assert "--cpu" not in dpo  # --cpu would silently turn a DeepSpeed config into one plain process
+
+
+def test_launch_command_for_one_node_of_a_multi_node_job(tmp_path):
+    from align.pipeline import MultiNode, PipelineError, launch_command
+
+    cfg = _parse(apply_overrides(_raw(), ["dpo.accelerate=zero3"]))
+    plans = {p.name: p for p in build_plan(cfg, REPO / "pipelines" / "default.yaml")}
+    multi = MultiNode(nodes=2, node_rank=1, master_addr="10.0.0.7", master_port=29511, rdzv_timeout=42)
+    cmd = launch_command(plans["dpo"], tmp_path / "s.json", REPO / "pipelines" / "default.yaml", 4, multi)
+    arg = {k: cmd[cmd.index(k) + 1] for k in ("--num_processes", "--num_machines", "--machine_rank",
+                                               "--main_process_ip", "--main_process_port", "--rdzv_conf",
+                                               "--deepspeed_multinode_launcher")}
+    assert arg == {"--num_processes": "8", "--num_machines": "2", "--machine_rank": "1",
+                   "--main_process_ip": "10.0.0.7", "--main_process_port": "29511", "--rdzv_conf": "timeout=42",
+                   "--deepspeed_multinode_launcher": "standard"}  # torchrun, no ssh/pdsh between nodes
+    for bad, match in ((MultiNode(nodes=2), "--master-addr"), (MultiNode(nodes=2, node_rank=2, master_addr="h"),
+                                                                "--node-rank 2"), (MultiNode(nodes=0), "--nodes 0")):
+        with pytest.raises(PipelineError, match=match):
+            bad.check()

@@ -28,6 +28,10 @@ class DataCardError(ValueError):
     """A data card or its data is invalid; the message names the file, line/row or field, and the fix."""
 
 
+class DataUnavailableError(DataCardError):
+    """A hub dataset could not be fetched from here (offline, no access); the card itself may be fine."""
+
+
 @dataclass
 class DataCard:
     """A validated data card (see data_cards/README.md for every field)."""
@@ -176,15 +180,32 @@ def read_rows(card: DataCard) -> list[dict[str, Any]]:
     return rows
 
 
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers a TCP connection from here (False in offline mode). Lets validation
+    tell an unreachable hub at once instead of after the datasets library's retries."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        with socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 def _read_hub(card: DataCard) -> list[dict[str, Any]]:
     import datasets
 
     src = card.source
     try:
-        ds = datasets.load_dataset(src["hub"], src.get("config"), split=src.get("split", "train"),
-                                   revision=src.get("revision"))
+        ds = datasets.load_dataset(src["hub"], src.get("config"), data_dir=src.get("data_dir"),
+                                   split=src.get("split", "train"), revision=src.get("revision"))
     except Exception as exc:  # network, auth, missing revision: all need the same advice
-        raise DataCardError(f"{card.path}: could not load hub dataset {src['hub']!r} "
+        raise DataUnavailableError(f"{card.path}: could not load hub dataset {src['hub']!r} "
                             f"(revision {src.get('revision')!r}): {exc}") from exc
     return [_map_columns(card, r, f"{card.path}: hub row {i}") for i, r in enumerate(ds)]
 
@@ -199,6 +220,7 @@ class LoadedSplit:
     rows: list[dict[str, Any]]
     dropped: Counter
     total_rows: int
+    available: bool = True  # False: a hub dataset not reachable from here (rows not checked)
 
 
 def load_split(card: DataCard | str | Path, split: str) -> LoadedSplit:

@@ -173,7 +173,7 @@ class StageContext:
             "data_cards": self.spec["data_cards"], "code_version": self.spec["code_version"],
             "git_commit": self.spec.get("git_commit"), "packages": package_versions(),
             "started_at": old.get("started_at") if status != "running" else time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "attempts": attempts, **self.extra_manifest, **extra,
+            "attempts": attempts, "world_size": self.state.num_processes, **self.extra_manifest, **extra,
         }
         if status != "running":
             manifest["ended_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -251,6 +251,19 @@ def trainer_kwargs(cfg: TrainedStage, ctx: StageContext) -> dict[str, Any]:
         bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(), fp16=False,
         max_length=cfg.max_length, logging_first_step=False,
     )
+
+
+def check_lengths(ctx: StageContext, kind: str, rows: list[dict[str, Any]], tokenizer) -> None:
+    """Count examples longer than max_length after templating (align/lengths.py), before any training step;
+    record the counts in the manifest and stop when too many would be truncated or dropped."""
+    from align.lengths import enforce, measure
+
+    cfg: TrainedStage = ctx.cfg  # type: ignore[assignment]
+    report = measure(ctx.name, kind, rows, tokenizer, cfg.max_length)
+    ctx.extra_manifest["length_check"] = report.as_dict()
+    if ctx.is_main:
+        print(f"[align] length check {report.summary()}", flush=True)
+    enforce(report, cfg.max_truncated_fraction)
 
 
 def train_with_resume(ctx: StageContext, trainer) -> dict[str, Any]:

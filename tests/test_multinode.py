@@ -1,0 +1,74 @@
+"""Multi-node launch on one machine: two runners ("nodes"), one process each, rendezvous on 127.0.0.1; a master
+that cannot be reached fails within the rendezvous timeout and names host and port; launch.sh under SLURM."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from conftest import REPO, TINY, align_cmd, run_align
+
+SFT = ["run", "pipelines/default.yaml", "--run-id", "nodes", "--only", "sft", "tracking.wandb=disabled", *TINY,
+       "sft.max_steps=6", "sft.save_steps=5", "sft.max_train_examples=400", "sft.eval_max_examples=16",
+       "sft.accelerate=zero2", "sft.num_processes=1"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_nodes_rendezvous_on_localhost_and_finish_a_stage(workdir):
+    port = str(_free_port())
+    node = ["--nodes", "2", "--master-addr", "127.0.0.1", "--master-port", port, "--rdzv-timeout", "120"]
+    worker = subprocess.Popen(align_cmd(*SFT, *node, "--node-rank", "1"), cwd=workdir, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+    main = run_align(*SFT, *node, "--node-rank", "0", cwd=workdir, timeout=300)
+    worker_out, _ = worker.communicate(timeout=120)
+    assert main.returncode == 0, main.stdout[-3000:] + main.stderr[-3000:]
+    assert worker.returncode == 0, worker_out[-3000:]
+    assert "running on node 1 of 2" in worker_out
+    stage = workdir / "runs" / "default" / "nodes" / "sft"
+    manifest = json.loads((stage / "manifest.json").read_text())
+    assert manifest["status"] == "completed" and manifest["world_size"] == 2 and manifest["global_step"] == 6
+    steps = [json.loads(x)["step"] for x in (stage / "metrics.jsonl").read_text().splitlines() if "train/loss" in x]
+    assert steps == [5]  # logged once, by the global main process
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(stage / "model")
+
+
+def test_unreachable_master_fails_within_the_timeout_naming_host_and_port(workdir):
+    # 192.0.2.1 is TEST-NET-1 (RFC 5737): never routed, so nothing can answer there.
+    t0 = time.time()
+    proc = run_align(*SFT, "--nodes", "2", "--node-rank", "1", "--master-addr", "192.0.2.1", "--master-port", "29577",
+                     "--rdzv-timeout", "4", cwd=workdir, timeout=120)
+    elapsed = time.time() - t0
+    assert proc.returncode == 2
+    assert "rendezvous for stage 'sft' timed out after 4s" in proc.stderr
+    assert "192.0.2.1:29577" in proc.stderr
+    assert elapsed < 4 + 20  # the timeout plus CLI start-up, not a hang
+    assert not (workdir / "runs").exists()  # a worker node writes nothing
+
+
+def test_launch_sh_derives_node_rank_and_master_from_slurm(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "gpu-a17\\ngpu-a18\\n"\n')
+    (fake / "scontrol").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "ALIGN_DRY_RUN": "1",
+           "SLURM_JOB_NODELIST": "gpu-a[17-18]", "SLURM_NNODES": "2", "SLURM_NODEID": "1"}
+    out = subprocess.run([str(REPO / "launch.sh"), "pipelines/hh_rlhf.yaml", "--rdzv-timeout", "900"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["align", "run", "pipelines/hh_rlhf.yaml", "--nodes", "2", "--node-rank", "1",
+                                  "--master-addr", "gpu-a17", "--master-port", "29500", "--rdzv-timeout", "900"]
