@@ -1,0 +1,335 @@
+"""Per-stage, per-GPU memory estimates, before anything is launched (`align estimate`, and `align run`'s preflight).
+
+For every stage: the models it holds (policy, reference, reward, value), their parameter counts (the models are
+built on the meta device from their configs: nothing is downloaded or allocated), and the memory one GPU needs
+under each parallelism mode. The parts, all per GPU, with N = GPUs in the job:
+
+* trained models' states (16-bit weights, gradients, fp32 master weights and Adam moments). ZeRO-2 and ZeRO-3
+  use DeepSpeed's own estimators (`estimate_zero2_model_states_mem_needs`, `estimate_zero3_model_states_mem_needs`):
+  ZeRO-2 2P + 18P/N, ZeRO-3 4L + 18P/N, ZeRO-3 with optimizer and parameter offload 4L (L = the largest layer's
+  parameters, gathered whole). DeepSpeed has none for plain data parallel and ZeRO-1; those follow the ZeRO paper
+  (Rajbhandari et al. 2020, section 3.1, K = 12): DDP 16P, ZeRO-1 4P + 12P/N.
+* frozen models (reference, reward model) in the pipeline dtype: whole on every GPU, except under ZeRO-3 where
+  they are sharded like the trained ones (bytes x P / N plus one gathered layer), or offloaded (one layer).
+* activations of one micro-batch, Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+  Transformer Models") eq. 1: s*b*h*(34 + 5*a*s/h) bytes per layer without recomputation, plus the logits and
+  their gradient in fp32 (8*s*b*V bytes);
+* the KV cache of generation (PPO rollouts, preference sampling, evaluation): 2 * layers * b * s * h * bytes.
+* a fixed allowance for the CUDA context and allocator fragmentation.
+
+These are estimates for a go/no-go decision, not promises: they leave out temporary buffers, and LoRA is counted
+as full fine-tuning (an overestimate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from align.config import PipelineConfig, StageBase
+
+GB = 1e9
+GIB = 2 ** 30
+OVERHEAD_BYTES = 1 * GIB  # CUDA context + allocator slack
+MODES = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload")
+REPORTED_MODES = ("zero2", "zero3", "zero3_offload")
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class EstimateError(ValueError):
+    """A model's size cannot be determined here; the message says what to provide."""
+
+
+@dataclass
+class ModelShape:
+    """What the estimate needs to know about one architecture."""
+
+    params: int
+    largest_layer: int
+    hidden: int
+    layers: int
+    heads: int
+    vocab: int
+
+
+@dataclass
+class Held:
+    role: str  # policy, reference, reward, value, judge
+    shape: ModelShape
+    trained: bool
+
+
+@dataclass
+class StageEstimate:
+    name: str
+    type: str
+    mode: str  # the stage's own accelerate config, as a mode
+    gpus: int
+    held: list[Held]
+    bytes_by_mode: dict[str, int] = field(default_factory=dict)
+    parts: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def chosen_bytes(self) -> int:
+        return self.bytes_by_mode[self.mode]
+
+
+# --------------------------------------------------------------------------------------------- arithmetic
+def model_state_bytes(mode: str, params: int, largest_layer: int, gpus: int) -> int:
+    """Bytes per GPU for a trained model's weights, gradients and Adam states (mixed precision)."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    if mode == "ddp":
+        return 16 * params
+    if mode == "zero1":
+        return 4 * params + int(12 * params / gpus)
+    if mode in ("zero2", "zero2_offload"):
+        return estimate_zero2_model_states_mem_needs(params, num_gpus_per_node=gpus, num_nodes=1,
+                                                     cpu_offload=mode == "zero2_offload")[1]
+    if mode in ("zero3", "zero3_offload"):
+        offload = mode == "zero3_offload"
+        return estimate_zero3_model_states_mem_needs(params, largest_layer, num_gpus_per_node=gpus, num_nodes=1,
+                                                     cpu_offload=offload, cpu_offload_params=offload)[1]
+    raise ValueError(f"unknown mode '{mode}' (one of {MODES})")
+
+
+def frozen_bytes(mode: str, params: int, largest_layer: int, gpus: int, dtype_bytes: int) -> int:
+    """Bytes per GPU for a model that is only run forward (reference, reward model)."""
+    if mode == "zero3":
+        return int(dtype_bytes * params / gpus) + dtype_bytes * largest_layer
+    if mode == "zero3_offload":
+        return dtype_bytes * largest_layer
+    return dtype_bytes * params
+
+
+def activation_bytes(shape: ModelShape, batch: int, seq: int, logits: bool = True) -> int:
+    """One micro-batch's activations kept for backward (Korthikanti et al. 2022, eq. 1) plus, for a language model,
+    the fp32 logits and their gradient (a scalar head's output is negligible)."""
+    s, b, h, a = seq, batch, shape.hidden, shape.heads
+    per_layer = s * b * h * (34 + 5 * a * s / h)
+    return int(shape.layers * per_layer) + (8 * s * b * shape.vocab if logits else 0)
+
+
+def kv_cache_bytes(shape: ModelShape, batch: int, seq: int, dtype_bytes: int) -> int:
+    """Keys and values of every layer for `batch` sequences of length `seq`, plus one step of fp32 logits."""
+    return 2 * shape.layers * batch * seq * shape.hidden * dtype_bytes + 4 * batch * shape.vocab
+
+
+# --------------------------------------------------------------------------------------------- shapes
+def shape_of(model) -> ModelShape:
+    cfg = model.config
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return ModelShape(params=sum(p.numel() for p in model.parameters()), largest_layer=largest,
+                      hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
+                      vocab=cfg.vocab_size)
+
+
+def base_config(cfg: PipelineConfig, source: str | Path):
+    """The base model's transformers config without downloading weights (builtin, local, a declared copy, or the
+    hub / local HF cache)."""
+    from transformers import AutoConfig, LlamaConfig
+
+    from align.pipeline import resolve_model_paths
+
+    paths = resolve_model_paths(cfg, source)
+    if cfg.base_model.startswith("builtin:"):
+        b = cfg.builtin
+        vocab = b.vocab_size
+        if paths["tokenizer"]:
+            from align.models import load_tokenizer
+
+            vocab = len(load_tokenizer(paths["tokenizer"], cfg.trust_remote_code))
+        return LlamaConfig(vocab_size=vocab, hidden_size=b.hidden_size, intermediate_size=b.intermediate_size,
+                           num_hidden_layers=b.num_layers, num_attention_heads=b.num_heads,
+                           num_key_value_heads=b.num_heads, max_position_embeddings=b.max_position_embeddings,
+                           tie_word_embeddings=True)
+    if cfg.base_model_config:
+        local = Path(source).resolve().parent / cfg.base_model_config
+        if not local.exists():
+            raise EstimateError(f"{source}: base_model_config: '{cfg.base_model_config}' not found (looked for {local})")
+        return AutoConfig.from_pretrained(str(local.parent if local.is_file() else local))
+    try:
+        return AutoConfig.from_pretrained(paths["base_model"], trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise EstimateError(
+            f"{source}: base_model '{cfg.base_model}': cannot read its config here ({type(exc).__name__}). Put a "
+            "copy of its config.json beside the pipeline and name it in `base_model_config:`.") from None
+
+
+def model_shapes(cfg: PipelineConfig, source: str | Path) -> dict[str, ModelShape]:
+    """Shapes of the causal LM and of the scalar (reward / value) model on top of the same backbone."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = base_config(cfg, source)
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+        config.num_labels = 1
+        scalar = AutoModelForSequenceClassification.from_config(config, trust_remote_code=cfg.trust_remote_code)
+    return {"lm": shape_of(lm), "scalar": shape_of(scalar)}
+
+
+# --------------------------------------------------------------------------------------------- stages
+def accelerate_mode(path: Path) -> tuple[str, int | None]:
+    """(mode, num_processes) that an accelerate config file describes."""
+    raw = yaml.safe_load(path.read_text()) or {}
+    n = raw.get("num_processes")
+    dist = str(raw.get("distributed_type", "NO")).upper()
+    if dist != "DEEPSPEED":
+        return ("ddp", n)
+    ds = raw.get("deepspeed_config") or {}
+    stage = int(ds.get("zero_stage", 0))
+    offload = str(ds.get("offload_optimizer_device", "none")) != "none" or \
+        str(ds.get("offload_param_device", "none")) != "none"
+    if stage <= 0:
+        return ("ddp", n)
+    if stage == 1:
+        return ("zero1", n)
+    return (f"zero{stage}_offload" if offload else f"zero{stage}", n)
+
+
+def held_models(stage: StageBase, stages: dict[str, StageBase], shapes: dict[str, ModelShape]) -> list[Held]:
+    lm, scalar = shapes["lm"], shapes["scalar"]
+    kind = stage.type
+    if kind == "sft":
+        return [Held("policy", lm, True)]
+    if kind == "reward":
+        return [Held("reward", scalar, True)]
+    if kind == "dpo":
+        return [Held("policy", lm, True), Held("reference", lm, False)]
+    if kind == "ppo":
+        return [Held("policy", lm, True), Held("value", scalar, True), Held("reference", lm, False),
+                Held("reward", scalar, False)]
+    if kind == "preferences":
+        judge = getattr(stage, "judge", "")
+        return [Held("policy", lm, False)] + ([Held("judge", scalar, False)] if judge in stages else [])
+    if kind == "evaluate":
+        return [Held("policy", lm, False), Held("reference", lm, False)] + \
+            ([Held("reward", scalar, False)] if getattr(stage, "reward", None) else [])
+    return []
+
+
+def _workload(stage: Any) -> tuple[int, int, int, int]:
+    """(training micro-batch sequences, training length, generation batch, generation length)."""
+    kind = stage.type
+    if kind == "sft":
+        return stage.per_device_batch_size, stage.max_length, 0, 0
+    if kind in ("reward", "dpo"):  # chosen and rejected go through the model together
+        return 2 * stage.per_device_batch_size, stage.max_length, 0, 0
+    if kind == "ppo":
+        seq = stage.max_prompt_length + stage.generation.max_new_tokens
+        return stage.mini_batch_size, seq, min(stage.generation.batch_size, stage.rollout_batch_size), seq
+    gen = getattr(stage, "generation", None)
+    if gen is not None:
+        return 0, 0, gen.batch_size, 256 + gen.max_new_tokens  # prompts are not bounded here: assume 256 tokens
+    return 0, 0, 0, 0
+
+
+def estimate_stage(name: str, stage: Any, stages: dict[str, StageBase], shapes: dict[str, ModelShape],
+                   mode: str, gpus: int, dtype: str) -> StageEstimate:
+    held = held_models(stage, stages, shapes)
+    est = StageEstimate(name, stage.type, mode, gpus, held)
+    dbytes = _DTYPE_BYTES[dtype]
+    train_b, train_s, gen_b, gen_s = _workload(stage)
+    trained = [h for h in held if h.trained]
+    for m in dict.fromkeys((*REPORTED_MODES, mode)):
+        n = gpus
+        parts = {"trained_states": 0, "frozen_weights": 0, "activations": 0, "generation": 0,
+                 "overhead": OVERHEAD_BYTES}
+        if trained:  # trained models share one engine (PPO: policy + value)
+            parts["trained_states"] = model_state_bytes(m, sum(h.shape.params for h in trained),
+                                                        max(h.shape.largest_layer for h in trained), n)
+            parts["activations"] = sum(activation_bytes(h.shape, train_b, train_s, logits=h.role == "policy")
+                                       for h in trained)
+        parts["frozen_weights"] = sum(frozen_bytes(m, h.shape.params, h.shape.largest_layer, n, dbytes)
+                                      for h in held if not h.trained)
+        if gen_b:
+            policy = held[0].shape
+            parts["generation"] = kv_cache_bytes(policy, gen_b, gen_s, dbytes)
+        est.parts[m] = parts
+        est.bytes_by_mode[m] = sum(parts.values())
+    return est
+
+
+# --------------------------------------------------------------------------------------------- pipeline
+@dataclass
+class Hardware:
+    gpus_per_node: int | None
+    gpu_memory: int | None  # bytes
+    nodes: int
+    detected: bool
+
+
+def hardware(cfg: PipelineConfig, gpus_per_node: int | None = None, gpu_memory_gb: float | None = None,
+             nodes: int | None = None) -> Hardware:
+    """GPUs declared (CLI flags, then the pipeline's `hardware:`) or detected."""
+    import torch
+
+    n = gpus_per_node or cfg.hardware.gpus_per_node
+    mem = gpu_memory_gb or cfg.hardware.gpu_memory_gb
+    detected = False
+    if torch.cuda.is_available():
+        n = n or torch.cuda.device_count()
+        if mem is None:
+            mem = torch.cuda.get_device_properties(0).total_memory / GB
+            detected = True
+    return Hardware(n, int(mem * GB) if mem else None, nodes or cfg.hardware.nodes, detected)
+
+
+def estimate_pipeline(cfg: PipelineConfig, source: str | Path, hw: Hardware,
+                      num_processes: int | None = None) -> list[StageEstimate]:
+    from align.pipeline import accelerate_config, build_plan
+
+    plans = build_plan(cfg, source)
+    shapes = model_shapes(cfg, source)
+    out = []
+    for plan in plans:
+        mode, cfg_n = accelerate_mode(accelerate_config(plan.cfg.accelerate, source))
+        distributed = plan.cfg.accelerate != "cpu"
+        per_node = plan.cfg.num_processes or (num_processes or hw.gpus_per_node or cfg_n if distributed else 1) or 1
+        gpus = per_node * (hw.nodes if distributed else 1)
+        out.append(estimate_stage(plan.name, plan.cfg, cfg.stages, shapes, mode, gpus, cfg.dtype))
+    return out
+
+
+def _gib(b: int) -> str:
+    return f"{b / GIB:.2f}"
+
+
+def render(estimates: list[StageEstimate], hw: Hardware) -> str:
+    cap = hw.gpu_memory
+    where = (f"{hw.nodes} node(s) x {hw.gpus_per_node or '?'} GPU(s), {cap / GB:.0f} GB each"
+             + (" (detected)" if hw.detected else " (declared)")) if cap else "no GPU present or declared"
+    lines = [f"per-GPU memory estimate, GiB ({where}); see align/estimate.py for the formulas", "",
+             "| stage | type | models (parameters) | GPUs | " + " | ".join(REPORTED_MODES) + " | chosen | fits |",
+             "|---|---|---|---|" + "---|" * len(REPORTED_MODES) + "---|---|"]
+    for e in estimates:
+        models = ", ".join(f"{h.role}{'*' if h.trained else ''} {h.shape.params / 1e6:,.1f}M" for h in e.held) or "-"
+        fits = "-" if not cap else ("yes" if e.chosen_bytes <= cap else "NO")
+        lines.append(f"| {e.name} | {e.type} | {models} | {e.gpus} | "
+                     + " | ".join(_gib(e.bytes_by_mode[m]) for m in REPORTED_MODES)
+                     + f" | {e.mode}: {_gib(e.chosen_bytes)} | {fits} |")
+    lines += ["", "* = trained. Includes activations of one micro-batch, generation KV cache and "
+              f"{OVERHEAD_BYTES / GIB:.0f} GiB CUDA overhead."]
+    return "\n".join(lines)
+
+
+def too_big(estimates: list[StageEstimate], hw: Hardware, names: set[str] | None = None) -> list[str]:
+    """One line per selected stage whose chosen mode does not fit the GPU memory (empty when unknown)."""
+    if not hw.gpu_memory:
+        return []
+    out = []
+    for e in estimates:
+        if (names is None or e.name in names) and e.chosen_bytes > hw.gpu_memory:
+            p = e.parts[e.mode]
+            detail = ", ".join(f"{k} {_gib(v)}" for k, v in p.items() if v)
+            alts = [m for m in REPORTED_MODES if e.bytes_by_mode[m] <= hw.gpu_memory]
+            out.append(f"stage '{e.name}' ({e.mode}, {e.gpus} GPUs) needs ~{_gib(e.chosen_bytes)} GiB per GPU "
+                       f"({detail}) but a GPU has {_gib(hw.gpu_memory)} GiB"
+                       + (f"; {' or '.join(alts)} would fit (set stages.{e.name}.accelerate)" if alts else
+                          "; use more GPUs, smaller batches or a smaller model"))
+    return out
