@@ -173,7 +173,10 @@ class StageContext:
             "data_cards": self.spec["data_cards"], "code_version": self.spec["code_version"],
             "git_commit": self.spec.get("git_commit"), "packages": package_versions(),
             "started_at": old.get("started_at") if status != "running" else time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "attempts": attempts, "world_size": self.state.num_processes, **self.extra_manifest, **extra,
+            "attempts": attempts, "world_size": self.state.num_processes,
+            "distributed_type": str(self.state.distributed_type).split(".")[-1],
+            "zero_stage": int(os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"])
+            if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") else None, **self.extra_manifest, **extra,
         }
         if status != "running":
             manifest["ended_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
