@@ -3,7 +3,7 @@
 #   ./launch.sh                                  set up .venv if needed, run pipelines/default.yaml
 #   ./launch.sh PIPELINE.yaml [align run args]   run that pipeline (e.g. --only ppo, dpo.beta=0.2)
 #   ./launch.sh --tests [pytest args]            set up .venv if needed, run the test suite
-# On a box with several GPUs every stage whose accelerate config is distributed gets one process per GPU.
+# On a GPU machine every stage whose accelerate config is distributed gets one process per GPU present.
 # Multi-node: start one launch.sh per node. Under SLURM (srun --nodes=N --ntasks-per-node=1 ./launch.sh ...)
 # each one reads SLURM_NNODES, SLURM_NODEID and the first host of SLURM_JOB_NODELIST (the master); elsewhere
 # pass --nodes N --node-rank R --master-addr HOST [--master-port P] [--rdzv-timeout S] yourself.
@@ -46,7 +46,7 @@ pipeline=pipelines/default.yaml
 if [ $# -gt 0 ] && [ "${1#-}" = "$1" ] && [ "${1%.yaml}" != "$1" ]; then pipeline=$1; shift; fi
 extra=()
 n=$(gpu_count)
-if [ "$n" -gt 1 ]; then extra+=(--num-processes "$n"); fi
+if [ "$n" -ge 1 ]; then extra+=(--num-processes "$n"); fi
 if [ -n "${SLURM_JOB_NODELIST:-}" ] && [ "${SLURM_NNODES:-1}" -gt 1 ]; then
   master=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
   extra+=(--nodes "$SLURM_NNODES" --node-rank "${SLURM_NODEID:?SLURM_NODEID is not set: run one task per node}"

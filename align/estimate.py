@@ -266,17 +266,18 @@ class Hardware:
 
 def hardware(cfg: PipelineConfig, gpus_per_node: int | None = None, gpu_memory_gb: float | None = None,
              nodes: int | None = None) -> Hardware:
-    """GPUs declared (CLI flags, then the pipeline's `hardware:`) or detected."""
+    """The GPUs to compare with: CLI flags first, then the GPUs present, then the pipeline's `hardware:`."""
     import torch
 
-    n = gpus_per_node or cfg.hardware.gpus_per_node
-    mem = gpu_memory_gb or cfg.hardware.gpu_memory_gb
-    detected = False
+    n, mem, detected = gpus_per_node, gpu_memory_gb, False
     if torch.cuda.is_available():
-        n = n or torch.cuda.device_count()
+        if n is None:
+            n = torch.cuda.device_count()
         if mem is None:
             mem = torch.cuda.get_device_properties(0).total_memory / GB
             detected = True
+    n = n or cfg.hardware.gpus_per_node
+    mem = mem or cfg.hardware.gpu_memory_gb
     return Hardware(n, int(mem * GB) if mem else None, nodes or cfg.hardware.nodes, detected)
 
 
