@@ -1,0 +1,173 @@
+"""SIGKILL every trainable stage (sft, reward, dpo, ppo) at random points during training, three times each.
+
+Each trial starts the stage through `align run` (the first trial on a fresh stage, later ones with --force over
+the previous completed output), waits until training has begun, sleeps a random time and kills the whole
+process group. Then: the killed attempt is never recorded as completed, so no later stage can consume it;
+`model/` is either the previous complete output (byte-identical) or absent, never a partial directory; and
+the next `align run` completes (resuming from the last complete checkpoint when there is one) with a model/
+that loads. The random seed is printed so a failing trial can be replayed (ALIGN_CRASH_SEED).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TINY, align_cmd, run_align
+
+pytestmark = pytest.mark.slow
+
+TRIALS = 3
+ARGS = ["run", "pipelines/default.yaml", "--run-id", "crash", "tracking.wandb=disabled", *TINY,
+        "sft.max_steps=160", "sft.save_steps=20", "sft.logging_steps=10", "sft.eval_split=null",
+        "reward.max_steps=400", "reward.save_steps=40", "reward.logging_steps=20",
+        "dpo.max_steps=200", "dpo.save_steps=20", "dpo.logging_steps=10",
+        "ppo.iterations=16", "ppo.save_every=2"]
+FINAL = {"sft": 160, "reward": 400, "dpo": 200, "ppo": 16}
+# Seconds after training starts within which the kill lands (uniformly); each stage trains for longer.
+WINDOW = {"sft": 4.0, "reward": 4.0, "dpo": 4.0, "ppo": 4.0}
+SEED = int(os.environ.get("ALIGN_CRASH_SEED", time.time_ns() % 100_000))
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    root = tmp_path_factory.mktemp("crash")
+    for name in ("pipelines", "data_cards"):
+        (root / name).symlink_to(REPO / name)
+    print(f"crash-test seed {SEED} (replay with ALIGN_CRASH_SEED={SEED})")
+    return root, root / "runs" / "default" / "crash", random.Random(SEED)
+
+
+def _manifest(stage_dir: Path) -> dict:
+    p = stage_dir / "manifest.json"
+    return json.loads(p.read_text()) if p.is_file() else {}
+
+
+def _digest(model_dir: Path) -> str | None:
+    if not model_dir.exists():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(model_dir.rglob("*")):
+        if f.is_file():
+            h.update(f.relative_to(model_dir).as_posix().encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _training_started(stage_dir: Path, since: float) -> bool:
+    stamp = stage_dir / "checkpoints" / "FINGERPRINT"  # written just before the first training step
+    try:
+        return stamp.stat().st_mtime >= since
+    except FileNotFoundError:
+        return False
+
+
+def _complete_checkpoints(ckpts: Path) -> list[int]:
+    """Steps/iterations of complete checkpoints: Trainer's (trainer_state.json is written last) and PPO's
+    (COMPLETE marker after the rename)."""
+    out = []
+    for p in ckpts.glob("checkpoint-*"):
+        try:
+            json.loads((p / "trainer_state.json").read_text())
+            out.append(int(p.name.split("-")[1]))
+        except (OSError, ValueError):
+            pass
+    out += [int(p.name.split("-")[1]) for p in ckpts.glob("iter-*") if (p / "COMPLETE").is_file()]
+    return sorted(out)
+
+
+def _ensure(root: Path, run: Path, stage: str) -> None:
+    if _manifest(run / stage).get("status") != "completed":
+        proc = run_align(*ARGS, "--only", stage, cwd=root)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def _kill_trials(project, stage: str, load) -> list[dict]:
+    root, run, rng = project
+    stage_dir = run / stage
+    done: list[dict] = []
+    attempts = 0
+    while len(done) < TRIALS:
+        attempts += 1
+        assert attempts <= 2 * TRIALS, f"{stage}: the stage kept finishing before the kill; lengthen it"
+        before = _digest(stage_dir / "model")
+        force = ["--force"] if _manifest(stage_dir).get("status") == "completed" else []
+        t_launch = time.time() - 1  # filesystem mtimes can be coarse
+        proc = subprocess.Popen(align_cmd(*ARGS, "--only", stage, *force), cwd=root, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
+        try:
+            while not _training_started(stage_dir, t_launch):
+                assert proc.poll() is None, f"{stage}: the stage exited before training started"
+                assert time.time() - t_launch < 180, f"{stage}: training did not start"
+                time.sleep(0.05)
+            delay = rng.uniform(0.0, WINDOW[stage])
+            time.sleep(delay)
+            finished = proc.poll() is not None
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if finished:
+            continue  # not a kill during training: does not count as a trial
+        m = _manifest(stage_dir)
+        assert m.get("status") == "running", f"{stage}: a killed attempt must not look completed: {m.get('status')}"
+        after = _digest(stage_dir / "model")
+        assert after == before, f"{stage}: model/ changed although the attempt was killed"
+        ckpts = _complete_checkpoints(stage_dir / "checkpoints")
+        again = run_align(*ARGS, "--only", stage, cwd=root)
+        assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+        m = _manifest(stage_dir)
+        assert m["status"] == "completed"
+        assert m.get("global_step", m["final_metrics"].get("ppo/iterations")) == FINAL[stage]  # ran to the end
+        resumed = m.get("resumed_from_step", m.get("resumed_from_iteration", 0))
+        if ckpts:  # a complete checkpoint existed at the kill: the rerun continued from the newest
+            assert resumed == max(ckpts), (stage, ckpts, resumed)
+        load(stage_dir / "model")
+        done.append({"delay": round(delay, 2), "checkpoints": ckpts, "resumed": resumed})
+    print(f"{stage}: {done}")
+    return done
+
+
+def _lm(path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(path)
+
+
+def _scalar(path: Path) -> None:
+    from transformers import AutoModelForSequenceClassification
+
+    AutoModelForSequenceClassification.from_pretrained(path)
+
+
+def test_sft_survives_random_kills(project):
+    trials = _kill_trials(project, "sft", _lm)
+    assert len(trials) == TRIALS
+
+
+def test_reward_survives_random_kills(project):
+    root, run, _ = project
+    for dep in ("sft", "preferences"):
+        _ensure(root, run, dep)
+    assert len(_kill_trials(project, "reward", _scalar)) == TRIALS
+
+
+def test_dpo_survives_random_kills(project):
+    root, run, _ = project
+    for dep in ("sft", "preferences"):
+        _ensure(root, run, dep)
+    assert len(_kill_trials(project, "dpo", _lm)) == TRIALS
+
+
+def test_ppo_survives_random_kills(project):
+    root, run, _ = project
+    for dep in ("sft", "preferences", "reward"):
+        _ensure(root, run, dep)
+    assert len(_kill_trials(project, "ppo", _lm)) == TRIALS
