@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from align.config import PipelineConfig, StageBase
 
 GB = 1e9
@@ -133,10 +131,11 @@ def base_config(cfg: PipelineConfig, source: str | Path):
     hub / local HF cache)."""
     from transformers import AutoConfig, LlamaConfig
 
+    from align.models import is_builtin
     from align.pipeline import resolve_model_paths
 
     paths = resolve_model_paths(cfg, source)
-    if cfg.base_model.startswith("builtin:"):
+    if is_builtin(cfg.base_model):
         b = cfg.builtin
         vocab = b.vocab_size
         if paths["tokenizer"]:
@@ -176,7 +175,9 @@ def model_shapes(cfg: PipelineConfig, source: str | Path) -> dict[str, ModelShap
 # --------------------------------------------------------------------------------------------- stages
 def accelerate_mode(path: Path) -> tuple[str, int | None]:
     """(mode, num_processes) that an accelerate config file describes."""
-    raw = yaml.safe_load(path.read_text()) or {}
+    from align.pipeline import yaml_load
+
+    raw = yaml_load(path) or {}
     n = raw.get("num_processes")
     dist = str(raw.get("distributed_type", "NO")).upper()
     if dist != "DEEPSPEED":
@@ -281,11 +282,11 @@ def hardware(cfg: PipelineConfig, gpus_per_node: int | None = None, gpu_memory_g
     return Hardware(n, int(mem * GB) if mem else None, nodes or cfg.hardware.nodes, detected)
 
 
-def estimate_pipeline(cfg: PipelineConfig, source: str | Path, hw: Hardware,
-                      num_processes: int | None = None) -> list[StageEstimate]:
+def estimate_pipeline(cfg: PipelineConfig, source: str | Path, hw: Hardware, num_processes: int | None = None,
+                      plans: list | None = None) -> list[StageEstimate]:
     from align.pipeline import accelerate_config, build_plan
 
-    plans = build_plan(cfg, source)
+    plans = plans or build_plan(cfg, source)
     shapes = model_shapes(cfg, source)
     out = []
     for plan in plans:

@@ -204,7 +204,7 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
             except DataUnavailableError:
                 # A hub dataset this machine cannot reach (e.g. an offline login node): the card is checked,
                 # its rows are checked when the stage starts on a machine that can fetch them.
-                cache[key] = LoadedSplit(load_card(card), split, [], Counter(), 0, available=False)
+                cache[key] = LoadedSplit(loaded, split, [], Counter(), 0, available=False)
             except DataCardError as exc:
                 raise PipelineError(str(exc)) from None
         return cache[key]
@@ -227,7 +227,7 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
     return plans
 
 
-LENGTH_KINDS = {"sft": "sft", "reward": "reward", "dpo": "dpo"}
+LENGTH_KINDS = ("sft", "reward", "dpo")  # the stages align/lengths.py measures
 
 
 def _check_lengths(cfg: PipelineConfig, plans: list[StagePlan], split_of, source: str, verbose: bool) -> None:
@@ -236,22 +236,21 @@ def _check_lengths(cfg: PipelineConfig, plans: list[StagePlan], split_of, source
     Every stage repeats the check at its start (the only place it can run when the tokenizer is trained by
     the first stage, or the hub is unreachable), so skipping it here never lets a bad run train."""
     from align.lengths import LengthError, enforce, measure
+    from align.models import ModelError, is_builtin, load_tokenizer
 
-    todo = [p for p in plans if p.cfg.type in LENGTH_KINDS and "data" in p.cards
-            and split_of(p.cards["data"], getattr(p.cfg, "split", "train")).available]
+    data = {p.name: split_of(p.cards["data"], getattr(p.cfg, "split", "train"))
+            for p in plans if p.cfg.type in LENGTH_KINDS and "data" in p.cards}
+    todo = [p for p in plans if p.name in data and data[p.name].available]
     if not todo:
         return
     paths = resolve_model_paths(cfg, source)
-    name = paths["tokenizer"] or (None if str(paths["base_model"]).startswith("builtin:") else paths["base_model"])
+    name = paths["tokenizer"] or (None if is_builtin(str(paths["base_model"])) else paths["base_model"])
     if name is None:
         if verbose:
             print("  length check: at stage start (the builtin model's tokenizer is trained by the first stage)")
         return
-    from align.models import ModelError, load_tokenizer
-
     try:
-        chat = any(split_of(p.cards["data"], p.cfg.split if hasattr(p.cfg, "split") else "train").card.produces
-                   == "messages" for p in todo)
+        chat = any(data[p.name].card.produces == "messages" for p in todo)
         tokenizer = load_tokenizer(name, cfg.trust_remote_code, needs_chat_template=chat)
     except ModelError as exc:
         raise PipelineError(f"{source}: tokenizer: {exc}") from None
@@ -260,9 +259,9 @@ def _check_lengths(cfg: PipelineConfig, plans: list[StagePlan], split_of, source
             print(f"  length check: at stage start (tokenizer '{name}' not loadable here: {type(exc).__name__})")
         return
     for plan in todo:
-        rows = split_of(plan.cards["data"], getattr(plan.cfg, "split", "train")).rows
+        rows = data[plan.name].rows
         rows = rows[: plan.cfg.max_train_examples] if plan.cfg.max_train_examples else rows
-        report = measure(plan.name, LENGTH_KINDS[plan.cfg.type], rows, tokenizer, plan.cfg.max_length)
+        report = measure(plan.name, plan.cfg.type, rows, tokenizer, plan.cfg.max_length)
         if verbose:
             print(f"  length check {report.summary()}")
         try:
@@ -412,6 +411,10 @@ def wait_for_stage(stage_dir: Path, fingerprint: str, name: str, timeout: float 
         time.sleep(1.0)
 
 
+def _stage_env() -> dict[str, str]:
+    return {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+
 def _stream(cmd: list[str], log_path: Path, env: dict[str, str]) -> int:
     """Run `cmd`, copying its output to the terminal and to `log_path` as it comes (progress bars too)."""
     with open(log_path, "ab") as log:
@@ -456,7 +459,7 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
     run_dir = run_dir_of(cfg)
     to_run = [p.name for p in plans if p.name in selected
               and (p.name in forced or not is_complete(run_dir / p.name, p.fingerprint))]
-    memory_preflight(cfg, source, set(to_run), num_processes, multi, ignore_memory_check)
+    memory_preflight(cfg, source, plans, set(to_run), num_processes, multi, ignore_memory_check)
     if multi.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     pipeline_info = {k: v for k, v in to_dict(cfg).items() if k != "stages"}
@@ -480,7 +483,7 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
                 raise PipelineError(f"stage '{plan.name}' needs stage '{d}' completed in {run_dir / d} with the "
                                     "current config; run the pipeline without --only first")
         if not multi.is_main:
-            _follow_stage(plan, stage_dir, header, source, num_processes, multi, run_dir)
+            _follow_stage(plan, stage_dir, header, source, num_processes, multi)
             statuses[plan.name] = "completed"
             continue
         stage_dir.mkdir(parents=True, exist_ok=True)
@@ -496,8 +499,8 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
         atomic_write_json(spec_path, scrub(spec))
         print(f"{header}: running (fingerprint {plan.fingerprint})", flush=True)
         t_stage = time.time()
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-        rc = _stream(launch_command(plan, spec_path, source, num_processes, multi), stage_dir / "stage.log", env)
+        rc = _stream(launch_command(plan, spec_path, source, num_processes, multi), stage_dir / "stage.log",
+                     _stage_env())
         if rc != 0 or not is_complete(stage_dir, plan.fingerprint):
             m = read_manifest(stage_dir) or {}
             statuses[plan.name] = "failed"
@@ -522,7 +525,7 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
 
 
 def _follow_stage(plan: StagePlan, stage_dir: Path, header: str, source: str | Path, num_processes: int | None,
-                  multi: MultiNode, run_dir: Path) -> None:
+                  multi: MultiNode) -> None:
     """A worker node's part of one stage: launch its processes for a distributed stage (reading the spec node 0
     wrote), or wait while node 0 runs a one-process stage. Writes nothing under the run directory."""
     import tempfile
@@ -542,15 +545,14 @@ def _follow_stage(plan: StagePlan, stage_dir: Path, header: str, source: str | P
         time.sleep(0.5)
     print(f"{header}: running on node {multi.node_rank} of {multi.nodes}", flush=True)
     log = Path(tempfile.gettempdir()) / f"align-{plan.name}-node{multi.node_rank}.log"
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    rc = _stream(launch_command(plan, spec_path, source, num_processes, multi), log, env)
+    rc = _stream(launch_command(plan, spec_path, source, num_processes, multi), log, _stage_env())
     if rc != 0:
         raise PipelineError(f"stage '{plan.name}' failed on node {multi.node_rank} (exit code {rc}); log: {log}")
     wait_for_stage(stage_dir, plan.fingerprint, plan.name, multi.rdzv_timeout)
 
 
-def memory_preflight(cfg: PipelineConfig, source: str | Path, names: set[str], num_processes: int | None,
-                     multi: MultiNode, ignore: bool) -> None:
+def memory_preflight(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan], names: set[str],
+                     num_processes: int | None, multi: MultiNode, ignore: bool) -> None:
     """Refuse, before anything is launched, stages whose per-GPU estimate exceeds the GPU memory (align/estimate.py).
     Skipped when no GPU is present or declared, or when the base model's config cannot be read here."""
     from align.estimate import EstimateError, estimate_pipeline, hardware, too_big
@@ -561,7 +563,7 @@ def memory_preflight(cfg: PipelineConfig, source: str | Path, names: set[str], n
     if not hw.gpu_memory:
         return
     try:
-        estimates = estimate_pipeline(cfg, source, hw, num_processes)
+        estimates = estimate_pipeline(cfg, source, hw, num_processes, plans)
     except EstimateError as exc:
         print(f"[align] memory preflight skipped: {exc}", flush=True)
         return

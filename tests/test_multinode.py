@@ -10,19 +10,12 @@ import time
 
 import pytest
 
+from align.pipeline import _free_port
 from conftest import REPO, TINY, align_cmd, run_align
 
 SFT = ["run", "pipelines/default.yaml", "--run-id", "nodes", "--only", "sft", "tracking.wandb=disabled", *TINY,
        "sft.max_steps=6", "sft.save_steps=5", "sft.max_train_examples=400", "sft.eval_max_examples=16",
        "sft.accelerate=zero2", "sft.num_processes=1"]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
