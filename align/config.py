@@ -118,6 +118,9 @@ class TrainedStage(StageBase):
     """Write a resumable checkpoint every N optimiser steps."""
     max_train_examples: int | None = None
     """Use at most this many training examples (None = all)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, about a third more compute. Off by default
+    (TRL turns it on); `align estimate` and the memory preflight say when a stage needs it to fit."""
     lora: LoraSettings = field(default_factory=LoraSettings)
     """LoRA adapters instead of full fine-tuning."""
 
@@ -154,8 +157,9 @@ class PreferencesStage(StageBase):
     """Use at most this many prompts."""
     samples_per_prompt: int = 4
     """Completions per prompt (>= 2); the best and worst by the judge form the pair."""
-    judge: str = "vader"
-    """A registered Python judge (vader) or the name of a reward stage."""
+    judge: str | dict[str, float] = "vader"
+    """A reward stage, a Python judge (vader, or your own module:function), or a weighted sum of them as a
+    mapping (see align/judges.py)."""
     min_margin: float = 0.05
     """Pairs whose judge scores differ by less than this are ties: dropped and counted."""
     test_fraction: float = 0.1
@@ -203,7 +207,9 @@ class KLSettings:
     target: float = 4.0
     """Target KL (nats per response) for the adaptive controller."""
     horizon: int = 10000
-    """Controller horizon in episodes."""
+    """Controller horizon in episodes: beta moves by at most 20% x episodes-per-iteration / horizon per
+    iteration (Ziegler et al. used 10000 with 512 episodes per update over thousands of updates; a short run
+    needs a short horizon for beta to move at all)."""
     estimator: str = "k1"
     """Per-token KL estimator in the reward: k1 (log-ratio), k2 or k3 (Schulman 2020)."""
 
@@ -214,10 +220,13 @@ class PPOStage(StageBase):
 
     policy: str = "sft"
     """Stage whose model/ is the starting policy and the frozen reference."""
-    reward: str = "reward"
-    """Reward stage (frozen scorer)."""
+    reward: str | dict[str, float] = "reward"
+    """What PPO maximises: a reward stage (frozen reward model), a Python judge (`vader`, or a user's
+    `module:function` taking (prompts, responses) and returning floats), or a weighted sum of these as a
+    mapping, e.g. {reward: 1.0, vader: 0.5}."""
     value_init: str = "reward"
-    """Initialise the value model from `reward` (its head) or `policy` (a fresh scalar head)."""
+    """Initialise the value model from `reward` (the reward model with its head; needs a reward stage) or
+    `policy` (the policy's transformer with a fresh scalar head)."""
     prompts: str = ""
     """Data card path; its `prompt` column is used."""
     split: str = "train"
@@ -250,10 +259,17 @@ class PPOStage(StageBase):
     """Entropy bonus weight."""
     max_approx_kl: float | None = None
     """Stop the epoch loop early when approximate KL exceeds this."""
+    max_grad_norm: float | None = 1.0
+    """Clip the policy's and the value model's gradient norms to this, each separately, on every backend
+    (None = no clipping)."""
     missing_eos_penalty: float | None = 1.0
-    """Subtracted from the score of responses that never emit EOS (None = off)."""
-    normalize_reward: bool = True
-    """Normalise scores with running mean/std."""
+    """Subtracted from the (normalised) score of responses that never emit EOS (None = off)."""
+    reward_normalization: str = "initial"
+    """initial: a fixed gain and bias from rollouts of the initial policy, so its scores have mean 0 and
+    std 1 (Ziegler et al. 2019, sec. 2.2); the value model is read in the same units. running: running
+    mean/std of every score seen (drifts during training). none: raw scores."""
+    reward_normalization_samples: int = 256
+    """Initial-policy rollouts (over all processes) that fix the gain and bias of `initial` normalisation."""
     max_prompt_length: int = 32
     """Prompts longer than this (tokens) are an error at validation time."""
     save_every: int = 10
@@ -281,7 +297,7 @@ class EvaluateStage(StageBase):
     preferences: str | None = "preferences"
     """Preferences stage whose held-out pairs measure reward-model accuracy (None = skip)."""
     judges: list[str] = field(default_factory=lambda: ["vader"])
-    """Registered Python judges (gold functions), in addition to the reward model."""
+    """Python judges (vader, or your own module:function), gold scorers reported beside the reward model."""
     prompts: str = ""
     """Data card path; its `prompt` column is used."""
     split: str = "test"
@@ -309,7 +325,7 @@ STAGE_REFERENCE_FIELDS: dict[str, dict[str, bool]] = {
     "preferences": {"policy": True, "judge": False},
     "reward": {"init": True, "data": False},
     "dpo": {"policy": True, "data": False},
-    "ppo": {"policy": True, "reward": True},
+    "ppo": {"policy": True, "reward": False},
     "evaluate": {"policies": True, "baseline": True, "reference": True, "reward": True, "preferences": True},
 }
 

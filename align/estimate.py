@@ -69,6 +69,8 @@ class StageEstimate:
     held: list[Held]
     bytes_by_mode: dict[str, int] = field(default_factory=dict)
     parts: dict[str, dict[str, int]] = field(default_factory=dict)
+    checkpointing: bool = False  # the stage's gradient_checkpointing setting
+    with_checkpointing: int | None = None  # chosen mode's bytes if checkpointing were on (when it is off)
 
     @property
     def chosen_bytes(self) -> int:
@@ -104,12 +106,15 @@ def frozen_bytes(mode: str, params: int, largest_layer: int, gpus: int, dtype_by
     return dtype_bytes * params
 
 
-def activation_bytes(shape: ModelShape, batch: int, seq: int, logits: bool = True) -> int:
+def activation_bytes(shape: ModelShape, batch: int, seq: int, logits: bool = True, checkpointing: bool = False) -> int:
     """One micro-batch's activations kept for backward (Korthikanti et al. 2022, eq. 1) plus, for a language model,
-    the fp32 logits and their gradient (a scalar head's output is negligible)."""
+    the fp32 logits and their gradient (a scalar head's output is negligible). With gradient checkpointing (full
+    recomputation, Korthikanti et al. sec. 4) only each layer's 16-bit input is kept (2sbh bytes per layer), plus
+    one layer's activations while it is recomputed."""
     s, b, h, a = seq, batch, shape.hidden, shape.heads
     per_layer = s * b * h * (34 + 5 * a * s / h)
-    return int(shape.layers * per_layer) + (8 * s * b * shape.vocab if logits else 0)
+    kept = shape.layers * 2 * s * b * h + per_layer if checkpointing else shape.layers * per_layer
+    return int(kept) + (8 * s * b * shape.vocab if logits else 0)
 
 
 def kv_cache_bytes(shape: ModelShape, batch: int, seq: int, dtype_bytes: int) -> int:
@@ -233,7 +238,8 @@ def _workload(stage: Any) -> tuple[int, int, int, int]:
 def estimate_stage(name: str, stage: Any, stages: dict[str, StageBase], shapes: dict[str, ModelShape],
                    mode: str, gpus: int, dtype: str) -> StageEstimate:
     held = held_models(stage, stages, shapes)
-    est = StageEstimate(name, stage.type, mode, gpus, held)
+    ckpt = bool(getattr(stage, "gradient_checkpointing", False))
+    est = StageEstimate(name, stage.type, mode, gpus, held, checkpointing=ckpt)
     dbytes = _DTYPE_BYTES[dtype]
     train_b, train_s, gen_b, gen_s = _workload(stage)
     trained = [h for h in held if h.trained]
@@ -244,8 +250,12 @@ def estimate_stage(name: str, stage: Any, stages: dict[str, StageBase], shapes: 
         if trained:  # trained models share one engine (PPO: policy + value)
             parts["trained_states"] = model_state_bytes(m, sum(h.shape.params for h in trained),
                                                         max(h.shape.largest_layer for h in trained), n)
-            parts["activations"] = sum(activation_bytes(h.shape, train_b, train_s, logits=h.role == "policy")
+            parts["activations"] = sum(activation_bytes(h.shape, train_b, train_s, h.role == "policy", ckpt)
                                        for h in trained)
+            if m == mode and not ckpt and hasattr(stage, "gradient_checkpointing"):
+                saved = parts["activations"] - sum(activation_bytes(h.shape, train_b, train_s, h.role == "policy", True)
+                                                   for h in trained)
+                est.with_checkpointing = -saved  # filled in below, once the total is known
         parts["frozen_weights"] = sum(frozen_bytes(m, h.shape.params, h.shape.largest_layer, n, dbytes)
                                       for h in held if not h.trained)
         if gen_b:
@@ -253,6 +263,8 @@ def estimate_stage(name: str, stage: Any, stages: dict[str, StageBase], shapes: 
             parts["generation"] = kv_cache_bytes(policy, gen_b, gen_s, dbytes)
         est.parts[m] = parts
         est.bytes_by_mode[m] = sum(parts.values())
+    if est.with_checkpointing is not None:
+        est.with_checkpointing += est.bytes_by_mode[mode]
     return est
 
 
@@ -317,6 +329,10 @@ def render(estimates: list[StageEstimate], hw: Hardware) -> str:
                      + f" | {e.mode}: {_gib(e.chosen_bytes)} | {fits} |")
     lines += ["", "* = trained. Includes activations of one micro-batch, generation KV cache and "
               f"{OVERHEAD_BYTES / GIB:.0f} GiB CUDA overhead."]
+    ckpt = [f"{e.name} {_gib(e.with_checkpointing)}" for e in estimates
+            if e.with_checkpointing is not None and e.with_checkpointing < e.chosen_bytes]
+    if ckpt:
+        lines.append("With gradient_checkpointing: true (now off), the chosen mode would need: " + ", ".join(ckpt) + ".")
     return "\n".join(lines)
 
 
@@ -330,8 +346,13 @@ def too_big(estimates: list[StageEstimate], hw: Hardware, names: set[str] | None
             p = e.parts[e.mode]
             detail = ", ".join(f"{k} {_gib(v)}" for k, v in p.items() if v)
             alts = [m for m in REPORTED_MODES if e.bytes_by_mode[m] <= hw.gpu_memory]
+            fixes = []
+            if e.with_checkpointing is not None and e.with_checkpointing <= hw.gpu_memory:
+                fixes.append(f"gradient checkpointing would fit (~{_gib(e.with_checkpointing)} GiB; set "
+                             f"stages.{e.name}.gradient_checkpointing: true)")
+            if alts:
+                fixes.append(f"{' or '.join(alts)} would fit (set stages.{e.name}.accelerate)")
             out.append(f"stage '{e.name}' ({e.mode}, {e.gpus} GPUs) needs ~{_gib(e.chosen_bytes)} GiB per GPU "
-                       f"({detail}) but a GPU has {_gib(hw.gpu_memory)} GiB"
-                       + (f"; {' or '.join(alts)} would fit (set stages.{e.name}.accelerate)" if alts else
-                          "; use more GPUs, smaller batches or a smaller model"))
+                       f"({detail}) but a GPU has {_gib(hw.gpu_memory)} GiB; "
+                       + ("; ".join(fixes) if fixes else "use more GPUs, smaller batches or a smaller model"))
     return out

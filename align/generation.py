@@ -50,18 +50,40 @@ def position_ids(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+class EOSOverride:
+    """A logits processor for fault-injection tests: `first` makes every response end at its first token,
+    `never` forbids EOS so every response runs to max_new_tokens."""
+
+    def __init__(self, eos_token_id: int, mode: str):
+        self.eos, self.mode = eos_token_id, mode
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.mode == "first":
+            out = torch.full_like(scores, float("-inf"))
+            out[:, self.eos] = 0.0
+            return out
+        scores = scores.clone()
+        scores[:, self.eos] = float("-inf")
+        return scores
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], gen: Generation, seed: int, max_prompt_length: int | None = None,
-             synced_gpus: bool = False) -> Rollout:
+             synced_gpus: bool = False, eos_override: str | None = None) -> Rollout:
     """Sample one response per prompt (duplicate prompts for several). Deterministic given `seed`."""
     device = next(model.parameters()).device
     q_ids, q_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length)
     q_ids, q_mask = q_ids.to(device), q_mask.to(device)
     torch.manual_seed(seed)
+    extra = {}
+    if eos_override:
+        from transformers import LogitsProcessorList
+
+        extra["logits_processor"] = LogitsProcessorList([EOSOverride(tokenizer.eos_token_id, eos_override)])
     out = model.generate(
         input_ids=q_ids, attention_mask=q_mask, do_sample=True, temperature=gen.temperature,
         top_k=gen.top_k or None, top_p=gen.top_p, max_new_tokens=gen.max_new_tokens,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, synced_gpus=synced_gpus,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, synced_gpus=synced_gpus, **extra,
     )
     resp = out[:, q_ids.size(1):]
     if resp.size(1) == 0:  # every sequence stopped at once: keep one column so shapes stay valid

@@ -1,10 +1,20 @@
-"""Judges score (prompt, response) pairs. A judge is a Python function (a gold scorer such as VADER) or a
-trained reward model; both return one float per pair, higher = better."""
+"""Judges score (prompt, response) pairs: one interface for preference labelling, PPO rewards and evaluation.
+
+A judge is a callable ``(prompts: list[str], responses: list[str]) -> list[float]``, higher = better. Kinds:
+
+- a built-in Python function (``vader``, ``length``);
+- a user's function named ``module:function`` (imported from the Python path, e.g. a module beside the
+  pipeline file when align runs from that directory, or an installed package). This is the user's own
+  local code, named explicitly in the pipeline; nothing is downloaded;
+- a trained reward-model stage (``RewardModelJudge``);
+- a weighted sum of any of these (``{reward: 1.0, vader: 0.5}`` in a pipeline).
+"""
 
 from __future__ import annotations
 
+import importlib
 from functools import lru_cache
-from typing import Callable
+from typing import Any, Callable
 
 Judge = Callable[[list[str], list[str]], list[float]]
 
@@ -30,6 +40,51 @@ def response_length(prompts: list[str], responses: list[str]) -> list[float]:
 PYTHON_JUDGES: dict[str, Judge] = {"vader": vader, "length": response_length}
 
 
+class JudgeError(ValueError):
+    """A judge name that is neither built in, nor an importable `module:function`, nor a reward stage."""
+
+
+def judge_weights(spec: str | dict[str, float]) -> dict[str, float]:
+    """A judge setting as {name: weight}: a single name has weight 1."""
+    return {spec: 1.0} if isinstance(spec, str) else {str(k): float(v) for k, v in spec.items()}
+
+
+def python_judge(name: str) -> Judge:
+    """A built-in judge, or `module:function` imported from the Python path."""
+    if name in PYTHON_JUDGES:
+        return PYTHON_JUDGES[name]
+    if ":" not in name:
+        raise JudgeError(f"'{name}' is not a judge: use a reward stage of this pipeline, a built-in judge "
+                         f"({', '.join(sorted(PYTHON_JUDGES))}), or your own function as module:function")
+    module_name, func_name = name.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise JudgeError(f"judge '{name}': cannot import module '{module_name}' ({exc}); put it on the Python "
+                         "path (e.g. run align from the directory that holds it, or set PYTHONPATH)") from None
+    fn = getattr(module, func_name, None)
+    if not callable(fn):
+        raise JudgeError(f"judge '{name}': module '{module_name}' has no function '{func_name}'")
+    return fn
+
+
+def check_judges(spec: str | dict[str, float], reward_stages: set[str], other_stages: dict[str, str]) -> None:
+    """Validation: every name is a reward stage or a Python judge; weights are finite numbers."""
+    weights = judge_weights(spec)
+    if not weights:
+        raise JudgeError("no judge given: name a reward stage or a judge such as vader")
+    for name, w in weights.items():
+        if w != w or w in (float("inf"), float("-inf")):
+            raise JudgeError(f"judge '{name}': weight {w} is not a finite number")
+        if name in reward_stages:
+            continue
+        if name in other_stages:
+            raise JudgeError(f"'{name}' is a {other_stages[name]} stage, not a reward stage; a judge is a reward "
+                             f"stage ({', '.join(sorted(reward_stages)) or 'none in this pipeline'}) or a Python "
+                             "judge")
+        python_judge(name)
+
+
 class RewardModelJudge:
     """A trained reward model as a judge (scores prompt + response + EOS, as it was trained)."""
 
@@ -45,3 +100,27 @@ class RewardModelJudge:
 
         return sequence_scores(self.model, self.tokenizer, [p + r for p, r in zip(prompts, responses)],
                                self.batch_size)
+
+
+class WeightedJudge:
+    """sum_i w_i * judge_i(prompts, responses)."""
+
+    def __init__(self, parts: dict[str, tuple[float, Judge]]):
+        self.parts = parts
+
+    def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
+        total = [0.0] * len(prompts)
+        for weight, judge in self.parts.values():
+            total = [t + weight * s for t, s in zip(total, judge(prompts, responses))]
+        return total
+
+
+def make_judge(spec: str | dict[str, float], reward_model_dir: Callable[[str], str | None]) -> Any:
+    """The judge a stage uses: `reward_model_dir(name)` gives a reward stage's model/ (None for non-stages)."""
+    parts: dict[str, tuple[float, Judge]] = {}
+    for name, weight in judge_weights(spec).items():
+        path = reward_model_dir(name)
+        parts[name] = (weight, RewardModelJudge(path) if path else python_judge(name))
+    if len(parts) == 1 and next(iter(parts.values()))[0] == 1.0:
+        return next(iter(parts.values()))[1]
+    return WeightedJudge(parts)

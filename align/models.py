@@ -174,5 +174,19 @@ def peft_config(lora: LoraSettings, task_type: str) -> Any:
                       target_modules=list(lora.target_modules), task_type=task_type)
 
 
-def count_parameters(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Set every dropout probability to 0 (modules and the attention-dropout settings some families read
+    from their config in the forward pass), so the same input gives the same log-probs in the rollout and in
+    the update (PPO's ratio is exactly 1 at the first step), whatever the model's train/eval mode."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for attr in ("attention_dropout", "dropout", "attn_dropout"):
+            if isinstance(getattr(module, attr, None), float):
+                setattr(module, attr, 0.0)
+    cfg = getattr(model, "config", None)
+    for key in ("attention_dropout", "hidden_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "dropout",
+                "attention_probs_dropout_prob", "hidden_dropout_prob", "activation_dropout", "summary_first_dropout"):
+        if cfg is not None and isinstance(getattr(cfg, key, None), float):
+            setattr(cfg, key, 0.0)
+    return model

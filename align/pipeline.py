@@ -53,6 +53,8 @@ class StagePlan:
 
 # --------------------------------------------------------------------------------------------- graph
 def _refs(value: Any) -> list[str]:
+    if isinstance(value, dict):  # a weighted judge mapping: its keys
+        return list(value)
     return value if isinstance(value, list) else [value] if isinstance(value, str) else []
 
 
@@ -223,6 +225,11 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
         except (ConfigError, ValueError) as exc:
             raise PipelineError(f"{source}: stages.{plan.name}: {exc}") from None
     _check_eval_overlap(plans, split_of, str(source))
+    from align.stages.checks import check_response_lengths
+
+    mismatches = check_response_lengths(cfg)
+    if mismatches:
+        raise PipelineError(f"{source}: " + "\n".join(mismatches))
     _check_lengths(cfg, plans, split_of, str(source), verbose)
     return plans
 

@@ -125,7 +125,7 @@ def _kill_trials(project, stage: str, load) -> list[dict]:
         assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
         m = _manifest(stage_dir)
         assert m["status"] == "completed"
-        assert m.get("global_step", m["final_metrics"].get("ppo/iterations")) == FINAL[stage]  # ran to the end
+        assert m.get("global_step", m["final_metrics"].get("ppo/iterations_run")) == FINAL[stage]  # ran to the end
         resumed = m.get("resumed_from_step", m.get("resumed_from_iteration", 0))
         if ckpts:  # a complete checkpoint existed at the kill: the rerun continued from the newest
             assert resumed == max(ckpts), (stage, ckpts, resumed)

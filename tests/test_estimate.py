@@ -89,3 +89,28 @@ def test_run_refuses_a_stage_that_does_not_fit_unless_told_to_ignore(workdir):
     assert "warning (--ignore-memory-check): stage 'sft'" in forced.stdout
     m = json.loads((workdir / "runs" / "default" / "mem" / "sft" / "manifest.json").read_text())
     assert m["status"] == "completed"
+
+
+def test_gradient_checkpointing_is_counted_and_recommended_when_it_makes_a_stage_fit(tiny_cfg):
+    """Full recomputation keeps each layer's 16-bit input (2sbh per layer) and one layer's activations while it is
+    recomputed: 2 * (2*96*32*32) + 96*32*32*64, plus the same fp32 logits 8*s*b*V."""
+    from align.estimate import Hardware, estimate_pipeline, hardware, too_big
+
+    source = REPO / "pipelines" / "default.yaml"
+    est = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg))}
+    sft = est["sft"]
+    with_ckpt = 2 * (2 * 96 * 32 * 32) + 96 * 32 * 32 * 64 + 8 * 96 * 32 * VOCAB
+    saved = sft.parts["zero2"]["activations"] - with_ckpt
+    assert saved == 2 * 96 * 32 * 32 * 64 - (2 * 2 * 96 * 32 * 32 + 96 * 32 * 32 * 64) > 0
+    assert sft.with_checkpointing == sft.chosen_bytes - saved
+    between = (sft.with_checkpointing + sft.chosen_bytes) // 2  # fits with checkpointing only
+    hw = Hardware(gpus_per_node=8, gpu_memory=between, nodes=1, detected=False)
+    (line,) = too_big([sft], hw)
+    assert "set stages.sft.gradient_checkpointing: true" in line
+    tiny_cfg.stages["sft"].gradient_checkpointing = True
+    try:
+        on = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg))}["sft"]
+    finally:
+        tiny_cfg.stages["sft"].gradient_checkpointing = False
+    assert on.parts["zero2"]["activations"] == with_ckpt and on.with_checkpointing is None
+    assert too_big([on], hw) == []

@@ -52,9 +52,9 @@ def test_ppo_refuses_mismatched_reward_tokenizer_and_long_prompts():
     small = train_tokenizer(["a good film", "a bad film"] * 10, 300, 64)
     cfg = PPOStage(type="ppo", max_prompt_length=4)
     with pytest.raises(ValueError, match="reward model's tokenizer .* differs"):
-        check_models(_Ctx(), cfg, gpt2, small, ["a film"])
+        check_models(_Ctx(), cfg, gpt2, {"reward": small}, ["a film"])
     with pytest.raises(ValueError, match=r"1 of 2 prompts are longer than max_prompt_length=4"):
-        check_models(_Ctx(), cfg, gpt2, gpt2, ["short", "this prompt is clearly longer than four tokens"])
+        check_models(_Ctx(), cfg, gpt2, {"reward": gpt2}, ["short", "this prompt is clearly longer than four tokens"])
 
 
 def _default_with(**ppo):
@@ -73,7 +73,7 @@ def test_ppo_without_reward_stage_is_a_validation_error():
     raw = yaml.safe_load((REPO / "pipelines" / "default.yaml").read_text())
     del raw["stages"]["reward"]
     raw["stages"]["evaluate"]["reward"] = None
-    with pytest.raises(PipelineError, match=r"stages.ppo.reward: 'reward' is not a stage"):
+    with pytest.raises(PipelineError, match=r"stages.ppo: reward: 'reward' is not a judge: use a reward stage"):
         validate(parse_pipeline(raw, "default.yaml"), REPO / "pipelines" / "default.yaml", verbose=False)
 
 

@@ -106,10 +106,11 @@ def test_ppo_logs_every_iteration_with_shared_metric_names(e2e):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for key in ("objective/scores", "objective/kl", "objective/kl_coef", "objective/rlhf_reward",
                 "policy/approx_kl", "policy/clipfrac", "policy/entropy", "value/loss", "value/clipfrac",
-                "rollout/response_length", "rollout/eos_fraction", "perf/episodes_per_s", "perf/tokens_per_s"):
+                "rollout/response_length", "rollout/eos_fraction", "perf/episodes_per_s", "perf/tokens_per_s",
+                "objective/penalties", "policy/grad_norm", "value/grad_norm", "perf/generation_fraction"):
         assert all(key in r for r in rows), key
     final = _manifest(e2e["run"], "ppo")["final_metrics"]
-    assert final["ppo/iterations"] == 4 and "objective/scores_last" in final
+    assert final["ppo/iterations_run"] == 4 and "objective/scores_last" in final
 
 
 def test_offline_wandb_run_per_stage(e2e):
@@ -224,7 +225,10 @@ def test_ppo_killed_mid_run_resumes_iteration_beta_and_statistics(e2e):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    assert _manifest(e2e["run"], "ppo")["status"] == "running"
+    killed = _manifest(e2e["run"], "ppo")
+    assert killed["status"] == "running"
+    fitted = killed["reward_normalization"]  # fixed once, from initial-policy rollouts, before iteration 1
+    assert fitted["fitted_at_iteration"] == 0 and fitted["gain"] > 0
     before = [r for r in _metrics(e2e["run"], "ppo") if "objective/kl_coef" in r]
 
     again = run_align(*args, cwd=e2e["root"])
@@ -232,8 +236,14 @@ def test_ppo_killed_mid_run_resumes_iteration_beta_and_statistics(e2e):
     m = _manifest(e2e["run"], "ppo")
     start = m["resumed_from_iteration"]
     assert m["status"] == "completed" and start >= 3 and start % 3 == 0
-    rows = [r for r in _metrics(e2e["run"], "ppo") if "objective/kl_coef" in r][len(before):]
-    assert [r["step"] for r in rows] == list(range(start + 1, 121))  # continues, does not restart
+    all_rows = [r for r in _metrics(e2e["run"], "ppo") if "objective/kl_coef" in r]
+    assert [r["step"] for r in all_rows] == list(range(1, 121))  # one row per iteration, none twice
+    rows = [r for r in all_rows if r["step"] > start]
+    restored = m["reward_normalization"]  # restored from the checkpoint, not refitted on the trained policy
+    assert restored["restored_at_iteration"] == start
+    assert (restored["gain"], restored["bias"]) == (fitted["gain"], fitted["bias"])
+    assert "reward normalisation from" not in again.stdout + again.stderr
+    assert m["final_metrics"]["ppo/iterations_run"] == 120
     beta_at_start = next(r["objective/kl_coef"] for r in before if r["step"] == start)
     assert abs(beta_at_start / 0.05 - 1) > 0.05  # beta had moved away from its initial value...
     assert abs(rows[0]["objective/kl_coef"] / beta_at_start - 1) <= 16 / 50 * 0.2 + 1e-9  # ...and continued

@@ -161,18 +161,25 @@ class StageContext:
         self.publish("model", write)
 
     # ------------------------------------------------------------------ manifest
-    def write_manifest(self, status: str, **extra: Any) -> None:
+    def note(self, **values: Any) -> None:
+        """Record values in the manifest now, while the stage runs (e.g. PPO's reward gain and bias, so a
+        killed attempt's manifest still says what it fixed)."""
+        self.extra_manifest.update(values)
+        self.write_manifest("running", new_attempt=False)
+
+    def write_manifest(self, status: str, new_attempt: bool = True, **extra: Any) -> None:
         if not self.is_main:
             return
         old = read_manifest(self.dir) or {}
-        attempts = old.get("attempts", 0) + (1 if status == "running" else 0)
+        attempts = old.get("attempts", 0) + (1 if status == "running" and new_attempt else 0)
         manifest = {
             "stage": self.name, "type": self.cfg.type, "status": status, "fingerprint": self.fingerprint,
             "config": self.spec["stage"], "inputs": {k: {"path": v, "fingerprint": self.spec["input_fingerprints"][k]}
                                                      for k, v in self.inputs.items()},
             "data_cards": self.spec["data_cards"], "code_version": self.spec["code_version"],
             "git_commit": self.spec.get("git_commit"), "packages": package_versions(),
-            "started_at": old.get("started_at") if status != "running" else time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "started_at": old.get("started_at") if status != "running" or not new_attempt
+            else time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "attempts": attempts, "world_size": self.state.num_processes,
             "distributed_type": str(self.state.distributed_type).split(".")[-1],
             "zero_stage": int(os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"])
@@ -253,6 +260,9 @@ def trainer_kwargs(cfg: TrainedStage, ctx: StageContext) -> dict[str, Any]:
         # 0.53 s per SFT step of the default model), so mixed precision is used only where it pays.
         bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(), fp16=False,
         max_length=cfg.max_length, logging_first_step=False,
+        # TRL >= 1.16 turns gradient checkpointing on in every config; align leaves it to the stage setting
+        # (off: the demo's SFT steps take about half the time without recomputation).
+        gradient_checkpointing=cfg.gradient_checkpointing,
     )
 
 

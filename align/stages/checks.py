@@ -44,33 +44,73 @@ def check_stage(plan: Any, pipeline: PipelineConfig, split_of: Callable) -> None
     if isinstance(cfg, PreferencesStage):
         if cfg.samples_per_prompt < 2:
             raise ValueError(f"samples_per_prompt must be >= 2 to form a pair, got {cfg.samples_per_prompt}")
-        if cfg.judge not in pipeline.stages:
-            from align.judges import PYTHON_JUDGES
-
-            if cfg.judge not in PYTHON_JUDGES:
-                raise ValueError(f"judge: '{cfg.judge}' is neither a stage nor a known judge ({sorted(PYTHON_JUDGES)})")
-        elif pipeline.stages[cfg.judge].type != "reward":
-            raise ValueError(f"judge: stage '{cfg.judge}' is not a reward stage")
+        _check_judge_field("judge", cfg.judge, pipeline)
     if isinstance(cfg, PPOStage):
         check_ppo(cfg, pipeline)
     if isinstance(cfg, EvaluateStage):
         if cfg.baseline not in cfg.policies:
             raise ValueError(f"baseline: '{cfg.baseline}' must be one of policies {cfg.policies}")
-        from align.judges import PYTHON_JUDGES
-
         for j in cfg.judges:
-            if j not in PYTHON_JUDGES:
-                raise ValueError(f"judges: unknown judge '{j}'; known: {sorted(PYTHON_JUDGES)}")
+            if j in pipeline.stages:
+                raise ValueError(f"judges: '{j}' is a stage; a reward stage goes in `reward:`, `judges:` lists "
+                                 "Python judges (vader, or your own module:function)")
+            _check_judge_field("judges", j, pipeline)
+
+
+def _check_judge_field(field: str, spec, pipeline: PipelineConfig) -> None:
+    from align.judges import JudgeError, check_judges
+
+    stages = pipeline.stages
+    try:
+        check_judges(spec, {n for n, st in stages.items() if st.type == "reward"}, {n: st.type for n, st in stages.items()})
+    except JudgeError as exc:
+        raise ValueError(f"{field}: {exc}") from None
 
 
 def check_ppo(cfg: PPOStage, pipeline: PipelineConfig) -> None:
-    if pipeline.stages[cfg.reward].type != "reward":
-        raise ValueError(f"reward: stage '{cfg.reward}' is a {pipeline.stages[cfg.reward].type} stage, not a reward stage")
+    from align.judges import judge_weights
+
+    _check_judge_field("reward", cfg.reward, pipeline)
+    reward_stages = {n for n, st in pipeline.stages.items() if st.type == "reward"}
     if cfg.value_init not in ("reward", "policy"):
         raise ValueError(f"value_init: '{cfg.value_init}'; use `reward` or `policy`")
+    used = [n for n in judge_weights(cfg.reward) if n in reward_stages]
+    if cfg.value_init == "reward" and len(used) != 1:
+        raise ValueError(f"value_init: 'reward' starts the value model from the reward model, but reward "
+                         f"{cfg.reward!r} names {len(used)} reward stages; set value_init: policy")
+    if cfg.reward_normalization not in ("initial", "running", "none"):
+        raise ValueError(f"reward_normalization: '{cfg.reward_normalization}'; use initial, running or none")
     step = cfg.mini_batch_size * cfg.gradient_accumulation_steps
     if cfg.rollout_batch_size % step:
         raise ValueError(f"rollout_batch_size ({cfg.rollout_batch_size}) must be divisible by mini_batch_size x "
                          f"gradient_accumulation_steps ({cfg.mini_batch_size} x {cfg.gradient_accumulation_steps})")
     if cfg.kl.estimator not in ("k1", "k2", "k3"):
         raise ValueError(f"kl.estimator: '{cfg.kl.estimator}'; use k1, k2 or k3")
+
+
+def check_response_lengths(pipeline: PipelineConfig) -> list[str]:
+    """PPO optimises responses of `generation.max_new_tokens`; its reward model learned from pairs sampled at
+    the preferences stage's length, and the evaluation samples at its own. When they differ, PPO learns what a
+    reward model says of responses it never saw (e.g. cut off before EOS) and is judged at yet another length.
+    Returns one message per mismatch, naming the three settings."""
+    from align.judges import judge_weights
+
+    stages = pipeline.stages
+    problems = []
+    for name, st in stages.items():
+        if st.type != "ppo":
+            continue
+        lengths = {f"stages.{name}.generation.max_new_tokens": st.generation.max_new_tokens}
+        for rm in (n for n in judge_weights(st.reward) if n in stages and stages[n].type == "reward"):
+            data = stages[rm].data
+            if data in stages and stages[data].type == "preferences":
+                lengths[f"stages.{data}.generation.max_new_tokens"] = stages[data].generation.max_new_tokens
+        for ev_name, ev in stages.items():
+            if ev.type == "evaluate" and name in ev.policies:
+                lengths[f"stages.{ev_name}.generation.max_new_tokens"] = ev.generation.max_new_tokens
+        if len(set(lengths.values())) > 1:
+            problems.append("response lengths differ: " + ", ".join(f"{k}={v}" for k, v in lengths.items())
+                            + f"; PPO would optimise {lengths[f'stages.{name}.generation.max_new_tokens']}-token "
+                            "responses against a reward model trained on, and an evaluation run at, other lengths. "
+                            "Set them equal")
+    return problems

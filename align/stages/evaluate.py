@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from align.config import EvaluateStage
 from align.generation import generate, response_logprobs
-from align.judges import PYTHON_JUDGES, RewardModelJudge
+from align.judges import RewardModelJudge, python_judge
 from align.models import load_causal_lm, load_tokenizer
 from align.stages.base import StageContext, load_rows, unique_prompts
 from align.stats import mean_ci, win_rate
@@ -49,7 +49,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     tokenizer = load_tokenizer(ref_path)
     dtype = ctx.pipeline["dtype"]
     reference = load_causal_lm(ref_path, dtype).eval()
-    judges: dict[str, Any] = {name: PYTHON_JUDGES[name] for name in cfg.judges}
+    judges: dict[str, Any] = {name: python_judge(name) for name in cfg.judges}
     if cfg.reward:
         judges["reward_model"] = RewardModelJudge(ctx.input_model(cfg.reward))
 

@@ -17,17 +17,11 @@ from tqdm.auto import tqdm
 
 from align.config import PreferencesStage
 from align.generation import sample_texts
-from align.judges import PYTHON_JUDGES, RewardModelJudge
+from align.judges import make_judge
 from align.models import load_causal_lm, load_tokenizer
 from align.stages.base import StageContext, load_rows, unique_prompts
 
 OUTPUTS = ["data"]
-
-
-def make_judge(ctx: StageContext, name: str):
-    if name in ctx.inputs:
-        return RewardModelJudge(ctx.input_model(name))
-    return PYTHON_JUDGES[name]
 
 
 def pair_up(prompt: str, responses: list[str], scores: list[float], min_margin: float) -> dict[str, Any] | None:
@@ -47,7 +41,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     path = ctx.input_model(cfg.policy)
     tokenizer = load_tokenizer(path)
     policy = load_causal_lm(path, ctx.pipeline["dtype"]).eval()
-    judge = make_judge(ctx, cfg.judge)
+    judge = make_judge(cfg.judge, lambda n: ctx.input_model(n) if n in ctx.inputs else None)
     n = cfg.samples_per_prompt
     per_batch = max(1, cfg.generation.batch_size // n)
 

@@ -1,18 +1,20 @@
-"""PPO stage: RLHF against a frozen reward model with a KL penalty to the reference policy.
+"""PPO stage: RLHF against a frozen reward model or Python judges, with a KL penalty to the reference policy.
 
-R(x, y) = RM(x, y) - beta * log(pi(y|x) / pi_ref(y|x))   (Ziegler et al. 2019; Ouyang et al. 2022)
+R(x, y) = score(x, y) - beta * log(pi(y|x) / pi_ref(y|x))   (Ziegler et al. 2019; Ouyang et al. 2022)
 
-Each iteration, per process: (1) sample responses, (2) score them with the reward model, (3) log-probs of
-the responses under policy and reference, and values, (4) per-token rewards with the KL penalty,
-(5) GAE advantages, (6) PPO epochs over mini-batches. Algorithm code touches only `accelerator.*`;
-DeepSpeed choices live in the accelerate config.
+Before training, the reward's gain and bias are fixed from rollouts of the initial policy (Ziegler et al.
+sec. 2.2). Each iteration, per process: (1) sample responses, (2) score them (reward model and/or judges),
+(3) log-probs of the responses under policy and reference, and values, (4) per-token rewards with the KL
+penalty, (5) GAE advantages, (6) PPO epochs over mini-batches. Dropout is off in every model, so old and new
+log-probs agree at the first step. Algorithm code touches only `accelerator.*` and `optim.py`; DeepSpeed
+choices live in the accelerate config.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
+import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,21 +23,30 @@ from tqdm.auto import tqdm
 
 from align.config import PPOStage
 from align.generation import Rollout, generate, position_ids, response_logprobs, scalar_outputs
-from align.losses import (entropy_from_logits, gae, kl_estimate, last_token_index, logprobs_from_logits,
-                          masked_mean, masked_whiten, ppo_policy_loss, ppo_value_loss, token_rewards)
-from align.models import load_causal_lm, load_scalar_model, load_tokenizer
+from align.judges import judge_weights
+from align.losses import (entropy_from_logits, gae, kl_estimate, logprobs_from_logits, masked_mean, masked_whiten,
+                          ppo_policy_loss, ppo_value_loss, token_rewards)
+from align.models import disable_dropout, load_causal_lm, load_scalar_model, load_tokenizer
 from align.stages.base import NonFiniteLossError, StageContext, load_rows, unique_prompts
-from align.stages.ppo.state import AdaptiveKLController, FixedKLController, PromptStream, RunningMoments
+from align.stages.ppo.checkpoint import resume, restore_history, save_checkpoint
+from align.stages.ppo.optim import backward_and_step, disable_deepspeed_clipping
+from align.stages.ppo.rewards import Scorer
+from align.stages.ppo.state import (AdaptiveKLController, FixedKLController, PromptStream, RewardScale,
+                                    RunningMoments)
 
 OUTPUTS = ["model"]
 
 
 class PolicyAndValue(torch.nn.Module):
-    """The two trainable models as one module, so one DeepSpeed engine (and optimizer) serves both."""
+    """The two trainable models as one module, so one DeepSpeed engine (and optimizer) serves both.
+
+    `value_affine` (gain, bias) reads the value head in the units of the normalised reward: a value model
+    initialised from the reward model outputs raw reward-model scores, and PPO's returns are normalised."""
 
     def __init__(self, policy, value):
         super().__init__()
         self.policy, self.value = policy, value
+        self.value_affine = (1.0, 0.0)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, query_len: int, temperature: float):
         """Per-token log-probs, entropies and values of the response part. ids, mask: (B, Lq + Lr)."""
@@ -44,15 +55,17 @@ class PolicyAndValue(torch.nn.Module):
         logits = logits[:, query_len - 1:-1] / temperature  # (B, Lr, V): logit t predicts token t + 1
         response = ids[:, query_len:]
         values = scalar_outputs(self.value, ids, mask)[:, query_len - 1:-1]  # V(state before token t)
-        return logprobs_from_logits(logits, response), entropy_from_logits(logits), values
+        gain, bias = self.value_affine
+        return logprobs_from_logits(logits, response), entropy_from_logits(logits), values * gain + bias
 
 
-def check_models(ctx: StageContext, cfg: PPOStage, tokenizer, reward_tokenizer, prompts: list[str]) -> None:
+def check_models(ctx: StageContext, cfg: PPOStage, tokenizer, reward_tokenizers: dict, prompts: list[str]) -> None:
     """Fail before any rollout: tokenizers must agree, prompts must fit (issue: misconfiguration early)."""
-    if tokenizer.get_vocab() != reward_tokenizer.get_vocab():
-        raise ValueError(f"stage '{ctx.name}': the reward model's tokenizer ({cfg.reward}) differs from the "
-                         f"policy's ({cfg.policy}); PPO scores token ids directly, so both must share one "
-                         "tokenizer (train the reward model from the same SFT checkpoint)")
+    for name, reward_tokenizer in reward_tokenizers.items():
+        if tokenizer.get_vocab() != reward_tokenizer.get_vocab():
+            raise ValueError(f"stage '{ctx.name}': the reward model's tokenizer ({name}) differs from the "
+                             f"policy's ({cfg.policy}); PPO scores token ids directly, so both must share one "
+                             "tokenizer (train the reward model from the same SFT checkpoint)")
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"]]
     too_long = sum(n > cfg.max_prompt_length for n in lengths)
     if too_long:
@@ -68,7 +81,7 @@ def _zero3(accelerator) -> bool:
 
 def prepare_frozen(model, accelerator):
     """A frozen model for inference: sharded by DeepSpeed ZeRO-3 when that is the plan, else just moved."""
-    model.eval().requires_grad_(False)
+    disable_dropout(model).eval().requires_grad_(False)
     if not _zero3(accelerator):
         return model.to(accelerator.device)
     import deepspeed
@@ -79,15 +92,60 @@ def prepare_frozen(model, accelerator):
     return engine.module.eval()
 
 
-def gathered_for_generation(model, accelerator):
-    """Under ZeRO-3, gather the policy's weights once per rollout (not once per token)."""
-    if _zero3(accelerator):
-        import deepspeed
+@contextmanager
+def policy_for_generation(model, accelerator):
+    """The policy, ready for `generate`. Under ZeRO-3 its weights are gathered once per rollout and DeepSpeed's
+    forward hooks are taken off for the duration (as TRL's unwrap_model_for_generation does): with the hooks
+    on, every decoding step is a collective, and a process whose samples all end early would leave the
+    others waiting forever."""
+    unwrapped = accelerator.unwrap_model(model)
+    if not _zero3(accelerator):
+        yield unwrapped.policy
+        return
+    import deepspeed
+    from trl.models.utils import add_hooks, remove_hooks
 
-        return deepspeed.zero.GatheredParameters(list(model.parameters()))
-    from contextlib import nullcontext
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        remove_hooks(model)
+        try:
+            yield unwrapped.policy
+        finally:
+            add_hooks(model)
 
-    return nullcontext()
+
+def rollout(ctx: StageContext, cfg: PPOStage, accelerator, model, tokenizer, prompts: list[str], seed: int) -> Rollout:
+    """Sample one response per prompt, in the training precision (bf16 autocast when the stage uses it), so the
+    samples are scored by the same numerics that produced them."""
+    override = None  # fault injection for tests: ranks whose responses end at once / run to the limit
+    for mode in ("first", "never"):
+        ranks = os.environ.get(f"ALIGN_TEST_EOS_{mode.upper()}_RANKS", "")
+        if str(accelerator.process_index) in ranks.split(","):
+            override = mode
+    with torch.no_grad(), accelerator.autocast(), policy_for_generation(model, accelerator) as policy:
+        return generate(policy, tokenizer, prompts, cfg.generation, seed=seed, eos_override=override)
+
+
+def fit_reward_scale(ctx: StageContext, cfg: PPOStage, accelerator, model, tokenizer, scorer: Scorer,
+                     prompts: list[str], scale: RewardScale) -> None:
+    """Ziegler et al. sec. 2.2: score `reward_normalization_samples` rollouts of the initial policy (a seeded
+    sample of the prompts, split evenly over processes) and fix the gain and bias from them."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    n = max(world, cfg.reward_normalization_samples // world * world)
+    g = torch.Generator().manual_seed(ctx.seed + 104_729)
+    order = torch.randperm(len(prompts), generator=g).tolist()
+    picked = [prompts[order[i % len(prompts)]] for i in range(n)][rank::world]
+    scores = []
+    for start in range(0, len(picked), cfg.generation.batch_size):
+        batch = picked[start:start + cfg.generation.batch_size]
+        r = rollout(ctx, cfg, accelerator, model, tokenizer, batch, seed=ctx.seed * 31 + start * world + rank)
+        scores.append(scorer(r, batch))
+    all_scores = accelerator.gather(torch.cat(scores))
+    scale.fit(all_scores)
+    if accelerator.is_main_process:
+        print(f"[align] {ctx.name}: reward normalisation from {all_scores.numel()} initial-policy rollouts: "
+              f"mean {all_scores.mean().item():.4f}, std {all_scores.std(unbiased=False).item():.4f} -> "
+              f"gain {scale.gain:.4f}, bias {scale.bias:.4f}", flush=True)
+    ctx.note(reward_normalization={"gain": scale.gain, "bias": scale.bias, "samples": n, "fitted_at_iteration": 0})
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -99,33 +157,49 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if plugin is not None:  # no dataloader goes through prepare(), so DeepSpeed is told the micro-batch here
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.mini_batch_size
         plugin.deepspeed_config["gradient_accumulation_steps"] = cfg.gradient_accumulation_steps
+    disable_deepspeed_clipping(accelerator)
     dtype = ctx.pipeline["dtype"]
-    policy_path, reward_path = ctx.input_model(cfg.policy), ctx.input_model(cfg.reward)
-    tokenizer, reward_tokenizer = load_tokenizer(policy_path), load_tokenizer(reward_path)
+    policy_path = ctx.input_model(cfg.policy)
+    weights = judge_weights(cfg.reward)
+    reward_stages = [n for n in weights if n in ctx.inputs]
+    tokenizer = load_tokenizer(policy_path)
     prompts = unique_prompts(load_rows(ctx, cfg.prompts, cfg.split))
-    check_models(ctx, cfg, tokenizer, reward_tokenizer, prompts)
+    check_models(ctx, cfg, tokenizer, {n: load_tokenizer(ctx.input_model(n)) for n in reward_stages}, prompts)
 
     pad_id = tokenizer.pad_token_id
-    policy = load_causal_lm(policy_path, dtype)
+    policy = disable_dropout(load_causal_lm(policy_path, dtype))
     policy.generation_config.pad_token_id = pad_id
-    value = load_scalar_model(reward_path if cfg.value_init == "reward" else policy_path, pad_id, dtype)
+    value_from_reward = cfg.value_init == "reward"
+    value_path = ctx.input_model(reward_stages[0]) if value_from_reward else policy_path
+    value = disable_dropout(load_scalar_model(value_path, pad_id, dtype))
     model = PolicyAndValue(policy, value)
-    optimizer = torch.optim.AdamW([{"params": policy.parameters(), "lr": cfg.learning_rate},
-                                   {"params": value.parameters(), "lr": cfg.value_learning_rate}], eps=1e-5)
+    groups = {"policy": list(policy.parameters()), "value": list(value.parameters())}
+    optimizer = torch.optim.AdamW([{"params": groups["policy"], "lr": cfg.learning_rate},
+                                   {"params": groups["value"], "lr": cfg.value_learning_rate}], eps=1e-5)
     model, optimizer = accelerator.prepare(model, optimizer)
     base_lrs = [cfg.learning_rate, cfg.value_learning_rate]
     reference = prepare_frozen(load_causal_lm(policy_path, dtype), accelerator)
-    reward_model = prepare_frozen(load_scalar_model(reward_path, pad_id, dtype), accelerator)
+    scorer = Scorer.build(cfg.reward, lambda n: prepare_frozen(load_scalar_model(ctx.input_model(n), pad_id, dtype),
+                                                               accelerator) if n in reward_stages else None, tokenizer)
 
     kl_ctl = (AdaptiveKLController(cfg.kl.coef, cfg.kl.target, cfg.kl.horizon) if cfg.kl.adaptive
               else FixedKLController(cfg.kl.coef))
-    moments = RunningMoments()
+    moments, scale = RunningMoments(), RewardScale()
     stream = PromptStream(len(prompts), ctx.seed)
     progress = {"iteration": 0}
-    start = resume(ctx, accelerator, kl_ctl, moments, stream, progress)
+    start = resume(ctx, accelerator, kl_ctl, moments, scale, stream, progress)
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.eval()  # dropout is off anyway; eval() also keeps train-only code paths out of the forward
+    if cfg.reward_normalization == "initial" and not scale.fitted:
+        fit_reward_scale(ctx, cfg, accelerator, model, tokenizer, scorer, prompts, scale)
+    elif scale.fitted:  # restored with the checkpoint, never refitted on the partly trained policy
+        ctx.note(reward_normalization={"gain": scale.gain, "bias": scale.bias, "restored_at_iteration": start})
+    if value_from_reward:  # the value head starts as the reward head: read it in the normalised units
+        w = weights[reward_stages[0]]
+        unwrapped.value_affine = (scale.gain * w, scale.bias) if cfg.reward_normalization == "initial" else (w, 0.0)
 
     world = accelerator.num_processes
-    history: list[dict[str, float]] = []
+    history = restore_history(ctx, start)
     bar = tqdm(range(start, cfg.iterations), desc=f"{ctx.name}", disable=not accelerator.is_main_process,
                initial=start, total=cfg.iterations)
     for it in bar:
@@ -134,30 +208,32 @@ def run(ctx: StageContext) -> dict[str, Any]:
         idx = stream.take(cfg.rollout_batch_size * world)
         mine = idx[accelerator.process_index::world]
         batch_prompts = [prompts[i] for i in mine]
-        unwrapped = accelerator.unwrap_model(model)
-        unwrapped.eval()
 
         # 1. generate
-        with torch.no_grad(), gathered_for_generation(unwrapped.policy, accelerator):
-            r: Rollout = generate(unwrapped.policy, tokenizer, batch_prompts, cfg.generation,
-                                  seed=ctx.seed * 7919 + it * world + accelerator.process_index)
+        r = rollout(ctx, cfg, accelerator, model, tokenizer, batch_prompts,
+                    seed=ctx.seed * 7919 + it * world + accelerator.process_index)
+        t_gen = time.time() - t0
         ids, mask, rmask = r.input_ids, r.attention_mask, r.response_mask.float()
         lq = r.query_ids.size(1)
         with torch.no_grad():
-            # 2. score at the last real token; penalise responses that never emitted EOS
-            raw_scores = scalar_outputs(reward_model, ids, mask)
-            scores = raw_scores[torch.arange(ids.size(0)), last_token_index(ids, mask, pad_id)]
-            if cfg.missing_eos_penalty is not None:
-                scores = scores - cfg.missing_eos_penalty * (~r.eos_found).float()
+            # 2. score (reward model and/or judges), normalise, subtract the missing-EOS penalty
+            scores = scorer(r, batch_prompts)
             all_scores = accelerator.gather(scores)
-            if cfg.normalize_reward:
+            if cfg.reward_normalization == "initial":
+                scores_used = scale(scores)
+            elif cfg.reward_normalization == "running":
                 moments.update(all_scores)
                 scores_used = (scores - moments.mean) / moments.std
             else:
                 scores_used = scores
+            penalties = torch.zeros_like(scores)
+            if cfg.missing_eos_penalty is not None:
+                penalties = cfg.missing_eos_penalty * (~r.eos_found).float()
+            scores_used = scores_used - penalties
             # 3. log-probs under policy and reference, and values, by a forward pass
-            logprobs, _, values = model(ids, mask, lq, cfg.generation.temperature)
-            ref_logprobs = response_logprobs(reference, r, cfg.generation.temperature)
+            with accelerator.autocast():
+                logprobs, _, values = model(ids, mask, lq, cfg.generation.temperature)
+                ref_logprobs = response_logprobs(reference, r, cfg.generation.temperature)
             # 4. per-token rewards: -beta * KL, plus the score on the last response token
             kl = kl_estimate(logprobs, ref_logprobs, cfg.kl.estimator) * rmask
             last = (rmask.sum(1) - 1).clamp(min=0).long()
@@ -170,26 +246,31 @@ def run(ctx: StageContext) -> dict[str, Any]:
         # a function of the iteration alone, so a resumed run continues the same schedule)
         for group, base in zip(optimizer.param_groups, base_lrs):
             group["lr"] = base * (1.0 - 0.9 * it / max(1, cfg.iterations))
-        unwrapped.train()
-        stats = ppo_update(cfg, accelerator, model, optimizer, ids, mask, rmask, lq, logprobs, values,
+        stats = ppo_update(cfg, accelerator, model, optimizer, groups, ids, mask, rmask, lq, logprobs, values,
                            advantages, returns)
 
         seq_kl = accelerator.gather(kl.sum(1)).mean().item()
+        beta = kl_ctl.value
         kl_ctl.update(seq_kl, cfg.rollout_batch_size * world)
-        non_score = accelerator.gather((-kl_ctl.value * kl).sum(1)).mean().item()
+        non_score = accelerator.gather((-beta * kl).sum(1)).mean().item()
+        used = accelerator.gather(scores_used).mean().item()
+        elapsed = time.time() - t0
         metrics = {
-            "objective/scores": all_scores.mean().item(), "objective/kl": seq_kl,
-            "objective/kl_coef": kl_ctl.value, "objective/rlhf_reward": all_scores.mean().item() + non_score,
-            "objective/non_score_reward": non_score,
+            "objective/scores": all_scores.mean().item(), "objective/scores_std": all_scores.std().item(),
+            "objective/normalized_scores": accelerator.gather(scores_used + penalties).mean().item(),
+            "objective/penalties": accelerator.gather(penalties).mean().item(),
+            "objective/kl": seq_kl, "objective/kl_coef": beta, "objective/non_score_reward": non_score,
+            "objective/rlhf_reward": used + non_score,
             "rollout/response_length": accelerator.gather(rmask.sum(1)).mean().item(),
             "rollout/eos_fraction": accelerator.gather(r.eos_found.float()).mean().item(),
-            "perf/episodes_per_s": cfg.rollout_batch_size * world / (time.time() - t0),
-            "perf/tokens_per_s": accelerator.gather(rmask.sum()).sum().item() / (time.time() - t0),
+            "perf/episodes_per_s": cfg.rollout_batch_size * world / elapsed,
+            "perf/tokens_per_s": accelerator.gather(rmask.sum()).sum().item() / elapsed,
+            "perf/generation_fraction": t_gen / elapsed,
             "train/learning_rate": optimizer.param_groups[0]["lr"], **stats,
         }
         history.append(metrics)
         ctx.log(metrics, step=it + 1)
-        bar.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{seq_kl:.2f}", beta=f"{kl_ctl.value:.3f}")
+        bar.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{seq_kl:.2f}", beta=f"{beta:.3f}")
         if cfg.sample_every and (it + 1) % cfg.sample_every == 0 and ctx.tracker is not None:
             texts = tokenizer.batch_decode(r.response_ids[:8], skip_special_tokens=True)
             ctx.tracker.table("samples", ["prompt", "response", "score"],
@@ -209,18 +290,22 @@ def run(ctx: StageContext) -> dict[str, Any]:
     return summarise(cfg, history, kl_ctl, start)
 
 
-def ppo_update(cfg: PPOStage, accelerator, model, optimizer, ids, mask, rmask, lq, old_logprobs, old_values,
+def ppo_update(cfg: PPOStage, accelerator, model, optimizer, groups, ids, mask, rmask, lq, old_logprobs, old_values,
                advantages, returns) -> dict[str, float]:
-    """Step 6: clipped policy + value losses over shuffled mini-batches; stop early on a large approx KL."""
+    """Step 6: clipped policy + value losses over shuffled mini-batches; after an epoch whose mean approximate
+    KL exceeds `max_approx_kl`, stop. `policy/ratio_first` is the mean ratio on the first mini-batch of the
+    first epoch: exactly 1 when rollout and update compute the same log-probs (no dropout)."""
     b = ids.size(0)
     sums: dict[str, float] = {}
     count = 0
     stop = False
+    first_ratio = None
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(b)
+        epoch_kl, epoch_n = 0.0, 0
         for start in range(0, b, cfg.mini_batch_size):
             mb = order[start:start + cfg.mini_batch_size]
-            with accelerator.accumulate(model):
+            with accelerator.accumulate(model), accelerator.autocast():
                 logprobs, entropy, values = model(ids[mb], mask[mb], lq, cfg.generation.temperature)
                 pg_loss, pm = ppo_policy_loss(logprobs, old_logprobs[mb], advantages[mb], rmask[mb], cfg.clip_range)
                 vf_loss, vm = ppo_value_loss(values, old_values[mb], returns[mb], rmask[mb], cfg.clip_range_value)
@@ -228,89 +313,47 @@ def ppo_update(cfg: PPOStage, accelerator, model, optimizer, ids, mask, rmask, l
                 loss = pg_loss + cfg.vf_coef * vf_loss - cfg.entropy_coef * ent
                 if not torch.isfinite(loss):
                     raise NonFiniteLossError(f"PPO loss is {loss.item()}; stopping (lower the learning rate)")
-                accelerator.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
+                if first_ratio is None:
+                    first_ratio = masked_mean(torch.exp(logprobs - old_logprobs[mb]), rmask[mb]).item()
+                norms = backward_and_step(accelerator, model, optimizer, loss, groups, cfg.max_grad_norm)
             step = {"train/loss": loss.item(), "policy/loss": pg_loss.item(), "value/loss": vf_loss.item(),
-                    "policy/entropy": ent.item(), **{k: v.item() for k, v in {**pm, **vm}.items()}}
+                    "policy/entropy": ent.item(), **{k: v.item() for k, v in {**pm, **vm}.items()},
+                    **{f"{k}/grad_norm": v for k, v in norms.items()}}
+            if count == 0:
+                step_first = {"policy/approx_kl_first": pm["policy/approx_kl"].item()}
             for k, v in step.items():
                 sums[k] = sums.get(k, 0.0) + v
             count += 1
-        approx_kl = accelerator.reduce(torch.tensor(sums["policy/approx_kl"] / count, device=ids.device), "mean")
+            epoch_kl, epoch_n = epoch_kl + pm["policy/approx_kl"].item(), epoch_n + 1
+        # early stopping looks at this epoch alone (its mean over mini-batches, averaged over processes)
+        approx_kl = accelerator.reduce(torch.tensor(epoch_kl / epoch_n, device=ids.device), "mean")
         if cfg.max_approx_kl is not None and approx_kl.item() > cfg.max_approx_kl:
             stop = True
             break
     out = {k: accelerator.reduce(torch.tensor(v / count, device=ids.device), "mean").item() for k, v in sums.items()}
     out["policy/early_stopped"] = float(stop)
+    out["policy/ratio_first"] = accelerator.reduce(torch.tensor(first_ratio, device=ids.device), "mean").item()
+    out.update({k: accelerator.reduce(torch.tensor(v, device=ids.device), "mean").item() for k, v in step_first.items()})
     return out
 
 
-# --------------------------------------------------------------------------------------------- checkpoints
-def _register(accelerator, *objs) -> None:
-    if not getattr(accelerator, "_align_registered", False):
-        for o in objs:
-            accelerator.register_for_checkpointing(o)
-        accelerator._align_registered = True
-
-
-def resume(ctx: StageContext, accelerator, kl_ctl, moments, stream, progress) -> int:
-    """Restore the newest complete checkpoint of this fingerprint (models, optimizer, scheduler, RNG, KL
-    controller, reward statistics, data position); return the iteration to continue from."""
-
-    class Progress:
-        def state_dict(self):
-            return dict(progress)
-
-        def load_state_dict(self, s):
-            progress.update(s)
-
-    _register(accelerator, kl_ctl, moments, stream, Progress())
-    ckpts = ctx.checkpoints
-    ctx.prepare_checkpoints()
-    if accelerator.is_main_process:
-        for partial in ckpts.glob(".iter-*"):  # a save that was killed mid-write
-            shutil.rmtree(partial)
-    accelerator.wait_for_everyone()
-    done = sorted((p for p in ckpts.glob("iter-*") if (p / "COMPLETE").is_file()), key=lambda p: int(p.name[5:]))
-    if not done:
-        ctx.extra_manifest["resumed_from_iteration"] = 0
-        return 0
-    accelerator.load_state(str(done[-1]))
-    if accelerator.is_main_process:
-        print(f"[align] {ctx.name}: resuming from {done[-1]} (iteration {progress['iteration']}, "
-              f"beta {kl_ctl.value:.4f})", flush=True)
-    ctx.extra_manifest["resumed_from_iteration"] = progress["iteration"]
-    return int(progress["iteration"])
-
-
-def save_checkpoint(ctx: StageContext, accelerator, iteration: int) -> None:
-    """accelerator.save_state into a hidden dir, then a rename + COMPLETE marker; keep the last two."""
-    final = ctx.checkpoints / f"iter-{iteration}"
-    tmp = ctx.checkpoints / f".iter-{iteration}"
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (tmp / "COMPLETE").write_text(json.dumps({"iteration": iteration}))
-        tmp.rename(final)
-        for old in sorted(ctx.checkpoints.glob("iter-*"), key=lambda p: int(p.name[5:]))[:-2]:
-            shutil.rmtree(old)
-    accelerator.wait_for_everyone()
-
-
 def summarise(cfg: PPOStage, history: list[dict[str, float]], kl_ctl, start: int) -> dict[str, Any]:
-    """Final figures for the manifest: reward-model score at the start and end of training, KL and beta."""
+    """Final figures for the manifest: score at the start and end of training (over the whole run, also after a
+    resume: history is restored from metrics.jsonl), KL and beta."""
     if not history:
-        return {"ppo/iterations": cfg.iterations}
+        raise RuntimeError(f"PPO ran no iteration (iterations={cfg.iterations}, resumed at {start})")
     k = max(1, len(history) // 5)
     first, last = history[:k], history[-k:]
 
     def avg(rows, key):
-        return sum(r[key] for r in rows) / len(rows)
+        rows = [r for r in rows if key in r]
+        return sum(r[key] for r in rows) / len(rows) if rows else None
 
-    return {"ppo/iterations": cfg.iterations, "ppo/resumed_from_iteration": start,
+    return {"ppo/iterations_run": len(history), "ppo/resumed_from_iteration": start,
             "objective/scores_first": avg(first, "objective/scores"),
             "objective/scores_last": avg(last, "objective/scores"),
             "objective/kl_last": avg(last, "objective/kl"), "objective/kl_coef_final": kl_ctl.value,
             "objective/kl_target": cfg.kl.target if cfg.kl.adaptive else None,
             "rollout/eos_fraction_last": avg(last, "rollout/eos_fraction"),
-            "perf/episodes_per_s": avg(history, "perf/episodes_per_s")}
+            "perf/episodes_per_s": avg(history, "perf/episodes_per_s"),
+            "perf/generation_fraction": avg(history, "perf/generation_fraction")}

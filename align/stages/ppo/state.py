@@ -95,3 +95,26 @@ class PromptStream:
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.index = state["epoch"], state["index"]
+
+
+class RewardScale:
+    """Ziegler et al. 2019, sec. 2.2: a gain and bias fixed once, before training, so the initial policy's scores
+    have mean 0 and std 1: normalised = gain * score + bias, gain = 1 / std, bias = -mean / std. Unlike running
+    statistics it never drifts, so the value model (read through the same affine map) keeps its units."""
+
+    def __init__(self):
+        self.gain, self.bias, self.fitted = 1.0, 0.0, False
+
+    def fit(self, scores: torch.Tensor) -> None:
+        xs = scores.detach().double().flatten()
+        std = max(xs.std(unbiased=False).item(), 1e-6)
+        self.gain, self.bias, self.fitted = 1.0 / std, -xs.mean().item() / std, True
+
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores * self.gain + self.bias
+
+    def state_dict(self) -> dict:
+        return {"gain": self.gain, "bias": self.bias, "fitted": self.fitted}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.gain, self.bias, self.fitted = state["gain"], state["bias"], state["fitted"]

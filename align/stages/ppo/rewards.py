@@ -1,0 +1,53 @@
+"""Step 2 of PPO: the score of each sampled response, from reward models and/or Python judges.
+
+A reward model reads the sampled token ids directly, at the last real token (no detokenise/retokenise
+round trip; the policy and reward tokenizers must agree). A Python judge (`vader`, `module:function`) reads
+the decoded prompt and response text. Several are summed with their weights. The score is then normalised
+(`reward_normalization`) and the missing-EOS penalty subtracted; both are reported apart from the score.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from align.generation import Rollout, scalar_outputs
+from align.judges import judge_weights, python_judge
+from align.losses import last_token_index
+
+
+class Scorer:
+    """sum_i w_i * score_i(prompt, response) over reward models (token ids) and Python judges (text)."""
+
+    def __init__(self, reward_models: dict[str, tuple[float, torch.nn.Module]], judges: dict[str, tuple[float, object]],
+                 tokenizer):
+        self.reward_models, self.judges, self.tokenizer = reward_models, judges, tokenizer
+
+    @classmethod
+    def build(cls, spec, reward_model_of, tokenizer) -> "Scorer":
+        """`reward_model_of(name)` loads a reward stage's model (prepared for this backend) or returns None."""
+        models, judges = {}, {}
+        for name, weight in judge_weights(spec).items():
+            model = reward_model_of(name)
+            if model is not None:
+                models[name] = (weight, model)
+            else:
+                judges[name] = (weight, python_judge(name))
+        return cls(models, judges, tokenizer)
+
+    def texts(self, r: Rollout) -> list[str]:
+        return [self.tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
+                for ids, m in zip(r.response_ids, r.response_mask)]
+
+    @torch.no_grad()
+    def __call__(self, r: Rollout, prompts: list[str]) -> torch.Tensor:
+        ids, mask = r.input_ids, r.attention_mask
+        total = torch.zeros(ids.size(0), device=ids.device)
+        if self.reward_models:
+            last = last_token_index(ids, mask, self.tokenizer.pad_token_id)
+            for weight, model in self.reward_models.values():
+                total += weight * scalar_outputs(model, ids, mask)[torch.arange(ids.size(0)), last]
+        if self.judges:
+            texts = self.texts(r)
+            for weight, judge in self.judges.values():
+                total += weight * torch.tensor(judge(prompts, texts), dtype=torch.float32, device=ids.device)
+        return total

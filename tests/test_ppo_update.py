@@ -1,0 +1,179 @@
+"""PPO's update step in-process: dropout off gives ratio 1 at the first step; gradients of policy and value are
+clipped separately (on CPU here, under DeepSpeed ZeRO-2 in a 2-process probe); judges as the reward; the
+response-length consistency check; the reward gain and bias."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from align.config import PPOStage, parse_pipeline
+from align.pipeline import PipelineError, validate
+
+REPO = Path(__file__).resolve().parent.parent
+SEED = 1234
+
+
+def _gpt2_pair(dropout: float):
+    """A tiny GPT-2 (dropout in embeddings, attention and residuals) and a value model of the same config."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=2, n_head=2, resid_pdrop=dropout,
+                     embd_pdrop=dropout, attn_pdrop=dropout, num_labels=1, pad_token_id=0)
+    torch.manual_seed(SEED)
+    return GPT2LMHeadModel(cfg), GPT2ForSequenceClassification(cfg)
+
+
+def _first_step_stats(disable: bool) -> dict[str, float]:
+    from accelerate import Accelerator
+
+    from align.models import disable_dropout
+    from align.stages.ppo import PolicyAndValue, ppo_update
+
+    print(f"seed {SEED}")
+    policy, value = _gpt2_pair(dropout=0.1)
+    if disable:
+        disable_dropout(policy), disable_dropout(value)
+    model = PolicyAndValue(policy, value).train()  # train mode on purpose: only disable_dropout protects
+    groups = {"policy": list(policy.parameters()), "value": list(value.parameters())}
+    acc = Accelerator(cpu=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(1, 64, (8, 12), generator=g)
+    mask = torch.ones_like(ids)
+    rmask = torch.ones(8, 6)
+    with torch.no_grad():
+        old_lp, _, old_v = model(ids, mask, 6, 1.0)  # the rollout's forward pass (step 3)
+    cfg = PPOStage(type="ppo", ppo_epochs=1, mini_batch_size=4, rollout_batch_size=8)
+    adv = torch.randn(8, 6, generator=g)
+    return ppo_update(cfg, acc, model, opt, groups, ids, mask, rmask, 6, old_lp, old_v, adv, old_v + adv)
+
+
+def test_gpt2_with_dropout_has_ratio_exactly_one_at_the_first_step():
+    stats = _first_step_stats(disable=True)
+    assert stats["policy/ratio_first"] == 1.0
+    assert stats["policy/approx_kl_first"] == 0.0
+    # the control: the same model with dropout left on disagrees with its own rollout at the first step
+    control = _first_step_stats(disable=False)
+    assert control["policy/ratio_first"] != 1.0 and control["policy/approx_kl_first"] > 0
+
+
+class _RecordingSGD(torch.optim.SGD):
+    """SGD that records each parameter group's gradient norm at the moment it steps (after clipping)."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        self.seen: list[list[float]] = []
+
+    def step(self, closure=None):
+        self.seen.append([math.sqrt(sum(float(p.grad.pow(2).sum()) for p in g["params"] if p.grad is not None))
+                          for g in self.param_groups])
+        return super().step(closure)
+
+
+def test_policy_and_value_gradients_are_clipped_separately_on_cpu():
+    from accelerate import Accelerator
+
+    from align.stages.ppo.optim import backward_and_step
+
+    torch.manual_seed(SEED)
+    policy, value = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+    groups = {"policy": list(policy.parameters()), "value": list(value.parameters())}
+    opt = _RecordingSGD([{"params": groups["policy"]}, {"params": groups["value"]}], lr=0.0)
+    x = torch.randn(16, 8)
+    loss = 0.01 * policy(x).pow(2).mean() + 1000.0 * value(x).pow(2).mean()  # small policy, huge value grads
+    norms = backward_and_step(Accelerator(cpu=True), policy, opt, loss, groups, max_norm=1.0)
+    assert norms["policy"] < 1.0 < norms["value"]
+    policy_seen, value_seen = opt.seen[-1]
+    assert policy_seen == pytest.approx(norms["policy"], rel=1e-6)  # untouched: not shrunk by the value norm
+    assert value_seen == pytest.approx(1.0, rel=1e-4)
+
+
+@pytest.mark.distributed
+def test_clipping_under_deepspeed_zero2_matches_cpu(tmp_path):
+    """The same probe (seeded models and loss, SGD lr 1) on one CPU process and under 2-process ZeRO-2: the step
+    each group took (parameter change = clipped gradient) has norm min(pre-clip norm, 1) in both."""
+    probe = REPO / "tests" / "probes" / "clip_probe.py"
+    out = {}
+    for name, cmd in {
+        "cpu": [sys.executable, str(probe), str(tmp_path / "cpu.json")],
+        "zero2": [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                  str(REPO / "pipelines" / "accelerate" / "zero2.yaml"), "--num_processes", "2",
+                  str(probe), str(tmp_path / "zero2.json")],
+    }.items():
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        out[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert (out["cpu"]["world"], out["zero2"]["world"]) == (1, 2)
+    for name, r in out.items():
+        for group in ("policy", "value"):
+            assert r["step_norm"][group] == pytest.approx(min(r["pre_norm"][group], 1.0), rel=1e-3), (name, group)
+        assert r["pre_norm"]["value"] > 1.0 > r["pre_norm"]["policy"], name  # one clipped, one not
+    for group in ("policy", "value"):
+        assert out["zero2"]["pre_norm"][group] == pytest.approx(out["cpu"]["pre_norm"][group], rel=1e-4)
+
+
+# --------------------------------------------------------------------------------------------- judges
+def test_user_judge_module_function_and_weighted_sum(tmp_path, monkeypatch):
+    from align.judges import JudgeError, check_judges, make_judge, vader
+
+    (tmp_path / "my_judges.py").write_text("def exclaim(prompts, responses):\n"
+                                           "    return [float(r.count('!')) for r in responses]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    prompts, responses = ["The film", "The film"], ["is great!!", "is awful."]
+    judge = make_judge({"my_judges:exclaim": 2.0, "vader": 1.0}, lambda name: None)
+    v = vader(prompts, responses)
+    assert judge(prompts, responses) == pytest.approx([2.0 * 2 + v[0], 2.0 * 0 + v[1]])
+    check_judges({"my_judges:exclaim": 1.0}, set(), {})
+    with pytest.raises(JudgeError, match="cannot import module 'nowhere'"):
+        check_judges("nowhere:fn", set(), {})
+    with pytest.raises(JudgeError, match="has no function 'missing'"):
+        check_judges("my_judges:missing", set(), {})
+    with pytest.raises(JudgeError, match="'dpo' is a dpo stage, not a reward stage"):
+        check_judges("dpo", {"reward"}, {"dpo": "dpo", "reward": "reward"})
+
+
+def _default_raw():
+    return yaml.safe_load((REPO / "pipelines" / "default.yaml").read_text())
+
+
+def test_validate_flags_the_old_default_response_length_mismatch():
+    raw = _default_raw()
+    raw["stages"]["ppo"]["generation"]["max_new_tokens"] = 24  # the default before issue 10
+    with pytest.raises(PipelineError) as err:
+        validate(parse_pipeline(raw, "default.yaml"), REPO / "pipelines" / "default.yaml", verbose=False)
+    msg = str(err.value)
+    for setting in ("stages.ppo.generation.max_new_tokens=24", "stages.preferences.generation.max_new_tokens=32",
+                    "stages.evaluate.generation.max_new_tokens=32"):
+        assert setting in msg
+
+
+def test_ppo_with_a_judge_reward_validates_and_value_init_reward_needs_a_reward_model():
+    raw = _default_raw()
+    raw["stages"]["ppo"].update(reward="vader", value_init="policy")
+    validate(parse_pipeline(raw, "default.yaml"), REPO / "pipelines" / "default.yaml", verbose=False)
+    raw["stages"]["ppo"]["value_init"] = "reward"
+    with pytest.raises(PipelineError, match="value_init: 'reward' starts the value model from the reward model"):
+        validate(parse_pipeline(raw, "default.yaml"), REPO / "pipelines" / "default.yaml", verbose=False)
+
+
+def test_reward_scale_hand_values():
+    """scores 1, 2, 3, 6: mean 3, population std sqrt(3.5) -> gain 1/sqrt(3.5), bias -3/sqrt(3.5); the fitted
+    map sends them to mean 0 and std 1."""
+    from align.stages.ppo.state import RewardScale
+
+    s = RewardScale()
+    s.fit(torch.tensor([1.0, 2.0, 3.0, 6.0]))
+    assert (s.gain, s.bias) == pytest.approx((1 / math.sqrt(3.5), -3 / math.sqrt(3.5)))
+    z = s(torch.tensor([1.0, 2.0, 3.0, 6.0]))
+    assert z.mean().item() == pytest.approx(0.0, abs=1e-6) and z.std(unbiased=False).item() == pytest.approx(1.0)
+    t = RewardScale()
+    t.load_state_dict(s.state_dict())
+    assert (t.gain, t.bias, t.fitted) == (s.gain, s.bias, True)
