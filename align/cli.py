@@ -1,4 +1,4 @@
-"""`align` command line: run, validate, report, stage (internal)."""
+"""`align` command line: run, validate, estimate, status, report, stage (internal)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0 (default 29500)")
     run.add_argument("--rdzv-timeout", type=int, default=600,
                      help="seconds to wait for all nodes to join a stage before failing (default 600)")
+    run.add_argument("--verbose", action="store_true",
+                     help="stream every line the stages print (library logs, progress bars) to the console too")
     est = sub.add_parser("estimate", help="per-stage parameter counts and per-GPU memory for ZeRO-2/3/offload")
     est.add_argument("pipeline")
     est.add_argument("overrides", nargs="*")
@@ -36,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     val.add_argument("overrides", nargs="*")
     rep = sub.add_parser("report", help="rebuild the evaluation report of a run directory (no training)")
     rep.add_argument("run_dir")
+    sta = sub.add_parser("status", help="stages of a run directory: state, up to date or not, attempts, duration")
+    sta.add_argument("run_dir")
     stage = sub.add_parser("stage", help=argparse.SUPPRESS)
     stage.add_argument("spec")
     return p
@@ -61,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     from align.pipeline import PipelineError, build_plan, run, validate
 
     try:
+        if args.command == "status":
+            from align.status import status_table
+
+            print(status_table(args.run_dir))
+            return 0
         if args.command == "report":
             from align.report import rebuild
 
@@ -90,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[align] {args.pipeline}: valid ({len(plans)} stages)")
             return 0
         from align.pipeline import MultiNode
+
+        if args.verbose:
+            import os
+
+            os.environ["ALIGN_VERBOSE"] = "1"  # read by the runner and inherited by every stage process
 
         multi = MultiNode(args.nodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_timeout)
         run(cfg, args.pipeline, only=args.only, from_stage=args.from_stage, force=args.force,

@@ -13,7 +13,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -129,6 +129,9 @@ class TrainedStage(StageBase):
 class SFTStage(TrainedStage):
     """Supervised fine-tuning with TRL's SFTTrainer."""
 
+    HEADLINE: ClassVar[tuple[str, ...]] = ("train/loss_final_avg", "eval/loss")
+    """Final metrics in the one-line result on the console and in `align status`."""
+
     model: str = "base"
     """Starting model: `base` (the pipeline's base_model) or the name of an earlier stage."""
     data: str = ""
@@ -146,6 +149,9 @@ class SFTStage(TrainedStage):
 @dataclass
 class PreferencesStage(StageBase):
     """Sample several completions per prompt from a policy and keep judged (chosen, rejected) pairs."""
+
+    HEADLINE: ClassVar[tuple[str, ...]] = ("preferences/pairs_train", "preferences/mean_margin")
+    """Final metrics in the one-line result on the console and in `align status`."""
 
     policy: str = "sft"
     """Stage whose model/ samples the completions."""
@@ -172,6 +178,9 @@ class PreferencesStage(StageBase):
 class RewardStage(TrainedStage):
     """Pairwise (Bradley-Terry) reward model with TRL's RewardTrainer."""
 
+    HEADLINE: ClassVar[tuple[str, ...]] = ("eval/rewards/accuracy",)
+    """Final metrics in the one-line result on the console and in `align status`."""
+
     init: str = "sft"
     """Stage whose model/ initialises the reward model (a scalar head is added)."""
     data: str = "preferences"
@@ -183,6 +192,9 @@ class RewardStage(TrainedStage):
 @dataclass
 class DPOStage(TrainedStage):
     """Direct preference optimisation with TRL's DPOTrainer; reference = the starting policy."""
+
+    HEADLINE: ClassVar[tuple[str, ...]] = ("eval/rewards/accuracy", "eval/rewards/margin")
+    """Final metrics in the one-line result on the console and in `align status`."""
 
     policy: str = "sft"
     """Stage whose model/ is both the starting policy and the frozen reference."""
@@ -216,7 +228,10 @@ class KLSettings:
 
 @dataclass
 class PPOStage(StageBase):
-    """PPO against a frozen reward model with a KL penalty to the reference policy (align's own)."""
+    """PPO against a frozen reward model or Python judges, with a KL penalty to the reference (align's own)."""
+
+    HEADLINE: ClassVar[tuple[str, ...]] = ("objective/scores_last", "objective/kl_last")
+    """Final metrics in the one-line result on the console and in `align status`."""
 
     policy: str = "sft"
     """Stage whose model/ is the starting policy and the frozen reference."""
@@ -285,6 +300,9 @@ class PPOStage(StageBase):
 @dataclass
 class EvaluateStage(StageBase):
     """Sample held-out prompts from each policy and compare them with judges, KL and win rates."""
+
+    HEADLINE: ClassVar[tuple[str, ...]] = ("eval/prompts",)
+    """Final metrics in the one-line result on the console and in `align status`."""
 
     policies: list[str] = field(default_factory=lambda: ["sft"])
     """Stages whose model/ to evaluate."""

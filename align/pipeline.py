@@ -25,6 +25,7 @@ from typing import Any
 from align.config import (STAGE_REFERENCE_FIELDS, PipelineConfig, ConfigError, StageBase, to_dict)
 from align.data.cards import (DataCardError, DataUnavailableError, LoadedSplit, hub_reachable, load_card,
                               load_split)
+from align.console import stream_stage, tail, verbose
 from align.fsutil import atomic_write_json
 from align.stages.base import MANIFEST, is_complete, read_manifest
 from align.tracking import scrub
@@ -419,24 +420,18 @@ def wait_for_stage(stage_dir: Path, fingerprint: str, name: str, timeout: float 
 
 
 def _stage_env() -> dict[str, str]:
-    return {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    if not verbose():
+        env["TQDM_DISABLE"] = "1"  # library bars off; the runner draws one bar per stage (align/console.py)
+    return env
 
 
-def _stream(cmd: list[str], log_path: Path, env: dict[str, str]) -> int:
-    """Run `cmd`, copying its output to the terminal and to `log_path` as it comes (progress bars too)."""
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-        assert proc.stdout is not None
-        try:
-            for chunk in iter(lambda: proc.stdout.read1(4096), b""):  # type: ignore[union-attr]
-                sys.stdout.buffer.write(chunk)
-                sys.stdout.flush()
-                log.write(chunk)
-            return proc.wait()
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
+def result_line(plan: StagePlan, stage_dir: Path) -> str:
+    """The stage's headline final metrics (declared by its config class), for the console and `align status`."""
+    final = (read_manifest(stage_dir) or {}).get("final_metrics") or {}
+    shown = [f"{k} {final[k]:.4g}" if isinstance(final[k], float) else f"{k} {final[k]}"
+             for k in type(plan.cfg).HEADLINE if final.get(k) is not None]
+    return ", ".join(shown)
 
 
 def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_stage: str | None = None,
@@ -506,8 +501,8 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
         atomic_write_json(spec_path, scrub(spec))
         print(f"{header}: running (fingerprint {plan.fingerprint})", flush=True)
         t_stage = time.time()
-        rc = _stream(launch_command(plan, spec_path, source, num_processes, multi), stage_dir / "stage.log",
-                     _stage_env())
+        rc = stream_stage(launch_command(plan, spec_path, source, num_processes, multi), stage_dir / "stage.log",
+                          _stage_env(), plan.name)
         if rc != 0 or not is_complete(stage_dir, plan.fingerprint):
             m = read_manifest(stage_dir) or {}
             statuses[plan.name] = "failed"
@@ -515,10 +510,12 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
             hint = (f"\n  multi-node: if the log shows a rendezvous timeout, a node did not join "
                     f"{multi.master_addr}:{multi.master_port} within --rdzv-timeout {multi.rdzv_timeout}s"
                     if multi.nodes > 1 and is_distributed(plan) else "")
-            raise PipelineError(f"stage '{plan.name}' failed (exit code {rc}): {m.get('error', 'see the log')}{hint}\n"
-                                f"  log: {stage_dir / 'stage.log'}\n  manifest: {stage_dir / MANIFEST}")
+            last = "" if verbose() else f"\n  last lines of the log:\n{tail(stage_dir / 'stage.log')}"
+            raise PipelineError(f"stage '{plan.name}' failed (exit code {rc}): {m.get('error', 'see the log')}{hint}"
+                                f"{last}\n  log: {stage_dir / 'stage.log'}\n  manifest: {stage_dir / MANIFEST}")
         statuses[plan.name] = "completed"
-        print(f"{header}: done in {time.time() - t_stage:.0f}s", flush=True)
+        result = result_line(plan, stage_dir)
+        print(f"{header}: done in {time.time() - t_stage:.0f}s" + (f": {result}" if result else ""), flush=True)
     if not multi.is_main:
         print(f"[align] node {multi.node_rank}: pipeline {cfg.name} finished in {time.time() - t0:.0f}s", flush=True)
         return run_dir
@@ -552,7 +549,7 @@ def _follow_stage(plan: StagePlan, stage_dir: Path, header: str, source: str | P
         time.sleep(0.5)
     print(f"{header}: running on node {multi.node_rank} of {multi.nodes}", flush=True)
     log = Path(tempfile.gettempdir()) / f"align-{plan.name}-node{multi.node_rank}.log"
-    rc = _stream(launch_command(plan, spec_path, source, num_processes, multi), log, _stage_env())
+    rc = stream_stage(launch_command(plan, spec_path, source, num_processes, multi), log, _stage_env(), plan.name)
     if rc != 0:
         raise PipelineError(f"stage '{plan.name}' failed on node {multi.node_rank} (exit code {rc}); log: {log}")
     wait_for_stage(stage_dir, plan.fingerprint, plan.name, multi.rdzv_timeout)

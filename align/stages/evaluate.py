@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from align.config import EvaluateStage
 from align.generation import generate, response_logprobs
@@ -26,11 +25,13 @@ OUTPUTS = ["../report"]
 
 
 @torch.no_grad()
-def sample_with_kl(policy, reference, tokenizer, prompts: list[str], cfg: EvaluateStage, seed: int):
+def sample_with_kl(policy, reference, tokenizer, prompts: list[str], cfg: EvaluateStage, seed: int,
+                   on_batch=lambda done: None):
     """Responses (text) and sequence-level KL(policy || reference) = sum_t log pi - log ref on them."""
     texts, kls, lengths = [], [], []
     gen = cfg.generation
-    for start in tqdm(range(0, len(prompts), gen.batch_size), desc="  sampling", leave=False):
+    for start in range(0, len(prompts), gen.batch_size):
+        on_batch(start)
         r = generate(policy, tokenizer, prompts[start:start + gen.batch_size], gen, seed=seed + start)
         lp = response_logprobs(policy, r, gen.temperature)
         ref_lp = response_logprobs(reference, r, gen.temperature)
@@ -54,11 +55,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
         judges["reward_model"] = RewardModelJudge(ctx.input_model(cfg.reward))
 
     samples: dict[str, dict[str, Any]] = {}
-    for name in cfg.policies:
+    total = len(cfg.policies) * len(prompts)
+    for i, name in enumerate(cfg.policies):
         if ctx.is_main:
             print(f"[align] {ctx.name}: sampling {len(prompts)} prompts from '{name}'", flush=True)
         policy = load_causal_lm(ctx.input_model(name), dtype).eval()
-        texts, kls, lengths = sample_with_kl(policy, reference, tokenizer, prompts, cfg, ctx.seed)
+        texts, kls, lengths = sample_with_kl(policy, reference, tokenizer, prompts, cfg, ctx.seed,
+                                             lambda done: ctx.progress(i * len(prompts) + done, total, policy=name))
+        ctx.progress((i + 1) * len(prompts), total, policy=name)
         scores = {j: fn(prompts, texts) for j, fn in judges.items()}
         samples[name] = {"responses": texts, "kl": kls, "length": lengths, "scores": scores}
 

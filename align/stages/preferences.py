@@ -13,7 +13,6 @@ import random
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
 
 from align.config import PreferencesStage
 from align.generation import sample_texts
@@ -47,8 +46,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     records = []
     with ctx.state.split_between_processes(list(enumerate(prompts))) as mine:
-        for start in tqdm(range(0, len(mine), per_batch), desc=f"{ctx.name}: sampling",
-                          disable=not ctx.is_main):
+        for start in range(0, len(mine), per_batch):
+            ctx.progress(start, len(mine))
             batch = mine[start:start + per_batch]
             flat = [p for _, p in batch for _ in range(n)]
             texts = sample_texts(policy, tokenizer, flat, cfg.generation, seed=ctx.seed * 1_000_003 + batch[0][0])
@@ -56,6 +55,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
             for j, (idx, prompt) in enumerate(batch):
                 records.append({"index": idx, "prompt": prompt, "responses": texts[j * n:(j + 1) * n],
                                 "scores": scores[j * n:(j + 1) * n]})
+        ctx.progress(len(mine), len(mine))
     from accelerate.utils import gather_object
 
     records = sorted(gather_object(records), key=lambda r: r["index"])

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from align.config import PPOStage
 from align.generation import Rollout, generate, position_ids, response_logprobs, scalar_outputs
@@ -200,9 +199,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     world = accelerator.num_processes
     history = restore_history(ctx, start)
-    bar = tqdm(range(start, cfg.iterations), desc=f"{ctx.name}", disable=not accelerator.is_main_process,
-               initial=start, total=cfg.iterations)
-    for it in bar:
+    for it in range(start, cfg.iterations):
         t0 = time.time()
         # Every process takes its own slice of the same global batch.
         idx = stream.take(cfg.rollout_batch_size * world)
@@ -270,7 +267,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         }
         history.append(metrics)
         ctx.log(metrics, step=it + 1)
-        bar.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{seq_kl:.2f}", beta=f"{beta:.3f}")
+        ctx.progress(it + 1, cfg.iterations, score=metrics["objective/scores"], kl=seq_kl, beta=beta)
         if cfg.sample_every and (it + 1) % cfg.sample_every == 0 and ctx.tracker is not None:
             texts = tokenizer.batch_decode(r.response_ids[:8], skip_special_tokens=True)
             ctx.tracker.table("samples", ["prompt", "response", "score"],

@@ -1,0 +1,141 @@
+"""What a person sees while a pipeline runs, and what goes to each stage's `stage.log`.
+
+A stage process prints whatever its libraries print; the runner reads it line by line:
+
+- progress events (lines that start with PROGRESS, written by `emit_progress` in the stage's main process)
+  drive one progress bar per stage on the console, with the stage's key metrics (loss / reward / KL / eta),
+  and are written to stage.log as plain periodic lines;
+- every other line goes to stage.log only, as plain text: carriage-return bar frames are reduced to their
+  last frame, and a line seen before is counted instead of written again (the counts close the log);
+- `--verbose` (ALIGN_VERBOSE=1) streams everything to the console as it comes, as before.
+
+This module imports no torch: the runner uses it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, BinaryIO
+
+PROGRESS = "\x1e[align-progress] "
+LOG_EVERY_S = 30.0  # a progress line in stage.log at most this often (and at 0%, every 10% and 100%)
+
+
+def emit_progress(n: int, total: int, **metrics: float) -> None:
+    """Stage side: report `n` of `total` units done, with a few metrics for the bar (main process only)."""
+    shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in metrics.items() if v is not None}
+    sys.stdout.write(PROGRESS + json.dumps({"n": int(n), "total": int(total), "metrics": shown}) + "\n")
+    sys.stdout.flush()
+
+
+def verbose() -> bool:
+    return os.environ.get("ALIGN_VERBOSE") == "1"
+
+
+class StageConsole:
+    """Runner side: one stage's output, split between the console bar and stage.log."""
+
+    def __init__(self, name: str, log: BinaryIO, stream_all: bool):
+        self.name, self.log, self.stream_all = name, log, stream_all
+        self.seen: Counter[str] = Counter()
+        self.bar = None
+        self.last_logged = (-1.0, -1)  # (time, decile)
+        self.pending = b""
+
+    def feed(self, chunk: bytes) -> None:
+        if self.stream_all:
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.flush()
+        self.pending += chunk
+        *lines, self.pending = self.pending.split(b"\n")
+        for raw in lines:
+            self._line(raw)
+
+    def close(self) -> None:
+        if self.pending:
+            self._line(self.pending)
+            self.pending = b""
+        if self.bar is not None:
+            self.bar.close()
+        repeated = [(text, n) for text, n in self.seen.items() if n > 1]
+        if repeated:
+            self._write("[align] lines repeated in this stage's output (written once above):")
+            for text, n in sorted(repeated, key=lambda t: -t[1]):
+                self._write(f"  x{n}: {text[:300]}")
+        self.log.flush()
+
+    # ------------------------------------------------------------------ internals
+    def _write(self, text: str) -> None:
+        self.log.write(text.encode("utf-8", "replace") + b"\n")
+
+    def _line(self, raw: bytes) -> None:
+        text = raw.decode("utf-8", "replace").split("\r")
+        text = next((t for t in reversed(text) if t.strip()), "").rstrip()  # last frame of a \r-redrawn bar
+        if text.lstrip("\x1e").startswith(PROGRESS.lstrip("\x1e")):
+            self._progress(text.split("] ", 1)[1])
+            return
+        if not text:
+            return
+        self.seen[text] += 1
+        if self.seen[text] == 1:
+            self._write(text)
+
+    def _progress(self, payload: str) -> None:
+        try:
+            event: dict[str, Any] = json.loads(payload)
+        except json.JSONDecodeError:
+            return
+        n, total, metrics = event["n"], max(1, event["total"]), event.get("metrics", {})
+        if not self.stream_all:
+            if self.bar is None:
+                from tqdm.auto import tqdm
+
+                # On a terminal the bar redraws in place; into a file or pipe (CI, nohup) every redraw is a
+                # new frame, so it redraws at most once a minute there, and once at the end.
+                tty = sys.stderr.isatty()
+                self.bar = tqdm(total=total, desc=f"  {self.name}", dynamic_ncols=True, leave=True,
+                                mininterval=0.5 if tty else 60.0, maxinterval=1e9,
+                                bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+                                           "[{elapsed}<{remaining}{postfix}]")
+            self.bar.total = total
+            self.bar.set_postfix(metrics, refresh=False)
+            self.bar.update(n - self.bar.n)  # draws only when mininterval has passed
+        now, decile = time.time(), int(10 * n / total)
+        if now - self.last_logged[0] >= LOG_EVERY_S or decile != self.last_logged[1] or n >= total:
+            shown = ", ".join(f"{k}={v}" for k, v in metrics.items())
+            self._write(f"[align] progress {n}/{total}" + (f" ({shown})" if shown else ""))
+            self.last_logged = (now, decile)
+
+
+def stream_stage(cmd: list[str], log_path: Path, env: dict[str, str], name: str) -> int:
+    """Run a stage command; its output goes through a StageConsole into `log_path`."""
+    import subprocess
+
+    with open(log_path, "ab") as log:
+        console = StageConsole(name, log, stream_all=verbose())
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        assert proc.stdout is not None
+        try:
+            for chunk in iter(lambda: proc.stdout.read1(4096), b""):  # type: ignore[union-attr]
+                console.feed(chunk)
+            return proc.wait()
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        finally:
+            console.close()
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    """The last lines of a stage log, for the console when a stage fails."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(f"    {line}" for line in text[-lines:])

@@ -1,0 +1,74 @@
+"""`align status <run-dir>`: one row per stage of a run directory, read from what is on disk (pipeline.json and
+each stage's manifest.json), with whether the stage is still up to date with its pipeline file and code."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from align.config import STAGE_TYPES, parse_pipeline
+from align.pipeline import PipelineError, build_plan
+from align.stages.base import is_complete, read_manifest
+
+_TIME = "%Y-%m-%dT%H:%M:%S%z"
+
+
+def _duration(manifest: dict) -> str:
+    try:
+        start = datetime.strptime(manifest["started_at"], _TIME)
+        end = datetime.strptime(manifest["ended_at"], _TIME)
+    except (KeyError, TypeError, ValueError):
+        return "-"
+    seconds = int((end - start).total_seconds())
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def _headline(kind: str, manifest: dict) -> str:
+    final = manifest.get("final_metrics") or {}
+    cls = STAGE_TYPES.get(kind)
+    keys = cls.HEADLINE if cls else ()
+    return ", ".join(f"{k} {final[k]:.4g}" if isinstance(final[k], float) else f"{k} {final[k]}"
+                     for k in keys if final.get(k) is not None) or "-"
+
+
+def current_fingerprints(info: dict) -> dict[str, str] | None:
+    """Each stage's fingerprint under today's pipeline file and code (None when the file is gone or invalid)."""
+    source = info.get("source")
+    if not source or not Path(source).is_file():
+        return None
+    try:
+        raw = json.loads(json.dumps(info["config"]))
+        return {p.name: p.fingerprint for p in build_plan(parse_pipeline(raw, source), source)}
+    except (ValueError, KeyError):
+        return None
+
+
+def status_table(run_dir: str | Path) -> str:
+    run_dir = Path(run_dir)
+    info_path = run_dir / "pipeline.json"
+    try:
+        info = json.loads(info_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PipelineError(f"{run_dir}: not a readable run directory ({info_path}: {exc}); give the path "
+                            "runs/<pipeline>/<run-id> that `align run` printed") from None
+    if not isinstance(info, dict) or not isinstance(info.get("stages"), list):
+        raise PipelineError(f"{info_path}: not a pipeline manifest (no list of stages)")
+    now = current_fingerprints(info)
+    lines = [f"{run_dir}: pipeline {info.get('pipeline')}, run {info.get('run_id')}, last updated "
+             f"{info.get('updated_at', '?')}", "",
+             "| stage | type | state | fingerprint | attempts | duration | headline |", "|---|---|---|---|---|---|---|"]
+    for st in info["stages"]:
+        name, kind = st["name"], st["type"]
+        m = read_manifest(run_dir / name) or {}
+        state = m.get("status", "not run")
+        if state == "completed" and not is_complete(run_dir / name):
+            state = "completed, output missing"
+        if state == "failed" and m.get("error"):
+            state = f"failed: {str(m['error'])[:60]}"
+        fp = m.get("fingerprint")
+        match = "-" if not fp else ("current" if now and now.get(name) == fp else
+                                    "unknown (pipeline file gone)" if now is None else "stale (config, data or code changed)")
+        lines.append(f"| {name} | {kind} | {state} | {match} | {m.get('attempts', 0)} | {_duration(m)} | "
+                     f"{_headline(kind, m)} |")
+    return "\n".join(lines)

@@ -1,0 +1,49 @@
+"""The runner's console filter (align/console.py): progress events drive one bar and become periodic plain lines
+in stage.log; carriage-return bar frames are reduced to their last frame; repeated lines are written once with a
+count at the end."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from align.console import PROGRESS, StageConsole
+
+
+def _event(n: int, total: int, **metrics) -> bytes:
+    return (PROGRESS + json.dumps({"n": n, "total": total, "metrics": metrics}) + "\n").encode()
+
+
+def test_stage_output_is_split_between_bar_and_plain_log(capsys):
+    log = io.BytesIO()
+    console = StageConsole("sft", log, stream_all=False)
+    warning = b"FutureWarning: something is deprecated\n"
+    chunks = [b"Map:   0%|   | 0/10\rMap:  50%|#  | 5/10\rMap: 100%|##| 10/10\n", warning, warning,
+              _event(0, 100)]
+    chunks += [_event(n, 100, loss=1.0 / n) for n in range(1, 101)]
+    chunks += [warning, b"[align] sft: completed train/loss=0.01"]  # last line without a newline
+    blob = b"".join(chunks)
+    for i in range(0, len(blob), 37):  # arbitrary chunk boundaries, as a pipe delivers them
+        console.feed(blob[i:i + 37])
+    console.close()
+    text = log.getvalue().decode()
+    lines = text.splitlines()
+    assert "\r" not in text and "Map: 100%|##| 10/10" in lines and "Map:   0%" not in text
+    assert lines.count("FutureWarning: something is deprecated") == 1
+    assert "  x3: FutureWarning: something is deprecated" in lines
+    progress = [line for line in lines if line.startswith("[align] progress ")]
+    # 0%, each new 10% and the end (the 30 s clock never fires in this test): 11 lines, not 101
+    assert progress[0] == "[align] progress 0/100" and progress[-1] == "[align] progress 100/100 (loss=0.01)"
+    assert len(progress) == 11
+    assert "[align] sft: completed train/loss=0.01" in lines
+    err = capsys.readouterr().err
+    assert "sft" in err and "100/100" in err and "align-progress" not in err  # the bar, not the events
+
+
+def test_verbose_streams_everything_raw(capsysbinary):
+    log = io.BytesIO()
+    console = StageConsole("ppo", log, stream_all=True)
+    console.feed(b"raw line\r\n" + _event(1, 2, kl=0.5))
+    console.close()
+    out = capsysbinary.readouterr().out
+    assert b"raw line" in out and b"align-progress" in out
