@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from align.config import (STAGE_REFERENCE_FIELDS, PipelineConfig, ConfigError, StageBase, to_dict)
+from align.config import PipelineConfig, ConfigError, StageBase, to_dict
 from align.data.cards import (DataCardError, DataUnavailableError, LoadedSplit, hub_reachable, load_card,
                               load_split)
 from align.fsutil import atomic_write_json
@@ -59,13 +59,16 @@ def _refs(value: Any) -> list[str]:
 
 
 def stage_dependencies(name: str, cfg: StageBase, stages: dict[str, StageBase], source: str) -> list[str]:
-    """Stages this stage reads from; a required reference to a missing stage is an error."""
+    """Stages this stage reads from. A reference must name a stage that produces what the field needs (its
+    role, declared on the config class): a policy input a policy stage, a reward input a reward stage, data a
+    data stage; a required reference to a missing stage is an error."""
     deps: list[str] = []
-    for fld, required in STAGE_REFERENCE_FIELDS[cfg.type].items():
+    for fld, (role, required) in type(cfg).INPUTS.items():
         for ref in _refs(getattr(cfg, fld)):
             if ref in stages:
                 if ref == name:
                     raise PipelineError(f"{source}: stages.{name}.{fld}: a stage cannot depend on itself")
+                _check_role(name, fld, role, ref, stages, source)
                 deps.append(ref)
             elif required:
                 hint = difflib.get_close_matches(ref, list(stages), n=1)
@@ -73,6 +76,22 @@ def stage_dependencies(name: str, cfg: StageBase, stages: dict[str, StageBase], 
                     f"{source}: stages.{name}.{fld}: '{ref}' is not a stage of this pipeline"
                     + (f"; did you mean '{hint[0]}'?" if hint else f" (stages: {', '.join(stages)})"))
     return list(dict.fromkeys(deps))
+
+
+def _check_role(name: str, fld: str, role: str, ref: str, stages: dict[str, StageBase], source: str) -> None:
+    """`ref` must produce `role` (judge fields: a reward stage; align/judges.py checks the Python judges)."""
+    want = "reward" if role == "judge" else role
+    produced = type(stages[ref]).PRODUCES
+    if produced == want:
+        return
+    fits = [n for n, st in stages.items() if type(st).PRODUCES == want and n != name]
+    raise PipelineError(
+        f"{source}: stages.{name}.{fld}: '{ref}' is a {stages[ref].type} stage, which produces {_ROLE[produced]}; "
+        f"{fld} needs {_ROLE[want]}: use " + (" or ".join(fits) if fits else f"(no such stage in this pipeline)")
+        + (", or a Python judge such as vader" if role == "judge" else ""))
+
+
+_ROLE = {"policy": "a policy", "reward": "a reward model", "data": "preference pairs", "report": "a report"}
 
 
 def topological_order(deps: dict[str, list[str]], source: str) -> list[str]:

@@ -37,10 +37,6 @@ def check_stage(plan: Any, pipeline: PipelineConfig, split_of: Callable) -> None
         produces = split_of(plan.cards["data"], "train").card.produces
         if produces != "preference":
             raise ValueError(f"data: card produces '{produces}'; {cfg.type} needs preference pairs")
-    if isinstance(cfg, (RewardStage, DPOStage)) and cfg.data in pipeline.stages:
-        if pipeline.stages[cfg.data].type != "preferences":
-            raise ValueError(f"data: stage '{cfg.data}' is a {pipeline.stages[cfg.data].type} stage; "
-                             "pairs come from a preferences stage or a preference data card")
     if isinstance(cfg, PreferencesStage):
         if cfg.samples_per_prompt < 2:
             raise ValueError(f"samples_per_prompt must be >= 2 to form a pair, got {cfg.samples_per_prompt}")
