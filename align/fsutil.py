@@ -24,7 +24,7 @@ def inject_fault(path: str | Path) -> None:
     if not spec:
         return
     code, _, pattern = spec.partition(":")
-    if pattern in str(path):
+    if pattern in os.path.abspath(path):
         number = getattr(errno, code, errno.EIO)
         raise OSError(number, os.strerror(number), str(path))
 

@@ -57,16 +57,17 @@ class RunLock:
         inject_fault(self.path)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            holder = self._holder(fd)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise RunLockedError(self._busy(holder)) from None
+                raise RunLockedError(self._busy(self._live_holder(fd))) from None
             except OSError as exc:
                 if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                     raise
+                holder = self._holder(fd)
                 if holder.get("host") == socket.gethostname() and _alive(int(holder.get("pid", 0)) or -1):
                     raise RunLockedError(self._busy(holder)) from None
+            holder = self._holder(fd)
             if holder.get("pid"):
                 state = "still running but not holding the lock" if holder.get("host") == socket.gethostname() \
                     and _alive(int(holder["pid"])) else "no longer running"
@@ -82,6 +83,17 @@ class RunLock:
             raise
         self.fd = fd
         return self
+
+    def _live_holder(self, fd: int) -> dict:
+        """The record of the runner holding the lock. It writes the record just after taking the lock, so for
+        up to 2 s the file may still be empty or hold a dead runner's record."""
+        deadline = time.time() + 2.0
+        while True:
+            holder = self._holder(fd)
+            pid = int(holder.get("pid", 0) or 0)
+            if pid and (holder.get("host") != socket.gethostname() or _alive(pid)) or time.time() > deadline:
+                return holder
+            time.sleep(0.05)
 
     def _busy(self, holder: dict) -> str:
         return (f"run directory {self.path.parent} is in use by another align runner: PID {holder.get('pid', '?')} "

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from align.config import PipelineConfig, StageBase, TrainedStage, from_dict, stage_from_dict
-from align.fsutil import atomic_write_json, output_digest, publish_dir, staging_dir
+from align.fsutil import atomic_write_json, atomic_write_text, output_digest, publish_dir, staging_dir
 from align.tracking import Tracker, scrub
 
 log = logging.getLogger("align")
@@ -313,12 +313,31 @@ def train_with_resume(ctx: StageContext, trainer) -> dict[str, Any]:
     if ckpt and ctx.is_main:
         print(f"[align] {ctx.name}: resuming from {ckpt} (step {resumed_from})", flush=True)
     ctx.extra_manifest["resumed_from_step"] = resumed_from
+    if ctx.is_main:  # rows a killed attempt logged after its last checkpoint are logged again from there
+        keep_metrics_until(ctx.dir / "metrics.jsonl", resumed_from)
     out = trainer.train(resume_from_checkpoint=ckpt)
     ctx.extra_manifest["global_step"] = trainer.state.global_step
     if trainer.state.global_step == 0:
         raise StageError(f"stage '{ctx.name}' trained 0 optimiser steps (no examples, or epochs/max_steps too "
                          "small for the batch size); nothing is published")
     return {"train/loss_final_avg": out.training_loss, "train/global_step": trainer.state.global_step}
+
+
+def keep_metrics_until(path: Path, step: int) -> None:
+    """Drop metrics rows after `step` (atomically), so a resumed stage never logs a step twice."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = [line for line in lines if line.strip() and _step(line) <= step]
+    if len(kept) != len([line for line in lines if line.strip()]):
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
+
+
+def _step(line: str) -> float:
+    try:
+        return float(json.loads(line).get("step", 0))
+    except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
+        return float("inf")  # a torn last line of a killed attempt
 
 
 # --------------------------------------------------------------------------------------------- entry point
@@ -389,7 +408,7 @@ def describe(exc: BaseException) -> str:
     """One line for an expected failure; an OSError names its path and the cause (e.g. a full disk)."""
     if isinstance(exc, OSError) and exc.strerror:
         code = errno.errorcode.get(exc.errno or 0, "")
-        where = f"{exc.filename}: " if exc.filename else ""
+        where = f"{os.path.abspath(exc.filename)}: " if exc.filename else ""
         return f"{where}{exc.strerror}" + (f" ({code})" if code else "")
     return f"{type(exc).__name__}: {exc}"
 
