@@ -57,12 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "stage":
         from align.stages.base import main as stage_main
 
-        stage_main(args.spec)
-        return 0
+        return stage_main(args.spec)
 
     from align.config import ConfigError, load_pipeline
     from align.data.cards import DataCardError
-    from align.pipeline import PipelineError, build_plan, run, validate
+    from align.pipeline import PipelineError, run, validate
+    from align.stages.base import ManifestError, describe
 
     try:
         if args.command == "status":
@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             rebuild(args.run_dir)
             return 0
         overrides = list(args.overrides)
-        if args.command == "run" and args.run_id:
-            overrides.append(f"run_id={args.run_id}")
+        if args.command == "run" and args.run_id is not None:
+            overrides.append(f"run_id={args.run_id!r}" if args.run_id == "" else f"run_id={args.run_id}")
         cfg = load_pipeline(args.pipeline, overrides)
         if args.command == "estimate":
             from align.estimate import EstimateError, estimate_pipeline, hardware, render, too_big
@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         run(cfg, args.pipeline, only=args.only, from_stage=args.from_stage, force=args.force,
             num_processes=args.num_processes, ignore_memory_check=args.ignore_memory_check, multi=multi)
         return 0
-    except (ConfigError, DataCardError, PipelineError) as exc:
-        print(f"align: error: {exc}", file=sys.stderr)
+    except (ConfigError, DataCardError, PipelineError, ManifestError, OSError) as exc:
+        print(f"align: error: {describe(exc) if isinstance(exc, OSError) else exc}", file=sys.stderr)
         return 2
 
 

@@ -8,18 +8,24 @@ the file, the key's path and the closest valid key. Dotted CLI overrides (``dpo.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import yaml
 
+from align.schema import (ConfigError, check_plain_name, closest, from_dict, name_field, one_of, ranged,
+                          strict_yaml)
 
-class ConfigError(ValueError):
-    """A pipeline or stage configuration problem, with the file and key that caused it."""
+__all__ = ["ConfigError", "from_dict"]  # re-exported: callers parse through align.config
+
+DTYPES = ("float32", "bfloat16", "float16")
+# transformers SchedulerType values that need no extra scheduler kwargs (tests check they still exist).
+LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                 "inverse_sqrt")
+# TRL DPOConfig.loss_type values for paired data (tests check they still exist in the installed TRL).
+DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+              "apo_zero", "apo_down", "discopop", "sigmoid_norm")
 
 
 # --------------------------------------------------------------------------------------------- models
@@ -27,17 +33,17 @@ class ConfigError(ValueError):
 class BuiltinModel:
     """Size of the tiny Llama-style model that `base_model: builtin:tiny-llama` builds from scratch."""
 
-    vocab_size: int = 4096
+    vocab_size: int = ranged(4096, ge=16)
     """BPE vocabulary size of the tokenizer trained on the first stage's corpus."""
-    hidden_size: int = 128
+    hidden_size: int = ranged(128, ge=1)
     """Width of the residual stream."""
-    num_layers: int = 4
+    num_layers: int = ranged(4, ge=1)
     """Number of transformer blocks."""
-    num_heads: int = 4
+    num_heads: int = ranged(4, ge=1)
     """Attention heads per block."""
-    intermediate_size: int = 384
+    intermediate_size: int = ranged(384, ge=1)
     """Width of the MLP."""
-    max_position_embeddings: int = 256
+    max_position_embeddings: int = ranged(256, ge=2)
     """Longest sequence the model accepts (prompt + response)."""
 
 
@@ -47,11 +53,11 @@ class LoraSettings:
 
     enabled: bool = False
     """Train LoRA adapters instead of the full model."""
-    r: int = 16
+    r: int = ranged(16, ge=1)
     """Adapter rank."""
-    alpha: int = 32
+    alpha: int = ranged(32, ge=1)
     """Scaling numerator (effective scale alpha / r)."""
-    dropout: float = 0.05
+    dropout: float = ranged(0.05, ge=0, lt=1)
     """Dropout on the adapter input."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Module names that get adapters."""
@@ -61,15 +67,15 @@ class LoraSettings:
 class Generation:
     """Decoding settings for sampling (rollouts, preference labelling, evaluation)."""
 
-    max_new_tokens: int = 24
+    max_new_tokens: int = ranged(24, ge=1, fix="a response needs at least one token")
     """Longest response in tokens; responses stop earlier at EOS."""
-    temperature: float = 1.0
+    temperature: float = ranged(1.0, gt=0, fix="sampling divides logits by it; greedy decoding is not offered")
     """Softmax temperature."""
-    top_k: int = 0
-    """Keep only the k most likely tokens (0 = off)."""
-    top_p: float = 1.0
+    top_k: int | None = ranged(None, ge=1, fix="use null to keep every token")
+    """Keep only the k most likely tokens (None = off)."""
+    top_p: float = ranged(1.0, gt=0, le=1, fix="1.0 turns nucleus sampling off")
     """Nucleus sampling mass (1.0 = off)."""
-    batch_size: int = 64
+    batch_size: int = ranged(64, ge=1)
     """Prompts per generate call."""
 
 
@@ -78,13 +84,20 @@ class Generation:
 class StageBase:
     """Fields every stage has."""
 
+    PRODUCES: ClassVar[str] = ""
+    """What the stage publishes: policy (a causal LM in model/), reward (a scalar model in model/), data
+    (preference pairs in data/) or report."""
+    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {}
+    """Fields that may name another stage -> (role the stage must produce, whether the field must name a
+    stage). Role `judge`: a reward stage or a Python judge (align/judges.py); `data`: a data stage or a card."""
+
     type: str = ""
     """Stage kind: sft | preferences | reward | dpo | ppo | evaluate (defaults to the stage's name)."""
     accelerate: str = "cpu"
     """Accelerate config: a name under pipelines/accelerate/ (cpu, ddp, zero2, zero3, ...) or a path."""
-    num_processes: int | None = None
+    num_processes: int | None = ranged(None, ge=1, fix="use null for the accelerate config's own value")
     """Processes for `accelerate launch` (default: the accelerate config's own value)."""
-    seed: int | None = None
+    seed: int | None = ranged(None, ge=0)
     """Seed for this stage (default: the pipeline seed)."""
 
 
@@ -92,31 +105,31 @@ class StageBase:
 class TrainedStage(StageBase):
     """Optimisation settings shared by the stages that train with a TRL trainer."""
 
-    learning_rate: float = 5e-4
+    learning_rate: float = ranged(5e-4, gt=0)
     """Peak learning rate."""
-    lr_scheduler: str = "cosine"
+    lr_scheduler: str = one_of("cosine", *LR_SCHEDULERS)
     """transformers scheduler name (linear, cosine, constant, ...)."""
-    warmup_ratio: float = 0.05
+    warmup_ratio: float = ranged(0.05, ge=0, lt=1)
     """Fraction of steps spent warming up."""
-    weight_decay: float = 0.0
+    weight_decay: float = ranged(0.0, ge=0)
     """AdamW weight decay."""
-    epochs: float = 1.0
-    """Passes over the training data (ignored when max_steps > 0)."""
-    max_steps: int = -1
-    """Stop after this many optimiser steps (-1 = use epochs)."""
-    per_device_batch_size: int = 16
+    epochs: float = ranged(1.0, gt=0, fix="zero or negative epochs train nothing; use max_steps for a step count")
+    """Passes over the training data (ignored when max_steps is set)."""
+    max_steps: int | None = ranged(None, ge=1, fix="use null to let `epochs` decide the length")
+    """Stop after this many optimiser steps (None = use epochs)."""
+    per_device_batch_size: int = ranged(16, ge=1)
     """Micro-batch size per process."""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int = ranged(1, ge=1)
     """Micro-batches per optimiser step."""
-    max_length: int = 128
+    max_length: int = ranged(128, ge=2)
     """Longest tokenised example (after the chat template); longer ones are truncated or dropped by the trainer."""
-    max_truncated_fraction: float = 0.05
+    max_truncated_fraction: float = ranged(0.05, ge=0, le=1)
     """Refuse to train when more than this fraction of examples exceed max_length (counted before training)."""
-    logging_steps: int = 10
+    logging_steps: int = ranged(10, ge=1)
     """Log metrics every N optimiser steps."""
-    save_steps: int = 50
+    save_steps: int = ranged(50, ge=1)
     """Write a resumable checkpoint every N optimiser steps."""
-    max_train_examples: int | None = None
+    max_train_examples: int | None = ranged(None, ge=1, fix="use null for all examples")
     """Use at most this many training examples (None = all)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about a third more compute. Off by default
@@ -131,6 +144,8 @@ class SFTStage(TrainedStage):
 
     HEADLINE: ClassVar[tuple[str, ...]] = ("train/loss_final_avg", "eval/loss")
     """Final metrics in the one-line result on the console and in `align status`."""
+    PRODUCES: ClassVar[str] = "policy"
+    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"model": ("policy", False)}
 
     model: str = "base"
     """Starting model: `base` (the pipeline's base_model) or the name of an earlier stage."""
@@ -142,7 +157,7 @@ class SFTStage(TrainedStage):
     """Compute the loss on completion tokens only (prompt tokens masked)."""
     eval_split: str | None = "test"
     """Split whose loss is reported after training (None = skip)."""
-    eval_max_examples: int = 256
+    eval_max_examples: int = ranged(256, ge=1, fix="set eval_split: null to skip the evaluation")
     """Evaluate on at most this many examples."""
 
 
@@ -152,6 +167,8 @@ class PreferencesStage(StageBase):
 
     HEADLINE: ClassVar[tuple[str, ...]] = ("preferences/pairs_train", "preferences/mean_margin")
     """Final metrics in the one-line result on the console and in `align status`."""
+    PRODUCES: ClassVar[str] = "data"
+    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"policy": ("policy", True), "judge": ("judge", False)}
 
     policy: str = "sft"
     """Stage whose model/ samples the completions."""
@@ -159,16 +176,16 @@ class PreferencesStage(StageBase):
     """Data card path; its `prompt` column is used."""
     split: str = "train"
     """Split of the card to take prompts from."""
-    max_prompts: int | None = 2048
-    """Use at most this many prompts."""
-    samples_per_prompt: int = 4
+    max_prompts: int | None = ranged(2048, ge=1, fix="use null for all prompts")
+    """Use at most this many prompts (None = all)."""
+    samples_per_prompt: int = ranged(4, ge=2, fix="a pair needs two completions")
     """Completions per prompt (>= 2); the best and worst by the judge form the pair."""
     judge: str | dict[str, float] = "vader"
     """A reward stage, a Python judge (vader, or your own module:function), or a weighted sum of them as a
     mapping (see align/judges.py)."""
-    min_margin: float = 0.05
+    min_margin: float = ranged(0.05, ge=0)
     """Pairs whose judge scores differ by less than this are ties: dropped and counted."""
-    test_fraction: float = 0.1
+    test_fraction: float = ranged(0.1, gt=0, lt=1, fix="the reward and evaluate stages need held-out pairs")
     """Fraction of prompts whose pairs go to the held-out `test` split."""
     generation: Generation = field(default_factory=Generation)
     """Decoding settings."""
@@ -180,12 +197,14 @@ class RewardStage(TrainedStage):
 
     HEADLINE: ClassVar[tuple[str, ...]] = ("eval/rewards/accuracy",)
     """Final metrics in the one-line result on the console and in `align status`."""
+    PRODUCES: ClassVar[str] = "reward"
+    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"init": ("policy", True), "data": ("data", False)}
 
     init: str = "sft"
     """Stage whose model/ initialises the reward model (a scalar head is added)."""
     data: str = "preferences"
     """Preference pairs: a preferences stage or a data card path (preference form)."""
-    center_rewards_coefficient: float | None = None
+    center_rewards_coefficient: float | None = ranged(None, ge=0)
     """Optional penalty keeping rewards centred at zero (TRL)."""
 
 
@@ -195,16 +214,18 @@ class DPOStage(TrainedStage):
 
     HEADLINE: ClassVar[tuple[str, ...]] = ("eval/rewards/accuracy", "eval/rewards/margin")
     """Final metrics in the one-line result on the console and in `align status`."""
+    PRODUCES: ClassVar[str] = "policy"
+    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"policy": ("policy", True), "data": ("data", False)}
 
     policy: str = "sft"
     """Stage whose model/ is both the starting policy and the frozen reference."""
     data: str = "preferences"
     """Preference pairs: a preferences stage or a data card path (preference form)."""
-    beta: float = 0.1
+    beta: float = ranged(0.1, gt=0, fix="beta <= 0 trains the reversed (or no) KL-regularised objective")
     """KL strength beta of the DPO objective."""
-    loss_type: str = "sigmoid"
+    loss_type: str = one_of("sigmoid", *DPO_LOSSES)
     """TRL DPO loss variant: sigmoid (DPO), ipo, hinge, robust, ..."""
-    label_smoothing: float = 0.0
+    label_smoothing: float = ranged(0.0, ge=0, lt=0.5, fix="0.5 or more flips which response is preferred")
     """Conservative-DPO label smoothing."""
 
 
@@ -212,17 +233,17 @@ class DPOStage(TrainedStage):
 class KLSettings:
     """KL penalty to the reference policy (Ziegler et al. 2019)."""
 
-    coef: float = 0.05
+    coef: float = ranged(0.05, ge=0, fix="a negative coefficient rewards moving away from the reference")
     """Initial beta of the per-token penalty -beta * KL."""
     adaptive: bool = True
     """Adapt beta towards `target` with Ziegler et al.'s proportional controller."""
-    target: float = 4.0
+    target: float = ranged(4.0, gt=0)
     """Target KL (nats per response) for the adaptive controller."""
-    horizon: int = 10000
+    horizon: int = ranged(10000, ge=1)
     """Controller horizon in episodes: beta moves by at most 20% x episodes-per-iteration / horizon per
     iteration (Ziegler et al. used 10000 with 512 episodes per update over thousands of updates; a short run
     needs a short horizon for beta to move at all)."""
-    estimator: str = "k1"
+    estimator: str = one_of("k1", "k1", "k2", "k3")
     """Per-token KL estimator in the reward: k1 (log-ratio), k2 or k3 (Schulman 2020)."""
 
 
@@ -233,63 +254,66 @@ class PPOStage(StageBase):
     HEADLINE: ClassVar[tuple[str, ...]] = ("objective/scores_last", "objective/kl_last")
     """Final metrics in the one-line result on the console and in `align status`."""
 
+    PRODUCES: ClassVar[str] = "policy"
+    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"policy": ("policy", True), "reward": ("judge", False)}
+
     policy: str = "sft"
     """Stage whose model/ is the starting policy and the frozen reference."""
     reward: str | dict[str, float] = "reward"
     """What PPO maximises: a reward stage (frozen reward model), a Python judge (`vader`, or a user's
     `module:function` taking (prompts, responses) and returning floats), or a weighted sum of these as a
     mapping, e.g. {reward: 1.0, vader: 0.5}."""
-    value_init: str = "reward"
+    value_init: str = one_of("reward", "reward", "policy")
     """Initialise the value model from `reward` (the reward model with its head; needs a reward stage) or
     `policy` (the policy's transformer with a fresh scalar head)."""
     prompts: str = ""
     """Data card path; its `prompt` column is used."""
     split: str = "train"
     """Split of the card to take prompts from."""
-    iterations: int = 40
+    iterations: int = ranged(40, ge=1)
     """PPO iterations (rollout + update)."""
-    rollout_batch_size: int = 64
+    rollout_batch_size: int = ranged(64, ge=1)
     """Prompts per iteration per process."""
-    mini_batch_size: int = 16
+    mini_batch_size: int = ranged(16, ge=1)
     """Episodes per optimiser step (before accumulation)."""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int = ranged(1, ge=1)
     """Mini-batches per optimiser step."""
-    ppo_epochs: int = 4
+    ppo_epochs: int = ranged(4, ge=1)
     """Passes over each rollout."""
-    learning_rate: float = 1e-5
+    learning_rate: float = ranged(1e-5, gt=0)
     """Policy learning rate."""
-    value_learning_rate: float = 1e-5
+    value_learning_rate: float = ranged(1e-5, gt=0)
     """Value model learning rate."""
-    gamma: float = 1.0
+    gamma: float = ranged(1.0, ge=0, le=1)
     """Discount."""
-    lam: float = 0.95
+    lam: float = ranged(0.95, ge=0, le=1)
     """GAE lambda."""
-    clip_range: float = 0.2
+    clip_range: float = ranged(0.2, gt=0)
     """Policy ratio clip epsilon."""
-    clip_range_value: float = 0.2
+    clip_range_value: float = ranged(0.2, gt=0)
     """Value clip range."""
-    vf_coef: float = 0.1
+    vf_coef: float = ranged(0.1, ge=0)
     """Value loss weight."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = ranged(0.0, ge=0)
     """Entropy bonus weight."""
-    max_approx_kl: float | None = None
+    max_approx_kl: float | None = ranged(None, gt=0, fix="use null for no early stop")
     """Stop the epoch loop early when approximate KL exceeds this."""
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: float | None = ranged(1.0, gt=0, fix="use null for no clipping")
     """Clip the policy's and the value model's gradient norms to this, each separately, on every backend
     (None = no clipping)."""
-    missing_eos_penalty: float | None = 1.0
+    missing_eos_penalty: float | None = ranged(1.0, ge=0, fix="use null to turn the penalty off")
     """Subtracted from the (normalised) score of responses that never emit EOS (None = off)."""
-    reward_normalization: str = "initial"
+    reward_normalization: str = one_of("initial", "initial", "running", "none")
     """initial: a fixed gain and bias from rollouts of the initial policy, so its scores have mean 0 and
     std 1 (Ziegler et al. 2019, sec. 2.2); the value model is read in the same units. running: running
     mean/std of every score seen (drifts during training). none: raw scores."""
-    reward_normalization_samples: int = 256
+    reward_normalization_samples: int = ranged(256, ge=2)
     """Initial-policy rollouts (over all processes) that fix the gain and bias of `initial` normalisation."""
-    max_prompt_length: int = 32
+    max_prompt_length: int = ranged(32, ge=1)
     """Prompts longer than this (tokens) are an error at validation time."""
-    save_every: int = 10
+    save_every: int = ranged(10, ge=1)
     """Checkpoint every N iterations."""
-    sample_every: int = 10
+    sample_every: int = ranged(10, ge=1)
     """Log a table of sample responses every N iterations."""
     kl: KLSettings = field(default_factory=KLSettings)
     """KL penalty settings."""
@@ -303,6 +327,10 @@ class EvaluateStage(StageBase):
 
     HEADLINE: ClassVar[tuple[str, ...]] = ("eval/prompts",)
     """Final metrics in the one-line result on the console and in `align status`."""
+    PRODUCES: ClassVar[str] = "report"
+    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {
+        "policies": ("policy", True), "baseline": ("policy", True), "reference": ("policy", True),
+        "reward": ("reward", True), "preferences": ("data", True)}
 
     policies: list[str] = field(default_factory=lambda: ["sft"])
     """Stages whose model/ to evaluate."""
@@ -320,9 +348,9 @@ class EvaluateStage(StageBase):
     """Data card path; its `prompt` column is used."""
     split: str = "test"
     """Held-out split of the card."""
-    max_prompts: int | None = 512
-    """Evaluate on at most this many prompts."""
-    bootstrap_samples: int = 2000
+    max_prompts: int | None = ranged(512, ge=1, fix="use null for all prompts")
+    """Evaluate on at most this many prompts (None = all)."""
+    bootstrap_samples: int = ranged(2000, ge=100, fix="fewer resamples give confidence intervals that are noise")
     """Bootstrap resamples for confidence intervals."""
     generation: Generation = field(default_factory=Generation)
     """Decoding settings (identical for every policy)."""
@@ -337,22 +365,11 @@ STAGE_TYPES: dict[str, type[StageBase]] = {
     "evaluate": EvaluateStage,
 }
 
-# Fields whose value may name another stage; `required` ones must.
-STAGE_REFERENCE_FIELDS: dict[str, dict[str, bool]] = {
-    "sft": {"model": False},
-    "preferences": {"policy": True, "judge": False},
-    "reward": {"init": True, "data": False},
-    "dpo": {"policy": True, "data": False},
-    "ppo": {"policy": True, "reward": False},
-    "evaluate": {"policies": True, "baseline": True, "reference": True, "reward": True, "preferences": True},
-}
-
-
 @dataclass
 class Tracking:
     """Experiment tracking."""
 
-    wandb: str = "auto"
+    wandb: str = one_of("auto", "auto", "online", "offline", "disabled")
     """auto (online with an API key, offline without) | online | offline | disabled."""
     project: str = "align"
     """W&B project."""
@@ -365,11 +382,11 @@ class Hardware:
     """The GPUs a pipeline is sized for. `align estimate` and `align run` compare per-GPU memory estimates with
     it; unset fields are detected from the GPUs present (none on a CPU machine: nothing to compare)."""
 
-    nodes: int = 1
+    nodes: int = ranged(1, ge=1)
     """Machines in the job."""
-    gpus_per_node: int | None = None
+    gpus_per_node: int | None = ranged(None, ge=1)
     """GPUs (processes) per machine for distributed stages (None = torch.cuda.device_count())."""
-    gpu_memory_gb: float | None = None
+    gpu_memory_gb: float | None = ranged(None, gt=0)
     """Memory of one GPU in GB (1e9 bytes; None = detected)."""
 
 
@@ -393,11 +410,11 @@ class PipelineConfig:
     """Allow model repositories to run their own Python code. Off unless you set it."""
     builtin: BuiltinModel = field(default_factory=BuiltinModel)
     """Size of the builtin model."""
-    dtype: str = "float32"
+    dtype: str = one_of("float32", *DTYPES)
     """Weights dtype for loading (float32 | bfloat16 | float16)."""
-    seed: int = 17
+    seed: int = ranged(17, ge=0)
     """Default seed of every stage."""
-    run_id: str = "main"
+    run_id: str = name_field("main")
     """Run directory name; re-running with the same id skips completed stages by fingerprint."""
     runs_dir: str = "runs"
     """Root of run directories."""
@@ -408,82 +425,6 @@ class PipelineConfig:
 
 
 # --------------------------------------------------------------------------------------------- parsing
-def _closest(name: str, options: list[str]) -> str:
-    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
-    return f"; did you mean '{match[0]}'?" if match else f"; valid keys: {', '.join(sorted(options))}"
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check `value` against the annotation `tp` (after `from __future__` evaluation)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, where)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(errors[0] if errors else f"{where}: got {value!r}")
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping of {tp.__name__} fields, got {value!r}")
-        return from_dict(tp, value, where)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        (item,) = typing.get_args(tp)
-        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return dict(value)
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
-    if tp is Any:
-        return value
-    raise ConfigError(f"{where}: unsupported type {_type_name(tp)}")
-
-
-def from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
-    """Build dataclass `cls` from `data`, rejecting unknown keys with the closest valid one."""
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        if key not in names:
-            raise ConfigError(f"{where}: unknown key '{key}'{_closest(str(key), names)}")
-        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
-    return cls(**kwargs)
-
-
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `a.b.c=value` overrides; a first segment naming a stage addresses `stages.<name>`."""
     for item in overrides:
@@ -498,7 +439,12 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override '{item}': '{part}' is not a mapping")
-        node[parts[-1]] = yaml.safe_load(text)
+        try:
+            node[parts[-1]] = strict_yaml(text)
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(f"override '{item}': the value {text!r} is not valid YAML ({problem}); quote it or "
+                              "close its brackets, e.g. sft.epochs=1 or judges=[vader]") from None
     return raw
 
 
@@ -510,15 +456,20 @@ def parse_pipeline(raw: dict[str, Any], source: str) -> PipelineConfig:
     stages_raw = raw.pop("stages", None) or {}
     if not isinstance(stages_raw, dict) or not stages_raw:
         raise ConfigError(f"{source}: `stages` must map stage names to their settings (none given)")
-    cfg: PipelineConfig = from_dict(PipelineConfig, raw, source)
+    cfg: PipelineConfig = from_dict(PipelineConfig, raw, f"{source}:")
     if not cfg.name:
         cfg.name = Path(source).stem
+    check_plain_name(cfg.name, f"{source}: name" + ("" if raw.get("name") else " (from the file name; set `name:`)"))
     for name, body in stages_raw.items():
+        check_plain_name(name, f"{source}: stages.{name}")
+        if body is not None and not isinstance(body, dict):
+            raise ConfigError(f"{source}: stages.{name}: expected a mapping of stage settings (e.g. `policy: sft`), "
+                              f"got a {type(body).__name__}: {str(body)[:80]!r}")
         body = dict(body or {})
         kind = body.get("type") or name
         if kind not in STAGE_TYPES:
             raise ConfigError(
-                f"{source}: stages.{name}: unknown stage type '{kind}'{_closest(kind, list(STAGE_TYPES))}"
+                f"{source}: stages.{name}: unknown stage type '{kind}'{closest(str(kind), list(STAGE_TYPES))}"
                 " (set `type:` when the stage's name is not its type)"
             )
         body["type"] = kind
@@ -527,14 +478,20 @@ def parse_pipeline(raw: dict[str, Any], source: str) -> PipelineConfig:
 
 
 def load_pipeline(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:
-    """Read a pipeline YAML, apply dotted overrides, parse strictly."""
+    """Read a pipeline YAML (a key given twice is an error), apply dotted overrides, parse strictly."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: pipeline file not found")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = strict_yaml(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); save the file as UTF-8") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the pipeline file ({exc.strerror or exc})") from None
     raw = apply_overrides(raw or {}, overrides or [])
     return parse_pipeline(raw, str(path))
 
@@ -550,6 +507,9 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-def stage_from_dict(data: dict[str, Any]) -> StageBase:
-    """Rebuild a stage config from `to_dict` output (used by the stage subprocess)."""
-    return from_dict(STAGE_TYPES[data["type"]], data, f"stage spec ({data['type']})")
+def stage_from_dict(data: dict[str, Any], name: str = "") -> StageBase:
+    """Rebuild a stage config from `to_dict` output (the stage subprocess): the same type and range checks as
+    `align validate`, with the same dotted path in the message."""
+    if not isinstance(data, dict) or data.get("type") not in STAGE_TYPES:
+        raise ConfigError(f"stage spec: not a stage config (type {str(data.get('type') if isinstance(data, dict) else data)[:40]!r})")
+    return from_dict(STAGE_TYPES[data["type"]], data, f"stages.{name or data['type']}")

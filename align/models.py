@@ -85,6 +85,10 @@ def prepare_tokenizer(tok, needs_chat_template: bool = False):
     - No pad token: reuse EOS as pad (labels are masked by attention mask, so EOS still gets a loss).
     - No chat template and the stage needs one: install align's default template.
     """
+    if tok.eos_token is None:
+        raise ModelError("tokenizer has no EOS token: responses could never end and every response would get "
+                         "the missing-EOS penalty; set `eos_token` in its tokenizer_config.json (or "
+                         "special_tokens_map.json) and save it again")
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise ModelError("tokenizer has neither a pad nor an EOS token; add one (e.g. tokenizer.add_special_"

@@ -22,11 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from align.config import (STAGE_REFERENCE_FIELDS, PipelineConfig, ConfigError, StageBase, to_dict)
+import yaml
+
+from align.config import PipelineConfig, ConfigError, StageBase, to_dict
 from align.data.cards import (DataCardError, DataUnavailableError, LoadedSplit, hub_reachable, load_card,
                               load_split)
 from align.console import stream_stage, tail, verbose
 from align.fsutil import atomic_write_json
+from align.inputs import check_model_inputs, resolve_model_paths
+from align.runlock import RunLock, RunLockedError
 from align.stages.base import MANIFEST, is_complete, read_manifest
 from align.tracking import scrub
 
@@ -60,13 +64,16 @@ def _refs(value: Any) -> list[str]:
 
 
 def stage_dependencies(name: str, cfg: StageBase, stages: dict[str, StageBase], source: str) -> list[str]:
-    """Stages this stage reads from; a required reference to a missing stage is an error."""
+    """Stages this stage reads from. A reference must name a stage that produces what the field needs (its
+    role, declared on the config class): a policy input a policy stage, a reward input a reward stage, data a
+    data stage; a required reference to a missing stage is an error."""
     deps: list[str] = []
-    for fld, required in STAGE_REFERENCE_FIELDS[cfg.type].items():
+    for fld, (role, required) in type(cfg).INPUTS.items():
         for ref in _refs(getattr(cfg, fld)):
             if ref in stages:
                 if ref == name:
                     raise PipelineError(f"{source}: stages.{name}.{fld}: a stage cannot depend on itself")
+                _check_role(name, fld, role, ref, stages, source)
                 deps.append(ref)
             elif required:
                 hint = difflib.get_close_matches(ref, list(stages), n=1)
@@ -74,6 +81,22 @@ def stage_dependencies(name: str, cfg: StageBase, stages: dict[str, StageBase], 
                     f"{source}: stages.{name}.{fld}: '{ref}' is not a stage of this pipeline"
                     + (f"; did you mean '{hint[0]}'?" if hint else f" (stages: {', '.join(stages)})"))
     return list(dict.fromkeys(deps))
+
+
+def _check_role(name: str, fld: str, role: str, ref: str, stages: dict[str, StageBase], source: str) -> None:
+    """`ref` must produce `role` (judge fields: a reward stage; align/judges.py checks the Python judges)."""
+    want = "reward" if role == "judge" else role
+    produced = type(stages[ref]).PRODUCES
+    if produced == want:
+        return
+    fits = [n for n, st in stages.items() if type(st).PRODUCES == want and n != name]
+    raise PipelineError(
+        f"{source}: stages.{name}.{fld}: '{ref}' is a {stages[ref].type} stage, which produces {_ROLE[produced]}; "
+        f"{fld} needs {_ROLE[want]}: use " + (" or ".join(fits) if fits else f"(no such stage in this pipeline)")
+        + (", or a Python judge such as vader" if role == "judge" else ""))
+
+
+_ROLE = {"policy": "a policy", "reward": "a reward model", "data": "preference pairs", "report": "a report"}
 
 
 def topological_order(deps: dict[str, list[str]], source: str) -> list[str]:
@@ -127,26 +150,6 @@ def _fingerprint(plan: StagePlan, cfg: PipelineConfig, inputs: dict[str, str], c
     blob = {"stage": stage, "base": base, "seed": plan.cfg.seed if plan.cfg.seed is not None else cfg.seed,
             "dtype": cfg.dtype, "inputs": inputs, "cards": plan.card_hashes, "code": code}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:20]
-
-
-def resolve_model_paths(cfg: PipelineConfig, source: str | Path) -> dict[str, str | None]:
-    """base_model / tokenizer that name local paths are relative to the pipeline file (like data cards);
-    anything else is a hub id and passes through. A value that looks like a path but is missing is an error."""
-    base_dir = Path(source).resolve().parent
-    out: dict[str, str | None] = {}
-    for key in ("base_model", "tokenizer"):
-        value = getattr(cfg, key)
-        if not value or value.startswith("builtin:"):
-            out[key] = value
-            continue
-        local = base_dir / value
-        if local.exists():
-            out[key] = str(local.resolve())
-        elif value.startswith((".", "/", "~")):
-            raise PipelineError(f"{source}: {key}: local path '{value}' not found (looked for {local})")
-        else:
-            out[key] = value  # a hub id: loaded by transformers when the stage runs
-    return out
 
 
 def build_plan(cfg: PipelineConfig, source: str | Path) -> list[StagePlan]:
@@ -212,9 +215,14 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
                 raise PipelineError(str(exc)) from None
         return cache[key]
 
+    for note in check_model_inputs(cfg, source):
+        if verbose:
+            print(f"  warning: {note}")
     for plan in plans:
+        check_accelerate(plan, source)
         for fld, card in plan.cards.items():
             data = split_of(card, getattr(plan.cfg, "split", "train"))
+            _check_card_rows(plan, fld, card, data, split_of, str(source))
             if verbose and not data.available:
                 print(f"  {plan.name}.{fld}: {card.name}: warning: hub dataset {data.card.source.get('hub')} not "
                       "reachable from here; its rows are checked when the stage starts")
@@ -233,6 +241,39 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
         raise PipelineError(f"{source}: " + "\n".join(mismatches))
     _check_lengths(cfg, plans, split_of, str(source), verbose)
     return plans
+
+
+def check_accelerate(plan: StagePlan, source: str | Path) -> None:
+    """The stage's accelerate config exists and is one (checked here, not when the stage launches)."""
+    where = f"{source}: stages.{plan.name}.accelerate"
+    try:
+        path = accelerate_config(plan.cfg.accelerate, source)
+    except PipelineError as exc:
+        raise PipelineError(f"{where}: {exc}") from None
+    try:
+        raw = yaml_load(path)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise PipelineError(f"{where}: {path} is not a readable YAML file ({type(exc).__name__})") from None
+    if not isinstance(raw, dict) or str(raw.get("distributed_type", "")).upper() not in ACCELERATE_TYPES:
+        raise PipelineError(f"{where}: {path} is not an accelerate config (it needs `distributed_type:` one of "
+                            f"{', '.join(ACCELERATE_TYPES)}); name one of pipelines/accelerate/*.yaml")
+
+
+ACCELERATE_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU", "DEEPSPEED", "FSDP")
+
+
+def _check_card_rows(plan: StagePlan, fld: str, card: Path, data: LoadedSplit, split_of, source: str) -> None:
+    """Preference cards need held-out pairs; prompt cards need prompts that are not all empty."""
+    if not data.available:
+        return
+    where = f"{source}: stages.{plan.name}.{fld}"
+    if plan.cfg.type in ("reward", "dpo") and fld == "data":
+        held_out = split_of(card, "test")
+        if held_out.available and not held_out.rows:
+            raise PipelineError(f"{where}: {card.name} has no held-out pairs (split 'test')")
+    if fld == "prompts" and not any(str(r.get("prompt", "")).strip() for r in data.rows):
+        raise PipelineError(f"{where}: every one of the {len(data.rows)} prompts of {card.name} split "
+                            f"'{data.split}' is empty; a policy would be sampled from nothing")
 
 
 LENGTH_KINDS = ("sft", "reward", "dpo")  # the stages align/lengths.py measures
@@ -381,9 +422,7 @@ def launch_command(plan: StagePlan, spec: Path, source: str | Path, num_processe
 
 
 def yaml_load(path: Path) -> Any:
-    import yaml
-
-    return yaml.safe_load(path.read_text())
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
 
 
 def wait_for_master(multi: MultiNode, stage: str) -> None:
@@ -436,8 +475,10 @@ def result_line(plan: StagePlan, stage_dir: Path) -> str:
 
 def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_stage: str | None = None,
         force: bool = False, num_processes: int | None = None, trust_completed_inputs: bool = False,
-        ignore_memory_check: bool = False, multi: MultiNode | None = None) -> Path:
-    """Validate, then run every stage that is not already complete with the same fingerprint.
+        ignore_memory_check: bool = False, multi: MultiNode | None = None, run_dir: Path | None = None) -> Path:
+    """Validate, then run every stage that is not up to date: completed with the same fingerprint, from the
+    very outputs (publications) of its inputs that exist now. Node 0 holds the run directory's lock
+    (align/runlock.py) throughout; `run_dir` (default runs/<name>/<run_id>) is what `align report DIR` uses.
 
     `trust_completed_inputs` accepts inputs that completed under another fingerprint (e.g. an older code
     version): used by `align report`, which only re-evaluates existing models.
@@ -458,12 +499,40 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
     deps = {p.name: p.deps for p in plans}
     selected = {only} if only else descendants(from_stage, deps) if from_stage else set(deps)
     forced = selected if (force or from_stage) else set()
-    run_dir = run_dir_of(cfg)
-    to_run = [p.name for p in plans if p.name in selected
-              and (p.name in forced or not is_complete(run_dir / p.name, p.fingerprint))]
+    run_dir = Path(run_dir) if run_dir is not None else run_dir_of(cfg)
+    to_run = [p.name for p in plans if p.name in selected and (p.name in forced or not up_to_date(p, run_dir))]
     memory_preflight(cfg, source, plans, set(to_run), num_processes, multi, ignore_memory_check)
-    if multi.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    if not multi.is_main:
+        return _run_stages(cfg, source, plans, selected, forced, run_dir, num_processes, trust_completed_inputs,
+                           multi, t0)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with RunLock(run_dir) as lock:
+            if lock.note:
+                print(f"[align] {lock.note}", flush=True)
+            return _run_stages(cfg, source, plans, selected, forced, run_dir, num_processes,
+                               trust_completed_inputs, multi, t0)
+    except RunLockedError as exc:
+        raise PipelineError(str(exc)) from None
+
+
+def up_to_date(plan: StagePlan, run_dir: Path) -> bool:
+    """Completed with this fingerprint, and trained from the outputs its inputs have now: each input's
+    output_digests (a publication id + content digest, align/fsutil.py) equal what the stage recorded."""
+    stage_dir = run_dir / plan.name
+    if not is_complete(stage_dir, plan.fingerprint):
+        return False
+    recorded = (read_manifest(stage_dir) or {}).get("input_digests") or {}
+    return all(recorded.get(d) == _output_digests(run_dir / d) for d in plan.deps)
+
+
+def _output_digests(stage_dir: Path) -> Any:
+    return (read_manifest(stage_dir) or {}).get("output_digests")
+
+
+def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan], selected: set[str],
+                forced: set[str], run_dir: Path, num_processes: int | None, trust_completed_inputs: bool,
+                multi: MultiNode, t0: float) -> Path:
     pipeline_info = {k: v for k, v in to_dict(cfg).items() if k != "stages"}
     pipeline_info.update(resolve_model_paths(cfg, source))
     code = code_version()
@@ -475,7 +544,7 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
         if plan.name not in selected:
             statuses[plan.name] = "not selected"
             continue
-        if plan.name not in forced and is_complete(stage_dir, plan.fingerprint):
+        if plan.name not in forced and up_to_date(plan, run_dir):
             print(f"{header}: up to date (fingerprint {plan.fingerprint}), skipped", flush=True)
             statuses[plan.name] = "skipped"
             continue
@@ -494,6 +563,7 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
             "stage": _resolved_stage(plan), "pipeline": pipeline_info,
             "inputs": {d: str((run_dir / d).resolve()) for d in plan.deps},
             "input_fingerprints": {d: (read_manifest(run_dir / d) or {}).get("fingerprint") for d in plan.deps},
+            "input_digests": {d: _output_digests(run_dir / d) for d in plan.deps},
             "data_cards": {fld: {"path": str(p), "sha256": plan.card_hashes[fld]} for fld, p in plan.cards.items()},
             "code_version": code, "git_commit": git,
         }

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from align.config import parse_pipeline
+from align.schema import is_plain_name
 from align.pipeline import PipelineError, run
 from align.stages.base import read_manifest
 
@@ -31,17 +32,24 @@ def check_model_dir(run_dir: Path, stage: str) -> None:
 
 
 def rebuild(run_dir: str | Path) -> Path:
-    run_dir = Path(run_dir)
+    """Re-evaluate the run in `run_dir` and write its report there: the directory given is the one read and
+    written (a copied or renamed run never touches the run it was copied from)."""
+    run_dir = Path(run_dir).resolve()
     info_path = run_dir / "pipeline.json"
     if not info_path.is_file():
         raise PipelineError(f"{run_dir}: not a run directory (no pipeline.json)")
-    info = json.loads(info_path.read_text())
+    try:
+        info = json.loads(info_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PipelineError(f"{info_path}: cannot be read as JSON ({exc})") from None
+    if not isinstance(info, dict) or not isinstance(info.get("config"), dict):
+        raise PipelineError(f"{info_path}: not a pipeline record (no `config` mapping)")
     source = info.get("source")
     if not source or not Path(source).is_file():
         raise PipelineError(f"{run_dir}: the pipeline file this run came from ({source}) is gone")
-    raw = info["config"]
-    cfg = parse_pipeline(raw, source)
-    cfg.runs_dir = str(run_dir.parent.parent)
+    cfg = parse_pipeline(info["config"], source)
+    if is_plain_name(run_dir.name):
+        cfg.run_id = run_dir.name  # what this directory is called now, for its pipeline.json
     evaluations = [n for n, st in cfg.stages.items() if st.type == "evaluate"]
     if not evaluations:
         raise PipelineError(f"{run_dir}: the pipeline has no evaluate stage")
@@ -50,5 +58,5 @@ def rebuild(run_dir: str | Path) -> Path:
         for stage in dict.fromkeys([*st.policies, st.reference, *([st.reward] if st.reward else [])]):
             check_model_dir(run_dir, stage)
     for name in evaluations:
-        run(cfg, source, only=name, force=True, trust_completed_inputs=True)
+        run(cfg, source, only=name, force=True, trust_completed_inputs=True, run_dir=run_dir)
     return run_dir / "report"

@@ -24,6 +24,7 @@ TINY = [
     "sft.learning_rate=3e-3", "sft.max_truncated_fraction=0.1", "sft.max_train_examples=2000", "sft.eval_max_examples=64",
     "preferences.max_prompts=128", "preferences.samples_per_prompt=4", "preferences.min_margin=0.05",
     "preferences.generation.max_new_tokens=12",
+    "reward.max_length=96", "dpo.max_length=96",  # the tiny model has 96 positions
     "reward.max_steps=8", "reward.logging_steps=2", "reward.save_steps=4", "reward.per_device_batch_size=8",
     "dpo.max_steps=8", "dpo.logging_steps=2", "dpo.save_steps=4", "dpo.per_device_batch_size=8",
     "ppo.iterations=4", "ppo.rollout_batch_size=16", "ppo.mini_batch_size=8", "ppo.save_every=2",

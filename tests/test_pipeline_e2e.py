@@ -153,7 +153,7 @@ def test_rerun_skips_everything_then_beta_reruns_only_downstream(e2e):
     ("dpo.policy=sfft", "did you mean 'sft'"),
     ("sft.model=dpo", "dependency cycle"),
     ("dpo.bta=0.1", "did you mean 'beta'"),
-    ("preferences.samples_per_prompt=1", "samples_per_prompt must be >= 2"),
+    ("preferences.samples_per_prompt=1", "stages.preferences.samples_per_prompt: 1 is not allowed: must be >= 2"),
 ])
 def test_bad_input_fails_fast_and_keeps_completed_stages(e2e, override, message):
     run = e2e["run"]

@@ -12,6 +12,7 @@ import hashlib
 import io
 import json
 import random
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,7 +116,10 @@ def load_card(path: str | Path) -> DataCard:
 def _read_text(file: Path) -> str:
     data = file.read_bytes()
     if file.suffix == ".gz":
-        data = gzip.decompress(data)
+        try:
+            data = gzip.decompress(data)
+        except (EOFError, OSError, zlib.error) as exc:  # truncated, or not gzip at all
+            raise DataCardError(f"{file}: not a complete gzip file ({exc}); download or copy it again") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -149,7 +153,10 @@ def read_rows(card: DataCard) -> list[dict[str, Any]]:
     if card.format == "parquet":
         import pyarrow.parquet as pq
 
-        table = pq.read_table(file).to_pylist()
+        try:
+            table = pq.read_table(file).to_pylist()
+        except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+            raise DataCardError(f"{file}: not a readable parquet file ({str(exc).splitlines()[0]})") from None
         return [_map_columns(card, r, f"{file}: row {i}") for i, r in enumerate(table)]
     text = _read_text(file)
     rows: list[dict[str, Any]] = []
@@ -270,5 +277,20 @@ def _split_key(row: dict[str, Any]) -> str:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Rows of a JSONL file that a stage wrote (e.g. preference pairs)."""
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    """Rows of a JSONL file that a stage wrote (e.g. preference pairs); a damaged file names its line."""
+    rows = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataCardError(f"{path}: cannot be read ({type(exc).__name__}: {exc}); rerun the stage that wrote it")
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataCardError(f"{path}: line {n}: invalid JSON ({exc.msg}); rerun the stage that wrote it") from None
+        if not isinstance(row, dict):
+            raise DataCardError(f"{path}: line {n}: a row must be a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    return rows

@@ -7,20 +7,22 @@ take part in saving (ZeRO-3 gathers the weights for the consolidated checkpoint)
 
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import logging
 import math
 import os
 import shutil
+import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
-from align.config import StageBase, TrainedStage, stage_from_dict
+from align.config import PipelineConfig, StageBase, TrainedStage, from_dict, stage_from_dict
 from align.console import emit_progress, verbose
-from align.fsutil import atomic_write_json, publish_dir, staging_dir
+from align.fsutil import atomic_write_json, atomic_write_text, output_digest, publish_dir, staging_dir
 from align.tracking import Tracker, scrub
 
 log = logging.getLogger("align")
@@ -32,14 +34,30 @@ class NonFiniteLossError(RuntimeError):
     """Training produced a NaN/inf loss; the last good checkpoint is kept."""
 
 
+class StageError(RuntimeError):
+    """A stage cannot give a meaningful result (it would train zero steps, has nothing to evaluate, or
+    produced nothing); it is recorded as failed, never as completed."""
+
+
+class ManifestError(ValueError):
+    """A manifest.json that cannot be read or is not a manifest; the message names it and the fix."""
+
+
 def read_manifest(stage_dir: str | Path) -> dict[str, Any] | None:
+    """The stage's manifest, or None when there is none. A manifest that exists but cannot be read or is not
+    a JSON object is an error (not "missing": that would silently retrain over what it describes)."""
     path = Path(stage_dir) / MANIFEST
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return None
+        m = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"{path}: cannot be read as JSON ({type(exc).__name__}: {exc}); delete it to rerun "
+                            "the stage") from None
+    if not isinstance(m, dict) or not isinstance(m.get("status", ""), str):
+        raise ManifestError(f"{path}: not a stage manifest (a JSON {type(m).__name__}, not an object with a "
+                            "status); delete it to rerun the stage")
+    return m
 
 
 def is_complete(stage_dir: str | Path, fingerprint: str | None = None) -> bool:
@@ -58,7 +76,8 @@ class StageContext:
         from accelerate import PartialState
 
         self.spec = spec
-        self.cfg: StageBase = stage_from_dict(spec["stage"])
+        self.cfg: StageBase = stage_from_dict(spec["stage"], spec["stage_name"])
+        from_dict(PipelineConfig, {k: v for k, v in spec["pipeline"].items() if k != "stages"}, "pipeline:")
         self.pipeline: dict[str, Any] = spec["pipeline"]
         self.name: str = spec["stage_name"]
         self.dir = Path(spec["stage_dir"])
@@ -140,14 +159,21 @@ class StageContext:
         under ZeRO-3 is collective), then the main process renames it into place."""
         final = (self.dir / name).resolve()
         tmp = final.with_name(f".{final.name}.staging")
+        try:
+            if self.is_main:
+                staging_dir(final)
+            self.state.wait_for_everyone()
+            write(tmp)
+            self.state.wait_for_everyone()
+            if self.is_main:
+                publish_dir(tmp, final)
+        except BaseException:
+            if self.is_main:  # no half-written staging directory is left behind (e.g. a full disk)
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.state.wait_for_everyone()
         if self.is_main:
-            staging_dir(final)
-        self.state.wait_for_everyone()
-        write(tmp)
-        self.state.wait_for_everyone()
-        if self.is_main:
-            publish_dir(tmp, final)
-        self.state.wait_for_everyone()
+            self.extra_manifest.setdefault("output_digests", {})[name] = output_digest(final)
 
     def save_trainer_model(self, trainer, tokenizer) -> None:
         """Consolidated HF checkpoint (LoRA merged, ZeRO-3 gathered) + tokenizer, atomically as model/."""
@@ -182,6 +208,7 @@ class StageContext:
             "stage": self.name, "type": self.cfg.type, "status": status, "fingerprint": self.fingerprint,
             "config": self.spec["stage"], "inputs": {k: {"path": v, "fingerprint": self.spec["input_fingerprints"][k]}
                                                      for k, v in self.inputs.items()},
+            "input_digests": self.spec.get("input_digests", {}),
             "data_cards": self.spec["data_cards"], "code_version": self.spec["code_version"],
             "git_commit": self.spec.get("git_commit"), "packages": package_versions(),
             "started_at": old.get("started_at") if status != "running" or not new_attempt
@@ -265,7 +292,7 @@ def trainer_kwargs(cfg: TrainedStage, ctx: StageContext) -> dict[str, Any]:
     return dict(
         output_dir=str(ctx.checkpoints), learning_rate=cfg.learning_rate, lr_scheduler_type=cfg.lr_scheduler,
         warmup_steps=cfg.warmup_ratio, weight_decay=cfg.weight_decay, num_train_epochs=cfg.epochs,
-        max_steps=cfg.max_steps, per_device_train_batch_size=cfg.per_device_batch_size,
+        max_steps=cfg.max_steps if cfg.max_steps is not None else -1, per_device_train_batch_size=cfg.per_device_batch_size,
         per_device_eval_batch_size=cfg.per_device_batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, logging_steps=cfg.logging_steps,
         save_strategy="steps", save_steps=cfg.save_steps, save_total_limit=2, report_to="none", seed=ctx.seed,
@@ -301,20 +328,60 @@ def train_with_resume(ctx: StageContext, trainer) -> dict[str, Any]:
     if ckpt and ctx.is_main:
         print(f"[align] {ctx.name}: resuming from {ckpt} (step {resumed_from})", flush=True)
     ctx.extra_manifest["resumed_from_step"] = resumed_from
+    if ctx.is_main:  # rows a killed attempt logged after its last checkpoint are logged again from there
+        keep_metrics_until(ctx.dir / "metrics.jsonl", resumed_from)
     out = trainer.train(resume_from_checkpoint=ckpt)
     ctx.extra_manifest["global_step"] = trainer.state.global_step
+    if trainer.state.global_step == 0:
+        raise StageError(f"stage '{ctx.name}' trained 0 optimiser steps (no examples, or epochs/max_steps too "
+                         "small for the batch size); nothing is published")
     return {"train/loss_final_avg": out.training_loss, "train/global_step": trainer.state.global_step}
 
 
+def keep_metrics_until(path: Path, step: int) -> None:
+    """Drop metrics rows after `step` (atomically), so a resumed stage never logs a step twice."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = [line for line in lines if line.strip() and _step(line) <= step]
+    if len(kept) != len([line for line in lines if line.strip()]):
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
+
+
+def _step(line: str) -> float:
+    try:
+        return float(json.loads(line).get("step", 0))
+    except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
+        return float("inf")  # a torn last line of a killed attempt
+
+
 # --------------------------------------------------------------------------------------------- entry point
-def main(spec_path: str) -> None:
-    """Run one stage in this process (called under `accelerate launch`)."""
+def main(spec_path: str) -> int:
+    """Run one stage in this process (called under `accelerate launch`). Returns the exit code: 0, or 2 for
+    a refused input or an I/O failure (one paragraph on stderr, the traceback only in the manifest)."""
     logging.basicConfig(level=logging.INFO if verbose() else logging.WARNING,
                         format="[align] %(levelname)s %(name)s: %(message)s")
     log.setLevel(logging.INFO)
     quiet_libraries()
-    spec = json.loads(Path(spec_path).read_text())
-    ctx = StageContext(spec)
+    ctx: StageContext | None = None
+    spec: dict[str, Any] = {}
+    try:
+        spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
+        ctx = StageContext(spec)
+        _run(ctx)
+        return 0
+    except EXPECTED as exc:
+        message = describe(exc)
+        recorded = _record_failure(ctx, spec, exc, message)
+        print(f"align: error: stage '{spec.get('stage_name', spec_path)}': {message}" + recorded, file=sys.stderr,
+              flush=True)
+        return 2
+    except BaseException as exc:
+        _record_failure(ctx, spec, exc, f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _run(ctx: StageContext) -> None:
     old = read_manifest(ctx.dir)
     # Resume only an interrupted attempt of this very fingerprint; anything else starts clean.
     resumable = bool(old) and old.get("fingerprint") == ctx.fingerprint and old.get("status") != "completed"
@@ -326,16 +393,10 @@ def main(spec_path: str) -> None:
     ctx.state.wait_for_everyone()
     ctx.write_manifest("running")
     module = importlib.import_module(f"align.stages.{ctx.cfg.type}")
-    try:
-        ctx.start_tracking()
-        final = module.run(ctx)
-    except BaseException as exc:
-        ctx.write_manifest("failed", error=f"{type(exc).__name__}: {exc}",
-                           traceback=traceback.format_exc(limit=20))
-        if ctx.tracker:
-            ctx.tracker.finish()
-        raise
+    ctx.start_tracking()
+    final = module.run(ctx)
     ctx.state.wait_for_everyone()
+    check_produced(ctx, module.OUTPUTS, final)
     if ctx.tracker:
         ctx.tracker.summary(final)
     wandb_info = ctx.tracker.finish() if ctx.tracker else {}
@@ -359,6 +420,51 @@ def quiet_libraries() -> None:
     ds_logging.disable_progress_bar()
     for name in ("deepspeed", "DeepSpeed", "accelerate", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def check_produced(ctx: StageContext, outputs: list[str], final: dict[str, Any]) -> None:
+    """A stage that trained zero steps, evaluated zero prompts or published nothing has failed."""
+    if ctx.extra_manifest.get("global_step") == 0 or final.get("ppo/iterations_run") == 0:
+        raise StageError(f"stage '{ctx.name}' trained 0 steps")
+    if final.get("eval/prompts") == 0:
+        raise StageError(f"stage '{ctx.name}' evaluated 0 prompts")
+    for out in outputs:
+        path = ctx.dir / out
+        if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+            raise StageError(f"stage '{ctx.name}' produced nothing: {path.resolve()} is missing or empty")
+
+
+# Failures that are the input's or the machine's fault, not align's: one paragraph, exit code 2.
+EXPECTED: tuple[type[BaseException], ...] = (OSError, ValueError, NonFiniteLossError, StageError)
+
+
+def describe(exc: BaseException) -> str:
+    """One line for an expected failure; an OSError names its path and the cause (e.g. a full disk)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        code = errno.errorcode.get(exc.errno or 0, "")
+        where = f"{os.path.abspath(exc.filename)}: " if exc.filename else ""
+        return f"{where}{exc.strerror}" + (f" ({code})" if code else "")
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _record_failure(ctx: StageContext | None, spec: dict[str, Any], exc: BaseException, message: str) -> str:
+    """Write `failed` with the error into the manifest; returns where it went (or why it could not)."""
+    trace = traceback.format_exc(limit=20)
+    try:
+        if ctx is not None:
+            if ctx.tracker:
+                ctx.tracker.finish()
+            ctx.write_manifest("failed", error=message, traceback=trace)
+        elif spec.get("stage_dir") and os.environ.get("RANK", "0") == "0":
+            atomic_write_json(Path(spec["stage_dir"]) / MANIFEST, {
+                "stage": spec.get("stage_name"), "status": "failed", "fingerprint": spec.get("fingerprint"),
+                "error": message, "traceback": trace, "ended_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        else:
+            return ""
+    except Exception as second:  # e.g. the disk is still full: say so rather than hide the first error
+        return f"\n  (could not record the failure in the manifest either: {describe(second)})"
+    where = ctx.dir if ctx is not None else spec["stage_dir"]
+    return f"\n  manifest: {Path(where) / MANIFEST} (status failed, traceback inside)"
 
 
 def _fmt(v: float) -> str:

@@ -18,7 +18,7 @@ from align.config import EvaluateStage
 from align.generation import generate, response_logprobs
 from align.judges import RewardModelJudge, python_judge
 from align.models import load_causal_lm, load_tokenizer
-from align.stages.base import StageContext, load_rows, unique_prompts
+from align.stages.base import StageContext, StageError, load_rows, unique_prompts
 from align.stats import mean_ci, win_rate
 
 OUTPUTS = ["../report"]
@@ -45,7 +45,9 @@ def sample_with_kl(policy, reference, tokenizer, prompts: list[str], cfg: Evalua
 
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg: EvaluateStage = ctx.cfg  # type: ignore[assignment]
-    prompts = unique_prompts(load_rows(ctx, cfg.prompts, cfg.split), cfg.max_prompts)
+    prompts = [p for p in unique_prompts(load_rows(ctx, cfg.prompts, cfg.split), cfg.max_prompts) if p.strip()]
+    if not prompts:
+        raise StageError(f"stage '{ctx.name}': no non-empty prompts in {cfg.prompts} split '{cfg.split}'")
     ref_path = ctx.input_model(cfg.reference)
     tokenizer = load_tokenizer(ref_path)
     dtype = ctx.pipeline["dtype"]

@@ -18,7 +18,7 @@ from align.config import PreferencesStage
 from align.generation import sample_texts
 from align.judges import make_judge
 from align.models import load_causal_lm, load_tokenizer
-from align.stages.base import StageContext, load_rows, unique_prompts
+from align.stages.base import StageContext, StageError, load_rows, unique_prompts
 
 OUTPUTS = ["data"]
 
@@ -36,7 +36,9 @@ def pair_up(prompt: str, responses: list[str], scores: list[float], min_margin: 
 
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg: PreferencesStage = ctx.cfg  # type: ignore[assignment]
-    prompts = unique_prompts(load_rows(ctx, cfg.prompts, cfg.split), cfg.max_prompts)
+    prompts = [p for p in unique_prompts(load_rows(ctx, cfg.prompts, cfg.split), cfg.max_prompts) if p.strip()]
+    if not prompts:
+        raise StageError(f"stage '{ctx.name}': no non-empty prompts in {cfg.prompts} split '{cfg.split}'")
     path = ctx.input_model(cfg.policy)
     tokenizer = load_tokenizer(path)
     policy = load_causal_lm(path, ctx.pipeline["dtype"]).eval()

@@ -8,8 +8,7 @@ import json
 import shutil
 from typing import Any
 
-from align.fsutil import atomic_write_text
-from align.stages.base import StageContext
+from align.stages.base import StageContext, keep_metrics_until
 
 
 def _register(accelerator, *objs) -> None:
@@ -53,14 +52,13 @@ def restore_history(ctx: StageContext, start: int) -> list[dict[str, Any]]:
     """The per-iteration metrics of iterations 1..start from metrics.jsonl (a resumed run summarises the whole
     run); rows a killed attempt logged after its last checkpoint are dropped, as they are logged again."""
     path = ctx.dir / "metrics.jsonl"
-    if not path.is_file():
+    if ctx.is_main:
+        keep_metrics_until(path, start)
+    ctx.state.wait_for_everyone()
+    if not start or not path.is_file():
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    kept = [r for r in rows if r.get("step", 0) <= start]
-    if ctx.is_main and len(kept) != len(rows):
-        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
-    ctx.state.wait_for_everyone()
-    return [r for r in kept if "objective/scores" in r] if start else []
+    return [r for r in rows if "objective/scores" in r]
 
 
 def save_checkpoint(ctx: StageContext, accelerator, iteration: int) -> None:

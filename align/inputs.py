@@ -1,0 +1,169 @@
+"""The base model and tokenizer a pipeline names, checked at `align validate` before anything launches.
+
+- A value that looks local (starts with `.`, `/` or `~`, ends with `/`, is not hub-id shaped, or whose first
+  component is an existing directory beside the pipeline or here) must exist: it is never sent to the hub,
+  where a typo would cost a minute of retries and end in a misleading "repository not found".
+- A local model directory must hold a config.json that parses to a JSON object.
+- A hub id is looked up offline first (the local Hugging Face cache, then `base_model_config:`); when neither
+  has it, the hub is asked only if it answers a TCP connection within a short timeout. Unreachable: a warning,
+  the stage checks again on the machine that runs it.
+- The tokenizer must load and have an EOS token (a pad token is added from EOS when missing, as before).
+- The longest sequence a stage trains on or generates must fit the model's position embeddings.
+
+No torch at import time: the runner imports this module.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from align.config import PipelineConfig, PPOStage, TrainedStage
+from align.schema import ConfigError
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+BUILTIN = "builtin:"
+
+
+def resolve_model_paths(cfg: PipelineConfig, source: str | Path) -> dict[str, str | None]:
+    """base_model / tokenizer that name local paths, resolved relative to the pipeline file (like data cards);
+    hub ids pass through. A local-looking value that does not exist is an error (see the module docstring)."""
+    base_dir = Path(source).resolve().parent
+    out: dict[str, str | None] = {}
+    for key in ("base_model", "tokenizer"):
+        value = getattr(cfg, key)
+        if not value or value.startswith(BUILTIN):
+            out[key] = value
+            continue
+        local = (base_dir / Path(value).expanduser())
+        if local.exists():
+            out[key] = str(local.resolve())
+            continue
+        first = value.split("/")[0]
+        looks_local = (value.startswith((".", "/", "~")) or value.endswith("/") or not HUB_ID.fullmatch(value)
+                       or (base_dir / first).is_dir() or Path(first).is_dir())
+        if looks_local:
+            raise ConfigError(f"{source}: {key}: local path '{value}' not found (looked for {local}); a value "
+                              "that names a local directory is never looked up on the hub. Fix the path (it is "
+                              "relative to the pipeline file)")
+        out[key] = value  # a hub id
+    return out
+
+
+def _read_config(path: Path, what: str) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{what}: {path} cannot be read as JSON ({type(exc).__name__}: {exc}); the model "
+                          "directory is damaged: copy it again") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{what}: {path} holds a JSON {type(raw).__name__}, not the object of a model config")
+    return raw
+
+
+def _hub_file(repo: str, filename: str) -> str | None:
+    """A file of a hub repo from the local Hugging Face cache (no network)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    found = try_to_load_from_cache(repo, filename)
+    return found if isinstance(found, str) else None
+
+
+def base_model_config(cfg: PipelineConfig, source: str | Path, paths: dict[str, str | None]) -> dict[str, Any] | None:
+    """The base model's config.json as a dict: local directory, HF cache, or the declared copy; None for a
+    builtin model or a hub model that nothing here describes."""
+    value = paths["base_model"]
+    if not value or value.startswith(BUILTIN):
+        return None
+    if Path(value).is_dir():
+        config = Path(value) / "config.json"
+        if not config.is_file():
+            raise ConfigError(f"{source}: base_model: {value} has no config.json; it is not a transformers model "
+                              "directory (save one with model.save_pretrained)")
+        return _read_config(config, f"{source}: base_model")
+    if Path(value).is_file():
+        raise ConfigError(f"{source}: base_model: {value} is a file; name the model's directory")
+    cached = _hub_file(value, "config.json")
+    if cached:
+        return _read_config(Path(cached), f"{source}: base_model (cached hub model {value})")
+    if cfg.base_model_config:
+        local = Path(source).resolve().parent / cfg.base_model_config
+        local = local / "config.json" if local.is_dir() else local
+        if not local.is_file():
+            raise ConfigError(f"{source}: base_model_config: '{cfg.base_model_config}' not found (looked for {local})")
+        return _read_config(local, f"{source}: base_model_config")
+    return None
+
+
+def check_tokenizer(cfg: PipelineConfig, source: str | Path, paths: dict[str, str | None]) -> str | None:
+    """Load the tokenizer (local or cached only) and require an EOS token. Returns a note when it cannot be
+    checked here (a hub tokenizer that is not cached)."""
+    name = paths["tokenizer"] or (None if str(paths["base_model"]).startswith(BUILTIN) else paths["base_model"])
+    if name is None:
+        return None  # the builtin model's tokenizer is trained by the first stage
+    local = Path(name).exists()
+    if not local and not _hub_file(name, "tokenizer_config.json"):
+        return f"tokenizer '{name}' is not cached here; it is checked when the first stage starts"
+    from align.models import ModelError, load_tokenizer
+
+    key = "tokenizer" if paths["tokenizer"] else "base_model"
+    try:
+        load_tokenizer(name, cfg.trust_remote_code)
+    except ModelError as exc:
+        raise ConfigError(f"{source}: {key}: {exc}") from None
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"{source}: {key}: the tokenizer in '{name}' does not load ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    return None
+
+
+def positions(cfg: PipelineConfig, config: dict[str, Any] | None) -> int | None:
+    """The longest sequence the base model accepts, when known."""
+    if cfg.base_model.startswith(BUILTIN):
+        return cfg.builtin.max_position_embeddings
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if config and isinstance(config.get(key), int):
+            return config[key]
+    return None
+
+
+def check_lengths_fit(cfg: PipelineConfig, source: str | Path, limit: int | None) -> None:
+    """Trained sequences and PPO's prompt + response must fit the model's position embeddings."""
+    if limit is None:
+        return
+    fix = f"the model has {limit} positions (builtin.max_position_embeddings or its config.json)"
+    for name, st in cfg.stages.items():
+        if isinstance(st, TrainedStage) and st.max_length > limit:
+            raise ConfigError(f"{source}: stages.{name}.max_length: {st.max_length} is longer than the model "
+                              f"accepts: {fix}; lower max_length to at most {limit}")
+        if isinstance(st, PPOStage) and st.max_prompt_length + st.generation.max_new_tokens > limit:
+            raise ConfigError(f"{source}: stages.{name}.max_prompt_length + generation.max_new_tokens: "
+                              f"{st.max_prompt_length} + {st.generation.max_new_tokens} is longer than the model "
+                              f"accepts: {fix}")
+        gen = getattr(st, "generation", None)
+        if gen is not None and gen.max_new_tokens >= limit:
+            raise ConfigError(f"{source}: stages.{name}.generation.max_new_tokens: {gen.max_new_tokens} leaves no "
+                              f"room for a prompt: {fix}")
+
+
+def check_model_inputs(cfg: PipelineConfig, source: str | Path) -> list[str]:
+    """Everything above; returns notes for what could not be checked from this machine."""
+    paths = resolve_model_paths(cfg, source)
+    config = base_model_config(cfg, source, paths)
+    notes = []
+    if config is None and not cfg.base_model.startswith(BUILTIN):
+        notes.append(f"base_model '{cfg.base_model}' is not cached here and has no base_model_config copy; its "
+                     "config is checked when the first stage starts")
+    note = check_tokenizer(cfg, source, paths)
+    if note:
+        notes.append(note)
+    b = cfg.builtin
+    if cfg.base_model.startswith(BUILTIN) and b.hidden_size % b.num_heads:
+        raise ConfigError(f"{source}: builtin.hidden_size: {b.hidden_size} is not divisible by builtin.num_heads "
+                          f"({b.num_heads})")
+    check_lengths_fit(cfg, source, positions(cfg, config))
+    return notes

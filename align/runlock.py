@@ -1,0 +1,112 @@
+"""One runner per run directory: an advisory `fcntl.flock` on `<run>/.align.lock`, which holds the runner's
+PID, host and start time.
+
+The kernel drops a flock when its process dies, however it dies, so a runner killed with SIGKILL never
+blocks the next one: the next runner gets the lock, finds the dead runner's record still in the file (a clean
+exit empties it) and says it took over a stale lock. A second live runner fails at once, naming the holder.
+On filesystems without flock (some NFS mounts) the PID record alone decides: a live PID on this host holds it.
+Multi-node workers (node rank > 0) take no lock: they write nothing under the run directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from align.fsutil import inject_fault
+
+LOCK_FILE = ".align.lock"
+
+
+class RunLockedError(RuntimeError):
+    """Another live runner holds the run directory."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunLock:
+    """`with RunLock(run_dir) as lock:` holds the run directory; `lock.note` says if a stale lock was taken over."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.fd: int | None = None
+        self.note = ""
+
+    def _holder(self, fd: int) -> dict:
+        try:
+            raw = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+            holder = json.loads(raw) if raw.strip() else {}
+            return holder if isinstance(holder, dict) else {}
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    def __enter__(self) -> RunLock:
+        inject_fault(self.path)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise RunLockedError(self._busy(self._live_holder(fd))) from None
+            except OSError as exc:
+                if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                holder = self._holder(fd)
+                if holder.get("host") == socket.gethostname() and _alive(int(holder.get("pid", 0)) or -1):
+                    raise RunLockedError(self._busy(holder)) from None
+            holder = self._holder(fd)
+            if holder.get("pid"):
+                state = "still running but not holding the lock" if holder.get("host") == socket.gethostname() \
+                    and _alive(int(holder["pid"])) else "no longer running"
+                self.note = (f"took over a stale lock on {self.path.parent}: PID {holder['pid']} on host "
+                             f"{holder.get('host')} (since {holder.get('since')}) ended without releasing it ({state})")
+            record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record.encode(), 0)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        return self
+
+    def _live_holder(self, fd: int) -> dict:
+        """The record of the runner holding the lock. It writes the record just after taking the lock, so for
+        up to 2 s the file may still be empty or hold a dead runner's record."""
+        deadline = time.time() + 2.0
+        while True:
+            holder = self._holder(fd)
+            pid = int(holder.get("pid", 0) or 0)
+            if pid and (holder.get("host") != socket.gethostname() or _alive(pid)) or time.time() > deadline:
+                return holder
+            time.sleep(0.05)
+
+    def _busy(self, holder: dict) -> str:
+        return (f"run directory {self.path.parent} is in use by another align runner: PID {holder.get('pid', '?')} "
+                f"on host {holder.get('host', '?')} (since {holder.get('since', '?')}). Wait for it to finish, or "
+                f"use another --run-id. (Lock file: {self.path})")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.ftruncate(self.fd, 0)  # a clean exit leaves no holder record: a record means a crash
+        except OSError:
+            pass
+        finally:
+            os.close(self.fd)  # closing drops the flock
+            self.fd = None
