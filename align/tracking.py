@@ -63,7 +63,7 @@ class Tracker:
             return
         mode = wandb_mode(wandb_setting)
         if mode is not None:
-            import wandb
+            import wandb  # optional and heavy: only when W&B is on
 
             os.environ.setdefault("WANDB_SILENT", "true")
             self.run = wandb.init(project=project, entity=entity, group=group, name=name, job_type=job_type,
@@ -87,14 +87,14 @@ class Tracker:
             for r in rows:
                 fh.write(json.dumps({"step": step, **dict(zip(columns, r))}) + "\n")
         if self.run is not None:
-            import wandb
+            import wandb  # optional and heavy: only when W&B is on
 
             self.run.log({name: wandb.Table(columns=columns, data=rows)}, step=int(step))
 
     def images(self, paths: dict[str, Path], step: int) -> None:
         """PNG files (already on disk) as W&B images."""
         if self.run is not None and paths:
-            import wandb
+            import wandb  # optional and heavy: only when W&B is on
 
             self.run.log({k: wandb.Image(str(v)) for k, v in paths.items() if Path(v).is_file()}, step=int(step))
 

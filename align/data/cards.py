@@ -11,12 +11,15 @@ import gzip
 import hashlib
 import io
 import json
+import os
 import random
+import socket
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import yaml
 
@@ -35,7 +38,7 @@ class DataUnavailableError(DataCardError):
 
 @dataclass
 class DataCard:
-    """A validated data card (see data_cards/README.md for every field)."""
+    """A validated data card (docs/ARCHITECTURE.md, "Data cards", describes every field)."""
 
     path: Path
     name: str
@@ -151,7 +154,7 @@ def read_rows(card: DataCard) -> list[dict[str, Any]]:
     file = card.file
     assert file is not None
     if card.format == "parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # heavy: only for parquet cards
 
         try:
             table = pq.read_table(file).to_pylist()
@@ -190,10 +193,6 @@ def read_rows(card: DataCard) -> list[dict[str, Any]]:
 def hub_reachable(timeout: float = 3.0) -> bool:
     """Whether the Hugging Face hub answers a TCP connection from here (False in offline mode). Lets validation
     tell an unreachable hub at once instead of after the datasets library's retries."""
-    import os
-    import socket
-    from urllib.parse import urlparse
-
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
         return False
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
@@ -205,7 +204,7 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def _read_hub(card: DataCard) -> list[dict[str, Any]]:
-    import datasets
+    import datasets  # heavy: only for hub cards
 
     src = card.source
     try:
