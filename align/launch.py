@@ -33,6 +33,7 @@ def accelerate_config(name: str, source: str | Path) -> Path:
             return candidate.resolve()
     raise PipelineError(f"accelerate config '{name}' not found (pipelines/accelerate/{name}.yaml or a path)")
 
+
 def yaml_load(path: Path) -> Any:
     """An accelerate config as plain YAML."""
     return yaml.safe_load(path.read_text(encoding="utf-8"))

@@ -43,6 +43,7 @@ class MultiNode:
     def is_main(self) -> bool:
         return self.node_rank == 0
 
+
 def wait_for_master(multi: MultiNode, stage: str) -> None:
     """Worker nodes: wait until node 0 listens on the rendezvous port, or fail with the host and port after the
     timeout (instead of the silent hang of a rendezvous that never completes)."""
@@ -62,6 +63,7 @@ def wait_for_master(multi: MultiNode, stage: str) -> None:
         "--master-port (under SLURM: the first host of SLURM_JOB_NODELIST), that node 0 is running, and that the "
         "port is open between the nodes; --rdzv-timeout sets the wait.")
 
+
 def wait_for_stage(stage_dir: Path, fingerprint: str, name: str, timeout: float | None) -> None:
     """Worker nodes: wait until node 0 has recorded the stage as completed (or failed)."""
     t0 = time.time()
@@ -74,8 +76,9 @@ def wait_for_stage(stage_dir: Path, fingerprint: str, name: str, timeout: float 
                                 f"({stage_dir / MANIFEST})")
         time.sleep(1.0)
 
+
 def follow_stage(plan: StagePlan, stage_dir: Path, header: str, source: str | Path, num_processes: int | None,
-                  multi: MultiNode) -> None:
+                 multi: MultiNode) -> None:
     """A worker node's part of one stage: launch its processes for a distributed stage (reading the spec node 0
     wrote), or wait while node 0 runs a one-process stage. Writes nothing under the run directory."""
     if not is_distributed(plan.cfg):

@@ -51,6 +51,7 @@ def refs(value: Any) -> list[str]:
         return list(value)
     return value if isinstance(value, list) else [value] if isinstance(value, str) else []
 
+
 def stage_dependencies(name: str, cfg: StageBase, stages: dict[str, StageBase], source: str) -> list[str]:
     """Stages this stage reads from. A reference must name a stage that produces what the field needs (its
     role, declared on the config class): a policy input a policy stage, a reward input a reward stage, data a
@@ -70,6 +71,7 @@ def stage_dependencies(name: str, cfg: StageBase, stages: dict[str, StageBase], 
                     + (f"; did you mean '{hint[0]}'?" if hint else f" (stages: {', '.join(stages)})"))
     return list(dict.fromkeys(deps))
 
+
 def _check_role(name: str, fld: str, role: str, ref: str, stages: dict[str, StageBase], source: str) -> None:
     """`ref` must produce `role` (judge fields: a reward stage; align/judges.py checks the Python judges)."""
     want = "reward" if role == "judge" else role
@@ -84,8 +86,6 @@ def _check_role(name: str, fld: str, role: str, ref: str, stages: dict[str, Stag
 
 
 _ROLE = {"policy": "a policy", "reward": "a reward model", "data": "preference pairs", "report": "a report"}
-
-
 
 
 def topological_order(deps: dict[str, list[str]], source: str) -> list[str]:
@@ -108,6 +108,7 @@ def topological_order(deps: dict[str, list[str]], source: str) -> list[str]:
     for n in deps:
         visit(n, [])
     return order
+
 
 def descendants(start: str, deps: dict[str, list[str]]) -> set[str]:
     out = {start}
@@ -137,6 +138,7 @@ def code_version() -> str:
                     h.update(Path(path).read_bytes())
     return h.hexdigest()[:16]
 
+
 def _fingerprint(plan: StagePlan, cfg: PipelineConfig, inputs: dict[str, str], code: str) -> str:
     stage = {k: v for k, v in to_dict(plan.cfg).items() if k not in NON_SEMANTIC}
     base = {}
@@ -145,6 +147,7 @@ def _fingerprint(plan: StagePlan, cfg: PipelineConfig, inputs: dict[str, str], c
     blob = {"stage": stage, "base": base, "seed": plan.cfg.seed if plan.cfg.seed is not None else cfg.seed,
             "dtype": cfg.dtype, "inputs": inputs, "cards": plan.card_hashes, "code": code}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:20]
+
 
 def build_plan(cfg: PipelineConfig, source: str | Path) -> list[StagePlan]:
     """Resolve references and card paths, order the graph, fingerprint every stage. Fast: no training."""
@@ -182,6 +185,7 @@ def build_plan(cfg: PipelineConfig, source: str | Path) -> list[StagePlan]:
             raise PipelineError(f"{source}: stages.{name}: {exc}") from None
         plan.fingerprint = _fingerprint(plan, cfg, {d: plans[d].fingerprint for d in plan.deps}, code)
     return [plans[n] for n in order]
+
 
 def run_dir_of(cfg: PipelineConfig) -> Path:
     """runs/<name>/<run_id> (relative to the working directory, as the pipeline's runs_dir says)."""

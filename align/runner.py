@@ -76,6 +76,7 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
     except RunLockedError as exc:
         raise PipelineError(str(exc)) from None
 
+
 def up_to_date(plan: StagePlan, run_dir: Path) -> bool:
     """Completed with this fingerprint, and trained from the outputs its inputs have now: each input's
     output_digests (a publication id + content digest, align/fsutil.py) equal what the stage recorded."""
@@ -84,6 +85,7 @@ def up_to_date(plan: StagePlan, run_dir: Path) -> bool:
         return False
     recorded = (read_manifest(stage_dir) or {}).get("input_digests") or {}
     return all(recorded.get(d) == output_digests(run_dir / d) for d in plan.deps)
+
 
 def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan], selected: set[str],
                 forced: set[str], run_dir: Path, num_processes: int | None, trust_completed_inputs: bool,
@@ -151,6 +153,7 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
     print(f"[align] pipeline {cfg.name} finished in {time.time() - t0:.0f}s: {run_dir}", flush=True)
     return run_dir
 
+
 def memory_preflight(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan], names: set[str],
                      num_processes: int | None, multi: MultiNode, ignore: bool) -> None:
     """Refuse, before anything is launched, stages whose per-GPU estimate exceeds the GPU memory (align/estimate.py).
@@ -175,11 +178,13 @@ def memory_preflight(cfg: PipelineConfig, source: str | Path, plans: list[StageP
     raise PipelineError("memory preflight: " + "\n  ".join(problems) + "\n  (see `align estimate`; "
                         "--ignore-memory-check launches anyway)")
 
+
 def _resolved_stage(plan: StagePlan) -> dict[str, Any]:
     d = to_dict(plan.cfg)
     for fld, path in plan.cards.items():
         d[fld] = str(path)
     return d
+
 
 def _write_pipeline_manifest(run_dir: Path, cfg: PipelineConfig, plans: list[StagePlan],
                              statuses: dict[str, str], source: str | Path) -> None:
@@ -190,6 +195,7 @@ def _write_pipeline_manifest(run_dir: Path, cfg: PipelineConfig, plans: list[Sta
                     "this_invocation": statuses.get(p.name, "not run")} for p in plans],
         "updated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     atomic_write_json(run_dir / PIPELINE, scrub(record))
+
 
 def _git_commit() -> str | None:
     try:

@@ -111,11 +111,3 @@ class Tracker:
                 "dir": str(Path(self.run.dir).parent), "mode": self.run.settings.mode}
         self.run.finish()
         return info
-
-
-def read_metrics(stage_dir: str | Path) -> list[dict[str, Any]]:
-    """All rows of a stage's metrics.jsonl."""
-    path = Path(stage_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

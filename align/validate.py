@@ -66,6 +66,7 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
     _check_lengths(cfg, plans, split_of, str(source), verbose)
     return plans
 
+
 def _check_card_rows(plan: StagePlan, fld: str, card: Path, data: LoadedSplit, source: str) -> None:
     """Prompt cards need prompts that are not all empty (what a stage type needs of its cards beyond that is
     its own `check`)."""
@@ -75,6 +76,7 @@ def _check_card_rows(plan: StagePlan, fld: str, card: Path, data: LoadedSplit, s
     if fld == "prompts" and not any(str(r.get("prompt", "")).strip() for r in data.rows):
         raise PipelineError(f"{where}: every one of the {len(data.rows)} prompts of {card.name} split "
                             f"'{data.split}' is empty; a policy would be sampled from nothing")
+
 
 def _check_lengths(cfg: PipelineConfig, plans: list[StagePlan], split_of, source: str, verbose: bool) -> None:
     """Over-long examples per trained stage whose data is a card, when the tokenizer can be loaded here.
@@ -113,6 +115,7 @@ def _check_lengths(cfg: PipelineConfig, plans: list[StagePlan], split_of, source
             enforce(report, plan.cfg.max_truncated_fraction)
         except LengthError as exc:
             raise PipelineError(f"{source}: {exc}") from None
+
 
 def _check_eval_overlap(plans: list[StagePlan], split_of, source: str) -> None:
     """Evaluation prompts must not appear among any stage's training prompts."""

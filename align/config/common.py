@@ -130,6 +130,7 @@ def stage_types() -> dict[str, type[StageBase]]:
             raise ConfigError(f"{STAGE_MODULES_ENV}: cannot import stage-type module '{name}' ({exc})") from None
     return STAGE_TYPES
 
+
 @dataclass
 class StageBase:
     """Fields every stage has, and what a stage type declares about itself (class attributes and methods)."""

@@ -12,6 +12,7 @@ from align.schema import one_of, ranged
 DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
               "apo_zero", "apo_down", "discopop", "sigmoid_norm")
 
+
 @dataclass
 class DPOStage(TrainedStage):
     """Direct preference optimisation with TRL's DPOTrainer; reference = the starting policy."""

@@ -8,6 +8,7 @@ from typing import ClassVar
 from align.config.common import CheckContext, Generation, StageBase
 from align.schema import ranged
 
+
 @dataclass
 class PreferencesStage(StageBase):
     """Sample several completions per prompt from a policy and keep judged (chosen, rejected) pairs."""

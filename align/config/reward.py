@@ -8,6 +8,7 @@ from typing import ClassVar
 from align.config.common import CheckContext, StageBase, TrainedStage
 from align.schema import ranged
 
+
 @dataclass
 class RewardStage(TrainedStage):
     """Pairwise (Bradley-Terry) reward model with TRL's RewardTrainer."""

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from align.data.cards import load_split, read_jsonl
-
-if TYPE_CHECKING:
-    from align.stages.context import StageContext
+from align.stages.context import StageContext, StageError
 
 
 def load_rows(ctx: StageContext, ref: str, split: str, limit: int | None = None) -> list[dict[str, Any]]:
@@ -24,3 +22,11 @@ def unique_prompts(rows: list[dict[str, Any]], limit: int | None = None) -> list
     seen = dict.fromkeys(r["prompt"] for r in rows)
     prompts = list(seen)
     return prompts[:limit] if limit else prompts
+
+
+def load_prompts(ctx: StageContext, ref: str, split: str, limit: int | None = None) -> list[str]:
+    """Distinct non-empty prompts of a data reference (at most `limit`); none at all fails the stage."""
+    prompts = [p for p in unique_prompts(load_rows(ctx, ref, split), limit) if p.strip()]
+    if not prompts:
+        raise StageError(f"stage '{ctx.name}': no non-empty prompts in {ref} split '{split}'")
+    return prompts

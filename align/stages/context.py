@@ -202,7 +202,6 @@ def package_versions() -> dict[str, str]:
     return out
 
 
-
 def keep_metrics_until(path: Path, step: int) -> None:
     """Drop metrics rows after `step` (atomically), so a resumed stage never logs a step twice."""
     if not path.is_file():
@@ -238,12 +237,12 @@ def main(spec_path: str) -> int:
         return 0
     except EXPECTED as exc:
         message = describe(exc)
-        recorded = _record_failure(ctx, spec, exc, message)
+        recorded = _record_failure(ctx, spec, message)
         print(f"align: error: stage '{spec.get('stage_name', spec_path)}': {message}" + recorded, file=sys.stderr,
               flush=True)
         return 2
     except BaseException as exc:
-        _record_failure(ctx, spec, exc, f"{type(exc).__name__}: {exc}")
+        _record_failure(ctx, spec, f"{type(exc).__name__}: {exc}")
         raise
 
 
@@ -313,7 +312,7 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _record_failure(ctx: StageContext | None, spec: dict[str, Any], exc: BaseException, message: str) -> str:
+def _record_failure(ctx: StageContext | None, spec: dict[str, Any], message: str) -> str:
     """Write `failed` with the error into the manifest; returns where it went (or why it could not)."""
     trace = traceback.format_exc(limit=20)
     try:

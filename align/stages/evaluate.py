@@ -16,11 +16,11 @@ import torch
 
 from align import plots
 from align.config.evaluate import EvaluateStage
-from align.data.rows import load_rows, unique_prompts
+from align.data.rows import load_prompts, load_rows
 from align.generation import generate, response_logprobs
 from align.judges import RewardModelJudge, python_judge
 from align.models import load_causal_lm, load_tokenizer
-from align.stages.context import StageContext, StageError
+from align.stages.context import StageContext
 from align.stages.reward import calibration_buckets, pairwise_accuracy
 from align.stats import mean_ci, win_rate
 
@@ -48,9 +48,7 @@ def sample_with_kl(policy, reference, tokenizer, prompts: list[str], cfg: Evalua
 
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg: EvaluateStage = ctx.cfg  # type: ignore[assignment]
-    prompts = [p for p in unique_prompts(load_rows(ctx, cfg.prompts, cfg.split), cfg.max_prompts) if p.strip()]
-    if not prompts:
-        raise StageError(f"stage '{ctx.name}': no non-empty prompts in {cfg.prompts} split '{cfg.split}'")
+    prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts)
     ref_path = ctx.input_model(cfg.reference)
     tokenizer = load_tokenizer(ref_path)
     dtype = ctx.pipeline.dtype

@@ -15,11 +15,11 @@ from typing import Any
 
 
 from align.config.preferences import PreferencesStage
-from align.data.rows import load_rows, unique_prompts
+from align.data.rows import load_prompts
 from align.generation import sample_texts
 from align.judges import make_judge
 from align.models import load_causal_lm, load_tokenizer
-from align.stages.context import StageContext, StageError
+from align.stages.context import StageContext
 
 OUTPUTS = ["data"]
 
@@ -37,9 +37,7 @@ def pair_up(prompt: str, responses: list[str], scores: list[float], min_margin: 
 
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg: PreferencesStage = ctx.cfg  # type: ignore[assignment]
-    prompts = [p for p in unique_prompts(load_rows(ctx, cfg.prompts, cfg.split), cfg.max_prompts) if p.strip()]
-    if not prompts:
-        raise StageError(f"stage '{ctx.name}': no non-empty prompts in {cfg.prompts} split '{cfg.split}'")
+    prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts)
     path = ctx.input_model(cfg.policy)
     tokenizer = load_tokenizer(path)
     policy = load_causal_lm(path, ctx.pipeline.dtype).eval()

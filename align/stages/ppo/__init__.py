@@ -110,7 +110,7 @@ def policy_for_generation(model, accelerator):
             add_hooks(model)
 
 
-def rollout(ctx: StageContext, cfg: PPOStage, accelerator, model, tokenizer, prompts: list[str], seed: int) -> Rollout:
+def rollout(cfg: PPOStage, accelerator, model, tokenizer, prompts: list[str], seed: int) -> Rollout:
     """Sample one response per prompt, in the training precision (bf16 autocast when the stage uses it), so the
     samples are scored by the same numerics that produced them."""
     override = None  # fault injection for tests: ranks whose responses end at once / run to the limit
@@ -134,7 +134,7 @@ def fit_reward_scale(ctx: StageContext, cfg: PPOStage, accelerator, model, token
     scores = []
     for start in range(0, len(picked), cfg.generation.batch_size):
         batch = picked[start:start + cfg.generation.batch_size]
-        r = rollout(ctx, cfg, accelerator, model, tokenizer, batch, seed=ctx.seed * 31 + start * world + rank)
+        r = rollout(cfg, accelerator, model, tokenizer, batch, seed=ctx.seed * 31 + start * world + rank)
         scores.append(scorer(r, batch))
     all_scores = accelerator.gather(torch.cat(scores))
     scale.fit(all_scores)
@@ -205,7 +205,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         batch_prompts = [prompts[i] for i in mine]
 
         # 1. generate
-        r = rollout(ctx, cfg, accelerator, model, tokenizer, batch_prompts,
+        r = rollout(cfg, accelerator, model, tokenizer, batch_prompts,
                     seed=ctx.seed * 7919 + it * world + accelerator.process_index)
         t_gen = time.time() - t0
         ids, mask, rmask = r.input_ids, r.attention_mask, r.response_mask.float()
