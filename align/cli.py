@@ -3,7 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+from align.config import ConfigError, load_pipeline
+from align.data.cards import DataCardError
+from align.estimate import EstimateError, estimate_pipeline, hardware, render, too_big
+from align.multinode import MultiNode
+from align.plan import PipelineError
+from align.report import rebuild
+from align.rundir import ManifestError
+from align.runner import run
+from align.stages.context import describe, main as stage_main
+from align.status import status_table
+from align.validate import validate
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,24 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = [*args.overrides, *extra]
     if args.command == "stage":
-        from align.stages.base import main as stage_main
-
         return stage_main(args.spec)
-
-    from align.config import ConfigError, load_pipeline
-    from align.data.cards import DataCardError
-    from align.pipeline import PipelineError, run, validate
-    from align.stages.base import ManifestError, describe
 
     try:
         if args.command == "status":
-            from align.status import status_table
-
             print(status_table(args.run_dir))
             return 0
         if args.command == "report":
-            from align.report import rebuild
-
             rebuild(args.run_dir)
             return 0
         overrides = list(args.overrides)
@@ -80,8 +82,6 @@ def main(argv: list[str] | None = None) -> int:
             overrides.append(f"run_id={args.run_id!r}" if args.run_id == "" else f"run_id={args.run_id}")
         cfg = load_pipeline(args.pipeline, overrides)
         if args.command == "estimate":
-            from align.estimate import EstimateError, estimate_pipeline, hardware, render, too_big
-
             hw = hardware(cfg, args.gpus, args.gpu_memory_gb, args.nodes)
             try:
                 estimates = estimate_pipeline(cfg, args.pipeline, hw)
@@ -98,11 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"fingerprint {plan.fingerprint}")
             print(f"[align] {args.pipeline}: valid ({len(plans)} stages)")
             return 0
-        from align.pipeline import MultiNode
-
         if args.verbose:
-            import os
-
             os.environ["ALIGN_VERBOSE"] = "1"  # read by the runner and inherited by every stage process
 
         multi = MultiNode(args.nodes, args.node_rank, args.master_addr, args.master_port, args.rdzv_timeout)

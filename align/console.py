@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from tqdm.auto import tqdm
 
 PROGRESS = "\x1e[align-progress] "
 LOG_EVERY_S = 30.0  # a progress line in stage.log at most this often (and at 0%, every 10% and 100%)
@@ -93,8 +96,6 @@ class StageConsole:
         n, total, metrics = event["n"], max(1, event["total"]), event.get("metrics", {})
         if not self.stream_all:
             if self.bar is None:
-                from tqdm.auto import tqdm
-
                 # On a terminal the bar redraws in place; into a file or pipe (CI, nohup) every redraw is a
                 # new frame, so it redraws at most once a minute there, and once at the end.
                 tty = sys.stderr.isatty()
@@ -114,8 +115,6 @@ class StageConsole:
 
 def stream_stage(cmd: list[str], log_path: Path, env: dict[str, str], name: str) -> int:
     """Run a stage command; its output goes through a StageConsole into `log_path`."""
-    import subprocess
-
     with open(log_path, "ab") as log:
         console = StageConsole(name, log, stream_all=verbose())
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)

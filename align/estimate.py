@@ -25,9 +25,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from align.builtin import is_builtin, llama_config
 from align.config import PipelineConfig, StageBase
+from align.inputs import resolve_model_paths
+from align.launch import accelerate_config, accelerate_mode, is_distributed, processes_per_node
+from align.plan import StagePlan, build_plan
 
 GB = 1e9
 GIB = 2 ** 30
@@ -80,6 +83,7 @@ class StageEstimate:
 # --------------------------------------------------------------------------------------------- arithmetic
 def model_state_bytes(mode: str, params: int, largest_layer: int, gpus: int) -> int:
     """Bytes per GPU for a trained model's weights, gradients and Adam states (mixed precision)."""
+    # heavy (deepspeed imports torch): only when a stage is sized
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
@@ -134,23 +138,16 @@ def shape_of(model) -> ModelShape:
 def base_config(cfg: PipelineConfig, source: str | Path):
     """The base model's transformers config without downloading weights (builtin, local, a declared copy, or the
     hub / local HF cache)."""
-    from transformers import AutoConfig, LlamaConfig
-
-    from align.models import is_builtin
-    from align.pipeline import resolve_model_paths
+    from transformers import AutoConfig  # heavy: only when sizes are estimated
 
     paths = resolve_model_paths(cfg, source)
     if is_builtin(cfg.base_model):
-        b = cfg.builtin
-        vocab = b.vocab_size
+        vocab = cfg.builtin.vocab_size
         if paths["tokenizer"]:
-            from align.models import load_tokenizer
+            from align.models import load_tokenizer  # heavy (torch)
 
             vocab = len(load_tokenizer(paths["tokenizer"], cfg.trust_remote_code))
-        return LlamaConfig(vocab_size=vocab, hidden_size=b.hidden_size, intermediate_size=b.intermediate_size,
-                           num_hidden_layers=b.num_layers, num_attention_heads=b.num_heads,
-                           num_key_value_heads=b.num_heads, max_position_embeddings=b.max_position_embeddings,
-                           tie_word_embeddings=True)
+        return llama_config(cfg.builtin, vocab)
     if cfg.base_model_config:
         local = Path(source).resolve().parent / cfg.base_model_config
         if not local.exists():
@@ -166,7 +163,7 @@ def base_config(cfg: PipelineConfig, source: str | Path):
 
 def model_shapes(cfg: PipelineConfig, source: str | Path) -> dict[str, ModelShape]:
     """Shapes of the causal LM and of the scalar (reward / value) model on top of the same backbone."""
-    import torch
+    import torch  # heavy: the runner imports this module; torch only when shapes are built
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     config = base_config(cfg, source)
@@ -178,70 +175,13 @@ def model_shapes(cfg: PipelineConfig, source: str | Path) -> dict[str, ModelShap
 
 
 # --------------------------------------------------------------------------------------------- stages
-def accelerate_mode(path: Path) -> tuple[str, int | None]:
-    """(mode, num_processes) that an accelerate config file describes."""
-    from align.pipeline import yaml_load
-
-    raw = yaml_load(path) or {}
-    n = raw.get("num_processes")
-    dist = str(raw.get("distributed_type", "NO")).upper()
-    if dist != "DEEPSPEED":
-        return ("ddp", n)
-    ds = raw.get("deepspeed_config") or {}
-    stage = int(ds.get("zero_stage", 0))
-    offload = str(ds.get("offload_optimizer_device", "none")) != "none" or \
-        str(ds.get("offload_param_device", "none")) != "none"
-    if stage <= 0:
-        return ("ddp", n)
-    if stage == 1:
-        return ("zero1", n)
-    return (f"zero{stage}_offload" if offload else f"zero{stage}", n)
-
-
-def held_models(stage: StageBase, stages: dict[str, StageBase], shapes: dict[str, ModelShape]) -> list[Held]:
-    lm, scalar = shapes["lm"], shapes["scalar"]
-    kind = stage.type
-    if kind == "sft":
-        return [Held("policy", lm, True)]
-    if kind == "reward":
-        return [Held("reward", scalar, True)]
-    if kind == "dpo":
-        return [Held("policy", lm, True), Held("reference", lm, False)]
-    if kind == "ppo":
-        return [Held("policy", lm, True), Held("value", scalar, True), Held("reference", lm, False),
-                Held("reward", scalar, False)]
-    if kind == "preferences":
-        judge = getattr(stage, "judge", "")
-        return [Held("policy", lm, False)] + ([Held("judge", scalar, False)] if judge in stages else [])
-    if kind == "evaluate":
-        return [Held("policy", lm, False), Held("reference", lm, False)] + \
-            ([Held("reward", scalar, False)] if getattr(stage, "reward", None) else [])
-    return []
-
-
-def _workload(stage: Any) -> tuple[int, int, int, int]:
-    """(training micro-batch sequences, training length, generation batch, generation length)."""
-    kind = stage.type
-    if kind == "sft":
-        return stage.per_device_batch_size, stage.max_length, 0, 0
-    if kind in ("reward", "dpo"):  # chosen and rejected go through the model together
-        return 2 * stage.per_device_batch_size, stage.max_length, 0, 0
-    if kind == "ppo":
-        seq = stage.max_prompt_length + stage.generation.max_new_tokens
-        return stage.mini_batch_size, seq, min(stage.generation.batch_size, stage.rollout_batch_size), seq
-    gen = getattr(stage, "generation", None)
-    if gen is not None:
-        return 0, 0, gen.batch_size, 256 + gen.max_new_tokens  # prompts are not bounded here: assume 256 tokens
-    return 0, 0, 0, 0
-
-
-def estimate_stage(name: str, stage: Any, stages: dict[str, StageBase], shapes: dict[str, ModelShape],
+def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], shapes: dict[str, ModelShape],
                    mode: str, gpus: int, dtype: str) -> StageEstimate:
-    held = held_models(stage, stages, shapes)
+    held = [Held(role, shapes[shape], trained) for role, shape, trained in stage.held_models(stages)]
     ckpt = bool(getattr(stage, "gradient_checkpointing", False))
     est = StageEstimate(name, stage.type, mode, gpus, held, checkpointing=ckpt)
     dbytes = _DTYPE_BYTES[dtype]
-    train_b, train_s, gen_b, gen_s = _workload(stage)
+    train_b, train_s, gen_b, gen_s = stage.workload()
     trained = [h for h in held if h.trained]
     for m in dict.fromkeys((*REPORTED_MODES, mode)):
         n = gpus
@@ -280,7 +220,7 @@ class Hardware:
 def hardware(cfg: PipelineConfig, gpus_per_node: int | None = None, gpu_memory_gb: float | None = None,
              nodes: int | None = None) -> Hardware:
     """The GPUs to compare with: CLI flags first, then the GPUs present, then the pipeline's `hardware:`."""
-    import torch
+    import torch  # heavy: the runner imports this module at start
 
     n, mem, detected = gpus_per_node, gpu_memory_gb, False
     if torch.cuda.is_available():
@@ -295,16 +235,14 @@ def hardware(cfg: PipelineConfig, gpus_per_node: int | None = None, gpu_memory_g
 
 
 def estimate_pipeline(cfg: PipelineConfig, source: str | Path, hw: Hardware, num_processes: int | None = None,
-                      plans: list | None = None) -> list[StageEstimate]:
-    from align.pipeline import accelerate_config, build_plan
-
+                      plans: list[StagePlan] | None = None) -> list[StageEstimate]:
     plans = plans or build_plan(cfg, source)
     shapes = model_shapes(cfg, source)
     out = []
     for plan in plans:
         mode, cfg_n = accelerate_mode(accelerate_config(plan.cfg.accelerate, source))
-        distributed = plan.cfg.accelerate != "cpu"
-        per_node = plan.cfg.num_processes or (num_processes or hw.gpus_per_node or cfg_n if distributed else 1) or 1
+        distributed = is_distributed(plan.cfg)
+        per_node = processes_per_node(plan.cfg, num_processes or hw.gpus_per_node) or (cfg_n if distributed else 1) or 1
         gpus = per_node * (hw.nodes if distributed else 1)
         out.append(estimate_stage(plan.name, plan.cfg, cfg.stages, shapes, mode, gpus, cfg.dtype))
     return out

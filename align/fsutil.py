@@ -80,10 +80,15 @@ def fsync_tree(root: Path) -> None:
         _fsync_dir(Path(dirpath))
 
 
+def staging_path(final: str | Path) -> Path:
+    """Where `final` is built before `publish_dir` renames it into place: a hidden sibling."""
+    final = Path(final)
+    return final.with_name(f".{final.name}.staging")
+
+
 def staging_dir(final: str | Path) -> Path:
     """A fresh, empty sibling directory to build `final` in (leftovers of a killed attempt are removed)."""
-    final = Path(final)
-    tmp = final.with_name(f".{final.name}.staging")
+    tmp = staging_path(final)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)

@@ -8,11 +8,14 @@ left padding does not shift them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from align.config import Generation
 from align.losses import entropy_from_logits, logprobs_from_logits, response_mask_after_eos
+
+if TYPE_CHECKING:  # annotations only: judges import this module, and align.config imports judges
+    from align.config import Generation
 
 
 @dataclass
@@ -77,7 +80,7 @@ def generate(model, tokenizer, prompts: list[str], gen: Generation, seed: int, m
     torch.manual_seed(seed)
     extra = {}
     if eos_override:
-        from transformers import LogitsProcessorList
+        from transformers import LogitsProcessorList  # heavy: only under fault injection
 
         extra["logits_processor"] = LogitsProcessorList([EOSOverride(tokenizer.eos_token_id, eos_override)])
     out = model.generate(
@@ -106,15 +109,19 @@ def sample_texts(model, tokenizer, prompts: list[str], gen: Generation, seed: in
 
 
 def response_logprobs(model, rollout: Rollout, temperature: float = 1.0, with_entropy: bool = False):
-    """Per-token log-probs (B, Lr) of the sampled responses under `model` (and entropies if asked).
+    """Per-token log-probs (B, Lr) of the sampled responses under `model` (and entropies if asked)."""
+    return sequence_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.query_ids.size(1),
+                             temperature, with_entropy)
 
-    Logits are divided by the sampling temperature so the log-probs are those of the sampling policy.
-    """
-    ids, mask = rollout.input_ids, rollout.attention_mask
+
+def sequence_logprobs(model, ids: torch.Tensor, mask: torch.Tensor, query_len: int, temperature: float = 1.0,
+                      with_entropy: bool = False):
+    """Log-probs (B, Lr) of the response part `ids[:, query_len:]` of (B, Lq + Lr) sequences, and their
+    entropies if asked. Logits are divided by the sampling temperature so the log-probs are those of the
+    sampling policy."""
     logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
-    lq = rollout.query_ids.size(1)
-    logits = logits[:, lq - 1:-1] / temperature  # (B, Lr, V): the logit at t predicts token t+1
-    lp = logprobs_from_logits(logits, rollout.response_ids)
+    logits = logits[:, query_len - 1:-1] / temperature  # (B, Lr, V): the logit at t predicts token t + 1
+    lp = logprobs_from_logits(logits, ids[:, query_len:])
     return (lp, entropy_from_logits(logits)) if with_entropy else lp
 
 

@@ -20,11 +20,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from align.config import PipelineConfig, PPOStage, TrainedStage
+from align.builtin import is_builtin
+from align.config import PipelineConfig
 from align.schema import ConfigError
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
-BUILTIN = "builtin:"
 
 
 def resolve_model_paths(cfg: PipelineConfig, source: str | Path) -> dict[str, str | None]:
@@ -34,7 +34,7 @@ def resolve_model_paths(cfg: PipelineConfig, source: str | Path) -> dict[str, st
     out: dict[str, str | None] = {}
     for key in ("base_model", "tokenizer"):
         value = getattr(cfg, key)
-        if not value or value.startswith(BUILTIN):
+        if not value or is_builtin(value):
             out[key] = value
             continue
         local = (base_dir / Path(value).expanduser())
@@ -66,7 +66,7 @@ def _read_config(path: Path, what: str) -> dict[str, Any]:
 def _hub_file(repo: str, filename: str) -> str | None:
     """A file of a hub repo from the local Hugging Face cache (no network)."""
     try:
-        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub import try_to_load_from_cache  # optional: absent means no cache to read
     except ImportError:
         return None
     found = try_to_load_from_cache(repo, filename)
@@ -77,7 +77,7 @@ def base_model_config(cfg: PipelineConfig, source: str | Path, paths: dict[str, 
     """The base model's config.json as a dict: local directory, HF cache, or the declared copy; None for a
     builtin model or a hub model that nothing here describes."""
     value = paths["base_model"]
-    if not value or value.startswith(BUILTIN):
+    if not value or is_builtin(value):
         return None
     if Path(value).is_dir():
         config = Path(value) / "config.json"
@@ -102,13 +102,13 @@ def base_model_config(cfg: PipelineConfig, source: str | Path, paths: dict[str, 
 def check_tokenizer(cfg: PipelineConfig, source: str | Path, paths: dict[str, str | None]) -> str | None:
     """Load the tokenizer (local or cached only) and require an EOS token. Returns a note when it cannot be
     checked here (a hub tokenizer that is not cached)."""
-    name = paths["tokenizer"] or (None if str(paths["base_model"]).startswith(BUILTIN) else paths["base_model"])
+    name = paths["tokenizer"] or (None if is_builtin(str(paths["base_model"])) else paths["base_model"])
     if name is None:
         return None  # the builtin model's tokenizer is trained by the first stage
     local = Path(name).exists()
     if not local and not _hub_file(name, "tokenizer_config.json"):
         return f"tokenizer '{name}' is not cached here; it is checked when the first stage starts"
-    from align.models import ModelError, load_tokenizer
+    from align.models import ModelError, load_tokenizer  # heavy (torch): the runner imports this module
 
     key = "tokenizer" if paths["tokenizer"] else "base_model"
     try:
@@ -123,7 +123,7 @@ def check_tokenizer(cfg: PipelineConfig, source: str | Path, paths: dict[str, st
 
 def positions(cfg: PipelineConfig, config: dict[str, Any] | None) -> int | None:
     """The longest sequence the base model accepts, when known."""
-    if cfg.base_model.startswith(BUILTIN):
+    if is_builtin(cfg.base_model):
         return cfg.builtin.max_position_embeddings
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         if config and isinstance(config.get(key), int):
@@ -137,17 +137,10 @@ def check_lengths_fit(cfg: PipelineConfig, source: str | Path, limit: int | None
         return
     fix = f"the model has {limit} positions (builtin.max_position_embeddings or its config.json)"
     for name, st in cfg.stages.items():
-        if isinstance(st, TrainedStage) and st.max_length > limit:
-            raise ConfigError(f"{source}: stages.{name}.max_length: {st.max_length} is longer than the model "
-                              f"accepts: {fix}; lower max_length to at most {limit}")
-        if isinstance(st, PPOStage) and st.max_prompt_length + st.generation.max_new_tokens > limit:
-            raise ConfigError(f"{source}: stages.{name}.max_prompt_length + generation.max_new_tokens: "
-                              f"{st.max_prompt_length} + {st.generation.max_new_tokens} is longer than the model "
-                              f"accepts: {fix}")
-        gen = getattr(st, "generation", None)
-        if gen is not None and gen.max_new_tokens >= limit:
-            raise ConfigError(f"{source}: stages.{name}.generation.max_new_tokens: {gen.max_new_tokens} leaves no "
-                              f"room for a prompt: {fix}")
+        try:
+            st.check_positions(limit, fix)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: stages.{name}.{exc}") from None
 
 
 def check_model_inputs(cfg: PipelineConfig, source: str | Path) -> list[str]:
@@ -155,14 +148,14 @@ def check_model_inputs(cfg: PipelineConfig, source: str | Path) -> list[str]:
     paths = resolve_model_paths(cfg, source)
     config = base_model_config(cfg, source, paths)
     notes = []
-    if config is None and not cfg.base_model.startswith(BUILTIN):
+    if config is None and not is_builtin(cfg.base_model):
         notes.append(f"base_model '{cfg.base_model}' is not cached here and has no base_model_config copy; its "
                      "config is checked when the first stage starts")
     note = check_tokenizer(cfg, source, paths)
     if note:
         notes.append(note)
     b = cfg.builtin
-    if cfg.base_model.startswith(BUILTIN) and b.hidden_size % b.num_heads:
+    if is_builtin(cfg.base_model) and b.hidden_size % b.num_heads:
         raise ConfigError(f"{source}: builtin.hidden_size: {b.hidden_size} is not divisible by builtin.num_heads "
                           f"({b.num_heads})")
     check_lengths_fit(cfg, source, positions(cfg, config))

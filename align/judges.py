@@ -21,7 +21,7 @@ Judge = Callable[[list[str], list[str]], list[float]]
 
 @lru_cache(maxsize=1)
 def _vader():
-    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer  # optional: only when vader judges
 
     return SentimentIntensityAnalyzer()
 
@@ -89,14 +89,14 @@ class RewardModelJudge:
     """A trained reward model as a judge (scores prompt + response + EOS, as it was trained)."""
 
     def __init__(self, model_dir: str, batch_size: int = 64):
-        from align.models import load_scalar_model, load_tokenizer
+        from align.models import load_scalar_model, load_tokenizer  # heavy (torch): config checks import judges
 
         self.tokenizer = load_tokenizer(model_dir)
         self.model = load_scalar_model(model_dir, self.tokenizer.pad_token_id).eval()
         self.batch_size = batch_size
 
     def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
-        from align.generation import sequence_scores
+        from align.generation import sequence_scores  # heavy (torch)
 
         return sequence_scores(self.model, self.tokenizer, [p + r for p, r in zip(prompts, responses)],
                                self.batch_size)

@@ -11,16 +11,17 @@ import json
 import logging
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
-from align.config import BuiltinModel, LoraSettings
+from align.builtin import llama_config
+
+if TYPE_CHECKING:  # annotations only: judges import this module, and align.config imports judges
+    from align.config import BuiltinModel, LoraSettings
 
 log = logging.getLogger(__name__)
 
-BUILTIN_PREFIX = "builtin:"
-BUILTIN_KINDS = ("tiny-llama",)
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 # A minimal chat template for tokenizers that ship none: role-tagged turns, EOS after each turn.
@@ -32,17 +33,6 @@ DEFAULT_CHAT_TEMPLATE = (
 
 class ModelError(ValueError):
     """A model or tokenizer cannot be used as configured; the message says how to fix it."""
-
-
-def is_builtin(spec: str) -> bool:
-    return spec.startswith(BUILTIN_PREFIX)
-
-
-def check_builtin(spec: str) -> None:
-    kind = spec[len(BUILTIN_PREFIX):]
-    if kind not in BUILTIN_KINDS:
-        raise ModelError(f"base_model '{spec}': unknown builtin model; available: "
-                         f"{', '.join(BUILTIN_PREFIX + k for k in BUILTIN_KINDS)}")
 
 
 def check_remote_code(path_or_id: str, trust_remote_code: bool) -> None:
@@ -64,6 +54,7 @@ def check_remote_code(path_or_id: str, trust_remote_code: bool) -> None:
 def train_tokenizer(texts: Iterable[str], vocab_size: int, max_length: int):
     """Train a byte-level BPE tokenizer on `texts` (deterministic: BPE merges are ranked by count, ties by
     byte order) with EOS and PAD special tokens and a default chat template."""
+    # heavy: tokenizers and transformers load on use
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -102,7 +93,7 @@ def prepare_tokenizer(tok, needs_chat_template: bool = False):
 
 
 def load_tokenizer(path_or_id: str, trust_remote_code: bool = False, needs_chat_template: bool = False):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy: loaded on use
 
     check_remote_code(path_or_id, trust_remote_code)
     tok = AutoTokenizer.from_pretrained(path_or_id, trust_remote_code=trust_remote_code)
@@ -112,15 +103,10 @@ def load_tokenizer(path_or_id: str, trust_remote_code: bool = False, needs_chat_
 # --------------------------------------------------------------------------------------------- models
 def build_builtin(size: BuiltinModel, tokenizer, seed: int):
     """A tiny Llama-style causal LM with fresh weights (deterministic given `seed`)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM  # heavy: loaded on use
 
-    cfg = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=size.hidden_size, intermediate_size=size.intermediate_size,
-        num_hidden_layers=size.num_layers, num_attention_heads=size.num_heads,
-        num_key_value_heads=size.num_heads, max_position_embeddings=size.max_position_embeddings,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
-    )
+    cfg = llama_config(size, len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg)
 
@@ -129,7 +115,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def load_causal_lm(path_or_id: str, dtype: str = "float32", trust_remote_code: bool = False):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # heavy: loaded on use
 
     check_remote_code(path_or_id, trust_remote_code)
     return AutoModelForCausalLM.from_pretrained(path_or_id, dtype=_DTYPES[dtype],
@@ -143,7 +129,7 @@ def load_scalar_model(path_or_id: str, pad_token_id: int | None, dtype: str = "f
     Loading a causal-LM checkpoint this way keeps its transformer and adds a freshly initialised scalar
     head; loading a reward checkpoint keeps its trained head.
     """
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification  # heavy: loaded on use
 
     check_remote_code(path_or_id, trust_remote_code)
     model = AutoModelForSequenceClassification.from_pretrained(
@@ -158,7 +144,7 @@ def unsharded_loading():
     """Inside, from_pretrained loads whole weights even in a DeepSpeed ZeRO-3 process (for evaluation in the
     main process after training). transformers decides ZeRO-3 init from the HfDeepSpeedConfig that the
     Trainer registered; it is set aside here and restored after."""
-    from transformers.integrations import deepspeed as hf_ds
+    from transformers.integrations import deepspeed as hf_ds  # heavy: loaded on use
 
     saved = hf_ds._hf_deepspeed_config_weak_ref
     hf_ds._hf_deepspeed_config_weak_ref = None
@@ -172,7 +158,7 @@ def peft_config(lora: LoraSettings, task_type: str) -> Any:
     """A peft LoraConfig when LoRA is enabled, else None (full fine-tuning)."""
     if not lora.enabled:
         return None
-    from peft import LoraConfig
+    from peft import LoraConfig  # heavy: loaded on use
 
     return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                       target_modules=list(lora.target_modules), task_type=task_type)

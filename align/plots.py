@@ -7,10 +7,10 @@ from typing import Any
 
 
 def _plt():
-    import matplotlib
+    import matplotlib  # heavy: only when a report is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the backend is chosen
 
     return plt
 

@@ -11,9 +11,10 @@ import json
 from pathlib import Path
 
 from align.config import parse_pipeline
+from align.plan import PipelineError, refs
+from align.rundir import PIPELINE, read_manifest
+from align.runner import run
 from align.schema import is_plain_name
-from align.pipeline import PipelineError, run
-from align.stages.base import read_manifest
 
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
@@ -35,7 +36,7 @@ def rebuild(run_dir: str | Path) -> Path:
     """Re-evaluate the run in `run_dir` and write its report there: the directory given is the one read and
     written (a copied or renamed run never touches the run it was copied from)."""
     run_dir = Path(run_dir).resolve()
-    info_path = run_dir / "pipeline.json"
+    info_path = run_dir / PIPELINE
     if not info_path.is_file():
         raise PipelineError(f"{run_dir}: not a run directory (no pipeline.json)")
     try:
@@ -50,12 +51,14 @@ def rebuild(run_dir: str | Path) -> Path:
     cfg = parse_pipeline(info["config"], source)
     if is_plain_name(run_dir.name):
         cfg.run_id = run_dir.name  # what this directory is called now, for its pipeline.json
-    evaluations = [n for n, st in cfg.stages.items() if st.type == "evaluate"]
+    evaluations = [n for n, st in cfg.stages.items() if st.PRODUCES == "report"]
     if not evaluations:
         raise PipelineError(f"{run_dir}: the pipeline has no evaluate stage")
     for name in evaluations:
-        st = cfg.stages[name]
-        for stage in dict.fromkeys([*st.policies, st.reference, *([st.reward] if st.reward else [])]):
+        st = cfg.stages[name]  # every model it reads: its policy and reward-model inputs
+        models = [ref for fld, (role, _) in type(st).INPUTS.items() if role in ("policy", "reward")
+                  for ref in refs(getattr(st, fld))]
+        for stage in dict.fromkeys(models):
             check_model_dir(run_dir, stage)
     for name in evaluations:
         run(cfg, source, only=name, force=True, trust_completed_inputs=True, run_dir=run_dir)

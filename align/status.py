@@ -7,14 +7,14 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from align.config import STAGE_TYPES, parse_pipeline
-from align.pipeline import PipelineError, build_plan
-from align.stages.base import is_complete, read_manifest
+from align.config import parse_pipeline, stage_types
+from align.plan import PipelineError, build_plan
+from align.rundir import PIPELINE, Manifest, PipelineRecord, headline, is_complete, read_manifest
 
 _TIME = "%Y-%m-%dT%H:%M:%S%z"
 
 
-def _duration(manifest: dict) -> str:
+def _duration(manifest: Manifest) -> str:
     try:
         start = datetime.strptime(manifest["started_at"], _TIME)
         end = datetime.strptime(manifest["ended_at"], _TIME)
@@ -24,15 +24,12 @@ def _duration(manifest: dict) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-def _headline(kind: str, manifest: dict) -> str:
-    final = manifest.get("final_metrics") or {}
-    cls = STAGE_TYPES.get(kind)
-    keys = cls.HEADLINE if cls else ()
-    return ", ".join(f"{k} {final[k]:.4g}" if isinstance(final[k], float) else f"{k} {final[k]}"
-                     for k in keys if final.get(k) is not None) or "-"
+def _headline(kind: str, manifest: Manifest) -> str:
+    cls = stage_types().get(kind)
+    return headline(manifest, cls.HEADLINE if cls else ()) or "-"
 
 
-def current_fingerprints(info: dict) -> dict[str, str] | None:
+def current_fingerprints(info: PipelineRecord) -> dict[str, str] | None:
     """Each stage's fingerprint under today's pipeline file and code (None when the file is gone or invalid)."""
     source = info.get("source")
     if not source or not Path(source).is_file():
@@ -46,9 +43,9 @@ def current_fingerprints(info: dict) -> dict[str, str] | None:
 
 def status_table(run_dir: str | Path) -> str:
     run_dir = Path(run_dir)
-    info_path = run_dir / "pipeline.json"
+    info_path = run_dir / PIPELINE
     try:
-        info = json.loads(info_path.read_text())
+        info: PipelineRecord = json.loads(info_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise PipelineError(f"{run_dir}: not a readable run directory ({info_path}: {exc}); give the path "
                             "runs/<pipeline>/<run-id> that `align run` printed") from None

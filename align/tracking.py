@@ -63,7 +63,7 @@ class Tracker:
             return
         mode = wandb_mode(wandb_setting)
         if mode is not None:
-            import wandb
+            import wandb  # optional and heavy: only when W&B is on
 
             os.environ.setdefault("WANDB_SILENT", "true")
             self.run = wandb.init(project=project, entity=entity, group=group, name=name, job_type=job_type,
@@ -87,14 +87,14 @@ class Tracker:
             for r in rows:
                 fh.write(json.dumps({"step": step, **dict(zip(columns, r))}) + "\n")
         if self.run is not None:
-            import wandb
+            import wandb  # optional and heavy: only when W&B is on
 
             self.run.log({name: wandb.Table(columns=columns, data=rows)}, step=int(step))
 
     def images(self, paths: dict[str, Path], step: int) -> None:
         """PNG files (already on disk) as W&B images."""
         if self.run is not None and paths:
-            import wandb
+            import wandb  # optional and heavy: only when W&B is on
 
             self.run.log({k: wandb.Image(str(v)) for k, v in paths.items() if Path(v).is_file()}, step=int(step))
 
@@ -111,11 +111,3 @@ class Tracker:
                 "dir": str(Path(self.run.dir).parent), "mode": self.run.settings.mode}
         self.run.finish()
         return info
-
-
-def read_metrics(stage_dir: str | Path) -> list[dict[str, Any]]:
-    """All rows of a stage's metrics.jsonl."""
-    path = Path(stage_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

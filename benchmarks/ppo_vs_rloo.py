@@ -24,8 +24,9 @@ from pathlib import Path
 
 
 def ours(run_dir: Path, prompts_card: str, args) -> dict[str, float]:
-    from align.config import PPOStage, Generation, KLSettings, to_dict
-    from align.stages.base import main as stage_main
+    from align.config import Generation, to_dict
+    from align.config.ppo import KLSettings, PPOStage
+    from align.stages.context import main as stage_main
 
     cfg = PPOStage(type="ppo", policy="sft", reward="reward", prompts=prompts_card, iterations=args.iterations,
                    rollout_batch_size=args.batch, mini_batch_size=args.mini_batch, ppo_epochs=args.epochs,

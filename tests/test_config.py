@@ -5,8 +5,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from align.config import ConfigError, DPOStage, PPOStage, apply_overrides, load_pipeline, parse_pipeline
-from align.pipeline import PipelineError, build_plan, validate
+from align.config import ConfigError, apply_overrides, load_pipeline, parse_pipeline
+from align.config.dpo import DPOStage
+from align.config.ppo import PPOStage
+from align.plan import PipelineError, build_plan
+from align.validate import validate
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -119,7 +122,7 @@ def test_fingerprints_change_downstream_only():
 
 
 def test_launch_command_applies_gpu_count_to_distributed_stages_only(tmp_path):
-    from align.pipeline import launch_command
+    from align.launch import launch_command
 
     cfg = _parse(apply_overrides(_raw(), ["dpo.accelerate=zero2"]))
     plans = {p.name: p for p in build_plan(cfg, REPO / "pipelines" / "default.yaml")}
@@ -132,7 +135,9 @@ def test_launch_command_applies_gpu_count_to_distributed_stages_only(tmp_path):
 
 
 def test_launch_command_for_one_node_of_a_multi_node_job(tmp_path):
-    from align.pipeline import MultiNode, PipelineError, launch_command
+    from align.launch import launch_command
+    from align.multinode import MultiNode
+    from align.plan import PipelineError
 
     cfg = _parse(apply_overrides(_raw(), ["dpo.accelerate=zero3"]))
     plans = {p.name: p for p in build_plan(cfg, REPO / "pipelines" / "default.yaml")}

@@ -125,7 +125,8 @@ def test_the_declared_choices_still_exist_upstream():
     from transformers import SchedulerType
     from trl import DPOConfig
 
-    from align.config import DPO_LOSSES, LR_SCHEDULERS
+    from align.config import LR_SCHEDULERS
+    from align.config.dpo import DPO_LOSSES
 
     assert set(LR_SCHEDULERS) <= {s.value for s in SchedulerType}
     help_text = next(f for f in dataclasses.fields(DPOConfig) if f.name == "loss_type").metadata["help"]
@@ -136,10 +137,11 @@ def test_every_default_is_inside_its_declared_range():
     import dataclasses
 
     import align.config as C
+    from align.config.ppo import KLSettings
     from align.schema import check_rule
 
-    classes = [C.BuiltinModel, C.LoraSettings, C.Generation, C.KLSettings, C.Tracking, C.Hardware,
-               C.PipelineConfig, *C.STAGE_TYPES.values()]
+    classes = [C.BuiltinModel, C.LoraSettings, C.Generation, KLSettings, C.Tracking, C.Hardware,
+               C.PipelineConfig, *C.stage_types().values()]
     declared = 0
     for cls in classes:
         obj = cls()
@@ -309,7 +311,8 @@ class _Ctx:
 
 
 def test_zero_steps_zero_prompts_and_empty_outputs_are_failures(tmp_path):
-    from align.stages.base import StageError, check_produced, train_with_resume
+    from align.stages.context import StageError, check_produced
+    from align.stages.trl import train_with_resume
 
     with pytest.raises(StageError, match="trained 0 optimiser steps"):
         train_with_resume(_Ctx(tmp_path), _Trainer())

@@ -9,7 +9,8 @@ import yaml
 
 from align.config import parse_pipeline
 from align.models import DEFAULT_CHAT_TEMPLATE, ModelError, check_remote_code, load_tokenizer, train_tokenizer
-from align.pipeline import PipelineError, validate
+from align.plan import PipelineError
+from align.validate import validate
 
 REPO = Path(__file__).resolve().parent.parent
 GPT2 = REPO / "tokenizers" / "gpt2"
@@ -45,7 +46,7 @@ class _Ctx:
 
 
 def test_ppo_refuses_mismatched_reward_tokenizer_and_long_prompts():
-    from align.config import PPOStage
+    from align.config.ppo import PPOStage
     from align.stages.ppo import check_models
 
     gpt2 = load_tokenizer(str(GPT2))

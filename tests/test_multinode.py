@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from align.pipeline import _free_port
+from align.launch import free_port
 from conftest import REPO, TINY, align_cmd, run_align
 
 SFT = ["run", "pipelines/default.yaml", "--run-id", "nodes", "--only", "sft", "tracking.wandb=disabled", *TINY,
@@ -21,7 +21,7 @@ SFT = ["run", "pipelines/default.yaml", "--run-id", "nodes", "--only", "sft", "t
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_nodes_rendezvous_on_localhost_and_finish_a_stage(workdir):
-    port = str(_free_port())
+    port = str(free_port())
     node = ["--nodes", "2", "--master-addr", "127.0.0.1", "--master-port", port, "--rdzv-timeout", "120"]
     worker = subprocess.Popen(align_cmd(*SFT, *node, "--node-rank", "1"), cwd=workdir, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, env=os.environ.copy())

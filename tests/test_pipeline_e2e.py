@@ -131,6 +131,32 @@ def test_no_secret_written_anywhere(e2e):
     assert leaked == []
 
 
+def test_align_status_lists_every_stage_and_notices_a_stale_one(e2e, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(e2e["run"], copy)  # before the tests below rerun stages; a copy, as this one edits it
+    proc = run_align("status", str(copy), cwd=e2e["root"])
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in proc.stdout.splitlines() if line.startswith("| ") and "stage" not in line}
+    assert list(rows) == STAGES
+    for stage, (kind, state, fingerprint, attempts, duration, headline) in rows.items():
+        assert (kind, state, fingerprint, attempts) == (stage, "completed", "current", "1"), stage
+        assert duration.endswith("s")
+    scores_last = _manifest(copy, "ppo")["final_metrics"]["objective/scores_last"]
+    assert f"objective/scores_last {scores_last:.4g}" in rows["ppo"][5]
+    m = _manifest(copy, "dpo")
+    m["fingerprint"] = "0" * 20  # as if trained under another config or code version
+    (copy / "dpo" / "manifest.json").write_text(json.dumps(m))
+    shutil.rmtree(copy / "reward" / "model")
+    out = run_align("status", str(copy), cwd=e2e["root"]).stdout
+    assert "| dpo | dpo | completed | stale (config, data or code changed) |" in out
+    assert "| reward | reward | completed, output missing |" in out
+    bad = run_align("status", str(tmp_path / "nowhere"), cwd=e2e["root"])
+    assert bad.returncode == 2 and "not a readable run directory" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_rerun_skips_everything_then_beta_reruns_only_downstream(e2e):
     run = e2e["run"]
     before = {s: _manifest(run, s)["attempts"] for s in STAGES}
@@ -247,29 +273,3 @@ def test_ppo_killed_mid_run_resumes_iteration_beta_and_statistics(e2e):
     beta_at_start = next(r["objective/kl_coef"] for r in before if r["step"] == start)
     assert abs(beta_at_start / 0.05 - 1) > 0.05  # beta had moved away from its initial value...
     assert abs(rows[0]["objective/kl_coef"] / beta_at_start - 1) <= 16 / 50 * 0.2 + 1e-9  # ...and continued
-
-
-def test_align_status_lists_every_stage_and_notices_a_stale_one(e2e, tmp_path):
-    import shutil
-
-    copy = tmp_path / "copy"
-    shutil.copytree(e2e["run"], copy)  # a copy: other tests of this module rerun stages in the original
-    proc = run_align("status", str(copy), cwd=e2e["root"])
-    assert proc.returncode == 0, proc.stderr
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in proc.stdout.splitlines() if line.startswith("| ") and "stage" not in line}
-    assert list(rows) == STAGES
-    for stage, (kind, state, fingerprint, attempts, duration, headline) in rows.items():
-        assert (kind, state, fingerprint, attempts) == (stage, "completed", "current", "1"), stage
-        assert duration.endswith("s")
-    scores_last = _manifest(copy, "ppo")["final_metrics"]["objective/scores_last"]
-    assert f"objective/scores_last {scores_last:.4g}" in rows["ppo"][5]
-    m = _manifest(copy, "dpo")
-    m["fingerprint"] = "0" * 20  # as if trained under another config or code version
-    (copy / "dpo" / "manifest.json").write_text(json.dumps(m))
-    shutil.rmtree(copy / "reward" / "model")
-    out = run_align("status", str(copy), cwd=e2e["root"]).stdout
-    assert "| dpo | dpo | completed | stale (config, data or code changed) |" in out
-    assert "| reward | reward | completed, output missing |" in out
-    bad = run_align("status", str(tmp_path / "nowhere"), cwd=e2e["root"])
-    assert bad.returncode == 2 and "not a readable run directory" in bad.stderr and "Traceback" not in bad.stderr

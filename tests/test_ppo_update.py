@@ -14,8 +14,10 @@ import pytest
 import torch
 import yaml
 
-from align.config import PPOStage, parse_pipeline
-from align.pipeline import PipelineError, validate
+from align.config import parse_pipeline
+from align.config.ppo import PPOStage
+from align.plan import PipelineError
+from align.validate import validate
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = 1234

@@ -11,12 +11,15 @@ import gzip
 import hashlib
 import io
 import json
+import os
 import random
+import socket
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+from urllib.parse import urlparse
 
 import yaml
 
@@ -35,7 +38,7 @@ class DataUnavailableError(DataCardError):
 
 @dataclass
 class DataCard:
-    """A validated data card (see data_cards/README.md for every field)."""
+    """A validated data card (docs/ARCHITECTURE.md, "Data cards", describes every field)."""
 
     path: Path
     name: str
@@ -151,7 +154,7 @@ def read_rows(card: DataCard) -> list[dict[str, Any]]:
     file = card.file
     assert file is not None
     if card.format == "parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # heavy: only for parquet cards
 
         try:
             table = pq.read_table(file).to_pylist()
@@ -161,13 +164,7 @@ def read_rows(card: DataCard) -> list[dict[str, Any]]:
     text = _read_text(file)
     rows: list[dict[str, Any]] = []
     if card.format == "jsonl":
-        for n, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataCardError(f"{file}: line {n}: invalid JSON ({exc.msg}); fix or remove the line") from None
+        for n, obj in _json_lines(text, file, "fix or remove the line"):
             rows.append(_map_columns(card, obj, f"{file}: line {n}"))
     elif card.format == "json":
         try:
@@ -190,10 +187,6 @@ def read_rows(card: DataCard) -> list[dict[str, Any]]:
 def hub_reachable(timeout: float = 3.0) -> bool:
     """Whether the Hugging Face hub answers a TCP connection from here (False in offline mode). Lets validation
     tell an unreachable hub at once instead of after the datasets library's retries."""
-    import os
-    import socket
-    from urllib.parse import urlparse
-
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
         return False
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
@@ -205,7 +198,7 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def _read_hub(card: DataCard) -> list[dict[str, Any]]:
-    import datasets
+    import datasets  # heavy: only for hub cards
 
     src = card.source
     try:
@@ -276,20 +269,25 @@ def _split_key(row: dict[str, Any]) -> str:
     return json.dumps(row, sort_keys=True)
 
 
+def _json_lines(text: str, where: Path, fix: str) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed object) for every non-blank line; invalid JSON names its line and the fix."""
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataCardError(f"{where}: line {n}: invalid JSON ({exc.msg}); {fix}") from None
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Rows of a JSONL file that a stage wrote (e.g. preference pairs); a damaged file names its line."""
     rows = []
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise DataCardError(f"{path}: cannot be read ({type(exc).__name__}: {exc}); rerun the stage that wrote it")
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataCardError(f"{path}: line {n}: invalid JSON ({exc.msg}); rerun the stage that wrote it") from None
+    for n, row in _json_lines(text, path, "rerun the stage that wrote it"):
         if not isinstance(row, dict):
             raise DataCardError(f"{path}: line {n}: a row must be a JSON object, got {type(row).__name__}")
         rows.append(row)

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from align.config import DPOStage
+from align.config.dpo import DPOStage
+from align.data.rows import load_rows
 from align.models import load_causal_lm, load_tokenizer, peft_config
-from align.stages.base import StageContext, check_lengths, load_rows, metrics_callback, train_with_resume, trainer_kwargs
+from align.stages.context import StageContext
+from align.stages.trl import check_lengths, eval_metrics, metrics_callback, train_with_resume, trainer_kwargs
 
 OUTPUTS = ["model"]
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    from datasets import Dataset
+    from datasets import Dataset  # heavy: trl and datasets load only when the stage runs
     from trl import DPOConfig, DPOTrainer
 
     cfg: DPOStage = ctx.cfg  # type: ignore[assignment]
@@ -21,8 +23,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     test = [{c: r[c] for c in columns} for r in load_rows(ctx, cfg.data, "test")]
     path = ctx.input_model(cfg.policy)
     tokenizer = load_tokenizer(path)
-    check_lengths(ctx, "dpo", train, tokenizer)
-    dtype = ctx.pipeline["dtype"]
+    check_lengths(ctx, train, tokenizer)
+    dtype = ctx.pipeline.dtype
     model = load_causal_lm(path, dtype)
     lora = peft_config(cfg.lora, "CAUSAL_LM")
     # With LoRA the reference is the base model with adapters disabled; otherwise a frozen copy.
@@ -36,8 +38,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     final = train_with_resume(ctx, trainer)
     if test:
         ev = trainer.evaluate()
-        metrics = {f"eval/{k[5:]}".replace("margins", "margin").replace("accuracies", "accuracy"): v
-                   for k, v in ev.items() if k.startswith("eval_rewards/") or k == "eval_loss"}
+        metrics = eval_metrics(ev)
         ctx.log(metrics, step=trainer.state.global_step)
         final.update(metrics)
     final["train/pairs"] = len(train)

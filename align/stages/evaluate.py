@@ -14,11 +14,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from align.config import EvaluateStage
+from align import plots
+from align.config.evaluate import EvaluateStage
+from align.data.rows import load_prompts, load_rows
 from align.generation import generate, response_logprobs
 from align.judges import RewardModelJudge, python_judge
 from align.models import load_causal_lm, load_tokenizer
-from align.stages.base import StageContext, StageError, load_rows, unique_prompts
+from align.stages.context import StageContext
+from align.stages.reward import calibration_buckets, pairwise_accuracy
 from align.stats import mean_ci, win_rate
 
 OUTPUTS = ["../report"]
@@ -45,12 +48,10 @@ def sample_with_kl(policy, reference, tokenizer, prompts: list[str], cfg: Evalua
 
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg: EvaluateStage = ctx.cfg  # type: ignore[assignment]
-    prompts = [p for p in unique_prompts(load_rows(ctx, cfg.prompts, cfg.split), cfg.max_prompts) if p.strip()]
-    if not prompts:
-        raise StageError(f"stage '{ctx.name}': no non-empty prompts in {cfg.prompts} split '{cfg.split}'")
+    prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts)
     ref_path = ctx.input_model(cfg.reference)
     tokenizer = load_tokenizer(ref_path)
-    dtype = ctx.pipeline["dtype"]
+    dtype = ctx.pipeline.dtype
     reference = load_causal_lm(ref_path, dtype).eval()
     judges: dict[str, Any] = {name: python_judge(name) for name in cfg.judges}
     if cfg.reward:
@@ -85,8 +86,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 metrics[f"eval/{name}/{j}/win_rate_ci"] = [w["ci_low"], w["ci_high"]]
     buckets: list[dict[str, float]] = []
     if cfg.reward and cfg.preferences:
-        from align.stages.reward import calibration_buckets, pairwise_accuracy
-
         pairs = load_rows(ctx, cfg.preferences, "test")
         if pairs:
             rm = judges["reward_model"]
@@ -102,8 +101,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
     def write(out: Path) -> None:
         if not ctx.is_main:
             return
-        from align import plots
-
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
         judge_names = all_judges(cfg)
         for j in judge_names:

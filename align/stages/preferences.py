@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 
-from align.config import PreferencesStage
+from align.config.preferences import PreferencesStage
+from align.data.rows import load_prompts
 from align.generation import sample_texts
 from align.judges import make_judge
 from align.models import load_causal_lm, load_tokenizer
-from align.stages.base import StageContext, StageError, load_rows, unique_prompts
+from align.stages.context import StageContext
 
 OUTPUTS = ["data"]
 
@@ -36,12 +37,10 @@ def pair_up(prompt: str, responses: list[str], scores: list[float], min_margin: 
 
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg: PreferencesStage = ctx.cfg  # type: ignore[assignment]
-    prompts = [p for p in unique_prompts(load_rows(ctx, cfg.prompts, cfg.split), cfg.max_prompts) if p.strip()]
-    if not prompts:
-        raise StageError(f"stage '{ctx.name}': no non-empty prompts in {cfg.prompts} split '{cfg.split}'")
+    prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts)
     path = ctx.input_model(cfg.policy)
     tokenizer = load_tokenizer(path)
-    policy = load_causal_lm(path, ctx.pipeline["dtype"]).eval()
+    policy = load_causal_lm(path, ctx.pipeline.dtype).eval()
     judge = make_judge(cfg.judge, lambda n: ctx.input_model(n) if n in ctx.inputs else None)
     n = cfg.samples_per_prompt
     per_batch = max(1, cfg.generation.batch_size // n)
@@ -58,7 +57,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 records.append({"index": idx, "prompt": prompt, "responses": texts[j * n:(j + 1) * n],
                                 "scores": scores[j * n:(j + 1) * n]})
         ctx.progress(len(mine), len(mine))
-    from accelerate.utils import gather_object
+    from accelerate.utils import gather_object  # heavy: stage processes only
 
     records = sorted(gather_object(records), key=lambda r: r["index"])
 

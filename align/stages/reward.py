@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from align.config import RewardStage
+from align.config.reward import RewardStage
+from align.data.rows import load_rows
 from align.generation import sequence_scores
 from align.models import load_scalar_model, load_tokenizer, peft_config, unsharded_loading
-from align.stages.base import StageContext, check_lengths, load_rows, metrics_callback, train_with_resume, trainer_kwargs
+from align.stages.context import StageContext
+from align.stages.trl import check_lengths, metrics_callback, train_with_resume, trainer_kwargs
 
 OUTPUTS = ["model"]
 
@@ -42,7 +44,7 @@ def calibration_buckets(margins: list[float], n_buckets: int = 4) -> list[dict[s
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    from datasets import Dataset
+    from datasets import Dataset  # heavy: trl and datasets load only when the stage runs
     from trl import RewardConfig, RewardTrainer
 
     cfg: RewardStage = ctx.cfg  # type: ignore[assignment]
@@ -50,8 +52,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     test = load_rows(ctx, cfg.data, "test")
     path = ctx.input_model(cfg.init)
     tokenizer = load_tokenizer(path)
-    check_lengths(ctx, "reward", train, tokenizer)
-    model = load_scalar_model(path, tokenizer.pad_token_id, ctx.pipeline["dtype"])
+    check_lengths(ctx, train, tokenizer)
+    model = load_scalar_model(path, tokenizer.pad_token_id, ctx.pipeline.dtype)
     args = RewardConfig(**trainer_kwargs(cfg, ctx), center_rewards_coefficient=cfg.center_rewards_coefficient,
                         eval_strategy="no")
     columns = ("prompt", "chosen", "rejected")

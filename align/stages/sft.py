@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from align.config import SFTStage
+from align.builtin import is_builtin
+from align.config.sft import SFTStage
 from align.data.cards import load_split
-from align.models import (build_builtin, is_builtin, load_causal_lm, load_tokenizer, peft_config,
-                          train_tokenizer)
-from align.stages.base import StageContext, check_lengths, metrics_callback, train_with_resume, trainer_kwargs
+from align.models import build_builtin, load_causal_lm, load_tokenizer, peft_config, train_tokenizer
+from align.stages.context import StageContext
+from align.stages.trl import check_lengths, metrics_callback, train_with_resume, trainer_kwargs
 
 OUTPUTS = ["model"]
 
@@ -28,22 +29,19 @@ def load_start(ctx: StageContext, cfg: SFTStage, rows: list[dict[str, Any]], cha
     p = ctx.pipeline
     if cfg.model != "base":
         path = ctx.input_model(cfg.model)
-        return load_causal_lm(path, p["dtype"]), load_tokenizer(path, needs_chat_template=chat)
-    if is_builtin(p["base_model"]):
-        from align.config import BuiltinModel, from_dict
-
-        size = from_dict(BuiltinModel, p["builtin"], "builtin")
-        if p["tokenizer"]:  # a real tokenizer (e.g. GPT-2) for the fresh model: fix what it lacks
-            tok = load_tokenizer(p["tokenizer"], p["trust_remote_code"], needs_chat_template=chat)
+        return load_causal_lm(path, p.dtype), load_tokenizer(path, needs_chat_template=chat)
+    if is_builtin(p.base_model):
+        if p.tokenizer:  # a real tokenizer (e.g. GPT-2) for the fresh model: fix what it lacks
+            tok = load_tokenizer(p.tokenizer, p.trust_remote_code, needs_chat_template=chat)
         else:
-            tok = train_tokenizer(_corpus(rows), size.vocab_size, size.max_position_embeddings)
-        return build_builtin(size, tok, ctx.seed), tok
-    tok = load_tokenizer(p["tokenizer"] or p["base_model"], p["trust_remote_code"], needs_chat_template=chat)
-    return load_causal_lm(p["base_model"], p["dtype"], p["trust_remote_code"]), tok
+            tok = train_tokenizer(_corpus(rows), p.builtin.vocab_size, p.builtin.max_position_embeddings)
+        return build_builtin(p.builtin, tok, ctx.seed), tok
+    tok = load_tokenizer(p.tokenizer or p.base_model, p.trust_remote_code, needs_chat_template=chat)
+    return load_causal_lm(p.base_model, p.dtype, p.trust_remote_code), tok
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    from datasets import Dataset
+    from datasets import Dataset  # heavy: trl and datasets load only when the stage runs
     from trl import SFTConfig, SFTTrainer
 
     cfg: SFTStage = ctx.cfg  # type: ignore[assignment]
@@ -51,7 +49,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     rows = data.rows[: cfg.max_train_examples] if cfg.max_train_examples else data.rows
     chat = data.card.produces == "messages"
     model, tokenizer = load_start(ctx, cfg, rows, chat)
-    check_lengths(ctx, "sft", rows, tokenizer)
+    check_lengths(ctx, rows, tokenizer)
     columns = ["messages"] if chat else ["prompt", "completion"]
     train = Dataset.from_list([{c: r[c] for c in columns} for r in rows])
     eval_ds = None

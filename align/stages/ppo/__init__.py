@@ -20,13 +20,14 @@ from typing import Any
 
 import torch
 
-from align.config import PPOStage
-from align.generation import Rollout, generate, position_ids, response_logprobs, scalar_outputs
+from align.config.ppo import PPOStage
+from align.data.rows import load_rows, unique_prompts
+from align.generation import Rollout, generate, response_logprobs, scalar_outputs, sequence_logprobs
 from align.judges import judge_weights
-from align.losses import (entropy_from_logits, gae, kl_estimate, logprobs_from_logits, masked_mean, masked_whiten,
-                          ppo_policy_loss, ppo_value_loss, token_rewards)
+from align.losses import (gae, kl_estimate, masked_mean, masked_whiten, ppo_policy_loss, ppo_value_loss,
+                          token_rewards)
 from align.models import disable_dropout, load_causal_lm, load_scalar_model, load_tokenizer
-from align.stages.base import NonFiniteLossError, StageContext, load_rows, unique_prompts
+from align.stages.context import NonFiniteLossError, StageContext
 from align.stages.ppo.checkpoint import resume, restore_history, save_checkpoint
 from align.stages.ppo.optim import backward_and_step, disable_deepspeed_clipping
 from align.stages.ppo.rewards import Scorer
@@ -49,13 +50,10 @@ class PolicyAndValue(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, query_len: int, temperature: float):
         """Per-token log-probs, entropies and values of the response part. ids, mask: (B, Lq + Lr)."""
-        pos = position_ids(mask)
-        logits = self.policy(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        logits = logits[:, query_len - 1:-1] / temperature  # (B, Lr, V): logit t predicts token t + 1
-        response = ids[:, query_len:]
+        logprobs, entropy = sequence_logprobs(self.policy, ids, mask, query_len, temperature, with_entropy=True)
         values = scalar_outputs(self.value, ids, mask)[:, query_len - 1:-1]  # V(state before token t)
         gain, bias = self.value_affine
-        return logprobs_from_logits(logits, response), entropy_from_logits(logits), values * gain + bias
+        return logprobs, entropy, values * gain + bias
 
 
 def check_models(ctx: StageContext, cfg: PPOStage, tokenizer, reward_tokenizers: dict, prompts: list[str]) -> None:
@@ -83,7 +81,7 @@ def prepare_frozen(model, accelerator):
     disable_dropout(model).eval().requires_grad_(False)
     if not _zero3(accelerator):
         return model.to(accelerator.device)
-    import deepspeed
+    import deepspeed  # heavy: only under ZeRO-3
 
     cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
            "bf16": {"enabled": accelerator.mixed_precision == "bf16"}}
@@ -101,7 +99,7 @@ def policy_for_generation(model, accelerator):
     if not _zero3(accelerator):
         yield unwrapped.policy
         return
-    import deepspeed
+    import deepspeed  # heavy: only under ZeRO-3
     from trl.models.utils import add_hooks, remove_hooks
 
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
@@ -112,7 +110,7 @@ def policy_for_generation(model, accelerator):
             add_hooks(model)
 
 
-def rollout(ctx: StageContext, cfg: PPOStage, accelerator, model, tokenizer, prompts: list[str], seed: int) -> Rollout:
+def rollout(cfg: PPOStage, accelerator, model, tokenizer, prompts: list[str], seed: int) -> Rollout:
     """Sample one response per prompt, in the training precision (bf16 autocast when the stage uses it), so the
     samples are scored by the same numerics that produced them."""
     override = None  # fault injection for tests: ranks whose responses end at once / run to the limit
@@ -136,7 +134,7 @@ def fit_reward_scale(ctx: StageContext, cfg: PPOStage, accelerator, model, token
     scores = []
     for start in range(0, len(picked), cfg.generation.batch_size):
         batch = picked[start:start + cfg.generation.batch_size]
-        r = rollout(ctx, cfg, accelerator, model, tokenizer, batch, seed=ctx.seed * 31 + start * world + rank)
+        r = rollout(cfg, accelerator, model, tokenizer, batch, seed=ctx.seed * 31 + start * world + rank)
         scores.append(scorer(r, batch))
     all_scores = accelerator.gather(torch.cat(scores))
     scale.fit(all_scores)
@@ -148,7 +146,7 @@ def fit_reward_scale(ctx: StageContext, cfg: PPOStage, accelerator, model, token
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    from accelerate import Accelerator
+    from accelerate import Accelerator  # heavy: stage processes only
 
     cfg: PPOStage = ctx.cfg  # type: ignore[assignment]
     accelerator = Accelerator(gradient_accumulation_steps=cfg.gradient_accumulation_steps)
@@ -157,7 +155,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.mini_batch_size
         plugin.deepspeed_config["gradient_accumulation_steps"] = cfg.gradient_accumulation_steps
     disable_deepspeed_clipping(accelerator)
-    dtype = ctx.pipeline["dtype"]
+    dtype = ctx.pipeline.dtype
     policy_path = ctx.input_model(cfg.policy)
     weights = judge_weights(cfg.reward)
     reward_stages = [n for n in weights if n in ctx.inputs]
@@ -207,7 +205,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         batch_prompts = [prompts[i] for i in mine]
 
         # 1. generate
-        r = rollout(ctx, cfg, accelerator, model, tokenizer, batch_prompts,
+        r = rollout(cfg, accelerator, model, tokenizer, batch_prompts,
                     seed=ctx.seed * 7919 + it * world + accelerator.process_index)
         t_gen = time.time() - t0
         ids, mask, rmask = r.input_ids, r.attention_mask, r.response_mask.float()

@@ -8,7 +8,7 @@ import json
 import shutil
 from typing import Any
 
-from align.stages.base import StageContext, keep_metrics_until
+from align.stages.context import StageContext, keep_metrics_until
 
 
 def _register(accelerator, *objs) -> None:

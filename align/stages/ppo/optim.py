@@ -31,7 +31,7 @@ def _clip_local(params: list[torch.nn.Parameter], max_norm: float | None) -> flo
 
 
 def _clip_deepspeed(params: list[torch.nn.Parameter], max_norm: float | None) -> float:
-    from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
+    from deepspeed.utils import safe_get_full_grad, safe_set_full_grad  # heavy: only under DeepSpeed
 
     grads = [(p, safe_get_full_grad(p)) for p in params]
     grads = [(p, g) for p, g in grads if g is not None]

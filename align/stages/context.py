@@ -1,8 +1,8 @@
 """What every stage process shares: its spec, run directory, manifest, tracker and checkpoint hygiene.
 
-The pipeline runner writes `<stage>/spec.json` and starts `accelerate launch -m align.cli stage <spec>`;
-`main()` below runs in every process of that launch. Only the main process writes files; all processes
-take part in saving (ZeRO-3 gathers the weights for the consolidated checkpoint).
+The runner writes `<stage>/spec.json` (align/rundir.py) and starts `accelerate launch -m align.cli stage
+<spec>`; `main()` below runs in every process of that launch. Only the main process writes files; all
+processes take part in saving (ZeRO-3 gathers the weights for the consolidated checkpoint).
 """
 
 from __future__ import annotations
@@ -11,23 +11,22 @@ import errno
 import importlib
 import json
 import logging
-import math
 import os
 import shutil
 import sys
 import time
 import traceback
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from align.config import PipelineConfig, StageBase, TrainedStage, from_dict, stage_from_dict
+from align.config import PipelineConfig, StageBase, from_dict, stage_from_dict
 from align.console import emit_progress, verbose
-from align.fsutil import atomic_write_json, atomic_write_text, output_digest, publish_dir, staging_dir
-from align.tracking import Tracker, scrub
+from align.fsutil import atomic_write_text, output_digest, publish_dir, staging_dir, staging_path
+from align.rundir import MANIFEST, Manifest, StageSpec, read_manifest, write_manifest
+from align.tracking import Tracker
 
 log = logging.getLogger("align")
-
-MANIFEST = "manifest.json"
 
 
 class NonFiniteLossError(RuntimeError):
@@ -39,52 +38,23 @@ class StageError(RuntimeError):
     produced nothing); it is recorded as failed, never as completed."""
 
 
-class ManifestError(ValueError):
-    """A manifest.json that cannot be read or is not a manifest; the message names it and the fix."""
-
-
-def read_manifest(stage_dir: str | Path) -> dict[str, Any] | None:
-    """The stage's manifest, or None when there is none. A manifest that exists but cannot be read or is not
-    a JSON object is an error (not "missing": that would silently retrain over what it describes)."""
-    path = Path(stage_dir) / MANIFEST
-    if not path.is_file():
-        return None
-    try:
-        m = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"{path}: cannot be read as JSON ({type(exc).__name__}: {exc}); delete it to rerun "
-                            "the stage") from None
-    if not isinstance(m, dict) or not isinstance(m.get("status", ""), str):
-        raise ManifestError(f"{path}: not a stage manifest (a JSON {type(m).__name__}, not an object with a "
-                            "status); delete it to rerun the stage")
-    return m
-
-
-def is_complete(stage_dir: str | Path, fingerprint: str | None = None) -> bool:
-    """A stage is done when its manifest says completed (with this fingerprint) and its outputs exist."""
-    m = read_manifest(stage_dir)
-    if not m or m.get("status") != "completed" or (fingerprint and m.get("fingerprint") != fingerprint):
-        return False
-    return all((Path(stage_dir) / out).exists() for out in m.get("outputs", []))
-
-
 class StageContext:
     """Everything a stage's `run()` needs, built from spec.json."""
 
-    def __init__(self, spec: dict[str, Any]):
-        import torch
-        from accelerate import PartialState
+    def __init__(self, spec: StageSpec):
+        import torch  # heavy: only stage processes build a context
+        from accelerate import PartialState  # heavy: stage processes only
 
         self.spec = spec
-        self.cfg: StageBase = stage_from_dict(spec["stage"], spec["stage_name"])
-        from_dict(PipelineConfig, {k: v for k, v in spec["pipeline"].items() if k != "stages"}, "pipeline:")
-        self.pipeline: dict[str, Any] = spec["pipeline"]
-        self.name: str = spec["stage_name"]
-        self.dir = Path(spec["stage_dir"])
+        self.cfg: StageBase = stage_from_dict(spec.stage, spec.stage_name)
+        self.pipeline: PipelineConfig = from_dict(
+            PipelineConfig, {k: v for k, v in spec.pipeline.items() if k != "stages"}, "pipeline:")
+        self.name = spec.stage_name
+        self.dir = Path(spec.stage_dir)
         self.run_dir = self.dir.parent
-        self.fingerprint: str = spec["fingerprint"]
-        self.inputs: dict[str, str] = spec["inputs"]
-        self.seed: int = self.cfg.seed if self.cfg.seed is not None else int(self.pipeline["seed"])
+        self.fingerprint = spec.fingerprint
+        self.inputs: dict[str, str] = spec.inputs
+        self.seed: int = self.cfg.seed if self.cfg.seed is not None else self.pipeline.seed
         # On CPU, PartialState must be told so: without `cpu=True` it reports 1 process on every rank under
         # the DeepSpeed launcher (measured with accelerate 1.15), and every rank would think it is the main one.
         self.state = PartialState(cpu=not torch.cuda.is_available())
@@ -104,14 +74,13 @@ class StageContext:
 
     # ------------------------------------------------------------------ tracking
     def start_tracking(self) -> Tracker:
-        tr = self.pipeline["tracking"]
+        tr, p = self.pipeline.tracking, self.pipeline
         self.tracker = Tracker(
-            self.dir, main_process=self.is_main, wandb_setting=tr["wandb"], project=tr["project"],
-            entity=tr.get("entity"), group=f"{self.pipeline['name']}/{self.pipeline['run_id']}", name=self.name,
-            job_type=self.cfg.type,
-            config={"stage": self.spec["stage"], "fingerprint": self.fingerprint,
-                    "input_fingerprints": self.spec["input_fingerprints"], "data_cards": self.spec["data_cards"],
-                    "pipeline": {k: v for k, v in self.pipeline.items() if k != "stages"}})
+            self.dir, main_process=self.is_main, wandb_setting=tr.wandb, project=tr.project,
+            entity=tr.entity, group=f"{p.name}/{p.run_id}", name=self.name, job_type=self.cfg.type,
+            config={"stage": self.spec.stage, "fingerprint": self.fingerprint,
+                    "input_fingerprints": self.spec.input_fingerprints, "data_cards": self.spec.data_cards,
+                    "pipeline": {k: v for k, v in self.spec.pipeline.items() if k != "stages"}})
         return self.tracker
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
@@ -158,7 +127,7 @@ class StageContext:
         """Build output `name` (e.g. model, data) in a staging dir with `write(path)` on every process (saving
         under ZeRO-3 is collective), then the main process renames it into place."""
         final = (self.dir / name).resolve()
-        tmp = final.with_name(f".{final.name}.staging")
+        tmp = staging_path(final)
         try:
             if self.is_main:
                 staging_dir(final)
@@ -202,15 +171,15 @@ class StageContext:
     def write_manifest(self, status: str, new_attempt: bool = True, **extra: Any) -> None:
         if not self.is_main:
             return
-        old = read_manifest(self.dir) or {}
+        old: Manifest = read_manifest(self.dir) or {}
         attempts = old.get("attempts", 0) + (1 if status == "running" and new_attempt else 0)
-        manifest = {
+        spec = self.spec
+        manifest: Manifest = {  # type: ignore[typeddict-item]  (stages add keys of their own)
             "stage": self.name, "type": self.cfg.type, "status": status, "fingerprint": self.fingerprint,
-            "config": self.spec["stage"], "inputs": {k: {"path": v, "fingerprint": self.spec["input_fingerprints"][k]}
-                                                     for k, v in self.inputs.items()},
-            "input_digests": self.spec.get("input_digests", {}),
-            "data_cards": self.spec["data_cards"], "code_version": self.spec["code_version"],
-            "git_commit": self.spec.get("git_commit"), "packages": package_versions(),
+            "config": spec.stage, "inputs": {k: {"path": v, "fingerprint": spec.input_fingerprints[k]}
+                                             for k, v in self.inputs.items()},
+            "input_digests": spec.input_digests, "data_cards": spec.data_cards, "code_version": spec.code_version,
+            "git_commit": spec.git_commit, "packages": package_versions(),
             "started_at": old.get("started_at") if status != "running" or not new_attempt
             else time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "attempts": attempts, "world_size": self.state.num_processes,
@@ -220,12 +189,10 @@ class StageContext:
         }
         if status != "running":
             manifest["ended_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        atomic_write_json(self.dir / MANIFEST, scrub(manifest))
+        write_manifest(self.dir, manifest)
 
 
 def package_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {}
     for pkg in ("torch", "transformers", "trl", "accelerate", "deepspeed", "peft", "datasets", "wandb"):
         try:
@@ -233,109 +200,6 @@ def package_versions() -> dict[str, str]:
         except PackageNotFoundError:
             pass
     return out
-
-
-# --------------------------------------------------------------------------------------------- TRL glue
-_RENAME = {"loss": "train/loss", "learning_rate": "train/learning_rate", "grad_norm": "train/grad_norm",
-           "epoch": "train/epoch", "rewards/margins": "rewards/margin",
-           "rewards/accuracies": "rewards/accuracy"}
-
-
-def metric_name(key: str) -> str:
-    """Map TRL/transformers log keys to align's metric names (ARCHITECTURE.md)."""
-    if key in _RENAME:
-        return _RENAME[key]
-    if key.startswith("eval_"):
-        return "eval/" + key[5:]
-    if key.startswith("train_"):
-        return "perf/" + key[6:]
-    return key if "/" in key else f"train/{key}"
-
-
-def metrics_callback(ctx: StageContext):
-    """A TrainerCallback that writes every log to metrics.jsonl/W&B and stops on a NaN/inf loss."""
-    from transformers import TrainerCallback
-
-    class AlignMetrics(TrainerCallback):
-        loss: float | None = None
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.is_world_process_zero:
-                ctx.progress(state.global_step, state.max_steps, loss=self.loss)
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            logs = logs or {}
-            inject = os.environ.get("ALIGN_INJECT_NAN_AT_STEP")  # fault injection for crash-safety tests
-            if inject and "loss" in logs and state.global_step >= int(inject):
-                logs["loss"] = float("nan")
-            loss = logs.get("loss")
-            if loss is not None and not math.isfinite(float(loss)):
-                raise NonFiniteLossError(
-                    f"stage '{ctx.name}': loss is {loss} at step {state.global_step}; stopping. The last good "
-                    f"checkpoint is kept in {ctx.checkpoints} (lower the learning rate or check the data).")
-            if loss is not None:
-                self.loss = float(loss)
-            if state.is_world_process_zero:
-                ctx.log({metric_name(k): v for k, v in logs.items() if isinstance(v, (int, float))},
-                        step=state.global_step)
-
-    return AlignMetrics()
-
-
-def trainer_kwargs(cfg: TrainedStage, ctx: StageContext) -> dict[str, Any]:
-    """The TRL/transformers TrainingArguments that every trained stage shares."""
-    import torch
-
-    from align.stages.checks import check_trained
-
-    check_trained(cfg)  # the same check `align validate` runs, in case the stage is started directly
-    return dict(
-        output_dir=str(ctx.checkpoints), learning_rate=cfg.learning_rate, lr_scheduler_type=cfg.lr_scheduler,
-        warmup_steps=cfg.warmup_ratio, weight_decay=cfg.weight_decay, num_train_epochs=cfg.epochs,
-        max_steps=cfg.max_steps if cfg.max_steps is not None else -1, per_device_train_batch_size=cfg.per_device_batch_size,
-        per_device_eval_batch_size=cfg.per_device_batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps, logging_steps=cfg.logging_steps,
-        save_strategy="steps", save_steps=cfg.save_steps, save_total_limit=2, report_to="none", seed=ctx.seed,
-        data_seed=ctx.seed, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
-        disable_tqdm=not verbose(),  # the runner draws one bar per stage from ctx.progress (align/console.py)
-        # TRL defaults to bf16 autocast; on CPUs without bf16 units that is ~6x slower (measured: 3.4 s vs
-        # 0.53 s per SFT step of the default model), so mixed precision is used only where it pays.
-        bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(), fp16=False,
-        max_length=cfg.max_length, logging_first_step=False,
-        # TRL >= 1.16 turns gradient checkpointing on in every config; align leaves it to the stage setting
-        # (off: the demo's SFT steps take about half the time without recomputation).
-        activation_checkpointing=cfg.gradient_checkpointing,
-    )
-
-
-def check_lengths(ctx: StageContext, kind: str, rows: list[dict[str, Any]], tokenizer) -> None:
-    """Count examples longer than max_length after templating (align/lengths.py), before any training step;
-    record the counts in the manifest and stop when too many would be truncated or dropped."""
-    from align.lengths import enforce, measure
-
-    cfg: TrainedStage = ctx.cfg  # type: ignore[assignment]
-    report = measure(ctx.name, kind, rows, tokenizer, cfg.max_length)
-    ctx.extra_manifest["length_check"] = report.as_dict()
-    if ctx.is_main:
-        print(f"[align] length check {report.summary()}", flush=True)
-    enforce(report, cfg.max_truncated_fraction)
-
-
-def train_with_resume(ctx: StageContext, trainer) -> dict[str, Any]:
-    """trainer.train(), resuming from the last complete checkpoint of this fingerprint if there is one."""
-    ckpt = ctx.last_checkpoint()
-    resumed_from = int(Path(ckpt).name.split("-")[-1]) if ckpt else 0
-    if ckpt and ctx.is_main:
-        print(f"[align] {ctx.name}: resuming from {ckpt} (step {resumed_from})", flush=True)
-    ctx.extra_manifest["resumed_from_step"] = resumed_from
-    if ctx.is_main:  # rows a killed attempt logged after its last checkpoint are logged again from there
-        keep_metrics_until(ctx.dir / "metrics.jsonl", resumed_from)
-    out = trainer.train(resume_from_checkpoint=ckpt)
-    ctx.extra_manifest["global_step"] = trainer.state.global_step
-    if trainer.state.global_step == 0:
-        raise StageError(f"stage '{ctx.name}' trained 0 optimiser steps (no examples, or epochs/max_steps too "
-                         "small for the batch size); nothing is published")
-    return {"train/loss_final_avg": out.training_loss, "train/global_step": trainer.state.global_step}
 
 
 def keep_metrics_until(path: Path, step: int) -> None:
@@ -366,18 +230,19 @@ def main(spec_path: str) -> int:
     ctx: StageContext | None = None
     spec: dict[str, Any] = {}
     try:
-        spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
-        ctx = StageContext(spec)
+        raw = json.loads(Path(spec_path).read_text(encoding="utf-8"))
+        spec = raw if isinstance(raw, dict) else {}  # enough to record a failure in the manifest
+        ctx = StageContext(StageSpec.parse(raw, spec_path))
         _run(ctx)
         return 0
     except EXPECTED as exc:
         message = describe(exc)
-        recorded = _record_failure(ctx, spec, exc, message)
+        recorded = _record_failure(ctx, spec, message)
         print(f"align: error: stage '{spec.get('stage_name', spec_path)}': {message}" + recorded, file=sys.stderr,
               flush=True)
         return 2
     except BaseException as exc:
-        _record_failure(ctx, spec, exc, f"{type(exc).__name__}: {exc}")
+        _record_failure(ctx, spec, f"{type(exc).__name__}: {exc}")
         raise
 
 
@@ -392,7 +257,7 @@ def _run(ctx: StageContext) -> None:
                 os.replace(ctx.dir / name, ctx.dir / f"{name}.prev")
     ctx.state.wait_for_everyone()
     ctx.write_manifest("running")
-    module = importlib.import_module(f"align.stages.{ctx.cfg.type}")
+    module = importlib.import_module(type(ctx.cfg).stage_module())
     ctx.start_tracking()
     final = module.run(ctx)
     ctx.state.wait_for_everyone()
@@ -411,7 +276,7 @@ def quiet_libraries() -> None:
     if verbose():
         return
     os.environ.setdefault("TQDM_DISABLE", "1")
-    from datasets.utils import logging as ds_logging
+    from datasets.utils import logging as ds_logging  # heavy: stage processes only
     from transformers.utils import logging as tf_logging
 
     tf_logging.set_verbosity_error()
@@ -447,7 +312,7 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _record_failure(ctx: StageContext | None, spec: dict[str, Any], exc: BaseException, message: str) -> str:
+def _record_failure(ctx: StageContext | None, spec: dict[str, Any], message: str) -> str:
     """Write `failed` with the error into the manifest; returns where it went (or why it could not)."""
     trace = traceback.format_exc(limit=20)
     try:
@@ -456,7 +321,7 @@ def _record_failure(ctx: StageContext | None, spec: dict[str, Any], exc: BaseExc
                 ctx.tracker.finish()
             ctx.write_manifest("failed", error=message, traceback=trace)
         elif spec.get("stage_dir") and os.environ.get("RANK", "0") == "0":
-            atomic_write_json(Path(spec["stage_dir"]) / MANIFEST, {
+            write_manifest(spec["stage_dir"], {
                 "stage": spec.get("stage_name"), "status": "failed", "fingerprint": spec.get("fingerprint"),
                 "error": message, "traceback": trace, "ended_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         else:
@@ -470,23 +335,3 @@ def _record_failure(ctx: StageContext | None, spec: dict[str, Any], exc: BaseExc
 def _fmt(v: float) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
-
-
-
-# --------------------------------------------------------------------------------------------- data
-def load_rows(ctx: StageContext, ref: str, split: str, limit: int | None = None) -> list[dict[str, Any]]:
-    """Rows from a data reference: an upstream stage that wrote `data/<split>.jsonl`, or a data card path."""
-    from align.data.cards import load_split, read_jsonl
-
-    if ref in ctx.inputs:
-        rows = read_jsonl(ctx.input_dir(ref) / "data" / f"{split}.jsonl")
-    else:
-        rows = load_split(ref, split).rows
-    return rows[:limit] if limit else rows
-
-
-def unique_prompts(rows: list[dict[str, Any]], limit: int | None = None) -> list[str]:
-    """Distinct prompts in order of first appearance (so a prompt is never sampled twice by accident)."""
-    seen = dict.fromkeys(r["prompt"] for r in rows)
-    prompts = list(seen)
-    return prompts[:limit] if limit else prompts

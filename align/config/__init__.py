@@ -1,0 +1,180 @@
+"""Typed pipeline and stage configuration.
+
+A pipeline YAML is parsed into these dataclasses strictly: a key that is not a field is an error that names
+the file, the key's path and the closest valid key. Dotted CLI overrides (``dpo.beta=0.2``,
+``ppo.kl.target=6``) are applied to the raw YAML before parsing, so they get the same checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from align.config.common import (DTYPES, LR_SCHEDULERS, STAGE_TYPES, BuiltinModel, CheckContext, Generation,
+                                 LoraSettings, StageBase, TrainedStage, import_builtin_types,
+                                 stage_types)
+from align.schema import (ConfigError, check_plain_name, closest, from_dict, name_field, one_of, ranged,
+                          strict_yaml)
+
+# Re-exported: callers parse through align.config; each stage type's class is in align/config/<type>.py.
+__all__ = ["ConfigError", "from_dict", "DTYPES", "LR_SCHEDULERS", "STAGE_TYPES", "BuiltinModel", "CheckContext",
+           "Generation", "LoraSettings", "StageBase", "TrainedStage", "stage_types", "Tracking", "Hardware",
+           "PipelineConfig", "apply_overrides", "parse_pipeline", "load_pipeline", "to_dict", "stage_from_dict"]
+
+
+@dataclass
+class Tracking:
+    """Experiment tracking."""
+
+    wandb: str = one_of("auto", "auto", "online", "offline", "disabled")
+    """auto (online with an API key, offline without) | online | offline | disabled."""
+    project: str = "align"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (team or user)."""
+
+
+@dataclass
+class Hardware:
+    """The GPUs a pipeline is sized for. `align estimate` and `align run` compare per-GPU memory estimates with
+    it; unset fields are detected from the GPUs present (none on a CPU machine: nothing to compare)."""
+
+    nodes: int = ranged(1, ge=1)
+    """Machines in the job."""
+    gpus_per_node: int | None = ranged(None, ge=1)
+    """GPUs (processes) per machine for distributed stages (None = torch.cuda.device_count())."""
+    gpu_memory_gb: float | None = ranged(None, gt=0)
+    """Memory of one GPU in GB (1e9 bytes; None = detected)."""
+
+
+@dataclass
+class PipelineConfig:
+    """A whole pipeline: base model, stages in any order (the graph comes from their inputs)."""
+
+    name: str = ""
+    """Pipeline name: runs go to runs/<name>/<run_id>/."""
+    base_model: str = "builtin:tiny-llama"
+    """Local path, hub id, or builtin:tiny-llama (built from `builtin` with a BPE tokenizer trained on the
+    first stage's corpus)."""
+    tokenizer: str | None = None
+    """Tokenizer path or hub id (default: the base model's own)."""
+    base_model_config: str | None = None
+    """A copy of the base model's config.json (path relative to the pipeline file), so `align estimate` can size
+    a hub model on a machine that cannot reach the hub. The model itself is still loaded from base_model."""
+    hardware: Hardware = field(default_factory=Hardware)
+    """GPUs the pipeline is sized for (memory preflight)."""
+    trust_remote_code: bool = False
+    """Allow model repositories to run their own Python code. Off unless you set it."""
+    builtin: BuiltinModel = field(default_factory=BuiltinModel)
+    """Size of the builtin model."""
+    dtype: str = one_of("float32", *DTYPES)
+    """Weights dtype for loading (float32 | bfloat16 | float16)."""
+    seed: int = ranged(17, ge=0)
+    """Default seed of every stage."""
+    run_id: str = name_field("main")
+    """Run directory name; re-running with the same id skips completed stages by fingerprint."""
+    runs_dir: str = "runs"
+    """Root of run directories."""
+    tracking: Tracking = field(default_factory=Tracking)
+    """W&B settings."""
+    stages: dict[str, StageBase] = field(default_factory=dict)
+    """Stage name -> stage config."""
+
+
+# --------------------------------------------------------------------------------------------- parsing
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides; a first segment naming a stage addresses `stages.<name>`."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}': expected dotted.key=value, e.g. dpo.beta=0.2")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        if parts[0] in (raw.get("stages") or {}):
+            parts = ["stages", *parts]
+        node = raw
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{item}': '{part}' is not a mapping")
+        try:
+            node[parts[-1]] = strict_yaml(text)
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(f"override '{item}': the value {text!r} is not valid YAML ({problem}); quote it or "
+                              "close its brackets, e.g. sft.epochs=1 or judges=[vader]") from None
+    return raw
+
+
+def parse_pipeline(raw: dict[str, Any], source: str) -> PipelineConfig:
+    """Strictly parse a raw pipeline mapping (already overridden)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the file must hold a mapping with `name` and `stages`")
+    raw = dict(raw)
+    stages_raw = raw.pop("stages", None) or {}
+    if not isinstance(stages_raw, dict) or not stages_raw:
+        raise ConfigError(f"{source}: `stages` must map stage names to their settings (none given)")
+    cfg: PipelineConfig = from_dict(PipelineConfig, raw, f"{source}:")
+    if not cfg.name:
+        cfg.name = Path(source).stem
+    check_plain_name(cfg.name, f"{source}: name" + ("" if raw.get("name") else " (from the file name; set `name:`)"))
+    for name, body in stages_raw.items():
+        check_plain_name(name, f"{source}: stages.{name}")
+        if body is not None and not isinstance(body, dict):
+            raise ConfigError(f"{source}: stages.{name}: expected a mapping of stage settings (e.g. `policy: sft`), "
+                              f"got a {type(body).__name__}: {str(body)[:80]!r}")
+        body = dict(body or {})
+        kind = body.get("type") or name
+        types_ = stage_types()
+        if kind not in types_:
+            raise ConfigError(
+                f"{source}: stages.{name}: unknown stage type '{kind}'{closest(str(kind), list(types_))}"
+                " (set `type:` when the stage's name is not its type)"
+            )
+        body["type"] = kind
+        cfg.stages[name] = from_dict(types_[kind], body, f"{source}: stages.{name}")
+    return cfg
+
+
+def load_pipeline(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:
+    """Read a pipeline YAML (a key given twice is an error), apply dotted overrides, parse strictly."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: pipeline file not found")
+    try:
+        raw = strict_yaml(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); save the file as UTF-8") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the pipeline file ({exc.strerror or exc})") from None
+    raw = apply_overrides(raw or {}, overrides or [])
+    return parse_pipeline(raw, str(path))
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain-JSON form of a config dataclass (for fingerprints, manifests and W&B)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+def stage_from_dict(data: dict[str, Any], name: str = "") -> StageBase:
+    """Rebuild a stage config from `to_dict` output (the stage subprocess): the same type and range checks as
+    `align validate`, with the same dotted path in the message."""
+    if not isinstance(data, dict) or data.get("type") not in stage_types():
+        raise ConfigError(f"stage spec: not a stage config (type {str(data.get('type') if isinstance(data, dict) else data)[:40]!r})")
+    return from_dict(STAGE_TYPES[data["type"]], data, f"stages.{name or data['type']}")
+
+
+import_builtin_types()  # the built-in stage types register themselves (align/config/<type>.py)

@@ -1,0 +1,267 @@
+"""What every stage type shares: the stage-type contract (`StageBase`), its registry, and the settings several
+stage types use (the builtin model's size, LoRA, decoding, TRL optimisation).
+
+A stage type is one config class (a module in this package, or one named in ALIGN_STAGE_MODULES) plus one
+stage module with `run(ctx)` and `OUTPUTS`. Subclassing `StageBase` with a `TYPE` registers the class;
+everything else (the runner, the validator, the estimator, `align status`) asks the class. No torch here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
+
+from align.judges import JudgeError, check_judges
+from align.schema import ConfigError, one_of, ranged
+
+if TYPE_CHECKING:
+    from align.config import PipelineConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+# transformers SchedulerType values that need no extra scheduler kwargs (tests check they still exist).
+LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                 "inverse_sqrt")
+# Extra modules that define stage types (comma-separated import names), for types that live outside align/.
+STAGE_MODULES_ENV = "ALIGN_STAGE_MODULES"
+
+
+# --------------------------------------------------------------------------------------------- shared settings
+@dataclass
+class BuiltinModel:
+    """Size of the tiny Llama-style model that `base_model: builtin:tiny-llama` builds from scratch."""
+
+    vocab_size: int = ranged(4096, ge=16)
+    """BPE vocabulary size of the tokenizer trained on the first stage's corpus."""
+    hidden_size: int = ranged(128, ge=1)
+    """Width of the residual stream."""
+    num_layers: int = ranged(4, ge=1)
+    """Number of transformer blocks."""
+    num_heads: int = ranged(4, ge=1)
+    """Attention heads per block."""
+    intermediate_size: int = ranged(384, ge=1)
+    """Width of the MLP."""
+    max_position_embeddings: int = ranged(256, ge=2)
+    """Longest sequence the model accepts (prompt + response)."""
+
+
+@dataclass
+class LoraSettings:
+    """Optional LoRA adapters (peft). Merged into the weights when the stage saves `model/`."""
+
+    enabled: bool = False
+    """Train LoRA adapters instead of the full model."""
+    r: int = ranged(16, ge=1)
+    """Adapter rank."""
+    alpha: int = ranged(32, ge=1)
+    """Scaling numerator (effective scale alpha / r)."""
+    dropout: float = ranged(0.05, ge=0, lt=1)
+    """Dropout on the adapter input."""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Module names that get adapters."""
+
+
+@dataclass
+class Generation:
+    """Decoding settings for sampling (rollouts, preference labelling, evaluation)."""
+
+    max_new_tokens: int = ranged(24, ge=1, fix="a response needs at least one token")
+    """Longest response in tokens; responses stop earlier at EOS."""
+    temperature: float = ranged(1.0, gt=0, fix="sampling divides logits by it; greedy decoding is not offered")
+    """Softmax temperature."""
+    top_k: int | None = ranged(None, ge=1, fix="use null to keep every token")
+    """Keep only the k most likely tokens (None = off)."""
+    top_p: float = ranged(1.0, gt=0, le=1, fix="1.0 turns nucleus sampling off")
+    """Nucleus sampling mass (1.0 = off)."""
+    batch_size: int = ranged(64, ge=1)
+    """Prompts per generate call."""
+
+
+
+# --------------------------------------------------------------------------------------------- contract
+@dataclass
+class CheckContext:
+    """What a stage type's `check` may look at; built by align/validate.py for each stage."""
+
+    name: str
+    """The stage's name in the pipeline."""
+    pipeline: PipelineConfig
+    """The whole parsed pipeline (other stages included)."""
+    cards: dict[str, Path]
+    """Card field -> the data card file it names (fields that name a stage are absent)."""
+    split_of: Callable[[Path, str], Any]
+    """(card, split) -> its loaded rows (align/data/cards.py LoadedSplit), cached across stages."""
+
+    def card_produces(self, fld: str, split: str) -> str | None:
+        """The canonical form the card in `fld` produces, or None when `fld` names a stage."""
+        return self.split_of(self.cards[fld], split).card.produces if fld in self.cards else None
+
+    def check_judge(self, fld: str, spec: str | dict[str, float]) -> None:
+        """Every name in a judge setting is a reward stage of this pipeline or a Python judge."""
+        stages = self.pipeline.stages
+        try:
+            check_judges(spec, {n for n, st in stages.items() if st.PRODUCES == "reward"},
+                         {n: st.type for n, st in stages.items()})
+        except JudgeError as exc:
+            raise ValueError(f"{fld}: {exc}") from None
+
+
+STAGE_TYPES: dict[str, type[StageBase]] = {}
+"""Stage type name -> config class; filled by `StageBase.__init_subclass__`, completed by `stage_types()`."""
+
+
+def import_builtin_types() -> None:
+    """Import every module of this package: each stage type's module registers its class (no list to edit)."""
+    for mod in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        importlib.import_module(f"align.config.{mod.name}")
+
+
+def stage_types() -> dict[str, type[StageBase]]:
+    """Every stage type: the modules of this package, then those named in ALIGN_STAGE_MODULES (importing a
+    module registers the StageBase subclasses it defines)."""
+    import_builtin_types()
+    for name in filter(None, (n.strip() for n in os.environ.get(STAGE_MODULES_ENV, "").split(","))):
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ConfigError(f"{STAGE_MODULES_ENV}: cannot import stage-type module '{name}' ({exc})") from None
+    return STAGE_TYPES
+
+
+@dataclass
+class StageBase:
+    """Fields every stage has, and what a stage type declares about itself (class attributes and methods)."""
+
+    TYPE: ClassVar[str] = ""
+    """The type name a pipeline's `type:` selects; setting it registers the class."""
+    MODULE: ClassVar[str] = ""
+    """Import name of the stage module with `run(ctx)` and `OUTPUTS` (default align.stages.<TYPE>)."""
+    HEADLINE: ClassVar[tuple[str, ...]] = ()
+    """Final metrics in the one-line result on the console and in `align status`."""
+    PROMPTS: ClassVar[str] = ""
+    """How the stage uses the prompts of its cards: `train` (learns from them), `held_out` (evaluates on them;
+    they must not occur in any `train` stage's cards) or "" (neither)."""
+    PRODUCES: ClassVar[str] = ""
+    """What the stage publishes: policy (a causal LM in model/), reward (a scalar model in model/), data
+    (preference pairs in data/) or report."""
+    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {}
+    """Fields that may name another stage -> (role the stage must produce, whether the field must name a
+    stage). Role `judge`: a reward stage or a Python judge (align/judges.py); `data`: a data stage or a card."""
+
+    type: str = ""
+    """Stage kind, a registered stage type: sft, preferences, reward, dpo, ppo, evaluate, ... (default: the name)."""
+    accelerate: str = "cpu"
+    """Accelerate config: a name under pipelines/accelerate/ (cpu, ddp, zero2, zero3, ...) or a path."""
+    num_processes: int | None = ranged(None, ge=1, fix="use null for the accelerate config's own value")
+    """Processes for `accelerate launch` (default: the accelerate config's own value)."""
+    seed: int | None = ranged(None, ge=0)
+    """Seed for this stage (default: the pipeline seed)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        kind = cls.__dict__.get("TYPE")
+        if not kind:
+            return  # a shared base such as TrainedStage
+        old = STAGE_TYPES.get(kind)
+        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise TypeError(f"stage type '{kind}' is defined twice: {old.__module__}.{old.__qualname__} and "
+                            f"{cls.__module__}.{cls.__qualname__}")
+        STAGE_TYPES[kind] = cls
+
+    @classmethod
+    def stage_module(cls) -> str:
+        return cls.MODULE or f"align.stages.{cls.TYPE}"
+
+    def check(self, ctx: CheckContext) -> None:
+        """Settings checks run by `align validate` before anything launches (cheap: no model is loaded).
+        Raise ValueError starting with the field name; ranges on single fields are declared on the fields."""
+
+    def pipeline_problems(self, name: str, stages: dict[str, StageBase]) -> list[str]:
+        """Problems between this stage and others, reported after every stage's own check (one line each)."""
+        return []
+
+    def check_positions(self, limit: int, fix: str) -> None:
+        """The longest sequence the stage trains on or generates must fit the model's `limit` positions."""
+        gen = getattr(self, "generation", None)
+        if gen is not None and gen.max_new_tokens >= limit:
+            raise ValueError(f"generation.max_new_tokens: {gen.max_new_tokens} leaves no room for a prompt: {fix}")
+
+    def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
+        """Models the stage holds on a GPU, as (role, shape, trained): shape `lm` (a causal LM) or `scalar` (a
+        reward / value model on the same backbone). Used by align/estimate.py; the first one generates."""
+        return []
+
+    def workload(self) -> tuple[int, int, int, int]:
+        """(training micro-batch sequences, training length, generation batch, generation length) per GPU."""
+        gen = getattr(self, "generation", None)
+        if gen is not None:
+            return 0, 0, gen.batch_size, 256 + gen.max_new_tokens  # prompts are not bounded here: assume 256
+        return 0, 0, 0, 0
+
+
+@dataclass
+class TrainedStage(StageBase):
+    """Optimisation settings shared by the stages that train with a TRL trainer."""
+
+    LENGTH_RULE: ClassVar[str] = ""
+    """How the trainer treats over-long examples: sft, reward or dpo (align/lengths.py)."""
+
+    learning_rate: float = ranged(5e-4, gt=0)
+    """Peak learning rate."""
+    lr_scheduler: str = one_of("cosine", *LR_SCHEDULERS)
+    """transformers scheduler name (linear, cosine, constant, ...)."""
+    warmup_ratio: float = ranged(0.05, ge=0, lt=1)
+    """Fraction of steps spent warming up."""
+    weight_decay: float = ranged(0.0, ge=0)
+    """AdamW weight decay."""
+    epochs: float = ranged(1.0, gt=0, fix="zero or negative epochs train nothing; use max_steps for a step count")
+    """Passes over the training data (ignored when max_steps is set)."""
+    max_steps: int | None = ranged(None, ge=1, fix="use null to let `epochs` decide the length")
+    """Stop after this many optimiser steps (None = use epochs)."""
+    per_device_batch_size: int = ranged(16, ge=1)
+    """Micro-batch size per process."""
+    gradient_accumulation_steps: int = ranged(1, ge=1)
+    """Micro-batches per optimiser step."""
+    max_length: int = ranged(128, ge=2)
+    """Longest tokenised example (after the chat template); longer ones are truncated or dropped by the trainer."""
+    max_truncated_fraction: float = ranged(0.05, ge=0, le=1)
+    """Refuse to train when more than this fraction of examples exceed max_length (counted before training)."""
+    logging_steps: int = ranged(10, ge=1)
+    """Log metrics every N optimiser steps."""
+    save_steps: int = ranged(50, ge=1)
+    """Write a resumable checkpoint every N optimiser steps."""
+    max_train_examples: int | None = ranged(None, ge=1, fix="use null for all examples")
+    """Use at most this many training examples (None = all)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, about a third more compute. Off by default
+    (TRL turns it on); `align estimate` and the memory preflight say when a stage needs it to fit."""
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    """LoRA adapters instead of full fine-tuning."""
+
+    def check(self, ctx: CheckContext) -> None:
+        self.check_steps()
+
+    def check_steps(self) -> None:
+        """Cross-field settings every TRL-trained stage needs; also checked by the stage process itself."""
+        if self.save_steps % self.logging_steps:
+            raise ValueError(f"save_steps ({self.save_steps}) must be a multiple of logging_steps "
+                             f"({self.logging_steps}) so a NaN loss is caught before a checkpoint is written")
+
+    def check_positions(self, limit: int, fix: str) -> None:
+        if self.max_length > limit:
+            raise ValueError(f"max_length: {self.max_length} is longer than the model accepts: {fix}; lower "
+                             f"max_length to at most {limit}")
+        super().check_positions(limit, fix)
+
+    def check_preference_card(self, ctx: CheckContext) -> None:
+        """Reward and DPO: a card in `data` must hold preference pairs, with held-out ones (split `test`)."""
+        if ctx.card_produces("data", "train") not in (None, "preference"):
+            raise ValueError(f"data: card produces '{ctx.card_produces('data', 'train')}'; {self.type} needs "
+                             "preference pairs")
+        if "data" in ctx.cards:
+            held_out = ctx.split_of(ctx.cards["data"], "test")
+            if held_out.available and not held_out.rows:
+                raise ValueError(f"data: {ctx.cards['data'].name} has no held-out pairs (split 'test')")

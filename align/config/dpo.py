@@ -1,0 +1,45 @@
+"""The `dpo` stage type: direct preference optimisation (align/stages/dpo.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from align.config.common import CheckContext, StageBase, TrainedStage
+from align.schema import one_of, ranged
+
+# TRL DPOConfig.loss_type values for paired data (tests check they still exist in the installed TRL).
+DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+              "apo_zero", "apo_down", "discopop", "sigmoid_norm")
+
+
+@dataclass
+class DPOStage(TrainedStage):
+    """Direct preference optimisation with TRL's DPOTrainer; reference = the starting policy."""
+
+    TYPE: ClassVar[str] = "dpo"
+    LENGTH_RULE: ClassVar[str] = "dpo"
+    HEADLINE: ClassVar[tuple[str, ...]] = ("eval/rewards/accuracy", "eval/rewards/margin")
+    PRODUCES: ClassVar[str] = "policy"
+    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"policy": ("policy", True), "data": ("data", False)}
+
+    policy: str = "sft"
+    """Stage whose model/ is both the starting policy and the frozen reference."""
+    data: str = "preferences"
+    """Preference pairs: a preferences stage or a data card path (preference form)."""
+    beta: float = ranged(0.1, gt=0, fix="beta <= 0 trains the reversed (or no) KL-regularised objective")
+    """KL strength beta of the DPO objective."""
+    loss_type: str = one_of("sigmoid", *DPO_LOSSES)
+    """TRL DPO loss variant: sigmoid (DPO), ipo, hinge, robust, ..."""
+    label_smoothing: float = ranged(0.0, ge=0, lt=0.5, fix="0.5 or more flips which response is preferred")
+    """Conservative-DPO label smoothing."""
+
+    def check(self, ctx: CheckContext) -> None:
+        super().check(ctx)
+        self.check_preference_card(ctx)
+
+    def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
+        return [("policy", "lm", True), ("reference", "lm", False)]
+
+    def workload(self) -> tuple[int, int, int, int]:
+        return 2 * self.per_device_batch_size, self.max_length, 0, 0  # chosen and rejected go through together

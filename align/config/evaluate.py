@@ -1,0 +1,59 @@
+"""The `evaluate` stage type: held-out comparison of policies with judges, KL and win rates
+(align/stages/evaluate.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from align.config.common import CheckContext, Generation, StageBase
+from align.schema import ranged
+
+
+@dataclass
+class EvaluateStage(StageBase):
+    """Sample held-out prompts from each policy and compare them with judges, KL and win rates."""
+
+    TYPE: ClassVar[str] = "evaluate"
+    PROMPTS: ClassVar[str] = "held_out"
+    HEADLINE: ClassVar[tuple[str, ...]] = ("eval/prompts",)
+    PRODUCES: ClassVar[str] = "report"
+    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {
+        "policies": ("policy", True), "baseline": ("policy", True), "reference": ("policy", True),
+        "reward": ("reward", True), "preferences": ("data", True)}
+
+    policies: list[str] = field(default_factory=lambda: ["sft"])
+    """Stages whose model/ to evaluate."""
+    baseline: str = "sft"
+    """Policy that win rates are measured against."""
+    reference: str = "sft"
+    """Policy that KL is measured against."""
+    reward: str | None = "reward"
+    """Reward stage used as a judge and for reward-model accuracy (None = skip)."""
+    preferences: str | None = "preferences"
+    """Preferences stage whose held-out pairs measure reward-model accuracy (None = skip)."""
+    judges: list[str] = field(default_factory=lambda: ["vader"])
+    """Python judges (vader, or your own module:function), gold scorers reported beside the reward model."""
+    prompts: str = ""
+    """Data card path; its `prompt` column is used."""
+    split: str = "test"
+    """Held-out split of the card."""
+    max_prompts: int | None = ranged(512, ge=1, fix="use null for all prompts")
+    """Evaluate on at most this many prompts (None = all)."""
+    bootstrap_samples: int = ranged(2000, ge=100, fix="fewer resamples give confidence intervals that are noise")
+    """Bootstrap resamples for confidence intervals."""
+    generation: Generation = field(default_factory=Generation)
+    """Decoding settings (identical for every policy)."""
+
+    def check(self, ctx: CheckContext) -> None:
+        if self.baseline not in self.policies:
+            raise ValueError(f"baseline: '{self.baseline}' must be one of policies {self.policies}")
+        for j in self.judges:
+            if j in ctx.pipeline.stages:
+                raise ValueError(f"judges: '{j}' is a stage; a reward stage goes in `reward:`, `judges:` lists "
+                                 "Python judges (vader, or your own module:function)")
+            ctx.check_judge("judges", j)
+
+    def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
+        return [("policy", "lm", False), ("reference", "lm", False)] + \
+            ([("reward", "scalar", False)] if self.reward else [])

@@ -1,0 +1,149 @@
+"""The `ppo` stage type: PPO with a KL penalty to the reference (align/stages/ppo/)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from align.config.common import CheckContext, Generation, StageBase
+from align.judges import judge_weights
+from align.schema import one_of, ranged
+
+
+@dataclass
+class KLSettings:
+    """KL penalty to the reference policy (Ziegler et al. 2019)."""
+
+    coef: float = ranged(0.05, ge=0, fix="a negative coefficient rewards moving away from the reference")
+    """Initial beta of the per-token penalty -beta * KL."""
+    adaptive: bool = True
+    """Adapt beta towards `target` with Ziegler et al.'s proportional controller."""
+    target: float = ranged(4.0, gt=0)
+    """Target KL (nats per response) for the adaptive controller."""
+    horizon: int = ranged(10000, ge=1)
+    """Controller horizon in episodes: beta moves by at most 20% x episodes-per-iteration / horizon per
+    iteration (Ziegler et al. used 10000 with 512 episodes per update over thousands of updates; a short run
+    needs a short horizon for beta to move at all)."""
+    estimator: str = one_of("k1", "k1", "k2", "k3")
+    """Per-token KL estimator in the reward: k1 (log-ratio), k2 or k3 (Schulman 2020)."""
+
+
+@dataclass
+class PPOStage(StageBase):
+    """PPO against a frozen reward model or Python judges, with a KL penalty to the reference (align's own)."""
+
+    TYPE: ClassVar[str] = "ppo"
+    PROMPTS: ClassVar[str] = "train"
+    HEADLINE: ClassVar[tuple[str, ...]] = ("objective/scores_last", "objective/kl_last")
+    PRODUCES: ClassVar[str] = "policy"
+    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"policy": ("policy", True), "reward": ("judge", False)}
+
+    policy: str = "sft"
+    """Stage whose model/ is the starting policy and the frozen reference."""
+    reward: str | dict[str, float] = "reward"
+    """What PPO maximises: a reward stage (frozen reward model), a Python judge (`vader`, or a user's
+    `module:function` taking (prompts, responses) and returning floats), or a weighted sum of these as a
+    mapping, e.g. {reward: 1.0, vader: 0.5}."""
+    value_init: str = one_of("reward", "reward", "policy")
+    """Initialise the value model from `reward` (the reward model with its head; needs a reward stage) or
+    `policy` (the policy's transformer with a fresh scalar head)."""
+    prompts: str = ""
+    """Data card path; its `prompt` column is used."""
+    split: str = "train"
+    """Split of the card to take prompts from."""
+    iterations: int = ranged(40, ge=1)
+    """PPO iterations (rollout + update)."""
+    rollout_batch_size: int = ranged(64, ge=1)
+    """Prompts per iteration per process."""
+    mini_batch_size: int = ranged(16, ge=1)
+    """Episodes per optimiser step (before accumulation)."""
+    gradient_accumulation_steps: int = ranged(1, ge=1)
+    """Mini-batches per optimiser step."""
+    ppo_epochs: int = ranged(4, ge=1)
+    """Passes over each rollout."""
+    learning_rate: float = ranged(1e-5, gt=0)
+    """Policy learning rate."""
+    value_learning_rate: float = ranged(1e-5, gt=0)
+    """Value model learning rate."""
+    gamma: float = ranged(1.0, ge=0, le=1)
+    """Discount."""
+    lam: float = ranged(0.95, ge=0, le=1)
+    """GAE lambda."""
+    clip_range: float = ranged(0.2, gt=0)
+    """Policy ratio clip epsilon."""
+    clip_range_value: float = ranged(0.2, gt=0)
+    """Value clip range."""
+    vf_coef: float = ranged(0.1, ge=0)
+    """Value loss weight."""
+    entropy_coef: float = ranged(0.0, ge=0)
+    """Entropy bonus weight."""
+    max_approx_kl: float | None = ranged(None, gt=0, fix="use null for no early stop")
+    """Stop the epoch loop early when approximate KL exceeds this."""
+    max_grad_norm: float | None = ranged(1.0, gt=0, fix="use null for no clipping")
+    """Clip the policy's and the value model's gradient norms to this, each separately, on every backend
+    (None = no clipping)."""
+    missing_eos_penalty: float | None = ranged(1.0, ge=0, fix="use null to turn the penalty off")
+    """Subtracted from the (normalised) score of responses that never emit EOS (None = off)."""
+    reward_normalization: str = one_of("initial", "initial", "running", "none")
+    """initial: a fixed gain and bias from rollouts of the initial policy, so its scores have mean 0 and
+    std 1 (Ziegler et al. 2019, sec. 2.2); the value model is read in the same units. running: running
+    mean/std of every score seen (drifts during training). none: raw scores."""
+    reward_normalization_samples: int = ranged(256, ge=2)
+    """Initial-policy rollouts (over all processes) that fix the gain and bias of `initial` normalisation."""
+    max_prompt_length: int = ranged(32, ge=1)
+    """Prompts longer than this (tokens) are an error at validation time."""
+    save_every: int = ranged(10, ge=1)
+    """Checkpoint every N iterations."""
+    sample_every: int = ranged(10, ge=1)
+    """Log a table of sample responses every N iterations."""
+    kl: KLSettings = field(default_factory=KLSettings)
+    """KL penalty settings."""
+    generation: Generation = field(default_factory=Generation)
+    """Rollout decoding settings."""
+
+    def check(self, ctx: CheckContext) -> None:
+        ctx.check_judge("reward", self.reward)
+        reward_stages = {n for n, st in ctx.pipeline.stages.items() if st.PRODUCES == "reward"}
+        used = [n for n in judge_weights(self.reward) if n in reward_stages]
+        if self.value_init == "reward" and len(used) != 1:
+            raise ValueError(f"value_init: 'reward' starts the value model from the reward model, but reward "
+                             f"{self.reward!r} names {len(used)} reward stages; set value_init: policy")
+        step = self.mini_batch_size * self.gradient_accumulation_steps
+        if self.rollout_batch_size % step:
+            raise ValueError(f"rollout_batch_size ({self.rollout_batch_size}) must be divisible by mini_batch_size "
+                             f"x gradient_accumulation_steps ({self.mini_batch_size} x "
+                             f"{self.gradient_accumulation_steps})")
+
+    def pipeline_problems(self, name: str, stages: dict[str, StageBase]) -> list[str]:
+        """PPO optimises responses of `generation.max_new_tokens`; its reward model learned from pairs sampled
+        at the preferences stage's length, and the evaluation samples at its own. When they differ, PPO learns
+        what a reward model says of responses it never saw (e.g. cut off before EOS) and is judged at yet
+        another length."""
+        own = f"stages.{name}.generation.max_new_tokens"
+        lengths = {own: self.generation.max_new_tokens}
+        for rm in (n for n in judge_weights(self.reward) if n in stages and stages[n].PRODUCES == "reward"):
+            data = getattr(stages[rm], "data", None)
+            if data in stages and stages[data].PRODUCES == "data":
+                lengths[f"stages.{data}.generation.max_new_tokens"] = stages[data].generation.max_new_tokens
+        for ev_name, ev in stages.items():
+            if ev.PRODUCES == "report" and name in getattr(ev, "policies", ()):
+                lengths[f"stages.{ev_name}.generation.max_new_tokens"] = ev.generation.max_new_tokens
+        if len(set(lengths.values())) == 1:
+            return []
+        return ["response lengths differ: " + ", ".join(f"{k}={v}" for k, v in lengths.items())
+                + f"; PPO would optimise {lengths[own]}-token responses against a reward model trained on, and an "
+                "evaluation run at, other lengths. Set them equal"]
+
+    def check_positions(self, limit: int, fix: str) -> None:
+        if self.max_prompt_length + self.generation.max_new_tokens > limit:
+            raise ValueError(f"max_prompt_length + generation.max_new_tokens: {self.max_prompt_length} + "
+                             f"{self.generation.max_new_tokens} is longer than the model accepts: {fix}")
+        super().check_positions(limit, fix)
+
+    def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
+        return [("policy", "lm", True), ("value", "scalar", True), ("reference", "lm", False),
+                ("reward", "scalar", False)]
+
+    def workload(self) -> tuple[int, int, int, int]:
+        seq = self.max_prompt_length + self.generation.max_new_tokens
+        return self.mini_batch_size, seq, min(self.generation.batch_size, self.rollout_batch_size), seq

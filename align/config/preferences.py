@@ -1,0 +1,46 @@
+"""The `preferences` stage type: judged preference pairs sampled from a policy (align/stages/preferences.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from align.config.common import CheckContext, Generation, StageBase
+from align.schema import ranged
+
+
+@dataclass
+class PreferencesStage(StageBase):
+    """Sample several completions per prompt from a policy and keep judged (chosen, rejected) pairs."""
+
+    TYPE: ClassVar[str] = "preferences"
+    PROMPTS: ClassVar[str] = "train"
+    HEADLINE: ClassVar[tuple[str, ...]] = ("preferences/pairs_train", "preferences/mean_margin")
+    PRODUCES: ClassVar[str] = "data"
+    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"policy": ("policy", True), "judge": ("judge", False)}
+
+    policy: str = "sft"
+    """Stage whose model/ samples the completions."""
+    prompts: str = ""
+    """Data card path; its `prompt` column is used."""
+    split: str = "train"
+    """Split of the card to take prompts from."""
+    max_prompts: int | None = ranged(2048, ge=1, fix="use null for all prompts")
+    """Use at most this many prompts (None = all)."""
+    samples_per_prompt: int = ranged(4, ge=2, fix="a pair needs two completions")
+    """Completions per prompt (>= 2); the best and worst by the judge form the pair."""
+    judge: str | dict[str, float] = "vader"
+    """A reward stage, a Python judge (vader, or your own module:function), or a weighted sum of them as a
+    mapping (see align/judges.py)."""
+    min_margin: float = ranged(0.05, ge=0)
+    """Pairs whose judge scores differ by less than this are ties: dropped and counted."""
+    test_fraction: float = ranged(0.1, gt=0, lt=1, fix="the reward and evaluate stages need held-out pairs")
+    """Fraction of prompts whose pairs go to the held-out `test` split."""
+    generation: Generation = field(default_factory=Generation)
+    """Decoding settings."""
+
+    def check(self, ctx: CheckContext) -> None:
+        ctx.check_judge("judge", self.judge)
+
+    def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
+        return [("policy", "lm", False)] + ([("judge", "scalar", False)] if self.judge in stages else [])

@@ -1,0 +1,37 @@
+"""The `reward` stage type: a Bradley-Terry reward model (align/stages/reward.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from align.config.common import CheckContext, StageBase, TrainedStage
+from align.schema import ranged
+
+
+@dataclass
+class RewardStage(TrainedStage):
+    """Pairwise (Bradley-Terry) reward model with TRL's RewardTrainer."""
+
+    TYPE: ClassVar[str] = "reward"
+    LENGTH_RULE: ClassVar[str] = "reward"
+    HEADLINE: ClassVar[tuple[str, ...]] = ("eval/rewards/accuracy",)
+    PRODUCES: ClassVar[str] = "reward"
+    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"init": ("policy", True), "data": ("data", False)}
+
+    init: str = "sft"
+    """Stage whose model/ initialises the reward model (a scalar head is added)."""
+    data: str = "preferences"
+    """Preference pairs: a preferences stage or a data card path (preference form)."""
+    center_rewards_coefficient: float | None = ranged(None, ge=0)
+    """Optional penalty keeping rewards centred at zero (TRL)."""
+
+    def check(self, ctx: CheckContext) -> None:
+        super().check(ctx)
+        self.check_preference_card(ctx)
+
+    def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
+        return [("reward", "scalar", True)]
+
+    def workload(self) -> tuple[int, int, int, int]:
+        return 2 * self.per_device_batch_size, self.max_length, 0, 0  # chosen and rejected go through together

@@ -1,0 +1,48 @@
+"""The `sft` stage type: supervised fine-tuning (align/stages/sft.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from align.config.common import CheckContext, StageBase, TrainedStage
+from align.schema import ranged
+
+
+@dataclass
+class SFTStage(TrainedStage):
+    """Supervised fine-tuning with TRL's SFTTrainer."""
+
+    TYPE: ClassVar[str] = "sft"
+    PROMPTS: ClassVar[str] = "train"
+    LENGTH_RULE: ClassVar[str] = "sft"
+    HEADLINE: ClassVar[tuple[str, ...]] = ("train/loss_final_avg", "eval/loss")
+    PRODUCES: ClassVar[str] = "policy"
+    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"model": ("policy", False)}
+
+    model: str = "base"
+    """Starting model: `base` (the pipeline's base_model) or the name of an earlier stage."""
+    data: str = ""
+    """Data card path (prompt_completion or messages form)."""
+    split: str = "train"
+    """Which split of the card to train on."""
+    completion_only_loss: bool = True
+    """Compute the loss on completion tokens only (prompt tokens masked)."""
+    eval_split: str | None = "test"
+    """Split whose loss is reported after training (None = skip)."""
+    eval_max_examples: int = ranged(256, ge=1, fix="set eval_split: null to skip the evaluation")
+    """Evaluate on at most this many examples."""
+
+    def check(self, ctx: CheckContext) -> None:
+        super().check(ctx)
+        if self.model != "base" and self.model not in ctx.pipeline.stages:
+            raise ValueError(f"model: '{self.model}' is neither `base` nor a stage of this pipeline")
+        produces = ctx.card_produces("data", self.split)
+        if produces not in (None, "prompt_completion", "messages"):
+            raise ValueError(f"data: card produces '{produces}'; sft needs prompt_completion or messages")
+
+    def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
+        return [("policy", "lm", True)]
+
+    def workload(self) -> tuple[int, int, int, int]:
+        return self.per_device_batch_size, self.max_length, 0, 0

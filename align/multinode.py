@@ -1,0 +1,102 @@
+"""Multi-node runs: one `align run` per machine against one run directory on a shared filesystem.
+
+Node 0 writes everything (specs, manifests, outputs) and holds the run lock; other nodes launch their share of
+each distributed stage, skip stages that run on one process, and wait for node 0 to record each stage.
+"""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from align.console import stream_stage
+from align.launch import is_distributed, launch_command, stage_env
+from align.plan import PipelineError, StagePlan
+from align.rundir import MANIFEST, SPEC, StageSpec, is_complete, read_manifest
+
+
+@dataclass
+class MultiNode:
+    """Where this `align run` sits in a multi-node job (one runner per machine; see launch.sh)."""
+
+    nodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int = 29500
+    rdzv_timeout: int = 600
+
+    def check(self) -> None:
+        if self.nodes < 1:
+            raise PipelineError(f"--nodes {self.nodes}: must be >= 1")
+        if not 0 <= self.node_rank < self.nodes:
+            raise PipelineError(f"--node-rank {self.node_rank}: must be in 0..{self.nodes - 1} for --nodes {self.nodes}")
+        if self.nodes > 1 and not self.master_addr:
+            raise PipelineError("--nodes > 1 needs --master-addr (the address of node 0; launch.sh sets it from "
+                                "SLURM_JOB_NODELIST under SLURM)")
+        if self.rdzv_timeout < 1:
+            raise PipelineError(f"--rdzv-timeout {self.rdzv_timeout}: must be >= 1 second")
+
+    @property
+    def is_main(self) -> bool:
+        return self.node_rank == 0
+
+
+def wait_for_master(multi: MultiNode, stage: str) -> None:
+    """Worker nodes: wait until node 0 listens on the rendezvous port, or fail with the host and port after the
+    timeout (instead of the silent hang of a rendezvous that never completes)."""
+    deadline = time.time() + multi.rdzv_timeout
+    last = ""
+    while time.time() < deadline:
+        try:
+            with socket.create_connection((str(multi.master_addr), multi.master_port),
+                                          timeout=min(5.0, max(0.1, deadline - time.time()))):
+                return
+        except OSError as exc:
+            last = f"{type(exc).__name__}: {exc}"
+            time.sleep(min(1.0, max(0.0, deadline - time.time())))
+    raise PipelineError(
+        f"node {multi.node_rank}: rendezvous for stage '{stage}' timed out after {multi.rdzv_timeout}s: the master "
+        f"node {multi.master_addr}:{multi.master_port} could not be reached ({last}). Check --master-addr / "
+        "--master-port (under SLURM: the first host of SLURM_JOB_NODELIST), that node 0 is running, and that the "
+        "port is open between the nodes; --rdzv-timeout sets the wait.")
+
+
+def wait_for_stage(stage_dir: Path, fingerprint: str, name: str, timeout: float | None) -> None:
+    """Worker nodes: wait until node 0 has recorded the stage as completed (or failed)."""
+    t0 = time.time()
+    while not is_complete(stage_dir, fingerprint):
+        m = read_manifest(stage_dir) or {}
+        if m.get("fingerprint") == fingerprint and m.get("status") == "failed":
+            raise PipelineError(f"stage '{name}' failed on node 0: {m.get('error', 'see its log')}")
+        if timeout is not None and time.time() - t0 > timeout:
+            raise PipelineError(f"stage '{name}': node 0 did not record it as completed within {timeout:.0f}s "
+                                f"({stage_dir / MANIFEST})")
+        time.sleep(1.0)
+
+
+def follow_stage(plan: StagePlan, stage_dir: Path, header: str, source: str | Path, num_processes: int | None,
+                 multi: MultiNode) -> None:
+    """A worker node's part of one stage: launch its processes for a distributed stage (reading the spec node 0
+    wrote), or wait while node 0 runs a one-process stage. Writes nothing under the run directory."""
+    if not is_distributed(plan.cfg):
+        print(f"{header}: runs on node 0 only ({plan.cfg.accelerate}); waiting for it", flush=True)
+        wait_for_stage(stage_dir, plan.fingerprint, plan.name, None)
+        return
+    wait_for_master(multi, plan.name)
+    spec_path = stage_dir / SPEC
+    t_wait = time.time()
+    while not (spec_path.is_file() and StageSpec.read(spec_path).fingerprint == plan.fingerprint):
+        if time.time() - t_wait > multi.rdzv_timeout:
+            raise PipelineError(f"node {multi.node_rank}: node 0 ({multi.master_addr}:{multi.master_port}) did not "
+                                f"start stage '{plan.name}' within {multi.rdzv_timeout}s (no {spec_path} with "
+                                f"fingerprint {plan.fingerprint}); is the run directory on a filesystem all nodes share?")
+        time.sleep(0.5)
+    print(f"{header}: running on node {multi.node_rank} of {multi.nodes}", flush=True)
+    log = Path(tempfile.gettempdir()) / f"align-{plan.name}-node{multi.node_rank}.log"
+    rc = stream_stage(launch_command(plan, spec_path, source, num_processes, multi), log, stage_env(), plan.name)
+    if rc != 0:
+        raise PipelineError(f"stage '{plan.name}' failed on node {multi.node_rank} (exit code {rc}); log: {log}")
+    wait_for_stage(stage_dir, plan.fingerprint, plan.name, multi.rdzv_timeout)

@@ -1,0 +1,192 @@
+"""The pipeline as a graph: stage references resolved by role, data cards found, a topological order, and
+each stage's fingerprint.
+
+A stage's fingerprint is sha256 of its resolved config (minus settings that never change a result), the
+fingerprints of its inputs, the content of its data cards and data files, and the code version. Changing one
+stage's config therefore reruns it and everything downstream. Fast: nothing is trained or loaded here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib.util
+import inspect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from align.builtin import check_builtin
+from align.config import PipelineConfig, StageBase, stage_types, to_dict
+from align.data.cards import DataCardError, load_card
+from align.inputs import resolve_model_paths
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_DIR = PACKAGE_DIR.parent
+# Fields that hold a data card path (relative to the pipeline file) unless they name a stage.
+CARD_FIELDS = ("data", "prompts")
+# Fields that never change a stage's result: left out of its fingerprint.
+NON_SEMANTIC = ("logging_steps", "save_steps", "save_every", "sample_every", "accelerate", "max_truncated_fraction")
+
+
+class PipelineError(ValueError):
+    """The pipeline cannot run as configured, or a stage failed."""
+
+
+@dataclass
+class StagePlan:
+    name: str
+    cfg: StageBase
+    deps: list[str]
+    cards: dict[str, Path] = field(default_factory=dict)  # field name -> absolute card path
+    fingerprint: str = ""
+    card_hashes: dict[str, str] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------- graph
+def refs(value: Any) -> list[str]:
+    """The stage names a reference field holds: a name, a list of names, or a weighted judge mapping."""
+    if isinstance(value, dict):  # a weighted judge mapping: its keys
+        return list(value)
+    return value if isinstance(value, list) else [value] if isinstance(value, str) else []
+
+
+def stage_dependencies(name: str, cfg: StageBase, stages: dict[str, StageBase], source: str) -> list[str]:
+    """Stages this stage reads from. A reference must name a stage that produces what the field needs (its
+    role, declared on the config class): a policy input a policy stage, a reward input a reward stage, data a
+    data stage; a required reference to a missing stage is an error."""
+    deps: list[str] = []
+    for fld, (role, required) in type(cfg).INPUTS.items():
+        for ref in refs(getattr(cfg, fld)):
+            if ref in stages:
+                if ref == name:
+                    raise PipelineError(f"{source}: stages.{name}.{fld}: a stage cannot depend on itself")
+                _check_role(name, fld, role, ref, stages, source)
+                deps.append(ref)
+            elif required:
+                hint = difflib.get_close_matches(ref, list(stages), n=1)
+                raise PipelineError(
+                    f"{source}: stages.{name}.{fld}: '{ref}' is not a stage of this pipeline"
+                    + (f"; did you mean '{hint[0]}'?" if hint else f" (stages: {', '.join(stages)})"))
+    return list(dict.fromkeys(deps))
+
+
+def _check_role(name: str, fld: str, role: str, ref: str, stages: dict[str, StageBase], source: str) -> None:
+    """`ref` must produce `role` (judge fields: a reward stage; align/judges.py checks the Python judges)."""
+    want = "reward" if role == "judge" else role
+    produced = type(stages[ref]).PRODUCES
+    if produced == want:
+        return
+    fits = [n for n, st in stages.items() if type(st).PRODUCES == want and n != name]
+    raise PipelineError(
+        f"{source}: stages.{name}.{fld}: '{ref}' is a {stages[ref].type} stage, which produces {_ROLE[produced]}; "
+        f"{fld} needs {_ROLE[want]}: use " + (" or ".join(fits) if fits else f"(no such stage in this pipeline)")
+        + (", or a Python judge such as vader" if role == "judge" else ""))
+
+
+_ROLE = {"policy": "a policy", "reward": "a reward model", "data": "preference pairs", "report": "a report"}
+
+
+def topological_order(deps: dict[str, list[str]], source: str) -> list[str]:
+    """Stages in dependency order (ties keep file order); a cycle is an error that names it."""
+    order: list[str] = []
+    state: dict[str, int] = {}  # 1 = visiting, 2 = done
+
+    def visit(node: str, path: list[str]) -> None:
+        if state.get(node) == 2:
+            return
+        if state.get(node) == 1:
+            cycle = path[path.index(node):] + [node]
+            raise PipelineError(f"{source}: dependency cycle: {' -> '.join(cycle)}")
+        state[node] = 1
+        for d in deps[node]:
+            visit(d, path + [node])
+        state[node] = 2
+        order.append(node)
+
+    for n in deps:
+        visit(n, [])
+    return order
+
+
+def descendants(start: str, deps: dict[str, list[str]]) -> set[str]:
+    out = {start}
+    changed = True
+    while changed:
+        changed = False
+        for n, ds in deps.items():
+            if n not in out and out & set(ds):
+                out.add(n)
+                changed = True
+    return out
+
+
+# --------------------------------------------------------------------------------------------- plan
+def code_version() -> str:
+    """Hash of align's source, and of the config and stage modules of stage types defined outside align/."""
+    h = hashlib.sha256()
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        h.update(path.relative_to(PACKAGE_DIR).as_posix().encode())
+        h.update(path.read_bytes())
+    for kind, cls in sorted(stage_types().items()):
+        if cls.__module__.split(".")[0] != "align":
+            spec = importlib.util.find_spec(cls.stage_module())
+            for path in (inspect.getsourcefile(cls), spec.origin if spec else None):
+                if path:
+                    h.update(f"{kind}:{Path(path).name}".encode())
+                    h.update(Path(path).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _fingerprint(plan: StagePlan, cfg: PipelineConfig, inputs: dict[str, str], code: str) -> str:
+    stage = {k: v for k, v in to_dict(plan.cfg).items() if k not in NON_SEMANTIC}
+    base = {}
+    if getattr(plan.cfg, "model", None) == "base":
+        base = {"base_model": cfg.base_model, "tokenizer": cfg.tokenizer, "builtin": to_dict(cfg.builtin)}
+    blob = {"stage": stage, "base": base, "seed": plan.cfg.seed if plan.cfg.seed is not None else cfg.seed,
+            "dtype": cfg.dtype, "inputs": inputs, "cards": plan.card_hashes, "code": code}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def build_plan(cfg: PipelineConfig, source: str | Path) -> list[StagePlan]:
+    """Resolve references and card paths, order the graph, fingerprint every stage. Fast: no training."""
+    source = str(source)
+    base_dir = Path(source).resolve().parent
+    try:
+        check_builtin(cfg.base_model)
+    except ValueError as exc:
+        raise PipelineError(f"{source}: {exc}") from None
+    resolve_model_paths(cfg, source)
+    plans: dict[str, StagePlan] = {}
+    for name, st in cfg.stages.items():
+        plan = StagePlan(name, st, stage_dependencies(name, st, cfg.stages, source))
+        for fld in CARD_FIELDS:
+            value = getattr(st, fld, None)
+            if value is None or value in cfg.stages:
+                continue
+            if not value:
+                raise PipelineError(f"{source}: stages.{name}.{fld}: required (a data card path"
+                                    + (" or a stage name)" if fld == "data" else ")"))
+            card = (base_dir / value).resolve()
+            if not card.is_file():
+                hint = difflib.get_close_matches(value, list(cfg.stages), n=1)
+                raise PipelineError(f"{source}: stages.{name}.{fld}: '{value}' is neither a stage nor a data card "
+                                    f"file (looked for {card})" + (f"; did you mean stage '{hint[0]}'?" if hint else ""))
+            plan.cards[fld] = card
+        plans[name] = plan
+    order = topological_order({n: p.deps for n, p in plans.items()}, source)
+    code = code_version()
+    for name in order:
+        plan = plans[name]
+        try:
+            plan.card_hashes = {fld: load_card(p).content_hash() for fld, p in plan.cards.items()}
+        except DataCardError as exc:
+            raise PipelineError(f"{source}: stages.{name}: {exc}") from None
+        plan.fingerprint = _fingerprint(plan, cfg, {d: plans[d].fingerprint for d in plan.deps}, code)
+    return [plans[n] for n in order]
+
+
+def run_dir_of(cfg: PipelineConfig) -> Path:
+    """runs/<name>/<run_id> (relative to the working directory, as the pipeline's runs_dir says)."""
+    return Path(cfg.runs_dir) / cfg.name / cfg.run_id

@@ -1,0 +1,163 @@
+"""The on-disk contract between the runner and the stage processes: spec.json in, manifest.json out.
+
+    runs/<pipeline>/<run-id>/
+        pipeline.json            PipelineRecord: the resolved config, the source file, one row per stage
+        .align.lock              while a runner holds the directory (align/runlock.py)
+        <stage>/spec.json        StageSpec: written by the runner, read by the stage process
+        <stage>/manifest.json    Manifest: written by the stage's main process only
+        <stage>/model/ | data/   the published output (report/ sits beside the stages, at ../report)
+        <stage>/checkpoints/     resumable state; never a sign of completion (see `is_complete`)
+
+The one completeness rule is `is_complete`: the manifest says `completed` (with this fingerprint) and every
+output it lists exists. The checkpoint markers (a Trainer checkpoint's `trainer_state.json`, PPO's
+`COMPLETE` file) say only that one *checkpoint* was fully written and may be resumed from.
+
+No torch here: the runner, `align status` and `align report` import this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypedDict
+
+from align.fsutil import atomic_write_json
+from align.tracking import scrub
+
+SPEC = "spec.json"
+MANIFEST = "manifest.json"
+PIPELINE = "pipeline.json"
+STATUSES = ("running", "completed", "failed")
+
+
+class ManifestError(ValueError):
+    """A manifest.json that cannot be read or is not a manifest; the message names it and the fix."""
+
+
+@dataclass
+class StageSpec:
+    """What the runner tells one stage process (spec.json); every process of the launch reads it."""
+
+    stage_name: str
+    """The stage's name in the pipeline (also its directory name)."""
+    stage_dir: str
+    """Absolute path of the stage's directory."""
+    fingerprint: str
+    """The stage's fingerprint (align/plan.py): checkpoints and manifests of another one are not resumed."""
+    stage: dict[str, Any]
+    """The stage config as plain JSON (`to_dict`), data card fields resolved to absolute paths."""
+    pipeline: dict[str, Any]
+    """Pipeline-level settings (no `stages`), with base_model / tokenizer resolved."""
+    inputs: dict[str, str] = field(default_factory=dict)
+    """Upstream stage name -> its absolute stage directory."""
+    input_fingerprints: dict[str, str | None] = field(default_factory=dict)
+    """Upstream stage name -> the fingerprint its manifest recorded."""
+    input_digests: dict[str, Any] = field(default_factory=dict)
+    """Upstream stage name -> the output digests (align/fsutil.py) of what this stage consumes."""
+    data_cards: dict[str, Any] = field(default_factory=dict)
+    """Card field -> {path, sha256}."""
+    code_version: str = ""
+    """Hash of align's source (part of the fingerprint)."""
+    git_commit: str | None = None
+    """The repository's commit, when it is a git checkout."""
+
+    @classmethod
+    def read(cls, path: str | Path) -> StageSpec:
+        return cls.parse(json.loads(Path(path).read_text(encoding="utf-8")), path)
+
+    @classmethod
+    def parse(cls, raw: Any, path: str | Path) -> StageSpec:
+        """A spec from its JSON form; a missing key is a ValueError that names the file."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: not a stage spec (a JSON {type(raw).__name__})")
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in raw
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"{path}: not a stage spec (missing {', '.join(missing)})")
+        return cls(**{k: v for k, v in raw.items() if k in names})
+
+    def write(self, path: str | Path) -> None:
+        atomic_write_json(path, scrub(dataclasses.asdict(self)))
+
+
+class Manifest(TypedDict, total=False):
+    """A stage's manifest.json (align/stages/context.py writes it; stages may add their own keys)."""
+
+    stage: str
+    type: str
+    status: str  # one of STATUSES
+    fingerprint: str
+    config: dict[str, Any]
+    inputs: dict[str, dict[str, Any]]  # name -> {path, fingerprint}
+    input_digests: dict[str, Any]
+    data_cards: dict[str, Any]
+    code_version: str
+    git_commit: str | None
+    packages: dict[str, str]
+    started_at: str
+    ended_at: str
+    attempts: int
+    world_size: int
+    distributed_type: str
+    zero_stage: int | None
+    final_metrics: dict[str, Any]
+    outputs: list[str]  # relative to the stage directory
+    output_digests: dict[str, dict[str, str]]  # output name -> {content, publication}
+    wandb: dict[str, Any]
+    error: str
+    traceback: str
+
+
+class PipelineRecord(TypedDict, total=False):
+    """runs/<pipeline>/<run-id>/pipeline.json, rewritten by the runner after every invocation."""
+
+    pipeline: str
+    run_id: str
+    source: str
+    config: dict[str, Any]
+    stages: list[dict[str, Any]]  # {name, type, deps, fingerprint, status, this_invocation}
+    updated_at: str
+
+
+def read_manifest(stage_dir: str | Path) -> Manifest | None:
+    """The stage's manifest, or None when there is none. A manifest that exists but cannot be read or is not
+    a JSON object is an error (not "missing": that would silently retrain over what it describes)."""
+    path = Path(stage_dir) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        m = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"{path}: cannot be read as JSON ({type(exc).__name__}: {exc}); delete it to rerun "
+                            "the stage") from None
+    if not isinstance(m, dict) or not isinstance(m.get("status", ""), str):
+        raise ManifestError(f"{path}: not a stage manifest (a JSON {type(m).__name__}, not an object with a "
+                            "status); delete it to rerun the stage")
+    return m  # type: ignore[return-value]
+
+
+def write_manifest(stage_dir: str | Path, manifest: Manifest) -> None:
+    atomic_write_json(Path(stage_dir) / MANIFEST, scrub(dict(manifest)))
+
+
+def is_complete(stage_dir: str | Path, fingerprint: str | None = None) -> bool:
+    """A stage is done when its manifest says completed (with this fingerprint) and its outputs exist."""
+    m = read_manifest(stage_dir)
+    if not m or m.get("status") != "completed" or (fingerprint and m.get("fingerprint") != fingerprint):
+        return False
+    return all((Path(stage_dir) / out).exists() for out in m.get("outputs", []))
+
+
+def output_digests(stage_dir: str | Path) -> Any:
+    """The digests of a stage's published outputs, as its manifest recorded them (None when there are none)."""
+    return (read_manifest(stage_dir) or {}).get("output_digests")
+
+
+def headline(manifest: Manifest | None, keys: tuple[str, ...]) -> str:
+    """A stage's headline final metrics, `key value, ...`, for the keys its config class names (HEADLINE)."""
+    final = (manifest or {}).get("final_metrics") or {}
+    return ", ".join(f"{k} {final[k]:.4g}" if isinstance(final[k], float) else f"{k} {final[k]}"
+                     for k in keys if final.get(k) is not None)

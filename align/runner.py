@@ -1,0 +1,205 @@
+"""`align run`: select the stages, lock the run directory, skip what is up to date, write each stage's spec,
+launch it, and keep the run's pipeline.json.
+
+A stage is skipped when it is complete (align/rundir.py) with the same fingerprint (align/plan.py) and was
+trained from the outputs its inputs have now. Validation (align/validate.py) and the memory preflight
+(align/estimate.py) run before anything is launched.
+"""
+
+from __future__ import annotations
+
+import difflib
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from align.config import PipelineConfig, to_dict
+from align.console import stream_stage, tail, verbose
+from align.estimate import EstimateError, estimate_pipeline, hardware, too_big
+from align.fsutil import atomic_write_json
+from align.inputs import resolve_model_paths
+from align.launch import is_distributed, launch_command, stage_env
+from align.multinode import MultiNode, follow_stage
+from align.plan import REPO_DIR, PipelineError, StagePlan, code_version, descendants, run_dir_of
+from align.rundir import (MANIFEST, PIPELINE, SPEC, PipelineRecord, StageSpec, headline, is_complete,
+                          output_digests, read_manifest)
+from align.runlock import RunLock, RunLockedError
+from align.tracking import scrub
+from align.validate import validate
+
+
+def result_line(plan: StagePlan, stage_dir: Path) -> str:
+    """The stage's headline final metrics (declared by its config class), for the console."""
+    return headline(read_manifest(stage_dir), type(plan.cfg).HEADLINE)
+
+
+def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_stage: str | None = None,
+        force: bool = False, num_processes: int | None = None, trust_completed_inputs: bool = False,
+        ignore_memory_check: bool = False, multi: MultiNode | None = None, run_dir: Path | None = None) -> Path:
+    """Validate, then run every stage that is not up to date: completed with the same fingerprint, from the
+    very outputs (publications) of its inputs that exist now. Node 0 holds the run directory's lock
+    (align/runlock.py) throughout; `run_dir` (default runs/<name>/<run_id>) is what `align report DIR` uses.
+
+    `trust_completed_inputs` accepts inputs that completed under another fingerprint (e.g. an older code
+    version): used by `align report`, which only re-evaluates existing models.
+
+    Multi-node (`multi.nodes` > 1): every machine runs this with its own node rank against the same run
+    directory on a shared filesystem. Node 0 writes everything (specs, manifests, outputs); other nodes only
+    launch their share of each distributed stage, skip stages that run on one process (node 0 runs them), and
+    wait for node 0 to record each stage before moving on."""
+    t0 = time.time()
+    multi = multi or MultiNode()
+    multi.check()
+    for flag, value in (("--only", only), ("--from", from_stage)):
+        if value and value not in cfg.stages:
+            hint = difflib.get_close_matches(value, list(cfg.stages), n=1)
+            raise PipelineError(f"{flag} {value}: no such stage" + (f"; did you mean '{hint[0]}'?" if hint else ""))
+    print(f"[align] validating {source}", flush=True)
+    plans = validate(cfg, source)
+    deps = {p.name: p.deps for p in plans}
+    selected = {only} if only else descendants(from_stage, deps) if from_stage else set(deps)
+    forced = selected if (force or from_stage) else set()
+    run_dir = Path(run_dir) if run_dir is not None else run_dir_of(cfg)
+    to_run = [p.name for p in plans if p.name in selected and (p.name in forced or not up_to_date(p, run_dir))]
+    memory_preflight(cfg, source, plans, set(to_run), num_processes, multi, ignore_memory_check)
+    if not multi.is_main:
+        return _run_stages(cfg, source, plans, selected, forced, run_dir, num_processes, trust_completed_inputs,
+                           multi, t0)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with RunLock(run_dir) as lock:
+            if lock.note:
+                print(f"[align] {lock.note}", flush=True)
+            return _run_stages(cfg, source, plans, selected, forced, run_dir, num_processes,
+                               trust_completed_inputs, multi, t0)
+    except RunLockedError as exc:
+        raise PipelineError(str(exc)) from None
+
+
+def up_to_date(plan: StagePlan, run_dir: Path) -> bool:
+    """Completed with this fingerprint, and trained from the outputs its inputs have now: each input's
+    output_digests (a publication id + content digest, align/fsutil.py) equal what the stage recorded."""
+    stage_dir = run_dir / plan.name
+    if not is_complete(stage_dir, plan.fingerprint):
+        return False
+    recorded = (read_manifest(stage_dir) or {}).get("input_digests") or {}
+    return all(recorded.get(d) == output_digests(run_dir / d) for d in plan.deps)
+
+
+def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan], selected: set[str],
+                forced: set[str], run_dir: Path, num_processes: int | None, trust_completed_inputs: bool,
+                multi: MultiNode, t0: float) -> Path:
+    pipeline_info = {k: v for k, v in to_dict(cfg).items() if k != "stages"}
+    pipeline_info.update(resolve_model_paths(cfg, source))
+    code = code_version()
+    git = _git_commit()
+    statuses: dict[str, str] = {}
+    for i, plan in enumerate(plans, start=1):
+        stage_dir = run_dir / plan.name
+        header = f"[align] stage {i}/{len(plans)} {plan.name} ({plan.cfg.type})"
+        if plan.name not in selected:
+            statuses[plan.name] = "not selected"
+            continue
+        if plan.name not in forced and up_to_date(plan, run_dir):
+            print(f"{header}: up to date (fingerprint {plan.fingerprint}), skipped", flush=True)
+            statuses[plan.name] = "skipped"
+            continue
+        for d in plan.deps:
+            expected = None if trust_completed_inputs else next(p.fingerprint for p in plans if p.name == d)
+            if not is_complete(run_dir / d, expected):
+                raise PipelineError(f"stage '{plan.name}' needs stage '{d}' completed in {run_dir / d} with the "
+                                    "current config; run the pipeline without --only first")
+        if not multi.is_main:
+            follow_stage(plan, stage_dir, header, source, num_processes, multi)
+            statuses[plan.name] = "completed"
+            continue
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        spec = StageSpec(
+            stage_name=plan.name, stage_dir=str(stage_dir.resolve()), fingerprint=plan.fingerprint,
+            stage=_resolved_stage(plan), pipeline=pipeline_info,
+            inputs={d: str((run_dir / d).resolve()) for d in plan.deps},
+            input_fingerprints={d: (read_manifest(run_dir / d) or {}).get("fingerprint") for d in plan.deps},
+            input_digests={d: output_digests(run_dir / d) for d in plan.deps},
+            data_cards={fld: {"path": str(p), "sha256": plan.card_hashes[fld]} for fld, p in plan.cards.items()},
+            code_version=code, git_commit=git)
+        spec_path = stage_dir / SPEC
+        spec.write(spec_path)
+        print(f"{header}: running (fingerprint {plan.fingerprint})", flush=True)
+        t_stage = time.time()
+        rc = stream_stage(launch_command(plan, spec_path, source, num_processes, multi), stage_dir / "stage.log",
+                          stage_env(), plan.name)
+        if rc != 0 or not is_complete(stage_dir, plan.fingerprint):
+            m = read_manifest(stage_dir) or {}
+            statuses[plan.name] = "failed"
+            _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)
+            hint = (f"\n  multi-node: if the log shows a rendezvous timeout, a node did not join "
+                    f"{multi.master_addr}:{multi.master_port} within --rdzv-timeout {multi.rdzv_timeout}s"
+                    if multi.nodes > 1 and is_distributed(plan.cfg) else "")
+            last = "" if verbose() else f"\n  last lines of the log:\n{tail(stage_dir / 'stage.log')}"
+            raise PipelineError(f"stage '{plan.name}' failed (exit code {rc}): {m.get('error', 'see the log')}{hint}"
+                                f"{last}\n  log: {stage_dir / 'stage.log'}\n  manifest: {stage_dir / MANIFEST}")
+        statuses[plan.name] = "completed"
+        result = result_line(plan, stage_dir)
+        print(f"{header}: done in {time.time() - t_stage:.0f}s" + (f": {result}" if result else ""), flush=True)
+    if not multi.is_main:
+        print(f"[align] node {multi.node_rank}: pipeline {cfg.name} finished in {time.time() - t0:.0f}s", flush=True)
+        return run_dir
+    _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)
+    report = run_dir / "report" / "report.md"
+    if report.is_file():
+        table = report.read_text().split("\n\n")[1]  # the headline table follows the title
+        print(f"[align] headline ({report}):\n{table}", flush=True)
+    print(f"[align] pipeline {cfg.name} finished in {time.time() - t0:.0f}s: {run_dir}", flush=True)
+    return run_dir
+
+
+def memory_preflight(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan], names: set[str],
+                     num_processes: int | None, multi: MultiNode, ignore: bool) -> None:
+    """Refuse, before anything is launched, stages whose per-GPU estimate exceeds the GPU memory (align/estimate.py).
+    Skipped when no GPU is present or declared, or when the base model's config cannot be read here."""
+    if not names:
+        return
+    hw = hardware(cfg, nodes=multi.nodes)
+    if not hw.gpu_memory:
+        return
+    try:
+        estimates = estimate_pipeline(cfg, source, hw, num_processes, plans)
+    except EstimateError as exc:
+        print(f"[align] memory preflight skipped: {exc}", flush=True)
+        return
+    problems = too_big(estimates, hw, names)
+    if not problems:
+        return
+    if ignore:
+        for line in problems:
+            print(f"[align] warning (--ignore-memory-check): {line}", flush=True)
+        return
+    raise PipelineError("memory preflight: " + "\n  ".join(problems) + "\n  (see `align estimate`; "
+                        "--ignore-memory-check launches anyway)")
+
+
+def _resolved_stage(plan: StagePlan) -> dict[str, Any]:
+    d = to_dict(plan.cfg)
+    for fld, path in plan.cards.items():
+        d[fld] = str(path)
+    return d
+
+
+def _write_pipeline_manifest(run_dir: Path, cfg: PipelineConfig, plans: list[StagePlan],
+                             statuses: dict[str, str], source: str | Path) -> None:
+    record: PipelineRecord = {
+        "pipeline": cfg.name, "run_id": cfg.run_id, "source": str(Path(source).resolve()), "config": to_dict(cfg),
+        "stages": [{"name": p.name, "type": p.cfg.type, "deps": p.deps, "fingerprint": p.fingerprint,
+                    "status": (read_manifest(run_dir / p.name) or {}).get("status", "not run"),
+                    "this_invocation": statuses.get(p.name, "not run")} for p in plans],
+        "updated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    atomic_write_json(run_dir / PIPELINE, scrub(record))
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_DIR, capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None

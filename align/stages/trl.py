@@ -1,0 +1,121 @@
+"""Glue between align's stages and the TRL / transformers Trainers (SFT, reward, DPO): metric names, the
+metrics callback, the shared TrainingArguments, the length check and resumable training."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from align.config import TrainedStage
+from align.console import verbose
+from align.lengths import enforce, measure
+from align.stages.context import NonFiniteLossError, StageContext, StageError, keep_metrics_until
+
+# TRL's plural reward metrics under align's singular names (docs/ARCHITECTURE.md, "Metric names").
+_PLURALS = {"rewards/margins": "rewards/margin", "rewards/accuracies": "rewards/accuracy"}
+_RENAME = {"loss": "train/loss", "learning_rate": "train/learning_rate", "grad_norm": "train/grad_norm",
+           "epoch": "train/epoch", **_PLURALS}
+
+
+def metric_name(key: str) -> str:
+    """Map TRL/transformers log keys to align's metric names (docs/ARCHITECTURE.md)."""
+    if key in _RENAME:
+        return _RENAME[key]
+    if key.startswith("eval_"):
+        return "eval/" + key[5:]
+    if key.startswith("train_"):
+        return "perf/" + key[6:]
+    return key if "/" in key else f"train/{key}"
+
+
+def eval_metrics(ev: dict[str, float]) -> dict[str, float]:
+    """`trainer.evaluate()`'s loss and reward metrics under align's names: eval/loss, eval/rewards/margin, ..."""
+    return {"eval/" + _PLURALS.get(k[5:], k[5:]): v for k, v in ev.items()
+            if k.startswith("eval_rewards/") or k == "eval_loss"}
+
+
+def metrics_callback(ctx: StageContext):
+    """A TrainerCallback that writes every log to metrics.jsonl/W&B and stops on a NaN/inf loss."""
+    from transformers import TrainerCallback  # heavy: stage processes only
+
+    class AlignMetrics(TrainerCallback):
+        loss: float | None = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                ctx.progress(state.global_step, state.max_steps, loss=self.loss)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logs = logs or {}
+            inject = os.environ.get("ALIGN_INJECT_NAN_AT_STEP")  # fault injection for crash-safety tests
+            if inject and "loss" in logs and state.global_step >= int(inject):
+                logs["loss"] = float("nan")
+            loss = logs.get("loss")
+            if loss is not None and not math.isfinite(float(loss)):
+                raise NonFiniteLossError(
+                    f"stage '{ctx.name}': loss is {loss} at step {state.global_step}; stopping. The last good "
+                    f"checkpoint is kept in {ctx.checkpoints} (lower the learning rate or check the data).")
+            if loss is not None:
+                self.loss = float(loss)
+            if state.is_world_process_zero:
+                ctx.log({metric_name(k): v for k, v in logs.items() if isinstance(v, (int, float))},
+                        step=state.global_step)
+
+    return AlignMetrics()
+
+
+def trainer_kwargs(cfg: TrainedStage, ctx: StageContext) -> dict[str, Any]:
+    """The TRL/transformers TrainingArguments that every trained stage shares."""
+    import torch  # heavy: stage processes only
+
+    cfg.check_steps()  # the same check `align validate` runs, in case the stage is started directly
+    return dict(
+        output_dir=str(ctx.checkpoints), learning_rate=cfg.learning_rate, lr_scheduler_type=cfg.lr_scheduler,
+        warmup_steps=cfg.warmup_ratio, weight_decay=cfg.weight_decay, num_train_epochs=cfg.epochs,
+        max_steps=cfg.max_steps if cfg.max_steps is not None else -1, per_device_train_batch_size=cfg.per_device_batch_size,
+        per_device_eval_batch_size=cfg.per_device_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps, logging_steps=cfg.logging_steps,
+        save_strategy="steps", save_steps=cfg.save_steps, save_total_limit=2, report_to="none", seed=ctx.seed,
+        data_seed=ctx.seed, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
+        disable_tqdm=not verbose(),  # the runner draws one bar per stage from ctx.progress (align/console.py)
+        # TRL defaults to bf16 autocast; on CPUs without bf16 units that is ~6x slower (measured: 3.4 s vs
+        # 0.53 s per SFT step of the default model), so mixed precision is used only where it pays.
+        bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(), fp16=False,
+        max_length=cfg.max_length, logging_first_step=False,
+        # TRL >= 1.16 turns gradient checkpointing on in every config; align leaves it to the stage setting
+        # (off: the demo's SFT steps take about half the time without recomputation).
+        activation_checkpointing=cfg.gradient_checkpointing,
+    )
+
+
+def check_lengths(ctx: StageContext, rows: list[dict[str, Any]], tokenizer) -> None:
+    """Count examples longer than max_length after templating (align/lengths.py, by the stage type's
+    LENGTH_RULE), before any training step; record the counts in the manifest and stop when too many would be
+    truncated or dropped."""
+    cfg: TrainedStage = ctx.cfg  # type: ignore[assignment]
+    report = measure(ctx.name, cfg.LENGTH_RULE, rows, tokenizer, cfg.max_length)
+    ctx.extra_manifest["length_check"] = report.as_dict()
+    if ctx.is_main:
+        print(f"[align] length check {report.summary()}", flush=True)
+    enforce(report, cfg.max_truncated_fraction)
+
+
+def train_with_resume(ctx: StageContext, trainer) -> dict[str, Any]:
+    """trainer.train(), resuming from the last complete checkpoint of this fingerprint if there is one."""
+    ckpt = ctx.last_checkpoint()
+    resumed_from = int(Path(ckpt).name.split("-")[-1]) if ckpt else 0
+    if ckpt and ctx.is_main:
+        print(f"[align] {ctx.name}: resuming from {ckpt} (step {resumed_from})", flush=True)
+    ctx.extra_manifest["resumed_from_step"] = resumed_from
+    if ctx.is_main:  # rows a killed attempt logged after its last checkpoint are logged again from there
+        keep_metrics_until(ctx.dir / "metrics.jsonl", resumed_from)
+    out = trainer.train(resume_from_checkpoint=ckpt)
+    ctx.extra_manifest["global_step"] = trainer.state.global_step
+    if trainer.state.global_step == 0:
+        raise StageError(f"stage '{ctx.name}' trained 0 optimiser steps (no examples, or epochs/max_steps too "
+                         "small for the batch size); nothing is published")
+    return {"train/loss_final_avg": out.training_loss, "train/global_step": trainer.state.global_step}
+
+
