@@ -13,6 +13,9 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Two pytest workers share 2 cores: one thread per process (tests and the stage processes they start), or
+# OpenMP threads spin against each other and every process slows down many times over.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.pop("WANDB_API_KEY", None)  # offline mode, whatever the developer's shell holds
 

@@ -35,6 +35,20 @@ def e2e(tmp_path_factory):
             "seconds": time.time() - t0}
 
 
+@pytest.fixture
+def private(e2e, tmp_path):
+    """A copy of the shared run in a project of its own, for tests that rerun or rewrite stages: the tests of
+    this module then pass in any order."""
+    import shutil
+
+    root = tmp_path / "project"
+    root.mkdir()
+    for name in ("pipelines", "data_cards"):
+        (root / name).symlink_to(REPO / name)
+    shutil.copytree(e2e["run"], root / "runs" / "default" / "e2e")
+    return {**e2e, "root": root, "run": root / "runs" / "default" / "e2e"}
+
+
 def _manifest(run: Path, stage: str) -> dict:
     return json.loads((run / stage / "manifest.json").read_text())
 
@@ -135,7 +149,7 @@ def test_align_status_lists_every_stage_and_notices_a_stale_one(e2e, tmp_path):
     import shutil
 
     copy = tmp_path / "copy"
-    shutil.copytree(e2e["run"], copy)  # before the tests below rerun stages; a copy, as this one edits it
+    shutil.copytree(e2e["run"], copy)  # a copy, as this test edits it
     proc = run_align("status", str(copy), cwd=e2e["root"])
     assert proc.returncode == 0, proc.stderr
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
@@ -157,17 +171,15 @@ def test_align_status_lists_every_stage_and_notices_a_stale_one(e2e, tmp_path):
     assert bad.returncode == 2 and "not a readable run directory" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_rerun_skips_everything_then_beta_reruns_only_downstream(e2e):
-    run = e2e["run"]
+def test_rerun_skips_everything_then_beta_reruns_only_downstream(private):
+    run = private["run"]
     before = {s: _manifest(run, s)["attempts"] for s in STAGES}
-    t0 = time.time()
-    again = run_align(*e2e["args"], cwd=e2e["root"])
+    again = run_align(*private["args"], cwd=private["root"])
     assert again.returncode == 0, again.stderr[-2000:]
-    assert time.time() - t0 < 60
     assert again.stdout.count("skipped") == 6 and "running" not in again.stdout
     assert {s: _manifest(run, s)["attempts"] for s in STAGES} == before
 
-    changed = run_align(*e2e["args"], "dpo.beta=0.3", cwd=e2e["root"])
+    changed = run_align(*private["args"], "dpo.beta=0.3", cwd=private["root"])
     assert changed.returncode == 0, changed.stderr[-2000:]
     ran = {s for s in STAGES if f"{s} ({s}): running" in changed.stdout}
     assert ran == {"dpo", "evaluate"}
@@ -184,11 +196,9 @@ def test_rerun_skips_everything_then_beta_reruns_only_downstream(e2e):
 def test_bad_input_fails_fast_and_keeps_completed_stages(e2e, override, message):
     run = e2e["run"]
     snapshot = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
-    t0 = time.time()
     proc = run_align(*e2e["args"], override, cwd=e2e["root"])
     assert proc.returncode == 2
-    assert message in proc.stderr
-    assert time.time() - t0 < 15
+    assert message in proc.stderr and "running" not in proc.stdout  # refused before any stage started
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == snapshot
 
 
@@ -203,13 +213,13 @@ def test_report_has_plots_and_tables(e2e):
     assert "[align] headline" in e2e["first"].stdout
 
 
-def test_align_report_rebuilds_without_training_and_refuses_incomplete_models(e2e, tmp_path):
+def test_align_report_rebuilds_without_training_and_refuses_incomplete_models(private, tmp_path):
     import shutil
 
-    run = e2e["run"]
+    run = private["run"]
     before = {s: _manifest(run, s)["attempts"] for s in ("sft", "reward", "ppo", "dpo")}
     old = (run / "report" / "metrics.json").stat().st_mtime_ns
-    proc = run_align("report", str(run), cwd=e2e["root"])
+    proc = run_align("report", str(run), cwd=private["root"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert (run / "report" / "metrics.json").stat().st_mtime_ns > old
     assert {s: _manifest(run, s)["attempts"] for s in before} == before  # nothing retrained
@@ -217,15 +227,16 @@ def test_align_report_rebuilds_without_training_and_refuses_incomplete_models(e2
     copy = tmp_path / "runs" / "default" / "e2e"
     shutil.copytree(run, copy)
     shutil.rmtree(copy / "dpo" / "model")
-    proc = run_align("report", str(copy), cwd=e2e["root"])
+    proc = run_align("report", str(copy), cwd=private["root"])
     assert proc.returncode == 2
     assert "dpo" in proc.stderr and "missing or incomplete" in proc.stderr
 
 
-def test_ppo_killed_mid_run_resumes_iteration_beta_and_statistics(e2e):
-    """Runs last in this module: it retrains ppo with a longer config in the same run directory."""
+def test_ppo_killed_mid_run_resumes_iteration_beta_and_statistics(private):
+    """Retrains ppo with a longer config in a private copy of the run, kills it after its first complete
+    checkpoint, and resumes."""
+    e2e = private
     import os
-    import random
     import signal
     import subprocess
 
@@ -247,7 +258,6 @@ def test_ppo_killed_mid_run_resumes_iteration_beta_and_statistics(e2e):
             assert proc.poll() is None, "ppo finished before it could be killed"
             assert time.time() - t0 < 300
             time.sleep(0.05)
-        time.sleep(random.uniform(0.0, 0.3))  # a random point after the first complete checkpoint
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
