@@ -125,9 +125,17 @@ def test_ppo_zero3_survives_ranks_that_finish_generating_at_different_steps(chai
         assert r["rollout/response_length"] == pytest.approx((1 + 12) / 2)
 
 
-def test_sft_zero3_then_reward_zero2_loads_it(chain):
-    """Last (it replaces the chain's sft model): sft under ZeRO-3, then reward under ZeRO-2 from that checkpoint."""
-    root, run = chain
+def test_sft_zero3_then_reward_zero2_loads_it(chain, tmp_path):
+    """sft under ZeRO-3, then reward under ZeRO-2 from that checkpoint; in a copy of the chain's run (it replaces
+    the sft model), so the tests of this file pass in any order."""
+    import shutil
+
+    root = tmp_path / "project"
+    root.mkdir()
+    for name in ("pipelines", "data_cards"):
+        (root / name).symlink_to(REPO / name)
+    run = root / "runs" / "default" / "zero"
+    shutil.copytree(chain[1], run)
     for stage, zero in (("sft", "zero3"), ("reward", "zero2")):
         proc = run_align(*ARGS, "--only", stage, "--force", f"{stage}.accelerate={zero}", cwd=root)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
