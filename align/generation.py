@@ -36,6 +36,11 @@ class Rollout:
     def attention_mask(self) -> torch.Tensor:
         return torch.cat([self.query_mask, self.response_mask], dim=1)
 
+    def texts(self, tokenizer) -> list[str]:
+        """The response texts: tokens up to the first EOS, special tokens (EOS, padding) removed."""
+        return [tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
+                for ids, m in zip(self.response_ids, self.response_mask)]
+
 
 def tokenize_prompts(tokenizer, prompts: list[str], max_length: int | None = None):
     """Left-padded prompt ids and mask (B, Lq)."""
@@ -102,9 +107,7 @@ def sample_texts(model, tokenizer, prompts: list[str], gen: Generation, seed: in
     texts: list[str] = []
     for start in range(0, len(prompts), gen.batch_size):
         batch = prompts[start:start + gen.batch_size]
-        r = generate(model, tokenizer, batch, gen, seed=seed + start)
-        for ids, m in zip(r.response_ids, r.response_mask):
-            texts.append(tokenizer.decode(ids[m.bool()], skip_special_tokens=True))
+        texts.extend(generate(model, tokenizer, batch, gen, seed=seed + start).texts(tokenizer))
     return texts
 
 

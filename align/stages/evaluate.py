@@ -41,8 +41,7 @@ def sample_with_kl(policy, reference, tokenizer, prompts: list[str], cfg: Evalua
         mask = r.response_mask.float()
         kls.extend(((lp - ref_lp) * mask).sum(1).tolist())
         lengths.extend(mask.sum(1).tolist())
-        texts.extend(tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
-                     for ids, m in zip(r.response_ids, r.response_mask))
+        texts.extend(r.texts(tokenizer))
     return texts, kls, lengths
 
 

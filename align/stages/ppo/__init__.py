@@ -267,7 +267,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         ctx.log(metrics, step=it + 1)
         ctx.progress(it + 1, cfg.iterations, score=metrics["objective/scores"], kl=seq_kl, beta=beta)
         if cfg.sample_every and (it + 1) % cfg.sample_every == 0 and ctx.tracker is not None:
-            texts = tokenizer.batch_decode(r.response_ids[:8], skip_special_tokens=True)
+            texts = r.texts(tokenizer)[:8]
             ctx.tracker.table("samples", ["prompt", "response", "score"],
                               [[p, t, float(s)] for p, t, s in zip(batch_prompts, texts, scores[:8].tolist())], it + 1)
         progress["iteration"] = it + 1

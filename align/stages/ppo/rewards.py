@@ -34,10 +34,6 @@ class Scorer:
                 judges[name] = (weight, python_judge(name))
         return cls(models, judges, tokenizer)
 
-    def texts(self, r: Rollout) -> list[str]:
-        return [self.tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
-                for ids, m in zip(r.response_ids, r.response_mask)]
-
     @torch.no_grad()
     def __call__(self, r: Rollout, prompts: list[str]) -> torch.Tensor:
         ids, mask = r.input_ids, r.attention_mask
@@ -47,7 +43,7 @@ class Scorer:
             for weight, model in self.reward_models.values():
                 total += weight * scalar_outputs(model, ids, mask)[torch.arange(ids.size(0)), last]
         if self.judges:
-            texts = self.texts(r)
+            texts = r.texts(self.tokenizer)
             for weight, judge in self.judges.values():
                 total += weight * torch.tensor(judge(prompts, texts), dtype=torch.float32, device=ids.device)
         return total
