@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from align.compute import FAST_PAD_MULTIPLE
 from align.losses import entropy_from_logits, logprobs_from_logits, response_mask_after_eos
 
 if TYPE_CHECKING:  # annotations only: judges import this module, and align.config imports judges
@@ -42,13 +43,13 @@ class Rollout:
                 for ids, m in zip(self.response_ids, self.response_mask)]
 
 
-def tokenize_prompts(tokenizer, prompts: list[str], max_length: int | None = None):
-    """Left-padded prompt ids and mask (B, Lq)."""
+def tokenize_prompts(tokenizer, prompts: list[str], max_length: int | None = None, pad_to_multiple_of: int | None = None):
+    """Left-padded prompt ids and mask (B, Lq); Lq a multiple of `pad_to_multiple_of` when given."""
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     try:
         enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=True,
-                        truncation=max_length is not None, max_length=max_length)
+                        truncation=max_length is not None, max_length=max_length, pad_to_multiple_of=pad_to_multiple_of)
     finally:
         tokenizer.padding_side = side
     return enc["input_ids"], enc["attention_mask"]
@@ -75,12 +76,26 @@ class EOSOverride:
         return scores
 
 
+def static_cache_safe(model, device: torch.device) -> bool:
+    """A static KV cache takes its dtype from the first key it stores and then refuses values of another dtype.
+    Under autocast with weights in another dtype some families (GPT-NeoX: rotary embeddings promote keys to
+    float32 while values stay bfloat16) store keys and values in different dtypes, and generation fails
+    (measured on an H100, transformers 5.23). So the static cache is used only when weights and autocast agree."""
+    if not torch.is_autocast_enabled(device.type):
+        return True
+    return next(model.parameters()).dtype == torch.get_autocast_dtype(device.type)
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], gen: Generation, seed: int, max_prompt_length: int | None = None,
-             synced_gpus: bool = False, eos_override: str | None = None) -> Rollout:
-    """Sample one response per prompt (duplicate prompts for several). Deterministic given `seed`."""
+             synced_gpus: bool = False, eos_override: str | None = None, fast: bool = False) -> Rollout:
+    """Sample one response per prompt (duplicate prompts for several). Deterministic given `seed`.
+
+    `fast` (align/compute.py): a static KV cache, which transformers compiles on a GPU, and prompts padded to a
+    multiple of FAST_PAD_MULTIPLE tokens so that few distinct shapes are compiled."""
     device = next(model.parameters()).device
-    q_ids, q_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length)
+    fast = fast and static_cache_safe(model, device)
+    q_ids, q_mask = tokenize_prompts(tokenizer, prompts, max_prompt_length, FAST_PAD_MULTIPLE if fast else None)
     q_ids, q_mask = q_ids.to(device), q_mask.to(device)
     torch.manual_seed(seed)
     extra = {}
@@ -88,6 +103,8 @@ def generate(model, tokenizer, prompts: list[str], gen: Generation, seed: int, m
         from transformers import LogitsProcessorList  # heavy: only under fault injection
 
         extra["logits_processor"] = LogitsProcessorList([EOSOverride(tokenizer.eos_token_id, eos_override)])
+    if fast:
+        extra["cache_implementation"] = "static"
     out = model.generate(
         input_ids=q_ids, attention_mask=q_mask, do_sample=True, temperature=gen.temperature,
         top_k=gen.top_k or None, top_p=gen.top_p, max_new_tokens=gen.max_new_tokens,
@@ -102,12 +119,25 @@ def generate(model, tokenizer, prompts: list[str], gen: Generation, seed: int, m
     return Rollout(q_ids, q_mask, resp, mask, eos_found)
 
 
-def sample_texts(model, tokenizer, prompts: list[str], gen: Generation, seed: int) -> list[str]:
-    """Sampled response texts (EOS and padding removed), in batches of gen.batch_size."""
-    texts: list[str] = []
+def by_length(tokenizer, prompts: list[str]) -> list[int]:
+    """Prompt indices, longest first: batches of similar lengths waste little compute on padding."""
+    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"]]
+    return sorted(range(len(prompts)), key=lambda i: (-lengths[i], i))
+
+
+def sample_texts(model, tokenizer, prompts: list[str], gen: Generation, seed: int, fast: bool = False,
+                 counts: dict[str, int] | None = None) -> list[str]:
+    """Sampled response texts (EOS and padding removed), in length-sorted batches of gen.batch_size, returned
+    in the order of `prompts`. `counts["generated_tokens"]` is increased by the response tokens sampled."""
+    order = by_length(tokenizer, prompts)
+    texts: list[str] = [""] * len(prompts)
     for start in range(0, len(prompts), gen.batch_size):
-        batch = prompts[start:start + gen.batch_size]
-        texts.extend(generate(model, tokenizer, batch, gen, seed=seed + start).texts(tokenizer))
+        idx = order[start:start + gen.batch_size]
+        r = generate(model, tokenizer, [prompts[i] for i in idx], gen, seed=seed + start, fast=fast)
+        for i, text in zip(idx, r.texts(tokenizer)):
+            texts[i] = text
+        if counts is not None:
+            counts["generated_tokens"] = counts.get("generated_tokens", 0) + int(r.response_mask.sum())
     return texts
 
 

@@ -88,11 +88,12 @@ def check_judges(spec: str | dict[str, float], reward_stages: set[str], other_st
 class RewardModelJudge:
     """A trained reward model as a judge (scores prompt + response + EOS, as it was trained)."""
 
-    def __init__(self, model_dir: str, batch_size: int = 64):
+    def __init__(self, model_dir: str, batch_size: int = 64, load: Callable[[str, int | None], Any] | None = None):
+        """`load(path, pad_token_id)` loads the model (a stage passes its own: device, dtype, attention kernel)."""
         from align.models import load_scalar_model, load_tokenizer  # heavy (torch): config checks import judges
 
         self.tokenizer = load_tokenizer(model_dir)
-        self.model = load_scalar_model(model_dir, self.tokenizer.pad_token_id).eval()
+        self.model = (load or load_scalar_model)(model_dir, self.tokenizer.pad_token_id).eval()
         self.batch_size = batch_size
 
     def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
@@ -115,12 +116,14 @@ class WeightedJudge:
         return total
 
 
-def make_judge(spec: str | dict[str, float], reward_model_dir: Callable[[str], str | None]) -> Any:
-    """The judge a stage uses: `reward_model_dir(name)` gives a reward stage's model/ (None for non-stages)."""
+def make_judge(spec: str | dict[str, float], reward_model_dir: Callable[[str], str | None],
+               load: Callable[[str, int | None], Any] | None = None) -> Any:
+    """The judge a stage uses: `reward_model_dir(name)` gives a reward stage's model/ (None for non-stages);
+    `load` loads a reward model (RewardModelJudge)."""
     parts: dict[str, tuple[float, Judge]] = {}
     for name, weight in judge_weights(spec).items():
         path = reward_model_dir(name)
-        parts[name] = (weight, RewardModelJudge(path) if path else python_judge(name))
+        parts[name] = (weight, RewardModelJudge(path, load=load) if path else python_judge(name))
     if len(parts) == 1 and next(iter(parts.values()))[0] == 1.0:
         return next(iter(parts.values()))[1]
     return WeightedJudge(parts)

@@ -101,12 +101,14 @@ def load_tokenizer(path_or_id: str, trust_remote_code: bool = False, needs_chat_
 
 
 # --------------------------------------------------------------------------------------------- models
-def build_builtin(size: BuiltinModel, tokenizer, seed: int):
+def build_builtin(size: BuiltinModel, tokenizer, seed: int, attn_implementation: str | None = None):
     """A tiny Llama-style causal LM with fresh weights (deterministic given `seed`)."""
     from transformers import LlamaForCausalLM  # heavy: loaded on use
 
     cfg = llama_config(size, len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                        pad_token_id=tokenizer.pad_token_id)
+    if attn_implementation:
+        cfg._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg)
 
@@ -114,16 +116,17 @@ def build_builtin(size: BuiltinModel, tokenizer, seed: int):
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_causal_lm(path_or_id: str, dtype: str = "float32", trust_remote_code: bool = False):
+def load_causal_lm(path_or_id: str, dtype: str = "float32", trust_remote_code: bool = False, **kwargs: Any):
+    """`kwargs`: further from_pretrained arguments (align/compute.py: the attention kernel)."""
     from transformers import AutoModelForCausalLM  # heavy: loaded on use
 
     check_remote_code(path_or_id, trust_remote_code)
     return AutoModelForCausalLM.from_pretrained(path_or_id, dtype=_DTYPES[dtype],
-                                                trust_remote_code=trust_remote_code)
+                                                trust_remote_code=trust_remote_code, **kwargs)
 
 
 def load_scalar_model(path_or_id: str, pad_token_id: int | None, dtype: str = "float32",
-                      trust_remote_code: bool = False):
+                      trust_remote_code: bool = False, **kwargs: Any):
     """A sequence-classification model with one output: a reward or value model.
 
     Loading a causal-LM checkpoint this way keeps its transformer and adds a freshly initialised scalar
@@ -133,7 +136,7 @@ def load_scalar_model(path_or_id: str, pad_token_id: int | None, dtype: str = "f
 
     check_remote_code(path_or_id, trust_remote_code)
     model = AutoModelForSequenceClassification.from_pretrained(
-        path_or_id, num_labels=1, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code)
+        path_or_id, num_labels=1, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs)
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return model

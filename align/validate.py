@@ -11,6 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 from align.builtin import is_builtin
+from align.compute import flash_attention_problem
 from align.config import CheckContext, ConfigError, PipelineConfig, TrainedStage
 from align.data.cards import DataCardError, DataUnavailableError, LoadedSplit, hub_reachable, load_card, load_split
 from align.inputs import check_model_inputs, resolve_model_paths
@@ -41,6 +42,9 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
                 raise PipelineError(str(exc)) from None
         return cache[key]
 
+    problem = flash_attention_problem(cfg.attn_implementation)
+    if problem:
+        raise PipelineError(f"{source}: attn_implementation: {cfg.attn_implementation!r}: {problem}")
     for note in check_model_inputs(cfg, source):
         if verbose:
             print(f"  warning: {note}")

@@ -17,6 +17,7 @@ import yaml
 from align.config.common import (DTYPES, LR_SCHEDULERS, STAGE_TYPES, BuiltinModel, CheckContext, Generation,
                                  LoraSettings, StageBase, TrainedStage, import_builtin_types,
                                  stage_types)
+from align.compute import ATTN_IMPLEMENTATIONS, PRECISIONS
 from align.schema import (ConfigError, check_plain_name, closest, from_dict, name_field, one_of, ranged,
                           strict_yaml)
 
@@ -73,6 +74,12 @@ class PipelineConfig:
     """Size of the builtin model."""
     dtype: str = one_of("float32", *DTYPES)
     """Weights dtype for loading (float32 | bfloat16 | float16)."""
+    precision: str = one_of("auto", *PRECISIONS)
+    """Compute precision of every stage (training steps, rollouts, scoring): auto (bfloat16 autocast on a GPU
+    that supports it, float32 elsewhere) | float32 | bfloat16 | float16. Mixed precision: weights keep `dtype`."""
+    attn_implementation: str = one_of("auto", *ATTN_IMPLEMENTATIONS)
+    """Attention kernel of every model loaded: auto (transformers' choice, SDPA where supported) | eager | sdpa |
+    flash_attention_2 | flash_attention_3 | flex_attention."""
     seed: int = ranged(17, ge=0)
     """Default seed of every stage."""
     run_id: str = name_field("main")

@@ -78,6 +78,9 @@ class Generation:
     """Nucleus sampling mass (1.0 = off)."""
     batch_size: int = ranged(64, ge=1)
     """Prompts per generate call."""
+    fast: str = one_of("auto", "auto", "on", "off")
+    """Static KV cache (compiled with torch.compile by transformers on a GPU) and prompts padded to a multiple of
+    32 tokens: auto = on on a GPU outside ZeRO-3, off on CPU (align/compute.py)."""
 
 
 

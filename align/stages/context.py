@@ -20,6 +20,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from align.compute import resolve as resolve_compute
 from align.config import PipelineConfig, StageBase, from_dict, stage_from_dict
 from align.console import emit_progress, verbose
 from align.fsutil import atomic_write_text, output_digest, publish_dir, staging_dir, staging_path
@@ -59,6 +60,8 @@ class StageContext:
         # the DeepSpeed launcher (measured with accelerate 1.15), and every rank would think it is the main one.
         self.state = PartialState(cpu=not torch.cuda.is_available())
         self.is_main = self.state.is_main_process
+        self.compute = resolve_compute(self.pipeline.precision, self.pipeline.attn_implementation, self.state.device,
+                                       zero3=os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3")
         self.checkpoints = self.dir / "checkpoints"
         self.tracker: Tracker | None = None
         self.extra_manifest: dict[str, Any] = {}
@@ -71,6 +74,24 @@ class StageContext:
 
     def input_model(self, stage_name: str) -> str:
         return str(self.input_dir(stage_name) / "model")
+
+    # ------------------------------------------------------------------ models
+    def load_lm(self, path: str, device: bool = False):
+        """A causal LM in the pipeline's dtype and attention kernel (moved to this process's device if asked:
+        stages that do not hand the model to accelerate or a Trainer)."""
+        from align.models import load_causal_lm  # heavy: stage processes only
+
+        model = load_causal_lm(path, self.pipeline.dtype, self.pipeline.trust_remote_code,
+                               **self.compute.model_kwargs())
+        return model.to(self.compute.device) if device else model
+
+    def load_scalar(self, path: str, pad_token_id: int | None, device: bool = False):
+        """A reward / value model (sequence classification, one output), like `load_lm`."""
+        from align.models import load_scalar_model  # heavy: stage processes only
+
+        model = load_scalar_model(path, pad_token_id, self.pipeline.dtype, self.pipeline.trust_remote_code,
+                                  **self.compute.model_kwargs())
+        return model.to(self.compute.device) if device else model
 
     # ------------------------------------------------------------------ tracking
     def start_tracking(self) -> Tracker:
@@ -272,7 +293,8 @@ def _run(ctx: StageContext) -> None:
     ctx.write_manifest("running")
     module = importlib.import_module(type(ctx.cfg).stage_module())
     ctx.start_tracking()
-    final = module.run(ctx)
+    t0 = time.perf_counter()
+    final = {**module.run(ctx), **resource_metrics(ctx, time.perf_counter() - t0)}
     ctx.state.wait_for_everyone()
     check_produced(ctx, module.OUTPUTS, final)
     if ctx.tracker:
@@ -282,6 +304,21 @@ def _run(ctx: StageContext) -> None:
     if ctx.is_main:
         print(f"[align] {ctx.name}: completed " + ", ".join(f"{k}={_fmt(v)}" for k, v in final.items()
                                                             if isinstance(v, (int, float))), flush=True)
+
+
+def resource_metrics(ctx: StageContext, seconds: float) -> dict[str, float]:
+    """The stage's wall time in `run`, and on a GPU the peak memory allocated by PyTorch on any process of this
+    machine (what `align estimate` predicts, less the CUDA context and allocator slack)."""
+    import torch  # the stage process already imported it
+
+    out = {"perf/stage_seconds": seconds}
+    if ctx.compute.device.type == "cuda":
+        peak = torch.tensor(float(torch.cuda.max_memory_allocated(ctx.compute.device)), device=ctx.compute.device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+        out["perf/peak_memory_gb"] = peak.item() / 1e9
+        out["perf/peak_reserved_gb"] = torch.cuda.max_memory_reserved(ctx.compute.device) / 1e9
+    return out
 
 
 def quiet_libraries() -> None:

@@ -6,7 +6,7 @@ from typing import Any
 
 from align.config.dpo import DPOStage
 from align.data.rows import load_rows
-from align.models import load_causal_lm, load_tokenizer, peft_config
+from align.models import load_tokenizer, peft_config
 from align.stages.context import StageContext
 from align.stages.trl import check_lengths, eval_metrics, metrics_callback, train_with_resume, trainer_kwargs
 
@@ -24,11 +24,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
     path = ctx.input_model(cfg.policy)
     tokenizer = load_tokenizer(path)
     check_lengths(ctx, train, tokenizer)
-    dtype = ctx.pipeline.dtype
-    model = load_causal_lm(path, dtype)
+    model = ctx.load_lm(path)
     lora = peft_config(cfg.lora, "CAUSAL_LM")
     # With LoRA the reference is the base model with adapters disabled; otherwise a frozen copy.
-    ref = None if lora is not None else load_causal_lm(path, dtype)
+    ref = None if lora is not None else ctx.load_lm(path)
     args = DPOConfig(**trainer_kwargs(cfg, ctx), beta=cfg.beta, loss_type=[cfg.loss_type],
                      label_smoothing=cfg.label_smoothing, eval_strategy="no")
     trainer = DPOTrainer(model=model, ref_model=ref, args=args, processing_class=tokenizer,

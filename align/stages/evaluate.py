@@ -8,6 +8,7 @@ Writes `<run>/report/metrics.json` and `<run>/report/report.md` atomically.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,9 @@ import torch
 from align import plots
 from align.config.evaluate import EvaluateStage
 from align.data.rows import load_prompts, load_rows
-from align.generation import generate, response_logprobs
+from align.generation import by_length, generate, response_logprobs
 from align.judges import RewardModelJudge, python_judge
-from align.models import load_causal_lm, load_tokenizer
+from align.models import load_tokenizer
 from align.stages.context import StageContext
 from align.stages.reward import calibration_buckets, pairwise_accuracy
 from align.stats import mean_ci, win_rate
@@ -29,19 +30,23 @@ OUTPUTS = ["../report"]
 
 @torch.no_grad()
 def sample_with_kl(policy, reference, tokenizer, prompts: list[str], cfg: EvaluateStage, seed: int,
-                   on_batch=lambda done: None):
-    """Responses (text) and sequence-level KL(policy || reference) = sum_t log pi - log ref on them."""
-    texts, kls, lengths = [], [], []
+                   on_batch=lambda done: None, fast: bool = False):
+    """Responses (text) and sequence-level KL(policy || reference) = sum_t log pi - log ref on them, in the order
+    of `prompts` (sampled in length-sorted batches: every policy gets the same batches and seeds)."""
+    n = len(prompts)
+    texts, kls, lengths = [""] * n, [0.0] * n, [0.0] * n
     gen = cfg.generation
-    for start in range(0, len(prompts), gen.batch_size):
+    order = by_length(tokenizer, prompts)
+    for start in range(0, n, gen.batch_size):
         on_batch(start)
-        r = generate(policy, tokenizer, prompts[start:start + gen.batch_size], gen, seed=seed + start)
+        idx = order[start:start + gen.batch_size]
+        r = generate(policy, tokenizer, [prompts[i] for i in idx], gen, seed=seed + start, fast=fast)
         lp = response_logprobs(policy, r, gen.temperature)
         ref_lp = response_logprobs(reference, r, gen.temperature)
         mask = r.response_mask.float()
-        kls.extend(((lp - ref_lp) * mask).sum(1).tolist())
-        lengths.extend(mask.sum(1).tolist())
-        texts.extend(r.texts(tokenizer))
+        for i, kl, length, text in zip(idx, ((lp - ref_lp) * mask).sum(1).tolist(), mask.sum(1).tolist(),
+                                       r.texts(tokenizer)):
+            texts[i], kls[i], lengths[i] = text, kl, length
     return texts, kls, lengths
 
 
@@ -50,25 +55,33 @@ def run(ctx: StageContext) -> dict[str, Any]:
     prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts)
     ref_path = ctx.input_model(cfg.reference)
     tokenizer = load_tokenizer(ref_path)
-    dtype = ctx.pipeline.dtype
-    reference = load_causal_lm(ref_path, dtype).eval()
+    reference = ctx.load_lm(ref_path, device=True).eval()
     judges: dict[str, Any] = {name: python_judge(name) for name in cfg.judges}
     if cfg.reward:
-        judges["reward_model"] = RewardModelJudge(ctx.input_model(cfg.reward))
+        judges["reward_model"] = RewardModelJudge(ctx.input_model(cfg.reward),
+                                                  load=lambda p, pad: ctx.load_scalar(p, pad, device=True))
+    fast = ctx.compute.fast_generation(cfg.generation.fast)
+    t0, generated = time.perf_counter(), 0
 
     samples: dict[str, dict[str, Any]] = {}
     total = len(cfg.policies) * len(prompts)
     for i, name in enumerate(cfg.policies):
         if ctx.is_main:
             print(f"[align] {ctx.name}: sampling {len(prompts)} prompts from '{name}'", flush=True)
-        policy = load_causal_lm(ctx.input_model(name), dtype).eval()
-        texts, kls, lengths = sample_with_kl(policy, reference, tokenizer, prompts, cfg, ctx.seed,
-                                             lambda done: ctx.progress(i * len(prompts) + done, total, policy=name))
-        ctx.progress((i + 1) * len(prompts), total, policy=name)
-        scores = {j: fn(prompts, texts) for j, fn in judges.items()}
+        policy = ctx.load_lm(ctx.input_model(name), device=True).eval()
+        with ctx.compute.autocast():
+            texts, kls, lengths = sample_with_kl(policy, reference, tokenizer, prompts, cfg, ctx.seed,
+                                                 lambda done: ctx.progress(i * len(prompts) + done, total, policy=name),
+                                                 fast=fast)
+            ctx.progress((i + 1) * len(prompts), total, policy=name)
+            scores = {j: fn(prompts, texts) for j, fn in judges.items()}
+        generated += int(sum(lengths))
+        del policy
         samples[name] = {"responses": texts, "kl": kls, "length": lengths, "scores": scores}
 
-    metrics: dict[str, Any] = {"eval/prompts": len(prompts)}
+    seconds = time.perf_counter() - t0
+    metrics: dict[str, Any] = {"eval/prompts": len(prompts), "perf/generated_tokens": generated,
+                               "perf/generation_seconds": seconds, "perf/tokens_per_s": generated / seconds}
     for name, s in samples.items():
         metrics[f"eval/{name}/kl"] = float(np.mean(s["kl"]))
         metrics[f"eval/{name}/kl_std"] = float(np.std(s["kl"]))

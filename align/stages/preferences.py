@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 from typing import Any
 
 
 from align.config.preferences import PreferencesStage
 from align.data.rows import load_prompts
-from align.generation import sample_texts
+from align.generation import by_length, sample_texts
 from align.judges import make_judge
-from align.models import load_causal_lm, load_tokenizer
+from align.models import load_tokenizer
 from align.stages.context import StageContext
 
 OUTPUTS = ["data"]
@@ -40,19 +41,25 @@ def run(ctx: StageContext) -> dict[str, Any]:
     prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts)
     path = ctx.input_model(cfg.policy)
     tokenizer = load_tokenizer(path)
-    policy = load_causal_lm(path, ctx.pipeline.dtype).eval()
-    judge = make_judge(cfg.judge, lambda n: ctx.input_model(n) if n in ctx.inputs else None)
+    policy = ctx.load_lm(path, device=True).eval()
+    judge = make_judge(cfg.judge, lambda n: ctx.input_model(n) if n in ctx.inputs else None,
+                       load=lambda p, pad: ctx.load_scalar(p, pad, device=True))
     n = cfg.samples_per_prompt
     per_batch = max(1, cfg.generation.batch_size // n)
+    fast = ctx.compute.fast_generation(cfg.generation.fast)
+    # Prompts of similar length share a batch (less padding); pairs are put back in prompt order below.
+    ordered = [(i, prompts[i]) for i in by_length(tokenizer, prompts)]
 
-    records = []
-    with ctx.state.split_between_processes(list(enumerate(prompts))) as mine:
+    records, counts, t0 = [], {"generated_tokens": 0}, time.perf_counter()
+    with ctx.state.split_between_processes(ordered) as mine:
         for start in range(0, len(mine), per_batch):
             ctx.progress(start, len(mine))
             batch = mine[start:start + per_batch]
             flat = [p for _, p in batch for _ in range(n)]
-            texts = sample_texts(policy, tokenizer, flat, cfg.generation, seed=ctx.seed * 1_000_003 + batch[0][0])
-            scores = judge(flat, texts)
+            with ctx.compute.autocast():
+                texts = sample_texts(policy, tokenizer, flat, cfg.generation, seed=ctx.seed * 1_000_003 + batch[0][0],
+                                     fast=fast, counts=counts)
+                scores = judge(flat, texts)
             for j, (idx, prompt) in enumerate(batch):
                 records.append({"index": idx, "prompt": prompt, "responses": texts[j * n:(j + 1) * n],
                                 "scores": scores[j * n:(j + 1) * n]})
@@ -60,6 +67,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     from accelerate.utils import gather_object  # heavy: stage processes only
 
     records = sorted(gather_object(records), key=lambda r: r["index"])
+    seconds = time.perf_counter() - t0
+    generated = sum(gather_object([counts["generated_tokens"]]))
 
     pairs, ties = [], 0
     for r in records:
@@ -89,6 +98,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     final = {"preferences/prompts": len(records), "preferences/pairs_train": len(splits["train"]),
              "preferences/pairs_test": len(splits["test"]), "preferences/ties_dropped": ties,
              "preferences/mean_margin": sum(margins) / len(margins),
-             "objective/scores": sum(all_scores) / len(all_scores)}
+             "objective/scores": sum(all_scores) / len(all_scores),
+             "perf/generated_tokens": generated, "perf/generation_seconds": seconds,
+             "perf/tokens_per_s": generated / seconds}
     ctx.log(final, step=0)
     return final

@@ -53,7 +53,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     path = ctx.input_model(cfg.init)
     tokenizer = load_tokenizer(path)
     check_lengths(ctx, train, tokenizer)
-    model = load_scalar_model(path, tokenizer.pad_token_id, ctx.pipeline.dtype)
+    model = ctx.load_scalar(path, tokenizer.pad_token_id)
     args = RewardConfig(**trainer_kwargs(cfg, ctx), center_rewards_coefficient=cfg.center_rewards_coefficient,
                         eval_strategy="no")
     columns = ("prompt", "chosen", "rejected")
@@ -64,8 +64,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     ctx.save_trainer_model(trainer, tokenizer)
     if test and ctx.is_main:  # held-out accuracy of the saved model/, in the main process only
         with unsharded_loading():
-            scorer = load_scalar_model(str(ctx.dir / "model"), tokenizer.pad_token_id).eval()
-        held_out = pairwise_accuracy(scorer, tokenizer, test)
+            scorer = ctx.load_scalar(str(ctx.dir / "model"), tokenizer.pad_token_id, device=True).eval()
+        with ctx.compute.autocast():
+            held_out = pairwise_accuracy(scorer, tokenizer, test)
         metrics = {"eval/rewards/accuracy": held_out["accuracy"], "eval/rewards/margin": held_out["margin"],
                    "eval/rewards/chosen": held_out["chosen"], "eval/rewards/rejected": held_out["rejected"],
                    "eval/pairs": len(test)}

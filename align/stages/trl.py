@@ -42,6 +42,7 @@ def metrics_callback(ctx: StageContext):
 
     class AlignMetrics(TrainerCallback):
         loss: float | None = None
+        tokens: float | None = None  # TRL's running count of trained tokens (non-padding), at the last log
 
         def on_step_end(self, args, state, control, **kwargs):
             if state.is_world_process_zero:
@@ -59,6 +60,8 @@ def metrics_callback(ctx: StageContext):
                     f"checkpoint is kept in {ctx.checkpoints} (lower the learning rate or check the data).")
             if loss is not None:
                 self.loss = float(loss)
+            if "num_tokens" in logs:
+                self.tokens = float(logs["num_tokens"])
             if state.is_world_process_zero:
                 ctx.log({metric_name(k): v for k, v in logs.items() if isinstance(v, (int, float))},
                         step=state.global_step)
@@ -80,9 +83,9 @@ def trainer_kwargs(cfg: TrainedStage, ctx: StageContext) -> dict[str, Any]:
         save_strategy="steps", save_steps=cfg.save_steps, save_total_limit=2, report_to="none", seed=ctx.seed,
         data_seed=ctx.seed, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
         disable_tqdm=not verbose(),  # the runner draws one bar per stage from ctx.progress (align/console.py)
-        # TRL defaults to bf16 autocast; on CPUs without bf16 units that is ~6x slower (measured: 3.4 s vs
-        # 0.53 s per SFT step of the default model), so mixed precision is used only where it pays.
-        bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(), fp16=False,
+        # The pipeline's `precision` (align/compute.py; TRL's own default, bf16 everywhere, is ~6x slower on CPUs
+        # without bf16 units).
+        bf16=ctx.compute.mixed_precision == "bf16", fp16=ctx.compute.mixed_precision == "fp16",
         max_length=cfg.max_length, logging_first_step=False,
         # TRL >= 1.16 turns gradient checkpointing on in every config; align leaves it to the stage setting
         # (off: the demo's SFT steps take about half the time without recomputation).
@@ -116,6 +119,12 @@ def train_with_resume(ctx: StageContext, trainer) -> dict[str, Any]:
     if trainer.state.global_step == 0:
         raise StageError(f"stage '{ctx.name}' trained 0 optimiser steps (no examples, or epochs/max_steps too "
                          "small for the batch size); nothing is published")
-    return {"train/loss_final_avg": out.training_loss, "train/global_step": trainer.state.global_step}
+    final = {"train/loss_final_avg": out.training_loss, "train/global_step": trainer.state.global_step,
+             "perf/train_seconds": out.metrics["train_runtime"]}
+    tokens = next((cb.tokens for cb in trainer.callback_handler.callbacks if getattr(cb, "tokens", None)), None)
+    if tokens and not resumed_from:  # after a resume TRL counts from zero again: no honest total
+        final["perf/train_tokens"] = tokens
+        final["perf/tokens_per_s"] = tokens / out.metrics["train_runtime"]
+    return final
 
 

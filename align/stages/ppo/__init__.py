@@ -26,7 +26,7 @@ from align.generation import Rollout, generate, response_logprobs, scalar_output
 from align.judges import judge_weights
 from align.losses import (gae, kl_estimate, masked_mean, masked_whiten, ppo_policy_loss, ppo_value_loss,
                           token_rewards)
-from align.models import disable_dropout, load_causal_lm, load_scalar_model, load_tokenizer
+from align.models import disable_dropout, load_tokenizer
 from align.stages.context import NonFiniteLossError, StageContext
 from align.stages.ppo.checkpoint import resume, restore_history, save_checkpoint
 from align.stages.ppo.optim import backward_and_step, disable_deepspeed_clipping
@@ -110,6 +110,14 @@ def policy_for_generation(model, accelerator):
             add_hooks(model)
 
 
+def fast_generation(cfg: PPOStage, accelerator) -> bool:
+    """`generation.fast` for this process (align/compute.py): auto = on a GPU outside ZeRO-3."""
+    from align.compute import resolve  # light: the device is the accelerator's
+
+    zero3 = getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0) == 3
+    return resolve("float32", "auto", accelerator.device, zero3=zero3).fast_generation(cfg.generation.fast)
+
+
 def rollout(cfg: PPOStage, accelerator, model, tokenizer, prompts: list[str], seed: int) -> Rollout:
     """Sample one response per prompt, in the training precision (bf16 autocast when the stage uses it), so the
     samples are scored by the same numerics that produced them."""
@@ -119,7 +127,8 @@ def rollout(cfg: PPOStage, accelerator, model, tokenizer, prompts: list[str], se
         if str(accelerator.process_index) in ranks.split(","):
             override = mode
     with torch.no_grad(), accelerator.autocast(), policy_for_generation(model, accelerator) as policy:
-        return generate(policy, tokenizer, prompts, cfg.generation, seed=seed, eos_override=override)
+        return generate(policy, tokenizer, prompts, cfg.generation, seed=seed, eos_override=override,
+                        fast=fast_generation(cfg, accelerator))
 
 
 def fit_reward_scale(ctx: StageContext, cfg: PPOStage, accelerator, model, tokenizer, scorer: Scorer,
@@ -149,13 +158,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
     from accelerate import Accelerator  # heavy: stage processes only
 
     cfg: PPOStage = ctx.cfg  # type: ignore[assignment]
-    accelerator = Accelerator(gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+    ctx.compute = ctx.compute.for_rl_training()  # eager attention on a GPU unless set (align/compute.py)
+    ctx.extra_manifest["attn_implementation"] = ctx.compute.attn_implementation or "auto"
+    accelerator = Accelerator(gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                              mixed_precision=ctx.compute.mixed_precision)
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None:  # no dataloader goes through prepare(), so DeepSpeed is told the micro-batch here
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.mini_batch_size
         plugin.deepspeed_config["gradient_accumulation_steps"] = cfg.gradient_accumulation_steps
     disable_deepspeed_clipping(accelerator)
-    dtype = ctx.pipeline.dtype
     policy_path = ctx.input_model(cfg.policy)
     weights = judge_weights(cfg.reward)
     reward_stages = [n for n in weights if n in ctx.inputs]
@@ -164,19 +175,19 @@ def run(ctx: StageContext) -> dict[str, Any]:
     check_models(ctx, cfg, tokenizer, {n: load_tokenizer(ctx.input_model(n)) for n in reward_stages}, prompts)
 
     pad_id = tokenizer.pad_token_id
-    policy = disable_dropout(load_causal_lm(policy_path, dtype))
+    policy = disable_dropout(ctx.load_lm(policy_path))
     policy.generation_config.pad_token_id = pad_id
     value_from_reward = cfg.value_init == "reward"
     value_path = ctx.input_model(reward_stages[0]) if value_from_reward else policy_path
-    value = disable_dropout(load_scalar_model(value_path, pad_id, dtype))
+    value = disable_dropout(ctx.load_scalar(value_path, pad_id))
     model = PolicyAndValue(policy, value)
     groups = {"policy": list(policy.parameters()), "value": list(value.parameters())}
     optimizer = torch.optim.AdamW([{"params": groups["policy"], "lr": cfg.learning_rate},
                                    {"params": groups["value"], "lr": cfg.value_learning_rate}], eps=1e-5)
     model, optimizer = accelerator.prepare(model, optimizer)
     base_lrs = [cfg.learning_rate, cfg.value_learning_rate]
-    reference = prepare_frozen(load_causal_lm(policy_path, dtype), accelerator)
-    scorer = Scorer.build(cfg.reward, lambda n: prepare_frozen(load_scalar_model(ctx.input_model(n), pad_id, dtype),
+    reference = prepare_frozen(ctx.load_lm(policy_path), accelerator)
+    scorer = Scorer.build(cfg.reward, lambda n: prepare_frozen(ctx.load_scalar(ctx.input_model(n), pad_id),
                                                                accelerator) if n in reward_stages else None, tokenizer)
 
     kl_ctl = (AdaptiveKLController(cfg.kl.coef, cfg.kl.target, cfg.kl.horizon) if cfg.kl.adaptive
@@ -207,6 +218,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
         # 1. generate
         r = rollout(cfg, accelerator, model, tokenizer, batch_prompts,
                     seed=ctx.seed * 7919 + it * world + accelerator.process_index)
+        if accelerator.device.type == "cuda":
+            torch.cuda.synchronize()  # GPU work is asynchronous: time what generation really took
         t_gen = time.time() - t0
         ids, mask, rmask = r.input_ids, r.attention_mask, r.response_mask.float()
         lq = r.query_ids.size(1)
@@ -261,6 +274,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
             "perf/episodes_per_s": cfg.rollout_batch_size * world / elapsed,
             "perf/tokens_per_s": accelerator.gather(rmask.sum()).sum().item() / elapsed,
             "perf/generation_fraction": t_gen / elapsed,
+            "perf/sequence_tokens": accelerator.gather(mask.sum()).sum().item(),  # prompt + response, no padding
             "train/learning_rate": optimizer.param_groups[0]["lr"], **stats,
         }
         history.append(metrics)
@@ -307,11 +321,17 @@ def ppo_update(cfg: PPOStage, accelerator, model, optimizer, groups, ids, mask, 
                 ent = masked_mean(entropy, rmask[mb])
                 loss = pg_loss + cfg.vf_coef * vf_loss - cfg.entropy_coef * ent
                 if not torch.isfinite(loss):
-                    raise NonFiniteLossError(f"PPO loss is {loss.item()}; stopping (lower the learning rate)")
+                    parts = {"policy loss": pg_loss, "value loss": vf_loss, "entropy": ent, "log-probs": logprobs,
+                             "rollout log-probs": old_logprobs[mb], "values": values, "advantages": advantages[mb],
+                             "returns": returns[mb]}
+                    bad = ", ".join(k for k, v in parts.items() if not torch.isfinite(v).all()) or "none"
+                    raise NonFiniteLossError(f"PPO loss is {loss.item()} (non-finite parts: {bad}); stopping (lower "
+                                             "the learning rate, or try precision: float32)")
                 if first_ratio is None:
                     first_ratio = masked_mean(torch.exp(logprobs - old_logprobs[mb]), rmask[mb]).item()
                 norms = backward_and_step(accelerator, model, optimizer, loss, groups, cfg.max_grad_norm)
-            step = {"train/loss": loss.item(), "policy/loss": pg_loss.item(), "value/loss": vf_loss.item(),
+            skipped = norms.pop("skipped", 0.0)
+            step = {"train/skipped_step_fraction": skipped, "train/loss": loss.item(), "policy/loss": pg_loss.item(), "value/loss": vf_loss.item(),
                     "policy/entropy": ent.item(), **{k: v.item() for k, v in {**pm, **vm}.items()},
                     **{f"{k}/grad_norm": v for k, v in norms.items()}}
             if count == 0:
@@ -327,6 +347,10 @@ def ppo_update(cfg: PPOStage, accelerator, model, optimizer, groups, ids, mask, 
             break
     out = {k: accelerator.reduce(torch.tensor(v / count, device=ids.device), "mean").item() for k, v in sums.items()}
     out["policy/early_stopped"] = float(stop)
+    if out["train/skipped_step_fraction"] > 0.5:
+        raise NonFiniteLossError(f"PPO: {out['train/skipped_step_fraction']:.0%} of this iteration's optimiser steps had "
+                                 "non-finite gradients and were skipped; stopping (lower the learning rate, or try "
+                                 "precision: float32)")
     out["policy/ratio_first"] = accelerator.reduce(torch.tensor(first_ratio, device=ids.device), "mean").item()
     out.update({k: accelerator.reduce(torch.tensor(v, device=ids.device), "mean").item() for k, v in step_first.items()})
     return out
@@ -351,4 +375,6 @@ def summarise(cfg: PPOStage, history: list[dict[str, float]], kl_ctl, start: int
             "objective/kl_target": cfg.kl.target if cfg.kl.adaptive else None,
             "rollout/eos_fraction_last": avg(last, "rollout/eos_fraction"),
             "perf/episodes_per_s": avg(history, "perf/episodes_per_s"),
-            "perf/generation_fraction": avg(history, "perf/generation_fraction")}
+            "perf/generation_fraction": avg(history, "perf/generation_fraction"),
+            "perf/tokens_per_s": avg(history, "perf/tokens_per_s"),
+            "train/skipped_step_fraction": avg(history, "train/skipped_step_fraction")}

@@ -60,7 +60,10 @@ def backward_and_step(accelerator, model, optimizer, loss: torch.Tensor,
     if not accelerator.sync_gradients:
         return {}
     norms = {name: _clip_local(ps, max_norm) for name, ps in groups.items()}
-    optimizer.step()
+    if all(math.isfinite(n) for n in norms.values()):
+        optimizer.step()
+    else:  # a non-finite gradient (seen under bf16 autocast on an H100) would turn every weight into NaN: skip
+        norms["skipped"] = 1.0
     optimizer.zero_grad()
     return norms
 

@@ -1,0 +1,98 @@
+"""Where and in what precision a stage computes: one object, resolved once per stage process from the
+pipeline's `precision` and `attn_implementation` settings, used by every stage for every model it loads,
+every training step, every rollout and every score (so samples are scored by the numerics that produced them).
+
+- device: the process's accelerator device (cuda:<local rank> on a GPU machine, else cpu).
+- precision: `auto` is bfloat16 autocast on a GPU that supports it and float32 elsewhere (CPUs without bf16
+  units run bf16 autocast several times slower: measured 3.4 s vs 0.53 s per SFT step of the default model).
+  Weights stay in the pipeline's `dtype`; autocast is mixed precision (fp32 master weights for training).
+- attn_implementation: `auto` leaves it to transformers (SDPA where the family supports it).
+- fast generation (`generation.fast`): a static KV cache, which transformers compiles with torch.compile on a
+  GPU, and prompts padded to a multiple of FAST_PAD_MULTIPLE so a few shapes cover every batch. `auto` turns it
+  on on a GPU outside ZeRO-3 (where generation runs with hooks removed and shapes vary per rank), off on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+from typing import Any
+
+PRECISIONS = ("auto", "float32", "bfloat16", "float16")
+ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+FAST_PAD_MULTIPLE = 32
+
+
+def flash_attention_problem(attn: str) -> str | None:
+    """Why `attn` cannot be used here (None when it can): checked by `align validate` before launching."""
+    import importlib.util
+
+    if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        return ("flash_attention_2 needs the flash-attn package (pip install flash-attn --no-build-isolation, "
+                "on a CUDA machine); use `attn_implementation: sdpa` otherwise")
+    if attn == "flash_attention_3" and importlib.util.find_spec("flash_attn_interface") is None:
+        return ("flash_attention_3 needs FlashAttention-3 (flash_attn_interface, Hopper GPUs); use "
+                "`attn_implementation: sdpa` otherwise")
+    return None
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Device, autocast dtype and attention kernel of one stage process."""
+
+    device: Any  # torch.device
+    dtype: Any  # torch dtype of autocast, or None for float32
+    attn_implementation: str | None
+    distributed_zero3: bool = False
+
+    @property
+    def mixed_precision(self) -> str:
+        """accelerate / Trainer spelling: no | bf16 | fp16."""
+        import torch
+
+        return {None: "no", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+
+    def autocast(self):
+        """Autocast in the stage's precision (a no-op context in float32)."""
+        import torch
+
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def fast_generation(self, setting: str) -> bool:
+        """Whether `generation.fast` (auto | on | off) is on for this process."""
+        if setting == "auto":
+            return self.device.type == "cuda" and not self.distributed_zero3
+        return setting == "on"
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """Extra from_pretrained / config arguments (the attention kernel when one is asked for)."""
+        return {"attn_implementation": self.attn_implementation} if self.attn_implementation else {}
+
+    def for_rl_training(self) -> Compute:
+        """The Compute for models trained on padded rollouts (PPO): with `attn_implementation: auto` on a GPU,
+        eager attention. Measured on an H100 (benchmarks/gpu.py, Pythia-160m architecture, bf16 autocast):
+        with SDPA every optimiser step of PPO's 7th iteration had non-finite gradients in two runs out of two
+        (the loss itself finite); with eager attention, the same pipeline ran all 8 iterations. Left-padded
+        prompts plus right-padded responses give rows that attend to nothing; the cause inside SDPA's backward
+        is not established. An explicit setting is kept as given."""
+        if self.attn_implementation is None and self.device.type == "cuda":
+            return replace(self, attn_implementation="eager")
+        return self
+
+
+def resolve(precision: str = "auto", attn_implementation: str = "auto", device: Any = None,
+            zero3: bool = False) -> Compute:
+    """The Compute of this process. `device` defaults to cuda (when present) or cpu."""
+    import torch
+
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    on_gpu = device.type == "cuda"
+    if precision == "auto":
+        dtype = torch.bfloat16 if on_gpu and torch.cuda.is_bf16_supported() else None
+    else:
+        dtype = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[precision]
+    attn = None if attn_implementation == "auto" else attn_implementation
+    return Compute(device, dtype, attn, zero3)

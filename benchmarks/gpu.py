@@ -1,0 +1,264 @@
+"""One realistic pipeline on a GPU, stage by stage: throughput, MFU, peak memory against `align estimate`, PPO's
+generation share, and generation with and without `generation.fast`, side by side.
+
+On a CUDA machine: a Pythia-160m architecture (pipelines/model_configs/pythia-160m/config.json, 162.3M
+parameters, random init: nothing is downloaded) with the vendored GPT-2 tokenizer, float32 weights and bfloat16
+autocast (`precision: auto`), runs sft -> preferences -> reward -> ppo -> dpo -> evaluate on the movie-review
+task through `align run`. Without CUDA it runs the same pipeline on a tiny version of that architecture on the
+CPU (so the test suite exercises this script); MFU and memory are then not reported.
+
+    python benchmarks/gpu.py                       # GPU if present, else the tiny CPU version
+    python benchmarks/gpu.py --cpu --out /tmp/b    # force the tiny CPU version
+
+How the figures are computed (N = parameters of the model(s) involved; attention FLOPs are left out, so MFU is
+a slight underestimate):
+  tokens/s  training stages: non-padding tokens trained (TRL's count) / training time; preferences and evaluate:
+            response tokens sampled / sampling time; PPO: response tokens / iteration time.
+  MFU       FLOPs / time / the GPU's dense bf16 peak (spec sheet: H100/H200 989 TFLOP/s). FLOPs: SFT and reward
+            6N per trained token; DPO 8N (policy forward and backward, reference forward); preferences and
+            evaluate 2N per sampled token (decoding only); PPO per iteration 2N_policy per sampled token +
+            2(N_policy + N_reference + N_value + N_reward) per sequence token (scoring pass) + 6(N_policy + N_value)
+            per sequence token and PPO epoch; the first PPO iteration is a warm-up and not counted.
+  memory    torch.cuda.max_memory_allocated over the stage (all processes), next to `align estimate`'s figure for
+            the stage's chosen mode without its fixed 1 GiB CUDA-context allowance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = REPO / "pipelines" / "model_configs" / "pythia-160m" / "config.json"
+# Dense bf16 tensor-core peaks from the vendors' spec sheets (TFLOP/s, SXM parts).
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 125.0, "L4": 121.0}
+STAGES = ("sft", "preferences", "reward", "ppo", "dpo", "evaluate")
+
+GPU_SIZES = {"shrink": {}, "sft_steps": 400, "sft_batch": 64, "max_length": 128, "prompts": 2048, "samples": 4,
+             "new_tokens": 48, "gen_batch": 256, "rm_epochs": 1, "ppo_iterations": 8, "rollout": 256, "mini": 64,
+             "dpo_epochs": 1, "pair_batch": 32, "eval_prompts": 512, "ab_prompts": 1024}
+CPU_SIZES = {"shrink": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128},
+             "sft_steps": 12, "sft_batch": 8, "max_length": 64, "prompts": 48, "samples": 2, "new_tokens": 8,
+             "gen_batch": 32, "rm_epochs": 1, "ppo_iterations": 3, "rollout": 8, "mini": 4, "dpo_epochs": 1,
+             "pair_batch": 8, "eval_prompts": 16, "ab_prompts": 16}
+
+
+def build_base(out: Path, shrink: dict[str, int], seed: int) -> Path:
+    """A randomly initialised GPT-NeoX (Pythia-160m's config, shrunk on CPU) saved with the GPT-2 tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig
+
+    raw = {k: v for k, v in json.loads(CONFIG.read_text()).items() if k not in ("architectures", "torch_dtype")}
+    raw.update(shrink)
+    base = out / "base"
+    shutil.rmtree(base, ignore_errors=True)
+    shutil.copytree(REPO / "tokenizers" / "gpt2", base, ignore=shutil.ignore_patterns("LICENSE", "SOURCE.md"))
+    eos = 50256  # GPT-2's <|endoftext|>; Pythia's own tokenizer would use 0
+    raw.update(bos_token_id=eos, eos_token_id=eos)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(GPTNeoXConfig(**raw))
+    model.save_pretrained(base)
+    return base
+
+
+def pipeline_yaml(out: Path, base: Path, s: dict, precision: str = "auto", attn: str = "auto") -> Path:
+    card = REPO / "data_cards" / "movie_review_snippets.yaml"
+    gen = f"{{max_new_tokens: {s['new_tokens']}, batch_size: {s['gen_batch']}}}"
+    text = f"""name: gpu-benchmark
+base_model: {base}
+precision: {precision}
+attn_implementation: {attn}
+runs_dir: {out / 'runs'}
+tracking: {{wandb: disabled}}
+seed: 5
+stages:
+  sft: {{data: {card}, max_steps: {s['sft_steps']}, per_device_batch_size: {s['sft_batch']}, learning_rate: 6.0e-4,
+        max_train_examples: {s['sft_steps'] * s['sft_batch']},
+        max_length: {s['max_length']}, logging_steps: {s['sft_steps'] // 4}, save_steps: {s['sft_steps']},
+        eval_max_examples: 64}}
+  preferences: {{policy: sft, prompts: {card}, max_prompts: {s['prompts']}, samples_per_prompt: {s['samples']},
+                judge: vader, min_margin: 0.05, generation: {gen}}}
+  reward: {{init: sft, data: preferences, epochs: {s['rm_epochs']}, per_device_batch_size: {s['pair_batch']},
+           max_length: {s['max_length']}, logging_steps: 1, save_steps: 1000, max_truncated_fraction: 0.5}}
+  ppo: {{policy: sft, reward: reward, prompts: {card}, iterations: {s['ppo_iterations']},
+        rollout_batch_size: {s['rollout']}, mini_batch_size: {s['mini']}, ppo_epochs: 2, max_prompt_length: 64,
+        reward_normalization_samples: {s['rollout']}, save_every: 1000, generation: {gen}}}
+  dpo: {{policy: sft, data: preferences, epochs: {s['dpo_epochs']}, per_device_batch_size: {s['pair_batch']},
+        max_length: {s['max_length']}, logging_steps: 1, save_steps: 1000, max_truncated_fraction: 0.5}}
+  evaluate: {{policies: [sft, ppo, dpo], baseline: sft, reference: sft, reward: reward, judges: [vader],
+             prompts: {card}, split: test, max_prompts: {s['eval_prompts']}, bootstrap_samples: 200,
+             generation: {gen}}}
+"""
+    path = out / "pipeline.yaml"
+    path.write_text(text)
+    return path
+
+
+def generation_ab(model_dir: Path, prompts: list[str], new_tokens: int, batch: int) -> dict[str, float]:
+    """Response tokens per second sampling `prompts` (length-sorted batches) three ways: as the stages do with the
+    pipeline's default dtype (float32 weights, bf16 autocast on a GPU, dynamic KV cache); bf16 weights with a
+    dynamic cache; bf16 weights with generation.fast (static cache, compiled by transformers on a GPU). Each after
+    a warm-up pass over the same prompts (compilation is not timed)."""
+    import torch
+
+    from align.compute import resolve
+    from align.config import Generation
+    from align.generation import sample_texts
+    from align.models import load_causal_lm, load_tokenizer
+
+    compute = resolve()
+    tok = load_tokenizer(str(model_dir))
+    gen = Generation(max_new_tokens=new_tokens, batch_size=batch)
+    out = {}
+    variants = {"float32 weights, autocast": ("float32", False), "bf16 weights": ("bfloat16", False),
+                "bf16 weights, fast": ("bfloat16", True)}
+    for label, (dtype, fast) in variants.items():
+        model = load_causal_lm(str(model_dir), dtype).to(compute.device).eval()
+        with compute.autocast():
+            sample_texts(model, tok, prompts, gen, seed=1, fast=fast)  # warm-up (and compilation)
+            if compute.device.type == "cuda":
+                torch.cuda.synchronize()
+            counts: dict[str, int] = {}
+            t0 = time.perf_counter()
+            sample_texts(model, tok, prompts, gen, seed=2, fast=fast, counts=counts)
+            if compute.device.type == "cuda":
+                torch.cuda.synchronize()
+        out[label] = counts["generated_tokens"] / (time.perf_counter() - t0)
+        del model
+    return out
+
+
+def run_pipeline(pipeline: Path, run_dir: Path, env: dict[str, str]) -> dict[str, str]:
+    """`align run`; when a stage fails, the stages that do not need it still run (evaluate without the failed
+    policy), so one failure does not hide the other stages' figures. Returns failed stage -> its error."""
+    def align_run(*extra: str) -> int:
+        return subprocess.run([sys.executable, "-m", "align.cli", "run", str(pipeline), "--run-id", "bench", *extra],
+                              cwd=REPO, env=env).returncode
+
+    if align_run() == 0:
+        return {}
+    failed = {}
+    for name in STAGES:
+        path = run_dir / name / "manifest.json"
+        manifest = json.loads(path.read_text()) if path.is_file() else {}
+        if manifest.get("status") == "failed":
+            failed[name] = manifest.get("error", "failed")
+    if set(failed) - {"ppo", "dpo"}:  # an upstream stage failed: nothing else can run
+        return failed
+    for name in ("ppo", "dpo"):
+        if name not in failed:
+            align_run("--only", name)  # skipped when already complete with this config
+    policies = [p for p in ("sft", "ppo", "dpo") if p not in failed]
+    align_run("--only", "evaluate", f"evaluate.policies=[{','.join(policies)}]")
+    return failed
+
+
+def stage_rows(run_dir: Path, pipeline: Path, peak_flops: float | None, failed: dict[str, str]) -> list[dict]:
+    from align.config import load_pipeline
+    from align.estimate import OVERHEAD_BYTES, estimate_pipeline, hardware, model_shapes
+
+    cfg = load_pipeline(pipeline)
+    shapes = model_shapes(cfg, pipeline)
+    n_lm, n_rm = shapes["lm"].params, shapes["scalar"].params
+    estimates = {e.name: e for e in estimate_pipeline(cfg, pipeline, hardware(cfg))}
+    rows = []
+    for name in STAGES:
+        manifest = json.loads((run_dir / name / "manifest.json").read_text())
+        if name in failed or manifest.get("status") != "completed":
+            rows.append({"stage": name, "failed": failed.get(name, manifest.get("status"))})
+            continue
+        m = manifest["final_metrics"]
+        row = {"stage": name, "seconds": m["perf/stage_seconds"], "tokens_per_s": m.get("perf/tokens_per_s"),
+               "peak_gb": m.get("perf/peak_memory_gb"),
+               "estimate_gb": (estimates[name].chosen_bytes - OVERHEAD_BYTES) / 1e9, "flops_per_s": None}
+        if name in ("sft", "reward", "dpo"):
+            per_token = {"sft": 6 * n_lm, "reward": 6 * n_rm, "dpo": 8 * n_lm}[name]
+            if m.get("perf/train_tokens"):
+                row["flops_per_s"] = per_token * m["perf/train_tokens"] / m["perf/train_seconds"]
+        elif name in ("preferences", "evaluate"):
+            row["flops_per_s"] = 2 * n_lm * m["perf/generated_tokens"] / m["perf/generation_seconds"]
+        else:
+            its = [json.loads(x) for x in (run_dir / name / "metrics.jsonl").read_text().splitlines() if x.strip()]
+            its = [r for r in its if "perf/episodes_per_s" in r][1:]  # the first iteration is a warm-up
+            stage_cfg = cfg.stages[name]
+            flops = secs = 0.0
+            for r in its:
+                t = stage_cfg.rollout_batch_size / r["perf/episodes_per_s"]
+                seq = r["perf/sequence_tokens"]
+                flops += (2 * n_lm * r["perf/tokens_per_s"] * t + 2 * (2 * n_lm + 2 * n_rm) * seq
+                          + 6 * (n_lm + n_rm) * seq * stage_cfg.ppo_epochs)
+                secs += t
+            row["flops_per_s"] = flops / secs if secs else None
+            row["generation_share"] = m.get("perf/generation_fraction")
+        row["mfu"] = row["flops_per_s"] / peak_flops if peak_flops and row["flops_per_s"] else None
+        rows.append(row)
+    return rows
+
+
+def render(rows: list[dict], ab: dict[str, float], device: str, on_gpu: bool) -> str:
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    lines = [f"device: {device}", "",
+             "| stage | stage s | tokens/s | MFU | peak GB (measured) | estimate GB | PPO generation share |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "failed" in r:
+            lines.append(f"| {r['stage']} | failed: {str(r['failed'])[:160]} | | | | | |")
+            continue
+        lines.append(f"| {r['stage']} | {r['seconds']:.1f} | {f(r['tokens_per_s'], ',.0f')} | "
+                     f"{f(r['mfu'] and 100 * r['mfu'], '.1f')}{'%' if r['mfu'] else ''} | {f(r['peak_gb'], '.2f')} | "
+                     f"{f(r['estimate_gb'] if on_gpu else None, '.2f')} | {f(r.get('generation_share'), '.2f')} |")
+    first = next(iter(ab.values()))
+    lines += ["", "generation of the sft policy, response tokens/s: "
+              + "; ".join(f"{k} {v:,.0f} ({v / first:.2f}x)" for k, v in ab.items())]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(REPO / "runs" / "benchmark-gpu"), help="work directory (model, runs)")
+    ap.add_argument("--cpu", action="store_true", help="the tiny CPU version even when a GPU is present")
+    ap.add_argument("--precision", default="auto", help="the pipeline's precision setting (default auto)")
+    ap.add_argument("--attn", default="auto", help="the pipeline's attn_implementation (default auto)")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak (default: by name)")
+    args = ap.parse_args(argv)
+    import torch
+
+    on_gpu = torch.cuda.is_available() and not args.cpu
+    env = dict(os.environ, **({} if on_gpu else {"CUDA_VISIBLE_DEVICES": ""}))
+    if not on_gpu:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    sizes = GPU_SIZES if on_gpu else CPU_SIZES
+    device = torch.cuda.get_device_name(0) if on_gpu else "cpu (tiny model: MFU and memory not reported)"
+    peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if on_gpu and k in device), None)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    base = build_base(out, sizes["shrink"], seed=5)
+    pipeline = pipeline_yaml(out, base, sizes, args.precision, args.attn)
+    t0 = time.perf_counter()
+    run_dir = out / "runs" / "gpu-benchmark" / "bench"
+    failed = run_pipeline(pipeline, run_dir, env)
+    wall = time.perf_counter() - t0
+    rows = stage_rows(run_dir, pipeline, peak * 1e12 if peak else None, failed)
+    from align.data.cards import load_split
+    from align.data.rows import unique_prompts
+
+    card = REPO / "data_cards" / "movie_review_snippets.yaml"
+    prompts = unique_prompts(load_split(str(card), "test").rows, sizes["ab_prompts"])
+    ab = generation_ab(run_dir / "sft" / "model", prompts, sizes["new_tokens"], sizes["gen_batch"])
+    table = render(rows, ab, device, on_gpu)
+    print(table + f"\n\npipeline wall time {wall:.0f} s (stage processes started and models loaded included)")
+    (out / "benchmark.json").write_text(json.dumps({"device": device, "stages": rows, "generation": ab,
+                                                    "wall_seconds": wall, "peak_tflops": peak}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""benchmarks/gpu.py in its CPU mode: the script the README's GPU table comes from runs end to end here, so it
+cannot rot between the sessions that have a GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_gpu_benchmark_runs_in_cpu_mode_and_reports_every_stage(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--cpu", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "benchmark.json").read_text())
+    rows = {r["stage"]: r for r in result["stages"]}
+    assert list(rows) == ["sft", "preferences", "reward", "ppo", "dpo", "evaluate"]
+    for name, row in rows.items():
+        assert "failed" not in row, (name, row)
+        assert row["tokens_per_s"] > 0 and row["seconds"] > 0, (name, row)
+        assert row["mfu"] is None and row["peak_gb"] is None  # no GPU: neither is measured, neither is invented
+    assert 0 < rows["ppo"]["generation_share"] < 1
+    # the three generation variants were each timed (positive throughput), and the table prints them
+    assert set(result["generation"]) == {"float32 weights, autocast", "bf16 weights", "bf16 weights, fast"}
+    assert all(v > 0 for v in result["generation"].values())
+    assert "| ppo |" in proc.stdout and "generation of the sft policy" in proc.stdout
