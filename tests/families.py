@@ -179,7 +179,7 @@ seed: {SEED}
 tracking: {{wandb: disabled}}
 stages:
   sft: {{data: {reviews}, max_steps: 3, per_device_batch_size: 4, max_length: 96, max_train_examples: 32,
-        max_truncated_fraction: 0.5, eval_max_examples: 8, logging_steps: 1, save_steps: 10,
+        max_truncated_fraction: 0.5, eval_split: null, logging_steps: 1, save_steps: 10,
         learning_rate: 3.0e-3}}
   reward: {{init: sft, data: {pairs}, max_steps: 3, per_device_batch_size: 4, max_length: 32, logging_steps: 1,
            save_steps: 10, learning_rate: 3.0e-3}}
@@ -256,15 +256,22 @@ def check_reward_padding_invariance(model_dir: Path, tok_dir: Path, tol: float =
 
         last = last_token_index(ids, mask, tok.pad_token_id)
         out["scalar_outputs/right"] = scalar_outputs(model, ids, mask)[torch.arange(len(rows)), last].tolist()
+        without_eos = [model(**tok(t, return_tensors="pt")).logits[0, 0].item() for t in texts]
     for key, scores in out.items():
         ref = alone if key.startswith("sequence_scores") else ids_alone  # text-level / token-level paths
         assert max(abs(a - b) for a, b in zip(scores, ref)) < tol, (key, scores, ref)
+    # Where the pad token is EOS (Llama-2, Mistral, GPT-2, Pythia), the classifier's rule (rightmost token that
+    # is not pad) skips the final EOS, in training and in scoring alike; with a pad token of its own, the score
+    # is read at the EOS itself.
+    reads_eos = max(abs(a - b) for a, b in zip(alone, without_eos)) > tol
+    assert reads_eos == (tok.pad_token_id != tok.eos_token_id), (alone, without_eos)
     return {"alone": alone, "ids_alone": ids_alone, **out}
 
 
 def check_policy_padding_invariance(model_dir: Path, tok_dir: Path, tol: float = 1e-4) -> None:
-    """Response log-probs and per-token values (PPO's steps 3 and 5) of left-padded prompts equal those of
-    each sequence alone: positions come from the attention mask, whatever the family's position scheme."""
+    """Sampling, response log-probs and per-token values (PPO's steps 1, 3 and 5) of left-padded prompts equal
+    those of each sequence alone: positions come from the attention mask, whatever the family's position scheme
+    (rotary: shift-invariant anyway; GPT-2's learned absolute positions: not)."""
     import torch
 
     from align.generation import scalar_outputs, sequence_logprobs
@@ -285,6 +292,15 @@ def check_policy_padding_invariance(model_dir: Path, tok_dir: Path, tol: float =
             v_alone = scalar_outputs(value, ids, torch.ones_like(ids))[0, qi - 1:-1]
             assert torch.allclose(lp[i, :n], lp_alone, atol=tol), (i, lp[i, :n], lp_alone)
             assert torch.allclose(values[i, :n], v_alone, atol=tol), (i, values[i, :n], v_alone)
+        # step 1: generation from left-padded prompts (as align.generation.generate calls it) sees each prompt
+        # as it would alone: the same next-token logits at every step
+        greedy = dict(do_sample=False, max_new_tokens=4, output_scores=True, return_dict_in_generate=True,
+                      pad_token_id=tok.pad_token_id, eos_token_id=None)
+        batch = policy.generate(input_ids=r.query_ids, attention_mask=r.query_mask, **greedy).scores
+        for i in range(len(TEXTS)):
+            q = r.query_ids[i][r.query_mask[i].bool()][None]
+            alone = policy.generate(input_ids=q, attention_mask=torch.ones_like(q), **greedy).scores
+            assert all(torch.allclose(b[i], a[0], atol=tol) for b, a in zip(batch, alone)), i
 
 
 STAGES = ["sft", "reward", "ppo", "dpo", "evaluate"]
