@@ -3,11 +3,17 @@
 - A value that looks local (starts with `.`, `/` or `~`, ends with `/`, is not hub-id shaped, or whose first
   component is an existing directory beside the pipeline or here) must exist: it is never sent to the hub,
   where a typo would cost a minute of retries and end in a misleading "repository not found".
-- A local model directory must hold a config.json that parses to a JSON object.
+- A local model directory must hold a config.json that parses to a JSON object naming its `model_type`.
 - A hub id is looked up offline first (the local Hugging Face cache, then `base_model_config:`); when neither
   has it, the hub is asked only if it answers a TCP connection within a short timeout. Unreachable: a warning,
   the stage checks again on the machine that runs it.
-- The tokenizer must load and have an EOS token (a pad token is added from EOS when missing, as before).
+- A local tokenizer directory must hold tokenizer files that parse (tokenizer.json, tokenizer_config.json, a
+  SentencePiece tokenizer.model with the `sentencepiece` package installed), then load, have an EOS token (a pad
+  token is added from EOS when missing) and fit the model's vocabulary. Checked before loading because
+  transformers names the wrong cause: a damaged tokenizer.model, or one without `sentencepiece`, falls back to
+  a tiktoken reader and ends in "`tiktoken` is required".
+- A hub tokenizer that is not cached, or cannot be fetched while offline, is a note: it is checked again when
+  the first stage starts (the machine that runs it may have network).
 - The longest sequence a stage trains on or generates must fit the model's position embeddings.
 
 No torch at import time: the runner imports this module.
@@ -15,6 +21,7 @@ No torch at import time: the runner imports this module.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -60,6 +67,10 @@ def _read_config(path: Path, what: str) -> dict[str, Any]:
                           "directory is damaged: copy it again") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{what}: {path} holds a JSON {type(raw).__name__}, not the object of a model config")
+    if "model_type" not in raw:
+        raise ConfigError(f"{what}: {path} has no `model_type`, so transformers cannot tell which architecture "
+                          "it is; the directory is damaged or not a transformers model: save it again with "
+                          "model.save_pretrained")
     return raw
 
 
@@ -99,25 +110,91 @@ def base_model_config(cfg: PipelineConfig, source: str | Path, paths: dict[str, 
     return None
 
 
-def check_tokenizer(cfg: PipelineConfig, source: str | Path, paths: dict[str, str | None]) -> str | None:
-    """Load the tokenizer (local or cached only) and require an EOS token. Returns a note when it cannot be
-    checked here (a hub tokenizer that is not cached)."""
+SAVE_FIX = "copy the tokenizer again, or save it with tokenizer.save_pretrained(<dir>)"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model", "tekken.json")
+TIKTOKEN_LINE = re.compile(rb"[A-Za-z0-9+/]+=* \d+")
+
+
+def tokenizer_files_problem(directory: Path) -> str | None:
+    """What is wrong with a local tokenizer directory's files, found without loading it (None: nothing)."""
+    if directory.is_file():
+        return f"{directory} is a file; name the directory that holds it (tokenizer files and tokenizer_config.json)"
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        found = ", ".join(sorted(p.name for p in directory.iterdir())[:8]) or "nothing"
+        return (f"{directory} holds no tokenizer files (tokenizer.json, tokenizer.model, vocab.json, ...; found: "
+                f"{found}); {SAVE_FIX}, or set `tokenizer:` to the directory that holds it")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        path = directory / name
+        if path.is_file():
+            try:
+                json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                return f"{path} is damaged ({type(exc).__name__}: {exc}); {SAVE_FIX}"
+    model = directory / "tokenizer.model"
+    if model.is_file() and not (directory / "tokenizer.json").is_file():
+        return _tokenizer_model_problem(model)
+    return None
+
+
+def _tokenizer_model_problem(path: Path) -> str | None:
+    """A tokenizer.model that transformers must convert: a SentencePiece model (Llama-2, Mistral, Gemma) needs
+    `sentencepiece` and `protobuf`; a tiktoken file (Llama-3's original format) needs `tiktoken`."""
+    blob = path.read_bytes()
+    if TIKTOKEN_LINE.fullmatch(blob.split(b"\n", 1)[0].strip()):
+        if importlib.util.find_spec("tiktoken") is None:
+            return f"{path} is a tiktoken file and the `tiktoken` package is not installed: pip install tiktoken"
+        return None
+    missing = [pkg for pkg, module in (("sentencepiece", "sentencepiece"), ("protobuf", "google.protobuf"))
+               if importlib.util.find_spec(module.split(".")[0]) is None]
+    if missing:
+        return (f"{path} is a SentencePiece model and transformers needs the {' and '.join(missing)} package to "
+                f"read it: pip install {' '.join(missing)}")
+    import sentencepiece  # light (no torch); installed, as checked above
+
+    try:
+        sentencepiece.SentencePieceProcessor(model_proto=blob)
+    except (RuntimeError, OSError):
+        return (f"{path} is neither a SentencePiece model (sentencepiece cannot parse it) nor a tiktoken file; "
+                f"it is damaged or truncated: {SAVE_FIX}")
+    return None
+
+
+def check_tokenizer(cfg: PipelineConfig, source: str | Path, paths: dict[str, str | None],
+                    config: dict[str, Any] | None = None) -> str | None:
+    """Load the tokenizer (local or cached only), require an EOS token and ids that fit the model's vocabulary
+    (`config`: the base model's config.json). Returns a note when it cannot be checked here (a hub tokenizer
+    that is not cached, or not fetchable offline)."""
     name = paths["tokenizer"] or (None if is_builtin(str(paths["base_model"])) else paths["base_model"])
     if name is None:
         return None  # the builtin model's tokenizer is trained by the first stage
+    key = "tokenizer" if paths["tokenizer"] else "base_model"
     local = Path(name).exists()
-    if not local and not _hub_file(name, "tokenizer_config.json"):
+    if local:
+        problem = tokenizer_files_problem(Path(name))
+        if problem:
+            raise ConfigError(f"{source}: {key}: {problem}")
+    elif not _hub_file(name, "tokenizer_config.json"):
         return f"tokenizer '{name}' is not cached here; it is checked when the first stage starts"
     from align.models import ModelError, load_tokenizer  # heavy (torch): the runner imports this module
 
-    key = "tokenizer" if paths["tokenizer"] else "base_model"
     try:
-        load_tokenizer(name, cfg.trust_remote_code)
+        tok = load_tokenizer(name, cfg.trust_remote_code)
     except ModelError as exc:
         raise ConfigError(f"{source}: {key}: {exc}") from None
     except (OSError, ValueError, TypeError, KeyError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        if not local and isinstance(exc, OSError):  # partly cached hub tokenizer, hub unreachable from here
+            return (f"tokenizer '{name}' cannot be loaded from here ({type(exc).__name__}: {first}); it is "
+                    "checked when the first stage starts")
         raise ConfigError(f"{source}: {key}: the tokenizer in '{name}' does not load ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+                          f"{first}); {SAVE_FIX}") from None
+    vocab = (config or {}).get("vocab_size")
+    if isinstance(vocab, int) and len(tok) > vocab:
+        raise ConfigError(f"{source}: {key}: the tokenizer in '{name}' has {len(tok)} tokens but the base model's "
+                          f"embeddings hold {vocab} (config.json vocab_size); ids past {vocab - 1} would index out "
+                          "of range. Use the tokenizer the model was trained with (or resize the embeddings and "
+                          "save the model again)")
     return None
 
 
@@ -151,7 +228,7 @@ def check_model_inputs(cfg: PipelineConfig, source: str | Path) -> list[str]:
     if config is None and not is_builtin(cfg.base_model):
         notes.append(f"base_model '{cfg.base_model}' is not cached here and has no base_model_config copy; its "
                      "config is checked when the first stage starts")
-    note = check_tokenizer(cfg, source, paths)
+    note = check_tokenizer(cfg, source, paths, config)
     if note:
         notes.append(note)
     b = cfg.builtin

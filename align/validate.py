@@ -105,9 +105,11 @@ def _check_lengths(cfg: PipelineConfig, plans: list[StagePlan], split_of, source
         tokenizer = load_tokenizer(name, cfg.trust_remote_code, needs_chat_template=chat)
     except ModelError as exc:
         raise PipelineError(f"{source}: tokenizer: {exc}") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # a hub tokenizer offline (a local one failed check_model_inputs)
         if verbose:
-            print(f"  length check: at stage start (tokenizer '{name}' not loadable here: {type(exc).__name__})")
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            print(f"  length check: at stage start (tokenizer '{name}' not loadable here: {type(exc).__name__}: "
+                  f"{first})")
         return
     for plan in todo:
         rows = data[plan.name].rows
