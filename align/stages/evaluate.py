@@ -47,9 +47,9 @@ def sample_with_kl(policy, reference, tokenizer, prompts: list[str], cfg: Evalua
 
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg: EvaluateStage = ctx.cfg  # type: ignore[assignment]
-    prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts)
     ref_path = ctx.input_model(cfg.reference)
     tokenizer = load_tokenizer(ref_path)
+    prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer)  # conversations: rendered
     dtype = ctx.pipeline.dtype
     reference = load_causal_lm(ref_path, dtype).eval()
     judges: dict[str, Any] = {name: python_judge(name) for name in cfg.judges}
@@ -85,7 +85,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 metrics[f"eval/{name}/{j}/win_rate_ci"] = [w["ci_low"], w["ci_high"]]
     buckets: list[dict[str, float]] = []
     if cfg.reward and cfg.preferences:
-        pairs = load_rows(ctx, cfg.preferences, "test")
+        pairs = load_rows(ctx, cfg.preferences, "test", tokenizer=tokenizer)
         if pairs:
             rm = judges["reward_model"]
             acc = pairwise_accuracy(rm.model, rm.tokenizer, pairs)
