@@ -129,4 +129,27 @@ def install(tokenizer, text: str | None) -> list[str]:
         log.warning("chat template: EOS is now the end-of-turn token %r (was %r): generation stops there and "
                     "reward models score there", eot, tokenizer.eos_token)
         tokenizer.eos_token = eot
+    problem = prompt_boundary_problem(tokenizer)
+    if problem:
+        log.warning("chat template: %s", problem)
     return added
+
+
+def prompt_boundary_problem(tokenizer) -> str | None:
+    """Whether a prompt rendered with the generation prompt tokenises alone as it does with a reply after it.
+
+    Byte-level BPE with GPT-2's pre-tokenizer splits "\n\n" into two tokens before a word but keeps it as one
+    at the end of a text: with the llama3 format, PPO and evaluation would sample from a prompt whose last token
+    SFT never saw there (TRL's DPO trainer warns of the same). ChatML's single newline has no such boundary."""
+    from align.data.chat import as_text  # the rendering every stage after SFT uses
+
+    row = as_text([{"prompt": PROBE[:1], "completion": PROBE[1:]}], tokenizer)[0]
+    alone = tokenizer(row["prompt"])["input_ids"]
+    joined = tokenizer(row["prompt"] + row["completion"] + tokenizer.eos_token)["input_ids"]
+    if joined[:len(alone)] == alone:
+        return None
+    n = next((i for i, (a, b) in enumerate(zip(alone, joined)) if a != b), len(alone))
+    return (f"a prompt's last tokens {tokenizer.convert_ids_to_tokens(alone[n:])} become "
+            f"{tokenizer.convert_ids_to_tokens(joined[n:len(alone) + 1])} once a reply follows, so PPO and "
+            "evaluation sample after tokens SFT never trained there. Prefer chat_template: chatml with this "
+            "tokenizer (its generation prompt ends in a single newline)")
