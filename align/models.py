@@ -29,7 +29,7 @@ PAD_TOKEN = "<|pad|>"
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}:{% if message['role'] == 'assistant' %}{% generation %} "
     "{{ message['content'] }}{{ eos_token }}{% endgeneration %}{% else %} {{ message['content'] }}{{ eos_token }}"
-    "{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    "{% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
 )
 
 

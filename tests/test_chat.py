@@ -21,15 +21,17 @@ CHAT = [{"role": "user", "content": "How do I bake bread at home?"},
         {"role": "assistant", "content": "Mix flour, water, salt and yeast."},
         {"role": "user", "content": "What temperature should the oven be?"},
         {"role": "assistant", "content": "Around two hundred and thirty degrees."}]
-EOT = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}
+EOT = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "default": "<|endoftext|>"}
+LEAD = {"default": " "}  # align's default template writes "assistant: reply": the space belongs to the reply
 
 
 def chat_tokenizer(name: str):
-    """A BPE tokenizer trained as the builtin model's is, with the shipped template installed."""
+    """A BPE tokenizer trained as the builtin model's is, with a shipped template installed (`default`: the
+    tokenizer's own, align's role-tagged template, as with `chat_template: null`)."""
     from align.models import train_tokenizer
 
-    text = templates.template_text(name)
-    tok = train_tokenizer(CORPUS, 400, 256, templates.special_literals(text))
+    text = None if name == "default" else templates.template_text(name)
+    tok = train_tokenizer(CORPUS, 400, 256, templates.special_literals(text or ""))
     templates.install(tok, text)
     return tok
 
@@ -124,7 +126,7 @@ def test_template_setting_errors_name_the_file_and_the_fix(tmp_path):
         templates.install(tok, "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
 
 
-@pytest.mark.parametrize("name", ["chatml", "llama3"])
+@pytest.mark.parametrize("name", ["chatml", "llama3", "default"])
 def test_sft_loss_mask_covers_assistant_turns_only(name, tmp_path):
     """TRL's SFTTrainer, configured as align's SFT stage configures it for messages data (assistant_only_loss),
     on a two-turn conversation: the labels it trains on are exactly each assistant reply's tokens followed by
@@ -142,7 +144,7 @@ def test_sft_loss_mask_covers_assistant_turns_only(name, tmp_path):
     ids, labels = batch["input_ids"][0], batch["labels"][0]
     trained = ids[labels != -100].tolist()
     eot = tok.convert_tokens_to_ids(EOT[name])
-    replies = [m["content"] for m in CHAT if m["role"] == "assistant"]
+    replies = [LEAD.get(name, "") + m["content"] for m in CHAT if m["role"] == "assistant"]
     expected = [t for r in replies for t in tok(r, add_special_tokens=False)["input_ids"] + [eot]]
     assert trained == expected, tok.decode(trained)
     assert tok.decode(trained) == "".join(r + EOT[name] for r in replies)
@@ -163,7 +165,7 @@ class ForceTokens:
         return out
 
 
-@pytest.mark.parametrize("name", ["chatml", "llama3"])
+@pytest.mark.parametrize("name", ["chatml", "llama3", "default"])
 def test_ppo_responses_end_at_the_end_of_turn_token(name):
     """Rollouts as PPO samples them (align.generation.generate): prompts rendered with the generation prompt;
     a model forced to emit the end-of-turn token after 2 and after 4 tokens, then more tokens. The response
@@ -180,7 +182,8 @@ def test_ppo_responses_end_at_the_end_of_turn_token(name):
     eot = tok.eos_token_id
     assert eot == tok.convert_tokens_to_ids(EOT[name])
     prompts = [r["prompt"] for r in as_text([{"prompt": CHAT[:1]}, {"prompt": CHAT[:3]}], tok)]
-    opening = {"chatml": "<|im_start|>assistant\n", "llama3": "<|start_header_id|>assistant<|end_header_id|>\n\n"}
+    opening = {"chatml": "<|im_start|>assistant\n", "llama3": "<|start_header_id|>assistant<|end_header_id|>\n\n",
+               "default": "assistant:"}
     assert all(p.endswith(opening[name]) for p in prompts)
     words = tok("bread flour water salt yeast", add_special_tokens=False)["input_ids"]
     plans = [[words[0], words[1], eot, words[2], words[3], words[4], words[0], words[1]],
@@ -212,7 +215,7 @@ def test_ppo_responses_end_at_the_end_of_turn_token(name):
         assert scorer(single, prompts[row:row + 1]).item() == pytest.approx(scores[row].item(), abs=1e-5)
 
 
-@pytest.mark.parametrize("name", ["chatml", "llama3"])
+@pytest.mark.parametrize("name", ["chatml", "llama3", "default"])
 def test_reward_training_ppo_and_evaluate_score_the_same_tokens(name, tmp_path):
     """One conversation, three readers: TRL's RewardTrainer (on the rows align renders), PPO (rendered prompt
     tokenised as a rollout query, the reply as the policy would emit it, then the end-of-turn token) and the
@@ -228,7 +231,7 @@ def test_reward_training_ppo_and_evaluate_score_the_same_tokens(name, tmp_path):
     tok = chat_tokenizer(name)
     pair = {"prompt": CHAT[:3], "chosen": CHAT[3:], "rejected": [{"role": "assistant", "content": "Mix it."}]}
     row = as_text([pair], tok)[0]
-    assert row["prompt"] == render_prompt(tok, CHAT[:3]) and row["chosen"] == CHAT[3]["content"]
+    assert row["prompt"] == render_prompt(tok, CHAT[:3]) and row["chosen"] == LEAD.get(name, "") + CHAT[3]["content"]
     whole = tok.apply_chat_template(CHAT, tokenize=True)["input_ids"]
     eot = tok.eos_token_id
     template_ids = whole[:len(whole) - whole[::-1].index(eot)]  # up to the last end-of-turn token
