@@ -104,6 +104,9 @@ def _check_lengths(cfg: PipelineConfig, plans: list[StagePlan], split_of, source
         tokenizer = load_tokenizer(name, cfg.trust_remote_code, needs_chat_template=chat)
         if paths["chat_template"] or chat:  # as the first SFT stage will: the template, EOS = end of turn
             templates.install(tokenizer, paths["chat_template"] and templates.template_text(paths["chat_template"]))
+            problem = templates.prompt_boundary_problem(tokenizer)
+            if problem and verbose:
+                print(f"  warning: chat template: {problem}")
     except ModelError as exc:
         raise PipelineError(f"{source}: tokenizer: {exc}") from None
     except (OSError, ValueError) as exc:

@@ -126,6 +126,17 @@ def test_template_setting_errors_name_the_file_and_the_fix(tmp_path):
         templates.install(tok, "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
 
 
+def test_validate_refuses_a_missing_template_and_warns_of_llama3_on_gpt2(workdir):
+    (workdir / "tokenizers").symlink_to(REPO / "tokenizers")
+    proc = run_align("validate", "pipelines/chat.yaml", "chat_template=templates/mine.jinja", cwd=workdir)
+    assert proc.returncode == 2 and "chat_template: file 'templates/mine.jinja' not found" in proc.stderr
+    proc = run_align("validate", "pipelines/chat.yaml", "tokenizer=../tokenizers/gpt2", "chat_template=llama3",
+                     cwd=workdir)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: chat template: a prompt's last tokens ['ĊĊ']" in proc.stdout
+    assert "length check reward: 97 examples" in proc.stdout  # conversational pairs measured as rendered
+
+
 @pytest.mark.parametrize("name", ["chatml", "llama3", "default"])
 def test_sft_loss_mask_covers_assistant_turns_only(name, tmp_path):
     """TRL's SFTTrainer, configured as align's SFT stage configures it for messages data (assistant_only_loss),
