@@ -22,6 +22,7 @@ from typing import Any
 
 from align.data.formats import FormatError, check_conversation
 
+
 def _adds_bos(tokenizer) -> bool:
     """Whether encoding text prepends the BOS token by itself (Llama-style tokenizers do)."""
     bos = tokenizer.bos_token_id

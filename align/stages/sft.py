@@ -56,7 +56,8 @@ def load_start(ctx: StageContext, cfg: SFTStage, rows: list[dict[str, Any]], cha
 def check_assistant_masks(ctx: StageContext, tokenizer) -> None:
     """Assistant-only loss needs `{% generation %}` markers in the template (or a template TRL knows how to
     patch); say so before TRL does, with the fix."""
-    if templates.has_generation_markers(tokenizer.chat_template or ""):
+    template = tokenizer.chat_template or ""
+    if templates.has_generation_markers(template if isinstance(template, str) else template.get("default", "")):
         return
     from trl.chat_template_utils import get_training_chat_template  # heavy: stage processes only
 
