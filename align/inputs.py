@@ -27,6 +27,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from align import templates
 from align.builtin import is_builtin
 from align.config import PipelineConfig
 from align.schema import ConfigError
@@ -36,7 +37,8 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 def resolve_model_paths(cfg: PipelineConfig, source: str | Path) -> dict[str, str | None]:
     """base_model / tokenizer that name local paths, resolved relative to the pipeline file (like data cards);
-    hub ids pass through. A local-looking value that does not exist is an error (see the module docstring)."""
+    hub ids pass through. A local-looking value that does not exist is an error (see the module docstring).
+    chat_template: a shipped name, or its .jinja file resolved and parsed (align/templates/)."""
     base_dir = Path(source).resolve().parent
     out: dict[str, str | None] = {}
     for key in ("base_model", "tokenizer"):
@@ -56,6 +58,7 @@ def resolve_model_paths(cfg: PipelineConfig, source: str | Path) -> dict[str, st
                               "that names a local directory is never looked up on the hub. Fix the path (it is "
                               "relative to the pipeline file)")
         out[key] = value  # a hub id
+    out["chat_template"] = templates.resolve(cfg.chat_template, source)  # a shipped name or an absolute path
     return out
 
 

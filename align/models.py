@@ -24,10 +24,12 @@ log = logging.getLogger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
-# A minimal chat template for tokenizers that ship none: role-tagged turns, EOS after each turn.
+# A minimal chat template for tokenizers that ship none: role-tagged turns, EOS after each turn; assistant content
+# and its EOS inside {% generation %} for TRL's assistant-only loss. align/templates/ has llama3 and chatml.
 DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}{{ eos_token }}\n"
-    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    "{% for message in messages %}{{ message['role'] }}:{% if message['role'] == 'assistant' %}{% generation %} "
+    "{{ message['content'] }}{{ eos_token }}{% endgeneration %}{% else %} {{ message['content'] }}{{ eos_token }}"
+    "{% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
 )
 
 
@@ -51,9 +53,10 @@ def check_remote_code(path_or_id: str, trust_remote_code: bool) -> None:
 
 
 # --------------------------------------------------------------------------------------------- tokenizers
-def train_tokenizer(texts: Iterable[str], vocab_size: int, max_length: int):
+def train_tokenizer(texts: Iterable[str], vocab_size: int, max_length: int, special_tokens: Iterable[str] = ()):
     """Train a byte-level BPE tokenizer on `texts` (deterministic: BPE merges are ranked by count, ties by
-    byte order) with EOS and PAD special tokens and a default chat template."""
+    byte order) with EOS, PAD and `special_tokens` (e.g. a chat template's) as special tokens and a default chat
+    template."""
     # heavy: tokenizers and transformers load on use
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -61,7 +64,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, max_length: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN, PAD_TOKEN],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(dict.fromkeys([EOS_TOKEN, PAD_TOKEN, *special_tokens])),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(list(texts), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
@@ -111,6 +114,19 @@ def build_builtin(size: BuiltinModel, tokenizer, seed: int, attn_implementation:
         cfg._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg)
+
+
+def fit_model_to_tokenizer(model, tokenizer):
+    """After special tokens were added or EOS changed (a chat template, align/templates/): grow the embeddings
+    to the tokenizer's length (new rows drawn like the model's own init) and tell the model and its generation
+    config which ids are EOS, PAD and BOS."""
+    if len(tokenizer) > model.get_input_embeddings().weight.size(0):
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    for cfg in (model.config.get_text_config(), model.generation_config):
+        cfg.eos_token_id, cfg.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+        if tokenizer.bos_token_id is not None:
+            cfg.bos_token_id = tokenizer.bos_token_id
+    return model
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

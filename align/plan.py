@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from align import templates
 from align.builtin import check_builtin
 from align.config import PipelineConfig, StageBase, stage_types, to_dict
 from align.data.cards import DataCardError, load_card
@@ -139,11 +140,14 @@ def code_version() -> str:
     return h.hexdigest()[:16]
 
 
-def _fingerprint(plan: StagePlan, cfg: PipelineConfig, inputs: dict[str, str], code: str) -> str:
+def _fingerprint(plan: StagePlan, cfg: PipelineConfig, inputs: dict[str, str], code: str,
+                 chat_template: str | None = None) -> str:
     stage = {k: v for k, v in to_dict(plan.cfg).items() if k not in NON_SEMANTIC}
     base = {}
     if getattr(plan.cfg, "model", None) == "base":
         base = {"base_model": cfg.base_model, "tokenizer": cfg.tokenizer, "builtin": to_dict(cfg.builtin)}
+        if chat_template:  # the template's content: editing the .jinja file reruns the stage that installs it
+            base["chat_template"] = chat_template
     blob = {"stage": stage, "base": base, "seed": plan.cfg.seed if plan.cfg.seed is not None else cfg.seed,
             "dtype": cfg.dtype, "inputs": inputs, "cards": plan.card_hashes, "code": code}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:20]
@@ -183,7 +187,8 @@ def build_plan(cfg: PipelineConfig, source: str | Path) -> list[StagePlan]:
             plan.card_hashes = {fld: load_card(p).content_hash() for fld, p in plan.cards.items()}
         except DataCardError as exc:
             raise PipelineError(f"{source}: stages.{name}: {exc}") from None
-        plan.fingerprint = _fingerprint(plan, cfg, {d: plans[d].fingerprint for d in plan.deps}, code)
+        plan.fingerprint = _fingerprint(plan, cfg, {d: plans[d].fingerprint for d in plan.deps}, code,
+                                        templates.digest(cfg.chat_template, source))
     return [plans[n] for n in order]
 
 

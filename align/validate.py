@@ -10,10 +10,13 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+from align import templates
 from align.builtin import is_builtin
 from align.compute import flash_attention_problem
 from align.config import CheckContext, ConfigError, PipelineConfig, TrainedStage
 from align.data.cards import DataCardError, DataUnavailableError, LoadedSplit, hub_reachable, load_card, load_split
+from align.data.chat import as_text
+from align.data.formats import FormatError, prompt_key, row_prompt_key
 from align.inputs import check_model_inputs, resolve_model_paths
 from align.launch import check_accelerate
 from align.lengths import LengthError, enforce, measure
@@ -103,6 +106,11 @@ def _check_lengths(cfg: PipelineConfig, plans: list[StagePlan], split_of, source
     try:
         chat = any(data[p.name].card.produces == "messages" for p in todo)
         tokenizer = load_tokenizer(name, cfg.trust_remote_code, needs_chat_template=chat)
+        if paths["chat_template"] or chat:  # as the first SFT stage will: the template, EOS = end of turn
+            templates.install(tokenizer, paths["chat_template"] and templates.template_text(paths["chat_template"]))
+            problem = templates.prompt_boundary_problem(tokenizer)
+            if problem and verbose:
+                print(f"  warning: chat template: {problem}")
     except ModelError as exc:
         raise PipelineError(f"{source}: tokenizer: {exc}") from None
     except (OSError, ValueError) as exc:  # a hub tokenizer offline (a local one failed check_model_inputs)
@@ -114,6 +122,11 @@ def _check_lengths(cfg: PipelineConfig, plans: list[StagePlan], split_of, source
     for plan in todo:
         rows = data[plan.name].rows
         rows = rows[: plan.cfg.max_train_examples] if plan.cfg.max_train_examples else rows
+        if plan.cfg.LENGTH_RULE != "sft":  # conversational pairs: as the stage will see them (data/chat.py)
+            try:
+                rows = as_text(rows, tokenizer)
+            except FormatError as exc:
+                raise PipelineError(f"{source}: stages.{plan.name}.data: {exc}") from None
         report = measure(plan.name, plan.cfg.LENGTH_RULE, rows, tokenizer, plan.cfg.max_length)
         if verbose:
             print(f"  length check {report.summary()}")
@@ -129,11 +142,12 @@ def _check_eval_overlap(plans: list[StagePlan], split_of, source: str) -> None:
     for plan in plans:
         if plan.cfg.PROMPTS == "train":
             for card in plan.cards.values():
-                trained[plan.name] = {r["prompt"] for r in split_of(card, plan.cfg.split).rows if "prompt" in r}
+                rows = split_of(card, plan.cfg.split).rows  # conversations: keyed by their turns (formats.py)
+                trained[plan.name] = {k for k in map(row_prompt_key, rows) if k is not None}
     for plan in plans:
         if plan.cfg.PROMPTS != "held_out" or "prompts" not in plan.cards:
             continue
-        held_out = {r["prompt"] for r in split_of(plan.cards["prompts"], plan.cfg.split).rows}
+        held_out = {prompt_key(r["prompt"]) for r in split_of(plan.cards["prompts"], plan.cfg.split).rows}
         for name, prompts in trained.items():
             overlap = held_out & prompts
             if overlap:

@@ -68,6 +68,11 @@ class PipelineConfig:
     a hub model on a machine that cannot reach the hub. The model itself is still loaded from base_model."""
     hardware: Hardware = field(default_factory=Hardware)
     """GPUs the pipeline is sized for (memory preflight)."""
+    chat_template: str | None = None
+    """Chat template the first SFT stage installs on the tokenizer: llama3 | chatml (align/templates/) | a .jinja
+    file (relative to the pipeline file) | null (the tokenizer's own, or align's role-tagged default when it has
+    none). Its `<|...|>` tokens are added when missing, and its end-of-turn token becomes EOS (generation stops
+    there, reward models score there)."""
     trust_remote_code: bool = False
     """Allow model repositories to run their own Python code. Off unless you set it."""
     builtin: BuiltinModel = field(default_factory=BuiltinModel)

@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 
 import yaml
 
-from align.data.formats import CANONICAL_COLUMNS, TRANSFORMS, FormatError, check_canonical
+from align.data.formats import CANONICAL_COLUMNS, TRANSFORMS, FormatError, check_canonical, row_prompt_key
 
 FORMATS = ("jsonl", "json", "tsv", "csv", "parquet", "hub")
 
@@ -262,11 +262,8 @@ def load_split(card: DataCard | str | Path, split: str) -> LoadedSplit:
 
 
 def _split_key(row: dict[str, Any]) -> str:
-    if "prompt" in row:
-        return str(row["prompt"])
-    if "messages" in row:
-        return json.dumps(row["messages"][:-1], sort_keys=True)
-    return json.dumps(row, sort_keys=True)
+    key = row_prompt_key(row)
+    return json.dumps(row, sort_keys=True) if key is None else key
 
 
 def _json_lines(text: str, where: Path, fix: str) -> Iterator[tuple[int, Any]]:

@@ -3,8 +3,11 @@
 Canonical forms (they match TRL's dataset formats):
 - ``prompt_completion``: ``{"prompt": str, "completion": str}``
 - ``messages``: ``{"messages": [{"role": ..., "content": ...}, ...]}``
-- ``preference``: ``{"prompt": str, "chosen": str, "rejected": str}``
-- ``prompt``: ``{"prompt": str}``
+- ``preference``: ``{"prompt": str, "chosen": str, "rejected": str}``, or conversational (TRL's form):
+  ``prompt`` a list of messages ending with a user turn, ``chosen`` / ``rejected`` lists of one assistant message
+- ``prompt``: ``{"prompt": str}``, or ``prompt`` a list of messages ending with a user turn
+
+Conversational rows are rendered with the chat template by the stages that read them (align/data/chat.py).
 
 Each transform takes a list of row dicts and returns ``(rows, dropped)``, where ``dropped`` counts rows
 skipped for a stated reason (reported by ``align validate``), so nothing disappears silently.
@@ -12,6 +15,7 @@ skipped for a stated reason (reported by ``align validate``), so nothing disappe
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from collections import Counter
@@ -25,10 +29,44 @@ CANONICAL_COLUMNS = {
 }
 
 Rows = list[dict[str, Any]]
+ROLES = ("system", "user", "assistant")
 
 
 class FormatError(ValueError):
     """A row that cannot be converted; the message names the row and field."""
+
+
+def is_conversation(value: Any) -> bool:
+    """A non-empty list of {role, content} messages with text content."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+
+
+def check_conversation(messages: Any, where: str, last_role: str | None = None) -> None:
+    """Raise FormatError naming `where` unless `messages` is a conversation (ending with `last_role` if given)."""
+    if not is_conversation(messages):
+        raise FormatError(f"{where}: expected a list of {{role, content}} messages with text content")
+    bad = [m["role"] for m in messages if m["role"] not in ROLES]
+    if bad:
+        raise FormatError(f"{where}: role '{bad[0]}' is not one of {list(ROLES)}")
+    if last_role and messages[-1]["role"] != last_role:
+        raise FormatError(f"{where}: the last message must be a '{last_role}' turn, got '{messages[-1]['role']}'")
+
+
+def prompt_key(prompt: str | list[dict[str, str]]) -> str:
+    """A prompt as a hashable key, for splits and overlap checks: text is its own key; a conversation is keyed
+    like a `messages` row's earlier turns (`row_prompt_key`), so a messages card and a preference card over the
+    same transcripts split alike, and their overlap is found."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
+def row_prompt_key(row: dict[str, Any]) -> str | None:
+    """The key of what a row prompts with: its `prompt`, or a `messages` row's turns before the last one."""
+    if "prompt" in row:
+        return prompt_key(row["prompt"])
+    if "messages" in row:
+        return json.dumps(row["messages"][:-1], sort_keys=True)
+    return None
 
 
 def prefix_words(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
@@ -76,14 +114,9 @@ def render_hh_prompt(turns: list[tuple[str, str]]) -> str:
     return body + "\n\nAssistant:"
 
 
-def hh_transcript(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
-    """HH-RLHF pairs -> preference rows.
-
-    prompt = every turn before the final assistant reply (rendered in the HH format, ending with the
-    "Assistant:" cue); chosen / rejected = the two final replies. Pairs whose turns differ before the final
-    reply, whose final replies are identical, or that do not parse, are dropped and counted by reason.
-    Args: `true`, or `{max_prompt_chars: N}` to also drop (and count) pairs with longer prompts.
-    """
+def _hh_pairs(rows: Rows, args: Any, transform: str) -> tuple[list[tuple[list, str, str]], Counter]:
+    """Parsed HH-RLHF pairs as (turns before the final reply, chosen reply, rejected reply), filtered and counted
+    as `hh_transcript` documents (the max_prompt_chars limit applies to the HH-format prompt text)."""
     max_chars = args.get("max_prompt_chars") if isinstance(args, dict) else None
     out, dropped = [], Counter()
     for row in rows:
@@ -93,25 +126,57 @@ def hh_transcript(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
             dropped["unparseable transcript"] += 1
             continue
         except KeyError as exc:
-            raise FormatError(f"transform hh_transcript needs a {exc} column") from exc
+            raise FormatError(f"transform {transform} needs a {exc} column") from exc
         if chosen[:-1] != rejected[:-1]:
             dropped["chosen and rejected diverge before the final reply"] += 1
             continue
         if chosen[-1][1] == rejected[-1][1]:
             dropped["chosen identical to rejected"] += 1
             continue
-        prompt = render_hh_prompt(chosen[:-1])
-        if max_chars is not None and len(prompt) > max_chars:
+        if max_chars is not None and len(render_hh_prompt(chosen[:-1])) > max_chars:
             dropped[f"prompt longer than {max_chars} characters"] += 1
             continue
-        out.append({"prompt": prompt, "chosen": " " + chosen[-1][1], "rejected": " " + rejected[-1][1]})
+        out.append((chosen[:-1], chosen[-1][1], rejected[-1][1]))
     return out, dropped
+
+
+def hh_transcript(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
+    """HH-RLHF pairs -> preference rows.
+
+    prompt = every turn before the final assistant reply (rendered in the HH format, ending with the
+    "Assistant:" cue); chosen / rejected = the two final replies. Pairs whose turns differ before the final
+    reply, whose final replies are identical, or that do not parse, are dropped and counted by reason.
+    Args: `true`, or `{max_prompt_chars: N}` to also drop (and count) pairs with longer prompts.
+    """
+    pairs, dropped = _hh_pairs(rows, args, "hh_transcript")
+    return [{"prompt": render_hh_prompt(turns), "chosen": " " + c, "rejected": " " + r}
+            for turns, c, r in pairs], dropped
 
 
 def hh_chosen_sft(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
     """HH-RLHF pairs -> prompt_completion rows for SFT on the chosen transcript's final reply (same args)."""
     pairs, dropped = hh_transcript(rows, args, seed)
     return [{"prompt": r["prompt"], "completion": r["chosen"]} for r in pairs], dropped
+
+
+def _messages(turns: list[tuple[str, str]]) -> list[dict[str, str]]:
+    return [{"role": role, "content": text} for role, text in turns]
+
+
+def hh_messages(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
+    """HH-RLHF pairs -> conversational preference rows (TRL's form): prompt = the turns before the final reply
+    as messages (user / assistant), chosen / rejected = [the final assistant reply]. Same filters and args as
+    `hh_transcript`, so the same pairs are kept."""
+    pairs, dropped = _hh_pairs(rows, args, "hh_messages")
+    return [{"prompt": _messages(turns), "chosen": [{"role": "assistant", "content": c}],
+             "rejected": [{"role": "assistant", "content": r}]} for turns, c, r in pairs], dropped
+
+
+def hh_chosen_messages(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
+    """HH-RLHF pairs -> `messages` rows for SFT: the whole chosen transcript, every assistant turn trained
+    (assistant-only loss). Same filters and args as `hh_transcript`."""
+    pairs, dropped = _hh_pairs(rows, args, "hh_chosen_messages")
+    return [{"messages": _messages(turns) + [{"role": "assistant", "content": c}]} for turns, c, _ in pairs], dropped
 
 
 def alpaca(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
@@ -137,22 +202,31 @@ TRANSFORMS: dict[str, Callable[[Rows, Any, int], tuple[Rows, Counter]]] = {
     "prefix_words": prefix_words,
     "hh_transcript": hh_transcript,
     "hh_chosen_sft": hh_chosen_sft,
+    "hh_messages": hh_messages,
+    "hh_chosen_messages": hh_chosen_messages,
     "alpaca": alpaca,
 }
 
 
 def check_canonical(rows: Rows, produces: str, source: str) -> None:
-    """Every row must carry the canonical columns of `produces` with the right types."""
+    """Every row must carry the canonical columns of `produces` with the right types (text, or for preference
+    and prompt rows TRL's conversational form: see the module docstring)."""
     needed = CANONICAL_COLUMNS[produces]
     for i, row in enumerate(rows):
         for col in needed:
             if col not in row:
                 raise FormatError(f"{source}: row {i}: missing field '{col}' required by produces={produces}")
         if produces == "messages":
-            msgs = row["messages"]
-            if not isinstance(msgs, list) or not all(isinstance(m, dict) and {"role", "content"} <= m.keys()
-                                                      for m in msgs):
+            if not is_conversation(row["messages"]):
                 raise FormatError(f"{source}: row {i}: field 'messages' must be a list of {{role, content}}")
+        elif produces in ("preference", "prompt") and isinstance(row["prompt"], list):
+            check_conversation(row["prompt"], f"{source}: row {i}: field 'prompt'", last_role="user")
+            for col in needed[1:]:
+                reply = row[col]
+                check_conversation(reply, f"{source}: row {i}: field '{col}'", last_role="assistant")
+                if len(reply) != 1:
+                    raise FormatError(f"{source}: row {i}: field '{col}': expected one assistant message, got "
+                                      f"{len(reply)} (earlier turns belong in 'prompt')")
         else:
             for col in needed:
                 if not isinstance(row[col], str):

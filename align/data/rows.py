@@ -1,32 +1,58 @@
-"""Rows a stage reads: from an upstream stage's `data/<split>.jsonl` or from a data card."""
+"""Rows a stage reads: from an upstream stage's `data/<split>.jsonl` or from a data card.
+
+Given the stage's tokenizer, conversational rows come back rendered with its chat template (align/data/chat.py),
+so every stage after SFT reads text, rendered the same way everywhere.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from align.data.cards import load_split, read_jsonl
+from align.data.chat import as_text
+from align.data.formats import FormatError, prompt_key
 from align.stages.context import StageContext, StageError
 
 
-def load_rows(ctx: StageContext, ref: str, split: str, limit: int | None = None) -> list[dict[str, Any]]:
-    """Rows from a data reference: an upstream stage that wrote `data/<split>.jsonl`, or a data card path."""
+def load_rows(ctx: StageContext, ref: str, split: str, limit: int | None = None,
+              tokenizer=None) -> list[dict[str, Any]]:
+    """Rows from a data reference: an upstream stage that wrote `data/<split>.jsonl`, or a data card path;
+    conversational rows rendered with `tokenizer`'s chat template when one is given."""
     if ref in ctx.inputs:
         rows = read_jsonl(ctx.input_dir(ref) / "data" / f"{split}.jsonl")
     else:
         rows = load_split(ref, split).rows
-    return rows[:limit] if limit else rows
+    rows = rows[:limit] if limit else rows
+    return rows if tokenizer is None else _rendered(ctx, rows, tokenizer, f"{ref} split '{split}'")
+
+
+def _rendered(ctx: StageContext, rows: list[dict[str, Any]], tokenizer, where: str) -> list[dict[str, Any]]:
+    try:
+        return as_text(rows, tokenizer)
+    except FormatError as exc:
+        raise StageError(f"stage '{ctx.name}': {where}: {exc}") from None
 
 
 def unique_prompts(rows: list[dict[str, Any]], limit: int | None = None) -> list[str]:
     """Distinct prompts in order of first appearance (so a prompt is never sampled twice by accident)."""
+    if rows and not isinstance(rows[0]["prompt"], str):
+        raise FormatError("conversational prompts must be rendered with the chat template first (load_rows with "
+                          "the stage's tokenizer)")
     seen = dict.fromkeys(r["prompt"] for r in rows)
     prompts = list(seen)
     return prompts[:limit] if limit else prompts
 
 
-def load_prompts(ctx: StageContext, ref: str, split: str, limit: int | None = None) -> list[str]:
-    """Distinct non-empty prompts of a data reference (at most `limit`); none at all fails the stage."""
-    prompts = [p for p in unique_prompts(load_rows(ctx, ref, split), limit) if p.strip()]
-    if not prompts:
+def load_prompts(ctx: StageContext, ref: str, split: str, limit: int | None = None, tokenizer=None) -> list[str]:
+    """Distinct non-empty prompts of a data reference (at most `limit`), conversational ones rendered with
+    `tokenizer`'s chat template; none at all fails the stage."""
+    first: dict[str, dict[str, Any]] = {}
+    for row in load_rows(ctx, ref, split):
+        first.setdefault(prompt_key(row["prompt"]), row)
+    rows = list(first.values())[:limit] if limit else list(first.values())
+    rows = [r for r in rows if isinstance(r["prompt"], list) or r["prompt"].strip()]
+    if not rows:
         raise StageError(f"stage '{ctx.name}': no non-empty prompts in {ref} split '{split}'")
-    return prompts
+    if tokenizer is not None:
+        rows = _rendered(ctx, rows, tokenizer, f"{ref} split '{split}'")
+    return unique_prompts(rows)

@@ -19,10 +19,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     cfg: DPOStage = ctx.cfg  # type: ignore[assignment]
     columns = ("prompt", "chosen", "rejected")
-    train = [{c: r[c] for c in columns} for r in load_rows(ctx, cfg.data, "train", cfg.max_train_examples)]
-    test = [{c: r[c] for c in columns} for r in load_rows(ctx, cfg.data, "test")]
     path = ctx.input_model(cfg.policy)
     tokenizer = load_tokenizer(path)
+    train = [{c: r[c] for c in columns} for r in load_rows(ctx, cfg.data, "train", cfg.max_train_examples, tokenizer)]
+    test = [{c: r[c] for c in columns} for r in load_rows(ctx, cfg.data, "test", tokenizer=tokenizer)]
     check_lengths(ctx, train, tokenizer)
     model = ctx.load_lm(path)
     lora = peft_config(cfg.lora, "CAUSAL_LM")

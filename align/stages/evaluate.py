@@ -52,9 +52,9 @@ def sample_with_kl(policy, reference, tokenizer, prompts: list[str], cfg: Evalua
 
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg: EvaluateStage = ctx.cfg  # type: ignore[assignment]
-    prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts)
     ref_path = ctx.input_model(cfg.reference)
     tokenizer = load_tokenizer(ref_path)
+    prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer)  # conversations: rendered
     reference = ctx.load_lm(ref_path, device=True).eval()
     judges: dict[str, Any] = {name: python_judge(name) for name in cfg.judges}
     if cfg.reward:
@@ -98,7 +98,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 metrics[f"eval/{name}/{j}/win_rate_ci"] = [w["ci_low"], w["ci_high"]]
     buckets: list[dict[str, float]] = []
     if cfg.reward and cfg.preferences:
-        pairs = load_rows(ctx, cfg.preferences, "test")
+        pairs = load_rows(ctx, cfg.preferences, "test", tokenizer=tokenizer)
         if pairs:
             rm = judges["reward_model"]
             acc = pairwise_accuracy(rm.model, rm.tokenizer, pairs)

@@ -38,9 +38,9 @@ def pair_up(prompt: str, responses: list[str], scores: list[float], min_margin: 
 
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg: PreferencesStage = ctx.cfg  # type: ignore[assignment]
-    prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts)
     path = ctx.input_model(cfg.policy)
     tokenizer = load_tokenizer(path)
+    prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer)  # conversations: rendered
     policy = ctx.load_lm(path, device=True).eval()
     judge = make_judge(cfg.judge, lambda n: ctx.input_model(n) if n in ctx.inputs else None,
                        load=lambda p, pad: ctx.load_scalar(p, pad, device=True))

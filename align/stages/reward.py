@@ -48,10 +48,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
     from trl import RewardConfig, RewardTrainer
 
     cfg: RewardStage = ctx.cfg  # type: ignore[assignment]
-    train = load_rows(ctx, cfg.data, "train", cfg.max_train_examples)
-    test = load_rows(ctx, cfg.data, "test")
     path = ctx.input_model(cfg.init)
     tokenizer = load_tokenizer(path)
+    train = load_rows(ctx, cfg.data, "train", cfg.max_train_examples, tokenizer)
+    test = load_rows(ctx, cfg.data, "test", tokenizer=tokenizer)
     check_lengths(ctx, train, tokenizer)
     model = ctx.load_scalar(path, tokenizer.pad_token_id)
     args = RewardConfig(**trainer_kwargs(cfg, ctx), center_rewards_coefficient=cfg.center_rewards_coefficient,

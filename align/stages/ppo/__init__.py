@@ -171,7 +171,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     weights = judge_weights(cfg.reward)
     reward_stages = [n for n in weights if n in ctx.inputs]
     tokenizer = load_tokenizer(policy_path)
-    prompts = unique_prompts(load_rows(ctx, cfg.prompts, cfg.split))
+    prompts = unique_prompts(load_rows(ctx, cfg.prompts, cfg.split, tokenizer=tokenizer))  # chat: rendered
     check_models(ctx, cfg, tokenizer, {n: load_tokenizer(ctx.input_model(n)) for n in reward_stages}, prompts)
 
     pad_id = tokenizer.pad_token_id

@@ -1,0 +1,299 @@
+"""Chat models end to end: the shipped templates (align/templates/), SFT's assistant-only loss mask, PPO responses
+cut at the end-of-turn token, one rendering of a conversation for reward training, PPO and evaluation, and
+pipelines/chat.yaml run through every stage."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from align import templates
+from align.data.chat import as_text, render_prompt
+from align.schema import ConfigError
+from conftest import REPO, run_align
+
+SEED = 1234
+CORPUS = ["How do I bake bread at home?", "Mix flour, water, salt and yeast, then let it rise.",
+          "What temperature should the oven be?", "Bake it hot, around two hundred and thirty degrees."] * 20
+CHAT = [{"role": "user", "content": "How do I bake bread at home?"},
+        {"role": "assistant", "content": "Mix flour, water, salt and yeast."},
+        {"role": "user", "content": "What temperature should the oven be?"},
+        {"role": "assistant", "content": "Around two hundred and thirty degrees."}]
+EOT = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "default": "<|endoftext|>"}
+LEAD = {"default": " "}  # align's default template writes "assistant: reply": the space belongs to the reply
+
+
+def chat_tokenizer(name: str):
+    """A BPE tokenizer trained as the builtin model's is, with a shipped template installed (`default`: the
+    tokenizer's own, align's role-tagged template, as with `chat_template: null`)."""
+    from align.models import train_tokenizer
+
+    text = None if name == "default" else templates.template_text(name)
+    tok = train_tokenizer(CORPUS, 400, 256, templates.special_literals(text or ""))
+    templates.install(tok, text)
+    return tok
+
+
+def tiny_model(tok, scalar: bool = False):
+    from transformers import LlamaForSequenceClassification
+
+    from align.builtin import llama_config
+    from align.config import BuiltinModel
+    from align.models import build_builtin
+
+    size = BuiltinModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_position_embeddings=256)
+    if not scalar:
+        return build_builtin(size, tok, seed=SEED).eval()
+    torch.manual_seed(SEED)
+    cfg = llama_config(size, len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                       pad_token_id=tok.pad_token_id)
+    cfg.num_labels = 1
+    return LlamaForSequenceClassification(cfg).eval()
+
+
+def test_shipped_templates_write_their_formats_and_eot_becomes_eos():
+    """The formats written out by hand: Llama-3 headers and <|eot_id|>; ChatML's <|im_start|> ... <|im_end|>\\n."""
+    expected = {
+        "llama3": "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+                  "<|start_header_id|>assistant<|end_header_id|>\n\nHello<|eot_id|>"
+                  "<|start_header_id|>user<|end_header_id|>\n\nBye<|eot_id|>"
+                  "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        "chatml": "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n"
+                  "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n",
+    }
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "Bye"}]
+    for name, text in expected.items():
+        tok = chat_tokenizer(name)
+        assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == text
+        assert tok.eos_token == EOT[name]
+        for special in templates.special_literals(templates.template_text(name)):  # one id each, not pieces
+            assert len(tok(special, add_special_tokens=False)["input_ids"]) == 1, special
+        assert templates.has_generation_markers(tok.chat_template)
+
+
+def test_installing_a_template_on_a_tokenizer_adds_its_tokens_and_the_model_grows_to_match():
+    """The vendored GPT-2 tokenizer lacks ChatML's tokens: they are added as special tokens, EOS becomes
+    <|im_end|>, and the model's embeddings and token ids follow (align/models.py fit_model_to_tokenizer)."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    from align.models import fit_model_to_tokenizer, prepare_tokenizer
+
+    tok = prepare_tokenizer(AutoTokenizer.from_pretrained(REPO / "tokenizers" / "gpt2"))
+    before = len(tok)
+    added = templates.install(tok, templates.template_text("chatml"))
+    assert added == ["<|im_start|>", "<|im_end|>"] and len(tok) == before + 2
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"  # the old EOS stays the pad
+    assert templates.prompt_boundary_problem(tok) is None  # ChatML's generation prompt ends in one newline
+    torch.manual_seed(SEED)
+    model = fit_model_to_tokenizer(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=before)), tok)
+    assert model.get_input_embeddings().weight.shape[0] == before + 2
+    assert model.config.eos_token_id == model.generation_config.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_llama3_on_gpt2s_pre_tokenizer_is_flagged():
+    """GPT-2's pre-tokenizer keeps a final "\n\n" as one token but splits it before a word: the Llama-3 generation
+    prompt tokenises differently alone (PPO, evaluation) than with a reply (SFT). install() says so."""
+    from transformers import AutoTokenizer
+
+    from align.models import prepare_tokenizer
+
+    tok = prepare_tokenizer(AutoTokenizer.from_pretrained(REPO / "tokenizers" / "gpt2"))
+    templates.install(tok, templates.template_text("llama3"))
+    problem = templates.prompt_boundary_problem(tok)
+    assert problem is not None and "['ĊĊ'] become ['Ċ', 'Ċ']" in problem and "chatml" in problem
+
+
+def test_template_setting_errors_name_the_file_and_the_fix(tmp_path):
+    source = tmp_path / "p.yaml"
+    with pytest.raises(ConfigError, match="not found .*relative to the pipeline file"):
+        templates.resolve("missing.jinja", source)
+    with pytest.raises(ConfigError, match="neither a shipped template"):
+        templates.resolve("chatmlx", source)
+    (tmp_path / "broken.jinja").write_text("{% for message in messages %}{{ message['content'] }}")
+    with pytest.raises(ConfigError, match="broken.jinja: not a valid Jinja template"):
+        templates.resolve("broken.jinja", source)
+    (tmp_path / "mine.jinja").write_text(templates.template_text("chatml"))
+    assert templates.resolve("mine.jinja", source) == str(tmp_path / "mine.jinja")
+    assert templates.digest("mine.jinja", source) == templates.digest("chatml", source)  # content, not name
+    # A template whose assistant turns end with plain text could never stop: refused at install.
+    from align.models import ModelError
+
+    tok = chat_tokenizer("chatml")
+    with pytest.raises(ModelError, match="not a special token"):
+        templates.install(tok, "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+
+
+def test_validate_refuses_a_missing_template_and_warns_of_llama3_on_gpt2(workdir):
+    (workdir / "tokenizers").symlink_to(REPO / "tokenizers")
+    proc = run_align("validate", "pipelines/chat.yaml", "chat_template=templates/mine.jinja", cwd=workdir)
+    assert proc.returncode == 2 and "chat_template: file 'templates/mine.jinja' not found" in proc.stderr
+    proc = run_align("validate", "pipelines/chat.yaml", "tokenizer=../tokenizers/gpt2", "chat_template=llama3",
+                     cwd=workdir)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: chat template: a prompt's last tokens ['ĊĊ']" in proc.stdout
+    assert "length check reward: 97 examples" in proc.stdout  # conversational pairs measured as rendered
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama3", "default"])
+def test_sft_loss_mask_covers_assistant_turns_only(name, tmp_path):
+    """TRL's SFTTrainer, configured as align's SFT stage configures it for messages data (assistant_only_loss),
+    on a two-turn conversation: the labels it trains on are exactly each assistant reply's tokens followed by
+    the end-of-turn token, and nothing of the user turns or the template's headers."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    tok = chat_tokenizer(name)
+    args = SFTConfig(output_dir=str(tmp_path), assistant_only_loss=True, completion_only_loss=False,
+                     max_length=256, report_to="none", use_cpu=True, bf16=False, packing=False,
+                     per_device_train_batch_size=1, activation_checkpointing=False)
+    trainer = SFTTrainer(model=tiny_model(tok), args=args, processing_class=tok,
+                         train_dataset=Dataset.from_list([{"messages": CHAT}]))
+    batch = trainer.data_collator([trainer.train_dataset[0]])
+    ids, labels = batch["input_ids"][0], batch["labels"][0]
+    trained = ids[labels != -100].tolist()
+    eot = tok.convert_tokens_to_ids(EOT[name])
+    replies = [LEAD.get(name, "") + m["content"] for m in CHAT if m["role"] == "assistant"]
+    expected = [t for r in replies for t in tok(r, add_special_tokens=False)["input_ids"] + [eot]]
+    assert trained == expected, tok.decode(trained)
+    assert tok.decode(trained) == "".join(r + EOT[name] for r in replies)
+    assert (labels == -100).sum() > 0 and len(trained) < len(ids)
+
+
+class ForceTokens:
+    """A logits processor that makes row i emit plans[i][t] at its t-th response step."""
+
+    def __init__(self, plans: list[list[int]], prompt_len: int):
+        self.plans, self.prompt_len = plans, prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        t = input_ids.size(1) - self.prompt_len
+        out = torch.full_like(scores, float("-inf"))
+        for row, plan in enumerate(self.plans):
+            out[row, plan[min(t, len(plan) - 1)]] = 0.0
+        return out
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama3", "default"])
+def test_ppo_responses_end_at_the_end_of_turn_token(name):
+    """Rollouts as PPO samples them (align.generation.generate): prompts rendered with the generation prompt;
+    a model forced to emit the end-of-turn token after 2 and after 4 tokens, then more tokens. The response
+    mask ends right after the end-of-turn token, generation stopped there, the reward model's score reads
+    that token (garbage written after it changes nothing), and the decoded text leaves it out."""
+    from transformers import LogitsProcessorList
+
+    from align.config import Generation
+    from align.generation import generate
+    from align.stages.ppo.rewards import Scorer
+
+    print(f"seed {SEED}")
+    tok = chat_tokenizer(name)
+    eot = tok.eos_token_id
+    assert eot == tok.convert_tokens_to_ids(EOT[name])
+    prompts = [r["prompt"] for r in as_text([{"prompt": CHAT[:1]}, {"prompt": CHAT[:3]}], tok)]
+    opening = {"chatml": "<|im_start|>assistant\n", "llama3": "<|start_header_id|>assistant<|end_header_id|>\n\n",
+               "default": "assistant:"}
+    assert all(p.endswith(opening[name]) for p in prompts)
+    words = tok("bread flour water salt yeast", add_special_tokens=False)["input_ids"]
+    plans = [[words[0], words[1], eot, words[2], words[3], words[4], words[0], words[1]],
+             [words[2], words[3], words[4], words[0], eot, words[1], words[2], words[3]]]
+    policy = tiny_model(tok)
+    lq = max(len(tok(p)["input_ids"]) for p in prompts)
+    generate_ = policy.generate
+    policy.generate = lambda **kw: generate_(logits_processor=LogitsProcessorList([ForceTokens(plans, lq)]), **kw)
+    r = generate(policy, tok, prompts, Generation(max_new_tokens=8), seed=SEED)
+
+    assert r.query_ids.size(1) == lq
+    assert r.response_mask.sum(1).tolist() == [3, 5]  # up to and including the end-of-turn token
+    assert r.eos_found.tolist() == [True, True]
+    for row, n in enumerate([3, 5]):
+        assert r.response_ids[row, :n].tolist() == plans[row][:n]
+        assert (r.response_ids[row, n:] == tok.pad_token_id).all()  # generation stopped; nothing kept after
+    assert r.texts(tok) == [tok.decode(plans[0][:2]), tok.decode(plans[1][:4])]
+
+    scorer = Scorer({"reward": (1.0, tiny_model(tok, scalar=True))}, {}, tok)
+    scores = scorer(r, prompts)
+    # Write tokens after the end of turn (as a model that did not stop would): the masked tail is not scored.
+    r.response_ids[:, 5:] = words[0]
+    assert torch.allclose(scorer(r, prompts), scores)
+    # Each score equals the score of the prompt and response up to the end-of-turn token alone, unpadded.
+    for row, n in enumerate([3, 5]):
+        alone = torch.tensor([tok(prompts[row])["input_ids"] + plans[row][:n]])
+        single = type(r)(alone[:, :-n], torch.ones_like(alone[:, :-n]), alone[:, -n:], torch.ones_like(alone[:, -n:]),
+                         torch.tensor([True]))
+        assert scorer(single, prompts[row:row + 1]).item() == pytest.approx(scores[row].item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama3", "default"])
+def test_reward_training_ppo_and_evaluate_score_the_same_tokens(name, tmp_path):
+    """One conversation, three readers: TRL's RewardTrainer (on the rows align renders), PPO (rendered prompt
+    tokenised as a rollout query, the reply as the policy would emit it, then the end-of-turn token) and the
+    evaluate stage's reward-model judge (prompt + response text + EOS). They see the same token ids, which are
+    the template's own rendering of the conversation up to the reply's end-of-turn token."""
+    from datasets import Dataset
+    from trl import RewardConfig, RewardTrainer
+
+    from align.generation import Rollout, tokenize_prompts
+    from align.judges import RewardModelJudge
+    from align.stages.ppo.rewards import Scorer
+
+    tok = chat_tokenizer(name)
+    pair = {"prompt": CHAT[:3], "chosen": CHAT[3:], "rejected": [{"role": "assistant", "content": "Mix it."}]}
+    row = as_text([pair], tok)[0]
+    assert row["prompt"] == render_prompt(tok, CHAT[:3]) and row["chosen"] == LEAD.get(name, "") + CHAT[3]["content"]
+    whole = tok.apply_chat_template(CHAT, tokenize=True)["input_ids"]
+    eot = tok.eos_token_id
+    template_ids = whole[:len(whole) - whole[::-1].index(eot)]  # up to the last end-of-turn token
+
+    args = RewardConfig(output_dir=str(tmp_path), max_length=256, report_to="none", use_cpu=True, bf16=False,
+                        activation_checkpointing=False)
+    rm = tiny_model(tok, scalar=True)
+    trainer = RewardTrainer(model=rm, args=args, processing_class=tok, train_dataset=Dataset.from_list([row]))
+    assert trainer.train_dataset[0]["chosen_ids"] == template_ids
+
+    q_ids, q_mask = tokenize_prompts(tok, [row["prompt"]])
+    reply = tok(row["chosen"], add_special_tokens=False)["input_ids"] + [eot]
+    assert q_ids[0].tolist() + reply == template_ids
+    rollout = Rollout(q_ids, q_mask, torch.tensor([reply]), torch.ones(1, len(reply), dtype=torch.long),
+                      torch.tensor([True]))
+    ppo_score = Scorer({"reward": (1.0, rm)}, {}, tok)(rollout, [row["prompt"]]).item()
+
+    rm.save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    judge = RewardModelJudge(str(tmp_path / "rm"))
+    assert judge.tokenizer.eos_token == EOT[name]  # the saved tokenizer keeps the end-of-turn EOS
+    assert judge([row["prompt"]], [row["chosen"]])[0] == pytest.approx(ppo_score, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_chat_pipeline_runs_sft_reward_dpo_ppo_evaluate(workdir):
+    """pipelines/chat.yaml, shrunk: every stage completes on conversations with the ChatML template."""
+    tiny = ["builtin.hidden_size=32", "builtin.intermediate_size=64",
+            "builtin.num_layers=1", "sft.max_steps=10", "sft.save_steps=10", "sft.eval_max_examples=8",
+            "reward.max_steps=3", "reward.logging_steps=3", "reward.save_steps=3",
+            "dpo.max_steps=3", "dpo.logging_steps=3", "dpo.save_steps=3", "dpo.per_device_batch_size=4",
+            "ppo.iterations=2", "ppo.save_every=2", "ppo.reward_normalization_samples=8",
+            "ppo.generation.max_new_tokens=8", "evaluate.generation.max_new_tokens=8", "evaluate.max_prompts=4"]
+    proc = run_align("run", "pipelines/chat.yaml", "tracking.wandb=disabled", *tiny, cwd=workdir)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = workdir / "runs" / "chat" / "main"
+    manifests = {s: json.loads((run / s / "manifest.json").read_text()) for s in ("sft", "reward", "dpo", "ppo",
+                                                                                  "evaluate")}
+    assert all(m["status"] == "completed" for m in manifests.values())
+    assert manifests["sft"]["loss_on"] == "assistant turns"
+
+    from transformers import AutoTokenizer
+
+    for stage in ("sft", "reward", "dpo", "ppo"):
+        tok = AutoTokenizer.from_pretrained(run / stage / "model")
+        assert tok.eos_token == "<|im_end|>" and "<|im_start|>" in tok.chat_template, stage
+    config = json.loads((run / "ppo" / "model" / "config.json").read_text())
+    assert config["eos_token_id"] == tok.convert_tokens_to_ids("<|im_end|>")
+    samples = [json.loads(line) for line in (run / "report" / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["prompt"].startswith("<|im_start|>user\n") and
+                           s["prompt"].endswith("<|im_end|>\n<|im_start|>assistant\n") for s in samples)
+    assert all("<|im_end|>" not in s["ppo"]["response"] for s in samples)
+    report = json.loads((run / "report" / "metrics.json").read_text())
+    assert report["eval/prompts"] == len(samples) and "eval/ppo/reward_model/win_rate" in report
