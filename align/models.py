@@ -114,16 +114,17 @@ def build_builtin(size: BuiltinModel, tokenizer, seed: int):
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_causal_lm(path_or_id: str, dtype: str = "float32", trust_remote_code: bool = False):
+def load_causal_lm(path_or_id: str, dtype: str = "float32", trust_remote_code: bool = False, quantize: str = "none"):
+    """A causal LM; `quantize: 4bit` loads it as QLoRA's frozen 4-bit base (see `quantization_kwargs`)."""
     from transformers import AutoModelForCausalLM  # heavy: loaded on use
 
     check_remote_code(path_or_id, trust_remote_code)
-    return AutoModelForCausalLM.from_pretrained(path_or_id, dtype=_DTYPES[dtype],
-                                                trust_remote_code=trust_remote_code)
+    return AutoModelForCausalLM.from_pretrained(path_or_id, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code,
+                                                **quantization_kwargs(quantize))
 
 
 def load_scalar_model(path_or_id: str, pad_token_id: int | None, dtype: str = "float32",
-                      trust_remote_code: bool = False):
+                      trust_remote_code: bool = False, quantize: str = "none"):
     """A sequence-classification model with one output: a reward or value model.
 
     Loading a causal-LM checkpoint this way keeps its transformer and adds a freshly initialised scalar
@@ -133,7 +134,8 @@ def load_scalar_model(path_or_id: str, pad_token_id: int | None, dtype: str = "f
 
     check_remote_code(path_or_id, trust_remote_code)
     model = AutoModelForSequenceClassification.from_pretrained(
-        path_or_id, num_labels=1, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code)
+        path_or_id, num_labels=1, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code,
+        **quantization_kwargs(quantize))
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return model
@@ -154,14 +156,62 @@ def unsharded_loading():
         hf_ds._hf_deepspeed_config_weak_ref = saved
 
 
+# --------------------------------------------------------------------------------------------- LoRA / QLoRA
 def peft_config(lora: LoraSettings, task_type: str) -> Any:
-    """A peft LoraConfig when LoRA is enabled, else None (full fine-tuning)."""
+    """A peft LoraConfig when LoRA is enabled, else None (full fine-tuning). For SEQ_CLS peft also trains a copy
+    of the scalar head (`modules_to_save`: `score`), keeping the original for when adapters are disabled."""
     if not lora.enabled:
         return None
     from peft import LoraConfig  # heavy: loaded on use
 
     return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                       target_modules=list(lora.target_modules), task_type=task_type)
+
+
+def quantization_kwargs(quantize: str) -> dict[str, Any]:
+    """from_pretrained arguments for QLoRA's frozen base (Dettmers et al. 2023): 4-bit NormalFloat weights with
+    double quantization, bf16 compute, on this process's GPU. {} for `none`."""
+    if quantize == "none":
+        return {}
+    import os
+
+    from transformers import BitsAndBytesConfig  # heavy: loaded on use
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=torch.bfloat16)
+    return {"quantization_config": config, "device_map": {"": int(os.environ.get("LOCAL_RANK", "0"))}}
+
+
+def add_adapters(model, lora: LoraSettings, task_type: str, zero3: bool = False, gradient_checkpointing: bool = False):
+    """`model` wrapped in trainable LoRA adapters, its own weights frozen (a peft PeftModel). A 4-bit base is first
+    prepared as QLoRA prescribes (peft's prepare_model_for_kbit_training: other weights upcast to fp32)."""
+    from peft import get_peft_model, prepare_model_for_kbit_training  # heavy: loaded on use
+
+    if getattr(model, "is_loaded_in_4bit", False):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    # Under ZeRO-3 adapters keep the base's dtype: DeepSpeed gathers parameters in one dtype (TRL issue 6089).
+    return get_peft_model(model, peft_config(lora, task_type), autocast_adapter_dtype=not zero3)
+
+
+def merged_lora_model(base, lora: LoraSettings, task_type: str, trained_state: dict[str, torch.Tensor]):
+    """A plain transformers model: `base` (a fresh, unquantized load of the weights the adapters were trained on)
+    with the trained adapter weights from `trained_state` (a PeftModel's state_dict) merged in. Merging into a
+    fresh load rather than in place also serves QLoRA, whose training copy of the base is 4-bit."""
+    from peft import get_peft_model  # heavy: loaded on use
+
+    model = get_peft_model(base, peft_config(lora, task_type))
+    wanted = [n for n, p in model.named_parameters() if p.requires_grad]
+    missing = [n for n in wanted if n not in trained_state]
+    if missing:
+        raise ModelError(f"cannot merge LoRA adapters: {len(missing)} adapter weights are missing from the trained "
+                         f"state (first: {missing[0]}); the adapter settings changed between training and saving")
+    model.load_state_dict({n: trained_state[n] for n in wanted}, strict=False)
+    return model.merge_and_unload()
+
+
+def without_peft(model) -> torch.nn.Module:
+    """The transformers model inside a peft wrapper (its adapted layers still apply), or `model` itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:

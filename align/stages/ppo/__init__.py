@@ -7,7 +7,8 @@ sec. 2.2). Each iteration, per process: (1) sample responses, (2) score them (re
 (3) log-probs of the responses under policy and reference, and values, (4) per-token rewards with the KL
 penalty, (5) GAE advantages, (6) PPO epochs over mini-batches. Dropout is off in every model, so old and new
 log-probs agree at the first step. Algorithm code touches only `accelerator.*` and `optim.py`; DeepSpeed
-choices live in the accelerate config.
+choices live in the accelerate config. With `lora.enabled` only adapters train, and the reference (and with
+value_init: reward, the reward model) is served by a trained model's base weights with adapters disabled.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +28,12 @@ from align.generation import Rollout, generate, response_logprobs, scalar_output
 from align.judges import judge_weights
 from align.losses import (gae, kl_estimate, masked_mean, masked_whiten, ppo_policy_loss, ppo_value_loss,
                           token_rewards)
-from align.models import disable_dropout, load_causal_lm, load_scalar_model, load_tokenizer
+from align.models import (add_adapters, disable_dropout, load_causal_lm, load_scalar_model, load_tokenizer,
+                          merged_lora_model, without_peft)
 from align.stages.context import NonFiniteLossError, StageContext
 from align.stages.ppo.checkpoint import resume, restore_history, save_checkpoint
 from align.stages.ppo.optim import backward_and_step, disable_deepspeed_clipping
-from align.stages.ppo.rewards import Scorer
+from align.stages.ppo.rewards import FrozenView, Scorer
 from align.stages.ppo.state import (AdaptiveKLController, FixedKLController, PromptStream, RewardScale,
                                     RunningMoments)
 
@@ -51,7 +54,7 @@ class PolicyAndValue(torch.nn.Module):
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, query_len: int, temperature: float):
         """Per-token log-probs, entropies and values of the response part. ids, mask: (B, Lq + Lr)."""
         logprobs, entropy = sequence_logprobs(self.policy, ids, mask, query_len, temperature, with_entropy=True)
-        values = scalar_outputs(self.value, ids, mask)[:, query_len - 1:-1]  # V(state before token t)
+        values = scalar_outputs(without_peft(self.value), ids, mask)[:, query_len - 1:-1]  # V(state before token t)
         gain, bias = self.value_affine
         return logprobs, entropy, values * gain + bias
 
@@ -145,6 +148,42 @@ def fit_reward_scale(ctx: StageContext, cfg: PPOStage, accelerator, model, token
     ctx.note(reward_normalization={"gain": scale.gain, "bias": scale.bias, "samples": n, "fitted_at_iteration": 0})
 
 
+def load_trained(ctx: StageContext, cfg: PPOStage, accelerator, pad_id: int, reward_stages: list[str]) -> PolicyAndValue:
+    """Policy and value model, dropout off. With LoRA each gets adapters over its frozen base (the value model's
+    scalar head is trained too), the base in 4-bit with `lora.quantize: 4bit`."""
+    dtype, lora = ctx.pipeline.dtype, cfg.lora
+    quantize = lora.quantize if lora.enabled else "none"
+    policy_path = ctx.input_model(cfg.policy)
+    value_path = ctx.input_model(reward_stages[0]) if cfg.value_init == "reward" else policy_path
+    policy = load_causal_lm(policy_path, dtype, quantize=quantize)
+    policy.generation_config.pad_token_id = pad_id
+    value = load_scalar_model(value_path, pad_id, dtype, quantize=quantize)
+    if lora.enabled:
+        policy = add_adapters(policy, lora, "CAUSAL_LM", zero3=_zero3(accelerator))
+        value = add_adapters(value, lora, "SEQ_CLS", zero3=_zero3(accelerator))
+    return PolicyAndValue(disable_dropout(policy), disable_dropout(value))
+
+
+def load_frozen(ctx: StageContext, cfg: PPOStage, accelerator, trained: PolicyAndValue, pad_id: int,
+                reward_stages: list[str]):
+    """The reference (a causal LM, called for log-probs) and each reward stage's scoring function. With LoRA the
+    reference is the policy's base with adapters disabled, and with value_init: reward the reward model is the value
+    model's base likewise (FrozenView): nothing is loaded twice."""
+    dtype, lora = ctx.pipeline.dtype, cfg.lora
+    if lora.enabled:
+        reference = FrozenView(trained.policy)
+    else:
+        reference = prepare_frozen(load_causal_lm(ctx.input_model(cfg.policy), dtype), accelerator)
+    reward_fns = {}
+    for name in reward_stages:
+        if lora.enabled and cfg.value_init == "reward":  # then the one reward stage is the value model's start
+            reward_fns[name] = FrozenView(trained.value).scalar_outputs
+        else:
+            rm = prepare_frozen(load_scalar_model(ctx.input_model(name), pad_id, dtype), accelerator)
+            reward_fns[name] = partial(scalar_outputs, rm)
+    return reference, reward_fns
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     from accelerate import Accelerator  # heavy: stage processes only
 
@@ -164,27 +203,23 @@ def run(ctx: StageContext) -> dict[str, Any]:
     check_models(ctx, cfg, tokenizer, {n: load_tokenizer(ctx.input_model(n)) for n in reward_stages}, prompts)
 
     pad_id = tokenizer.pad_token_id
-    policy = disable_dropout(load_causal_lm(policy_path, dtype))
-    policy.generation_config.pad_token_id = pad_id
     value_from_reward = cfg.value_init == "reward"
-    value_path = ctx.input_model(reward_stages[0]) if value_from_reward else policy_path
-    value = disable_dropout(load_scalar_model(value_path, pad_id, dtype))
-    model = PolicyAndValue(policy, value)
-    groups = {"policy": list(policy.parameters()), "value": list(value.parameters())}
+    model = load_trained(ctx, cfg, accelerator, pad_id, reward_stages)
+    groups = {name: [p for p in part.parameters() if p.requires_grad]  # LoRA: the adapters (and value head) only
+              for name, part in (("policy", model.policy), ("value", model.value))}
     optimizer = torch.optim.AdamW([{"params": groups["policy"], "lr": cfg.learning_rate},
                                    {"params": groups["value"], "lr": cfg.value_learning_rate}], eps=1e-5)
     model, optimizer = accelerator.prepare(model, optimizer)
     base_lrs = [cfg.learning_rate, cfg.value_learning_rate]
-    reference = prepare_frozen(load_causal_lm(policy_path, dtype), accelerator)
-    scorer = Scorer.build(cfg.reward, lambda n: prepare_frozen(load_scalar_model(ctx.input_model(n), pad_id, dtype),
-                                                               accelerator) if n in reward_stages else None, tokenizer)
+    reference, reward_fns = load_frozen(ctx, cfg, accelerator, accelerator.unwrap_model(model), pad_id, reward_stages)
+    scorer = Scorer.build(cfg.reward, reward_fns.get, tokenizer)
 
     kl_ctl = (AdaptiveKLController(cfg.kl.coef, cfg.kl.target, cfg.kl.horizon) if cfg.kl.adaptive
               else FixedKLController(cfg.kl.coef))
     moments, scale = RunningMoments(), RewardScale()
     stream = PromptStream(len(prompts), ctx.seed)
     progress = {"iteration": 0}
-    start = resume(ctx, accelerator, kl_ctl, moments, scale, stream, progress)
+    start = resume(ctx, accelerator, kl_ctl, moments, scale, stream, progress, trainable_only=cfg.lora.enabled)
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.eval()  # dropout is off anyway; eval() also keeps train-only code paths out of the forward
     if cfg.reward_normalization == "initial" and not scale.fitted:
@@ -272,13 +307,18 @@ def run(ctx: StageContext) -> dict[str, Any]:
                               [[p, t, float(s)] for p, t, s in zip(batch_prompts, texts, scores[:8].tolist())], it + 1)
         progress["iteration"] = it + 1
         if (it + 1) % cfg.save_every == 0 and it + 1 < cfg.iterations:
-            save_checkpoint(ctx, accelerator, it + 1)
+            save_checkpoint(ctx, accelerator, it + 1, trainable_only=cfg.lora.enabled)
 
     def write(path: Path) -> None:
         state = accelerator.get_state_dict(model)  # collective under ZeRO-3: every process gathers
         if accelerator.is_main_process:
             policy_state = {k[len("policy."):]: v for k, v in state.items() if k.startswith("policy.")}
-            accelerator.unwrap_model(model).policy.save_pretrained(path, state_dict=policy_state)
+            if cfg.lora.enabled:  # adapters merged into a fresh, unquantized load of the starting policy
+                merged = merged_lora_model(load_causal_lm(policy_path, dtype), cfg.lora, "CAUSAL_LM", policy_state)
+                merged.generation_config.pad_token_id = pad_id
+                merged.save_pretrained(path)
+            else:
+                accelerator.unwrap_model(model).policy.save_pretrained(path, state_dict=policy_state)
             tokenizer.save_pretrained(path)
 
     ctx.publish("model", write)
