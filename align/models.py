@@ -119,8 +119,8 @@ def load_causal_lm(path_or_id: str, dtype: str = "float32", trust_remote_code: b
     from transformers import AutoModelForCausalLM  # heavy: loaded on use
 
     check_remote_code(path_or_id, trust_remote_code)
-    return AutoModelForCausalLM.from_pretrained(path_or_id, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code,
-                                                **quantization_kwargs(quantize))
+    return for_kbit_training(AutoModelForCausalLM.from_pretrained(
+        path_or_id, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code, **quantization_kwargs(quantize)))
 
 
 def load_scalar_model(path_or_id: str, pad_token_id: int | None, dtype: str = "float32",
@@ -138,7 +138,7 @@ def load_scalar_model(path_or_id: str, pad_token_id: int | None, dtype: str = "f
         **quantization_kwargs(quantize))
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
-    return model
+    return for_kbit_training(model)
 
 
 @contextmanager
@@ -182,13 +182,20 @@ def quantization_kwargs(quantize: str) -> dict[str, Any]:
     return {"quantization_config": config, "device_map": {"": int(os.environ.get("LOCAL_RANK", "0"))}}
 
 
-def add_adapters(model, lora: LoraSettings, task_type: str, zero3: bool = False, gradient_checkpointing: bool = False):
-    """`model` wrapped in trainable LoRA adapters, its own weights frozen (a peft PeftModel). A 4-bit base is first
-    prepared as QLoRA prescribes (peft's prepare_model_for_kbit_training: other weights upcast to fp32)."""
-    from peft import get_peft_model, prepare_model_for_kbit_training  # heavy: loaded on use
+def for_kbit_training(model):
+    """A 4-bit model prepared as QLoRA prescribes (peft's prepare_model_for_kbit_training: every weight frozen, the
+    non-quantized ones upcast to fp32; gradient checkpointing is left to the stage's own setting). Others as they are."""
+    if not getattr(model, "is_loaded_in_4bit", False):
+        return model
+    from peft import prepare_model_for_kbit_training  # heavy: loaded on use
 
-    if getattr(model, "is_loaded_in_4bit", False):
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def add_adapters(model, lora: LoraSettings, task_type: str, zero3: bool = False):
+    """`model` wrapped in trainable LoRA adapters, its own weights frozen (a peft PeftModel)."""
+    from peft import get_peft_model  # heavy: loaded on use
+
     # Under ZeRO-3 adapters keep the base's dtype: DeepSpeed gathers parameters in one dtype (TRL issue 6089).
     return get_peft_model(model, peft_config(lora, task_type), autocast_adapter_dtype=not zero3)
 
@@ -207,6 +214,17 @@ def merged_lora_model(base, lora: LoraSettings, task_type: str, trained_state: d
                          f"state (first: {missing[0]}); the adapter settings changed between training and saving")
     model.load_state_dict({n: trained_state[n] for n in wanted}, strict=False)
     return model.merge_and_unload()
+
+
+def merged_for_saving(peft_model, lora: LoraSettings, dtype: str):
+    """A trained PeftModel as the plain model that `model/` holds: merged in place, or, for QLoRA (a 4-bit training
+    copy, which merging in place would re-quantize), merged into a fresh unquantized load of the same weights."""
+    if not getattr(peft_model, "is_loaded_in_4bit", False):
+        return peft_model.merge_and_unload()
+    config = peft_model.peft_config[peft_model.active_adapter]
+    path, task = config.base_model_name_or_path, getattr(config.task_type, "value", config.task_type)
+    base = load_scalar_model(path, None, dtype) if task == "SEQ_CLS" else load_causal_lm(path, dtype)
+    return merged_lora_model(base, lora, task, peft_model.state_dict())
 
 
 def without_peft(model) -> torch.nn.Module:

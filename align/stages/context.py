@@ -150,8 +150,10 @@ class StageContext:
         def write(path: Path) -> None:
             model = trainer.model
             if hasattr(model, "merge_and_unload") and getattr(self.cfg, "lora", None) and self.cfg.lora.enabled:
+                from align.models import merged_for_saving  # heavy (torch): stage processes only
+
                 # LoRA: save full merged weights so the next stage loads a plain model with from_pretrained.
-                merged = trainer.accelerator.unwrap_model(model).merge_and_unload()
+                merged = merged_for_saving(trainer.accelerator.unwrap_model(model), self.cfg.lora, self.pipeline.dtype)
                 if self.is_main:
                     merged.save_pretrained(path)
             else:

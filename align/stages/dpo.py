@@ -25,7 +25,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     tokenizer = load_tokenizer(path)
     check_lengths(ctx, train, tokenizer)
     dtype = ctx.pipeline.dtype
-    model = load_causal_lm(path, dtype)
+    model = load_causal_lm(path, dtype, quantize=cfg.lora.quantize)
     lora = peft_config(cfg.lora, "CAUSAL_LM")
     # With LoRA the reference is the base model with adapters disabled; otherwise a frozen copy.
     ref = None if lora is not None else load_causal_lm(path, dtype)

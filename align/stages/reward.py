@@ -53,7 +53,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     path = ctx.input_model(cfg.init)
     tokenizer = load_tokenizer(path)
     check_lengths(ctx, train, tokenizer)
-    model = load_scalar_model(path, tokenizer.pad_token_id, ctx.pipeline.dtype)
+    model = load_scalar_model(path, tokenizer.pad_token_id, ctx.pipeline.dtype, quantize=cfg.lora.quantize)
     args = RewardConfig(**trainer_kwargs(cfg, ctx), center_rewards_coefficient=cfg.center_rewards_coefficient,
                         eval_strategy="no")
     columns = ("prompt", "chosen", "rejected")

@@ -29,7 +29,8 @@ def load_start(ctx: StageContext, cfg: SFTStage, rows: list[dict[str, Any]], cha
     p = ctx.pipeline
     if cfg.model != "base":
         path = ctx.input_model(cfg.model)
-        return load_causal_lm(path, p.dtype), load_tokenizer(path, needs_chat_template=chat)
+        tok = load_tokenizer(path, needs_chat_template=chat)
+        return load_causal_lm(path, p.dtype, quantize=cfg.lora.quantize), tok
     if is_builtin(p.base_model):
         if p.tokenizer:  # a real tokenizer (e.g. GPT-2) for the fresh model: fix what it lacks
             tok = load_tokenizer(p.tokenizer, p.trust_remote_code, needs_chat_template=chat)
@@ -37,7 +38,7 @@ def load_start(ctx: StageContext, cfg: SFTStage, rows: list[dict[str, Any]], cha
             tok = train_tokenizer(_corpus(rows), p.builtin.vocab_size, p.builtin.max_position_embeddings)
         return build_builtin(p.builtin, tok, ctx.seed), tok
     tok = load_tokenizer(p.tokenizer or p.base_model, p.trust_remote_code, needs_chat_template=chat)
-    return load_causal_lm(p.base_model, p.dtype, p.trust_remote_code), tok
+    return load_causal_lm(p.base_model, p.dtype, p.trust_remote_code, cfg.lora.quantize), tok
 
 
 def run(ctx: StageContext) -> dict[str, Any]:

@@ -1,6 +1,10 @@
-"""PPO with LoRA, in-process on a tiny Llama: only adapters (and the value head's trained copy) change, one base copy
-serves policy and reference (and the value model's base serves the reward model), the first-step ratio is exactly
-1, a checkpoint holds only the trained weights and resumes, and model/ is the merged plain policy."""
+"""LoRA on the stages that start from a trained model, run in-process on a tiny Llama.
+
+PPO: only adapters (and the value head's trained copy) change, one base copy serves policy and reference (and the
+value model's base serves the reward model), the first-step ratio is exactly 1, a checkpoint holds only the trained
+weights and resumes, and model/ is the merged plain policy. Reward and DPO: `lora.enabled` trains, DPO loads no
+reference of its own, and model/ reloads with the Auto classes with only the adapted weights (and the reward head)
+changed."""
 
 from __future__ import annotations
 
@@ -10,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from align.config import BuiltinModel, Generation, LoraSettings, PipelineConfig, Tracking, to_dict
+from align.config import BuiltinModel, Generation, LoraSettings, PipelineConfig, StageBase, Tracking, to_dict
+from align.config.dpo import DPOStage
 from align.config.ppo import PPOStage
+from align.config.reward import RewardStage
 from align.rundir import StageSpec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,7 +29,8 @@ TARGETS = ("q_proj", "v_proj")
 
 @pytest.fixture(scope="module")
 def upstream(tmp_path_factory) -> Path:
-    """sft/model (a tiny random Llama + BPE tokenizer) and reward/model (its backbone with a scalar head)."""
+    """sft/model (a tiny random Llama + BPE tokenizer), reward/model (its backbone with a scalar head) and
+    pairs/data (preference pairs: a review's own continuation chosen over another's)."""
     from align.data.cards import load_split
     from align.models import build_builtin, load_scalar_model, train_tokenizer
 
@@ -36,28 +43,37 @@ def upstream(tmp_path_factory) -> Path:
     torch.manual_seed(SEED)
     load_scalar_model(str(root / "sft" / "model"), tok.pad_token_id).save_pretrained(root / "reward" / "model")
     tok.save_pretrained(root / "reward" / "model")
+    (root / "pairs" / "data").mkdir(parents=True)
+    for split, part in {"train": rows[:64], "test": rows[64:80]}.items():
+        pairs = [{"prompt": a["prompt"], "chosen": a["completion"], "rejected": b["completion"]}
+                 for a, b in zip(part, part[1:] + part[:1])]
+        (root / "pairs" / "data" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
     return root
 
 
-def _context(root: Path, lora: bool):
+def _stage_context(root: Path, cfg: StageBase, dirname: str, inputs: list[str]):
     from align.stages.context import StageContext
 
+    pipeline = to_dict(PipelineConfig(name="t", seed=SEED, tracking=Tracking(wandb="disabled")))
+    pipeline.pop("stages")
+    stage_dir = root / dirname
+    stage_dir.mkdir(exist_ok=True)
+    spec = StageSpec(stage_name=cfg.type, stage_dir=str(stage_dir), fingerprint="test-fp", stage=to_dict(cfg),
+                     pipeline=pipeline, inputs={n: str(root / n) for n in inputs},
+                     input_fingerprints={n: None for n in inputs})
+    ctx = StageContext(spec)
+    ctx.start_tracking()
+    return ctx
+
+
+def _context(root: Path, lora: bool):
     cfg = PPOStage(type="ppo", policy="sft", reward="reward", value_init="reward",
                    prompts=str(REPO / "data_cards" / "movie_review_snippets.yaml"), iterations=3,
                    rollout_batch_size=8, mini_batch_size=4, ppo_epochs=2, learning_rate=1e-2, value_learning_rate=1e-2,
                    reward_normalization_samples=8, max_prompt_length=64, save_every=2, sample_every=100,
                    generation=Generation(max_new_tokens=8, batch_size=8),
                    lora=LoraSettings(enabled=lora, r=4, alpha=8, dropout=0.0, target_modules=list(TARGETS)))
-    pipeline = to_dict(PipelineConfig(name="t", seed=SEED, tracking=Tracking(wandb="disabled")))
-    pipeline.pop("stages")
-    stage_dir = root / ("ppo_lora" if lora else "ppo_full")
-    stage_dir.mkdir(exist_ok=True)
-    spec = StageSpec(stage_name="ppo", stage_dir=str(stage_dir), fingerprint="test-fp", stage=to_dict(cfg),
-                     pipeline=pipeline, inputs={"sft": str(root / "sft"), "reward": str(root / "reward")},
-                     input_fingerprints={"sft": None, "reward": None})
-    ctx = StageContext(spec)
-    ctx.start_tracking()
-    return ctx
+    return _stage_context(root, cfg, "ppo_lora" if lora else "ppo_full", ["sft", "reward"])
 
 
 def _run_recording(ctx, monkeypatch) -> dict:
@@ -203,3 +219,37 @@ class _FakeCheck:
 
     def check_judge(self, fld, spec):
         pass
+
+
+TRL_COMMON = dict(max_steps=2, logging_steps=1, save_steps=2, per_device_batch_size=8, max_length=96,
+                  learning_rate=1e-2, max_truncated_fraction=1.0,
+                  lora=LoraSettings(enabled=True, r=4, alpha=8, target_modules=list(TARGETS)))
+
+
+@pytest.mark.parametrize("kind", ["reward", "dpo"])
+def test_reward_and_dpo_accept_lora_and_save_a_merged_model(upstream, monkeypatch, kind):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    import align.stages.dpo as dpo
+    import align.stages.reward as reward
+
+    module = {"reward": reward, "dpo": dpo}[kind]
+    loads = []
+    for name in ("load_causal_lm", "load_scalar_model"):
+        if hasattr(module, name):
+            real = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _real=real, **k: (loads.append(a[0]), _real(*a, **k))[1])
+    cfg = (RewardStage(type="reward", init="sft", data="pairs", **TRL_COMMON) if kind == "reward"
+           else DPOStage(type="dpo", policy="sft", data="pairs", **TRL_COMMON))
+    ctx = _stage_context(upstream, cfg, f"{kind}_lora", ["sft", "pairs"])
+    final = module.run(ctx)
+    assert final["train/pairs"] == 64
+    # one load of the starting model (DPO: no reference copy; the base with adapters off serves); reward then
+    # scores its held-out pairs with the saved model/
+    assert loads == [str(upstream / "sft" / "model")] + ([str(ctx.dir / "model")] if kind == "reward" else [])
+    auto = AutoModelForSequenceClassification if kind == "reward" else AutoModelForCausalLM
+    merged = auto.from_pretrained(ctx.dir / "model").state_dict()
+    start = AutoModelForCausalLM.from_pretrained(upstream / "sft" / "model").state_dict()
+    changed = {k for k, v in merged.items() if k not in start or not torch.equal(v, start[k])}
+    adapted = {k for k in merged if any(t in k for t in TARGETS)}
+    assert changed == adapted | ({"score.weight"} if kind == "reward" else set())
