@@ -149,16 +149,16 @@ def test_ppo_with_lora_holds_no_reference_and_trains_only_adapters(tiny_cfg):
     """ZeRO-3 on 8 GPUs (tiny_cfg): trained states 4L + 18P/N with P the adapters (1,024 + 1,056) and L the largest
     adapter layer (256); frozen, sharded: the policy's and the value model's bases (float32), no reference and (the
     value model starting from it) no reward model."""
-    from align.config import LoraSettings
+    from align.config.ppo import PPOLoraSettings
     from align.estimate import estimate_pipeline, hardware
 
     source = REPO / "pipelines" / "default.yaml"
     full = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg))}["ppo"]
-    tiny_cfg.stages["ppo"].lora = LoraSettings(enabled=True, r=4, dropout=0.0, target_modules=["q_proj", "v_proj"])
+    tiny_cfg.stages["ppo"].lora = PPOLoraSettings(enabled=True, r=4, target_modules=["q_proj", "v_proj"])
     try:
         lora = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg))}["ppo"]
     finally:
-        tiny_cfg.stages["ppo"].lora = LoraSettings(dropout=0.0)
+        tiny_cfg.stages["ppo"].lora = PPOLoraSettings()
     assert [h.role for h in full.held] == ["policy", "value", "reference", "reward"]
     assert [(h.role, h.trained) for h in lora.held] == [("policy", True), ("value", True)]
     sharded = (int(4 * P_LM / 8) + 4 * LARGEST) + (int(4 * P_RM / 8) + 4 * LARGEST)

@@ -203,22 +203,20 @@ def test_the_control_full_ppo_loads_its_own_reference_and_reward_model(upstream,
 
 
 def test_lora_settings_for_ppo_are_checked():
-    from align.config.common import LoraSettings as L
+    import yaml
 
-    assert PPOStage().lora.dropout == 0.0  # PPO's default: LoRA's dropout off too
-    bad = PPOStage(lora=L(enabled=True, dropout=0.1))
-    with pytest.raises(ValueError, match=r"lora.dropout: 0.1; PPO runs every model without dropout"):
-        bad.check(_FakeCheck())
+    from align.config import parse_pipeline
+    from align.plan import PipelineError
+    from align.validate import validate
 
-
-class _FakeCheck:
-    """The parts of CheckContext that PPOStage.check reads, for a pipeline with one reward stage."""
-
-    class pipeline:  # noqa: N801
-        stages = {"reward": type("R", (), {"PRODUCES": "reward", "type": "reward"})()}
-
-    def check_judge(self, fld, spec):
-        pass
+    raw = yaml.safe_load((REPO / "pipelines" / "default.yaml").read_text())
+    raw["stages"]["ppo"]["lora"] = {"enabled": True, "target_modules": ["q_proj"]}
+    cfg = parse_pipeline(raw, "default.yaml")
+    assert cfg.stages["ppo"].lora.dropout == 0.0 and cfg.stages["dpo"].lora.dropout == 0.05  # PPO's own default
+    validate(cfg, REPO / "pipelines" / "default.yaml", verbose=False)
+    raw["stages"]["ppo"]["lora"]["dropout"] = 0.1
+    with pytest.raises(PipelineError, match=r"stages.ppo: lora.dropout: 0.1; PPO runs every model without dropout"):
+        validate(parse_pipeline(raw, "default.yaml"), REPO / "pipelines" / "default.yaml", verbose=False)
 
 
 TRL_COMMON = dict(max_steps=2, logging_steps=1, save_steps=2, per_device_batch_size=8, max_length=96,

@@ -29,6 +29,14 @@ class KLSettings:
 
 
 @dataclass
+class PPOLoraSettings(LoraSettings):
+    """LoRA for PPO: as for every trained stage, but without adapter dropout by default (see `PPOStage.check`)."""
+
+    dropout: float = ranged(0.0, ge=0, lt=1)
+    """Dropout on the adapter input: must stay 0 in PPO."""
+
+
+@dataclass
 class PPOStage(StageBase):
     """PPO against a frozen reward model or Python judges, with a KL penalty to the reference (align's own)."""
 
@@ -100,7 +108,7 @@ class PPOStage(StageBase):
     """KL penalty settings."""
     generation: Generation = field(default_factory=Generation)
     """Rollout decoding settings."""
-    lora: LoraSettings = field(default_factory=lambda: LoraSettings(dropout=0.0))
+    lora: PPOLoraSettings = field(default_factory=PPOLoraSettings)
     """LoRA adapters instead of full fine-tuning: the policy and the value model (whose scalar head is also
     trained) each get their own; the reference is the policy's base with its adapters disabled, and with
     value_init: reward the reward model is the value model's base with its adapters disabled, so no extra copy of
