@@ -223,7 +223,8 @@ def merged_for_saving(peft_model, lora: LoraSettings, dtype: str):
         return peft_model.merge_and_unload()
     config = peft_model.peft_config[peft_model.active_adapter]
     path, task = config.base_model_name_or_path, getattr(config.task_type, "value", config.task_type)
-    base = load_scalar_model(path, None, dtype) if task == "SEQ_CLS" else load_causal_lm(path, dtype)
+    with unsharded_loading():
+        base = load_scalar_model(path, None, dtype) if task == "SEQ_CLS" else load_causal_lm(path, dtype)
     return merged_lora_model(base, lora, task, peft_model.state_dict())
 
 

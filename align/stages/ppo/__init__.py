@@ -29,7 +29,7 @@ from align.judges import judge_weights
 from align.losses import (gae, kl_estimate, masked_mean, masked_whiten, ppo_policy_loss, ppo_value_loss,
                           token_rewards)
 from align.models import (add_adapters, disable_dropout, load_causal_lm, load_scalar_model, load_tokenizer,
-                          merged_lora_model, without_peft)
+                          merged_lora_model, unsharded_loading, without_peft)
 from align.stages.context import NonFiniteLossError, StageContext
 from align.stages.ppo.checkpoint import resume, restore_history, save_checkpoint
 from align.stages.ppo.optim import backward_and_step, disable_deepspeed_clipping
@@ -314,7 +314,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
         if accelerator.is_main_process:
             policy_state = {k[len("policy."):]: v for k, v in state.items() if k.startswith("policy.")}
             if cfg.lora.enabled:  # adapters merged into a fresh, unquantized load of the starting policy
-                merged = merged_lora_model(load_causal_lm(policy_path, dtype), cfg.lora, "CAUSAL_LM", policy_state)
+                with unsharded_loading():  # main process only: no ZeRO-3 partitioning (a collective) here
+                    base = load_causal_lm(policy_path, dtype)
+                merged = merged_lora_model(base, cfg.lora, "CAUSAL_LM", policy_state)
                 merged.generation_config.pad_token_id = pad_id
                 merged.save_pretrained(path)
             else:
