@@ -17,14 +17,21 @@ under each parallelism mode. The parts, all per GPU, with N = GPUs in the job:
 * the KV cache of generation (PPO rollouts, preference sampling, evaluation): 2 * layers * b * s * h * bytes.
 * a fixed allowance for the CUDA context and allocator fragmentation.
 
-These are estimates for a go/no-go decision, not promises: they leave out temporary buffers, and LoRA is counted
-as full fine-tuning (an overestimate).
+With `lora.enabled` a trained model is a frozen base (a frozen model as above, in the pipeline dtype) plus adapters,
+and only the adapters have trained states: r * (in + out) parameters per targeted linear layer (Hu et al. 2021),
+plus a scalar model's head, which peft trains as a copy (`lora_params`). With `lora.quantize: 4bit` (QLoRA) the base
+is whole on every GPU at about 0.52 bytes per linear weight and fp32 elsewhere (`qlora_base_bytes`). A stage that
+serves a frozen model from a trained one's base (PPO's reference, DPO's) says so in `held_models`. Activations are
+counted as in full fine-tuning (an upper bound: frozen layers need not keep their inputs).
+
+These are estimates for a go/no-go decision, not promises: they leave out temporary buffers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from align.builtin import is_builtin, llama_config
 from align.config import PipelineConfig, StageBase
@@ -54,6 +61,12 @@ class ModelShape:
     layers: int
     heads: int
     vocab: int
+    linears: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Every linear layer (nn.Linear, GPT-2's Conv1D) by module name -> (in features, out features)."""
+    head: str = ""
+    """The output head's module name (lm_head, embed_out, score): never quantized; a scalar model trains a copy."""
+    scalar: bool = False
+    """A reward / value model (with LoRA its head is trained whole)."""
 
 
 @dataclass
@@ -73,6 +86,8 @@ class StageEstimate:
     bytes_by_mode: dict[str, int] = field(default_factory=dict)
     parts: dict[str, dict[str, int]] = field(default_factory=dict)
     checkpointing: bool = False  # the stage's gradient_checkpointing setting
+    lora: str = ""  # "LoRA" or "QLoRA" when the stage trains adapters
+    trained_params: dict[str, int] = field(default_factory=dict)  # role -> parameters with optimizer states
     with_checkpointing: int | None = None  # chosen mode's bytes if checkpointing were on (when it is off)
 
     @property
@@ -126,13 +141,47 @@ def kv_cache_bytes(shape: ModelShape, batch: int, seq: int, dtype_bytes: int) ->
     return 2 * shape.layers * batch * seq * shape.hidden * dtype_bytes + 4 * batch * shape.vocab
 
 
+def lora_layers(shape: ModelShape, lora: Any) -> list[int]:
+    """Parameters LoRA trains on a model of this shape, per layer (Hu et al. 2021, sec. 4.1): A (r x in) and B
+    (out x r) for every linear layer that `lora.target_modules` names (peft's rule: the module's name is a target
+    or ends with "." + target), plus the whole head of a scalar model (peft's modules_to_save)."""
+    targets = set(lora.target_modules)
+    hit = [dims for name, dims in shape.linears.items() if name.rsplit(".", 1)[-1] in targets or name in targets]
+    if not hit:
+        raise EstimateError(f"lora.target_modules {sorted(targets)} match no linear layer of this model; its layers "
+                            f"are named {sorted({n.rsplit('.', 1)[-1] for n in shape.linears})}")
+    head = [shape.linears[shape.head][0] * shape.linears[shape.head][1]] if shape.scalar else []
+    return [lora.r * (i + o) for i, o in hit] + head
+
+
+def lora_params(shape: ModelShape, lora: Any) -> int:
+    return sum(lora_layers(shape, lora))
+
+
+QLORA_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 4 / (64 * 256)
+"""NF4 with double quantization (Dettmers et al. 2023, sec. 3): 4 bits per weight, one 8-bit constant per block of
+64 weights and one fp32 constant per 256 blocks."""
+
+
+def qlora_base_bytes(shape: ModelShape) -> int:
+    """QLoRA's frozen base: the weights of every linear layer but the head in 4-bit NF4 (QLORA_BYTES_PER_WEIGHT),
+    every other parameter (embeddings, norms, biases, the head) in fp32, as peft's prepare_model_for_kbit_training
+    leaves them. Not sharded by ZeRO: whole on every GPU."""
+    quantized = sum(i * o for name, (i, o) in shape.linears.items() if name != shape.head)
+    return int(quantized * QLORA_BYTES_PER_WEIGHT) + 4 * (shape.params - quantized)
+
+
 # --------------------------------------------------------------------------------------------- shapes
 def shape_of(model) -> ModelShape:
     cfg = model.config
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    linears = {n: (m.in_features, m.out_features) if hasattr(m, "in_features") else tuple(m.weight.shape)
+               for n, m in model.named_modules() if type(m).__name__ in ("Linear", "Conv1D")}  # Conv1D: (in, out)
+    head_module = getattr(model, "score", None) or model.get_output_embeddings()
+    head = next((n for n, m in model.named_modules() if m is head_module), "")
     return ModelShape(params=sum(p.numel() for p in model.parameters()), largest_layer=largest,
                       hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
-                      vocab=cfg.vocab_size)
+                      vocab=cfg.vocab_size, linears=linears, head=head, scalar=hasattr(model, "score"))
 
 
 def base_config(cfg: PipelineConfig, source: str | Path):
@@ -183,21 +232,33 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
     dbytes = _DTYPE_BYTES[dtype]
     train_b, train_s, gen_b, gen_s = stage.workload()
     trained = [h for h in held if h.trained]
+    lora = getattr(stage, "lora", None)
+    lora = lora if lora is not None and lora.enabled else None
+    # With LoRA the trained states are the adapters' (their largest layer is small: one head or one A + B pair)
+    # and each trained model's base is frozen; without, the whole model trains.
+    try:
+        trained_params = {h.role: lora_params(h.shape, lora) if lora else h.shape.params for h in trained}
+        largest = max((max(lora_layers(h.shape, lora)) if lora else h.shape.largest_layer for h in trained), default=0)
+    except EstimateError as exc:
+        raise EstimateError(f"stages.{name}.{exc}; name some of these in stages.{name}.lora.target_modules") from None
+    frozen = [h for h in held if not h.trained or lora]
+    est.trained_params = trained_params
+    est.lora = ("QLoRA" if lora.quantize == "4bit" else "LoRA") if lora else ""
     for m in dict.fromkeys((*REPORTED_MODES, mode)):
         n = gpus
         parts = {"trained_states": 0, "frozen_weights": 0, "activations": 0, "generation": 0,
                  "overhead": OVERHEAD_BYTES}
         if trained:  # trained models share one engine (PPO: policy + value)
-            parts["trained_states"] = model_state_bytes(m, sum(h.shape.params for h in trained),
-                                                        max(h.shape.largest_layer for h in trained), n)
+            parts["trained_states"] = model_state_bytes(m, sum(trained_params.values()), largest, n)
             parts["activations"] = sum(activation_bytes(h.shape, train_b, train_s, h.role == "policy", ckpt)
                                        for h in trained)
             if m == mode and not ckpt and hasattr(stage, "gradient_checkpointing"):
                 saved = parts["activations"] - sum(activation_bytes(h.shape, train_b, train_s, h.role == "policy", True)
                                                    for h in trained)
                 est.with_checkpointing = -saved  # filled in below, once the total is known
-        parts["frozen_weights"] = sum(frozen_bytes(m, h.shape.params, h.shape.largest_layer, n, dbytes)
-                                      for h in held if not h.trained)
+        parts["frozen_weights"] = sum(
+            qlora_base_bytes(h.shape) if h.trained and lora.quantize == "4bit"
+            else frozen_bytes(m, h.shape.params, h.shape.largest_layer, n, dbytes) for h in frozen)
         if gen_b:
             policy = held[0].shape
             parts["generation"] = kv_cache_bytes(policy, gen_b, gen_s, dbytes)
@@ -260,7 +321,9 @@ def render(estimates: list[StageEstimate], hw: Hardware) -> str:
              "| stage | type | models (parameters) | GPUs | " + " | ".join(REPORTED_MODES) + " | chosen | fits |",
              "|---|---|---|---|" + "---|" * len(REPORTED_MODES) + "---|---|"]
     for e in estimates:
-        models = ", ".join(f"{h.role}{'*' if h.trained else ''} {h.shape.params / 1e6:,.1f}M" for h in e.held) or "-"
+        models = ", ".join(f"{h.role}{'*' if h.trained else ''} {h.shape.params / 1e6:,.1f}M"
+                           + (f" ({e.lora} {e.trained_params[h.role] / 1e6:,.2f}M)" if h.trained and e.lora else "")
+                           for h in e.held) or "-"
         fits = "-" if not cap else ("yes" if e.chosen_bytes <= cap else "NO")
         lines.append(f"| {e.name} | {e.type} | {models} | {e.gpus} | "
                      + " | ".join(_gib(e.bytes_by_mode[m]) for m in REPORTED_MODES)

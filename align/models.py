@@ -132,17 +132,20 @@ def fit_model_to_tokenizer(model, tokenizer):
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_causal_lm(path_or_id: str, dtype: str = "float32", trust_remote_code: bool = False, **kwargs: Any):
-    """`kwargs`: further from_pretrained arguments (align/compute.py: the attention kernel)."""
+def load_causal_lm(path_or_id: str, dtype: str = "float32", trust_remote_code: bool = False, quantize: str = "none",
+                   **kwargs: Any):
+    """A causal LM; `quantize: 4bit` loads it as QLoRA's frozen 4-bit base (see `quantization_kwargs`);
+    `kwargs`: further from_pretrained arguments (align/compute.py: the attention kernel)."""
     from transformers import AutoModelForCausalLM  # heavy: loaded on use
 
     check_remote_code(path_or_id, trust_remote_code)
-    return AutoModelForCausalLM.from_pretrained(path_or_id, dtype=_DTYPES[dtype],
-                                                trust_remote_code=trust_remote_code, **kwargs)
+    return for_kbit_training(AutoModelForCausalLM.from_pretrained(
+        path_or_id, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code, **quantization_kwargs(quantize),
+        **kwargs))
 
 
 def load_scalar_model(path_or_id: str, pad_token_id: int | None, dtype: str = "float32",
-                      trust_remote_code: bool = False, **kwargs: Any):
+                      trust_remote_code: bool = False, quantize: str = "none", **kwargs: Any):
     """A sequence-classification model with one output: a reward or value model.
 
     Loading a causal-LM checkpoint this way keeps its transformer and adds a freshly initialised scalar
@@ -152,10 +155,11 @@ def load_scalar_model(path_or_id: str, pad_token_id: int | None, dtype: str = "f
 
     check_remote_code(path_or_id, trust_remote_code)
     model = AutoModelForSequenceClassification.from_pretrained(
-        path_or_id, num_labels=1, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs)
+        path_or_id, num_labels=1, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code,
+        **quantization_kwargs(quantize), **kwargs)
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
-    return model
+    return for_kbit_training(model)
 
 
 @contextmanager
@@ -173,14 +177,81 @@ def unsharded_loading():
         hf_ds._hf_deepspeed_config_weak_ref = saved
 
 
+# --------------------------------------------------------------------------------------------- LoRA / QLoRA
 def peft_config(lora: LoraSettings, task_type: str) -> Any:
-    """A peft LoraConfig when LoRA is enabled, else None (full fine-tuning)."""
+    """A peft LoraConfig when LoRA is enabled, else None (full fine-tuning). For SEQ_CLS peft also trains a copy
+    of the scalar head (`modules_to_save`: `score`), keeping the original for when adapters are disabled."""
     if not lora.enabled:
         return None
     from peft import LoraConfig  # heavy: loaded on use
 
     return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                       target_modules=list(lora.target_modules), task_type=task_type)
+
+
+def quantization_kwargs(quantize: str) -> dict[str, Any]:
+    """from_pretrained arguments for QLoRA's frozen base (Dettmers et al. 2023): 4-bit NormalFloat weights with
+    double quantization, bf16 compute, on this process's GPU. {} for `none`."""
+    if quantize == "none":
+        return {}
+    import os
+
+    from transformers import BitsAndBytesConfig  # heavy: loaded on use
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=torch.bfloat16)
+    return {"quantization_config": config, "device_map": {"": int(os.environ.get("LOCAL_RANK", "0"))}}
+
+
+def for_kbit_training(model):
+    """A 4-bit model prepared as QLoRA prescribes (peft's prepare_model_for_kbit_training: every weight frozen, the
+    non-quantized ones upcast to fp32; gradient checkpointing is left to the stage's own setting). Others as they are."""
+    if not getattr(model, "is_loaded_in_4bit", False):
+        return model
+    from peft import prepare_model_for_kbit_training  # heavy: loaded on use
+
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def add_adapters(model, lora: LoraSettings, task_type: str, zero3: bool = False):
+    """`model` wrapped in trainable LoRA adapters, its own weights frozen (a peft PeftModel)."""
+    from peft import get_peft_model  # heavy: loaded on use
+
+    # Under ZeRO-3 adapters keep the base's dtype: DeepSpeed gathers parameters in one dtype (TRL issue 6089).
+    return get_peft_model(model, peft_config(lora, task_type), autocast_adapter_dtype=not zero3)
+
+
+def merged_lora_model(base, lora: LoraSettings, task_type: str, trained_state: dict[str, torch.Tensor]):
+    """A plain transformers model: `base` (a fresh, unquantized load of the weights the adapters were trained on)
+    with the trained adapter weights from `trained_state` (a PeftModel's state_dict) merged in. Merging into a
+    fresh load rather than in place also serves QLoRA, whose training copy of the base is 4-bit."""
+    from peft import get_peft_model  # heavy: loaded on use
+
+    model = get_peft_model(base, peft_config(lora, task_type))
+    wanted = [n for n, p in model.named_parameters() if p.requires_grad]
+    missing = [n for n in wanted if n not in trained_state]
+    if missing:
+        raise ModelError(f"cannot merge LoRA adapters: {len(missing)} adapter weights are missing from the trained "
+                         f"state (first: {missing[0]}); the adapter settings changed between training and saving")
+    model.load_state_dict({n: trained_state[n] for n in wanted}, strict=False)
+    return model.merge_and_unload()
+
+
+def merged_for_saving(peft_model, lora: LoraSettings, dtype: str):
+    """A trained PeftModel as the plain model that `model/` holds: merged in place, or, for QLoRA (a 4-bit training
+    copy, which merging in place would re-quantize), merged into a fresh unquantized load of the same weights."""
+    if not getattr(peft_model, "is_loaded_in_4bit", False):
+        return peft_model.merge_and_unload()
+    config = peft_model.peft_config[peft_model.active_adapter]
+    path, task = config.base_model_name_or_path, getattr(config.task_type, "value", config.task_type)
+    with unsharded_loading():
+        base = load_scalar_model(path, None, dtype) if task == "SEQ_CLS" else load_causal_lm(path, dtype)
+    return merged_lora_model(base, lora, task, peft_model.state_dict())
+
+
+def without_peft(model) -> torch.nn.Module:
+    """The transformers model inside a peft wrapper (its adapted layers still apply), or `model` itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:

@@ -92,10 +92,12 @@ def test_dpo_two_processes(chain, zero):
     _loads(run / "dpo" / "model", "lm")
 
 
-@pytest.mark.parametrize("zero", ["zero2", "zero3"])
-def test_ppo_two_processes(chain, zero):
+@pytest.mark.parametrize("zero,lora", [("zero2", False), ("zero3", False), ("zero2", True), ("zero3", True)])
+def test_ppo_two_processes(chain, zero, lora):
+    """With LoRA too: adapters over sharded (ZeRO-3) or whole bases, the reference served by the policy's base."""
     root, run = chain
-    proc = run_align(*ARGS, "--only", "ppo", "--force", f"ppo.accelerate={zero}", cwd=root)
+    extra = ["ppo.lora.enabled=true", "ppo.lora.target_modules=[q_proj,v_proj]"] if lora else []
+    proc = run_align(*ARGS, "--only", "ppo", "--force", f"ppo.accelerate={zero}", *extra, cwd=root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     m = _manifest(run / "ppo")
     assert m["status"] == "completed" and m["final_metrics"]["ppo/iterations_run"] == 4

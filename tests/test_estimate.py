@@ -114,3 +114,95 @@ def test_gradient_checkpointing_is_counted_and_recommended_when_it_makes_a_stage
         tiny_cfg.stages["sft"].gradient_checkpointing = False
     assert on.parts["zero2"]["activations"] == with_ckpt and on.with_checkpointing is None
     assert too_big([on], hw) == []
+
+
+# --------------------------------------------------------------------------------------------- LoRA / QLoRA
+def test_lora_adapter_counts_match_hand_arithmetic(tiny_cfg):
+    """r = 4 on q_proj and v_proj (both h -> h here: 2 heads x 16 = 32 out): A is r x in, B is out x r, so
+    4 * (32 + 32) per projection, 2 per layer, 2 layers = 1,024. The scalar model also trains a copy of its score
+    head (h x 1 = 32 weights): 1,056. Adding the MLP (gate and up: 32 -> 64, down: 64 -> 32, r * 96 each) adds
+    3 * 384 per layer."""
+    from align.config import LoraSettings
+    from align.estimate import EstimateError, lora_layers, lora_params, model_shapes
+
+    shapes = model_shapes(tiny_cfg, REPO / "pipelines" / "default.yaml")
+    qv = LoraSettings(enabled=True, r=4, target_modules=["q_proj", "v_proj"])
+    assert lora_params(shapes["lm"], qv) == 1024 and lora_params(shapes["scalar"], qv) == 1056
+    assert max(lora_layers(shapes["scalar"], qv)) == 256  # one A + B pair (the head is 32)
+    mlp = LoraSettings(enabled=True, r=4, target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])
+    assert lora_params(shapes["lm"], mlp) == 1024 + LAYERS * 3 * 4 * 96
+    with pytest.raises(EstimateError, match=r"match no linear layer of this model; its layers are named \['down_proj'"):
+        lora_params(shapes["lm"], LoraSettings(enabled=True, target_modules=["query_key_value"]))
+
+
+def test_qlora_base_bytes_match_hand_arithmetic(tiny_cfg):
+    """Linear weights but the (tied) head: per layer q, k, v, o 4 * 32 * 32 + MLP 3 * 32 * 64 = 10,240, two layers
+    20,480, at 0.5 + 1/64 + 4/16384 bytes (NF4 + double-quantised constants) = 10,565 bytes; the other
+    37,024 - 20,480 = 16,544 parameters (embedding, norms) in fp32 = 66,176 bytes."""
+    from align.estimate import model_shapes, qlora_base_bytes
+
+    shapes = model_shapes(tiny_cfg, REPO / "pipelines" / "default.yaml")
+    assert qlora_base_bytes(shapes["lm"]) == 10_565 + 66_176
+
+
+def test_ppo_with_lora_holds_no_reference_and_trains_only_adapters(tiny_cfg):
+    """ZeRO-3 on 8 GPUs (tiny_cfg): trained states 4L + 18P/N with P the adapters (1,024 + 1,056) and L the largest
+    adapter layer (256); frozen, sharded: the policy's and the value model's bases (float32), no reference and (the
+    value model starting from it) no reward model."""
+    from align.config.ppo import PPOLoraSettings
+    from align.estimate import estimate_pipeline, hardware
+
+    source = REPO / "pipelines" / "default.yaml"
+    full = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg))}["ppo"]
+    tiny_cfg.stages["ppo"].lora = PPOLoraSettings(enabled=True, r=4, target_modules=["q_proj", "v_proj"])
+    try:
+        lora = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg))}["ppo"]
+    finally:
+        tiny_cfg.stages["ppo"].lora = PPOLoraSettings()
+    assert [h.role for h in full.held] == ["policy", "value", "reference", "reward"]
+    assert [(h.role, h.trained) for h in lora.held] == [("policy", True), ("value", True)]
+    sharded = (int(4 * P_LM / 8) + 4 * LARGEST) + (int(4 * P_RM / 8) + 4 * LARGEST)
+    assert lora.parts["zero3"]["trained_states"] == 4 * 256 + int(18 * (1024 + 1056) / 8)
+    assert lora.parts["zero3"]["frozen_weights"] == full.parts["zero3"]["frozen_weights"] == sharded
+    saving = full.parts["zero3"]["trained_states"] - lora.parts["zero3"]["trained_states"]
+    assert saving == 4 * LARGEST + int(18 * (P_LM + P_RM) / 8) - (4 * 256 + int(18 * 2080 / 8))
+    assert full.bytes_by_mode["zero3"] - lora.bytes_by_mode["zero3"] == saving
+
+
+PYTHIA_LM, PYTHIA_RM = 1_011_781_632, 1_011_781_632 - 50304 * 2048 + 2048  # the RM drops embed_out, adds a score
+# r = 16 on query_key_value (2048 -> 6144) and dense (2048 -> 2048), 16 layers; the value model adds its head
+PYTHIA_ADAPTERS = 16 * 16 * ((2048 + 6144) + (2048 + 2048))
+
+
+def test_align_estimate_shows_the_lora_and_qlora_saving_for_ppo_on_pythia_1b(workdir):
+    """One GPU of 24 GB, plain data parallel (`ddp`), mini-batches of 2: full PPO trains policy + value (16 bytes per
+    parameter) and holds a bf16 reference and reward model; LoRA trains 16 bytes per adapter parameter and holds
+    only the two bf16 bases; QLoRA holds them at ~0.52 bytes per linear weight and fp32 elsewhere. Full PPO does
+    not fit (~42 GiB), LoRA does (~14 GiB)."""
+    from align.config import load_pipeline
+    from align.estimate import estimate_pipeline, hardware, qlora_base_bytes, too_big
+
+    assert PYTHIA_ADAPTERS == 3_145_728
+    base = ["ppo.accelerate=ddp", "ppo.mini_batch_size=2", "hardware.gpus_per_node=1", "hardware.gpu_memory_gb=24"]
+    lora = ["ppo.lora.enabled=true", "ppo.lora.target_modules=[query_key_value,dense]"]
+    source = workdir / "pipelines" / "hh_rlhf.yaml"
+    est = {}
+    for name, extra in {"full": [], "lora": lora, "qlora": [*lora, "ppo.lora.quantize=4bit"]}.items():
+        cfg = load_pipeline(source, base + extra)
+        est[name] = {e.name: e for e in estimate_pipeline(cfg, source, hardware(cfg))}["ppo"]
+        hw = hardware(cfg)
+    full, lo, q = (est[k].parts["ddp"] for k in ("full", "lora", "qlora"))
+    assert full["trained_states"] == 16 * (PYTHIA_LM + PYTHIA_RM)
+    assert lo["trained_states"] == q["trained_states"] == 16 * (2 * PYTHIA_ADAPTERS + 2048)
+    assert full["frozen_weights"] == lo["frozen_weights"] == 2 * (PYTHIA_LM + PYTHIA_RM)  # ref + RM vs two bases
+    assert est["full"].chosen_bytes - est["lora"].chosen_bytes == 16 * (PYTHIA_LM + PYTHIA_RM - 2 * PYTHIA_ADAPTERS - 2048)
+    shapes = {h.role: h.shape for h in est["qlora"].held}
+    assert q["frozen_weights"] == qlora_base_bytes(shapes["policy"]) + qlora_base_bytes(shapes["value"])
+    assert est["qlora"].chosen_bytes < est["lora"].chosen_bytes < est["full"].chosen_bytes
+    assert len(too_big([est["full"]], hw)) == 1 and too_big([est["lora"]], hw) == too_big([est["qlora"]], hw) == []
+
+    proc = run_align("estimate", "pipelines/hh_rlhf.yaml", *base, *lora, cwd=workdir)
+    assert proc.returncode == 0, proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| ppo |"))
+    assert "policy* 1,011.8M (LoRA 3.15M), value* 908.8M (LoRA 3.15M) | 1 |" in row
+    assert "reference" not in row and row.rstrip().endswith("| yes |")

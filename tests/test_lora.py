@@ -1,4 +1,6 @@
-"""LoRA on a TRL stage: adapters train, are merged on save, and model/ is a plain checkpoint."""
+"""LoRA on the TRL stages: adapters train, are merged on save, and model/ is a plain checkpoint; QLoRA is refused
+where it cannot run, and its merge (into a fresh unquantized load) equals an in-place merge. PPO with LoRA:
+tests/test_lora_ppo.py."""
 
 from __future__ import annotations
 
@@ -7,9 +9,10 @@ import torch
 
 from conftest import TINY, run_align
 
-pytestmark = pytest.mark.slow
+SEED = 2024
 
 
+@pytest.mark.slow
 def test_sft_lora_merges_into_a_plain_model(workdir):
     proc = run_align("run", "pipelines/default.yaml", "--run-id", "lora", "--only", "sft", "tracking.wandb=disabled",
                      *TINY, "sft.lora.enabled=true", "sft.lora.target_modules=[q_proj,v_proj]", cwd=workdir)
@@ -30,3 +33,67 @@ def test_sft_lora_merges_into_a_plain_model(workdir):
     initial = build_builtin(size, AutoTokenizer.from_pretrained(model_dir), seed=17).state_dict()
     changed = {k for k, v in merged.items() if not torch.equal(v, initial[k])}
     assert changed == {k for k in merged if "q_proj" in k or "v_proj" in k}  # only the adapted projections
+
+
+def test_qlora_is_refused_with_the_field_and_the_fix_where_it_cannot_run(workdir, monkeypatch):
+    import importlib.util
+
+    from align.config import LoraSettings
+
+    with pytest.raises(ValueError, match=r"lora.quantize: '4bit' quantizes the frozen base under LoRA adapters; set "
+                                         r"lora.enabled: true"):
+        LoraSettings(quantize="4bit").check()
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    with pytest.raises(ValueError, match=r"needs the bitsandbytes package.*pip install 'align\[qlora\]'"):
+        LoraSettings(enabled=True, quantize="4bit").check()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"runs only on a CUDA GPU .* set lora.quantize: none"):
+        LoraSettings(enabled=True, quantize="4bit").check()
+    LoraSettings(enabled=True).check()  # plain LoRA needs neither
+    monkeypatch.undo()
+
+    if importlib.util.find_spec("bitsandbytes") is None or not torch.cuda.is_available():
+        for stage in ("sft", "reward", "dpo", "ppo"):  # every trained stage reads the same setting
+            proc = run_align("validate", "pipelines/default.yaml", f"{stage}.lora.enabled=true",
+                             f"{stage}.lora.quantize=4bit", cwd=workdir)
+            assert proc.returncode == 2, proc.stdout[-1000:]
+            assert f"stages.{stage}: lora.quantize: '4bit'" in proc.stderr and "lora.quantize: none" in proc.stderr
+
+
+@pytest.mark.parametrize("task", ["CAUSAL_LM", "SEQ_CLS"])
+def test_the_qlora_merge_into_a_fresh_load_equals_the_in_place_merge(tmp_path, task):
+    """QLoRA's training copy of the base is 4-bit, so model/ merges the adapters into a fresh unquantized load of
+    the same checkpoint (merged_for_saving). On CPU the 4-bit flag is set by hand on a plain model: the merge that
+    reloads must give the model the in-place merge gives, and must differ from the base (the adapters moved)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from align.config import LoraSettings
+    from align.models import add_adapters, load_causal_lm, load_scalar_model, merged_for_saving
+
+    print(f"seed {SEED}")
+    torch.manual_seed(SEED)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                      pad_token_id=0)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
+    load = (lambda: load_scalar_model(str(tmp_path / "base"), 0)) if task == "SEQ_CLS" else \
+        (lambda: load_causal_lm(str(tmp_path / "base")))
+    lora = LoraSettings(enabled=True, r=2, alpha=4, target_modules=["q_proj", "v_proj"])
+    models = []
+    for flagged in (True, False):
+        torch.manual_seed(SEED)
+        base = load()
+        base.is_loaded_in_4bit = flagged  # only what merged_for_saving reads
+        peft = add_adapters(base, lora, task)
+        torch.manual_seed(SEED + 1)
+        with torch.no_grad():
+            for name, p in peft.named_parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn_like(p))  # "trained" adapters (B starts at zero) and head copy
+        models.append(merged_for_saving(peft, lora, "float32"))
+    reloaded, in_place = (m.state_dict() for m in models)
+    assert reloaded.keys() == in_place.keys() and not [k for k in reloaded if "lora" in k]
+    assert all(torch.allclose(reloaded[k], in_place[k], atol=1e-6) for k in reloaded)
+    untouched = load().state_dict()
+    assert any(not torch.allclose(reloaded[k], untouched[k]) for k in reloaded if "q_proj" in k)

@@ -37,7 +37,8 @@ def _first_step_stats(disable: bool) -> dict[str, float]:
     from accelerate import Accelerator
 
     from align.models import disable_dropout
-    from align.stages.ppo import PolicyAndValue, ppo_update
+    from align.stages.ppo import ppo_update
+    from align.stages.ppo.models import PolicyAndValue
 
     print(f"seed {SEED}")
     policy, value = _gpt2_pair(dropout=0.1)

@@ -62,6 +62,28 @@ class LoraSettings:
     """Dropout on the adapter input."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Module names that get adapters."""
+    quantize: str = one_of("none", "none", "4bit")
+    """`4bit`: QLoRA (Dettmers et al. 2023): the frozen base is loaded in 4-bit NormalFloat with double
+    quantization and bf16 compute (bitsandbytes), the adapters train on top. Needs a CUDA GPU and
+    `pip install 'align[qlora]'`; `model/` is still the merged 16/32-bit model."""
+
+    def check(self) -> None:
+        """`align validate`: QLoRA only with LoRA on, bitsandbytes installed and a CUDA GPU present."""
+        if self.quantize == "none":
+            return
+        if not self.enabled:
+            raise ValueError(f"lora.quantize: '{self.quantize}' quantizes the frozen base under LoRA adapters; set "
+                             "lora.enabled: true, or lora.quantize: none")
+        import importlib.util
+
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError(f"lora.quantize: '{self.quantize}' needs the bitsandbytes package, which is not "
+                             "installed; `pip install 'align[qlora]'` on a CUDA machine, or set lora.quantize: none")
+        import torch  # heavy: only when QLoRA is asked for
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"lora.quantize: '{self.quantize}' runs only on a CUDA GPU (bitsandbytes 4-bit kernels) "
+                             "and none is present here; run on a GPU machine, or set lora.quantize: none")
 
 
 @dataclass
@@ -246,6 +268,7 @@ class TrainedStage(StageBase):
 
     def check(self, ctx: CheckContext) -> None:
         self.check_steps()
+        self.lora.check()
 
     def check_steps(self) -> None:
         """Cross-field settings every TRL-trained stage needs; also checked by the stage process itself."""

@@ -39,6 +39,8 @@ class DPOStage(TrainedStage):
         self.check_preference_card(ctx)
 
     def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
+        if self.lora.enabled:  # TRL's reference is then the policy's base with its adapters disabled
+            return [("policy", "lm", True)]
         return [("policy", "lm", True), ("reference", "lm", False)]
 
     def workload(self) -> tuple[int, int, int, int]:

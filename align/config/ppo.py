@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from align.config.common import CheckContext, Generation, StageBase
+from align.config.common import CheckContext, Generation, LoraSettings, StageBase
 from align.judges import judge_weights
 from align.schema import one_of, ranged
 
@@ -26,6 +26,14 @@ class KLSettings:
     needs a short horizon for beta to move at all)."""
     estimator: str = one_of("k1", "k1", "k2", "k3")
     """Per-token KL estimator in the reward: k1 (log-ratio), k2 or k3 (Schulman 2020)."""
+
+
+@dataclass
+class PPOLoraSettings(LoraSettings):
+    """LoRA for PPO: as for every trained stage, but without adapter dropout by default (see `PPOStage.check`)."""
+
+    dropout: float = ranged(0.0, ge=0, lt=1)
+    """Dropout on the adapter input: must stay 0 in PPO."""
 
 
 @dataclass
@@ -100,6 +108,11 @@ class PPOStage(StageBase):
     """KL penalty settings."""
     generation: Generation = field(default_factory=Generation)
     """Rollout decoding settings."""
+    lora: PPOLoraSettings = field(default_factory=PPOLoraSettings)
+    """LoRA adapters instead of full fine-tuning: the policy and the value model (whose scalar head is also
+    trained) each get their own; the reference is the policy's base with its adapters disabled, and with
+    value_init: reward the reward model is the value model's base with its adapters disabled, so no extra copy of
+    either is held. `model/` is the merged policy."""
 
     def check(self, ctx: CheckContext) -> None:
         ctx.check_judge("reward", self.reward)
@@ -108,6 +121,10 @@ class PPOStage(StageBase):
         if self.value_init == "reward" and len(used) != 1:
             raise ValueError(f"value_init: 'reward' starts the value model from the reward model, but reward "
                              f"{self.reward!r} names {len(used)} reward stages; set value_init: policy")
+        self.lora.check()
+        if self.lora.enabled and self.lora.dropout:
+            raise ValueError(f"lora.dropout: {self.lora.dropout}; PPO runs every model without dropout, so the "
+                             "rollout's and the update's log-probs agree (ratio 1 at the first step); set it to 0")
         step = self.mini_batch_size * self.gradient_accumulation_steps
         if self.rollout_batch_size % step:
             raise ValueError(f"rollout_batch_size ({self.rollout_batch_size}) must be divisible by mini_batch_size "
@@ -141,8 +158,12 @@ class PPOStage(StageBase):
         super().check_positions(limit, fix)
 
     def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
-        return [("policy", "lm", True), ("value", "scalar", True), ("reference", "lm", False),
-                ("reward", "scalar", False)]
+        held = [("policy", "lm", True), ("value", "scalar", True)]
+        if not self.lora.enabled:  # with LoRA the reference is the policy's base with adapters disabled
+            held.append(("reference", "lm", False))
+        reward_stages = [n for n in judge_weights(self.reward) if n in stages and stages[n].PRODUCES == "reward"]
+        shared = self.lora.enabled and self.value_init == "reward"  # the reward model is the value model's base
+        return held + [("reward", "scalar", False)] * (len(reward_stages) - shared)
 
     def workload(self) -> tuple[int, int, int, int]:
         seq = self.max_prompt_length + self.generation.max_new_tokens

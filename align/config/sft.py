@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from align.builtin import is_builtin
 from align.config.common import CheckContext, StageBase, TrainedStage
 from align.schema import ranged
 
@@ -37,6 +38,9 @@ class SFTStage(TrainedStage):
 
     def check(self, ctx: CheckContext) -> None:
         super().check(ctx)
+        if self.lora.quantize != "none" and self.model == "base" and is_builtin(ctx.pipeline.base_model):
+            raise ValueError(f"lora.quantize: '{self.lora.quantize}' quantizes a pretrained base, but the builtin "
+                             "model starts from fresh weights; set lora.quantize: none")
         if self.model != "base" and self.model not in ctx.pipeline.stages:
             raise ValueError(f"model: '{self.model}' is neither `base` nor a stage of this pipeline")
         produces = ctx.card_produces("data", self.split)

@@ -76,21 +76,21 @@ class StageContext:
         return str(self.input_dir(stage_name) / "model")
 
     # ------------------------------------------------------------------ models
-    def load_lm(self, path: str, device: bool = False):
+    def load_lm(self, path: str, device: bool = False, quantize: str = "none"):
         """A causal LM in the pipeline's dtype and attention kernel (moved to this process's device if asked:
-        stages that do not hand the model to accelerate or a Trainer)."""
+        stages that do not hand the model to accelerate or a Trainer); `quantize: 4bit` for a QLoRA base."""
         from align.models import load_causal_lm  # heavy: stage processes only
 
-        model = load_causal_lm(path, self.pipeline.dtype, self.pipeline.trust_remote_code,
+        model = load_causal_lm(path, self.pipeline.dtype, self.pipeline.trust_remote_code, quantize,
                                **self.compute.model_kwargs())
         return model.to(self.compute.device) if device else model
 
-    def load_scalar(self, path: str, pad_token_id: int | None, device: bool = False):
+    def load_scalar(self, path: str, pad_token_id: int | None, device: bool = False, quantize: str = "none"):
         """A reward / value model (sequence classification, one output), like `load_lm`."""
         from align.models import load_scalar_model  # heavy: stage processes only
 
         model = load_scalar_model(path, pad_token_id, self.pipeline.dtype, self.pipeline.trust_remote_code,
-                                  **self.compute.model_kwargs())
+                                  quantize, **self.compute.model_kwargs())
         return model.to(self.compute.device) if device else model
 
     # ------------------------------------------------------------------ tracking
@@ -171,8 +171,10 @@ class StageContext:
         def write(path: Path) -> None:
             model = trainer.model
             if hasattr(model, "merge_and_unload") and getattr(self.cfg, "lora", None) and self.cfg.lora.enabled:
+                from align.models import merged_for_saving  # heavy (torch): stage processes only
+
                 # LoRA: save full merged weights so the next stage loads a plain model with from_pretrained.
-                merged = trainer.accelerator.unwrap_model(model).merge_and_unload()
+                merged = merged_for_saving(trainer.accelerator.unwrap_model(model), self.cfg.lora, self.pipeline.dtype)
                 if self.is_main:
                     merged.save_pretrained(path)
             else:

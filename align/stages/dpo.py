@@ -24,7 +24,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     train = [{c: r[c] for c in columns} for r in load_rows(ctx, cfg.data, "train", cfg.max_train_examples, tokenizer)]
     test = [{c: r[c] for c in columns} for r in load_rows(ctx, cfg.data, "test", tokenizer=tokenizer)]
     check_lengths(ctx, train, tokenizer)
-    model = ctx.load_lm(path)
+    model = ctx.load_lm(path, quantize=cfg.lora.quantize)
     lora = peft_config(cfg.lora, "CAUSAL_LM")
     # With LoRA the reference is the base model with adapters disabled; otherwise a frozen copy.
     ref = None if lora is not None else ctx.load_lm(path)

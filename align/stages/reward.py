@@ -11,7 +11,7 @@ from typing import Any
 from align.config.reward import RewardStage
 from align.data.rows import load_rows
 from align.generation import sequence_scores
-from align.models import load_scalar_model, load_tokenizer, peft_config, unsharded_loading
+from align.models import load_tokenizer, peft_config, unsharded_loading
 from align.stages.context import StageContext
 from align.stages.trl import check_lengths, metrics_callback, train_with_resume, trainer_kwargs
 
@@ -53,7 +53,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     train = load_rows(ctx, cfg.data, "train", cfg.max_train_examples, tokenizer)
     test = load_rows(ctx, cfg.data, "test", tokenizer=tokenizer)
     check_lengths(ctx, train, tokenizer)
-    model = ctx.load_scalar(path, tokenizer.pad_token_id)
+    model = ctx.load_scalar(path, tokenizer.pad_token_id, quantize=cfg.lora.quantize)
     args = RewardConfig(**trainer_kwargs(cfg, ctx), center_rewards_coefficient=cfg.center_rewards_coefficient,
                         eval_strategy="no")
     columns = ("prompt", "chosen", "rejected")

@@ -34,7 +34,7 @@ def load_start(ctx: StageContext, cfg: SFTStage, rows: list[dict[str, Any]], cha
     p = ctx.pipeline
     if cfg.model != "base":
         path = ctx.input_model(cfg.model)
-        return ctx.load_lm(path), load_tokenizer(path, needs_chat_template=chat)
+        return ctx.load_lm(path, quantize=cfg.lora.quantize), load_tokenizer(path, needs_chat_template=chat)
     template = templates.template_text(p.chat_template) if p.chat_template else None
     if is_builtin(p.base_model):
         if p.tokenizer:  # a real tokenizer (e.g. GPT-2) for the fresh model: fix what it lacks
@@ -46,7 +46,7 @@ def load_start(ctx: StageContext, cfg: SFTStage, rows: list[dict[str, Any]], cha
             templates.install(tok, template)
         return build_builtin(p.builtin, tok, ctx.seed, ctx.compute.attn_implementation), tok
     tok = load_tokenizer(p.tokenizer or p.base_model, p.trust_remote_code, needs_chat_template=chat)
-    model = ctx.load_lm(p.base_model)
+    model = ctx.load_lm(p.base_model, quantize=cfg.lora.quantize)
     if template or chat:
         templates.install(tok, template)
         fit_model_to_tokenizer(model, tok)

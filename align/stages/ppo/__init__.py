@@ -7,14 +7,14 @@ sec. 2.2). Each iteration, per process: (1) sample responses, (2) score them (re
 (3) log-probs of the responses under policy and reference, and values, (4) per-token rewards with the KL
 penalty, (5) GAE advantages, (6) PPO epochs over mini-batches. Dropout is off in every model, so old and new
 log-probs agree at the first step. Algorithm code touches only `accelerator.*` and `optim.py`; DeepSpeed
-choices live in the accelerate config.
+choices live in the accelerate config. With `lora.enabled` only adapters train, and the reference (and with
+value_init: reward, the reward model) is served by a trained model's base weights with adapters disabled.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,38 +22,20 @@ import torch
 
 from align.config.ppo import PPOStage
 from align.data.rows import load_rows, unique_prompts
-from align.generation import Rollout, generate, response_logprobs, scalar_outputs, sequence_logprobs
+from align.generation import Rollout, generate, response_logprobs
 from align.judges import judge_weights
 from align.losses import (gae, kl_estimate, masked_mean, masked_whiten, ppo_policy_loss, ppo_value_loss,
                           token_rewards)
-from align.models import disable_dropout, load_tokenizer
+from align.models import load_causal_lm, load_tokenizer, merged_lora_model, unsharded_loading
 from align.stages.context import NonFiniteLossError, StageContext
 from align.stages.ppo.checkpoint import resume, restore_history, save_checkpoint
 from align.stages.ppo.optim import backward_and_step, disable_deepspeed_clipping
+from align.stages.ppo.models import load_frozen, load_trained, policy_for_generation
 from align.stages.ppo.rewards import Scorer
 from align.stages.ppo.state import (AdaptiveKLController, FixedKLController, PromptStream, RewardScale,
                                     RunningMoments)
 
 OUTPUTS = ["model"]
-
-
-class PolicyAndValue(torch.nn.Module):
-    """The two trainable models as one module, so one DeepSpeed engine (and optimizer) serves both.
-
-    `value_affine` (gain, bias) reads the value head in the units of the normalised reward: a value model
-    initialised from the reward model outputs raw reward-model scores, and PPO's returns are normalised."""
-
-    def __init__(self, policy, value):
-        super().__init__()
-        self.policy, self.value = policy, value
-        self.value_affine = (1.0, 0.0)
-
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor, query_len: int, temperature: float):
-        """Per-token log-probs, entropies and values of the response part. ids, mask: (B, Lq + Lr)."""
-        logprobs, entropy = sequence_logprobs(self.policy, ids, mask, query_len, temperature, with_entropy=True)
-        values = scalar_outputs(self.value, ids, mask)[:, query_len - 1:-1]  # V(state before token t)
-        gain, bias = self.value_affine
-        return logprobs, entropy, values * gain + bias
 
 
 def check_models(ctx: StageContext, cfg: PPOStage, tokenizer, reward_tokenizers: dict, prompts: list[str]) -> None:
@@ -69,45 +51,6 @@ def check_models(ctx: StageContext, cfg: PPOStage, tokenizer, reward_tokenizers:
         raise ValueError(f"stage '{ctx.name}': {too_long} of {len(prompts)} prompts are longer than "
                          f"max_prompt_length={cfg.max_prompt_length} tokens (longest {max(lengths)}); raise "
                          "max_prompt_length or shorten the prompts")
-
-
-def _zero3(accelerator) -> bool:
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    return plugin is not None and plugin.zero_stage == 3
-
-
-def prepare_frozen(model, accelerator):
-    """A frozen model for inference: sharded by DeepSpeed ZeRO-3 when that is the plan, else just moved."""
-    disable_dropout(model).eval().requires_grad_(False)
-    if not _zero3(accelerator):
-        return model.to(accelerator.device)
-    import deepspeed  # heavy: only under ZeRO-3
-
-    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
-           "bf16": {"enabled": accelerator.mixed_precision == "bf16"}}
-    engine, *_ = deepspeed.initialize(model=model, config=cfg)
-    return engine.module.eval()
-
-
-@contextmanager
-def policy_for_generation(model, accelerator):
-    """The policy, ready for `generate`. Under ZeRO-3 its weights are gathered once per rollout and DeepSpeed's
-    forward hooks are taken off for the duration (as TRL's unwrap_model_for_generation does): with the hooks
-    on, every decoding step is a collective, and a process whose samples all end early would leave the
-    others waiting forever."""
-    unwrapped = accelerator.unwrap_model(model)
-    if not _zero3(accelerator):
-        yield unwrapped.policy
-        return
-    import deepspeed  # heavy: only under ZeRO-3
-    from trl.models.utils import add_hooks, remove_hooks
-
-    with deepspeed.zero.GatheredParameters(list(model.parameters())):
-        remove_hooks(model)
-        try:
-            yield unwrapped.policy
-        finally:
-            add_hooks(model)
 
 
 def fast_generation(cfg: PPOStage, accelerator) -> bool:
@@ -175,27 +118,23 @@ def run(ctx: StageContext) -> dict[str, Any]:
     check_models(ctx, cfg, tokenizer, {n: load_tokenizer(ctx.input_model(n)) for n in reward_stages}, prompts)
 
     pad_id = tokenizer.pad_token_id
-    policy = disable_dropout(ctx.load_lm(policy_path))
-    policy.generation_config.pad_token_id = pad_id
     value_from_reward = cfg.value_init == "reward"
-    value_path = ctx.input_model(reward_stages[0]) if value_from_reward else policy_path
-    value = disable_dropout(ctx.load_scalar(value_path, pad_id))
-    model = PolicyAndValue(policy, value)
-    groups = {"policy": list(policy.parameters()), "value": list(value.parameters())}
+    model = load_trained(ctx, cfg, accelerator, pad_id, reward_stages)
+    groups = {name: [p for p in part.parameters() if p.requires_grad]  # LoRA: the adapters (and value head) only
+              for name, part in (("policy", model.policy), ("value", model.value))}
     optimizer = torch.optim.AdamW([{"params": groups["policy"], "lr": cfg.learning_rate},
                                    {"params": groups["value"], "lr": cfg.value_learning_rate}], eps=1e-5)
     model, optimizer = accelerator.prepare(model, optimizer)
     base_lrs = [cfg.learning_rate, cfg.value_learning_rate]
-    reference = prepare_frozen(ctx.load_lm(policy_path), accelerator)
-    scorer = Scorer.build(cfg.reward, lambda n: prepare_frozen(ctx.load_scalar(ctx.input_model(n), pad_id),
-                                                               accelerator) if n in reward_stages else None, tokenizer)
+    reference, reward_fns = load_frozen(ctx, cfg, accelerator, accelerator.unwrap_model(model), pad_id, reward_stages)
+    scorer = Scorer.build(cfg.reward, reward_fns.get, tokenizer)
 
     kl_ctl = (AdaptiveKLController(cfg.kl.coef, cfg.kl.target, cfg.kl.horizon) if cfg.kl.adaptive
               else FixedKLController(cfg.kl.coef))
     moments, scale = RunningMoments(), RewardScale()
     stream = PromptStream(len(prompts), ctx.seed)
     progress = {"iteration": 0}
-    start = resume(ctx, accelerator, kl_ctl, moments, scale, stream, progress)
+    start = resume(ctx, accelerator, kl_ctl, moments, scale, stream, progress, trainable_only=cfg.lora.enabled)
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.eval()  # dropout is off anyway; eval() also keeps train-only code paths out of the forward
     if cfg.reward_normalization == "initial" and not scale.fitted:
@@ -286,13 +225,20 @@ def run(ctx: StageContext) -> dict[str, Any]:
                               [[p, t, float(s)] for p, t, s in zip(batch_prompts, texts, scores[:8].tolist())], it + 1)
         progress["iteration"] = it + 1
         if (it + 1) % cfg.save_every == 0 and it + 1 < cfg.iterations:
-            save_checkpoint(ctx, accelerator, it + 1)
+            save_checkpoint(ctx, accelerator, it + 1, trainable_only=cfg.lora.enabled)
 
     def write(path: Path) -> None:
         state = accelerator.get_state_dict(model)  # collective under ZeRO-3: every process gathers
         if accelerator.is_main_process:
             policy_state = {k[len("policy."):]: v for k, v in state.items() if k.startswith("policy.")}
-            accelerator.unwrap_model(model).policy.save_pretrained(path, state_dict=policy_state)
+            if cfg.lora.enabled:  # adapters merged into a fresh, unquantized load of the starting policy
+                with unsharded_loading():  # main process only: no ZeRO-3 partitioning (a collective) here
+                    base = load_causal_lm(policy_path, ctx.pipeline.dtype)
+                merged = merged_lora_model(base, cfg.lora, "CAUSAL_LM", policy_state)
+                merged.generation_config.pad_token_id = pad_id
+                merged.save_pretrained(path)
+            else:
+                accelerator.unwrap_model(model).policy.save_pretrained(path, state_dict=policy_state)
             tokenizer.save_pretrained(path)
 
     ctx.publish("model", write)

@@ -1,6 +1,10 @@
 """PPO's resumable state: accelerate's save_state (models, optimizer, RNG) plus the small state objects (KL
 controller, reward statistics and gain/bias, data position, iteration), written to a hidden directory and
-renamed into place with a COMPLETE marker, so a kill mid-save never leaves a checkpoint that looks whole."""
+renamed into place with a COMPLETE marker, so a kill mid-save never leaves a checkpoint that looks whole.
+
+With LoRA (`trainable_only`) a checkpoint holds only the trained weights (adapters, the value head) and their
+optimizer state: the frozen base is reloaded from the starting models on resume, and is never written again.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +15,56 @@ from typing import Any
 from align.stages.context import StageContext, keep_metrics_until
 
 
-def _register(accelerator, *objs) -> None:
+def _trainable(model) -> set[str]:
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _keep_trainable(models, weights, output_dir) -> None:
+    """accelerate's save hook (no DeepSpeed): write only the trained parameters of each model."""
+    for i, model in enumerate(models):
+        names = _trainable(model)
+        weights[i] = {k: v for k, v in weights[i].items() if k in names}
+
+
+def _check_trainable(models, input_dir) -> None:
+    """accelerate's load hook (no DeepSpeed): the models load non-strictly (the base is not in the checkpoint),
+    so check here that every trained parameter is."""
+    from pathlib import Path
+
+    from safetensors import safe_open  # heavy: loaded on use
+
+    for i, model in enumerate(models):
+        path = Path(input_dir) / ("model.safetensors" if i == 0 else f"model_{i}.safetensors")
+        with safe_open(str(path), framework="pt") as f:
+            missing = _trainable(model) - set(f.keys())
+        if missing:
+            raise RuntimeError(f"{path}: {len(missing)} trained parameters are missing (first: {sorted(missing)[0]}); "
+                               "the checkpoint was written with other adapter settings")
+
+
+def _is_deepspeed(accelerator) -> bool:
+    return getattr(accelerator.state, "deepspeed_plugin", None) is not None
+
+
+def _model_kwargs(accelerator, trainable_only: bool, saving: bool) -> dict[str, Any]:
+    if not trainable_only:
+        return {}
+    if _is_deepspeed(accelerator):
+        return {"exclude_frozen_parameters": True} if saving else {"load_module_strict": False}
+    return {} if saving else {"strict": False}
+
+
+def _register(accelerator, *objs, trainable_only: bool = False) -> None:
     if not getattr(accelerator, "_align_registered", False):
         for o in objs:
             accelerator.register_for_checkpointing(o)
+        if trainable_only and not _is_deepspeed(accelerator):
+            accelerator.register_save_state_pre_hook(_keep_trainable)
+            accelerator.register_load_state_pre_hook(_check_trainable)
         accelerator._align_registered = True
 
 
-def resume(ctx: StageContext, accelerator, kl_ctl, moments, scale, stream, progress) -> int:
+def resume(ctx: StageContext, accelerator, kl_ctl, moments, scale, stream, progress, trainable_only: bool = False) -> int:
     """Restore the newest complete checkpoint of this fingerprint (models, optimizer, RNG, KL controller, reward
     statistics and gain/bias, data position); return the iteration to continue from."""
 
@@ -29,7 +75,7 @@ def resume(ctx: StageContext, accelerator, kl_ctl, moments, scale, stream, progr
         def load_state_dict(self, s):
             progress.update(s)
 
-    _register(accelerator, kl_ctl, moments, scale, stream, Progress())
+    _register(accelerator, kl_ctl, moments, scale, stream, Progress(), trainable_only=trainable_only)
     ckpts = ctx.checkpoints
     ctx.prepare_checkpoints()
     if accelerator.is_main_process:
@@ -40,7 +86,7 @@ def resume(ctx: StageContext, accelerator, kl_ctl, moments, scale, stream, progr
     if not done:
         ctx.extra_manifest["resumed_from_iteration"] = 0
         return 0
-    accelerator.load_state(str(done[-1]))
+    accelerator.load_state(str(done[-1]), **_model_kwargs(accelerator, trainable_only, saving=False))
     if accelerator.is_main_process:
         print(f"[align] {ctx.name}: resuming from {done[-1]} (iteration {progress['iteration']}, "
               f"beta {kl_ctl.value:.4f}, reward gain {scale.gain:.4f} bias {scale.bias:.4f})", flush=True)
@@ -61,11 +107,11 @@ def restore_history(ctx: StageContext, start: int) -> list[dict[str, Any]]:
     return [r for r in rows if "objective/scores" in r]
 
 
-def save_checkpoint(ctx: StageContext, accelerator, iteration: int) -> None:
+def save_checkpoint(ctx: StageContext, accelerator, iteration: int, trainable_only: bool = False) -> None:
     """accelerator.save_state into a hidden dir, then a rename + COMPLETE marker; keep the last two."""
     final = ctx.checkpoints / f"iter-{iteration}"
     tmp = ctx.checkpoints / f".iter-{iteration}"
-    accelerator.save_state(str(tmp))
+    accelerator.save_state(str(tmp), **_model_kwargs(accelerator, trainable_only, saving=True))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / "COMPLETE").write_text(json.dumps({"iteration": iteration}))

@@ -1,0 +1,253 @@
+"""LoRA on the stages that start from a trained model, run in-process on a tiny Llama.
+
+PPO: only adapters (and the value head's trained copy) change, one base copy serves policy and reference (and the
+value model's base serves the reward model), the first-step ratio is exactly 1, a checkpoint holds only the trained
+weights and resumes, and model/ is the merged plain policy. Reward and DPO: `lora.enabled` trains, DPO loads no
+reference of its own, and model/ reloads with the Auto classes with only the adapted weights (and the reward head)
+changed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from align.config import BuiltinModel, Generation, LoraSettings, PipelineConfig, StageBase, Tracking, to_dict
+from align.config.dpo import DPOStage
+from align.config.ppo import PPOStage
+from align.config.reward import RewardStage
+from align.rundir import StageSpec
+
+REPO = Path(__file__).resolve().parent.parent
+SEED = 4321
+SIZE = BuiltinModel(vocab_size=300, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                    max_position_embeddings=96)
+TARGETS = ("q_proj", "v_proj")
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory) -> Path:
+    """sft/model (a tiny random Llama + BPE tokenizer), reward/model (its backbone with a scalar head) and
+    pairs/data (preference pairs: a review's own continuation chosen over another's)."""
+    from align.data.cards import load_split
+    from align.models import build_builtin, load_scalar_model, train_tokenizer
+
+    print(f"seed {SEED}")
+    root = tmp_path_factory.mktemp("lora_ppo")
+    rows = load_split(REPO / "data_cards" / "movie_review_snippets.yaml", "train").rows[:400]
+    tok = train_tokenizer((r["prompt"] + r["completion"] for r in rows), SIZE.vocab_size, SIZE.max_position_embeddings)
+    build_builtin(SIZE, tok, seed=SEED).save_pretrained(root / "sft" / "model")
+    tok.save_pretrained(root / "sft" / "model")
+    torch.manual_seed(SEED)
+    load_scalar_model(str(root / "sft" / "model"), tok.pad_token_id).save_pretrained(root / "reward" / "model")
+    tok.save_pretrained(root / "reward" / "model")
+    (root / "pairs" / "data").mkdir(parents=True)
+    for split, part in {"train": rows[:64], "test": rows[64:80]}.items():
+        pairs = [{"prompt": a["prompt"], "chosen": a["completion"], "rejected": b["completion"]}
+                 for a, b in zip(part, part[1:] + part[:1])]
+        (root / "pairs" / "data" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
+    return root
+
+
+def _stage_context(root: Path, cfg: StageBase, dirname: str, inputs: list[str]):
+    from align.stages.context import StageContext
+
+    pipeline = to_dict(PipelineConfig(name="t", seed=SEED, tracking=Tracking(wandb="disabled")))
+    pipeline.pop("stages")
+    stage_dir = root / dirname
+    stage_dir.mkdir(exist_ok=True)
+    spec = StageSpec(stage_name=cfg.type, stage_dir=str(stage_dir), fingerprint="test-fp", stage=to_dict(cfg),
+                     pipeline=pipeline, inputs={n: str(root / n) for n in inputs},
+                     input_fingerprints={n: None for n in inputs})
+    ctx = StageContext(spec)
+    ctx.start_tracking()
+    return ctx
+
+
+def _context(root: Path, lora: bool):
+    cfg = PPOStage(type="ppo", policy="sft", reward="reward", value_init="reward",
+                   prompts=str(REPO / "data_cards" / "movie_review_snippets.yaml"), iterations=3,
+                   rollout_batch_size=8, mini_batch_size=4, ppo_epochs=2, learning_rate=1e-2, value_learning_rate=1e-2,
+                   reward_normalization_samples=8, max_prompt_length=64, save_every=2, sample_every=100,
+                   generation=Generation(max_new_tokens=8, batch_size=8),
+                   lora=LoraSettings(enabled=lora, r=4, alpha=8, dropout=0.0, target_modules=list(TARGETS)))
+    return _stage_context(root, cfg, "ppo_lora" if lora else "ppo_full", ["sft", "reward"])
+
+
+def _run_recording(ctx, monkeypatch) -> dict:
+    """Run the stage, recording how many models were loaded before training and the objects it trained with."""
+    import align.stages.ppo as ppo
+
+    seen: dict = {"loads": [], "updates": 0}
+    for name in ("load_causal_lm", "load_scalar_model"):
+        real = getattr(ppo, name)
+        monkeypatch.setattr(ppo, name, lambda *a, _real=real, _name=name, **k: (seen["loads"].append(_name), _real(*a, **k))[1])
+    real_frozen, real_update = ppo.load_frozen, ppo.ppo_update
+
+    def load_frozen(*args, **kwargs):
+        seen["trained"] = args[3]
+        seen["reference"], seen["reward_fns"] = real_frozen(*args, **kwargs)
+        return seen["reference"], seen["reward_fns"]
+
+    def ppo_update(*args, **kwargs):
+        if seen["updates"] == 0:
+            seen["loads_before_training"] = list(seen["loads"])
+            seen["adapters_at_start"] = {n: p.detach().clone() for n, p in seen["trained"].named_parameters()
+                                         if p.requires_grad}
+        seen["updates"] += 1
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(ppo, "load_frozen", load_frozen)
+    monkeypatch.setattr(ppo, "ppo_update", ppo_update)
+    seen["final"] = ppo.run(ctx)
+    return seen
+
+
+def _logprobs(model, ids: torch.Tensor) -> torch.Tensor:
+    from align.generation import sequence_logprobs
+
+    with torch.no_grad():
+        return sequence_logprobs(model, ids, torch.ones_like(ids), 4)
+
+
+def test_ppo_with_lora_trains_only_adapters_over_one_shared_base(upstream, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from align.models import load_scalar_model
+
+    ctx = _context(upstream, lora=True)
+    seen = _run_recording(ctx, monkeypatch)
+    trained, reference = seen["trained"], seen["reference"]
+    # one copy of each base: the policy's (also the reference) and the value model's (also the reward model)
+    assert seen["loads_before_training"] == ["load_causal_lm", "load_scalar_model"]
+    policy_base = {p.data_ptr() for n, p in trained.policy.named_parameters() if "lora_" not in n}
+    assert policy_base <= {p.data_ptr() for p in reference.parameters()}
+
+    sft = AutoModelForCausalLM.from_pretrained(upstream / "sft" / "model")
+    rm = load_scalar_model(str(upstream / "reward" / "model"), None)
+    sft_state, rm_state = sft.state_dict(), rm.state_dict()
+    # the frozen bases are bit-for-bit the starting models; the adapters moved from their zero-initialised B
+    for n, p in trained.policy.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, sft_state[n.removeprefix("base_model.model.").replace(".base_layer", "")]), n
+    for n, p in trained.value.named_parameters():
+        key = n.removeprefix("base_model.model.").replace(".base_layer", "").replace(".original_module", "")
+        if "lora_" not in n and "modules_to_save" not in n:
+            assert torch.equal(p, rm_state[key]), n
+    lora_b = [p for n, p in trained.policy.named_parameters() if "lora_B" in n]
+    assert len(lora_b) == 2 * SIZE.num_layers and all(p.abs().sum() > 0 for p in lora_b)
+    head = dict(trained.value.named_parameters())["base_model.model.score.modules_to_save.default.weight"]
+    assert not torch.equal(head, rm_state["score.weight"])
+    # trainable = adapters + the value head copy, nothing else
+    assert {n.split(".")[-3] if "lora_" in n else "head" for n, p in trained.named_parameters() if p.requires_grad} \
+        == {"lora_A", "lora_B", "head"}
+
+    # the reference is the starting policy exactly (adapters off), the reward model the reward stage's exactly
+    g = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(2, SIZE.vocab_size, (3, 10), generator=g)
+    assert torch.equal(_logprobs(reference, ids), _logprobs(sft, ids))
+    assert not torch.equal(_logprobs(trained.policy, ids), _logprobs(sft, ids))
+    from align.generation import scalar_outputs
+
+    with torch.no_grad():
+        assert torch.equal(seen["reward_fns"]["reward"](ids, torch.ones_like(ids)), scalar_outputs(rm, ids, torch.ones_like(ids)))
+
+    # ratio exactly 1 on the first mini-batch of every iteration (no dropout, LoRA's included)
+    rows = [json.loads(line) for line in (ctx.dir / "metrics.jsonl").read_text().splitlines()]
+    ratios = [r["policy/ratio_first"] for r in rows if "policy/ratio_first" in r]
+    assert ratios == [1.0, 1.0, 1.0]
+
+    # the checkpoint holds the trained weights only
+    from safetensors import safe_open
+
+    with safe_open(str(ctx.checkpoints / "iter-2" / "model.safetensors"), framework="pt") as f:
+        saved = set(f.keys())
+    assert saved == {n for n, p in trained.named_parameters() if p.requires_grad}
+
+    # model/ is the merged plain policy: untouched weights equal the SFT model's, adapted ones W + (alpha/r) B A
+    merged = AutoModelForCausalLM.from_pretrained(ctx.dir / "model")
+    assert not list((ctx.dir / "model").glob("adapter_*"))
+    params = dict(trained.policy.named_parameters())
+    for key, w in merged.state_dict().items():
+        if any(t in key for t in TARGETS):
+            stem = "base_model.model." + key.removesuffix(".weight")
+            delta = params[stem + ".lora_B.default.weight"] @ params[stem + ".lora_A.default.weight"] * (8 / 4)
+            assert torch.allclose(w, sft_state[key] + delta, atol=1e-6), key
+            assert not torch.equal(w, sft_state[key]), key
+        else:
+            assert torch.equal(w, sft_state[key]), key
+
+    # resume from iter-2: the adapters come back as saved, the base from the starting model, ratio still 1
+    with safe_open(str(ctx.checkpoints / "iter-2" / "model.safetensors"), framework="pt") as f:
+        at_2 = {k: f.get_tensor(k) for k in f.keys()}
+    (ctx.dir / "model").rename(ctx.dir / "model.first")
+    monkeypatch.undo()
+    again = _run_recording(ctx, monkeypatch)
+    assert again["final"]["ppo/resumed_from_iteration"] == 2 and again["updates"] == 1
+    assert again["adapters_at_start"].keys() == at_2.keys()
+    assert all(torch.equal(again["adapters_at_start"][k], at_2[k]) for k in at_2)
+    for n, p in again["trained"].policy.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, sft_state[n.removeprefix("base_model.model.").replace(".base_layer", "")]), n
+
+
+def test_the_control_full_ppo_loads_its_own_reference_and_reward_model(upstream, monkeypatch):
+    seen = _run_recording(_context(upstream, lora=False), monkeypatch)
+    assert seen["loads_before_training"] == ["load_causal_lm", "load_scalar_model", "load_causal_lm",
+                                             "load_scalar_model"]
+    assert all(p.requires_grad for p in seen["trained"].parameters())
+    rows = [json.loads(line) for line in (upstream / "ppo_full" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy/ratio_first"] for r in rows if "policy/ratio_first" in r] == [1.0, 1.0, 1.0]
+
+
+def test_lora_settings_for_ppo_are_checked():
+    import yaml
+
+    from align.config import parse_pipeline
+    from align.plan import PipelineError
+    from align.validate import validate
+
+    raw = yaml.safe_load((REPO / "pipelines" / "default.yaml").read_text())
+    raw["stages"]["ppo"]["lora"] = {"enabled": True, "target_modules": ["q_proj"]}
+    cfg = parse_pipeline(raw, "default.yaml")
+    assert cfg.stages["ppo"].lora.dropout == 0.0 and cfg.stages["dpo"].lora.dropout == 0.05  # PPO's own default
+    validate(cfg, REPO / "pipelines" / "default.yaml", verbose=False)
+    raw["stages"]["ppo"]["lora"]["dropout"] = 0.1
+    with pytest.raises(PipelineError, match=r"stages.ppo: lora.dropout: 0.1; PPO runs every model without dropout"):
+        validate(parse_pipeline(raw, "default.yaml"), REPO / "pipelines" / "default.yaml", verbose=False)
+
+
+TRL_COMMON = dict(max_steps=2, logging_steps=1, save_steps=2, per_device_batch_size=8, max_length=96,
+                  learning_rate=1e-2, max_truncated_fraction=1.0,
+                  lora=LoraSettings(enabled=True, r=4, alpha=8, target_modules=list(TARGETS)))
+
+
+@pytest.mark.parametrize("kind", ["reward", "dpo"])
+def test_reward_and_dpo_accept_lora_and_save_a_merged_model(upstream, monkeypatch, kind):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    import align.stages.dpo as dpo
+    import align.stages.reward as reward
+
+    module = {"reward": reward, "dpo": dpo}[kind]
+    loads = []
+    for name in ("load_causal_lm", "load_scalar_model"):
+        if hasattr(module, name):
+            real = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _real=real, **k: (loads.append(a[0]), _real(*a, **k))[1])
+    cfg = (RewardStage(type="reward", init="sft", data="pairs", **TRL_COMMON) if kind == "reward"
+           else DPOStage(type="dpo", policy="sft", data="pairs", **TRL_COMMON))
+    ctx = _stage_context(upstream, cfg, f"{kind}_lora", ["sft", "pairs"])
+    final = module.run(ctx)
+    assert final["train/pairs"] == 64
+    # one load of the starting model (DPO: no reference copy; the base with adapters off serves); reward then
+    # scores its held-out pairs with the saved model/
+    assert loads == [str(upstream / "sft" / "model")] + ([str(ctx.dir / "model")] if kind == "reward" else [])
+    auto = AutoModelForSequenceClassification if kind == "reward" else AutoModelForCausalLM
+    merged = auto.from_pretrained(ctx.dir / "model").state_dict()
+    start = AutoModelForCausalLM.from_pretrained(upstream / "sft" / "model").state_dict()
+    changed = {k for k, v in merged.items() if k not in start or not torch.equal(v, start[k])}
+    adapted = {k for k in merged if any(t in k for t in TARGETS)}
+    assert changed == adapted | ({"score.weight"} if kind == "reward" else set())
