@@ -22,6 +22,7 @@ No network: tokenizers are trained here (seeded, deterministic). The real GPT-2 
 from __future__ import annotations
 
 import io
+from functools import partial
 import json
 from pathlib import Path
 
@@ -246,7 +247,7 @@ def check_reward_padding_invariance(model_dir: Path, tok_dir: Path, tol: float =
             out[f"sequence_scores/{side}"] = sequence_scores(model, tok, texts)
         r = _rollout(tok, TEXTS, RESPONSES)
         ids_alone = [model(input_ids=_unpadded(r, i)[0]).logits[0, 0].item() for i in range(len(TEXTS))]
-        out["scorer"] = Scorer({"rm": (1.0, model)}, {}, tok)(r, TEXTS).tolist()
+        out["scorer"] = Scorer({"rm": (1.0, partial(scalar_outputs, model))}, {}, tok)(r, TEXTS).tolist()
         # the same ids, right-padded as one block: the scalar head read at the last real token
         width = r.input_ids.size(1)
         rows = [_unpadded(r, i)[0][0] for i in range(len(TEXTS))]

@@ -5,6 +5,7 @@ pipelines/chat.yaml run through every stage."""
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -185,7 +186,7 @@ def test_ppo_responses_end_at_the_end_of_turn_token(name):
     from transformers import LogitsProcessorList
 
     from align.config import Generation
-    from align.generation import generate
+    from align.generation import generate, scalar_outputs
     from align.stages.ppo.rewards import Scorer
 
     print(f"seed {SEED}")
@@ -213,7 +214,7 @@ def test_ppo_responses_end_at_the_end_of_turn_token(name):
         assert (r.response_ids[row, n:] == tok.pad_token_id).all()  # generation stopped; nothing kept after
     assert r.texts(tok) == [tok.decode(plans[0][:2]), tok.decode(plans[1][:4])]
 
-    scorer = Scorer({"reward": (1.0, tiny_model(tok, scalar=True))}, {}, tok)
+    scorer = Scorer({"reward": (1.0, partial(scalar_outputs, tiny_model(tok, scalar=True)))}, {}, tok)
     scores = scorer(r, prompts)
     # Write tokens after the end of turn (as a model that did not stop would): the masked tail is not scored.
     r.response_ids[:, 5:] = words[0]
@@ -235,7 +236,7 @@ def test_reward_training_ppo_and_evaluate_score_the_same_tokens(name, tmp_path):
     from datasets import Dataset
     from trl import RewardConfig, RewardTrainer
 
-    from align.generation import Rollout, tokenize_prompts
+    from align.generation import Rollout, scalar_outputs, tokenize_prompts
     from align.judges import RewardModelJudge
     from align.stages.ppo.rewards import Scorer
 
@@ -258,7 +259,7 @@ def test_reward_training_ppo_and_evaluate_score_the_same_tokens(name, tmp_path):
     assert q_ids[0].tolist() + reply == template_ids
     rollout = Rollout(q_ids, q_mask, torch.tensor([reply]), torch.ones(1, len(reply), dtype=torch.long),
                       torch.tensor([True]))
-    ppo_score = Scorer({"reward": (1.0, rm)}, {}, tok)(rollout, [row["prompt"]]).item()
+    ppo_score = Scorer({"reward": (1.0, partial(scalar_outputs, rm))}, {}, tok)(rollout, [row["prompt"]]).item()
 
     rm.save_pretrained(tmp_path / "rm")
     tok.save_pretrained(tmp_path / "rm")

@@ -78,12 +78,13 @@ def _context(root: Path, lora: bool):
 
 def _run_recording(ctx, monkeypatch) -> dict:
     """Run the stage, recording how many models were loaded before training and the objects it trained with."""
+    import align.models as models
     import align.stages.ppo as ppo
 
     seen: dict = {"loads": [], "updates": 0}
-    for name in ("load_causal_lm", "load_scalar_model"):
-        real = getattr(ppo, name)
-        monkeypatch.setattr(ppo, name, lambda *a, _real=real, _name=name, **k: (seen["loads"].append(_name), _real(*a, **k))[1])
+    for name in ("load_causal_lm", "load_scalar_model"):  # every stage loads through these (StageContext.load_*)
+        real = getattr(models, name)
+        monkeypatch.setattr(models, name, lambda *a, _real=real, _name=name, **k: (seen["loads"].append(_name), _real(*a, **k))[1])
     real_frozen, real_update = ppo.load_frozen, ppo.ppo_update
 
     def load_frozen(*args, **kwargs):
@@ -228,15 +229,15 @@ TRL_COMMON = dict(max_steps=2, logging_steps=1, save_steps=2, per_device_batch_s
 def test_reward_and_dpo_accept_lora_and_save_a_merged_model(upstream, monkeypatch, kind):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    import align.models as models
     import align.stages.dpo as dpo
     import align.stages.reward as reward
 
     module = {"reward": reward, "dpo": dpo}[kind]
     loads = []
-    for name in ("load_causal_lm", "load_scalar_model"):
-        if hasattr(module, name):
-            real = getattr(module, name)
-            monkeypatch.setattr(module, name, lambda *a, _real=real, **k: (loads.append(a[0]), _real(*a, **k))[1])
+    for name in ("load_causal_lm", "load_scalar_model"):  # every stage loads through these (StageContext.load_*)
+        real = getattr(models, name)
+        monkeypatch.setattr(models, name, lambda *a, _real=real, **k: (loads.append(a[0]), _real(*a, **k))[1])
     cfg = (RewardStage(type="reward", init="sft", data="pairs", **TRL_COMMON) if kind == "reward"
            else DPOStage(type="dpo", policy="sft", data="pairs", **TRL_COMMON))
     ctx = _stage_context(upstream, cfg, f"{kind}_lora", ["sft", "pairs"])
