@@ -258,7 +258,7 @@ def main(spec_path: str) -> int:
         ctx = StageContext(StageSpec.parse(raw, spec_path))
         _run(ctx)
         _close_process_group()
-        return 0
+        return _leave(0)
     except EXPECTED as exc:
         message = describe(exc)
         recorded = _record_failure(ctx, spec, message)
@@ -280,6 +280,20 @@ def _close_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _leave(code: int) -> int:
+    """A process of a multi-process stage that completed exits here and now, skipping interpreter teardown:
+    even after the process group is destroyed, a communication thread (gloo / DeepSpeed's CPU shared-memory
+    ops) can abort a rank at exit ("terminate called without an active exception", SIGABRT; seen in CI under
+    2-process ZeRO-3 after the manifest said completed), and the launcher then reports the stage as failed.
+    Everything is written and flushed first; a one-process stage returns normally."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return code
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _run(ctx: StageContext) -> None:
