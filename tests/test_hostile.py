@@ -10,7 +10,6 @@ ALIGN_HOSTILE_SEED.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
@@ -394,7 +393,7 @@ def test_second_runner_fails_at_once_naming_the_holder(shared):
 
 def test_runner_killed_with_sigkill_leaves_a_stale_lock_that_is_taken_over(shared):
     winner, _ = _winner_loser(shared)
-    assert f"took over a stale lock" in winner["out"] and f"PID {shared['killed']}" in winner["out"]
+    assert "took over a stale lock" in winner["out"] and f"PID {shared['killed']}" in winner["out"]
     assert _lock_holder(shared["run"]) == {}  # released on a clean exit
     for stage in ("sft", "preferences", "evaluate"):
         assert json.loads((shared["run"] / stage / "manifest.json").read_text())["status"] == "completed"
