@@ -122,8 +122,8 @@ def _check_key(key: str, values: Any, cls: type, at: str) -> None:
         fields = {f.name: f for f in dataclasses.fields(tp)}
         if part not in fields:
             kind = getattr(cls, "TYPE", cls.__name__)
-            raise ConfigError(f"{at}: '{part}' is not a setting of a {kind} stage" + (
-                f" group '{'.'.join(key.split('.')[:i])}'" if i else "") + closest(part, list(fields)))
+            group = f"'{'.'.join(key.split('.')[:i])}' in " if i else ""
+            raise ConfigError(f"{at}: '{part}' is not a setting of {group}a {kind} stage{closest(part, list(fields))}")
         fld, tp = fields[part], typing.get_type_hints(tp)[part]
     if not isinstance(values, list) or not values:
         raise ConfigError(f"{at}: expected a non-empty list of values, e.g. `{key}: [0.05, 0.1]`, got "
