@@ -118,7 +118,8 @@ def test_overrides_apply_to_every_variant_but_not_to_a_swept_key():
     raw = {"name": "t", "stages": {"dpo": {"beta": 0.2, "sweep": {"beta": [0.1, 0.3], "learning_rate": [1e-4]}}}}
     cfg = parse_pipeline(apply_overrides(json.loads(json.dumps(raw)), ["dpo.max_steps=7", "dpo.sweep.beta=[0.5]"]),
                          "p.yaml")
-    assert {n: (st.beta, st.max_steps) for n, st in cfg.stages.items()} == {"dpo-beta_0.5-learning_rate_0.0001": (0.5, 7)}
+    got = {n: (st.beta, st.max_steps) for n, st in cfg.stages.items()}
+    assert got == {"dpo-beta_0.5-learning_rate_0.0001": (0.5, 7)}
     for item in ("dpo.beta=0.3", "dpo.learning_rate=1e-3"):
         with pytest.raises(ConfigError, match=rf"override '{re.escape(item)}': stages\.dpo sweeps \w+ .*Override the "
                                               r"list instead, e.g. dpo\.sweep\.\w+="):
@@ -132,6 +133,35 @@ def test_sweep_config_for_wandb():
     variants = {"dpo-beta_0.1": {"stage": "dpo", "values": {"beta": 0.1}}}
     assert sweep_config("dpo-beta_0.1", variants) == {"sweep": {"beta": 0.1}, "swept_stage": "dpo"}
     assert sweep_config("sft", variants) == {}
+
+
+def test_report_figures_render_a_sweeps_many_policies(tmp_path):
+    """Nine policies with long names: the frontier plot moves its labels to a legend beside the axes (wider
+    figure) and the win-rate bars tilt their names (taller figure)."""
+    import random
+    import struct
+
+    from align import plots
+
+    seed = 3
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    policies = ["sft", *(f"ppo-kl.coef_{c}-learning_rate_1e-4" for c in (0.01, 0.05, 0.1, 0.2, 0.5)),
+                *(f"dpo-beta_{b}" for b in (0.02, 0.05, 0.1))]
+    m = {}
+    for p in policies:
+        y = rng.random()
+        m.update({f"eval/{p}/kl": 5 * rng.random(), f"eval/{p}/vader/mean": y,
+                  f"eval/{p}/vader/mean_ci": (y - .1, y + .1),
+                  f"eval/{p}/vader/win_rate": y, f"eval/{p}/vader/win_rate_ci": (max(0, y - .1), min(1, y + .1))})
+    plots.reward_vs_kl(m, policies, "vader", "sft", tmp_path / "kl.png")
+    plots.win_rates(m, policies, ["vader"], "sft", tmp_path / "win.png")
+    plots.reward_vs_kl(m, policies[:3], "vader", "sft", tmp_path / "kl3.png")
+
+    def size(name: str) -> tuple[int, int]:
+        return struct.unpack(">II", (tmp_path / name).read_bytes()[16:24])  # PNG IHDR: width, height
+
+    assert size("kl.png")[0] > size("kl3.png")[0] and size("win.png")[1] > size("kl3.png")[1]
 
 
 # --------------------------------------------------------------------------------------------- CLI
