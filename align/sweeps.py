@@ -10,7 +10,7 @@ ppo:
 
 Every variant is an ordinary stage: the stage's body with `sweep` removed and one combination of values set
 (dotted keys address nested settings), parsed as strictly as any stage. Its name is the stage's name followed
-by `-<key>_<value>` per swept key (`dpo-beta_0.05`, `ppo-kl.coef_0.05-learning_rate_1.0e-4`), so it is a plain
+by `-<key>_<value>` per swept key (`dpo-beta_0.05`, `ppo-kl.coef_0.05-learning_rate_0.0001`), so it is a plain
 name (its run directory) that shows its values. `mode: cartesian` (the default) takes every combination, the
 first key varying slowest; `mode: zip` takes the i-th value of every list.
 
@@ -51,6 +51,10 @@ class Variant:
 def expand(name: str, body: dict[str, Any], cls: type, where: str) -> list[Variant]:
     """The variants of stage `name` (settings `body`, config class `cls`); `where` is `<file>: stages.<name>`."""
     sweep = body[SWEEP]
+    if getattr(cls, "PRODUCES", "") == "report":
+        raise ConfigError(f"{where}.{SWEEP}: a stage of type {cls.TYPE} writes the run's one report/, so its "
+                          "variants would overwrite each other; sweep the stages it evaluates instead (all variants "
+                          "in one report)")
     if not isinstance(sweep, dict) or not sweep:
         raise ConfigError(f"{where}.{SWEEP}: expected a mapping of settings to lists of values, e.g. "
                           f"`{SWEEP}: {{beta: [0.05, 0.1]}}`, got {str(sweep)[:80]!r}")

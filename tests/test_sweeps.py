@@ -98,6 +98,12 @@ def test_bad_sweeps_are_clear_errors(sweep, message):
         _parse(dpo={"policy": "sft", "sweep": sweep})
 
 
+def test_a_report_stage_cannot_be_swept():
+    with pytest.raises(ConfigError, match=r"stages\.evaluate\.sweep: a stage of type evaluate writes the run's one "
+                                          r"report/"):
+        _parse(evaluate={"sweep": {"max_prompts": [8, 16]}})
+
+
 def test_variant_name_taken_by_another_stage():
     with pytest.raises(ConfigError, match=r"two stages would be named 'dpo-beta_0.1'"):
         _parse(dpo={"sweep": {"beta": [0.1, 0.2]}}, **{"dpo-beta_0.1": {"type": "dpo"}})
