@@ -16,7 +16,7 @@ from align.rundir import ManifestError
 from align.runner import run
 from align.stages.context import describe, main as stage_main
 from align.status import status_table
-from align.validate import validate
+from align.validate import stage_lines, validate
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -93,9 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "validate":
             plans = validate(cfg, args.pipeline)
-            for plan in plans:
-                print(f"  {plan.name:12s} {plan.cfg.type:12s} <- {', '.join(plan.deps) or '-':24s} "
-                      f"fingerprint {plan.fingerprint}")
+            print("\n".join(stage_lines(cfg, plans)))
             print(f"[align] {args.pipeline}: valid ({len(plans)} stages)")
             return 0
         if args.verbose:

@@ -18,12 +18,16 @@ def _plt():
 def reward_vs_kl(m: dict[str, Any], policies: list[str], judge: str, reference: str, out: Path) -> None:
     """DPO-paper style frontier: each policy a point (mean KL to the reference, mean judge score, 95% CI)."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(5.5, 4))
+    many = len(policies) > 4  # a sweep: a legend beside the axes, where labels at the points would overlap
+    fig, ax = plt.subplots(figsize=(9 if many else 5.5, 4))
     for p in policies:
         x, y = m[f"eval/{p}/kl"], m[f"eval/{p}/{judge}/mean"]
         lo, hi = m[f"eval/{p}/{judge}/mean_ci"]
         ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt="o", capsize=4, label=p)
-        ax.annotate(p, (x, y), textcoords="offset points", xytext=(6, 4))
+        if not many:
+            ax.annotate(p, (x, y), textcoords="offset points", xytext=(6, 4))
+    if many:
+        ax.legend(title="policy", fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1))
     ax.set_xlabel(f"KL(policy || {reference}) per response [nats]")
     ax.set_ylabel(f"mean {judge} score [judge units]")
     ax.set_title(f"{judge} score vs KL on held-out prompts")
@@ -36,8 +40,9 @@ def reward_vs_kl(m: dict[str, Any], policies: list[str], judge: str, reference: 
 def win_rates(m: dict[str, Any], policies: list[str], judges: list[str], baseline: str, out: Path) -> None:
     """Win rate against the baseline per policy and judge, with 95% bootstrap CIs; 0.5 = no difference."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(5.5, 4))
     others = [p for p in policies if p != baseline]
+    tilt = len(others) > 3  # a sweep: many policies, long names
+    fig, ax = plt.subplots(figsize=(max(5.5, 0.8 * len(others) * len(judges)), 5.5 if tilt else 4))
     width = 0.8 / max(1, len(judges))
     for j_i, j in enumerate(judges):
         xs = [i + j_i * width for i in range(len(others))]
@@ -46,7 +51,8 @@ def win_rates(m: dict[str, Any], policies: list[str], judges: list[str], baselin
                 [m[f"eval/{p}/{j}/win_rate_ci"][1] - y for p, y in zip(others, ys)]]
         ax.bar(xs, ys, width=width, yerr=errs, capsize=4, label=j)
     ax.axhline(0.5, color="black", linestyle="--", linewidth=1)
-    ax.set_xticks([i + width * (len(judges) - 1) / 2 for i in range(len(others))], others)
+    ax.set_xticks([i + width * (len(judges) - 1) / 2 for i in range(len(others))], others,
+                  rotation=30 if tilt else 0, ha="right" if tilt else "center")
     ax.set_ylim(0, 1)
     ax.set_ylabel(f"win rate vs {baseline} [fraction of prompts, ties = 0.5]")
     ax.set_xlabel("policy")

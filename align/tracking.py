@@ -1,6 +1,7 @@
 """Metrics: every value goes to the stage's metrics.jsonl, and to W&B when it is enabled.
 
-One W&B run per stage, grouped by pipeline run, job_type = stage type. Without an API key W&B runs in
+One W&B run per stage, grouped by pipeline run, job_type = stage type; a sweep variant's run is named after the
+variant and carries its swept values in its config (`sweep`). Without an API key W&B runs in
 offline mode (no prompt, no network); the run directory lands in `<stage>/wandb/` and can be synced later
 with `wandb sync`. Only the main process logs. Secrets never reach W&B config or files.
 """
@@ -41,6 +42,15 @@ def wandb_mode(setting: str) -> str | None:
     if setting == "auto":
         return "online" if os.environ.get("WANDB_API_KEY") else "offline"
     return setting
+
+
+def sweep_config(stage: str, variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """W&B config entries of a sweep variant (pipeline `variants`, align/sweeps.py): the swept values under
+    `sweep` (W&B shows `sweep.beta`, for parallel-coordinates and grouping) and the swept stage's name."""
+    variant = variants.get(stage)
+    if not variant:
+        return {}
+    return {"sweep": dict(variant["values"]), "swept_stage": variant["stage"]}
 
 
 def _clean(value: Any) -> Any:

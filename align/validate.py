@@ -74,6 +74,25 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
     return plans
 
 
+def stage_lines(cfg: PipelineConfig, plans: list[StagePlan]) -> list[str]:
+    """`align validate`'s listing: one line per stage in run order, each sweep variant with its values."""
+    width = max(12, *(len(p.name) for p in plans))
+    lines = []
+    for plan in plans:
+        line = (f"  {plan.name:{width}s} {plan.cfg.type:12s} <- {', '.join(plan.deps) or '-':24s} "
+                f"fingerprint {plan.fingerprint}")
+        variant = cfg.variants.get(plan.name)
+        if variant:
+            values = " ".join(f"{k}={v}" for k, v in variant["values"].items())
+            line += f"  (sweep of {variant['stage']}: {values})"
+        lines.append(line)
+    sweeps = {v["stage"] for v in cfg.variants.values()}
+    for stage in sorted(sweeps):
+        n = sum(v["stage"] == stage for v in cfg.variants.values())
+        lines.append(f"  sweep {stage}: {n} variants")
+    return lines
+
+
 def _check_card_rows(plan: StagePlan, fld: str, card: Path, data: LoadedSplit, source: str) -> None:
     """Prompt cards need prompts that are not all empty (what a stage type needs of its cards beyond that is
     its own `check`)."""

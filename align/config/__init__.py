@@ -2,7 +2,8 @@
 
 A pipeline YAML is parsed into these dataclasses strictly: a key that is not a field is an error that names
 the file, the key's path and the closest valid key. Dotted CLI overrides (``dpo.beta=0.2``,
-``ppo.kl.target=6``) are applied to the raw YAML before parsing, so they get the same checks.
+``ppo.kl.target=6``) are applied to the raw YAML before parsing, so they get the same checks. A stage with
+``sweep:`` becomes one stage per variant here (align/sweeps.py), each parsed as strictly as any other.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from align.config.common import (DTYPES, LR_SCHEDULERS, STAGE_TYPES, BuiltinMode
 from align.compute import ATTN_IMPLEMENTATIONS, PRECISIONS
 from align.schema import (ConfigError, check_plain_name, closest, from_dict, name_field, one_of, ranged,
                           strict_yaml)
+from align.sweeps import SWEEP, expand, override_conflicts, resolve_references
 
 # Re-exported: callers parse through align.config; each stage type's class is in align/config/<type>.py.
 __all__ = ["ConfigError", "from_dict", "DTYPES", "LR_SCHEDULERS", "STAGE_TYPES", "BuiltinModel", "CheckContext",
@@ -94,18 +96,24 @@ class PipelineConfig:
     tracking: Tracking = field(default_factory=Tracking)
     """W&B settings."""
     stages: dict[str, StageBase] = field(default_factory=dict)
-    """Stage name -> stage config."""
+    """Stage name -> stage config (a stage with `sweep:` is here once per variant, align/sweeps.py)."""
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Written by align from `sweep:`, not by hand: variant stage name -> {stage: the swept stage's name, values:
+    {dotted key: value}}. Recorded in pipeline.json and every stage's spec (W&B run config)."""
 
 
 # --------------------------------------------------------------------------------------------- parsing
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `a.b.c=value` overrides; a first segment naming a stage addresses `stages.<name>`."""
+    """Apply `a.b.c=value` overrides; a first segment naming a stage addresses `stages.<name>` (an override of a
+    key the stage sweeps is an error: align/sweeps.py)."""
+    stage_paths: list[tuple[str, list[str], str]] = []
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}': expected dotted.key=value, e.g. dpo.beta=0.2")
         key, text = item.split("=", 1)
         parts = key.strip().split(".")
         if parts[0] in (raw.get("stages") or {}):
+            stage_paths.append((parts[0], parts[1:], item))
             parts = ["stages", *parts]
         node = raw
         for part in parts[:-1]:
@@ -118,6 +126,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
             raise ConfigError(f"override '{item}': the value {text!r} is not valid YAML ({problem}); quote it or "
                               "close its brackets, e.g. sft.epochs=1 or judges=[vader]") from None
+    override_conflicts(raw, stage_paths)
     return raw
 
 
@@ -133,6 +142,7 @@ def parse_pipeline(raw: dict[str, Any], source: str) -> PipelineConfig:
     if not cfg.name:
         cfg.name = Path(source).stem
     check_plain_name(cfg.name, f"{source}: name" + ("" if raw.get("name") else " (from the file name; set `name:`)"))
+    swept: dict[str, list[str]] = {}  # swept stage -> its variants, in sweep order
     for name, body in stages_raw.items():
         check_plain_name(name, f"{source}: stages.{name}")
         if body is not None and not isinstance(body, dict):
@@ -147,8 +157,35 @@ def parse_pipeline(raw: dict[str, Any], source: str) -> PipelineConfig:
                 " (set `type:` when the stage's name is not its type)"
             )
         body["type"] = kind
-        cfg.stages[name] = from_dict(types_[kind], body, f"{source}: stages.{name}")
+        if SWEEP not in body:
+            _add_stage(cfg, name, from_dict(types_[kind], body, f"{source}: stages.{name}"), None, stages_raw, source)
+            continue
+        variants = expand(name, body, types_[kind], f"{source}: stages.{name}")
+        for v in variants:
+            _add_stage(cfg, v.name, from_dict(types_[kind], v.body, f"{source}: stages.{name}"), name, stages_raw,
+                       source)
+            cfg.variants[v.name] = {"stage": name, "values": v.values}
+        swept[name] = [v.name for v in variants]
+    stray = [n for n in cfg.variants if n not in cfg.stages]
+    if stray:
+        raise ConfigError(f"{source}: variants: '{stray[0]}' is not a stage; `variants` is written by align from "
+                          "`sweep:` (pipeline.json), remove it from the pipeline file")
+    resolve_references(cfg.stages, swept, source)
     return cfg
+
+
+def _add_stage(cfg: PipelineConfig, name: str, stage: StageBase, variant_of: str | None,
+               stages_raw: dict[str, Any], source: str) -> None:
+    """A stage or a sweep variant: names are unique, and no two variants of a sweep have equal settings."""
+    if name in cfg.stages or (variant_of and name in stages_raw):
+        raise ConfigError(f"{source}: stages.{variant_of or name}: two stages would be named '{name}' (a sweep variant "
+                          "is named <stage>-<key>_<value>); rename one of the stages")
+    twin = next((n for n, v in cfg.variants.items() if variant_of and v["stage"] == variant_of
+                 and to_dict(cfg.stages[n]) == to_dict(stage)), None)
+    if twin:
+        raise ConfigError(f"{source}: stages.{variant_of}.sweep: variants '{twin}' and '{name}' have equal settings "
+                          "(one value written twice, e.g. 1e-4 and 0.0001?); every variant must differ")
+    cfg.stages[name] = stage
 
 
 def load_pipeline(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:

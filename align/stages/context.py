@@ -25,7 +25,7 @@ from align.config import PipelineConfig, StageBase, from_dict, stage_from_dict
 from align.console import emit_progress, verbose
 from align.fsutil import atomic_write_text, output_digest, publish_dir, staging_dir, staging_path
 from align.rundir import MANIFEST, Manifest, StageSpec, read_manifest, write_manifest
-from align.tracking import Tracker
+from align.tracking import Tracker, sweep_config
 
 log = logging.getLogger("align")
 
@@ -101,7 +101,7 @@ class StageContext:
             entity=tr.entity, group=f"{p.name}/{p.run_id}", name=self.name, job_type=self.cfg.type,
             config={"stage": self.spec.stage, "fingerprint": self.fingerprint,
                     "input_fingerprints": self.spec.input_fingerprints, "data_cards": self.spec.data_cards,
-                    "pipeline": {k: v for k, v in self.spec.pipeline.items() if k != "stages"}})
+                    "pipeline": self.spec.pipeline, **sweep_config(self.name, p.variants)})  # spec: no stages
         return self.tracker
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
