@@ -66,6 +66,20 @@ class Compute:
             return self.device.type == "cuda" and not self.distributed_zero3
         return setting == "on"
 
+    def resource_metrics(self, seconds: float) -> dict[str, float]:
+        """A stage's wall time in `run`, and on a GPU the peak memory allocated by PyTorch on any of its processes
+        (what `align estimate` predicts, less the CUDA context and allocator slack). Collective when distributed."""
+        import torch
+
+        out = {"perf/stage_seconds": seconds}
+        if self.device.type == "cuda":
+            peak = torch.tensor(float(torch.cuda.max_memory_allocated(self.device)), device=self.device)
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+            out["perf/peak_memory_gb"] = peak.item() / 1e9
+            out["perf/peak_reserved_gb"] = torch.cuda.max_memory_reserved(self.device) / 1e9
+        return out
+
     def model_kwargs(self) -> dict[str, Any]:
         """Extra from_pretrained / config arguments (the attention kernel when one is asked for)."""
         return {"attn_implementation": self.attn_implementation} if self.attn_implementation else {}

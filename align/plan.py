@@ -82,7 +82,7 @@ def _check_role(name: str, fld: str, role: str, ref: str, stages: dict[str, Stag
     fits = [n for n, st in stages.items() if type(st).PRODUCES == want and n != name]
     raise PipelineError(
         f"{source}: stages.{name}.{fld}: '{ref}' is a {stages[ref].type} stage, which produces {_ROLE[produced]}; "
-        f"{fld} needs {_ROLE[want]}: use " + (" or ".join(fits) if fits else f"(no such stage in this pipeline)")
+        f"{fld} needs {_ROLE[want]}: use " + (" or ".join(fits) if fits else "(no such stage in this pipeline)")
         + (", or a Python judge such as vader" if role == "judge" else ""))
 
 

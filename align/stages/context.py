@@ -310,7 +310,7 @@ def _run(ctx: StageContext) -> None:
     module = importlib.import_module(type(ctx.cfg).stage_module())
     ctx.start_tracking()
     t0 = time.perf_counter()
-    final = {**module.run(ctx), **resource_metrics(ctx, time.perf_counter() - t0)}
+    final = {**module.run(ctx), **ctx.compute.resource_metrics(time.perf_counter() - t0)}
     ctx.state.wait_for_everyone()
     check_produced(ctx, module.OUTPUTS, final)
     if ctx.tracker:
@@ -320,21 +320,6 @@ def _run(ctx: StageContext) -> None:
     if ctx.is_main:
         print(f"[align] {ctx.name}: completed " + ", ".join(f"{k}={_fmt(v)}" for k, v in final.items()
                                                             if isinstance(v, (int, float))), flush=True)
-
-
-def resource_metrics(ctx: StageContext, seconds: float) -> dict[str, float]:
-    """The stage's wall time in `run`, and on a GPU the peak memory allocated by PyTorch on any process of this
-    machine (what `align estimate` predicts, less the CUDA context and allocator slack)."""
-    import torch  # the stage process already imported it
-
-    out = {"perf/stage_seconds": seconds}
-    if ctx.compute.device.type == "cuda":
-        peak = torch.tensor(float(torch.cuda.max_memory_allocated(ctx.compute.device)), device=ctx.compute.device)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
-        out["perf/peak_memory_gb"] = peak.item() / 1e9
-        out["perf/peak_reserved_gb"] = torch.cuda.max_memory_reserved(ctx.compute.device) / 1e9
-    return out
 
 
 def quiet_libraries() -> None:
