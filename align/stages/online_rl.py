@@ -14,6 +14,7 @@ of the others) and a KL to the reference (beta). align hands them:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from align.config.online_rl import OnlineRLStage
@@ -121,6 +122,7 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
     prompts = training_prompts(ctx, cfg, tokenizer)
     funcs, weights = reward_functions(ctx, cfg, tokenizer)
     model = ctx.load_lm(path, quantize=cfg.lora.quantize)
+    share_process_group_with_deepspeed()
     gen = cfg.generation
     kwargs = trainer_kwargs(cfg, ctx)
     del kwargs["max_length"]  # these trainers bound completions (max_completion_length); prompts are checked above
@@ -138,6 +140,19 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
     final["train/prompts"] = len(prompts)
     ctx.save_trainer_model(trainer, tokenizer)
     return final
+
+
+def share_process_group_with_deepspeed() -> None:
+    """Under ZeRO-3 TRL loads the reference inside the trainer, after the config exists, so transformers wraps
+    it in deepspeed.zero.Init; DeepSpeed then reads the world size from its own comm layer, which on CPU (gloo)
+    nobody has initialised: it would count 1 process and refuse the batch sizes. Hand it the process group
+    accelerate already made."""
+    if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") != "3":
+        return
+    import deepspeed  # heavy: only under ZeRO-3
+
+    if not deepspeed.comm.is_initialized():
+        deepspeed.init_distributed()
 
 
 def score_summary(ctx: StageContext) -> dict[str, float]:
