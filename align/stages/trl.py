@@ -1,4 +1,4 @@
-"""Glue between align's stages and the TRL / transformers Trainers (SFT, reward, DPO): metric names, the
+"""Glue between align's stages and the TRL / transformers Trainers (SFT, reward, DPO, GRPO, RLOO): metric names, the
 metrics callback, the shared TrainingArguments, the length check and resumable training."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from align.config import TrainedStage
 from align.console import verbose
@@ -30,14 +30,32 @@ def metric_name(key: str) -> str:
     return key if "/" in key else f"train/{key}"
 
 
+# GRPO's and RLOO's own log keys (their stages only: SFT's `entropy`, for one, stays train/entropy).
+_ONLINE_RL = {"reward": "objective/scores", "reward_std": "objective/scores_std", "kl": "objective/kl",
+              "entropy": "policy/entropy", "completions/mean_length": "rollout/response_length"}
+
+
+def online_rl_metric_name(key: str) -> str:
+    """GRPO/RLOO log keys under align's names: TRL's `reward` (the weighted score) is objective/scores, its `kl`
+    (mean per-token KL to the reference, where PPO's objective/kl sums over the response) objective/kl, one
+    judge's `rewards/<judge>/mean` objective/scores/<judge>; everything else as `metric_name`."""
+    if key in _ONLINE_RL:
+        return _ONLINE_RL[key]
+    parts = key.split("/")
+    if len(parts) == 3 and parts[0] == "rewards" and parts[2] in ("mean", "std"):
+        return f"objective/scores{'_std' if parts[2] == 'std' else ''}/{parts[1]}"
+    return metric_name(key)
+
+
 def eval_metrics(ev: dict[str, float]) -> dict[str, float]:
     """`trainer.evaluate()`'s loss and reward metrics under align's names: eval/loss, eval/rewards/margin, ..."""
     return {"eval/" + _PLURALS.get(k[5:], k[5:]): v for k, v in ev.items()
             if k.startswith("eval_rewards/") or k == "eval_loss"}
 
 
-def metrics_callback(ctx: StageContext):
-    """A TrainerCallback that writes every log to metrics.jsonl/W&B and stops on a NaN/inf loss."""
+def metrics_callback(ctx: StageContext, name: Callable[[str], str] = metric_name):
+    """A TrainerCallback that writes every log to metrics.jsonl/W&B (keys renamed by `name`) and stops on a
+    NaN/inf loss."""
     from transformers import TrainerCallback  # heavy: stage processes only
 
     class AlignMetrics(TrainerCallback):
@@ -63,7 +81,7 @@ def metrics_callback(ctx: StageContext):
             if "num_tokens" in logs:
                 self.tokens = float(logs["num_tokens"])
             if state.is_world_process_zero:
-                ctx.log({metric_name(k): v for k, v in logs.items() if isinstance(v, (int, float))},
+                ctx.log({name(k): v for k, v in logs.items() if isinstance(v, (int, float))},
                         step=state.global_step)
 
     return AlignMetrics()

@@ -1,0 +1,30 @@
+"""The `grpo` stage type: Group Relative Policy Optimization with TRL's GRPOTrainer (align/stages/grpo.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from align.config.online_rl import OnlineRLStage
+from align.schema import one_of, ranged
+
+# TRL GRPOConfig.loss_type values that need no other setting (tests check they still exist in the installed TRL).
+GRPO_LOSSES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo")
+
+
+@dataclass
+class GRPOStage(OnlineRLStage):
+    """GRPO (Shao et al. 2024, DeepSeekMath): advantage = (score - group mean) / group std, clipped ratio, KL
+    to the reference in the loss."""
+
+    TYPE: ClassVar[str] = "grpo"
+    ALGORITHM: ClassVar[str] = "GRPO"
+
+    beta: float = ranged(0.04, ge=0, fix="a negative coefficient rewards moving away from the reference")
+    """KL coefficient to the reference in the loss (0.04 in Shao et al. 2024; 0 = no reference is held)."""
+    loss_type: str = one_of("dapo", *GRPO_LOSSES)
+    """How token losses are averaged (TRL): grpo (per sequence, then over sequences), dapo (over all tokens of
+    the accumulated batch), dr_grpo (by a constant), bnpo, cispo, sapo."""
+    scale_rewards: str = one_of("group", "group", "batch", "none")
+    """Divide advantages by the group's score std (group, as in the paper), the batch's (batch), or not at all
+    (none, as Dr. GRPO recommends)."""

@@ -1,0 +1,110 @@
+"""What the `grpo` and `rloo` stage types share: TRL's online trainers that sample a group of completions per
+prompt from the policy, score them with a judge (a reward stage, Python judges, or a weighted sum, as PPO's
+`reward:`), and take the group as the baseline for each completion's advantage (align/stages/online_rl.py).
+
+`OnlineRLStage` has no TYPE, so it registers nothing; grpo.py and rloo.py subclass it with their own settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from align.config.common import CheckContext, Generation, StageBase, TrainedStage
+from align.judges import judge_weights
+from align.schema import ranged
+
+
+@dataclass
+class OnlineRLStage(TrainedStage):
+    """Group-sampled policy optimisation with a TRL trainer: num_generations completions per prompt, each
+    scored, its advantage measured against the others of its group; KL to the starting policy (beta)."""
+
+    PROMPTS: ClassVar[str] = "train"
+    HEADLINE: ClassVar[tuple[str, ...]] = ("objective/scores_last", "objective/kl_last")
+    PRODUCES: ClassVar[str] = "policy"
+    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {
+        "policy": ("policy", True), "reward": ("judge", False), "prompts": ("data", False)}
+    ALGORITHM: ClassVar[str] = ""
+    """The trainer's name in messages (GRPO, RLOO)."""
+
+    policy: str = "sft"
+    """Stage whose model/ is the starting policy and the frozen reference."""
+    reward: str | dict[str, float] = "reward"
+    """What is maximised, as PPO's `reward:`: a reward stage (its scalar head read at the last real token of
+    prompt + completion ids, as PPO reads it), a Python judge (`vader`, `length`, or a user's `module:function`
+    taking (prompts, responses)), or a weighted sum of these as a mapping, e.g. {reward: 1.0, vader: 0.5}."""
+    prompts: str = ""
+    """Data card path, or a data stage (preferences): its distinct `prompt`s are used."""
+    split: str = "train"
+    """Split of the card (or of the data stage's output) to take prompts from."""
+    num_generations: int = ranged(8, ge=2, fix="the group baseline needs at least 2 completions per prompt")
+    """Completions sampled per prompt (G): each is judged against the others of its group."""
+    steps_per_generation: int | None = ranged(None, ge=1, fix="use null for gradient_accumulation_steps")
+    """Optimiser micro-steps served by one round of generation (None = gradient_accumulation_steps). One round
+    samples per_device_batch_size x processes x steps_per_generation completions, which must be whole groups."""
+    num_iterations: int = ranged(1, ge=1)
+    """Optimisation passes over each generation round (mu; >1 reuses samples with the clipped ratio)."""
+    epsilon: float = ranged(0.2, gt=0)
+    """Clip range of the importance ratio (as PPO's clip_range)."""
+    beta: float = ranged(0.05, ge=0, fix="a negative coefficient rewards moving away from the reference")
+    """KL coefficient to the reference (the starting policy); 0 = no reference is held."""
+    generation: Generation = field(default_factory=Generation)
+    """Sampling settings: max_new_tokens (TRL's max_completion_length), temperature, top_k, top_p. TRL samples
+    each process's whole generation round in one call, so `batch_size` and `fast` are not used."""
+
+    def check(self, ctx: CheckContext) -> None:
+        super().check(ctx)
+        ctx.check_judge("reward", self.reward)
+        if self.generation.max_new_tokens >= self.max_length:
+            raise ValueError(f"generation.max_new_tokens ({self.generation.max_new_tokens}) leaves no room for a "
+                             f"prompt within max_length ({self.max_length}); raise max_length or lower max_new_tokens")
+        if ctx.card_produces("prompts", self.split) == "messages":
+            raise ValueError("prompts: the card produces 'messages'; use a card with prompts (prompt, "
+                             "prompt_completion or preference form) or a data stage")
+        known = self.num_processes if self.num_processes or self.accelerate != "cpu" else 1
+        if known:  # on a distributed config without num_processes the count is known only at launch
+            problem = self.batch_problem(known)
+            if problem:
+                raise ValueError(problem)
+
+    def batch_problem(self, world: int) -> str | None:
+        """TRL's rule, named in align's fields: a generation round holds whole groups of num_generations."""
+        steps = self.steps_per_generation or self.gradient_accumulation_steps
+        per_round = self.per_device_batch_size * world * steps
+        if per_round % self.num_generations == 0:
+            return None
+        which = "steps_per_generation" if self.steps_per_generation else "gradient_accumulation_steps"
+        return (f"per_device_batch_size x processes x {which} ({self.per_device_batch_size} x {world} x {steps} = "
+                f"{per_round} completions per generation round) must be divisible by num_generations "
+                f"({self.num_generations}), so every prompt's group of completions is sampled in one round; change "
+                f"per_device_batch_size, {which} or num_generations")
+
+    def pipeline_problems(self, name: str, stages: dict[str, StageBase]) -> list[str]:
+        """As PPO's: the responses optimised here, those the reward model learned from (its preferences stage) and
+        those the evaluation samples must have one length."""
+        own = f"stages.{name}.generation.max_new_tokens"
+        lengths = {own: self.generation.max_new_tokens}
+        for rm in (n for n in judge_weights(self.reward) if n in stages and stages[n].PRODUCES == "reward"):
+            data = getattr(stages[rm], "data", None)
+            if data in stages and stages[data].PRODUCES == "data":
+                lengths[f"stages.{data}.generation.max_new_tokens"] = stages[data].generation.max_new_tokens
+        for ev_name, ev in stages.items():
+            if ev.PRODUCES == "report" and name in getattr(ev, "policies", ()):
+                lengths[f"stages.{ev_name}.generation.max_new_tokens"] = ev.generation.max_new_tokens
+        if len(set(lengths.values())) == 1:
+            return []
+        return ["response lengths differ: " + ", ".join(f"{k}={v}" for k, v in lengths.items())
+                + f"; {self.ALGORITHM} would optimise {lengths[own]}-token responses against a reward model trained "
+                "on, and an evaluation run at, other lengths. Set them equal"]
+
+    def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
+        held = [("policy", "lm", True)]
+        if self.beta and not self.lora.enabled:  # with LoRA the reference is the base with adapters disabled
+            held.append(("reference", "lm", False))
+        rewards = [n for n in judge_weights(self.reward) if n in stages and stages[n].PRODUCES == "reward"]
+        return held + [("reward", "scalar", False)] * len(rewards)
+
+    def workload(self) -> tuple[int, int, int, int]:
+        steps = self.steps_per_generation or self.gradient_accumulation_steps
+        return self.per_device_batch_size, self.max_length, self.per_device_batch_size * steps, self.max_length

@@ -1,0 +1,170 @@
+"""What the grpo and rloo stages share: prompts, the reward functions handed to TRL, and one run.
+
+TRL's GRPOTrainer and RLOOTrainer sample `num_generations` completions per prompt, score each with the reward
+functions, and optimise the clipped ratio with a group baseline (GRPO: the group's mean and std; RLOO: the mean
+of the others) and a KL to the reference (beta). align hands them:
+
+- the starting policy loaded by `ctx.load_lm` (TRL builds the reference from the same checkpoint with the
+  policy's dtype and attention kernel; under LoRA the reference is the base with adapters disabled);
+- prompts as text, conversational ones rendered with the chat template, as PPO's;
+- one reward function per judge name with its weight: a reward stage's scalar head read at the last real token
+  of prompt ids + completion ids (EOS included when sampled), exactly as PPO's scorer reads it, or a Python judge
+  on (prompts, decoded completions).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from align.config.online_rl import OnlineRLStage
+from align.data.rows import load_rows, unique_prompts
+from align.judges import judge_weights, python_judge
+from align.lengths import LengthReport, enforce
+from align.models import load_tokenizer, peft_config
+from align.stages.context import StageContext, StageError
+from align.stages.trl import metrics_callback, online_rl_metric_name, train_with_resume, trainer_kwargs
+
+
+class RewardModelScore:
+    """A reward stage's score of TRL's completions: the scalar head at the last real, non-pad token of prompt ids
+    (the tokenizer's, as TRL and PPO tokenize prompts) + completion ids, as PPO's Scorer reads it."""
+
+    def __init__(self, name: str, model, tokenizer, compute, batch_size: int = 64):
+        self.__name__ = name  # TRL logs rewards/<name>/mean
+        self.model, self.tokenizer, self.compute, self.batch_size = model.eval(), tokenizer, compute, batch_size
+
+    def __call__(self, prompts: list[str], completion_ids: list[list[int]], **_: Any) -> list[float]:
+        import torch  # heavy: stage processes only
+
+        from align.generation import scalar_outputs
+        from align.losses import last_token_index
+
+        pad = self.tokenizer.pad_token_id
+        prompt_ids = self.tokenizer(list(prompts))["input_ids"]
+        seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
+        out: list[float] = []
+        device = next(self.model.parameters()).device
+        for start in range(0, len(seqs), self.batch_size):
+            batch = seqs[start:start + self.batch_size]
+            width = max(len(s) for s in batch)  # right padding: positions come from the mask
+            ids = torch.tensor([s + [pad] * (width - len(s)) for s in batch], device=device)
+            mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in batch], device=device)
+            with torch.no_grad(), self.compute.autocast():
+                scores = scalar_outputs(self.model, ids, mask)  # (B, T)
+            out += scores[torch.arange(ids.size(0)), last_token_index(ids, mask, pad)].tolist()
+        return out
+
+
+class JudgeScore:
+    """A Python judge on (prompts, decoded completions), as PPO's judges read rollouts."""
+
+    def __init__(self, name: str):
+        self.__name__ = name
+        self.judge = python_judge(name)
+
+    def __call__(self, prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+        return [float(s) for s in self.judge(list(prompts), list(completions))]
+
+
+def reward_functions(ctx: StageContext, cfg: OnlineRLStage, tokenizer) -> tuple[list, list[float]]:
+    """One TRL reward function per name of `cfg.reward`, and their weights (TRL sums them)."""
+    funcs, weights = [], []
+    for name, weight in judge_weights(cfg.reward).items():
+        if name in ctx.inputs:  # a reward stage of this pipeline
+            path = ctx.input_model(name)
+            if load_tokenizer(path).get_vocab() != tokenizer.get_vocab():
+                raise ValueError(f"stage '{ctx.name}': the reward model's tokenizer ({name}) differs from the "
+                                 f"policy's ({cfg.policy}); its score reads the policy's token ids, so both must share "
+                                 "one tokenizer (train the reward model from the same SFT checkpoint)")
+            funcs.append(RewardModelScore(name, ctx.load_scalar(path, tokenizer.pad_token_id, device=True),
+                                          tokenizer, ctx.compute))
+        else:
+            funcs.append(JudgeScore(name))
+        weights.append(weight)
+    return funcs, weights
+
+
+def training_prompts(ctx: StageContext, cfg: OnlineRLStage, tokenizer) -> list[str]:
+    """Distinct prompts (rendered with the chat template when conversational) that leave room for max_new_tokens
+    within max_length; longer ones are dropped, counted in the manifest, and refused above
+    max_truncated_fraction (align/lengths.py)."""
+    prompts = unique_prompts(load_rows(ctx, cfg.prompts, cfg.split, tokenizer=tokenizer))
+    prompts = prompts[:cfg.max_train_examples] if cfg.max_train_examples else prompts
+    room = cfg.max_length - cfg.generation.max_new_tokens
+    lengths = [len(ids) for ids in tokenizer(prompts)["input_ids"]] if prompts else []
+    report = LengthReport(ctx.name, "prompt", len(prompts), 0, sum(n > room for n in lengths),
+                          max(lengths, default=0) + cfg.generation.max_new_tokens, cfg.max_length)
+    ctx.extra_manifest["length_check"] = report.as_dict()
+    if ctx.is_main:
+        print(f"[align] length check {report.summary()} (prompt + max_new_tokens)", flush=True)
+    enforce(report, cfg.max_truncated_fraction)
+    kept = [p for p, n in zip(prompts, lengths) if n <= room]
+    world = ctx.state.num_processes
+    problem = cfg.batch_problem(world)
+    if problem:
+        raise ValueError(f"stage '{ctx.name}' ({world} processes): {problem}")
+    steps = cfg.steps_per_generation or cfg.gradient_accumulation_steps
+    needed = cfg.per_device_batch_size * world * steps // cfg.num_generations
+    if len(kept) < needed:
+        raise StageError(f"stage '{ctx.name}': {len(kept)} usable prompts in {cfg.prompts} split '{cfg.split}', but "
+                         f"one generation round takes {needed}; use more prompts or a smaller per_device_batch_size")
+    return kept
+
+
+def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> dict[str, Any]:
+    """Train the policy with a TRL online trainer (GRPOTrainer or RLOOTrainer) and publish model/."""
+    from datasets import Dataset  # heavy: trl and datasets load only when the stage runs
+
+    cfg: OnlineRLStage = ctx.cfg  # type: ignore[assignment]
+    path = ctx.input_model(cfg.policy)
+    tokenizer = load_tokenizer(path)
+    prompts = training_prompts(ctx, cfg, tokenizer)
+    funcs, weights = reward_functions(ctx, cfg, tokenizer)
+    model = ctx.load_lm(path, quantize=cfg.lora.quantize)
+    share_process_group_with_deepspeed()
+    gen = cfg.generation
+    kwargs = trainer_kwargs(cfg, ctx)
+    del kwargs["max_length"]  # these trainers bound completions (max_completion_length); prompts are checked above
+    args = config_cls(**kwargs, num_generations=cfg.num_generations, steps_per_generation=cfg.steps_per_generation,
+                      max_completion_length=gen.max_new_tokens, temperature=gen.temperature, top_k=gen.top_k or 0,
+                      top_p=gen.top_p, beta=cfg.beta, num_iterations=cfg.num_iterations, epsilon=cfg.epsilon,
+                      reward_weights=weights, disable_dropout=True,  # old and new log-probs agree, as in PPO
+                      trust_remote_code=ctx.pipeline.trust_remote_code, log_completions=False, **algorithm_args)
+    trainer = trainer_cls(model=model, reward_funcs=funcs, args=args, processing_class=tokenizer,
+                          train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
+                          callbacks=[metrics_callback(ctx, online_rl_metric_name)],
+                          peft_config=peft_config(cfg.lora, "CAUSAL_LM"))
+    final = train_with_resume(ctx, trainer)
+    final.update(score_summary(ctx))
+    final["train/prompts"] = len(prompts)
+    ctx.save_trainer_model(trainer, tokenizer)
+    return final
+
+
+def share_process_group_with_deepspeed() -> None:
+    """Under ZeRO-3 TRL loads the reference inside the trainer, after the config exists, so transformers wraps
+    it in deepspeed.zero.Init; DeepSpeed then reads the world size from its own comm layer, which on CPU (gloo)
+    nobody has initialised: it would count 1 process and refuse the batch sizes. Hand it the process group
+    accelerate already made."""
+    if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") != "3":
+        return
+    import deepspeed  # heavy: only under ZeRO-3
+
+    if not deepspeed.comm.is_initialized():
+        deepspeed.init_distributed()
+
+
+def score_summary(ctx: StageContext) -> dict[str, float]:
+    """First and last logged score and KL of the whole run (metrics.jsonl holds a resumed run's earlier rows)."""
+    import json
+
+    if not ctx.is_main or not (ctx.dir / "metrics.jsonl").is_file():
+        return {}
+    rows = [json.loads(line) for line in (ctx.dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    out = {}
+    for key in ("objective/scores", "objective/kl"):
+        seen = [r[key] for r in rows if key in r]
+        if seen:
+            out[f"{key}_first"], out[f"{key}_last"] = seen[0], seen[-1]
+    return out

@@ -1,0 +1,212 @@
+"""The grpo and rloo stage types (TRL's GRPOTrainer / RLOOTrainer) on a tiny SFT model.
+
+One module-scoped SFT run feeds every stage. The judge is `letter_judge:count_e` (tests/judges/): the number of
+letters `e` in a response, which a nearly untrained policy learns to raise within a dozen steps. GRPO is
+SIGKILLed after its first checkpoint and resumed; RLOO runs on one process and under ZeRO-2 with 2 processes.
+Each run must change every parameter of the policy and raise the mean score of its last three logged steps
+above that of its first three (seeded: the pipeline seed is printed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, align_cmd, run_align
+
+SEED = 17
+JUDGES = REPO / "tests" / "judges"
+ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(JUDGES), os.environ.get("PYTHONPATH")]))}
+ONLINE = {"policy": "sft", "reward": "letter_judge:count_e", "prompts": "data_cards/movie_review_snippets.yaml",
+          "num_generations": 4, "per_device_batch_size": 16, "max_steps": 12, "learning_rate": 1.0e-2,
+          "logging_steps": 1, "save_steps": 4, "max_length": 64, "generation": {"max_new_tokens": 12}}
+PIPELINE = {
+    "name": "online", "base_model": "builtin:tiny-llama", "seed": SEED,
+    "builtin": {"vocab_size": 512, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64,
+                "max_position_embeddings": 96},
+    "stages": {
+        "sft": {"data": "data_cards/movie_review_snippets.yaml", "learning_rate": 3.0e-3, "max_steps": 20,
+                "per_device_batch_size": 16, "max_length": 96, "max_truncated_fraction": 0.1,
+                "max_train_examples": 1000, "logging_steps": 5, "save_steps": 10, "eval_split": None},
+        # 20 steps, so the kill after the first checkpoint (step 4) lands well before the end
+        "grpo": {**ONLINE, "max_steps": 20},
+        "rloo": {**ONLINE, "type": "rloo"},
+        "rloo_zero2": {**ONLINE, "type": "rloo", "accelerate": "zero2", "num_processes": 2,
+                       "per_device_batch_size": 8},
+    },
+}
+ARGS = ["--run-id", "t", "tracking.wandb=disabled"]
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory):
+    root = tmp_path_factory.mktemp("online")
+    (root / "data_cards").symlink_to(REPO / "data_cards")
+    (root / "online.yaml").write_text(yaml.safe_dump(PIPELINE))
+    print(f"pipeline seed {SEED}")
+    proc = run_align("run", "online.yaml", *ARGS, "--only", "sft", cwd=root, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return root, root / "runs" / "online" / "t"
+
+
+def _manifest(stage_dir: Path) -> dict:
+    return json.loads((stage_dir / "manifest.json").read_text())
+
+
+def _rows(stage_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (stage_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def _check_trained(run: Path, stage: str, steps: int) -> dict:
+    """Completed with `steps` steps, every policy tensor moved from the SFT model, the score rose."""
+    from safetensors.torch import load_file
+
+    m = _manifest(run / stage)
+    assert m["status"] == "completed" and m["global_step"] == steps
+    before, after = load_file(run / "sft" / "model" / "model.safetensors"), load_file(
+        run / stage / "model" / "model.safetensors")
+    assert before.keys() <= after.keys()  # a ZeRO-2 save also writes the tied lm_head.weight
+    assert [k for k in before if before[k].equal(after[k])] == []  # every parameter changed
+    scored = [r for r in _rows(run / stage) if "objective/scores" in r]
+    assert [r["step"] for r in scored] == list(range(1, steps + 1))  # each step logged once, under align's names
+    scores = [r["objective/scores"] for r in scored]
+    first, last = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
+    print(f"{stage}: mean count of 'e' first 3 steps {first:.3f}, last 3 steps {last:.3f} (seed {SEED})")
+    assert last > first + 0.5, scores
+    assert scored[-1]["objective/kl"] > 0  # measured against the reference
+    assert "objective/scores/letter_judge:count_e" in scored[-1]  # TRL's per-judge score, under align's name
+    assert m["final_metrics"]["objective/scores_last"] == scores[-1]
+    return m
+
+
+def test_rloo_raises_the_reward_and_changes_every_parameter(upstream):
+    root, run = upstream
+    proc = run_align("run", "online.yaml", *ARGS, "--only", "rloo", cwd=root, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    m = _check_trained(run, "rloo", 12)
+    assert m["world_size"] == 1 and m["length_check"]["dropped"] == 0
+
+
+@pytest.mark.distributed
+def test_rloo_under_zero2_with_two_processes(upstream):
+    root, run = upstream
+    proc = run_align("run", "online.yaml", *ARGS, "--only", "rloo_zero2", cwd=root, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    m = _check_trained(run, "rloo_zero2", 12)
+    assert (m["world_size"], m["distributed_type"], m["zero_stage"]) == (2, "DEEPSPEED", 2)
+
+
+def _complete_checkpoints(ckpts: Path) -> list[int]:
+    out = []
+    for p in ckpts.glob("checkpoint-*"):
+        try:
+            json.loads((p / "trainer_state.json").read_text())  # written last by the Trainer
+            out.append(int(p.name.split("-")[1]))
+        except (OSError, ValueError):
+            pass
+    return sorted(out)
+
+
+def test_grpo_resumes_after_sigkill_and_raises_the_reward(upstream):
+    """Killed (SIGKILL, the whole process group) as soon as its first checkpoint is complete; the next `align
+    run` resumes from exactly that checkpoint and finishes, each step logged once."""
+    root, run = upstream
+    stage_dir = run / "grpo"
+    t0 = time.time()
+    proc = subprocess.Popen(align_cmd("run", "online.yaml", *ARGS, "--only", "grpo"), cwd=root,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, **ENV})
+    try:
+        while not _complete_checkpoints(stage_dir / "checkpoints"):
+            assert proc.poll() is None, "grpo exited before its first checkpoint"
+            assert time.time() - t0 < 120, "no checkpoint within 120 s"
+            time.sleep(0.02)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert _manifest(stage_dir)["status"] == "running"  # the killed attempt never looks completed
+    assert not (stage_dir / "model").exists()
+    at_kill = _complete_checkpoints(stage_dir / "checkpoints")[-1]
+    again = run_align("run", "online.yaml", *ARGS, "--only", "grpo", cwd=root, env=ENV)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    m = _check_trained(run, "grpo", 20)
+    assert m["resumed_from_step"] == at_kill and m["attempts"] == 2
+
+
+def test_reward_stage_scores_completions_as_ppo_reads_them(upstream):
+    """A reward stage handed to TRL scores prompt ids + completion ids at the last real token, exactly as PPO's
+    Scorer scores the same rollout (left-padded prompts, right-padded responses, EOS kept when sampled)."""
+    import torch
+
+    from align.compute import resolve
+    from align.generation import Rollout, scalar_outputs, tokenize_prompts
+    from align.models import load_scalar_model, load_tokenizer
+    from align.stages.online_rl import RewardModelScore
+    from align.stages.ppo.rewards import Scorer
+
+    _, run = upstream
+    tok = load_tokenizer(str(run / "sft" / "model"))
+    torch.manual_seed(SEED)  # the fresh scalar head
+    rm = load_scalar_model(str(run / "sft" / "model"), tok.pad_token_id).eval()
+    prompts = ["The film was", "A long and winding story about nothing at", "Oh"]
+    completions = [tok("great fun")["input_ids"][-2:] + [tok.eos_token_id],  # ended by EOS
+                   tok(" and then some more words")["input_ids"][-5:], [tok.eos_token_id]]
+    q_ids, q_mask = tokenize_prompts(tok, prompts)
+    width = max(map(len, completions))
+    r_ids = torch.tensor([c + [tok.pad_token_id] * (width - len(c)) for c in completions])
+    r_mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in completions])
+    rollout = Rollout(q_ids, q_mask, r_ids, r_mask, torch.tensor([True, False, True]))
+    expected = Scorer({"reward": (1.0, lambda i, m: scalar_outputs(rm, i, m))}, {}, tok)(rollout, prompts)
+    compute = resolve("float32", "auto", torch.device("cpu"))
+    got = RewardModelScore("reward", rm, tok, compute, batch_size=2)(prompts=prompts, completion_ids=completions)
+    assert torch.allclose(torch.tensor(got), expected, atol=1e-5), (got, expected)
+    assert len(set(round(g, 4) for g in got)) == 3  # three different sequences, three different scores
+
+
+def test_grpo_losses_still_exist_upstream():
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    from align.config.grpo import GRPO_LOSSES
+
+    help_text = next(f for f in dataclasses.fields(GRPOConfig) if f.name == "loss_type").metadata["help"]
+    assert all(f"'{loss}'" in help_text for loss in GRPO_LOSSES)
+
+
+def _default_with(stage: dict, **evaluate) -> tuple:
+    from align.config import parse_pipeline
+
+    raw = yaml.safe_load((REPO / "pipelines" / "default.yaml").read_text())
+    raw["stages"]["online"] = {"policy": "sft", "reward": "reward", "generation": {"max_new_tokens": 32},
+                               "prompts": "../data_cards/movie_review_snippets.yaml", **stage}
+    raw["stages"]["evaluate"].update(evaluate)
+    return parse_pipeline(raw, "pipelines/default.yaml"), REPO / "pipelines" / "default.yaml"
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_validate_accepts_them_as_policies_and_checks_batches_and_lengths(kind):
+    from align.plan import PipelineError
+    from align.validate import validate
+
+    cfg, source = _default_with({"type": kind}, policies=["sft", "ppo", "dpo", "online"])
+    validate(cfg, source, verbose=False)  # evaluated beside PPO and DPO, scored by the reward stage
+    cfg, source = _default_with({"type": kind, "per_device_batch_size": 6, "num_generations": 4})
+    with pytest.raises(PipelineError, match=r"stages\.online: per_device_batch_size x processes x "
+                                            r"gradient_accumulation_steps \(6 x 1 x 1 = 6 .*num_generations \(4\)"):
+        validate(cfg, source, verbose=False)
+    cfg, source = _default_with({"type": kind, "per_device_batch_size": 6, "num_generations": 4,
+                                 "accelerate": "zero2", "num_processes": 2})
+    validate(cfg, source, verbose=False)  # 6 x 2 = 12 completions: three whole groups of 4
+    cfg, source = _default_with({"type": kind, "generation": {"max_new_tokens": 24}}, policies=["sft", "online"])
+    with pytest.raises(PipelineError, match=r"response lengths differ: stages\.online\.generation\.max_new_tokens=24, "
+                                            r"stages\.preferences\.generation\.max_new_tokens=32, "
+                                            r"stages\.evaluate\.generation\.max_new_tokens=32"):
+        validate(cfg, source, verbose=False)
