@@ -164,7 +164,8 @@ def override_conflicts(raw: dict[str, Any], paths: list[tuple[str, list[str], st
     """An override (`dpo.beta=0.3`) of a key that its stage sweeps would replace every variant's value: refused,
     with the fix (edit the sweep's list). `paths`: (stage, key path inside the stage, the override as given)."""
     for stage, parts, item in paths:
-        sweep = ((raw.get("stages") or {}).get(stage) or {}).get(SWEEP)
+        body = (raw.get("stages") or {}).get(stage)
+        sweep = body.get(SWEEP) if isinstance(body, dict) else None  # not a mapping: parsing says so, by name
         if not isinstance(sweep, dict) or parts[:1] == [SWEEP]:
             continue
         for key in sweep:
