@@ -41,7 +41,10 @@ def throughput(stage_dir: Path, kind: str, cfg) -> dict[str, float]:
         episodes = cfg.rollout_batch_size * len(its)
     else:
         seconds = final["perf/train_seconds"]
-        episodes = final["train/global_step"] * cfg.per_device_batch_size * cfg.gradient_accumulation_steps
+        # TRL samples one round of per_device_batch_size x steps_per_generation completions every
+        # steps_per_generation x num_iterations micro-steps: each episode is trained on num_iterations times
+        micro_steps = final["train/global_step"] * cfg.gradient_accumulation_steps
+        episodes = micro_steps * cfg.per_device_batch_size // cfg.num_iterations
         lengths = [r["rollout/response_length"] for r in metrics if "rollout/response_length" in r]
         tokens = episodes * sum(lengths) / len(lengths)
     return {"episodes": episodes, "seconds": seconds, "episodes_per_s": episodes / seconds,

@@ -29,7 +29,9 @@ def test_online_rl_pipeline_gives_ppo_grpo_and_rloo_the_same_budget():
     ppo, grpo, rloo = stages["ppo"], stages["grpo"], stages["rloo"]
     episodes = {"ppo": ppo.iterations * ppo.rollout_batch_size}
     for name, st in (("grpo", grpo), ("rloo", rloo)):
-        episodes[name] = st.max_steps * st.per_device_batch_size * st.gradient_accumulation_steps
+        # TRL samples per_device_batch_size x steps_per_generation completions every steps_per_generation x
+        # num_iterations micro-steps, so each episode is trained on num_iterations times
+        episodes[name] = st.max_steps * st.gradient_accumulation_steps * st.per_device_batch_size // st.num_iterations
         assert st.num_iterations == ppo.ppo_epochs  # passes over each batch of samples
         assert (st.policy, st.reward, st.prompts) == (ppo.policy, ppo.reward, ppo.prompts)
         assert st.generation.max_new_tokens == ppo.generation.max_new_tokens
