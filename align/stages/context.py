@@ -257,8 +257,7 @@ def main(spec_path: str) -> int:
         spec = raw if isinstance(raw, dict) else {}  # enough to record a failure in the manifest
         ctx = StageContext(StageSpec.parse(raw, spec_path))
         _run(ctx)
-        _close_process_group()
-        return _leave(0)
+        return leave_process_group(0)
     except EXPECTED as exc:
         message = describe(exc)
         recorded = _record_failure(ctx, spec, message)
@@ -280,6 +279,12 @@ def _close_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def leave_process_group(code: int) -> int:
+    """The end of a process of a (possibly) multi-process job: leave the process group together, then exit."""
+    _close_process_group()
+    return _leave(code)
 
 
 def _leave(code: int) -> int:
