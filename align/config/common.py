@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
-from align.judges import JudgeError, check_judges
+from align.judges import JudgeError, check_judges, judge_weights
 from align.schema import ConfigError, one_of, ranged
 
 if TYPE_CHECKING:
@@ -104,6 +104,26 @@ class Generation:
     """Static KV cache (compiled with torch.compile by transformers on a GPU) and prompts padded to a multiple of
     32 tokens: auto = on on a GPU outside ZeRO-3, off on CPU (align/compute.py)."""
 
+
+
+def response_length_problems(name: str, algorithm: str, max_new_tokens: int, reward: str | dict[str, float],
+                             stages: dict[str, StageBase]) -> list[str]:
+    """Online RL (PPO, GRPO, RLOO) optimises responses of `max_new_tokens`; its reward model learned from pairs
+    sampled at the preferences stage's length, and the evaluation samples at its own. One line when they differ."""
+    own = f"stages.{name}.generation.max_new_tokens"
+    lengths = {own: max_new_tokens}
+    for rm in (n for n in judge_weights(reward) if n in stages and stages[n].PRODUCES == "reward"):
+        data = getattr(stages[rm], "data", None)
+        if data in stages and stages[data].PRODUCES == "data":
+            lengths[f"stages.{data}.generation.max_new_tokens"] = stages[data].generation.max_new_tokens
+    for ev_name, ev in stages.items():
+        if ev.PRODUCES == "report" and name in getattr(ev, "policies", ()):
+            lengths[f"stages.{ev_name}.generation.max_new_tokens"] = ev.generation.max_new_tokens
+    if len(set(lengths.values())) == 1:
+        return []
+    return ["response lengths differ: " + ", ".join(f"{k}={v}" for k, v in lengths.items())
+            + f"; {algorithm} would optimise {max_new_tokens}-token responses against a reward model trained on, "
+            "and an evaluation run at, other lengths. Set them equal"]
 
 
 # --------------------------------------------------------------------------------------------- contract

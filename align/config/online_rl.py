@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from align.config.common import CheckContext, Generation, StageBase, TrainedStage
+from align.config.common import CheckContext, Generation, StageBase, TrainedStage, response_length_problems
 from align.judges import judge_weights
 from align.schema import ranged
 
@@ -83,20 +83,7 @@ class OnlineRLStage(TrainedStage):
     def pipeline_problems(self, name: str, stages: dict[str, StageBase]) -> list[str]:
         """As PPO's: the responses optimised here, those the reward model learned from (its preferences stage) and
         those the evaluation samples must have one length."""
-        own = f"stages.{name}.generation.max_new_tokens"
-        lengths = {own: self.generation.max_new_tokens}
-        for rm in (n for n in judge_weights(self.reward) if n in stages and stages[n].PRODUCES == "reward"):
-            data = getattr(stages[rm], "data", None)
-            if data in stages and stages[data].PRODUCES == "data":
-                lengths[f"stages.{data}.generation.max_new_tokens"] = stages[data].generation.max_new_tokens
-        for ev_name, ev in stages.items():
-            if ev.PRODUCES == "report" and name in getattr(ev, "policies", ()):
-                lengths[f"stages.{ev_name}.generation.max_new_tokens"] = ev.generation.max_new_tokens
-        if len(set(lengths.values())) == 1:
-            return []
-        return ["response lengths differ: " + ", ".join(f"{k}={v}" for k, v in lengths.items())
-                + f"; {self.ALGORITHM} would optimise {lengths[own]}-token responses against a reward model trained "
-                "on, and an evaluation run at, other lengths. Set them equal"]
+        return response_length_problems(name, self.ALGORITHM, self.generation.max_new_tokens, self.reward, stages)
 
     def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
         held = [("policy", "lm", True)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from align.config.common import CheckContext, Generation, LoraSettings, StageBase
+from align.config.common import CheckContext, Generation, LoraSettings, StageBase, response_length_problems
 from align.judges import judge_weights
 from align.schema import one_of, ranged
 
@@ -136,20 +136,7 @@ class PPOStage(StageBase):
         at the preferences stage's length, and the evaluation samples at its own. When they differ, PPO learns
         what a reward model says of responses it never saw (e.g. cut off before EOS) and is judged at yet
         another length."""
-        own = f"stages.{name}.generation.max_new_tokens"
-        lengths = {own: self.generation.max_new_tokens}
-        for rm in (n for n in judge_weights(self.reward) if n in stages and stages[n].PRODUCES == "reward"):
-            data = getattr(stages[rm], "data", None)
-            if data in stages and stages[data].PRODUCES == "data":
-                lengths[f"stages.{data}.generation.max_new_tokens"] = stages[data].generation.max_new_tokens
-        for ev_name, ev in stages.items():
-            if ev.PRODUCES == "report" and name in getattr(ev, "policies", ()):
-                lengths[f"stages.{ev_name}.generation.max_new_tokens"] = ev.generation.max_new_tokens
-        if len(set(lengths.values())) == 1:
-            return []
-        return ["response lengths differ: " + ", ".join(f"{k}={v}" for k, v in lengths.items())
-                + f"; PPO would optimise {lengths[own]}-token responses against a reward model trained on, and an "
-                "evaluation run at, other lengths. Set them equal"]
+        return response_length_problems(name, "PPO", self.generation.max_new_tokens, self.reward, stages)
 
     def check_positions(self, limit: int, fix: str) -> None:
         if self.max_prompt_length + self.generation.max_new_tokens > limit:

@@ -269,30 +269,21 @@ def main(spec_path: str) -> int:
         raise
 
 
-def _close_process_group() -> None:
-    """Leave together: every process waits for the others, then tears the process group down before the
-    interpreter exits. Without it a process that leaves while another is still in its last collective can die
-    with SIGABRT ("terminate called without an active exception") in the communication library's threads, and
-    a stage that completed is reported as failed (seen under 2-process ZeRO-3 on CPU)."""
+def leave_process_group(code: int) -> int:
+    """The end of a process of a (possibly) multi-process job.
+
+    1. Leave together: every process waits for the others, then tears the process group down. Without it a
+       process that leaves while another is still in its last collective can die with SIGABRT ("terminate
+       called without an active exception") in the communication library's threads.
+    2. Then exit here and now, skipping interpreter teardown: even after the process group is destroyed, a
+       communication thread (gloo / DeepSpeed's CPU shared-memory ops) can abort a rank at exit (seen in CI
+       under 2-process ZeRO-3 after the manifest said completed), and the launcher then reports the stage as
+       failed. Everything is written and flushed first; a one-process job returns `code` normally."""
     import torch.distributed as dist  # the stage process already imported torch
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-
-
-def leave_process_group(code: int) -> int:
-    """The end of a process of a (possibly) multi-process job: leave the process group together, then exit."""
-    _close_process_group()
-    return _leave(code)
-
-
-def _leave(code: int) -> int:
-    """A process of a multi-process stage that completed exits here and now, skipping interpreter teardown:
-    even after the process group is destroyed, a communication thread (gloo / DeepSpeed's CPU shared-memory
-    ops) can abort a rank at exit ("terminate called without an active exception", SIGABRT; seen in CI under
-    2-process ZeRO-3 after the manifest said completed), and the launcher then reports the stage as failed.
-    Everything is written and flushed first; a one-process stage returns normally."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return code
     logging.shutdown()

@@ -53,17 +53,9 @@ def check_models(ctx: StageContext, cfg: PPOStage, tokenizer, reward_tokenizers:
                          "max_prompt_length or shorten the prompts")
 
 
-def fast_generation(cfg: PPOStage, accelerator) -> bool:
-    """`generation.fast` for this process (align/compute.py): auto = on a GPU outside ZeRO-3."""
-    from align.compute import resolve  # light: the device is the accelerator's
-
-    zero3 = getattr(accelerator.state.deepspeed_plugin, "zero_stage", 0) == 3
-    return resolve("float32", "auto", accelerator.device, zero3=zero3).fast_generation(cfg.generation.fast)
-
-
-def rollout(cfg: PPOStage, accelerator, model, tokenizer, prompts: list[str], seed: int) -> Rollout:
+def rollout(cfg: PPOStage, accelerator, model, tokenizer, prompts: list[str], seed: int, fast: bool) -> Rollout:
     """Sample one response per prompt, in the training precision (bf16 autocast when the stage uses it), so the
-    samples are scored by the same numerics that produced them."""
+    samples are scored by the same numerics that produced them. `fast`: `ctx.compute.fast_generation(...)`."""
     override = None  # fault injection for tests: ranks whose responses end at once / run to the limit
     for mode in ("first", "never"):
         ranks = os.environ.get(f"ALIGN_TEST_EOS_{mode.upper()}_RANKS", "")
@@ -71,7 +63,7 @@ def rollout(cfg: PPOStage, accelerator, model, tokenizer, prompts: list[str], se
             override = mode
     with torch.no_grad(), accelerator.autocast(), policy_for_generation(model, accelerator) as policy:
         return generate(policy, tokenizer, prompts, cfg.generation, seed=seed, eos_override=override,
-                        fast=fast_generation(cfg, accelerator))
+                        fast=fast)
 
 
 def fit_reward_scale(ctx: StageContext, cfg: PPOStage, accelerator, model, tokenizer, scorer: Scorer,
@@ -86,7 +78,8 @@ def fit_reward_scale(ctx: StageContext, cfg: PPOStage, accelerator, model, token
     scores = []
     for start in range(0, len(picked), cfg.generation.batch_size):
         batch = picked[start:start + cfg.generation.batch_size]
-        r = rollout(cfg, accelerator, model, tokenizer, batch, seed=ctx.seed * 31 + start * world + rank)
+        r = rollout(cfg, accelerator, model, tokenizer, batch, seed=ctx.seed * 31 + start * world + rank,
+                    fast=ctx.compute.fast_generation(cfg.generation.fast))
         scores.append(scorer(r, batch))
     all_scores = accelerator.gather(torch.cat(scores))
     scale.fit(all_scores)
@@ -146,6 +139,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         unwrapped.value_affine = (scale.gain * w, scale.bias) if cfg.reward_normalization == "initial" else (w, 0.0)
 
     world = accelerator.num_processes
+    fast = ctx.compute.fast_generation(cfg.generation.fast)
     history = restore_history(ctx, start)
     for it in range(start, cfg.iterations):
         t0 = time.time()
@@ -156,7 +150,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
         # 1. generate
         r = rollout(cfg, accelerator, model, tokenizer, batch_prompts,
-                    seed=ctx.seed * 7919 + it * world + accelerator.process_index)
+                    seed=ctx.seed * 7919 + it * world + accelerator.process_index, fast=fast)
         if accelerator.device.type == "cuda":
             torch.cuda.synchronize()  # GPU work is asynchronous: time what generation really took
         t_gen = time.time() - t0
