@@ -83,3 +83,36 @@ def test_evaluation_prompts_overlapping_training_prompts_are_an_error():
     raw["stages"]["evaluate"]["split"] = "train"
     with pytest.raises(PipelineError, match="evaluation prompts .* also occur in the training prompts"):
         validate(parse_pipeline(raw, "default.yaml"), REPO / "pipelines" / "default.yaml", verbose=False)
+
+
+def test_a_fresh_scalar_head_depends_on_the_stage_seed_only(tmp_path):
+    """StageContext.load_scalar on a language-model checkpoint (a reward or value model's start): the new score
+    head is the same whatever the global RNG did before, differs for another seed, and the global stream is left
+    as it was (the reward stage was not reproducible before: its head was drawn from an unseeded stream)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from align.config import BuiltinModel
+    from align.models import build_builtin
+    from align.stages.context import StageContext
+
+    tok = train_tokenizer(["a small corpus for a tiny tokenizer, nothing more"] * 4, 300, 64)
+    size = BuiltinModel(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, max_position_embeddings=32)
+    build_builtin(size, tok, seed=0).save_pretrained(tmp_path / "lm")
+    tok.save_pretrained(tmp_path / "lm")
+
+    def head(seed: int, draws: int) -> torch.Tensor:
+        ctx = SimpleNamespace(seed=seed, pipeline=SimpleNamespace(dtype="float32", trust_remote_code=False),
+                              compute=SimpleNamespace(model_kwargs=lambda: {}, device="cpu"))
+        torch.manual_seed(1234)
+        torch.rand(draws)  # the stage's global stream in another state each time
+        before = torch.random.get_rng_state()
+        model = StageContext.load_scalar(ctx, str(tmp_path / "lm"), tok.pad_token_id)
+        assert torch.equal(torch.random.get_rng_state(), before)  # not consumed, not reseeded
+        return model.score.weight.detach().clone()
+
+    seed = 17
+    print(f"seed {seed}")
+    assert torch.equal(head(seed, 0), head(seed, 5))
+    assert not torch.equal(head(seed, 0), head(seed + 1, 0))

@@ -226,6 +226,23 @@ def first_run(tmp_path_factory):
     return root
 
 
+def test_the_report_draws_the_sweep_as_one_frontier_curve(first_run):
+    """evaluate groups dpo's variants into one curve: the frontier table lists both settings under `dpo (dpo)`
+    with KL and its CI (the CI brackets the mean KL), and the figure is drawn."""
+    report = first_run / "runs" / "sweeptest" / "main" / "report"
+    m = json.loads((report / "metrics.json").read_text())
+    assert m["eval/groups"] == {"sft": {"type": "sft", "policies": ["sft"]},
+                                "dpo": {"type": "dpo", "policies": ["dpo-beta_0.1", "dpo-beta_0.5"]}}
+    for p in ("sft", "dpo-beta_0.1", "dpo-beta_0.5"):
+        lo, hi = m[f"eval/{p}/kl_ci"]
+        assert lo <= m[f"eval/{p}/kl"] <= hi
+    text = (report / "report.md").read_text()
+    frontier = text.split("## Reward–KL frontier", 1)[1].split("## Length", 1)[0]
+    assert "| dpo (dpo) | beta=0.1 |" in frontier and "| dpo (dpo) | beta=0.5 |" in frontier
+    assert "| sft (sft) | - |" in frontier and "Pareto-optimal points for vader" in frontier
+    assert (report / "frontier_vader.png").stat().st_size > 0
+
+
 def _ran(stdout: str) -> list[str]:
     return re.findall(r"\[align\] stage \d+/\d+ (\S+) \(\w+\): running", stdout)
 

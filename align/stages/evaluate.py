@@ -15,12 +15,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from align import plots
+from align import frontier, plots
 from align.config.evaluate import EvaluateStage
 from align.data.rows import load_prompts, load_rows
 from align.generation import by_length, generate, response_logprobs
 from align.judges import RewardModelJudge, python_judge
 from align.models import load_tokenizer
+from align.rundir import read_manifest
 from align.stages.context import StageContext
 from align.stages.reward import calibration_buckets, pairwise_accuracy
 from align.stats import mean_ci, win_rate
@@ -85,6 +86,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     for name, s in samples.items():
         metrics[f"eval/{name}/kl"] = float(np.mean(s["kl"]))
         metrics[f"eval/{name}/kl_std"] = float(np.std(s["kl"]))
+        kl = mean_ci(s["kl"], cfg.bootstrap_samples, ctx.seed)
+        metrics[f"eval/{name}/kl_ci"] = [kl["ci_low"], kl["ci_high"]]
         metrics[f"eval/{name}/response_length"] = float(np.mean(s["length"]))
         for j, sc in s["scores"].items():
             m = mean_ci(sc, cfg.bootstrap_samples, ctx.seed)
@@ -110,6 +113,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
                             "eval/reward_model/chosen_std": float(np.std(acc["chosen_scores"])),
                             "eval/reward_model/rejected_std": float(np.std(acc["rejected_scores"]))})
 
+    types = {p: (read_manifest(ctx.input_dir(p)) or {}).get("type", "?") for p in cfg.policies}
+    groups = frontier.group_policies(cfg.policies, ctx.pipeline.variants, types)
+    metrics["eval/groups"] = {g.name: {"type": g.type, "policies": g.policies} for g in groups}
+
     def write(out: Path) -> None:
         if not ctx.is_main:
             return
@@ -119,9 +126,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
             plots.reward_vs_kl(metrics, cfg.policies, j, cfg.reference, out / f"reward_vs_kl_{j}.png")
         if len(cfg.policies) > 1:
             plots.win_rates(metrics, cfg.policies, judge_names, cfg.baseline, out / "win_rates.png")
+            for j in judge_names:
+                plots.frontier(metrics, groups, j, cfg.reference, cfg.baseline, out / f"frontier_{j}.png")
         if buckets:
             plots.calibration(buckets, out / "reward_model_calibration.png")
-        (out / "report.md").write_text(render_report(cfg, metrics, prompts, samples))
+        (out / "report.md").write_text(render_report(cfg, metrics, prompts, samples, groups))
         with open(out / "samples.jsonl", "w", encoding="utf-8") as fh:
             for i, p in enumerate(prompts):
                 fh.write(json.dumps({"prompt": p, **{n: {"response": s["responses"][i], "kl": s["kl"][i],
@@ -166,9 +175,18 @@ def headline(cfg: EvaluateStage, m: dict[str, Any]) -> str:
     return "\n".join(lines) + f"\n\nn = {m['eval/prompts']} held-out prompts"
 
 
-def render_report(cfg: EvaluateStage, m: dict[str, Any], prompts: list[str], samples: dict[str, Any]) -> str:
+def render_report(cfg: EvaluateStage, m: dict[str, Any], prompts: list[str], samples: dict[str, Any],
+                  groups: list[frontier.Group]) -> str:
     out = ["# Evaluation report", "", headline(cfg, m), ""]
     judges = all_judges(cfg)
+    if len(cfg.policies) > 1:
+        out += ["## Reward–KL frontier", "",
+                "Policies grouped by the stage they come from (every variant of a sweep is one curve), in order of "
+                "KL to the reference. A point is Pareto-optimal when no other policy here has at most its KL and at "
+                "least its score; compare the CIs before calling two points different.", ""]
+        for j in judges:
+            out += [f"### {j}", "", *frontier.frontier_table(m, groups, j, cfg.baseline), "",
+                    frontier.dominance_summary(m, groups, j), "", f"![frontier {j}](frontier_{j}.png)", ""]
     out += ["## Length and reward", "", "| policy | mean response length [tokens] | "
             + " | ".join(f"corr({j}, length)" for j in judges) + " |", "|" + "---|" * (2 + len(judges))]
     for p in cfg.policies:

@@ -1,0 +1,82 @@
+"""The reward–KL frontier (align/frontier.py, plots.frontier): grouping by swept stage, Pareto optimality against
+hand-worked points, the report table and the figure. The end-to-end frontier in a real report is checked in
+tests/test_sweeps.py (a run with a swept DPO stage)."""
+
+from __future__ import annotations
+
+import random
+import struct
+
+from align import frontier, plots
+
+VARIANTS = {"dpo-beta_0.1": {"stage": "dpo", "values": {"beta": 0.1}},
+            "dpo-beta_0.5": {"stage": "dpo", "values": {"beta": 0.5}},
+            "ppo_gold-kl.coef_0.05": {"stage": "ppo_gold", "values": {"kl.coef": 0.05}},
+            "ppo_gold-kl.coef_0.2": {"stage": "ppo_gold", "values": {"kl.coef": 0.2}}}
+POLICIES = ["sft", "dpo-beta_0.1", "ppo_gold-kl.coef_0.05", "dpo-beta_0.5", "ppo_gold-kl.coef_0.2", "grpo"]
+TYPES = {"sft": "sft", "dpo-beta_0.1": "dpo", "dpo-beta_0.5": "dpo", "ppo_gold-kl.coef_0.05": "ppo",
+         "ppo_gold-kl.coef_0.2": "ppo", "grpo": "grpo"}
+
+
+def test_groups_follow_the_swept_stage_in_order_of_first_appearance():
+    groups = frontier.group_policies(POLICIES, VARIANTS, TYPES)
+    assert [(g.name, g.type, g.policies) for g in groups] == [
+        ("sft", "sft", ["sft"]), ("dpo", "dpo", ["dpo-beta_0.1", "dpo-beta_0.5"]),
+        ("ppo_gold", "ppo", ["ppo_gold-kl.coef_0.05", "ppo_gold-kl.coef_0.2"]), ("grpo", "grpo", ["grpo"])]
+    assert groups[2].settings["ppo_gold-kl.coef_0.2"] == "kl.coef=0.2" and groups[3].settings["grpo"] == ""
+
+
+def test_pareto_optimal_points_worked_by_hand():
+    # (kl, score): a at KL 0 is optimal (nothing has lower KL); b beats c (less KL, more score); d has the top
+    # score; e ties d's score at more KL (dominated); f equals b exactly (neither dominates the other).
+    pts = {"a": (0.0, 0.1), "b": (1.0, 0.5), "c": (2.0, 0.4), "d": (3.0, 0.9), "e": (4.0, 0.9), "f": (1.0, 0.5)}
+    assert frontier.pareto_optimal(pts) == {"a", "b", "d", "f"}
+    assert frontier.pareto_optimal({"x": (1.0, 1.0)}) == {"x"}
+    assert frontier.pareto_optimal({"lo": (0.5, 0.2), "hi": (0.5, 0.3)}) == {"hi"}  # same KL: the higher score
+
+
+def _metrics(seed: int) -> dict:
+    rng = random.Random(seed)
+    m = {}
+    for p in POLICIES:
+        kl, y = (0.0, 0.3) if p == "sft" else (5 * rng.random(), rng.random())
+        m.update({f"eval/{p}/kl": kl, f"eval/{p}/kl_ci": [kl - 0.1 * kl, kl + 0.1 * kl],
+                  f"eval/{p}/vader/mean": y, f"eval/{p}/vader/mean_ci": [y - .05, y + .05]})
+        if p != "sft":
+            m.update({f"eval/{p}/vader/win_rate": y, f"eval/{p}/vader/win_rate_ci": [y - .04, y + .04]})
+    return m
+
+
+def test_table_rows_sorted_by_kl_with_cis_and_pareto_marks():
+    seed = 11
+    print(f"seed {seed}")
+    m = _metrics(seed)
+    groups = frontier.group_policies(POLICIES, VARIANTS, TYPES)
+    rows = frontier.frontier_table(m, groups, "vader", "sft")
+    body = rows[2:]
+    assert len(body) == len(POLICIES)
+    dpo_rows = [r for r in body if r.startswith("| dpo (dpo)")]
+    dpo_kls = [float(r.split("|")[3].split()[0]) for r in dpo_rows]
+    assert dpo_kls == sorted(dpo_kls) and len(dpo_kls) == 2
+    best = frontier.pareto_optimal(frontier.frontier_points(m, POLICIES, "vader"))
+    for p in POLICIES:
+        row = next(r for r in body if f"{m[f'eval/{p}/kl']:.2f} [" in r)
+        assert row.split("|")[6].strip().startswith("yes" if p in best else "no"), (p, row)
+    sft = next(r for r in body if r.startswith("| sft (sft)"))
+    assert "(baseline)" in sft and sft.rstrip(" |").endswith("/ -")
+    # the baseline (KL 0) is always on the frontier: nothing has less KL
+    assert "sft" in best
+    summary = frontier.dominance_summary(m, groups, "vader")
+    assert summary.startswith("Pareto-optimal points for vader") and "sft 1 of 1 (KL 0.00)" in summary
+
+
+def test_frontier_figure_has_two_panels_and_draws_every_group(tmp_path):
+    seed = 5
+    print(f"seed {seed}")
+    m = _metrics(seed)
+    groups = frontier.group_policies(POLICIES, VARIANTS, TYPES)
+    plots.frontier(m, groups, "vader", "sft", "sft", tmp_path / "f.png")
+    head = (tmp_path / "f.png").read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", head[16:24])
+    assert width > 2 * height  # two panels side by side and a legend
