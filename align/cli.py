@@ -25,8 +25,10 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a pipeline (completed stages with the same fingerprint are skipped)")
     run.add_argument("pipeline", help="pipeline YAML")
     run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. dpo.beta=0.2 sft.learning_rate=1e-4")
-    run.add_argument("--only", metavar="STAGE", help="run only this stage (its inputs must already be complete)")
-    run.add_argument("--from", dest="from_stage", metavar="STAGE", help="rerun this stage and everything after it")
+    run.add_argument("--only", metavar="STAGE", help="run only this stage (its inputs must already be complete); "
+                     "a swept stage's name means all its variants")
+    run.add_argument("--from", dest="from_stage", metavar="STAGE", help="rerun this stage and everything after it "
+                     "(a swept stage's name: all its variants)")
     run.add_argument("--run-id", help="run directory name under runs/<pipeline>/ (default: the pipeline's run_id)")
     run.add_argument("--force", action="store_true", help="rerun the selected stages even if up to date")
     run.add_argument("--num-processes", type=int, help="processes per stage (default: each accelerate config's)")

@@ -37,6 +37,26 @@ def reward_vs_kl(m: dict[str, Any], policies: list[str], judge: str, reference: 
     plt.close(fig)
 
 
+COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+          "#17becf"]  # matplotlib's default cycle, fixed here so a group keeps its colour in every panel
+
+
+def frontier_series(m: dict[str, Any], groups: list, judge: str, key: str) -> list[dict[str, Any]]:
+    """Per group (in order), its points for one frontier panel, sorted by KL: xs, ys and their 95% CIs, and the
+    group's colour, which depends on the group's position only (the baseline has no win rate, so a colour taken
+    from the axes' cycle would shift between the panels)."""
+    out = []
+    for i, g in enumerate(groups):
+        pts = sorted((p for p in g.policies if f"eval/{p}/{judge}/{key}" in m), key=lambda p: m[f"eval/{p}/kl"])
+        if pts:
+            xs = [m[f"eval/{p}/kl"] for p in pts]
+            out.append({"group": g, "color": COLORS[i % len(COLORS)], "policies": pts, "xs": xs,
+                        "ys": [m[f"eval/{p}/{judge}/{key}"] for p in pts],
+                        "xci": [m.get(f"eval/{p}/kl_ci", (x, x)) for p, x in zip(pts, xs)],
+                        "yci": [m[f"eval/{p}/{judge}/{key}_ci"] for p in pts]})
+    return out
+
+
 def frontier(m: dict[str, Any], groups: list, judge: str, reference: str, baseline: str, out: Path) -> None:
     """The reward–KL frontier (align/frontier.py): one curve per group (algorithm / swept stage) through its
     settings in order of KL, left panel the judge's mean score, right panel the win rate against the baseline;
@@ -45,23 +65,20 @@ def frontier(m: dict[str, Any], groups: list, judge: str, reference: str, baseli
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, key, label in ((axes[0], "mean", f"mean {judge} score [judge units]"),
                            (axes[1], "win_rate", f"{judge} win rate vs {baseline} [fraction, ties = 0.5]")):
-        for g in groups:
-            pts = sorted((p for p in g.policies if f"eval/{p}/{judge}/{key}" in m), key=lambda p: m[f"eval/{p}/kl"])
-            if not pts:
-                continue
-            xs = [m[f"eval/{p}/kl"] for p in pts]
-            ys = [m[f"eval/{p}/{judge}/{key}"] for p in pts]
-            xci = [m.get(f"eval/{p}/kl_ci", (x, x)) for p, x in zip(pts, xs)]
-            yci = [m[f"eval/{p}/{judge}/{key}_ci"] for p in pts]
-            ax.errorbar(xs, ys, xerr=[[x - lo for x, (lo, _) in zip(xs, xci)], [hi - x for x, (_, hi) in zip(xs, xci)]],
-                        yerr=[[y - lo for y, (lo, _) in zip(ys, yci)], [hi - y for y, (_, hi) in zip(ys, yci)]],
-                        fmt="o-" if len(pts) > 1 else "s", capsize=3, markersize=4, label=f"{g.name} ({g.type})")
+        for s in frontier_series(m, groups, judge, key):
+            xs, ys, g = s["xs"], s["ys"], s["group"]
+            ax.errorbar(xs, ys, xerr=[[x - lo for x, (lo, _) in zip(xs, s["xci"])],
+                                      [hi - x for x, (_, hi) in zip(xs, s["xci"])]],
+                        yerr=[[y - lo for y, (lo, _) in zip(ys, s["yci"])], [hi - y for y, (_, hi) in zip(ys, s["yci"])]],
+                        fmt="o-" if len(xs) > 1 else "s", color=s["color"], capsize=3, markersize=4,
+                        label=f"{g.name} ({g.type})")
         if key == "win_rate":
             ax.axhline(0.5, color="black", linestyle="--", linewidth=1)
         ax.set_xlabel(f"KL(policy || {reference}) per response [nats]")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[1].legend(title="group (type)", fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1))
+    handles, labels = axes[0].get_legend_handles_labels()  # the left panel has every group, the baseline too
+    axes[1].legend(handles, labels, title="group (type)", fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1))
     fig.suptitle(f"Reward–KL frontier on held-out prompts ({judge}; 95% CIs on both axes)")
     fig.tight_layout()
     fig.savefig(out, dpi=120)

@@ -51,14 +51,22 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
     t0 = time.time()
     multi = multi or MultiNode()
     multi.check()
+    swept = {}  # a swept stage's name -> its variants: `--only dpo` / `--from dpo` mean all of them
+    for variant, v in cfg.variants.items():
+        swept.setdefault(v["stage"], []).append(variant)
     for flag, value in (("--only", only), ("--from", from_stage)):
-        if value and value not in cfg.stages:
-            hint = difflib.get_close_matches(value, list(cfg.stages), n=1)
+        if value and value not in cfg.stages and value not in swept:
+            hint = difflib.get_close_matches(value, [*cfg.stages, *swept], n=1)
             raise PipelineError(f"{flag} {value}: no such stage" + (f"; did you mean '{hint[0]}'?" if hint else ""))
     print(f"[align] validating {source}", flush=True)
     plans = validate(cfg, source)
     deps = {p.name: p.deps for p in plans}
-    selected = {only} if only else descendants(from_stage, deps) if from_stage else set(deps)
+    if only:
+        selected = set(swept.get(only, [only]))
+    elif from_stage:
+        selected = set().union(*(descendants(s, deps) for s in swept.get(from_stage, [from_stage])))
+    else:
+        selected = set(deps)
     forced = selected if (force or from_stage) else set()
     run_dir = Path(run_dir) if run_dir is not None else run_dir_of(cfg)
     to_run = [p.name for p in plans if p.name in selected and (p.name in forced or not up_to_date(p, run_dir))]

@@ -22,7 +22,7 @@ No network: tokenizers are trained here (seeded, deterministic). The real GPT-2 
 from __future__ import annotations
 
 import io
-from functools import partial
+from functools import lru_cache, partial
 import json
 from pathlib import Path
 
@@ -33,12 +33,13 @@ POSITIONS = 128
 SEED = 17
 
 
-def corpus(n: int = 3000) -> list[str]:
-    """Movie-review sentences (the default pipeline's corpus) to train tokenizers on."""
+@lru_cache(maxsize=None)
+def corpus(n: int = 3000) -> tuple[str, ...]:
+    """Movie-review sentences (the default pipeline's corpus) to train tokenizers on (read once per process)."""
     from align.data.cards import load_card, load_split
 
     rows = load_split(load_card(REPO / "data_cards" / "movie_review_snippets.yaml"), "train").rows
-    return [r["prompt"] + r["completion"] for r in rows[:n]]
+    return tuple(r["prompt"] + r["completion"] for r in rows[:n])
 
 
 def sentencepiece_tokenizer(out: Path, vocab_size: int = 512, seed: int = SEED) -> Path:

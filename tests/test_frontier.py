@@ -80,3 +80,17 @@ def test_frontier_figure_has_two_panels_and_draws_every_group(tmp_path):
     assert head[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", head[16:24])
     assert width > 2 * height  # two panels side by side and a legend
+
+
+def test_a_group_keeps_its_colour_in_both_panels():
+    """The baseline is in the score panel but not in the win-rate panel (it has no win rate against itself); a
+    colour taken from the axes' cycle would then shift every later group's colour between the panels and the
+    legend would name the wrong curves."""
+    seed = 7
+    print(f"seed {seed}")
+    m = _metrics(seed)
+    groups = frontier.group_policies(POLICIES, VARIANTS, TYPES)
+    mean = {s["group"].name: s["color"] for s in plots.frontier_series(m, groups, "vader", "mean")}
+    win = {s["group"].name: s["color"] for s in plots.frontier_series(m, groups, "vader", "win_rate")}
+    assert "sft" in mean and "sft" not in win
+    assert all(win[g] == mean[g] for g in win) and len(set(mean.values())) == len(mean)

@@ -37,3 +37,45 @@ def test_online_rl_pipeline_gives_ppo_grpo_and_rloo_the_same_budget():
         assert st.generation.max_new_tokens == ppo.generation.max_new_tokens
     assert len(set(episodes.values())) == 1, episodes
     assert stages["evaluate"].policies == ["sft", "ppo", "grpo", "rloo"]
+
+
+def test_frontier_pipeline_sweeps_five_algorithms_over_four_kl_strengths_on_one_budget():
+    """pipelines/frontier.yaml: shared sft/preferences/reward; PPO (reward model), PPO (gold judge), DPO, GRPO and
+    RLOO each swept over >= 4 distinct KL strengths; the online ones with one episode budget, passes, optimiser
+    step size and response length; evaluate takes every variant."""
+    path = REPO / "pipelines" / "frontier.yaml"
+    cfg = load_pipeline(path)
+    plans = {p.name: p for p in build_plan(cfg, path)}
+    strength = {"ppo_rm": "kl.coef", "ppo_gold": "kl.coef", "dpo": "beta", "grpo": "beta", "rloo": "beta"}
+    by_group: dict[str, list] = {}
+    for name, v in cfg.variants.items():
+        by_group.setdefault(v["stage"], []).append((name, v["values"]))
+    assert sorted(by_group) == sorted(strength)
+    for group, variants in by_group.items():
+        values = [vals[strength[group]] for _, vals in variants]
+        assert len(set(values)) >= 4 and all(set(vals) == {strength[group]} for _, vals in variants), group
+        for name, _ in variants:  # upstream is shared: the same sft (and reward) stage for every variant
+            assert "sft" in plans[name].deps and not set(plans[name].deps) - {"sft", "reward", "preferences"}
+    stages = cfg.stages
+    assert {stages[n].type for n, _ in by_group["ppo_rm"] + by_group["ppo_gold"]} == {"ppo"}
+    assert {stages[n].reward for n, _ in by_group["ppo_gold"]} == {"vader"}
+    assert {stages[n].kl.adaptive for n, _ in by_group["ppo_rm"] + by_group["ppo_gold"]} == {False}
+    budget, step, passes, length = set(), set(), set(), set()
+    for group in ("ppo_rm", "ppo_gold", "grpo", "rloo"):
+        for name, _ in by_group[group]:
+            st = stages[name]
+            if st.type == "ppo":
+                budget.add(st.iterations * st.rollout_batch_size)
+                step.add(st.mini_batch_size)
+                passes.add(st.ppo_epochs)
+            else:  # TRL: per_device_batch_size x steps_per_generation completions every (that x num_iterations) steps
+                per_round = st.per_device_batch_size * (st.steps_per_generation or st.gradient_accumulation_steps)
+                budget.add(st.max_steps * st.per_device_batch_size * st.gradient_accumulation_steps
+                           // st.num_iterations)
+                step.add(st.per_device_batch_size * st.gradient_accumulation_steps)
+                passes.add(st.num_iterations)
+                assert per_round == stages["ppo_rm-kl.coef_0.1"].rollout_batch_size
+            length.add(st.generation.max_new_tokens)
+    assert (len(budget), len(step), len(passes), len(length)) == (1, 1, 1, 1), (budget, step, passes, length)
+    assert stages["evaluate"].policies == ["sft", *(n for g in ("ppo_rm", "ppo_gold", "dpo", "grpo", "rloo")
+                                                    for n, _ in by_group[g])]

@@ -251,6 +251,16 @@ def _skipped(stdout: str) -> list[str]:
     return re.findall(r"\[align\] stage \d+/\d+ (\S+) \(\w+\): up to date .*skipped", stdout)
 
 
+def test_only_and_from_with_a_swept_stage_name_select_every_variant(first_run, tmp_path):
+    root = tmp_path / "project"
+    shutil.copytree(first_run, root, symlinks=True)
+    only = run_align("run", "sweep.yaml", "--only", "dpo", cwd=root, timeout=300)
+    assert only.returncode == 0, only.stdout[-3000:] + only.stderr[-3000:]
+    assert _skipped(only.stdout) == ["dpo-beta_0.1", "dpo-beta_0.5"] and _ran(only.stdout) == []
+    bad = run_align("run", "sweep.yaml", "--from", "dpoo", cwd=root, timeout=300)
+    assert bad.returncode == 2 and "--from dpoo: no such stage; did you mean 'dpo'?" in bad.stderr
+
+
 def test_changing_one_swept_value_reruns_that_variant_and_the_evaluation(first_run, tmp_path):
     root = tmp_path / "project"
     shutil.copytree(first_run, root, symlinks=True)  # this test's own copy: the shared run stays as it was
