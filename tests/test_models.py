@@ -89,6 +89,7 @@ def test_a_fresh_scalar_head_depends_on_the_stage_seed_only(tmp_path):
     """StageContext.load_scalar on a language-model checkpoint (a reward or value model's start): the new score
     head is the same whatever the global RNG did before, differs for another seed, and the global stream is left
     as it was (the reward stage was not reproducible before: its head was drawn from an unseeded stream)."""
+    import gc
     from types import SimpleNamespace
 
     import torch
@@ -108,7 +109,12 @@ def test_a_fresh_scalar_head_depends_on_the_stage_seed_only(tmp_path):
         torch.manual_seed(1234)
         torch.rand(draws)  # the stage's global stream in another state each time
         before = torch.random.get_rng_state()
-        model = StageContext.load_scalar(ctx, str(tmp_path / "lm"), tok.pad_token_id)
+        gc.disable()  # as a stage process starts (align/stages/context.py main)
+        try:
+            model = StageContext.load_scalar(ctx, str(tmp_path / "lm"), tok.pad_token_id)
+            assert gc.isenabled()  # the first model load ends the start-up window: training collects garbage
+        finally:
+            gc.enable()
         assert torch.equal(torch.random.get_rng_state(), before)  # not consumed, not reseeded
         return model.score.weight.detach().clone()
 

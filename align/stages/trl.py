@@ -11,7 +11,7 @@ from typing import Any, Callable
 from align.config import TrainedStage
 from align.console import verbose
 from align.lengths import enforce, measure
-from align.stages.context import NonFiniteLossError, StageContext, StageError, keep_metrics_until
+from align.stages.context import NonFiniteLossError, StageContext, StageError, keep_metrics_until, startup_done
 
 # TRL's plural reward metrics under align's singular names (docs/ARCHITECTURE.md, "Metric names").
 _PLURALS = {"rewards/margins": "rewards/margin", "rewards/accuracies": "rewards/accuracy"}
@@ -91,6 +91,7 @@ def trainer_kwargs(cfg: TrainedStage, ctx: StageContext) -> dict[str, Any]:
     """The TRL/transformers TrainingArguments that every trained stage shares."""
     import torch  # heavy: stage processes only
 
+    startup_done()  # the imports are done (a builtin model is built, not loaded through the context)
     cfg.check_steps()  # the same check `align validate` runs, in case the stage is started directly
     return dict(
         output_dir=str(ctx.checkpoints), learning_rate=cfg.learning_rate, lr_scheduler_type=cfg.lr_scheduler,
