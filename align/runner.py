@@ -25,6 +25,7 @@ from align.plan import REPO_DIR, PipelineError, StagePlan, code_version, descend
 from align.rundir import (MANIFEST, PIPELINE, SPEC, PipelineRecord, StageSpec, headline, is_complete,
                           output_digests, read_manifest)
 from align.runlock import RunLock, RunLockedError
+from align.sweeps import by_stage
 from align.tracking import scrub
 from align.validate import validate
 
@@ -51,9 +52,7 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
     t0 = time.time()
     multi = multi or MultiNode()
     multi.check()
-    swept = {}  # a swept stage's name -> its variants: `--only dpo` / `--from dpo` mean all of them
-    for variant, v in cfg.variants.items():
-        swept.setdefault(v["stage"], []).append(variant)
+    swept = by_stage(cfg.variants)  # `--only dpo` / `--from dpo` mean all of dpo's variants
     for flag, value in (("--only", only), ("--from", from_stage)):
         if value and value not in cfg.stages and value not in swept:
             hint = difflib.get_close_matches(value, [*cfg.stages, *swept], n=1)

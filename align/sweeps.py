@@ -94,6 +94,14 @@ def expand(name: str, body: dict[str, Any], cls: type, where: str) -> list[Varia
     return variants
 
 
+def by_stage(variants: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
+    """Swept stage -> its variants in sweep order, from pipeline `variants` (variant -> {stage, values})."""
+    out: dict[str, list[str]] = {}
+    for variant, v in variants.items():
+        out.setdefault(v["stage"], []).append(variant)
+    return out
+
+
 def variant_name(stage: str, values: dict[str, Any]) -> str:
     """`dpo` with {beta: 0.05} -> `dpo-beta_0.05`; characters a directory name cannot hold become `_`."""
     return "-".join([stage, *(f"{key}_{_label(v)}" for key, v in values.items())])

@@ -21,6 +21,7 @@ from align.inputs import check_model_inputs, resolve_model_paths
 from align.launch import check_accelerate
 from align.lengths import LengthError, enforce, measure
 from align.plan import PipelineError, StagePlan, build_plan
+from align.sweeps import by_stage
 
 
 def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | None = None,
@@ -86,10 +87,8 @@ def stage_lines(cfg: PipelineConfig, plans: list[StagePlan]) -> list[str]:
             values = " ".join(f"{k}={v}" for k, v in variant["values"].items())
             line += f"  (sweep of {variant['stage']}: {values})"
         lines.append(line)
-    sweeps = {v["stage"] for v in cfg.variants.values()}
-    for stage in sorted(sweeps):
-        n = sum(v["stage"] == stage for v in cfg.variants.values())
-        lines.append(f"  sweep {stage}: {n} variants")
+    for stage, variants in sorted(by_stage(cfg.variants).items()):
+        lines.append(f"  sweep {stage}: {len(variants)} variants")
     return lines
 
 

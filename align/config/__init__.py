@@ -21,7 +21,7 @@ from align.config.common import (DTYPES, LR_SCHEDULERS, STAGE_TYPES, BuiltinMode
 from align.compute import ATTN_IMPLEMENTATIONS, PRECISIONS
 from align.schema import (ConfigError, check_plain_name, closest, from_dict, name_field, one_of, ranged,
                           strict_yaml)
-from align.sweeps import SWEEP, expand, override_conflicts, resolve_references
+from align.sweeps import SWEEP, by_stage, expand, override_conflicts, resolve_references
 
 # Re-exported: callers parse through align.config; each stage type's class is in align/config/<type>.py.
 __all__ = ["ConfigError", "from_dict", "DTYPES", "LR_SCHEDULERS", "STAGE_TYPES", "BuiltinModel", "CheckContext",
@@ -142,7 +142,6 @@ def parse_pipeline(raw: dict[str, Any], source: str) -> PipelineConfig:
     if not cfg.name:
         cfg.name = Path(source).stem
     check_plain_name(cfg.name, f"{source}: name" + ("" if raw.get("name") else " (from the file name; set `name:`)"))
-    swept: dict[str, list[str]] = {}  # swept stage -> its variants, in sweep order
     for name, body in stages_raw.items():
         check_plain_name(name, f"{source}: stages.{name}")
         if body is not None and not isinstance(body, dict):
@@ -165,12 +164,11 @@ def parse_pipeline(raw: dict[str, Any], source: str) -> PipelineConfig:
             _add_stage(cfg, v.name, from_dict(types_[kind], v.body, f"{source}: stages.{name}"), name, stages_raw,
                        source)
             cfg.variants[v.name] = {"stage": name, "values": v.values}
-        swept[name] = [v.name for v in variants]
     stray = [n for n in cfg.variants if n not in cfg.stages]
     if stray:
         raise ConfigError(f"{source}: variants: '{stray[0]}' is not a stage; `variants` is written by align from "
                           "`sweep:` (pipeline.json), remove it from the pipeline file")
-    resolve_references(cfg.stages, swept, source)
+    resolve_references(cfg.stages, by_stage(cfg.variants), source)
     return cfg
 
 
