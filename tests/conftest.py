@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -52,3 +53,17 @@ def workdir(tmp_path: Path) -> Path:
     for name in ("pipelines", "data_cards"):
         (tmp_path / name).symlink_to(REPO / name)
     return tmp_path
+
+
+def complete_checkpoints(ckpts: Path) -> list[int]:
+    """Steps/iterations of complete checkpoints: Trainer's (trainer_state.json is written last) and PPO's
+    (COMPLETE marker after the rename)."""
+    out = []
+    for p in ckpts.glob("checkpoint-*"):
+        try:
+            json.loads((p / "trainer_state.json").read_text())
+            out.append(int(p.name.split("-")[1]))
+        except (OSError, ValueError):
+            pass
+    out += [int(p.name.split("-")[1]) for p in ckpts.glob("iter-*") if (p / "COMPLETE").is_file()]
+    return sorted(out)

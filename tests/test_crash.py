@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, align_cmd, run_align
+from conftest import REPO, TINY, align_cmd, complete_checkpoints, run_align
 
 pytestmark = pytest.mark.slow
 
@@ -66,20 +66,6 @@ def _training_started(stage_dir: Path, since: float) -> bool:
         return False
 
 
-def _complete_checkpoints(ckpts: Path) -> list[int]:
-    """Steps/iterations of complete checkpoints: Trainer's (trainer_state.json is written last) and PPO's
-    (COMPLETE marker after the rename)."""
-    out = []
-    for p in ckpts.glob("checkpoint-*"):
-        try:
-            json.loads((p / "trainer_state.json").read_text())
-            out.append(int(p.name.split("-")[1]))
-        except (OSError, ValueError):
-            pass
-    out += [int(p.name.split("-")[1]) for p in ckpts.glob("iter-*") if (p / "COMPLETE").is_file()]
-    return sorted(out)
-
-
 def _ensure(root: Path, run: Path, stage: str) -> None:
     if _manifest(run / stage).get("status") != "completed":
         proc = run_align(*ARGS, "--only", stage, cwd=root)
@@ -98,7 +84,7 @@ def _kill_trials(project, stage: str, load) -> list[dict]:
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
         try:
             while not _training_started(stage_dir, t_launch) or (
-                    point == "first_checkpoint" and not _complete_checkpoints(stage_dir / "checkpoints")):
+                    point == "first_checkpoint" and not complete_checkpoints(stage_dir / "checkpoints")):
                 assert proc.poll() is None, f"{stage}: the stage exited before the kill point {point}"
                 assert time.time() - t_launch < 180, f"{stage}: kill point {point} not reached in 180 s"
                 time.sleep(0.02)
@@ -109,7 +95,7 @@ def _kill_trials(project, stage: str, load) -> list[dict]:
         assert m.get("status") == "running", f"{stage}: a killed attempt must not look completed: {m.get('status')}"
         after = _digest(stage_dir / "model")
         assert after == before, f"{stage}: model/ changed although the attempt was killed"
-        ckpts = _complete_checkpoints(stage_dir / "checkpoints")
+        ckpts = complete_checkpoints(stage_dir / "checkpoints")
         if point == "first_checkpoint":
             assert ckpts, f"{stage}: no complete checkpoint survived the kill"
         again = run_align(*ARGS, "--only", stage, cwd=root)

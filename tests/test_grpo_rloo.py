@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, align_cmd, run_align
+from conftest import REPO, align_cmd, complete_checkpoints, run_align
 
 SEED = 17
 JUDGES = REPO / "tests" / "judges"
@@ -93,17 +93,6 @@ def test_rloo_raises_the_reward_and_changes_every_parameter(upstream):
     assert m["world_size"] == 1 and m["length_check"]["dropped"] == 0
 
 
-def _complete_checkpoints(ckpts: Path) -> list[int]:
-    out = []
-    for p in ckpts.glob("checkpoint-*"):
-        try:
-            json.loads((p / "trainer_state.json").read_text())  # written last by the Trainer
-            out.append(int(p.name.split("-")[1]))
-        except (OSError, ValueError):
-            pass
-    return sorted(out)
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
 def test_under_zero2_resumes_after_sigkill_and_raises_the_reward(upstream, kind):
@@ -117,7 +106,7 @@ def test_under_zero2_resumes_after_sigkill_and_raises_the_reward(upstream, kind)
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, **ENV})
     try:
-        while not _complete_checkpoints(stage_dir / "checkpoints"):
+        while not complete_checkpoints(stage_dir / "checkpoints"):
             assert proc.poll() is None, f"{stage} exited before its first checkpoint"
             assert time.time() - t0 < 180, "no checkpoint within 180 s"
             time.sleep(0.02)
@@ -126,7 +115,7 @@ def test_under_zero2_resumes_after_sigkill_and_raises_the_reward(upstream, kind)
         proc.wait()
     assert _manifest(stage_dir)["status"] == "running"  # the killed attempt never looks completed
     assert not (stage_dir / "model").exists()
-    at_kill = _complete_checkpoints(stage_dir / "checkpoints")[-1]
+    at_kill = complete_checkpoints(stage_dir / "checkpoints")[-1]
     again = run_align("run", "online.yaml", *ARGS, "--only", stage, cwd=root, env=ENV)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     m = _check_trained(run, stage, 20)
