@@ -27,7 +27,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from align import templates
+from align import gguf
 from align.builtin import is_builtin
 from align.config import PipelineConfig
 from align.schema import ConfigError
@@ -38,7 +38,7 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 def resolve_model_paths(cfg: PipelineConfig, source: str | Path) -> dict[str, str | None]:
     """base_model / tokenizer that name local paths, resolved relative to the pipeline file (like data cards);
     hub ids pass through. A local-looking value that does not exist is an error (see the module docstring).
-    chat_template: a shipped name, or its .jinja file resolved and parsed (align/templates/)."""
+    A local `.gguf` file is a base model (align/gguf.py)."""
     base_dir = Path(source).resolve().parent
     out: dict[str, str | None] = {}
     for key in ("base_model", "tokenizer"):
@@ -58,7 +58,6 @@ def resolve_model_paths(cfg: PipelineConfig, source: str | Path) -> dict[str, st
                               "that names a local directory is never looked up on the hub. Fix the path (it is "
                               "relative to the pipeline file)")
         out[key] = value  # a hub id
-    out["chat_template"] = templates.resolve(cfg.chat_template, source)  # a shipped name or an absolute path
     return out
 
 
@@ -100,7 +99,13 @@ def base_model_config(cfg: PipelineConfig, source: str | Path, paths: dict[str, 
                               "directory (save one with model.save_pretrained)")
         return _read_config(config, f"{source}: base_model")
     if Path(value).is_file():
-        raise ConfigError(f"{source}: base_model: {value} is a file; name the model's directory")
+        if not gguf.is_gguf(value):
+            raise ConfigError(f"{source}: base_model: {value} is a file; name the model's directory, or a .gguf "
+                              "checkpoint file")
+        try:
+            return gguf.config_of(value)
+        except gguf.GGUFError as exc:
+            raise ConfigError(f"{source}: base_model: {exc}") from None
     cached = _hub_file(value, "config.json")
     if cached:
         return _read_config(Path(cached), f"{source}: base_model (cached hub model {value})")

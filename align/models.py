@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
+from align import gguf
 from align.builtin import llama_config
 
 if TYPE_CHECKING:  # annotations only: judges import this module, and align.config imports judges
@@ -24,13 +25,6 @@ log = logging.getLogger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
-# A minimal chat template for tokenizers that ship none: role-tagged turns, EOS after each turn; assistant content
-# and its EOS inside {% generation %} for TRL's assistant-only loss. align/templates/ has llama3 and chatml.
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}:{% if message['role'] == 'assistant' %}{% generation %} "
-    "{{ message['content'] }}{{ eos_token }}{% endgeneration %}{% else %} {{ message['content'] }}{{ eos_token }}"
-    "{% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
-)
 
 
 class ModelError(ValueError):
@@ -69,16 +63,20 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, max_length: int, spec
     tok.train_from_iterator(list(texts), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
                                    pad_token=PAD_TOKEN, model_max_length=max_length)
-    fast.chat_template = DEFAULT_CHAT_TEMPLATE
+    fast.chat_template = default_chat_template()
     return fast
 
 
-def prepare_tokenizer(tok, needs_chat_template: bool = False):
-    """Give a tokenizer what training needs, and say what was changed.
+def default_chat_template() -> str:
+    """align's role-tagged template (align/templates/default.jinja), for tokenizers that ship none."""
+    from align.templates import TEMPLATE_DIR
 
-    - No pad token: reuse EOS as pad (labels are masked by attention mask, so EOS still gets a loss).
-    - No chat template and the stage needs one: install align's default template.
-    """
+    return (TEMPLATE_DIR / "default.jinja").read_text(encoding="utf-8")
+
+
+def prepare_tokenizer(tok):
+    """Give a tokenizer what training needs, and say what was changed: no pad token: reuse EOS as pad (labels
+    are masked by attention mask, so EOS still gets a loss). (A chat template is the plan's: align/templates/.)"""
     if tok.eos_token is None:
         raise ModelError("tokenizer has no EOS token: responses could never end and every response would get "
                          "the missing-EOS penalty; set `eos_token` in its tokenizer_config.json (or "
@@ -89,18 +87,25 @@ def prepare_tokenizer(tok, needs_chat_template: bool = False):
                              "tokens({'pad_token': '<|pad|>'})) and save it with the model")
         tok.pad_token = tok.eos_token
         log.warning("tokenizer has no pad token: using EOS (%r) as pad", tok.eos_token)
-    if needs_chat_template and not getattr(tok, "chat_template", None):
-        tok.chat_template = DEFAULT_CHAT_TEMPLATE
-        log.warning("tokenizer has no chat template: installed align's default role-tagged template")
     return tok
 
 
-def load_tokenizer(path_or_id: str, trust_remote_code: bool = False, needs_chat_template: bool = False):
+def from_pretrained_args(path_or_id: str) -> tuple[str, dict[str, Any]]:
+    """(path, kwargs) for transformers' from_pretrained: a `.gguf` file is read from its folder with
+    `gguf_file` (align/gguf.py); anything else as it is."""
+    if gguf.is_gguf(path_or_id) and Path(path_or_id).is_file():
+        folder, name = gguf.folder_and_file(path_or_id)
+        return folder, {"gguf_file": name}
+    return path_or_id, {}
+
+
+def load_tokenizer(path_or_id: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer  # heavy: loaded on use
 
     check_remote_code(path_or_id, trust_remote_code)
-    tok = AutoTokenizer.from_pretrained(path_or_id, trust_remote_code=trust_remote_code)
-    return prepare_tokenizer(tok, needs_chat_template)
+    path, extra = from_pretrained_args(path_or_id)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **extra)
+    return prepare_tokenizer(tok)
 
 
 # --------------------------------------------------------------------------------------------- models
@@ -139,9 +144,10 @@ def load_causal_lm(path_or_id: str, dtype: str = "float32", trust_remote_code: b
     from transformers import AutoModelForCausalLM  # heavy: loaded on use
 
     check_remote_code(path_or_id, trust_remote_code)
-    return for_kbit_training(AutoModelForCausalLM.from_pretrained(
-        path_or_id, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code, **quantization_kwargs(quantize),
-        **kwargs))
+    path, extra = from_pretrained_args(path_or_id)
+    return for_kbit_training(dequantised(AutoModelForCausalLM.from_pretrained(
+        path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code, **quantization_kwargs(quantize),
+        **extra, **kwargs)))
 
 
 def load_scalar_model(path_or_id: str, pad_token_id: int | None, dtype: str = "float32",
@@ -154,12 +160,27 @@ def load_scalar_model(path_or_id: str, pad_token_id: int | None, dtype: str = "f
     from transformers import AutoModelForSequenceClassification  # heavy: loaded on use
 
     check_remote_code(path_or_id, trust_remote_code)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        path_or_id, num_labels=1, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code,
-        **quantization_kwargs(quantize), **kwargs)
+    path, extra = from_pretrained_args(path_or_id)
+    model = dequantised(AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code,
+        **quantization_kwargs(quantize), **extra, **kwargs))
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return for_kbit_training(model)
+
+
+def dequantised(model):
+    """A model loaded from a GGUF file as the plain model it is: transformers dequantised every tensor but
+    keeps marking it as GGUF-quantized, which makes it unsaveable ("not serializable"). Others as they are."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and type(quantizer).__name__ == "GgufHfQuantizer":
+        model.hf_quantizer = None
+        for attr in ("is_quantized", "quantization_method"):
+            if attr in model.__dict__:
+                del model.__dict__[attr]
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+    return model
 
 
 @contextmanager

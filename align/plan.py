@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from align import templates
-from align.builtin import check_builtin
+from align.builtin import check_builtin, is_builtin
 from align.config import PipelineConfig, StageBase, stage_types, to_dict
 from align.data.cards import DataCardError, load_card
+from align.gguf import GGUFError
 from align.inputs import resolve_model_paths
+from align.templates import ChatTemplate
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_DIR = PACKAGE_DIR.parent
@@ -43,6 +45,7 @@ class StagePlan:
     cards: dict[str, Path] = field(default_factory=dict)  # field name -> absolute card path
     fingerprint: str = ""
     card_hashes: dict[str, str] = field(default_factory=dict)
+    chat_template: ChatTemplate | None = None  # the pipeline's, resolved once per plan (the same object for all)
 
 
 # --------------------------------------------------------------------------------------------- graph
@@ -140,14 +143,16 @@ def code_version() -> str:
     return h.hexdigest()[:16]
 
 
-def _fingerprint(plan: StagePlan, cfg: PipelineConfig, inputs: dict[str, str], code: str,
-                 chat_template: str | None = None) -> str:
+def _fingerprint(plan: StagePlan, cfg: PipelineConfig, inputs: dict[str, str], code: str) -> str:
     stage = {k: v for k, v in to_dict(plan.cfg).items() if k not in NON_SEMANTIC}
     base = {}
     if getattr(plan.cfg, "model", None) == "base":
         base = {"base_model": cfg.base_model, "tokenizer": cfg.tokenizer, "builtin": to_dict(cfg.builtin)}
-        if chat_template:  # the template's content: editing the .jinja file reruns the stage that installs it
-            base["chat_template"] = chat_template
+        ct = plan.chat_template
+        if ct is not None and ct.text is not None:  # its content and masking: editing the .jinja file reruns
+            base["chat_template"] = ct.digest      # the stage that installs it
+            if ct.masking != "markers":
+                base["chat_template_masking"] = [ct.masking, ct.training_text and templates.text_digest(ct.training_text)]
     blob = {"stage": stage, "base": base, "seed": plan.cfg.seed if plan.cfg.seed is not None else cfg.seed,
             "dtype": cfg.dtype, "inputs": inputs, "cards": plan.card_hashes, "code": code}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:20]
@@ -161,10 +166,15 @@ def build_plan(cfg: PipelineConfig, source: str | Path) -> list[StagePlan]:
         check_builtin(cfg.base_model)
     except ValueError as exc:
         raise PipelineError(f"{source}: {exc}") from None
-    resolve_model_paths(cfg, source)
+    paths = resolve_model_paths(cfg, source)
+    tokenizer = paths["tokenizer"] or (None if is_builtin(str(paths["base_model"])) else paths["base_model"])
+    try:  # the one place the pipeline's chat_template is resolved: every stage reads it from its spec
+        chat_template = templates.resolve(cfg.chat_template, source, tokenizer)
+    except GGUFError as exc:
+        raise PipelineError(f"{source}: base_model: {exc}") from None
     plans: dict[str, StagePlan] = {}
     for name, st in cfg.stages.items():
-        plan = StagePlan(name, st, stage_dependencies(name, st, cfg.stages, source))
+        plan = StagePlan(name, st, stage_dependencies(name, st, cfg.stages, source), chat_template=chat_template)
         for fld in CARD_FIELDS:
             value = getattr(st, fld, None)
             if value is None or value in cfg.stages:
@@ -187,8 +197,7 @@ def build_plan(cfg: PipelineConfig, source: str | Path) -> list[StagePlan]:
             plan.card_hashes = {fld: load_card(p).content_hash() for fld, p in plan.cards.items()}
         except DataCardError as exc:
             raise PipelineError(f"{source}: stages.{name}: {exc}") from None
-        plan.fingerprint = _fingerprint(plan, cfg, {d: plans[d].fingerprint for d in plan.deps}, code,
-                                        templates.digest(cfg.chat_template, source))
+        plan.fingerprint = _fingerprint(plan, cfg, {d: plans[d].fingerprint for d in plan.deps}, code)
     return [plans[n] for n in order]
 
 

@@ -58,6 +58,8 @@ class StageSpec:
     """Upstream stage name -> the output digests (align/fsutil.py) of what this stage consumes."""
     data_cards: dict[str, Any] = field(default_factory=dict)
     """Card field -> {path, sha256}."""
+    chat_template: dict[str, Any] | None = None
+    """The pipeline's chat template as planned (align/templates/ ChatTemplate): every stage reads it here."""
     code_version: str = ""
     """Hash of align's source (part of the fingerprint)."""
     git_commit: str | None = None

@@ -129,6 +129,7 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
             input_fingerprints={d: (read_manifest(run_dir / d) or {}).get("fingerprint") for d in plan.deps},
             input_digests={d: output_digests(run_dir / d) for d in plan.deps},
             data_cards={fld: {"path": str(p), "sha256": plan.card_hashes[fld]} for fld, p in plan.cards.items()},
+            chat_template=plan.chat_template.as_dict() if plan.chat_template else None,
             code_version=code, git_commit=git)
         spec_path = stage_dir / SPEC
         spec.write(spec_path)

@@ -104,16 +104,19 @@ def _check_card_rows(plan: StagePlan, fld: str, card: Path, data: LoadedSplit, s
 
 
 def _check_lengths(cfg: PipelineConfig, plans: list[StagePlan], split_of, source: str, verbose: bool) -> None:
-    """Over-long examples per trained stage whose data is a card, when the tokenizer can be loaded here.
+    """With the tokenizer loaded here and the planned chat template installed as the first SFT stage will:
+    every conversation SFT trains on is split into trained and untrained tokens (a template whose prefix
+    rendering is inconsistent is refused, naming the turn), one example per stage is printed as the stage will
+    see it, and over-long examples are counted per trained stage.
 
-    Every stage repeats the check at its start (the only place it can run when the tokenizer is trained by
-    the first stage, or the hub is unreachable), so skipping it here never lets a bad run train."""
+    Every stage repeats the length check at its start (the only place it can run when the tokenizer is trained
+    by the first stage, or the hub is unreachable), so skipping it here never lets a bad run train."""
     from align.models import ModelError, load_tokenizer  # heavy (torch): only when a length check runs
 
-    data = {p.name: split_of(p.cards["data"], getattr(p.cfg, "split", "train"))
-            for p in plans if isinstance(p.cfg, TrainedStage) and p.cfg.LENGTH_RULE and "data" in p.cards}
-    todo = [p for p in plans if p.name in data and data[p.name].available]
-    if not todo:
+    first = {(p.name, fld): split_of(card, getattr(p.cfg, "split", "train")) for p in plans
+             for fld, card in p.cards.items()}
+    first = {k: d for k, d in first.items() if d.available and d.rows}
+    if not first:
         return
     paths = resolve_model_paths(cfg, source)
     name = paths["tokenizer"] or (None if is_builtin(str(paths["base_model"])) else paths["base_model"])
@@ -121,11 +124,13 @@ def _check_lengths(cfg: PipelineConfig, plans: list[StagePlan], split_of, source
         if verbose:
             print("  length check: at stage start (the builtin model's tokenizer is trained by the first stage)")
         return
+    template = plans[0].chat_template
+    chat = any(d.card.produces == "messages" or isinstance(d.rows[0].get("prompt"), list) for d in first.values())
     try:
-        chat = any(data[p.name].card.produces == "messages" for p in todo)
-        tokenizer = load_tokenizer(name, cfg.trust_remote_code, needs_chat_template=chat)
-        if paths["chat_template"] or chat:  # as the first SFT stage will: the template, EOS = end of turn
-            templates.install(tokenizer, paths["chat_template"] and templates.template_text(paths["chat_template"]))
+        tokenizer = load_tokenizer(name, cfg.trust_remote_code)
+        if template is not None and (chat or cfg.chat_template is not None):  # as the first SFT stage will
+            templates.install(tokenizer, template)
+            _check_trl_agrees(tokenizer, template, source)
             problem = templates.prompt_boundary_problem(tokenizer)
             if problem and verbose:
                 print(f"  warning: chat template: {problem}")
@@ -133,12 +138,20 @@ def _check_lengths(cfg: PipelineConfig, plans: list[StagePlan], split_of, source
         raise PipelineError(f"{source}: tokenizer: {exc}") from None
     except (OSError, ValueError) as exc:  # a hub tokenizer offline (a local one failed check_model_inputs)
         if verbose:
-            first = str(exc).splitlines()[0] if str(exc) else ""
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
             print(f"  length check: at stage start (tokenizer '{name}' not loadable here: {type(exc).__name__}: "
-                  f"{first})")
+                  f"{first_line})")
         return
-    for plan in todo:
-        rows = data[plan.name].rows
+    if verbose and chat and template is not None:
+        print(f"  chat template: {template.describe()}")
+    for plan in plans:
+        for fld in plan.cards:
+            if (plan.name, fld) in first:
+                _show_example(plan, fld, first[(plan.name, fld)].rows, tokenizer, template, source, verbose)
+    for plan in plans:
+        if not (isinstance(plan.cfg, TrainedStage) and plan.cfg.LENGTH_RULE and (plan.name, "data") in first):
+            continue
+        rows = first[(plan.name, "data")].rows
         rows = rows[: plan.cfg.max_train_examples] if plan.cfg.max_train_examples else rows
         if plan.cfg.LENGTH_RULE != "sft":  # conversational pairs: as the stage will see them (data/chat.py)
             try:
@@ -152,6 +165,59 @@ def _check_lengths(cfg: PipelineConfig, plans: list[StagePlan], split_of, source
             enforce(report, plan.cfg.max_truncated_fraction)
         except LengthError as exc:
             raise PipelineError(f"{source}: {exc}") from None
+
+
+def _check_trl_agrees(tokenizer, template, source: str) -> None:
+    """The plan chose TRL's patched template by reading TRL's files; TRL's own function must agree (a TRL
+    upgrade that changed its table would otherwise go unnoticed)."""
+    if template.masking not in ("trl", "prefix"):
+        return
+    from trl.chat_template_utils import get_training_chat_template  # heavy: validation only
+
+    try:
+        patched = get_training_chat_template(tokenizer)
+    except ValueError:
+        patched = None
+    if (patched or None) != (template.training_text if template.masking == "trl" else None):
+        raise PipelineError(f"{source}: chat_template: align planned masking '{template.masking}' for "
+                            f"{template.source}, but trl.chat_template_utils.get_training_chat_template "
+                            f"{'returns a patched template' if patched else 'has no patched template'} for it: "
+                            "the installed TRL is not the one align was written against; reinstall align's pinned "
+                            "TRL range")
+
+
+def _show_example(plan: StagePlan, fld: str, rows, tokenizer, template, source: str, verbose: bool) -> None:
+    """Render the stage's rows as it will, refusing what cannot be rendered; print the first one: for SFT on
+    conversations, the trained (masked-in) spans; for pairs, the prompt's end and the chosen reply; for prompts,
+    the prompt's end, where sampling starts."""
+    from align.data.chat import TemplateError, sft_example, trained_text  # needs a loaded tokenizer
+
+    row = rows[0]
+    where = f"{source}: stages.{plan.name}.{fld}"
+    shown = ""
+    if "messages" in row and getattr(plan.cfg, "completion_only_loss", False):
+        limit = getattr(plan.cfg, "max_train_examples", None) or len(rows)
+        try:
+            for i, r in enumerate(rows[:limit]):
+                example = sft_example(tokenizer, template, r["messages"])
+                if i == 0:
+                    spans = trained_text(tokenizer, example)
+                    shown = (f"trains on {len(spans)} span(s), {sum(example['assistant_masks'])} of "
+                             f"{len(example['input_ids'])} tokens: " + " | ".join(repr(s) for s in spans))
+        except TemplateError as exc:
+            raise PipelineError(f"{where}: row {i}: {exc}") from None
+    elif isinstance(row.get("prompt"), list):
+        try:
+            rendered = as_text([row], tokenizer)[0]
+        except FormatError as exc:
+            raise PipelineError(f"{where}: row 0: {exc}") from None
+        shown = f"prompt ends {rendered['prompt'][-40:]!r}"
+        if "chosen" in rendered:
+            shown += f"; chosen reply {rendered['chosen'][:80]!r} + EOS {tokenizer.eos_token!r}"
+        else:
+            shown += f"; responses are sampled up to EOS {tokenizer.eos_token!r}"
+    if shown and verbose:
+        print(f"  {plan.name}.{fld} example 0: {shown}")
 
 
 def _check_eval_overlap(plans: list[StagePlan], split_of, source: str) -> None:

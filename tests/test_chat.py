@@ -31,10 +31,14 @@ def chat_tokenizer(name: str):
     tokenizer's own, align's role-tagged template, as with `chat_template: null`)."""
     from align.models import train_tokenizer
 
-    text = None if name == "default" else templates.template_text(name)
-    tok = train_tokenizer(CORPUS, 400, 256, templates.special_literals(text or ""))
-    templates.install(tok, text)
+    planned = shipped(name)
+    tok = train_tokenizer(CORPUS, 400, 256, planned.special_tokens)
+    templates.install(tok, planned)
     return tok
+
+
+def shipped(name: str) -> templates.ChatTemplate:
+    return templates.resolve(name, REPO / "pipelines" / "chat.yaml", None)
 
 
 def tiny_model(tok, scalar: bool = False):
@@ -70,7 +74,7 @@ def test_shipped_templates_write_their_formats_and_eot_becomes_eos():
         tok = chat_tokenizer(name)
         assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == text
         assert tok.eos_token == EOT[name]
-        for special in templates.special_literals(templates.template_text(name)):  # one id each, not pieces
+        for special in shipped(name).special_tokens:  # one id each, not pieces
             assert len(tok(special, add_special_tokens=False)["input_ids"]) == 1, special
         assert templates.has_generation_markers(tok.chat_template)
 
@@ -84,7 +88,7 @@ def test_installing_a_template_on_a_tokenizer_adds_its_tokens_and_the_model_grow
 
     tok = prepare_tokenizer(AutoTokenizer.from_pretrained(REPO / "tokenizers" / "gpt2"))
     before = len(tok)
-    added = templates.install(tok, templates.template_text("chatml"))
+    added = templates.install(tok, shipped("chatml"))
     assert added == ["<|im_start|>", "<|im_end|>"] and len(tok) == before + 2
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"  # the old EOS stays the pad
     assert templates.prompt_boundary_problem(tok) is None  # ChatML's generation prompt ends in one newline
@@ -102,7 +106,7 @@ def test_llama3_on_gpt2s_pre_tokenizer_is_flagged():
     from align.models import prepare_tokenizer
 
     tok = prepare_tokenizer(AutoTokenizer.from_pretrained(REPO / "tokenizers" / "gpt2"))
-    templates.install(tok, templates.template_text("llama3"))
+    templates.install(tok, shipped("llama3"))
     problem = templates.prompt_boundary_problem(tok)
     assert problem is not None and "['ĊĊ'] become ['Ċ', 'Ċ']" in problem and "chatml" in problem
 
@@ -110,21 +114,23 @@ def test_llama3_on_gpt2s_pre_tokenizer_is_flagged():
 def test_template_setting_errors_name_the_file_and_the_fix(tmp_path):
     source = tmp_path / "p.yaml"
     with pytest.raises(ConfigError, match="not found .*relative to the pipeline file"):
-        templates.resolve("missing.jinja", source)
+        templates.resolve("missing.jinja", source, None)
     with pytest.raises(ConfigError, match="neither a shipped template"):
-        templates.resolve("chatmlx", source)
+        templates.resolve("chatmlx", source, None)
     (tmp_path / "broken.jinja").write_text("{% for message in messages %}{{ message['content'] }}")
     with pytest.raises(ConfigError, match="broken.jinja: not a valid Jinja template"):
-        templates.resolve("broken.jinja", source)
-    (tmp_path / "mine.jinja").write_text(templates.template_text("chatml"))
-    assert templates.resolve("mine.jinja", source) == str(tmp_path / "mine.jinja")
-    assert templates.digest("mine.jinja", source) == templates.digest("chatml", source)  # content, not name
+        templates.resolve("broken.jinja", source, None)
+    (tmp_path / "mine.jinja").write_text(shipped("chatml").text)
+    mine = templates.resolve("mine.jinja", source, None)
+    assert mine.source == f"file:{tmp_path / 'mine.jinja'}"
+    assert mine.digest == shipped("chatml").digest  # content, not name
     # A template whose assistant turns end with plain text could never stop: refused at install.
     from align.models import ModelError
 
     tok = chat_tokenizer("chatml")
     with pytest.raises(ModelError, match="not a special token"):
-        templates.install(tok, "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+        (tmp_path / "plain.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+        templates.install(tok, templates.resolve("plain.jinja", source, None))
 
 
 def test_validate_refuses_a_missing_template_and_warns_of_llama3_on_gpt2(workdir):
@@ -140,18 +146,21 @@ def test_validate_refuses_a_missing_template_and_warns_of_llama3_on_gpt2(workdir
 
 @pytest.mark.parametrize("name", ["chatml", "llama3", "default"])
 def test_sft_loss_mask_covers_assistant_turns_only(name, tmp_path):
-    """TRL's SFTTrainer, configured as align's SFT stage configures it for messages data (assistant_only_loss),
-    on a two-turn conversation: the labels it trains on are exactly each assistant reply's tokens followed by
-    the end-of-turn token, and nothing of the user turns or the template's headers."""
+    """TRL's SFTTrainer, fed as align's SFT stage feeds it for messages data (ids and assistant masks from
+    align/data/chat.py `sft_example`), on a two-turn conversation: the labels it trains on are exactly each
+    assistant reply's tokens followed by the end-of-turn token, and nothing of the user turns or the template's
+    headers."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
+    from align.data.chat import sft_example
+
     tok = chat_tokenizer(name)
-    args = SFTConfig(output_dir=str(tmp_path), assistant_only_loss=True, completion_only_loss=False,
+    args = SFTConfig(output_dir=str(tmp_path), assistant_only_loss=False, completion_only_loss=False,
                      max_length=256, report_to="none", use_cpu=True, bf16=False, packing=False,
                      per_device_train_batch_size=1, activation_checkpointing=False)
     trainer = SFTTrainer(model=tiny_model(tok), args=args, processing_class=tok,
-                         train_dataset=Dataset.from_list([{"messages": CHAT}]))
+                         train_dataset=Dataset.from_list([sft_example(tok, shipped(name), CHAT)]))
     batch = trainer.data_collator([trainer.train_dataset[0]])
     ids, labels = batch["input_ids"][0], batch["labels"][0]
     trained = ids[labels != -100].tolist()

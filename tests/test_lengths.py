@@ -17,7 +17,11 @@ GPT2 = REPO / "tokenizers" / "gpt2"
 def gpt2():
     from align.models import load_tokenizer
 
-    return load_tokenizer(str(GPT2), needs_chat_template=True)
+    from align import templates
+
+    tok = load_tokenizer(str(GPT2))
+    templates.install(tok, templates.resolve("default", GPT2 / "p.yaml", None))
+    return tok
 
 
 def _n(tok, text: str) -> int:

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from align.config import parse_pipeline
-from align.models import DEFAULT_CHAT_TEMPLATE, ModelError, check_remote_code, load_tokenizer, train_tokenizer
+from align.models import ModelError, check_remote_code, default_chat_template, load_tokenizer, train_tokenizer
 from align.plan import PipelineError
 from align.validate import validate
 
@@ -16,13 +16,17 @@ REPO = Path(__file__).resolve().parent.parent
 GPT2 = REPO / "tokenizers" / "gpt2"
 
 
-def test_gpt2_tokenizer_gets_pad_and_chat_template_with_a_warning(caplog):
+def test_gpt2_tokenizer_gets_pad_and_the_plan_gives_it_the_default_chat_template(caplog, tmp_path):
+    from align import templates
+
     with caplog.at_level(logging.WARNING):
-        tok = load_tokenizer(str(GPT2), needs_chat_template=True)
+        tok = load_tokenizer(str(GPT2))
+        planned = templates.resolve(None, tmp_path / "p.yaml", str(GPT2))  # chat_template: null, no template
     assert len(tok) == 50257
     assert tok.pad_token == tok.eos_token == "<|endoftext|>"
-    assert tok.chat_template == DEFAULT_CHAT_TEMPLATE
-    assert "no pad token" in caplog.text and "no chat template" in caplog.text
+    assert planned.source == "shipped:default" and planned.text == default_chat_template()
+    assert "no pad token" in caplog.text and "ships no chat template" in caplog.text
+    templates.install(tok, planned)
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert text == "user: hi<|endoftext|>\nassistant:"
 

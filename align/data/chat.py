@@ -75,3 +75,102 @@ def as_text(rows: list[dict[str, Any]], tokenizer) -> list[dict[str, Any]]:
                 new[col] = render_reply(tokenizer, prompt, row[col], new["prompt"])
         out.append(new)
     return out
+
+
+# --------------------------------------------------------------------------------------------- SFT examples
+class TemplateError(FormatError):
+    """A conversation the chat template cannot split into trained and untrained tokens; names the turn."""
+
+
+def _bos_stripped(tokenizer, text: str) -> str:
+    bos = tokenizer.bos_token
+    return text[len(bos):] if bos and text.startswith(bos) and _adds_bos(tokenizer) else text
+
+
+def prefix_segments(tokenizer, template, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
+    """The conversation as (text, trained) segments by prefix-by-prefix rendering: for each assistant turn i,
+    `messages[:i]` rendered with the generation prompt, then `messages[:i+1]`; the new text up to and including
+    the end-of-turn token (the tokenizer's EOS) is turn i's reply. Concatenated, the segments are the
+    template's rendering of the whole conversation.
+
+    A template that renders an earlier turn differently once later turns follow (e.g. one that drops earlier
+    turns' reasoning) cannot be split this way: TemplateError naming the turn and the fixes."""
+    text = template.text if template is not None and template.text else tokenizer.chat_template
+    name = template.source if template is not None else "the tokenizer's chat template"
+    eot = tokenizer.eos_token
+
+    def render(msgs: list[dict[str, str]], gen: bool) -> str:
+        return tokenizer.apply_chat_template(msgs, chat_template=text, tokenize=False, add_generation_prompt=gen)
+
+    fix = ("write a .jinja template with {% generation %} markers around each reply and its end-of-turn token and "
+           "set chat_template to it, or set the SFT stage's completion_only_loss: false to train on every token")
+    segments: list[tuple[str, bool]] = []
+    done = ""
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = render(messages[:i], True) if i else ""
+        if not before.startswith(done):
+            raise TemplateError(f"chat template {name}: turn {i} (assistant): rendering the conversation up to it "
+                                "rewrites an earlier turn's text, so no token mask fits every turn; " + fix)
+        after = render(messages[:i + 1], False)
+        if not after.startswith(before):
+            raise TemplateError(f"chat template {name}: turn {i} (assistant): the conversation rendered with this "
+                                "reply does not start with the same conversation rendered with the generation "
+                                "prompt, so the reply's tokens cannot be told apart; " + fix)
+        end = after.find(eot, len(before))
+        if end < 0:
+            raise TemplateError(f"chat template {name}: turn {i} (assistant): the reply is not followed by the "
+                                f"end-of-turn token {eot!r}; " + fix)
+        segments += [(before[len(done):], False), (after[len(before):end + len(eot)], True)]
+        done = after[:end + len(eot)]
+    full = render(messages, False)
+    if not full.startswith(done):
+        raise TemplateError(f"chat template {name}: the last assistant turn is rendered differently once the turns "
+                            "after it follow; " + fix)
+    if full[len(done):]:
+        segments.append((full[len(done):], False))
+    return [(t, trained) for t, trained in segments if t]
+
+
+def sft_example(tokenizer, template, messages: list[dict[str, str]]) -> dict[str, list[int]]:
+    """Token ids and the assistant mask SFT trains on (1 = the token is trained), by the template's masking:
+
+    - `markers` / `trl`: transformers' assistant-token mask from the template's `{% generation %}` markers (for
+      `trl`, TRL's patched copy of the stock template; the tokenizer keeps the stock one);
+    - `prefix` (stock templates without markers): `prefix_segments`, each segment tokenised on its own, the
+      first as `tokenizer(text)` encodes a prompt (BOS as the tokenizer adds it). No token spans the
+      prompt/reply seam, so the prompt's tokens are the ones PPO and evaluation sample after."""
+    masking = template.masking if template is not None else None
+    if masking is None:  # a template the plan could not read (a hub tokenizer not cached there): as it renders
+        from align.templates import has_generation_markers
+
+        masking = "markers" if has_generation_markers(str(tokenizer.chat_template)) else "prefix"
+    if masking in ("markers", "trl"):
+        text = template.training_text if masking == "trl" else (template.text if template else None)
+        out = tokenizer.apply_chat_template(messages, chat_template=text or tokenizer.chat_template, tokenize=True,
+                                            return_dict=True, return_assistant_tokens_mask=True)
+        return {"input_ids": list(out["input_ids"]), "assistant_masks": list(out["assistant_masks"])}
+    ids: list[int] = []
+    mask: list[int] = []
+    for k, (text, trained) in enumerate(prefix_segments(tokenizer, template, messages)):
+        piece = tokenizer(_bos_stripped(tokenizer, text))["input_ids"] if k == 0 else \
+            tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        mask += [int(trained)] * len(piece)
+    return {"input_ids": ids, "assistant_masks": mask}
+
+
+def trained_text(tokenizer, example: dict[str, list[int]]) -> list[str]:
+    """The trained spans of an SFT example as text, one per run of trained tokens (`align validate` prints
+    them)."""
+    spans, run = [], []
+    for token, bit in zip(example["input_ids"], example["assistant_masks"]):
+        if bit:
+            run.append(token)
+        elif run:
+            spans.append(tokenizer.decode(run))
+            run = []
+    if run:
+        spans.append(tokenizer.decode(run))
+    return spans

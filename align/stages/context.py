@@ -26,6 +26,7 @@ from align.config import PipelineConfig, StageBase, from_dict, stage_from_dict
 from align.console import emit_progress, verbose
 from align.fsutil import atomic_write_text, output_digest, publish_dir, staging_dir, staging_path
 from align.rundir import MANIFEST, Manifest, StageSpec, read_manifest, write_manifest
+from align.templates import ChatTemplate
 from align.tracking import Tracker, sweep_config
 
 log = logging.getLogger("align")
@@ -64,6 +65,9 @@ class StageContext:
         self.compute = resolve_compute(self.pipeline.precision, self.pipeline.attn_implementation, self.state.device,
                                        zero3=os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3")
         self.checkpoints = self.dir / "checkpoints"
+        # The pipeline's chat template as planned (align/templates/): read here, never resolved again.
+        self.chat_template: ChatTemplate | None = (ChatTemplate.from_dict(spec.chat_template)
+                                                   if spec.chat_template else None)
         self.tracker: Tracker | None = None
         self.extra_manifest: dict[str, Any] = {}
 

@@ -9,16 +9,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from align import templates
+import logging
+
+from align import gguf, templates
 from align.builtin import is_builtin
 from align.config.sft import SFTStage
 from align.data.cards import load_split
+from align.data.chat import TemplateError, sft_example
 from align.models import (build_builtin, fit_model_to_tokenizer, load_tokenizer, peft_config,
                           train_tokenizer)
 from align.stages.context import StageContext, StageError
 from align.stages.trl import check_lengths, metrics_callback, train_with_resume, trainer_kwargs
 
 OUTPUTS = ["model"]
+log = logging.getLogger(__name__)
 
 
 def _corpus(rows: list[dict[str, Any]]) -> list[str]:
@@ -28,46 +32,50 @@ def _corpus(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def load_start(ctx: StageContext, cfg: SFTStage, rows: list[dict[str, Any]], chat: bool):
-    """The starting model and tokenizer: an upstream stage, the pipeline's base model, or a builtin. From the base
-    model, the pipeline's chat template is installed (align/templates/): its special tokens added, its
-    end-of-turn token made EOS, the model's embeddings and token ids fitted to the tokenizer."""
+    """The starting model and tokenizer: an upstream stage, the pipeline's base model (a directory, hub id or
+    .gguf file), or a builtin. From the base model, the planned chat template (`ctx.chat_template`) is installed
+    when the data is conversational or the pipeline names a template (align/templates/): its special tokens
+    added, its end-of-turn token made EOS, the model's embeddings and token ids fitted to the tokenizer."""
     p = ctx.pipeline
+    template = ctx.chat_template
     if cfg.model != "base":
         path = ctx.input_model(cfg.model)
-        return ctx.load_lm(path, quantize=cfg.lora.quantize), load_tokenizer(path, needs_chat_template=chat)
-    template = templates.template_text(p.chat_template) if p.chat_template else None
+        return ctx.load_lm(path, quantize=cfg.lora.quantize), load_tokenizer(path)
+    install = template is not None and (chat or p.chat_template is not None)
     if is_builtin(p.base_model):
         if p.tokenizer:  # a real tokenizer (e.g. GPT-2) for the fresh model: fix what it lacks
-            tok = load_tokenizer(p.tokenizer, p.trust_remote_code, needs_chat_template=chat)
+            tok = load_tokenizer(p.tokenizer, p.trust_remote_code)
         else:  # the template's tokens are special tokens of the trained vocabulary from the start
             tok = train_tokenizer(_corpus(rows), p.builtin.vocab_size, p.builtin.max_position_embeddings,
-                                  templates.special_literals(template or ""))
-        if template or chat:
+                                  template.special_tokens if install else ())
+        if install:
             templates.install(tok, template)
         return build_builtin(p.builtin, tok, ctx.seed, ctx.compute.attn_implementation), tok
-    tok = load_tokenizer(p.tokenizer or p.base_model, p.trust_remote_code, needs_chat_template=chat)
+    tok = load_tokenizer(p.tokenizer or p.base_model, p.trust_remote_code)
     model = ctx.load_lm(p.base_model, quantize=cfg.lora.quantize)
-    if template or chat:
+    if gguf.is_gguf(p.base_model):
+        ctx.extra_manifest["base_model_format"] = gguf.describe(p.base_model) + f" into {p.dtype}"
+    if install:
         templates.install(tok, template)
         fit_model_to_tokenizer(model, tok)
     return model, tok
 
 
-def check_assistant_masks(ctx: StageContext, tokenizer) -> None:
-    """Assistant-only loss needs `{% generation %}` markers in the template (or a template TRL knows how to
-    patch); say so before TRL does, with the fix."""
-    template = tokenizer.chat_template or ""
-    if templates.has_generation_markers(template if isinstance(template, str) else template.get("default", "")):
-        return
-    from trl.chat_template_utils import get_training_chat_template  # heavy: stage processes only
+def tokenized(ctx: StageContext, rows: list[dict[str, Any]], tokenizer, split: str):
+    """Conversations as the token ids and assistant masks SFT trains on (align/data/chat.py `sft_example`,
+    masking as planned); a conversation the template cannot split names its row."""
+    from datasets import Dataset  # heavy: stage processes only
 
-    try:
-        get_training_chat_template(tokenizer)
-    except ValueError:
-        raise StageError(f"stage '{ctx.name}': the chat template has no {{% generation %}} markers, so TRL cannot "
-                         "tell assistant tokens from the rest: set the pipeline's chat_template to chatml or llama3 "
-                         "(or a .jinja file with the markers, see align/templates/chatml.jinja), or set "
-                         f"stages.{ctx.name}.completion_only_loss: false to train on every token") from None
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            out.append(sft_example(tokenizer, ctx.chat_template, row["messages"]))
+        except TemplateError as exc:
+            raise StageError(f"stage '{ctx.name}': split '{split}' row {i}: {exc}") from None
+    if not any(1 in ex["assistant_masks"] for ex in out):
+        raise StageError(f"stage '{ctx.name}': no assistant token to train on in split '{split}' (chat template "
+                         f"{ctx.chat_template.source})")
+    return Dataset.from_list(out)
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -82,17 +90,22 @@ def run(ctx: StageContext) -> dict[str, Any]:
     check_lengths(ctx, rows, tokenizer)
     columns = ["messages"] if chat else ["prompt", "completion"]
     train = Dataset.from_list([{c: r[c] for c in columns} for r in rows])
-    eval_ds = None
+    eval_ds, eval_rows = None, []
     if cfg.eval_split:
         eval_rows = load_split(cfg.data, cfg.eval_split).rows[: cfg.eval_max_examples]
         eval_ds = Dataset.from_list([{c: r[c] for c in columns} for r in eval_rows])
-    assistant_only = cfg.completion_only_loss and chat
-    if assistant_only:
-        check_assistant_masks(ctx, tokenizer)
-    ctx.extra_manifest["loss_on"] = ("assistant turns" if assistant_only else "completions"
-                                     if cfg.completion_only_loss and not chat else "every token")
+    if cfg.completion_only_loss and chat:  # assistant turns only: masks as the plan decided, tokenised here
+        train = tokenized(ctx, rows, tokenizer, cfg.split)
+        if eval_ds is not None:
+            eval_ds = tokenized(ctx, eval_rows, tokenizer, cfg.eval_split)
+        ctx.extra_manifest["chat_template"] = {"source": ctx.chat_template.source, "digest": ctx.chat_template.digest,
+                                               "masking": ctx.chat_template.masking,
+                                               "trl_template": ctx.chat_template.trl_name}
+        log.info("assistant-only loss: chat template %s", ctx.chat_template.describe())
+    ctx.extra_manifest["loss_on"] = ("assistant turns" if cfg.completion_only_loss and chat else "completions"
+                                     if cfg.completion_only_loss else "every token")
     args = SFTConfig(**trainer_kwargs(cfg, ctx), completion_only_loss=cfg.completion_only_loss and not chat,
-                     assistant_only_loss=assistant_only, eval_strategy="no", packing=False)
+                     assistant_only_loss=False, eval_strategy="no", packing=False)
     trainer = SFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=eval_ds,
                          processing_class=tokenizer, callbacks=[metrics_callback(ctx)],
                          peft_config=peft_config(cfg.lora, "CAUSAL_LM"))

@@ -1,51 +1,129 @@
-"""Chat templates: the shipped formats, the pipeline's `chat_template` setting, and installing a template on a
-tokenizer.
+"""Chat templates: the pipeline's `chat_template` setting resolved once, at planning, into a `ChatTemplate`
+that every stage reads from its spec; installing it on a tokenizer in the stage that starts from the base model.
 
-Shipped (jinja files beside this module): `llama3` (<|begin_of_text|><|start_header_id|>role<|end_header_id|>
-\\n\\ncontent<|eot_id|>) and `chatml` (Qwen-style <|im_start|>role\\ncontent<|im_end|>\\n). Both mark the
-assistant's content and end-of-turn token with `{% generation %}`, which TRL's assistant-only loss needs
-(transformers' `return_assistant_tokens_mask`).
+Shipped (every `*.jinja` file beside this module): `chatml` (Qwen-style <|im_start|>role\\ncontent<|im_end|>\\n),
+`llama3` (<|start_header_id|>role<|end_header_id|>\\n\\ncontent<|eot_id|>) and `default` (align's role-tagged
+template, for tokenizers that ship none). All three mark the assistant's content and end-of-turn token with
+`{% generation %}`.
 
-Installing a template (at the SFT stage that starts from the base model; every later stage loads the tokenizer
+`chat_template: null` means the tokenizer's own template (read from its files, a GGUF file's metadata, or the
+Hugging Face cache), as stock chat models ship it: without generation markers. Which tokens SFT trains on
+(`masking`) is then decided here, once:
+- `markers`: the template has `{% generation %}` markers (transformers' assistant-token mask);
+- `trl`: TRL ships a marker-patched copy of this exact template (`trl/chat_templates/<name>_training.jinja`,
+  what `trl.chat_template_utils.get_training_chat_template` returns; `align validate` checks that TRL agrees):
+  SFT renders its masks with that copy, the saved tokenizer keeps the stock template;
+- `prefix`: prefix-by-prefix rendering (align/data/chat.py `sft_example`): `messages[:i]` with the generation
+  prompt, then `messages[:i+1]`; the new text up to and including the end-of-turn token is turn i's reply.
+  Templates that rewrite earlier turns once later ones follow are refused by `align validate`.
+
+Installing a template (the SFT stage that starts from the base model; every later stage loads the tokenizer
 that stage saved) does three things, each logged:
-1. every `<|...|>` literal of the template that the tokenizer lacks is added as a special token (the model's
-   embeddings are resized to match: align/models.py `fit_model_to_tokenizer`);
-2. the template becomes the tokenizer's chat template;
+1. the special tokens the template writes that the tokenizer lacks are added (the model's embeddings grow to
+   match: align/models.py `fit_model_to_tokenizer`);
+2. the template becomes the tokenizer's chat template (unless it is the tokenizer's own);
 3. the template's end-of-turn token (the special token right after an assistant's content) becomes the
-   tokenizer's EOS, as Qwen and Llama-3 instruct models ship it. Everything that stops or scores at EOS then
-   stops and scores at the end of the turn: generation (align/generation.py), the response mask, the
-   missing-EOS penalty, and the EOS that TRL's reward and DPO trainers and the reward-model judge append.
+   tokenizer's EOS, as Qwen and Llama-3 instruct models ship it: generation stops there, reward models score
+   there, and the EOS that TRL's reward and DPO trainers append is that token.
 
-No torch here: the runner resolves and checks the setting at `align validate`.
+No torch here: the runner resolves the setting when it plans.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import importlib.util
+import json
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from align.schema import ConfigError
 
 log = logging.getLogger(__name__)
 
 TEMPLATE_DIR = Path(__file__).parent
-SHIPPED = ("llama3", "chatml")
-_SPECIAL = re.compile(r"<\|[^|<>\s]+\|>")
+SHIPPED = tuple(sorted(p.stem for p in TEMPLATE_DIR.glob("*.jinja")))
+MASKINGS = ("markers", "trl", "prefix")
+# Token-shaped literals a template writes: <|im_start|>, <start_of_turn>, </think>, [INST], [/INST].
+_SPECIAL = re.compile(r"<\|[^|<>\s]+\|>|</?[A-Za-z][\w-]*>|\[/?[A-Z][A-Z_]*\]")
+_STRING = re.compile(r"'((?:[^'\\]|\\.)*)'|\"((?:[^\"\\]|\\.)*)\"")
+_COMMENT = re.compile(r"\{#.*?#\}", re.S)
 _GENERATION_TAG = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")
 # A two-turn probe: what the template writes right after the assistant's content is its end-of-turn token.
 PROBE = [{"role": "user", "content": "PING"}, {"role": "assistant", "content": "PONG"}]
 
 
-def resolve(value: str | None, source: str | Path) -> str | None:
-    """The pipeline's `chat_template`, checked: None (the tokenizer's own), a shipped name, or the absolute path
-    of a jinja file (relative paths are relative to the pipeline file). A missing or unparseable file is a
-    ConfigError naming it."""
-    if value is None or value in SHIPPED:
-        return value
-    path = (Path(source).resolve().parent / Path(value).expanduser()).resolve()
+@dataclass(frozen=True)
+class ChatTemplate:
+    """The pipeline's chat template, resolved once (`resolve`) and carried in every stage's spec."""
+
+    source: str
+    """Where the text came from: `shipped:<name>`, `file:<path>`, `tokenizer:<name>` (the tokenizer's own), or
+    `deferred:<name>` (a hub tokenizer not cached here: the first stage reads it)."""
+    text: str | None
+    """The Jinja source (None only when deferred)."""
+    digest: str | None
+    """sha256 of `text` (16 hex digits): part of the fingerprint of the stage that installs it."""
+    masking: str | None
+    """How SFT finds the assistant tokens: markers | trl | prefix (see the module docstring)."""
+    special_tokens: tuple[str, ...] = ()
+    """Token-shaped literals the template writes (added to a tokenizer that lacks them)."""
+    end_of_turn: str | None = None
+    """The special token written right after an assistant's reply, when known without loading the tokenizer."""
+    training_text: str | None = None
+    """masking `trl`: TRL's marker-patched copy of `text`, used for SFT's masks only."""
+    trl_name: str | None = None
+    """masking `trl`: the name of TRL's template (trl/chat_templates/<name>.jinja)."""
+
+    @property
+    def own(self) -> bool:
+        """The tokenizer's own template (nothing to install but the end-of-turn EOS)."""
+        return self.source.startswith(("tokenizer:", "deferred:"))
+
+    @property
+    def name(self) -> str:
+        return self.source.split(":", 1)[1] if ":" in self.source else self.source
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ChatTemplate:
+        raw = dict(raw)
+        raw["special_tokens"] = tuple(raw.get("special_tokens") or ())
+        return cls(**{f.name: raw[f.name] for f in dataclasses.fields(cls) if f.name in raw})
+
+    def describe(self) -> str:
+        how = {"markers": "its {% generation %} markers", "trl": f"TRL's patched copy ({self.trl_name})",
+               "prefix": "prefix-by-prefix rendering", None: "decided when the first stage loads the tokenizer"}
+        return f"{self.source} (digest {self.digest}); assistant tokens from {how[self.masking]}"
+
+
+# --------------------------------------------------------------------------------------------- resolution
+def resolve(value: str | None, source: str | Path, tokenizer: str | None) -> ChatTemplate:
+    """The pipeline's `chat_template` as a ChatTemplate. `value`: None (the tokenizer's own; align's `default`
+    when it has none), a shipped name, or a .jinja file (relative to the pipeline file). `tokenizer`: the
+    resolved tokenizer path or hub id (None: the builtin model's, trained by the first stage). Missing or
+    unparseable files are ConfigErrors naming them. Call it once per plan (align/plan.py)."""
     where = f"{source}: chat_template"
+    if value is None:
+        if tokenizer is None:
+            return _make("shipped:default", _shipped_text("default"), where)
+        own, special = tokenizer_template(tokenizer)
+        if own is False:
+            return ChatTemplate(f"deferred:{tokenizer}", None, None, None)
+        if own is None:
+            log.warning("tokenizer %s ships no chat template: align's default role-tagged template is used",
+                        tokenizer)
+            return _make("shipped:default", _shipped_text("default"), where)
+        return _make(f"tokenizer:{tokenizer}", own, where, special)
+    if value in SHIPPED:
+        return _make(f"shipped:{value}", _shipped_text(value), where)
+    path = (Path(source).resolve().parent / Path(value).expanduser()).resolve()
     if not value.endswith((".jinja", ".j2")):
         raise ConfigError(f"{where}: '{value}' is neither a shipped template ({', '.join(SHIPPED)}) nor a .jinja "
                           "file; name one of those, or null for the tokenizer's own template")
@@ -56,13 +134,34 @@ def resolve(value: str | None, source: str | Path) -> str | None:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{where}: {path} cannot be read as UTF-8 text ({type(exc).__name__})") from None
-    check_syntax(text, f"{where}: {path}")
-    return str(path)
+    return _make(f"file:{path}", text, f"{where}: {path}")
+
+
+def _shipped_text(name: str) -> str:
+    return (TEMPLATE_DIR / f"{name}.jinja").read_text(encoding="utf-8")
+
+
+def _make(source: str, text: str, where: str, tokenizer_specials: dict[str, str] | None = None) -> ChatTemplate:
+    check_syntax(text, where)
+    specials = special_literals(text)
+    masking, trl_name, training = "prefix", None, None
+    if has_generation_markers(text):
+        masking = "markers"
+    else:
+        found = trl_training_template(text)
+        if found:
+            masking, (trl_name, training) = "trl", found
+    return ChatTemplate(source, text, text_digest(text), masking, tuple(specials),
+                        probe_end_of_turn(text, specials, tokenizer_specials or {}), training, trl_name)
+
+
+def text_digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def check_syntax(text: str, where: str) -> None:
     """The template parses as Jinja (with transformers' `{% generation %}` tags) and names `messages`."""
-    import jinja2  # light, but only needed when a template file is checked
+    import jinja2  # light, but only needed when a template is checked
 
     try:
         jinja2.Environment().parse(_GENERATION_TAG.sub("", text))
@@ -73,28 +172,126 @@ def check_syntax(text: str, where: str) -> None:
                           "conversation in `messages` (see align/templates/chatml.jinja)")
 
 
-def template_text(resolved: str) -> str:
-    """The jinja source of a resolved setting (a shipped name or a file path)."""
-    path = TEMPLATE_DIR / f"{resolved}.jinja" if resolved in SHIPPED else Path(resolved)
-    return path.read_text(encoding="utf-8")
-
-
-def digest(value: str | None, source: str | Path) -> str | None:
-    """Content hash of the chosen template (for the SFT stage's fingerprint: editing the file reruns it)."""
-    resolved = resolve(value, source)
-    return None if resolved is None else hashlib.sha256(template_text(resolved).encode()).hexdigest()[:16]
-
-
 def has_generation_markers(text: str) -> bool:
     """Whether the template marks assistant tokens with `{% generation %}` (assistant-only loss needs it)."""
     return _GENERATION_TAG.search(text) is not None
 
 
 def special_literals(text: str) -> list[str]:
-    """The `<|...|>` tokens a template writes, in order of first appearance."""
-    return list(dict.fromkeys(_SPECIAL.findall(text)))
+    """Token-shaped literals inside the template's strings (<|im_end|>, <end_of_turn>, [INST], ...), in order of
+    first appearance."""
+    found: list[str] = []
+    for m in _STRING.finditer(_COMMENT.sub("", text)):
+        found += _SPECIAL.findall(m.group(1) if m.group(1) is not None else m.group(2))
+    return list(dict.fromkeys(found))
 
 
+def trl_training_template(text: str) -> tuple[str, str] | None:
+    """(name, text) of TRL's marker-patched copy of this exact template, read from TRL's package data without
+    importing TRL (it imports torch); None when TRL ships none. `align validate` cross-checks the answer with
+    `trl.chat_template_utils.get_training_chat_template`."""
+    spec = importlib.util.find_spec("trl")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(list(spec.submodule_search_locations)[0]) / "chat_templates"
+    for training in sorted(folder.glob("*_training.jinja")):
+        original = training.with_name(training.name.replace("_training.jinja", ".jinja"))
+        if original.is_file() and original.read_text(encoding="utf-8") == text:
+            return original.stem, training.read_text(encoding="utf-8")
+    return None
+
+
+def probe_end_of_turn(text: str, specials: list[str], tokenizer_specials: dict[str, str]) -> str | None:
+    """The special token the template writes right after an assistant's reply, found by rendering `PROBE`
+    (transformers' Jinja environment, no torch). None when it cannot be told without the tokenizer (e.g. the
+    template writes the tokenizer's `eos_token` and the tokenizer is not known here)."""
+    try:
+        from transformers.utils.chat_template_utils import render_jinja_template
+    except ImportError:
+        return None
+    kwargs = {k: v for k, v in tokenizer_specials.items() if k in ("bos_token", "eos_token")}
+    try:
+        rendered, _ = render_jinja_template([PROBE], chat_template=text, **kwargs)
+    except Exception:  # noqa: BLE001 - a template that needs the tokenizer's context: decided at install
+        return None
+    rendered = rendered[0]
+    if "PONG" not in rendered:
+        return None
+    after = rendered[rendered.rindex("PONG") + 4:]
+    candidates = sorted({*specials, *tokenizer_specials.values()}, key=len, reverse=True)
+    return next((t for t in candidates if t and after.startswith(t)), None)
+
+
+# --------------------------------------------------------------------------------------------- the tokenizer's own
+def tokenizer_template(name: str) -> tuple[str | None | bool, dict[str, str]]:
+    """(template text, special tokens by role) of a tokenizer without loading it: a local directory's
+    chat_template.jinja or tokenizer_config.json, a GGUF file's metadata, or the same files in the Hugging Face
+    cache. Text None: the tokenizer has no template; False: it cannot be read here (a hub tokenizer not cached)."""
+    path = Path(name)
+    if path.is_file() and path.suffix == ".gguf":
+        return _gguf_template(path)
+    if path.is_dir():
+        files = {f: path / f for f in ("chat_template.jinja", "tokenizer_config.json", "tokenizer.json")}
+        files = {f: p for f, p in files.items() if p.is_file()}
+    else:
+        files = {}
+        for f in ("chat_template.jinja", "tokenizer_config.json", "tokenizer.json"):
+            cached = _hub_file(name, f)
+            if cached:
+                files[f] = Path(cached)
+        if "tokenizer_config.json" not in files:
+            return False, {}
+    config = _json(files.get("tokenizer_config.json"))
+    specials = {k: _content(config.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
+    specials = {k: v for k, v in specials.items() if v}
+    if "chat_template.jinja" in files:
+        return files["chat_template.jinja"].read_text(encoding="utf-8"), specials
+    text = config.get("chat_template")
+    if isinstance(text, list):  # named variants: the default one
+        text = next((t.get("template") for t in text if isinstance(t, dict) and t.get("name") == "default"), None)
+    return (text if isinstance(text, str) and text else None), specials
+
+
+def _content(value: Any) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
+
+
+def _json(path: Path | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}  # a damaged tokenizer file is reported by align/inputs.py, which names it
+    return raw if isinstance(raw, dict) else {}
+
+
+def _hub_file(repo: str, filename: str) -> str | None:
+    try:
+        from huggingface_hub import try_to_load_from_cache  # optional: absent means no cache to read
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(repo, filename)
+    except ValueError:  # not a valid repo id
+        return None
+    return found if isinstance(found, str) else None
+
+
+def _gguf_template(path: Path) -> tuple[str | None, dict[str, str]]:
+    from align.gguf import read_metadata  # needs the optional `gguf` package: checked by align/inputs.py
+
+    meta = read_metadata(path)
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    specials = {}
+    for role in ("bos", "eos", "padding"):
+        idx = meta.get(f"tokenizer.ggml.{role}_token_id")
+        if isinstance(idx, int) and 0 <= idx < len(tokens):
+            specials[f"{'pad' if role == 'padding' else role}_token"] = tokens[idx]
+    return meta.get("tokenizer.chat_template"), specials
+
+
+# --------------------------------------------------------------------------------------------- installing
 def end_of_turn(tokenizer) -> str:
     """The special token the tokenizer's chat template writes right after an assistant's content."""
     from align.models import ModelError  # heavy (torch): a stage or validation already loaded a tokenizer
@@ -110,21 +307,31 @@ def end_of_turn(tokenizer) -> str:
     return found
 
 
-def install(tokenizer, text: str | None) -> list[str]:
-    """Give the tokenizer a chat template (None: keep its own) and make the end-of-turn token its EOS.
+def install(tokenizer, template: ChatTemplate) -> list[str]:
+    """Give the tokenizer the resolved template (its own: kept) and make the end-of-turn token its EOS.
 
     Returns the special tokens that were added (the model's embeddings must grow by that many)."""
     from tokenizers import AddedToken  # heavy: stage processes and validation only
 
     added: list[str] = []
-    if text is not None:
+    if not template.own:
         vocab = tokenizer.get_vocab()
-        added = [t for t in special_literals(text) if t not in vocab]
+        added = [t for t in template.special_tokens if t not in vocab]
         if added:
             tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in added], special_tokens=True)
             log.warning("chat template: added special tokens %s to the tokenizer", added)
-        tokenizer.chat_template = text
+        tokenizer.chat_template = template.text
+    elif template.text is not None and tokenizer.chat_template != template.text:
+        from align.models import ModelError  # heavy (torch)
+
+        raise ModelError(f"the tokenizer's chat template changed since the pipeline was planned ({template.source}, "
+                         f"digest {template.digest}); run `align run` again to plan with the current files")
     eot = end_of_turn(tokenizer)
+    if template.end_of_turn and eot != template.end_of_turn:
+        from align.models import ModelError  # heavy (torch)
+
+        raise ModelError(f"chat template {template.source}: the tokenizer renders {eot!r} after a reply, but the "
+                         f"template was planned with end-of-turn {template.end_of_turn!r}")
     if eot != tokenizer.eos_token:
         log.warning("chat template: EOS is now the end-of-turn token %r (was %r): generation stops there and "
                     "reward models score there", eot, tokenizer.eos_token)
@@ -140,7 +347,8 @@ def prompt_boundary_problem(tokenizer) -> str | None:
 
     Byte-level BPE with GPT-2's pre-tokenizer splits "\n\n" into two tokens before a word but keeps it as one
     at the end of a text: with the llama3 format, PPO and evaluation would sample from a prompt whose last token
-    SFT never saw there (TRL's DPO trainer warns of the same). ChatML's single newline has no such boundary."""
+    a reply-joined tokenisation never has there (TRL's DPO trainer warns of the same). ChatML's single newline
+    has no such boundary. (SFT with prefix masking tokenises prompt and reply apart, as PPO does.)"""
     from align.data.chat import as_text  # the rendering every stage after SFT uses
 
     row = as_text([{"prompt": PROBE[:1], "completion": PROBE[1:]}], tokenizer)[0]
