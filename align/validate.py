@@ -212,7 +212,7 @@ def _show_example(plan: StagePlan, fld: str, rows, tokenizer, template, source: 
         except FormatError as exc:
             raise PipelineError(f"{where}: row 0: {exc}") from None
         shown = f"prompt ends {rendered['prompt'][-40:]!r}"
-        if "chosen" in rendered:
+        if "chosen" in rendered and fld == "data":
             shown += f"; chosen reply {rendered['chosen'][:80]!r} + EOS {tokenizer.eos_token!r}"
         else:
             shown += f"; responses are sampled up to EOS {tokenizer.eos_token!r}"

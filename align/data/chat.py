@@ -147,10 +147,14 @@ def sft_example(tokenizer, template, messages: list[dict[str, str]]) -> dict[str
 
         masking = "markers" if has_generation_markers(str(tokenizer.chat_template)) else "prefix"
     if masking in ("markers", "trl"):
-        text = template.training_text if masking == "trl" else (template.text if template else None)
-        out = tokenizer.apply_chat_template(messages, chat_template=text or tokenizer.chat_template, tokenize=True,
-                                            return_dict=True, return_assistant_tokens_mask=True)
-        return {"input_ids": list(out["input_ids"]), "assistant_masks": list(out["assistant_masks"])}
+        text = (template.training_text if masking == "trl" else template.text if template else None) or \
+            tokenizer.chat_template
+        out = tokenizer.apply_chat_template(messages, chat_template=text, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+        if masking == "trl":  # TRL's copies also mark the newline before a reply and after its end-of-turn
+            mask = _reply_only(tokenizer, ids, mask, _generation_prompt(tokenizer, text))
+        return {"input_ids": ids, "assistant_masks": mask}
     ids: list[int] = []
     mask: list[int] = []
     for k, (text, trained) in enumerate(prefix_segments(tokenizer, template, messages)):
@@ -159,6 +163,42 @@ def sft_example(tokenizer, template, messages: list[dict[str, str]]) -> dict[str
         ids += piece
         mask += [int(trained)] * len(piece)
     return {"input_ids": ids, "assistant_masks": mask}
+
+
+def _generation_prompt(tokenizer, text: str) -> str:
+    """What the template's generation prompt adds after a user turn (e.g. '<|im_start|>assistant\\n')."""
+    turn = [{"role": "user", "content": "PING"}]
+    with_prompt = tokenizer.apply_chat_template(turn, chat_template=text, tokenize=False, add_generation_prompt=True)
+    without = tokenizer.apply_chat_template(turn, chat_template=text, tokenize=False)
+    return with_prompt[len(without):] if with_prompt.startswith(without) else ""
+
+
+def _reply_only(tokenizer, ids: list[int], mask: list[int], generation_prompt: str) -> list[int]:
+    """A marker mask cut to what the other stages call a reply (the text after the generation prompt, up to and
+    including the end-of-turn token, EOS): in each marked run, leading tokens that end the generation prompt
+    (PPO's prompt already holds them) and tokens after the end-of-turn token are left untrained."""
+    mask = list(mask)
+    eos = tokenizer.eos_token_id
+    i = 0
+    while i < len(ids):
+        if not mask[i]:
+            i += 1
+            continue
+        j = i
+        while j < len(ids) and mask[j]:
+            j += 1
+        lead = 0
+        for k in range(1, j - i + 1):
+            piece = tokenizer.decode(ids[i:i + k])
+            if piece and generation_prompt.endswith(piece):
+                lead = k
+            elif not generation_prompt.endswith(piece):
+                break
+        end = next((k + 1 for k in range(i, j) if ids[k] == eos), j)
+        for k in range(i, j):
+            mask[k] = int(i + lead <= k < end)
+        i = j
+    return mask
 
 
 def trained_text(tokenizer, example: dict[str, list[int]]) -> list[str]:

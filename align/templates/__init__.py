@@ -51,6 +51,7 @@ MASKINGS = ("markers", "trl", "prefix")
 # Token-shaped literals a template writes: <|im_start|>, <start_of_turn>, </think>, [INST], [/INST].
 _SPECIAL = re.compile(r"<\|[^|<>\s]+\|>|</?[A-Za-z][\w-]*>|\[/?[A-Z][A-Z_]*\]")
 _STRING = re.compile(r"'((?:[^'\\]|\\.)*)'|\"((?:[^\"\\]|\\.)*)\"")
+_TAG = re.compile(r"(\{\{.*?\}\}|\{%.*?%\})", re.S)
 _COMMENT = re.compile(r"\{#.*?#\}", re.S)
 _GENERATION_TAG = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")
 # A two-turn probe: what the template writes right after the assistant's content is its end-of-turn token.
@@ -178,11 +179,15 @@ def has_generation_markers(text: str) -> bool:
 
 
 def special_literals(text: str) -> list[str]:
-    """Token-shaped literals inside the template's strings (<|im_end|>, <end_of_turn>, [INST], ...), in order of
-    first appearance."""
+    """Token-shaped literals the template writes (<|im_end|>, <end_of_turn>, [INST], ...): in its string literals
+    and in its plain text between tags, in order of first appearance."""
     found: list[str] = []
-    for m in _STRING.finditer(_COMMENT.sub("", text)):
-        found += _SPECIAL.findall(m.group(1) if m.group(1) is not None else m.group(2))
+    for k, part in enumerate(_TAG.split(_COMMENT.sub("", text))):
+        if k % 2 == 0:  # plain text, written as it is
+            found += _SPECIAL.findall(part)
+        else:
+            for m in _STRING.finditer(part):
+                found += _SPECIAL.findall(m.group(1) if m.group(1) is not None else m.group(2))
     return list(dict.fromkeys(found))
 
 

