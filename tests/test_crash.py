@@ -11,6 +11,7 @@ complete checkpoint that existed at the kill (in trial 1 there always is one).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -89,7 +90,8 @@ def _kill_trials(project, stage: str, load) -> list[dict]:
                 assert time.time() - t_launch < 180, f"{stage}: kill point {point} not reached in 180 s"
                 time.sleep(0.02)
         finally:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # exited already: the assertion above says why
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         m = _manifest(stage_dir)
         assert m.get("status") == "running", f"{stage}: a killed attempt must not look completed: {m.get('status')}"

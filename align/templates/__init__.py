@@ -207,24 +207,39 @@ def trl_training_template(text: str) -> tuple[str, str] | None:
 
 
 def probe_end_of_turn(text: str, specials: list[str], tokenizer_specials: dict[str, str]) -> str | None:
-    """The special token the template writes right after an assistant's reply, found by rendering `PROBE`
-    (transformers' Jinja environment, no torch). None when it cannot be told without the tokenizer (e.g. the
-    template writes the tokenizer's `eos_token` and the tokenizer is not known here)."""
-    try:
-        from transformers.utils.chat_template_utils import render_jinja_template
-    except ImportError:
-        return None
+    """The special token the template writes right after an assistant's reply, found by rendering `PROBE`. None
+    when it cannot be told without the tokenizer (e.g. the template writes the tokenizer's `eos_token` and the
+    tokenizer is not known here). `install` checks the answer against the tokenizer's own rendering."""
     kwargs = {k: v for k, v in tokenizer_specials.items() if k in ("bos_token", "eos_token")}
     try:
-        rendered, _ = render_jinja_template([PROBE], chat_template=text, **kwargs)
+        rendered = _render(text, PROBE, **kwargs)
     except Exception:  # noqa: BLE001 - a template that needs the tokenizer's context: decided at install
         return None
-    rendered = rendered[0]
     if "PONG" not in rendered:
         return None
     after = rendered[rendered.rindex("PONG") + 4:]
     candidates = sorted({*specials, *tokenizer_specials.values()}, key=len, reverse=True)
     return next((t for t in candidates if t and after.startswith(t)), None)
+
+
+def _render(text: str, messages: list[dict[str, str]], **context: Any) -> str:
+    """Render a chat template in a Jinja sandbox set up as transformers sets up its own (trim_blocks,
+    lstrip_blocks, loop controls, `raise_exception`, `tojson`, `strftime_now`), for the planning probe only:
+    importing transformers here would cost the runner a second per plan. Generation markers are dropped."""
+    import datetime
+
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise jinja2.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    return env.from_string(_GENERATION_TAG.sub("", text)).render(messages=messages, add_generation_prompt=False,
+                                                                  **context)
 
 
 # --------------------------------------------------------------------------------------------- the tokenizer's own
