@@ -130,21 +130,59 @@ def publish_dir(tmp: str | Path, final: str | Path) -> None:
         shutil.rmtree(old)
 
 
-def output_digest(root: str | Path) -> dict[str, str]:
+_HASHED: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256, within one process
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a whole file, read in 4 MiB blocks; remembered for this process while the file's size and mtime
+    stay the same (one `align run` verifies an input once however many stages consume it)."""
+    st = os.stat(path)
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key not in _HASHED:
+        h = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(4 << 20), b""):
+                h.update(block)
+        _HASHED[key] = h.hexdigest()
+    return _HASHED[key]
+
+
+def output_digest(root: str | Path) -> dict[str, Any]:
     """Identity of one publication of a stage output (model/, data/, report/), recorded in its manifest and,
     through the spec, in the manifests of the stages that consume it.
 
-    `content`: sha256 over every file's relative name and size, the full bytes of files up to 16 MiB
-    (configs, tokenizers, pair files, the tiny models) and the first 1 MiB of larger ones (a safetensors
-    header lists every tensor's name, dtype, shape and offset), so it stays cheap for multi-GB weights.
-    `publication`: a random id drawn at publication. Downstream stages compare both, so a retrained stage
-    reruns its dependants even when its new weights happen to be bit-identical or differ only inside a large
-    file (conservative: a rerun, never a stale skip)."""
+    `files`: every file's relative name -> [size, sha256 of the whole file]; `content`: a hash over that list.
+    `publication`: a random id drawn at publication. Downstream stages compare both, so a retrained stage reruns
+    its dependants even when its new weights happen to be bit-identical. Every consumer checks the files on
+    disk against `files` before it loads or skips (`output_problem`): one flipped byte anywhere is found."""
     root = Path(root)
-    h = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        size = path.stat().st_size
-        h.update(f"{path.relative_to(root).as_posix()}\0{size}\0".encode())
-        with open(path, "rb") as fh:
-            h.update(fh.read() if size <= 16 << 20 else fh.read(1 << 20))
-    return {"content": h.hexdigest()[:20], "publication": secrets.token_hex(8)}
+    files = {p.relative_to(root).as_posix(): [p.stat().st_size, file_sha256(p)]
+             for p in sorted(p for p in root.rglob("*") if p.is_file())}
+    content = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:20]
+    return {"content": content, "publication": secrets.token_hex(8), "files": files}
+
+
+def output_problem(root: str | Path, recorded: dict[str, Any] | None) -> str | None:
+    """What differs between a published output on disk and the digest its manifest recorded (None: nothing):
+    a missing output or file, a truncated or grown file, changed bytes, a file that was added. Outputs
+    recorded before whole-file digests existed (no `files`) are checked for existence only."""
+    root = Path(root)
+    if not root.is_dir():
+        return f"{root} is missing"
+    files = (recorded or {}).get("files")
+    if not isinstance(files, dict):
+        return None
+    for rel, (size, digest) in sorted(files.items()):
+        path = root / rel
+        if not path.is_file():
+            return f"{path} is missing"
+        actual = path.stat().st_size
+        if actual != size:
+            return f"{path} has {actual:,} bytes, {size:,} when it was published ({'truncated' if actual < size else 'grown'})"
+        if file_sha256(path) != digest:
+            return f"{path} changed after it was published (sha256 {file_sha256(path)[:12]}..., recorded {digest[:12]}...)"
+    extra = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()
+                   and p.relative_to(root).as_posix() not in files)
+    if extra:
+        return f"{root / extra[0]} was added after the output was published"
+    return None

@@ -83,6 +83,9 @@ def check_judges(spec: str | dict[str, float], reward_stages: set[str], other_st
                              f"stage ({', '.join(sorted(reward_stages)) or 'none in this pipeline'}) or a Python "
                              "judge")
         python_judge(name)
+    if all(w == 0 for w in weights.values()):
+        raise JudgeError(f"every weight of {dict(weights)} is 0: the reward would be a constant and nothing would "
+                         "be learned; give at least one judge a non-zero weight")
 
 
 class RewardModelJudge:

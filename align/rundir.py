@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from align.fsutil import atomic_write_json
+from align.fsutil import atomic_write_json, output_problem
 from align.tracking import scrub
 
 SPEC = "spec.json"
@@ -107,7 +107,7 @@ class Manifest(TypedDict, total=False):
     zero_stage: int | None
     final_metrics: dict[str, Any]
     outputs: list[str]  # relative to the stage directory
-    output_digests: dict[str, dict[str, str]]  # output name -> {content, publication}
+    output_digests: dict[str, dict[str, Any]]  # output name -> {content, publication, files: {name: [size, sha256]}}
     wandb: dict[str, Any]
     error: str
     traceback: str
@@ -151,6 +151,18 @@ def is_complete(stage_dir: str | Path, fingerprint: str | None = None) -> bool:
     if not m or m.get("status") != "completed" or (fingerprint and m.get("fingerprint") != fingerprint):
         return False
     return all((Path(stage_dir) / out).exists() for out in m.get("outputs", []))
+
+
+def outputs_problem(stage_dir: str | Path) -> str | None:
+    """What is wrong with a completed stage's published outputs on disk against its manifest's whole-file
+    digests (align/fsutil.py `output_problem`): a missing, truncated or changed file, named. None: intact."""
+    m = read_manifest(stage_dir) or {}
+    digests = m.get("output_digests") or {}
+    for out in m.get("outputs", []):
+        problem = output_problem(Path(stage_dir) / out, digests.get(out))
+        if problem:
+            return problem
+    return None
 
 
 def output_digests(stage_dir: str | Path) -> Any:

@@ -23,7 +23,7 @@ from align.launch import is_distributed, launch_command, stage_env
 from align.multinode import MultiNode, follow_stage
 from align.plan import REPO_DIR, PipelineError, StagePlan, code_version, descendants, run_dir_of
 from align.rundir import (MANIFEST, PIPELINE, SPEC, PipelineRecord, StageSpec, headline, is_complete,
-                          output_digests, read_manifest)
+                          output_digests, outputs_problem, read_manifest)
 from align.runlock import RunLock, RunLockedError
 from align.sweeps import by_stage
 from align.tracking import scrub
@@ -53,10 +53,18 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
     multi = multi or MultiNode()
     multi.check()
     swept = by_stage(cfg.variants)  # `--only dpo` / `--from dpo` mean all of dpo's variants
+    if only is not None and from_stage is not None:
+        raise PipelineError(f"--only {only} and --from {from_stage} together: --only runs one stage, --from a stage "
+                            "and everything after it; give one of them")
+    if num_processes is not None and num_processes < 1:
+        raise PipelineError(f"--num-processes {num_processes}: must be at least 1 (leave it out to use each stage's "
+                            "accelerate config)")
     for flag, value in (("--only", only), ("--from", from_stage)):
-        if value and value not in cfg.stages and value not in swept:
-            hint = difflib.get_close_matches(value, [*cfg.stages, *swept], n=1)
-            raise PipelineError(f"{flag} {value}: no such stage" + (f"; did you mean '{hint[0]}'?" if hint else ""))
+        if value is not None and value not in cfg.stages and value not in swept:
+            names = [*cfg.stages, *swept]
+            hint = difflib.get_close_matches(value, names, n=1)
+            raise PipelineError(f"{flag} {value or repr(value)}: no such stage" + (f"; did you mean '{hint[0]}'?" if hint else "")
+                                + f" (stages: {', '.join(names)})")
     print(f"[align] validating {source}", flush=True)
     plans = validate(cfg, source)
     deps = {p.name: p.deps for p in plans}
@@ -68,7 +76,7 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
         selected = set(deps)
     forced = selected if (force or from_stage) else set()
     run_dir = Path(run_dir) if run_dir is not None else run_dir_of(cfg)
-    to_run = [p.name for p in plans if p.name in selected and (p.name in forced or not up_to_date(p, run_dir))]
+    to_run = [p.name for p in plans if p.name in selected and (p.name in forced or not up_to_date(p, run_dir, source))]
     memory_preflight(cfg, source, plans, set(to_run), num_processes, multi, ignore_memory_check)
     if not multi.is_main:
         return _run_stages(cfg, source, plans, selected, forced, run_dir, num_processes, trust_completed_inputs,
@@ -84,14 +92,29 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
         raise PipelineError(str(exc)) from None
 
 
-def up_to_date(plan: StagePlan, run_dir: Path) -> bool:
+def up_to_date(plan: StagePlan, run_dir: Path, source: str | Path = "PIPELINE.yaml") -> bool:
     """Completed with this fingerprint, and trained from the outputs its inputs have now: each input's
-    output_digests (a publication id + content digest, align/fsutil.py) equal what the stage recorded."""
+    output_digests (a publication id + whole-file digests, align/fsutil.py) equal what the stage recorded.
+    Before a stage is skipped as up to date, its own outputs and its inputs' are checked on disk against their
+    manifests: a changed, truncated or missing file is a PipelineError naming it and the fix. (A whole output
+    directory that is gone makes its stage incomplete instead: it reruns, and so does what consumed it.)"""
     stage_dir = run_dir / plan.name
     if not is_complete(stage_dir, plan.fingerprint):
         return False
     recorded = (read_manifest(stage_dir) or {}).get("input_digests") or {}
-    return all(recorded.get(d) == output_digests(run_dir / d) for d in plan.deps)
+    if not all(recorded.get(d) == output_digests(run_dir / d) and is_complete(run_dir / d) for d in plan.deps):
+        return False  # an input was retrained, or its output is gone (it reruns first, or --only refuses)
+    for name in (plan.name, *plan.deps):
+        check_outputs(run_dir, name, source)
+    return True
+
+
+def check_outputs(run_dir: Path, name: str, source: str | Path) -> None:
+    """Refuse a completed stage whose published output on disk is not what its manifest recorded."""
+    problem = outputs_problem((run_dir / name).resolve())
+    if problem:
+        raise PipelineError(f"stage '{name}' completed, but {problem}: nothing may load or skip over it. Rerun it "
+                            f"and what depends on it: `align run {source} --from {name}`")
 
 
 def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan], selected: set[str],
@@ -108,7 +131,7 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
         if plan.name not in selected:
             statuses[plan.name] = "not selected"
             continue
-        if plan.name not in forced and up_to_date(plan, run_dir):
+        if plan.name not in forced and up_to_date(plan, run_dir, source):
             print(f"{header}: up to date (fingerprint {plan.fingerprint}), skipped", flush=True)
             statuses[plan.name] = "skipped"
             continue
@@ -117,6 +140,7 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
             if not is_complete(run_dir / d, expected):
                 raise PipelineError(f"stage '{plan.name}' needs stage '{d}' completed in {run_dir / d} with the "
                                     "current config; run the pipeline without --only first")
+            check_outputs(run_dir, d, source)  # what the stage will load is what `d` published
         if not multi.is_main:
             follow_stage(plan, stage_dir, header, source, num_processes, multi)
             statuses[plan.name] = "completed"

@@ -13,6 +13,7 @@ field allows it, its docstring says what it means (usually "all" or "off"); 0 an
 
 from __future__ import annotations
 
+import math
 import dataclasses
 import difflib
 import re
@@ -22,6 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+
+
+MAX_INT = 2 ** 53  # the largest integer every setting keeps exactly (as a float too); anything larger is a typo
 
 
 class ConfigError(ValueError):
@@ -143,10 +147,17 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if isinstance(value, int) and abs(value) > MAX_INT:
+            raise ConfigError(f"{where}: {value} is out of range: numbers are at most {MAX_INT:.0e} in size")
+        if not math.isfinite(value):  # NaN, inf, and YAML's 1e400 (read as inf)
+            raise ConfigError(f"{where}: {value!r} is not a finite number; give a finite value")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if abs(value) > MAX_INT:
+            raise ConfigError(f"{where}: {value} is out of range: integer settings are at most {MAX_INT:,} "
+                              "(2**53) in size")
         return value
     if tp is bool:
         if not isinstance(value, bool):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from align.config import parse_pipeline, stage_types
 from align.plan import PipelineError, build_plan
-from align.rundir import PIPELINE, Manifest, PipelineRecord, headline, is_complete, read_manifest
+from align.rundir import PIPELINE, Manifest, PipelineRecord, headline, is_complete, outputs_problem, read_manifest
 
 _TIME = "%Y-%m-%dT%H:%M:%S%z"
 
@@ -55,12 +55,19 @@ def status_table(run_dir: str | Path) -> str:
     lines = [f"{run_dir}: pipeline {info.get('pipeline')}, run {info.get('run_id')}, last updated "
              f"{info.get('updated_at', '?')}", "",
              "| stage | type | state | fingerprint | attempts | duration | headline |", "|---|---|---|---|---|---|---|"]
+    damaged: list[str] = []
     for st in info["stages"]:
         name, kind = st["name"], st["type"]
         m = read_manifest(run_dir / name) or {}
         state = m.get("status", "not run")
         if state == "completed" and not is_complete(run_dir / name):
             state = "completed, output missing"
+        if state == "completed":
+            problem = outputs_problem(run_dir / name)
+            if problem:
+                damaged.append(f"{name}: {problem}; rerun it: align run {info.get('source', 'PIPELINE.yaml')} "
+                               f"--from {name}")
+                state = "completed, output damaged (see below)"
         if state == "failed" and m.get("error"):
             state = f"failed: {str(m['error'])[:60]}"
         fp = m.get("fingerprint")
@@ -68,4 +75,6 @@ def status_table(run_dir: str | Path) -> str:
                                     "unknown (pipeline file gone)" if now is None else "stale (config, data or code changed)")
         lines.append(f"| {name} | {kind} | {state} | {match} | {m.get('attempts', 0)} | {_duration(m)} | "
                      f"{_headline(kind, m)} |")
+    if damaged:
+        lines += ["", "Damaged outputs (their files are not what the stage published):", *damaged]
     return "\n".join(lines)

@@ -12,6 +12,7 @@ import gc
 import importlib
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -376,6 +377,12 @@ def check_produced(ctx: StageContext, outputs: list[str], final: dict[str, Any])
         raise StageError(f"stage '{ctx.name}' trained 0 steps")
     if final.get("eval/prompts") == 0:
         raise StageError(f"stage '{ctx.name}' evaluated 0 prompts")
+    bad = [k for k, v in final.items() if isinstance(v, float) and not math.isfinite(v)
+           and any(w in k for w in ("loss", "margin", "accuracy", "rewards/"))]
+    if bad:  # the training-loss guard watches each step; a diverged model can still end with a NaN eval
+        raise StageError(f"stage '{ctx.name}': {', '.join(f'{k} = {final[k]}' for k in bad)}: the model diverged "
+                         f"(non-finite numbers); lower stages.{ctx.name}.learning_rate (or the stage's beta / "
+                         "scale settings) and rerun it")
     for out in outputs:
         path = ctx.dir / out
         if not path.exists() or (path.is_dir() and not any(path.iterdir())):
