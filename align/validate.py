@@ -125,12 +125,15 @@ def _check_lengths(cfg: PipelineConfig, plans: list[StagePlan], split_of, source
             print("  length check: at stage start (the builtin model's tokenizer is trained by the first stage)")
         return
     template = plans[0].chat_template
-    chat = any(d.card.produces == "messages" or isinstance(d.rows[0].get("prompt"), list) for d in first.values())
+    # The rule of the stage that starts from the base model (align/stages/sft.py): it installs the template when
+    # its data is conversational or the pipeline names a template.
+    chat = any(getattr(p.cfg, "model", None) == "base" and (p.name, "data") in first
+               and first[(p.name, "data")].card.produces == "messages" for p in plans)
+    installs = template is not None and (chat or cfg.chat_template is not None)
     try:
         tokenizer = load_tokenizer(name, cfg.trust_remote_code)
-        if template is not None and (chat or cfg.chat_template is not None):  # as the first SFT stage will
+        if installs:  # as the first SFT stage will
             templates.install(tokenizer, template)
-            _check_trl_agrees(tokenizer, template, source)
             problem = templates.prompt_boundary_problem(tokenizer)
             if problem and verbose:
                 print(f"  warning: chat template: {problem}")
@@ -142,8 +145,10 @@ def _check_lengths(cfg: PipelineConfig, plans: list[StagePlan], split_of, source
             print(f"  length check: at stage start (tokenizer '{name}' not loadable here: {type(exc).__name__}: "
                   f"{first_line})")
         return
-    if verbose and chat and template is not None:
-        print(f"  chat template: {template.describe()}")
+    if installs:
+        _check_trl_agrees(tokenizer, template, source)  # outside the try: its PipelineError is a ValueError
+        if verbose:
+            print(f"  chat template: {template.describe()}")
     for plan in plans:
         for fld in plan.cards:
             if (plan.name, fld) in first:
@@ -209,7 +214,7 @@ def _show_example(plan: StagePlan, fld: str, rows, tokenizer, template, source: 
     elif isinstance(row.get("prompt"), list):
         try:
             rendered = as_text([row], tokenizer)[0]
-        except FormatError as exc:
+        except ValueError as exc:  # FormatError, or a tokenizer without a chat template
             raise PipelineError(f"{where}: row 0: {exc}") from None
         shown = f"prompt ends {rendered['prompt'][-40:]!r}"
         if "chosen" in rendered and fld == "data":

@@ -156,3 +156,31 @@ def test_one_resolution_call_site():
     out = subprocess.run(["grep", "-rn", r"templates\.resolve(", str(REPO / "align")], capture_output=True,
                          text=True).stdout.strip().splitlines()
     assert len(out) == 1 and "align/plan.py" in out[0], out
+
+
+def test_a_template_that_refuses_a_conversation_is_named_not_a_traceback():
+    """Stock templates refuse some conversations themselves (Gemma's: roles must alternate): a TemplateError
+    that the SFT stage and `align validate` name with the row."""
+    tok, planned = stock("gemma3")
+    with pytest.raises(TemplateError, match="the chat template refuses this conversation: Conversation roles must "
+                                            "alternate"):
+        sft_example(tok, planned, [ONE[0], ONE[0], ONE[1]])
+
+
+def test_validate_refuses_when_trl_no_longer_patches_the_planned_template(monkeypatch):
+    """The plan reads TRL's template files; if the installed TRL's function disagrees, `align validate` says so
+    (it used to be swallowed as a tokenizer that cannot load)."""
+    import trl.chat_template_utils as ctu
+
+    from align.config import load_pipeline
+    from align.plan import PipelineError
+    from align.validate import validate
+
+    def patched_nothing(tokenizer):
+        raise ValueError("unrecognised template")
+
+    monkeypatch.setattr(ctu, "get_training_chat_template", patched_nothing)
+    source = REPO / "pipelines" / "chat.yaml"
+    cfg = load_pipeline(source, ["tokenizer=../tokenizers/gpt2", f"chat_template={DIR / 'qwen2_5.jinja'}"])
+    with pytest.raises(PipelineError, match="align planned masking 'trl' .*has no patched template"):
+        validate(cfg, source, verbose=False)

@@ -23,6 +23,18 @@ from typing import Any
 from align.data.formats import FormatError, check_conversation
 
 
+def _apply(tokenizer, messages, **kwargs):
+    """`tokenizer.apply_chat_template`, with the template's own refusals (`raise_exception(...)` in stock
+    templates: a system turn Gemma does not take, roles that do not alternate) as a FormatError that the caller
+    names with its row, not a Jinja traceback."""
+    import jinja2  # light
+
+    try:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    except jinja2.TemplateError as exc:
+        raise TemplateError(f"the chat template refuses this conversation: {exc}") from None
+
+
 def _adds_bos(tokenizer) -> bool:
     """Whether encoding text prepends the BOS token by itself (Llama-style tokenizers do)."""
     bos = tokenizer.bos_token_id
@@ -34,7 +46,7 @@ def render_prompt(tokenizer, messages: list[dict[str, str]]) -> str:
     """The prompt turns rendered with the generation prompt, as text that encodes (`tokenizer(text)`, the way
     align and TRL encode text) to the template's own token ids: a BOS the template writes is left to the
     tokenizer when it adds one itself."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = _apply(tokenizer, messages, tokenize=False, add_generation_prompt=True)
     bos = tokenizer.bos_token
     if bos and text.startswith(bos) and _adds_bos(tokenizer):
         text = text[len(bos):]
@@ -45,7 +57,7 @@ def render_reply(tokenizer, messages: list[dict[str, str]], reply: list[dict[str
     """What the template writes for the assistant reply between the generation prompt and the end-of-turn
     token (EOS). A template that renders the prompt differently once a reply follows is refused: the policy
     would be sampled from a context it was never trained on."""
-    full = tokenizer.apply_chat_template(messages + reply, tokenize=False)
+    full = _apply(tokenizer, messages + reply, tokenize=False)
     bos = tokenizer.bos_token
     if bos and full.startswith(bos) and not prompt_text.startswith(bos):
         full = full[len(bos):]
@@ -100,7 +112,7 @@ def prefix_segments(tokenizer, template, messages: list[dict[str, str]]) -> list
     eot = tokenizer.eos_token
 
     def render(msgs: list[dict[str, str]], gen: bool) -> str:
-        return tokenizer.apply_chat_template(msgs, chat_template=text, tokenize=False, add_generation_prompt=gen)
+        return _apply(tokenizer, msgs, chat_template=text, tokenize=False, add_generation_prompt=gen)
 
     fix = ("write a .jinja template with {% generation %} markers around each reply and its end-of-turn token and "
            "set chat_template to it, or set the SFT stage's completion_only_loss: false to train on every token")
@@ -149,7 +161,7 @@ def sft_example(tokenizer, template, messages: list[dict[str, str]]) -> dict[str
     if masking in ("markers", "trl"):
         text = (template.training_text if masking == "trl" else template.text if template else None) or \
             tokenizer.chat_template
-        out = tokenizer.apply_chat_template(messages, chat_template=text, tokenize=True, return_dict=True,
+        out = _apply(tokenizer, messages, chat_template=text, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
         if masking == "trl":  # TRL's copies also mark the newline before a reply and after its end-of-turn
@@ -168,8 +180,8 @@ def sft_example(tokenizer, template, messages: list[dict[str, str]]) -> dict[str
 def _generation_prompt(tokenizer, text: str) -> str:
     """What the template's generation prompt adds after a user turn (e.g. '<|im_start|>assistant\\n')."""
     turn = [{"role": "user", "content": "PING"}]
-    with_prompt = tokenizer.apply_chat_template(turn, chat_template=text, tokenize=False, add_generation_prompt=True)
-    without = tokenizer.apply_chat_template(turn, chat_template=text, tokenize=False)
+    with_prompt = _apply(tokenizer, turn, chat_template=text, tokenize=False, add_generation_prompt=True)
+    without = _apply(tokenizer, turn, chat_template=text, tokenize=False)
     return with_prompt[len(without):] if with_prompt.startswith(without) else ""
 
 

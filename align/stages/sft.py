@@ -40,7 +40,12 @@ def load_start(ctx: StageContext, cfg: SFTStage, rows: list[dict[str, Any]], cha
     template = ctx.chat_template
     if cfg.model != "base":
         path = ctx.input_model(cfg.model)
-        return ctx.load_lm(path, quantize=cfg.lora.quantize), load_tokenizer(path)
+        tok = load_tokenizer(path)
+        model = ctx.load_lm(path, quantize=cfg.lora.quantize)
+        if chat and not tok.chat_template and template is not None:  # an upstream stage trained on plain text
+            templates.install(tok, template)
+            fit_model_to_tokenizer(model, tok)
+        return model, tok
     install = template is not None and (chat or p.chat_template is not None)
     if is_builtin(p.base_model):
         if p.tokenizer:  # a real tokenizer (e.g. GPT-2) for the fresh model: fix what it lacks

@@ -19,8 +19,9 @@ Hugging Face cache), as stock chat models ship it: without generation markers. W
 
 Installing a template (the SFT stage that starts from the base model; every later stage loads the tokenizer
 that stage saved) does three things, each logged:
-1. the special tokens the template writes that the tokenizer lacks are added (the model's embeddings grow to
-   match: align/models.py `fit_model_to_tokenizer`);
+1. the `<|...|>` tokens and the end-of-turn token the template writes that the tokenizer lacks are added as
+   special tokens (the model's embeddings grow to match: align/models.py `fit_model_to_tokenizer`); other
+   tag-shaped text it lacks (`[INST]`, `<think>`) stays ordinary text;
 2. the template becomes the tokenizer's chat template (unless it is the tokenizer's own);
 3. the template's end-of-turn token (the special token right after an assistant's content) becomes the
    tokenizer's EOS, as Qwen and Llama-3 instruct models ship it: generation stops there, reward models score
@@ -336,12 +337,22 @@ def install(tokenizer, template: ChatTemplate) -> list[str]:
     added: list[str] = []
     if not template.own:
         vocab = tokenizer.get_vocab()
-        added = [t for t in template.special_tokens if t not in vocab]
+        missing = [t for t in template.special_tokens if t not in vocab]
+        # <|...|> tokens and the end-of-turn token become special tokens; other tag-shaped text ([INST], <think>)
+        # that the tokenizer lacks stays ordinary text, as its pretrained subwords (a new token would start
+        # from a random embedding).
+        added = [t for t in missing if t.startswith("<|") or t == template.end_of_turn]
         if added:
             tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in added], special_tokens=True)
             log.warning("chat template: added special tokens %s to the tokenizer", added)
+        kept = [t for t in missing if t not in added]
+        if kept:
+            log.warning("chat template: %s are not tokens of this tokenizer: written as ordinary text", kept)
         tokenizer.chat_template = template.text
-    elif template.text is not None and tokenizer.chat_template != template.text:
+    elif template.text is None and not tokenizer.chat_template:  # deferred, and the tokenizer has none
+        tokenizer.chat_template = _shipped_text("default")
+        log.warning("tokenizer ships no chat template: align's default role-tagged template is used")
+    elif template.text is not None and _default_variant(tokenizer.chat_template) != template.text:
         from align.models import ModelError  # heavy (torch)
 
         raise ModelError(f"the tokenizer's chat template changed since the pipeline was planned ({template.source}, "
@@ -360,6 +371,11 @@ def install(tokenizer, template: ChatTemplate) -> list[str]:
     if problem:
         log.warning("chat template: %s", problem)
     return added
+
+
+def _default_variant(chat_template: Any) -> Any:
+    """A tokenizer's chat template as text: the `default` one of named variants (loaded as a dict)."""
+    return chat_template.get("default") if isinstance(chat_template, dict) else chat_template
 
 
 def prompt_boundary_problem(tokenizer) -> str | None:
