@@ -156,6 +156,8 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
             chat_template=plan.chat_template.as_dict() if plan.chat_template else None,
             code_version=code, git_commit=git)
         spec_path = stage_dir / SPEC
+        for debris in stage_dir.glob(f".{SPEC}.tmp-*"):  # a runner SIGKILLed mid-write (this one holds the lock)
+            debris.unlink(missing_ok=True)
         spec.write(spec_path)
         print(f"{header}: running (fingerprint {plan.fingerprint})", flush=True)
         t_stage = time.time()
