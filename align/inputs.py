@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from align import gguf, packaged
+from align.templates import hub_file as _hub_file
 from align.builtin import is_builtin
 from align.config import PipelineConfig
 from align.schema import ConfigError
@@ -80,16 +81,6 @@ def _read_config(path: Path, what: str) -> dict[str, Any]:
                           "it is; the directory is damaged or not a transformers model: save it again with "
                           "model.save_pretrained")
     return raw
-
-
-def _hub_file(repo: str, filename: str) -> str | None:
-    """A file of a hub repo from the local Hugging Face cache (no network)."""
-    try:
-        from huggingface_hub import try_to_load_from_cache  # optional: absent means no cache to read
-    except ImportError:
-        return None
-    found = try_to_load_from_cache(repo, filename)
-    return found if isinstance(found, str) else None
 
 
 def base_model_config(cfg: PipelineConfig, source: str | Path, paths: dict[str, str | None]) -> dict[str, Any] | None:

@@ -46,11 +46,7 @@ def render_prompt(tokenizer, messages: list[dict[str, str]]) -> str:
     """The prompt turns rendered with the generation prompt, as text that encodes (`tokenizer(text)`, the way
     align and TRL encode text) to the template's own token ids: a BOS the template writes is left to the
     tokenizer when it adds one itself."""
-    text = _apply(tokenizer, messages, tokenize=False, add_generation_prompt=True)
-    bos = tokenizer.bos_token
-    if bos and text.startswith(bos) and _adds_bos(tokenizer):
-        text = text[len(bos):]
-    return text
+    return _bos_stripped(tokenizer, _apply(tokenizer, messages, tokenize=False, add_generation_prompt=True))
 
 
 def render_reply(tokenizer, messages: list[dict[str, str]], reply: list[dict[str, str]], prompt_text: str) -> str:

@@ -257,7 +257,7 @@ def tokenizer_template(name: str) -> tuple[str | None | bool, dict[str, str]]:
     else:
         files = {}
         for f in ("chat_template.jinja", "tokenizer_config.json", "tokenizer.json"):
-            cached = _hub_file(name, f)
+            cached = hub_file(name, f)
             if cached:
                 files[f] = Path(cached)
         if "tokenizer_config.json" not in files:
@@ -287,7 +287,8 @@ def _json(path: Path | None) -> dict[str, Any]:
     return raw if isinstance(raw, dict) else {}
 
 
-def _hub_file(repo: str, filename: str) -> str | None:
+def hub_file(repo: str, filename: str) -> str | None:
+    """A file of a hub repo from the local Hugging Face cache (no network); None when not cached."""
     try:
         from huggingface_hub import try_to_load_from_cache  # optional: absent means no cache to read
     except ImportError:
