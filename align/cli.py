@@ -14,7 +14,7 @@ from align.multinode import MultiNode
 from align.plan import PipelineError
 from align.report import rebuild
 from align.rundir import ManifestError
-from align.runner import run
+from align.runner import Interrupted, run
 from align.stages.context import describe, main as stage_main
 from align.status import status_table
 from align.validate import stage_lines, validate
@@ -113,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         run(cfg, args.pipeline, only=args.only, from_stage=args.from_stage, force=args.force,
             num_processes=args.num_processes, ignore_memory_check=args.ignore_memory_check, multi=multi)
         return 0
+    except Interrupted as exc:
+        print(f"align: {exc}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:  # between stages, or while validating: nothing was being written
+        print("align: interrupted", file=sys.stderr)
+        return 130
     except (ConfigError, DataCardError, PipelineError, ManifestError, packaged.PackagedError, OSError) as exc:
         print(f"align: error: {describe(exc) if isinstance(exc, OSError) else exc}", file=sys.stderr)
         return 2

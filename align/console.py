@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -113,6 +114,10 @@ class StageConsole:
             self.last_logged = (now, decile)
 
 
+INTERRUPT_GRACE_S = 60
+"""How long a stage has, after Ctrl-C, to record itself as interrupted before it is killed."""
+
+
 def stream_stage(cmd: list[str], log_path: Path, env: dict[str, str], name: str) -> int:
     """Run a stage command; its output goes through a StageConsole into `log_path`."""
     with open(log_path, "ab") as log:
@@ -123,6 +128,16 @@ def stream_stage(cmd: list[str], log_path: Path, env: dict[str, str], name: str)
             for chunk in iter(lambda: proc.stdout.read1(4096), b""):  # type: ignore[union-attr]
                 console.feed(chunk)
             return proc.wait()
+        except KeyboardInterrupt:
+            # Ctrl-C reaches the stage too (same process group); pass it on when it came to the runner alone,
+            # and give the stage time to record itself as interrupted before it is killed.
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=INTERRUPT_GRACE_S)
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):
+                proc.kill()
+                proc.wait()
+            raise
         except BaseException:
             proc.kill()
             proc.wait()

@@ -133,6 +133,37 @@ def publish_dir(tmp: str | Path, final: str | Path) -> None:
 _HASHED: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256, within one process
 
 
+def tree_bytes(root: str | Path) -> int:
+    """Bytes of the files under `root` (0 when it is missing)."""
+    root = Path(root)
+    if root.is_file():
+        return root.stat().st_size
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.is_dir() else 0
+
+
+def disk_full(exc: OSError, target: str | Path, written: int) -> OSError:
+    """A full disk while writing output `target`, restated with what it needed and what is free: the bytes
+    written before it filled (a lower bound), the size of the output it replaces (its likely size) and the
+    free space on that filesystem, and the fix."""
+    target = Path(target)
+    previous = tree_bytes(target)
+    try:
+        free = shutil.disk_usage(target.parent).free
+    except OSError:
+        free = None
+    need = max(written, previous)
+    text = (f"{os.strerror(errno.ENOSPC)}: writing {target.name}/ needs more than {_size(written)} (written before "
+            "the disk filled)" + (f", likely about {_size(previous)} (the output it replaces)" if previous else "")
+            + (f"; {_size(free)} free there" if free is not None else "")
+            + f". Free {'at least ' + _size(need - free) + ' more ' if free is not None and need > free else ''}"
+              "space (or move the run directory), then run again: what was published before is unchanged")
+    return OSError(errno.ENOSPC, text, exc.filename or str(target))
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def file_sha256(path: str | Path) -> str:
     """sha256 of a whole file, read in 4 MiB blocks; remembered for this process while the file's size and mtime
     stay the same (one `align run` verifies an input once however many stages consume it)."""

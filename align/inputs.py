@@ -83,6 +83,10 @@ def _read_config(path: Path, what: str) -> dict[str, Any]:
     return raw
 
 
+WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+"""What transformers loads a PyTorch model's weights from."""
+
+
 def base_model_config(cfg: PipelineConfig, source: str | Path, paths: dict[str, str | None]) -> dict[str, Any] | None:
     """The base model's config.json as a dict: local directory, HF cache, or the declared copy; None for a
     builtin model or a hub model that nothing here describes."""
@@ -94,7 +98,12 @@ def base_model_config(cfg: PipelineConfig, source: str | Path, paths: dict[str, 
         if not config.is_file():
             raise ConfigError(f"{source}: base_model: {value} has no config.json; it is not a transformers model "
                               "directory (save one with model.save_pretrained)")
-        return _read_config(config, f"{source}: base_model")
+        read = _read_config(config, f"{source}: base_model")
+        if not any(any(Path(value).glob(pattern)) for pattern in WEIGHT_FILES):
+            raise ConfigError(f"{source}: base_model: {value} has a config.json but no weights (none of "
+                              f"{', '.join(WEIGHT_FILES)}); copy the whole model directory, or save it with "
+                              "model.save_pretrained")
+        return read
     if Path(value).is_file():
         if not gguf.is_gguf(value):
             raise ConfigError(f"{source}: base_model: {value} is a file; name the model's directory, or a .gguf "
@@ -234,6 +243,10 @@ def check_model_inputs(cfg: PipelineConfig, source: str | Path) -> list[str]:
     if config is None and not is_builtin(cfg.base_model):
         notes.append(f"base_model '{cfg.base_model}' is not cached here and has no base_model_config copy; its "
                      "config is checked when the first stage starts")
+    if config and config.get("auto_map") and not cfg.trust_remote_code:
+        raise ConfigError(f"{source}: base_model: '{cfg.base_model}' ships its own Python code (config.json "
+                          f"auto_map: {sorted(config['auto_map'])}), which align does not run by default. Read "
+                          "that code, then set `trust_remote_code: true` in the pipeline to allow it")
     note = check_tokenizer(cfg, source, paths, config)
     if note:
         notes.append(note)

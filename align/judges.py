@@ -13,6 +13,9 @@ A judge is a callable ``(prompts: list[str], responses: list[str]) -> list[float
 from __future__ import annotations
 
 import importlib
+import math
+import os
+import sys
 from functools import lru_cache
 from typing import Any, Callable
 
@@ -57,15 +60,57 @@ def python_judge(name: str) -> Judge:
         raise JudgeError(f"'{name}' is not a judge: use a reward stage of this pipeline, a built-in judge "
                          f"({', '.join(sorted(PYTHON_JUDGES))}), or your own function as module:function")
     module_name, func_name = name.split(":", 1)
+    cwd = os.getcwd()
+    if cwd not in sys.path:  # as `python -m` would: the user's own module beside where align runs (searched last)
+        sys.path.append(cwd)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise JudgeError(f"judge '{name}': cannot import module '{module_name}' ({exc}); put it on the Python "
-                         "path (e.g. run align from the directory that holds it, or set PYTHONPATH)") from None
+        raise JudgeError(f"judge '{name}': cannot import module '{module_name}' ({exc}); looked in the working "
+                         f"directory ({cwd}) and on the Python path: run align from the directory that holds "
+                         f"{module_name.replace('.', '/')}.py, or add that directory to PYTHONPATH") from None
     fn = getattr(module, func_name, None)
     if not callable(fn):
         raise JudgeError(f"judge '{name}': module '{module_name}' has no function '{func_name}'")
-    return fn
+    return CheckedJudge(name, fn)
+
+
+class JudgeFault(ValueError):
+    """A judge that raised, or returned something other than one finite number per response."""
+
+
+class CheckedJudge:
+    """A user's judge, called as any judge is, with what it returns checked: one real, finite number per
+    response. A fault names the judge and what it did, instead of surfacing later as a NaN loss or a tensor
+    error."""
+
+    def __init__(self, name: str, fn: Judge):
+        self.name, self.fn = name, fn
+
+    def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
+        try:
+            scores = self.fn(prompts, responses)
+        except Exception as exc:  # the user's code: any exception is its fault, reported as the judge's
+            raise JudgeFault(f"judge '{self.name}' raised {type(exc).__name__}: {exc} (called with "
+                             f"{len(responses)} responses); fix the judge, or remove it from the pipeline") from exc
+        if hasattr(scores, "tolist"):  # numpy array or torch tensor
+            scores = scores.tolist()
+        if not isinstance(scores, (list, tuple)):
+            raise JudgeFault(f"judge '{self.name}' returned a {type(scores).__name__}; it must return a list of "
+                             f"{len(responses)} numbers, one per response")
+        if len(scores) != len(responses):
+            raise JudgeFault(f"judge '{self.name}' returned {len(scores)} scores for {len(responses)} responses; "
+                             "it must return one number per response, in order")
+        bad = next(((i, s) for i, s in enumerate(scores)
+                    if isinstance(s, bool) or not isinstance(s, (int, float))), None)
+        if bad:
+            raise JudgeFault(f"judge '{self.name}' returned {bad[1]!r} ({type(bad[1]).__name__}) for response "
+                             f"{bad[0]}; every score must be a number")
+        bad = next(((i, s) for i, s in enumerate(scores) if not math.isfinite(s)), None)
+        if bad:
+            raise JudgeFault(f"judge '{self.name}' returned {bad[1]} for response {bad[0]} "
+                             f"({responses[bad[0]][:60]!r}); every score must be a finite number")
+        return [float(s) for s in scores]
 
 
 def check_judges(spec: str | dict[str, float], reward_stages: set[str], other_stages: dict[str, str]) -> None:

@@ -9,6 +9,8 @@ trained from the outputs its inputs have now. Validation (align/validate.py) and
 from __future__ import annotations
 
 import difflib
+import resource
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -23,7 +25,7 @@ from align.launch import is_distributed, launch_command, stage_env
 from align.multinode import MultiNode, follow_stage
 from align.plan import REPO_DIR, PipelineError, StagePlan, code_version, descendants, run_dir_of
 from align.rundir import (MANIFEST, PIPELINE, SPEC, PipelineRecord, StageSpec, headline, is_complete,
-                          output_digests, outputs_problem, read_manifest)
+                          output_digests, outputs_problem, read_manifest, write_manifest)
 from align.runlock import RunLock, RunLockedError
 from align.sweeps import by_stage
 from align.tracking import scrub
@@ -125,6 +127,8 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
     code = code_version()
     git = _git_commit()
     statuses: dict[str, str] = {}
+    if multi.is_main:  # from the start: `align status` reads a run that dies in its first stage
+        _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)
     for i, plan in enumerate(plans, start=1):
         stage_dir = run_dir / plan.name
         header = f"[align] stage {i}/{len(plans)} {plan.name} ({plan.cfg.type})"
@@ -161,8 +165,17 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
         spec.write(spec_path)
         print(f"{header}: running (fingerprint {plan.fingerprint})", flush=True)
         t_stage = time.time()
-        rc = stream_stage(launch_command(plan, spec_path, source, num_processes, multi), stage_dir / "stage.log",
-                          stage_env(), plan.name)
+        peak_before = children_peak_rss()
+        try:
+            rc = stream_stage(launch_command(plan, spec_path, source, num_processes, multi),
+                              stage_dir / "stage.log", stage_env(), plan.name)
+        except KeyboardInterrupt:
+            _mark_interrupted(stage_dir)
+            statuses[plan.name] = "interrupted"
+            _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)
+            raise Interrupted(f"interrupted during stage {i}/{len(plans)} '{plan.name}'; what earlier stages "
+                              f"published is kept. Resume with: align run {source} (the stage restarts from "
+                              f"its last checkpoint, if it saved one)\n  log: {stage_dir / 'stage.log'}") from None
         if rc != 0 or not is_complete(stage_dir, plan.fingerprint):
             m = read_manifest(stage_dir) or {}
             statuses[plan.name] = "failed"
@@ -170,6 +183,7 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
             hint = (f"\n  multi-node: if the log shows a rendezvous timeout, a node did not join "
                     f"{multi.master_addr}:{multi.master_port} within --rdzv-timeout {multi.rdzv_timeout}s"
                     if multi.nodes > 1 and is_distributed(plan.cfg) else "")
+            hint += exit_meaning(rc, peak_before, source)
             last = "" if verbose() else f"\n  last lines of the log:\n{tail(stage_dir / 'stage.log')}"
             raise PipelineError(f"stage '{plan.name}' failed (exit code {rc}): {m.get('error', 'see the log')}{hint}"
                                 f"{last}\n  log: {stage_dir / 'stage.log'}\n  manifest: {stage_dir / MANIFEST}")
@@ -211,6 +225,42 @@ def memory_preflight(cfg: PipelineConfig, source: str | Path, plans: list[StageP
         return
     raise PipelineError("memory preflight: " + "\n  ".join(problems) + "\n  (see `align estimate`; "
                         "--ignore-memory-check launches anyway)")
+
+
+class Interrupted(PipelineError):
+    """Ctrl-C during a stage: the stage is recorded as interrupted (resumable); the CLI exits with 130."""
+
+
+def _mark_interrupted(stage_dir: Path) -> None:
+    """A stage killed before it could record the interrupt itself still says so (not `running`)."""
+    m = read_manifest(stage_dir)
+    if m and m.get("status") == "running":
+        m.update(status="interrupted", error="interrupted (Ctrl-C or SIGINT)",
+                 ended_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        write_manifest(stage_dir, m)
+
+
+def children_peak_rss() -> int:
+    """The largest peak resident memory (bytes) of any finished child process of the runner so far (Linux
+    reports kilobytes); stage processes are waited for by their launcher, so they count."""
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+
+
+def exit_meaning(rc: int, peak_before: int, source: str | Path) -> str:
+    """What a stage's exit code says beyond "failed": a signal's name and its usual cause, and how to resume."""
+    killed = -rc if rc < 0 else rc - 128 if rc > 128 else 0  # launchers report a child's signal as 128 + N
+    if killed not in (signal.SIGKILL, signal.SIGTERM, signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS):
+        return ""
+    name = signal.Signals(killed).name
+    peak = children_peak_rss()
+    memory = (f"; the stage's processes peaked at {peak / 2**30:.1f} GiB resident" if peak > peak_before else "")
+    cause = {signal.SIGKILL: "most often the kernel's out-of-memory killer (see `dmesg` or `journalctl -k`)"
+                             f"{memory}: lower per_device_batch_size or max_length, enable "
+                             "gradient_checkpointing or LoRA, or use a larger machine",
+             signal.SIGTERM: "stopped from outside (a scheduler's time limit or preemption, or kill)"}.get(
+        signal.Signals(killed), "the process crashed (a bug in a native library, or a damaged install)")
+    return (f"\n  {name}: {cause}.\n  resume: align run {source} (the stage restarts from its last "
+            "checkpoint, if it saved one)")
 
 
 def _resolved_stage(plan: StagePlan) -> dict[str, Any]:

@@ -190,12 +190,15 @@ def from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
 
 # --------------------------------------------------------------------------------------------- YAML
 class StrictLoader(yaml.SafeLoader):
-    """safe_load that refuses a key given twice in one mapping (YAML would silently keep the last)."""
+    """safe_load that refuses a key given twice in one mapping (YAML would silently keep the last); merge keys
+    (`<<: *anchor`) work as in YAML 1.1."""
 
 
 def _no_duplicates(loader: StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: merged by construct_mapping, and the
+            continue                                   # mapping's own keys override the merged ones (YAML 1.1)
         key = loader.construct_object(key_node, deep=deep)
         line = key_node.start_mark.line + 1
         if key in seen:

@@ -12,7 +12,8 @@ Every variant is an ordinary stage: the stage's body with `sweep` removed and on
 (dotted keys address nested settings), parsed as strictly as any stage. Its name is the stage's name followed
 by `-<key>_<value>` per swept key (`dpo-beta_0.05`, `ppo-kl.coef_0.05-learning_rate_0.0001`), so it is a plain
 name (its run directory) that shows its values. `mode: cartesian` (the default) takes every combination, the
-first key varying slowest; `mode: zip` takes the i-th value of every list.
+first key varying slowest; `mode: zip` takes the i-th value of every list. A sweep of more than 64 variants is
+refused before expansion unless it says `max_variants: N`.
 
 References: a field that takes a list of stages (evaluate's `policies`) lists every variant of a swept stage
 named in it, in sweep order; any other field that names a swept stage is an error naming its variants, since
@@ -24,6 +25,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import math
 import re
 import typing
 from dataclasses import dataclass
@@ -33,6 +35,9 @@ from align.schema import ConfigError, check_rule, closest, coerce, is_plain_name
 
 SWEEP = "sweep"
 MODES = ("cartesian", "zip")
+MAX_VARIANTS = 64
+"""The most variants one sweep expands to unless its `max_variants` says more (a typo'd list of 10,000 values
+would otherwise plan 10,000 stages)."""
 
 
 @dataclass
@@ -62,10 +67,16 @@ def expand(name: str, body: dict[str, Any], cls: type, where: str) -> list[Varia
     mode = lists.pop("mode") if isinstance(lists.get("mode"), str) else "cartesian"  # a list: a setting named mode
     if mode not in MODES:
         raise ConfigError(f"{where}.{SWEEP}.mode: {mode!r} is not one of {', '.join(MODES)}")
+    bound = lists.pop("max_variants") if isinstance(lists.get("max_variants"), int) else MAX_VARIANTS
     if not lists:
         raise ConfigError(f"{where}.{SWEEP}: no setting to sweep (only `mode`)")
     for key, values in lists.items():
         _check_key(str(key), values, cls, f"{where}.{SWEEP}.{key}")
+    count = len(next(iter(lists.values()))) if mode == "zip" else math.prod(len(v) for v in lists.values())
+    if count > bound:  # refused before anything is expanded: each variant is a stage to plan and train
+        raise ConfigError(f"{where}.{SWEEP}: {count} variants ({' x '.join(str(len(v)) for v in lists.values())} "
+                          f"values) exceed the bound of {bound}; sweep fewer values, or raise it with "
+                          f"`max_variants: {count}` in the sweep if you mean it")
     if mode == "zip":
         lengths = {k: len(v) for k, v in lists.items()}
         if len(set(lengths.values())) > 1:

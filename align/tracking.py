@@ -36,11 +36,16 @@ def scrub(obj: Any) -> Any:
 
 
 def wandb_mode(setting: str) -> str | None:
-    """Resolve the tracking.wandb setting to a wandb mode, or None when disabled."""
-    if setting == "disabled" or os.environ.get("WANDB_MODE") == "disabled":
+    """Resolve the tracking.wandb setting to a wandb mode, or None when disabled. The user's own WANDB_MODE
+    (offline / dryrun / disabled) wins over the pipeline's setting: a key in the environment never forces W&B
+    online from a machine the user said has no network; WANDB_MODE=online only decides `auto`."""
+    env = os.environ.get("WANDB_MODE", "").strip().lower()
+    if setting == "disabled" or env == "disabled":
         return None
+    if env in ("offline", "dryrun"):
+        return "offline"
     if setting == "auto":
-        return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        return "online" if env == "online" or os.environ.get("WANDB_API_KEY") else "offline"
     return setting
 
 

@@ -17,6 +17,7 @@ from align.config import CheckContext, ConfigError, PipelineConfig, TrainedStage
 from align.data.cards import DataCardError, DataUnavailableError, LoadedSplit, hub_reachable, load_card, load_split
 from align.data.chat import as_text
 from align.data.formats import FormatError, prompt_key, row_prompt_key
+from align.estimate import EstimateError, missing_lora_targets, model_shapes
 from align.inputs import check_model_inputs, resolve_model_paths
 from align.launch import check_accelerate
 from align.lengths import LengthError, enforce, measure
@@ -71,8 +72,31 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
     mismatches = [line for name, st in cfg.stages.items() for line in st.pipeline_problems(name, cfg.stages)]
     if mismatches:
         raise PipelineError(f"{source}: " + "\n".join(mismatches))
+    _check_lora_targets(cfg, plans, str(source), verbose)
     _check_lengths(cfg, plans, split_of, str(source), verbose)
     return plans
+
+
+def _check_lora_targets(cfg: PipelineConfig, plans: list[StagePlan], source: str, verbose: bool) -> None:
+    """Every LoRA target names a linear layer of each model the stage trains, checked on the meta device (the
+    config and module names only; no weights are read)."""
+    lora_plans = [p for p in plans if getattr(p.cfg, "lora", None) is not None and p.cfg.lora.enabled]
+    if not lora_plans:
+        return
+    try:
+        shapes = model_shapes(cfg, source)
+    except EstimateError as exc:
+        if verbose:
+            print(f"  warning: LoRA target_modules not checked here: {exc}")
+        return
+    for plan in lora_plans:
+        for role, kind, trained in plan.cfg.held_models(cfg.stages):
+            missing = missing_lora_targets(shapes[kind], plan.cfg.lora) if trained else []
+            if missing:
+                names = sorted({n.rsplit(".", 1)[-1] for n in shapes[kind].linears})
+                raise PipelineError(f"{source}: stages.{plan.name}.lora.target_modules: {missing} name no linear "
+                                    f"layer of the {role} model ({cfg.base_model}); its linear layers are named "
+                                    f"{names}: name some of those")
 
 
 def stage_lines(cfg: PipelineConfig, plans: list[StagePlan]) -> list[str]:

@@ -64,7 +64,7 @@ BAD = [
     ("empty-split", PAIR + "\n", {"splits": {"train": 1.0, "test": 0.0, "seed": 0}}, "test",
      ["split 'test' is empty"]),
     ("chosen-equals-rejected", json.dumps({"prompt": "p", "chosen": "same", "rejected": "same"}) + "\n", {},
-     "train", ["row 0", "identical"]),
+     "train", ["1 row (0)", "differ at most in whitespace"]),
     ("non-utf8", PAIR.encode() + b"\n" + b'{"prompt": "\xff\xfe"}\n', {}, "train", ["line 2", "not UTF-8"]),
     ("unknown-format", PAIR, {"format": "xlsx"}, "train", ["field 'format'", "xlsx"]),
     ("unknown-produces", PAIR, {"produces": "triples"}, "train", ["field 'produces'", "triples"]),
@@ -119,10 +119,14 @@ def test_hh_pairs_diverging_before_last_turn_are_skipped_and_counted():
     a = "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: joke\n\nAssistant: ha"
     b = "\n\nHuman: Hi\n\nAssistant: Go away.\n\nHuman: joke\n\nAssistant: no"
     same = "\n\nHuman: Hi\n\nAssistant: ok"
+    two, spaced = "\n\nHuman: Hi\n\nAssistant: ok, go", "\n\nHuman: Hi\n\nAssistant: ok,\n  go"
+    empty = "\n\nHuman: Hi\n\nAssistant: "
     rows, dropped = hh_transcript([{"chosen": a, "rejected": b}, {"chosen": same, "rejected": same},
+                                   {"chosen": two, "rejected": spaced}, {"chosen": empty, "rejected": same},
                                    {"chosen": "no markers", "rejected": a}], None, 0)
     assert rows == []
-    assert dropped == {"chosen and rejected diverge before the final reply": 1, "chosen identical to rejected": 1,
+    assert dropped == {"chosen and rejected diverge before the final reply": 1,
+                       "chosen identical to rejected (up to whitespace)": 2, "empty final reply": 1,
                        "unparseable transcript": 1}
 
 

@@ -12,25 +12,37 @@ from conftest import run_align
 pytestmark = pytest.mark.slow
 
 
-def test_hh_pipeline_runs_every_stage_with_gpt2_tokenizer(workdir):
+def test_hh_pipeline_runs_with_the_gpt2_tokenizer(workdir):
+    """sft, reward and dpo of pipelines/hh_rlhf_tiny.yaml: both HH cards (text transcripts) through the real
+    50,257-token GPT-2 tokenizer, which has no pad token. Its ppo and evaluate stages are left out here (each
+    stage process costs ~10 s of start-up on the CI machine): the same stages on HH conversations run in
+    tests/test_smollm2.py, and on a tokenizer whose pad is its EOS (the gpt2 family) in tests/test_families_b.py."""
+    import yaml
+
     from conftest import REPO
 
-    (workdir / "tokenizers").symlink_to(REPO / "tokenizers")
-    proc = run_align("run", "pipelines/hh_rlhf_tiny.yaml", "tracking.wandb=disabled", cwd=workdir)
+    raw = yaml.safe_load((REPO / "pipelines" / "hh_rlhf_tiny.yaml").read_text())
+    raw["stages"] = {k: v for k, v in raw["stages"].items() if k in ("sft", "reward", "dpo")}
+    raw["tokenizer"] = str(REPO / "tokenizers" / "gpt2")
+    for stage in raw["stages"].values():
+        stage["data"] = str((REPO / "pipelines" / stage["data"]).resolve())
+    (workdir / "hh.yaml").write_text(yaml.safe_dump(raw))
+    proc = run_align("run", "hh.yaml", "tracking.wandb=disabled", cwd=workdir)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = workdir / "runs" / "hh_rlhf_tiny" / "main"
-    for stage in ("sft", "reward", "ppo", "dpo", "evaluate"):
+    for stage in ("sft", "reward", "dpo"):
         assert json.loads((run / stage / "manifest.json").read_text())["status"] == "completed", stage
     assert "no pad token: using EOS" in (run / "sft" / "stage.log").read_text()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(run / "ppo" / "model")
+    tok = AutoTokenizer.from_pretrained(run / "dpo" / "model")
     assert len(tok) == 50257 and tok.pad_token == "<|endoftext|>"
-    model = AutoModelForCausalLM.from_pretrained(run / "ppo" / "model")
+    model = AutoModelForCausalLM.from_pretrained(run / "dpo" / "model")
     assert model.config.vocab_size == 50257
-    report = json.loads((run / "report" / "metrics.json").read_text())
-    assert report["eval/prompts"] > 0 and "eval/dpo/reward_model/win_rate" in report
+    metrics = [json.loads(line) for line in (run / "reward" / "metrics.jsonl").read_text().splitlines()]
+    held_out = [m for m in metrics if "eval/rewards/accuracy" in m]  # scored through the saved model/
+    assert held_out and held_out[-1]["eval/pairs"] > 0 and 0 <= held_out[-1]["eval/rewards/accuracy"] <= 1
 
 
 def test_nan_loss_stops_the_stage_and_keeps_the_last_good_checkpoint(workdir):

@@ -254,7 +254,86 @@ def _case_stage_is_a_list(root):
     return ["hostile.yaml"], ["stages.preferences", "expected a mapping", "list"]
 
 
+def _case_pairs_empty_or_only_whitespace_apart(root):
+    rows = [{"prompt": f"p{i}", "chosen": " good", "rejected": " bad"} for i in range(40)]
+    rows[3]["chosen"] = ""
+    rows[7]["rejected"] = "   "
+    rows[11].update(chosen=" so  good", rejected="so good\n")
+    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    card = _card(root, "pairs.yaml", "jsonl", "pairs.jsonl", "preference")
+    write_pipeline(root, lambda r: _with_dpo(r, card))
+    return ["hostile.yaml"], ["pairs.yaml", "2 rows (3, 7) with an empty 'chosen' or 'rejected'",
+                              "1 row (11) whose 'chosen' and 'rejected' differ at most in whitespace"]
+
+
+def _case_chat_rows_without_an_assistant_turn(root):
+    rows = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "hello"}]}
+            for i in range(40)]
+    rows[5]["messages"] = rows[5]["messages"][:1]
+    rows[9]["messages"][1]["content"] = " "
+    (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    card = _card(root, "chat.yaml", "jsonl", "chat.jsonl", "messages")
+    write_pipeline(root, lambda r: r["stages"]["sft"].update(data=card))
+    return ["hostile.yaml"], ["chat.yaml", "2 rows (5, 9) with no assistant turn with text"]
+
+
+def _case_transform_drops_every_row(root):
+    (root / "hh.jsonl").write_text("".join(json.dumps({"chosen": "no markers", "rejected": "x"}) + "\n"
+                                           for _ in range(40)))
+    card = _card(root, "hh.yaml", "jsonl", "hh.jsonl", "preference", columns="transform: {hh_transcript: {}}\n")
+    write_pipeline(root, lambda r: _with_dpo(r, card))
+    return ["hostile.yaml"], ["hh.yaml", "transform hh_transcript dropped every one of the 40 rows",
+                              "40 unparseable transcript"]
+
+
+def _model_dir(root, **config) -> str:
+    (root / "mymodel").mkdir()
+    (root / "mymodel" / "config.json").write_text(json.dumps({"model_type": "llama", **config}))
+    return "./mymodel"
+
+
+def _case_model_directory_without_weights(root):
+    write_pipeline(root, lambda r: r.update(base_model=_model_dir(root)))
+    return ["hostile.yaml"], ["base_model", "mymodel has a config.json but no weights", "save_pretrained"]
+
+
+def _case_model_with_its_own_code(root):
+    model = _model_dir(root, auto_map={"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
+    (root / "mymodel" / "model.safetensors").write_bytes(b"")
+    write_pipeline(root, lambda r: r.update(base_model=model))
+    return ["hostile.yaml"], ["base_model", "ships its own Python code", "AutoModelForCausalLM",
+                              "trust_remote_code: true"]
+
+
+def _case_lora_target_the_model_lacks(root):
+    write_pipeline(root, lambda r: r["stages"]["sft"].update(lora={"enabled": True,
+                                                                   "target_modules": ["q_proj", "qkv_proj"]}))
+    return ["hostile.yaml"], ["stages.sft.lora.target_modules", "['qkv_proj'] name no linear layer", "'o_proj'"]
+
+
+def _case_eval_split_the_card_lacks(root):
+    write_pipeline(root, lambda r: r["stages"]["sft"].update(eval_split="validation"))
+    return ["hostile.yaml"], ["stages.sft", "eval_split: 'validation'", "no split 'validation'", "eval_split: null"]
+
+
+def _case_stage_name_not_an_identifier(root):
+    write_pipeline(root, lambda r: r.update(stages={("sft.v2" if k == "sft" else k): v
+                                                    for k, v in r["stages"].items()}))
+    return ["hostile.yaml"], ["stages.sft.v2", "plain identifier", "sft_v2"]
+
+
+def _case_sweep_past_its_bound(root):
+    write_pipeline(root, lambda r: r["stages"]["sft"].update(
+        sweep={"learning_rate": [1e-4 + i * 1e-6 for i in range(100)], "max_length": [64, 96]}))
+    return ["hostile.yaml"], ["stages.sft.sweep", "200 variants (100 x 2 values)", "bound of 64",
+                              "max_variants: 200"]
+
+
 @pytest.mark.parametrize("case", [
+    _case_pairs_empty_or_only_whitespace_apart, _case_chat_rows_without_an_assistant_turn,
+    _case_transform_drops_every_row, _case_model_directory_without_weights, _case_model_with_its_own_code,
+    _case_lora_target_the_model_lacks, _case_eval_split_the_card_lacks, _case_stage_name_not_an_identifier,
+    _case_sweep_past_its_bound,
     _case_duplicate_key, _case_not_utf8, _case_accelerate_not_a_config, _case_parquet_not_parquet, _case_truncated_gz,
     _case_missing_local_model, _case_corrupt_model_config, _case_tokenizer_without_eos,
     _case_pairs_without_test_split, _case_single_pair, _case_every_prompt_empty, _case_stage_is_a_list,
@@ -272,6 +351,20 @@ def test_the_hostile_pipeline_itself_validates(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rc, out = validate(capsys, str(write_pipeline(tmp_path)))
     assert rc == 0, out
+
+
+def test_yaml_merge_keys_share_settings_and_the_stage_wins(capsys, tmp_path, monkeypatch):
+    """`<<: *anchor` (YAML 1.1 merge) works; the stage's own keys override the merged ones."""
+    from align.config import load_pipeline
+
+    monkeypatch.chdir(tmp_path)
+    text = write_pipeline(tmp_path).read_text().replace("  sft:\n", "  sft: &small\n", 1).replace(
+        "  evaluate:\n", "  sft2:\n    <<: *small\n    type: sft\n    max_length: 64\n  evaluate:\n", 1)
+    (tmp_path / "hostile.yaml").write_text(text)
+    rc, out = validate(capsys, "hostile.yaml")
+    assert rc == 0, out
+    cfg = load_pipeline("hostile.yaml", [])
+    assert (cfg.stages["sft2"].max_steps, cfg.stages["sft2"].max_length, cfg.stages["sft"].max_length) == (6, 64, 96)
 
 
 @pytest.mark.parametrize("run_id", ["../../x", "", "a/b", "." * 2])

@@ -9,6 +9,7 @@ the file, the key's path and the closest valid key. Dotted CLI overrides (``dpo.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
+STAGE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
+
+
 def parse_pipeline(raw: dict[str, Any], source: str) -> PipelineConfig:
     """Strictly parse a raw pipeline mapping (already overridden)."""
     if not isinstance(raw, dict):
@@ -143,7 +147,13 @@ def parse_pipeline(raw: dict[str, Any], source: str) -> PipelineConfig:
         cfg.name = Path(source).stem
     check_plain_name(cfg.name, f"{source}: name" + ("" if raw.get("name") else " (from the file name; set `name:`)"))
     for name, body in stages_raw.items():
-        check_plain_name(name, f"{source}: stages.{name}")
+        if name in cfg.variants:  # a resolved record (pipeline.json) read back: variant names carry values
+            check_plain_name(name, f"{source}: stages.{name}")
+        elif not isinstance(name, str) or not STAGE_NAME.fullmatch(name):
+            raise ConfigError(f"{source}: stages.{str(name)[:120]}: a stage name is a plain identifier (letters, "
+                              "digits, _ and -, starting with a letter, at most 64 characters): it names the stage's "
+                              "directory and is the first part of overrides like `sft.learning_rate=...`. Rename it "
+                              "(e.g. `sft_v2` for `sft.v2`)")
         if body is not None and not isinstance(body, dict):
             raise ConfigError(f"{source}: stages.{name}: expected a mapping of stage settings (e.g. `policy: sft`), "
                               f"got a {type(body).__name__}: {str(body)[:80]!r}")

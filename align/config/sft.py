@@ -46,6 +46,12 @@ class SFTStage(TrainedStage):
         produces = ctx.card_produces("data", self.split)
         if produces not in (None, "prompt_completion", "messages"):
             raise ValueError(f"data: card produces '{produces}'; sft needs prompt_completion or messages")
+        if self.eval_split and "data" in ctx.cards:  # a missing eval split is found here, not after training
+            try:
+                ctx.card_produces("data", self.eval_split)
+            except ValueError as exc:  # the card's error: names the card and the splits it defines
+                raise ValueError(f"eval_split: '{self.eval_split}': {exc}; name one of those splits, or set "
+                                 "eval_split: null to skip the evaluation") from None
 
     def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
         return [("policy", "lm", True)]

@@ -236,6 +236,10 @@ def load_split(card: DataCard | str | Path, split: str) -> LoadedSplit:
         for name, args in card.transform.items():
             rows, d = TRANSFORMS[name](rows, args, seed)
             dropped.update(d)
+        if not rows:
+            reasons = ", ".join(f"{n} {why}" for why, n in dropped.most_common())
+            raise FormatError(f"transform {', '.join(card.transform)} dropped every one of the "
+                              f"{sum(dropped.values())} rows ({reasons}); fix the data, or the transform's settings")
         check_canonical(rows, card.produces, str(card.file or card.path))
     except FormatError as exc:
         raise DataCardError(f"{card.path}: {exc}") from None

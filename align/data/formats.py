@@ -130,8 +130,11 @@ def _hh_pairs(rows: Rows, args: Any, transform: str) -> tuple[list[tuple[list, s
         if chosen[:-1] != rejected[:-1]:
             dropped["chosen and rejected diverge before the final reply"] += 1
             continue
-        if chosen[-1][1] == rejected[-1][1]:
-            dropped["chosen identical to rejected"] += 1
+        if not _text(chosen[-1][1]) or not _text(rejected[-1][1]):
+            dropped["empty final reply"] += 1
+            continue
+        if _text(chosen[-1][1]) == _text(rejected[-1][1]):
+            dropped["chosen identical to rejected (up to whitespace)"] += 1
             continue
         if max_chars is not None and len(render_hh_prompt(chosen[:-1])) > max_chars:
             dropped[f"prompt longer than {max_chars} characters"] += 1
@@ -231,5 +234,38 @@ def check_canonical(rows: Rows, produces: str, source: str) -> None:
             for col in needed:
                 if not isinstance(row[col], str):
                     raise FormatError(f"{source}: row {i}: field '{col}' must be text, got {type(row[col]).__name__}")
-        if produces == "preference" and row["chosen"] == row["rejected"]:
-            raise FormatError(f"{source}: row {i}: 'chosen' is identical to 'rejected' (drop the row or fix the data)")
+    _check_contents(rows, produces, source)
+
+
+def _text(value: str | list[dict[str, str]]) -> str:
+    """The words of a reply or conversation, whitespace normalised: what a comparison of contents looks at."""
+    text = value if isinstance(value, str) else "\n".join(m["content"] for m in value)
+    return " ".join(text.split())
+
+
+def _rows_named(rows: list[int]) -> str:
+    shown = ", ".join(str(i) for i in rows[:8])
+    return f"{len(rows)} row{'s' if len(rows) > 1 else ''} ({shown}{', ...' if len(rows) > 8 else ''})"
+
+
+def _check_contents(rows: Rows, produces: str, source: str) -> None:
+    """Rows whose form is right but that cannot teach anything, all named at once (row numbers count from 0,
+    after the card's transforms): a preference pair with an empty reply, or whose replies differ only in
+    whitespace; a conversation with no assistant turn with text (nothing to train on)."""
+    problems = []
+    if produces == "preference":
+        replies = [(_text(r["chosen"]), _text(r["rejected"])) for r in rows]
+        empty = [i for i, (c, r) in enumerate(replies) if not c or not r]
+        same = [i for i, (c, r) in enumerate(replies) if c and c == r]
+        if empty:
+            problems.append(f"{_rows_named(empty)} with an empty 'chosen' or 'rejected'")
+        if same:
+            problems.append(f"{_rows_named(same)} whose 'chosen' and 'rejected' differ at most in whitespace")
+    elif produces == "messages":
+        silent = [i for i, r in enumerate(rows)
+                  if not any(m["role"] == "assistant" and m["content"].strip() for m in r["messages"])]
+        if silent:
+            problems.append(f"{_rows_named(silent)} with no assistant turn with text (nothing to train on)")
+    if problems:
+        raise FormatError(f"{source}: " + "; ".join(problems) + ". Remove those rows from the data (or filter "
+                          "them in a transform) and run again")

@@ -25,7 +25,8 @@ from typing import Any
 from align.compute import resolve as resolve_compute
 from align.config import PipelineConfig, StageBase, from_dict, stage_from_dict
 from align.console import emit_progress, verbose
-from align.fsutil import atomic_write_text, output_digest, publish_dir, staging_dir, staging_path
+from align.fsutil import (atomic_write_text, disk_full, output_digest, publish_dir, staging_dir, staging_path,
+                          tree_bytes)
 from align.rundir import MANIFEST, Manifest, StageSpec, read_manifest, write_manifest
 from align.templates import ChatTemplate
 from align.tracking import Tracker, sweep_config
@@ -172,9 +173,12 @@ class StageContext:
             self.state.wait_for_everyone()
             if self.is_main:
                 publish_dir(tmp, final)
-        except BaseException:
+        except BaseException as exc:
+            written = tree_bytes(tmp) if self.is_main else 0
             if self.is_main:  # no half-written staging directory is left behind (e.g. a full disk)
                 shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                raise disk_full(exc, final, written) from exc
             raise
         self.state.wait_for_everyone()
         if self.is_main:
@@ -280,6 +284,11 @@ def main(spec_path: str) -> int:
         print(f"align: error: stage '{spec.get('stage_name', spec_path)}': {message}" + recorded, file=sys.stderr,
               flush=True)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C (or the runner passing one on): resumable, and no traceback
+        _record_failure(ctx, spec, INTERRUPTED, status="interrupted")
+        print(f"align: stage '{spec.get('stage_name', spec_path)}' interrupted; its last checkpoint is kept and "
+              "the next `align run` resumes from it", file=sys.stderr, flush=True)
+        return 130
     except BaseException as exc:
         _record_failure(ctx, spec, f"{type(exc).__name__}: {exc}")
         raise
@@ -402,24 +411,28 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _record_failure(ctx: StageContext | None, spec: dict[str, Any], message: str) -> str:
-    """Write `failed` with the error into the manifest; returns where it went (or why it could not)."""
+INTERRUPTED = "interrupted (Ctrl-C or SIGINT)"
+
+
+def _record_failure(ctx: StageContext | None, spec: dict[str, Any], message: str, status: str = "failed") -> str:
+    """Write `failed` (or `interrupted`) with the error into the manifest; returns where it went (or why it
+    could not). Either status resumes from the stage's last checkpoint on the next run of the same config."""
     trace = traceback.format_exc(limit=20)
     try:
         if ctx is not None:
             if ctx.tracker:
                 ctx.tracker.finish()
-            ctx.write_manifest("failed", error=message, traceback=trace)
+            ctx.write_manifest(status, error=message, traceback=trace)
         elif spec.get("stage_dir") and os.environ.get("RANK", "0") == "0":
             write_manifest(spec["stage_dir"], {
-                "stage": spec.get("stage_name"), "status": "failed", "fingerprint": spec.get("fingerprint"),
+                "stage": spec.get("stage_name"), "status": status, "fingerprint": spec.get("fingerprint"),
                 "error": message, "traceback": trace, "ended_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         else:
             return ""
     except Exception as second:  # e.g. the disk is still full: say so rather than hide the first error
         return f"\n  (could not record the failure in the manifest either: {describe(second)})"
     where = ctx.dir if ctx is not None else spec["stage_dir"]
-    return f"\n  manifest: {Path(where) / MANIFEST} (status failed, traceback inside)"
+    return f"\n  manifest: {Path(where) / MANIFEST} (status {status}, traceback inside)"
 
 
 def _fmt(v: float) -> str:

@@ -1,0 +1,181 @@
+"""Faults end cleanly (issue 22, second part): Ctrl-C, a killed stage, a full disk, a faulty user judge, the
+user's WANDB_MODE. Each ends with a message that names what happened and what to do, never a traceback; an
+interrupted stage is recorded as such and `align status` reads the run."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, align_cmd, run_align
+
+CARD = str(REPO / "data_cards" / "movie_review_snippets.yaml")
+PIPELINE = {  # one stage, long enough to be interrupted mid-training
+    "name": "faults", "base_model": "builtin:tiny-llama", "seed": 5, "tracking": {"wandb": "disabled"},
+    "builtin": {"vocab_size": 512, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64,
+                "max_position_embeddings": 96},
+    "stages": {"sft": {"data": CARD, "max_steps": 100000, "per_device_batch_size": 8, "max_length": 96,
+                       "max_train_examples": 200, "max_truncated_fraction": 0.1, "logging_steps": 5,
+                       "save_steps": 20, "eval_split": None}},
+}
+
+
+# --------------------------------------------------------------------------------------------- judges
+JUDGES = '''
+import math
+def good(prompts, responses): return [float(len(r)) for r in responses]
+def raises(prompts, responses): raise RuntimeError("the scoring service is down")
+def short(prompts, responses): return [1.0] * (len(responses) - 1)
+def words(prompts, responses): return ["great" for _ in responses]
+def nan(prompts, responses): return [math.nan if i == 2 else 1.0 for i, _ in enumerate(responses)]
+def scalar(prompts, responses): return 3.0
+'''
+
+
+@pytest.mark.parametrize("name, message", [
+    ("raises", "judge 'userjudges:raises' raised RuntimeError: the scoring service is down (called with 4 responses)"),
+    ("short", "judge 'userjudges:short' returned 3 scores for 4 responses"),
+    ("words", "judge 'userjudges:words' returned 'great' (str) for response 0; every score must be a number"),
+    ("nan", "judge 'userjudges:nan' returned nan for response 2 ('ccc'); every score must be a finite number"),
+    ("scalar", "judge 'userjudges:scalar' returned a float; it must return a list of 4 numbers"),
+], ids=["raises", "short", "words", "nan", "scalar"])
+def test_a_faulty_user_judge_is_named_with_its_fault(tmp_path, monkeypatch, name, message):
+    from align.judges import JudgeFault, python_judge
+
+    monkeypatch.chdir(tmp_path)  # the module sits in the working directory, which is not on sys.path
+    monkeypatch.syspath_prepend(str(tmp_path / "elsewhere"))
+    monkeypatch.delitem(sys.modules, "userjudges", raising=False)
+    (tmp_path / "userjudges.py").write_text(JUDGES)
+    responses = ["a", "bb", "ccc", "dddd"]
+    assert python_judge("userjudges:good")(["p"] * 4, responses) == [1.0, 2.0, 3.0, 4.0]
+    with pytest.raises(JudgeFault) as err:
+        python_judge(f"userjudges:{name}")(["p"] * 4, responses)
+    assert message in str(err.value)
+    sys.modules.pop("userjudges", None)
+
+
+def test_a_judge_module_that_is_nowhere_says_where_it_was_looked_for(tmp_path, monkeypatch):
+    from align.judges import JudgeError, python_judge
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(JudgeError, match=f"looked in the working directory \\({tmp_path}\\) and on the Python path"):
+        python_judge("nosuchjudges:score")
+
+
+# --------------------------------------------------------------------------------------------- W&B
+@pytest.mark.parametrize("setting, env, mode", [
+    ("auto", {"WANDB_MODE": "offline", "WANDB_API_KEY": "k" * 40}, "offline"),  # the user's word wins over a key
+    ("online", {"WANDB_MODE": "offline"}, "offline"),
+    ("auto", {"WANDB_MODE": "disabled", "WANDB_API_KEY": "k" * 40}, None),
+    ("auto", {"WANDB_API_KEY": "k" * 40}, "online"),
+    ("auto", {"WANDB_MODE": "online"}, "online"),
+    ("auto", {}, "offline"),
+    ("disabled", {"WANDB_MODE": "online"}, None),
+])
+def test_the_users_wandb_mode_is_respected(monkeypatch, setting, env, mode):
+    from align.tracking import wandb_mode
+
+    for key in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert wandb_mode(setting) == mode
+
+
+# --------------------------------------------------------------------------------------------- exit codes, disk
+@pytest.mark.parametrize("rc, needles", [
+    (-9, ["SIGKILL", "out-of-memory killer", "per_device_batch_size", "resume: align run p.yaml"]),
+    (137, ["SIGKILL", "out-of-memory killer"]),  # a launcher's 128 + 9
+    (-15, ["SIGTERM", "time limit or preemption", "resume: align run p.yaml"]),
+    (-11, ["SIGSEGV", "crashed"]),
+])
+def test_a_killed_stage_says_what_its_exit_code_means(rc, needles):
+    from align.runner import exit_meaning
+
+    text = exit_meaning(rc, 0, "p.yaml")
+    for needle in needles:
+        assert needle in text, text
+
+
+def test_an_ordinary_failure_gets_no_signal_story():
+    from align.runner import exit_meaning
+
+    assert exit_meaning(1, 0, "p.yaml") == "" and exit_meaning(2, 0, "p.yaml") == ""
+
+
+def test_a_full_disk_names_the_output_what_it_needs_and_what_is_free(tmp_path):
+    from align.fsutil import disk_full
+
+    old = tmp_path / "model"
+    old.mkdir()
+    (old / "model.safetensors").write_bytes(b"\0" * (3 << 20))
+    exc = disk_full(OSError(errno.ENOSPC, "No space left on device", str(old / "x")), old, written=1 << 20)
+    assert exc.errno == errno.ENOSPC and exc.filename == str(old / "x")
+    text = exc.strerror
+    assert "writing model/ needs more than 1.0 MiB (written before the disk filled)" in text
+    assert "likely about 3.0 MiB (the output it replaces)" in text and "free there" in text
+    assert "what was published before is unchanged" in text
+
+
+# --------------------------------------------------------------------------------------------- Ctrl-C
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def _training(stage_dir: Path) -> bool:
+    metrics = stage_dir / "metrics.jsonl"
+    return metrics.is_file() and metrics.stat().st_size > 0
+
+
+def test_ctrl_c_records_the_stage_as_interrupted_and_a_killed_stage_says_why(tmp_path):
+    """Ctrl-C as a terminal sends it (SIGINT to the whole process group): exit 130, one paragraph with the
+    resume command, no traceback, the stage `interrupted` (resumable), and `align status` reads the run that died
+    in its first stage. Then the resumed stage is SIGKILLed, as the OOM killer would: the error says so."""
+    (tmp_path / "faults.yaml").write_text(yaml.safe_dump(PIPELINE, sort_keys=False))
+    run_dir = tmp_path / "runs" / "faults" / "main"
+    proc = subprocess.Popen(align_cmd("run", "faults.yaml"), cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for(lambda: _training(run_dir / "sft"), 120, "sft to log its first metrics")
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out[-2000:] + err[-2000:]
+    assert "Traceback" not in out + err, err[-3000:]
+    assert "interrupted during stage 1/1 'sft'" in err and "Resume with: align run faults.yaml" in err, err
+    manifest = json.loads((run_dir / "sft" / "manifest.json").read_text())
+    assert manifest["status"] == "interrupted", manifest["status"]
+    status = run_align("status", str(run_dir), cwd=tmp_path)
+    assert status.returncode == 0 and "| sft | sft | interrupted |" in status.stdout, status.stdout + status.stderr
+
+    proc = subprocess.Popen(align_cmd("run", "faults.yaml"), cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for(lambda: (json.loads((run_dir / "sft" / "manifest.json").read_text()).get("attempts") == 2
+                           and _training(run_dir / "sft")), 120, "the second attempt to start")
+        stage = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "align"], capture_output=True, text=True)
+        for pid in stage.stdout.split():
+            os.kill(int(pid), signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 2 and "Traceback" not in err, err[-3000:]
+    assert "SIGKILL: most often the kernel's out-of-memory killer" in err, err[-3000:]
+    assert "resume: align run faults.yaml" in err
