@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -119,31 +120,51 @@ INTERRUPT_GRACE_S = 60
 
 
 def stream_stage(cmd: list[str], log_path: Path, env: dict[str, str], name: str) -> int:
-    """Run a stage command; its output goes through a StageConsole into `log_path`."""
+    """Run a stage command; its output goes through a StageConsole into `log_path`.
+
+    The output is read and drawn on a helper thread while the main thread waits for the stage: Python delivers
+    Ctrl-C to the main thread only, so the KeyboardInterrupt never lands inside the console's drawing (tqdm
+    holds locks there; one left held would hang the runner's final `close`)."""
     with open(log_path, "ab") as log:
         console = StageConsole(name, log, stream_all=verbose())
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
         assert proc.stdout is not None
+        reader = threading.Thread(target=_pump, args=(proc.stdout, console), name=f"align-{name}-output",
+                                  daemon=True)
+        reader.start()
         try:
-            for chunk in iter(lambda: proc.stdout.read1(4096), b""):  # type: ignore[union-attr]
-                console.feed(chunk)
             return proc.wait()
         except KeyboardInterrupt:
-            # Ctrl-C reaches the stage too (same process group); pass it on when it came to the runner alone,
-            # and give the stage time to record itself as interrupted before it is killed.
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=INTERRUPT_GRACE_S)
-            except (subprocess.TimeoutExpired, KeyboardInterrupt):
-                proc.kill()
-                proc.wait()
+            _stop_interrupted(proc)
             raise
         except BaseException:
             proc.kill()
             proc.wait()
             raise
         finally:
+            reader.join(timeout=10)  # the pipe ends when the stage does
             console.close()
+
+
+def _pump(stream: BinaryIO, console: StageConsole) -> None:
+    for chunk in iter(lambda: stream.read1(4096), b""):  # type: ignore[attr-defined]
+        console.feed(chunk)
+
+
+def _stop_interrupted(proc: subprocess.Popen) -> None:
+    """After Ctrl-C: a terminal's Ctrl-C reached the stage too (same process group) and it is recording itself
+    as interrupted; a SIGINT sent to the runner alone is passed on. The stage gets INTERRUPT_GRACE_S to finish;
+    a second Ctrl-C, or the grace running out, kills it."""
+    try:
+        try:
+            proc.wait(timeout=5)
+            return
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=INTERRUPT_GRACE_S)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt):
+        proc.kill()
+        proc.wait()
 
 
 def tail(path: Path, lines: int = 15) -> str:

@@ -183,7 +183,11 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
             hint = (f"\n  multi-node: if the log shows a rendezvous timeout, a node did not join "
                     f"{multi.master_addr}:{multi.master_port} within --rdzv-timeout {multi.rdzv_timeout}s"
                     if multi.nodes > 1 and is_distributed(plan.cfg) else "")
-            hint += exit_meaning(rc, peak_before, source)
+            meaning = exit_meaning(rc, peak_before, source)
+            if meaning:  # the stage could not say it (it was killed): its log gets the runner's reading
+                with open(stage_dir / "stage.log", "a", encoding="utf-8") as log:
+                    log.write(f"[align] runner: the stage exited with code {rc}:{meaning}\n")
+            hint += meaning
             last = "" if verbose() else f"\n  last lines of the log:\n{tail(stage_dir / 'stage.log')}"
             raise PipelineError(f"stage '{plan.name}' failed (exit code {rc}): {m.get('error', 'see the log')}{hint}"
                                 f"{last}\n  log: {stage_dir / 'stage.log'}\n  manifest: {stage_dir / MANIFEST}")

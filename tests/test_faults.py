@@ -136,6 +136,20 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def _finish(proc: subprocess.Popen, timeout: float, what: str, stage_dir: Path) -> tuple[str, str]:
+    """The runner's output once it exits; on a timeout, everything that says where it hung."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stuck = subprocess.run(["ps", "-o", "pid,ppid,stat,wchan:20,etime,cmd", "-g", str(proc.pid)],
+                               capture_output=True, text=True).stdout
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        log = (stage_dir / "stage.log").read_text()[-3000:] if (stage_dir / "stage.log").is_file() else ""
+        raise AssertionError(f"{what}: still running after {timeout}s\nprocesses:\n{stuck}\nstdout:\n{out[-3000:]}"
+                             f"\nstderr:\n{err[-3000:]}\nstage.log:\n{log}") from None
+
+
 def _training(stage_dir: Path) -> bool:
     metrics = stage_dir / "metrics.jsonl"
     return metrics.is_file() and metrics.stat().st_size > 0
@@ -152,7 +166,7 @@ def test_ctrl_c_records_the_stage_as_interrupted_and_a_killed_stage_says_why(tmp
     try:
         _wait_for(lambda: _training(run_dir / "sft"), 120, "sft to log its first metrics")
         os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        out, err = _finish(proc, 120, "after Ctrl-C", run_dir / "sft")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -172,10 +186,11 @@ def test_ctrl_c_records_the_stage_as_interrupted_and_a_killed_stage_says_why(tmp
         stage = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "align"], capture_output=True, text=True)
         for pid in stage.stdout.split():
             os.kill(int(pid), signal.SIGKILL)
-        out, err = proc.communicate(timeout=120)
+        out, err = _finish(proc, 120, "after the stage was killed", run_dir / "sft")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 2 and "Traceback" not in err, err[-3000:]
     assert "SIGKILL: most often the kernel's out-of-memory killer" in err, err[-3000:]
     assert "resume: align run faults.yaml" in err
+    assert "SIGKILL: most often the kernel's out-of-memory killer" in (run_dir / "sft" / "stage.log").read_text()

@@ -533,7 +533,8 @@ def test_full_disk_during_a_stage_keeps_the_previous_output_and_records_the_fail
     model_before = _digest(run / "sft" / "model")
     proc = run_align("run", "hostile.yaml", "--only", "sft", "--force", cwd=root,
                      env={"ALIGN_INJECT_OSERROR": f"ENOSPC:{run / 'sft' / 'model'}"})
-    refused(proc.stdout + proc.stderr, proc.returncode, "No space left on device", str(run / "sft" / "model"))
+    refused(proc.stdout + proc.stderr, proc.returncode, "No space left on device", str(run / "sft" / "model"),
+            "written before the disk filled", "(the output it replaces)", "free there")
     manifest = json.loads((run / "sft" / "manifest.json").read_text())
     assert manifest["status"] == "failed" and "No space left on device" in manifest["error"]
     assert _digest(run / "sft" / "model") == model_before
