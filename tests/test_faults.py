@@ -150,6 +150,13 @@ def _finish(proc: subprocess.Popen, timeout: float, what: str, stage_dir: Path) 
                              f"\nstderr:\n{err[-3000:]}\nstage.log:\n{log}") from None
 
 
+def _sigint_as_at_a_terminal() -> None:
+    """In the runner before it starts: SIGINT back to its default. A shell without job control starts
+    background commands with SIGINT ignored, and Python then installs no KeyboardInterrupt handler (a CI run
+    started with `&` hung here); at a terminal, Ctrl-C is never ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _training(stage_dir: Path) -> bool:
     metrics = stage_dir / "metrics.jsonl"
     return metrics.is_file() and metrics.stat().st_size > 0
@@ -162,7 +169,8 @@ def test_ctrl_c_records_the_stage_as_interrupted_and_a_killed_stage_says_why(tmp
     (tmp_path / "faults.yaml").write_text(yaml.safe_dump(PIPELINE, sort_keys=False))
     run_dir = tmp_path / "runs" / "faults" / "main"
     proc = subprocess.Popen(align_cmd("run", "faults.yaml"), cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=_sigint_as_at_a_terminal)
     try:
         _wait_for(lambda: _training(run_dir / "sft"), 120, "sft to log its first metrics")
         os.killpg(proc.pid, signal.SIGINT)
