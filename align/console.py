@@ -129,11 +129,12 @@ def stream_stage(cmd: list[str], log_path: Path, env: dict[str, str], name: str)
         console = StageConsole(name, log, stream_all=verbose())
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
         assert proc.stdout is not None
-        reader = threading.Thread(target=_pump, args=(proc.stdout, console), name=f"align-{name}-output",
+        errors: list[BaseException] = []
+        reader = threading.Thread(target=_pump, args=(proc.stdout, console, errors), name=f"align-{name}-output",
                                   daemon=True)
         reader.start()
         try:
-            return proc.wait()
+            rc = proc.wait()
         except KeyboardInterrupt:
             _stop_interrupted(proc)
             raise
@@ -142,13 +143,24 @@ def stream_stage(cmd: list[str], log_path: Path, env: dict[str, str], name: str)
             proc.wait()
             raise
         finally:
-            reader.join(timeout=10)  # the pipe ends when the stage does
-            console.close()
+            reader.join(timeout=10)  # the pipe ends when the stage (and whatever it started) does
+            if not reader.is_alive():  # else a process the stage started still writes: leave the console to it
+                console.close()
+        if errors:  # e.g. the log's disk filled: the stage ran to its end (its output drained), the log did not
+            raise errors[0]
+        return rc
 
 
-def _pump(stream: BinaryIO, console: StageConsole) -> None:
+def _pump(stream: BinaryIO, console: StageConsole, errors: list[BaseException]) -> None:
+    """Feed the console until the pipe ends; if the console fails, keep draining (a stage blocked on a full pipe
+    would never end) and hand the error to the main thread."""
     for chunk in iter(lambda: stream.read1(4096), b""):  # type: ignore[attr-defined]
-        console.feed(chunk)
+        if errors:
+            continue
+        try:
+            console.feed(chunk)
+        except Exception as exc:  # re-raised by stream_stage once the stage has ended
+            errors.append(exc)
 
 
 def _stop_interrupted(proc: subprocess.Popen) -> None:

@@ -157,7 +157,7 @@ def lora_layers(shape: ModelShape, lora: Any) -> list[int]:
 
 def _targeted(name: str, targets: set[str]) -> bool:
     """peft's rule for a list of target_modules: the module's name is a target or ends with "." + target."""
-    return name in targets or name.rsplit(".", 1)[-1] in targets
+    return name in targets or any(name.endswith("." + t) for t in targets)
 
 
 def missing_lora_targets(shape: ModelShape, lora: Any) -> list[str]:

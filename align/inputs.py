@@ -243,10 +243,12 @@ def check_model_inputs(cfg: PipelineConfig, source: str | Path) -> list[str]:
     if config is None and not is_builtin(cfg.base_model):
         notes.append(f"base_model '{cfg.base_model}' is not cached here and has no base_model_config copy; its "
                      "config is checked when the first stage starts")
-    if config and config.get("auto_map") and not cfg.trust_remote_code:
+    auto_map = (config or {}).get("auto_map")
+    if auto_map and not cfg.trust_remote_code:  # the stage refuses it too (models.check_remote_code): say it now
+        named = sorted(map(str, auto_map)) if isinstance(auto_map, (dict, list)) else repr(auto_map)
         raise ConfigError(f"{source}: base_model: '{cfg.base_model}' ships its own Python code (config.json "
-                          f"auto_map: {sorted(config['auto_map'])}), which align does not run by default. Read "
-                          "that code, then set `trust_remote_code: true` in the pipeline to allow it")
+                          f"auto_map: {named}), which align does not run by default. Read that code, then set "
+                          "`trust_remote_code: true` in the pipeline to allow it")
     note = check_tokenizer(cfg, source, paths, config)
     if note:
         notes.append(note)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 import os
 import sys
 from functools import lru_cache
@@ -101,8 +102,9 @@ class CheckedJudge:
         if len(scores) != len(responses):
             raise JudgeFault(f"judge '{self.name}' returned {len(scores)} scores for {len(responses)} responses; "
                              "it must return one number per response, in order")
+        scores = [s.item() if hasattr(s, "item") and not isinstance(s, str) else s for s in scores]  # numpy/torch
         bad = next(((i, s) for i, s in enumerate(scores)
-                    if isinstance(s, bool) or not isinstance(s, (int, float))), None)
+                    if isinstance(s, bool) or not isinstance(s, numbers.Real)), None)
         if bad:
             raise JudgeFault(f"judge '{self.name}' returned {bad[1]!r} ({type(bad[1]).__name__}) for response "
                              f"{bad[0]}; every score must be a number")

@@ -69,8 +69,8 @@ def wait_for_stage(stage_dir: Path, fingerprint: str, name: str, timeout: float 
     t0 = time.time()
     while not is_complete(stage_dir, fingerprint):
         m = read_manifest(stage_dir) or {}
-        if m.get("fingerprint") == fingerprint and m.get("status") == "failed":
-            raise PipelineError(f"stage '{name}' failed on node 0: {m.get('error', 'see its log')}")
+        if m.get("fingerprint") == fingerprint and m.get("status") in ("failed", "interrupted"):
+            raise PipelineError(f"stage '{name}' {m['status']} on node 0: {m.get('error', 'see its log')}")
         if timeout is not None and time.time() - t0 > timeout:
             raise PipelineError(f"stage '{name}': node 0 did not record it as completed within {timeout:.0f}s "
                                 f"({stage_dir / MANIFEST})")

@@ -67,15 +67,18 @@ def expand(name: str, body: dict[str, Any], cls: type, where: str) -> list[Varia
     mode = lists.pop("mode") if isinstance(lists.get("mode"), str) else "cartesian"  # a list: a setting named mode
     if mode not in MODES:
         raise ConfigError(f"{where}.{SWEEP}.mode: {mode!r} is not one of {', '.join(MODES)}")
-    bound = lists.pop("max_variants") if isinstance(lists.get("max_variants"), int) else MAX_VARIANTS
+    bound = lists.pop("max_variants", MAX_VARIANTS)
+    if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
+        raise ConfigError(f"{where}.{SWEEP}.max_variants: {bound!r} is not a positive whole number (the most "
+                          f"variants this sweep may expand to; {MAX_VARIANTS} when not given)")
     if not lists:
-        raise ConfigError(f"{where}.{SWEEP}: no setting to sweep (only `mode`)")
+        raise ConfigError(f"{where}.{SWEEP}: no setting to sweep (only `mode` / `max_variants`)")
     for key, values in lists.items():
         _check_key(str(key), values, cls, f"{where}.{SWEEP}.{key}")
     count = len(next(iter(lists.values()))) if mode == "zip" else math.prod(len(v) for v in lists.values())
     if count > bound:  # refused before anything is expanded: each variant is a stage to plan and train
-        raise ConfigError(f"{where}.{SWEEP}: {count} variants ({' x '.join(str(len(v)) for v in lists.values())} "
-                          f"values) exceed the bound of {bound}; sweep fewer values, or raise it with "
+        shape = " x ".join(str(len(v)) for v in lists.values()) if mode != "zip" else f"zip of {count}"
+        raise ConfigError(f"{where}.{SWEEP}: {count} variants ({shape} values) exceed the bound of {bound}; sweep fewer values, or raise it with "
                           f"`max_variants: {count}` in the sweep if you mean it")
     if mode == "zip":
         lengths = {k: len(v) for k, v in lists.items()}

@@ -85,9 +85,10 @@ def _check_lora_targets(cfg: PipelineConfig, plans: list[StagePlan], source: str
         return
     try:
         shapes = model_shapes(cfg, source)
-    except EstimateError as exc:
+    except (EstimateError, ValueError, ImportError, OSError, KeyError, TypeError) as exc:
+        # e.g. no config here, or an architecture transformers builds no scalar head for: the stage says so
         if verbose:
-            print(f"  warning: LoRA target_modules not checked here: {exc}")
+            print(f"  warning: LoRA target_modules not checked here ({type(exc).__name__}: {exc})")
         return
     for plan in lora_plans:
         for role, kind, trained in plan.cfg.held_models(cfg.stages):

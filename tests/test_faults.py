@@ -38,6 +38,9 @@ def short(prompts, responses): return [1.0] * (len(responses) - 1)
 def words(prompts, responses): return ["great" for _ in responses]
 def nan(prompts, responses): return [math.nan if i == 2 else 1.0 for i, _ in enumerate(responses)]
 def scalar(prompts, responses): return 3.0
+def numpy_scores(prompts, responses):
+    import numpy
+    return [numpy.float32(len(r)) for r in responses]
 '''
 
 
@@ -57,6 +60,7 @@ def test_a_faulty_user_judge_is_named_with_its_fault(tmp_path, monkeypatch, name
     (tmp_path / "userjudges.py").write_text(JUDGES)
     responses = ["a", "bb", "ccc", "dddd"]
     assert python_judge("userjudges:good")(["p"] * 4, responses) == [1.0, 2.0, 3.0, 4.0]
+    assert python_judge("userjudges:numpy_scores")(["p"] * 4, responses) == [1.0, 2.0, 3.0, 4.0]
     with pytest.raises(JudgeFault) as err:
         python_judge(f"userjudges:{name}")(["p"] * 4, responses)
     assert message in str(err.value)

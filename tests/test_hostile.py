@@ -109,6 +109,8 @@ def validate(capsys, *args: str) -> None:
     ("ppo.value_init=value", ["stages.ppo.value_init", "reward, policy"]),
     ("tracking.wandb=yes", ["tracking.wandb"]),
     ("builtin.num_heads=3", ["builtin.hidden_size", "num_heads"]),
+    ("sft.sweep={learning_rate: [0.1, 0.2], max_variants: true}", ["stages.sft.sweep.max_variants", "True",
+                                                                  "positive whole number"]),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_validate_refuses_override(override, needles, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -306,8 +308,8 @@ def _case_model_with_its_own_code(root):
 
 
 def _case_lora_target_the_model_lacks(root):
-    write_pipeline(root, lambda r: r["stages"]["sft"].update(lora={"enabled": True,
-                                                                   "target_modules": ["q_proj", "qkv_proj"]}))
+    write_pipeline(root, lambda r: r["stages"]["sft"].update(lora={"enabled": True, "target_modules": [
+        "q_proj", "self_attn.v_proj", "qkv_proj"]}))  # a dotted suffix matches, as in peft
     return ["hostile.yaml"], ["stages.sft.lora.target_modules", "['qkv_proj'] name no linear layer", "'o_proj'"]
 
 

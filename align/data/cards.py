@@ -231,6 +231,7 @@ def load_split(card: DataCard | str | Path, split: str) -> LoadedSplit:
     if not rows:
         raise DataCardError(f"{card.file or card.path}: the dataset is empty")
     seed = int(card.splits.get("seed", 0))
+    read = len(rows)
     dropped: Counter = Counter()
     try:
         for name, args in card.transform.items():
@@ -238,8 +239,8 @@ def load_split(card: DataCard | str | Path, split: str) -> LoadedSplit:
             dropped.update(d)
         if not rows:
             reasons = ", ".join(f"{n} {why}" for why, n in dropped.most_common())
-            raise FormatError(f"transform {', '.join(card.transform)} dropped every one of the "
-                              f"{sum(dropped.values())} rows ({reasons}); fix the data, or the transform's settings")
+            raise FormatError(f"transform {', '.join(card.transform)} dropped every one of the {read} rows "
+                              f"({reasons or 'no reason counted'}); fix the data, or the transform's settings")
         check_canonical(rows, card.produces, str(card.file or card.path))
     except FormatError as exc:
         raise DataCardError(f"{card.path}: {exc}") from None

@@ -7,6 +7,7 @@ processes take part in saving (ZeRO-3 gathers the weights for the consolidated c
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import importlib
@@ -15,6 +16,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 import traceback
@@ -174,10 +176,14 @@ class StageContext:
             if self.is_main:
                 publish_dir(tmp, final)
         except BaseException as exc:
-            written = tree_bytes(tmp) if self.is_main else 0
+            full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+            written = 0
+            if full and self.is_main:
+                with contextlib.suppress(OSError):
+                    written = tree_bytes(tmp)
             if self.is_main:  # no half-written staging directory is left behind (e.g. a full disk)
                 shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            if full:
                 raise disk_full(exc, final, written) from exc
             raise
         self.state.wait_for_everyone()
@@ -285,6 +291,7 @@ def main(spec_path: str) -> int:
               flush=True)
         return 2
     except KeyboardInterrupt:  # Ctrl-C (or the runner passing one on): resumable, and no traceback
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the record short
         _record_failure(ctx, spec, INTERRUPTED, status="interrupted")
         print(f"align: stage '{spec.get('stage_name', spec_path)}' interrupted; its last checkpoint is kept and "
               "the next `align run` resumes from it", file=sys.stderr, flush=True)
