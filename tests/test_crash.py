@@ -27,11 +27,11 @@ from conftest import REPO, TINY, align_cmd, complete_checkpoints, run_align
 pytestmark = pytest.mark.slow
 
 ARGS = ["run", "pipelines/default.yaml", "--run-id", "crash", "tracking.wandb=disabled", *TINY,
-        "sft.max_steps=160", "sft.save_steps=20", "sft.logging_steps=10", "sft.eval_split=null",
-        "reward.max_steps=400", "reward.save_steps=40", "reward.logging_steps=20",
-        "dpo.max_steps=200", "dpo.save_steps=20", "dpo.logging_steps=10",
+        "sft.max_steps=80", "sft.save_steps=20", "sft.logging_steps=10", "sft.eval_split=null",
+        "reward.max_steps=160", "reward.save_steps=40", "reward.logging_steps=20",
+        "dpo.max_steps=100", "dpo.save_steps=20", "dpo.logging_steps=10",
         "ppo.iterations=16", "ppo.save_every=2"]
-FINAL = {"sft": 160, "reward": 400, "dpo": 200, "ppo": 16}
+FINAL = {"sft": 80, "reward": 160, "dpo": 100, "ppo": 16}  # 4 checkpoints each: room for the kill before the end
 KILL_POINTS = ("first_checkpoint", "training_started")
 
 
