@@ -27,6 +27,8 @@ from typing import Any, BinaryIO
 
 from tqdm.auto import tqdm
 
+from align import warm
+
 PROGRESS = "\x1e[align-progress] "
 LOG_EVERY_S = 30.0  # a progress line in stage.log at most this often (and at 0%, every 10% and 100%)
 
@@ -119,15 +121,16 @@ INTERRUPT_GRACE_S = 60
 """How long a stage has, after Ctrl-C, to record itself as interrupted before it is killed."""
 
 
-def stream_stage(cmd: list[str], log_path: Path, env: dict[str, str], name: str) -> int:
-    """Run a stage command; its output goes through a StageConsole into `log_path`.
+def stream_stage(cmd: list[str], log_path: Path, env: dict[str, str], name: str, warm_start: bool = False) -> int:
+    """Run a stage command; its output goes through a StageConsole into `log_path`. With `warm_start`, a
+    one-process stage (`python -m align.cli stage <spec>`) is forked from the warm server (align/warm.py).
 
     The output is read and drawn on a helper thread while the main thread waits for the stage: Python delivers
     Ctrl-C to the main thread only, so the KeyboardInterrupt never lands inside the console's drawing (tqdm
     holds locks there; one left held would hang the runner's final `close`)."""
     with open(log_path, "ab") as log:
         console = StageConsole(name, log, stream_all=verbose())
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        proc = start_stage(cmd, env, warm_start)
         assert proc.stdout is not None
         errors: list[BaseException] = []
         reader = threading.Thread(target=_pump, args=(proc.stdout, console, errors), name=f"align-{name}-output",
@@ -151,6 +154,14 @@ def stream_stage(cmd: list[str], log_path: Path, env: dict[str, str], name: str)
         return rc
 
 
+def start_stage(cmd: list[str], env: dict[str, str], warm_start: bool) -> subprocess.Popen | warm.WarmStage:
+    """The stage's process: forked from the warm server when asked and the command is the plain one-process
+    entry point, else a fresh process."""
+    if warm_start and cmd[1:4] == ["-m", "align.cli", "stage"] and len(cmd) == 5:
+        return warm.WarmStage(cmd[4], env)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+
+
 def _pump(stream: BinaryIO, console: StageConsole, errors: list[BaseException]) -> None:
     """Feed the console until the pipe ends; if the console fails, keep draining (a stage blocked on a full pipe
     would never end) and hand the error to the main thread."""
@@ -163,7 +174,7 @@ def _pump(stream: BinaryIO, console: StageConsole, errors: list[BaseException]) 
             errors.append(exc)
 
 
-def _stop_interrupted(proc: subprocess.Popen) -> None:
+def _stop_interrupted(proc: subprocess.Popen | warm.WarmStage) -> None:
     """After Ctrl-C: a terminal's Ctrl-C reached the stage too (same process group) and it is recording itself
     as interrupted; a SIGINT sent to the runner alone is passed on. The stage gets INTERRUPT_GRACE_S to finish;
     a second Ctrl-C, or the grace running out, kills it."""

@@ -92,13 +92,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def one_plain_process(plan: StagePlan, source: str | Path, num_processes: int | None) -> bool:
+    """Whether the stage runs as one plain process (no launcher): the only kind align/warm.py can fork."""
+    raw = yaml_load(accelerate_config(plan.cfg.accelerate, source)) or {}
+    n = processes_per_node(plan.cfg, num_processes)
+    return str(raw.get("distributed_type", "NO")).upper() == "NO" and (n or raw.get("num_processes", 1)) == 1
+
+
 def launch_command(plan: StagePlan, spec: Path, source: str | Path, num_processes: int | None,
                    multi: MultiNode | None = None) -> list[str]:
     """The command that starts the stage's processes on this machine (all of them, or this node's share)."""
     config = accelerate_config(plan.cfg.accelerate, source)
     n = processes_per_node(plan.cfg, num_processes)
     raw = yaml_load(config) or {}
-    if str(raw.get("distributed_type", "NO")).upper() == "NO" and (n or raw.get("num_processes", 1)) == 1:
+    if one_plain_process(plan, source, num_processes):
         # One plain process: accelerate launch would only add ~2.6 s of imports (measured) before starting it.
         return [sys.executable, "-m", "align.cli", "stage", str(spec)]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]

@@ -105,6 +105,7 @@ class Manifest(TypedDict, total=False):
     world_size: int
     distributed_type: str
     zero_stage: int | None
+    process: dict[str, Any]  # the main process: {pid, host, start: "warm" (forked, align/warm.py) or "fresh"}
     final_metrics: dict[str, Any]
     outputs: list[str]  # relative to the stage directory
     output_digests: dict[str, dict[str, Any]]  # output name -> {content, publication, files: {name: [size, sha256]}}

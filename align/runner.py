@@ -16,12 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from align import warm
 from align.config import PipelineConfig, to_dict
 from align.console import stream_stage, tail, verbose
 from align.estimate import EstimateError, estimate_pipeline, hardware, too_big
 from align.fsutil import atomic_write_json
 from align.inputs import resolve_model_paths
-from align.launch import is_distributed, launch_command, stage_env
+from align.launch import is_distributed, launch_command, one_plain_process, stage_env
 from align.multinode import MultiNode, follow_stage
 from align.plan import REPO_DIR, PipelineError, StagePlan, code_version, descendants, run_dir_of
 from align.rundir import (MANIFEST, PIPELINE, SPEC, PipelineRecord, StageSpec, headline, is_complete,
@@ -129,6 +130,13 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
     statuses: dict[str, str] = {}
     if multi.is_main:  # from the start: `align status` reads a run that dies in its first stage
         _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)
+    # Two or more one-process stages to run: start the warm server now (it imports while the runner goes on),
+    # and fork those stages from it (align/warm.py). For a single stage it would only add its start.
+    plain = [p for p in plans if p.name in selected and (p.name in forced or not is_complete(run_dir / p.name,
+             p.fingerprint)) and one_plain_process(p, source, num_processes)]
+    warm_start = multi.is_main and len(plain) >= 2 and warm.enabled()
+    if warm_start:
+        warm.start(stage_env())
     for i, plan in enumerate(plans, start=1):
         stage_dir = run_dir / plan.name
         header = f"[align] stage {i}/{len(plans)} {plan.name} ({plan.cfg.type})"
@@ -168,7 +176,7 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
         peak_before = children_peak_rss()
         try:
             rc = stream_stage(launch_command(plan, spec_path, source, num_processes, multi),
-                              stage_dir / "stage.log", stage_env(), plan.name)
+                              stage_dir / "stage.log", stage_env(), plan.name, warm_start)
         except KeyboardInterrupt:
             _mark_interrupted(stage_dir)
             statuses[plan.name] = "interrupted"

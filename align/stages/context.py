@@ -17,6 +17,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -233,7 +234,10 @@ class StageContext:
             "attempts": attempts, "world_size": self.state.num_processes,
             "distributed_type": str(self.state.distributed_type).split(".")[-1],
             "zero_stage": int(os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"])
-            if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") else None, **self.extra_manifest, **extra,
+            if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") else None,
+            "process": {"pid": os.getpid(), "host": socket.gethostname(),
+                        "start": "warm" if os.environ.get("ALIGN_WARM_STAGE") == "1" else "fresh"},
+            **self.extra_manifest, **extra,
         }
         if status != "running":
             manifest["ended_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
