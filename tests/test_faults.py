@@ -19,13 +19,16 @@ import yaml
 from conftest import REPO, align_cmd, run_align
 
 CARD = str(REPO / "data_cards" / "movie_review_snippets.yaml")
-PIPELINE = {  # one stage, long enough to be interrupted mid-training
+PIPELINE = {  # sft, long enough to be interrupted mid-training; a second one-process stage makes the run start
+    # its stages warm (align/warm.py), so Ctrl-C and SIGKILL are tested on forked stage processes
     "name": "faults", "base_model": "builtin:tiny-llama", "seed": 5, "tracking": {"wandb": "disabled"},
     "builtin": {"vocab_size": 512, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64,
                 "max_position_embeddings": 96},
     "stages": {"sft": {"data": CARD, "max_steps": 100000, "per_device_batch_size": 8, "max_length": 96,
                        "max_train_examples": 200, "max_truncated_fraction": 0.1, "logging_steps": 5,
-                       "save_steps": 20, "eval_split": None}},
+                       "save_steps": 20, "eval_split": None},
+               "preferences": {"policy": "sft", "prompts": CARD, "judge": "length", "max_prompts": 8,
+                               "samples_per_prompt": 2}},
 }
 
 
@@ -184,7 +187,7 @@ def test_ctrl_c_records_the_stage_as_interrupted_and_a_killed_stage_says_why(tmp
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, out[-2000:] + err[-2000:]
     assert "Traceback" not in out + err, err[-3000:]
-    assert "interrupted during stage 1/1 'sft'" in err and "Resume with: align run faults.yaml" in err, err
+    assert "interrupted during stage 1/2 'sft'" in err and "Resume with: align run faults.yaml" in err, err
     manifest = json.loads((run_dir / "sft" / "manifest.json").read_text())
     assert manifest["status"] == "interrupted", manifest["status"]
     status = run_align("status", str(run_dir), cwd=tmp_path)
