@@ -33,3 +33,14 @@ def win_rate(scores: list[float], baseline: list[float], samples: int = 2000, se
 def mean_ci(values: list[float], samples: int = 2000, seed: int = 0) -> dict[str, float]:
     lo, hi = bootstrap_ci(values, samples, seed=seed)
     return {"mean": float(np.mean(values)), "ci_low": lo, "ci_high": hi, "std": float(np.std(values))}
+
+
+def perplexity(logprob_sums: list[float], token_counts: list[float]) -> float:
+    """Token-level perplexity of a set of responses under a model: exp(-sum of token log-probs / tokens), over
+    all responses together (each token counts once, so long responses weigh by their length). Jelinek et al.
+    1977 / Jurafsky & Martin, Speech and Language Processing (3rd ed.), eq. 3.14: PP(W) = P(w_1..w_N)^(-1/N).
+    NaN when there are no tokens."""
+    tokens = float(np.sum(token_counts))
+    if tokens <= 0:
+        return float("nan")
+    return float(np.exp(-float(np.sum(logprob_sums)) / tokens))

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from align.stats import bootstrap_ci, win_indicators, win_rate
+from align.stats import bootstrap_ci, perplexity, win_indicators, win_rate
 
 
 def test_known_win_rate_with_ties_counted_half():
@@ -37,3 +37,11 @@ def test_bootstrap_ci_covers_truth_at_about_nominal_rate():
         lo, hi = bootstrap_ci(w, samples=1000, seed=i)
         covered += lo <= 0.6 <= hi
     assert 0.88 <= covered / 200 <= 0.99
+
+
+def test_perplexity_is_token_weighted_over_all_responses():
+    # two responses: 1 token with log-prob -2, 3 tokens summing to -4 -> exp(6 / 4) = e^1.5, not the mean of
+    # the per-response perplexities (e^2 + e^(4/3)) / 2 = 5.59
+    assert perplexity([-2.0, -4.0], [1, 3]) == pytest.approx(4.4816891)
+    assert perplexity([0.0], [5]) == 1.0  # every token certain
+    assert np.isnan(perplexity([], []))  # no tokens: undefined, not 1

@@ -17,14 +17,15 @@ import torch
 
 from align import frontier, plots
 from align.config.evaluate import EvaluateStage
-from align.data.rows import load_prompts, load_rows
+from align.stages.rows import load_prompts, load_rows
 from align.generation import by_length, generate, response_logprobs
-from align.judges import RewardModelJudge, python_judge
+from align.judges import python_judge
+from align.stages.scoring import RewardModelJudge
 from align.models import load_tokenizer
 from align.rundir import read_manifest
 from align.stages.context import StageContext
 from align.stages.reward import calibration_buckets, pairwise_accuracy
-from align.stats import mean_ci, win_rate
+from align.stats import mean_ci, perplexity, win_rate
 
 OUTPUTS = ["../report"]
 
@@ -32,10 +33,11 @@ OUTPUTS = ["../report"]
 @torch.no_grad()
 def sample_with_kl(policy, reference, tokenizer, prompts: list[str], cfg: EvaluateStage, seed: int,
                    on_batch=lambda done: None, fast: bool = False):
-    """Responses (text) and sequence-level KL(policy || reference) = sum_t log pi - log ref on them, in the order
-    of `prompts` (sampled in length-sorted batches: every policy gets the same batches and seeds)."""
+    """Responses (text), sequence-level KL(policy || reference) = sum_t log pi - log ref on them, their lengths,
+    and the sum of their tokens' log-probs under the reference at temperature 1 (for its perplexity), in the
+    order of `prompts` (sampled in length-sorted batches: every policy gets the same batches and seeds)."""
     n = len(prompts)
-    texts, kls, lengths = [""] * n, [0.0] * n, [0.0] * n
+    texts, kls, lengths, ref_sums = [""] * n, [0.0] * n, [0.0] * n, [0.0] * n
     gen = cfg.generation
     order = by_length(tokenizer, prompts)
     for start in range(0, n, gen.batch_size):
@@ -45,10 +47,11 @@ def sample_with_kl(policy, reference, tokenizer, prompts: list[str], cfg: Evalua
         lp = response_logprobs(policy, r, gen.temperature)
         ref_lp = response_logprobs(reference, r, gen.temperature)
         mask = r.response_mask.float()
-        for i, kl, length, text in zip(idx, ((lp - ref_lp) * mask).sum(1).tolist(), mask.sum(1).tolist(),
-                                       r.texts(tokenizer)):
-            texts[i], kls[i], lengths[i] = text, kl, length
-    return texts, kls, lengths
+        ref_plain = ref_lp if gen.temperature == 1.0 else response_logprobs(reference, r, 1.0)
+        for i, kl, length, text, ref_sum in zip(idx, ((lp - ref_lp) * mask).sum(1).tolist(), mask.sum(1).tolist(),
+                                                r.texts(tokenizer), (ref_plain * mask).sum(1).tolist()):
+            texts[i], kls[i], lengths[i], ref_sums[i] = text, kl, length, ref_sum
+    return texts, kls, lengths, ref_sums
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -71,14 +74,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
             print(f"[align] {ctx.name}: sampling {len(prompts)} prompts from '{name}'", flush=True)
         policy = ctx.load_lm(ctx.input_model(name), device=True).eval()
         with ctx.compute.autocast():
-            texts, kls, lengths = sample_with_kl(policy, reference, tokenizer, prompts, cfg, ctx.seed,
+            texts, kls, lengths, ref_sums = sample_with_kl(policy, reference, tokenizer, prompts, cfg, ctx.seed,
                                                  lambda done: ctx.progress(i * len(prompts) + done, total, policy=name),
                                                  fast=fast)
             ctx.progress((i + 1) * len(prompts), total, policy=name)
             scores = {j: fn(prompts, texts) for j, fn in judges.items()}
         generated += int(sum(lengths))
         del policy
-        samples[name] = {"responses": texts, "kl": kls, "length": lengths, "scores": scores}
+        samples[name] = {"responses": texts, "kl": kls, "length": lengths, "ref_logprob": ref_sums, "scores": scores}
 
     seconds = time.perf_counter() - t0
     metrics: dict[str, Any] = {"eval/prompts": len(prompts), "perf/generated_tokens": generated,
@@ -89,6 +92,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
         kl = mean_ci(s["kl"], cfg.bootstrap_samples, ctx.seed)
         metrics[f"eval/{name}/kl_ci"] = [kl["ci_low"], kl["ci_high"]]
         metrics[f"eval/{name}/response_length"] = float(np.mean(s["length"]))
+        # fluency: a policy that buys reward with text its reference finds unlikely shows it here, beside its KL
+        metrics[f"eval/{name}/ref_perplexity"] = perplexity(s["ref_logprob"], s["length"])
         for j, sc in s["scores"].items():
             m = mean_ci(sc, cfg.bootstrap_samples, ctx.seed)
             metrics[f"eval/{name}/{j}/mean"] = m["mean"]
@@ -161,10 +166,12 @@ def all_judges(cfg: EvaluateStage) -> list[str]:
 def headline(cfg: EvaluateStage, m: dict[str, Any]) -> str:
     judges = all_judges(cfg)
     lines = [f"| policy | {' | '.join(f'{j} mean' for j in judges)} | KL to {cfg.reference} | "
+             f"perplexity under {cfg.reference} | "
              + " | ".join(f"{j} win rate vs {cfg.baseline} [95% CI]" for j in judges) + " |",
-             "|" + "---|" * (2 + 2 * len(judges))]
+             "|" + "---|" * (3 + 2 * len(judges))]
     for p in cfg.policies:
-        cells = [f"{m[f'eval/{p}/{j}/mean']:.3f}" for j in judges] + [f"{m[f'eval/{p}/kl']:.2f}"]
+        cells = ([f"{m[f'eval/{p}/{j}/mean']:.3f}" for j in judges] + [f"{m[f'eval/{p}/kl']:.2f}"]
+                 + [f"{m.get(f'eval/{p}/ref_perplexity', float('nan')):.2f}"])
         for j in judges:
             if p == cfg.baseline:
                 cells.append("(baseline)")
