@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t0
     rows = stage_rows(run_dir, pipeline, peak * 1e12 if peak else None, failed)
     from align.data.cards import load_split
-    from align.data.rows import unique_prompts
+    from align.stages.rows import unique_prompts
 
     card = REPO / "data_cards" / "movie_review_snippets.yaml"
     prompts = unique_prompts(load_split(str(card), "test").rows, sizes["ab_prompts"])

@@ -12,6 +12,9 @@ PPO does more work per episode by design; the table says so. The first iteration
 not timed.
 
     python benchmarks/ppo_vs_rloo.py --run-dir runs/default/main --iterations 6
+
+tests/test_pipeline_e2e.py runs it on the suite's tiny default run (2 iterations of 8 episodes), so the script
+cannot rot unnoticed.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ def ours(run_dir: Path, prompts_card: str, args) -> dict[str, float]:
 
     cfg = PPOStage(type="ppo", policy="sft", reward="reward", prompts=prompts_card, iterations=args.iterations,
                    rollout_batch_size=args.batch, mini_batch_size=args.mini_batch, ppo_epochs=args.epochs,
-                   max_prompt_length=64, save_every=10_000, sample_every=0, kl=KLSettings(coef=0.05),
+                   max_prompt_length=64, save_every=10_000, sample_every=10_000, kl=KLSettings(coef=0.05),
                    generation=Generation(max_new_tokens=args.max_new_tokens))
     with tempfile.TemporaryDirectory() as tmp:
         stage_dir = Path(tmp) / "ppo"
@@ -41,7 +44,9 @@ def ours(run_dir: Path, prompts_card: str, args) -> dict[str, float]:
                 "pipeline": {"name": "bench", "run_id": "bench", "seed": 0, "dtype": "float32",
                              "tracking": {"wandb": "disabled", "project": "align", "entity": None}}}
         (stage_dir / "spec.json").write_text(json.dumps(spec))
-        stage_main(str(stage_dir / "spec.json"))
+        if stage_main(str(stage_dir / "spec.json")) != 0:
+            manifest = json.loads((stage_dir / "manifest.json").read_text())
+            raise SystemExit(f"align's PPO stage failed: {manifest.get('error')}")
         rows = [json.loads(x) for x in (stage_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows if "perf/episodes_per_s" in r][1:]
     seconds = sum(args.batch / r["perf/episodes_per_s"] for r in timed)
@@ -93,7 +98,7 @@ def rloo(run_dir: Path, prompts: list[str], args) -> dict[str, float]:
     return {"episodes": episodes, "seconds": seconds, "tokens": episodes * mean_len}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", type=Path, default=Path("runs/default/main"),
                    help="a run directory with completed sft/ and reward/ stages")
@@ -104,7 +109,12 @@ def main() -> None:
     p.add_argument("--mini-batch", type=int, default=16)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=24)
-    args = p.parse_args()
+    p.add_argument("--json", type=Path, help="also write the results here")
+    args = p.parse_args(argv)
+    if args.iterations < 2:
+        raise SystemExit("--iterations must be >= 2: the first iteration of each trainer is a warm-up, not timed")
+    if args.batch % args.mini_batch:
+        raise SystemExit(f"--batch {args.batch} must be a multiple of --mini-batch {args.mini_batch}")
     for stage in ("sft", "reward"):
         if not (args.run_dir / stage / "model").is_dir():
             raise SystemExit(f"{args.run_dir / stage / 'model'} is missing: run the default pipeline first")
@@ -119,6 +129,9 @@ def main() -> None:
     for name, r in results.items():
         print(f"| {name} | {r['episodes'] / r['seconds']:.2f} | {r['tokens'] / r['seconds']:.1f} | "
               f"{r['episodes']} | {r['seconds']:.1f} |")
+    if args.json:
+        args.json.write_text(json.dumps({"settings": {k: v for k, v in vars(args).items() if k != "json"},
+                                         "results": results}, default=str, indent=2))
 
 
 if __name__ == "__main__":

@@ -30,3 +30,18 @@ def test_gpu_benchmark_runs_in_cpu_mode_and_reports_every_stage(tmp_path):
     assert set(result["generation"]) == {"float32 weights, autocast", "bf16 weights", "bf16 weights, fast"}
     assert all(v > 0 for v in result["generation"].values())
     assert "| ppo |" in proc.stdout and "generation of the sft policy" in proc.stdout
+
+
+def test_online_rl_benchmark_runs_in_its_tiny_mode(tmp_path):
+    """benchmarks/online_rl.py --tiny: pipelines/online_rl.yaml shrunk (sft, preferences, reward, then PPO, GRPO
+    and RLOO on the same reward model, and one evaluation), and its table of throughput and win rates."""
+    out = tmp_path / "online.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "online_rl.py"), "--tiny", "--json", str(out),
+                           f"runs_dir={tmp_path / 'runs'}"], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    figures = json.loads(out.read_text())["algorithms"]
+    assert list(figures) == ["ppo", "grpo", "rloo"]
+    for kind, f in figures.items():
+        assert f["episodes"] > 0 and f["episodes_per_s"] > 0 and f["tokens_per_s"] > 0, (kind, f)
+        assert 0 <= f["vader_win_rate"] <= 1, (kind, f)
+    assert "| ppo |" in proc.stdout and "| rloo |" in proc.stdout

@@ -213,6 +213,10 @@ def test_report_has_plots_and_tables(e2e):
     assert (report / "win_rates.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = (report / "report.md").read_text()
     assert "| policy |" in text and "| ppo |" in text and "| dpo |" in text
+    assert "| perplexity under sft |" in text
+    metrics = json.loads((report / "metrics.json").read_text())
+    for policy in ("sft", "ppo", "dpo"):  # of ~12-token samples of a barely trained 512-token model: > 1, finite
+        assert 1.0 < metrics[f"eval/{policy}/ref_perplexity"] < 512, policy
     assert "[align] headline" in e2e["first"].stdout
 
 
@@ -286,3 +290,22 @@ def test_ppo_killed_mid_run_resumes_iteration_beta_and_statistics(private):
     beta_at_start = next(r["objective/kl_coef"] for r in before if r["step"] == start)
     assert abs(beta_at_start / 0.05 - 1) > 0.05  # beta had moved away from its initial value...
     assert abs(rows[0]["objective/kl_coef"] / beta_at_start - 1) <= 16 / 50 * 0.2 + 1e-9  # ...and continued
+
+
+def test_ppo_vs_rloo_benchmark_runs_on_the_tiny_run(e2e, tmp_path):
+    """benchmarks/ppo_vs_rloo.py on this module's sft and reward models, in a tiny mode (2 iterations of 8
+    episodes, the first a warm-up): both trainers time their second iteration and the table prints."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ppo_vs_rloo.py"), "--run-dir", str(e2e["run"]),
+                           "--iterations", "2", "--batch", "8", "--mini-batch", "4", "--epochs", "1",
+                           "--max-new-tokens", "6", "--json", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"align PPO", "TRL RLOO"}
+    for name, r in results.items():
+        assert r["episodes"] == 8 and r["seconds"] > 0 and r["tokens"] > 0, (name, r)
+    assert "| align PPO |" in proc.stdout and "| TRL RLOO |" in proc.stdout
