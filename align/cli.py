@@ -10,7 +10,7 @@ from align import packaged
 from align.config import ConfigError, load_pipeline
 from align.data.cards import DataCardError
 from align.estimate import EstimateError, estimate_pipeline, hardware, render, too_big
-from align.multinode import MultiNode
+from align.launch import MultiNode
 from align.plan import PipelineError
 from align.report import rebuild
 from align.rundir import ManifestError

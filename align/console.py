@@ -23,11 +23,22 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable, Protocol
 
 from tqdm.auto import tqdm
 
-from align import warm
+
+class StageProcess(Protocol):
+    """A started stage as the runner waits for it: `subprocess.Popen`, or align/warm.py's WarmStage."""
+
+    stdout: BinaryIO | None
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
 
 PROGRESS = "\x1e[align-progress] "
 LOG_EVERY_S = 30.0  # a progress line in stage.log at most this often (and at 0%, every 10% and 100%)
@@ -121,16 +132,16 @@ INTERRUPT_GRACE_S = 60
 """How long a stage has, after Ctrl-C, to record itself as interrupted before it is killed."""
 
 
-def stream_stage(cmd: list[str], log_path: Path, env: dict[str, str], name: str, warm_start: bool = False) -> int:
-    """Run a stage command; its output goes through a StageConsole into `log_path`. With `warm_start`, a
-    one-process stage (`python -m align.cli stage <spec>`) is forked from the warm server (align/warm.py).
+def stream_stage(start: Callable[[], StageProcess], log_path: Path, name: str) -> int:
+    """Start a stage process (`start`: e.g. `warm.start_stage`, its stdout and stderr on one pipe) once its log is
+    open, and wait for it; its output goes through a StageConsole into `log_path`.
 
     The output is read and drawn on a helper thread while the main thread waits for the stage: Python delivers
     Ctrl-C to the main thread only, so the KeyboardInterrupt never lands inside the console's drawing (tqdm
     holds locks there; one left held would hang the runner's final `close`)."""
     with open(log_path, "ab") as log:
         console = StageConsole(name, log, stream_all=verbose())
-        proc = start_stage(cmd, env, warm_start)
+        proc = start()
         assert proc.stdout is not None
         errors: list[BaseException] = []
         reader = threading.Thread(target=_pump, args=(proc.stdout, console, errors), name=f"align-{name}-output",
@@ -154,14 +165,6 @@ def stream_stage(cmd: list[str], log_path: Path, env: dict[str, str], name: str,
         return rc
 
 
-def start_stage(cmd: list[str], env: dict[str, str], warm_start: bool) -> subprocess.Popen | warm.WarmStage:
-    """The stage's process: forked from the warm server when asked and the command is the plain one-process
-    entry point, else a fresh process."""
-    if warm_start and cmd[1:4] == ["-m", "align.cli", "stage"] and len(cmd) == 5:
-        return warm.WarmStage(cmd[4], env)
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-
-
 def _pump(stream: BinaryIO, console: StageConsole, errors: list[BaseException]) -> None:
     """Feed the console until the pipe ends; if the console fails, keep draining (a stage blocked on a full pipe
     would never end) and hand the error to the main thread."""
@@ -174,7 +177,7 @@ def _pump(stream: BinaryIO, console: StageConsole, errors: list[BaseException]) 
             errors.append(exc)
 
 
-def _stop_interrupted(proc: subprocess.Popen | warm.WarmStage) -> None:
+def _stop_interrupted(proc: StageProcess) -> None:
     """After Ctrl-C: a terminal's Ctrl-C reached the stage too (same process group) and it is recording itself
     as interrupted; a SIGINT sent to the runner alone is passed on. The stage gets INTERRUPT_GRACE_S to finish;
     a second Ctrl-C, or the grace running out, kills it."""

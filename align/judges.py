@@ -6,8 +6,10 @@ A judge is a callable ``(prompts: list[str], responses: list[str]) -> list[float
 - a user's function named ``module:function`` (imported from the Python path, e.g. a module beside the
   pipeline file when align runs from that directory, or an installed package). This is the user's own
   local code, named explicitly in the pipeline; nothing is downloaded;
-- a trained reward-model stage (``RewardModelJudge``);
-- a weighted sum of any of these (``{reward: 1.0, vader: 0.5}`` in a pipeline).
+- a trained reward-model stage (``RewardModelJudge``, in align/stages/scoring.py: it loads a model);
+- a weighted sum of any of these (``{reward: 1.0, vader: 0.5}`` in a pipeline; ``stages.scoring.make_judge``).
+
+This module loads no model and imports nothing of align: config checks use it in the orchestrator.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numbers
 import os
 import sys
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Callable
 
 Judge = Callable[[list[str], list[str]], list[float]]
 
@@ -133,47 +135,3 @@ def check_judges(spec: str | dict[str, float], reward_stages: set[str], other_st
     if all(w == 0 for w in weights.values()):
         raise JudgeError(f"every weight of {dict(weights)} is 0: the reward would be a constant and nothing would "
                          "be learned; give at least one judge a non-zero weight")
-
-
-class RewardModelJudge:
-    """A trained reward model as a judge (scores prompt + response + EOS, as it was trained)."""
-
-    def __init__(self, model_dir: str, batch_size: int = 64, load: Callable[[str, int | None], Any] | None = None):
-        """`load(path, pad_token_id)` loads the model (a stage passes its own: device, dtype, attention kernel)."""
-        from align.models import load_scalar_model, load_tokenizer  # heavy (torch): config checks import judges
-
-        self.tokenizer = load_tokenizer(model_dir)
-        self.model = (load or load_scalar_model)(model_dir, self.tokenizer.pad_token_id).eval()
-        self.batch_size = batch_size
-
-    def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
-        from align.generation import sequence_scores  # heavy (torch)
-
-        return sequence_scores(self.model, self.tokenizer, [p + r for p, r in zip(prompts, responses)],
-                               self.batch_size)
-
-
-class WeightedJudge:
-    """sum_i w_i * judge_i(prompts, responses)."""
-
-    def __init__(self, parts: dict[str, tuple[float, Judge]]):
-        self.parts = parts
-
-    def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
-        total = [0.0] * len(prompts)
-        for weight, judge in self.parts.values():
-            total = [t + weight * s for t, s in zip(total, judge(prompts, responses))]
-        return total
-
-
-def make_judge(spec: str | dict[str, float], reward_model_dir: Callable[[str], str | None],
-               load: Callable[[str, int | None], Any] | None = None) -> Any:
-    """The judge a stage uses: `reward_model_dir(name)` gives a reward stage's model/ (None for non-stages);
-    `load` loads a reward model (RewardModelJudge)."""
-    parts: dict[str, tuple[float, Judge]] = {}
-    for name, weight in judge_weights(spec).items():
-        path = reward_model_dir(name)
-        parts[name] = (weight, RewardModelJudge(path, load=load) if path else python_judge(name))
-    if len(parts) == 1 and next(iter(parts.values()))[0] == 1.0:
-        return next(iter(parts.values()))[1]
-    return WeightedJudge(parts)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
@@ -18,10 +19,33 @@ from align.config import StageBase
 from align.console import verbose
 from align.plan import REPO_DIR, PipelineError, StagePlan
 
-if TYPE_CHECKING:
-    from align.multinode import MultiNode
-
 ACCELERATE_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU", "DEEPSPEED", "FSDP")
+
+
+@dataclass
+class MultiNode:
+    """Where this `align run` sits in a multi-node job (one runner per machine; see launch.sh)."""
+
+    nodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int = 29500
+    rdzv_timeout: int = 600
+
+    def check(self) -> None:
+        if self.nodes < 1:
+            raise PipelineError(f"--nodes {self.nodes}: must be >= 1")
+        if not 0 <= self.node_rank < self.nodes:
+            raise PipelineError(f"--node-rank {self.node_rank}: must be in 0..{self.nodes - 1} for --nodes {self.nodes}")
+        if self.nodes > 1 and not self.master_addr:
+            raise PipelineError("--nodes > 1 needs --master-addr (the address of node 0; launch.sh sets it from "
+                                "SLURM_JOB_NODELIST under SLURM)")
+        if self.rdzv_timeout < 1:
+            raise PipelineError(f"--rdzv-timeout {self.rdzv_timeout}: must be >= 1 second")
+
+    @property
+    def is_main(self) -> bool:
+        return self.node_rank == 0
 
 
 # --------------------------------------------------------------------------------------------- configs

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 from align import gguf
+from align.errors import ModelError  # noqa: F401  (re-exported: align.models.ModelError)
 from align.builtin import llama_config
 
 if TYPE_CHECKING:  # annotations only: judges import this module, and align.config imports judges
@@ -25,10 +26,6 @@ log = logging.getLogger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
-
-
-class ModelError(ValueError):
-    """A model or tokenizer cannot be used as configured; the message says how to fix it."""
 
 
 def check_remote_code(path_or_id: str, trust_remote_code: bool) -> None:

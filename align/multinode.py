@@ -9,39 +9,13 @@ from __future__ import annotations
 import socket
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from align import warm
 from align.console import stream_stage
-from align.launch import is_distributed, launch_command, stage_env
+from align.launch import MultiNode, is_distributed, launch_command, stage_env
 from align.plan import PipelineError, StagePlan
 from align.rundir import MANIFEST, SPEC, StageSpec, is_complete, read_manifest
-
-
-@dataclass
-class MultiNode:
-    """Where this `align run` sits in a multi-node job (one runner per machine; see launch.sh)."""
-
-    nodes: int = 1
-    node_rank: int = 0
-    master_addr: str | None = None
-    master_port: int = 29500
-    rdzv_timeout: int = 600
-
-    def check(self) -> None:
-        if self.nodes < 1:
-            raise PipelineError(f"--nodes {self.nodes}: must be >= 1")
-        if not 0 <= self.node_rank < self.nodes:
-            raise PipelineError(f"--node-rank {self.node_rank}: must be in 0..{self.nodes - 1} for --nodes {self.nodes}")
-        if self.nodes > 1 and not self.master_addr:
-            raise PipelineError("--nodes > 1 needs --master-addr (the address of node 0; launch.sh sets it from "
-                                "SLURM_JOB_NODELIST under SLURM)")
-        if self.rdzv_timeout < 1:
-            raise PipelineError(f"--rdzv-timeout {self.rdzv_timeout}: must be >= 1 second")
-
-    @property
-    def is_main(self) -> bool:
-        return self.node_rank == 0
 
 
 def wait_for_master(multi: MultiNode, stage: str) -> None:
@@ -96,7 +70,8 @@ def follow_stage(plan: StagePlan, stage_dir: Path, header: str, source: str | Pa
         time.sleep(0.5)
     print(f"{header}: running on node {multi.node_rank} of {multi.nodes}", flush=True)
     log = Path(tempfile.gettempdir()) / f"align-{plan.name}-node{multi.node_rank}.log"
-    rc = stream_stage(launch_command(plan, spec_path, source, num_processes, multi), log, stage_env(), plan.name)
+    cmd = launch_command(plan, spec_path, source, num_processes, multi)
+    rc = stream_stage(lambda: warm.start_stage(cmd, stage_env(), warm_start=False), log, plan.name)
     if rc != 0:
         raise PipelineError(f"stage '{plan.name}' failed on node {multi.node_rank} (exit code {rc}); log: {log}")
     wait_for_stage(stage_dir, plan.fingerprint, plan.name, multi.rdzv_timeout)

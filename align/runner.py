@@ -22,8 +22,8 @@ from align.console import stream_stage, tail, verbose
 from align.estimate import EstimateError, estimate_pipeline, hardware, too_big
 from align.fsutil import atomic_write_json
 from align.inputs import resolve_model_paths
-from align.launch import is_distributed, launch_command, one_plain_process, stage_env
-from align.multinode import MultiNode, follow_stage
+from align.launch import MultiNode, is_distributed, launch_command, one_plain_process, stage_env
+from align.multinode import follow_stage
 from align.plan import REPO_DIR, PipelineError, StagePlan, code_version, descendants, run_dir_of
 from align.rundir import (MANIFEST, PIPELINE, SPEC, PipelineRecord, StageSpec, headline, is_complete,
                           output_digests, outputs_problem, read_manifest, write_manifest)
@@ -175,8 +175,9 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
         t_stage = time.time()
         peak_before = children_peak_rss()
         try:
-            rc = stream_stage(launch_command(plan, spec_path, source, num_processes, multi),
-                              stage_dir / "stage.log", stage_env(), plan.name, warm_start)
+            cmd = launch_command(plan, spec_path, source, num_processes, multi)
+            rc = stream_stage(lambda: warm.start_stage(cmd, stage_env(), warm_start), stage_dir / "stage.log",
+                              plan.name)
         except KeyboardInterrupt:
             _mark_interrupted(stage_dir)
             statuses[plan.name] = "interrupted"

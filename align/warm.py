@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 PRELOAD = "align.stages.preload"
+
 _context: multiprocessing.context.ForkServerContext | None = None
 
 
@@ -45,6 +46,14 @@ def enabled() -> bool:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return False
     return not (glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd"))
+
+
+def start_stage(cmd: list[str], env: dict[str, str], warm_start: bool) -> subprocess.Popen | WarmStage:
+    """Start a stage's command: forked from the warm server when asked and the command is the plain one-process
+    entry point (`python -m align.cli stage <spec>`), else a fresh process; stdout and stderr on one pipe."""
+    if warm_start and cmd[1:4] == ["-m", "align.cli", "stage"] and len(cmd) == 5:
+        return WarmStage(cmd[4], env)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
 
 
 @contextmanager
@@ -122,7 +131,7 @@ class WarmStage:
 
 def _stage_main(spec: str, env: dict[str, str], cwd: str, out: multiprocessing.connection.Connection) -> None:
     """In the forked process: the runner's pipe as stdout and stderr, the stage environment, then the same
-    entry point as `python -m align.cli stage <spec>`."""
+    entry point as `python -m align.cli stage <spec>` (align.stages.context.main)."""
     fd = out.fileno()
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -137,10 +146,10 @@ def _stage_main(spec: str, env: dict[str, str], cwd: str, out: multiprocessing.c
     # Exit handlers registered by the server's imports belong to the server: run in here, they would delete
     # what it shares with every stage (wandb's media directory, made at import, for one).
     atexit._clear()
-    from align.cli import main
+    from align.stages.context import main  # what `align.cli stage <spec>` calls
 
     try:
-        code = main(["stage", spec])
+        code = main(spec)
     finally:
         atexit._run_exitfuncs()  # this stage's own; a forked process leaves through os._exit, which skips them
         sys.stdout.flush()

@@ -246,7 +246,7 @@ def test_reward_training_ppo_and_evaluate_score_the_same_tokens(name, tmp_path):
     from trl import RewardConfig, RewardTrainer
 
     from align.generation import Rollout, scalar_outputs, tokenize_prompts
-    from align.judges import RewardModelJudge
+    from align.stages.scoring import RewardModelJudge
     from align.stages.ppo.rewards import Scorer
 
     tok = chat_tokenizer(name)

@@ -13,13 +13,19 @@ import os
 import pkgutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Protocol
 
 from align.judges import JudgeError, check_judges, judge_weights
 from align.schema import ConfigError, one_of, ranged
 
-if TYPE_CHECKING:
-    from align.config import PipelineConfig
+
+
+class PipelineView(Protocol):
+    """The part of align.config.PipelineConfig that stage checks read (a protocol: this module is imported by
+    align/config/__init__.py, which defines PipelineConfig)."""
+
+    base_model: str
+    stages: dict[str, StageBase]
 
 DTYPES = ("float32", "bfloat16", "float16")
 # transformers SchedulerType values that need no extra scheduler kwargs (tests check they still exist).
@@ -133,8 +139,8 @@ class CheckContext:
 
     name: str
     """The stage's name in the pipeline."""
-    pipeline: PipelineConfig
-    """The whole parsed pipeline (other stages included)."""
+    pipeline: PipelineView
+    """The whole parsed pipeline (other stages included): an align.config.PipelineConfig."""
     cards: dict[str, Path]
     """Card field -> the data card file it names (fields that name a stage are absent)."""
     split_of: Callable[[Path, str], Any]

@@ -18,9 +18,17 @@ stops at EOS) and scores, and what the reward-model judge scores at evaluation.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from align.data.formats import FormatError, check_conversation
+
+GENERATION_TAG = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")
+
+
+def has_generation_markers(text: str) -> bool:
+    """Whether the template marks assistant tokens with `{% generation %}` (assistant-only loss needs it)."""
+    return GENERATION_TAG.search(text) is not None
 
 
 def _apply(tokenizer, messages, **kwargs):
@@ -151,8 +159,6 @@ def sft_example(tokenizer, template, messages: list[dict[str, str]]) -> dict[str
       prompt/reply seam, so the prompt's tokens are the ones PPO and evaluation sample after."""
     masking = template.masking if template is not None else None
     if masking is None:  # a template the plan could not read (a hub tokenizer not cached there): as it renders
-        from align.templates import has_generation_markers
-
         masking = "markers" if has_generation_markers(str(tokenizer.chat_template)) else "prefix"
     if masking in ("markers", "trl"):
         text = (template.training_text if masking == "trl" else template.text if template else None) or \

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from align.config.dpo import DPOStage
-from align.data.rows import load_rows
+from align.stages.rows import load_rows
 from align.models import load_tokenizer, peft_config
 from align.stages.context import StageContext
 from align.stages.trl import check_lengths, eval_metrics, metrics_callback, train_with_resume, trainer_kwargs

@@ -18,7 +18,7 @@ import os
 from typing import Any
 
 from align.config.online_rl import OnlineRLStage
-from align.data.rows import load_rows, unique_prompts
+from align.stages.rows import load_rows, unique_prompts
 from align.judges import judge_weights, python_judge
 from align.lengths import LengthReport, enforce
 from align.models import load_tokenizer, peft_config

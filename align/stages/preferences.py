@@ -16,9 +16,9 @@ from typing import Any
 
 
 from align.config.preferences import PreferencesStage
-from align.data.rows import load_prompts
+from align.stages.rows import load_prompts
 from align.generation import by_length, sample_texts
-from align.judges import make_judge
+from align.stages.scoring import make_judge
 from align.models import load_tokenizer
 from align.stages.context import StageContext
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from align.config.reward import RewardStage
-from align.data.rows import load_rows
+from align.stages.rows import load_rows
 from align.generation import sequence_scores
 from align.models import load_tokenizer, peft_config, unsharded_loading
 from align.stages.context import StageContext

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from align.data.chat import GENERATION_TAG, as_text, has_generation_markers  # noqa: F401 (re-exported)
+from align.errors import ModelError
 from align.schema import ConfigError
 
 log = logging.getLogger(__name__)
@@ -54,7 +56,6 @@ _SPECIAL = re.compile(r"<\|[^|<>\s]+\|>|</?[A-Za-z][\w-]*>|\[/?[A-Z][A-Z_]*\]")
 _STRING = re.compile(r"'((?:[^'\\]|\\.)*)'|\"((?:[^\"\\]|\\.)*)\"")
 _TAG = re.compile(r"(\{\{.*?\}\}|\{%.*?%\})", re.S)
 _COMMENT = re.compile(r"\{#.*?#\}", re.S)
-_GENERATION_TAG = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")
 # A two-turn probe: what the template writes right after the assistant's content is its end-of-turn token.
 PROBE = [{"role": "user", "content": "PING"}, {"role": "assistant", "content": "PONG"}]
 
@@ -166,17 +167,12 @@ def check_syntax(text: str, where: str) -> None:
     import jinja2  # light, but only needed when a template is checked
 
     try:
-        jinja2.Environment().parse(_GENERATION_TAG.sub("", text))
+        jinja2.Environment().parse(GENERATION_TAG.sub("", text))
     except jinja2.TemplateSyntaxError as exc:
         raise ConfigError(f"{where}: not a valid Jinja template (line {exc.lineno}: {exc.message})") from None
     if "messages" not in text:
         raise ConfigError(f"{where}: the template never reads `messages`; a chat template renders the "
                           "conversation in `messages` (see align/templates/chatml.jinja)")
-
-
-def has_generation_markers(text: str) -> bool:
-    """Whether the template marks assistant tokens with `{% generation %}` (assistant-only loss needs it)."""
-    return _GENERATION_TAG.search(text) is not None
 
 
 def special_literals(text: str) -> list[str]:
@@ -239,7 +235,7 @@ def _render(text: str, messages: list[dict[str, str]], **context: Any) -> str:
     env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
     env.globals.update(raise_exception=raise_exception,
                        strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
-    return env.from_string(_GENERATION_TAG.sub("", text)).render(messages=messages, add_generation_prompt=False,
+    return env.from_string(GENERATION_TAG.sub("", text)).render(messages=messages, add_generation_prompt=False,
                                                                   **context)
 
 
@@ -316,7 +312,6 @@ def _gguf_template(path: Path) -> tuple[str | None, dict[str, str]]:
 # --------------------------------------------------------------------------------------------- installing
 def end_of_turn(tokenizer) -> str:
     """The special token the tokenizer's chat template writes right after an assistant's content."""
-    from align.models import ModelError  # heavy (torch): a stage or validation already loaded a tokenizer
 
     rendered = tokenizer.apply_chat_template(PROBE, tokenize=False)
     after = rendered[rendered.rindex("PONG") + len("PONG"):] if "PONG" in rendered else ""
@@ -354,13 +349,11 @@ def install(tokenizer, template: ChatTemplate) -> list[str]:
         tokenizer.chat_template = _shipped_text("default")
         log.warning("tokenizer ships no chat template: align's default role-tagged template is used")
     elif template.text is not None and _default_variant(tokenizer.chat_template) != template.text:
-        from align.models import ModelError  # heavy (torch)
 
         raise ModelError(f"the tokenizer's chat template changed since the pipeline was planned ({template.source}, "
                          f"digest {template.digest}); run `align run` again to plan with the current files")
     eot = end_of_turn(tokenizer)
     if template.end_of_turn and eot != template.end_of_turn:
-        from align.models import ModelError  # heavy (torch)
 
         raise ModelError(f"chat template {template.source}: the tokenizer renders {eot!r} after a reply, but the "
                          f"template was planned with end-of-turn {template.end_of_turn!r}")
@@ -386,7 +379,6 @@ def prompt_boundary_problem(tokenizer) -> str | None:
     at the end of a text: with the llama3 format, PPO and evaluation would sample from a prompt whose last token
     a reply-joined tokenisation never has there (TRL's DPO trainer warns of the same). ChatML's single newline
     has no such boundary. (SFT with prefix masking tokenises prompt and reply apart, as PPO does.)"""
-    from align.data.chat import as_text  # the rendering every stage after SFT uses
 
     row = as_text([{"prompt": PROBE[:1], "completion": PROBE[1:]}], tokenizer)[0]
     alone = tokenizer(row["prompt"])["input_ids"]

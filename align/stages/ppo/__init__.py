@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from align.config.ppo import PPOStage
-from align.data.rows import load_rows, unique_prompts
+from align.stages.rows import load_rows, unique_prompts
 from align.generation import Rollout, generate, response_logprobs
 from align.judges import judge_weights
 from align.losses import (gae, kl_estimate, masked_mean, masked_whiten, ppo_policy_loss, ppo_value_loss,

@@ -1,0 +1,111 @@
+"""The import graph of align, read from the source: every `import` statement counts (module level, inside
+functions, under `if TYPE_CHECKING:`), so a circle hidden behind a lazy or type-only import is still a circle.
+
+    pytest tests/test_layout.py        # what docs/ARCHITECTURE.md and issue 25's note cite
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import REPO
+
+PACKAGE = REPO / "align"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for f in PACKAGE.rglob("*.py"):
+        parts = f.relative_to(REPO).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the align modules it imports (a name imported from a package resolves to the submodule when
+    there is one, else to the package)."""
+    mods = _modules()
+
+    def known(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        deps: set[str | None] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                deps.update(known(a.name) for a in node.names if a.name.split(".")[0] == "align")
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the module's package upwards
+                    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                    base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+                if base.split(".")[0] == "align":
+                    deps.update(known(f"{base}.{a.name}") if f"{base}.{a.name}" in mods else known(base)
+                                for a in node.names)
+        graph[name] = {d for d in deps if d and d != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_checker_finds_a_cycle_hidden_behind_lazy_and_type_only_imports():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_graph_reads_every_kind_of_import():
+    graph = import_graph()
+    assert "align.models" in graph["align.stages.scoring"]  # a function-level import counts
+    assert "align.config" in graph["align.builtin"]  # `if TYPE_CHECKING:` counts
+    assert "align.stages.context" in graph["align.warm"]  # a function-level import counts
+    assert len(graph) > 50
+
+
+def test_align_has_no_import_cycle():
+    found = cycles(import_graph())
+    assert found == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_data_and_config_layers_import_nothing_from_stages():
+    graph = import_graph()
+    upward = {m: sorted(d for d in deps if d.startswith("align.stages"))
+              for m, deps in graph.items() if m.startswith(("align.data", "align.config"))}
+    assert {m: d for m, d in upward.items() if d} == {}
