@@ -26,6 +26,10 @@ def test_hh_pipeline_runs_with_the_gpt2_tokenizer(workdir):
     raw["tokenizer"] = str(REPO / "tokenizers" / "gpt2")
     for stage in raw["stages"].values():
         stage["data"] = str((REPO / "pipelines" / stage["data"]).resolve())
+    # half the shipped pipeline's steps (a test of the path; the 50,257-token head makes each step ~2-6 s here)
+    raw["stages"]["sft"].update(max_steps=6, save_steps=6)
+    raw["stages"]["reward"].update(max_steps=3, save_steps=3, logging_steps=1)
+    raw["stages"]["dpo"].update(max_steps=3, save_steps=3, logging_steps=1)
     (workdir / "hh.yaml").write_text(yaml.safe_dump(raw))
     proc = run_align("run", "hh.yaml", "tracking.wandb=disabled", cwd=workdir)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

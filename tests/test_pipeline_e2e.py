@@ -29,9 +29,7 @@ def e2e(tmp_path_factory):
         (root / name).symlink_to(REPO / name)
     args = ["run", "pipelines/default.yaml", "--run-id", "e2e", "tracking.wandb=offline", *TINY]
     t0 = time.time()
-    # Fresh stage processes here (as on a GPU machine); every other test's one-process stages start warm.
-    proc = run_align(*args, cwd=root, env={"WANDB_API_KEY": FAKE_WANDB_KEY, "HF_TOKEN": FAKE_HF_TOKEN,
-                                           "ALIGN_WARM_START": "0"})
+    proc = run_align(*args, cwd=root, env={"WANDB_API_KEY": FAKE_WANDB_KEY, "HF_TOKEN": FAKE_HF_TOKEN})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {"root": root, "run": root / "runs" / "default" / "e2e", "args": args, "first": proc,
             "seconds": time.time() - t0}
@@ -135,7 +133,7 @@ def test_offline_wandb_run_per_stage(e2e):
         assert len(runs) == 1, stage
         assert any(f.suffix == ".wandb" and f.stat().st_size > 0 for f in runs[0].iterdir())
         assert _manifest(e2e["run"], stage)["wandb"]["mode"] == "offline"
-        assert _manifest(e2e["run"], stage)["process"]["start"] == "fresh"  # ALIGN_WARM_START=0
+        assert _manifest(e2e["run"], stage)["process"]["start"] == "warm"  # six one-process stages: forked
 
 
 def test_no_secret_written_anywhere(e2e):
