@@ -9,7 +9,7 @@ import sys
 from align import packaged
 from align.config import ConfigError, load_pipeline
 from align.data.cards import DataCardError
-from align.estimate import EstimateError, estimate_pipeline, hardware, render, too_big
+from align.estimate import EstimateError, estimate_in_helper, hardware, render, too_big
 from align.launch import MultiNode
 from align.plan import PipelineError
 from align.report import rebuild
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "estimate":
             hw = hardware(cfg, args.gpus, args.gpu_memory_gb, args.nodes)
             try:
-                estimates = estimate_pipeline(cfg, args.pipeline, hw)
+                estimates = estimate_in_helper(cfg, args.pipeline, hw)
             except EstimateError as exc:
                 raise PipelineError(str(exc)) from None
             print(render(estimates, hw))

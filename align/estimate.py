@@ -29,11 +29,15 @@ These are estimates for a go/no-go decision, not promises: they leave out tempor
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import shutil
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from align import gguf
+from align import gguf, helper
 from align.builtin import is_builtin, llama_config
 from align.config import PipelineConfig, StageBase
 from align.inputs import resolve_model_paths
@@ -296,18 +300,41 @@ class Hardware:
 def hardware(cfg: PipelineConfig, gpus_per_node: int | None = None, gpu_memory_gb: float | None = None,
              nodes: int | None = None) -> Hardware:
     """The GPUs to compare with: CLI flags first, then the GPUs present, then the pipeline's `hardware:`."""
-    import torch  # heavy: the runner imports this module at start
-
     n, mem, detected = gpus_per_node, gpu_memory_gb, False
-    if torch.cuda.is_available():
+    present = detected_gpus()
+    if present:
         if n is None:
-            n = torch.cuda.device_count()
+            n = len(present)
         if mem is None:
-            mem = torch.cuda.get_device_properties(0).total_memory / GB
+            mem = min(present) / GB
             detected = True
     n = n or cfg.hardware.gpus_per_node
     mem = mem or cfg.hardware.gpu_memory_gb
     return Hardware(n, int(mem * GB) if mem else None, nodes or cfg.hardware.nodes, detected)
+
+
+def detected_gpus() -> list[int]:
+    """Memory (bytes) of each NVIDIA GPU this process may use, from `nvidia-smi` (no torch: the orchestrator never
+    imports it), restricted to CUDA_VISIBLE_DEVICES when it lists indices. Empty without nvidia-smi or a GPU."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        out = subprocess.run([exe, "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus = {}
+    for line in out.stdout.splitlines() if out.returncode == 0 else []:
+        index, _, mib = (x.strip() for x in line.partition(","))
+        if index.isdigit() and mib.isdigit():
+            gpus[index] = int(mib) * 2 ** 20
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        wanted = [v.strip() for v in visible.split(",") if v.strip()]
+        if all(v.isdigit() for v in wanted):  # indices (UUIDs: every GPU nvidia-smi lists is counted)
+            gpus = {i: m for i, m in gpus.items() if i in wanted}
+    return list(gpus.values())
 
 
 def estimate_pipeline(cfg: PipelineConfig, source: str | Path, hw: Hardware, num_processes: int | None = None,
@@ -321,6 +348,36 @@ def estimate_pipeline(cfg: PipelineConfig, source: str | Path, hw: Hardware, num
         per_node = processes_per_node(plan.cfg, num_processes or hw.gpus_per_node) or (cfg_n if distributed else 1) or 1
         gpus = per_node * (hw.nodes if distributed else 1)
         out.append(estimate_stage(plan.name, plan.cfg, cfg.stages, shapes, mode, gpus, cfg.dtype))
+    return out
+
+
+def estimates_json(config: dict[str, Any], source: str, hw: dict[str, Any], num_processes: int | None = None
+                   ) -> dict[str, Any]:
+    """`estimate_pipeline` for the helper process (align/helper.py): the pipeline's resolved config in, the
+    estimates as JSON out (or the EstimateError's message)."""
+    from align.config import parse_pipeline
+
+    try:
+        estimates = estimate_pipeline(parse_pipeline(config, source), source, Hardware(**hw), num_processes)
+    except EstimateError as exc:
+        return {"error": str(exc)}
+    return {"estimates": [dataclasses.asdict(e) for e in estimates]}
+
+
+def estimate_in_helper(cfg: PipelineConfig, source: str | Path, hw: Hardware,
+                       num_processes: int | None = None) -> list[StageEstimate]:
+    """The orchestrator's way to `estimate_pipeline`: model shapes (built on the meta device) and DeepSpeed's
+    estimators need torch, so they run in a helper process; the orchestrator renders and compares the numbers."""
+    from align.config import to_dict
+
+    answer = helper.call("align.estimate:estimates_json", config=to_dict(cfg), source=str(source),
+                         hw=dataclasses.asdict(hw), num_processes=num_processes)
+    if "error" in answer:
+        raise EstimateError(answer["error"])
+    out = []
+    for e in answer["estimates"]:
+        held = [Held(h["role"], ModelShape(**h["shape"]), h["trained"]) for h in e.pop("held")]
+        out.append(StageEstimate(held=held, **e))
     return out
 
 

@@ -174,43 +174,37 @@ def _tokenizer_model_problem(path: Path) -> str | None:
     return None
 
 
-def check_tokenizer(cfg: PipelineConfig, source: str | Path, paths: dict[str, str | None],
-                    config: dict[str, Any] | None = None) -> str | None:
-    """Load the tokenizer (local or cached only), require an EOS token and ids that fit the model's vocabulary
-    (`config`: the base model's config.json). Returns a note when it cannot be checked here (a hub tokenizer
-    that is not cached, or not fetchable offline)."""
+def tokenizer_name(cfg: PipelineConfig, paths: dict[str, str | None]) -> tuple[str | None, str]:
+    """The tokenizer the pipeline loads (None: the builtin model's, trained by the first stage) and the field that
+    names it."""
     name = paths["tokenizer"] or (None if is_builtin(str(paths["base_model"])) else paths["base_model"])
+    return name, "tokenizer" if paths["tokenizer"] else "base_model"
+
+
+def check_tokenizer_files(cfg: PipelineConfig, source: str | Path, paths: dict[str, str | None]) -> str | None:
+    """A local tokenizer's files must be readable (checked here without loading it); a hub tokenizer that is not
+    cached is a note: it is checked when the first stage starts. Loading it, and what only the loaded tokenizer
+    can tell, is align/modelchecks.py's (a helper process)."""
+    name, key = tokenizer_name(cfg, paths)
     if name is None:
-        return None  # the builtin model's tokenizer is trained by the first stage
-    key = "tokenizer" if paths["tokenizer"] else "base_model"
-    local = Path(name).exists()
-    if local:
+        return None
+    if Path(name).exists():
         # a GGUF file holds its tokenizer in its metadata (its readability: base_model_config)
         problem = None if gguf.is_gguf(name) else tokenizer_files_problem(Path(name))
         if problem:
             raise ConfigError(f"{source}: {key}: {problem}")
-    elif not _hub_file(name, "tokenizer_config.json"):
+        return None
+    if not _hub_file(name, "tokenizer_config.json"):
         return f"tokenizer '{name}' is not cached here; it is checked when the first stage starts"
-    from align.models import ModelError, load_tokenizer  # heavy (torch): the runner imports this module
-
-    try:
-        tok = load_tokenizer(name, cfg.trust_remote_code)
-    except ModelError as exc:
-        raise ConfigError(f"{source}: {key}: {exc}") from None
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        if not local and isinstance(exc, OSError):  # partly cached hub tokenizer, hub unreachable from here
-            return (f"tokenizer '{name}' cannot be loaded from here ({type(exc).__name__}: {first}); it is "
-                    "checked when the first stage starts")
-        raise ConfigError(f"{source}: {key}: the tokenizer in '{name}' does not load ({type(exc).__name__}: "
-                          f"{first}); {SAVE_FIX}") from None
-    vocab = (config or {}).get("vocab_size")
-    if isinstance(vocab, int) and len(tok) > vocab:
-        raise ConfigError(f"{source}: {key}: the tokenizer in '{name}' has {len(tok)} tokens but the base model's "
-                          f"embeddings hold {vocab} (config.json vocab_size); ids past {vocab - 1} would index out "
-                          "of range. Use the tokenizer the model was trained with (or resize the embeddings and "
-                          "save the model again)")
     return None
+
+
+def tokenizer_to_check(cfg: PipelineConfig, source: str | Path) -> str | None:
+    """The tokenizer validation can load on this machine (local, or cached from the hub), else None."""
+    name, _ = tokenizer_name(cfg, resolve_model_paths(cfg, source))
+    if name is None or not (Path(name).exists() or _hub_file(name, "tokenizer_config.json")):
+        return None
+    return name
 
 
 def positions(cfg: PipelineConfig, config: dict[str, Any] | None) -> int | None:
@@ -249,7 +243,7 @@ def check_model_inputs(cfg: PipelineConfig, source: str | Path) -> list[str]:
         raise ConfigError(f"{source}: base_model: '{cfg.base_model}' ships its own Python code (config.json "
                           f"auto_map: {named}), which align does not run by default. Read that code, then set "
                           "`trust_remote_code: true` in the pipeline to allow it")
-    note = check_tokenizer(cfg, source, paths, config)
+    note = check_tokenizer_files(cfg, source, paths)
     if note:
         notes.append(note)
     b = cfg.builtin

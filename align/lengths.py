@@ -10,7 +10,7 @@ examples would be affected.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 
 class LengthError(ValueError):
@@ -20,7 +20,7 @@ class LengthError(ValueError):
 @dataclass
 class LengthReport:
     stage: str
-    kind: str
+    kind: str  # the rule's name
     examples: int
     truncated: int  # the sequence is cut but the example still trains
     dropped: int  # the example is removed or teaches nothing
@@ -58,34 +58,67 @@ def _chat_lengths(tokenizer, conversations: list[list[dict[str, str]]]) -> list[
     return out
 
 
-def measure(stage: str, kind: str, rows: list[dict[str, Any]], tokenizer, max_length: int) -> LengthReport:
-    """Count over-long examples. kind: sft (prompt/completion or messages), dpo, or reward."""
-    eos = 1  # every trainer appends EOS to the completion
-    if kind == "sft" and rows and "messages" in rows[0]:
-        lengths = _chat_lengths(tokenizer, [r["messages"] for r in rows])
-        # the first turns alone fill the window: no assistant token left to learn from
+EOS = 1  # every trainer appends EOS to the completion
+
+
+def _truncate_completions(rows: list[dict[str, Any]], tokenizer, max_length: int) -> tuple[int, int, int]:
+    """A prompt and one completion (or a conversation) per example, cut at max_length; an example whose prompt (the
+    turns before the last one) alone fills the window teaches nothing: dropped."""
+    if rows and "messages" in rows[0]:
+        totals = _chat_lengths(tokenizer, [r["messages"] for r in rows])
         firsts = _chat_lengths(tokenizer, [r["messages"][:-1] or r["messages"] for r in rows])
-        dropped = sum(f >= max_length for f in firsts)
-        truncated = sum(n > max_length for n in lengths) - dropped
-        return LengthReport(stage, kind, len(rows), truncated, dropped, max(lengths, default=0), max_length)
-    prompts = _ids(tokenizer, [r["prompt"] for r in rows])
-    if kind == "sft":
+    else:
+        firsts = _ids(tokenizer, [r["prompt"] for r in rows])
         completions = _ids(tokenizer, [r["completion"] for r in rows])
-        totals = [p + c + eos for p, c in zip(prompts, completions)]
-        dropped = sum(p >= max_length for p in prompts)
-        truncated = sum(t > max_length for t in totals) - dropped
-        return LengthReport(stage, kind, len(rows), truncated, dropped, max(totals, default=0), max_length)
+        totals = [p + c + EOS for p, c in zip(firsts, completions)]
+    dropped = sum(f >= max_length for f in firsts)
+    truncated = sum(t > max_length for t in totals) - dropped
+    return truncated, dropped, max(totals, default=0)
+
+
+def _pairs(rows: list[dict[str, Any]], tokenizer) -> tuple[list[int], list[int]]:
+    """Per pair: the prompt's length and the longer side's whole length (prompt + reply + EOS)."""
+    prompts = _ids(tokenizer, [r["prompt"] for r in rows])
     chosen = _ids(tokenizer, [r["chosen"] for r in rows])
     rejected = _ids(tokenizer, [r["rejected"] for r in rows])
-    totals = [p + max(c, r) + eos for p, c, r in zip(prompts, chosen, rejected)]
-    if kind == "reward":  # RewardTrainer filters out pairs where either side is longer than max_length
-        return LengthReport(stage, kind, len(rows), 0, sum(t > max_length for t in totals), max(totals, default=0),
-                            max_length)
-    if kind == "dpo":  # DPOTrainer drops pairs whose prompt fills max_length, truncates the rest
-        dropped = sum(p >= max_length for p in prompts)
-        truncated = sum(t > max_length for t in totals) - dropped
-        return LengthReport(stage, kind, len(rows), truncated, dropped, max(totals, default=0), max_length)
-    raise ValueError(f"unknown length-check kind '{kind}'")
+    return prompts, [p + max(c, r) + EOS for p, c, r in zip(prompts, chosen, rejected)]
+
+
+def _drop_long_pairs(rows: list[dict[str, Any]], tokenizer, max_length: int) -> tuple[int, int, int]:
+    """A pair is dropped when either side is longer than max_length."""
+    _, totals = _pairs(rows, tokenizer)
+    return 0, sum(t > max_length for t in totals), max(totals, default=0)
+
+
+def _truncate_pairs(rows: list[dict[str, Any]], tokenizer, max_length: int) -> tuple[int, int, int]:
+    """A pair whose prompt alone fills max_length is dropped; the rest are cut at max_length."""
+    prompts, totals = _pairs(rows, tokenizer)
+    dropped = sum(p >= max_length for p in prompts)
+    return sum(t > max_length for t in totals) - dropped, dropped, max(totals, default=0)
+
+
+@dataclass(frozen=True)
+class LengthRule:
+    """How a trainer treats over-long examples, named by what it does (a stage type declares its trainer's rule as
+    `LENGTH_RULE` on its config class). `count(rows, tokenizer, max_length)` -> (truncated, dropped, longest)."""
+
+    name: str
+    count: Callable[[list[dict[str, Any]], Any, int], tuple[int, int, int]]
+
+    def measure(self, stage: str, rows: list[dict[str, Any]], tokenizer, max_length: int) -> LengthReport:
+        """Count the over-long examples among `rows` (text rows: conversational ones rendered first)."""
+        truncated, dropped, longest = self.count(rows, tokenizer, max_length)
+        return LengthReport(stage, self.name, len(rows), truncated, dropped, longest, max_length)
+
+
+TRUNCATES_COMPLETIONS = LengthRule("truncates_completions", _truncate_completions)
+"""TRL's SFTTrainer and KTOTrainer: prompt + completion (or a whole conversation) truncated at max_length; an
+example whose prompt fills the window is dropped (KTOTrainer) or teaches nothing (SFTTrainer's completion-only
+loss)."""
+DROPS_LONG_PAIRS = LengthRule("drops_long_pairs", _drop_long_pairs)
+"""TRL's RewardTrainer: filters out pairs where either side is longer than max_length."""
+TRUNCATES_PAIRS = LengthRule("truncates_pairs", _truncate_pairs)
+"""TRL's DPOTrainer: drops pairs whose prompt fills max_length, truncates the rest."""
 
 
 def enforce(report: LengthReport, max_fraction: float) -> None:

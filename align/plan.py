@@ -15,11 +15,11 @@ import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from align import templates
 from align.builtin import check_builtin, is_builtin
 from align.config import PipelineConfig, StageBase, stage_types, to_dict
+from align.config.common import REWARD_MODEL, ROLES, refs
 from align.data.cards import DataCardError, load_card
 from align.gguf import GGUFError
 from align.inputs import resolve_model_paths
@@ -27,8 +27,6 @@ from align.templates import ChatTemplate
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_DIR = PACKAGE_DIR.parent
-# Fields that hold a data card path (relative to the pipeline file) unless they name a stage.
-CARD_FIELDS = ("data", "prompts")
 # Fields that never change a stage's result: left out of its fingerprint.
 NON_SEMANTIC = ("logging_steps", "save_steps", "save_every", "sample_every", "accelerate", "max_truncated_fraction")
 
@@ -49,17 +47,10 @@ class StagePlan:
 
 
 # --------------------------------------------------------------------------------------------- graph
-def refs(value: Any) -> list[str]:
-    """The stage names a reference field holds: a name, a list of names, or a weighted judge mapping."""
-    if isinstance(value, dict):  # a weighted judge mapping: its keys
-        return list(value)
-    return value if isinstance(value, list) else [value] if isinstance(value, str) else []
-
-
 def stage_dependencies(name: str, cfg: StageBase, stages: dict[str, StageBase], source: str) -> list[str]:
     """Stages this stage reads from. A reference must name a stage that produces what the field needs (its
-    role, declared on the config class): a policy input a policy stage, a reward input a reward stage, data a
-    data stage; a required reference to a missing stage is an error."""
+    role, declared on the config class): a policy input a policy stage, a scoring input a stage that publishes a
+    scalar model, data a data stage; a required reference to a missing stage is an error."""
     deps: list[str] = []
     for fld, (role, required) in type(cfg).INPUTS.items():
         for ref in refs(getattr(cfg, fld)):
@@ -77,19 +68,16 @@ def stage_dependencies(name: str, cfg: StageBase, stages: dict[str, StageBase], 
 
 
 def _check_role(name: str, fld: str, role: str, ref: str, stages: dict[str, StageBase], source: str) -> None:
-    """`ref` must produce `role` (judge fields: a reward stage; align/judges.py checks the Python judges)."""
-    want = "reward" if role == "judge" else role
+    """`ref` must produce `role` (judge fields: a scalar-model stage; align/judges.py checks the Python judges)."""
+    want = REWARD_MODEL if role == "judge" else role
     produced = type(stages[ref]).PRODUCES
     if produced == want:
         return
     fits = [n for n, st in stages.items() if type(st).PRODUCES == want and n != name]
     raise PipelineError(
-        f"{source}: stages.{name}.{fld}: '{ref}' is a {stages[ref].type} stage, which produces {_ROLE[produced]}; "
-        f"{fld} needs {_ROLE[want]}: use " + (" or ".join(fits) if fits else "(no such stage in this pipeline)")
+        f"{source}: stages.{name}.{fld}: '{ref}' is a {stages[ref].type} stage, which produces {ROLES[produced]}; "
+        f"{fld} needs {ROLES[want]}: use " + (" or ".join(fits) if fits else "(no such stage in this pipeline)")
         + (", or a Python judge such as vader" if role == "judge" else ""))
-
-
-_ROLE = {"policy": "a policy", "reward": "a reward model", "data": "preference pairs", "report": "a report"}
 
 
 def topological_order(deps: dict[str, list[str]], source: str) -> list[str]:
@@ -146,7 +134,7 @@ def code_version() -> str:
 def _fingerprint(plan: StagePlan, cfg: PipelineConfig, inputs: dict[str, str], code: str) -> str:
     stage = {k: v for k, v in to_dict(plan.cfg).items() if k not in NON_SEMANTIC}
     base = {}
-    if getattr(plan.cfg, "model", None) == "base":
+    if plan.cfg.starts_from_base():
         base = {"base_model": cfg.base_model, "tokenizer": cfg.tokenizer, "builtin": to_dict(cfg.builtin)}
         ct = plan.chat_template
         if ct is not None and ct.text is not None:  # its content and masking: editing the .jinja file reruns
@@ -175,13 +163,13 @@ def build_plan(cfg: PipelineConfig, source: str | Path) -> list[StagePlan]:
     plans: dict[str, StagePlan] = {}
     for name, st in cfg.stages.items():
         plan = StagePlan(name, st, stage_dependencies(name, st, cfg.stages, source), chat_template=chat_template)
-        for fld in CARD_FIELDS:
-            value = getattr(st, fld, None)
+        for fld in type(st).CARDS:  # the class declares which of its fields hold data card paths
+            value = getattr(st, fld)
             if value is None or value in cfg.stages:
                 continue
             if not value:
                 raise PipelineError(f"{source}: stages.{name}.{fld}: required (a data card path"
-                                    + (" or a stage name)" if fld == "data" else ")"))
+                                    + (" or a stage name)" if fld in type(st).INPUTS else ")"))
             card = (base_dir / value).resolve()
             if not card.is_file():
                 hint = difflib.get_close_matches(value, list(cfg.stages), n=1)

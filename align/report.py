@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 
 from align.config import parse_pipeline
-from align.plan import PipelineError, refs
+from align.config.common import POLICY, REPORT, REWARD_MODEL
+from align.plan import PipelineError
 from align.rundir import PIPELINE, read_manifest
 from align.runner import run
 from align.schema import is_plain_name
@@ -51,13 +52,12 @@ def rebuild(run_dir: str | Path) -> Path:
     cfg = parse_pipeline(info["config"], source)
     if is_plain_name(run_dir.name):
         cfg.run_id = run_dir.name  # what this directory is called now, for its pipeline.json
-    evaluations = [n for n, st in cfg.stages.items() if st.PRODUCES == "report"]
+    evaluations = [n for n, st in cfg.stages.items() if st.PRODUCES == REPORT]
     if not evaluations:
         raise PipelineError(f"{run_dir}: the pipeline has no evaluate stage")
     for name in evaluations:
         st = cfg.stages[name]  # every model it reads: its policy and reward-model inputs
-        models = [ref for fld, (role, _) in type(st).INPUTS.items() if role in ("policy", "reward")
-                  for ref in refs(getattr(st, fld))]
+        models = st.references(POLICY) + st.references(REWARD_MODEL)
         for stage in dict.fromkeys(models):
             check_model_dir(run_dir, stage)
     for name in evaluations:

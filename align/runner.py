@@ -19,7 +19,7 @@ from typing import Any
 from align import warm
 from align.config import PipelineConfig, to_dict
 from align.console import stream_stage, tail, verbose
-from align.estimate import EstimateError, estimate_pipeline, hardware, too_big
+from align.estimate import EstimateError, estimate_in_helper, hardware, too_big
 from align.fsutil import atomic_write_json
 from align.inputs import resolve_model_paths
 from align.launch import MultiNode, is_distributed, launch_command, one_plain_process, stage_env
@@ -55,7 +55,7 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
     t0 = time.time()
     multi = multi or MultiNode()
     multi.check()
-    swept = by_stage(cfg.variants)  # `--only dpo` / `--from dpo` mean all of dpo's variants
+    swept = by_stage(cfg.variants)  # `--only X` / `--from X` of a swept stage X mean all of its variants
     if only is not None and from_stage is not None:
         raise PipelineError(f"--only {only} and --from {from_stage} together: --only runs one stage, --from a stage "
                             "and everything after it; give one of them")
@@ -207,10 +207,10 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
         print(f"[align] node {multi.node_rank}: pipeline {cfg.name} finished in {time.time() - t0:.0f}s", flush=True)
         return run_dir
     _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)
-    report = run_dir / "report" / "report.md"
-    if report.is_file():
-        table = report.read_text().split("\n\n")[1]  # the headline table follows the title
-        print(f"[align] headline ({report}):\n{table}", flush=True)
+    for plan in plans:  # a stage's own summary of its result (a report's headline table), from its manifest
+        summary = (read_manifest(run_dir / plan.name) or {}).get("summary")
+        if plan.name in selected and isinstance(summary, str) and summary:
+            print(f"[align] headline of {plan.name} ({run_dir / plan.name / MANIFEST}):\n{summary}", flush=True)
     print(f"[align] pipeline {cfg.name} finished in {time.time() - t0:.0f}s: {run_dir}", flush=True)
     return run_dir
 
@@ -225,7 +225,7 @@ def memory_preflight(cfg: PipelineConfig, source: str | Path, plans: list[StageP
     if not hw.gpu_memory:
         return
     try:
-        estimates = estimate_pipeline(cfg, source, hw, num_processes, plans)
+        estimates = estimate_in_helper(cfg, source, hw, num_processes)
     except EstimateError as exc:
         print(f"[align] memory preflight skipped: {exc}", flush=True)
         return

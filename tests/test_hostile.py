@@ -396,9 +396,12 @@ class _Ctx:
     name = "sft"
     is_main = True
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, kind: str = "sft"):
+        from align.config import stage_types
+
         self.dir = root
         self.extra_manifest: dict = {}
+        self.cfg = stage_types()[kind]()
 
     def last_checkpoint(self):
         return None
@@ -413,10 +416,16 @@ def test_zero_steps_zero_prompts_and_empty_outputs_are_failures(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
     check_produced(_Ctx(tmp_path), ["model"], {"train/global_step": 6})  # a real output passes
-    with pytest.raises(StageError, match="evaluated 0 prompts"):
-        check_produced(_Ctx(tmp_path), ["model"], {"eval/prompts": 0})
-    with pytest.raises(StageError, match="trained 0 steps"):
-        check_produced(_Ctx(tmp_path), ["model"], {"ppo/iterations_run": 0})
+    # each stage type's work metric, as its config class declares it
+    with pytest.raises(StageError, match="did no work: train/global_step is 0"):
+        check_produced(_Ctx(tmp_path, "dpo"), ["model"], {"train/global_step": 0})
+    with pytest.raises(StageError, match="did no work: eval/prompts is 0"):
+        check_produced(_Ctx(tmp_path, "evaluate"), ["model"], {"eval/prompts": 0})
+    with pytest.raises(StageError, match="did no work: ppo/iterations_run is 0"):
+        check_produced(_Ctx(tmp_path, "ppo"), ["model"], {"ppo/iterations_run": 0})
+    with pytest.raises(StageError, match="did no work: preferences/prompts is 0"):
+        check_produced(_Ctx(tmp_path, "preferences"), ["model"], {"preferences/prompts": 0})
+    check_produced(_Ctx(tmp_path, "ppo"), ["model"], {"eval/prompts": 0})  # another type's metric is not PPO's work
     (tmp_path / "data").mkdir()
     with pytest.raises(StageError, match="produced nothing: .*data is missing or empty"):
         check_produced(_Ctx(tmp_path), ["data"], {})

@@ -29,39 +29,43 @@ def _n(tok, text: str) -> int:
 
 
 def test_sft_counts_truncated_and_prompt_filling_examples(gpt2):
-    from align.lengths import measure
+    from align.config import stage_types
+    from align.lengths import TRUNCATES_COMPLETIONS
 
+    assert stage_types()["sft"].LENGTH_RULE is TRUNCATES_COMPLETIONS
     rows = [{"prompt": " ".join("a" * 3), "completion": " ".join("b" * 3)},  # 3 + 3 + EOS = 7 tokens: fits in 10
             {"prompt": " ".join("a" * 5), "completion": " ".join("b" * 8)},  # 5 + 8 + 1 = 14 > 10: truncated
             {"prompt": " ".join("a" * 12), "completion": "b"}]  # the prompt alone fills 10: teaches nothing -> dropped
     assert [_n(gpt2, r["prompt"]) for r in rows] == [3, 5, 12]
-    rep = measure("sft", "sft", rows, gpt2, max_length=10)
+    rep = TRUNCATES_COMPLETIONS.measure("sft", rows, gpt2, max_length=10)
     assert (rep.examples, rep.truncated, rep.dropped, rep.longest) == (3, 1, 1, 14)
     assert rep.fraction == pytest.approx(2 / 3)
 
 
 def test_reward_drops_and_dpo_truncates(gpt2):
-    from align.lengths import measure
+    from align.config import stage_types
+    from align.lengths import DROPS_LONG_PAIRS, TRUNCATES_PAIRS
 
+    assert (stage_types()["reward"].LENGTH_RULE, stage_types()["dpo"].LENGTH_RULE) == (DROPS_LONG_PAIRS, TRUNCATES_PAIRS)
     rows = [{"prompt": " ".join("q" * 4), "chosen": " ".join("c" * 2), "rejected": " ".join("r" * 9)},  # 4 + 9 + 1 = 14 > 10
             {"prompt": " ".join("q" * 4), "chosen": " ".join("c" * 2), "rejected": " ".join("r" * 3)},  # 4 + 3 + 1 = 8
             {"prompt": " ".join("q" * 10), "chosen": "c", "rejected": "r"}]  # prompt fills the window
-    rew = measure("reward", "reward", rows, gpt2, max_length=10)
+    rew = DROPS_LONG_PAIRS.measure("reward", rows, gpt2, max_length=10)
     assert (rew.truncated, rew.dropped, rew.longest) == (0, 2, 14)  # RewardTrainer filters both out
-    dpo = measure("dpo", "dpo", rows, gpt2, max_length=10)
+    dpo = TRUNCATES_PAIRS.measure("dpo", rows, gpt2, max_length=10)
     assert (dpo.truncated, dpo.dropped) == (1, 1)  # DPOTrainer truncates one, drops the prompt-filling one
 
 
 def test_messages_are_measured_after_the_chat_template(gpt2):
-    from align.lengths import measure
+    from align.lengths import TRUNCATES_COMPLETIONS
 
     msgs = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi " * 20}]
     templated = gpt2.apply_chat_template(msgs, tokenize=False)
     n = _n(gpt2, templated)
     assert n > 20  # the role tags and EOS of the template count too
-    rep = measure("sft", "sft", [{"messages": msgs}], gpt2, max_length=n)
+    rep = TRUNCATES_COMPLETIONS.measure("sft", [{"messages": msgs}], gpt2, max_length=n)
     assert (rep.truncated, rep.dropped, rep.longest) == (0, 0, n)
-    rep = measure("sft", "sft", [{"messages": msgs}], gpt2, max_length=n - 1)
+    rep = TRUNCATES_COMPLETIONS.measure("sft", [{"messages": msgs}], gpt2, max_length=n - 1)
     assert (rep.truncated, rep.dropped) == (1, 0)
 
 

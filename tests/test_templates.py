@@ -172,9 +172,9 @@ def test_validate_refuses_when_trl_no_longer_patches_the_planned_template(monkey
     (it used to be swallowed as a tokenizer that cannot load)."""
     import trl.chat_template_utils as ctu
 
-    from align.config import load_pipeline
+    from align import modelchecks
+    from align.config import load_pipeline, to_dict
     from align.plan import PipelineError
-    from align.validate import validate
 
     def patched_nothing(tokenizer):
         raise ValueError("unrecognised template")
@@ -182,5 +182,6 @@ def test_validate_refuses_when_trl_no_longer_patches_the_planned_template(monkey
     monkeypatch.setattr(ctu, "get_training_chat_template", patched_nothing)
     source = REPO / "pipelines" / "chat.yaml"
     cfg = load_pipeline(source, ["tokenizer=../tokenizers/gpt2", f"chat_template={DIR / 'qwen2_5.jinja'}"])
+    # what `align validate` runs in its helper process (align/helper.py), run here where TRL is patched
     with pytest.raises(PipelineError, match="align planned masking 'trl' .*has no patched template"):
-        validate(cfg, source, verbose=False)
+        modelchecks.run(to_dict(cfg), str(source), verbose=False)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Protocol
 
 from align.judges import JudgeError, check_judges, judge_weights
+from align.lengths import LengthRule
 from align.schema import ConfigError, one_of, ranged
 
 
@@ -28,6 +29,11 @@ class PipelineView(Protocol):
     stages: dict[str, StageBase]
 
 DTYPES = ("float32", "bfloat16", "float16")
+# What a stage publishes (`StageBase.PRODUCES`), which is also the role an input reference needs (`INPUTS`).
+POLICY, REWARD_MODEL, DATA, REPORT = "policy", "reward_model", "data", "report"
+ROLES = {POLICY: "a policy", REWARD_MODEL: "a reward model", DATA: "preference pairs", REPORT: "a report"}
+# How a stage reads a data card named in one of its fields (`StageBase.CARDS`).
+EXAMPLES, PROMPTS_ONLY = "examples", "prompts"
 # transformers SchedulerType values that need no extra scheduler kwargs (tests check they still exist).
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
@@ -112,19 +118,28 @@ class Generation:
 
 
 
+def refs(value: Any) -> list[str]:
+    """The names a reference field holds: a name, a list of names, or a weighted judge mapping's keys."""
+    if isinstance(value, dict):  # a weighted judge mapping: its keys
+        return list(value)
+    return value if isinstance(value, list) else [value] if isinstance(value, str) else []
+
+
 def response_length_problems(name: str, algorithm: str, max_new_tokens: int, reward: str | dict[str, float],
                              stages: dict[str, StageBase]) -> list[str]:
     """Online RL (PPO, GRPO, RLOO) optimises responses of `max_new_tokens`; its reward model learned from pairs
-    sampled at the preferences stage's length, and the evaluation samples at its own. One line when they differ."""
+    sampled at the length of the data stage it was trained on, and a report stage samples at its own. One line when
+    they differ. Stages are asked what they read (`references`) and how long they sample (`response_tokens`)."""
     own = f"stages.{name}.generation.max_new_tokens"
     lengths = {own: max_new_tokens}
-    for rm in (n for n in judge_weights(reward) if n in stages and stages[n].PRODUCES == "reward"):
-        data = getattr(stages[rm], "data", None)
-        if data in stages and stages[data].PRODUCES == "data":
-            lengths[f"stages.{data}.generation.max_new_tokens"] = stages[data].generation.max_new_tokens
-    for ev_name, ev in stages.items():
-        if ev.PRODUCES == "report" and name in getattr(ev, "policies", ()):
-            lengths[f"stages.{ev_name}.generation.max_new_tokens"] = ev.generation.max_new_tokens
+    for rm in (n for n in judge_weights(reward) if n in stages and stages[n].PRODUCES == REWARD_MODEL):
+        for data in stages[rm].references(DATA):
+            tokens = stages[data].response_tokens() if data in stages and stages[data].PRODUCES == DATA else None
+            if tokens is not None:
+                lengths[f"stages.{data}.generation.max_new_tokens"] = tokens
+    for other_name, other in stages.items():
+        if other.PRODUCES == REPORT and name in other.references(POLICY) and other.response_tokens() is not None:
+            lengths[f"stages.{other_name}.generation.max_new_tokens"] = other.response_tokens()
     if len(set(lengths.values())) == 1:
         return []
     return ["response lengths differ: " + ", ".join(f"{k}={v}" for k, v in lengths.items())
@@ -154,7 +169,7 @@ class CheckContext:
         """Every name in a judge setting is a reward stage of this pipeline or a Python judge."""
         stages = self.pipeline.stages
         try:
-            check_judges(spec, {n for n, st in stages.items() if st.PRODUCES == "reward"},
+            check_judges(spec, {n for n, st in stages.items() if st.PRODUCES == REWARD_MODEL},
                          {n: st.type for n, st in stages.items()})
         except JudgeError as exc:
             raise ValueError(f"{fld}: {exc}") from None
@@ -196,11 +211,18 @@ class StageBase:
     """How the stage uses the prompts of its cards: `train` (learns from them), `held_out` (evaluates on them;
     they must not occur in any `train` stage's cards) or "" (neither)."""
     PRODUCES: ClassVar[str] = ""
-    """What the stage publishes: policy (a causal LM in model/), reward (a scalar model in model/), data
-    (preference pairs in data/) or report."""
+    """What the stage publishes: `policy` (a causal LM in model/), `reward_model` (a scalar model in model/),
+    `data` (preference pairs in data/) or `report`."""
     INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {}
     """Fields that may name another stage -> (role the stage must produce, whether the field must name a
-    stage). Role `judge`: a reward stage or a Python judge (align/judges.py); `data`: a data stage or a card."""
+    stage). Role `judge`: a reward-model stage or a Python judge (align/judges.py); `data`: a data stage or a card."""
+    CARDS: ClassVar[dict[str, str]] = {}
+    """Fields that hold a data card path (relative to the pipeline file) unless they name a stage -> how the stage
+    reads the card: `examples` (it trains on, or learns from, the rows) or `prompts` (it samples from their
+    prompts only). The planner resolves them, `align validate` loads and checks each one's rows."""
+    WORK: ClassVar[str] = ""
+    """The final metric that counts the work the stage did (optimiser steps, iterations, prompts evaluated): a
+    stage that ends with it at 0 has failed, whatever it published."""
 
     type: str = ""
     """Stage kind, a registered stage type: sft, preferences, reward, dpo, ppo, evaluate, ... (default: the name)."""
@@ -234,9 +256,43 @@ class StageBase:
         """Problems between this stage and others, reported after every stage's own check (one line each)."""
         return []
 
+    # ------------------------------------------------------------------ what the orchestrator asks
+    def references(self, role: str) -> list[str]:
+        """The names this stage's reference fields of `role` hold (stages, cards or judges)."""
+        return [r for fld, (want, _) in self.INPUTS.items() if want == role for r in refs(getattr(self, fld))]
+
+    def card_split(self, fld: str) -> str:
+        """The split of the card in field `fld` that the stage reads (validation loads and checks it)."""
+        return "train"
+
+    def starts_from_base(self) -> bool:
+        """Whether the stage starts from the pipeline's base model: its fingerprint then covers the base model,
+        the tokenizer and the chat template."""
+        return False
+
+    def installs_chat_template(self, card_forms: dict[str, str], template_named: bool) -> bool:
+        """Whether the stage installs the planned chat template on the base tokenizer (its special tokens, its
+        end-of-turn token as EOS); `card_forms`: field -> the canonical form its card produces; `template_named`:
+        the pipeline sets `chat_template` (not null). Validation installs it the same way before counting lengths."""
+        return False
+
+    def trains_on_assistant_turns(self) -> bool:
+        """Whether conversations in this stage's cards are split into trained (assistant) and untrained tokens:
+        validation renders them all that way, refusing a template that cannot be split, and shows one."""
+        return False
+
+    def response_tokens(self) -> int | None:
+        """The length of the responses the stage samples (None: it samples none)."""
+        gen = self.generation_settings()
+        return gen.max_new_tokens if gen is not None else None
+
+    def generation_settings(self) -> Generation | None:
+        """The stage's decoding settings, when it samples."""
+        return None
+
     def check_positions(self, limit: int, fix: str) -> None:
         """The longest sequence the stage trains on or generates must fit the model's `limit` positions."""
-        gen = getattr(self, "generation", None)
+        gen = self.generation_settings()
         if gen is not None and gen.max_new_tokens >= limit:
             raise ValueError(f"generation.max_new_tokens: {gen.max_new_tokens} leaves no room for a prompt: {fix}")
 
@@ -247,7 +303,7 @@ class StageBase:
 
     def workload(self) -> tuple[int, int, int, int]:
         """(training micro-batch sequences, training length, generation batch, generation length) per GPU."""
-        gen = getattr(self, "generation", None)
+        gen = self.generation_settings()
         if gen is not None:
             return 0, 0, gen.batch_size, 256 + gen.max_new_tokens  # prompts are not bounded here: assume 256
         return 0, 0, 0, 0
@@ -257,8 +313,10 @@ class StageBase:
 class TrainedStage(StageBase):
     """Optimisation settings shared by the stages that train with a TRL trainer."""
 
-    LENGTH_RULE: ClassVar[str] = ""
-    """How the trainer treats over-long examples: sft, reward or dpo (align/lengths.py)."""
+    LENGTH_RULE: ClassVar[LengthRule | None] = None
+    """How the stage's trainer treats examples longer than max_length (align/lengths.py); counted before
+    training, at `align validate` and again at the stage's start."""
+    WORK: ClassVar[str] = "train/global_step"
 
     learning_rate: float = ranged(5e-4, gt=0)
     """Peak learning rate."""
@@ -308,8 +366,13 @@ class TrainedStage(StageBase):
                              f"max_length to at most {limit}")
         super().check_positions(limit, fix)
 
+    def length_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The rows of the stage's `examples` card as its trainer will see them, for the length count (text rows;
+        conversational ones already rendered with the chat template)."""
+        return rows
+
     def check_preference_card(self, ctx: CheckContext) -> None:
-        """Reward and DPO: a card in `data` must hold preference pairs, with held-out ones (split `test`)."""
+        """A card in `data` must hold preference pairs, with held-out ones (split `test`)."""
         if ctx.card_produces("data", "train") not in (None, "preference"):
             raise ValueError(f"data: card produces '{ctx.card_produces('data', 'train')}'; {self.type} needs "
                              "preference pairs")

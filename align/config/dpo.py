@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from align.config.common import CheckContext, StageBase, TrainedStage
+from align.config.common import DATA, EXAMPLES, POLICY, CheckContext, StageBase, TrainedStage
+from align.lengths import TRUNCATES_PAIRS
 from align.schema import one_of, ranged
 
 # TRL DPOConfig.loss_type values for paired data (tests check they still exist in the installed TRL).
@@ -18,10 +19,11 @@ class DPOStage(TrainedStage):
     """Direct preference optimisation with TRL's DPOTrainer; reference = the starting policy."""
 
     TYPE: ClassVar[str] = "dpo"
-    LENGTH_RULE: ClassVar[str] = "dpo"
+    LENGTH_RULE = TRUNCATES_PAIRS
     HEADLINE: ClassVar[tuple[str, ...]] = ("eval/rewards/accuracy", "eval/rewards/margin")
-    PRODUCES: ClassVar[str] = "policy"
-    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"policy": ("policy", True), "data": ("data", False)}
+    PRODUCES: ClassVar[str] = POLICY
+    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"policy": (POLICY, True), "data": (DATA, False)}
+    CARDS: ClassVar[dict[str, str]] = {"data": EXAMPLES}
 
     policy: str = "sft"
     """Stage whose model/ is both the starting policy and the frozen reference."""

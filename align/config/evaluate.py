@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from align.config.common import CheckContext, Generation, StageBase
+from align.config.common import DATA, POLICY, PROMPTS_ONLY, REPORT, REWARD_MODEL, CheckContext, Generation, StageBase
 from align.schema import ranged
 
 
@@ -17,10 +17,12 @@ class EvaluateStage(StageBase):
     TYPE: ClassVar[str] = "evaluate"
     PROMPTS: ClassVar[str] = "held_out"
     HEADLINE: ClassVar[tuple[str, ...]] = ("eval/prompts",)
-    PRODUCES: ClassVar[str] = "report"
+    PRODUCES: ClassVar[str] = REPORT
     INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {
-        "policies": ("policy", True), "baseline": ("policy", True), "reference": ("policy", True),
-        "reward": ("reward", True), "preferences": ("data", True)}
+        "policies": (POLICY, True), "baseline": (POLICY, True), "reference": (POLICY, True),
+        "reward": (REWARD_MODEL, True), "preferences": (DATA, True)}
+    CARDS: ClassVar[dict[str, str]] = {"prompts": PROMPTS_ONLY}
+    WORK: ClassVar[str] = "eval/prompts"
 
     policies: list[str] = field(default_factory=lambda: ["sft"])
     """Stages whose model/ to evaluate."""
@@ -53,6 +55,12 @@ class EvaluateStage(StageBase):
                 raise ValueError(f"judges: '{j}' is a stage; a reward stage goes in `reward:`, `judges:` lists "
                                  "Python judges (vader, or your own module:function)")
             ctx.check_judge("judges", j)
+
+    def card_split(self, fld: str) -> str:
+        return self.split
+
+    def generation_settings(self) -> Generation:
+        return self.generation
 
     def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
         return [("policy", "lm", False), ("reference", "lm", False)] + \

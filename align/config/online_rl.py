@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from align.config.common import CheckContext, Generation, StageBase, TrainedStage, response_length_problems
+from align.config.common import (DATA, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, Generation, StageBase,
+                                 TrainedStage, response_length_problems)
 from align.judges import judge_weights
 from align.schema import ranged
 
@@ -22,9 +23,10 @@ class OnlineRLStage(TrainedStage):
 
     PROMPTS: ClassVar[str] = "train"
     HEADLINE: ClassVar[tuple[str, ...]] = ("objective/scores_last", "objective/kl_last")
-    PRODUCES: ClassVar[str] = "policy"
+    PRODUCES: ClassVar[str] = POLICY
     INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {
-        "policy": ("policy", True), "reward": ("judge", False), "prompts": ("data", False)}
+        "policy": (POLICY, True), "reward": ("judge", False), "prompts": (DATA, False)}
+    CARDS: ClassVar[dict[str, str]] = {"prompts": PROMPTS_ONLY}
     ALGORITHM: ClassVar[str] = ""
     """The trainer's name in messages (GRPO, RLOO)."""
 
@@ -68,6 +70,12 @@ class OnlineRLStage(TrainedStage):
             if problem:
                 raise ValueError(problem)
 
+    def card_split(self, fld: str) -> str:
+        return self.split
+
+    def generation_settings(self) -> Generation:
+        return self.generation
+
     def batch_problem(self, world: int) -> str | None:
         """TRL's rule, named in align's fields: a generation round holds whole groups of num_generations."""
         steps = self.steps_per_generation or self.gradient_accumulation_steps
@@ -89,7 +97,7 @@ class OnlineRLStage(TrainedStage):
         held = [("policy", "lm", True)]
         if self.beta and not self.lora.enabled:  # with LoRA the reference is the base with adapters disabled
             held.append(("reference", "lm", False))
-        rewards = [n for n in judge_weights(self.reward) if n in stages and stages[n].PRODUCES == "reward"]
+        rewards = [n for n in judge_weights(self.reward) if n in stages and stages[n].PRODUCES == REWARD_MODEL]
         return held + [("reward", "scalar", False)] * len(rewards)
 
     def workload(self) -> tuple[int, int, int, int]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from align.config.common import CheckContext, Generation, LoraSettings, StageBase, response_length_problems
+from align.config.common import (POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, Generation, LoraSettings, StageBase,
+                                 response_length_problems)
 from align.judges import judge_weights
 from align.schema import one_of, ranged
 
@@ -43,8 +44,10 @@ class PPOStage(StageBase):
     TYPE: ClassVar[str] = "ppo"
     PROMPTS: ClassVar[str] = "train"
     HEADLINE: ClassVar[tuple[str, ...]] = ("objective/scores_last", "objective/kl_last")
-    PRODUCES: ClassVar[str] = "policy"
-    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"policy": ("policy", True), "reward": ("judge", False)}
+    PRODUCES: ClassVar[str] = POLICY
+    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"policy": (POLICY, True), "reward": ("judge", False)}
+    CARDS: ClassVar[dict[str, str]] = {"prompts": PROMPTS_ONLY}
+    WORK: ClassVar[str] = "ppo/iterations_run"
 
     policy: str = "sft"
     """Stage whose model/ is the starting policy and the frozen reference."""
@@ -116,7 +119,7 @@ class PPOStage(StageBase):
 
     def check(self, ctx: CheckContext) -> None:
         ctx.check_judge("reward", self.reward)
-        reward_stages = {n for n, st in ctx.pipeline.stages.items() if st.PRODUCES == "reward"}
+        reward_stages = {n for n, st in ctx.pipeline.stages.items() if st.PRODUCES == REWARD_MODEL}
         used = [n for n in judge_weights(self.reward) if n in reward_stages]
         if self.value_init == "reward" and len(used) != 1:
             raise ValueError(f"value_init: 'reward' starts the value model from the reward model, but reward "
@@ -138,6 +141,12 @@ class PPOStage(StageBase):
         another length."""
         return response_length_problems(name, "PPO", self.generation.max_new_tokens, self.reward, stages)
 
+    def card_split(self, fld: str) -> str:
+        return self.split
+
+    def generation_settings(self) -> Generation:
+        return self.generation
+
     def check_positions(self, limit: int, fix: str) -> None:
         if self.max_prompt_length + self.generation.max_new_tokens > limit:
             raise ValueError(f"max_prompt_length + generation.max_new_tokens: {self.max_prompt_length} + "
@@ -148,7 +157,7 @@ class PPOStage(StageBase):
         held = [("policy", "lm", True), ("value", "scalar", True)]
         if not self.lora.enabled:  # with LoRA the reference is the policy's base with adapters disabled
             held.append(("reference", "lm", False))
-        reward_stages = [n for n in judge_weights(self.reward) if n in stages and stages[n].PRODUCES == "reward"]
+        reward_stages = [n for n in judge_weights(self.reward) if n in stages and stages[n].PRODUCES == REWARD_MODEL]
         shared = self.lora.enabled and self.value_init == "reward"  # the reward model is the value model's base
         return held + [("reward", "scalar", False)] * (len(reward_stages) - shared)
 

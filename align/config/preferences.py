@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from align.config.common import CheckContext, Generation, StageBase
+from align.config.common import DATA, POLICY, PROMPTS_ONLY, CheckContext, Generation, StageBase
 from align.schema import ranged
 
 
@@ -16,8 +16,10 @@ class PreferencesStage(StageBase):
     TYPE: ClassVar[str] = "preferences"
     PROMPTS: ClassVar[str] = "train"
     HEADLINE: ClassVar[tuple[str, ...]] = ("preferences/pairs_train", "preferences/mean_margin")
-    PRODUCES: ClassVar[str] = "data"
-    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"policy": ("policy", True), "judge": ("judge", False)}
+    PRODUCES: ClassVar[str] = DATA
+    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"policy": (POLICY, True), "judge": ("judge", False)}
+    CARDS: ClassVar[dict[str, str]] = {"prompts": PROMPTS_ONLY}
+    WORK: ClassVar[str] = "preferences/prompts"
 
     policy: str = "sft"
     """Stage whose model/ samples the completions."""
@@ -41,6 +43,12 @@ class PreferencesStage(StageBase):
 
     def check(self, ctx: CheckContext) -> None:
         ctx.check_judge("judge", self.judge)
+
+    def card_split(self, fld: str) -> str:
+        return self.split
+
+    def generation_settings(self) -> Generation:
+        return self.generation
 
     def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
         return [("policy", "lm", False)] + ([("judge", "scalar", False)] if self.judge in stages else [])

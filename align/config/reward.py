@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from align.config.common import CheckContext, StageBase, TrainedStage
+from align.config.common import DATA, EXAMPLES, POLICY, REWARD_MODEL, CheckContext, StageBase, TrainedStage
+from align.lengths import DROPS_LONG_PAIRS
 from align.schema import ranged
 
 
@@ -14,10 +15,11 @@ class RewardStage(TrainedStage):
     """Pairwise (Bradley-Terry) reward model with TRL's RewardTrainer."""
 
     TYPE: ClassVar[str] = "reward"
-    LENGTH_RULE: ClassVar[str] = "reward"
+    LENGTH_RULE = DROPS_LONG_PAIRS
     HEADLINE: ClassVar[tuple[str, ...]] = ("eval/rewards/accuracy",)
-    PRODUCES: ClassVar[str] = "reward"
-    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"init": ("policy", True), "data": ("data", False)}
+    PRODUCES: ClassVar[str] = REWARD_MODEL
+    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"init": (POLICY, True), "data": (DATA, False)}
+    CARDS: ClassVar[dict[str, str]] = {"data": EXAMPLES}
 
     init: str = "sft"
     """Stage whose model/ initialises the reward model (a scalar head is added)."""

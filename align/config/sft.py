@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from align.builtin import is_builtin
-from align.config.common import CheckContext, StageBase, TrainedStage
+from align.config.common import EXAMPLES, POLICY, CheckContext, StageBase, TrainedStage
+from align.lengths import TRUNCATES_COMPLETIONS
 from align.schema import ranged
 
 
@@ -16,10 +17,11 @@ class SFTStage(TrainedStage):
 
     TYPE: ClassVar[str] = "sft"
     PROMPTS: ClassVar[str] = "train"
-    LENGTH_RULE: ClassVar[str] = "sft"
+    LENGTH_RULE = TRUNCATES_COMPLETIONS
     HEADLINE: ClassVar[tuple[str, ...]] = ("train/loss_final_avg", "eval/loss")
-    PRODUCES: ClassVar[str] = "policy"
-    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"model": ("policy", False)}
+    PRODUCES: ClassVar[str] = POLICY
+    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"model": (POLICY, False)}
+    CARDS: ClassVar[dict[str, str]] = {"data": EXAMPLES}
 
     model: str = "base"
     """Starting model: `base` (the pipeline's base_model) or the name of an earlier stage."""
@@ -52,6 +54,19 @@ class SFTStage(TrainedStage):
             except ValueError as exc:  # the card's error: names the card and the splits it defines
                 raise ValueError(f"eval_split: '{self.eval_split}': {exc}; name one of those splits, or set "
                                  "eval_split: null to skip the evaluation") from None
+
+    def card_split(self, fld: str) -> str:
+        return self.split
+
+    def starts_from_base(self) -> bool:
+        return self.model == "base"
+
+    def installs_chat_template(self, card_forms: dict[str, str], template_named: bool) -> bool:
+        """From the base model, on conversations or when the pipeline names a template (align/stages/sft.py)."""
+        return self.starts_from_base() and (card_forms.get("data") == "messages" or template_named)
+
+    def trains_on_assistant_turns(self) -> bool:
+        return self.completion_only_loss
 
     def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
         return [("policy", "lm", True)]

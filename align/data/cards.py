@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 
 import yaml
 
-from align.data.formats import CANONICAL_COLUMNS, TRANSFORMS, FormatError, check_canonical, row_prompt_key
+from align.data.formats import FORMS, TRANSFORMS, FormatError, check_canonical, row_prompt_key
 
 FORMATS = ("jsonl", "json", "tsv", "csv", "parquet", "hub")
 
@@ -94,8 +94,8 @@ def load_card(path: str | Path) -> DataCard:
             raise DataCardError(f"{path}: field '{key}' is required")
     if raw["format"] not in FORMATS:
         raise DataCardError(f"{path}: field 'format': '{raw['format']}' is not one of {FORMATS}")
-    if raw["produces"] not in CANONICAL_COLUMNS:
-        raise DataCardError(f"{path}: field 'produces': '{raw['produces']}' is not one of {list(CANONICAL_COLUMNS)}")
+    if raw["produces"] not in FORMS:
+        raise DataCardError(f"{path}: field 'produces': '{raw['produces']}' is not one of {list(FORMS)}")
     source = raw["source"]
     if not isinstance(source, dict) or not ({"path"} <= source.keys() or {"hub"} <= source.keys()):
         raise DataCardError(f"{path}: field 'source' needs `path: <file>` or `hub: <org/name>` (+ revision)")

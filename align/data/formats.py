@@ -8,6 +8,8 @@ Canonical forms (they match TRL's dataset formats):
 - ``prompt``: ``{"prompt": str}``, or ``prompt`` a list of messages ending with a user turn
 
 Conversational rows are rendered with the chat template by the stages that read them (align/data/chat.py).
+A stage type that needs another form registers it from its config module (`register_form`); a card's `produces`
+may then name it.
 
 Each transform takes a list of row dicts and returns ``(rows, dropped)``, where ``dropped`` counts rows
 skipped for a stated reason (reported by ``align validate``), so nothing disappears silently.
@@ -19,14 +21,8 @@ import json
 import random
 import re
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Callable
-
-CANONICAL_COLUMNS = {
-    "prompt_completion": ("prompt", "completion"),
-    "messages": ("messages",),
-    "preference": ("prompt", "chosen", "rejected"),
-    "prompt": ("prompt",),
-}
 
 Rows = list[dict[str, Any]]
 ROLES = ("system", "user", "assistant")
@@ -130,10 +126,10 @@ def _hh_pairs(rows: Rows, args: Any, transform: str) -> tuple[list[tuple[list, s
         if chosen[:-1] != rejected[:-1]:
             dropped["chosen and rejected diverge before the final reply"] += 1
             continue
-        if not _text(chosen[-1][1]) or not _text(rejected[-1][1]):
+        if not text_of(chosen[-1][1]) or not text_of(rejected[-1][1]):
             dropped["empty final reply"] += 1
             continue
-        if _text(chosen[-1][1]) == _text(rejected[-1][1]):
+        if text_of(chosen[-1][1]) == text_of(rejected[-1][1]):
             dropped["chosen identical to rejected (up to whitespace)"] += 1
             continue
         if max_chars is not None and len(render_hh_prompt(chosen[:-1])) > max_chars:
@@ -211,61 +207,107 @@ TRANSFORMS: dict[str, Callable[[Rows, Any, int], tuple[Rows, Counter]]] = {
 }
 
 
+@dataclass(frozen=True)
+class DataForm:
+    """A canonical form of rows (TRL's dataset formats): its columns and what each must hold."""
+
+    name: str
+    columns: tuple[str, ...]
+    """Every row has these fields."""
+    replies: tuple[str, ...] = ()
+    """Reply columns: text, or, when the row's `prompt` is a conversation, a list of one assistant message."""
+    flags: tuple[str, ...] = ()
+    """Columns that hold true / false (not text)."""
+    conversational: bool = False
+    """Whether `prompt` may be a conversation (a list of messages ending with a user turn)."""
+    check_row: Callable[[dict[str, Any], str], None] | None = None
+    """A check of one row's types instead of the rules above (raise FormatError naming `where`)."""
+    contents: Callable[[Rows], list[str]] | None = None
+    """Rows of the right form that cannot teach anything -> one problem line each kind (none: [])."""
+
+
+FORMS: dict[str, DataForm] = {}
+"""Form name -> its definition; a card's `produces` names one."""
+
+
+def register_form(form: DataForm) -> DataForm:
+    """Make `form` a canonical form cards may produce. A stage type that needs a form of its own registers it
+    from its config module (imported wherever configs are parsed, before any card is read)."""
+    old = FORMS.get(form.name)
+    if old is not None and old != form:
+        raise ValueError(f"data form '{form.name}' is defined twice, differently")
+    FORMS[form.name] = form
+    return form
+
+
 def check_canonical(rows: Rows, produces: str, source: str) -> None:
-    """Every row must carry the canonical columns of `produces` with the right types (text, or for preference
-    and prompt rows TRL's conversational form: see the module docstring)."""
-    needed = CANONICAL_COLUMNS[produces]
+    """Every row must carry the canonical columns of `produces` with the right types (text, or for forms that
+    allow it TRL's conversational form: see the module docstring), then hold something to learn from."""
+    form = FORMS[produces]
     for i, row in enumerate(rows):
-        for col in needed:
+        where = f"{source}: row {i}"
+        for col in form.columns:
             if col not in row:
-                raise FormatError(f"{source}: row {i}: missing field '{col}' required by produces={produces}")
-        if produces == "messages":
-            if not is_conversation(row["messages"]):
-                raise FormatError(f"{source}: row {i}: field 'messages' must be a list of {{role, content}}")
-        elif produces in ("preference", "prompt") and isinstance(row["prompt"], list):
-            check_conversation(row["prompt"], f"{source}: row {i}: field 'prompt'", last_role="user")
-            for col in needed[1:]:
+                raise FormatError(f"{where}: missing field '{col}' required by produces={produces}")
+        if form.check_row is not None:
+            form.check_row(row, where)
+            continue
+        for col in form.flags:
+            if not isinstance(row[col], bool):
+                raise FormatError(f"{where}: field '{col}' must be true or false, got {row[col]!r}")
+        if form.conversational and isinstance(row.get("prompt"), list):
+            check_conversation(row["prompt"], f"{where}: field 'prompt'", last_role="user")
+            for col in form.replies:
                 reply = row[col]
-                check_conversation(reply, f"{source}: row {i}: field '{col}'", last_role="assistant")
+                check_conversation(reply, f"{where}: field '{col}'", last_role="assistant")
                 if len(reply) != 1:
-                    raise FormatError(f"{source}: row {i}: field '{col}': expected one assistant message, got "
-                                      f"{len(reply)} (earlier turns belong in 'prompt')")
-        else:
-            for col in needed:
-                if not isinstance(row[col], str):
-                    raise FormatError(f"{source}: row {i}: field '{col}' must be text, got {type(row[col]).__name__}")
-    _check_contents(rows, produces, source)
+                    raise FormatError(f"{where}: field '{col}': expected one assistant message, got {len(reply)} "
+                                      "(earlier turns belong in 'prompt')")
+            continue
+        for col in (c for c in form.columns if c not in form.flags):
+            if not isinstance(row[col], str):
+                raise FormatError(f"{where}: field '{col}' must be text, got {type(row[col]).__name__}")
+    problems = form.contents(rows) if form.contents is not None else []
+    if problems:
+        raise FormatError(f"{source}: " + "; ".join(problems) + ". Remove those rows from the data (or filter "
+                          "them in a transform) and run again")
 
 
-def _text(value: str | list[dict[str, str]]) -> str:
+def text_of(value: str | list[dict[str, str]]) -> str:
     """The words of a reply or conversation, whitespace normalised: what a comparison of contents looks at."""
     text = value if isinstance(value, str) else "\n".join(m["content"] for m in value)
     return " ".join(text.split())
 
 
-def _rows_named(rows: list[int]) -> str:
+def rows_named(rows: list[int]) -> str:
     shown = ", ".join(str(i) for i in rows[:8])
     return f"{len(rows)} row{'s' if len(rows) > 1 else ''} ({shown}{', ...' if len(rows) > 8 else ''})"
 
 
-def _check_contents(rows: Rows, produces: str, source: str) -> None:
-    """Rows whose form is right but that cannot teach anything, all named at once (row numbers count from 0,
-    after the card's transforms): a preference pair with an empty reply, or whose replies differ only in
-    whitespace; a conversation with no assistant turn with text (nothing to train on)."""
-    problems = []
-    if produces == "preference":
-        replies = [(_text(r["chosen"]), _text(r["rejected"])) for r in rows]
-        empty = [i for i, (c, r) in enumerate(replies) if not c or not r]
-        same = [i for i, (c, r) in enumerate(replies) if c and c == r]
-        if empty:
-            problems.append(f"{_rows_named(empty)} with an empty 'chosen' or 'rejected'")
-        if same:
-            problems.append(f"{_rows_named(same)} whose 'chosen' and 'rejected' differ at most in whitespace")
-    elif produces == "messages":
-        silent = [i for i, r in enumerate(rows)
-                  if not any(m["role"] == "assistant" and m["content"].strip() for m in r["messages"])]
-        if silent:
-            problems.append(f"{_rows_named(silent)} with no assistant turn with text (nothing to train on)")
-    if problems:
-        raise FormatError(f"{source}: " + "; ".join(problems) + ". Remove those rows from the data (or filter "
-                          "them in a transform) and run again")
+def _check_messages(row: dict[str, Any], where: str) -> None:
+    if not is_conversation(row["messages"]):
+        raise FormatError(f"{where}: field 'messages' must be a list of {{role, content}}")
+
+
+def _silent_conversations(rows: Rows) -> list[str]:
+    """A conversation with no assistant turn with text has nothing to train on."""
+    silent = [i for i, r in enumerate(rows)
+              if not any(m["role"] == "assistant" and m["content"].strip() for m in r["messages"])]
+    return [f"{rows_named(silent)} with no assistant turn with text (nothing to train on)"] if silent else []
+
+
+def _uninformative_pairs(rows: Rows) -> list[str]:
+    """A preference pair with an empty reply, or whose replies differ only in whitespace, teaches nothing."""
+    replies = [(text_of(r["chosen"]), text_of(r["rejected"])) for r in rows]
+    empty = [i for i, (c, r) in enumerate(replies) if not c or not r]
+    same = [i for i, (c, r) in enumerate(replies) if c and c == r]
+    return ([f"{rows_named(empty)} with an empty 'chosen' or 'rejected'"] if empty else []) + \
+        ([f"{rows_named(same)} whose 'chosen' and 'rejected' differ at most in whitespace"] if same else [])
+
+
+# The forms every stage type shares. Row numbers in problems count from 0, after the card's transforms.
+register_form(DataForm("prompt_completion", ("prompt", "completion")))
+register_form(DataForm("messages", ("messages",), check_row=_check_messages, contents=_silent_conversations))
+register_form(DataForm("preference", ("prompt", "chosen", "rejected"), replies=("chosen", "rejected"),
+                       conversational=True, contents=_uninformative_pairs))
+register_form(DataForm("prompt", ("prompt",), conversational=True))

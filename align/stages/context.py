@@ -42,7 +42,7 @@ class NonFiniteLossError(RuntimeError):
 
 
 class StageError(RuntimeError):
-    """A stage cannot give a meaningful result (it would train zero steps, has nothing to evaluate, or
+    """A stage cannot give a meaningful result (it would train zero steps, has nothing to measure, or
     produced nothing); it is recorded as failed, never as completed."""
 
 
@@ -97,8 +97,8 @@ class StageContext:
         return model.to(self.compute.device) if device else model
 
     def load_scalar(self, path: str, pad_token_id: int | None, device: bool = False, quantize: str = "none"):
-        """A reward / value model (sequence classification, one output), like `load_lm`. A scalar head that the
-        checkpoint does not hold (a reward model or value model started from a language model) is initialised
+        """A scalar model (sequence classification, one output), like `load_lm`. A scalar head that the
+        checkpoint does not hold (a scalar model started from a language model) is initialised
         from the stage's seed alone, on a forked RNG: the same seed gives the same head in every run, and the
         global random stream of the stage is left as it was."""
         import torch  # heavy: stage processes only
@@ -212,7 +212,7 @@ class StageContext:
 
     # ------------------------------------------------------------------ manifest
     def note(self, **values: Any) -> None:
-        """Record values in the manifest now, while the stage runs (e.g. PPO's reward gain and bias, so a
+        """Record values in the manifest now, while the stage runs (e.g. a score normalisation's gain and bias, so a
         killed attempt's manifest still says what it fixed)."""
         self.extra_manifest.update(values)
         self.write_manifest("running", new_attempt=False)
@@ -374,8 +374,8 @@ def quiet_libraries() -> None:
     if verbose():
         return
     os.environ.setdefault("TQDM_DISABLE", "1")
-    # `datasets` reads these when it is first imported, so stages that never use it (PPO, evaluate,
-    # preferences) do not pay ~0.5 s to import it here (measured with python -X importtime).
+    # `datasets` reads these when it is first imported, so stages that never use it (the samplers) do not pay
+    # ~0.5 s to import it here (measured with python -X importtime).
     os.environ.setdefault("DATASETS_VERBOSITY", "error")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     if "datasets" in sys.modules:
@@ -392,11 +392,11 @@ def quiet_libraries() -> None:
 
 
 def check_produced(ctx: StageContext, outputs: list[str], final: dict[str, Any]) -> None:
-    """A stage that trained zero steps, evaluated zero prompts or published nothing has failed."""
-    if ctx.extra_manifest.get("global_step") == 0 or final.get("ppo/iterations_run") == 0:
-        raise StageError(f"stage '{ctx.name}' trained 0 steps")
-    if final.get("eval/prompts") == 0:
-        raise StageError(f"stage '{ctx.name}' evaluated 0 prompts")
+    """A stage whose work metric (declared by its config class: optimiser steps, iterations, prompts evaluated) is
+    0, or that published nothing, has failed."""
+    work = type(ctx.cfg).WORK
+    if work and final.get(work) == 0:
+        raise StageError(f"stage '{ctx.name}' did no work: {work} is 0")
     bad = [k for k, v in final.items() if isinstance(v, float) and not math.isfinite(v)
            and any(w in k for w in ("loss", "margin", "accuracy", "rewards/"))]
     if bad:  # the training-loss guard watches each step; a diverged model can still end with a NaN eval

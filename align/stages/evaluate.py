@@ -143,6 +143,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                                                      for n, s in samples.items()}}) + "\n")
 
     ctx.publish("../report", write)
+    ctx.extra_manifest["summary"] = headline(cfg, metrics)  # what `align run` prints at the end of the run
     ctx.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=0)
     if ctx.tracker is not None:
         report = ctx.run_dir / "report"

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from align.config import TrainedStage
 from align.console import verbose
-from align.lengths import enforce, measure
+from align.lengths import enforce
 from align.stages.context import NonFiniteLossError, StageContext, StageError, keep_metrics_until, startup_done
 
 # TRL's plural reward metrics under align's singular names (docs/ARCHITECTURE.md, "Metric names").
@@ -114,10 +114,10 @@ def trainer_kwargs(cfg: TrainedStage, ctx: StageContext) -> dict[str, Any]:
 
 def check_lengths(ctx: StageContext, rows: list[dict[str, Any]], tokenizer) -> None:
     """Count examples longer than max_length after templating (align/lengths.py, by the stage type's
-    LENGTH_RULE), before any training step; record the counts in the manifest and stop when too many would be
-    truncated or dropped."""
+    LENGTH_RULE, over its `length_rows`), before any training step; record the counts in the manifest and stop
+    when too many would be truncated or dropped."""
     cfg: TrainedStage = ctx.cfg  # type: ignore[assignment]
-    report = measure(ctx.name, cfg.LENGTH_RULE, rows, tokenizer, cfg.max_length)
+    report = cfg.LENGTH_RULE.measure(ctx.name, cfg.length_rows(rows), tokenizer, cfg.max_length)
     ctx.extra_manifest["length_check"] = report.as_dict()
     if ctx.is_main:
         print(f"[align] length check {report.summary()}", flush=True)

@@ -1,0 +1,76 @@
+"""Checks that need torch, run for the orchestrator in a short helper process.
+
+`align validate`, `align run` and `align estimate` never import torch: they plan, read cards and files, and launch.
+What only a loaded tokenizer or a model class can tell (over-long examples after the chat template, the rendered
+example per stage, LoRA targets on the meta device, parameter counts and DeepSpeed's memory estimators) runs in a
+fresh Python process: `python -m align.helper module:function`, its keyword arguments as JSON on stdin. What the
+function prints reaches the console as it is printed; its return value comes back as JSON; a refusal it raises
+(a ValueError such as PipelineError or ConfigError) comes back as a PipelineError with the same message; a crash
+comes back as a HelperError with the last lines of its traceback.
+
+Importing torch and transformers costs the helper what it cost the orchestrator before (a few seconds on a CPU
+machine), once per command, and only for pipelines that need it (a builtin model's tokenizer is trained by its
+first stage: nothing to load at validation).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REFUSED = 2  # exit code of a refusal: the message is in the result file
+
+
+class HelperError(RuntimeError):
+    """The helper process crashed (not a refusal): the message holds the end of its traceback."""
+
+
+def call(target: str, timeout: float | None = None, **kwargs: Any) -> Any:
+    """Run `target` ("module:function") in a helper process with `kwargs`; return its result (JSON types)."""
+    from align.plan import PipelineError  # plan is torch-free; imported here to keep this module's imports light
+
+    with tempfile.TemporaryDirectory(prefix="align-helper-") as tmp:
+        result = Path(tmp) / "result.json"
+        proc = subprocess.Popen([sys.executable, "-m", "align.helper", target, str(result)], stdin=subprocess.PIPE,
+                                stdout=None, stderr=subprocess.PIPE, text=True, env={**os.environ})
+        try:
+            _, err = proc.communicate(json.dumps(kwargs), timeout=timeout)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        answer = json.loads(result.read_text(encoding="utf-8")) if result.is_file() else None
+    if proc.returncode == 0 and answer is not None:
+        return answer["result"]
+    if proc.returncode == REFUSED and answer is not None:
+        raise PipelineError(answer["error"])
+    tail = "\n".join((err or "").strip().splitlines()[-12:])
+    raise HelperError(f"{target} failed in its helper process (exit code {proc.returncode}):\n{tail}")
+
+
+def _main(argv: list[str]) -> int:
+    """In the helper process: import the target, call it with the JSON keyword arguments from stdin."""
+    import importlib
+
+    target, result = argv
+    module, _, function = target.partition(":")
+    kwargs = json.loads(sys.stdin.read() or "{}")
+    out = Path(result)
+    try:
+        value = getattr(importlib.import_module(module), function)(**kwargs)
+    except ValueError as exc:  # PipelineError, ConfigError, EstimateError, ...: a refusal with its message
+        out.write_text(json.dumps({"error": str(exc), "type": type(exc).__name__}), encoding="utf-8")
+        sys.stdout.flush()
+        return REFUSED
+    sys.stdout.flush()
+    out.write_text(json.dumps({"result": value}), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
