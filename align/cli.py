@@ -6,18 +6,19 @@ import argparse
 import os
 import sys
 
-from align import packaged
+from align.orchestrator import packaged
 from align.config import ConfigError, load_pipeline
 from align.data.cards import DataCardError
-from align.estimate import EstimateError, estimate_in_helper, hardware, render, too_big
-from align.launch import MultiNode
-from align.plan import PipelineError
-from align.report import rebuild
-from align.rundir import ManifestError
-from align.runner import Interrupted, run
+from align.orchestrator.estimate import EstimateError, estimate_pipeline, hardware, render, too_big
+from align.orchestrator.helper import HelperError
+from align.orchestrator.launch import MultiNode
+from align.orchestrator.plan import PipelineError
+from align.orchestrator.report import rebuild
+from align.core.rundir import ManifestError
+from align.orchestrator.runner import Interrupted, run
 from align.stages.context import describe, main as stage_main
-from align.status import status_table
-from align.validate import stage_lines, validate
+from align.orchestrator.status import status_table
+from align.orchestrator.validate import stage_lines, validate
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "estimate":
             hw = hardware(cfg, args.gpus, args.gpu_memory_gb, args.nodes)
             try:
-                estimates = estimate_in_helper(cfg, args.pipeline, hw)
+                estimates = estimate_pipeline(cfg, args.pipeline, hw)
             except EstimateError as exc:
                 raise PipelineError(str(exc)) from None
             print(render(estimates, hw))
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # between stages, or while validating: nothing was being written
         print("align: interrupted", file=sys.stderr)
         return 130
-    except (ConfigError, DataCardError, PipelineError, ManifestError, packaged.PackagedError, OSError) as exc:
+    except (ConfigError, DataCardError, PipelineError, ManifestError, packaged.PackagedError, HelperError, OSError) as exc:
         print(f"align: error: {describe(exc) if isinstance(exc, OSError) else exc}", file=sys.stderr)
         return 2
 

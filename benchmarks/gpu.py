@@ -107,10 +107,10 @@ def generation_ab(model_dir: Path, prompts: list[str], new_tokens: int, batch: i
     a warm-up pass over the same prompts (compilation is not timed)."""
     import torch
 
-    from align.compute import resolve
+    from align.modeling.compute import resolve
     from align.config import Generation
-    from align.generation import sample_texts
-    from align.models import load_causal_lm, load_tokenizer
+    from align.modeling.generation import sample_texts
+    from align.modeling.models import load_causal_lm, load_tokenizer
 
     compute = resolve()
     tok = load_tokenizer(str(model_dir))
@@ -161,7 +161,7 @@ def run_pipeline(pipeline: Path, run_dir: Path, env: dict[str, str]) -> dict[str
 
 def stage_rows(run_dir: Path, pipeline: Path, peak_flops: float | None, failed: dict[str, str]) -> list[dict]:
     from align.config import load_pipeline
-    from align.estimate import OVERHEAD_BYTES, estimate_pipeline, hardware, model_shapes
+    from align.orchestrator.estimate import OVERHEAD_BYTES, estimate_pipeline, hardware, model_shapes
 
     cfg = load_pipeline(pipeline)
     shapes = model_shapes(cfg, pipeline)

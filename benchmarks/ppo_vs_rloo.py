@@ -59,7 +59,7 @@ def rloo(run_dir: Path, prompts: list[str], args) -> dict[str, float]:
     from transformers import TrainerCallback
     from trl import RLOOConfig, RLOOTrainer
 
-    from align.models import load_causal_lm, load_scalar_model, load_tokenizer
+    from align.modeling.models import load_causal_lm, load_scalar_model, load_tokenizer
 
     tok = load_tokenizer(str(run_dir / "sft" / "model"))
     tok.padding_side = "left"

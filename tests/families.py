@@ -208,7 +208,7 @@ def _rollout(tok, prompts: list[str], responses: list[str]):
     """The PPO layout: prompts left-padded (with the family's BOS), responses + EOS right-padded with pad."""
     import torch
 
-    from align.generation import Rollout, tokenize_prompts
+    from align.modeling.generation import Rollout, tokenize_prompts
 
     q_ids, q_mask = tokenize_prompts(tok, prompts)
     resp = [tok(r, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for r in responses]
@@ -233,8 +233,8 @@ def check_reward_padding_invariance(model_dir: Path, tok_dir: Path, tol: float =
     by the model's own forward (the rule TRL's RewardTrainer trains with). Returns the scores."""
     import torch
 
-    from align.generation import scalar_outputs, sequence_scores
-    from align.models import load_scalar_model, load_tokenizer
+    from align.modeling.generation import scalar_outputs, sequence_scores
+    from align.modeling.models import load_scalar_model, load_tokenizer
     from align.stages.ppo.rewards import Scorer
 
     tok = load_tokenizer(str(tok_dir))
@@ -254,7 +254,7 @@ def check_reward_padding_invariance(model_dir: Path, tok_dir: Path, tol: float =
         rows = [_unpadded(r, i)[0][0] for i in range(len(TEXTS))]
         ids = torch.stack([torch.cat([x, x.new_full((width - len(x),), tok.pad_token_id)]) for x in rows])
         mask = torch.stack([torch.cat([torch.ones_like(x), x.new_zeros(width - len(x))]) for x in rows])
-        from align.losses import last_token_index
+        from align.modeling.losses import last_token_index
 
         last = last_token_index(ids, mask, tok.pad_token_id)
         out["scalar_outputs/right"] = scalar_outputs(model, ids, mask)[torch.arange(len(rows)), last].tolist()
@@ -276,8 +276,8 @@ def check_policy_padding_invariance(model_dir: Path, tok_dir: Path, tol: float =
     (rotary: shift-invariant anyway; GPT-2's learned absolute positions: not)."""
     import torch
 
-    from align.generation import scalar_outputs, sequence_logprobs
-    from align.models import load_causal_lm, load_scalar_model, load_tokenizer
+    from align.modeling.generation import scalar_outputs, sequence_logprobs
+    from align.modeling.models import load_causal_lm, load_scalar_model, load_tokenizer
 
     tok = load_tokenizer(str(tok_dir))
     policy = load_causal_lm(str(model_dir)).eval()
@@ -294,7 +294,7 @@ def check_policy_padding_invariance(model_dir: Path, tok_dir: Path, tol: float =
             v_alone = scalar_outputs(value, ids, torch.ones_like(ids))[0, qi - 1:-1]
             assert torch.allclose(lp[i, :n], lp_alone, atol=tol), (i, lp[i, :n], lp_alone)
             assert torch.allclose(values[i, :n], v_alone, atol=tol), (i, values[i, :n], v_alone)
-        # step 1: generation from left-padded prompts (as align.generation.generate calls it) sees each prompt
+        # step 1: generation from left-padded prompts (as align.modeling.generation.generate calls it) sees each prompt
         # as it would alone: the same next-token logits at every step
         greedy = dict(do_sample=False, max_new_tokens=4, output_scores=True, return_dict_in_generate=True,
                       pad_token_id=tok.pad_token_id, eos_token_id=None)

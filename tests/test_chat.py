@@ -12,7 +12,7 @@ import torch
 
 from align import templates
 from align.data.chat import as_text, render_prompt
-from align.schema import ConfigError
+from align.core.schema import ConfigError
 from conftest import REPO, run_align
 
 SEED = 1234
@@ -29,7 +29,7 @@ LEAD = {"default": " "}  # align's default template writes "assistant: reply": t
 def chat_tokenizer(name: str):
     """A BPE tokenizer trained as the builtin model's is, with a shipped template installed (`default`: the
     tokenizer's own, align's role-tagged template, as with `chat_template: null`)."""
-    from align.models import train_tokenizer
+    from align.modeling.models import train_tokenizer
 
     planned = shipped(name)
     tok = train_tokenizer(CORPUS, 400, 256, planned.special_tokens)
@@ -44,9 +44,9 @@ def shipped(name: str) -> templates.ChatTemplate:
 def tiny_model(tok, scalar: bool = False):
     from transformers import LlamaForSequenceClassification
 
-    from align.builtin import llama_config
+    from align.modeling.models import llama_config
     from align.config import BuiltinModel
-    from align.models import build_builtin
+    from align.modeling.models import build_builtin
 
     size = BuiltinModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_position_embeddings=256)
     if not scalar:
@@ -81,10 +81,10 @@ def test_shipped_templates_write_their_formats_and_eot_becomes_eos():
 
 def test_installing_a_template_on_a_tokenizer_adds_its_tokens_and_the_model_grows_to_match():
     """The vendored GPT-2 tokenizer lacks ChatML's tokens: they are added as special tokens, EOS becomes
-    <|im_end|>, and the model's embeddings and token ids follow (align/models.py fit_model_to_tokenizer)."""
+    <|im_end|>, and the model's embeddings and token ids follow (align/modeling/models.py fit_model_to_tokenizer)."""
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-    from align.models import fit_model_to_tokenizer, prepare_tokenizer
+    from align.modeling.models import fit_model_to_tokenizer, prepare_tokenizer
 
     tok = prepare_tokenizer(AutoTokenizer.from_pretrained(REPO / "tokenizers" / "gpt2"))
     before = len(tok)
@@ -103,7 +103,7 @@ def test_llama3_on_gpt2s_pre_tokenizer_is_flagged():
     prompt tokenises differently alone (PPO, evaluation) than with a reply (SFT). install() says so."""
     from transformers import AutoTokenizer
 
-    from align.models import prepare_tokenizer
+    from align.modeling.models import prepare_tokenizer
 
     tok = prepare_tokenizer(AutoTokenizer.from_pretrained(REPO / "tokenizers" / "gpt2"))
     templates.install(tok, shipped("llama3"))
@@ -125,7 +125,7 @@ def test_template_setting_errors_name_the_file_and_the_fix(tmp_path):
     assert mine.source == f"file:{tmp_path / 'mine.jinja'}"
     assert mine.digest == shipped("chatml").digest  # content, not name
     # A template whose assistant turns end with plain text could never stop: refused at install.
-    from align.models import ModelError
+    from align.modeling.models import ModelError
 
     tok = chat_tokenizer("chatml")
     with pytest.raises(ModelError, match="not a special token"):
@@ -188,14 +188,14 @@ class ForceTokens:
 
 @pytest.mark.parametrize("name", ["chatml", "llama3", "default"])
 def test_ppo_responses_end_at_the_end_of_turn_token(name):
-    """Rollouts as PPO samples them (align.generation.generate): prompts rendered with the generation prompt;
+    """Rollouts as PPO samples them (align.modeling.generation.generate): prompts rendered with the generation prompt;
     a model forced to emit the end-of-turn token after 2 and after 4 tokens, then more tokens. The response
     mask ends right after the end-of-turn token, generation stopped there, the reward model's score reads
     that token (garbage written after it changes nothing), and the decoded text leaves it out."""
     from transformers import LogitsProcessorList
 
     from align.config import Generation
-    from align.generation import generate, scalar_outputs
+    from align.modeling.generation import generate, scalar_outputs
     from align.stages.ppo.rewards import Scorer
 
     print(f"seed {SEED}")
@@ -245,7 +245,7 @@ def test_reward_training_ppo_and_evaluate_score_the_same_tokens(name, tmp_path):
     from datasets import Dataset
     from trl import RewardConfig, RewardTrainer
 
-    from align.generation import Rollout, scalar_outputs, tokenize_prompts
+    from align.modeling.generation import Rollout, scalar_outputs, tokenize_prompts
     from align.stages.scoring import RewardModelJudge
     from align.stages.ppo.rewards import Scorer
 

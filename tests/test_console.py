@@ -1,4 +1,4 @@
-"""The runner's console filter (align/console.py): progress events drive one bar and become periodic plain lines
+"""The runner's console filter (align/core/console.py): progress events drive one bar and become periodic plain lines
 in stage.log; carriage-return bar frames are reduced to their last frame; repeated lines are written once with a
 count at the end."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import io
 import json
 
-from align.console import PROGRESS, StageConsole
+from align.core.console import PROGRESS, StageConsole
 
 
 def _event(n: int, total: int, **metrics) -> bytes:

@@ -104,7 +104,7 @@ def _kill_trials(project, stage: str, load) -> list[dict]:
         assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
         m = _manifest(stage_dir)
         assert m["status"] == "completed"
-        assert m["process"]["start"] == "fresh"  # one stage per run: a fresh process (align/warm.py)
+        assert m["process"]["start"] == "fresh"  # one stage per run: a fresh process (align/orchestrator/warm.py)
         assert m.get("global_step", m["final_metrics"].get("ppo/iterations_run")) == FINAL[stage]  # ran to the end
         resumed = m.get("resumed_from_step", m.get("resumed_from_iteration", 0))
         assert resumed == (max(ckpts) if ckpts else 0), (stage, point, ckpts, resumed)

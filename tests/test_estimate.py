@@ -28,19 +28,44 @@ def tiny_cfg():
                                 "hardware.gpus_per_node=8", "hardware.gpu_memory_gb=80"])
 
 
-def test_parameter_counts_match_closed_form(tiny_cfg):
-    from align.estimate import model_shapes
+@pytest.fixture(scope="module")
+def tiny_shapes(tiny_cfg):
+    """The tiny Llama's shapes, built once on the meta device by the helper process (align/modeling/shapes.py)."""
+    from align.orchestrator.estimate import model_shapes
 
+    return model_shapes(tiny_cfg, REPO / "pipelines" / "default.yaml")
+
+
+def test_parameter_counts_match_closed_form(tiny_shapes):
     assert P_LM == 37024 and P_RM == 37056
-    shapes = model_shapes(tiny_cfg, REPO / "pipelines" / "default.yaml")
+    shapes = tiny_shapes
     assert shapes["lm"].params == P_LM and shapes["scalar"].params == P_RM
     assert shapes["lm"].largest_layer == LARGEST
 
 
-def test_per_gpu_bytes_follow_deepspeed_arithmetic(tiny_cfg):
-    from align.estimate import OVERHEAD_BYTES, estimate_pipeline, hardware
+@pytest.mark.parametrize("params,largest,gpus", [(37_056, 16_384, 8), (1_011_781_632, 103_022_592, 1),
+                                                 (7_000_000_000, 262_144_000, 64), (3, 1, 2)])
+def test_zero_state_bytes_are_deepspeeds_own_estimates(params, largest, gpus):
+    """The orchestrator writes DeepSpeed's ZeRO-2/3 GPU formulas out (importing DeepSpeed imports torch); they must
+    stay equal to DeepSpeed's functions."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    est = {e.name: e for e in estimate_pipeline(tiny_cfg, REPO / "pipelines" / "default.yaml", hardware(tiny_cfg))}
+    from align.orchestrator.estimate import model_state_bytes
+
+    for offload in (False, True):
+        ds2 = estimate_zero2_model_states_mem_needs(params, num_gpus_per_node=gpus, num_nodes=1, cpu_offload=offload)
+        ds3 = estimate_zero3_model_states_mem_needs(params, largest, num_gpus_per_node=gpus, num_nodes=1,
+                                                    cpu_offload=offload, cpu_offload_params=offload)
+        assert model_state_bytes("zero2_offload" if offload else "zero2", params, largest, gpus) == ds2[1]
+        assert model_state_bytes("zero3_offload" if offload else "zero3", params, largest, gpus) == ds3[1]
+
+
+def test_per_gpu_bytes_follow_deepspeed_arithmetic(tiny_cfg, tiny_shapes):
+    from align.orchestrator.estimate import OVERHEAD_BYTES, estimate_pipeline, hardware
+
+    est = {e.name: e for e in estimate_pipeline(tiny_cfg, REPO / "pipelines" / "default.yaml", hardware(tiny_cfg),
+                                                shapes=tiny_shapes)}
     sft, ppo, dpo = est["sft"], est["ppo"], est["dpo"]
     assert (sft.mode, sft.gpus, ppo.mode, dpo.mode) == ("zero2", 8, "zero3", "zero3_offload")
     # trained model states: ZeRO-2 2P + 18P/N, ZeRO-3 4L + 18P/N, ZeRO-3 + offload 4L
@@ -91,13 +116,13 @@ def test_run_refuses_a_stage_that_does_not_fit_unless_told_to_ignore(workdir):
     assert m["status"] == "completed"
 
 
-def test_gradient_checkpointing_is_counted_and_recommended_when_it_makes_a_stage_fit(tiny_cfg):
+def test_gradient_checkpointing_is_counted_and_recommended_when_it_makes_a_stage_fit(tiny_cfg, tiny_shapes):
     """Full recomputation keeps each layer's 16-bit input (2sbh per layer) and one layer's activations while it is
     recomputed: 2 * (2*96*32*32) + 96*32*32*64, plus the same fp32 logits 8*s*b*V."""
-    from align.estimate import Hardware, estimate_pipeline, hardware, too_big
+    from align.orchestrator.estimate import Hardware, estimate_pipeline, hardware, too_big
 
     source = REPO / "pipelines" / "default.yaml"
-    est = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg))}
+    est = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg), shapes=tiny_shapes)}
     sft = est["sft"]
     with_ckpt = 2 * (2 * 96 * 32 * 32) + 96 * 32 * 32 * 64 + 8 * 96 * 32 * VOCAB
     saved = sft.parts["zero2"]["activations"] - with_ckpt
@@ -109,7 +134,7 @@ def test_gradient_checkpointing_is_counted_and_recommended_when_it_makes_a_stage
     assert "set stages.sft.gradient_checkpointing: true" in line
     tiny_cfg.stages["sft"].gradient_checkpointing = True
     try:
-        on = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg))}["sft"]
+        on = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg), shapes=tiny_shapes)}["sft"]
     finally:
         tiny_cfg.stages["sft"].gradient_checkpointing = False
     assert on.parts["zero2"]["activations"] == with_ckpt and on.with_checkpointing is None
@@ -117,15 +142,15 @@ def test_gradient_checkpointing_is_counted_and_recommended_when_it_makes_a_stage
 
 
 # --------------------------------------------------------------------------------------------- LoRA / QLoRA
-def test_lora_adapter_counts_match_hand_arithmetic(tiny_cfg):
+def test_lora_adapter_counts_match_hand_arithmetic(tiny_shapes):
     """r = 4 on q_proj and v_proj (both h -> h here: 2 heads x 16 = 32 out): A is r x in, B is out x r, so
     4 * (32 + 32) per projection, 2 per layer, 2 layers = 1,024. The scalar model also trains a copy of its score
     head (h x 1 = 32 weights): 1,056. Adding the MLP (gate and up: 32 -> 64, down: 64 -> 32, r * 96 each) adds
     3 * 384 per layer."""
     from align.config import LoraSettings
-    from align.estimate import EstimateError, lora_layers, lora_params, model_shapes
+    from align.orchestrator.estimate import EstimateError, lora_layers, lora_params
 
-    shapes = model_shapes(tiny_cfg, REPO / "pipelines" / "default.yaml")
+    shapes = tiny_shapes
     qv = LoraSettings(enabled=True, r=4, target_modules=["q_proj", "v_proj"])
     assert lora_params(shapes["lm"], qv) == 1024 and lora_params(shapes["scalar"], qv) == 1056
     assert max(lora_layers(shapes["scalar"], qv)) == 256  # one A + B pair (the head is 32)
@@ -135,28 +160,28 @@ def test_lora_adapter_counts_match_hand_arithmetic(tiny_cfg):
         lora_params(shapes["lm"], LoraSettings(enabled=True, target_modules=["query_key_value"]))
 
 
-def test_qlora_base_bytes_match_hand_arithmetic(tiny_cfg):
+def test_qlora_base_bytes_match_hand_arithmetic(tiny_shapes):
     """Linear weights but the (tied) head: per layer q, k, v, o 4 * 32 * 32 + MLP 3 * 32 * 64 = 10,240, two layers
     20,480, at 0.5 + 1/64 + 4/16384 bytes (NF4 + double-quantised constants) = 10,565 bytes; the other
     37,024 - 20,480 = 16,544 parameters (embedding, norms) in fp32 = 66,176 bytes."""
-    from align.estimate import model_shapes, qlora_base_bytes
+    from align.orchestrator.estimate import qlora_base_bytes
 
-    shapes = model_shapes(tiny_cfg, REPO / "pipelines" / "default.yaml")
+    shapes = tiny_shapes
     assert qlora_base_bytes(shapes["lm"]) == 10_565 + 66_176
 
 
-def test_ppo_with_lora_holds_no_reference_and_trains_only_adapters(tiny_cfg):
+def test_ppo_with_lora_holds_no_reference_and_trains_only_adapters(tiny_cfg, tiny_shapes):
     """ZeRO-3 on 8 GPUs (tiny_cfg): trained states 4L + 18P/N with P the adapters (1,024 + 1,056) and L the largest
     adapter layer (256); frozen, sharded: the policy's and the value model's bases (float32), no reference and (the
     value model starting from it) no reward model."""
     from align.config.ppo import PPOLoraSettings
-    from align.estimate import estimate_pipeline, hardware
+    from align.orchestrator.estimate import estimate_pipeline, hardware
 
     source = REPO / "pipelines" / "default.yaml"
-    full = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg))}["ppo"]
+    full = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg), shapes=tiny_shapes)}["ppo"]
     tiny_cfg.stages["ppo"].lora = PPOLoraSettings(enabled=True, r=4, target_modules=["q_proj", "v_proj"])
     try:
-        lora = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg))}["ppo"]
+        lora = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg), shapes=tiny_shapes)}["ppo"]
     finally:
         tiny_cfg.stages["ppo"].lora = PPOLoraSettings()
     assert [h.role for h in full.held] == ["policy", "value", "reference", "reward"]
@@ -180,7 +205,7 @@ def test_align_estimate_shows_the_lora_and_qlora_saving_for_ppo_on_pythia_1b(wor
     only the two bf16 bases; QLoRA holds them at ~0.52 bytes per linear weight and fp32 elsewhere. Full PPO does
     not fit (~42 GiB), LoRA does (~14 GiB)."""
     from align.config import load_pipeline
-    from align.estimate import estimate_pipeline, hardware, qlora_base_bytes, too_big
+    from align.orchestrator.estimate import estimate_pipeline, hardware, qlora_base_bytes, too_big
 
     assert PYTHIA_ADAPTERS == 3_145_728
     base = ["ppo.accelerate=ddp", "ppo.mini_batch_size=2", "hardware.gpus_per_node=1", "hardware.gpu_memory_gb=24"]

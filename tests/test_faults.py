@@ -20,7 +20,7 @@ from conftest import REPO, align_cmd, run_align
 
 CARD = str(REPO / "data_cards" / "movie_review_snippets.yaml")
 PIPELINE = {  # sft, long enough to be interrupted mid-training; a second one-process stage makes the run start
-    # its stages warm (align/warm.py), so Ctrl-C and SIGKILL are tested on forked stage processes
+    # its stages warm (align/orchestrator/warm.py), so Ctrl-C and SIGKILL are tested on forked stage processes
     "name": "faults", "base_model": "builtin:tiny-llama", "seed": 5, "tracking": {"wandb": "disabled"},
     "builtin": {"vocab_size": 512, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64,
                 "max_position_embeddings": 96},
@@ -55,7 +55,7 @@ def numpy_scores(prompts, responses):
     ("scalar", "judge 'userjudges:scalar' returned a float; it must return a list of 4 numbers"),
 ], ids=["raises", "short", "words", "nan", "scalar"])
 def test_a_faulty_user_judge_is_named_with_its_fault(tmp_path, monkeypatch, name, message):
-    from align.judges import JudgeFault, python_judge
+    from align.core.judges import JudgeFault, python_judge
 
     monkeypatch.chdir(tmp_path)  # the module sits in the working directory, which is not on sys.path
     monkeypatch.syspath_prepend(str(tmp_path / "elsewhere"))
@@ -71,7 +71,7 @@ def test_a_faulty_user_judge_is_named_with_its_fault(tmp_path, monkeypatch, name
 
 
 def test_a_judge_module_that_is_nowhere_says_where_it_was_looked_for(tmp_path, monkeypatch):
-    from align.judges import JudgeError, python_judge
+    from align.core.judges import JudgeError, python_judge
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(JudgeError, match=f"looked in the working directory \\({tmp_path}\\) and on the Python path"):
@@ -89,7 +89,7 @@ def test_a_judge_module_that_is_nowhere_says_where_it_was_looked_for(tmp_path, m
     ("disabled", {"WANDB_MODE": "online"}, None),
 ])
 def test_the_users_wandb_mode_is_respected(monkeypatch, setting, env, mode):
-    from align.tracking import wandb_mode
+    from align.core.tracking import wandb_mode
 
     for key in ("WANDB_MODE", "WANDB_API_KEY"):
         monkeypatch.delenv(key, raising=False)
@@ -106,7 +106,7 @@ def test_the_users_wandb_mode_is_respected(monkeypatch, setting, env, mode):
     (-11, ["SIGSEGV", "crashed"]),
 ])
 def test_a_killed_stage_says_what_its_exit_code_means(rc, needles):
-    from align.runner import exit_meaning
+    from align.orchestrator.runner import exit_meaning
 
     text = exit_meaning(rc, 0, "p.yaml")
     for needle in needles:
@@ -114,13 +114,13 @@ def test_a_killed_stage_says_what_its_exit_code_means(rc, needles):
 
 
 def test_an_ordinary_failure_gets_no_signal_story():
-    from align.runner import exit_meaning
+    from align.orchestrator.runner import exit_meaning
 
     assert exit_meaning(1, 0, "p.yaml") == "" and exit_meaning(2, 0, "p.yaml") == ""
 
 
 def test_a_full_disk_names_the_output_what_it_needs_and_what_is_free(tmp_path):
-    from align.fsutil import disk_full
+    from align.core.fsutil import disk_full
 
     old = tmp_path / "model"
     old.mkdir()
@@ -199,7 +199,7 @@ def test_ctrl_c_records_the_stage_as_interrupted_and_a_killed_stage_says_why(tmp
         _wait_for(lambda: (json.loads((run_dir / "sft" / "manifest.json").read_text()).get("attempts") == 2
                            and _training(run_dir / "sft")), 120, "the second attempt to start")
         process = json.loads((run_dir / "sft" / "manifest.json").read_text())["process"]
-        assert process["start"] == "warm"  # forked from the warm server (align/warm.py): its exit code is read too
+        assert process["start"] == "warm"  # forked from the warm server (align/orchestrator/warm.py): its exit code is read too
         os.kill(process["pid"], signal.SIGKILL)
         out, err = _finish(proc, 120, "after the stage was killed", run_dir / "sft")
     finally:

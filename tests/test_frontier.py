@@ -1,4 +1,4 @@
-"""The reward–KL frontier (align/frontier.py, plots.frontier): grouping by swept stage, Pareto optimality against
+"""The reward–KL frontier (align/report/frontier.py, plots.frontier): grouping by swept stage, Pareto optimality against
 hand-worked points, the report table and the figure. The end-to-end frontier in a real report is checked in
 tests/test_sweeps.py (a run with a swept DPO stage)."""
 
@@ -7,7 +7,9 @@ from __future__ import annotations
 import random
 import struct
 
-from align import frontier, plots
+from align.report import frontier
+
+from align.report import plots
 
 VARIANTS = {"dpo-beta_0.1": {"stage": "dpo", "values": {"beta": 0.1}},
             "dpo-beta_0.5": {"stage": "dpo", "values": {"beta": 0.5}},

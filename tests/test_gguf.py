@@ -1,4 +1,4 @@
-"""A `.gguf` file as the base model (align/gguf.py): the packaged SmolLM2-135M-Instruct's Q4_1 file, read by
+"""A `.gguf` file as the base model (align/core/gguf.py): the packaged SmolLM2-135M-Instruct's Q4_1 file, read by
 transformers' GGUF loader and dequantised. (tests/test_smollm2.py runs a whole pipeline from the file.)"""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from align import packaged
+from align.orchestrator import packaged
 from conftest import run_align
 
 
@@ -19,8 +19,8 @@ def gguf_path():
 def test_gguf_loads_as_the_converted_weights_and_saves(gguf_path, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from align.gguf import config_of, describe
-    from align.models import load_causal_lm
+    from align.core.gguf import config_of, describe
+    from align.modeling.models import load_causal_lm
 
     model = load_causal_lm(str(gguf_path), "float32")
     converted = AutoModelForCausalLM.from_pretrained(packaged.hf_dir("smollm2"))
@@ -45,8 +45,8 @@ def test_a_gguf_tokenizer_is_converted_once_into_the_cache(gguf_path, tmp_path, 
     loads the conversion: the same ids, special tokens and stock chat template as transformers' own conversion."""
     from transformers import AutoTokenizer
 
-    from align.gguf import folder_and_file
-    from align.models import load_tokenizer
+    from align.core.gguf import folder_and_file
+    from align.modeling.models import load_tokenizer
 
     monkeypatch.setenv("ALIGN_CACHE", str(tmp_path))
     first = load_tokenizer(str(gguf_path))

@@ -128,9 +128,9 @@ def test_reward_stage_scores_completions_as_ppo_reads_them(upstream):
     Scorer scores the same rollout (left-padded prompts, right-padded responses, EOS kept when sampled)."""
     import torch
 
-    from align.compute import resolve
-    from align.generation import Rollout, scalar_outputs, tokenize_prompts
-    from align.models import load_scalar_model, load_tokenizer
+    from align.modeling.compute import resolve
+    from align.modeling.generation import Rollout, scalar_outputs, tokenize_prompts
+    from align.modeling.models import load_scalar_model, load_tokenizer
     from align.stages.online_rl import RewardModelScore
     from align.stages.ppo.rewards import Scorer
 
@@ -176,8 +176,8 @@ def _default_with(stage: dict, **evaluate) -> tuple:
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
 def test_validate_accepts_them_as_policies_and_checks_batches_and_lengths(kind):
-    from align.plan import PipelineError
-    from align.validate import validate
+    from align.orchestrator.plan import PipelineError
+    from align.orchestrator.validate import validate
 
     cfg, source = _default_with({"type": kind}, policies=["sft", "ppo", "dpo", "online"])
     validate(cfg, source, verbose=False)  # evaluated beside PPO and DPO, scored by the reward stage

@@ -139,7 +139,7 @@ def test_every_default_is_inside_its_declared_range():
 
     import align.config as C
     from align.config.ppo import KLSettings
-    from align.schema import check_rule
+    from align.core.schema import check_rule
 
     classes = [C.BuiltinModel, C.LoraSettings, C.Generation, KLSettings, C.Tracking, C.Hardware,
                C.PipelineConfig, *C.stage_types().values()]

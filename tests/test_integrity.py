@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from align.fsutil import output_digest, output_problem
+from align.core.fsutil import output_digest, output_problem
 from conftest import TINY, run_align
 
 SEED = 22

@@ -93,9 +93,9 @@ def test_the_checker_finds_a_cycle_hidden_behind_lazy_and_type_only_imports():
 
 def test_the_graph_reads_every_kind_of_import():
     graph = import_graph()
-    assert "align.models" in graph["align.stages.scoring"]  # a function-level import counts
-    assert "align.config" in graph["align.builtin"]  # `if TYPE_CHECKING:` counts
-    assert "align.stages.context" in graph["align.warm"]  # a function-level import counts
+    assert "align.modeling.models" in graph["align.stages.scoring"]  # a function-level import counts
+    assert "align.stages.context" in graph["align.orchestrator.warm"]  # a function-level import counts
+    assert "align.config" in graph["align.modeling.generation"]  # `if TYPE_CHECKING:` counts
     assert len(graph) > 50
 
 
@@ -104,8 +104,44 @@ def test_align_has_no_import_cycle():
     assert found == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
-def test_the_data_and_config_layers_import_nothing_from_stages():
+def _imports_from(graph: dict[str, set[str]], layer: tuple[str, ...], forbidden: tuple[str, ...],
+                  allowed: set[tuple[str, str]] = frozenset()) -> dict[str, list[str]]:
+    found = {m: sorted(d for d in deps if d.startswith(forbidden) and (m, d) not in allowed)
+             for m, deps in graph.items() if m.startswith(layer)}
+    return {m: d for m, d in found.items() if d}
+
+
+SHARED = ("align.core", "align.config", "align.data", "align.templates")
+ORCHESTRATOR = ("align.orchestrator",)
+STAGE_SIDE = ("align.stages", "align.modeling", "align.report")
+
+
+def test_the_shared_layers_import_neither_process_side():
+    """core, config, data and templates are read by both processes: they import nothing from the orchestrator, the
+    stages, the modeling library or the report."""
+    assert _imports_from(import_graph(), SHARED, ORCHESTRATOR + STAGE_SIDE) == {}
+
+
+def test_the_orchestrator_imports_nothing_of_the_stage_processes():
+    """What needs torch reaches the orchestrator through a helper process (a module path, not an import). The one
+    exception is warm.py's forked child, which is a stage process: it calls the stage entry point."""
+    allowed = {("align.orchestrator.warm", "align.stages.context")}
+    assert _imports_from(import_graph(), ORCHESTRATOR, STAGE_SIDE, allowed) == {}
+
+
+def test_the_library_and_the_report_import_neither_the_orchestrator_nor_the_stages():
     graph = import_graph()
-    upward = {m: sorted(d for d in deps if d.startswith("align.stages"))
-              for m, deps in graph.items() if m.startswith(("align.data", "align.config"))}
-    assert {m: d for m, d in upward.items() if d} == {}
+    assert _imports_from(graph, ("align.modeling", "align.report"), ORCHESTRATOR + ("align.stages",)) == {}
+
+
+def test_no_orchestrator_module_imports_torch_or_a_library_that_does():
+    """Read from the source, every import statement (function-level ones too): the runtime test
+    (tests/test_orchestrator.py) only sees the paths it runs."""
+    heavy = ("torch", "transformers", "trl", "peft", "deepspeed", "accelerate", "datasets", "vllm")
+    found = []
+    for f in sorted((PACKAGE / "orchestrator").glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{f.name}: {n}" for n in names if n.split(".")[0] in heavy]
+    assert found == []

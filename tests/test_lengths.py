@@ -1,4 +1,4 @@
-"""Over-long examples are counted before training (align/lengths.py), at `align validate` when the tokenizer is
+"""Over-long examples are counted before training (align/data/lengths.py), at `align validate` when the tokenizer is
 loadable and at every trained stage's start otherwise; SFT on chat `messages` data end to end."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ GPT2 = REPO / "tokenizers" / "gpt2"
 
 @pytest.fixture(scope="module")
 def gpt2():
-    from align.models import load_tokenizer
+    from align.modeling.models import load_tokenizer
 
     from align import templates
 
@@ -30,7 +30,7 @@ def _n(tok, text: str) -> int:
 
 def test_sft_counts_truncated_and_prompt_filling_examples(gpt2):
     from align.config import stage_types
-    from align.lengths import TRUNCATES_COMPLETIONS
+    from align.data.lengths import TRUNCATES_COMPLETIONS
 
     assert stage_types()["sft"].LENGTH_RULE is TRUNCATES_COMPLETIONS
     rows = [{"prompt": " ".join("a" * 3), "completion": " ".join("b" * 3)},  # 3 + 3 + EOS = 7 tokens: fits in 10
@@ -44,7 +44,7 @@ def test_sft_counts_truncated_and_prompt_filling_examples(gpt2):
 
 def test_reward_drops_and_dpo_truncates(gpt2):
     from align.config import stage_types
-    from align.lengths import DROPS_LONG_PAIRS, TRUNCATES_PAIRS
+    from align.data.lengths import DROPS_LONG_PAIRS, TRUNCATES_PAIRS
 
     assert (stage_types()["reward"].LENGTH_RULE, stage_types()["dpo"].LENGTH_RULE) == (DROPS_LONG_PAIRS, TRUNCATES_PAIRS)
     rows = [{"prompt": " ".join("q" * 4), "chosen": " ".join("c" * 2), "rejected": " ".join("r" * 9)},  # 4 + 9 + 1 = 14 > 10
@@ -57,7 +57,7 @@ def test_reward_drops_and_dpo_truncates(gpt2):
 
 
 def test_messages_are_measured_after_the_chat_template(gpt2):
-    from align.lengths import TRUNCATES_COMPLETIONS
+    from align.data.lengths import TRUNCATES_COMPLETIONS
 
     msgs = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi " * 20}]
     templated = gpt2.apply_chat_template(msgs, tokenize=False)
@@ -70,7 +70,7 @@ def test_messages_are_measured_after_the_chat_template(gpt2):
 
 
 def test_enforce_names_field_counts_and_fix(gpt2):
-    from align.lengths import LengthError, LengthReport, enforce
+    from align.data.lengths import LengthError, LengthReport, enforce
 
     enforce(LengthReport("dpo", "dpo", 100, 3, 2, 300, 256), max_fraction=0.05)  # 5% is allowed
     with pytest.raises(LengthError) as err:

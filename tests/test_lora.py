@@ -24,7 +24,7 @@ def test_sft_lora_merges_into_a_plain_model(workdir):
     from transformers import AutoTokenizer
 
     from align.config import BuiltinModel
-    from align.models import build_builtin
+    from align.modeling.models import build_builtin
 
     merged = load_file(str(model_dir / "model.safetensors"))
     assert not [k for k in merged if "lora" in k]
@@ -70,7 +70,7 @@ def test_the_qlora_merge_into_a_fresh_load_equals_the_in_place_merge(tmp_path, t
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from align.config import LoraSettings
-    from align.models import add_adapters, load_causal_lm, load_scalar_model, merged_for_saving
+    from align.modeling.models import add_adapters, load_causal_lm, load_scalar_model, merged_for_saving
 
     print(f"seed {SEED}")
     torch.manual_seed(SEED)

@@ -18,7 +18,7 @@ from align.config import BuiltinModel, Generation, LoraSettings, PipelineConfig,
 from align.config.dpo import DPOStage
 from align.config.ppo import PPOStage
 from align.config.reward import RewardStage
-from align.rundir import StageSpec
+from align.core.rundir import StageSpec
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = 4321
@@ -32,7 +32,7 @@ def upstream(tmp_path_factory) -> Path:
     """sft/model (a tiny random Llama + BPE tokenizer), reward/model (its backbone with a scalar head) and
     pairs/data (preference pairs: a review's own continuation chosen over another's)."""
     from align.data.cards import load_split
-    from align.models import build_builtin, load_scalar_model, train_tokenizer
+    from align.modeling.models import build_builtin, load_scalar_model, train_tokenizer
 
     print(f"seed {SEED}")
     root = tmp_path_factory.mktemp("lora_ppo")
@@ -78,7 +78,7 @@ def _context(root: Path, lora: bool):
 
 def _run_recording(ctx, monkeypatch) -> dict:
     """Run the stage, recording how many models were loaded before training and the objects it trained with."""
-    import align.models as models
+    import align.modeling.models as models
     import align.stages.ppo as ppo
 
     seen: dict = {"loads": [], "updates": 0}
@@ -107,7 +107,7 @@ def _run_recording(ctx, monkeypatch) -> dict:
 
 
 def _logprobs(model, ids: torch.Tensor) -> torch.Tensor:
-    from align.generation import sequence_logprobs
+    from align.modeling.generation import sequence_logprobs
 
     with torch.no_grad():
         return sequence_logprobs(model, ids, torch.ones_like(ids), 4)
@@ -116,7 +116,7 @@ def _logprobs(model, ids: torch.Tensor) -> torch.Tensor:
 def test_ppo_with_lora_trains_only_adapters_over_one_shared_base(upstream, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from align.models import load_scalar_model
+    from align.modeling.models import load_scalar_model
 
     ctx = _context(upstream, lora=True)
     seen = _run_recording(ctx, monkeypatch)
@@ -150,7 +150,7 @@ def test_ppo_with_lora_trains_only_adapters_over_one_shared_base(upstream, monke
     ids = torch.randint(2, SIZE.vocab_size, (3, 10), generator=g)
     assert torch.equal(_logprobs(reference, ids), _logprobs(sft, ids))
     assert not torch.equal(_logprobs(trained.policy, ids), _logprobs(sft, ids))
-    from align.generation import scalar_outputs
+    from align.modeling.generation import scalar_outputs
 
     with torch.no_grad():
         assert torch.equal(seen["reward_fns"]["reward"](ids, torch.ones_like(ids)), scalar_outputs(rm, ids, torch.ones_like(ids)))
@@ -207,8 +207,8 @@ def test_lora_settings_for_ppo_are_checked():
     import yaml
 
     from align.config import parse_pipeline
-    from align.plan import PipelineError
-    from align.validate import validate
+    from align.orchestrator.plan import PipelineError
+    from align.orchestrator.validate import validate
 
     raw = yaml.safe_load((REPO / "pipelines" / "default.yaml").read_text())
     raw["stages"]["ppo"]["lora"] = {"enabled": True, "target_modules": ["q_proj"]}
@@ -229,7 +229,7 @@ TRL_COMMON = dict(max_steps=2, logging_steps=1, save_steps=2, per_device_batch_s
 def test_reward_and_dpo_accept_lora_and_save_a_merged_model(upstream, monkeypatch, kind):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    import align.models as models
+    import align.modeling.models as models
     import align.stages.dpo as dpo
     import align.stages.reward as reward
 

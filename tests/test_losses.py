@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from align import losses as L
+from align.modeling import losses as L
 
 
 def test_bradley_terry_hand_value():

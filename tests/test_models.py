@@ -8,9 +8,9 @@ import pytest
 import yaml
 
 from align.config import parse_pipeline
-from align.models import ModelError, check_remote_code, default_chat_template, load_tokenizer, train_tokenizer
-from align.plan import PipelineError
-from align.validate import validate
+from align.modeling.models import ModelError, check_remote_code, default_chat_template, load_tokenizer, train_tokenizer
+from align.orchestrator.plan import PipelineError
+from align.orchestrator.validate import validate
 
 REPO = Path(__file__).resolve().parent.parent
 GPT2 = REPO / "tokenizers" / "gpt2"
@@ -99,7 +99,7 @@ def test_a_fresh_scalar_head_depends_on_the_stage_seed_only(tmp_path):
     import torch
 
     from align.config import BuiltinModel
-    from align.models import build_builtin
+    from align.modeling.models import build_builtin
     from align.stages.context import StageContext
 
     tok = train_tokenizer(["a small corpus for a tiny tokenizer, nothing more"] * 4, 300, 64)

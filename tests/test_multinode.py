@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from align.launch import free_port
+from align.orchestrator.launch import free_port
 from conftest import REPO, TINY, align_cmd, run_align
 
 SFT = ["run", "pipelines/default.yaml", "--run-id", "nodes", "--only", "sft", "tracking.wandb=disabled", *TINY,

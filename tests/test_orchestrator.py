@@ -2,7 +2,7 @@
 type's config class instead of knowing stage types by name (issue 25).
 
 Torch is made unimportable in the orchestrator's own process only (an import hook installed before align.cli is
-imported, tests/probes/notorch.py): the helper process that loads tokenizers (align/helper.py) and the stage
+imported, tests/probes/notorch.py): the helper process that loads tokenizers (align/orchestrator/helper.py) and the stage
 processes import torch as usual. The probe asserts at exit that no torch module was imported."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from conftest import REPO, TINY
 
 PROBE = REPO / "tests" / "probes" / "notorch.py"
 # The orchestrator's modules, which the class contract keeps free of stage-type names.
-NAME_FREE = ["align/plan.py", "align/validate.py", "align/lengths.py", "align/runner.py", "align/stages/context.py"]
+NAME_FREE = ["align/orchestrator/plan.py", "align/orchestrator/validate.py", "align/data/lengths.py", "align/orchestrator/runner.py", "align/stages/context.py"]
 
 
 def _no_torch(*args: str, cwd=REPO, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -81,7 +81,7 @@ def test_sft_learned_from_a_fresh_model(e2e):
     from transformers import AutoTokenizer
 
     from align.config import BuiltinModel
-    from align.models import build_builtin
+    from align.modeling.models import build_builtin
 
     run = e2e["run"]
     losses = [r["train/loss"] for r in _metrics(run, "sft") if "train/loss" in r]

@@ -16,8 +16,8 @@ import yaml
 
 from align.config import parse_pipeline
 from align.config.ppo import PPOStage
-from align.plan import PipelineError
-from align.validate import validate
+from align.orchestrator.plan import PipelineError
+from align.orchestrator.validate import validate
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = 1234
@@ -36,7 +36,7 @@ def _gpt2_pair(dropout: float):
 def _first_step_stats(disable: bool) -> dict[str, float]:
     from accelerate import Accelerator
 
-    from align.models import disable_dropout
+    from align.modeling.models import disable_dropout
     from align.stages.ppo import ppo_update
     from align.stages.ppo.models import PolicyAndValue
 
@@ -125,7 +125,7 @@ def test_clipping_under_deepspeed_zero2_matches_cpu(tmp_path):
 
 # --------------------------------------------------------------------------------------------- judges
 def test_user_judge_module_function_and_weighted_sum(tmp_path, monkeypatch):
-    from align.judges import JudgeError, check_judges, vader
+    from align.core.judges import JudgeError, check_judges, vader
     from align.stages.scoring import make_judge
 
     (tmp_path / "my_judges.py").write_text("def exclaim(prompts, responses):\n"

@@ -4,7 +4,7 @@ comparison gives the three algorithms the same policy, reward model, prompts, ep
 from __future__ import annotations
 
 from align.config import load_pipeline
-from align.plan import build_plan
+from align.orchestrator.plan import build_plan
 from conftest import REPO
 
 

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from align import packaged
+from align.orchestrator import packaged
 from conftest import REPO, run_align
 
 SEED = 17
@@ -133,7 +133,7 @@ def test_ppo_policy_stops_at_the_templates_end_of_turn(run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from align.config import Generation
-    from align.generation import generate
+    from align.modeling.generation import generate
 
     path = run["dir"] / "ppo" / "model"
     tok = AutoTokenizer.from_pretrained(path)

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from align.stats import bootstrap_ci, perplexity, win_indicators, win_rate
+from align.report.stats import bootstrap_ci, perplexity, win_indicators, win_rate
 
 
 def test_known_win_rate_with_ties_counted_half():

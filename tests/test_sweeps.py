@@ -1,4 +1,4 @@
-"""Stage sweeps (align/sweeps.py): expansion into named variants, cartesian and zip, clear errors, references by
+"""Stage sweeps (align/config/sweeps.py): expansion into named variants, cartesian and zip, clear errors, references by
 the swept stage's name, overrides, `align validate`'s listing, and the acceptance test: changing one swept value
 reruns exactly that variant and the evaluation, while upstream stages are skipped."""
 
@@ -15,8 +15,8 @@ from conftest import REPO, run_align
 
 from align.cli import main as cli_main
 from align.config import ConfigError, apply_overrides, load_pipeline, parse_pipeline, to_dict
-from align.plan import build_plan
-from align.tracking import sweep_config
+from align.orchestrator.plan import build_plan
+from align.core.tracking import sweep_config
 
 DEFAULT = str(REPO / "pipelines" / "default.yaml")
 
@@ -147,7 +147,7 @@ def test_report_figures_render_a_sweeps_many_policies(tmp_path):
     import random
     import struct
 
-    from align import plots
+    from align.report import plots
 
     seed = 3
     print(f"seed {seed}")

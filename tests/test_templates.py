@@ -36,7 +36,7 @@ def stock(name: str, text: str | None = None, tmp_path=None):
     `chat_template: <file>` (its special tokens added, end-of-turn made EOS)."""
     from transformers import AutoTokenizer
 
-    from align.models import prepare_tokenizer
+    from align.modeling.models import prepare_tokenizer
 
     tok = prepare_tokenizer(AutoTokenizer.from_pretrained(GPT2))
     if name in BOS:
@@ -155,7 +155,7 @@ def test_one_resolution_call_site():
 
     out = subprocess.run(["grep", "-rn", r"templates\.resolve(", str(REPO / "align")], capture_output=True,
                          text=True).stdout.strip().splitlines()
-    assert len(out) == 1 and "align/plan.py" in out[0], out
+    assert len(out) == 1 and "align/orchestrator/plan.py" in out[0], out
 
 
 def test_a_template_that_refuses_a_conversation_is_named_not_a_traceback():
@@ -172,9 +172,10 @@ def test_validate_refuses_when_trl_no_longer_patches_the_planned_template(monkey
     (it used to be swallowed as a tokenizer that cannot load)."""
     import trl.chat_template_utils as ctu
 
-    from align import modelchecks
-    from align.config import load_pipeline, to_dict
-    from align.plan import PipelineError
+    from align.config import load_pipeline
+    from align.modeling import checks
+    from align.orchestrator.plan import build_plan
+    from align.orchestrator.validate import card_loader, model_job
 
     def patched_nothing(tokenizer):
         raise ValueError("unrecognised template")
@@ -182,6 +183,7 @@ def test_validate_refuses_when_trl_no_longer_patches_the_planned_template(monkey
     monkeypatch.setattr(ctu, "get_training_chat_template", patched_nothing)
     source = REPO / "pipelines" / "chat.yaml"
     cfg = load_pipeline(source, ["tokenizer=../tokenizers/gpt2", f"chat_template={DIR / 'qwen2_5.jinja'}"])
-    # what `align validate` runs in its helper process (align/helper.py), run here where TRL is patched
-    with pytest.raises(PipelineError, match="align planned masking 'trl' .*has no patched template"):
-        modelchecks.run(to_dict(cfg), str(source), verbose=False)
+    # what `align validate` runs in its helper process (align/orchestrator/helper.py), run here where TRL is patched
+    job = model_job(cfg, build_plan(cfg, source), card_loader(), str(source), verbose=False)
+    with pytest.raises(checks.CheckError, match="align planned masking 'trl' .*has no patched template"):
+        checks.run(**job)

@@ -41,7 +41,7 @@ def _validate(capsys, pipeline: str) -> tuple[int, str]:
 
 
 def test_sentencepiece_only_directory_loads_as_a_llama_tokenizer(llama):
-    from align.models import load_tokenizer
+    from align.modeling.models import load_tokenizer
 
     _, tok_dir = llama
     assert sorted(p.name for p in tok_dir.iterdir()) == ["tokenizer.model", "tokenizer_config.json"]
@@ -164,10 +164,10 @@ def test_validate_refuses_what_cannot_load(case, capsys, tmp_path, llama):
 
 
 def test_missing_sentencepiece_package_is_named(capsys, tmp_path, llama, monkeypatch):
-    import align.inputs
+    import align.orchestrator.inputs
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(align.inputs.importlib.util, "find_spec",
+    monkeypatch.setattr(align.orchestrator.inputs.importlib.util, "find_spec",
                         lambda name, *a: None if name == "sentencepiece" else real(name, *a))
     rc, out = _validate(capsys, _pipeline(tmp_path, str(llama[0]), str(llama[1])))
     assert rc == 2 and "SentencePiece model" in out and "pip install sentencepiece" in out, out

@@ -3,7 +3,7 @@
 A pipeline YAML is parsed into these dataclasses strictly: a key that is not a field is an error that names
 the file, the key's path and the closest valid key. Dotted CLI overrides (``dpo.beta=0.2``,
 ``ppo.kl.target=6``) are applied to the raw YAML before parsing, so they get the same checks. A stage with
-``sweep:`` becomes one stage per variant here (align/sweeps.py), each parsed as strictly as any other.
+``sweep:`` becomes one stage per variant here (align/config/sweeps.py), each parsed as strictly as any other.
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ from typing import Any
 
 import yaml
 
-from align.config.common import (DTYPES, LR_SCHEDULERS, STAGE_TYPES, BuiltinModel, CheckContext, Generation,
+from align.config.common import (ATTN_IMPLEMENTATIONS, DTYPES, PRECISIONS, LR_SCHEDULERS, STAGE_TYPES, BuiltinModel, CheckContext, Generation,
                                  LoraSettings, StageBase, TrainedStage, import_builtin_types,
                                  stage_types)
-from align.compute import ATTN_IMPLEMENTATIONS, PRECISIONS
-from align.schema import (ConfigError, check_plain_name, closest, from_dict, name_field, one_of, ranged,
+from align.core.schema import (ConfigError, check_plain_name, closest, from_dict, name_field, one_of, ranged,
                           strict_yaml)
-from align.sweeps import SWEEP, by_stage, expand, override_conflicts, resolve_references
+from align.config.sweeps import SWEEP, by_stage, expand, override_conflicts, resolve_references
 
 # Re-exported: callers parse through align.config; each stage type's class is in align/config/<type>.py.
 __all__ = ["ConfigError", "from_dict", "DTYPES", "LR_SCHEDULERS", "STAGE_TYPES", "BuiltinModel", "CheckContext",
@@ -97,7 +96,7 @@ class PipelineConfig:
     tracking: Tracking = field(default_factory=Tracking)
     """W&B settings."""
     stages: dict[str, StageBase] = field(default_factory=dict)
-    """Stage name -> stage config (a stage with `sweep:` is here once per variant, align/sweeps.py)."""
+    """Stage name -> stage config (a stage with `sweep:` is here once per variant, align/config/sweeps.py)."""
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Written by align from `sweep:`, not by hand: variant stage name -> {stage: the swept stage's name, values:
     {dotted key: value}}. Recorded in pipeline.json and every stage's spec (W&B run config)."""
@@ -106,7 +105,7 @@ class PipelineConfig:
 # --------------------------------------------------------------------------------------------- parsing
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `a.b.c=value` overrides; a first segment naming a stage addresses `stages.<name>` (an override of a
-    key the stage sweeps is an error: align/sweeps.py)."""
+    key the stage sweeps is an error: align/config/sweeps.py)."""
     stage_paths: list[tuple[str, list[str], str]] = []
     for item in overrides:
         if "=" not in item:

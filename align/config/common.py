@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Protocol
 
-from align.judges import JudgeError, check_judges, judge_weights
-from align.lengths import LengthRule
-from align.schema import ConfigError, one_of, ranged
+from align.core.judges import JudgeError, check_judges, judge_weights
+from align.data.lengths import LengthRule
+from align.core.schema import ConfigError, one_of, ranged
 
 
 
@@ -37,6 +37,24 @@ EXAMPLES, PROMPTS_ONLY = "examples", "prompts"
 # transformers SchedulerType values that need no extra scheduler kwargs (tests check they still exist).
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
+# Pipeline-level compute settings, resolved in each stage process by align/modeling/compute.py.
+PRECISIONS = ("auto", "float32", "bfloat16", "float16")
+ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+def flash_attention_problem(attn: str) -> str | None:
+    """Why `attn` cannot be used here (None when it can): checked by `align validate` before launching."""
+    import importlib.util
+
+    if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        return ("flash_attention_2 needs the flash-attn package (pip install flash-attn --no-build-isolation, "
+                "on a CUDA machine); use `attn_implementation: sdpa` otherwise")
+    if attn == "flash_attention_3" and importlib.util.find_spec("flash_attn_interface") is None:
+        return ("flash_attention_3 needs FlashAttention-3 (flash_attn_interface, Hopper GPUs); use "
+                "`attn_implementation: sdpa` otherwise")
+    return None
+
+
 # Extra modules that define stage types (comma-separated import names), for types that live outside align/.
 STAGE_MODULES_ENV = "ALIGN_STAGE_MODULES"
 
@@ -114,7 +132,7 @@ class Generation:
     """Prompts per generate call."""
     fast: str = one_of("auto", "auto", "on", "off")
     """Static KV cache (compiled with torch.compile by transformers on a GPU) and prompts padded to a multiple of
-    32 tokens: auto = on on a GPU outside ZeRO-3, off on CPU (align/compute.py)."""
+    32 tokens: auto = on on a GPU outside ZeRO-3, off on CPU (align/modeling/compute.py)."""
 
 
 
@@ -150,7 +168,7 @@ def response_length_problems(name: str, algorithm: str, max_new_tokens: int, rew
 # --------------------------------------------------------------------------------------------- contract
 @dataclass
 class CheckContext:
-    """What a stage type's `check` may look at; built by align/validate.py for each stage."""
+    """What a stage type's `check` may look at; built by align/orchestrator/validate.py for each stage."""
 
     name: str
     """The stage's name in the pipeline."""
@@ -215,7 +233,7 @@ class StageBase:
     `data` (preference pairs in data/) or `report`."""
     INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {}
     """Fields that may name another stage -> (role the stage must produce, whether the field must name a
-    stage). Role `judge`: a reward-model stage or a Python judge (align/judges.py); `data`: a data stage or a card."""
+    stage). Role `judge`: a reward-model stage or a Python judge (align/core/judges.py); `data`: a data stage or a card."""
     CARDS: ClassVar[dict[str, str]] = {}
     """Fields that hold a data card path (relative to the pipeline file) unless they name a stage -> how the stage
     reads the card: `examples` (it trains on, or learns from, the rows) or `prompts` (it samples from their
@@ -298,7 +316,7 @@ class StageBase:
 
     def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
         """Models the stage holds on a GPU, as (role, shape, trained): shape `lm` (a causal LM) or `scalar` (a
-        reward / value model on the same backbone). Used by align/estimate.py; the first one generates."""
+        reward / value model on the same backbone). Used by align/orchestrator/estimate.py; the first one generates."""
         return []
 
     def workload(self) -> tuple[int, int, int, int]:
@@ -314,7 +332,7 @@ class TrainedStage(StageBase):
     """Optimisation settings shared by the stages that train with a TRL trainer."""
 
     LENGTH_RULE: ClassVar[LengthRule | None] = None
-    """How the stage's trainer treats examples longer than max_length (align/lengths.py); counted before
+    """How the stage's trainer treats examples longer than max_length (align/data/lengths.py); counted before
     training, at `align validate` and again at the stage's start."""
     WORK: ClassVar[str] = "train/global_step"
 

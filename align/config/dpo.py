@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from align.config.common import DATA, EXAMPLES, POLICY, CheckContext, StageBase, TrainedStage
-from align.lengths import TRUNCATES_PAIRS
-from align.schema import one_of, ranged
+from align.data.lengths import TRUNCATES_PAIRS
+from align.core.schema import one_of, ranged
 
 # TRL DPOConfig.loss_type values for paired data (tests check they still exist in the installed TRL).
 DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from align.config.common import DATA, POLICY, PROMPTS_ONLY, REPORT, REWARD_MODEL, CheckContext, Generation, StageBase
-from align.schema import ranged
+from align.core.schema import ranged
 
 
 @dataclass

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from align.config.online_rl import OnlineRLStage
-from align.schema import one_of, ranged
+from align.core.schema import one_of, ranged
 
 # TRL GRPOConfig.loss_type values that need no other setting (tests check they still exist in the installed TRL).
 GRPO_LOSSES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo")

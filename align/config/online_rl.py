@@ -12,8 +12,8 @@ from typing import ClassVar
 
 from align.config.common import (DATA, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, Generation, StageBase,
                                  TrainedStage, response_length_problems)
-from align.judges import judge_weights
-from align.schema import ranged
+from align.core.judges import judge_weights
+from align.core.schema import ranged
 
 
 @dataclass

@@ -7,8 +7,8 @@ from typing import ClassVar
 
 from align.config.common import (POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, Generation, LoraSettings, StageBase,
                                  response_length_problems)
-from align.judges import judge_weights
-from align.schema import one_of, ranged
+from align.core.judges import judge_weights
+from align.core.schema import one_of, ranged
 
 
 @dataclass

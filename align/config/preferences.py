@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from align.config.common import DATA, POLICY, PROMPTS_ONLY, CheckContext, Generation, StageBase
-from align.schema import ranged
+from align.core.schema import ranged
 
 
 @dataclass
@@ -33,7 +33,7 @@ class PreferencesStage(StageBase):
     """Completions per prompt (>= 2); the best and worst by the judge form the pair."""
     judge: str | dict[str, float] = "vader"
     """A reward stage, a Python judge (vader, or your own module:function), or a weighted sum of them as a
-    mapping (see align/judges.py)."""
+    mapping (see align/core/judges.py)."""
     min_margin: float = ranged(0.05, ge=0)
     """Pairs whose judge scores differ by less than this are ties: dropped and counted."""
     test_fraction: float = ranged(0.1, gt=0, lt=1, fix="the reward and evaluate stages need held-out pairs")

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from align.config.common import DATA, EXAMPLES, POLICY, REWARD_MODEL, CheckContext, StageBase, TrainedStage
-from align.lengths import DROPS_LONG_PAIRS
-from align.schema import ranged
+from align.data.lengths import DROPS_LONG_PAIRS
+from align.core.schema import ranged
 
 
 @dataclass

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from align.config.online_rl import OnlineRLStage
-from align.schema import ranged
+from align.core.schema import ranged
 
 
 @dataclass

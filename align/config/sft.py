@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from align.builtin import is_builtin
+from align.core.builtin import is_builtin
 from align.config.common import EXAMPLES, POLICY, CheckContext, StageBase, TrainedStage
-from align.lengths import TRUNCATES_COMPLETIONS
-from align.schema import ranged
+from align.data.lengths import TRUNCATES_COMPLETIONS
+from align.core.schema import ranged
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """What every stage process shares: its spec, run directory, manifest, tracker and checkpoint hygiene.
 
-The runner writes `<stage>/spec.json` (align/rundir.py) and starts `accelerate launch -m align.cli stage
+The runner writes `<stage>/spec.json` (align/core/rundir.py) and starts `accelerate launch -m align.cli stage
 <spec>`; `main()` below runs in every process of that launch. Only the main process writes files; all
 processes take part in saving (ZeRO-3 gathers the weights for the consolidated checkpoint).
 """
@@ -25,14 +25,14 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from align.compute import resolve as resolve_compute
+from align.modeling.compute import resolve as resolve_compute
 from align.config import PipelineConfig, StageBase, from_dict, stage_from_dict
-from align.console import emit_progress, verbose
-from align.fsutil import (atomic_write_text, disk_full, output_digest, publish_dir, staging_dir, staging_path,
+from align.core.console import emit_progress, verbose
+from align.core.fsutil import (atomic_write_text, disk_full, output_digest, publish_dir, staging_dir, staging_path,
                           tree_bytes)
-from align.rundir import MANIFEST, Manifest, StageSpec, read_manifest, write_manifest
+from align.core.rundir import MANIFEST, Manifest, StageSpec, read_manifest, write_manifest
 from align.templates import ChatTemplate
-from align.tracking import Tracker, sweep_config
+from align.core.tracking import Tracker, sweep_config
 
 log = logging.getLogger("align")
 
@@ -89,7 +89,7 @@ class StageContext:
     def load_lm(self, path: str, device: bool = False, quantize: str = "none"):
         """A causal LM in the pipeline's dtype and attention kernel (moved to this process's device if asked:
         stages that do not hand the model to accelerate or a Trainer); `quantize: 4bit` for a QLoRA base."""
-        from align.models import load_causal_lm  # heavy: stage processes only
+        from align.modeling.models import load_causal_lm  # heavy: stage processes only
 
         model = load_causal_lm(path, self.pipeline.dtype, self.pipeline.trust_remote_code, quantize,
                                **self.compute.model_kwargs())
@@ -103,7 +103,7 @@ class StageContext:
         global random stream of the stage is left as it was."""
         import torch  # heavy: stage processes only
 
-        from align.models import load_scalar_model  # heavy: stage processes only
+        from align.modeling.models import load_scalar_model  # heavy: stage processes only
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
@@ -128,7 +128,7 @@ class StageContext:
         self.tracker.log(metrics, step)
 
     def progress(self, n: int, total: int, **metrics: float) -> None:
-        """Advance this stage's one console progress bar (align/console.py); main process only."""
+        """Advance this stage's one console progress bar (align/core/console.py); main process only."""
         if self.is_main:
             emit_progress(n, total, **metrics)
 
@@ -197,7 +197,7 @@ class StageContext:
         def write(path: Path) -> None:
             model = trainer.model
             if hasattr(model, "merge_and_unload") and getattr(self.cfg, "lora", None) and self.cfg.lora.enabled:
-                from align.models import merged_for_saving  # heavy (torch): stage processes only
+                from align.modeling.models import merged_for_saving  # heavy (torch): stage processes only
 
                 # LoRA: save full merged weights so the next stage loads a plain model with from_pretrained.
                 merged = merged_for_saving(trainer.accelerator.unwrap_model(model), self.cfg.lora, self.pipeline.dtype)

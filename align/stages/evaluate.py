@@ -15,17 +15,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from align import frontier, plots
+from align.report import frontier
+
+from align.report import plots
 from align.config.evaluate import EvaluateStage
 from align.stages.rows import load_prompts, load_rows
-from align.generation import by_length, generate, response_logprobs
-from align.judges import python_judge
+from align.modeling.generation import by_length, generate, response_logprobs
+from align.core.judges import python_judge
 from align.stages.scoring import RewardModelJudge
-from align.models import load_tokenizer
-from align.rundir import read_manifest
+from align.modeling.models import load_tokenizer
+from align.core.rundir import read_manifest
 from align.stages.context import StageContext
 from align.stages.reward import calibration_buckets, pairwise_accuracy
-from align.stats import mean_ci, perplexity, win_rate
+from align.report.stats import mean_ci, perplexity, win_rate
 
 OUTPUTS = ["../report"]
 

@@ -19,9 +19,9 @@ from typing import Any
 
 from align.config.online_rl import OnlineRLStage
 from align.stages.rows import load_rows, unique_prompts
-from align.judges import judge_weights, python_judge
-from align.lengths import LengthReport, enforce
-from align.models import load_tokenizer, peft_config
+from align.core.judges import judge_weights, python_judge
+from align.data.lengths import LengthReport, enforce
+from align.modeling.models import load_tokenizer, peft_config
 from align.stages.context import StageContext, StageError
 from align.stages.trl import metrics_callback, online_rl_metric_name, train_with_resume, trainer_kwargs
 
@@ -37,8 +37,8 @@ class RewardModelScore:
     def __call__(self, prompts: list[str], completion_ids: list[list[int]], **_: Any) -> list[float]:
         import torch  # heavy: stage processes only
 
-        from align.generation import scalar_outputs
-        from align.losses import last_token_index
+        from align.modeling.generation import scalar_outputs
+        from align.modeling.losses import last_token_index
 
         pad = self.tokenizer.pad_token_id
         prompt_ids = self.tokenizer(list(prompts))["input_ids"]
@@ -88,7 +88,7 @@ def reward_functions(ctx: StageContext, cfg: OnlineRLStage, tokenizer) -> tuple[
 def training_prompts(ctx: StageContext, cfg: OnlineRLStage, tokenizer) -> list[str]:
     """Distinct prompts (rendered with the chat template when conversational) that leave room for max_new_tokens
     within max_length; longer ones are dropped, counted in the manifest, and refused above
-    max_truncated_fraction (align/lengths.py)."""
+    max_truncated_fraction (align/data/lengths.py)."""
     prompts = unique_prompts(load_rows(ctx, cfg.prompts, cfg.split, tokenizer=tokenizer))
     prompts = prompts[:cfg.max_train_examples] if cfg.max_train_examples else prompts
     room = cfg.max_length - cfg.generation.max_new_tokens

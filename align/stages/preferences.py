@@ -17,9 +17,9 @@ from typing import Any
 
 from align.config.preferences import PreferencesStage
 from align.stages.rows import load_prompts
-from align.generation import by_length, sample_texts
+from align.modeling.generation import by_length, sample_texts
 from align.stages.scoring import make_judge
-from align.models import load_tokenizer
+from align.modeling.models import load_tokenizer
 from align.stages.context import StageContext
 
 OUTPUTS = ["data"]

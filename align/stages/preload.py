@@ -1,4 +1,4 @@
-"""What the warm-start server (align/warm.py) imports once, so that every stage forked from it starts with these
+"""What the warm-start server (align/orchestrator/warm.py) imports once, so that every stage forked from it starts with these
 modules loaded. Imports only: nothing here may start a thread, touch a device or read a file of a run (a forked
 process keeps its parent's threads' locks but not the threads).
 

@@ -10,8 +10,8 @@ from typing import Any
 
 from align.config.reward import RewardStage
 from align.stages.rows import load_rows
-from align.generation import sequence_scores
-from align.models import load_tokenizer, peft_config, unsharded_loading
+from align.modeling.generation import sequence_scores
+from align.modeling.models import load_tokenizer, peft_config, unsharded_loading
 from align.stages.context import StageContext
 from align.stages.trl import check_lengths, metrics_callback, train_with_resume, trainer_kwargs
 

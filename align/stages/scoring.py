@@ -1,11 +1,11 @@
 """Judges that a stage builds: a trained reward model as a judge, weighted sums, and `make_judge`, which turns a
-pipeline's judge setting into one callable (the Python judges and the setting's rules are align/judges.py)."""
+pipeline's judge setting into one callable (the Python judges and the setting's rules are align/core/judges.py)."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from align.judges import Judge, judge_weights, python_judge
+from align.core.judges import Judge, judge_weights, python_judge
 
 
 class RewardModelJudge:
@@ -13,14 +13,14 @@ class RewardModelJudge:
 
     def __init__(self, model_dir: str, batch_size: int = 64, load: Callable[[str, int | None], Any] | None = None):
         """`load(path, pad_token_id)` loads the model (a stage passes its own: device, dtype, attention kernel)."""
-        from align.models import load_scalar_model, load_tokenizer  # heavy (torch)
+        from align.modeling.models import load_scalar_model, load_tokenizer  # heavy (torch)
 
         self.tokenizer = load_tokenizer(model_dir)
         self.model = (load or load_scalar_model)(model_dir, self.tokenizer.pad_token_id).eval()
         self.batch_size = batch_size
 
     def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
-        from align.generation import sequence_scores  # heavy (torch)
+        from align.modeling.generation import sequence_scores  # heavy (torch)
 
         return sequence_scores(self.model, self.tokenizer, [p + r for p, r in zip(prompts, responses)],
                                self.batch_size)

@@ -11,12 +11,14 @@ from typing import Any
 
 import logging
 
-from align import gguf, templates
-from align.builtin import is_builtin
+from align import templates
+
+from align.core import gguf
+from align.core.builtin import is_builtin
 from align.config.sft import SFTStage
 from align.data.cards import load_split
 from align.data.chat import TemplateError, sft_example
-from align.models import (build_builtin, fit_model_to_tokenizer, load_tokenizer, peft_config,
+from align.modeling.models import (build_builtin, fit_model_to_tokenizer, load_tokenizer, peft_config,
                           train_tokenizer)
 from align.stages.context import StageContext, StageError
 from align.stages.trl import check_lengths, metrics_callback, train_with_resume, trainer_kwargs

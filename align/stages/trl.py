@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from align.config import TrainedStage
-from align.console import verbose
-from align.lengths import enforce
+from align.core.console import verbose
+from align.data.lengths import enforce
 from align.stages.context import NonFiniteLossError, StageContext, StageError, keep_metrics_until, startup_done
 
 # TRL's plural reward metrics under align's singular names (docs/ARCHITECTURE.md, "Metric names").
@@ -101,8 +101,8 @@ def trainer_kwargs(cfg: TrainedStage, ctx: StageContext) -> dict[str, Any]:
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, logging_steps=cfg.logging_steps,
         save_strategy="steps", save_steps=cfg.save_steps, save_total_limit=2, report_to="none", seed=ctx.seed,
         data_seed=ctx.seed, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
-        disable_tqdm=not verbose(),  # the runner draws one bar per stage from ctx.progress (align/console.py)
-        # The pipeline's `precision` (align/compute.py; TRL's own default, bf16 everywhere, is ~6x slower on CPUs
+        disable_tqdm=not verbose(),  # the runner draws one bar per stage from ctx.progress (align/core/console.py)
+        # The pipeline's `precision` (align/modeling/compute.py; TRL's own default, bf16 everywhere, is ~6x slower on CPUs
         # without bf16 units).
         bf16=ctx.compute.mixed_precision == "bf16", fp16=ctx.compute.mixed_precision == "fp16",
         max_length=cfg.max_length, logging_first_step=False,
@@ -113,7 +113,7 @@ def trainer_kwargs(cfg: TrainedStage, ctx: StageContext) -> dict[str, Any]:
 
 
 def check_lengths(ctx: StageContext, rows: list[dict[str, Any]], tokenizer) -> None:
-    """Count examples longer than max_length after templating (align/lengths.py, by the stage type's
+    """Count examples longer than max_length after templating (align/data/lengths.py, by the stage type's
     LENGTH_RULE, over its `length_rows`), before any training step; record the counts in the manifest and stop
     when too many would be truncated or dropped."""
     cfg: TrainedStage = ctx.cfg  # type: ignore[assignment]

@@ -20,7 +20,7 @@ Hugging Face cache), as stock chat models ship it: without generation markers. W
 Installing a template (the SFT stage that starts from the base model; every later stage loads the tokenizer
 that stage saved) does three things, each logged:
 1. the `<|...|>` tokens and the end-of-turn token the template writes that the tokenizer lacks are added as
-   special tokens (the model's embeddings grow to match: align/models.py `fit_model_to_tokenizer`); other
+   special tokens (the model's embeddings grow to match: align/modeling/models.py `fit_model_to_tokenizer`); other
    tag-shaped text it lacks (`[INST]`, `<think>`) stays ordinary text;
 2. the template becomes the tokenizer's chat template (unless it is the tokenizer's own);
 3. the template's end-of-turn token (the special token right after an assistant's content) becomes the
@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from align.data.chat import GENERATION_TAG, as_text, has_generation_markers  # noqa: F401 (re-exported)
-from align.errors import ModelError
-from align.schema import ConfigError
+from align.core.errors import ModelError
+from align.core.schema import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def resolve(value: str | None, source: str | Path, tokenizer: str | None) -> Cha
     """The pipeline's `chat_template` as a ChatTemplate. `value`: None (the tokenizer's own; align's `default`
     when it has none), a shipped name, or a .jinja file (relative to the pipeline file). `tokenizer`: the
     resolved tokenizer path or hub id (None: the builtin model's, trained by the first stage). Missing or
-    unparseable files are ConfigErrors naming them. Call it once per plan (align/plan.py)."""
+    unparseable files are ConfigErrors naming them. Call it once per plan (align/orchestrator/plan.py)."""
     where = f"{source}: chat_template"
     if value is None:
         if tokenizer is None:
@@ -279,7 +279,7 @@ def _json(path: Path | None) -> dict[str, Any]:
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return {}  # a damaged tokenizer file is reported by align/inputs.py, which names it
+        return {}  # a damaged tokenizer file is reported by align/orchestrator/inputs.py, which names it
     return raw if isinstance(raw, dict) else {}
 
 
@@ -297,7 +297,7 @@ def hub_file(repo: str, filename: str) -> str | None:
 
 
 def _gguf_template(path: Path) -> tuple[str | None, dict[str, str]]:
-    from align.gguf import read_metadata  # needs the optional `gguf` package: checked by align/inputs.py
+    from align.core.gguf import read_metadata  # needs the optional `gguf` package: checked by align/orchestrator/inputs.py
 
     meta = read_metadata(path)
     tokens = meta.get("tokenizer.ggml.tokens") or []

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from align.config import StageBase
-from align.schema import ranged
+from align.core.schema import ranged
 
 
 @dataclass

@@ -22,11 +22,11 @@ import torch
 
 from align.config.ppo import PPOStage
 from align.stages.rows import load_rows, unique_prompts
-from align.generation import Rollout, generate, response_logprobs
-from align.judges import judge_weights
-from align.losses import (gae, kl_estimate, masked_mean, masked_whiten, ppo_policy_loss, ppo_value_loss,
+from align.modeling.generation import Rollout, generate, response_logprobs
+from align.core.judges import judge_weights
+from align.modeling.losses import (gae, kl_estimate, masked_mean, masked_whiten, ppo_policy_loss, ppo_value_loss,
                           token_rewards)
-from align.models import load_causal_lm, load_tokenizer, merged_lora_model, unsharded_loading
+from align.modeling.models import load_causal_lm, load_tokenizer, merged_lora_model, unsharded_loading
 from align.stages.context import NonFiniteLossError, StageContext
 from align.stages.ppo.checkpoint import resume, restore_history, save_checkpoint
 from align.stages.ppo.optim import backward_and_step, disable_deepspeed_clipping
@@ -94,7 +94,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     from accelerate import Accelerator  # heavy: stage processes only
 
     cfg: PPOStage = ctx.cfg  # type: ignore[assignment]
-    ctx.compute = ctx.compute.for_rl_training()  # eager attention on a GPU unless set (align/compute.py)
+    ctx.compute = ctx.compute.for_rl_training()  # eager attention on a GPU unless set (align/modeling/compute.py)
     ctx.extra_manifest["attn_implementation"] = ctx.compute.attn_implementation or "auto"
     accelerator = Accelerator(gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                               mixed_precision=ctx.compute.mixed_precision)

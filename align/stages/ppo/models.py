@@ -9,8 +9,8 @@ from functools import partial
 import torch
 
 from align.config.ppo import PPOStage
-from align.generation import scalar_outputs, sequence_logprobs
-from align.models import add_adapters, disable_dropout, without_peft
+from align.modeling.generation import scalar_outputs, sequence_logprobs
+from align.modeling.models import add_adapters, disable_dropout, without_peft
 from align.stages.context import StageContext
 from align.stages.ppo.rewards import FrozenView
 

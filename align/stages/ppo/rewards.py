@@ -12,10 +12,10 @@ from typing import Callable
 
 import torch
 
-from align.generation import Rollout, scalar_outputs
-from align.judges import judge_weights, python_judge
-from align.losses import last_token_index
-from align.models import without_peft
+from align.modeling.generation import Rollout, scalar_outputs
+from align.core.judges import judge_weights, python_judge
+from align.modeling.losses import last_token_index
+from align.modeling.models import without_peft
 
 ScoreFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids, mask) (B, T) -> per-token scores (B, T)
 

@@ -31,7 +31,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from align.schema import ConfigError, check_rule, closest, coerce, is_plain_name
+from align.core.schema import ConfigError, check_rule, closest, coerce, is_plain_name
 
 SWEEP = "sweep"
 MODES = ("cartesian", "zip")

@@ -1,9 +1,9 @@
 """`align run`: select the stages, lock the run directory, skip what is up to date, write each stage's spec,
 launch it, and keep the run's pipeline.json.
 
-A stage is skipped when it is complete (align/rundir.py) with the same fingerprint (align/plan.py) and was
-trained from the outputs its inputs have now. Validation (align/validate.py) and the memory preflight
-(align/estimate.py) run before anything is launched.
+A stage is skipped when it is complete (align/core/rundir.py) with the same fingerprint (align/orchestrator/plan.py) and was
+trained from the outputs its inputs have now. Validation (align/orchestrator/validate.py) and the memory preflight
+(align/orchestrator/estimate.py) run before anything is launched.
 """
 
 from __future__ import annotations
@@ -16,21 +16,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from align import warm
+from align.orchestrator import warm
 from align.config import PipelineConfig, to_dict
-from align.console import stream_stage, tail, verbose
-from align.estimate import EstimateError, estimate_in_helper, hardware, too_big
-from align.fsutil import atomic_write_json
-from align.inputs import resolve_model_paths
-from align.launch import MultiNode, is_distributed, launch_command, one_plain_process, stage_env
-from align.multinode import follow_stage
-from align.plan import REPO_DIR, PipelineError, StagePlan, code_version, descendants, run_dir_of
-from align.rundir import (MANIFEST, PIPELINE, SPEC, PipelineRecord, StageSpec, headline, is_complete,
+from align.core.console import stream_stage, tail, verbose
+from align.orchestrator.estimate import EstimateError, estimate_pipeline, hardware, too_big
+from align.core.fsutil import atomic_write_json
+from align.orchestrator.inputs import resolve_model_paths
+from align.orchestrator.launch import MultiNode, is_distributed, launch_command, one_plain_process, stage_env
+from align.orchestrator.multinode import follow_stage
+from align.orchestrator.plan import REPO_DIR, PipelineError, StagePlan, code_version, descendants, run_dir_of
+from align.core.rundir import (MANIFEST, PIPELINE, SPEC, PipelineRecord, StageSpec, headline, is_complete,
                           output_digests, outputs_problem, read_manifest, write_manifest)
-from align.runlock import RunLock, RunLockedError
-from align.sweeps import by_stage
-from align.tracking import scrub
-from align.validate import validate
+from align.orchestrator.runlock import RunLock, RunLockedError
+from align.config.sweeps import by_stage
+from align.core.tracking import scrub
+from align.orchestrator.validate import validate
 
 
 def result_line(plan: StagePlan, stage_dir: Path) -> str:
@@ -43,7 +43,7 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
         ignore_memory_check: bool = False, multi: MultiNode | None = None, run_dir: Path | None = None) -> Path:
     """Validate, then run every stage that is not up to date: completed with the same fingerprint, from the
     very outputs (publications) of its inputs that exist now. Node 0 holds the run directory's lock
-    (align/runlock.py) throughout; `run_dir` (default runs/<name>/<run_id>) is what `align report DIR` uses.
+    (align/orchestrator/runlock.py) throughout; `run_dir` (default runs/<name>/<run_id>) is what `align report DIR` uses.
 
     `trust_completed_inputs` accepts inputs that completed under another fingerprint (e.g. an older code
     version): used by `align report`, which only re-evaluates existing models.
@@ -97,7 +97,7 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
 
 def up_to_date(plan: StagePlan, run_dir: Path, source: str | Path = "PIPELINE.yaml") -> bool:
     """Completed with this fingerprint, and trained from the outputs its inputs have now: each input's
-    output_digests (a publication id + whole-file digests, align/fsutil.py) equal what the stage recorded.
+    output_digests (a publication id + whole-file digests, align/core/fsutil.py) equal what the stage recorded.
     Before a stage is skipped as up to date, its own outputs and its inputs' are checked on disk against their
     manifests: a changed, truncated or missing file is a PipelineError naming it and the fix. (A whole output
     directory that is gone makes its stage incomplete instead: it reruns, and so does what consumed it.)"""
@@ -131,7 +131,7 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
     if multi.is_main:  # from the start: `align status` reads a run that dies in its first stage
         _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)
     # Two or more one-process stages to run: start the warm server now (it imports while the runner goes on),
-    # and fork those stages from it (align/warm.py). For a single stage it would only add its start.
+    # and fork those stages from it (align/orchestrator/warm.py). For a single stage it would only add its start.
     plain = [p for p in plans if p.name in selected and (p.name in forced or not is_complete(run_dir / p.name,
              p.fingerprint)) and one_plain_process(p, source, num_processes)]
     warm_start = multi.is_main and len(plain) >= 2 and warm.enabled()
@@ -217,7 +217,7 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
 
 def memory_preflight(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan], names: set[str],
                      num_processes: int | None, multi: MultiNode, ignore: bool) -> None:
-    """Refuse, before anything is launched, stages whose per-GPU estimate exceeds the GPU memory (align/estimate.py).
+    """Refuse, before anything is launched, stages whose per-GPU estimate exceeds the GPU memory (align/orchestrator/estimate.py).
     Skipped when no GPU is present or declared, or when the base model's config cannot be read here."""
     if not names:
         return
@@ -225,7 +225,7 @@ def memory_preflight(cfg: PipelineConfig, source: str | Path, plans: list[StageP
     if not hw.gpu_memory:
         return
     try:
-        estimates = estimate_in_helper(cfg, source, hw, num_processes)
+        estimates = estimate_pipeline(cfg, source, hw, num_processes, plans)
     except EstimateError as exc:
         print(f"[align] memory preflight skipped: {exc}", flush=True)
         return

@@ -18,22 +18,9 @@ import contextlib
 from dataclasses import dataclass, replace
 from typing import Any
 
-PRECISIONS = ("auto", "float32", "bfloat16", "float16")
-ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+from align.config.common import PRECISIONS  # noqa: F401 (the settings this module resolves)
+
 FAST_PAD_MULTIPLE = 32
-
-
-def flash_attention_problem(attn: str) -> str | None:
-    """Why `attn` cannot be used here (None when it can): checked by `align validate` before launching."""
-    import importlib.util
-
-    if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        return ("flash_attention_2 needs the flash-attn package (pip install flash-attn --no-build-isolation, "
-                "on a CUDA machine); use `attn_implementation: sdpa` otherwise")
-    if attn == "flash_attention_3" and importlib.util.find_spec("flash_attn_interface") is None:
-        return ("flash_attention_3 needs FlashAttention-3 (flash_attn_interface, Hopper GPUs); use "
-                "`attn_implementation: sdpa` otherwise")
-    return None
 
 
 @dataclass(frozen=True)

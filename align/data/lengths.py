@@ -59,6 +59,8 @@ def _chat_lengths(tokenizer, conversations: list[list[dict[str, str]]]) -> list[
 
 
 EOS = 1  # every trainer appends EOS to the completion
+RULES: dict[str, LengthRule] = {}
+"""Every length rule by name: these, and any a stage type's module defines (registered when it is built)."""
 
 
 def _truncate_completions(rows: list[dict[str, Any]], tokenizer, max_length: int) -> tuple[int, int, int]:
@@ -104,6 +106,11 @@ class LengthRule:
 
     name: str
     count: Callable[[list[dict[str, Any]], Any, int], tuple[int, int, int]]
+
+    def __post_init__(self) -> None:
+        if RULES.get(self.name, self) != self:
+            raise ValueError(f"length rule '{self.name}' is defined twice, differently")
+        RULES[self.name] = self  # a validation job names the rule; align/modeling/checks.py looks it up
 
     def measure(self, stage: str, rows: list[dict[str, Any]], tokenizer, max_length: int) -> LengthReport:
         """Count the over-long examples among `rows` (text rows: conversational ones rendered first)."""

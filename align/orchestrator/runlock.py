@@ -18,7 +18,7 @@ import socket
 import time
 from pathlib import Path
 
-from align.fsutil import inject_fault
+from align.core.fsutil import inject_fault
 
 LOCK_FILE = ".align.lock"
 

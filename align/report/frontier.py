@@ -6,7 +6,7 @@ algorithm over its KL-strength settings. A point is *Pareto-optimal* when no oth
 its KL and at least its score, one of them strictly (point estimates; the table gives the CIs beside them, so a
 reader sees where two points are within noise of each other).
 
-Pure functions over evaluate's metrics dict (align/stages/evaluate.py); the figure is drawn in align/plots.py.
+Pure functions over evaluate's metrics dict (align/stages/evaluate.py); the figure is drawn in align/report/plots.py.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class Group:
 
 
 def group_policies(policies: list[str], variants: dict[str, dict[str, Any]], types: dict[str, str]) -> list[Group]:
-    """Group `policies` by the stage they are variants of (pipeline `variants`, align/sweeps.py), in order of first
+    """Group `policies` by the stage they are variants of (pipeline `variants`, align/config/sweeps.py), in order of first
     appearance. `types`: policy -> its stage type (from its manifest)."""
     groups: dict[str, Group] = {}
     for p in policies:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from align.config import parse_pipeline
 from align.config.common import POLICY, REPORT, REWARD_MODEL
-from align.plan import PipelineError
-from align.rundir import PIPELINE, read_manifest
-from align.runner import run
-from align.schema import is_plain_name
+from align.orchestrator.plan import PipelineError
+from align.core.rundir import PIPELINE, read_manifest
+from align.orchestrator.runner import run
+from align.core.schema import is_plain_name
 
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from align.compute import FAST_PAD_MULTIPLE
-from align.losses import entropy_from_logits, logprobs_from_logits, response_mask_after_eos
+from align.modeling.compute import FAST_PAD_MULTIPLE
+from align.modeling.losses import entropy_from_logits, logprobs_from_logits, response_mask_after_eos
 
 if TYPE_CHECKING:  # annotations only: judges import this module, and align.config imports judges
     from align.config import Generation
@@ -91,7 +91,7 @@ def generate(model, tokenizer, prompts: list[str], gen: Generation, seed: int, m
              synced_gpus: bool = False, eos_override: str | None = None, fast: bool = False) -> Rollout:
     """Sample one response per prompt (duplicate prompts for several). Deterministic given `seed`.
 
-    `fast` (align/compute.py): a static KV cache, which transformers compiles on a GPU, and prompts padded to a
+    `fast` (align/modeling/compute.py): a static KV cache, which transformers compiles on a GPU, and prompts padded to a
     multiple of FAST_PAD_MULTIPLE tokens so that few distinct shapes are compiled."""
     device = next(model.parameters()).device
     fast = fast and static_cache_safe(model, device)

@@ -58,7 +58,7 @@ def frontier_series(m: dict[str, Any], groups: list, judge: str, key: str) -> li
 
 
 def frontier(m: dict[str, Any], groups: list, judge: str, reference: str, baseline: str, out: Path) -> None:
-    """The reward–KL frontier (align/frontier.py): one curve per group (algorithm / swept stage) through its
+    """The reward–KL frontier (align/report/frontier.py): one curve per group (algorithm / swept stage) through its
     settings in order of KL, left panel the judge's mean score, right panel the win rate against the baseline;
     95% CIs on both axes."""
     plt = _plt()

@@ -11,11 +11,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from align import warm
-from align.console import stream_stage
-from align.launch import MultiNode, is_distributed, launch_command, stage_env
-from align.plan import PipelineError, StagePlan
-from align.rundir import MANIFEST, SPEC, StageSpec, is_complete, read_manifest
+from align.orchestrator import warm
+from align.core.console import stream_stage
+from align.orchestrator.launch import MultiNode, is_distributed, launch_command, stage_env
+from align.orchestrator.plan import PipelineError, StagePlan
+from align.core.rundir import MANIFEST, SPEC, StageSpec, is_complete, read_manifest
 
 
 def wait_for_master(multi: MultiNode, stage: str) -> None:

@@ -2,7 +2,7 @@
 
     runs/<pipeline>/<run-id>/
         pipeline.json            PipelineRecord: the resolved config, the source file, one row per stage
-        .align.lock              while a runner holds the directory (align/runlock.py)
+        .align.lock              while a runner holds the directory (align/orchestrator/runlock.py)
         <stage>/spec.json        StageSpec: written by the runner, read by the stage process
         <stage>/manifest.json    Manifest: written by the stage's main process only
         <stage>/model/ | data/   the published output (report/ sits beside the stages, at ../report)
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from align.fsutil import atomic_write_json, output_problem
-from align.tracking import scrub
+from align.core.fsutil import atomic_write_json, output_problem
+from align.core.tracking import scrub
 
 SPEC = "spec.json"
 MANIFEST = "manifest.json"
@@ -45,7 +45,7 @@ class StageSpec:
     stage_dir: str
     """Absolute path of the stage's directory."""
     fingerprint: str
-    """The stage's fingerprint (align/plan.py): checkpoints and manifests of another one are not resumed."""
+    """The stage's fingerprint (align/orchestrator/plan.py): checkpoints and manifests of another one are not resumed."""
     stage: dict[str, Any]
     """The stage config as plain JSON (`to_dict`), data card fields resolved to absolute paths."""
     pipeline: dict[str, Any]
@@ -55,7 +55,7 @@ class StageSpec:
     input_fingerprints: dict[str, str | None] = field(default_factory=dict)
     """Upstream stage name -> the fingerprint its manifest recorded."""
     input_digests: dict[str, Any] = field(default_factory=dict)
-    """Upstream stage name -> the output digests (align/fsutil.py) of what this stage consumes."""
+    """Upstream stage name -> the output digests (align/core/fsutil.py) of what this stage consumes."""
     data_cards: dict[str, Any] = field(default_factory=dict)
     """Card field -> {path, sha256}."""
     chat_template: dict[str, Any] | None = None
@@ -105,7 +105,7 @@ class Manifest(TypedDict, total=False):
     world_size: int
     distributed_type: str
     zero_stage: int | None
-    process: dict[str, Any]  # the main process: {pid, host, start: "warm" (forked, align/warm.py) or "fresh"}
+    process: dict[str, Any]  # the main process: {pid, host, start: "warm" (forked, align/orchestrator/warm.py) or "fresh"}
     final_metrics: dict[str, Any]
     outputs: list[str]  # relative to the stage directory
     output_digests: dict[str, dict[str, Any]]  # output name -> {content, publication, files: {name: [size, sha256]}}
@@ -156,7 +156,7 @@ def is_complete(stage_dir: str | Path, fingerprint: str | None = None) -> bool:
 
 def outputs_problem(stage_dir: str | Path) -> str | None:
     """What is wrong with a completed stage's published outputs on disk against its manifest's whole-file
-    digests (align/fsutil.py `output_problem`): a missing, truncated or changed file, named. None: intact."""
+    digests (align/core/fsutil.py `output_problem`): a missing, truncated or changed file, named. None: intact."""
     m = read_manifest(stage_dir) or {}
     digests = m.get("output_digests") or {}
     for out in m.get("outputs", []):

@@ -1,10 +1,11 @@
 """`align validate`: everything that can be checked before anything is launched or trained.
 
-The graph and fingerprints (align/plan.py), every data card and the rows of the split each stage reads, each
-stage type's own settings checks (`check` on its config class), checks between stages, the accelerate configs,
-the base model's files (align/inputs.py). What needs a loaded tokenizer or the model classes (the tokenizer itself,
-the rendered example per stage, over-long examples, LoRA targets) runs in a helper process (align/modelchecks.py
-through align/helper.py): this module, like the rest of the orchestrator, never imports torch.
+The graph and fingerprints (plan.py), every data card and the rows of the split each stage reads, each stage type's
+own settings checks (`check` on its config class), checks between stages, the accelerate configs, the base model's
+files (inputs.py). What needs a loaded tokenizer or the model classes (the tokenizer itself, the rendered example
+per stage, over-long examples, the model shapes for LoRA targets) runs in a helper process (helper.py ->
+align/modeling/checks.py) from a job this module builds (`model_job`): like the rest of the orchestrator, it never
+imports torch.
 """
 
 from __future__ import annotations
@@ -12,19 +13,20 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
-from align import helper
-from align.builtin import is_builtin
-from align.compute import flash_attention_problem
-from align.config import CheckContext, ConfigError, PipelineConfig, TrainedStage, to_dict
-from align.config.common import PROMPTS_ONLY
+from align.config import CheckContext, ConfigError, PipelineConfig, TrainedStage
+from align.config.common import EXAMPLES, PROMPTS_ONLY, flash_attention_problem
+from align.config.sweeps import by_stage
+from align.core.builtin import is_builtin
 from align.data.cards import DataCardError, DataUnavailableError, LoadedSplit, hub_reachable, load_card, load_split
 from align.data.formats import row_prompt_key
-from align.inputs import check_model_inputs, tokenizer_to_check
-from align.launch import check_accelerate
-from align.plan import PipelineError, StagePlan, build_plan
-from align.sweeps import by_stage
+from align.orchestrator import helper
+from align.orchestrator.estimate import EstimateError, ModelShape, missing_lora_targets, model_sources
+from align.orchestrator.inputs import (base_model_config, check_model_inputs, resolve_model_paths, tokenizer_name,
+                                       tokenizer_to_check)
+from align.orchestrator.launch import check_accelerate
+from align.orchestrator.plan import PipelineError, StagePlan, build_plan
 
 SplitLoader = Callable[[Path, str], LoadedSplit]
 
@@ -82,13 +84,88 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
     mismatches = [line for name, st in cfg.stages.items() for line in st.pipeline_problems(name, cfg.stages)]
     if mismatches:
         raise PipelineError(f"{source}: " + "\n".join(mismatches))
-    tokenizer = tokenizer_to_check(cfg, source)
-    if tokenizer is not None or any(isinstance(p.cfg, TrainedStage) and p.cfg.lora.enabled for p in plans):
+    job = model_job(cfg, plans, split_of, str(source), verbose)
+    if job:
         sys.stdout.flush()  # the helper writes to the same console: keep the order of lines
-        helper.call("align.modelchecks:run", config=to_dict(cfg), source=str(source), verbose=verbose)
+        answer = helper.call("align.modeling.checks:run", **job)
+        if "shapes" in answer:
+            _check_lora_targets(cfg, plans, answer["shapes"], str(source), verbose)
     if verbose and is_builtin(cfg.base_model) and not cfg.tokenizer:
         print("  length check: at stage start (the builtin model's tokenizer is trained by the first stage)")
     return plans
+
+
+def model_job(cfg: PipelineConfig, plans: list[StagePlan], split_of: SplitLoader, source: str,
+              verbose: bool) -> dict[str, Any]:
+    """What validation asks of its helper process (align/modeling/checks.py `run`), as JSON: the tokenizer to load,
+    the planned chat template and whether it is installed, the rows to render an example from and the rows to count
+    lengths of (each stage's card, as its class reads it), and the model's shapes when a stage trains LoRA adapters.
+    Empty when there is nothing to load here (a builtin model's tokenizer is trained by its first stage)."""
+    lora = any(isinstance(p.cfg, TrainedStage) and p.cfg.lora.enabled for p in plans)
+    name = tokenizer_to_check(cfg, source)
+    if name is None and not lora:
+        return {}
+    job: dict[str, Any] = {"source": source, "verbose": verbose}
+    if lora:
+        try:
+            job["shapes"] = model_sources(cfg, source)
+        except EstimateError as exc:
+            if verbose:
+                print(f"  warning: LoRA target_modules not checked here ({exc})")
+    if name is None:
+        return job
+    paths = resolve_model_paths(cfg, source)
+    _, field = tokenizer_name(cfg, paths)
+    vocab = (base_model_config(cfg, source, paths) or {}).get("vocab_size")
+    job["tokenizer"] = {"name": name, "field": field, "trust_remote_code": cfg.trust_remote_code, "vocab": vocab}
+    cards = {(p.name, fld): split_of(card, p.cfg.card_split(fld)) for p in plans for fld, card in p.cards.items()}
+    cards = {k: d for k, d in cards.items() if d.available and d.rows}
+    template = plans[0].chat_template if plans else None
+    job["template"] = template.as_dict() if template is not None else None
+    # Installed as the stage that installs it will (its class's rule: e.g. from the base model, on conversations).
+    job["install_template"] = template is not None and any(
+        p.cfg.installs_chat_template({f: d.card.produces for (n, f), d in cards.items() if n == p.name},
+                                     cfg.chat_template is not None) for p in plans)
+    job["examples"], job["lengths"] = [], []
+    for plan in plans:
+        limit = plan.cfg.max_train_examples if isinstance(plan.cfg, TrainedStage) else None
+        for fld, use in type(plan.cfg).CARDS.items():
+            if (plan.name, fld) not in cards:
+                continue
+            rows = cards[(plan.name, fld)].rows
+            rows = rows[:limit] if limit else rows
+            where = f"stages.{plan.name}.{fld}"
+            split_all = "messages" in rows[0] and plan.cfg.trains_on_assistant_turns()
+            if split_all or isinstance(rows[0].get("prompt"), list):  # conversations: rendered in the helper
+                job["examples"].append({"where": where, "label": f"{plan.name}.{fld}", "rows": rows if split_all
+                                        else rows[:1], "assistant_turns": split_all, "replies": use == EXAMPLES})
+            rule = plan.cfg.LENGTH_RULE if isinstance(plan.cfg, TrainedStage) else None
+            if rule is not None and use == EXAMPLES:
+                job["lengths"].append({"where": where, "stage": plan.name, "rule": rule.name,
+                                       "rows": plan.cfg.length_rows(rows), "max_length": plan.cfg.max_length,
+                                       "max_fraction": plan.cfg.max_truncated_fraction})
+    return job
+
+
+def _check_lora_targets(cfg: PipelineConfig, plans: list[StagePlan], answer: dict[str, Any], source: str,
+                        verbose: bool) -> None:
+    """Every LoRA target names a linear layer of each model the stage trains (the shapes were built on the meta
+    device by the helper: config and module names only, no weights)."""
+    if "error" in answer:  # e.g. no config here, or an architecture transformers builds no scalar head for
+        if verbose:
+            print(f"  warning: LoRA target_modules not checked here ({answer['error']})")
+        return
+    shapes = {kind: ModelShape(**d) for kind, d in answer["shapes"].items()}
+    for plan in plans:
+        if not (isinstance(plan.cfg, TrainedStage) and plan.cfg.lora.enabled):
+            continue
+        for role, kind, trained in plan.cfg.held_models(cfg.stages):
+            missing = missing_lora_targets(shapes[kind], plan.cfg.lora) if trained else []
+            if missing:
+                names = sorted({n.rsplit(".", 1)[-1] for n in shapes[kind].linears})
+                raise PipelineError(f"{source}: stages.{plan.name}.lora.target_modules: {missing} name no linear "
+                                    f"layer of the {role} model ({cfg.base_model}); its linear layers are named "
+                                    f"{names}: name some of those")
 
 
 def stage_lines(cfg: PipelineConfig, plans: list[StagePlan]) -> list[str]:

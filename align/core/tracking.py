@@ -50,7 +50,7 @@ def wandb_mode(setting: str) -> str | None:
 
 
 def sweep_config(stage: str, variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """W&B config entries of a sweep variant (pipeline `variants`, align/sweeps.py): the swept values under
+    """W&B config entries of a sweep variant (pipeline `variants`, align/config/sweeps.py): the swept values under
     `sweep` (W&B shows `sweep.beta`, for parallel-coordinates and grouping) and the swept stage's name."""
     variant = variants.get(stage)
     if not variant:

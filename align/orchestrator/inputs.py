@@ -27,11 +27,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-from align import gguf, packaged
+from align.core import gguf
+
+from align.orchestrator import packaged
 from align.templates import hub_file as _hub_file
-from align.builtin import is_builtin
+from align.core.builtin import is_builtin
+from align.core.errors import TOKENIZER_SAVE_FIX
 from align.config import PipelineConfig
-from align.schema import ConfigError
+from align.core.schema import ConfigError
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
@@ -39,7 +42,7 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 def resolve_model_paths(cfg: PipelineConfig, source: str | Path) -> dict[str, str | None]:
     """base_model / tokenizer that name local paths, resolved relative to the pipeline file (like data cards);
     hub ids pass through. A local-looking value that does not exist is an error (see the module docstring).
-    A local `.gguf` file is a base model (align/gguf.py)."""
+    A local `.gguf` file is a base model (align/core/gguf.py)."""
     base_dir = Path(source).resolve().parent
     out: dict[str, str | None] = {}
     for key in ("base_model", "tokenizer"):
@@ -124,7 +127,6 @@ def base_model_config(cfg: PipelineConfig, source: str | Path, paths: dict[str, 
     return None
 
 
-SAVE_FIX = "copy the tokenizer again, or save it with tokenizer.save_pretrained(<dir>)"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt",
                    "spiece.model", "sentencepiece.bpe.model", "tekken.json")
 TIKTOKEN_LINE = re.compile(rb"[A-Za-z0-9+/]+=* \d+")
@@ -137,14 +139,14 @@ def tokenizer_files_problem(directory: Path) -> str | None:
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         found = ", ".join(sorted(p.name for p in directory.iterdir())[:8]) or "nothing"
         return (f"{directory} holds no tokenizer files (tokenizer.json, tokenizer.model, vocab.json, ...; found: "
-                f"{found}); {SAVE_FIX}, or set `tokenizer:` to the directory that holds it")
+                f"{found}); {TOKENIZER_SAVE_FIX}, or set `tokenizer:` to the directory that holds it")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         path = directory / name
         if path.is_file():
             try:
                 json.loads(path.read_text(encoding="utf-8"))
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-                return f"{path} is damaged ({type(exc).__name__}: {exc}); {SAVE_FIX}"
+                return f"{path} is damaged ({type(exc).__name__}: {exc}); {TOKENIZER_SAVE_FIX}"
     model = directory / "tokenizer.model"
     if model.is_file() and not (directory / "tokenizer.json").is_file():
         return _tokenizer_model_problem(model)
@@ -170,7 +172,7 @@ def _tokenizer_model_problem(path: Path) -> str | None:
         sentencepiece.SentencePieceProcessor(model_proto=blob)
     except (RuntimeError, OSError):
         return (f"{path} is neither a SentencePiece model (sentencepiece cannot parse it) nor a tiktoken file; "
-                f"it is damaged or truncated: {SAVE_FIX}")
+                f"it is damaged or truncated: {TOKENIZER_SAVE_FIX}")
     return None
 
 
@@ -184,7 +186,7 @@ def tokenizer_name(cfg: PipelineConfig, paths: dict[str, str | None]) -> tuple[s
 def check_tokenizer_files(cfg: PipelineConfig, source: str | Path, paths: dict[str, str | None]) -> str | None:
     """A local tokenizer's files must be readable (checked here without loading it); a hub tokenizer that is not
     cached is a note: it is checked when the first stage starts. Loading it, and what only the loaded tokenizer
-    can tell, is align/modelchecks.py's (a helper process)."""
+    can tell, is align/modeling/checks.py's (a helper process)."""
     name, key = tokenizer_name(cfg, paths)
     if name is None:
         return None

@@ -37,12 +37,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from align import gguf, helper
-from align.builtin import is_builtin, llama_config
+from align.core import gguf
+
+from align.orchestrator import helper
+from align.core.builtin import is_builtin
 from align.config import PipelineConfig, StageBase
-from align.inputs import resolve_model_paths
-from align.launch import accelerate_config, accelerate_mode, is_distributed, processes_per_node
-from align.plan import StagePlan, build_plan
+from align.orchestrator.inputs import resolve_model_paths
+from align.orchestrator.launch import accelerate_config, accelerate_mode, is_distributed, processes_per_node
+from align.orchestrator.plan import StagePlan, build_plan
 
 GB = 1e9
 GIB = 2 ** 30
@@ -102,22 +104,24 @@ class StageEstimate:
 
 # --------------------------------------------------------------------------------------------- arithmetic
 def model_state_bytes(mode: str, params: int, largest_layer: int, gpus: int) -> int:
-    """Bytes per GPU for a trained model's weights, gradients and Adam states (mixed precision)."""
-    # heavy (deepspeed imports torch): only when a stage is sized
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-
+    """Bytes per GPU for a trained model's weights, gradients and Adam states (mixed precision). ZeRO-2 and ZeRO-3
+    are DeepSpeed's own estimators' GPU figures (deepspeed.runtime.zero.stage_1_and_2.
+    estimate_zero2_model_states_mem_needs, stage3.estimate_zero3_model_states_mem_needs: 2 bytes of 16-bit
+    parameters, 18 of 16-bit and 32-bit gradients, 32-bit master weights and Adam moments), written out here
+    because importing DeepSpeed imports torch, which the orchestrator never does; tests/test_estimate.py holds
+    them equal to DeepSpeed's functions. DDP and ZeRO-1 follow the ZeRO paper (K = 12)."""
     if mode == "ddp":
         return 16 * params
     if mode == "zero1":
         return 4 * params + int(12 * params / gpus)
-    if mode in ("zero2", "zero2_offload"):
-        return estimate_zero2_model_states_mem_needs(params, num_gpus_per_node=gpus, num_nodes=1,
-                                                     cpu_offload=mode == "zero2_offload")[1]
-    if mode in ("zero3", "zero3_offload"):
-        offload = mode == "zero3_offload"
-        return estimate_zero3_model_states_mem_needs(params, largest_layer, num_gpus_per_node=gpus, num_nodes=1,
-                                                     cpu_offload=offload, cpu_offload_params=offload)[1]
+    if mode == "zero2":
+        return 2 * params + int(18 * params / gpus)
+    if mode == "zero2_offload":
+        return 2 * params
+    if mode == "zero3":
+        return 4 * largest_layer + int(18 * params / gpus)
+    if mode == "zero3_offload":
+        return 4 * largest_layer
     raise ValueError(f"unknown mode '{mode}' (one of {MODES})")
 
 
@@ -188,58 +192,29 @@ def qlora_base_bytes(shape: ModelShape) -> int:
 
 
 # --------------------------------------------------------------------------------------------- shapes
-def shape_of(model) -> ModelShape:
-    cfg = model.config
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    linears = {n: (m.in_features, m.out_features) if hasattr(m, "in_features") else tuple(m.weight.shape)
-               for n, m in model.named_modules() if type(m).__name__ in ("Linear", "Conv1D")}  # Conv1D: (in, out)
-    head_module = getattr(model, "score", None) or model.get_output_embeddings()
-    head = next((n for n, m in model.named_modules() if m is head_module), "")
-    return ModelShape(params=sum(p.numel() for p in model.parameters()), largest_layer=largest,
-                      hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads,
-                      vocab=cfg.vocab_size, linears=linears, head=head, scalar=hasattr(model, "score"))
-
-
-def base_config(cfg: PipelineConfig, source: str | Path):
-    """The base model's transformers config without downloading weights (builtin, local, a declared copy, or the
-    hub / local HF cache)."""
-    from transformers import AutoConfig  # heavy: only when sizes are estimated
-
+def model_sources(cfg: PipelineConfig, source: str | Path) -> dict[str, Any]:
+    """Where the base model's config comes from, as the helper's shape builder takes it (align/modeling/shapes.py):
+    paths resolved here, so the helper needs no pipeline file."""
     paths = resolve_model_paths(cfg, source)
-    if is_builtin(cfg.base_model):
-        vocab = cfg.builtin.vocab_size
-        if paths["tokenizer"]:
-            from align.models import load_tokenizer  # heavy (torch)
-
-            vocab = len(load_tokenizer(paths["tokenizer"], cfg.trust_remote_code))
-        return llama_config(cfg.builtin, vocab)
-    if cfg.base_model_config:
+    declared = None
+    if cfg.base_model_config and not is_builtin(cfg.base_model):
         local = Path(source).resolve().parent / cfg.base_model_config
         if not local.exists():
             raise EstimateError(f"{source}: base_model_config: '{cfg.base_model_config}' not found (looked for {local})")
-        return AutoConfig.from_pretrained(str(local.parent if local.is_file() else local))
-    try:
-        if gguf.is_gguf(paths["base_model"]):  # the config is in the file's metadata
-            folder, name = gguf.folder_and_file(paths["base_model"])
-            return AutoConfig.from_pretrained(folder, gguf_file=name)
-        return AutoConfig.from_pretrained(paths["base_model"], trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise EstimateError(
-            f"{source}: base_model '{cfg.base_model}': cannot read its config here ({type(exc).__name__}). Put a "
-            "copy of its config.json beside the pipeline and name it in `base_model_config:`.") from None
+        declared = str(local.parent if local.is_file() else local)
+    return {"base_model": str(paths["base_model"]), "base_model_config": declared, "tokenizer": paths["tokenizer"],
+            "builtin": dataclasses.asdict(cfg.builtin), "trust_remote_code": cfg.trust_remote_code,
+            "source": str(source)}
 
 
 def model_shapes(cfg: PipelineConfig, source: str | Path) -> dict[str, ModelShape]:
-    """Shapes of the causal LM and of the scalar (reward / value) model on top of the same backbone."""
-    import torch  # heavy: the runner imports this module; torch only when shapes are built
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    config = base_config(cfg, source)
-    with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
-        config.num_labels = 1
-        scalar = AutoModelForSequenceClassification.from_config(config, trust_remote_code=cfg.trust_remote_code)
-    return {"lm": shape_of(lm), "scalar": shape_of(scalar)}
+    """Shapes of the causal LM and of the scalar (reward / value) model on the same backbone, built on the meta
+    device in a helper process (torch; align/modeling/shapes.py)."""
+    answer = helper.call("align.modeling.shapes:shapes", **model_sources(cfg, source))
+    if "error" in answer:
+        raise EstimateError(answer["error"])
+    return {kind: ModelShape(**{**d, "linears": {k: tuple(v) for k, v in d["linears"].items()}})
+            for kind, d in answer["shapes"].items()}
 
 
 # --------------------------------------------------------------------------------------------- stages
@@ -338,9 +313,11 @@ def detected_gpus() -> list[int]:
 
 
 def estimate_pipeline(cfg: PipelineConfig, source: str | Path, hw: Hardware, num_processes: int | None = None,
-                      plans: list[StagePlan] | None = None) -> list[StageEstimate]:
+                      plans: list[StagePlan] | None = None,
+                      shapes: dict[str, ModelShape] | None = None) -> list[StageEstimate]:
+    """Every stage's estimate; the model shapes come from a helper process unless given."""
     plans = plans or build_plan(cfg, source)
-    shapes = model_shapes(cfg, source)
+    shapes = shapes or model_shapes(cfg, source)
     out = []
     for plan in plans:
         mode, cfg_n = accelerate_mode(accelerate_config(plan.cfg.accelerate, source))
@@ -348,36 +325,6 @@ def estimate_pipeline(cfg: PipelineConfig, source: str | Path, hw: Hardware, num
         per_node = processes_per_node(plan.cfg, num_processes or hw.gpus_per_node) or (cfg_n if distributed else 1) or 1
         gpus = per_node * (hw.nodes if distributed else 1)
         out.append(estimate_stage(plan.name, plan.cfg, cfg.stages, shapes, mode, gpus, cfg.dtype))
-    return out
-
-
-def estimates_json(config: dict[str, Any], source: str, hw: dict[str, Any], num_processes: int | None = None
-                   ) -> dict[str, Any]:
-    """`estimate_pipeline` for the helper process (align/helper.py): the pipeline's resolved config in, the
-    estimates as JSON out (or the EstimateError's message)."""
-    from align.config import parse_pipeline
-
-    try:
-        estimates = estimate_pipeline(parse_pipeline(config, source), source, Hardware(**hw), num_processes)
-    except EstimateError as exc:
-        return {"error": str(exc)}
-    return {"estimates": [dataclasses.asdict(e) for e in estimates]}
-
-
-def estimate_in_helper(cfg: PipelineConfig, source: str | Path, hw: Hardware,
-                       num_processes: int | None = None) -> list[StageEstimate]:
-    """The orchestrator's way to `estimate_pipeline`: model shapes (built on the meta device) and DeepSpeed's
-    estimators need torch, so they run in a helper process; the orchestrator renders and compares the numbers."""
-    from align.config import to_dict
-
-    answer = helper.call("align.estimate:estimates_json", config=to_dict(cfg), source=str(source),
-                         hw=dataclasses.asdict(hw), num_processes=num_processes)
-    if "error" in answer:
-        raise EstimateError(answer["error"])
-    out = []
-    for e in answer["estimates"]:
-        held = [Held(h["role"], ModelShape(**h["shape"]), h["trained"]) for h in e.pop("held")]
-        out.append(StageEstimate(held=held, **e))
     return out
 
 
@@ -389,7 +336,7 @@ def render(estimates: list[StageEstimate], hw: Hardware) -> str:
     cap = hw.gpu_memory
     where = (f"{hw.nodes} node(s) x {hw.gpus_per_node or '?'} GPU(s), {cap / GB:.0f} GB each"
              + (" (detected)" if hw.detected else " (declared)")) if cap else "no GPU present or declared"
-    lines = [f"per-GPU memory estimate, GiB ({where}); see align/estimate.py for the formulas", "",
+    lines = [f"per-GPU memory estimate, GiB ({where}); see align/orchestrator/estimate.py for the formulas", "",
              "| stage | type | models (parameters) | GPUs | " + " | ".join(REPORTED_MODES) + " | chosen | fits |",
              "|---|---|---|---|" + "---|" * len(REPORTED_MODES) + "---|---|"]
     for e in estimates:

@@ -3,7 +3,7 @@
 `align validate`, `align run` and `align estimate` never import torch: they plan, read cards and files, and launch.
 What only a loaded tokenizer or a model class can tell (over-long examples after the chat template, the rendered
 example per stage, LoRA targets on the meta device, parameter counts and DeepSpeed's memory estimators) runs in a
-fresh Python process: `python -m align.helper module:function`, its keyword arguments as JSON on stdin. What the
+fresh Python process: `python -m align.orchestrator.helper module:function`, its keyword arguments as JSON on stdin. What the
 function prints reaches the console as it is printed; its return value comes back as JSON; a refusal it raises
 (a ValueError such as PipelineError or ConfigError) comes back as a PipelineError with the same message; a crash
 comes back as a HelperError with the last lines of its traceback.
@@ -23,6 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from align.core.errors import PipelineError
+
 REFUSED = 2  # exit code of a refusal: the message is in the result file
 
 
@@ -32,11 +34,9 @@ class HelperError(RuntimeError):
 
 def call(target: str, timeout: float | None = None, **kwargs: Any) -> Any:
     """Run `target` ("module:function") in a helper process with `kwargs`; return its result (JSON types)."""
-    from align.plan import PipelineError  # plan is torch-free; imported here to keep this module's imports light
-
     with tempfile.TemporaryDirectory(prefix="align-helper-") as tmp:
         result = Path(tmp) / "result.json"
-        proc = subprocess.Popen([sys.executable, "-m", "align.helper", target, str(result)], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "align.orchestrator.helper", target, str(result)], stdin=subprocess.PIPE,
                                 stdout=None, stderr=subprocess.PIPE, text=True, env={**os.environ})
         try:
             _, err = proc.communicate(json.dumps(kwargs), timeout=timeout)

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 
 class StageProcess(Protocol):
-    """A started stage as the runner waits for it: `subprocess.Popen`, or align/warm.py's WarmStage."""
+    """A started stage as the runner waits for it: `subprocess.Popen`, or align/orchestrator/warm.py's WarmStage."""
 
     stdout: BinaryIO | None
 

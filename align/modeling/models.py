@@ -19,9 +19,8 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
-from align import gguf
-from align.errors import ModelError  # noqa: F401  (re-exported: align.models.ModelError)
-from align.builtin import llama_config
+from align.core import gguf
+from align.core.errors import ModelError  # noqa: F401  (re-exported: align.modeling.models.ModelError)
 
 if TYPE_CHECKING:  # annotations only: judges import this module, and align.config imports judges
     from align.config import BuiltinModel, LoraSettings
@@ -93,7 +92,7 @@ def prepare_tokenizer(tok):
 
 def from_pretrained_args(path_or_id: str) -> tuple[str, dict[str, Any]]:
     """(path, kwargs) for transformers' from_pretrained: a `.gguf` file is read from its folder with
-    `gguf_file` (align/gguf.py); anything else as it is."""
+    `gguf_file` (align/core/gguf.py); anything else as it is."""
     if gguf.is_gguf(path_or_id) and Path(path_or_id).is_file():
         folder, name = gguf.folder_and_file(path_or_id)
         return folder, {"gguf_file": name}
@@ -119,7 +118,7 @@ def _gguf_tokenizer_dir(gguf_path: str) -> str:
     to a temporary directory and renamed into place, so a killed one leaves nothing half-written."""
     from transformers import AutoTokenizer  # heavy: loaded on use
 
-    from align.fsutil import cache_root
+    from align.core.fsutil import cache_root
 
     p = Path(gguf_path).resolve()
     st = p.stat()
@@ -143,6 +142,17 @@ def _gguf_tokenizer_dir(gguf_path: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------- models
+def llama_config(size: Any, vocab_size: int, **token_ids: Any):
+    """The LlamaConfig of the builtin model of `size` (align.config.BuiltinModel; tied embeddings, one key/value
+    head per attention head)."""
+    from transformers import LlamaConfig  # heavy: only the SFT stage and the helper's shapes build one
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=size.hidden_size, intermediate_size=size.intermediate_size,
+                       num_hidden_layers=size.num_layers, num_attention_heads=size.num_heads,
+                       num_key_value_heads=size.num_heads, max_position_embeddings=size.max_position_embeddings,
+                       tie_word_embeddings=True, **token_ids)
+
+
 def build_builtin(size: BuiltinModel, tokenizer, seed: int, attn_implementation: str | None = None):
     """A tiny Llama-style causal LM with fresh weights (deterministic given `seed`)."""
     from transformers import LlamaForCausalLM  # heavy: loaded on use
@@ -174,7 +184,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def load_causal_lm(path_or_id: str, dtype: str = "float32", trust_remote_code: bool = False, quantize: str = "none",
                    **kwargs: Any):
     """A causal LM; `quantize: 4bit` loads it as QLoRA's frozen 4-bit base (see `quantization_kwargs`);
-    `kwargs`: further from_pretrained arguments (align/compute.py: the attention kernel)."""
+    `kwargs`: further from_pretrained arguments (align/modeling/compute.py: the attention kernel)."""
     from transformers import AutoModelForCausalLM  # heavy: loaded on use
 
     check_remote_code(path_or_id, trust_remote_code)
@@ -334,3 +344,11 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
         if cfg is not None and isinstance(getattr(cfg, key, None), float):
             setattr(cfg, key, 0.0)
     return model
+
+
+def save_dequantised(gguf_path: str, target: str) -> None:
+    """A GGUF file's model, every tensor dequantised to float32 by transformers' GGUF loader, and its tokenizer,
+    saved as a Hugging Face directory in `target` (run by `align model`'s helper process)."""
+    model = load_causal_lm(gguf_path, "float32")
+    model.save_pretrained(target)
+    load_tokenizer(gguf_path).save_pretrained(target)

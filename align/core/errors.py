@@ -1,0 +1,14 @@
+"""Errors that both the orchestrator and the stage processes raise, in a module that imports nothing (so that
+torch-free code, e.g. align/templates, can raise them without importing align/modeling/models.py)."""
+
+
+class PipelineError(ValueError):
+    """The pipeline cannot run as configured, or a stage failed: the orchestrator's refusal (exit code 2)."""
+
+
+class ModelError(ValueError):
+    """A model or tokenizer cannot be used as configured; the message says how to fix it."""
+
+
+TOKENIZER_SAVE_FIX = "copy the tokenizer again, or save it with tokenizer.save_pretrained(<dir>)"
+"""The fix for a tokenizer whose files are damaged, named where they are read (validation, the helper process)."""

@@ -1,0 +1,75 @@
+"""What a model's size is, read from its architecture on the meta device (nothing downloaded or allocated): run in
+the orchestrator's helper process (align/orchestrator/helper.py) for `align estimate`, the memory preflight and
+validation's LoRA-target check, which do their arithmetic without torch (align/orchestrator/estimate.py).
+
+The answer is plain JSON: per model kind (`lm`, the causal LM; `scalar`, a reward / value model on the same
+backbone) its parameter count, largest layer, width, depth, heads, vocabulary, every linear layer by name with
+(in, out) features, the output head's name, and whether it is a scalar model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from align.core import gguf
+
+
+def shape_of(model) -> dict[str, Any]:
+    cfg = model.config
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    linears = {n: (m.in_features, m.out_features) if hasattr(m, "in_features") else tuple(m.weight.shape)
+               for n, m in model.named_modules() if type(m).__name__ in ("Linear", "Conv1D")}  # Conv1D: (in, out)
+    head_module = getattr(model, "score", None) or model.get_output_embeddings()
+    head = next((n for n, m in model.named_modules() if m is head_module), "")
+    return {"params": sum(p.numel() for p in model.parameters()), "largest_layer": largest,
+            "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
+            "vocab": cfg.vocab_size, "linears": linears, "head": head, "scalar": hasattr(model, "score")}
+
+
+def base_config(base_model: str, base_model_config: str | None, tokenizer: str | None, builtin: dict[str, Any],
+                trust_remote_code: bool, source: str):
+    """The base model's transformers config without downloading weights (builtin, a declared copy, a GGUF file's
+    metadata, a local directory, or the hub / local HF cache)."""
+    from transformers import AutoConfig  # heavy: this is the helper process
+
+    from align.config import BuiltinModel
+    from align.core.builtin import is_builtin
+    from align.modeling.models import llama_config, load_tokenizer
+
+    if is_builtin(base_model):
+        size = BuiltinModel(**builtin)
+        vocab = len(load_tokenizer(tokenizer, trust_remote_code)) if tokenizer else size.vocab_size
+        return llama_config(size, vocab)
+    if base_model_config:
+        return AutoConfig.from_pretrained(base_model_config)
+    try:
+        if gguf.is_gguf(base_model):  # the config is in the file's metadata
+            folder, name = gguf.folder_and_file(base_model)
+            return AutoConfig.from_pretrained(folder, gguf_file=name)
+        return AutoConfig.from_pretrained(base_model, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise LookupError(
+            f"{source}: base_model '{base_model}': cannot read its config here ({type(exc).__name__}). Put a "
+            "copy of its config.json beside the pipeline and name it in `base_model_config:`.") from None
+
+
+def shapes(base_model: str, base_model_config: str | None, tokenizer: str | None, builtin: dict[str, Any],
+           trust_remote_code: bool, source: str) -> dict[str, Any]:
+    """The helper's entry point: {"shapes": {"lm": ..., "scalar": ...}}, or {"error": why} when the config
+    cannot be read here (the caller decides whether that stops it)."""
+    import torch  # heavy: this is the helper process
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    try:
+        config = base_config(base_model, base_model_config, tokenizer, builtin, trust_remote_code, source)
+        with torch.device("meta"):
+            lm = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            config.num_labels = 1
+            scalar = AutoModelForSequenceClassification.from_config(config, trust_remote_code=trust_remote_code)
+    except LookupError as exc:
+        return {"error": str(exc)}
+    except (ValueError, ImportError, KeyError, TypeError, OSError) as exc:  # e.g. an architecture transformers
+        return {"error": f"{source}: base_model '{base_model}': its shapes cannot be built here "  # builds no
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"}  # scalar head for
+    return {"shapes": {"lm": shape_of(lm), "scalar": shape_of(scalar)}}
+
