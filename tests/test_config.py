@@ -63,8 +63,8 @@ def test_wrong_types_are_errors():
 
 def test_unknown_stage_type():
     raw = _raw()
-    raw["stages"]["kto"] = {"policy": "sft"}
-    with pytest.raises(ConfigError, match="unknown stage type 'kto'"):
+    raw["stages"]["orpo"] = {"policy": "sft"}
+    with pytest.raises(ConfigError, match="unknown stage type 'orpo'"):
         _parse(raw)
 
 

@@ -1,0 +1,92 @@
+"""The `kto` stage type: Kahneman-Tversky Optimization on unpaired preferences (align/stages/kto.py).
+
+KTO (Ethayarajh et al. 2024) learns from single responses marked desirable or not (thumbs up / down), not from
+pairs. Its data form, `unpaired_preference` (prompt, completion, label), is declared here; a card may produce it
+directly, and preference pairs (a preferences stage, or a card of pairs) are unpaired into one desirable row (the
+chosen reply) and one undesirable row (the rejected one), shuffled with the stage's seed: TRL's KTOTrainer reads
+its batches in order and estimates the KL term from each batch's mismatched prompt/completion pairs.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from align.config.common import DATA, EXAMPLES, POLICY, CheckContext, StageBase, TrainedStage
+from align.data.formats import DataForm, Rows, register_form, rows_named, text_of
+from align.data.lengths import TRUNCATES_COMPLETIONS
+from align.core.schema import one_of, ranged
+
+PAIRS, UNPAIRED = "preference", "unpaired_preference"
+
+
+def _empty_completions(rows: Rows) -> list[str]:
+    empty = [i for i, r in enumerate(rows) if not text_of(r["completion"])]
+    return [f"{rows_named(empty)} with an empty 'completion'"] if empty else []
+
+
+register_form(DataForm(UNPAIRED, ("prompt", "completion", "label"), replies=("completion",), flags=("label",),
+                       conversational=True, contents=_empty_completions))
+
+
+def unpaired(rows: Rows, seed: int) -> Rows:
+    """Rows in the unpaired form: preference pairs become a desirable row (chosen) and an undesirable row
+    (rejected) each, in an order shuffled with `seed`; unpaired rows are returned as they are."""
+    if not rows or "chosen" not in rows[0]:
+        return rows
+    out = [{"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
+           for r in rows for side in ("chosen", "rejected")]
+    random.Random(seed).shuffle(out)
+    return out
+
+
+@dataclass
+class KTOStage(TrainedStage):
+    """Kahneman-Tversky Optimization with TRL's KTOTrainer; reference = the starting policy."""
+
+    TYPE: ClassVar[str] = "kto"
+    LENGTH_RULE = TRUNCATES_COMPLETIONS  # KTOTrainer truncates prompt + completion, drops prompts that fill the window
+    HEADLINE: ClassVar[tuple[str, ...]] = ("eval/rewards/margin", "eval/loss")
+    PRODUCES: ClassVar[str] = POLICY
+    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"policy": (POLICY, True), "data": (DATA, False)}
+    CARDS: ClassVar[dict[str, str]] = {"data": EXAMPLES}
+
+    policy: str = "sft"
+    """Stage whose model/ is both the starting policy and the frozen reference."""
+    data: str = "preferences"
+    """A preferences stage or a preference card (each pair unpaired into a desirable and an undesirable row), or a
+    card that produces unpaired_preference rows (prompt, completion, label: true = desirable)."""
+    beta: float = ranged(0.1, gt=0, fix="beta <= 0 removes the KL-regularised value function's scale")
+    """KL strength beta of the KTO value function (Ethayarajh et al. 2024, eq. 8)."""
+    desirable_weight: float = ranged(1.0, gt=0)
+    """lambda_D: weight of desirable examples' losses."""
+    undesirable_weight: float = ranged(1.0, gt=0)
+    """lambda_U: weight of undesirable examples' losses (KTO's paper keeps lambda_D n_D / lambda_U n_U in [1, 4/3])."""
+    loss_type: str = one_of("kto", "kto", "apo_zero_unpaired")
+    """TRL KTO loss: kto, or apo_zero_unpaired (APO-zero's unpaired variant, no KL term)."""
+
+    def check(self, ctx: CheckContext) -> None:
+        super().check(ctx)
+        form = ctx.card_produces("data", "train")
+        if form not in (None, PAIRS, UNPAIRED):
+            raise ValueError(f"data: card produces '{form}'; kto needs preference pairs or unpaired_preference rows")
+        if "data" in ctx.cards:
+            held_out = ctx.split_of(ctx.cards["data"], "test")
+            if held_out.available and not held_out.rows:
+                raise ValueError(f"data: {ctx.cards['data'].name} has no held-out rows (split 'test')")
+        if self.loss_type == "kto" and self.per_device_batch_size < 2:
+            raise ValueError(f"per_device_batch_size: {self.per_device_batch_size}; the kto loss estimates its KL "
+                             "term from the other examples of each batch: use 2 or more (or loss_type: "
+                             "apo_zero_unpaired)")
+
+    def length_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return unpaired(rows, 0)  # the order does not change a length count
+
+    def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
+        if self.lora.enabled:  # TRL's reference is then the policy's base with its adapters disabled
+            return [("policy", "lm", True)]
+        return [("policy", "lm", True), ("reference", "lm", False)]
+
+    def workload(self) -> tuple[int, int, int, int]:
+        return 2 * self.per_device_batch_size, self.max_length, 0, 0  # each example and its KL completion

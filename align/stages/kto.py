@@ -1,0 +1,52 @@
+"""KTO stage: TRL's KTOTrainer on unpaired preferences; the starting policy is also the frozen reference
+(Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect Theoretic Optimization", eq. 8).
+
+Pairs (a preferences stage or a card of pairs) are unpaired into desirable and undesirable rows by the config class
+(align/config/kto.py `unpaired`), shuffled with the stage's seed; a card of unpaired rows is read as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from align.config.kto import KTOStage, unpaired
+from align.modeling.models import load_tokenizer, peft_config
+from align.stages.context import StageContext
+from align.stages.rows import load_rows
+from align.stages.trl import check_lengths, eval_metrics, metrics_callback, train_with_resume, trainer_kwargs
+
+OUTPUTS = ["model"]
+COLUMNS = ("prompt", "completion", "label")
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    from datasets import Dataset  # heavy: trl and datasets load only when the stage runs
+    from trl import KTOConfig, KTOTrainer
+
+    cfg: KTOStage = ctx.cfg  # type: ignore[assignment]
+    path = ctx.input_model(cfg.policy)
+    tokenizer = load_tokenizer(path)
+    train = [{c: r[c] for c in COLUMNS}
+             for r in unpaired(load_rows(ctx, cfg.data, "train", cfg.max_train_examples, tokenizer), ctx.seed)]
+    test = [{c: r[c] for c in COLUMNS} for r in unpaired(load_rows(ctx, cfg.data, "test", tokenizer=tokenizer), ctx.seed)]
+    check_lengths(ctx, train, tokenizer)
+    model = ctx.load_lm(path, quantize=cfg.lora.quantize)
+    lora = peft_config(cfg.lora, "CAUSAL_LM")
+    # With LoRA the reference is the base model with adapters disabled; otherwise a frozen copy.
+    ref = None if lora is not None else ctx.load_lm(path)
+    args = KTOConfig(**trainer_kwargs(cfg, ctx), beta=cfg.beta, desirable_weight=cfg.desirable_weight,
+                     undesirable_weight=cfg.undesirable_weight, loss_type=cfg.loss_type, eval_strategy="no")
+    trainer = KTOTrainer(model=model, ref_model=ref, args=args, processing_class=tokenizer,
+                         train_dataset=Dataset.from_list(train),
+                         eval_dataset=Dataset.from_list(test) if len(test) > 1 else None,
+                         callbacks=[metrics_callback(ctx)], peft_config=lora)
+    final = train_with_resume(ctx, trainer)
+    if len(test) > 1:
+        ev = trainer.evaluate()
+        metrics = eval_metrics(ev)
+        ctx.log(metrics, step=trainer.state.global_step)
+        final.update(metrics)
+    final["train/examples"] = len(train)
+    final["train/desirable_fraction"] = sum(r["label"] for r in train) / len(train)
+    ctx.save_trainer_model(trainer, tokenizer)
+    return final

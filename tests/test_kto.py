@@ -1,0 +1,111 @@
+"""KTO (unpaired preferences): the data form its config module declares, pairs unpaired into desirable and
+undesirable rows, and `pipelines/kto.yaml` (sft -> preferences -> dpo, kto -> evaluate) run tiny, with KTO beside
+DPO in the report. Seeds are the pipeline's (17) and, for the shuffle tests, printed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import REPO, run_align
+
+SEED = 23
+TINY_KTO = [
+    "builtin.vocab_size=512", "builtin.hidden_size=32", "builtin.num_layers=2", "builtin.num_heads=2",
+    "builtin.intermediate_size=64", "builtin.max_position_embeddings=96",
+    "sft.max_steps=30", "sft.per_device_batch_size=16", "sft.logging_steps=5", "sft.save_steps=10",
+    "sft.learning_rate=3e-3", "sft.max_truncated_fraction=0.1", "sft.max_train_examples=2000",
+    "preferences.max_prompts=128", "preferences.min_margin=0.05", "preferences.generation.max_new_tokens=12",
+    "dpo.max_length=96", "dpo.max_steps=8", "dpo.logging_steps=2", "dpo.save_steps=4", "dpo.per_device_batch_size=8",
+    "kto.max_length=96", "kto.max_steps=8", "kto.logging_steps=2", "kto.save_steps=4", "kto.per_device_batch_size=16",
+    "evaluate.max_prompts=24", "evaluate.generation.max_new_tokens=12", "evaluate.bootstrap_samples=200",
+]
+
+
+def test_pairs_are_unpaired_into_a_desirable_and_an_undesirable_row_each():
+    from align.config.kto import unpaired
+
+    print(f"seed {SEED}")
+    pairs = [{"prompt": f"p{i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(20)]
+    rows = unpaired(pairs, SEED)
+    assert len(rows) == 40
+    assert sorted((r["prompt"], r["completion"], r["label"]) for r in rows) == sorted(
+        [(f"p{i}", f"good {i}", True) for i in range(20)] + [(f"p{i}", f"bad {i}", False) for i in range(20)])
+    assert rows == unpaired(pairs, SEED) and rows != unpaired(pairs, SEED + 1)  # shuffled, by the seed
+    assert [r["label"] for r in rows] != [True, False] * 20  # not left in pair order (KTO reads batches in order)
+    assert unpaired(rows, SEED) is rows  # unpaired rows are read as they are
+
+
+def test_the_unpaired_form_is_declared_by_the_stage_and_checked(tmp_path):
+    from align.config import stage_types
+    from align.data.cards import DataCardError, load_split
+    from align.data.formats import FORMS
+
+    stage_types()
+    assert FORMS["unpaired_preference"].columns == ("prompt", "completion", "label")
+    rows = [{"prompt": f"The movie {i}", "completion": f" was {w}", "label": w == "great"}
+            for i, w in enumerate(["great", "dull"] * 10)]
+
+    def card(data):
+        (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
+        path = tmp_path / "card.yaml"
+        path.write_text("name: thumbs\nsource: {path: rows.jsonl}\nlicense: MIT\nformat: jsonl\n"
+                        "produces: unpaired_preference\nsplits: {train: 0.8, test: 0.2, seed: 1}\n")
+        return path
+
+    loaded = load_split(card(rows), "train")
+    assert loaded.rows and all(isinstance(r["label"], bool) for r in loaded.rows)
+    with pytest.raises(DataCardError, match=r"row 3: field 'label' must be true or false, got 'yes'"):
+        load_split(card(rows[:3] + [dict(rows[3], label="yes")] + rows[4:]), "train")
+    with pytest.raises(DataCardError, match=r"1 row \(5\) with an empty 'completion'"):
+        load_split(card(rows[:5] + [dict(rows[5], completion="  ")] + rows[6:]), "train")
+
+
+def test_validate_refuses_a_card_kto_cannot_learn_from(workdir):
+    proc = run_align("validate", "pipelines/kto.yaml", *TINY_KTO, "kto.data=../data_cards/movie_review_snippets.yaml",
+                     cwd=workdir)
+    assert proc.returncode == 2
+    assert "stages.kto: data: card produces 'prompt_completion'; kto needs preference pairs or unpaired_preference" \
+        in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def kto_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kto")
+    for name in ("pipelines", "data_cards"):
+        (root / name).symlink_to(REPO / name)
+    proc = run_align("run", "pipelines/kto.yaml", "tracking.wandb=disabled", *TINY_KTO, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return root / "runs" / "kto" / "main", proc
+
+
+def test_kto_trains_from_the_sft_policy_on_the_unpaired_pairs(kto_run):
+    run, _ = kto_run
+    m = json.loads((run / "kto" / "manifest.json").read_text())
+    pairs = json.loads((run / "preferences" / "manifest.json").read_text())["final_metrics"]["preferences/pairs_train"]
+    assert m["status"] == "completed" and m["global_step"] == 8
+    assert m["final_metrics"]["train/examples"] == 2 * pairs  # every pair: one desirable, one undesirable row
+    assert m["final_metrics"]["train/desirable_fraction"] == 0.5
+    rows = [json.loads(x) for x in (run / "kto" / "metrics.jsonl").read_text().splitlines()]
+    margins = [r["rewards/margin"] for r in rows if "rewards/margin" in r]
+    # desirable completions gained log-probability over undesirable ones, relative to the reference (0 at first)
+    assert len(margins) == 4 and margins[0] < 0.01 and margins[-1] > margins[0] + 0.02, margins
+
+    from transformers import AutoModelForCausalLM
+
+    sft = AutoModelForCausalLM.from_pretrained(run / "sft" / "model")
+    kto = AutoModelForCausalLM.from_pretrained(run / "kto" / "model")
+    changed = [n for (n, a), (_, b) in zip(sft.named_parameters(), kto.named_parameters()) if not a.equal(b)]
+    assert len(changed) == len(list(sft.parameters()))  # full fine-tuning moved every tensor
+
+
+def test_the_report_has_kto_beside_dpo(kto_run):
+    run, proc = kto_run
+    metrics = json.loads((run / "report" / "metrics.json").read_text())
+    for policy in ("dpo", "kto"):
+        assert 0.0 <= metrics[f"eval/{policy}/vader/win_rate"] <= 1.0
+        assert metrics[f"eval/{policy}/kl"] == metrics[f"eval/{policy}/kl"]  # a number, not NaN
+    report = (run / "report" / "report.md").read_text()
+    assert "| kto |" in report and "| dpo |" in report
+    assert "| kto |" in proc.stdout  # the run's closing headline, from the evaluate stage's manifest
