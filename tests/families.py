@@ -228,39 +228,35 @@ def _unpadded(r, i: int):
 
 
 def check_reward_padding_invariance(model_dir: Path, tok_dir: Path, tol: float = 1e-4) -> dict[str, list[float]]:
-    """Score the same sequences with the family's reward model (AutoModelForSequenceClassification) through
-    align's scoring paths, padded left and right, and compare each with the sequence scored alone, unpadded,
-    by the model's own forward (the rule TRL's RewardTrainer trains with). Returns the scores."""
+    """Score the same sequences with the family's reward model (AutoModelForSequenceClassification) through the
+    one reward-model rule (align/stages/judging.py `RewardModelJudge`) on each of its inputs: text (prompt + response
+    + EOS, as TRL's RewardTrainer tokenises it), a PPO rollout (left-padded prompts, right-padded responses), TRL's
+    completions (prompt ids + completion ids), whatever the tokenizer's padding side; compare each with the sequence
+    scored alone, unpadded, by the model's own forward. Returns the scores."""
     import torch
 
-    from align.modeling.generation import scalar_outputs, sequence_scores
+    from align.modeling.generation import scalar_outputs
     from align.modeling.models import load_scalar_model, load_tokenizer
-    from align.stages.ppo.rewards import Scorer
+    from align.stages.judging import RewardModelJudge, build_judge
 
     tok = load_tokenizer(str(tok_dir))
     model = load_scalar_model(str(model_dir), tok.pad_token_id).eval()
+    judge = RewardModelJudge("rm", partial(scalar_outputs, model), tok, batch_size=2)  # batches of unequal lengths
     texts = [p + r for p, r in zip(TEXTS, RESPONSES)]
     with torch.no_grad():
         alone = [model(**tok(t + tok.eos_token, return_tensors="pt")).logits[0, 0].item() for t in texts]
         out = {}
-        for side in ("left", "right"):  # sequence_scores must not depend on the caller's padding side
+        for side in ("left", "right"):  # the tokenizer's padding side must not matter
             tok.padding_side = side
-            out[f"sequence_scores/{side}"] = sequence_scores(model, tok, texts)
+            out[f"text/{side}"] = judge(TEXTS, RESPONSES)
         r = _rollout(tok, TEXTS, RESPONSES)
         ids_alone = [model(input_ids=_unpadded(r, i)[0]).logits[0, 0].item() for i in range(len(TEXTS))]
-        out["scorer"] = Scorer({"rm": (1.0, partial(scalar_outputs, model))}, {}, tok)(r, TEXTS).tolist()
-        # the same ids, right-padded as one block: the scalar head read at the last real token
-        width = r.input_ids.size(1)
-        rows = [_unpadded(r, i)[0][0] for i in range(len(TEXTS))]
-        ids = torch.stack([torch.cat([x, x.new_full((width - len(x),), tok.pad_token_id)]) for x in rows])
-        mask = torch.stack([torch.cat([torch.ones_like(x), x.new_zeros(width - len(x))]) for x in rows])
-        from align.modeling.losses import last_token_index
-
-        last = last_token_index(ids, mask, tok.pad_token_id)
-        out["scalar_outputs/right"] = scalar_outputs(model, ids, mask)[torch.arange(len(rows)), last].tolist()
+        out["rollout"] = build_judge("rm", lambda n: judge).score_rollout(r, TEXTS, tok).tolist()
+        completions = [r.response_ids[i][r.response_mask[i].bool()].tolist() for i in range(len(TEXTS))]
+        out["completions"] = judge.score_completions(TEXTS, completions)
         without_eos = [model(**tok(t, return_tensors="pt")).logits[0, 0].item() for t in texts]
     for key, scores in out.items():
-        ref = alone if key.startswith("sequence_scores") else ids_alone  # text-level / token-level paths
+        ref = alone if key.startswith("text") else ids_alone  # text-level / token-level inputs
         assert max(abs(a - b) for a, b in zip(scores, ref)) < tol, (key, scores, ref)
     # Where the pad token is EOS (Llama-2, Mistral, GPT-2, Pythia), the classifier's rule (rightmost token that
     # is not pad) skips the final EOS, in training and in scoring alike; with a pad token of its own, the score

@@ -196,7 +196,7 @@ def test_ppo_responses_end_at_the_end_of_turn_token(name):
 
     from align.config import Generation
     from align.modeling.generation import generate, scalar_outputs
-    from align.stages.ppo.rewards import Scorer
+    from align.stages.judging import RewardModelJudge, build_judge
 
     print(f"seed {SEED}")
     tok = chat_tokenizer(name)
@@ -223,31 +223,33 @@ def test_ppo_responses_end_at_the_end_of_turn_token(name):
         assert (r.response_ids[row, n:] == tok.pad_token_id).all()  # generation stopped; nothing kept after
     assert r.texts(tok) == [tok.decode(plans[0][:2]), tok.decode(plans[1][:4])]
 
-    scorer = Scorer({"reward": (1.0, partial(scalar_outputs, tiny_model(tok, scalar=True)))}, {}, tok)
-    scores = scorer(r, prompts)
+    rm = RewardModelJudge("reward", partial(scalar_outputs, tiny_model(tok, scalar=True)), tok)
+    judge = build_judge("reward", lambda n: rm)
+    scores = judge.score_rollout(r, prompts, tok)
     # Write tokens after the end of turn (as a model that did not stop would): the masked tail is not scored.
     r.response_ids[:, 5:] = words[0]
-    assert torch.allclose(scorer(r, prompts), scores)
+    assert torch.allclose(judge.score_rollout(r, prompts, tok), scores)
     # Each score equals the score of the prompt and response up to the end-of-turn token alone, unpadded.
     for row, n in enumerate([3, 5]):
         alone = torch.tensor([tok(prompts[row])["input_ids"] + plans[row][:n]])
         single = type(r)(alone[:, :-n], torch.ones_like(alone[:, :-n]), alone[:, -n:], torch.ones_like(alone[:, -n:]),
                          torch.tensor([True]))
-        assert scorer(single, prompts[row:row + 1]).item() == pytest.approx(scores[row].item(), abs=1e-5)
+        assert judge.score_rollout(single, prompts[row:row + 1], tok).item() == pytest.approx(scores[row].item(),
+                                                                                            abs=1e-5)
 
 
 @pytest.mark.parametrize("name", ["chatml", "llama3", "default"])
 def test_reward_training_ppo_and_evaluate_score_the_same_tokens(name, tmp_path):
-    """One conversation, three readers: TRL's RewardTrainer (on the rows align renders), PPO (rendered prompt
-    tokenised as a rollout query, the reply as the policy would emit it, then the end-of-turn token) and the
-    evaluate stage's reward-model judge (prompt + response text + EOS). They see the same token ids, which are
-    the template's own rendering of the conversation up to the reply's end-of-turn token."""
+    """One conversation, three readers: TRL's RewardTrainer (on the rows align renders), a rollout (rendered prompt
+    tokenised as a query, the reply as the policy would emit it, then the end-of-turn token: what PPO, preferences
+    and evaluate score) and the one reward-model rule's text input (prompt + response text + EOS, held-out pairs).
+    They see the same token ids, which are the template's own rendering of the conversation up to the reply's
+    end-of-turn token, and the one rule gives one score for them."""
     from datasets import Dataset
     from trl import RewardConfig, RewardTrainer
 
-    from align.modeling.generation import Rollout, scalar_outputs, tokenize_prompts
-    from align.stages.scoring import RewardModelJudge
-    from align.stages.ppo.rewards import Scorer
+    from align.modeling.generation import Rollout, tokenize_prompts
+    from align.stages.judging import RewardModelJudge, build_judge
 
     tok = chat_tokenizer(name)
     pair = {"prompt": CHAT[:3], "chosen": CHAT[3:], "rejected": [{"role": "assistant", "content": "Mix it."}]}
@@ -268,13 +270,14 @@ def test_reward_training_ppo_and_evaluate_score_the_same_tokens(name, tmp_path):
     assert q_ids[0].tolist() + reply == template_ids
     rollout = Rollout(q_ids, q_mask, torch.tensor([reply]), torch.ones(1, len(reply), dtype=torch.long),
                       torch.tensor([True]))
-    ppo_score = Scorer({"reward": (1.0, partial(scalar_outputs, rm))}, {}, tok)(rollout, [row["prompt"]]).item()
 
     rm.save_pretrained(tmp_path / "rm")
     tok.save_pretrained(tmp_path / "rm")
-    judge = RewardModelJudge(str(tmp_path / "rm"))
+    judge = RewardModelJudge.load("reward", str(tmp_path / "rm"))
     assert judge.tokenizer.eos_token == EOT[name]  # the saved tokenizer keeps the end-of-turn EOS
-    assert judge([row["prompt"]], [row["chosen"]])[0] == pytest.approx(ppo_score, abs=1e-5)
+    assert judge.encode([row["prompt"]], [row["chosen"]])[0] == template_ids  # the text input: the same ids
+    rollout_score = build_judge("reward", lambda n: judge).score_rollout(rollout, [row["prompt"]], tok).item()
+    assert judge([row["prompt"]], [row["chosen"]])[0] == pytest.approx(rollout_score, abs=1e-5)
 
 
 @pytest.mark.slow

@@ -123,16 +123,16 @@ def test_under_zero2_resumes_after_sigkill_and_raises_the_reward(upstream, kind)
     assert (m["world_size"], m["distributed_type"], m["zero_stage"]) == (2, "DEEPSPEED", 2)
 
 
-def test_reward_stage_scores_completions_as_ppo_reads_them(upstream):
-    """A reward stage handed to TRL scores prompt ids + completion ids at the last real token, exactly as PPO's
-    Scorer scores the same rollout (left-padded prompts, right-padded responses, EOS kept when sampled)."""
+def test_the_one_reward_model_rule_on_trl_completions_and_on_rollouts(upstream):
+    """The one rule (align/stages/judging.py): a reward model's head at the last real token of prompt ids +
+    completion ids. Handed to TRL (GRPO, RLOO) as prompt texts and completion ids in batches of unequal lengths,
+    and on the same sequences as a rollout (left-padded prompts, right-padded responses, EOS kept when sampled),
+    it gives each sequence's score alone, unpadded, by the model's own forward."""
     import torch
 
-    from align.modeling.compute import resolve
     from align.modeling.generation import Rollout, scalar_outputs, tokenize_prompts
     from align.modeling.models import load_scalar_model, load_tokenizer
-    from align.stages.online_rl import RewardModelScore
-    from align.stages.ppo.rewards import Scorer
+    from align.stages.judging import RewardModelJudge, build_judge
 
     _, run = upstream
     tok = load_tokenizer(str(run / "sft" / "model"))
@@ -146,10 +146,16 @@ def test_reward_stage_scores_completions_as_ppo_reads_them(upstream):
     r_ids = torch.tensor([c + [tok.pad_token_id] * (width - len(c)) for c in completions])
     r_mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in completions])
     rollout = Rollout(q_ids, q_mask, r_ids, r_mask, torch.tensor([True, False, True]))
-    expected = Scorer({"reward": (1.0, lambda i, m: scalar_outputs(rm, i, m))}, {}, tok)(rollout, prompts)
-    compute = resolve("float32", "auto", torch.device("cpu"))
-    got = RewardModelScore("reward", rm, tok, compute, batch_size=2)(prompts=prompts, completion_ids=completions)
-    assert torch.allclose(torch.tensor(got), expected, atol=1e-5), (got, expected)
+    with torch.no_grad():
+        alone = [rm(input_ids=torch.tensor([tok(p)["input_ids"] + c])).logits[0, 0].item()
+                 for p, c in zip(prompts, completions)]
+    judge = build_judge("reward", lambda n: RewardModelJudge(n, lambda i, m: scalar_outputs(rm, i, m), tok,
+                                                             batch_size=2))
+    (trl_fn,), weights = judge.trl_reward_functions()
+    got = trl_fn(prompts=prompts, completions=["unused"] * 3, completion_ids=completions)
+    assert weights == [1.0] and trl_fn.__name__ == "reward"  # TRL logs rewards/reward/mean
+    assert got == pytest.approx(alone, abs=1e-5), (got, alone)
+    assert judge.score_rollout(rollout, prompts, tok).tolist() == pytest.approx(alone, abs=1e-5)
     assert len(set(round(g, 4) for g in got)) == 3  # three different sequences, three different scores
 
 

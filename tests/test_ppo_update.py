@@ -126,13 +126,13 @@ def test_clipping_under_deepspeed_zero2_matches_cpu(tmp_path):
 # --------------------------------------------------------------------------------------------- judges
 def test_user_judge_module_function_and_weighted_sum(tmp_path, monkeypatch):
     from align.core.judges import JudgeError, check_judges, vader
-    from align.stages.scoring import make_judge
+    from align.stages.judging import build_judge
 
     (tmp_path / "my_judges.py").write_text("def exclaim(prompts, responses):\n"
                                            "    return [float(r.count('!')) for r in responses]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     prompts, responses = ["The film", "The film"], ["is great!!", "is awful."]
-    judge = make_judge({"my_judges:exclaim": 2.0, "vader": 1.0}, lambda name: None)
+    judge = build_judge({"my_judges:exclaim": 2.0, "vader": 1.0}, lambda name: None)
     v = vader(prompts, responses)
     assert judge(prompts, responses) == pytest.approx([2.0 * 2 + v[0], 2.0 * 0 + v[1]])
     check_judges({"my_judges:exclaim": 1.0}, set(), {})

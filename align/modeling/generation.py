@@ -8,7 +8,7 @@ left padding does not shift them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -126,19 +126,27 @@ def by_length(tokenizer, prompts: list[str]) -> list[int]:
 
 
 def sample_texts(model, tokenizer, prompts: list[str], gen: Generation, seed: int, fast: bool = False,
-                 counts: dict[str, int] | None = None) -> list[str]:
+                 counts: dict[str, int] | None = None,
+                 score: Callable[[Rollout, list[str]], torch.Tensor] | None = None) -> tuple[list[str], list[float]]:
     """Sampled response texts (EOS and padding removed), in length-sorted batches of gen.batch_size, returned
-    in the order of `prompts`. `counts["generated_tokens"]` is increased by the response tokens sampled."""
+    in the order of `prompts`, with each one's score by `score(rollout, prompts)` when given (a judge reads the
+    sampled ids, not a re-tokenised text; [] without). `counts["generated_tokens"]` is increased by the response
+    tokens sampled."""
     order = by_length(tokenizer, prompts)
     texts: list[str] = [""] * len(prompts)
+    scores: list[float] = [0.0] * len(prompts) if score is not None else []
     for start in range(0, len(prompts), gen.batch_size):
         idx = order[start:start + gen.batch_size]
-        r = generate(model, tokenizer, [prompts[i] for i in idx], gen, seed=seed + start, fast=fast)
-        for i, text in zip(idx, r.texts(tokenizer)):
+        batch = [prompts[i] for i in idx]
+        r = generate(model, tokenizer, batch, gen, seed=seed + start, fast=fast)
+        batch_scores = score(r, batch).tolist() if score is not None else []
+        for j, (i, text) in enumerate(zip(idx, r.texts(tokenizer))):
             texts[i] = text
+            if score is not None:
+                scores[i] = batch_scores[j]
         if counts is not None:
             counts["generated_tokens"] = counts.get("generated_tokens", 0) + int(r.response_mask.sum())
-    return texts
+    return texts, scores
 
 
 def response_logprobs(model, rollout: Rollout, temperature: float = 1.0, with_entropy: bool = False):
@@ -163,20 +171,3 @@ def scalar_outputs(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).last_hidden_state
     return model.score(hidden).squeeze(-1).float()
-
-
-@torch.no_grad()
-def sequence_scores(model, tokenizer, texts: list[str], batch_size: int = 64) -> list[float]:
-    """Reward-model scores of whole texts, tokenised as TRL's RewardTrainer does (text + EOS)."""
-    device = next(model.parameters()).device
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "right"
-    out: list[float] = []
-    try:
-        for start in range(0, len(texts), batch_size):
-            batch = [t + tokenizer.eos_token for t in texts[start:start + batch_size]]
-            enc = tokenizer(batch, return_tensors="pt", padding=True).to(device)
-            out.extend(model(**enc).logits.squeeze(-1).float().tolist())
-    finally:
-        tokenizer.padding_side = side
-    return out

@@ -21,8 +21,7 @@ from align.report import plots
 from align.config.evaluate import EvaluateStage
 from align.stages.rows import load_prompts, load_rows
 from align.modeling.generation import by_length, generate, response_logprobs
-from align.core.judges import python_judge
-from align.stages.scoring import RewardModelJudge
+from align.stages.judging import WeightedJudge, stage_judge
 from align.modeling.models import load_tokenizer
 from align.core.rundir import read_manifest
 from align.stages.context import StageContext
@@ -34,12 +33,14 @@ OUTPUTS = ["../report"]
 
 @torch.no_grad()
 def sample_with_kl(policy, reference, tokenizer, prompts: list[str], cfg: EvaluateStage, seed: int,
-                   on_batch=lambda done: None, fast: bool = False):
+                   on_batch=lambda done: None, fast: bool = False, judges: dict[str, WeightedJudge] | None = None):
     """Responses (text), sequence-level KL(policy || reference) = sum_t log pi - log ref on them, their lengths,
-    and the sum of their tokens' log-probs under the reference at temperature 1 (for its perplexity), in the
-    order of `prompts` (sampled in length-sorted batches: every policy gets the same batches and seeds)."""
+    the sum of their tokens' log-probs under the reference at temperature 1 (for its perplexity), and each judge's
+    scores of them (of the sampled ids: align/stages/judging.py), in the order of `prompts` (sampled in
+    length-sorted batches: every policy gets the same batches and seeds)."""
     n = len(prompts)
     texts, kls, lengths, ref_sums = [""] * n, [0.0] * n, [0.0] * n, [0.0] * n
+    scores = {name: [0.0] * n for name in judges or {}}
     gen = cfg.generation
     order = by_length(tokenizer, prompts)
     for start in range(0, n, gen.batch_size):
@@ -53,7 +54,10 @@ def sample_with_kl(policy, reference, tokenizer, prompts: list[str], cfg: Evalua
         for i, kl, length, text, ref_sum in zip(idx, ((lp - ref_lp) * mask).sum(1).tolist(), mask.sum(1).tolist(),
                                                 r.texts(tokenizer), (ref_plain * mask).sum(1).tolist()):
             texts[i], kls[i], lengths[i], ref_sums[i] = text, kl, length, ref_sum
-    return texts, kls, lengths, ref_sums
+        for name, judge in (judges or {}).items():
+            for i, s in zip(idx, judge.score_rollout(r, [prompts[i] for i in idx], tokenizer).tolist()):
+                scores[name][i] = s
+    return texts, kls, lengths, ref_sums, scores
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -62,10 +66,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     tokenizer = load_tokenizer(ref_path)
     prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer)  # conversations: rendered
     reference = ctx.load_lm(ref_path, device=True).eval()
-    judges: dict[str, Any] = {name: python_judge(name) for name in cfg.judges}
+    judges: dict[str, WeightedJudge] = {name: stage_judge(ctx, name) for name in cfg.judges}
     if cfg.reward:
-        judges["reward_model"] = RewardModelJudge(ctx.input_model(cfg.reward),
-                                                  load=lambda p, pad: ctx.load_scalar(p, pad, device=True))
+        judges["reward_model"] = stage_judge(ctx, cfg.reward)
     fast = ctx.compute.fast_generation(cfg.generation.fast)
     t0, generated = time.perf_counter(), 0
 
@@ -76,11 +79,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
             print(f"[align] {ctx.name}: sampling {len(prompts)} prompts from '{name}'", flush=True)
         policy = ctx.load_lm(ctx.input_model(name), device=True).eval()
         with ctx.compute.autocast():
-            texts, kls, lengths, ref_sums = sample_with_kl(policy, reference, tokenizer, prompts, cfg, ctx.seed,
-                                                 lambda done: ctx.progress(i * len(prompts) + done, total, policy=name),
-                                                 fast=fast)
+            texts, kls, lengths, ref_sums, scores = sample_with_kl(
+                policy, reference, tokenizer, prompts, cfg, ctx.seed,
+                lambda done: ctx.progress(i * len(prompts) + done, total, policy=name), fast=fast, judges=judges)
             ctx.progress((i + 1) * len(prompts), total, policy=name)
-            scores = {j: fn(prompts, texts) for j, fn in judges.items()}
         generated += int(sum(lengths))
         del policy
         samples[name] = {"responses": texts, "kl": kls, "length": lengths, "ref_logprob": ref_sums, "scores": scores}
@@ -110,8 +112,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if cfg.reward and cfg.preferences:
         pairs = load_rows(ctx, cfg.preferences, "test", tokenizer=tokenizer)
         if pairs:
-            rm = judges["reward_model"]
-            acc = pairwise_accuracy(rm.model, rm.tokenizer, pairs)
+            with ctx.compute.autocast():
+                acc = pairwise_accuracy(judges["reward_model"].reward_models[cfg.reward], pairs)
             buckets = calibration_buckets(acc["margins"])
             metrics.update({"eval/reward_model/accuracy": acc["accuracy"], "eval/reward_model/margin": acc["margin"],
                             "eval/reward_model/pairs": len(pairs), "eval/reward_model/calibration": buckets,

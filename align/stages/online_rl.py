@@ -7,9 +7,9 @@ of the others) and a KL to the reference (beta). align hands them:
 - the starting policy loaded by `ctx.load_lm` (TRL builds the reference from the same checkpoint with the
   policy's dtype and attention kernel; under LoRA the reference is the base with adapters disabled);
 - prompts as text, conversational ones rendered with the chat template, as PPO's;
-- one reward function per judge name with its weight: a reward stage's scalar head read at the last real token
-  of prompt ids + completion ids (EOS included when sampled), exactly as PPO's scorer reads it, or a Python judge
-  on (prompts, decoded completions).
+- one reward function per judge name with its weight, from the one judge builder (align/stages/judging.py): a
+  reward stage's scalar head read at the last real token of prompt ids + completion ids (EOS included when
+  sampled), the rule PPO's rollouts are scored by, or a Python judge on (prompts, decoded completions).
 """
 
 from __future__ import annotations
@@ -19,70 +19,21 @@ from typing import Any
 
 from align.config.online_rl import OnlineRLStage
 from align.stages.rows import load_rows, unique_prompts
-from align.core.judges import judge_weights, python_judge
+from align.core.judges import judge_weights
+from align.stages.judging import check_same_tokenizer, stage_judge
 from align.data.lengths import LengthReport, enforce
 from align.modeling.models import load_tokenizer, peft_config
 from align.stages.context import StageContext, StageError
 from align.stages.trl import metrics_callback, online_rl_metric_name, train_with_resume, trainer_kwargs
 
 
-class RewardModelScore:
-    """A reward stage's score of TRL's completions: the scalar head at the last real, non-pad token of prompt ids
-    (the tokenizer's, as TRL and PPO tokenize prompts) + completion ids, as PPO's Scorer reads it."""
-
-    def __init__(self, name: str, model, tokenizer, compute, batch_size: int = 64):
-        self.__name__ = name  # TRL logs rewards/<name>/mean
-        self.model, self.tokenizer, self.compute, self.batch_size = model.eval(), tokenizer, compute, batch_size
-
-    def __call__(self, prompts: list[str], completion_ids: list[list[int]], **_: Any) -> list[float]:
-        import torch  # heavy: stage processes only
-
-        from align.modeling.generation import scalar_outputs
-        from align.modeling.losses import last_token_index
-
-        pad = self.tokenizer.pad_token_id
-        prompt_ids = self.tokenizer(list(prompts))["input_ids"]
-        seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
-        out: list[float] = []
-        device = next(self.model.parameters()).device
-        for start in range(0, len(seqs), self.batch_size):
-            batch = seqs[start:start + self.batch_size]
-            width = max(len(s) for s in batch)  # right padding: positions come from the mask
-            ids = torch.tensor([s + [pad] * (width - len(s)) for s in batch], device=device)
-            mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in batch], device=device)
-            with torch.no_grad(), self.compute.autocast():
-                scores = scalar_outputs(self.model, ids, mask)  # (B, T)
-            out += scores[torch.arange(ids.size(0)), last_token_index(ids, mask, pad)].tolist()
-        return out
-
-
-class JudgeScore:
-    """A Python judge on (prompts, decoded completions), as PPO's judges read rollouts."""
-
-    def __init__(self, name: str):
-        self.__name__ = name
-        self.judge = python_judge(name)
-
-    def __call__(self, prompts: list[str], completions: list[str], **_: Any) -> list[float]:
-        return [float(s) for s in self.judge(list(prompts), list(completions))]
-
-
 def reward_functions(ctx: StageContext, cfg: OnlineRLStage, tokenizer) -> tuple[list, list[float]]:
-    """One TRL reward function per name of `cfg.reward`, and their weights (TRL sums them)."""
-    funcs, weights = [], []
-    for name, weight in judge_weights(cfg.reward).items():
-        if name in ctx.inputs:  # a reward stage of this pipeline
-            path = ctx.input_model(name)
-            if load_tokenizer(path).get_vocab() != tokenizer.get_vocab():
-                raise ValueError(f"stage '{ctx.name}': the reward model's tokenizer ({name}) differs from the "
-                                 f"policy's ({cfg.policy}); its score reads the policy's token ids, so both must share "
-                                 "one tokenizer (train the reward model from the same SFT checkpoint)")
-            funcs.append(RewardModelScore(name, ctx.load_scalar(path, tokenizer.pad_token_id, device=True),
-                                          tokenizer, ctx.compute))
-        else:
-            funcs.append(JudgeScore(name))
-        weights.append(weight)
-    return funcs, weights
+    """One TRL reward function per name of `cfg.reward`, and their weights (TRL sums them): the one judge builder
+    (align/stages/judging.py), so a reward stage scores prompt ids + completion ids by the rule PPO's rollouts are
+    scored by."""
+    stages = [n for n in judge_weights(cfg.reward) if n in ctx.inputs]
+    check_same_tokenizer(ctx.name, cfg.policy, tokenizer, {n: load_tokenizer(ctx.input_model(n)) for n in stages})
+    return stage_judge(ctx, cfg.reward).trl_reward_functions()
 
 
 def training_prompts(ctx: StageContext, cfg: OnlineRLStage, tokenizer) -> list[str]:

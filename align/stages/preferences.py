@@ -18,7 +18,7 @@ from typing import Any
 from align.config.preferences import PreferencesStage
 from align.stages.rows import load_prompts
 from align.modeling.generation import by_length, sample_texts
-from align.stages.scoring import make_judge
+from align.stages.judging import stage_judge
 from align.modeling.models import load_tokenizer
 from align.stages.context import StageContext
 
@@ -42,8 +42,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     tokenizer = load_tokenizer(path)
     prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer)  # conversations: rendered
     policy = ctx.load_lm(path, device=True).eval()
-    judge = make_judge(cfg.judge, lambda n: ctx.input_model(n) if n in ctx.inputs else None,
-                       load=lambda p, pad: ctx.load_scalar(p, pad, device=True))
+    judge = stage_judge(ctx, cfg.judge)
     n = cfg.samples_per_prompt
     per_batch = max(1, cfg.generation.batch_size // n)
     fast = ctx.compute.fast_generation(cfg.generation.fast)
@@ -57,9 +56,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
             batch = mine[start:start + per_batch]
             flat = [p for _, p in batch for _ in range(n)]
             with ctx.compute.autocast():
-                texts = sample_texts(policy, tokenizer, flat, cfg.generation, seed=ctx.seed * 1_000_003 + batch[0][0],
-                                     fast=fast, counts=counts)
-                scores = judge(flat, texts)
+                texts, scores = sample_texts(policy, tokenizer, flat, cfg.generation,
+                                             seed=ctx.seed * 1_000_003 + batch[0][0], fast=fast, counts=counts,
+                                             score=lambda r, ps: judge.score_rollout(r, ps, tokenizer))
             for j, (idx, prompt) in enumerate(batch):
                 records.append({"index": idx, "prompt": prompt, "responses": texts[j * n:(j + 1) * n],
                                 "scores": scores[j * n:(j + 1) * n]})

@@ -10,7 +10,7 @@ from typing import Any
 
 from align.config.reward import RewardStage
 from align.stages.rows import load_rows
-from align.modeling.generation import sequence_scores
+from align.stages.judging import RewardModelJudge
 from align.modeling.models import load_tokenizer, peft_config, unsharded_loading
 from align.stages.context import StageContext
 from align.stages.trl import check_lengths, metrics_callback, train_with_resume, trainer_kwargs
@@ -18,10 +18,12 @@ from align.stages.trl import check_lengths, metrics_callback, train_with_resume,
 OUTPUTS = ["model"]
 
 
-def pairwise_accuracy(model, tokenizer, pairs: list[dict[str, Any]]) -> dict[str, float]:
-    """Fraction of pairs whose chosen response scores above the rejected one, and the mean margin."""
-    chosen = sequence_scores(model, tokenizer, [p["prompt"] + p["chosen"] for p in pairs])
-    rejected = sequence_scores(model, tokenizer, [p["prompt"] + p["rejected"] for p in pairs])
+def pairwise_accuracy(judge: RewardModelJudge, pairs: list[dict[str, Any]]) -> dict[str, float]:
+    """Fraction of pairs whose chosen response scores above the rejected one, and the mean margin (each text
+    scored by the one rule, as the model was trained on it: align/stages/judging.py)."""
+    prompts = [p["prompt"] for p in pairs]
+    chosen = judge(prompts, [p["chosen"] for p in pairs])
+    rejected = judge(prompts, [p["rejected"] for p in pairs])
     margins = [c - r for c, r in zip(chosen, rejected)]
     return {"accuracy": sum(m > 0 for m in margins) / len(margins), "margin": sum(margins) / len(margins),
             "chosen": sum(chosen) / len(chosen), "rejected": sum(rejected) / len(rejected),
@@ -64,9 +66,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     ctx.save_trainer_model(trainer, tokenizer)
     if test and ctx.is_main:  # held-out accuracy of the saved model/, in the main process only
         with unsharded_loading():
-            scorer = ctx.load_scalar(str(ctx.dir / "model"), tokenizer.pad_token_id, device=True).eval()
-        with ctx.compute.autocast():
-            held_out = pairwise_accuracy(scorer, tokenizer, test)
+            judge = RewardModelJudge.load(ctx.name, str(ctx.dir / "model"), autocast=ctx.compute.autocast,
+                                          load=lambda p, pad: ctx.load_scalar(p, pad, device=True))
+        held_out = pairwise_accuracy(judge, test)
         metrics = {"eval/rewards/accuracy": held_out["accuracy"], "eval/rewards/margin": held_out["margin"],
                    "eval/rewards/chosen": held_out["chosen"], "eval/rewards/rejected": held_out["rejected"],
                    "eval/pairs": len(test)}

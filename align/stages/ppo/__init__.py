@@ -31,7 +31,7 @@ from align.stages.context import NonFiniteLossError, StageContext
 from align.stages.ppo.checkpoint import resume, restore_history, save_checkpoint
 from align.stages.ppo.optim import backward_and_step, disable_deepspeed_clipping
 from align.stages.ppo.models import load_frozen, load_trained, policy_for_generation
-from align.stages.ppo.rewards import Scorer
+from align.stages.judging import RewardModelJudge, WeightedJudge, build_judge, check_same_tokenizer
 from align.stages.ppo.state import (AdaptiveKLController, FixedKLController, PromptStream, RewardScale,
                                     RunningMoments)
 
@@ -40,11 +40,7 @@ OUTPUTS = ["model"]
 
 def check_models(ctx: StageContext, cfg: PPOStage, tokenizer, reward_tokenizers: dict, prompts: list[str]) -> None:
     """Fail before any rollout: tokenizers must agree, prompts must fit (issue: misconfiguration early)."""
-    for name, reward_tokenizer in reward_tokenizers.items():
-        if tokenizer.get_vocab() != reward_tokenizer.get_vocab():
-            raise ValueError(f"stage '{ctx.name}': the reward model's tokenizer ({name}) differs from the "
-                             f"policy's ({cfg.policy}); PPO scores token ids directly, so both must share one "
-                             "tokenizer (train the reward model from the same SFT checkpoint)")
+    check_same_tokenizer(ctx.name, cfg.policy, tokenizer, reward_tokenizers)
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"]]
     too_long = sum(n > cfg.max_prompt_length for n in lengths)
     if too_long:
@@ -66,7 +62,7 @@ def rollout(cfg: PPOStage, accelerator, model, tokenizer, prompts: list[str], se
                         fast=fast)
 
 
-def fit_reward_scale(ctx: StageContext, cfg: PPOStage, accelerator, model, tokenizer, scorer: Scorer,
+def fit_reward_scale(ctx: StageContext, cfg: PPOStage, accelerator, model, tokenizer, scorer: WeightedJudge,
                      prompts: list[str], scale: RewardScale) -> None:
     """Ziegler et al. sec. 2.2: score `reward_normalization_samples` rollouts of the initial policy (a seeded
     sample of the prompts, split evenly over processes) and fix the gain and bias from them."""
@@ -80,7 +76,7 @@ def fit_reward_scale(ctx: StageContext, cfg: PPOStage, accelerator, model, token
         batch = picked[start:start + cfg.generation.batch_size]
         r = rollout(cfg, accelerator, model, tokenizer, batch, seed=ctx.seed * 31 + start * world + rank,
                     fast=ctx.compute.fast_generation(cfg.generation.fast))
-        scores.append(scorer(r, batch))
+        scores.append(scorer.score_rollout(r, batch, tokenizer))
     all_scores = accelerator.gather(torch.cat(scores))
     scale.fit(all_scores)
     if accelerator.is_main_process:
@@ -120,7 +116,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     model, optimizer = accelerator.prepare(model, optimizer)
     base_lrs = [cfg.learning_rate, cfg.value_learning_rate]
     reference, reward_fns = load_frozen(ctx, cfg, accelerator, accelerator.unwrap_model(model), pad_id, reward_stages)
-    scorer = Scorer.build(cfg.reward, reward_fns.get, tokenizer)
+    scorer = build_judge(cfg.reward, lambda n: RewardModelJudge(n, reward_fns[n], tokenizer) if n in reward_fns else None)
 
     kl_ctl = (AdaptiveKLController(cfg.kl.coef, cfg.kl.target, cfg.kl.horizon) if cfg.kl.adaptive
               else FixedKLController(cfg.kl.coef))
@@ -158,7 +154,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         lq = r.query_ids.size(1)
         with torch.no_grad():
             # 2. score (reward model and/or judges), normalise, subtract the missing-EOS penalty
-            scores = scorer(r, batch_prompts)
+            scores = scorer.score_rollout(r, batch_prompts, tokenizer)
             all_scores = accelerator.gather(scores)
             if cfg.reward_normalization == "initial":
                 scores_used = scale(scores)
