@@ -17,7 +17,7 @@ from typing import Any, Callable, ClassVar, Protocol
 
 from align.core.judges import JudgeError, check_judges, judge_weights
 from align.data.lengths import LengthRule
-from align.core.schema import ConfigError, one_of, ranged
+from align.core.schema import ConfigError, name_field, one_of, ranged
 
 
 
@@ -143,6 +143,116 @@ def refs(value: Any) -> list[str]:
     return value if isinstance(value, list) else [value] if isinstance(value, str) else []
 
 
+@dataclass
+class PairwiseJudge:
+    """A pairwise LLM judge: it reads a prompt and two responses and answers A, B or tie (align/stages/pairwise.py).
+    Every pair is judged in both orders; a verdict that flips with the order is a tie. Backends: a local causal LM
+    run in the stage process (`model` a directory, hub id or packaged:NAME; greedy, batched), or an OpenAI-compatible
+    chat-completions endpoint (`base_url` + `model`, the key read from the environment variable `key_env`,
+    never written anywhere). Answers are cached in the stage's directory (judge_cache/), keyed by judge, prompt and
+    both responses: a rerun or a resumed evaluation does not ask twice."""
+
+    name: str = name_field("llm_judge", fix="it names the judge's metrics: eval/<policy>/<name>/win_rate")
+    """Names the judge's metrics (eval/<policy>/<name>/...) and its cache file."""
+    model: str = ""
+    """Local backend: a model directory, hub id or packaged:NAME (e.g. packaged:smollm2). Endpoint: the model's
+    name at the endpoint."""
+    base_url: str | None = None
+    """An OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (null: the local backend)."""
+    key_env: str | None = None
+    """The environment variable that holds the endpoint's API key (its name only; the key is never written)."""
+    template: str | None = None
+    """A judging prompt file (relative to the pipeline) with {prompt}, {response_a} and {response_b}; null: the
+    shipped one (align/templates/pairwise_judge.txt). The answer must be A, B or tie."""
+    max_new_tokens: int = ranged(8, ge=1)
+    """Longest answer; an answer that is not exactly A, B or tie is invalid (counted, never guessed)."""
+    batch_size: int = ranged(16, ge=1)
+    """Local backend: judging prompts per generate call."""
+    max_concurrency: int = ranged(4, ge=1)
+    """Endpoint: requests in flight at once."""
+    timeout: float = ranged(60.0, gt=0)
+    """Endpoint: seconds per request before it is retried."""
+    retries: int = ranged(3, ge=0)
+    """Endpoint: retries of a failed request (timeouts, 429 and 5xx), with exponential backoff."""
+    max_prompts: int | None = ranged(None, ge=1, fix="use null to judge every prompt")
+    """Judge at most this many prompts per policy (null: all of them)."""
+    max_invalid_fraction: float = ranged(0.2, ge=0, le=1)
+    """Fail the stage when more than this fraction of answers are invalid (with examples in the log)."""
+
+    def check(self, where: str, base_dir: Path) -> None:
+        """`align validate`: the model or endpoint is there, the key variable is set, the template exists; an
+        endpoint is probed (one request naming the URL) so a wrong URL fails now, not after sampling."""
+        if not self.model:
+            raise ValueError(f"{where}.model: required (a local model, or the endpoint's model name)")
+        if self.key_env and not self.base_url:
+            raise ValueError(f"{where}.key_env: only an endpoint (base_url) takes a key")
+        if self.template:
+            path = (base_dir / self.template)
+            if not path.is_file():
+                raise ValueError(f"{where}.template: '{self.template}' not found (looked for {path.resolve()})")
+            problem = template_problem(path.read_text(encoding="utf-8"))
+            if problem:
+                raise ValueError(f"{where}.template: {path.resolve()}: {problem}")
+        if self.base_url:
+            if self.key_env and not os.environ.get(self.key_env):
+                raise ValueError(f"{where}.key_env: the variable {self.key_env} is not set (or empty); export "
+                                 f"it with the endpoint's key before running")
+            problem = endpoint_problem(self.base_url, os.environ.get(self.key_env or "", ""), min(self.timeout, 10))
+            if problem:
+                raise ValueError(f"{where}.base_url: {self.base_url}: {problem}")
+        elif self.model.startswith(PACKAGED):
+            from align.core.packaged import PackagedError, resolve
+
+            try:
+                resolve(self.model)
+            except PackagedError as exc:
+                raise ValueError(f"{where}.model: {exc}") from None
+        elif (self.model.startswith((".", "/")) or (base_dir / self.model).exists()) and \
+                not (base_dir / self.model / "config.json").is_file():
+            raise ValueError(f"{where}.model: '{self.model}' is not a model directory (no config.json in "
+                             f"{(base_dir / self.model).resolve()})")
+
+
+PACKAGED = "packaged:"
+TEMPLATE_FIELDS = ("{prompt}", "{response_a}", "{response_b}")
+
+
+def template_problem(text: str) -> str | None:
+    """What a judging prompt template lacks (None when it is usable)."""
+    missing = [f for f in TEMPLATE_FIELDS if f not in text]
+    if missing:
+        return f"it must contain {', '.join(TEMPLATE_FIELDS)}; missing {', '.join(missing)}"
+    try:
+        text.format(prompt="", response_a="", response_b="")
+    except (KeyError, IndexError, ValueError) as exc:
+        return f"it is not a template Python's str.format fills with prompt, response_a and response_b ({exc!r}); " \
+               "write literal braces as {{ and }}"
+    return None
+
+
+def endpoint_problem(base_url: str, key: str, timeout: float) -> str | None:
+    """One probe of an OpenAI-compatible endpoint (GET {base_url}/models): None when it answers; else why not
+    (never the key)."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(base_url.rstrip("/") + "/models", headers={"Authorization": f"Bearer {key}"}
+                                 if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            resp.read(1 << 16)
+    except urllib.error.HTTPError as exc:
+        if exc.code in (401, 403):
+            return f"the endpoint refused the key (HTTP {exc.code}); check the key in the named variable"
+        if exc.code == 404:  # an endpoint without /models still answers chat completions
+            return None
+        return f"the endpoint answered HTTP {exc.code} to a probe of /models"
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return f"not reachable ({reason}); check base_url, and that the server is running and reachable from here"
+    return None
+
+
 def response_length_problems(name: str, algorithm: str, max_new_tokens: int, reward: str | dict[str, float],
                              stages: dict[str, StageBase]) -> list[str]:
     """Online RL (PPO, GRPO, RLOO) optimises responses of `max_new_tokens`; its reward model learned from pairs
@@ -178,6 +288,8 @@ class CheckContext:
     """Card field -> the data card file it names (fields that name a stage are absent)."""
     split_of: Callable[[Path, str], Any]
     """(card, split) -> its loaded rows (align/data/cards.py LoadedSplit), cached across stages."""
+    base_dir: Path = Path(".")
+    """The pipeline file's directory: relative paths in settings are relative to it."""
 
     def card_produces(self, fld: str, split: str) -> str | None:
         """The canonical form the card in `fld` produces, or None when `fld` names a stage."""
@@ -282,6 +394,12 @@ class StageBase:
     def card_split(self, fld: str) -> str:
         """The split of the card in field `fld` that the stage reads (validation loads and checks it)."""
         return "train"
+
+    def relative_files(self) -> dict[str, str]:
+        """Settings other than data cards that name a file relative to the pipeline (dotted key, list items by
+        index -> the value): the runner writes them absolute into the spec; their content is part of the stage's
+        fingerprint (editing the file reruns the stage)."""
+        return {}
 
     def starts_from_base(self) -> bool:
         """Whether the stage starts from the pipeline's base model: its fingerprint then covers the base model,

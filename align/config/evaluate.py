@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from align.config.common import DATA, POLICY, PROMPTS_ONLY, REPORT, REWARD_MODEL, CheckContext, Generation, StageBase
+from align.config.common import (DATA, POLICY, PROMPTS_ONLY, REPORT, REWARD_MODEL, CheckContext, Generation, PairwiseJudge,
+                                 StageBase)
 from align.core.schema import ranged
 
 
@@ -36,6 +37,10 @@ class EvaluateStage(StageBase):
     """Preferences stage whose held-out pairs measure reward-model accuracy (None = skip)."""
     judges: list[str] = field(default_factory=lambda: ["vader"])
     """Python judges (vader, or your own module:function), gold scorers reported beside the reward model."""
+    pairwise: list[PairwiseJudge] = field(default_factory=list)
+    """Pairwise LLM judges (a local model or an OpenAI-compatible endpoint): each policy's responses against the
+    baseline's on the same prompts, judged in both orders; win rate, ties, position consistency, invalid answers,
+    a length-controlled win rate, and agreement with the gold judges (align/stages/pairwise.py)."""
     prompts: str = ""
     """Data card path; its `prompt` column is used."""
     split: str = "test"
@@ -55,6 +60,16 @@ class EvaluateStage(StageBase):
                 raise ValueError(f"judges: '{j}' is a stage; a reward stage goes in `reward:`, `judges:` lists "
                                  "Python judges (vader, or your own module:function)")
             ctx.check_judge("judges", j)
+        names = [*self.judges, "reward_model"]
+        for i, judge in enumerate(self.pairwise):
+            if judge.name in names:
+                raise ValueError(f"pairwise[{i}].name: '{judge.name}' is taken by another judge of this stage; "
+                                 "name each judge once")
+            names.append(judge.name)
+            judge.check(f"pairwise[{i}]", ctx.base_dir)
+
+    def relative_files(self) -> dict[str, str]:
+        return {f"pairwise.{i}.template": j.template for i, j in enumerate(self.pairwise) if j.template}
 
     def card_split(self, fld: str) -> str:
         return self.split

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from align.config.common import DATA, POLICY, PROMPTS_ONLY, CheckContext, Generation, StageBase
+from align.config.common import DATA, POLICY, PROMPTS_ONLY, CheckContext, Generation, PairwiseJudge, StageBase
 from align.core.schema import ranged
 
 
@@ -34,6 +34,10 @@ class PreferencesStage(StageBase):
     judge: str | dict[str, float] = "vader"
     """A reward stage, a Python judge (vader, or your own module:function), or a weighted sum of them as a
     mapping (see align/core/judges.py)."""
+    pairwise: PairwiseJudge | None = None
+    """Label pairs with a pairwise LLM judge instead of `judge` (RLAIF): the first two samples of each prompt are
+    judged in both orders; a consistent verdict makes the pair, a tie or a flip is dropped as a tie, and
+    `min_margin` does not apply."""
     min_margin: float = ranged(0.05, ge=0)
     """Pairs whose judge scores differ by less than this are ties: dropped and counted."""
     test_fraction: float = ranged(0.1, gt=0, lt=1, fix="the reward and evaluate stages need held-out pairs")
@@ -42,7 +46,13 @@ class PreferencesStage(StageBase):
     """Decoding settings."""
 
     def check(self, ctx: CheckContext) -> None:
-        ctx.check_judge("judge", self.judge)
+        if self.pairwise is not None:
+            self.pairwise.check("pairwise", ctx.base_dir)
+        else:
+            ctx.check_judge("judge", self.judge)
+
+    def relative_files(self) -> dict[str, str]:
+        return {"pairwise.template": self.pairwise.template} if self.pairwise and self.pairwise.template else {}
 
     def card_split(self, fld: str) -> str:
         return self.split

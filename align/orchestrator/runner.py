@@ -277,9 +277,17 @@ def exit_meaning(rc: int, peak_before: int, source: str | Path) -> str:
 
 
 def _resolved_stage(plan: StagePlan) -> dict[str, Any]:
+    """The stage's settings as its process reads them: card paths and other files named relative to the pipeline
+    made absolute (the stage process does not know where the pipeline file is)."""
     d = to_dict(plan.cfg)
     for fld, path in plan.cards.items():
         d[fld] = str(path)
+    for key, path in plan.files.items():  # dotted, list items by index: pairwise.0.template
+        *parents, last = key.split(".")
+        node: Any = d
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        node[int(last) if isinstance(node, list) else last] = str(path)
     return d
 
 

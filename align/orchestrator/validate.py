@@ -77,7 +77,7 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
                 dropped = ", ".join(f"{n} {why}" for why, n in data.dropped.items()) or "none dropped"
                 print(f"  {plan.name}.{fld}: {card.name} split '{data.split}': {len(data.rows)} rows ({dropped})")
         try:
-            plan.cfg.check(CheckContext(plan.name, cfg, plan.cards, split_of))
+            plan.cfg.check(CheckContext(plan.name, cfg, plan.cards, split_of, Path(source).resolve().parent))
         except (ConfigError, ValueError) as exc:
             raise PipelineError(f"{source}: stages.{plan.name}: {exc}") from None
     _check_eval_overlap(plans, split_of, str(source))

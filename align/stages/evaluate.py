@@ -22,11 +22,12 @@ from align.config.evaluate import EvaluateStage
 from align.stages.rows import load_prompts, load_rows
 from align.modeling.generation import by_length, generate, response_logprobs
 from align.stages.judging import WeightedJudge, stage_judge
+from align.stages.pairwise import build_pairwise
 from align.modeling.models import load_tokenizer
 from align.core.rundir import read_manifest
-from align.stages.context import StageContext
+from align.stages.context import StageContext, StageError
 from align.stages.reward import calibration_buckets, pairwise_accuracy
-from align.report.stats import mean_ci, perplexity, win_rate
+from align.report.stats import mean_ci, pairwise_summary, perplexity, win_rate
 
 OUTPUTS = ["../report"]
 
@@ -108,6 +109,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 w = win_rate(sc, samples[cfg.baseline]["scores"][j], cfg.bootstrap_samples, ctx.seed)
                 metrics[f"eval/{name}/{j}/win_rate"] = w["win_rate"]
                 metrics[f"eval/{name}/{j}/win_rate_ci"] = [w["ci_low"], w["ci_high"]]
+    verdicts = judge_pairwise(ctx, cfg, prompts, samples, metrics)
     buckets: list[dict[str, float]] = []
     if cfg.reward and cfg.preferences:
         pairs = load_rows(ctx, cfg.preferences, "test", tokenizer=tokenizer)
@@ -142,9 +144,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
         (out / "report.md").write_text(render_report(cfg, metrics, prompts, samples, groups))
         with open(out / "samples.jsonl", "w", encoding="utf-8") as fh:
             for i, p in enumerate(prompts):
-                fh.write(json.dumps({"prompt": p, **{n: {"response": s["responses"][i], "kl": s["kl"][i],
-                                                         **{j: sc[i] for j, sc in s["scores"].items()}}
-                                                     for n, s in samples.items()}}) + "\n")
+                row = {"prompt": p, **{n: {"response": s["responses"][i], "kl": s["kl"][i],
+                                           **{j: sc[i] for j, sc in s["scores"].items()},
+                                           **{j: by[n][i] for j, by in verdicts.items() if i < len(by.get(n, []))}}
+                                       for n, s in samples.items()}}
+                fh.write(json.dumps(row) + "\n")
 
     ctx.publish("../report", write)
     ctx.extra_manifest["summary"] = headline(cfg, metrics)  # what `align run` prints at the end of the run
@@ -161,6 +165,46 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if ctx.is_main:
         print(headline(cfg, metrics), flush=True)
     return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+
+
+def judge_pairwise(ctx: StageContext, cfg: EvaluateStage, prompts: list[str], samples: dict[str, dict[str, Any]],
+                   metrics: dict[str, Any]) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Each pairwise judge on each policy against the baseline (align/stages/pairwise.py): its summary in `metrics`
+    (eval/<policy>/<judge>/win_rate, _ci, lc_win_rate, tie_rate, consistency, invalid_rate, lengths, agreement with
+    each gold judge); the verdicts per judge and policy are returned for samples.jsonl. A judge whose invalid answers
+    exceed its max_invalid_fraction fails the stage, with examples in the log."""
+    out: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    base = samples[cfg.baseline]
+    for settings in cfg.pairwise:
+        judge = build_pairwise(ctx, settings)
+        n = min(len(prompts), settings.max_prompts or len(prompts))
+        out[settings.name] = {}
+        for name in cfg.policies:
+            if name == cfg.baseline:
+                continue
+            if ctx.is_main:
+                print(f"[align] {ctx.name}: judging {name} against {cfg.baseline} on {n} prompts with "
+                      f"{settings.name} ({judge.backend.name}, both orders)", flush=True)
+            mine = samples[name]
+            results = judge.compare(prompts[:n], mine["responses"][:n], base["responses"][:n])
+            gold = {j: (mine["scores"][j][:n], base["scores"][j][:n]) for j in cfg.judges}
+            summary = pairwise_summary(results, mine["length"][:n], base["length"][:n], cfg.bootstrap_samples,
+                                       ctx.seed, gold)
+            metrics.update({f"eval/{name}/{settings.name}/{k}": v for k, v in summary.items()})
+            out[settings.name][name] = results
+            if summary["invalid_rate"] > settings.max_invalid_fraction:
+                bad = [r["answers"] for r in results if r["outcome"] == "invalid"][:5]
+                for answers in bad:
+                    print(f"[align] {ctx.name}: {settings.name}: invalid answers (policy as A, as B): {answers!r}",
+                          flush=True)
+                raise StageError(
+                    f"stage '{ctx.name}': pairwise judge '{settings.name}' gave invalid answers (not exactly A, B or "
+                    f"tie) for {summary['invalid_rate']:.1%} of the {n} pairs of {name} vs {cfg.baseline}, above "
+                    f"max_invalid_fraction {settings.max_invalid_fraction}; examples in the log. Use a stronger judge, "
+                    f"a judging template that asks for one word, or a larger max_new_tokens")
+        metrics[f"eval/{settings.name}/requests"] = judge.backend.requests
+        del judge
+    return out
 
 
 def all_judges(cfg: EvaluateStage) -> list[str]:
@@ -184,7 +228,24 @@ def headline(cfg: EvaluateStage, m: dict[str, Any]) -> str:
                 lo, hi = m[f"eval/{p}/{j}/win_rate_ci"]
                 cells.append(f"{m[f'eval/{p}/{j}/win_rate']:.3f} [{lo:.3f}, {hi:.3f}]")
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + f"\n\nn = {m['eval/prompts']} held-out prompts"
+    for judge in cfg.pairwise:  # pairwise judges: win rate vs the baseline, both orders, ties as halves
+        lines += ["", f"| policy | {judge.name} win rate vs {cfg.baseline} [95% CI] | length-controlled | ties | "
+                  f"position-consistent | invalid | agreement with {', '.join(cfg.judges) or '-'} |",
+                  "|---|---|---|---|---|---|---|"]
+        for p in cfg.policies:
+            if p == cfg.baseline:
+                continue
+            key = f"eval/{p}/{judge.name}"
+            lo, hi = m[f"{key}/win_rate_ci"]
+            agree = ", ".join(f"{m.get(f'{key}/agreement/{j}', float('nan')):.3f} "
+                              f"(n={m.get(f'{key}/agreement/{j}/pairs', 0):.0f})" for j in cfg.judges) or "-"
+            lines.append(f"| {p} | {m[f'{key}/win_rate']:.3f} [{lo:.3f}, {hi:.3f}] | {m[f'{key}/lc_win_rate']:.3f} | "
+                         f"{m[f'{key}/tie_rate']:.3f} | {m[f'{key}/consistency']:.3f} | {m[f'{key}/invalid_rate']:.3f} | "
+                         f"{agree} |")
+    judged = {j.name: next((int(m[f"eval/{p}/{j.name}/pairs"]) for p in cfg.policies if p != cfg.baseline), 0)
+              for j in cfg.pairwise}
+    return "\n".join(lines) + f"\n\nn = {m['eval/prompts']} held-out prompts" + "".join(
+        f"; {name}: the first {n} of them, each pair judged in both orders" for name, n in judged.items())
 
 
 def render_report(cfg: EvaluateStage, m: dict[str, Any], prompts: list[str], samples: dict[str, Any],

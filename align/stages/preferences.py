@@ -20,7 +20,7 @@ from align.stages.rows import load_prompts
 from align.modeling.generation import by_length, sample_texts
 from align.stages.judging import stage_judge
 from align.modeling.models import load_tokenizer
-from align.stages.context import StageContext
+from align.stages.context import StageContext, StageError
 
 OUTPUTS = ["data"]
 
@@ -36,13 +36,36 @@ def pair_up(prompt: str, responses: list[str], scores: list[float], min_margin: 
             "score_chosen": scores[best], "score_rejected": scores[worst]}
 
 
+def judge_pairwise(ctx: StageContext, cfg: PreferencesStage, records: list[dict[str, Any]]) -> None:
+    """RLAIF: the first two responses of each prompt judged by the pairwise LLM judge in both orders
+    (align/stages/pairwise.py); the first one scores 1 and the second 0 when the judge prefers the first in both
+    orders, the reverse when it prefers the second, 0.5 each for a tie or a verdict that flips. Invalid answers above
+    the judge's max_invalid_fraction fail the stage."""
+    from align.stages.pairwise import build_pairwise
+
+    judge = build_pairwise(ctx, cfg.pairwise)
+    results = judge.compare([r["prompt"] for r in records], [r["responses"][0] for r in records],
+                            [r["responses"][1] for r in records])
+    value = {"win": [1.0, 0.0], "loss": [0.0, 1.0], "tie": [0.5, 0.5], "invalid": [0.5, 0.5]}
+    for r, res in zip(records, results):
+        r["responses"], r["scores"], r["verdicts"] = r["responses"][:2], value[res["outcome"]], res["answers"]
+    invalid = sum(res["outcome"] == "invalid" for res in results)
+    if results and invalid / len(results) > cfg.pairwise.max_invalid_fraction:
+        for res in [x for x in results if x["outcome"] == "invalid"][:5]:
+            print(f"[align] {ctx.name}: {cfg.pairwise.name}: invalid answers (first as A, as B): {res['answers']!r}",
+                  flush=True)
+        raise StageError(f"stage '{ctx.name}': pairwise judge '{cfg.pairwise.name}' gave invalid answers (not "
+                         f"exactly A, B or tie) for {invalid} of {len(results)} prompts, above max_invalid_fraction "
+                         f"{cfg.pairwise.max_invalid_fraction}; examples in the log")
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg: PreferencesStage = ctx.cfg  # type: ignore[assignment]
     path = ctx.input_model(cfg.policy)
     tokenizer = load_tokenizer(path)
     prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer)  # conversations: rendered
     policy = ctx.load_lm(path, device=True).eval()
-    judge = stage_judge(ctx, cfg.judge)
+    judge = stage_judge(ctx, cfg.judge) if cfg.pairwise is None else None
     n = cfg.samples_per_prompt
     per_batch = max(1, cfg.generation.batch_size // n)
     fast = ctx.compute.fast_generation(cfg.generation.fast)
@@ -58,11 +81,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
             with ctx.compute.autocast():
                 texts, scores = sample_texts(policy, tokenizer, flat, cfg.generation,
                                              seed=ctx.seed * 1_000_003 + batch[0][0], fast=fast, counts=counts,
-                                             score=lambda r, ps: judge.score_rollout(r, ps, tokenizer))
+                                             score=None if judge is None else
+                                             lambda r, ps: judge.score_rollout(r, ps, tokenizer))
             for j, (idx, prompt) in enumerate(batch):
                 records.append({"index": idx, "prompt": prompt, "responses": texts[j * n:(j + 1) * n],
                                 "scores": scores[j * n:(j + 1) * n]})
         ctx.progress(len(mine), len(mine))
+        if cfg.pairwise is not None:
+            del policy
+            judge_pairwise(ctx, cfg, records)
     from accelerate.utils import gather_object  # heavy: stage processes only
 
     records = sorted(gather_object(records), key=lambda r: r["index"])
@@ -70,14 +97,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
     generated = sum(gather_object([counts["generated_tokens"]]))
 
     pairs, ties = [], 0
+    margin = 0.5 if cfg.pairwise is not None else cfg.min_margin  # pairwise: 1 vs 0 decides, 0.5 vs 0.5 ties
     for r in records:
-        pair = pair_up(r["prompt"], r["responses"], r["scores"], cfg.min_margin)
+        pair = pair_up(r["prompt"], r["responses"], r["scores"], margin)
         if pair is None:
             ties += 1
         else:
             pairs.append(pair)
     if not pairs:
-        raise RuntimeError(f"stage '{ctx.name}': every one of {len(records)} prompts was a tie (min_margin "
+        raise StageError(f"stage '{ctx.name}': every one of {len(records)} prompts was a tie (min_margin "
                            f"{cfg.min_margin}); sample more per prompt or lower min_margin")
     held_out = set(random.Random(ctx.seed).sample(range(len(records)), round(cfg.test_fraction * len(records))))
     test_prompts = {records[i]["prompt"] for i in held_out}

@@ -1,0 +1,251 @@
+"""Pairwise LLM judges: a model reads a prompt and two responses and answers A, B or tie.
+
+The setting is `align.config.common.PairwiseJudge` (evaluate's `pairwise:` list, preferences' `pairwise:`). Every
+pair is judged in both orders, since judges prefer one slot: first with the policy's response as A, then as B. The
+outcome for the policy is a win when both orders prefer it, a loss when both prefer the other response, and a tie
+otherwise (a tie in both, or a verdict that flips with the order); a pair with an answer that is not exactly A, B
+or tie is invalid: counted and reported, never guessed (`parse_verdict`).
+
+Backends, behind one interface (`answers(judging prompts) -> raw answers`):
+- `LocalBackend`: a causal LM in the stage process (a directory, hub id or packaged:NAME), greedy, batched, the
+  judging prompt sent as one user turn through the model's chat template;
+- `EndpointBackend`: an OpenAI-compatible chat-completions endpoint (`base_url`, `model`), temperature 0, bounded
+  concurrency, a timeout per request, retries with exponential backoff on timeouts, 429 and 5xx; the API key is
+  read from the named environment variable when a request is made and is never logged or written.
+
+Answers are cached (`JudgeCache`, <stage>/judge_cache/<judge>.jsonl), keyed by the judge's identity (backend,
+model, template, answer length), the prompt and both responses, and appended as they arrive: a rerun, or an
+evaluation resumed after a kill, asks only what it has not asked before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Protocol
+
+from align.config.common import PairwiseJudge
+
+VERDICTS = ("A", "B", "tie")
+DEFAULT_TEMPLATE = Path(__file__).resolve().parent.parent / "templates" / "pairwise_judge.txt"
+
+
+def parse_verdict(answer: str) -> str | None:
+    """Strict: the answer, without surrounding whitespace, quotes, asterisks and one final period, is exactly A, B
+    or tie (any case). Anything else, "A." included but "Response A" not, is None: invalid."""
+    text = answer.strip().strip("\"'*`").strip()
+    if text.endswith("."):
+        text = text[:-1].strip()
+    for verdict in VERDICTS:
+        if text.lower() == verdict.lower():
+            return verdict
+    return None
+
+
+def outcome(policy_first: str | None, policy_second: str | None) -> str:
+    """The policy's outcome from the verdict with its response as A (`policy_first`) and as B (`policy_second`):
+    win, loss, tie (a tie in both orders, or a verdict that flips with the order) or invalid."""
+    if policy_first is None or policy_second is None:
+        return "invalid"
+    first = {"A": "win", "B": "loss", "tie": "tie"}[policy_first]
+    second = {"B": "win", "A": "loss", "tie": "tie"}[policy_second]
+    return first if first == second else "tie"
+
+
+class Backend(Protocol):
+    name: str
+    requests: int
+
+    def answers(self, texts: list[str]) -> list[str]: ...
+
+
+class LocalBackend:
+    """A causal LM judging in the stage process: greedy decoding, `batch_size` judging prompts per call, left
+    padding (positions from the mask), each prompt a user turn of the model's own chat template."""
+
+    name = "local"
+
+    def __init__(self, model, tokenizer, batch_size: int, max_new_tokens: int):
+        self.model, self.tokenizer = model, tokenizer
+        self.batch_size, self.max_new_tokens = batch_size, max_new_tokens
+        self.requests = 0
+
+    def render(self, text: str) -> str:
+        return chat_prompt(self.tokenizer, text)
+
+    def answers(self, texts: list[str]) -> list[str]:
+        import torch  # heavy: stage processes only
+
+        out: list[str] = []
+        tok = self.tokenizer
+        side = tok.padding_side
+        tok.padding_side = "left"
+        try:
+            for start in range(0, len(texts), self.batch_size):
+                batch = [self.render(t) for t in texts[start:start + self.batch_size]]
+                enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(self.model.device)
+                with torch.no_grad():
+                    ids = self.model.generate(**enc, do_sample=False, max_new_tokens=self.max_new_tokens,
+                                              pad_token_id=tok.pad_token_id)
+                out += tok.batch_decode(ids[:, enc["input_ids"].size(1):], skip_special_tokens=True)
+                self.requests += len(batch)
+        finally:
+            tok.padding_side = side
+        return out
+
+
+def chat_prompt(tokenizer, text: str) -> str:
+    """`text` as one user turn with the model's chat template and its generation prompt (the text itself when the
+    tokenizer has no template): what an OpenAI-compatible server does with a one-message request."""
+    if not tokenizer.chat_template:
+        return text
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+
+
+class EndpointError(OSError):
+    """The endpoint failed a request after its retries, or refused it; the message names the URL and the cause (an
+    I/O failure: the stage ends with it as its error, exit code 2, no traceback)."""
+
+
+class EndpointBackend:
+    """An OpenAI-compatible chat-completions endpoint."""
+
+    name = "endpoint"
+
+    def __init__(self, base_url: str, model: str, key_env: str | None, max_new_tokens: int, timeout: float,
+                 retries: int, max_concurrency: int):
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.model, self.key_env, self.max_new_tokens = model, key_env, max_new_tokens
+        self.timeout, self.retries, self.max_concurrency = timeout, retries, max_concurrency
+        self.requests = 0
+        self._lock = threading.Lock()
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self.key_env:  # read now, used in this request only
+            headers["Authorization"] = f"Bearer {os.environ.get(self.key_env, '')}"
+        return headers
+
+    def ask(self, text: str) -> str:
+        body = json.dumps({"model": self.model, "messages": [{"role": "user", "content": text}],
+                           "max_tokens": self.max_new_tokens, "temperature": 0}).encode()
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
+            req = urllib.request.Request(self.url, data=body, headers=self._headers(), method="POST")
+            with self._lock:
+                self.requests += 1
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                    answer = json.loads(resp.read().decode("utf-8"))
+                return str(answer["choices"][0]["message"]["content"] or "")
+            except urllib.error.HTTPError as exc:
+                last = f"HTTP {exc.code}"
+                if exc.code not in (408, 429) and exc.code < 500:  # the request itself is wrong: retrying will not help
+                    raise EndpointError(f"{self.url} refused the request ({last}"
+                                        + (": check the key in " + self.key_env if exc.code in (401, 403)
+                                           and self.key_env else "") + f"; model '{self.model}')") from None
+            except (urllib.error.URLError, TimeoutError, OSError) as exc:
+                last = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+            except (ValueError, KeyError, IndexError, TypeError) as exc:
+                last = f"an answer that is not a chat completion ({type(exc).__name__})"
+        raise EndpointError(f"{self.url}: no answer after {self.retries + 1} attempts (last: {last}); check that the "
+                            "server is up, or raise timeout / retries")
+
+    def answers(self, texts: list[str]) -> list[str]:
+        with ThreadPoolExecutor(max_workers=self.max_concurrency) as pool:
+            return list(pool.map(self.ask, texts))
+
+
+class JudgeCache:
+    """Raw answers by key, in a JSONL file appended as answers arrive (a killed run keeps what it was told; a torn
+    last line is skipped)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.answers: dict[str, str] = {}
+        if path.is_file():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    row = json.loads(line)
+                    self.answers[row["key"]] = row["answer"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue
+        self._lock = threading.Lock()
+
+    def put(self, items: dict[str, str]) -> None:
+        with self._lock:
+            self.answers.update(items)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as fh:
+                fh.writelines(json.dumps({"key": k, "answer": v}) + "\n" for k, v in items.items())
+                fh.flush()
+
+
+class PairwiseLLMJudge:
+    """One pairwise judge: a backend, a judging prompt template, a cache."""
+
+    def __init__(self, settings: PairwiseJudge, backend: Backend, template: str, cache: JudgeCache,
+                 chunk: int = 64):
+        self.settings, self.backend, self.template, self.cache = settings, backend, template, cache
+        self.chunk = chunk  # answers cached in chunks of this many (a kill loses at most one chunk)
+        model = settings.model if settings.base_url is None else f"{settings.base_url}:{settings.model}"
+        self.identity = json.dumps([backend.name, model, hashlib.sha256(template.encode()).hexdigest(),
+                                    settings.max_new_tokens])
+
+    def key(self, prompt: str, a: str, b: str) -> str:
+        return hashlib.sha256(json.dumps([self.identity, prompt, a, b]).encode()).hexdigest()
+
+    def text(self, prompt: str, a: str, b: str) -> str:
+        return self.template.format(prompt=prompt, response_a=a, response_b=b)
+
+    def raw_answers(self, prompts: list[str], a: list[str], b: list[str]) -> list[str]:
+        """The judge's raw answers for (prompt, A, B) triples: from the cache, else asked (and cached)."""
+        keys = [self.key(p, x, y) for p, x, y in zip(prompts, a, b)]
+        todo = list(dict.fromkeys(k for k in keys if k not in self.cache.answers))
+        where = {k: i for i, k in enumerate(keys)}
+        for start in range(0, len(todo), self.chunk):
+            part = todo[start:start + self.chunk]
+            texts = [self.text(prompts[where[k]], a[where[k]], b[where[k]]) for k in part]
+            self.cache.put(dict(zip(part, self.backend.answers(texts))))
+        return [self.cache.answers[k] for k in keys]
+
+    def compare(self, prompts: list[str], policy: list[str], baseline: list[str]) -> list[dict[str, Any]]:
+        """Both orders for each prompt: the raw answers, the verdicts and the policy's outcome."""
+        first = self.raw_answers(prompts, policy, baseline)  # the policy's response as A
+        second = self.raw_answers(prompts, baseline, policy)  # ... and as B
+        out = []
+        for f, s in zip(first, second):
+            vf, vs = parse_verdict(f), parse_verdict(s)
+            out.append({"answers": [f, s], "verdicts": [vf, vs], "outcome": outcome(vf, vs)})
+        return out
+
+
+def build_pairwise(ctx, settings: PairwiseJudge) -> PairwiseLLMJudge:
+    """The judge of a setting in a stage process (`ctx`: its StageContext): the template read from its resolved
+    path (or the shipped one), the local model loaded on the stage's device, the cache in the stage's directory."""
+    template = Path(settings.template).read_text(encoding="utf-8") if settings.template else \
+        DEFAULT_TEMPLATE.read_text(encoding="utf-8")
+    if settings.base_url:
+        backend: Backend = EndpointBackend(settings.base_url, settings.model, settings.key_env,
+                                           settings.max_new_tokens, settings.timeout, settings.retries,
+                                           settings.max_concurrency)
+    else:
+        from align.core.packaged import SCHEME, resolve
+        from align.modeling.models import load_tokenizer
+
+        path = resolve(settings.model) if settings.model.startswith(SCHEME) else settings.model
+        tokenizer = load_tokenizer(path)
+        backend = LocalBackend(ctx.load_lm(path, device=True).eval(), tokenizer, settings.batch_size,
+                               settings.max_new_tokens)
+    chunk = settings.max_concurrency if settings.base_url else settings.batch_size  # in flight at a kill, at most
+    return PairwiseLLMJudge(settings, backend, template, JudgeCache(ctx.dir / "judge_cache" / f"{settings.name}.jsonl"),
+                            chunk=chunk)

@@ -1,0 +1,281 @@
+"""Pairwise LLM judges (issue 24): strict verdicts, both orders, the report's statistics against hand-computed
+values, and the two backends on the packaged SmolLM2-135M-Instruct: the local model in the test process and the
+same model behind an OpenAI-compatible test server (tests/servers/openai_compatible.py) give the same verdicts; an
+evaluation with the endpoint judge writes the key nowhere, and one killed mid-judging and rerun asks the server
+only what it had not answered. Seeds: the pipeline's (17); the random key is printed."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TINY, run_align
+
+SERVER = REPO / "tests" / "servers" / "openai_compatible.py"
+
+
+# --------------------------------------------------------------------------------------------- verdicts and stats
+def test_verdicts_are_parsed_strictly_and_never_guessed():
+    from align.stages.pairwise import parse_verdict
+
+    for answer, verdict in [("A", "A"), (" b \n", "B"), ("Tie", "tie"), ("A.", "A"), ("**B**", "B"), ('"tie"', "tie")]:
+        assert parse_verdict(answer) == verdict, answer
+    for answer in ["Response A", "A or B", "AB", "", "I think A", "tied", "A, because it is positive"]:
+        assert parse_verdict(answer) is None, answer
+
+
+def test_a_verdict_that_flips_with_the_order_is_a_tie():
+    from align.stages.pairwise import outcome
+
+    # first: the policy's response is A; second: it is B
+    assert outcome("A", "B") == "win" and outcome("B", "A") == "loss" and outcome("tie", "tie") == "tie"
+    assert outcome("A", "A") == "tie" and outcome("B", "B") == "tie"  # position bias: flips with the order
+    assert outcome("A", "tie") == "tie" and outcome(None, "B") == "invalid" and outcome("A", None) == "invalid"
+
+
+def test_length_controlled_win_rate_against_hand_computed_values():
+    """8 pairs where the policy is longer (6 wins, 2 losses) and 4 where it is shorter (1 win, 3 losses): the raw win
+    rate is 7/12, but the fitted logistic curve has P(win) = 3/4 at +1 sd and 1/4 at -1 sd, so at equal length
+    sigmoid(a) = 1/2 (a = (logit 3/4 + logit 1/4) / 2 = 0). With no length difference it is the plain win rate."""
+    from align.report.stats import length_controlled_win_rate
+
+    values = [1.0] * 6 + [0.0] * 2 + [1.0] + [0.0] * 3
+    diff = [5.0] * 8 + [-5.0] * 4
+    assert sum(values) / len(values) == pytest.approx(7 / 12)
+    assert length_controlled_win_rate(values, diff) == pytest.approx(0.5, abs=2e-3)
+    assert length_controlled_win_rate([1, 1, 0, 0.5], [0, 0, 0, 0]) == pytest.approx(0.625, abs=1e-3)
+    # every win where the policy is longer (perfect separation): still a finite fit (ridge), under the raw 2/3
+    assert 0.5 <= length_controlled_win_rate([1, 1, 0], [3, 3, -3]) < 2 / 3 - 0.05
+
+
+def test_pairwise_summary_counts_what_the_report_says():
+    from align.report.stats import pairwise_summary
+
+    results = [{"verdicts": v, "outcome": o} for v, o in [
+        (["A", "B"], "win"), (["A", "B"], "win"), (["B", "A"], "loss"), (["A", "A"], "tie"),  # the 4th flips
+        (["tie", "tie"], "tie"), ([None, "B"], "invalid")]]
+    vader = ([0.9, 0.8, 0.1, 0.5, 0.5, 0.0], [0.1, 0.2, 0.6, 0.5, 0.5, 0.0])  # policy, baseline
+    s = pairwise_summary(results, [10, 12, 8, 9, 9, 9], [9, 9, 9, 9, 9, 9], samples=200, seed=0,
+                         gold={"vader": vader})
+    assert s["pairs"] == 6 and s["valid"] == 5 and s["invalid_rate"] == pytest.approx(1 / 6)
+    assert s["win_rate"] == pytest.approx((1 + 1 + 0 + 0.5 + 0.5) / 5)
+    assert s["tie_rate"] == pytest.approx(2 / 5) and s["consistency"] == pytest.approx(4 / 5)
+    assert s["policy_length"] == pytest.approx(57 / 6) and s["baseline_length"] == 9
+    # decided by both judges: pairs 1, 2 (LLM win, vader better) and 3 (LLM loss, vader worse): all agree
+    assert s["agreement/vader"] == 1.0 and s["agreement/vader/pairs"] == 3
+    assert s["win_rate_ci"][0] <= s["win_rate"] <= s["win_rate_ci"][1]
+
+
+# --------------------------------------------------------------------------------------------- backends
+@pytest.fixture(scope="module")
+def smollm2() -> str:
+    from align.core.packaged import resolve
+
+    return resolve("packaged:smollm2")  # fetched by ./launch.sh --tests before the suite
+
+
+class Server:
+    def __init__(self, model: str, tmp: Path, key_env: str | None = None, delay: float = 0.0, env=None,
+                 rule: str | None = None):
+        port_file = tmp / f"port-{secrets.token_hex(4)}"
+        cmd = [sys.executable, str(SERVER), "--port-file", str(port_file), "--idle-timeout", "300",
+               "--delay", str(delay)] + (["--require-key-env", key_env] if key_env else []) + \
+            (["--rule", rule] if rule else ["--model", model])
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 180
+        while not port_file.exists():
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"test server did not start: {self.proc.stderr.read()[-2000:]}")
+            time.sleep(0.2)
+        self.url = f"http://127.0.0.1:{port_file.read_text()}/v1"
+
+    def completions(self) -> int:
+        import urllib.request
+
+        with urllib.request.urlopen(self.url.replace("/v1", "/stats"), timeout=10) as resp:
+            return json.loads(resp.read())["completions"]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+PROMPTS = ["The movie was", "I expected more from this", "A quiet little film that"]
+GOOD = [" a joy from start to finish.", " and got a wonderful surprise.", " stays with you, beautifully made."]
+BAD = [" a dull, lifeless mess.", " and it was a boring waste of time.", " bores you to tears."]
+
+
+def test_the_endpoint_and_the_local_model_give_the_same_verdicts(smollm2, tmp_path):
+    """The same pairs, both orders, judged by SmolLM2 in this process (batched, left-padded) and through the test
+    server (one request at a time, over HTTP): the same raw answers, so the same verdicts."""
+    import torch
+
+    from align.config.common import PairwiseJudge
+    from align.modeling.models import load_causal_lm, load_tokenizer
+    from align.stages.pairwise import (DEFAULT_TEMPLATE, EndpointBackend, JudgeCache, LocalBackend,
+                                       PairwiseLLMJudge)
+
+    torch.manual_seed(17)
+    template = DEFAULT_TEMPLATE.read_text()
+    server = Server(smollm2, tmp_path)
+    try:
+        settings = PairwiseJudge(name="e", model="judge", base_url=server.url, max_new_tokens=8)
+        endpoint = PairwiseLLMJudge(settings, EndpointBackend(server.url, "judge", None, 8, 60, 1, 2), template,
+                                    JudgeCache(tmp_path / "e.jsonl"))
+        remote = endpoint.compare(PROMPTS, GOOD, BAD)
+        assert server.completions() == 2 * len(PROMPTS)  # both orders, nothing twice
+    finally:
+        server.stop()
+    local_settings = PairwiseJudge(name="l", model=smollm2, max_new_tokens=8, batch_size=4)
+    backend = LocalBackend(load_causal_lm(smollm2).eval(), load_tokenizer(smollm2), 4, 8)
+    local = PairwiseLLMJudge(local_settings, backend, template, JudgeCache(tmp_path / "l.jsonl")).compare(
+        PROMPTS, GOOD, BAD)
+    print("answers:", [r["answers"] for r in local])
+    assert [r["answers"] for r in local] == [r["answers"] for r in remote]
+    assert [r["outcome"] for r in local] == [r["outcome"] for r in remote]
+
+
+# --------------------------------------------------------------------------------------------- in a pipeline
+JUDGED = 10  # prompts judged per policy (of the tiny run's 24)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    """The tiny default pipeline, run once; each test evaluates a copy of it with its own judge (`--only evaluate`:
+    the judge is a setting of evaluate alone, upstream stages stay up to date)."""
+    root = tmp_path_factory.mktemp("pairwise")
+    for name in ("pipelines", "data_cards"):
+        (root / name).symlink_to(REPO / name)
+    proc = run_align("run", "pipelines/default.yaml", "tracking.wandb=disabled", *TINY, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return root / "runs"
+
+
+@pytest.fixture
+def evaluated(tiny_run, workdir) -> Path:
+    import shutil
+
+    shutil.copytree(tiny_run, workdir / "runs", symlinks=True)
+    return workdir
+
+
+def _distinct_judgments(run: Path) -> int:
+    """(prompt, A, B) triples the judge is asked about: both orders of each policy against sft on the judged prompts;
+    the tiny models often answer alike, and a triple asked twice is answered once (the cache)."""
+    rows = [json.loads(x) for x in (run / "report" / "samples.jsonl").read_text().splitlines()][:JUDGED]
+    return len({(r["prompt"], *pair) for r in rows for p in ("ppo", "dpo")
+                for pair in ((r[p]["response"], r["sft"]["response"]), (r["sft"]["response"], r[p]["response"]))})
+
+def _endpoint_judge(url: str, key_env: str | None = None, **extra) -> str:
+    fields = {"name": "smol", "model": "judge", "base_url": url, "max_prompts": JUDGED, "max_invalid_fraction": 1.0,
+              "max_concurrency": 2, **extra}
+    if key_env:
+        fields["key_env"] = key_env
+    return "evaluate.pairwise=[" + json.dumps(fields) + "]"
+
+
+def test_evaluate_with_the_endpoint_judge_writes_the_key_nowhere(smollm2, evaluated):
+    workdir = evaluated
+    key = "sk-test-" + secrets.token_hex(16)
+    print(f"key {key}")
+    env = {"ALIGN_TEST_JUDGE_KEY": key}
+    server = Server(smollm2, workdir, key_env="ALIGN_TEST_JUDGE_KEY", env=env)
+    try:
+        args = ["run", "pipelines/default.yaml", "--only", "evaluate", "tracking.wandb=offline", *TINY,
+                _endpoint_judge(server.url, "ALIGN_TEST_JUDGE_KEY")]
+        bad = run_align(*args[:-1], _endpoint_judge(server.url, "ALIGN_TEST_JUDGE_KEY"), cwd=workdir)
+        assert bad.returncode == 2 and "variable ALIGN_TEST_JUDGE_KEY is not set" in bad.stderr, bad.stderr[-2000:]
+        proc = run_align(*args, cwd=workdir, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        served = server.completions()
+    finally:
+        server.stop()
+    run = workdir / "runs" / "default" / "main"
+    metrics = json.loads((run / "report" / "metrics.json").read_text())
+    assert served == _distinct_judgments(run)  # every distinct question once, both orders, each policy against sft
+    for p in ("ppo", "dpo"):
+        assert metrics[f"eval/{p}/smol/pairs"] == JUDGED
+        assert 0.0 <= metrics[f"eval/{p}/smol/invalid_rate"] <= 1.0
+    assert "smol win rate vs sft" in (run / "report" / "report.md").read_text()
+    for root in (workdir / "runs", workdir / "wandb"):
+        for f in (p for p in root.rglob("*") if p.is_file()) if root.exists() else []:
+            assert key.encode() not in f.read_bytes(), f  # the key's value, anywhere on disk
+    assert key not in proc.stdout + proc.stderr
+
+
+def test_validate_names_an_unreachable_endpoint(workdir):
+    proc = run_align("validate", "pipelines/default.yaml", *TINY, _endpoint_judge("http://127.0.0.1:9/v1"),
+                     cwd=workdir)
+    assert proc.returncode == 2
+    assert "stages.evaluate: pairwise[0].base_url: http://127.0.0.1:9/v1: not reachable" in proc.stderr
+
+
+def test_killed_mid_judging_the_rerun_asks_only_what_was_not_answered(smollm2, evaluated):
+    """The endpoint answers slowly (0.3 s each); the run is SIGKILLed once 6 answers are cached; the rerun resumes
+    the evaluation and the server is asked at most the rest plus what was in flight at the kill."""
+    workdir = evaluated
+    server = Server(smollm2, workdir, delay=0.3)
+    run = workdir / "runs" / "default" / "main"
+    cache = run / "evaluate" / "judge_cache" / "smol.jsonl"
+    args = ["run", "pipelines/default.yaml", "--only", "evaluate", "tracking.wandb=disabled", *TINY,
+            _endpoint_judge(server.url)]
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "align.cli", *args], cwd=workdir, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.time() + 600
+        while not (cache.is_file() and len(cache.read_text().splitlines()) >= 6):
+            assert proc.poll() is None and time.time() < deadline, "the run ended before judging half way"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        cached = len(cache.read_text().splitlines())
+        before = server.completions()
+        again = run_align(*args, cwd=workdir)
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+        asked = server.completions() - before
+    finally:
+        server.stop()
+    total = _distinct_judgments(run)
+    print(f"distinct questions {total}, cached before the kill {cached}, asked again {asked}")
+    assert cached < total  # killed mid-judging
+    assert len(cache.read_text().splitlines()) == total
+    assert total - cached <= asked <= total - cached + 2  # what was missing, plus at most what was in flight
+
+
+def test_preferences_labelled_by_a_pairwise_judge_keep_only_its_consistent_verdicts(evaluated):
+    """RLAIF: the preferences stage labels each prompt's first two samples with a pairwise judge, in both orders.
+    The judge here is the test server's rule (the longer response wins; equal lengths tie), reached through the
+    endpoint backend with a judging template given as a file: a pair is kept exactly where the
+    lengths differ, and its chosen response is the longer one."""
+    workdir = evaluated  # sft is up to date in the copy
+    server = Server("", workdir, rule="longer")
+    template = workdir / "marked_judge.txt"
+    template.write_text((REPO / "tests" / "servers" / "marked_judge.txt").read_text())
+    judge = json.dumps({"name": "longer", "model": "rule", "base_url": server.url, "template": str(template)})
+    common = ["run", "pipelines/default.yaml", "tracking.wandb=disabled", *TINY, "preferences.max_prompts=16",
+              f"preferences.pairwise={judge}"]
+    try:
+        proc = run_align(*common, "--only", "preferences", cwd=workdir)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        asked = server.completions()
+    finally:
+        server.stop()
+    data = workdir / "runs" / "default" / "main" / "preferences" / "data"
+    samples = [json.loads(x) for x in (data / "samples.jsonl").read_text().splitlines()]
+    pairs = {json.loads(x)["prompt"]: json.loads(x) for f in ("train", "test")
+             for x in (data / f"{f}.jsonl").read_text().splitlines()}
+    assert len(samples) == 16 and all(len(s["responses"]) == 2 and len(s["verdicts"]) == 2 for s in samples)
+    assert asked == len({(s["prompt"], *o) for s in samples for o in (s["responses"], s["responses"][::-1])})
+    differ = {s["prompt"]: s for s in samples if len(s["responses"][0]) != len(s["responses"][1])}
+    assert 0 < len(differ) and set(pairs) == set(differ)  # equal lengths: ties, no pair
+    for prompt, p in pairs.items():
+        assert p["chosen"] == max(differ[prompt]["responses"], key=len)
