@@ -1,17 +1,19 @@
-"""Throughput of align's PPO stage and TRL's RLOOTrainer, side by side, in one run.
+"""Throughput of align's PPO stage and TRL's RLOOTrainer and GRPOTrainer, side by side, in one run.
 
-Both get the same policy (an SFT checkpoint), the same frozen reward model, the same prompts, the same
-episodes per generation batch, optimiser micro-batch, passes over each batch and response length:
+All get the same policy (an SFT checkpoint), the same frozen reward model, the same prompts, the same
+episodes per generation batch, optimiser micro-batch, passes over each batch, response length and precision
+(float32 on a CPU), and hold a reference for their KL term (beta 0.05):
 
   align PPO : rollout_batch_size = B, mini_batch_size = M, ppo_epochs = E, max_new_tokens = L
   TRL RLOO  : generation_batch_size = B (B/2 prompts x num_generations 2), per_device_train_batch_size = M,
-              steps_per_generation = B/M, num_iterations = E, max_completion_length = L
+  TRL GRPO    steps_per_generation = B/M, num_iterations = E, max_completion_length = L
 
-The algorithms differ (PPO trains a value model; RLOO uses a leave-one-out baseline and no value model), so
-PPO does more work per episode by design; the table says so. The first iteration of each is a warm-up and is
-not timed.
+The algorithms differ (PPO trains a value model; RLOO and GRPO take a group baseline and hold no value model),
+so PPO does more work per episode by design; the table says so. The first iteration of each is a warm-up and is
+not timed. PPO's share of its time spent generating is printed beside it.
 
     python benchmarks/ppo_vs_rloo.py --run-dir runs/default/main --iterations 6
+    python benchmarks/ppo_vs_rloo.py --run-dir runs/smollm2_sentiment/main --iterations 4 --max-new-tokens 32
 
 tests/test_pipeline_e2e.py runs it on the suite's tiny default run (2 iterations of 8 episodes), so the script
 cannot rot unnoticed.
@@ -51,13 +53,16 @@ def ours(run_dir: Path, prompts_card: str, args) -> dict[str, float]:
     timed = [r for r in rows if "perf/episodes_per_s" in r][1:]
     seconds = sum(args.batch / r["perf/episodes_per_s"] for r in timed)
     tokens = sum(r["perf/tokens_per_s"] * args.batch / r["perf/episodes_per_s"] for r in timed)
-    return {"episodes": args.batch * len(timed), "seconds": seconds, "tokens": tokens}
+    generating = sum(r["perf/generation_fraction"] * args.batch / r["perf/episodes_per_s"] for r in timed)
+    return {"episodes": args.batch * len(timed), "seconds": seconds, "tokens": tokens,
+            "generation_fraction": generating / seconds}
 
 
-def rloo(run_dir: Path, prompts: list[str], args) -> dict[str, float]:
+def trl_online(kind: str, run_dir: Path, prompts: list[str], args) -> dict[str, float]:
+    """TRL's RLOOTrainer or GRPOTrainer (`kind`), timed by its optimiser steps."""
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import RLOOConfig, RLOOTrainer
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
     from align.modeling.models import load_causal_lm, load_scalar_model, load_tokenizer
 
@@ -80,12 +85,13 @@ def rloo(run_dir: Path, prompts: list[str], args) -> dict[str, float]:
             if logs and "completions/mean_length" in logs:
                 lengths.append(logs["completions/mean_length"])
 
-    cfg = RLOOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=args.mini_batch,
+    config_cls, trainer_cls = (RLOOConfig, RLOOTrainer) if kind == "rloo" else (GRPOConfig, GRPOTrainer)
+    cfg = config_cls(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=args.mini_batch,
                      generation_batch_size=args.batch, num_generations=2, num_iterations=args.epochs,
                      max_completion_length=args.max_new_tokens, max_steps=total_steps, learning_rate=1e-5,
                      beta=0.05, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
-                     temperature=1.0, disable_tqdm=True, seed=0)
-    trainer = RLOOTrainer(model=policy, reward_funcs=reward, args=cfg, processing_class=tok,
+                     temperature=1.0, disable_tqdm=True, seed=0, activation_checkpointing=False)
+    trainer = trainer_cls(model=policy, reward_funcs=reward, args=cfg, processing_class=tok,
                           reward_processing_classes=tok, callbacks=[Clock(), Lengths()],
                           train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]))
     trainer.train()
@@ -121,14 +127,17 @@ def main(argv: list[str] | None = None) -> None:
     from align.data.cards import load_split
 
     prompts = list(dict.fromkeys(r["prompt"] for r in load_split(args.prompts, "train").rows))[:4096]
-    results = {"align PPO": ours(args.run_dir, args.prompts, args), "TRL RLOO": rloo(args.run_dir, prompts, args)}
+    results = {"align PPO": ours(args.run_dir, args.prompts, args),
+               "TRL RLOO": trl_online("rloo", args.run_dir, prompts, args),
+               "TRL GRPO": trl_online("grpo", args.run_dir, prompts, args)}
     print(f"\nsettings: B={args.batch} episodes/iteration, M={args.mini_batch}, epochs={args.epochs}, "
-          f"L={args.max_new_tokens} tokens, {args.iterations - 1} timed iterations")
-    print("| trainer | episodes/s | tokens/s | timed episodes | seconds |")
-    print("|---|---|---|---|---|")
+          f"L={args.max_new_tokens} tokens, {args.iterations - 1} timed iterations, float32")
+    print("| trainer | episodes/s | response tokens/s | timed episodes | seconds | generating |")
+    print("|---|---|---|---|---|---|")
     for name, r in results.items():
+        share = f"{r['generation_fraction']:.0%}" if "generation_fraction" in r else "-"
         print(f"| {name} | {r['episodes'] / r['seconds']:.2f} | {r['tokens'] / r['seconds']:.1f} | "
-              f"{r['episodes']} | {r['seconds']:.1f} |")
+              f"{r['episodes']} | {r['seconds']:.1f} | {share} |")
     if args.json:
         args.json.write_text(json.dumps({"settings": {k: v for k, v in vars(args).items() if k != "json"},
                                          "results": results}, default=str, indent=2))
