@@ -13,7 +13,7 @@ so PPO does more work per episode by design; the table says so. The first iterat
 not timed. PPO's share of its time spent generating is printed beside it.
 
     python benchmarks/ppo_vs_rloo.py --run-dir runs/default/main --iterations 6
-    python benchmarks/ppo_vs_rloo.py --run-dir runs/smollm2_sentiment/main --iterations 4 --max-new-tokens 32
+    python benchmarks/ppo_vs_rloo.py --run-dir runs/smollm2_sentiment/main --iterations 3 --epochs 2 --max-new-tokens 32
 
 tests/test_pipeline_e2e.py runs it on the suite's tiny default run (2 iterations of 8 episodes), so the script
 cannot rot unnoticed.

