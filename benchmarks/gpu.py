@@ -109,6 +109,7 @@ def generation_ab(model_dir: Path, prompts: list[str], new_tokens: int, batch: i
 
     from align.modeling.compute import resolve
     from align.config import Generation
+    from align.modeling.engines import HFEngine
     from align.modeling.generation import sample_texts
     from align.modeling.models import load_causal_lm, load_tokenizer
 
@@ -121,12 +122,12 @@ def generation_ab(model_dir: Path, prompts: list[str], new_tokens: int, batch: i
     for label, (dtype, fast) in variants.items():
         model = load_causal_lm(str(model_dir), dtype).to(compute.device).eval()
         with compute.autocast():
-            sample_texts(model, tok, prompts, gen, seed=1, fast=fast)  # warm-up (and compilation)
+            sample_texts(HFEngine(model, tok, fast=fast), tok, prompts, gen, seed=1)  # warm-up (and compilation)
             if compute.device.type == "cuda":
                 torch.cuda.synchronize()
             counts: dict[str, int] = {}
             t0 = time.perf_counter()
-            sample_texts(model, tok, prompts, gen, seed=2, fast=fast, counts=counts)
+            sample_texts(HFEngine(model, tok, fast=fast), tok, prompts, gen, seed=2, counts=counts)
             if compute.device.type == "cuda":
                 torch.cuda.synchronize()
         out[label] = counts["generated_tokens"] / (time.perf_counter() - t0)

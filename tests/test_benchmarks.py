@@ -45,3 +45,22 @@ def test_online_rl_benchmark_runs_in_its_tiny_mode(tmp_path):
         assert f["episodes"] > 0 and f["episodes_per_s"] > 0 and f["tokens_per_s"] > 0, (kind, f)
         assert 0 <= f["vader_win_rate"] <= 1, (kind, f)
     assert "| ppo |" in proc.stdout and "| rloo |" in proc.stdout
+
+
+def test_rollout_engines_benchmark_runs_in_its_tiny_mode(tmp_path):
+    """benchmarks/rollout_engines.py --tiny: PPO on the packaged SmolLM2 with the hf and the vllm engine (2 iterations
+    of 4 episodes, VADER reward), then sampling with each; every figure measured, the vllm one with its log-prob gap."""
+    out = tmp_path / "engines.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "rollout_engines.py"), "--tiny", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    for engine in ("hf", "vllm"):
+        ppo, sampling = r["ppo"][engine], r["sampling"][engine]
+        assert ppo["episodes"] == 4 and ppo["seconds"] > 0 and ppo["tokens"] > 0, (engine, ppo)
+        assert 0 < ppo["generation_fraction"] < 1
+        assert sampling["tokens"] > 0 and sampling["seconds"] > 0
+    assert r["ppo"]["hf"]["logprob_gap_max"] is None and r["ppo"]["hf"]["sync_seconds"] == 0
+    assert 0 <= r["ppo"]["vllm"]["logprob_gap_max"] < 1e-3 and r["ppo"]["vllm"]["sync_seconds"] > 0
+    assert r["ppo"]["vllm"]["startup_seconds"] > 0
+    assert "| vllm |" in proc.stdout and "vllm / hf" in proc.stdout

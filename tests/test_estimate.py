@@ -231,3 +231,27 @@ def test_align_estimate_shows_the_lora_and_qlora_saving_for_ppo_on_pythia_1b(wor
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| ppo |"))
     assert "policy* 1,011.8M (LoRA 3.15M), value* 908.8M (LoRA 3.15M) | 1 |" in row
     assert "reference" not in row and row.rstrip().endswith("| yes |")
+
+
+def test_the_vllm_engine_counts_its_own_policy_copy_or_its_share_of_the_gpu(tiny_cfg, tiny_shapes):
+    """generation.engine: vllm holds a whole copy of the policy beside the trainer's shards, plus its KV cache;
+    on a GPU of known size vLLM takes gpu_memory_utilization of it (tiny_cfg: 80 GB GPUs), on a CPU kv_cache_gib."""
+    from align.config import Generation
+    from align.orchestrator.estimate import GIB, engine_bytes, estimate_pipeline, hardware, kv_cache_bytes
+
+    source = REPO / "pipelines" / "default.yaml"
+    hf = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg), shapes=tiny_shapes)}["ppo"]
+    old = tiny_cfg.stages["ppo"].generation
+    tiny_cfg.stages["ppo"].generation = Generation(max_new_tokens=old.max_new_tokens, engine="vllm",
+                                                   gpu_memory_utilization=0.25)
+    try:
+        vl = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg), shapes=tiny_shapes)}["ppo"]
+    finally:
+        tiny_cfg.stages["ppo"].generation = old
+    assert vl.parts["zero3"]["generation"] == int(0.25 * 80e9)
+    assert vl.bytes_by_mode["zero3"] - hf.bytes_by_mode["zero3"] == int(0.25 * 80e9) - hf.parts["zero3"]["generation"]
+    policy = tiny_shapes["lm"]
+    kv = kv_cache_bytes(policy, 16, 40, 4)
+    cpu = engine_bytes(Generation(engine="vllm", kv_cache_gib=2.0), policy, 16, 40, 4, None)
+    assert cpu == 4 * P_LM + max(kv, 2 * GIB)  # fp32 weights: 4 bytes per parameter
+    assert engine_bytes(Generation(), policy, 16, 40, 4, None) == kv  # hf: the batch's KV cache only

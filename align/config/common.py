@@ -132,7 +132,18 @@ class Generation:
     """Prompts per generate call."""
     fast: str = one_of("auto", "auto", "on", "off")
     """Static KV cache (compiled with torch.compile by transformers on a GPU) and prompts padded to a multiple of
-    32 tokens: auto = on on a GPU outside ZeRO-3, off on CPU (align/modeling/compute.py)."""
+    32 tokens: auto = on on a GPU outside ZeRO-3, off on CPU (align/modeling/compute.py). hf engine only."""
+    engine: str = one_of("hf", "hf", "vllm")
+    """What samples: hf (transformers.generate with the stage's own model) or vllm (vLLM in its own process and
+    environment, weights synced after every PPO update; align/modeling/vllm_engine.py). vllm needs
+    ALIGN_VLLM_PYTHON (./launch.sh --vllm sets up .venv-vllm); `align validate` says so when it is missing."""
+    engine_timeout_s: float = ranged(600.0, gt=0, fix="seconds the vllm engine may take for one call (start, a batch, a sync)")
+    """vllm: the longest one engine call may take (start-up, one generate batch, one weight sync) before the stage
+    ends with an error naming it, instead of waiting forever."""
+    kv_cache_gib: float = ranged(1.0, gt=0)
+    """vllm on CPU: the KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, rounded to whole GiB); align estimate counts it."""
+    gpu_memory_utilization: float = ranged(0.3, gt=0, le=1, fix="a fraction of the GPU's memory, e.g. 0.3")
+    """vllm on a GPU: the fraction of the GPU's memory vLLM takes (weights + KV cache), beside the trainer."""
 
 
 
@@ -350,6 +361,8 @@ class StageBase:
     """Fields that hold a data card path (relative to the pipeline file) unless they name a stage -> how the stage
     reads the card: `examples` (it trains on, or learns from, the rows) or `prompts` (it samples from their
     prompts only). The planner resolves them, `align validate` loads and checks each one's rows."""
+    ENGINES: ClassVar[tuple[str, ...]] = ("hf",)
+    """The rollout engines (`generation.engine`) the stage can sample with (align/modeling/engines.py)."""
     WORK: ClassVar[str] = ""
     """The final metric that counts the work the stage did (optimiser steps, iterations, prompts evaluated): a
     stage that ends with it at 0 has failed, whatever it published."""

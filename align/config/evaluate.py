@@ -15,6 +15,7 @@ from align.core.schema import ranged
 class EvaluateStage(StageBase):
     """Sample held-out prompts from each policy and compare them with judges, KL and win rates."""
 
+    ENGINES: ClassVar[tuple[str, ...]] = ("hf", "vllm")
     TYPE: ClassVar[str] = "evaluate"
     PROMPTS: ClassVar[str] = "held_out"
     HEADLINE: ClassVar[tuple[str, ...]] = ("eval/prompts",)

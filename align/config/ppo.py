@@ -41,6 +41,7 @@ class PPOLoraSettings(LoraSettings):
 class PPOStage(StageBase):
     """PPO against a frozen reward model or Python judges, with a KL penalty to the reference (align's own)."""
 
+    ENGINES: ClassVar[tuple[str, ...]] = ("hf", "vllm")
     TYPE: ClassVar[str] = "ppo"
     PROMPTS: ClassVar[str] = "train"
     HEADLINE: ClassVar[tuple[str, ...]] = ("objective/scores_last", "objective/kl_last")

@@ -13,6 +13,7 @@ from align.core.schema import ranged
 class PreferencesStage(StageBase):
     """Sample several completions per prompt from a policy and keep judged (chosen, rejected) pairs."""
 
+    ENGINES: ClassVar[tuple[str, ...]] = ("hf", "vllm")
     TYPE: ClassVar[str] = "preferences"
     PROMPTS: ClassVar[str] = "train"
     HEADLINE: ClassVar[tuple[str, ...]] = ("preferences/pairs_train", "preferences/mean_margin")

@@ -47,6 +47,10 @@ class Compute:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
+    def engine_dtype(self) -> str:
+        """The dtype a separate rollout engine (vllm) holds the weights in: the stage's autocast dtype, else float32."""
+        return {"no": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.mixed_precision]
+
     def fast_generation(self, setting: str) -> bool:
         """Whether `generation.fast` (auto | on | off) is on for this process."""
         if setting == "auto":

