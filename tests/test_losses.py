@@ -136,3 +136,42 @@ def test_token_rewards_put_score_on_last_token():
     mask = torch.tensor([[1, 1, 0]])
     r = L.token_rewards(torch.tensor([2.0]), kl, mask, kl_coef=0.5, score_index=torch.tensor([1]))
     assert r[0].tolist() == pytest.approx([-0.05, -0.1 + 2.0, 0.0])
+
+
+def test_logprobs_and_entropy_by_hand():
+    from align.modeling.losses import logprobs_and_entropy
+
+    logits = torch.tensor([[[0.0, math.log(3.0)], [2.0, 2.0]]])  # p = (1/4, 3/4), then (1/2, 1/2)
+    lp, ent = logprobs_and_entropy(logits, torch.tensor([[1, 0]]))
+    assert lp[0].tolist() == pytest.approx([math.log(0.75), math.log(0.5)], abs=1e-6)
+    assert ent[0].tolist() == pytest.approx([-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), math.log(2.0)], abs=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_sequence_logprobs_keeps_only_the_response_logits_and_matches_the_full_forward(family):
+    """sequence_logprobs asks the model for the response positions' logits only (logits_to_keep); the log-probs and
+    entropies equal those read from the full forward's logits, for left-padded prompts."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from align.modeling.generation import position_ids, sequence_logprobs, takes_logits_to_keep
+    from align.modeling.losses import entropy_from_logits, logprobs_from_logits
+
+    seed = 11
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                             intermediate_size=64, max_position_embeddings=64)).eval()
+    else:
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=64)).eval()
+    assert takes_logits_to_keep(model)
+    ids = torch.randint(1, 64, (3, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding in the prompt part
+    lq = 5
+    with torch.no_grad():
+        lp, ent = sequence_logprobs(model, ids, mask, lq, temperature=0.7, with_entropy=True)
+        full = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits[:, lq - 1:-1] / 0.7
+    assert lp.shape == (3, 7)
+    assert torch.allclose(lp, logprobs_from_logits(full, ids[:, lq:]), atol=1e-5)
+    assert torch.allclose(ent, entropy_from_logits(full), atol=1e-5)

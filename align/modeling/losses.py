@@ -82,6 +82,12 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
+def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(label) and the entropy at each position from one log-softmax. (B, T, V), (B, T) -> (B, T), (B, T)."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    return torch.gather(logp, 2, labels.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
 # --------------------------------------------------------------------------------------------- preferences
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
     """Pairwise reward-model loss [BT]: -log sigmoid(r(x, y_w) - r(x, y_l)). Inputs (B,)."""

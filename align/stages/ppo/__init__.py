@@ -200,7 +200,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 scores_used = scores_used - penalties
                 # 3. log-probs under policy and reference, and values, by a forward pass
                 with accelerator.autocast():
-                    logprobs, _, values = model(ids, mask, lq, cfg.generation.temperature)
+                    logprobs, _, values = model(ids, mask, lq, cfg.generation.temperature, with_entropy=False)
                     ref_logprobs = response_logprobs(reference, r, cfg.generation.temperature)
                 gap = None
                 if r.engine_logprobs is not None:  # what the engine sampled with vs what PPO optimises (same tokens)

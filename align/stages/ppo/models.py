@@ -26,9 +26,14 @@ class PolicyAndValue(torch.nn.Module):
         self.policy, self.value = policy, value
         self.value_affine = (1.0, 0.0)
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor, query_len: int, temperature: float):
-        """Per-token log-probs, entropies and values of the response part. ids, mask: (B, Lq + Lr)."""
-        logprobs, entropy = sequence_logprobs(self.policy, ids, mask, query_len, temperature, with_entropy=True)
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, query_len: int, temperature: float,
+                with_entropy: bool = True):
+        """Per-token log-probs, entropies (None unless asked) and values of the response part. ids, mask:
+        (B, Lq + Lr)."""
+        if with_entropy:
+            logprobs, entropy = sequence_logprobs(self.policy, ids, mask, query_len, temperature, with_entropy=True)
+        else:
+            logprobs, entropy = sequence_logprobs(self.policy, ids, mask, query_len, temperature), None
         values = scalar_outputs(without_peft(self.value), ids, mask)[:, query_len - 1:-1]  # V(state before token t)
         gain, bias = self.value_affine
         return logprobs, entropy, values * gain + bias
