@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sample-prompts", type=int, default=256)
     p.add_argument("--sample-batch", type=int, default=128)
     p.add_argument("--no-lora", dest="lora", action="store_false", help="full fine-tuning (default: LoRA r 16)")
+    p.add_argument("--order", default="hf,vllm", choices=["hf,vllm", "vllm,hf"],
+                   help="which engine's PPO runs first (both run in this process, one after the other)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     if args.tiny:
@@ -152,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
         run_dir = tiny_run_dir(Path(tmp)) if args.tiny else args.run_dir
         reward = "vader" if args.tiny or not (run_dir / "reward").is_dir() else "reward"
         results = {"machine": machine(), "reward": reward, "settings": vars(args) | {"run_dir": str(run_dir)}}
-        results["ppo"] = {e: ppo(e, run_dir, reward, args) for e in ("hf", "vllm")}
+        ran = {e: ppo(e, run_dir, reward, args) for e in args.order.split(",")}
+        results["ppo"] = {e: ran[e] for e in ("hf", "vllm")}
         from align.data.cards import load_card, load_split
 
         rows = load_split(load_card(Path(CARD)), "test").rows
