@@ -65,9 +65,12 @@ stages:
 """
 
 
-def _engines_alive() -> list[str]:
-    out = subprocess.run(["pgrep", "-af", "align_vllm_server.py"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "pgrep" not in line]
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (another test's engines may run beside this one)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
 
 
 def test_ppo_with_vllm_resumes_after_sigkill_and_keeps_the_logprob_gap_small(tmp_path):
@@ -89,11 +92,13 @@ def test_ppo_with_vllm_resumes_after_sigkill_and_keeps_the_logprob_gap_small(tmp
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    assert json.loads((ppo / "manifest.json").read_text())["status"] == "running"
+    killed = json.loads((ppo / "manifest.json").read_text())
+    assert killed["status"] == "running"
+    engine_pid = killed["engine"]["pid"]
     deadline = time.time() + 30  # the engine reads EOF from the dead stage's socket and exits
-    while _engines_alive() and time.time() < deadline:
+    while _alive(engine_pid) and time.time() < deadline:
         time.sleep(0.5)
-    assert not _engines_alive(), f"vLLM engine outlived the killed stage: {_engines_alive()}"
+    assert not _alive(engine_pid), f"the vLLM engine (pid {engine_pid}) outlived the killed stage"
 
     again = run_align("run", "p.yaml", cwd=tmp_path)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
@@ -112,4 +117,4 @@ def test_ppo_with_vllm_resumes_after_sigkill_and_keeps_the_logprob_gap_small(tmp
     assert metrics["eval/engine"] == "vllm"
     for policy in ("sft", "ppo"):  # each policy's weights were synced into the engine before it sampled
         assert metrics[f"eval/{policy}/logprob_gap_max"] < 1e-3, metrics[f"eval/{policy}/logprob_gap_max"]
-    assert not _engines_alive()
+    assert not _alive(m["engine"]["pid"]), "the completed stage left its engine running"

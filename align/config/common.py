@@ -363,6 +363,8 @@ class StageBase:
     prompts only). The planner resolves them, `align validate` loads and checks each one's rows."""
     ENGINES: ClassVar[tuple[str, ...]] = ("hf",)
     """The rollout engines (`generation.engine`) the stage can sample with (align/modeling/engines.py)."""
+    ENGINE_NOTE: ClassVar[str] = ""
+    """Why the stage type lacks an engine, said when a pipeline asks for it."""
     WORK: ClassVar[str] = ""
     """The final metric that counts the work the stage did (optimiser steps, iterations, prompts evaluated): a
     stage that ends with it at 0 has failed, whatever it published."""

