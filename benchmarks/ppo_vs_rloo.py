@@ -28,34 +28,48 @@ import time
 from pathlib import Path
 
 
-def ours(run_dir: Path, prompts_card: str, args) -> dict[str, float]:
-    from align.config import Generation, to_dict
-    from align.config.ppo import KLSettings, PPOStage
+def run_ppo_stage(cfg, inputs: dict[str, str]) -> tuple[dict[str, float], list[dict], dict]:
+    """Run align's PPO stage `cfg` (a PPOStage) in a temporary stage directory, `inputs` naming the upstream stage
+    directories, as the orchestrator would. Returns the timing of every iteration after the first (a warm-up),
+    the stage's metric rows and its manifest. benchmarks/rollout_engines.py runs its PPO through this too."""
+    from align.config import to_dict
     from align.stages.context import main as stage_main
+
+    batch = cfg.rollout_batch_size
+    with tempfile.TemporaryDirectory() as tmp:
+        stage_dir = Path(tmp) / "ppo"
+        stage_dir.mkdir()
+        spec = {"stage_name": "ppo", "stage_dir": str(stage_dir), "fingerprint": "benchmark", "stage": to_dict(cfg),
+                "inputs": inputs, "input_fingerprints": {k: None for k in inputs}, "data_cards": {},
+                "code_version": "bench",
+                "pipeline": {"name": "bench", "run_id": "bench", "seed": 0, "dtype": "float32",
+                             "tracking": {"wandb": "disabled", "project": "align", "entity": None}}}
+        (stage_dir / "spec.json").write_text(json.dumps(spec))
+        t0 = time.perf_counter()
+        failed = stage_main(str(stage_dir / "spec.json")) != 0
+        wall = time.perf_counter() - t0
+        manifest = json.loads((stage_dir / "manifest.json").read_text())
+        if failed:
+            raise SystemExit(f"align's PPO stage (engine {cfg.generation.engine}) failed: {manifest.get('error')}")
+        rows = [json.loads(x) for x in (stage_dir / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in rows if "perf/episodes_per_s" in r][1:]
+    seconds = sum(batch / r["perf/episodes_per_s"] for r in timed)
+    tokens = sum(r["perf/tokens_per_s"] * batch / r["perf/episodes_per_s"] for r in timed)
+    generating = sum(r["perf/generation_fraction"] * batch / r["perf/episodes_per_s"] for r in timed)
+    return ({"episodes": batch * len(timed), "seconds": seconds, "tokens": tokens,
+             "generation_fraction": generating / seconds, "stage_seconds": wall}, rows, manifest)
+
+
+def ours(run_dir: Path, prompts_card: str, args) -> dict[str, float]:
+    from align.config import Generation
+    from align.config.ppo import KLSettings, PPOStage
 
     cfg = PPOStage(type="ppo", policy="sft", reward="reward", prompts=prompts_card, iterations=args.iterations,
                    rollout_batch_size=args.batch, mini_batch_size=args.mini_batch, ppo_epochs=args.epochs,
                    max_prompt_length=64, save_every=10_000, sample_every=10_000, kl=KLSettings(coef=0.05),
                    generation=Generation(max_new_tokens=args.max_new_tokens))
-    with tempfile.TemporaryDirectory() as tmp:
-        stage_dir = Path(tmp) / "ppo"
-        stage_dir.mkdir()
-        spec = {"stage_name": "ppo", "stage_dir": str(stage_dir), "fingerprint": "benchmark",
-                "stage": to_dict(cfg), "inputs": {"sft": str(run_dir / "sft"), "reward": str(run_dir / "reward")},
-                "input_fingerprints": {"sft": None, "reward": None}, "data_cards": {}, "code_version": "bench",
-                "pipeline": {"name": "bench", "run_id": "bench", "seed": 0, "dtype": "float32",
-                             "tracking": {"wandb": "disabled", "project": "align", "entity": None}}}
-        (stage_dir / "spec.json").write_text(json.dumps(spec))
-        if stage_main(str(stage_dir / "spec.json")) != 0:
-            manifest = json.loads((stage_dir / "manifest.json").read_text())
-            raise SystemExit(f"align's PPO stage failed: {manifest.get('error')}")
-        rows = [json.loads(x) for x in (stage_dir / "metrics.jsonl").read_text().splitlines()]
-    timed = [r for r in rows if "perf/episodes_per_s" in r][1:]
-    seconds = sum(args.batch / r["perf/episodes_per_s"] for r in timed)
-    tokens = sum(r["perf/tokens_per_s"] * args.batch / r["perf/episodes_per_s"] for r in timed)
-    generating = sum(r["perf/generation_fraction"] * args.batch / r["perf/episodes_per_s"] for r in timed)
-    return {"episodes": args.batch * len(timed), "seconds": seconds, "tokens": tokens,
-            "generation_fraction": generating / seconds}
+    summary, _, _ = run_ppo_stage(cfg, {"sft": str(run_dir / "sft"), "reward": str(run_dir / "reward")})
+    return summary
 
 
 def trl_online(kind: str, run_dir: Path, prompts: list[str], args) -> dict[str, float]:

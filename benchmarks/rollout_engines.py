@@ -41,9 +41,9 @@ def machine() -> str:
 
 
 def ppo(engine: str, run_dir: Path, reward: str, args) -> dict[str, float]:
-    from align.config import Generation, to_dict
+    from align.config import Generation
     from align.config.ppo import KLSettings, PPOLoraSettings, PPOStage
-    from align.stages.context import main as stage_main
+    from ppo_vs_rloo import run_ppo_stage  # benchmarks/ is this script's import path
 
     lora = PPOLoraSettings(enabled=True, r=16, alpha=32, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]) if args.lora else PPOLoraSettings()
@@ -57,29 +57,9 @@ def ppo(engine: str, run_dir: Path, reward: str, args) -> dict[str, float]:
     inputs = {"sft": str(run_dir / "sft")}
     if reward == "reward":
         inputs["reward"] = str(run_dir / "reward")
-    with tempfile.TemporaryDirectory() as tmp:
-        stage_dir = Path(tmp) / "ppo"
-        stage_dir.mkdir()
-        spec = {"stage_name": "ppo", "stage_dir": str(stage_dir), "fingerprint": "benchmark", "stage": to_dict(cfg),
-                "inputs": inputs, "input_fingerprints": {k: None for k in inputs}, "data_cards": {},
-                "code_version": "bench",
-                "pipeline": {"name": "bench", "run_id": "bench", "seed": 0, "dtype": "float32",
-                             "tracking": {"wandb": "disabled", "project": "align", "entity": None}}}
-        (stage_dir / "spec.json").write_text(json.dumps(spec))
-        t0 = time.perf_counter()
-        if stage_main(str(stage_dir / "spec.json")) != 0:
-            manifest = json.loads((stage_dir / "manifest.json").read_text())
-            raise SystemExit(f"align's PPO stage ({engine}) failed: {manifest.get('error')}")
-        wall = time.perf_counter() - t0
-        rows = [json.loads(x) for x in (stage_dir / "metrics.jsonl").read_text().splitlines()]
-        manifest = json.loads((stage_dir / "manifest.json").read_text())
+    summary, rows, manifest = run_ppo_stage(cfg, inputs)
     timed = [r for r in rows if "perf/episodes_per_s" in r][1:]
-    seconds = sum(args.batch / r["perf/episodes_per_s"] for r in timed)
-    tokens = sum(r["perf/tokens_per_s"] * args.batch / r["perf/episodes_per_s"] for r in timed)
-    generating = sum(r["perf/generation_fraction"] * args.batch / r["perf/episodes_per_s"] for r in timed)
-    startup = manifest.get("engine", {}).get("startup_seconds")
-    return {"episodes": args.batch * len(timed), "seconds": seconds, "tokens": tokens,
-            "generation_fraction": generating / seconds, "stage_seconds": wall, "startup_seconds": startup,
+    return {**summary, "startup_seconds": manifest.get("engine", {}).get("startup_seconds"),
             "sync_seconds": (sum(r.get("perf/sync_seconds", 0.0) for r in timed) / len(timed)) if engine == "vllm"
             else 0.0,
             "logprob_gap_max": max((r["rollout/logprob_gap_max"] for r in rows if "rollout/logprob_gap_max" in r),

@@ -154,7 +154,7 @@ def test_sequence_logprobs_keeps_only_the_response_logits_and_matches_the_full_f
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     from align.modeling.generation import position_ids, sequence_logprobs, takes_logits_to_keep
-    from align.modeling.losses import entropy_from_logits, logprobs_from_logits
+    from align.modeling.losses import logprobs_from_logits
 
     seed = 11
     print(f"seed {seed}")
@@ -174,4 +174,25 @@ def test_sequence_logprobs_keeps_only_the_response_logits_and_matches_the_full_f
         full = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits[:, lq - 1:-1] / 0.7
     assert lp.shape == (3, 7)
     assert torch.allclose(lp, logprobs_from_logits(full, ids[:, lq:]), atol=1e-5)
-    assert torch.allclose(ent, entropy_from_logits(full), atol=1e-5)
+    assert torch.allclose(ent, -(full.softmax(-1) * full.log_softmax(-1)).sum(-1), atol=1e-5)
+
+
+def test_finish_rollout_masks_after_eos_and_beyond_engine_lengths():
+    """Both engines build their Rollout with finish_rollout: tokens after the first EOS, and (vLLM) columns beyond a
+    row's reported length, are masked and set to padding; a row of length 0 keeps one masked EOS column."""
+    from align.modeling.generation import finish_rollout
+
+    eos, pad = 2, 0
+    q = torch.ones(3, 2, dtype=torch.long)
+    resp = torch.tensor([[5, 2, 7, 7], [5, 6, 7, 8], [9, 9, 9, 9]])
+    r = finish_rollout(q, q, resp, eos, pad)
+    assert r.response_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]]
+    assert r.response_ids.tolist() == [[5, 2, 0, 0], [5, 6, 7, 8], [9, 9, 9, 9]]
+    assert r.eos_found.tolist() == [True, False, False]
+    r = finish_rollout(q, q, resp, eos, pad, lengths=torch.tensor([4, 3, 0]))
+    assert r.response_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]]
+    assert r.response_ids.tolist() == [[5, 2, 0, 0], [5, 6, 7, 0], [0, 0, 0, 0]]
+    assert r.eos_found.tolist() == [True, False, False]
+    assert resp[2, 0] == 9  # the caller's tensor is not changed
+    empty = finish_rollout(q, q, torch.zeros(3, 0, dtype=torch.long), eos, pad)
+    assert empty.response_ids.shape == (3, 1) and empty.response_mask.tolist() == [[1], [1], [1]]

@@ -114,12 +114,23 @@ def generate(model, tokenizer, prompts: list[str], gen: Generation, seed: int, m
                                                 "top_k": gen.top_k or None, "top_p": gen.top_p}), max_new_tokens=gen.max_new_tokens,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, synced_gpus=synced_gpus, **extra,
     )
-    resp = out[:, q_ids.size(1):]
+    return finish_rollout(q_ids, q_mask, out[:, q_ids.size(1):], tokenizer.eos_token_id, tokenizer.pad_token_id)
+
+
+def finish_rollout(q_ids: torch.Tensor, q_mask: torch.Tensor, resp: torch.Tensor, eos_token_id: int, pad_token_id: int,
+                   lengths: torch.Tensor | None = None) -> Rollout:
+    """The Rollout every engine returns from its raw responses (B, Lr): every token after the first EOS masked and
+    set to padding, and `eos_found` per row. `lengths` (B,), where the engine says how many tokens each row really
+    has (vLLM), masks the columns beyond them too; a row of length 0 keeps one masked EOS column."""
     if resp.size(1) == 0:  # every sequence stopped at once: keep one column so shapes stay valid
-        resp = torch.full((len(prompts), 1), tokenizer.eos_token_id, device=device)
-    mask = response_mask_after_eos(resp, tokenizer.eos_token_id)
-    resp = torch.where(mask.bool(), resp, torch.full_like(resp, tokenizer.pad_token_id))
-    eos_found = ((resp == tokenizer.eos_token_id) & mask.bool()).any(dim=1)
+        resp = torch.full((resp.size(0), 1), eos_token_id, device=resp.device, dtype=resp.dtype)
+    mask = response_mask_after_eos(resp, eos_token_id)
+    if lengths is not None:
+        mask = mask * (torch.arange(resp.size(1), device=resp.device)[None, :] < lengths[:, None])
+        resp = resp.clone()
+        resp[lengths == 0, 0] = eos_token_id
+    resp = torch.where(mask.bool(), resp, torch.full_like(resp, pad_token_id))
+    eos_found = ((resp == eos_token_id) & mask.bool()).any(dim=1)
     return Rollout(q_ids, q_mask, resp, mask, eos_found)
 
 

@@ -76,12 +76,6 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return torch.gather(F.log_softmax(logits.float(), dim=-1), 2, labels.unsqueeze(-1)).squeeze(-1)
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the categorical at each position. (B, T, V) -> (B, T)."""
-    logp = F.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(label) and the entropy at each position from one log-softmax. (B, T, V), (B, T) -> (B, T), (B, T)."""
     logp = F.log_softmax(logits.float(), dim=-1)

@@ -25,8 +25,7 @@ from pathlib import Path
 import torch
 
 from align.core.engine_env import VLLM_INSTALL, EngineError, vllm_python
-from align.modeling.generation import Rollout, tokenize_prompts
-from align.modeling.losses import response_mask_after_eos
+from align.modeling.generation import Rollout, finish_rollout, tokenize_prompts
 
 SERVER = Path(__file__).parent / "vllm_side" / "align_vllm_server.py"
 
@@ -174,14 +173,8 @@ class VLLMEngine:
             resp[i, :n] = torch.tensor(o["token_ids"], dtype=torch.long)
             lps[i, :n] = torch.tensor(o["logprobs"], dtype=torch.float32)
         lengths = torch.tensor([len(o["token_ids"]) for o in outs])
-        in_range = torch.arange(width)[None, :] < lengths[:, None]
-        mask = response_mask_after_eos(resp, tok.eos_token_id) * in_range
-        if (lengths == 0).any():  # an empty response: keep its one column an EOS, masked out like the HF engine's
-            resp[lengths == 0, 0] = tok.eos_token_id
-        resp = torch.where(mask.bool(), resp, torch.full_like(resp, tok.pad_token_id))
-        eos_found = ((resp == tok.eos_token_id) & mask.bool()).any(dim=1)
-        r = Rollout(q_ids, q_mask, resp, mask, eos_found)
-        r.engine_logprobs = lps * mask
+        r = finish_rollout(q_ids, q_mask, resp, tok.eos_token_id, tok.pad_token_id, lengths)
+        r.engine_logprobs = lps * r.response_mask
         return r
 
     def sync_weights(self, model) -> float:

@@ -103,10 +103,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
     judges: dict[str, WeightedJudge] = {name: stage_judge(ctx, name) for name in cfg.judges}
     if cfg.reward:
         judges["reward_model"] = stage_judge(ctx, cfg.reward)
+    max_model_len = longest_prompt(tokenizer, prompts) + cfg.generation.max_new_tokens + 1
     engine = make_engine(cfg.generation, model=reference, tokenizer=tokenizer, model_dir=ref_path,
                          fast=ctx.compute.fast_generation(cfg.generation.fast), seed=ctx.seed,
-                         dtype=ctx.compute.engine_dtype(), max_model_len=longest_prompt(tokenizer, prompts) + cfg.generation.max_new_tokens + 1,
-                         log_path=ctx.dir / "engine.log")
+                         dtype=ctx.compute.engine_dtype(), max_model_len=max_model_len, log_path=ctx.dir / "engine.log")
     with closing(engine):
         samples, seconds, generated, gaps = sample_policies(ctx, cfg, engine, reference, tokenizer, prompts, judges)
     metrics: dict[str, Any] = {"eval/prompts": len(prompts), "perf/generated_tokens": generated,
