@@ -252,3 +252,41 @@ def test_reward_and_dpo_accept_lora_and_save_a_merged_model(upstream, monkeypatc
     changed = {k for k, v in merged.items() if k not in start or not torch.equal(v, start[k])}
     adapted = {k for k in merged if any(t in k for t in TARGETS)}
     assert changed == adapted | ({"score.weight"} if kind == "reward" else set())
+
+
+def test_ppo_lora_adapters_start_the_same_in_every_run(upstream, monkeypatch):
+    """peft initialises lora_A from torch's global generator; the PPO stage seeds it from the stage's seed before
+    building its models, so two runs of one config start from the same adapters whatever the generator's state
+    (before the fix, two runs of the SmolLM2 pipeline's PPO drew different adapters and diverged)."""
+    import random
+
+    import align.stages.ppo as ppo
+
+    seed = 20261126
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    starts = []
+    real_load = ppo.load_trained
+    for name in ("ppo_seed_a", "ppo_seed_b"):
+        torch.manual_seed(rng.randrange(2**31))  # a different global state before each run
+        cfg = PPOStage(type="ppo", policy="sft", reward="reward", value_init="reward",
+                       prompts=str(REPO / "data_cards" / "movie_review_snippets.yaml"), iterations=1,
+                       rollout_batch_size=8, mini_batch_size=4, ppo_epochs=1, reward_normalization_samples=8,
+                       max_prompt_length=64, save_every=100, sample_every=100,
+                       generation=Generation(max_new_tokens=8, batch_size=8),
+                       lora=LoraSettings(enabled=True, r=4, alpha=8, dropout=0.0, target_modules=list(TARGETS)))
+        ctx = _stage_context(upstream, cfg, name, ["sft", "reward"])
+        seen = {}
+
+        def load_trained(*args, _seen=seen, **kwargs):
+            model = real_load(*args, **kwargs)
+            _seen.update({n: p.detach().clone() for n, p in model.named_parameters() if "lora_A" in n})
+            return model
+
+        monkeypatch.setattr(ppo, "load_trained", load_trained)
+        ppo.run(ctx)
+        starts.append(seen)
+    assert starts[0] and starts[0].keys() == starts[1].keys()
+    assert any(v.abs().sum() > 0 for v in starts[0].values())  # real, random adapters, not zeros
+    for n in starts[0]:
+        assert torch.equal(starts[0][n], starts[1][n]), n

@@ -135,6 +135,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     pad_id = tokenizer.pad_token_id
     value_from_reward = cfg.value_init == "reward"
+    # peft draws the LoRA adapters' initial weights from torch's global generator, which nothing else seeds here:
+    # seeded, two runs of one config start from the same adapters (a resumed run loads them from its checkpoint)
+    torch.manual_seed(ctx.seed)
     model = load_trained(ctx, cfg, accelerator, pad_id, reward_stages)
     groups = {name: [p for p in part.parameters() if p.requires_grad]  # LoRA: the adapters (and value head) only
               for name, part in (("policy", model.policy), ("value", model.value))}
