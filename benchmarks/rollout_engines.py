@@ -58,10 +58,7 @@ def ppo(engine: str, run_dir: Path, reward: str, args) -> dict[str, float]:
     if reward == "reward":
         inputs["reward"] = str(run_dir / "reward")
     summary, rows, manifest = run_ppo_stage(cfg, inputs)
-    timed = [r for r in rows if "perf/episodes_per_s" in r][1:]
     return {**summary, "startup_seconds": manifest.get("engine", {}).get("startup_seconds"),
-            "sync_seconds": (sum(r.get("perf/sync_seconds", 0.0) for r in timed) / len(timed)) if engine == "vllm"
-            else 0.0,
             "logprob_gap_max": max((r["rollout/logprob_gap_max"] for r in rows if "rollout/logprob_gap_max" in r),
                                    default=None)}
 

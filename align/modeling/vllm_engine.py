@@ -165,14 +165,13 @@ class VLLMEngine:
                             "top_p": gen.top_p, "max_tokens": gen.max_new_tokens, "greedy": greedy,
                             "stop_token_ids": [tok.eos_token_id]}, "generate", self.timeout_s)
         outs = reply["outputs"]
-        width = max(1, max(len(o["token_ids"]) for o in outs))
+        lengths = torch.tensor([len(o["token_ids"]) for o in outs], dtype=torch.long)
+        width = max(1, int(lengths.max()))
         resp = torch.full((len(outs), width), tok.pad_token_id, dtype=torch.long)
         lps = torch.zeros((len(outs), width), dtype=torch.float32)
-        for i, o in enumerate(outs):
-            n = len(o["token_ids"])
+        for i, (o, n) in enumerate(zip(outs, lengths.tolist())):
             resp[i, :n] = torch.tensor(o["token_ids"], dtype=torch.long)
             lps[i, :n] = torch.tensor(o["logprobs"], dtype=torch.float32)
-        lengths = torch.tensor([len(o["token_ids"]) for o in outs])
         r = finish_rollout(q_ids, q_mask, resp, tok.eos_token_id, tok.pad_token_id, lengths)
         r.engine_logprobs = lps * r.response_mask
         return r
