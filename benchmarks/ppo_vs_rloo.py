@@ -9,7 +9,9 @@ episodes per generation batch, optimiser micro-batch, passes over each batch, re
   TRL GRPO    steps_per_generation = B/M, num_iterations = E, max_completion_length = L
 
 The algorithms differ (PPO trains a value model; RLOO and GRPO take a group baseline and hold no value model),
-so PPO does more work per episode by design; the table says so. The first iteration of each is a warm-up and is
+so PPO does more work per episode by design; the table says so. align's PPO runs twice: with a separate value
+model (value_init: reward, the default) and with a value head on the policy's own trunk (value_init: shared: one
+forward pass gives log-probs and values). The first iteration of each is a warm-up and is
 not timed. PPO's share of its time spent generating is printed beside it.
 
     python benchmarks/ppo_vs_rloo.py --run-dir runs/default/main --iterations 6
@@ -30,8 +32,9 @@ from pathlib import Path
 
 def run_ppo_stage(cfg, inputs: dict[str, str]) -> tuple[dict[str, float], list[dict], dict]:
     """Run align's PPO stage `cfg` (a PPOStage) in a temporary stage directory, `inputs` naming the upstream stage
-    directories, as the orchestrator would. Returns the timing of every iteration after the first (a warm-up),
-    the stage's metric rows and its manifest. benchmarks/rollout_engines.py runs its PPO through this too."""
+    directories, as the orchestrator would. Returns the timing of every iteration after the first (a warm-up;
+    mean weight-sync seconds per iteration included), the stage's metric rows and its manifest.
+    benchmarks/rollout_engines.py runs its PPO through this too."""
     from align.config import to_dict
     from align.stages.context import main as stage_main
 
@@ -56,15 +59,20 @@ def run_ppo_stage(cfg, inputs: dict[str, str]) -> tuple[dict[str, float], list[d
     seconds = sum(batch / r["perf/episodes_per_s"] for r in timed)
     tokens = sum(r["perf/tokens_per_s"] * batch / r["perf/episodes_per_s"] for r in timed)
     generating = sum(r["perf/generation_fraction"] * batch / r["perf/episodes_per_s"] for r in timed)
+    syncing = sum(r.get("perf/sync_seconds", 0.0) for r in timed)  # a vLLM engine's weight sync; 0 for HF
     return ({"episodes": batch * len(timed), "seconds": seconds, "tokens": tokens,
-             "generation_fraction": generating / seconds, "stage_seconds": wall}, rows, manifest)
+             "generation_fraction": generating / seconds, "sync_seconds": syncing / len(timed),
+             "stage_seconds": wall}, rows, manifest)
 
 
-def ours(run_dir: Path, prompts_card: str, args) -> dict[str, float]:
+def ours(run_dir: Path, prompts_card: str, args, value_init: str = "reward") -> dict[str, float]:
+    """align's PPO stage with a separate value model (value_init: reward, the default) or a value head on the
+    policy's trunk (value_init: shared)."""
     from align.config import Generation
     from align.config.ppo import KLSettings, PPOStage
 
-    cfg = PPOStage(type="ppo", policy="sft", reward="reward", prompts=prompts_card, iterations=args.iterations,
+    cfg = PPOStage(type="ppo", policy="sft", reward="reward", value_init=value_init, prompts=prompts_card,
+                   iterations=args.iterations,
                    rollout_batch_size=args.batch, mini_batch_size=args.mini_batch, ppo_epochs=args.epochs,
                    max_prompt_length=64, save_every=10_000, sample_every=10_000, kl=KLSettings(coef=0.05),
                    generation=Generation(max_new_tokens=args.max_new_tokens))
@@ -129,9 +137,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mini-batch", type=int, default=16)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=24)
-    p.add_argument("--trainers", default="align,rloo,grpo",
-                   help="which to run, comma-separated (align,rloo,grpo); e.g. align alone, with another checkout's "
-                        "align first on PYTHONPATH, for a before/after of align's PPO in the same sitting")
+    p.add_argument("--trainers", default="align,shared,rloo,grpo",
+                   help="which to run, comma-separated (align: align's PPO with a separate value model, shared: "
+                        "with a value head on the policy's trunk, rloo, grpo); e.g. align alone, with another "
+                        "checkout's align first on PYTHONPATH, for a before/after of align's PPO in the same sitting")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     if args.iterations < 2:
@@ -146,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = list(dict.fromkeys(r["prompt"] for r in load_split(args.prompts, "train").rows))[:4096]
     wanted = set(args.trainers.split(","))
     runs = {"align PPO": ("align", lambda: ours(args.run_dir, args.prompts, args)),
+            "align PPO, shared value head": ("shared", lambda: ours(args.run_dir, args.prompts, args, "shared")),
             "TRL RLOO": ("rloo", lambda: trl_online("rloo", args.run_dir, prompts, args)),
             "TRL GRPO": ("grpo", lambda: trl_online("grpo", args.run_dir, prompts, args))}
     results = {name: run() for name, (key, run) in runs.items() if key in wanted}

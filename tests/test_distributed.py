@@ -92,9 +92,11 @@ def test_dpo_two_processes(chain, zero):
     _loads(run / "dpo" / "model", "lm")
 
 
-@pytest.mark.parametrize("zero,lora", [("zero2", False), ("zero3", False), ("zero2", True), ("zero3", True)])
+@pytest.mark.parametrize("zero,lora", [("zero2", False), ("zero3", False), ("zero2", True), ("zero3", True),
+                                       ("zero3", "shared")])
 def test_ppo_two_processes(chain, zero, lora):
-    """With LoRA too: adapters over sharded (ZeRO-3) or whole bases, the reference served by the policy's base.
+    """With LoRA too: adapters over sharded (ZeRO-3) or whole bases, the reference served by the policy's base;
+    `shared`: LoRA with a value head on the policy's trunk (value_init: shared) instead of a value model.
 
     ZeRO-3 without LoRA also survives ranks that finish generating at different steps: rank 0's responses all
     end at their first token, rank 1's all run to the length limit (fault injection in align.stages.ppo). With
@@ -102,6 +104,7 @@ def test_ppo_two_processes(chain, zero, lora):
     rank 0; the stage must complete (the subprocess has a timeout)."""
     root, run = chain
     extra = ["ppo.lora.enabled=true", "ppo.lora.target_modules=[q_proj,v_proj]"] if lora else []
+    extra += ["ppo.value_init=shared"] if lora == "shared" else []
     uneven = zero == "zero3" and not lora
     env = {"ALIGN_TEST_EOS_FIRST_RANKS": "0", "ALIGN_TEST_EOS_NEVER_RANKS": "1"} if uneven else None
     proc = run_align(*ARGS, "--only", "ppo", "--force", f"ppo.accelerate={zero}", *extra, cwd=root, timeout=400,

@@ -9,6 +9,7 @@ changed."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -290,3 +291,47 @@ def test_ppo_lora_adapters_start_the_same_in_every_run(upstream, monkeypatch):
     assert any(v.abs().sum() > 0 for v in starts[0].values())  # real, random adapters, not zeros
     for n in starts[0]:
         assert torch.equal(starts[0][n], starts[1][n]), n
+
+
+def test_ppo_with_a_shared_value_head_trains_the_policy_and_its_head_only_and_resumes(upstream, monkeypatch):
+    """value_init: shared: no value model is loaded (the policy's base serves the reference, the reward model is
+    loaded once), the trained weights are the policy's adapters and the value head, one forward gives log-probs and
+    values (ratio 1 at the first step), the checkpoint holds exactly those weights and resumes, model/ is the plain
+    merged policy (no value head in it)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    cfg = PPOStage(type="ppo", policy="sft", reward="reward", value_init="shared",
+                   prompts=str(REPO / "data_cards" / "movie_review_snippets.yaml"), iterations=3,
+                   rollout_batch_size=8, mini_batch_size=4, ppo_epochs=2, learning_rate=1e-2, value_learning_rate=1e-2,
+                   vf_coef=0.5, reward_normalization_samples=8, max_prompt_length=64, save_every=2, sample_every=100,
+                   generation=Generation(max_new_tokens=8, batch_size=8),
+                   lora=LoraSettings(enabled=True, r=4, alpha=8, dropout=0.0, target_modules=list(TARGETS)))
+    ctx = _stage_context(upstream, cfg, "ppo_shared", ["sft", "reward"])
+    seen = _run_recording(ctx, monkeypatch)
+    trained = seen["trained"]
+    assert trained.value is None
+    assert seen["loads_before_training"] == ["load_causal_lm", "load_scalar_model"]  # policy, then the reward model
+    trainable = {n for n, p in trained.named_parameters() if p.requires_grad}
+    assert {n.split(".")[-3] if "lora_" in n else n for n in trainable} == {"lora_A", "lora_B", "value_head.weight",
+                                                                             "value_head.bias"}
+    start = seen["adapters_at_start"]
+    assert not start["value_head.weight"].any()  # V = 0 before the first update
+    assert trained.value_head.weight.abs().sum() > 0  # ...and it learned
+    rows = [json.loads(line) for line in (ctx.dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy/ratio_first"] for r in rows if "policy/ratio_first" in r] == [1.0, 1.0, 1.0]
+    assert all(math.isfinite(r["value/loss"]) for r in rows if "value/loss" in r)
+
+    with safe_open(str(ctx.checkpoints / "iter-2" / "model.safetensors"), framework="pt") as f:
+        at_2 = {k: f.get_tensor(k) for k in f.keys()}
+    assert set(at_2) == trainable
+    merged = AutoModelForCausalLM.from_pretrained(ctx.dir / "model")
+    sft_keys = set(AutoModelForCausalLM.from_pretrained(upstream / "sft" / "model").state_dict())
+    assert set(merged.state_dict()) == sft_keys
+
+    (ctx.dir / "model").rename(ctx.dir / "model.first")
+    monkeypatch.undo()
+    again = _run_recording(ctx, monkeypatch)
+    assert again["final"]["ppo/resumed_from_iteration"] == 2 and again["updates"] == 1
+    assert again["adapters_at_start"].keys() == at_2.keys()
+    assert all(torch.equal(again["adapters_at_start"][k], at_2[k]) for k in at_2)

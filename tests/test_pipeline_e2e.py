@@ -292,8 +292,8 @@ def test_ppo_killed_mid_run_resumes_iteration_beta_and_statistics(private):
 
 def test_ppo_vs_rloo_benchmark_runs_on_the_tiny_run(e2e, tmp_path):
     """benchmarks/ppo_vs_rloo.py on this module's sft and reward models, in a tiny mode (2 iterations of 8
-    episodes, the first a warm-up): the three trainers time their second iteration and the table prints, with PPO's
-    share of time generating."""
+    episodes, the first a warm-up): the four trainers (align's PPO twice: separate value model, shared value
+    head) time their second iteration and the table prints, with PPO's share of time generating."""
     import subprocess
     import sys
 
@@ -304,8 +304,10 @@ def test_ppo_vs_rloo_benchmark_runs_on_the_tiny_run(e2e, tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
-    assert set(results) == {"align PPO", "TRL RLOO", "TRL GRPO"}
+    assert set(results) == {"align PPO", "align PPO, shared value head", "TRL RLOO", "TRL GRPO"}
     for name, r in results.items():
         assert r["episodes"] == 8 and r["seconds"] > 0 and r["tokens"] > 0, (name, r)
     assert 0 < results["align PPO"]["generation_fraction"] < 1
-    assert "| align PPO |" in proc.stdout and "| TRL RLOO |" in proc.stdout and "| TRL GRPO |" in proc.stdout
+    assert 0 < results["align PPO, shared value head"]["generation_fraction"] < 1
+    for name in results:
+        assert f"| {name} |" in proc.stdout, name

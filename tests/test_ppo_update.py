@@ -181,3 +181,57 @@ def test_reward_scale_hand_values():
     t = RewardScale()
     t.load_state_dict(s.state_dict())
     assert (t.gain, t.bias, t.fitted) == (s.gain, s.bias, True)
+
+
+def test_shared_value_head_reads_the_policys_own_trunk_and_its_loss_trains_the_trunk():
+    """value_init: shared: one forward gives the policy's log-probs (the same as sequence_logprobs on the policy)
+    and values (the head on the last hidden state before each response token). With zero advantages the policy
+    loss has no gradient, so what moves the trunk is the value loss alone: it moves with vf_coef > 0 and stays put
+    with vf_coef = 0 (the control)."""
+    from accelerate import Accelerator
+
+    from align.modeling.generation import sequence_logprobs
+    from align.modeling.models import disable_dropout
+    from align.stages.ppo import ppo_update
+    from align.stages.ppo.models import PolicyAndValue
+
+    print(f"seed {SEED}")
+
+    def build():
+        policy, _ = _gpt2_pair(dropout=0.0)
+        torch.manual_seed(SEED + 1)
+        head = torch.nn.Linear(16, 1)
+        return PolicyAndValue(disable_dropout(policy), value_head=head), policy, head
+
+    model, policy, head = build()
+    g = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(1, 64, (8, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # a left-padded prompt
+    with torch.no_grad():
+        lp, ent, values = model(ids, mask, 6, 0.7)
+        want_lp, want_ent = sequence_logprobs(policy, ids, mask, 6, 0.7, with_entropy=True)
+        trunk = getattr(policy, policy.base_model_prefix)  # the final layer norm included
+        hidden = trunk(input_ids=ids, attention_mask=mask,
+                       position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).last_hidden_state
+    assert torch.allclose(lp, want_lp, atol=1e-5) and torch.allclose(ent, want_ent, atol=1e-5)
+    assert values.shape == (8, 6)
+    assert torch.allclose(values, head(hidden[:, 5:-1]).squeeze(-1), atol=1e-5)
+
+    rmask = torch.ones(8, 6)
+    moved = {}
+    for vf_coef in (0.5, 0.0):
+        model, policy, head = build()
+        before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+        groups = model.trainable_groups()
+        assert groups["value"] == list(head.parameters())
+        opt = torch.optim.SGD([{"params": groups["policy"]}, {"params": groups["value"]}], lr=0.1)
+        with torch.no_grad():
+            old_lp, _, old_v = model(ids, mask, 6, 1.0)
+        cfg = PPOStage(type="ppo", ppo_epochs=1, mini_batch_size=8, rollout_batch_size=8, vf_coef=vf_coef,
+                       value_init="shared")
+        stats = ppo_update(cfg, Accelerator(cpu=True), model, opt, groups, ids, mask, rmask, 6, old_lp, old_v,
+                           torch.zeros(8, 6), old_v + 1.0)  # returns 1 above the values: a real value error
+        assert stats["policy/ratio_first"] == 1.0
+        moved[vf_coef] = max((p.detach() - before[n]).abs().max().item() for n, p in policy.named_parameters())
+    assert moved[0.5] > 1e-4 and moved[0.0] == 0.0

@@ -179,19 +179,32 @@ def response_logprobs(model, rollout: Rollout, temperature: float = 1.0, with_en
 def sequence_logprobs(model, ids: torch.Tensor, mask: torch.Tensor, query_len: int, temperature: float = 1.0,
                       with_entropy: bool = False):
     """Log-probs (B, Lr) of the response part `ids[:, query_len:]` of (B, Lq + Lr) sequences, and their
-    entropies if asked. Logits are divided by the sampling temperature so the log-probs are those of the
-    sampling policy. Only the positions that predict response tokens go through the LM head (`logits_to_keep`,
-    where the model takes it): the prompt's logits would be computed and thrown away (the head of a 49k-token
-    vocabulary is a fifth of SmolLM2's forward)."""
-    keep = ids.size(1) - query_len + 1  # the logit at t predicts token t + 1: positions query_len - 1 .. T - 1
-    if takes_logits_to_keep(model):
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), logits_to_keep=keep).logits
-    else:
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits[:, -keep:]
-    logits = logits[:, :-1] / temperature  # (B, Lr, V)
+    entropies if asked (from response_logits)."""
+    logits, _ = response_logits(model, ids, mask, query_len, temperature)
     if with_entropy:
         return logprobs_and_entropy(logits, ids[:, query_len:])
     return logprobs_from_logits(logits, ids[:, query_len:])
+
+
+def response_logits(model, ids: torch.Tensor, mask: torch.Tensor, query_len: int, temperature: float = 1.0,
+                    with_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits (B, Lr, V) that predict the response tokens `ids[:, query_len:]` of (B, Lq + Lr) sequences, divided by
+    the sampling temperature (so the log-probs are those of the sampling policy), and with `with_hidden` the last
+    hidden state (B, Lr, H) at the same positions (the state before each response token: PPO's shared value head
+    reads it). The causal LM's own forward makes the logits, so whatever a family does after its LM head
+    (soft-capping, logit scaling) is kept. Only the positions that predict response tokens go through the LM head
+    (`logits_to_keep`, where the model takes it): the prompt's logits would be computed and thrown away (the head of
+    a 49k-token vocabulary is a fifth of SmolLM2's forward)."""
+    keep = ids.size(1) - query_len + 1  # the logit at t predicts token t + 1: positions query_len - 1 .. T - 1
+    extra = {"output_hidden_states": True} if with_hidden else {}
+    if takes_logits_to_keep(model):
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), logits_to_keep=keep, **extra)
+        logits = out.logits
+    else:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), **extra)
+        logits = out.logits[:, -keep:]
+    hidden = out.hidden_states[-1][:, query_len - 1:-1] if with_hidden else None  # the final (normed) layer's
+    return logits[:, :-1] / temperature, hidden
 
 
 def takes_logits_to_keep(model) -> bool:

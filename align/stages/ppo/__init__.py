@@ -139,8 +139,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     # seeded, two runs of one config start from the same adapters (a resumed run loads them from its checkpoint)
     torch.manual_seed(ctx.seed)
     model = load_trained(ctx, cfg, accelerator, pad_id, reward_stages)
-    groups = {name: [p for p in part.parameters() if p.requires_grad]  # LoRA: the adapters (and value head) only
-              for name, part in (("policy", model.policy), ("value", model.value))}
+    groups = model.trainable_groups()  # LoRA: the adapters (and value head) only
     optimizer = torch.optim.AdamW([{"params": groups["policy"], "lr": cfg.learning_rate},
                                    {"params": groups["value"], "lr": cfg.value_learning_rate}], eps=1e-5)
     model, optimizer = accelerator.prepare(model, optimizer)

@@ -9,7 +9,8 @@ from functools import partial
 import torch
 
 from align.config.ppo import PPOStage
-from align.modeling.generation import scalar_outputs, sequence_logprobs
+from align.modeling.generation import response_logits, scalar_outputs, sequence_logprobs
+from align.modeling.losses import logprobs_and_entropy, logprobs_from_logits
 from align.modeling.models import add_adapters, disable_dropout, without_peft
 from align.stages.context import StageContext
 from align.stages.ppo.rewards import FrozenView
@@ -18,25 +19,54 @@ from align.stages.ppo.rewards import FrozenView
 class PolicyAndValue(torch.nn.Module):
     """The two trainable models as one module, so one DeepSpeed engine (and optimizer) serves both.
 
+    Two kinds of value model (`value_init`): a separate one (`value`, a scalar model started from the reward
+    model or the policy: Stiennon et al. 2020 sec. 3.4 keep policy and value apart), or, with `value_init: shared`,
+    none: `value_head`, a linear head on the policy's own last hidden state (the design of TRL 0.x's
+    AutoModelForCausalLMWithValueHead), so one forward pass gives log-probs and values, and the value loss trains
+    the policy's trunk too (scaled by vf_coef).
+
     `value_affine` (gain, bias) reads the value head in the units of the normalised reward: a value model
     initialised from the reward model outputs raw reward-model scores, and PPO's returns are normalised."""
 
-    def __init__(self, policy, value):
+    def __init__(self, policy, value=None, value_head: torch.nn.Linear | None = None):
         super().__init__()
-        self.policy, self.value = policy, value
+        if (value is None) == (value_head is None):
+            raise ValueError("PolicyAndValue: give a value model or a value head on the policy, not both or neither")
+        self.policy, self.value, self.value_head = policy, value, value_head
         self.value_affine = (1.0, 0.0)
+
+    def trainable_groups(self) -> dict[str, list[torch.nn.Parameter]]:
+        """The parameters each optimiser group trains (LoRA: the adapters, and the value model's head): `policy`
+        and `value` (the separate value model, or the shared trunk's value head)."""
+        value = self.value if self.value is not None else self.value_head
+        return {name: [p for p in part.parameters() if p.requires_grad]
+                for name, part in (("policy", self.policy), ("value", value))}
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, query_len: int, temperature: float,
                 with_entropy: bool = True):
         """Per-token log-probs, entropies (None unless asked) and values of the response part. ids, mask:
-        (B, Lq + Lr)."""
+        (B, Lq + Lr). The value at t is V(state before response token t)."""
+        if self.value_head is not None:
+            return self._shared(ids, mask, query_len, temperature, with_entropy)
         if with_entropy:
             logprobs, entropy = sequence_logprobs(self.policy, ids, mask, query_len, temperature, with_entropy=True)
         else:
             logprobs, entropy = sequence_logprobs(self.policy, ids, mask, query_len, temperature), None
-        values = scalar_outputs(without_peft(self.value), ids, mask)[:, query_len - 1:-1]  # V(state before token t)
+        values = scalar_outputs(without_peft(self.value), ids, mask)[:, query_len - 1:-1]
         gain, bias = self.value_affine
         return logprobs, entropy, values * gain + bias
+
+    def _shared(self, ids, mask, query_len, temperature, with_entropy):
+        """One forward pass of the policy: its logits at the response positions (response_logits, the causal LM's
+        own forward) and its last hidden state at the same positions, which the value head reads."""
+        logits, hidden = response_logits(self.policy, ids, mask, query_len, temperature, with_hidden=True)
+        targets = ids[:, query_len:]
+        if with_entropy:
+            logprobs, entropy = logprobs_and_entropy(logits, targets)
+        else:
+            logprobs, entropy = logprobs_from_logits(logits, targets), None
+        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+        return logprobs, entropy, values
 
 
 def _zero3(accelerator) -> bool:
@@ -79,17 +109,27 @@ def policy_for_generation(model, accelerator):
 
 
 def load_trained(ctx: StageContext, cfg: PPOStage, accelerator, pad_id: int, reward_stages: list[str]) -> PolicyAndValue:
-    """Policy and value model, dropout off. With LoRA each gets adapters over its frozen base (the value model's
-    scalar head is trained too), the base in 4-bit with `lora.quantize: 4bit`."""
+    """Policy and value model (or, with value_init: shared, the policy and a value head on its trunk), dropout
+    off. With LoRA each model gets adapters over its frozen base (a value model's scalar head is trained too), the
+    base in 4-bit with `lora.quantize: 4bit`."""
     lora = cfg.lora
     quantize = lora.quantize if lora.enabled else "none"
     policy_path = ctx.input_model(cfg.policy)
-    value_path = ctx.input_model(reward_stages[0]) if cfg.value_init == "reward" else policy_path
     policy = ctx.load_lm(policy_path, quantize=quantize)
     policy.generation_config.pad_token_id = pad_id
-    value = ctx.load_scalar(value_path, pad_id, quantize=quantize)
     if lora.enabled:
         policy = add_adapters(policy, lora, "CAUSAL_LM", zero3=_zero3(accelerator))
+    if cfg.value_init == "shared":  # a value head on the policy's trunk, starting at V = 0
+        lm_head = without_peft(policy).get_output_embeddings()
+        # float32, except under ZeRO-3, whose partitions are all of the model's dtype (the policy arrives partitioned)
+        dtype = lm_head.weight.dtype if _zero3(accelerator) else torch.float32
+        head = torch.nn.Linear(lm_head.in_features, 1, dtype=dtype)
+        torch.nn.init.zeros_(head.weight)
+        torch.nn.init.zeros_(head.bias)
+        return PolicyAndValue(disable_dropout(policy), value_head=head)
+    value_path = ctx.input_model(reward_stages[0]) if cfg.value_init == "reward" else policy_path
+    value = ctx.load_scalar(value_path, pad_id, quantize=quantize)
+    if lora.enabled:
         value = add_adapters(value, lora, "SEQ_CLS", zero3=_zero3(accelerator))
     return PolicyAndValue(disable_dropout(policy), disable_dropout(value))
 
