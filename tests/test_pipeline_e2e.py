@@ -113,6 +113,14 @@ def test_preference_pairs_are_ordered_by_the_judge(e2e):
     assert all(p["score_chosen"] - p["score_rejected"] >= 0.05 for p in pairs)
     m = _manifest(e2e["run"], "preferences")["final_metrics"]
     assert m["preferences/pairs_train"] + m["preferences/pairs_test"] + m["preferences/ties_dropped"] == 128
+    # every non-tied pair of the training prompts' samples: the best-vs-worst pairs among them, and more
+    every = [json.loads(x) for x in (data / "train_all_pairs.jsonl").read_text().splitlines()]
+    assert len(every) == m["preferences/all_pairs_train"] > len(pairs)
+    assert all(p["score_chosen"] - p["score_rejected"] >= 0.05 for p in every)
+    key = lambda p: (p["prompt"], p["chosen"], p["rejected"])  # noqa: E731
+    assert {key(p) for p in pairs} <= {key(p) for p in every}
+    test_prompts = {json.loads(x)["prompt"] for x in (data / "test.jsonl").read_text().splitlines()}
+    assert not test_prompts & {p["prompt"] for p in every}  # held-out prompts stay held out
 
 
 def test_ppo_logs_every_iteration_with_shared_metric_names(e2e):
@@ -193,6 +201,7 @@ def test_rerun_skips_everything_then_beta_reruns_only_downstream(private):
     ("sft.model=dpo", "dependency cycle"),
     ("dpo.bta=0.1", "did you mean 'beta'"),
     ("preferences.samples_per_prompt=1", "stages.preferences.samples_per_prompt: 1 is not allowed: must be >= 2"),
+    ("reward.split=train_all", "split: 'train_all' is not a split stage 'preferences' writes"),
 ])
 def test_bad_input_fails_fast_and_keeps_completed_stages(e2e, override, message):
     run = e2e["run"]

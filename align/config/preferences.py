@@ -21,6 +21,8 @@ class PreferencesStage(StageBase):
     INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"policy": (POLICY, True), "judge": ("judge", False)}
     CARDS: ClassVar[dict[str, str]] = {"prompts": PROMPTS_ONLY}
     WORK: ClassVar[str] = "preferences/prompts"
+    PAIR_SPLITS: ClassVar[tuple[str, ...]] = ("train", "test", "train_all_pairs")
+    """The splits of pairs the stage writes (align/stages/preferences.py): a reward stage's `split` names one."""
 
     policy: str = "sft"
     """Stage whose model/ samples the completions."""

@@ -25,12 +25,27 @@ class RewardStage(TrainedStage):
     """Stage whose model/ initialises the reward model (a scalar head is added)."""
     data: str = "preferences"
     """Preference pairs: a preferences stage or a data card path (preference form)."""
+    split: str = "train"
+    """The split of `data` to train on (held-out accuracy is always measured on `test`). A preferences stage writes
+    `train` (one best-vs-worst pair per prompt, what DPO reads) and `train_all_pairs` (every pair of a prompt's
+    samples that is not a tie: about k(k-1)/2 per prompt from k samples, more comparisons at no extra sampling);
+    for a card, one of its splits."""
     center_rewards_coefficient: float | None = ranged(None, ge=0)
     """Optional penalty keeping rewards centred at zero (TRL)."""
 
     def check(self, ctx: CheckContext) -> None:
         super().check(ctx)
         self.check_preference_card(ctx)
+        producer = ctx.pipeline.stages.get(self.data)
+        splits = getattr(producer, "PAIR_SPLITS", None)
+        if splits is not None and self.split not in splits:
+            raise ValueError(f"split: {self.split!r} is not a split stage '{self.data}' writes; use one of "
+                             f"{[s for s in splits if s != 'test']}")
+        if self.split == "test":
+            raise ValueError("split: 'test' holds the held-out pairs the accuracy is measured on; train on 'train'")
+
+    def card_split(self, fld: str) -> str:
+        return self.split if fld == "data" else "train"
 
     def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
         return [("reward", "scalar", True)]

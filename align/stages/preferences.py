@@ -3,7 +3,10 @@
 For each prompt: `samples_per_prompt` completions are sampled; the best and the worst by the judge form a
 (chosen, rejected) pair. Pairs whose scores differ by less than `min_margin`, or whose texts are identical,
 are ties: dropped and counted. Pairs are split by prompt into `train` and `test` (held-out prompts) and
-written atomically to `data/{train,test}.jsonl`, with every scored sample in `data/samples.jsonl`.
+written atomically to `data/{train,test}.jsonl`, with every scored sample in `data/samples.jsonl`, and every
+pair of a training prompt's samples that is not a tie in `data/train_all_pairs.jsonl` (up to k(k-1)/2 per prompt
+from k samples: more comparisons for a reward model at no extra sampling, as InstructGPT trains on all of a
+prompt's comparisons, Ouyang et al. 2022 sec. 3.5; a reward stage reads them with `split: train_all_pairs`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,20 @@ def pair_up(prompt: str, responses: list[str], scores: list[float], min_margin: 
         return None
     return {"prompt": prompt, "chosen": responses[best], "rejected": responses[worst],
             "score_chosen": scores[best], "score_rejected": scores[worst]}
+
+
+def all_pairs(prompt: str, responses: list[str], scores: list[float], min_margin: float) -> list[dict[str, Any]]:
+    """Every (chosen, rejected) pair of one prompt's samples, the higher-scored chosen, in sample order; pairs
+    whose scores differ by less than min_margin, or whose texts are identical, are ties and left out."""
+    out = []
+    for i in range(len(scores)):
+        for j in range(i + 1, len(scores)):
+            hi, lo = (i, j) if scores[i] >= scores[j] else (j, i)
+            if scores[hi] - scores[lo] < min_margin or responses[hi] == responses[lo]:
+                continue
+            out.append({"prompt": prompt, "chosen": responses[hi], "rejected": responses[lo],
+                        "score_chosen": scores[hi], "score_rejected": scores[lo]})
+    return out
 
 
 def judge_pairwise(ctx: StageContext, cfg: PreferencesStage, records: list[dict[str, Any]]) -> None:
@@ -119,7 +136,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     held_out = set(random.Random(ctx.seed).sample(range(len(records)), round(cfg.test_fraction * len(records))))
     test_prompts = {records[i]["prompt"] for i in held_out}
     splits = {"train": [p for p in pairs if p["prompt"] not in test_prompts],
-              "test": [p for p in pairs if p["prompt"] in test_prompts]}
+              "test": [p for p in pairs if p["prompt"] in test_prompts],
+              "train_all_pairs": [p for r in records if r["prompt"] not in test_prompts
+                                  for p in all_pairs(r["prompt"], r["responses"], r["scores"], margin)]}
 
     def write(out: Path) -> None:
         if not ctx.is_main:
@@ -133,6 +152,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     margins = [p["score_chosen"] - p["score_rejected"] for p in pairs]
     final = {"preferences/prompts": len(records), "preferences/pairs_train": len(splits["train"]),
              "preferences/pairs_test": len(splits["test"]), "preferences/ties_dropped": ties,
+             "preferences/all_pairs_train": len(splits["train_all_pairs"]),
              "preferences/mean_margin": sum(margins) / len(margins),
              "objective/scores": sum(all_scores) / len(all_scores),
              "perf/generated_tokens": generated, "perf/generation_seconds": seconds,

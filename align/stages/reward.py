@@ -52,7 +52,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     cfg: RewardStage = ctx.cfg  # type: ignore[assignment]
     path = ctx.input_model(cfg.init)
     tokenizer = load_tokenizer(path)
-    train = load_rows(ctx, cfg.data, "train", cfg.max_train_examples, tokenizer)
+    train = load_rows(ctx, cfg.data, cfg.split, cfg.max_train_examples, tokenizer)
     test = load_rows(ctx, cfg.data, "test", tokenizer=tokenizer)
     check_lengths(ctx, train, tokenizer)
     model = ctx.load_scalar(path, tokenizer.pad_token_id, quantize=cfg.lora.quantize)

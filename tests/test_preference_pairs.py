@@ -1,0 +1,28 @@
+"""How the preferences stage turns one prompt's judged samples into pairs (align/stages/preferences.py), on
+hand-made scores: the best-vs-worst pair, and every non-tied pair for a reward model (split train_all_pairs)."""
+
+from __future__ import annotations
+
+from align.stages.preferences import all_pairs, pair_up
+
+
+def test_best_vs_worst_pair_and_ties():
+    pair = pair_up("p", ["a", "b", "c"], [0.1, 0.9, -0.4], 0.1)
+    assert (pair["chosen"], pair["rejected"], pair["score_chosen"], pair["score_rejected"]) == ("b", "c", 0.9, -0.4)
+    assert pair_up("p", ["a", "b"], [0.30, 0.35], 0.1) is None  # margin 0.05 < 0.1: a tie
+    assert pair_up("p", ["same", "same"], [0.0, 1.0], 0.1) is None  # the same text twice is no comparison
+
+
+def test_every_pair_that_is_not_a_tie_higher_score_chosen():
+    # scores 0.5, -0.2, 0.45, 0.9: pairs (0,1) 0.7, (0,2) 0.05 tie, (0,3) 0.4, (1,2) 0.65, (1,3) 1.1, (2,3) 0.45;
+    # texts 1 and 3 differ; with margin 0.1 five of the six pairs remain
+    responses = ["w", "x", "y", "z"]
+    got = all_pairs("p", responses, [0.5, -0.2, 0.45, 0.9], 0.1)
+    assert [(p["chosen"], p["rejected"]) for p in got] == [("w", "x"), ("z", "w"), ("y", "x"), ("z", "x"),
+                                                            ("z", "y")]
+    assert all(p["prompt"] == "p" and p["score_chosen"] - p["score_rejected"] >= 0.1 for p in got)
+    # identical texts are dropped whatever their scores; two samples give at most one pair
+    assert all_pairs("p", ["a", "a", "b"], [0.0, 1.0, 2.0], 0.1) == [
+        {"prompt": "p", "chosen": "b", "rejected": "a", "score_chosen": 2.0, "score_rejected": 0.0},
+        {"prompt": "p", "chosen": "b", "rejected": "a", "score_chosen": 2.0, "score_rejected": 1.0}]
+    assert len(all_pairs("p", ["a", "b"], [0.0, 1.0], 0.1)) == 1
