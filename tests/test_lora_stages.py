@@ -107,6 +107,26 @@ def _run_recording(ctx, monkeypatch) -> dict:
     return seen
 
 
+def _saved_at_iteration_2(ctx) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    with safe_open(str(ctx.checkpoints / "iter-2" / "model.safetensors"), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _resumes_from_iteration_2(ctx, monkeypatch) -> dict:
+    """Rerun the stage (its first model/ set aside): it resumes from the iter-2 checkpoint, runs the last
+    iteration only, and starts from exactly the trained weights saved there. Returns the rerun's recording."""
+    at_2 = _saved_at_iteration_2(ctx)
+    (ctx.dir / "model").rename(ctx.dir / "model.first")
+    monkeypatch.undo()
+    again = _run_recording(ctx, monkeypatch)
+    assert again["final"]["ppo/resumed_from_iteration"] == 2 and again["updates"] == 1
+    assert again["adapters_at_start"].keys() == at_2.keys()
+    assert all(torch.equal(again["adapters_at_start"][k], at_2[k]) for k in at_2)
+    return again
+
+
 def _logprobs(model, ids: torch.Tensor) -> torch.Tensor:
     from align.modeling.generation import sequence_logprobs
 
@@ -162,11 +182,7 @@ def test_ppo_with_lora_trains_only_adapters_over_one_shared_base(upstream, monke
     assert ratios == [1.0, 1.0, 1.0]
 
     # the checkpoint holds the trained weights only
-    from safetensors import safe_open
-
-    with safe_open(str(ctx.checkpoints / "iter-2" / "model.safetensors"), framework="pt") as f:
-        saved = set(f.keys())
-    assert saved == {n for n, p in trained.named_parameters() if p.requires_grad}
+    assert set(_saved_at_iteration_2(ctx)) == {n for n, p in trained.named_parameters() if p.requires_grad}
 
     # model/ is the merged plain policy: untouched weights equal the SFT model's, adapted ones W + (alpha/r) B A
     merged = AutoModelForCausalLM.from_pretrained(ctx.dir / "model")
@@ -182,14 +198,7 @@ def test_ppo_with_lora_trains_only_adapters_over_one_shared_base(upstream, monke
             assert torch.equal(w, sft_state[key]), key
 
     # resume from iter-2: the adapters come back as saved, the base from the starting model, ratio still 1
-    with safe_open(str(ctx.checkpoints / "iter-2" / "model.safetensors"), framework="pt") as f:
-        at_2 = {k: f.get_tensor(k) for k in f.keys()}
-    (ctx.dir / "model").rename(ctx.dir / "model.first")
-    monkeypatch.undo()
-    again = _run_recording(ctx, monkeypatch)
-    assert again["final"]["ppo/resumed_from_iteration"] == 2 and again["updates"] == 1
-    assert again["adapters_at_start"].keys() == at_2.keys()
-    assert all(torch.equal(again["adapters_at_start"][k], at_2[k]) for k in at_2)
+    again = _resumes_from_iteration_2(ctx, monkeypatch)
     for n, p in again["trained"].policy.named_parameters():
         if "lora_" not in n:
             assert torch.equal(p, sft_state[n.removeprefix("base_model.model.").replace(".base_layer", "")]), n
@@ -298,7 +307,6 @@ def test_ppo_with_a_shared_value_head_trains_the_policy_and_its_head_only_and_re
     loaded once), the trained weights are the policy's adapters and the value head, one forward gives log-probs and
     values (ratio 1 at the first step), the checkpoint holds exactly those weights and resumes, model/ is the plain
     merged policy (no value head in it)."""
-    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     cfg = PPOStage(type="ppo", policy="sft", reward="reward", value_init="shared",
@@ -322,16 +330,9 @@ def test_ppo_with_a_shared_value_head_trains_the_policy_and_its_head_only_and_re
     assert [r["policy/ratio_first"] for r in rows if "policy/ratio_first" in r] == [1.0, 1.0, 1.0]
     assert all(math.isfinite(r["value/loss"]) for r in rows if "value/loss" in r)
 
-    with safe_open(str(ctx.checkpoints / "iter-2" / "model.safetensors"), framework="pt") as f:
-        at_2 = {k: f.get_tensor(k) for k in f.keys()}
-    assert set(at_2) == trainable
+    assert set(_saved_at_iteration_2(ctx)) == trainable
     merged = AutoModelForCausalLM.from_pretrained(ctx.dir / "model")
     sft_keys = set(AutoModelForCausalLM.from_pretrained(upstream / "sft" / "model").state_dict())
     assert set(merged.state_dict()) == sft_keys
 
-    (ctx.dir / "model").rename(ctx.dir / "model.first")
-    monkeypatch.undo()
-    again = _run_recording(ctx, monkeypatch)
-    assert again["final"]["ppo/resumed_from_iteration"] == 2 and again["updates"] == 1
-    assert again["adapters_at_start"].keys() == at_2.keys()
-    assert all(torch.equal(again["adapters_at_start"][k], at_2[k]) for k in at_2)
+    _resumes_from_iteration_2(ctx, monkeypatch)

@@ -30,12 +30,16 @@ from align.stages.context import StageContext, StageError
 OUTPUTS = ["data"]
 
 
+def _tie(responses: list[str], scores: list[float], hi: int, lo: int, min_margin: float) -> bool:
+    """Samples `hi` and `lo` make no comparison: scores closer than min_margin, or the same text."""
+    return scores[hi] - scores[lo] < min_margin or responses[hi] == responses[lo]
+
+
 def pair_up(prompt: str, responses: list[str], scores: list[float], min_margin: float) -> dict[str, Any] | None:
     """(chosen, rejected) = (best, worst) by score; None for a tie (margin < min_margin or same text)."""
     best = max(range(len(scores)), key=scores.__getitem__)
     worst = min(range(len(scores)), key=scores.__getitem__)
-    margin = scores[best] - scores[worst]
-    if margin < min_margin or responses[best] == responses[worst]:
+    if _tie(responses, scores, best, worst, min_margin):
         return None
     return {"prompt": prompt, "chosen": responses[best], "rejected": responses[worst],
             "score_chosen": scores[best], "score_rejected": scores[worst]}
@@ -48,7 +52,7 @@ def all_pairs(prompt: str, responses: list[str], scores: list[float], min_margin
     for i in range(len(scores)):
         for j in range(i + 1, len(scores)):
             hi, lo = (i, j) if scores[i] >= scores[j] else (j, i)
-            if scores[hi] - scores[lo] < min_margin or responses[hi] == responses[lo]:
+            if _tie(responses, scores, hi, lo, min_margin):
                 continue
             out.append({"prompt": prompt, "chosen": responses[hi], "rejected": responses[lo],
                         "score_chosen": scores[hi], "score_rejected": scores[lo]})
