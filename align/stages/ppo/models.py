@@ -9,7 +9,7 @@ from functools import partial
 import torch
 
 from align.config.ppo import PPOStage
-from align.modeling.generation import response_logits, scalar_outputs, sequence_logprobs
+from align.modeling.generation import response_logits, scalar_outputs
 from align.modeling.losses import logprobs_and_entropy, logprobs_from_logits
 from align.modeling.models import add_adapters, disable_dropout, without_peft
 from align.stages.context import StageContext
@@ -45,28 +45,20 @@ class PolicyAndValue(torch.nn.Module):
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, query_len: int, temperature: float,
                 with_entropy: bool = True):
         """Per-token log-probs, entropies (None unless asked) and values of the response part. ids, mask:
-        (B, Lq + Lr). The value at t is V(state before response token t)."""
-        if self.value_head is not None:
-            return self._shared(ids, mask, query_len, temperature, with_entropy)
-        if with_entropy:
-            logprobs, entropy = sequence_logprobs(self.policy, ids, mask, query_len, temperature, with_entropy=True)
-        else:
-            logprobs, entropy = sequence_logprobs(self.policy, ids, mask, query_len, temperature), None
-        values = scalar_outputs(without_peft(self.value), ids, mask)[:, query_len - 1:-1]
-        gain, bias = self.value_affine
-        return logprobs, entropy, values * gain + bias
-
-    def _shared(self, ids, mask, query_len, temperature, with_entropy):
-        """One forward pass of the policy: its logits at the response positions (response_logits, the causal LM's
-        own forward) and its last hidden state at the same positions, which the value head reads."""
-        logits, hidden = response_logits(self.policy, ids, mask, query_len, temperature, with_hidden=True)
+        (B, Lq + Lr). The value at t is V(state before response token t). One forward of the policy gives its
+        logits at the response positions (response_logits) and, with the shared head, the hidden state it reads."""
+        shared = self.value_head is not None
+        logits, hidden = response_logits(self.policy, ids, mask, query_len, temperature, with_hidden=shared)
         targets = ids[:, query_len:]
         if with_entropy:
             logprobs, entropy = logprobs_and_entropy(logits, targets)
         else:
             logprobs, entropy = logprobs_from_logits(logits, targets), None
-        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
-        return logprobs, entropy, values
+        if shared:
+            return logprobs, entropy, self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+        values = scalar_outputs(without_peft(self.value), ids, mask)[:, query_len - 1:-1]
+        gain, bias = self.value_affine
+        return logprobs, entropy, values * gain + bias
 
 
 def _zero3(accelerator) -> bool:
