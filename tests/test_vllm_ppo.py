@@ -1,8 +1,8 @@
 """PPO with `generation.engine: vllm` on the packaged SmolLM2-135M-Instruct (LoRA, fp32, CPU): it completes, is
-SIGKILLed after its first checkpoint and resumes from it, the engine process does not outlive the killed stage, and
-at every iteration the engine's log-probs of what it sampled equal the training policy's within 1e-3 (so every
-weight sync, LoRA merged out of place and the tied head included, reached the engine). Then evaluate samples the
-policies through vLLM too.
+SIGKILLed after its first checkpoint and resumes from it, the engine process does not outlive the killed stage and
+leaves no synced weights in /dev/shm, and at every iteration the engine's log-probs of what it sampled equal the
+training policy's within 1e-3 (so every weight sync, LoRA merged out of place and the tied head included, reached the
+engine). Then evaluate samples the policies through vLLM too.
 """
 
 from __future__ import annotations
@@ -99,6 +99,8 @@ def test_ppo_with_vllm_resumes_after_sigkill_and_keeps_the_logprob_gap_small(tmp
     while _alive(engine_pid) and time.time() < deadline:
         time.sleep(0.5)
     assert not _alive(engine_pid), f"the vLLM engine (pid {engine_pid}) outlived the killed stage"
+    # every sync wrote the whole policy to shared memory (RAM); a killed stage must not leave it there
+    assert not Path(killed["engine"]["weights"]).exists(), killed["engine"]["weights"]
 
     again = run_align("run", "p.yaml", cwd=tmp_path)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]

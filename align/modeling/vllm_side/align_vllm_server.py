@@ -8,7 +8,8 @@ request is a dict with "op", every reply a dict with "ok" (and "error" with the 
   init      {model, dtype, max_model_len, seed, kv_cache_gib, gpu_memory_utilization, threads}
   generate  {prompts: [[token ids]], temperature, top_k, top_p, max_tokens, stop_token_ids}
             -> {outputs: [{token_ids, logprobs}]}  (the sampled tokens' log-probs, after temperature)
-  load      {path: a safetensors file of the full model state} -> {tensors, seconds}
+  load      {path: a safetensors file of the full model state} -> {tensors, seconds}; the file is deleted once
+            read (loaded or not), so a parent killed mid-sync leaves no copy of the weights in /dev/shm
   checksum  -> {value}
   close
 
@@ -40,7 +41,10 @@ def serve(address: str) -> None:
                     reply = generate(llm, msg)
                 elif op == "load":
                     t0 = time.perf_counter()
-                    counts = llm.collective_rpc("align_reload", args=(msg["path"],))
+                    try:
+                        counts = llm.collective_rpc("align_reload", args=(msg["path"],))
+                    finally:
+                        os.unlink(msg["path"])
                     reply = {"tensors": counts[0], "seconds": time.perf_counter() - t0}
                 elif op == "checksum":
                     reply = {"value": llm.collective_rpc("align_checksum")[0]}

@@ -74,7 +74,7 @@ def open_engine(ctx: StageContext, cfg: PPOStage, accelerator, model, tokenizer,
                 engine.eos_override = mode
     else:
         ctx.note(engine={"name": "vllm", "version": engine.version, "startup_seconds": engine.startup_seconds,
-                         "pid": engine.proc.pid})
+                         "pid": engine.proc.pid, "weights": engine.weights})
         if accelerator.is_main_process:
             print(f"[align] {ctx.name}: vLLM {engine.version} engine started in {engine.startup_seconds:.0f} s "
                   f"(log: {engine.log_path})", flush=True)
