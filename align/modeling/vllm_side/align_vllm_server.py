@@ -19,6 +19,7 @@ the engine uses this process's threads. Seeds: only LLM(seed=...) (a per-request
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -44,7 +45,8 @@ def serve(address: str) -> None:
                     try:
                         counts = llm.collective_rpc("align_reload", args=(msg["path"],))
                     finally:
-                        os.unlink(msg["path"])
+                        with contextlib.suppress(FileNotFoundError):  # a missing file: the load's own error says so
+                            os.unlink(msg["path"])
                     reply = {"tensors": counts[0], "seconds": time.perf_counter() - t0}
                 elif op == "checksum":
                     reply = {"value": llm.collective_rpc("align_checksum")[0]}
