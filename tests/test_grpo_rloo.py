@@ -37,8 +37,10 @@ PIPELINE = {
                 "max_train_examples": 1000, "logging_steps": 5, "save_steps": 10, "eval_split": None},
         "rloo": {**ONLINE, "type": "rloo"},
         # 20 steps, so the kill after the first checkpoint (step 4) lands well before the end
+        # under ZeRO-2 with gradient accumulation 2 (4 x 2 processes x 2 = 16 completions per step, as above)
         **{f"{kind}_zero2": {**ONLINE, "type": kind, "accelerate": "zero2", "num_processes": 2,
-                             "per_device_batch_size": 8, "max_steps": 20} for kind in ("grpo", "rloo")},
+                             "per_device_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 20}
+           for kind in ("grpo", "rloo")},
     },
 }
 ARGS = ["--run-id", "t", "tracking.wandb=disabled"]

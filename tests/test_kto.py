@@ -18,7 +18,9 @@ TINY_KTO = [
     "sft.learning_rate=3e-3", "sft.max_truncated_fraction=0.1", "sft.max_train_examples=2000",
     "preferences.max_prompts=128", "preferences.min_margin=0.05", "preferences.generation.max_new_tokens=12",
     "dpo.max_length=96", "dpo.max_steps=8", "dpo.logging_steps=2", "dpo.save_steps=4", "dpo.per_device_batch_size=8",
-    "kto.max_length=96", "kto.max_steps=8", "kto.logging_steps=2", "kto.save_steps=4", "kto.per_device_batch_size=16",
+    "kto.max_length=96", "kto.max_steps=8", "kto.logging_steps=2", "kto.save_steps=4", "kto.per_device_batch_size=8",
+    # KTO under ZeRO-2 with gradient accumulation 2 (8 x 2 = the 16 rows per step it had on one plain process)
+    "kto.accelerate=zero2", "kto.num_processes=1", "kto.gradient_accumulation_steps=2",
     "evaluate.max_prompts=24", "evaluate.generation.max_new_tokens=12", "evaluate.bootstrap_samples=200",
 ]
 

@@ -6,6 +6,7 @@ accelerate config (pipelines/accelerate/*.yaml); a stage on one plain process sk
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -63,8 +64,9 @@ def yaml_load(path: Path) -> Any:
     return yaml.safe_load(path.read_text(encoding="utf-8"))
 
 
-def check_accelerate(plan: StagePlan, source: str | Path) -> None:
-    """The stage's accelerate config exists and is one (checked here, not when the stage launches)."""
+def check_accelerate(plan: StagePlan, source: str | Path, precision: str = "auto") -> None:
+    """The stage's accelerate config exists, is one, and sets none of the stage's own settings to another value
+    (checked here, not when the stage launches)."""
     where = f"{source}: stages.{plan.name}.accelerate"
     try:
         path = accelerate_config(plan.cfg.accelerate, source)
@@ -77,6 +79,61 @@ def check_accelerate(plan: StagePlan, source: str | Path) -> None:
     if not isinstance(raw, dict) or str(raw.get("distributed_type", "")).upper() not in ACCELERATE_TYPES:
         raise PipelineError(f"{where}: {path} is not an accelerate config (it needs `distributed_type:` one of "
                             f"{', '.join(ACCELERATE_TYPES)}); name one of pipelines/accelerate/*.yaml")
+    problems = owned_setting_problems(plan, path, raw, precision, source)
+    if problems:
+        raise PipelineError(f"{source}: stages.{plan.name}: " + "; ".join(problems))
+
+
+# The pipeline's `precision` as accelerate's `mixed_precision` spells it (auto: decided in the stage process).
+_MIXED_PRECISION = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def _deepspeed_values(path: Path, raw: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The DeepSpeed settings an accelerate config fixes, and where they are written: its `deepspeed_config:`
+    section, or the JSON file its `deepspeed_config_file` names (DeepSpeed's own spelling, `auto` = not fixed)."""
+    ds = raw.get("deepspeed_config") or {}
+    file = ds.get("deepspeed_config_file") if isinstance(ds, dict) else None
+    if not file:
+        return (ds if isinstance(ds, dict) else {}), str(path)
+    json_path = (path.parent / file) if not Path(file).is_absolute() else Path(file)
+    try:
+        conf = json.loads(json_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise PipelineError(f"{path}: deepspeed_config_file: {json_path} is not a readable JSON file "
+                            f"({type(exc).__name__})") from None
+    values = {k: conf[k] for k in ("gradient_accumulation_steps", "gradient_clipping") if k in conf}
+    for kind in ("bf16", "fp16"):
+        if isinstance(conf.get(kind), dict) and conf[kind].get("enabled") not in (None, "auto", False):
+            values["mixed_precision"] = kind
+    return values, str(json_path)
+
+
+def owned_setting_problems(plan: StagePlan, path: Path, raw: dict[str, Any], precision: str,
+                           source: str | Path) -> list[str]:
+    """Settings the stage owns (accumulation and clipping: `StageBase.deepspeed_settings`; precision: the
+    pipeline's `precision`) that its accelerate config fixes to another value. DeepSpeed would refuse the launch
+    (or silently take the config's value), so `align validate` says it first, naming both files and values."""
+    if str(raw.get("distributed_type", "")).upper() != "DEEPSPEED" and raw.get("mixed_precision") in (None, "no"):
+        return []
+    fixed, where = _deepspeed_values(path, raw) if str(raw.get("distributed_type", "")).upper() == "DEEPSPEED" \
+        else ({}, str(path))
+    problems = []
+    stage_key = {"gradient_accumulation_steps": "gradient_accumulation_steps", "gradient_clipping": "max_grad_norm"}
+    for key, mine in plan.cfg.deepspeed_settings().items():
+        value = fixed.get(key)
+        if value in (None, "auto"):
+            continue
+        same = (mine is None and float(value) == 0) if key == "gradient_clipping" else False
+        if not same and (mine is None or float(value) != float(mine)):
+            problems.append(f"{where} sets {key}: {value}, but the stage's {stage_key[key]} is {mine} (in {source}); "
+                            f"remove {key} from {Path(where).name} (DeepSpeed then takes the stage's value) or set "
+                            f"stages.{plan.name}.{stage_key[key]}: {value}")
+    mixed = fixed.get("mixed_precision") or raw.get("mixed_precision")
+    if mixed not in (None, "no", "auto") and _MIXED_PRECISION.get(precision) != mixed:
+        problems.append(f"{where} sets mixed_precision {mixed}, but the pipeline's precision is {precision!r} (in "
+                        f"{source}); precision is the pipeline's setting: remove it from {Path(where).name} and set "
+                        f"`precision: {'bfloat16' if mixed == 'bf16' else 'float16'}` in the pipeline if you want it")
+    return problems
 
 
 def accelerate_mode(path: Path) -> tuple[str, int | None]:

@@ -8,7 +8,7 @@ from align.config.dpo import DPOStage
 from align.stages.rows import load_rows
 from align.modeling.models import load_tokenizer, peft_config
 from align.stages.context import StageContext
-from align.stages.trl import check_lengths, eval_metrics, metrics_callback, train_with_resume, trainer_kwargs
+from align.stages.trl import check_lengths, eval_metrics, metrics_callback, train_with_resume, training_args
 
 OUTPUTS = ["model"]
 
@@ -24,12 +24,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
     train = [{c: r[c] for c in columns} for r in load_rows(ctx, cfg.data, "train", cfg.max_train_examples, tokenizer)]
     test = [{c: r[c] for c in columns} for r in load_rows(ctx, cfg.data, "test", tokenizer=tokenizer)]
     check_lengths(ctx, train, tokenizer)
-    model = ctx.load_lm(path, quantize=cfg.lora.quantize)
+    args = training_args(DPOConfig, cfg, ctx, beta=cfg.beta, loss_type=[cfg.loss_type],
+                         label_smoothing=cfg.label_smoothing, eval_strategy="no")
+    model = ctx.load_lm(path, quantize=cfg.lora.quantize)  # after the config: partitioned as it loads under ZeRO-3
     lora = peft_config(cfg.lora, "CAUSAL_LM")
     # With LoRA the reference is the base model with adapters disabled; otherwise a frozen copy.
-    ref = None if lora is not None else ctx.load_lm(path)
-    args = DPOConfig(**trainer_kwargs(cfg, ctx), beta=cfg.beta, loss_type=[cfg.loss_type],
-                     label_smoothing=cfg.label_smoothing, eval_strategy="no")
+    ref = None if lora is not None else ctx.load_lm(path, frozen=True)
     trainer = DPOTrainer(model=model, ref_model=ref, args=args, processing_class=tokenizer,
                          train_dataset=Dataset.from_list(train),
                          eval_dataset=Dataset.from_list(test) if test else None,

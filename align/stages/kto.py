@@ -13,7 +13,7 @@ from align.config.kto import KTOStage, unpaired
 from align.modeling.models import load_tokenizer, peft_config
 from align.stages.context import StageContext
 from align.stages.rows import load_rows
-from align.stages.trl import check_lengths, eval_metrics, metrics_callback, train_with_resume, trainer_kwargs
+from align.stages.trl import check_lengths, eval_metrics, metrics_callback, train_with_resume, training_args
 
 OUTPUTS = ["model"]
 COLUMNS = ("prompt", "completion", "label")
@@ -30,12 +30,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
              for r in unpaired(load_rows(ctx, cfg.data, "train", cfg.max_train_examples, tokenizer), ctx.seed)]
     test = [{c: r[c] for c in COLUMNS} for r in unpaired(load_rows(ctx, cfg.data, "test", tokenizer=tokenizer), ctx.seed)]
     check_lengths(ctx, train, tokenizer)
-    model = ctx.load_lm(path, quantize=cfg.lora.quantize)
+    args = training_args(KTOConfig, cfg, ctx, beta=cfg.beta, desirable_weight=cfg.desirable_weight,
+                         undesirable_weight=cfg.undesirable_weight, loss_type=cfg.loss_type, eval_strategy="no")
+    model = ctx.load_lm(path, quantize=cfg.lora.quantize)  # after the config: partitioned as it loads under ZeRO-3
     lora = peft_config(cfg.lora, "CAUSAL_LM")
     # With LoRA the reference is the base model with adapters disabled; otherwise a frozen copy.
-    ref = None if lora is not None else ctx.load_lm(path)
-    args = KTOConfig(**trainer_kwargs(cfg, ctx), beta=cfg.beta, desirable_weight=cfg.desirable_weight,
-                     undesirable_weight=cfg.undesirable_weight, loss_type=cfg.loss_type, eval_strategy="no")
+    ref = None if lora is not None else ctx.load_lm(path, frozen=True)
     trainer = KTOTrainer(model=model, ref_model=ref, args=args, processing_class=tokenizer,
                          train_dataset=Dataset.from_list(train),
                          eval_dataset=Dataset.from_list(test) if len(test) > 1 else None,

@@ -14,7 +14,6 @@ of the others) and a KL to the reference (beta). align hands them:
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from align.config.online_rl import OnlineRLStage
@@ -24,7 +23,7 @@ from align.stages.judging import check_same_tokenizer, stage_judge
 from align.data.lengths import LengthReport, enforce
 from align.modeling.models import load_tokenizer, peft_config
 from align.stages.context import StageContext, StageError
-from align.stages.trl import metrics_callback, online_rl_metric_name, train_with_resume, trainer_kwargs
+from align.stages.trl import metrics_callback, online_rl_metric_name, train_with_resume, training_args
 
 
 def reward_functions(ctx: StageContext, cfg: OnlineRLStage, tokenizer) -> tuple[list, list[float]]:
@@ -71,17 +70,18 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
     path = ctx.input_model(cfg.policy)
     tokenizer = load_tokenizer(path)
     prompts = training_prompts(ctx, cfg, tokenizer)
+    # The reward models are loaded whole, before the config exists: each process scores its own completions with
+    # them in a Python function (align/orchestrator/estimate.py counts them unsharded on every GPU).
     funcs, weights = reward_functions(ctx, cfg, tokenizer)
-    model = ctx.load_lm(path, quantize=cfg.lora.quantize)
-    share_process_group_with_deepspeed()
     gen = cfg.generation
-    kwargs = trainer_kwargs(cfg, ctx)
-    del kwargs["max_length"]  # these trainers bound completions (max_completion_length); prompts are checked above
-    args = config_cls(**kwargs, num_generations=cfg.num_generations, steps_per_generation=cfg.steps_per_generation,
-                      max_completion_length=gen.max_new_tokens, temperature=gen.temperature, top_k=gen.top_k or 0,
-                      top_p=gen.top_p, beta=cfg.beta, num_iterations=cfg.num_iterations, epsilon=cfg.epsilon,
-                      reward_weights=weights, disable_dropout=True,  # old and new log-probs agree, as in PPO
-                      trust_remote_code=ctx.pipeline.trust_remote_code, log_completions=False, **algorithm_args)
+    # max_length dropped: these trainers bound completions (max_completion_length); prompts are checked above
+    args = training_args(config_cls, cfg, ctx, drop=("max_length",), num_generations=cfg.num_generations,
+                         steps_per_generation=cfg.steps_per_generation, max_completion_length=gen.max_new_tokens,
+                         temperature=gen.temperature, top_k=gen.top_k or 0, top_p=gen.top_p, beta=cfg.beta,
+                         num_iterations=cfg.num_iterations, epsilon=cfg.epsilon, reward_weights=weights,
+                         disable_dropout=True,  # old and new log-probs agree, as in PPO
+                         trust_remote_code=ctx.pipeline.trust_remote_code, log_completions=False, **algorithm_args)
+    model = ctx.load_lm(path, quantize=cfg.lora.quantize)
     trainer = trainer_cls(model=model, reward_funcs=funcs, args=args, processing_class=tokenizer,
                           train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
                           callbacks=[metrics_callback(ctx, online_rl_metric_name)],
@@ -91,19 +91,6 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
     final["train/prompts"] = len(prompts)
     ctx.save_trainer_model(trainer, tokenizer)
     return final
-
-
-def share_process_group_with_deepspeed() -> None:
-    """Under ZeRO-3 TRL loads the reference inside the trainer, after the config exists, so transformers wraps
-    it in deepspeed.zero.Init; DeepSpeed then reads the world size from its own comm layer, which on CPU (gloo)
-    nobody has initialised: it would count 1 process and refuse the batch sizes. Hand it the process group
-    accelerate already made."""
-    if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") != "3":
-        return
-    import deepspeed  # heavy: only under ZeRO-3
-
-    if not deepspeed.comm.is_initialized():
-        deepspeed.init_distributed()
 
 
 def score_summary(ctx: StageContext) -> dict[str, float]:

@@ -13,7 +13,7 @@ from align.stages.rows import load_rows
 from align.stages.judging import RewardModelJudge
 from align.modeling.models import load_tokenizer, peft_config, unsharded_loading
 from align.stages.context import StageContext
-from align.stages.trl import check_lengths, metrics_callback, train_with_resume, trainer_kwargs
+from align.stages.trl import check_lengths, metrics_callback, train_with_resume, training_args
 
 OUTPUTS = ["model"]
 
@@ -55,9 +55,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
     train = load_rows(ctx, cfg.data, cfg.split, cfg.max_train_examples, tokenizer)
     test = load_rows(ctx, cfg.data, "test", tokenizer=tokenizer)
     check_lengths(ctx, train, tokenizer)
+    args = training_args(RewardConfig, cfg, ctx, center_rewards_coefficient=cfg.center_rewards_coefficient,
+                         eval_strategy="no")
+    # after the config: partitioned as it loads under ZeRO-3
     model = ctx.load_scalar(path, tokenizer.pad_token_id, quantize=cfg.lora.quantize)
-    args = RewardConfig(**trainer_kwargs(cfg, ctx), center_rewards_coefficient=cfg.center_rewards_coefficient,
-                        eval_strategy="no")
     columns = ("prompt", "chosen", "rejected")
     trainer = RewardTrainer(model=model, args=args, processing_class=tokenizer, callbacks=[metrics_callback(ctx)],
                             train_dataset=Dataset.from_list([{c: r[c] for c in columns} for r in train]),
@@ -67,7 +68,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if test and ctx.is_main:  # held-out accuracy of the saved model/, in the main process only
         with unsharded_loading():
             judge = RewardModelJudge.load(ctx.name, str(ctx.dir / "model"), autocast=ctx.compute.autocast,
-                                          load=lambda p, pad: ctx.load_scalar(p, pad, device=True))
+                                          load=lambda p, pad: ctx.load_scalar(p, pad, device=True, frozen=True))
         held_out = pairwise_accuracy(judge, test)
         metrics = {"eval/rewards/accuracy": held_out["accuracy"], "eval/rewards/margin": held_out["margin"],
                    "eval/rewards/chosen": held_out["chosen"], "eval/rewards/rejected": held_out["rejected"],

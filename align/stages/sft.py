@@ -21,7 +21,7 @@ from align.data.chat import TemplateError, sft_example
 from align.modeling.models import (build_builtin, fit_model_to_tokenizer, load_tokenizer, peft_config,
                           train_tokenizer)
 from align.stages.context import StageContext, StageError
-from align.stages.trl import check_lengths, metrics_callback, train_with_resume, trainer_kwargs
+from align.stages.trl import check_lengths, metrics_callback, train_with_resume, training_args
 
 OUTPUTS = ["model"]
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def load_start(ctx: StageContext, cfg: SFTStage, rows: list[dict[str, Any]], cha
     tok = load_tokenizer(p.tokenizer or p.base_model, p.trust_remote_code)
     model = ctx.load_lm(p.base_model, quantize=cfg.lora.quantize)
     if gguf.is_gguf(p.base_model):
-        ctx.extra_manifest["base_model_format"] = gguf.describe(p.base_model) + f" into {p.dtype}"
+        ctx.extra_manifest["base_model_format"] = gguf.describe(p.base_model) + f" into {ctx.weights_dtype(frozen=False)}"
     if install:
         templates.install(tok, template)
         fit_model_to_tokenizer(model, tok)
@@ -93,7 +93,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     data = load_split(cfg.data, cfg.split)
     rows = data.rows[: cfg.max_train_examples] if cfg.max_train_examples else data.rows
     chat = data.card.produces == "messages"
-    model, tokenizer = load_start(ctx, cfg, rows, chat)
+    args = training_args(SFTConfig, cfg, ctx, completion_only_loss=cfg.completion_only_loss and not chat,
+                         assistant_only_loss=False, eval_strategy="no", packing=False)
+    model, tokenizer = load_start(ctx, cfg, rows, chat)  # after the config: partitioned as it loads under ZeRO-3
     check_lengths(ctx, rows, tokenizer)
     columns = ["messages"] if chat else ["prompt", "completion"]
     train = Dataset.from_list([{c: r[c] for c in columns} for r in rows])
@@ -111,8 +113,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
         log.info("assistant-only loss: chat template %s", ctx.chat_template.describe())
     ctx.extra_manifest["loss_on"] = ("assistant turns" if cfg.completion_only_loss and chat else "completions"
                                      if cfg.completion_only_loss else "every token")
-    args = SFTConfig(**trainer_kwargs(cfg, ctx), completion_only_loss=cfg.completion_only_loss and not chat,
-                     assistant_only_loss=False, eval_strategy="no", packing=False)
     trainer = SFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=eval_ds,
                          processing_class=tokenizer, callbacks=[metrics_callback(ctx)],
                          peft_config=peft_config(cfg.lora, "CAUSAL_LM"))

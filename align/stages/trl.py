@@ -99,7 +99,8 @@ def trainer_kwargs(cfg: TrainedStage, ctx: StageContext) -> dict[str, Any]:
         max_steps=cfg.max_steps if cfg.max_steps is not None else -1, per_device_train_batch_size=cfg.per_device_batch_size,
         per_device_eval_batch_size=cfg.per_device_batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, logging_steps=cfg.logging_steps,
-        save_strategy="steps", save_steps=cfg.save_steps, save_total_limit=2, report_to="none", seed=ctx.seed,
+        max_grad_norm=cfg.max_grad_norm if cfg.max_grad_norm is not None else 0.0,
+        save_strategy="steps", save_steps=cfg.save_steps, save_total_limit=cfg.save_total_limit, report_to="none", seed=ctx.seed,
         data_seed=ctx.seed, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
         disable_tqdm=not verbose(),  # the runner draws one bar per stage from ctx.progress (align/core/console.py)
         # The pipeline's `precision` (align/modeling/compute.py; TRL's own default, bf16 everywhere, is ~6x slower on CPUs
@@ -110,6 +111,31 @@ def trainer_kwargs(cfg: TrainedStage, ctx: StageContext) -> dict[str, Any]:
         # (off: the demo's SFT steps take about half the time without recomputation).
         activation_checkpointing=cfg.gradient_checkpointing,
     )
+
+
+def training_args(config_cls, cfg: TrainedStage, ctx: StageContext, drop: tuple[str, ...] = (), **extra: Any):
+    """The TRL config of the stage, built before any model is loaded: under DeepSpeed it registers the stage's
+    DeepSpeed config with transformers, so under ZeRO-3 every model loaded after it is partitioned as it loads
+    (deepspeed.zero.Init: each rank holds 1/N of the weights, never a whole copy in host RAM; a model loaded
+    before would be materialised whole by every rank first). `drop`: shared arguments the trainer does not take."""
+    kwargs = trainer_kwargs(cfg, ctx)
+    for key in drop:
+        del kwargs[key]
+    args = config_cls(**kwargs, **extra)
+    share_process_group_with_deepspeed()
+    return args
+
+
+def share_process_group_with_deepspeed() -> None:
+    """Under ZeRO-3, models load inside deepspeed.zero.Init, which reads the world size from DeepSpeed's own comm
+    layer; on CPU (gloo) nobody has initialised it, so it would count 1 process (and keep whole weights). Hand it
+    the process group accelerate already made."""
+    if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") != "3":
+        return
+    import deepspeed  # heavy: only under ZeRO-3
+
+    if not deepspeed.comm.is_initialized():
+        deepspeed.init_distributed()
 
 
 def check_lengths(ctx: StageContext, rows: list[dict[str, Any]], tokenizer) -> None:
