@@ -164,3 +164,163 @@ def test_messages_form_validates_and_rejects_bad_turns(tmp_path):
     card = _card(tmp_path, json.dumps(bad) + "\n", produces="messages")
     with pytest.raises(DataCardError, match="row 0: field 'messages' must be a list of"):
         load_split(card, "train")
+
+
+# --------------------------------------------------------------------------------------------- hub data as published
+def test_implicit_prompt_conversations_become_the_explicit_form():
+    """UltraFeedback as published: prompt a string, chosen / rejected whole user + assistant conversations."""
+    from align.data.formats import FormatError, implicit_prompt
+
+    user = {"role": "user", "content": "Name a prime."}
+    row = {"prompt": "Name a prime.", "prompt_id": "x", "chosen": [user, {"role": "assistant", "content": "7"}],
+           "rejected": [user, {"role": "assistant", "content": "8"}], "score_chosen": 9.0}
+    out = implicit_prompt(row, "row 0")
+    assert out["prompt"] == [user] and out["chosen"] == [{"role": "assistant", "content": "7"}]
+    assert out["rejected"] == [{"role": "assistant", "content": "8"}] and out["score_chosen"] == 9.0
+    # multi-turn: every shared turn up to the last user turn is the prompt
+    turns = [{"role": "system", "content": "Be brief."}, user, {"role": "assistant", "content": "7"},
+             {"role": "user", "content": "Another?"}]
+    multi = implicit_prompt({"chosen": turns + [{"role": "assistant", "content": "11"}],
+                             "rejected": turns + [{"role": "assistant", "content": "12"}]}, "row 1")
+    assert multi["prompt"] == turns and multi["chosen"][0]["content"] == "11"
+    explicit = {"prompt": [user], "chosen": [{"role": "assistant", "content": "7"}],
+                "rejected": [{"role": "assistant", "content": "8"}]}
+    assert implicit_prompt(explicit, "row 2") is explicit  # already explicit: as it is
+    text = {"prompt": "a", "chosen": " b", "rejected": " c"}
+    assert implicit_prompt(text, "row 3") is text
+    with pytest.raises(FormatError, match=r"row 4: fields 'chosen' and 'rejected' are whole conversations .* share 0"):
+        implicit_prompt({"chosen": [user, {"role": "assistant", "content": "7"}],
+                         "rejected": [{"role": "user", "content": "Other"}, {"role": "assistant", "content": "8"}]},
+                        "row 4")
+    with pytest.raises(FormatError, match=r"row 5: field 'prompt' is not the conversation's last user turn"):
+        implicit_prompt({**row, "prompt": "Name a composite."}, "row 5")
+
+
+def _uf_mirror(root: Path) -> Path:
+    """A two-split UltraFeedback-shaped dataset in the hub's layout (parquet per split, named by the card's
+    `configs:`), as `huggingface-cli download` leaves it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    user = lambda i: {"content": f"Question {i}?", "role": "user"}  # noqa: E731
+    rows = [{"prompt": f"Question {i}?", "prompt_id": str(i), "chosen": [user(i), {"content": f"Good {i}.", "role": "assistant"}],
+             "rejected": [user(i), {"content": f"Bad {i}.", "role": "assistant"}], "messages": [user(i)],
+             "score_chosen": 8.0, "score_rejected": 3.0} for i in range(12)]
+    ds = root / "HuggingFaceH4" / "ultrafeedback_binarized"
+    (ds / "data").mkdir(parents=True)
+    for split, part in (("train_prefs", rows[:9]), ("test_prefs", rows[9:])):
+        pq.write_table(pa.Table.from_pylist(part), ds / "data" / f"{split}-00000-of-00001.parquet")
+    (ds / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train_prefs\n"
+                                  "    path: data/train_prefs-*\n  - split: test_prefs\n    path: data/test_prefs-*\n---\n")
+    return root
+
+
+def test_the_ultrafeedback_card_reads_the_datasets_own_splits_as_published(tmp_path, monkeypatch):
+    monkeypatch.setenv("ALIGN_HUB_MIRROR", str(_uf_mirror(tmp_path / "hub")))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    card = load_card(REPO / "data_cards" / "ultrafeedback_binarized_prefs.yaml")
+    assert card.split_names == ["train", "test"]
+    train, test = load_split(card, "train"), load_split(card, "test")
+    assert len(train.rows) == 9 and len(test.rows) == 3  # train_prefs and test_prefs, whole: nothing re-split
+    assert train.rows[0]["prompt"] == [{"content": "Question 0?", "role": "user"}]
+    assert test.rows[0]["chosen"] == [{"content": "Good 9.", "role": "assistant"}]
+    assert set(train.rows[0]) == {"prompt", "chosen", "rejected"}  # `columns:` keeps what the stages read
+    with pytest.raises(DataCardError, match=r"no split 'validation'; the card defines \['test', 'train'\]"):
+        load_split(card, "validation")
+    before = card.content_hash()
+    (tmp_path / "hub" / "HuggingFaceH4" / "ultrafeedback_binarized" / "README.md").write_text(
+        (tmp_path / "hub" / "HuggingFaceH4" / "ultrafeedback_binarized" / "README.md").read_text() + "\n")
+    assert card.content_hash() != before  # the mirrored files are part of the fingerprint
+
+
+def test_hub_source_splits_are_checked(tmp_path):
+    def card(extra: str) -> Path:
+        path = tmp_path / "c.yaml"
+        path.write_text("name: x\nlicense: MIT\nformat: hub\nproduces: preference\n" + extra)
+        return path
+
+    with pytest.raises(DataCardError, match=r"'source.splits' names the dataset's own splits; remove `splits:`"):
+        load_card(card("source: {hub: a/b, splits: {train: t}}\nsplits: {train: 1.0}\n"))
+    with pytest.raises(DataCardError, match=r"source.splits': a mapping of align split -> the dataset's split"):
+        load_card(card("source: {hub: a/b, splits: [train]}\n"))
+    with pytest.raises(DataCardError, match=r"only a hub source names its own splits"):
+        path = tmp_path / "local.yaml"
+        (tmp_path / "rows.jsonl").write_text('{"prompt": "a"}\n')
+        path.write_text("name: x\nlicense: MIT\nformat: jsonl\nproduces: prompt\nsource: {path: rows.jsonl, "
+                        "splits: {train: train}}\n")
+        load_card(path)
+
+
+def test_a_users_transform_module_function_runs_is_checked_and_fingerprinted(tmp_path):
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"q": f"q{i}", "a": f" a{i}"}) + "\n" for i in range(10)))
+    (tmp_path / "my_rows.py").write_text(
+        "from collections import Counter\n"
+        "def to_pc(rows, args, seed):\n"
+        "    out = [{'prompt': r['q'], 'completion': r['a']} for r in rows if r['q'] != args['skip']]\n"
+        "    return out, Counter({'skipped by my_rows': len(rows) - len(out)})\n"
+        "def broken(rows, args, seed):\n"
+        "    return 'not rows'\n")
+    path = tmp_path / "card.yaml"
+    path.write_text("name: mine\nlicense: MIT\nformat: jsonl\nproduces: prompt_completion\nsource: {path: rows.jsonl}\n"
+                    "transform: {'my_rows:to_pc': {skip: q3}}\nsplits: {train: 1.0, seed: 1}\n")
+    loaded = load_split(path, "train")
+    assert len(loaded.rows) == 9 and loaded.dropped["skipped by my_rows"] == 1
+    assert {r["prompt"] for r in loaded.rows} == {f"q{i}" for i in range(10)} - {"q3"}
+    before = load_card(path).content_hash()
+    (tmp_path / "my_rows.py").write_text((tmp_path / "my_rows.py").read_text() + "# edited\n")
+    assert load_card(path).content_hash() != before  # editing the transform reruns what reads the card
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(path.read_text().replace("'my_rows:to_pc': {skip: q3}", "'my_rows:broken': true"))
+    with pytest.raises(DataCardError, match=r"transform 'my_rows:broken' returned str, not a list of rows"):
+        load_split(bad, "train")
+    missing = tmp_path / "missing.yaml"
+    missing.write_text(path.read_text().replace("my_rows:to_pc", "no_such_module:f"))
+    with pytest.raises(DataCardError, match=r"transform 'no_such_module:f': cannot import module 'no_such_module'"):
+        load_card(missing)
+
+
+def test_the_chat_message_hh_hub_cards_read_the_published_layout(tmp_path, monkeypatch):
+    """Anthropic/hh-rlhf's harmless-base/{train,test}.jsonl.gz, read as conversations (SFT messages and pairs)."""
+    hh = tmp_path / "hub" / "Anthropic" / "hh-rlhf" / "harmless-base"
+    hh.mkdir(parents=True)
+    with gzip.open(REPO / "data_cards" / "data" / "hh_rlhf_harmless" / "harmless_base_sample_200.jsonl.gz", "rt") as fh:
+        lines = fh.readlines()
+    for split, part in (("train", lines[:150]), ("test", lines[150:])):
+        with gzip.open(hh / f"{split}.jsonl.gz", "wt") as fh:
+            fh.writelines(part)
+    monkeypatch.setenv("ALIGN_HUB_MIRROR", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    sft = load_split(REPO / "data_cards" / "hh_rlhf_harmless_hub_chat_sft.yaml", "train")
+    pairs = load_split(REPO / "data_cards" / "hh_rlhf_harmless_hub_chat_pairs.yaml", "test")
+    assert sft.rows and sft.rows[0]["messages"][0]["role"] == "user" and sft.rows[0]["messages"][-1]["role"] == "assistant"
+    assert pairs.rows and isinstance(pairs.rows[0]["prompt"], list) and pairs.rows[0]["chosen"][0]["role"] == "assistant"
+    assert sft.total_rows + sum(sft.dropped.values()) == 150 and pairs.total_rows + sum(pairs.dropped.values()) == 50
+
+
+def test_pairs_that_teach_nothing_are_dropped_and_counted_up_to_the_cards_fraction(tmp_path):
+    """UltraFeedback as published has pairs whose chosen and rejected are one and the same conversation (435 of its
+    61,135 training pairs): a few such rows are dropped and counted, not a refusal of the whole dataset; above the
+    card's max_unusable_fraction the card is refused, naming the rows."""
+    from align.data.formats import implicit_prompt
+
+    user = {"role": "user", "content": "Q?"}
+    same = [user, {"role": "assistant", "content": "Same."}]
+    assert implicit_prompt({"chosen": same, "rejected": list(same)}, "row")["prompt"] == [user]
+    rows = [{"prompt": f"Q{i}?", "chosen": [{"role": "user", "content": f"Q{i}?"}, {"role": "assistant", "content": "A"}],
+             "rejected": [{"role": "user", "content": f"Q{i}?"}, {"role": "assistant", "content": "B"}]}
+            for i in range(150)]
+    rows[7]["rejected"] = list(rows[7]["chosen"])  # identical conversations: the pair teaches nothing
+    (tmp_path / "uf.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    card = tmp_path / "uf.yaml"
+    card.write_text("name: uf\nlicense: MIT\nformat: jsonl\nproduces: preference\nsource: {path: uf.jsonl}\n"
+                    "splits: {train: 1.0, seed: 3}\n")
+    loaded = load_split(card, "train")
+    assert len(loaded.rows) == 149
+    assert loaded.dropped == {"whose 'chosen' and 'rejected' differ at most in whitespace": 1}
+    card.write_text(card.read_text() + "max_unusable_fraction: 0.005\n")  # 1 of 150 is 0.67%: above 0.5%
+    with pytest.raises(DataCardError, match=r"1 row \(7\) whose 'chosen' and 'rejected' differ at most in whitespace\. "
+                                            r"That is 1 of 150 rows \(0\.7%\), above the card's max_unusable_fraction"):
+        load_split(card, "train")
+    card.write_text(card.read_text().replace("0.005", "2"))
+    with pytest.raises(DataCardError, match=r"field 'max_unusable_fraction': 2 is not a fraction between 0 and 1"):
+        load_card(card)

@@ -13,17 +13,16 @@ import random
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from align.config.common import DATA, EXAMPLES, POLICY, CheckContext, StageBase, TrainedStage
-from align.data.formats import DataForm, Rows, register_form, rows_named, text_of
+from align.config.common import HeldModel, DATA, EXAMPLES, POLICY, CheckContext, StageBase, TrainedStage
+from align.data.formats import DataForm, Rows, register_form, text_of
 from align.data.lengths import TRUNCATES_COMPLETIONS
 from align.core.schema import one_of, ranged
 
 PAIRS, UNPAIRED = "preference", "unpaired_preference"
 
 
-def _empty_completions(rows: Rows) -> list[str]:
-    empty = [i for i, r in enumerate(rows) if not text_of(r["completion"])]
-    return [f"{rows_named(empty)} with an empty 'completion'"] if empty else []
+def _empty_completions(rows: Rows) -> dict[str, list[int]]:
+    return {"with an empty 'completion'": [i for i, r in enumerate(rows) if not text_of(r["completion"])]}
 
 
 register_form(DataForm(UNPAIRED, ("prompt", "completion", "label"), replies=("completion",), flags=("label",),
@@ -52,6 +51,9 @@ class KTOStage(TrainedStage):
     INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"policy": (POLICY, True), "data": (DATA, False)}
     CARDS: ClassVar[dict[str, str]] = {"data": EXAMPLES}
 
+    learning_rate: float = ranged(5e-7, gt=0)
+    """Peak learning rate: 5e-7, as DPO's (both fine-tune against the same frozen reference); a small model
+    trained from scratch needs ~1e-4."""
     policy: str = "sft"
     """Stage whose model/ is both the starting policy and the frozen reference."""
     data: str = "preferences"
@@ -83,10 +85,10 @@ class KTOStage(TrainedStage):
     def length_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return unpaired(rows, 0)  # the order does not change a length count
 
-    def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
+    def held_models(self, stages: dict[str, StageBase]) -> list[HeldModel]:
         if self.lora.enabled:  # TRL's reference is then the policy's base with its adapters disabled
-            return [("policy", "lm", True)]
-        return [("policy", "lm", True), ("reference", "lm", False)]
+            return [HeldModel("policy", "lm", True)]
+        return [HeldModel("policy", "lm", True), HeldModel("reference", "lm", False)]  # TRL shards it under ZeRO-3
 
     def workload(self) -> tuple[int, int, int, int]:
         return 2 * self.per_device_batch_size, self.max_length, 0, 0  # each example and its KL completion

@@ -23,7 +23,9 @@ from urllib.parse import urlparse
 
 import yaml
 
-from align.data.formats import FORMS, TRANSFORMS, FormatError, check_canonical, row_prompt_key
+from align.core.console import verbose
+from align.data.formats import (FORMS, TRANSFORMS, FormatError, check_canonical, drop_unusable, row_prompt_key,
+                                transform_source_digest, user_transform)
 
 FORMATS = ("jsonl", "json", "tsv", "csv", "parquet", "hub")
 
@@ -51,6 +53,9 @@ class DataCard:
     license: str = ""
     description: str = ""
     citation: str = ""
+    max_unusable_fraction: float = 0.01
+    """Rows that cannot teach (an empty reply, equal replies, no assistant turn) are dropped and counted up to this
+    fraction of a split's rows; above it the card is refused, naming them."""
 
     @property
     def file(self) -> Path | None:
@@ -59,20 +64,39 @@ class DataCard:
             return None
         return (self.path.parent / self.source["path"]).resolve()
 
+    @property
+    def source_splits(self) -> dict[str, str] | None:
+        """A hub source that names its own splits (`source.splits`: align split -> the dataset's split, e.g.
+        {train: train_prefs, test: test_prefs}): each align split reads that split whole, nothing is re-split."""
+        return self.source.get("splits") if self.format == "hub" else None
+
+    @property
+    def split_names(self) -> list[str]:
+        return list(self.source_splits or {k for k in self.splits if k != "seed"})
+
     def content_hash(self) -> str:
-        """sha256 of the card text and the local data file (or the hub id + revision)."""
+        """sha256 of the card text, of its transforms' code, and of the local data file; for a hub source the hub
+        id and the revision resolved to its commit (or, read from a local mirror, the mirrored files)."""
         h = hashlib.sha256(self.path.read_bytes())
+        for name in self.transform:
+            if ":" in name:  # a user's transform: its source file's content
+                h.update(name.encode() + transform_source_digest(name, self.path).encode())
         if self.file is not None:
             with open(self.file, "rb") as fh:
                 for block in iter(lambda: fh.read(1 << 20), b""):
                     h.update(block)
+            return h.hexdigest()
+        h.update(json.dumps(self.source, sort_keys=True).encode())
+        mirror = hub_mirror(self.source["hub"])
+        if mirror is not None:
+            h.update(mirror_digest(mirror).encode())
         else:
-            h.update(json.dumps(self.source, sort_keys=True).encode())
+            h.update(str(resolved_revision(self.source["hub"], self.source.get("revision"))).encode())
         return h.hexdigest()
 
 
 _CARD_FIELDS = {"name", "description", "source", "license", "citation", "format", "columns", "produces",
-                "transform", "splits"}
+                "transform", "splits", "max_unusable_fraction"}
 
 
 def load_card(path: str | Path) -> DataCard:
@@ -100,19 +124,45 @@ def load_card(path: str | Path) -> DataCard:
     if not isinstance(source, dict) or not ({"path"} <= source.keys() or {"hub"} <= source.keys()):
         raise DataCardError(f"{path}: field 'source' needs `path: <file>` or `hub: <org/name>` (+ revision)")
     for name in (raw.get("transform") or {}):
-        if name not in TRANSFORMS:
-            raise DataCardError(f"{path}: field 'transform': unknown transform '{name}'; known: {sorted(TRANSFORMS)}")
+        if ":" in name:  # a user's own transform, `module:function` (like judges): resolved now, not at the stage
+            try:
+                user_transform(name, path)
+            except FormatError as exc:
+                raise DataCardError(f"{path}: field 'transform': {exc}") from None
+        elif name not in TRANSFORMS:
+            raise DataCardError(f"{path}: field 'transform': unknown transform '{name}'; known: {sorted(TRANSFORMS)}, "
+                                "or your own as module:function (a module importable from the card's directory)")
     card = DataCard(path=path, name=raw["name"], source=source, format=raw["format"], produces=raw["produces"],
                     columns=raw.get("columns") or {}, transform=raw.get("transform") or {},
                     splits=raw.get("splits") or {"train": 1.0, "seed": 0}, license=raw["license"],
-                    description=raw.get("description", ""), citation=raw.get("citation", ""))
+                    description=raw.get("description", ""), citation=raw.get("citation", ""),
+                    max_unusable_fraction=_fraction(path, raw.get("max_unusable_fraction", 0.01)))
     if card.file is not None and not card.file.is_file():
         raise DataCardError(f"{path}: field 'source.path': file {card.file} does not exist")
+    if "splits" in source:
+        named = source["splits"]
+        if card.format != "hub":
+            raise DataCardError(f"{path}: field 'source.splits': only a hub source names its own splits; split a local "
+                                "file with `splits:` fractions")
+        if not isinstance(named, dict) or not named or not all(isinstance(k, str) and isinstance(v, str) and v
+                                                                for k, v in named.items()):
+            raise DataCardError(f"{path}: field 'source.splits': a mapping of align split -> the dataset's split, e.g. "
+                                "{train: train_prefs, test: test_prefs}")
+        if raw.get("splits") or "split" in source:
+            raise DataCardError(f"{path}: field 'source.splits' names the dataset's own splits; remove "
+                                f"{'`splits:`' if raw.get('splits') else '`source.split`'} (nothing is re-split)")
+        return card
     fractions = {k: v for k, v in card.splits.items() if k != "seed"}
     if not fractions or any(not isinstance(v, (int, float)) or v < 0 for v in fractions.values()) \
             or abs(sum(fractions.values()) - 1.0) > 1e-6:
         raise DataCardError(f"{path}: field 'splits': fractions must be >= 0 and sum to 1, got {fractions}")
     return card
+
+
+def _fraction(path: Path, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise DataCardError(f"{path}: field 'max_unusable_fraction': {value!r} is not a fraction between 0 and 1")
+    return float(value)
 
 
 # --------------------------------------------------------------------------------------------- reading
@@ -147,10 +197,11 @@ def _map_columns(card: DataCard, row: Any, where: str) -> dict[str, Any]:
     return out
 
 
-def read_rows(card: DataCard) -> list[dict[str, Any]]:
-    """Read every row of the card's source, mapped to the card's column names."""
+def read_rows(card: DataCard, hub_split: str | None = None) -> list[dict[str, Any]]:
+    """Read every row of the card's source (of a hub source, `hub_split` or its `split`), mapped to the card's column
+    names."""
     if card.format == "hub":
-        return _read_hub(card)
+        return _read_hub(card, hub_split or card.source.get("split", "train"))
     file = card.file
     assert file is not None
     if card.format == "parquet":
@@ -197,16 +248,70 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def _read_hub(card: DataCard) -> list[dict[str, Any]]:
-    import datasets  # heavy: only for hub cards
+HUB_MIRROR_ENV = "ALIGN_HUB_MIRROR"
+"""A directory of local copies of hub dataset repositories, one per `<org>/<name>` (what `huggingface-cli download
+--repo-type dataset ORG/NAME --local-dir $ALIGN_HUB_MIRROR/ORG/NAME` writes): a hub card whose dataset is there is
+read from it, for clusters whose compute nodes cannot reach the hub (and for tests: fixtures in the hub's layout)."""
 
+
+def hub_mirror(hub_id: str) -> Path | None:
+    """The local copy of hub dataset `hub_id` under $ALIGN_HUB_MIRROR, when there is one."""
+    root = os.environ.get(HUB_MIRROR_ENV)
+    if not root:
+        return None
+    path = Path(root) / hub_id
+    return path if path.is_dir() else None
+
+
+def mirror_digest(root: Path) -> str:
+    """sha256 over a mirrored dataset's files (names and contents): its identity in fingerprints."""
+    h = hashlib.sha256()
+    for file in sorted(p for p in root.rglob("*") if p.is_file() and ".cache" not in p.parts):
+        h.update(file.relative_to(root).as_posix().encode())
+        with open(file, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+_REVISIONS: dict[tuple[str, str | None], str | None] = {}
+
+
+def resolved_revision(hub_id: str, revision: str | None) -> str | None:
+    """The commit a hub dataset's `revision` (a branch, a tag or a commit; None: main) names now, so a fingerprint
+    changes when the dataset does; the revision as written when the hub cannot be asked from here."""
+    key = (hub_id, revision)
+    if key not in _REVISIONS:
+        _REVISIONS[key] = revision
+        if hub_reachable():
+            try:
+                from huggingface_hub import HfApi  # light (no torch): only for hub cards, and only when reachable
+
+                _REVISIONS[key] = HfApi().dataset_info(hub_id, revision=revision).sha or revision
+            except Exception:  # unknown repo or revision, no access: loading the rows will say which
+                pass
+    return _REVISIONS[key]
+
+
+def _read_hub(card: DataCard, split: str) -> list[dict[str, Any]]:
+    import datasets  # heavy: only for hub cards
+    from datasets.utils import logging as ds_logging
+
+    if not verbose():  # its download and split bars would only fill the console (the stage's log has the rows)
+        ds_logging.disable_progress_bar()
+        ds_logging.set_verbosity_error()
     src = card.source
+    mirror = hub_mirror(src["hub"])
+    where = f"{src['hub']!r}" + (f" from its mirror {mirror}" if mirror else f" (revision {src.get('revision')!r})")
     try:
-        ds = datasets.load_dataset(src["hub"], src.get("config"), data_dir=src.get("data_dir"),
-                                   split=src.get("split", "train"), revision=src.get("revision"))
-    except Exception as exc:  # network, auth, missing revision: all need the same advice
-        raise DataUnavailableError(f"{card.path}: could not load hub dataset {src['hub']!r} "
-                            f"(revision {src.get('revision')!r}): {exc}") from exc
+        if mirror is not None:
+            ds = datasets.load_dataset(str(mirror), src.get("config"), data_dir=src.get("data_dir"), split=split)
+        else:
+            ds = datasets.load_dataset(src["hub"], src.get("config"), data_dir=src.get("data_dir"), split=split,
+                                       revision=resolved_revision(src["hub"], src.get("revision")))
+    except Exception as exc:  # network, auth, missing revision or split: all need the same advice
+        raise DataUnavailableError(f"{card.path}: could not load split {split!r} of hub dataset {where}: "
+                                   f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
     return [_map_columns(card, r, f"{card.path}: hub row {i}") for i, r in enumerate(ds)]
 
 
@@ -227,7 +332,10 @@ def load_split(card: DataCard | str | Path, split: str) -> LoadedSplit:
     """Read, transform, validate and split a card; return one split (an empty split is an error)."""
     if not isinstance(card, DataCard):
         card = load_card(card)
-    rows = read_rows(card)
+    named = card.source_splits
+    if named is not None and split not in named:
+        raise DataCardError(f"{card.path}: no split '{split}'; the card defines {sorted(named)} (source.splits)")
+    rows = read_rows(card, named[split] if named else None)
     if not rows:
         raise DataCardError(f"{card.file or card.path}: the dataset is empty")
     seed = int(card.splits.get("seed", 0))
@@ -235,15 +343,19 @@ def load_split(card: DataCard | str | Path, split: str) -> LoadedSplit:
     dropped: Counter = Counter()
     try:
         for name, args in card.transform.items():
-            rows, d = TRANSFORMS[name](rows, args, seed)
+            rows, d = (user_transform(name, card.path) if ":" in name else TRANSFORMS[name])(rows, args, seed)
             dropped.update(d)
         if not rows:
             reasons = ", ".join(f"{n} {why}" for why, n in dropped.most_common())
             raise FormatError(f"transform {', '.join(card.transform)} dropped every one of the {read} rows "
                               f"({reasons or 'no reason counted'}); fix the data, or the transform's settings")
         check_canonical(rows, card.produces, str(card.file or card.path))
+        rows, unusable = drop_unusable(rows, card.produces, str(card.file or card.path), card.max_unusable_fraction)
+        dropped.update(unusable)
     except FormatError as exc:
         raise DataCardError(f"{card.path}: {exc}") from None
+    if named is not None:  # the dataset's own split, whole
+        return LoadedSplit(card, split, rows, dropped, len(rows))
     fractions = {k: float(v) for k, v in card.splits.items() if k != "seed"}
     if split not in fractions:
         raise DataCardError(f"{card.path}: no split '{split}'; the card defines {sorted(fractions)}")

@@ -4,7 +4,9 @@ Canonical forms (they match TRL's dataset formats):
 - ``prompt_completion``: ``{"prompt": str, "completion": str}``
 - ``messages``: ``{"messages": [{"role": ..., "content": ...}, ...]}``
 - ``preference``: ``{"prompt": str, "chosen": str, "rejected": str}``, or conversational (TRL's form):
-  ``prompt`` a list of messages ending with a user turn, ``chosen`` / ``rejected`` lists of one assistant message
+  ``prompt`` a list of messages ending with a user turn, ``chosen`` / ``rejected`` lists of one assistant message;
+  TRL's implicit-prompt form (``chosen`` / ``rejected`` whole conversations sharing their earlier turns, as
+  UltraFeedback publishes it) is read as that explicit form (``implicit_prompt``)
 - ``prompt``: ``{"prompt": str}``, or ``prompt`` a list of messages ending with a user turn
 
 Conversational rows are rendered with the chat template by the stages that read them (align/data/chat.py).
@@ -17,11 +19,16 @@ skipped for a stated reason (reported by ``align validate``), so nothing disappe
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import json
+import os
 import random
 import re
+import sys
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 Rows = list[dict[str, Any]]
@@ -197,6 +204,47 @@ def _keep(row: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in row.items() if k in ("id", "score")}
 
 
+def user_transform(name: str, card: Path) -> Callable[[Rows, Any, int], tuple[Rows, Counter]]:
+    """A card's own transform, `module:function` (like a judge): the module is imported from the card's directory,
+    else the working directory or the Python path. It is called as the named transforms are, `(rows, args, seed)`,
+    and returns `(rows, dropped)` (a Counter of reasons) or just the rows; what it returns is checked like any row.
+    Its source file is part of the card's content hash, so editing it reruns the stages that read the card."""
+    module_name, _, func_name = name.partition(":")
+    if not module_name or not func_name:
+        raise FormatError(f"transform '{name}': expected module:function")
+    for folder in (str(card.resolve().parent), os.getcwd()):
+        if folder not in sys.path:  # searched after the Python path, as `python -m` would
+            sys.path.append(folder)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise FormatError(f"transform '{name}': cannot import module '{module_name}' ({exc}); put "
+                          f"{module_name.replace('.', '/')}.py beside the card ({card.resolve().parent}) or on "
+                          "PYTHONPATH") from None
+    fn = getattr(module, func_name, None)
+    if not callable(fn):
+        raise FormatError(f"transform '{name}': module '{module_name}' has no function '{func_name}'")
+
+    def run(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
+        try:
+            out = fn(rows, args, seed)
+        except Exception as exc:  # the user's code: any exception is its fault, reported as the transform's
+            raise FormatError(f"transform '{name}' raised {type(exc).__name__}: {exc}") from exc
+        new, dropped = out if isinstance(out, tuple) and len(out) == 2 else (out, Counter())
+        if not isinstance(new, list) or not all(isinstance(r, dict) for r in new):
+            raise FormatError(f"transform '{name}' returned {type(new).__name__}, not a list of rows (dicts)")
+        return new, Counter(dropped)
+
+    run.source_file = getattr(module, "__file__", None)  # type: ignore[attr-defined]
+    return run
+
+
+def transform_source_digest(name: str, card: Path) -> str:
+    """sha256 of a user transform's module file (what the card's content hash covers)."""
+    file = getattr(user_transform(name, card), "source_file", None)
+    return hashlib.sha256(Path(file).read_bytes()).hexdigest() if file else ""
+
+
 TRANSFORMS: dict[str, Callable[[Rows, Any, int], tuple[Rows, Counter]]] = {
     "prefix_words": prefix_words,
     "hh_transcript": hh_transcript,
@@ -222,8 +270,12 @@ class DataForm:
     """Whether `prompt` may be a conversation (a list of messages ending with a user turn)."""
     check_row: Callable[[dict[str, Any], str], None] | None = None
     """A check of one row's types instead of the rules above (raise FormatError naming `where`)."""
-    contents: Callable[[Rows], list[str]] | None = None
-    """Rows of the right form that cannot teach anything -> one problem line each kind (none: [])."""
+    contents: Callable[[Rows], dict[str, list[int]]] | None = None
+    """Rows of the right form that cannot teach anything: what is wrong with them -> their row numbers
+    (`drop_unusable` drops and counts them, or refuses the card above its max_unusable_fraction)."""
+    normalise: Callable[[dict[str, Any], str], dict[str, Any]] | None = None
+    """Another spelling of the form -> the canonical one, row by row, before the checks (e.g. the implicit-prompt
+    conversational preference form); raise FormatError naming `where` when a row is neither."""
 
 
 FORMS: dict[str, DataForm] = {}
@@ -244,6 +296,8 @@ def check_canonical(rows: Rows, produces: str, source: str) -> None:
     """Every row must carry the canonical columns of `produces` with the right types (text, or for forms that
     allow it TRL's conversational form: see the module docstring), then hold something to learn from."""
     form = FORMS[produces]
+    if form.normalise is not None:
+        rows[:] = [form.normalise(row, f"{source}: row {i}") for i, row in enumerate(rows)]
     for i, row in enumerate(rows):
         where = f"{source}: row {i}"
         for col in form.columns:
@@ -267,10 +321,23 @@ def check_canonical(rows: Rows, produces: str, source: str) -> None:
         for col in (c for c in form.columns if c not in form.flags):
             if not isinstance(row[col], str):
                 raise FormatError(f"{where}: field '{col}' must be text, got {type(row[col]).__name__}")
-    problems = form.contents(rows) if form.contents is not None else []
-    if problems:
-        raise FormatError(f"{source}: " + "; ".join(problems) + ". Remove those rows from the data (or filter "
-                          "them in a transform) and run again")
+
+def drop_unusable(rows: Rows, produces: str, source: str, max_fraction: float) -> tuple[Rows, Counter]:
+    """Rows in the right form that cannot teach anything (the form's `contents` rule: an empty reply, a pair whose
+    replies are equal, a conversation without an assistant turn) are dropped and counted, by reason; when more
+    than `max_fraction` of the rows are (the card's `max_unusable_fraction`), the card is refused, naming them."""
+    form = FORMS[produces]
+    found = form.contents(rows) if form.contents is not None else {}
+    bad = sorted({i for idx in found.values() for i in idx})
+    if not bad:
+        return rows, Counter()
+    if len(bad) > max_fraction * len(rows):
+        raise FormatError(f"{source}: " + "; ".join(f"{rows_named(idx)} {why}" for why, idx in found.items() if idx)
+                          + f". That is {len(bad)} of {len(rows)} rows ({len(bad) / len(rows):.1%}), above the card's "
+                          f"max_unusable_fraction ({max_fraction}). Remove those rows from the data (or filter them in "
+                          "a transform) and run again, or raise max_unusable_fraction to drop them")
+    drop = set(bad)
+    return [r for i, r in enumerate(rows) if i not in drop], Counter({why: len(idx) for why, idx in found.items() if idx})
 
 
 def text_of(value: str | list[dict[str, str]]) -> str:
@@ -289,25 +356,53 @@ def _check_messages(row: dict[str, Any], where: str) -> None:
         raise FormatError(f"{where}: field 'messages' must be a list of {{role, content}}")
 
 
-def _silent_conversations(rows: Rows) -> list[str]:
+def _silent_conversations(rows: Rows) -> dict[str, list[int]]:
     """A conversation with no assistant turn with text has nothing to train on."""
     silent = [i for i, r in enumerate(rows)
               if not any(m["role"] == "assistant" and m["content"].strip() for m in r["messages"])]
-    return [f"{rows_named(silent)} with no assistant turn with text (nothing to train on)"] if silent else []
+    return {"with no assistant turn with text (nothing to train on)": silent}
 
 
-def _uninformative_pairs(rows: Rows) -> list[str]:
+def _uninformative_pairs(rows: Rows) -> dict[str, list[int]]:
     """A preference pair with an empty reply, or whose replies differ only in whitespace, teaches nothing."""
     replies = [(text_of(r["chosen"]), text_of(r["rejected"])) for r in rows]
-    empty = [i for i, (c, r) in enumerate(replies) if not c or not r]
-    same = [i for i, (c, r) in enumerate(replies) if c and c == r]
-    return ([f"{rows_named(empty)} with an empty 'chosen' or 'rejected'"] if empty else []) + \
-        ([f"{rows_named(same)} whose 'chosen' and 'rejected' differ at most in whitespace"] if same else [])
+    return {"with an empty 'chosen' or 'rejected'": [i for i, (c, r) in enumerate(replies) if not c or not r],
+            "whose 'chosen' and 'rejected' differ at most in whitespace":
+                [i for i, (c, r) in enumerate(replies) if c and c == r]}
+
+
+def implicit_prompt(row: dict[str, Any], where: str) -> dict[str, Any]:
+    """A preference row in TRL's implicit-prompt conversational form -> the explicit one.
+
+    Implicit (UltraFeedback as published, HuggingFaceH4/ultrafeedback_binarized): `chosen` and `rejected` are whole
+    conversations that share every turn but the last, which is the assistant's reply; `prompt`, when present, is
+    the last user turn's text. Explicit: `prompt` = the shared turns (ending with a user turn), `chosen` /
+    `rejected` = [the reply]. A row already explicit, or in text form, is returned as it is; an implicit row whose
+    conversations share more or less than everything but one final assistant reply, or whose text `prompt` is not
+    their last user turn, is an error naming the row."""
+    chosen, rejected, prompt = row.get("chosen"), row.get("rejected"), row.get("prompt")
+    if not (is_conversation(chosen) and is_conversation(rejected)) or isinstance(prompt, list) or \
+            (len(chosen) == 1 and len(rejected) == 1):
+        return row
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    if chosen == rejected:  # identical replies (UltraFeedback has some): split off the last turn; the pair is
+        shared = len(chosen) - 1  # then dropped and counted as teaching nothing (`_uninformative_pairs`)
+    turns = chosen[:shared]
+    if shared == 0 or turns[-1].get("role") != "user" or len(chosen) != shared + 1 or len(rejected) != shared + 1:
+        raise FormatError(f"{where}: fields 'chosen' and 'rejected' are whole conversations (the implicit-prompt form), "
+                          "but they do not share every turn up to a user turn followed by one assistant reply each "
+                          f"(they share {shared} of {len(chosen)} and {len(rejected)} turns)")
+    if isinstance(prompt, str) and prompt.strip() != turns[-1]["content"].strip():
+        raise FormatError(f"{where}: field 'prompt' is not the conversation's last user turn (prompt "
+                          f"{prompt[:60]!r}, user turn {turns[-1]['content'][:60]!r})")
+    return {**row, "prompt": turns, "chosen": chosen[shared:], "rejected": rejected[shared:]}
 
 
 # The forms every stage type shares. Row numbers in problems count from 0, after the card's transforms.
 register_form(DataForm("prompt_completion", ("prompt", "completion")))
 register_form(DataForm("messages", ("messages",), check_row=_check_messages, contents=_silent_conversations))
 register_form(DataForm("preference", ("prompt", "chosen", "rejected"), replies=("chosen", "rejected"),
-                       conversational=True, contents=_uninformative_pairs))
+                       conversational=True, contents=_uninformative_pairs, normalise=implicit_prompt))
 register_form(DataForm("prompt", ("prompt",), conversational=True))
