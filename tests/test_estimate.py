@@ -25,7 +25,7 @@ def tiny_cfg():
                                 f"builtin.num_layers={LAYERS}", f"builtin.num_heads={HEADS}",
                                 f"builtin.intermediate_size={INTER}", "builtin.max_position_embeddings=96",
                                 "sft.accelerate=zero2", "ppo.accelerate=zero3", "dpo.accelerate=zero3_offload",
-                                "hardware.gpus_per_node=8", "hardware.gpu_memory_gb=80"])
+                                "hardware.gpus_per_node=8", "hardware.gpu_memory_gb=80", "dtype=float32"])
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,8 @@ def test_hh_recipe_estimate_prints_every_mode_and_fits_the_declared_node(workdir
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "| zero2 | zero3 | zero3_offload |" in out and "8 GPU(s), 80 GB each (declared)" in out
-    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ") and "GPUs" not in line}
+    rows = {line.split("|")[1].strip(): line for line in out.split("Breakdown")[0].splitlines()
+            if line.startswith("| ") and "GPUs" not in line}
     assert set(rows) >= {"sft", "reward", "ppo", "dpo", "evaluate"}
     assert "policy* 1,011.8M" in rows["sft"]  # pythia-1b: 1,011,781,632 parameters
     assert "value*" in rows["ppo"] and "reference" in rows["ppo"] and "reward " in rows["ppo"]
@@ -255,3 +256,108 @@ def test_the_vllm_engine_counts_its_own_policy_copy_or_its_share_of_the_gpu(tiny
     cpu = engine_bytes(Generation(engine="vllm", kv_cache_gib=2.0), policy, 16, 40, 4, None)
     assert cpu == 4 * P_LM + max(kv, 2 * GIB)  # fp32 weights: 4 bytes per parameter
     assert engine_bytes(Generation(), policy, 16, 40, 4, None) == kv  # hf: the batch's KV cache only
+
+
+# --------------------------------------------------------------------------------------------- the 8B pipelines
+L8 = {"params": 8_030_261_248, "layers": 32, "kv_heads": 8, "head_dim": 128, "vocab": 128_256}  # Llama-3.1-8B
+
+
+def test_the_kv_cache_counts_grouped_query_attention_heads():
+    """2 * layers * batch * seq * kv_heads * head_dim * bytes + one step of fp32 logits: for Llama-3.1-8B (8 key/value
+    heads of 32) a quarter of what 2 * hidden would give."""
+    from align.orchestrator.estimate import ModelShape, kv_cache_bytes
+
+    llama = ModelShape(params=L8["params"], largest_layer=525_336_576, hidden=4096, layers=32, heads=32,
+                       vocab=L8["vocab"], kv_heads=8, head_dim=128)
+    assert kv_cache_bytes(llama, 16, 1024, 2) == 2 * 32 * 16 * 1024 * 8 * 128 * 2 + 4 * 16 * 128_256 == 2_155_692_032
+    full = ModelShape(params=1, largest_layer=1, hidden=4096, layers=32, heads=32, vocab=128_256)  # no GQA: 32 heads
+    assert kv_cache_bytes(full, 16, 1024, 2) - 4 * 16 * 128_256 == 4 * (2_155_692_032 - 4 * 16 * 128_256)
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    from align.config import load_pipeline
+    from align.orchestrator.estimate import model_shapes
+
+    source = REPO / "pipelines" / "llama3_8b_ultrafeedback.yaml"
+    cfg = load_pipeline(source, [])
+    return cfg, source, model_shapes(cfg, source)
+
+
+def test_llama8b_shapes_are_the_published_model(llama8b):
+    _, _, shapes = llama8b
+    lm = shapes["lm"]
+    assert (lm.params, lm.layers, lm.kv_heads, lm.head_dim, lm.vocab) == tuple(L8.values())  # 8,030,261,248 as published
+
+
+def test_ppo_counts_the_whole_policy_gathered_under_zero3_and_not_with_layer_gathers(llama8b):
+    """Under ZeRO-3 PPO's hf engine samples from the policy gathered whole on every GPU: one bf16 copy, 2 bytes x
+    8,030,261,248 = 14.96 GiB beside its shard; none under ZeRO-2 (the policy is whole already) or with
+    generation.zero3_gather: layers (one layer at a time, counted in the sharded states)."""
+    import dataclasses
+
+    from align.orchestrator.estimate import estimate_stage, hardware
+
+    cfg, _, shapes = llama8b
+    hw = hardware(cfg)
+    ppo = cfg.stages["ppo"]
+    est = estimate_stage("ppo", ppo, cfg.stages, shapes, "zero3", 8, cfg.dtype, hw.gpu_memory)
+    assert est.parts["zero3"]["rollout_gather"] == 2 * L8["params"]
+    assert est.parts["zero2"]["rollout_gather"] == 0
+    layers = dataclasses.replace(ppo, generation=dataclasses.replace(ppo.generation, zero3_gather="layers"))
+    lean = estimate_stage("ppo", layers, cfg.stages, shapes, "zero3", 8, cfg.dtype, hw.gpu_memory)
+    assert lean.parts["zero3"]["rollout_gather"] == 0
+    assert est.chosen_bytes - lean.chosen_bytes == 2 * L8["params"]
+    # the KV cache of a 16-prompt batch of 512 + 512 tokens, grouped-query attention (8 of 32 heads)
+    assert est.parts["zero3"]["generation"] == 2_155_692_032
+
+
+def test_a_reward_model_grpo_calls_from_python_is_whole_on_every_gpu_where_ppos_is_sharded(llama8b):
+    """GRPO scores completions with the reward model from a Python reward function: it is loaded whole on every GPU
+    (align/stages/online_rl.py), so ZeRO-3 does not shard it; PPO's reward model is DeepSpeed-prepared and sharded."""
+    from align.config.grpo import GRPOStage
+    from align.orchestrator.estimate import estimate_stage, frozen_bytes, hardware
+
+    cfg, _, shapes = llama8b
+    hw = hardware(cfg)
+    grpo = GRPOStage(type="grpo", policy="sft", reward="reward", beta=0.0, accelerate="zero3")
+    est = estimate_stage("grpo", grpo, cfg.stages, shapes, "zero3", 8, cfg.dtype, hw.gpu_memory)
+    rm = shapes["scalar"]
+    assert est.parts["zero3"]["frozen_weights"] == 2 * rm.params  # whole, in bf16
+    ppo = estimate_stage("ppo", cfg.stages["ppo"], cfg.stages, shapes, "zero3", 8, cfg.dtype, hw.gpu_memory)
+    lm = shapes["lm"]
+    assert ppo.parts["zero3"]["frozen_weights"] == (frozen_bytes("zero3", lm.params, lm.largest_layer, 8, 2)
+                                                    + frozen_bytes("zero3", rm.params, rm.largest_layer, 8, 2))
+    assert ppo.parts["zero3"]["frozen_weights"] < 2 * rm.params
+
+
+def test_advice_for_a_stage_that_trains_nothing_is_not_a_zero_config(llama8b):
+    """evaluate holds its models whole whatever its accelerate config: the advice is a smaller generation batch,
+    never zero3_offload (which it cannot use)."""
+    from align.orchestrator.estimate import Hardware, estimate_pipeline, too_big
+
+    cfg, source, shapes = llama8b
+    hw = Hardware(gpus_per_node=8, gpu_memory=int(40e9), nodes=1, detected=False)
+    lines = too_big(estimate_pipeline(cfg, source, hw, shapes=shapes), hw)
+    evaluate = next(line for line in lines if line.startswith("stage 'evaluate'"))
+    assert "stages.evaluate.generation.batch_size" in evaluate and "zero3" not in evaluate.split("GiB;")[-1]
+    ppo = next(line for line in lines if line.startswith("stage 'ppo'"))
+    assert "zero3_offload would fit" in ppo
+
+
+@pytest.mark.parametrize("pipeline,policy_params", [("llama3_8b_ultrafeedback", 8_030_261_248),
+                                                    ("qwen25_7b_hh", 7_615_616_512)])
+def test_every_stage_of_the_shipped_8b_pipelines_fits_8x80gb_with_its_breakdown(workdir, pipeline, policy_params):
+    proc = run_align("estimate", f"pipelines/{pipeline}.yaml", cwd=workdir)
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split("|")[1].strip(): line for line in proc.stdout.split("Breakdown")[0].splitlines()
+            if line.startswith("| ") and "GPUs" not in line}
+    assert set(rows) == {"sft", "reward", "ppo", "dpo", "evaluate"}
+    assert all(line.rstrip().endswith("| yes |") for line in rows.values()), proc.stdout
+    assert f"policy* {policy_params / 1e6:,.1f}M" in rows["sft"]
+    breakdown = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+                 for line in proc.stdout.split("Breakdown")[1].splitlines() if line.startswith("| ") and "mode" not in line}
+    mode, trained, frozen, acts, gen, gather, overhead, total = breakdown["ppo"]
+    assert mode == "zero3 + ckpt" and float(gather) == pytest.approx(2 * policy_params / 2 ** 30, abs=0.006)
+    assert float(total) == pytest.approx(sum(map(float, (trained, frozen, acts, gen, gather, overhead))), abs=0.03)
+    assert "does not fit" not in proc.stdout

@@ -47,19 +47,30 @@ def test_remote_code_refused_unless_opted_in(tmp_path):
 
 class _Ctx:
     name = "ppo"
+    is_main = True
+
+    def __init__(self):
+        self.extra_manifest = {}
 
 
-def test_ppo_refuses_mismatched_reward_tokenizer_and_long_prompts():
+def test_ppo_refuses_a_mismatched_reward_tokenizer_and_drops_long_prompts_up_to_a_fraction():
     from align.config.ppo import PPOStage
-    from align.stages.ppo import check_models
+    from align.data.lengths import LengthError
+    from align.stages.ppo import usable_prompts
 
     gpt2 = load_tokenizer(str(GPT2))
     small = train_tokenizer(["a good film", "a bad film"] * 10, 300, 64)
-    cfg = PPOStage(type="ppo", max_prompt_length=4)
+    cfg = PPOStage(type="ppo", max_prompt_length=4, max_truncated_fraction=0.3)
     with pytest.raises(ValueError, match="reward model's tokenizer .* differs"):
-        check_models(_Ctx(), cfg, gpt2, {"reward": small}, ["a film"])
-    with pytest.raises(ValueError, match=r"1 of 2 prompts are longer than max_prompt_length=4"):
-        check_models(_Ctx(), cfg, gpt2, {"reward": gpt2}, ["short", "this prompt is clearly longer than four tokens"])
+        usable_prompts(_Ctx(), cfg, gpt2, {"reward": small}, ["a film"])
+    long = "this prompt is clearly longer than four tokens"
+    ctx = _Ctx()
+    kept = usable_prompts(ctx, cfg, gpt2, {"reward": gpt2}, ["short", "a film", "one two", long])
+    assert kept == ["short", "a film", "one two"]  # the long one dropped, not the run refused
+    check = ctx.extra_manifest["length_check"]
+    assert (check["examples"], check["dropped"], check["longest"]) == (4, 1, len(gpt2(long)["input_ids"]))
+    with pytest.raises(LengthError, match=r"stages\.ppo\.max_prompt_length=4: 1 of 2 examples .* Raise max_prompt_length"):
+        usable_prompts(_Ctx(), cfg, gpt2, {"reward": gpt2}, ["short", long])  # 50% > 30%
 
 
 def _default_with(**ppo):
@@ -109,7 +120,8 @@ def test_a_fresh_scalar_head_depends_on_the_stage_seed_only(tmp_path):
 
     def head(seed: int, draws: int) -> torch.Tensor:
         ctx = SimpleNamespace(seed=seed, pipeline=SimpleNamespace(dtype="float32", trust_remote_code=False),
-                              compute=SimpleNamespace(model_kwargs=lambda: {}, device="cpu"))
+                              compute=SimpleNamespace(model_kwargs=lambda: {}, device="cpu"),
+                              weights_dtype=lambda frozen: "float32", _record_load=lambda path, model: None)
         torch.manual_seed(1234)
         torch.rand(draws)  # the stage's global stream in another state each time
         before = torch.random.get_rng_state()

@@ -235,3 +235,57 @@ def test_shared_value_head_reads_the_policys_own_trunk_and_its_loss_trains_the_t
         assert stats["policy/ratio_first"] == 1.0
         moved[vf_coef] = max((p.detach() - before[n]).abs().max().item() for n, p in policy.named_parameters())
     assert moved[0.5] > 1e-4 and moved[0.0] == 0.0
+
+
+def test_gradient_checkpointing_recomputes_and_leaves_the_update_unchanged():
+    """PPO's gradient_checkpointing (policy and value): the same losses and updated weights as without it (fp32, CPU:
+    1e-6), and it really recomputes: each decoder block of the policy runs twice per mini-batch (forward, and again in
+    the backward pass) where it ran once. transformers recomputes only in training mode: ppo_update switches to
+    train() for the update (dropout is 0) and back."""
+    import copy
+
+    from accelerate import Accelerator
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    from align.modeling.models import disable_dropout
+    from align.stages.ppo import ppo_update
+    from align.stages.ppo.models import PolicyAndValue, checkpointed
+
+    print(f"seed {SEED}")
+    cfg_model = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=0)
+    torch.manual_seed(SEED)
+    base_policy, base_value = LlamaForCausalLM(cfg_model), LlamaForSequenceClassification(cfg_model)
+    g = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(1, 64, (8, 12), generator=g)
+    mask, rmask = torch.ones_like(ids), torch.ones(8, 6)
+    adv = torch.randn(8, 6, generator=g)
+    results = {}
+    for ckpt in (False, True):
+        policy, value = copy.deepcopy(base_policy), copy.deepcopy(base_value)
+        if ckpt:
+            checkpointed(policy), checkpointed(value)
+        model = PolicyAndValue(disable_dropout(policy), disable_dropout(value)).eval()
+        calls = []
+        # a block's inner modules start again when the backward pass recomputes it (its own forward is the checkpoint;
+        # the recomputation stops once it has what the backward needs, so count starts, not ends)
+        hook = policy.model.layers[0].mlp.register_forward_pre_hook(lambda *a: calls.append(1))
+        with torch.no_grad():
+            old_lp, _, old_v = model(ids, mask, 6, 1.0)
+        calls.clear()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        groups = {"policy": list(policy.parameters()), "value": list(value.parameters())}
+        cfg = PPOStage(type="ppo", ppo_epochs=1, mini_batch_size=4, rollout_batch_size=8, gradient_checkpointing=ckpt)
+        torch.manual_seed(SEED)  # the mini-batch order
+        stats = ppo_update(cfg, Accelerator(cpu=True), model, opt, groups, ids, mask, rmask, 6, old_lp, old_v, adv,
+                           old_v + adv)
+        hook.remove()
+        assert not model.training  # back to eval for the next rollout
+        results[ckpt] = (stats, len(calls), {k: v.detach().clone() for k, v in model.state_dict().items()})
+    (plain, plain_calls, plain_w), (ck, ck_calls, ck_w) = results[False], results[True]
+    assert plain_calls == 2 and ck_calls == 4  # 2 mini-batches: once each, or twice with recomputation
+    for key in ("train/loss", "policy/loss", "value/loss"):
+        assert ck[key] == pytest.approx(plain[key], rel=1e-6, abs=1e-7), key
+    assert max((ck_w[k] - plain_w[k]).abs().max().item() for k in plain_w) < 1e-6
+    assert any((plain_w[k] - base).abs().max() > 0 for k, base in
+               PolicyAndValue(base_policy, base_value).state_dict().items())  # and the update moved the weights

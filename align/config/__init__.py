@@ -79,8 +79,10 @@ class PipelineConfig:
     """Allow model repositories to run their own Python code. Off unless you set it."""
     builtin: BuiltinModel = field(default_factory=BuiltinModel)
     """Size of the builtin model."""
-    dtype: str = one_of("float32", *DTYPES)
-    """Weights dtype for loading (float32 | bfloat16 | float16)."""
+    dtype: str = one_of("auto", "auto", *DTYPES)
+    """Weights dtype for loading: auto | float32 | bfloat16 | float16. auto: bfloat16 on a GPU that computes in
+    bf16, for frozen models and for models trained under DeepSpeed (whose optimiser keeps fp32 master weights);
+    float32 for a model trained outside DeepSpeed (mixed precision under bf16 autocast) and on CPUs."""
     precision: str = one_of("auto", *PRECISIONS)
     """Compute precision of every stage (training steps, rollouts, scoring): auto (bfloat16 autocast on a GPU
     that supports it, float32 elsewhere) | float32 | bfloat16 | float16. Mixed precision: weights keep `dtype`."""

@@ -13,7 +13,7 @@ import os
 import pkgutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Protocol
+from typing import Any, Callable, ClassVar, NamedTuple, Protocol
 
 from align.core.judges import JudgeError, check_judges, judge_weights
 from align.data.lengths import LengthRule
@@ -31,7 +31,10 @@ class PipelineView(Protocol):
 DTYPES = ("float32", "bfloat16", "float16")
 # What a stage publishes (`StageBase.PRODUCES`), which is also the role an input reference needs (`INPUTS`).
 POLICY, REWARD_MODEL, DATA, REPORT = "policy", "reward_model", "data", "report"
-ROLES = {POLICY: "a policy", REWARD_MODEL: "a reward model", DATA: "preference pairs", REPORT: "a report"}
+MODEL = "model"
+"""An input role (not something a stage produces): a policy or a reward model (the push stage uploads either)."""
+ROLES = {POLICY: "a policy", REWARD_MODEL: "a reward model", DATA: "preference pairs", REPORT: "a report",
+         "": "nothing other stages read", MODEL: "a policy or a reward model"}
 # How a stage reads a data card named in one of its fields (`StageBase.CARDS`).
 EXAMPLES, PROMPTS_ONLY = "examples", "prompts"
 # transformers SchedulerType values that need no extra scheduler kwargs (tests check they still exist).
@@ -80,7 +83,7 @@ class BuiltinModel:
 
 @dataclass
 class LoraSettings:
-    """Optional LoRA adapters (peft). Merged into the weights when the stage saves `model/`."""
+    """Optional LoRA adapters (peft). `model/` holds the adapters alone (or merged, with `merge`)."""
 
     enabled: bool = False
     """Train LoRA adapters instead of the full model."""
@@ -92,6 +95,11 @@ class LoraSettings:
     """Dropout on the adapter input."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Module names that get adapters."""
+    merge: bool = False
+    """Publish model/ as the base with the adapters merged in (a plain checkpoint as large as the base) instead of
+    the adapters alone (adapter_config.json and their weights, beside the name of the base they were trained on,
+    which every later stage loads and merges in memory). A vllm engine needs merged weights to start from: `align
+    validate` says which stage must set this."""
     quantize: str = one_of("none", "none", "4bit")
     """`4bit`: QLoRA (Dettmers et al. 2023): the frozen base is loaded in 4-bit NormalFloat with double
     quantization and bf16 compute (bitsandbytes), the adapters train on top. Needs a CUDA GPU and
@@ -137,6 +145,11 @@ class Generation:
     """What samples: hf (transformers.generate with the stage's own model) or vllm (vLLM in its own process and
     environment, weights synced after every PPO update; align/modeling/vllm_engine.py). vllm needs
     ALIGN_VLLM_PYTHON (./launch.sh --vllm sets up .venv-vllm); `align validate` says so when it is missing."""
+    zero3_gather: str = one_of("whole", "whole", "layers")
+    """Under ZeRO-3, how the hf engine reaches the sharded policy's weights to sample (PPO): `whole` gathers the
+    whole policy once per rollout batch (fast; `align estimate` counts its full 16-bit copy on every GPU), `layers`
+    leaves DeepSpeed's hooks on, so every decoding step gathers one layer at a time and every process steps until
+    all are done (memory of one layer; a collective per layer and step: much slower)."""
     engine_timeout_s: float = ranged(600.0, gt=0, fix="seconds the vllm engine may take for one call (start, a batch, a sync)")
     """vllm: the longest one engine call may take (start-up, one generate batch, one weight sync) before the stage
     ends with an error naming it, instead of waiting forever."""
@@ -287,6 +300,19 @@ def response_length_problems(name: str, algorithm: str, max_new_tokens: int, rew
 
 
 # --------------------------------------------------------------------------------------------- contract
+class HeldModel(NamedTuple):
+    """A model a stage holds on a GPU, as `align estimate` counts it."""
+
+    role: str
+    """policy, value, reference, reward, judge."""
+    kind: str
+    """`lm` (a causal LM) or `scalar` (a reward / value model on the same backbone)."""
+    trained: bool
+    sharded: bool = True
+    """A frozen model under ZeRO-3: partitioned by DeepSpeed like the trained ones (True), or whole on every GPU
+    (False: e.g. a reward model GRPO calls from a Python function, every model of a stage that does not train)."""
+
+
 @dataclass
 class CheckContext:
     """What a stage type's `check` may look at; built by align/orchestrator/validate.py for each stage."""
@@ -363,6 +389,9 @@ class StageBase:
     prompts only). The planner resolves them, `align validate` loads and checks each one's rows."""
     ENGINES: ClassVar[tuple[str, ...]] = ("hf",)
     """The rollout engines (`generation.engine`) the stage can sample with (align/modeling/engines.py)."""
+    ENGINE_MODEL: ClassVar[str] = "policy"
+    """The field naming the stage whose model/ a separate engine (vllm) starts from (other weights reach it by
+    sync): it must be whole weights, not LoRA adapters alone."""
     ENGINE_NOTE: ClassVar[str] = ""
     """Why the stage type lacks an engine, said when a pipeline asks for it."""
     WORK: ClassVar[str] = ""
@@ -447,10 +476,30 @@ class StageBase:
         if gen is not None and gen.max_new_tokens >= limit:
             raise ValueError(f"generation.max_new_tokens: {gen.max_new_tokens} leaves no room for a prompt: {fix}")
 
-    def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
-        """Models the stage holds on a GPU, as (role, shape, trained): shape `lm` (a causal LM) or `scalar` (a
-        reward / value model on the same backbone). Used by align/orchestrator/estimate.py; the first one generates."""
+    def held_models(self, stages: dict[str, StageBase]) -> list[HeldModel]:
+        """Models the stage holds on a GPU (align/orchestrator/estimate.py; the first one generates)."""
         return []
+
+    def gathers_policy_for_generation(self) -> bool:
+        """Whether, under ZeRO-3, the stage gathers its whole policy on every GPU to sample from it (the estimate
+        then counts one whole 16-bit copy of it)."""
+        return False
+
+    def length_check(self, fld: str) -> tuple[LengthRule, int, float] | None:
+        """How over-long rows of the card in `fld` are treated: (rule, the length bound, the largest fraction that may
+        be affected), counted by `align validate` and again at the stage's start; None: not counted."""
+        return None
+
+    def length_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The rows of a card as the stage's length rule counts them (text rows; conversational ones already
+        rendered with the chat template)."""
+        return rows
+
+    def deepspeed_settings(self) -> dict[str, Any]:
+        """The DeepSpeed settings this stage decides itself (accelerate config `deepspeed_config` key -> the stage's
+        value; None: no clipping). The shipped accelerate configs leave them out (DeepSpeed's `auto`: filled from
+        the stage at launch); `align validate` refuses a config that sets one to another value."""
+        return {}
 
     def workload(self) -> tuple[int, int, int, int]:
         """(training micro-batch sequences, training length, generation batch, generation length) per GPU."""
@@ -485,6 +534,9 @@ class TrainedStage(StageBase):
     """Micro-batch size per process."""
     gradient_accumulation_steps: int = ranged(1, ge=1)
     """Micro-batches per optimiser step."""
+    max_grad_norm: float | None = ranged(1.0, gt=0, fix="use null for no clipping")
+    """Clip the gradient's global norm to this before each optimiser step (None = no clipping); under DeepSpeed it
+    is DeepSpeed's gradient_clipping."""
     max_length: int = ranged(128, ge=2)
     """Longest tokenised example (after the chat template); longer ones are truncated or dropped by the trainer."""
     max_truncated_fraction: float = ranged(0.05, ge=0, le=1)
@@ -493,6 +545,9 @@ class TrainedStage(StageBase):
     """Log metrics every N optimiser steps."""
     save_steps: int = ranged(50, ge=1)
     """Write a resumable checkpoint every N optimiser steps."""
+    save_total_limit: int = ranged(2, ge=1)
+    """Keep this many resumable checkpoints (the newest; older ones are deleted once a newer one is complete). A
+    ZeRO checkpoint of an 8B model holds weights and optimiser states, ~100 GB: 1 keeps one on disk at a time."""
     max_train_examples: int | None = ranged(None, ge=1, fix="use null for all examples")
     """Use at most this many training examples (None = all)."""
     gradient_checkpointing: bool = False
@@ -504,6 +559,9 @@ class TrainedStage(StageBase):
     def check(self, ctx: CheckContext) -> None:
         self.check_steps()
         self.lora.check()
+
+    def deepspeed_settings(self) -> dict[str, Any]:
+        return {"gradient_accumulation_steps": self.gradient_accumulation_steps, "gradient_clipping": self.max_grad_norm}
 
     def check_steps(self) -> None:
         """Cross-field settings every TRL-trained stage needs; also checked by the stage process itself."""
@@ -517,10 +575,11 @@ class TrainedStage(StageBase):
                              f"max_length to at most {limit}")
         super().check_positions(limit, fix)
 
-    def length_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The rows of the stage's `examples` card as its trainer will see them, for the length count (text rows;
-        conversational ones already rendered with the chat template)."""
-        return rows
+    def length_check(self, fld: str) -> tuple[LengthRule, int, float] | None:
+        """The trainer's rule for the cards the stage learns from (`examples` fields)."""
+        if self.LENGTH_RULE is None or type(self).CARDS.get(fld) != EXAMPLES:
+            return None
+        return self.LENGTH_RULE, self.max_length, self.max_truncated_fraction
 
     def check_preference_card(self, ctx: CheckContext) -> None:
         """A card in `data` must hold preference pairs, with held-out ones (split `test`)."""

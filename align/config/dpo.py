@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from align.config.common import DATA, EXAMPLES, POLICY, CheckContext, StageBase, TrainedStage
+from align.config.common import HeldModel, DATA, EXAMPLES, POLICY, CheckContext, StageBase, TrainedStage
 from align.data.lengths import TRUNCATES_PAIRS
 from align.core.schema import one_of, ranged
 
@@ -25,6 +25,9 @@ class DPOStage(TrainedStage):
     INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"policy": (POLICY, True), "data": (DATA, False)}
     CARDS: ClassVar[dict[str, str]] = {"data": EXAMPLES}
 
+    learning_rate: float = ranged(5e-7, gt=0)
+    """Peak learning rate. 5e-7 is the published recipe for DPO on 7B chat models (Tunstall et al. 2023, Zephyr);
+    a small model trained from scratch (the demo) needs ~1e-4."""
     policy: str = "sft"
     """Stage whose model/ is both the starting policy and the frozen reference."""
     data: str = "preferences"
@@ -40,10 +43,10 @@ class DPOStage(TrainedStage):
         super().check(ctx)
         self.check_preference_card(ctx)
 
-    def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
+    def held_models(self, stages: dict[str, StageBase]) -> list[HeldModel]:
         if self.lora.enabled:  # TRL's reference is then the policy's base with its adapters disabled
-            return [("policy", "lm", True)]
-        return [("policy", "lm", True), ("reference", "lm", False)]
+            return [HeldModel("policy", "lm", True)]
+        return [HeldModel("policy", "lm", True), HeldModel("reference", "lm", False)]  # TRL shards it under ZeRO-3
 
     def workload(self) -> tuple[int, int, int, int]:
         return 2 * self.per_device_batch_size, self.max_length, 0, 0  # chosen and rejected go through together

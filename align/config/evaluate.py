@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from align.config.common import (DATA, POLICY, PROMPTS_ONLY, REPORT, REWARD_MODEL, CheckContext, Generation, PairwiseJudge,
+from align.config.common import (HeldModel, DATA, POLICY, PROMPTS_ONLY, REPORT, REWARD_MODEL, CheckContext, Generation, PairwiseJudge,
                                  StageBase)
 from align.core.schema import ranged
 
@@ -16,6 +16,7 @@ class EvaluateStage(StageBase):
     """Sample held-out prompts from each policy and compare them with judges, KL and win rates."""
 
     ENGINES: ClassVar[tuple[str, ...]] = ("hf", "vllm")
+    ENGINE_MODEL: ClassVar[str] = "reference"  # the engine starts from it; every policy reaches it by a sync
     TYPE: ClassVar[str] = "evaluate"
     PROMPTS: ClassVar[str] = "held_out"
     HEADLINE: ClassVar[tuple[str, ...]] = ("eval/prompts",)
@@ -78,6 +79,7 @@ class EvaluateStage(StageBase):
     def generation_settings(self) -> Generation:
         return self.generation
 
-    def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
-        return [("policy", "lm", False), ("reference", "lm", False)] + \
-            ([("reward", "scalar", False)] if self.reward else [])
+    def held_models(self, stages: dict[str, StageBase]) -> list[HeldModel]:
+        """One policy at a time, the reference and the reward model, each whole on every GPU (nothing trains)."""
+        return [HeldModel("policy", "lm", False, False), HeldModel("reference", "lm", False, False)] + \
+            ([HeldModel("reward", "scalar", False, False)] if self.reward else [])

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from align.config.common import (DATA, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, Generation, StageBase,
+from align.config.common import (HeldModel, DATA, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, Generation, StageBase,
                                  TrainedStage, response_length_problems)
 from align.core.judges import judge_weights
 from align.core.schema import ranged
@@ -34,6 +34,9 @@ class OnlineRLStage(TrainedStage):
     ALGORITHM: ClassVar[str] = ""
     """The trainer's name in messages (GRPO, RLOO)."""
 
+    learning_rate: float = ranged(1e-6, gt=0)
+    """Peak learning rate: 1e-6 (TRL's GRPO default; full fine-tuning of 7-8B policies); a small model trained from
+    scratch needs ~1e-3."""
     policy: str = "sft"
     """Stage whose model/ is the starting policy and the frozen reference."""
     reward: str | dict[str, float] = "reward"
@@ -97,12 +100,16 @@ class OnlineRLStage(TrainedStage):
         those the evaluation samples must have one length."""
         return response_length_problems(name, self.ALGORITHM, self.generation.max_new_tokens, self.reward, stages)
 
-    def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
-        held = [("policy", "lm", True)]
+    def held_models(self, stages: dict[str, StageBase]) -> list[HeldModel]:
+        held = [HeldModel("policy", "lm", True)]
         if self.beta and not self.lora.enabled:  # with LoRA the reference is the base with adapters disabled
-            held.append(("reference", "lm", False))
+            held.append(HeldModel("reference", "lm", False))  # TRL shards it under ZeRO-3
         rewards = [n for n in judge_weights(self.reward) if n in stages and stages[n].PRODUCES == REWARD_MODEL]
-        return held + [("reward", "scalar", False)] * len(rewards)
+        # a reward model scores from a Python reward function (align/stages/online_rl.py): whole on every GPU
+        return held + [HeldModel("reward", "scalar", False, False)] * len(rewards)
+
+    def gathers_policy_for_generation(self) -> bool:
+        return True  # TRL samples from the whole policy, gathered (ds3_gather_for_generation)
 
     def workload(self) -> tuple[int, int, int, int]:
         steps = self.steps_per_generation or self.gradient_accumulation_steps

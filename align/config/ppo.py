@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from align.config.common import (POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, Generation, LoraSettings, StageBase,
+from align.config.common import (HeldModel, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, Generation, LoraSettings, StageBase,
                                  response_length_problems)
 from align.core.judges import judge_weights
+from align.data.lengths import DROPS_LONG_PROMPTS, LengthRule
 from align.core.schema import one_of, ranged
 
 
@@ -78,10 +79,11 @@ class PPOStage(StageBase):
     """Mini-batches per optimiser step."""
     ppo_epochs: int = ranged(4, ge=1)
     """Passes over each rollout."""
-    learning_rate: float = ranged(1e-5, gt=0)
-    """Policy learning rate."""
+    learning_rate: float = ranged(1e-6, gt=0)
+    """Policy learning rate: 1e-6, the order of published 7-8B PPO recipes (OpenRLHF's actor: 5e-7); a small model
+    trained from scratch needs ~1e-4."""
     value_learning_rate: float = ranged(1e-5, gt=0)
-    """Value model learning rate."""
+    """Value model learning rate (OpenRLHF's critic: 9e-6); with value_init: shared, the value head's only."""
     gamma: float = ranged(1.0, ge=0, le=1)
     """Discount."""
     lam: float = ranged(0.95, ge=0, le=1)
@@ -107,10 +109,19 @@ class PPOStage(StageBase):
     mean/std of every score seen (drifts during training). none: raw scores."""
     reward_normalization_samples: int = ranged(256, ge=2)
     """Initial-policy rollouts (over all processes) that fix the gain and bias of `initial` normalisation."""
-    max_prompt_length: int = ranged(32, ge=1)
-    """Prompts longer than this (tokens) are an error at validation time."""
+    max_prompt_length: int = ranged(512, ge=1)
+    """Longest prompt in tokens (after the chat template); longer prompts are dropped and counted before the first
+    rollout, and the stage refuses to start when more than max_truncated_fraction of them would be dropped."""
+    max_truncated_fraction: float = ranged(0.05, ge=0, le=1)
+    """Refuse to train when more than this fraction of the prompts are longer than max_prompt_length."""
+    gradient_checkpointing: bool = False
+    """Recompute the policy's and the value model's activations in the backward pass (about a third more compute
+    per update, activations of one layer instead of all): what lets 8B PPO fit (`align estimate` says when)."""
     save_every: int = ranged(10, ge=1)
     """Checkpoint every N iterations."""
+    save_total_limit: int = ranged(2, ge=1)
+    """Keep this many resumable checkpoints (the newest); 1 for large models (each holds policy and value weights
+    and their optimiser states)."""
     sample_every: int = ranged(10, ge=1)
     """Log a table of sample responses every N iterations."""
     kl: KLSettings = field(default_factory=KLSettings)
@@ -150,6 +161,13 @@ class PPOStage(StageBase):
     def card_split(self, fld: str) -> str:
         return self.split
 
+    def length_check(self, fld: str) -> tuple[LengthRule, int, float] | None:
+        return (DROPS_LONG_PROMPTS, self.max_prompt_length, self.max_truncated_fraction) if fld == "prompts" else None
+
+    def deepspeed_settings(self) -> dict[str, Any]:
+        """PPO sets DeepSpeed's accumulation itself and clips each model's gradient separately (ppo/optim.py)."""
+        return {"gradient_accumulation_steps": self.gradient_accumulation_steps, "gradient_clipping": self.max_grad_norm}
+
     def generation_settings(self) -> Generation:
         return self.generation
 
@@ -159,13 +177,19 @@ class PPOStage(StageBase):
                              f"{self.generation.max_new_tokens} is longer than the model accepts: {fix}")
         super().check_positions(limit, fix)
 
-    def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
-        held = [("policy", "lm", True)] + ([] if self.value_init == "shared" else [("value", "scalar", True)])
+    def held_models(self, stages: dict[str, StageBase]) -> list[HeldModel]:
+        held = [HeldModel("policy", "lm", True)]
+        held += [] if self.value_init == "shared" else [HeldModel("value", "scalar", True)]
         if not self.lora.enabled:  # with LoRA the reference is the policy's base with adapters disabled
-            held.append(("reference", "lm", False))
+            held.append(HeldModel("reference", "lm", False))  # sharded under ZeRO-3 (ppo/models.py prepare_frozen)
         reward_stages = [n for n in judge_weights(self.reward) if n in stages and stages[n].PRODUCES == REWARD_MODEL]
         shared = self.lora.enabled and self.value_init == "reward"  # the reward model is the value model's base
-        return held + [("reward", "scalar", False)] * (len(reward_stages) - shared)
+        return held + [HeldModel("reward", "scalar", False)] * (len(reward_stages) - shared)
+
+    def gathers_policy_for_generation(self) -> bool:
+        """The hf engine samples from the policy gathered whole (generation.zero3_gather: whole); a vllm engine's
+        weight sync gathers it too (align/stages/ppo/models.py policy_for_generation)."""
+        return self.generation.engine == "vllm" or self.generation.zero3_gather == "whole"
 
     def workload(self) -> tuple[int, int, int, int]:
         seq = self.max_prompt_length + self.generation.max_new_tokens

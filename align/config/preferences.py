@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from align.config.common import DATA, POLICY, PROMPTS_ONLY, CheckContext, Generation, PairwiseJudge, StageBase
+from align.config.common import HeldModel, DATA, POLICY, PROMPTS_ONLY, CheckContext, Generation, PairwiseJudge, StageBase
 from align.core.schema import ranged
 
 
@@ -63,5 +63,7 @@ class PreferencesStage(StageBase):
     def generation_settings(self) -> Generation:
         return self.generation
 
-    def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
-        return [("policy", "lm", False)] + ([("judge", "scalar", False)] if self.judge in stages else [])
+    def held_models(self, stages: dict[str, StageBase]) -> list[HeldModel]:
+        """Nothing trains: each model whole on every GPU."""
+        return [HeldModel("policy", "lm", False, False)] + \
+            ([HeldModel("judge", "scalar", False, False)] if self.judge in stages else [])

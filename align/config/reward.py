@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from align.config.common import DATA, EXAMPLES, POLICY, REWARD_MODEL, CheckContext, StageBase, TrainedStage
+from align.config.common import HeldModel, DATA, EXAMPLES, POLICY, REWARD_MODEL, CheckContext, StageBase, TrainedStage
 from align.data.lengths import DROPS_LONG_PAIRS
 from align.core.schema import ranged
 
@@ -21,6 +21,9 @@ class RewardStage(TrainedStage):
     INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"init": (POLICY, True), "data": (DATA, False)}
     CARDS: ClassVar[dict[str, str]] = {"data": EXAMPLES}
 
+    learning_rate: float = ranged(1e-5, gt=0)
+    """Peak learning rate: 1e-5, the order of InstructGPT's reward models (9e-6 for 6B; Ouyang et al. 2022,
+    appendix C.2); a small model trained from scratch needs ~1e-4."""
     init: str = "sft"
     """Stage whose model/ initialises the reward model (a scalar head is added)."""
     data: str = "preferences"
@@ -47,8 +50,8 @@ class RewardStage(TrainedStage):
     def card_split(self, fld: str) -> str:
         return self.split if fld == "data" else "train"
 
-    def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
-        return [("reward", "scalar", True)]
+    def held_models(self, stages: dict[str, StageBase]) -> list[HeldModel]:
+        return [HeldModel("reward", "scalar", True)]
 
     def workload(self) -> tuple[int, int, int, int]:
         return 2 * self.per_device_batch_size, self.max_length, 0, 0  # chosen and rejected go through together

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from align.core.builtin import is_builtin
-from align.config.common import EXAMPLES, POLICY, CheckContext, StageBase, TrainedStage
+from align.config.common import HeldModel, EXAMPLES, POLICY, CheckContext, StageBase, TrainedStage
 from align.data.lengths import TRUNCATES_COMPLETIONS
 from align.core.schema import ranged
 
@@ -23,6 +23,9 @@ class SFTStage(TrainedStage):
     INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"model": (POLICY, False)}
     CARDS: ClassVar[dict[str, str]] = {"data": EXAMPLES}
 
+    learning_rate: float = ranged(2e-5, gt=0)
+    """Peak learning rate: 2e-5, the published recipe for full fine-tuning of 7-8B models (Tunstall et al. 2023,
+    Zephyr; Ivison et al. 2023, Tulu 2); with LoRA ~1e-4; a small model trained from scratch needs ~1e-3."""
     model: str = "base"
     """Starting model: `base` (the pipeline's base_model) or the name of an earlier stage."""
     data: str = ""
@@ -68,8 +71,8 @@ class SFTStage(TrainedStage):
     def trains_on_assistant_turns(self) -> bool:
         return self.completion_only_loss
 
-    def held_models(self, stages: dict[str, StageBase]) -> list[tuple[str, str, bool]]:
-        return [("policy", "lm", True)]
+    def held_models(self, stages: dict[str, StageBase]) -> list[HeldModel]:
+        return [HeldModel("policy", "lm", True)]
 
     def workload(self) -> tuple[int, int, int, int]:
         return self.per_device_batch_size, self.max_length, 0, 0

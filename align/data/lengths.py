@@ -26,6 +26,8 @@ class LengthReport:
     dropped: int  # the example is removed or teaches nothing
     longest: int
     max_length: int
+    setting: str = "max_length"
+    """The stage setting `max_length` stands for (e.g. max_prompt_length for a prompt rule)."""
 
     @property
     def affected(self) -> int:
@@ -37,7 +39,7 @@ class LengthReport:
 
     def summary(self) -> str:
         return (f"{self.stage}: {self.examples} examples, {self.truncated} truncated and {self.dropped} dropped at "
-                f"max_length={self.max_length} ({100 * self.fraction:.1f}%); longest {self.longest} tokens")
+                f"{self.setting}={self.max_length} ({100 * self.fraction:.1f}%); longest {self.longest} tokens")
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "fraction": round(self.fraction, 6)}
@@ -106,6 +108,8 @@ class LengthRule:
 
     name: str
     count: Callable[[list[dict[str, Any]], Any, int], tuple[int, int, int]]
+    setting: str = "max_length"
+    """The stage setting that bounds the length (named in reports and errors)."""
 
     def __post_init__(self) -> None:
         if RULES.get(self.name, self) != self:
@@ -115,7 +119,19 @@ class LengthRule:
     def measure(self, stage: str, rows: list[dict[str, Any]], tokenizer, max_length: int) -> LengthReport:
         """Count the over-long examples among `rows` (text rows: conversational ones rendered first)."""
         truncated, dropped, longest = self.count(rows, tokenizer, max_length)
-        return LengthReport(stage, self.name, len(rows), truncated, dropped, longest, max_length)
+        examples = len({_key(r["prompt"]) for r in rows}) if self.setting == "max_prompt_length" else len(rows)
+        return LengthReport(stage, self.name, examples, truncated, dropped, longest, max_length, self.setting)
+
+
+def _key(prompt: Any) -> str:
+    return prompt if isinstance(prompt, str) else repr(prompt)
+
+
+def _drop_long_prompts(rows: list[dict[str, Any]], tokenizer, max_length: int) -> tuple[int, int, int]:
+    """Each distinct prompt once (rows of sampled pairs may repeat one): dropped when its tokens exceed max_length."""
+    prompts = list({_key(r["prompt"]): r["prompt"] for r in rows}.values())
+    lengths = _ids(tokenizer, prompts)
+    return 0, sum(n > max_length for n in lengths), max(lengths, default=0)
 
 
 TRUNCATES_COMPLETIONS = LengthRule("truncates_completions", _truncate_completions)
@@ -126,6 +142,8 @@ DROPS_LONG_PAIRS = LengthRule("drops_long_pairs", _drop_long_pairs)
 """TRL's RewardTrainer: filters out pairs where either side is longer than max_length."""
 TRUNCATES_PAIRS = LengthRule("truncates_pairs", _truncate_pairs)
 """TRL's DPOTrainer: drops pairs whose prompt fills max_length, truncates the rest."""
+DROPS_LONG_PROMPTS = LengthRule("drops_long_prompts", _drop_long_prompts, setting="max_prompt_length")
+"""Rollout prompts: a prompt longer than max_prompt_length tokens is dropped before the first rollout."""
 
 
 def enforce(report: LengthReport, max_fraction: float) -> None:
@@ -134,8 +152,8 @@ def enforce(report: LengthReport, max_fraction: float) -> None:
         return
     suggestion = min(report.longest, 2 ** (report.longest - 1).bit_length()) if report.longest else 0
     raise LengthError(
-        f"stages.{report.stage}.max_length={report.max_length}: {report.affected} of {report.examples} examples "
+        f"stages.{report.stage}.{report.setting}={report.max_length}: {report.affected} of {report.examples} examples "
         f"({100 * report.fraction:.1f}%) are longer after templating and tokenisation ({report.truncated} would be "
         f"truncated, {report.dropped} dropped; longest {report.longest} tokens), above "
-        f"stages.{report.stage}.max_truncated_fraction={max_fraction}. Raise max_length (e.g. to {suggestion}), "
+        f"stages.{report.stage}.max_truncated_fraction={max_fraction}. Raise {report.setting} (e.g. to {suggestion}), "
         "shorten or filter the data, or raise max_truncated_fraction to accept the loss.")

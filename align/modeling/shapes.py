@@ -21,8 +21,12 @@ def shape_of(model) -> dict[str, Any]:
                for n, m in model.named_modules() if type(m).__name__ in ("Linear", "Conv1D")}  # Conv1D: (in, out)
     head_module = getattr(model, "score", None) or model.get_output_embeddings()
     head = next((n for n, m in model.named_modules() if m is head_module), "")
+    heads = cfg.num_attention_heads
     return {"params": sum(p.numel() for p in model.parameters()), "largest_layer": largest,
-            "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
+            "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "heads": heads,
+            # grouped-query attention: the KV cache holds num_key_value_heads heads of head_dim each
+            "kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             "vocab": cfg.vocab_size, "linears": linears, "head": head, "scalar": hasattr(model, "score")}
 
 

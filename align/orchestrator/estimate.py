@@ -10,13 +10,19 @@ under each parallelism mode. The parts, all per GPU, with N = GPUs in the job:
   parameters, gathered whole). DeepSpeed has none for plain data parallel and ZeRO-1; those follow the ZeRO paper
   (Rajbhandari et al. 2020, section 3.1, K = 12): DDP 16P, ZeRO-1 4P + 12P/N.
 * frozen models (reference, reward model) in the pipeline dtype: whole on every GPU, except under ZeRO-3 where
-  they are sharded like the trained ones (bytes x P / N plus one gathered layer), or offloaded (one layer).
+  those DeepSpeed prepares are sharded like the trained ones (bytes x P / N plus one gathered layer), or offloaded
+  (one layer); a stage type says which it holds whole (`HeldModel.sharded`: e.g. GRPO's reward model, called from a
+  Python reward function, and every model of a stage that trains nothing).
 * activations of one micro-batch, Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
   Transformer Models") eq. 1: s*b*h*(34 + 5*a*s/h) bytes per layer without recomputation, plus the logits and
   their gradient in fp32 (8*s*b*V bytes);
-* the KV cache of generation (PPO rollouts, preference sampling, evaluation): 2 * layers * b * s * h * bytes; with
+* the KV cache of generation (PPO rollouts, preference sampling, evaluation): 2 * layers * b * s * kv_heads *
+  head_dim * bytes (grouped-query attention keeps kv_heads < heads: Llama-3-8B 8 of 32, a quarter of 2 * h); with
   `generation.engine: vllm` the engine's own copy of the policy plus its KV cache, or the `gpu_memory_utilization`
   share of the GPU that vLLM takes, whichever is larger (`engine_bytes`).
+* the rollout gather: under ZeRO-3 a stage that samples from its sharded policy gathers it whole on every GPU for the
+  duration (PPO's hf engine with `generation.zero3_gather: whole` and its weight sync to vllm, TRL's GRPO/RLOO): one
+  whole copy of the policy in the pipeline dtype (`StageBase.gathers_policy_for_generation`).
 * a fixed allowance for the CUDA context and allocator fragmentation.
 
 With `lora.enabled` a trained model is a frozen base (a frozen model as above, in the pipeline dtype) plus adapters,
@@ -70,6 +76,10 @@ class ModelShape:
     layers: int
     heads: int
     vocab: int
+    kv_heads: int = 0
+    """Key/value heads (grouped-query attention; 0: as many as `heads`)."""
+    head_dim: int = 0
+    """Width of one head (0: hidden / heads)."""
     linears: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Every linear layer (nn.Linear, GPT-2's Conv1D) by module name -> (in features, out features)."""
     head: str = ""
@@ -83,6 +93,7 @@ class Held:
     role: str  # policy, reference, reward, value, judge
     shape: ModelShape
     trained: bool
+    sharded: bool = True  # a frozen model under ZeRO-3: partitioned (True) or whole on every GPU
 
 
 @dataclass
@@ -148,8 +159,10 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, logits: bool = Tru
 
 
 def kv_cache_bytes(shape: ModelShape, batch: int, seq: int, dtype_bytes: int) -> int:
-    """Keys and values of every layer for `batch` sequences of length `seq`, plus one step of fp32 logits."""
-    return 2 * shape.layers * batch * seq * shape.hidden * dtype_bytes + 4 * batch * shape.vocab
+    """Keys and values of every layer for `batch` sequences of length `seq` (grouped-query attention: kv_heads heads
+    of head_dim each, not the model's width), plus one step of fp32 logits."""
+    kv_width = (shape.kv_heads or shape.heads) * (shape.head_dim or shape.hidden // shape.heads)
+    return 2 * shape.layers * batch * seq * kv_width * dtype_bytes + 4 * batch * shape.vocab
 
 
 def engine_bytes(gen: Any, policy: ModelShape, batch: int, seq: int, dtype_bytes: int, gpu_memory: int | None) -> int:
@@ -232,12 +245,19 @@ def model_shapes(cfg: PipelineConfig, source: str | Path) -> dict[str, ModelShap
 
 
 # --------------------------------------------------------------------------------------------- stages
+def dtype_bytes(dtype: str, on_gpu: bool) -> int:
+    """Bytes per weight of the pipeline's `dtype`; `auto` is bfloat16 on GPUs, float32 on CPUs (the stage process's
+    rule, align/stages/context.py `weights_dtype`: trained models outside DeepSpeed keep fp32 weights, which the
+    state formulas below count anyway)."""
+    return _DTYPE_BYTES["bfloat16" if on_gpu else "float32"] if dtype == "auto" else _DTYPE_BYTES[dtype]
+
+
 def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], shapes: dict[str, ModelShape],
                    mode: str, gpus: int, dtype: str, gpu_memory: int | None = None) -> StageEstimate:
-    held = [Held(role, shapes[shape], trained) for role, shape, trained in stage.held_models(stages)]
+    held = [Held(h.role, shapes[h.kind], h.trained, h.sharded) for h in stage.held_models(stages)]
     ckpt = bool(getattr(stage, "gradient_checkpointing", False))
     est = StageEstimate(name, stage.type, mode, gpus, held, checkpointing=ckpt)
-    dbytes = _DTYPE_BYTES[dtype]
+    dbytes = dtype_bytes(dtype, on_gpu=gpu_memory is not None)
     train_b, train_s, gen_b, gen_s = stage.workload()
     trained = [h for h in held if h.trained]
     lora = getattr(stage, "lora", None)
@@ -254,7 +274,7 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
     est.lora = ("QLoRA" if lora.quantize == "4bit" else "LoRA") if lora else ""
     for m in dict.fromkeys((*REPORTED_MODES, mode)):
         n = gpus
-        parts = {"trained_states": 0, "frozen_weights": 0, "activations": 0, "generation": 0,
+        parts = {"trained_states": 0, "frozen_weights": 0, "activations": 0, "generation": 0, "rollout_gather": 0,
                  "overhead": OVERHEAD_BYTES}
         if trained:  # trained models share one engine (PPO: policy + value)
             parts["trained_states"] = model_state_bytes(m, sum(trained_params.values()), largest, n)
@@ -266,10 +286,13 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
                 est.with_checkpointing = -saved  # filled in below, once the total is known
         parts["frozen_weights"] = sum(
             qlora_base_bytes(h.shape) if h.trained and lora.quantize == "4bit"
-            else frozen_bytes(m, h.shape.params, h.shape.largest_layer, n, dbytes) for h in frozen)
+            else frozen_bytes(m if h.sharded or h.trained else "ddp", h.shape.params, h.shape.largest_layer, n, dbytes)
+            for h in frozen)
         if gen_b:
             policy = held[0].shape
             parts["generation"] = engine_bytes(stage.generation_settings(), policy, gen_b, gen_s, dbytes, gpu_memory)
+            if m in ("zero3", "zero3_offload") and trained and stage.gathers_policy_for_generation():
+                parts["rollout_gather"] = dbytes * policy.params  # the whole policy, beside its own shard
         est.parts[m] = parts
         est.bytes_by_mode[m] = sum(parts.values())
     if est.with_checkpointing is not None:
@@ -346,6 +369,10 @@ def _gib(b: int) -> str:
     return f"{b / GIB:.2f}"
 
 
+PARTS = (("trained_states", "trained states"), ("frozen_weights", "frozen weights"), ("activations", "activations"),
+         ("generation", "generation"), ("rollout_gather", "rollout gather"), ("overhead", "overhead"))
+
+
 def render(estimates: list[StageEstimate], hw: Hardware) -> str:
     cap = hw.gpu_memory
     where = (f"{hw.nodes} node(s) x {hw.gpus_per_node or '?'} GPU(s), {cap / GB:.0f} GB each"
@@ -358,11 +385,23 @@ def render(estimates: list[StageEstimate], hw: Hardware) -> str:
                            + (f" ({e.lora} {e.trained_params[h.role] / 1e6:,.2f}M)" if h.trained and e.lora else "")
                            for h in e.held) or "-"
         fits = "-" if not cap else ("yes" if e.chosen_bytes <= cap else "NO")
+        trains = any(h.trained for h in e.held)
         lines.append(f"| {e.name} | {e.type} | {models} | {e.gpus} | "
-                     + " | ".join(_gib(e.bytes_by_mode[m]) for m in REPORTED_MODES)
+                     + " | ".join(_gib(e.bytes_by_mode[m]) if trains else "-" for m in REPORTED_MODES)
                      + f" | {e.mode}: {_gib(e.chosen_bytes)} | {fits} |")
-    lines += ["", "* = trained. Includes activations of one micro-batch, generation KV cache and "
-              f"{OVERHEAD_BYTES / GIB:.0f} GiB CUDA overhead."]
+    lines += ["", "* = trained. A stage that trains nothing holds each model whole whatever its accelerate config "
+              "(its ZeRO columns: -).", "",
+              "Breakdown of the chosen mode, GiB per GPU:", "",
+              "| stage | mode | " + " | ".join(label for _, label in PARTS) + " | total |",
+              "|---|---|" + "---|" * (len(PARTS) + 1)]
+    for e in estimates:
+        parts = e.parts[e.mode]
+        lines.append(f"| {e.name} | {e.mode}{' + ckpt' if e.checkpointing else ''} | "
+                     + " | ".join(_gib(parts.get(k, 0)) for k, _ in PARTS) + f" | {_gib(e.chosen_bytes)} |")
+    lines += ["", "trained states: weights, gradients, master weights and Adam moments (ZeRO-sharded); frozen weights: "
+              "reference and reward models; activations: one micro-batch (+ ckpt: gradient checkpointing); generation: "
+              "the KV cache (grouped-query attention) or a vllm engine; rollout gather: the whole policy gathered under "
+              f"ZeRO-3 to sample; overhead: {OVERHEAD_BYTES / GIB:.0f} GiB CUDA context and allocator slack."]
     ckpt = [f"{e.name} {_gib(e.with_checkpointing)}" for e in estimates
             if e.with_checkpointing is not None and e.with_checkpointing < e.chosen_bytes]
     if ckpt:
@@ -371,7 +410,8 @@ def render(estimates: list[StageEstimate], hw: Hardware) -> str:
 
 
 def too_big(estimates: list[StageEstimate], hw: Hardware, names: set[str] | None = None) -> list[str]:
-    """One line per selected stage whose chosen mode does not fit the GPU memory (empty when unknown)."""
+    """One line per selected stage whose chosen mode does not fit the GPU memory (empty when unknown), with the
+    fixes that apply to its stage type: a stage that trains nothing is not helped by a ZeRO config."""
     if not hw.gpu_memory:
         return []
     out = []
@@ -379,14 +419,28 @@ def too_big(estimates: list[StageEstimate], hw: Hardware, names: set[str] | None
         if (names is None or e.name in names) and e.chosen_bytes > hw.gpu_memory:
             p = e.parts[e.mode]
             detail = ", ".join(f"{k} {_gib(v)}" for k, v in p.items() if v)
-            alts = [m for m in REPORTED_MODES if e.bytes_by_mode[m] <= hw.gpu_memory]
-            fixes = []
-            if e.with_checkpointing is not None and e.with_checkpointing <= hw.gpu_memory:
-                fixes.append(f"gradient checkpointing would fit (~{_gib(e.with_checkpointing)} GiB; set "
-                             f"stages.{e.name}.gradient_checkpointing: true)")
-            if alts:
-                fixes.append(f"{' or '.join(alts)} would fit (set stages.{e.name}.accelerate)")
             out.append(f"stage '{e.name}' ({e.mode}, {e.gpus} GPUs) needs ~{_gib(e.chosen_bytes)} GiB per GPU "
-                       f"({detail}) but a GPU has {_gib(hw.gpu_memory)} GiB; "
-                       + ("; ".join(fixes) if fixes else "use more GPUs, smaller batches or a smaller model"))
+                       f"({detail}) but a GPU has {_gib(hw.gpu_memory)} GiB; " + "; ".join(_fixes(e, hw)))
     return out
+
+
+def _fixes(e: StageEstimate, hw: Hardware) -> list[str]:
+    """What would make a stage fit, by what it holds."""
+    cap = hw.gpu_memory or 0
+    fixes = []
+    if not any(h.trained for h in e.held):  # nothing trains: ZeRO does not apply, every model is whole
+        if e.parts[e.mode]["generation"]:
+            fixes.append(f"lower stages.{e.name}.generation.batch_size (the KV cache is "
+                         f"{_gib(e.parts[e.mode]['generation'])} GiB)")
+        return fixes + ["or hold fewer or smaller models: ZeRO does not shard a stage that trains nothing"]
+    if e.with_checkpointing is not None and e.with_checkpointing <= cap:
+        fixes.append(f"gradient checkpointing would fit (~{_gib(e.with_checkpointing)} GiB; set "
+                     f"stages.{e.name}.gradient_checkpointing: true)")
+    gather = e.parts[e.mode]["rollout_gather"]
+    if gather and e.type == "ppo" and e.chosen_bytes - gather <= cap:
+        fixes.append(f"generation.zero3_gather: layers would fit (no whole-policy gather, {_gib(gather)} GiB less; "
+                     "much slower sampling)")
+    alts = [m for m in REPORTED_MODES if e.bytes_by_mode[m] <= cap]
+    if alts:
+        fixes.append(f"{' or '.join(alts)} would fit (set stages.{e.name}.accelerate)")
+    return fixes or ["use more GPUs, smaller batches or a smaller model"]

@@ -26,13 +26,14 @@ from align.stages.rows import load_rows, unique_prompts
 from align.modeling.engines import HFEngine, RolloutEngine, logprob_gap, make_engine
 from align.modeling.generation import Rollout, response_logprobs
 from align.core.judges import judge_weights
+from align.data.lengths import DROPS_LONG_PROMPTS, enforce
 from align.modeling.losses import (gae, kl_estimate, masked_mean, masked_whiten, ppo_policy_loss, ppo_value_loss,
                           token_rewards)
 from align.modeling.models import load_causal_lm, load_tokenizer, merged_lora_model, unsharded_loading
 from align.stages.context import NonFiniteLossError, StageContext
 from align.stages.ppo.checkpoint import resume, restore_history, save_checkpoint
 from align.stages.ppo.optim import backward_and_step, disable_deepspeed_clipping
-from align.stages.ppo.models import load_frozen, load_trained, policy_for_generation
+from align.stages.ppo.models import is_zero3, load_frozen, load_trained, policy_for_generation
 from align.stages.judging import RewardModelJudge, WeightedJudge, build_judge, check_same_tokenizer
 from align.stages.ppo.state import (AdaptiveKLController, FixedKLController, PromptStream, RewardScale,
                                     RunningMoments)
@@ -40,15 +41,18 @@ from align.stages.ppo.state import (AdaptiveKLController, FixedKLController, Pro
 OUTPUTS = ["model"]
 
 
-def check_models(ctx: StageContext, cfg: PPOStage, tokenizer, reward_tokenizers: dict, prompts: list[str]) -> None:
-    """Fail before any rollout: tokenizers must agree, prompts must fit (issue: misconfiguration early)."""
+def usable_prompts(ctx: StageContext, cfg: PPOStage, tokenizer, reward_tokenizers: dict, prompts: list[str]) -> list[str]:
+    """Before any rollout: the tokenizers must agree; prompts longer than max_prompt_length tokens are dropped and
+    counted (the manifest's length_check), and the stage refuses to start when more than max_truncated_fraction of
+    them would be (align/data/lengths.py), naming the longest."""
     check_same_tokenizer(ctx.name, cfg.policy, tokenizer, reward_tokenizers)
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"]]
-    too_long = sum(n > cfg.max_prompt_length for n in lengths)
-    if too_long:
-        raise ValueError(f"stage '{ctx.name}': {too_long} of {len(prompts)} prompts are longer than "
-                         f"max_prompt_length={cfg.max_prompt_length} tokens (longest {max(lengths)}); raise "
-                         "max_prompt_length or shorten the prompts")
+    report = DROPS_LONG_PROMPTS.measure(ctx.name, [{"prompt": p} for p in prompts], tokenizer, cfg.max_prompt_length)
+    ctx.extra_manifest["length_check"] = report.as_dict()
+    if ctx.is_main:
+        print(f"[align] length check {report.summary()} (prompts over max_prompt_length are dropped)", flush=True)
+    enforce(report, cfg.max_truncated_fraction)
+    return [p for p, n in zip(prompts, lengths) if n <= cfg.max_prompt_length]
 
 
 def rollout(cfg: PPOStage, accelerator, engine: RolloutEngine, prompts: list[str], seed: int) -> Rollout:
@@ -61,9 +65,10 @@ def rollout(cfg: PPOStage, accelerator, engine: RolloutEngine, prompts: list[str
 def open_engine(ctx: StageContext, cfg: PPOStage, accelerator, model, tokenizer, policy_path: str) -> RolloutEngine:
     """The rollout engine `generation.engine` names. hf: the policy itself (under ZeRO-3 gathered for each rollout).
     vllm: one engine per process, started from the starting policy's directory and synced before each rollout."""
+    layers = is_zero3(accelerator) and cfg.generation.zero3_gather == "layers"
     engine = make_engine(cfg.generation, model=None, tokenizer=tokenizer, model_dir=policy_path,
-                         fast=ctx.compute.fast_generation(cfg.generation.fast),
-                         context=lambda: policy_for_generation(model, accelerator),
+                         fast=ctx.compute.fast_generation(cfg.generation.fast), synced_gpus=layers,
+                         context=lambda: policy_for_generation(model, accelerator, cfg.generation.zero3_gather),
                          seed=ctx.seed * 7919 + accelerator.process_index, dtype=ctx.compute.engine_dtype(),
                          max_model_len=cfg.max_prompt_length + cfg.generation.max_new_tokens + 1,
                          log_path=ctx.dir / f"engine.rank{accelerator.process_index}.log")
@@ -131,7 +136,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     reward_stages = [n for n in weights if n in ctx.inputs]
     tokenizer = load_tokenizer(policy_path)
     prompts = unique_prompts(load_rows(ctx, cfg.prompts, cfg.split, tokenizer=tokenizer))  # chat: rendered
-    check_models(ctx, cfg, tokenizer, {n: load_tokenizer(ctx.input_model(n)) for n in reward_stages}, prompts)
+    prompts = usable_prompts(ctx, cfg, tokenizer, {n: load_tokenizer(ctx.input_model(n)) for n in reward_stages},
+                             prompts)
 
     pad_id = tokenizer.pad_token_id
     value_from_reward = cfg.value_init == "reward"
@@ -257,15 +263,20 @@ def run(ctx: StageContext) -> dict[str, Any]:
                                   [[p, t, float(s)] for p, t, s in zip(batch_prompts, texts, scores[:8].tolist())], it + 1)
             progress["iteration"] = it + 1
             if (it + 1) % cfg.save_every == 0 and it + 1 < cfg.iterations:
-                save_checkpoint(ctx, accelerator, it + 1, trainable_only=cfg.lora.enabled)
+                save_checkpoint(ctx, accelerator, it + 1, trainable_only=cfg.lora.enabled, keep=cfg.save_total_limit)
 
         def write(path: Path) -> None:
             state = accelerator.get_state_dict(model)  # collective under ZeRO-3: every process gathers
             if accelerator.is_main_process:
                 policy_state = {k[len("policy."):]: v for k, v in state.items() if k.startswith("policy.")}
-                if cfg.lora.enabled:  # adapters merged into a fresh, unquantized load of the starting policy
+                if cfg.lora.enabled and not cfg.lora.merge:  # the adapters alone, beside the name of their base
+                    accelerator.unwrap_model(model).policy.save_pretrained(path, state_dict=policy_state)
+                    ctx.trained_from = policy_path
+                    ctx.write_adapter_base(path, accelerator.unwrap_model(model).policy)
+                    ctx.extra_manifest["lora_published"] = "adapter"
+                elif cfg.lora.enabled:  # adapters merged into a fresh, unquantized load of the starting policy
                     with unsharded_loading():  # main process only: no ZeRO-3 partitioning (a collective) here
-                        base = load_causal_lm(policy_path, ctx.pipeline.dtype)
+                        base = load_causal_lm(policy_path, ctx.weights_dtype(frozen=True))
                     merged = merged_lora_model(base, cfg.lora, "CAUSAL_LM", policy_state)
                     merged.generation_config.pad_token_id = pad_id
                     merged.save_pretrained(path)
@@ -286,6 +297,20 @@ def ppo_update(cfg: PPOStage, accelerator, model, optimizer, groups, ids, mask, 
     """Step 6: clipped policy + value losses over shuffled mini-batches; after an epoch whose mean approximate
     KL exceeds `max_approx_kl`, stop. `policy/ratio_first` is the mean ratio on the first mini-batch of the
     first epoch: exactly 1 when rollout and update compute the same log-probs (no dropout)."""
+    # transformers recomputes activations only in training mode (dropout is 0, so train() changes nothing else)
+    unwrapped = accelerator.unwrap_model(model)
+    mode = unwrapped.training
+    if cfg.gradient_checkpointing:
+        unwrapped.train()
+    try:
+        return _ppo_epochs(cfg, accelerator, model, optimizer, groups, ids, mask, rmask, lq, old_logprobs, old_values,
+                           advantages, returns)
+    finally:
+        unwrapped.train(mode)
+
+
+def _ppo_epochs(cfg: PPOStage, accelerator, model, optimizer, groups, ids, mask, rmask, lq, old_logprobs,
+                old_values, advantages, returns) -> dict[str, float]:
     b = ids.size(0)
     sums: dict[str, float] = {}
     count = 0

@@ -107,8 +107,9 @@ def restore_history(ctx: StageContext, start: int) -> list[dict[str, Any]]:
     return [r for r in rows if "objective/scores" in r]
 
 
-def save_checkpoint(ctx: StageContext, accelerator, iteration: int, trainable_only: bool = False) -> None:
-    """accelerator.save_state into a hidden dir, then a rename + COMPLETE marker; keep the last two."""
+def save_checkpoint(ctx: StageContext, accelerator, iteration: int, trainable_only: bool = False,
+                    keep: int = 2) -> None:
+    """accelerator.save_state into a hidden dir, then a rename + COMPLETE marker; keep the last `keep`."""
     final = ctx.checkpoints / f"iter-{iteration}"
     tmp = ctx.checkpoints / f".iter-{iteration}"
     accelerator.save_state(str(tmp), **_model_kwargs(accelerator, trainable_only, saving=True))
@@ -116,6 +117,6 @@ def save_checkpoint(ctx: StageContext, accelerator, iteration: int, trainable_on
     if accelerator.is_main_process:
         (tmp / "COMPLETE").write_text(json.dumps({"iteration": iteration}))
         tmp.rename(final)
-        for old in sorted(ctx.checkpoints.glob("iter-*"), key=lambda p: int(p.name[5:]))[:-2]:
+        for old in sorted(ctx.checkpoints.glob("iter-*"), key=lambda p: int(p.name[5:]))[:-keep]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()

@@ -61,7 +61,7 @@ class PolicyAndValue(torch.nn.Module):
         return logprobs, entropy, values * gain + bias
 
 
-def _zero3(accelerator) -> bool:
+def is_zero3(accelerator) -> bool:
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     return plugin is not None and plugin.zero_stage == 3
 
@@ -69,7 +69,7 @@ def _zero3(accelerator) -> bool:
 def prepare_frozen(model, accelerator):
     """A frozen model for inference: sharded by DeepSpeed ZeRO-3 when that is the plan, else just moved."""
     disable_dropout(model).eval().requires_grad_(False)
-    if not _zero3(accelerator):
+    if not is_zero3(accelerator):
         return model.to(accelerator.device)
     import deepspeed  # heavy: only under ZeRO-3
 
@@ -80,19 +80,21 @@ def prepare_frozen(model, accelerator):
 
 
 @contextmanager
-def policy_for_generation(model, accelerator):
-    """The policy, ready for `generate`. Under ZeRO-3 its weights are gathered once per rollout and DeepSpeed's
-    forward hooks are taken off for the duration (as TRL's unwrap_model_for_generation does): with the hooks
-    on, every decoding step is a collective, and a process whose samples all end early would leave the
-    others waiting forever."""
+def policy_for_generation(model, accelerator, gather: str = "whole"):
+    """The policy, ready for `generate` (or a weight sync). Under ZeRO-3 with `gather: whole` the policy's weights,
+    and only the policy's (not the value model's or head's), are gathered once per rollout batch and DeepSpeed's
+    forward hooks are taken off for the duration (as TRL's unwrap_model_for_generation does): with the hooks on,
+    every decoding step is a collective, and a process whose samples all end early would leave the others waiting
+    forever. With `gather: layers` nothing is gathered here: the hooks fetch one layer at a time and the caller
+    samples with synced_gpus (every process steps until all are done)."""
     unwrapped = accelerator.unwrap_model(model)
-    if not _zero3(accelerator):
+    if not is_zero3(accelerator) or gather == "layers":
         yield unwrapped.policy
         return
     import deepspeed  # heavy: only under ZeRO-3
     from trl.models.utils import add_hooks, remove_hooks
 
-    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+    with deepspeed.zero.GatheredParameters(list(unwrapped.policy.parameters())):
         remove_hooks(model)
         try:
             yield unwrapped.policy
@@ -110,20 +112,36 @@ def load_trained(ctx: StageContext, cfg: PPOStage, accelerator, pad_id: int, rew
     policy = ctx.load_lm(policy_path, quantize=quantize)
     policy.generation_config.pad_token_id = pad_id
     if lora.enabled:
-        policy = add_adapters(policy, lora, "CAUSAL_LM", zero3=_zero3(accelerator))
+        policy = add_adapters(policy, lora, "CAUSAL_LM", zero3=is_zero3(accelerator))
+    if cfg.gradient_checkpointing:
+        checkpointed(policy)
     if cfg.value_init == "shared":  # a value head on the policy's trunk, starting at V = 0
         lm_head = without_peft(policy).get_output_embeddings()
         # float32, except under ZeRO-3, whose partitions are all of the model's dtype (the policy arrives partitioned)
-        dtype = lm_head.weight.dtype if _zero3(accelerator) else torch.float32
+        dtype = lm_head.weight.dtype if is_zero3(accelerator) else torch.float32
         head = torch.nn.Linear(lm_head.in_features, 1, dtype=dtype)
         torch.nn.init.zeros_(head.weight)
         torch.nn.init.zeros_(head.bias)
         return PolicyAndValue(disable_dropout(policy), value_head=head)
     value_path = ctx.input_model(reward_stages[0]) if cfg.value_init == "reward" else policy_path
     value = ctx.load_scalar(value_path, pad_id, quantize=quantize)
+    if cfg.gradient_checkpointing:
+        checkpointed(value)
     if lora.enabled:
-        value = add_adapters(value, lora, "SEQ_CLS", zero3=_zero3(accelerator))
+        value = add_adapters(value, lora, "SEQ_CLS", zero3=is_zero3(accelerator))
     return PolicyAndValue(disable_dropout(policy), disable_dropout(value))
+
+
+def checkpointed(model) -> None:
+    """Gradient checkpointing on (transformers' own, non-reentrant: no input needs requires_grad, so it also works
+    under LoRA with frozen embeddings). transformers recomputes only in training mode: PPO switches its models to
+    train() for the update (ppo_update) and back to eval() for rollouts and scoring; dropout is 0 either way."""
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.24's name
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
 
 
 def load_frozen(ctx: StageContext, cfg: PPOStage, accelerator, trained: PolicyAndValue, pad_id: int,
@@ -135,13 +153,13 @@ def load_frozen(ctx: StageContext, cfg: PPOStage, accelerator, trained: PolicyAn
     if lora.enabled:
         reference = FrozenView(trained.policy)
     else:
-        reference = prepare_frozen(ctx.load_lm(ctx.input_model(cfg.policy)), accelerator)
+        reference = prepare_frozen(ctx.load_lm(ctx.input_model(cfg.policy), frozen=True), accelerator)
     reward_fns = {}
     for name in reward_stages:
         if lora.enabled and cfg.value_init == "reward":  # then the one reward stage is the value model's start
             reward_fns[name] = FrozenView(trained.value).scalar_outputs
         else:
-            rm = prepare_frozen(ctx.load_scalar(ctx.input_model(name), pad_id), accelerator)
+            rm = prepare_frozen(ctx.load_scalar(ctx.input_model(name), pad_id, frozen=True), accelerator)
             reward_fns[name] = partial(scalar_outputs, rm)
     return reference, reward_fns
 

@@ -1,0 +1,63 @@
+"""The `push` stage type: upload a stage's published model to the Hugging Face hub, as a run's final step
+(align/stages/push.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+from align.config.common import MODEL, CheckContext, StageBase
+
+_REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def token_problem(variable: str) -> str | None:
+    """Why the hub token in environment variable `variable` cannot be used (never its value), or None."""
+    value = os.environ.get(variable, "")
+    if not value:
+        return (f"the variable {variable} is not set (or empty); export it with a hub token that may write to the "
+                "repository (the token is read when the stage runs and never written anywhere)")
+    if any(ch.isspace() or ord(ch) < 32 or ord(ch) == 127 for ch in value):
+        return (f"the value of {variable} holds whitespace or control characters (a key file saved with CRLF line ends "
+                f"leaves a trailing \\r); export it again without them, e.g. export {variable}=$(tr -d '\\r\\n' < FILE)")
+    return None
+
+
+@dataclass
+class PushStage(StageBase):
+    """Upload `model`'s published model/ (weights, config, tokenizer) to a hub repository."""
+
+    TYPE: ClassVar[str] = "push"
+    HEADLINE: ClassVar[tuple[str, ...]] = ("push/files", "push/bytes")
+    INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"model": (MODEL, True)}
+    WORK: ClassVar[str] = "push/files"
+
+    model: str = "ppo"
+    """The stage whose model/ is uploaded (a policy or a reward model)."""
+    repo: str = ""
+    """The hub repository, `org/name` (created when it does not exist)."""
+    private: bool = True
+    """Create the repository private (an existing repository keeps its visibility)."""
+    revision: str = "main"
+    """The branch to commit to."""
+    token_env: str = "HF_TOKEN"
+    """The environment variable that holds a hub token with write access (its name only: the token is read when the
+    stage runs and never written to the run directory, W&B or the console)."""
+    commit_message: str = ""
+    """The commit message (empty: `align: <pipeline>/<run> stage <model>, fingerprint ...`)."""
+
+    def check(self, ctx: CheckContext) -> None:
+        if not _REPO.fullmatch(self.repo):
+            raise ValueError(f"repo: {self.repo!r} is not a hub repository id; name it org/name, e.g. my-org/llama3-8b-ppo")
+        if self.token_env.lower().startswith(("hf_", "hf-")) and len(self.token_env) > 20:
+            raise ValueError("token_env: this looks like a token, not the name of the variable that holds one (its "
+                             "value is not repeated here); never write a token in a pipeline file: export it, and "
+                             "name the variable, e.g. token_env: HF_TOKEN")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.token_env):
+            raise ValueError("token_env: not an environment variable name (its value is not repeated here, in case it "
+                             "is a token); name the variable that holds the token, e.g. token_env: HF_TOKEN")
+        problem = token_problem(self.token_env)
+        if problem:
+            raise ValueError(f"token_env: {problem}")
