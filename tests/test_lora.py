@@ -97,3 +97,27 @@ def test_the_qlora_merge_into_a_fresh_load_equals_the_in_place_merge(tmp_path, t
     assert all(torch.allclose(reloaded[k], in_place[k], atol=1e-6) for k in reloaded)
     untouched = load().state_dict()
     assert any(not torch.allclose(reloaded[k], untouched[k]) for k in reloaded if "q_proj" in k)
+
+
+def test_an_adapter_alone_is_published_only_when_it_gives_the_trained_model_back():
+    """A LoRA stage publishes its adapter alone unless the base it would be merged into is not the model it trained:
+    none to load (a builtin model built in the stage), or embeddings the stage grew (a chat template's new tokens,
+    trained rows that no adapter holds): then the merged model."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from align.config import LoraSettings
+    from align.modeling.models import add_adapters
+    from align.stages.context import StageContext
+
+    torch.manual_seed(SEED)
+    print(f"seed {SEED}")
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2))
+    peft = add_adapters(base, LoraSettings(enabled=True, r=2, alpha=4, target_modules=["q_proj"]), "CAUSAL_LM")
+    ctx = SimpleNamespace(trained_from="/models/base", trained_vocab=64)
+    assert StageContext.adapter_alone_suffices(ctx, peft)
+    assert not StageContext.adapter_alone_suffices(SimpleNamespace(trained_from=None, trained_vocab=64), peft)
+    base.resize_token_embeddings(66)  # the template's two new tokens
+    assert not StageContext.adapter_alone_suffices(ctx, peft)

@@ -73,7 +73,7 @@ def _context(root: Path, lora: bool):
                    rollout_batch_size=8, mini_batch_size=4, ppo_epochs=2, learning_rate=1e-2, value_learning_rate=1e-2,
                    reward_normalization_samples=8, max_prompt_length=64, save_every=2, sample_every=100,
                    generation=Generation(max_new_tokens=8, batch_size=8),
-                   lora=LoraSettings(enabled=lora, r=4, alpha=8, dropout=0.0, target_modules=list(TARGETS)))
+                   lora=LoraSettings(enabled=lora, r=4, alpha=8, dropout=0.0, target_modules=list(TARGETS), merge=True))
     return _stage_context(root, cfg, "ppo_lora" if lora else "ppo_full", ["sft", "reward"])
 
 
@@ -184,7 +184,7 @@ def test_ppo_with_lora_trains_only_adapters_over_one_shared_base(upstream, monke
     # the checkpoint holds the trained weights only
     assert set(_saved_at_iteration_2(ctx)) == {n for n, p in trained.named_parameters() if p.requires_grad}
 
-    # model/ is the merged plain policy: untouched weights equal the SFT model's, adapted ones W + (alpha/r) B A
+    # model/ (lora.merge) is the merged plain policy: untouched weights equal the SFT model's, adapted ones W + (alpha/r) B A
     merged = AutoModelForCausalLM.from_pretrained(ctx.dir / "model")
     assert not list((ctx.dir / "model").glob("adapter_*"))
     params = dict(trained.policy.named_parameters())
@@ -236,8 +236,10 @@ TRL_COMMON = dict(max_steps=2, logging_steps=1, save_steps=2, per_device_batch_s
 
 
 @pytest.mark.parametrize("kind", ["reward", "dpo"])
-def test_reward_and_dpo_accept_lora_and_save_a_merged_model(upstream, monkeypatch, kind):
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+def test_reward_and_dpo_accept_lora_and_publish_the_adapter_alone(upstream, monkeypatch, kind):
+    """model/ holds the adapters (and, for a reward model, its trained scalar head: peft's modules_to_save) beside
+    the name of their base, not a merged copy of the base; align's loader merges them into that base."""
+    from transformers import AutoModelForCausalLM
 
     import align.modeling.models as models
     import align.stages.dpo as dpo
@@ -254,10 +256,18 @@ def test_reward_and_dpo_accept_lora_and_save_a_merged_model(upstream, monkeypatc
     final = module.run(ctx)
     assert final["train/pairs"] == 64
     # one load of the starting model (DPO: no reference copy; the base with adapters off serves); reward then
-    # scores its held-out pairs with the saved model/
-    assert loads == [str(upstream / "sft" / "model")] + ([str(ctx.dir / "model")] if kind == "reward" else [])
-    auto = AutoModelForSequenceClassification if kind == "reward" else AutoModelForCausalLM
-    merged = auto.from_pretrained(ctx.dir / "model").state_dict()
+    # scores its held-out pairs with the saved model/: the adapter, merged into its base (the SFT model)
+    sft = str(upstream / "sft" / "model")
+    assert loads == [sft] + ([str(ctx.dir / "model"), sft] if kind == "reward" else [])
+    published = sorted(p.name for p in (ctx.dir / "model").iterdir())
+    assert {"adapter_config.json", "adapter_model.safetensors", "align_adapter.json"} <= set(published)
+    assert "model.safetensors" not in published  # no copy of the base
+    record = json.loads((ctx.dir / "model" / "align_adapter.json").read_text())
+    assert (record["base_model"], record["task"]) == (sft, "SEQ_CLS" if kind == "reward" else "CAUSAL_LM")
+    assert record["config"]["pad_token_id"] == AutoModelForCausalLM.from_pretrained(sft).config.pad_token_id
+    monkeypatch.undo()
+    load = (lambda p: models.load_scalar_model(p, None)) if kind == "reward" else models.load_causal_lm
+    merged = load(str(ctx.dir / "model")).state_dict()
     start = AutoModelForCausalLM.from_pretrained(upstream / "sft" / "model").state_dict()
     changed = {k for k, v in merged.items() if k not in start or not torch.equal(v, start[k])}
     adapted = {k for k in merged if any(t in k for t in TARGETS)}
@@ -331,8 +341,20 @@ def test_ppo_with_a_shared_value_head_trains_the_policy_and_its_head_only_and_re
     assert all(math.isfinite(r["value/loss"]) for r in rows if "value/loss" in r)
 
     assert set(_saved_at_iteration_2(ctx)) == trainable
-    merged = AutoModelForCausalLM.from_pretrained(ctx.dir / "model")
-    sft_keys = set(AutoModelForCausalLM.from_pretrained(upstream / "sft" / "model").state_dict())
-    assert set(merged.state_dict()) == sft_keys
+    # model/ holds the policy's adapters alone (no value head); align's loader merges them into the SFT model
+    from align.modeling.models import load_causal_lm
+
+    assert (ctx.dir / "model" / "adapter_config.json").is_file() and not (ctx.dir / "model" / "model.safetensors").exists()
+    merged = load_causal_lm(str(ctx.dir / "model"))
+    sft_state = AutoModelForCausalLM.from_pretrained(upstream / "sft" / "model").state_dict()
+    assert set(merged.state_dict()) == set(sft_state)
+    params = dict(trained.policy.named_parameters())
+    for key, w in merged.state_dict().items():
+        if any(t in key for t in TARGETS):
+            stem = "base_model.model." + key.removesuffix(".weight")
+            delta = params[stem + ".lora_B.default.weight"] @ params[stem + ".lora_A.default.weight"] * (8 / 4)
+            assert torch.allclose(w, sft_state[key] + delta, atol=1e-6), key
+        else:
+            assert torch.equal(w, sft_state[key]), key
 
     _resumes_from_iteration_2(ctx, monkeypatch)

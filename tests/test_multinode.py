@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -65,3 +66,47 @@ def test_launch_sh_derives_node_rank_and_master_from_slurm(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["align", "run", "pipelines/hh_rlhf.yaml", "--nodes", "2", "--node-rank", "1",
                                   "--master-addr", "gpu-a17", "--master-port", "29500", "--rdzv-timeout", "900"]
+
+
+def _worker_env(tmp_path, venv, wait: int) -> dict:
+    return {**os.environ, "ALIGN_VENV": str(venv), "SLURM_JOB_ID": "77", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
+            "ALIGN_SETUP_WAIT_S": str(wait)}
+
+
+def test_a_slurm_worker_node_never_installs_and_names_a_missing_venv(tmp_path):
+    """Under SLURM only node 0 sets up .venv (all nodes share it); another node waits for node 0's install stamp
+    and, when it never comes, says what is missing and the fix, without creating anything itself."""
+    venv = tmp_path / "venv"
+    t0 = time.time()
+    out = subprocess.run([str(REPO / "launch.sh"), "--setup"], capture_output=True, text=True, timeout=60,
+                         env=_worker_env(tmp_path, venv, 5))
+    assert out.returncode == 2
+    assert f"SLURM node 1: {venv} is not set up" in out.stderr and "./launch.sh --setup" in out.stderr
+    assert "after 5 s" in out.stderr and time.time() - t0 >= 5
+    assert not venv.exists()  # it did not start an install of its own into the shared directory
+
+
+def test_a_slurm_worker_node_waits_for_node_zeros_install(tmp_path):
+    """The worker starts before node 0 has finished: it waits, then goes on with the venv node 0 made."""
+    import hashlib
+    import threading
+
+    venv = tmp_path / "venv"
+
+    def node_zero_finishes():
+        time.sleep(3)
+        (venv / "bin").mkdir(parents=True)
+        (venv / "bin" / "python").symlink_to(sys.executable)
+        (venv / "bin" / "activate").write_text("# made by the test's node 0\n")
+        digest = hashlib.sha256((REPO / "pyproject.toml").read_bytes()).hexdigest()[:16]
+        (venv / f".align-install-{digest}").touch()
+
+    thread = threading.Thread(target=node_zero_finishes)
+    thread.start()
+    t0 = time.time()
+    out = subprocess.run([str(REPO / "launch.sh"), "--setup"], capture_output=True, text=True, timeout=120,
+                         env=_worker_env(tmp_path, venv, 60))
+    thread.join()
+    assert out.returncode == 0, out.stderr
+    assert f"[launch] {venv} is set up" in out.stdout and time.time() - t0 >= 3
+    assert "installing" not in out.stdout + out.stderr

@@ -105,7 +105,10 @@ def _perplexity(base, ids: torch.Tensor, n_prompt: int) -> float:
 
 
 def test_every_model_reloads_and_writes_text_the_base_model_finds_likely(run):
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    """Each LoRA stage publishes its adapter alone (beside the name of its base); align's loader merges it in."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from align.modeling.models import load_causal_lm, load_scalar_model
 
     base = AutoModelForCausalLM.from_pretrained(run["base"]).eval()
     tok = AutoTokenizer.from_pretrained(run["dir"] / "sft" / "model")
@@ -113,7 +116,8 @@ def test_every_model_reloads_and_writes_text_the_base_model_finds_likely(run):
                                      tokenize=False, add_generation_prompt=True)
     ids = tok(prompt, return_tensors="pt")["input_ids"]
     for stage in ("sft", "dpo", "ppo"):
-        model = AutoModelForCausalLM.from_pretrained(run["dir"] / stage / "model").eval()
+        assert (run["dir"] / stage / "model" / "adapter_config.json").is_file()  # the adapter, not a merged copy
+        model = load_causal_lm(str(run["dir"] / stage / "model")).eval()
         torch.manual_seed(SEED)
         out = model.generate(ids, do_sample=True, max_new_tokens=24, min_new_tokens=24,
                              pad_token_id=tok.pad_token_id)
@@ -123,7 +127,7 @@ def test_every_model_reloads_and_writes_text_the_base_model_finds_likely(run):
         del model
     uniform = torch.cat([ids, torch.randint(0, len(tok), (1, 24), generator=torch.Generator().manual_seed(SEED))], 1)
     assert _perplexity(base, uniform, ids.size(1)) > 100 * PPL_BOUND  # the bound separates text from noise
-    reward = AutoModelForSequenceClassification.from_pretrained(run["dir"] / "reward" / "model").eval()
+    reward = load_scalar_model(str(run["dir"] / "reward" / "model"), tok.pad_token_id).eval()
     with torch.no_grad():
         score = reward(tok(prompt + "Read a book.<|im_end|>", return_tensors="pt")["input_ids"]).logits
     assert score.shape == (1, 1) and torch.isfinite(score).all()
@@ -155,7 +159,9 @@ def test_lora_left_the_base_weights_bit_for_bit(run):
 
     assert sha256(run["base"] / "model.safetensors") == run["before"]  # the cached base is untouched
     base = load_file(run["base"] / "model.safetensors")  # the converted directory: the GGUF file's weights
-    tuned = load_file(run["dir"] / "sft" / "model" / "model.safetensors")
+    from align.modeling.models import load_causal_lm
+
+    tuned = load_causal_lm(str(run["dir"] / "sft" / "model")).state_dict()  # the adapter merged into its base
     targets = ("q_proj", "k_proj", "v_proj", "o_proj")  # the pipeline's lora.target_modules
     changed = [n for n in base if not torch.equal(base[n], tuned[n])]
     assert changed and all(any(t in n for t in targets) for n in changed)

@@ -178,31 +178,59 @@ def file_sha256(path: str | Path) -> str:
     return _HASHED[key]
 
 
+def file_stamp(path: str | Path) -> list[int]:
+    """What identifies a file's current bytes without reading them: size, mtime, ctime and inode. Any write to the
+    file changes mtime and ctime; resetting mtime by hand (`touch -d`) still changes ctime, which nothing but the
+    kernel sets; a replaced or copied file has a new inode."""
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
 def output_digest(root: str | Path) -> dict[str, Any]:
     """Identity of one publication of a stage output (model/, data/, report/), recorded in its manifest and,
     through the spec, in the manifests of the stages that consume it.
 
     `files`: every file's relative name -> [size, sha256 of the whole file]; `content`: a hash over that list.
-    `publication`: a random id drawn at publication. Downstream stages compare both, so a retrained stage reruns
-    its dependants even when its new weights happen to be bit-identical. Every consumer checks the files on
-    disk against `files` before it loads or skips (`output_problem`): one flipped byte anywhere is found."""
+    `publication`: a random id drawn at publication. `stamps`: each file's stamp (`file_stamp`) when it was
+    published. Downstream stages compare both ids, so a retrained stage reruns its dependants even when its new
+    weights happen to be bit-identical. Every consumer checks the files on disk against them before it loads or
+    skips (`output_problem`): a file whose stamp is unchanged is taken as verified without reading it (an 8B
+    pipeline publishes ~60 GB: re-hashing it on every `align run` and `align status` took a minute); a changed
+    stamp, or `align verify`, reads and hashes the whole file, so one flipped byte anywhere is found."""
     root = Path(root)
-    files = {p.relative_to(root).as_posix(): [p.stat().st_size, file_sha256(p)]
-             for p in sorted(p for p in root.rglob("*") if p.is_file())}
+    paths = sorted(p for p in root.rglob("*") if p.is_file())
+    files = {p.relative_to(root).as_posix(): [p.stat().st_size, file_sha256(p)] for p in paths}
     content = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:20]
-    return {"content": content, "publication": secrets.token_hex(8), "files": files}
+    return {"content": content, "publication": secrets.token_hex(8), "files": files,
+            "stamps": {p.relative_to(root).as_posix(): file_stamp(p) for p in paths}}
 
 
-def output_problem(root: str | Path, recorded: dict[str, Any] | None) -> str | None:
+def _stamp_cache(root: Path) -> Path:
+    """Where the stamps of files verified after publication are kept: align's cache, one file per output directory
+    (a check never writes into a run directory)."""
+    key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:24]
+    return cache_root() / "verified" / f"{key}.json"
+
+
+def output_problem(root: str | Path, recorded: dict[str, Any] | None, full: bool = False) -> str | None:
     """What differs between a published output on disk and the digest its manifest recorded (None: nothing):
-    a missing output or file, a truncated or grown file, changed bytes, a file that was added. Outputs
-    recorded before whole-file digests existed (no `files`) are checked for existence only."""
+    a missing output or file, a truncated or grown file, changed bytes, a file that was added. A file whose stamp
+    equals the one recorded at publication (or at its last full verification) is not read; `full` reads every
+    file (`align verify`). Outputs recorded before whole-file digests existed (no `files`) are checked for
+    existence only."""
     root = Path(root)
     if not root.is_dir():
         return f"{root} is missing"
     files = (recorded or {}).get("files")
     if not isinstance(files, dict):
         return None
+    known = dict((recorded or {}).get("stamps") or {})
+    cache = _stamp_cache(root)
+    try:
+        known.update(json.loads(cache.read_text(encoding="utf-8")).get(recorded.get("publication", ""), {}))
+    except (OSError, ValueError, AttributeError):
+        pass
+    verified: dict[str, list[int]] = {}
     for rel, (size, digest) in sorted(files.items()):
         path = root / rel
         if not path.is_file():
@@ -210,12 +238,22 @@ def output_problem(root: str | Path, recorded: dict[str, Any] | None) -> str | N
         actual = path.stat().st_size
         if actual != size:
             return f"{path} has {actual:,} bytes, {size:,} when it was published ({'truncated' if actual < size else 'grown'})"
+        stamp = file_stamp(path)
+        if not full and known.get(rel) == stamp:
+            continue
         if file_sha256(path) != digest:
             return f"{path} changed after it was published (sha256 {file_sha256(path)[:12]}..., recorded {digest[:12]}...)"
+        verified[rel] = stamp
     extra = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()
                    and p.relative_to(root).as_posix() not in files)
     if extra:
         return f"{root / extra[0]} was added after the output was published"
+    if verified and any(known.get(rel) != stamp for rel, stamp in verified.items()):
+        try:  # remember what was read and found intact (a copied run directory is then read once, not every time)
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(cache, {recorded.get("publication", ""): {**known, **verified}})
+        except OSError:
+            pass  # a read-only run directory: verified again next time
     return None
 
 

@@ -154,13 +154,14 @@ def is_complete(stage_dir: str | Path, fingerprint: str | None = None) -> bool:
     return all((Path(stage_dir) / out).exists() for out in m.get("outputs", []))
 
 
-def outputs_problem(stage_dir: str | Path) -> str | None:
+def outputs_problem(stage_dir: str | Path, full: bool = False) -> str | None:
     """What is wrong with a completed stage's published outputs on disk against its manifest's whole-file
-    digests (align/core/fsutil.py `output_problem`): a missing, truncated or changed file, named. None: intact."""
+    digests (align/core/fsutil.py `output_problem`): a missing, truncated or changed file, named. None: intact.
+    Files whose stamp is unchanged are not read unless `full` (`align verify`)."""
     m = read_manifest(stage_dir) or {}
     digests = m.get("output_digests") or {}
     for out in m.get("outputs", []):
-        problem = output_problem(Path(stage_dir) / out, digests.get(out))
+        problem = output_problem(Path(stage_dir) / out, digests.get(out), full=full)
         if problem:
             return problem
     return None

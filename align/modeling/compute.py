@@ -58,11 +58,19 @@ class Compute:
         return setting == "on"
 
     def resource_metrics(self, seconds: float) -> dict[str, float]:
-        """A stage's wall time in `run`, and on a GPU the peak memory allocated by PyTorch on any of its processes
-        (what `align estimate` predicts, less the CUDA context and allocator slack). Collective when distributed."""
+        """A stage's wall time in `run`, the peak resident host memory of any of its processes, and on a GPU the
+        peak memory allocated by PyTorch on any of them (what `align estimate` predicts, less the CUDA context and
+        allocator slack). Collective when distributed."""
         import torch
 
+        import resource
+
         out = {"perf/stage_seconds": seconds}
+        # host memory: the largest resident set of any of the stage's processes (Linux reports KiB)
+        rss = torch.tensor(float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, device=self.device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(rss, op=torch.distributed.ReduceOp.MAX)
+        out["perf/peak_host_rss_gb"] = rss.item() / 1e9
         if self.device.type == "cuda":
             peak = torch.tensor(float(torch.cuda.max_memory_allocated(self.device)), device=self.device)
             if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -181,12 +181,48 @@ def fit_model_to_tokenizer(model, tokenizer):
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+ADAPTER_BASE = "align_adapter.json"
+"""Beside a published LoRA adapter (adapter_config.json + weights): the model it was trained on, as the stage loaded
+it, and its task; every align stage loads such a directory as that base with the adapter merged in."""
+
+
+def adapter_base(path: str | Path) -> dict[str, str] | None:
+    """What a published adapter directory was trained on ({base_model, task}), or None for a plain model."""
+    file = Path(path) / ADAPTER_BASE
+    return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else None
+
+
+def merged_adapter(path: str, base, trust_remote_code: bool = False):
+    """A published LoRA adapter merged into `base` (a fresh, whole load of what it was trained on): a plain model,
+    with the token ids its stage set (`ADAPTER_BASE`'s `config` and `generation`)."""
+    from peft import PeftModel  # heavy: loaded on use
+
+    model = PeftModel.from_pretrained(base, path, is_trainable=False).merge_and_unload()
+    record = adapter_base(path) or {}
+    for key, value in (record.get("config") or {}).items():
+        setattr(model.config, key, value)
+    if getattr(model, "generation_config", None) is not None:
+        for key, value in (record.get("generation") or {}).items():
+            setattr(model.generation_config, key, value)
+    return model
+
+
 def load_causal_lm(path_or_id: str, dtype: str = "float32", trust_remote_code: bool = False, quantize: str = "none",
                    **kwargs: Any):
     """A causal LM; `quantize: 4bit` loads it as QLoRA's frozen 4-bit base (see `quantization_kwargs`);
-    `kwargs`: further from_pretrained arguments (align/modeling/compute.py: the attention kernel)."""
+    `kwargs`: further from_pretrained arguments (align/modeling/compute.py: the attention kernel). A published LoRA
+    adapter (`ADAPTER_BASE` beside it) loads as its base with the adapter merged in, whole (merging needs every
+    weight: under ZeRO-3, DeepSpeed partitions it afterwards)."""
     from transformers import AutoModelForCausalLM  # heavy: loaded on use
 
+    base = adapter_base(path_or_id) if Path(path_or_id).is_dir() else None
+    if base is not None:
+        if quantize != "none":
+            raise ModelError(f"{path_or_id}: a LoRA adapter cannot be the 4-bit base of QLoRA (merging needs full "
+                             "weights); publish it merged (lora.merge: true on the stage that trained it)")
+        with unsharded_loading():
+            plain = load_causal_lm(base["base_model"], dtype, trust_remote_code, **kwargs)
+            return merged_adapter(path_or_id, plain, trust_remote_code)
     check_remote_code(path_or_id, trust_remote_code)
     path, extra = from_pretrained_args(path_or_id)
     if extra and quantize != "none":
@@ -207,6 +243,14 @@ def load_scalar_model(path_or_id: str, pad_token_id: int | None, dtype: str = "f
     """
     from transformers import AutoModelForSequenceClassification  # heavy: loaded on use
 
+    base = adapter_base(path_or_id) if Path(path_or_id).is_dir() else None
+    if base is not None:  # a published reward-model adapter: its trained scalar head comes with it (modules_to_save)
+        if quantize != "none":
+            raise ModelError(f"{path_or_id}: a LoRA adapter cannot be the 4-bit base of QLoRA (merging needs full "
+                             "weights); publish it merged (lora.merge: true on the stage that trained it)")
+        with unsharded_loading():
+            plain = load_scalar_model(base["base_model"], pad_token_id, dtype, trust_remote_code, **kwargs)
+            return merged_adapter(path_or_id, plain, trust_remote_code)
     check_remote_code(path_or_id, trust_remote_code)
     path, extra = from_pretrained_args(path_or_id)
     model = dequantised(AutoModelForSequenceClassification.from_pretrained(

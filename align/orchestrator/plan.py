@@ -20,7 +20,7 @@ from align import templates
 from align.core.builtin import check_builtin, is_builtin
 from align.core.errors import PipelineError  # noqa: F401 (raised here; the orchestrator's modules import it from here)
 from align.config import PipelineConfig, StageBase, stage_types, to_dict
-from align.config.common import REWARD_MODEL, ROLES, refs
+from align.config.common import MODEL, POLICY, REWARD_MODEL, ROLES, refs
 from align.data.cards import DataCardError, load_card
 from align.core.gguf import GGUFError
 from align.orchestrator.inputs import resolve_model_paths
@@ -68,10 +68,11 @@ def stage_dependencies(name: str, cfg: StageBase, stages: dict[str, StageBase], 
 def _check_role(name: str, fld: str, role: str, ref: str, stages: dict[str, StageBase], source: str) -> None:
     """`ref` must produce `role` (judge fields: a scalar-model stage; align/core/judges.py checks the Python judges)."""
     want = REWARD_MODEL if role == "judge" else role
+    accepted = (POLICY, REWARD_MODEL) if want == MODEL else (want,)
     produced = type(stages[ref]).PRODUCES
-    if produced == want:
+    if produced in accepted:
         return
-    fits = [n for n, st in stages.items() if type(st).PRODUCES == want and n != name]
+    fits = [n for n, st in stages.items() if type(st).PRODUCES in accepted and n != name]
     raise PipelineError(
         f"{source}: stages.{name}.{fld}: '{ref}' is a {stages[ref].type} stage, which produces {ROLES[produced]}; "
         f"{fld} needs {ROLES[want]}: use " + (" or ".join(fits) if fits else "(no such stage in this pipeline)")

@@ -41,16 +41,24 @@ def current_fingerprints(info: PipelineRecord) -> dict[str, str] | None:
         return None
 
 
-def status_table(run_dir: str | Path) -> str:
-    run_dir = Path(run_dir)
+def _record(run_dir: Path) -> PipelineRecord:
+    """The run directory's pipeline.json, or a one-line error naming it."""
     info_path = run_dir / PIPELINE
     try:
         info: PipelineRecord = json.loads(info_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise PipelineError(f"{run_dir}: not a readable run directory ({info_path}: {exc}); give the path "
                             "runs/<pipeline>/<run-id> that `align run` printed") from None
-    if not isinstance(info, dict) or not isinstance(info.get("stages"), list):
-        raise PipelineError(f"{info_path}: not a pipeline manifest (no list of stages)")
+    if not isinstance(info, dict) or not isinstance(info.get("stages"), list) or \
+            not all(isinstance(s, dict) and "name" in s and "type" in s for s in info["stages"]):
+        raise PipelineError(f"{info_path}: not a pipeline manifest (no list of stages with names and types); "
+                            "delete it and rerun `align run`, which writes it anew")
+    return info
+
+
+def status_table(run_dir: str | Path) -> str:
+    run_dir = Path(run_dir)
+    info = _record(run_dir)
     now = current_fingerprints(info)
     lines = [f"{run_dir}: pipeline {info.get('pipeline')}, run {info.get('run_id')}, last updated "
              f"{info.get('updated_at', '?')}", "",
@@ -78,3 +86,23 @@ def status_table(run_dir: str | Path) -> str:
     if damaged:
         lines += ["", "Damaged outputs (their files are not what the stage published):", *damaged]
     return "\n".join(lines)
+
+
+def verify(run_dir: str | Path) -> tuple[str, bool]:
+    """`align verify <run-dir>`: read and hash every file every completed stage published and compare it with what
+    its manifest recorded (what `align run` and `align status` skip for files whose size, times and inode are
+    unchanged). Returns the report and whether everything is intact."""
+    run_dir = Path(run_dir)
+    info = _record(run_dir)
+    lines, ok = [f"{run_dir}: every published file read and hashed", "", "| stage | outputs | verdict |", "|---|---|---|"], True
+    for st in info["stages"]:
+        name = st["name"]
+        m = read_manifest(run_dir / name) or {}
+        if m.get("status") != "completed":
+            lines.append(f"| {name} | - | {m.get('status', 'not run')} |")
+            continue
+        problem = outputs_problem(run_dir / name, full=True)
+        ok = ok and problem is None
+        files = sum(len((d or {}).get("files") or {}) for d in (m.get("output_digests") or {}).values())
+        lines.append(f"| {name} | {files} files | {'intact' if problem is None else 'DAMAGED: ' + problem} |")
+    return "\n".join(lines), ok

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from align.config import CheckContext, ConfigError, PipelineConfig, TrainedStage
-from align.config.common import EXAMPLES, PROMPTS_ONLY, flash_attention_problem
+from align.config.common import EXAMPLES, PROMPTS_ONLY, flash_attention_problem, refs
 from align.config.sweeps import by_stage
 from align.core.builtin import is_builtin
-from align.data.cards import DataCardError, DataUnavailableError, LoadedSplit, hub_reachable, load_card, load_split
+from align.data.cards import (DataCardError, DataUnavailableError, LoadedSplit, hub_mirror, hub_reachable, load_card,
+                              load_split)
 from align.data.formats import row_prompt_key
 from align.orchestrator import helper
 from align.orchestrator.estimate import EstimateError, ModelShape, missing_lora_targets, model_sources
@@ -41,7 +42,7 @@ def card_loader() -> SplitLoader:
         if key not in cache:
             try:
                 loaded = load_card(card)
-                if loaded.format == "hub" and not hub_reachable():
+                if loaded.format == "hub" and hub_mirror(loaded.source["hub"]) is None and not hub_reachable():
                     raise DataUnavailableError(str(card))
                 cache[key] = load_split(loaded, split)
             except DataUnavailableError:
@@ -66,7 +67,7 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
         if verbose:
             print(f"  warning: {note}")
     for plan in plans:
-        check_accelerate(plan, source)
+        check_accelerate(plan, source, cfg.precision)
         for fld, card in plan.cards.items():
             data = split_of(card, plan.cfg.card_split(fld))
             _check_card_rows(plan, fld, card, data, str(source))
@@ -80,7 +81,7 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
             plan.cfg.check(CheckContext(plan.name, cfg, plan.cards, split_of, Path(source).resolve().parent))
         except (ConfigError, ValueError) as exc:
             raise PipelineError(f"{source}: stages.{plan.name}: {exc}") from None
-        _check_engine(plan, str(source))
+        _check_engine(plan, cfg, str(source))
     _check_eval_overlap(plans, split_of, str(source))
     mismatches = [line for name, st in cfg.stages.items() for line in st.pipeline_problems(name, cfg.stages)]
     if mismatches:
@@ -96,8 +97,9 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
     return plans
 
 
-def _check_engine(plan: StagePlan, source: str) -> None:
-    """`generation.engine` is one the stage type samples with, and vLLM is installed where align will look for it."""
+def _check_engine(plan: StagePlan, cfg: PipelineConfig, source: str) -> None:
+    """`generation.engine` is one the stage type samples with, vLLM is installed where align will look for it, and
+    the models it starts from are whole (a LoRA stage publishes its adapter alone unless `lora.merge`)."""
     gen = plan.cfg.generation_settings()
     if gen is None or gen.engine == "hf":
         return
@@ -106,6 +108,11 @@ def _check_engine(plan: StagePlan, source: str) -> None:
         why = f" {plan.cfg.ENGINE_NOTE}" if plan.cfg.ENGINE_NOTE else ""
         raise PipelineError(f"{where}: '{gen.engine}' is not available for stage type '{plan.cfg.TYPE}' (it samples "
                             f"with {', '.join(plan.cfg.ENGINES)}).{why} Set generation.engine: hf")
+    for ref in refs(getattr(plan.cfg, plan.cfg.ENGINE_MODEL, None)):
+        lora = getattr(cfg.stages.get(ref), "lora", None)
+        if lora is not None and lora.enabled and not lora.merge:
+            raise PipelineError(f"{where}: '{gen.engine}' starts from stage '{ref}''s model/, which holds LoRA adapters "
+                                f"alone; the engine needs whole weights: set stages.{ref}.lora.merge: true")
     from align.core.engine_env import check_vllm_installed
 
     problem = check_vllm_installed(where)
@@ -157,11 +164,12 @@ def model_job(cfg: PipelineConfig, plans: list[StagePlan], split_of: SplitLoader
             if split_all or isinstance(rows[0].get("prompt"), list):  # conversations: rendered in the helper
                 job["examples"].append({"where": where, "label": f"{plan.name}.{fld}", "rows": rows if split_all
                                         else rows[:1], "assistant_turns": split_all, "replies": use == EXAMPLES})
-            rule = plan.cfg.LENGTH_RULE if isinstance(plan.cfg, TrainedStage) else None
-            if rule is not None and use == EXAMPLES:
+            check = plan.cfg.length_check(fld)
+            if check is not None:
+                rule, bound, fraction = check
                 job["lengths"].append({"where": where, "stage": plan.name, "rule": rule.name,
-                                       "rows": plan.cfg.length_rows(rows), "max_length": plan.cfg.max_length,
-                                       "max_fraction": plan.cfg.max_truncated_fraction})
+                                       "rows": plan.cfg.length_rows(rows), "max_length": bound,
+                                       "max_fraction": fraction})
     return job
 
 
@@ -177,12 +185,12 @@ def _check_lora_targets(cfg: PipelineConfig, plans: list[StagePlan], answer: dic
     for plan in plans:
         if not (isinstance(plan.cfg, TrainedStage) and plan.cfg.lora.enabled):
             continue
-        for role, kind, trained in plan.cfg.held_models(cfg.stages):
-            missing = missing_lora_targets(shapes[kind], plan.cfg.lora) if trained else []
+        for held in plan.cfg.held_models(cfg.stages):
+            missing = missing_lora_targets(shapes[held.kind], plan.cfg.lora) if held.trained else []
             if missing:
-                names = sorted({n.rsplit(".", 1)[-1] for n in shapes[kind].linears})
+                names = sorted({n.rsplit(".", 1)[-1] for n in shapes[held.kind].linears})
                 raise PipelineError(f"{source}: stages.{plan.name}.lora.target_modules: {missing} name no linear "
-                                    f"layer of the {role} model ({cfg.base_model}); its linear layers are named "
+                                    f"layer of the {held.role} model ({cfg.base_model}); its linear layers are named "
                                     f"{names}: name some of those")
 
 

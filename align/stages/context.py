@@ -38,6 +38,9 @@ from align.core.tracking import Tracker, sweep_config
 log = logging.getLogger("align")
 
 
+LAYOUT = "LAYOUT.json"  # in checkpoints/: the process layout that wrote them (StageContext.layout)
+
+
 class NonFiniteLossError(RuntimeError):
     """Training produced a NaN/inf loss; the last good checkpoint is kept."""
 
@@ -76,6 +79,8 @@ class StageContext:
                                                    if spec.chat_template else None)
         self.tracker: Tracker | None = None
         self.extra_manifest: dict[str, Any] = {}
+        self.trained_from: str | None = None  # what the stage's trained model was loaded from (a LoRA adapter's base)
+        self.trained_vocab = 0  # its embedding rows when loaded (a template that adds tokens grows them)
 
     # ------------------------------------------------------------------ inputs
     def input_dir(self, stage_name: str) -> Path:
@@ -87,17 +92,40 @@ class StageContext:
         return str(self.input_dir(stage_name) / "model")
 
     # ------------------------------------------------------------------ models
-    def load_lm(self, path: str, device: bool = False, quantize: str = "none"):
-        """A causal LM in the pipeline's dtype and attention kernel (moved to this process's device if asked:
-        stages that do not hand the model to accelerate or a Trainer); `quantize: 4bit` for a QLoRA base."""
+    def weights_dtype(self, frozen: bool) -> str:
+        """The pipeline's `dtype`, with `auto` resolved for this process: bfloat16 where the stage computes in bf16
+        on a GPU, for a frozen model (run forward only), and for a trained one under DeepSpeed, whose optimiser keeps
+        fp32 master weights; float32 for a trained model outside DeepSpeed (fp32 weights under bf16 autocast: mixed
+        precision) and everywhere on a CPU."""
+        if self.pipeline.dtype != "auto":
+            return self.pipeline.dtype
+        bf16 = self.compute.device.type == "cuda" and self.compute.mixed_precision == "bf16"
+        deepspeed = str(self.state.distributed_type).endswith("DEEPSPEED")
+        return "bfloat16" if bf16 and (frozen or deepspeed) else "float32"
+
+    def load_lm(self, path: str, device: bool = False, quantize: str = "none", frozen: bool = False):
+        """A causal LM in the pipeline's dtype (`frozen`: only run forward; see `weights_dtype`) and attention kernel
+        (moved to this process's device if asked: stages that do not hand the model to accelerate or a Trainer);
+        `quantize: 4bit` for a QLoRA base."""
         from align.modeling.models import load_causal_lm  # heavy: stage processes only
 
-        model = load_causal_lm(path, self.pipeline.dtype, self.pipeline.trust_remote_code, quantize,
+        model = load_causal_lm(path, self.weights_dtype(frozen), self.pipeline.trust_remote_code, quantize,
                                **self.compute.model_kwargs())
         startup_done()
+        self._record_load(path, model)
+        if not frozen:
+            self.trained_from, self.trained_vocab = path, model.get_input_embeddings().num_embeddings
         return model.to(self.compute.device) if device else model
 
-    def load_scalar(self, path: str, pad_token_id: int | None, device: bool = False, quantize: str = "none"):
+    def _record_load(self, path: str, model) -> None:
+        """Under ZeRO-3, note in the manifest whether the model arrived partitioned (deepspeed.zero.Init: this rank
+        holds only its share of the weights) or whole."""
+        if self.compute.distributed_zero3:
+            partitioned = all(hasattr(p, "ds_id") for p in model.parameters())
+            self.extra_manifest.setdefault("models_loaded", []).append({"path": path, "zero3_partitioned": partitioned})
+
+    def load_scalar(self, path: str, pad_token_id: int | None, device: bool = False, quantize: str = "none",
+                    frozen: bool = False):
         """A scalar model (sequence classification, one output), like `load_lm`. A scalar head that the
         checkpoint does not hold (a scalar model started from a language model) is initialised
         from the stage's seed alone, on a forked RNG: the same seed gives the same head in every run, and the
@@ -108,9 +136,12 @@ class StageContext:
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            model = load_scalar_model(path, pad_token_id, self.pipeline.dtype, self.pipeline.trust_remote_code,
+            model = load_scalar_model(path, pad_token_id, self.weights_dtype(frozen), self.pipeline.trust_remote_code,
                                       quantize, **self.compute.model_kwargs())
         startup_done()
+        self._record_load(path, model)
+        if not frozen:
+            self.trained_from, self.trained_vocab = path, model.get_input_embeddings().num_embeddings
         return model.to(self.compute.device) if device else model
 
     # ------------------------------------------------------------------ tracking
@@ -143,7 +174,35 @@ class StageContext:
                 shutil.rmtree(self.checkpoints)
             self.checkpoints.mkdir(parents=True, exist_ok=True)
             stamp.write_text(self.fingerprint)
+            atomic_write_text(self.checkpoints / LAYOUT, json.dumps(self.layout()))
         self.state.wait_for_everyone()
+
+    def layout(self) -> dict[str, Any]:
+        """How this stage's processes are laid out: what a ZeRO checkpoint's per-rank states depend on."""
+        zero = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+        return {"world_size": self.state.num_processes, "zero_stage": int(zero) if zero else None}
+
+    def check_checkpoint_layout(self) -> None:
+        """Before anything loads: checkpoints of this fingerprint written under another number of processes or
+        another ZeRO stage cannot be resumed (DeepSpeed partitions optimiser states per rank); refuse with the fix
+        instead of failing inside DeepSpeed after the models are loaded."""
+        stamp = self.checkpoints / LAYOUT
+        if not stamp.is_file() or (self.checkpoints / "FINGERPRINT").read_text() != self.fingerprint or not any(
+                self.checkpoints.glob("checkpoint-*")) and not any(self.checkpoints.glob("iter-*")):
+            return
+        try:
+            old = json.loads(stamp.read_text())
+        except ValueError:
+            return
+        now = self.layout()
+        if old == now or not (old.get("zero_stage") or now["zero_stage"]):
+            return
+        raise StageError(
+            f"stage '{self.name}': its checkpoints in {self.checkpoints} were written by {old.get('world_size')} "
+            f"process(es) under ZeRO-{old.get('zero_stage') or 0}, and this run has {now['world_size']} under "
+            f"ZeRO-{now['zero_stage'] or 0}: DeepSpeed's per-rank states do not load under another layout. Rerun "
+            f"with the same layout (stages.{self.name}.num_processes={old.get('world_size')}, or --num-processes / "
+            f"the number of GPUs and nodes it had), or delete {self.checkpoints} to start the stage over")
 
     def last_checkpoint(self) -> str | None:
         """The newest complete Trainer checkpoint of this fingerprint; stale or partial ones are removed.
@@ -193,15 +252,28 @@ class StageContext:
             self.extra_manifest.setdefault("output_digests", {})[name] = output_digest(final)
 
     def save_trainer_model(self, trainer, tokenizer) -> None:
-        """Consolidated HF checkpoint (LoRA merged, ZeRO-3 gathered) + tokenizer, atomically as model/."""
+        """Consolidated HF checkpoint (ZeRO-3 gathered) + tokenizer, atomically as model/; with LoRA the adapters and
+        the name of their base (`models.ADAPTER_BASE`), or with `lora.merge` (or a base built here, which no later
+        stage could load) the adapters merged in."""
 
         def write(path: Path) -> None:
             model = trainer.model
-            if hasattr(model, "merge_and_unload") and getattr(self.cfg, "lora", None) and self.cfg.lora.enabled:
+            lora = getattr(self.cfg, "lora", None)
+            adapters = hasattr(model, "merge_and_unload") and lora is not None and lora.enabled
+            alone = adapters and not lora.merge and self.adapter_alone_suffices(model)
+            if adapters:
+                self.extra_manifest["lora_published"] = "adapter" if alone else "merged" if lora.merge else \
+                    "merged: no loadable base, or the stage grew the embeddings (a template's new tokens)"
+            if alone:
+                trainer.save_model(str(path))  # peft: adapter_config.json and the adapter weights only
+                if self.is_main:
+                    self.write_adapter_base(path, model)
+            elif adapters:
                 from align.modeling.models import merged_for_saving  # heavy (torch): stage processes only
 
                 # LoRA: save full merged weights so the next stage loads a plain model with from_pretrained.
-                merged = merged_for_saving(trainer.accelerator.unwrap_model(model), self.cfg.lora, self.pipeline.dtype)
+                merged = merged_for_saving(trainer.accelerator.unwrap_model(model), self.cfg.lora,
+                                          self.weights_dtype(frozen=True))
                 if self.is_main:
                     merged.save_pretrained(path)
             else:
@@ -210,6 +282,27 @@ class StageContext:
                 tokenizer.save_pretrained(path)
 
         self.publish("model", write)
+
+    def adapter_alone_suffices(self, peft_model) -> bool:
+        """Whether the adapters alone, on the model the stage loaded, give the trained model back: not when there is
+        no loadable base (a builtin model built here) or the stage grew the embeddings (a chat template's new
+        tokens: those rows are trained but not part of an adapter)."""
+        return self.trained_from is not None and \
+            peft_model.get_base_model().get_input_embeddings().num_embeddings == self.trained_vocab
+
+    def write_adapter_base(self, path: Path, peft_model) -> None:
+        """Beside a saved adapter: the model it was trained on (as this stage loaded it), its task, and the token ids
+        the stage set on the model's config (EOS / PAD / BOS: a chat template's end-of-turn token, a pad token)."""
+        from align.modeling.models import ADAPTER_BASE  # heavy (torch): stage processes only
+
+        config = peft_model.peft_config[peft_model.active_adapter]
+        task = getattr(config.task_type, "value", config.task_type)
+        base = peft_model.get_base_model()
+        ids = ("eos_token_id", "pad_token_id", "bos_token_id")
+        record = {"base_model": self.trained_from, "task": task,
+                  "config": {k: getattr(base.config, k, None) for k in ids},
+                  "generation": {k: getattr(getattr(base, "generation_config", None), k, None) for k in ids}}
+        (path / ADAPTER_BASE).write_text(json.dumps(record) + "\n")
 
     # ------------------------------------------------------------------ manifest
     def note(self, **values: Any) -> None:
@@ -353,6 +446,8 @@ def _run(ctx: StageContext) -> None:
             if (ctx.dir / name).exists():
                 os.replace(ctx.dir / name, ctx.dir / f"{name}.prev")
     ctx.state.wait_for_everyone()
+    if resumable:
+        ctx.check_checkpoint_layout()
     ctx.write_manifest("running")
     module = importlib.import_module(type(ctx.cfg).stage_module())
     ctx.start_tracking()

@@ -36,20 +36,25 @@ OUTPUTS = ["../report"]
 
 @torch.no_grad()
 def sample_with_kl(engine: RolloutEngine, policy, reference, tokenizer, prompts: list[str], cfg: EvaluateStage,
-                   seed: int, on_batch=lambda done: None, judges: dict[str, WeightedJudge] | None = None):
+                   seed: int, on_batch=lambda done: None, judges: dict[str, WeightedJudge] | None = None,
+                   rank: int = 0, world: int = 1):
     """Responses (text), sequence-level KL(policy || reference) = sum_t log pi - log ref on them, their lengths,
     the sum of their tokens' log-probs under the reference at temperature 1 (for its perplexity), and each judge's
     scores of them (of the sampled ids: align/stages/judging.py), in the order of `prompts` (sampled in
     length-sorted batches: every policy gets the same batches and seeds). `engine` samples (synced to `policy`); the
     log-probs are the policy's own, and with an engine that reports its own (vllm) the largest gap between the two
-    is returned too (None otherwise)."""
+    is returned too (None otherwise).
+
+    Over several processes (`rank` of `world`), each samples every world-th batch of the same length-sorted batches
+    with the same seeds as one process would, and the results are gathered: every process returns all of them, the
+    same as one process at the same seed."""
     n = len(prompts)
     texts, kls, lengths, ref_sums = [""] * n, [0.0] * n, [0.0] * n, [0.0] * n
     scores = {name: [0.0] * n for name in judges or {}}
     gen = cfg.generation
     order = by_length(tokenizer, prompts)
     gap = None
-    for start in range(0, n, gen.batch_size):
+    for start in list(range(0, n, gen.batch_size))[rank::world]:
         on_batch(start)
         idx = order[start:start + gen.batch_size]
         r = engine.generate([prompts[i] for i in idx], gen, seed=seed + start)
@@ -65,7 +70,29 @@ def sample_with_kl(engine: RolloutEngine, policy, reference, tokenizer, prompts:
         for name, judge in (judges or {}).items():
             for i, s in zip(idx, judge.score_rollout(r, [prompts[i] for i in idx], tokenizer).tolist()):
                 scores[name][i] = s
+    if world > 1:
+        texts, kls, lengths, ref_sums, scores, gap = _gathered(order, gen.batch_size, rank, world, texts, kls, lengths,
+                                                               ref_sums, scores, gap)
     return texts, kls, lengths, ref_sums, scores, gap
+
+
+def _gathered(order: list[int], batch_size: int, rank: int, world: int, *columns):
+    """Every process's share of sample_with_kl's results, merged by prompt index (a collective)."""
+    import torch.distributed as dist
+
+    texts, kls, lengths, ref_sums, scores, gap = columns
+    mine = [i for start in list(range(0, len(order), batch_size))[rank::world] for i in order[start:start + batch_size]]
+    local = {"rows": {i: (texts[i], kls[i], lengths[i], ref_sums[i], {j: s[i] for j, s in scores.items()})
+                      for i in mine}, "gap": gap}
+    shares: list[Any] = [None] * world
+    dist.all_gather_object(shares, local)
+    for share in shares:
+        for i, (text, kl, length, ref_sum, judged) in share["rows"].items():
+            texts[i], kls[i], lengths[i], ref_sums[i] = text, kl, length, ref_sum
+            for j, s in judged.items():
+                scores[j][i] = s
+    gaps = [s["gap"] for s in shares if s["gap"] is not None]
+    return texts, kls, lengths, ref_sums, scores, (max(gaps) if gaps else None)
 
 
 def sample_policies(ctx: StageContext, cfg: EvaluateStage, engine: RolloutEngine, reference, tokenizer,
@@ -79,12 +106,13 @@ def sample_policies(ctx: StageContext, cfg: EvaluateStage, engine: RolloutEngine
     for i, name in enumerate(cfg.policies):
         if ctx.is_main:
             print(f"[align] {ctx.name}: sampling {len(prompts)} prompts from '{name}'", flush=True)
-        policy = ctx.load_lm(ctx.input_model(name), device=True).eval()
+        policy = ctx.load_lm(ctx.input_model(name), device=True, frozen=True).eval()
         engine.sync_weights(policy)
         with ctx.compute.autocast():
             texts, kls, lengths, ref_sums, scores, gap = sample_with_kl(
                 engine, policy, reference, tokenizer, prompts, cfg, ctx.seed,
-                lambda done: ctx.progress(i * len(prompts) + done, total, policy=name), judges=judges)
+                lambda done: ctx.progress(i * len(prompts) + done, total, policy=name), judges=judges,
+                rank=ctx.state.process_index, world=ctx.state.num_processes)
             ctx.progress((i + 1) * len(prompts), total, policy=name)
         generated += int(sum(lengths))
         del policy
@@ -99,7 +127,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     ref_path = ctx.input_model(cfg.reference)
     tokenizer = load_tokenizer(ref_path)
     prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer)  # conversations: rendered
-    reference = ctx.load_lm(ref_path, device=True).eval()
+    reference = ctx.load_lm(ref_path, device=True, frozen=True).eval()
     judges: dict[str, WeightedJudge] = {name: stage_judge(ctx, name) for name in cfg.judges}
     if cfg.reward:
         judges["reward_model"] = stage_judge(ctx, cfg.reward)
@@ -109,6 +137,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
                          dtype=ctx.compute.engine_dtype(), max_model_len=max_model_len, log_path=ctx.dir / "engine.log")
     with closing(engine):
         samples, seconds, generated, gaps = sample_policies(ctx, cfg, engine, reference, tokenizer, prompts, judges)
+    if not ctx.is_main:  # the other processes sampled their share of the prompts; the main process reports
+        ctx.publish("../report", lambda out: None)
+        return {"eval/prompts": len(prompts)}
     metrics: dict[str, Any] = {"eval/prompts": len(prompts), "perf/generated_tokens": generated,
                                "perf/generation_seconds": seconds, "perf/tokens_per_s": generated / seconds,
                                "eval/engine": engine.name}

@@ -162,7 +162,7 @@ def stage_judge(ctx, spec: str | dict[str, float]) -> WeightedJudge:
     device in the pipeline's dtype and precision: preferences, evaluate, GRPO, RLOO. (PPO prepares its reward models
     for its training backend, ZeRO-3 or LoRA bases, and calls `build_judge` with them.)"""
     return build_judge(spec, lambda n: RewardModelJudge.load(
-        n, ctx.input_model(n), load=lambda p, pad: ctx.load_scalar(p, pad, device=True),
+        n, ctx.input_model(n), load=lambda p, pad: ctx.load_scalar(p, pad, device=True, frozen=True),
         autocast=ctx.compute.autocast) if n in ctx.inputs else None)
 
 

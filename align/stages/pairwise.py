@@ -244,7 +244,7 @@ def build_pairwise(ctx, settings: PairwiseJudge) -> PairwiseLLMJudge:
 
         path = resolve(settings.model) if settings.model.startswith(SCHEME) else settings.model
         tokenizer = load_tokenizer(path)
-        backend = LocalBackend(ctx.load_lm(path, device=True).eval(), tokenizer, settings.batch_size,
+        backend = LocalBackend(ctx.load_lm(path, device=True, frozen=True).eval(), tokenizer, settings.batch_size,
                                settings.max_new_tokens)
     chunk = settings.max_concurrency if settings.base_url else settings.batch_size  # in flight at a kill, at most
     return PairwiseLLMJudge(settings, backend, template, JudgeCache(ctx.dir / "judge_cache" / f"{settings.name}.jsonl"),

@@ -88,7 +88,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     tokenizer = load_tokenizer(path)
     prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer)  # conversations: rendered
     gen = cfg.generation
-    policy = ctx.load_lm(path, device=True).eval() if gen.engine == "hf" else None  # vllm holds its own copy
+    policy = ctx.load_lm(path, device=True, frozen=True).eval() if gen.engine == "hf" else None  # vllm holds its own copy
     judge = stage_judge(ctx, cfg.judge) if cfg.pairwise is None else None
     n = cfg.samples_per_prompt
     per_batch = max(1, gen.batch_size // n)

@@ -1,0 +1,77 @@
+"""The `push` stage type: a stage's published model/ uploaded to a hub repository as a run's last step. The hub is
+out of reach here, so the upload is tested against a recording stand-in for huggingface_hub's HfApi; what can be
+checked before a run (the repository id, the token's variable and its value's shape) is tested through `align
+validate`, and the token never appears in a message."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import TINY, run_align
+
+TOKEN = "hf_abcdefghijklmnopqrstuvwxyz012345"
+
+
+class RecordingApi:
+    def __init__(self):
+        self.calls = []
+
+    def create_repo(self, repo_id, **kw):
+        self.calls.append(("create_repo", repo_id, kw))
+
+    def upload_folder(self, **kw):
+        self.calls.append(("upload_folder", kw))
+        return SimpleNamespace(oid="0123abcd", commit_url=f"https://huggingface.co/{kw['repo_id']}/commit/0123abcd")
+
+
+def test_upload_creates_the_repository_commits_the_folder_and_keeps_no_token(tmp_path):
+    from align.config.push import PushStage
+    from align.stages.push import upload
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"\0" * 1000)
+    cfg = PushStage(type="push", model="ppo", repo="my-org/tiny-ppo", private=True, revision="main")
+    api = RecordingApi()
+    receipt = upload(model, cfg, TOKEN, "align: test", api=api)
+    assert api.calls[0] == ("create_repo", "my-org/tiny-ppo", {"repo_type": "model", "private": True, "exist_ok": True})
+    assert api.calls[1][1] == {"folder_path": str(model), "repo_id": "my-org/tiny-ppo", "repo_type": "model",
+                               "revision": "main", "commit_message": "align: test"}
+    assert receipt == {"repo": "my-org/tiny-ppo", "revision": "main", "commit": "0123abcd",
+                       "url": "https://huggingface.co/my-org/tiny-ppo/commit/0123abcd",
+                       "files": ["config.json", "model.safetensors"], "bytes": 1002}
+    assert TOKEN not in json.dumps(receipt)
+
+
+PUSH = ["stages.push.type=push", "stages.push.model=dpo", "stages.push.repo=my-org/tiny-dpo",
+        "stages.push.token_env=ALIGN_TEST_HUB_TOKEN"]
+
+
+@pytest.mark.parametrize("env,extra,message", [
+    ({}, [], "stages.push: token_env: the variable ALIGN_TEST_HUB_TOKEN is not set (or empty)"),
+    ({"ALIGN_TEST_HUB_TOKEN": TOKEN + "\r"}, [], "the value of ALIGN_TEST_HUB_TOKEN holds whitespace or control "
+                                                  "characters (a key file saved with CRLF"),
+    ({"ALIGN_TEST_HUB_TOKEN": TOKEN}, ["stages.push.repo=tiny-dpo"], "stages.push: repo: 'tiny-dpo' is not a hub "
+                                                                     "repository id; name it org/name"),
+    ({"ALIGN_TEST_HUB_TOKEN": TOKEN}, [f"stages.push.token_env={TOKEN}"], "token_env: this looks like a token"),
+    ({"ALIGN_TEST_HUB_TOKEN": TOKEN}, ["stages.push.model=preferences"],
+     "stages.push.model: 'preferences' is a preferences stage, which produces preference pairs; model needs a policy "
+     "or a reward model: use sft or reward or ppo or dpo"),
+])
+def test_validate_refuses_what_the_push_would_fail_on_and_never_prints_the_token(workdir, env, extra, message):
+    proc = run_align("validate", "pipelines/default.yaml", *TINY, *PUSH, *extra, cwd=workdir, env=env)
+    assert proc.returncode == 2, proc.stdout
+    assert message in proc.stderr, proc.stderr
+    assert TOKEN not in proc.stderr + proc.stdout
+
+
+def test_a_push_stage_validates_with_a_token_and_runs_last(workdir):
+    proc = run_align("validate", "pipelines/default.yaml", *TINY, *PUSH, cwd=workdir,
+                     env={"ALIGN_TEST_HUB_TOKEN": TOKEN})
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.strip().startswith("push "))
+    assert "<- dpo" in line and TOKEN not in proc.stdout
