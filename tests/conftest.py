@@ -40,10 +40,11 @@ TINY = [
 # Test files by how long they keep a worker busy on the CI machine (seconds of one worker, measured 2026-11-25),
 # longest first. xdist hands out whole files (`--dist loadfile`); by default it would order them by their number of
 # tests, which put these few-test, long files last, where one worker ran them while the other sat idle.
-LONGEST_FIRST = ["test_distributed.py", "test_vllm_ppo.py", "test_smollm2.py", "test_vllm_engine.py", "test_families_a.py", "test_families_b.py",
+LONGEST_FIRST = ["test_cluster_pipelines.py", "test_distributed.py", "test_vllm_ppo.py", "test_smollm2.py", "test_vllm_engine.py", "test_families_a.py", "test_families_b.py",
                  "test_pipeline_e2e.py", "test_crash.py", "test_pairwise.py", "test_benchmarks.py", "test_hostile.py",
                  "test_hh_pipeline.py", "test_grpo_rloo.py", "test_estimate.py", "test_integrity.py",
-                 "test_sweeps.py", "test_orchestrator.py", "test_kto.py"]
+                 "test_sweeps.py", "test_orchestrator.py", "test_kto.py", "test_zero3_init.py",
+                 "test_deepspeed_settings.py"]
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle, which it keeps within files and among the rest
