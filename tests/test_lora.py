@@ -121,3 +121,40 @@ def test_an_adapter_alone_is_published_only_when_it_gives_the_trained_model_back
     assert not StageContext.adapter_alone_suffices(SimpleNamespace(trained_from=None, trained_vocab=64), peft)
     base.resize_token_embeddings(66)  # the template's two new tokens
     assert not StageContext.adapter_alone_suffices(ctx, peft)
+
+
+def test_a_policy_adapter_loads_merged_as_a_causal_lm_and_as_a_scalar_model(tmp_path):
+    """A LoRA policy published alone (its adapter beside the name of its base) is what the next stages start from:
+    a causal LM (DPO, PPO) or, for a reward model, the same transformer under a fresh scalar head."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from align.config import LoraSettings
+    from align.modeling.models import ADAPTER_BASE, add_adapters, load_causal_lm, load_scalar_model
+
+    torch.manual_seed(SEED)
+    print(f"seed {SEED}")
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      pad_token_id=0)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
+    peft = add_adapters(LlamaForCausalLM.from_pretrained(tmp_path / "base"),
+                        LoraSettings(enabled=True, r=2, alpha=4, target_modules=["q_proj"]), "CAUSAL_LM")
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_()  # a trained adapter: B moved from zero
+    peft.save_pretrained(tmp_path / "sft")
+    (tmp_path / "sft" / ADAPTER_BASE).write_text(json.dumps({"base_model": str(tmp_path / "base"), "task": "CAUSAL_LM",
+                                                             "config": {"pad_token_id": 0}, "generation": {}}))
+    expected = peft.merge_and_unload().state_dict()
+    lm = load_causal_lm(str(tmp_path / "sft"))
+    assert set(lm.state_dict()) == set(expected)
+    assert all(torch.equal(v, expected[k]) for k, v in lm.state_dict().items())
+    base = LlamaForCausalLM.from_pretrained(tmp_path / "base").state_dict()
+    assert not torch.equal(expected["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
+    scalar = load_scalar_model(str(tmp_path / "sft"), 0)
+    state = scalar.state_dict()
+    assert set(state) == {k for k in expected if not k.startswith("lm_head")} | {"score.weight"}
+    assert all(torch.equal(state[k], expected[k]) for k in state if k != "score.weight")
+    assert scalar.config.pad_token_id == 0 and scalar.score.weight.shape == (1, 16)

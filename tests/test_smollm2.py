@@ -134,14 +134,15 @@ def test_every_model_reloads_and_writes_text_the_base_model_finds_likely(run):
 
 
 def test_ppo_policy_stops_at_the_templates_end_of_turn(run):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from align.config import Generation
     from align.modeling.generation import generate
+    from align.modeling.models import load_causal_lm
 
     path = run["dir"] / "ppo" / "model"
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    model = load_causal_lm(str(path)).eval()  # PPO's adapter over SFT's adapter over the GGUF base, merged
     assert tok.eos_token == "<|im_end|>" and model.generation_config.eos_token_id == tok.eos_token_id
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
                for q in ("Say hello.", "Answer with one word: is the sky blue?")]

@@ -34,7 +34,7 @@ POLICY, REWARD_MODEL, DATA, REPORT = "policy", "reward_model", "data", "report"
 MODEL = "model"
 """An input role (not something a stage produces): a policy or a reward model (the push stage uploads either)."""
 ROLES = {POLICY: "a policy", REWARD_MODEL: "a reward model", DATA: "preference pairs", REPORT: "a report",
-         "": "nothing other stages read", MODEL: "a policy or a reward model"}
+         "receipt": "a receipt (nothing other stages read)", MODEL: "a policy or a reward model"}
 # How a stage reads a data card named in one of its fields (`StageBase.CARDS`).
 EXAMPLES, PROMPTS_ONLY = "examples", "prompts"
 # transformers SchedulerType values that need no extra scheduler kwargs (tests check they still exist).

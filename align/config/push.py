@@ -30,6 +30,7 @@ class PushStage(StageBase):
     """Upload `model`'s published model/ (weights, config, tokenizer) to a hub repository."""
 
     TYPE: ClassVar[str] = "push"
+    PRODUCES: ClassVar[str] = "receipt"  # pushed/receipt.json: what was uploaded where; no other stage reads it
     HEADLINE: ClassVar[tuple[str, ...]] = ("push/files", "push/bytes")
     INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"model": (MODEL, True)}
     WORK: ClassVar[str] = "push/files"

@@ -244,13 +244,15 @@ def load_scalar_model(path_or_id: str, pad_token_id: int | None, dtype: str = "f
     from transformers import AutoModelForSequenceClassification  # heavy: loaded on use
 
     base = adapter_base(path_or_id) if Path(path_or_id).is_dir() else None
-    if base is not None:  # a published reward-model adapter: its trained scalar head comes with it (modules_to_save)
+    if base is not None:
         if quantize != "none":
             raise ModelError(f"{path_or_id}: a LoRA adapter cannot be the 4-bit base of QLoRA (merging needs full "
                              "weights); publish it merged (lora.merge: true on the stage that trained it)")
         with unsharded_loading():
-            plain = load_scalar_model(base["base_model"], pad_token_id, dtype, trust_remote_code, **kwargs)
-            return merged_adapter(path_or_id, plain, trust_remote_code)
+            if base.get("task") == "SEQ_CLS":  # a reward model's adapter: its trained head comes with it
+                plain = load_scalar_model(base["base_model"], pad_token_id, dtype, trust_remote_code, **kwargs)
+                return merged_adapter(path_or_id, plain, trust_remote_code)
+            return _scalar_from_lm(load_causal_lm(path_or_id, dtype, trust_remote_code, **kwargs), pad_token_id)
     check_remote_code(path_or_id, trust_remote_code)
     path, extra = from_pretrained_args(path_or_id)
     model = dequantised(AutoModelForSequenceClassification.from_pretrained(
@@ -259,6 +261,25 @@ def load_scalar_model(path_or_id: str, pad_token_id: int | None, dtype: str = "f
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return for_kbit_training(model)
+
+
+def _scalar_from_lm(lm, pad_token_id: int | None):
+    """A scalar model on a causal LM's transformer (a policy published as an adapter, merged into its base): the
+    backbone's weights as they are, a freshly initialised head (what from_pretrained of a causal-LM checkpoint
+    gives a sequence-classification class)."""
+    from transformers import AutoModelForSequenceClassification  # heavy: loaded on use
+
+    config = lm.config
+    config.num_labels = 1
+    scalar = AutoModelForSequenceClassification.from_config(config, dtype=next(lm.parameters()).dtype)
+    missing, _ = scalar.load_state_dict(lm.state_dict(), strict=False)
+    head = {n for n, _ in scalar.named_parameters() if n.startswith("score")}
+    if set(missing) - head:
+        raise ModelError(f"a scalar model cannot be built on this causal LM: its weights {sorted(set(missing) - head)[:3]} "
+                         "have no counterpart; publish the policy merged (lora.merge: true)")
+    if pad_token_id is not None:
+        scalar.config.pad_token_id = pad_token_id
+    return scalar
 
 
 def dequantised(model):
