@@ -14,6 +14,7 @@ from align.orchestrator.helper import HelperError
 from align.orchestrator.launch import MultiNode
 from align.orchestrator.plan import PipelineError
 from align.orchestrator.report import rebuild
+from align.core.errors import Terminated, terminate_as_interrupt
 from align.core.rundir import ManifestError
 from align.orchestrator.runner import Interrupted, run
 from align.stages.context import describe, main as stage_main
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     if args.command == "stage":
         return stage_main(args.spec)
+    terminate_as_interrupt()  # SIGTERM (schedulers, systemctl stop) handled as Ctrl-C: stages recorded interrupted
 
     try:
         if args.command == "status":
@@ -123,10 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except Interrupted as exc:
         print(f"align: {exc}", file=sys.stderr)
-        return 130
-    except KeyboardInterrupt:  # between stages, or while validating: nothing was being written
-        print("align: interrupted", file=sys.stderr)
-        return 130
+        return 143 if exc.terminated else 130
+    except KeyboardInterrupt as exc:  # between stages, or while validating: nothing was being written
+        print("align: stopped by SIGTERM" if isinstance(exc, Terminated) else "align: interrupted", file=sys.stderr)
+        return 143 if isinstance(exc, Terminated) else 130
     except (ConfigError, DataCardError, PipelineError, ManifestError, packaged.PackagedError, HelperError, OSError) as exc:
         print(f"align: error: {describe(exc) if isinstance(exc, OSError) else exc}", file=sys.stderr)
         return 2

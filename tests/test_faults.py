@@ -209,3 +209,28 @@ def test_ctrl_c_records_the_stage_as_interrupted_and_a_killed_stage_says_why(tmp
     assert "SIGKILL: most often the kernel's out-of-memory killer" in err, err[-3000:]
     assert "resume: align run faults.yaml" in err
     assert "SIGKILL: most often the kernel's out-of-memory killer" in (run_dir / "sft" / "stage.log").read_text()
+
+
+def test_sigterm_stops_a_stage_as_ctrl_c_does_and_the_next_run_resumes(tmp_path):
+    """SIGTERM, what schedulers (a time limit, preemption) and `systemctl stop` send, to the runner alone: it passes
+    it on, the stage records itself `interrupted` naming SIGTERM, the runner exits 143 with the resume command and
+    no traceback; the next run resumes the stage."""
+    (tmp_path / "faults.yaml").write_text(yaml.safe_dump(PIPELINE, sort_keys=False))
+    run_dir = tmp_path / "runs" / "faults" / "main"
+    proc = subprocess.Popen(align_cmd("run", "faults.yaml"), cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for(lambda: _training(run_dir / "sft"), 120, "sft to log its first metrics")
+        os.kill(proc.pid, signal.SIGTERM)  # the runner only: it must pass it on
+        out, err = _finish(proc, 120, "after SIGTERM", run_dir / "sft")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, out[-2000:] + err[-2000:]
+    assert "Traceback" not in out + err, err[-3000:]
+    assert "stopped by SIGTERM during stage 1/2 'sft'" in err and "Resume with: align run faults.yaml" in err, err
+    manifest = json.loads((run_dir / "sft" / "manifest.json").read_text())
+    assert manifest["status"] == "interrupted" and "SIGTERM" in manifest["error"], manifest.get("error")
+    again = run_align("run", "faults.yaml", cwd=tmp_path)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert json.loads((run_dir / "sft" / "manifest.json").read_text())["attempts"] == 2

@@ -153,6 +153,11 @@ class Generation:
     engine_timeout_s: float = ranged(600.0, gt=0, fix="seconds the vllm engine may take for one call (start, a batch, a sync)")
     """vllm: the longest one engine call may take (start-up, one generate batch, one weight sync) before the stage
     ends with an error naming it, instead of waiting forever."""
+    max_logprob_gap: float = ranged(10.0, gt=0)
+    """vllm: the largest |engine - trainer| log-prob of a sampled token (nats) before the stage stops, naming the
+    weight sync and the engine's log; a non-finite gap always stops it. fp32 engines agree within ~1e-3 nats; bf16
+    engines on GPU can differ by a few nats on rare tokens (kernel and precision mismatch), so the default only
+    catches weights that loaded wrongly (tens of nats)."""
     kv_cache_gib: float = ranged(1.0, gt=0)
     """vllm on CPU: the KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, rounded to whole GiB); align estimate counts it."""
     gpu_memory_utilization: float = ranged(0.3, gt=0, le=1, fix="a fraction of the GPU's memory, e.g. 0.3")
@@ -195,9 +200,15 @@ class PairwiseJudge:
     max_concurrency: int = ranged(4, ge=1)
     """Endpoint: requests in flight at once."""
     timeout: float = ranged(60.0, gt=0)
-    """Endpoint: seconds per request before it is retried."""
+    """Endpoint: seconds one request may take in all (connecting, waiting, reading the answer) before it is retried."""
     retries: int = ranged(3, ge=0)
-    """Endpoint: retries of a failed request (timeouts, 429 and 5xx), with exponential backoff."""
+    """Endpoint: retries of a failed request (timeouts, 429 and 5xx), with exponential backoff, or after the server's
+    Retry-After (at most max_retry_wait seconds)."""
+    max_retry_wait: float = ranged(60.0, gt=0)
+    """Endpoint: the longest a Retry-After header may make a request wait before its retry."""
+    deadline: float = ranged(3600.0, gt=0)
+    """Endpoint: seconds the whole judging (every policy of the stage) may take; past it the stage stops, naming this
+    setting (cached answers are kept: a rerun asks only what is left)."""
     max_prompts: int | None = ranged(None, ge=1, fix="use null to judge every prompt")
     """Judge at most this many prompts per policy (null: all of them)."""
     max_invalid_fraction: float = ranged(0.2, ge=0, le=1)
@@ -218,10 +229,19 @@ class PairwiseJudge:
             if problem:
                 raise ValueError(f"{where}.template: {path.resolve()}: {problem}")
         if self.base_url:
+            url = self.base_url.rstrip("/")
+            suffix = next((s for s in ("/chat/completions", "/completions", "/models") if url.endswith(s)), None)
+            if suffix:
+                raise ValueError(f"{where}.base_url: {self.base_url} names an endpoint path; give the API's root "
+                                 f"(align adds /chat/completions): base_url: {url[:-len(suffix)]}")
             if self.key_env and not os.environ.get(self.key_env):
                 raise ValueError(f"{where}.key_env: the variable {self.key_env} is not set (or empty); export "
                                  f"it with the endpoint's key before running")
-            problem = endpoint_problem(self.base_url, os.environ.get(self.key_env or "", ""), min(self.timeout, 10))
+            problem = header_value_problem(self.key_env) if self.key_env else None
+            if problem:
+                raise ValueError(f"{where}.key_env: {problem}")
+            problem = endpoint_problem(self.base_url, os.environ.get(self.key_env or "", ""), min(self.timeout, 10),
+                                       self.model)
             if problem:
                 raise ValueError(f"{where}.base_url: {self.base_url}: {problem}")
         elif self.model.startswith(PACKAGED):
@@ -254,9 +274,20 @@ def template_problem(text: str) -> str | None:
     return None
 
 
-def endpoint_problem(base_url: str, key: str, timeout: float) -> str | None:
-    """One probe of an OpenAI-compatible endpoint (GET {base_url}/models): None when it answers; else why not
-    (never the key)."""
+def header_value_problem(variable: str) -> str | None:
+    """Why the value of environment variable `variable` cannot go into an HTTP header (never the value itself)."""
+    value = os.environ.get(variable, "")
+    if any(ch.isspace() or ord(ch) < 32 or ord(ch) == 127 for ch in value):
+        return (f"the value of {variable} holds whitespace or control characters (a key file saved with CRLF line "
+                f"ends leaves a trailing \\r); export it again without them, e.g. export {variable}=$(tr -d '\\r\\n' < "
+                "FILE)")
+    return None
+
+
+def endpoint_problem(base_url: str, key: str, timeout: float, model: str | None = None) -> str | None:
+    """One probe of an OpenAI-compatible endpoint (GET {base_url}/models): None when it answers (and, when it lists
+    its models, lists `model`); else why not (never the key: any text that may carry it is scrubbed)."""
+    import json
     import urllib.error
     import urllib.request
 
@@ -264,7 +295,7 @@ def endpoint_problem(base_url: str, key: str, timeout: float) -> str | None:
                                  if key else {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            resp.read(1 << 16)
+            listing = resp.read(1 << 20)
     except urllib.error.HTTPError as exc:
         if exc.code in (401, 403):
             return f"the endpoint refused the key (HTTP {exc.code}); check the key in the named variable"
@@ -272,8 +303,16 @@ def endpoint_problem(base_url: str, key: str, timeout: float) -> str | None:
             return None
         return f"the endpoint answered HTTP {exc.code} to a probe of /models"
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
+        reason = str(getattr(exc, "reason", exc))
+        if key:
+            reason = reason.replace(key, "<key>").replace(repr(key.encode())[2:-1], "<key>")
         return f"not reachable ({reason}); check base_url, and that the server is running and reachable from here"
+    try:
+        ids = [m["id"] for m in json.loads(listing)["data"]]
+    except (ValueError, KeyError, TypeError):
+        return None  # not a listing we can read: the chat completions will tell
+    if model and ids and model not in ids:
+        return f"it serves no model {model!r} (its /models lists {', '.join(map(repr, ids[:8]))}); set model to one of them"
     return None
 
 

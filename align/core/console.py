@@ -27,6 +27,8 @@ from typing import Any, BinaryIO, Callable, Protocol
 
 from tqdm.auto import tqdm
 
+from align.core.errors import Terminated
+
 
 class StageProcess(Protocol):
     """A started stage as the runner waits for it: `subprocess.Popen`, or align/orchestrator/warm.py's WarmStage."""
@@ -149,8 +151,8 @@ def stream_stage(start: Callable[[], StageProcess], log_path: Path, name: str) -
         reader.start()
         try:
             rc = proc.wait()
-        except KeyboardInterrupt:
-            _stop_interrupted(proc)
+        except KeyboardInterrupt as exc:
+            _stop_interrupted(proc, signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
             raise
         except BaseException:
             proc.kill()
@@ -177,16 +179,16 @@ def _pump(stream: BinaryIO, console: StageConsole, errors: list[BaseException]) 
             errors.append(exc)
 
 
-def _stop_interrupted(proc: StageProcess) -> None:
-    """After Ctrl-C: a terminal's Ctrl-C reached the stage too (same process group) and it is recording itself
-    as interrupted; a SIGINT sent to the runner alone is passed on. The stage gets INTERRUPT_GRACE_S to finish;
-    a second Ctrl-C, or the grace running out, kills it."""
+def _stop_interrupted(proc: StageProcess, sig: int = signal.SIGINT) -> None:
+    """After Ctrl-C (or SIGTERM): a terminal's Ctrl-C, or a scheduler's SIGTERM to the whole job, reached the stage
+    too and it is recording itself as interrupted; a signal sent to the runner alone is passed on. The stage gets
+    INTERRUPT_GRACE_S to finish; a second one, or the grace running out, kills it."""
     try:
         try:
             proc.wait(timeout=5)
             return
         except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(sig)
         proc.wait(timeout=INTERRUPT_GRACE_S)
     except (subprocess.TimeoutExpired, KeyboardInterrupt):
         proc.kill()

@@ -10,5 +10,20 @@ class ModelError(ValueError):
     """A model or tokenizer cannot be used as configured; the message says how to fix it."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's time limit or preemption, `systemctl stop`, `kill`), handled as Ctrl-C is: the stage
+    records itself `interrupted` (resumable) and the resume command is printed; the CLI exits with 143."""
+
+
+def terminate_as_interrupt() -> None:
+    """From now on SIGTERM raises Terminated in the main thread, as Ctrl-C raises KeyboardInterrupt."""
+    import signal
+
+    def handler(signum, frame):
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 TOKENIZER_SAVE_FIX = "copy the tokenizer again, or save it with tokenizer.save_pretrained(<dir>)"
 """The fix for a tokenizer whose files are damaged, named where they are read (validation, the helper process)."""

@@ -11,6 +11,7 @@ recomputes log-probs with the training model either way and logs the engine-vs-t
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Callable, ContextManager, Protocol
 
@@ -72,6 +73,23 @@ def logprob_gap(engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, m
         return {"mean": 0.0, "max": 0.0}
     d = (engine_logprobs.float() - trainer_logprobs.float()).abs()[m]
     return {"mean": d.mean().item(), "max": d.max().item()}
+
+
+def nan_max(values) -> float:
+    """The largest of `values`, NaN when any is NaN (Python's max skips NaN depending on where it falls: a summary
+    must never report a clean maximum over a broken one)."""
+    values = [float(v) for v in values]
+    return float("nan") if any(math.isnan(v) for v in values) else max(values)
+
+
+def check_gap(gap: float, bound: float, where: str, log_path) -> None:
+    """Stop when the engine's log-probs of its own samples stray from the trainer's: non-finite (a weight sync that
+    loaded wrongly), or above `bound` nats on some token (a sync that did not reach it, a dtype or kernel mismatch)."""
+    if math.isfinite(gap) and gap <= bound:
+        return
+    raise EngineError(f"{where}: the rollout engine's log-probs differ from the trained model's by {gap} on a sampled "
+                      f"token (more than generation.max_logprob_gap={bound:g}): the engine is not sampling from the "
+                      f"weights being trained (a failed or partial weight sync); its log: {log_path}")
 
 
 def make_engine(gen: Generation, *, model, tokenizer, model_dir: str, fast: bool = False, synced_gpus: bool = False,

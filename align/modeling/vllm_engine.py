@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import subprocess
 import tempfile
 import time
@@ -30,8 +31,39 @@ from align.modeling.generation import Rollout, finish_rollout, tokenize_prompts
 SERVER = Path(__file__).parent / "vllm_side" / "align_vllm_server.py"
 
 
+SYNC_DIR_ENV = "ALIGN_SYNC_DIR"
+
+
 def shm_dir() -> str:
+    """Where synced weights are written: $ALIGN_SYNC_DIR, else /dev/shm (memory), else the temporary directory."""
+    chosen = os.environ.get(SYNC_DIR_ENV)
+    if chosen:
+        return chosen
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def shm_problem() -> str | None:
+    """Why vLLM cannot run here: its processes need a writable /dev/shm (semaphores and shared memory)."""
+    if os.path.isdir("/dev/shm") and not os.access("/dev/shm", os.W_OK):
+        return ("/dev/shm is read-only here, and vLLM's processes need it writable (their semaphores and shared "
+                "memory): run the container with a writable /dev/shm (e.g. docker run --shm-size=2g), or set "
+                "generation.engine: hf")
+    return None
+
+
+def _size(n: float) -> str:
+    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
+
+
+def sync_space_problem(directory: str, needed: int) -> str | None:
+    """Why `needed` bytes of synced weights will not fit in `directory` (None when they will)."""
+    free = shutil.disk_usage(directory).free
+    if free >= needed * 1.05:
+        return None
+    where = "/dev/shm, the container's shared memory," if directory.startswith("/dev/shm") else directory
+    return (f"a weight sync writes the policy ({_size(needed)}) to {where} which has {_size(free)} free: give the "
+            f"container more shared memory (docker run --shm-size={max(1, int(needed * 1.5 / 2 ** 30) + 1)}g), or set "
+            f"{SYNC_DIR_ENV} to a directory with room")
 
 
 @torch.no_grad()
@@ -78,6 +110,9 @@ class VLLMEngine:
         python = python or vllm_python()
         if python is None:
             raise EngineError(f"generation.engine: vllm: vLLM is not installed; {VLLM_INSTALL}")
+        problem = shm_problem()
+        if problem:
+            raise EngineError(f"generation.engine: vllm: {problem}")
         self._dir = tempfile.mkdtemp(prefix="align-vllm-", dir=shm_dir())
         self.address = os.path.join(self._dir, "sock")
         self.weights = os.path.join(self._dir, "weights.safetensors")
@@ -131,12 +166,16 @@ class VLLMEngine:
         if self.broken:
             raise EngineError(f"vLLM engine: '{what}' after a failed weight sync ({self.broken}); its weights are "
                               "partly loaded and it samples nothing trustworthy")
-        self.conn.send(msg)
+        try:
+            self.conn.send(msg)
+        except OSError as exc:  # the engine died between calls: a broken pipe here, never an unnamed EPIPE upstream
+            raise EngineError(f"the vLLM engine process (pid {self.proc.pid}) is gone ({type(exc).__name__}) at "
+                              f"'{what}'; its log ({self.log_path}) ends:\n{self._tail()}") from None
         deadline = time.monotonic() + timeout_s
         while not self.conn.poll(1.0):
             if self.proc.poll() is not None:
-                raise EngineError(f"the vLLM engine process died ({self.proc.returncode}) during '{what}'; its log "
-                                  f"({self.log_path}) ends:\n{self._tail()}")
+                raise EngineError(f"the vLLM engine process (pid {self.proc.pid}) died ({self.proc.returncode}) during "
+                                  f"'{what}'; its log ({self.log_path}) ends:\n{self._tail()}")
             if time.monotonic() > deadline:
                 self.close(kill=True)
                 raise EngineError(f"the vLLM engine did not finish '{what}' within {timeout_s:.0f} s and was stopped "
@@ -183,6 +222,9 @@ class VLLMEngine:
         from safetensors.torch import save_file
 
         state = policy_state_for_engine(model)
+        problem = sync_space_problem(self._dir, sum(v.numel() * v.element_size() for v in state.values()))
+        if problem:
+            raise EngineError(f"vLLM engine: {problem}")
         tmp = self.weights + ".tmp"
         save_file(state, tmp)
         os.replace(tmp, self.weights)

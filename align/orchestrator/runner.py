@@ -19,6 +19,7 @@ from typing import Any
 from align.orchestrator import warm
 from align.config import PipelineConfig, to_dict
 from align.core.console import stream_stage, tail, verbose
+from align.core.errors import Terminated
 from align.orchestrator.estimate import EstimateError, estimate_pipeline, hardware, too_big
 from align.core.fsutil import atomic_write_json
 from align.orchestrator.inputs import resolve_model_paths
@@ -178,13 +179,15 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
             cmd = launch_command(plan, spec_path, source, num_processes, multi)
             rc = stream_stage(lambda: warm.start_stage(cmd, stage_env(), warm_start), stage_dir / "stage.log",
                               plan.name)
-        except KeyboardInterrupt:
-            _mark_interrupted(stage_dir)
+        except KeyboardInterrupt as exc:
+            _mark_interrupted(stage_dir, interrupt_cause(exc))
             statuses[plan.name] = "interrupted"
             _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)
-            raise Interrupted(f"interrupted during stage {i}/{len(plans)} '{plan.name}'; what earlier stages "
+            how = "stopped by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
+            raise Interrupted(f"{how} during stage {i}/{len(plans)} '{plan.name}'; what earlier stages "
                               f"published is kept. Resume with: align run {source} (the stage restarts from "
-                              f"its last checkpoint, if it saved one)\n  log: {stage_dir / 'stage.log'}") from None
+                              f"its last checkpoint, if it saved one)\n  log: {stage_dir / 'stage.log'}",
+                              isinstance(exc, Terminated)) from None
         if rc != 0 or not is_complete(stage_dir, plan.fingerprint):
             m = read_manifest(stage_dir) or {}
             statuses[plan.name] = "failed"
@@ -241,15 +244,24 @@ def memory_preflight(cfg: PipelineConfig, source: str | Path, plans: list[StageP
 
 
 class Interrupted(PipelineError):
-    """Ctrl-C during a stage: the stage is recorded as interrupted (resumable); the CLI exits with 130."""
+    """Ctrl-C (or SIGTERM) during a stage: the stage is recorded as interrupted (resumable); the CLI exits with 130
+    (143 after SIGTERM)."""
+
+    def __init__(self, message: str, terminated: bool = False):
+        super().__init__(message)
+        self.terminated = terminated
 
 
-def _mark_interrupted(stage_dir: Path) -> None:
+def interrupt_cause(exc: BaseException) -> str:
+    return ("interrupted (SIGTERM: stopped from outside, e.g. a scheduler's time limit or preemption)"
+            if isinstance(exc, Terminated) else "interrupted (Ctrl-C or SIGINT)")
+
+
+def _mark_interrupted(stage_dir: Path, cause: str = "interrupted (Ctrl-C or SIGINT)") -> None:
     """A stage killed before it could record the interrupt itself still says so (not `running`)."""
     m = read_manifest(stage_dir)
     if m and m.get("status") == "running":
-        m.update(status="interrupted", error="interrupted (Ctrl-C or SIGINT)",
-                 ended_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        m.update(status="interrupted", error=cause, ended_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         write_manifest(stage_dir, m)
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from align.core.engine_env import EngineError
+from align.core.errors import Terminated, terminate_as_interrupt
 from align.modeling.compute import resolve as resolve_compute
 from align.config import PipelineConfig, StageBase, from_dict, stage_from_dict
 from align.core.console import emit_progress, verbose
@@ -373,6 +374,7 @@ def main(spec_path: str) -> int:
                         format="[align] %(levelname)s %(name)s: %(message)s")
     log.setLevel(logging.INFO)
     quiet_libraries()
+    terminate_as_interrupt()  # SIGTERM (a scheduler, the launcher stopping its workers) recorded as Ctrl-C is
     ctx: StageContext | None = None
     spec: dict[str, Any] = {}
     gc.disable()  # until the libraries are imported and the first model is loaded: see startup_done()
@@ -388,12 +390,14 @@ def main(spec_path: str) -> int:
         print(f"align: error: stage '{spec.get('stage_name', spec_path)}': {message}" + recorded, file=sys.stderr,
               flush=True)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C (or the runner passing one on): resumable, and no traceback
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, or the runner passing one on: resumable, no traceback
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the record short
-        _record_failure(ctx, spec, INTERRUPTED, status="interrupted")
-        print(f"align: stage '{spec.get('stage_name', spec_path)}' interrupted; its last checkpoint is kept and "
-              "the next `align run` resumes from it", file=sys.stderr, flush=True)
-        return 130
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        terminated = isinstance(exc, Terminated)
+        _record_failure(ctx, spec, TERMINATED if terminated else INTERRUPTED, status="interrupted")
+        print(f"align: stage '{spec.get('stage_name', spec_path)}' {'stopped by SIGTERM' if terminated else 'interrupted'}"
+              "; its last checkpoint is kept and the next `align run` resumes from it", file=sys.stderr, flush=True)
+        return 143 if terminated else 130
     except BaseException as exc:
         _record_failure(ctx, spec, f"{type(exc).__name__}: {exc}")
         raise
@@ -519,6 +523,7 @@ def describe(exc: BaseException) -> str:
 
 
 INTERRUPTED = "interrupted (Ctrl-C or SIGINT)"
+TERMINATED = "interrupted (SIGTERM: stopped from outside, e.g. a scheduler's time limit or preemption)"
 
 
 def _record_failure(ctx: StageContext | None, spec: dict[str, Any], message: str, status: str = "failed") -> str:

@@ -21,7 +21,7 @@ from align.report import frontier
 from align.report import plots
 from align.config.evaluate import EvaluateStage
 from align.stages.rows import load_prompts, load_rows
-from align.modeling.engines import RolloutEngine, logprob_gap, make_engine
+from align.modeling.engines import RolloutEngine, check_gap, logprob_gap, make_engine, nan_max
 from align.modeling.generation import by_length, longest_prompt, response_logprobs
 from align.stages.judging import WeightedJudge, stage_judge
 from align.stages.pairwise import build_pairwise
@@ -60,7 +60,8 @@ def sample_with_kl(engine: RolloutEngine, policy, reference, tokenizer, prompts:
         r = engine.generate([prompts[i] for i in idx], gen, seed=seed + start)
         lp = response_logprobs(policy, r, gen.temperature)
         if r.engine_logprobs is not None:
-            gap = max(gap or 0.0, logprob_gap(r.engine_logprobs, lp, r.response_mask)["max"])
+            gap = nan_max([gap or 0.0, logprob_gap(r.engine_logprobs, lp, r.response_mask)["max"]])
+            check_gap(gap, gen.max_logprob_gap, f"evaluation batch {start}", getattr(engine, "log_path", None))
         ref_lp = response_logprobs(reference, r, gen.temperature)
         mask = r.response_mask.float()
         ref_plain = ref_lp if gen.temperature == 1.0 else response_logprobs(reference, r, 1.0)
@@ -92,7 +93,7 @@ def _gathered(order: list[int], batch_size: int, rank: int, world: int, *columns
             for j, s in judged.items():
                 scores[j][i] = s
     gaps = [s["gap"] for s in shares if s["gap"] is not None]
-    return texts, kls, lengths, ref_sums, scores, (max(gaps) if gaps else None)
+    return texts, kls, lengths, ref_sums, scores, (nan_max(gaps) if gaps else None)
 
 
 def sample_policies(ctx: StageContext, cfg: EvaluateStage, engine: RolloutEngine, reference, tokenizer,

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
-from align.config.common import PairwiseJudge
+from align.config.common import PairwiseJudge, header_value_problem
 
 VERDICTS = ("A", "B", "tie")
 DEFAULT_TEMPLATE = Path(__file__).resolve().parent.parent / "templates" / "pairwise_judge.txt"
@@ -120,12 +120,17 @@ class EndpointBackend:
     name = "endpoint"
 
     def __init__(self, base_url: str, model: str, key_env: str | None, max_new_tokens: int, timeout: float,
-                 retries: int, max_concurrency: int):
+                 retries: int, max_concurrency: int, max_retry_wait: float = 60.0, deadline: float = 3600.0):
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model, self.key_env, self.max_new_tokens = model, key_env, max_new_tokens
         self.timeout, self.retries, self.max_concurrency = timeout, retries, max_concurrency
+        self.max_retry_wait, self.deadline = max_retry_wait, deadline
+        self.stop_at = float("inf")  # set per `answers` call: the judging's deadline
         self.requests = 0
         self._lock = threading.Lock()
+        problem = header_value_problem(key_env) if key_env else None
+        if problem:
+            raise EndpointError(f"{self.url}: key_env: {problem}")
 
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
@@ -133,19 +138,40 @@ class EndpointBackend:
             headers["Authorization"] = f"Bearer {os.environ.get(self.key_env, '')}"
         return headers
 
+    def _read(self, req) -> bytes:
+        """The answer's body, within `timeout` seconds in all: the socket timeout bounds each wait, and the body is
+        read in pieces against the request's deadline (a server that trickles its answer cannot hold a request)."""
+        deadline = time.monotonic() + self.timeout
+        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            chunks = []
+            while True:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the answer took longer than timeout={self.timeout:g} s to arrive")
+                chunk = resp.read1(1 << 16) if hasattr(resp, "read1") else resp.read(1 << 16)
+                if not chunk:
+                    return b"".join(chunks)
+                chunks.append(chunk)
+
+    def _scrub(self, text: str) -> str:
+        key = os.environ.get(self.key_env or "", "")
+        return text.replace(key, "<key>") if key else text
+
     def ask(self, text: str) -> str:
         body = json.dumps({"model": self.model, "messages": [{"role": "user", "content": text}],
                            "max_tokens": self.max_new_tokens, "temperature": 0}).encode()
-        last = ""
+        last, wait, limited = "", 0.0, 0
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
+                time.sleep(wait or min(0.5 * 2 ** (attempt - 1), 8.0))
+            if time.monotonic() > self.stop_at:
+                raise EndpointError(f"{self.url}: the judging took longer than deadline={self.deadline:g} s (last: "
+                                    f"{last or 'no answer yet'}); raise the judge's deadline, or lower max_prompts")
             req = urllib.request.Request(self.url, data=body, headers=self._headers(), method="POST")
             with self._lock:
                 self.requests += 1
+            wait = 0.0
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                    answer = json.loads(resp.read().decode("utf-8"))
+                answer = json.loads(self._read(req).decode("utf-8"))
                 return str(answer["choices"][0]["message"]["content"] or "")
             except urllib.error.HTTPError as exc:
                 last = f"HTTP {exc.code}"
@@ -153,16 +179,41 @@ class EndpointBackend:
                     raise EndpointError(f"{self.url} refused the request ({last}"
                                         + (": check the key in " + self.key_env if exc.code in (401, 403)
                                            and self.key_env else "") + f"; model '{self.model}')") from None
+                limited += exc.code == 429
+                wait = min(retry_after(exc.headers.get("Retry-After") if exc.headers else None) or 0.0,
+                           self.max_retry_wait)
             except (urllib.error.URLError, TimeoutError, OSError) as exc:
-                last = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+                last = self._scrub(f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}")
             except (ValueError, KeyError, IndexError, TypeError) as exc:
                 last = f"an answer that is not a chat completion ({type(exc).__name__})"
+        if limited:
+            raise EndpointError(f"{self.url}: rate limited (HTTP 429 to {limited} of {self.retries + 1} attempts, each "
+                                f"retried after the server's Retry-After, at most max_retry_wait={self.max_retry_wait:g} "
+                                "s); lower max_concurrency, or raise retries / max_retry_wait")
         raise EndpointError(f"{self.url}: no answer after {self.retries + 1} attempts (last: {last}); check that the "
                             "server is up, or raise timeout / retries")
 
     def answers(self, texts: list[str]) -> list[str]:
+        if self.stop_at == float("inf"):
+            self.stop_at = time.monotonic() + self.deadline
         with ThreadPoolExecutor(max_workers=self.max_concurrency) as pool:
             return list(pool.map(self.ask, texts))
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds a Retry-After header asks for (delta-seconds or an HTTP date; RFC 9110 sec. 10.2.3), None if absent or
+    unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        from email.utils import parsedate_to_datetime
+
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
 
 
 class JudgeCache:
@@ -237,7 +288,7 @@ def build_pairwise(ctx, settings: PairwiseJudge) -> PairwiseLLMJudge:
     if settings.base_url:
         backend: Backend = EndpointBackend(settings.base_url, settings.model, settings.key_env,
                                            settings.max_new_tokens, settings.timeout, settings.retries,
-                                           settings.max_concurrency)
+                                           settings.max_concurrency, settings.max_retry_wait, settings.deadline)
     else:
         from align.core.packaged import SCHEME, resolve
         from align.modeling.models import load_tokenizer

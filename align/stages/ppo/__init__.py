@@ -23,7 +23,7 @@ import torch
 
 from align.config.ppo import PPOStage
 from align.stages.rows import load_rows, unique_prompts
-from align.modeling.engines import HFEngine, RolloutEngine, logprob_gap, make_engine
+from align.modeling.engines import HFEngine, RolloutEngine, check_gap, logprob_gap, make_engine, nan_max
 from align.modeling.generation import Rollout, response_logprobs
 from align.core.judges import judge_weights
 from align.data.lengths import DROPS_LONG_PROMPTS, enforce
@@ -214,6 +214,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 gap = None
                 if r.engine_logprobs is not None:  # what the engine sampled with vs what PPO optimises (same tokens)
                     gap = logprob_gap(r.engine_logprobs, logprobs, rmask)
+                    check_gap(gap["max"], cfg.generation.max_logprob_gap,
+                              f"stage '{ctx.name}' iteration {it + 1} (after a weight sync of {t_sync:.2f} s)",
+                              getattr(engine, "log_path", None))
                 # 4. per-token rewards: -beta * KL, plus the score on the last response token
                 kl = kl_estimate(logprobs, ref_logprobs, cfg.kl.estimator) * rmask
                 last = (rmask.sum(1) - 1).clamp(min=0).long()
@@ -287,7 +290,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         ctx.publish("model", write)
         out = summarise(cfg, history, kl_ctl, start)
         if gaps:
-            out["rollout/logprob_gap_max"] = max(gaps)
+            out["rollout/logprob_gap_max"] = nan_max(gaps)
             out["perf/sync_seconds"] = sum(engine.sync_seconds) / max(1, len(engine.sync_seconds))
         return out
 

@@ -1,0 +1,149 @@
+"""An OpenAI-compatible endpoint judge against servers that misbehave the way real ones do (in-process HTTP servers on
+127.0.0.1): a body trickled byte by byte cannot hold a request past its timeout; 429 with Retry-After is waited out
+(within max_retry_wait) and, when it never ends, said to be rate limiting; the whole judging has a deadline; a key
+with a trailing CR is refused naming its variable, never its value; `align validate` refuses a model the endpoint
+does not serve and a base_url that already names an endpoint path."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+KEY = "sk-test-0123456789abcdef"
+ANSWER = {"object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "A"}}]}
+
+
+def serve(behaviour):
+    """A server whose POST handler is `behaviour(handler, state)`; GET /v1/models lists `judge`."""
+    state = {"posts": 0, "times": []}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            body = json.dumps({"object": "list", "data": [{"id": "judge", "object": "model"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            state["posts"] += 1
+            state["times"].append(time.monotonic())
+            behaviour(self, state)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, state, f"http://127.0.0.1:{server.server_address[1]}/v1"
+
+
+def send(handler, code: int, body: dict, headers: dict | None = None) -> None:
+    data = json.dumps(body).encode()
+    handler.send_response(code)
+    for k, v in (headers or {}).items():
+        handler.send_header(k, v)
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
+def backend(url: str, **kw):
+    from align.stages.pairwise import EndpointBackend
+
+    args = dict(model="judge", key_env=None, max_new_tokens=4, timeout=2.0, retries=1, max_concurrency=2)
+    return EndpointBackend(url, **{**args, **kw})
+
+
+def test_a_trickled_answer_cannot_hold_a_request_past_its_timeout():
+    def trickle(h, state):
+        h.send_response(200)
+        h.send_header("Content-Length", "1000")
+        h.end_headers()
+        try:
+            for _ in range(60):  # 1 byte every 0.25 s: each read returns before the socket timeout
+                h.wfile.write(b" ")
+                h.wfile.flush()
+                time.sleep(0.25)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    server, state, url = serve(trickle)
+    from align.stages.pairwise import EndpointError
+
+    t0 = time.monotonic()
+    with pytest.raises(EndpointError, match=r"no answer after 2 attempts \(last: TimeoutError: the answer took longer "
+                                            r"than timeout=1 s"):
+        backend(url, timeout=1.0).ask("judge this")
+    assert time.monotonic() - t0 < 6  # two attempts of ~1 s and a back-off, not 15 s of trickle each
+    server.shutdown()
+
+
+def test_429_with_retry_after_is_waited_out_and_named_when_it_never_ends():
+    def limited_once(h, state):
+        if state["posts"] == 1:
+            return send(h, 429, {"error": "slow down"}, {"Retry-After": "2"})
+        send(h, 200, ANSWER)
+
+    server, state, url = serve(limited_once)
+    assert backend(url).ask("judge this") == "A"
+    assert state["posts"] == 2 and state["times"][1] - state["times"][0] >= 1.9  # the server's 2 s, not 0.5 s
+    server.shutdown()
+
+    server, state, url = serve(lambda h, s: send(h, 429, {"error": "slow down"}, {"Retry-After": "600"}))
+    from align.stages.pairwise import EndpointError
+
+    t0 = time.monotonic()
+    with pytest.raises(EndpointError, match=r"rate limited \(HTTP 429 to 3 of 3 attempts.*max_retry_wait=1 s\); lower "
+                                            r"max_concurrency"):
+        backend(url, retries=2, max_retry_wait=1.0).ask("judge this")
+    assert 1.9 <= time.monotonic() - t0 < 5  # two waits of max_retry_wait, not 600 s
+    server.shutdown()
+
+
+def test_the_whole_judging_has_a_deadline():
+    def slow(h, state):
+        time.sleep(0.6)
+        send(h, 200, ANSWER)
+
+    server, state, url = serve(slow)
+    from align.stages.pairwise import EndpointError
+
+    b = backend(url, max_concurrency=1, deadline=1.0)
+    with pytest.raises(EndpointError, match=r"the judging took longer than deadline=1 s"):
+        b.answers(["q"] * 10)
+    assert state["posts"] < 10
+    server.shutdown()
+
+
+def test_a_key_with_a_carriage_return_is_refused_without_its_value(monkeypatch):
+    from align.config.common import PairwiseJudge
+    from align.stages.pairwise import EndpointError
+
+    monkeypatch.setenv("JUDGE_KEY", KEY + "\r")
+    with pytest.raises(EndpointError) as err:
+        backend("http://127.0.0.1:9/v1", key_env="JUDGE_KEY")
+    assert "JUDGE_KEY holds whitespace or control characters" in str(err.value) and KEY not in str(err.value)
+    with pytest.raises(ValueError) as err:
+        PairwiseJudge(name="j", model="judge", base_url="http://127.0.0.1:9/v1", key_env="JUDGE_KEY").check("pairwise[0]", None)
+    assert "pairwise[0].key_env: the value of JUDGE_KEY holds whitespace" in str(err.value) and KEY not in str(err.value)
+
+
+def test_validate_refuses_a_model_the_endpoint_does_not_serve_and_an_endpoint_path(monkeypatch):
+    from align.config.common import PairwiseJudge
+
+    server, _, url = serve(lambda h, s: send(h, 200, ANSWER))
+    PairwiseJudge(name="j", model="judge", base_url=url).check("pairwise[0]", None)  # served: fine
+    with pytest.raises(ValueError, match=r"pairwise\[0\].base_url: .*: it serves no model 'gpt-judge' \(its /models "
+                                         r"lists 'judge'\); set model to one of them"):
+        PairwiseJudge(name="j", model="gpt-judge", base_url=url).check("pairwise[0]", None)
+    with pytest.raises(ValueError, match=rf"names an endpoint path; give the API's root \(align adds /chat/completions\): "
+                                         rf"base_url: {url}$"):
+        PairwiseJudge(name="j", model="judge", base_url=url + "/chat/completions").check("pairwise[0]", None)
+    server.shutdown()

@@ -1,0 +1,88 @@
+"""The rollout engine's guards that need no vLLM: the log-prob gap check, a NaN-safe maximum, a read-only or full
+/dev/shm found before an engine starts or a sync writes, and a dead engine named (pid, log) instead of a bare EPIPE."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from align.core.engine_env import EngineError
+from align.modeling import vllm_engine
+from align.modeling.engines import check_gap, nan_max
+
+
+def test_nan_max_never_hides_a_nan_wherever_it_falls():
+    assert nan_max([0.1, 0.3, 0.2]) == 0.3
+    # Python's max() answers 0.3 for the first and nan for the second: position decides, which must not.
+    assert math.isnan(nan_max([float("nan"), 0.3]))
+    assert math.isnan(nan_max([0.3, float("nan")]))
+
+
+def test_the_gap_check_passes_a_small_gap_and_stops_a_large_or_broken_one(tmp_path):
+    log = tmp_path / "engine.log"
+    check_gap(0.4, 1.0, "iteration 3", log)
+    check_gap(1.0, 1.0, "iteration 3", log)  # the bound itself is allowed
+    with pytest.raises(EngineError) as err:
+        check_gap(7.5, 1.0, "iteration 3", log)
+    msg = str(err.value)
+    assert "iteration 3" in msg and "7.5" in msg and "generation.max_logprob_gap=1" in msg and str(log) in msg
+    with pytest.raises(EngineError, match="nan"):
+        check_gap(float("nan"), 1.0, "iteration 4", log)
+    with pytest.raises(EngineError, match="inf"):
+        check_gap(float("inf"), 100.0, "iteration 5", log)
+
+
+def test_a_sync_that_will_not_fit_names_the_space_and_the_fix(tmp_path, monkeypatch):
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(vllm_engine.shutil, "disk_usage", lambda d: Usage(2 ** 30, 2 ** 30 - 64 * 2 ** 20, 64 * 2 ** 20))
+    assert vllm_engine.sync_space_problem(str(tmp_path), 10 * 2 ** 20) is None
+    problem = vllm_engine.sync_space_problem("/dev/shm/align-vllm-x", 16 * 2 ** 30)
+    assert "16.00 GiB" in problem and "64.0 MiB" in problem and "/dev/shm" in problem
+    assert "--shm-size=25g" in problem and "ALIGN_SYNC_DIR" in problem
+    problem = vllm_engine.sync_space_problem(str(tmp_path), 100 * 2 ** 20)
+    assert str(tmp_path) in problem
+
+
+def test_the_sync_directory_is_chosen_by_the_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv("ALIGN_SYNC_DIR", str(tmp_path))
+    assert vllm_engine.shm_dir() == str(tmp_path)
+    monkeypatch.delenv("ALIGN_SYNC_DIR")
+    assert vllm_engine.shm_dir() != str(tmp_path)
+
+
+def test_a_read_only_dev_shm_is_refused_before_any_process_starts(monkeypatch):
+    real = os.access
+    monkeypatch.setattr(vllm_engine.os.path, "isdir", lambda p: True if p == "/dev/shm" else os.path.isdir(p))
+    monkeypatch.setattr(vllm_engine.os, "access", lambda p, mode: False if p == "/dev/shm" else real(p, mode))
+    problem = vllm_engine.shm_problem()
+    assert "read-only" in problem and "--shm-size" in problem and "engine: hf" in problem
+    started = []
+    monkeypatch.setattr(vllm_engine.subprocess, "Popen", lambda *a, **k: started.append(a))
+    with pytest.raises(EngineError, match="read-only"):
+        vllm_engine.VLLMEngine("model", tokenizer=None, python=sys.executable)
+    assert started == []
+
+
+class _GoneConn:
+    def send(self, msg):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_an_engine_that_died_between_calls_is_named_with_its_pid_and_log(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", "print('engine: out of memory')"], stdout=subprocess.DEVNULL)
+    proc.wait()
+    log = tmp_path / "engine.log"
+    log.write_text("starting\nCUDA error: out of memory\n")
+    engine = object.__new__(vllm_engine.VLLMEngine)  # its transport only: no process of vLLM's is started
+    engine.conn, engine.broken, engine.proc, engine.log_path = _GoneConn(), None, proc, Path(log)
+    with pytest.raises(EngineError) as err:
+        engine._call({"op": "generate"}, "generate batch 2", 5)
+    msg = str(err.value)
+    assert f"pid {proc.pid}" in msg and "BrokenPipeError" in msg and "generate batch 2" in msg
+    assert str(log) in msg and "CUDA error: out of memory" in msg
