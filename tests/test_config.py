@@ -154,3 +154,28 @@ def test_launch_command_for_one_node_of_a_multi_node_job(tmp_path):
                                                                 "--node-rank 2"), (MultiNode(nodes=0), "--nodes 0")):
         with pytest.raises(PipelineError, match=match):
             bad.check()
+
+
+def test_a_kl_penalty_the_controller_can_never_move_is_refused():
+    raw = _raw()
+    raw["stages"]["ppo"]["kl"] = {"coef": 0, "adaptive": True}
+    with pytest.raises(PipelineError, match=r"kl.coef: 0 with kl.adaptive: true.*never leaves 0.*kl.adaptive: false"):
+        validate(_parse(raw), REPO / "pipelines" / "default.yaml", verbose=False)
+    raw["stages"]["ppo"]["kl"] = {"coef": 0, "adaptive": False}  # no KL penalty at all: allowed, and said so by name
+    assert validate(_parse(raw), REPO / "pipelines" / "default.yaml", verbose=False)
+
+
+def test_seeds_are_bounded_where_numpy_and_vllm_take_them():
+    for override in ("seed=4294967296", "dpo.seed=2147483648"):
+        with pytest.raises(ConfigError, match=r"seed.*a seed below 2\*\*31"):
+            _parse(apply_overrides(_raw(), [override]))
+    assert _parse(apply_overrides(_raw(), ["seed=2147483647"])).seed == 2 ** 31 - 1
+
+
+def test_an_override_of_a_dotted_stage_name_states_the_naming_rule():
+    raw = _raw()
+    raw["stages"]["sft.v2"] = raw["stages"].pop("sft")
+    with pytest.raises(ConfigError, match=r"override 'sft.v2.epochs=1': the stage name 'sft.v2' holds a dot.*`sft_v2`"):
+        apply_overrides(raw, ["sft.v2.epochs=1"])
+    with pytest.raises(ConfigError, match=r"stages.sft.v2: a stage name is a plain identifier"):
+        _parse(raw)

@@ -86,3 +86,26 @@ def test_an_engine_that_died_between_calls_is_named_with_its_pid_and_log(tmp_pat
     msg = str(err.value)
     assert f"pid {proc.pid}" in msg and "BrokenPipeError" in msg and "generate batch 2" in msg
     assert str(log) in msg and "CUDA error: out of memory" in msg
+
+
+def test_a_head_size_vllms_cpu_attention_lacks_is_named_before_the_engine_starts(monkeypatch):
+    from align.core import engine_env
+
+    monkeypatch.setattr(engine_env, "has_gpu", lambda: False)
+    problem = engine_env.head_size_problem(48, "stages.ppo.generation.engine")
+    assert "stages.ppo.generation.engine" in problem and "is 48" in problem and "64, 80" in problem
+    assert engine_env.head_size_problem(64, "x") is None and engine_env.head_size_problem(None, "x") is None
+    monkeypatch.setattr(engine_env, "has_gpu", lambda: True)  # the GPU backends are not the CPU one
+    assert engine_env.head_size_problem(48, "x") is None
+
+
+def test_validate_reads_the_head_size_from_the_pipelines_model(monkeypatch):
+    import yaml
+
+    from align.config import parse_pipeline
+    from align.orchestrator.validate import _head_dim
+
+    root = Path(__file__).resolve().parent.parent
+    raw = yaml.safe_load((root / "pipelines" / "default.yaml").read_text())
+    raw["builtin"] = {**raw.get("builtin", {}), "hidden_size": 96, "num_heads": 2}
+    assert _head_dim(parse_pipeline(raw, "pipelines/default.yaml"), "pipelines/default.yaml") == 48

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, align_cmd, run_align
+from conftest import REPO, align_cmd, complete_checkpoints, run_align
 
 CARD = str(REPO / "data_cards" / "movie_review_snippets.yaml")
 PIPELINE = {  # sft, long enough to be interrupted mid-training; a second one-process stage makes the run start
@@ -220,7 +220,7 @@ def test_sigterm_stops_a_stage_as_ctrl_c_does_and_the_next_run_resumes(tmp_path)
     proc = subprocess.Popen(align_cmd("run", "faults.yaml"), cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        _wait_for(lambda: _training(run_dir / "sft"), 120, "sft to log its first metrics")
+        _wait_for(lambda: complete_checkpoints(run_dir / "sft" / "checkpoints"), 180, "sft's first checkpoint")
         os.kill(proc.pid, signal.SIGTERM)  # the runner only: it must pass it on
         out, err = _finish(proc, 120, "after SIGTERM", run_dir / "sft")
     finally:
@@ -231,6 +231,31 @@ def test_sigterm_stops_a_stage_as_ctrl_c_does_and_the_next_run_resumes(tmp_path)
     assert "stopped by SIGTERM during stage 1/2 'sft'" in err and "Resume with: align run faults.yaml" in err, err
     manifest = json.loads((run_dir / "sft" / "manifest.json").read_text())
     assert manifest["status"] == "interrupted" and "SIGTERM" in manifest["error"], manifest.get("error")
-    again = run_align("run", "faults.yaml", cwd=tmp_path)
-    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    kept = complete_checkpoints(run_dir / "sft" / "checkpoints")
+    assert kept, "SIGTERM lost the stage's checkpoints"
+    again = subprocess.Popen(align_cmd("run", "faults.yaml"), cwd=tmp_path, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:  # (the stage trains for 100000 steps: it is stopped once it has resumed)
+        _wait_for(lambda: "resuming from" in (run_dir / "sft" / "stage.log").read_text(errors="replace"), 180,
+                  "the second run to resume")
+    finally:
+        os.killpg(again.pid, signal.SIGKILL)
+        again.wait()
+    log = (run_dir / "sft" / "stage.log").read_text(errors="replace")
+    assert f"(step {kept[-1]})" in log.split("resuming from")[-1].splitlines()[0], log[-2000:]
     assert json.loads((run_dir / "sft" / "manifest.json").read_text())["attempts"] == 2
+
+
+def test_a_save_that_filled_the_disk_inside_a_library_is_one_line_naming_the_directory(tmp_path):
+    """torch.save and safetensors report a full disk as a RuntimeError (no OSError, no path): the stage says where,
+    how much is free, and the fix; any other error is left to the traceback in the manifest."""
+    from align.stages.context import write_failure
+
+    torch_full = RuntimeError("[enforce fail at inline_container.cc:603] . PytorchStreamWriter failed writing file "
+                              "data/3: file write failed")
+    message = write_failure(torch_full, tmp_path)
+    assert message.startswith(f"{tmp_path}: a save failed (RuntimeError: [enforce fail")
+    assert "GiB free there now" in message and "save_total_limit" in message and "resumes" in message
+    assert write_failure(RuntimeError("Error while serializing: IoError(No space left on device)"), tmp_path)
+    assert write_failure(RuntimeError("CUDA out of memory"), tmp_path) is None
+    assert write_failure(OSError(28, "No space left on device"), tmp_path) is None  # an OSError names its own path

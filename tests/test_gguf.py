@@ -83,3 +83,56 @@ def test_align_model_converts_the_gguf_file_in_an_empty_cache(gguf_path, tmp_pat
     assert fresh.keys() == cached.keys() and all(torch.equal(fresh[k], cached[k]) for k in fresh)
     assert AutoTokenizer.from_pretrained(target).chat_template == AutoTokenizer.from_pretrained(
         packaged.hf_dir("smollm2")).chat_template
+
+
+def test_a_damaged_cache_is_refused_by_name_and_repaired_by_align_model(gguf_path, tmp_path, monkeypatch):
+    """A conversion is complete only with its record of sizes; a truncated file (a full disk, a killed copy) is named
+    and the stage never loads it; `align model` converts again from the intact .gguf, and fetches a damaged .gguf
+    again instead of reusing it."""
+    import shutil
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("ALIGN_CACHE", str(cache))
+    shutil.copytree(gguf_path.parent, cache / "models" / "smollm2",
+                    ignore=shutil.ignore_patterns("*.safetensors"))
+    hf = packaged.hf_dir("smollm2")
+    (hf / "model.safetensors").write_bytes(b"\0" * 1000)  # the conversion cut short by a full disk
+    assert packaged.damage("smollm2") is not None and str(hf / "model.safetensors") in packaged.damage("smollm2")
+    with pytest.raises(packaged.PackagedError, match=r"the cache is damaged .*model.safetensors is 1000 bytes.*align model smollm2"):
+        packaged.resolve("packaged:smollm2")
+    calls = []
+    monkeypatch.setattr(packaged, "_convert", lambda entry, gguf, target, log: calls.append(gguf))
+    monkeypatch.setattr(packaged, "_download", lambda entry, target, log: calls.append("download"))
+    packaged.fetch("smollm2", log=lambda msg: None)
+    assert calls == [packaged.gguf_file("smollm2")]  # converted again; the intact .gguf kept
+    (hf / packaged.CONVERTED).unlink()
+    assert "no record of a finished conversion" in packaged.damage("smollm2")
+    gguf = packaged.gguf_file("smollm2")
+    gguf.write_bytes(gguf.read_bytes()[: 1 << 20])  # a truncated .gguf: refused by size, fetched again
+    assert "truncated or replaced" in packaged.damage("smollm2")
+    calls.clear()
+    packaged.fetch("smollm2", log=lambda msg: None)
+    assert calls == ["download", gguf] and not gguf.exists()  # (the stand-in download wrote nothing)
+
+
+def test_a_gguf_with_tensors_no_loader_dequantises_is_refused_at_validation(tmp_path):
+    """Q8_K has no dequantiser (transformers' GGUF loader would end in a traceback after the run started)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+
+    from align.core import gguf
+
+    path = tmp_path / "tiny.Q8_K.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_context_length(64)
+    writer.add_embedding_length(256)
+    _, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_K]
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros(size, dtype=np.uint8), raw_shape=(1, size),
+                      raw_dtype=GGMLQuantizationType.Q8_K)
+    writer.add_tensor("token_embd.weight", np.zeros((2, 256), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(gguf.GGUFError, match=r"tiny.Q8_K.gguf: holds tensors .* 1 Q8_K tensors \(blk.0.attn_q.weight\)"):
+        gguf.config_of(path)

@@ -88,6 +88,9 @@ def validate(capsys, *args: str) -> None:
     ("evaluate.reward=dpo", ["stages.evaluate.reward", "needs a reward model", "use reward"]),
     ("sft.epochs=[1", ["sft.epochs=[1", "not valid YAML"]),
     ("ppo.kl.coef=-1", ["stages.ppo.kl.coef", "-1.0", ">= 0"]),
+    ("ppo.kl.coef=0", ["stages.ppo", "kl.coef: 0 with kl.adaptive: true", "never leaves 0", "kl.adaptive: false"]),
+    ("seed=4294967296", ["seed", "4294967296", "a seed below 2**31"]),
+    ("dpo.seed=2147483648", ["stages.dpo.seed", "2147483648", "a seed below 2**31"]),
     ("evaluate.generation.max_new_tokens=0", ["stages.evaluate.generation.max_new_tokens", ">= 1"]),
     ("evaluate.bootstrap_samples=0", ["stages.evaluate.bootstrap_samples", ">= 100"]),
     ("dtype=int8", ["dtype", "'int8'", "float32, bfloat16, float16"]),
@@ -248,7 +251,7 @@ def _case_every_prompt_empty(root):
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": " " * (i % 2)}) + "\n" for i in range(40)))
     card = _card(root, "prompts.yaml", "jsonl", "prompts.jsonl", "prompt")
     write_pipeline(root, lambda r: r["stages"]["preferences"].update(prompts=card))
-    return ["hostile.yaml"], ["stages.preferences.prompts", "prompts.yaml", "is empty"]
+    return ["hostile.yaml"], ["prompts.yaml", "40 rows (0, 1, 2", "no visible text in 'prompt'", "40 of 40 rows"]
 
 
 def _case_stage_is_a_list(root):
@@ -261,11 +264,12 @@ def _case_pairs_empty_or_only_whitespace_apart(root):
     rows[3]["chosen"] = ""
     rows[7]["rejected"] = "   "
     rows[11].update(chosen=" so  good", rejected="so good\n")
+    rows[15].update(chosen=" good\u200b", rejected="\ufeffgood")  # zero-width space, a BOM: invisible
     (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     card = _card(root, "pairs.yaml", "jsonl", "pairs.jsonl", "preference")
     write_pipeline(root, lambda r: _with_dpo(r, card))
-    return ["hostile.yaml"], ["pairs.yaml", "2 rows (3, 7) with an empty 'chosen' or 'rejected'",
-                              "1 row (11) whose 'chosen' and 'rejected' differ at most in whitespace"]
+    return ["hostile.yaml"], ["pairs.yaml", "2 rows (3, 7) with no visible text in 'chosen' or 'rejected'",
+                              "2 rows (11, 15) whose 'chosen' and 'rejected' differ at most in whitespace or invisible characters"]
 
 
 def _case_chat_rows_without_an_assistant_turn(root):
@@ -276,7 +280,7 @@ def _case_chat_rows_without_an_assistant_turn(root):
     (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     card = _card(root, "chat.yaml", "jsonl", "chat.jsonl", "messages")
     write_pipeline(root, lambda r: r["stages"]["sft"].update(data=card))
-    return ["hostile.yaml"], ["chat.yaml", "2 rows (5, 9) with no assistant turn with text"]
+    return ["hostile.yaml"], ["chat.yaml", "2 rows (5, 9) with no assistant turn with visible text"]
 
 
 def _case_transform_drops_every_row(root):
@@ -606,3 +610,19 @@ def test_report_on_a_copied_run_reads_and_writes_only_the_copy(shared, tmp_path)
     assert snapshot(shared["run"]) == original
     assert (elsewhere / "report" / "metrics.json").stat().st_mtime_ns > old
     assert json.loads((elsewhere / "pipeline.json").read_text())["run_id"] == "copy-of-main"
+
+
+def test_status_reads_a_hand_edited_run_directory_as_it_is(shared, tmp_path):
+    """A manifest edited to list no outputs is not a completed stage; a pipeline.json of another shape is one line."""
+    from align.orchestrator.plan import PipelineError
+    from align.orchestrator.status import status_table
+
+    _, run = _copy(shared, tmp_path)
+    manifest = json.loads((run / "sft" / "manifest.json").read_text())
+    assert "| sft | sft | completed |" in status_table(run)
+    manifest.pop("outputs")
+    (run / "sft" / "manifest.json").write_text(json.dumps(manifest))
+    assert "| sft | sft | completed, output missing |" in status_table(run)
+    (run / "pipeline.json").write_text(json.dumps({"stages": {"sft": {"type": "sft"}}}))
+    with pytest.raises(PipelineError, match=r"pipeline.json: not a pipeline manifest.*rerun `align run`"):
+        status_table(run)

@@ -60,8 +60,13 @@ def test_the_unpaired_form_is_declared_by_the_stage_and_checked(tmp_path):
     assert loaded.rows and all(isinstance(r["label"], bool) for r in loaded.rows)
     with pytest.raises(DataCardError, match=r"row 3: field 'label' must be true or false, got 'yes'"):
         load_split(card(rows[:3] + [dict(rows[3], label="yes")] + rows[4:]), "train")
-    with pytest.raises(DataCardError, match=r"1 row \(5\) with an empty 'completion'"):
+    with pytest.raises(DataCardError, match=r"1 row \(5\) with no visible text in 'completion'"):
         load_split(card(rows[:5] + [dict(rows[5], completion="  ")] + rows[6:]), "train")
+    conflict = rows + [dict(rows[0], label=not rows[0]["label"])]  # row 20 says row 0's completion is the wrong one
+    with pytest.raises(DataCardError, match=r"2 rows \(0, 20\) whose prompt and completion appear labelled both"):
+        load_split(card(conflict), "train")
+    with pytest.raises(DataCardError, match=r"10 rows .* in data with no undesirable \(label: false\) row at all"):
+        load_split(card([r for r in rows if r["label"]]), "train")
 
 
 def test_validate_refuses_a_card_kto_cannot_learn_from(workdir):

@@ -260,7 +260,7 @@ def test_preferences_labelled_by_a_pairwise_judge_keep_only_its_consistent_verdi
     server = Server("", workdir, rule="longer")
     template = workdir / "marked_judge.txt"
     template.write_text((REPO / "tests" / "servers" / "marked_judge.txt").read_text())
-    judge = json.dumps({"name": "longer", "model": "rule", "base_url": server.url, "template": str(template)})
+    judge = json.dumps({"name": "longer", "model": "judge", "base_url": server.url, "template": str(template)})
     common = ["run", "pipelines/default.yaml", "tracking.wandb=disabled", *TINY, "preferences.max_prompts=16",
               f"preferences.pairwise={judge}"]
     try:

@@ -89,7 +89,8 @@ class PipelineConfig:
     attn_implementation: str = one_of("auto", *ATTN_IMPLEMENTATIONS)
     """Attention kernel of every model loaded: auto (transformers' choice, SDPA where supported) | eager | sdpa |
     flash_attention_2 | flash_attention_3 | flex_attention."""
-    seed: int = ranged(17, ge=0)
+    seed: int = ranged(17, ge=0, le=2 ** 31 - 1, fix="a seed below 2**31 (stages add ranks and batch offsets; numpy "
+                       "and vLLM take 32-bit seeds)")
     """Default seed of every stage."""
     run_id: str = name_field("main")
     """Run directory name; re-running with the same id skips completed stages by fingerprint."""
@@ -114,7 +115,13 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             raise ConfigError(f"override '{item}': expected dotted.key=value, e.g. dpo.beta=0.2")
         key, text = item.split("=", 1)
         parts = key.strip().split(".")
-        if parts[0] in (raw.get("stages") or {}):
+        stages = raw.get("stages") if isinstance(raw.get("stages"), dict) else {}
+        dotted = [n for n in stages if isinstance(n, str) and "." in n and key.strip().startswith(n + ".")]
+        if dotted and parts[0] not in stages:
+            raise ConfigError(f"override '{item}': the stage name '{dotted[0]}' holds a dot, so no override can reach "
+                              "it; a stage name is a plain identifier (letters, digits, _ and -, starting with a "
+                              f"letter): rename it, e.g. `{dotted[0].replace('.', '_')}`")
+        if parts[0] in stages:
             stage_paths.append((parts[0], parts[1:], item))
             parts = ["stages", *parts]
         node = raw

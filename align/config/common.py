@@ -443,7 +443,8 @@ class StageBase:
     """Accelerate config: a name under pipelines/accelerate/ (cpu, ddp, zero2, zero3, ...) or a path."""
     num_processes: int | None = ranged(None, ge=1, fix="use null for the accelerate config's own value")
     """Processes for `accelerate launch` (default: the accelerate config's own value)."""
-    seed: int | None = ranged(None, ge=0)
+    seed: int | None = ranged(None, ge=0, le=2 ** 31 - 1, fix="a seed below 2**31 (stages add ranks and batch "
+                              "offsets; numpy and vLLM take 32-bit seeds), or null for the pipeline's")
     """Seed for this stage (default: the pipeline seed)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

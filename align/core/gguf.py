@@ -61,7 +61,7 @@ def _read_metadata(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
         reader = GGUFReader(str(path), "r")
     except (OSError, ValueError, KeyError, IndexError) as exc:
         raise GGUFError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc}); download it again") from None
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {UNREADABLE: _undequantisable(reader)}
     for name, fld in reader.fields.items():
         if name in SKIPPED:
             continue
@@ -72,9 +72,35 @@ def _read_metadata(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
     return out
 
 
+UNREADABLE = "align.undequantisable_tensors"
+"""(In what read_metadata returns) tensor type -> the names of tensors of that type no loader here dequantises."""
+
+
+def _undequantisable(reader) -> dict[str, list[str]]:
+    """Tensors whose quantisation type the gguf package cannot dequantise (transformers' GGUF loader calls its
+    `dequantize`: F32, F16 and the types with a numpy implementation; e.g. Q8_K has none)."""
+    from gguf import GGMLQuantizationType as T
+    from gguf import quants
+
+    known = {T.F32, T.F16, *getattr(quants, "_type_traits", {})}
+    out: dict[str, list[str]] = {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in known:
+            out.setdefault(getattr(tensor.tensor_type, "name", str(tensor.tensor_type)), []).append(tensor.name)
+    return out
+
+
 def config_of(path: str | Path) -> dict[str, Any]:
-    """The parts of a config.json that validation and `align estimate` read, from the GGUF metadata."""
+    """The parts of a config.json that validation and `align estimate` read, from the GGUF metadata; a file with
+    tensors no loader here can dequantise is refused, naming them."""
     meta = read_metadata(str(path))
+    bad = meta.get(UNREADABLE) or {}
+    if bad:
+        kinds = "; ".join(f"{len(names)} {kind} tensors ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+                          for kind, names in bad.items())
+        raise GGUFError(f"{path}: holds tensors of a quantisation type that cannot be dequantised here: {kinds}. "
+                        "Use a GGUF file quantised as F16, BF16, Q8_0, Q4_K_M or another type with a dequantiser "
+                        "(the gguf package's quants module), or the model's Hugging Face directory")
     arch = meta.get("general.architecture")
     if not isinstance(arch, str):
         raise GGUFError(f"{path}: its metadata names no `general.architecture`; it is not a model checkpoint")

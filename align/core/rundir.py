@@ -147,11 +147,16 @@ def write_manifest(stage_dir: str | Path, manifest: Manifest) -> None:
 
 
 def is_complete(stage_dir: str | Path, fingerprint: str | None = None) -> bool:
-    """A stage is done when its manifest says completed (with this fingerprint) and its outputs exist."""
+    """A stage is done when its manifest says completed (with this fingerprint) and lists the outputs it published
+    (every stage type publishes one at least: a manifest edited to "completed" without them is not done), and they
+    exist."""
     m = read_manifest(stage_dir)
     if not m or m.get("status") != "completed" or (fingerprint and m.get("fingerprint") != fingerprint):
         return False
-    return all((Path(stage_dir) / out).exists() for out in m.get("outputs", []))
+    outputs = m.get("outputs")
+    if not outputs or not isinstance(outputs, list) or not all(isinstance(o, str) for o in outputs):
+        return False
+    return all((Path(stage_dir) / out).exists() for out in outputs)
 
 
 def outputs_problem(stage_dir: str | Path, full: bool = False) -> str | None:

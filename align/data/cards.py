@@ -174,7 +174,7 @@ def _read_text(file: Path) -> str:
         except (EOFError, OSError, zlib.error) as exc:  # truncated, or not gzip at all
             raise DataCardError(f"{file}: not a complete gzip file ({exc}); download or copy it again") from None
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a byte-order mark (Excel's CSV, Notepad's UTF-8) is not row 0's text
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
         raise DataCardError(f"{file}: line {line}: bytes that are not UTF-8 at offset {exc.start}; "
@@ -384,8 +384,10 @@ def _split_key(row: dict[str, Any]) -> str:
 
 
 def _json_lines(text: str, where: Path, fix: str) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed object) for every non-blank line; invalid JSON names its line and the fix."""
-    for n, line in enumerate(text.splitlines(), start=1):
+    """(line number, parsed object) for every non-blank line; invalid JSON names its line and the fix. Lines end at
+    \n only (JSON Lines): str.splitlines() would also split inside strings at U+2028, U+0085 or a form feed, which
+    JSON allows raw."""
+    for n, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -398,7 +400,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Rows of a JSONL file that a stage wrote (e.g. preference pairs); a damaged file names its line."""
     rows = []
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         raise DataCardError(f"{path}: cannot be read ({type(exc).__name__}: {exc}); rerun the stage that wrote it")
     for n, row in _json_lines(text, path, "rerun the stage that wrote it"):

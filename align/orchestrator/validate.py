@@ -113,11 +113,23 @@ def _check_engine(plan: StagePlan, cfg: PipelineConfig, source: str) -> None:
         if lora is not None and lora.enabled and not lora.merge:
             raise PipelineError(f"{where}: '{gen.engine}' starts from stage '{ref}''s model/, which holds LoRA adapters "
                                 f"alone; the engine needs whole weights: set stages.{ref}.lora.merge: true")
-    from align.core.engine_env import check_vllm_installed
+    from align.core.engine_env import check_vllm_installed, head_size_problem
 
-    problem = check_vllm_installed(where)
+    problem = check_vllm_installed(where) or head_size_problem(_head_dim(cfg, source), where)
     if problem:
         raise PipelineError(problem)
+
+
+def _head_dim(cfg: PipelineConfig, source: str) -> int | None:
+    """The base model's attention head size, from its config (None when nothing here describes it)."""
+    if is_builtin(cfg.base_model):
+        return cfg.builtin.hidden_size // cfg.builtin.num_heads
+    try:
+        config = base_model_config(cfg, source, resolve_model_paths(cfg, source)) or {}
+    except ConfigError:
+        return None  # named by the model-input checks
+    heads = config.get("num_attention_heads")
+    return config.get("head_dim") or (config["hidden_size"] // heads if heads and config.get("hidden_size") else None)
 
 
 def model_job(cfg: PipelineConfig, plans: list[StagePlan], split_of: SplitLoader, source: str,

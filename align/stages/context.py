@@ -398,9 +398,39 @@ def main(spec_path: str) -> int:
         print(f"align: stage '{spec.get('stage_name', spec_path)}' {'stopped by SIGTERM' if terminated else 'interrupted'}"
               "; its last checkpoint is kept and the next `align run` resumes from it", file=sys.stderr, flush=True)
         return 143 if terminated else 130
+    except Exception as exc:
+        message = write_failure(exc, ctx.dir if ctx else Path(spec_path).parent)
+        if message is None:
+            _record_failure(ctx, spec, f"{type(exc).__name__}: {exc}")
+            raise
+        recorded = _record_failure(ctx, spec, message)
+        print(f"align: error: stage '{spec.get('stage_name', spec_path)}': {message}" + recorded, file=sys.stderr,
+              flush=True)
+        return 2
     except BaseException as exc:
         _record_failure(ctx, spec, f"{type(exc).__name__}: {exc}")
         raise
+
+
+# What a library's writer says when the disk fills under it without raising an OSError (torch.save's zip writer:
+# "PytorchStreamWriter failed writing file ...: file write failed"; safetensors: "No space left on device").
+_WRITE_FAILED = ("file write failed", "No space left on device", "Disk quota exceeded", "failed writing file")
+
+
+def write_failure(exc: BaseException, where: Path) -> str | None:
+    """One line for a write a library failed (a checkpoint or model save on a full disk), naming the directory,
+    its free space and the fix; None for anything else."""
+    text = str(exc)
+    if isinstance(exc, OSError) or not any(s in text for s in _WRITE_FAILED):
+        return None
+    try:
+        free = f"{shutil.disk_usage(where).free / 2 ** 30:.2f} GiB free there now"
+    except OSError:
+        free = "its free space unknown"
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return (f"{where}: a save failed ({type(exc).__name__}: {first[:200]}); {free}. Free space on that filesystem "
+            "(or set runs_dir to one with room, and save_total_limit to keep fewer checkpoints), then run again: "
+            "the stage resumes from its last complete checkpoint")
 
 
 def startup_done() -> None:
