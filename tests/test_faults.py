@@ -249,13 +249,27 @@ def test_sigterm_stops_a_stage_as_ctrl_c_does_and_the_next_run_resumes(tmp_path)
 def test_a_save_that_filled_the_disk_inside_a_library_is_one_line_naming_the_directory(tmp_path):
     """torch.save and safetensors report a full disk as a RuntimeError (no OSError, no path): the stage says where,
     how much is free, and the fix; any other error is left to the traceback in the manifest."""
-    from align.stages.context import write_failure
+    from align.core.fsutil import write_failure
 
     torch_full = RuntimeError("[enforce fail at inline_container.cc:603] . PytorchStreamWriter failed writing file "
                               "data/3: file write failed")
     message = write_failure(torch_full, tmp_path)
     assert message.startswith(f"{tmp_path}: a save failed (RuntimeError: [enforce fail")
-    assert "GiB free there now" in message and "save_total_limit" in message and "resumes" in message
+    assert "GiB free there now" in message and "save_total_limit" in message and "resumes from its last complete checkpoint" in message
     assert write_failure(RuntimeError("Error while serializing: IoError(No space left on device)"), tmp_path)
     assert write_failure(RuntimeError("CUDA out of memory"), tmp_path) is None
     assert write_failure(OSError(28, "No space left on device"), tmp_path) is None  # an OSError names its own path
+
+
+def test_a_full_disk_in_a_helper_process_is_one_line_naming_the_path(tmp_path, monkeypatch):
+    """A conversion into a full cache (`align model`) writes in the helper process: its ENOSPC comes back as a
+    refusal naming the file and the free space, not the helper's traceback."""
+    from align.orchestrator import helper
+
+    target = tmp_path / "hf"
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # where the helper finds its test target
+    with pytest.raises(helper.PipelineError) as err:
+        helper.call("tests_helper_full_disk:save", target=str(target))
+    message = str(err.value)
+    assert message.startswith(f"{target / 'model.safetensors'}: No space left on device while writing (")
+    assert "GiB free there now" in message and "ALIGN_CACHE" in message and "Traceback" not in message

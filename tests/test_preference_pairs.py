@@ -26,3 +26,33 @@ def test_every_pair_that_is_not_a_tie_higher_score_chosen():
         {"prompt": "p", "chosen": "b", "rejected": "a", "score_chosen": 2.0, "score_rejected": 0.0},
         {"prompt": "p", "chosen": "b", "rejected": "a", "score_chosen": 2.0, "score_rejected": 1.0}]
     assert len(all_pairs("p", ["a", "b"], [0.0, 1.0], 0.1)) == 1
+
+
+def test_pairs_that_render_identically_through_the_template_are_dropped_or_refused():
+    """A template that trims replies (Llama-3's `| trim`) makes 'Yes.' and 'Yes. ' one text to the model: the data card
+    compared them as different; the stage that renders them drops a few and counts them, and refuses many."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import pytest
+    from transformers import AutoTokenizer
+
+    from align.stages.context import StageError
+    from align.stages.rows import _rendered
+
+    repo = Path(__file__).resolve().parent.parent
+    tok = AutoTokenizer.from_pretrained(repo / "tokenizers" / "gpt2")
+    tok.chat_template = (repo / "tests" / "chat_templates" / "llama3_1.jinja").read_text()
+    tok.add_special_tokens({"eos_token": "<|eot_id|>", "bos_token": "<|begin_of_text|>"})  # Llama-3's
+    user = [{"role": "user", "content": "Is it on?"}]
+    rows = [{"prompt": user, "chosen": [{"role": "assistant", "content": f"Yes {i}."}],
+             "rejected": [{"role": "assistant", "content": f"No {i}."}]} for i in range(150)]
+    rows[42]["rejected"] = [{"role": "assistant", "content": "  Yes 42.\n"}]  # differs only in what the template trims
+    ctx = SimpleNamespace(name="dpo", extra_manifest={})
+    kept = _rendered(ctx, rows, tok, "pairs split 'train'")
+    assert len(kept) == 149 and all(r["chosen"] != r["rejected"] for r in kept)
+    assert ctx.extra_manifest["dropped_rows"] == {"pairs split 'train': identical after the chat template": 1}
+    rows[7]["rejected"] = [{"role": "assistant", "content": "Yes 7. "}]  # 2 of 150: above 1%
+    with pytest.raises(StageError, match=r"stage 'dpo': pairs split 'train': 2 of 150 pairs \(rows 7, 42\) .*render "
+                                         r"identically through the chat template"):
+        _rendered(SimpleNamespace(name="dpo", extra_manifest={}), rows, tok, "pairs split 'train'")

@@ -260,3 +260,24 @@ def output_problem(root: str | Path, recorded: dict[str, Any] | None, full: bool
 def cache_root() -> Path:
     """align's cache: `$ALIGN_CACHE`, else ~/.cache/align (packaged models, converted GGUF tokenizers)."""
     return Path(os.environ.get("ALIGN_CACHE") or Path.home() / ".cache" / "align")
+
+
+# What a library's writer says when the disk fills under it without raising an OSError (torch.save's zip writer:
+# "PytorchStreamWriter failed writing file ...: file write failed"; safetensors: "No space left on device").
+_WRITE_FAILED = ("file write failed", "No space left on device", "Disk quota exceeded", "failed writing file")
+
+
+def write_failure(exc: BaseException, where: Path) -> str | None:
+    """One line for a write a library failed (a checkpoint or model save on a full disk), naming the directory,
+    its free space and the fix; None for anything else."""
+    text = str(exc)
+    if isinstance(exc, OSError) or not any(s in text for s in _WRITE_FAILED):
+        return None
+    try:
+        free = f"{shutil.disk_usage(where).free / 2 ** 30:.2f} GiB free there now"
+    except OSError:
+        free = "its free space unknown"
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return (f"{where}: a save failed ({type(exc).__name__}: {first[:200]}); {free}. Free space on that filesystem "
+            "(or set runs_dir to one with room, and save_total_limit to keep fewer checkpoints), then run again: "
+            "a stage resumes from its last complete checkpoint")

@@ -15,8 +15,10 @@ first stage: nothing to load at validation).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from align.core.errors import PipelineError
+from align.core.fsutil import write_failure
 
 REFUSED = 2  # exit code of a refusal: the message is in the result file
 
@@ -56,6 +59,23 @@ def call(target: str, /, timeout: float | None = None, helper_stdout: int | None
     raise HelperError(f"{target} failed in its helper process (exit code {proc.returncode}):\n{tail}")
 
 
+def _problem_writing(exc: OSError, where: Path) -> str:
+    path = os.path.abspath(exc.filename) if exc.filename else str(where)
+    try:
+        free = f"{shutil.disk_usage(where if where.exists() else where.parent).free / 2 ** 30:.2f} GiB free there now"
+    except OSError:
+        free = "its free space unknown"
+    return (f"{path}: {exc.strerror} while writing ({free}); free space on that filesystem or point ALIGN_CACHE "
+            "at one with room, then run the command again")
+
+
+def _write_problem(exc: BaseException, where: Path) -> str | None:
+    """One line for a write that failed (the disk full, quota, read-only); None for any other error."""
+    if isinstance(exc, OSError):
+        return _problem_writing(exc, where) if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS) else None
+    return write_failure(exc, where)
+
+
 def _main(argv: list[str]) -> int:
     """In the helper process: import the target, call it with the JSON keyword arguments from stdin."""
     import importlib
@@ -69,6 +89,12 @@ def _main(argv: list[str]) -> int:
     except ValueError as exc:  # PipelineError, ConfigError, EstimateError, ...: a refusal with its message
         out.write_text(json.dumps({"error": str(exc), "type": type(exc).__name__}), encoding="utf-8")
         sys.stdout.flush()
+        return REFUSED
+    except (OSError, RuntimeError) as exc:  # a full disk or a read-only directory while writing: one line, its path
+        message = _write_problem(exc, Path(kwargs.get("target") or os.getcwd()))
+        if message is None:
+            raise
+        out.write_text(json.dumps({"error": message, "type": type(exc).__name__}), encoding="utf-8")
         return REFUSED
     sys.stdout.flush()
     out.write_text(json.dumps({"result": value}), encoding="utf-8")

@@ -30,7 +30,7 @@ from align.core.errors import Terminated, terminate_as_interrupt
 from align.modeling.compute import resolve as resolve_compute
 from align.config import PipelineConfig, StageBase, from_dict, stage_from_dict
 from align.core.console import emit_progress, verbose
-from align.core.fsutil import (atomic_write_text, disk_full, output_digest, publish_dir, staging_dir, staging_path,
+from align.core.fsutil import (write_failure, atomic_write_text, disk_full, output_digest, publish_dir, staging_dir, staging_path,
                           tree_bytes)
 from align.core.rundir import MANIFEST, Manifest, StageSpec, read_manifest, write_manifest
 from align.templates import ChatTemplate
@@ -412,25 +412,6 @@ def main(spec_path: str) -> int:
         raise
 
 
-# What a library's writer says when the disk fills under it without raising an OSError (torch.save's zip writer:
-# "PytorchStreamWriter failed writing file ...: file write failed"; safetensors: "No space left on device").
-_WRITE_FAILED = ("file write failed", "No space left on device", "Disk quota exceeded", "failed writing file")
-
-
-def write_failure(exc: BaseException, where: Path) -> str | None:
-    """One line for a write a library failed (a checkpoint or model save on a full disk), naming the directory,
-    its free space and the fix; None for anything else."""
-    text = str(exc)
-    if isinstance(exc, OSError) or not any(s in text for s in _WRITE_FAILED):
-        return None
-    try:
-        free = f"{shutil.disk_usage(where).free / 2 ** 30:.2f} GiB free there now"
-    except OSError:
-        free = "its free space unknown"
-    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    return (f"{where}: a save failed ({type(exc).__name__}: {first[:200]}); {free}. Free space on that filesystem "
-            "(or set runs_dir to one with room, and save_total_limit to keep fewer checkpoints), then run again: "
-            "the stage resumes from its last complete checkpoint")
 
 
 def startup_done() -> None:
