@@ -10,7 +10,7 @@ from typing import Any
 
 from align.data.cards import load_split, read_jsonl
 from align.data.chat import as_text
-from align.data.formats import FormatError, prompt_key
+from align.data.formats import FormatError, prompt_key, text_of
 from align.stages.context import StageContext, StageError
 
 
@@ -76,7 +76,7 @@ def load_prompts(ctx: StageContext, ref: str, split: str, limit: int | None = No
     for row in load_rows(ctx, ref, split):
         first.setdefault(prompt_key(row["prompt"]), row)
     rows = list(first.values())[:limit] if limit else list(first.values())
-    rows = [r for r in rows if isinstance(r["prompt"], list) or r["prompt"].strip()]
+    rows = [r for r in rows if text_of(r["prompt"])]  # visible text: not whitespace or zero-width characters alone
     if not rows:
         raise StageError(f"stage '{ctx.name}': no non-empty prompts in {ref} split '{split}'")
     if tokenizer is not None:
