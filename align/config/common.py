@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, NamedTuple, Protocol
 
+from align.core.engine_env import ENGINES
 from align.core.judges import JudgeError, check_judges, judge_weights
 from align.data.lengths import LengthRule
 from align.core.schema import ConfigError, name_field, one_of, ranged
@@ -141,7 +142,7 @@ class Generation:
     fast: str = one_of("auto", "auto", "on", "off")
     """Static KV cache (compiled with torch.compile by transformers on a GPU) and prompts padded to a multiple of
     32 tokens: auto = on on a GPU outside ZeRO-3, off on CPU (align/modeling/compute.py). hf engine only."""
-    engine: str = one_of("hf", "hf", "vllm")
+    engine: str = one_of("hf", *ENGINES)
     """What samples: hf (transformers.generate with the stage's own model) or vllm (vLLM in its own process and
     environment, weights synced after every PPO update; align/modeling/vllm_engine.py). vllm needs
     ALIGN_VLLM_PYTHON (./launch.sh --vllm sets up .venv-vllm); `align validate` says so when it is missing."""

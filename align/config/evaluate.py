@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from align.core.engine_env import ENGINES
 from align.config.common import (HeldModel, DATA, POLICY, PROMPTS_ONLY, REPORT, REWARD_MODEL, CheckContext, Generation, PairwiseJudge,
                                  StageBase)
 from align.core.schema import ranged
@@ -15,7 +16,7 @@ from align.core.schema import ranged
 class EvaluateStage(StageBase):
     """Sample held-out prompts from each policy and compare them with judges, KL and win rates."""
 
-    ENGINES: ClassVar[tuple[str, ...]] = ("hf", "vllm")
+    ENGINES: ClassVar[tuple[str, ...]] = ENGINES  # every engine (align/core/engine_env.py)
     ENGINE_MODEL: ClassVar[str] = "reference"  # the engine starts from it; every policy reaches it by a sync
     TYPE: ClassVar[str] = "evaluate"
     PROMPTS: ClassVar[str] = "held_out"

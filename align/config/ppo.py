@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from align.core.engine_env import ENGINES
 from align.config.common import (HeldModel, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, Generation, LoraSettings, StageBase,
                                  response_length_problems)
 from align.core.judges import judge_weights
@@ -42,7 +43,7 @@ class PPOLoraSettings(LoraSettings):
 class PPOStage(StageBase):
     """PPO against a frozen reward model or Python judges, with a KL penalty to the reference (align's own)."""
 
-    ENGINES: ClassVar[tuple[str, ...]] = ("hf", "vllm")
+    ENGINES: ClassVar[tuple[str, ...]] = ENGINES  # every engine (align/core/engine_env.py)
     TYPE: ClassVar[str] = "ppo"
     PROMPTS: ClassVar[str] = "train"
     HEADLINE: ClassVar[tuple[str, ...]] = ("objective/scores_last", "objective/kl_last")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from align.core.engine_env import ENGINES
 from align.config.common import HeldModel, DATA, POLICY, PROMPTS_ONLY, CheckContext, Generation, PairwiseJudge, StageBase
 from align.core.schema import ranged
 
@@ -13,7 +14,7 @@ from align.core.schema import ranged
 class PreferencesStage(StageBase):
     """Sample several completions per prompt from a policy and keep judged (chosen, rejected) pairs."""
 
-    ENGINES: ClassVar[tuple[str, ...]] = ("hf", "vllm")
+    ENGINES: ClassVar[tuple[str, ...]] = ENGINES  # every engine (align/core/engine_env.py)
     TYPE: ClassVar[str] = "preferences"
     PROMPTS: ClassVar[str] = "train"
     HEADLINE: ClassVar[tuple[str, ...]] = ("preferences/pairs_train", "preferences/mean_margin")
