@@ -164,6 +164,22 @@ def _sigint_as_at_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def _stopped_run(cwd: Path, stage_dir: Path, ready, what: str, stop, after: str, wait_s: float = 120,
+                 **popen) -> tuple[subprocess.Popen, str, str]:
+    """`align run faults.yaml` in its own session: once `ready()` holds (`what`), `stop(proc)` sends the signal; the
+    runner's output once it exits. A run still there at the end is killed with its whole group."""
+    proc = subprocess.Popen(align_cmd("run", "faults.yaml"), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, **popen)
+    try:
+        _wait_for(ready, wait_s, what)
+        stop(proc)
+        out, err = _finish(proc, 120, after, stage_dir)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc, out, err
+
+
 def _training(stage_dir: Path) -> bool:
     metrics = stage_dir / "metrics.jsonl"
     return metrics.is_file() and metrics.stat().st_size > 0
@@ -175,16 +191,9 @@ def test_ctrl_c_records_the_stage_as_interrupted_and_a_killed_stage_says_why(tmp
     in its first stage. Then the resumed stage is SIGKILLed, as the OOM killer would: the error says so."""
     (tmp_path / "faults.yaml").write_text(yaml.safe_dump(PIPELINE, sort_keys=False))
     run_dir = tmp_path / "runs" / "faults" / "main"
-    proc = subprocess.Popen(align_cmd("run", "faults.yaml"), cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=_sigint_as_at_a_terminal)
-    try:
-        _wait_for(lambda: _training(run_dir / "sft"), 120, "sft to log its first metrics")
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = _finish(proc, 120, "after Ctrl-C", run_dir / "sft")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    proc, out, err = _stopped_run(tmp_path, run_dir / "sft", lambda: _training(run_dir / "sft"),
+                                  "sft to log its first metrics", lambda p: os.killpg(p.pid, signal.SIGINT),
+                                  "after Ctrl-C", preexec_fn=_sigint_as_at_a_terminal)
     assert proc.returncode == 130, out[-2000:] + err[-2000:]
     assert "Traceback" not in out + err, err[-3000:]
     assert "interrupted during stage 1/2 'sft'" in err and "Resume with: align run faults.yaml" in err, err
@@ -193,18 +202,15 @@ def test_ctrl_c_records_the_stage_as_interrupted_and_a_killed_stage_says_why(tmp
     status = run_align("status", str(run_dir), cwd=tmp_path)
     assert status.returncode == 0 and "| sft | sft | interrupted |" in status.stdout, status.stdout + status.stderr
 
-    proc = subprocess.Popen(align_cmd("run", "faults.yaml"), cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _wait_for(lambda: (json.loads((run_dir / "sft" / "manifest.json").read_text()).get("attempts") == 2
-                           and _training(run_dir / "sft")), 120, "the second attempt to start")
+    def kill_the_stage(_runner) -> None:
         process = json.loads((run_dir / "sft" / "manifest.json").read_text())["process"]
         assert process["start"] == "warm"  # forked from the warm server (align/orchestrator/warm.py): its exit code is read too
         os.kill(process["pid"], signal.SIGKILL)
-        out, err = _finish(proc, 120, "after the stage was killed", run_dir / "sft")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+
+    proc, out, err = _stopped_run(tmp_path, run_dir / "sft",
+                                  lambda: (json.loads((run_dir / "sft" / "manifest.json").read_text()).get("attempts")
+                                           == 2 and _training(run_dir / "sft")),
+                                  "the second attempt to start", kill_the_stage, "after the stage was killed")
     assert proc.returncode == 2 and "Traceback" not in err, err[-3000:]
     assert "SIGKILL: most often the kernel's out-of-memory killer" in err, err[-3000:]
     assert "resume: align run faults.yaml" in err
@@ -217,15 +223,10 @@ def test_sigterm_stops_a_stage_as_ctrl_c_does_and_the_next_run_resumes(tmp_path)
     no traceback; the next run resumes the stage."""
     (tmp_path / "faults.yaml").write_text(yaml.safe_dump(PIPELINE, sort_keys=False))
     run_dir = tmp_path / "runs" / "faults" / "main"
-    proc = subprocess.Popen(align_cmd("run", "faults.yaml"), cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _wait_for(lambda: complete_checkpoints(run_dir / "sft" / "checkpoints"), 180, "sft's first checkpoint")
-        os.kill(proc.pid, signal.SIGTERM)  # the runner only: it must pass it on
-        out, err = _finish(proc, 120, "after SIGTERM", run_dir / "sft")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    proc, out, err = _stopped_run(tmp_path, run_dir / "sft",
+                                  lambda: complete_checkpoints(run_dir / "sft" / "checkpoints"), "sft's first checkpoint",
+                                  lambda p: os.kill(p.pid, signal.SIGTERM),  # the runner only: it must pass it on
+                                  "after SIGTERM", wait_s=180)
     assert proc.returncode == 143, out[-2000:] + err[-2000:]
     assert "Traceback" not in out + err, err[-3000:]
     assert "stopped by SIGTERM during stage 1/2 'sft'" in err and "Resume with: align run faults.yaml" in err, err

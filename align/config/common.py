@@ -285,6 +285,12 @@ def header_value_problem(variable: str) -> str | None:
     return None
 
 
+def without_key(text: str, key: str) -> str:
+    """`text` with `key` replaced by <key>, also as the http library quotes it inside bytes (a key with a \r shows as
+    b'Bearer sk-...\\r' in its errors)."""
+    return text.replace(key, "<key>").replace(repr(key.encode())[2:-1], "<key>") if key else text
+
+
 def endpoint_problem(base_url: str, key: str, timeout: float, model: str | None = None) -> str | None:
     """One probe of an OpenAI-compatible endpoint (GET {base_url}/models): None when it answers (and, when it lists
     its models, lists `model`); else why not (never the key: any text that may carry it is scrubbed)."""
@@ -304,9 +310,7 @@ def endpoint_problem(base_url: str, key: str, timeout: float, model: str | None 
             return None
         return f"the endpoint answered HTTP {exc.code} to a probe of /models"
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = str(getattr(exc, "reason", exc))
-        if key:
-            reason = reason.replace(key, "<key>").replace(repr(key.encode())[2:-1], "<key>")
+        reason = without_key(str(getattr(exc, "reason", exc)), key)
         return f"not reachable ({reason}); check base_url, and that the server is running and reachable from here"
     try:
         ids = [m["id"] for m in json.loads(listing)["data"]]

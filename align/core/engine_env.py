@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import subprocess
@@ -19,8 +20,9 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 def has_gpu() -> bool:
-    """Whether an NVIDIA GPU is visible here (torch-free: the device nodes the driver creates)."""
-    return os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl")
+    """Whether this machine has a GPU (torch-free: the device nodes the drivers create, /dev/nvidia<N> for NVIDIA,
+    /dev/kfd for AMD ROCm)."""
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd")
 
 
 def head_size_problem(head_dim: int | None, where: str) -> str | None:

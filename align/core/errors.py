@@ -15,6 +15,15 @@ class Terminated(KeyboardInterrupt):
     records itself `interrupted` (resumable) and the resume command is printed; the CLI exits with 143."""
 
 
+INTERRUPTED = "interrupted (Ctrl-C or SIGINT)"
+TERMINATED = "interrupted (SIGTERM: stopped from outside, e.g. a scheduler's time limit or preemption)"
+
+
+def interrupt_cause(exc: BaseException) -> str:
+    """What a manifest records of an interrupted stage: Ctrl-C / SIGINT, or SIGTERM (`Terminated`)."""
+    return TERMINATED if isinstance(exc, Terminated) else INTERRUPTED
+
+
 def terminate_as_interrupt() -> None:
     """From now on SIGTERM raises Terminated in the main thread, as Ctrl-C raises KeyboardInterrupt."""
     import signal

@@ -152,15 +152,16 @@ def disk_full(exc: OSError, target: str | Path, written: int) -> OSError:
     except OSError:
         free = None
     need = max(written, previous)
-    text = (f"{os.strerror(errno.ENOSPC)}: writing {target.name}/ needs more than {_size(written)} (written before "
-            "the disk filled)" + (f", likely about {_size(previous)} (the output it replaces)" if previous else "")
-            + (f"; {_size(free)} free there" if free is not None else "")
-            + f". Free {'at least ' + _size(need - free) + ' more ' if free is not None and need > free else ''}"
+    text = (f"{os.strerror(errno.ENOSPC)}: writing {target.name}/ needs more than {size_text(written)} (written before "
+            "the disk filled)" + (f", likely about {size_text(previous)} (the output it replaces)" if previous else "")
+            + (f"; {size_text(free)} free there" if free is not None else "")
+            + f". Free {'at least ' + size_text(need - free) + ' more ' if free is not None and need > free else ''}"
               "space (or move the run directory), then run again: what was published before is unchanged")
     return OSError(errno.ENOSPC, text, exc.filename or str(target))
 
 
-def _size(n: int) -> str:
+def size_text(n: float) -> str:
+    """Bytes as a reader takes them in: GiB from 1 GiB up, MiB below."""
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
@@ -267,16 +268,22 @@ def cache_root() -> Path:
 _WRITE_FAILED = ("file write failed", "No space left on device", "Disk quota exceeded", "failed writing file")
 
 
+def free_space_note(where: Path) -> str:
+    """E.g. '3.20 GiB free there now': the free space on the filesystem of `where` (or of its parent, when `where`
+    was not created yet), for a message about a write that failed there."""
+    try:
+        return f"{shutil.disk_usage(where if where.exists() else where.parent).free / 2 ** 30:.2f} GiB free there now"
+    except OSError:
+        return "its free space unknown"
+
+
 def write_failure(exc: BaseException, where: Path) -> str | None:
     """One line for a write a library failed (a checkpoint or model save on a full disk), naming the directory,
     its free space and the fix; None for anything else."""
     text = str(exc)
     if isinstance(exc, OSError) or not any(s in text for s in _WRITE_FAILED):
         return None
-    try:
-        free = f"{shutil.disk_usage(where).free / 2 ** 30:.2f} GiB free there now"
-    except OSError:
-        free = "its free space unknown"
+    free = free_space_note(where)
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     return (f"{where}: a save failed ({type(exc).__name__}: {first[:200]}); {free}. Free space on that filesystem "
             "(or set runs_dir to one with room, and save_total_limit to keep fewer checkpoints), then run again: "

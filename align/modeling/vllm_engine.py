@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from align.core.engine_env import VLLM_INSTALL, EngineError, vllm_python
+from align.core.fsutil import size_text
 from align.modeling.generation import Rollout, finish_rollout, tokenize_prompts
 
 SERVER = Path(__file__).parent / "vllm_side" / "align_vllm_server.py"
@@ -51,17 +52,13 @@ def shm_problem() -> str | None:
     return None
 
 
-def _size(n: float) -> str:
-    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
-
-
 def sync_space_problem(directory: str, needed: int) -> str | None:
     """Why `needed` bytes of synced weights will not fit in `directory` (None when they will)."""
     free = shutil.disk_usage(directory).free
     if free >= needed * 1.05:
         return None
     where = "/dev/shm, the container's shared memory," if directory.startswith("/dev/shm") else directory
-    return (f"a weight sync writes the policy ({_size(needed)}) to {where} which has {_size(free)} free: give the "
+    return (f"a weight sync writes the policy ({size_text(needed)}) to {where} which has {size_text(free)} free: give the "
             f"container more shared memory (docker run --shm-size={max(1, int(needed * 1.5 / 2 ** 30) + 1)}g), or set "
             f"{SYNC_DIR_ENV} to a directory with room")
 

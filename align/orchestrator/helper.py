@@ -18,7 +18,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from align.core.errors import PipelineError
-from align.core.fsutil import write_failure
+from align.core.fsutil import free_space_note, write_failure
 
 REFUSED = 2  # exit code of a refusal: the message is in the result file
 
@@ -61,11 +60,7 @@ def call(target: str, /, timeout: float | None = None, helper_stdout: int | None
 
 def _problem_writing(exc: OSError, where: Path) -> str:
     path = os.path.abspath(exc.filename) if exc.filename else str(where)
-    try:
-        free = f"{shutil.disk_usage(where if where.exists() else where.parent).free / 2 ** 30:.2f} GiB free there now"
-    except OSError:
-        free = "its free space unknown"
-    return (f"{path}: {exc.strerror} while writing ({free}); free space on that filesystem or point ALIGN_CACHE "
+    return (f"{path}: {exc.strerror} while writing ({free_space_note(where)}); free space on that filesystem or point ALIGN_CACHE "
             "at one with room, then run the command again")
 
 

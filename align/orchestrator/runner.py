@@ -19,7 +19,7 @@ from typing import Any
 from align.orchestrator import warm
 from align.config import PipelineConfig, to_dict
 from align.core.console import stream_stage, tail, verbose
-from align.core.errors import Terminated
+from align.core.errors import INTERRUPTED, Terminated, interrupt_cause
 from align.orchestrator.estimate import EstimateError, estimate_pipeline, hardware, too_big
 from align.core.fsutil import atomic_write_json
 from align.orchestrator.inputs import resolve_model_paths
@@ -252,12 +252,7 @@ class Interrupted(PipelineError):
         self.terminated = terminated
 
 
-def interrupt_cause(exc: BaseException) -> str:
-    return ("interrupted (SIGTERM: stopped from outside, e.g. a scheduler's time limit or preemption)"
-            if isinstance(exc, Terminated) else "interrupted (Ctrl-C or SIGINT)")
-
-
-def _mark_interrupted(stage_dir: Path, cause: str = "interrupted (Ctrl-C or SIGINT)") -> None:
+def _mark_interrupted(stage_dir: Path, cause: str = INTERRUPTED) -> None:
     """A stage killed before it could record the interrupt itself still says so (not `running`)."""
     m = read_manifest(stage_dir)
     if m and m.get("status") == "running":

@@ -23,7 +23,6 @@ environment again before it runs. This module imports no torch: the runner uses 
 from __future__ import annotations
 
 import atexit
-import glob
 import io
 import multiprocessing
 import multiprocessing.connection
@@ -33,6 +32,8 @@ import subprocess
 import sys
 from contextlib import contextmanager
 from typing import Iterator
+
+from align.core.engine_env import has_gpu
 
 PRELOAD = "align.stages.preload"
 
@@ -45,7 +46,7 @@ def enabled() -> bool:
         return False
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return False
-    return not (glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd"))
+    return not has_gpu()
 
 
 def start_stage(cmd: list[str], env: dict[str, str], warm_start: bool) -> subprocess.Popen | WarmStage:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from align.core.engine_env import EngineError
-from align.core.errors import Terminated, terminate_as_interrupt
+from align.core.errors import Terminated, interrupt_cause, terminate_as_interrupt
 from align.modeling.compute import resolve as resolve_compute
 from align.config import PipelineConfig, StageBase, from_dict, stage_from_dict
 from align.core.console import emit_progress, verbose
@@ -394,7 +394,7 @@ def main(spec_path: str) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the record short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         terminated = isinstance(exc, Terminated)
-        _record_failure(ctx, spec, TERMINATED if terminated else INTERRUPTED, status="interrupted")
+        _record_failure(ctx, spec, interrupt_cause(exc), status="interrupted")
         print(f"align: stage '{spec.get('stage_name', spec_path)}' {'stopped by SIGTERM' if terminated else 'interrupted'}"
               "; its last checkpoint is kept and the next `align run` resumes from it", file=sys.stderr, flush=True)
         return 143 if terminated else 130
@@ -531,10 +531,6 @@ def describe(exc: BaseException) -> str:
         where = f"{os.path.abspath(exc.filename)}: " if exc.filename else ""
         return f"{where}{exc.strerror}" + (f" ({code})" if code else "")
     return f"{type(exc).__name__}: {exc}"
-
-
-INTERRUPTED = "interrupted (Ctrl-C or SIGINT)"
-TERMINATED = "interrupted (SIGTERM: stopped from outside, e.g. a scheduler's time limit or preemption)"
 
 
 def _record_failure(ctx: StageContext | None, spec: dict[str, Any], message: str, status: str = "failed") -> str:

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
-from align.config.common import PairwiseJudge, header_value_problem
+from align.config.common import PairwiseJudge, header_value_problem, without_key
 
 VERDICTS = ("A", "B", "tie")
 DEFAULT_TEMPLATE = Path(__file__).resolve().parent.parent / "templates" / "pairwise_judge.txt"
@@ -152,10 +152,6 @@ class EndpointBackend:
                     return b"".join(chunks)
                 chunks.append(chunk)
 
-    def _scrub(self, text: str) -> str:
-        key = os.environ.get(self.key_env or "", "")
-        return text.replace(key, "<key>") if key else text
-
     def ask(self, text: str) -> str:
         body = json.dumps({"model": self.model, "messages": [{"role": "user", "content": text}],
                            "max_tokens": self.max_new_tokens, "temperature": 0}).encode()
@@ -183,7 +179,8 @@ class EndpointBackend:
                 wait = min(retry_after(exc.headers.get("Retry-After") if exc.headers else None) or 0.0,
                            self.max_retry_wait)
             except (urllib.error.URLError, TimeoutError, OSError) as exc:
-                last = self._scrub(f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}")
+                last = without_key(f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}",
+                                   os.environ.get(self.key_env or "", ""))
             except (ValueError, KeyError, IndexError, TypeError) as exc:
                 last = f"an answer that is not a chat completion ({type(exc).__name__})"
         if limited:
