@@ -158,11 +158,25 @@ def test_launch_command_for_one_node_of_a_multi_node_job(tmp_path):
 
 def test_a_kl_penalty_the_controller_can_never_move_is_refused():
     raw = _raw()
-    raw["stages"]["ppo"]["kl"] = {"coef": 0, "adaptive": True}
-    with pytest.raises(PipelineError, match=r"kl.coef: 0 with kl.adaptive: true.*never leaves 0.*kl.adaptive: false"):
+    raw["stages"]["ppo"]["kl"] = {"coef": 0, "adaptive": True, "controller": "ziegler"}
+    with pytest.raises(PipelineError, match=r"kl.coef: 0 with kl.controller: ziegler.*never leaves 0.*kl.controller: pi"):
         validate(_parse(raw), REPO / "pipelines" / "default.yaml", verbose=False)
-    raw["stages"]["ppo"]["kl"] = {"coef": 0, "adaptive": False}  # no KL penalty at all: allowed, and said so by name
-    assert validate(_parse(raw), REPO / "pipelines" / "default.yaml", verbose=False)
+    for kl in ({"coef": 0, "adaptive": False},  # no KL penalty at all: allowed, and said so by name
+               {"coef": 0, "adaptive": True, "controller": "pi"}):  # the PI rule adds to coef: a pure Lagrangian
+        raw["stages"]["ppo"]["kl"] = kl
+        assert validate(_parse(raw), REPO / "pipelines" / "default.yaml", verbose=False)
+
+
+@pytest.mark.parametrize("kl, match", [
+    ({"max": 6.0, "heldout_prompts": 0}, r"kl.max: 6 with kl.heldout_prompts: 0.*set kl.heldout_prompts"),
+    ({"max": 4.0, "target": 4.0}, r"kl.target: 4 is not below kl.max: 4.*set kl.target below kl.max"),
+    ({"max": -1.0}, r"kl.max.*-1"),
+])
+def test_a_kl_budget_that_cannot_hold_is_refused(kl, match):
+    raw = _raw()
+    raw["stages"]["ppo"]["kl"] = kl
+    with pytest.raises((PipelineError, ConfigError), match=match):
+        validate(_parse(raw), REPO / "pipelines" / "default.yaml", verbose=False)
 
 
 def test_seeds_are_bounded_where_numpy_and_vllm_take_them():

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from conftest import REPO, TINY, run_align
 
@@ -256,8 +257,8 @@ def test_ppo_killed_mid_run_resumes_iteration_beta_and_statistics(private):
 
     from conftest import align_cmd
 
-    args = [*e2e["args"], "--only", "ppo", "ppo.iterations=120", "ppo.save_every=3", "ppo.kl.horizon=50",
-            "tracking.wandb=disabled"]
+    args = [*e2e["args"], "--only", "ppo", "ppo.iterations=120", "ppo.save_every=3", "ppo.kl.controller=ziegler",
+            "ppo.kl.horizon=50", "tracking.wandb=disabled"]
     stage = e2e["run"] / "ppo"
     proc = subprocess.Popen(align_cmd(*args), cwd=e2e["root"], start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -297,6 +298,43 @@ def test_ppo_killed_mid_run_resumes_iteration_beta_and_statistics(private):
     beta_at_start = next(r["objective/kl_coef"] for r in before if r["step"] == start)
     assert abs(beta_at_start / 0.05 - 1) > 0.05  # beta had moved away from its initial value...
     assert abs(rows[0]["objective/kl_coef"] / beta_at_start - 1) <= 16 / 50 * 0.2 + 1e-9  # ...and continued
+
+
+def test_ppo_pushed_hard_ends_inside_kl_max_where_the_old_controller_ends_far_outside(private):
+    """Issue 39: PPO pushed hard (learning rate 3e-2, beta 0.001, 8 iterations) on the tiny run. With Ziegler's
+    controller and no budget, the KL after the last update, on held-out prompts, ends far outside 8 nats; with
+    kl.max 8 (and the PI controller) the stage undoes the update that left the budget, stops, publishes the last
+    policy inside it, and the evaluation (other prompts: the test split) measures that policy inside 8 too."""
+    e2e, kl_max = private, 8.0
+    seed = yaml.safe_load((REPO / "pipelines" / "default.yaml").read_text())["seed"]
+    print(f"seed {seed} (the pipeline's)")
+    hard = ["ppo.iterations=8", "ppo.learning_rate=3e-2", "ppo.kl.coef=0.001", "tracking.wandb=disabled"]
+    old = run_align(*e2e["args"], "--only", "ppo", *hard, "ppo.kl.controller=ziegler", cwd=e2e["root"])
+    assert old.returncode == 0, old.stdout[-2000:] + old.stderr[-2000:]
+    old_rows = [r for r in _metrics(e2e["run"], "ppo") if "heldout/kl" in r]
+    assert [r["step"] for r in old_rows] == list(range(1, 9))
+    print("old controller, held-out KL per iteration:", [round(r["heldout/kl"], 2) for r in old_rows])
+    assert old_rows[-1]["heldout/kl"] > 1.25 * kl_max
+
+    budget = [*hard, f"ppo.kl.max={kl_max}", "ppo.kl.target=5"]
+    new = run_align(*e2e["args"], "--only", "ppo", *budget, cwd=e2e["root"])
+    assert new.returncode == 0, new.stdout[-2000:] + new.stderr[-2000:]
+    rows = [r for r in _metrics(e2e["run"], "ppo") if "heldout/kl" in r]
+    final = _manifest(e2e["run"], "ppo")["final_metrics"]
+    print("kl.max 8, held-out KL per iteration:", [round(r["heldout/kl"], 2) for r in rows], final)
+    published = final["kl_budget/published_iteration"]
+    assert final["kl_budget/stopped"] is True and 1 <= published < len(rows) == final["kl_budget/undone_iteration"]
+    assert rows[-1]["heldout/kl_upper"] > kl_max and rows[-1]["heldout/over_budget"] == 1.0
+    assert all(r["heldout/kl_upper"] <= kl_max for r in rows[:-1])
+    assert final["heldout/kl_last"] == rows[published - 1]["heldout/kl"] <= kl_max
+    assert "kl_budget/undone_iteration" in new.stdout  # the console's result line says it stopped
+    assert f"Publishing the policy after iteration {published}" in (e2e["run"] / "ppo" / "stage.log").read_text()
+
+    ev = run_align(*e2e["args"], "--only", "evaluate", *budget, cwd=e2e["root"])
+    assert ev.returncode == 0, ev.stdout[-2000:] + ev.stderr[-2000:]
+    evaluated = _manifest(e2e["run"], "evaluate")["final_metrics"]["eval/ppo/kl"]
+    print(f"evaluation KL of the published policy: {evaluated:.2f}")
+    assert 0 < evaluated <= kl_max
 
 
 def test_ppo_vs_rloo_benchmark_runs_on_the_tiny_run(e2e, tmp_path):

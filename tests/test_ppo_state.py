@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
-from align.stages.ppo.state import AdaptiveKLController, FixedKLController, PromptStream, RunningMoments
+from align.stages.ppo.budget import HeldoutKL, PolicySnapshot, split_heldout
+from align.stages.ppo.state import (AdaptiveKLController, FixedKLController, PIKLController, PromptStream,
+                                    RunningMoments)
 
 
 def test_adaptive_kl_beta_trace_by_hand():
@@ -22,6 +24,83 @@ def test_adaptive_kl_beta_trace_by_hand():
         ctl.update(kl, n_steps=10)
         trace.append(ctl.value)
     assert trace == pytest.approx([0.102, 0.09996, 0.09996, 0.1019592, 0.102978792], rel=1e-9)
+
+
+def test_pi_kl_beta_trace_by_hand():
+    """Stooke et al. 2020, PID Lagrangian without D: e = KL - target; I = max(0, I + e);
+    beta = coef + max(0, kp * e + ki * I). coef 0.1, target 4, kp 0.1, ki 0.05:
+    KL 2   -> e = -2,   I = 0,   lambda = max(0, -0.2)          = 0     -> 0.1
+    KL 5   -> e = +1,   I = 1,   lambda = 0.1 + 0.05            = 0.15  -> 0.25
+    KL 6   -> e = +2,   I = 3,   lambda = 0.2 + 0.15            = 0.35  -> 0.45
+    KL 4   -> e = 0,    I = 3,   lambda = 0 + 0.15              = 0.15  -> 0.25
+    KL 3   -> e = -1,   I = 2,   lambda = -0.1 + 0.1            = 0     -> 0.1
+    KL 3.5 -> e = -0.5, I = 1.5, lambda = -0.05 + 0.075         = 0.025 -> 0.125
+    KL 1   -> e = -3,   I = 0,   lambda = max(0, -0.3)          = 0     -> 0.1"""
+    ctl = PIKLController(0.1, target=4.0, kp=0.1, ki=0.05)
+    trace = []
+    for kl in (2.0, 5.0, 6.0, 4.0, 3.0, 3.5, 1.0):
+        ctl.update(kl, n_steps=64)  # the PI rule ignores episode counts: its horizon is iterations
+        trace.append(ctl.value)
+    assert trace == pytest.approx([0.1, 0.25, 0.45, 0.25, 0.1, 0.125, 0.1], abs=1e-12)
+    assert ctl.integral == 0.0
+
+
+def test_pi_kl_acts_within_iterations_where_ziegler_drifts():
+    """The issue-39 trace (SmolLM2, training KL per iteration, target 4, 64 episodes, horizon 256): Ziegler's beta
+    only drifts (+5% per iteration at most), the PI rule's triples within three iterations over target."""
+    kls = [0.0, 0.41, 0.49, 1.25, 1.21, 2.24, 3.19, 3.56, 5.01, 5.67]
+    z, pi = AdaptiveKLController(0.1, 4.0, 256), PIKLController(0.1, 4.0, kp=0.1, ki=0.1)
+    for kl in kls:
+        z.update(kl, 64)
+        pi.update(kl, 64)
+    assert z.value < 0.1  # mostly under target: Ziegler lowered beta, and two iterations over could not undo it
+    # by hand: 5.01 -> e 1.01, I 1.01, lambda 0.202; 5.67 -> e 1.67, I 2.68, lambda 0.167 + 0.268 = 0.435
+    assert pi.value == pytest.approx(0.1 + 0.435, abs=1e-9)
+    resumed = PIKLController(0.1, 4.0, kp=0.1, ki=0.1)
+    resumed.load_state_dict(pi.state_dict())
+    resumed.update(4.5, 64)
+    pi.update(4.5, 64)
+    assert (resumed.value, resumed.integral) == (pi.value, pi.integral)
+
+
+def test_heldout_kl_upper_bound_by_hand():
+    """KLs 1, 2, 3, 6: mean 3, sample std sqrt(14/3) = 2.1602; upper = 3 + 1.645 * 2.1602 / 2 = 4.7768."""
+    m = HeldoutKL.of(torch.tensor([1.0, 2.0, 3.0, 6.0]))
+    assert (m.mean, m.n) == (3.0, 4)
+    assert m.upper == pytest.approx(3 + 1.645 * math.sqrt(14 / 3) / 2, rel=1e-12)
+    assert m.within(4.8) and not m.within(4.7) and m.within(None)
+    assert not HeldoutKL.of(torch.tensor([1.0, float("nan")])).within(100.0)
+    assert HeldoutKL.from_metrics(m.metrics()) == m
+
+
+def test_split_heldout_is_seeded_disjoint_and_refuses_too_few():
+    prompts = [f"p{i}" for i in range(20)]
+    train, held = split_heldout("ppo", prompts, 5, seed=11, required=True)
+    assert len(held) == 5 and len(train) == 15 and set(train).isdisjoint(held) and set(train) | set(held) == set(prompts)
+    assert split_heldout("ppo", prompts, 5, seed=11, required=True) == (train, held)
+    assert split_heldout("ppo", prompts, 5, seed=12, required=True)[1] != held
+    assert split_heldout("ppo", prompts, 0, seed=11, required=False) == (prompts, [])
+    with pytest.raises(ValueError, match=r"kl.heldout_prompts: 11 of 20 .* at most 10"):
+        split_heldout("ppo", prompts, 11, seed=11, required=True)  # kl.max needs it: refused
+    assert split_heldout("ppo", prompts, 11, seed=11, required=False) == (prompts, [])  # measurement only: none
+
+
+def test_policy_snapshot_restores_whole_and_partitioned_parameters():
+    """A plain parameter is restored in place; a ZeRO-3 one (data empty, its partition in ds_tensor) through its
+    partition."""
+    torch.manual_seed(0)
+    whole = torch.nn.Parameter(torch.randn(3, 2))
+    part = torch.nn.Parameter(torch.empty(0))
+    part.ds_tensor = torch.randn(4)
+    snap = PolicySnapshot([whole, part])
+    snap.take(3, None)
+    before = (whole.detach().clone(), part.ds_tensor.clone())
+    with torch.no_grad():
+        whole.add_(1.0)
+        part.ds_tensor.mul_(-2.0)
+    assert not torch.equal(whole, before[0])
+    snap.restore()
+    assert torch.equal(whole, before[0]) and torch.equal(part.ds_tensor, before[1]) and snap.iteration == 3
 
 
 def test_controller_state_round_trip_and_fixed():

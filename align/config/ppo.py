@@ -20,13 +20,31 @@ class KLSettings:
     coef: float = ranged(0.05, ge=0, fix="a negative coefficient rewards moving away from the reference")
     """Initial beta of the per-token penalty -beta * KL."""
     adaptive: bool = True
-    """Adapt beta towards `target` with Ziegler et al.'s proportional controller."""
+    """Adapt beta towards `target` with `controller`; false: beta stays at coef."""
+    controller: str = one_of("pi", "pi", "ziegler")
+    """pi: beta = coef + a Lagrange multiplier set by a PI rule on the KL's excess over target, per iteration (Stooke
+    et al. 2020; gains `kp`, `ki`): it acts within the iterations a run has. ziegler: Ziegler et al. 2019's
+    proportional rule, beta moved by at most 20% x episodes-per-iteration / `horizon` per iteration."""
     target: float = ranged(4.0, gt=0)
     """Target KL (nats per response) for the adaptive controller."""
+    kp: float = ranged(0.1, ge=0)
+    """pi: beta added per nat of KL over target in this iteration (proportional gain)."""
+    ki: float = ranged(0.1, ge=0)
+    """pi: beta added per nat of KL over target accumulated over iterations (integral gain; the sum never goes
+    below 0)."""
     horizon: int = ranged(10000, ge=1)
-    """Controller horizon in episodes: beta moves by at most 20% x episodes-per-iteration / horizon per
-    iteration (Ziegler et al. used 10000 with 512 episodes per update over thousands of updates; a short run
-    needs a short horizon for beta to move at all)."""
+    """ziegler: controller horizon in episodes (Ziegler et al. used 10000 with 512 episodes per update over
+    thousands of updates; a short run needs a short horizon for beta to move at all)."""
+    max: float | None = ranged(None, gt=0, fix="use null for no budget")
+    """A hard budget, nats per response against the reference, that the published policy is kept inside: after every
+    update the KL is measured on `heldout_prompts` prompts PPO never trains on; when its one-sided 95% upper bound
+    (mean + 1.645 x standard error) passes `max`, that update is undone and training stops, and the policy of the
+    last update inside the budget is published (the summary says which iteration and why). null: no budget."""
+    heldout_prompts: int = ranged(64, ge=0)
+    """Prompts set aside from `prompts` (a seeded sample, never trained on) on which the KL to the reference is
+    measured after every update, as the evaluation measures it (sum over the response of log pi - log ref, at the
+    sampling temperature): `heldout/kl` in the metrics, what `max` and the pi controller read. 0: not measured
+    (the controller then reads the KL of each iteration's rollout, measured before its update)."""
     estimator: str = one_of("k1", "k1", "k2", "k3")
     """Per-token KL estimator in the reward: k1 (log-ratio), k2 or k3 (Schulman 2020)."""
 
@@ -46,7 +64,8 @@ class PPOStage(StageBase):
     ENGINES: ClassVar[tuple[str, ...]] = ENGINES  # every engine (align/core/engine_env.py)
     TYPE: ClassVar[str] = "ppo"
     PROMPTS: ClassVar[str] = "train"
-    HEADLINE: ClassVar[tuple[str, ...]] = ("objective/scores_last", "objective/kl_last")
+    HEADLINE: ClassVar[tuple[str, ...]] = ("objective/scores_last", "objective/kl_last", "heldout/kl_last",
+                                           "kl_budget/published_iteration", "kl_budget/undone_iteration")
     PRODUCES: ClassVar[str] = POLICY
     INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"policy": (POLICY, True), "reward": ("judge", False)}
     CARDS: ClassVar[dict[str, str]] = {"prompts": PROMPTS_ONLY}
@@ -142,10 +161,18 @@ class PPOStage(StageBase):
         if self.value_init == "reward" and len(used) != 1:
             raise ValueError(f"value_init: 'reward' starts the value model from the reward model, but reward "
                              f"{self.reward!r} names {len(used)} reward stages; set value_init: policy")
-        if self.kl.adaptive and self.kl.coef == 0:
-            raise ValueError("kl.coef: 0 with kl.adaptive: true; the controller scales beta by a factor, so it never "
-                             f"leaves 0 and the KL target ({self.kl.target:g}) is never enforced; start from a "
-                             "positive coef (e.g. 0.05), or set kl.adaptive: false to train without a KL penalty")
+        if self.kl.adaptive and self.kl.controller == "ziegler" and self.kl.coef == 0:
+            raise ValueError("kl.coef: 0 with kl.controller: ziegler; that controller scales beta by a factor, so it "
+                             f"never leaves 0 and the KL target ({self.kl.target:g}) is never enforced; start from a "
+                             "positive coef (e.g. 0.05), use kl.controller: pi (which adds to coef), or set "
+                             "kl.adaptive: false to train without a KL penalty")
+        if self.kl.max is not None and not self.kl.heldout_prompts:
+            raise ValueError(f"kl.max: {self.kl.max:g} with kl.heldout_prompts: 0; the budget is checked on held-out "
+                             "prompts after every update; set kl.heldout_prompts (e.g. 64)")
+        if self.kl.max is not None and self.kl.adaptive and self.kl.target >= self.kl.max:
+            raise ValueError(f"kl.target: {self.kl.target:g} is not below kl.max: {self.kl.max:g}; the controller "
+                             "would steer to a KL the budget stops training at; set kl.target below kl.max (e.g. "
+                             f"{self.kl.max * 2 / 3:g})")
         self.lora.check()
         if self.lora.enabled and self.lora.dropout:
             raise ValueError(f"lora.dropout: {self.lora.dropout}; PPO runs every model without dropout, so the "

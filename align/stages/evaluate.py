@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from align.report import frontier
+from align.report import frontier, seeds
 
 from align.report import plots
 from align.config.evaluate import EvaluateStage
@@ -183,6 +183,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     types = {p: (read_manifest(ctx.input_dir(p)) or {}).get("type", "?") for p in cfg.policies}
     groups = frontier.group_policies(cfg.policies, ctx.pipeline.variants, types)
     metrics["eval/groups"] = {g.name: {"type": g.type, "policies": g.policies} for g in groups}
+    for g in seeds.seed_sweeps(groups):  # repeats of one recipe: mean and spread over seeds (align/report/seeds.py)
+        metrics.update(seeds.aggregate(metrics, g, all_judges(cfg), [j.name for j in cfg.pairwise]))
 
     def write(out: Path) -> None:
         if not ctx.is_main:
@@ -207,7 +209,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 fh.write(json.dumps(row) + "\n")
 
     ctx.publish("../report", write)
-    ctx.extra_manifest["summary"] = headline(cfg, metrics)  # what `align run` prints at the end of the run
+    ctx.extra_manifest["summary"] = headline(cfg, metrics, groups)  # what `align run` prints at the end of the run
     ctx.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=0)
     if ctx.tracker is not None:
         report = ctx.run_dir / "report"
@@ -219,7 +221,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                                                                      or [None, None]), len(prompts)]
                            for p in cfg.policies for j in judge_names], step=0)
     if ctx.is_main:
-        print(headline(cfg, metrics), flush=True)
+        print(headline(cfg, metrics, groups), flush=True)
     return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
 
 
@@ -268,7 +270,9 @@ def all_judges(cfg: EvaluateStage) -> list[str]:
     return [*cfg.judges, *(["reward_model"] if cfg.reward else [])]
 
 
-def headline(cfg: EvaluateStage, m: dict[str, Any]) -> str:
+def headline(cfg: EvaluateStage, m: dict[str, Any], groups: list[frontier.Group] | None = None) -> str:
+    """The report's first tables: every policy's judge means, KL, perplexity and win rates; each pairwise judge's
+    verdicts; and, when stages were swept over seeds, their mean and spread (align/report/seeds.py)."""
     judges = all_judges(cfg)
     lines = [f"| policy | {' | '.join(f'{j} mean' for j in judges)} | KL to {cfg.reference} | "
              f"perplexity under {cfg.reference} | "
@@ -300,13 +304,15 @@ def headline(cfg: EvaluateStage, m: dict[str, Any]) -> str:
                          f"{agree} |")
     judged = {j.name: next((int(m[f"eval/{p}/{j.name}/pairs"]) for p in cfg.policies if p != cfg.baseline), 0)
               for j in cfg.pairwise}
+    swept = seeds.table(m, groups or [], judges, [j.name for j in cfg.pairwise], cfg.reference, cfg.baseline)
+    lines += ["", *swept] if swept else []
     return "\n".join(lines) + f"\n\nn = {m['eval/prompts']} held-out prompts" + "".join(
         f"; {name}: the first {n} of them, each pair judged in both orders" for name, n in judged.items())
 
 
 def render_report(cfg: EvaluateStage, m: dict[str, Any], prompts: list[str], samples: dict[str, Any],
                   groups: list[frontier.Group]) -> str:
-    out = ["# Evaluation report", "", headline(cfg, m), ""]
+    out = ["# Evaluation report", "", headline(cfg, m, groups), ""]
     judges = all_judges(cfg)
     if len(cfg.policies) > 1:
         out += ["## Reward–KL frontier", "",

@@ -30,13 +30,14 @@ from align.data.lengths import DROPS_LONG_PROMPTS, enforce
 from align.modeling.losses import (gae, kl_estimate, masked_mean, masked_whiten, ppo_policy_loss, ppo_value_loss,
                           token_rewards)
 from align.modeling.models import load_causal_lm, load_tokenizer, merged_lora_model, unsharded_loading
-from align.stages.context import NonFiniteLossError, StageContext
+from align.stages.context import NonFiniteLossError, StageContext, StageError
+from align.stages.ppo.budget import HeldoutKL, PolicySnapshot, split_heldout
 from align.stages.ppo.checkpoint import resume, restore_history, save_checkpoint
 from align.stages.ppo.optim import backward_and_step, disable_deepspeed_clipping
 from align.stages.ppo.models import is_zero3, load_frozen, load_trained, policy_for_generation
 from align.stages.judging import RewardModelJudge, WeightedJudge, build_judge, check_same_tokenizer
-from align.stages.ppo.state import (AdaptiveKLController, FixedKLController, PromptStream, RewardScale,
-                                    RunningMoments)
+from align.stages.ppo.state import (AdaptiveKLController, FixedKLController, PIKLController, PromptStream,
+                                    RewardScale, RunningMoments)
 
 OUTPUTS = ["model"]
 
@@ -118,6 +119,64 @@ def fit_reward_scale(ctx: StageContext, cfg: PPOStage, accelerator, engine: Roll
     ctx.note(reward_normalization={"gain": scale.gain, "bias": scale.bias, "samples": n, "fitted_at_iteration": 0})
 
 
+def kl_controller(cfg: PPOStage):
+    """The beta rule `kl` names (align/stages/ppo/state.py)."""
+    if not cfg.kl.adaptive:
+        return FixedKLController(cfg.kl.coef)
+    if cfg.kl.controller == "ziegler":
+        return AdaptiveKLController(cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
+    return PIKLController(cfg.kl.coef, cfg.kl.target, cfg.kl.kp, cfg.kl.ki)
+
+
+def heldout_kl(cfg: PPOStage, accelerator, engine: RolloutEngine, model, reference, heldout: list[str],
+               seed: int) -> HeldoutKL:
+    """Sequence KL(policy || reference) = sum over the response of log pi - log ref (k1, at the sampling temperature,
+    as the evaluation measures it) of one response per held-out prompt, sampled with the same seeds every iteration
+    (the iterations differ by the policy, not by the draw). Every process measures an equal share (so the
+    collectives of ZeRO-3 generation line up) and the shares are gathered."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    n = max(world, len(heldout) // world * world)
+    mine = [heldout[i % len(heldout)] for i in range(n)][rank::world]
+    kls = []
+    for start in range(0, len(mine), cfg.generation.batch_size):
+        r = rollout(cfg, accelerator, engine, mine[start:start + cfg.generation.batch_size], seed=seed + start * world + rank)
+        with torch.no_grad(), accelerator.autocast():
+            logprobs, _, _ = model(r.input_ids, r.attention_mask, r.query_ids.size(1), cfg.generation.temperature,
+                                   with_entropy=False)
+            ref_logprobs = response_logprobs(reference, r, cfg.generation.temperature)
+        kls.append(((logprobs - ref_logprobs).float() * r.response_mask.float()).sum(1))
+    return HeldoutKL.of(accelerator.gather(torch.cat(kls)).cpu())
+
+
+def stop_inside_budget(ctx: StageContext, cfg: PPOStage, snapshot: PolicySnapshot, iteration: int,
+                       measured: HeldoutKL) -> None:
+    """An update left kl.max: undo it (the weights of the last update inside the budget go back into the model, to
+    be published) and say so. When no update of this run stayed inside, there is nothing to publish: refuse."""
+    if snapshot.iteration == 0:
+        raise StageError(f"stage '{ctx.name}': the first update already took the held-out KL to {measured.mean:.2f} "
+                         f"nats (95% upper bound {measured.upper:.2f}), past kl.max: {cfg.kl.max:g}; nothing was learned "
+                         "inside the budget. Lower learning_rate, raise kl.coef, or raise kl.max")
+    snapshot.restore()
+    kept = (f"held-out KL {snapshot.kl.mean:.2f}, bound {snapshot.kl.upper:.2f}" if snapshot.kl
+            else "the checkpoint this run resumed from")
+    if ctx.is_main:
+        print(f"[align] {ctx.name}: iteration {iteration}'s update took the held-out KL to {measured.mean:.2f} nats "
+              f"(95% upper bound {measured.upper:.2f}), past kl.max {cfg.kl.max:g}: undone, and training stops here. "
+              f"Publishing the policy after iteration {snapshot.iteration} ({kept})", flush=True)
+
+
+def budget_summary(cfg: PPOStage, snapshot: PolicySnapshot, over: tuple[int, HeldoutKL] | None) -> dict[str, Any]:
+    """The manifest's account of kl.max: which iteration's policy is published and why."""
+    out: dict[str, Any] = {"kl_budget/max": cfg.kl.max, "kl_budget/published_iteration": snapshot.iteration,
+                           "kl_budget/stopped": over is not None}
+    if snapshot.kl is not None:
+        out.update({"kl_budget/heldout_kl": snapshot.kl.mean, "kl_budget/heldout_kl_upper": snapshot.kl.upper})
+    if over is not None:
+        out.update({"kl_budget/undone_iteration": over[0], "kl_budget/undone_heldout_kl": over[1].mean,
+                    "kl_budget/undone_heldout_kl_upper": over[1].upper})
+    return out
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     from accelerate import Accelerator  # heavy: stage processes only
 
@@ -138,6 +197,18 @@ def run(ctx: StageContext) -> dict[str, Any]:
     prompts = unique_prompts(load_rows(ctx, cfg.prompts, cfg.split, tokenizer=tokenizer))  # chat: rendered
     prompts = usable_prompts(ctx, cfg, tokenizer, {n: load_tokenizer(ctx.input_model(n)) for n in reward_stages},
                              prompts)
+    try:  # before any model loads: a held-out share that leaves too little to train on is refused here
+        prompts, heldout = split_heldout(ctx.name, prompts, cfg.kl.heldout_prompts, ctx.seed + 7_368_787,
+                                         required=cfg.kl.max is not None)
+    except ValueError as e:
+        raise StageError(str(e)) from None
+    if cfg.kl.heldout_prompts and not heldout:  # too few prompts to set any aside, and no budget needs them
+        ctx.note(heldout={"prompts": 0, "why": f"{len(prompts)} usable prompts, fewer than 2 x kl.heldout_prompts "
+                                                f"({cfg.kl.heldout_prompts}): all train, no held-out KL is measured"})
+        if ctx.is_main:
+            print(f"[align] {ctx.name}: no held-out KL: {len(prompts)} usable prompts are fewer than 2 x "
+                  f"kl.heldout_prompts ({cfg.kl.heldout_prompts}); all of them train (lower kl.heldout_prompts to "
+                  "measure it)", flush=True)
 
     pad_id = tokenizer.pad_token_id
     value_from_reward = cfg.value_init == "reward"
@@ -153,8 +224,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     reference, reward_fns = load_frozen(ctx, cfg, accelerator, accelerator.unwrap_model(model), pad_id, reward_stages)
     scorer = build_judge(cfg.reward, lambda n: RewardModelJudge(n, reward_fns[n], tokenizer) if n in reward_fns else None)
 
-    kl_ctl = (AdaptiveKLController(cfg.kl.coef, cfg.kl.target, cfg.kl.horizon) if cfg.kl.adaptive
-              else FixedKLController(cfg.kl.coef))
+    kl_ctl = kl_controller(cfg)
     moments, scale = RunningMoments(), RewardScale()
     stream = PromptStream(len(prompts), ctx.seed)
     progress = {"iteration": 0}
@@ -175,10 +245,17 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
         world = accelerator.num_processes
         history = restore_history(ctx, start)
+        # kl.max: the weights of the last update inside the budget (at the start: the starting or resumed policy,
+        # whose checkpoint was only written inside the budget)
+        snapshot = PolicySnapshot(groups["policy"]) if cfg.kl.max is not None else None
+        if snapshot is not None:
+            snapshot.take(start, HeldoutKL.from_metrics(history[-1]) if history else None)
+        synced, over = True, None  # synced: the engine holds the weights the next rollout must sample from
         for it in range(start, cfg.iterations):
             t0 = time.time()
-            if it > start:  # the engine samples from the weights the last update left
+            if not synced:  # the engine samples from the weights the last update left
                 t_sync = sync_engine(engine, model, accelerator)
+            synced = False
             # Every process takes its own slice of the same global batch.
             idx = stream.take(cfg.rollout_batch_size * world)
             mine = idx[accelerator.process_index::world]
@@ -234,7 +311,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
             seq_kl = accelerator.gather(kl.sum(1)).mean().item()
             beta = kl_ctl.value
-            kl_ctl.update(seq_kl, cfg.rollout_batch_size * world)
+            measured = None
+            if heldout:  # 7. the KL after this update, on prompts never trained on (align/stages/ppo/budget.py)
+                t_sync, synced = sync_engine(engine, model, accelerator), True
+                measured = heldout_kl(cfg, accelerator, engine, model, reference, heldout, ctx.seed * 7919 + 1_299_709)
+            kl_ctl.update(measured.mean if measured else seq_kl, cfg.rollout_batch_size * world)
             non_score = accelerator.gather((-beta * kl).sum(1)).mean().item()
             used = accelerator.gather(scores_used).mean().item()
             elapsed = time.time() - t0
@@ -251,15 +332,26 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 "perf/generation_fraction": t_gen / elapsed,
                 "perf/sequence_tokens": accelerator.gather(mask.sum()).sum().item(),  # prompt + response, no padding
                 "train/learning_rate": optimizer.param_groups[0]["lr"], **stats,
+                **(measured.metrics() if measured else {}),
             }
             if gap is not None:
                 metrics["rollout/logprob_gap_mean"] = accelerator.reduce(torch.tensor(gap["mean"]), "mean").item()
                 metrics["rollout/logprob_gap_max"] = accelerator.reduce(torch.tensor(gap["max"]), "max").item()
                 metrics["perf/sync_seconds"] = t_sync
                 gaps.append(metrics["rollout/logprob_gap_max"])
+            if snapshot is not None and measured is not None:
+                if measured.within(cfg.kl.max):
+                    snapshot.take(it + 1, measured)
+                else:
+                    over = (it + 1, measured)
+                    metrics["heldout/over_budget"] = 1.0
             history.append(metrics)
             ctx.log(metrics, step=it + 1)
-            ctx.progress(it + 1, cfg.iterations, score=metrics["objective/scores"], kl=seq_kl, beta=beta)
+            ctx.progress(it + 1, cfg.iterations, score=metrics["objective/scores"],
+                         kl=measured.mean if measured else seq_kl, beta=beta)
+            if over is not None:
+                stop_inside_budget(ctx, cfg, snapshot, *over)
+                break
             if cfg.sample_every and (it + 1) % cfg.sample_every == 0 and ctx.tracker is not None:
                 texts = r.texts(tokenizer)[:8]
                 ctx.tracker.table("samples", ["prompt", "response", "score"],
@@ -288,7 +380,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 tokenizer.save_pretrained(path)
 
         ctx.publish("model", write)
-        out = summarise(cfg, history, kl_ctl, start)
+        out = summarise(cfg, [h for h in history if not h.get("heldout/over_budget")], kl_ctl, start)
+        if snapshot is not None:
+            out.update(budget_summary(cfg, snapshot, over))
         if gaps:
             out["rollout/logprob_gap_max"] = nan_max(gaps)
             out["perf/sync_seconds"] = sum(engine.sync_seconds) / max(1, len(engine.sync_seconds))
@@ -382,6 +476,7 @@ def summarise(cfg: PPOStage, history: list[dict[str, float]], kl_ctl, start: int
             "objective/scores_first": avg(first, "objective/scores"),
             "objective/scores_last": avg(last, "objective/scores"),
             "objective/kl_last": avg(last, "objective/kl"), "objective/kl_coef_final": kl_ctl.value,
+            "heldout/kl_last": history[-1].get("heldout/kl"),
             "objective/kl_target": cfg.kl.target if cfg.kl.adaptive else None,
             "rollout/eos_fraction_last": avg(last, "rollout/eos_fraction"),
             "perf/episodes_per_s": avg(history, "perf/episodes_per_s"),

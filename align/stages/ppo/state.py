@@ -39,6 +39,37 @@ class AdaptiveKLController(FixedKLController):
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
+class PIKLController(FixedKLController):
+    """beta = coef + lambda, where lambda >= 0 is the Lagrange multiplier of the constraint KL <= target, set each
+    iteration by the PID Lagrangian rule of Stooke, Achiam and Abbeel 2020 ("Responsive Safety in Reinforcement
+    Learning by PID Lagrangian Methods", Algorithm 2) without its derivative term:
+
+        e_t = KL_t - target                      (nats per response)
+        I_t = max(0, I_{t-1} + e_t)              (the integral, held at 0 while KL stays under target)
+        lambda_t = max(0, K_P * e_t + K_I * I_t)
+        beta_{t+1} = coef + lambda_t
+
+    Its horizon is in iterations, not episodes: one iteration over target by 1 nat adds K_P + K_I to beta at once,
+    where Ziegler's rule moves beta by at most 20% x episodes / horizon. Under target the penalty returns to coef
+    (the integral unwinds first), never below it."""
+
+    def __init__(self, value: float, target: float, kp: float, ki: float):
+        super().__init__(value)
+        self.coef, self.target, self.kp, self.ki = float(value), float(target), float(kp), float(ki)
+        self.integral = 0.0
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = current_kl - self.target
+        self.integral = max(0.0, self.integral + error)
+        self.value = self.coef + max(0.0, self.kp * error + self.ki * self.integral)
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "integral": self.integral}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value, self.integral = float(state["value"]), float(state.get("integral", 0.0))
+
+
 class RunningMoments:
     """Running mean and std of every score seen (Chan et al.'s parallel update), for reward normalisation."""
 
