@@ -39,7 +39,7 @@ def overrides(model: Path) -> list[str]:
             "dpo.learning_rate=1.0e-3",  # so the policies differ and the evaluation compares something
             "ppo.iterations=2", "ppo.rollout_batch_size=4", "ppo.mini_batch_size=1", "ppo.save_every=1",
             "ppo.sample_every=1", "ppo.reward_normalization_samples=8", "ppo.learning_rate=1.0e-3",
-            "ppo.generation.max_new_tokens=8", "ppo.generation.batch_size=4",
+            "ppo.generation.max_new_tokens=8", "ppo.generation.batch_size=4", "ppo.kl.heldout_prompts=4",
             "evaluate.max_prompts=8", "evaluate.generation.max_new_tokens=8", "evaluate.generation.batch_size=2",
             "evaluate.bootstrap_samples=200"]
     return out

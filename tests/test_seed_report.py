@@ -45,5 +45,5 @@ def test_mean_and_spread_over_seeds_by_hand():
     m.update(agg)
     lines = seeds.table(m, _groups(), ["vader"], ["smollm2"], "sft", "sft")
     row = next(x for x in lines if x.startswith("| ppo |"))
-    assert row == "| ppo | 3 | 5.00 ± 1.00 [4.00, 6.00] | 0.850 ± 0.050 [0.800, 0.900] | - | 0.760 |"
+    assert row == "| ppo | 3 | 5.00 ± 1.00 [4.00, 6.00] | 0.850 ± 0.050 [0.800, 0.900], lowest CI bound 0.760 | - |"
     assert seeds.table(m, [g for g in _groups() if g.name != "ppo"], ["vader"], [], "sft", "sft") == []

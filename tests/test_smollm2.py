@@ -28,7 +28,7 @@ FAST = ["base_model=packaged:smollm2-gguf", "sft.max_steps=3", "sft.per_device_b
         "reward.max_steps=2", "reward.per_device_batch_size=2", "reward.save_steps=2",
         "dpo.max_steps=2", "dpo.per_device_batch_size=2", "dpo.save_steps=2",
         "ppo.iterations=1", "ppo.rollout_batch_size=2", "ppo.mini_batch_size=2", "ppo.reward_normalization_samples=2",
-        "ppo.save_every=1", "ppo.generation.max_new_tokens=12", "ppo.generation.batch_size=2",
+        "ppo.save_every=1", "ppo.generation.max_new_tokens=12", "ppo.generation.batch_size=2", "ppo.kl.heldout_prompts=4",
         "evaluate.max_prompts=2", "evaluate.generation.max_new_tokens=12", f"seed={SEED}",
         # shorter sequences (a test of the path, not of quality): over-long pairs dropped, conversations cut
         *[f"{s}.{k}" for s in ("sft", "reward", "dpo") for k in ("max_length=128", "max_truncated_fraction=1")]]

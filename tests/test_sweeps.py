@@ -279,3 +279,24 @@ def test_changing_one_swept_value_reruns_that_variant_and_the_evaluation(first_r
     assert new["fingerprint"] not in {m["fingerprint"] for m in before.values()}
     report = (run / "report" / "report.md").read_text()
     assert "| dpo-beta_0.3 |" in report and "| dpo-beta_0.1 |" in report and "| dpo-beta_0.5 |" not in report
+
+
+def test_a_seed_sweep_is_reported_as_one_recipe_with_its_spread(first_run, tmp_path):
+    """`dpo.sweep={seed: [1, 2]}`: the report keeps the per-seed rows and adds the recipe's row, mean ± std [min, max]
+    over the seeds, recomputed here from the per-seed metrics."""
+    import statistics
+
+    root = tmp_path / "project"
+    shutil.copytree(first_run, root, symlinks=True)
+    proc = run_align("run", "sweep.yaml", "dpo.sweep={seed: [1, 2]}", cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = root / "runs" / "sweeptest" / "main" / "report"
+    m = json.loads((report / "metrics.json").read_text())
+    kls = [m["eval/dpo-seed_1/kl"], m["eval/dpo-seed_2/kl"]]
+    wins = [m["eval/dpo-seed_1/vader/win_rate"], m["eval/dpo-seed_2/vader/win_rate"]]
+    assert m["eval/dpo/seeds/n"] == 2 and m["eval/dpo/seeds/kl/mean"] == pytest.approx(statistics.fmean(kls))
+    assert m["eval/dpo/seeds/vader/win_rate/std"] == pytest.approx(statistics.stdev(wins))
+    text = (report / "report.md").read_text()
+    assert "| dpo-seed_1 |" in text and "| dpo-seed_2 |" in text  # the per-seed rows stay
+    row = next(line for line in text.splitlines() if line.startswith("| dpo | 2 |"))
+    assert f"{statistics.fmean(wins):.3f} ± {statistics.stdev(wins):.3f} [{min(wins):.3f}, {max(wins):.3f}]" in row

@@ -65,14 +65,15 @@ def table(m: dict[str, Any], groups: list[Group], judges: list[str], pairwise: l
     if not sweeps:
         return []
     rated = [*judges, *pairwise]
-    lines = ["Seed sweeps: each row is one recipe run with several seeds, mean ± std [min, max] over them; the last "
-             "column is the lowest lower 95% CI bound of any seed's win rate.", "",
-             f"| stage | seeds | KL to {reference} | " + " | ".join(f"{j} win rate vs {baseline}" for j in rated)
-             + " | lowest CI bound |", "|" + "---|" * (4 + len(rated))]
+    lines = ["Seed sweeps: each row is one recipe run with several seeds, mean ± std [min, max] over them, and the "
+             "lowest lower 95% CI bound of any seed's win rate (the per-seed rows are above).", "",
+             f"| stage | seeds | KL to {reference} | " + " | ".join(f"{j} win rate vs {baseline}" for j in rated) + " |",
+             "|" + "---|" * (3 + len(rated))]
     for g in sweeps:
         key = f"eval/{g.name}/seeds"
-        lows = [m[f"{key}/{j}/win_rate/ci_low_min"] for j in rated if f"{key}/{j}/win_rate/ci_low_min" in m]
-        low = f"{min(lows):.3f}" if lows else "-"
-        lines.append(f"| {g.name} | {m[f'{key}/n']} | {cell(m, f'{key}/kl', 2)} | "
-                     + " | ".join(cell(m, f"{key}/{j}/win_rate") for j in rated) + f" | {low} |")
+        cells = []
+        for j in rated:
+            low = m.get(f"{key}/{j}/win_rate/ci_low_min")
+            cells.append(cell(m, f"{key}/{j}/win_rate") + (f", lowest CI bound {low:.3f}" if low is not None else ""))
+        lines.append(f"| {g.name} | {m[f'{key}/n']} | {cell(m, f'{key}/kl', 2)} | " + " | ".join(cells) + " |")
     return lines
