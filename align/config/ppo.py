@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from align.core.engine_env import ENGINES
+from align.core.engine_env import ENGINES, holds_own_copy
 from align.config.common import (HeldModel, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, Generation, LoraSettings, StageBase,
                                  response_length_problems)
 from align.core.judges import judge_weights
@@ -221,7 +221,7 @@ class PPOStage(StageBase):
     def gathers_policy_for_generation(self) -> bool:
         """The hf engine samples from the policy gathered whole (generation.zero3_gather: whole); a vllm engine's
         weight sync gathers it too (align/stages/ppo/models.py policy_for_generation)."""
-        return self.generation.engine == "vllm" or self.generation.zero3_gather == "whole"
+        return holds_own_copy(self.generation.engine) or self.generation.zero3_gather == "whole"
 
     def workload(self) -> tuple[int, int, int, int]:
         seq = self.max_prompt_length + self.generation.max_new_tokens

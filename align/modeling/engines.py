@@ -4,6 +4,10 @@
     engine.sync_weights(model)           after optimiser steps: the engine samples from `model`'s weights from then on
     engine.close()
 
+and declares what its callers need, so no stage tests an engine's class or name: `holds_own_weights` (a copy to sync
+after every update), `describe()` (what the manifest records of it; None for nothing worth recording), `log_path`
+(where its own log is, None when it has none) and `sync_seconds` (one entry per sync).
+
 `hf` samples with the training model itself through `transformers.generate` (align/modeling/generation.py): there is
 nothing to sync. `vllm` runs vLLM in its own process and environment (align/modeling/vllm_engine.py). Training code
 recomputes log-probs with the training model either way and logs the engine-vs-trainer gap (`logprob_gap`).
@@ -26,6 +30,11 @@ from align.core.engine_env import ENGINES, EngineError, VLLM_INSTALL, vllm_pytho
 
 class RolloutEngine(Protocol):
     name: str
+    holds_own_weights: bool
+    log_path: object
+    sync_seconds: list[float]
+
+    def describe(self) -> dict | None: ...
 
     def generate(self, prompts: list[str], gen: Generation, seed: int, max_prompt_length: int | None = None,
                  greedy: bool = False) -> Rollout: ...
@@ -41,12 +50,18 @@ class HFEngine:
     policy's parameters for the duration: align/stages/ppo/models.py policy_for_generation)."""
 
     name = "hf"
+    holds_own_weights = False
+    log_path = None
 
     def __init__(self, model, tokenizer, fast: bool = False, synced_gpus: bool = False,
-                 context: Callable[[], ContextManager] | None = None):
+                 context: Callable[[], ContextManager] | None = None, eos_override: str | None = None):
         self.model, self.tokenizer, self.fast, self.synced_gpus = model, tokenizer, fast, synced_gpus
         self.context = context
-        self.eos_override: str | None = None  # fault injection (tests): align/modeling/generation.py EOSOverride
+        self.eos_override = eos_override  # fault injection (tests): align/modeling/generation.py EOSOverride
+        self.sync_seconds: list[float] = []
+
+    def describe(self) -> dict | None:
+        return None
 
     def generate(self, prompts, gen, seed, max_prompt_length=None, greedy=False):
         from align.modeling.generation import generate
@@ -92,13 +107,26 @@ def check_gap(gap: float, bound: float, where: str, log_path) -> None:
                       f"weights being trained (a failed or partial weight sync); its log: {log_path}")
 
 
+def test_eos_override(rank: int) -> str | None:
+    """Fault injection for the distributed tests (tests/test_distributed.py): the ranks listed in
+    ALIGN_TEST_EOS_FIRST_RANKS end every response at once, those in ALIGN_TEST_EOS_NEVER_RANKS run to the length
+    limit. Unset (always, outside the tests): None."""
+    import os
+
+    for mode in ("first", "never"):
+        if str(rank) in os.environ.get(f"ALIGN_TEST_EOS_{mode.upper()}_RANKS", "").split(","):
+            return mode
+    return None
+
+
 def make_engine(gen: Generation, *, model, tokenizer, model_dir: str, fast: bool = False, synced_gpus: bool = False,
                 context: Callable[[], ContextManager] | None = None, seed: int = 0, dtype: str = "float32",
-                max_model_len: int = 512, log_path=None) -> RolloutEngine:
+                max_model_len: int = 512, log_path=None, rank: int = 0) -> RolloutEngine:
     """The engine `gen.engine` names. `model`: what the hf engine samples with; `model_dir`: the Hugging Face
     directory vLLM starts from (the training model's own weights reach it by `sync_weights`)."""
     if gen.engine == "hf":
-        return HFEngine(model, tokenizer, fast=fast, synced_gpus=synced_gpus, context=context)
+        return HFEngine(model, tokenizer, fast=fast, synced_gpus=synced_gpus, context=context,
+                        eos_override=test_eos_override(rank))
     if gen.engine == "vllm":
         from align.modeling.vllm_engine import VLLMEngine
 

@@ -97,6 +97,7 @@ def policy_state_for_engine(model) -> dict[str, torch.Tensor]:
 
 class VLLMEngine:
     name = "vllm"
+    holds_own_weights = True
 
     def __init__(self, model_dir: str, tokenizer, seed: int = 0, dtype: str = "float32", max_model_len: int = 512,
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.3, log_path=None, timeout_s: float = 600.0,
@@ -232,8 +233,10 @@ class VLLMEngine:
         self.sync_seconds.append(seconds)
         return seconds
 
-    def checksum(self) -> float:
-        return self._call({"op": "checksum"}, "checksum", self.timeout_s)["value"]
+    def describe(self) -> dict:
+        """What the stage's manifest records of this engine."""
+        return {"name": self.name, "version": self.version, "startup_seconds": self.startup_seconds,
+                "pid": self.proc.pid, "weights": self.weights}
 
     def close(self, kill: bool = False) -> None:
         """Stop the engine: asked to exit (then waited for, then killed), or killed at once (`kill`, after a timeout:

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from align.core import gguf
+from align.core.engine_env import holds_own_copy
 
 from align.orchestrator import helper
 from align.core.builtin import is_builtin
@@ -170,7 +171,7 @@ def engine_bytes(gen: Any, policy: ModelShape, batch: int, seq: int, dtype_bytes
     vllm: its own whole copy of the policy (ZeRO or not) and its KV cache: on a GPU vLLM takes
     `gpu_memory_utilization` of the GPU's memory for both (when the GPU's size is known), on a CPU `kv_cache_gib`."""
     kv = kv_cache_bytes(policy, batch, seq, dtype_bytes)
-    if gen is None or getattr(gen, "engine", "hf") != "vllm":
+    if gen is None or not holds_own_copy(getattr(gen, "engine", "hf")):
         return kv
     if gpu_memory:
         return max(int(gen.gpu_memory_utilization * gpu_memory), policy.params * dtype_bytes + kv)

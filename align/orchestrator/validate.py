@@ -100,22 +100,25 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
 def _check_engine(plan: StagePlan, cfg: PipelineConfig, source: str) -> None:
     """`generation.engine` is one the stage type samples with, vLLM is installed where align will look for it, and
     the models it starts from are whole (a LoRA stage publishes its adapter alone unless `lora.merge`)."""
+    from align.core.engine_env import ENGINE_KINDS
+
     gen = plan.cfg.generation_settings()
-    if gen is None or gen.engine == "hf":
+    if gen is None:
         return
     where = f"{source}: stages.{plan.name}.generation.engine"
     if gen.engine not in plan.cfg.ENGINES:
         why = f" {plan.cfg.ENGINE_NOTE}" if plan.cfg.ENGINE_NOTE else ""
         raise PipelineError(f"{where}: '{gen.engine}' is not available for stage type '{plan.cfg.TYPE}' (it samples "
                             f"with {', '.join(plan.cfg.ENGINES)}).{why} Set generation.engine: hf")
+    kind = ENGINE_KINDS[gen.engine]
+    if not kind.own_copy:  # it samples with the stage's own model
+        return
     for ref in refs(getattr(plan.cfg, plan.cfg.ENGINE_MODEL, None)):
         lora = getattr(cfg.stages.get(ref), "lora", None)
         if lora is not None and lora.enabled and not lora.merge:
             raise PipelineError(f"{where}: '{gen.engine}' starts from stage '{ref}''s model/, which holds LoRA adapters "
                                 f"alone; the engine needs whole weights: set stages.{ref}.lora.merge: true")
-    from align.core.engine_env import check_vllm_installed, head_size_problem
-
-    problem = check_vllm_installed(where) or head_size_problem(_head_dim(cfg, source), where)
+    problem = kind.problems(where, lambda: _head_dim(cfg, source))
     if problem:
         raise PipelineError(problem)
 

@@ -61,7 +61,7 @@ def sample_with_kl(engine: RolloutEngine, policy, reference, tokenizer, prompts:
         lp = response_logprobs(policy, r, gen.temperature)
         if r.engine_logprobs is not None:
             gap = nan_max([gap or 0.0, logprob_gap(r.engine_logprobs, lp, r.response_mask)["max"]])
-            check_gap(gap, gen.max_logprob_gap, f"evaluation batch {start}", getattr(engine, "log_path", None))
+            check_gap(gap, gen.max_logprob_gap, f"evaluation batch {start}", engine.log_path)
         ref_lp = response_logprobs(reference, r, gen.temperature)
         mask = r.response_mask.float()
         ref_plain = ref_lp if gen.temperature == 1.0 else response_logprobs(reference, r, 1.0)

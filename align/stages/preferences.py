@@ -21,6 +21,7 @@ from typing import Any
 
 from align.config.preferences import PreferencesStage
 from align.stages.rows import load_prompts
+from align.core.engine_env import holds_own_copy
 from align.modeling.engines import make_engine
 from align.modeling.generation import by_length, longest_prompt, sample_texts
 from align.stages.judging import stage_judge
@@ -88,7 +89,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     tokenizer = load_tokenizer(path)
     prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer)  # conversations: rendered
     gen = cfg.generation
-    policy = ctx.load_lm(path, device=True, frozen=True).eval() if gen.engine == "hf" else None  # vllm holds its own copy
+    # an engine with its own copy of the policy (vllm) starts from `path`: the stage then loads none
+    policy = None if holds_own_copy(gen.engine) else ctx.load_lm(path, device=True, frozen=True).eval()
     judge = stage_judge(ctx, cfg.judge) if cfg.pairwise is None else None
     n = cfg.samples_per_prompt
     per_batch = max(1, gen.batch_size // n)

@@ -10,7 +10,6 @@ request is a dict with "op", every reply a dict with "ok" (and "error" with the 
             -> {outputs: [{token_ids, logprobs}]}  (the sampled tokens' log-probs, after temperature)
   load      {path: a safetensors file of the full model state} -> {tensors, seconds}; the file is deleted once
             read (loaded or not), so a parent killed mid-sync leaves no copy of the weights in /dev/shm
-  checksum  -> {value}
   close
 
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): weights reach the worker as tensors, not lists, and
@@ -48,8 +47,6 @@ def serve(address: str) -> None:
                         with contextlib.suppress(FileNotFoundError):  # a missing file: the load's own error says so
                             os.unlink(msg["path"])
                     reply = {"tensors": counts[0], "seconds": time.perf_counter() - t0}
-                elif op == "checksum":
-                    reply = {"value": llm.collective_rpc("align_checksum")[0]}
                 elif op == "close":
                     conn.send({"ok": True})
                     return

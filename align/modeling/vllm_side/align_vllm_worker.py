@@ -30,8 +30,3 @@ class WeightSync:
             with torch.no_grad():
                 dispatch_cpu_unquantized_gemm(head, remove_weight=False)
         return len(state)
-
-    def align_checksum(self) -> float:
-        """The sum of every parameter's absolute values: a cheap fingerprint of the loaded weights (tests)."""
-        model = self.model_runner.get_model()
-        return float(sum(p.detach().float().abs().sum() for p in model.parameters() if p.numel()))

@@ -13,7 +13,6 @@ value_init: reward, the reward model) is served by a trained model's base weight
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import closing
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 
 from align.config.ppo import PPOStage
 from align.stages.rows import load_rows, unique_prompts
-from align.modeling.engines import HFEngine, RolloutEngine, check_gap, logprob_gap, make_engine, nan_max
+from align.modeling.engines import RolloutEngine, check_gap, logprob_gap, make_engine, nan_max
 from align.modeling.generation import Rollout, response_logprobs
 from align.core.judges import judge_weights
 from align.data.lengths import DROPS_LONG_PROMPTS, enforce
@@ -72,25 +71,21 @@ def open_engine(ctx: StageContext, cfg: PPOStage, accelerator, model, tokenizer,
                          context=lambda: policy_for_generation(model, accelerator, cfg.generation.zero3_gather),
                          seed=ctx.seed * 7919 + accelerator.process_index, dtype=ctx.compute.engine_dtype(),
                          max_model_len=cfg.max_prompt_length + cfg.generation.max_new_tokens + 1,
-                         log_path=ctx.dir / f"engine.rank{accelerator.process_index}.log")
-    if isinstance(engine, HFEngine):  # fault injection for tests: ranks whose responses end at once / run to the limit
-        for mode in ("first", "never"):
-            ranks = os.environ.get(f"ALIGN_TEST_EOS_{mode.upper()}_RANKS", "")
-            if str(accelerator.process_index) in ranks.split(","):
-                engine.eos_override = mode
-    else:
-        ctx.note(engine={"name": "vllm", "version": engine.version, "startup_seconds": engine.startup_seconds,
-                         "pid": engine.proc.pid, "weights": engine.weights})
+                         log_path=ctx.dir / f"engine.rank{accelerator.process_index}.log",
+                         rank=accelerator.process_index)
+    described = engine.describe()
+    if described:
+        ctx.note(engine=described)
         if accelerator.is_main_process:
-            print(f"[align] {ctx.name}: vLLM {engine.version} engine started in {engine.startup_seconds:.0f} s "
-                  f"(log: {engine.log_path})", flush=True)
+            print(f"[align] {ctx.name}: {engine.name} {described.get('version', '')} engine started in "
+                  f"{described.get('startup_seconds', 0):.0f} s (log: {engine.log_path})", flush=True)
     return engine
 
 
 def sync_engine(engine: RolloutEngine, model, accelerator) -> float:
     """Push the policy's current weights to an engine that holds its own copy (vllm); under ZeRO-3 every process
     gathers the parameters (a collective) and syncs its own engine. Returns the seconds it took."""
-    if isinstance(engine, HFEngine):
+    if not engine.holds_own_weights:
         return 0.0
     with torch.no_grad(), policy_for_generation(model, accelerator) as policy:
         return engine.sync_weights(policy)
@@ -293,7 +288,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                     gap = logprob_gap(r.engine_logprobs, logprobs, rmask)
                     check_gap(gap["max"], cfg.generation.max_logprob_gap,
                               f"stage '{ctx.name}' iteration {it + 1} (after a weight sync of {t_sync:.2f} s)",
-                              getattr(engine, "log_path", None))
+                              engine.log_path)
                 # 4. per-token rewards: -beta * KL, plus the score on the last response token
                 kl = kl_estimate(logprobs, ref_logprobs, cfg.kl.estimator) * rmask
                 last = (rmask.sum(1) - 1).clamp(min=0).long()
