@@ -49,6 +49,7 @@ stages:
     learning_rate: 1.0e-3
     reward_normalization_samples: 8
     lora: {{enabled: true, r: 8, alpha: 16}}
+    kl: {{heldout_prompts: 8}}                # the held-out sync path, at a test's size
     generation: {{max_new_tokens: 12, batch_size: 8, engine: vllm}}
   evaluate:
     policies: [sft, ppo]
