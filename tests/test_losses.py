@@ -8,22 +8,13 @@ import torch
 from align.modeling import losses as L
 
 
-def test_bradley_terry_hand_value():
-    """r_w = 1, r_l = 0: loss = -log sigmoid(1) = log(1 + e^-1) = 0.313262."""
-    loss, m = L.bradley_terry_loss(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]))
-    # second pair: margin -1 -> -log sigmoid(-1) = log(1 + e) = 1.313262; mean = 0.813262
-    assert loss.item() == pytest.approx((math.log1p(math.e**-1) + math.log1p(math.e)) / 2, abs=1e-6)
-    assert m["rewards/accuracy"].item() == 0.5
-
-
-def test_dpo_hand_value():
-    """pi_w=-1, pi_l=-2, ref_w=ref_l=-1.5, beta=0.5: chosen = 0.25, rejected = -0.25,
-    loss = -log sigmoid(0.5) = log(1 + e^-0.5) = 0.474077."""
-    loss, m = L.dpo_loss(torch.tensor([-1.0]), torch.tensor([-2.0]), torch.tensor([-1.5]), torch.tensor([-1.5]), 0.5)
-    assert loss.item() == pytest.approx(math.log1p(math.exp(-0.5)), abs=1e-6)
-    assert m["rewards/chosen"].item() == pytest.approx(0.25)
-    assert m["rewards/rejected"].item() == pytest.approx(-0.25)
-    assert m["rewards/accuracy"].item() == 1.0
+def test_sequence_kl_hand_value():
+    """Two responses, the second one token shorter (mask 0 on its last position, whose log-probs must not count):
+    row 0: (-1 - -2) + (-0.5 - -0.25) = 1 - 0.25 = 0.75; row 1: (-3 - -1) = -2 (k1 can be negative per sample)."""
+    lp = torch.tensor([[-1.0, -0.5], [-3.0, -9.0]])
+    ref = torch.tensor([[-2.0, -0.25], [-1.0, 5.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    assert L.sequence_kl(lp, ref, mask).tolist() == pytest.approx([0.75, -2.0], abs=1e-6)
 
 
 def test_kl_estimators_hand_values():

@@ -4,8 +4,6 @@ Shapes: B = batch, T = response length. `mask` is 1 for real response tokens and
 everything after the first EOS. Every loss returns `(loss, metrics)` where metrics are detached scalars.
 
 References
-- [BT]    Bradley & Terry 1952; Ouyang et al. 2022 (InstructGPT) eq. 1.
-- [DPO]   Rafailov et al. 2023, "Direct Preference Optimization", eq. 7.
 - [PPO]   Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7 (clipped surrogate).
 - [GAE]   Schulman et al. 2016, "High-Dimensional Continuous Control Using GAE", eq. 16.
 - [KL]    Schulman 2020, "Approximating KL Divergence" (k1, k2, k3 estimators).
@@ -82,29 +80,6 @@ def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[to
     return torch.gather(logp, 2, labels.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
-# --------------------------------------------------------------------------------------------- preferences
-def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
-    """Pairwise reward-model loss [BT]: -log sigmoid(r(x, y_w) - r(x, y_l)). Inputs (B,)."""
-    margin = chosen - rejected
-    loss = -F.logsigmoid(margin).mean()
-    return loss, {"rewards/margin": margin.mean().detach(), "rewards/accuracy": (margin > 0).float().mean()}
-
-
-def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float) -> tuple[torch.Tensor, Metrics]:
-    """DPO [DPO eq. 7] from sequence log-probs (B,):
-    -log sigmoid(beta * [(log pi(y_w) - log ref(y_w)) - (log pi(y_l) - log ref(y_l))]).
-
-    TRL's DPOTrainer runs the real training; this reference implementation documents and tests the math.
-    """
-    chosen = beta * (policy_chosen - ref_chosen)
-    rejected = beta * (policy_rejected - ref_rejected)
-    loss = -F.logsigmoid(chosen - rejected).mean()
-    return loss, {"rewards/chosen": chosen.mean().detach(), "rewards/rejected": rejected.mean().detach(),
-                  "rewards/margin": (chosen - rejected).mean().detach(),
-                  "rewards/accuracy": (chosen > rejected).float().mean()}
-
-
 # --------------------------------------------------------------------------------------------- RL
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1") -> torch.Tensor:
     """Per-token estimate of KL(pi || ref) from samples of pi [KL]. With log r = ref - pi:
@@ -117,6 +92,13 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
     if kind == "k3":
         return torch.expm1(log_ratio) - log_ratio
     raise ValueError(f"unknown KL estimator {kind!r}; use k1, k2 or k3")
+
+
+def sequence_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """KL(pi || ref) of whole responses sampled from pi [KL k1, summed]: sum_t (log pi(y_t) - log ref(y_t)) over
+    each response's real tokens, in nats per response. The number PPO's held-out budget and the evaluation report
+    both show. (B, T), (B, T), (B, T) -> (B,)."""
+    return ((logprobs.float() - ref_logprobs.float()) * mask.float()).sum(1)
 
 
 def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float,

@@ -23,6 +23,7 @@ from align.config.evaluate import EvaluateStage
 from align.stages.rows import load_prompts, load_rows
 from align.modeling.engines import RolloutEngine, check_gap, logprob_gap, make_engine, nan_max
 from align.modeling.generation import by_length, longest_prompt, response_logprobs
+from align.modeling.losses import sequence_kl
 from align.stages.judging import WeightedJudge, stage_judge
 from align.stages.pairwise import build_pairwise
 from align.modeling.models import load_tokenizer
@@ -65,7 +66,7 @@ def sample_with_kl(engine: RolloutEngine, policy, reference, tokenizer, prompts:
         ref_lp = response_logprobs(reference, r, gen.temperature)
         mask = r.response_mask.float()
         ref_plain = ref_lp if gen.temperature == 1.0 else response_logprobs(reference, r, 1.0)
-        for i, kl, length, text, ref_sum in zip(idx, ((lp - ref_lp) * mask).sum(1).tolist(), mask.sum(1).tolist(),
+        for i, kl, length, text, ref_sum in zip(idx, sequence_kl(lp, ref_lp, mask).tolist(), mask.sum(1).tolist(),
                                                 r.texts(tokenizer), (ref_plain * mask).sum(1).tolist()):
             texts[i], kls[i], lengths[i], ref_sums[i] = text, kl, length, ref_sum
         for name, judge in (judges or {}).items():

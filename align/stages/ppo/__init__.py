@@ -27,7 +27,7 @@ from align.modeling.generation import Rollout, response_logprobs
 from align.core.judges import judge_weights
 from align.data.lengths import DROPS_LONG_PROMPTS, enforce
 from align.modeling.losses import (gae, kl_estimate, masked_mean, masked_whiten, ppo_policy_loss, ppo_value_loss,
-                          token_rewards)
+                                   sequence_kl, token_rewards)
 from align.modeling.models import load_causal_lm, load_tokenizer, merged_lora_model, unsharded_loading
 from align.stages.context import NonFiniteLossError, StageContext, StageError
 from align.stages.ppo.budget import HeldoutKL, PolicySnapshot, split_heldout
@@ -137,9 +137,9 @@ def heldout_kl(cfg: PPOStage, accelerator, engine: RolloutEngine, model, referen
         r = rollout(cfg, accelerator, engine, mine[start:start + cfg.generation.batch_size], seed=seed + start * world + rank)
         with torch.no_grad(), accelerator.autocast():
             logprobs, _, _ = model(r.input_ids, r.attention_mask, r.query_ids.size(1), cfg.generation.temperature,
-                                   with_entropy=False)
+                                   with_entropy=False, with_values=False)
             ref_logprobs = response_logprobs(reference, r, cfg.generation.temperature)
-        kls.append(((logprobs - ref_logprobs).float() * r.response_mask.float()).sum(1))
+        kls.append(sequence_kl(logprobs, ref_logprobs, r.response_mask))
     return HeldoutKL.of(accelerator.gather(torch.cat(kls)).cpu())
 
 

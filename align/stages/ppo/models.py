@@ -43,11 +43,14 @@ class PolicyAndValue(torch.nn.Module):
                 for name, part in (("policy", self.policy), ("value", value))}
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, query_len: int, temperature: float,
-                with_entropy: bool = True):
-        """Per-token log-probs, entropies (None unless asked) and values of the response part. ids, mask:
-        (B, Lq + Lr). The value at t is V(state before response token t). One forward of the policy gives its
-        logits at the response positions (response_logits) and, with the shared head, the hidden state it reads."""
-        shared = self.value_head is not None
+                with_entropy: bool = True, with_values: bool = True):
+        """Per-token log-probs, entropies (None unless asked) and values (None unless asked: the held-out KL needs
+        the policy alone, and a separate value model's forward costs as much as the policy's) of the response part.
+        ids, mask: (B, Lq + Lr). The value at t is V(state before response token t). One forward of the policy gives
+        its logits at the response positions (response_logits) and, with the shared head, the hidden state it reads.
+        Through the DeepSpeed engine (ZeRO-3 included) a forward that skips the value model just leaves its
+        partitions ungathered."""
+        shared = self.value_head is not None and with_values
         logits, hidden = response_logits(self.policy, ids, mask, query_len, temperature, with_hidden=shared)
         targets = ids[:, query_len:]
         if with_entropy:
@@ -56,6 +59,8 @@ class PolicyAndValue(torch.nn.Module):
             logprobs, entropy = logprobs_from_logits(logits, targets), None
         if shared:
             return logprobs, entropy, self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+        if not with_values:
+            return logprobs, entropy, None
         values = scalar_outputs(without_peft(self.value), ids, mask)[:, query_len - 1:-1]
         gain, bias = self.value_affine
         return logprobs, entropy, values * gain + bias
