@@ -121,3 +121,56 @@ def test_ppo_with_vllm_resumes_after_sigkill_and_keeps_the_logprob_gap_small(tmp
     for policy in ("sft", "ppo"):  # each policy's weights were synced into the engine before it sampled
         assert metrics[f"eval/{policy}/logprob_gap_max"] < 1e-3, metrics[f"eval/{policy}/logprob_gap_max"]
     assert not _alive(m["engine"]["pid"]), "the completed stage left its engine running"
+
+
+# Loaded by every Python process of the run below (PYTHONPATH): from the second weight sync on (the first, before
+# iteration 1's rollout, goes through), the trainer's sync file gets NaN in one tensor, as a sync that loads wrongly
+# would leave the engine. Nothing in align's code knows of it; checkpoints and the
+# published model are written by the same safetensors function and are left alone (matched by the sync file's name).
+BREAK_SYNC = '''
+try:
+    import safetensors.torch as _st
+except ImportError:  # a process without safetensors (not the trainer)
+    _st = None
+if _st is not None:
+    _save, _syncs = _st.save_file, []
+
+    def save_file(tensors, filename, *args, **kwargs):
+        if str(filename).endswith("weights.safetensors.tmp"):
+            _syncs.append(filename)
+        if len(_syncs) >= 2 and str(filename).endswith("weights.safetensors.tmp"):  # the first sync goes through
+            name = sorted(k for k, v in tensors.items() if v.is_floating_point())[0]
+            tensors = {**tensors, name: tensors[name] * float("nan")}
+        return _save(tensors, filename, *args, **kwargs)
+
+    _st.save_file = save_file
+'''
+
+
+def test_ppo_with_vllm_stops_at_the_first_samples_after_a_broken_sync(tmp_path):
+    """A weight sync that loads wrongly (NaN in the synced weights) stops PPO at the first samples after it, naming
+    the iteration, the sync and the engine's log: here the held-out KL's samples after iteration 1's update, so a
+    broken engine can steer neither the KL controller nor the budget. Before the check the stage completed with
+    exit 0 and a clean gap in its summary (issue 38). The first sync (before iteration 1's rollout) is left whole, so
+    the failure is the held-out path's, the one that runs right after an update's sync."""
+    (tmp_path / "p.yaml").write_text(PIPELINE.format(repo=REPO))
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(BREAK_SYNC)
+    sft = run_align("run", "p.yaml", "--only", "sft", cwd=tmp_path)
+    assert sft.returncode == 0, sft.stdout[-3000:] + sft.stderr[-3000:]
+    path = os.pathsep.join(p for p in (str(inject), os.environ.get("PYTHONPATH", "")) if p)
+    proc = run_align("run", "p.yaml", "--only", "ppo", "ppo.iterations=2", cwd=tmp_path, env={"PYTHONPATH": path},
+                     timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "iteration 1, held-out KL (after a weight sync of" in out, out[-3000:]
+    assert "generation.max_logprob_gap" in out and "engine.rank0.log" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    ppo = tmp_path / "runs" / "vllm_ppo" / "main" / "ppo"
+    m = json.loads((ppo / "manifest.json").read_text())
+    assert m["status"] == "failed", m["status"]
+    assert not (ppo / "model").exists()  # nothing published from a run whose engine was broken
+    rows = [json.loads(line) for line in (ppo / "metrics.jsonl").read_text().splitlines()] \
+        if (ppo / "metrics.jsonl").exists() else []
+    assert rows == [], rows  # iteration 1 stopped before its metrics row: no KL measured on a broken engine

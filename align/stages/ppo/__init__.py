@@ -124,11 +124,13 @@ def kl_controller(cfg: PPOStage):
 
 
 def heldout_kl(cfg: PPOStage, accelerator, engine: RolloutEngine, model, reference, heldout: list[str],
-               seed: int) -> HeldoutKL:
+               seed: int, where: str) -> HeldoutKL:
     """Sequence KL(policy || reference) = sum over the response of log pi - log ref (k1, at the sampling temperature,
     as the evaluation measures it) of one response per held-out prompt, sampled with the same seeds every iteration
     (the iterations differ by the policy, not by the draw). Every process measures an equal share (so the
-    collectives of ZeRO-3 generation line up) and the shares are gathered."""
+    collectives of ZeRO-3 generation line up) and the shares are gathered. These are the first samples after a
+    weight sync: an engine that reports its own log-probs is checked against the policy here (`where` names the
+    iteration), so a broken sync stops the stage before its KL can steer the controller or the budget."""
     world, rank = accelerator.num_processes, accelerator.process_index
     n = max(world, len(heldout) // world * world)
     mine = [heldout[i % len(heldout)] for i in range(n)][rank::world]
@@ -139,6 +141,9 @@ def heldout_kl(cfg: PPOStage, accelerator, engine: RolloutEngine, model, referen
             logprobs, _, _ = model(r.input_ids, r.attention_mask, r.query_ids.size(1), cfg.generation.temperature,
                                    with_entropy=False, with_values=False)
             ref_logprobs = response_logprobs(reference, r, cfg.generation.temperature)
+        if r.engine_logprobs is not None:
+            check_gap(logprob_gap(r.engine_logprobs, logprobs, r.response_mask)["max"], cfg.generation.max_logprob_gap,
+                      where, engine.log_path)
         kls.append(sequence_kl(logprobs, ref_logprobs, r.response_mask))
     return HeldoutKL.of(accelerator.gather(torch.cat(kls)).cpu())
 
@@ -309,7 +314,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
             measured = None
             if heldout:  # 7. the KL after this update, on prompts never trained on (align/stages/ppo/budget.py)
                 t_sync, synced = sync_engine(engine, model, accelerator), True
-                measured = heldout_kl(cfg, accelerator, engine, model, reference, heldout, ctx.seed * 7919 + 1_299_709)
+                measured = heldout_kl(cfg, accelerator, engine, model, reference, heldout, ctx.seed * 7919 + 1_299_709,
+                                      f"stage '{ctx.name}' iteration {it + 1}, held-out KL (after a weight sync of "
+                                      f"{t_sync:.2f} s)")
             kl_ctl.update(measured.mean if measured else seq_kl, cfg.rollout_batch_size * world)
             non_score = accelerator.gather((-beta * kl).sum(1)).mean().item()
             used = accelerator.gather(scores_used).mean().item()
