@@ -1,4 +1,4 @@
-"""benchmarks/gpu.py in its CPU mode: the script the README's GPU table comes from runs end to end here, so it
+"""benchmarks/gpu.py in its CPU mode: the script the GPU table of docs/benchmarks.md comes from runs end to end here, so it
 cannot rot between the sessions that have a GPU."""
 
 from __future__ import annotations

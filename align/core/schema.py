@@ -33,6 +33,11 @@ class ConfigError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------- rules
+def _num(x: float) -> str:
+    """A bound as written: integers exactly (2147483647, not 2.14748e+09), other numbers in %g."""
+    return str(int(x)) if float(x).is_integer() and abs(x) < MAX_INT else f"{x:g}"
+
+
 @dataclass(frozen=True)
 class Rule:
     """Valid values of one field: numeric bounds, a set of choices, or a plain name."""
@@ -50,10 +55,10 @@ class Rule:
             return "one of " + ", ".join(self.choices)
         if self.plain_name:
             return "a plain name (letters, digits, '.', '_', '-'; 1 to 100 characters; not '.' or '..')"
-        lo = f"[{self.ge:g}" if self.ge is not None else f"({self.gt:g}" if self.gt is not None else "(-inf"
-        hi = f"{self.le:g}]" if self.le is not None else f"{self.lt:g})" if self.lt is not None else "inf)"
+        lo = f"[{_num(self.ge)}" if self.ge is not None else f"({_num(self.gt)}" if self.gt is not None else "(-inf"
+        hi = f"{_num(self.le)}]" if self.le is not None else f"{_num(self.lt)})" if self.lt is not None else "inf)"
         if hi == "inf)":
-            return f">= {self.ge:g}" if self.ge is not None else f"> {self.gt:g}"
+            return f">= {_num(self.ge)}" if self.ge is not None else f"> {_num(self.gt)}"
         return f"in {lo}, {hi}"
 
     def accepts(self, value: Any) -> bool:
