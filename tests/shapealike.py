@@ -59,7 +59,7 @@ def ultrafeedback_rows() -> list[dict]:
         user = chosen[0][1]
         if not user or chosen[-1][1].strip() == rejected[-1][1].strip() or not chosen[-1][1] or not rejected[-1][1]:
             continue
-        conv = lambda reply: [{"content": user, "role": "user"}, {"content": reply, "role": "assistant"}]  # noqa: E731
+        conv = lambda reply: [{"content": user, "role": "user"}, {"content": reply, "role": "assistant"}]  # noqa: E731, B023
         rows.append({"prompt": user, "prompt_id": hashlib.sha256(user.encode()).hexdigest(),
                      "chosen": conv(chosen[-1][1]), "rejected": conv(rejected[-1][1]), "messages": conv(chosen[-1][1]),
                      "score_chosen": 8.0, "score_rejected": 4.5})

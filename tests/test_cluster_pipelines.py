@@ -11,7 +11,6 @@ A user's run and this one differ in `base_model` (and the hub being reachable): 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest

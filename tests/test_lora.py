@@ -88,7 +88,7 @@ def test_the_qlora_merge_into_a_fresh_load_equals_the_in_place_merge(tmp_path, t
         peft = add_adapters(base, lora, task)
         torch.manual_seed(SEED + 1)
         with torch.no_grad():
-            for name, p in peft.named_parameters():
+            for _name, p in peft.named_parameters():
                 if p.requires_grad:
                     p.add_(torch.randn_like(p))  # "trained" adapters (B starts at zero) and head copy
         models.append(merged_for_saving(peft, lora, "float32"))

@@ -165,7 +165,7 @@ def test_align_status_lists_every_stage_and_notices_a_stale_one(e2e, tmp_path):
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in proc.stdout.splitlines() if line.startswith("| ") and "stage" not in line}
     assert list(rows) == STAGES
-    for stage, (kind, state, fingerprint, attempts, duration, headline) in rows.items():
+    for stage, (kind, state, fingerprint, attempts, duration, _headline) in rows.items():
         assert (kind, state, fingerprint, attempts) == (stage, "completed", "current", "1"), stage
         assert duration.endswith("s")
     scores_last = _manifest(copy, "ppo")["final_metrics"]["objective/scores_last"]

@@ -269,7 +269,7 @@ def test_gradient_checkpointing_recomputes_and_leaves_the_update_unchanged():
         calls = []
         # a block's inner modules start again when the backward pass recomputes it (its own forward is the checkpoint;
         # the recomputation stops once it has what the backward needs, so count starts, not ends)
-        hook = policy.model.layers[0].mlp.register_forward_pre_hook(lambda *a: calls.append(1))
+        hook = policy.model.layers[0].mlp.register_forward_pre_hook(lambda *a: calls.append(1))  # noqa: B023
         with torch.no_grad():
             old_lp, _, old_v = model(ids, mask, 6, 1.0)
         calls.clear()

@@ -402,7 +402,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     try:
         text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
-        raise DataCardError(f"{path}: cannot be read ({type(exc).__name__}: {exc}); rerun the stage that wrote it")
+        raise DataCardError(f"{path}: cannot be read ({type(exc).__name__}: {exc}); rerun the stage that wrote it") from None
     for n, row in _json_lines(text, path, "rerun the stage that wrote it"):
         if not isinstance(row, dict):
             raise DataCardError(f"{path}: line {n}: a row must be a JSON object, got {type(row).__name__}")

@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from align.core import gguf
 from align.core.engine_env import holds_own_copy
 
 from align.orchestrator import helper

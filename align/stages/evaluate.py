@@ -113,7 +113,8 @@ def sample_policies(ctx: StageContext, cfg: EvaluateStage, engine: RolloutEngine
         with ctx.compute.autocast():
             texts, kls, lengths, ref_sums, scores, gap = sample_with_kl(
                 engine, policy, reference, tokenizer, prompts, cfg, ctx.seed,
-                lambda done: ctx.progress(i * len(prompts) + done, total, policy=name), judges=judges,
+                lambda done: ctx.progress(i * len(prompts) + done, total, policy=name),  # noqa: B023 (called now)
+                judges=judges,
                 rank=ctx.state.process_index, world=ctx.state.num_processes)
             ctx.progress((i + 1) * len(prompts), total, policy=name)
         generated += int(sum(lengths))
