@@ -56,7 +56,7 @@ class _Ctx:
 def test_ppo_refuses_a_mismatched_reward_tokenizer_and_drops_long_prompts_up_to_a_fraction():
     from align.config.ppo import PPOStage
     from align.data.lengths import LengthError
-    from align.stages.ppo import usable_prompts
+    from align.stages.ppo.rollouts import usable_prompts
 
     gpt2 = load_tokenizer(str(GPT2))
     small = train_tokenizer(["a good film", "a bad film"] * 10, 300, 64)

@@ -37,7 +37,7 @@ def _first_step_stats(disable: bool) -> dict[str, float]:
     from accelerate import Accelerator
 
     from align.modeling.models import disable_dropout
-    from align.stages.ppo import ppo_update
+    from align.stages.ppo.update import ppo_update
     from align.stages.ppo.models import PolicyAndValue
 
     print(f"seed {SEED}")
@@ -192,7 +192,7 @@ def test_shared_value_head_reads_the_policys_own_trunk_and_its_loss_trains_the_t
 
     from align.modeling.generation import sequence_logprobs
     from align.modeling.models import disable_dropout
-    from align.stages.ppo import ppo_update
+    from align.stages.ppo.update import ppo_update
     from align.stages.ppo.models import PolicyAndValue
 
     print(f"seed {SEED}")
@@ -248,7 +248,7 @@ def test_gradient_checkpointing_recomputes_and_leaves_the_update_unchanged():
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
     from align.modeling.models import disable_dropout
-    from align.stages.ppo import ppo_update
+    from align.stages.ppo.update import ppo_update
     from align.stages.ppo.models import PolicyAndValue, checkpointed
 
     print(f"seed {SEED}")

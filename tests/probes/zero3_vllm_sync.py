@@ -1,4 +1,4 @@
-"""PPO's weight sync under DeepSpeed ZeRO-3 (align.stages.ppo.sync_engine): the policy's parameters are sharded over
+"""PPO's weight sync under DeepSpeed ZeRO-3 (align.stages.ppo.rollouts.sync_engine): the policy's parameters are sharded over
 2 processes; every process gathers them (a collective) and pushes the whole policy to its own engine. Rank 0's
 engine is vLLM; rank 1's records the state it was given. Written to OUT (by rank 0): the engine-vs-model log-prob gap
 and greedy agreement before and after the sync, and whether rank 1 received the whole, unsharded weights.
@@ -46,7 +46,7 @@ def main(model_dir: str, out: str) -> None:
     from align.modeling.generation import response_logprobs
     from align.modeling.models import load_tokenizer
     from align.modeling.vllm_engine import VLLMEngine
-    from align.stages.ppo import sync_engine
+    from align.stages.ppo.rollouts import sync_engine
     from align.stages.ppo.models import PolicyAndValue
 
     state = PartialState(cpu=not torch.cuda.is_available())

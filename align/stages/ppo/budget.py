@@ -11,8 +11,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from align.config.ppo import PPOStage
+from align.modeling.engines import RolloutEngine, check_gap, logprob_gap
+from align.modeling.generation import response_logprobs
+from align.modeling.losses import sequence_kl
+from align.stages.context import StageContext, StageError
+from align.stages.ppo.rollouts import rollout
 
 # one-sided 95% normal quantile: the budget holds the mean's upper confidence bound, so a fresh sample of prompts
 # (the evaluation's) lands inside it too, not only the held-out slice that was measured
@@ -99,3 +107,57 @@ class PolicySnapshot:
     def restore(self) -> None:
         for p, saved in zip(self.params, self.saved):
             _local(p).copy_(saved.to(_local(p).device))
+
+
+def heldout_kl(cfg: PPOStage, accelerator, engine: RolloutEngine, model, reference, heldout: list[str],
+               seed: int, where: str) -> HeldoutKL:
+    """Sequence KL(policy || reference) = sum over the response of log pi - log ref (k1, at the sampling temperature,
+    as the evaluation measures it) of one response per held-out prompt, sampled with the same seeds every iteration
+    (the iterations differ by the policy, not by the draw). Every process measures an equal share (so the
+    collectives of ZeRO-3 generation line up) and the shares are gathered. These are the first samples after a
+    weight sync: an engine that reports its own log-probs is checked against the policy here (`where` names the
+    iteration), so a broken sync stops the stage before its KL can steer the controller or the budget."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    n = max(world, len(heldout) // world * world)
+    mine = [heldout[i % len(heldout)] for i in range(n)][rank::world]
+    kls = []
+    for start in range(0, len(mine), cfg.generation.batch_size):
+        r = rollout(cfg, accelerator, engine, mine[start:start + cfg.generation.batch_size], seed=seed + start * world + rank)
+        with torch.no_grad(), accelerator.autocast():
+            logprobs, _, _ = model(r.input_ids, r.attention_mask, r.query_ids.size(1), cfg.generation.temperature,
+                                   with_entropy=False, with_values=False)
+            ref_logprobs = response_logprobs(reference, r, cfg.generation.temperature)
+        if r.engine_logprobs is not None:
+            check_gap(logprob_gap(r.engine_logprobs, logprobs, r.response_mask)["max"], cfg.generation.max_logprob_gap,
+                      where, engine.log_path)
+        kls.append(sequence_kl(logprobs, ref_logprobs, r.response_mask))
+    return HeldoutKL.of(accelerator.gather(torch.cat(kls)).cpu())
+
+
+def stop_inside_budget(ctx: StageContext, cfg: PPOStage, snapshot: PolicySnapshot, iteration: int,
+                       measured: HeldoutKL) -> None:
+    """An update left kl.max: undo it (the weights of the last update inside the budget go back into the model, to
+    be published) and say so. When no update of this run stayed inside, there is nothing to publish: refuse."""
+    if snapshot.iteration == 0:
+        raise StageError(f"stage '{ctx.name}': the first update already took the held-out KL to {measured.mean:.2f} "
+                         f"nats (95% upper bound {measured.upper:.2f}), past kl.max: {cfg.kl.max:g}; nothing was learned "
+                         "inside the budget. Lower learning_rate, raise kl.coef, or raise kl.max")
+    snapshot.restore()
+    kept = (f"held-out KL {snapshot.kl.mean:.2f}, bound {snapshot.kl.upper:.2f}" if snapshot.kl
+            else "the checkpoint this run resumed from")
+    if ctx.is_main:
+        print(f"[align] {ctx.name}: iteration {iteration}'s update took the held-out KL to {measured.mean:.2f} nats "
+              f"(95% upper bound {measured.upper:.2f}), past kl.max {cfg.kl.max:g}: undone, and training stops here. "
+              f"Publishing the policy after iteration {snapshot.iteration} ({kept})", flush=True)
+
+
+def budget_summary(cfg: PPOStage, snapshot: PolicySnapshot, over: tuple[int, HeldoutKL] | None) -> dict[str, Any]:
+    """The manifest's account of kl.max: which iteration's policy is published and why."""
+    out: dict[str, Any] = {"kl_budget/max": cfg.kl.max, "kl_budget/published_iteration": snapshot.iteration,
+                           "kl_budget/stopped": over is not None}
+    if snapshot.kl is not None:
+        out.update({"kl_budget/heldout_kl": snapshot.kl.mean, "kl_budget/heldout_kl_upper": snapshot.kl.upper})
+    if over is not None:
+        out.update({"kl_budget/undone_iteration": over[0], "kl_budget/undone_heldout_kl": over[1].mean,
+                    "kl_budget/undone_heldout_kl_upper": over[1].upper})
+    return out

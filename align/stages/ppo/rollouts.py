@@ -1,0 +1,88 @@
+"""PPO's rollouts: the prompts it can use, the engine that samples (align/modeling/engines.py), weight syncs, and
+the initial-policy rollouts that fix the reward's gain and bias (Ziegler et al. 2019, sec. 2.2)."""
+
+from __future__ import annotations
+
+import torch
+
+from align.config.ppo import PPOStage
+from align.data.lengths import DROPS_LONG_PROMPTS, enforce
+from align.modeling.engines import RolloutEngine, make_engine
+from align.modeling.generation import Rollout
+from align.stages.context import StageContext
+from align.stages.judging import WeightedJudge, check_same_tokenizer
+from align.stages.ppo.models import is_zero3, policy_for_generation
+from align.stages.ppo.state import RewardScale
+
+
+def usable_prompts(ctx: StageContext, cfg: PPOStage, tokenizer, reward_tokenizers: dict, prompts: list[str]) -> list[str]:
+    """Before any rollout: the tokenizers must agree; prompts longer than max_prompt_length tokens are dropped and
+    counted (the manifest's length_check), and the stage refuses to start when more than max_truncated_fraction of
+    them would be (align/data/lengths.py), naming the longest."""
+    check_same_tokenizer(ctx.name, cfg.policy, tokenizer, reward_tokenizers)
+    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"]]
+    report = DROPS_LONG_PROMPTS.measure(ctx.name, [{"prompt": p} for p in prompts], tokenizer, cfg.max_prompt_length)
+    ctx.extra_manifest["length_check"] = report.as_dict()
+    if ctx.is_main:
+        print(f"[align] length check {report.summary()} (prompts over max_prompt_length are dropped)", flush=True)
+    enforce(report, cfg.max_truncated_fraction)
+    return [p for p, n in zip(prompts, lengths) if n <= cfg.max_prompt_length]
+
+
+def rollout(cfg: PPOStage, accelerator, engine: RolloutEngine, prompts: list[str], seed: int) -> Rollout:
+    """Sample one response per prompt through the stage's engine; the hf engine samples in the training precision
+    (bf16 autocast when the stage uses it), so the samples are scored by the same numerics that produced them."""
+    with torch.no_grad(), accelerator.autocast():
+        return engine.generate(prompts, cfg.generation, seed=seed)
+
+
+def open_engine(ctx: StageContext, cfg: PPOStage, accelerator, model, tokenizer, policy_path: str) -> RolloutEngine:
+    """The rollout engine `generation.engine` names. hf: the policy itself (under ZeRO-3 gathered for each rollout).
+    vllm: one engine per process, started from the starting policy's directory and synced before each rollout."""
+    layers = is_zero3(accelerator) and cfg.generation.zero3_gather == "layers"
+    engine = make_engine(cfg.generation, model=None, tokenizer=tokenizer, model_dir=policy_path,
+                         fast=ctx.compute.fast_generation(cfg.generation.fast), synced_gpus=layers,
+                         context=lambda: policy_for_generation(model, accelerator, cfg.generation.zero3_gather),
+                         seed=ctx.seed * 7919 + accelerator.process_index, dtype=ctx.compute.engine_dtype(),
+                         max_model_len=cfg.max_prompt_length + cfg.generation.max_new_tokens + 1,
+                         log_path=ctx.dir / f"engine.rank{accelerator.process_index}.log",
+                         rank=accelerator.process_index)
+    described = engine.describe()
+    if described:
+        ctx.note(engine=described)
+        if accelerator.is_main_process:
+            print(f"[align] {ctx.name}: {engine.name} {described.get('version', '')} engine started in "
+                  f"{described.get('startup_seconds', 0):.0f} s (log: {engine.log_path})", flush=True)
+    return engine
+
+
+def sync_engine(engine: RolloutEngine, model, accelerator) -> float:
+    """Push the policy's current weights to an engine that holds its own copy (vllm); under ZeRO-3 every process
+    gathers the parameters (a collective) and syncs its own engine. Returns the seconds it took."""
+    if not engine.holds_own_weights:
+        return 0.0
+    with torch.no_grad(), policy_for_generation(model, accelerator) as policy:
+        return engine.sync_weights(policy)
+
+
+def fit_reward_scale(ctx: StageContext, cfg: PPOStage, accelerator, engine: RolloutEngine, tokenizer, scorer: WeightedJudge,
+                     prompts: list[str], scale: RewardScale) -> None:
+    """Ziegler et al. sec. 2.2: score `reward_normalization_samples` rollouts of the initial policy (a seeded
+    sample of the prompts, split evenly over processes) and fix the gain and bias from them."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    n = max(world, cfg.reward_normalization_samples // world * world)
+    g = torch.Generator().manual_seed(ctx.seed + 104_729)
+    order = torch.randperm(len(prompts), generator=g).tolist()
+    picked = [prompts[order[i % len(prompts)]] for i in range(n)][rank::world]
+    scores = []
+    for start in range(0, len(picked), cfg.generation.batch_size):
+        batch = picked[start:start + cfg.generation.batch_size]
+        r = rollout(cfg, accelerator, engine, batch, seed=ctx.seed * 31 + start * world + rank)
+        scores.append(scorer.score_rollout(r, batch, tokenizer))
+    all_scores = accelerator.gather(torch.cat(scores))
+    scale.fit(all_scores)
+    if accelerator.is_main_process:
+        print(f"[align] {ctx.name}: reward normalisation from {all_scores.numel()} initial-policy rollouts: "
+              f"mean {all_scores.mean().item():.4f}, std {all_scores.std(unbiased=False).item():.4f} -> "
+              f"gain {scale.gain:.4f}, bias {scale.bias:.4f}", flush=True)
+    ctx.note(reward_normalization={"gain": scale.gain, "bias": scale.bias, "samples": n, "fitted_at_iteration": 0})
