@@ -14,10 +14,9 @@ from align.orchestrator.helper import HelperError
 from align.orchestrator.launch import MultiNode
 from align.orchestrator.plan import PipelineError
 from align.orchestrator.report import rebuild
-from align.core.errors import Terminated, terminate_as_interrupt
+from align.core.errors import Terminated, describe, terminate_as_interrupt
 from align.core.rundir import ManifestError
 from align.orchestrator.runner import Interrupted, run
-from align.stages.context import describe, main as stage_main
 from align.orchestrator.status import status_table, verify
 from align.orchestrator.validate import stage_lines, validate
 
@@ -80,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    if args.command == "stage":
+    if args.command == "stage":  # a stage process (align/stages/context.py): the only path into the stage side
+        from align.stages.context import main as stage_main
+
         return stage_main(args.spec)
     terminate_as_interrupt()  # SIGTERM (schedulers, systemctl stop) handled as Ctrl-C: stages recorded interrupted
 
@@ -102,15 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides.append(f"run_id={args.run_id!r}" if args.run_id == "" else f"run_id={args.run_id}")
         cfg = load_pipeline(args.pipeline, overrides)
         if args.command == "estimate":
-            hw = hardware(cfg, args.gpus, args.gpu_memory_gb, args.nodes)
-            try:
-                estimates = estimate_pipeline(cfg, args.pipeline, hw)
-            except EstimateError as exc:
-                raise PipelineError(str(exc)) from None
-            print(render(estimates, hw))
-            for line in too_big(estimates, hw):
-                print(f"[align] does not fit: {line}")
-            return 0
+            return _estimate(cfg, args)
         if args.command == "validate":
             plans = validate(cfg, args.pipeline)
             print("\n".join(stage_lines(cfg, plans)))
@@ -132,6 +125,19 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataCardError, PipelineError, ManifestError, packaged.PackagedError, HelperError, OSError) as exc:
         print(f"align: error: {describe(exc) if isinstance(exc, OSError) else exc}", file=sys.stderr)
         return 2
+
+
+def _estimate(cfg, args: argparse.Namespace) -> int:
+    """`align estimate`: the per-GPU memory table, and a line for each stage that does not fit."""
+    hw = hardware(cfg, args.gpus, args.gpu_memory_gb, args.nodes)
+    try:
+        estimates = estimate_pipeline(cfg, args.pipeline, hw)
+    except EstimateError as exc:
+        raise PipelineError(str(exc)) from None
+    print(render(estimates, hw))
+    for line in too_big(estimates, hw):
+        print(f"[align] does not fit: {line}")
+    return 0
 
 
 if __name__ == "__main__":

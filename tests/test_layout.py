@@ -123,10 +123,14 @@ def test_the_shared_layers_import_neither_process_side():
 
 
 def test_the_orchestrator_imports_nothing_of_the_stage_processes():
-    """What needs torch reaches the orchestrator through a helper process (a module path, not an import). The one
-    exception is warm.py's forked child, which is a stage process: it calls the stage entry point."""
-    allowed = {("align.orchestrator.warm", "align.stages.context")}
-    assert _imports_from(import_graph(), ORCHESTRATOR, STAGE_SIDE, allowed) == {}
+    """What needs torch reaches the orchestrator through a helper process (a module path, not an import). The
+    exceptions are the two ways into a stage process, each a function-level import of its entry point: warm.py's
+    forked child, and `align stage SPEC` in the CLI (which is otherwise the orchestrator's)."""
+    allowed = {("align.orchestrator.warm", "align.stages.context"), ("align.cli", "align.stages.context")}
+    assert _imports_from(import_graph(), ORCHESTRATOR + ("align.cli",), STAGE_SIDE, allowed) == {}
+    cli = ast.parse((PACKAGE / "cli.py").read_text(encoding="utf-8"))
+    top = [n.module for n in cli.body if isinstance(n, ast.ImportFrom)]  # module level: what `align run` loads
+    assert not [m for m in top if m and m.startswith(STAGE_SIDE)], top
 
 
 def test_the_library_and_the_report_import_neither_the_orchestrator_nor_the_stages():
@@ -139,9 +143,24 @@ def test_no_orchestrator_module_imports_torch_or_a_library_that_does():
     (tests/test_orchestrator.py) only sees the paths it runs."""
     heavy = ("torch", "transformers", "trl", "peft", "deepspeed", "accelerate", "datasets", "vllm")
     found = []
-    for f in sorted((PACKAGE / "orchestrator").glob("*.py")):
+    for f in [*sorted((PACKAGE / "orchestrator").glob("*.py")), PACKAGE / "cli.py"]:
         for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             found += [f"{f.name}: {n}" for n in names if n.split(".")[0] in heavy]
     assert found == []
+
+
+def test_the_shared_layers_import_no_heavy_library_but_the_hub_card_reader():
+    """core, config, data and templates run in the torch-free orchestrator too. One function-level exception:
+    reading a hub dataset card's rows (data/cards.py `_read_hub`) needs `datasets` (it does not import torch)."""
+    heavy = ("torch", "transformers", "trl", "peft", "deepspeed", "accelerate", "datasets", "vllm")
+    found = []
+    for layer in ("core", "config", "data", "templates"):
+        for f in sorted((PACKAGE / layer).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                found += [f"{layer}/{f.name}: {n}" for n in names if n.split(".")[0] in heavy]
+    assert sorted(found) == ["data/cards.py: datasets", "data/cards.py: datasets.utils"], found
+

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, NamedTuple, Protocol
 
-from align.core.engine_env import ENGINES
+from align.core.engine_env import ENGINES, has_gpu
 from align.core.judges import JudgeError, check_judges, judge_weights
 from align.data.lengths import LengthRule
 from align.core.schema import ConfigError, name_field, one_of, ranged
@@ -118,9 +118,7 @@ class LoraSettings:
         if importlib.util.find_spec("bitsandbytes") is None:
             raise ValueError(f"lora.quantize: '{self.quantize}' needs the bitsandbytes package, which is not "
                              "installed; `pip install 'align[qlora]'` on a CUDA machine, or set lora.quantize: none")
-        import torch  # heavy: only when QLoRA is asked for
-
-        if not torch.cuda.is_available():
+        if not has_gpu():  # torch-free (this layer is the orchestrator's too): the NVIDIA driver's device nodes
             raise ValueError(f"lora.quantize: '{self.quantize}' runs only on a CUDA GPU (bitsandbytes 4-bit kernels) "
                              "and none is present here; run on a GPU machine, or set lora.quantize: none")
 

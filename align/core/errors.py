@@ -1,5 +1,8 @@
-"""Errors that both the orchestrator and the stage processes raise, in a module that imports nothing (so that
-torch-free code, e.g. align/templates, can raise them without importing align/modeling/models.py)."""
+"""Errors that both the orchestrator and the stage processes raise, in a module that imports nothing of align (so
+that torch-free code, e.g. align/templates, can raise them without importing align/modeling/models.py)."""
+
+import errno
+import os
 
 
 class PipelineError(ValueError):
@@ -36,3 +39,12 @@ def terminate_as_interrupt() -> None:
 
 TOKENIZER_SAVE_FIX = "copy the tokenizer again, or save it with tokenizer.save_pretrained(<dir>)"
 """The fix for a tokenizer whose files are damaged, named where they are read (validation, the helper process)."""
+
+
+def describe(exc: BaseException) -> str:
+    """One line for an expected failure; an OSError names its path and the cause (e.g. a full disk)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        code = errno.errorcode.get(exc.errno or 0, "")
+        where = f"{os.path.abspath(exc.filename)}: " if exc.filename else ""
+        return f"{where}{exc.strerror}" + (f" ({code})" if code else "")
+    return f"{type(exc).__name__}: {exc}"

@@ -148,30 +148,12 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
             print(f"{header}: up to date (fingerprint {plan.fingerprint}), skipped", flush=True)
             statuses[plan.name] = "skipped"
             continue
-        for d in plan.deps:
-            expected = None if trust_completed_inputs else next(p.fingerprint for p in plans if p.name == d)
-            if not is_complete(run_dir / d, expected):
-                raise PipelineError(f"stage '{plan.name}' needs stage '{d}' completed in {run_dir / d} with the "
-                                    "current config; run the pipeline without --only first")
-            check_outputs(run_dir, d, source)  # what the stage will load is what `d` published
+        _check_inputs(plan, plans, run_dir, source, trust_completed_inputs)
         if not multi.is_main:
             follow_stage(plan, stage_dir, header, source, num_processes, multi)
             statuses[plan.name] = "completed"
             continue
-        stage_dir.mkdir(parents=True, exist_ok=True)
-        spec = StageSpec(
-            stage_name=plan.name, stage_dir=str(stage_dir.resolve()), fingerprint=plan.fingerprint,
-            stage=_resolved_stage(plan), pipeline=pipeline_info,
-            inputs={d: str((run_dir / d).resolve()) for d in plan.deps},
-            input_fingerprints={d: (read_manifest(run_dir / d) or {}).get("fingerprint") for d in plan.deps},
-            input_digests={d: output_digests(run_dir / d) for d in plan.deps},
-            data_cards={fld: {"path": str(p), "sha256": plan.card_hashes[fld]} for fld, p in plan.cards.items()},
-            chat_template=plan.chat_template.as_dict() if plan.chat_template else None,
-            code_version=code, git_commit=git)
-        spec_path = stage_dir / SPEC
-        for debris in stage_dir.glob(f".{SPEC}.tmp-*"):  # a runner SIGKILLed mid-write (this one holds the lock)
-            debris.unlink(missing_ok=True)
-        spec.write(spec_path)
+        spec_path = _write_spec(plan, run_dir, pipeline_info, code, git)
         print(f"{header}: running (fingerprint {plan.fingerprint})", flush=True)
         t_stage = time.time()
         peak_before = children_peak_rss()
@@ -189,28 +171,74 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
                               f"its last checkpoint, if it saved one)\n  log: {stage_dir / 'stage.log'}",
                               isinstance(exc, Terminated)) from None
         if rc != 0 or not is_complete(stage_dir, plan.fingerprint):
-            m = read_manifest(stage_dir) or {}
             statuses[plan.name] = "failed"
             _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)
-            hint = (f"\n  multi-node: if the log shows a rendezvous timeout, a node did not join "
-                    f"{multi.master_addr}:{multi.master_port} within --rdzv-timeout {multi.rdzv_timeout}s"
-                    if multi.nodes > 1 and is_distributed(plan.cfg) else "")
-            meaning = exit_meaning(rc, peak_before, source)
-            if meaning:  # the stage could not say it (it was killed): its log gets the runner's reading
-                with open(stage_dir / "stage.log", "a", encoding="utf-8") as log:
-                    log.write(f"[align] runner: the stage exited with code {rc}:{meaning}\n")
-            hint += meaning
-            last = "" if verbose() else f"\n  last lines of the log:\n{tail(stage_dir / 'stage.log')}"
-            raise PipelineError(f"stage '{plan.name}' failed (exit code {rc}): {m.get('error', 'see the log')}{hint}"
-                                f"{last}\n  log: {stage_dir / 'stage.log'}\n  manifest: {stage_dir / MANIFEST}")
+            raise _stage_failed(plan, stage_dir, rc, peak_before, source, multi)
         statuses[plan.name] = "completed"
         result = result_line(plan, stage_dir)
         print(f"{header}: done in {time.time() - t_stage:.0f}s" + (f": {result}" if result else ""), flush=True)
+    return _finish(cfg, source, plans, selected, run_dir, statuses, multi, t0)
+
+
+def _check_inputs(plan: StagePlan, plans: list[StagePlan], run_dir: Path, source: str | Path,
+                  trust_completed_inputs: bool) -> None:
+    """Every input stage is complete (with the current fingerprint, unless trusted) and its outputs are the very
+    files it published."""
+    for d in plan.deps:
+        expected = None if trust_completed_inputs else next(p.fingerprint for p in plans if p.name == d)
+        if not is_complete(run_dir / d, expected):
+            raise PipelineError(f"stage '{plan.name}' needs stage '{d}' completed in {run_dir / d} with the "
+                                "current config; run the pipeline without --only first")
+        check_outputs(run_dir, d, source)  # what the stage will load is what `d` published
+
+
+def _write_spec(plan: StagePlan, run_dir: Path, pipeline_info: dict[str, Any], code: str, git: str | None) -> Path:
+    """The stage's spec.json: its resolved config, its inputs with their fingerprints and output digests, its data
+    cards' hashes, the chat template and the code version (align/core/rundir.py StageSpec)."""
+    stage_dir = run_dir / plan.name
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    spec = StageSpec(
+        stage_name=plan.name, stage_dir=str(stage_dir.resolve()), fingerprint=plan.fingerprint,
+        stage=_resolved_stage(plan), pipeline=pipeline_info,
+        inputs={d: str((run_dir / d).resolve()) for d in plan.deps},
+        input_fingerprints={d: (read_manifest(run_dir / d) or {}).get("fingerprint") for d in plan.deps},
+        input_digests={d: output_digests(run_dir / d) for d in plan.deps},
+        data_cards={fld: {"path": str(p), "sha256": plan.card_hashes[fld]} for fld, p in plan.cards.items()},
+        chat_template=plan.chat_template.as_dict() if plan.chat_template else None,
+        code_version=code, git_commit=git)
+    spec_path = stage_dir / SPEC
+    for debris in stage_dir.glob(f".{SPEC}.tmp-*"):  # a runner SIGKILLed mid-write (this one holds the lock)
+        debris.unlink(missing_ok=True)
+    spec.write(spec_path)
+    return spec_path
+
+
+def _stage_failed(plan: StagePlan, stage_dir: Path, rc: int, peak_before, source: str | Path,
+                  multi: MultiNode) -> PipelineError:
+    """The error of a stage that failed or was killed: its own error from the manifest, what its exit code means,
+    a multi-node hint, the log's last lines, where the log and manifest are."""
+    m = read_manifest(stage_dir) or {}
+    hint = (f"\n  multi-node: if the log shows a rendezvous timeout, a node did not join "
+            f"{multi.master_addr}:{multi.master_port} within --rdzv-timeout {multi.rdzv_timeout}s"
+            if multi.nodes > 1 and is_distributed(plan.cfg) else "")
+    meaning = exit_meaning(rc, peak_before, source)
+    if meaning:  # the stage could not say it (it was killed): its log gets the runner's reading
+        with open(stage_dir / "stage.log", "a", encoding="utf-8") as log:
+            log.write(f"[align] runner: the stage exited with code {rc}:{meaning}\n")
+    hint += meaning
+    last = "" if verbose() else f"\n  last lines of the log:\n{tail(stage_dir / 'stage.log')}"
+    return PipelineError(f"stage '{plan.name}' failed (exit code {rc}): {m.get('error', 'see the log')}{hint}"
+                         f"{last}\n  log: {stage_dir / 'stage.log'}\n  manifest: {stage_dir / MANIFEST}")
+
+
+def _finish(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan], selected: set[str], run_dir: Path,
+            statuses: dict[str, str], multi: MultiNode, t0: float) -> Path:
+    """The pipeline's manifest, each selected stage's own summary (a report's headline table), the run's time."""
     if not multi.is_main:
         print(f"[align] node {multi.node_rank}: pipeline {cfg.name} finished in {time.time() - t0:.0f}s", flush=True)
         return run_dir
     _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)
-    for plan in plans:  # a stage's own summary of its result (a report's headline table), from its manifest
+    for plan in plans:
         summary = (read_manifest(run_dir / plan.name) or {}).get("summary")
         if plan.name in selected and isinstance(summary, str) and summary:
             print(f"[align] headline of {plan.name} ({run_dir / plan.name / MANIFEST}):\n{summary}", flush=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from align.core.engine_env import EngineError
-from align.core.errors import Terminated, interrupt_cause, terminate_as_interrupt
+from align.core.errors import Terminated, describe, interrupt_cause, terminate_as_interrupt
 from align.modeling.compute import resolve as resolve_compute
 from align.config import PipelineConfig, StageBase, from_dict, stage_from_dict
 from align.core.console import emit_progress, verbose
@@ -522,15 +522,6 @@ def check_produced(ctx: StageContext, outputs: list[str], final: dict[str, Any])
 
 # Failures that are the input's or the machine's fault, not align's: one paragraph, exit code 2.
 EXPECTED: tuple[type[BaseException], ...] = (OSError, ValueError, NonFiniteLossError, StageError, EngineError)
-
-
-def describe(exc: BaseException) -> str:
-    """One line for an expected failure; an OSError names its path and the cause (e.g. a full disk)."""
-    if isinstance(exc, OSError) and exc.strerror:
-        code = errno.errorcode.get(exc.errno or 0, "")
-        where = f"{os.path.abspath(exc.filename)}: " if exc.filename else ""
-        return f"{where}{exc.strerror}" + (f" ({code})" if code else "")
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _record_failure(ctx: StageContext | None, spec: dict[str, Any], message: str, status: str = "failed") -> str:

@@ -125,7 +125,97 @@ def sample_policies(ctx: StageContext, cfg: EvaluateStage, engine: RolloutEngine
     return samples, time.perf_counter() - t0, generated, gaps
 
 
+def policy_metrics(cfg: EvaluateStage, samples: dict[str, dict[str, Any]], seed: int) -> dict[str, Any]:
+    """Per policy: KL to the reference (mean, spread, bootstrap CI), response length, perplexity under the reference,
+    and per judge the mean score (CI), its correlation with length and the win rate against the baseline (CI)."""
+    metrics: dict[str, Any] = {}
+    for name, s in samples.items():
+        metrics[f"eval/{name}/kl"] = float(np.mean(s["kl"]))
+        metrics[f"eval/{name}/kl_std"] = float(np.std(s["kl"]))
+        kl = mean_ci(s["kl"], cfg.bootstrap_samples, seed)
+        metrics[f"eval/{name}/kl_ci"] = [kl["ci_low"], kl["ci_high"]]
+        metrics[f"eval/{name}/response_length"] = float(np.mean(s["length"]))
+        # fluency: a policy that buys reward with text its reference finds unlikely shows it here, beside its KL
+        metrics[f"eval/{name}/ref_perplexity"] = perplexity(s["ref_logprob"], s["length"])
+        for j, sc in s["scores"].items():
+            m = mean_ci(sc, cfg.bootstrap_samples, seed)
+            metrics[f"eval/{name}/{j}/mean"] = m["mean"]
+            metrics[f"eval/{name}/{j}/mean_ci"] = [m["ci_low"], m["ci_high"]]
+            if np.std(sc) > 0 and np.std(s["length"]) > 0:
+                metrics[f"eval/{name}/{j}/length_corr"] = float(np.corrcoef(sc, s["length"])[0, 1])
+            if name != cfg.baseline:
+                w = win_rate(sc, samples[cfg.baseline]["scores"][j], cfg.bootstrap_samples, seed)
+                metrics[f"eval/{name}/{j}/win_rate"] = w["win_rate"]
+                metrics[f"eval/{name}/{j}/win_rate_ci"] = [w["ci_low"], w["ci_high"]]
+    return metrics
+
+
+def reward_model_metrics(ctx: StageContext, cfg: EvaluateStage, judges: dict[str, WeightedJudge],
+                         tokenizer) -> tuple[dict[str, Any], list[dict[str, float]]]:
+    """The reward model on the preference stage's held-out pairs: accuracy, margin, score spreads and calibration
+    buckets (none without a reward model and preference pairs)."""
+    if not (cfg.reward and cfg.preferences):
+        return {}, []
+    pairs = load_rows(ctx, cfg.preferences, "test", tokenizer=tokenizer)
+    if not pairs:
+        return {}, []
+    with ctx.compute.autocast():
+        acc = pairwise_accuracy(judges["reward_model"].reward_models[cfg.reward], pairs)
+    buckets = calibration_buckets(acc["margins"])
+    return {"eval/reward_model/accuracy": acc["accuracy"], "eval/reward_model/margin": acc["margin"],
+            "eval/reward_model/pairs": len(pairs), "eval/reward_model/calibration": buckets,
+            "eval/reward_model/chosen_mean": acc["chosen"], "eval/reward_model/rejected_mean": acc["rejected"],
+            "eval/reward_model/chosen_std": float(np.std(acc["chosen_scores"])),
+            "eval/reward_model/rejected_std": float(np.std(acc["rejected_scores"]))}, buckets
+
+
+def policy_groups(ctx: StageContext, cfg: EvaluateStage, metrics: dict[str, Any]) -> list:
+    """The policies grouped by recipe (align/report/frontier.py); a seed sweep's group gets its mean and spread over
+    seeds (align/report/seeds.py), added to `metrics`."""
+    types = {p: (read_manifest(ctx.input_dir(p)) or {}).get("type", "?") for p in cfg.policies}
+    groups = frontier.group_policies(cfg.policies, ctx.pipeline.variants, types)
+    metrics["eval/groups"] = {g.name: {"type": g.type, "policies": g.policies} for g in groups}
+    for g in seeds.seed_sweeps(groups):
+        metrics.update(seeds.aggregate(metrics, g, all_judges(cfg), [j.name for j in cfg.pairwise]))
+    return groups
+
+
+def write_report(out: Path, cfg: EvaluateStage, metrics: dict[str, Any], prompts: list[str],
+                 samples: dict[str, dict[str, Any]], groups: list, verdicts: dict, buckets: list) -> None:
+    """report/: metrics.json, the plots, report.md and samples.jsonl (every prompt, every policy's response)."""
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    judge_names = all_judges(cfg)
+    for j in judge_names:
+        plots.reward_vs_kl(metrics, cfg.policies, j, cfg.reference, out / f"reward_vs_kl_{j}.png")
+    if len(cfg.policies) > 1:
+        plots.win_rates(metrics, cfg.policies, judge_names, cfg.baseline, out / "win_rates.png")
+        for j in judge_names:
+            plots.frontier(metrics, groups, j, cfg.reference, cfg.baseline, out / f"frontier_{j}.png")
+    if buckets:
+        plots.calibration(buckets, out / "reward_model_calibration.png")
+    (out / "report.md").write_text(render_report(cfg, metrics, prompts, samples, groups))
+    with open(out / "samples.jsonl", "w", encoding="utf-8") as fh:
+        for i, p in enumerate(prompts):
+            row = {"prompt": p, **{n: {"response": s["responses"][i], "kl": s["kl"][i],
+                                       **{j: sc[i] for j, sc in s["scores"].items()},
+                                       **{j: by[n][i] for j, by in verdicts.items() if i < len(by.get(n, []))}}
+                                   for n, s in samples.items()}}
+            fh.write(json.dumps(row) + "\n")
+
+
+def track_report(ctx: StageContext, cfg: EvaluateStage, metrics: dict[str, Any], n_prompts: int) -> None:
+    """The report's plots and headline table to the tracker (W&B)."""
+    report = ctx.run_dir / "report"
+    ctx.tracker.images({f"report/{p.stem}": p for p in sorted(report.glob("*.png"))}, step=0)
+    ctx.tracker.table("report/headline", ["policy", "judge", "mean", "kl", "win_rate", "ci_low", "ci_high", "n"],
+                      [[p, j, metrics[f"eval/{p}/{j}/mean"], metrics[f"eval/{p}/kl"],
+                        metrics.get(f"eval/{p}/{j}/win_rate"), *(metrics.get(f"eval/{p}/{j}/win_rate_ci")
+                                                                 or [None, None]), n_prompts]
+                       for p in cfg.policies for j in all_judges(cfg)], step=0)
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
+    """Evaluate: sample every policy on the held-out prompts, score (judges, KL, perplexity, pairwise), report."""
     cfg: EvaluateStage = ctx.cfg  # type: ignore[assignment]
     ref_path = ctx.input_model(cfg.reference)
     tokenizer = load_tokenizer(ref_path)
@@ -146,84 +236,18 @@ def run(ctx: StageContext) -> dict[str, Any]:
     metrics: dict[str, Any] = {"eval/prompts": len(prompts), "perf/generated_tokens": generated,
                                "perf/generation_seconds": seconds, "perf/tokens_per_s": generated / seconds,
                                "eval/engine": engine.name}
-    for name, gap in gaps.items():
-        metrics[f"eval/{name}/logprob_gap_max"] = gap
-
-    for name, s in samples.items():
-        metrics[f"eval/{name}/kl"] = float(np.mean(s["kl"]))
-        metrics[f"eval/{name}/kl_std"] = float(np.std(s["kl"]))
-        kl = mean_ci(s["kl"], cfg.bootstrap_samples, ctx.seed)
-        metrics[f"eval/{name}/kl_ci"] = [kl["ci_low"], kl["ci_high"]]
-        metrics[f"eval/{name}/response_length"] = float(np.mean(s["length"]))
-        # fluency: a policy that buys reward with text its reference finds unlikely shows it here, beside its KL
-        metrics[f"eval/{name}/ref_perplexity"] = perplexity(s["ref_logprob"], s["length"])
-        for j, sc in s["scores"].items():
-            m = mean_ci(sc, cfg.bootstrap_samples, ctx.seed)
-            metrics[f"eval/{name}/{j}/mean"] = m["mean"]
-            metrics[f"eval/{name}/{j}/mean_ci"] = [m["ci_low"], m["ci_high"]]
-            if np.std(sc) > 0 and np.std(s["length"]) > 0:
-                metrics[f"eval/{name}/{j}/length_corr"] = float(np.corrcoef(sc, s["length"])[0, 1])
-            if name != cfg.baseline:
-                w = win_rate(sc, samples[cfg.baseline]["scores"][j], cfg.bootstrap_samples, ctx.seed)
-                metrics[f"eval/{name}/{j}/win_rate"] = w["win_rate"]
-                metrics[f"eval/{name}/{j}/win_rate_ci"] = [w["ci_low"], w["ci_high"]]
+    metrics.update({f"eval/{name}/logprob_gap_max": gap for name, gap in gaps.items()})
+    metrics.update(policy_metrics(cfg, samples, ctx.seed))
     verdicts = judge_pairwise(ctx, cfg, prompts, samples, metrics)
-    buckets: list[dict[str, float]] = []
-    if cfg.reward and cfg.preferences:
-        pairs = load_rows(ctx, cfg.preferences, "test", tokenizer=tokenizer)
-        if pairs:
-            with ctx.compute.autocast():
-                acc = pairwise_accuracy(judges["reward_model"].reward_models[cfg.reward], pairs)
-            buckets = calibration_buckets(acc["margins"])
-            metrics.update({"eval/reward_model/accuracy": acc["accuracy"], "eval/reward_model/margin": acc["margin"],
-                            "eval/reward_model/pairs": len(pairs), "eval/reward_model/calibration": buckets,
-                            "eval/reward_model/chosen_mean": acc["chosen"],
-                            "eval/reward_model/rejected_mean": acc["rejected"],
-                            "eval/reward_model/chosen_std": float(np.std(acc["chosen_scores"])),
-                            "eval/reward_model/rejected_std": float(np.std(acc["rejected_scores"]))})
-
-    types = {p: (read_manifest(ctx.input_dir(p)) or {}).get("type", "?") for p in cfg.policies}
-    groups = frontier.group_policies(cfg.policies, ctx.pipeline.variants, types)
-    metrics["eval/groups"] = {g.name: {"type": g.type, "policies": g.policies} for g in groups}
-    for g in seeds.seed_sweeps(groups):  # repeats of one recipe: mean and spread over seeds (align/report/seeds.py)
-        metrics.update(seeds.aggregate(metrics, g, all_judges(cfg), [j.name for j in cfg.pairwise]))
-
-    def write(out: Path) -> None:
-        if not ctx.is_main:
-            return
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-        judge_names = all_judges(cfg)
-        for j in judge_names:
-            plots.reward_vs_kl(metrics, cfg.policies, j, cfg.reference, out / f"reward_vs_kl_{j}.png")
-        if len(cfg.policies) > 1:
-            plots.win_rates(metrics, cfg.policies, judge_names, cfg.baseline, out / "win_rates.png")
-            for j in judge_names:
-                plots.frontier(metrics, groups, j, cfg.reference, cfg.baseline, out / f"frontier_{j}.png")
-        if buckets:
-            plots.calibration(buckets, out / "reward_model_calibration.png")
-        (out / "report.md").write_text(render_report(cfg, metrics, prompts, samples, groups))
-        with open(out / "samples.jsonl", "w", encoding="utf-8") as fh:
-            for i, p in enumerate(prompts):
-                row = {"prompt": p, **{n: {"response": s["responses"][i], "kl": s["kl"][i],
-                                           **{j: sc[i] for j, sc in s["scores"].items()},
-                                           **{j: by[n][i] for j, by in verdicts.items() if i < len(by.get(n, []))}}
-                                       for n, s in samples.items()}}
-                fh.write(json.dumps(row) + "\n")
-
-    ctx.publish("../report", write)
+    rm_metrics, buckets = reward_model_metrics(ctx, cfg, judges, tokenizer)
+    metrics.update(rm_metrics)
+    groups = policy_groups(ctx, cfg, metrics)
+    ctx.publish("../report", lambda out: write_report(out, cfg, metrics, prompts, samples, groups, verdicts, buckets))
     ctx.extra_manifest["summary"] = headline(cfg, metrics, groups)  # what `align run` prints at the end of the run
     ctx.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=0)
     if ctx.tracker is not None:
-        report = ctx.run_dir / "report"
-        ctx.tracker.images({f"report/{p.stem}": p for p in sorted(report.glob("*.png"))}, step=0)
-        judge_names = all_judges(cfg)
-        ctx.tracker.table("report/headline", ["policy", "judge", "mean", "kl", "win_rate", "ci_low", "ci_high", "n"],
-                          [[p, j, metrics[f"eval/{p}/{j}/mean"], metrics[f"eval/{p}/kl"],
-                            metrics.get(f"eval/{p}/{j}/win_rate"), *(metrics.get(f"eval/{p}/{j}/win_rate_ci")
-                                                                     or [None, None]), len(prompts)]
-                           for p in cfg.policies for j in judge_names], step=0)
-    if ctx.is_main:
-        print(headline(cfg, metrics, groups), flush=True)
+        track_report(ctx, cfg, metrics, len(prompts))
+    print(headline(cfg, metrics, groups), flush=True)
     return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
 
 

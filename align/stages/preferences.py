@@ -83,11 +83,11 @@ def judge_pairwise(ctx: StageContext, cfg: PreferencesStage, records: list[dict[
                          f"{cfg.pairwise.max_invalid_fraction}; examples in the log")
 
 
-def run(ctx: StageContext) -> dict[str, Any]:
-    cfg: PreferencesStage = ctx.cfg  # type: ignore[assignment]
-    path = ctx.input_model(cfg.policy)
-    tokenizer = load_tokenizer(path)
-    prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer)  # conversations: rendered
+def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts: list[str],
+                   path: str) -> tuple[list[dict[str, Any]], int, float]:
+    """`samples_per_prompt` responses to every prompt (this process's share) with their judge's scores (pairwise
+    judges give theirs after sampling); returns this process's records, the tokens it generated and when sampling
+    began (perf_counter: model loading and the engine's start-up are not generation time)."""
     gen = cfg.generation
     # an engine with its own copy of the policy (vllm) starts from `path`: the stage then loads none
     policy = None if holds_own_copy(gen.engine) else ctx.load_lm(path, device=True, frozen=True).eval()
@@ -100,9 +100,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
                          dtype=ctx.compute.engine_dtype(),
                          max_model_len=longest_prompt(tokenizer, prompts) + gen.max_new_tokens + 1,
                          log_path=ctx.dir / f"engine.rank{rank}.log")
-    # Prompts of similar length share a batch (less padding); pairs are put back in prompt order below.
+    # Prompts of similar length share a batch (less padding); pairs are put back in prompt order by the caller.
     ordered = [(i, prompts[i]) for i in by_length(tokenizer, prompts)]
-
     records, counts, t0 = [], {"generated_tokens": 0}, time.perf_counter()
     with ctx.state.split_between_processes(ordered) as mine, closing(engine):
         for start in range(0, len(mine), per_batch):
@@ -122,12 +121,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
         if cfg.pairwise is not None:
             del policy, engine
             judge_pairwise(ctx, cfg, records)
-    from accelerate.utils import gather_object  # heavy: stage processes only
+    return records, counts["generated_tokens"], t0
 
-    records = sorted(gather_object(records), key=lambda r: r["index"])
-    seconds = time.perf_counter() - t0
-    generated = sum(gather_object([counts["generated_tokens"]]))
 
+def split_pairs(ctx: StageContext, cfg: PreferencesStage, records: list[dict[str, Any]]):
+    """Best-vs-worst pairs per prompt (ties dropped), a seeded held-out share of the prompts for `test`, and every
+    non-tied pair of the training prompts' samples (`train_all_pairs`). Returns (splits, pairs, ties)."""
     pairs, ties = [], 0
     margin = 0.5 if cfg.pairwise is not None else cfg.min_margin  # pairwise: 1 vs 0 decides, 0.5 vs 0.5 ties
     for r in records:
@@ -145,6 +144,22 @@ def run(ctx: StageContext) -> dict[str, Any]:
               "test": [p for p in pairs if p["prompt"] in test_prompts],
               "train_all_pairs": [p for r in records if r["prompt"] not in test_prompts
                                   for p in all_pairs(r["prompt"], r["responses"], r["scores"], margin)]}
+    return splits, pairs, ties
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    """Sample several responses per prompt from the policy, judge them, keep (chosen, rejected) pairs."""
+    from accelerate.utils import gather_object  # heavy: stage processes only
+
+    cfg: PreferencesStage = ctx.cfg  # type: ignore[assignment]
+    path = ctx.input_model(cfg.policy)
+    tokenizer = load_tokenizer(path)
+    prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer)  # conversations: rendered
+    records, mine_generated, t0 = sample_records(ctx, cfg, tokenizer, prompts, path)
+    records = sorted(gather_object(records), key=lambda r: r["index"])
+    seconds = time.perf_counter() - t0
+    generated = sum(gather_object([mine_generated]))
+    splits, pairs, ties = split_pairs(ctx, cfg, records)
 
     def write(out: Path) -> None:
         if not ctx.is_main:
