@@ -123,7 +123,7 @@ def test_the_whole_judging_has_a_deadline():
 
 
 def test_a_key_with_a_carriage_return_is_refused_without_its_value(monkeypatch):
-    from align.config.common import PairwiseJudge
+    from align.config.settings import PairwiseJudge
     from align.stages.pairwise import EndpointError
 
     monkeypatch.setenv("JUDGE_KEY", KEY + "\r")
@@ -136,7 +136,7 @@ def test_a_key_with_a_carriage_return_is_refused_without_its_value(monkeypatch):
 
 
 def test_validate_refuses_a_model_the_endpoint_does_not_serve_and_an_endpoint_path(monkeypatch):
-    from align.config.common import PairwiseJudge
+    from align.config.settings import PairwiseJudge
 
     server, _, url = serve(lambda h, s: send(h, 200, ANSWER))
     PairwiseJudge(name="j", model="judge", base_url=url).check("pairwise[0]", None)  # served: fine

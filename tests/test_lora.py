@@ -48,9 +48,9 @@ def test_qlora_is_refused_with_the_field_and_the_fix_where_it_cannot_run(workdir
     with pytest.raises(ValueError, match=r"needs the bitsandbytes package.*pip install 'align\[qlora\]'"):
         LoraSettings(enabled=True, quantize="4bit").check()
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "bitsandbytes" else real(name, *a))
-    import align.config.common as common
+    import align.config.settings as settings
 
-    monkeypatch.setattr(common, "has_gpu", lambda: False)  # /dev/nvidia<N> absent
+    monkeypatch.setattr(settings, "has_gpu", lambda: False)  # /dev/nvidia<N> absent
     with pytest.raises(ValueError, match=r"runs only on a CUDA GPU .* set lora.quantize: none"):
         LoraSettings(enabled=True, quantize="4bit").check()
     LoraSettings(enabled=True).check()  # plain LoRA needs neither

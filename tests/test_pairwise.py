@@ -119,7 +119,7 @@ def test_the_endpoint_and_the_local_model_give_the_same_verdicts(smollm2, tmp_pa
     server (one request at a time, over HTTP): the same raw answers, so the same verdicts."""
     import torch
 
-    from align.config.common import PairwiseJudge
+    from align.config.settings import PairwiseJudge
     from align.modeling.models import load_causal_lm, load_tokenizer
     from align.stages.pairwise import (DEFAULT_TEMPLATE, EndpointBackend, JudgeCache, LocalBackend,
                                        PairwiseLLMJudge)

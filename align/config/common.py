@@ -1,5 +1,6 @@
-"""What every stage type shares: the stage-type contract (`StageBase`), its registry, and the settings several
-stage types use (the builtin model's size, LoRA, decoding, TRL optimisation).
+"""The stage-type contract (`StageBase`, `TrainedStage`), its registry, and the checks that read several stages
+(response lengths). The settings several stage types share (LoRA, decoding, pairwise judges, ...) are in
+align/config/settings.py.
 
 A stage type is one config class (a module in this package, or one named in ALIGN_STAGE_MODULES) plus one
 stage module with `run(ctx)` and `OUTPUTS`. Subclassing `StageBase` with a `TYPE` registers the class;
@@ -15,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, NamedTuple, Protocol
 
-from align.core.engine_env import ENGINES, has_gpu
+from align.config.settings import LR_SCHEDULERS, Generation, LoraSettings
 from align.core.judges import JudgeError, check_judges, judge_weights
 from align.data.lengths import LengthRule
-from align.core.schema import ConfigError, name_field, one_of, ranged
+from align.core.schema import ConfigError, one_of, ranged
 
 
 
@@ -29,7 +30,6 @@ class PipelineView(Protocol):
     base_model: str
     stages: dict[str, StageBase]
 
-DTYPES = ("float32", "bfloat16", "float16")
 # What a stage publishes (`StageBase.PRODUCES`), which is also the role an input reference needs (`INPUTS`).
 POLICY, REWARD_MODEL, DATA, REPORT = "policy", "reward_model", "data", "report"
 MODEL = "model"
@@ -38,130 +38,8 @@ ROLES = {POLICY: "a policy", REWARD_MODEL: "a reward model", DATA: "preference p
          "receipt": "a receipt (nothing other stages read)", MODEL: "a policy or a reward model"}
 # How a stage reads a data card named in one of its fields (`StageBase.CARDS`).
 EXAMPLES, PROMPTS_ONLY = "examples", "prompts"
-# transformers SchedulerType values that need no extra scheduler kwargs (tests check they still exist).
-LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
-                 "inverse_sqrt")
-# Pipeline-level compute settings, resolved in each stage process by align/modeling/compute.py.
-PRECISIONS = ("auto", "float32", "bfloat16", "float16")
-ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
-
-
-def flash_attention_problem(attn: str) -> str | None:
-    """Why `attn` cannot be used here (None when it can): checked by `align validate` before launching."""
-    import importlib.util
-
-    if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        return ("flash_attention_2 needs the flash-attn package (pip install flash-attn --no-build-isolation, "
-                "on a CUDA machine); use `attn_implementation: sdpa` otherwise")
-    if attn == "flash_attention_3" and importlib.util.find_spec("flash_attn_interface") is None:
-        return ("flash_attention_3 needs FlashAttention-3 (flash_attn_interface, Hopper GPUs); use "
-                "`attn_implementation: sdpa` otherwise")
-    return None
-
-
 # Extra modules that define stage types (comma-separated import names), for types that live outside align/.
 STAGE_MODULES_ENV = "ALIGN_STAGE_MODULES"
-
-
-# --------------------------------------------------------------------------------------------- shared settings
-@dataclass
-class BuiltinModel:
-    """Size of the tiny Llama-style model that `base_model: builtin:tiny-llama` builds from scratch."""
-
-    vocab_size: int = ranged(4096, ge=16)
-    """BPE vocabulary size of the tokenizer trained on the first stage's corpus."""
-    hidden_size: int = ranged(128, ge=1)
-    """Width of the residual stream."""
-    num_layers: int = ranged(4, ge=1)
-    """Number of transformer blocks."""
-    num_heads: int = ranged(4, ge=1)
-    """Attention heads per block."""
-    intermediate_size: int = ranged(384, ge=1)
-    """Width of the MLP."""
-    max_position_embeddings: int = ranged(256, ge=2)
-    """Longest sequence the model accepts (prompt + response)."""
-
-
-@dataclass
-class LoraSettings:
-    """Optional LoRA adapters (peft). `model/` holds the adapters alone (or merged, with `merge`)."""
-
-    enabled: bool = False
-    """Train LoRA adapters instead of the full model."""
-    r: int = ranged(16, ge=1)
-    """Adapter rank."""
-    alpha: int = ranged(32, ge=1)
-    """Scaling numerator (effective scale alpha / r)."""
-    dropout: float = ranged(0.05, ge=0, lt=1)
-    """Dropout on the adapter input."""
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    """Module names that get adapters."""
-    merge: bool = False
-    """Publish model/ as the base with the adapters merged in (a plain checkpoint as large as the base) instead of
-    the adapters alone (adapter_config.json and their weights, beside the name of the base they were trained on,
-    which every later stage loads and merges in memory). A vllm engine needs merged weights to start from: `align
-    validate` says which stage must set this."""
-    quantize: str = one_of("none", "none", "4bit")
-    """`4bit`: QLoRA (Dettmers et al. 2023): the frozen base is loaded in 4-bit NormalFloat with double
-    quantization and bf16 compute (bitsandbytes), the adapters train on top. Needs a CUDA GPU and
-    `pip install 'align[qlora]'`; `model/` is still the merged 16/32-bit model."""
-
-    def check(self) -> None:
-        """`align validate`: QLoRA only with LoRA on, bitsandbytes installed and a CUDA GPU present."""
-        if self.quantize == "none":
-            return
-        if not self.enabled:
-            raise ValueError(f"lora.quantize: '{self.quantize}' quantizes the frozen base under LoRA adapters; set "
-                             "lora.enabled: true, or lora.quantize: none")
-        import importlib.util
-
-        if importlib.util.find_spec("bitsandbytes") is None:
-            raise ValueError(f"lora.quantize: '{self.quantize}' needs the bitsandbytes package, which is not "
-                             "installed; `pip install 'align[qlora]'` on a CUDA machine, or set lora.quantize: none")
-        if not has_gpu():  # torch-free (this layer is the orchestrator's too): the NVIDIA driver's device nodes
-            raise ValueError(f"lora.quantize: '{self.quantize}' runs only on a CUDA GPU (bitsandbytes 4-bit kernels) "
-                             "and none is present here; run on a GPU machine, or set lora.quantize: none")
-
-
-@dataclass
-class Generation:
-    """Decoding settings for sampling (rollouts, preference labelling, evaluation)."""
-
-    max_new_tokens: int = ranged(24, ge=1, fix="a response needs at least one token")
-    """Longest response in tokens; responses stop earlier at EOS."""
-    temperature: float = ranged(1.0, gt=0, fix="sampling divides logits by it; greedy decoding is not offered")
-    """Softmax temperature."""
-    top_k: int | None = ranged(None, ge=1, fix="use null to keep every token")
-    """Keep only the k most likely tokens (None = off)."""
-    top_p: float = ranged(1.0, gt=0, le=1, fix="1.0 turns nucleus sampling off")
-    """Nucleus sampling mass (1.0 = off)."""
-    batch_size: int = ranged(64, ge=1)
-    """Prompts per generate call."""
-    fast: str = one_of("auto", "auto", "on", "off")
-    """Static KV cache (compiled with torch.compile by transformers on a GPU) and prompts padded to a multiple of
-    32 tokens: auto = on on a GPU outside ZeRO-3, off on CPU (align/modeling/compute.py). hf engine only."""
-    engine: str = one_of("hf", *ENGINES)
-    """What samples: hf (transformers.generate with the stage's own model) or vllm (vLLM in its own process and
-    environment, weights synced after every PPO update; align/modeling/vllm_engine.py). vllm needs
-    ALIGN_VLLM_PYTHON (./launch.sh --vllm sets up .venv-vllm); `align validate` says so when it is missing."""
-    zero3_gather: str = one_of("whole", "whole", "layers")
-    """Under ZeRO-3, how the hf engine reaches the sharded policy's weights to sample (PPO): `whole` gathers the
-    whole policy once per rollout batch (fast; `align estimate` counts its full 16-bit copy on every GPU), `layers`
-    leaves DeepSpeed's hooks on, so every decoding step gathers one layer at a time and every process steps until
-    all are done (memory of one layer; a collective per layer and step: much slower)."""
-    engine_timeout_s: float = ranged(600.0, gt=0, fix="seconds the vllm engine may take for one call (start, a batch, a sync)")
-    """vllm: the longest one engine call may take (start-up, one generate batch, one weight sync) before the stage
-    ends with an error naming it, instead of waiting forever."""
-    max_logprob_gap: float = ranged(10.0, gt=0)
-    """vllm: the largest |engine - trainer| log-prob of a sampled token (nats) before the stage stops, naming the
-    weight sync and the engine's log; a non-finite gap always stops it. fp32 engines agree within ~1e-3 nats; bf16
-    engines on GPU can differ by a few nats on rare tokens (kernel and precision mismatch), so the default only
-    catches weights that loaded wrongly (tens of nats)."""
-    kv_cache_gib: float = ranged(1.0, gt=0)
-    """vllm on CPU: the KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, rounded to whole GiB); align estimate counts it."""
-    gpu_memory_utilization: float = ranged(0.3, gt=0, le=1, fix="a fraction of the GPU's memory, e.g. 0.3")
-    """vllm on a GPU: the fraction of the GPU's memory vLLM takes (weights + KV cache), beside the trainer."""
-
 
 
 def refs(value: Any) -> list[str]:
@@ -169,154 +47,6 @@ def refs(value: Any) -> list[str]:
     if isinstance(value, dict):  # a weighted judge mapping: its keys
         return list(value)
     return value if isinstance(value, list) else [value] if isinstance(value, str) else []
-
-
-@dataclass
-class PairwiseJudge:
-    """A pairwise LLM judge: it reads a prompt and two responses and answers A, B or tie (align/stages/pairwise.py).
-    Every pair is judged in both orders; a verdict that flips with the order is a tie. Backends: a local causal LM
-    run in the stage process (`model` a directory, hub id or packaged:NAME; greedy, batched), or an OpenAI-compatible
-    chat-completions endpoint (`base_url` + `model`, the key read from the environment variable `key_env`,
-    never written anywhere). Answers are cached in the stage's directory (judge_cache/), keyed by judge, prompt and
-    both responses: a rerun or a resumed evaluation does not ask twice."""
-
-    name: str = name_field("llm_judge", fix="it names the judge's metrics: eval/<policy>/<name>/win_rate")
-    """Names the judge's metrics (eval/<policy>/<name>/...) and its cache file."""
-    model: str = ""
-    """Local backend: a model directory, hub id or packaged:NAME (e.g. packaged:smollm2). Endpoint: the model's
-    name at the endpoint."""
-    base_url: str | None = None
-    """An OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (null: the local backend)."""
-    key_env: str | None = None
-    """The environment variable that holds the endpoint's API key (its name only; the key is never written)."""
-    template: str | None = None
-    """A judging prompt file (relative to the pipeline) with {prompt}, {response_a} and {response_b}; null: the
-    shipped one (align/templates/pairwise_judge.txt). The answer must be A, B or tie."""
-    max_new_tokens: int = ranged(8, ge=1)
-    """Longest answer; an answer that is not exactly A, B or tie is invalid (counted, never guessed)."""
-    batch_size: int = ranged(16, ge=1)
-    """Local backend: judging prompts per generate call."""
-    max_concurrency: int = ranged(4, ge=1)
-    """Endpoint: requests in flight at once."""
-    timeout: float = ranged(60.0, gt=0)
-    """Endpoint: seconds one request may take in all (connecting, waiting, reading the answer) before it is retried."""
-    retries: int = ranged(3, ge=0)
-    """Endpoint: retries of a failed request (timeouts, 429 and 5xx), with exponential backoff, or after the server's
-    Retry-After (at most max_retry_wait seconds)."""
-    max_retry_wait: float = ranged(60.0, gt=0)
-    """Endpoint: the longest a Retry-After header may make a request wait before its retry."""
-    deadline: float = ranged(3600.0, gt=0)
-    """Endpoint: seconds the whole judging (every policy of the stage) may take; past it the stage stops, naming this
-    setting (cached answers are kept: a rerun asks only what is left)."""
-    max_prompts: int | None = ranged(None, ge=1, fix="use null to judge every prompt")
-    """Judge at most this many prompts per policy (null: all of them)."""
-    max_invalid_fraction: float = ranged(0.2, ge=0, le=1)
-    """Fail the stage when more than this fraction of answers are invalid (with examples in the log)."""
-
-    def check(self, where: str, base_dir: Path) -> None:
-        """`align validate`: the model or endpoint is there, the key variable is set, the template exists; an
-        endpoint is probed (one request naming the URL) so a wrong URL fails now, not after sampling."""
-        if not self.model:
-            raise ValueError(f"{where}.model: required (a local model, or the endpoint's model name)")
-        if self.key_env and not self.base_url:
-            raise ValueError(f"{where}.key_env: only an endpoint (base_url) takes a key")
-        if self.template:
-            path = (base_dir / self.template)
-            if not path.is_file():
-                raise ValueError(f"{where}.template: '{self.template}' not found (looked for {path.resolve()})")
-            problem = template_problem(path.read_text(encoding="utf-8"))
-            if problem:
-                raise ValueError(f"{where}.template: {path.resolve()}: {problem}")
-        if self.base_url:
-            url = self.base_url.rstrip("/")
-            suffix = next((s for s in ("/chat/completions", "/completions", "/models") if url.endswith(s)), None)
-            if suffix:
-                raise ValueError(f"{where}.base_url: {self.base_url} names an endpoint path; give the API's root "
-                                 f"(align adds /chat/completions): base_url: {url[:-len(suffix)]}")
-            if self.key_env and not os.environ.get(self.key_env):
-                raise ValueError(f"{where}.key_env: the variable {self.key_env} is not set (or empty); export "
-                                 f"it with the endpoint's key before running")
-            problem = header_value_problem(self.key_env) if self.key_env else None
-            if problem:
-                raise ValueError(f"{where}.key_env: {problem}")
-            problem = endpoint_problem(self.base_url, os.environ.get(self.key_env or "", ""), min(self.timeout, 10),
-                                       self.model)
-            if problem:
-                raise ValueError(f"{where}.base_url: {self.base_url}: {problem}")
-        elif self.model.startswith(PACKAGED):
-            from align.core.packaged import PackagedError, resolve
-
-            try:
-                resolve(self.model)
-            except PackagedError as exc:
-                raise ValueError(f"{where}.model: {exc}") from None
-        elif (self.model.startswith((".", "/")) or (base_dir / self.model).exists()) and \
-                not (base_dir / self.model / "config.json").is_file():
-            raise ValueError(f"{where}.model: '{self.model}' is not a model directory (no config.json in "
-                             f"{(base_dir / self.model).resolve()})")
-
-
-PACKAGED = "packaged:"
-TEMPLATE_FIELDS = ("{prompt}", "{response_a}", "{response_b}")
-
-
-def template_problem(text: str) -> str | None:
-    """What a judging prompt template lacks (None when it is usable)."""
-    missing = [f for f in TEMPLATE_FIELDS if f not in text]
-    if missing:
-        return f"it must contain {', '.join(TEMPLATE_FIELDS)}; missing {', '.join(missing)}"
-    try:
-        text.format(prompt="", response_a="", response_b="")
-    except (KeyError, IndexError, ValueError) as exc:
-        return f"it is not a template Python's str.format fills with prompt, response_a and response_b ({exc!r}); " \
-               "write literal braces as {{ and }}"
-    return None
-
-
-def header_value_problem(variable: str) -> str | None:
-    """Why the value of environment variable `variable` cannot go into an HTTP header (never the value itself)."""
-    value = os.environ.get(variable, "")
-    if any(ch.isspace() or ord(ch) < 32 or ord(ch) == 127 for ch in value):
-        return (f"the value of {variable} holds whitespace or control characters (a key file saved with CRLF line "
-                f"ends leaves a trailing \\r); export it again without them, e.g. export {variable}=$(tr -d '\\r\\n' < "
-                "FILE)")
-    return None
-
-
-def without_key(text: str, key: str) -> str:
-    """`text` with `key` replaced by <key>, also as the http library quotes it inside bytes (a key with a \r shows as
-    b'Bearer sk-...\\r' in its errors)."""
-    return text.replace(key, "<key>").replace(repr(key.encode())[2:-1], "<key>") if key else text
-
-
-def endpoint_problem(base_url: str, key: str, timeout: float, model: str | None = None) -> str | None:
-    """One probe of an OpenAI-compatible endpoint (GET {base_url}/models): None when it answers (and, when it lists
-    its models, lists `model`); else why not (never the key: any text that may carry it is scrubbed)."""
-    import json
-    import urllib.error
-    import urllib.request
-
-    req = urllib.request.Request(base_url.rstrip("/") + "/models", headers={"Authorization": f"Bearer {key}"}
-                                 if key else {})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            listing = resp.read(1 << 20)
-    except urllib.error.HTTPError as exc:
-        if exc.code in (401, 403):
-            return f"the endpoint refused the key (HTTP {exc.code}); check the key in the named variable"
-        if exc.code == 404:  # an endpoint without /models still answers chat completions
-            return None
-        return f"the endpoint answered HTTP {exc.code} to a probe of /models"
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = without_key(str(getattr(exc, "reason", exc)), key)
-        return f"not reachable ({reason}); check base_url, and that the server is running and reachable from here"
-    try:
-        ids = [m["id"] for m in json.loads(listing)["data"]]
-    except (ValueError, KeyError, TypeError):
-        return None  # not a listing we can read: the chat completions will tell
-    if model and ids and model not in ids:
-        return f"it serves no model {model!r} (its /models lists {', '.join(map(repr, ids[:8]))}); set model to one of them"
-    return None
 
 
 def response_length_problems(name: str, algorithm: str, max_new_tokens: int, reward: str | dict[str, float],

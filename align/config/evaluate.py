@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from align.core.engine_env import ENGINES
-from align.config.common import (HeldModel, DATA, POLICY, PROMPTS_ONLY, REPORT, REWARD_MODEL, CheckContext, Generation, PairwiseJudge,
-                                 StageBase)
+from align.config.common import HeldModel, DATA, POLICY, PROMPTS_ONLY, REPORT, REWARD_MODEL, CheckContext, StageBase
+from align.config.settings import Generation, PairwiseJudge
 from align.core.schema import ranged
 
 

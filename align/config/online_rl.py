@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from align.config.common import (HeldModel, DATA, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, Generation, StageBase,
+from align.config.common import (HeldModel, DATA, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, StageBase,
                                  TrainedStage, response_length_problems)
+from align.config.settings import Generation
 from align.core.judges import judge_weights
 from align.core.schema import ranged
 

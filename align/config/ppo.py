@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from align.core.engine_env import ENGINES, holds_own_copy
-from align.config.common import (HeldModel, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, Generation, LoraSettings, StageBase,
+from align.config.common import (HeldModel, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, StageBase,
                                  response_length_problems)
+from align.config.settings import Generation, LoraSettings
 from align.core.judges import judge_weights
 from align.data.lengths import DROPS_LONG_PROMPTS, LengthRule
 from align.core.schema import one_of, ranged

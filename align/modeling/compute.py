@@ -18,7 +18,7 @@ import contextlib
 from dataclasses import dataclass, replace
 from typing import Any
 
-from align.config.common import PRECISIONS  # noqa: F401 (the settings this module resolves)
+from align.config.settings import PRECISIONS  # noqa: F401 (the settings this module resolves)
 
 FAST_PAD_MULTIPLE = 32
 

@@ -1,6 +1,6 @@
 """Pairwise LLM judges: a model reads a prompt and two responses and answers A, B or tie.
 
-The setting is `align.config.common.PairwiseJudge` (evaluate's `pairwise:` list, preferences' `pairwise:`). Every
+The setting is `align.config.settings.PairwiseJudge` (evaluate's `pairwise:` list, preferences' `pairwise:`). Every
 pair is judged in both orders, since judges prefer one slot: first with the policy's response as A, then as B. The
 outcome for the policy is a win when both orders prefer it, a loss when both prefer the other response, and a tie
 otherwise (a tie in both, or a verdict that flips with the order); a pair with an answer that is not exactly A, B
@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
-from align.config.common import PairwiseJudge, header_value_problem, without_key
+from align.config.settings import PairwiseJudge, header_value_problem, without_key
 
 VERDICTS = ("A", "B", "tie")
 DEFAULT_TEMPLATE = Path(__file__).resolve().parent.parent / "templates" / "pairwise_judge.txt"
