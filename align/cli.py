@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    if args.command == "stage":  # a stage process (align/stages/context.py): the only path into the stage side
-        from align.stages.context import main as stage_main
+    if args.command == "stage":  # a stage process (align/runtime/context.py): the only path into the stage side
+        from align.runtime.process import main as stage_main
 
         return stage_main(args.spec)
     terminate_as_interrupt()  # SIGTERM (schedulers, systemctl stop) handled as Ctrl-C: stages recorded interrupted

@@ -36,7 +36,7 @@ def run_ppo_stage(cfg, inputs: dict[str, str]) -> tuple[dict[str, float], list[d
     mean weight-sync seconds per iteration included), the stage's metric rows and its manifest.
     benchmarks/rollout_engines.py runs its PPO through this too."""
     from align.config import to_dict
-    from align.stages.context import main as stage_main
+    from align.runtime.process import main as stage_main
 
     batch = cfg.rollout_batch_size
     with tempfile.TemporaryDirectory() as tmp:

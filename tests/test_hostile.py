@@ -413,7 +413,8 @@ class _Ctx:
 
 
 def test_zero_steps_zero_prompts_and_empty_outputs_are_failures(tmp_path):
-    from align.stages.context import StageError, check_produced
+    from align.runtime.context import StageError
+    from align.runtime.process import check_produced
     from align.stages.trl import train_with_resume
 
     with pytest.raises(StageError, match="trained 0 optimiser steps"):

@@ -141,7 +141,8 @@ def test_the_cli_refuses_what_it_would_not_do(workdir, flags, message):
 
 def test_a_non_finite_final_metric_fails_the_stage(tmp_path):
     from align.config import stage_types
-    from align.stages.context import StageError, check_produced
+    from align.runtime.context import StageError
+    from align.runtime.process import check_produced
 
     class Ctx:
         name, dir, extra_manifest, cfg = "sft", tmp_path, {"global_step": 3}, stage_types()["sft"]()

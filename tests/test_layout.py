@@ -94,7 +94,7 @@ def test_the_checker_finds_a_cycle_hidden_behind_lazy_and_type_only_imports():
 def test_the_graph_reads_every_kind_of_import():
     graph = import_graph()
     assert "align.modeling.models" in graph["align.stages.judging"]  # a function-level import counts
-    assert "align.stages.context" in graph["align.orchestrator.warm"]  # a function-level import counts
+    assert "align.runtime.process" in graph["align.orchestrator.warm"]  # a function-level import counts
     assert "align.config" in graph["align.modeling.generation"]  # `if TYPE_CHECKING:` counts
     assert len(graph) > 50
 
@@ -113,7 +113,7 @@ def _imports_from(graph: dict[str, set[str]], layer: tuple[str, ...], forbidden:
 
 SHARED = ("align.core", "align.config", "align.data", "align.templates")
 ORCHESTRATOR = ("align.orchestrator",)
-STAGE_SIDE = ("align.stages", "align.modeling", "align.report")
+STAGE_SIDE = ("align.runtime", "align.stages", "align.modeling", "align.report")
 
 
 def test_the_shared_layers_import_neither_process_side():
@@ -126,7 +126,7 @@ def test_the_orchestrator_imports_nothing_of_the_stage_processes():
     """What needs torch reaches the orchestrator through a helper process (a module path, not an import). The
     exceptions are the two ways into a stage process, each a function-level import of its entry point: warm.py's
     forked child, and `align stage SPEC` in the CLI (which is otherwise the orchestrator's)."""
-    allowed = {("align.orchestrator.warm", "align.stages.context"), ("align.cli", "align.stages.context")}
+    allowed = {("align.orchestrator.warm", "align.runtime.process"), ("align.cli", "align.runtime.process")}
     assert _imports_from(import_graph(), ORCHESTRATOR + ("align.cli",), STAGE_SIDE, allowed) == {}
     cli = ast.parse((PACKAGE / "cli.py").read_text(encoding="utf-8"))
     top = [n.module for n in cli.body if isinstance(n, ast.ImportFrom)]  # module level: what `align run` loads
@@ -135,7 +135,7 @@ def test_the_orchestrator_imports_nothing_of_the_stage_processes():
 
 def test_the_library_and_the_report_import_neither_the_orchestrator_nor_the_stages():
     graph = import_graph()
-    assert _imports_from(graph, ("align.modeling", "align.report"), ORCHESTRATOR + ("align.stages",)) == {}
+    assert _imports_from(graph, ("align.modeling", "align.report"), ORCHESTRATOR + ("align.runtime", "align.stages")) == {}
 
 
 def test_no_orchestrator_module_imports_torch_or_a_library_that_does():

@@ -111,7 +111,7 @@ def test_an_adapter_alone_is_published_only_when_it_gives_the_trained_model_back
 
     from align.config import LoraSettings
     from align.modeling.models import add_adapters
-    from align.stages.context import StageContext
+    from align.runtime.context import StageContext
 
     torch.manual_seed(SEED)
     print(f"seed {SEED}")

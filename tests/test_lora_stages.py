@@ -53,7 +53,7 @@ def upstream(tmp_path_factory) -> Path:
 
 
 def _stage_context(root: Path, cfg: StageBase, dirname: str, inputs: list[str]):
-    from align.stages.context import StageContext
+    from align.runtime.context import StageContext
 
     pipeline = to_dict(PipelineConfig(name="t", seed=SEED, tracking=Tracking(wandb="disabled")))
     pipeline.pop("stages")

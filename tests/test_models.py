@@ -111,7 +111,7 @@ def test_a_fresh_scalar_head_depends_on_the_stage_seed_only(tmp_path):
 
     from align.config import BuiltinModel
     from align.modeling.models import build_builtin
-    from align.stages.context import StageContext
+    from align.runtime.context import StageContext
 
     tok = train_tokenizer(["a small corpus for a tiny tokenizer, nothing more"] * 4, 300, 64)
     size = BuiltinModel(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, max_position_embeddings=32)
@@ -125,7 +125,7 @@ def test_a_fresh_scalar_head_depends_on_the_stage_seed_only(tmp_path):
         torch.manual_seed(1234)
         torch.rand(draws)  # the stage's global stream in another state each time
         before = torch.random.get_rng_state()
-        gc.disable()  # as a stage process starts (align/stages/context.py main)
+        gc.disable()  # as a stage process starts (align/runtime/process.py main)
         try:
             model = StageContext.load_scalar(ctx, str(tmp_path / "lm"), tok.pad_token_id)
             assert gc.isenabled()  # the first model load ends the start-up window: training collects garbage

@@ -37,7 +37,7 @@ def test_pairs_that_render_identically_through_the_template_are_dropped_or_refus
     import pytest
     from transformers import AutoTokenizer
 
-    from align.stages.context import StageError
+    from align.runtime.context import StageError
     from align.stages.rows import _rendered
 
     repo = Path(__file__).resolve().parent.parent

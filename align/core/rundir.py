@@ -86,7 +86,7 @@ class StageSpec:
 
 
 class Manifest(TypedDict, total=False):
-    """A stage's manifest.json (align/stages/context.py writes it; stages may add their own keys)."""
+    """A stage's manifest.json (align/runtime/context.py writes it; stages may add their own keys)."""
 
     stage: str
     type: str

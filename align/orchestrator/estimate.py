@@ -247,7 +247,7 @@ def model_shapes(cfg: PipelineConfig, source: str | Path) -> dict[str, ModelShap
 # --------------------------------------------------------------------------------------------- stages
 def dtype_bytes(dtype: str, on_gpu: bool) -> int:
     """Bytes per weight of the pipeline's `dtype`; `auto` is bfloat16 on GPUs, float32 on CPUs (the stage process's
-    rule, align/stages/context.py `weights_dtype`: trained models outside DeepSpeed keep fp32 weights, which the
+    rule, align/runtime/context.py `weights_dtype`: trained models outside DeepSpeed keep fp32 weights, which the
     state formulas below count anyway)."""
     return _DTYPE_BYTES["bfloat16" if on_gpu else "float32"] if dtype == "auto" else _DTYPE_BYTES[dtype]
 

@@ -132,7 +132,7 @@ class WarmStage:
 
 def _stage_main(spec: str, env: dict[str, str], cwd: str, out: multiprocessing.connection.Connection) -> None:
     """In the forked process: the runner's pipe as stdout and stderr, the stage environment, then the same
-    entry point as `python -m align.cli stage <spec>` (align.stages.context.main)."""
+    entry point as `python -m align.cli stage <spec>` (align.runtime.context.main)."""
     fd = out.fileno()
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -147,7 +147,7 @@ def _stage_main(spec: str, env: dict[str, str], cwd: str, out: multiprocessing.c
     # Exit handlers registered by the server's imports belong to the server: run in here, they would delete
     # what it shares with every stage (wandb's media directory, made at import, for one).
     atexit._clear()
-    from align.stages.context import main  # what `align.cli stage <spec>` calls
+    from align.runtime.process import main  # what `align.cli stage <spec>` calls
 
     try:
         code = main(spec)

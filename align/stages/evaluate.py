@@ -28,7 +28,7 @@ from align.stages.judging import WeightedJudge, stage_judge
 from align.stages.pairwise import build_pairwise
 from align.modeling.models import load_tokenizer
 from align.core.rundir import read_manifest
-from align.stages.context import StageContext, StageError
+from align.runtime.context import StageContext, StageError
 from align.stages.reward import calibration_buckets, pairwise_accuracy
 from align.report.stats import mean_ci, pairwise_summary, perplexity, win_rate
 

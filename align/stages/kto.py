@@ -11,7 +11,7 @@ from typing import Any
 
 from align.config.kto import KTOStage, unpaired
 from align.modeling.models import load_tokenizer, peft_config
-from align.stages.context import StageContext
+from align.runtime.context import StageContext
 from align.stages.rows import load_rows
 from align.stages.trl import check_lengths, eval_metrics, metrics_callback, train_with_resume, training_args
 

@@ -22,7 +22,7 @@ from align.core.judges import judge_weights
 from align.stages.judging import check_same_tokenizer, stage_judge
 from align.data.lengths import LengthReport, enforce
 from align.modeling.models import load_tokenizer, peft_config
-from align.stages.context import StageContext, StageError
+from align.runtime.context import StageContext, StageError
 from align.stages.trl import metrics_callback, online_rl_metric_name, train_with_resume, training_args
 
 

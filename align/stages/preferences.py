@@ -26,7 +26,7 @@ from align.modeling.engines import make_engine
 from align.modeling.generation import by_length, longest_prompt, sample_texts
 from align.stages.judging import stage_judge
 from align.modeling.models import load_tokenizer
-from align.stages.context import StageContext, StageError
+from align.runtime.context import StageContext, StageError
 
 OUTPUTS = ["data"]
 

@@ -15,7 +15,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
 from trl import (DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, RewardConfig, RewardTrainer, RLOOConfig,
                  RLOOTrainer, SFTConfig, SFTTrainer)
 
-import align.stages.context
+import align.runtime.context
 import align.stages.dpo
 import align.stages.evaluate
 import align.stages.grpo

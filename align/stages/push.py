@@ -12,7 +12,7 @@ from typing import Any
 
 from align.config.push import PushStage, token_problem
 from align.core.tracking import scrub
-from align.stages.context import StageContext, StageError
+from align.runtime.context import StageContext, StageError
 
 OUTPUTS = ["pushed"]
 

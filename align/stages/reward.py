@@ -12,7 +12,7 @@ from align.config.reward import RewardStage
 from align.stages.rows import load_rows
 from align.stages.judging import RewardModelJudge
 from align.modeling.models import load_tokenizer, peft_config, unsharded_loading
-from align.stages.context import StageContext
+from align.runtime.context import StageContext
 from align.stages.trl import check_lengths, metrics_callback, train_with_resume, training_args
 
 OUTPUTS = ["model"]

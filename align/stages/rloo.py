@@ -8,7 +8,7 @@ from typing import Any
 
 from align.config.rloo import RLOOStage
 from align.stages import online_rl
-from align.stages.context import StageContext
+from align.runtime.context import StageContext
 
 OUTPUTS = ["model"]
 

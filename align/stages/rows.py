@@ -11,7 +11,7 @@ from typing import Any
 from align.data.cards import load_split, read_jsonl
 from align.data.chat import as_text
 from align.data.formats import FormatError, prompt_key, text_of
-from align.stages.context import StageContext, StageError
+from align.runtime.context import StageContext, StageError
 
 
 def load_rows(ctx: StageContext, ref: str, split: str, limit: int | None = None,

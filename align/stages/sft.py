@@ -20,7 +20,7 @@ from align.data.cards import load_split
 from align.data.chat import TemplateError, sft_example
 from align.modeling.models import (build_builtin, fit_model_to_tokenizer, load_tokenizer, peft_config,
                           train_tokenizer)
-from align.stages.context import StageContext, StageError
+from align.runtime.context import StageContext, StageError
 from align.stages.trl import check_lengths, metrics_callback, train_with_resume, training_args
 
 OUTPUTS = ["model"]

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from align.config import TrainedStage
 from align.core.console import verbose
 from align.data.lengths import enforce
-from align.stages.context import NonFiniteLossError, StageContext, StageError, keep_metrics_until, startup_done
+from align.runtime.context import NonFiniteLossError, StageContext, StageError, keep_metrics_until, startup_done
 
 # TRL's plural reward metrics under align's singular names (docs/ARCHITECTURE.md, "Metric names").
 _PLURALS = {"rewards/margins": "rewards/margin", "rewards/accuracies": "rewards/accuracy"}

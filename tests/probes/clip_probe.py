@@ -48,7 +48,7 @@ def main(out: str) -> None:
     if state.is_main_process:
         with open(out, "w") as fh:
             json.dump({"pre_norm": norms, "step_norm": step, "world": state.num_processes}, fh)
-    from align.stages.context import leave_process_group  # as a stage process leaves (a rank can abort at exit)
+    from align.runtime.process import leave_process_group  # as a stage process leaves (a rank can abort at exit)
 
     leave_process_group(0)
 

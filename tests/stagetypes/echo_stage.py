@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from align.config import to_dict
-from align.stages.context import StageContext
+from align.runtime.context import StageContext
 
 OUTPUTS = ["data"]
 

@@ -28,7 +28,7 @@ from align.modeling.generation import Rollout, response_logprobs
 from align.core.judges import judge_weights
 from align.modeling.losses import gae, kl_estimate, masked_whiten, token_rewards
 from align.modeling.models import load_causal_lm, load_tokenizer, merged_lora_model, unsharded_loading
-from align.stages.context import StageContext, StageError
+from align.runtime.context import StageContext, StageError
 from align.stages.ppo.budget import HeldoutKL, PolicySnapshot, budget_summary, heldout_kl, split_heldout, stop_inside_budget
 from align.stages.ppo.rollouts import fit_reward_scale, open_engine, rollout, sync_engine, usable_prompts
 from align.stages.ppo.checkpoint import resume, restore_history, save_checkpoint

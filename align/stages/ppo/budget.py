@@ -19,7 +19,7 @@ from align.config.ppo import PPOStage
 from align.modeling.engines import RolloutEngine, check_gap, logprob_gap
 from align.modeling.generation import response_logprobs
 from align.modeling.losses import sequence_kl
-from align.stages.context import StageContext, StageError
+from align.runtime.context import StageContext, StageError
 from align.stages.ppo.rollouts import rollout
 
 # one-sided 95% normal quantile: the budget holds the mean's upper confidence bound, so a fresh sample of prompts

@@ -12,7 +12,7 @@ import json
 import shutil
 from typing import Any
 
-from align.stages.context import StageContext, keep_metrics_until
+from align.runtime.context import StageContext, keep_metrics_until
 
 
 def _trainable(model) -> set[str]:

@@ -12,7 +12,7 @@ from align.config.ppo import PPOStage
 from align.modeling.generation import response_logits, scalar_outputs
 from align.modeling.losses import logprobs_and_entropy, logprobs_from_logits
 from align.modeling.models import add_adapters, disable_dropout, without_peft
-from align.stages.context import StageContext
+from align.runtime.context import StageContext
 from align.stages.ppo.rewards import FrozenView
 
 

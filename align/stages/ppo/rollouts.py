@@ -9,7 +9,7 @@ from align.config.ppo import PPOStage
 from align.data.lengths import DROPS_LONG_PROMPTS, enforce
 from align.modeling.engines import RolloutEngine, make_engine
 from align.modeling.generation import Rollout
-from align.stages.context import StageContext
+from align.runtime.context import StageContext
 from align.stages.judging import WeightedJudge, check_same_tokenizer
 from align.stages.ppo.models import is_zero3, policy_for_generation
 from align.stages.ppo.state import RewardScale

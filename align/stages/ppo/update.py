@@ -7,7 +7,7 @@ import torch
 
 from align.config.ppo import PPOStage
 from align.modeling.losses import masked_mean, ppo_policy_loss, ppo_value_loss
-from align.stages.context import NonFiniteLossError
+from align.runtime.context import NonFiniteLossError
 from align.stages.ppo.optim import backward_and_step
 
 

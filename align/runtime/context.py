@@ -10,29 +10,22 @@ from __future__ import annotations
 import contextlib
 import errno
 import gc
-import importlib
 import json
 import logging
-import math
 import os
 import shutil
-import signal
 import socket
-import sys
 import time
-import traceback
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from align.core.engine_env import EngineError
-from align.core.errors import Terminated, describe, interrupt_cause, terminate_as_interrupt
 from align.modeling.compute import resolve as resolve_compute
 from align.config import PipelineConfig, StageBase, from_dict, stage_from_dict
-from align.core.console import emit_progress, verbose
-from align.core.fsutil import (write_failure, atomic_write_text, disk_full, output_digest, publish_dir, staging_dir, staging_path,
+from align.core.console import emit_progress
+from align.core.fsutil import (atomic_write_text, disk_full, output_digest, publish_dir, staging_dir, staging_path,
                           tree_bytes)
-from align.core.rundir import MANIFEST, Manifest, StageSpec, read_manifest, write_manifest
+from align.core.rundir import Manifest, StageSpec, read_manifest, write_manifest
 from align.templates import ChatTemplate
 from align.core.tracking import Tracker, sweep_config
 
@@ -367,53 +360,6 @@ def _step(line: str) -> float:
 
 
 # --------------------------------------------------------------------------------------------- entry point
-def main(spec_path: str) -> int:
-    """Run one stage in this process (called under `accelerate launch`). Returns the exit code: 0, or 2 for
-    a refused input or an I/O failure (one paragraph on stderr, the traceback only in the manifest)."""
-    logging.basicConfig(level=logging.INFO if verbose() else logging.WARNING,
-                        format="[align] %(levelname)s %(name)s: %(message)s")
-    log.setLevel(logging.INFO)
-    quiet_libraries()
-    terminate_as_interrupt()  # SIGTERM (a scheduler, the launcher stopping its workers) recorded as Ctrl-C is
-    ctx: StageContext | None = None
-    spec: dict[str, Any] = {}
-    gc.disable()  # until the libraries are imported and the first model is loaded: see startup_done()
-    try:
-        raw = json.loads(Path(spec_path).read_text(encoding="utf-8"))
-        spec = raw if isinstance(raw, dict) else {}  # enough to record a failure in the manifest
-        ctx = StageContext(StageSpec.parse(raw, spec_path))
-        _run(ctx)
-        return leave_process_group(0)
-    except EXPECTED as exc:
-        message = describe(exc)
-        recorded = _record_failure(ctx, spec, message)
-        print(f"align: error: stage '{spec.get('stage_name', spec_path)}': {message}" + recorded, file=sys.stderr,
-              flush=True)
-        return 2
-    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, or the runner passing one on: resumable, no traceback
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the record short
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        terminated = isinstance(exc, Terminated)
-        _record_failure(ctx, spec, interrupt_cause(exc), status="interrupted")
-        print(f"align: stage '{spec.get('stage_name', spec_path)}' {'stopped by SIGTERM' if terminated else 'interrupted'}"
-              "; its last checkpoint is kept and the next `align run` resumes from it", file=sys.stderr, flush=True)
-        return 143 if terminated else 130
-    except Exception as exc:
-        message = write_failure(exc, ctx.dir if ctx else Path(spec_path).parent)
-        if message is None:
-            _record_failure(ctx, spec, f"{type(exc).__name__}: {exc}")
-            raise
-        recorded = _record_failure(ctx, spec, message)
-        print(f"align: error: stage '{spec.get('stage_name', spec_path)}': {message}" + recorded, file=sys.stderr,
-              flush=True)
-        return 2
-    except BaseException as exc:
-        _record_failure(ctx, spec, f"{type(exc).__name__}: {exc}")
-        raise
-
-
-
-
 def startup_done() -> None:
     """End the stage process's start-up window: the cyclic garbage collector, off since main() began, is turned
     back on, and what was imported so far is frozen out of its generations (never scanned again). Called when
@@ -426,125 +372,3 @@ def startup_done() -> None:
     if not gc.isenabled():
         gc.enable()
         gc.freeze()
-
-
-def leave_process_group(code: int) -> int:
-    """The end of a process of a (possibly) multi-process job.
-
-    1. Leave together: every process waits for the others, then tears the process group down. Without it a
-       process that leaves while another is still in its last collective can die with SIGABRT ("terminate
-       called without an active exception") in the communication library's threads.
-    2. Then exit here and now, skipping interpreter teardown: even after the process group is destroyed, a
-       communication thread (gloo / DeepSpeed's CPU shared-memory ops) can abort a rank at exit (seen in CI
-       under 2-process ZeRO-3 after the manifest said completed), and the launcher then reports the stage as
-       failed. Everything is written and flushed first; a one-process job returns `code` normally."""
-    import torch.distributed as dist  # the stage process already imported torch
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return code
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _run(ctx: StageContext) -> None:
-    old = read_manifest(ctx.dir)
-    # Resume only an interrupted attempt of this very fingerprint; anything else starts clean.
-    resumable = bool(old) and old.get("fingerprint") == ctx.fingerprint and old.get("status") != "completed"
-    if ctx.is_main and not resumable:
-        shutil.rmtree(ctx.checkpoints, ignore_errors=True)
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            if (ctx.dir / name).exists():
-                os.replace(ctx.dir / name, ctx.dir / f"{name}.prev")
-    ctx.state.wait_for_everyone()
-    if resumable:
-        ctx.check_checkpoint_layout()
-    ctx.write_manifest("running")
-    module = importlib.import_module(type(ctx.cfg).stage_module())
-    ctx.start_tracking()
-    t0 = time.perf_counter()
-    final = {**module.run(ctx), **ctx.compute.resource_metrics(time.perf_counter() - t0)}
-    startup_done()  # a stage that never loaded a model through the context
-    ctx.state.wait_for_everyone()
-    check_produced(ctx, module.OUTPUTS, final)
-    if ctx.tracker:
-        ctx.tracker.summary(final)
-    wandb_info = ctx.tracker.finish() if ctx.tracker else {}
-    ctx.write_manifest("completed", final_metrics=final, outputs=module.OUTPUTS, wandb=wandb_info)
-    if ctx.is_main:
-        print(f"[align] {ctx.name}: completed " + ", ".join(f"{k}={_fmt(v)}" for k, v in final.items()
-                                                            if isinstance(v, (int, float))), flush=True)
-
-
-def quiet_libraries() -> None:
-    """Unless --verbose: no library progress bars or INFO chatter (all of it would only fill stage.log)."""
-    if verbose():
-        return
-    os.environ.setdefault("TQDM_DISABLE", "1")
-    # `datasets` reads these when it is first imported, so stages that never use it (the samplers) do not pay
-    # ~0.5 s to import it here (measured with python -X importtime).
-    os.environ.setdefault("DATASETS_VERBOSITY", "error")
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    if "datasets" in sys.modules:
-        from datasets.utils import logging as ds_logging
-
-        ds_logging.set_verbosity_error()
-        ds_logging.disable_progress_bar()
-    from transformers.utils import logging as tf_logging  # heavy: stage processes only
-
-    tf_logging.set_verbosity_error()
-    tf_logging.disable_progress_bar()
-    for name in ("deepspeed", "DeepSpeed", "accelerate", "torch.distributed"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-
-def check_produced(ctx: StageContext, outputs: list[str], final: dict[str, Any]) -> None:
-    """A stage whose work metric (declared by its config class: optimiser steps, iterations, prompts evaluated) is
-    0, or that published nothing, has failed."""
-    work = type(ctx.cfg).WORK
-    if work and final.get(work) == 0:
-        raise StageError(f"stage '{ctx.name}' did no work: {work} is 0")
-    bad = [k for k, v in final.items() if isinstance(v, float) and not math.isfinite(v)
-           and any(w in k for w in ("loss", "margin", "accuracy", "rewards/"))]
-    if bad:  # the training-loss guard watches each step; a diverged model can still end with a NaN eval
-        raise StageError(f"stage '{ctx.name}': {', '.join(f'{k} = {final[k]}' for k in bad)}: the model diverged "
-                         f"(non-finite numbers); lower stages.{ctx.name}.learning_rate (or the stage's beta / "
-                         "scale settings) and rerun it")
-    for out in outputs:
-        path = ctx.dir / out
-        if not path.exists() or (path.is_dir() and not any(path.iterdir())):
-            raise StageError(f"stage '{ctx.name}' produced nothing: {path.resolve()} is missing or empty")
-
-
-# Failures that are the input's or the machine's fault, not align's: one paragraph, exit code 2.
-EXPECTED: tuple[type[BaseException], ...] = (OSError, ValueError, NonFiniteLossError, StageError, EngineError)
-
-
-def _record_failure(ctx: StageContext | None, spec: dict[str, Any], message: str, status: str = "failed") -> str:
-    """Write `failed` (or `interrupted`) with the error into the manifest; returns where it went (or why it
-    could not). Either status resumes from the stage's last checkpoint on the next run of the same config."""
-    trace = traceback.format_exc(limit=20)
-    try:
-        if ctx is not None:
-            if ctx.tracker:
-                ctx.tracker.finish()
-            ctx.write_manifest(status, error=message, traceback=trace)
-        elif spec.get("stage_dir") and os.environ.get("RANK", "0") == "0":
-            write_manifest(spec["stage_dir"], {
-                "stage": spec.get("stage_name"), "status": status, "fingerprint": spec.get("fingerprint"),
-                "error": message, "traceback": trace, "ended_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-        else:
-            return ""
-    except Exception as second:  # e.g. the disk is still full: say so rather than hide the first error
-        return f"\n  (could not record the failure in the manifest either: {describe(second)})"
-    where = ctx.dir if ctx is not None else spec["stage_dir"]
-    return f"\n  manifest: {Path(where) / MANIFEST} (status {status}, traceback inside)"
-
-
-def _fmt(v: float) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
-
