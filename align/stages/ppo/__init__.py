@@ -69,6 +69,7 @@ class PPORun:
     reference: Any
     scorer: WeightedJudge
     kl_ctl: Any
+    reward_stages: list[str] = field(default_factory=list)  # the reward models among `cfg.reward`'s judges
     moments: RunningMoments = field(default_factory=RunningMoments)
     scale: RewardScale = field(default_factory=RewardScale)
     stream: PromptStream | None = None
@@ -158,7 +159,7 @@ def setup(ctx: StageContext) -> PPORun:
     reference, reward_fns = load_frozen(ctx, cfg, accelerator, accelerator.unwrap_model(model), pad_id, reward_stages)
     scorer = build_judge(cfg.reward, lambda n: RewardModelJudge(n, reward_fns[n], tokenizer) if n in reward_fns else None)
     s = PPORun(ctx, cfg, accelerator, tokenizer, policy_path, prompts, heldout, model, optimizer, groups, reference,
-               scorer, kl_controller(cfg), stream=PromptStream(len(prompts), ctx.seed))
+               scorer, kl_controller(cfg), reward_stages, stream=PromptStream(len(prompts), ctx.seed))
     s.start = resume(ctx, accelerator, s.kl_ctl, s.moments, s.scale, s.stream, s.progress,
                      trainable_only=cfg.lora.enabled)
     accelerator.unwrap_model(model).eval()  # dropout is off anyway; eval() keeps train-only code out of the forward
@@ -175,8 +176,7 @@ def fix_reward_scale(s: PPORun) -> None:
     elif s.scale.fitted:
         s.ctx.note(reward_normalization={"gain": s.scale.gain, "bias": s.scale.bias, "restored_at_iteration": s.start})
     if cfg.value_init == "reward":
-        weights = judge_weights(cfg.reward)
-        w = weights[next(n for n in weights if n in s.ctx.inputs)]
+        w = judge_weights(cfg.reward)[s.reward_stages[0]]
         s.accelerator.unwrap_model(s.model).value_affine = (
             (s.scale.gain * w, s.scale.bias) if cfg.reward_normalization == "initial" else (w, 0.0))
 
