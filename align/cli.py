@@ -9,7 +9,8 @@ import sys
 from align.orchestrator import packaged
 from align.config import ConfigError, load_pipeline
 from align.data.cards import DataCardError
-from align.orchestrator.estimate import EstimateError, estimate_pipeline, hardware, render, too_big
+from align.orchestrator.estimate import EstimateError, estimate_pipeline, render, too_big
+from align.orchestrator.hardware import hardware
 from align.orchestrator.helper import HelperError
 from align.orchestrator.launch import MultiNode
 from align.orchestrator.plan import PipelineError

@@ -109,7 +109,7 @@ def generation_ab(model_dir: Path, prompts: list[str], new_tokens: int, batch: i
 
     from align.modeling.compute import resolve
     from align.config import Generation
-    from align.modeling.engines import HFEngine
+    from align.engines.hf import HFEngine
     from align.modeling.generation import sample_texts
     from align.modeling.models import load_causal_lm, load_tokenizer
 
@@ -162,7 +162,8 @@ def run_pipeline(pipeline: Path, run_dir: Path, env: dict[str, str]) -> dict[str
 
 def stage_rows(run_dir: Path, pipeline: Path, peak_flops: float | None, failed: dict[str, str]) -> list[dict]:
     from align.config import load_pipeline
-    from align.orchestrator.estimate import OVERHEAD_BYTES, estimate_pipeline, hardware, model_shapes
+    from align.orchestrator.estimate import OVERHEAD_BYTES, estimate_pipeline, model_shapes
+    from align.orchestrator.hardware import hardware
 
     cfg = load_pipeline(pipeline)
     shapes = model_shapes(cfg, pipeline)
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t0
     rows = stage_rows(run_dir, pipeline, peak * 1e12 if peak else None, failed)
     from align.data.cards import load_split
-    from align.stages.rows import unique_prompts
+    from align.runtime.rows import unique_prompts
 
     card = REPO / "data_cards" / "movie_review_snippets.yaml"
     prompts = unique_prompts(load_split(str(card), "test").rows, sizes["ab_prompts"])

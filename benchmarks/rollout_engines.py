@@ -67,7 +67,7 @@ def sampling(engine_kind: str, model_dir: str, prompts: list[str], args) -> dict
     import torch
 
     from align.config import Generation
-    from align.modeling.engines import make_engine
+    from align.engines import make_engine
     from align.modeling.generation import longest_prompt, sample_texts
     from align.modeling.models import load_tokenizer
 

@@ -229,7 +229,7 @@ def _unpadded(r, i: int):
 
 def check_reward_padding_invariance(model_dir: Path, tok_dir: Path, tol: float = 1e-4) -> dict[str, list[float]]:
     """Score the same sequences with the family's reward model (AutoModelForSequenceClassification) through the
-    one reward-model rule (align/stages/judging.py `RewardModelJudge`) on each of its inputs: text (prompt + response
+    one reward-model rule (align/judges/pointwise.py `RewardModelJudge`) on each of its inputs: text (prompt + response
     + EOS, as TRL's RewardTrainer tokenises it), a PPO rollout (left-padded prompts, right-padded responses), TRL's
     completions (prompt ids + completion ids), whatever the tokenizer's padding side; compare each with the sequence
     scored alone, unpadded, by the model's own forward. Returns the scores."""
@@ -237,7 +237,7 @@ def check_reward_padding_invariance(model_dir: Path, tok_dir: Path, tol: float =
 
     from align.modeling.generation import scalar_outputs
     from align.modeling.models import load_scalar_model, load_tokenizer
-    from align.stages.judging import RewardModelJudge, build_judge
+    from align.judges.pointwise import RewardModelJudge, build_judge
 
     tok = load_tokenizer(str(tok_dir))
     model = load_scalar_model(str(model_dir), tok.pad_token_id).eval()

@@ -45,7 +45,7 @@ def hh_pairs() -> tuple[dict[str, str], ...]:
 
 
 def _turns(transcript: str) -> list[tuple[str, str]]:
-    from align.data.formats import parse_hh_turns
+    from align.data.transforms import parse_hh_turns
 
     return parse_hh_turns(transcript)
 

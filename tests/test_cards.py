@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from align.data.cards import DataCardError, load_card, load_split
-from align.data.formats import hh_transcript, parse_hh_turns
+from align.data.transforms import hh_transcript, parse_hh_turns
 
 REPO = Path(__file__).resolve().parent.parent
 

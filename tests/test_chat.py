@@ -196,7 +196,7 @@ def test_ppo_responses_end_at_the_end_of_turn_token(name):
 
     from align.config import Generation
     from align.modeling.generation import generate, scalar_outputs
-    from align.stages.judging import RewardModelJudge, build_judge
+    from align.judges.pointwise import RewardModelJudge, build_judge
 
     print(f"seed {SEED}")
     tok = chat_tokenizer(name)
@@ -249,7 +249,7 @@ def test_reward_training_ppo_and_evaluate_score_the_same_tokens(name, tmp_path):
     from trl import RewardConfig, RewardTrainer
 
     from align.modeling.generation import Rollout, tokenize_prompts
-    from align.stages.judging import RewardModelJudge, build_judge
+    from align.judges.pointwise import RewardModelJudge, build_judge
 
     tok = chat_tokenizer(name)
     pair = {"prompt": CHAT[:3], "chosen": CHAT[3:], "rejected": [{"role": "assistant", "content": "Mix it."}]}

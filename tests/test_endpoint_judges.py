@@ -55,7 +55,7 @@ def send(handler, code: int, body: dict, headers: dict | None = None) -> None:
 
 
 def backend(url: str, **kw):
-    from align.stages.pairwise import EndpointBackend
+    from align.judges.pairwise import EndpointBackend
 
     args = dict(model="judge", key_env=None, max_new_tokens=4, timeout=2.0, retries=1, max_concurrency=2)
     return EndpointBackend(url, **{**args, **kw})
@@ -75,7 +75,7 @@ def test_a_trickled_answer_cannot_hold_a_request_past_its_timeout():
             pass
 
     server, state, url = serve(trickle)
-    from align.stages.pairwise import EndpointError
+    from align.judges.pairwise import EndpointError
 
     t0 = time.monotonic()
     with pytest.raises(EndpointError, match=r"no answer after 2 attempts \(last: TimeoutError: the answer took longer "
@@ -97,7 +97,7 @@ def test_429_with_retry_after_is_waited_out_and_named_when_it_never_ends():
     server.shutdown()
 
     server, state, url = serve(lambda h, s: send(h, 429, {"error": "slow down"}, {"Retry-After": "600"}))
-    from align.stages.pairwise import EndpointError
+    from align.judges.pairwise import EndpointError
 
     t0 = time.monotonic()
     with pytest.raises(EndpointError, match=r"rate limited \(HTTP 429 to 3 of 3 attempts.*max_retry_wait=1 s\); lower "
@@ -113,7 +113,7 @@ def test_the_whole_judging_has_a_deadline():
         send(h, 200, ANSWER)
 
     server, state, url = serve(slow)
-    from align.stages.pairwise import EndpointError
+    from align.judges.pairwise import EndpointError
 
     b = backend(url, max_concurrency=1, deadline=1.0)
     with pytest.raises(EndpointError, match=r"the judging took longer than deadline=1 s"):
@@ -124,7 +124,7 @@ def test_the_whole_judging_has_a_deadline():
 
 def test_a_key_with_a_carriage_return_is_refused_without_its_value(monkeypatch):
     from align.config.settings import PairwiseJudge
-    from align.stages.pairwise import EndpointError
+    from align.judges.pairwise import EndpointError
 
     monkeypatch.setenv("JUDGE_KEY", KEY + "\r")
     with pytest.raises(EndpointError) as err:

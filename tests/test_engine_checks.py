@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from align.core.engine_env import EngineError
-from align.modeling import vllm_engine
-from align.modeling.engines import check_gap, nan_max
+from align.engines import EngineError
+from align.engines import vllm as vllm_engine
+from align.engines.base import check_gap, nan_max
 
 
 def test_nan_max_never_hides_a_nan_wherever_it_falls():
@@ -89,7 +89,7 @@ def test_an_engine_that_died_between_calls_is_named_with_its_pid_and_log(tmp_pat
 
 
 def test_a_head_size_vllms_cpu_attention_lacks_is_named_before_the_engine_starts(monkeypatch):
-    from align.core import engine_env
+    from align.engines import vllm_env as engine_env
 
     monkeypatch.setattr(engine_env, "has_gpu", lambda: False)
     problem = engine_env.head_size_problem(48, "stages.ppo.generation.engine")

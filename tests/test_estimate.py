@@ -62,7 +62,8 @@ def test_zero_state_bytes_are_deepspeeds_own_estimates(params, largest, gpus):
 
 
 def test_per_gpu_bytes_follow_deepspeed_arithmetic(tiny_cfg, tiny_shapes):
-    from align.orchestrator.estimate import OVERHEAD_BYTES, estimate_pipeline, hardware
+    from align.orchestrator.estimate import OVERHEAD_BYTES, estimate_pipeline
+    from align.orchestrator.hardware import hardware
 
     est = {e.name: e for e in estimate_pipeline(tiny_cfg, REPO / "pipelines" / "default.yaml", hardware(tiny_cfg),
                                                 shapes=tiny_shapes)}
@@ -120,7 +121,8 @@ def test_run_refuses_a_stage_that_does_not_fit_unless_told_to_ignore(workdir):
 def test_gradient_checkpointing_is_counted_and_recommended_when_it_makes_a_stage_fit(tiny_cfg, tiny_shapes):
     """Full recomputation keeps each layer's 16-bit input (2sbh per layer) and one layer's activations while it is
     recomputed: 2 * (2*96*32*32) + 96*32*32*64, plus the same fp32 logits 8*s*b*V."""
-    from align.orchestrator.estimate import Hardware, estimate_pipeline, hardware, too_big
+    from align.orchestrator.estimate import estimate_pipeline, too_big
+    from align.orchestrator.hardware import Hardware, hardware
 
     source = REPO / "pipelines" / "default.yaml"
     est = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg), shapes=tiny_shapes)}
@@ -176,7 +178,8 @@ def test_ppo_with_lora_holds_no_reference_and_trains_only_adapters(tiny_cfg, tin
     adapter layer (256); frozen, sharded: the policy's and the value model's bases (float32), no reference and (the
     value model starting from it) no reward model."""
     from align.config.ppo import PPOLoraSettings
-    from align.orchestrator.estimate import estimate_pipeline, hardware
+    from align.orchestrator.estimate import estimate_pipeline
+    from align.orchestrator.hardware import hardware
 
     source = REPO / "pipelines" / "default.yaml"
     full = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg), shapes=tiny_shapes)}["ppo"]
@@ -206,7 +209,8 @@ def test_align_estimate_shows_the_lora_and_qlora_saving_for_ppo_on_pythia_1b(wor
     only the two bf16 bases; QLoRA holds them at ~0.52 bytes per linear weight and fp32 elsewhere. Full PPO does
     not fit (~42 GiB), LoRA does (~14 GiB)."""
     from align.config import load_pipeline
-    from align.orchestrator.estimate import estimate_pipeline, hardware, qlora_base_bytes, too_big
+    from align.orchestrator.estimate import estimate_pipeline, qlora_base_bytes, too_big
+    from align.orchestrator.hardware import hardware
 
     assert PYTHIA_ADAPTERS == 3_145_728
     base = ["ppo.accelerate=ddp", "ppo.mini_batch_size=2", "hardware.gpus_per_node=1", "hardware.gpu_memory_gb=24"]
@@ -238,7 +242,8 @@ def test_the_vllm_engine_counts_its_own_policy_copy_or_its_share_of_the_gpu(tiny
     """generation.engine: vllm holds a whole copy of the policy beside the trainer's shards, plus its KV cache;
     on a GPU of known size vLLM takes gpu_memory_utilization of it (tiny_cfg: 80 GB GPUs), on a CPU kv_cache_gib."""
     from align.config import Generation
-    from align.orchestrator.estimate import GIB, engine_bytes, estimate_pipeline, hardware, kv_cache_bytes
+    from align.orchestrator.estimate import GIB, engine_bytes, estimate_pipeline, kv_cache_bytes
+    from align.orchestrator.hardware import hardware
 
     source = REPO / "pipelines" / "default.yaml"
     hf = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg), shapes=tiny_shapes)}["ppo"]
@@ -296,7 +301,8 @@ def test_ppo_counts_the_whole_policy_gathered_under_zero3_and_not_with_layer_gat
     generation.zero3_gather: layers (one layer at a time, counted in the sharded states)."""
     import dataclasses
 
-    from align.orchestrator.estimate import estimate_stage, hardware
+    from align.orchestrator.estimate import estimate_stage
+    from align.orchestrator.hardware import hardware
 
     cfg, _, shapes = llama8b
     hw = hardware(cfg)
@@ -316,7 +322,8 @@ def test_a_reward_model_grpo_calls_from_python_is_whole_on_every_gpu_where_ppos_
     """GRPO scores completions with the reward model from a Python reward function: it is loaded whole on every GPU
     (align/stages/online_rl.py), so ZeRO-3 does not shard it; PPO's reward model is DeepSpeed-prepared and sharded."""
     from align.config.grpo import GRPOStage
-    from align.orchestrator.estimate import estimate_stage, frozen_bytes, hardware
+    from align.orchestrator.estimate import estimate_stage, frozen_bytes
+    from align.orchestrator.hardware import hardware
 
     cfg, _, shapes = llama8b
     hw = hardware(cfg)
@@ -334,7 +341,8 @@ def test_a_reward_model_grpo_calls_from_python_is_whole_on_every_gpu_where_ppos_
 def test_advice_for_a_stage_that_trains_nothing_is_not_a_zero_config(llama8b):
     """evaluate holds its models whole whatever its accelerate config: the advice is a smaller generation batch,
     never zero3_offload (which it cannot use)."""
-    from align.orchestrator.estimate import Hardware, estimate_pipeline, too_big
+    from align.orchestrator.estimate import estimate_pipeline, too_big
+    from align.orchestrator.hardware import Hardware
 
     cfg, source, shapes = llama8b
     hw = Hardware(gpus_per_node=8, gpu_memory=int(40e9), nodes=1, detected=False)

@@ -55,7 +55,7 @@ def numpy_scores(prompts, responses):
     ("scalar", "judge 'userjudges:scalar' returned a float; it must return a list of 4 numbers"),
 ], ids=["raises", "short", "words", "nan", "scalar"])
 def test_a_faulty_user_judge_is_named_with_its_fault(tmp_path, monkeypatch, name, message):
-    from align.core.judges import JudgeFault, python_judge
+    from align.judges import JudgeFault, python_judge
 
     monkeypatch.chdir(tmp_path)  # the module sits in the working directory, which is not on sys.path
     monkeypatch.syspath_prepend(str(tmp_path / "elsewhere"))
@@ -71,7 +71,7 @@ def test_a_faulty_user_judge_is_named_with_its_fault(tmp_path, monkeypatch, name
 
 
 def test_a_judge_module_that_is_nowhere_says_where_it_was_looked_for(tmp_path, monkeypatch):
-    from align.core.judges import JudgeError, python_judge
+    from align.judges import JudgeError, python_judge
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(JudgeError, match=f"looked in the working directory \\({tmp_path}\\) and on the Python path"):

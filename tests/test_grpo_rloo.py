@@ -126,7 +126,7 @@ def test_under_zero2_resumes_after_sigkill_and_raises_the_reward(upstream, kind)
 
 
 def test_the_one_reward_model_rule_on_trl_completions_and_on_rollouts(upstream):
-    """The one rule (align/stages/judging.py): a reward model's head at the last real token of prompt ids +
+    """The one rule (align/judges/pointwise.py): a reward model's head at the last real token of prompt ids +
     completion ids. Handed to TRL (GRPO, RLOO) as prompt texts and completion ids in batches of unequal lengths,
     and on the same sequences as a rollout (left-padded prompts, right-padded responses, EOS kept when sampled),
     it gives each sequence's score alone, unpadded, by the model's own forward."""
@@ -134,7 +134,7 @@ def test_the_one_reward_model_rule_on_trl_completions_and_on_rollouts(upstream):
 
     from align.modeling.generation import Rollout, scalar_outputs, tokenize_prompts
     from align.modeling.models import load_scalar_model, load_tokenizer
-    from align.stages.judging import RewardModelJudge, build_judge
+    from align.judges.pointwise import RewardModelJudge, build_judge
 
     _, run = upstream
     tok = load_tokenizer(str(run / "sft" / "model"))

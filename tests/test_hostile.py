@@ -415,7 +415,7 @@ class _Ctx:
 def test_zero_steps_zero_prompts_and_empty_outputs_are_failures(tmp_path):
     from align.runtime.context import StageError
     from align.runtime.process import check_produced
-    from align.stages.trl import train_with_resume
+    from align.runtime.trl import train_with_resume
 
     with pytest.raises(StageError, match="trained 0 optimiser steps"):
         train_with_resume(_Ctx(tmp_path), _Trainer())

@@ -93,7 +93,7 @@ def test_the_checker_finds_a_cycle_hidden_behind_lazy_and_type_only_imports():
 
 def test_the_graph_reads_every_kind_of_import():
     graph = import_graph()
-    assert "align.modeling.models" in graph["align.stages.judging"]  # a function-level import counts
+    assert "align.modeling.models" in graph["align.judges.pointwise"]  # a function-level import counts
     assert "align.runtime.process" in graph["align.orchestrator.warm"]  # a function-level import counts
     assert "align.config" in graph["align.modeling.generation"]  # `if TYPE_CHECKING:` counts
     assert len(graph) > 50
@@ -152,15 +152,64 @@ def test_no_orchestrator_module_imports_torch_or_a_library_that_does():
 
 
 def test_the_shared_layers_import_no_heavy_library_but_the_hub_card_reader():
-    """core, config, data and templates run in the torch-free orchestrator too. One function-level exception:
+    """core, config, data and templates run in the torch-free orchestrator too, and so do the registries they read:
+    the engines' (align/engines/__init__.py, kinds.py, vllm_env.py) and the Python judges' (align/judges/__init__.py). One
+    function-level exception:
     reading a hub dataset card's rows (data/cards.py `_read_hub`) needs `datasets` (it does not import torch)."""
     heavy = ("torch", "transformers", "trl", "peft", "deepspeed", "accelerate", "datasets", "vllm")
     found = []
-    for layer in ("core", "config", "data", "templates"):
-        for f in sorted((PACKAGE / layer).rglob("*.py")):
+    torch_free = [PACKAGE / "engines" / n for n in ("__init__.py", "kinds.py", "vllm_env.py")] + [PACKAGE / "judges" / "__init__.py"]
+    for layer in ("core", "config", "data", "templates", "registries"):
+        for f in torch_free if layer == "registries" else sorted((PACKAGE / layer).rglob("*.py")):
             for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
                 names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                          else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
                 found += [f"{layer}/{f.name}: {n}" for n in names if n.split(".")[0] in heavy]
     assert sorted(found) == ["data/cards.py: datasets", "data/cards.py: datasets.utils"], found
 
+
+
+def test_outside_the_engines_package_nothing_names_an_engine():
+    """An engine's home is align/engines/: elsewhere no module imports an engine's own module (only the registry,
+    align.engines, and the interface, align.engines.base), names an engine class, or compares with an engine's name
+    (a string constant equal to one). Stages ask the engine's kind instead (EngineKind: own copy, problems, memory)."""
+    from align.engines import engine_names
+    from align.engines.hf import HFEngine
+    from align.engines.vllm import VLLMEngine
+
+    names, classes = set(engine_names()), {HFEngine.__name__, VLLMEngine.__name__}
+    assert {"hf", "vllm"} <= names
+    # packaged.py's "hf" is the directory a packaged model's converted Hugging Face files go in, not the engine
+    allowed = {("core/packaged.py", "hf")}
+    found = []
+    for f in sorted(PACKAGE.rglob("*.py")):
+        rel = f.relative_to(PACKAGE).as_posix()
+        if rel.startswith("engines/"):
+            continue
+        tree = ast.parse(f.read_text(encoding="utf-8"))
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef,
+                      ast.FunctionDef, ast.AsyncFunctionDef)) and n.body and isinstance(n.body[0], ast.Expr)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in names and id(node) not in docstrings \
+                    and (rel, node.value) not in allowed:
+                found.append(f"{rel}:{node.lineno}: the string {node.value!r}")
+            if isinstance(node, (ast.Name, ast.Attribute)) and (getattr(node, "id", None) or node.attr) in classes:
+                found.append(f"{rel}:{node.lineno}: {getattr(node, 'id', None) or node.attr}")
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("align.engines.") \
+                    and node.module != "align.engines.base":
+                found.append(f"{rel}:{node.lineno}: imports {node.module}")
+            if isinstance(node, ast.ImportFrom) and node.module == "align.engines":
+                found += [f"{rel}:{node.lineno}: imports {a.name}" for a in node.names if a.name in classes | {"hf", "vllm", "vllm_env"}]
+    assert found == []
+
+
+def test_the_engine_check_finds_what_it_looks_for(tmp_path):
+    """The check above is not vacuous: each kind of naming it refuses is found in a module written to break it."""
+    source = ('from align.engines.vllm import VLLMEngine\n'
+              'def pick(gen):\n    """Mentions vllm and "hf" in a docstring: allowed."""\n'
+              '    return gen.engine == "vllm" or isinstance(gen, VLLMEngine)\n')
+    tree = ast.parse(source)
+    strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in ("hf", "vllm")]
+    assert strings == ["vllm"]  # the comparison; the docstring is a longer string
+    assert [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)] == ["align.engines.vllm"]
+    assert [n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == "VLLMEngine"] == ["VLLMEngine"]

@@ -72,7 +72,8 @@ def test_the_qlora_merge_into_a_fresh_load_equals_the_in_place_merge(tmp_path, t
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from align.config import LoraSettings
-    from align.modeling.models import add_adapters, load_causal_lm, load_scalar_model, merged_for_saving
+    from align.modeling.models import load_causal_lm, load_scalar_model
+    from align.modeling.lora import add_adapters, merged_for_saving
 
     print(f"seed {SEED}")
     torch.manual_seed(SEED)
@@ -110,7 +111,7 @@ def test_an_adapter_alone_is_published_only_when_it_gives_the_trained_model_back
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from align.config import LoraSettings
-    from align.modeling.models import add_adapters
+    from align.modeling.lora import add_adapters
     from align.runtime.context import StageContext
 
     torch.manual_seed(SEED)
@@ -133,7 +134,8 @@ def test_a_policy_adapter_loads_merged_as_a_causal_lm_and_as_a_scalar_model(tmp_
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from align.config import LoraSettings
-    from align.modeling.models import ADAPTER_BASE, add_adapters, load_causal_lm, load_scalar_model
+    from align.modeling.models import ADAPTER_BASE, load_causal_lm, load_scalar_model
+    from align.modeling.lora import add_adapters
 
     torch.manual_seed(SEED)
     print(f"seed {SEED}")

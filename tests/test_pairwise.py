@@ -24,7 +24,7 @@ SERVER = REPO / "tests" / "servers" / "openai_compatible.py"
 
 # --------------------------------------------------------------------------------------------- verdicts and stats
 def test_verdicts_are_parsed_strictly_and_never_guessed():
-    from align.stages.pairwise import parse_verdict
+    from align.judges.pairwise import parse_verdict
 
     for answer, verdict in [("A", "A"), (" b \n", "B"), ("Tie", "tie"), ("A.", "A"), ("**B**", "B"), ('"tie"', "tie")]:
         assert parse_verdict(answer) == verdict, answer
@@ -33,7 +33,7 @@ def test_verdicts_are_parsed_strictly_and_never_guessed():
 
 
 def test_a_verdict_that_flips_with_the_order_is_a_tie():
-    from align.stages.pairwise import outcome
+    from align.judges.pairwise import outcome
 
     # first: the policy's response is A; second: it is B
     assert outcome("A", "B") == "win" and outcome("B", "A") == "loss" and outcome("tie", "tie") == "tie"
@@ -121,7 +121,7 @@ def test_the_endpoint_and_the_local_model_give_the_same_verdicts(smollm2, tmp_pa
 
     from align.config.settings import PairwiseJudge
     from align.modeling.models import load_causal_lm, load_tokenizer
-    from align.stages.pairwise import (DEFAULT_TEMPLATE, EndpointBackend, JudgeCache, LocalBackend,
+    from align.judges.pairwise import (DEFAULT_TEMPLATE, EndpointBackend, JudgeCache, LocalBackend,
                                        PairwiseLLMJudge)
 
     torch.manual_seed(17)

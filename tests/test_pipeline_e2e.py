@@ -358,3 +358,44 @@ def test_ppo_vs_rloo_benchmark_runs_on_the_tiny_run(e2e, tmp_path):
     assert 0 < results["align PPO, shared value head"]["generation_fraction"] < 1
     for name in results:
         assert f"| {name} |" in proc.stdout, name
+
+
+ENGINETYPES = Path(__file__).resolve().parent / "enginetypes"
+
+
+def test_a_third_engine_from_outside_align_samples_for_ppo_and_evaluate(private):
+    """Adding a rollout engine touches no file under align/: tests/enginetypes/copy_engine.py (its kind and its
+    class, one file) is found through ALIGN_ENGINE_MODULES; `align validate` accepts it where every engine is, PPO
+    starts it from the SFT model, syncs it after every update and checks its log-probs against the trainer's, and
+    evaluate samples every policy through it. Without the module the name is refused before anything runs."""
+    import os
+
+    overrides = ["ppo.generation.engine=copy", "evaluate.generation.engine=copy", "ppo.iterations=2"]
+    unknown = run_align(*private["args"], *overrides, cwd=private["root"])
+    assert unknown.returncode == 2 and "generation.engine: 'copy' is not allowed: must be one of hf, vllm" \
+        in unknown.stderr, unknown.stderr[-2000:]
+    env = {"ALIGN_ENGINE_MODULES": "copy_engine",
+           "PYTHONPATH": os.pathsep.join([str(ENGINETYPES), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    refused = run_align("validate", "pipelines/online_rl.yaml", "grpo.generation.engine=copy", cwd=private["root"],
+                        env=env)
+    assert refused.returncode == 2 and "'copy' is not available for stage type 'grpo'" in refused.stderr, \
+        refused.stdout + refused.stderr
+
+    ran = run_align(*private["args"], *overrides, cwd=private["root"], env=env)
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
+    run = private["run"]
+    ppo = _manifest(run, "ppo")
+    assert ppo["engine"] == {"kind": "copy", "parameters": sum(v.numel() for v in _state(run / "sft" / "model").values())}
+    log = (run / "ppo" / "engine.rank0.log").read_text().splitlines()
+    assert log[0] == f"start {run / 'sft' / 'model'}" and log[-1] == "close"
+    assert log.count("sync") >= 2  # before the first rollout and after each of the two updates' rollouts
+    final = ppo["final_metrics"]
+    # the engine's own log-probs of its samples equal the trainer's after every sync: the updates reached it
+    assert final["ppo/iterations_run"] == 2 and 0 <= final["rollout/logprob_gap_max"] < 1e-3, final
+    rows = [r for r in _metrics(run, "ppo") if "rollout/logprob_gap_max" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert _manifest(run, "evaluate")["status"] == "completed"
+    evaluate = json.loads((run / "report" / "metrics.json").read_text())
+    assert evaluate["eval/engine"] == "copy"
+    assert all(0 <= evaluate[f"eval/{p}/logprob_gap_max"] < 1e-3 for p in ("sft", "ppo", "dpo")), evaluate
+    assert (run / "evaluate" / "engine.log").read_text().count("sync") >= 3  # one per policy

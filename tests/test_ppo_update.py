@@ -125,8 +125,8 @@ def test_clipping_under_deepspeed_zero2_matches_cpu(tmp_path):
 
 # --------------------------------------------------------------------------------------------- judges
 def test_user_judge_module_function_and_weighted_sum(tmp_path, monkeypatch):
-    from align.core.judges import JudgeError, check_judges, vader
-    from align.stages.judging import build_judge
+    from align.judges import JudgeError, check_judges, vader
+    from align.judges.pointwise import build_judge
 
     (tmp_path / "my_judges.py").write_text("def exclaim(prompts, responses):\n"
                                            "    return [float(r.count('!')) for r in responses]\n")

@@ -38,7 +38,7 @@ def test_pairs_that_render_identically_through_the_template_are_dropped_or_refus
     from transformers import AutoTokenizer
 
     from align.runtime.context import StageError
-    from align.stages.rows import _rendered
+    from align.runtime.rows import _rendered
 
     repo = Path(__file__).resolve().parent.parent
     tok = AutoTokenizer.from_pretrained(repo / "tokenizers" / "gpt2")

@@ -1,4 +1,4 @@
-"""The rollout-engine seam and the vLLM engine (align/modeling/engines.py, vllm_engine.py), on the packaged
+"""The rollout-engine seam and the vLLM engine (align/engines/, vllm_engine.py), on the packaged
 SmolLM2-135M-Instruct (tied embeddings and lm_head) in fp32 on CPU.
 
 After every weight sync the engine must sample from the training model's weights: its greedy output equals
@@ -21,10 +21,12 @@ import pytest
 import torch
 
 from align.config import Generation
-from align.core.engine_env import check_vllm_installed, vllm_python
-from align.modeling.engines import EngineError, HFEngine, logprob_gap
+from align.engines.vllm_env import check_vllm_installed, vllm_python
+from align.engines import EngineError
+from align.engines.base import logprob_gap
+from align.engines.hf import HFEngine
 from align.modeling.generation import response_logprobs
-from align.modeling.vllm_engine import VLLMEngine, policy_state_for_engine
+from align.engines.vllm import VLLMEngine, policy_state_for_engine
 
 SEED = 1234
 PROMPTS = ["The movie was", "I think this film", "Honestly, the acting", "What a", "The plot of this one",

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, NamedTuple, Protocol
 
 from align.config.settings import LR_SCHEDULERS, Generation, LoraSettings
-from align.core.judges import JudgeError, check_judges, judge_weights
+from align.judges import JudgeError, check_judges, judge_weights
 from align.data.lengths import LengthRule
+from align.engines import DEFAULT as DEFAULT_ENGINE
 from align.core.schema import ConfigError, one_of, ranged
 
 
@@ -154,13 +155,14 @@ class StageBase:
     `data` (preference pairs in data/) or `report`."""
     INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {}
     """Fields that may name another stage -> (role the stage must produce, whether the field must name a
-    stage). Role `judge`: a reward-model stage or a Python judge (align/core/judges.py); `data`: a data stage or a card."""
+    stage). Role `judge`: a reward-model stage or a Python judge (align/judges/__init__.py); `data`: a data stage or a card."""
     CARDS: ClassVar[dict[str, str]] = {}
     """Fields that hold a data card path (relative to the pipeline file) unless they name a stage -> how the stage
     reads the card: `examples` (it trains on, or learns from, the rows) or `prompts` (it samples from their
     prompts only). The planner resolves them, `align validate` loads and checks each one's rows."""
-    ENGINES: ClassVar[tuple[str, ...]] = ("hf",)
-    """The rollout engines (`generation.engine`) the stage can sample with (align/modeling/engines.py)."""
+    ENGINES: ClassVar[tuple[str, ...]] = (DEFAULT_ENGINE,)
+    """The rollout engines (`generation.engine`) the stage can sample with (align/engines/); by default the default
+    one alone (a stage that samples through a library's own generate, as TRL's GRPO and RLOO do, has no other)."""
     ENGINE_MODEL: ClassVar[str] = "policy"
     """The field naming the stage whose model/ a separate engine (vllm) starts from (other weights reach it by
     sync): it must be whole weights, not LoRA adapters alone."""

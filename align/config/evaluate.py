@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from align.core.engine_env import ENGINES
+from align.engines import engine_names
 from align.config.common import HeldModel, DATA, POLICY, PROMPTS_ONLY, REPORT, REWARD_MODEL, CheckContext, StageBase
 from align.config.settings import Generation, PairwiseJudge
 from align.core.schema import ranged
@@ -16,7 +16,7 @@ from align.core.schema import ranged
 class EvaluateStage(StageBase):
     """Sample held-out prompts from each policy and compare them with judges, KL and win rates."""
 
-    ENGINES: ClassVar[tuple[str, ...]] = ENGINES  # every engine (align/core/engine_env.py)
+    ENGINES: ClassVar[tuple[str, ...]] = engine_names()  # every engine (align/engines/)
     ENGINE_MODEL: ClassVar[str] = "reference"  # the engine starts from it; every policy reaches it by a sync
     TYPE: ClassVar[str] = "evaluate"
     PROMPTS: ClassVar[str] = "held_out"
@@ -43,7 +43,7 @@ class EvaluateStage(StageBase):
     pairwise: list[PairwiseJudge] = field(default_factory=list)
     """Pairwise LLM judges (a local model or an OpenAI-compatible endpoint): each policy's responses against the
     baseline's on the same prompts, judged in both orders; win rate, ties, position consistency, invalid answers,
-    a length-controlled win rate, and agreement with the gold judges (align/stages/pairwise.py)."""
+    a length-controlled win rate, and agreement with the gold judges (align/judges/pairwise.py)."""
     prompts: str = ""
     """Data card path; its `prompt` column is used."""
     split: str = "test"

@@ -13,7 +13,7 @@ from typing import ClassVar
 from align.config.common import (HeldModel, DATA, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, StageBase,
                                  TrainedStage, response_length_problems)
 from align.config.settings import Generation
-from align.core.judges import judge_weights
+from align.judges import judge_weights
 from align.core.schema import ranged
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from align.core.engine_env import ENGINES, holds_own_copy
+from align.engines import engine_names, holds_own_copy
 from align.config.common import (HeldModel, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, StageBase,
                                  response_length_problems)
 from align.config.settings import Generation, LoraSettings
-from align.core.judges import judge_weights
+from align.judges import judge_weights
 from align.data.lengths import DROPS_LONG_PROMPTS, LengthRule
 from align.core.schema import one_of, ranged
 
@@ -62,7 +62,7 @@ class PPOLoraSettings(LoraSettings):
 class PPOStage(StageBase):
     """PPO against a frozen reward model or Python judges, with a KL penalty to the reference (align's own)."""
 
-    ENGINES: ClassVar[tuple[str, ...]] = ENGINES  # every engine (align/core/engine_env.py)
+    ENGINES: ClassVar[tuple[str, ...]] = engine_names()  # every engine (align/engines/)
     TYPE: ClassVar[str] = "ppo"
     PROMPTS: ClassVar[str] = "train"
     HEADLINE: ClassVar[tuple[str, ...]] = ("objective/scores_last", "objective/kl_last", "heldout/kl_last",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from align.core.engine_env import ENGINES
+from align.engines import engine_names
 from align.config.common import HeldModel, DATA, POLICY, PROMPTS_ONLY, CheckContext, StageBase
 from align.config.settings import Generation, PairwiseJudge
 from align.core.schema import ranged
@@ -15,7 +15,7 @@ from align.core.schema import ranged
 class PreferencesStage(StageBase):
     """Sample several completions per prompt from a policy and keep judged (chosen, rejected) pairs."""
 
-    ENGINES: ClassVar[tuple[str, ...]] = ENGINES  # every engine (align/core/engine_env.py)
+    ENGINES: ClassVar[tuple[str, ...]] = engine_names()  # every engine (align/engines/)
     TYPE: ClassVar[str] = "preferences"
     PROMPTS: ClassVar[str] = "train"
     HEADLINE: ClassVar[tuple[str, ...]] = ("preferences/pairs_train", "preferences/mean_margin")
@@ -38,7 +38,7 @@ class PreferencesStage(StageBase):
     """Completions per prompt (>= 2); the best and worst by the judge form the pair."""
     judge: str | dict[str, float] = "vader"
     """A reward stage, a Python judge (vader, or your own module:function), or a weighted sum of them as a
-    mapping (see align/core/judges.py)."""
+    mapping (see align/judges/__init__.py)."""
     pairwise: PairwiseJudge | None = None
     """Label pairs with a pairwise LLM judge instead of `judge` (RLAIF): the first two samples of each prompt are
     judged in both orders; a consistent verdict makes the pair, a tie or a flip is dropped as a tie, and

@@ -9,7 +9,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from align.core.engine_env import ENGINES, has_gpu
+from align.core.machine import has_gpu
+from align.engines import DEFAULT as DEFAULT_ENGINE, engine_names
 from align.core.schema import name_field, one_of, ranged
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -110,9 +111,9 @@ class Generation:
     fast: str = one_of("auto", "auto", "on", "off")
     """Static KV cache (compiled with torch.compile by transformers on a GPU) and prompts padded to a multiple of
     32 tokens: auto = on on a GPU outside ZeRO-3, off on CPU (align/modeling/compute.py). hf engine only."""
-    engine: str = one_of("hf", *ENGINES)
-    """What samples: hf (transformers.generate with the stage's own model) or vllm (vLLM in its own process and
-    environment, weights synced after every PPO update; align/modeling/vllm_engine.py). vllm needs
+    engine: str = one_of(DEFAULT_ENGINE, *engine_names())
+    """What samples (align/engines/): hf (transformers.generate with the stage's own model) or vllm (vLLM in its own
+    process and environment, weights synced after every PPO update). vllm needs
     ALIGN_VLLM_PYTHON (./launch.sh --vllm sets up .venv-vllm); `align validate` says so when it is missing."""
     zero3_gather: str = one_of("whole", "whole", "layers")
     """Under ZeRO-3, how the hf engine reaches the sharded policy's weights to sample (PPO): `whole` gathers the
@@ -136,7 +137,7 @@ class Generation:
 
 @dataclass
 class PairwiseJudge:
-    """A pairwise LLM judge: it reads a prompt and two responses and answers A, B or tie (align/stages/pairwise.py).
+    """A pairwise LLM judge: it reads a prompt and two responses and answers A, B or tie (align/judges/pairwise.py).
     Every pair is judged in both orders; a verdict that flips with the order is a tie. Backends: a local causal LM
     run in the stage process (`model` a directory, hub id or packaged:NAME; greedy, batched), or an OpenAI-compatible
     chat-completions endpoint (`base_url` + `model`, the key read from the environment variable `key_env`,

@@ -1,9 +1,8 @@
 """Crash-safe writes: a file or directory appears complete under its final name, or not at all; a write that
 fails (a full disk, a read-only filesystem) leaves the previous file or directory and no temp file behind.
 
-`ALIGN_INJECT_OSERROR=CODE:SUBSTRING` (e.g. `ENOSPC:/model`) is a fault-injection switch for tests, like
-`ALIGN_INJECT_NAN_AT_STEP`: every write below to a path containing SUBSTRING fails with that errno, at the
-point a real full disk would make it fail (after the temp file or staging directory exists).
+Every write below asks align/core/faults.py `oserror(path)` first, at the point a real full disk would make it fail
+(after the temp file or staging directory exists): the tests' ALIGN_INJECT_OSERROR switch.
 """
 
 from __future__ import annotations
@@ -17,16 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-
-def inject_fault(path: str | Path) -> None:
-    """Raise the OSError that ALIGN_INJECT_OSERROR asks for when `path` matches (tests only)."""
-    spec = os.environ.get("ALIGN_INJECT_OSERROR")
-    if not spec:
-        return
-    code, _, pattern = spec.partition(":")
-    if pattern in os.path.abspath(path):
-        number = getattr(errno, code, errno.EIO)
-        raise OSError(number, os.strerror(number), str(path))
+from align.core.faults import oserror
 
 
 def _fsync_dir(path: Path) -> None:
@@ -44,7 +34,7 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
-            inject_fault(path)
+            oserror(path)
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
@@ -93,7 +83,7 @@ def staging_dir(final: str | Path) -> Path:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        inject_fault(tmp)
+        oserror(tmp)
     except BaseException:
         _remove(tmp)
         raise
@@ -109,7 +99,7 @@ def publish_dir(tmp: str | Path, final: str | Path) -> None:
     tmp, final = Path(tmp), Path(final)
     try:
         fsync_tree(tmp)
-        inject_fault(final)
+        oserror(final)
     except BaseException:
         _remove(tmp)
         raise

@@ -11,21 +11,19 @@ import gzip
 import hashlib
 import io
 import json
-import os
 import random
-import socket
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
-from urllib.parse import urlparse
 
 import yaml
 
 from align.core.console import verbose
-from align.data.formats import (FORMS, TRANSFORMS, FormatError, check_canonical, drop_unusable, row_prompt_key,
-                                transform_source_digest, user_transform)
+from align.data.hub import hub_mirror, mirror_digest, resolved_revision
+from align.data.formats import FORMS, FormatError, check_canonical, drop_unusable, row_prompt_key
+from align.data.transforms import TRANSFORMS, transform_source_digest, user_transform
 
 FORMATS = ("jsonl", "json", "tsv", "csv", "parquet", "hub")
 
@@ -233,64 +231,6 @@ def read_rows(card: DataCard, hub_split: str | None = None) -> list[dict[str, An
                 continue
             rows.append(_map_columns(card, fields_, f"{file}: line {n}"))
     return rows
-
-
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the Hugging Face hub answers a TCP connection from here (False in offline mode). Lets validation
-    tell an unreachable hub at once instead of after the datasets library's retries."""
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        return False
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        with socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-HUB_MIRROR_ENV = "ALIGN_HUB_MIRROR"
-"""A directory of local copies of hub dataset repositories, one per `<org>/<name>` (what `huggingface-cli download
---repo-type dataset ORG/NAME --local-dir $ALIGN_HUB_MIRROR/ORG/NAME` writes): a hub card whose dataset is there is
-read from it, for clusters whose compute nodes cannot reach the hub (and for tests: fixtures in the hub's layout)."""
-
-
-def hub_mirror(hub_id: str) -> Path | None:
-    """The local copy of hub dataset `hub_id` under $ALIGN_HUB_MIRROR, when there is one."""
-    root = os.environ.get(HUB_MIRROR_ENV)
-    if not root:
-        return None
-    path = Path(root) / hub_id
-    return path if path.is_dir() else None
-
-
-def mirror_digest(root: Path) -> str:
-    """sha256 over a mirrored dataset's files (names and contents): its identity in fingerprints."""
-    h = hashlib.sha256()
-    for file in sorted(p for p in root.rglob("*") if p.is_file() and ".cache" not in p.parts):
-        h.update(file.relative_to(root).as_posix().encode())
-        with open(file, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()
-
-
-_REVISIONS: dict[tuple[str, str | None], str | None] = {}
-
-
-def resolved_revision(hub_id: str, revision: str | None) -> str | None:
-    """The commit a hub dataset's `revision` (a branch, a tag or a commit; None: main) names now, so a fingerprint
-    changes when the dataset does; the revision as written when the hub cannot be asked from here."""
-    key = (hub_id, revision)
-    if key not in _REVISIONS:
-        _REVISIONS[key] = revision
-        if hub_reachable():
-            try:
-                from huggingface_hub import HfApi  # light (no torch): only for hub cards, and only when reachable
-
-                _REVISIONS[key] = HfApi().dataset_info(hub_id, revision=revision).sha or revision
-            except Exception:  # unknown repo or revision, no access: loading the rows will say which
-                pass
-    return _REVISIONS[key]
 
 
 def _read_hub(card: DataCard, split: str) -> list[dict[str, Any]]:

@@ -60,23 +60,6 @@ def position_ids(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-class EOSOverride:
-    """A logits processor for fault-injection tests: `first` makes every response end at its first token,
-    `never` forbids EOS so every response runs to max_new_tokens."""
-
-    def __init__(self, eos_token_id: int, mode: str):
-        self.eos, self.mode = eos_token_id, mode
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.mode == "first":
-            out = torch.full_like(scores, float("-inf"))
-            out[:, self.eos] = 0.0
-            return out
-        scores = scores.clone()
-        scores[:, self.eos] = float("-inf")
-        return scores
-
-
 def static_cache_safe(model, device: torch.device) -> bool:
     """A static KV cache takes its dtype from the first key it stores and then refuses values of another dtype.
     Under autocast with weights in another dtype some families (GPT-NeoX: rotary embeddings promote keys to
@@ -89,10 +72,11 @@ def static_cache_safe(model, device: torch.device) -> bool:
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], gen: Generation, seed: int, max_prompt_length: int | None = None,
-             synced_gpus: bool = False, eos_override: str | None = None, fast: bool = False,
+             synced_gpus: bool = False, logits_processor=None, fast: bool = False,
              greedy: bool = False) -> Rollout:
     """Sample one response per prompt (duplicate prompts for several). Deterministic given `seed`. `greedy`:
-    argmax decoding instead (tests compare engines with it).
+    argmax decoding instead (tests compare engines with it). `logits_processor`: one more processor of the logits
+    (the tests' fault injection, align/core/faults.py).
 
     `fast` (align/modeling/compute.py): a static KV cache, which transformers compiles on a GPU, and prompts padded to a
     multiple of FAST_PAD_MULTIPLE tokens so that few distinct shapes are compiled."""
@@ -102,10 +86,10 @@ def generate(model, tokenizer, prompts: list[str], gen: Generation, seed: int, m
     q_ids, q_mask = q_ids.to(device), q_mask.to(device)
     torch.manual_seed(seed)
     extra = {}
-    if eos_override:
-        from transformers import LogitsProcessorList  # heavy: only under fault injection
+    if logits_processor is not None:
+        from transformers import LogitsProcessorList
 
-        extra["logits_processor"] = LogitsProcessorList([EOSOverride(tokenizer.eos_token_id, eos_override)])
+        extra["logits_processor"] = LogitsProcessorList([logits_processor])
     if fast:
         extra["cache_implementation"] = "static"
     out = model.generate(
@@ -148,7 +132,7 @@ def by_length(tokenizer, prompts: list[str]) -> list[int]:
 def sample_texts(engine, tokenizer, prompts: list[str], gen: Generation, seed: int,
                  counts: dict[str, int] | None = None,
                  score: Callable[[Rollout, list[str]], torch.Tensor] | None = None) -> tuple[list[str], list[float]]:
-    """Sampled response texts (EOS and padding removed) from a rollout engine (align/modeling/engines.py), in
+    """Sampled response texts (EOS and padding removed) from a rollout engine (align/engines/), in
     length-sorted batches of gen.batch_size, returned
     in the order of `prompts`, with each one's score by `score(rollout, prompts)` when given (a judge reads the
     sampled ids, not a re-tokenised text; [] without). `counts["generated_tokens"]` is increased by the response

@@ -38,18 +38,15 @@ These are estimates for a go/no-go decision, not promises: they leave out tempor
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from align.core.engine_env import holds_own_copy
-
+from align.engines import kind as engine_kind
 from align.orchestrator import helper
 from align.core.builtin import is_builtin
 from align.config import PipelineConfig, StageBase
+from align.orchestrator.hardware import Hardware
 from align.orchestrator.inputs import resolve_model_paths
 from align.orchestrator.launch import accelerate_config, accelerate_mode, is_distributed, processes_per_node
 from align.orchestrator.plan import StagePlan, build_plan
@@ -166,15 +163,12 @@ def kv_cache_bytes(shape: ModelShape, batch: int, seq: int, dtype_bytes: int) ->
 
 
 def engine_bytes(gen: Any, policy: ModelShape, batch: int, seq: int, dtype_bytes: int, gpu_memory: int | None) -> int:
-    """What sampling holds per GPU. hf: the KV cache of one generation batch (the policy itself is counted above).
-    vllm: its own whole copy of the policy (ZeRO or not) and its KV cache: on a GPU vLLM takes
-    `gpu_memory_utilization` of the GPU's memory for both (when the GPU's size is known), on a CPU `kv_cache_gib`."""
+    """What sampling holds per GPU: the KV cache of one generation batch for an engine that samples with the stage's
+    own model (counted above), more for one with its own copy of the policy (its EngineKind.memory)."""
     kv = kv_cache_bytes(policy, batch, seq, dtype_bytes)
-    if gen is None or not holds_own_copy(getattr(gen, "engine", "hf")):
+    if gen is None:
         return kv
-    if gpu_memory:
-        return max(int(gen.gpu_memory_utilization * gpu_memory), policy.params * dtype_bytes + kv)
-    return policy.params * dtype_bytes + max(kv, int(round(gen.kv_cache_gib)) * GIB)
+    return engine_kind(gen.engine).sampling_bytes(gen, policy.params * dtype_bytes, kv, gpu_memory)
 
 
 def lora_layers(shape: ModelShape, lora: Any) -> list[int]:
@@ -301,54 +295,6 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
 
 
 # --------------------------------------------------------------------------------------------- pipeline
-@dataclass
-class Hardware:
-    gpus_per_node: int | None
-    gpu_memory: int | None  # bytes
-    nodes: int
-    detected: bool
-
-
-def hardware(cfg: PipelineConfig, gpus_per_node: int | None = None, gpu_memory_gb: float | None = None,
-             nodes: int | None = None) -> Hardware:
-    """The GPUs to compare with: CLI flags first, then the GPUs present, then the pipeline's `hardware:`."""
-    n, mem, detected = gpus_per_node, gpu_memory_gb, False
-    present = detected_gpus()
-    if present:
-        if n is None:
-            n = len(present)
-        if mem is None:
-            mem = min(present) / GB
-            detected = True
-    n = n or cfg.hardware.gpus_per_node
-    mem = mem or cfg.hardware.gpu_memory_gb
-    return Hardware(n, int(mem * GB) if mem else None, nodes or cfg.hardware.nodes, detected)
-
-
-def detected_gpus() -> list[int]:
-    """Memory (bytes) of each NVIDIA GPU this process may use, from `nvidia-smi` (no torch: the orchestrator never
-    imports it), restricted to CUDA_VISIBLE_DEVICES when it lists indices. Empty without nvidia-smi or a GPU."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return []
-    try:
-        out = subprocess.run([exe, "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return []
-    gpus = {}
-    for line in out.stdout.splitlines() if out.returncode == 0 else []:
-        index, _, mib = (x.strip() for x in line.partition(","))
-        if index.isdigit() and mib.isdigit():
-            gpus[index] = int(mib) * 2 ** 20
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        wanted = [v.strip() for v in visible.split(",") if v.strip()]
-        if all(v.isdigit() for v in wanted):  # indices (UUIDs: every GPU nvidia-smi lists is counted)
-            gpus = {i: m for i, m in gpus.items() if i in wanted}
-    return list(gpus.values())
-
-
 def estimate_pipeline(cfg: PipelineConfig, source: str | Path, hw: Hardware, num_processes: int | None = None,
                       plans: list[StagePlan] | None = None,
                       shapes: dict[str, ModelShape] | None = None) -> list[StageEstimate]:

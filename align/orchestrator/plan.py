@@ -66,7 +66,7 @@ def stage_dependencies(name: str, cfg: StageBase, stages: dict[str, StageBase], 
 
 
 def _check_role(name: str, fld: str, role: str, ref: str, stages: dict[str, StageBase], source: str) -> None:
-    """`ref` must produce `role` (judge fields: a scalar-model stage; align/core/judges.py checks the Python judges)."""
+    """`ref` must produce `role` (judge fields: a scalar-model stage; align/judges/__init__.py checks the Python judges)."""
     want = REWARD_MODEL if role == "judge" else role
     accepted = (POLICY, REWARD_MODEL) if want == MODEL else (want,)
     produced = type(stages[ref]).PRODUCES

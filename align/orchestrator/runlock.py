@@ -18,7 +18,7 @@ import socket
 import time
 from pathlib import Path
 
-from align.core.fsutil import inject_fault
+from align.core.faults import oserror
 
 LOCK_FILE = ".align.lock"
 
@@ -54,7 +54,7 @@ class RunLock:
             return {}
 
     def __enter__(self) -> RunLock:
-        inject_fault(self.path)
+        oserror(self.path)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             try:

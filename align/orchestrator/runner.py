@@ -20,7 +20,8 @@ from align.orchestrator import warm
 from align.config import PipelineConfig, to_dict
 from align.core.console import stream_stage, tail, verbose
 from align.core.errors import INTERRUPTED, Terminated, interrupt_cause
-from align.orchestrator.estimate import EstimateError, estimate_pipeline, hardware, too_big
+from align.orchestrator.estimate import EstimateError, estimate_pipeline, too_big
+from align.orchestrator.hardware import hardware
 from align.core.fsutil import atomic_write_json
 from align.orchestrator.inputs import resolve_model_paths
 from align.orchestrator.launch import MultiNode, is_distributed, launch_command, one_plain_process, stage_env

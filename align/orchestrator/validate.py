@@ -20,7 +20,8 @@ from align.config.common import EXAMPLES, PROMPTS_ONLY, refs
 from align.config.settings import flash_attention_problem
 from align.config.sweeps import by_stage
 from align.core.builtin import is_builtin
-from align.data.cards import (DataCardError, DataUnavailableError, LoadedSplit, hub_mirror, hub_reachable, load_card,
+from align.data.hub import hub_mirror, hub_reachable
+from align.data.cards import (DataCardError, DataUnavailableError, LoadedSplit, load_card,
                               load_split)
 from align.data.formats import row_prompt_key
 from align.orchestrator import helper
@@ -101,7 +102,7 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
 def _check_engine(plan: StagePlan, cfg: PipelineConfig, source: str) -> None:
     """`generation.engine` is one the stage type samples with, vLLM is installed where align will look for it, and
     the models it starts from are whole (a LoRA stage publishes its adapter alone unless `lora.merge`)."""
-    from align.core.engine_env import ENGINE_KINDS
+    from align.engines import DEFAULT, kind as engine_kind
 
     gen = plan.cfg.generation_settings()
     if gen is None:
@@ -110,8 +111,8 @@ def _check_engine(plan: StagePlan, cfg: PipelineConfig, source: str) -> None:
     if gen.engine not in plan.cfg.ENGINES:
         why = f" {plan.cfg.ENGINE_NOTE}" if plan.cfg.ENGINE_NOTE else ""
         raise PipelineError(f"{where}: '{gen.engine}' is not available for stage type '{plan.cfg.TYPE}' (it samples "
-                            f"with {', '.join(plan.cfg.ENGINES)}).{why} Set generation.engine: hf")
-    kind = ENGINE_KINDS[gen.engine]
+                            f"with {', '.join(plan.cfg.ENGINES)}).{why} Set generation.engine: {DEFAULT}")
+    kind = engine_kind(gen.engine)
     if not kind.own_copy:  # it samples with the stage's own model
         return
     for ref in refs(getattr(plan.cfg, plan.cfg.ENGINE_MODEL, None)):

@@ -3,7 +3,7 @@
 A stage process spends most of its start importing torch, transformers, peft, datasets and TRL: 8-10 s on the
 2-core CPU machine (AVX2, measured 2026-11-25 with `python -X importtime -m align.cli stage <spec>`), against
 about 1 s of training in each stage of the default pipeline's tiny CPU run. `align run` therefore starts
-Python's forkserver (`multiprocessing`) once, with those imports preloaded (align/stages/preload.py), and forks
+Python's forkserver (`multiprocessing`) once, with those imports preloaded (align/runtime/preload.py), and forks
 each one-process stage from it. The forked process runs the same entry point as a fresh one
 (`align.cli stage <spec.json>`), with the runner's stage environment, working directory, stdout and stderr;
 the runner sees an object with the parts of `subprocess.Popen` it uses.
@@ -33,9 +33,9 @@ import sys
 from contextlib import contextmanager
 from typing import Iterator
 
-from align.core.engine_env import has_gpu
+from align.core.machine import has_gpu
 
-PRELOAD = "align.stages.preload"
+PRELOAD = "align.runtime.preload"
 
 _context: multiprocessing.context.ForkServerContext | None = None
 

@@ -263,7 +263,7 @@ class StageContext:
                 if self.is_main:
                     self.write_adapter_base(path, model)
             elif adapters:
-                from align.modeling.models import merged_for_saving  # heavy (torch): stage processes only
+                from align.modeling.lora import merged_for_saving  # heavy (torch): stage processes only
 
                 # LoRA: save full merged weights so the next stage loads a plain model with from_pretrained.
                 merged = merged_for_saving(trainer.accelerator.unwrap_model(model), self.cfg.lora,

@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from align.core.engine_env import EngineError
+from align.engines import EngineError
 from align.core.errors import Terminated, describe, interrupt_cause, terminate_as_interrupt
 from align.core.console import verbose
 from align.core.fsutil import write_failure

@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from align.config.dpo import DPOStage
-from align.stages.rows import load_rows
-from align.modeling.models import load_tokenizer, peft_config
+from align.runtime.rows import load_rows
+from align.modeling.models import load_tokenizer
+from align.modeling.lora import peft_config
 from align.runtime.context import StageContext
-from align.stages.trl import check_lengths, eval_metrics, metrics_callback, train_with_resume, training_args
+from align.runtime.trl import check_lengths, eval_metrics, metrics_callback, train_with_resume, training_args
 
 OUTPUTS = ["model"]
 

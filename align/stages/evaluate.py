@@ -20,12 +20,13 @@ from align.report import frontier, seeds
 
 from align.report import plots
 from align.config.evaluate import EvaluateStage
-from align.stages.rows import load_prompts, load_rows
-from align.modeling.engines import RolloutEngine, check_gap, logprob_gap, make_engine, nan_max
+from align.runtime.rows import load_prompts, load_rows
+from align.engines import make_engine
+from align.engines.base import RolloutEngine, check_rollout, nan_max
 from align.modeling.generation import by_length, longest_prompt, response_logprobs
 from align.modeling.losses import sequence_kl
-from align.stages.judging import WeightedJudge, stage_judge
-from align.stages.pairwise import build_pairwise
+from align.judges.pointwise import WeightedJudge, stage_judge
+from align.judges.pairwise import build_pairwise
 from align.modeling.models import load_tokenizer
 from align.core.rundir import read_manifest
 from align.runtime.context import StageContext, StageError
@@ -41,7 +42,7 @@ def sample_with_kl(engine: RolloutEngine, policy, reference, tokenizer, prompts:
                    rank: int = 0, world: int = 1):
     """Responses (text), sequence-level KL(policy || reference) = sum_t log pi - log ref on them, their lengths,
     the sum of their tokens' log-probs under the reference at temperature 1 (for its perplexity), and each judge's
-    scores of them (of the sampled ids: align/stages/judging.py), in the order of `prompts` (sampled in
+    scores of them (of the sampled ids: align/judges/pointwise.py), in the order of `prompts` (sampled in
     length-sorted batches: every policy gets the same batches and seeds). `engine` samples (synced to `policy`); the
     log-probs are the policy's own, and with an engine that reports its own (vllm) the largest gap between the two
     is returned too (None otherwise).
@@ -60,9 +61,9 @@ def sample_with_kl(engine: RolloutEngine, policy, reference, tokenizer, prompts:
         idx = order[start:start + gen.batch_size]
         r = engine.generate([prompts[i] for i in idx], gen, seed=seed + start)
         lp = response_logprobs(policy, r, gen.temperature)
-        if r.engine_logprobs is not None:
-            gap = nan_max([gap or 0.0, logprob_gap(r.engine_logprobs, lp, r.response_mask)["max"]])
-            check_gap(gap, gen.max_logprob_gap, f"evaluation batch {start}", engine.log_path)
+        checked = check_rollout(engine, r, lp, gen.max_logprob_gap, f"evaluation batch {start}")
+        if checked is not None:
+            gap = nan_max([gap or 0.0, checked["max"]])
         ref_lp = response_logprobs(reference, r, gen.temperature)
         mask = r.response_mask.float()
         ref_plain = ref_lp if gen.temperature == 1.0 else response_logprobs(reference, r, 1.0)
@@ -253,7 +254,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 def judge_pairwise(ctx: StageContext, cfg: EvaluateStage, prompts: list[str], samples: dict[str, dict[str, Any]],
                    metrics: dict[str, Any]) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """Each pairwise judge on each policy against the baseline (align/stages/pairwise.py): its summary in `metrics`
+    """Each pairwise judge on each policy against the baseline (align/judges/pairwise.py): its summary in `metrics`
     (eval/<policy>/<judge>/win_rate, _ci, lc_win_rate, tie_rate, consistency, invalid_rate, lengths, agreement with
     each gold judge); the verdicts per judge and policy are returned for samples.jsonl. A judge whose invalid answers
     exceed its max_invalid_fraction fails the stage, with examples in the log."""

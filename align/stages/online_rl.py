@@ -7,7 +7,7 @@ of the others) and a KL to the reference (beta). align hands them:
 - the starting policy loaded by `ctx.load_lm` (TRL builds the reference from the same checkpoint with the
   policy's dtype and attention kernel; under LoRA the reference is the base with adapters disabled);
 - prompts as text, conversational ones rendered with the chat template, as PPO's;
-- one reward function per judge name with its weight, from the one judge builder (align/stages/judging.py): a
+- one reward function per judge name with its weight, from the one judge builder (align/judges/pointwise.py): a
   reward stage's scalar head read at the last real token of prompt ids + completion ids (EOS included when
   sampled), the rule PPO's rollouts are scored by, or a Python judge on (prompts, decoded completions).
 """
@@ -17,18 +17,19 @@ from __future__ import annotations
 from typing import Any
 
 from align.config.online_rl import OnlineRLStage
-from align.stages.rows import load_rows, unique_prompts
-from align.core.judges import judge_weights
-from align.stages.judging import check_same_tokenizer, stage_judge
+from align.runtime.rows import load_rows, unique_prompts
+from align.judges import judge_weights
+from align.judges.pointwise import check_same_tokenizer, stage_judge
 from align.data.lengths import LengthReport, enforce
-from align.modeling.models import load_tokenizer, peft_config
+from align.modeling.models import load_tokenizer
+from align.modeling.lora import peft_config
 from align.runtime.context import StageContext, StageError
-from align.stages.trl import metrics_callback, online_rl_metric_name, train_with_resume, training_args
+from align.runtime.trl import metrics_callback, online_rl_metric_name, train_with_resume, training_args
 
 
 def reward_functions(ctx: StageContext, cfg: OnlineRLStage, tokenizer) -> tuple[list, list[float]]:
     """One TRL reward function per name of `cfg.reward`, and their weights (TRL sums them): the one judge builder
-    (align/stages/judging.py), so a reward stage scores prompt ids + completion ids by the rule PPO's rollouts are
+    (align/judges/pointwise.py), so a reward stage scores prompt ids + completion ids by the rule PPO's rollouts are
     scored by."""
     stages = [n for n in judge_weights(cfg.reward) if n in ctx.inputs]
     check_same_tokenizer(ctx.name, cfg.policy, tokenizer, {n: load_tokenizer(ctx.input_model(n)) for n in stages})

@@ -20,11 +20,10 @@ from typing import Any
 
 
 from align.config.preferences import PreferencesStage
-from align.stages.rows import load_prompts
-from align.core.engine_env import holds_own_copy
-from align.modeling.engines import make_engine
+from align.runtime.rows import load_prompts
+from align.engines import holds_own_copy, make_engine
 from align.modeling.generation import by_length, longest_prompt, sample_texts
-from align.stages.judging import stage_judge
+from align.judges.pointwise import stage_judge
 from align.modeling.models import load_tokenizer
 from align.runtime.context import StageContext, StageError
 
@@ -62,10 +61,10 @@ def all_pairs(prompt: str, responses: list[str], scores: list[float], min_margin
 
 def judge_pairwise(ctx: StageContext, cfg: PreferencesStage, records: list[dict[str, Any]]) -> None:
     """RLAIF: the first two responses of each prompt judged by the pairwise LLM judge in both orders
-    (align/stages/pairwise.py); the first one scores 1 and the second 0 when the judge prefers the first in both
+    (align/judges/pairwise.py); the first one scores 1 and the second 0 when the judge prefers the first in both
     orders, the reverse when it prefers the second, 0.5 each for a tie or a verdict that flips. Invalid answers above
     the judge's max_invalid_fraction fail the stage."""
-    from align.stages.pairwise import build_pairwise
+    from align.judges.pairwise import build_pairwise
 
     judge = build_pairwise(ctx, cfg.pairwise)
     results = judge.compare([r["prompt"] for r in records], [r["responses"][0] for r in records],

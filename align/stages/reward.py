@@ -9,18 +9,19 @@ from __future__ import annotations
 from typing import Any
 
 from align.config.reward import RewardStage
-from align.stages.rows import load_rows
-from align.stages.judging import RewardModelJudge
-from align.modeling.models import load_tokenizer, peft_config, unsharded_loading
+from align.runtime.rows import load_rows
+from align.judges.pointwise import RewardModelJudge
+from align.modeling.models import load_tokenizer, unsharded_loading
+from align.modeling.lora import peft_config
 from align.runtime.context import StageContext
-from align.stages.trl import check_lengths, metrics_callback, train_with_resume, training_args
+from align.runtime.trl import check_lengths, metrics_callback, train_with_resume, training_args
 
 OUTPUTS = ["model"]
 
 
 def pairwise_accuracy(judge: RewardModelJudge, pairs: list[dict[str, Any]]) -> dict[str, float]:
     """Fraction of pairs whose chosen response scores above the rejected one, and the mean margin (each text
-    scored by the one rule, as the model was trained on it: align/stages/judging.py)."""
+    scored by the one rule, as the model was trained on it: align/judges/pointwise.py)."""
     prompts = [p["prompt"] for p in pairs]
     chosen = judge(prompts, [p["chosen"] for p in pairs])
     rejected = judge(prompts, [p["rejected"] for p in pairs])

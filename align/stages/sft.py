@@ -18,10 +18,10 @@ from align.core.builtin import is_builtin
 from align.config.sft import SFTStage
 from align.data.cards import load_split
 from align.data.chat import TemplateError, sft_example
-from align.modeling.models import (build_builtin, fit_model_to_tokenizer, load_tokenizer, peft_config,
-                          train_tokenizer)
+from align.modeling.models import build_builtin, fit_model_to_tokenizer, load_tokenizer, train_tokenizer
+from align.modeling.lora import peft_config
 from align.runtime.context import StageContext, StageError
-from align.stages.trl import check_lengths, metrics_callback, train_with_resume, training_args
+from align.runtime.trl import check_lengths, metrics_callback, train_with_resume, training_args
 
 OUTPUTS = ["model"]
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ Each rank loads the same checkpoint twice with the stages' loader (align.modelin
 the growth of its resident set (VmRSS, /proc/self/status) from just before each load to just after it, with every
 weight it holds read and the load's freed temporaries returned to the system: first as the stages loaded until this
 change (no DeepSpeed config registered yet: whole weights on every rank), then after building the stage's TRL config
-(what align.stages.trl.training_args does now: partitioned by deepspeed.zero.Init). Rank 0 writes {before, after:
+(what align.runtime.trl.training_args does now: partitioned by deepspeed.zero.Init). Rank 0 writes {before, after:
 {rss_growth_bytes per rank, partitioned}, world, params} to OUT.
 """
 
@@ -57,7 +57,7 @@ def main(model_dir: str, out: str) -> None:
     from accelerate import PartialState
     from trl import SFTConfig
 
-    from align.stages.trl import share_process_group_with_deepspeed
+    from align.runtime.trl import share_process_group_with_deepspeed
 
     state = PartialState(cpu=not torch.cuda.is_available())
     before = measured_load(state, model_dir)

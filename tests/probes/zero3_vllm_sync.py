@@ -19,7 +19,7 @@ class Recorder:
     name = "recorder"
 
     def sync_weights(self, model) -> float:
-        from align.modeling.vllm_engine import policy_state_for_engine
+        from align.engines.vllm import policy_state_for_engine
 
         self.state = policy_state_for_engine(model)
         return 0.0
@@ -42,10 +42,11 @@ def perturbed(path):
 
 def main(model_dir: str, out: str) -> None:
     from align.config import Generation
-    from align.modeling.engines import HFEngine, logprob_gap
+    from align.engines.base import logprob_gap
+    from align.engines.hf import HFEngine
     from align.modeling.generation import response_logprobs
     from align.modeling.models import load_tokenizer
-    from align.modeling.vllm_engine import VLLMEngine
+    from align.engines.vllm import VLLMEngine
     from align.stages.ppo.rollouts import sync_engine
     from align.stages.ppo.models import PolicyAndValue
 

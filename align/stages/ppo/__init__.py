@@ -22,12 +22,13 @@ from typing import Any
 import torch
 
 from align.config.ppo import PPOStage
-from align.stages.rows import load_rows, unique_prompts
-from align.modeling.engines import RolloutEngine, check_gap, logprob_gap, nan_max
+from align.runtime.rows import load_rows, unique_prompts
+from align.engines.base import RolloutEngine, check_rollout, nan_max
 from align.modeling.generation import Rollout, response_logprobs
-from align.core.judges import judge_weights
+from align.judges import judge_weights
 from align.modeling.losses import gae, kl_estimate, masked_whiten, token_rewards
-from align.modeling.models import load_causal_lm, load_tokenizer, merged_lora_model, unsharded_loading
+from align.modeling.models import load_causal_lm, load_tokenizer, unsharded_loading
+from align.modeling.lora import merged_lora_model
 from align.runtime.context import StageContext, StageError
 from align.stages.ppo.budget import HeldoutKL, PolicySnapshot, budget_summary, heldout_kl, split_heldout, stop_inside_budget
 from align.stages.ppo.rollouts import fit_reward_scale, open_engine, rollout, sync_engine, usable_prompts
@@ -35,7 +36,7 @@ from align.stages.ppo.checkpoint import resume, restore_history, save_checkpoint
 from align.stages.ppo.optim import disable_deepspeed_clipping
 from align.stages.ppo.update import ppo_update
 from align.stages.ppo.models import load_frozen, load_trained
-from align.stages.judging import RewardModelJudge, WeightedJudge, build_judge
+from align.judges.pointwise import RewardModelJudge, WeightedJudge, build_judge
 from align.stages.ppo.state import (AdaptiveKLController, FixedKLController, PIKLController, PromptStream,
                                     RewardScale, RunningMoments)
 
@@ -191,7 +192,6 @@ def collect(s: PPORun, it: int, t0: float, t_sync: float) -> Batch:
     if accelerator.device.type == "cuda":
         torch.cuda.synchronize()  # GPU work is asynchronous: time what generation really took
     t_gen = time.time() - t0
-    rmask = r.response_mask.float()
     with torch.no_grad():
         scores = s.scorer.score_rollout(r, prompts, s.tokenizer)
         if cfg.reward_normalization == "initial":
@@ -208,11 +208,9 @@ def collect(s: PPORun, it: int, t0: float, t_sync: float) -> Batch:
             logprobs, _, values = s.model(r.input_ids, r.attention_mask, r.query_ids.size(1),
                                           cfg.generation.temperature, with_entropy=False)
             ref_logprobs = response_logprobs(s.reference, r, cfg.generation.temperature)
-    gap = None
-    if r.engine_logprobs is not None:  # what the engine sampled with vs what PPO optimises (same tokens)
-        gap = logprob_gap(r.engine_logprobs, logprobs, rmask)
-        check_gap(gap["max"], cfg.generation.max_logprob_gap,
-                  f"stage '{s.ctx.name}' iteration {it + 1} (after a weight sync of {t_sync:.2f} s)", s.engine.log_path)
+    # what the engine sampled with vs what PPO optimises (same tokens)
+    gap = check_rollout(s.engine, r, logprobs, cfg.generation.max_logprob_gap,
+                        f"stage '{s.ctx.name}' iteration {it + 1} (after a weight sync of {t_sync:.2f} s)")
     return Batch(prompts, r, scores, scores_used - penalties, penalties, logprobs, ref_logprobs, values, gap, t_gen)
 
 

@@ -11,7 +11,8 @@ import torch
 from align.config.ppo import PPOStage
 from align.modeling.generation import response_logits, scalar_outputs
 from align.modeling.losses import logprobs_and_entropy, logprobs_from_logits
-from align.modeling.models import add_adapters, disable_dropout, without_peft
+from align.modeling.models import disable_dropout
+from align.modeling.lora import add_adapters, without_peft
 from align.runtime.context import StageContext
 from align.stages.ppo.rewards import FrozenView
 

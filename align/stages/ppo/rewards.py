@@ -1,5 +1,5 @@
 """Frozen models PPO serves from a trained model's base (LoRA): the reference, and with value_init: reward the
-reward model. PPO's scores come from the one judge builder (align/stages/judging.py): a reward model reads the
+reward model. PPO's scores come from the one judge builder (align/judges/pointwise.py): a reward model reads the
 sampled token ids at the last real token, a Python judge the decoded text; the score is then normalised
 (`reward_normalization`) and the missing-EOS penalty subtracted, both reported apart from the score.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from align.modeling.generation import scalar_outputs
-from align.modeling.models import without_peft
+from align.modeling.lora import without_peft
 
 
 class FrozenView:

@@ -1,4 +1,4 @@
-"""PPO's rollouts: the prompts it can use, the engine that samples (align/modeling/engines.py), weight syncs, and
+"""PPO's rollouts: the prompts it can use, the engine that samples (align/engines/), weight syncs, and
 the initial-policy rollouts that fix the reward's gain and bias (Ziegler et al. 2019, sec. 2.2)."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ import torch
 
 from align.config.ppo import PPOStage
 from align.data.lengths import DROPS_LONG_PROMPTS, enforce
-from align.modeling.engines import RolloutEngine, make_engine
+from align.engines import make_engine
+from align.engines.base import RolloutEngine
 from align.modeling.generation import Rollout
 from align.runtime.context import StageContext
-from align.stages.judging import WeightedJudge, check_same_tokenizer
+from align.judges.pointwise import WeightedJudge, check_same_tokenizer
 from align.stages.ppo.models import is_zero3, policy_for_generation
 from align.stages.ppo.state import RewardScale
 

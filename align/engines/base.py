@@ -1,0 +1,75 @@
+"""The rollout engine's interface, and the engine-vs-trainer check every caller runs on what an engine returns.
+
+An engine declares what its callers need, so no stage tests an engine's class or name: `holds_own_weights` (a copy to
+sync after every update), `describe()` (what the manifest records of it; None for nothing worth recording),
+`log_path` (where its own log is, None when it has none) and `sync_seconds` (one entry per sync). Training code
+recomputes log-probs with the training model whatever the engine, and `check_rollout` compares them with the
+engine's own: the gap is logged, and a gap past `generation.max_logprob_gap` (or not finite) stops the stage.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from align.config import Generation
+    from align.modeling.generation import Rollout
+
+from align.engines import EngineError
+
+
+class RolloutEngine(Protocol):
+    name: str
+    holds_own_weights: bool
+    log_path: object
+    sync_seconds: list[float]
+
+    def describe(self) -> dict | None: ...
+
+    def generate(self, prompts: list[str], gen: Generation, seed: int, max_prompt_length: int | None = None,
+                 greedy: bool = False) -> Rollout: ...
+
+    def sync_weights(self, model) -> float: ...
+
+    def close(self) -> None: ...
+
+
+def logprob_gap(engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Mean and max |engine - trainer| log-prob over the response tokens (mask 1): how far the engine's sampling
+    distribution is from the one the trainer optimises (a drift here biases every importance ratio)."""
+    m = mask.bool()
+    if not m.any():
+        return {"mean": 0.0, "max": 0.0}
+    d = (engine_logprobs.float() - trainer_logprobs.float()).abs()[m]
+    return {"mean": d.mean().item(), "max": d.max().item()}
+
+
+def nan_max(values) -> float:
+    """The largest of `values`, NaN when any is NaN (Python's max skips NaN depending on where it falls: a summary
+    must never report a clean maximum over a broken one)."""
+    values = [float(v) for v in values]
+    return float("nan") if any(math.isnan(v) for v in values) else max(values)
+
+
+def check_gap(gap: float, bound: float, where: str, log_path) -> None:
+    """Stop when the engine's log-probs of its own samples stray from the trainer's: non-finite (a weight sync that
+    loaded wrongly), or above `bound` nats on some token (a sync that did not reach it, a dtype or kernel mismatch)."""
+    if math.isfinite(gap) and gap <= bound:
+        return
+    raise EngineError(f"{where}: the rollout engine's log-probs differ from the trained model's by {gap} on a sampled "
+                      f"token (more than generation.max_logprob_gap={bound:g}): the engine is not sampling from the "
+                      f"weights being trained (a failed or partial weight sync); its log: {log_path}")
+
+
+def check_rollout(engine: RolloutEngine, rollout: Rollout, trainer_logprobs: torch.Tensor, bound: float,
+                  where: str) -> dict[str, float] | None:
+    """The gap (mean, max) between the engine's log-probs of its own samples and the trainer's, checked against
+    `bound` (check_gap); None when the engine returns no log-probs of its own (it samples with the trained model)."""
+    if rollout.engine_logprobs is None:
+        return None
+    gap = logprob_gap(rollout.engine_logprobs, trainer_logprobs, rollout.response_mask)
+    check_gap(gap["max"], bound, where, engine.log_path)
+    return gap

@@ -1,0 +1,41 @@
+"""What an engine declares about itself (EngineKind) and the error every engine ends a stage with: torch-free, read
+by `align validate` and `align estimate` through the registry (align/engines/__init__.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+class EngineError(RuntimeError):
+    """The rollout engine failed, did not start, or did not answer in time; the stage ends with this."""
+
+
+def _no_problem(where: str, head_dim: Callable[[], int | None]) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    """What the rest of align knows of an engine without importing it."""
+
+    name: str
+    """What `generation.engine` says to select it."""
+    module: str
+    """Import name of the module whose `make(gen, **kwargs)` builds it (make_engine's keywords)."""
+    own_copy: bool = False
+    """Runs apart from training with its own copy of the policy: started from a model directory (whole weights, not a
+    LoRA adapter), synced after every update, its memory counted apart by `align estimate`. False: it samples with the
+    stage's own model."""
+    problems: Callable[[str, Callable[[], int | None]], str | None] = _no_problem
+    """Why it cannot run on this machine (not installed, a model it cannot serve here), or None; `head_dim` gives the
+    model's attention head size (None when unknown), asked only when needed. `where` names the setting."""
+    memory: Callable[[Any, int, int, int | None], int] | None = None
+    """Bytes it holds per GPU while sampling, from (generation settings, the policy's weights in bytes, the KV cache of
+    one generation batch, the GPU's memory or None on a CPU); None: the KV cache, and the weights too when it holds
+    its own copy (`sampling_bytes`)."""
+
+    def sampling_bytes(self, gen: Any, weights_bytes: int, kv_bytes: int, gpu_memory: int | None) -> int:
+        if self.memory is not None:
+            return self.memory(gen, weights_bytes, kv_bytes, gpu_memory)
+        return kv_bytes + (weights_bytes if self.own_copy else 0)

@@ -1,0 +1,67 @@
+"""LoRA (Hu et al. 2021) and QLoRA (Dettmers et al. 2023) through peft: the adapter config a stage trains with,
+adapters added to a model, and merging trained adapters into the plain model that a stage's model/ holds.
+QLoRA's 4-bit loading itself is part of loading a model (align/modeling/models.py `quantization_kwargs`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from align.core.errors import ModelError
+from align.modeling.models import load_causal_lm, load_scalar_model, unsharded_loading
+
+if TYPE_CHECKING:
+    from align.config import LoraSettings
+
+
+def peft_config(lora: LoraSettings, task_type: str) -> Any:
+    """A peft LoraConfig when LoRA is enabled, else None (full fine-tuning). For SEQ_CLS peft also trains a copy
+    of the scalar head (`modules_to_save`: `score`), keeping the original for when adapters are disabled."""
+    if not lora.enabled:
+        return None
+    from peft import LoraConfig  # heavy: loaded on use
+
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                      target_modules=list(lora.target_modules), task_type=task_type)
+
+
+def add_adapters(model, lora: LoraSettings, task_type: str, zero3: bool = False):
+    """`model` wrapped in trainable LoRA adapters, its own weights frozen (a peft PeftModel)."""
+    from peft import get_peft_model  # heavy: loaded on use
+
+    # Under ZeRO-3 adapters keep the base's dtype: DeepSpeed gathers parameters in one dtype (TRL issue 6089).
+    return get_peft_model(model, peft_config(lora, task_type), autocast_adapter_dtype=not zero3)
+
+
+def merged_lora_model(base, lora: LoraSettings, task_type: str, trained_state: dict[str, torch.Tensor]):
+    """A plain transformers model: `base` (a fresh, unquantized load of the weights the adapters were trained on)
+    with the trained adapter weights from `trained_state` (a PeftModel's state_dict) merged in. Merging into a
+    fresh load rather than in place also serves QLoRA, whose training copy of the base is 4-bit."""
+    from peft import get_peft_model  # heavy: loaded on use
+
+    model = get_peft_model(base, peft_config(lora, task_type))
+    wanted = [n for n, p in model.named_parameters() if p.requires_grad]
+    missing = [n for n in wanted if n not in trained_state]
+    if missing:
+        raise ModelError(f"cannot merge LoRA adapters: {len(missing)} adapter weights are missing from the trained "
+                         f"state (first: {missing[0]}); the adapter settings changed between training and saving")
+    model.load_state_dict({n: trained_state[n] for n in wanted}, strict=False)
+    return model.merge_and_unload()
+
+
+def merged_for_saving(peft_model, lora: LoraSettings, dtype: str):
+    """A trained PeftModel as the plain model that `model/` holds: merged in place, or, for QLoRA (a 4-bit training
+    copy, which merging in place would re-quantize), merged into a fresh unquantized load of the same weights."""
+    if not getattr(peft_model, "is_loaded_in_4bit", False):
+        return peft_model.merge_and_unload()
+    config = peft_model.peft_config[peft_model.active_adapter]
+    path, task = config.base_model_name_or_path, getattr(config.task_type, "value", config.task_type)
+    with unsharded_loading():
+        base = load_scalar_model(path, None, dtype) if task == "SEQ_CLS" else load_causal_lm(path, dtype)
+    return merged_lora_model(base, lora, task, peft_model.state_dict())
+
+
+def without_peft(model) -> torch.nn.Module:
+    """The transformers model inside a peft wrapper (its adapted layers still apply), or `model` itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model

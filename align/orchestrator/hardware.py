@@ -1,0 +1,66 @@
+"""The GPUs an estimate compares with (`align estimate`, `align run`'s preflight), asked without torch.
+
+Precedence, per value: a command-line flag (`--gpus-per-node`, `--gpu-memory-gb`, `--nodes`), then the GPUs this
+process can see (nvidia-smi), then the pipeline's `hardware:` section. So on a GPU machine the GPUs present win
+over `hardware:` (which describes the cluster a pipeline is planned for, read where no GPU is visible); a flag wins
+over both. `Hardware.detected` says when the memory came from the GPUs present.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+from align.config import PipelineConfig
+
+GB = 1e9
+
+
+@dataclass
+class Hardware:
+    gpus_per_node: int | None
+    gpu_memory: int | None  # bytes
+    nodes: int
+    detected: bool
+
+
+def hardware(cfg: PipelineConfig, gpus_per_node: int | None = None, gpu_memory_gb: float | None = None,
+             nodes: int | None = None) -> Hardware:
+    """The GPUs to compare with: CLI flags first, then the GPUs present, then the pipeline's `hardware:`."""
+    n, mem, detected = gpus_per_node, gpu_memory_gb, False
+    present = detected_gpus()
+    if present:
+        if n is None:
+            n = len(present)
+        if mem is None:
+            mem = min(present) / GB
+            detected = True
+    n = n or cfg.hardware.gpus_per_node
+    mem = mem or cfg.hardware.gpu_memory_gb
+    return Hardware(n, int(mem * GB) if mem else None, nodes or cfg.hardware.nodes, detected)
+
+
+def detected_gpus() -> list[int]:
+    """Memory (bytes) of each NVIDIA GPU this process may use, from `nvidia-smi` (no torch: the orchestrator never
+    imports it), restricted to CUDA_VISIBLE_DEVICES when it lists indices. Empty without nvidia-smi or a GPU."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        out = subprocess.run([exe, "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus = {}
+    for line in out.stdout.splitlines() if out.returncode == 0 else []:
+        index, _, mib = (x.strip() for x in line.partition(","))
+        if index.isdigit() and mib.isdigit():
+            gpus[index] = int(mib) * 2 ** 20
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        wanted = [v.strip() for v in visible.split(",") if v.strip()]
+        if all(v.isdigit() for v in wanted):  # indices (UUIDs: every GPU nvidia-smi lists is counted)
+            gpus = {i: m for i, m in gpus.items() if i in wanted}
+    return list(gpus.values())
