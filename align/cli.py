@@ -12,6 +12,7 @@ from align.data.cards import DataCardError
 from align.orchestrator.estimate import EstimateError, estimate_pipeline, render, too_big
 from align.orchestrator.hardware import hardware
 from align.orchestrator.helper import HelperError
+from align.orchestrator.inputs import resolved_once
 from align.orchestrator.launch import MultiNode
 from align.orchestrator.plan import PipelineError
 from align.orchestrator.report import rebuild
@@ -85,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return stage_main(args.spec)
     terminate_as_interrupt()  # SIGTERM (schedulers, systemctl stop) handled as Ctrl-C: stages recorded interrupted
+    with resolved_once():  # the model inputs are worked out once per command (align/orchestrator/inputs.py)
+        return _command(args)
 
+
+def _command(args: argparse.Namespace) -> int:
+    """One orchestrator command, its expected failures printed in one line (exit 2), Ctrl-C and SIGTERM as 130/143."""
     try:
         if args.command == "status":
             print(status_table(args.run_dir))

@@ -76,3 +76,35 @@ def test_orchestrator_modules_name_no_stage_type(module):
     found = [(i + 1, line.strip()) for i, line in enumerate(text.splitlines())
              if re.search(r"\b(" + "|".join(names) + r")\b", line, flags=re.IGNORECASE)]
     assert found == [], f"{module} names stage types: {found[:5]}"
+
+
+def test_one_command_works_out_the_model_inputs_once(workdir, monkeypatch, capsys):
+    """`align validate` asks for the base model's paths and config.json from several checks (plan, validation,
+    lengths, tokenizer): within one command they are worked out once (inputs.resolved_once); outside a command
+    (a library caller) each call looks again, so nothing stale is read."""
+    from collections import Counter
+
+    from align import cli
+    from align.config import load_pipeline
+    from align.orchestrator import inputs
+    from align.orchestrator.validate import validate
+
+    calls: Counter = Counter()
+    def counting(name: str):
+        real = getattr(inputs, name)
+
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return counted
+
+    for name in ("_resolve_model_paths", "_base_model_config"):
+        monkeypatch.setattr(inputs, name, counting(name))
+    monkeypatch.chdir(workdir)
+    assert cli.main(["validate", "pipelines/default.yaml"]) == 0, capsys.readouterr().err
+    assert calls == {"_resolve_model_paths": 1, "_base_model_config": 1}, calls
+
+    calls.clear()
+    validate(load_pipeline("pipelines/default.yaml", []), "pipelines/default.yaml")  # no command scope
+    print("without the scope:", dict(calls))
+    assert calls["_resolve_model_paths"] > 1, calls  # what the scope saves

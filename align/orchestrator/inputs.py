@@ -24,8 +24,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from align.core import gguf
 
@@ -39,10 +40,40 @@ from align.core.schema import ConfigError
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 
+_ONCE: dict[tuple, Any] | None = None
+
+
+@contextmanager
+def resolved_once() -> Iterator[None]:
+    """Within it, the model inputs (`resolve_model_paths`, `base_model_config`) are worked out once per pipeline
+    file and setting, however many checks ask: the CLI opens it around one command (`align run` asked 5-7 times,
+    each a packaged model's cache check, a config.json read or a hub cache lookup). Outside it every call looks
+    again, so a long-lived process never reads a stale answer."""
+    global _ONCE
+    outer, _ONCE = _ONCE, {}
+    try:
+        yield
+    finally:
+        _ONCE = outer
+
+
+def _once(key: tuple, compute: Callable[[], Any]) -> Any:
+    if _ONCE is None:
+        return compute()
+    if key not in _ONCE:
+        _ONCE[key] = compute()  # an error is raised again by the next caller, never remembered
+    return _ONCE[key]
+
+
 def resolve_model_paths(cfg: PipelineConfig, source: str | Path) -> dict[str, str | None]:
     """base_model / tokenizer that name local paths, resolved relative to the pipeline file (like data cards);
     hub ids pass through. A local-looking value that does not exist is an error (see the module docstring).
     A local `.gguf` file is a base model (align/core/gguf.py)."""
+    key = ("paths", str(Path(source).resolve()), str(source), cfg.base_model, cfg.tokenizer)
+    return dict(_once(key, lambda: _resolve_model_paths(cfg, source)))
+
+
+def _resolve_model_paths(cfg: PipelineConfig, source: str | Path) -> dict[str, str | None]:
     base_dir = Path(source).resolve().parent
     out: dict[str, str | None] = {}
     for key in ("base_model", "tokenizer"):
@@ -93,6 +124,11 @@ WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*
 def base_model_config(cfg: PipelineConfig, source: str | Path, paths: dict[str, str | None]) -> dict[str, Any] | None:
     """The base model's config.json as a dict: local directory, HF cache, or the declared copy; None for a
     builtin model or a hub model that nothing here describes."""
+    key = ("config", str(Path(source).resolve()), str(source), paths["base_model"], cfg.base_model_config)
+    return _once(key, lambda: _base_model_config(cfg, source, paths))
+
+
+def _base_model_config(cfg: PipelineConfig, source: str | Path, paths: dict[str, str | None]) -> dict[str, Any] | None:
     value = paths["base_model"]
     if not value or is_builtin(value):
         return None
