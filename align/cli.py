@@ -1,4 +1,4 @@
-"""`align` command line: run, validate, estimate, status, report, model, stage (internal)."""
+"""`align` command line: run, validate, estimate, status, verify, report, model, stage (internal)."""
 
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     est = sub.add_parser("estimate", help="per-stage parameter counts and per-GPU memory for ZeRO-2/3/offload")
     est.add_argument("pipeline")
     est.add_argument("overrides", nargs="*")
-    est.add_argument("--gpus", type=int, help="GPUs per node (default: the pipeline's hardware, else detected)")
-    est.add_argument("--gpu-memory-gb", type=float, help="memory of one GPU in GB (default: declared or detected)")
+    est.add_argument("--gpus", type=int, help="GPUs per node (default: the GPUs present, else the pipeline's hardware:)")
+    est.add_argument("--gpu-memory-gb", type=float, help="memory of one GPU in GB (default: the GPUs present, else the pipeline's hardware:)")
     est.add_argument("--nodes", type=int, help="machines (default: the pipeline's hardware.nodes)")
     val = sub.add_parser("validate", help="check config, data cards and stage settings without training")
     val.add_argument("pipeline")
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    if args.command == "stage":  # a stage process (align/runtime/context.py): the only path into the stage side
+    if args.command == "stage":  # a stage process (align/runtime/process.py): the only path into the stage side
         from align.runtime.process import main as stage_main
 
         return stage_main(args.spec)

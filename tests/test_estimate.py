@@ -369,3 +369,26 @@ def test_every_stage_of_the_shipped_8b_pipelines_fits_8x80gb_with_its_breakdown(
     assert mode == "zero3 + ckpt" and float(gather) == pytest.approx(2 * policy_params / 2 ** 30, abs=0.006)
     assert float(total) == pytest.approx(sum(map(float, (trained, frozen, acts, gen, gather, overhead))), abs=0.03)
     assert "does not fit" not in proc.stdout
+
+
+def test_the_gpus_present_win_over_hardware_and_the_table_says_which_values_they_replaced(monkeypatch):
+    """Precedence per value: a flag, then the GPUs present (nvidia-smi), then the pipeline's `hardware:`; a declared
+    value the GPUs present replace is named in the table's header, never replaced silently."""
+    from align.config import parse_pipeline
+    from align.orchestrator import hardware as hw_module
+    from align.orchestrator.estimate import render
+
+    cfg = parse_pipeline({"name": "x", "hardware": {"gpus_per_node": 8, "gpu_memory_gb": 80},
+                          "stages": {"sft": {"data": "c.yaml"}}}, "x.yaml")
+    monkeypatch.setattr(hw_module, "detected_gpus", lambda: [])  # a login node: what the pipeline declares
+    hw = hw_module.hardware(cfg)
+    assert (hw.gpus_per_node, hw.gpu_memory, hw.detected, hw.overrides) == (8, int(80e9), False, "")
+
+    monkeypatch.setattr(hw_module, "detected_gpus", lambda: [int(24e9), int(24e9)])  # two 24 GB GPUs here
+    hw = hw_module.hardware(cfg)
+    assert (hw.gpus_per_node, hw.gpu_memory, hw.detected) == (2, int(24e9), True)
+    assert hw.overrides == "the GPUs present replace the pipeline's hardware: gpus_per_node 8, gpu_memory_gb 80"
+    assert hw.overrides in render([], hw).splitlines()[0]
+
+    hw = hw_module.hardware(cfg, gpus_per_node=4, gpu_memory_gb=40)  # flags win over both, and replace nothing
+    assert (hw.gpus_per_node, hw.gpu_memory, hw.detected, hw.overrides) == (4, int(40e9), False, "")

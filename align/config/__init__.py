@@ -44,12 +44,13 @@ class Tracking:
 @dataclass
 class Hardware:
     """The GPUs a pipeline is sized for. `align estimate` and `align run` compare per-GPU memory estimates with
-    it; unset fields are detected from the GPUs present (none on a CPU machine: nothing to compare)."""
+    it where no GPU is visible (a login node); on a GPU machine the GPUs present win, and the table names each value
+    they replaced (align/orchestrator/hardware.py: flags, then the GPUs present, then this)."""
 
     nodes: int = ranged(1, ge=1)
     """Machines in the job."""
     gpus_per_node: int | None = ranged(None, ge=1)
-    """GPUs (processes) per machine for distributed stages (None = torch.cuda.device_count())."""
+    """GPUs (processes) per machine for distributed stages (None: the GPUs present)."""
     gpu_memory_gb: float | None = ranged(None, gt=0)
     """Memory of one GPU in GB (1e9 bytes; None = detected)."""
 

@@ -153,7 +153,8 @@ class PPOStage(StageBase):
     """LoRA adapters instead of full fine-tuning: the policy and the value model (whose scalar head is also
     trained) each get their own (value_init: shared: the policy's adapters and the value head); the reference is
     the policy's base with its adapters disabled, and with value_init: reward the reward model is the value model's
-    base with its adapters disabled, so no extra copy of either is held. `model/` is the merged policy."""
+    base with its adapters disabled, so no extra copy of either is held. `model/` holds the policy's adapters beside
+    their base's name, or with `merge` the merged policy."""
 
     def check(self, ctx: CheckContext) -> None:
         ctx.check_judge("reward", self.reward)

@@ -75,7 +75,8 @@ class LoraSettings:
     quantize: str = one_of("none", "none", "4bit")
     """`4bit`: QLoRA (Dettmers et al. 2023): the frozen base is loaded in 4-bit NormalFloat with double
     quantization and bf16 compute (bitsandbytes), the adapters train on top. Needs a CUDA GPU and
-    `pip install 'align[qlora]'`; `model/` is still the merged 16/32-bit model."""
+    `pip install 'align[qlora]'`; `model/` holds the adapters (trained over the unquantised base), or with `merge`
+    the merged 16/32-bit model."""
 
     def check(self) -> None:
         """`align validate`: QLoRA only with LoRA on, bitsandbytes installed and a CUDA GPU present."""
@@ -113,8 +114,8 @@ class Generation:
     32 tokens: auto = on on a GPU outside ZeRO-3, off on CPU (align/modeling/compute.py). hf engine only."""
     engine: str = one_of(DEFAULT_ENGINE, *engine_names())
     """What samples (align/engines/): hf (transformers.generate with the stage's own model) or vllm (vLLM in its own
-    process and environment, weights synced after every PPO update). vllm needs
-    ALIGN_VLLM_PYTHON (./launch.sh --vllm sets up .venv-vllm); `align validate` says so when it is missing."""
+    process and environment, weights synced after every PPO update). vllm needs vLLM in this interpreter or
+    ALIGN_VLLM_PYTHON naming one (./launch.sh --vllm sets up .venv-vllm); `align validate` says so when it is missing."""
     zero3_gather: str = one_of("whole", "whole", "layers")
     """Under ZeRO-3, how the hf engine reaches the sharded policy's weights to sample (PPO): `whole` gathers the
     whole policy once per rollout batch (fast; `align estimate` counts its full 16-bit copy on every GPU), `layers`

@@ -34,8 +34,8 @@ class SFTStage(TrainedStage):
     """Which split of the card to train on."""
     completion_only_loss: bool = True
     """Compute the loss on completion tokens only (prompt tokens masked); for messages data, on the assistant
-    turns only (their content and end-of-turn token: TRL's assistant-only loss, which needs `{% generation %}`
-    markers in the chat template, as align/templates/ has)."""
+    turns only (their content and end-of-turn token), masked by align (align/data/chat.py `sft_example`) as the
+    planned template's `masking` says: its `{% generation %}` markers, TRL's patched copy, or prefix rendering."""
     eval_split: str | None = "test"
     """Split whose loss is reported after training (None = skip)."""
     eval_max_examples: int = ranged(256, ge=1, fix="set eval_split: null to skip the evaluation")

@@ -3,7 +3,8 @@
 Each switch is an environment variable the tests set (never a pipeline setting); unset, every hook answers "no
 fault" and costs one dictionary lookup. The hooks and their callers:
 
-    ALIGN_INJECT_OSERROR=CODE:SUBSTRING   oserror(path)             align/core/fsutil.py (every crash-safe write)
+    ALIGN_INJECT_OSERROR=CODE:SUBSTRING   oserror(path)             align/core/fsutil.py (every crash-safe write),
+                                                                    align/orchestrator/runlock.py (the run's lock)
     ALIGN_INJECT_NAN_AT_STEP=N            nan_loss(step)            align/runtime/trl.py (TRL stages' loss log)
     ALIGN_TEST_EOS_FIRST_RANKS=0,1        eos_processor(rank, eos)  align/engines/hf.py (the hf engine's sampling)
     ALIGN_TEST_EOS_NEVER_RANKS=1

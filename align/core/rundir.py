@@ -29,7 +29,7 @@ from align.core.tracking import scrub
 SPEC = "spec.json"
 MANIFEST = "manifest.json"
 PIPELINE = "pipeline.json"
-STATUSES = ("running", "completed", "failed")
+STATUSES = ("running", "completed", "failed", "interrupted")  # interrupted: Ctrl-C or SIGTERM, resumable
 
 
 class ManifestError(ValueError):

@@ -2,8 +2,8 @@
 
 A conversational row holds messages (lists of `{role, content}`), as TRL's conversational formats do:
 `prompt` is the conversation so far (ending with a user turn); `chosen` / `rejected` / `completion` are lists of
-one assistant message. SFT trains on `messages` through TRL (the chat template applied by the trainer, loss on
-assistant turns only). Reward, DPO, PPO, preferences and evaluate work on text rendered once, here, with the
+one assistant message. SFT trains on `messages` tokenised here (`sft_example`: ids and a mask of the assistant
+turns, by the template's masking) and handed to TRL. Reward, DPO, PPO, preferences and evaluate work on text rendered once, here, with the
 tokenizer's chat template:
 
 - prompt = the template's rendering of the prompt turns with the generation prompt (the opening of an assistant
@@ -27,7 +27,7 @@ GENERATION_TAG = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")
 
 
 def has_generation_markers(text: str) -> bool:
-    """Whether the template marks assistant tokens with `{% generation %}` (assistant-only loss needs it)."""
+    """Whether the template marks assistant tokens with `{% generation %}` (one of the masking modes)."""
     return GENERATION_TAG.search(text) is not None
 
 

@@ -13,7 +13,7 @@ to sync) and `vllm` (vllm.py: vLLM in its own process and environment, vllm_env.
 The interface and the engine-vs-trainer log-prob check all callers share: base.py.
 
 An engine from outside align registers itself the same way from a module named in ALIGN_ENGINE_MODULES (the test
-suite's third engine: tests/enginetypes/replay_engine.py).
+suite's third engine: tests/enginetypes/copy_engine.py).
 """
 
 from __future__ import annotations

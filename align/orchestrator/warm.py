@@ -132,7 +132,7 @@ class WarmStage:
 
 def _stage_main(spec: str, env: dict[str, str], cwd: str, out: multiprocessing.connection.Connection) -> None:
     """In the forked process: the runner's pipe as stdout and stderr, the stage environment, then the same
-    entry point as `python -m align.cli stage <spec>` (align.runtime.context.main)."""
+    entry point as `python -m align.cli stage <spec>` (align.runtime.process.main)."""
     fd = out.fileno()
     os.dup2(fd, 1)
     os.dup2(fd, 2)

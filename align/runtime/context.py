@@ -1,7 +1,8 @@
 """What every stage process shares: its spec, run directory, manifest, tracker and checkpoint hygiene.
 
 The runner writes `<stage>/spec.json` (align/core/rundir.py) and starts `accelerate launch -m align.cli stage
-<spec>`; `main()` below runs in every process of that launch. Only the main process writes files; all
+<spec>`; align/runtime/process.py `main()` runs in every process of that launch and builds this context. Only the
+main process writes files; all
 processes take part in saving (ZeRO-3 gathers the weights for the consolidated checkpoint).
 """
 
@@ -359,7 +360,7 @@ def _step(line: str) -> float:
         return float("inf")  # a torn last line of a killed attempt
 
 
-# --------------------------------------------------------------------------------------------- entry point
+# --------------------------------------------------------------------------------------------- start-up
 def startup_done() -> None:
     """End the stage process's start-up window: the cyclic garbage collector, off since main() began, is turned
     back on, and what was imported so far is frozen out of its generations (never scanned again). Called when

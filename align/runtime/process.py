@@ -30,13 +30,14 @@ from align.runtime.context import NonFiniteLossError, StageContext, StageError, 
 log = logging.getLogger("align")
 
 def main(spec_path: str) -> int:
-    """Run one stage in this process (called under `accelerate launch`). Returns the exit code: 0, or 2 for
-    a refused input or an I/O failure (one paragraph on stderr, the traceback only in the manifest)."""
+    """Run one stage in this process (called under `accelerate launch`). Returns the exit code: 0; 2 for a refused
+    input or an I/O failure (one paragraph on stderr, the traceback only in the manifest); 130 / 143 when Ctrl-C /
+    SIGTERM stopped it (recorded `interrupted`, resumable)."""
     logging.basicConfig(level=logging.INFO if verbose() else logging.WARNING,
                         format="[align] %(levelname)s %(name)s: %(message)s")
     log.setLevel(logging.INFO)
     quiet_libraries()
-    terminate_as_interrupt()  # SIGTERM (a scheduler, the launcher stopping its workers) recorded as Ctrl-C is
+    terminate_as_interrupt()  # SIGTERM (a scheduler, the launcher stopping its workers) recorded as Ctrl-C
     ctx: StageContext | None = None
     spec: dict[str, Any] = {}
     gc.disable()  # until the libraries are imported and the first model is loaded: see startup_done()

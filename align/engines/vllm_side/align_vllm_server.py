@@ -5,8 +5,8 @@ transformers<5.20 while align needs >=5.23, and the two never share an interpret
 multiprocessing connection on a Unix socket (authkey from ALIGN_VLLM_AUTHKEY, never on the command line); every
 request is a dict with "op", every reply a dict with "ok" (and "error" with the traceback when not ok):
 
-  init      {model, dtype, max_model_len, seed, kv_cache_gib, gpu_memory_utilization, threads}
-  generate  {prompts: [[token ids]], temperature, top_k, top_p, max_tokens, stop_token_ids}
+  init      {model, dtype, max_model_len, seed, kv_cache_gib, gpu_memory_utilization[, enforce_eager]}
+  generate  {prompts: [[token ids]], temperature, top_k, top_p, max_tokens, stop_token_ids[, greedy]}
             -> {outputs: [{token_ids, logprobs}]}  (the sampled tokens' log-probs, after temperature)
   load      {path: a safetensors file of the full model state} -> {tensors, seconds}; the file is deleted once
             read (loaded or not), so a parent killed mid-sync leaves no copy of the weights in /dev/shm
