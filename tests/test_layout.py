@@ -213,3 +213,20 @@ def test_the_engine_check_finds_what_it_looks_for(tmp_path):
     assert strings == ["vllm"]  # the comparison; the docstring is a longer string
     assert [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)] == ["align.engines.vllm"]
     assert [n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == "VLLMEngine"] == ["VLLMEngine"]
+
+
+def test_a_stage_type_imports_no_other_stage_types_module():
+    """What several stage types share lives outside their modules (runtime/, judges/, report/, modeling/; GRPO and
+    RLOO's common base, stages/online_rl.py, is no stage type): a stage module that imported another type's module
+    would tie the two together, and moving or removing one would break the other."""
+    from align.config import stage_types
+
+    modules = {cls.stage_module() for cls in stage_types().values()}
+    owner = {m.removeprefix("align.stages.").split(".")[0] for m in modules if m.startswith("align.stages.")}
+    assert {"sft", "reward", "dpo", "ppo", "evaluate", "grpo", "rloo"} <= owner
+    graph = import_graph()
+    found = {m: sorted(d for d in deps if d.startswith("align.stages.")
+                       and d.removeprefix("align.stages.").split(".")[0] in owner
+                       and d.removeprefix("align.stages.").split(".")[0] != m.removeprefix("align.stages.").split(".")[0])
+             for m, deps in graph.items() if m.startswith("align.stages.")}
+    assert {m: d for m, d in found.items() if d} == {}

@@ -174,3 +174,14 @@ def check_same_tokenizer(stage: str, policy: str, policy_tokenizer, reward_token
                              f"({policy}); its score reads the policy's token ids, so both must share one tokenizer "
                              "(train the reward model from the same SFT checkpoint)")
 
+
+def pairwise_accuracy(judge: RewardModelJudge, pairs: list[dict[str, Any]]) -> dict[str, float]:
+    """Fraction of pairs whose chosen response scores above the rejected one, and the mean margin (each text
+    scored by the one rule, as the model was trained on it: align/judges/pointwise.py)."""
+    prompts = [p["prompt"] for p in pairs]
+    chosen = judge(prompts, [p["chosen"] for p in pairs])
+    rejected = judge(prompts, [p["rejected"] for p in pairs])
+    margins = [c - r for c, r in zip(chosen, rejected)]
+    return {"accuracy": sum(m > 0 for m in margins) / len(margins), "margin": sum(margins) / len(margins),
+            "chosen": sum(chosen) / len(chosen), "rejected": sum(rejected) / len(rejected),
+            "margins": margins, "chosen_scores": chosen, "rejected_scores": rejected}

@@ -114,3 +114,18 @@ def pairwise_summary(results: list[dict], policy_lengths: list[float], baseline_
                                     if decided else float("nan"))
         out[f"agreement/{name}/pairs"] = float(len(decided))
     return out
+
+
+def calibration_buckets(margins: list[float], n_buckets: int = 4) -> list[dict[str, float]]:
+    """Accuracy by |margin| quantile bucket: a calibrated reward model is more often right when it is surer."""
+    ordered = sorted(margins, key=abs)
+    size = max(1, len(ordered) // n_buckets)
+    out = []
+    for i in range(0, len(ordered), size):
+        chunk = ordered[i:i + size]
+        if len(chunk) < size and out:  # fold a short tail into the last bucket
+            prev = out.pop()
+            chunk = prev["_items"] + chunk
+        out.append({"lo": abs(chunk[0]), "hi": abs(chunk[-1]), "n": len(chunk),
+                    "accuracy": sum(m > 0 for m in chunk) / len(chunk), "_items": chunk})
+    return [{k: v for k, v in b.items() if k != "_items"} for b in out]

@@ -7,10 +7,8 @@ Writes `<run>/report/metrics.json` and `<run>/report/report.md` atomically.
 
 from __future__ import annotations
 
-import json
 import time
 from contextlib import closing
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,20 +16,19 @@ import torch
 
 from align.report import frontier, seeds
 
-from align.report import plots
+from align.report.markdown import all_judges, headline, write_report
 from align.config.evaluate import EvaluateStage
 from align.runtime.rows import load_prompts, load_rows
 from align.engines import make_engine
 from align.engines.base import RolloutEngine, check_rollout, nan_max
 from align.modeling.generation import by_length, longest_prompt, response_logprobs
 from align.modeling.losses import sequence_kl
-from align.judges.pointwise import WeightedJudge, stage_judge
+from align.judges.pointwise import WeightedJudge, pairwise_accuracy, stage_judge
 from align.judges.pairwise import build_pairwise
 from align.modeling.models import load_tokenizer
 from align.core.rundir import read_manifest
 from align.runtime.context import StageContext, StageError
-from align.stages.reward import calibration_buckets, pairwise_accuracy
-from align.report.stats import mean_ci, pairwise_summary, perplexity, win_rate
+from align.report.stats import calibration_buckets, mean_ci, pairwise_summary, perplexity, win_rate
 
 OUTPUTS = ["../report"]
 
@@ -181,29 +178,6 @@ def policy_groups(ctx: StageContext, cfg: EvaluateStage, metrics: dict[str, Any]
     return groups
 
 
-def write_report(out: Path, cfg: EvaluateStage, metrics: dict[str, Any], prompts: list[str],
-                 samples: dict[str, dict[str, Any]], groups: list, verdicts: dict, buckets: list) -> None:
-    """report/: metrics.json, the plots, report.md and samples.jsonl (every prompt, every policy's response)."""
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-    judge_names = all_judges(cfg)
-    for j in judge_names:
-        plots.reward_vs_kl(metrics, cfg.policies, j, cfg.reference, out / f"reward_vs_kl_{j}.png")
-    if len(cfg.policies) > 1:
-        plots.win_rates(metrics, cfg.policies, judge_names, cfg.baseline, out / "win_rates.png")
-        for j in judge_names:
-            plots.frontier(metrics, groups, j, cfg.reference, cfg.baseline, out / f"frontier_{j}.png")
-    if buckets:
-        plots.calibration(buckets, out / "reward_model_calibration.png")
-    (out / "report.md").write_text(render_report(cfg, metrics, prompts, samples, groups))
-    with open(out / "samples.jsonl", "w", encoding="utf-8") as fh:
-        for i, p in enumerate(prompts):
-            row = {"prompt": p, **{n: {"response": s["responses"][i], "kl": s["kl"][i],
-                                       **{j: sc[i] for j, sc in s["scores"].items()},
-                                       **{j: by[n][i] for j, by in verdicts.items() if i < len(by.get(n, []))}}
-                                   for n, s in samples.items()}}
-            fh.write(json.dumps(row) + "\n")
-
-
 def track_report(ctx: StageContext, cfg: EvaluateStage, metrics: dict[str, Any], n_prompts: int) -> None:
     """The report's plots and headline table to the tracker (W&B)."""
     report = ctx.run_dir / "report"
@@ -290,91 +264,3 @@ def judge_pairwise(ctx: StageContext, cfg: EvaluateStage, prompts: list[str], sa
         metrics[f"eval/{settings.name}/requests"] = judge.backend.requests
         del judge
     return out
-
-
-def all_judges(cfg: EvaluateStage) -> list[str]:
-    """The judges every sample is scored by: the gold functions, then the reward model if there is one."""
-    return [*cfg.judges, *(["reward_model"] if cfg.reward else [])]
-
-
-def headline(cfg: EvaluateStage, m: dict[str, Any], groups: list[frontier.Group] | None = None) -> str:
-    """The report's first tables: every policy's judge means, KL, perplexity and win rates; each pairwise judge's
-    verdicts; and, when stages were swept over seeds, their mean and spread (align/report/seeds.py)."""
-    judges = all_judges(cfg)
-    lines = [f"| policy | {' | '.join(f'{j} mean' for j in judges)} | KL to {cfg.reference} | "
-             f"perplexity under {cfg.reference} | "
-             + " | ".join(f"{j} win rate vs {cfg.baseline} [95% CI]" for j in judges) + " |",
-             "|" + "---|" * (3 + 2 * len(judges))]
-    for p in cfg.policies:
-        cells = ([f"{m[f'eval/{p}/{j}/mean']:.3f}" for j in judges] + [f"{m[f'eval/{p}/kl']:.2f}"]
-                 + [f"{m.get(f'eval/{p}/ref_perplexity', float('nan')):.2f}"])
-        for j in judges:
-            if p == cfg.baseline:
-                cells.append("(baseline)")
-            else:
-                lo, hi = m[f"eval/{p}/{j}/win_rate_ci"]
-                cells.append(f"{m[f'eval/{p}/{j}/win_rate']:.3f} [{lo:.3f}, {hi:.3f}]")
-        lines.append(f"| {p} | " + " | ".join(cells) + " |")
-    for judge in cfg.pairwise:  # pairwise judges: win rate vs the baseline, both orders, ties as halves
-        lines += ["", f"| policy | {judge.name} win rate vs {cfg.baseline} [95% CI] | length-controlled | ties | "
-                  f"position-consistent | invalid | agreement with {', '.join(cfg.judges) or '-'} |",
-                  "|---|---|---|---|---|---|---|"]
-        for p in cfg.policies:
-            if p == cfg.baseline:
-                continue
-            key = f"eval/{p}/{judge.name}"
-            lo, hi = m[f"{key}/win_rate_ci"]
-            agree = ", ".join(f"{m.get(f'{key}/agreement/{j}', float('nan')):.3f} "
-                              f"(n={m.get(f'{key}/agreement/{j}/pairs', 0):.0f})" for j in cfg.judges) or "-"
-            lines.append(f"| {p} | {m[f'{key}/win_rate']:.3f} [{lo:.3f}, {hi:.3f}] | {m[f'{key}/lc_win_rate']:.3f} | "
-                         f"{m[f'{key}/tie_rate']:.3f} | {m[f'{key}/consistency']:.3f} | {m[f'{key}/invalid_rate']:.3f} | "
-                         f"{agree} |")
-    judged = {j.name: next((int(m[f"eval/{p}/{j.name}/pairs"]) for p in cfg.policies if p != cfg.baseline), 0)
-              for j in cfg.pairwise}
-    swept = seeds.table(m, groups or [], judges, [j.name for j in cfg.pairwise], cfg.reference, cfg.baseline)
-    lines += ["", *swept] if swept else []
-    return "\n".join(lines) + f"\n\nn = {m['eval/prompts']} held-out prompts" + "".join(
-        f"; {name}: the first {n} of them, each pair judged in both orders" for name, n in judged.items())
-
-
-def render_report(cfg: EvaluateStage, m: dict[str, Any], prompts: list[str], samples: dict[str, Any],
-                  groups: list[frontier.Group]) -> str:
-    out = ["# Evaluation report", "", headline(cfg, m, groups), ""]
-    judges = all_judges(cfg)
-    if len(cfg.policies) > 1:
-        out += ["## Reward–KL frontier", "",
-                "Policies grouped by the stage they come from (every variant of a sweep is one curve), in order of "
-                "KL to the reference. A point is Pareto-optimal when no other policy here has at most its KL and at "
-                "least its score; compare the CIs before calling two points different.", ""]
-        for j in judges:
-            out += [f"### {j}", "", *frontier.frontier_table(m, groups, j, cfg.baseline), "",
-                    frontier.dominance_summary(m, groups, j), "", f"![frontier {j}](frontier_{j}.png)", ""]
-    out += ["## Length and reward", "", "| policy | mean response length [tokens] | "
-            + " | ".join(f"corr({j}, length)" for j in judges) + " |", "|" + "---|" * (2 + len(judges))]
-    for p in cfg.policies:
-        out.append(f"| {p} | {m[f'eval/{p}/response_length']:.1f} | "
-                   + " | ".join(f"{m.get(f'eval/{p}/{j}/length_corr', float('nan')):.3f}" for j in judges) + " |")
-    out += ["", "A strong positive correlation of the reward model's score with length, without the same in the "
-            "gold judge, is a sign of reward hacking.", ""]
-    out += [f"![reward vs KL](reward_vs_kl_{j}.png)" for j in judges]
-    if len(cfg.policies) > 1:
-        out.append("![win rates](win_rates.png)")
-    out.append("")
-    if "eval/reward_model/accuracy" in m:
-        out += ["## Reward model", "",
-                f"Held-out pairwise accuracy: {m['eval/reward_model/accuracy']:.3f} on "
-                f"{m['eval/reward_model/pairs']} pairs (mean margin {m['eval/reward_model/margin']:.3f}). "
-                f"Scores: chosen {m['eval/reward_model/chosen_mean']:.3f} ± {m['eval/reward_model/chosen_std']:.3f}, "
-                f"rejected {m['eval/reward_model/rejected_mean']:.3f} ± {m['eval/reward_model/rejected_std']:.3f}.",
-                "", "| abs margin bucket | pairs | accuracy |", "|---|---|---|"]
-        out += [f"| {b['lo']:.2f} - {b['hi']:.2f} | {b['n']} | {b['accuracy']:.3f} |"
-                for b in m["eval/reward_model/calibration"]]
-        out += ["", "![calibration](reward_model_calibration.png)", ""]
-    out += ["## Samples", ""]
-    for i in range(min(5, len(prompts))):
-        out.append(f"**{prompts[i]}**")
-        for name, s in samples.items():
-            scores = ", ".join(f"{j} {sc[i]:.2f}" for j, sc in s["scores"].items())
-            out.append(f"- {name}: {s['responses'][i]!r} ({scores})")
-        out.append("")
-    return "\n".join(out)

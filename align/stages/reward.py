@@ -10,40 +10,13 @@ from typing import Any
 
 from align.config.reward import RewardStage
 from align.runtime.rows import load_rows
-from align.judges.pointwise import RewardModelJudge
+from align.judges.pointwise import RewardModelJudge, pairwise_accuracy
 from align.modeling.models import load_tokenizer, unsharded_loading
 from align.modeling.lora import peft_config
 from align.runtime.context import StageContext
 from align.runtime.trl import check_lengths, metrics_callback, train_with_resume, training_args
 
 OUTPUTS = ["model"]
-
-
-def pairwise_accuracy(judge: RewardModelJudge, pairs: list[dict[str, Any]]) -> dict[str, float]:
-    """Fraction of pairs whose chosen response scores above the rejected one, and the mean margin (each text
-    scored by the one rule, as the model was trained on it: align/judges/pointwise.py)."""
-    prompts = [p["prompt"] for p in pairs]
-    chosen = judge(prompts, [p["chosen"] for p in pairs])
-    rejected = judge(prompts, [p["rejected"] for p in pairs])
-    margins = [c - r for c, r in zip(chosen, rejected)]
-    return {"accuracy": sum(m > 0 for m in margins) / len(margins), "margin": sum(margins) / len(margins),
-            "chosen": sum(chosen) / len(chosen), "rejected": sum(rejected) / len(rejected),
-            "margins": margins, "chosen_scores": chosen, "rejected_scores": rejected}
-
-
-def calibration_buckets(margins: list[float], n_buckets: int = 4) -> list[dict[str, float]]:
-    """Accuracy by |margin| quantile bucket: a calibrated reward model is more often right when it is surer."""
-    ordered = sorted(margins, key=abs)
-    size = max(1, len(ordered) // n_buckets)
-    out = []
-    for i in range(0, len(ordered), size):
-        chunk = ordered[i:i + size]
-        if len(chunk) < size and out:  # fold a short tail into the last bucket
-            prev = out.pop()
-            chunk = prev["_items"] + chunk
-        out.append({"lo": abs(chunk[0]), "hi": abs(chunk[-1]), "n": len(chunk),
-                    "accuracy": sum(m > 0 for m in chunk) / len(chunk), "_items": chunk})
-    return [{k: v for k, v in b.items() if k != "_items"} for b in out]
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
