@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from align.config.common import STAGE_TYPES, CheckContext, StageBase, TrainedStage, import_builtin_types, stage_types
+from align.config.contract import STAGE_TYPES, CheckContext, StageBase, TrainedStage, import_builtin_types, stage_types
 from align.config.settings import (ATTN_IMPLEMENTATIONS, DTYPES, PRECISIONS, LR_SCHEDULERS, BuiltinModel, Generation,
                                    LoraSettings)
 from align.core.schema import (ConfigError, check_plain_name, closest, from_dict, name_field, one_of, ranged,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from align.config.common import HeldModel, DATA, EXAMPLES, POLICY, CheckContext, StageBase, TrainedStage
+from align.config.contract import HeldModel, DATA, EXAMPLES, POLICY, CheckContext, StageBase, TrainedStage
 from align.data.lengths import TRUNCATES_PAIRS
 from align.core.schema import one_of, ranged
 

@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from align.config.common import HeldModel, DATA, EXAMPLES, POLICY, CheckContext, StageBase, TrainedStage
+from align.config.contract import HeldModel, DATA, EXAMPLES, POLICY, CheckContext, StageBase, TrainedStage
 from align.data.formats import DataForm, Rows, register_form, text_of
 from align.data.lengths import TRUNCATES_COMPLETIONS
 from align.core.schema import one_of, ranged

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from align.engines import engine_names, holds_own_copy
-from align.config.common import (HeldModel, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, StageBase,
+from align.config.contract import (HeldModel, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, StageBase,
                                  response_length_problems)
 from align.config.settings import Generation, LoraSettings
 from align.judges import judge_weights

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from align.engines import engine_names
-from align.config.common import HeldModel, DATA, POLICY, PROMPTS_ONLY, CheckContext, StageBase
+from align.config.contract import HeldModel, DATA, POLICY, PROMPTS_ONLY, CheckContext, StageBase
 from align.config.settings import Generation, PairwiseJudge
 from align.core.schema import ranged
 

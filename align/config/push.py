@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-from align.config.common import MODEL, CheckContext, StageBase
+from align.config.contract import MODEL, CheckContext, StageBase
 
 _REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from align.config.common import HeldModel, DATA, EXAMPLES, POLICY, REWARD_MODEL, CheckContext, StageBase, TrainedStage
+from align.config.contract import HeldModel, DATA, EXAMPLES, POLICY, REWARD_MODEL, CheckContext, StageBase, TrainedStage
 from align.data.lengths import DROPS_LONG_PAIRS
 from align.core.schema import ranged
 

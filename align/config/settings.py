@@ -1,6 +1,6 @@
 """Settings several stage types share: the builtin model's size, LoRA, decoding (and which engine samples), pairwise
 LLM judges with their endpoint checks, and the names of dtypes, precisions, attention kernels and schedulers. The
-stage-type contract that uses them is align/config/common.py. No torch here.
+stage-type contract that uses them is align/config/contract.py. No torch here.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from align.core.builtin import is_builtin
-from align.config.common import HeldModel, EXAMPLES, POLICY, CheckContext, StageBase, TrainedStage
+from align.config.contract import HeldModel, EXAMPLES, POLICY, CheckContext, StageBase, TrainedStage
 from align.data.lengths import TRUNCATES_COMPLETIONS
 from align.core.schema import ranged
 

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from align.config import parse_pipeline
-from align.config.common import POLICY, REPORT, REWARD_MODEL
+from align.config.contract import POLICY, REPORT, REWARD_MODEL
 from align.orchestrator.plan import PipelineError
 from align.core.rundir import PIPELINE, read_manifest
 from align.orchestrator.runner import run

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from align.config import CheckContext, ConfigError, PipelineConfig, TrainedStage
-from align.config.common import EXAMPLES, PROMPTS_ONLY, refs
+from align.config.contract import EXAMPLES, PROMPTS_ONLY, refs
 from align.config.settings import flash_attention_problem
 from align.config.sweeps import by_stage
 from align.core.builtin import is_builtin
