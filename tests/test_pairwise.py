@@ -32,6 +32,24 @@ def test_verdicts_are_parsed_strictly_and_never_guessed():
         assert parse_verdict(answer) is None, answer
 
 
+def test_one_invalid_answer_rule_for_preferences_and_evaluate(capsys):
+    """check_invalid, the rule both callers apply: at most max_invalid_fraction of the outcomes may be invalid; above
+    it the stage ends naming the judge, the count and the fix, and the first answers go to the log."""
+    from align.config.settings import PairwiseJudge
+    from align.judges.pairwise import InvalidVerdicts, check_invalid
+
+    settings = PairwiseJudge(name="smol", model="judge", max_invalid_fraction=0.25)
+    results = [{"outcome": "win", "answers": ["A", "B"]}] * 3 + [{"outcome": "invalid", "answers": ["Maybe", "B"]}]
+    check_invalid(results, settings, "evaluate", "pairs of ppo vs sft")  # 1 of 4 = 0.25: at the bound, accepted
+    check_invalid([], settings, "evaluate", "pairs")  # nothing judged: nothing to refuse
+    with pytest.raises(InvalidVerdicts) as err:
+        check_invalid(results[1:], settings, "preferences", "prompts")  # 1 of 3 = 33.3%
+    assert str(err.value).startswith("stage 'preferences': pairwise judge 'smol' gave invalid answers (not exactly A, "
+                                     "B or tie) for 1 of 3 prompts (33.3%), above max_invalid_fraction 0.25")
+    assert isinstance(err.value, ValueError)  # a refusal the stage reports in one line, not a crash
+    assert "['Maybe', 'B']" in capsys.readouterr().out
+
+
 def test_a_verdict_that_flips_with_the_order_is_a_tie():
     from align.judges.pairwise import outcome
 

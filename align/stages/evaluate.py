@@ -24,10 +24,10 @@ from align.engines.base import RolloutEngine, check_rollout, nan_max
 from align.modeling.generation import by_length, longest_prompt, response_logprobs
 from align.modeling.losses import sequence_kl
 from align.judges.pointwise import WeightedJudge, pairwise_accuracy, stage_judge
-from align.judges.pairwise import build_pairwise
+from align.judges.pairwise import build_pairwise, check_invalid
 from align.modeling.models import load_tokenizer
 from align.core.rundir import read_manifest
-from align.runtime.context import StageContext, StageError
+from align.runtime.context import StageContext
 from align.report.stats import calibration_buckets, mean_ci, pairwise_summary, perplexity, win_rate
 
 OUTPUTS = ["../report"]
@@ -251,16 +251,7 @@ def judge_pairwise(ctx: StageContext, cfg: EvaluateStage, prompts: list[str], sa
                                        ctx.seed, gold)
             metrics.update({f"eval/{name}/{settings.name}/{k}": v for k, v in summary.items()})
             out[settings.name][name] = results
-            if summary["invalid_rate"] > settings.max_invalid_fraction:
-                bad = [r["answers"] for r in results if r["outcome"] == "invalid"][:5]
-                for answers in bad:
-                    print(f"[align] {ctx.name}: {settings.name}: invalid answers (policy as A, as B): {answers!r}",
-                          flush=True)
-                raise StageError(
-                    f"stage '{ctx.name}': pairwise judge '{settings.name}' gave invalid answers (not exactly A, B or "
-                    f"tie) for {summary['invalid_rate']:.1%} of the {n} pairs of {name} vs {cfg.baseline}, above "
-                    f"max_invalid_fraction {settings.max_invalid_fraction}; examples in the log. Use a stronger judge, "
-                    f"a judging template that asks for one word, or a larger max_new_tokens")
+            check_invalid(results, settings, ctx.name, f"pairs of {name} vs {cfg.baseline}")
         metrics[f"eval/{settings.name}/requests"] = judge.backend.requests
         del judge
     return out

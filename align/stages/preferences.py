@@ -64,7 +64,7 @@ def judge_pairwise(ctx: StageContext, cfg: PreferencesStage, records: list[dict[
     (align/judges/pairwise.py); the first one scores 1 and the second 0 when the judge prefers the first in both
     orders, the reverse when it prefers the second, 0.5 each for a tie or a verdict that flips. Invalid answers above
     the judge's max_invalid_fraction fail the stage."""
-    from align.judges.pairwise import build_pairwise
+    from align.judges.pairwise import build_pairwise, check_invalid
 
     judge = build_pairwise(ctx, cfg.pairwise)
     results = judge.compare([r["prompt"] for r in records], [r["responses"][0] for r in records],
@@ -72,14 +72,7 @@ def judge_pairwise(ctx: StageContext, cfg: PreferencesStage, records: list[dict[
     value = {"win": [1.0, 0.0], "loss": [0.0, 1.0], "tie": [0.5, 0.5], "invalid": [0.5, 0.5]}
     for r, res in zip(records, results):
         r["responses"], r["scores"], r["verdicts"] = r["responses"][:2], value[res["outcome"]], res["answers"]
-    invalid = sum(res["outcome"] == "invalid" for res in results)
-    if results and invalid / len(results) > cfg.pairwise.max_invalid_fraction:
-        for res in [x for x in results if x["outcome"] == "invalid"][:5]:
-            print(f"[align] {ctx.name}: {cfg.pairwise.name}: invalid answers (first as A, as B): {res['answers']!r}",
-                  flush=True)
-        raise StageError(f"stage '{ctx.name}': pairwise judge '{cfg.pairwise.name}' gave invalid answers (not "
-                         f"exactly A, B or tie) for {invalid} of {len(results)} prompts, above max_invalid_fraction "
-                         f"{cfg.pairwise.max_invalid_fraction}; examples in the log")
+    check_invalid(results, cfg.pairwise, ctx.name, "prompts")
 
 
 def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts: list[str],
