@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from align.core.packaged import PackagedError
 from align.orchestrator import packaged
 from align.config import ConfigError, load_pipeline
 from align.data.cards import DataCardError
@@ -14,7 +15,7 @@ from align.orchestrator.hardware import hardware
 from align.orchestrator.helper import HelperError
 from align.orchestrator.inputs import resolved_once
 from align.orchestrator.launch import MultiNode
-from align.orchestrator.plan import PipelineError
+from align.core.errors import PipelineError
 from align.orchestrator.report import rebuild
 from align.core.errors import Terminated, describe, terminate_as_interrupt
 from align.core.rundir import ManifestError
@@ -129,7 +130,7 @@ def _command(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as exc:  # between stages, or while validating: nothing was being written
         print("align: stopped by SIGTERM" if isinstance(exc, Terminated) else "align: interrupted", file=sys.stderr)
         return 143 if isinstance(exc, Terminated) else 130
-    except (ConfigError, DataCardError, PipelineError, ManifestError, packaged.PackagedError, HelperError, OSError) as exc:
+    except (ConfigError, DataCardError, PipelineError, ManifestError, PackagedError, HelperError, OSError) as exc:
         print(f"align: error: {describe(exc) if isinstance(exc, OSError) else exc}", file=sys.stderr)
         return 2
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from align import templates
-from align.data.chat import as_text, render_prompt
+from align.data.chat import as_text, has_generation_markers, render_prompt
 from align.core.schema import ConfigError
 from conftest import REPO, run_align
 
@@ -76,7 +76,7 @@ def test_shipped_templates_write_their_formats_and_eot_becomes_eos():
         assert tok.eos_token == EOT[name]
         for special in shipped(name).special_tokens:  # one id each, not pieces
             assert len(tok(special, add_special_tokens=False)["input_ids"]) == 1, special
-        assert templates.has_generation_markers(tok.chat_template)
+        assert has_generation_markers(tok.chat_template)
 
 
 def test_installing_a_template_on_a_tokenizer_adds_its_tokens_and_the_model_grows_to_match():
@@ -125,7 +125,7 @@ def test_template_setting_errors_name_the_file_and_the_fix(tmp_path):
     assert mine.source == f"file:{tmp_path / 'mine.jinja'}"
     assert mine.digest == shipped("chatml").digest  # content, not name
     # A template whose assistant turns end with plain text could never stop: refused at install.
-    from align.modeling.models import ModelError
+    from align.core.errors import ModelError
 
     tok = chat_tokenizer("chatml")
     with pytest.raises(ModelError, match="not a special token"):

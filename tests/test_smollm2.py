@@ -20,6 +20,7 @@ import time
 import pytest
 import torch
 
+from align.core import packaged as core_packaged
 from align.orchestrator import packaged
 from conftest import REPO, run_align
 
@@ -65,7 +66,7 @@ def run(tmp_path_factory):
 def test_validation_shows_what_each_stage_trains_on(run):
     """`align run` validates first (as `align validate` does) and prints one rendered example per stage."""
     out = run["out"]
-    assert f"chat template: tokenizer:{packaged.gguf_file('smollm2')}" in out and "prefix-by-prefix rendering" in out
+    assert f"chat template: tokenizer:{core_packaged.gguf_file('smollm2')}" in out and "prefix-by-prefix rendering" in out
     line = next(x for x in out.splitlines() if "sft.data example 0: trains on" in x)
     assert "<|im_end|>" in line and "<|im_start|>" not in line  # replies and their end of turn, no headers
     for stage in ("reward.data", "dpo.data", "ppo.prompts", "evaluate.prompts"):

@@ -18,7 +18,6 @@ import contextlib
 from dataclasses import dataclass, replace
 from typing import Any
 
-from align.config.settings import PRECISIONS  # noqa: F401 (the settings this module resolves)
 
 FAST_PAD_MULTIPLE = 32
 

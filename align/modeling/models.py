@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 from align.core import gguf
-from align.core.errors import ModelError  # noqa: F401  (re-exported: align.modeling.models.ModelError)
+from align.core.errors import ModelError
 
 if TYPE_CHECKING:  # annotations only
     from align.config import BuiltinModel

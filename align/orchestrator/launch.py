@@ -18,7 +18,8 @@ import yaml
 
 from align.config import StageBase
 from align.core.console import verbose
-from align.orchestrator.plan import REPO_DIR, PipelineError, StagePlan
+from align.orchestrator.plan import REPO_DIR, StagePlan
+from align.core.errors import PipelineError
 
 ACCELERATE_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU", "DEEPSPEED", "FSDP")
 

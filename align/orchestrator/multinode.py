@@ -14,7 +14,8 @@ from pathlib import Path
 from align.orchestrator import warm
 from align.core.console import stream_stage
 from align.orchestrator.launch import MultiNode, is_distributed, launch_command, stage_env
-from align.orchestrator.plan import PipelineError, StagePlan
+from align.orchestrator.plan import StagePlan
+from align.core.errors import PipelineError
 from align.core.rundir import MANIFEST, SPEC, StageSpec, is_complete, read_manifest
 
 

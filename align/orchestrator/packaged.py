@@ -28,8 +28,8 @@ import zipfile
 from pathlib import Path
 
 from align.core.fsutil import atomic_write_text
-from align.core.packaged import (CONVERTED, PACKAGES, SCHEME, Packaged, PackagedError, damage, entry_of,  # noqa: F401
-                                 gguf_file, hf_dir, is_fetched, model_dir, resolve)  # (re-exported)
+from align.core.packaged import (CONVERTED, Packaged, PackagedError, damage, entry_of,
+                                 gguf_file, hf_dir, is_fetched, model_dir)
 
 def fetch(name: str, log=print) -> Path:
     """Fetch and convert `name` unless it is in the cache; returns its Hugging Face directory."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from align import templates
 from align.core.builtin import check_builtin, is_builtin
-from align.core.errors import PipelineError  # noqa: F401 (raised here; the orchestrator's modules import it from here)
+from align.core.errors import PipelineError
 from align.config import PipelineConfig, StageBase, stage_types, to_dict
 from align.config.contract import MODEL, POLICY, REWARD_MODEL, ROLES, refs
 from align.data.cards import DataCardError, load_card

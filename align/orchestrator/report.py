@@ -12,7 +12,7 @@ from pathlib import Path
 
 from align.config import parse_pipeline
 from align.config.contract import POLICY, REPORT, REWARD_MODEL
-from align.orchestrator.plan import PipelineError
+from align.core.errors import PipelineError
 from align.core.rundir import PIPELINE, read_manifest
 from align.orchestrator.runner import run
 from align.core.schema import is_plain_name

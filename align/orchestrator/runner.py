@@ -26,7 +26,8 @@ from align.core.fsutil import atomic_write_json
 from align.orchestrator.inputs import resolve_model_paths
 from align.orchestrator.launch import MultiNode, is_distributed, launch_command, one_plain_process, stage_env
 from align.orchestrator.multinode import follow_stage
-from align.orchestrator.plan import REPO_DIR, PipelineError, StagePlan, code_version, descendants, run_dir_of
+from align.orchestrator.plan import REPO_DIR, StagePlan, code_version, descendants, run_dir_of
+from align.core.errors import PipelineError
 from align.core.rundir import (MANIFEST, PIPELINE, SPEC, PipelineRecord, StageSpec, headline, is_complete,
                           output_digests, outputs_problem, read_manifest, write_manifest)
 from align.orchestrator.runlock import RunLock, RunLockedError

@@ -8,7 +8,8 @@ from datetime import datetime
 from pathlib import Path
 
 from align.config import parse_pipeline, stage_types
-from align.orchestrator.plan import PipelineError, build_plan
+from align.orchestrator.plan import build_plan
+from align.core.errors import PipelineError
 from align.core.rundir import PIPELINE, Manifest, PipelineRecord, headline, is_complete, outputs_problem, read_manifest
 
 _TIME = "%Y-%m-%dT%H:%M:%S%z"

@@ -29,7 +29,8 @@ from align.orchestrator.estimate import EstimateError, ModelShape, missing_lora_
 from align.orchestrator.inputs import (base_model_config, check_model_inputs, resolve_model_paths, tokenizer_name,
                                        tokenizer_to_check)
 from align.orchestrator.launch import check_accelerate
-from align.orchestrator.plan import PipelineError, StagePlan, build_plan
+from align.orchestrator.plan import StagePlan, build_plan
+from align.core.errors import PipelineError
 
 SplitLoader = Callable[[Path, str], LoadedSplit]
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from align.data.chat import GENERATION_TAG, as_text, has_generation_markers  # noqa: F401 (re-exported)
+from align.data.chat import GENERATION_TAG, as_text, has_generation_markers
 from align.core.errors import ModelError
 from align.core.schema import ConfigError
 
