@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 from align.core.packaged import PackagedError
@@ -19,7 +20,7 @@ from align.core.errors import PipelineError
 from align.orchestrator.report import rebuild
 from align.core.errors import Terminated, describe, terminate_as_interrupt
 from align.core.rundir import ManifestError
-from align.orchestrator.runner import Interrupted, run
+from align.orchestrator.runner import Interrupted, resume_as, run
 from align.orchestrator.status import status_table, verify
 from align.orchestrator.validate import stage_lines, validate
 
@@ -87,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return stage_main(args.spec)
     terminate_as_interrupt()  # SIGTERM (schedulers, systemctl stop) handled as Ctrl-C: stages recorded interrupted
-    with resolved_once():  # the model inputs are worked out once per command (align/orchestrator/inputs.py)
+    typed = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--force"]  # a resume restarts nothing
+    with resolved_once(), resume_as(f"align {shlex.join(typed)}"):  # inputs once; messages say how to resume
         return _command(args)
 
 

@@ -274,3 +274,19 @@ def test_a_full_disk_in_a_helper_process_is_one_line_naming_the_path(tmp_path, m
     message = str(err.value)
     assert message.startswith(f"{target / 'model.safetensors'}: No space left on device while writing (")
     assert "GiB free there now" in message and "ALIGN_CACHE" in message and "Traceback" not in message
+
+
+def test_the_resume_command_is_the_command_as_typed(monkeypatch):
+    """A run started with --run-id or overrides resumes only with them: the runner's messages (Ctrl-C, SIGTERM, a
+    killed stage) give the command line as it was typed (less --force, which would restart what is done), not a bare
+    `align run PIPELINE` that would start another run at the pipeline's own settings."""
+    from align import cli
+    from align.orchestrator import runner
+
+    assert runner.resume_command("p.yaml") == "align run p.yaml"  # outside a command: the pipeline alone
+    seen = []
+    monkeypatch.setattr(cli, "_command", lambda args: seen.append(runner.exit_meaning(-9, 0, "p.yaml")) or 0)
+    assert cli.main(["run", "p.yaml", "--run-id", "r1", "--force", "sft.max_steps=3", "ppo.note=a b"]) == 0
+    assert "SIGKILL" in seen[0]
+    assert "resume: align run p.yaml --run-id r1 sft.max_steps=3 'ppo.note=a b' (the stage restarts" in seen[0], seen[0]
+    assert runner.resume_command("p.yaml") == "align run p.yaml"  # the command's scope ended with it

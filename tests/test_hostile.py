@@ -628,3 +628,22 @@ def test_status_reads_a_hand_edited_run_directory_as_it_is(shared, tmp_path):
     (run / "pipeline.json").write_text(json.dumps({"stages": {"sft": {"type": "sft"}}}))
     with pytest.raises(PipelineError, match=r"pipeline.json: not a pipeline manifest.*rerun `align run`"):
         status_table(run)
+
+
+@pytest.mark.parametrize("record, problem", [
+    ({"config": {}, "stages": [{"name": 1, "type": None}]}, "stage entry 0 has no plain-name `name`"),
+    ({"config": {}, "stages": [{"name": "../sft", "type": "sft"}]}, "stage entry 0 has no plain-name `name`"),
+    ({"config": 7, "stages": [{"name": "sft", "type": "sft"}]}, "`config` is a int, not a mapping"),
+    ({"config": {}, "run_id": ["x"], "stages": []}, "`run_id` is not text"),
+])
+def test_a_pipeline_json_with_fields_of_the_wrong_type_is_one_line_for_status_verify_and_report(tmp_path, record,
+                                                                                              problem):
+    """Every field the three commands read is checked for its type before use (a stage name that is a number gave
+    `align status` a TypeError): one line naming the file, what is wrong and the fix, exit 2, no traceback."""
+    run = tmp_path / "runs" / "p" / "main"
+    run.mkdir(parents=True)
+    (run / "pipeline.json").write_text(json.dumps(record))
+    for command in ("status", "verify", "report"):
+        proc = run_align(command, str(run), cwd=tmp_path)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (command, proc.stderr)
+        assert "pipeline.json: not a pipeline" in proc.stderr and problem in proc.stderr, (command, proc.stderr)

@@ -125,6 +125,23 @@ class PipelineRecord(TypedDict, total=False):
     updated_at: str
 
 
+def record_problem(info: Any) -> str | None:
+    """What makes a parsed pipeline.json unusable (None: every field `align status`, `verify` and `report` read has
+    its type): a mapping whose `stages` lists mappings with a plain-name `name` and a text `type`, and whose
+    `config`, `pipeline`, `run_id` and `source`, where present, are a mapping and text."""
+    from align.core.schema import is_plain_name
+
+    if not isinstance(info, dict) or not isinstance(info.get("stages"), list):
+        return "no list of stages"
+    for i, st in enumerate(info["stages"]):
+        if not isinstance(st, dict) or not is_plain_name(st.get("name")) or not isinstance(st.get("type"), str):
+            return f"stage entry {i} has no plain-name `name` and text `type` ({str(st)[:80]})"
+    if not isinstance(info.get("config", {}), dict):
+        return f"`config` is a {type(info['config']).__name__}, not a mapping"
+    bad = [k for k in ("pipeline", "run_id", "source") if k in info and not isinstance(info[k], str)]
+    return f"`{bad[0]}` is not text" if bad else None
+
+
 def read_manifest(stage_dir: str | Path) -> Manifest | None:
     """The stage's manifest, or None when there is none. A manifest that exists but cannot be read or is not
     a JSON object is an error (not "missing": that would silently retrain over what it describes)."""

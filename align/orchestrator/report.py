@@ -13,7 +13,7 @@ from pathlib import Path
 from align.config import parse_pipeline
 from align.config.contract import POLICY, REPORT, REWARD_MODEL
 from align.core.errors import PipelineError
-from align.core.rundir import PIPELINE, read_manifest
+from align.core.rundir import PIPELINE, read_manifest, record_problem
 from align.orchestrator.runner import run
 from align.core.schema import is_plain_name
 
@@ -44,8 +44,10 @@ def rebuild(run_dir: str | Path) -> Path:
         info = json.loads(info_path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise PipelineError(f"{info_path}: cannot be read as JSON ({exc})") from None
-    if not isinstance(info, dict) or not isinstance(info.get("config"), dict):
-        raise PipelineError(f"{info_path}: not a pipeline record (no `config` mapping)")
+    problem = record_problem(info) or (None if isinstance(info.get("config"), dict) else "no `config` mapping")
+    if problem:
+        raise PipelineError(f"{info_path}: not a pipeline record ({problem}); delete it and rerun `align run`, which "
+                            "writes it anew")
     source = info.get("source")
     if not source or not Path(source).is_file():
         raise PipelineError(f"{run_dir}: the pipeline file this run came from ({source}) is gone")

@@ -8,13 +8,15 @@ trained from the outputs its inputs have now. Validation (align/orchestrator/val
 
 from __future__ import annotations
 
+import contextvars
 import difflib
 import resource
 import signal
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from align.orchestrator import warm
 from align.config import PipelineConfig, to_dict
@@ -39,6 +41,25 @@ from align.orchestrator.validate import validate
 def result_line(plan: StagePlan, stage_dir: Path) -> str:
     """The stage's headline final metrics (declared by its config class), for the console."""
     return headline(read_manifest(stage_dir), type(plan.cfg).HEADLINE)
+
+
+_RESUME: contextvars.ContextVar[str | None] = contextvars.ContextVar("resume", default=None)
+
+
+@contextmanager
+def resume_as(command: str) -> Iterator[None]:
+    """Within it, the runner's messages tell the user to resume with `command` (the CLI passes the command line as
+    it was typed: a run started with --run-id or overrides resumes only with them)."""
+    token = _RESUME.set(command)
+    try:
+        yield
+    finally:
+        _RESUME.reset(token)
+
+
+def resume_command(source: str | Path) -> str:
+    """The command that resumes this run: the one typed (resume_as), else `align run SOURCE`."""
+    return _RESUME.get() or f"align run {source}"
 
 
 def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_stage: str | None = None,
@@ -169,7 +190,7 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
             _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)
             how = "stopped by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
             raise Interrupted(f"{how} during stage {i}/{len(plans)} '{plan.name}'; what earlier stages "
-                              f"published is kept. Resume with: align run {source} (the stage restarts from "
+                              f"published is kept. Resume with: {resume_command(source)} (the stage restarts from "
                               f"its last checkpoint, if it saved one)\n  log: {stage_dir / 'stage.log'}",
                               isinstance(exc, Terminated)) from None
         if rc != 0 or not is_complete(stage_dir, plan.fingerprint):
@@ -309,7 +330,7 @@ def exit_meaning(rc: int, peak_before: int, source: str | Path) -> str:
                              "gradient_checkpointing or LoRA, or use a larger machine",
              signal.SIGTERM: "stopped from outside (a scheduler's time limit or preemption, or kill)"}.get(
         signal.Signals(killed), "the process crashed (a bug in a native library, or a damaged install)")
-    return (f"\n  {name}: {cause}.\n  resume: align run {source} (the stage restarts from its last "
+    return (f"\n  {name}: {cause}.\n  resume: {resume_command(source)} (the stage restarts from its last "
             "checkpoint, if it saved one)")
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 from align.config import parse_pipeline, stage_types
 from align.orchestrator.plan import build_plan
 from align.core.errors import PipelineError
-from align.core.rundir import PIPELINE, Manifest, PipelineRecord, headline, is_complete, outputs_problem, read_manifest
+from align.core.rundir import (PIPELINE, Manifest, PipelineRecord, headline, is_complete, outputs_problem, read_manifest,
+                               record_problem)
 
 _TIME = "%Y-%m-%dT%H:%M:%S%z"
 
@@ -50,10 +51,10 @@ def _record(run_dir: Path) -> PipelineRecord:
     except (OSError, json.JSONDecodeError) as exc:
         raise PipelineError(f"{run_dir}: not a readable run directory ({info_path}: {exc}); give the path "
                             "runs/<pipeline>/<run-id> that `align run` printed") from None
-    if not isinstance(info, dict) or not isinstance(info.get("stages"), list) or \
-            not all(isinstance(s, dict) and "name" in s and "type" in s for s in info["stages"]):
-        raise PipelineError(f"{info_path}: not a pipeline manifest (no list of stages with names and types); "
-                            "delete it and rerun `align run`, which writes it anew")
+    problem = record_problem(info)
+    if problem:
+        raise PipelineError(f"{info_path}: not a pipeline manifest ({problem}); delete it and rerun `align run`, "
+                            "which writes it anew")
     return info
 
 
