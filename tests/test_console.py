@@ -47,3 +47,25 @@ def test_verbose_streams_everything_raw(capsysbinary):
     console.close()
     out = capsysbinary.readouterr().out
     assert b"raw line" in out and b"align-progress" in out
+
+
+def test_a_log_that_cannot_be_written_is_named_with_its_free_space(tmp_path):
+    """A write to an open file that fails (the disk filled under the stage's log) raises an OSError with no file
+    name: the runner's one line then read "No space left on device" alone. It names the log, its filesystem's free
+    space and what to do; an error that already names its file, or is not an OSError, passes unchanged."""
+    import errno
+
+    from align.core.console import _log_failure
+    from align.core.errors import describe
+
+    log = tmp_path / "sft" / "stage.log"
+    log.parent.mkdir()
+    named = _log_failure(OSError(errno.ENOSPC, "No space left on device"), log)
+    line = describe(named)
+    assert line.startswith(f"{log}: No space left on device while writing the stage's log (") and "GiB free there" \
+        in line and line.endswith("(ENOSPC)"), line
+    assert "rerun the same command" in line
+    other = OSError(errno.EACCES, "Permission denied", "/x/y")
+    assert _log_failure(other, log) is other
+    bug = ValueError("x")
+    assert _log_failure(bug, log) is bug

@@ -258,6 +258,7 @@ def test_a_save_that_filled_the_disk_inside_a_library_is_one_line_naming_the_dir
     assert message.startswith(f"{tmp_path}: a save failed (RuntimeError: [enforce fail")
     assert "GiB free there now" in message and "save_total_limit" in message and "resumes from its last complete checkpoint" in message
     assert write_failure(RuntimeError("Error while serializing: IoError(No space left on device)"), tmp_path)
+    assert write_failure(RuntimeError("basic_ios::clear: iostream error"), tmp_path)  # torch's stream writer, full tmpfs
     assert write_failure(RuntimeError("CUDA out of memory"), tmp_path) is None
     assert write_failure(OSError(28, "No space left on device"), tmp_path) is None  # an OSError names its own path
 

@@ -28,6 +28,7 @@ from typing import Any, BinaryIO, Callable, Protocol
 from tqdm.auto import tqdm
 
 from align.core.errors import Terminated
+from align.core.fsutil import free_space_note
 
 
 class StageProcess(Protocol):
@@ -163,8 +164,18 @@ def stream_stage(start: Callable[[], StageProcess], log_path: Path, name: str) -
             if not reader.is_alive():  # else a process the stage started still writes: leave the console to it
                 console.close()
         if errors:  # e.g. the log's disk filled: the stage ran to its end (its output drained), the log did not
-            raise errors[0]
+            raise _log_failure(errors[0], log_path)
         return rc
+
+
+def _log_failure(exc: BaseException, log_path: Path) -> BaseException:
+    """A failed write to the stage's log as an error naming the log and its filesystem's free space (the OSError of
+    a write to an open file carries no file name: a full disk read "No space left on device" and nothing else)."""
+    if not isinstance(exc, OSError) or exc.filename:
+        return exc
+    return OSError(exc.errno, f"{exc.strerror or exc} while writing the stage's log ({free_space_note(log_path)}); "
+                   "free space on that filesystem, then rerun the same command: completed stages are kept",
+                   str(log_path))
 
 
 def _pump(stream: BinaryIO, console: StageConsole, errors: list[BaseException]) -> None:

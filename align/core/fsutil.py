@@ -254,8 +254,10 @@ def cache_root() -> Path:
 
 
 # What a library's writer says when the disk fills under it without raising an OSError (torch.save's zip writer:
-# "PytorchStreamWriter failed writing file ...: file write failed"; safetensors: "No space left on device").
-_WRITE_FAILED = ("file write failed", "No space left on device", "Disk quota exceeded", "failed writing file")
+# "PytorchStreamWriter failed writing file ...: file write failed"; torch's C++ stream writer: "basic_ios::clear:
+# iostream error", measured on a full tmpfs; safetensors: "No space left on device").
+_WRITE_FAILED = ("file write failed", "No space left on device", "Disk quota exceeded", "failed writing file",
+                 "iostream error")
 
 
 def free_space_note(where: Path) -> str:
