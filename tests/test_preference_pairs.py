@@ -53,6 +53,17 @@ def test_pairs_that_render_identically_through_the_template_are_dropped_or_refus
     assert len(kept) == 149 and all(r["chosen"] != r["rejected"] for r in kept)
     assert ctx.extra_manifest["dropped_rows"] == {"pairs split 'train': identical after the chat template": 1}
     rows[7]["rejected"] = [{"role": "assistant", "content": "Yes 7. "}]  # 2 of 150: above 1%
-    with pytest.raises(StageError, match=r"stage 'dpo': pairs split 'train': 2 of 150 pairs \(rows 7, 42\) .*render "
-                                         r"identically through the chat template"):
+    with pytest.raises(StageError, match=r"stage 'dpo': pairs split 'train': 2 of 150 pairs have chosen and rejected "
+                                         r"replies that render identically through the chat template .*prompts ending"):
         _rendered(SimpleNamespace(name="dpo", extra_manifest={}), rows, tok, "pairs split 'train'")
+
+    # `align validate` refuses such a card before anything trains: its helper renders the card's pairs for the
+    # length check, the same way (align/modeling/checks.py)
+    from align.config import stage_types
+    from align.modeling.checks import CheckError, check_length
+
+    rule = stage_types()["dpo"].LENGTH_RULE.name
+    with pytest.raises(CheckError, match=r"p.yaml: stages.dpo.data: 2 of 150 pairs have chosen and rejected replies"):
+        check_length(tok, "p.yaml", False, "stages.dpo.data", "dpo", rule, rows, 512, 0.5)
+    rows[7]["rejected"] = [{"role": "assistant", "content": "No 7."}]  # 1 of 150: dropped by the stage, passes
+    check_length(tok, "p.yaml", False, "stages.dpo.data", "dpo", rule, rows, 512, 0.5)

@@ -228,3 +228,28 @@ def trained_text(tokenizer, example: dict[str, list[int]]) -> list[str]:
     if run:
         spans.append(tokenizer.decode(run))
     return spans
+
+
+MAX_SAME_AFTER_TEMPLATE = 0.01
+"""The largest fraction of pairs whose replies render identically through the chat template that a stage drops
+(and counts in its manifest) instead of refusing the data."""
+
+
+def same_after_template(rows: list[dict[str, Any]]) -> list[int]:
+    """Positions of the (rendered) preference pairs whose chosen and rejected are the same text as the model reads
+    them: the chat template trimmed or rewrote what the data card compared, so they teach nothing."""
+    if not rows or "chosen" not in rows[0]:
+        return []
+    return [i for i, r in enumerate(rows) if r["chosen"] == r["rejected"]]
+
+
+def same_after_template_problem(rows: list[dict[str, Any]], where: str) -> str | None:
+    """The refusal when more than MAX_SAME_AFTER_TEMPLATE of the pairs render identically (None: few enough to drop
+    and count). Pairs are shown by their prompts: a split's positions are not the file's rows."""
+    same = same_after_template(rows)
+    if len(same) <= MAX_SAME_AFTER_TEMPLATE * len(rows):
+        return None
+    shown = "; ".join(repr(str(rows[i]["prompt"])[-60:]) for i in same[:3]) + ("; ..." if len(same) > 3 else "")
+    return (f"{where}: {len(same)} of {len(rows)} pairs have chosen and rejected replies that render identically "
+            f"through the chat template (it trims or rewrites what differs), so they teach nothing; prompts ending "
+            f"{shown}. Remove them from the data, or fix the template")

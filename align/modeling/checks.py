@@ -26,7 +26,7 @@ from typing import Any
 from align import templates
 from align.core.errors import TOKENIZER_SAVE_FIX, ModelError
 from align.core.schema import ConfigError
-from align.data.chat import TemplateError, as_text, sft_example, trained_text
+from align.data.chat import TemplateError, as_text, same_after_template_problem, sft_example, trained_text
 from align.data.formats import FormatError
 from align.data.lengths import RULES, LengthError, enforce
 from align.modeling import shapes as model_shapes
@@ -157,6 +157,9 @@ def check_length(tokenizer, source: str, verbose: bool, where: str, stage: str, 
         rows = as_text(rows, tokenizer)
     except FormatError as exc:
         raise CheckError(f"{source}: {where}: {exc}") from None
+    same = same_after_template_problem(rows, f"{source}: {where}")  # what the stage would refuse when it starts
+    if same:
+        raise CheckError(same)
     report = RULES[rule].measure(stage, rows, tokenizer, max_length)
     if verbose:
         print(f"  length check {report.summary()}")

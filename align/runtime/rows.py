@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from align.data.cards import load_split, read_jsonl
-from align.data.chat import as_text
+from align.data.chat import as_text, same_after_template, same_after_template_problem
 from align.data.formats import FormatError, prompt_key, text_of
 from align.runtime.context import StageContext, StageError
 
@@ -26,11 +26,6 @@ def load_rows(ctx: StageContext, ref: str, split: str, limit: int | None = None,
     return rows if tokenizer is None else _rendered(ctx, rows, tokenizer, f"{ref} split '{split}'")
 
 
-MAX_SAME_AFTER_TEMPLATE = 0.01
-"""The largest fraction of pairs whose replies render identically through the chat template that a stage drops
-(and counts in its manifest) instead of refusing the data."""
-
-
 def _rendered(ctx: StageContext, rows: list[dict[str, Any]], tokenizer, where: str) -> list[dict[str, Any]]:
     try:
         rendered = as_text(rows, tokenizer)
@@ -42,17 +37,14 @@ def _rendered(ctx: StageContext, rows: list[dict[str, Any]], tokenizer, where: s
 def drop_same_after_template(ctx: StageContext, rows: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
     """Preference pairs whose chosen and rejected are the same text as the model reads them (after the chat
     template, which may trim or rewrite what the data card compared) teach nothing: up to MAX_SAME_AFTER_TEMPLATE of
-    them are dropped and counted (`dropped_rows` in the manifest), more refuse the data, numbered."""
-    if not rows or "chosen" not in rows[0]:
-        return rows
-    same = [i for i, r in enumerate(rows) if r["chosen"] == r["rejected"]]
+    them are dropped and counted (`dropped_rows` in the manifest), more refuse the data (`align validate` refuses a
+    card's pairs so before anything trains: align/modeling/checks.py)."""
+    same = same_after_template(rows)
     if not same:
         return rows
-    if len(same) > MAX_SAME_AFTER_TEMPLATE * len(rows):
-        shown = ", ".join(map(str, same[:8])) + (", ..." if len(same) > 8 else "")
-        raise StageError(f"stage '{ctx.name}': {where}: {len(same)} of {len(rows)} pairs (rows {shown}) have chosen "
-                         "and rejected replies that render identically through the chat template (it trims or "
-                         "rewrites what differs): they teach nothing. Remove them from the data, or fix the template")
+    problem = same_after_template_problem(rows, where)
+    if problem:
+        raise StageError(f"stage '{ctx.name}': {problem}")
     dropped = ctx.extra_manifest.setdefault("dropped_rows", {})
     dropped[f"{where}: identical after the chat template"] = len(same)
     drop = set(same)
