@@ -45,11 +45,16 @@ def shm_dir() -> str:
 
 
 def shm_problem() -> str | None:
-    """Why vLLM cannot run here: its processes need a writable /dev/shm (semaphores and shared memory)."""
+    """Why vLLM cannot run here: its processes need a writable /dev/shm (semaphores and shared memory), and the
+    weight syncs a writable directory ($ALIGN_SYNC_DIR when set)."""
     if os.path.isdir("/dev/shm") and not os.access("/dev/shm", os.W_OK):
         return ("/dev/shm is read-only here, and vLLM's processes need it writable (their semaphores and shared "
                 "memory): run the container with a writable /dev/shm (e.g. docker run --shm-size=2g), or set "
                 "generation.engine: hf")
+    chosen = os.environ.get(SYNC_DIR_ENV)
+    if chosen and not (os.path.isdir(chosen) and os.access(chosen, os.W_OK)):
+        return (f"{SYNC_DIR_ENV}={chosen}: weight syncs are written there, but it is not a writable directory; "
+                f"point {SYNC_DIR_ENV} at one with room for the policy's weights, or unset it to use /dev/shm")
     return None
 
 
