@@ -15,6 +15,7 @@ import pytest
 from align.engines import EngineError
 from align.engines import vllm as vllm_engine
 from align.engines.base import check_gap, nan_max
+from conftest import REPO
 
 
 def test_nan_max_never_hides_a_nan_wherever_it_falls():
@@ -122,3 +123,32 @@ def test_validate_reads_the_head_size_from_the_pipelines_model(monkeypatch):
     raw = yaml.safe_load((root / "pipelines" / "default.yaml").read_text())
     raw["builtin"] = {**raw.get("builtin", {}), "hidden_size": 96, "num_heads": 2}
     assert _head_dim(parse_pipeline(raw, "pipelines/default.yaml"), "pipelines/default.yaml") == 48
+
+
+def test_the_engine_process_removes_its_directory_when_its_stage_is_gone(tmp_path):
+    """The engine process (run in vLLM's environment) exits on EOF when its stage dies, SIGKILL included, and then
+    removes its socket, any sync not yet read and its directory in /dev/shm (empty directories of killed stages
+    were left there); a directory that still holds the engine's own log is kept, and nothing outside a directory
+    of its own naming is touched."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("align_vllm_server", REPO / "align" / "engines" / "vllm_side" /
+                                                  "align_vllm_server.py")
+    server = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(server)  # imports nothing of align, and vLLM only when an engine starts
+    folder = tmp_path / "align-vllm-abc"
+    folder.mkdir()
+    for name in ("sock", "weights.safetensors.tmp"):
+        (folder / name).write_bytes(b"x")
+    server.clean_up(str(folder / "sock"))
+    assert not folder.exists()
+    folder.mkdir()
+    (folder / "sock").write_bytes(b"x")
+    (folder / "engine.log").write_text("log")
+    server.clean_up(str(folder / "sock"))
+    assert sorted(p.name for p in folder.iterdir()) == ["engine.log"]
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "sock").write_bytes(b"x")
+    server.clean_up(str(other / "sock"))
+    assert (other / "sock").exists()

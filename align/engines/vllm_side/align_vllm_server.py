@@ -99,6 +99,22 @@ def generate(llm, msg: dict) -> dict:
     return {"outputs": results}
 
 
+def clean_up(address: str) -> None:
+    """Remove what the engine's directory holds of this engine (its socket, a sync not yet read) and the directory
+    if that leaves it empty: a stage killed by SIGKILL cannot, and its engine exits on EOF after it."""
+    folder = os.path.dirname(os.path.abspath(address))
+    if not os.path.basename(folder).startswith("align-vllm-"):
+        return
+    for name in ("sock", "weights.safetensors", "weights.safetensors.tmp"):
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(folder, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)  # not empty (the engine's own log is there when the stage gave none): kept
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # align_vllm_worker, by name
-    serve(sys.argv[1])
+    try:
+        serve(sys.argv[1])
+    finally:
+        clean_up(sys.argv[1])
