@@ -69,3 +69,27 @@ def test_a_log_that_cannot_be_written_is_named_with_its_free_space(tmp_path):
     assert _log_failure(other, log) is other
     bug = ValueError("x")
     assert _log_failure(bug, log) is bug
+
+
+def test_a_stage_log_on_a_full_disk_is_one_line_naming_it():
+    """End to end through stream_stage with /dev/full as the log (every write fails with ENOSPC, as on a full
+    disk): the stage's output is buffered, so the first write to fail is the log's last flush, after the stage
+    ended; that error too names the log and what to do (before, the runner's one line read 'No space left on
+    device (ENOSPC)' alone)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    from align.core.console import stream_stage
+    from align.core.errors import describe
+
+    def start():
+        return subprocess.Popen([sys.executable, "-c", "print('step 1'); print('done')"], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+
+    with pytest.raises(OSError) as err:
+        stream_stage(start, Path("/dev/full"), "sft")
+    line = describe(err.value)
+    assert line.startswith("/dev/full: No space left on device while writing the stage's log") and "(ENOSPC)" in line

@@ -252,7 +252,7 @@ def _case_every_prompt_empty(root):
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": " " * (i % 2)}) + "\n" for i in range(40)))
     card = _card(root, "prompts.yaml", "jsonl", "prompts.jsonl", "prompt")
     write_pipeline(root, lambda r: r["stages"]["preferences"].update(prompts=card))
-    return ["hostile.yaml"], ["prompts.yaml", "40 rows (0, 1, 2", "no visible text in 'prompt'", "40 of 40 rows"]
+    return ["hostile.yaml"], ["prompts.yaml", "40 rows (0, 1, 2", "no visible text in 'prompt'", "That is every row, so no setting can help"]
 
 
 def _case_stage_is_a_list(root):
@@ -633,7 +633,7 @@ def test_status_reads_a_hand_edited_run_directory_as_it_is(shared, tmp_path):
 @pytest.mark.parametrize("record, problem", [
     ({"config": {}, "stages": [{"name": 1, "type": None}]}, "stage entry 0 has no plain-name `name`"),
     ({"config": {}, "stages": [{"name": "../sft", "type": "sft"}]}, "stage entry 0 has no plain-name `name`"),
-    ({"config": 7, "stages": [{"name": "sft", "type": "sft"}]}, "`config` is a int, not a mapping"),
+    ({"config": 7, "stages": [{"name": "sft", "type": "sft"}]}, "`config` is not a mapping (it holds int data)"),
     ({"config": {}, "run_id": ["x"], "stages": []}, "`run_id` is not text"),
 ])
 def test_a_pipeline_json_with_fields_of_the_wrong_type_is_one_line_for_status_verify_and_report(tmp_path, record,
@@ -646,4 +646,4 @@ def test_a_pipeline_json_with_fields_of_the_wrong_type_is_one_line_for_status_ve
     for command in ("status", "verify", "report"):
         proc = run_align(command, str(run), cwd=tmp_path)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, (command, proc.stderr)
-        assert "pipeline.json: not a pipeline" in proc.stderr and problem in proc.stderr, (command, proc.stderr)
+        assert "pipeline.json: not a pipeline manifest" in proc.stderr and problem in proc.stderr, (command, proc.stderr)

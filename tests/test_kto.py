@@ -49,11 +49,12 @@ def test_the_unpaired_form_is_declared_by_the_stage_and_checked(tmp_path):
     rows = [{"prompt": f"The movie {i}", "completion": f" was {w}", "label": w == "great"}
             for i, w in enumerate(["great", "dull"] * 10)]
 
-    def card(data):
+    def card(data, max_unusable_fraction=None):
         (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
         path = tmp_path / "card.yaml"
         path.write_text("name: thumbs\nsource: {path: rows.jsonl}\nlicense: MIT\nformat: jsonl\n"
-                        "produces: unpaired_preference\nsplits: {train: 0.8, test: 0.2, seed: 1}\n")
+                        "produces: unpaired_preference\nsplits: {train: 0.8, test: 0.2, seed: 1}\n"
+                        + (f"max_unusable_fraction: {max_unusable_fraction}\n" if max_unusable_fraction else ""))
         return path
 
     loaded = load_split(card(rows), "train")
@@ -69,6 +70,8 @@ def test_the_unpaired_form_is_declared_by_the_stage_and_checked(tmp_path):
                                             r"That is every row, so no setting can help") as err:
         load_split(card([r for r in rows if r["label"]]), "train")
     assert "raise max_unusable_fraction" not in str(err.value)  # advice that cannot work is not given
+    with pytest.raises(DataCardError, match=r"no undesirable \(label: false\) row at all.*That is every row"):
+        load_split(card([r for r in rows if r["label"]], max_unusable_fraction=1.0), "train")  # not "split is empty"
 
 
 def test_validate_refuses_a_card_kto_cannot_learn_from(workdir):

@@ -54,7 +54,7 @@ def test_pairs_that_render_identically_through_the_template_are_dropped_or_refus
     assert ctx.extra_manifest["dropped_rows"] == {"pairs split 'train': identical after the chat template": 1}
     rows[7]["rejected"] = [{"role": "assistant", "content": "Yes 7. "}]  # 2 of 150: above 1%
     with pytest.raises(StageError, match=r"stage 'dpo': pairs split 'train': 2 of 150 pairs have chosen and rejected "
-                                         r"replies that render identically through the chat template .*prompts ending"):
+                                         r"replies that render identically through the chat template .*the pairs of the prompts"):
         _rendered(SimpleNamespace(name="dpo", extra_manifest={}), rows, tok, "pairs split 'train'")
 
     # `align validate` refuses such a card before anything trains: its helper renders the card's pairs for the

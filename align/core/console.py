@@ -14,6 +14,7 @@ This module imports no torch: the runner uses it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -142,30 +143,47 @@ def stream_stage(start: Callable[[], StageProcess], log_path: Path, name: str) -
     The output is read and drawn on a helper thread while the main thread waits for the stage: Python delivers
     Ctrl-C to the main thread only, so the KeyboardInterrupt never lands inside the console's drawing (tqdm
     holds locks there; one left held would hang the runner's final `close`)."""
-    with open(log_path, "ab") as log:
-        console = StageConsole(name, log, stream_all=verbose())
-        proc = start()
-        assert proc.stdout is not None
-        errors: list[BaseException] = []
-        reader = threading.Thread(target=_pump, args=(proc.stdout, console, errors), name=f"align-{name}-output",
-                                  daemon=True)
-        reader.start()
-        try:
-            rc = proc.wait()
-        except KeyboardInterrupt as exc:
-            _stop_interrupted(proc, signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
-            raise
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
-        finally:
-            reader.join(timeout=10)  # the pipe ends when the stage (and whatever it started) does
-            if not reader.is_alive():  # else a process the stage started still writes: leave the console to it
+    log = open(log_path, "ab")
+    try:
+        rc = _follow(start, log, log_path, name)
+    except BaseException:
+        with contextlib.suppress(OSError):  # the error on its way out says more than a log that cannot be closed
+            log.close()
+        raise
+    try:
+        log.close()  # flushes what is left: on a full disk the first write to fail may be this one
+    except OSError as exc:
+        raise _log_failure(exc, log_path) from None
+    return rc
+
+
+def _follow(start: Callable[[], StageProcess], log: BinaryIO, log_path: Path, name: str) -> int:
+    console = StageConsole(name, log, stream_all=verbose())
+    proc = start()
+    assert proc.stdout is not None
+    errors: list[BaseException] = []
+    reader = threading.Thread(target=_pump, args=(proc.stdout, console, errors), name=f"align-{name}-output",
+                              daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait()
+    except KeyboardInterrupt as exc:
+        _stop_interrupted(proc, signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
+        raise
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        reader.join(timeout=10)  # the pipe ends when the stage (and whatever it started) does
+        if not reader.is_alive():  # else a process the stage started still writes: leave the console to it
+            try:
                 console.close()
-        if errors:  # e.g. the log's disk filled: the stage ran to its end (its output drained), the log did not
-            raise _log_failure(errors[0], log_path)
-        return rc
+            except OSError as exc:  # its last flush into the log: e.g. the disk filled
+                errors.append(exc)
+    if errors:  # e.g. the log's disk filled: the stage ran to its end (its output drained), the log did not
+        raise _log_failure(errors[0], log_path)
+    return rc
 
 
 def _log_failure(exc: BaseException, log_path: Path) -> BaseException:

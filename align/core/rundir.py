@@ -137,7 +137,7 @@ def record_problem(info: Any) -> str | None:
         if not isinstance(st, dict) or not is_plain_name(st.get("name")) or not isinstance(st.get("type"), str):
             return f"stage entry {i} has no plain-name `name` and text `type` ({str(st)[:80]})"
     if not isinstance(info.get("config", {}), dict):
-        return f"`config` is a {type(info['config']).__name__}, not a mapping"
+        return f"`config` is not a mapping (it holds {type(info['config']).__name__} data)"
     bad = [k for k in ("pipeline", "run_id", "source") if k in info and not isinstance(info[k], str)]
     return f"`{bad[0]}` is not text" if bad else None
 

@@ -249,7 +249,12 @@ def same_after_template_problem(rows: list[dict[str, Any]], where: str) -> str |
     same = same_after_template(rows)
     if len(same) <= MAX_SAME_AFTER_TEMPLATE * len(rows):
         return None
-    shown = "; ".join(repr(str(rows[i]["prompt"])[-60:]) for i in same[:3]) + ("; ..." if len(same) > 3 else "")
+    def tail(prompt: Any) -> str:  # the prompt's last line with text: what a user can search the data for
+        lines = [line for line in str(prompt).splitlines() if line.strip()]
+        return repr(lines[-1][-80:] if lines else "")
+
+    more = f" and {len(same) - 3} more" if len(same) > 3 else ""
     return (f"{where}: {len(same)} of {len(rows)} pairs have chosen and rejected replies that render identically "
-            f"through the chat template (it trims or rewrites what differs), so they teach nothing; prompts ending "
-            f"{shown}. Remove them from the data, or fix the template")
+            f"through the chat template (it trims or rewrites what differs), so they teach nothing: the pairs of the "
+            f"prompts {', '.join(tail(rows[i]['prompt']) for i in same[:3])}{more}. Remove them from the data, or fix "
+            "the template")

@@ -141,13 +141,13 @@ def drop_unusable(rows: Rows, produces: str, source: str, max_fraction: float) -
     bad = sorted({i for idx in found.values() for i in idx})
     if not bad:
         return rows, Counter()
+    named = "; ".join(f"{rows_named(idx)} {why}" for why, idx in found.items() if idx)
+    if len(bad) == len(rows):  # whatever max_unusable_fraction says: nothing would be left
+        raise FormatError(f"{source}: {named}. That is every row, so no setting can help: the data itself must change")
     if len(bad) > max_fraction * len(rows):
-        raise FormatError(f"{source}: " + "; ".join(f"{rows_named(idx)} {why}" for why, idx in found.items() if idx)
-                          + f". That is {len(bad)} of {len(rows)} rows ({len(bad) / len(rows):.1%}), above the card's "
-                          f"max_unusable_fraction ({max_fraction}). " + (
-                              "Remove those rows from the data (or filter them in a transform) and run again, or raise "
-                              "max_unusable_fraction to drop them" if len(bad) < len(rows) else
-                              "That is every row, so no setting can help: the data itself must change"))
+        raise FormatError(f"{source}: {named}. That is {len(bad)} of {len(rows)} rows ({len(bad) / len(rows):.1%}), "
+                          f"above the card's max_unusable_fraction ({max_fraction}). Remove those rows from the data "
+                          "(or filter them in a transform) and run again, or raise max_unusable_fraction to drop them")
     drop = set(bad)
     return [r for i, r in enumerate(rows) if i not in drop], Counter({why: len(idx) for why, idx in found.items() if idx})
 

@@ -46,8 +46,8 @@ def rebuild(run_dir: str | Path) -> Path:
         raise PipelineError(f"{info_path}: cannot be read as JSON ({exc})") from None
     problem = record_problem(info) or (None if isinstance(info.get("config"), dict) else "no `config` mapping")
     if problem:
-        raise PipelineError(f"{info_path}: not a pipeline record ({problem}); delete it and rerun `align run`, which "
-                            "writes it anew")
+        raise PipelineError(f"{info_path}: not a pipeline manifest ({problem}); delete it and rerun `align run`, "
+                            "which writes it anew")
     source = info.get("source")
     if not source or not Path(source).is_file():
         raise PipelineError(f"{run_dir}: the pipeline file this run came from ({source}) is gone")
