@@ -26,36 +26,11 @@ from pathlib import Path
 import torch
 
 from align.engines import EngineError
-from align.engines.vllm_env import VLLM_INSTALL, vllm_python
+from align.engines.vllm_env import SYNC_DIR_ENV, VLLM_INSTALL, shm_dir, shm_problem, vllm_python
 from align.core.fsutil import size_text
 from align.modeling.generation import Rollout, finish_rollout, tokenize_prompts
 
 SERVER = Path(__file__).parent / "vllm_side" / "align_vllm_server.py"
-
-
-SYNC_DIR_ENV = "ALIGN_SYNC_DIR"
-
-
-def shm_dir() -> str:
-    """Where synced weights are written: $ALIGN_SYNC_DIR, else /dev/shm (memory), else the temporary directory."""
-    chosen = os.environ.get(SYNC_DIR_ENV)
-    if chosen:
-        return chosen
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
-def shm_problem() -> str | None:
-    """Why vLLM cannot run here: its processes need a writable /dev/shm (semaphores and shared memory), and the
-    weight syncs a writable directory ($ALIGN_SYNC_DIR when set)."""
-    if os.path.isdir("/dev/shm") and not os.access("/dev/shm", os.W_OK):
-        return ("/dev/shm is read-only here, and vLLM's processes need it writable (their semaphores and shared "
-                "memory): run the container with a writable /dev/shm (e.g. docker run --shm-size=2g), or set "
-                "generation.engine: hf")
-    chosen = os.environ.get(SYNC_DIR_ENV)
-    if chosen and not (os.path.isdir(chosen) and os.access(chosen, os.W_OK)):
-        return (f"{SYNC_DIR_ENV}={chosen}: weight syncs are written there, but it is not a writable directory; "
-                f"point {SYNC_DIR_ENV} at one with room for the policy's weights, or unset it to use /dev/shm")
-    return None
 
 
 def sync_space_problem(directory: str, needed: int) -> str | None:

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from typing import Any, Callable
 
 from align.core.machine import has_gpu
@@ -61,8 +62,34 @@ def check_vllm_installed(where: str) -> str | None:
     return None
 
 
+SYNC_DIR_ENV = "ALIGN_SYNC_DIR"
+
+
+def shm_dir() -> str:
+    """Where synced weights are written: $ALIGN_SYNC_DIR, else /dev/shm (memory), else the temporary directory."""
+    chosen = os.environ.get(SYNC_DIR_ENV)
+    if chosen:
+        return chosen
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def shm_problem() -> str | None:
+    """Why vLLM cannot run here: its processes need a writable /dev/shm (semaphores and shared memory), and the
+    weight syncs a writable directory ($ALIGN_SYNC_DIR when set)."""
+    if os.path.isdir("/dev/shm") and not os.access("/dev/shm", os.W_OK):
+        return ("/dev/shm is read-only here, and vLLM's processes need it writable (their semaphores and shared "
+                "memory): run the container with a writable /dev/shm (e.g. docker run --shm-size=2g), or set "
+                "generation.engine: hf")
+    chosen = os.environ.get(SYNC_DIR_ENV)
+    if chosen and not (os.path.isdir(chosen) and os.access(chosen, os.W_OK)):
+        return (f"{SYNC_DIR_ENV}={chosen}: weight syncs are written there, but it is not a writable directory; "
+                f"point {SYNC_DIR_ENV} at one with room for the policy's weights, or unset it to use /dev/shm")
+    return None
+
+
 def _problems(where: str, head_dim: Callable[[], int | None]) -> str | None:
-    return check_vllm_installed(where) or head_size_problem(head_dim(), where)
+    shm = shm_problem()
+    return check_vllm_installed(where) or (f"{where}: {shm}" if shm else None) or head_size_problem(head_dim(), where)
 
 
 def _memory(gen: Any, weights_bytes: int, kv_bytes: int, gpu_memory: int | None) -> int:
