@@ -8,6 +8,7 @@ import shlex
 import sys
 
 from align.core.packaged import PackagedError
+from align.engines import PLUGIN_ERRORS
 from align.orchestrator import packaged
 from align.config import ConfigError, load_pipeline
 from align.data.cards import DataCardError
@@ -87,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         from align.runtime.process import main as stage_main
 
         return stage_main(args.spec)
+    if PLUGIN_ERRORS:  # an engine module from ALIGN_ENGINE_MODULES that did not import
+        print(f"align: error: {PLUGIN_ERRORS[0]}", file=sys.stderr)
+        return 2
     terminate_as_interrupt()  # SIGTERM (schedulers, systemctl stop) handled as Ctrl-C: stages recorded interrupted
     typed = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--force"]  # a resume restarts nothing
     with resolved_once(), resume_as(f"align {shlex.join(typed)}"):  # inputs once; messages say how to resume

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, TINY
+from conftest import REPO, TINY, run_align
 
 PROBE = REPO / "tests" / "probes" / "notorch.py"
 # The orchestrator's modules, which the class contract keeps free of stage-type names.
@@ -108,3 +108,12 @@ def test_one_command_works_out_the_model_inputs_once(workdir, monkeypatch, capsy
     validate(load_pipeline("pipelines/default.yaml", []), "pipelines/default.yaml")  # no command scope
     print("without the scope:", dict(calls))
     assert calls["_resolve_model_paths"] > 1, calls  # what the scope saves
+
+
+def test_an_engine_module_that_does_not_import_is_one_line_before_anything_runs(workdir):
+    """ALIGN_ENGINE_MODULES naming a module that is missing or raises: every command refuses at once, naming the
+    variable, the module and the cause (the registry imports it with align.config, before a command could report)."""
+    proc = run_align("validate", "pipelines/default.yaml", cwd=workdir, env={"ALIGN_ENGINE_MODULES": "no_such_engine_mod"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("align: error: ALIGN_ENGINE_MODULES: cannot import engine module 'no_such_engine_mod' "
+                                  "(ModuleNotFoundError"), proc.stderr

@@ -23,8 +23,8 @@ import os
 
 from align.engines.kinds import EngineError, EngineKind
 
-__all__ = ["DEFAULT", "EngineError", "EngineKind", "KINDS", "register", "engine_names", "kind", "holds_own_copy",
-           "make_engine"]
+__all__ = ["DEFAULT", "EngineError", "EngineKind", "KINDS", "PLUGIN_ERRORS", "register", "engine_names", "kind",
+           "holds_own_copy", "make_engine"]
 
 DEFAULT = "hf"
 """The engine `generation.engine` names unless a pipeline says otherwise."""
@@ -75,12 +75,18 @@ def _register_builtin() -> None:
     register(vllm_env.KIND)
 
 
+PLUGIN_ERRORS: list[str] = []
+"""Engine modules named in ALIGN_ENGINE_MODULES that failed to import: the CLI refuses to start with them (this
+module is imported with align.config, before any command could report an error)."""
+
+
 def _register_from_environment() -> None:
     for name in filter(None, (n.strip() for n in os.environ.get(ENGINE_MODULES_ENV, "").split(","))):
         try:
             importlib.import_module(name)
-        except ImportError as exc:
-            raise ValueError(f"{ENGINE_MODULES_ENV}: cannot import engine module '{name}' ({exc})") from None
+        except Exception as exc:  # any failure of a user's module: reported by the CLI in one line
+            PLUGIN_ERRORS.append(f"{ENGINE_MODULES_ENV}: cannot import engine module '{name}' "
+                                 f"({type(exc).__name__}: {exc}); fix the module, its path (PYTHONPATH), or the variable")
 
 
 _register_builtin()
