@@ -73,9 +73,8 @@ def test_a_log_that_cannot_be_written_is_named_with_its_free_space(tmp_path):
 
 def test_a_stage_log_on_a_full_disk_is_one_line_naming_it():
     """End to end through stream_stage with /dev/full as the log (every write fails with ENOSPC, as on a full
-    disk): the stage's output is buffered, so the first write to fail is the log's last flush, after the stage
-    ended; that error too names the log and what to do (before, the runner's one line read 'No space left on
-    device (ENOSPC)' alone)."""
+    disk): the error names the log and what to do (before, the runner's one line read 'No space left on device
+    (ENOSPC)' alone)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -93,3 +92,37 @@ def test_a_stage_log_on_a_full_disk_is_one_line_naming_it():
         stream_stage(start, Path("/dev/full"), "sft")
     line = describe(err.value)
     assert line.startswith("/dev/full: No space left on device while writing the stage's log") and "(ENOSPC)" in line
+
+
+def test_stage_log_holds_each_line_while_the_stage_still_runs(tmp_path):
+    """stage.log is written line by line, not in 8 KiB blocks: `tail -f stage.log` follows a running stage (on a
+    real full disk the log used to stay empty, its buffer never flushed)."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from align.core.console import stream_stage
+
+    log = tmp_path / "stage.log"
+    gate = tmp_path / "gate"
+    seen: list[str] = []
+
+    def start():
+        code = ("import os, time; print('step 1', flush=True)\n"
+                f"while not os.path.exists({str(gate)!r}): time.sleep(0.02)\nprint('done')")
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def watch():  # while the stage waits on the gate, its first line must already be in the log
+        deadline = time.time() + 30
+        while time.time() < deadline and "step 1" not in (log.read_text() if log.exists() else ""):
+            time.sleep(0.02)
+        seen.append(log.read_text() if log.exists() else "")
+        gate.touch()
+
+    t = threading.Thread(target=watch)
+    t.start()
+    assert stream_stage(start, log, "sft") == 0
+    t.join()
+    assert seen and "step 1" in seen[0] and "done" not in seen[0], seen
+    assert "done" in log.read_text()

@@ -630,6 +630,32 @@ def test_status_reads_a_hand_edited_run_directory_as_it_is(shared, tmp_path):
         status_table(run)
 
 
+def test_status_calls_a_running_stage_whose_runner_died_interrupted(shared, tmp_path):
+    """A runner that dies where it cannot write its manifests (full disk, SIGKILL) leaves `running`: status asks the
+    run lock's holder record whether that runner lives, and says how to resume when it does not."""
+    import socket
+    import sys
+
+    from align.orchestrator.status import status_table
+
+    _, run = _copy(shared, tmp_path)
+    manifest = json.loads((run / "sft" / "manifest.json").read_text())
+    manifest["status"] = "running"
+    (run / "sft" / "manifest.json").write_text(json.dumps(manifest))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    lock = run / ".align.lock"
+    for pid, expect in ((os.getpid(), "| sft | sft | running |"),
+                        (dead, f"| sft | sft | interrupted (its runner PID {dead} died before the stage ended); resume: "
+                               "align run")):
+        lock.write_text(json.dumps({"pid": int(pid), "host": socket.gethostname(), "since": "x"}))
+        assert expect in status_table(run)
+    lock.write_text("")  # a clean exit empties the record
+    assert "interrupted (its runner has exited before the stage ended)" in status_table(run)
+    lock.write_text(json.dumps({"pid": int(dead), "host": "another-host", "since": "x"}))
+    assert "| sft | sft | running |" in status_table(run)  # another host's PID cannot be checked from here
+
+
 @pytest.mark.parametrize("record, problem", [
     ({"config": {}, "stages": [{"name": 1, "type": None}]}, "stage entry 0 has no plain-name `name`"),
     ({"config": {}, "stages": [{"name": "../sft", "type": "sft"}]}, "stage entry 0 has no plain-name `name`"),

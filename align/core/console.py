@@ -93,7 +93,10 @@ class StageConsole:
 
     # ------------------------------------------------------------------ internals
     def _write(self, text: str) -> None:
+        """One line into stage.log, flushed at once: `tail -f stage.log` follows the stage, and a full disk shows at
+        the first line that does not fit, not at the end of the stage."""
         self.log.write(text.encode("utf-8", "replace") + b"\n")
+        self.log.flush()
 
     def _line(self, raw: bytes) -> None:
         text = raw.decode("utf-8", "replace").split("\r")

@@ -37,6 +37,25 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def runner_state(run_dir: str | Path) -> str | None:
+    """Whether a runner holds `run_dir`, read from the holder record without touching the lock (so `align status`
+    never races a runner starting): None while a live runner on this host (or one on another host, which this
+    host cannot see) holds it, else why nobody does: "has exited" (an empty record: the runner stopped on an error
+    it could not write into the manifest, e.g. a full disk) or "PID N died" (SIGKILL, OOM killer, power)."""
+    try:
+        raw = (Path(run_dir) / LOCK_FILE).read_text(errors="replace")
+        holder = json.loads(raw) if raw.strip() else {}
+    except FileNotFoundError:
+        return "never took the run directory's lock"
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(holder, dict) or not holder.get("pid"):
+        return "has exited"
+    if holder.get("host") != socket.gethostname() or _alive(int(holder["pid"])):
+        return None
+    return f"PID {holder['pid']} died"
+
+
 class RunLock:
     """`with RunLock(run_dir) as lock:` holds the run directory; `lock.note` says if a stale lock was taken over."""
 

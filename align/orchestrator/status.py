@@ -9,6 +9,7 @@ from pathlib import Path
 
 from align.config import parse_pipeline, stage_types
 from align.orchestrator.plan import build_plan
+from align.orchestrator.runlock import runner_state
 from align.core.errors import PipelineError
 from align.core.rundir import (PIPELINE, Manifest, PipelineRecord, headline, is_complete, outputs_problem, read_manifest,
                                record_problem)
@@ -66,6 +67,7 @@ def status_table(run_dir: str | Path) -> str:
              f"{info.get('updated_at', '?')}", "",
              "| stage | type | state | fingerprint | attempts | duration | headline |", "|---|---|---|---|---|---|---|"]
     damaged: list[str] = []
+    gone = runner_state(run_dir)
     for st in info["stages"]:
         name, kind = st["name"], st["type"]
         m = read_manifest(run_dir / name) or {}
@@ -78,6 +80,9 @@ def status_table(run_dir: str | Path) -> str:
                 damaged.append(f"{name}: {problem}; rerun it: align run {info.get('source', 'PIPELINE.yaml')} "
                                f"--from {name}")
                 state = "completed, output damaged (see below)"
+        if state == "running" and gone:
+            state = (f"interrupted (its runner {gone} before the stage ended); resume: align run {info.get('source', 'PIPELINE.yaml')} "
+                     f"--run-id {info.get('run_id')}")
         if state == "failed" and m.get("error"):
             state = f"failed: {str(m['error'])[:60]}"
         fp = m.get("fingerprint")
