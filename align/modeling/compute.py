@@ -15,7 +15,7 @@ every training step, every rollout and every score (so samples are scored by the
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -81,17 +81,6 @@ class Compute:
     def model_kwargs(self) -> dict[str, Any]:
         """Extra from_pretrained / config arguments (the attention kernel when one is asked for)."""
         return {"attn_implementation": self.attn_implementation} if self.attn_implementation else {}
-
-    def for_rl_training(self) -> Compute:
-        """The Compute for models trained on padded rollouts (PPO): with `attn_implementation: auto` on a GPU,
-        eager attention. Measured on an H100 (benchmarks/gpu.py, Pythia-160m architecture, bf16 autocast):
-        with SDPA every optimiser step of PPO's 7th iteration had non-finite gradients in two runs out of two
-        (the loss itself finite); with eager attention, the same pipeline ran all 8 iterations. Left-padded
-        prompts plus right-padded responses give rows that attend to nothing; the cause inside SDPA's backward
-        is not established. An explicit setting is kept as given."""
-        if self.attn_implementation is None and self.device.type == "cuda":
-            return replace(self, attn_implementation="eager")
-        return self
 
 
 def resolve(precision: str = "auto", attn_implementation: str = "auto", device: Any = None,

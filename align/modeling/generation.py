@@ -14,6 +14,7 @@ import torch
 
 from align.modeling.compute import FAST_PAD_MULTIPLE
 from align.modeling.losses import logprobs_and_entropy, logprobs_from_logits, response_mask_after_eos
+from align.modeling.packing import unwrapped_model, pack, pack_capacity, packs, position_ids
 
 if TYPE_CHECKING:  # annotations only
     from align.config import Generation
@@ -54,10 +55,6 @@ def tokenize_prompts(tokenizer, prompts: list[str], max_length: int | None = Non
     finally:
         tokenizer.padding_side = side
     return enc["input_ids"], enc["attention_mask"]
-
-
-def position_ids(mask: torch.Tensor) -> torch.Tensor:
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def static_cache_safe(model, device: torch.device) -> bool:
@@ -176,9 +173,12 @@ def response_logits(model, ids: torch.Tensor, mask: torch.Tensor, query_len: int
     the sampling temperature (so the log-probs are those of the sampling policy), and with `with_hidden` the last
     hidden state (B, Lr, H) at the same positions (the state before each response token: PPO's shared value head
     reads it). The causal LM's own forward makes the logits, so whatever a family does after its LM head
-    (soft-capping, logit scaling) is kept. Only the positions that predict response tokens go through the LM head
-    (`logits_to_keep`, where the model takes it): the prompt's logits would be computed and thrown away (the head of
-    a 49k-token vocabulary is a fifth of SmolLM2's forward)."""
+    (soft-capping, logit scaling) is kept. Only the positions that predict response tokens go through the LM head:
+    the prompt's logits would be computed and thrown away (the head of a 49k-token vocabulary is a fifth of
+    SmolLM2's forward). A padded batch runs padding-free (align/modeling/packing.py); positions whose next token is
+    padding get logits 0 (and hidden states 0): every caller masks them."""
+    if packs(model, mask):
+        return _packed_response_logits(model, ids, mask, query_len, temperature, with_hidden)
     keep = ids.size(1) - query_len + 1  # the logit at t predicts token t + 1: positions query_len - 1 .. T - 1
     extra = {"output_hidden_states": True} if with_hidden else {}
     if takes_logits_to_keep(model):
@@ -189,6 +189,35 @@ def response_logits(model, ids: torch.Tensor, mask: torch.Tensor, query_len: int
         logits = out.logits[:, -keep:]
     hidden = out.hidden_states[-1][:, query_len - 1:-1] if with_hidden else None  # the final (normed) layer's
     return logits[:, :-1] / temperature, hidden
+
+
+def _packed_response_logits(model, ids, mask, query_len, temperature, with_hidden):
+    """response_logits of a padded batch, computed padding-free. The LM head sees only the packed positions whose
+    next token is a response token (a pre-hook on the output embeddings picks them from the (R, W, H) hidden
+    states, so the family's own forward still applies what follows its head)."""
+    p = pack(ids, mask, capacity=pack_capacity(model, mask))
+    nxt = torch.zeros_like(mask, dtype=torch.bool)
+    nxt[:, :-1] = mask[:, 1:].bool()
+    wanted = nxt[p.rows, p.cols] & (p.cols >= query_len - 1)  # (N,): predicts a real response token
+    at = (p.where[0][wanted], p.where[1][wanted])
+    rows, cols = p.rows[wanted], p.cols[wanted] - (query_len - 1)
+    head = unwrapped_model(model).get_output_embeddings()
+    handle = head.register_forward_pre_hook(lambda _m, args: (args[0][at][None], *args[1:]))
+    try:
+        # use_cache=False: transformers reads packed sequences from positions only without a cache
+        out = model(input_ids=p.ids, position_ids=p.position_ids, output_hidden_states=with_hidden, use_cache=False,
+                    **({"logits_to_keep": 0} if takes_logits_to_keep(model) else {}))
+    finally:
+        handle.remove()
+    b, lr = ids.size(0), ids.size(1) - query_len
+    logits = out.logits[0].new_zeros((b, lr, out.logits.size(-1)))
+    logits[rows, cols] = out.logits[0]
+    hidden = None
+    if with_hidden:
+        h = out.hidden_states[-1]
+        hidden = h.new_zeros((b, lr, h.size(-1)))
+        hidden[rows, cols] = h[at]
+    return logits / temperature, hidden
 
 
 def takes_logits_to_keep(model) -> bool:
@@ -209,5 +238,9 @@ _KEEPS: dict[type, bool] = {}
 def scalar_outputs(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-token scalar head outputs (B, T) of a *ForSequenceClassification model (reward or value)."""
     backbone = getattr(model, model.base_model_prefix)
+    if packs(model, mask):  # padding-free (align/modeling/packing.py); 0 at padding
+        p = pack(ids, mask, capacity=pack_capacity(model, mask))
+        hidden = backbone(input_ids=p.ids, position_ids=p.position_ids, use_cache=False).last_hidden_state
+        return p.unpack(model.score(hidden).squeeze(-1).float())
     hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).last_hidden_state
     return model.score(hidden).squeeze(-1).float()

@@ -25,6 +25,7 @@ from align.config.ppo import PPOStage
 from align.runtime.rows import load_rows, unique_prompts
 from align.engines.base import RolloutEngine, check_rollout, nan_max
 from align.modeling.generation import Rollout, response_logprobs
+from align.modeling.packing import computed_padding_fraction, padding_fraction
 from align.judges import judge_weights
 from align.modeling.losses import gae, kl_estimate, masked_whiten, token_rewards
 from align.modeling.models import load_causal_lm, load_tokenizer, unsharded_loading
@@ -106,7 +107,6 @@ class Batch:
 def make_accelerator(ctx: StageContext, cfg: PPOStage):
     from accelerate import Accelerator  # heavy: stage processes only
 
-    ctx.compute = ctx.compute.for_rl_training()  # eager attention on a GPU unless set (align/modeling/compute.py)
     ctx.extra_manifest["attn_implementation"] = ctx.compute.attn_implementation or "auto"
     accelerator = Accelerator(gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                               mixed_precision=ctx.compute.mixed_precision)
@@ -241,6 +241,10 @@ def iteration_metrics(s: PPORun, b: Batch, kl: torch.Tensor, beta: float, stats:
     """One iteration's row of metrics.jsonl (names shared with the other online stages: docs/ARCHITECTURE.md)."""
     gather = s.accelerator.gather
     r, rmask = b.rollout, b.rmask
+
+    def mean(x: float) -> float:  # over processes, reduced on the accelerator's device (NCCL takes no CPU tensor)
+        return s.accelerator.reduce(torch.tensor(x, device=s.accelerator.device), "mean").item()
+
     elapsed = time.time() - t0
     seq_kl = gather(kl.sum(1)).mean().item()
     non_score = gather((-beta * kl).sum(1)).mean().item()
@@ -258,6 +262,10 @@ def iteration_metrics(s: PPORun, b: Batch, kl: torch.Tensor, beta: float, stats:
         "perf/tokens_per_s": gather(rmask.sum()).sum().item() / elapsed,
         "perf/generation_fraction": b.t_gen / elapsed,
         "perf/sequence_tokens": gather(r.attention_mask.sum()).sum().item(),  # prompt + response, no padding
+        # of the tokens the rollout batch's scoring passes compute, padding: as run (packed), and as a padded batch
+        "perf/padding_fraction": mean(computed_padding_fraction(s.accelerator.unwrap_model(s.model).policy,
+                                                                r.attention_mask)),
+        "perf/padding_fraction_unpacked": mean(padding_fraction(r.attention_mask)),
         "train/learning_rate": s.optimizer.param_groups[0]["lr"], **stats,
         **(measured.metrics() if measured else {}),
     }
@@ -381,4 +389,5 @@ def summarise(cfg: PPOStage, history: list[dict[str, float]], kl_ctl, start: int
             "perf/episodes_per_s": avg(history, "perf/episodes_per_s"),
             "perf/generation_fraction": avg(history, "perf/generation_fraction"),
             "perf/tokens_per_s": avg(history, "perf/tokens_per_s"),
+            "perf/padding_fraction": avg(history, "perf/padding_fraction"),
             "train/skipped_step_fraction": avg(history, "train/skipped_step_fraction")}

@@ -1,0 +1,304 @@
+"""Padding-free forward passes (align/modeling/packing.py, align/modeling/generation.py): the packing itself, packed
+log-probs, values and gradients equal to the padded path's for every model family, and the GPU fault it removes
+(NaN gradients from query rows that attend to nothing) reproduced on CPU with a stand-in of the CUDA kernels'
+backward."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from align.modeling.packing import pack
+
+from families import FAMILIES, RESPONSES, TEXTS, _rollout, build
+
+SEED = 23
+
+
+def test_first_fit_decreasing_packs_longest_first_into_the_first_bin_with_room():
+    from align.modeling.packing import first_fit_decreasing
+
+    # by hand: lengths 5,4,3,3,2,1 into bins of 8: 5 -> A; 4 -> B; 3 -> A (8); 3 -> B (7); 2 -> C; 1 -> B (8)
+    assert first_fit_decreasing([3, 5, 1, 4, 2, 3], 8) == [[1, 0], [3, 5, 2], [4]]
+    assert first_fit_decreasing([9, 2], 8) == [[0], [1]]  # longer than a bin: a bin of its own
+    assert first_fit_decreasing([], 8) == []
+
+
+def test_pack_keeps_every_real_token_once_with_restarting_positions_and_unpacks_to_the_padded_layout():
+    from align.modeling.packing import pack, padding_fraction
+
+    print("seed", SEED)
+    g = torch.Generator().manual_seed(SEED)
+    b, t = 7, 12
+    ids = torch.randint(3, 50, (b, t), generator=g)
+    mask = torch.zeros(b, t, dtype=torch.long)
+    for i in range(b):  # left-padded prompts and right-padded responses, as PPO's batches
+        left = int(torch.randint(0, 4, (1,), generator=g))
+        right = int(torch.randint(0, 5, (1,), generator=g))
+        mask[i, left:t - right] = 1
+    mask[2] = 0
+    mask[2, 5] = 1  # a one-token sequence
+    p = pack(ids, mask, pad_id=0)
+    assert p.ids.size(1) == t and p.rows.numel() == int(mask.sum())
+    assert torch.equal(p.ids[p.where], ids[p.rows, p.cols])
+    for i in range(b):  # each sequence's positions run 0..n-1 in its packed row
+        sel = p.rows == i
+        assert torch.equal(p.position_ids[p.where[0][sel], p.where[1][sel]], torch.arange(int(mask[i].sum())))
+    back = p.unpack(p.ids, fill=-1)
+    assert torch.equal(back[mask.bool()], ids[mask.bool()]) and bool((back[~mask.bool()] == -1).all())
+    assert p.ids.size(0) < b and p.padding_fraction < padding_fraction(mask)
+
+
+def _lse_attention():
+    """A stand-in, on CPU, for what CUDA's memory-efficient and flash SDPA kernels do with a query row that attends
+    to nothing: the forward keeps each row's log-sum-exp and returns 0 for such a row (lse = -inf, as torch >= 2.5's
+    kernels do); the backward recomputes the weights as exp(scores - lse), which is exp(-inf + inf) = NaN there.
+    The row's output gets no gradient (0), and 0 x NaN is NaN: the loss is finite, every gradient upstream is not,
+    which is what PPO met on an H100 in bf16 with SDPA (docs/benchmarks.md "GPU")."""
+
+    class LseAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, mask, scale):
+            s = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+            lse = torch.logsumexp(s, -1, keepdim=True)
+            out = torch.exp(s - lse).nan_to_num(0.0) @ v
+            ctx.save_for_backward(q, k, v, mask, lse, out)
+            ctx.scale = scale
+            return out
+
+        @staticmethod
+        def backward(ctx, g):
+            q, k, v, mask, lse, out = ctx.saved_tensors
+            p = torch.exp((q @ k.transpose(-1, -2) * ctx.scale).masked_fill(~mask, float("-inf")) - lse)
+            ds = p * (g @ v.transpose(-1, -2) - (g * out).sum(-1, keepdim=True))
+            return ds @ k * ctx.scale, ds.transpose(-1, -2) @ q * ctx.scale, p.transpose(-1, -2) @ g, None, None
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        from transformers.integrations.sdpa_attention import repeat_kv
+
+        groups = query.size(1) // key.size(1)
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+        q_len, k_len = query.size(2), key.size(2)
+        if attention_mask is None:  # transformers skips the mask for unpadded causal batches
+            attention_mask = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)[None, None]
+        scale = scaling if scaling is not None else query.size(-1) ** -0.5
+        out = LseAttention.apply(query, key, value, attention_mask.expand(-1, query.size(1), -1, -1), scale)
+        return out.transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {family: build(family, root / family) for family in FAMILIES}
+
+
+def _loss_and_grads(policy, value, r):
+    """PPO's training forward (align/stages/ppo/models.py: response log-probs, entropies, per-token values) and a loss
+    over every output (masked, as PPO's), its gradients by parameter name."""
+    from align.modeling.losses import masked_mean
+    from align.stages.ppo.models import PolicyAndValue
+
+    model = PolicyAndValue(policy, value)
+    model.zero_grad()
+    q = r.query_ids.size(1)
+    logprobs, entropy, values = model(r.input_ids, r.attention_mask, q, temperature=0.7)
+    rmask = r.response_mask
+    loss = -masked_mean(logprobs, rmask) + masked_mean(values ** 2, rmask) - 0.1 * masked_mean(entropy, rmask)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), logprobs.detach() * rmask, values.detach() * rmask, grads
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_log_probs_values_and_gradients_equal_the_padded_path(models, family):
+    """fp32 on CPU: PPO's training forward over a left-/right-padded batch, padding-free and padded, gives the same
+    loss, log-probs, values and gradients within 1e-5 relative; a family whose forward does not read packed
+    positions (OPT builds its mask without them) is found by the probe and stays on the padded path."""
+    from align.modeling.packing import computed_padding_fraction, packs, padded_forwards
+    from align.modeling.models import load_causal_lm, load_scalar_model, load_tokenizer
+
+    torch.manual_seed(SEED)
+    print("seed", SEED)
+    base, tok_dir = models[family]
+    tok = load_tokenizer(str(tok_dir))
+    policy = load_causal_lm(str(base))
+    value = load_scalar_model(str(base), tok.pad_token_id)
+    r = _rollout(tok, TEXTS, RESPONSES)
+    packed = _loss_and_grads(policy, value, r)
+    with padded_forwards():
+        padded = _loss_and_grads(policy, value, r)
+    assert packs(policy, r.attention_mask) == (family != "opt")
+    for a, b, what in zip(packed[:3], padded[:3], ("loss", "log-probs", "values")):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (family, what, (a - b).abs().max())
+    assert packed[3].keys() == padded[3].keys() and len(packed[3]) > 10
+    for name, g in packed[3].items():
+        ref = padded[3][name]
+        assert (g - ref).norm() <= 1e-5 * ref.norm() + 1e-8, (family, name, (g - ref).norm(), ref.norm())
+    with padded_forwards():
+        unpacked = computed_padding_fraction(policy, r.attention_mask)
+    assert unpacked == pytest.approx(1 - r.attention_mask.sum().item() / r.attention_mask.numel())
+    if family != "opt":
+        assert computed_padding_fraction(policy, r.attention_mask) < unpacked
+
+
+def test_query_rows_that_attend_to_nothing_give_nan_gradients_padded_and_none_packed(models):
+    """The bf16 + SDPA NaN of PPO's H100 run, reproduced on CPU: with the stand-in kernel (_lse_attention), PPO's
+    padded batch (left-padded prompts: rows that attend to nothing) gives a finite loss and non-finite gradients;
+    padding-free, the same batch gives finite gradients equal to SDPA's. Before packing, PPO's forwards were the
+    padded ones, so this test fails on that code."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    from align.modeling.packing import padded_forwards
+    from align.modeling.models import load_causal_lm, load_scalar_model, load_tokenizer
+
+    AttentionInterface.register("lse_standin", _lse_attention())
+    ALL_MASK_ATTENTION_FUNCTIONS.register("lse_standin", sdpa_mask)
+    torch.manual_seed(SEED)
+    random.seed(SEED)
+    print("seed", SEED)
+    base, tok_dir = models["llama"]
+    tok = load_tokenizer(str(tok_dir))
+    r = _rollout(tok, TEXTS, RESPONSES)
+    assert bool((r.query_mask[:, 0] == 0).any())  # some prompt is left-padded: its first rows attend to nothing
+    policy, value = load_causal_lm(str(base)), load_scalar_model(str(base), tok.pad_token_id)
+    reference = _loss_and_grads(policy, value, r)  # SDPA, packed
+    for m in (policy, value):
+        m.set_attn_implementation("lse_standin")
+    with padded_forwards():
+        loss, _, _, grads = _loss_and_grads(policy, value, r)
+    assert torch.isfinite(loss)
+    bad = [n for n, g in grads.items() if not torch.isfinite(g).all()]
+    assert bad, "the stand-in must reproduce the fault on the padded layout"
+    loss, _, _, grads = _loss_and_grads(policy, value, r)
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())
+    for name, g in grads.items():
+        ref = reference[3][name]
+        assert (g - ref).norm() <= 1e-5 * ref.norm() + 1e-8, (name, (g - ref).norm(), ref.norm())
+
+
+def test_flash_attention_packs_one_row_and_dense_kernels_rows_of_the_padded_width():
+    """Flash-attention's varlen path reads sequence boundaries from one row's positions: several rows would each be
+    read as one causal sequence. SDPA and eager get rows of the padded width (no more attention per row than a
+    padded row)."""
+    from types import SimpleNamespace
+
+    from align.modeling.packing import pack_capacity
+
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]])
+    for attn, expect in (("sdpa", None), ("eager", None), ("flash_attention_2", 9), ("flash_attention_3", 9)):
+        model = SimpleNamespace(config=SimpleNamespace(_attn_implementation=attn))
+        assert pack_capacity(model, mask) == expect, attn
+
+
+@pytest.mark.parametrize("family, loss_on", [("llama", "completion"), ("gpt2", "every token"),
+                                             ("gemma3", "every token")])
+def test_sft_packed_batches_give_the_padded_loss_and_gradients(models, family, loss_on):
+    """SFT's collator (TRL's, then RowPackingCollator): the same examples, packed into rows, give the causal-LM
+    loss and gradients of the padded batch within 1e-5 relative (fp32), prompt tokens masked as TRL masks them; and
+    fewer tokens are computed."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    from align.modeling.models import load_causal_lm, load_tokenizer
+    from align.modeling.packing import RowPackingCollator
+
+    torch.manual_seed(SEED)
+    print("seed", SEED)
+    base, tok_dir = models[family]
+    tok = load_tokenizer(str(tok_dir))
+    model = load_causal_lm(str(base))
+    examples = []
+    for prompt, completion in zip(TEXTS * 2, RESPONSES + RESPONSES[::-1]):
+        p_ids = tok(prompt)["input_ids"]
+        c_ids = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        labels = [-100] * len(p_ids) + c_ids if loss_on == "completion" else p_ids + c_ids
+        examples.append({"input_ids": p_ids + c_ids, "labels": labels})
+    inner = DataCollatorForLanguageModeling(pad_token_id=tok.pad_token_id)
+    packer = RowPackingCollator(inner, tok.pad_token_id)
+    out = []
+    for batch in (inner(examples), packer(examples)):
+        model.zero_grad()
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (padded_loss, padded), (packed_loss, packed) = out
+    real, computed, held = packer.count_first(1)
+    assert "attention_mask" not in packer(examples) and real < computed < held
+    assert real == sum(len(e["input_ids"]) for e in examples) and held == inner(examples)["attention_mask"].numel()
+    assert torch.allclose(packed_loss, padded_loss, rtol=1e-5), (packed_loss, padded_loss)
+    for name, g in packed.items():
+        assert (g - padded[name]).norm() <= 1e-5 * padded[name].norm() + 1e-8, (family, name)
+
+
+def _pairs_batch(tok):
+    """A DPO-style batch: chosen and rejected completions of the same prompts, right-padded (TRL's layout), labels
+    -100 on the prompt and the padding."""
+    rows, labels = [], []
+    for prompt, completion in zip(TEXTS * 2, RESPONSES + RESPONSES[::-1]):
+        p_ids = tok(prompt)["input_ids"]
+        c_ids = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        rows.append(p_ids + c_ids)
+        labels.append([-100] * len(p_ids) + c_ids)
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    lab = torch.tensor([x + [-100] * (width - len(x)) for x in labels])
+    return ids, mask, lab
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_backbone_packed_inside_its_forward_gives_trl_and_the_classifier_the_padded_results(models, family,
+                                                                                               monkeypatch):
+    """install_padding_free (reward, DPO, KTO, GRPO, RLOO): TRL's fused LM head (the call DPO and KTO make:
+    `model(..., labels=..., fused_lm_head=True).log_probs`) and a reward model's pooled score (last non-pad token,
+    the classifier's own rule) give the padded path's values and gradients within 1e-5 relative in fp32; generation
+    (a cache) takes the original forward; OPT is not packed."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from align.modeling import packing
+    from align.modeling.packing import install_padding_free, padded_forwards
+
+    packed_calls = []
+    monkeypatch.setattr(packing, "pack", lambda *a, **k: packed_calls.append(1) or pack(*a, **k))
+    from align.modeling.models import load_causal_lm, load_scalar_model, load_tokenizer
+
+    torch.manual_seed(SEED)
+    print("seed", SEED)
+    base, tok_dir = models[family]
+    tok = load_tokenizer(str(tok_dir))
+    ids, mask, labels = _pairs_batch(tok)
+    policy = load_causal_lm(str(base))
+    add_fused_lm_head(policy)
+    scorer = load_scalar_model(str(base), tok.pad_token_id)
+    assert install_padding_free(policy) == install_padding_free(scorer) == (family != "opt")
+
+    def run(model, call):
+        model.zero_grad()
+        out = call(model)
+        out.sum().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    calls = {policy: lambda m: m(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True,
+                                 use_cache=False).log_probs,
+             scorer: lambda m: m(input_ids=ids, attention_mask=mask).logits}
+    for model, call in calls.items():
+        before = len(packed_calls)
+        packed = run(model, call)
+        assert len(packed_calls) == before + (family != "opt")  # the backbone ran packed, once
+        with padded_forwards():
+            padded = run(model, call)
+        assert torch.allclose(packed[0], padded[0], rtol=1e-5, atol=1e-6), (family, (packed[0] - padded[0]).abs().max())
+        for name, g in packed[1].items():
+            assert (g - padded[1][name]).norm() <= 1e-5 * padded[1][name].norm() + 1e-8, (family, name)
+    assert len(packed_calls) == 2 * (family != "opt")  # the padded runs did not pack
+    q = tok(TEXTS[0], return_tensors="pt")
+    with torch.no_grad():  # generation: a cache, so the original forward (greedy tokens equal the padded path's)
+        new = policy.generate(**q, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
+        with padded_forwards():
+            assert torch.equal(new, policy.generate(**q, max_new_tokens=3, do_sample=False,
+                                                    pad_token_id=tok.pad_token_id))
+    assert len(packed_calls) == 2 * (family != "opt")  # generation took the original forward
