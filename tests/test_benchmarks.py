@@ -64,3 +64,21 @@ def test_rollout_engines_benchmark_runs_in_its_tiny_mode(tmp_path):
     assert 0 <= r["ppo"]["vllm"]["logprob_gap_max"] < 1e-3 and r["ppo"]["vllm"]["sync_seconds"] > 0
     assert r["ppo"]["vllm"]["startup_seconds"] > 0
     assert "| vllm |" in proc.stdout and "vllm / hf" in proc.stdout
+
+
+def test_padding_free_benchmark_runs_in_its_tiny_mode(tmp_path):
+    """benchmarks/padding_free.py --tiny: SFT padded, padding-free and packed, DPO padded and padding-free, on the HH
+    chat data at max_length 512. The padding-free SFT trains the padded run's tokens (the same batches) computing
+    fewer pad tokens; packing leaves under 5% padding; DPO's backbone packs."""
+    from importlib import util
+
+    spec = util.spec_from_file_location("padding_free", REPO / "benchmarks" / "padding_free.py")
+    bench = util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    r = bench.main(["--tiny", f"runs_dir={tmp_path / 'runs'}"])
+    assert list(r) == ["sft padded", "sft padding-free", "sft packed", "dpo padded", "dpo padding-free"]
+    assert r["sft padded"]["tokens"] == r["sft padding-free"]["tokens"] > 0
+    assert r["sft padded"]["padding"] is None and r["dpo padded"]["padding"] is None  # nothing packed: no figure
+    assert r["sft padding-free"]["padding"] < r["sft padding-free"]["unpacked"]
+    assert r["sft packed"]["padding"] <= 0.05 < r["sft packed"]["unpacked"]
+    assert r["dpo padding-free"]["padding"] < r["dpo padding-free"]["unpacked"]

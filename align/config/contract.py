@@ -328,6 +328,12 @@ class TrainedStage(StageBase):
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about a third more compute. Off by default
     (TRL turns it on); `align estimate` and the memory preflight say when a stage needs it to fit."""
+    padding_free: bool = True
+    """Compute no pad tokens: each batch's sequences packed into rows of the batch's width (one row under
+    flash-attention), positions restarting per sequence, so losses and gradients equal the padded batch's with fewer
+    tokens computed (align/modeling/packing.py; tests/test_packing.py). SFT packs in its collator
+    (`perf/padding_fraction` beside `perf/padding_fraction_unpacked`); reward, DPO, KTO, GRPO and RLOO pack inside
+    the backbone's forward. A family whose forward cannot read packed positions (OPT) runs padded whatever this says."""
     lora: LoraSettings = field(default_factory=LoraSettings)
     """LoRA adapters instead of full fine-tuning."""
 

@@ -36,6 +36,12 @@ class SFTStage(TrainedStage):
     """Compute the loss on completion tokens only (prompt tokens masked); for messages data, on the assistant
     turns only (their content and end-of-turn token), masked by align (align/data/chat.py `sft_example`) as the
     planned template's `masking` says: its `{% generation %}` markers, TRL's patched copy, or prefix rendering."""
+    packing: bool = False
+    """Pack examples into rows of `max_length` tokens (TRL's best-fit-decreasing packing; an example longer than
+    `max_length` is truncated as it would be unpacked), positions restarting per example: almost no padding, but more
+    examples per step than `per_device_batch_size` (so fewer steps per epoch; scale the learning rate or
+    `max_steps` to suit). Under SDPA or eager attention each row keeps its own block-diagonal mask; under
+    flash-attention a batch is one row (TRL's varlen path)."""
     eval_split: str | None = "test"
     """Split whose loss is reported after training (None = skip)."""
     eval_max_examples: int = ranged(256, ge=1, fix="set eval_split: null to skip the evaluation")

@@ -78,6 +78,8 @@ def metrics_callback(ctx: StageContext, name: Callable[[str], str] = metric_name
                     f"checkpoint is kept in {ctx.checkpoints} (lower the learning rate or check the data).")
             if loss is not None:
                 self.loss = float(loss)
+            if hasattr(getattr(kwargs.get("train_dataloader"), "collate_fn", None), "count_first"):
+                logs.pop("num_tokens", None)  # TRL reads a packed row's width: train_with_resume counts instead
             if "num_tokens" in logs:
                 self.tokens = float(logs["num_tokens"])
             if state.is_world_process_zero:
@@ -126,6 +128,28 @@ def training_args(config_cls, cfg: TrainedStage, ctx: StageContext, drop: tuple[
     return args
 
 
+def _padding_metrics(trainer) -> dict[str, float]:
+    """perf/padding_fraction (of the tokens computed, padding) and perf/padding_fraction_unpacked (of the same
+    batches padded), summed over processes: from SFT's row collator (the batches trained on: the data loader
+    fetches one ahead) or from the policy backbone's packed forwards (install_padding_free)."""
+    import torch  # heavy: stage processes only
+
+    from align.modeling.packing import backbone_counts
+
+    if hasattr(trainer.data_collator, "count_first"):
+        local = trainer.data_collator.count_first(trainer.state.global_step * trainer.args.gradient_accumulation_steps)
+    else:
+        local = backbone_counts(trainer.model)
+    if local is None:
+        return {}
+    real, computed, padded = trainer.accelerator.reduce(
+        torch.tensor(local, dtype=torch.float64, device=trainer.accelerator.device), "sum").tolist()
+    if not computed:
+        return {}
+    return {"perf/padding_fraction": 1.0 - real / computed, "perf/padding_fraction_unpacked": 1.0 - real / padded,
+            "perf/train_tokens_packed": real}
+
+
 def share_process_group_with_deepspeed() -> None:
     """Under ZeRO-3, models load inside deepspeed.zero.Init, which reads the world size from DeepSpeed's own comm
     layer; on CPU (gloo) nobody has initialised it, so it would count 1 process (and keep whole weights). Hand it
@@ -167,9 +191,24 @@ def train_with_resume(ctx: StageContext, trainer) -> dict[str, Any]:
     final = {"train/loss_final_avg": out.training_loss, "train/global_step": trainer.state.global_step,
              "perf/train_seconds": out.metrics["train_runtime"]}
     tokens = next((cb.tokens for cb in trainer.callback_handler.callbacks if getattr(cb, "tokens", None)), None)
+    final.update(_padding_metrics(trainer))
+    if hasattr(trainer.data_collator, "count_first"):  # RowPackingCollator's own count (TRL's: a row's width)
+        tokens = final.get("perf/train_tokens_packed") or None
+    final.pop("perf/train_tokens_packed", None)
     if tokens and not resumed_from:  # after a resume TRL counts from zero again: no honest total
         final["perf/train_tokens"] = tokens
         final["perf/tokens_per_s"] = tokens / out.metrics["train_runtime"]
     return final
 
 
+def padding_free(ctx: StageContext, model) -> None:
+    """The stage's `padding_free` setting applied to `model` (install_padding_free), and what came of it in the
+    manifest."""
+    from align.modeling.packing import install_padding_free
+
+    if not ctx.cfg.padding_free:  # type: ignore[attr-defined]
+        ctx.extra_manifest["padding_free"] = "off (padding_free: false)"
+    elif install_padding_free(model):
+        ctx.extra_manifest["padding_free"] = "packed inside the backbone's forward"
+    else:
+        ctx.extra_manifest["padding_free"] = f"off ({type(model).__name__} does not read packed positions)"

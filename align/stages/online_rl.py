@@ -21,10 +21,11 @@ from align.runtime.rows import load_rows, unique_prompts
 from align.judges import judge_weights
 from align.judges.pointwise import check_same_tokenizer, stage_judge
 from align.data.lengths import LengthReport, enforce
+from align.modeling.packing import install_padding_free
 from align.modeling.models import load_tokenizer
 from align.modeling.lora import peft_config
 from align.runtime.context import StageContext, StageError
-from align.runtime.trl import metrics_callback, online_rl_metric_name, train_with_resume, training_args
+from align.runtime.trl import metrics_callback, online_rl_metric_name, padding_free, train_with_resume, training_args
 
 
 def reward_functions(ctx: StageContext, cfg: OnlineRLStage, tokenizer) -> tuple[list, list[float]]:
@@ -83,10 +84,13 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
                          disable_dropout=True,  # old and new log-probs agree, as in PPO
                          trust_remote_code=ctx.pipeline.trust_remote_code, log_completions=False, **algorithm_args)
     model = ctx.load_lm(path, quantize=cfg.lora.quantize)
+    padding_free(ctx, model)
     trainer = trainer_cls(model=model, reward_funcs=funcs, args=args, processing_class=tokenizer,
                           train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
                           callbacks=[metrics_callback(ctx, online_rl_metric_name)],
                           peft_config=peft_config(cfg.lora, "CAUSAL_LM"))
+    if cfg.padding_free and getattr(trainer, "ref_model", None) is not None:  # TRL's own copy of the start
+        install_padding_free(trainer.ref_model)
     final = train_with_resume(ctx, trainer)
     final.update(score_summary(ctx))
     final["train/prompts"] = len(prompts)

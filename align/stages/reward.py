@@ -14,7 +14,8 @@ from align.judges.pointwise import RewardModelJudge, pairwise_accuracy
 from align.modeling.models import load_tokenizer, unsharded_loading
 from align.modeling.lora import peft_config
 from align.runtime.context import StageContext
-from align.runtime.trl import check_lengths, metrics_callback, train_with_resume, training_args
+from align.runtime.trl import (check_lengths, metrics_callback, train_with_resume, training_args,
+                               padding_free)
 
 OUTPUTS = ["model"]
 
@@ -33,6 +34,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                          eval_strategy="no")
     # after the config: partitioned as it loads under ZeRO-3
     model = ctx.load_scalar(path, tokenizer.pad_token_id, quantize=cfg.lora.quantize)
+    padding_free(ctx, model)
     columns = ("prompt", "chosen", "rejected")
     trainer = RewardTrainer(model=model, args=args, processing_class=tokenizer, callbacks=[metrics_callback(ctx)],
                             train_dataset=Dataset.from_list([{c: r[c] for c in columns} for r in train]),

@@ -33,6 +33,37 @@ def _corpus(rows: list[dict[str, Any]]) -> list[str]:
     return [r["prompt"] + r["completion"] for r in rows]
 
 
+def collator(ctx: StageContext, cfg: SFTStage, args, model, tokenizer):
+    """With `padding_free` or `packing` (and a family that reads packed positions): align's row collator around
+    TRL's (align/modeling/packing.py); under flash-attention with `packing`, TRL's own one-row collator (None here).
+    Sets `args.packing`. None: TRL's own collator, padded."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    from align.modeling.packing import RowPackingCollator, packing_works
+
+    if not (cfg.padding_free or cfg.packing):
+        ctx.extra_manifest["padding_free"] = "off (padding_free: false)"
+        return None
+    if not packing_works(model):
+        ctx.extra_manifest["padding_free"] = f"off ({type(model).__name__} does not read packed positions)"
+        if ctx.is_main:
+            print(f"[align] {ctx.name}: {type(model).__name__} does not keep packed sequences apart (its mask ignores "
+                  "positions): training padded" + (", packing: true ignored" if cfg.packing else ""), flush=True)
+        return None
+    attn = getattr(model.config, "_attn_implementation", None) or "eager"
+    one_row = attn.startswith("flash") or "flash_attn" in attn
+    args.packing = cfg.packing
+    if cfg.packing:
+        ctx.extra_manifest["padding_free"] = ("packed rows of max_length, one row per batch (flash-attention)" if one_row
+                                              else "packed rows of max_length")
+        if one_row:
+            return None  # TRL's packing: its padding-free collator, cu_seqlens for the varlen kernels
+    else:
+        ctx.extra_manifest["padding_free"] = "one row per batch (flash-attention)" if one_row else "rows of the batch width"
+    inner = DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id, return_position_ids=cfg.packing)
+    return RowPackingCollator(inner, tokenizer.pad_token_id, one_row=one_row)
+
+
 def load_start(ctx: StageContext, cfg: SFTStage, rows: list[dict[str, Any]], chat: bool):
     """The starting model and tokenizer: an upstream stage, the pipeline's base model (a directory, hub id or
     .gguf file), or a builtin. From the base model, the planned chat template (`ctx.chat_template`) is installed
@@ -113,9 +144,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
         log.info("assistant-only loss: chat template %s", ctx.chat_template.describe())
     ctx.extra_manifest["loss_on"] = ("assistant turns" if cfg.completion_only_loss and chat else "completions"
                                      if cfg.completion_only_loss else "every token")
+    rows_collator = collator(ctx, cfg, args, model, tokenizer)
     trainer = SFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=eval_ds,
                          processing_class=tokenizer, callbacks=[metrics_callback(ctx)],
-                         peft_config=peft_config(cfg.lora, "CAUSAL_LM"))
+                         peft_config=peft_config(cfg.lora, "CAUSAL_LM"),
+                         data_collator=None if args.packing else rows_collator)
+    if args.packing and rows_collator is not None:  # TRL refuses a collator of ours with its packing: set it after
+        trainer.data_collator = rows_collator
     final = train_with_resume(ctx, trainer)
     if eval_ds is not None:
         ev = trainer.evaluate()
