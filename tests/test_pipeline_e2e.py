@@ -301,14 +301,16 @@ def test_ppo_killed_mid_run_resumes_iteration_beta_and_statistics(private):
 
 
 def test_ppo_pushed_hard_ends_inside_kl_max_where_the_old_controller_ends_far_outside(private):
-    """Issue 39: PPO pushed hard (learning rate 3e-2, beta 0.001, 8 iterations) on the tiny run. With Ziegler's
-    controller and no budget, the KL after the last update, on held-out prompts, ends far outside 8 nats; with
-    kl.max 8 (and the PI controller) the stage undoes the update that left the budget, stops, publishes the last
-    policy inside it, and the evaluation (other prompts: the test split) measures that policy inside 8 too."""
-    e2e, kl_max = private, 8.0
+    """Issue 39: PPO pushed hard (learning rate 3.5e-2, beta 0.001, 8 iterations) on the tiny run. With Ziegler's
+    controller and no budget, the KL after the last update, on held-out prompts, ends far outside 10 nats; with
+    kl.max 10 (and the PI controller) the stage undoes the update that left the budget, stops, publishes the last
+    policy inside it, and the evaluation (other prompts: the test split) measures that policy inside 10 too.
+    (Until 2026-11-27 this ran at 3e-2 and kl.max 8; padding-free forwards changed the float rounding, and this
+    chaotic trajectory with it: at 3e-2 Ziegler's controller now stays near 8.)"""
+    e2e, kl_max = private, 10.0
     seed = yaml.safe_load((REPO / "pipelines" / "default.yaml").read_text())["seed"]
     print(f"seed {seed} (the pipeline's)")
-    hard = ["ppo.iterations=8", "ppo.learning_rate=3e-2", "ppo.kl.coef=0.001", "tracking.wandb=disabled"]
+    hard = ["ppo.iterations=8", "ppo.learning_rate=3.5e-2", "ppo.kl.coef=0.001", "tracking.wandb=disabled"]
     old = run_align(*e2e["args"], "--only", "ppo", *hard, "ppo.kl.controller=ziegler", cwd=e2e["root"])
     assert old.returncode == 0, old.stdout[-2000:] + old.stderr[-2000:]
     old_rows = [r for r in _metrics(e2e["run"], "ppo") if "heldout/kl" in r]
@@ -321,7 +323,7 @@ def test_ppo_pushed_hard_ends_inside_kl_max_where_the_old_controller_ends_far_ou
     assert new.returncode == 0, new.stdout[-2000:] + new.stderr[-2000:]
     rows = [r for r in _metrics(e2e["run"], "ppo") if "heldout/kl" in r]
     final = _manifest(e2e["run"], "ppo")["final_metrics"]
-    print("kl.max 8, held-out KL per iteration:", [round(r["heldout/kl"], 2) for r in rows], final)
+    print(f"kl.max {kl_max}, held-out KL per iteration:", [round(r["heldout/kl"], 2) for r in rows], final)
     published = final["kl_budget/published_iteration"]
     assert final["kl_budget/stopped"] is True and 1 <= published < len(rows) == final["kl_budget/undone_iteration"]
     assert rows[-1]["heldout/kl_upper"] > kl_max and rows[-1]["heldout/over_budget"] == 1.0
