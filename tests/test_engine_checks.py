@@ -158,3 +158,53 @@ def test_the_engine_process_removes_its_directory_when_its_stage_is_gone(tmp_pat
     (other / "sock").write_bytes(b"x")
     server.clean_up(str(other / "sock"))
     assert (other / "sock").exists()
+
+
+def test_every_rollout_an_engine_returns_is_on_the_training_device(tmp_path):
+    """The seam (engines.kinds.OnDevice, which make_engine puts around every engine): whatever device an engine
+    samples on (vLLM's process: the CPU), the rollout arrives on the training device, every tensor of it. Here the
+    hf engine samples with a CPU model and the training device is `meta`, which no engine samples on: a tensor left
+    on the CPU fails the check (before the seam, PPO fed CPU rollouts of the vLLM engine to GPU models)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from align.config import Generation
+    from align.engines import make_engine
+    from align.modeling.models import load_tokenizer
+
+    torch.manual_seed(5)
+    print("seed 5")
+    tok = load_tokenizer(str(REPO / "tokenizers" / "gpt2"))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=16, n_layer=1, n_head=2, n_positions=64)).eval()
+    gen = Generation(max_new_tokens=3)
+    plain = make_engine(gen, model=model, tokenizer=tok, model_dir=str(tmp_path))
+    seamed = make_engine(gen, model=model, tokenizer=tok, model_dir=str(tmp_path), device=torch.device("meta"))
+    prompts = ["A fine movie", "Dull"]
+    for engine, device in ((plain, "cpu"), (seamed, "meta")):
+        r = engine.generate(prompts, gen, seed=1)
+        tensors = {k: v for k, v in vars(r).items() if isinstance(v, torch.Tensor)}
+        assert len(tensors) >= 5 and {t.device.type for t in tensors.values()} == {device}, tensors
+    assert seamed.holds_own_weights is plain.holds_own_weights and seamed.name == plain.name  # the engine's own
+
+
+def test_collectives_over_new_tensors_name_their_device():
+    """NCCL refuses CPU tensors: a metric made with torch.tensor(...) and reduced or gathered across processes must be
+    made on the accelerator's device (the log-prob gap's reduce was not). Read from the source (AST) of align/."""
+    import ast
+
+    def offenders(source: str) -> list[int]:
+        lines = []
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
+                    "reduce", "gather", "all_reduce", "gather_for_metrics", "broadcast", "all_gather"):
+                for arg in node.args[:1]:
+                    if (isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute)
+                            and arg.func.attr in ("tensor", "zeros", "ones", "full", "as_tensor")
+                            and not any(k.arg == "device" for k in arg.keywords)):
+                        lines.append(node.lineno)
+        return lines
+
+    assert offenders("acc.reduce(torch.tensor(x), 'mean')") == [1]  # the checker finds the fault
+    assert offenders("acc.reduce(torch.tensor(x, device=d), 'mean')") == []
+    found = {str(p.relative_to(REPO)): offenders(p.read_text()) for p in (REPO / "align").rglob("*.py")}
+    assert not {k: v for k, v in found.items() if v}

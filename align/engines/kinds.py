@@ -39,3 +39,18 @@ class EngineKind:
         if self.memory is not None:
             return self.memory(gen, weights_bytes, kv_bytes, gpu_memory)
         return kv_bytes + (weights_bytes if self.own_copy else 0)
+
+
+class OnDevice:
+    """The seam between an engine and the training device: every rollout an engine returns is moved to `device` here,
+    once, whatever the engine (vLLM's process returns CPU tensors; the hf engine samples on the device already, and
+    the move is then free). Everything else is the engine's own (`make_engine` wraps every engine it makes)."""
+
+    def __init__(self, engine, device):
+        self.engine, self.device = engine, device
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def generate(self, *args, **kwargs):
+        return self.engine.generate(*args, **kwargs).to(self.device)

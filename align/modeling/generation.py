@@ -39,6 +39,12 @@ class Rollout:
     def attention_mask(self) -> torch.Tensor:
         return torch.cat([self.query_mask, self.response_mask], dim=1)
 
+    def to(self, device) -> Rollout:
+        """The same rollout with every tensor on `device` (a no-op for tensors already there)."""
+        fields = (self.query_ids, self.query_mask, self.response_ids, self.response_mask, self.eos_found,
+                  self.engine_logprobs)
+        return Rollout(*(None if t is None else t.to(device) for t in fields))
+
     def texts(self, tokenizer) -> list[str]:
         """The response texts: tokens up to the first EOS, special tokens (EOS, padding) removed."""
         return [tokenizer.decode(ids[m.bool()], skip_special_tokens=True)

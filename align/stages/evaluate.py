@@ -202,7 +202,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     max_model_len = longest_prompt(tokenizer, prompts) + cfg.generation.max_new_tokens + 1
     engine = make_engine(cfg.generation, model=reference, tokenizer=tokenizer, model_dir=ref_path,
                          fast=ctx.compute.fast_generation(cfg.generation.fast), seed=ctx.seed,
-                         dtype=ctx.compute.engine_dtype(), max_model_len=max_model_len, log_path=ctx.dir / "engine.log")
+                         dtype=ctx.compute.engine_dtype(), max_model_len=max_model_len, log_path=ctx.dir / "engine.log",
+                         device=ctx.compute.device)
     with closing(engine):
         samples, seconds, generated, gaps = sample_policies(ctx, cfg, engine, reference, tokenizer, prompts, judges)
     if not ctx.is_main:  # the other processes sampled their share of the prompts; the main process reports

@@ -91,7 +91,7 @@ def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts:
                          fast=ctx.compute.fast_generation(gen.fast), seed=ctx.seed * 1_000_003 + rank,
                          dtype=ctx.compute.engine_dtype(),
                          max_model_len=longest_prompt(tokenizer, prompts) + gen.max_new_tokens + 1,
-                         log_path=ctx.dir / f"engine.rank{rank}.log")
+                         log_path=ctx.dir / f"engine.rank{rank}.log", device=ctx.compute.device)
     # Prompts of similar length share a batch (less padding); pairs are put back in prompt order by the caller.
     ordered = [(i, prompts[i]) for i in by_length(tokenizer, prompts)]
     records, counts, t0 = [], {"generated_tokens": 0}, time.perf_counter()

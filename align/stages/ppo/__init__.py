@@ -270,8 +270,9 @@ def iteration_metrics(s: PPORun, b: Batch, kl: torch.Tensor, beta: float, stats:
         **(measured.metrics() if measured else {}),
     }
     if b.gap is not None:
-        metrics["rollout/logprob_gap_mean"] = s.accelerator.reduce(torch.tensor(b.gap["mean"]), "mean").item()
-        metrics["rollout/logprob_gap_max"] = s.accelerator.reduce(torch.tensor(b.gap["max"]), "max").item()
+        metrics["rollout/logprob_gap_mean"] = mean(b.gap["mean"])
+        metrics["rollout/logprob_gap_max"] = s.accelerator.reduce(
+            torch.tensor(b.gap["max"], device=s.accelerator.device), "max").item()
         metrics["perf/sync_seconds"] = t_sync
     return metrics
 
