@@ -208,3 +208,79 @@ def test_collectives_over_new_tensors_name_their_device():
     assert offenders("acc.reduce(torch.tensor(x, device=d), 'mean')") == []
     found = {str(p.relative_to(REPO)): offenders(p.read_text()) for p in (REPO / "align").rglob("*.py")}
     assert not {k: v for k, v in found.items() if v}
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+def test_engine_placement_on_nodes_of_one_two_and_eight_gpus(gpus):
+    """align/engines/placement.py: colocated (each process's engine on its own GPU, or one engine per group of
+    tensor_parallel processes over their GPUs) and separate (the GPUs training leaves, in groups), for every
+    process of a node; every GPU an engine takes is one the node has, no two engines share a GPU, and every process
+    is served by exactly one engine that exactly one process starts."""
+    from align.engines.placement import place
+
+    shapes = [(gpus, tp, True) for tp in (1, 2, 4, 8) if gpus % tp == 0]  # all processes train, engines colocated
+    shapes += [(p, tp, False) for p in range(1, gpus) for tp in (1, 2) if gpus - p >= tp]  # engines apart
+    assert shapes
+    for world, tp, colocate in shapes:
+        ps = [place(r, world, gpus, tp, colocate) for r in range(world)]
+        engines = {p.engine: p.devices for p in ps}
+        owners = [p.engine for p in ps if p.owner]
+        assert sorted(owners) == sorted(engines), (world, tp, colocate)  # one starter per engine
+        used = [d for devs in engines.values() for d in devs]
+        assert len(used) == len(set(used)) and all(0 <= d < gpus for d in used), (world, tp, colocate, engines)
+        assert all(len(devs) == tp for devs in engines.values())
+        if colocate:
+            assert all(r in ps[r].devices for r in range(world))  # a process's engine includes its own GPU
+        else:
+            assert all(d >= world for d in used)  # never a training GPU
+            assert len(engines) == min(world, (gpus - world) // tp)
+    if gpus == 8:  # by hand: 8 processes, tensor_parallel 2 -> engines on (0,1) (2,3) (4,5) (6,7); rank 5 in the 3rd
+        assert place(5, 8, 8, 2).devices == place(4, 8, 8, 2).devices == (4, 5)
+        assert place(4, 8, 8, 2).owner and not place(5, 8, 8, 2).owner
+        # 6 training processes, 2 spare GPUs as two engines of one GPU each: rank 3 is served by engine 1 (GPU 7)
+        assert place(3, 6, 8, 1, colocate=False).devices == (7,) and not place(3, 6, 8, 1, colocate=False).owner
+
+
+def test_engine_placement_refuses_shapes_it_cannot_hold_and_maps_through_visible_devices():
+    from align.engines.placement import place, visible_devices
+
+    with pytest.raises(ValueError, match="does not divide"):
+        place(0, 6, 8, tensor_parallel=4)
+    with pytest.raises(ValueError, match="GPUs training does not use"):
+        place(0, 8, 8, colocate=False)
+    with pytest.raises(ValueError, match="at most the node's GPUs"):
+        place(0, 4, 2)
+    assert place(1, 2, 0).devices == ()  # a CPU: every process its own engine, no device
+    assert visible_devices((1,), "4,5,6,7") == "5" and visible_devices((0, 1), None) == "0,1"
+    with pytest.raises(ValueError, match="outside CUDA_VISIBLE_DEVICES"):
+        visible_devices((3,), "4,5")
+
+
+def test_each_process_vllm_engine_is_pinned_to_its_own_gpu(monkeypatch, tmp_path):
+    """The vLLM engine of process 3 of 8 on an 8-GPU node gets CUDA_VISIBLE_DEVICES of that process's GPU (through
+    the launcher's own CUDA_VISIBLE_DEVICES): before, every engine saw every GPU and started on GPU 0."""
+    import torch
+
+    from align.config import Generation
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert vllm_engine.node_placement(Generation(engine="vllm")).devices == (3,)
+    seen = {}
+
+    class Started(Exception):
+        pass
+
+    def popen(cmd, env, **kwargs):
+        seen.update(env)
+        raise Started
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "8,9,10,11,12,13,14,15")
+    monkeypatch.setattr(vllm_engine, "shm_problem", lambda: None)
+    monkeypatch.setattr(vllm_engine.tempfile, "mkdtemp", lambda **kw: str(tmp_path))  # nothing left in /dev/shm
+    monkeypatch.setattr(vllm_engine.subprocess, "Popen", popen)
+    with pytest.raises(Started):
+        vllm_engine.VLLMEngine("model", None, python=sys.executable, devices=(3,))
+    assert seen["CUDA_VISIBLE_DEVICES"] == "11"

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from align.engines import EngineError
+from align.engines.placement import Placement, place, visible_devices
 from align.engines.vllm_env import SYNC_DIR_ENV, VLLM_INSTALL, shm_dir, shm_problem, vllm_python
 from align.core.fsutil import size_text
 from align.modeling.generation import Rollout, finish_rollout, tokenize_prompts
@@ -82,7 +83,7 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str, tokenizer, seed: int = 0, dtype: str = "float32", max_model_len: int = 512,
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.3, log_path=None, timeout_s: float = 600.0,
-                 python: str | None = None):
+                 python: str | None = None, devices: tuple[int, ...] = ()):
         self.tokenizer = tokenizer
         self.timeout_s = timeout_s
         self.sync_seconds: list[float] = []
@@ -100,9 +101,18 @@ class VLLMEngine:
         key = secrets.token_bytes(16)
         env = {**os.environ, "ALIGN_VLLM_AUTHKEY": key.hex(), "TOKENIZERS_PARALLELISM": "false"}
         env.pop("PYTHONPATH", None)  # align's environment stays out of vLLM's
+        if devices:  # the GPUs placement gave this process's engine (align/engines/placement.py), nothing else
+            env["CUDA_VISIBLE_DEVICES"] = visible_devices(devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        self.devices = devices
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([python, str(SERVER), self.address], stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=env, cwd=self._dir, start_new_session=True)
+        try:
+            self.proc = subprocess.Popen([python, str(SERVER), self.address], stdin=subprocess.DEVNULL,
+                                         stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=self._dir,
+                                         start_new_session=True)
+        except BaseException:  # nothing started: leave nothing behind in shared memory
+            self._log.close()
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
         self.conn = None
         self.broken: str | None = None
         try:
@@ -217,7 +227,7 @@ class VLLMEngine:
     def describe(self) -> dict:
         """What the stage's manifest records of this engine."""
         return {"name": self.name, "version": self.version, "startup_seconds": self.startup_seconds,
-                "pid": self.proc.pid, "weights": self.weights}
+                "pid": self.proc.pid, "weights": self.weights, "devices": list(self.devices)}
 
     def close(self, kill: bool = False) -> None:
         """Stop the engine: asked to exit (then waited for, then killed), or killed at once (`kill`, after a timeout:
@@ -268,7 +278,17 @@ class VLLMEngine:
 
 
 def make(gen, *, tokenizer, model_dir, seed=0, dtype="float32", max_model_len=512, log_path=None, **_) -> VLLMEngine:
-    """align/engines/__init__.py make_engine: vLLM starts from `model_dir`; the stage's model reaches it by sync."""
+    """align/engines/__init__.py make_engine: vLLM starts from `model_dir`; the stage's model reaches it by sync. Each
+    process's engine on the GPU placement gives it (colocated: process r's own GPU; none on a CPU)."""
     return VLLMEngine(model_dir, tokenizer, seed=seed, dtype=dtype, max_model_len=max_model_len,
                       kv_cache_gib=gen.kv_cache_gib, gpu_memory_utilization=gen.gpu_memory_utilization,
-                      log_path=log_path, timeout_s=gen.engine_timeout_s)
+                      log_path=log_path, timeout_s=gen.engine_timeout_s, devices=node_placement(gen).devices)
+
+
+def node_placement(gen) -> Placement:
+    """This process's engine placement, from the launcher's LOCAL_RANK / LOCAL_WORLD_SIZE and the GPUs it sees."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return place(int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), gpus,
+                 memory_fraction=gen.gpu_memory_utilization)
