@@ -9,6 +9,15 @@ CPU (so the test suite exercises this script); MFU and memory are then not repor
 
     python benchmarks/gpu.py                       # GPU if present, else the tiny CPU version
     python benchmarks/gpu.py --cpu --out /tmp/b    # force the tiny CPU version
+    python benchmarks/gpu.py --model-config pipelines/model_configs/llama-3.1-8b-instruct \
+        --num-processes 8 --accelerate zero3     # your own model's shape (random init), on 8 GPUs, ZeRO-3
+
+`--model-config DIR` takes any causal LM's config.json (its family's architecture; the vocabulary becomes the
+vendored GPT-2 tokenizer's 50,257 tokens, and on the CPU the model is shrunk to a tiny one of the same family);
+`--num-processes` and `--accelerate` (a name under pipelines/accelerate/ or a path) go to every stage. The table
+gives, per stage, tokens/s in all and per GPU, seconds per optimiser step (PPO: per iteration) and MFU over all
+the GPUs used, as NeMo-RL reports RL throughput; PPO's iteration split (generation / scoring and update / weight
+sync) beside it.
 
 How the figures are computed (N = parameters of the model(s) involved; attention FLOPs are left out, so MFU is
 a slight underestimate):
@@ -49,20 +58,31 @@ CPU_SIZES = {"shrink": {"hidden_size": 64, "num_hidden_layers": 2, "num_attentio
              "pair_batch": 8, "eval_prompts": 16, "ab_prompts": 16}
 
 
-def build_base(out: Path, shrink: dict[str, int], seed: int) -> Path:
-    """A randomly initialised GPT-NeoX (Pythia-160m's config, shrunk on CPU) saved with the GPT-2 tokenizer."""
+def build_base(out: Path, shrink: dict[str, int], seed: int, config_dir: Path | None = None) -> Path:
+    """A randomly initialised causal LM of `config_dir`'s architecture (default Pythia-160m's; shrunk on CPU) saved
+    with the GPT-2 tokenizer."""
     import torch
-    from transformers import AutoModelForCausalLM, GPTNeoXConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    raw = {k: v for k, v in json.loads(CONFIG.read_text()).items() if k not in ("architectures", "torch_dtype")}
-    raw.update(shrink)
+    path = (config_dir / "config.json") if config_dir else CONFIG
+    raw = {k: v for k, v in json.loads(path.read_text()).items() if k not in ("architectures", "torch_dtype", "dtype")}
+    if shrink:  # the same family, tiny: heads that divide, no fixed head size
+        raw.update(shrink)
+        kv = raw.get("num_key_value_heads")
+        if kv is not None:
+            raw["num_key_value_heads"] = 1 if raw["num_attention_heads"] % min(kv, raw["num_attention_heads"]) else \
+                min(kv, raw["num_attention_heads"])
+        raw.pop("head_dim", None)
+        for key in ("layer_types",):
+            if isinstance(raw.get(key), list):
+                raw[key] = raw[key][:raw["num_hidden_layers"]]
     base = out / "base"
     shutil.rmtree(base, ignore_errors=True)
     shutil.copytree(REPO / "tokenizers" / "gpt2", base, ignore=shutil.ignore_patterns("LICENSE", "SOURCE.md"))
-    eos = 50256  # GPT-2's <|endoftext|>; Pythia's own tokenizer would use 0
-    raw.update(bos_token_id=eos, eos_token_id=eos)
+    eos = 50256  # GPT-2's <|endoftext|>
+    raw.update(vocab_size=50257, bos_token_id=eos, eos_token_id=eos, pad_token_id=None)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(GPTNeoXConfig(**raw))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(raw.pop("model_type"), **raw))
     model.save_pretrained(base)
     return base
 
@@ -135,12 +155,13 @@ def generation_ab(model_dir: Path, prompts: list[str], new_tokens: int, batch: i
     return out
 
 
-def run_pipeline(pipeline: Path, run_dir: Path, env: dict[str, str]) -> dict[str, str]:
-    """`align run`; when a stage fails, the stages that do not need it still run (evaluate without the failed
-    policy), so one failure does not hide the other stages' figures. Returns failed stage -> its error."""
+def run_pipeline(pipeline: Path, run_dir: Path, env: dict[str, str], launch: list[str] = ()) -> dict[str, str]:
+    """`align run` (with `launch`: --num-processes, each stage's accelerate config); when a stage fails, the stages
+    that do not need it still run (evaluate without the failed policy), so one failure does not hide the other
+    stages' figures. Returns failed stage -> its error."""
     def align_run(*extra: str) -> int:
-        return subprocess.run([sys.executable, "-m", "align.cli", "run", str(pipeline), "--run-id", "bench", *extra],
-                              cwd=REPO, env=env).returncode
+        return subprocess.run([sys.executable, "-m", "align.cli", "run", str(pipeline), "--run-id", "bench", *launch,
+                               *extra], cwd=REPO, env=env).returncode
 
     if align_run() == 0:
         return {}
@@ -160,7 +181,8 @@ def run_pipeline(pipeline: Path, run_dir: Path, env: dict[str, str]) -> dict[str
     return failed
 
 
-def stage_rows(run_dir: Path, pipeline: Path, peak_flops: float | None, failed: dict[str, str]) -> list[dict]:
+def stage_rows(run_dir: Path, pipeline: Path, peak_flops: float | None, failed: dict[str, str],
+               gpus: int = 1) -> list[dict]:
     from align.config import load_pipeline
     from align.orchestrator.estimate import OVERHEAD_BYTES, estimate_pipeline, model_shapes
     from align.orchestrator.hardware import hardware
@@ -177,8 +199,10 @@ def stage_rows(run_dir: Path, pipeline: Path, peak_flops: float | None, failed: 
             continue
         m = manifest["final_metrics"]
         row = {"stage": name, "seconds": m["perf/stage_seconds"], "tokens_per_s": m.get("perf/tokens_per_s"),
-               "peak_gb": m.get("perf/peak_memory_gb"),
-               "estimate_gb": (estimates[name].chosen_bytes - OVERHEAD_BYTES) / 1e9, "flops_per_s": None}
+               "peak_gb": m.get("perf/peak_memory_gb"), "padding_fraction": m.get("perf/padding_fraction"),
+               "estimate_gb": (estimates[name].chosen_bytes - OVERHEAD_BYTES) / 1e9, "flops_per_s": None,
+               "step_seconds": (m["perf/train_seconds"] / m["train/global_step"]
+                                if m.get("train/global_step") and m.get("perf/train_seconds") else None)}
         if name in ("sft", "reward", "dpo"):
             per_token = {"sft": 6 * n_lm, "reward": 6 * n_rm, "dpo": 8 * n_lm}[name]
             if m.get("perf/train_tokens"):
@@ -198,25 +222,35 @@ def stage_rows(run_dir: Path, pipeline: Path, peak_flops: float | None, failed: 
                 secs += t
             row["flops_per_s"] = flops / secs if secs else None
             row["generation_share"] = m.get("perf/generation_fraction")
-        row["mfu"] = row["flops_per_s"] / peak_flops if peak_flops and row["flops_per_s"] else None
+            row["step_seconds"] = secs / len(its) if its else None
+            sync = sum(r.get("perf/sync_seconds", 0.0) for r in its)
+            row["sync_share"] = sync / secs if secs else None
+        row["tokens_per_s_per_gpu"] = row["tokens_per_s"] / gpus if row["tokens_per_s"] else None
+        row["mfu"] = row["flops_per_s"] / (peak_flops * gpus) if peak_flops and row["flops_per_s"] else None
         rows.append(row)
     return rows
 
 
-def render(rows: list[dict], ab: dict[str, float], device: str, on_gpu: bool) -> str:
+def render(rows: list[dict], ab: dict[str, float], device: str, on_gpu: bool, gpus: int = 1) -> str:
     def f(v, spec):
         return "-" if v is None else format(v, spec)
 
-    lines = [f"device: {device}", "",
-             "| stage | stage s | tokens/s | MFU | peak GB (measured) | estimate GB | PPO generation share |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [f"device: {device}; {gpus} process(es)", "",
+             "| stage | stage s | tokens/s | tokens/s/GPU | s/step | MFU | padding | peak GB (measured) | estimate GB "
+             "| PPO split: generation / scoring+update / sync |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "failed" in r:
-            lines.append(f"| {r['stage']} | failed: {str(r['failed'])[:160]} | | | | | |")
+            lines.append(f"| {r['stage']} | failed: {str(r['failed'])[:160]} | | | | | | | | |")
             continue
+        split = "-"
+        if r.get("generation_share") is not None:
+            g, y = r["generation_share"], r.get("sync_share") or 0.0
+            split = f"{g:.2f} / {max(0.0, 1 - g - y):.2f} / {y:.2f}"
         lines.append(f"| {r['stage']} | {r['seconds']:.1f} | {f(r['tokens_per_s'], ',.0f')} | "
-                     f"{f(r['mfu'] and 100 * r['mfu'], '.1f')}{'%' if r['mfu'] else ''} | {f(r['peak_gb'], '.2f')} | "
-                     f"{f(r['estimate_gb'] if on_gpu else None, '.2f')} | {f(r.get('generation_share'), '.2f')} |")
+                     f"{f(r.get('tokens_per_s_per_gpu'), ',.0f')} | {f(r.get('step_seconds'), '.2f')} | "
+                     f"{f(r['mfu'] and 100 * r['mfu'], '.1f')}{'%' if r['mfu'] else ''} | "
+                     f"{f(r.get('padding_fraction'), '.3f')} | {f(r['peak_gb'], '.2f')} | "
+                     f"{f(r['estimate_gb'] if on_gpu else None, '.2f')} | {split} |")
     first = next(iter(ab.values()))
     lines += ["", "generation of the sft policy, response tokens/s: "
               + "; ".join(f"{k} {v:,.0f} ({v / first:.2f}x)" for k, v in ab.items())]
@@ -230,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", default="auto", help="the pipeline's precision setting (default auto)")
     ap.add_argument("--attn", default="auto", help="the pipeline's attn_implementation (default auto)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak (default: by name)")
+    ap.add_argument("--model-config", type=Path, default=None,
+                    help="a directory with a causal LM's config.json: its architecture, random init (default Pythia-160m)")
+    ap.add_argument("--num-processes", type=int, default=None, help="processes per stage (one per GPU)")
+    ap.add_argument("--accelerate", default=None, help="every stage's accelerate config (a pipelines/accelerate/ name or a path)")
     args = ap.parse_args(argv)
     import torch
 
@@ -242,23 +280,28 @@ def main(argv: list[str] | None = None) -> int:
     peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if on_gpu and k in device), None)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    base = build_base(out, sizes["shrink"], seed=5)
+    base = build_base(out, sizes["shrink"], seed=5, config_dir=args.model_config)
     pipeline = pipeline_yaml(out, base, sizes, args.precision, args.attn)
+    launch = ([f"--num-processes={args.num_processes}"] if args.num_processes else []) + \
+        ([f"{stage}.accelerate={args.accelerate}" for stage in STAGES] if args.accelerate else [])
+    gpus = args.num_processes or 1
     t0 = time.perf_counter()
     run_dir = out / "runs" / "gpu-benchmark" / "bench"
-    failed = run_pipeline(pipeline, run_dir, env)
+    failed = run_pipeline(pipeline, run_dir, env, launch)
     wall = time.perf_counter() - t0
-    rows = stage_rows(run_dir, pipeline, peak * 1e12 if peak else None, failed)
+    rows = stage_rows(run_dir, pipeline, peak * 1e12 if peak else None, failed, gpus)
     from align.data.cards import load_split
     from align.runtime.rows import unique_prompts
 
     card = REPO / "data_cards" / "movie_review_snippets.yaml"
     prompts = unique_prompts(load_split(str(card), "test").rows, sizes["ab_prompts"])
     ab = generation_ab(run_dir / "sft" / "model", prompts, sizes["new_tokens"], sizes["gen_batch"])
-    table = render(rows, ab, device, on_gpu)
+    table = render(rows, ab, device, on_gpu, gpus)
     print(table + f"\n\npipeline wall time {wall:.0f} s (stage processes started and models loaded included)")
     (out / "benchmark.json").write_text(json.dumps({"device": device, "stages": rows, "generation": ab,
-                                                    "wall_seconds": wall, "peak_tflops": peak}, indent=1))
+                                                    "wall_seconds": wall, "peak_tflops": peak, "processes": gpus,
+                                                    "model_config": str(args.model_config or CONFIG.parent)},
+                                                   indent=1))
     return 0
 
 

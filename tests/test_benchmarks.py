@@ -15,15 +15,24 @@ pytestmark = pytest.mark.slow
 
 
 def test_gpu_benchmark_runs_in_cpu_mode_and_reports_every_stage(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--cpu", "--out", str(tmp_path)],
+    """benchmarks/gpu.py on the CPU with a user's model config (Llama-3.1-8B's architecture, shrunk), a process
+    count and an accelerate config: every stage's row, per-GPU throughput and seconds per step."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--cpu", "--out", str(tmp_path),
+                           "--model-config", str(REPO / "pipelines" / "model_configs" / "llama-3.1-8b-instruct"),
+                           "--num-processes", "1", "--accelerate", "cpu"],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "benchmark.json").read_text())
+    assert json.loads((tmp_path / "base" / "config.json").read_text())["model_type"] == "llama"
+    assert result["processes"] == 1
     rows = {r["stage"]: r for r in result["stages"]}
     assert list(rows) == ["sft", "preferences", "reward", "ppo", "dpo", "evaluate"]
     for name, row in rows.items():
         assert "failed" not in row, (name, row)
         assert row["tokens_per_s"] > 0 and row["seconds"] > 0, (name, row)
+        assert row["tokens_per_s_per_gpu"] == row["tokens_per_s"]  # one process
+        if name in ("sft", "reward", "dpo", "ppo"):
+            assert row["step_seconds"] > 0, (name, row)
         assert row["mfu"] is None and row["peak_gb"] is None  # no GPU: neither is measured, neither is invented
     assert 0 < rows["ppo"]["generation_share"] < 1
     # the three generation variants were each timed (positive throughput), and the table prints them
