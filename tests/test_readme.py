@@ -9,6 +9,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -75,6 +76,15 @@ def test_every_readme_command_runs_as_written(words):
         assert re.search(r"^VENV=.*\.venv", (REPO / "launch.sh").read_text(), flags=re.M)  # what launch.sh creates
     elif words[0] == "align":
         _check_align(words[1:])
+    elif words[0] == "python" and words[1].startswith("benchmarks/"):
+        # the script exists, its --help names every flag README gives it, and the paths README names exist
+        proc = subprocess.run([sys.executable, words[1], "--help"], cwd=REPO, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        flags = [w.split("=")[0] for w in words[2:] if w.startswith("--")]
+        assert flags and all(f in proc.stdout for f in flags), (flags, proc.stdout)
+        paths = [w for w in words[2:] if "/" in w]
+        assert all((REPO / w).exists() for w in paths), paths
     else:
         pytest.fail(f"README runs {words[0]!r}: teach this test how to check it")
 
