@@ -52,6 +52,11 @@ STAGES = ("sft", "preferences", "reward", "ppo", "dpo", "evaluate")
 GPU_SIZES = {"shrink": {}, "sft_steps": 400, "sft_batch": 64, "max_length": 128, "prompts": 2048, "samples": 4,
              "new_tokens": 48, "gen_batch": 256, "rm_epochs": 1, "ppo_iterations": 8, "rollout": 256, "mini": 64,
              "dpo_epochs": 1, "pair_batch": 32, "eval_prompts": 512, "ab_prompts": 1024}
+# benchmarks/gpu_proof.sh on one lent GPU (a 1B model, SFT packed into rows of 2,048 tokens): every stage in a few
+# minutes, so that the whole proof fits one 9-minute call. Not yet calibrated on a GPU.
+PROOF_SIZES = {"shrink": {}, "sft_steps": 40, "sft_batch": 8, "max_length": 2048, "prompts": 512, "samples": 2,
+               "new_tokens": 48, "gen_batch": 256, "rm_epochs": 1, "ppo_iterations": 4, "rollout": 128, "mini": 32,
+               "dpo_epochs": 1, "pair_batch": 32, "eval_prompts": 256, "ab_prompts": 256}
 CPU_SIZES = {"shrink": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128},
              "sft_steps": 12, "sft_batch": 8, "max_length": 64, "prompts": 48, "samples": 2, "new_tokens": 8,
              "gen_batch": 32, "rm_epochs": 1, "ppo_iterations": 3, "rollout": 8, "mini": 4, "dpo_epochs": 1,
@@ -200,6 +205,7 @@ def stage_rows(run_dir: Path, pipeline: Path, peak_flops: float | None, failed: 
         m = manifest["final_metrics"]
         row = {"stage": name, "seconds": m["perf/stage_seconds"], "tokens_per_s": m.get("perf/tokens_per_s"),
                "peak_gb": m.get("perf/peak_memory_gb"), "padding_fraction": m.get("perf/padding_fraction"),
+               "padding_fraction_unpacked": m.get("perf/padding_fraction_unpacked"),
                "estimate_gb": (estimates[name].chosen_bytes - OVERHEAD_BYTES) / 1e9, "flops_per_s": None,
                "step_seconds": (m["perf/train_seconds"] / m["train/global_step"]
                                 if m.get("train/global_step") and m.get("perf/train_seconds") else None)}
@@ -268,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="a directory with a causal LM's config.json: its architecture, random init (default Pythia-160m)")
     ap.add_argument("--num-processes", type=int, default=None, help="processes per stage (one per GPU)")
     ap.add_argument("--accelerate", default=None, help="every stage's accelerate config (a pipelines/accelerate/ name or a path)")
+    ap.add_argument("--sizes", choices=("auto", "gpu", "proof", "cpu"), default="auto",
+                    help="step counts and batch sizes: auto = gpu on a GPU, cpu (tiny model) without one")
+    ap.add_argument("overrides", nargs="*", help="align run overrides for the benchmark pipeline, e.g. sft.packing=true")
     args = ap.parse_args(argv)
     import torch
 
@@ -275,7 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, **({} if on_gpu else {"CUDA_VISIBLE_DEVICES": ""}))
     if not on_gpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    sizes = GPU_SIZES if on_gpu else CPU_SIZES
+    sizes = {"gpu": GPU_SIZES, "proof": PROOF_SIZES, "cpu": CPU_SIZES}[
+        args.sizes if args.sizes != "auto" else ("gpu" if on_gpu else "cpu")]
+    if not on_gpu:  # the tiny model whatever the step counts
+        sizes = {**sizes, "shrink": CPU_SIZES["shrink"]}
     device = torch.cuda.get_device_name(0) if on_gpu else "cpu (tiny model: MFU and memory not reported)"
     peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if on_gpu and k in device), None)
     out = Path(args.out).resolve()
@@ -283,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     base = build_base(out, sizes["shrink"], seed=5, config_dir=args.model_config)
     pipeline = pipeline_yaml(out, base, sizes, args.precision, args.attn)
     launch = ([f"--num-processes={args.num_processes}"] if args.num_processes else []) + \
-        ([f"{stage}.accelerate={args.accelerate}" for stage in STAGES] if args.accelerate else [])
+        ([f"{stage}.accelerate={args.accelerate}" for stage in STAGES] if args.accelerate else []) + args.overrides
     gpus = args.num_processes or 1
     t0 = time.perf_counter()
     run_dir = out / "runs" / "gpu-benchmark" / "bench"

@@ -91,3 +91,24 @@ def test_padding_free_benchmark_runs_in_its_tiny_mode(tmp_path):
     assert r["sft padding-free"]["padding"] < r["sft padding-free"]["unpacked"]
     assert r["sft packed"]["padding"] <= 0.05 < r["sft packed"]["unpacked"]
     assert r["dpo padding-free"]["padding"] < r["dpo padding-free"]["unpacked"]
+
+
+def test_gpu_proof_script_runs_end_to_end_in_its_cpu_dry_run(tmp_path):
+    """benchmarks/gpu_proof.sh --dry-run: the script a lent GPU runs, on the CPU at tiny sizes, every step of it: the
+    1B Llama-3 shape (shrunk) through every stage with SFT packed, the default pipeline with DPO under ZeRO-3 on one
+    process, and its JSON and markdown for README; --print-downloads names the wheels to carry."""
+    lines = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_proof.sh"), "--print-downloads"], cwd=REPO,
+                           capture_output=True, text=True, timeout=60).stdout
+    assert "pip download" in lines and "trl==1.16.0" in lines and "deepspeed==0.19.8" in lines
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_proof.sh"), "--dry-run", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=1200,
+                          env={**__import__("os").environ, "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proof = json.loads((tmp_path / "proof.json").read_text())
+    assert proof["dry_run"] is True
+    rows = {r["stage"]: r for r in proof["a"]["stages"]}
+    assert all("failed" not in r and r["tokens_per_s"] > 0 for r in rows.values()), rows
+    assert rows["sft"]["padding_fraction"] < rows["sft"]["padding_fraction_unpacked"]  # packed: less padding
+    assert all(s["status"] == "completed" for s in proof["c"]["stages"].values())
+    assert proof["c"]["stages"]["dpo"]["accelerate"] == "zero3"
+    assert "| dpo | completed |" in (tmp_path / "proof.md").read_text()
