@@ -302,3 +302,24 @@ def test_the_backbone_packed_inside_its_forward_gives_trl_and_the_classifier_the
             assert torch.equal(new, policy.generate(**q, max_new_tokens=3, do_sample=False,
                                                     pad_token_id=tok.pad_token_id))
     assert len(packed_calls) == 2 * (family != "opt")  # generation took the original forward
+
+
+def test_a_stage_that_turns_padding_free_off_computes_the_padded_batch(models):
+    """`padding_free: false` (PPO's setting: set_padding_free for its process): packs() is off, and the padding
+    fraction PPO reports is the padded batch's."""
+    from align.modeling.models import load_causal_lm, load_tokenizer
+    from align.modeling.packing import computed_padding_fraction, packs, set_padding_free
+
+    base, tok_dir = models["llama"]
+    tok = load_tokenizer(str(tok_dir))
+    policy = load_causal_lm(str(base))
+    mask = _rollout(tok, TEXTS, RESPONSES).attention_mask
+    on = computed_padding_fraction(policy, mask)
+    set_padding_free(False)
+    try:
+        assert not packs(policy, mask)
+        off = computed_padding_fraction(policy, mask)
+        assert off == pytest.approx(1 - mask.sum().item() / mask.numel()) and off > on
+    finally:
+        set_padding_free(True)
+    assert packs(policy, mask)

@@ -138,6 +138,11 @@ class PPOStage(StageBase):
     gradient_checkpointing: bool = False
     """Recompute the policy's and the value model's activations in the backward pass (about a third more compute
     per update, activations of one layer instead of all): what lets 8B PPO fit (`align estimate` says when)."""
+    padding_free: bool = True
+    """Score and train without pad tokens: each batch's sequences packed into rows with restarting positions (no
+    query row of left padding attending to nothing: those gave NaN gradients under CUDA's SDPA kernels in bf16);
+    log-probs, values and gradients equal the padded path's (tests/test_packing.py). A family whose forward cannot
+    read packed positions (OPT) runs padded whatever this says."""
     save_every: int = ranged(10, ge=1)
     """Checkpoint every N iterations."""
     save_total_limit: int = ranged(2, ge=1)

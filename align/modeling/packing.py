@@ -135,7 +135,6 @@ class RowPackingCollator:
         self.batches.append((p.rows.numel(), p.ids.numel(), mask.numel()))
         return {"input_ids": p.ids, "position_ids": p.position_ids, "labels": labels}
 
-
     def _packed_rows(self, examples, out):
         """Rows of several examples each (TRL's best-fit-decreasing packing, `seq_lengths` per row; positions from
         them): the right-padded tail of a row becomes one filler sequence of its own, labels -100 there and at each
@@ -167,6 +166,11 @@ def packs(model, mask: torch.Tensor) -> bool:
 
 
 _PADDING_FREE = [True]
+
+
+def set_padding_free(enabled: bool) -> None:
+    """Padding-free forwards on or off for this process (a stage's `padding_free` setting; PPO's)."""
+    _PADDING_FREE[0] = enabled
 
 
 @contextmanager

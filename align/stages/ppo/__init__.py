@@ -25,7 +25,7 @@ from align.config.ppo import PPOStage
 from align.runtime.rows import load_rows, unique_prompts
 from align.engines.base import RolloutEngine, check_rollout, nan_max
 from align.modeling.generation import Rollout, response_logprobs
-from align.modeling.packing import computed_padding_fraction, padding_fraction
+from align.modeling.packing import computed_padding_fraction, padding_fraction, set_padding_free
 from align.judges import judge_weights
 from align.modeling.losses import gae, kl_estimate, masked_whiten, token_rewards
 from align.modeling.models import load_causal_lm, load_tokenizer, unsharded_loading
@@ -143,6 +143,7 @@ def setup(ctx: StageContext) -> PPORun:
     """Prompts, then models (trained: policy and value; frozen: reference and reward models), optimiser, the KL
     controller, and the state of a resumed run."""
     cfg: PPOStage = ctx.cfg  # type: ignore[assignment]
+    set_padding_free(cfg.padding_free)  # every forward of this stage process (align/modeling/packing.py)
     accelerator = make_accelerator(ctx, cfg)
     policy_path = ctx.input_model(cfg.policy)
     reward_stages = [n for n in judge_weights(cfg.reward) if n in ctx.inputs]
