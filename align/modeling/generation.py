@@ -14,7 +14,7 @@ import torch
 
 from align.modeling.compute import FAST_PAD_MULTIPLE
 from align.modeling.losses import logprobs_and_entropy, logprobs_from_logits, response_mask_after_eos
-from align.modeling.packing import unwrapped_model, pack, pack_capacity, packs, position_ids
+from align.modeling.packing import base_and_backbone, pack, pack_capacity, packs, position_ids, unwrapped_model
 
 if TYPE_CHECKING:  # annotations only
     from align.config import Generation
@@ -230,8 +230,7 @@ def takes_logits_to_keep(model) -> bool:
     """Whether the causal LM's forward takes `logits_to_keep` (most transformers families do; peft passes it on)."""
     import inspect
 
-    inner = getattr(model, "peft_model", model)  # PPO's FrozenView
-    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    base = base_and_backbone(model)[0]  # through PPO's FrozenView and peft
     kind = type(base)
     if kind not in _KEEPS:
         _KEEPS[kind] = "logits_to_keep" in inspect.signature(base.forward).parameters

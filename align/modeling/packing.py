@@ -190,13 +190,12 @@ def packing_works(model) -> bool:
     one-layer copy of the backbone built from the model's config (random weights, so it works the same whatever
     state the model is in: ZeRO-3 partitions, 4-bit, adapters): the second of two packed sequences must read like
     itself alone, and unlike the two read as one sequence."""
-    inner = unwrapped_model(model)
-    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    backbone = getattr(base, getattr(base, "base_model_prefix", ""), base)
+    base, backbone = base_and_backbone(model)
+    backbone = base if backbone is None else backbone
     config = getattr(backbone, "config", None)
     if config is None:
         return False
-    attn = getattr(config, "_attn_implementation", None) or "eager"
+    attn = attention_kernel(backbone)
     key = (type(backbone), attn)
     if key not in _PACKING_WORKS:
         _PACKING_WORKS[key] = _probe_packing(type(backbone), config, attn)
@@ -214,7 +213,7 @@ def _probe_packing(cls, config, attn: str) -> bool:
         small.vocab_size, small.pad_token_id = 64, None
     if getattr(small, "intermediate_size", None):
         small.intermediate_size = 64
-    flash = attn.startswith("flash") or "flash_attn" in attn
+    flash = is_flash(attn)
     device = torch.device("cuda") if flash and torch.cuda.is_available() else torch.device("cpu")
     try:
         with torch.device(device):
@@ -256,14 +255,30 @@ def pack_capacity(model, mask: torch.Tensor) -> int | None:
     """Packed rows' width: the padded width for dense-mask attention (sdpa, eager: a packed row then costs no more
     attention than a padded one), one row of every real token for flash-attention (its varlen path reads sequence
     boundaries from one row's positions)."""
-    attn = getattr(getattr(unwrapped_model(model), "config", None), "_attn_implementation", None) or "eager"
-    return int(mask.sum()) if attn not in ("sdpa", "eager") else None
+    return int(mask.sum()) if attention_kernel(model) not in ("sdpa", "eager") else None
 
 
 def unwrapped_model(model):
     """The transformers model behind PPO's FrozenView (peft_model) and peft's wrapper (get_output_embeddings and
     config pass through peft's)."""
     return getattr(model, "peft_model", model)
+
+
+def base_and_backbone(model):
+    """The transformers model behind any wrapper (FrozenView, peft) and its backbone (None where it has none)."""
+    inner = unwrapped_model(model)
+    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    return base, getattr(base, getattr(base, "base_model_prefix", ""), None)
+
+
+def attention_kernel(model) -> str:
+    """The attention implementation `model` runs with (transformers' `_attn_implementation`; eager when unset)."""
+    return getattr(getattr(unwrapped_model(model), "config", None), "_attn_implementation", None) or "eager"
+
+
+def is_flash(attn: str) -> bool:
+    """Whether `attn` is a flash-attention kernel (varlen: a packed batch is one row, boundaries from positions)."""
+    return attn.startswith("flash") or "flash_attn" in attn
 
 
 def install_padding_free(model) -> bool:
@@ -275,9 +290,7 @@ def install_padding_free(model) -> bool:
     padded layout (0 at padding), which the caller's head reads as before: a classifier's last-non-pad pooling, a
     fused LM head's label mask. Anything else (generation with a cache, hidden states asked for) takes the original
     forward. Returns whether it was installed (False for a family that cannot read packed positions)."""
-    inner = unwrapped_model(model)
-    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    backbone = getattr(base, getattr(base, "base_model_prefix", ""), None)
+    base, backbone = base_and_backbone(model)
     if backbone is None or backbone is base or getattr(backbone.forward, "_align_padding_free", False):
         return bool(backbone is not None and getattr(backbone.forward, "_align_padding_free", False))
     if not packing_works(base):
@@ -314,8 +327,5 @@ def install_padding_free(model) -> bool:
 def backbone_counts(model) -> tuple[int, int, int] | None:
     """(real, computed, padded) tokens of the packed forwards of `model`'s backbone so far (install_padding_free),
     or None where it is not installed."""
-    inner = unwrapped_model(model)
-    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    backbone = getattr(base, getattr(base, "base_model_prefix", ""), None)
-    counts = getattr(getattr(backbone, "forward", None), "counts", None)
+    counts = getattr(getattr(base_and_backbone(model)[1], "forward", None), "counts", None)
     return tuple(counts) if counts is not None else None  # type: ignore[return-value]

@@ -128,10 +128,11 @@ def training_args(config_cls, cfg: TrainedStage, ctx: StageContext, drop: tuple[
     return args
 
 
-def _padding_metrics(trainer) -> dict[str, float]:
+def _padding_metrics(trainer) -> tuple[dict[str, float], float]:
     """perf/padding_fraction (of the tokens computed, padding) and perf/padding_fraction_unpacked (of the same
     batches padded), summed over processes: from SFT's row collator (the batches trained on: the data loader
-    fetches one ahead) or from the policy backbone's packed forwards (install_padding_free)."""
+    fetches one ahead) or from the policy backbone's packed forwards (install_padding_free); and the real
+    (non-padding) tokens among them (0 when nothing was packed)."""
     import torch  # heavy: stage processes only
 
     from align.modeling.packing import backbone_counts
@@ -141,13 +142,12 @@ def _padding_metrics(trainer) -> dict[str, float]:
     else:
         local = backbone_counts(trainer.model)
     if local is None:
-        return {}
+        return {}, 0.0
     real, computed, padded = trainer.accelerator.reduce(
         torch.tensor(local, dtype=torch.float64, device=trainer.accelerator.device), "sum").tolist()
     if not computed:
-        return {}
-    return {"perf/padding_fraction": 1.0 - real / computed, "perf/padding_fraction_unpacked": 1.0 - real / padded,
-            "perf/train_tokens_packed": real}
+        return {}, 0.0
+    return {"perf/padding_fraction": 1.0 - real / computed, "perf/padding_fraction_unpacked": 1.0 - real / padded}, real
 
 
 def share_process_group_with_deepspeed() -> None:
@@ -191,10 +191,10 @@ def train_with_resume(ctx: StageContext, trainer) -> dict[str, Any]:
     final = {"train/loss_final_avg": out.training_loss, "train/global_step": trainer.state.global_step,
              "perf/train_seconds": out.metrics["train_runtime"]}
     tokens = next((cb.tokens for cb in trainer.callback_handler.callbacks if getattr(cb, "tokens", None)), None)
-    final.update(_padding_metrics(trainer))
+    padding, real = _padding_metrics(trainer)
+    final.update(padding)
     if hasattr(trainer.data_collator, "count_first"):  # RowPackingCollator's own count (TRL's: a row's width)
-        tokens = final.get("perf/train_tokens_packed") or None
-    final.pop("perf/train_tokens_packed", None)
+        tokens = real or None
     if tokens and not resumed_from:  # after a resume TRL counts from zero again: no honest total
         final["perf/train_tokens"] = tokens
         final["perf/tokens_per_s"] = tokens / out.metrics["train_runtime"]

@@ -39,7 +39,7 @@ def collator(ctx: StageContext, cfg: SFTStage, args, model, tokenizer):
     Sets `args.packing`. None: TRL's own collator, padded."""
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    from align.modeling.packing import RowPackingCollator, packing_works
+    from align.modeling.packing import RowPackingCollator, attention_kernel, is_flash, packing_works
 
     if not (cfg.padding_free or cfg.packing):
         ctx.extra_manifest["padding_free"] = "off (padding_free: false)"
@@ -50,8 +50,7 @@ def collator(ctx: StageContext, cfg: SFTStage, args, model, tokenizer):
             print(f"[align] {ctx.name}: {type(model).__name__} does not keep packed sequences apart (its mask ignores "
                   "positions): training padded" + (", packing: true ignored" if cfg.packing else ""), flush=True)
         return None
-    attn = getattr(model.config, "_attn_implementation", None) or "eager"
-    one_row = attn.startswith("flash") or "flash_attn" in attn
+    one_row = is_flash(attention_kernel(model))
     args.packing = cfg.packing
     if cfg.packing:
         ctx.extra_manifest["padding_free"] = ("packed rows of max_length, one row per batch (flash-attention)" if one_row
