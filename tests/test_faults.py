@@ -291,3 +291,49 @@ def test_the_resume_command_is_the_command_as_typed(monkeypatch):
     assert "SIGKILL" in seen[0]
     assert "resume: align run p.yaml --run-id r1 sft.max_steps=3 'ppo.note=a b' (the stage restarts" in seen[0], seen[0]
     assert runner.resume_command("p.yaml") == "align run p.yaml"  # the command's scope ended with it
+
+
+# --------------------------------------------------------------------------------------------- orphans
+CHILD = """
+import sys, time
+from align.core.errors import die_with_parent, terminate_as_interrupt, Terminated
+terminate_as_interrupt()
+assert die_with_parent()
+print("ready", flush=True)
+try:
+    time.sleep(120)
+except Terminated:
+    open(sys.argv[1], "w").write("terminated")
+"""
+PARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], start_new_session=True)
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_stage_process_does_not_outlive_its_launcher(tmp_path):
+    """A process that called die_with_parent (every stage process does) is sent SIGTERM, which it records as an
+    interrupt, when the process that started it is SIGKILLed, even in a session of its own (as torchrun starts its
+    workers, out of reach of a kill of the run's process group)."""
+    marker = tmp_path / "child.txt"
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD, str(marker)], stdout=subprocess.PIPE, text=True)
+    child_pid = int(parent.stdout.readline())
+    time.sleep(3)  # the child is past its imports and sleeping
+    parent.kill()
+    parent.wait()
+    deadline = time.time() + 30
+    while not marker.exists() and time.time() < deadline:
+        time.sleep(0.1)
+    assert marker.read_text() == "terminated"
+    deadline = time.time() + 10
+    while time.time() < deadline:  # gone, or a zombie nobody reaps (its parent is dead)
+        try:
+            if Path(f"/proc/{child_pid}/stat").read_text().split(") ")[1][0] == "Z":
+                break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"process {child_pid} still runs after its parent was killed")

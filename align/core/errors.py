@@ -37,6 +37,28 @@ def terminate_as_interrupt() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def die_with_parent() -> bool:
+    """Linux: have the kernel send this process SIGTERM when the process that started it dies (prctl
+    PR_SET_PDEATHSIG). A stage's processes must not outlive the run: torchrun (accelerate launch) starts its workers
+    in sessions of their own, so a SIGKILL of `align run`'s process group left 2-process stages training (and their
+    vLLM engines sampling) until they next wrote to their dead pipe, over 30 s later in 2-process ZeRO-3 PPO. With
+    terminate_as_interrupt the stage records `interrupted` and the next run resumes. Returns whether it is set."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM)) != 0:  # 1 = PR_SET_PDEATHSIG
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() == 1:  # the parent died before the call: nobody will signal
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
+
+
 TOKENIZER_SAVE_FIX = "copy the tokenizer again, or save it with tokenizer.save_pretrained(<dir>)"
 """The fix for a tokenizer whose files are damaged, named where they are read (validation, the helper process)."""
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from align.engines import EngineError
-from align.core.errors import Terminated, describe, interrupt_cause, terminate_as_interrupt
+from align.core.errors import Terminated, describe, die_with_parent, interrupt_cause, terminate_as_interrupt
 from align.core.console import verbose
 from align.core.fsutil import write_failure
 from align.core.rundir import MANIFEST, StageSpec, read_manifest, write_manifest
@@ -38,6 +38,7 @@ def main(spec_path: str) -> int:
     log.setLevel(logging.INFO)
     quiet_libraries()
     terminate_as_interrupt()  # SIGTERM (a scheduler, the launcher stopping its workers) recorded as Ctrl-C
+    die_with_parent()  # and SIGTERM when the launcher dies (a SIGKILLed run): no stage outlives its run
     ctx: StageContext | None = None
     spec: dict[str, Any] = {}
     gc.disable()  # until the libraries are imported and the first model is loaded: see startup_done()
