@@ -8,8 +8,15 @@ iteration spent generating, the weight-sync seconds per iteration (vllm) and the
 log-prob gap seen. Sampling: tokens/s of `sample_texts` over the same prompts with each engine (one warm-up batch
 first).
 
+Weight sync (`--sync`, or part of every run): one vLLM engine started from the packaged SmolLM2 (135M, fp32), synced
+`--sync-rounds` times with each transport, the file (the whole policy as safetensors in /dev/shm, reloaded) and the
+shared bucket (generation.weight_sync: shared), alternating which goes first, for full fine-tuning (every weight
+changed before each sync) and LoRA r 16 on every linear layer (the adapters changed). Per transport: seconds per
+sync (median), bytes moved per sync, and the engine-vs-trainer log-prob gap after every sync (must stay < 1e-3).
+
     python benchmarks/rollout_engines.py --run-dir runs/smollm2_sentiment/main --iterations 3
     python benchmarks/rollout_engines.py --tiny      # the suite's mode: packaged SmolLM2, VADER reward, 2 x 4 episodes
+    python benchmarks/rollout_engines.py --sync --sync-rounds 5   # the weight syncs alone
 
 Needs vLLM's environment (ALIGN_VLLM_PYTHON; ./launch.sh --vllm).
 """
@@ -95,6 +102,75 @@ def sampling(engine_kind: str, model_dir: str, prompts: list[str], args) -> dict
     return {"tokens": counts["generated_tokens"], "seconds": seconds, "startup_seconds": startup}
 
 
+def sync_side_by_side(rounds: int, bucket_mib: float, seed: int = 4242) -> dict:
+    """Seconds and bytes per sync for the file and the shared transport, side by side on one engine, with the
+    engine-vs-trainer log-prob gap after each (fp32: must be < 1e-3). The first sync of each model is a full one for
+    both (it is not timed); later shared syncs send only what trains."""
+    import statistics
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from align.config import Generation
+    from align.engines.base import logprob_gap
+    from align.engines.vllm import VLLMEngine
+    from align.modeling.generation import response_logprobs
+    from align.modeling.models import load_tokenizer
+    from align.orchestrator import packaged
+
+    model_dir = str(packaged.fetch("smollm2", log=lambda *_: None))
+    tok = load_tokenizer(model_dir)
+    prompts = ["The movie was", "I think this film", "Honestly, the acting", "What a"]
+    gen = Generation(max_new_tokens=8, temperature=1.0)
+    g = torch.Generator().manual_seed(seed)
+    print(f"seed {seed}")
+
+    def gap(engine, model) -> float:
+        r = engine.generate(prompts, gen, seed=0)
+        with torch.no_grad():
+            lp = response_logprobs(model, r)
+        return logprob_gap(r.engine_logprobs, lp, r.response_mask)["max"]
+
+    out: dict[str, dict] = {}
+    with VLLMEngine(model_dir, tok, seed=seed, bucket_mib=bucket_mib) as engine:
+        for mode in ("full", "lora"):
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            if mode == "lora":
+                from peft import LoraConfig, get_peft_model
+
+                model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")).eval()
+            trains = [p for n, p in model.named_parameters() if mode == "full" or "lora_B" in n]
+            engine.weight_sync = "shared"
+            engine.sync_weights(model)  # the first, full sync of this model: not timed
+            runs = {"file": [], "shared": []}
+            for i in range(rounds):
+                for how in (("file", "shared") if i % 2 == 0 else ("shared", "file")):
+                    with torch.no_grad():  # what an optimiser step changes
+                        for p in trains:
+                            p.add_(torch.randn(p.shape, generator=g) * 1e-3)
+                    engine.weight_sync = how
+                    seconds = engine.sync_weights(model)
+                    runs[how].append((seconds, engine.sync_bytes[-1], gap(engine, model)))
+            out[mode] = {how: {"seconds": statistics.median(r[0] for r in rs), "all_seconds": [r[0] for r in rs],
+                               "bytes": statistics.median(r[1] for r in rs), "max_logprob_gap": max(r[2] for r in rs)}
+                         for how, rs in runs.items()}
+            out[mode]["speedup"] = out[mode]["file"]["seconds"] / out[mode]["shared"]["seconds"]
+    return out
+
+
+def print_sync(sync: dict, machine_line: str, rounds: int, bucket_mib: float) -> None:
+    print(f"\nweight sync, packaged SmolLM2-135M fp32, one vLLM engine, {rounds} syncs per transport (median), bucket "
+          f"{bucket_mib:g} MiB; {machine_line}")
+    print("| policy | transport | s per sync | MB moved per sync | max log-prob gap | file / shared |")
+    print("|---|---|---|---|---|---|")
+    for mode, r in sync.items():
+        for how in ("file", "shared"):
+            x = r[how]
+            ratio = f"{r['speedup']:.2f}x" if how == "shared" else ""
+            print(f"| {mode} | {how} | {x['seconds']:.3f} | {x['bytes'] / 1e6:.0f} | {x['max_logprob_gap']:.1e} | "
+                  f"{ratio} |")
+
+
 def tiny_run_dir(root: Path) -> Path:
     """A run directory whose sft stage is the packaged SmolLM2 itself (`align model smollm2` converts it once)."""
     from align.orchestrator import packaged
@@ -120,10 +196,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--order", default="hf,vllm", choices=["hf,vllm", "vllm,hf"],
                    help="which engine's PPO runs first (both run in this process, one after the other)")
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--sync", action="store_true", help="only the weight-sync comparison")
+    p.add_argument("--sync-rounds", type=int, default=5, help="syncs per transport and policy (median reported)")
+    p.add_argument("--bucket-mib", type=float, default=32, help="the shared bucket's size")
     args = p.parse_args(argv)
+    if args.sync:
+        results = {"machine": machine(), "sync": sync_side_by_side(args.sync_rounds, args.bucket_mib)}
+        print_sync(results["sync"], results["machine"], args.sync_rounds, args.bucket_mib)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2, default=str))
+        return
     if args.tiny:
         args.iterations, args.batch, args.mini_batch, args.epochs = 2, 4, 4, 1
-        args.max_new_tokens, args.sample_prompts, args.sample_batch = 8, 8, 8
+        args.max_new_tokens, args.sample_prompts, args.sample_batch, args.sync_rounds = 8, 8, 8, 1
     if not args.tiny and args.run_dir is None:
         p.error("--run-dir RUN (a run with completed sft and reward stages), or --tiny")
 
@@ -163,6 +248,8 @@ def main(argv: list[str] | None = None) -> None:
     s = results["sampling"]
     results["sampling_speedup"] = (s["vllm"]["tokens"] / s["vllm"]["seconds"]) / (s["hf"]["tokens"] / s["hf"]["seconds"])
     print(f"sampling tokens/s, vllm / hf: {results['sampling_speedup']:.2f}x")
+    results["sync"] = sync_side_by_side(args.sync_rounds, args.bucket_mib)
+    print_sync(results["sync"], results["machine"], args.sync_rounds, args.bucket_mib)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str))
 

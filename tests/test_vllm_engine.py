@@ -26,7 +26,8 @@ from align.engines import EngineError
 from align.engines.base import logprob_gap
 from align.engines.hf import HFEngine
 from align.modeling.generation import response_logprobs
-from align.engines.vllm import VLLMEngine, policy_state_for_engine
+from align.engines.vllm import VLLMEngine
+from align.engines.weight_sync import policy_state_for_engine
 
 SEED = 1234
 PROMPTS = ["The movie was", "I think this film", "Honestly, the acting", "What a", "The plot of this one",
@@ -154,6 +155,8 @@ def test_full_weight_sync_including_the_tied_head(engine, smollm2):
 
 
 def test_lora_sync(engine, smollm2):
+    """The first sync of a LoRA policy sends the whole model (adapters merged); the next, after the adapters changed
+    as training changes them, only the adapted layers' merged weights, and the engine still samples the policy."""
     from peft import LoraConfig, get_peft_model
 
     _, tok = smollm2
@@ -167,6 +170,35 @@ def test_lora_sync(engine, smollm2):
     gap, same = agree(engine, peft, tok, SEED + 7)
     assert gap < 1e-3, gap
     assert same
+    with torch.no_grad():  # a training step's worth of change to every adapter
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.add_(torch.randn_like(p) * 0.02)
+    engine.sync_weights(peft)
+    adapted = sum(m.base_layer.weight.numel() * 4 for m in peft.modules() if hasattr(m, "lora_A"))
+    full = sum(v.numel() * 4 for k, v in smollm2[0].state_dict().items() if k != "lm_head.weight")
+    if engine.weight_sync == "shared":
+        assert engine.sync_bytes[-2] == full and engine.sync_bytes[-1] == adapted < full, engine.sync_bytes[-2:]
+    gap, same = agree(engine, peft, tok, SEED + 8)
+    assert gap < 1e-3, gap
+    assert same
+
+
+def test_the_file_path_and_a_bucket_smaller_than_a_tensor(engine, smollm2):
+    """Both transports leave the engine sampling the trained weights: the safetensors file, and a shared bucket of
+    1 MiB, through which the 113 MB embedding travels in pieces."""
+    _, tok = smollm2
+    model, _ = load(smollm2_dir())
+    bucket = engine.bucket_bytes
+    try:
+        for i, (how, mib) in enumerate([("file", 32), ("shared", 1)]):
+            engine.weight_sync, engine.bucket_bytes = how, mib * 2 ** 20
+            perturb(model, SEED + 20 + i)
+            engine.sync_weights(model)
+            gap, same = agree(engine, model, tok, SEED + 20 + i)
+            assert gap < 1e-3 and same, (how, gap, same)
+    finally:
+        engine.weight_sync, engine.bucket_bytes = "shared", bucket
 
 
 def test_a_bad_sync_is_an_error_and_a_silent_engine_a_timeout(smollm2, tmp_path):
@@ -199,8 +231,9 @@ def test_align_validate_names_the_setting_and_the_install_command(workdir):
     assert p.returncode == 2, p.stdout + p.stderr
     assert "stages.ppo.generation.engine" in p.stderr and "./launch.sh --vllm" in p.stderr
     assert "Traceback" not in p.stderr
-    p = run_align("validate", "pipelines/online_rl.yaml", "grpo.generation.engine=vllm", cwd=workdir)
-    assert p.returncode == 2 and "not available for stage type 'grpo'" in p.stderr, p.stderr
+    p = run_align("validate", "pipelines/online_rl.yaml", "grpo.generation.engine=vllm", "rloo.generation.engine=vllm",
+                  cwd=workdir)  # GRPO and RLOO sample through it too (tests/test_vllm_online_rl.py)
+    assert p.returncode == 0, p.stdout + p.stderr
     p = run_align("validate", "pipelines/default.yaml", "ppo.generation.engine=vllm",
                   "evaluate.generation.engine=vllm", "preferences.generation.engine=vllm", cwd=workdir)
     assert p.returncode == 0, p.stdout + p.stderr

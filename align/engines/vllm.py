@@ -6,10 +6,13 @@ shape of TRL's `vllm-serve`. A second reason: every call here has a deadline. Th
 sync, a dead worker) ends the stage with EngineError naming the operation and the engine's log, never a hang
 (TRL #2923, #6797, #7103 are syncs that hung without an error).
 
-Weight sync: the training policy's full state (LoRA adapters merged in, ZeRO-3 parameters gathered by the caller)
-is written to a safetensors file in /dev/shm and the engine reloads it in place (0.6-0.9 s for 135M parameters on
-this CPU). Prompts travel as token ids tokenised here, so both sides see the same ids; responses come back as ids
-with the sampled tokens' log-probs (after temperature), which PPO compares with its own.
+Weight sync (align/engines/weight_sync.py): the training policy's weights under their checkpoint names (LoRA adapters
+merged in out of place, ZeRO-3 parameters gathered one layer at a time), after the first sync only those that train.
+`generation.weight_sync: shared` (default) streams them through one bucket of shared memory that the engine copies
+out of; `file` writes the whole state as a safetensors file in /dev/shm that the engine reloads (the older path, kept
+for comparison: benchmarks/rollout_engines.py --sync measures both). Prompts travel as token ids tokenised here, so
+both sides see the same ids; responses come back as ids with the sampled tokens' log-probs (after temperature),
+which PPO compares with its own.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from align.engines import EngineError
 from align.engines.placement import Placement, place, visible_devices
 from align.engines.vllm_env import SYNC_DIR_ENV, VLLM_INSTALL, shm_dir, shm_problem, vllm_python
 from align.core.fsutil import size_text
+from align.engines.weight_sync import SharedBucket, engine_entries, policy_state_for_engine
 from align.modeling.generation import Rollout, finish_rollout, tokenize_prompts
 
 SERVER = Path(__file__).parent / "vllm_side" / "align_vllm_server.py"
@@ -45,48 +49,24 @@ def sync_space_problem(directory: str, needed: int) -> str | None:
             f"{SYNC_DIR_ENV} to a directory with room")
 
 
-@torch.no_grad()
-def policy_state_for_engine(model) -> dict[str, torch.Tensor]:
-    """The state dict vLLM loads: checkpoint names, contiguous CPU tensors, no shared storage. For a peft model each
-    adapted layer's weight is W + sum of its active adapters' deltas (scale * B A, peft's own get_delta_weight),
-    computed out of place: the training model is not touched (merging and unmerging in place would perturb the base
-    weights that also serve as PPO's reference). A tied `lm_head` is left out: the engine ties it to the embedding."""
-    from peft import PeftModel
-    from peft.tuners.lora import LoraLayer
-
-    peft = isinstance(model, PeftModel)
-    base = model.get_base_model() if peft else model
-    out: dict[str, torch.Tensor] = {}
-    for k, v in model.state_dict().items():
-        if peft:
-            if "lora_" in k or "modules_to_save" in k:
-                continue
-            name = k.removeprefix("base_model.model.")
-            if ".base_layer." in name:
-                owner = name.split(".base_layer.")[0]
-                layer = base.get_submodule(owner)
-                name = name.replace(".base_layer.", ".")
-                if isinstance(layer, LoraLayer) and name.endswith(".weight") and not layer.merged:
-                    for adapter in layer.active_adapters:
-                        if adapter in layer.lora_A:
-                            v = v + layer.get_delta_weight(adapter).to(v.dtype)
-            k = name
-        out[k] = v.detach().to("cpu", copy=True).contiguous()
-    if getattr(base.config, "tie_word_embeddings", False):
-        out.pop("lm_head.weight", None)
-    return out
-
-
 class VLLMEngine:
     name = "vllm"
     holds_own_weights = True
 
     def __init__(self, model_dir: str, tokenizer, seed: int = 0, dtype: str = "float32", max_model_len: int = 512,
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.3, log_path=None, timeout_s: float = 600.0,
-                 python: str | None = None, devices: tuple[int, ...] = ()):
+                 python: str | None = None, devices: tuple[int, ...] = (), weight_sync: str = "shared",
+                 bucket_mib: float = 32):
+        if weight_sync not in ("shared", "file"):
+            raise ValueError(f"generation.weight_sync: {weight_sync!r} is not one of shared, file")
         self.tokenizer = tokenizer
         self.timeout_s = timeout_s
+        self.weight_sync = weight_sync
+        self.bucket_bytes = max(1, int(bucket_mib * 2 ** 20))
         self.sync_seconds: list[float] = []
+        self.sync_bytes: list[int] = []
+        self._bucket: SharedBucket | None = None
+        self._synced = None  # the model last synced in full (a weak reference): later syncs send what trains
         python = python or vllm_python()
         if python is None:
             raise EngineError(f"generation.engine: vllm: vLLM is not installed; {VLLM_INSTALL}")
@@ -96,6 +76,7 @@ class VLLMEngine:
         self._dir = tempfile.mkdtemp(prefix="align-vllm-", dir=shm_dir())
         self.address = os.path.join(self._dir, "sock")
         self.weights = os.path.join(self._dir, "weights.safetensors")
+        self.bucket_path = os.path.join(self._dir, "bucket")
         self.log_path = Path(log_path) if log_path else Path(self._dir) / "engine.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         key = secrets.token_bytes(16)
@@ -150,6 +131,10 @@ class VLLMEngine:
     def _call(self, msg: dict, what: str, timeout_s: float) -> dict:
         """Send one request and wait for its reply, at most `timeout_s`, watching the process: a dead or silent
         engine is an EngineError (and the engine is stopped), never a hang."""
+        self._send(msg, what)
+        return self._reply(msg["op"], what, time.monotonic() + timeout_s)
+
+    def _send(self, msg: dict, what: str) -> None:
         if self.conn is None:
             raise EngineError(f"vLLM engine: '{what}' after close()")
         if self.broken:
@@ -160,22 +145,25 @@ class VLLMEngine:
         except OSError as exc:  # the engine died between calls: a broken pipe here, never an unnamed EPIPE upstream
             raise EngineError(f"the vLLM engine process (pid {self.proc.pid}) is gone ({type(exc).__name__}) at "
                               f"'{what}'; its log ({self.log_path}) ends:\n{self._tail()}") from None
-        deadline = time.monotonic() + timeout_s
+
+    def _reply(self, op: str, what: str, deadline: float) -> dict:
+        """The engine's answer to the request `op` sent last, by `deadline` (time.monotonic)."""
         while not self.conn.poll(1.0):
             if self.proc.poll() is not None:
                 raise EngineError(f"the vLLM engine process (pid {self.proc.pid}) died ({self.proc.returncode}) during "
                                   f"'{what}'; its log ({self.log_path}) ends:\n{self._tail()}")
             if time.monotonic() > deadline:
                 self.close(kill=True)
-                raise EngineError(f"the vLLM engine did not finish '{what}' within {timeout_s:.0f} s and was stopped "
-                                  f"(log: {self.log_path}); raise generation.engine_timeout_s if the work is that long")
+                raise EngineError(f"the vLLM engine did not finish '{what}' within {self.timeout_s:.0f} s and was "
+                                  f"stopped (log: {self.log_path}); raise generation.engine_timeout_s if the work is "
+                                  "that long")
         try:
             reply = self.conn.recv()
         except EOFError:
             raise EngineError(f"the vLLM engine closed the connection during '{what}' (log: {self.log_path}):\n"
                               f"{self._tail()}") from None
         if not reply.get("ok"):
-            if msg["op"] == "load":
+            if op in ("load", "stream", "chunk"):
                 self.broken = reply.get("error")
             raise EngineError(f"the vLLM engine failed '{what}': {reply.get('error')} (traceback in {self.log_path})")
         return reply
@@ -186,8 +174,12 @@ class VLLMEngine:
         """One response per prompt, as the HF engine's Rollout: prompts left-padded, responses right-padded, every
         token after the first EOS masked; `engine_logprobs` (B, Lr) holds the engine's log-probs of them. `seed`
         is not used per request (a per-request seed crashes vLLM's CPU sampler): the engine is seeded once."""
+        q_ids, q_mask = tokenize_prompts(self.tokenizer, prompts, max_prompt_length)
+        return self.generate_ids(q_ids, q_mask, gen, seed, greedy)
+
+    def generate_ids(self, q_ids: torch.Tensor, q_mask: torch.Tensor, gen, seed: int, greedy: bool = False) -> Rollout:
+        """`generate` for prompts already tokenised (left-padded ids and mask), as TRL's trainers hold them."""
         tok = self.tokenizer
-        q_ids, q_mask = tokenize_prompts(tok, prompts, max_prompt_length)
         ids = [row[m.bool()].tolist() for row, m in zip(q_ids, q_mask)]
         reply = self._call({"op": "generate", "prompts": ids, "temperature": gen.temperature, "top_k": gen.top_k,
                             "top_p": gen.top_p, "max_tokens": gen.max_new_tokens, "greedy": greedy,
@@ -205,13 +197,31 @@ class VLLMEngine:
         return r
 
     def sync_weights(self, model) -> float:
-        """Push `model`'s weights (a causal LM, peft or not; under ZeRO-3 call it with the parameters gathered) into the
-        engine. Returns the seconds it took (write + reload)."""
+        """Push `model`'s weights (a causal LM, peft or not, ZeRO-3-partitioned or not: partitioned parameters are
+        gathered a layer at a time, a collective every process joins) into the engine. The first sync of a model
+        sends every weight, later ones of the same model only those computed from parameters that train. Returns the
+        seconds it took; `sync_bytes` records the bytes moved."""
+        import weakref
+
         t0 = time.perf_counter()
+        changed_only = self._synced is not None and self._synced() is model
+        if self.weight_sync == "file":
+            moved = self._sync_file(model)
+        else:
+            moved = self._sync_shared(model, changed_only)
+        self._synced = weakref.ref(model)
+        seconds = time.perf_counter() - t0
+        self.sync_seconds.append(seconds)
+        self.sync_bytes.append(moved)
+        return seconds
+
+    def _sync_file(self, model) -> int:
+        """The whole state as a safetensors file in /dev/shm, reloaded by the engine (deleted once read)."""
         from safetensors.torch import save_file
 
         state = policy_state_for_engine(model)
-        problem = sync_space_problem(self._dir, sum(v.numel() * v.element_size() for v in state.values()))
+        size = sum(v.numel() * v.element_size() for v in state.values())
+        problem = sync_space_problem(self._dir, size)
         if problem:
             raise EngineError(f"vLLM engine: {problem}")
         tmp = self.weights + ".tmp"
@@ -220,14 +230,43 @@ class VLLMEngine:
         reply = self._call({"op": "load", "path": self.weights}, "sync_weights", self.timeout_s)
         if reply["tensors"] != len(state):
             raise EngineError(f"vLLM engine: sync_weights loaded {reply['tensors']} of {len(state)} tensors")
-        seconds = time.perf_counter() - t0
-        self.sync_seconds.append(seconds)
-        return seconds
+        return size
+
+    def _sync_shared(self, model, changed_only: bool) -> int:
+        """Stream the entries through the shared bucket: fill it, tell the engine what is where, wait until it has
+        copied them out, fill it again; the whole sync within one deadline."""
+        if self._bucket is not None and self._bucket.size != self.bucket_bytes:  # resized: a new bucket
+            self._bucket.close()
+            self._bucket = None
+        if self._bucket is None:
+            problem = sync_space_problem(self._dir, self.bucket_bytes)
+            if problem:
+                raise EngineError(f"vLLM engine: {problem}, or a smaller generation.sync_bucket_mib")
+            self._bucket = SharedBucket(self.bucket_path, self.bucket_bytes)
+        deadline = time.monotonic() + self.timeout_s
+        before = self._bucket.sent_bytes
+        self._send({"op": "stream", "path": self.bucket_path, "size": self.bucket_bytes, "partial": changed_only},
+                   "sync_weights")
+        names = 0
+        try:
+            for pieces, last in self._bucket.pieces(engine_entries(model, changed_only=changed_only)):
+                names += sum(1 for p in pieces if p[4] + p[6] == p[3])  # pieces that end a tensor
+                self._send({"op": "chunk", "pieces": pieces, "last": last}, "sync_weights")
+                self._reply("chunk", "sync_weights", deadline)
+            reply = self._reply("stream", "sync_weights", deadline)
+        except BaseException as exc:  # stopped halfway (here or there): the engine holds a mix of old and new weights
+            self.broken = self.broken or f"interrupted by {type(exc).__name__}"
+            raise
+        if reply["tensors"] != names:
+            raise EngineError(f"vLLM engine: sync_weights loaded {reply['tensors']} of {names} tensors")
+        return self._bucket.sent_bytes - before
 
     def describe(self) -> dict:
         """What the stage's manifest records of this engine."""
         return {"name": self.name, "version": self.version, "startup_seconds": self.startup_seconds,
-                "pid": self.proc.pid, "weights": self.weights, "devices": list(self.devices)}
+                "pid": self.proc.pid, "weight_sync": self.weight_sync, "devices": list(self.devices),
+                "sync_path": self.bucket_path if self.weight_sync == "shared" else self.weights,
+                **({"sync_bucket_bytes": self.bucket_bytes} if self.weight_sync == "shared" else {})}
 
     def close(self, kill: bool = False) -> None:
         """Stop the engine: asked to exit (then waited for, then killed), or killed at once (`kill`, after a timeout:
@@ -252,7 +291,10 @@ class VLLMEngine:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
-        for p in (self.weights, self.weights + ".tmp", self.address):
+        if self._bucket is not None:
+            self._bucket.close()
+            self._bucket = None
+        for p in (self.weights, self.weights + ".tmp", self.address, self.bucket_path):
             try:
                 os.unlink(p)
             except FileNotFoundError:
@@ -282,7 +324,8 @@ def make(gen, *, tokenizer, model_dir, seed=0, dtype="float32", max_model_len=51
     process's engine on the GPU placement gives it (colocated: process r's own GPU; none on a CPU)."""
     return VLLMEngine(model_dir, tokenizer, seed=seed, dtype=dtype, max_model_len=max_model_len,
                       kv_cache_gib=gen.kv_cache_gib, gpu_memory_utilization=gen.gpu_memory_utilization,
-                      log_path=log_path, timeout_s=gen.engine_timeout_s, devices=node_placement(gen).devices)
+                      log_path=log_path, timeout_s=gen.engine_timeout_s, devices=node_placement(gen).devices,
+                      weight_sync=gen.weight_sync, bucket_mib=gen.sync_bucket_mib)
 
 
 def node_placement(gen) -> Placement:

@@ -17,9 +17,10 @@ class Recorder:
     """Rank 1's engine: keeps what it was sent."""
 
     name = "recorder"
+    holds_own_weights = True
 
     def sync_weights(self, model) -> float:
-        from align.engines.vllm import policy_state_for_engine
+        from align.engines.weight_sync import policy_state_for_engine
 
         self.state = policy_state_for_engine(model)
         return 0.0

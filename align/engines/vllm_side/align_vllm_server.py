@@ -10,6 +10,10 @@ request is a dict with "op", every reply a dict with "ok" (and "error" with the 
             -> {outputs: [{token_ids, logprobs}]}  (the sampled tokens' log-probs, after temperature)
   load      {path: a safetensors file of the full model state} -> {tensors, seconds}; the file is deleted once
             read (loaded or not), so a parent killed mid-sync leaves no copy of the weights in /dev/shm
+  stream    {path: the shared bucket (a file of `size` bytes in /dev/shm), size, partial} -> {tensors, seconds}; in
+            between, the parent sends `chunk` messages {pieces, last} and each is answered {ok, op: chunk} once its
+            pieces are copied out of the bucket (align_vllm_worker.bucket_tensors); a chunk outside a stream (the
+            rest of one that failed) is dropped unanswered
   close
 
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): weights reach the worker as tensors, not lists, and
@@ -47,6 +51,15 @@ def serve(address: str) -> None:
                         with contextlib.suppress(FileNotFoundError):  # a missing file: the load's own error says so
                             os.unlink(msg["path"])
                     reply = {"tensors": counts[0], "seconds": time.perf_counter() - t0}
+                elif op == "stream":
+                    t0 = time.perf_counter()
+                    import align_vllm_worker
+
+                    align_vllm_worker.CHANNEL = (conn, bucket(msg["path"], msg["size"]))
+                    counts = llm.collective_rpc("align_stream", args=(bool(msg.get("partial")),))
+                    reply = {"tensors": counts[0], "seconds": time.perf_counter() - t0}
+                elif op == "chunk":  # the rest of a stream that failed: its error was the stream's reply
+                    continue
                 elif op == "close":
                     conn.send({"ok": True})
                     return
@@ -58,6 +71,23 @@ def serve(address: str) -> None:
                 sys.stdout.flush()
                 first = str(e).splitlines()[0] if str(e) else ""
                 conn.send({"ok": False, "error": f"{type(e).__name__}: {first[:500]}"})
+
+
+_BUCKETS: dict = {}
+
+
+def bucket(path: str, size: int):
+    """The trainer's shared bucket at `path`, mapped once per size (a resized bucket is a new file), as a uint8
+    tensor."""
+    if _BUCKETS.get("key") != (path, size):
+        import mmap
+
+        import torch
+
+        with open(path, "r+b") as f:
+            mapped = mmap.mmap(f.fileno(), size)
+        _BUCKETS.update(key=(path, size), tensor=torch.frombuffer(mapped, dtype=torch.uint8))
+    return _BUCKETS["tensor"]
 
 
 def start(msg: dict):
@@ -105,16 +135,35 @@ def clean_up(address: str) -> None:
     folder = os.path.dirname(os.path.abspath(address))
     if not os.path.basename(folder).startswith("align-vllm-"):
         return
-    for name in ("sock", "weights.safetensors", "weights.safetensors.tmp"):
+    for name in ("sock", "weights.safetensors", "weights.safetensors.tmp", "bucket"):
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(folder, name))
     with contextlib.suppress(OSError):
         os.rmdir(folder)  # not empty (the engine's own log is there when the stage gave none): kept
 
 
+def exit_with_parent() -> None:
+    """Linux: SIGTERM when the training process that started this engine dies (prctl PR_SET_PDEATHSIG), turned into
+    SystemExit, so clean_up still runs: an engine busy in a long generate would otherwise read the EOF of its dead
+    parent's socket only when it finishes."""
+    import ctypes
+    import signal
+
+    def stop(signum, frame):
+        raise SystemExit(143)
+
+    signal.signal(signal.SIGTERM, stop)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() == 1:
+            raise SystemExit(143)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # align_vllm_worker, by name
     try:
+        exit_with_parent()
         serve(sys.argv[1])
     finally:
         clean_up(sys.argv[1])

@@ -59,11 +59,12 @@ def open_engine(ctx: StageContext, cfg: PPOStage, accelerator, model, tokenizer,
 
 def sync_engine(engine: RolloutEngine, model, accelerator) -> float:
     """Push the policy's current weights to an engine that holds its own copy (vllm); under ZeRO-3 every process
-    gathers the parameters (a collective) and syncs its own engine. Returns the seconds it took."""
+    gathers the parameters one layer at a time as it sends them (align/engines/weight_sync.py: a collective per layer,
+    in the same order everywhere) and syncs its own engine. Returns the seconds it took."""
     if not engine.holds_own_weights:
         return 0.0
-    with torch.no_grad(), policy_for_generation(model, accelerator) as policy:
-        return engine.sync_weights(policy)
+    with torch.no_grad():
+        return engine.sync_weights(accelerator.unwrap_model(model).policy)
 
 
 def fit_reward_scale(ctx: StageContext, cfg: PPOStage, accelerator, engine: RolloutEngine, tokenizer, scorer: WeightedJudge,

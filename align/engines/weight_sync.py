@@ -1,0 +1,161 @@
+"""What a weight sync sends to an engine that holds its own copy of the policy, and how it travels without a file.
+
+What: the policy's weights under the names of its checkpoint (what vLLM loads), one group at a time: each decoder
+layer is a group, everything outside the layers (embeddings, final norm, an untied head) is one more. Under ZeRO-3 a
+group's parameters are gathered while it is sent and released after it (`deepspeed.zero.GatheredParameters`, a
+collective every process joins in the same order), so no process ever holds more than one layer gathered, where a
+whole-policy gather holds all of it on every GPU. A LoRA layer is sent merged (W + scale B A, peft's own
+`get_delta_weight`, out of place: the training model is not touched). After the first sync of a model into an
+engine only what can have changed is sent: entries computed from a parameter that trains (a LoRA layer's merged
+weight, any weight under full fine-tuning); frozen weights are already in the engine from the first sync.
+
+How (`SharedBucket`): the trainer copies the entries into one fixed bucket of shared memory (a file in /dev/shm,
+`generation.sync_bucket_mib`; a tensor larger than the bucket goes in pieces), tells the engine which bytes are
+which, and waits for the engine to copy them out before it fills the bucket again. Per process that is one bucket in
+flight instead of a file of the whole policy (8 processes x 16 GB at 8B in bf16 before), one copy on each side
+instead of a serialised file written and read back, and nothing left behind by a killed process but the bucket. It
+is the CPU stand-in for CUDA IPC, which vLLM's CUDA build would read in place (not built: no GPU here has vLLM).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+from contextlib import nullcontext
+from typing import Iterator
+
+import torch
+
+LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
+
+
+def _peft_parts(model):
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel):
+        return True, model.get_base_model()
+    return False, model
+
+
+def _gathered(params: list[torch.nn.Parameter]):
+    """Under ZeRO-3 (partitioned parameters carry `ds_id`), `params` gathered for the duration; else nothing."""
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if not partitioned:
+        return nullcontext()
+    import deepspeed  # heavy: only under ZeRO-3
+
+    return deepspeed.zero.GatheredParameters(partitioned)
+
+
+def groups(model) -> list[list[str]]:
+    """The model's state-dict keys in sync groups, in state-dict order: one per decoder layer (`...layers.N.`), the
+    rest in one group of its own."""
+    out: dict[str, list[str]] = {}
+    for key in model.state_dict(keep_vars=True):
+        m = LAYER.match(key)
+        out.setdefault(m.group(1) if m else "", []).append(key)
+    return list(out.values())
+
+
+def engine_entries(model, changed_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) for every weight the engine loads, group by group (gathered under ZeRO-3 while the
+    group is read: consume each entry before asking for the next). `changed_only`: only entries computed from a
+    parameter that trains (requires_grad). Tensors stay on the model's device; a tied `lm_head` is left out (the
+    engine ties it to the embedding)."""
+    from peft.tuners.lora import LoraLayer
+
+    peft, base = _peft_parts(model)
+    tied = getattr(getattr(base, "config", None), "tie_word_embeddings", False)
+    state = model.state_dict(keep_vars=True)
+    for keys in groups(model):
+        wanted = []
+        for k in keys:
+            name = k.removeprefix("base_model.model.") if peft else k
+            if peft and ("lora_" in name or "modules_to_save" in name):
+                continue
+            layer = None
+            if ".base_layer." in name:
+                layer = base.get_submodule(name.split(".base_layer.")[0])
+                name = name.replace(".base_layer.", ".")
+            if tied and name == "lm_head.weight":
+                continue
+            sources = list(layer.parameters()) if layer is not None else [state[k]]
+            if changed_only and not any(getattr(p, "requires_grad", False) for p in sources):
+                continue
+            wanted.append((k, name, layer, sources))
+        if not wanted:
+            continue
+        with torch.no_grad(), _gathered([p for *_, sources in wanted for p in sources
+                                         if isinstance(p, torch.nn.Parameter)]):
+            for k, name, layer, _ in wanted:
+                v = state[k].detach()
+                if isinstance(layer, LoraLayer) and name.endswith(".weight") and not layer.merged:
+                    for adapter in layer.active_adapters:
+                        if adapter in layer.lora_A:
+                            v = v + layer.get_delta_weight(adapter).to(v.dtype)
+                yield name, v
+
+
+@torch.no_grad()
+def policy_state_for_engine(model) -> dict[str, torch.Tensor]:
+    """The whole state dict vLLM loads (the file transport's content): `engine_entries` as contiguous CPU copies."""
+    return {name: v.to("cpu", copy=True).contiguous() for name, v in engine_entries(model)}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class SharedBucket:
+    """A fixed bucket of shared memory that weights travel through: `pieces(entries)` copies (name, tensor) entries
+    into it and yields, each time it is full (and once at the end), the list of pieces now in it, each
+    (name, dtype, shape, tensor bytes, offset in the tensor, offset in the bucket, bytes); the caller hands them to
+    the reader and waits for it to copy them out before the next is filled. `sent_bytes` counts what was copied."""
+
+    def __init__(self, path: str, size: int):
+        self.path, self.size = path, size
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.sent_bytes = 0
+
+    def pieces(self, entries) -> Iterator[tuple[list[tuple], bool]]:
+        """(pieces, last) per filled bucket; `last` is True for the final one (which may be empty)."""
+        pending: list[tuple] = []
+        used = 0
+        for name, tensor in entries:
+            t = tensor.detach().contiguous()
+            raw = t.reshape(-1).view(torch.uint8)
+            total = raw.numel()
+            meta = (name, dtype_name(t.dtype), list(t.shape), total)
+            done = 0
+            while True:
+                take = min(total - done, self.size - used)
+                if take:
+                    self.buffer[used:used + take].copy_(raw[done:done + take])
+                pending.append((*meta, done, used, take))
+                used += take
+                done += take
+                self.sent_bytes += take
+                if used == self.size:
+                    yield pending, False
+                    pending, used = [], 0
+                if done == total:
+                    break
+        yield pending, True
+
+    def close(self) -> None:
+        self.buffer = None
+        try:
+            self._map.close()
+        except BufferError:  # a view still alive somewhere: the mapping goes with it
+            pass
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass

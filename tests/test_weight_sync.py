@@ -1,0 +1,135 @@
+"""What a weight sync sends (align/engines/weight_sync.py) and the shared bucket it travels through, without vLLM.
+
+The bucket is the CPU stand-in for CUDA IPC: the trainer's side (SharedBucket.pieces) is read here by the engine's own
+reader (align/engines/vllm_side/align_vllm_worker.bucket_tensors, which imports only torch), over a real shared file
+and a real pipe, with buckets smaller than the tensors: every tensor must arrive bit for bit.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from multiprocessing import Pipe
+
+import pytest
+import torch
+
+from conftest import REPO
+
+from align.engines.weight_sync import SharedBucket, engine_entries, groups, policy_state_for_engine
+
+SEED = 2718
+sys.path.insert(0, str(REPO / "align" / "engines" / "vllm_side"))
+import align_vllm_worker  # noqa: E402  (the engine side's reader, by the name vLLM loads it)
+
+
+def tiny_llama(tie: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    print(f"seed {SEED}")
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=tie)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def with_lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+    for n, p in peft.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05)
+    return peft
+
+
+def test_groups_are_one_per_decoder_layer_and_the_rest():
+    g = groups(tiny_llama())  # in state-dict order: the embedding (outside the layers) comes first
+    assert len(g) == 4
+    assert set(g[0]) == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    assert all(k.startswith(f"model.layers.{i}.") for i in range(3) for k in g[i + 1])
+    assert all(len(g[i + 1]) == 9 for i in range(3))  # q k v o, gate up down, two norms
+
+
+def test_full_entries_are_the_checkpoint_and_a_tied_head_is_left_out():
+    for tie in (False, True):
+        model = tiny_llama(tie)
+        state = dict(engine_entries(model))
+        expected = {k: v for k, v in model.state_dict().items() if not (tie and k == "lm_head.weight")}
+        assert set(state) == set(expected)
+        assert all(torch.equal(state[k], expected[k]) for k in expected)
+
+
+def test_after_the_first_sync_only_what_trains_is_sent():
+    model = tiny_llama()
+    peft = with_lora(model)
+    full = policy_state_for_engine(peft)
+    changed = dict(engine_entries(peft, changed_only=True))
+    # LoRA: the adapted layers' merged weights and nothing else (the base is frozen, already in the engine)
+    assert sorted(changed) == sorted(f"model.layers.{i}.{m}.weight" for i in range(3)
+                                     for m in ("self_attn.q_proj", "mlp.down_proj"))
+    merged = peft.merge_and_unload().state_dict()
+    for k, v in changed.items():
+        assert torch.allclose(v, merged[k], atol=1e-6) and torch.equal(v, full[k])
+    # full fine-tuning: everything trains; frozen parameters are not sent again
+    plain = tiny_llama()
+    assert set(dict(engine_entries(plain, changed_only=True))) == set(plain.state_dict())
+    plain.model.embed_tokens.weight.requires_grad_(False)
+    assert "model.embed_tokens.weight" not in dict(engine_entries(plain, changed_only=True))
+
+
+def read_all(bucket_tensor, conn, out: dict, errors: list):
+    try:
+        for name, tensor in align_vllm_worker.bucket_tensors(conn, bucket_tensor):
+            out[name] = tensor
+    except Exception as exc:  # reported to the test
+        errors.append(exc)
+
+
+@pytest.mark.parametrize("size", [7, 1000, 1 << 20])
+def test_the_shared_bucket_carries_every_tensor_bit_for_bit(tmp_path, size):
+    """Tensors of several dtypes, one empty and one 0-d, through buckets smaller than most tensors (7 bytes), larger
+    than some (1,000) and larger than all: the reader's tensors equal the sent ones exactly, and the bytes moved are
+    the tensors' bytes."""
+    g = torch.Generator().manual_seed(SEED)
+    print(f"seed {SEED}")
+    sent = {"a": torch.randn(33, 17, generator=g), "b": torch.randn(5, generator=g).to(torch.bfloat16),
+            "empty": torch.zeros(0, 4), "scalar": torch.tensor(3.5, dtype=torch.float16),
+            "big": torch.randn(300, generator=g).to(torch.float64), "ints": torch.arange(11)}
+    bucket = SharedBucket(str(tmp_path / "bucket"), size)
+    import mmap
+
+    with open(tmp_path / "bucket", "r+b") as f:  # the engine's own mapping of the same file
+        reader_view = torch.frombuffer(mmap.mmap(f.fileno(), size), dtype=torch.uint8)
+    trainer, engine = Pipe()
+    got, errors = {}, []
+    t = threading.Thread(target=read_all, args=(reader_view, engine, got, errors))
+    t.start()
+    chunks = 0
+    for pieces, last in bucket.pieces(sent.items()):
+        trainer.send({"op": "chunk", "pieces": pieces, "last": last})
+        assert trainer.recv() == {"ok": True, "op": "chunk"}  # copied out: the bucket may be filled again
+        chunks += 1
+    t.join(30)
+    assert not errors, errors
+    assert list(got) == list(sent)
+    for k, v in sent.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), k
+    assert bucket.sent_bytes == sum(v.numel() * v.element_size() for v in sent.values())
+    assert chunks >= -(-bucket.sent_bytes // size)
+    bucket.close()
+    assert not (tmp_path / "bucket").exists()
+
+
+def test_a_stream_that_ends_with_a_tensor_incomplete_is_an_error(tmp_path):
+    bucket = SharedBucket(str(tmp_path / "bucket"), 64)
+    trainer, engine = Pipe()
+    got, errors = {}, []
+    t = threading.Thread(target=read_all, args=(bucket.buffer, engine, got, errors))
+    t.start()
+    pieces, _ = next(bucket.pieces([("w", torch.ones(100))]))  # the first 64 of 400 bytes
+    trainer.send({"op": "chunk", "pieces": pieces, "last": True})
+    trainer.recv()
+    t.join(30)
+    assert errors and "incomplete" in str(errors[0]) and "'w'" in str(errors[0])
+    bucket.close()
