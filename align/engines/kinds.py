@@ -27,6 +27,9 @@ class EngineKind:
     """Runs apart from training with its own copy of the policy: started from a model directory (whole weights, not a
     LoRA adapter), synced after every update, its memory counted apart by `align estimate`. False: it samples with the
     stage's own model."""
+    token_ids: bool = False
+    """Samples prompts given as token ids (`generate_ids(query_ids, query_mask, gen, seed, greedy)`), as TRL's GRPO
+    and RLOO hold them: what those stage types need of an engine with its own copy (align/stages/online_rl.py)."""
     problems: Callable[[str, Callable[[], int | None]], str | None] = _no_problem
     """Why it cannot run on this machine (not installed, a model it cannot serve here), or None; `head_dim` gives the
     model's attention head size (None when unknown), asked only when needed. `where` names the setting."""
@@ -54,3 +57,6 @@ class OnDevice:
 
     def generate(self, *args, **kwargs):
         return self.engine.generate(*args, **kwargs).to(self.device)
+
+    def generate_ids(self, *args, **kwargs):
+        return self.engine.generate_ids(*args, **kwargs).to(self.device)

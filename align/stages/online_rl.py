@@ -9,12 +9,20 @@ of the others) and a KL to the reference (beta). align hands them:
 - prompts as text, conversational ones rendered with the chat template, as PPO's;
 - one reward function per judge name with its weight, from the one judge builder (align/judges/pointwise.py): a
   reward stage's scalar head read at the last real token of prompt ids + completion ids (EOS included when
-  sampled), the rule PPO's rollouts are scored by, or a Python judge on (prompts, decoded completions).
+  sampled), the rule PPO's rollouts are scored by, or a Python judge on (prompts, decoded completions);
+- with `generation.engine: vllm`, the sampling (EngineRollouts): each process's engine samples the trainer's prompt
+  ids, synced to the policy whenever an optimiser step has passed since its last sync; GRPO through TRL's
+  `rollout_func` (experimental in TRL 1.16), RLOO, which has no such argument in 1.16, through its one sampling
+  method `_generate_single_turn` (prompt ids in, completion ids out), overridden in a subclass. Either way TRL
+  computes every loss term as it does for its own samples. The first rows of each round are scored by the trainer
+  too and compared with the engine's log-probs (generation.max_logprob_gap), as PPO checks its rollouts.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from align.config.online_rl import OnlineRLStage
 from align.runtime.rows import load_rows, unique_prompts
@@ -64,6 +72,121 @@ def training_prompts(ctx: StageContext, cfg: OnlineRLStage, tokenizer) -> list[s
     return kept
 
 
+CHECKED_ROWS = 8
+"""Rows of each sampling round whose engine log-probs are compared with the trainer's (one forward pass of them)."""
+
+
+class EngineRollouts:
+    """A TRL online trainer's sampling through an align engine that holds its own copy of the policy (vllm): one
+    engine per process, synced to the trained policy before the first round after each optimiser step (under ZeRO-3
+    every process gathers a layer at a time as it sends, the same collectives everywhere), its samples checked."""
+
+    def __init__(self, ctx: StageContext, cfg: OnlineRLStage, engine, tokenizer):
+        self.ctx, self.cfg, self.engine, self.tokenizer = ctx, cfg, engine, tokenizer
+        self.synced_step = -1
+        self.rounds = 0
+
+    def rollout_func(self, prompts: list, trainer) -> dict[str, list]:
+        """TRL GRPOTrainer's `rollout_func`: this process's prompts (each repeated num_generations times by TRL's
+        sampler) -> one completion each, with the prompt ids it was sampled from and the engine's log-probs."""
+        from align.modeling.generation import tokenize_prompts
+
+        q_ids, q_mask = tokenize_prompts(self.tokenizer, list(prompts))
+        r = self.sample(q_ids, q_mask, trainer)
+        return {"prompt_ids": [row[m.bool()].tolist() for row, m in zip(r.query_ids, r.query_mask)],
+                "completion_ids": completions(r), "logprobs": [lp[m.bool()].tolist() for lp, m in
+                                                               zip(r.engine_logprobs, r.response_mask)]}
+
+    def completion_ids(self, prompt_ids: list[list[int]], trainer) -> list[list[int]]:
+        """RLOOTrainer's `_generate_single_turn`: prompt ids (unpadded lists) -> completion ids."""
+        pad = self.tokenizer.pad_token_id
+        width = max(len(p) for p in prompt_ids)
+        q_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompt_ids], dtype=torch.long)
+        q_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], dtype=torch.long)
+        return completions(self.sample(q_ids, q_mask, trainer))
+
+    def sample(self, q_ids: torch.Tensor, q_mask: torch.Tensor, trainer):
+        from align.engines.base import check_gap, logprob_gap
+        from align.modeling.generation import response_logprobs
+
+        acc = trainer.accelerator
+        policy = acc.unwrap_model(trainer.model)
+        if trainer.state.global_step != self.synced_step:
+            with torch.no_grad():
+                self.engine.sync_weights(policy)
+            self.synced_step = trainer.state.global_step
+        self.rounds += 1
+        r = self.engine.generate_ids(q_ids, q_mask, self.cfg.generation, seed=self.ctx.seed * 7919 + self.rounds)
+        n = min(CHECKED_ROWS, q_ids.size(0))  # the same count on every process: a forward under ZeRO-3 is collective
+        head = type(r)(r.query_ids[:n], r.query_mask[:n], r.response_ids[:n], r.response_mask[:n], r.eos_found[:n],
+                       r.engine_logprobs[:n])
+        was_training = policy.training
+        policy.eval()
+        try:
+            with torch.no_grad(), self.ctx.compute.autocast():
+                lp = response_logprobs(policy, head, temperature=self.cfg.generation.temperature)
+        finally:
+            policy.train(was_training)
+        gap = logprob_gap(head.engine_logprobs, lp, head.response_mask)["max"]
+        gap = acc.gather(torch.tensor([gap], device=acc.device)).max().item()  # reduced on the training device
+        mode = "train" if trainer.model.training else "eval"
+        trainer._metrics[mode]["rollout/logprob_gap_max"].append(gap)
+        check_gap(gap, self.cfg.generation.max_logprob_gap,
+                  f"stage '{self.ctx.name}', step {trainer.state.global_step} (after a weight sync)", self.engine.log_path)
+        return r
+
+
+def completions(r) -> list[list[int]]:
+    """Each row's sampled ids up to and including its first EOS (what TRL's own samplers return)."""
+    return [ids[m.bool()].tolist() for ids, m in zip(r.response_ids, r.response_mask)]
+
+
+def trainer_with_engine(trainer_cls, rollouts: EngineRollouts | None) -> tuple[type, dict[str, Any]]:
+    """The trainer class and the extra keyword arguments that make it sample through `rollouts` (None: TRL's own
+    generate). GRPO: TRL's `rollout_func`; RLOO (no rollout_func in TRL 1.16): a subclass whose one sampling method
+    asks the engine."""
+    import inspect
+
+    if rollouts is None:
+        return trainer_cls, {}
+    if "rollout_func" in inspect.signature(trainer_cls.__init__).parameters:
+        return trainer_cls, {"rollout_func": rollouts.rollout_func}
+    method = getattr(trainer_cls, "_generate_single_turn", None)
+    if method is None or list(inspect.signature(method).parameters)[:2] != ["self", "prompt_ids"]:
+        import trl
+
+        raise StageError(f"{trainer_cls.__name__} in TRL {trl.__version__} has neither a rollout_func argument nor "
+                         "the _generate_single_turn(prompt_ids, ...) method align samples through (TRL 1.16's): set "
+                         "generation.engine: hf, or install trl 1.16")
+
+    class EngineSampled(trainer_cls):
+        def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+            return rollouts.completion_ids(prompt_ids, self)
+
+    EngineSampled.__name__ = f"{trainer_cls.__name__}WithEngine"
+    return EngineSampled, {}
+
+
+def open_engine(ctx: StageContext, cfg: OnlineRLStage, tokenizer, path: str) -> EngineRollouts | None:
+    """This process's engine when `generation.engine` names one with its own copy of the policy (else None: TRL
+    samples with its own generate), started from the policy's directory."""
+    from align.engines import kind, make_engine
+
+    if not kind(cfg.generation.engine).own_copy:
+        return None
+    rank = ctx.state.process_index
+    engine = make_engine(cfg.generation, model=None, tokenizer=tokenizer, model_dir=path, seed=ctx.seed * 7919 + rank,
+                         dtype=ctx.compute.engine_dtype(), max_model_len=cfg.max_length + 1,
+                         log_path=ctx.dir / f"engine.rank{rank}.log", rank=rank, device=ctx.state.device)
+    described = engine.describe()
+    if described:
+        ctx.note(engine=described)
+        if ctx.is_main:
+            print(f"[align] {ctx.name}: {engine.name} {described.get('version', '')} engine started in "
+                  f"{described.get('startup_seconds', 0):.0f} s (log: {engine.log_path})", flush=True)
+    return EngineRollouts(ctx, cfg, engine, tokenizer)
+
+
 def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> dict[str, Any]:
     """Train the policy with a TRL online trainer (GRPOTrainer or RLOOTrainer) and publish model/."""
     from datasets import Dataset  # heavy: trl and datasets load only when the stage runs
@@ -85,13 +208,21 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
                          trust_remote_code=ctx.pipeline.trust_remote_code, log_completions=False, **algorithm_args)
     model = ctx.load_lm(path, quantize=cfg.lora.quantize)
     padding_free(ctx, model)
-    trainer = trainer_cls(model=model, reward_funcs=funcs, args=args, processing_class=tokenizer,
-                          train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
-                          callbacks=[metrics_callback(ctx, online_rl_metric_name)],
-                          peft_config=peft_config(cfg.lora, "CAUSAL_LM"))
-    if cfg.padding_free and getattr(trainer, "ref_model", None) is not None:  # TRL's own copy of the start
-        install_padding_free(trainer.ref_model)
-    final = train_with_resume(ctx, trainer)
+    rollouts = open_engine(ctx, cfg, tokenizer, path)
+    try:
+        cls, sampling = trainer_with_engine(trainer_cls, rollouts)
+        trainer = cls(model=model, reward_funcs=funcs, args=args, processing_class=tokenizer,
+                      train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
+                      callbacks=[metrics_callback(ctx, online_rl_metric_name)],
+                      peft_config=peft_config(cfg.lora, "CAUSAL_LM"), **sampling)
+        if cfg.padding_free and getattr(trainer, "ref_model", None) is not None:  # TRL's own copy of the start
+            install_padding_free(trainer.ref_model)
+        final = train_with_resume(ctx, trainer)
+    finally:
+        if rollouts is not None:
+            rollouts.engine.close()
+    if rollouts is not None:
+        final["perf/sync_seconds"] = sum(rollouts.engine.sync_seconds) / max(1, len(rollouts.engine.sync_seconds))
     final.update(score_summary(ctx))
     final["train/prompts"] = len(prompts)
     ctx.save_trainer_model(trainer, tokenizer)
