@@ -188,6 +188,9 @@ def from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
         if key not in fields:
             raise ConfigError(f"{where.rstrip(':')}: unknown key '{key}'{closest(str(key), list(fields))}")
         path = f"{where} {key}" if top else f"{where}.{key}"
+        rule = fields[key].metadata.get("rule")
+        if isinstance(value, bool) and rule is not None and {"on", "off"} <= set(rule.choices or ()):
+            value = "on" if value else "off"  # YAML 1.1 reads an unquoted on/off as true/false
         kwargs[key] = coerce(value, hints[key], path)
         check_rule(fields[key], kwargs[key], path)
     return cls(**kwargs)
