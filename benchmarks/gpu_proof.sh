@@ -12,12 +12,13 @@
 #         tokens/s, MFU, padding fraction, peak memory beside `align estimate`, PPO's iteration split;
 #   (c)   the default pipeline (pipelines/default.yaml, shortened) end to end on the device, its DPO stage under
 #         DeepSpeed ZeRO-3 with one process, so every stage's device handling runs there.
-# Liger kernels and torch.compile are not in it: align has no setting for either yet.
+#   (e)   where liger-kernel is installed (the carried wheel): (a) again with Liger off in SFT, reward and DPO
+#         (`liger: auto` turns it on on CUDA), for the on/off comparison. torch.compile is not in it (off by default).
 # It writes OUT/proof.json and OUT/proof.md (the tables for README), and each run's own files under OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-WHEELS="transformers==5.23.0 trl==1.16.0 peft==0.21.2 datasets==5.2.0 wandb==0.31.0 vaderSentiment==3.3.2 dill multiprocess"
+WHEELS="transformers==5.23.0 trl==1.16.0 peft==0.21.2 datasets==5.2.0 wandb==0.31.0 vaderSentiment==3.3.2 dill multiprocess liger-kernel==0.8.5"
 if [[ "${1:-}" == "--print-downloads" ]]; then
   echo "echo /.whl/ >> .git/info/exclude"
   echo "python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp" \
@@ -69,6 +70,12 @@ c_start=$(date +%s)
   "${DEFAULT[@]}" dpo.accelerate=zero3 dpo.num_processes=1 2>&1 | tee "$OUT/c.log"
 c_seconds=$(( $(date +%s) - c_start ))
 
+if [[ $DRY == 0 ]] && "$PY" -c "import liger_kernel" 2>/dev/null; then
+  echo "[proof] (e) (a) with Liger off in SFT, reward and DPO"
+  "$PY" benchmarks/gpu.py "${SIZE[@]}" --model-config pipelines/model_configs/llama-3.2-1b --out "$OUT/e" \
+    sft.packing=true sft.liger=off reward.liger=off dpo.liger=off | tee "$OUT/e.log"
+fi
+
 "$PY" - "$OUT" "$c_seconds" "$DRY" "$start" <<'PYEOF'
 import json, sys, time
 from pathlib import Path
@@ -94,6 +101,9 @@ for name, s in stages.items():
     sec = "-" if s["seconds"] is None else f"{s['seconds']:.1f}"
     peak = "-" if s["peak_gb"] is None else f"{s['peak_gb']:.2f}"
     lines.append(f"| {name} | {s['status']} | {sec} | {peak} | {s['accelerate']} |")
+if (out / "e.log").is_file():
+    lines += ["", "(e) the same as (a) with Liger off in SFT, reward and DPO; device:"
+              + (out / "e.log").read_text().split("device:", 1)[1].split("pipeline wall time")[0].rstrip()]
 lines += ["", f"whole proof: {proof['wall_seconds']} s"]
 (out / "proof.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))

@@ -9,6 +9,8 @@ everything else (the runner, the validator, the estimator, `align status`) asks 
 
 from __future__ import annotations
 
+from importlib.util import find_spec
+
 import importlib
 import os
 import pkgutil
@@ -334,12 +336,24 @@ class TrainedStage(StageBase):
     tokens computed (align/modeling/packing.py; tests/test_packing.py). SFT packs in its collator
     (`perf/padding_fraction` beside `perf/padding_fraction_unpacked`); reward, DPO, KTO, GRPO and RLOO pack inside
     the backbone's forward. A family whose forward cannot read packed positions (OPT) runs padded whatever this says."""
+    liger: str = one_of("auto", "auto", "on", "off")
+    """Liger kernels (the liger-kernel package's Triton kernels: fused RMSNorm, RoPE, SwiGLU and a linear
+    cross-entropy that never holds the whole logits), applied to the trained model by transformers'
+    `use_liger_kernel`: auto = on on a CUDA GPU when liger-kernel is installed, off elsewhere (Triton does not run on
+    CPUs); on = required (refused without the package, and by the stage on a machine without CUDA). Not measured on
+    a GPU by this project yet."""
+    torch_compile: bool = False
+    """Compile the trained model with torch.compile (transformers' `torch_compile`). Off by default: on the 2-core
+    CPU it made SFT slower (docs/benchmarks.md); not measured on a GPU by this project yet."""
     lora: LoraSettings = field(default_factory=LoraSettings)
     """LoRA adapters instead of full fine-tuning."""
 
     def check(self, ctx: CheckContext) -> None:
         self.check_steps()
         self.lora.check()
+        if self.liger == "on" and find_spec("liger_kernel") is None:
+            raise ValueError("liger: on, but the liger-kernel package is not installed: pip install liger-kernel "
+                             "(CUDA machines only), or set liger: auto")
 
     def deepspeed_settings(self) -> dict[str, Any]:
         return {"gradient_accumulation_steps": self.gradient_accumulation_steps, "gradient_clipping": self.max_grad_norm}

@@ -95,6 +95,8 @@ def trainer_kwargs(cfg: TrainedStage, ctx: StageContext) -> dict[str, Any]:
 
     startup_done()  # the imports are done (a builtin model is built, not loaded through the context)
     cfg.check_steps()  # the same check `align validate` runs, in case the stage is started directly
+    liger = liger_on(cfg.liger, ctx.compute.device)
+    ctx.note(kernels={"liger": liger, "torch_compile": cfg.torch_compile})  # as resolved for this machine
     return dict(
         output_dir=str(ctx.checkpoints), learning_rate=cfg.learning_rate, lr_scheduler_type=cfg.lr_scheduler,
         warmup_steps=cfg.warmup_ratio, weight_decay=cfg.weight_decay, num_train_epochs=cfg.epochs,
@@ -112,7 +114,21 @@ def trainer_kwargs(cfg: TrainedStage, ctx: StageContext) -> dict[str, Any]:
         # TRL >= 1.16 turns gradient checkpointing on in every config; align leaves it to the stage setting
         # (off: the demo's SFT steps take about half the time without recomputation).
         activation_checkpointing=cfg.gradient_checkpointing,
+        use_liger_kernel=liger, torch_compile=cfg.torch_compile,
     )
+
+
+def liger_on(setting: str, device) -> bool:
+    """Whether the stage's `liger` setting (auto | on | off) turns Liger kernels on for this process: auto on a CUDA
+    device with liger-kernel installed; on refused where Triton cannot run them."""
+    from importlib.util import find_spec
+
+    installed = find_spec("liger_kernel") is not None
+    if setting == "on" and (device.type != "cuda" or not installed):
+        raise StageError("liger: on, but Liger's Triton kernels need a CUDA GPU and the liger-kernel package "
+                         f"(device {device}, liger-kernel {'installed' if installed else 'not installed'}); set "
+                         "liger: auto (on where they can run) or off")
+    return setting == "on" or (setting == "auto" and device.type == "cuda" and installed)
 
 
 def training_args(config_cls, cfg: TrainedStage, ctx: StageContext, drop: tuple[str, ...] = (), **extra: Any):
@@ -201,14 +217,17 @@ def train_with_resume(ctx: StageContext, trainer) -> dict[str, Any]:
     return final
 
 
-def padding_free(ctx: StageContext, model) -> None:
-    """The stage's `padding_free` setting applied to `model` (install_padding_free), and what came of it in the
-    manifest."""
+def padding_free(ctx: StageContext, model, reference=None) -> None:
+    """The stage's `padding_free` setting applied to `model` and to a frozen `reference` copy when there is one
+    (install_padding_free), and what came of it for `model` in the manifest."""
     from align.modeling.packing import install_padding_free
 
     if not ctx.cfg.padding_free:  # type: ignore[attr-defined]
         ctx.extra_manifest["padding_free"] = "off (padding_free: false)"
-    elif install_padding_free(model):
+        return
+    if install_padding_free(model):
         ctx.extra_manifest["padding_free"] = "packed inside the backbone's forward"
     else:
         ctx.extra_manifest["padding_free"] = f"off ({type(model).__name__} does not read packed positions)"
+    if reference is not None:
+        install_padding_free(reference)
