@@ -203,7 +203,7 @@ def stage_rows(run_dir: Path, pipeline: Path, peak_flops: float | None, failed: 
             rows.append({"stage": name, "failed": failed.get(name, manifest.get("status"))})
             continue
         m = manifest["final_metrics"]
-        row = {"stage": name, "seconds": m["perf/stage_seconds"], "tokens_per_s": m.get("perf/tokens_per_s"),
+        row = {"stage": name, "liger": manifest.get("kernels", {}).get("liger"), "seconds": m["perf/stage_seconds"], "tokens_per_s": m.get("perf/tokens_per_s"),
                "peak_gb": m.get("perf/peak_memory_gb"), "padding_fraction": m.get("perf/padding_fraction"),
                "padding_fraction_unpacked": m.get("perf/padding_fraction_unpacked"),
                "estimate_gb": (estimates[name].chosen_bytes - OVERHEAD_BYTES) / 1e9, "flops_per_s": None,
@@ -228,6 +228,9 @@ def stage_rows(run_dir: Path, pipeline: Path, peak_flops: float | None, failed: 
                 secs += t
             row["flops_per_s"] = flops / secs if secs else None
             row["generation_share"] = m.get("perf/generation_fraction")
+            # NeMo-RL's split of an iteration, seconds per process (the stage's averages over iterations)
+            row["split"] = {p: m.get(f"perf/{p}_seconds") for p in ("generation", "scoring", "training",
+                                                                    "weight_sync", "heldout")}
             row["step_seconds"] = secs / len(its) if its else None
             sync = sum(r.get("perf/sync_seconds", 0.0) for r in its)
             row["sync_share"] = sync / secs if secs else None
@@ -243,20 +246,21 @@ def render(rows: list[dict], ab: dict[str, float], device: str, on_gpu: bool, gp
 
     lines = [f"device: {device}; {gpus} process(es)", "",
              "| stage | stage s | tokens/s | tokens/s/GPU | s/step | MFU | padding | peak GB (measured) | estimate GB "
-             "| PPO split: generation / scoring+update / sync |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| Liger | PPO split, s: generation / scoring / training / sync / held-out |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "failed" in r:
-            lines.append(f"| {r['stage']} | failed: {str(r['failed'])[:160]} | | | | | | | | |")
+            lines.append(f"| {r['stage']} | failed: {str(r['failed'])[:160]} | | | | | | | | | |")
             continue
         split = "-"
-        if r.get("generation_share") is not None:
-            g, y = r["generation_share"], r.get("sync_share") or 0.0
-            split = f"{g:.2f} / {max(0.0, 1 - g - y):.2f} / {y:.2f}"
+        if r.get("split"):
+            split = " / ".join(f(v, ".2f") for v in r["split"].values())
+        liger = "-" if r.get("liger") is None else ("on" if r["liger"] else "off")
         lines.append(f"| {r['stage']} | {r['seconds']:.1f} | {f(r['tokens_per_s'], ',.0f')} | "
                      f"{f(r.get('tokens_per_s_per_gpu'), ',.0f')} | {f(r.get('step_seconds'), '.2f')} | "
                      f"{f(r['mfu'] and 100 * r['mfu'], '.1f')}{'%' if r['mfu'] else ''} | "
                      f"{f(r.get('padding_fraction'), '.3f')} | {f(r['peak_gb'], '.2f')} | "
-                     f"{f(r['estimate_gb'] if on_gpu else None, '.2f')} | {split} |")
+                     f"{f(r['estimate_gb'] if on_gpu else None, '.2f')} | {liger} | {split} |")
     first = next(iter(ab.values()))
     lines += ["", "generation of the sft policy, response tokens/s: "
               + "; ".join(f"{k} {v:,.0f} ({v / first:.2f}x)" for k, v in ab.items())]

@@ -132,6 +132,12 @@ def test_ppo_logs_every_iteration_with_shared_metric_names(e2e):
                 "rollout/response_length", "rollout/eos_fraction", "perf/episodes_per_s", "perf/tokens_per_s",
                 "objective/penalties", "policy/grad_norm", "value/grad_norm", "perf/generation_fraction"):
         assert all(key in r for r in rows), key
+    for r in rows:  # NeMo-RL's split of an iteration: every phase took time, together no more than the iteration
+        phases = [r[f"perf/{p}_seconds"] for p in ("weight_sync", "generation", "scoring", "training", "heldout")]
+        assert phases[0] == 0 and all(x > 0 for x in phases[1:]), phases  # the hf engine has nothing to sync
+        elapsed = r["perf/generation_seconds"] / r["perf/generation_fraction"]  # one process: the iteration
+        assert sum(phases) <= elapsed * 1.001, (phases, elapsed)
+        assert sum(phases) >= 0.8 * elapsed, (phases, elapsed)  # the split accounts for most of the iteration
     final = _manifest(e2e["run"], "ppo")["final_metrics"]
     assert final["ppo/iterations_run"] == 4 and "objective/scores_last" in final
 

@@ -97,7 +97,8 @@ class Batch:
     ref_logprobs: torch.Tensor
     values: torch.Tensor
     gap: dict[str, float] | None  # engine vs trainer log-probs (an engine that reports its own)
-    t_gen: float
+    t_gen: float  # seconds sampling (step 1)
+    t_score: float  # seconds scoring: reward, policy and reference log-probs, values (steps 2-3)
 
     @property
     def rmask(self) -> torch.Tensor:
@@ -183,6 +184,13 @@ def fix_reward_scale(s: PPORun) -> None:
             (s.scale.gain * w, s.scale.bias) if cfg.reward_normalization == "initial" else (w, 0.0))
 
 
+def now(device) -> float:
+    """time.time() once the device's queued work is done (GPU work is asynchronous: time what a phase really took)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.time()
+
+
 def collect(s: PPORun, it: int, t0: float, t_sync: float) -> Batch:
     """Steps 1-3: every process samples its slice of the global batch, scores it (normalised, less the missing-EOS
     penalty), and takes log-probs under policy and reference and values by a forward pass."""
@@ -190,9 +198,7 @@ def collect(s: PPORun, it: int, t0: float, t_sync: float) -> Batch:
     mine = s.stream.take(cfg.rollout_batch_size * s.world)[accelerator.process_index::s.world]
     prompts = [s.prompts[i] for i in mine]
     r = rollout(cfg, accelerator, s.engine, prompts, seed=s.ctx.seed * 7919 + it * s.world + accelerator.process_index)
-    if accelerator.device.type == "cuda":
-        torch.cuda.synchronize()  # GPU work is asynchronous: time what generation really took
-    t_gen = time.time() - t0
+    t_sampled = now(accelerator.device)
     with torch.no_grad():
         scores = s.scorer.score_rollout(r, prompts, s.tokenizer)
         if cfg.reward_normalization == "initial":
@@ -212,7 +218,8 @@ def collect(s: PPORun, it: int, t0: float, t_sync: float) -> Batch:
     # what the engine sampled with vs what PPO optimises (same tokens)
     gap = check_rollout(s.engine, r, logprobs, cfg.generation.max_logprob_gap,
                         f"stage '{s.ctx.name}' iteration {it + 1} (after a weight sync of {t_sync:.2f} s)")
-    return Batch(prompts, r, scores, scores_used - penalties, penalties, logprobs, ref_logprobs, values, gap, t_gen)
+    return Batch(prompts, r, scores, scores_used - penalties, penalties, logprobs, ref_logprobs, values, gap,
+                 t_sampled - t0, now(accelerator.device) - t_sampled)
 
 
 def advantages(s: PPORun, b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -238,8 +245,11 @@ def update(s: PPORun, it: int, b: Batch, adv: torch.Tensor, returns: torch.Tenso
 
 
 def iteration_metrics(s: PPORun, b: Batch, kl: torch.Tensor, beta: float, stats: dict[str, float],
-                      measured: HeldoutKL | None, t0: float, t_sync: float) -> dict[str, float]:
-    """One iteration's row of metrics.jsonl (names shared with the other online stages: docs/ARCHITECTURE.md)."""
+                      measured: HeldoutKL | None, t0: float, t_sync: float, split: dict[str, float]) -> dict[str, float]:
+    """One iteration's row of metrics.jsonl (names shared with the other online stages: docs/ARCHITECTURE.md).
+    `split`: this process's seconds per phase (NeMo-RL's split of an RL step): weight_sync (before the rollout and
+    before the held-out samples), generation, scoring, training (advantages and the PPO epochs), heldout (its
+    sampling and scoring)."""
     gather = s.accelerator.gather
     r, rmask = b.rollout, b.rmask
 
@@ -262,6 +272,8 @@ def iteration_metrics(s: PPORun, b: Batch, kl: torch.Tensor, beta: float, stats:
         "perf/episodes_per_s": s.cfg.rollout_batch_size * s.world / elapsed,
         "perf/tokens_per_s": gather(rmask.sum()).sum().item() / elapsed,
         "perf/generation_fraction": b.t_gen / elapsed,
+        **{f"perf/{phase}_seconds": mean(seconds) for phase, seconds in split.items()},
+        "perf/tokens_per_s_per_process": gather(rmask.sum()).sum().item() / elapsed / s.world,
         "perf/sequence_tokens": gather(r.attention_mask.sum()).sum().item(),  # prompt + response, no padding
         # of the tokens the rollout batch's scoring passes compute, padding: as run (packed), and as a padded batch
         "perf/padding_fraction": mean(computed_padding_fraction(s.accelerator.unwrap_model(s.model).policy,
@@ -331,18 +343,25 @@ def run(ctx: StageContext) -> dict[str, Any]:
         synced, over = True, None  # synced: the engine holds the weights the next rollout must sample from
         for it in range(s.start, cfg.iterations):
             t0 = time.time()
+            split = {"weight_sync": 0.0}
             if not synced:  # the engine samples from the weights the last update left
                 t_sync = sync_engine(engine, s.model, accelerator)
-            b = collect(s, it, t0, t_sync)  # 1-3
+                split["weight_sync"] = t_sync
+            b = collect(s, it, now(accelerator.device), t_sync)  # 1-3
+            t_trained = now(accelerator.device)
             kl, adv, returns = advantages(s, b)  # 4-5
             stats = update(s, it, b, adv, returns)  # 6
+            split.update(generation=b.t_gen, scoring=b.t_score, training=now(accelerator.device) - t_trained)
             beta, measured, synced = s.kl_ctl.value, None, False
             if s.heldout:  # 7. the KL after this update, on prompts never trained on (align/stages/ppo/budget.py)
+                t_heldout = time.time()
                 t_sync, synced = sync_engine(engine, s.model, accelerator), True
+                split["weight_sync"] += t_sync
                 measured = heldout_kl(cfg, accelerator, engine, s.model, s.reference, s.heldout,
                                       ctx.seed * 7919 + 1_299_709, f"stage '{ctx.name}' iteration {it + 1}, held-out "
                                       f"KL (after a weight sync of {t_sync:.2f} s)")
-            metrics = iteration_metrics(s, b, kl, beta, stats, measured, t0, t_sync)
+                split["heldout"] = now(accelerator.device) - t_heldout - t_sync
+            metrics = iteration_metrics(s, b, kl, beta, stats, measured, t0, t_sync, split)
             s.kl_ctl.update(measured.mean if measured else metrics["objective/kl"], cfg.rollout_batch_size * s.world)
             if b.gap is not None:
                 gaps.append(metrics["rollout/logprob_gap_max"])
@@ -391,5 +410,8 @@ def summarise(cfg: PPOStage, history: list[dict[str, float]], kl_ctl, start: int
             "perf/episodes_per_s": avg(history, "perf/episodes_per_s"),
             "perf/generation_fraction": avg(history, "perf/generation_fraction"),
             "perf/tokens_per_s": avg(history, "perf/tokens_per_s"),
+            "perf/tokens_per_s_per_process": avg(history, "perf/tokens_per_s_per_process"),
+            **{f"perf/{phase}_seconds": avg(history, f"perf/{phase}_seconds")
+               for phase in ("weight_sync", "generation", "scoring", "training", "heldout")},
             "perf/padding_fraction": avg(history, "perf/padding_fraction"),
             "train/skipped_step_fraction": avg(history, "train/skipped_step_fraction")}
