@@ -330,8 +330,6 @@ def make(gen, *, tokenizer, model_dir, seed=0, dtype="float32", max_model_len=51
 
 def node_placement(gen) -> Placement:
     """This process's engine placement, from the launcher's LOCAL_RANK / LOCAL_WORLD_SIZE and the GPUs it sees."""
-    import torch
-
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return place(int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), gpus,
                  memory_fraction=gen.gpu_memory_utilization)

@@ -9,7 +9,6 @@ from align.runtime.rows import load_rows
 from align.modeling.models import load_tokenizer
 from align.modeling.lora import peft_config
 from align.runtime.context import StageContext
-from align.modeling.packing import install_padding_free
 from align.runtime.trl import (check_lengths, eval_metrics, metrics_callback, train_with_resume, training_args,
                                padding_free)
 
@@ -33,9 +32,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     lora = peft_config(cfg.lora, "CAUSAL_LM")
     # With LoRA the reference is the base model with adapters disabled; otherwise a frozen copy.
     ref = None if lora is not None else ctx.load_lm(path, frozen=True)
-    padding_free(ctx, model)
-    if ref is not None and ctx.cfg.padding_free:
-        install_padding_free(ref)
+    padding_free(ctx, model, ref)
     trainer = DPOTrainer(model=model, ref_model=ref, args=args, processing_class=tokenizer,
                          train_dataset=Dataset.from_list(train),
                          eval_dataset=Dataset.from_list(test) if test else None,

@@ -22,16 +22,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from align.config.online_rl import OnlineRLStage
 from align.runtime.rows import load_rows, unique_prompts
 from align.judges import judge_weights
 from align.judges.pointwise import check_same_tokenizer, stage_judge
 from align.data.lengths import LengthReport, enforce
-from align.modeling.packing import install_padding_free
 from align.modeling.models import load_tokenizer
 from align.modeling.lora import peft_config
+from align.modeling.packing import install_padding_free
 from align.runtime.context import StageContext, StageError
 from align.runtime.trl import metrics_callback, online_rl_metric_name, padding_free, train_with_resume, training_args
 
@@ -99,13 +97,18 @@ class EngineRollouts:
 
     def completion_ids(self, prompt_ids: list[list[int]], trainer) -> list[list[int]]:
         """RLOOTrainer's `_generate_single_turn`: prompt ids (unpadded lists) -> completion ids."""
+        import torch  # heavy: stage processes only
+
         pad = self.tokenizer.pad_token_id
         width = max(len(p) for p in prompt_ids)
         q_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompt_ids], dtype=torch.long)
         q_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], dtype=torch.long)
         return completions(self.sample(q_ids, q_mask, trainer))
 
-    def sample(self, q_ids: torch.Tensor, q_mask: torch.Tensor, trainer):
+    def sample(self, q_ids, q_mask, trainer):
+        """One round: sync if an optimiser step passed, sample (B, Lq) left-padded prompt ids, check the first rows."""
+        import torch  # heavy: stage processes only
+
         from align.engines.base import check_gap, logprob_gap
         from align.modeling.generation import response_logprobs
 
@@ -216,7 +219,7 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
                       callbacks=[metrics_callback(ctx, online_rl_metric_name)],
                       peft_config=peft_config(cfg.lora, "CAUSAL_LM"), **sampling)
         if cfg.padding_free and getattr(trainer, "ref_model", None) is not None:  # TRL's own copy of the start
-            install_padding_free(trainer.ref_model)
+            install_padding_free(trainer.ref_model)  # (TRL builds it inside the trainer, after the policy)
         final = train_with_resume(ctx, trainer)
     finally:
         if rollouts is not None:
