@@ -60,9 +60,12 @@ def run_ppo_stage(cfg, inputs: dict[str, str]) -> tuple[dict[str, float], list[d
     tokens = sum(r["perf/tokens_per_s"] * batch / r["perf/episodes_per_s"] for r in timed)
     generating = sum(r["perf/generation_fraction"] * batch / r["perf/episodes_per_s"] for r in timed)
     syncing = sum(r.get("perf/sync_seconds", 0.0) for r in timed)  # a vLLM engine's weight sync; 0 for HF
+    # NeMo-RL's split of an iteration, seconds per iteration (held-out KL sampling under "heldout")
+    split = {p: sum(r.get(f"perf/{p}_seconds", 0.0) for r in timed) / len(timed)
+             for p in ("generation", "scoring", "training", "weight_sync", "heldout")}
     return ({"episodes": batch * len(timed), "seconds": seconds, "tokens": tokens,
              "generation_fraction": generating / seconds, "sync_seconds": syncing / len(timed),
-             "stage_seconds": wall}, rows, manifest)
+             "split": split, "stage_seconds": wall}, rows, manifest)
 
 
 def ours(run_dir: Path, prompts_card: str, args, value_init: str = "reward") -> dict[str, float]:

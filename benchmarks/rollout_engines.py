@@ -229,13 +229,14 @@ def main(argv: list[str] | None = None) -> None:
           f"M={args.mini_batch}, epochs={args.epochs}, L={args.max_new_tokens} tokens, LoRA={args.lora}, "
           f"{args.iterations - 1} timed iterations")
     print("| PPO engine | episodes/s | response tokens/s | generating | sync s/iteration | max log-prob gap | "
-          "engine start-up s |")
-    print("|---|---|---|---|---|---|---|")
+          "engine start-up s | split, s/iteration: generation / scoring / training / sync / held-out |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in results["ppo"].items():
         gap = f"{r['logprob_gap_max']:.1e}" if r["logprob_gap_max"] is not None else "-"
         start = f"{r['startup_seconds']:.0f}" if r["startup_seconds"] is not None else "-"
         print(f"| {name} | {r['episodes'] / r['seconds']:.3f} | {r['tokens'] / r['seconds']:.1f} | "
-              f"{r['generation_fraction']:.0%} | {r['sync_seconds']:.2f} | {gap} | {start} |")
+              f"{r['generation_fraction']:.0%} | {r['sync_seconds']:.2f} | {gap} | {start} | "
+              f"{' / '.join(format(v, '.2f') for v in r['split'].values())} |")
     hf, vl = results["ppo"]["hf"], results["ppo"]["vllm"]
     ratio = (vl["episodes"] / vl["seconds"]) / (hf["episodes"] / hf["seconds"])
     results["ppo_speedup"] = ratio

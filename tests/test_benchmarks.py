@@ -75,6 +75,13 @@ def test_rollout_engines_benchmark_runs_in_its_tiny_mode(tmp_path):
     assert r["ppo"]["hf"]["logprob_gap_max"] is None and r["ppo"]["hf"]["sync_seconds"] == 0
     assert 0 <= r["ppo"]["vllm"]["logprob_gap_max"] < 1e-3 and r["ppo"]["vllm"]["sync_seconds"] > 0
     assert r["ppo"]["vllm"]["startup_seconds"] > 0
+    split = r["ppo"]["vllm"]["split"]  # NeMo-RL's split: every phase took time, the vLLM engine's sync too
+    assert all(split[p] > 0 for p in ("generation", "scoring", "training", "weight_sync")), split
+    for mode in ("full", "lora"):  # the weight sync side by side: both transports correct, LoRA's shared one smaller
+        sync = r["sync"][mode]
+        assert all(sync[how]["max_logprob_gap"] < 1e-3 and sync[how]["seconds"] > 0 for how in ("file", "shared"))
+    assert r["sync"]["lora"]["shared"]["bytes"] < r["sync"]["lora"]["file"]["bytes"]
+    assert r["sync"]["full"]["shared"]["bytes"] == r["sync"]["full"]["file"]["bytes"]
     assert "| vllm |" in proc.stdout and "vllm / hf" in proc.stdout
 
 
