@@ -25,7 +25,7 @@ from align.config.ppo import PPOStage
 from align.runtime.rows import load_rows, unique_prompts
 from align.engines.base import RolloutEngine, check_rollout, nan_max
 from align.modeling.generation import Rollout, response_logprobs
-from align.modeling.packing import computed_padding_fraction, padding_fraction, set_padding_free
+from align.modeling.packing import set_padding_free
 from align.judges import judge_weights
 from align.modeling.losses import gae, kl_estimate, masked_whiten, token_rewards
 from align.modeling.models import load_causal_lm, load_tokenizer, unsharded_loading
@@ -36,6 +36,7 @@ from align.stages.ppo.rollouts import fit_reward_scale, open_engine, rollout, sy
 from align.stages.ppo.checkpoint import resume, restore_history, save_checkpoint
 from align.stages.ppo.optim import disable_deepspeed_clipping
 from align.stages.ppo.update import ppo_update
+from align.stages.ppo.metrics import iteration_metrics, summarise
 from align.stages.ppo.models import load_frozen, load_trained
 from align.judges.pointwise import RewardModelJudge, WeightedJudge, build_judge
 from align.stages.ppo.state import (AdaptiveKLController, FixedKLController, PIKLController, PromptStream,
@@ -244,52 +245,6 @@ def update(s: PPORun, it: int, b: Batch, adv: torch.Tensor, returns: torch.Tenso
                       r.query_ids.size(1), b.logprobs, b.values, adv, returns)
 
 
-def iteration_metrics(s: PPORun, b: Batch, kl: torch.Tensor, beta: float, stats: dict[str, float],
-                      measured: HeldoutKL | None, t0: float, t_sync: float, split: dict[str, float]) -> dict[str, float]:
-    """One iteration's row of metrics.jsonl (names shared with the other online stages: docs/ARCHITECTURE.md).
-    `split`: this process's seconds per phase (NeMo-RL's split of an RL step): weight_sync (before the rollout and
-    before the held-out samples), generation, scoring, training (advantages and the PPO epochs), heldout (its
-    sampling and scoring)."""
-    gather = s.accelerator.gather
-    r, rmask = b.rollout, b.rmask
-
-    def mean(x: float) -> float:  # over processes, reduced on the accelerator's device (NCCL takes no CPU tensor)
-        return s.accelerator.reduce(torch.tensor(x, device=s.accelerator.device), "mean").item()
-
-    elapsed = time.time() - t0
-    seq_kl = gather(kl.sum(1)).mean().item()
-    non_score = gather((-beta * kl).sum(1)).mean().item()
-    used = gather(b.scores_used).mean().item()
-    scores = gather(b.scores)
-    metrics = {
-        "objective/scores": scores.mean().item(), "objective/scores_std": scores.std().item(),
-        "objective/normalized_scores": gather(b.scores_used + b.penalties).mean().item(),
-        "objective/penalties": gather(b.penalties).mean().item(),
-        "objective/kl": seq_kl, "objective/kl_coef": beta, "objective/non_score_reward": non_score,
-        "objective/rlhf_reward": used + non_score,
-        "rollout/response_length": gather(rmask.sum(1)).mean().item(),
-        "rollout/eos_fraction": gather(r.eos_found.float()).mean().item(),
-        "perf/episodes_per_s": s.cfg.rollout_batch_size * s.world / elapsed,
-        "perf/tokens_per_s": gather(rmask.sum()).sum().item() / elapsed,
-        "perf/generation_fraction": b.t_gen / elapsed,
-        **{f"perf/{phase}_seconds": mean(seconds) for phase, seconds in split.items()},
-        "perf/tokens_per_s_per_process": gather(rmask.sum()).sum().item() / elapsed / s.world,
-        "perf/sequence_tokens": gather(r.attention_mask.sum()).sum().item(),  # prompt + response, no padding
-        # of the tokens the rollout batch's scoring passes compute, padding: as run (packed), and as a padded batch
-        "perf/padding_fraction": mean(computed_padding_fraction(s.accelerator.unwrap_model(s.model).policy,
-                                                                r.attention_mask)),
-        "perf/padding_fraction_unpacked": mean(padding_fraction(r.attention_mask)),
-        "train/learning_rate": s.optimizer.param_groups[0]["lr"], **stats,
-        **(measured.metrics() if measured else {}),
-    }
-    if b.gap is not None:
-        metrics["rollout/logprob_gap_mean"] = mean(b.gap["mean"])
-        metrics["rollout/logprob_gap_max"] = s.accelerator.reduce(
-            torch.tensor(b.gap["max"], device=s.accelerator.device), "max").item()
-        metrics["perf/sync_seconds"] = t_sync
-    return metrics
-
-
 def after_iteration(s: PPORun, it: int, b: Batch) -> None:
     """Sample table to the tracker every `sample_every` iterations; a checkpoint every `save_every`."""
     cfg, ctx = s.cfg, s.ctx
@@ -386,32 +341,3 @@ def run(ctx: StageContext) -> dict[str, Any]:
             out["rollout/logprob_gap_max"] = nan_max(gaps)
             out["perf/sync_seconds"] = sum(engine.sync_seconds) / max(1, len(engine.sync_seconds))
         return out
-
-
-def summarise(cfg: PPOStage, history: list[dict[str, float]], kl_ctl, start: int) -> dict[str, Any]:
-    """Final figures for the manifest: score at the start and end of training (over the whole run, also after a
-    resume: history is restored from metrics.jsonl), KL and beta."""
-    if not history:
-        raise RuntimeError(f"PPO ran no iteration (iterations={cfg.iterations}, resumed at {start})")
-    k = max(1, len(history) // 5)
-    first, last = history[:k], history[-k:]
-
-    def avg(rows, key):
-        rows = [r for r in rows if key in r]
-        return sum(r[key] for r in rows) / len(rows) if rows else None
-
-    return {"ppo/iterations_run": len(history), "ppo/resumed_from_iteration": start,
-            "objective/scores_first": avg(first, "objective/scores"),
-            "objective/scores_last": avg(last, "objective/scores"),
-            "objective/kl_last": avg(last, "objective/kl"), "objective/kl_coef_final": kl_ctl.value,
-            "heldout/kl_last": history[-1].get("heldout/kl"),
-            "objective/kl_target": cfg.kl.target if cfg.kl.adaptive else None,
-            "rollout/eos_fraction_last": avg(last, "rollout/eos_fraction"),
-            "perf/episodes_per_s": avg(history, "perf/episodes_per_s"),
-            "perf/generation_fraction": avg(history, "perf/generation_fraction"),
-            "perf/tokens_per_s": avg(history, "perf/tokens_per_s"),
-            "perf/tokens_per_s_per_process": avg(history, "perf/tokens_per_s_per_process"),
-            **{f"perf/{phase}_seconds": avg(history, f"perf/{phase}_seconds")
-               for phase in ("weight_sync", "generation", "scoring", "training", "heldout")},
-            "perf/padding_fraction": avg(history, "perf/padding_fraction"),
-            "train/skipped_step_fraction": avg(history, "train/skipped_step_fraction")}
