@@ -300,6 +300,17 @@ class StageContext:
         (path / ADAPTER_BASE).write_text(json.dumps(record) + "\n")
 
     # ------------------------------------------------------------------ manifest
+    def note_engine(self, engine) -> None:
+        """Record a started rollout engine in the manifest (what its `describe()` says; nothing for one that describes
+        nothing, the hf engine) and say on the main process that it started, and where its log is."""
+        described = engine.describe()
+        if not described:
+            return
+        self.note(engine=described)
+        if self.is_main:
+            print(f"[align] {self.name}: {engine.name} {described.get('version', '')} engine started in "
+                  f"{described.get('startup_seconds', 0):.0f} s (log: {engine.log_path})", flush=True)
+
     def note(self, **values: Any) -> None:
         """Record values in the manifest now, while the stage runs (e.g. a score normalisation's gain and bias, so a
         killed attempt's manifest still says what it fixed)."""

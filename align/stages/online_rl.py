@@ -181,12 +181,7 @@ def open_engine(ctx: StageContext, cfg: OnlineRLStage, tokenizer, path: str) -> 
     engine = make_engine(cfg.generation, model=None, tokenizer=tokenizer, model_dir=path, seed=ctx.seed * 7919 + rank,
                          dtype=ctx.compute.engine_dtype(), max_model_len=cfg.max_length + 1,
                          log_path=ctx.dir / f"engine.rank{rank}.log", rank=rank, device=ctx.state.device)
-    described = engine.describe()
-    if described:
-        ctx.note(engine=described)
-        if ctx.is_main:
-            print(f"[align] {ctx.name}: {engine.name} {described.get('version', '')} engine started in "
-                  f"{described.get('startup_seconds', 0):.0f} s (log: {engine.log_path})", flush=True)
+    ctx.note_engine(engine)
     return EngineRollouts(ctx, cfg, engine, tokenizer)
 
 

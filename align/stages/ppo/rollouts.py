@@ -48,12 +48,7 @@ def open_engine(ctx: StageContext, cfg: PPOStage, accelerator, model, tokenizer,
                          max_model_len=cfg.max_prompt_length + cfg.generation.max_new_tokens + 1,
                          log_path=ctx.dir / f"engine.rank{accelerator.process_index}.log",
                          rank=accelerator.process_index, device=accelerator.device)
-    described = engine.describe()
-    if described:
-        ctx.note(engine=described)
-        if accelerator.is_main_process:
-            print(f"[align] {ctx.name}: {engine.name} {described.get('version', '')} engine started in "
-                  f"{described.get('startup_seconds', 0):.0f} s (log: {engine.log_path})", flush=True)
+    ctx.note_engine(engine)
     return engine
 
 
