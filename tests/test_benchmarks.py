@@ -103,6 +103,19 @@ def test_padding_free_benchmark_runs_in_its_tiny_mode(tmp_path):
     assert r["dpo padding-free"]["padding"] < r["dpo padding-free"]["unpacked"]
 
 
+def test_fused_head_benchmark_runs_in_its_tiny_mode():
+    """benchmarks/fused_head.py --tiny: PPO's training pass with the fused head off and on, each in its own process;
+    both time their passes and report memory, and their log-probs agree."""
+    from importlib import util
+
+    spec = util.spec_from_file_location("fused_head_bench", REPO / "benchmarks" / "fused_head.py")
+    bench = util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    r = bench.main(["--tiny"])
+    assert r["gap"] < 1e-4
+    assert all(r[mode]["seconds"] > 0 and r[mode]["peak_mb"] > 0 for mode in ("off", "on"))
+
+
 def test_gpu_proof_script_runs_end_to_end_in_its_cpu_dry_run(tmp_path):
     """benchmarks/gpu_proof.sh --dry-run: the script a lent GPU runs, on the CPU at tiny sizes, every step of it: the
     1B Llama-3 shape (shrunk) through every stage with SFT packed, the default pipeline with DPO under ZeRO-3 on one

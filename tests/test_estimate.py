@@ -318,6 +318,30 @@ def test_ppo_counts_the_whole_policy_gathered_under_zero3_and_not_with_layer_gat
     assert est.parts["zero3"]["generation"] == 2_155_692_032
 
 
+def test_ppos_fused_head_holds_one_chunk_of_logits_on_gpus_except_under_zero3(llama8b):
+    """8B PPO under ZeRO-2 on GPUs: with fused_head auto the policy holds 1,024 tokens' fp32 logits and their gradient
+    (8 bytes x 1,024 x 128,256) instead of the micro-batch's (8 x b x s x 128,256); off, or under ZeRO-3 (the head is
+    partitioned there, so the stage computes whole logits), the whole micro-batch's."""
+    import dataclasses
+
+    from align.orchestrator.estimate import estimate_stage
+    from align.orchestrator.hardware import hardware
+
+    cfg, _, shapes = llama8b
+    hw = hardware(cfg)
+    ppo = cfg.stages["ppo"]
+    b, s = ppo.workload()[:2]
+    assert ppo.fused_head == "auto" and b * s > 1024
+    fused = estimate_stage("ppo", ppo, cfg.stages, shapes, "zero2", 8, cfg.dtype, hw.gpu_memory)
+    off = estimate_stage("ppo", dataclasses.replace(ppo, fused_head="off"), cfg.stages, shapes, "zero2", 8,
+                         cfg.dtype, hw.gpu_memory)
+    want = 8 * (b * s - 1024) * L8["vocab"]
+    assert off.parts["zero2"]["activations"] - fused.parts["zero2"]["activations"] == want
+    assert off.parts["zero3"]["activations"] == fused.parts["zero3"]["activations"]
+    cpu = estimate_stage("ppo", ppo, cfg.stages, shapes, "zero2", 8, cfg.dtype, None)  # auto: off on a CPU
+    assert cpu.parts["zero2"]["activations"] == off.parts["zero2"]["activations"]
+
+
 def test_a_reward_model_grpo_calls_from_python_is_whole_on_every_gpu_where_ppos_is_sharded(llama8b):
     """GRPO scores completions with the reward model from a Python reward function: it is loaded whole on every GPU
     (align/stages/online_rl.py), so ZeRO-3 does not shard it; PPO's reward model is DeepSpeed-prepared and sharded."""

@@ -28,7 +28,8 @@ def e2e(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
     for name in ("pipelines", "data_cards"):
         (root / name).symlink_to(REPO / name)
-    args = ["run", "pipelines/default.yaml", "--run-id", "e2e", "tracking.wandb=offline", *TINY]
+    # PPO with the fused LM head (auto keeps it off on a CPU; every other PPO run in the suite takes the logits path)
+    args = ["run", "pipelines/default.yaml", "--run-id", "e2e", "tracking.wandb=offline", *TINY, "ppo.fused_head=on"]
     t0 = time.time()
     proc = run_align(*args, cwd=root, env={"WANDB_API_KEY": FAKE_WANDB_KEY, "HF_TOKEN": FAKE_HF_TOKEN})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -140,6 +141,7 @@ def test_ppo_logs_every_iteration_with_shared_metric_names(e2e):
         assert sum(phases) >= 0.8 * elapsed, (phases, elapsed)  # the split accounts for most of the iteration
     final = _manifest(e2e["run"], "ppo")["final_metrics"]
     assert final["ppo/iterations_run"] == 4 and "objective/scores_last" in final
+    assert _manifest(e2e["run"], "ppo")["kernels"] == {"fused_head": {"policy": True, "reference": True}}
 
 
 def test_offline_wandb_run_per_stage(e2e):

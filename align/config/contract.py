@@ -262,6 +262,11 @@ class StageBase:
         then counts one whole 16-bit copy of it)."""
         return False
 
+    def logit_tokens(self, mode: str, on_gpu: bool) -> int | None:
+        """How many tokens' logits the trained policy holds at once under DeepSpeed `mode` (the estimate's logits
+        term): None = the whole micro-batch's."""
+        return None
+
     def length_check(self, fld: str) -> tuple[LengthRule, int, float] | None:
         """How over-long rows of the card in `fld` are treated: (rule, the length bound, the largest fraction that may
         be affected), counted by `align validate` and again at the stage's start; None: not counted."""

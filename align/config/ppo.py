@@ -13,6 +13,9 @@ from align.judges import judge_weights
 from align.data.lengths import DROPS_LONG_PROMPTS, LengthRule
 from align.core.schema import one_of, ranged
 
+FUSED_HEAD_CHUNK = 1024
+"""Tokens per chunk of PPO's fused head (align/modeling/fused_head.py), here so the estimate reads it without torch."""
+
 
 @dataclass
 class KLSettings:
@@ -143,6 +146,14 @@ class PPOStage(StageBase):
     query row of left padding attending to nothing: those gave NaN gradients under CUDA's SDPA kernels in bf16);
     log-probs, values and gradients equal the padded path's (tests/test_packing.py). A family whose forward cannot
     read packed positions (OPT) runs padded whatever this says."""
+    fused_head: str = one_of("auto", "auto", "on", "off")
+    """Log-probs and entropies of the policy and the reference straight from the last hidden state, 1,024 tokens at a
+    time, never holding the batch's (tokens x vocabulary) logits, recomputed in the backward pass
+    (align/modeling/fused_head.py): at 8B with a 128k vocabulary 0.5 GB of fp32 logits a copy instead of 4 GB per
+    8,192 response tokens, for one more LM-head matmul per backward. auto = on a GPU wherever it is exact (a plain
+    Linear head, not partitioned by ZeRO-3, nothing after the head such as logit soft-capping), off on a CPU (slower
+    there: docs/benchmarks.md); on = wherever exact (refused where it is not); off = the logits as before. Not measured
+    on a GPU by this project yet."""
     save_every: int = ranged(10, ge=1)
     """Checkpoint every N iterations."""
     save_total_limit: int = ranged(2, ge=1)
@@ -160,6 +171,12 @@ class PPOStage(StageBase):
     the policy's base with its adapters disabled, and with value_init: reward the reward model is the value model's
     base with its adapters disabled, so no extra copy of either is held. `model/` holds the policy's adapters beside
     their base's name, or with `merge` the merged policy."""
+
+    def logit_tokens(self, mode: str, on_gpu: bool) -> int | None:
+        """The fused head's chunk where `fused_head` applies (auto: on a GPU; never when ZeRO-3 partitions the head)."""
+        if self.fused_head == "off" or (self.fused_head == "auto" and not on_gpu) or mode.startswith("zero3"):
+            return None
+        return FUSED_HEAD_CHUNK
 
     def check(self, ctx: CheckContext) -> None:
         ctx.check_judge("reward", self.reward)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from align.modeling.compute import FAST_PAD_MULTIPLE
+from align.modeling.fused_head import head_logprobs, use_fused_head
 from align.modeling.losses import logprobs_and_entropy, logprobs_from_logits, response_mask_after_eos
 from align.modeling.packing import base_and_backbone, pack, pack_capacity, packs, position_ids, unwrapped_model
 
@@ -166,15 +167,38 @@ def response_logprobs(model, rollout: Rollout, temperature: float = 1.0, with_en
 def sequence_logprobs(model, ids: torch.Tensor, mask: torch.Tensor, query_len: int, temperature: float = 1.0,
                       with_entropy: bool = False):
     """Log-probs (B, Lr) of the response part `ids[:, query_len:]` of (B, Lq + Lr) sequences, and their
-    entropies if asked (from response_logits)."""
-    logits, _ = response_logits(model, ids, mask, query_len, temperature)
-    if with_entropy:
-        return logprobs_and_entropy(logits, ids[:, query_len:])
-    return logprobs_from_logits(logits, ids[:, query_len:])
+    entropies if asked (from response_scores)."""
+    logprobs, entropy, _ = response_scores(model, ids, mask, query_len, temperature, with_entropy)
+    return (logprobs, entropy) if with_entropy else logprobs
+
+
+def response_scores(model, ids: torch.Tensor, mask: torch.Tensor, query_len: int, temperature: float = 1.0,
+                    with_entropy: bool = False, with_hidden: bool = False):
+    """Per-token log-probs (B, Lr) of the response part `ids[:, query_len:]` of (B, Lq + Lr) sequences under the
+    sampling temperature, their entropies (None unless asked) and the LM head's input at those positions (None unless
+    asked: PPO's shared value head reads it). With the fused head on for this process and exact for this model
+    (align/modeling/fused_head.py) the log-probs come from the hidden states a chunk of tokens at a time, and
+    positions whose token is padding get 0; otherwise from response_logits. Every caller masks padding."""
+    head = unwrapped_model(model).get_output_embeddings()
+    if not use_fused_head(base_and_backbone(model)[0], head):
+        logits, hidden = response_logits(model, ids, mask, query_len, temperature, with_hidden=with_hidden)
+        targets = ids[:, query_len:]
+        if with_entropy:
+            return (*logprobs_and_entropy(logits, targets), hidden)
+        return logprobs_from_logits(logits, targets), None, hidden
+    _, hidden = response_logits(model, ids, mask, query_len, head_inputs=True)
+    real = mask[:, query_len:].bool()
+    logprobs, entropy = head_logprobs(hidden[real], head.weight, head.bias, ids[:, query_len:][real], temperature,
+                                      with_entropy)
+
+    def spread(values):  # (N,) at the real positions -> (B, Lr), 0 at padding; differentiable
+        return values.new_zeros(real.shape).index_put((real,), values)
+
+    return spread(logprobs), (spread(entropy) if with_entropy else None), (hidden if with_hidden else None)
 
 
 def response_logits(model, ids: torch.Tensor, mask: torch.Tensor, query_len: int, temperature: float = 1.0,
-                    with_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    with_hidden: bool = False, head_inputs: bool = False):
     """Logits (B, Lr, V) that predict the response tokens `ids[:, query_len:]` of (B, Lq + Lr) sequences, divided by
     the sampling temperature (so the log-probs are those of the sampling policy), and with `with_hidden` the last
     hidden state (B, Lr, H) at the same positions (the state before each response token: PPO's shared value head
@@ -182,22 +206,40 @@ def response_logits(model, ids: torch.Tensor, mask: torch.Tensor, query_len: int
     (soft-capping, logit scaling) is kept. Only the positions that predict response tokens go through the LM head:
     the prompt's logits would be computed and thrown away (the head of a 49k-token vocabulary is a fifth of
     SmolLM2's forward). A padded batch runs padding-free (align/modeling/packing.py); positions whose next token is
-    padding get logits 0 (and hidden states 0): every caller masks them."""
+    padding get logits 0 (and hidden states 0): every caller masks them. With `head_inputs` the head computes
+    nothing: (None, the head's input (B, Lr, H) at those positions), for the fused head."""
     if packs(model, mask):
-        return _packed_response_logits(model, ids, mask, query_len, temperature, with_hidden)
+        return _packed_response_logits(model, ids, mask, query_len, temperature, with_hidden, head_inputs)
     keep = ids.size(1) - query_len + 1  # the logit at t predicts token t + 1: positions query_len - 1 .. T - 1
     extra = {"output_hidden_states": True} if with_hidden else {}
-    if takes_logits_to_keep(model):
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), logits_to_keep=keep, **extra)
-        logits = out.logits
-    else:
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), **extra)
-        logits = out.logits[:, -keep:]
+    grabbed: list[torch.Tensor] = []
+    head = unwrapped_model(model).get_output_embeddings()
+    handle = head.register_forward_pre_hook(_grab(grabbed, lambda h: h[:, -keep:])) if head_inputs else None
+    try:
+        if takes_logits_to_keep(model):
+            out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), logits_to_keep=keep,
+                        **extra)
+        else:
+            out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), **extra)
+    finally:
+        if handle is not None:
+            handle.remove()
+    if head_inputs:
+        return None, grabbed[0][:, :-1]
     hidden = out.hidden_states[-1][:, query_len - 1:-1] if with_hidden else None  # the final (normed) layer's
-    return logits[:, :-1] / temperature, hidden
+    return out.logits[:, -keep:][:, :-1] / temperature, hidden
 
 
-def _packed_response_logits(model, ids, mask, query_len, temperature, with_hidden):
+def _grab(store: list, pick):
+    """A forward pre-hook for the LM head that keeps pick(its input) in `store` and lets the head compute nothing
+    (a zero-length slice of its input), so the family's forward still runs to the end."""
+    def hook(_module, args):
+        store.append(pick(args[0]))
+        return (args[0][..., :0, :], *args[1:])
+    return hook
+
+
+def _packed_response_logits(model, ids, mask, query_len, temperature, with_hidden, head_inputs=False):
     """response_logits of a padded batch, computed padding-free. The LM head sees only the packed positions whose
     next token is a response token (a pre-hook on the output embeddings picks them from the (R, W, H) hidden
     states, so the family's own forward still applies what follows its head)."""
@@ -208,7 +250,9 @@ def _packed_response_logits(model, ids, mask, query_len, temperature, with_hidde
     at = (p.where[0][wanted], p.where[1][wanted])
     rows, cols = p.rows[wanted], p.cols[wanted] - (query_len - 1)
     head = unwrapped_model(model).get_output_embeddings()
-    handle = head.register_forward_pre_hook(lambda _m, args: (args[0][at][None], *args[1:]))
+    grabbed: list[torch.Tensor] = []
+    hook = _grab(grabbed, lambda h: h[at]) if head_inputs else (lambda _m, args: (args[0][at][None], *args[1:]))
+    handle = head.register_forward_pre_hook(hook)
     try:
         # use_cache=False: transformers reads packed sequences from positions only without a cache
         out = model(input_ids=p.ids, position_ids=p.position_ids, output_hidden_states=with_hidden, use_cache=False,
@@ -216,6 +260,10 @@ def _packed_response_logits(model, ids, mask, query_len, temperature, with_hidde
     finally:
         handle.remove()
     b, lr = ids.size(0), ids.size(1) - query_len
+    if head_inputs:
+        hidden = grabbed[0].new_zeros((b, lr, grabbed[0].size(-1)))
+        hidden[rows, cols] = grabbed[0]
+        return None, hidden
     logits = out.logits[0].new_zeros((b, lr, out.logits.size(-1)))
     logits[rows, cols] = out.logits[0]
     hidden = None

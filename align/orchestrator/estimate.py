@@ -144,15 +144,16 @@ def frozen_bytes(mode: str, params: int, largest_layer: int, gpus: int, dtype_by
     return dtype_bytes * params
 
 
-def activation_bytes(shape: ModelShape, batch: int, seq: int, logits: bool = True, checkpointing: bool = False) -> int:
+def activation_bytes(shape: ModelShape, batch: int, seq: int, logits: bool = True, checkpointing: bool = False,
+                     logit_tokens: int | None = None) -> int:
     """One micro-batch's activations kept for backward (Korthikanti et al. 2022, eq. 1) plus, for a language model,
-    the fp32 logits and their gradient (a scalar head's output is negligible). With gradient checkpointing (full
-    recomputation, Korthikanti et al. sec. 4) only each layer's 16-bit input is kept (2sbh bytes per layer), plus
-    one layer's activations while it is recomputed."""
+    the fp32 logits and their gradient (a scalar head's output is negligible) of every token, or of `logit_tokens`
+    (PPO's fused head: one chunk). With gradient checkpointing (full recomputation, Korthikanti et al. sec. 4) only
+    each layer's 16-bit input is kept (2sbh bytes per layer), plus one layer's activations while it is recomputed."""
     s, b, h, a = seq, batch, shape.hidden, shape.heads
     per_layer = s * b * h * (34 + 5 * a * s / h)
     kept = shape.layers * 2 * s * b * h + per_layer if checkpointing else shape.layers * per_layer
-    return int(kept) + (8 * s * b * shape.vocab if logits else 0)
+    return int(kept) + (8 * min(s * b, logit_tokens or s * b) * shape.vocab if logits else 0)
 
 
 def kv_cache_bytes(shape: ModelShape, batch: int, seq: int, dtype_bytes: int) -> int:
@@ -271,12 +272,13 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
         parts = {"trained_states": 0, "frozen_weights": 0, "activations": 0, "generation": 0, "rollout_gather": 0,
                  "overhead": OVERHEAD_BYTES}
         if trained:  # trained models share one engine (PPO: policy + value)
+            chunk = stage.logit_tokens(m, gpu_memory is not None)
             parts["trained_states"] = model_state_bytes(m, sum(trained_params.values()), largest, n)
-            parts["activations"] = sum(activation_bytes(h.shape, train_b, train_s, h.role == "policy", ckpt)
+            parts["activations"] = sum(activation_bytes(h.shape, train_b, train_s, h.role == "policy", ckpt, chunk)
                                        for h in trained)
             if m == mode and not ckpt and hasattr(stage, "gradient_checkpointing"):
-                saved = parts["activations"] - sum(activation_bytes(h.shape, train_b, train_s, h.role == "policy", True)
-                                                   for h in trained)
+                saved = parts["activations"] - sum(activation_bytes(h.shape, train_b, train_s, h.role == "policy", True,
+                                                                    chunk) for h in trained)
                 est.with_checkpointing = -saved  # filled in below, once the total is known
         parts["frozen_weights"] = sum(
             qlora_base_bytes(h.shape) if h.trained and lora.quantize == "4bit"

@@ -25,7 +25,8 @@ from align.config.ppo import PPOStage
 from align.runtime.rows import load_rows, unique_prompts
 from align.engines.base import RolloutEngine, check_rollout, nan_max
 from align.modeling.generation import Rollout, response_logprobs
-from align.modeling.packing import set_padding_free
+from align.modeling.fused_head import set_fused_head, use_fused_head
+from align.modeling.packing import base_and_backbone, set_padding_free, unwrapped_model
 from align.judges import judge_weights
 from align.modeling.losses import gae, kl_estimate, masked_whiten, token_rewards
 from align.modeling.models import load_causal_lm, load_tokenizer, unsharded_loading
@@ -161,6 +162,7 @@ def setup(ctx: StageContext) -> PPORun:
                                    {"params": groups["value"], "lr": cfg.value_learning_rate}], eps=1e-5)
     model, optimizer = accelerator.prepare(model, optimizer)
     reference, reward_fns = load_frozen(ctx, cfg, accelerator, accelerator.unwrap_model(model), pad_id, reward_stages)
+    ctx.note(kernels={"fused_head": fused_head(cfg, accelerator.unwrap_model(model).policy, reference)})
     scorer = build_judge(cfg.reward, lambda n: RewardModelJudge(n, reward_fns[n], tokenizer) if n in reward_fns else None)
     s = PPORun(ctx, cfg, accelerator, tokenizer, policy_path, prompts, heldout, model, optimizer, groups, reference,
                scorer, kl_controller(cfg), reward_stages, stream=PromptStream(len(prompts), ctx.seed))
@@ -168,6 +170,17 @@ def setup(ctx: StageContext) -> PPORun:
                      trainable_only=cfg.lora.enabled)
     accelerator.unwrap_model(model).eval()  # dropout is off anyway; eval() keeps train-only code out of the forward
     return s
+
+
+def fused_head(cfg: PPOStage, policy, reference) -> dict[str, bool]:
+    """Resolve the `fused_head` setting for the policy and the reference (align/modeling/fused_head.py), refusing
+    `on` where it is not exact before any rollout: what each model's log-probs are computed with."""
+    set_fused_head(cfg.fused_head)
+    try:
+        return {name: use_fused_head(base_and_backbone(m)[0], unwrapped_model(m).get_output_embeddings())
+                for name, m in (("policy", policy), ("reference", reference))}
+    except ValueError as e:
+        raise StageError(str(e)) from None
 
 
 def fix_reward_scale(s: PPORun) -> None:

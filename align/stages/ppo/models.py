@@ -9,8 +9,7 @@ from functools import partial
 import torch
 
 from align.config.ppo import PPOStage
-from align.modeling.generation import response_logits, scalar_outputs
-from align.modeling.losses import logprobs_and_entropy, logprobs_from_logits
+from align.modeling.generation import response_scores, scalar_outputs
 from align.modeling.models import disable_dropout
 from align.modeling.lora import add_adapters, without_peft
 from align.runtime.context import StageContext
@@ -48,16 +47,12 @@ class PolicyAndValue(torch.nn.Module):
         """Per-token log-probs, entropies (None unless asked) and values (None unless asked: the held-out KL needs
         the policy alone, and a separate value model's forward costs as much as the policy's) of the response part.
         ids, mask: (B, Lq + Lr). The value at t is V(state before response token t). One forward of the policy gives
-        its logits at the response positions (response_logits) and, with the shared head, the hidden state it reads.
+        its log-probs at the response positions (response_scores) and, with the shared head, the hidden state it reads.
         Through the DeepSpeed engine (ZeRO-3 included) a forward that skips the value model just leaves its
         partitions ungathered."""
         shared = self.value_head is not None and with_values
-        logits, hidden = response_logits(self.policy, ids, mask, query_len, temperature, with_hidden=shared)
-        targets = ids[:, query_len:]
-        if with_entropy:
-            logprobs, entropy = logprobs_and_entropy(logits, targets)
-        else:
-            logprobs, entropy = logprobs_from_logits(logits, targets), None
+        logprobs, entropy, hidden = response_scores(self.policy, ids, mask, query_len, temperature, with_entropy,
+                                                    with_hidden=shared)
         if shared:
             return logprobs, entropy, self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
         if not with_values:
