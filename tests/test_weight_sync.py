@@ -1,8 +1,11 @@
 """What a weight sync sends (align/engines/weight_sync.py) and the shared bucket it travels through, without vLLM.
 
-The bucket is the CPU stand-in for CUDA IPC: the trainer's side (SharedBucket.pieces) is read here by the engine's own
-reader (align/engines/vllm_side/align_vllm_worker.bucket_tensors, which imports only torch), over a real shared file
-and a real pipe, with buckets smaller than the tensors: every tensor must arrive bit for bit.
+The bucket in /dev/shm is the CPU stand-in for the CUDA IPC one (the same protocol; only the buffer differs): the
+trainer's side (Bucket.pieces) is read here by the engine's own code (align/engines/vllm_side: the server opens the
+bucket the trainer's message names, the worker's bucket_tensors copies out of it; both import only torch), over a
+real shared file and a real pipe, with buckets smaller than the tensors: every tensor must arrive bit for bit. What
+only a GPU runs (the CUDA buffer and its handle) is tested here as far as a CPU can: the choice of bucket, and how
+the engine finds the trainer's GPU among its own.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ import torch
 
 from conftest import REPO
 
-from align.engines.weight_sync import SharedBucket, engine_entries, groups, policy_state_for_engine
+from align.engines.weight_sync import SharedBucket, bucket_kind, engine_entries, groups, policy_state_for_engine
 
 SEED = 2718
 sys.path.insert(0, str(REPO / "align" / "engines" / "vllm_side"))
+import align_vllm_server  # noqa: E402  (the engine's process, which opens the bucket)
 import align_vllm_worker  # noqa: E402  (the engine side's reader, by the name vLLM loads it)
 
 
@@ -97,10 +101,8 @@ def test_the_shared_bucket_carries_every_tensor_bit_for_bit(tmp_path, size):
             "empty": torch.zeros(0, 4), "scalar": torch.tensor(3.5, dtype=torch.float16),
             "big": torch.randn(300, generator=g).to(torch.float64), "ints": torch.arange(11)}
     bucket = SharedBucket(str(tmp_path / "bucket"), size)
-    import mmap
-
-    with open(tmp_path / "bucket", "r+b") as f:  # the engine's own mapping of the same file
-        reader_view = torch.frombuffer(mmap.mmap(f.fileno(), size), dtype=torch.uint8)
+    reader_view = align_vllm_server.bucket({**bucket.where(), "size": size})  # the engine's own mapping of it
+    assert bucket.kind == "shared_memory" and reader_view.numel() == size
     trainer, engine = Pipe()
     got, errors = {}, []
     t = threading.Thread(target=read_all, args=(reader_view, engine, got, errors))
@@ -133,3 +135,28 @@ def test_a_stream_that_ends_with_a_tensor_incomplete_is_an_error(tmp_path):
     t.join(30)
     assert errors and "incomplete" in str(errors[0]) and "'w'" in str(errors[0])
     bucket.close()
+
+
+def test_the_bucket_is_on_the_trainers_gpu_only_when_the_engine_runs_there():
+    """CUDA IPC where the weights are on a GPU the engine runs on (colocated: process r, GPU r) and the setting is
+    `shared`; host shared memory on a CPU, for an engine on other GPUs, or with `host`."""
+    cuda = torch.device("cuda", 1)  # a device object only: nothing is allocated
+    assert bucket_kind(cuda, (1,)) == "cuda_ipc"
+    assert bucket_kind(cuda, (0, 1)) == "cuda_ipc"  # a tensor-parallel engine that spans the trainer's GPU
+    assert bucket_kind(cuda, (4,)) == "shared_memory"  # an engine on a GPU of its own
+    assert bucket_kind(cuda, (1,), "host") == "shared_memory"
+    assert bucket_kind(torch.device("cpu"), ()) == "shared_memory"
+
+
+def test_the_engine_opens_the_trainers_gpu_under_its_own_index(monkeypatch):
+    """The CUDA IPC handle names the trainer's GPU by UUID: the engine (which sees GPUs through its own
+    CUDA_VISIBLE_DEVICES) rebuilds the buffer on its index of that GPU, the one field of torch's rebuild arguments
+    that changes; a GPU it cannot see is an error naming the setting that avoids CUDA IPC."""
+    args = ["Tensor", (32,), (1,), 0, "UntypedStorage", "uint8", 3, b"handle", 32, 0, False, b"ref", 0, b"ev", True]
+    moved = align_vllm_server.on_device(args, 0)
+    assert moved[align_vllm_server.STORAGE_DEVICE] == 0 and args[6] == 3  # the trainer's index 3, the engine's 0
+    assert [a for i, a in enumerate(moved) if i != 6] == [a for i, a in enumerate(args) if i != 6]
+    assert align_vllm_server.local_gpu("GPU-b", ["GPU-a", "GPU-b"]) == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES='5'.*generation.weight_sync: host"):
+        align_vllm_server.local_gpu("GPU-c", ["GPU-a"])

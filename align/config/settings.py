@@ -133,14 +133,17 @@ class Generation:
     """vllm on CPU: the KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, rounded to whole GiB); align estimate counts it."""
     gpu_memory_utilization: float = ranged(0.3, gt=0, le=1, fix="a fraction of the GPU's memory, e.g. 0.3")
     """vllm on a GPU: the fraction of the GPU's memory vLLM takes (weights + KV cache), beside the trainer."""
-    weight_sync: str = one_of("shared", "shared", "file")
+    weight_sync: str = one_of("shared", "shared", "host", "file")
     """vllm: how the trained weights reach the engine after an update (align/engines/weight_sync.py): `shared`
-    streams them through one bucket of shared memory (sync_bucket_mib) that the engine copies out of, after the first
-    sync only the weights that train (a LoRA run: the adapted layers, merged); `file` writes the whole policy as a
-    safetensors file in /dev/shm for the engine to reload (the older path, kept for comparison)."""
-    sync_bucket_mib: float = ranged(32.0, gt=0, fix="the shared-memory bucket in MiB, e.g. 32")
-    """vllm with weight_sync: shared: the bucket's size in MiB in /dev/shm per process (a larger tensor travels in
-    pieces); Docker's default /dev/shm is 64 MiB in all."""
+    streams them through one bucket (sync_bucket_mib) that the engine copies out of, after the first sync only the
+    weights that train (a LoRA run: the adapted layers, merged); the bucket is on the trainer's GPU, shared by CUDA IPC,
+    where the engine runs on that GPU (colocated), else in /dev/shm (a CPU). `host`: the bucket in /dev/shm on GPUs
+    too (a device-to-host copy each way; for machines where CUDA IPC between processes is not allowed). `file` writes
+    the whole policy as a safetensors file in /dev/shm for the engine to reload (the older path, kept for comparison).
+    The CUDA IPC bucket has not run on a GPU in this project (vLLM's CUDA build cannot be carried to the lent GPU)."""
+    sync_bucket_mib: float = ranged(32.0, gt=0, fix="the sync bucket in MiB, e.g. 32")
+    """vllm with weight_sync: shared or host: the bucket's size in MiB per process, on the GPU or in /dev/shm (a larger
+    tensor travels in pieces); Docker's default /dev/shm is 64 MiB in all."""
 
 
 

