@@ -9,7 +9,8 @@ sync, a dead worker) ends the stage with EngineError naming the operation and th
 Weight sync (align/engines/weight_sync.py): the training policy's weights under their checkpoint names (LoRA adapters
 merged in out of place, ZeRO-3 parameters gathered one layer at a time), after the first sync only those that train.
 `generation.weight_sync: shared` (default) streams them through one bucket that the engine copies out of: on the
-trainer's GPU by CUDA IPC where the engine runs on that GPU, in /dev/shm elsewhere (`host`: /dev/shm always); `file` writes the whole state as a safetensors file in /dev/shm that the engine reloads (the older path, kept
+trainer's GPU by CUDA IPC where the engine runs on that GPU, in /dev/shm elsewhere (`host`: /dev/shm always); `file`
+writes the whole state as a safetensors file in /dev/shm that the engine reloads (the older path, kept
 for comparison: benchmarks/rollout_engines.py --sync measures both). Prompts travel as token ids tokenised here, so
 both sides see the same ids; responses come back as ids with the sampled tokens' log-probs (after temperature),
 which PPO compares with its own.
