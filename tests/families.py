@@ -218,6 +218,21 @@ def _rollout(tok, prompts: list[str], responses: list[str]):
     return Rollout(q_ids, q_mask, r_ids, r_mask, eos_found=torch.ones(len(resp), dtype=torch.bool))
 
 
+def ppo_loss_and_grads(model, r, temperature: float = 0.7):
+    """PPO's training forward of `model` (a PolicyAndValue: response log-probs, entropies, per-token values) over the
+    rollout `r` and a loss over every output (masked, as PPO's): [loss, log-probs, entropies, values] (padding zeroed)
+    and the gradients by parameter name."""
+    from align.modeling.losses import masked_mean
+
+    model.zero_grad()
+    logprobs, entropy, values = model(r.input_ids, r.attention_mask, r.query_ids.size(1), temperature=temperature)
+    rmask = r.response_mask
+    loss = -masked_mean(logprobs, rmask) + masked_mean(values ** 2, rmask) - 0.1 * masked_mean(entropy, rmask)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return [loss.detach(), logprobs.detach() * rmask, entropy.detach() * rmask, values.detach() * rmask], grads
+
+
 def _unpadded(r, i: int):
     """Row i of a rollout without its padding: (1, T) ids and the length of its prompt part."""
     q = r.query_ids[i][r.query_mask[i].bool()]

@@ -12,7 +12,7 @@ import torch
 from align.modeling import fused_head
 from align.modeling.fused_head import fused_head_blocker, head_logprobs, set_fused_head, use_fused_head
 
-from families import FAMILIES, RESPONSES, TEXTS, _rollout, build
+from families import FAMILIES, RESPONSES, TEXTS, _rollout, build, ppo_loss_and_grads
 
 SEED = 29
 
@@ -45,18 +45,9 @@ def test_head_logprobs_and_entropy_equal_hand_computed_values():
 
 
 def _ppo_forward(model, r, fused: str):
-    """PPO's training forward and a loss over every output (as test_packing's), under fused_head `fused`."""
-    from align.modeling.losses import masked_mean
-
+    """PPO's training forward and a loss over every output (families.ppo_loss_and_grads) under fused_head `fused`."""
     set_fused_head(fused)
-    model.zero_grad()
-    q = r.query_ids.size(1)
-    logprobs, entropy, values = model(r.input_ids, r.attention_mask, q, temperature=0.7)
-    rmask = r.response_mask
-    loss = -masked_mean(logprobs, rmask) + masked_mean(values ** 2, rmask) - 0.1 * masked_mean(entropy, rmask)
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return [loss.detach(), logprobs.detach() * rmask, entropy.detach() * rmask, values.detach() * rmask], grads
+    return ppo_loss_and_grads(model, r)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -12,7 +12,7 @@ import torch
 
 from align.modeling.packing import pack
 
-from families import FAMILIES, RESPONSES, TEXTS, _rollout, build
+from families import FAMILIES, RESPONSES, TEXTS, _rollout, build, ppo_loss_and_grads
 
 SEED = 23
 
@@ -97,20 +97,11 @@ def models(tmp_path_factory):
 
 
 def _loss_and_grads(policy, value, r):
-    """PPO's training forward (align/stages/ppo/models.py: response log-probs, entropies, per-token values) and a loss
-    over every output (masked, as PPO's), its gradients by parameter name."""
-    from align.modeling.losses import masked_mean
+    """families.ppo_loss_and_grads for a policy and a separate value model: loss, log-probs, values, gradients."""
     from align.stages.ppo.models import PolicyAndValue
 
-    model = PolicyAndValue(policy, value)
-    model.zero_grad()
-    q = r.query_ids.size(1)
-    logprobs, entropy, values = model(r.input_ids, r.attention_mask, q, temperature=0.7)
-    rmask = r.response_mask
-    loss = -masked_mean(logprobs, rmask) + masked_mean(values ** 2, rmask) - 0.1 * masked_mean(entropy, rmask)
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), logprobs.detach() * rmask, values.detach() * rmask, grads
+    (loss, logprobs, _, values), grads = ppo_loss_and_grads(PolicyAndValue(policy, value), r)
+    return loss, logprobs, values, grads
 
 
 @pytest.mark.parametrize("family", FAMILIES)
