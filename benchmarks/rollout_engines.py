@@ -155,7 +155,54 @@ def sync_side_by_side(rounds: int, bucket_mib: float, seed: int = 4242) -> dict:
                                "bytes": statistics.median(r[1] for r in rs), "max_logprob_gap": max(r[2] for r in rs)}
                          for how, rs in runs.items()}
             out[mode]["speedup"] = out[mode]["file"]["seconds"] / out[mode]["shared"]["seconds"]
+            if mode == "lora":  # what sampling costs with the merged weights, for the adapter's comparison below
+                out["generation_seconds"] = {"merged": sample_seconds(engine, tok, gen)}
+    adapter_sync(out, model_dir, tok, gen, seed, rounds, g, gap)
     return out
+
+
+def sample_seconds(engine, tok, gen, repeats: int = 2) -> float:
+    """Median seconds for the engine to sample 16 prompts x 32 tokens."""
+    import statistics
+    from dataclasses import replace
+
+    prompts = [f"Review number {i}: the film" for i in range(16)]
+    long = replace(gen, max_new_tokens=32)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        engine.generate(prompts, long, seed=0)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def adapter_sync(out: dict, model_dir: str, tok, gen, seed: int, rounds: int, g, gap) -> None:
+    """generation.lora_sync: adapter: a second engine, started with vLLM's LoRA support, gets the same LoRA policy's
+    adapters alone `rounds` times (the first not timed); and what sampling costs with the adapter applied."""
+    import statistics
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from align.engines.vllm import VLLMEngine
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")).eval()
+    trains = [p for n, p in model.named_parameters() if "lora_B" in n]
+    runs = []
+    with VLLMEngine(model_dir, tok, seed=seed, lora_rank=16) as engine:
+        engine.sync_weights(model)
+        for _ in range(rounds):
+            with torch.no_grad():
+                for p in trains:
+                    p.add_(torch.randn(p.shape, generator=g) * 1e-3)
+            seconds = engine.sync_weights(model)
+            runs.append((seconds, engine.sync_bytes[-1], gap(engine, model)))
+        out["generation_seconds"]["adapter"] = sample_seconds(engine, tok, gen)
+    out["lora"]["adapter"] = {"seconds": statistics.median(r[0] for r in runs), "all_seconds": [r[0] for r in runs],
+                              "bytes": statistics.median(r[1] for r in runs), "max_logprob_gap": max(r[2] for r in runs)}
+    out["lora"]["adapter_speedup"] = out["lora"]["file"]["seconds"] / out["lora"]["adapter"]["seconds"]
 
 
 def print_sync(sync: dict, machine_line: str, rounds: int, bucket_mib: float) -> None:
@@ -163,12 +210,18 @@ def print_sync(sync: dict, machine_line: str, rounds: int, bucket_mib: float) ->
           f"{bucket_mib:g} MiB; {machine_line}")
     print("| policy | transport | s per sync | MB moved per sync | max log-prob gap | file / shared |")
     print("|---|---|---|---|---|---|")
-    for mode, r in sync.items():
-        for how in ("file", "shared"):
+    for mode in ("full", "lora"):
+        r = sync[mode]
+        for how in ("file", "shared", "adapter"):
+            if how not in r:
+                continue
             x = r[how]
-            ratio = f"{r['speedup']:.2f}x" if how == "shared" else ""
+            ratio = {"shared": f"{r['speedup']:.2f}x", "adapter": f"{r.get('adapter_speedup', 0):.2f}x"}.get(how, "")
             print(f"| {mode} | {how} | {x['seconds']:.3f} | {x['bytes'] / 1e6:.0f} | {x['max_logprob_gap']:.1e} | "
                   f"{ratio} |")
+    gen_s = sync["generation_seconds"]
+    print(f"\nsampling 16 prompts x 32 tokens, LoRA policy: merged weights {gen_s['merged']:.2f} s, adapter applied by "
+          f"vLLM {gen_s['adapter']:.2f} s ({gen_s['adapter'] / gen_s['merged']:.2f}x)")
 
 
 def tiny_run_dir(root: Path) -> Path:

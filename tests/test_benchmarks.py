@@ -81,6 +81,9 @@ def test_rollout_engines_benchmark_runs_in_its_tiny_mode(tmp_path):
         sync = r["sync"][mode]
         assert all(sync[how]["max_logprob_gap"] < 1e-3 and sync[how]["seconds"] > 0 for how in ("file", "shared"))
     assert r["sync"]["lora"]["shared"]["bytes"] < r["sync"]["lora"]["file"]["bytes"]
+    adapter = r["sync"]["lora"]["adapter"]  # the adapters alone, applied by vLLM's LoRA support
+    assert adapter["max_logprob_gap"] < 1e-3 and adapter["bytes"] < r["sync"]["lora"]["shared"]["bytes"] / 10
+    assert all(r["sync"]["generation_seconds"][how] > 0 for how in ("merged", "adapter"))
     assert r["sync"]["full"]["shared"]["bytes"] == r["sync"]["full"]["file"]["bytes"]
     assert "| vllm |" in proc.stdout and "vllm / hf" in proc.stdout
 

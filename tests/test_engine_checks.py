@@ -284,3 +284,22 @@ def test_each_process_vllm_engine_is_pinned_to_its_own_gpu(monkeypatch, tmp_path
     with pytest.raises(Started):
         vllm_engine.VLLMEngine("model", None, python=sys.executable, devices=(3,))
     assert seen["CUDA_VISIBLE_DEVICES"] == "11"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["ppo.generation.lora_sync=adapter"], "needs generation.engine: vllm (it is 'hf')"),
+    (["ppo.generation.lora_sync=adapter", "ppo.generation.engine=vllm"], "needs lora.enabled: true"),
+    (["ppo.generation.lora_sync=adapter", "ppo.generation.engine=vllm", "ppo.lora.enabled=true",
+      "ppo.lora.quantize=4bit"], "lora.quantize: 4bit: the engine's base is full precision"),
+    (["ppo.generation.lora_sync=adapter", "ppo.generation.engine=vllm", "ppo.lora.enabled=true", "ppo.lora.r=1024"],
+     "vLLM serves LoRA ranks up to 512, lora.r is 1024"),
+])
+def test_an_adapter_sync_that_cannot_work_is_refused_by_validate(workdir, overrides, message):
+    """generation.lora_sync: adapter where there is no vLLM engine, no adapter, a 4-bit base or a rank vLLM does not
+    serve: refused before anything starts, naming the fields and the fix (lora_sync: merged)."""
+    from conftest import run_align
+
+    p = run_align("validate", "pipelines/default.yaml", *overrides, cwd=workdir, env={"ALIGN_VLLM_PYTHON": sys.executable})
+    assert p.returncode != 0
+    out = p.stdout + p.stderr
+    assert message in out and "lora_sync: merged" in out and "Traceback" not in out, out[-2000:]

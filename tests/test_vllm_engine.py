@@ -184,6 +184,36 @@ def test_lora_sync(engine, smollm2):
     assert same
 
 
+def test_lora_adapter_sync(smollm2, tmp_path):
+    """generation.lora_sync: adapter: an engine started with vLLM's LoRA support gets the adapters alone (peft's
+    files, a few MB, not the merged layers) and samples what the trainer's peft policy would, after the first sync and
+    after the adapters changed; the one before is dropped."""
+    from peft import LoraConfig, get_peft_model
+
+    _, tok = smollm2
+    base, _ = load(smollm2_dir())
+    torch.manual_seed(SEED + 9)
+    peft = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")).eval()
+    for n, p in peft.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.02)
+    adapter_bytes = sum(p.numel() * 4 for n, p in peft.named_parameters() if "lora_" in n)
+    with VLLMEngine(str(smollm2_dir()), tok, seed=SEED, log_path=tmp_path / "engine.log", lora_rank=8) as eng:
+        assert eng.describe()["lora_sync"] == "adapter"
+        for step in range(2):
+            if step:
+                with torch.no_grad():  # a training step's worth of change to every adapter
+                    for n, p in peft.named_parameters():
+                        if "lora_B" in n:
+                            p.add_(torch.randn_like(p) * 0.02)
+            eng.sync_weights(peft)
+            gap, same = agree(eng, peft, tok, SEED + 9 + step)
+            assert gap < 1e-3 and same, (step, gap, same)
+        assert eng.sync_bytes == [adapter_bytes, adapter_bytes] and adapter_bytes < 20e6, eng.sync_bytes
+        assert sorted(x.name for x in Path(eng._dir).iterdir() if x.name.startswith("adapter")) == ["adapter2"]
+    assert not Path(eng._dir, "adapter2").exists()
+
+
 def test_the_file_path_and_a_bucket_smaller_than_a_tensor(engine, smollm2):
     """Both transports leave the engine sampling the trained weights: the safetensors file, and a shared bucket of
     1 MiB, through which the 113 MB embedding travels in pieces."""

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 from align.config.contract import (HeldModel, DATA, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, StageBase,
                                  TrainedStage, response_length_problems)
-from align.config.settings import Generation
+from align.config.settings import Generation, lora_sync_problem
 from align.engines import DEFAULT as DEFAULT_ENGINE, engine_names, kind
 from align.judges import judge_weights
 from align.core.schema import ranged
@@ -69,6 +69,9 @@ class OnlineRLStage(TrainedStage):
 
     def check(self, ctx: CheckContext) -> None:
         super().check(ctx)
+        problem = lora_sync_problem(self.generation, self.lora)
+        if problem:
+            raise ValueError(problem)
         ctx.check_judge("reward", self.reward)
         if self.generation.max_new_tokens >= self.max_length:
             raise ValueError(f"generation.max_new_tokens ({self.generation.max_new_tokens}) leaves no room for a "

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 from align.engines import engine_names, holds_own_copy
 from align.config.contract import (HeldModel, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, StageBase,
                                  response_length_problems)
-from align.config.settings import Generation, LoraSettings
+from align.config.settings import Generation, LoraSettings, lora_sync_problem
 from align.judges import judge_weights
 from align.data.lengths import DROPS_LONG_PROMPTS, LengthRule
 from align.core.schema import one_of, ranged
@@ -180,6 +180,9 @@ class PPOStage(StageBase):
 
     def check(self, ctx: CheckContext) -> None:
         ctx.check_judge("reward", self.reward)
+        problem = lora_sync_problem(self.generation, self.lora)
+        if problem:
+            raise ValueError(problem)
         reward_stages = {n for n, st in ctx.pipeline.stages.items() if st.PRODUCES == REWARD_MODEL}
         used = [n for n in judge_weights(self.reward) if n in reward_stages]
         if self.value_init == "reward" and len(used) != 1:

@@ -57,16 +57,17 @@ def holds_own_copy(name: str) -> bool:
 
 def make_engine(gen, *, model, tokenizer, model_dir: str, fast: bool = False, synced_gpus: bool = False,
                 context=None, seed: int = 0, dtype: str = "float32", max_model_len: int = 512, log_path=None,
-                rank: int = 0, device=None):
+                rank: int = 0, device=None, lora_rank: int | None = None):
     """The engine `gen.engine` names (a base.RolloutEngine). `model`: the stage's own model (what an engine without its
     own copy samples with); `model_dir`: the Hugging Face directory an engine with its own copy starts from (the
     training model's weights reach it by `sync_weights`); `context`, when given, is called for each batch and yields
     the model to sample with (PPO under ZeRO-3 gathers the policy's parameters for the duration); `device`, when
-    given, is the training device every rollout is moved to (kinds.OnDevice)."""
+    given, is the training device every rollout is moved to (kinds.OnDevice); `lora_rank`: the trained policy's
+    LoRA rank, for an engine that takes adapters alone (vllm with generation.lora_sync: adapter)."""
     module = importlib.import_module(kind(gen.engine).module)
     engine = module.make(gen, model=model, tokenizer=tokenizer, model_dir=model_dir, fast=fast,
                          synced_gpus=synced_gpus, context=context, seed=seed, dtype=dtype,
-                         max_model_len=max_model_len, log_path=log_path, rank=rank)
+                         max_model_len=max_model_len, log_path=log_path, rank=rank, lora_rank=lora_rank)
     return engine if device is None else OnDevice(engine, device)
 
 

@@ -33,7 +33,7 @@ from align.engines import EngineError
 from align.engines.placement import Placement, place, visible_devices
 from align.engines.vllm_env import SYNC_DIR_ENV, VLLM_INSTALL, shm_dir, shm_problem, vllm_python
 from align.core.fsutil import size_text
-from align.engines.weight_sync import (Bucket, CudaBucket, SharedBucket, bucket_kind, engine_entries,
+from align.engines.weight_sync import (Bucket, CudaBucket, SharedBucket, adapter_state, bucket_kind, engine_entries,
                                        policy_state_for_engine)
 from align.modeling.generation import Rollout, finish_rollout, tokenize_prompts
 
@@ -58,7 +58,7 @@ class VLLMEngine:
     def __init__(self, model_dir: str, tokenizer, seed: int = 0, dtype: str = "float32", max_model_len: int = 512,
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.3, log_path=None, timeout_s: float = 600.0,
                  python: str | None = None, devices: tuple[int, ...] = (), weight_sync: str = "shared",
-                 bucket_mib: float = 32):
+                 bucket_mib: float = 32, lora_rank: int | None = None):
         if weight_sync not in ("shared", "host", "file"):
             raise ValueError(f"generation.weight_sync: {weight_sync!r} is not one of shared, host, file")
         self.tokenizer = tokenizer
@@ -69,6 +69,8 @@ class VLLMEngine:
         self.sync_bytes: list[int] = []
         self._bucket: Bucket | None = None
         self._synced = None  # the model last synced in full (a weak reference): later syncs send what trains
+        self.lora_rank = lora_rank  # adapters synced alone (generation.lora_sync: adapter), at most this rank
+        self._adapters = 0
         python = python or vllm_python()
         if python is None:
             raise EngineError(f"generation.engine: vllm: vLLM is not installed; {VLLM_INSTALL}")
@@ -101,7 +103,7 @@ class VLLMEngine:
         try:
             self.conn = self._connect(key, deadline=time.monotonic() + 120)
             reply = self._call({"op": "init", "model": str(model_dir), "dtype": dtype, "max_model_len": max_model_len,
-                                "seed": seed, "kv_cache_gib": kv_cache_gib,
+                                "seed": seed, "kv_cache_gib": kv_cache_gib, "lora_rank": lora_rank,
                                 "gpu_memory_utilization": gpu_memory_utilization}, "start", timeout_s)
         except BaseException:
             self.close()
@@ -165,7 +167,7 @@ class VLLMEngine:
             raise EngineError(f"the vLLM engine closed the connection during '{what}' (log: {self.log_path}):\n"
                               f"{self._tail()}") from None
         if not reply.get("ok"):
-            if op in ("load", "stream", "chunk"):
+            if op in ("load", "stream", "chunk", "lora"):
                 self.broken = reply.get("error")
             raise EngineError(f"the vLLM engine failed '{what}': {reply.get('error')} (traceback in {self.log_path})")
         return reply
@@ -207,7 +209,9 @@ class VLLMEngine:
 
         t0 = time.perf_counter()
         changed_only = self._synced is not None and self._synced() is model
-        if self.weight_sync == "file":
+        if self.lora_rank and hasattr(model, "peft_config"):
+            moved = self._sync_adapter(model)
+        elif self.weight_sync == "file":
             moved = self._sync_file(model)
         else:
             moved = self._sync_shared(model, changed_only)
@@ -232,6 +236,25 @@ class VLLMEngine:
         reply = self._call({"op": "load", "path": self.weights}, "sync_weights", self.timeout_s)
         if reply["tensors"] != len(state):
             raise EngineError(f"vLLM engine: sync_weights loaded {reply['tensors']} of {len(state)} tensors")
+        return size
+
+    def _sync_adapter(self, model) -> int:
+        """The LoRA adapter alone, as a peft directory in /dev/shm that the engine loads as its active adapter (it
+        deletes the one before)."""
+        from safetensors.torch import save_file
+
+        state, config = adapter_state(model)
+        size = sum(v.numel() * v.element_size() for v in state.values())
+        problem = sync_space_problem(self._dir, size)
+        if problem:
+            raise EngineError(f"vLLM engine: {problem}")
+        self._adapters += 1
+        path = os.path.join(self._dir, f"adapter{self._adapters}")
+        os.makedirs(path + ".tmp")
+        save_file(state, os.path.join(path + ".tmp", "adapter_model.safetensors"))
+        config.save_pretrained(path + ".tmp")
+        os.replace(path + ".tmp", path)
+        self._call({"op": "lora", "path": path, "id": self._adapters}, "sync_weights", self.timeout_s)
         return size
 
     def _open_bucket(self, model) -> Bucket:
@@ -277,6 +300,7 @@ class VLLMEngine:
         """What the stage's manifest records of this engine."""
         return {"name": self.name, "version": self.version, "startup_seconds": self.startup_seconds,
                 "pid": self.proc.pid, "weight_sync": self.weight_sync, "devices": list(self.devices),
+                "lora_sync": "adapter" if self.lora_rank else "merged",
                 **({"sync_path": self.weights} if self.weight_sync == "file" else self._bucket_plan())}
 
     def _bucket_plan(self) -> dict:
@@ -317,6 +341,9 @@ class VLLMEngine:
                 os.unlink(p)
             except FileNotFoundError:
                 pass
+        for n in range(1, self._adapters + 1):
+            shutil.rmtree(os.path.join(self._dir, f"adapter{n}"), ignore_errors=True)
+            shutil.rmtree(os.path.join(self._dir, f"adapter{n}.tmp"), ignore_errors=True)
         if not str(self.log_path).startswith(self._dir):
             try:
                 os.rmdir(self._dir)
@@ -337,13 +364,15 @@ class VLLMEngine:
             pass
 
 
-def make(gen, *, tokenizer, model_dir, seed=0, dtype="float32", max_model_len=512, log_path=None, **_) -> VLLMEngine:
+def make(gen, *, tokenizer, model_dir, seed=0, dtype="float32", max_model_len=512, log_path=None, lora_rank=None,
+         **_) -> VLLMEngine:
     """align/engines/__init__.py make_engine: vLLM starts from `model_dir`; the stage's model reaches it by sync. Each
     process's engine on the GPU placement gives it (colocated: process r's own GPU; none on a CPU)."""
     return VLLMEngine(model_dir, tokenizer, seed=seed, dtype=dtype, max_model_len=max_model_len,
                       kv_cache_gib=gen.kv_cache_gib, gpu_memory_utilization=gen.gpu_memory_utilization,
                       log_path=log_path, timeout_s=gen.engine_timeout_s, devices=node_placement(gen).devices,
-                      weight_sync=gen.weight_sync, bucket_mib=gen.sync_bucket_mib)
+                      weight_sync=gen.weight_sync, bucket_mib=gen.sync_bucket_mib,
+                      lora_rank=lora_rank if gen.lora_sync == "adapter" else None)
 
 
 def node_placement(gen) -> Placement:

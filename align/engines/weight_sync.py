@@ -7,7 +7,8 @@ collective every process joins in the same order), so no process ever holds more
 whole-policy gather holds all of it on every GPU. A LoRA layer is sent merged (W + scale B A, peft's own
 `get_delta_weight`, out of place: the training model is not touched). After the first sync of a model into an
 engine only what can have changed is sent: entries computed from a parameter that trains (a LoRA layer's merged
-weight, any weight under full fine-tuning); frozen weights are already in the engine from the first sync.
+weight, any weight under full fine-tuning); frozen weights are already in the engine from the first sync. With
+`generation.lora_sync: adapter` a LoRA policy sends its adapters alone (`adapter_state`), which vLLM applies itself.
 
 How (`Bucket`): the trainer copies the entries into one fixed bucket (`generation.sync_bucket_mib`; a tensor larger
 than the bucket goes in pieces), tells the engine which bytes are which, and waits for the engine to copy them out
@@ -103,6 +104,18 @@ def engine_entries(model, changed_only: bool = False) -> Iterator[tuple[str, tor
 def policy_state_for_engine(model) -> dict[str, torch.Tensor]:
     """The whole state dict vLLM loads (the file transport's content): `engine_entries` as contiguous CPU copies."""
     return {name: v.to("cpu", copy=True).contiguous() for name, v in engine_entries(model)}
+
+
+@torch.no_grad()
+def adapter_state(model) -> tuple[dict[str, torch.Tensor], object]:
+    """A peft model's active LoRA adapter as peft saves it (`get_peft_model_state_dict`: contiguous CPU copies, under
+    ZeRO-3 gathered while copied) and its config: what `generation.lora_sync: adapter` sends."""
+    from peft import get_peft_model_state_dict
+
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    with _gathered(lora):
+        state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    return state, model.peft_config[model.active_adapter]
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -180,7 +180,8 @@ def open_engine(ctx: StageContext, cfg: OnlineRLStage, tokenizer, path: str) -> 
     rank = ctx.state.process_index
     engine = make_engine(cfg.generation, model=None, tokenizer=tokenizer, model_dir=path, seed=ctx.seed * 7919 + rank,
                          dtype=ctx.compute.engine_dtype(), max_model_len=cfg.max_length + 1,
-                         log_path=ctx.dir / f"engine.rank{rank}.log", rank=rank, device=ctx.state.device)
+                         log_path=ctx.dir / f"engine.rank{rank}.log", rank=rank, device=ctx.state.device,
+                         lora_rank=cfg.lora.r if cfg.lora.enabled else None)
     ctx.note_engine(engine)
     return EngineRollouts(ctx, cfg, engine, tokenizer)
 

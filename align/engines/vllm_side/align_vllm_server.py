@@ -5,7 +5,8 @@ transformers<5.20 while align needs >=5.23, and the two never share an interpret
 multiprocessing connection on a Unix socket (authkey from ALIGN_VLLM_AUTHKEY, never on the command line); every
 request is a dict with "op", every reply a dict with "ok" (and "error" with the traceback when not ok):
 
-  init      {model, dtype, max_model_len, seed, kv_cache_gib, gpu_memory_utilization[, enforce_eager]}
+  init      {model, dtype, max_model_len, seed, kv_cache_gib, gpu_memory_utilization[, enforce_eager, lora_rank]}
+            (lora_rank: vLLM's LoRA support on, for adapters of that rank or less)
   generate  {prompts: [[token ids]], temperature, top_k, top_p, max_tokens, stop_token_ids[, greedy]}
             -> {outputs: [{token_ids, logprobs}]}  (the sampled tokens' log-probs, after temperature)
   load      {path: a safetensors file of the full model state} -> {tensors, seconds}; the file is deleted once
@@ -15,6 +16,8 @@ request is a dict with "op", every reply a dict with "ok" (and "error" with the 
             between, the parent sends `chunk` messages {pieces, last} and each is answered {ok, op: chunk} once its
             pieces are copied out of the bucket (align_vllm_worker.bucket_tensors); a chunk outside a stream (the
             rest of one that failed) is dropped unanswered
+  lora      {path: a peft adapter directory, id} -> {seconds}: the adapter every later generate applies (the one
+            before it is dropped, and its directory deleted)
   close
 
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): weights reach the worker as tensors, not lists, and
@@ -59,6 +62,8 @@ def serve(address: str) -> None:
                     align_vllm_worker.CHANNEL = (conn, bucket(msg))
                     counts = llm.collective_rpc("align_stream", args=(bool(msg.get("partial")),))
                     reply = {"tensors": counts[0], "seconds": time.perf_counter() - t0}
+                elif op == "lora":
+                    reply = load_adapter(llm, msg)
                 elif op == "chunk":  # the rest of a stream that failed: its error was the stream's reply
                     continue
                 elif op == "close":
@@ -142,6 +147,8 @@ def start(msg: dict):
                   worker_extension_cls="align_vllm_worker.WeightSync", trust_remote_code=False)
     if msg.get("gpu_memory_utilization") and torch_cuda():
         kwargs["gpu_memory_utilization"] = msg["gpu_memory_utilization"]
+    if msg.get("lora_rank"):  # one adapter at a time: the policy's latest
+        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=lora_rank(msg["lora_rank"]))
     llm = vllm.LLM(**kwargs)
     return llm, {"version": vllm.__version__, "startup_seconds": time.perf_counter() - t0}
 
@@ -160,7 +167,8 @@ def generate(llm, msg: dict) -> dict:
     params = SamplingParams(n=1, temperature=0.0 if greedy else msg["temperature"],
                             top_k=msg.get("top_k") or -1, top_p=msg.get("top_p", 1.0), max_tokens=msg["max_tokens"],
                             logprobs=0, ignore_eos=True, stop_token_ids=msg["stop_token_ids"], detokenize=False)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in msg["prompts"]], params, use_tqdm=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in msg["prompts"]], params, use_tqdm=False,
+                        lora_request=_ADAPTER.get("request"))
     results = []
     for o in outs:
         c = o.outputs[0]
@@ -169,15 +177,54 @@ def generate(llm, msg: dict) -> dict:
     return {"outputs": results}
 
 
+_ADAPTER: dict = {}
+
+
+def lora_rank(rank: int) -> int:
+    """The smallest rank vLLM's LoRA support is built for that holds adapters of `rank` (its MaxLoRARanks)."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    fits = [r for r in get_args(MaxLoRARanks) if r >= rank]
+    if not fits:
+        raise ValueError(f"LoRA rank {rank}: vLLM serves ranks up to {max(get_args(MaxLoRARanks))}")
+    return min(fits)
+
+
+def load_adapter(llm, msg: dict) -> dict:
+    """Load the adapter at msg["path"] as the one every generate applies; drop the previous one (from vLLM and from
+    /dev/shm). The new one's directory stays while it is in use (vLLM may read it again)."""
+    import shutil
+
+    from vllm.lora.request import LoRARequest
+
+    t0 = time.perf_counter()
+    request = LoRARequest(f"align-{msg['id']}", msg["id"], msg["path"])
+    if not llm.llm_engine.add_lora(request):
+        raise RuntimeError(f"vLLM did not load the adapter at {msg['path']}")
+    previous = _ADAPTER.get("request")
+    _ADAPTER["request"] = request
+    if previous is not None:
+        llm.llm_engine.remove_lora(previous.lora_int_id)
+        shutil.rmtree(previous.lora_path, ignore_errors=True)
+    return {"seconds": time.perf_counter() - t0}
+
+
 def clean_up(address: str) -> None:
     """Remove what the engine's directory holds of this engine (its socket, a sync not yet read) and the directory
     if that leaves it empty: a stage killed by SIGKILL cannot, and its engine exits on EOF after it."""
     folder = os.path.dirname(os.path.abspath(address))
     if not os.path.basename(folder).startswith("align-vllm-"):
         return
+    import shutil
+
     for name in ("sock", "weights.safetensors", "weights.safetensors.tmp", "bucket"):
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(folder, name))
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        if name.startswith("adapter"):  # LoRA adapters synced (align/engines/vllm.py _sync_adapter)
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
     with contextlib.suppress(OSError):
         os.rmdir(folder)  # not empty (the engine's own log is there when the stage gave none): kept
 

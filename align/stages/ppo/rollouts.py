@@ -47,7 +47,8 @@ def open_engine(ctx: StageContext, cfg: PPOStage, accelerator, model, tokenizer,
                          seed=ctx.seed * 7919 + accelerator.process_index, dtype=ctx.compute.engine_dtype(),
                          max_model_len=cfg.max_prompt_length + cfg.generation.max_new_tokens + 1,
                          log_path=ctx.dir / f"engine.rank{accelerator.process_index}.log",
-                         rank=accelerator.process_index, device=accelerator.device)
+                         rank=accelerator.process_index, device=accelerator.device,
+                         lora_rank=cfg.lora.r if cfg.lora.enabled else None)
     ctx.note_engine(engine)
     return engine
 
