@@ -14,6 +14,7 @@ import pytest
 
 from align.engines import EngineError
 from align.engines import vllm as vllm_engine
+from align.engines import vllm_env
 from align.engines.base import check_gap, nan_max
 from conftest import REPO
 
@@ -73,18 +74,18 @@ def test_a_read_only_dev_shm_is_refused_before_any_process_starts(monkeypatch):
 def test_a_sync_directory_that_cannot_be_written_is_named_before_the_engine_starts(tmp_path, monkeypatch):
     """ALIGN_SYNC_DIR read-only or missing: `align validate` and the engine refuse it naming the variable and the fix
     (before, the first sync failed with a bare 'Read-only file system' from the engine's temporary directory)."""
-    monkeypatch.setenv(vllm_engine.SYNC_DIR_ENV, str(tmp_path / "missing"))
+    monkeypatch.setenv(vllm_env.SYNC_DIR_ENV, str(tmp_path / "missing"))
     problem = vllm_engine.shm_problem()
     assert problem.startswith(f"ALIGN_SYNC_DIR={tmp_path / 'missing'}: weight syncs are written there, but it is not "
                               "a writable directory"), problem
-    from align.engines import kind, vllm_env
+    from align.engines import kind
 
     monkeypatch.setattr(vllm_env, "check_vllm_installed", lambda where: None)  # installed or not: this comes next
     problem = kind("vllm").problems("p.yaml: stages.ppo.generation.engine", lambda: 64)  # what `align validate` asks
     assert problem.startswith("p.yaml: stages.ppo.generation.engine: ALIGN_SYNC_DIR="), problem
     real = os.access
     monkeypatch.setattr(vllm_engine.os, "access", lambda p, mode: True if p == "/dev/shm" else real(p, mode))
-    monkeypatch.setenv(vllm_engine.SYNC_DIR_ENV, str(tmp_path))  # a writable directory: no problem
+    monkeypatch.setenv(vllm_env.SYNC_DIR_ENV, str(tmp_path))  # a writable directory: no problem
     assert vllm_engine.shm_problem() is None
     assert kind("vllm").problems("x", lambda: 64) is None
 

@@ -217,3 +217,41 @@ def test_a_lora_adapted_head_is_refused_by_name():
     assert not use_fused_head(model.get_base_model(), head)
     with pytest.raises(ValueError, match="fused_head: 'sometimes'"):
         set_fused_head("sometimes")
+
+
+def test_the_stages_probe_keeps_the_logits_path_for_a_family_the_blocker_list_misses(models, monkeypatch):
+    """A family that changes its logits after the head in a way no config field names (here: a forward that halves
+    them): the stage's probe finds the fused head's log-probs off by far more than rounding, so auto keeps the logits
+    path for that model (the other keeps the fused head), and `on` is refused naming the gap; an exact family probes at
+    rounding level. Nested configs are read too (a multimodal wrapper's text config)."""
+    from types import SimpleNamespace
+
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from align.modeling.generation import fused_head_gap
+    from align.modeling.models import load_causal_lm
+    from align.runtime.context import StageError
+    from align.stages.ppo import fused_head as resolve
+
+    torch.manual_seed(SEED)
+    exact = load_causal_lm(str(models["llama"][0]))
+    odd = load_causal_lm(str(models["llama"][0]))
+    forward = odd.forward
+
+    def halved(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        return CausalLMOutputWithPast(logits=out.logits * 0.5)
+
+    monkeypatch.setattr(odd, "forward", halved)
+    assert fused_head_gap(exact) < 1e-5
+    assert fused_head_gap(odd) > 1e-2
+    monkeypatch.setattr(fused_head, "on_gpu", lambda weight: True)  # auto fuses only on a GPU
+    monkeypatch.setattr(fused_head, "_EXCLUDED", set())
+    assert resolve(SimpleNamespace(fused_head="auto"), exact, odd) == {"policy": True, "reference": False}
+    assert not use_fused_head(odd, odd.get_output_embeddings())
+    monkeypatch.setattr(fused_head, "_EXCLUDED", set())
+    with pytest.raises(StageError, match="fused_head: on, but the reference's log-probs from it differ"):
+        resolve(SimpleNamespace(fused_head="on"), exact, odd)
+    nested = SimpleNamespace(get_text_config=lambda: SimpleNamespace(final_logit_softcapping=30.0))
+    assert "final_logit_softcapping: 30.0" in fused_head_blocker(SimpleNamespace(config=nested),
+                                                                 exact.get_output_embeddings())

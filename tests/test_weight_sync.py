@@ -19,7 +19,8 @@ import torch
 
 from conftest import REPO
 
-from align.engines.weight_sync import SharedBucket, bucket_kind, engine_entries, groups, policy_state_for_engine
+from align.engines.weight_sync import (SharedBucket, bucket_kind, cuda_ipc_problem, engine_entries, groups,
+                                       policy_state_for_engine)
 
 SEED = 2718
 sys.path.insert(0, str(REPO / "align" / "engines" / "vllm_side"))
@@ -160,3 +161,13 @@ def test_the_engine_opens_the_trainers_gpu_under_its_own_index(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
     with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES='5'.*generation.weight_sync: host"):
         align_vllm_server.local_gpu("GPU-c", ["GPU-a"])
+
+
+def test_cuda_ipc_is_used_only_where_the_engine_can_open_the_handle():
+    """torch's CUDA IPC handle format changes between minor versions and expandable segments need pidfd_getfd: in
+    either case the sync goes through /dev/shm (the reason recorded), never a handle the engine cannot open."""
+    assert cuda_ipc_problem("2.13.0+cu128", "2.13.1+cu126", "") is None  # patch releases and builds agree
+    assert "2.12.0" in cuda_ipc_problem("2.13.0", "2.12.0", "")
+    assert "is not the trainer's" in cuda_ipc_problem("2.13.0", None, "")
+    assert "expandable segments" in cuda_ipc_problem("2.13.0", "2.13.0", "max_split_size_mb:64, expandable_segments:True")
+    assert cuda_ipc_problem("2.13.0", "2.13.0", "expandable_segments:False") is None

@@ -31,24 +31,12 @@ import torch
 
 from align.engines import EngineError
 from align.engines.placement import Placement, place, visible_devices
-from align.engines.vllm_env import SYNC_DIR_ENV, VLLM_INSTALL, shm_dir, shm_problem, vllm_python
-from align.core.fsutil import size_text
-from align.engines.weight_sync import (Bucket, CudaBucket, SharedBucket, adapter_state, bucket_kind, engine_entries,
-                                       policy_state_for_engine)
+from align.engines.vllm_env import VLLM_INSTALL, shm_dir, shm_problem, sync_space_problem, vllm_python
+from align.engines.weight_sync import (Bucket, CudaBucket, SharedBucket, adapter_state, bucket_kind, cuda_ipc_problem,
+                                       engine_entries, policy_state_for_engine)
 from align.modeling.generation import Rollout, finish_rollout, tokenize_prompts
 
 SERVER = Path(__file__).parent / "vllm_side" / "align_vllm_server.py"
-
-
-def sync_space_problem(directory: str, needed: int) -> str | None:
-    """Why `needed` bytes of synced weights will not fit in `directory` (None when they will)."""
-    free = shutil.disk_usage(directory).free
-    if free >= needed * 1.05:
-        return None
-    where = "/dev/shm, the container's shared memory," if directory.startswith("/dev/shm") else directory
-    return (f"a weight sync writes the policy ({size_text(needed)}) to {where} which has {size_text(free)} free: give the "
-            f"container more shared memory (docker run --shm-size={max(1, int(needed * 1.5 / 2 ** 30) + 1)}g), or set "
-            f"{SYNC_DIR_ENV} to a directory with room")
 
 
 class VLLMEngine:
@@ -109,6 +97,10 @@ class VLLMEngine:
             self.close()
             raise
         self.version, self.startup_seconds = reply["version"], reply["startup_seconds"]
+        self.engine_torch = reply.get("torch")
+        self.ipc_problem = cuda_ipc_problem(torch.__version__, self.engine_torch,
+                                            os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get(
+                                                "PYTORCH_ALLOC_CONF", "")) if devices else None
 
     # -- transport -----------------------------------------------------------------------------------------------
     def _tail(self) -> str:
@@ -169,7 +161,11 @@ class VLLMEngine:
         if not reply.get("ok"):
             if op in ("load", "stream", "chunk", "lora"):
                 self.broken = reply.get("error")
-            raise EngineError(f"the vLLM engine failed '{what}': {reply.get('error')} (traceback in {self.log_path})")
+            hint = ("; the bucket is on the GPU, shared by CUDA IPC: generation.weight_sync: host syncs through "
+                    "/dev/shm instead" if op in ("stream", "chunk") and getattr(self._bucket, "kind", "") == "cuda_ipc"
+                    else "")
+            raise EngineError(f"the vLLM engine failed '{what}': {reply.get('error')} (traceback in "
+                              f"{self.log_path}){hint}")
         return reply
 
     # -- the engine interface ----------------------------------------------------------------------------------
@@ -261,13 +257,18 @@ class VLLMEngine:
         """The sync bucket for `model`'s weights (align/engines/weight_sync.py `bucket_kind`): on its GPU when the
         engine runs there (CUDA IPC), else in /dev/shm; reopened when the size or the place changes."""
         device = next(model.parameters()).device
-        kind = bucket_kind(device, self.devices, self.weight_sync)
+        kind = self._transport(device)
         if self._bucket is not None and (self._bucket.size, self._bucket.kind) != (self.bucket_bytes, kind):
             self._bucket.close()
             self._bucket = None
         if self._bucket is None and kind == "cuda_ipc":
-            self._bucket = CudaBucket(self.bucket_bytes, device)
-        elif self._bucket is None:
+            try:
+                self._bucket = CudaBucket(self.bucket_bytes, device)
+            except RuntimeError as exc:  # CUDA IPC not allowed here (WSL, some containers): /dev/shm instead
+                self.ipc_problem = f"CUDA IPC failed on this machine ({str(exc).splitlines()[0][:200]})"
+                print(f"vLLM weight sync: {self.ipc_problem}; syncing through /dev/shm", flush=True)
+                kind = "shared_memory"
+        if self._bucket is None:
             problem = sync_space_problem(self._dir, self.bucket_bytes)
             if problem:
                 raise EngineError(f"vLLM engine: {problem}, or a smaller generation.sync_bucket_mib")
@@ -303,12 +304,19 @@ class VLLMEngine:
                 "lora_sync": "adapter" if self.lora_rank else "merged",
                 **({"sync_path": self.weights} if self.weight_sync == "file" else self._bucket_plan())}
 
+    def _transport(self, device: torch.device) -> str:
+        """cuda_ipc or shared_memory for weights on `device` (weight_sync.bucket_kind), /dev/shm where CUDA IPC
+        cannot work here (`ipc_problem`: torch versions, the allocator, a failed handle)."""
+        kind = bucket_kind(device, self.devices, self.weight_sync)
+        return "shared_memory" if kind == "cuda_ipc" and self.ipc_problem else kind
+
     def _bucket_plan(self) -> dict:
-        """The bucket a sync will use: colocated on a GPU (placement gives process r GPU r, where it trains) the
-        trainer's GPU by CUDA IPC under `shared`; else /dev/shm."""
-        ipc = bool(self.devices) and self.weight_sync == "shared"
-        return {"sync_bucket_bytes": self.bucket_bytes, "sync_transport": "cuda_ipc" if ipc else "shared_memory",
-                **({} if ipc else {"sync_path": self.bucket_path})}
+        """The bucket a sync will use (for the manifest, before the first sync): the trainer's current device."""
+        device = torch.device("cuda", torch.cuda.current_device()) if self.devices else torch.device("cpu")
+        kind = self._transport(device)
+        return {"sync_bucket_bytes": self.bucket_bytes, "sync_transport": kind,
+                **({"sync_path": self.bucket_path} if kind != "cuda_ipc" else {}),
+                **({"cuda_ipc_not_used": self.ipc_problem} if self.ipc_problem else {})}
 
     def close(self, kill: bool = False) -> None:
         """Stop the engine: asked to exit (then waited for, then killed), or killed at once (`kill`, after a timeout:

@@ -10,6 +10,7 @@ import sys
 import tempfile
 from typing import Any, Callable
 
+from align.core.fsutil import size_text
 from align.core.machine import has_gpu
 from align.engines.kinds import EngineKind
 
@@ -101,3 +102,14 @@ def _memory(gen: Any, weights_bytes: int, kv_bytes: int, gpu_memory: int | None)
 
 
 KIND = EngineKind("vllm", "align.engines.vllm", own_copy=True, token_ids=True, problems=_problems, memory=_memory)
+
+
+def sync_space_problem(directory: str, needed: int) -> str | None:
+    """Why `needed` bytes of synced weights will not fit in `directory` (None when they will)."""
+    free = shutil.disk_usage(directory).free
+    if free >= needed * 1.05:
+        return None
+    where = "/dev/shm, the container's shared memory," if directory.startswith("/dev/shm") else directory
+    return (f"a weight sync writes the policy ({size_text(needed)}) to {where} which has {size_text(free)} free: give the "
+            f"container more shared memory (docker run --shm-size={max(1, int(needed * 1.5 / 2 ** 30) + 1)}g), or set "
+            f"{SYNC_DIR_ENV} to a directory with room")

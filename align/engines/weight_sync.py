@@ -130,6 +130,20 @@ def bucket_kind(device: torch.device, engine_devices: tuple[int, ...], setting: 
     return "shared_memory"
 
 
+def cuda_ipc_problem(trainer_torch: str, engine_torch: str | None, alloc_conf: str) -> str | None:
+    """Why the engine could not open a CUDA IPC handle of this trainer's (None: it can): torch's handle format changes
+    between minor versions (2.13 writes a version byte older ones refuse), and with the allocator's expandable segments
+    the handle needs pidfd_getfd, which containers often forbid (pytorch#165685). The sync then goes through /dev/shm."""
+    def minor(version: str) -> str:
+        return ".".join(version.split("+")[0].split(".")[:2])
+
+    if engine_torch is None or minor(engine_torch) != minor(trainer_torch):
+        return f"the engine's torch {engine_torch} is not the trainer's {trainer_torch} (CUDA IPC handles differ)"
+    if "expandable_segments:true" in alloc_conf.replace(" ", "").lower():
+        return "the trainer's CUDA allocator uses expandable segments (their IPC handles need pidfd_getfd)"
+    return None
+
+
 class Bucket:
     """A fixed buffer that weights travel through: `pieces(entries)` copies (name, tensor) entries into it and
     yields, each time it is full (and once at the end), the list of pieces now in it, each (name, dtype, shape, tensor
@@ -231,3 +245,7 @@ class CudaBucket(Bucket):
 
     def ready(self) -> None:
         torch.cuda.current_stream(self.buffer.device).synchronize()
+
+    def close(self) -> None:
+        self.buffer = None
+        torch.cuda.ipc_collect()  # the memory returns to the allocator once the engine has let go of it

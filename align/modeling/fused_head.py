@@ -30,11 +30,19 @@ from align.config.ppo import FUSED_HEAD_CHUNK
 CHUNK_TOKENS = FUSED_HEAD_CHUNK
 """Tokens per chunk (the estimate reads the same number): 1,024 x a 128k vocabulary is 0.5 GB of fp32 logits."""
 
-POST_HEAD = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
-"""Config fields of families whose forward changes the logits after the LM head (Gemma 2/3 soft-capping, Cohere's
-scale, Granite's divisor): with any of them set, the fused head would compute other log-probs than the model."""
+POST_HEAD = ("final_logit_softcapping", "logit_scale", "logits_scaling", "logits_soft_cap", "output_logit_soft_cap",
+             "lm_head_multiplier", "output_multiplier", "output_multiplier_scale")
+"""Config fields of families whose forward changes the logits after the LM head (Gemma 2/3/3n soft-capping,
+RecurrentGemma's and xLSTM's caps, Cohere's scale, Granite's divisor, Falcon-H1's and MuseSpark's multipliers): with
+any of them set, the fused head would compute other log-probs than the model. Read from the config, its text config
+and its decoder's; what this list misses, the stage's probe (`fused_head_gap`) catches."""
+
+FUSED_TOLERANCE = 1e-3
+"""The largest |fused - model's own| log-prob (nats) on the stage's probe before the fused head is refused for a
+model: both compute the same head matmul in the same dtype, so an exact family differs by rounding (~1e-6)."""
 
 _MODE = ["off"]
+_EXCLUDED: set[int] = set()  # models (id) whose probe showed the fused head is not exact: the logits path for them
 
 
 def set_fused_head(mode: str) -> None:
@@ -51,18 +59,30 @@ def fused_head_blocker(model, head) -> str | None:
     if hasattr(head.weight, "ds_id"):
         return "the output head is partitioned by DeepSpeed ZeRO-3 (its weight is gathered only inside its forward)"
     config = getattr(model, "config", None)
-    for name in POST_HEAD:
-        value = getattr(config, name, None)
-        if value not in (None, 1, 1.0):
-            return f"the model's config sets {name}: {value} (its forward changes the logits after the head)"
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    configs = [c for c in (config, text, getattr(config, "decoder", None)) if c is not None]
+    for cfg in [c for i, c in enumerate(configs) if all(c is not d for d in configs[:i])]:  # each once
+        for name in POST_HEAD:
+            value = getattr(cfg, name, None)
+            if value not in (None, 1, 1.0):
+                return f"the model's config sets {name}: {value} (its forward changes the logits after the head)"
+        unpadded = getattr(cfg, "unpadded_vocab_size", None)
+        if unpadded is not None and unpadded < head.out_features:
+            return (f"the model's config sets unpadded_vocab_size: {unpadded} below the head's {head.out_features} "
+                    "rows (its forward drops the padding rows after the head)")
     return None
+
+
+def exclude(model) -> None:
+    """The logits path for `model` from now on in this process (its probe found the fused head not exact)."""
+    _EXCLUDED.add(id(model))
 
 
 def use_fused_head(model, head) -> bool:
     """Whether this process computes `model`'s response log-probs with the fused head: `auto` on a GPU where it is
     exact (on a CPU the recomputed chunks cost more time than the memory is worth: docs/benchmarks.md), `on` wherever
     it is exact (a clear error naming the setting where it is not), `off` never."""
-    if _MODE[0] == "off" or head is None:
+    if _MODE[0] == "off" or head is None or id(model) in _EXCLUDED:
         return False
     why = fused_head_blocker(model, head)
     if why is not None and _MODE[0] == "on":

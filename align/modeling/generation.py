@@ -197,6 +197,23 @@ def response_scores(model, ids: torch.Tensor, mask: torch.Tensor, query_len: int
     return spread(logprobs), (spread(entropy) if with_entropy else None), (hidden if with_hidden else None)
 
 
+@torch.no_grad()
+def fused_head_gap(model, length: int = 24) -> float:
+    """The largest |fused head - the model's own logits| log-prob (nats) of a fixed token sequence under `model`
+    (temperature 1): ~1e-6 where the fused head is exact; more where the family changes its logits after the head in
+    a way fused_head_blocker does not know."""
+    head = unwrapped_model(model).get_output_embeddings()
+    vocab = head.weight.size(0)
+    device = head.weight.device
+    ids = (torch.arange(length, device=device) * 7919 % vocab)[None]
+    mask = torch.ones_like(ids)
+    logits, _ = response_logits(model, ids, mask, 1)
+    own = logprobs_from_logits(logits, ids[:, 1:])[0]
+    _, hidden = response_logits(model, ids, mask, 1, head_inputs=True)
+    fused, _ = head_logprobs(hidden[0], head.weight, head.bias, ids[0, 1:])
+    return float((own - fused).abs().max())
+
+
 def response_logits(model, ids: torch.Tensor, mask: torch.Tensor, query_len: int, temperature: float = 1.0,
                     with_hidden: bool = False, head_inputs: bool = False):
     """Logits (B, Lr, V) that predict the response tokens `ids[:, query_len:]` of (B, Lq + Lr) sequences, divided by

@@ -147,13 +147,16 @@ def frozen_bytes(mode: str, params: int, largest_layer: int, gpus: int, dtype_by
 def activation_bytes(shape: ModelShape, batch: int, seq: int, logits: bool = True, checkpointing: bool = False,
                      logit_tokens: int | None = None) -> int:
     """One micro-batch's activations kept for backward (Korthikanti et al. 2022, eq. 1) plus, for a language model,
-    the fp32 logits and their gradient (a scalar head's output is negligible) of every token, or of `logit_tokens`
-    (PPO's fused head: one chunk). With gradient checkpointing (full recomputation, Korthikanti et al. sec. 4) only
+    the fp32 logits and their gradient (a scalar head's output is negligible) of every token, or with `logit_tokens`
+    (PPO's fused head) one chunk's recomputed logits and what its backward makes of them (~6 fp32 copies). With gradient checkpointing (full recomputation, Korthikanti et al. sec. 4) only
     each layer's 16-bit input is kept (2sbh bytes per layer), plus one layer's activations while it is recomputed."""
     s, b, h, a = seq, batch, shape.hidden, shape.heads
     per_layer = s * b * h * (34 + 5 * a * s / h)
     kept = shape.layers * 2 * s * b * h + per_layer if checkpointing else shape.layers * per_layer
-    return int(kept) + (8 * min(s * b, logit_tokens or s * b) * shape.vocab if logits else 0)
+    if not logits:
+        return int(kept)
+    # the fused head's chunk in its backward: its fp32 logits, softmax, their product and gradients, ~6 copies
+    return int(kept) + (24 * min(s * b, logit_tokens) if logit_tokens else 8 * s * b) * shape.vocab
 
 
 def kv_cache_bytes(shape: ModelShape, batch: int, seq: int, dtype_bytes: int) -> int:

@@ -60,13 +60,18 @@ def serve(address: str) -> None:
                     import align_vllm_worker
 
                     align_vllm_worker.CHANNEL = (conn, bucket(msg))
-                    counts = llm.collective_rpc("align_stream", args=(bool(msg.get("partial")),))
+                    try:
+                        counts = llm.collective_rpc("align_stream", args=(bool(msg.get("partial")),))
+                    finally:
+                        align_vllm_worker.CHANNEL = None  # the bucket's one reference is _BUCKETS'
+                        release_cached(msg)
                     reply = {"tensors": counts[0], "seconds": time.perf_counter() - t0}
                 elif op == "lora":
                     reply = load_adapter(llm, msg)
                 elif op == "chunk":  # the rest of a stream that failed: its error was the stream's reply
                     continue
                 elif op == "close":
+                    _BUCKETS.clear()  # a GPU bucket: let go of the trainer's memory before the trainer frees it
                     conn.send({"ok": True})
                     return
                 else:
@@ -102,6 +107,15 @@ def bucket(msg: dict):
             raise RuntimeError(f"weight bucket: {tensor.numel()} bytes opened, {size} announced")
         _BUCKETS.update(key=key, tensor=tensor)
     return _BUCKETS["tensor"]
+
+
+def release_cached(msg: dict) -> None:
+    """After a sync through a GPU bucket: the tensors copied out of it were handed to vLLM; what its allocator still
+    caches goes back to the GPU the trainer shares (gpu_memory_utilization does not count it)."""
+    if msg.get("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def cuda_bucket(handle: dict):
@@ -150,7 +164,9 @@ def start(msg: dict):
     if msg.get("lora_rank"):  # one adapter at a time: the policy's latest
         kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=lora_rank(msg["lora_rank"]))
     llm = vllm.LLM(**kwargs)
-    return llm, {"version": vllm.__version__, "startup_seconds": time.perf_counter() - t0}
+    import torch
+
+    return llm, {"version": vllm.__version__, "startup_seconds": time.perf_counter() - t0, "torch": torch.__version__}
 
 
 def torch_cuda() -> bool:

@@ -24,8 +24,8 @@ import torch
 from align.config.ppo import PPOStage
 from align.runtime.rows import load_rows, unique_prompts
 from align.engines.base import RolloutEngine, check_rollout, nan_max
-from align.modeling.generation import Rollout, response_logprobs
-from align.modeling.fused_head import set_fused_head, use_fused_head
+from align.modeling.generation import Rollout, fused_head_gap, response_logprobs
+from align.modeling.fused_head import FUSED_TOLERANCE, exclude, set_fused_head, use_fused_head
 from align.modeling.packing import base_and_backbone, set_padding_free, unwrapped_model
 from align.judges import judge_weights
 from align.modeling.losses import gae, kl_estimate, masked_whiten, token_rewards
@@ -174,13 +174,28 @@ def setup(ctx: StageContext) -> PPORun:
 
 def fused_head(cfg: PPOStage, policy, reference) -> dict[str, bool]:
     """Resolve the `fused_head` setting for the policy and the reference (align/modeling/fused_head.py), refusing
-    `on` where it is not exact before any rollout: what each model's log-probs are computed with."""
+    `on` where it is not exact before any rollout: what each model's log-probs are computed with. Where it would be
+    used, a probe compares it with the model's own logits first; a family that changes them after its head in a way
+    the blocker list does not know keeps the logits path (or, with `on`, is refused)."""
     set_fused_head(cfg.fused_head)
-    try:
-        return {name: use_fused_head(base_and_backbone(m)[0], unwrapped_model(m).get_output_embeddings())
-                for name, m in (("policy", policy), ("reference", reference))}
-    except ValueError as e:
-        raise StageError(str(e)) from None
+    resolved = {}
+    for name, m in (("policy", policy), ("reference", reference)):
+        base, head = base_and_backbone(m)[0], unwrapped_model(m).get_output_embeddings()
+        try:
+            resolved[name] = use_fused_head(base, head)
+        except ValueError as e:
+            raise StageError(str(e)) from None
+        gap = fused_head_gap(m) if resolved[name] else 0.0
+        if gap > FUSED_TOLERANCE:
+            if cfg.fused_head == "on":
+                raise StageError(f"fused_head: on, but the {name}'s log-probs from it differ from the model's own by "
+                                 f"{gap:.3g} nats (its forward changes the logits after the head); set fused_head: "
+                                 "auto or off")
+            exclude(base)
+            resolved[name] = False
+            print(f"fused_head: the {name}'s own logits differ from the fused head's by {gap:.3g} nats; its log-probs "
+                  "come from the logits", flush=True)
+    return resolved
 
 
 def fix_reward_scale(s: PPORun) -> None:
