@@ -288,7 +288,7 @@ def test_each_process_vllm_engine_is_pinned_to_its_own_gpu(monkeypatch, tmp_path
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["ppo.generation.lora_sync=adapter"], "needs generation.engine: vllm (it is 'hf')"),
+    (["ppo.generation.lora_sync=adapter"], "(generation.engine: vllm); generation.engine is 'hf'"),
     (["ppo.generation.lora_sync=adapter", "ppo.generation.engine=vllm"], "needs lora.enabled: true"),
     (["ppo.generation.lora_sync=adapter", "ppo.generation.engine=vllm", "ppo.lora.enabled=true",
       "ppo.lora.quantize=4bit"], "lora.quantize: 4bit: the engine's base is full precision"),

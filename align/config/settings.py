@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from align.core.machine import has_gpu
-from align.engines import DEFAULT as DEFAULT_ENGINE, engine_names
+from align.engines import DEFAULT as DEFAULT_ENGINE, engine_names, kind
 from align.core.schema import name_field, one_of, ranged
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -309,9 +309,10 @@ def lora_sync_problem(gen: Generation, lora: LoraSettings) -> str | None:
     """Why `generation.lora_sync: adapter` cannot serve this stage (None when it can, or is not asked for)."""
     if gen.lora_sync != "adapter":
         return None
-    if gen.engine != "vllm":
-        return (f"generation.lora_sync: adapter needs generation.engine: vllm (it is {gen.engine!r}); use "
-                "lora_sync: merged")
+    if not kind(gen.engine).adapters:
+        takers = ", ".join(n for n in engine_names() if kind(n).adapters)
+        return (f"generation.lora_sync: adapter needs an engine that applies adapters itself (generation.engine: "
+                f"{takers}); generation.engine is {gen.engine!r}; use lora_sync: merged")
     if not lora.enabled:
         return ("generation.lora_sync: adapter needs lora.enabled: true (there are no adapters to send); use "
                 "lora_sync: merged")

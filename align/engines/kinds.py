@@ -30,6 +30,9 @@ class EngineKind:
     token_ids: bool = False
     """Samples prompts given as token ids (`generate_ids(query_ids, query_mask, gen, seed, greedy)`), as TRL's GRPO
     and RLOO hold them: what those stage types need of an engine with its own copy (align/stages/online_rl.py)."""
+    adapters: bool = False
+    """Applies a LoRA policy's adapters itself (`generation.lora_sync: adapter`: started with `lora_rank`, synced
+    with the adapters alone)."""
     problems: Callable[[str, Callable[[], int | None]], str | None] = _no_problem
     """Why it cannot run on this machine (not installed, a model it cannot serve here), or None; `head_dim` gives the
     model's attention head size (None when unknown), asked only when needed. `where` names the setting."""
