@@ -270,9 +270,11 @@ def test_align_validate_names_the_setting_and_the_install_command(workdir):
 
 
 @pytest.mark.distributed
-def test_zero3_gathered_sync(tmp_path):
+@pytest.mark.parametrize("mode", ["merged", "adapter"])
+def test_zero3_gathered_sync(tmp_path, mode):
     """tests/probes/zero3_vllm_sync.py under 2-process ZeRO-3: PPO's sync_engine gathers the sharded policy on every
-    process; rank 0's vLLM engine then samples what the whole (perturbed) policy would, and did not before."""
+    process; rank 0's vLLM engine then samples what the whole (perturbed) policy would, and did not before. adapter:
+    a LoRA policy synced with its adapters alone (lora_sync: adapter), gathered as they are read."""
     import json
     import subprocess
     import sys
@@ -282,7 +284,8 @@ def test_zero3_gathered_sync(tmp_path):
     out = tmp_path / "zero3.json"
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                            str(REPO / "pipelines" / "accelerate" / "zero3.yaml"), "--num_processes", "2",
-                           str(REPO / "tests" / "probes" / "zero3_vllm_sync.py"), str(smollm2_dir()), str(out)],
+                           str(REPO / "tests" / "probes" / "zero3_vllm_sync.py"), str(smollm2_dir()), str(out),
+                           *(["adapter"] if mode == "adapter" else [])],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
@@ -290,6 +293,6 @@ def test_zero3_gathered_sync(tmp_path):
     assert r["world"] == 2 and r["local_params"] == 0  # the policy really was sharded
     gap_before, same_before = r["before"]
     gap_after, same_after = r["after"]
-    assert gap_before > 1e-2 and not same_before  # the engine started from the unperturbed weights
+    assert gap_before > 1e-2 and not same_before  # the engine started from other weights (or without the adapters)
     assert gap_after < 1e-3 and same_after
     assert r["rank1_received_whole_weights"]

@@ -1,7 +1,9 @@
 """PPO's weight sync under DeepSpeed ZeRO-3 (align.stages.ppo.rollouts.sync_engine): the policy's parameters are sharded over
 2 processes; every process gathers them (a collective) and pushes the whole policy to its own engine. Rank 0's
 engine is vLLM; rank 1's records the state it was given. Written to OUT (by rank 0): the engine-vs-model log-prob gap
-and greedy agreement before and after the sync, and whether rank 1 received the whole, unsharded weights.
+and greedy agreement before and after the sync, and whether rank 1 received the whole, unsharded weights. With a
+third argument `adapter`: the policy is a LoRA model (its base as the engine starts, its adapters not), synced with
+the adapters alone (generation.lora_sync: adapter), gathered under ZeRO-3 as they are read.
 Used by tests/test_vllm_engine.py under `accelerate launch --config_file pipelines/accelerate/zero3.yaml`."""
 
 import json
@@ -19,29 +21,39 @@ class Recorder:
     name = "recorder"
     holds_own_weights = True
 
-    def sync_weights(self, model) -> float:
-        from align.engines.weight_sync import policy_state_for_engine
+    def __init__(self, adapter: bool):
+        self.adapter = adapter
 
-        self.state = policy_state_for_engine(model)
+    def sync_weights(self, model) -> float:
+        from align.engines.weight_sync import adapter_state, policy_state_for_engine
+
+        self.state = adapter_state(model)[0] if self.adapter else policy_state_for_engine(model)
         return 0.0
 
     def close(self):
         pass
 
 
-def perturbed(path):
+def perturbed(path, adapter: bool):
+    """The policy the engine must come to sample: the model with some weights moved, or (adapter) with LoRA adapters
+    whose B is not zero."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(SEED)
+    if adapter:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(SEED)
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")).eval()
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if "embed_tokens" in n or "layers.5." in n:
+            if ("lora_B" in n) if adapter else ("embed_tokens" in n or "layers.5." in n):
                 p.add_(torch.randn(p.shape, generator=g) * 0.02)
     return model
 
 
-def main(model_dir: str, out: str) -> None:
+def main(model_dir: str, out: str, adapter: bool = False) -> None:
     from align.config import Generation
     from align.engines.base import logprob_gap
     from align.engines.hf import HFEngine
@@ -54,8 +66,8 @@ def main(model_dir: str, out: str) -> None:
     state = PartialState(cpu=not torch.cuda.is_available())
     tok = load_tokenizer(model_dir)
     # Loaded before the Accelerator exists: afterwards from_pretrained would partition under zero.Init, a collective.
-    reference = perturbed(model_dir)  # the whole policy, outside DeepSpeed: what the engine must match
-    policy = perturbed(model_dir)  # sharded by prepare() below, as PPO's policy is
+    reference = perturbed(model_dir, adapter)  # the whole policy, outside DeepSpeed: what the engine must match
+    policy = perturbed(model_dir, adapter)  # sharded by prepare() below, as PPO's policy is
     acc = Accelerator()
     acc.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
     model = PolicyAndValue(policy, torch.nn.Linear(4, 1))
@@ -73,7 +85,8 @@ def main(model_dir: str, out: str) -> None:
         return logprob_gap(r.engine_logprobs, lp, r.response_mask)["max"], greedy == HFEngine(reference, tok).generate(
             prompts, gen, seed=0, greedy=True).texts(tok)
 
-    engine = VLLMEngine(model_dir, tok, seed=SEED, log_path=out + ".engine.log") if state.is_main_process else Recorder()
+    engine = (VLLMEngine(model_dir, tok, seed=SEED, log_path=out + ".engine.log", lora_rank=8 if adapter else None)
+              if state.is_main_process else Recorder(adapter))
     try:
         before = agree(engine) if state.is_main_process else None
         sync_engine(engine, model, acc)  # every process: gather (collective), then its own engine
@@ -82,8 +95,13 @@ def main(model_dir: str, out: str) -> None:
         engine.close()
     whole = None
     if not state.is_main_process:
-        full = reference.state_dict()
-        full.pop("lm_head.weight")
+        if adapter:
+            from peft import get_peft_model_state_dict
+
+            full = get_peft_model_state_dict(reference)
+        else:
+            full = reference.state_dict()
+            full.pop("lm_head.weight")
         whole = set(engine.state) == set(full) and all(torch.equal(engine.state[k], full[k]) for k in full)
     wholes = acc.gather_for_metrics([whole], use_gather_object=True)
     if state.is_main_process:
@@ -93,4 +111,4 @@ def main(model_dir: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], adapter=sys.argv[3:] == ["adapter"])
