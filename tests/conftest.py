@@ -66,7 +66,7 @@ LONG: dict[str, set[str] | None] = {
     # default tier keeps ZeRO-2 with accumulation (test_deepspeed_settings), partitioned loading (test_zero3_init),
     # ZeRO-2 clipping (test_ppo_update), GRPO/RLOO and KTO under ZeRO-2
     "test_estimate.py": {"test_align_estimate_shows_the_lora_and_qlora_saving_for_ppo_on_pythia_1b"},
-    "test_vllm_engine.py": {"test_zero3_gathered_sync",  # 2-process ZeRO-3 sync (~170 s); the engine's rest stays
+    "test_vllm_engine.py": {"test_zero3_gathered_sync",  # 2-process ZeRO-3 syncs, merged and adapter (~175 s)
                             "test_lora_adapter_sync"},  # a second engine, with vLLM's LoRA support (~45 s)
     "test_pipeline_e2e.py": {"test_ppo_killed_mid_run_resumes_iteration_beta_and_statistics"},  # (~70 s; the
     # default tier keeps SFT killed by SIGTERM and resumed, test_faults)
