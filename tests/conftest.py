@@ -56,7 +56,7 @@ LONGEST_FIRST = ["test_smollm2.py", "test_cluster_pipelines.py", "test_distribut
 LONG: dict[str, set[str] | None] = {
     "test_smollm2.py": None,            # SmolLM2-135M through every stage (a real model; ~550 s of one worker)
     "test_cluster_pipelines.py": None,  # both 8B shape-alike chains, every stage under 2-process ZeRO-3 (~480 s)
-    "test_vllm_ppo.py": None,           # vLLM PPO killed and resumed, 1 and 2 processes (~700 s); the engine's own tests stay
+    "test_vllm_ppo.py": None,           # vLLM PPO killed and resumed: 1 and 2 processes, LoRA adapters alone (~880 s)
     "test_vllm_online_rl.py": None,     # GRPO and RLOO sampling through vLLM on SmolLM2 (~160 s)
     "test_benchmarks.py": None,         # every benchmark in its tiny mode (~230 s)
     "test_crash.py": None,              # SIGKILL loops through sft, reward, dpo, ppo (~215 s)

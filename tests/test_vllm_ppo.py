@@ -134,6 +134,25 @@ def test_zero3_two_processes_with_vllm_resumes_after_sigkill(tmp_path):
     assert sorted(gaps) == [1, 2, 3, 4] and max(gaps.values()) < 1e-3, gaps
 
 
+def test_lora_adapters_synced_alone_resume_after_sigkill(tmp_path):
+    """generation.lora_sync: adapter: LoRA PPO whose engine gets the adapters alone (vLLM's LoRA support applies
+    them): killed after its first checkpoint (the engine and its adapter files gone with it), it resumes with a new
+    engine, which its first sync gives the restored adapters, and every iteration's engine log-probs equal the
+    trained policy's."""
+    (tmp_path / "p.yaml").write_text(PIPELINE.format(repo=REPO))
+    ppo = tmp_path / "runs" / "vllm_ppo" / "main" / "ppo"
+    adapter = ("ppo.generation.lora_sync=adapter",)
+    killed = kill_after_first_checkpoint(tmp_path, *adapter)
+    assert killed["engine"]["lora_sync"] == "adapter"
+    again = run_align("run", "p.yaml", "--only", "ppo", *adapter, cwd=tmp_path, timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    m = json.loads((ppo / "manifest.json").read_text())
+    assert m["status"] == "completed" and m["final_metrics"]["ppo/iterations_run"] == 4
+    assert m["resumed_from_iteration"] == 2 and m["engine"]["lora_sync"] == "adapter"
+    gaps = gaps_per_iteration(ppo)
+    assert sorted(gaps) == [1, 2, 3, 4] and max(gaps.values()) < 1e-3, gaps
+
+
 def test_ppo_with_vllm_resumes_after_sigkill_and_keeps_the_logprob_gap_small(tmp_path):
     (tmp_path / "p.yaml").write_text(PIPELINE.format(repo=REPO))
     run_dir = tmp_path / "runs" / "vllm_ppo" / "main"
