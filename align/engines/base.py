@@ -10,7 +10,7 @@ engine's own: the gap is logged, and a gap past `generation.max_logprob_gap` (or
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
@@ -68,11 +68,15 @@ def check_gap(gap: float, bound: float, where: str, log_path) -> None:
 
 
 def check_rollout(engine: RolloutEngine, rollout: Rollout, trainer_logprobs: torch.Tensor, bound: float,
-                  where: str) -> dict[str, float] | None:
+                  where: str, reduce: Callable[[float], float] | None = None) -> dict[str, float] | None:
     """The gap (mean, max) between the engine's log-probs of its own samples and the trainer's, checked against
-    `bound` (check_gap); None when the engine returns no log-probs of its own (it samples with the trained model)."""
+    `bound` (check_gap); None when the engine returns no log-probs of its own (it samples with the trained model).
+    `reduce`, when given, turns this process's max into the one every process checks (the max over processes: all
+    stop together, or none)."""
     if rollout.engine_logprobs is None:
         return None
     gap = logprob_gap(rollout.engine_logprobs, trainer_logprobs, rollout.response_mask)
+    if reduce is not None:
+        gap["max"] = reduce(gap["max"])
     check_gap(gap["max"], bound, where, engine.log_path)
     return gap

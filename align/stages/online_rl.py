@@ -109,7 +109,7 @@ class EngineRollouts:
         """One round: sync if an optimiser step passed, sample (B, Lq) left-padded prompt ids, check the first rows."""
         import torch  # heavy: stage processes only
 
-        from align.engines.base import check_gap, logprob_gap
+        from align.engines.base import check_rollout
         from align.modeling.generation import response_logprobs
 
         acc = trainer.accelerator
@@ -130,12 +130,10 @@ class EngineRollouts:
                 lp = response_logprobs(policy, head, temperature=self.cfg.generation.temperature)
         finally:
             policy.train(was_training)
-        gap = logprob_gap(head.engine_logprobs, lp, head.response_mask)["max"]
-        gap = acc.gather(torch.tensor([gap], device=acc.device)).max().item()  # reduced on the training device
-        mode = "train" if trainer.model.training else "eval"
-        trainer._metrics[mode]["rollout/logprob_gap_max"].append(gap)
-        check_gap(gap, self.cfg.generation.max_logprob_gap,
-                  f"stage '{self.ctx.name}', step {trainer.state.global_step} (after a weight sync)", self.engine.log_path)
+        gap = check_rollout(self.engine, head, lp, self.cfg.generation.max_logprob_gap,
+                            f"stage '{self.ctx.name}', step {trainer.state.global_step} (after a weight sync)",
+                            reduce=lambda g: acc.gather(torch.tensor([g], device=acc.device)).max().item())
+        trainer._metrics["train" if trainer.model.training else "eval"]["rollout/logprob_gap_max"].append(gap["max"])
         return r
 
 
