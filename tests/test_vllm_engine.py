@@ -154,26 +154,37 @@ def test_full_weight_sync_including_the_tied_head(engine, smollm2):
         assert same, f"sync {step}: greedy outputs differ"
 
 
-def test_lora_sync(engine, smollm2):
-    """The first sync of a LoRA policy sends the whole model (adapters merged); the next, after the adapters changed
-    as training changes them, only the adapted layers' merged weights, and the engine still samples the policy."""
+def lora_policy(seed: int):
+    """The packaged SmolLM2 with r-8 LoRA adapters on every linear layer, B drawn (seeded) so they change the model."""
     from peft import LoraConfig, get_peft_model
 
-    _, tok = smollm2
     base, _ = load(smollm2_dir())
-    torch.manual_seed(SEED + 7)
+    torch.manual_seed(seed)
     peft = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")).eval()
     for n, p in peft.named_parameters():
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.02)
+    return peft
+
+
+def train_adapters(peft) -> None:
+    """A training step's worth of change to every adapter."""
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.add_(torch.randn_like(p) * 0.02)
+
+
+def test_lora_sync(engine, smollm2):
+    """The first sync of a LoRA policy sends the whole model (adapters merged); the next, after the adapters changed
+    as training changes them, only the adapted layers' merged weights, and the engine still samples the policy."""
+    _, tok = smollm2
+    peft = lora_policy(SEED + 7)
     engine.sync_weights(peft)
     gap, same = agree(engine, peft, tok, SEED + 7)
     assert gap < 1e-3, gap
     assert same
-    with torch.no_grad():  # a training step's worth of change to every adapter
-        for n, p in peft.named_parameters():
-            if "lora_B" in n:
-                p.add_(torch.randn_like(p) * 0.02)
+    train_adapters(peft)
     engine.sync_weights(peft)
     adapted = sum(m.base_layer.weight.numel() * 4 for m in peft.modules() if hasattr(m, "lora_A"))
     full = sum(v.numel() * 4 for k, v in smollm2[0].state_dict().items() if k != "lm_head.weight")
@@ -188,24 +199,14 @@ def test_lora_adapter_sync(smollm2, tmp_path):
     """generation.lora_sync: adapter: an engine started with vLLM's LoRA support gets the adapters alone (peft's
     files, a few MB, not the merged layers) and samples what the trainer's peft policy would, after the first sync and
     after the adapters changed; the one before is dropped."""
-    from peft import LoraConfig, get_peft_model
-
     _, tok = smollm2
-    base, _ = load(smollm2_dir())
-    torch.manual_seed(SEED + 9)
-    peft = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")).eval()
-    for n, p in peft.named_parameters():
-        if "lora_B" in n:
-            torch.nn.init.normal_(p, std=0.02)
+    peft = lora_policy(SEED + 9)
     adapter_bytes = sum(p.numel() * 4 for n, p in peft.named_parameters() if "lora_" in n)
     with VLLMEngine(str(smollm2_dir()), tok, seed=SEED, log_path=tmp_path / "engine.log", lora_rank=8) as eng:
         assert eng.describe()["lora_sync"] == "adapter"
         for step in range(2):
             if step:
-                with torch.no_grad():  # a training step's worth of change to every adapter
-                    for n, p in peft.named_parameters():
-                        if "lora_B" in n:
-                            p.add_(torch.randn_like(p) * 0.02)
+                train_adapters(peft)
             eng.sync_weights(peft)
             gap, same = agree(eng, peft, tok, SEED + 9 + step)
             assert gap < 1e-3 and same, (step, gap, same)
