@@ -9,6 +9,7 @@ CPU the process's peak resident set (sampled every 2 ms) less what it held befor
 
     python benchmarks/fused_head.py                     # SmolLM2-135M (the packaged model: `align model smollm2`)
     python benchmarks/fused_head.py --model DIR --batch 4 --prompt 256 --response 1024
+    python benchmarks/fused_head.py --model-config pipelines/model_configs/llama-3.2-1b --dtype bfloat16  # random init
     python benchmarks/fused_head.py --tiny              # the tests' version (seconds; figures mean nothing)
 """
 
@@ -70,14 +71,19 @@ def worker(args) -> dict:
 
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype)
     if args.tiny:
         from transformers import LlamaConfig, LlamaForCausalLM
         policy = LlamaForCausalLM(LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                               num_attention_heads=2))
+    elif args.model_config:
+        from transformers import AutoConfig, AutoModelForCausalLM
+        policy = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_config), dtype=dtype)
     else:
         from transformers import AutoModelForCausalLM
-        policy = AutoModelForCausalLM.from_pretrained(args.model or smollm2(), dtype=torch.float32)
-    model = PolicyAndValue(policy.to(device), value_head=torch.nn.Linear(policy.config.hidden_size, 1).to(device))
+        policy = AutoModelForCausalLM.from_pretrained(args.model or smollm2(), dtype=dtype)
+    model = PolicyAndValue(policy.to(device), value_head=torch.nn.Linear(policy.config.hidden_size, 1).to(device,
+                                                                                                        dtype))
     b, q, lr = args.batch, args.prompt, args.response
     ids = torch.randint(0, policy.config.vocab_size, (b, q + lr), device=device)
     mask = torch.ones_like(ids)
@@ -114,6 +120,9 @@ def worker(args) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a causal LM directory (default: the packaged SmolLM2-135M)")
+    parser.add_argument("--model-config", help="a directory with a config.json: that model, randomly initialised")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' dtype")
+    parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--response", type=int, default=256)
@@ -152,6 +161,9 @@ def main(argv: list[str] | None = None) -> dict:
         result[mode] = {"seconds": statistics.median(secs), "peak_mb": peak}
         print(f"| {mode} | {statistics.median(secs):.3f} | {min(secs):.3f}-{max(secs):.3f} | {peak:,.0f} |")
     result["gap"] = gap
+    result["device"], result["tokens"], result["vocab"] = (runs["on"][0][k] for k in ("device", "tokens", "vocab"))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
     return result
 
 

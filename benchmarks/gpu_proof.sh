@@ -14,6 +14,8 @@
 #         DeepSpeed ZeRO-3 with one process, so every stage's device handling runs there.
 #   (e)   where liger-kernel is installed (the carried wheel): (a) again with Liger off in SFT, reward and DPO
 #         (`liger: auto` turns it on on CUDA), for the on/off comparison. torch.compile is not in it (off by default).
+#   (f)   PPO's training pass on the same 1B shape in bf16 with its fused LM head off and on (benchmarks/fused_head.py:
+#         seconds per pass and peak memory, 4 x (256 + 1,024) tokens, a 128k vocabulary).
 # It writes OUT/proof.json and OUT/proof.md (the tables for README), and each run's own files under OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -76,6 +78,13 @@ if [[ $DRY == 0 ]] && "$PY" -c "import liger_kernel" 2>/dev/null; then
     sft.packing=true sft.liger=off reward.liger=off dpo.liger=off | tee "$OUT/e.log"
 fi
 
+echo "[proof] (f) PPO's training pass with the fused LM head off and on"
+if [[ $DRY == 1 ]]; then FUSED=(--tiny); else
+  FUSED=(--model-config pipelines/model_configs/llama-3.2-1b --dtype bfloat16 --batch 4 --prompt 256 --response 1024
+         --rounds 1 --steps 3)
+fi
+"$PY" benchmarks/fused_head.py "${FUSED[@]}" --json "$OUT/f.json" | tee "$OUT/f.log"
+
 "$PY" - "$OUT" "$c_seconds" "$DRY" "$start" <<'PYEOF'
 import json, sys, time
 from pathlib import Path
@@ -104,6 +113,13 @@ for name, s in stages.items():
 if (out / "e.log").is_file():
     lines += ["", "(e) the same as (a) with Liger off in SFT, reward and DPO; device:"
               + (out / "e.log").read_text().split("device:", 1)[1].split("pipeline wall time")[0].rstrip()]
+if (out / "f.json").is_file():
+    f = json.loads((out / "f.json").read_text())
+    proof["f"] = f
+    lines += ["", f"(f) PPO's training pass, {f['tokens']} response tokens, vocabulary {f['vocab']}, {f['device']}; "
+              f"log-prob gap on vs off {f['gap']:.1e}:", "", "| fused head | s per pass | peak MB |", "|---|---|---|"]
+    lines += [f"| {m} | {f[m]['seconds']:.3f} | {f[m]['peak_mb']:,.0f} |" for m in ("off", "on")]
+    (out / "proof.json").write_text(json.dumps(proof, indent=1))
 lines += ["", f"whole proof: {proof['wall_seconds']} s"]
 (out / "proof.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))

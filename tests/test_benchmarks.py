@@ -138,3 +138,5 @@ def test_gpu_proof_script_runs_end_to_end_in_its_cpu_dry_run(tmp_path):
     assert all(s["status"] == "completed" for s in proof["c"]["stages"].values())
     assert proof["c"]["stages"]["dpo"]["accelerate"] == "zero3"
     assert "| dpo | completed |" in (tmp_path / "proof.md").read_text()
+    assert proof["f"]["gap"] < 1e-4 and all(proof["f"][m]["seconds"] > 0 for m in ("off", "on"))  # the fused head
+    assert "(f) PPO's training pass" in (tmp_path / "proof.md").read_text()
