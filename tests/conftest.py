@@ -37,16 +37,16 @@ TINY = [
 ]
 
 
-# Test files by how long they keep a worker busy (seconds of one worker, measured 2026-11-26 on the 2-core AMD EPYC),
+# Test files by how long they keep a worker busy (seconds of one worker, measured 2026-11-26/27 on the 2-core AMD EPYC),
 # longest first. xdist hands out whole files (`--dist loadfile`); by default it would order them by their number of
 # tests, which put these few-test, long files last, where one worker ran them while the other sat idle.
 LONGEST_FIRST = ["test_smollm2.py", "test_cluster_pipelines.py", "test_distributed.py", "test_vllm_ppo.py",
-                 "test_vllm_online_rl.py",
-                 "test_vllm_engine.py", "test_faults.py", "test_benchmarks.py", "test_crash.py", "test_pipeline_e2e.py",
-                 "test_grpo_rloo.py", "test_pairwise.py", "test_families_a.py", "test_hostile.py", "test_gguf.py",
-                 "test_estimate.py", "test_families_b.py", "test_hh_pipeline.py", "test_integrity.py",
-                 "test_multinode.py", "test_sweeps.py", "test_kto.py", "test_chat.py", "test_orchestrator.py",
-                 "test_config.py", "test_deepspeed_settings.py", "test_lengths.py", "test_zero3_init.py"]
+                 "test_vllm_online_rl.py", "test_vllm_engine.py", "test_multinode.py", "test_faults.py",
+                 "test_benchmarks.py", "test_crash.py", "test_pipeline_e2e.py", "test_grpo_rloo.py",
+                 "test_pairwise.py", "test_families_a.py", "test_hostile.py", "test_gguf.py", "test_estimate.py",
+                 "test_families_b.py", "test_hh_pipeline.py", "test_integrity.py", "test_sweeps.py", "test_kto.py",
+                 "test_chat.py", "test_orchestrator.py", "test_config.py", "test_deepspeed_settings.py",
+                 "test_lengths.py", "test_zero3_init.py"]
 
 
 # The long tier (marker `long`): end-to-end runs that repeat what the default tier covers at a larger size or more
