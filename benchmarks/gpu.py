@@ -198,7 +198,8 @@ def stage_rows(run_dir: Path, pipeline: Path, peak_flops: float | None, failed: 
     estimates = {e.name: e for e in estimate_pipeline(cfg, pipeline, hardware(cfg))}
     rows = []
     for name in STAGES:
-        manifest = json.loads((run_dir / name / "manifest.json").read_text())
+        path = run_dir / name / "manifest.json"
+        manifest = json.loads(path.read_text()) if path.is_file() else {"status": "not run"}
         if name in failed or manifest.get("status") != "completed":
             rows.append({"stage": name, "failed": failed.get(name, manifest.get("status"))})
             continue
@@ -261,9 +262,10 @@ def render(rows: list[dict], ab: dict[str, float], device: str, on_gpu: bool, gp
                      f"{f(r['mfu'] and 100 * r['mfu'], '.1f')}{'%' if r['mfu'] else ''} | "
                      f"{f(r.get('padding_fraction'), '.3f')} | {f(r['peak_gb'], '.2f')} | "
                      f"{f(r['estimate_gb'] if on_gpu else None, '.2f')} | {liger} | {split} |")
-    first = next(iter(ab.values()))
-    lines += ["", "generation of the sft policy, response tokens/s: "
-              + "; ".join(f"{k} {v:,.0f} ({v / first:.2f}x)" for k, v in ab.items())]
+    if ab:
+        first = next(iter(ab.values()))
+        lines += ["", "generation of the sft policy, response tokens/s: "
+                  + "; ".join(f"{k} {v:,.0f} ({v / first:.2f}x)" for k, v in ab.items())]
     return "\n".join(lines)
 
 
@@ -280,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--accelerate", default=None, help="every stage's accelerate config (a pipelines/accelerate/ name or a path)")
     ap.add_argument("--sizes", choices=("auto", "gpu", "proof", "cpu"), default="auto",
                     help="step counts and batch sizes: auto = gpu on a GPU, cpu (tiny model) without one")
+    ap.add_argument("--no-generation-ab", action="store_true",
+                    help="skip the generation A/B after the pipeline (its compiled variant costs a minute on a GPU)")
     ap.add_argument("overrides", nargs="*", help="align run overrides for the benchmark pipeline, e.g. sft.packing=true")
     args = ap.parse_args(argv)
     import torch
@@ -311,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
 
     card = REPO / "data_cards" / "movie_review_snippets.yaml"
     prompts = unique_prompts(load_split(str(card), "test").rows, sizes["ab_prompts"])
-    ab = generation_ab(run_dir / "sft" / "model", prompts, sizes["new_tokens"], sizes["gen_batch"])
+    ab = {} if args.no_generation_ab else generation_ab(run_dir / "sft" / "model", prompts, sizes["new_tokens"],
+                                                         sizes["gen_batch"])
     table = render(rows, ab, device, on_gpu, gpus)
     print(table + f"\n\npipeline wall time {wall:.0f} s (stage processes started and models loaded included)")
     (out / "benchmark.json").write_text(json.dumps({"device": device, "stages": rows, "generation": ab,

@@ -16,16 +16,21 @@
 #         (`liger: auto` turns it on on CUDA), for the on/off comparison. torch.compile is not in it (off by default).
 #   (f)   PPO's training pass on the same 1B shape in bf16 with its fused LM head off and on (benchmarks/fused_head.py:
 #         seconds per pass and peak memory, 4 x (256 + 1,024) tokens, a 128k vocabulary).
-# It writes OUT/proof.json and OUT/proof.md (the tables for README), and each run's own files under OUT.
+# It writes OUT/proof.json and OUT/proof.md (the tables for README) and OUT/logs.tar.gz (each step's console log,
+# every stage's log, manifest and metrics): few files, as a lent GPU returns at most 8; models and runs go to PROOF_WORK (default OUT/work). Each step has a
+# deadline inside PROOF_BUDGET_S (default 540 s); one that fails or runs out of time does not stop the next.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-WHEELS="transformers==5.23.0 trl==1.16.0 peft==0.21.2 datasets==5.2.0 wandb==0.31.0 vaderSentiment==3.3.2 dill multiprocess liger-kernel==0.8.5"
+# What the image lacks (../shared/notes/gpu-lease.md), wandb left out (the proof runs with tracking.wandb=disabled);
+# pydantic and hjson are DeepSpeed's, typing_extensions pydantic's newer floor.
+WHEELS="transformers==5.24.0 trl==1.16.0 peft==0.21.2 datasets==5.2.0 vaderSentiment==3.3.2 dill multiprocess
+liger-kernel==0.8.5 pydantic pydantic-core annotated-types typing-inspection typing_extensions hjson"
 if [[ "${1:-}" == "--print-downloads" ]]; then
   echo "echo /.whl/ >> .git/info/exclude"
   echo "python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp" \
        "--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64" \
-       "-d .whl $WHEELS"
+       "-d .whl" $WHEELS
   echo "python3 -m pip wheel --no-deps -w .whl deepspeed==0.19.8   # a source archive on PyPI: its ops JIT there"
   exit 0
 fi
@@ -34,6 +39,14 @@ DRY=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY=1; shift; fi
 OUT="${1:?usage: gpu_proof.sh [--dry-run] OUT | --print-downloads}"
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+# Models, checkpoints and runs go to WORK (a 1B run writes gigabytes); OUT gets the summary and one archive.
+WORK="${PROOF_WORK:-$OUT/work}"
+LOGS="$WORK/steps"  # each step's console log (and the fused head's JSON): archived with the stages' logs
+mkdir -p "$LOGS"
+# Every step has a deadline inside BUDGET seconds (default 540: one 10-minute call with room to spare); a step that
+# fails or runs out of time is recorded and the next one still runs, so one failure does not cost the lease.
+BUDGET="${PROOF_BUDGET_S:-540}"
 PY="${PYTHON:-python3}"
 if [[ $DRY == 0 && -d .whl ]] && compgen -G ".whl/*.whl" > /dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -41,8 +54,33 @@ if [[ $DRY == 0 && -d .whl ]] && compgen -G ".whl/*.whl" > /dev/null; then
 else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
+"$PY" -c "import torch, transformers, trl, peft, datasets, accelerate
+print('[proof] torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__,
+      'trl', trl.__version__, 'peft', peft.__version__, 'datasets', datasets.__version__, 'accelerate', accelerate.__version__)
+for name in ('deepspeed', 'liger_kernel'):
+    try:
+        m = __import__(name); print('[proof]', name, getattr(m, '__version__', 'present'))
+    except Exception as e:
+        print('[proof]', name, 'unavailable:', type(e).__name__, e)" 2>&1 | tee "$LOGS/versions.log" || true
 
 start=$(date +%s)
+STEPS=""
+# step NAME SECONDS CMD...: run CMD with at most SECONDS (less when the budget has less left), its output in
+# LOGS/NAME.log; records NAME=rc (124: out of time) in STEPS.
+step() {
+  local name=$1 cap=$2; shift 2
+  local left=$(( BUDGET - ($(date +%s) - start) ))
+  (( cap > left )) && cap=$left
+  if (( cap < 20 )); then echo "[proof] ($name) skipped: ${left} s of the budget left"; STEPS+="$name=skipped "; return; fi
+  echo "[proof] ($name) up to ${cap} s: $*"
+  local t0; t0=$(date +%s)
+  local rc=0
+  timeout --kill-after=10 "$cap" "$@" > "$LOGS/$name.log" 2>&1 || rc=$?
+  tail -n 25 "$LOGS/$name.log"
+  echo "[proof] ($name) rc=$rc in $(( $(date +%s) - t0 )) s"
+  STEPS+="$name=$rc "
+}
+
 if [[ $DRY == 1 ]]; then
   SIZE=(--cpu --sizes cpu)
   DEFAULT=(builtin.vocab_size=512 builtin.hidden_size=32 builtin.num_layers=2 builtin.num_heads=2
@@ -55,74 +93,106 @@ if [[ $DRY == 1 ]]; then
            ppo.generation.max_new_tokens=8 ppo.max_prompt_length=48 dpo.max_steps=2 dpo.save_steps=2
            dpo.logging_steps=1 dpo.max_length=96 dpo.per_device_batch_size=4 evaluate.max_prompts=8
            evaluate.generation.max_new_tokens=8 evaluate.bootstrap_samples=100)
+  FUSED=(--tiny)
 else
   SIZE=(--sizes proof)
   DEFAULT=(sft.max_steps=100 preferences.max_prompts=512 reward.max_steps=40 ppo.iterations=4 dpo.max_steps=40
            evaluate.max_prompts=128)
-fi
-
-echo "[proof] (a, b, d) 1B Llama-3 shape, every stage, SFT packed into rows of 2,048 tokens"
-"$PY" benchmarks/gpu.py "${SIZE[@]}" --model-config pipelines/model_configs/llama-3.2-1b --out "$OUT/a" \
-  sft.packing=true | tee "$OUT/a.log"
-
-echo "[proof] (c) the default pipeline end to end, DPO under ZeRO-3 with one process"
-mkdir -p "$OUT/c"
-c_start=$(date +%s)
-"$PY" -m align.cli run pipelines/default.yaml --run-id proof "runs_dir=$OUT/c/runs" tracking.wandb=disabled \
-  "${DEFAULT[@]}" dpo.accelerate=zero3 dpo.num_processes=1 2>&1 | tee "$OUT/c.log"
-c_seconds=$(( $(date +%s) - c_start ))
-
-if [[ $DRY == 0 ]] && "$PY" -c "import liger_kernel" 2>/dev/null; then
-  echo "[proof] (e) (a) with Liger off in SFT, reward and DPO"
-  "$PY" benchmarks/gpu.py "${SIZE[@]}" --model-config pipelines/model_configs/llama-3.2-1b --out "$OUT/e" \
-    sft.packing=true sft.liger=off reward.liger=off dpo.liger=off | tee "$OUT/e.log"
-fi
-
-echo "[proof] (f) PPO's training pass with the fused LM head off and on"
-if [[ $DRY == 1 ]]; then FUSED=(--tiny); else
   FUSED=(--model-config pipelines/model_configs/llama-3.2-1b --dtype bfloat16 --batch 4 --prompt 256 --response 1024
          --rounds 1 --steps 3)
 fi
-"$PY" benchmarks/fused_head.py "${FUSED[@]}" --json "$OUT/f.json" | tee "$OUT/f.log"
+BENCH=("$PY" benchmarks/gpu.py "${SIZE[@]}" --model-config pipelines/model_configs/llama-3.2-1b --no-generation-ab)
 
-"$PY" - "$OUT" "$c_seconds" "$DRY" "$start" <<'PYEOF'
+# (a, b, d) 1B Llama-3 shape, every stage, SFT packed into rows of 2,048 tokens
+step a 300 "${BENCH[@]}" --out "$WORK/a" sft.packing=true
+# (c) the default pipeline end to end, DPO under ZeRO-3 with one process
+c_start=$(date +%s)
+step c 170 "$PY" -m align.cli run pipelines/default.yaml --run-id proof "runs_dir=$WORK/c/runs" tracking.wandb=disabled \
+  "${DEFAULT[@]}" dpo.accelerate=zero3 dpo.num_processes=1
+c_seconds=$(( $(date +%s) - c_start ))
+# (f) PPO's training pass with the fused LM head off and on
+step f 60 "$PY" benchmarks/fused_head.py "${FUSED[@]}" --json "$LOGS/f.json"
+# (e) (a) with Liger off in SFT, reward and DPO: only where liger-kernel is installed, and with what time is left
+if [[ $DRY == 0 ]] && "$PY" -c "import liger_kernel" 2>/dev/null; then
+  find "$WORK/a" \( -name '*.safetensors' -o -name '*.bin' -o -name '*.pt' \) -delete  # free the disk, keep the logs
+  step e 300 "${BENCH[@]}" --out "$WORK/e" sft.packing=true sft.liger=off reward.liger=off dpo.liger=off
+fi
+echo "[proof] steps: $STEPS"
+(cd "$WORK" && find . \( -name '*.log' -o -name manifest.json -o -name metrics.jsonl -o -name benchmark.json \
+  -o -name pipeline.yaml \) -size -5M -print0 | tar --null -czf "$OUT/logs.tar.gz" -T -) || true
+
+"$PY" - "$OUT" "$c_seconds" "$DRY" "$start" "$WORK" "$STEPS" <<'PYEOF'
 import json, sys, time
 from pathlib import Path
 
 out, c_seconds, dry, start = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
-a = json.loads((out / "a" / "benchmark.json").read_text())
-run = out / "c" / "runs" / "default" / "proof"
-stages = {}
-for name in ("sft", "preferences", "reward", "ppo", "dpo", "evaluate"):
-    m = json.loads((run / name / "manifest.json").read_text())
-    stages[name] = {"status": m["status"], "seconds": m.get("final_metrics", {}).get("perf/stage_seconds"),
-                    "peak_gb": m.get("final_metrics", {}).get("perf/peak_memory_gb"),
-                    "accelerate": m.get("config", {}).get("accelerate")}
-proof = {"date": time.strftime("%Y-%m-%d"), "dry_run": dry, "device": a["device"], "a": a,
-         "c": {"seconds": c_seconds, "stages": stages}, "wall_seconds": int(time.time()) - start}
-(out / "proof.json").write_text(json.dumps(proof, indent=1))
-table = (out / "a.log").read_text().split("device:", 1)[1].split("pipeline wall time")[0]
-lines = [f"GPU proof, {proof['date']} ({'CPU dry run' if dry else a['device']}): `bash benchmarks/gpu_proof.sh OUT`", "",
-         "(a, b, d) Llama-3-shaped 1B, random init, SFT packed into rows of 2,048 tokens; device:" + table.rstrip(), "",
-         f"(c) pipelines/default.yaml end to end in {c_seconds} s, DPO under ZeRO-3 (one process):", "",
-         "| stage | status | seconds | peak GB | accelerate |", "|---|---|---|---|---|"]
-for name, s in stages.items():
-    sec = "-" if s["seconds"] is None else f"{s['seconds']:.1f}"
-    peak = "-" if s["peak_gb"] is None else f"{s['peak_gb']:.2f}"
-    lines.append(f"| {name} | {s['status']} | {sec} | {peak} | {s['accelerate']} |")
-if (out / "e.log").is_file():
-    lines += ["", "(e) the same as (a) with Liger off in SFT, reward and DPO; device:"
-              + (out / "e.log").read_text().split("device:", 1)[1].split("pipeline wall time")[0].rstrip()]
-if (out / "f.json").is_file():
-    f = json.loads((out / "f.json").read_text())
+work, steps = Path(sys.argv[5]), dict(x.split("=") for x in sys.argv[6].split())
+STAGES = ("sft", "preferences", "reward", "ppo", "dpo", "evaluate")
+
+
+def manifests(run: Path) -> dict:
+    stages = {}
+    for name in STAGES:
+        path = run / name / "manifest.json"
+        m = json.loads(path.read_text()) if path.is_file() else {"status": "not run"}
+        fm = m.get("final_metrics", {})
+        stages[name] = {"status": m["status"], "seconds": fm.get("perf/stage_seconds"),
+                        "peak_gb": fm.get("perf/peak_memory_gb"), "tokens_per_s": fm.get("perf/tokens_per_s"),
+                        "accelerate": m.get("config", {}).get("accelerate"), "error": m.get("error")}
+    return stages
+
+
+def bench_table(name: str) -> str:
+    """gpu.py's own table when it finished; else each stage's status from its manifest (a run cut off in time)."""
+    log = work / "steps" / f"{name}.log"
+    text = log.read_text() if log.is_file() else ""
+    if "device:" in text and "pipeline wall time" in text:
+        return "device:" + text.split("device:", 1)[1].split("pipeline wall time")[0].rstrip()
+    rows = manifests(work / name / "runs" / "gpu-benchmark" / "bench")
+    return ("gpu.py did not finish (rc " + steps.get(name, "?") + "); each stage's manifest:\n\n"
+            + table(rows))
+
+
+def table(stages: dict) -> str:
+    lines = ["| stage | status | seconds | tokens/s | peak GB | accelerate |", "|---|---|---|---|---|---|"]
+    for name, s in stages.items():
+        f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        status = s["status"] + (f": {str(s['error'])[:160]}" if s.get("error") else "")
+        lines.append(f"| {name} | {status} | {f(s['seconds'], '.1f')} | {f(s['tokens_per_s'], ',.0f')} | "
+                     f"{f(s['peak_gb'], '.2f')} | {s['accelerate']} |")
+    return "\n".join(lines)
+
+
+bench = work / "a" / "benchmark.json"
+a = json.loads(bench.read_text()) if bench.is_file() else None
+c = manifests(work / "c" / "runs" / "default" / "proof")
+device = a["device"] if a else "unknown device"
+try:
+    import torch
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not dry else device
+except Exception:
+    pass
+proof = {"date": time.strftime("%Y-%m-%d"), "dry_run": dry, "device": device, "steps": steps, "a": a,
+         "c": {"seconds": c_seconds, "stages": c}}
+lines = [f"GPU proof, {proof['date']} ({'CPU dry run' if dry else device}): `bash benchmarks/gpu_proof.sh OUT`; "
+         f"steps' exit codes: {' '.join(f'{k}={v}' for k, v in steps.items())}", "",
+         "(a, b, d) Llama-3-shaped 1B, random init, SFT packed into rows of 2,048 tokens; " + bench_table("a"), "",
+         f"(c) pipelines/default.yaml end to end in {c_seconds} s, DPO under ZeRO-3 (one process):", "", table(c)]
+if "e" in steps:
+    e = work / "e" / "benchmark.json"
+    proof["e"] = json.loads(e.read_text()) if e.is_file() else None
+    lines += ["", "(e) the same as (a) with Liger off in SFT, reward and DPO; " + bench_table("e")]
+if (work / "steps" / "f.json").is_file():
+    f = json.loads((work / "steps" / "f.json").read_text())
     proof["f"] = f
     lines += ["", f"(f) PPO's training pass, {f['tokens']} response tokens, vocabulary {f['vocab']}, {f['device']}; "
               f"log-prob gap on vs off {f['gap']:.1e}:", "", "| fused head | s per pass | peak MB |", "|---|---|---|"]
     lines += [f"| {m} | {f[m]['seconds']:.3f} | {f[m]['peak_mb']:,.0f} |" for m in ("off", "on")]
-    (out / "proof.json").write_text(json.dumps(proof, indent=1))
+proof["wall_seconds"] = int(time.time()) - start
+(out / "proof.json").write_text(json.dumps(proof, indent=1))
 lines += ["", f"whole proof: {proof['wall_seconds']} s"]
 (out / "proof.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
-bad = [n for n, s in stages.items() if s["status"] != "completed"]
-sys.exit(f"[proof] stages not completed in (c): {bad}" if bad else 0)
+bad = [n for n, rc in steps.items() if rc != "0"] + [f"c/{n}" for n, s in c.items() if s["status"] != "completed"]
+sys.exit(f"[proof] not every step completed: {bad}" if bad else 0)
 PYEOF

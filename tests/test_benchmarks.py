@@ -140,3 +140,9 @@ def test_gpu_proof_script_runs_end_to_end_in_its_cpu_dry_run(tmp_path):
     assert "| dpo | completed |" in (tmp_path / "proof.md").read_text()
     assert proof["f"]["gap"] < 1e-4 and all(proof["f"][m]["seconds"] > 0 for m in ("off", "on"))  # the fused head
     assert "(f) PPO's training pass" in (tmp_path / "proof.md").read_text()
+    assert set(proof["steps"].values()) == {"0"}, proof["steps"]  # every step's exit code
+    import tarfile
+    with tarfile.open(tmp_path / "logs.tar.gz") as tar:  # what comes back from a lent GPU: the logs, no models
+        names = tar.getnames()
+    assert "./steps/a.log" in names and any(n.endswith("dpo/manifest.json") for n in names), names[:20]
+    assert not any(n.endswith(".safetensors") for n in names)
