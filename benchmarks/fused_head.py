@@ -78,7 +78,8 @@ def worker(args) -> dict:
                                               num_attention_heads=2))
     elif args.model_config:
         from transformers import AutoConfig, AutoModelForCausalLM
-        policy = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_config), dtype=dtype)
+        with device:  # initialised where it runs: a 1B random init on the host takes longer than the passes
+            policy = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_config), dtype=dtype)
     else:
         from transformers import AutoModelForCausalLM
         policy = AutoModelForCausalLM.from_pretrained(args.model or smollm2(), dtype=dtype)
@@ -144,7 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
     for r in range(args.rounds):
         for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
             out = subprocess.run([sys.executable, __file__, *flags, "--worker", mode], capture_output=True, text=True,
-                                 env={**os.environ, "PYTHONPATH": str(REPO)})
+                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                     [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))})
             if out.returncode != 0:
                 sys.exit(f"fused_head {mode}: worker failed:\n{out.stderr[-3000:]}")
             runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))

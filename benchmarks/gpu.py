@@ -49,16 +49,16 @@ CONFIG = REPO / "pipelines" / "model_configs" / "pythia-160m" / "config.json"
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 125.0, "L4": 121.0}
 STAGES = ("sft", "preferences", "reward", "ppo", "dpo", "evaluate")
 
-GPU_SIZES = {"shrink": {}, "sft_steps": 400, "sft_batch": 64, "max_length": 128, "prompts": 2048, "samples": 4,
+GPU_SIZES = {"shrink": {}, "sft_steps": 400, "sft_batch": 64, "max_length": 128, "pair_length": 128, "prompts": 2048, "samples": 4,
              "new_tokens": 48, "gen_batch": 256, "rm_epochs": 1, "ppo_iterations": 8, "rollout": 256, "mini": 64,
              "dpo_epochs": 1, "pair_batch": 32, "eval_prompts": 512, "ab_prompts": 1024}
 # benchmarks/gpu_proof.sh on one lent GPU (a 1B model, SFT packed into rows of 2,048 tokens): every stage in a few
 # minutes, so that the whole proof fits one 9-minute call. Not yet calibrated on a GPU.
-PROOF_SIZES = {"shrink": {}, "sft_steps": 40, "sft_batch": 8, "max_length": 2048, "prompts": 512, "samples": 2,
+PROOF_SIZES = {"shrink": {}, "sft_steps": 40, "sft_batch": 8, "max_length": 2048, "pair_length": 256, "prompts": 512, "samples": 2,
                "new_tokens": 48, "gen_batch": 256, "rm_epochs": 1, "ppo_iterations": 4, "rollout": 128, "mini": 32,
                "dpo_epochs": 1, "pair_batch": 32, "eval_prompts": 256, "ab_prompts": 256}
 CPU_SIZES = {"shrink": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128},
-             "sft_steps": 12, "sft_batch": 8, "max_length": 64, "prompts": 48, "samples": 2, "new_tokens": 8,
+             "sft_steps": 12, "sft_batch": 8, "max_length": 64, "pair_length": 64, "prompts": 48, "samples": 2, "new_tokens": 8,
              "gen_batch": 32, "rm_epochs": 1, "ppo_iterations": 3, "rollout": 8, "mini": 4, "dpo_epochs": 1,
              "pair_batch": 8, "eval_prompts": 16, "ab_prompts": 16}
 
@@ -110,12 +110,12 @@ stages:
   preferences: {{policy: sft, prompts: {card}, max_prompts: {s['prompts']}, samples_per_prompt: {s['samples']},
                 judge: vader, min_margin: 0.05, generation: {gen}}}
   reward: {{init: sft, data: preferences, epochs: {s['rm_epochs']}, per_device_batch_size: {s['pair_batch']},
-           max_length: {s['max_length']}, logging_steps: 1, save_steps: 1000, max_truncated_fraction: 0.5}}
+           max_length: {s['pair_length']}, logging_steps: 1, save_steps: 1000, max_truncated_fraction: 0.5}}
   ppo: {{policy: sft, reward: reward, prompts: {card}, iterations: {s['ppo_iterations']},
         rollout_batch_size: {s['rollout']}, mini_batch_size: {s['mini']}, ppo_epochs: 2, max_prompt_length: 64,
         reward_normalization_samples: {s['rollout']}, save_every: 1000, generation: {gen}}}
   dpo: {{policy: sft, data: preferences, epochs: {s['dpo_epochs']}, per_device_batch_size: {s['pair_batch']},
-        max_length: {s['max_length']}, logging_steps: 1, save_steps: 1000, max_truncated_fraction: 0.5}}
+        max_length: {s['pair_length']}, logging_steps: 1, save_steps: 1000, max_truncated_fraction: 0.5}}
   evaluate: {{policies: [sft, ppo, dpo], baseline: sft, reference: sft, reward: reward, judges: [vader],
              prompts: {card}, split: test, max_prompts: {s['eval_prompts']}, bootstrap_samples: 200,
              generation: {gen}}}
@@ -323,7 +323,10 @@ def main(argv: list[str] | None = None) -> int:
                                                     "wall_seconds": wall, "peak_tflops": peak, "processes": gpus,
                                                     "model_config": str(args.model_config or CONFIG.parent)},
                                                    indent=1))
-    return 0
+    bad = [r["stage"] for r in rows if "failed" in r]
+    if bad:
+        print(f"gpu.py: stages that did not complete: {', '.join(bad)}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -141,7 +141,9 @@ def test_ppo_logs_every_iteration_with_shared_metric_names(e2e):
         assert sum(phases) >= 0.8 * elapsed, (phases, elapsed)  # the split accounts for most of the iteration
     final = _manifest(e2e["run"], "ppo")["final_metrics"]
     assert final["ppo/iterations_run"] == 4 and "objective/scores_last" in final
-    assert _manifest(e2e["run"], "ppo")["kernels"] == {"fused_head": {"policy": True, "reference": True}}
+    # what the policy ran with, as resolved: SDPA (attn_implementation auto), fp32 here (no autocast on this CPU)
+    assert _manifest(e2e["run"], "ppo")["kernels"] == {"fused_head": {"policy": True, "reference": True},
+                                                        "attention": "sdpa", "autocast": "no"}
 
 
 def test_offline_wandb_run_per_stage(e2e):

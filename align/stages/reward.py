@@ -18,6 +18,8 @@ from align.runtime.trl import (check_lengths, metrics_callback, train_with_resum
                                padding_free)
 
 OUTPUTS = ["model"]
+# Liger on a scalar (sequence-classification) model: the layer kernels, not the LM-head losses it has no head for.
+SCALAR_LIGER = {"fused_linear_cross_entropy": False, "cross_entropy": False}
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -30,8 +32,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
     train = load_rows(ctx, cfg.data, cfg.split, cfg.max_train_examples, tokenizer)
     test = load_rows(ctx, cfg.data, "test", tokenizer=tokenizer)
     check_lengths(ctx, train, tokenizer)
+    # Liger's fused linear cross-entropy replaces a causal LM's forward; a scalar model has no LM head, so only the
+    # layer kernels (RMSNorm, RoPE, SwiGLU) apply (the first H100 proof, 2026-11-27: "no attribute 'lm_head'").
     args = training_args(RewardConfig, cfg, ctx, center_rewards_coefficient=cfg.center_rewards_coefficient,
-                         eval_strategy="no")
+                         eval_strategy="no", liger_kernel_config=SCALAR_LIGER)
     # after the config: partitioned as it loads under ZeRO-3
     model = ctx.load_scalar(path, tokenizer.pad_token_id, quantize=cfg.lora.quantize)
     padding_free(ctx, model)

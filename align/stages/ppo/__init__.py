@@ -26,7 +26,7 @@ from align.runtime.rows import load_rows, unique_prompts
 from align.engines.base import RolloutEngine, check_rollout, nan_max
 from align.modeling.generation import Rollout, fused_head_gap, response_logprobs
 from align.modeling.fused_head import FUSED_TOLERANCE, exclude, set_fused_head, use_fused_head
-from align.modeling.packing import base_and_backbone, set_padding_free, unwrapped_model
+from align.modeling.packing import attention_kernel, base_and_backbone, set_padding_free, unwrapped_model
 from align.judges import judge_weights
 from align.modeling.losses import gae, kl_estimate, masked_whiten, token_rewards
 from align.modeling.models import load_causal_lm, load_tokenizer, unsharded_loading
@@ -162,7 +162,10 @@ def setup(ctx: StageContext) -> PPORun:
                                    {"params": groups["value"], "lr": cfg.value_learning_rate}], eps=1e-5)
     model, optimizer = accelerator.prepare(model, optimizer)
     reference, reward_fns = load_frozen(ctx, cfg, accelerator, accelerator.unwrap_model(model), pad_id, reward_stages)
-    ctx.note(kernels={"fused_head": fused_head(cfg, accelerator.unwrap_model(model).policy, reference)})
+    policy = accelerator.unwrap_model(model).policy
+    # as resolved on this machine: the attention kernel the policy runs (attn_implementation auto: transformers' pick)
+    ctx.note(kernels={"fused_head": fused_head(cfg, policy, reference), "attention": attention_kernel(policy),
+                      "autocast": ctx.compute.mixed_precision})
     scorer = build_judge(cfg.reward, lambda n: RewardModelJudge(n, reward_fns[n], tokenizer) if n in reward_fns else None)
     s = PPORun(ctx, cfg, accelerator, tokenizer, policy_path, prompts, heldout, model, optimizer, groups, reference,
                scorer, kl_controller(cfg), reward_stages, stream=PromptStream(len(prompts), ctx.seed))
