@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The GPU proof of issue 41 in one short lease: one script, one call, about 9 minutes on one H100 after start-up
-# (not yet calibrated on a GPU: the sizes are benchmarks/gpu.py's PROOF_SIZES).
+# The GPU proof of issue 41 in one short lease: one script, one call, at most PROOF_BUDGET_S (540 s) on one GPU after
+# start-up, its steps in the order (a), (f), (c), (e). First run 2026-11-27 (docs/benchmarks.md): (c) and (f) are
+# calibrated from it; (a) at 1B never started there (a benchmark setting the memory preflight refused, fixed since).
+# On the lent GPU: PROOF_WORK=/tmp/pw bash benchmarks/gpu_proof.sh $OUT 2>&1 | tee $OUT/proof.log (carry .whl).
 #
 #   bash benchmarks/gpu_proof.sh --print-downloads   # here, with the package index: the wheels to carry
 #   PYTHON=.venv/bin/python bash benchmarks/gpu_proof.sh --dry-run OUT   # CPU, tiny sizes (the suite runs it)
@@ -96,8 +98,9 @@ if [[ $DRY == 1 ]]; then
   FUSED=(--tiny)
 else
   SIZE=(--sizes proof)
-  DEFAULT=(sft.max_steps=100 preferences.max_prompts=512 reward.max_steps=40 ppo.iterations=4 dpo.max_steps=40
-           evaluate.max_prompts=128)
+  # measured on an H200 on 2026-11-27: every stage in ~190 s (the 100-step version had not finished reward in 139 s)
+  DEFAULT=(sft.max_steps=20 preferences.max_prompts=128 reward.max_steps=10 ppo.iterations=2 dpo.max_steps=10
+           evaluate.max_prompts=64)
   FUSED=(--model-config pipelines/model_configs/llama-3.2-1b --dtype bfloat16 --batch 4 --prompt 256 --response 1024
          --rounds 1 --steps 3)
 fi
@@ -105,13 +108,13 @@ BENCH=("$PY" benchmarks/gpu.py "${SIZE[@]}" --model-config pipelines/model_confi
 
 # (a, b, d) 1B Llama-3 shape, every stage, SFT packed into rows of 2,048 tokens
 step a 300 "${BENCH[@]}" --out "$WORK/a" sft.packing=true
+# (f) PPO's training pass with the fused LM head off and on
+step f 50 "$PY" benchmarks/fused_head.py "${FUSED[@]}" --json "$LOGS/f.json"
 # (c) the default pipeline end to end, DPO under ZeRO-3 with one process
 c_start=$(date +%s)
-step c 170 "$PY" -m align.cli run pipelines/default.yaml --run-id proof "runs_dir=$WORK/c/runs" tracking.wandb=disabled \
+step c 200 "$PY" -m align.cli run pipelines/default.yaml --run-id proof "runs_dir=$WORK/c/runs" tracking.wandb=disabled \
   "${DEFAULT[@]}" dpo.accelerate=zero3 dpo.num_processes=1
 c_seconds=$(( $(date +%s) - c_start ))
-# (f) PPO's training pass with the fused LM head off and on
-step f 60 "$PY" benchmarks/fused_head.py "${FUSED[@]}" --json "$LOGS/f.json"
 # (e) (a) with Liger off in SFT, reward and DPO: only where liger-kernel is installed, and with what time is left
 if [[ $DRY == 0 ]] && "$PY" -c "import liger_kernel" 2>/dev/null; then
   find "$WORK/a" \( -name '*.safetensors' -o -name '*.bin' -o -name '*.pt' \) -delete  # free the disk, keep the logs

@@ -79,11 +79,32 @@ def test_per_gpu_bytes_follow_deepspeed_arithmetic(tiny_cfg, tiny_shapes):
     assert ppo.parts["zero3"]["trained_states"] == 4 * LARGEST + int(18 * both / 8)
     assert ppo.parts["zero2"]["frozen_weights"] == 4 * P_LM + 4 * P_RM
     assert ppo.parts["zero3"]["frozen_weights"] == (int(4 * P_LM / 8) + 4 * LARGEST) + (int(4 * P_RM / 8) + 4 * LARGEST)
-    # SFT activations (default.yaml: micro-batch b = 32, max_length s = 96), Korthikanti et al. eq. 1:
-    # s*b*h*(34 + 5*a*s/h) = 96*32*32*(34 + 30) per layer, plus fp32 logits and their gradient 8*s*b*V
-    assert sft.parts["zero2"]["activations"] == 2 * 96 * 32 * 32 * 64 + 8 * 96 * 32 * VOCAB == 25_165_824
+    # SFT activations (default.yaml: micro-batch b = 32, max_length s = 96), Korthikanti et al. eq. 1 less the
+    # attention scores that SDPA never keeps (attn_implementation auto): 34*s*b*h = 96*32*32*34 per layer, one
+    # 16-bit b*s*s mask, plus fp32 logits and their gradient 8*s*b*V
+    want = 2 * 96 * 32 * 32 * 34 + 2 * 32 * 96 * 96 + 8 * 96 * 32 * VOCAB
+    assert sft.parts["zero2"]["activations"] == want == 19_857_408
     assert sft.bytes_by_mode["zero2"] == sum(sft.parts["zero2"].values())
     assert sft.parts["zero2"]["overhead"] == OVERHEAD_BYTES
+
+
+def test_eager_attention_keeps_the_scores_that_sdpa_recomputes(tiny_cfg, tiny_shapes):
+    """attn_implementation eager: Korthikanti et al. eq. 1 whole, s*b*h*(34 + 5*a*s/h) per layer, the scores too
+    (the first GPU proof, 2026-11-27: counting them for SDPA put a 1B SFT at 2,048 tokens at ~120 GiB and refused it)."""
+    import dataclasses
+
+    from align.orchestrator.estimate import estimate_pipeline
+    from align.orchestrator.hardware import hardware
+
+    eager_cfg = dataclasses.replace(tiny_cfg, attn_implementation="eager")
+    est = {e.name: e for e in estimate_pipeline(eager_cfg, REPO / "pipelines" / "default.yaml", hardware(eager_cfg),
+                                                shapes=tiny_shapes)}
+    assert est["sft"].parts["zero2"]["activations"] == 2 * 96 * 32 * 32 * 64 + 8 * 96 * 32 * VOCAB == 25_165_824
+    sdpa = {e.name: e for e in estimate_pipeline(dataclasses.replace(tiny_cfg, attn_implementation="sdpa"),
+                                                 REPO / "pipelines" / "default.yaml", hardware(tiny_cfg),
+                                                 shapes=tiny_shapes)}
+    assert sdpa["sft"].parts["zero2"]["activations"] == 19_857_408  # what auto gives (the test above)
+    assert sdpa["dpo"].bytes_by_mode["zero3"] < est["dpo"].bytes_by_mode["zero3"]
 
 
 def test_hh_recipe_estimate_prints_every_mode_and_fits_the_declared_node(workdir):
@@ -120,16 +141,17 @@ def test_run_refuses_a_stage_that_does_not_fit_unless_told_to_ignore(workdir):
 
 def test_gradient_checkpointing_is_counted_and_recommended_when_it_makes_a_stage_fit(tiny_cfg, tiny_shapes):
     """Full recomputation keeps each layer's 16-bit input (2sbh per layer) and one layer's activations while it is
-    recomputed: 2 * (2*96*32*32) + 96*32*32*64, plus the same fp32 logits 8*s*b*V."""
+    recomputed: 2 * (2*96*32*32) + 96*32*32*34 (SDPA: no scores kept), plus the same mask 2*b*s*s and fp32 logits
+    8*s*b*V."""
     from align.orchestrator.estimate import estimate_pipeline, too_big
     from align.orchestrator.hardware import Hardware, hardware
 
     source = REPO / "pipelines" / "default.yaml"
     est = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg), shapes=tiny_shapes)}
     sft = est["sft"]
-    with_ckpt = 2 * (2 * 96 * 32 * 32) + 96 * 32 * 32 * 64 + 8 * 96 * 32 * VOCAB
+    with_ckpt = 2 * (2 * 96 * 32 * 32) + 96 * 32 * 32 * 34 + 2 * 32 * 96 * 96 + 8 * 96 * 32 * VOCAB
     saved = sft.parts["zero2"]["activations"] - with_ckpt
-    assert saved == 2 * 96 * 32 * 32 * 64 - (2 * 2 * 96 * 32 * 32 + 96 * 32 * 32 * 64) > 0
+    assert saved == 2 * 96 * 32 * 32 * 34 - (2 * 2 * 96 * 32 * 32 + 96 * 32 * 32 * 34) > 0
     assert sft.with_checkpointing == sft.chosen_bytes - saved
     between = (sft.with_checkpointing + sft.chosen_bytes) // 2  # fits with checkpointing only
     hw = Hardware(gpus_per_node=8, gpu_memory=between, nodes=1, detected=False)

@@ -14,8 +14,11 @@ under each parallelism mode. The parts, all per GPU, with N = GPUs in the job:
   (one layer); a stage type says which it holds whole (`HeldModel.sharded`: e.g. GRPO's reward model, called from a
   Python reward function, and every model of a stage that trains nothing).
 * activations of one micro-batch, Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-  Transformer Models") eq. 1: s*b*h*(34 + 5*a*s/h) bytes per layer without recomputation, plus the logits and
-  their gradient in fp32 (8*s*b*V bytes);
+  Transformer Models") eq. 1: s*b*h*(34 + 5*a*s/h) bytes per layer without recomputation with eager attention;
+  its 5*a*s^2*b term is the attention scores, softmax and dropout mask, which SDPA's memory-efficient and flash
+  kernels never keep (they recompute them from the log-sum-exp in the backward), so with any attention but eager
+  (transformers' pick under `attn_implementation: auto` is SDPA) it is 34*s*b*h per layer plus one 16-bit
+  b*s*s mask shared by the layers; plus the logits and their gradient in fp32 (8*s*b*V bytes);
 * the KV cache of generation (PPO rollouts, preference sampling, evaluation): 2 * layers * b * s * kv_heads *
   head_dim * bytes (grouped-query attention keeps kv_heads < heads: Llama-3-8B 8 of 32, a quarter of 2 * h); with
   `generation.engine: vllm` the engine's own copy of the policy plus its KV cache, or the `gpu_memory_utilization`
@@ -145,14 +148,16 @@ def frozen_bytes(mode: str, params: int, largest_layer: int, gpus: int, dtype_by
 
 
 def activation_bytes(shape: ModelShape, batch: int, seq: int, logits: bool = True, checkpointing: bool = False,
-                     logit_tokens: int | None = None) -> int:
+                     logit_tokens: int | None = None, eager: bool = False) -> int:
     """One micro-batch's activations kept for backward (Korthikanti et al. 2022, eq. 1) plus, for a language model,
     the fp32 logits and their gradient (a scalar head's output is negligible) of every token, or with `logit_tokens`
     (PPO's fused head) one chunk's recomputed logits and what its backward makes of them (~6 fp32 copies). With gradient checkpointing (full recomputation, Korthikanti et al. sec. 4) only
-    each layer's 16-bit input is kept (2sbh bytes per layer), plus one layer's activations while it is recomputed."""
+    each layer's 16-bit input is kept (2sbh bytes per layer), plus one layer's activations while it is recomputed.
+    `eager`: the attention scores are kept too (5as^2b per layer); SDPA/flash keep one 16-bit b x s x s mask instead."""
     s, b, h, a = seq, batch, shape.hidden, shape.heads
-    per_layer = s * b * h * (34 + 5 * a * s / h)
-    kept = shape.layers * 2 * s * b * h + per_layer if checkpointing else shape.layers * per_layer
+    per_layer = s * b * h * 34 + (5 * a * s * s * b if eager else 0)
+    mask = 0 if eager else 2 * b * s * s
+    kept = (shape.layers * 2 * s * b * h + per_layer if checkpointing else shape.layers * per_layer) + mask
     if not logits:
         return int(kept)
     # the fused head's chunk in its backward: its fp32 logits, softmax, their product and gradients, ~6 copies
@@ -251,7 +256,8 @@ def dtype_bytes(dtype: str, on_gpu: bool) -> int:
 
 
 def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], shapes: dict[str, ModelShape],
-                   mode: str, gpus: int, dtype: str, gpu_memory: int | None = None) -> StageEstimate:
+                   mode: str, gpus: int, dtype: str, gpu_memory: int | None = None,
+                   attention: str = "auto") -> StageEstimate:
     held = [Held(h.role, shapes[h.kind], h.trained, h.sharded) for h in stage.held_models(stages)]
     ckpt = bool(getattr(stage, "gradient_checkpointing", False))
     est = StageEstimate(name, stage.type, mode, gpus, held, checkpointing=ckpt)
@@ -277,11 +283,12 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
         if trained:  # trained models share one engine (PPO: policy + value)
             chunk = stage.logit_tokens(m, gpu_memory is not None)
             parts["trained_states"] = model_state_bytes(m, sum(trained_params.values()), largest, n)
-            parts["activations"] = sum(activation_bytes(h.shape, train_b, train_s, h.role == "policy", ckpt, chunk)
-                                       for h in trained)
+            eager = attention == "eager"
+            parts["activations"] = sum(activation_bytes(h.shape, train_b, train_s, h.role == "policy", ckpt, chunk,
+                                                        eager) for h in trained)
             if m == mode and not ckpt and hasattr(stage, "gradient_checkpointing"):
                 saved = parts["activations"] - sum(activation_bytes(h.shape, train_b, train_s, h.role == "policy", True,
-                                                                    chunk) for h in trained)
+                                                                    chunk, eager) for h in trained)
                 est.with_checkpointing = -saved  # filled in below, once the total is known
         parts["frozen_weights"] = sum(
             qlora_base_bytes(h.shape) if h.trained and lora.quantize == "4bit"
@@ -312,7 +319,8 @@ def estimate_pipeline(cfg: PipelineConfig, source: str | Path, hw: Hardware, num
         distributed = is_distributed(plan.cfg)
         per_node = processes_per_node(plan.cfg, num_processes or hw.gpus_per_node) or (cfg_n if distributed else 1) or 1
         gpus = per_node * (hw.nodes if distributed else 1)
-        out.append(estimate_stage(plan.name, plan.cfg, cfg.stages, shapes, mode, gpus, cfg.dtype, hw.gpu_memory))
+        out.append(estimate_stage(plan.name, plan.cfg, cfg.stages, shapes, mode, gpus, cfg.dtype, hw.gpu_memory,
+                                  cfg.attn_implementation))
     return out
 
 
