@@ -13,29 +13,25 @@ under each parallelism mode. The parts, all per GPU, with N = GPUs in the job:
   those DeepSpeed prepares are sharded like the trained ones (bytes x P / N plus one gathered layer), or offloaded
   (one layer); a stage type says which it holds whole (`HeldModel.sharded`: e.g. GRPO's reward model, called from a
   Python reward function, and every model of a stage that trains nothing).
-* activations of one micro-batch, Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-  Transformer Models") eq. 1: s*b*h*(34 + 5*a*s/h) bytes per layer without recomputation with eager attention;
-  its 5*a*s^2*b term is the attention scores, softmax and dropout mask, which SDPA's memory-efficient and flash
-  kernels never keep (they recompute them from the log-sum-exp in the backward), so with any attention but eager
-  (transformers' pick under `attn_implementation: auto` is SDPA) it is 34*s*b*h per layer plus one 16-bit
-  b*s*s mask shared by the layers; plus the logits and their gradient in fp32 (8*s*b*V bytes);
+* activations of one micro-batch, Korthikanti et al. 2022 eq. 1: s*b*h*(34 + 5*a*s/h) bytes per layer (no
+  recomputation) with eager attention; SDPA and flash never keep the scores (5*a*s^2*b), so otherwise (`auto` is
+  SDPA) 34*s*b*h plus one 16-bit b*s*s mask; plus the logits and their gradient in fp32 (8*s*b*V bytes);
 * the KV cache of generation (PPO rollouts, preference sampling, evaluation): 2 * layers * b * s * kv_heads *
   head_dim * bytes (grouped-query attention keeps kv_heads < heads: Llama-3-8B 8 of 32, a quarter of 2 * h); with
   `generation.engine: vllm` the engine's own copy of the policy plus its KV cache, or the `gpu_memory_utilization`
   share of the GPU that vLLM takes, whichever is larger (`engine_bytes`).
 * the rollout gather: under ZeRO-3 a stage that samples from its sharded policy gathers it whole on every GPU for the
   duration (PPO's hf engine with `generation.zero3_gather: whole` and its weight sync to vllm, TRL's GRPO/RLOO): one
-  whole copy of the policy in the pipeline dtype (`StageBase.gathers_policy_for_generation`).
-* a fixed allowance for the CUDA context and allocator fragmentation.
+  whole copy of the policy in the pipeline dtype (`StageBase.gathers_policy_for_generation`); and a fixed allowance
+  for the CUDA context and allocator fragmentation.
 
 With `lora.enabled` a trained model is a frozen base (a frozen model as above, in the pipeline dtype) plus adapters,
 and only the adapters have trained states: r * (in + out) parameters per targeted linear layer (Hu et al. 2021),
 plus a scalar model's head, which peft trains as a copy (`lora_params`). With `lora.quantize: 4bit` (QLoRA) the base
 is whole on every GPU at about 0.52 bytes per linear weight and fp32 elsewhere (`qlora_base_bytes`). A stage that
 serves a frozen model from a trained one's base (PPO's reference, DPO's) says so in `held_models`. Activations are
-counted as in full fine-tuning (an upper bound: frozen layers need not keep their inputs).
-
-These are estimates for a go/no-go decision, not promises: they leave out temporary buffers.
+counted as in full fine-tuning (an upper bound: frozen layers need not keep their inputs). These are estimates for
+a go/no-go decision, not promises: they leave out temporary buffers.
 """
 
 from __future__ import annotations
@@ -151,12 +147,12 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, logits: bool = Tru
                      logit_tokens: int | None = None, eager: bool = False) -> int:
     """One micro-batch's activations kept for backward (Korthikanti et al. 2022, eq. 1) plus, for a language model,
     the fp32 logits and their gradient (a scalar head's output is negligible) of every token, or with `logit_tokens`
-    (PPO's fused head) one chunk's recomputed logits and what its backward makes of them (~6 fp32 copies). With gradient checkpointing (full recomputation, Korthikanti et al. sec. 4) only
-    each layer's 16-bit input is kept (2sbh bytes per layer), plus one layer's activations while it is recomputed.
-    `eager`: the attention scores are kept too (5as^2b per layer); SDPA/flash keep one 16-bit b x s x s mask instead."""
+    (PPO's fused head) one chunk's recomputed logits and what its backward makes of them (~6 fp32 copies). With
+    gradient checkpointing (full recomputation, Korthikanti et al. sec. 4) only each layer's 16-bit input is kept
+    (2sbh bytes per layer), plus one layer's activations while it is recomputed.
+    `eager` keeps the attention scores too (5as^2b per layer); SDPA/flash keep one 16-bit b*s*s mask."""
     s, b, h, a = seq, batch, shape.hidden, shape.heads
-    per_layer = s * b * h * 34 + (5 * a * s * s * b if eager else 0)
-    mask = 0 if eager else 2 * b * s * s
+    per_layer, mask = (s * b * h * 34 + 5 * a * s * s * b, 0) if eager else (s * b * h * 34, 2 * b * s * s)
     kept = (shape.layers * 2 * s * b * h + per_layer if checkpointing else shape.layers * per_layer) + mask
     if not logits:
         return int(kept)
@@ -256,8 +252,8 @@ def dtype_bytes(dtype: str, on_gpu: bool) -> int:
 
 
 def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], shapes: dict[str, ModelShape],
-                   mode: str, gpus: int, dtype: str, gpu_memory: int | None = None,
-                   attention: str = "auto") -> StageEstimate:
+                   mode: str, gpus: int, dtype: str, gpu_memory: int | None = None, attention: str = "auto",
+                   ) -> StageEstimate:
     held = [Held(h.role, shapes[h.kind], h.trained, h.sharded) for h in stage.held_models(stages)]
     ckpt = bool(getattr(stage, "gradient_checkpointing", False))
     est = StageEstimate(name, stage.type, mode, gpus, held, checkpointing=ckpt)
@@ -283,7 +279,7 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
         if trained:  # trained models share one engine (PPO: policy + value)
             chunk = stage.logit_tokens(m, gpu_memory is not None)
             parts["trained_states"] = model_state_bytes(m, sum(trained_params.values()), largest, n)
-            eager = attention == "eager"
+            eager = attention == "eager"  # else SDPA or flash (auto: transformers picks SDPA)
             parts["activations"] = sum(activation_bytes(h.shape, train_b, train_s, h.role == "policy", ckpt, chunk,
                                                         eager) for h in trained)
             if m == mode and not ckpt and hasattr(stage, "gradient_checkpointing"):
@@ -377,8 +373,7 @@ def too_big(estimates: list[StageEstimate], hw: Hardware, names: set[str] | None
     out = []
     for e in estimates:
         if (names is None or e.name in names) and e.chosen_bytes > hw.gpu_memory:
-            p = e.parts[e.mode]
-            detail = ", ".join(f"{k} {_gib(v)}" for k, v in p.items() if v)
+            detail = ", ".join(f"{k} {_gib(v)}" for k, v in e.parts[e.mode].items() if v)
             out.append(f"stage '{e.name}' ({e.mode}, {e.gpus} GPUs) needs ~{_gib(e.chosen_bytes)} GiB per GPU "
                        f"({detail}) but a GPU has {_gib(hw.gpu_memory)} GiB; " + "; ".join(_fixes(e, hw)))
     return out
@@ -386,8 +381,7 @@ def too_big(estimates: list[StageEstimate], hw: Hardware, names: set[str] | None
 
 def _fixes(e: StageEstimate, hw: Hardware) -> list[str]:
     """What would make a stage fit, by what it holds."""
-    cap = hw.gpu_memory or 0
-    fixes = []
+    cap, fixes = hw.gpu_memory or 0, []
     if not any(h.trained for h in e.held):  # nothing trains: ZeRO does not apply, every model is whole
         if e.parts[e.mode]["generation"]:
             fixes.append(f"lower stages.{e.name}.generation.batch_size (the KV cache is "
