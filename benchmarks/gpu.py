@@ -315,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
 
     card = REPO / "data_cards" / "movie_review_snippets.yaml"
     prompts = unique_prompts(load_split(str(card), "test").rows, sizes["ab_prompts"])
-    ab = {} if args.no_generation_ab else generation_ab(run_dir / "sft" / "model", prompts, sizes["new_tokens"],
-                                                         sizes["gen_batch"])
+    skip_ab = args.no_generation_ab or "sft" in failed or not (run_dir / "sft" / "model").is_dir()
+    ab = {} if skip_ab else generation_ab(run_dir / "sft" / "model", prompts, sizes["new_tokens"], sizes["gen_batch"])
     table = render(rows, ab, device, on_gpu, gpus)
     print(table + f"\n\npipeline wall time {wall:.0f} s (stage processes started and models loaded included)")
     (out / "benchmark.json").write_text(json.dumps({"device": device, "stages": rows, "generation": ab,

@@ -145,4 +145,21 @@ def test_gpu_proof_script_runs_end_to_end_in_its_cpu_dry_run(tmp_path):
     with tarfile.open(tmp_path / "logs.tar.gz") as tar:  # what comes back from a lent GPU: the logs, no models
         names = tar.getnames()
     assert "./steps/a.log" in names and any(n.endswith("dpo/manifest.json") for n in names), names[:20]
-    assert not any(n.endswith(".safetensors") for n in names)
+    assert any(n.endswith("ppo/stage.log") for n in names) and "./steps/f.json" in names, names[:20]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs.tar.gz", "proof.json", "proof.md", "work"]
+
+
+def test_gpu_proof_out_of_time_still_writes_its_summary_and_fails(tmp_path):
+    """A budget too short for the proof: the first step is stopped at its deadline (or skipped), the others are
+    skipped, and the summary and archive are still written (what a lent GPU returns), from whatever the stopped step
+    left, with a non-zero exit naming the steps that did not complete."""
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_proof.sh"), "--dry-run", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600,
+                          env={**__import__("os").environ, "PYTHON": sys.executable, "PROOF_BUDGET_S": "45"})
+    assert proc.returncode != 0 and "not every step completed" in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proof = json.loads((tmp_path / "proof.json").read_text())
+    # 45 s less the 20 kept back and the version check: (a) stopped within 20 s, or skipped when less was left
+    assert proof["steps"]["a"] in ("124", "skipped") and proof["steps"]["f"] == proof["steps"]["c"] == "skipped"
+    md = (tmp_path / "proof.md").read_text()
+    assert f"gpu.py did not finish (rc {proof['steps']['a']})" in md and "| sft |" in md, md
+    assert (tmp_path / "logs.tar.gz").is_file()
