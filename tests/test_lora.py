@@ -162,3 +162,19 @@ def test_a_policy_adapter_loads_merged_as_a_causal_lm_and_as_a_scalar_model(tmp_
     assert set(state) == {k for k in expected if not k.startswith("lm_head")} | {"score.weight"}
     assert all(torch.equal(state[k], expected[k]) for k in state if k != "score.weight")
     assert scalar.config.pad_token_id == 0 and scalar.score.weight.shape == (1, 16)
+
+
+@pytest.mark.parametrize("loader", ["causal", "scalar"])
+def test_a_published_adapter_is_refused_as_qloras_4bit_base_before_any_load(tmp_path, loader):
+    """A published adapter directory named as a 4-bit base: refused with the fix (merging needs full weights),
+    by both loaders, before its base (a hub id that does not exist here) is looked for."""
+    import json
+
+    from align.core.errors import ModelError
+    from align.modeling.models import ADAPTER_BASE, load_causal_lm, load_scalar_model
+
+    (tmp_path / ADAPTER_BASE).write_text(json.dumps({"base_model": "no-such-org/no-such-model", "task": "CAUSAL_LM"}))
+    load = (lambda: load_causal_lm(str(tmp_path), quantize="4bit")) if loader == "causal" else \
+        (lambda: load_scalar_model(str(tmp_path), 0, quantize="4bit"))
+    with pytest.raises(ModelError, match=r"cannot be the 4-bit base of QLoRA .*lora.merge: true"):
+        load()

@@ -8,7 +8,6 @@ Each transform takes a list of row dicts, its arguments and a seed, and returns 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import os
 import random
 import re
@@ -17,6 +16,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
+from align.core.userfunc import import_function
 from align.data.formats import FormatError, Rows, text_of
 
 def prefix_words(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
@@ -156,21 +156,9 @@ def user_transform(name: str, card: Path) -> Callable[[Rows, Any, int], tuple[Ro
     else the working directory or the Python path. It is called as the named transforms are, `(rows, args, seed)`,
     and returns `(rows, dropped)` (a Counter of reasons) or just the rows; what it returns is checked like any row.
     Its source file is part of the card's content hash, so editing it reruns the stages that read the card."""
-    module_name, _, func_name = name.partition(":")
-    if not module_name or not func_name:
-        raise FormatError(f"transform '{name}': expected module:function")
-    for folder in (str(card.resolve().parent), os.getcwd()):
-        if folder not in sys.path:  # searched after the Python path, as `python -m` would
-            sys.path.append(folder)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise FormatError(f"transform '{name}': cannot import module '{module_name}' ({exc}); put "
-                          f"{module_name.replace('.', '/')}.py beside the card ({card.resolve().parent}) or on "
-                          "PYTHONPATH") from None
-    fn = getattr(module, func_name, None)
-    if not callable(fn):
-        raise FormatError(f"transform '{name}': module '{module_name}' has no function '{func_name}'")
+    folder = card.resolve().parent
+    fn = import_function(name, "transform", [str(folder), os.getcwd()], FormatError,
+                         lambda path: f"put {path} beside the card ({folder}) or on PYTHONPATH")
 
     def run(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
         try:
@@ -182,6 +170,7 @@ def user_transform(name: str, card: Path) -> Callable[[Rows, Any, int], tuple[Ro
             raise FormatError(f"transform '{name}' returned {type(new).__name__}, not a list of rows (dicts)")
         return new, Counter(dropped)
 
+    module = sys.modules.get(name.partition(":")[0])  # the module the card names (imported just above)
     run.source_file = getattr(module, "__file__", None)  # type: ignore[attr-defined]
     return run
 

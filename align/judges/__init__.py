@@ -15,13 +15,13 @@ This module loads no model and imports nothing of align: config checks use it in
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 import os
-import sys
 from functools import lru_cache
 from typing import Callable
+
+from align.core.userfunc import import_function
 
 Judge = Callable[[list[str], list[str]], list[float]]
 
@@ -63,19 +63,10 @@ def python_judge(name: str) -> Judge:
     if ":" not in name:
         raise JudgeError(f"'{name}' is not a judge: use a reward stage of this pipeline, a built-in judge "
                          f"({', '.join(sorted(PYTHON_JUDGES))}), or your own function as module:function")
-    module_name, func_name = name.split(":", 1)
-    cwd = os.getcwd()
-    if cwd not in sys.path:  # as `python -m` would: the user's own module beside where align runs (searched last)
-        sys.path.append(cwd)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise JudgeError(f"judge '{name}': cannot import module '{module_name}' ({exc}); looked in the working "
-                         f"directory ({cwd}) and on the Python path: run align from the directory that holds "
-                         f"{module_name.replace('.', '/')}.py, or add that directory to PYTHONPATH") from None
-    fn = getattr(module, func_name, None)
-    if not callable(fn):
-        raise JudgeError(f"judge '{name}': module '{module_name}' has no function '{func_name}'")
+    cwd = os.getcwd()  # the user's own module beside where align runs (searched last)
+    fn = import_function(name, "judge", [cwd], JudgeError,
+                         lambda path: f"looked in the working directory ({cwd}) and on the Python path: run align from "
+                                      f"the directory that holds {path}, or add that directory to PYTHONPATH")
     return CheckedJudge(name, fn)
 
 

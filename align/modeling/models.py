@@ -207,6 +207,15 @@ def merged_adapter(path: str, base, trust_remote_code: bool = False):
     return model
 
 
+def published_adapter(path_or_id: str, quantize: str) -> dict | None:
+    """`adapter_base` of a published LoRA adapter directory (None for anything else), refused as QLoRA's base."""
+    base = adapter_base(path_or_id) if Path(path_or_id).is_dir() else None
+    if base is not None and quantize != "none":
+        raise ModelError(f"{path_or_id}: a LoRA adapter cannot be the 4-bit base of QLoRA (merging needs full "
+                         "weights); publish it merged (lora.merge: true on the stage that trained it)")
+    return base
+
+
 def load_causal_lm(path_or_id: str, dtype: str = "float32", trust_remote_code: bool = False, quantize: str = "none",
                    **kwargs: Any):
     """A causal LM; `quantize: 4bit` loads it as QLoRA's frozen 4-bit base (see `quantization_kwargs`);
@@ -215,11 +224,8 @@ def load_causal_lm(path_or_id: str, dtype: str = "float32", trust_remote_code: b
     weight: under ZeRO-3, DeepSpeed partitions it afterwards)."""
     from transformers import AutoModelForCausalLM  # heavy: loaded on use
 
-    base = adapter_base(path_or_id) if Path(path_or_id).is_dir() else None
+    base = published_adapter(path_or_id, quantize)
     if base is not None:
-        if quantize != "none":
-            raise ModelError(f"{path_or_id}: a LoRA adapter cannot be the 4-bit base of QLoRA (merging needs full "
-                             "weights); publish it merged (lora.merge: true on the stage that trained it)")
         with unsharded_loading():
             plain = load_causal_lm(base["base_model"], dtype, trust_remote_code, **kwargs)
             return merged_adapter(path_or_id, plain, trust_remote_code)
@@ -243,11 +249,8 @@ def load_scalar_model(path_or_id: str, pad_token_id: int | None, dtype: str = "f
     """
     from transformers import AutoModelForSequenceClassification  # heavy: loaded on use
 
-    base = adapter_base(path_or_id) if Path(path_or_id).is_dir() else None
+    base = published_adapter(path_or_id, quantize)
     if base is not None:
-        if quantize != "none":
-            raise ModelError(f"{path_or_id}: a LoRA adapter cannot be the 4-bit base of QLoRA (merging needs full "
-                             "weights); publish it merged (lora.merge: true on the stage that trained it)")
         with unsharded_loading():
             if base.get("task") == "SEQ_CLS":  # a reward model's adapter: its trained head comes with it
                 plain = load_scalar_model(base["base_model"], pad_token_id, dtype, trust_remote_code, **kwargs)
