@@ -87,7 +87,9 @@ def build_base(out: Path, shrink: dict[str, int], seed: int, config_dir: Path | 
     eos = 50256  # GPT-2's <|endoftext|>
     raw.update(vocab_size=50257, bos_token_id=eos, eos_token_id=eos, pad_token_id=None)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(raw.pop("model_type"), **raw))
+    # initialised on the GPU where there is one: a 1B random init on the host takes longer than a stage's training
+    with torch.device("cuda" if torch.cuda.is_available() and not shrink else "cpu"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(raw.pop("model_type"), **raw))
     model.save_pretrained(base)
     return base
 
