@@ -206,7 +206,8 @@ def stage_rows(run_dir: Path, pipeline: Path, peak_flops: float | None, failed: 
             rows.append({"stage": name, "failed": failed.get(name, manifest.get("status"))})
             continue
         m = manifest["final_metrics"]
-        row = {"stage": name, "liger": manifest.get("kernels", {}).get("liger"), "seconds": m["perf/stage_seconds"], "tokens_per_s": m.get("perf/tokens_per_s"),
+        row = {"stage": name, "kernels": kernels(manifest.get("kernels") or {}), "seconds": m["perf/stage_seconds"],
+               "tokens_per_s": m.get("perf/tokens_per_s"),
                "peak_gb": m.get("perf/peak_memory_gb"), "padding_fraction": m.get("perf/padding_fraction"),
                "padding_fraction_unpacked": m.get("perf/padding_fraction_unpacked"),
                "estimate_gb": (estimates[name].chosen_bytes - OVERHEAD_BYTES) / 1e9, "flops_per_s": None,
@@ -243,13 +244,25 @@ def stage_rows(run_dir: Path, pipeline: Path, peak_flops: float | None, failed: 
     return rows
 
 
+def kernels(k: dict) -> str:
+    """A stage manifest's `kernels`, as resolved on the machine: Liger for the TRL stages; PPO's fused head (policy),
+    attention kernel and autocast."""
+    parts = [f"Liger {'on' if k['liger'] else 'off'}"] if "liger" in k else []
+    if isinstance(k.get("fused_head"), dict):
+        parts.append(f"fused head {'on' if k['fused_head'].get('policy') else 'off'}")
+    parts += [str(k[key]) for key in ("attention",) if key in k]
+    if k.get("autocast") not in (None, "no"):
+        parts.append(f"{k['autocast']} autocast")
+    return ", ".join(parts)
+
+
 def render(rows: list[dict], ab: dict[str, float], device: str, on_gpu: bool, gpus: int = 1) -> str:
     def f(v, spec):
         return "-" if v is None else format(v, spec)
 
     lines = [f"device: {device}; {gpus} process(es)", "",
              "| stage | stage s | tokens/s | tokens/s/GPU | s/step | MFU | padding | peak GB (measured) | estimate GB "
-             "| Liger | PPO split, s: generation / scoring / training / sync / held-out |",
+             "| kernels | PPO split, s: generation / scoring / training / sync / held-out |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "failed" in r:
@@ -258,12 +271,11 @@ def render(rows: list[dict], ab: dict[str, float], device: str, on_gpu: bool, gp
         split = "-"
         if r.get("split"):
             split = " / ".join(f(v, ".2f") for v in r["split"].values())
-        liger = "-" if r.get("liger") is None else ("on" if r["liger"] else "off")
         lines.append(f"| {r['stage']} | {r['seconds']:.1f} | {f(r['tokens_per_s'], ',.0f')} | "
                      f"{f(r.get('tokens_per_s_per_gpu'), ',.0f')} | {f(r.get('step_seconds'), '.2f')} | "
                      f"{f(r['mfu'] and 100 * r['mfu'], '.1f')}{'%' if r['mfu'] else ''} | "
                      f"{f(r.get('padding_fraction'), '.3f')} | {f(r['peak_gb'], '.2f')} | "
-                     f"{f(r['estimate_gb'] if on_gpu else None, '.2f')} | {liger} | {split} |")
+                     f"{f(r['estimate_gb'] if on_gpu else None, '.2f')} | {r.get('kernels') or '-'} | {split} |")
     if ab:
         first = next(iter(ab.values()))
         lines += ["", "generation of the sft policy, response tokens/s: "

@@ -37,7 +37,8 @@ def test_gpu_benchmark_runs_in_cpu_mode_and_reports_every_stage(tmp_path):
     assert 0 < rows["ppo"]["generation_share"] < 1
     split = rows["ppo"]["split"]  # NeMo-RL's split, seconds: the hf engine has nothing to sync
     assert split["weight_sync"] == 0 and all(split[p] > 0 for p in ("generation", "scoring", "training")), split
-    assert rows["sft"]["liger"] is False  # auto: off without CUDA
+    assert rows["sft"]["kernels"] == "Liger off"  # auto: off without CUDA
+    assert rows["ppo"]["kernels"] == "fused head off, sdpa"  # auto: off on a CPU; fp32, no autocast
     # the three generation variants were each timed (positive throughput), and the table prints them
     assert set(result["generation"]) == {"float32 weights, autocast", "bf16 weights", "bf16 weights, fast"}
     assert all(v > 0 for v in result["generation"].values())

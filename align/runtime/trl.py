@@ -231,3 +231,16 @@ def padding_free(ctx: StageContext, model, reference=None) -> None:
         ctx.extra_manifest["padding_free"] = f"off ({type(model).__name__} does not read packed positions)"
     if reference is not None:
         install_padding_free(reference)
+
+
+def policy_and_reference(ctx: StageContext, path: str, lora_settings):
+    """An offline preference stage's (DPO, KTO) trained policy, its frozen reference and TRL's LoRA config: with LoRA
+    the reference is the policy's base with its adapters disabled (None here), otherwise a frozen copy; both padding-
+    free. Call after the TRL config: under ZeRO-3 they are partitioned as they load."""
+    from align.modeling.lora import peft_config
+
+    model = ctx.load_lm(path, quantize=lora_settings.quantize)
+    lora = peft_config(lora_settings, "CAUSAL_LM")
+    ref = None if lora is not None else ctx.load_lm(path, frozen=True)
+    padding_free(ctx, model, ref)
+    return model, ref, lora

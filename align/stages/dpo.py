@@ -7,10 +7,9 @@ from typing import Any
 from align.config.dpo import DPOStage
 from align.runtime.rows import load_rows
 from align.modeling.models import load_tokenizer
-from align.modeling.lora import peft_config
 from align.runtime.context import StageContext
-from align.runtime.trl import (check_lengths, eval_metrics, metrics_callback, train_with_resume, training_args,
-                               padding_free)
+from align.runtime.trl import (check_lengths, eval_metrics, metrics_callback, policy_and_reference, train_with_resume,
+                               training_args)
 
 OUTPUTS = ["model"]
 
@@ -28,11 +27,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     check_lengths(ctx, train, tokenizer)
     args = training_args(DPOConfig, cfg, ctx, beta=cfg.beta, loss_type=[cfg.loss_type],
                          label_smoothing=cfg.label_smoothing, eval_strategy="no")
-    model = ctx.load_lm(path, quantize=cfg.lora.quantize)  # after the config: partitioned as it loads under ZeRO-3
-    lora = peft_config(cfg.lora, "CAUSAL_LM")
-    # With LoRA the reference is the base model with adapters disabled; otherwise a frozen copy.
-    ref = None if lora is not None else ctx.load_lm(path, frozen=True)
-    padding_free(ctx, model, ref)
+    model, ref, lora = policy_and_reference(ctx, path, cfg.lora)
     trainer = DPOTrainer(model=model, ref_model=ref, args=args, processing_class=tokenizer,
                          train_dataset=Dataset.from_list(train),
                          eval_dataset=Dataset.from_list(test) if test else None,
