@@ -91,6 +91,9 @@ def build_base(out: Path, shrink: dict[str, int], seed: int, config_dir: Path | 
     with torch.device("cuda" if torch.cuda.is_available() and not shrink else "cpu"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(raw.pop("model_type"), **raw))
     model.save_pretrained(base)
+    del model
+    if torch.cuda.is_available():  # the stages run in processes of their own: give them this process's GPU memory
+        torch.cuda.empty_cache()
     return base
 
 

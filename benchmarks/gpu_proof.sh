@@ -164,7 +164,8 @@ def bench_table(name: str) -> str:
         sys.path.insert(0, "benchmarks")
         import gpu
         peak = next((v for k, v in gpu.PEAK_BF16_TFLOPS.items() if k in device), None)
-        rows = gpu.stage_rows(run, work / name / "pipeline.yaml", peak * 1e12 if peak else None, {}, 1)
+        failed = {n: s["error"] or s["status"] for n, s in manifests(run).items() if s["status"] == "failed"}
+        rows = gpu.stage_rows(run, work / name / "pipeline.yaml", peak * 1e12 if peak else None, failed, 1)
         partial[name] = rows
         return head + "the stages that completed, from their manifests; " + gpu.render(rows, {}, device, not dry, 1)
     except Exception as exc:  # no pipeline file yet, or no helper: each stage's status at least

@@ -10,7 +10,8 @@ A judge is a callable ``(prompts: list[str], responses: list[str]) -> list[float
 - a weighted sum of any of these (``{reward: 1.0, vader: 0.5}`` in a pipeline); align/judges/pointwise.py
   ``build_judge`` is the one builder every stage uses.
 
-This module loads no model and imports nothing of align: config checks use it in the orchestrator.
+This module loads no model and imports nothing of align but align.core (torch-free): config checks use it in the
+orchestrator.
 """
 
 from __future__ import annotations
