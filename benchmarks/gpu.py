@@ -299,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--accelerate", default=None, help="every stage's accelerate config (a pipelines/accelerate/ name or a path)")
     ap.add_argument("--sizes", choices=("auto", "gpu", "proof", "cpu"), default="auto",
                     help="step counts and batch sizes: auto = gpu on a GPU, cpu (tiny model) without one")
+    ap.add_argument("--ignore-memory-check", action="store_true",
+                    help="launch stages that `align estimate` says do not fit (to compare its figure with the peak)")
     ap.add_argument("--no-generation-ab", action="store_true",
                     help="skip the generation A/B after the pipeline (its compiled variant costs a minute on a GPU)")
     ap.add_argument("overrides", nargs="*", help="align run overrides for the benchmark pipeline, e.g. sft.packing=true")
@@ -320,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     base = build_base(out, sizes["shrink"], seed=5, config_dir=args.model_config)
     pipeline = pipeline_yaml(out, base, sizes, args.precision, args.attn)
     launch = ([f"--num-processes={args.num_processes}"] if args.num_processes else []) + \
+        (["--ignore-memory-check"] if args.ignore_memory_check else []) + \
         ([f"{stage}.accelerate={args.accelerate}" for stage in STAGES] if args.accelerate else []) + args.overrides
     gpus = args.num_processes or 1
     t0 = time.perf_counter()
