@@ -206,7 +206,7 @@ def stage_rows(run_dir: Path, pipeline: Path, peak_flops: float | None, failed: 
         path = run_dir / name / "manifest.json"
         manifest = json.loads(path.read_text()) if path.is_file() else {"status": "not run"}
         if name in failed or manifest.get("status") != "completed":
-            rows.append({"stage": name, "failed": failed.get(name, manifest.get("status"))})
+            rows.append({"stage": name, "failed": failed.get(name) or manifest.get("error") or manifest.get("status")})
             continue
         m = manifest["final_metrics"]
         row = {"stage": name, "kernels": kernels(manifest.get("kernels") or {}), "seconds": m["perf/stage_seconds"],
@@ -253,7 +253,8 @@ def kernels(k: dict) -> str:
     parts = [f"Liger {'on' if k['liger'] else 'off'}"] if "liger" in k else []
     if isinstance(k.get("fused_head"), dict):
         parts.append(f"fused head {'on' if k['fused_head'].get('policy') else 'off'}")
-    parts += [str(k[key]) for key in ("attention",) if key in k]
+    if "attention" in k:
+        parts.append(str(k["attention"]))
     if k.get("autocast") not in (None, "no"):
         parts.append(f"{k['autocast']} autocast")
     return ", ".join(parts)

@@ -2,7 +2,7 @@
 # The GPU proof of issue 41 in one short lease: one script, one call, at most PROOF_BUDGET_S (540 s) on one GPU after
 # start-up, its steps in the order (a), (f), (c), (e). First run 2026-11-27 (docs/benchmarks.md): (c) and (f) are
 # calibrated from it; (a) at 1B never started there (a benchmark setting the memory preflight refused, fixed since).
-# On the lent GPU: PROOF_WORK=/tmp/pw bash benchmarks/gpu_proof.sh $OUT 2>&1 | tee $OUT/proof.log (carry .whl).
+# On the lent GPU: bash benchmarks/gpu_proof.sh $OUT 2>&1 | tee $OUT/proof.log (carry .whl).
 #
 #   bash benchmarks/gpu_proof.sh --print-downloads   # here, with the package index: the wheels to carry
 #   PYTHON=.venv/bin/python bash benchmarks/gpu_proof.sh --dry-run OUT   # CPU, tiny sizes (the suite runs it)
@@ -19,8 +19,9 @@
 #   (f)   PPO's training pass on the same 1B shape in bf16 with its fused LM head off and on (benchmarks/fused_head.py:
 #         seconds per pass and peak memory, 4 x (256 + 1,024) tokens, a 128k vocabulary).
 # It writes OUT/proof.json and OUT/proof.md (the tables for README) and OUT/logs.tar.gz (each step's console log,
-# every stage's log, manifest and metrics): few files, as a lent GPU returns at most 8; models and runs go to PROOF_WORK (default OUT/work). Each step has a
-# deadline inside PROOF_BUDGET_S (default 540 s); one that fails or runs out of time does not stop the next.
+# every stage's log, manifest and metrics): few files, as a lent GPU returns at most 8. Models and runs go to
+# PROOF_WORK (default /tmp/align-proof-work; OUT/work in the dry run). Each step has a deadline inside
+# PROOF_BUDGET_S (default 540 s); one that fails or runs out of time does not stop the next.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -141,6 +142,7 @@ from pathlib import Path
 out, c_seconds, dry, start = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
 work, steps = Path(sys.argv[5]), dict(x.split("=") for x in sys.argv[6].split())
 STAGES = ("sft", "preferences", "reward", "ppo", "dpo", "evaluate")
+sys.path.insert(0, "benchmarks")  # gpu.py's stage_rows and render, for a benchmark cut off in time
 
 
 def manifests(run: Path) -> dict:
@@ -156,18 +158,17 @@ def manifests(run: Path) -> dict:
 
 
 def bench_table(name: str) -> str:
-    """gpu.py's own table when it finished; else each stage's status from its manifest (a run cut off in time)."""
+    """gpu.py's own table when it finished; else, for a run cut off in time, gpu.py's rows (MFU, estimate) of the
+    stages that completed, or at least each stage's status from its manifest."""
     log = work / "steps" / f"{name}.log"
     text = log.read_text() if log.is_file() else ""
     if "device:" in text and "pipeline wall time" in text:
         return "device:" + text.split("device:", 1)[1].split("pipeline wall time")[0].rstrip()
     run, head = work / name / "runs" / "gpu-benchmark" / "bench", f"gpu.py did not finish (rc {steps.get(name, '?')}); "
-    try:  # gpu.py's own rows (MFU, estimate) from the stages that completed before it was stopped
-        sys.path.insert(0, "benchmarks")
-        import gpu
+    try:
+        import gpu  # benchmarks/gpu.py (on the path below)
         peak = next((v for k, v in gpu.PEAK_BF16_TFLOPS.items() if k in device), None)
-        failed = {n: s["error"] or s["status"] for n, s in manifests(run).items() if s["status"] == "failed"}
-        rows = gpu.stage_rows(run, work / name / "pipeline.yaml", peak * 1e12 if peak else None, failed, 1)
+        rows = gpu.stage_rows(run, work / name / "pipeline.yaml", peak * 1e12 if peak else None, {}, 1)
         partial[name] = rows
         return head + "the stages that completed, from their manifests; " + gpu.render(rows, {}, device, not dry, 1)
     except Exception as exc:  # no pipeline file yet, or no helper: each stage's status at least
