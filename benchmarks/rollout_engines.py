@@ -8,11 +8,14 @@ iteration spent generating, the weight-sync seconds per iteration (vllm) and the
 log-prob gap seen. Sampling: tokens/s of `sample_texts` over the same prompts with each engine (one warm-up batch
 first).
 
-Weight sync (`--sync`, or part of every run): one vLLM engine started from the packaged SmolLM2 (135M, fp32), synced
-`--sync-rounds` times with each transport, the file (the whole policy as safetensors in /dev/shm, reloaded) and the
-shared bucket (generation.weight_sync: shared), alternating which goes first, for full fine-tuning (every weight
-changed before each sync) and LoRA r 16 on every linear layer (the adapters changed). Per transport: seconds per
-sync (median), bytes moved per sync, and the engine-vs-trainer log-prob gap after every sync (must stay < 1e-3).
+Weight sync (`--sync`, or part of every run): two vLLM engines started from the packaged SmolLM2 (135M, fp32), one as
+align starts it now, one as it did before in-place loads (`keep_weights=False`), synced `--sync-rounds` times each
+way: the file path as it was (the whole policy as safetensors in /dev/shm, vLLM's reload_weights, the engine as
+before), the same file through today's engine, and the shared bucket (generation.weight_sync: shared, loaded in
+place), the order rotating each round, for full fine-tuning (every weight changed before each sync) and LoRA r 16 on
+every linear layer (the adapters changed); then the adapters alone into a third engine with vLLM's LoRA support. Per
+transport: seconds per sync (median), bytes moved per sync, and the engine-vs-trainer log-prob gap after every sync
+(must stay < 1e-3).
 
     python benchmarks/rollout_engines.py --run-dir runs/smollm2_sentiment/main --iterations 3
     python benchmarks/rollout_engines.py --tiny      # the suite's mode: packaged SmolLM2, VADER reward, 2 x 4 episodes
@@ -102,10 +105,17 @@ def sampling(engine_kind: str, model_dir: str, prompts: list[str], args) -> dict
     return {"tokens": counts["generated_tokens"], "seconds": seconds, "startup_seconds": startup}
 
 
+TRANSPORTS = ("before", "file", "shared")
+"""before: the file through an engine as align started it before in-place loads (vLLM's CPU backend keeps only its
+packed copies of the linear weights: every sync is vLLM's reload_weights), i.e. the file path as it was; file: the
+same file through this engine; shared: the bucket, loaded in place."""
+
+
 def sync_side_by_side(rounds: int, bucket_mib: float, seed: int = 4242) -> dict:
-    """Seconds and bytes per sync for the file and the shared transport, side by side on one engine, with the
-    engine-vs-trainer log-prob gap after each (fp32: must be < 1e-3). The first sync of each model is a full one for
-    both (it is not timed); later shared syncs send only what trains."""
+    """Seconds and bytes per sync for the file path as it was, the file through today's engine and the shared bucket,
+    side by side (two engines, the order rotating each round), with the engine-vs-trainer log-prob gap after each
+    (fp32: must be < 1e-3). The first sync of each model into each engine is a full one (not timed); later shared
+    syncs send only what trains."""
     import statistics
 
     import torch
@@ -132,7 +142,9 @@ def sync_side_by_side(rounds: int, bucket_mib: float, seed: int = 4242) -> dict:
         return logprob_gap(r.engine_logprobs, lp, r.response_mask)["max"]
 
     out: dict[str, dict] = {}
-    with VLLMEngine(model_dir, tok, seed=seed, bucket_mib=bucket_mib) as engine:
+    with VLLMEngine(model_dir, tok, seed=seed, bucket_mib=bucket_mib) as engine, \
+            VLLMEngine(model_dir, tok, seed=seed, weight_sync="file", keep_weights=False) as before:
+        engines = {"before": before, "file": engine, "shared": engine}
         for mode in ("full", "lora"):
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
             if mode == "lora":
@@ -141,22 +153,27 @@ def sync_side_by_side(rounds: int, bucket_mib: float, seed: int = 4242) -> dict:
                 model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")).eval()
             trains = [p for n, p in model.named_parameters() if mode == "full" or "lora_B" in n]
             engine.weight_sync = "shared"
-            engine.sync_weights(model)  # the first, full sync of this model: not timed
-            runs = {"file": [], "shared": []}
+            engine.sync_weights(model)  # the first, full sync of this model into each engine: not timed
+            before.sync_weights(model)
+            runs: dict[str, list] = {how: [] for how in TRANSPORTS}
             for i in range(rounds):
-                for how in (("file", "shared") if i % 2 == 0 else ("shared", "file")):
+                for how in TRANSPORTS[i % 3:] + TRANSPORTS[:i % 3]:
                     with torch.no_grad():  # what an optimiser step changes
                         for p in trains:
                             p.add_(torch.randn(p.shape, generator=g) * 1e-3)
-                    engine.weight_sync = how
-                    seconds = engine.sync_weights(model)
-                    runs[how].append((seconds, engine.sync_bytes[-1], gap(engine, model)))
+                    if how != "before":
+                        engine.weight_sync = how
+                    seconds = engines[how].sync_weights(model)
+                    runs[how].append((seconds, engines[how].sync_bytes[-1], gap(engines[how], model)))
             out[mode] = {how: {"seconds": statistics.median(r[0] for r in rs), "all_seconds": [r[0] for r in rs],
                                "bytes": statistics.median(r[1] for r in rs), "max_logprob_gap": max(r[2] for r in rs)}
                          for how, rs in runs.items()}
-            out[mode]["speedup"] = out[mode]["file"]["seconds"] / out[mode]["shared"]["seconds"]
+            out[mode]["speedup"] = out[mode]["before"]["seconds"] / out[mode]["shared"]["seconds"]
+            out[mode]["speedup_same_engine"] = out[mode]["file"]["seconds"] / out[mode]["shared"]["seconds"]
+            out[mode]["shared_load"] = engine.last_sync.get("in_place") or "in place"
             if mode == "lora":  # what sampling costs with the merged weights, for the adapter's comparison below
-                out["generation_seconds"] = {"merged": sample_seconds(engine, tok, gen)}
+                out["generation_seconds"] = {"merged": sample_seconds(engine, tok, gen),
+                                             "merged_before": sample_seconds(before, tok, gen)}
     adapter_sync(out, model_dir, tok, gen, seed, rounds, g, gap)
     return out
 
@@ -202,26 +219,31 @@ def adapter_sync(out: dict, model_dir: str, tok, gen, seed: int, rounds: int, g,
         out["generation_seconds"]["adapter"] = sample_seconds(engine, tok, gen)
     out["lora"]["adapter"] = {"seconds": statistics.median(r[0] for r in runs), "all_seconds": [r[0] for r in runs],
                               "bytes": statistics.median(r[1] for r in runs), "max_logprob_gap": max(r[2] for r in runs)}
-    out["lora"]["adapter_speedup"] = out["lora"]["file"]["seconds"] / out["lora"]["adapter"]["seconds"]
+    out["lora"]["adapter_speedup"] = out["lora"]["before"]["seconds"] / out["lora"]["adapter"]["seconds"]
 
 
 def print_sync(sync: dict, machine_line: str, rounds: int, bucket_mib: float) -> None:
-    print(f"\nweight sync, packaged SmolLM2-135M fp32, one vLLM engine, {rounds} syncs per transport (median), bucket "
-          f"{bucket_mib:g} MiB; {machine_line}")
-    print("| policy | transport | s per sync | MB moved per sync | max log-prob gap | file / shared |")
+    print(f"\nweight sync, packaged SmolLM2-135M fp32, {rounds} syncs per transport (median), bucket {bucket_mib:g} MiB; "
+          f"{machine_line}")
+    print("| policy | transport | s per sync | MB moved per sync | max log-prob gap | before / this |")
     print("|---|---|---|---|---|---|")
+    names = {"before": "file, engine as before (reload_weights)", "file": "file, this engine (reload_weights)",
+             "shared": "shared bucket, loaded in place", "adapter": "adapter alone (vLLM LoRA)"}
     for mode in ("full", "lora"):
         r = sync[mode]
-        for how in ("file", "shared", "adapter"):
+        for how in ("before", "file", "shared", "adapter"):
             if how not in r:
                 continue
             x = r[how]
-            ratio = {"shared": f"{r['speedup']:.2f}x", "adapter": f"{r.get('adapter_speedup', 0):.2f}x"}.get(how, "")
-            print(f"| {mode} | {how} | {x['seconds']:.3f} | {x['bytes'] / 1e6:.0f} | {x['max_logprob_gap']:.1e} | "
-                  f"{ratio} |")
+            ratio = r["before"]["seconds"] / x["seconds"]
+            print(f"| {mode} | {names[how]} | {x['seconds']:.3f} | {x['bytes'] / 1e6:.0f} | {x['max_logprob_gap']:.1e} "
+                  f"| {ratio:.2f}x |")
+        print(f"{mode}: the shared sync loaded {r['shared_load']}; file / shared in the same engine: "
+              f"{r['speedup_same_engine']:.2f}x")
     gen_s = sync["generation_seconds"]
-    print(f"\nsampling 16 prompts x 32 tokens, LoRA policy: merged weights {gen_s['merged']:.2f} s, adapter applied by "
-          f"vLLM {gen_s['adapter']:.2f} s ({gen_s['adapter'] / gen_s['merged']:.2f}x)")
+    print(f"\nsampling 16 prompts x 32 tokens, LoRA policy: merged weights {gen_s['merged']:.2f} s (the engine as "
+          f"before: {gen_s['merged_before']:.2f} s), adapter applied by vLLM {gen_s['adapter']:.2f} s "
+          f"({gen_s['adapter'] / gen_s['merged']:.2f}x)")
 
 
 def tiny_run_dir(root: Path) -> Path:

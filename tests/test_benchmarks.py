@@ -78,9 +78,11 @@ def test_rollout_engines_benchmark_runs_in_its_tiny_mode(tmp_path):
     assert r["ppo"]["vllm"]["startup_seconds"] > 0
     split = r["ppo"]["vllm"]["split"]  # NeMo-RL's split: every phase took time, the vLLM engine's sync too
     assert all(split[p] > 0 for p in ("generation", "scoring", "training", "weight_sync")), split
-    for mode in ("full", "lora"):  # the weight sync side by side: both transports correct, LoRA's shared one smaller
+    for mode in ("full", "lora"):  # the weight sync side by side: every transport correct, LoRA's shared one smaller
         sync = r["sync"][mode]
-        assert all(sync[how]["max_logprob_gap"] < 1e-3 and sync[how]["seconds"] > 0 for how in ("file", "shared"))
+        assert all(sync[how]["max_logprob_gap"] < 1e-3 and sync[how]["seconds"] > 0
+                   for how in ("before", "file", "shared"))
+        assert sync["shared_load"] == "in place"  # not vLLM's reload_weights
     assert r["sync"]["lora"]["shared"]["bytes"] < r["sync"]["lora"]["file"]["bytes"]
     adapter = r["sync"]["lora"]["adapter"]  # the adapters alone, applied by vLLM's LoRA support
     assert adapter["max_logprob_gap"] < 1e-3 and adapter["bytes"] < r["sync"]["lora"]["shared"]["bytes"] / 10

@@ -257,6 +257,20 @@ def test_engine_placement_refuses_shapes_it_cannot_hold_and_maps_through_visible
         visible_devices((3,), "4,5")
 
 
+def test_the_engine_environment_keeps_aligns_path_out_and_lets_idle_threads_sleep(monkeypatch):
+    """engine_environment: no PYTHONPATH of align's, the connection key, OpenMP threads that sleep when idle unless
+    the user chose otherwise, and on GPUs only the engine's own GPUs (through the launcher's CUDA_VISIBLE_DEVICES)."""
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/align")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    env = vllm_env.engine_environment(b"\x01\x02", (2,))
+    assert "PYTHONPATH" not in env and env["ALIGN_VLLM_AUTHKEY"] == "0102"
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["CUDA_VISIBLE_DEVICES"] == "6"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    env = vllm_env.engine_environment(b"\x01", ())
+    assert env["OMP_WAIT_POLICY"] == "ACTIVE" and env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"  # a CPU engine: as it was
+
+
 def test_each_process_vllm_engine_is_pinned_to_its_own_gpu(monkeypatch, tmp_path):
     """The vLLM engine of process 3 of 8 on an 8-GPU node gets CUDA_VISIBLE_DEVICES of that process's GPU (through
     the launcher's own CUDA_VISIBLE_DEVICES): before, every engine saw every GPU and started on GPU 0."""

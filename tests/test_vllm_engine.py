@@ -152,6 +152,22 @@ def test_full_weight_sync_including_the_tied_head(engine, smollm2):
         gap, same = agree(engine, model, tok, SEED + step)
         assert gap < 1e-3, f"sync {step}: engine vs trainer log-prob gap {gap}"
         assert same, f"sync {step}: greedy outputs differ"
+        assert engine.last_sync["in_place"] == "", engine.last_sync  # vLLM's weight loaders, not reload_weights
+    assert engine.describe()["sync_load"] == "in place"
+
+
+def test_an_engine_without_kept_weights_reloads_and_still_samples_the_policy(smollm2, tmp_path):
+    """keep_weights=False (vLLM's CPU backend keeps only its packed copies of the linear weights, as align started
+    engines before): a streamed sync cannot load in place, says why, and goes through vLLM's reload_weights; the
+    engine still samples the trained weights, tied head included."""
+    _, tok = smollm2
+    model, _ = load(smollm2_dir())
+    with VLLMEngine(str(smollm2_dir()), tok, seed=SEED, log_path=tmp_path / "e.log", keep_weights=False) as eng:
+        perturb(model, SEED + 30)
+        eng.sync_weights(model)
+        assert "keeps no weight" in eng.last_sync["in_place"], eng.last_sync
+        gap, same = agree(eng, model, tok, SEED + 30)
+        assert gap < 1e-3 and same, (gap, same)
 
 
 def lora_policy(seed: int):

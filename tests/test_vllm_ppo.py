@@ -80,13 +80,16 @@ def kill_after_first_checkpoint(tmp_path: Path, *overrides: str) -> dict:
     ppo = tmp_path / "runs" / "vllm_ppo" / "main" / "ppo"
     first = run_align("run", "p.yaml", "--only", "sft", cwd=tmp_path)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    proc = subprocess.Popen(align_cmd("run", "p.yaml", "--only", "ppo", *overrides), cwd=tmp_path,
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=os.environ.copy())
+    out = tmp_path / "killed_run.out"
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen(align_cmd("run", "p.yaml", "--only", "ppo", *overrides), cwd=tmp_path,
+                                start_new_session=True, stdout=sink, stderr=subprocess.STDOUT, env=os.environ.copy())
     t0 = time.time()
     try:
         while not complete_checkpoints(ppo / "checkpoints"):
-            assert proc.poll() is None, "ppo exited before its first checkpoint: " + (ppo / "stage.log").read_text()[-3000:]
+            log = ppo / "stage.log"
+            assert proc.poll() is None, (f"ppo exited ({proc.returncode}) before its first checkpoint: "
+                                         + out.read_text()[-3000:] + (log.read_text()[-3000:] if log.exists() else ""))
             assert time.time() - t0 < 600, "no checkpoint within 600 s"
             time.sleep(0.05)
     finally:

@@ -124,6 +124,94 @@ def test_the_shared_bucket_carries_every_tensor_bit_for_bit(tmp_path, size):
     assert not (tmp_path / "bucket").exists()
 
 
+def test_in_place_chunks_are_views_of_the_bucket_and_acknowledged_only_after_they_are_consumed(tmp_path):
+    """stream_chunks (the in-place load's reader): a tensor that lies whole and aligned in one bucket comes as a view of
+    the bucket (no copy out), one in pieces or misaligned as a tensor of its own; the trainer hears that it may refill the bucket only after
+    the consumer returned, so a view is never overwritten while it is read."""
+    g = torch.Generator().manual_seed(SEED)
+    print(f"seed {SEED}")
+    sent = {"small": torch.randn(3, 4, generator=g), "half": torch.randn(7, generator=g).to(torch.bfloat16),
+            "large": torch.randn(40, generator=g), "tail": torch.randn(2, generator=g)}
+    size = 64  # small (48 bytes) and half (14) fit, large (160) travels in pieces, tail lands whole but at byte 30
+    #            of its bucket: a float32 view there would be misaligned, so it is copied like a piece
+    bucket = SharedBucket(str(tmp_path / "bucket"), size)
+    reader_view = align_vllm_server.bucket({**bucket.where(), "size": size})
+    lo = reader_view.data_ptr()
+    trainer, engine = Pipe()
+    got, kinds, early_acks, errors = {}, {}, [], []
+
+    def consume(items):
+        early_acks.append(trainer.poll())  # an acknowledgement already waiting would let the trainer refill
+        for name, t in items:
+            kinds[name] = "view" if lo <= t.data_ptr() < lo + size else "own"
+            got[name] = t.clone()
+
+    def reader():
+        try:
+            align_vllm_worker.stream_chunks(engine, reader_view, consume)
+        except Exception as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    for pieces, last in bucket.pieces(sent.items()):
+        trainer.send({"op": "chunk", "pieces": pieces, "last": last})
+        assert trainer.recv() == {"ok": True, "op": "chunk"}
+    t.join(30)
+    assert not errors, errors
+    assert early_acks and not any(early_acks)
+    assert kinds == {"small": "view", "half": "view", "large": "own", "tail": "own"}
+    for k, v in sent.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    bucket.close()
+
+
+class _Method:
+    """A stand-in for vLLM's quant method: records which layers were processed after loading."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def process_weights_after_loading(self, layer):
+        self.calls.append(layer.tag)
+
+
+def test_load_in_place_processes_exactly_the_layers_whose_weights_were_loaded():
+    """load_in_place: every chunk goes through the model's load_weights; afterwards each layer owning a loaded
+    parameter is processed again (on a CPU: packed), a tied head with it (it shares the embedding's parameter), and
+    no other layer."""
+    calls: list[str] = []
+    model = torch.nn.Module()
+    for tag in ("embed", "a", "b"):
+        layer = torch.nn.Linear(2, 2, bias=False)
+        layer.tag, layer.quant_method = tag, _Method(calls)
+        setattr(model, tag, layer)
+    head = torch.nn.Module()
+    head.weight, head.tag, head.quant_method = model.embed.weight, "head", _Method(calls)
+    model.head = head
+    batches = []
+
+    def load_weights(items):
+        batches.append([n for n, _ in items])
+        with torch.no_grad():
+            for name, t in items:
+                model.get_parameter(name).copy_(t)
+        return {n for n, _ in items}
+
+    model.load_weights = load_weights
+    owners: dict[int, list] = {}  # as _owners builds it (that needs vLLM's classes): every layer with a quant method
+    for m in model.modules():
+        if hasattr(m, "quant_method"):
+            for q in m._parameters.values():
+                owners.setdefault(id(q), []).append(m)
+    new = {"embed.weight": torch.full((2, 2), 3.0), "b.weight": torch.full((2, 2), 5.0)}
+    received, _ = align_vllm_worker.load_in_place(
+        model, lambda consume: [consume([item]) for item in new.items()], owners)
+    assert received == 2 and batches == [["embed.weight"], ["b.weight"]]
+    assert sorted(calls) == ["b", "embed", "head"]
+    assert torch.equal(model.head.weight, new["embed.weight"]) and torch.equal(model.b.weight, new["b.weight"])
+
+
 def test_a_stream_that_ends_with_a_tensor_incomplete_is_an_error(tmp_path):
     bucket = SharedBucket(str(tmp_path / "bucket"), 64)
     trainer, engine = Pipe()

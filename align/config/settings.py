@@ -135,8 +135,9 @@ class Generation:
     """vllm on a GPU: the fraction of the GPU's memory vLLM takes (weights + KV cache), beside the trainer."""
     weight_sync: str = one_of("shared", "shared", "host", "file")
     """vllm: how the trained weights reach the engine after an update (align/engines/weight_sync.py): `shared`
-    streams them through one bucket (sync_bucket_mib) that the engine copies out of, after the first sync only the
-    weights that train (a LoRA run: the adapted layers, merged); the bucket is on the trainer's GPU, shared by CUDA IPC,
+    streams them through one bucket (sync_bucket_mib) that the engine loads from in place (vLLM's own weight loaders;
+    on a CPU the engine keeps its linear weights beside vLLM's packed copies for this: one more copy of the weights in
+    its memory), after the first sync only the weights that train (a LoRA run: the adapted layers, merged); the bucket is on the trainer's GPU, shared by CUDA IPC,
     where the engine runs on that GPU (colocated), else in /dev/shm (a CPU). `host`: the bucket in /dev/shm on GPUs
     too (a device-to-host copy each way; for machines where CUDA IPC between processes is not allowed). `file` writes
     the whole policy as a safetensors file in /dev/shm for the engine to reload (the older path, kept for comparison).

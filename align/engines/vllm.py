@@ -8,7 +8,7 @@ sync, a dead worker) ends the stage with EngineError naming the operation and th
 
 Weight sync (align/engines/weight_sync.py): the training policy's weights under their checkpoint names (LoRA adapters
 merged in out of place, ZeRO-3 parameters gathered one layer at a time), after the first sync only those that train.
-`generation.weight_sync: shared` (default) streams them through one bucket that the engine copies out of: on the
+`generation.weight_sync: shared` (default) streams them through one bucket that the engine loads from in place: on the
 trainer's GPU by CUDA IPC where the engine runs on that GPU, in /dev/shm elsewhere (`host`: /dev/shm always); `file`
 writes the whole state as a safetensors file in /dev/shm that the engine reloads (the older path, kept
 for comparison: benchmarks/rollout_engines.py --sync measures both). Prompts travel as token ids tokenised here, so
@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 
 from align.engines import EngineError
-from align.engines.placement import Placement, place, visible_devices
-from align.engines.vllm_env import VLLM_INSTALL, shm_dir, shm_problem, sync_space_problem, vllm_python
+from align.engines.placement import Placement, place
+from align.engines.vllm_env import (VLLM_INSTALL, engine_environment, shm_dir, shm_problem, sync_space_problem,
+                                    vllm_python)
 from align.engines.weight_sync import (Bucket, CudaBucket, SharedBucket, adapter_state, bucket_kind, cuda_ipc_problem,
                                        engine_entries, policy_state_for_engine)
 from align.modeling.generation import Rollout, finish_rollout, tokenize_prompts
@@ -46,7 +47,7 @@ class VLLMEngine:
     def __init__(self, model_dir: str, tokenizer, seed: int = 0, dtype: str = "float32", max_model_len: int = 512,
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.3, log_path=None, timeout_s: float = 600.0,
                  python: str | None = None, devices: tuple[int, ...] = (), weight_sync: str = "shared",
-                 bucket_mib: float = 32, lora_rank: int | None = None):
+                 bucket_mib: float = 32, lora_rank: int | None = None, keep_weights: bool = True):
         if weight_sync not in ("shared", "host", "file"):
             raise ValueError(f"generation.weight_sync: {weight_sync!r} is not one of shared, host, file")
         self.tokenizer = tokenizer
@@ -57,6 +58,7 @@ class VLLMEngine:
         self.sync_bytes: list[int] = []
         self._bucket: Bucket | None = None
         self._synced = None  # the model last synced in full (a weak reference): later syncs send what trains
+        self.last_sync: dict = {}  # the engine's reply to the last streamed sync
         self.lora_rank = lora_rank  # adapters synced alone (generation.lora_sync: adapter), at most this rank
         self._adapters = 0
         python = python or vllm_python()
@@ -72,10 +74,7 @@ class VLLMEngine:
         self.log_path = Path(log_path) if log_path else Path(self._dir) / "engine.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         key = secrets.token_bytes(16)
-        env = {**os.environ, "ALIGN_VLLM_AUTHKEY": key.hex(), "TOKENIZERS_PARALLELISM": "false"}
-        env.pop("PYTHONPATH", None)  # align's environment stays out of vLLM's
-        if devices:  # the GPUs placement gave this process's engine (align/engines/placement.py), nothing else
-            env["CUDA_VISIBLE_DEVICES"] = visible_devices(devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        env = engine_environment(key, devices)
         self.devices = devices
         self._log = open(self.log_path, "ab")
         try:
@@ -92,6 +91,7 @@ class VLLMEngine:
             self.conn = self._connect(key, deadline=time.monotonic() + 120)
             reply = self._call({"op": "init", "model": str(model_dir), "dtype": dtype, "max_model_len": max_model_len,
                                 "seed": seed, "kv_cache_gib": kv_cache_gib, "lora_rank": lora_rank,
+                                "keep_weights": keep_weights,
                                 "gpu_memory_utilization": gpu_memory_utilization}, "start", timeout_s)
         except BaseException:
             self.close()
@@ -295,6 +295,7 @@ class VLLMEngine:
             raise
         if reply["tensors"] != names:
             raise EngineError(f"vLLM engine: sync_weights loaded {reply['tensors']} of {names} tensors")
+        self.last_sync = reply  # in_place: "" when loaded in place, else why vLLM's reload_weights was used
         return bucket.sent_bytes - before
 
     def describe(self) -> dict:
@@ -302,7 +303,9 @@ class VLLMEngine:
         return {"name": self.name, "version": self.version, "startup_seconds": self.startup_seconds,
                 "pid": self.proc.pid, "weight_sync": self.weight_sync, "devices": list(self.devices),
                 "lora_sync": "adapter" if self.lora_rank else "merged",
-                **({"sync_path": self.weights} if self.weight_sync == "file" else self._bucket_plan())}
+                **({"sync_path": self.weights} if self.weight_sync == "file" else self._bucket_plan()),
+                **({"sync_load": "in place" if not self.last_sync["in_place"] else
+                    f"reload_weights ({self.last_sync['in_place']})"} if self.last_sync else {})}
 
     def _transport(self, device: torch.device) -> str:
         """cuda_ipc or shared_memory for weights on `device` (weight_sync.bucket_kind), /dev/shm where CUDA IPC

@@ -114,3 +114,19 @@ def sync_space_problem(directory: str, needed: int) -> str | None:
     return (f"a weight sync writes the policy ({size_text(needed)}) to {where} which has {size_text(free)} free: give the "
             f"container more shared memory (docker run --shm-size={max(1, int(needed * 1.5 / 2 ** 30) + 1)}g), or set "
             f"{SYNC_DIR_ENV} to a directory with room")
+
+
+def engine_environment(key: bytes, devices: tuple[int, ...]) -> dict[str, str]:
+    """The engine process's environment: this one's, without align's PYTHONPATH (vLLM's environment stays its own),
+    with the connection's key, and on GPUs only the GPUs placement gave this process's engine
+    (align/engines/placement.py). OpenMP threads sleep when idle (a user's own setting wins): a sync is a ping-pong
+    between trainer and engine, and on a CPU the engine's spinning threads took the trainer's cores (measured: 0.51-0.70
+    s per SmolLM2 sync against 0.43-0.47, sampling unchanged; docs/benchmarks.md)."""
+    from align.engines.placement import visible_devices
+
+    env = {**os.environ, "ALIGN_VLLM_AUTHKEY": key.hex(), "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("PYTHONPATH", None)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if devices:
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return env

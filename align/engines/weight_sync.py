@@ -11,8 +11,8 @@ weight, any weight under full fine-tuning); frozen weights are already in the en
 `generation.lora_sync: adapter` a LoRA policy sends its adapters alone (`adapter_state`), which vLLM applies itself.
 
 How (`Bucket`): the trainer copies the entries into one fixed bucket (`generation.sync_bucket_mib`; a tensor larger
-than the bucket goes in pieces), tells the engine which bytes are which, and waits for the engine to copy them out
-before it fills the bucket again. Per process that is one bucket in flight instead of a file of the whole policy (8
+than the bucket goes in pieces), tells the engine which bytes are which, and waits for the engine to load them (in
+place, by vLLM's weight loaders, straight from the bucket) before it fills the bucket again. Per process that is one bucket in flight instead of a file of the whole policy (8
 processes x 16 GB at 8B in bf16 before), one copy on each side instead of a serialised file written and read back,
 and nothing left behind by a killed process but the bucket. Where the bucket lives (`bucket_kind`): on the trainer's
 GPU when the engine runs on that GPU (`CudaBucket`: the engine maps it by CUDA IPC, so the weights go GPU to GPU and

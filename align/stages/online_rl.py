@@ -133,7 +133,8 @@ class EngineRollouts:
         gap = check_rollout(self.engine, head, lp, self.cfg.generation.max_logprob_gap,
                             f"stage '{self.ctx.name}', step {trainer.state.global_step} (after a weight sync)",
                             reduce=lambda g: acc.gather(torch.tensor([g], device=acc.device)).max().item())
-        trainer._metrics["train" if trainer.model.training else "eval"]["rollout/logprob_gap_max"].append(gap["max"])
+        if gap is not None:  # None: an engine that reports no log-probs of its own
+            trainer._metrics["train" if trainer.model.training else "eval"]["rollout/logprob_gap_max"].append(gap["max"])
         return r
 
 

@@ -5,16 +5,18 @@ transformers<5.20 while align needs >=5.23, and the two never share an interpret
 multiprocessing connection on a Unix socket (authkey from ALIGN_VLLM_AUTHKEY, never on the command line); every
 request is a dict with "op", every reply a dict with "ok" (and "error" with the traceback when not ok):
 
-  init      {model, dtype, max_model_len, seed, kv_cache_gib, gpu_memory_utilization[, enforce_eager, lora_rank]}
-            (lora_rank: vLLM's LoRA support on, for adapters of that rank or less)
+  init      {model, dtype, max_model_len, seed, kv_cache_gib, gpu_memory_utilization[, enforce_eager, lora_rank,
+            keep_weights]} (lora_rank: vLLM's LoRA support on, for adapters of that rank or less; keep_weights, default
+            on: on a CPU the linear layers keep their weights beside vLLM's packed copies, so syncs load in place)
   generate  {prompts: [[token ids]], temperature, top_k, top_p, max_tokens, stop_token_ids[, greedy]}
             -> {outputs: [{token_ids, logprobs}]}  (the sampled tokens' log-probs, after temperature)
   load      {path: a safetensors file of the full model state} -> {tensors, seconds}; the file is deleted once
             read (loaded or not), so a parent killed mid-sync leaves no copy of the weights in /dev/shm
   stream    {path: the bucket in /dev/shm (a file of `size` bytes) | cuda: {uuid, args} of the bucket on the trainer's
-            GPU (a CUDA IPC handle), size, partial} -> {tensors, seconds}; in
+            GPU (a CUDA IPC handle), size, partial} -> {tensors, seconds, in_place, process_seconds}; in
             between, the parent sends `chunk` messages {pieces, last} and each is answered {ok, op: chunk} once its
-            pieces are copied out of the bucket (align_vllm_worker.bucket_tensors); a chunk outside a stream (the
+            pieces are loaded into the model in place or copied out of the bucket (align_vllm_worker.stream_chunks,
+            bucket_tensors); in_place is "" or why the weights were reloaded instead; a chunk outside a stream (the
             rest of one that failed) is dropped unanswered
   lora      {path: a peft adapter directory, id} -> {seconds}: the adapter every later generate applies (the one
             before it is dropped, and its directory deleted)
@@ -65,7 +67,7 @@ def serve(address: str) -> None:
                     finally:
                         align_vllm_worker.CHANNEL = None  # the bucket's one reference is _BUCKETS'
                         release_cached(msg)
-                    reply = {"tensors": counts[0], "seconds": time.perf_counter() - t0}
+                    reply = {**counts[0], "seconds": time.perf_counter() - t0}
                 elif op == "lora":
                     reply = load_adapter(llm, msg)
                 elif op == "chunk":  # the rest of a stream that failed: its error was the stream's reply
@@ -153,6 +155,10 @@ def start(msg: dict):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if msg.get("kv_cache_gib"):
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(msg["kv_cache_gib"])))  # whole GiB
+    import align_vllm_worker
+
+    if msg.get("keep_weights", True) and not torch_cuda():  # before the model loads: syncs can load in place
+        align_vllm_worker.keep_cpu_weights()
     import vllm
 
     t0 = time.perf_counter()

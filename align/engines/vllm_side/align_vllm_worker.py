@@ -34,56 +34,183 @@ def quiet_partial_reload(partial: bool):
             lg.setLevel(level)
 
 
+def _chunk(conn, bucket: torch.Tensor, building: dict, views: bool) -> tuple[list, bool]:
+    """Read one chunk message: (the tensors it completes, whether it was the last). Each message names the pieces now
+    in the bucket (name, dtype, shape, tensor bytes, offset in the tensor, offset in the bucket, bytes). A tensor in
+    pieces is assembled in a tensor of this process's own (in `building` until complete); with `views`, one that lies
+    whole in this bucket comes as a view of it (valid only until the chunk is acknowledged)."""
+    msg = conn.recv()
+    if msg.get("op") != "chunk":
+        raise RuntimeError(f"weight stream: expected a chunk, got {msg.get('op')!r}")
+    ready = []
+    for name, dtype, shape, total, at, offset, size in msg["pieces"]:
+        kind = getattr(torch, dtype)
+        if views and at == 0 and size == total and offset % kind.itemsize == 0:
+            ready.append((name, bucket[offset:offset + size].view(kind).reshape(shape)))
+            continue
+        if name not in building:  # on the bucket's device: a GPU's (CUDA IPC) copies stay on it
+            building[name] = torch.empty(shape, dtype=kind, device=bucket.device)
+        if size:
+            building[name].reshape(-1).view(torch.uint8)[at:at + size].copy_(bucket[offset:offset + size])
+        if at + size == total:
+            ready.append((name, building.pop(name)))
+    return ready, msg["last"]
+
+
+def _done_with_chunk(conn, bucket: torch.Tensor, building: dict, last: bool) -> None:
+    """Tell the trainer it may fill the bucket again; after the last chunk, no tensor may be incomplete."""
+    if bucket.is_cuda:  # the copies out must land before the trainer refills the bucket
+        torch.cuda.current_stream(bucket.device).synchronize()
+    conn.send({"ok": True, "op": "chunk"})
+    if last and building:
+        raise RuntimeError(f"weight stream ended with {len(building)} tensors incomplete: {sorted(building)[:3]}")
+
+
 def bucket_tensors(conn, bucket: torch.Tensor):
-    """Yield (name, tensor) as the trainer streams them: each message names the pieces now in the bucket (name, dtype,
-    shape, tensor bytes, offset in the tensor, offset in the bucket, bytes); they are copied into tensors of this
-    process's own at once, the trainer is told it may fill the bucket again, and whole tensors are yielded (vLLM may
-    keep a tensor until the rest of its layer arrives: it never holds a view of the bucket)."""
+    """Yield (name, tensor) as the trainer streams them, every tensor copied out of the bucket at once (the trainer is
+    told it may fill the bucket again before any is yielded): vLLM's `reload_weights` keeps tensors until the rest of
+    their layer arrives, so it never gets a view of the bucket."""
     building: dict[str, torch.Tensor] = {}
     while True:
-        msg = conn.recv()
-        if msg.get("op") != "chunk":
-            raise RuntimeError(f"weight stream: expected a chunk, got {msg.get('op')!r}")
-        ready = []
-        for name, dtype, shape, total, at, offset, size in msg["pieces"]:
-            if name not in building:  # on the bucket's device: a GPU's (CUDA IPC) copies stay on it
-                building[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=bucket.device)
-            if size:
-                building[name].reshape(-1).view(torch.uint8)[at:at + size].copy_(bucket[offset:offset + size])
-            if at + size == total:
-                ready.append((name, building.pop(name)))
-        if bucket.is_cuda:  # the copies out must land before the trainer refills the bucket
-            torch.cuda.current_stream(bucket.device).synchronize()
-        conn.send({"ok": True, "op": "chunk"})
+        ready, last = _chunk(conn, bucket, building, views=False)
+        _done_with_chunk(conn, bucket, building, last)
         yield from ready
-        if msg["last"]:
-            if building:
-                raise RuntimeError(f"weight stream ended with {len(building)} tensors incomplete: {sorted(building)[:3]}")
+        if last:
             return
+
+
+def stream_chunks(conn, bucket: torch.Tensor, consume) -> None:
+    """Hand each chunk's tensors to `consume(list of (name, tensor))`, most of them views of the bucket (no copy out
+    of it), and acknowledge the chunk once `consume` returns: it must have copied what it keeps."""
+    building: dict[str, torch.Tensor] = {}
+    while True:
+        ready, last = _chunk(conn, bucket, building, views=True)
+        if ready:
+            consume(ready)
+        _done_with_chunk(conn, bucket, building, last)
+        if last:
+            return
+
+
+def keep_cpu_weights() -> bool:
+    """CPU only, before the model loads: vLLM's CPU backend packs each linear layer's weight into a oneDNN handle and
+    empties the weight, so a weight can only be replaced by `reload_weights` (it rebuilds the layer from the
+    checkpoint format, copying every weight twice). Kept, the weights can be loaded in place by vLLM's own weight
+    loaders and each touched layer packed again, as on a GPU (where nothing is packed). Costs one more copy of the
+    weights in the engine's memory. False when this vLLM has no such dispatch (then syncs reload)."""
+    try:
+        from vllm.model_executor.layers import utils
+    except ImportError:
+        return False
+    dispatch = getattr(utils, "dispatch_cpu_unquantized_gemm", None)
+    if dispatch is None or getattr(dispatch, "keeps_weight", False):
+        return dispatch is not None
+
+    def keeping(layer, remove_weight):
+        return dispatch(layer, remove_weight=False)
+
+    keeping.keeps_weight = True
+    utils.dispatch_cpu_unquantized_gemm = keeping
+    return True
+
+
+def in_place_problem(model) -> str | None:
+    """Why weights cannot be loaded into `model` in place (None: they can): a layer vLLM quantized (its
+    post-load processing is not a repeatable pack), a LoRA layer (vLLM's LoRA support wraps the linear layers), or a
+    linear layer whose weight was emptied (packed on a CPU without `keep_cpu_weights`)."""
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import (UnquantizedEmbeddingMethod,
+                                                                     VocabParallelEmbedding)
+
+    for name, m in model.named_modules():
+        if "LoRA" in type(m).__name__:
+            return f"{name} is a LoRA layer ({type(m).__name__})"
+        if isinstance(m, (LinearBase, VocabParallelEmbedding)):
+            if not isinstance(getattr(m, "quant_method", None), (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+                return f"{name} is quantized ({type(getattr(m, 'quant_method', None)).__name__})"
+            weight = getattr(m, "weight", None)
+            if weight is None or weight.numel() == 0:
+                return f"{name} keeps no weight (packed)"
+    return None
+
+
+def _owners(model) -> dict[int, list]:
+    """id(parameter) -> the layers that own it and are processed after loading (have a quant method). An input
+    embedding is left out: on a CPU its processing packs a oneDNN handle that only `apply` uses, which only a head
+    calls (the embedding itself looks rows up), and a tied head, which owns the same parameter, is kept."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    owners: dict[int, list] = {}
+    for m in model.modules():
+        if getattr(m, "quant_method", None) is None or type(m) is VocabParallelEmbedding:
+            continue
+        for p in m._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), []).append(m)
+    return owners
+
+
+def load_in_place(model, chunks, owners: dict[int, list]) -> tuple[int, float]:
+    """`chunks(consume)` hands lists of (checkpoint name, tensor) to `consume`; each list goes through the model's
+    own `load_weights` (vLLM's weight loaders copy into the live parameters, fusing q/k/v and gate/up as at start-up).
+    Then every layer owning a loaded parameter (`owners`: id(parameter) -> layers) is processed again as after loading,
+    once (on a CPU: its oneDNN handle packed from the new weight; a tied head owns the embedding's parameter). Packing
+    each layer while the trainer fills the next bucket was measured slower on 2 cores (the two contend), so it waits
+    for the end. Returns (tensors received, seconds spent processing)."""
+    import time
+
+    params = dict(model.named_parameters())
+    received = 0
+    touched: dict[int, object] = {}
+
+    def consume(items):
+        nonlocal received
+        received += len(items)
+        for name in model.load_weights(items) or ():
+            for m in owners.get(id(params[name]), ()) if name in params else ():
+                touched[id(m)] = m
+
+    chunks(consume)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for m in touched.values():
+            m.quant_method.process_weights_after_loading(m)
+    return received, time.perf_counter() - t0
 
 
 class WeightSync:
     """Methods mixed into vLLM's worker class and called through `LLM.collective_rpc`."""
 
     def align_reload(self, path: str) -> int:
-        """Load every tensor of the safetensors file at `path` into the running model, in place. Returns the number
-        of tensors read."""
+        """Load every tensor of the safetensors file at `path` into the running model with vLLM's `reload_weights`
+        (the file transport, kept as it was for comparison). Returns the number of tensors read."""
         from safetensors.torch import load_file
 
         state = load_file(path)
         return self._align_load(iter(state.items()), partial=False)
 
-    def align_stream(self, partial: bool) -> int:
+    def align_stream(self, partial: bool) -> dict:
         """Load the tensors the trainer streams through the shared bucket (CHANNEL); `partial`: only some of the
-        model's weights come (the others keep theirs). Returns the number of tensors loaded."""
+        model's weights come (the others keep theirs). In place where the model allows it (`in_place_problem`), else
+        by `reload_weights`. Returns {tensors: loaded, in_place: why not or "", process_seconds}."""
         conn, bucket = CHANNEL
-        return self._align_load(bucket_tensors(conn, bucket), partial=partial)
+        model = self.model_runner.get_model()
+        if not hasattr(self, "_align_in_place"):
+            self._align_in_place = in_place_problem(model) or ""
+        if self._align_in_place:
+            return {"tensors": self._align_load(bucket_tensors(conn, bucket), partial=partial),
+                    "in_place": self._align_in_place, "process_seconds": None}
+        if not hasattr(self, "_align_owners"):
+            self._align_owners = _owners(model)
+        received, seconds = load_in_place(model, lambda consume: stream_chunks(conn, bucket, consume),
+                                          self._align_owners)
+        return {"tensors": received, "in_place": "", "process_seconds": seconds}
 
     def _align_load(self, items, partial: bool) -> int:
-        """On CPU, vLLM prepacks linear weights into oneDNN handles at load time, and a reload refreshes the layers
-        it loads but not the `lm_head` of a model with tied embeddings (its weight is the embedding's): the head is
-        re-dispatched here when the embedding was loaded, else the engine samples from the new body and the old head
-        (measured: log-probs off by up to 2.56; ../shared/notes/vllm-cpu.md)."""
+        """vLLM's `reload_weights`. On CPU, vLLM prepacks linear weights into oneDNN handles at load time, and a
+        reload refreshes the layers it loads but not the `lm_head` of a model with tied embeddings (its weight is the
+        embedding's): the head is re-dispatched here when the embedding was loaded, else the engine samples from the
+        new body and the old head (measured: log-probs off by up to 2.56; ../shared/notes/vllm-cpu.md)."""
         names: list[str] = []
 
         def counted():
