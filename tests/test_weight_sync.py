@@ -212,6 +212,28 @@ def test_load_in_place_processes_exactly_the_layers_whose_weights_were_loaded():
     assert torch.equal(model.head.weight, new["embed.weight"]) and torch.equal(model.b.weight, new["b.weight"])
 
 
+def test_owners_packs_a_tied_head_instead_of_its_embedding_and_keeps_an_embedding_that_is_the_head():
+    """_owners: a parameter shared by an input embedding and a head (tied) is processed through the head alone (the
+    embedding's packed copy serves nothing); an embedding no head shares is kept (Gemma 2 computes its logits with
+    it); layers without a quant method are never processed."""
+    class Embedding(torch.nn.Module):  # stands in for vLLM's VocabParallelEmbedding
+        def __init__(self):
+            super().__init__()
+            self.weight, self.quant_method = torch.nn.Parameter(torch.zeros(4, 2)), object()
+
+    class Head(Embedding):  # stands in for ParallelLMHead, its subclass
+        pass
+
+    tied = torch.nn.Module()
+    tied.embed, tied.head, tied.norm = Embedding(), Head(), torch.nn.LayerNorm(2)
+    tied.head.weight = tied.embed.weight
+    owners = align_vllm_worker._owners(tied, embedding_class=Embedding)
+    assert owners == {id(tied.embed.weight): [tied.head]}
+    alone = torch.nn.Module()
+    alone.embed = Embedding()
+    assert align_vllm_worker._owners(alone, embedding_class=Embedding) == {id(alone.embed.weight): [alone.embed]}
+
+
 def test_a_stream_that_ends_with_a_tensor_incomplete_is_an_error(tmp_path):
     bucket = SharedBucket(str(tmp_path / "bucket"), 64)
     trainer, engine = Pipe()

@@ -383,7 +383,8 @@ def make(gen, *, tokenizer, model_dir, seed=0, dtype="float32", max_model_len=51
                       kv_cache_gib=gen.kv_cache_gib, gpu_memory_utilization=gen.gpu_memory_utilization,
                       log_path=log_path, timeout_s=gen.engine_timeout_s, devices=node_placement(gen).devices,
                       weight_sync=gen.weight_sync, bucket_mib=gen.sync_bucket_mib,
-                      lora_rank=lora_rank if gen.lora_sync == "adapter" else None)
+                      lora_rank=lora_rank if gen.lora_sync == "adapter" else None,
+                      keep_weights=gen.weight_sync != "file" and gen.lora_sync != "adapter")
 
 
 def node_placement(gen) -> Placement:

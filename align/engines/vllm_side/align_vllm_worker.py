@@ -115,38 +115,49 @@ def keep_cpu_weights() -> bool:
 
 
 def in_place_problem(model) -> str | None:
-    """Why weights cannot be loaded into `model` in place (None: they can): a layer vLLM quantized (its
-    post-load processing is not a repeatable pack), a LoRA layer (vLLM's LoRA support wraps the linear layers), or a
-    linear layer whose weight was emptied (packed on a CPU without `keep_cpu_weights`)."""
+    """Why weights cannot be loaded into `model` in place (None: they can). In place means vLLM's weight loaders copy
+    into the live parameters and each touched layer is processed again after loading: right only where that
+    processing is a repeatable pack or nothing, i.e. every layer with a quant method is an unquantized linear layer
+    or embedding with a plain 2-D weight it kept. Not: a quantized layer, fused MoE experts (on a CPU vLLM pads and
+    repacks them into new parameters), a 3-D linear weight (a Mamba conv1d, packed in place on some CPUs), vLLM's
+    LoRA wrappers, or a linear weight emptied once packed (a CPU engine started without `keep_cpu_weights`)."""
     from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
-    from vllm.model_executor.layers.vocab_parallel_embedding import (UnquantizedEmbeddingMethod,
-                                                                     VocabParallelEmbedding)
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     for name, m in model.named_modules():
         if "LoRA" in type(m).__name__:
             return f"{name} is a LoRA layer ({type(m).__name__})"
-        if isinstance(m, (LinearBase, VocabParallelEmbedding)):
-            if not isinstance(getattr(m, "quant_method", None), (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
-                return f"{name} is quantized ({type(getattr(m, 'quant_method', None)).__name__})"
+        method = getattr(m, "quant_method", None)
+        if method is not None and not isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+            return f"{name} ({type(m).__name__}) is processed by {type(method).__name__}"
+        if isinstance(m, LinearBase):
             weight = getattr(m, "weight", None)
             if weight is None or weight.numel() == 0:
                 return f"{name} keeps no weight (packed)"
+            if weight.dim() != 2:
+                return f"{name} has a {weight.dim()}-D weight"
     return None
 
 
-def _owners(model) -> dict[int, list]:
+def _owners(model, embedding_class=None) -> dict[int, list]:
     """id(parameter) -> the layers that own it and are processed after loading (have a quant method). An input
-    embedding is left out: on a CPU its processing packs a oneDNN handle that only `apply` uses, which only a head
-    calls (the embedding itself looks rows up), and a tied head, which owns the same parameter, is kept."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    embedding whose parameter a head shares (tied) is left out: on a CPU its processing packs a oneDNN handle for
+    `apply`, which the tied head (processed, as it owns the same parameter) serves instead; an embedding that is also
+    its model's head (Gemma 2, Command R compute logits with `embed_tokens`) is tied to no head module and kept.
+    `embedding_class`: vLLM's VocabParallelEmbedding (a stand-in in tests)."""
+    if embedding_class is None:
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding as embedding_class
 
     owners: dict[int, list] = {}
     for m in model.modules():
-        if getattr(m, "quant_method", None) is None or type(m) is VocabParallelEmbedding:
-            continue
-        for p in m._parameters.values():
-            if p is not None:
-                owners.setdefault(id(p), []).append(m)
+        if getattr(m, "quant_method", None) is not None:
+            for p in m._parameters.values():
+                if p is not None:
+                    owners.setdefault(id(p), []).append(m)
+    for key, layers in owners.items():
+        heads = [m for m in layers if type(m) is not embedding_class]
+        if heads and len(heads) < len(layers):  # a tied input embedding: its head is packed instead
+            owners[key] = heads
     return owners
 
 
