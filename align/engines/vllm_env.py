@@ -95,10 +95,13 @@ def _problems(where: str, head_dim: Callable[[], int | None]) -> str | None:
 
 def _memory(gen: Any, weights_bytes: int, kv_bytes: int, gpu_memory: int | None) -> int:
     """Its own whole copy of the policy (ZeRO or not) and its KV cache: on a GPU vLLM takes `gpu_memory_utilization`
-    of the GPU's memory for both (when the GPU's size is known), on a CPU `kv_cache_gib` of cache."""
+    of the GPU's memory for both (when the GPU's size is known), on a CPU `kv_cache_gib` of cache, and two copies of
+    the weights where syncs load in place (vLLM's packed one and the one kept to load into: align/engines/vllm.py
+    make, keep_weights)."""
     if gpu_memory:
         return max(int(gen.gpu_memory_utilization * gpu_memory), weights_bytes + kv_bytes)
-    return weights_bytes + max(kv_bytes, int(round(gen.kv_cache_gib)) * 2 ** 30)
+    copies = 2 if gen.weight_sync != "file" and gen.lora_sync != "adapter" else 1
+    return copies * weights_bytes + max(kv_bytes, int(round(gen.kv_cache_gib)) * 2 ** 30)
 
 
 KIND = EngineKind("vllm", "align.engines.vllm", own_copy=True, token_ids=True, adapters=True, problems=_problems,
