@@ -31,8 +31,8 @@ import torch
 
 from align.engines import EngineError
 from align.engines.placement import Placement, place
-from align.engines.vllm_env import (VLLM_INSTALL, engine_environment, shm_dir, shm_problem, sync_space_problem,
-                                    vllm_python)
+from align.engines.vllm_env import (VLLM_INSTALL, engine_environment, keeps_weights, shm_dir, shm_problem,
+                                    sync_space_problem, vllm_python)
 from align.engines.weight_sync import (Bucket, CudaBucket, SharedBucket, adapter_state, bucket_kind, cuda_ipc_problem,
                                        engine_entries, policy_state_for_engine)
 from align.modeling.generation import Rollout, finish_rollout, tokenize_prompts
@@ -384,7 +384,7 @@ def make(gen, *, tokenizer, model_dir, seed=0, dtype="float32", max_model_len=51
                       log_path=log_path, timeout_s=gen.engine_timeout_s, devices=node_placement(gen).devices,
                       weight_sync=gen.weight_sync, bucket_mib=gen.sync_bucket_mib,
                       lora_rank=lora_rank if gen.lora_sync == "adapter" else None,
-                      keep_weights=gen.weight_sync != "file" and gen.lora_sync != "adapter")
+                      keep_weights=keeps_weights(gen))
 
 
 def node_placement(gen) -> Placement:

