@@ -105,10 +105,12 @@ def sampling(engine_kind: str, model_dir: str, prompts: list[str], args) -> dict
     return {"tokens": counts["generated_tokens"], "seconds": seconds, "startup_seconds": startup}
 
 
-TRANSPORTS = ("before", "file", "shared")
+TRANSPORTS = ("before", "file", "host", "shared")
 """before: the file through an engine as align started it before in-place loads (vLLM's CPU backend keeps only its
 packed copies of the linear weights: every sync is vLLM's reload_weights), i.e. the file path as it was; file: the
-same file through this engine; shared: the bucket, loaded in place."""
+same file through this engine; host: every weight through the bucket in /dev/shm, loaded in place; shared (the
+default): the trainer's weights read where they lie in host shared memory, the rest (merged LoRA layers) through the
+bucket, loaded in place."""
 
 
 def sync_side_by_side(rounds: int, bucket_mib: float, seed: int = 4242) -> dict:
@@ -144,7 +146,7 @@ def sync_side_by_side(rounds: int, bucket_mib: float, seed: int = 4242) -> dict:
     out: dict[str, dict] = {}
     with VLLMEngine(model_dir, tok, seed=seed, bucket_mib=bucket_mib) as engine, \
             VLLMEngine(model_dir, tok, seed=seed, weight_sync="file", keep_weights=False) as before:
-        engines = {"before": before, "file": engine, "shared": engine}
+        engines = {"before": before, "file": engine, "host": engine, "shared": engine}
         for mode in ("full", "lora"):
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
             if mode == "lora":
@@ -157,7 +159,7 @@ def sync_side_by_side(rounds: int, bucket_mib: float, seed: int = 4242) -> dict:
             before.sync_weights(model)
             runs: dict[str, list] = {how: [] for how in TRANSPORTS}
             for i in range(rounds):
-                for how in TRANSPORTS[i % 3:] + TRANSPORTS[:i % 3]:
+                for how in TRANSPORTS[i % len(TRANSPORTS):] + TRANSPORTS[:i % len(TRANSPORTS)]:
                     with torch.no_grad():  # what an optimiser step changes
                         for p in trains:
                             p.add_(torch.randn(p.shape, generator=g) * 1e-3)
@@ -171,6 +173,7 @@ def sync_side_by_side(rounds: int, bucket_mib: float, seed: int = 4242) -> dict:
             out[mode]["speedup"] = out[mode]["before"]["seconds"] / out[mode]["shared"]["seconds"]
             out[mode]["speedup_same_engine"] = out[mode]["file"]["seconds"] / out[mode]["shared"]["seconds"]
             out[mode]["shared_load"] = engine.last_sync.get("in_place") or "in place"
+            out[mode]["shared_host_tensors"] = engine.last_sync["host_tensors"]
             if mode == "lora":  # what sampling costs with the merged weights, for the adapter's comparison below
                 out["generation_seconds"] = {"merged": sample_seconds(engine, tok, gen),
                                              "merged_before": sample_seconds(before, tok, gen)}
@@ -228,18 +231,19 @@ def print_sync(sync: dict, machine_line: str, rounds: int, bucket_mib: float) ->
     print("| policy | transport | s per sync | MB moved per sync | max log-prob gap | before / this |")
     print("|---|---|---|---|---|---|")
     names = {"before": "file, engine as before (reload_weights)", "file": "file, this engine (reload_weights)",
-             "shared": "shared bucket, loaded in place", "adapter": "adapter alone (vLLM LoRA)"}
+             "host": "bucket in /dev/shm, loaded in place", "shared": "read where they lie (+ bucket), in place",
+             "adapter": "adapter alone (vLLM LoRA)"}
     for mode in ("full", "lora"):
         r = sync[mode]
-        for how in ("before", "file", "shared", "adapter"):
+        for how in ("before", "file", "host", "shared", "adapter"):
             if how not in r:
                 continue
             x = r[how]
             ratio = r["before"]["seconds"] / x["seconds"]
             print(f"| {mode} | {names[how]} | {x['seconds']:.3f} | {x['bytes'] / 1e6:.0f} | {x['max_logprob_gap']:.1e} "
                   f"| {ratio:.2f}x |")
-        print(f"{mode}: the shared sync loaded {r['shared_load']}; file / shared in the same engine: "
-              f"{r['speedup_same_engine']:.2f}x")
+        print(f"{mode}: the shared sync loaded {r['shared_load']}, {r['shared_host_tensors']} tensors read where they "
+              f"lie; file / shared in the same engine: {r['speedup_same_engine']:.2f}x")
     gen_s = sync["generation_seconds"]
     print(f"\nsampling 16 prompts x 32 tokens, LoRA policy: merged weights {gen_s['merged']:.2f} s (the engine as "
           f"before: {gen_s['merged_before']:.2f} s), adapter applied by vLLM {gen_s['adapter']:.2f} s "

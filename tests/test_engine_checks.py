@@ -14,7 +14,7 @@ import pytest
 
 from align.engines import EngineError
 from align.engines import vllm as vllm_engine
-from align.engines import vllm_env
+from align.engines import placement, vllm_env
 from align.engines.base import check_gap, nan_max
 from conftest import REPO
 
@@ -282,7 +282,7 @@ def test_each_process_vllm_engine_is_pinned_to_its_own_gpu(monkeypatch, tmp_path
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert vllm_engine.node_placement(Generation(engine="vllm")).devices == (3,)
+    assert placement.node_placement(Generation(engine="vllm")).devices == (3,)
     seen = {}
 
     class Started(Exception):

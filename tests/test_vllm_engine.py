@@ -27,7 +27,7 @@ from align.engines.base import logprob_gap
 from align.engines.hf import HFEngine
 from align.modeling.generation import response_logprobs
 from align.engines.vllm import VLLMEngine
-from align.engines.weight_sync import policy_state_for_engine
+from align.engines.weight_sync import engine_entries, policy_state_for_engine
 
 SEED = 1234
 PROMPTS = ["The movie was", "I think this film", "Honestly, the acting", "What a", "The plot of this one",
@@ -145,6 +145,7 @@ def test_full_weight_sync_including_the_tied_head(engine, smollm2):
     _, tok = smollm2
     model, _ = load(smollm2_dir())
     assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    entries = sum(1 for _ in engine_entries(model))  # every weight read where it lies (weight_sync: shared, a CPU)
     for step in range(2):  # two syncs in a row: the second must replace the first
         perturb(model, SEED + step)
         seconds = engine.sync_weights(model)
@@ -153,6 +154,7 @@ def test_full_weight_sync_including_the_tied_head(engine, smollm2):
         assert gap < 1e-3, f"sync {step}: engine vs trainer log-prob gap {gap}"
         assert same, f"sync {step}: greedy outputs differ"
         assert engine.last_sync["in_place"] == "", engine.last_sync  # vLLM's weight loaders, not reload_weights
+        assert engine.last_sync["host_tensors"] == entries and not engine.last_sync["host_problem"], engine.last_sync
     assert engine.describe()["sync_load"] == "in place"
 
 
@@ -231,19 +233,23 @@ def test_lora_adapter_sync(smollm2, tmp_path):
     assert not Path(eng._dir, "adapter2").exists()
 
 
-def test_the_file_path_and_a_bucket_smaller_than_a_tensor(engine, smollm2):
-    """Both transports leave the engine sampling the trained weights: the safetensors file, and a shared bucket of
-    1 MiB, through which the 113 MB embedding travels in pieces."""
+def test_every_transport_in_turn_and_a_bucket_smaller_than_a_tensor(engine, smollm2):
+    """Every transport leaves the engine sampling the trained weights, one after another on the same model: the
+    weights read where they lie (shared), the safetensors file, a bucket of 1 MiB in /dev/shm through which the 113 MB
+    embedding travels in pieces (host), and shared again (the engine kept its mappings through the other two)."""
     _, tok = smollm2
     model, _ = load(smollm2_dir())
+    entries = sum(1 for _ in engine_entries(model))
     bucket = engine.bucket_bytes
     try:
-        for i, (how, mib) in enumerate([("file", 32), ("shared", 1)]):
+        for i, (how, mib) in enumerate([("shared", 32), ("file", 32), ("host", 1), ("shared", 32)]):
             engine.weight_sync, engine.bucket_bytes = how, mib * 2 ** 20
             perturb(model, SEED + 20 + i)
             engine.sync_weights(model)
             gap, same = agree(engine, model, tok, SEED + 20 + i)
             assert gap < 1e-3 and same, (how, gap, same)
+            if how != "file":  # shared: every weight read where it lies; host: none
+                assert engine.last_sync["host_tensors"] == (entries if how == "shared" else 0), engine.last_sync
     finally:
         engine.weight_sync, engine.bucket_bytes = "shared", bucket
 

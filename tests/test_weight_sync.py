@@ -281,3 +281,112 @@ def test_cuda_ipc_is_used_only_where_the_engine_can_open_the_handle():
     assert "is not the trainer's" in cuda_ipc_problem("2.13.0", None, "")
     assert "expandable segments" in cuda_ipc_problem("2.13.0", "2.13.0", "max_split_size_mb:64, expandable_segments:True")
     assert cuda_ipc_problem("2.13.0", "2.13.0", "expandable_segments:False") is None
+
+
+def host_sync(model, held: dict, bucket: SharedBucket, engine_end, trainer_end, shares: bool = True,
+              space=lambda n: None):
+    """One streamed sync as VLLMEngine._sync_shared runs it (weight_sync: shared, or host when not `shares`), read by
+    the engine's own stream_chunks in a thread: (what the engine got, as clones, and whether each was a view of the
+    trainer's memory), the HostTensors used, the tensors that went through the bucket."""
+    from multiprocessing.reduction import send_handle
+
+    from align.engines.weight_sync import HostTensors
+
+    host = HostTensors(held, space)
+    got, errors = {}, []
+
+    def consume(items):
+        for name, t in items:
+            got[name] = t.clone()
+
+    def reader():
+        try:
+            align_vllm_worker.stream_chunks(engine_end, bucket.buffer, consume)
+        except Exception as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    entries = engine_entries(model)
+    through_bucket = []
+    for pieces, last in bucket.pieces(host.split(model, entries) if shares else entries):
+        through_bucket += [p[0] for p in pieces if p[4] + p[6] == p[3]]
+        tail = {"refs": host.refs, "files": host.files, "new": [i for i, _ in host.new]} if last and shares else {}
+        trainer_end.send({"op": "chunk", "pieces": pieces, "last": last, **tail})
+        for _, fd in host.new if last else ():
+            send_handle(trainer_end, fd, 0)
+        assert trainer_end.recv() == {"ok": True, "op": "chunk"}
+    t.join(30)
+    assert not errors, errors
+    return got, host, through_bucket
+
+
+def test_weights_in_host_memory_are_read_where_they_lie_and_follow_the_optimiser(tmp_path):
+    """weight_sync: shared on a CPU (HostTensors + the worker's host_views): every weight of a plain model reaches the
+    engine without the bucket, its storage moved into shared memory in place (the values and the parameter objects
+    unchanged, so an optimiser holding them goes on working) and mapped by the engine once: the next sync, after an
+    optimiser step, sends no new file descriptor and the engine reads the new values. A sync through the bucket alone
+    (weight_sync: host) in between leaves the mappings alone, and a parameter whose storage was replaced is shared
+    anew while the one it replaced is let go on both sides."""
+    align_vllm_worker.HOST.clear()
+    model = tiny_llama(tie=True)
+    before = {k: v.clone() for k, v in engine_entries(model)}
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    bucket = SharedBucket(str(tmp_path / "bucket"), 256)
+    trainer, engine = Pipe()
+    held: dict = {}
+    got, host, through = host_sync(model, held, bucket, engine, trainer)
+    assert through == [] and not host.problem and len(host.refs) == len(before) == len(host.new)
+    assert all(p.is_shared() for p in params) and list(model.parameters()) == params
+    assert all(torch.equal(got[k], v) for k, v in before.items())
+    assert set(align_vllm_worker.HOST) == set(host.files)
+    mapped = dict(align_vllm_worker.HOST)
+
+    sum(p.sum() for p in params).backward()
+    opt.step()
+    got, host, _ = host_sync(model, held, bucket, engine, trainer)
+    assert host.new == [] and dict(align_vllm_worker.HOST) == mapped  # nothing opened again
+    assert all(torch.equal(got[k], v) and not torch.equal(v, before[k]) for k, v in engine_entries(model))
+
+    got, host, through = host_sync(model, held, bucket, engine, trainer, shares=False)
+    assert len(through) == len(before) and host.refs == [] and dict(align_vllm_worker.HOST) == mapped
+
+    norm = model.model.norm.weight
+    norm.data = norm.data.clone() + 1  # a storage of its own, not shared yet
+    got, host, _ = host_sync(model, held, bucket, engine, trainer)
+    assert len(host.new) == 1 and torch.equal(got["model.norm.weight"], norm.detach())
+    assert len(align_vllm_worker.HOST) == len(mapped) and set(align_vllm_worker.HOST) != set(mapped)
+    bucket.close()
+    align_vllm_worker.HOST.clear()
+
+
+def test_computed_partitioned_and_unsharable_weights_go_through_the_bucket(tmp_path):
+    """A LoRA layer's merged weight is computed (W + BA): the bucket; the frozen weights around it are read where they
+    lie. A ZeRO-3-partitioned parameter (ds_id) is never shared. With no room in /dev/shm nothing is moved: every
+    weight goes through the bucket and the reason is kept."""
+    align_vllm_worker.HOST.clear()
+    peft = with_lora(tiny_llama())
+    bucket = SharedBucket(str(tmp_path / "bucket"), 4096)
+    trainer, engine = Pipe()
+    state = dict(engine_entries(peft))
+    got, host, through = host_sync(peft, {}, bucket, engine, trainer)
+    merged = {k for k in state if ".q_proj." in k or ".down_proj." in k}
+    assert set(through) == merged and {r[0] for r in host.refs} == set(state) - merged
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+
+    from align.engines.weight_sync import HostTensors
+
+    plain = tiny_llama()
+    plain.model.norm.weight.ds_id = 7  # gathered under ZeRO-3 while it is sent: a copy that goes away after
+    host = HostTensors({}, lambda n: None)
+    entries = [("model.norm.weight", plain.model.norm.weight.detach()), ("lm_head.weight", plain.lm_head.weight.t())]
+    assert [n for n, _ in host.split(plain, entries)] == ["model.norm.weight", "lm_head.weight"]  # lm_head: transposed
+    assert host.refs == [] and not plain.model.norm.weight.is_shared()
+
+    fresh = tiny_llama()
+    got, host, through = host_sync(fresh, {}, bucket, engine, trainer, space=lambda n: "no room (a test)")
+    assert host.problem == "no room (a test)" and host.refs == [] and len(through) == len(state)
+    assert not any(p.is_shared() for p in fresh.parameters())
+    bucket.close()
+    align_vllm_worker.HOST.clear()

@@ -64,3 +64,14 @@ def visible_devices(devices: tuple[int, ...], parent: str | None) -> str:
     if ids is not None and any(d >= len(ids) for d in devices):
         raise ValueError(f"engine devices {devices} outside CUDA_VISIBLE_DEVICES={parent}")
     return ",".join(ids[d] if ids is not None else str(d) for d in devices)
+
+
+def node_placement(gen) -> Placement:
+    """This process's engine placement, from the launcher's LOCAL_RANK / LOCAL_WORLD_SIZE and the GPUs it sees."""
+    import os
+
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return place(int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), gpus,
+                 memory_fraction=gen.gpu_memory_utilization)

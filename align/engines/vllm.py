@@ -9,7 +9,9 @@ sync, a dead worker) ends the stage with EngineError naming the operation and th
 Weight sync (align/engines/weight_sync.py): the training policy's weights under their checkpoint names (LoRA adapters
 merged in out of place, ZeRO-3 parameters gathered one layer at a time), after the first sync only those that train.
 `generation.weight_sync: shared` (default) streams them through one bucket that the engine loads from in place: on the
-trainer's GPU by CUDA IPC where the engine runs on that GPU, in /dev/shm elsewhere (`host`: /dev/shm always); `file`
+trainer's GPU by CUDA IPC where the engine runs on that GPU, in /dev/shm elsewhere, and weights that lie in host
+memory (a CPU run) the engine reads where they lie, the trainer's storages moved into shared memory once
+(`host`: every weight through the bucket in /dev/shm); `file`
 writes the whole state as a safetensors file in /dev/shm that the engine reloads (the older path, kept
 for comparison: benchmarks/rollout_engines.py --sync measures both). Prompts travel as token ids tokenised here, so
 both sides see the same ids; responses come back as ids with the sampled tokens' log-probs (after temperature),
@@ -18,6 +20,7 @@ which PPO compares with its own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -25,16 +28,17 @@ import subprocess
 import tempfile
 import time
 from multiprocessing.connection import Client
+from multiprocessing.reduction import send_handle
 from pathlib import Path
 
 import torch
 
 from align.engines import EngineError
-from align.engines.placement import Placement, place
+from align.engines.placement import node_placement
 from align.engines.vllm_env import (VLLM_INSTALL, engine_environment, keeps_weights, shm_dir, shm_problem,
                                     sync_space_problem, vllm_python)
-from align.engines.weight_sync import (Bucket, CudaBucket, SharedBucket, adapter_state, bucket_kind, cuda_ipc_problem,
-                                       engine_entries, policy_state_for_engine)
+from align.engines.weight_sync import (Bucket, CudaBucket, HostTensors, SharedBucket, adapter_state, bucket_kind,
+                                       cuda_ipc_problem, engine_entries, policy_state_for_engine)
 from align.modeling.generation import Rollout, finish_rollout, tokenize_prompts
 
 SERVER = Path(__file__).parent / "vllm_side" / "align_vllm_server.py"
@@ -57,6 +61,7 @@ class VLLMEngine:
         self.sync_seconds: list[float] = []
         self.sync_bytes: list[int] = []
         self._bucket: Bucket | None = None
+        self._held: dict = {}  # the trainer's storages the engine has mapped (weight_sync.HostTensors)
         self._synced = None  # the model last synced in full (a weak reference): later syncs send what trains
         self.last_sync: dict = {}  # the engine's reply to the last streamed sync
         self.lora_rank = lora_rank  # adapters synced alone (generation.lora_sync: adapter), at most this rank
@@ -130,7 +135,8 @@ class VLLMEngine:
         self._send(msg, what)
         return self._reply(msg["op"], what, time.monotonic() + timeout_s)
 
-    def _send(self, msg: dict, what: str) -> None:
+    def _send(self, msg: dict, what: str, fds=()) -> None:
+        """`msg`, then the file descriptors `fds` (passed over the Unix socket, in order, after the message)."""
         if self.conn is None:
             raise EngineError(f"vLLM engine: '{what}' after close()")
         if self.broken:
@@ -138,6 +144,8 @@ class VLLMEngine:
                               "partly loaded and it samples nothing trustworthy")
         try:
             self.conn.send(msg)
+            for fd in fds:
+                send_handle(self.conn, fd, self.proc.pid)
         except OSError as exc:  # the engine died between calls: a broken pipe here, never an unnamed EPIPE upstream
             raise EngineError(f"the vLLM engine process (pid {self.proc.pid}) is gone ({type(exc).__name__}) at "
                               f"'{what}'; its log ({self.log_path}) ends:\n{self._tail()}") from None
@@ -277,17 +285,22 @@ class VLLMEngine:
 
     def _sync_shared(self, model, changed_only: bool) -> int:
         """Stream the entries through the bucket: fill it, tell the engine what is where, wait until it has copied
-        them out, fill it again; the whole sync within one deadline."""
+        them out, fill it again; with `shared`, the weights that lie in host memory are not copied into it but named
+        in the last message, read by the engine where they lie (HostTensors). The whole sync within one deadline."""
         bucket = self._open_bucket(model)
         deadline = time.monotonic() + self.timeout_s
         before = bucket.sent_bytes
         self._send({"op": "stream", **bucket.where(), "size": self.bucket_bytes, "partial": changed_only},
                    "sync_weights")
         names = 0
+        entries, shares = engine_entries(model, changed_only=changed_only), self.weight_sync == "shared"
+        host = HostTensors(self._held, lambda n: sync_space_problem(self._dir, n))  # weight_sync: host: not used
         try:
-            for pieces, last in bucket.pieces(engine_entries(model, changed_only=changed_only)):
-                names += sum(1 for p in pieces if p[4] + p[6] == p[3])  # pieces that end a tensor
-                self._send({"op": "chunk", "pieces": pieces, "last": last}, "sync_weights")
+            for pieces, last in bucket.pieces(host.split(model, entries) if shares else entries):
+                names += sum(1 for p in pieces if p[4] + p[6] == p[3]) + (len(host.refs) if last else 0)
+                tail = {"refs": host.refs, "files": host.files, "new": [i for i, _ in host.new]} if last and shares else {}
+                self._send({"op": "chunk", "pieces": pieces, "last": last, **tail}, "sync_weights",
+                           fds=[fd for _, fd in host.new] if tail else ())
                 self._reply("chunk", "sync_weights", deadline)
             reply = self._reply("stream", "sync_weights", deadline)
         except BaseException as exc:  # stopped halfway (here or there): the engine holds a mix of old and new weights
@@ -295,8 +308,8 @@ class VLLMEngine:
             raise
         if reply["tensors"] != names:
             raise EngineError(f"vLLM engine: sync_weights loaded {reply['tensors']} of {names} tensors")
-        self.last_sync = reply  # in_place: "" when loaded in place, else why vLLM's reload_weights was used
-        return bucket.sent_bytes - before
+        self.last_sync = {**reply, "host_tensors": len(host.refs), "host_problem": host.problem}
+        return bucket.sent_bytes - before + host.nbytes()
 
     def describe(self) -> dict:
         """What the stage's manifest records of this engine."""
@@ -305,7 +318,8 @@ class VLLMEngine:
                 "lora_sync": "adapter" if self.lora_rank else "merged",
                 **({"sync_path": self.weights} if self.weight_sync == "file" else self._bucket_plan()),
                 **({"sync_load": "in place" if not self.last_sync["in_place"] else
-                    f"reload_weights ({self.last_sync['in_place']})"} if self.last_sync else {})}
+                    f"reload_weights ({self.last_sync['in_place']})", "sync_read_where_they_lie":
+                    self.last_sync["host_tensors"] or self.last_sync["host_problem"] or 0} if self.last_sync else {})}
 
     def _transport(self, device: torch.device) -> str:
         """cuda_ipc or shared_memory for weights on `device` (weight_sync.bucket_kind), /dev/shm where CUDA IPC
@@ -327,12 +341,12 @@ class VLLMEngine:
         if kill and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=60)
+        clean = False  # the engine acknowledged the close: its log (when in the sync directory) goes with it
         if self.conn is not None:
             try:
                 if self.proc.poll() is None:
                     self.conn.send({"op": "close"})
-                    if self.conn.poll(10):
-                        self.conn.recv()
+                    clean = self.conn.poll(10) and self.conn.recv().get("ok", False)
             except (OSError, EOFError):
                 pass
             self.conn.close()
@@ -347,19 +361,14 @@ class VLLMEngine:
         if self._bucket is not None:
             self._bucket.close()
             self._bucket = None
-        for p in (self.weights, self.weights + ".tmp", self.address, self.bucket_path):
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
-        for n in range(1, self._adapters + 1):
-            shutil.rmtree(os.path.join(self._dir, f"adapter{n}"), ignore_errors=True)
-            shutil.rmtree(os.path.join(self._dir, f"adapter{n}.tmp"), ignore_errors=True)
-        if not str(self.log_path).startswith(self._dir):
-            try:
+        self._held.clear()
+        keep = None if clean or not str(self.log_path).startswith(self._dir) else self.log_path  # to read after
+        for p in Path(self._dir).iterdir() if os.path.isdir(self._dir) else ():  # weights, bucket, adapters, socket
+            if p != keep:
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        if keep is None:
+            with contextlib.suppress(OSError):
                 os.rmdir(self._dir)
-            except OSError:
-                pass
 
     def __enter__(self):
         return self
@@ -385,10 +394,3 @@ def make(gen, *, tokenizer, model_dir, seed=0, dtype="float32", max_model_len=51
                       weight_sync=gen.weight_sync, bucket_mib=gen.sync_bucket_mib,
                       lora_rank=lora_rank if gen.lora_sync == "adapter" else None,
                       keep_weights=keeps_weights(gen))
-
-
-def node_placement(gen) -> Placement:
-    """This process's engine placement, from the launcher's LOCAL_RANK / LOCAL_WORLD_SIZE and the GPUs it sees."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return place(int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), gpus,
-                 memory_fraction=gen.gpu_memory_utilization)

@@ -22,6 +22,8 @@ stand-in of the CUDA one: the same protocol, only the buffer differs).
 
 from __future__ import annotations
 
+import itertools
+import math
 import mmap
 import os
 import re
@@ -142,6 +144,83 @@ def cuda_ipc_problem(trainer_torch: str, engine_torch: str | None, alloc_conf: s
     if "expandable_segments:true" in alloc_conf.replace(" ", "").lower():
         return "the trainer's CUDA allocator uses expandable segments (their IPC handles need pidfd_getfd)"
     return None
+
+
+class HostTensors:
+    """Weights the engine reads where they lie (`generation.weight_sync: shared`, the trainer's weights in host memory,
+    as on a CPU): no bucket copy. `split(model, entries)` passes on the entries that must travel through the bucket
+    (computed ones such as merged LoRA layers, ZeRO-3's gathered copies, weights on a GPU, anything non-contiguous) and
+    keeps, in `refs`, the others: views of a parameter's or buffer's own storage. Such a storage is moved once into
+    host shared memory, in place (torch's `_share_fd_cpu_`, as torch.multiprocessing shares a tensor: the storage keeps
+    its identity, so every view of it, a DeepSpeed flat buffer's parameters included, follows, and the optimiser goes
+    on updating it where the engine reads it; the memory is unlinked at once, so nothing is left behind however the
+    trainer exits), and its file descriptor goes to the engine once (`new`, passed over the engine's Unix socket),
+    which maps it. `held` (kept by the caller from sync to sync) is data pointer -> (id, storage) for the storages the
+    engine has mapped: holding them keeps their addresses from being reused by another storage; `files` (id -> bytes)
+    names those this sync reads, and the engine lets go of the others. The engine reads them only while the trainer
+    waits for the sync's reply. `problem`: why nothing more is shared (no room in /dev/shm, too many storages for the
+    open-file limit, or this torch cannot share): the rest goes through the bucket."""
+
+    def __init__(self, held: dict, space_problem):
+        self.held = held
+        self.space_problem = space_problem  # bytes -> why they do not fit in /dev/shm (None when they do)
+        self.refs: list[tuple] = []  # (name, dtype, shape, storage id, byte offset in it)
+        self.files: dict[int, int] = {}
+        self.new: list[tuple[int, int]] = []  # (storage id, file descriptor) the engine has not mapped yet
+        self.problem = ""
+
+    def split(self, model, entries):
+        own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())
+               if t.device.type == "cpu" and not hasattr(t, "ds_id")}
+        self._fds_left = open_files_left() // 2
+        for name, tensor in entries:
+            if self.problem or not self._share(name, tensor, own):
+                yield name, tensor
+        for ptr in [p for p, (i, _) in self.held.items() if i not in self.files]:
+            del self.held[ptr]  # not read this sync: the engine lets go of it too
+
+    def _share(self, name: str, t: torch.Tensor, own: set) -> bool:
+        storage = t.untyped_storage()
+        if t.device.type != "cpu" or not t.is_contiguous() or not t.numel() or storage.data_ptr() not in own:
+            return False
+        old = storage.data_ptr()
+        known = self.held.get(old)
+        if known is None or known[1].data_ptr() != old:
+            if not storage.is_shared() and len(self.new) >= self._fds_left:
+                self.problem = f"more weight storages than the open-file limit allows ({self._fds_left * 2} left)"
+            if not storage.is_shared() and not self.problem:
+                self.problem = self.space_problem(storage.nbytes()) or ""
+            if self.problem:
+                return False
+            try:
+                fd, _ = storage._share_fd_cpu_()  # moves it into shared memory unless it is there
+            except (AttributeError, RuntimeError) as exc:
+                self.problem = f"this torch cannot share a weight's storage ({type(exc).__name__}: {exc})"[:300]
+                return False
+            own.discard(old)
+            own.add(storage.data_ptr())
+            known = self.held[storage.data_ptr()] = (next(_IDS), storage)
+            self.new.append((known[0], fd))
+        self.files[known[0]] = storage.nbytes()
+        self.refs.append((name, dtype_name(t.dtype), list(t.shape), known[0], t.storage_offset() * t.element_size()))
+        return True
+
+    def nbytes(self) -> int:
+        return sum(math.prod(shape) * getattr(torch, dtype).itemsize for _, dtype, shape, *_ in self.refs)
+
+
+_IDS = itertools.count(1)
+
+
+def open_files_left() -> int:
+    """File descriptors this process may still open (its soft limit less those open)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        return max(0, soft - len(os.listdir("/proc/self/fd")))
+    except OSError:
+        return max(0, soft - 64)
 
 
 class Bucket:

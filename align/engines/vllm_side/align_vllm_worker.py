@@ -54,7 +54,41 @@ def _chunk(conn, bucket: torch.Tensor, building: dict, views: bool) -> tuple[lis
             building[name].reshape(-1).view(torch.uint8)[at:at + size].copy_(bucket[offset:offset + size])
         if at + size == total:
             ready.append((name, building.pop(name)))
+    if msg["last"] and "files" in msg:  # the trainer shares what lies in its host memory (weight_sync: shared)
+        ready += host_views(conn, msg["refs"], msg["files"], msg["new"])
     return ready, msg["last"]
+
+
+HOST: dict = {}
+"""The trainer's weight storages in host shared memory, mapped: the trainer's id -> uint8 tensor."""
+
+
+def host_views(conn, refs, files: dict, new) -> list:
+    """The weights the trainer left where they lie (align/engines/weight_sync.py HostTensors) as views of its shared
+    memory, no copy: each storage mapped once from the file descriptor the trainer passes after the message (`new`:
+    their ids, in order) and kept while the trainer names it in `files` (id -> bytes); the others are let go. Valid
+    while the trainer waits for the sync's reply (it writes to them again after)."""
+    import math
+    import mmap
+    import os
+    from multiprocessing.reduction import recv_handle
+
+    for key in [k for k in HOST if k not in files]:
+        del HOST[key]
+    for key in new:
+        fd = recv_handle(conn)
+        try:
+            HOST[key] = torch.frombuffer(mmap.mmap(fd, files[key]), dtype=torch.uint8)
+        finally:
+            os.close(fd)
+    out = []
+    for name, dtype, shape, key, offset in refs:
+        if key not in HOST:
+            raise RuntimeError(f"weight stream: {name} lies in the trainer's storage {key}, which this engine has "
+                               "not mapped (trainer and engine out of step)")
+        kind = getattr(torch, dtype)
+        out.append((name, HOST[key][offset:offset + math.prod(shape) * kind.itemsize].view(kind).reshape(shape)))
+    return out
 
 
 def _done_with_chunk(conn, bucket: torch.Tensor, building: dict, last: bool) -> None:
