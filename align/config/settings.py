@@ -137,11 +137,14 @@ class Generation:
     """vllm: how the trained weights reach the engine after an update (align/engines/weight_sync.py): `shared`
     streams them through one bucket (sync_bucket_mib) that the engine loads from in place (vLLM's own weight loaders;
     on a CPU the engine keeps its linear weights beside vLLM's packed copies for this: one more copy of the weights in
-    its memory), after the first sync only the weights that train (a LoRA run: the adapted layers, merged); the bucket is on the trainer's GPU, shared by CUDA IPC,
-    where the engine runs on that GPU (colocated), else in /dev/shm (a CPU). `host`: the bucket in /dev/shm on GPUs
-    too (a device-to-host copy each way; for machines where CUDA IPC between processes is not allowed). `file` writes
-    the whole policy as a safetensors file in /dev/shm for the engine to reload (the older path, kept for comparison).
-    The CUDA IPC bucket has not run on a GPU in this project (vLLM's CUDA build cannot be carried to the lent GPU)."""
+    its memory), after the first sync only the weights that train (a LoRA run: the adapted layers, merged); the
+    bucket is on the trainer's GPU, shared by CUDA IPC, where the engine runs on that GPU (colocated), else in
+    /dev/shm. Weights in host memory (a CPU run) skip the bucket: the trainer's storages move into shared memory once
+    and the engine reads them where they lie (merged LoRA layers still travel). `host`: every weight through the
+    bucket in /dev/shm, on GPUs too (a device-to-host copy each way; for machines where CUDA IPC between processes is
+    not allowed). `file` writes the whole policy as a safetensors file in /dev/shm for the engine to reload (the older
+    path, kept for comparison). The CUDA IPC bucket has not run on a GPU in this project (vLLM's CUDA build cannot be
+    carried to the lent GPU)."""
     lora_sync: str = one_of("merged", "merged", "adapter")
     """vllm with a LoRA-trained policy: what a sync sends. `merged`: the adapted layers with the adapters merged in
     (W + BA; the engine serves a plain model). `adapter`: the adapters alone (a few MB), which the engine applies with

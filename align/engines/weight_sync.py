@@ -17,7 +17,9 @@ processes x 16 GB at 8B in bf16 before), one copy on each side instead of a seri
 and nothing left behind by a killed process but the bucket. Where the bucket lives (`bucket_kind`): on the trainer's
 GPU when the engine runs on that GPU (`CudaBucket`: the engine maps it by CUDA IPC, so the weights go GPU to GPU and
 never through the host), else in host shared memory (`SharedBucket`: a file in /dev/shm; on a CPU, and the tested
-stand-in of the CUDA one: the same protocol, only the buffer differs).
+stand-in of the CUDA one: the same protocol, only the buffer differs). Weights that lie in host memory (a CPU run)
+need no bucket at all (`HostTensors`): the engine maps the trainer's own storages, moved into shared memory once, and
+reads them where they lie; only what is computed (merged LoRA layers) or gathered (ZeRO-3) still travels.
 """
 
 from __future__ import annotations
