@@ -390,3 +390,21 @@ def test_computed_partitioned_and_unsharable_weights_go_through_the_bucket(tmp_p
     assert not any(p.is_shared() for p in fresh.parameters())
     bucket.close()
     align_vllm_worker.HOST.clear()
+
+
+def test_sharing_stops_within_the_open_file_limit(tmp_path, monkeypatch):
+    """Each storage moved into shared memory keeps a file descriptor open in the trainer: sharing stops at half the
+    descriptors this process may still open, says why, and the rest goes through the bucket."""
+    from align.engines import weight_sync
+
+    align_vllm_worker.HOST.clear()
+    monkeypatch.setattr(weight_sync, "open_files_left", lambda: 6)
+    model = tiny_llama()
+    bucket = SharedBucket(str(tmp_path / "bucket"), 4096)
+    trainer, engine = Pipe()
+    state = dict(engine_entries(model))
+    got, host, through = host_sync(model, {}, bucket, engine, trainer)
+    assert len(host.new) == 3 and "open-file limit" in host.problem
+    assert len(host.refs) + len(through) == len(state) and all(torch.equal(got[k], v) for k, v in state.items())
+    bucket.close()
+    align_vllm_worker.HOST.clear()
