@@ -228,7 +228,7 @@ def adapter_sync(out: dict, model_dir: str, tok, gen, seed: int, rounds: int, g,
 def print_sync(sync: dict, machine_line: str, rounds: int, bucket_mib: float) -> None:
     print(f"\nweight sync, packaged SmolLM2-135M fp32, {rounds} syncs per transport (median), bucket {bucket_mib:g} MiB; "
           f"{machine_line}")
-    print("| policy | transport | s per sync | MB moved per sync | max log-prob gap | before / this |")
+    print("| policy | transport | s per sync | MB loaded per sync | max log-prob gap | before / this |")
     print("|---|---|---|---|---|---|")
     names = {"before": "file, engine as before (reload_weights)", "file": "file, this engine (reload_weights)",
              "host": "bucket in /dev/shm, loaded in place", "shared": "read where they lie (+ bucket), in place",

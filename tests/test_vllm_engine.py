@@ -250,6 +250,7 @@ def test_every_transport_in_turn_and_a_bucket_smaller_than_a_tensor(engine, smol
             assert gap < 1e-3 and same, (how, gap, same)
             if how != "file":  # shared: every weight read where it lies; host: none
                 assert engine.last_sync["host_tensors"] == (entries if how == "shared" else 0), engine.last_sync
+        assert engine.last_sync["host_new"] == 0, engine.last_sync  # the engine kept its mappings: none passed again
     finally:
         engine.weight_sync, engine.bucket_bytes = "shared", bucket
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 import threading
 from multiprocessing import Pipe
+from multiprocessing.reduction import send_handle
 
 import pytest
 import torch
@@ -283,21 +284,29 @@ def test_cuda_ipc_is_used_only_where_the_engine_can_open_the_handle():
     assert cuda_ipc_problem("2.13.0", "2.13.0", "expandable_segments:False") is None
 
 
-def host_sync(model, held: dict, bucket: SharedBucket, engine_end, trainer_end, shares: bool = True,
-              space=lambda n: None):
-    """One streamed sync as VLLMEngine._sync_shared runs it (weight_sync: shared, or host when not `shares`), read by
-    the engine's own stream_chunks in a thread: (what the engine got, as clones, and whether each was a view of the
-    trainer's memory), the HostTensors used, the tensors that went through the bucket."""
-    from multiprocessing.reduction import send_handle
+@pytest.fixture
+def engine_maps():
+    """The engine side's mappings of the trainer's storages (align_vllm_worker.HOST), empty before and after."""
+    align_vllm_worker.HOST.clear()
+    yield align_vllm_worker.HOST
+    align_vllm_worker.HOST.clear()
 
+
+def host_sync(model, held: dict, bucket: SharedBucket, engine_end, trainer_end, shares: bool = True,
+              space=lambda n: None, budget: int = 1000, changed_only: bool = False):
+    """One streamed sync as VLLMEngine._sync_shared runs it (weight_sync: shared, or host when not `shares`), read by
+    the engine's own stream_chunks in a thread: what the engine got (as clones) and whether each lay in a mapping of
+    the trainer's memory (a view, not a copy), the HostTensors used, the names that went through the bucket."""
     from align.engines.weight_sync import HostTensors
 
-    host = HostTensors(held, space)
-    got, errors = {}, []
+    host = HostTensors(held, space, budget)
+    got, viewed, errors = {}, {}, []
 
     def consume(items):
+        maps = [(m.data_ptr(), m.data_ptr() + m.numel()) for m in align_vllm_worker.HOST.values()]
         for name, t in items:
             got[name] = t.clone()
+            viewed[name] = any(lo <= t.data_ptr() < hi for lo, hi in maps)
 
     def reader():
         try:
@@ -307,28 +316,28 @@ def host_sync(model, held: dict, bucket: SharedBucket, engine_end, trainer_end, 
 
     t = threading.Thread(target=reader, daemon=True)
     t.start()
-    entries = engine_entries(model)
+    entries = engine_entries(model, changed_only=changed_only)
     through_bucket = []
     for pieces, last in bucket.pieces(host.split(model, entries) if shares else entries):
         through_bucket += [p[0] for p in pieces if p[4] + p[6] == p[3]]
-        tail = {"refs": host.refs, "files": host.files, "new": [i for i, _ in host.new]} if last and shares else {}
+        tail, fds = host.message(last and shares)
         trainer_end.send({"op": "chunk", "pieces": pieces, "last": last, **tail})
-        for _, fd in host.new if last else ():
+        for fd in fds:
             send_handle(trainer_end, fd, 0)
         assert trainer_end.recv() == {"ok": True, "op": "chunk"}
     t.join(30)
     assert not errors, errors
+    assert all(viewed[r[0]] for r in host.refs) and not any(viewed[n] for n in through_bucket)
     return got, host, through_bucket
 
 
-def test_weights_in_host_memory_are_read_where_they_lie_and_follow_the_optimiser(tmp_path):
+def test_weights_in_host_memory_are_read_where_they_lie_and_follow_the_optimiser(tmp_path, engine_maps):
     """weight_sync: shared on a CPU (HostTensors + the worker's host_views): every weight of a plain model reaches the
-    engine without the bucket, its storage moved into shared memory in place (the values and the parameter objects
-    unchanged, so an optimiser holding them goes on working) and mapped by the engine once: the next sync, after an
-    optimiser step, sends no new file descriptor and the engine reads the new values. A sync through the bucket alone
-    (weight_sync: host) in between leaves the mappings alone, and a parameter whose storage was replaced is shared
-    anew while the one it replaced is let go on both sides."""
-    align_vllm_worker.HOST.clear()
+    engine without the bucket, as a view of the trainer's memory, its storage moved into shared memory in place (the
+    values and the parameter objects unchanged, so an optimiser holding them goes on working) and mapped by the engine
+    once: the next sync, after an optimiser step, sends no new file descriptor and the engine reads the new values. A
+    sync through the bucket alone (weight_sync: host) in between leaves the mappings alone, and a parameter whose
+    storage was replaced is shared anew while the one it replaced is let go on both sides."""
     model = tiny_llama(tie=True)
     before = {k: v.clone() for k, v in engine_entries(model)}
     params = list(model.parameters())
@@ -337,35 +346,68 @@ def test_weights_in_host_memory_are_read_where_they_lie_and_follow_the_optimiser
     trainer, engine = Pipe()
     held: dict = {}
     got, host, through = host_sync(model, held, bucket, engine, trainer)
-    assert through == [] and not host.problem and len(host.refs) == len(before) == len(host.new)
+    assert through == [] and not host.problem and len(host.refs) == len(before) == len(host.new) == len(held)
     assert all(p.is_shared() for p in params) and list(model.parameters()) == params
     assert all(torch.equal(got[k], v) for k, v in before.items())
-    assert set(align_vllm_worker.HOST) == set(host.files)
-    mapped = dict(align_vllm_worker.HOST)
+    assert set(engine_maps) == set(host.files)
+    mapped = dict(engine_maps)
 
     sum(p.sum() for p in params).backward()
     opt.step()
     got, host, _ = host_sync(model, held, bucket, engine, trainer)
-    assert host.new == [] and dict(align_vllm_worker.HOST) == mapped  # nothing opened again
+    assert host.new == [] and dict(engine_maps) == mapped  # nothing opened again
     assert all(torch.equal(got[k], v) and not torch.equal(v, before[k]) for k, v in engine_entries(model))
 
     got, host, through = host_sync(model, held, bucket, engine, trainer, shares=False)
-    assert len(through) == len(before) and host.refs == [] and dict(align_vllm_worker.HOST) == mapped
+    assert len(through) == len(before) and host.refs == [] and dict(engine_maps) == mapped
 
     norm = model.model.norm.weight
+    old = norm.untyped_storage().data_ptr()
     norm.data = norm.data.clone() + 1  # a storage of its own, not shared yet
     got, host, _ = host_sync(model, held, bucket, engine, trainer)
     assert len(host.new) == 1 and torch.equal(got["model.norm.weight"], norm.detach())
-    assert len(align_vllm_worker.HOST) == len(mapped) and set(align_vllm_worker.HOST) != set(mapped)
+    assert len(engine_maps) == len(mapped) == len(held) and set(engine_maps) != set(mapped) and old not in held
+
+    for n, p in model.named_parameters():  # what trains: the final norm alone; the others are let go on both sides
+        p.requires_grad_(n == "model.norm.weight")
+    got, host, _ = host_sync(model, held, bucket, engine, trainer, changed_only=True)
+    assert list(got) == ["model.norm.weight"] and len(engine_maps) == len(held) == 1 and host.new == []
     bucket.close()
-    align_vllm_worker.HOST.clear()
 
 
-def test_computed_partitioned_and_unsharable_weights_go_through_the_bucket(tmp_path):
+def test_parameters_that_are_views_of_one_flat_buffer_are_read_at_their_offsets(tmp_path, engine_maps):
+    """As under DeepSpeed ZeRO-1/2, where every parameter is a view of one flat buffer: the buffer is moved into shared
+    memory once (one descriptor), each weight read at its own offset, before and after an in-place update of the
+    flat buffer (the optimiser's step there)."""
+    model = tiny_llama()
+    params = list(model.parameters())
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    at = 0
+    for p in params:
+        p.data = flat[at:at + p.numel()].view_as(p)
+        at += p.numel()
+    bucket = SharedBucket(str(tmp_path / "bucket"), 256)
+    trainer, engine = Pipe()
+    held: dict = {}
+    for step in range(2):
+        if step:
+            flat.add_(0.5)
+        state = {k: v.clone() for k, v in engine_entries(model)}
+        got, host, through = host_sync(model, held, bucket, engine, trainer)
+        assert through == [] and len(host.files) == 1 and len(host.new) == (0 if step else 1)
+        assert len({r[4] for r in host.refs}) == len(host.refs) > 1  # every weight at an offset of its own
+        assert all(torch.equal(got[k], v) for k, v in state.items())
+    assert flat.is_shared() and params[0].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    bucket.close()
+
+
+def test_computed_partitioned_and_unsharable_weights_go_through_the_bucket(tmp_path, engine_maps):
     """A LoRA layer's merged weight is computed (W + BA): the bucket; the frozen weights around it are read where they
-    lie. A ZeRO-3-partitioned parameter (ds_id) is never shared. With no room in /dev/shm nothing is moved: every
-    weight goes through the bucket and the reason is kept."""
-    align_vllm_worker.HOST.clear()
+    lie. A ZeRO-3-partitioned parameter (ds_id) is never shared, nor a non-contiguous view, nor a storage mapped from
+    a file (no descriptor to pass). With no room in /dev/shm nothing is moved: every weight goes through the bucket
+    and the reason is kept."""
+    from align.engines.weight_sync import HostTensors
+
     peft = with_lora(tiny_llama())
     bucket = SharedBucket(str(tmp_path / "bucket"), 4096)
     trainer, engine = Pipe()
@@ -375,36 +417,37 @@ def test_computed_partitioned_and_unsharable_weights_go_through_the_bucket(tmp_p
     assert set(through) == merged and {r[0] for r in host.refs} == set(state) - merged
     assert all(torch.equal(got[k], v) for k, v in state.items())
 
-    from align.engines.weight_sync import HostTensors
-
     plain = tiny_llama()
     plain.model.norm.weight.ds_id = 7  # gathered under ZeRO-3 while it is sent: a copy that goes away after
+    filed = torch.from_file(str(tmp_path / "w"), shared=True, size=32 * 32)
+    plain.model.layers[0].input_layernorm.weight.data = filed[:32]
     host = HostTensors({}, lambda n: None)
-    entries = [("model.norm.weight", plain.model.norm.weight.detach()), ("lm_head.weight", plain.lm_head.weight.t())]
-    assert [n for n, _ in host.split(plain, entries)] == ["model.norm.weight", "lm_head.weight"]  # lm_head: transposed
-    assert host.refs == [] and not plain.model.norm.weight.is_shared()
+    entries = [("model.norm.weight", plain.model.norm.weight.detach()), ("lm_head.weight", plain.lm_head.weight.t()),
+               ("ln", plain.model.layers[0].input_layernorm.weight.detach())]
+    assert [n for n, _ in host.split(plain, entries)] == ["model.norm.weight", "lm_head.weight", "ln"]
+    assert host.refs == [] and not plain.model.norm.weight.is_shared() and not host.problem
 
     fresh = tiny_llama()
     got, host, through = host_sync(fresh, {}, bucket, engine, trainer, space=lambda n: "no room (a test)")
     assert host.problem == "no room (a test)" and host.refs == [] and len(through) == len(state)
     assert not any(p.is_shared() for p in fresh.parameters())
     bucket.close()
-    align_vllm_worker.HOST.clear()
 
 
-def test_sharing_stops_within_the_open_file_limit(tmp_path, monkeypatch):
-    """Each storage moved into shared memory keeps a file descriptor open in the trainer: sharing stops at half the
-    descriptors this process may still open, says why, and the rest goes through the bucket."""
-    from align.engines import weight_sync
-
-    align_vllm_worker.HOST.clear()
-    monkeypatch.setattr(weight_sync, "open_files_left", lambda: 6)
+def test_sharing_stays_within_the_open_file_budget_sync_after_sync(tmp_path, engine_maps):
+    """Each storage moved into shared memory keeps a file descriptor open on each side: at most `budget` are held,
+    however many syncs follow (the budget does not shrink as descriptors stay open); the rest goes through the bucket
+    and the reason is kept."""
     model = tiny_llama()
     bucket = SharedBucket(str(tmp_path / "bucket"), 4096)
     trainer, engine = Pipe()
-    state = dict(engine_entries(model))
-    got, host, through = host_sync(model, {}, bucket, engine, trainer)
-    assert len(host.new) == 3 and "open-file limit" in host.problem
-    assert len(host.refs) + len(through) == len(state) and all(torch.equal(got[k], v) for k, v in state.items())
+    held: dict = {}
+    opened = []
+    for _ in range(4):
+        state = {k: v.clone() for k, v in engine_entries(model)}
+        got, host, through = host_sync(model, held, bucket, engine, trainer, budget=3)
+        opened.append(len(host.new))
+        assert len(held) == len(engine_maps) == len(host.refs) == 3 and "open-file budget" in host.problem
+        assert len(host.refs) + len(through) == len(state) and all(torch.equal(got[k], v) for k, v in state.items())
+    assert opened == [3, 0, 0, 0]
     bucket.close()
-    align_vllm_worker.HOST.clear()

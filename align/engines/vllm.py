@@ -294,13 +294,12 @@ class VLLMEngine:
                    "sync_weights")
         names = 0
         entries, shares = engine_entries(model, changed_only=changed_only), self.weight_sync == "shared"
-        host = HostTensors(self._held, lambda n: sync_space_problem(self._dir, n))  # weight_sync: host: not used
+        host = HostTensors(self._held)  # not used by weight_sync: host
         try:
             for pieces, last in bucket.pieces(host.split(model, entries) if shares else entries):
                 names += sum(1 for p in pieces if p[4] + p[6] == p[3]) + (len(host.refs) if last else 0)
-                tail = {"refs": host.refs, "files": host.files, "new": [i for i, _ in host.new]} if last and shares else {}
-                self._send({"op": "chunk", "pieces": pieces, "last": last, **tail}, "sync_weights",
-                           fds=[fd for _, fd in host.new] if tail else ())
+                tail, fds = host.message(last and shares)
+                self._send({"op": "chunk", "pieces": pieces, "last": last, **tail}, "sync_weights", fds=fds)
                 self._reply("chunk", "sync_weights", deadline)
             reply = self._reply("stream", "sync_weights", deadline)
         except BaseException as exc:  # stopped halfway (here or there): the engine holds a mix of old and new weights
@@ -308,8 +307,10 @@ class VLLMEngine:
             raise
         if reply["tensors"] != names:
             raise EngineError(f"vLLM engine: sync_weights loaded {reply['tensors']} of {names} tensors")
-        self.last_sync = {**reply, "host_tensors": len(host.refs), "host_problem": host.problem}
-        return bucket.sent_bytes - before + host.nbytes()
+        if host.problem and host.problem != self.last_sync.get("host_problem"):
+            print(f"vLLM weight sync: {host.problem}; the rest goes through the bucket", flush=True)
+        self.last_sync = {**reply, "host_tensors": len(host.refs), "host_new": len(host.new), "host_problem": host.problem}
+        return bucket.sent_bytes - before + host.nbytes()  # bytes the engine loaded
 
     def describe(self) -> dict:
         """What the stage's manifest records of this engine."""
@@ -319,7 +320,8 @@ class VLLMEngine:
                 **({"sync_path": self.weights} if self.weight_sync == "file" else self._bucket_plan()),
                 **({"sync_load": "in place" if not self.last_sync["in_place"] else
                     f"reload_weights ({self.last_sync['in_place']})", "sync_read_where_they_lie":
-                    self.last_sync["host_tensors"] or self.last_sync["host_problem"] or 0} if self.last_sync else {})}
+                    self.last_sync["host_tensors"], "sync_not_read_where_they_lie": self.last_sync["host_problem"]}
+                   if self.last_sync else {})}
 
     def _transport(self, device: torch.device) -> str:
         """cuda_ipc or shared_memory for weights on `device` (weight_sync.bucket_kind), /dev/shm where CUDA IPC
@@ -346,7 +348,7 @@ class VLLMEngine:
             try:
                 if self.proc.poll() is None:
                     self.conn.send({"op": "close"})
-                    clean = self.conn.poll(10) and self.conn.recv().get("ok", False)
+                    clean = self.conn.poll(10) and self.conn.recv() == {"ok": True}  # not a reply left unread
             except (OSError, EOFError):
                 pass
             self.conn.close()

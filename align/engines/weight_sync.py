@@ -29,6 +29,7 @@ import math
 import mmap
 import os
 import re
+import shutil
 from contextlib import nullcontext
 from typing import Iterator
 
@@ -151,21 +152,25 @@ def cuda_ipc_problem(trainer_torch: str, engine_torch: str | None, alloc_conf: s
 class HostTensors:
     """Weights the engine reads where they lie (`generation.weight_sync: shared`, the trainer's weights in host memory,
     as on a CPU): no bucket copy. `split(model, entries)` passes on the entries that must travel through the bucket
-    (computed ones such as merged LoRA layers, ZeRO-3's gathered copies, weights on a GPU, anything non-contiguous) and
-    keeps, in `refs`, the others: views of a parameter's or buffer's own storage. Such a storage is moved once into
-    host shared memory, in place (torch's `_share_fd_cpu_`, as torch.multiprocessing shares a tensor: the storage keeps
-    its identity, so every view of it, a DeepSpeed flat buffer's parameters included, follows, and the optimiser goes
-    on updating it where the engine reads it; the memory is unlinked at once, so nothing is left behind however the
-    trainer exits), and its file descriptor goes to the engine once (`new`, passed over the engine's Unix socket),
-    which maps it. `held` (kept by the caller from sync to sync) is data pointer -> (id, storage) for the storages the
-    engine has mapped: holding them keeps their addresses from being reused by another storage; `files` (id -> bytes)
-    names those this sync reads, and the engine lets go of the others. The engine reads them only while the trainer
-    waits for the sync's reply. `problem`: why nothing more is shared (no room in /dev/shm, too many storages for the
-    open-file limit, or this torch cannot share): the rest goes through the bucket."""
+    (computed ones such as merged LoRA layers, ZeRO-3's gathered copies, weights on a GPU, anything non-contiguous, a
+    storage mapped from a file) and keeps, in `refs`, the others: views of a parameter's or buffer's own storage. Such
+    a storage is moved once into host shared memory, in place (torch's `_share_fd_cpu_`, as torch.multiprocessing
+    shares a tensor: the storage keeps its identity, so every view of it, a DeepSpeed flat buffer's parameters
+    included, follows, and the optimiser goes on updating it where the engine reads it; the memory is unlinked at
+    once, so nothing is left behind however the trainer exits), and its file descriptor goes to the engine once
+    (`message`: passed over the engine's Unix socket after the stream's last message), which maps it read-only.
+    `held` (kept by the caller from sync to sync) is data pointer -> (id, storage) for the storages the engine has
+    mapped: holding them keeps their addresses from being reused by another storage; `files` (id -> bytes) names those
+    this sync reads, and both sides let go of the others. The engine reads them only while the trainer waits for the
+    sync's reply. Each shared storage keeps a descriptor open on each side: at most `budget` are held (a quarter of
+    the open-file limit, which the engine inherits). `problem`: why nothing more is shared (FSDP, which frees and
+    re-allocates parameter storages; the budget; no room in /dev/shm; a storage torch could not move): the rest goes
+    through the bucket."""
 
-    def __init__(self, held: dict, space_problem):
+    def __init__(self, held: dict, space_problem=None, budget: int | None = None):
         self.held = held
-        self.space_problem = space_problem  # bytes -> why they do not fit in /dev/shm (None when they do)
+        self.space_problem = space_problem or shm_room_problem  # bytes -> why they do not fit (None when they do)
+        self.budget = open_files_limit() // 4 if budget is None else budget
         self.refs: list[tuple] = []  # (name, dtype, shape, storage id, byte offset in it)
         self.files: dict[int, int] = {}
         self.new: list[tuple[int, int]] = []  # (storage id, file descriptor) the engine has not mapped yet
@@ -174,7 +179,8 @@ class HostTensors:
     def split(self, model, entries):
         own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())
                if t.device.type == "cpu" and not hasattr(t, "ds_id")}
-        self._fds_left = open_files_left() // 2
+        if any(type(m).__name__.startswith(("FSDP", "FullyShardedDataParallel")) for m in model.modules()):
+            self.problem = "FSDP frees and re-allocates parameter storages, which shared memory cannot follow"
         for name, tensor in entries:
             if self.problem or not self._share(name, tensor, own):
                 yield name, tensor
@@ -188,16 +194,18 @@ class HostTensors:
         old = storage.data_ptr()
         known = self.held.get(old)
         if known is None or known[1].data_ptr() != old:
-            if not storage.is_shared() and len(self.new) >= self._fds_left:
-                self.problem = f"more weight storages than the open-file limit allows ({self._fds_left * 2} left)"
-            if not storage.is_shared() and not self.problem:
-                self.problem = self.space_problem(storage.nbytes()) or ""
+            if len(self.held) >= self.budget:
+                self.problem = f"more weight storages than the open-file budget ({self.budget}, a quarter of the limit)"
+            self.problem = self.problem or self.space_problem(storage.nbytes()) or ""
             if self.problem:
                 return False
             try:
                 fd, _ = storage._share_fd_cpu_()  # moves it into shared memory unless it is there
             except (AttributeError, RuntimeError) as exc:
-                self.problem = f"this torch cannot share a weight's storage ({type(exc).__name__}: {exc})"[:300]
+                self.problem = f"a weight storage could not be moved into shared memory ({type(exc).__name__}: {exc})"
+                self.problem = self.problem[:300]
+                return False
+            if fd < 0:  # a storage mapped from a file (torch.from_file): no descriptor to pass
                 return False
             own.discard(old)
             own.add(storage.data_ptr())
@@ -207,6 +215,13 @@ class HostTensors:
         self.refs.append((name, dtype_name(t.dtype), list(t.shape), known[0], t.storage_offset() * t.element_size()))
         return True
 
+    def message(self, last: bool) -> tuple[dict, list[int]]:
+        """What the stream's last message carries (the entries read where they lie, the storages they lie in, the ids
+        of those new to the engine) and the file descriptors to pass after it, in that order."""
+        if not last:
+            return {}, []
+        return {"refs": self.refs, "files": self.files, "new": [i for i, _ in self.new]}, [fd for _, fd in self.new]
+
     def nbytes(self) -> int:
         return sum(math.prod(shape) * getattr(torch, dtype).itemsize for _, dtype, shape, *_ in self.refs)
 
@@ -214,15 +229,22 @@ class HostTensors:
 _IDS = itertools.count(1)
 
 
-def open_files_left() -> int:
-    """File descriptors this process may still open (its soft limit less those open)."""
+def open_files_limit() -> int:
+    """This process's soft limit on open files (a large number when unlimited)."""
     import resource
 
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    try:
-        return max(0, soft - len(os.listdir("/proc/self/fd")))
-    except OSError:
-        return max(0, soft - 64)
+    return 2 ** 16 if soft == resource.RLIM_INFINITY or soft < 0 else soft
+
+
+def shm_room_problem(needed: int, directory: str = "/dev/shm") -> str | None:
+    """Why `needed` more bytes will not fit in /dev/shm, where torch moves a shared storage (None when they will,
+    with 5% and 64 MiB to spare for everything else there)."""
+    free = shutil.disk_usage(directory).free if os.path.isdir(directory) else 0
+    if free >= needed * 1.05 + 64 * 2 ** 20:
+        return None
+    return (f"{directory} has {free / 2 ** 20:.0f} MiB free, too little to share a weight storage of "
+            f"{needed / 2 ** 20:.0f} MiB with the engine (docker run --shm-size=... gives a container more)")
 
 
 class Bucket:
@@ -284,7 +306,11 @@ class SharedBucket(Bucket):
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)  # its pages taken now: a full /dev/shm is an error here, not a SIGBUS later
             self._map = mmap.mmap(fd, size)
+        except OSError:
+            os.unlink(path)
+            raise
         finally:
             os.close(fd)
         self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)

@@ -65,21 +65,25 @@ HOST: dict = {}
 
 def host_views(conn, refs, files: dict, new) -> list:
     """The weights the trainer left where they lie (align/engines/weight_sync.py HostTensors) as views of its shared
-    memory, no copy: each storage mapped once from the file descriptor the trainer passes after the message (`new`:
-    their ids, in order) and kept while the trainer names it in `files` (id -> bytes); the others are let go. Valid
-    while the trainer waits for the sync's reply (it writes to them again after)."""
+    memory, no copy: each storage mapped once, read-only, from the file descriptor the trainer passes after the message
+    (`new`: their ids, in order) and kept while the trainer names it in `files` (id -> bytes); the others are let go.
+    Valid while the trainer waits for the sync's reply (it writes to them again after)."""
     import math
     import mmap
     import os
+    import warnings
     from multiprocessing.reduction import recv_handle
 
-    for key in [k for k in HOST if k not in files]:
-        del HOST[key]
-    for key in new:
-        fd = recv_handle(conn)
-        try:
-            HOST[key] = torch.frombuffer(mmap.mmap(fd, files[key]), dtype=torch.uint8)
-        finally:
+    fds = [recv_handle(conn) for _ in new]  # every descriptor first: the stream stays in step whatever fails after
+    try:
+        for key in [k for k in HOST if k not in files]:
+            del HOST[key]
+        for key, fd in zip(new, fds):
+            with warnings.catch_warnings():  # read-only: a loader that wrote into it would fail, not change the trainer's
+                warnings.simplefilter("ignore", UserWarning)
+                HOST[key] = torch.frombuffer(mmap.mmap(fd, files[key], prot=mmap.PROT_READ), dtype=torch.uint8)
+    finally:
+        for fd in fds:
             os.close(fd)
     out = []
     for name, dtype, shape, key, offset in refs:
