@@ -11,11 +11,11 @@ first).
 Weight sync (`--sync`, or part of every run): two vLLM engines started from the packaged SmolLM2 (135M, fp32), one as
 align starts it now, one as it did before in-place loads (`keep_weights=False`), synced `--sync-rounds` times each
 way: the file path as it was (the whole policy as safetensors in /dev/shm, vLLM's reload_weights, the engine as
-before), the same file through today's engine, and the shared bucket (generation.weight_sync: shared, loaded in
-place), the order rotating each round, for full fine-tuning (every weight changed before each sync) and LoRA r 16 on
-every linear layer (the adapters changed); then the adapters alone into a third engine with vLLM's LoRA support. Per
-transport: seconds per sync (median), bytes moved per sync, and the engine-vs-trainer log-prob gap after every sync
-(must stay < 1e-3).
+before), the same file through today's engine, every weight through the /dev/shm bucket (generation.weight_sync:
+host, loaded in place) and the weights read where they lie (shared, the default), the order rotating each round, for
+full fine-tuning (every weight changed before each sync) and LoRA r 16 on every linear layer (the adapters changed);
+then the adapters alone into a third engine with vLLM's LoRA support. Per transport: seconds per sync (median), bytes
+the engine loaded per sync, and the engine-vs-trainer log-prob gap after every sync (must stay < 1e-3).
 
     python benchmarks/rollout_engines.py --run-dir runs/smollm2_sentiment/main --iterations 3
     python benchmarks/rollout_engines.py --tiny      # the suite's mode: packaged SmolLM2, VADER reward, 2 x 4 episodes
@@ -113,13 +113,18 @@ default): the trainer's weights read where they lie in host shared memory, the r
 bucket, loaded in place."""
 
 
-def sync_side_by_side(rounds: int, bucket_mib: float, seed: int = 4242) -> dict:
-    """Seconds and bytes per sync for the file path as it was, the file through today's engine and the shared bucket,
-    side by side (two engines, the order rotating each round), with the engine-vs-trainer log-prob gap after each
-    (fp32: must be < 1e-3). The first sync of each model into each engine is a full one (not timed); later shared
-    syncs send only what trains."""
+def sync_summary(runs: list[tuple]) -> dict:
+    """One transport's syncs, each (seconds, bytes loaded, log-prob gap after it): medians, every time, the worst gap."""
     import statistics
 
+    return {"seconds": statistics.median(r[0] for r in runs), "all_seconds": [r[0] for r in runs],
+            "bytes": statistics.median(r[1] for r in runs), "max_logprob_gap": max(r[2] for r in runs)}
+
+
+def sync_side_by_side(rounds: int, bucket_mib: float, seed: int = 4242) -> dict:
+    """Seconds and bytes per sync for each of TRANSPORTS, side by side (two engines, the order rotating each round),
+    with the engine-vs-trainer log-prob gap after each (fp32: must be < 1e-3). The first sync of each model into each
+    engine is a full one (not timed); later syncs send only what trains."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -167,9 +172,7 @@ def sync_side_by_side(rounds: int, bucket_mib: float, seed: int = 4242) -> dict:
                         engine.weight_sync = how
                     seconds = engines[how].sync_weights(model)
                     runs[how].append((seconds, engines[how].sync_bytes[-1], gap(engines[how], model)))
-            out[mode] = {how: {"seconds": statistics.median(r[0] for r in rs), "all_seconds": [r[0] for r in rs],
-                               "bytes": statistics.median(r[1] for r in rs), "max_logprob_gap": max(r[2] for r in rs)}
-                         for how, rs in runs.items()}
+            out[mode] = {how: sync_summary(rs) for how, rs in runs.items()}
             out[mode]["speedup"] = out[mode]["before"]["seconds"] / out[mode]["shared"]["seconds"]
             out[mode]["speedup_same_engine"] = out[mode]["file"]["seconds"] / out[mode]["shared"]["seconds"]
             out[mode]["shared_load"] = engine.last_sync.get("in_place") or "in place"
@@ -199,8 +202,6 @@ def sample_seconds(engine, tok, gen, repeats: int = 2) -> float:
 def adapter_sync(out: dict, model_dir: str, tok, gen, seed: int, rounds: int, g, gap) -> None:
     """generation.lora_sync: adapter: a second engine, started with vLLM's LoRA support, gets the same LoRA policy's
     adapters alone `rounds` times (the first not timed); and what sampling costs with the adapter applied."""
-    import statistics
-
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -220,8 +221,7 @@ def adapter_sync(out: dict, model_dir: str, tok, gen, seed: int, rounds: int, g,
             seconds = engine.sync_weights(model)
             runs.append((seconds, engine.sync_bytes[-1], gap(engine, model)))
         out["generation_seconds"]["adapter"] = sample_seconds(engine, tok, gen)
-    out["lora"]["adapter"] = {"seconds": statistics.median(r[0] for r in runs), "all_seconds": [r[0] for r in runs],
-                              "bytes": statistics.median(r[1] for r in runs), "max_logprob_gap": max(r[2] for r in runs)}
+    out["lora"]["adapter"] = sync_summary(runs)
     out["lora"]["adapter_speedup"] = out["lora"]["before"]["seconds"] / out["lora"]["adapter"]["seconds"]
 
 
