@@ -13,6 +13,7 @@ from align.core import faults
 from align.core.console import verbose
 from align.data.lengths import enforce
 from align.runtime.context import NonFiniteLossError, StageContext, StageError, keep_metrics_until, startup_done
+from align.runtime.zero_buffers import in_use, width_sized
 
 # TRL's plural reward metrics under align's singular names (docs/ARCHITECTURE.md, "Metric names").
 _PLURALS = {"rewards/margins": "rewards/margin", "rewards/accuracies": "rewards/accuracy"}
@@ -140,6 +141,8 @@ def training_args(config_cls, cfg: TrainedStage, ctx: StageContext, drop: tuple[
     for key in drop:
         del kwargs[key]
     args = config_cls(**kwargs, **extra)
+    if args.deepspeed_plugin is not None:  # buckets sized from the model, not DeepSpeed's 5e8 (align/runtime/zero_buffers.py)
+        width_sized(args.deepspeed_plugin.deepspeed_config)
     share_process_group_with_deepspeed()
     return args
 
@@ -201,6 +204,8 @@ def train_with_resume(ctx: StageContext, trainer) -> dict[str, Any]:
         keep_metrics_until(ctx.dir / "metrics.jsonl", resumed_from)
     out = trainer.train(resume_from_checkpoint=ckpt)
     ctx.extra_manifest["global_step"] = trainer.state.global_step
+    if (buffers := in_use(trainer.deepspeed)) is not None:
+        ctx.extra_manifest["deepspeed_buffers"] = buffers
     if trainer.state.global_step == 0:
         raise StageError(f"stage '{ctx.name}' trained 0 optimiser steps (no examples, or epochs/max_steps too "
                          "small for the batch size); nothing is published")

@@ -32,6 +32,7 @@ from align.modeling.losses import gae, kl_estimate, masked_whiten, token_rewards
 from align.modeling.models import load_causal_lm, load_tokenizer, unsharded_loading
 from align.modeling.lora import merged_lora_model
 from align.runtime.context import StageContext, StageError
+from align.runtime.zero_buffers import in_use, widest, width_sized
 from align.stages.ppo.budget import HeldoutKL, PolicySnapshot, budget_summary, heldout_kl, split_heldout, stop_inside_budget
 from align.stages.ppo.rollouts import fit_reward_scale, open_engine, rollout, sync_engine, usable_prompts
 from align.stages.ppo.checkpoint import resume, restore_history, save_checkpoint
@@ -160,7 +161,11 @@ def setup(ctx: StageContext) -> PPORun:
     groups = model.trainable_groups()  # LoRA: the adapters (and value head) only
     optimizer = torch.optim.AdamW([{"params": groups["policy"], "lr": cfg.learning_rate},
                                    {"params": groups["value"], "lr": cfg.value_learning_rate}], eps=1e-5)
+    if accelerator.state.deepspeed_plugin is not None:  # buckets sized from the wider model (runtime/zero_buffers.py)
+        width_sized(accelerator.state.deepspeed_plugin.deepspeed_config, widest(model.policy, model.value))
     model, optimizer = accelerator.prepare(model, optimizer)
+    if (buffers := in_use(model)) is not None:
+        ctx.extra_manifest["deepspeed_buffers"] = buffers
     reference, reward_fns = load_frozen(ctx, cfg, accelerator, accelerator.unwrap_model(model), pad_id, reward_stages)
     policy = accelerator.unwrap_model(model).policy
     # as resolved on this machine: the attention kernel the policy runs (attn_implementation auto: transformers' pick)

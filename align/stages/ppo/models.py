@@ -13,6 +13,7 @@ from align.modeling.generation import response_scores, scalar_outputs
 from align.modeling.models import disable_dropout
 from align.modeling.lora import add_adapters, without_peft
 from align.runtime.context import StageContext
+from align.runtime.zero_buffers import widest, width_sized
 from align.stages.ppo.rewards import FrozenView
 
 
@@ -76,6 +77,7 @@ def prepare_frozen(model, accelerator):
 
     cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
            "bf16": {"enabled": accelerator.mixed_precision == "bf16"}}
+    width_sized(cfg, widest(model))  # its prefetch bucket and persistence threshold (it has no reduce bucket in use)
     engine, *_ = deepspeed.initialize(model=model, config=cfg)
     return engine.module.eval()
 
