@@ -43,6 +43,9 @@ def test_zero_buffers_are_sized_from_the_width_and_a_value_the_config_sets_is_ke
             self.config = type("Config", (), {"hidden_size": h})()
 
     assert widest(Model(2048), None, Model(4096)) == 4096 and widest(object()) is None
+    composite = Model(0)
+    composite.config = type("Config", (), {"text_config": Model(3072).config})()  # a vision-language model's
+    assert widest(composite) == 3072
 
 
 def _config(tmp_path: Path, **ds) -> Path:

@@ -52,9 +52,7 @@ from align.orchestrator.plan import StagePlan, build_plan
 
 GB = 1e9
 GIB = 2 ** 30
-# CUDA context + allocator slack; it also covers DeepSpeed's buckets, sized from the model's width h
-# (align/runtime/zero_buffers.py: a reduce bucket of h^2 elements, 8 MB in bf16 at h = 2048, 34 MB at 4096)
-OVERHEAD_BYTES = 1 * GIB
+OVERHEAD_BYTES = 1 * GIB  # CUDA context, allocator slack, DeepSpeed's buckets (h^2: 34 MB at h 4096; runtime/zero_buffers.py)
 MODES = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload")
 REPORTED_MODES = ("zero2", "zero3", "zero3_offload")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -35,11 +35,21 @@ def width_sized(ds_config: dict[str, Any], hidden: int | None = None) -> list[st
     return unset
 
 
+def width(config) -> int | None:
+    """A model config's width as transformers reads it for `auto`: `hidden_size`, the largest of `hidden_sizes`, or
+    the same of a composite model's `text_config`; None when it has none."""
+    for c in (config, getattr(config, "text_config", None)):
+        if isinstance(getattr(c, "hidden_size", None), int):
+            return c.hidden_size
+        if getattr(c, "hidden_sizes", None):
+            return max(c.hidden_sizes)
+    return None
+
+
 def widest(*models) -> int | None:
-    """The largest `hidden_size` among the models' configs (a peft wrapper reads through to its base's), None when
-    none has one."""
-    sizes = [getattr(getattr(m, "config", None), "hidden_size", None) for m in models if m is not None]
-    sizes = [s for s in sizes if isinstance(s, int)]
+    """The largest width among the models' configs (a peft wrapper reads through to its base's), None when none has
+    one (then DeepSpeed's defaults stay)."""
+    sizes = [h for m in models if m is not None and (h := width(getattr(m, "config", None))) is not None]
     return max(sizes) if sizes else None
 
 
