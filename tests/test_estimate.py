@@ -61,6 +61,28 @@ def test_zero_state_bytes_are_deepspeeds_own_estimates(params, largest, gpus):
         assert model_state_bytes("zero3_offload" if offload else "zero3", params, largest, gpus) == ds3[1]
 
 
+# TRL's fused LM head for the tiny SFT (fp32 on this CPU, b*s = 32*96 = 3,072 tokens, V = 512, h = 32): one tile of
+# 3,072 tokens x 512 entries and the 512 x 32 slice of the head, the fp32 gradients of 3,072 hidden states and of the
+# head, and that gradient cast back to the head's dtype. The logits and their gradient were 8*s*b*V = 12,582,912.
+FUSED_TINY = (3072 * 512 + 512 * 32) * 4 + 4 * 3072 * 32 + (4 + 4) * 512 * 32
+assert FUSED_TINY == 6_881_280
+
+
+def test_trl_fused_head_at_8b_holds_tiles_and_the_heads_gradient_not_the_logits():
+    """Llama-3.1-8B's head (V 128,256, h 4,096), DPO's micro-batch of 2 x 4,096 tokens in bf16: a 4,096 x 32,768
+    tile and a 32,768 x 4,096 slice of the head (2 bytes each), fp32 gradients of 8,192 hidden states and of the head,
+    the head's gradient cast to bf16: 3.82 GB, against 8.41 GB of fp32 logits and their gradient (8*s*b*V). Under
+    LoRA the head does not train: 0.67 GB."""
+    from align.orchestrator.memory import ModelShape, trl_fused_head_bytes
+
+    shape = ModelShape(params=8_030_261_248, largest_layer=525_336_576, hidden=4096, layers=32, heads=32,
+                       vocab=128_256)
+    tile = (4096 * 32768 + 32768 * 4096) * 2
+    assert trl_fused_head_bytes(shape, 8192, 2) == tile + 4 * 8192 * 4096 + 6 * 128_256 * 4096 == 3_823_108_096
+    assert trl_fused_head_bytes(shape, 8192, 2, head_trains=False) == tile + 4 * 8192 * 4096 == 671_088_640
+    assert 8 * 8192 * 128_256 == 8_405_385_216  # what the estimate counted before
+
+
 def test_per_gpu_bytes_follow_deepspeed_arithmetic(tiny_cfg, tiny_shapes):
     from align.orchestrator.estimate import OVERHEAD_BYTES, estimate_pipeline
     from align.orchestrator.hardware import hardware
@@ -81,9 +103,9 @@ def test_per_gpu_bytes_follow_deepspeed_arithmetic(tiny_cfg, tiny_shapes):
     assert ppo.parts["zero3"]["frozen_weights"] == (int(4 * P_LM / 8) + 4 * LARGEST) + (int(4 * P_RM / 8) + 4 * LARGEST)
     # SFT activations (default.yaml: micro-batch b = 32, max_length s = 96), Korthikanti et al. eq. 1 less the
     # attention scores that SDPA never keeps (attn_implementation auto): 34*s*b*h = 96*32*32*34 per layer, one
-    # 16-bit b*s*s mask, plus fp32 logits and their gradient 8*s*b*V
-    want = 2 * 96 * 32 * 32 * 34 + 2 * 32 * 96 * 96 + 8 * 96 * 32 * VOCAB
-    assert sft.parts["zero2"]["activations"] == want == 19_857_408
+    # 16-bit b*s*s mask, plus TRL's fused LM head instead of the logits (FUSED_TINY)
+    want = 2 * 96 * 32 * 32 * 34 + 2 * 32 * 96 * 96 + FUSED_TINY
+    assert sft.parts["zero2"]["activations"] == want == 14_155_776
     assert sft.bytes_by_mode["zero2"] == sum(sft.parts["zero2"].values())
     assert sft.parts["zero2"]["overhead"] == OVERHEAD_BYTES
 
@@ -99,11 +121,11 @@ def test_eager_attention_keeps_the_scores_that_sdpa_recomputes(tiny_cfg, tiny_sh
     eager_cfg = dataclasses.replace(tiny_cfg, attn_implementation="eager")
     est = {e.name: e for e in estimate_pipeline(eager_cfg, REPO / "pipelines" / "default.yaml", hardware(eager_cfg),
                                                 shapes=tiny_shapes)}
-    assert est["sft"].parts["zero2"]["activations"] == 2 * 96 * 32 * 32 * 64 + 8 * 96 * 32 * VOCAB == 25_165_824
+    assert est["sft"].parts["zero2"]["activations"] == 2 * 96 * 32 * 32 * 64 + FUSED_TINY == 19_464_192
     sdpa = {e.name: e for e in estimate_pipeline(dataclasses.replace(tiny_cfg, attn_implementation="sdpa"),
                                                  REPO / "pipelines" / "default.yaml", hardware(tiny_cfg),
                                                  shapes=tiny_shapes)}
-    assert sdpa["sft"].parts["zero2"]["activations"] == 19_857_408  # what auto gives (the test above)
+    assert sdpa["sft"].parts["zero2"]["activations"] == 14_155_776  # what auto gives (the test above)
     assert sdpa["dpo"].bytes_by_mode["zero3"] < est["dpo"].bytes_by_mode["zero3"]
 
 
@@ -141,15 +163,15 @@ def test_run_refuses_a_stage_that_does_not_fit_unless_told_to_ignore(workdir):
 
 def test_gradient_checkpointing_is_counted_and_recommended_when_it_makes_a_stage_fit(tiny_cfg, tiny_shapes):
     """Full recomputation keeps each layer's 16-bit input (2sbh per layer) and one layer's activations while it is
-    recomputed: 2 * (2*96*32*32) + 96*32*32*34 (SDPA: no scores kept), plus the same mask 2*b*s*s and fp32 logits
-    8*s*b*V."""
+    recomputed: 2 * (2*96*32*32) + 96*32*32*34 (SDPA: no scores kept), plus the same mask 2*b*s*s and TRL's fused
+    head (FUSED_TINY), which recomputation does not change."""
     from align.orchestrator.estimate import estimate_pipeline, too_big
     from align.orchestrator.hardware import Hardware, hardware
 
     source = REPO / "pipelines" / "default.yaml"
     est = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg), shapes=tiny_shapes)}
     sft = est["sft"]
-    with_ckpt = 2 * (2 * 96 * 32 * 32) + 96 * 32 * 32 * 34 + 2 * 32 * 96 * 96 + 8 * 96 * 32 * VOCAB
+    with_ckpt = 2 * (2 * 96 * 32 * 32) + 96 * 32 * 32 * 34 + 2 * 32 * 96 * 96 + FUSED_TINY
     saved = sft.parts["zero2"]["activations"] - with_ckpt
     assert saved == 2 * 96 * 32 * 32 * 34 - (2 * 2 * 96 * 32 * 32 + 96 * 32 * 32 * 34) > 0
     assert sft.with_checkpointing == sft.chosen_bytes - saved

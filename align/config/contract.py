@@ -152,6 +152,8 @@ class StageBase:
     PROMPTS: ClassVar[str] = ""
     """How the stage uses the prompts of its cards: `train` (learns from them), `held_out` (evaluates on them;
     they must not occur in any `train` stage's cards) or "" (neither)."""
+    TRL_FUSED_HEAD: ClassVar[bool] = False
+    """Its trained policy's log-probs come from TRL's fused LM head (tiles, never the whole logits: `align estimate`)."""
     PRODUCES: ClassVar[str] = ""
     """What the stage publishes: `policy` (a causal LM in model/), `reward_model` (a scalar model in model/),
     `data` (preference pairs in data/) or `report`."""
@@ -296,6 +298,7 @@ class TrainedStage(StageBase):
     """Optimisation settings shared by the stages that train with a TRL trainer."""
 
     LENGTH_RULE: ClassVar[LengthRule | None] = None
+    TRL_FUSED_HEAD: ClassVar[bool] = True  # every TRL trainer since 1.15 (trl.trainer.utils.add_fused_lm_head)
     """How the stage's trainer treats examples longer than max_length (align/data/lengths.py); counted before
     training, at `align validate` and again at the stage's start."""
     WORK: ClassVar[str] = "train/global_step"

@@ -15,7 +15,9 @@ under each parallelism mode. The parts, all per GPU, with N = GPUs in the job:
   Python reward function, and every model of a stage that trains nothing).
 * activations of one micro-batch, Korthikanti et al. 2022 eq. 1: s*b*h*(34 + 5*a*s/h) bytes per layer (no
   recomputation) with eager attention; SDPA and flash never keep the scores (5*a*s^2*b), so otherwise (`auto` is
-  SDPA) 34*s*b*h plus one 16-bit b*s*s mask; plus the logits and their gradient in fp32 (8*s*b*V bytes);
+  SDPA) 34*s*b*h plus one 16-bit b*s*s mask; plus the logits and their gradient in fp32 (8*s*b*V bytes), except
+  where a fused head never holds them: PPO's (one chunk's, `logit_tokens`) and TRL's in every TRL trainer (tiles
+  and the head's fp32 gradient, align/orchestrator/memory.py `trl_fused_head_bytes`);
 * the KV cache of generation (PPO rollouts, preference sampling, evaluation): 2 * layers * b * s * kv_heads *
   head_dim * bytes (grouped-query attention keeps kv_heads < heads: Llama-3-8B 8 of 32, a quarter of 2 * h); with
   `generation.engine: vllm` the engine's own copy of the policy plus its KV cache, or the `gpu_memory_utilization`
@@ -48,40 +50,16 @@ from align.config import PipelineConfig, StageBase
 from align.orchestrator.hardware import Hardware
 from align.orchestrator.inputs import resolve_model_paths
 from align.orchestrator.launch import accelerate_config, accelerate_mode, is_distributed, processes_per_node
+from align.orchestrator.memory import (EstimateError, ModelShape, activation_bytes, frozen_bytes, kv_cache_bytes,
+                                      lora_layers, lora_params, model_state_bytes, qlora_base_bytes,
+                                      trl_fused_head_bytes)
 from align.orchestrator.plan import StagePlan, build_plan
 
 GB = 1e9
 GIB = 2 ** 30
 OVERHEAD_BYTES = 1 * GIB  # CUDA context, allocator slack, DeepSpeed's buckets (h^2: 34 MB at h 4096; runtime/zero_buffers.py)
-MODES = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload")
 REPORTED_MODES = ("zero2", "zero3", "zero3_offload")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-class EstimateError(ValueError):
-    """A model's size cannot be determined here; the message says what to provide."""
-
-
-@dataclass
-class ModelShape:
-    """What the estimate needs to know about one architecture."""
-
-    params: int
-    largest_layer: int
-    hidden: int
-    layers: int
-    heads: int
-    vocab: int
-    kv_heads: int = 0
-    """Key/value heads (grouped-query attention; 0: as many as `heads`)."""
-    head_dim: int = 0
-    """Width of one head (0: hidden / heads)."""
-    linears: dict[str, tuple[int, int]] = field(default_factory=dict)
-    """Every linear layer (nn.Linear, GPT-2's Conv1D) by module name -> (in features, out features)."""
-    head: str = ""
-    """The output head's module name (lm_head, embed_out, score): never quantized; a scalar model trains a copy."""
-    scalar: bool = False
-    """A reward / value model (with LoRA its head is trained whole)."""
 
 
 @dataclass
@@ -111,62 +89,6 @@ class StageEstimate:
         return self.bytes_by_mode[self.mode]
 
 
-# --------------------------------------------------------------------------------------------- arithmetic
-def model_state_bytes(mode: str, params: int, largest_layer: int, gpus: int) -> int:
-    """Bytes per GPU for a trained model's weights, gradients and Adam states (mixed precision). ZeRO-2 and ZeRO-3
-    are DeepSpeed's own estimators' GPU figures (deepspeed.runtime.zero.stage_1_and_2.
-    estimate_zero2_model_states_mem_needs, stage3.estimate_zero3_model_states_mem_needs: 2 bytes of 16-bit
-    parameters, 18 of 16-bit and 32-bit gradients, 32-bit master weights and Adam moments), written out here
-    because importing DeepSpeed imports torch, which the orchestrator never does; tests/test_estimate.py holds
-    them equal to DeepSpeed's functions. DDP and ZeRO-1 follow the ZeRO paper (K = 12)."""
-    if mode == "ddp":
-        return 16 * params
-    if mode == "zero1":
-        return 4 * params + int(12 * params / gpus)
-    if mode == "zero2":
-        return 2 * params + int(18 * params / gpus)
-    if mode == "zero2_offload":
-        return 2 * params
-    if mode == "zero3":
-        return 4 * largest_layer + int(18 * params / gpus)
-    if mode == "zero3_offload":
-        return 4 * largest_layer
-    raise ValueError(f"unknown mode '{mode}' (one of {MODES})")
-
-
-def frozen_bytes(mode: str, params: int, largest_layer: int, gpus: int, dtype_bytes: int) -> int:
-    """Bytes per GPU for a model that is only run forward (reference, reward model)."""
-    if mode == "zero3":
-        return int(dtype_bytes * params / gpus) + dtype_bytes * largest_layer
-    if mode == "zero3_offload":
-        return dtype_bytes * largest_layer
-    return dtype_bytes * params
-
-
-def activation_bytes(shape: ModelShape, batch: int, seq: int, logits: bool = True, checkpointing: bool = False,
-                     logit_tokens: int | None = None, eager: bool = False) -> int:
-    """One micro-batch's activations kept for backward (Korthikanti et al. 2022, eq. 1) plus, for a language model,
-    the fp32 logits and their gradient (a scalar head's output is negligible) of every token, or with `logit_tokens`
-    (PPO's fused head) one chunk's recomputed logits and what its backward makes of them (~6 fp32 copies). With
-    gradient checkpointing (full recomputation, Korthikanti et al. sec. 4) only each layer's 16-bit input is kept
-    (2sbh bytes per layer), plus one layer's activations while it is recomputed.
-    `eager` keeps the attention scores too (5as^2b per layer); SDPA/flash keep one 16-bit b*s*s mask."""
-    s, b, h, a = seq, batch, shape.hidden, shape.heads
-    per_layer, mask = (s * b * h * 34 + 5 * a * s * s * b, 0) if eager else (s * b * h * 34, 2 * b * s * s)
-    kept = (shape.layers * 2 * s * b * h + per_layer if checkpointing else shape.layers * per_layer) + mask
-    if not logits:
-        return int(kept)
-    # the fused head's chunk in its backward: its fp32 logits, softmax, their product and gradients, ~6 copies
-    return int(kept) + (24 * min(s * b, logit_tokens) if logit_tokens else 8 * s * b) * shape.vocab
-
-
-def kv_cache_bytes(shape: ModelShape, batch: int, seq: int, dtype_bytes: int) -> int:
-    """Keys and values of every layer for `batch` sequences of length `seq` (grouped-query attention: kv_heads heads
-    of head_dim each, not the model's width), plus one step of fp32 logits."""
-    kv_width = (shape.kv_heads or shape.heads) * (shape.head_dim or shape.hidden // shape.heads)
-    return 2 * shape.layers * batch * seq * kv_width * dtype_bytes + 4 * batch * shape.vocab
-
-
 def engine_bytes(gen: Any, policy: ModelShape, batch: int, seq: int, dtype_bytes: int, gpu_memory: int | None) -> int:
     """What sampling holds per GPU: the KV cache of one generation batch for an engine that samples with the stage's
     own model (counted above), more for one with its own copy of the policy (its EngineKind.memory)."""
@@ -174,47 +96,6 @@ def engine_bytes(gen: Any, policy: ModelShape, batch: int, seq: int, dtype_bytes
     if gen is None:
         return kv
     return engine_kind(gen.engine).sampling_bytes(gen, policy.params * dtype_bytes, kv, gpu_memory)
-
-
-def lora_layers(shape: ModelShape, lora: Any) -> list[int]:
-    """Parameters LoRA trains on a model of this shape, per layer (Hu et al. 2021, sec. 4.1): A (r x in) and B
-    (out x r) for every linear layer that `lora.target_modules` names (peft's rule: the module's name is a target
-    or ends with "." + target), plus the whole head of a scalar model (peft's modules_to_save)."""
-    targets = set(lora.target_modules)
-    hit = [dims for name, dims in shape.linears.items() if _targeted(name, targets)]
-    if not hit:
-        raise EstimateError(f"lora.target_modules {sorted(targets)} match no linear layer of this model; its layers "
-                            f"are named {sorted({n.rsplit('.', 1)[-1] for n in shape.linears})}")
-    head = [shape.linears[shape.head][0] * shape.linears[shape.head][1]] if shape.scalar else []
-    return [lora.r * (i + o) for i, o in hit] + head
-
-
-def _targeted(name: str, targets: set[str]) -> bool:
-    """peft's rule for a list of target_modules: the module's name is a target or ends with "." + target."""
-    return name in targets or any(name.endswith("." + t) for t in targets)
-
-
-def missing_lora_targets(shape: ModelShape, lora: Any) -> list[str]:
-    """The names in `lora.target_modules` that match no linear layer of this model (peft only fails when none
-    matches; a misspelt one among good ones would silently train fewer layers than asked)."""
-    return [t for t in lora.target_modules if not any(_targeted(name, {t}) for name in shape.linears)]
-
-
-def lora_params(shape: ModelShape, lora: Any) -> int:
-    return sum(lora_layers(shape, lora))
-
-
-QLORA_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 4 / (64 * 256)
-"""NF4 with double quantization (Dettmers et al. 2023, sec. 3): 4 bits per weight, one 8-bit constant per block of
-64 weights and one fp32 constant per 256 blocks."""
-
-
-def qlora_base_bytes(shape: ModelShape) -> int:
-    """QLoRA's frozen base: the weights of every linear layer but the head in 4-bit NF4 (QLORA_BYTES_PER_WEIGHT),
-    every other parameter (embeddings, norms, biases, the head) in fp32, as peft's prepare_model_for_kbit_training
-    leaves them. Not sharded by ZeRO: whole on every GPU."""
-    quantized = sum(i * o for name, (i, o) in shape.linears.items() if name != shape.head)
-    return int(quantized * QLORA_BYTES_PER_WEIGHT) + 4 * (shape.params - quantized)
 
 
 # --------------------------------------------------------------------------------------------- shapes
@@ -272,6 +153,15 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
     frozen = [h for h in held if not h.trained or lora]
     est.trained_params = trained_params
     est.lora = ("QLoRA" if lora.quantize == "4bit" else "LoRA") if lora else ""
+    eager = attention == "eager"  # else SDPA or flash (auto: transformers picks SDPA)
+
+    def fused(h: Held) -> bool:  # a TRL trainer's policy: TRL's fused head holds tiles, never the whole logits
+        return stage.TRL_FUSED_HEAD and h.role == "policy"
+
+    def acts(recompute: bool, chunk: int | None) -> int:
+        return sum(activation_bytes(h.shape, train_b, train_s, h.role == "policy" and not fused(h), recompute, chunk,
+                                    eager) for h in trained)
+
     for m in dict.fromkeys((*REPORTED_MODES, mode)):
         n = gpus
         parts = {"trained_states": 0, "frozen_weights": 0, "activations": 0, "generation": 0, "rollout_gather": 0,
@@ -279,13 +169,10 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
         if trained:  # trained models share one engine (PPO: policy + value)
             chunk = stage.logit_tokens(m, gpu_memory is not None)
             parts["trained_states"] = model_state_bytes(m, sum(trained_params.values()), largest, n)
-            eager = attention == "eager"  # else SDPA or flash (auto: transformers picks SDPA)
-            parts["activations"] = sum(activation_bytes(h.shape, train_b, train_s, h.role == "policy", ckpt, chunk,
-                                                        eager) for h in trained)
+            parts["activations"] = acts(ckpt, chunk) + sum(trl_fused_head_bytes(h.shape, train_b * train_s, dbytes,
+                                                                                not lora) for h in trained if fused(h))
             if m == mode and not ckpt and hasattr(stage, "gradient_checkpointing"):
-                saved = parts["activations"] - sum(activation_bytes(h.shape, train_b, train_s, h.role == "policy", True,
-                                                                    chunk, eager) for h in trained)
-                est.with_checkpointing = -saved  # filled in below, once the total is known
+                est.with_checkpointing = acts(True, chunk) - acts(False, chunk)  # plus the total, filled in below
         parts["frozen_weights"] = sum(
             qlora_base_bytes(h.shape) if h.trained and lora.quantize == "4bit"
             else frozen_bytes(m if h.sharded or h.trained else "ddp", h.shape.params, h.shape.largest_layer, n, dbytes)

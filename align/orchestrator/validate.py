@@ -25,7 +25,8 @@ from align.data.cards import (DataCardError, DataUnavailableError, LoadedSplit, 
                               load_split)
 from align.data.formats import row_prompt_key
 from align.orchestrator import helper
-from align.orchestrator.estimate import EstimateError, ModelShape, missing_lora_targets, model_sources
+from align.orchestrator.estimate import EstimateError, ModelShape, model_sources
+from align.orchestrator.memory import missing_lora_targets
 from align.orchestrator.inputs import (base_model_config, check_model_inputs, resolve_model_paths, tokenizer_name,
                                        tokenizer_to_check)
 from align.orchestrator.launch import check_accelerate

@@ -1,0 +1,146 @@
+"""The memory arithmetic of `align estimate` (align/orchestrator/estimate.py, whose module doc lists the parts): bytes
+per GPU for a model's training states, a frozen model, one micro-batch's activations, a KV cache, a fused LM head's
+buffers, and what LoRA and QLoRA change, as pure functions of a model's shape. torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MODES = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload")
+
+
+class EstimateError(ValueError):
+    """A model's size cannot be determined here; the message says what to provide."""
+
+
+@dataclass
+class ModelShape:
+    """What the estimate needs to know about one architecture."""
+
+    params: int
+    largest_layer: int
+    hidden: int
+    layers: int
+    heads: int
+    vocab: int
+    kv_heads: int = 0
+    """Key/value heads (grouped-query attention; 0: as many as `heads`)."""
+    head_dim: int = 0
+    """Width of one head (0: hidden / heads)."""
+    linears: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Every linear layer (nn.Linear, GPT-2's Conv1D) by module name -> (in features, out features)."""
+    head: str = ""
+    """The output head's module name (lm_head, embed_out, score): never quantized; a scalar model trains a copy."""
+    scalar: bool = False
+    """A reward / value model (with LoRA its head is trained whole)."""
+
+
+def model_state_bytes(mode: str, params: int, largest_layer: int, gpus: int) -> int:
+    """Bytes per GPU for a trained model's weights, gradients and Adam states (mixed precision). ZeRO-2 and ZeRO-3
+    are DeepSpeed's own estimators' GPU figures (deepspeed.runtime.zero.stage_1_and_2.
+    estimate_zero2_model_states_mem_needs, stage3.estimate_zero3_model_states_mem_needs: 2 bytes of 16-bit
+    parameters, 18 of 16-bit and 32-bit gradients, 32-bit master weights and Adam moments), written out here
+    because importing DeepSpeed imports torch, which the orchestrator never does; tests/test_estimate.py holds
+    them equal to DeepSpeed's functions. DDP and ZeRO-1 follow the ZeRO paper (K = 12)."""
+    if mode == "ddp":
+        return 16 * params
+    if mode == "zero1":
+        return 4 * params + int(12 * params / gpus)
+    if mode == "zero2":
+        return 2 * params + int(18 * params / gpus)
+    if mode == "zero2_offload":
+        return 2 * params
+    if mode == "zero3":
+        return 4 * largest_layer + int(18 * params / gpus)
+    if mode == "zero3_offload":
+        return 4 * largest_layer
+    raise ValueError(f"unknown mode '{mode}' (one of {MODES})")
+
+
+def frozen_bytes(mode: str, params: int, largest_layer: int, gpus: int, dtype_bytes: int) -> int:
+    """Bytes per GPU for a model that is only run forward (reference, reward model)."""
+    if mode == "zero3":
+        return int(dtype_bytes * params / gpus) + dtype_bytes * largest_layer
+    if mode == "zero3_offload":
+        return dtype_bytes * largest_layer
+    return dtype_bytes * params
+
+
+def activation_bytes(shape: ModelShape, batch: int, seq: int, logits: bool = True, checkpointing: bool = False,
+                     logit_tokens: int | None = None, eager: bool = False) -> int:
+    """One micro-batch's activations kept for backward (Korthikanti et al. 2022, eq. 1) plus, for a language model,
+    the fp32 logits and their gradient (a scalar head's output is negligible) of every token, or with `logit_tokens`
+    (PPO's fused head) one chunk's recomputed logits and what its backward makes of them (~6 fp32 copies). With
+    gradient checkpointing (full recomputation, Korthikanti et al. sec. 4) only each layer's 16-bit input is kept
+    (2sbh bytes per layer), plus one layer's activations while it is recomputed.
+    `eager` keeps the attention scores too (5as^2b per layer); SDPA/flash keep one 16-bit b*s*s mask."""
+    s, b, h, a = seq, batch, shape.hidden, shape.heads
+    per_layer, mask = (s * b * h * 34 + 5 * a * s * s * b, 0) if eager else (s * b * h * 34, 2 * b * s * s)
+    kept = (shape.layers * 2 * s * b * h + per_layer if checkpointing else shape.layers * per_layer) + mask
+    if not logits:
+        return int(kept)
+    # the fused head's chunk in its backward: its fp32 logits, softmax, their product and gradients, ~6 copies
+    return int(kept) + (24 * min(s * b, logit_tokens) if logit_tokens else 8 * s * b) * shape.vocab
+
+
+def kv_cache_bytes(shape: ModelShape, batch: int, seq: int, dtype_bytes: int) -> int:
+    """Keys and values of every layer for `batch` sequences of length `seq` (grouped-query attention: kv_heads heads
+    of head_dim each, not the model's width), plus one step of fp32 logits."""
+    kv_width = (shape.kv_heads or shape.heads) * (shape.head_dim or shape.hidden // shape.heads)
+    return 2 * shape.layers * batch * seq * kv_width * dtype_bytes + 4 * batch * shape.vocab
+
+
+TRL_TILE_TOKENS, TRL_TILE_VOCAB = 4_096, 32_768  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE, trl.trainer.utils
+
+
+def trl_fused_head_bytes(shape: ModelShape, tokens: int, compute_bytes: int, head_trains: bool = True) -> int:
+    """TRL's fused LM head (`add_fused_lm_head`, in every TRL trainer align uses since TRL 1.15: SFT, DPO, KTO, GRPO,
+    RLOO), for `tokens` tokens of one micro-batch: the logits never exist whole. Its backward recomputes tiles of up to
+    TRL_TILE_TOKENS tokens x TRL_TILE_VOCAB vocabulary entries in the compute dtype (one tile buffer and one slice of
+    the head's weight cast to it) and accumulates in fp32 the gradient of the tokens' hidden states and, where the
+    head trains (not under LoRA), of the head's weight (vocab x hidden), cast to the weight's dtype at the end."""
+    vocab = min(shape.vocab, TRL_TILE_VOCAB)
+    tile = (min(tokens, TRL_TILE_TOKENS) * vocab + vocab * shape.hidden) * compute_bytes
+    return tile + 4 * tokens * shape.hidden + (4 + compute_bytes) * shape.vocab * shape.hidden * head_trains
+
+
+def lora_layers(shape: ModelShape, lora: Any) -> list[int]:
+    """Parameters LoRA trains on a model of this shape, per layer (Hu et al. 2021, sec. 4.1): A (r x in) and B
+    (out x r) for every linear layer that `lora.target_modules` names (peft's rule: the module's name is a target
+    or ends with "." + target), plus the whole head of a scalar model (peft's modules_to_save)."""
+    targets = set(lora.target_modules)
+    hit = [dims for name, dims in shape.linears.items() if _targeted(name, targets)]
+    if not hit:
+        raise EstimateError(f"lora.target_modules {sorted(targets)} match no linear layer of this model; its layers "
+                            f"are named {sorted({n.rsplit('.', 1)[-1] for n in shape.linears})}")
+    head = [shape.linears[shape.head][0] * shape.linears[shape.head][1]] if shape.scalar else []
+    return [lora.r * (i + o) for i, o in hit] + head
+
+
+def _targeted(name: str, targets: set[str]) -> bool:
+    """peft's rule for a list of target_modules: the module's name is a target or ends with "." + target."""
+    return name in targets or any(name.endswith("." + t) for t in targets)
+
+
+def missing_lora_targets(shape: ModelShape, lora: Any) -> list[str]:
+    """The names in `lora.target_modules` that match no linear layer of this model (peft only fails when none
+    matches; a misspelt one among good ones would silently train fewer layers than asked)."""
+    return [t for t in lora.target_modules if not any(_targeted(name, {t}) for name in shape.linears)]
+
+
+def lora_params(shape: ModelShape, lora: Any) -> int:
+    return sum(lora_layers(shape, lora))
+
+
+QLORA_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 4 / (64 * 256)
+"""NF4 with double quantization (Dettmers et al. 2023, sec. 3): 4 bits per weight, one 8-bit constant per block of
+64 weights and one fp32 constant per 256 blocks."""
+
+
+def qlora_base_bytes(shape: ModelShape) -> int:
+    """QLoRA's frozen base: the weights of every linear layer but the head in 4-bit NF4 (QLORA_BYTES_PER_WEIGHT),
+    every other parameter (embeddings, norms, biases, the head) in fp32, as peft's prepare_model_for_kbit_training
+    leaves them. Not sharded by ZeRO: whole on every GPU."""
+    quantized = sum(i * o for name, (i, o) in shape.linears.items() if name != shape.head)
+    return int(quantized * QLORA_BYTES_PER_WEIGHT) + 4 * (shape.params - quantized)
