@@ -78,6 +78,11 @@ def test_every_stage_ran_under_two_process_zero3_with_accumulation_two(cluster_r
         assert m["config"]["gradient_accumulation_steps"] == 2 and m["global_step"] == 2
         rows = [json.loads(line) for line in (run / stage / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows if "train/loss" in r] == [1, 2]  # two optimiser steps of 2 micro-batches
+    h = json.loads((run / "sft" / "model" / "config.json").read_text())["hidden_size"]  # the family's width
+    for stage in TRAINED:  # DeepSpeed's buffers as each trained engine took them
+        assert _manifest(run / stage)["deepspeed_buffers"] == {
+            "reduce_bucket_size": h * h, "prefetch_bucket_size": int(0.9 * h * h),
+            "param_persistence_threshold": 10 * h}, stage
     ppo = _manifest(run / "ppo")
     assert ppo["final_metrics"]["ppo/iterations_run"] == 2 and ppo["config"]["gradient_accumulation_steps"] == 2
 

@@ -24,19 +24,24 @@ def test_shipped_deepspeed_configs_leave_the_stage_its_own_settings(name):
 
 def test_zero_buffers_are_sized_from_the_width_and_a_value_the_config_sets_is_kept():
     """Hand values for Llama-3-8B's width (h = 4096): reduce bucket h^2 = 16,777,216 elements (DeepSpeed's default is
-    500,000,000), prefetch int(0.9 h^2) = 15,099,494, persistence 10 h = 40,960."""
+    500,000,000), under ZeRO-3 prefetch int(0.9 h^2) = 15,099,494 and persistence 10 h = 40,960. A value the config
+    sets, as a number or under DeepSpeed's other spelling, stays (both spellings at once is an error in DeepSpeed);
+    `auto` is filled; a model without a width changes nothing."""
     from align.runtime.zero_buffers import widest, width_sized
 
-    config: dict = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 1234}}
-    assert width_sized(config) == ["reduce_bucket_size", "stage3_param_persistence_threshold"]
-    assert config["zero_optimization"] == {"stage": 3, "stage3_prefetch_bucket_size": 1234,  # the user's value stays
-                                           "reduce_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"}
-    assert width_sized(config, 4096) == ["reduce_bucket_size", "stage3_param_persistence_threshold"]  # fills `auto`
+    config: dict = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 1234,
+                                          "param_persistence_threshold": 99, "reduce_bucket_size": "auto"}}
+    assert width_sized(config, 4096) == ["reduce_bucket_size"]
     assert config["zero_optimization"] == {"stage": 3, "stage3_prefetch_bucket_size": 1234,
-                                           "reduce_bucket_size": 16_777_216, "stage3_param_persistence_threshold": 40_960}
-    fresh: dict = {}
+                                           "param_persistence_threshold": 99, "reduce_bucket_size": 16_777_216}
+    fresh: dict = {"zero_optimization": {"stage": 3}}
+    assert width_sized(fresh, None) == [] and fresh == {"zero_optimization": {"stage": 3}}
     width_sized(fresh, 4096)
-    assert fresh["zero_optimization"]["stage3_prefetch_bucket_size"] == 15_099_494
+    assert fresh["zero_optimization"] == {"stage": 3, "reduce_bucket_size": 16_777_216,
+                                          "stage3_prefetch_bucket_size": 15_099_494,
+                                          "stage3_param_persistence_threshold": 40_960}
+    zero2: dict = {"zero_optimization": {"stage": 2}}  # the stage-3 keys mean nothing there
+    assert width_sized(zero2, 4096) == ["reduce_bucket_size"]
 
     class Model:  # a policy of width 2048 and a value model of width 4096 (one DeepSpeed engine serves both)
         def __init__(self, h):
@@ -123,8 +128,7 @@ def test_accumulation_two_under_zero2_completes_and_a_resume_under_another_layou
     # DeepSpeed's buckets as the engine took them: sized from the model's width (DeepSpeed's own default, with the
     # shipped configs' keys absent, was a 5e8-element reduce bucket: 1 GB per trained model per GPU in bf16)
     h = json.loads((workdir / "runs" / "default" / "main" / "sft" / "model" / "config.json").read_text())["hidden_size"]
-    assert m["deepspeed_buffers"] == {"reduce_bucket_size": h * h, "prefetch_bucket_size": int(0.9 * h * h),
-                                      "param_persistence_threshold": 10 * h}, (h, m["deepspeed_buffers"])
+    assert m["deepspeed_buffers"] == {"reduce_bucket_size": h * h}, (h, m["deepspeed_buffers"])  # ZeRO-2: that one
     # A resume under another process layout is refused before anything loads, with the fix named: here the
     # checkpoints say 2 processes wrote them (as after a job on more GPUs), and the manifest says the stage was cut.
     stage = workdir / "runs" / "default" / "main" / "sft"

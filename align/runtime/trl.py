@@ -13,7 +13,7 @@ from align.core import faults
 from align.core.console import verbose
 from align.data.lengths import enforce
 from align.runtime.context import NonFiniteLossError, StageContext, StageError, keep_metrics_until, startup_done
-from align.runtime.zero_buffers import in_use, width_sized
+from align.runtime.zero_buffers import in_use, widest, width_sized
 
 # TRL's plural reward metrics under align's singular names (docs/ARCHITECTURE.md, "Metric names").
 _PLURALS = {"rewards/margins": "rewards/margin", "rewards/accuracies": "rewards/accuracy"}
@@ -141,8 +141,6 @@ def training_args(config_cls, cfg: TrainedStage, ctx: StageContext, drop: tuple[
     for key in drop:
         del kwargs[key]
     args = config_cls(**kwargs, **extra)
-    if args.deepspeed_plugin is not None:  # buckets sized from the model, not DeepSpeed's 5e8 (align/runtime/zero_buffers.py)
-        width_sized(args.deepspeed_plugin.deepspeed_config)
     share_process_group_with_deepspeed()
     return args
 
@@ -202,6 +200,9 @@ def train_with_resume(ctx: StageContext, trainer) -> dict[str, Any]:
     ctx.extra_manifest["resumed_from_step"] = resumed_from
     if ctx.is_main:  # rows a killed attempt logged after its last checkpoint are logged again from there
         keep_metrics_until(ctx.dir / "metrics.jsonl", resumed_from)
+    plugin = trainer.accelerator.state.deepspeed_plugin
+    if plugin is not None:  # buckets sized from the model, not DeepSpeed's 5e8 (align/runtime/zero_buffers.py)
+        width_sized(plugin.deepspeed_config, widest(trainer.model))
     out = trainer.train(resume_from_checkpoint=ckpt)
     ctx.extra_manifest["global_step"] = trainer.state.global_step
     if (buffers := in_use(trainer.deepspeed)) is not None:

@@ -5,33 +5,38 @@ in pipelines/accelerate/ does) without any bucket size, and fills a size only wh
 DeepSpeed's own defaults applied: a gradient reduce bucket of 5e8 elements per trained model per GPU (ZeRO-3
 allocates it when the engine starts: 1 GB in bf16; ZeRO-1/2 on the first backward, fp32 under ZeRO-1: 2 GB, twice
 with `overlap_comm`), a 5e7-element prefetch bucket, and parameters under 1e5 elements kept whole on every GPU. Here
-the keys a config leaves out are set to `auto` for the TRL stages (transformers' Trainer fills them from the model's
-`hidden_size` h when it starts DeepSpeed: `HfTrainerDeepSpeedConfig.trainer_config_finalize`), and to the same
-values for PPO's own loop, whose one engine serves two models (h: the wider of the two; accelerate's
-`_prepare_deepspeed` would need a `config.hidden_size` on the module it prepares): reduce bucket h^2, prefetch
-bucket 0.9 h^2, persistence threshold 10 h. At h = 4096 (Llama-3-8B) the reduce bucket is 16.8M elements (34 MB in
-bf16) instead of 500M. A value the config sets, a number or `auto`, is left as it is.
+the keys a config leaves out (or sets to `auto`) get the values transformers and accelerate give `auto`, from the
+trained model's width h (the wider of PPO's two models, which share one engine): reduce bucket h^2 and, under ZeRO-3,
+prefetch bucket 0.9 h^2 and persistence threshold 10 h. They are set once the model is loaded and before DeepSpeed
+starts (TRL stages: `train_with_resume`, before `Trainer.train`; PPO: before `prepare`), as numbers, so neither
+library has to find a width itself (accelerate cannot in a vision-language model's config). At h = 4096
+(Llama-3-8B) the reduce bucket is 16.8M elements (34 MB in bf16) instead of 500M. A value the config sets, under
+either of DeepSpeed's spellings, is left as it is; a model with no width keeps DeepSpeed's defaults.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# the keys transformers and accelerate size from the model's width when they say `auto`, and how
+# the keys transformers and accelerate size from the model's width when they say `auto`, how, and DeepSpeed's other
+# spelling of each (a config may use either; both at once is an error in DeepSpeed)
 SIZED_BY_WIDTH = {
-    "reduce_bucket_size": lambda h: h * h,
-    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
-    "stage3_param_persistence_threshold": lambda h: 10 * h,
+    "reduce_bucket_size": (lambda h: h * h, None),
+    "stage3_prefetch_bucket_size": (lambda h: int(0.9 * h * h), "prefetch_bucket_size"),
+    "stage3_param_persistence_threshold": (lambda h: 10 * h, "param_persistence_threshold"),
 }
 
 
-def width_sized(ds_config: dict[str, Any], hidden: int | None = None) -> list[str]:
-    """Set each width-sized key that `ds_config["zero_optimization"]` leaves out: to `auto` (hidden None: the
-    Trainer fills it), or to its value for width `hidden`, which also fills an `auto`. Returns the keys set."""
+def width_sized(ds_config: dict[str, Any], hidden: int | None) -> list[str]:
+    """Set each width-sized key that `ds_config["zero_optimization"]` leaves out or sets to `auto` to its value for
+    width `hidden` (the stage-3 keys only under ZeRO-3); nothing when `hidden` is None. Returns the keys set."""
+    if hidden is None:
+        return []
     zero = ds_config.setdefault("zero_optimization", {})
-    unset = [k for k in SIZED_BY_WIDTH if k not in zero or (hidden is not None and zero[k] == "auto")]
+    wanted = [k for k in SIZED_BY_WIDTH if k == "reduce_bucket_size" or str(zero.get("stage")) == "3"]
+    unset = [k for k in wanted if zero.get(k, "auto") == "auto" and SIZED_BY_WIDTH[k][1] not in zero]
     for key in unset:
-        zero[key] = "auto" if hidden is None else SIZED_BY_WIDTH[key](hidden)
+        zero[key] = SIZED_BY_WIDTH[key][0](hidden)
     return unset
 
 
@@ -54,10 +59,12 @@ def widest(*models) -> int | None:
 
 
 def in_use(engine) -> dict[str, int] | None:
-    """The buffer sizes a started DeepSpeed engine took (as DeepSpeed parsed its config), for the manifest; None for
-    anything that is not a DeepSpeed engine."""
+    """The buffer sizes a started DeepSpeed engine took (as DeepSpeed parsed its config; the stage-3 ones under ZeRO-3
+    only), for the manifest; None for anything that is not a DeepSpeed engine."""
     if not hasattr(engine, "zero_reduce_bucket_size"):
         return None
-    return {"reduce_bucket_size": int(engine.zero_reduce_bucket_size()),
-            "prefetch_bucket_size": int(engine.zero_prefetch_bucket_size()),
-            "param_persistence_threshold": int(engine.zero_param_persistence_threshold())}
+    sizes = {"reduce_bucket_size": int(engine.zero_reduce_bucket_size())}
+    if engine.zero_optimization_stage() == 3:
+        sizes.update(prefetch_bucket_size=int(engine.zero_prefetch_bucket_size()),
+                     param_persistence_threshold=int(engine.zero_param_persistence_threshold()))
+    return sizes
