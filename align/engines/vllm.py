@@ -238,8 +238,9 @@ class VLLMEngine:
         save_file(state, tmp)
         os.replace(tmp, self.weights)
         reply = self._call({"op": "load", "path": self.weights}, "sync_weights", self.timeout_s)
-        if reply["tensors"] != len(state):
-            raise EngineError(f"vLLM engine: sync_weights loaded {reply['tensors']} of {len(state)} tensors")
+        if reply["tensors"] != len(state):  # a mix of old and new weights, as below
+            self.broken = f"sync_weights loaded {reply['tensors']} of {len(state)} tensors"
+            raise EngineError(f"vLLM engine: {self.broken}")
         return size
 
     def _sync_adapter(self, model) -> int:
@@ -305,8 +306,9 @@ class VLLMEngine:
         except BaseException as exc:  # stopped halfway (here or there): the engine holds a mix of old and new weights
             self.broken = self.broken or f"interrupted by {type(exc).__name__}"
             raise
-        if reply["tensors"] != names:
-            raise EngineError(f"vLLM engine: sync_weights loaded {reply['tensors']} of {names} tensors")
+        if reply["tensors"] != names:  # the engine holds a mix of old and new weights: it must not sample again
+            self.broken = f"sync_weights loaded {reply['tensors']} of {names} tensors"
+            raise EngineError(f"vLLM engine: {self.broken}")
         if host.problem and host.problem != self.last_sync.get("host_problem"):
             print(f"vLLM weight sync: {host.problem}; the rest goes through the bucket", flush=True)
         self.last_sync = {**reply, "host_tensors": len(host.refs), "host_new": len(host.new), "host_problem": host.problem}
