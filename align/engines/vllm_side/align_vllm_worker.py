@@ -42,7 +42,9 @@ def _chunk(conn, bucket: torch.Tensor, building: dict, views: bool) -> tuple[lis
     msg = conn.recv()
     if msg.get("op") != "chunk":
         raise RuntimeError(f"weight stream: expected a chunk, got {msg.get('op')!r}")
-    ready = []
+    # what lies in the trainer's host memory (weight_sync: shared) first: its file descriptors follow this message,
+    # and read now they cannot be left in the stream by a piece below that fails
+    ready = host_views(conn, msg["refs"], msg["files"], msg["new"]) if msg["last"] and "files" in msg else []
     for name, dtype, shape, total, at, offset, size in msg["pieces"]:
         kind = getattr(torch, dtype)
         if views and at == 0 and size == total and offset % kind.itemsize == 0:
@@ -54,8 +56,6 @@ def _chunk(conn, bucket: torch.Tensor, building: dict, views: bool) -> tuple[lis
             building[name].reshape(-1).view(torch.uint8)[at:at + size].copy_(bucket[offset:offset + size])
         if at + size == total:
             ready.append((name, building.pop(name)))
-    if msg["last"] and "files" in msg:  # the trainer shares what lies in its host memory (weight_sync: shared)
-        ready += host_views(conn, msg["refs"], msg["files"], msg["new"])
     return ready, msg["last"]
 
 
