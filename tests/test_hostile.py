@@ -391,7 +391,11 @@ class _State:
 
 
 class _Trainer:
+    """A Trainer that trains nothing, outside DeepSpeed (no plugin, no engine)."""
+
     state = _State()
+    accelerator = type("Accelerator", (), {"state": type("State", (), {"deepspeed_plugin": None})()})()
+    deepspeed = None
 
     def train(self, resume_from_checkpoint=None):
         return type("Out", (), {"training_loss": 0.0})()
