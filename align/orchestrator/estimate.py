@@ -242,9 +242,10 @@ def render(estimates: list[StageEstimate], hw: Hardware) -> str:
         lines.append(f"| {e.name} | {e.mode}{' + ckpt' if e.checkpointing else ''} | "
                      + " | ".join(_gib(parts.get(k, 0)) for k, _ in PARTS) + f" | {_gib(e.chosen_bytes)} |")
     lines += ["", "trained states: weights, gradients, master weights and Adam moments (ZeRO-sharded); frozen weights: "
-              "reference and reward models; activations: one micro-batch (+ ckpt: gradient checkpointing); generation: "
-              "the KV cache (grouped-query attention) or a vllm engine; rollout gather: the whole policy gathered under "
-              f"ZeRO-3 to sample; overhead: {OVERHEAD_BYTES / GIB:.0f} GiB CUDA context and allocator slack."]
+              "reference and reward models; activations: one micro-batch (+ ckpt: gradient checkpointing), with a fused "
+              "LM head's tiles instead of whole logits where the stage has one; generation: the KV cache (grouped-query "
+              "attention) or a vllm engine; rollout gather: the whole policy gathered under ZeRO-3 to sample; overhead: "
+              f"{OVERHEAD_BYTES / GIB:.0f} GiB CUDA context, allocator slack and DeepSpeed's buckets."]
     ckpt = [f"{e.name} {_gib(e.with_checkpointing)}" for e in estimates
             if e.with_checkpointing is not None and e.with_checkpointing < e.chosen_bytes]
     if ckpt:
