@@ -294,10 +294,11 @@ def engine_maps():
 
 def host_sync(model, held: dict, bucket: SharedBucket, engine_end, trainer_end, shares: bool = True,
               space=lambda n: None, budget: int = 1000, changed_only: bool = False):
-    """One streamed sync as VLLMEngine._sync_shared runs it (weight_sync: shared, or host when not `shares`), read by
-    the engine's own stream_chunks in a thread: what the engine got (as clones) and whether each lay in a mapping of
-    the trainer's memory (a view, not a copy), the HostTensors used, the names that went through the bucket."""
-    from align.engines.weight_sync import HostTensors
+    """One streamed sync as VLLMEngine._sync_shared runs it (its `chunk_messages`; weight_sync: shared, or host when
+    not `shares`), read by the engine's own stream_chunks in a thread: what the engine got (as clones) and whether each
+    lay in a mapping of the trainer's memory (a view, not a copy), the HostTensors used, the names that went through
+    the bucket."""
+    from align.engines.weight_sync import HostTensors, chunk_messages
 
     host = HostTensors(held, space, budget)
     got, viewed, errors = {}, {}, []
@@ -316,12 +317,11 @@ def host_sync(model, held: dict, bucket: SharedBucket, engine_end, trainer_end, 
 
     t = threading.Thread(target=reader, daemon=True)
     t.start()
-    entries = engine_entries(model, changed_only=changed_only)
     through_bucket = []
-    for pieces, last in bucket.pieces(host.split(model, entries) if shares else entries):
-        through_bucket += [p[0] for p in pieces if p[4] + p[6] == p[3]]
-        tail, fds = host.message(last and shares)
-        trainer_end.send({"op": "chunk", "pieces": pieces, "last": last, **tail})
+    for msg, fds, _ in chunk_messages(bucket, model, engine_entries(model, changed_only=changed_only),
+                                      host if shares else None):
+        through_bucket += [p[0] for p in msg["pieces"] if p[4] + p[6] == p[3]]
+        trainer_end.send(msg)
         for fd in fds:
             send_handle(trainer_end, fd, 0)
         assert trainer_end.recv() == {"ok": True, "op": "chunk"}

@@ -38,7 +38,7 @@ from align.engines.placement import node_placement
 from align.engines.vllm_env import (VLLM_INSTALL, engine_environment, keeps_weights, shm_dir, shm_problem,
                                     sync_space_problem, vllm_python)
 from align.engines.weight_sync import (Bucket, CudaBucket, HostTensors, SharedBucket, adapter_state, bucket_kind,
-                                       cuda_ipc_problem, engine_entries, policy_state_for_engine)
+                                       chunk_messages, cuda_ipc_problem, engine_entries, policy_state_for_engine)
 from align.modeling.generation import Rollout, finish_rollout, tokenize_prompts
 
 SERVER = Path(__file__).parent / "vllm_side" / "align_vllm_server.py"
@@ -294,13 +294,12 @@ class VLLMEngine:
         self._send({"op": "stream", **bucket.where(), "size": self.bucket_bytes, "partial": changed_only},
                    "sync_weights")
         names = 0
-        entries, shares = engine_entries(model, changed_only=changed_only), self.weight_sync == "shared"
         host = HostTensors(self._held)  # not used by weight_sync: host
         try:
-            for pieces, last in bucket.pieces(host.split(model, entries) if shares else entries):
-                names += sum(1 for p in pieces if p[4] + p[6] == p[3]) + (len(host.refs) if last else 0)
-                tail, fds = host.message(last and shares)
-                self._send({"op": "chunk", "pieces": pieces, "last": last, **tail}, "sync_weights", fds=fds)
+            for msg, fds, done in chunk_messages(bucket, model, engine_entries(model, changed_only=changed_only),
+                                                 host if self.weight_sync == "shared" else None):
+                names += done
+                self._send(msg, "sync_weights", fds=fds)
                 self._reply("chunk", "sync_weights", deadline)
             reply = self._reply("stream", "sync_weights", deadline)
         except BaseException as exc:  # stopped halfway (here or there): the engine holds a mix of old and new weights

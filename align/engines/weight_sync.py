@@ -247,6 +247,17 @@ def shm_room_problem(needed: int, directory: str = "/dev/shm") -> str | None:
             f"{needed / 2 ** 20:.0f} MiB with the engine (docker run --shm-size=... gives a container more)")
 
 
+def chunk_messages(bucket: Bucket, model, entries, host: HostTensors | None):
+    """The chunk messages of one streamed sync, in order, each as (message, file descriptors to pass after it, tensors
+    it completes): the entries through `bucket`, those `host` keeps named in the last (weight_sync: shared), or with
+    `host` None every entry through the bucket (weight_sync: host). The caller sends each and waits for the engine to
+    acknowledge it before asking for the next (the bucket is filled again then)."""
+    for pieces, last in bucket.pieces(host.split(model, entries) if host else entries):
+        tail, fds = host.message(last) if host else ({}, [])
+        done = sum(1 for p in pieces if p[4] + p[6] == p[3]) + (len(host.refs) if host and last else 0)
+        yield {"op": "chunk", "pieces": pieces, "last": last, **tail}, fds, done
+
+
 class Bucket:
     """A fixed buffer that weights travel through: `pieces(entries)` copies (name, tensor) entries into it and
     yields, each time it is full (and once at the end), the list of pieces now in it, each (name, dtype, shape, tensor
