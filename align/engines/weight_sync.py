@@ -123,6 +123,21 @@ def adapter_state(model) -> tuple[dict[str, torch.Tensor], object]:
     return state, model.peft_config[model.active_adapter]
 
 
+@torch.no_grad()
+def join_gathers(model, how: str) -> None:
+    """At a sync of an engine another process syncs (one shared by several processes: align/engines/group.py): under
+    ZeRO-3, the gathers that process's sync takes part in (collectives every process joins, in the same order), their
+    tensors dropped; nothing when `model` is not partitioned. `how`: what that sync sends: "adapter" (adapter_state),
+    "whole" (every weight: the file transport, a first sync) or "changed" (the weights that train)."""
+    if not any(hasattr(p, "ds_id") for p in model.parameters()):
+        return
+    if how == "adapter":
+        with _gathered([p for n, p in model.named_parameters() if "lora_" in n]):
+            return
+    for _ in engine_entries(model, changed_only=how == "changed"):
+        pass
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

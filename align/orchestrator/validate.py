@@ -117,6 +117,12 @@ def _check_engine(plan: StagePlan, cfg: PipelineConfig, source: str) -> None:
                             f"with {', '.join(plan.cfg.ENGINES)}).{why} Set generation.engine: {DEFAULT}")
     kind = engine_kind(gen.engine)
     if not kind.own_copy:  # it samples with the stage's own model
+        shared = {"tensor_parallel_size": gen.tensor_parallel_size != 1, "placement": gen.placement != "colocated"}
+        for key in (k for k, on in shared.items() if on):
+            raise PipelineError(f"{source}: stages.{plan.name}.generation.{key}: {getattr(gen, key)!r} places an "
+                                f"engine with its own copy of the policy; '{gen.engine}' samples with each process's "
+                                f"own model: remove the setting, or use an engine with its own copy (generation.engine:"
+                                f" {', '.join(n for n in plan.cfg.ENGINES if engine_kind(n).own_copy) or 'none here'})")
         return
     for ref in refs(getattr(plan.cfg, plan.cfg.ENGINE_MODEL, None)):
         lora = getattr(cfg.stages.get(ref), "lora", None)

@@ -6,8 +6,10 @@ multiprocessing connection on a Unix socket (authkey from ALIGN_VLLM_AUTHKEY, ne
 request is a dict with "op", every reply a dict with "ok" (and "error" with the traceback when not ok):
 
   init      {model, dtype, max_model_len, seed, kv_cache_gib, gpu_memory_utilization[, enforce_eager, lora_rank,
-            keep_weights]} (lora_rank: vLLM's LoRA support on, for adapters of that rank or less; keep_weights, default
-            on: on a CPU the linear layers keep their weights beside vLLM's packed copies, so syncs load in place)
+            keep_weights, clients, tensor_parallel_size]} (lora_rank: vLLM's LoRA support on, for adapters of that rank
+            or less; keep_weights, default on: on a CPU the linear layers keep their weights beside vLLM's packed
+            copies, so syncs load in place; clients: the processes the engine serves, the parent included: the others
+            connect after init and may only generate; tensor_parallel_size: vLLM's, on that many GPUs)
   generate  {prompts: [[token ids]], temperature, top_k, top_p, max_tokens, stop_token_ids[, greedy]}
             -> {outputs: [{token_ids, logprobs}]}  (the sampled tokens' log-probs, after temperature)
   load      {path: a safetensors file of the full model state} -> {tensors, seconds}; the file is deleted once
@@ -20,7 +22,7 @@ request is a dict with "op", every reply a dict with "ok" (and "error" with the 
             rest of one that failed) is dropped unanswered
   lora      {path: a peft adapter directory, id} -> {seconds}: the adapter every later generate applies (the one
             before it is dropped, and its directory deleted)
-  close
+  close     answered once every other process has disconnected; then the engine exits
 
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): weights reach the worker as tensors, not lists, and
 the engine uses this process's threads. Seeds: only LLM(seed=...) (a per-request seed crashes vLLM's CPU sampler).
@@ -36,54 +38,106 @@ import traceback
 
 
 def serve(address: str) -> None:
-    from multiprocessing.connection import Listener
+    """Serve the parent (the first connection: it starts, syncs and closes the engine) and, when `init` says
+    `clients` > 1, the other training processes the engine is shared with (they connect after init and only
+    generate; align/engines/group.py). Requests are served one at a time, in the order they arrive. The parent's
+    close is answered once the others have disconnected: it must not stop the engine under them."""
+    import threading
+    from multiprocessing.connection import Listener, wait
 
     authkey = bytes.fromhex(os.environ.pop("ALIGN_VLLM_AUTHKEY"))
     with Listener(address, authkey=authkey) as listener, listener.accept() as conn:
-        llm = None
+        llm, others, closing = None, [], False
         while True:
-            msg = conn.recv()
-            op = msg.get("op")
-            try:
-                if op == "init":
-                    llm, reply = start(msg)
-                elif op == "generate":
-                    reply = generate(llm, msg)
-                elif op == "load":
-                    t0 = time.perf_counter()
-                    try:
-                        counts = llm.collective_rpc("align_reload", args=(msg["path"],))
-                    finally:
-                        with contextlib.suppress(FileNotFoundError):  # a missing file: the load's own error says so
-                            os.unlink(msg["path"])
-                    reply = {"tensors": counts[0], "seconds": time.perf_counter() - t0}
-                elif op == "stream":
-                    t0 = time.perf_counter()
-                    import align_vllm_worker
-
-                    align_vllm_worker.CHANNEL = (conn, bucket(msg))
-                    try:
-                        counts = llm.collective_rpc("align_stream", args=(bool(msg.get("partial")),))
-                    finally:
-                        align_vllm_worker.CHANNEL = None  # the bucket's one reference is _BUCKETS'
-                        release_cached(msg)
-                    reply = {**counts[0], "seconds": time.perf_counter() - t0}
-                elif op == "lora":
-                    reply = load_adapter(llm, msg)
-                elif op == "chunk":  # the rest of a stream that failed: its error was the stream's reply
+            ready = wait([conn, *others], timeout=1.0)  # `others` grows as they connect
+            if closing and not others:
+                conn.send({"ok": True})
+                return
+            for c in ready:
+                try:
+                    msg = c.recv()
+                except (EOFError, OSError):  # the parent gone: stop; another process gone: forget it
+                    if c is conn:
+                        return
+                    others.remove(c)
+                    c.close()
                     continue
-                elif op == "close":
+                op = msg.get("op")
+                if op == "close" and c is conn:
                     _BUCKETS.clear()  # a GPU bucket: let go of the trainer's memory before the trainer frees it
-                    conn.send({"ok": True})
-                    return
+                    closing = True
+                    continue
+                if c is not conn and op != "generate":
+                    reply = {"ok": False, "error": f"ValueError: {op!r} is the engine starter's to ask (a process "
+                                                   "the engine is shared with only generates)"}
                 else:
-                    raise ValueError(f"unknown op {op!r}")
-                conn.send({"ok": True, **reply})
-            except Exception as e:  # reported to the parent, which ends the stage with it; the traceback to the log
-                traceback.print_exc()
-                sys.stdout.flush()
-                first = str(e).splitlines()[0] if str(e) else ""
-                conn.send({"ok": False, "error": f"{type(e).__name__}: {first[:500]}"})
+                    reply = handle(llm, c, msg)
+                if op == "init" and reply.get("ok"):
+                    llm = reply.pop("llm")
+                    accept_others(listener, others, msg.get("clients", 1) - 1, threading)
+                try:
+                    if reply is not None:
+                        c.send(reply)
+                except OSError:
+                    if c is conn:
+                        return
+                    others.remove(c)
+
+
+def accept_others(listener, others: list, count: int, threading) -> None:
+    """Accept `count` more connections in the background (the processes the engine is shared with connect once the
+    parent has started it), each appended to `others` as it comes."""
+    def accept():
+        for _ in range(count):
+            try:
+                others.append(listener.accept())
+            except Exception:  # the listener closed (the engine is stopping), or a stranger without the key
+                return
+
+    if count > 0:
+        threading.Thread(target=accept, daemon=True).start()
+
+
+def handle(llm, conn, msg: dict) -> dict | None:
+    """One request's reply ({"ok": True, ...} or {"ok": False, "error"}); None for a request answered by none."""
+    op = msg.get("op")
+    try:
+        if op == "init":
+            llm, reply = start(msg)
+            return {"ok": True, "llm": llm, **reply}
+        if op == "generate":
+            reply = generate(llm, msg)
+        elif op == "load":
+            t0 = time.perf_counter()
+            try:
+                counts = llm.collective_rpc("align_reload", args=(msg["path"],))
+            finally:
+                with contextlib.suppress(FileNotFoundError):  # a missing file: the load's own error says so
+                    os.unlink(msg["path"])
+            reply = {"tensors": counts[0], "seconds": time.perf_counter() - t0}
+        elif op == "stream":
+            t0 = time.perf_counter()
+            import align_vllm_worker
+
+            align_vllm_worker.CHANNEL = (conn, bucket(msg))
+            try:
+                counts = llm.collective_rpc("align_stream", args=(bool(msg.get("partial")),))
+            finally:
+                align_vllm_worker.CHANNEL = None  # the bucket's one reference is _BUCKETS'
+                release_cached(msg)
+            reply = {**counts[0], "seconds": time.perf_counter() - t0}
+        elif op == "lora":
+            reply = load_adapter(llm, msg)
+        elif op == "chunk":  # the rest of a stream that failed: its error was the stream's reply
+            return None
+        else:
+            raise ValueError(f"unknown op {op!r}")
+        return {"ok": True, **reply}
+    except Exception as e:  # reported to the parent, which ends the stage with it; the traceback to the log
+        traceback.print_exc()
+        sys.stdout.flush()
+        first = str(e).splitlines()[0] if str(e) else ""
+        return {"ok": False, "error": f"{type(e).__name__}: {first[:500]}"}
 
 
 _BUCKETS: dict = {}
@@ -165,6 +219,10 @@ def start(msg: dict):
     kwargs = dict(model=msg["model"], dtype=msg["dtype"], enforce_eager=msg.get("enforce_eager", True),
                   max_model_len=msg["max_model_len"], seed=msg["seed"], logprobs_mode="processed_logprobs",
                   worker_extension_cls="align_vllm_worker.WeightSync", trust_remote_code=False)
+    if msg.get("tensor_parallel_size", 1) > 1:  # GPU only: workers in processes of their own, which import
+        kwargs["tensor_parallel_size"] = msg["tensor_parallel_size"]  # align_vllm_worker by name
+        here = os.path.dirname(os.path.abspath(__file__))
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))
     if msg.get("gpu_memory_utilization") and torch_cuda():
         kwargs["gpu_memory_utilization"] = msg["gpu_memory_utilization"]
     if msg.get("lora_rank"):  # one adapter at a time: the policy's latest

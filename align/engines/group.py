@@ -1,0 +1,134 @@
+"""One rollout engine shared by several training processes (generation.tensor_parallel_size > 1: an engine over a
+group of GPUs; or engines on GPUs training does not use): align/engines/placement.py says which processes an engine
+serves, this module makes that true.
+
+- start: the engine's starter (the first process it serves) starts it for all of them; every process of the job then
+  learns, in one all-gather, how to reach its engine (a contact: for vLLM its socket, connection key and process id,
+  which travel between the job's own processes and are written nowhere) or that some engine failed to start: then
+  every process raises, none waits for a peer that will not come.
+- generate: each process sends its own prompts to its engine whenever it samples (the engine serves requests one at
+  a time, in the order they come), so stages whose processes sample different numbers of batches (preferences,
+  evaluate) work unchanged.
+- sync: only the starter sends weights; the others join the ZeRO-3 gathers that sync takes part in
+  (weight_sync.join_gathers) and then wait for it, with every other process of the job, in one all-gather that also
+  carries whether every sync succeeded: no process samples from an engine before its sync is done, and a failed
+  sync ends every process's stage.
+- close: the others disconnect; the starter's close is answered once they have (the engine never stops under a
+  process still sampling).
+
+On a CPU the group shares one engine that runs in one process (the tested twin, tests/test_shared_engine.py); on GPUs
+the engine is vLLM over the group's GPUs, which has not run in this project (vLLM's CUDA build cannot be carried to
+the lent GPU).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from align.engines import EngineError
+from align.engines.placement import Placement
+
+
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _all_gather(obj) -> list:
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def start_shared(placement: Placement, local_rank: int, start: Callable[[int], object],
+                 attach: Callable[[dict], object]):
+    """This process's engine when `placement` shares it: started here by `start(processes served)` (which returns an
+    engine with a `contact` dict) or reached through the starter's contact by `attach(contact)`. A collective every
+    process of the job joins. Raises EngineError on every process when any engine failed to start."""
+    rank, world = _world()
+    if world == 1:
+        raise EngineError(f"generation.tensor_parallel_size: an engine shared by {len(placement.serves)} processes "
+                          "needs them launched together (accelerate launch --num_processes); this process is alone")
+    node = rank - local_rank  # the job's rank of this node's first process
+    engine, contact, error = None, None, None
+    if placement.owner:
+        try:
+            engine = start(len(placement.serves))
+            contact = engine.contact
+        except Exception as exc:  # told to every process below, then raised here
+            error, failure = f"{type(exc).__name__}: {exc}", exc
+    everyone = _all_gather((node, placement.engine, rank, contact, error))
+    failed = [(r, e) for _, _, r, _, e in everyone if e]
+    if failed:
+        if engine is not None:
+            engine.close()
+        if error:
+            raise failure
+        r, e = failed[0]
+        raise EngineError(f"process {r}'s rollout engine did not start ({e.splitlines()[0][:300]}); every process "
+                          "stops with it")
+    owner = node + placement.serves[0]
+    if engine is None:
+        found = [c for n, e, r, c, _ in everyone if (n, e, r) == (node, placement.engine, owner)]
+        engine = attach(found[0])
+    return GroupEngine(engine, placement, owner, rank)
+
+
+class GroupEngine:
+    """A process's view of an engine it shares (`placement.serves`, started by process `owner` of the job): samples
+    through it, syncs it when this process is the starter, and joins every sync of it (module docstring)."""
+
+    holds_own_weights = True
+
+    def __init__(self, engine, placement: Placement, owner: int, rank: int):
+        self.engine, self.placement, self.owner, self.rank = engine, placement, owner, rank
+        self.name = engine.name
+        self.sync_seconds: list[float] = []
+        self.sync_bytes: list[int] = []
+
+    @property
+    def log_path(self):
+        return self.engine.log_path
+
+    def describe(self) -> dict | None:
+        own = self.engine.describe() if self.rank == self.owner else {"name": self.name}
+        return {**own, "started_by_process": self.owner, "shared_by_local_ranks": list(self.placement.serves)}
+
+    def generate(self, *args, **kwargs):
+        return self.engine.generate(*args, **kwargs)
+
+    def generate_ids(self, *args, **kwargs):
+        return self.engine.generate_ids(*args, **kwargs)
+
+    def sync_weights(self, model) -> float:
+        """The starter syncs the engine; the others join its gathers. Then every process of the job waits for every
+        sync and learns whether all succeeded (a failed one: EngineError everywhere)."""
+        t0 = time.perf_counter()
+        error, failure = None, None
+        try:
+            if self.rank == self.owner:
+                self.engine.sync_weights(model)
+                self.sync_bytes.append(self.engine.sync_bytes[-1])
+            else:
+                self.engine.join_sync(model)
+        except Exception as exc:  # after the all-gather: the others must not wait for this process forever
+            error, failure = f"{type(exc).__name__}: {exc}", exc
+        failed = [(r, e) for r, e in _all_gather((self.rank, error)) if e]
+        if failure is not None:
+            raise failure
+        if failed:
+            r, e = failed[0]
+            raise EngineError(f"the weight sync of process {r}'s engine failed ({e.splitlines()[0][:300]}); every "
+                              "process stops with it")
+        seconds = time.perf_counter() - t0
+        self.sync_seconds.append(seconds)
+        return seconds
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,0 +1,170 @@
+"""Talking to a vLLM engine process (align/engines/vllm_side/align_vllm_server.py): `EngineClient` connects, sends
+requests and reads their replies, each within a deadline while watching the process (a dead or silent engine is an
+EngineError naming the operation and the engine's log, never a hang), and samples through it. `VLLMEngine`
+(align/engines/vllm.py) is the client that starts the engine and syncs it; `SharedClient` is how the other processes
+of a shared engine (align/engines/group.py) reach it: they sample, and join the syncs the starter makes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from multiprocessing.connection import Client
+from multiprocessing.reduction import send_handle
+from pathlib import Path
+
+import torch
+
+from align.engines import EngineError
+from align.engines.weight_sync import join_gathers
+from align.modeling.generation import Rollout, finish_rollout, tokenize_prompts
+
+
+class EngineClient:
+    """The requests every user of an engine process makes. Subclasses set tokenizer, timeout_s, address, conn, proc
+    (poll(), pid, returncode), log_path and broken (why it may not be used, or None)."""
+
+    name = "vllm"
+    holds_own_weights = True
+
+    # -- transport -----------------------------------------------------------------------------------------------
+    def _tail(self) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-15:])
+
+    def _connect(self, key: bytes, deadline: float):
+        while True:
+            if self.proc.poll() is not None:
+                raise EngineError(f"the vLLM engine process exited ({self.proc.returncode}) before it listened; its "
+                                  f"log ({self.log_path}) ends:\n{self._tail()}")
+            if os.path.exists(self.address):
+                try:
+                    return Client(self.address, authkey=key)
+                except (ConnectionRefusedError, FileNotFoundError):
+                    pass
+            if time.monotonic() > deadline:
+                raise EngineError(f"the vLLM engine process did not listen within 120 s (log: {self.log_path})")
+            time.sleep(0.2)
+
+    def _call(self, msg: dict, what: str, timeout_s: float) -> dict:
+        """Send one request and wait for its reply, at most `timeout_s`, watching the process: a dead or silent
+        engine is an EngineError (and the engine is stopped), never a hang."""
+        self._send(msg, what)
+        return self._reply(msg["op"], what, time.monotonic() + timeout_s)
+
+    def _send(self, msg: dict, what: str, fds=()) -> None:
+        """`msg`, then the file descriptors `fds` (passed over the Unix socket, in order, after the message)."""
+        if self.conn is None:
+            raise EngineError(f"vLLM engine: '{what}' after close()")
+        if self.broken:
+            raise EngineError(f"vLLM engine: '{what}' after a failed weight sync ({self.broken}); its weights are "
+                              "partly loaded and it samples nothing trustworthy")
+        try:
+            self.conn.send(msg)
+            for fd in fds:
+                send_handle(self.conn, fd, self.proc.pid)
+        except OSError as exc:  # the engine died between calls: a broken pipe here, never an unnamed EPIPE upstream
+            raise EngineError(f"the vLLM engine process (pid {self.proc.pid}) is gone ({type(exc).__name__}) at "
+                              f"'{what}'; its log ({self.log_path}) ends:\n{self._tail()}") from None
+
+    def _reply(self, op: str, what: str, deadline: float) -> dict:
+        """The engine's answer to the request `op` sent last, by `deadline` (time.monotonic)."""
+        while not self.conn.poll(1.0):
+            if self.proc.poll() is not None:
+                raise EngineError(f"the vLLM engine process (pid {self.proc.pid}) died ({self.proc.returncode}) during "
+                                  f"'{what}'; its log ({self.log_path}) ends:\n{self._tail()}")
+            if time.monotonic() > deadline:
+                self.close(kill=True)
+                raise EngineError(f"the vLLM engine did not finish '{what}' within {self.timeout_s:.0f} s and was "
+                                  f"stopped (log: {self.log_path}); raise generation.engine_timeout_s if the work is "
+                                  "that long")
+        try:
+            reply = self.conn.recv()
+        except EOFError:
+            raise EngineError(f"the vLLM engine closed the connection during '{what}' (log: {self.log_path}):\n"
+                              f"{self._tail()}") from None
+        if not reply.get("ok"):
+            if op in ("load", "stream", "chunk", "lora"):
+                self.broken = reply.get("error")
+            hint = ("; the bucket is on the GPU, shared by CUDA IPC: generation.weight_sync: host syncs through "
+                    "/dev/shm instead" if op in ("stream", "chunk") and getattr(getattr(self, "_bucket", None), "kind",
+                                                                                "") == "cuda_ipc" else "")
+            raise EngineError(f"the vLLM engine failed '{what}': {reply.get('error')} (traceback in "
+                              f"{self.log_path}){hint}")
+        return reply
+
+    # -- the engine interface ----------------------------------------------------------------------------------
+    def generate(self, prompts: list[str], gen, seed: int, max_prompt_length: int | None = None,
+                 greedy: bool = False) -> Rollout:
+        """One response per prompt, as the HF engine's Rollout: prompts left-padded, responses right-padded, every
+        token after the first EOS masked; `engine_logprobs` (B, Lr) holds the engine's log-probs of them. `seed`
+        is not used per request (a per-request seed crashes vLLM's CPU sampler): the engine is seeded once."""
+        q_ids, q_mask = tokenize_prompts(self.tokenizer, prompts, max_prompt_length)
+        return self.generate_ids(q_ids, q_mask, gen, seed, greedy)
+
+    def generate_ids(self, q_ids: torch.Tensor, q_mask: torch.Tensor, gen, seed: int, greedy: bool = False) -> Rollout:
+        """`generate` for prompts already tokenised (left-padded ids and mask), as TRL's trainers hold them."""
+        tok = self.tokenizer
+        ids = [row[m.bool()].tolist() for row, m in zip(q_ids, q_mask)]
+        reply = self._call({"op": "generate", "prompts": ids, "temperature": gen.temperature, "top_k": gen.top_k,
+                            "top_p": gen.top_p, "max_tokens": gen.max_new_tokens, "greedy": greedy,
+                            "stop_token_ids": [tok.eos_token_id]}, "generate", self.timeout_s)
+        outs = reply["outputs"]
+        lengths = torch.tensor([len(o["token_ids"]) for o in outs], dtype=torch.long)
+        width = max(1, int(lengths.max()))
+        resp = torch.full((len(outs), width), tok.pad_token_id, dtype=torch.long)
+        lps = torch.zeros((len(outs), width), dtype=torch.float32)
+        for i, (o, n) in enumerate(zip(outs, lengths.tolist())):
+            resp[i, :n] = torch.tensor(o["token_ids"], dtype=torch.long)
+            lps[i, :n] = torch.tensor(o["logprobs"], dtype=torch.float32)
+        r = finish_rollout(q_ids, q_mask, resp, tok.eos_token_id, tok.pad_token_id, lengths)
+        r.engine_logprobs = lps * r.response_mask
+        return r
+
+
+class _Started:
+    """Another process's engine process, watched by its pid (what `subprocess.Popen` gives its starter)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            self.returncode = -1
+        except PermissionError:  # alive, another user's
+            pass
+        return self.returncode
+
+
+class SharedClient(EngineClient):
+    """A process's connection to the engine another process started for both (align/engines/group.py): it samples
+    through it; at a sync it joins the gathers the starter's sync takes part in (weight_sync.join_gathers, which
+    mirrors VLLMEngine.sync_weights: the adapter, every weight the first time or with the file transport, else the
+    weights that train). Closing it disconnects; the engine is the starter's to stop."""
+
+    def __init__(self, contact: dict, tokenizer, timeout_s: float):
+        self.tokenizer, self.timeout_s = tokenizer, timeout_s
+        self.address, self.proc, self.log_path = contact["address"], _Started(contact["pid"]), Path(contact["log"])
+        self.weight_sync, self.adapters = contact["weight_sync"], contact["adapters"]
+        self.broken: str | None = None
+        self.conn = None
+        self.conn = self._connect(bytes.fromhex(contact["key"]), deadline=time.monotonic() + 120)
+        self._synced = None
+
+    def join_sync(self, model) -> None:
+        changed_only = self._synced is not None and self._synced() is model
+        how = ("adapter" if self.adapters and hasattr(model, "peft_config") else
+               "changed" if changed_only and self.weight_sync != "file" else "whole")
+        join_gathers(model, how)
+        self._synced = weakref.ref(model)
+
+    def close(self, kill: bool = False) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None

@@ -1,0 +1,83 @@
+"""One process of a two-process job (gloo) exercising align/engines/group.py with stand-in engines: `python
+shared_engine_probe.py RANK STORE SCENARIO OUT`; writes what happened to OUT (JSON). Scenarios: ok (process 0 starts
+the engine, process 1 reaches it by its contact, both sample and sync), start_fails (process 0's start raises),
+sync_fails (process 0's sync raises), join_fails (process 1's part of a sync raises)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch.distributed as dist
+
+from align.engines.group import start_shared
+from align.engines.placement import place
+
+
+class StandIn:
+    name = "stand_in"
+
+    def __init__(self, role: str, scenario: str, contact=None):
+        self.role, self.scenario, self.log_path = role, scenario, f"/tmp/{role}.log"
+        self.contact = contact or {"address": "engine-of-process-0", "pid": os.getpid()}
+        self.calls: list[str] = []
+        self.sync_bytes: list[int] = []
+
+    def generate(self, prompts, *args, **kwargs):
+        self.calls.append(f"generate {len(prompts)}")
+        return [f"{self.role}:{p}" for p in prompts]
+
+    def sync_weights(self, model):
+        self.calls.append("sync")
+        if self.scenario == "sync_fails":
+            raise RuntimeError("bucket mapping failed")
+        self.sync_bytes.append(123)
+
+    def join_sync(self, model):
+        self.calls.append("join")
+        if self.scenario == "join_fails":
+            raise RuntimeError("gather failed")
+
+    def describe(self):
+        return {"name": self.name, "pid": self.contact["pid"]}
+
+    def close(self):
+        self.calls.append("close")
+
+
+def main(rank: int, store: str, scenario: str, out: str) -> None:
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    placement = place(rank, 2, 0, tensor_parallel=2)  # a CPU node: both processes on one engine
+    result: dict = {"owner": placement.owner, "serves": list(placement.serves)}
+
+    def start(clients: int):
+        result["clients"] = clients
+        if scenario == "start_fails":
+            raise RuntimeError("engine ran out of memory")
+        return StandIn("owner", scenario)
+
+    def attach(contact: dict):
+        result["attached_to"] = contact
+        return StandIn("client", scenario, contact)
+
+    engine = None
+    try:
+        engine = start_shared(placement, rank, start, attach)
+        result["sampled"] = engine.generate([f"p{rank}"])
+        result["described"] = engine.describe()
+        engine.sync_weights(model=None)
+        result["syncs"] = len(engine.sync_seconds)
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    if engine is not None:
+        engine.close()
+        result["calls"] = engine.engine.calls
+    with open(out, "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])

@@ -1,0 +1,93 @@
+"""One rollout engine shared by the processes of a group (align/engines/group.py, placement.py): on a CPU,
+generation.tensor_parallel_size 2 puts both processes of a node on one engine that the first starts and syncs.
+
+Stand-ins first (two gloo processes, no vLLM): the second process reaches the first's engine by its contact, both
+sample through it, a sync is the starter's while the other joins its gathers, and a failure of either side (the
+engine's start, the sync, the other's part of it) ends both processes with an error naming it instead of leaving one
+waiting for the other. Then the real thing: PPO under 2-process ZeRO-3 with vLLM on the packaged SmolLM2, both
+processes on one engine: one engine process, and every iteration's engine log-probs equal the trained policy's on
+both processes (the second samples through the first's engine after the first's syncs).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+PROBE = REPO / "tests" / "probes" / "shared_engine_probe.py"
+
+
+def two_processes(tmp_path, scenario: str) -> list[dict]:
+    store = tmp_path / f"store-{scenario}"
+    outs = [tmp_path / f"{scenario}-{r}.json" for r in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, str(PROBE), str(r), str(store), scenario, str(outs[r])],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
+    for p in procs:
+        try:
+            log = p.communicate(timeout=120)[0].decode()
+        except subprocess.TimeoutExpired:  # one waits for the other forever: the failure this file is about
+            for q in procs:
+                q.kill()
+            pytest.fail(f"{scenario}: a process did not finish within 120 s")
+        assert p.returncode == 0, log[-3000:]
+    return [json.loads(o.read_text()) for o in outs]
+
+
+def test_the_second_process_samples_through_the_engine_the_first_starts_and_syncs(tmp_path):
+    first, second = two_processes(tmp_path, "ok")
+    assert first["owner"] and not second["owner"] and first["serves"] == second["serves"] == [0, 1]
+    assert first["clients"] == 2 and "clients" not in second  # one start, for both
+    assert second["attached_to"]["address"] == "engine-of-process-0"
+    assert first["sampled"] == ["owner:p0"] and second["sampled"] == ["client:p1"]
+    assert first["calls"] == ["generate 1", "sync", "close"]
+    assert second["calls"] == ["generate 1", "join", "close"]
+    assert first["syncs"] == second["syncs"] == 1
+    assert second["described"] == {"name": "stand_in", "started_by_process": 0, "shared_by_local_ranks": [0, 1]}
+    assert first["described"]["pid"] == second["attached_to"]["pid"]
+
+
+@pytest.mark.parametrize("scenario, first_error, second_error", [
+    ("start_fails", "RuntimeError: engine ran out of memory", "EngineError: process 0's rollout engine did not start "
+                                                               "(RuntimeError: engine ran out of memory)"),
+    ("sync_fails", "RuntimeError: bucket mapping failed", "EngineError: the weight sync of process 0's engine failed "
+                                                          "(RuntimeError: bucket mapping failed)"),
+    ("join_fails", "EngineError: the weight sync of process 1's engine failed (RuntimeError: gather failed)",
+     "RuntimeError: gather failed"),
+])
+def test_a_failure_on_either_side_stops_both_processes_with_its_cause(tmp_path, scenario, first_error, second_error):
+    first, second = two_processes(tmp_path, scenario)
+    assert first["error"].startswith(first_error), first
+    assert second["error"].startswith(second_error), second
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_zero3_ppo_with_both_processes_on_one_vllm_engine(tmp_path):
+    """Full-weight PPO under 2-process ZeRO-3, generation.tensor_parallel_size 2 on a CPU: process 0 starts one vLLM
+    engine for both and syncs it (process 1 joins the layer-by-layer gathers), process 1 samples through it. One
+    engine process and one engine log; on both processes, every iteration's engine log-probs equal the trained
+    policy's within 1e-3 (the gap is the max over processes), so process 1 never sampled before a sync was done."""
+    from test_vllm_ppo import PIPELINE, gaps_per_iteration
+
+    from conftest import run_align
+
+    (tmp_path / "p.yaml").write_text(PIPELINE.format(repo=REPO))
+    ppo = tmp_path / "runs" / "vllm_ppo" / "main" / "ppo"
+    first = run_align("run", "p.yaml", "--only", "sft", cwd=tmp_path)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    out = run_align("run", "p.yaml", "--only", "ppo", "ppo.accelerate=zero3", "ppo.num_processes=2",
+                    "ppo.lora.enabled=false", "ppo.learning_rate=1.0e-5", "ppo.kl.heldout_prompts=0",
+                    "ppo.iterations=3", "ppo.generation.tensor_parallel_size=2", cwd=tmp_path, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    m = json.loads((ppo / "manifest.json").read_text())
+    assert m["status"] == "completed" and m["world_size"] == 2 and m["zero_stage"] == 3
+    assert m["engine"]["started_by_process"] == 0 and m["engine"]["shared_by_local_ranks"] == [0, 1]
+    assert m["engine"]["weight_sync"] == "shared" and m["engine"]["devices"] == []
+    assert sorted(p.name for p in ppo.glob("engine*.log")) == ["engine.rank0.log"]  # one engine, not one per process
+    gaps = gaps_per_iteration(ppo)
+    assert sorted(gaps) == [1, 2, 3] and max(gaps.values()) < 1e-3, gaps
