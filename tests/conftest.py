@@ -41,6 +41,7 @@ TINY = [
 # longest first. xdist hands out whole files (`--dist loadfile`); by default it would order them by their number of
 # tests, which put these few-test, long files last, where one worker ran them while the other sat idle.
 LONGEST_FIRST = ["test_smollm2.py", "test_cluster_pipelines.py", "test_distributed.py", "test_vllm_ppo.py",
+                 "test_shared_engine.py",
                  "test_vllm_online_rl.py", "test_vllm_engine.py", "test_multinode.py", "test_faults.py",
                  "test_benchmarks.py", "test_crash.py", "test_pipeline_e2e.py", "test_grpo_rloo.py",
                  "test_pairwise.py", "test_families_a.py", "test_hostile.py", "test_gguf.py", "test_estimate.py",

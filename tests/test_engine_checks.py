@@ -326,3 +326,17 @@ def test_an_adapter_sync_that_cannot_work_is_refused_by_validate(workdir, overri
     assert p.returncode != 0
     out = p.stdout + p.stderr
     assert message in out and "lora_sync: merged" in out and "Traceback" not in out, out[-2000:]
+
+
+@pytest.mark.parametrize("override", ["ppo.generation.tensor_parallel_size=2", "ppo.generation.placement=separate"])
+def test_placing_an_engine_the_stage_does_not_start_is_refused_by_validate(workdir, override):
+    """tensor_parallel_size and placement place an engine with its own copy of the policy; with the hf engine (which
+    samples with each process's own model) they would do nothing: refused, naming the setting and both fixes."""
+    from conftest import run_align
+
+    p = run_align("validate", "pipelines/default.yaml", override, cwd=workdir)
+    out = p.stdout + p.stderr
+    key, value = override.split(".")[-1].split("=")
+    assert p.returncode != 0 and "Traceback" not in out, out[-2000:]
+    assert f"stages.ppo.generation.{key}: " in out and value in out, out[-2000:]
+    assert "'hf' samples with each process's own model" in out and "generation.engine: vllm" in out, out[-2000:]

@@ -307,6 +307,11 @@ def test_the_vllm_engine_counts_its_own_policy_copy_or_its_share_of_the_gpu(tiny
     cpu_file = engine_bytes(Generation(engine="vllm", kv_cache_gib=2.0, weight_sync="file"), policy, 16, 40, 4, None)
     assert cpu_file == 4 * P_LM + max(kv, 2 * GIB)  # reloads: vLLM's packed copy alone
     assert engine_bytes(Generation(), policy, 16, 40, 4, None) == kv  # hf: the batch's KV cache only
+    # on a GPU too small for gpu_memory_utilization to cover the copy: an engine over 2 GPUs holds half of it on each;
+    # engines on separate GPUs hold nothing on the training GPUs
+    tp2 = Generation(engine="vllm", tensor_parallel_size=2, gpu_memory_utilization=0.01)
+    assert engine_bytes(tp2, policy, 16, 40, 4, 10 ** 6) == (4 * P_LM + kv) // 2
+    assert engine_bytes(Generation(engine="vllm", placement="separate"), policy, 16, 40, 4, 80 * 10 ** 9) == 0
 
 
 # --------------------------------------------------------------------------------------------- the 8B pipelines
