@@ -109,6 +109,35 @@ def test_an_engine_that_died_between_calls_is_named_with_its_pid_and_log(tmp_pat
     assert str(log) in msg and "CUDA error: out of memory" in msg
 
 
+def test_a_sync_that_fails_part_way_still_joins_the_remaining_zero3_gathers(monkeypatch):
+    """Under ZeRO-3 every process gathers each layer group together as it syncs; a process whose sync fails (here:
+    no bucket) must still go through the remaining groups, or the others wait in a gather for it forever. Not
+    partitioned, nothing is gathered: nothing more is read."""
+    import torch
+
+    read = []
+
+    def entries(model, changed_only=False):
+        for i in range(4):  # one gather per layer group
+            read.append(i)
+            yield f"layers.{i}.weight", torch.zeros(1)
+
+    def no_bucket(model):
+        raise EngineError("no room in /dev/shm")
+
+    monkeypatch.setattr(vllm_engine, "engine_entries", entries)
+    engine = object.__new__(vllm_engine.VLLMEngine)  # its sync only: no process of vLLM's is started
+    engine.broken, engine._held, engine._open_bucket = None, {}, no_bucket
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(EngineError, match="no room"):
+        engine._sync_shared(model, changed_only=False)
+    assert read == [] and engine.broken  # nothing partitioned: nothing to join
+    model.weight.ds_id = 0  # as DeepSpeed marks a partitioned parameter
+    with pytest.raises(EngineError, match="no room"):
+        engine._sync_shared(model, changed_only=False)
+    assert read == [0, 1, 2, 3]
+
+
 def test_a_head_size_vllms_cpu_attention_lacks_is_named_before_the_engine_starts(monkeypatch):
     from align.engines import vllm_env as engine_env
 
@@ -229,7 +258,9 @@ def test_engine_placement_on_nodes_of_one_two_and_eight_gpus(gpus):
         assert sorted(owners) == sorted(engines), (world, tp, colocate)  # one starter per engine
         for r, p in enumerate(ps):  # the processes an engine serves: every one placed on it, its starter first
             assert p.serves == tuple(q for q in range(world) if ps[q].engine == p.engine), (world, tp, colocate, r)
-            assert ps[p.serves[0]].owner and p.shared == (len(p.serves) > 1)
+            assert ps[p.serves[0]].owner
+        # shared is the node's: every process goes through the group's collectives when any engine serves several
+        assert {p.shared for p in ps} == {any(len(p.serves) > 1 for p in ps)}, (world, tp, colocate)
         used = [d for devs in engines.values() for d in devs]
         assert len(used) == len(set(used)) and all(0 <= d < gpus for d in used), (world, tp, colocate, engines)
         assert all(len(devs) == tp for devs in engines.values())
@@ -243,6 +274,10 @@ def test_engine_placement_on_nodes_of_one_two_and_eight_gpus(gpus):
         assert place(4, 8, 8, 2).owner and not place(5, 8, 8, 2).owner
         # 6 training processes, 2 spare GPUs as two engines of one GPU each: rank 3 is served by engine 1 (GPU 7)
         assert place(3, 6, 8, 1, colocate=False).devices == (7,) and not place(3, 6, 8, 1, colocate=False).owner
+        # 3 processes, 2 engines of 2 GPUs: engine 0 serves processes 0 and 2, engine 1 process 1 alone, which still
+        # joins the group's collectives (before, it took the unshared path and the others waited for it forever)
+        assert place(2, 3, 8, 2, colocate=False).serves == (0, 2) and place(1, 3, 8, 2, colocate=False).serves == (1,)
+        assert place(1, 3, 8, 2, colocate=False).shared and not place(1, 2, 8, 2, colocate=False).shared
 
 
 def test_engine_placement_refuses_shapes_it_cannot_hold_and_maps_through_visible_devices():
@@ -256,7 +291,7 @@ def test_engine_placement_refuses_shapes_it_cannot_hold_and_maps_through_visible
         place(0, 4, 2)
     assert place(1, 2, 0).devices == () and place(1, 2, 0).owner  # a CPU: every process its own engine, no device
     # a CPU with tensor_parallel 2: processes 2 and 3 of 4 share engine 1, started by process 2 (no device either)
-    assert place(3, 4, 0, 2) == placement.Placement((), False, 1, 0.3, (2, 3))
+    assert place(3, 4, 0, 2) == placement.Placement((), False, 1, 0.3, (2, 3), True)
     assert place(2, 4, 0, 2).owner and not place(1, 2, 0).shared
     with pytest.raises(ValueError, match="does not divide the 3 processes"):
         place(0, 3, 0, tensor_parallel=2)

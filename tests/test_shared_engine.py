@@ -59,11 +59,17 @@ def test_the_second_process_samples_through_the_engine_the_first_starts_and_sync
                                                           "(RuntimeError: bucket mapping failed)"),
     ("join_fails", "EngineError: the weight sync of process 1's engine failed (RuntimeError: gather failed)",
      "RuntimeError: gather failed"),
+    ("attach_fails", "EngineError: process 1 could not reach its rollout engine (ConnectionRefusedError: engine "
+                     "socket refused", "ConnectionRefusedError: engine socket refused the connection"),
 ])
 def test_a_failure_on_either_side_stops_both_processes_with_its_cause(tmp_path, scenario, first_error, second_error):
     first, second = two_processes(tmp_path, scenario)
     assert first["error"].startswith(first_error), first
     assert second["error"].startswith(second_error), second
+    if scenario == "attach_fails":  # the engine nobody else can reach is stopped by its starter
+        assert first["started_calls"] == ["close"], first
+    if scenario == "sync_fails":  # closed while the error is raised: the starter stops the engine at once
+        assert first["calls"] == ["generate 1", "sync", "kill"], first
 
 
 @pytest.mark.slow

@@ -4,8 +4,10 @@ serves, this module makes that true.
 
 - start: the engine's starter (the first process it serves) starts it for all of them; every process of the job then
   learns, in one all-gather, how to reach its engine (a contact: for vLLM its socket, connection key and process id,
-  which travel between the job's own processes and are written nowhere) or that some engine failed to start: then
-  every process raises, none waits for a peer that will not come.
+  which travel between the job's own processes and are written nowhere) or that some engine failed to start, and in
+  a second whether every process reached its engine: on a failure every process raises, none waits for a peer that
+  will not come. Under `placement: separate` with engines serving unequal numbers of processes, a process alone on
+  its engine still goes through here (placement's `shared` is the node's): the collectives need every process.
 - generate: each process sends its own prompts to its engine whenever it samples (the engine serves requests one at
   a time, in the order they come), so stages whose processes sample different numbers of batches (preferences,
   evaluate) work unchanged.
@@ -76,7 +78,19 @@ def start_shared(placement: Placement, local_rank: int, start: Callable[[int], o
     owner = node + placement.serves[0]
     if engine is None:
         found = [c for n, e, r, c, _ in everyone if (n, e, r) == (node, placement.engine, owner)]
-        engine = attach(found[0])
+        try:
+            engine = attach(found[0])
+        except Exception as exc:  # told to every process below, then raised here
+            error, failure = f"{type(exc).__name__}: {exc}", exc
+    failed = [(r, e) for r, e in _all_gather((rank, error)) if e]  # every process reached its engine, or all stop
+    if failed:
+        if engine is not None:
+            engine.close()
+        if error:
+            raise failure
+        r, e = failed[0]
+        raise EngineError(f"process {r} could not reach its rollout engine ({e.splitlines()[0][:300]}); every process "
+                          "stops with it")
     return GroupEngine(engine, placement, owner, rank)
 
 
@@ -131,4 +145,12 @@ class GroupEngine:
         return seconds
 
     def close(self) -> None:
-        self.engine.close()
+        """Disconnect, or (the starter) stop the engine once the others have disconnected; at once when closing
+        because of an error (sys.exc_info): the job is ending, and the others may be waiting in a collective for
+        this process rather than disconnecting."""
+        import sys
+
+        if self.rank == self.owner and sys.exc_info()[0] is not None:
+            self.engine.close(kill=True)
+        else:
+            self.engine.close()

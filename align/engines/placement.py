@@ -24,10 +24,8 @@ class Placement:
     engine: int  # which of the node's engines serves this process
     memory_fraction: float  # of each of its GPUs the engine may take
     serves: tuple[int, ...] = ()  # the local ranks its engine serves (its starter first)
-
-    @property
-    def shared(self) -> bool:
-        return len(self.serves) > 1
+    shared: bool = False  # some engine of the node serves more than one process: every process then goes through
+    # align/engines/group.py (its collectives need them all), those alone on an engine included
 
 
 def place(local_rank: int, local_world: int, gpus: int, tensor_parallel: int = 1, colocate: bool = True,
@@ -44,7 +42,8 @@ def place(local_rank: int, local_world: int, gpus: int, tensor_parallel: int = 1
                              "processes of a node; use a divisor of it")
         engine = local_rank // tensor_parallel
         first = engine * tensor_parallel
-        return Placement((), local_rank == first, engine, memory_fraction, tuple(range(first, first + tensor_parallel)))
+        return Placement((), local_rank == first, engine, memory_fraction, tuple(range(first, first + tensor_parallel)),
+                         tensor_parallel > 1)
     if colocate:
         if gpus < local_world:
             raise ValueError(f"{local_world} processes on a node with {gpus} GPUs: each process trains on a GPU of "
@@ -55,7 +54,7 @@ def place(local_rank: int, local_world: int, gpus: int, tensor_parallel: int = 1
         engine = local_rank // tensor_parallel
         first = engine * tensor_parallel
         group = tuple(range(first, first + tensor_parallel))
-        return Placement(group, local_rank == first, engine, memory_fraction, group)
+        return Placement(group, local_rank == first, engine, memory_fraction, group, tensor_parallel > 1)
     spare = gpus - local_world
     if spare < tensor_parallel:
         raise ValueError(f"separate engines need GPUs training does not use: {gpus} GPUs, {local_world} training "
@@ -65,7 +64,7 @@ def place(local_rank: int, local_world: int, gpus: int, tensor_parallel: int = 1
     engine = local_rank % engines
     first = local_world + engine * tensor_parallel
     return Placement(tuple(range(first, first + tensor_parallel)), local_rank < engines, engine, 0.9,  # vLLM's default
-                     tuple(range(engine, local_world, engines)))
+                     tuple(range(engine, local_world, engines)), engines < local_world)
 
 
 def visible_devices(devices: tuple[int, ...], parent: str | None) -> str:

@@ -33,7 +33,8 @@ from align.engines.vllm_client import EngineClient
 from align.engines.vllm_env import (VLLM_INSTALL, engine_environment, keeps_weights, shm_dir, shm_problem,
                                     sync_space_problem, vllm_python)
 from align.engines.weight_sync import (Bucket, CudaBucket, HostTensors, SharedBucket, adapter_state, bucket_kind,
-                                       chunk_messages, cuda_ipc_problem, engine_entries, policy_state_for_engine)
+                                       chunk_messages, cuda_ipc_problem, engine_entries, finish_gathers,
+                                       policy_state_for_engine)
 
 SERVER = Path(__file__).parent / "vllm_side" / "align_vllm_server.py"
 
@@ -194,22 +195,24 @@ class VLLMEngine(EngineClient):
         """Stream the entries through the bucket: fill it, tell the engine what is where, wait until it has copied
         them out, fill it again; with `shared`, the weights that lie in host memory are not copied into it but named
         in the last message, read by the engine where they lie (HostTensors). The whole sync within one deadline."""
-        bucket = self._open_bucket(model)
-        deadline = time.monotonic() + self.timeout_s
-        before = bucket.sent_bytes
-        self._send({"op": "stream", **bucket.where(), "size": self.bucket_bytes, "partial": changed_only},
-                   "sync_weights")
+        entries = engine_entries(model, changed_only=changed_only)
         names = 0
         host = HostTensors(self._held)  # not used by weight_sync: host
         try:
-            for msg, fds, done in chunk_messages(bucket, model, engine_entries(model, changed_only=changed_only),
-                                                 host if self.weight_sync == "shared" else None):
+            bucket = self._open_bucket(model)
+            deadline = time.monotonic() + self.timeout_s
+            before = bucket.sent_bytes
+            self._send({"op": "stream", **bucket.where(), "size": self.bucket_bytes, "partial": changed_only},
+                       "sync_weights")
+            for msg, fds, done in chunk_messages(bucket, model, entries, host if self.weight_sync == "shared" else None):
                 names += done
                 self._send(msg, "sync_weights", fds=fds)
                 self._reply("chunk", "sync_weights", deadline)
             reply = self._reply("stream", "sync_weights", deadline)
         except BaseException as exc:  # stopped halfway (here or there): the engine holds a mix of old and new weights
             self.broken = self.broken or f"interrupted by {type(exc).__name__}"
+            if isinstance(exc, Exception):  # under ZeRO-3 the other processes are still gathering, layer by layer
+                finish_gathers(entries, model)
             raise
         if reply["tensors"] != names:  # the engine holds a mix of old and new weights: it must not sample again
             self.broken = f"sync_weights loaded {reply['tensors']} of {names} tensors"
@@ -300,8 +303,6 @@ def make(gen, *, tokenizer, model_dir, seed=0, dtype="float32", max_model_len=51
     process's engine where placement puts it (colocated: process r's own GPU; none on a CPU); one shared by several
     processes (tensor_parallel_size > 1, separate GPUs) is started by the first and reached by the others
     (align/engines/group.py)."""
-    import os
-
     from align.engines.group import start_shared
     from align.engines.vllm_client import SharedClient
 

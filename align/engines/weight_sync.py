@@ -123,13 +123,27 @@ def adapter_state(model) -> tuple[dict[str, torch.Tensor], object]:
     return state, model.peft_config[model.active_adapter]
 
 
+def partitioned(model) -> bool:
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+@torch.no_grad()
+def finish_gathers(entries, model) -> None:
+    """After a sync failed part-way: under ZeRO-3, the rest of `entries` (an `engine_entries` iterator) read and
+    dropped, so this process joins every gather the other processes' syncs still make and the failure is raised
+    with them all at the same point instead of leaving them waiting in a collective."""
+    if partitioned(model):
+        for _ in entries:
+            pass
+
+
 @torch.no_grad()
 def join_gathers(model, how: str) -> None:
     """At a sync of an engine another process syncs (one shared by several processes: align/engines/group.py): under
     ZeRO-3, the gathers that process's sync takes part in (collectives every process joins, in the same order), their
     tensors dropped; nothing when `model` is not partitioned. `how`: what that sync sends: "adapter" (adapter_state),
     "whole" (every weight: the file transport, a first sync) or "changed" (the weights that train)."""
-    if not any(hasattr(p, "ds_id") for p in model.parameters()):
+    if not partitioned(model):
         return
     if how == "adapter":
         with _gathered([p for n, p in model.named_parameters() if "lora_" in n]):

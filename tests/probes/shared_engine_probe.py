@@ -1,7 +1,8 @@
 """One process of a two-process job (gloo) exercising align/engines/group.py with stand-in engines: `python
 shared_engine_probe.py RANK STORE SCENARIO OUT`; writes what happened to OUT (JSON). Scenarios: ok (process 0 starts
 the engine, process 1 reaches it by its contact, both sample and sync), start_fails (process 0's start raises),
-sync_fails (process 0's sync raises), join_fails (process 1's part of a sync raises)."""
+sync_fails (process 0's sync raises), join_fails (process 1's part of a sync raises), attach_fails
+(process 1 cannot reach the engine)."""
 
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ class StandIn:
     def describe(self):
         return {"name": self.name, "pid": self.contact["pid"]}
 
-    def close(self):
-        self.calls.append("close")
+    def close(self, kill: bool = False):
+        self.calls.append("kill" if kill else "close")
 
 
 def main(rank: int, store: str, scenario: str, out: str) -> None:
@@ -52,14 +53,19 @@ def main(rank: int, store: str, scenario: str, out: str) -> None:
     placement = place(rank, 2, 0, tensor_parallel=2)  # a CPU node: both processes on one engine
     result: dict = {"owner": placement.owner, "serves": list(placement.serves)}
 
+    started: list[StandIn] = []
+
     def start(clients: int):
         result["clients"] = clients
         if scenario == "start_fails":
             raise RuntimeError("engine ran out of memory")
-        return StandIn("owner", scenario)
+        started.append(StandIn("owner", scenario))
+        return started[0]
 
     def attach(contact: dict):
         result["attached_to"] = contact
+        if scenario == "attach_fails":
+            raise ConnectionRefusedError("engine socket refused the connection")
         return StandIn("client", scenario, contact)
 
     engine = None
@@ -71,9 +77,15 @@ def main(rank: int, store: str, scenario: str, out: str) -> None:
         result["syncs"] = len(engine.sync_seconds)
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
+        if scenario == "sync_fails" and engine is not None:  # closing because of the error: the starter kills
+            engine.close()
+            result["calls"] = engine.engine.calls
+            engine = None
     if engine is not None:
         engine.close()
         result["calls"] = engine.engine.calls
+    if started:
+        result["started_calls"] = started[0].calls
     with open(out, "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()

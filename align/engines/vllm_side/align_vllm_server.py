@@ -47,10 +47,11 @@ def serve(address: str) -> None:
 
     authkey = bytes.fromhex(os.environ.pop("ALIGN_VLLM_AUTHKEY"))
     with Listener(address, authkey=authkey) as listener, listener.accept() as conn:
-        llm, others, closing = None, [], False
+        llm, others, accepted, closing = None, [], [], False
+        expected = 0  # the other processes the engine serves: the parent's close waits until all came and went
         while True:
             ready = wait([conn, *others], timeout=1.0)  # `others` grows as they connect
-            if closing and not others:
+            if closing and not others and len(accepted) >= expected:
                 conn.send({"ok": True})
                 return
             for c in ready:
@@ -73,8 +74,8 @@ def serve(address: str) -> None:
                 else:
                     reply = handle(llm, c, msg)
                 if op == "init" and reply.get("ok"):
-                    llm = reply.pop("llm")
-                    accept_others(listener, others, msg.get("clients", 1) - 1, threading)
+                    llm, expected = reply.pop("llm"), msg.get("clients", 1) - 1
+                    accept_others(listener, others, accepted, expected, threading)
                 try:
                     if reply is not None:
                         c.send(reply)
@@ -82,17 +83,24 @@ def serve(address: str) -> None:
                     if c is conn:
                         return
                     others.remove(c)
+                    c.close()
 
 
-def accept_others(listener, others: list, count: int, threading) -> None:
+def accept_others(listener, others: list, accepted: list, count: int, threading) -> None:
     """Accept `count` more connections in the background (the processes the engine is shared with connect once the
-    parent has started it), each appended to `others` as it comes."""
+    parent has started it), each appended to `others` (and counted in `accepted`) as it comes."""
+    from multiprocessing import AuthenticationError
+
     def accept():
-        for _ in range(count):
+        while len(accepted) < count:
             try:
-                others.append(listener.accept())
-            except Exception:  # the listener closed (the engine is stopping), or a stranger without the key
+                c = listener.accept()
+            except (AuthenticationError, EOFError, ConnectionError):  # a connection without the key: not one of ours
+                continue
+            except OSError:  # the listener closed: the engine is stopping
                 return
+            others.append(c)
+            accepted.append(True)
 
     if count > 0:
         threading.Thread(target=accept, daemon=True).start()
