@@ -5,7 +5,7 @@ Stand-ins first (two gloo processes, no vLLM): the second process reaches the fi
 sample through it, a sync is the starter's while the other joins its gathers, and a failure of either side (the
 engine's start, the sync, the other's part of it) ends both processes with an error naming it instead of leaving one
 waiting for the other. Then the real thing, vLLM on the packaged SmolLM2 with both processes on one engine: PPO
-under 2-process ZeRO-3 (~200 s) and GRPO under ZeRO-2 (~80 s): one engine process, and every iteration's engine
+under 2-process ZeRO-3 (~200 s, long tier) and GRPO under ZeRO-2 (~80 s): one engine process, and every iteration's engine
 log-probs equal the trained policy's on both processes (the second samples through the first's engine after the
 first's syncs).
 """
@@ -70,6 +70,42 @@ def test_a_failure_on_either_side_stops_both_processes_with_its_cause(tmp_path, 
         assert first["started_calls"] == ["close"], first
     if scenario == "sync_fails":  # closed while the error is raised: the starter stops the engine at once
         assert first["calls"] == ["generate 1", "sync", "kill"], first
+
+
+def test_the_engine_serves_what_arrives_together_in_one_batch_and_only_its_starter_syncs(monkeypatch):
+    """The engine's server (vllm_side/align_vllm_server.py serve_received), with a stand-in for vLLM: generate
+    requests that arrive together with the same settings become one batch, each process's reply holding its own rows
+    in order; other settings get their own batch; a process other than the starter may not sync or close the
+    engine, and the starter's close is noted (answered once the others have gone)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("server", REPO / "align/engines/vllm_side/align_vllm_server.py")
+    server = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(server)
+    batches = []
+
+    def stand_in(llm, msg):  # one reply row per prompt: its ids reversed, tagged with the settings
+        batches.append([p[0] for p in msg["prompts"]])
+        return {"outputs": [{"token_ids": p[::-1], "logprobs": [msg["temperature"]] * len(p)} for p in msg["prompts"]]}
+
+    monkeypatch.setattr(server, "generate", stand_in)
+    parent, second, third = "parent", "second", "third"
+    settings = {"op": "generate", "temperature": 1.0, "max_tokens": 4}
+    state = {"llm": object(), "closing": False, "expected": 2}
+    replies = dict(server.serve_received(state, parent, [
+        (parent, {**settings, "prompts": [[1, 2], [3]]}),
+        (second, {**settings, "prompts": [[4, 5, 6]]}),
+        (third, {**settings, "temperature": 0.5, "prompts": [[7]]}),
+    ]))
+    assert batches == [[1, 3, 4], [7]]  # parent's and second's together; third's settings apart
+    assert replies[parent]["outputs"] == [{"token_ids": [2, 1], "logprobs": [1.0, 1.0]},
+                                          {"token_ids": [3], "logprobs": [1.0]}]
+    assert replies[second]["outputs"] == [{"token_ids": [6, 5, 4], "logprobs": [1.0] * 3}]
+    assert replies[third]["outputs"] == [{"token_ids": [7], "logprobs": [0.5]}]
+    refused = server.serve_received(state, parent, [(second, {"op": "stream"}), (third, {"op": "close"})])
+    assert [c for c, _ in refused] == [second, third] and not any(r["ok"] for _, r in refused)
+    assert "engine starter's to ask" in refused[0][1]["error"] and not state["closing"]
+    assert server.serve_received(state, parent, [(parent, {"op": "close"})]) == [] and state["closing"]
 
 
 @pytest.mark.slow

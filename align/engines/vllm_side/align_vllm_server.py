@@ -40,50 +40,94 @@ import traceback
 def serve(address: str) -> None:
     """Serve the parent (the first connection: it starts, syncs and closes the engine) and, when `init` says
     `clients` > 1, the other training processes the engine is shared with (they connect after init and only
-    generate; align/engines/group.py). Requests are served one at a time, in the order they arrive. The parent's
-    close is answered once the others have disconnected: it must not stop the engine under them."""
+    generate; align/engines/group.py). What arrives together is served together: generate requests with the same
+    sampling settings in one batch (merged_generate), the rest one at a time. The parent's close is answered once
+    every other process has connected and disconnected: it must not stop the engine under them."""
     import threading
     from multiprocessing.connection import Listener, wait
 
     authkey = bytes.fromhex(os.environ.pop("ALIGN_VLLM_AUTHKEY"))
     with Listener(address, authkey=authkey) as listener, listener.accept() as conn:
-        llm, others, accepted, closing = None, [], [], False
-        expected = 0  # the other processes the engine serves: the parent's close waits until all came and went
+        state = {"llm": None, "closing": False, "expected": 0}  # expected: the other processes it serves
+        others: list = []  # their connections, as they connect (accept_others)
+        accepted: list = []
         while True:
-            ready = wait([conn, *others], timeout=1.0)  # `others` grows as they connect
-            if closing and not others and len(accepted) >= expected:
+            ready = wait([conn, *others], timeout=1.0)
+            if state["closing"] and not others and len(accepted) >= state["expected"]:
                 conn.send({"ok": True})
                 return
+            received = []
             for c in ready:
                 try:
-                    msg = c.recv()
+                    received.append((c, c.recv()))
                 except (EOFError, OSError):  # the parent gone: stop; another process gone: forget it
                     if c is conn:
                         return
                     others.remove(c)
                     c.close()
-                    continue
-                op = msg.get("op")
-                if op == "close" and c is conn:
-                    _BUCKETS.clear()  # a GPU bucket: let go of the trainer's memory before the trainer frees it
-                    closing = True
-                    continue
-                if c is not conn and op != "generate":
-                    reply = {"ok": False, "error": f"ValueError: {op!r} is the engine starter's to ask (a process "
-                                                   "the engine is shared with only generates)"}
-                else:
-                    reply = handle(llm, c, msg)
-                if op == "init" and reply.get("ok"):
-                    llm, expected = reply.pop("llm"), msg.get("clients", 1) - 1
-                    accept_others(listener, others, accepted, expected, threading)
+            replies = serve_received(state, conn, received)
+            if state.pop("init", False):
+                accept_others(listener, others, accepted, state["expected"], threading)
+            for c, reply in replies:
                 try:
-                    if reply is not None:
-                        c.send(reply)
+                    c.send(reply)
                 except OSError:
                     if c is conn:
                         return
                     others.remove(c)
                     c.close()
+
+
+def serve_received(state: dict, parent, received: list) -> list:
+    """Replies (connection, reply) to the requests `received` together; `state` holds the engine."""
+    replies, generates = [], []
+    for c, msg in received:
+        op = msg.get("op")
+        if op == "generate" and state["llm"] is not None:
+            generates.append((c, msg))
+        elif op == "close" and c is parent:
+            _BUCKETS.clear()  # a GPU bucket: let go of the trainer's memory before the trainer frees it
+            state["closing"] = True
+        elif c is not parent:
+            replies.append((c, {"ok": False, "error": f"ValueError: {op!r} is the engine starter's to ask (a process "
+                                                      "the engine is shared with only generates)"}))
+        else:
+            reply = handle(state["llm"], c, msg)
+            if op == "init" and reply.get("ok"):
+                state.update(llm=reply.pop("llm"), expected=msg.get("clients", 1) - 1, init=True)
+            if reply is not None:
+                replies.append((c, reply))
+    by_settings: dict = {}
+    for c, msg in generates:
+        by_settings.setdefault(repr({k: v for k, v in msg.items() if k != "prompts"}), []).append((c, msg))
+    for group in by_settings.values():
+        try:
+            outs = merged_generate(state["llm"], [msg for _, msg in group])
+            replies += [(c, {"ok": True, **out}) for (c, _), out in zip(group, outs)]
+        except Exception as e:
+            replies += [(c, failure(e)) for c, _ in group]
+    return replies
+
+
+def merged_generate(llm, requests: list[dict]) -> list[dict]:
+    """Several processes' generate requests with the same settings as one vLLM batch (served one after another, the
+    engine would decode for one process at a time), each reply holding its own rows in its own order."""
+    if len(requests) > 1:
+        print(f"generate: {len(requests)} processes' requests in one batch", flush=True)
+    outs = generate(llm, {**requests[0], "prompts": [p for m in requests for p in m["prompts"]]})["outputs"]
+    replies, start = [], 0
+    for m in requests:
+        replies.append({"outputs": outs[start:start + len(m["prompts"])]})
+        start += len(m["prompts"])
+    return replies
+
+
+def failure(e: Exception) -> dict:
+    """The reply to a request that raised `e` (its traceback to the engine's log)."""
+    traceback.print_exc()
+    sys.stdout.flush()
+    first = str(e).splitlines()[0] if str(e) else ""
+    return {"ok": False, "error": f"{type(e).__name__}: {first[:500]}"}
 
 
 def accept_others(listener, others: list, accepted: list, count: int, threading) -> None:
@@ -141,11 +185,8 @@ def handle(llm, conn, msg: dict) -> dict | None:
         else:
             raise ValueError(f"unknown op {op!r}")
         return {"ok": True, **reply}
-    except Exception as e:  # reported to the parent, which ends the stage with it; the traceback to the log
-        traceback.print_exc()
-        sys.stdout.flush()
-        first = str(e).splitlines()[0] if str(e) else ""
-        return {"ok": False, "error": f"{type(e).__name__}: {first[:500]}"}
+    except Exception as e:  # reported to the parent, which ends the stage with it
+        return failure(e)
 
 
 _BUCKETS: dict = {}
