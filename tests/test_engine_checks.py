@@ -375,3 +375,32 @@ def test_placing_an_engine_the_stage_does_not_start_is_refused_by_validate(workd
     assert p.returncode != 0 and "Traceback" not in out, out[-2000:]
     assert f"stages.ppo.generation.{key}: " in out and value in out, out[-2000:]
     assert "'hf' samples with each process's own model" in out and "generation.engine: vllm" in out, out[-2000:]
+
+
+def test_engines_that_cannot_be_placed_on_the_node_are_refused_before_launch():
+    """`align run` asks the stage's own placement function before launching anything: tensor_parallel_size not
+    dividing the processes per node (on a CPU too), separate engines on a node whose GPUs training takes."""
+    from align.config import load_pipeline
+    from align.orchestrator.launch import placement_problem
+    from align.orchestrator.plan import build_plan
+
+    source = REPO / "pipelines" / "default.yaml"
+
+    def ppo(*overrides):
+        cfg = load_pipeline(source, ["ppo.generation.engine=vllm", "ppo.accelerate=zero2", *overrides])
+        return next(p for p in build_plan(cfg, source) if p.name == "ppo")
+
+    shared = ppo("ppo.generation.tensor_parallel_size=2", "ppo.num_processes=3")
+    problem = placement_problem(shared, source, None, gpus=0)
+    assert problem.startswith("stages.ppo.generation: generation.tensor_parallel_size: 2 does not divide the 3")
+    assert "(3 processes per node, 0 GPUs on this machine)" in problem
+    assert placement_problem(shared, source, 4, gpus=0) == problem  # the stage's own count wins over --num-processes
+    assert placement_problem(ppo("ppo.generation.tensor_parallel_size=2", "ppo.num_processes=4"), source, None, 0) is None
+    launched = ppo("ppo.generation.tensor_parallel_size=2")  # processes from --num-processes
+    assert "does not divide the 3" in placement_problem(launched, source, 3, 0)
+    assert placement_problem(launched, source, 4, 0) is None
+    apart = ppo("ppo.generation.placement=separate", "ppo.num_processes=8")
+    assert "GPUs training does not use" in placement_problem(apart, source, None, gpus=8)
+    assert placement_problem(apart, source, None, gpus=0) is None  # ignored on a CPU
+    assert placement_problem(ppo("ppo.generation.engine=hf", "ppo.num_processes=3",
+                                 "ppo.generation.tensor_parallel_size=1"), source, None, 0) is None

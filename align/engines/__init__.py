@@ -24,7 +24,7 @@ import os
 from align.engines.kinds import EngineError, EngineKind, OnDevice
 
 __all__ = ["DEFAULT", "EngineError", "EngineKind", "KINDS", "PLUGIN_ERRORS", "register", "engine_names", "kind",
-           "holds_own_copy", "make_engine"]
+           "holds_own_copy", "make_engine", "placement_problem"]
 
 DEFAULT = "hf"
 """The engine `generation.engine` names unless a pipeline says otherwise."""
@@ -53,6 +53,21 @@ def kind(name: str) -> EngineKind:
 def holds_own_copy(name: str) -> bool:
     """Whether the engine named `name` keeps its own copy of the policy (EngineKind.own_copy)."""
     return kind(name).own_copy
+
+
+def placement_problem(gen, processes: int, gpus: int) -> str | None:
+    """Why the engines `gen` asks for cannot be placed on a node of `gpus` GPUs (0: none) running `processes` training
+    processes (placement.py, what every stage process runs at its start), or None; None too for an engine that
+    samples with the stage's own model (nothing to place)."""
+    if not kind(gen.engine).own_copy:
+        return None
+    from align.engines.placement import place
+
+    try:
+        place(0, processes, gpus, gen.tensor_parallel_size, gen.placement == "colocated", gen.gpu_memory_utilization)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def make_engine(gen, *, model, tokenizer, model_dir: str, fast: bool = False, synced_gpus: bool = False,

@@ -168,6 +168,24 @@ def processes_per_node(stage: StageBase, num_processes: int | None) -> int | Non
     return stage.num_processes or (num_processes if is_distributed(stage) else None)
 
 
+def placement_problem(plan: StagePlan, source: str | Path, num_processes: int | None, gpus: int) -> str | None:
+    """Why the stage's rollout engines cannot be placed on a node of `gpus` GPUs (0: a machine without GPUs) with the
+    processes the stage launches there (tensor_parallel_size not dividing them, separate engines with no GPU left),
+    by the function the stage itself runs (align/engines/placement.py), or None: said before anything is launched."""
+    from align.engines import placement_problem as engine_placement_problem
+
+    gen = plan.cfg.generation_settings()
+    if gen is None:
+        return None
+    n = processes_per_node(plan.cfg, num_processes)
+    if n is None:
+        n = 1 if one_plain_process(plan, source, None) else int(
+            (yaml_load(accelerate_config(plan.cfg.accelerate, source)) or {}).get("num_processes", 1) or 1)
+    problem = engine_placement_problem(gen, n, gpus)
+    return f"stages.{plan.name}.generation: {problem} ({n} processes per node, {gpus} GPUs on this machine)" \
+        if problem else None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -23,10 +23,11 @@ from align.config import PipelineConfig, to_dict
 from align.core.console import stream_stage, tail, verbose
 from align.core.errors import INTERRUPTED, Terminated, interrupt_cause
 from align.orchestrator.estimate import EstimateError, estimate_pipeline, too_big
-from align.orchestrator.hardware import hardware
+from align.orchestrator.hardware import detected_gpus, hardware
 from align.core.fsutil import atomic_write_json
 from align.orchestrator.inputs import resolve_model_paths
-from align.orchestrator.launch import MultiNode, is_distributed, launch_command, one_plain_process, stage_env
+from align.orchestrator.launch import (MultiNode, is_distributed, launch_command, one_plain_process, placement_problem,
+                                      stage_env)
 from align.orchestrator.multinode import follow_stage
 from align.orchestrator.plan import REPO_DIR, StagePlan, code_version, descendants, run_dir_of
 from align.core.errors import PipelineError
@@ -105,6 +106,9 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
     run_dir = Path(run_dir) if run_dir is not None else run_dir_of(cfg)
     to_run = [p.name for p in plans if p.name in selected and (p.name in forced or not up_to_date(p, run_dir, source))]
     memory_preflight(cfg, source, plans, set(to_run), num_processes, multi, ignore_memory_check)
+    gpus = len(detected_gpus())
+    for problem in filter(None, (placement_problem(p, source, num_processes, gpus) for p in plans if p.name in to_run)):
+        raise PipelineError(f"{source}: {problem}")
     if not multi.is_main:
         return _run_stages(cfg, source, plans, selected, forced, run_dir, num_processes, trust_completed_inputs,
                            multi, t0)
