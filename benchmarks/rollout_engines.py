@@ -12,7 +12,8 @@ Weight sync (`--sync`, or part of every run): two vLLM engines started from the 
 align starts it now, one as it did before in-place loads (`keep_weights=False`), synced `--sync-rounds` times each
 way: the file path as it was (the whole policy as safetensors in /dev/shm, vLLM's reload_weights, the engine as
 before), the same file through today's engine, every weight through the /dev/shm bucket (generation.weight_sync:
-host, loaded in place) and the weights read where they lie (shared, the default), the order rotating each round, for
+host, loaded in place), the weights read where they lie (shared, the default) and a bucket sent by gloo broadcast to
+a third engine (broadcast, NCCL's CPU twin), the order rotating each round, for
 full fine-tuning (every weight changed before each sync) and LoRA r 16 on every linear layer (the adapters changed);
 then the adapters alone into a third engine with vLLM's LoRA support. Per transport: seconds per sync (median), bytes
 the engine loaded per sync, and the engine-vs-trainer log-prob gap after every sync (must stay < 1e-3).
@@ -105,12 +106,13 @@ def sampling(engine_kind: str, model_dir: str, prompts: list[str], args) -> dict
     return {"tokens": counts["generated_tokens"], "seconds": seconds, "startup_seconds": startup}
 
 
-TRANSPORTS = ("before", "file", "host", "shared")
+TRANSPORTS = ("before", "file", "host", "shared", "broadcast")
 """before: the file through an engine as align started it before in-place loads (vLLM's CPU backend keeps only its
 packed copies of the linear weights: every sync is vLLM's reload_weights), i.e. the file path as it was; file: the
 same file through this engine; host: every weight through the bucket in /dev/shm, loaded in place; shared (the
 default): the trainer's weights read where they lie in host shared memory, the rest (merged LoRA layers) through the
-bucket, loaded in place."""
+bucket, loaded in place; broadcast: every weight through a bucket in the trainer's memory sent by a gloo broadcast to a
+third engine (the CPU twin of NCCL between separate GPUs), loaded in place."""
 
 
 def sync_summary(runs: list[tuple]) -> dict:
@@ -150,8 +152,9 @@ def sync_side_by_side(rounds: int, bucket_mib: float, seed: int = 4242) -> dict:
 
     out: dict[str, dict] = {}
     with VLLMEngine(model_dir, tok, seed=seed, bucket_mib=bucket_mib) as engine, \
-            VLLMEngine(model_dir, tok, seed=seed, weight_sync="file", keep_weights=False) as before:
-        engines = {"before": before, "file": engine, "host": engine, "shared": engine}
+            VLLMEngine(model_dir, tok, seed=seed, weight_sync="file", keep_weights=False) as before, \
+            VLLMEngine(model_dir, tok, seed=seed, bucket_mib=bucket_mib, weight_sync="broadcast") as sent:
+        engines = {"before": before, "file": engine, "host": engine, "shared": engine, "broadcast": sent}
         for mode in ("full", "lora"):
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
             if mode == "lora":
@@ -160,15 +163,15 @@ def sync_side_by_side(rounds: int, bucket_mib: float, seed: int = 4242) -> dict:
                 model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")).eval()
             trains = [p for n, p in model.named_parameters() if mode == "full" or "lora_B" in n]
             engine.weight_sync = "shared"
-            engine.sync_weights(model)  # the first, full sync of this model into each engine: not timed
-            before.sync_weights(model)
+            for first in (engine, before, sent):  # the first, full sync of this model into each engine: not timed
+                first.sync_weights(model)
             runs: dict[str, list] = {how: [] for how in TRANSPORTS}
             for i in range(rounds):
                 for how in TRANSPORTS[i % len(TRANSPORTS):] + TRANSPORTS[:i % len(TRANSPORTS)]:
                     with torch.no_grad():  # what an optimiser step changes
                         for p in trains:
                             p.add_(torch.randn(p.shape, generator=g) * 1e-3)
-                    if how != "before":
+                    if how in ("file", "host", "shared"):
                         engine.weight_sync = how
                     seconds = engines[how].sync_weights(model)
                     runs[how].append((seconds, engines[how].sync_bytes[-1], gap(engines[how], model)))
@@ -232,10 +235,10 @@ def print_sync(sync: dict, machine_line: str, rounds: int, bucket_mib: float) ->
     print("|---|---|---|---|---|---|")
     names = {"before": "file, engine as before (reload_weights)", "file": "file, this engine (reload_weights)",
              "host": "bucket in /dev/shm, loaded in place", "shared": "read where they lie (+ bucket), in place",
-             "adapter": "adapter alone (vLLM LoRA)"}
+             "broadcast": "bucket sent by gloo broadcast, in place", "adapter": "adapter alone (vLLM LoRA)"}
     for mode in ("full", "lora"):
         r = sync[mode]
-        for how in ("before", "file", "host", "shared", "adapter"):
+        for how in ("before", "file", "host", "shared", "broadcast", "adapter"):
             if how not in r:
                 continue
             x = r[how]

@@ -81,7 +81,7 @@ def test_rollout_engines_benchmark_runs_in_its_tiny_mode(tmp_path):
     for mode in ("full", "lora"):  # the weight sync side by side: every transport correct, LoRA's shared one smaller
         sync = r["sync"][mode]
         assert all(sync[how]["max_logprob_gap"] < 1e-3 and sync[how]["seconds"] > 0
-                   for how in ("before", "file", "host", "shared"))
+                   for how in ("before", "file", "host", "shared", "broadcast"))
         assert sync["shared_load"] == "in place"  # not vLLM's reload_weights
     # full fine-tuning: the engine read every weight where it lies; LoRA's merged layers are computed: the bucket
     assert r["sync"]["full"]["shared_host_tensors"] > 200 and r["sync"]["lora"]["shared_host_tensors"] == 0
@@ -89,7 +89,8 @@ def test_rollout_engines_benchmark_runs_in_its_tiny_mode(tmp_path):
     adapter = r["sync"]["lora"]["adapter"]  # the adapters alone, applied by vLLM's LoRA support
     assert adapter["max_logprob_gap"] < 1e-3 and adapter["bytes"] < r["sync"]["lora"]["shared"]["bytes"] / 10
     assert all(r["sync"]["generation_seconds"][how] > 0 for how in ("merged", "adapter"))
-    assert r["sync"]["full"]["shared"]["bytes"] == r["sync"]["full"]["host"]["bytes"] == r["sync"]["full"]["file"]["bytes"]
+    full = r["sync"]["full"]
+    assert full["shared"]["bytes"] == full["host"]["bytes"] == full["file"]["bytes"] == full["broadcast"]["bytes"]
     assert "| vllm |" in proc.stdout and "vllm / hf" in proc.stdout
 
 

@@ -236,19 +236,20 @@ def test_lora_adapter_sync(smollm2, tmp_path):
 def test_every_transport_in_turn_and_a_bucket_smaller_than_a_tensor(engine, smollm2):
     """Every transport leaves the engine sampling the trained weights, one after another on the same model: the
     weights read where they lie (shared), the safetensors file, a bucket of 1 MiB in /dev/shm through which the 113 MB
-    embedding travels in pieces (host), and shared again (the engine kept its mappings through the other two)."""
+    embedding travels in pieces (host), a bucket of 1 MiB sent by broadcast in a gloo group of trainer and engine
+    (broadcast: NCCL's CPU twin), and shared again (the engine kept its mappings through the other three)."""
     _, tok = smollm2
     model, _ = load(smollm2_dir())
     entries = sum(1 for _ in engine_entries(model))
     bucket = engine.bucket_bytes
     try:
-        for i, (how, mib) in enumerate([("shared", 32), ("file", 32), ("host", 1), ("shared", 32)]):
+        for i, (how, mib) in enumerate([("shared", 32), ("file", 32), ("host", 1), ("broadcast", 1), ("shared", 32)]):
             engine.weight_sync, engine.bucket_bytes = how, mib * 2 ** 20
             perturb(model, SEED + 20 + i)
             engine.sync_weights(model)
             gap, same = agree(engine, model, tok, SEED + 20 + i)
             assert gap < 1e-3 and same, (how, gap, same)
-            if how != "file":  # shared: every weight read where it lies; host: none
+            if how != "file":  # shared: every weight read where it lies; host and broadcast: none
                 assert engine.last_sync["host_tensors"] == (entries if how == "shared" else 0), engine.last_sync
         assert engine.last_sync["host_new"] == 0, engine.last_sync  # the engine kept its mappings: none passed again
     finally:

@@ -20,8 +20,8 @@ import torch
 
 from conftest import REPO
 
-from align.engines.weight_sync import (SharedBucket, bucket_kind, cuda_ipc_problem, engine_entries, groups,
-                                       policy_state_for_engine)
+from align.engines.buckets import SharedBucket, bucket_kind, cuda_ipc_problem
+from align.engines.weight_sync import engine_entries, groups, policy_state_for_engine
 
 SEED = 2718
 sys.path.insert(0, str(REPO / "align" / "engines" / "vllm_side"))
@@ -298,7 +298,8 @@ def host_sync(model, held: dict, bucket: SharedBucket, engine_end, trainer_end, 
     not `shares`), read by the engine's own stream_chunks in a thread: what the engine got (as clones) and whether each
     lay in a mapping of the trainer's memory (a view, not a copy), the HostTensors used, the names that went through
     the bucket."""
-    from align.engines.weight_sync import HostTensors, chunk_messages
+    from align.engines.buckets import chunk_messages
+    from align.engines.weight_sync import HostTensors
 
     host = HostTensors(held, space, budget)
     got, viewed, errors = {}, {}, []

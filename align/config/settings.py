@@ -133,7 +133,7 @@ class Generation:
     """vllm on CPU: the KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, rounded to whole GiB); align estimate counts it."""
     gpu_memory_utilization: float = ranged(0.3, gt=0, le=1, fix="a fraction of the GPU's memory, e.g. 0.3")
     """vllm on a GPU: the fraction of the GPU's memory vLLM takes (weights + KV cache), beside the trainer."""
-    weight_sync: str = one_of("shared", "shared", "host", "file")
+    weight_sync: str = one_of("shared", "shared", "host", "file", "broadcast")
     """vllm: how the trained weights reach the engine after an update (align/engines/weight_sync.py): `shared`
     streams them through one bucket (sync_bucket_mib) that the engine loads from in place (vLLM's own weight loaders;
     on a CPU the engine keeps its linear weights beside vLLM's packed copies for this: one more copy of the weights in
@@ -143,7 +143,9 @@ class Generation:
     and the engine reads them where they lie (merged LoRA layers still travel). `host`: every weight through the
     bucket in /dev/shm, on GPUs too (a device-to-host copy each way; for machines where CUDA IPC between processes is
     not allowed). `file` writes the whole policy as a safetensors file in /dev/shm for the engine to reload (the older
-    path, kept for comparison). The CUDA IPC bucket has not run on a GPU in this project (vLLM's CUDA build cannot be
+    path, kept for comparison). `broadcast`: the bucket stays in the trainer's memory and reaches the engine by a
+    broadcast in a process group of the two (NCCL GPU to GPU, for engines on separate GPUs; gloo on a CPU, where it
+    is the tested twin and slower than shared memory); NCCL has not run in this project. The CUDA IPC bucket has not run on a GPU in this project (vLLM's CUDA build cannot be
     carried to the lent GPU)."""
     lora_sync: str = one_of("merged", "merged", "adapter")
     """vllm with a LoRA-trained policy: what a sync sends. `merged`: the adapted layers with the adapters merged in

@@ -32,8 +32,9 @@ from align.engines.placement import node_placement
 from align.engines.vllm_client import EngineClient
 from align.engines.vllm_env import (VLLM_INSTALL, engine_environment, keeps_weights, shm_dir, shm_problem,
                                     sync_space_problem, vllm_python)
-from align.engines.weight_sync import (Bucket, CudaBucket, HostTensors, SharedBucket, adapter_state, bucket_kind,
-                                       chunk_messages, cuda_ipc_problem, engine_entries, finish_gathers,
+from align.engines.buckets import (BroadcastBucket, Bucket, CudaBucket, SharedBucket, bucket_kind, chunk_messages,
+                                   cuda_ipc_problem)
+from align.engines.weight_sync import (HostTensors, adapter_state, engine_entries, finish_gathers,
                                        policy_state_for_engine)
 
 SERVER = Path(__file__).parent / "vllm_side" / "align_vllm_server.py"
@@ -47,8 +48,8 @@ class VLLMEngine(EngineClient):
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.3, log_path=None, timeout_s: float = 600.0,
                  python: str | None = None, devices: tuple[int, ...] = (), weight_sync: str = "shared",
                  bucket_mib: float = 32, lora_rank: int | None = None, keep_weights: bool = True, clients: int = 1):
-        if weight_sync not in ("shared", "host", "file"):
-            raise ValueError(f"generation.weight_sync: {weight_sync!r} is not one of shared, host, file")
+        if weight_sync not in ("shared", "host", "file", "broadcast"):
+            raise ValueError(f"generation.weight_sync: {weight_sync!r} is not one of shared, host, file, broadcast")
         if len(devices) > 1:  # tensor parallel: vLLM's workers are processes of their own, which a bucket never reaches
             weight_sync, keep_weights = "file", False
         self.tokenizer, self.timeout_s, self.weight_sync = tokenizer, timeout_s, weight_sync
@@ -177,6 +178,8 @@ class VLLMEngine(EngineClient):
         if self._bucket is not None and (self._bucket.size, self._bucket.kind) != (self.bucket_bytes, kind):
             self._bucket.close()
             self._bucket = None
+        if self._bucket is None and kind == "broadcast":
+            self._bucket = self._join_broadcast(device)
         if self._bucket is None and kind == "cuda_ipc":
             try:
                 self._bucket = CudaBucket(self.bucket_bytes, device)
@@ -190,6 +193,23 @@ class VLLMEngine(EngineClient):
                 raise EngineError(f"vLLM engine: {problem}, or a smaller generation.sync_bucket_mib")
             self._bucket = SharedBucket(self.bucket_path, self.bucket_bytes)
         return self._bucket
+
+    def _join_broadcast(self, device: torch.device) -> BroadcastBucket:
+        """A bucket sent by broadcast (weight_sync: broadcast): the engine is asked to join a process group of two
+        with this process at a store served here (same node: 127.0.0.1), which the bucket's group then waits for."""
+        import datetime
+
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=self.timeout_s),
+                              wait_for_workers=False)
+        self._send({"op": "join", "port": store.port, "backend": "nccl" if device.type == "cuda" else "gloo",
+                    "timeout_s": self.timeout_s}, "sync_weights")
+        try:
+            bucket = BroadcastBucket(self.bucket_bytes, device, store, self.timeout_s)
+        finally:
+            self._reply("join", "sync_weights", time.monotonic() + self.timeout_s)
+        return bucket
 
     def _sync_shared(self, model, changed_only: bool) -> int:
         """Stream the entries through the bucket: fill it, tell the engine what is where, wait until it has copied
@@ -207,6 +227,7 @@ class VLLMEngine(EngineClient):
             for msg, fds, done in chunk_messages(bucket, model, entries, host if self.weight_sync == "shared" else None):
                 names += done
                 self._send(msg, "sync_weights", fds=fds)
+                bucket.send(msg)
                 self._reply("chunk", "sync_weights", deadline)
             reply = self._reply("stream", "sync_weights", deadline)
         except BaseException as exc:  # stopped halfway (here or there): the engine holds a mix of old and new weights
@@ -234,7 +255,7 @@ class VLLMEngine(EngineClient):
                    if self.last_sync else {})}
 
     def _transport(self, device: torch.device) -> str:
-        """cuda_ipc or shared_memory for weights on `device` (weight_sync.bucket_kind), /dev/shm where CUDA IPC
+        """cuda_ipc or shared_memory for weights on `device` (buckets.bucket_kind), /dev/shm where CUDA IPC
         cannot work here (`ipc_problem`: torch versions, the allocator, a failed handle)."""
         kind = bucket_kind(device, self.devices, self.weight_sync)
         return "shared_memory" if kind == "cuda_ipc" and self.ipc_problem else kind
@@ -244,7 +265,7 @@ class VLLMEngine(EngineClient):
         device = torch.device("cuda", torch.cuda.current_device()) if self.devices else torch.device("cpu")
         kind = self._transport(device)
         return {"sync_bucket_bytes": self.bucket_bytes, "sync_transport": kind,
-                **({"sync_path": self.bucket_path} if kind != "cuda_ipc" else {}),
+                **({"sync_path": self.bucket_path} if kind == "shared_memory" else {}),
                 **({"cuda_ipc_not_used": self.ipc_problem} if self.ipc_problem else {})}
 
     def close(self, kill: bool = False) -> None:

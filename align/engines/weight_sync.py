@@ -10,23 +10,19 @@ engine only what can have changed is sent: entries computed from a parameter tha
 weight, any weight under full fine-tuning); frozen weights are already in the engine from the first sync. With
 `generation.lora_sync: adapter` a LoRA policy sends its adapters alone (`adapter_state`), which vLLM applies itself.
 
-How (`Bucket`): the trainer copies the entries into one fixed bucket (`generation.sync_bucket_mib`; a tensor larger
-than the bucket goes in pieces), tells the engine which bytes are which, and waits for the engine to load them (in
-place, by vLLM's weight loaders, straight from the bucket) before it fills the bucket again. Per process that is one bucket in flight instead of a file of the whole policy (8
-processes x 16 GB at 8B in bf16 before), one copy on each side instead of a serialised file written and read back,
-and nothing left behind by a killed process but the bucket. Where the bucket lives (`bucket_kind`): on the trainer's
-GPU when the engine runs on that GPU (`CudaBucket`: the engine maps it by CUDA IPC, so the weights go GPU to GPU and
-never through the host), else in host shared memory (`SharedBucket`: a file in /dev/shm; on a CPU, and the tested
-stand-in of the CUDA one: the same protocol, only the buffer differs). Weights that lie in host memory (a CPU run)
-need no bucket at all (`HostTensors`): the engine maps the trainer's own storages, moved into shared memory once, and
-reads them where they lie; only what is computed (merged LoRA layers) or gathered (ZeRO-3) still travels.
+How (align/engines/buckets.py): the trainer copies the entries into one fixed bucket (`generation.sync_bucket_mib`;
+a tensor larger than the bucket goes in pieces), tells the engine which bytes are which, and waits for the engine to
+load them (in place, by vLLM's weight loaders, straight from the bucket) before it fills the bucket again: one bucket
+in flight per process instead of a file of the whole policy (8 processes x 16 GB at 8B in bf16 before). Weights that
+lie in host memory (a CPU run) need no bucket at all (`HostTensors`): the engine maps the trainer's own storages,
+moved into shared memory once, and reads them where they lie; only what is computed (merged LoRA layers) or gathered
+(ZeRO-3) still travels.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import mmap
 import os
 import re
 import shutil
@@ -156,28 +152,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def bucket_kind(device: torch.device, engine_devices: tuple[int, ...], setting: str = "shared") -> str:
-    """Where the sync bucket lives: "cuda_ipc" when the trained weights are on a GPU the engine also runs on (and
-    `generation.weight_sync` is `shared`), else "shared_memory" (host /dev/shm; `host` asks for it on GPUs too)."""
-    if setting == "shared" and device.type == "cuda" and device.index in engine_devices:
-        return "cuda_ipc"
-    return "shared_memory"
-
-
-def cuda_ipc_problem(trainer_torch: str, engine_torch: str | None, alloc_conf: str) -> str | None:
-    """Why the engine could not open a CUDA IPC handle of this trainer's (None: it can): torch's handle format changes
-    between minor versions (2.13 writes a version byte older ones refuse), and with the allocator's expandable segments
-    the handle needs pidfd_getfd, which containers often forbid (pytorch#165685). The sync then goes through /dev/shm."""
-    def minor(version: str) -> str:
-        return ".".join(version.split("+")[0].split(".")[:2])
-
-    if engine_torch is None or minor(engine_torch) != minor(trainer_torch):
-        return f"the engine's torch {engine_torch} is not the trainer's {trainer_torch} (CUDA IPC handles differ)"
-    if "expandable_segments:true" in alloc_conf.replace(" ", "").lower():
-        return "the trainer's CUDA allocator uses expandable segments (their IPC handles need pidfd_getfd)"
-    return None
-
-
 class HostTensors:
     """Weights the engine reads where they lie (`generation.weight_sync: shared`, the trainer's weights in host memory,
     as on a CPU): no bucket copy. `split(model, entries)` passes on the entries that must travel through the bucket
@@ -274,125 +248,3 @@ def shm_room_problem(needed: int, directory: str = "/dev/shm") -> str | None:
         return None
     return (f"{directory} has {free / 2 ** 20:.0f} MiB free, too little to share a weight storage of "
             f"{needed / 2 ** 20:.0f} MiB with the engine (docker run --shm-size=... gives a container more)")
-
-
-def chunk_messages(bucket: Bucket, model, entries, host: HostTensors | None):
-    """The chunk messages of one streamed sync, in order, each as (message, file descriptors to pass after it, tensors
-    it completes): the entries through `bucket`, those `host` keeps named in the last (weight_sync: shared), or with
-    `host` None every entry through the bucket (weight_sync: host). The caller sends each and waits for the engine to
-    acknowledge it before asking for the next (the bucket is filled again then)."""
-    for pieces, last in bucket.pieces(host.split(model, entries) if host else entries):
-        tail, fds = host.message(last) if host else ({}, [])
-        done = sum(1 for p in pieces if p[4] + p[6] == p[3]) + (len(host.refs) if host and last else 0)
-        yield {"op": "chunk", "pieces": pieces, "last": last, **tail}, fds, done
-
-
-class Bucket:
-    """A fixed buffer that weights travel through: `pieces(entries)` copies (name, tensor) entries into it and
-    yields, each time it is full (and once at the end), the list of pieces now in it, each (name, dtype, shape, tensor
-    bytes, offset in the tensor, offset in the bucket, bytes); the caller hands them to the reader and waits for it to
-    copy them out before the next is filled. `sent_bytes` counts what was copied. Subclasses own `buffer` (a uint8
-    tensor of `size` bytes) and say how the reader finds it (`where`)."""
-
-    kind = ""
-    buffer: torch.Tensor | None
-    size: int
-    sent_bytes: int = 0
-
-    def where(self) -> dict:
-        raise NotImplementedError
-
-    def ready(self) -> None:
-        """Wait until the copies into the buffer have landed (a GPU copies asynchronously)."""
-
-    def pieces(self, entries) -> Iterator[tuple[list[tuple], bool]]:
-        """(pieces, last) per filled bucket; `last` is True for the final one (which may be empty)."""
-        pending: list[tuple] = []
-        used = 0
-        for name, tensor in entries:
-            t = tensor.detach().contiguous()
-            raw = t.reshape(-1).view(torch.uint8)
-            total = raw.numel()
-            meta = (name, dtype_name(t.dtype), list(t.shape), total)
-            done = 0
-            while True:
-                take = min(total - done, self.size - used)
-                if take:
-                    self.buffer[used:used + take].copy_(raw[done:done + take])
-                pending.append((*meta, done, used, take))
-                used += take
-                done += take
-                self.sent_bytes += take
-                if used == self.size:
-                    self.ready()
-                    yield pending, False
-                    pending, used = [], 0
-                if done == total:
-                    break
-        self.ready()
-        yield pending, True
-
-    def close(self) -> None:
-        self.buffer = None
-
-
-class SharedBucket(Bucket):
-    """The bucket in host shared memory: a file of `size` bytes at `path` (in /dev/shm) that both processes map."""
-
-    kind = "shared_memory"
-
-    def __init__(self, path: str, size: int):
-        self.path, self.size = path, size
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            os.posix_fallocate(fd, 0, size)  # its pages taken now: a full /dev/shm is an error here, not a SIGBUS later
-            self._map = mmap.mmap(fd, size)
-        except OSError:
-            os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
-        self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.sent_bytes = 0
-
-    def where(self) -> dict:
-        return {"path": self.path}
-
-    def close(self) -> None:
-        self.buffer = None
-        try:
-            self._map.close()
-        except BufferError:  # a view still alive somewhere: the mapping goes with it
-            pass
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
-
-class CudaBucket(Bucket):
-    """GPU only (no CPU twin can run it; SharedBucket is the tested stand-in): the bucket in the trainer's GPU memory,
-    handed to the engine once as a CUDA IPC handle (torch's own `reduce_tensor`, as torch.multiprocessing and vLLM's
-    IPC weight transfer use it) with the GPU's UUID, which the engine maps to its own device index (its
-    CUDA_VISIBLE_DEVICES numbers GPUs differently)."""
-
-    kind = "cuda_ipc"
-
-    def __init__(self, size: int, device: torch.device):
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        self.size, self.sent_bytes = size, 0
-        self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
-        _, args = reduce_tensor(self.buffer)  # once: the handle stays valid while the buffer lives
-        self._handle = {"uuid": str(torch.cuda.get_device_properties(device).uuid), "args": list(args)}
-
-    def where(self) -> dict:
-        return {"cuda": self._handle}
-
-    def ready(self) -> None:
-        torch.cuda.current_stream(self.buffer.device).synchronize()
-
-    def close(self) -> None:
-        self.buffer = None
-        torch.cuda.ipc_collect()  # the memory returns to the allocator once the engine has let go of it

@@ -22,6 +22,9 @@ request is a dict with "op", every reply a dict with "ok" (and "error" with the 
             rest of one that failed) is dropped unanswered
   lora      {path: a peft adapter directory, id} -> {seconds}: the adapter every later generate applies (the one
             before it is dropped, and its directory deleted)
+  join      {port, backend, timeout_s} -> {}: join the trainer's process group of two (weight_sync: broadcast) at its
+            store on this node; a stream with {broadcast: true} then takes its bucket's bytes from the trainer's
+            broadcast after each chunk message that says how many ({broadcast: bytes})
   close     answered once every other process has disconnected; then the engine exits
 
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): weights reach the worker as tensors, not lists, and
@@ -172,6 +175,7 @@ def handle(llm, conn, msg: dict) -> dict | None:
             import align_vllm_worker
 
             align_vllm_worker.CHANNEL = (conn, bucket(msg))
+            align_vllm_worker.RECEIVE = align_vllm_worker.receive if msg.get("broadcast") else None
             try:
                 counts = llm.collective_rpc("align_stream", args=(bool(msg.get("partial")),))
             finally:
@@ -180,6 +184,10 @@ def handle(llm, conn, msg: dict) -> dict | None:
             reply = {**counts[0], "seconds": time.perf_counter() - t0}
         elif op == "lora":
             reply = load_adapter(llm, msg)
+        elif op == "join":
+            import align_vllm_worker
+
+            reply = align_vllm_worker.join_group(msg)
         elif op == "chunk":  # the rest of a stream that failed: its error was the stream's reply
             return None
         else:
@@ -196,12 +204,14 @@ def bucket(msg: dict):
     """The trainer's bucket as a uint8 tensor, opened once per bucket: the file at msg["path"] in /dev/shm mapped, or
     the trainer's GPU buffer opened from its CUDA IPC handle (msg["cuda"])."""
     size = msg["size"]
-    key = (msg.get("path"), repr(msg["cuda"]["args"]) if msg.get("cuda") else None, size)
+    key = (msg.get("path"), repr(msg["cuda"]["args"]) if msg.get("cuda") else None, size, bool(msg.get("broadcast")))
     if _BUCKETS.get("key") != key:
         import torch
 
         _BUCKETS.clear()  # the old bucket's mapping goes before the new one opens
-        if msg.get("cuda"):
+        if msg.get("broadcast"):  # this process's own, filled by the trainer's broadcasts (receive)
+            tensor = torch.empty(size, dtype=torch.uint8, device="cuda" if torch_cuda() else "cpu")
+        elif msg.get("cuda"):
             tensor = cuda_bucket(msg["cuda"])
         else:
             import mmap

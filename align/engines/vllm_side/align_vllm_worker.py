@@ -15,6 +15,8 @@ import torch
 CHANNEL = None
 """(connection, bucket as a uint8 tensor) for `align_stream`: set by align_vllm_server.py before it calls it. vLLM runs
 in the server's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so this module is the one the worker uses."""
+RECEIVE = None
+"""(bucket, bytes) -> None: fills the bucket from the trainer's broadcast (weight_sync: broadcast), else None."""
 
 # vLLM warns per layer (and lists every name) when a reload leaves layers out; a stream after the first sends only
 # the weights that train, on purpose, and the layers it leaves out keep their weights (layerwise.py places them back).
@@ -42,6 +44,10 @@ def _chunk(conn, bucket: torch.Tensor, building: dict, views: bool) -> tuple[lis
     msg = conn.recv()
     if msg.get("op") != "chunk":
         raise RuntimeError(f"weight stream: expected a chunk, got {msg.get('op')!r}")
+    if msg.get("broadcast"):  # the bucket's bytes follow the message by broadcast, not through shared memory
+        if RECEIVE is None:
+            raise RuntimeError("weight stream: a chunk sent by broadcast to an engine that joined no group")
+        RECEIVE(bucket, msg["broadcast"])
     # what lies in the trainer's host memory (weight_sync: shared) first: its file descriptors follow this message,
     # and read now they cannot be left in the stream by a piece below that fails
     ready = host_views(conn, msg["refs"], msg["files"], msg["new"]) if msg["last"] and "files" in msg else []
@@ -57,6 +63,33 @@ def _chunk(conn, bucket: torch.Tensor, building: dict, views: bool) -> tuple[lis
         if at + size == total:
             ready.append((name, building.pop(name)))
     return ready, msg["last"]
+
+
+_GROUP: dict = {}
+
+
+def join_group(msg: dict) -> dict:
+    """Join the trainer's process group of two (weight_sync: broadcast) as rank 1, at its store on this node
+    (127.0.0.1:port): NCCL on a GPU (never run in this project), gloo on a CPU; the trainer's group waits for it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=msg["timeout_s"])
+    store = dist.TCPStore("127.0.0.1", msg["port"], 2, False, timeout=timeout)
+    if msg["backend"] == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        group = dist.ProcessGroupNCCL(store, 1, 2, options)
+    else:
+        group = dist.ProcessGroupGloo(store, 1, 2, timeout)
+    _GROUP.update(group=group, store=store)
+    return {}
+
+
+def receive(bucket, nbytes: int) -> None:
+    """The first `nbytes` of the bucket, from the trainer's broadcast (rank 0)."""
+    _GROUP["group"].broadcast(bucket[:nbytes], 0).wait()
 
 
 HOST: dict = {}
