@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from collections import namedtuple
 from pathlib import Path
 
@@ -127,7 +128,7 @@ def test_a_sync_that_fails_part_way_still_joins_the_remaining_zero3_gathers(monk
 
     monkeypatch.setattr(vllm_engine, "engine_entries", entries)
     engine = object.__new__(vllm_engine.VLLMEngine)  # its sync only: no process of vLLM's is started
-    engine.broken, engine._held, engine._open_bucket = None, {}, no_bucket
+    engine.broken, engine._held, engine._open_bucket, engine._bucket = None, {}, no_bucket, None
     model = torch.nn.Linear(2, 2)
     with pytest.raises(EngineError, match="no room"):
         engine._sync_shared(model, changed_only=False)
@@ -404,3 +405,53 @@ def test_engines_that_cannot_be_placed_on_the_node_are_refused_before_launch():
     assert placement_problem(apart, source, None, gpus=0) is None  # ignored on a CPU
     assert placement_problem(ppo("ppo.generation.engine=hf", "ppo.num_processes=3",
                                  "ppo.generation.tensor_parallel_size=1"), source, None, 0) is None
+
+
+def test_an_engine_that_fails_before_its_broadcast_is_not_waited_for(tmp_path):
+    """weight_sync: broadcast: the trainer broadcasts a chunk only once the engine says it waits in the broadcast; an
+    engine whose part of the sync failed before (it answers with its error) ends the sync at once with that error and
+    the group is dropped; before, the trainer sat in a broadcast nobody would join until the timeout (gloo cannot drop
+    one: destroying its group waits for it)."""
+    import datetime
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from align.engines.buckets import BroadcastBucket
+
+    path = str(tmp_path / "group")
+    peer = {}
+
+    def engine_side():  # joins the group, then never takes part in a broadcast
+        store = dist.FileStore(path, 2)
+        store.set_timeout(datetime.timedelta(seconds=60))
+        peer["group"] = dist.ProcessGroupGloo(store, 1, 2, datetime.timedelta(seconds=60))
+
+    joining = threading.Thread(target=engine_side, daemon=True)
+    joining.start()
+    bucket = BroadcastBucket(1 << 16, torch.device("cpu"), path, timeout_s=60)
+    joining.join(60)
+
+    class Answers:  # the engine's connection: its stream failed ("in place" set-up), so it answers with the error
+        sent: list = []
+
+        def send(self, msg):
+            self.sent.append(msg["op"])
+
+        def poll(self, timeout):
+            return True
+
+        def recv(self):
+            return {"ok": False, "error": "RuntimeError: model.layers.0 keeps no weight (packed)"}
+
+    engine = object.__new__(vllm_engine.VLLMEngine)  # its sync only: no process of vLLM's is started
+    engine.conn, engine.broken, engine._held, engine.weight_sync = Answers(), None, {}, "broadcast"
+    engine.proc, engine.log_path, engine.timeout_s, engine.bucket_bytes = None, tmp_path / "engine.log", 600, 1 << 16
+    engine._bucket = bucket
+    engine._open_bucket = lambda model: bucket
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match="keeps no weight"):
+        engine._sync_shared(torch.nn.Linear(64, 64), changed_only=False)
+    assert time.monotonic() - t0 < 30 and engine.broken and engine._bucket is None
+    assert Answers.sent == ["stream", "chunk"]

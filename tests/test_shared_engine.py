@@ -66,8 +66,8 @@ def test_a_failure_on_either_side_stops_both_processes_with_its_cause(tmp_path, 
     first, second = two_processes(tmp_path, scenario)
     assert first["error"].startswith(first_error), first
     assert second["error"].startswith(second_error), second
-    if scenario == "attach_fails":  # the engine nobody else can reach is stopped by its starter
-        assert first["started_calls"] == ["close"], first
+    if scenario == "attach_fails":  # the engine nobody else can reach is stopped by its starter, at once
+        assert first["started_calls"] == ["kill"], first
     if scenario == "sync_fails":  # closed while the error is raised: the starter stops the engine at once
         assert first["calls"] == ["generate 1", "sync", "kill"], first
 
@@ -75,7 +75,7 @@ def test_a_failure_on_either_side_stops_both_processes_with_its_cause(tmp_path, 
 def test_the_engine_serves_what_arrives_together_in_one_batch_and_only_its_starter_syncs(monkeypatch):
     """The engine's server (vllm_side/align_vllm_server.py serve_received), with a stand-in for vLLM: generate
     requests that arrive together with the same settings become one batch, each process's reply holding its own rows
-    in order; other settings get their own batch; a process other than the starter may not sync or close the
+    in order; other settings get their own batch; a bad request fails only its own process; a process other than the starter may not sync or close the
     engine, and the starter's close is noted (answered once the others have gone)."""
     import importlib.util
 
@@ -86,6 +86,8 @@ def test_the_engine_serves_what_arrives_together_in_one_batch_and_only_its_start
 
     def stand_in(llm, msg):  # one reply row per prompt: its ids reversed, tagged with the settings
         batches.append([p[0] for p in msg["prompts"]])
+        if [99] in msg["prompts"]:
+            raise ValueError("prompt 99 is longer than max_model_len")
         return {"outputs": [{"token_ids": p[::-1], "logprobs": [msg["temperature"]] * len(p)} for p in msg["prompts"]]}
 
     monkeypatch.setattr(server, "generate", stand_in)
@@ -105,6 +107,14 @@ def test_the_engine_serves_what_arrives_together_in_one_batch_and_only_its_start
     refused = server.serve_received(state, parent, [(second, {"op": "stream"}), (third, {"op": "close"})])
     assert [c for c, _ in refused] == [second, third] and not any(r["ok"] for _, r in refused)
     assert "engine starter's to ask" in refused[0][1]["error"] and not state["closing"]
+    # a bad request in a batch: the batch fails, then each is served alone, so only its own process gets the error
+    batches.clear()
+    mixed = dict(server.serve_received(state, parent, [(parent, {**settings, "prompts": [[1]]}),
+                                                       (second, {**settings, "prompts": [[99]]}),
+                                                       (third, "not a request")]))
+    assert batches == [[1, 99], [1], [99]] and mixed[parent]["ok"] and mixed[parent]["outputs"][0]["token_ids"] == [1]
+    assert not mixed[second]["ok"] and "longer than max_model_len" in mixed[second]["error"]
+    assert not mixed[third]["ok"] and "not a request" in mixed[third]["error"]
     assert server.serve_received(state, parent, [(parent, {"op": "close"})]) == [] and state["closing"]
 
 

@@ -258,6 +258,11 @@ def test_the_bucket_is_on_the_trainers_gpu_only_when_the_engine_runs_there():
     assert bucket_kind(cuda, (4,)) == "shared_memory"  # an engine on a GPU of its own
     assert bucket_kind(cuda, (1,), "host") == "shared_memory"
     assert bucket_kind(torch.device("cpu"), ()) == "shared_memory"
+    # broadcast: to an engine on GPUs of its own, and on a CPU (gloo); an engine on the trainer's own GPU takes the
+    # CUDA IPC bucket instead (NCCL refuses a group of two ranks on one GPU)
+    assert bucket_kind(cuda, (4,), "broadcast") == "broadcast" and bucket_kind(torch.device("cpu"), (), "broadcast") \
+        == "broadcast"
+    assert bucket_kind(cuda, (1,), "broadcast") == "cuda_ipc"
 
 
 def test_the_engine_opens_the_trainers_gpu_under_its_own_index(monkeypatch):

@@ -21,8 +21,8 @@ def bucket_kind(device: torch.device, engine_devices: tuple[int, ...], setting: 
     """Where the sync bucket lives: "cuda_ipc" when the trained weights are on a GPU the engine also runs on (and
     `generation.weight_sync` is `shared`), "broadcast" (in the trainer's memory, sent by a broadcast: BroadcastBucket)
     when asked, else "shared_memory" (host /dev/shm; `host` asks for it on GPUs too)."""
-    if setting == "broadcast":
-        return "broadcast"
+    if setting == "broadcast":  # an engine on the trainer's own GPU: CUDA IPC (NCCL refuses two ranks on one GPU)
+        return "cuda_ipc" if device.type == "cuda" and device.index in engine_devices else "broadcast"
     if setting == "shared" and device.type == "cuda" and device.index in engine_devices:
         return "cuda_ipc"
     return "shared_memory"
@@ -73,9 +73,10 @@ class Bucket:
     def ready(self) -> None:
         """Wait until the copies into the buffer have landed (a GPU copies asynchronously)."""
 
-    def send(self, msg: dict) -> None:
-        """After the chunk message `msg` went to the engine: hand it the bucket's bytes where they do not reach it by
-        themselves (BroadcastBucket); nothing for a bucket both processes map."""
+    def send(self, msg: dict):
+        """After the chunk message `msg` went to the engine: start handing it the bucket's bytes where they do not reach
+        it by themselves (BroadcastBucket: returns the work in flight); None for a bucket both processes map."""
+        return None
 
     def pieces(self, entries) -> Iterator[tuple[list[tuple], bool]]:
         """(pieces, last) per filled bucket; `last` is True for the final one (which may be empty)."""
@@ -174,16 +175,18 @@ class BroadcastBucket(Bucket):
     """The bucket in the trainer's own memory, sent to the engine by a broadcast in a process group of two (the
     trainer, rank 0, and the engine, rank 1; apart from training's, which it never touches): NCCL from the trainer's
     GPU to the engine's (separate GPUs, no host copy; never run in this project: vLLM's CUDA build cannot be carried
-    to the lent GPU), gloo on a CPU (the tested twin). `store`: the group's rendezvous, a TCPStore this process serves
-    that the engine joins (VLLMEngine._open_bucket); the constructor waits for it."""
+    to the lent GPU), gloo on a CPU (the tested twin). `store_path`: the group's rendezvous, a file store in the engine's
+    private directory that the engine joins too (VLLMEngine._join_broadcast); the constructor waits for it."""
 
     kind = "broadcast"
 
-    def __init__(self, size: int, device: torch.device, store, timeout_s: float):
+    def __init__(self, size: int, device: torch.device, store_path: str, timeout_s: float):
         import datetime
 
         import torch.distributed as dist
 
+        store = dist.FileStore(store_path, 2)
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
         self.size, self.sent_bytes, self.store = size, 0, store
         self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -201,10 +204,18 @@ class BroadcastBucket(Bucket):
         if self.buffer.is_cuda:
             torch.cuda.current_stream(self.buffer.device).synchronize()
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: dict):
+        """Start broadcasting the bucket's first msg["broadcast"] bytes (the caller does once the engine has said it
+        waits in the broadcast: gloo cannot drop a broadcast its peer never joins); returns the work to wait on."""
         n = msg.get("broadcast", 0)
-        if n:
-            self.group.broadcast(self.buffer[:n], 0).wait()
+        return self.group.broadcast(self.buffer[:n], 0) if n else None
+
+    def abort(self) -> None:
+        """After a failed sync: the group aborted (under NCCL a broadcast left half-way would hold the GPU stream that
+        every later collective queues behind), the bucket unusable."""
+        with contextlib.suppress(Exception):
+            self.group.abort()
+        self.buffer = self.group = self.store = None
 
     def close(self) -> None:
         self.buffer = None

@@ -68,8 +68,8 @@ def start_shared(placement: Placement, local_rank: int, start: Callable[[int], o
     everyone = _all_gather((node, placement.engine, rank, contact, error))
     failed = [(r, e) for _, _, r, _, e in everyone if e]
     if failed:
-        if engine is not None:
-            engine.close()
+        if engine is not None:  # at once: the processes it would wait for are not coming
+            engine.close(kill=True)
         if error:
             raise failure
         r, e = failed[0]
@@ -84,8 +84,8 @@ def start_shared(placement: Placement, local_rank: int, start: Callable[[int], o
             error, failure = f"{type(exc).__name__}: {exc}", exc
     failed = [(r, e) for r, e in _all_gather((rank, error)) if e]  # every process reached its engine, or all stop
     if failed:
-        if engine is not None:
-            engine.close()
+        if engine is not None:  # at once: the processes it would wait for are not coming
+            engine.close(kill=True)
         if error:
             raise failure
         r, e = failed[0]

@@ -195,21 +195,33 @@ class VLLMEngine(EngineClient):
         return self._bucket
 
     def _join_broadcast(self, device: torch.device) -> BroadcastBucket:
-        """A bucket sent by broadcast (weight_sync: broadcast): the engine is asked to join a process group of two
-        with this process at a store served here (same node: 127.0.0.1), which the bucket's group then waits for."""
-        import datetime
+        """A bucket sent by broadcast (weight_sync: broadcast): the engine is asked to join a process group of two with
+        this process, through a file store in this engine's private directory; the bucket's group is made in a thread
+        while the engine's answer is awaited, so a failure on either side is raised at once, not after the timeout."""
+        import threading
 
-        import torch.distributed as dist
+        made: dict = {}
+        path = os.path.join(self._dir, f"group{len(os.listdir(self._dir))}")
 
-        store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=self.timeout_s),
-                              wait_for_workers=False)
-        self._send({"op": "join", "port": store.port, "backend": "nccl" if device.type == "cuda" else "gloo",
+        def make():
+            try:
+                made["bucket"] = BroadcastBucket(self.bucket_bytes, device, path, self.timeout_s)
+            except Exception as exc:
+                made["error"] = exc
+
+        self._send({"op": "join", "path": path, "backend": "nccl" if device.type == "cuda" else "gloo",
                     "timeout_s": self.timeout_s}, "sync_weights")
+        maker = threading.Thread(target=make, daemon=True)
+        maker.start()
         try:
-            bucket = BroadcastBucket(self.bucket_bytes, device, store, self.timeout_s)
-        finally:
-            self._reply("join", "sync_weights", time.monotonic() + self.timeout_s)
-        return bucket
+            self._reply("join", "sync_weights", time.monotonic() + self.timeout_s, failed=lambda: made.get("error"))
+        except BaseException:
+            self.broken = self.broken or "its process group for weight_sync: broadcast could not be made"
+            raise
+        maker.join(self.timeout_s)
+        if "bucket" not in made:
+            raise made.get("error") or EngineError(f"vLLM engine: the process group did not form in {self.timeout_s} s")
+        return made["bucket"]
 
     def _sync_shared(self, model, changed_only: bool) -> int:
         """Stream the entries through the bucket: fill it, tell the engine what is where, wait until it has copied
@@ -227,11 +239,16 @@ class VLLMEngine(EngineClient):
             for msg, fds, done in chunk_messages(bucket, model, entries, host if self.weight_sync == "shared" else None):
                 names += done
                 self._send(msg, "sync_weights", fds=fds)
-                bucket.send(msg)
+                if msg.get("broadcast"):  # once the engine waits in it (a broadcast it never joins would never end)
+                    self._reply("ready", "sync_weights", deadline)
+                    bucket.send(msg).wait()
                 self._reply("chunk", "sync_weights", deadline)
             reply = self._reply("stream", "sync_weights", deadline)
         except BaseException as exc:  # stopped halfway (here or there): the engine holds a mix of old and new weights
             self.broken = self.broken or f"interrupted by {type(exc).__name__}"
+            if self._bucket is not None and self._bucket.kind == "broadcast":  # its group may be half-way: not reused
+                self._bucket.abort()
+                self._bucket = None
             if isinstance(exc, Exception):  # under ZeRO-3 the other processes are still gathering, layer by layer
                 finish_gathers(entries, model)
             raise

@@ -71,24 +71,29 @@ class EngineClient:
             raise EngineError(f"the vLLM engine process (pid {self.proc.pid}) is gone ({type(exc).__name__}) at "
                               f"'{what}'; its log ({self.log_path}) ends:\n{self._tail()}") from None
 
-    def _reply(self, op: str, what: str, deadline: float) -> dict:
-        """The engine's answer to the request `op` sent last, by `deadline` (time.monotonic)."""
-        while not self.conn.poll(1.0):
+    stops_engine = True  # a timed-out call stops the engine (a SharedClient only disconnects from it)
+
+    def _reply(self, op: str, what: str, deadline: float, failed=None) -> dict:
+        """The engine's answer to the request `op` sent last, by `deadline` (time.monotonic); `failed`, when given, is
+        asked while waiting for an error of this side's own part of the request (raised at once when there is one)."""
+        while not self.conn.poll(0.2 if failed else 1.0):
+            if failed is not None and failed() is not None:
+                raise failed()
             if self.proc.poll() is not None:
                 raise EngineError(f"the vLLM engine process (pid {self.proc.pid}) died ({self.proc.returncode}) during "
                                   f"'{what}'; its log ({self.log_path}) ends:\n{self._tail()}")
             if time.monotonic() > deadline:
                 self.close(kill=True)
-                raise EngineError(f"the vLLM engine did not finish '{what}' within {self.timeout_s:.0f} s and was "
-                                  f"stopped (log: {self.log_path}); raise generation.engine_timeout_s if the work is "
-                                  "that long")
+                raise EngineError(f"the vLLM engine did not finish '{what}' within {self.timeout_s:.0f} s"
+                                  f"{' and was stopped' if self.stops_engine else ''} (log: {self.log_path}); raise "
+                                  "generation.engine_timeout_s if the work is that long")
         try:
             reply = self.conn.recv()
         except EOFError:
             raise EngineError(f"the vLLM engine closed the connection during '{what}' (log: {self.log_path}):\n"
                               f"{self._tail()}") from None
         if not reply.get("ok"):
-            if op in ("load", "stream", "chunk", "lora"):
+            if op in ("load", "stream", "chunk", "ready", "lora", "join"):
                 self.broken = reply.get("error")
             hint = ("; the bucket is on the GPU, shared by CUDA IPC: generation.weight_sync: host syncs through "
                     "/dev/shm instead" if op in ("stream", "chunk") and getattr(getattr(self, "_bucket", None), "kind",
@@ -147,6 +152,8 @@ class SharedClient(EngineClient):
     through it; at a sync it joins the gathers the starter's sync takes part in (weight_sync.join_gathers, which
     mirrors VLLMEngine.sync_weights: the adapter, every weight the first time or with the file transport, else the
     weights that train). Closing it disconnects; the engine is the starter's to stop."""
+
+    stops_engine = False
 
     def __init__(self, contact: dict, tokenizer, timeout_s: float):
         self.tokenizer, self.timeout_s = tokenizer, timeout_s

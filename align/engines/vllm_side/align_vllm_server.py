@@ -22,9 +22,10 @@ request is a dict with "op", every reply a dict with "ok" (and "error" with the 
             rest of one that failed) is dropped unanswered
   lora      {path: a peft adapter directory, id} -> {seconds}: the adapter every later generate applies (the one
             before it is dropped, and its directory deleted)
-  join      {port, backend, timeout_s} -> {}: join the trainer's process group of two (weight_sync: broadcast) at its
-            store on this node; a stream with {broadcast: true} then takes its bucket's bytes from the trainer's
-            broadcast after each chunk message that says how many ({broadcast: bytes})
+  join      {path, backend, timeout_s} -> {}: join the trainer's process group of two (weight_sync: broadcast) at
+            its file store; a stream with {broadcast: true} then takes its bucket's bytes from the trainer's
+            broadcast after each chunk message that says how many ({broadcast: bytes}), once it has answered
+            {ok, op: ready} (it waits in the broadcast then)
   close     answered once every other process has disconnected; then the engine exits
 
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): weights reach the worker as tensors, not lists, and
@@ -85,8 +86,10 @@ def serve_received(state: dict, parent, received: list) -> list:
     """Replies (connection, reply) to the requests `received` together; `state` holds the engine."""
     replies, generates = [], []
     for c, msg in received:
-        op = msg.get("op")
-        if op == "generate" and state["llm"] is not None:
+        op = msg.get("op") if isinstance(msg, dict) else None
+        if op is None:
+            replies.append((c, {"ok": False, "error": f"ValueError: not a request: {str(msg)[:100]}"}))
+        elif op == "generate" and state["llm"] is not None:
             generates.append((c, msg))
         elif op == "close" and c is parent:
             _BUCKETS.clear()  # a GPU bucket: let go of the trainer's memory before the trainer frees it
@@ -107,8 +110,9 @@ def serve_received(state: dict, parent, received: list) -> list:
         try:
             outs = merged_generate(state["llm"], [msg for _, msg in group])
             replies += [(c, {"ok": True, **out}) for (c, _), out in zip(group, outs)]
-        except Exception as e:
-            replies += [(c, failure(e)) for c, _ in group]
+        except Exception as e:  # alone, each request gets its own answer (one bad request fails only its process)
+            replies += [(c, handle(state["llm"], c, msg)) for c, msg in group] if len(group) > 1 else [(c, failure(e))
+                                                                                                   for c, _ in group]
     return replies
 
 

@@ -44,9 +44,10 @@ def _chunk(conn, bucket: torch.Tensor, building: dict, views: bool) -> tuple[lis
     msg = conn.recv()
     if msg.get("op") != "chunk":
         raise RuntimeError(f"weight stream: expected a chunk, got {msg.get('op')!r}")
-    if msg.get("broadcast"):  # the bucket's bytes follow the message by broadcast, not through shared memory
+    if msg.get("broadcast"):  # the bucket's bytes follow the message by broadcast, once this side says it waits
         if RECEIVE is None:
             raise RuntimeError("weight stream: a chunk sent by broadcast to an engine that joined no group")
+        conn.send({"ok": True, "op": "ready"})
         RECEIVE(bucket, msg["broadcast"])
     # what lies in the trainer's host memory (weight_sync: shared) first: its file descriptors follow this message,
     # and read now they cannot be left in the stream by a piece below that fails
@@ -69,14 +70,19 @@ _GROUP: dict = {}
 
 
 def join_group(msg: dict) -> dict:
-    """Join the trainer's process group of two (weight_sync: broadcast) as rank 1, at its store on this node
-    (127.0.0.1:port): NCCL on a GPU (never run in this project), gloo on a CPU; the trainer's group waits for it."""
+    """Join the trainer's process group of two (weight_sync: broadcast) as rank 1, through the file store at
+    msg["path"] (in the engine's private directory): NCCL on a GPU (never run in this project), gloo on a CPU."""
     import datetime
 
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=msg["timeout_s"])
-    store = dist.TCPStore("127.0.0.1", msg["port"], 2, False, timeout=timeout)
+    if _GROUP:  # a group joined before (the trainer reopened its bucket): let it go first
+        with contextlib.suppress(Exception):
+            _GROUP["group"].shutdown()
+        _GROUP.clear()
+    store = dist.FileStore(msg["path"], 2)
+    store.set_timeout(timeout)
     if msg["backend"] == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
