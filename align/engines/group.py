@@ -58,7 +58,7 @@ def start_shared(placement: Placement, local_rank: int, start: Callable[[int], o
         raise EngineError(f"generation.tensor_parallel_size: an engine shared by {len(placement.serves)} processes "
                           "needs them launched together (accelerate launch --num_processes); this process is alone")
     node = rank - local_rank  # the job's rank of this node's first process
-    engine, contact, error = None, None, None
+    engine, contact, error, failure = None, None, None, None
     if placement.owner:
         try:
             engine = start(len(placement.serves))
@@ -66,15 +66,8 @@ def start_shared(placement: Placement, local_rank: int, start: Callable[[int], o
         except Exception as exc:  # told to every process below, then raised here
             error, failure = f"{type(exc).__name__}: {exc}", exc
     everyone = _all_gather((node, placement.engine, rank, contact, error))
-    failed = [(r, e) for _, _, r, _, e in everyone if e]
-    if failed:
-        if engine is not None:  # at once: the processes it would wait for are not coming
-            engine.close(kill=True)
-        if error:
-            raise failure
-        r, e = failed[0]
-        raise EngineError(f"process {r}'s rollout engine did not start ({e.splitlines()[0][:300]}); every process "
-                          "stops with it")
+    _stop_on_failure([(r, e) for _, _, r, _, e in everyone if e], failure if error else None, engine,
+                     "process {r}'s rollout engine did not start ({e})")
     owner = node + placement.serves[0]
     if engine is None:
         found = [c for n, e, r, c, _ in everyone if (n, e, r) == (node, placement.engine, owner)]
@@ -82,16 +75,23 @@ def start_shared(placement: Placement, local_rank: int, start: Callable[[int], o
             engine = attach(found[0])
         except Exception as exc:  # told to every process below, then raised here
             error, failure = f"{type(exc).__name__}: {exc}", exc
-    failed = [(r, e) for r, e in _all_gather((rank, error)) if e]  # every process reached its engine, or all stop
-    if failed:
-        if engine is not None:  # at once: the processes it would wait for are not coming
-            engine.close(kill=True)
-        if error:
-            raise failure
-        r, e = failed[0]
-        raise EngineError(f"process {r} could not reach its rollout engine ({e.splitlines()[0][:300]}); every process "
-                          "stops with it")
+    _stop_on_failure([(r, e) for r, e in _all_gather((rank, error)) if e], failure if error else None, engine,
+                     "process {r} could not reach its rollout engine ({e})")  # every process reached its engine
     return GroupEngine(engine, placement, owner, rank)
+
+
+def _stop_on_failure(failed: list, failure: BaseException | None, engine, what: str) -> None:
+    """After an all-gather told every process of the failures `failed` [(rank, error text)]: nothing when there are
+    none; else this process's engine (started or reached) is let go at once (the processes it would wait for are not
+    coming) and this process's own failure is raised, or an EngineError naming the first one (`what`: its text)."""
+    if not failed:
+        return
+    if engine is not None:
+        engine.close(kill=True)
+    if failure is not None:
+        raise failure
+    r, e = failed[0]
+    raise EngineError(what.format(r=r, e=e.splitlines()[0][:300]) + "; every process stops with it")
 
 
 class GroupEngine:
