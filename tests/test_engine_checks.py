@@ -405,6 +405,12 @@ def test_engines_that_cannot_be_placed_on_the_node_are_refused_before_launch():
     assert placement_problem(apart, source, None, gpus=0) is None  # ignored on a CPU
     assert placement_problem(ppo("ppo.generation.engine=hf", "ppo.num_processes=3",
                                  "ppo.generation.tensor_parallel_size=1"), source, None, 0) is None
+    # generation.sleep: vLLM's sleep mode is CUDA-only, and separate engines have nothing to give back
+    asleep = ppo("ppo.generation.sleep=true", "ppo.num_processes=2")
+    assert "sleeps on a GPU only" in placement_problem(asleep, source, None, gpus=0)
+    assert placement_problem(asleep, source, None, gpus=2) is None
+    assert "separate engines have GPUs of their own" in placement_problem(
+        ppo("ppo.generation.sleep=true", "ppo.generation.placement=separate", "ppo.num_processes=2"), source, None, 4)
 
 
 def test_an_engine_that_fails_before_its_broadcast_is_not_waited_for(tmp_path):
@@ -455,3 +461,16 @@ def test_an_engine_that_fails_before_its_broadcast_is_not_waited_for(tmp_path):
         engine._sync_shared(torch.nn.Linear(64, 64), changed_only=False)
     assert time.monotonic() - t0 < 30 and engine.broken and engine._bucket is None
     assert Answers.sent == ["stream", "chunk"]
+
+
+
+def test_sleep_with_an_engine_that_cannot_is_refused_by_validate(workdir):
+    """generation.sleep with the hf engine (the stage's own model: nothing apart to free) is refused before anything
+    runs, naming the setting and the engines that can."""
+    from conftest import run_align
+
+    p = run_align("validate", "pipelines/default.yaml", "ppo.generation.sleep=true", cwd=workdir)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "Traceback" not in out, out[-2000:]
+    assert "stages.ppo.generation.sleep: true, but 'hf' cannot free its memory" in out, out[-2000:]
+    assert "generation.engine: vllm" in out, out[-2000:]

@@ -379,7 +379,8 @@ def test_a_third_engine_from_outside_align_samples_for_ppo_and_evaluate(private)
     """Adding a rollout engine touches no file under align/: tests/enginetypes/copy_engine.py (its kind and its
     class, one file) is found through ALIGN_ENGINE_MODULES; `align validate` accepts it where every engine is, PPO
     starts it from the SFT model, syncs it after every update and checks its log-probs against the trainer's, and
-    evaluate samples every policy through it. Without the module the name is refused before anything runs."""
+    evaluate samples every policy through it; with generation.sleep it sleeps while the policy trains (the suite's CPU
+    twin of vLLM's sleep mode). Without the module the name is refused before anything runs."""
     import os
 
     overrides = ["ppo.generation.engine=copy", "evaluate.generation.engine=copy", "ppo.iterations=2"]
@@ -393,7 +394,7 @@ def test_a_third_engine_from_outside_align_samples_for_ppo_and_evaluate(private)
     assert refused.returncode == 2 and "'copy' is not available for stage type 'grpo'" in refused.stderr, \
         refused.stdout + refused.stderr
 
-    ran = run_align(*private["args"], *overrides, cwd=private["root"], env=env)
+    ran = run_align(*private["args"], *overrides, "ppo.generation.sleep=true", cwd=private["root"], env=env)
     assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
     run = private["run"]
     ppo = _manifest(run, "ppo")
@@ -401,6 +402,12 @@ def test_a_third_engine_from_outside_align_samples_for_ppo_and_evaluate(private)
     log = (run / "ppo" / "engine.rank0.log").read_text().splitlines()
     assert log[0] == f"start {run / 'sft' / 'model'}" and log[-1] == "close"
     assert log.count("sync") >= 2  # before the first rollout and after each of the two updates' rollouts
+    # generation.sleep: the engine put its weights away after each iteration's sampling, while the policy trained,
+    # and was woken by the next sync (its weights back before the sync loads the update into them)
+    calls = [line.split()[0] for line in log]
+    assert calls.count("sleep") == 2 and calls.index("sleep") > calls.index("generate"), log
+    after = [calls[i + 1:i + 3] for i, x in enumerate(calls) if x == "sleep"]
+    assert all(a in (["wake", "sync"], ["close"]) for a in after) and after[0] == ["wake", "sync"], log
     final = ppo["final_metrics"]
     # the engine's own log-probs of its samples equal the trainer's after every sync: the updates reached it
     assert final["ppo/iterations_run"] == 2 and 0 <= final["rollout/logprob_gap_max"] < 1e-3, final

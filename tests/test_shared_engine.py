@@ -118,6 +118,36 @@ def test_the_engine_serves_what_arrives_together_in_one_batch_and_only_its_start
     assert server.serve_received(state, parent, [(parent, {"op": "close"})]) == [] and state["closing"]
 
 
+def test_a_sleeping_engine_is_woken_by_whatever_comes_next(monkeypatch):
+    """generation.sleep on the engine's server: `sleep` puts vLLM to sleep once (level 1; asked again, nothing), and
+    the next request, a generate from any process or a sync, wakes it first. A stand-in for vLLM's LLM records it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("server", REPO / "align/engines/vllm_side/align_vllm_server.py")
+    server = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(server)
+    calls = []
+
+    class LLM:
+        def sleep(self, level):
+            calls.append(f"sleep {level}")
+
+        def wake_up(self):
+            calls.append("wake")
+
+    monkeypatch.setattr(server, "generate", lambda llm, msg: calls.append("generate") or {"outputs": [{}]})
+    state = {"llm": LLM(), "closing": False, "expected": 1}
+    gen = {"op": "generate", "temperature": 1.0, "prompts": [[1]]}
+    for _ in range(2):
+        assert server.serve_received(state, "parent", [("parent", {"op": "sleep"})]) == [("parent", {"ok": True})]
+    server.serve_received(state, "parent", [("other", gen)])
+    server.serve_received(state, "parent", [("other", gen)])
+    assert calls == ["sleep 1", "wake", "generate", "generate"]
+    server.serve_received(state, "parent", [("parent", {"op": "sleep"})])
+    server.serve_received(state, "parent", [("parent", {"op": "lora", "path": "/nonexistent", "id": 1})])
+    assert calls[-2:] == ["sleep 1", "wake"]  # a sync (here an adapter's, which then fails) wakes it first
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_zero3_ppo_with_both_processes_on_one_vllm_engine(tmp_path):

@@ -163,6 +163,12 @@ class Generation:
     still joins the gathers), the others send it their prompts. An engine over more than one GPU syncs by file (its
     workers are processes of their own: the bucket reaches one). On a CPU, the processes share one engine that runs in
     one process. Tensor parallelism has not run on a GPU in this project (vLLM's CUDA build cannot be carried there)."""
+    sleep: bool = False
+    """An engine with its own copy that can free its memory (vllm on GPUs: vLLM's sleep mode, level 1, weights to host
+    memory and the KV cache dropped): it sleeps after each round of sampling while the policy trains, and wakes when
+    next asked to sync or sample. For colocated engines on GPUs (vLLM's sleep mode is CUDA-only: refused on a machine
+    without a GPU, and with placement: separate); `align estimate` still counts the engine as awake (an upper bound).
+    Not yet run on a GPU in this project; its CPU twin is the test suite's copy engine."""
     placement: str = one_of("colocated", "colocated", "separate")
     """vllm on GPUs: `colocated` engines share the training GPUs (each takes gpu_memory_utilization of its GPUs);
     `separate` engines get the node's GPUs training does not use (launch fewer processes than GPUs), the whole of each,

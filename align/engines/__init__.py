@@ -61,6 +61,12 @@ def placement_problem(gen, processes: int, gpus: int) -> str | None:
     samples with the stage's own model (nothing to place)."""
     if not kind(gen.engine).own_copy:
         return None
+    if gen.sleep and kind(gen.engine).sleep_needs_gpu and gpus == 0:
+        return (f"generation.sleep: '{gen.engine}' sleeps on a GPU only (vLLM's sleep mode is CUDA-only) and this "
+                "machine has none; set generation.sleep: false")
+    if gen.sleep and gen.placement == "separate":
+        return ("generation.sleep frees a colocated engine's memory for training, and separate engines have GPUs of "
+                "their own; remove generation.sleep, or colocate the engines")
     from align.engines.placement import place
 
     try:

@@ -34,10 +34,19 @@ class RolloutEngine(Protocol):
 
     def sync_weights(self, model) -> float: ...
 
+    # an engine that can free its memory while the policy trains (generation.sleep) has sleep() (see `rest`)
     # engines that hold their own weights also sample prompts already tokenised (TRL's GRPO and RLOO hold ids):
     # generate_ids(query_ids, query_mask, gen, seed, greedy=False) -> Rollout (align/stages/online_rl.py)
 
     def close(self) -> None: ...
+
+
+def rest(engine) -> None:
+    """The policy is about to train: an engine that can free its memory meanwhile (generation.sleep) does; it wakes
+    when next asked to sync or sample. Every process calls it at the same point (a shared engine's is a collective)."""
+    sleep = getattr(engine, "sleep", None)
+    if callable(sleep):
+        sleep()
 
 
 def logprob_gap(engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

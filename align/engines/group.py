@@ -144,6 +144,15 @@ class GroupEngine:
         self.sync_seconds.append(seconds)
         return seconds
 
+    def sleep(self) -> None:
+        """generation.sleep: once every process has sampled (an all-gather: every process calls this at the same
+        point), the starter puts the engine to sleep; it wakes when next asked to sync or sample."""
+        if not getattr(self.engine, "sleeps", False):
+            return
+        _all_gather(None)
+        if self.rank == self.owner:
+            self.engine.sleep()
+
     def close(self) -> None:
         """Disconnect, or (the starter) stop the engine once the others have disconnected; at once when closing
         because of an error (sys.exc_info): the job is ending, and the others may be waiting in a collective for

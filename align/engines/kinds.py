@@ -33,6 +33,10 @@ class EngineKind:
     adapters: bool = False
     """Applies a LoRA policy's adapters itself (`generation.lora_sync: adapter`: started with `lora_rank`, synced
     with the adapters alone)."""
+    sleeps: bool = False
+    """Frees its memory while the policy trains (`generation.sleep`: `sleep()`, woken by its next sync or sample)."""
+    sleep_needs_gpu: bool = False
+    """Its sleep works on a GPU only (vLLM's sleep mode): refused before launch on a machine without one."""
     problems: Callable[[str, Callable[[], int | None]], str | None] = _no_problem
     """Why it cannot run on this machine (not installed, a model it cannot serve here), or None; `head_dim` gives the
     model's attention head size (None when unknown), asked only when needed. `where` names the setting."""

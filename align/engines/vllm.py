@@ -47,22 +47,21 @@ class VLLMEngine(EngineClient):
     def __init__(self, model_dir: str, tokenizer, seed: int = 0, dtype: str = "float32", max_model_len: int = 512,
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.3, log_path=None, timeout_s: float = 600.0,
                  python: str | None = None, devices: tuple[int, ...] = (), weight_sync: str = "shared",
-                 bucket_mib: float = 32, lora_rank: int | None = None, keep_weights: bool = True, clients: int = 1):
+                 bucket_mib: float = 32, lora_rank: int | None = None, keep_weights: bool = True, clients: int = 1,
+                 sleeps: bool = False):
         if weight_sync not in ("shared", "host", "file", "broadcast"):
             raise ValueError(f"generation.weight_sync: {weight_sync!r} is not one of shared, host, file, broadcast")
         if len(devices) > 1:  # tensor parallel: vLLM's workers are processes of their own, which a bucket never reaches
             weight_sync, keep_weights = "file", False
         self.tokenizer, self.timeout_s, self.weight_sync = tokenizer, timeout_s, weight_sync
-        self.clients = clients  # the processes it serves (align/engines/group.py), which reach it by `contact`
+        self.clients, self.sleeps = clients, sleeps  # processes served (group.py, by `contact`); generation.sleep
         self.bucket_bytes = max(1, int(bucket_mib * 2 ** 20))
-        self.sync_seconds: list[float] = []
-        self.sync_bytes: list[int] = []
+        self.sync_seconds, self.sync_bytes = [], []
         self._bucket: Bucket | None = None
         self._held: dict = {}  # the trainer's storages the engine has mapped (weight_sync.HostTensors)
         self._synced = None  # the model last synced in full (a weak reference): later syncs send what trains
         self.last_sync: dict = {}  # the engine's reply to the last streamed sync
-        self.lora_rank = lora_rank  # adapters synced alone (generation.lora_sync: adapter), at most this rank
-        self._adapters = 0
+        self.lora_rank, self._adapters = lora_rank, 0  # adapters synced alone (lora_sync: adapter), at most this rank
         python = python or vllm_python()
         if python is None:
             raise EngineError(f"generation.engine: vllm: vLLM is not installed; {VLLM_INSTALL}")
@@ -93,7 +92,7 @@ class VLLMEngine(EngineClient):
             self.conn = self._connect(key, deadline=time.monotonic() + 120)
             reply = self._call({"op": "init", "model": str(model_dir), "dtype": dtype, "max_model_len": max_model_len,
                                 "seed": seed, "kv_cache_gib": kv_cache_gib, "lora_rank": lora_rank,
-                                "keep_weights": keep_weights, "clients": clients,
+                                "keep_weights": keep_weights, "clients": clients, "sleep": sleeps,
                                 "tensor_parallel_size": max(1, len(devices)),
                                 "gpu_memory_utilization": gpu_memory_utilization}, "start", timeout_s)
         except BaseException:
@@ -110,7 +109,13 @@ class VLLMEngine(EngineClient):
         """What another process this engine serves needs to reach it (vllm_client.SharedClient); it carries the
         connection's key: passed between the job's processes only (align/engines/group.py), never written."""
         return {"address": self.address, "key": self._key.hex(), "pid": self.proc.pid, "log": str(self.log_path),
-                "weight_sync": self.weight_sync, "adapters": bool(self.lora_rank)}
+                "weight_sync": self.weight_sync, "adapters": bool(self.lora_rank), "sleeps": self.sleeps}
+
+    def sleep(self) -> None:
+        """generation.sleep: the engine frees its GPU memory while the policy trains (vLLM's sleep mode, level 1);
+        its next sync or generate wakes it (the engine process does, whoever asks). Nothing without the setting."""
+        if self.sleeps:
+            self._call({"op": "sleep"}, "sleep", self.timeout_s)
 
     def sync_weights(self, model) -> float:
         """Push `model`'s weights (a causal LM, peft or not, ZeRO-3-partitioned or not: partitioned parameters are
@@ -352,7 +357,7 @@ def make(gen, *, tokenizer, model_dir, seed=0, dtype="float32", max_model_len=51
                           log_path=log_path, timeout_s=gen.engine_timeout_s, devices=placement.devices,
                           weight_sync=gen.weight_sync, bucket_mib=gen.sync_bucket_mib,
                           lora_rank=lora_rank if gen.lora_sync == "adapter" else None,
-                          keep_weights=keeps_weights(gen), clients=clients)
+                          keep_weights=keeps_weights(gen), clients=clients, sleeps=gen.sleep)
 
     if not placement.shared:
         return start(1)

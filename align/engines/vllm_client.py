@@ -158,7 +158,7 @@ class SharedClient(EngineClient):
     def __init__(self, contact: dict, tokenizer, timeout_s: float):
         self.tokenizer, self.timeout_s = tokenizer, timeout_s
         self.address, self.proc, self.log_path = contact["address"], _Started(contact["pid"]), Path(contact["log"])
-        self.weight_sync, self.adapters = contact["weight_sync"], contact["adapters"]
+        self.weight_sync, self.adapters, self.sleeps = contact["weight_sync"], contact["adapters"], contact["sleeps"]
         self.broken: str | None = None
         self.conn = None
         self.conn = self._connect(bytes.fromhex(contact["key"]), deadline=time.monotonic() + 120)

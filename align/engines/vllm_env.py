@@ -115,8 +115,8 @@ def _memory(gen: Any, weights_bytes: int, kv_bytes: int, gpu_memory: int | None)
     return copies * weights_bytes + max(kv_bytes, int(round(gen.kv_cache_gib)) * 2 ** 30)
 
 
-KIND = EngineKind("vllm", "align.engines.vllm", own_copy=True, token_ids=True, adapters=True, problems=_problems,
-                  memory=_memory)
+KIND = EngineKind("vllm", "align.engines.vllm", own_copy=True, token_ids=True, adapters=True, sleeps=True,
+                  sleep_needs_gpu=True, problems=_problems, memory=_memory)
 
 
 def sync_space_problem(directory: str, needed: int) -> str | None:

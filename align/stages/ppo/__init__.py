@@ -23,7 +23,7 @@ import torch
 
 from align.config.ppo import PPOStage
 from align.runtime.rows import load_rows, unique_prompts
-from align.engines.base import RolloutEngine, check_rollout, nan_max
+from align.engines.base import RolloutEngine, check_rollout, nan_max, rest
 from align.modeling.generation import Rollout, fused_head_gap, response_logprobs
 from align.modeling.fused_head import FUSED_TOLERANCE, exclude, set_fused_head, use_fused_head
 from align.modeling.packing import attention_kernel, base_and_backbone, set_padding_free, unwrapped_model
@@ -236,6 +236,7 @@ def collect(s: PPORun, it: int, t0: float, t_sync: float) -> Batch:
     prompts = [s.prompts[i] for i in mine]
     r = rollout(cfg, accelerator, s.engine, prompts, seed=s.ctx.seed * 7919 + it * s.world + accelerator.process_index)
     t_sampled = now(accelerator.device)
+    rest(s.engine)  # generation.sleep: the engine frees its memory while the batch is scored and trained on
     with torch.no_grad():
         scores = s.scorer.score_rollout(r, prompts, s.tokenizer)
         if cfg.reward_normalization == "initial":
