@@ -321,3 +321,22 @@ def test_zero3_gathered_sync(tmp_path, mode):
     assert gap_before > 1e-2 and not same_before  # the engine started from other weights (or without the adapters)
     assert gap_after < 1e-3 and same_after
     assert r["rank1_received_whole_weights"]
+
+
+def test_a_sync_leaves_no_cached_prefix_of_the_old_weights(smollm2, tmp_path):
+    """vLLM caches the KV of prompt prefixes it has seen (prefix caching, on by default in its V1 engine): prompts
+    sharing a long prefix (a system prompt, a chat template) sampled before a sync must not reuse KV computed with the
+    old weights after it. Sampled once, synced, sampled again: the engine's log-probs equal the trained model's."""
+    model, tok = load(smollm2_dir())
+    prefix = "You are a film critic who writes short, honest reviews of every movie you watch. " * 16 + "Review: "
+    assert len(tok(prefix).input_ids) > 256  # whole KV blocks of it (vLLM's CPU blocks are 128 tokens)
+    prompts = [prefix + p for p in PROMPTS]
+    with VLLMEngine(str(smollm2_dir()), tok, seed=SEED, log_path=tmp_path / "engine.log") as eng:
+        eng.generate(prompts, GEN, seed=SEED)  # the shared prefix's KV, under the starting weights, now cached
+        perturb(model, SEED + 40, scale=0.05)
+        eng.sync_weights(model)
+        r = eng.generate(prompts, GEN, seed=SEED)
+        with torch.no_grad():
+            gap = logprob_gap(r.engine_logprobs, response_logprobs(model, r), r.response_mask)["max"]
+    print(f"seed {SEED + 40}: gap after the sync {gap:.2e}")
+    assert gap < 1e-3, gap

@@ -216,6 +216,8 @@ def handle(llm, conn, msg: dict) -> dict | None:
             return None
         else:
             raise ValueError(f"unknown op {op!r}")
+        if op in ("load", "stream", "lora"):  # KV cached for prompt prefixes was computed with the old weights
+            llm.reset_prefix_cache()
         return {"ok": True, **reply}
     except Exception as e:  # reported to the parent, which ends the stage with it
         return failure(e)
