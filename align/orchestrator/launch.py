@@ -168,6 +168,13 @@ def processes_per_node(stage: StageBase, num_processes: int | None) -> int | Non
     return stage.num_processes or (num_processes if is_distributed(stage) else None)
 
 
+def node_processes(plan: StagePlan, source: str | Path, num_processes: int | None) -> int:
+    """The processes the stage starts on each machine: its own count or --num-processes (processes_per_node), else
+    its accelerate config's."""
+    n = processes_per_node(plan.cfg, num_processes)
+    return n or int((yaml_load(accelerate_config(plan.cfg.accelerate, source)) or {}).get("num_processes", 1))
+
+
 def placement_problem(plan: StagePlan, source: str | Path, num_processes: int | None, gpus: int) -> str | None:
     """Why the stage's rollout engines cannot be placed on a node of `gpus` GPUs (0: a machine without GPUs) with the
     processes the stage launches there (tensor_parallel_size not dividing them, separate engines with no GPU left),
@@ -177,10 +184,7 @@ def placement_problem(plan: StagePlan, source: str | Path, num_processes: int | 
     gen = plan.cfg.generation_settings()
     if gen is None:
         return None
-    n = processes_per_node(plan.cfg, num_processes)
-    if n is None:
-        n = 1 if one_plain_process(plan, source, None) else int(
-            (yaml_load(accelerate_config(plan.cfg.accelerate, source)) or {}).get("num_processes", 1) or 1)
+    n = node_processes(plan, source, num_processes)
     problem = engine_placement_problem(gen, n, gpus)
     return f"stages.{plan.name}.generation: {problem} ({n} processes per node, {gpus} GPUs on this machine)" \
         if problem else None
@@ -210,7 +214,7 @@ def launch_command(plan: StagePlan, spec: Path, source: str | Path, num_processe
         return [sys.executable, "-m", "align.cli", "stage", str(spec)]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     if multi is not None and multi.nodes > 1 and is_distributed(plan.cfg):
-        per_node = n or int(raw.get("num_processes", 1))
+        per_node = node_processes(plan, source, num_processes)
         # accelerate counts processes over all machines; torchrun (DeepSpeed's `standard` multi-node launcher,
         # no ssh/pdsh needed) starts per_node of them here and meets the others at the master's port.
         cmd += ["--num_processes", str(per_node * multi.nodes), "--num_machines", str(multi.nodes),

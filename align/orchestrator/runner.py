@@ -23,7 +23,7 @@ from align.config import PipelineConfig, to_dict
 from align.core.console import stream_stage, tail, verbose
 from align.core.errors import INTERRUPTED, Terminated, interrupt_cause
 from align.orchestrator.estimate import EstimateError, estimate_pipeline, too_big
-from align.orchestrator.hardware import detected_gpus, hardware
+from align.orchestrator.hardware import Hardware, hardware
 from align.core.fsutil import atomic_write_json
 from align.orchestrator.inputs import resolve_model_paths
 from align.orchestrator.launch import (MultiNode, is_distributed, launch_command, one_plain_process, placement_problem,
@@ -105,8 +105,9 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
     forced = selected if (force or from_stage) else set()
     run_dir = Path(run_dir) if run_dir is not None else run_dir_of(cfg)
     to_run = [p.name for p in plans if p.name in selected and (p.name in forced or not up_to_date(p, run_dir, source))]
-    memory_preflight(cfg, source, plans, set(to_run), num_processes, multi, ignore_memory_check)
-    gpus = len(detected_gpus())
+    hw = hardware(cfg, nodes=multi.nodes)  # asks nvidia-smi once, for both checks
+    memory_preflight(cfg, source, plans, set(to_run), num_processes, hw, ignore_memory_check)
+    gpus = hw.gpus_per_node if hw.detected else 0  # the GPUs present (the pipeline's `hardware:` is not)
     for problem in filter(None, (placement_problem(p, source, num_processes, gpus) for p in plans if p.name in to_run)):
         raise PipelineError(f"{source}: {problem}")
     if not multi.is_main:
@@ -274,12 +275,11 @@ def _finish(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan], sel
 
 
 def memory_preflight(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan], names: set[str],
-                     num_processes: int | None, multi: MultiNode, ignore: bool) -> None:
+                     num_processes: int | None, hw: Hardware, ignore: bool) -> None:
     """Refuse, before anything is launched, stages whose per-GPU estimate exceeds the GPU memory (align/orchestrator/estimate.py).
     Skipped when no GPU is present or declared, or when the base model's config cannot be read here."""
     if not names:
         return
-    hw = hardware(cfg, nodes=multi.nodes)
     if not hw.gpu_memory:
         return
     try:
