@@ -463,7 +463,6 @@ def test_an_engine_that_fails_before_its_broadcast_is_not_waited_for(tmp_path):
     assert Answers.sent == ["stream", "chunk"]
 
 
-
 def test_sleep_with_an_engine_that_cannot_is_refused_by_validate(workdir):
     """generation.sleep with the hf engine (the stage's own model: nothing apart to free) is refused before anything
     runs, naming the setting and the engines that can."""
@@ -474,3 +473,15 @@ def test_sleep_with_an_engine_that_cannot_is_refused_by_validate(workdir):
     assert p.returncode != 0 and "Traceback" not in out, out[-2000:]
     assert "stages.ppo.generation.sleep: true, but 'hf' cannot free its memory" in out, out[-2000:]
     assert "generation.engine: vllm" in out, out[-2000:]
+
+
+def test_sleep_on_a_stage_that_trains_nothing_is_refused_by_validate(workdir):
+    """generation.sleep on evaluate (it samples every policy and scores, but trains nothing between rounds: its engine
+    would never be put to sleep) is refused before anything runs, naming the stage and the setting."""
+    from conftest import run_align
+
+    p = run_align("validate", "pipelines/default.yaml", "evaluate.generation.engine=vllm",
+                  "evaluate.generation.sleep=true", cwd=workdir)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "Traceback" not in out, out[-2000:]
+    assert "stages.evaluate.generation.sleep: true, but stage type 'evaluate' trains nothing" in out, out[-2000:]

@@ -166,7 +166,7 @@ class Generation:
     sleep: bool = False
     """An engine with its own copy that can free its memory (vllm on GPUs: vLLM's sleep mode, level 1, weights to host
     memory and the KV cache dropped): it sleeps after each round of sampling while the policy trains, and wakes when
-    next asked to sync or sample. For colocated engines on GPUs (vLLM's sleep mode is CUDA-only: refused on a machine
+    next asked to sync or sample (stages that train: refused on evaluate and preferences). For colocated engines on GPUs (vLLM's sleep mode is CUDA-only: refused on a machine
     without a GPU, and with placement: separate); `align estimate` still counts the engine as awake (an upper bound).
     Not yet run on a GPU in this project; its CPU twin is the test suite's copy engine."""
     placement: str = one_of("colocated", "colocated", "separate")

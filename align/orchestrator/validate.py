@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from align.config import CheckContext, ConfigError, PipelineConfig, TrainedStage
-from align.config.contract import EXAMPLES, PROMPTS_ONLY, refs
+from align.config.contract import EXAMPLES, POLICY, PROMPTS_ONLY, refs
 from align.config.settings import flash_attention_problem
 from align.config.sweeps import by_stage
 from align.core.builtin import is_builtin
@@ -120,9 +120,13 @@ def _check_engine(plan: StagePlan, cfg: PipelineConfig, source: str) -> None:
         raise PipelineError(f"{source}: stages.{plan.name}.generation.sleep: true, but '{gen.engine}' cannot free its "
                             f"memory while the policy trains; remove it, or use an engine that can (generation.engine: "
                             f"{', '.join(n for n in plan.cfg.ENGINES if engine_kind(n).sleeps) or 'none here'})")
+    if gen.sleep and plan.cfg.PRODUCES != POLICY:
+        raise PipelineError(f"{source}: stages.{plan.name}.generation.sleep: true, but stage type '{plan.cfg.TYPE}' "
+                            f"trains nothing between its rounds of sampling, so its engine would never sleep: remove it")
     if not kind.own_copy:  # it samples with the stage's own model
-        shared = {"tensor_parallel_size": gen.tensor_parallel_size != 1, "placement": gen.placement != "colocated"}
-        for key in (k for k, on in shared.items() if on):
+        placed = [k for k, v in (("tensor_parallel_size", 1), ("placement", "colocated")) if getattr(gen, k) != v]
+        if placed:
+            key = placed[0]
             raise PipelineError(f"{source}: stages.{plan.name}.generation.{key}: {getattr(gen, key)!r} places an "
                                 f"engine with its own copy of the policy; '{gen.engine}' samples with each process's "
                                 f"own model: remove the setting, or use an engine with its own copy (generation.engine:"

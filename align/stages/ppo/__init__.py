@@ -235,8 +235,8 @@ def collect(s: PPORun, it: int, t0: float, t_sync: float) -> Batch:
     mine = s.stream.take(cfg.rollout_batch_size * s.world)[accelerator.process_index::s.world]
     prompts = [s.prompts[i] for i in mine]
     r = rollout(cfg, accelerator, s.engine, prompts, seed=s.ctx.seed * 7919 + it * s.world + accelerator.process_index)
-    t_sampled = now(accelerator.device)
     rest(s.engine)  # generation.sleep: the engine frees its memory while the batch is scored and trained on
+    t_sampled = now(accelerator.device)  # the engine's time, its sleep included, counts as generation
     with torch.no_grad():
         scores = s.scorer.score_rollout(r, prompts, s.tokenizer)
         if cfg.reward_normalization == "initial":
