@@ -45,8 +45,9 @@ def test_the_second_process_samples_through_the_engine_the_first_starts_and_sync
     assert first["clients"] == 2 and "clients" not in second  # one start, for both
     assert second["attached_to"]["address"] == "engine-of-process-0"
     assert first["sampled"] == ["owner:p0"] and second["sampled"] == ["client:p1"]
-    assert first["calls"] == ["generate 1", "sync", "close"]
-    assert second["calls"] == ["generate 1", "join", "close"]
+    # the starter alone puts it to sleep; before the sync wakes it, every process gives back its cached GPU memory
+    assert first["calls"] == ["generate 1", "sleep", "free", "sync", "close"]
+    assert second["calls"] == ["generate 1", "free", "join", "close"]
     assert first["syncs"] == second["syncs"] == 1
     assert second["described"] == {"name": "stand_in", "started_by_process": 0, "shared_by_local_ranks": [0, 1]}
     assert first["described"]["pid"] == second["attached_to"]["pid"]
@@ -61,6 +62,8 @@ def test_the_second_process_samples_through_the_engine_the_first_starts_and_sync
      "RuntimeError: gather failed"),
     ("attach_fails", "EngineError: process 1 could not reach its rollout engine (ConnectionRefusedError: engine "
                      "socket refused", "ConnectionRefusedError: engine socket refused the connection"),
+    ("sleep_fails", "RuntimeError: cuMemUnmap failed", "EngineError: process 0's engine failed to sleep (RuntimeError: "
+                                                       "cuMemUnmap failed); every process stops with it"),
 ])
 def test_a_failure_on_either_side_stops_both_processes_with_its_cause(tmp_path, scenario, first_error, second_error):
     first, second = two_processes(tmp_path, scenario)
@@ -69,13 +72,16 @@ def test_a_failure_on_either_side_stops_both_processes_with_its_cause(tmp_path, 
     if scenario == "attach_fails":  # the engine nobody else can reach is stopped by its starter, at once
         assert first["started_calls"] == ["kill"], first
     if scenario == "sync_fails":  # closed while the error is raised: the starter stops the engine at once
-        assert first["calls"] == ["generate 1", "sync", "kill"], first
+        assert first["calls"] == ["generate 1", "sleep", "free", "sync", "kill"], first
+    if scenario == "sleep_fails":  # the other process waited for the sleep and learnt it failed: nobody syncs
+        assert first["calls"] == ["generate 1", "sleep", "kill"] and second["calls"] == ["generate 1", "close"]
 
 
 def test_the_engine_serves_what_arrives_together_in_one_batch_and_only_its_starter_syncs(monkeypatch):
     """The engine's server (vllm_side/align_vllm_server.py serve_received), with a stand-in for vLLM: generate
     requests that arrive together with the same settings become one batch, each process's reply holding its own rows
-    in order; other settings get their own batch; a bad request fails only its own process; a process other than the starter may not sync or close the
+    in order; other settings get their own batch; a bad request fails only its own process (unless the failed batch
+    left its requests in vLLM: then every process of it); a process other than the starter may not sync or close the
     engine, and the starter's close is noted (answered once the others have gone)."""
     import importlib.util
 
@@ -93,7 +99,16 @@ def test_the_engine_serves_what_arrives_together_in_one_batch_and_only_its_start
     monkeypatch.setattr(server, "generate", stand_in)
     parent, second, third = "parent", "second", "third"
     settings = {"op": "generate", "temperature": 1.0, "max_tokens": 4}
-    state = {"llm": object(), "closing": False, "expected": 2}
+    class Engine:  # vLLM's LLMEngine: whether a failed batch left requests in it
+        unfinished = False
+
+        def has_unfinished_requests(self):
+            return self.unfinished
+
+    class LLM:
+        llm_engine = Engine()
+
+    state = {"llm": LLM(), "closing": False, "expected": 2}
     replies = dict(server.serve_received(state, parent, [
         (parent, {**settings, "prompts": [[1, 2], [3]]}),
         (second, {**settings, "prompts": [[4, 5, 6]]}),
@@ -115,6 +130,14 @@ def test_the_engine_serves_what_arrives_together_in_one_batch_and_only_its_start
     assert batches == [[1, 99], [1], [99]] and mixed[parent]["ok"] and mixed[parent]["outputs"][0]["token_ids"] == [1]
     assert not mixed[second]["ok"] and "longer than max_model_len" in mixed[second]["error"]
     assert not mixed[third]["ok"] and "not a request" in mixed[third]["error"]
+    # a batch that failed while decoding leaves its requests in vLLM, which the next batch would return as its own:
+    # no request is served alone then; every process of the batch gets the error
+    batches.clear()
+    LLM.llm_engine.unfinished = True
+    stuck = dict(server.serve_received(state, parent, [(parent, {**settings, "prompts": [[1]]}),
+                                                       (second, {**settings, "prompts": [[99]]})]))
+    assert batches == [[1, 99]] and not stuck[parent]["ok"] and not stuck[second]["ok"]
+    assert "longer than max_model_len" in stuck[parent]["error"]
     assert server.serve_received(state, parent, [(parent, {"op": "close"})]) == [] and state["closing"]
 
 
@@ -203,3 +226,44 @@ def test_grpo_under_zero2_with_both_processes_on_one_vllm_engine(tmp_path):
     gaps = [r["rollout/logprob_gap_max"] for r in rows if "rollout/logprob_gap_max" in r]
     print("log-prob gap per logged step:", gaps)
     assert len(gaps) == 3 and max(gaps) < 1e-3, gaps
+
+
+def test_the_engine_keeps_accepting_after_a_garbled_handshake_and_a_silent_one_is_an_error(tmp_path):
+    """The engine's accepting thread (align_vllm_server.accept_others) survives a connection whose handshake is
+    garbage (an OSError "bad message length", which once ended the thread, leaving the processes still to come
+    hanging), and a process whose engine never accepts gets an EngineError by its deadline (vllm_client._dial:
+    multiprocessing's handshake itself has none)."""
+    import importlib.util
+    import socket
+    import threading
+    import time
+    from multiprocessing.connection import Listener
+
+    from align.engines import EngineError
+    from align.engines.vllm_client import _dial
+
+    spec = importlib.util.spec_from_file_location("server", REPO / "align/engines/vllm_side/align_vllm_server.py")
+    server = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(server)
+    key, address = b"k" * 16, str(tmp_path / "sock")
+    with Listener(address, authkey=key) as listener:
+        others, accepted = [], []
+        server.accept_others(listener, others, accepted, 1, threading)
+        with socket.socket(socket.AF_UNIX) as raw:
+            raw.connect(address)
+            raw.sendall(b"\xff" * 12)  # a length of -1, then an 8-byte one far past the challenge's 256 bytes
+            time.sleep(0.5)
+        with _dial(address, key, time.monotonic() + 10) as ours:  # on the old thread: no accept, an EngineError
+            deadline = time.monotonic() + 10
+            while not accepted and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert accepted == [True] and len(others) == 1
+            others[0].send("hello")
+            assert ours.recv() == "hello"
+            others[0].close()
+    silent = str(tmp_path / "silent")
+    with Listener(silent, authkey=key):  # listening, never accepting
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match="did not accept a connection by its deadline"):
+            _dial(silent, key, time.monotonic() + 2)
+        assert time.monotonic() - t0 < 10

@@ -123,7 +123,8 @@ class Generation:
     all are done (memory of one layer; a collective per layer and step: much slower)."""
     engine_timeout_s: float = ranged(600.0, gt=0, fix="seconds the vllm engine may take for one call (start, a batch, a sync)")
     """vllm: the longest one engine call may take (start-up, one generate batch, one weight sync) before the stage
-    ends with an error naming it, instead of waiting forever."""
+    ends with an error naming it, instead of waiting forever; a generate on an engine shared by n processes may take
+    n times as long (it may wait for the others' batches)."""
     max_logprob_gap: float = ranged(10.0, gt=0)
     """vllm: the largest |engine - trainer| log-prob of a sampled token (nats) before the stage stops, naming the
     weight sync and the engine's log; a non-finite gap always stops it. fp32 engines agree within ~1e-3 nats; bf16
@@ -169,6 +170,11 @@ class Generation:
     next asked to sync or sample (stages that train: refused on evaluate and preferences). For colocated engines on GPUs (vLLM's sleep mode is CUDA-only: refused on a machine
     without a GPU, and with placement: separate); `align estimate` still counts the engine as awake (an upper bound).
     Not yet run on a GPU in this project; its CPU twin is the test suite's copy engine."""
+    cuda_graphs: bool = True
+    """vllm on GPUs: decode with CUDA graphs (vLLM's default: captured at start-up, a few seconds and some memory
+    within gpu_memory_utilization, much faster decoding of small batches); false decodes eagerly. Weight syncs copy
+    into the captured weights' own memory, which the graphs keep reading. Always eager on a CPU. Not yet run on a GPU
+    in this project (vLLM's CUDA build cannot be carried to the lent GPU)."""
     placement: str = one_of("colocated", "colocated", "separate")
     """vllm on GPUs: `colocated` engines share the training GPUs (each takes gpu_memory_utilization of its GPUs);
     `separate` engines get the node's GPUs training does not use (launch fewer processes than GPUs), the whole of each,

@@ -49,6 +49,17 @@ def rest(engine) -> None:
         sleep()
 
 
+def free_cached_memory() -> None:
+    """The GPU memory this process's caching allocator holds unused goes back to the device (after a gc: tensors kept
+    alive only by reference cycles go first): before a sleeping engine on the same GPU wakes, as vLLM maps its memory
+    anew then (TRL does the same before waking vLLM). Nothing without CUDA."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def logprob_gap(engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """Mean and max |engine - trainer| log-prob over the response tokens (mask 1): how far the engine's sampling
     distribution is from the one the trainer optimises (a drift here biases every importance ratio)."""
@@ -74,6 +85,12 @@ def check_gap(gap: float, bound: float, where: str, log_path) -> None:
     raise EngineError(f"{where}: the rollout engine's log-probs differ from the trained model's by {gap} on a sampled "
                       f"token (more than generation.max_logprob_gap={bound:g}): the engine is not sampling from the "
                       f"weights being trained (a failed or partial weight sync); its log: {log_path}")
+
+
+def across_processes(accelerator) -> Callable[[float], float]:
+    """check_rollout's `reduce` in a stage of several processes: the largest gap of any of them (NaN when any is NaN:
+    torch's max propagates it), so that all stop together or none does. A collective: every process checks."""
+    return lambda gap: accelerator.gather(torch.tensor([gap], device=accelerator.device)).max().item()
 
 
 def check_rollout(engine: RolloutEngine, rollout: Rollout, trainer_logprobs: torch.Tensor, bound: float,

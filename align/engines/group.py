@@ -29,6 +29,7 @@ import time
 from typing import Callable
 
 from align.engines import EngineError
+from align.engines.base import free_cached_memory
 from align.engines.placement import Placement
 
 
@@ -40,24 +41,38 @@ def _world() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _all_gather(obj) -> list:
+def _all_gather(obj, group=None) -> list:
     import torch.distributed as dist
 
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
+def _waiting_group(timeout_s: float):
+    """A gloo group of every process of the job for this module's all-gathers, with a deadline past the engine's own
+    (its start: 120 s to listen and `timeout_s` to load; a sync or a sleep: `timeout_s`): the processes waiting for
+    the starter learn of its failure from its EngineError, never from the training group's shorter watchdog (NCCL's
+    10 minutes), and these small gathers of Python objects stay off the GPUs."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2 * timeout_s + 240))
+
+
 def start_shared(placement: Placement, local_rank: int, start: Callable[[int], object],
-                 attach: Callable[[dict], object]):
+                 attach: Callable[[dict], object], timeout_s: float = 600.0):
     """This process's engine when `placement` shares it: started here by `start(processes served)` (which returns an
     engine with a `contact` dict) or reached through the starter's contact by `attach(contact)`. A collective every
-    process of the job joins. Raises EngineError on every process when any engine failed to start."""
+    process of the job joins. Raises EngineError on every process when any engine failed to start. `timeout_s`: the
+    engine's deadline for one call (generation.engine_timeout_s)."""
     rank, world = _world()
     if world == 1:
         raise EngineError(f"generation.tensor_parallel_size: an engine shared by {len(placement.serves)} processes "
                           "needs them launched together (accelerate launch --num_processes); this process is alone")
     node = rank - local_rank  # the job's rank of this node's first process
+    group = _waiting_group(timeout_s)
     engine, contact, error, failure = None, None, None, None
     if placement.owner:
         try:
@@ -65,7 +80,7 @@ def start_shared(placement: Placement, local_rank: int, start: Callable[[int], o
             contact = engine.contact
         except Exception as exc:  # told to every process below, then raised here
             error, failure = f"{type(exc).__name__}: {exc}", exc
-    everyone = _all_gather((node, placement.engine, rank, contact, error))
+    everyone = _gather_or_stop((node, placement.engine, rank, contact, error), group, engine)
     _stop_on_failure([(r, e) for _, _, r, _, e in everyone if e], failure if error else None, engine,
                      "process {r}'s rollout engine did not start ({e})")
     owner = node + placement.serves[0]
@@ -75,9 +90,21 @@ def start_shared(placement: Placement, local_rank: int, start: Callable[[int], o
             engine = attach(found[0])
         except Exception as exc:  # told to every process below, then raised here
             error, failure = f"{type(exc).__name__}: {exc}", exc
-    _stop_on_failure([(r, e) for r, e in _all_gather((rank, error)) if e], failure if error else None, engine,
+    _stop_on_failure([(r, e) for r, e in _gather_or_stop((rank, error), group, engine) if e],
+                     failure if error else None, engine,
                      "process {r} could not reach its rollout engine ({e})")  # every process reached its engine
-    return GroupEngine(engine, placement, owner, rank)
+    return GroupEngine(engine, placement, owner, rank, group)
+
+
+def _gather_or_stop(obj, group, engine) -> list:
+    """The all-gather of `obj`; when the collective itself fails (a process died), this process's engine, started or
+    reached, is let go before the error is raised: nobody else would ever close it."""
+    try:
+        return _all_gather(obj, group)
+    except BaseException:
+        if engine is not None:
+            engine.close(kill=True)
+        raise
 
 
 def _stop_on_failure(failed: list, failure: BaseException | None, engine, what: str) -> None:
@@ -100,8 +127,8 @@ class GroupEngine:
 
     holds_own_weights = True
 
-    def __init__(self, engine, placement: Placement, owner: int, rank: int):
-        self.engine, self.placement, self.owner, self.rank = engine, placement, owner, rank
+    def __init__(self, engine, placement: Placement, owner: int, rank: int, group=None):
+        self.engine, self.placement, self.owner, self.rank, self.group = engine, placement, owner, rank, group
         self.name = engine.name
         self.sync_seconds: list[float] = []
         self.sync_bytes: list[int] = []
@@ -114,44 +141,68 @@ class GroupEngine:
         own = self.engine.describe() if self.rank == self.owner else {"name": self.name}
         return {**own, "started_by_process": self.owner, "shared_by_local_ranks": list(self.placement.serves)}
 
+    asleep = False  # put to sleep (generation.sleep) and not asked anything since
+
     def generate(self, *args, **kwargs):
+        self._wake_together()
         return self.engine.generate(*args, **kwargs)
 
     def generate_ids(self, *args, **kwargs):
+        self._wake_together()
         return self.engine.generate_ids(*args, **kwargs)
+
+    def _wake_together(self) -> None:
+        """The first request after a sleep wakes the engine, on GPUs the others train on: every process gives back
+        its cached memory first (free_cached_memory), and none asks before all have (an all-gather: after a sleep,
+        the stages that sleep sync or sample at the same point on every process)."""
+        if self.asleep:
+            free_cached_memory()
+            _all_gather(None, self.group)
+            self.asleep = False
 
     def sync_weights(self, model) -> float:
         """The starter syncs the engine; the others join its gathers. Then every process of the job waits for every
         sync and learns whether all succeeded (a failed one: EngineError everywhere)."""
+        self._wake_together()
         t0 = time.perf_counter()
-        error, failure = None, None
-        try:
+
+        def sync():
             if self.rank == self.owner:
                 self.engine.sync_weights(model)
                 self.sync_bytes.append(self.engine.sync_bytes[-1])
             else:
                 self.engine.join_sync(model)
-        except Exception as exc:  # after the all-gather: the others must not wait for this process forever
-            error, failure = f"{type(exc).__name__}: {exc}", exc
-        failed = [(r, e) for r, e in _all_gather((self.rank, error)) if e]
-        if failure is not None:
-            raise failure
-        if failed:
-            r, e = failed[0]
-            raise EngineError(f"the weight sync of process {r}'s engine failed ({e.splitlines()[0][:300]}); every "
-                              "process stops with it")
+
+        self._together(sync, "the weight sync of process {r}'s engine failed ({e})")
         seconds = time.perf_counter() - t0
         self.sync_seconds.append(seconds)
         return seconds
 
     def sleep(self) -> None:
         """generation.sleep: once every process has sampled (an all-gather: every process calls this at the same
-        point), the starter puts the engine to sleep; it wakes when next asked to sync or sample."""
+        point), the starter puts the engine to sleep, and every process waits until it sleeps (the memory it frees
+        may be on their GPUs) and learns whether it did; it wakes when next asked to sync or sample."""
         if not getattr(self.engine, "sleeps", False):
             return
-        _all_gather(None)
-        if self.rank == self.owner:
-            self.engine.sleep()
+        _all_gather(None, self.group)
+        self._together(lambda: self.engine.sleep() if self.rank == self.owner else None,
+                       "process {r}'s engine failed to sleep ({e})")
+        self.asleep = True
+
+    def _together(self, work: Callable[[], None], what: str) -> None:
+        """`work` on this process, then an all-gather in which every process learns whether every process's succeeded:
+        this process's own failure is raised, else the first other's as an EngineError (`what`: its text)."""
+        error, failure = None, None
+        try:
+            work()
+        except Exception as exc:  # after the all-gather: the others must not wait for this process forever
+            error, failure = f"{type(exc).__name__}: {exc}", exc
+        failed = [(r, e) for r, e in _all_gather((self.rank, error), self.group) if e]
+        if failure is not None:
+            raise failure
+        if failed:
+            r, e = failed[0]
+            raise EngineError(what.format(r=r, e=e.splitlines()[0][:300]) + "; every process stops with it")
 
     def close(self) -> None:
         """Disconnect, or (the starter) stop the engine once the others have disconnected; at once when closing

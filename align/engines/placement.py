@@ -63,7 +63,7 @@ def place(local_rank: int, local_world: int, gpus: int, tensor_parallel: int = 1
     engines = spare // tensor_parallel
     engine = local_rank % engines
     first = local_world + engine * tensor_parallel
-    return Placement(tuple(range(first, first + tensor_parallel)), local_rank < engines, engine, 0.9,  # vLLM's default
+    return Placement(tuple(range(first, first + tensor_parallel)), local_rank < engines, engine, 0.9,  # most of it
                      tuple(range(engine, local_world, engines)), engines < local_world)
 
 

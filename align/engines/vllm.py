@@ -48,7 +48,7 @@ class VLLMEngine(EngineClient):
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.3, log_path=None, timeout_s: float = 600.0,
                  python: str | None = None, devices: tuple[int, ...] = (), weight_sync: str = "shared",
                  bucket_mib: float = 32, lora_rank: int | None = None, keep_weights: bool = True, clients: int = 1,
-                 sleeps: bool = False):
+                 sleeps: bool = False, cuda_graphs: bool = False):
         if weight_sync not in ("shared", "host", "file", "broadcast"):
             raise ValueError(f"generation.weight_sync: {weight_sync!r} is not one of shared, host, file, broadcast")
         if len(devices) > 1:  # tensor parallel: vLLM's workers are processes of their own, which a bucket never reaches
@@ -93,7 +93,7 @@ class VLLMEngine(EngineClient):
             reply = self._call({"op": "init", "model": str(model_dir), "dtype": dtype, "max_model_len": max_model_len,
                                 "seed": seed, "kv_cache_gib": kv_cache_gib, "lora_rank": lora_rank,
                                 "keep_weights": keep_weights, "clients": clients, "sleep": sleeps,
-                                "tensor_parallel_size": max(1, len(devices)),
+                                "tensor_parallel_size": max(1, len(devices)), "enforce_eager": not (cuda_graphs and devices),
                                 "gpu_memory_utilization": gpu_memory_utilization}, "start", timeout_s)
         except BaseException:
             self.close()
@@ -109,13 +109,15 @@ class VLLMEngine(EngineClient):
         """What another process this engine serves needs to reach it (vllm_client.SharedClient); it carries the
         connection's key: passed between the job's processes only (align/engines/group.py), never written."""
         return {"address": self.address, "key": self._key.hex(), "pid": self.proc.pid, "log": str(self.log_path),
-                "weight_sync": self.weight_sync, "adapters": bool(self.lora_rank), "sleeps": self.sleeps}
+                "weight_sync": self.weight_sync, "adapters": bool(self.lora_rank), "sleeps": self.sleeps,
+                "clients": self.clients}
 
     def sleep(self) -> None:
         """generation.sleep: the engine frees its GPU memory while the policy trains (vLLM's sleep mode, level 1);
         its next sync or generate wakes it (the engine process does, whoever asks). Nothing without the setting."""
         if self.sleeps:
             self._call({"op": "sleep"}, "sleep", self.timeout_s)
+            self.asleep = True
 
     def sync_weights(self, model) -> float:
         """Push `model`'s weights (a causal LM, peft or not, ZeRO-3-partitioned or not: partitioned parameters are
@@ -124,6 +126,7 @@ class VLLMEngine(EngineClient):
         seconds it took; `sync_bytes` records the bytes moved."""
         import weakref
 
+        self._make_room()
         t0 = time.perf_counter()
         changed_only = self._synced is not None and self._synced() is model
         if self.lora_rank and hasattr(model, "peft_config"):
@@ -357,9 +360,10 @@ def make(gen, *, tokenizer, model_dir, seed=0, dtype="float32", max_model_len=51
                           log_path=log_path, timeout_s=gen.engine_timeout_s, devices=placement.devices,
                           weight_sync=gen.weight_sync, bucket_mib=gen.sync_bucket_mib,
                           lora_rank=lora_rank if gen.lora_sync == "adapter" else None,
-                          keep_weights=keeps_weights(gen), clients=clients, sleeps=gen.sleep)
+                          keep_weights=keeps_weights(gen), clients=clients, sleeps=gen.sleep,
+                          cuda_graphs=gen.cuda_graphs)
 
     if not placement.shared:
         return start(1)
     return start_shared(placement, int(os.environ.get("LOCAL_RANK", 0)), start,
-                        lambda contact: SharedClient(contact, tokenizer, gen.engine_timeout_s))
+                        lambda contact: SharedClient(contact, tokenizer, gen.engine_timeout_s), gen.engine_timeout_s)

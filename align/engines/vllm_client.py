@@ -17,13 +17,15 @@ from pathlib import Path
 import torch
 
 from align.engines import EngineError
+from align.engines.base import free_cached_memory
 from align.engines.weight_sync import join_gathers
 from align.modeling.generation import Rollout, finish_rollout, tokenize_prompts
 
 
 class EngineClient:
-    """The requests every user of an engine process makes. Subclasses set tokenizer, timeout_s, address, conn, proc
-    (poll(), pid, returncode), log_path and broken (why it may not be used, or None)."""
+    """The requests every user of an engine process makes. Subclasses set tokenizer, timeout_s, clients (processes the
+    engine serves), address, conn, proc (poll(), pid, returncode), log_path and broken (why it may not be used, or
+    None)."""
 
     name = "vllm"
     holds_own_weights = True
@@ -43,18 +45,19 @@ class EngineClient:
                                   f"log ({self.log_path}) ends:\n{self._tail()}")
             if os.path.exists(self.address):
                 try:
-                    return Client(self.address, authkey=key)
+                    return _dial(self.address, key, deadline)
                 except (ConnectionRefusedError, FileNotFoundError):
                     pass
             if time.monotonic() > deadline:
-                raise EngineError(f"the vLLM engine process did not listen within 120 s (log: {self.log_path})")
+                raise EngineError(f"the vLLM engine process did not accept a connection within 120 s (log: "
+                                  f"{self.log_path})")
             time.sleep(0.2)
 
     def _call(self, msg: dict, what: str, timeout_s: float) -> dict:
         """Send one request and wait for its reply, at most `timeout_s`, watching the process: a dead or silent
         engine is an EngineError (and the engine is stopped), never a hang."""
         self._send(msg, what)
-        return self._reply(msg["op"], what, time.monotonic() + timeout_s)
+        return self._reply(msg["op"], what, time.monotonic() + timeout_s, seconds=timeout_s)
 
     def _send(self, msg: dict, what: str, fds=()) -> None:
         """`msg`, then the file descriptors `fds` (passed over the Unix socket, in order, after the message)."""
@@ -72,10 +75,19 @@ class EngineClient:
                               f"'{what}'; its log ({self.log_path}) ends:\n{self._tail()}") from None
 
     stops_engine = True  # a timed-out call stops the engine (a SharedClient only disconnects from it)
+    asleep = False  # put to sleep by this process (generation.sleep) and not asked anything since
 
-    def _reply(self, op: str, what: str, deadline: float, failed=None) -> dict:
-        """The engine's answer to the request `op` sent last, by `deadline` (time.monotonic); `failed`, when given, is
-        asked while waiting for an error of this side's own part of the request (raised at once when there is one)."""
+    def _make_room(self) -> None:
+        """Before this process's first request to an engine it put to sleep (the request wakes it): the memory training
+        took of what the engine freed goes back to the GPU (free_cached_memory)."""
+        if self.asleep:
+            free_cached_memory()
+            self.asleep = False
+
+    def _reply(self, op: str, what: str, deadline: float, failed=None, seconds: float | None = None) -> dict:
+        """The engine's answer to the request `op` sent last, by `deadline` (time.monotonic; `seconds` from the request,
+        when not timeout_s); `failed`, when given, is asked while waiting for an error of this side's own part of the
+        request (raised at once when there is one)."""
         while not self.conn.poll(0.2 if failed else 1.0):
             if failed is not None and failed() is not None:
                 raise failed()
@@ -84,7 +96,7 @@ class EngineClient:
                                   f"'{what}'; its log ({self.log_path}) ends:\n{self._tail()}")
             if time.monotonic() > deadline:
                 self.close(kill=True)
-                raise EngineError(f"the vLLM engine did not finish '{what}' within {self.timeout_s:.0f} s"
+                raise EngineError(f"the vLLM engine did not finish '{what}' within {seconds or self.timeout_s:.0f} s"
                                   f"{' and was stopped' if self.stops_engine else ''} (log: {self.log_path}); raise "
                                   "generation.engine_timeout_s if the work is that long")
         try:
@@ -115,10 +127,15 @@ class EngineClient:
         """`generate` for prompts already tokenised (left-padded ids and mask), as TRL's trainers hold them."""
         tok = self.tokenizer
         ids = [row[m.bool()].tolist() for row, m in zip(q_ids, q_mask)]
+        self._make_room()
+        # a shared engine may serve a batch of every process it serves before (and with) this one
         reply = self._call({"op": "generate", "prompts": ids, "temperature": gen.temperature, "top_k": gen.top_k,
                             "top_p": gen.top_p, "max_tokens": gen.max_new_tokens, "greedy": greedy,
-                            "stop_token_ids": [tok.eos_token_id]}, "generate", self.timeout_s)
+                            "stop_token_ids": [tok.eos_token_id]}, "generate", self.timeout_s * self.clients)
         outs = reply["outputs"]
+        if len(outs) != len(ids):
+            raise EngineError(f"the vLLM engine answered {len(ids)} prompts with {len(outs)} responses (log: "
+                              f"{self.log_path}): a failed batch left requests in it; the stage stops")
         lengths = torch.tensor([len(o["token_ids"]) for o in outs], dtype=torch.long)
         width = max(1, int(lengths.max()))
         resp = torch.full((len(outs), width), tok.pad_token_id, dtype=torch.long)
@@ -129,6 +146,29 @@ class EngineClient:
         r = finish_rollout(q_ids, q_mask, resp, tok.eos_token_id, tok.pad_token_id, lengths)
         r.engine_logprobs = lps * r.response_mask
         return r
+
+
+def _dial(address: str, key: bytes, deadline: float):
+    """multiprocessing's Client by `deadline` (time.monotonic): its authentication handshake waits without one when the
+    listener never accepts (an engine whose accepting stopped), so it runs in a thread this one stops waiting for."""
+    import threading
+
+    out: dict = {}
+
+    def dial():
+        try:
+            out["conn"] = Client(address, authkey=key)
+        except BaseException as exc:  # raised below, in the caller's thread
+            out["error"] = exc
+
+    t = threading.Thread(target=dial, daemon=True)
+    t.start()
+    t.join(max(1.0, deadline - time.monotonic()))
+    if "error" in out:
+        raise out["error"]
+    if "conn" not in out:
+        raise EngineError(f"the vLLM engine at {address} did not accept a connection by its deadline")
+    return out["conn"]
 
 
 class _Started:
@@ -159,6 +199,7 @@ class SharedClient(EngineClient):
         self.tokenizer, self.timeout_s = tokenizer, timeout_s
         self.address, self.proc, self.log_path = contact["address"], _Started(contact["pid"]), Path(contact["log"])
         self.weight_sync, self.adapters, self.sleeps = contact["weight_sync"], contact["adapters"], contact["sleeps"]
+        self.clients = contact["clients"]
         self.broken: str | None = None
         self.conn = None
         self.conn = self._connect(bytes.fromhex(contact["key"]), deadline=time.monotonic() + 120)

@@ -20,7 +20,7 @@ from align.report.markdown import all_judges, headline, write_report
 from align.config.evaluate import EvaluateStage
 from align.runtime.rows import load_prompts, load_rows
 from align.engines import make_engine
-from align.engines.base import RolloutEngine, check_rollout, nan_max
+from align.engines.base import RolloutEngine, check_gap, logprob_gap, nan_max
 from align.modeling.generation import by_length, longest_prompt, response_logprobs
 from align.modeling.losses import sequence_kl
 from align.judges.pointwise import WeightedJudge, pairwise_accuracy, stage_judge
@@ -58,9 +58,10 @@ def sample_with_kl(engine: RolloutEngine, policy, reference, tokenizer, prompts:
         idx = order[start:start + gen.batch_size]
         r = engine.generate([prompts[i] for i in idx], gen, seed=seed + start)
         lp = response_logprobs(policy, r, gen.temperature)
-        checked = check_rollout(engine, r, lp, gen.max_logprob_gap, f"evaluation batch {start}")
-        if checked is not None:
-            gap = nan_max([gap or 0.0, checked["max"]])
+        if r.engine_logprobs is not None:  # several processes: checked once gathered, on all of them alike (below)
+            gap = nan_max([gap or 0.0, logprob_gap(r.engine_logprobs, lp, r.response_mask)["max"]])
+            if world == 1:
+                check_gap(gap, gen.max_logprob_gap, f"evaluation batch {start}", engine.log_path)
         ref_lp = response_logprobs(reference, r, gen.temperature)
         mask = r.response_mask.float()
         ref_plain = ref_lp if gen.temperature == 1.0 else response_logprobs(reference, r, 1.0)
@@ -73,6 +74,8 @@ def sample_with_kl(engine: RolloutEngine, policy, reference, tokenizer, prompts:
     if world > 1:
         texts, kls, lengths, ref_sums, scores, gap = _gathered(order, gen.batch_size, rank, world, texts, kls, lengths,
                                                                ref_sums, scores, gap)
+        if gap is not None:
+            check_gap(gap, gen.max_logprob_gap, f"evaluation (every process's batches, {n} prompts)", engine.log_path)
     return texts, kls, lengths, ref_sums, scores, gap
 
 

@@ -109,7 +109,7 @@ class EngineRollouts:
         """One round: sync if an optimiser step passed, sample (B, Lq) left-padded prompt ids, check the first rows."""
         import torch  # heavy: stage processes only
 
-        from align.engines.base import check_rollout, rest
+        from align.engines.base import across_processes, check_rollout, rest
         from align.modeling.generation import response_logprobs
 
         acc = trainer.accelerator
@@ -132,7 +132,7 @@ class EngineRollouts:
             policy.train(was_training)
         gap = check_rollout(self.engine, head, lp, self.cfg.generation.max_logprob_gap,
                             f"stage '{self.ctx.name}', step {trainer.state.global_step} (after a weight sync)",
-                            reduce=lambda g: acc.gather(torch.tensor([g], device=acc.device)).max().item())
+                            reduce=across_processes(acc))
         if gap is not None:  # None: an engine that reports no log-probs of its own
             trainer._metrics["train" if trainer.model.training else "eval"]["rollout/logprob_gap_max"].append(gap["max"])
         rest(self.engine)  # generation.sleep: the engine frees its memory while the policy trains

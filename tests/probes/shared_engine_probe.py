@@ -2,7 +2,7 @@
 shared_engine_probe.py RANK STORE SCENARIO OUT`; writes what happened to OUT (JSON). Scenarios: ok (process 0 starts
 the engine, process 1 reaches it by its contact, both sample and sync), start_fails (process 0's start raises),
 sync_fails (process 0's sync raises), join_fails (process 1's part of a sync raises), attach_fails
-(process 1 cannot reach the engine)."""
+(process 1 cannot reach the engine), sleep_fails (process 0's engine fails to go to sleep: generation.sleep)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ import sys
 
 import torch.distributed as dist
 
+from align.engines import group
 from align.engines.group import start_shared
 from align.engines.placement import place
 
 
 class StandIn:
     name = "stand_in"
+    sleeps = True  # generation.sleep
 
     def __init__(self, role: str, scenario: str, contact=None):
         self.role, self.scenario, self.log_path = role, scenario, f"/tmp/{role}.log"
@@ -39,6 +41,11 @@ class StandIn:
         self.calls.append("join")
         if self.scenario == "join_fails":
             raise RuntimeError("gather failed")
+
+    def sleep(self):
+        self.calls.append("sleep")
+        if self.scenario == "sleep_fails":
+            raise RuntimeError("cuMemUnmap failed")
 
     def describe(self):
         return {"name": self.name, "pid": self.contact["pid"]}
@@ -69,15 +76,18 @@ def main(rank: int, store: str, scenario: str, out: str) -> None:
         return StandIn("client", scenario, contact)
 
     engine = None
+    # before the engine wakes from its sleep, every process gives back its cached GPU memory: recorded in its calls
+    group.free_cached_memory = lambda: engine.engine.calls.append("free")
     try:
         engine = start_shared(placement, rank, start, attach)
         result["sampled"] = engine.generate([f"p{rank}"])
         result["described"] = engine.describe()
+        engine.sleep()
         engine.sync_weights(model=None)
         result["syncs"] = len(engine.sync_seconds)
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
-        if scenario == "sync_fails" and engine is not None:  # closing because of the error: the starter kills
+        if scenario in ("sync_fails", "sleep_fails") and engine is not None:  # closing because of the error: the starter kills
             engine.close()
             result["calls"] = engine.engine.calls
             engine = None

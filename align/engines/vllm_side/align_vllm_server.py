@@ -111,9 +111,11 @@ def serve_received(state: dict, parent, received: list) -> list:
         try:
             outs = merged_generate(state["llm"], [msg for _, msg in group])
             replies += [(c, {"ok": True, **out}) for (c, _), out in zip(group, outs)]
-        except Exception as e:  # alone, each request gets its own answer (one bad request fails only its process)
-            replies += [(c, handle(state["llm"], c, msg)) for c, msg in group] if len(group) > 1 else [(c, failure(e))
-                                                                                                   for c, _ in group]
+        except Exception as e:  # alone, each request gets its own answer (one bad request fails only its process),
+            # unless vLLM was left holding the batch's requests (it failed while decoding): every process gets the error
+            alone = len(group) > 1 and not state["llm"].llm_engine.has_unfinished_requests()
+            replies += [(c, handle(state["llm"], c, msg)) for c, msg in group] if alone else [(c, failure(e))
+                                                                                              for c, _ in group]
     return replies
 
 
@@ -160,8 +162,11 @@ def accept_others(listener, others: list, accepted: list, count: int, threading)
                 c = listener.accept()
             except (AuthenticationError, EOFError, ConnectionError):  # a connection without the key: not one of ours
                 continue
-            except OSError:  # the listener closed: the engine is stopping
-                return
+            except OSError:  # the listener closed (the engine is stopping), or e.g. out of descriptors: try again
+                if listener._listener is None:
+                    return
+                time.sleep(0.5)
+                continue
             others.append(c)
             accepted.append(True)
 
@@ -305,7 +310,8 @@ def start(msg: dict):
                   max_model_len=msg["max_model_len"], seed=msg["seed"], logprobs_mode="processed_logprobs",
                   worker_extension_cls="align_vllm_worker.WeightSync", trust_remote_code=False)
     if msg.get("tensor_parallel_size", 1) > 1:  # GPU only: workers in processes of their own, which import
-        kwargs["tensor_parallel_size"] = msg["tensor_parallel_size"]  # align_vllm_worker by name
+        kwargs["tensor_parallel_size"] = msg["tensor_parallel_size"]  # align_vllm_worker by name; spawned, not forked:
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # torch_cuda() below initialised CUDA here
         here = os.path.dirname(os.path.abspath(__file__))
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))
     if msg.get("gpu_memory_utilization") and torch_cuda():

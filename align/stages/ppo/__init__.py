@@ -23,7 +23,7 @@ import torch
 
 from align.config.ppo import PPOStage
 from align.runtime.rows import load_rows, unique_prompts
-from align.engines.base import RolloutEngine, check_rollout, nan_max, rest
+from align.engines.base import RolloutEngine, across_processes, check_rollout, nan_max, rest
 from align.modeling.generation import Rollout, fused_head_gap, response_logprobs
 from align.modeling.fused_head import FUSED_TOLERANCE, exclude, set_fused_head, use_fused_head
 from align.modeling.packing import attention_kernel, base_and_backbone, set_padding_free, unwrapped_model
@@ -255,7 +255,8 @@ def collect(s: PPORun, it: int, t0: float, t_sync: float) -> Batch:
             ref_logprobs = response_logprobs(s.reference, r, cfg.generation.temperature)
     # what the engine sampled with vs what PPO optimises (same tokens)
     gap = check_rollout(s.engine, r, logprobs, cfg.generation.max_logprob_gap,
-                        f"stage '{s.ctx.name}' iteration {it + 1} (after a weight sync of {t_sync:.2f} s)")
+                        f"stage '{s.ctx.name}' iteration {it + 1} (after a weight sync of {t_sync:.2f} s)",
+                        reduce=across_processes(accelerator))
     return Batch(prompts, r, scores, scores_used - penalties, penalties, logprobs, ref_logprobs, values, gap,
                  t_sampled - t0, now(accelerator.device) - t_sampled)
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from align.config.ppo import PPOStage
-from align.engines.base import RolloutEngine, check_rollout
+from align.engines.base import RolloutEngine, across_processes, check_rollout
 from align.modeling.generation import response_logprobs
 from align.modeling.losses import sequence_kl
 from align.runtime.context import StageContext, StageError
@@ -127,7 +127,7 @@ def heldout_kl(cfg: PPOStage, accelerator, engine: RolloutEngine, model, referen
             logprobs, _, _ = model(r.input_ids, r.attention_mask, r.query_ids.size(1), cfg.generation.temperature,
                                    with_entropy=False, with_values=False)
             ref_logprobs = response_logprobs(reference, r, cfg.generation.temperature)
-        check_rollout(engine, r, logprobs, cfg.generation.max_logprob_gap, where)
+        check_rollout(engine, r, logprobs, cfg.generation.max_logprob_gap, where, reduce=across_processes(accelerator))
         kls.append(sequence_kl(logprobs, ref_logprobs, r.response_mask))
     return HeldoutKL.of(accelerator.gather(torch.cat(kls)).cpu())
 
