@@ -142,8 +142,10 @@ def test_the_engine_serves_what_arrives_together_in_one_batch_and_only_its_start
 
 
 def test_a_sleeping_engine_is_woken_by_whatever_comes_next(monkeypatch):
-    """generation.sleep on the engine's server: `sleep` puts vLLM to sleep once (level 1; asked again, nothing), and
-    the next request, a generate from any process or a sync, wakes it first. A stand-in for vLLM's LLM records it."""
+    """generation.sleep on the engine's server: `sleep` puts vLLM to sleep once (level 1; asked again, nothing); the
+    next request wakes what it needs: a generate from any process all of it, a sync its weights alone (the KV cache
+    comes back at the next generate); a sleep after a sync alone wakes the rest first (vLLM ignores a sleep of an
+    engine still half asleep). A stand-in for vLLM's LLM records it."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("server", REPO / "align/engines/vllm_side/align_vllm_server.py")
@@ -155,8 +157,8 @@ def test_a_sleeping_engine_is_woken_by_whatever_comes_next(monkeypatch):
         def sleep(self, level):
             calls.append(f"sleep {level}")
 
-        def wake_up(self):
-            calls.append("wake")
+        def wake_up(self, tags=None):
+            calls.append(f"wake {','.join(tags)}")
 
     monkeypatch.setattr(server, "generate", lambda llm, msg: calls.append("generate") or {"outputs": [{}]})
     state = {"llm": LLM(), "closing": False, "expected": 1}
@@ -165,10 +167,17 @@ def test_a_sleeping_engine_is_woken_by_whatever_comes_next(monkeypatch):
         assert server.serve_received(state, "parent", [("parent", {"op": "sleep"})]) == [("parent", {"ok": True})]
     server.serve_received(state, "parent", [("other", gen)])
     server.serve_received(state, "parent", [("other", gen)])
-    assert calls == ["sleep 1", "wake", "generate", "generate"]
+    assert calls == ["sleep 1", "wake weights,kv_cache", "generate", "generate"]
+    calls.clear()
     server.serve_received(state, "parent", [("parent", {"op": "sleep"})])
     server.serve_received(state, "parent", [("parent", {"op": "lora", "path": "/nonexistent", "id": 1})])
-    assert calls[-2:] == ["sleep 1", "wake"]  # a sync (here an adapter's, which then fails) wakes it first
+    server.serve_received(state, "parent", [("other", gen)])
+    # a sync (here an adapter's, which then fails) wakes the weights alone; the generate after it the KV cache
+    assert calls == ["sleep 1", "wake weights", "wake kv_cache", "generate"]
+    calls.clear()
+    for op in ("sleep", "lora", "sleep"):
+        server.serve_received(state, "parent", [("parent", {"op": op, "path": "/nonexistent", "id": 1})])
+    assert calls == ["sleep 1", "wake weights", "wake kv_cache", "sleep 1"]
 
 
 @pytest.mark.slow

@@ -166,8 +166,9 @@ class Generation:
     one process. Tensor parallelism has not run on a GPU in this project (vLLM's CUDA build cannot be carried there)."""
     sleep: bool = False
     """An engine with its own copy that can free its memory (vllm on GPUs: vLLM's sleep mode, level 1, weights to host
-    memory and the KV cache dropped): it sleeps after each round of sampling while the policy trains, and wakes when
-    next asked to sync or sample (stages that train: refused on evaluate and preferences). For colocated engines on GPUs (vLLM's sleep mode is CUDA-only: refused on a machine
+    memory and the KV cache dropped): it sleeps after each round of sampling while the policy trains; a sync wakes its
+    weights, sampling the rest, once every process it serves has given back its cached GPU memory (stages that
+    train: refused on evaluate and preferences). Level 1 keeps a pinned host copy of the weights per engine. For colocated engines on GPUs (vLLM's sleep mode is CUDA-only: refused on a machine
     without a GPU, and with placement: separate); `align estimate` still counts the engine as awake (an upper bound).
     Not yet run on a GPU in this project; its CPU twin is the test suite's copy engine."""
     cuda_graphs: bool = True

@@ -10,7 +10,7 @@ request is a dict with "op", every reply a dict with "ok" (and "error" with the 
             or less; keep_weights, default on: on a CPU the linear layers keep their weights beside vLLM's packed
             copies, so syncs load in place; clients: the processes the engine serves, the parent included: the others
             connect after init and may only generate; tensor_parallel_size: vLLM's, on that many GPUs; sleep: vLLM's
-            sleep mode on: `sleep` {} puts it to sleep, any later request wakes it first)
+            sleep mode on: `sleep` {} puts it to sleep; a sync wakes its weights, a generate all of it)
   generate  {prompts: [[token ids]], temperature, top_k, top_p, max_tokens, stop_token_ids[, greedy]}
             -> {outputs: [{token_ids, logprobs}]}  (the sampled tokens' log-probs, after temperature)
   load      {path: a safetensors file of the full model state} -> {tensors, seconds}; the file is deleted once
@@ -119,14 +119,16 @@ def serve_received(state: dict, parent, received: list) -> list:
     return replies
 
 
-_ASLEEP: list = []  # one entry while the engine sleeps (generation.sleep)
+_ASLEEP: list = []  # what of a sleeping engine (generation.sleep) still sleeps: "weights", "kv_cache"
 
 
-def awake(llm) -> None:
-    """Wake a sleeping engine before it samples or loads weights (whoever asks)."""
-    if _ASLEEP:
-        llm.wake_up()
-        _ASLEEP.clear()
+def awake(llm, parts=("weights", "kv_cache")) -> None:
+    """Wake what a request needs of a sleeping engine (whoever asks): a sync its weights alone (the KV cache comes back
+    when it next samples, so a sync's peak holds none; TRL wakes it so too), a generate all of it."""
+    todo = [p for p in parts if p in _ASLEEP]
+    if todo:
+        llm.wake_up(tags=todo)
+        _ASLEEP[:] = [p for p in _ASLEEP if p not in todo]
 
 
 def merged_generate(llm, requests: list[dict]) -> list[dict]:
@@ -182,11 +184,12 @@ def handle(llm, conn, msg: dict) -> dict | None:
             llm, reply = start(msg)
             return {"ok": True, "llm": llm, **reply}
         if op == "sleep":  # generation.sleep: level 1, the weights to host memory, the KV cache dropped
-            if not _ASLEEP:
+            if len(_ASLEEP) < 2:  # asleep: nothing; half awake (a sync since): all of it, then to sleep
+                awake(llm)
                 llm.sleep(level=1)
-                _ASLEEP.append(True)
+                _ASLEEP[:] = ["weights", "kv_cache"]
             return {"ok": True}
-        awake(llm)
+        awake(llm, ("weights", "kv_cache") if op == "generate" else ("weights",))
         if op == "generate":
             reply = generate(llm, msg)
         elif op == "load":
