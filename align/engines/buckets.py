@@ -72,6 +72,8 @@ class Bucket:
 
     def ready(self) -> None:
         """Wait until the copies into the buffer have landed (a GPU copies asynchronously)."""
+        if self.buffer.is_cuda:
+            torch.cuda.current_stream(self.buffer.device).synchronize()
 
     def send(self, msg: dict):
         """After the chunk message `msg` went to the engine: start handing it the bucket's bytes where they do not reach
@@ -163,9 +165,6 @@ class CudaBucket(Bucket):
     def where(self) -> dict:
         return {"cuda": self._handle}
 
-    def ready(self) -> None:
-        torch.cuda.current_stream(self.buffer.device).synchronize()
-
     def close(self) -> None:
         self.buffer = None
         torch.cuda.ipc_collect()  # the memory returns to the allocator once the engine has let go of it
@@ -199,10 +198,6 @@ class BroadcastBucket(Bucket):
 
     def where(self) -> dict:
         return {"broadcast": True}
-
-    def ready(self) -> None:
-        if self.buffer.is_cuda:
-            torch.cuda.current_stream(self.buffer.device).synchronize()
 
     def send(self, msg: dict):
         """Start broadcasting the bucket's first msg["broadcast"] bytes (the caller does once the engine has said it
