@@ -169,7 +169,7 @@ class Generation:
     memory and the KV cache dropped): it sleeps after each round of sampling while the policy trains; a sync wakes its
     weights, sampling the rest, once every process it serves has given back its cached GPU memory (stages that
     train: refused on evaluate and preferences). Level 1 keeps a pinned host copy of the weights per engine. For colocated engines on GPUs (vLLM's sleep mode is CUDA-only: refused on a machine
-    without a GPU, and with placement: separate); `align estimate` still counts the engine as awake (an upper bound).
+    without a GPU, and with placement: separate); `align estimate` counts the larger of sampling (the engine awake) and training (asleep: a 1 GiB allowance).
     Not yet run on a GPU in this project; its CPU twin is the test suite's copy engine."""
     cuda_graphs: bool = True
     """vllm on GPUs: decode with CUDA graphs (vLLM's default: captured at start-up, a few seconds and some memory

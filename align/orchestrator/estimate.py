@@ -21,7 +21,9 @@ under each parallelism mode. The parts, all per GPU, with N = GPUs in the job:
 * the KV cache of generation (PPO rollouts, preference sampling, evaluation): 2 * layers * b * s * kv_heads *
   head_dim * bytes (grouped-query attention keeps kv_heads < heads: Llama-3-8B 8 of 32, a quarter of 2 * h); with
   `generation.engine: vllm` the engine's own copy of the policy plus its KV cache, or the `gpu_memory_utilization`
-  share of the GPU that vLLM takes, whichever is larger (`engine_bytes`).
+  share of the GPU that vLLM takes, whichever is larger (`engine_bytes`); one that sleeps while the policy trains
+  (`generation.sleep`) counts only what it holds beyond the activations, at least `ASLEEP_BYTES` or all of it when less
+  (the peak is the larger of sampling and training).
 * the rollout gather: under ZeRO-3 a stage that samples from its sharded policy gathers it whole on every GPU for the
   duration (PPO's hf engine with `generation.zero3_gather: whole` and its weight sync to vllm, TRL's GRPO/RLOO): one
   whole copy of the policy in the pipeline dtype (`StageBase.gathers_policy_for_generation`); and a fixed allowance
@@ -87,6 +89,11 @@ class StageEstimate:
     @property
     def chosen_bytes(self) -> int:
         return self.bytes_by_mode[self.mode]
+
+
+ASLEEP_BYTES = GIB
+"""What a sleeping engine (generation.sleep) still holds on the GPU: its process's CUDA context and what vLLM keeps
+outside its sleeping pools. An allowance, not measured (vLLM's sleep mode has not run in this project)."""
 
 
 def engine_bytes(gen: Any, policy: ModelShape, batch: int, seq: int, dtype_bytes: int, gpu_memory: int | None) -> int:
@@ -179,7 +186,11 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
             for h in frozen)
         if gen_b:
             policy = held[0].shape
-            parts["generation"] = engine_bytes(stage.generation_settings(), policy, gen_b, gen_s, dbytes, gpu_memory)
+            gen = stage.generation_settings()
+            parts["generation"] = engine_bytes(gen, policy, gen_b, gen_s, dbytes, gpu_memory)
+            if gen is not None and gen.sleep and trained:  # asleep while the activations are held: the larger counts
+                awake = parts["generation"]
+                parts["generation"] = max(awake - parts["activations"], min(awake, ASLEEP_BYTES))
             if m in ("zero3", "zero3_offload") and trained and stage.gathers_policy_for_generation():
                 parts["rollout_gather"] = dbytes * policy.params  # the whole policy, beside its own shard
         est.parts[m] = parts
