@@ -380,7 +380,8 @@ def test_placing_an_engine_the_stage_does_not_start_is_refused_by_validate(workd
 
 def test_engines_that_cannot_be_placed_on_the_node_are_refused_before_launch():
     """`align run` asks the stage's own placement function before launching anything: tensor_parallel_size not
-    dividing the processes per node (on a CPU too), separate engines on a node whose GPUs training takes."""
+    dividing the processes per node (on a CPU too), separate engines on a node whose GPUs training takes; and more
+    processes per node than GPUs visible."""
     from align.config import load_pipeline
     from align.orchestrator.launch import placement_problem
     from align.orchestrator.plan import build_plan
@@ -411,6 +412,11 @@ def test_engines_that_cannot_be_placed_on_the_node_are_refused_before_launch():
     assert placement_problem(asleep, source, None, gpus=2) is None
     assert "separate engines have GPUs of their own" in placement_problem(
         ppo("ppo.generation.sleep=true", "ppo.generation.placement=separate", "ppo.num_processes=2"), source, None, 4)
+    # more processes per node than GPUs visible (an 8-process config under CUDA_VISIBLE_DEVICES=0,1,2,3), whatever
+    # the engine: two processes would share a GPU and NCCL's first collective fail
+    crowded = placement_problem(ppo("ppo.generation.engine=hf", "ppo.num_processes=8"), source, None, gpus=4)
+    assert crowded.startswith("stages.ppo: 8 processes per node") and "--num-processes 4" in crowded, crowded
+    assert placement_problem(ppo("ppo.generation.engine=hf", "ppo.num_processes=4"), source, None, gpus=4) is None
 
 
 def test_an_engine_that_fails_before_its_broadcast_is_not_waited_for(tmp_path):

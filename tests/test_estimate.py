@@ -315,31 +315,37 @@ def test_the_vllm_engine_counts_its_own_policy_copy_or_its_share_of_the_gpu(tiny
 
 
 def test_a_sleeping_engine_counts_only_what_it_holds_beyond_the_activations(tiny_cfg, tiny_shapes):
-    """generation.sleep: the engine gives its memory back while the policy trains, so a GPU's peak is the larger of
+    """generation.sleep: the engine gives its memory back before the policy computes, so a GPU's peak is the larger of
     sampling (the engine awake) and training (the activations; the engine asleep, holding ASLEEP_BYTES): the engine
-    counts what it holds beyond the activations, at least ASLEEP_BYTES (or all of it, when that is less)."""
+    counts what it holds beyond the activations, at least ASLEEP_BYTES (or all of it, when that is less). The hint
+    "with gradient checkpointing" is what the estimate with checkpointing on says (fewer activations: more of the
+    sleeping engine stands beyond them)."""
     from align.config import Generation
     from align.orchestrator.estimate import ASLEEP_BYTES, estimate_pipeline
     from align.orchestrator.hardware import hardware
 
     source = REPO / "pipelines" / "default.yaml"
-    old = tiny_cfg.stages["ppo"].generation
+    ppo = tiny_cfg.stages["ppo"]
+    old, old_ckpt = ppo.generation, ppo.gradient_checkpointing
     by_setting = {}
-    for sleep in (False, True):
-        for share in (0.25, 1e-9):  # the engine's share of an 80 GB GPU, then its own (tiny) copy and cache
-            tiny_cfg.stages["ppo"].generation = Generation(max_new_tokens=old.max_new_tokens, engine="vllm",
-                                                           gpu_memory_utilization=share, sleep=sleep)
-            try:
-                est = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg),
-                                                            shapes=tiny_shapes)}["ppo"]
-            finally:
-                tiny_cfg.stages["ppo"].generation = old
-            by_setting[sleep, share] = est.parts["zero3"], est.bytes_by_mode["zero3"]
-    awake, awake_total = by_setting[False, 0.25]
-    asleep, asleep_total = by_setting[True, 0.25]
-    assert asleep["generation"] == awake["generation"] - awake["activations"] > ASLEEP_BYTES
-    assert awake_total - asleep_total == awake["activations"]  # the peak: the engine awake, no activations
-    small, awake_small = by_setting[True, 1e-9][0], by_setting[False, 1e-9][0]
+    for sleep, share, ckpt in ((False, 0.25, False), (True, 0.25, False), (True, 0.25, True), (False, 1e-9, False),
+                               (True, 1e-9, False)):  # the engine's share of an 80 GB GPU, then its own tiny copy
+        ppo.generation = Generation(max_new_tokens=old.max_new_tokens, engine="vllm", gpu_memory_utilization=share,
+                                    sleep=sleep)
+        ppo.gradient_checkpointing = ckpt
+        try:
+            by_setting[sleep, share, ckpt] = {e.name: e for e in estimate_pipeline(
+                tiny_cfg, source, hardware(tiny_cfg), shapes=tiny_shapes)}["ppo"]
+        finally:
+            ppo.generation, ppo.gradient_checkpointing = old, old_ckpt
+    awake, asleep = by_setting[False, 0.25, False], by_setting[True, 0.25, False]
+    assert asleep.parts["zero3"]["generation"] == (awake.parts["zero3"]["generation"]
+                                                   - awake.parts["zero3"]["activations"]) > ASLEEP_BYTES
+    # the peak: the engine awake, no activations
+    assert awake.bytes_by_mode["zero3"] - asleep.bytes_by_mode["zero3"] == awake.parts["zero3"]["activations"]
+    checkpointed = by_setting[True, 0.25, True]
+    assert asleep.with_checkpointing == checkpointed.bytes_by_mode[checkpointed.mode] == asleep.bytes_by_mode[asleep.mode]
+    small, awake_small = by_setting[True, 1e-9, False].parts["zero3"], by_setting[False, 1e-9, False].parts["zero3"]
     assert small["generation"] == min(ASLEEP_BYTES, awake_small["generation"]) == awake_small["generation"]
 
 

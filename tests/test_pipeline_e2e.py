@@ -402,12 +402,14 @@ def test_a_third_engine_from_outside_align_samples_for_ppo_and_evaluate(private)
     log = (run / "ppo" / "engine.rank0.log").read_text().splitlines()
     assert log[0] == f"start {run / 'sft' / 'model'}" and log[-1] == "close"
     assert log.count("sync") >= 2  # before the first rollout and after each of the two updates' rollouts
-    # generation.sleep: the engine put its weights away after each iteration's sampling, while the policy trained,
-    # and was woken by the next sync (its weights back before the sync loads the update into them)
+    # generation.sleep: the engine put its weights away whenever it had sampled, before any model computed on the
+    # samples (the reward scale's rollouts once, then each iteration's rollout and its held-out samples), and was
+    # woken by the next sync (its weights back before the sync loads the update into them) or sampling
     calls = [line.split()[0] for line in log]
-    assert calls.count("sleep") == 2 and calls.index("sleep") > calls.index("generate"), log
+    assert calls.count("sleep") == 1 + 2 * 2 and calls.index("sleep") > calls.index("generate"), log
     after = [calls[i + 1:i + 3] for i, x in enumerate(calls) if x == "sleep"]
-    assert all(a in (["wake", "sync"], ["close"]) for a in after) and after[0] == ["wake", "sync"], log
+    assert all(a in (["wake", "sync"], ["wake", "generate"], ["close"]) for a in after), log
+    assert after[0] == ["wake", "generate"] and ["wake", "sync"] in after and after[-1] == ["close"], log
     final = ppo["final_metrics"]
     # the engine's own log-probs of its samples equal the trainer's after every sync: the updates reached it
     assert final["ppo/iterations_run"] == 2 and 0 <= final["rollout/logprob_gap_max"] < 1e-3, final

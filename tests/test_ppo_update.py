@@ -294,3 +294,21 @@ def test_gradient_checkpointing_recomputes_and_leaves_the_update_unchanged():
     assert max((ck_w[k] - plain_w[k]).abs().max().item() for k in plain_w) < 1e-6
     assert any((plain_w[k] - base).abs().max() > 0 for k, base in
                PolicyAndValue(base_policy, base_value).state_dict().items())  # and the update moved the weights
+
+
+def test_a_non_finite_loss_on_one_process_stops_every_process():
+    """The PPO step's finiteness is every process's (finite_everywhere: one gather of a flag): a process whose loss is
+    finite still stops when another's is not, so none is left waiting in the backward's collectives. A stand-in
+    accelerator of two processes gives the other process's flag."""
+    from align.stages.ppo.update import finite_everywhere
+
+    class Accelerator:
+        num_processes, other = 2, 0.0  # the other process's flag: 1.0 finite, 0.0 not
+
+        def gather(self, flag):
+            return torch.cat([flag, torch.tensor([self.other])])
+
+    acc = Accelerator()
+    assert not finite_everywhere(acc, torch.tensor(1.5))  # finite here, not there
+    acc.other = 1.0
+    assert finite_everywhere(acc, torch.tensor(1.5)) and not finite_everywhere(acc, torch.tensor(float("nan")))

@@ -45,9 +45,11 @@ def test_the_second_process_samples_through_the_engine_the_first_starts_and_sync
     assert first["clients"] == 2 and "clients" not in second  # one start, for both
     assert second["attached_to"]["address"] == "engine-of-process-0"
     assert first["sampled"] == ["owner:p0"] and second["sampled"] == ["client:p1"]
-    # the starter alone puts it to sleep; before the sync wakes it, every process gives back its cached GPU memory
-    assert first["calls"] == ["generate 1", "sleep", "free", "sync", "close"]
-    assert second["calls"] == ["generate 1", "free", "join", "close"]
+    # the starter alone puts it to sleep; before the sync wakes its weights and again before sampling wakes the rest,
+    # every process gives back its cached GPU memory, and the starter syncs only once the other has (it came late)
+    assert first["calls"] == ["generate 1", "sleep", "free", "sync", "free", "generate 1", "close"]
+    assert second["calls"] == ["generate 1", "free", "join", "free", "generate 1", "close"]
+    assert first["sync_at"] >= second["free_at"][0] >= first["free_at"][0] + 0.8
     assert first["syncs"] == second["syncs"] == 1
     assert second["described"] == {"name": "stand_in", "started_by_process": 0, "shared_by_local_ranks": [0, 1]}
     assert first["described"]["pid"] == second["attached_to"]["pid"]
@@ -144,8 +146,8 @@ def test_the_engine_serves_what_arrives_together_in_one_batch_and_only_its_start
 def test_a_sleeping_engine_is_woken_by_whatever_comes_next(monkeypatch):
     """generation.sleep on the engine's server: `sleep` puts vLLM to sleep once (level 1; asked again, nothing); the
     next request wakes what it needs: a generate from any process all of it, a sync its weights alone (the KV cache
-    comes back at the next generate); a sleep after a sync alone wakes the rest first (vLLM ignores a sleep of an
-    engine still half asleep). A stand-in for vLLM's LLM records it."""
+    comes back at the next generate); a sleep after a sync alone puts the weights back to sleep without waking the
+    cache (vLLM sleeps an engine whose weights are awake). A stand-in for vLLM's LLM records it."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("server", REPO / "align/engines/vllm_side/align_vllm_server.py")
@@ -177,7 +179,10 @@ def test_a_sleeping_engine_is_woken_by_whatever_comes_next(monkeypatch):
     calls.clear()
     for op in ("sleep", "lora", "sleep"):
         server.serve_received(state, "parent", [("parent", {"op": op, "path": "/nonexistent", "id": 1})])
-    assert calls == ["sleep 1", "wake weights", "wake kv_cache", "sleep 1"]
+    assert calls == ["sleep 1", "wake weights", "sleep 1"]  # the weights back to sleep; the cache was never woken
+    calls.clear()
+    server.serve_received(state, "parent", [("other", gen)])
+    assert calls == ["wake weights,kv_cache", "generate"]  # asleep in full again
 
 
 @pytest.mark.slow

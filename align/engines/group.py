@@ -49,16 +49,17 @@ def _all_gather(obj, group=None) -> list:
     return out
 
 
-def _waiting_group(timeout_s: float):
+def _waiting_group(timeout_s: float, clients: int):
     """A gloo group of every process of the job for this module's all-gathers, with a deadline past the engine's own
-    (its start: 120 s to listen and `timeout_s` to load; a sync or a sleep: `timeout_s`): the processes waiting for
-    the starter learn of its failure from its EngineError, never from the training group's shorter watchdog (NCCL's
-    10 minutes), and these small gathers of Python objects stay off the GPUs."""
+    (its start: 120 s to listen and `timeout_s` to load; a broadcast sync up to 3 x `timeout_s`; a process's last
+    generate before a sleep up to `clients` x `timeout_s`, while the others wait): the processes waiting for the
+    starter learn of its failure from its EngineError, never from the training group's shorter watchdog (NCCL's 10
+    minutes), and these small gathers of Python objects stay off the GPUs."""
     import datetime
 
     import torch.distributed as dist
 
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2 * timeout_s + 240))
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=(max(clients, 3) + 1) * timeout_s + 240))
 
 
 def start_shared(placement: Placement, local_rank: int, start: Callable[[int], object],
@@ -72,7 +73,7 @@ def start_shared(placement: Placement, local_rank: int, start: Callable[[int], o
         raise EngineError(f"generation.tensor_parallel_size: an engine shared by {len(placement.serves)} processes "
                           "needs them launched together (accelerate launch --num_processes); this process is alone")
     node = rank - local_rank  # the job's rank of this node's first process
-    group = _waiting_group(timeout_s)
+    group = _waiting_group(timeout_s, len(placement.serves))
     engine, contact, error, failure = None, None, None, None
     if placement.owner:
         try:
@@ -141,29 +142,30 @@ class GroupEngine:
         own = self.engine.describe() if self.rank == self.owner else {"name": self.name}
         return {**own, "started_by_process": self.owner, "shared_by_local_ranks": list(self.placement.serves)}
 
-    asleep = False  # put to sleep (generation.sleep) and not asked anything since
+    asleep = ""  # generation.sleep: "all" once asleep, "cache" when a sync woke its weights
 
     def generate(self, *args, **kwargs):
-        self._wake_together()
+        self._wake_together("all")
         return self.engine.generate(*args, **kwargs)
 
     def generate_ids(self, *args, **kwargs):
-        self._wake_together()
+        self._wake_together("all")
         return self.engine.generate_ids(*args, **kwargs)
 
-    def _wake_together(self) -> None:
-        """The first request after a sleep wakes the engine, on GPUs the others train on: every process gives back
-        its cached memory first (free_cached_memory), and none asks before all have (an all-gather: after a sleep,
-        the stages that sleep sync or sample at the same point on every process)."""
+    def _wake_together(self, waking: str) -> None:
+        """A sync after a sleep wakes the engine's weights (`waking` "weights"), sampling the rest ("all"), on GPUs the
+        others compute on: every process gives back its cached memory first (free_cached_memory), and none asks
+        before all have (an all-gather: after a sleep, the stages that sleep sync and sample at the same points on
+        every process)."""
         if self.asleep:
             free_cached_memory()
             _all_gather(None, self.group)
-            self.asleep = False
+            self.asleep = "cache" if waking == "weights" else ""
 
     def sync_weights(self, model) -> float:
         """The starter syncs the engine; the others join its gathers. Then every process of the job waits for every
         sync and learns whether all succeeded (a failed one: EngineError everywhere)."""
-        self._wake_together()
+        self._wake_together("weights")
         t0 = time.perf_counter()
 
         def sync():
@@ -187,7 +189,7 @@ class GroupEngine:
         _all_gather(None, self.group)
         self._together(lambda: self.engine.sleep() if self.rank == self.owner else None,
                        "process {r}'s engine failed to sleep ({e})")
-        self.asleep = True
+        self.asleep = "all"
 
     def _together(self, work: Callable[[], None], what: str) -> None:
         """`work` on this process, then an all-gather in which every process learns whether every process's succeeded:

@@ -117,7 +117,7 @@ class VLLMEngine(EngineClient):
         its next sync or generate wakes it (the engine process does, whoever asks). Nothing without the setting."""
         if self.sleeps:
             self._call({"op": "sleep"}, "sleep", self.timeout_s)
-            self.asleep = True
+            self.asleep = "all"
 
     def sync_weights(self, model) -> float:
         """Push `model`'s weights (a causal LM, peft or not, ZeRO-3-partitioned or not: partitioned parameters are
@@ -126,7 +126,7 @@ class VLLMEngine(EngineClient):
         seconds it took; `sync_bytes` records the bytes moved."""
         import weakref
 
-        self._make_room()
+        self._make_room("weights")
         t0 = time.perf_counter()
         changed_only = self._synced is not None and self._synced() is model
         if self.lora_rank and hasattr(model, "peft_config"):

@@ -75,14 +75,15 @@ class EngineClient:
                               f"'{what}'; its log ({self.log_path}) ends:\n{self._tail()}") from None
 
     stops_engine = True  # a timed-out call stops the engine (a SharedClient only disconnects from it)
-    asleep = False  # put to sleep by this process (generation.sleep) and not asked anything since
+    asleep = ""  # generation.sleep: "all" once this process put the engine to sleep, "cache" when a sync woke its weights
 
-    def _make_room(self) -> None:
-        """Before this process's first request to an engine it put to sleep (the request wakes it): the memory training
-        took of what the engine freed goes back to the GPU (free_cached_memory)."""
+    def _make_room(self, waking: str) -> None:
+        """Before a request of this process that wakes an engine it put to sleep, a sync its weights (`waking`
+        "weights") and sampling the rest ("all"): what the process's caching allocator holds unused goes back to the
+        GPU (free_cached_memory: training's, then the sync's temporaries)."""
         if self.asleep:
             free_cached_memory()
-            self.asleep = False
+            self.asleep = "cache" if waking == "weights" else ""
 
     def _reply(self, op: str, what: str, deadline: float, failed=None, seconds: float | None = None) -> dict:
         """The engine's answer to the request `op` sent last, by `deadline` (time.monotonic; `seconds` from the request,
@@ -127,7 +128,7 @@ class EngineClient:
         """`generate` for prompts already tokenised (left-padded ids and mask), as TRL's trainers hold them."""
         tok = self.tokenizer
         ids = [row[m.bool()].tolist() for row, m in zip(q_ids, q_mask)]
-        self._make_room()
+        self._make_room("all")
         # a shared engine may serve a batch of every process it serves before (and with) this one
         reply = self._call({"op": "generate", "prompts": ids, "temperature": gen.temperature, "top_k": gen.top_k,
                             "top_p": gen.top_p, "max_tokens": gen.max_new_tokens, "greedy": greedy,

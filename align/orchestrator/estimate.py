@@ -96,6 +96,13 @@ ASLEEP_BYTES = GIB
 outside its sleeping pools. An allowance, not measured (vLLM's sleep mode has not run in this project)."""
 
 
+def asleep_engine(awake: int, activations: int) -> int:
+    """What an engine of `awake` bytes that sleeps while the policy trains (generation.sleep: the stages put it to
+    sleep before any model computes) adds to a GPU's peak, the larger of sampling (the engine awake) and training
+    (the activations): its bytes beyond the activations, at least ASLEEP_BYTES (or all of them, when fewer)."""
+    return max(awake - activations, min(awake, ASLEEP_BYTES))
+
+
 def engine_bytes(gen: Any, policy: ModelShape, batch: int, seq: int, dtype_bytes: int, gpu_memory: int | None) -> int:
     """What sampling holds per GPU: the KV cache of one generation batch for an engine that samples with the stage's
     own model (counted above), more for one with its own copy of the policy (its EngineKind.memory)."""
@@ -185,12 +192,13 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
             else frozen_bytes(m if h.sharded or h.trained else "ddp", h.shape.params, h.shape.largest_layer, n, dbytes)
             for h in frozen)
         if gen_b:
-            policy = held[0].shape
-            gen = stage.generation_settings()
-            parts["generation"] = engine_bytes(gen, policy, gen_b, gen_s, dbytes, gpu_memory)
-            if gen is not None and gen.sleep and trained:  # asleep while the activations are held: the larger counts
-                awake = parts["generation"]
-                parts["generation"] = max(awake - parts["activations"], min(awake, ASLEEP_BYTES))
+            policy, gen = held[0].shape, stage.generation_settings()
+            awake = engine_bytes(gen, policy, gen_b, gen_s, dbytes, gpu_memory)
+            sleeps = gen is not None and gen.sleep and bool(trained)
+            parts["generation"] = asleep_engine(awake, parts["activations"]) if sleeps else awake
+            if sleeps and m == mode and est.with_checkpointing is not None:  # so far: the activations' change
+                fewer = asleep_engine(awake, parts["activations"] + est.with_checkpointing)  # more engine beyond them
+                est.with_checkpointing += fewer - parts["generation"]
             if m in ("zero3", "zero3_offload") and trained and stage.gathers_policy_for_generation():
                 parts["rollout_gather"] = dbytes * policy.params  # the whole policy, beside its own shard
         est.parts[m] = parts

@@ -176,15 +176,20 @@ def node_processes(plan: StagePlan, source: str | Path, num_processes: int | Non
 
 
 def placement_problem(plan: StagePlan, source: str | Path, num_processes: int | None, gpus: int) -> str | None:
-    """Why the stage's rollout engines cannot be placed on a node of `gpus` GPUs (0: a machine without GPUs) with the
-    processes the stage launches there (tensor_parallel_size not dividing them, separate engines with no GPU left),
-    by the function the stage itself runs (align/engines/placement.py), or None: said before anything is launched."""
+    """Why the stage's processes or rollout engines cannot be placed on a node of `gpus` GPUs (0: a machine without
+    GPUs): more processes than GPUs, or engines that do not fit the processes the stage launches there
+    (tensor_parallel_size not dividing them, separate engines with no GPU left; by the function the stage itself
+    runs, align/engines/placement.py), or None: said before anything is launched."""
     from align.engines import placement_problem as engine_placement_problem
 
+    n = node_processes(plan, source, num_processes)
+    if gpus and is_distributed(plan.cfg) and n > gpus:  # two processes on one GPU: NCCL's first collective fails
+        return (f"stages.{plan.name}: {n} processes per node (stages.{plan.name}.num_processes, --num-processes or the "
+                f"accelerate config '{plan.cfg.accelerate}'), but this machine has {gpus} GPUs visible (one each); set "
+                f"--num-processes {gpus} or stages.{plan.name}.num_processes: {gpus}")
     gen = plan.cfg.generation_settings()
     if gen is None:
         return None
-    n = node_processes(plan, source, num_processes)
     problem = engine_placement_problem(gen, n, gpus)
     return f"stages.{plan.name}.generation: {problem} ({n} processes per node, {gpus} GPUs on this machine)" \
         if problem else None

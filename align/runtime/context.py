@@ -9,6 +9,7 @@ processes take part in saving (ZeRO-3 gathers the weights for the consolidated c
 from __future__ import annotations
 
 import contextlib
+import datetime
 import errno
 import gc
 import json
@@ -33,6 +34,11 @@ from align.core.tracking import Tracker, sweep_config
 log = logging.getLogger("align")
 
 
+COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
+"""How long a process waits in a collective for the others before the job fails (torch's default under NCCL and
+DeepSpeed is 10 minutes; gloo's 30): some phases keep one process busy while the others wait (evaluate's judging
+and report, the reward stage's held-out scoring, TRL's dataset preparation on the main process first), past 10
+minutes at 8B scale. A process that fails still ends the job at once: the launcher stops the others."""
 LAYOUT = "LAYOUT.json"  # in checkpoints/: the process layout that wrote them (StageContext.layout)
 
 
@@ -64,7 +70,7 @@ class StageContext:
         self.seed: int = self.cfg.seed if self.cfg.seed is not None else self.pipeline.seed
         # On CPU, PartialState must be told so: without `cpu=True` it reports 1 process on every rank under
         # the DeepSpeed launcher (measured with accelerate 1.15), and every rank would think it is the main one.
-        self.state = PartialState(cpu=not torch.cuda.is_available())
+        self.state = PartialState(cpu=not torch.cuda.is_available(), timeout=COLLECTIVE_TIMEOUT)
         self.is_main = self.state.is_main_process
         self.compute = resolve_compute(self.pipeline.precision, self.pipeline.attn_implementation, self.state.device,
                                        zero3=os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3")

@@ -164,7 +164,7 @@ def check_produced(ctx: StageContext, outputs: list[str], final: dict[str, Any])
         raise StageError(f"stage '{ctx.name}': {', '.join(f'{k} = {final[k]}' for k in bad)}: the model diverged "
                          f"(non-finite numbers); lower stages.{ctx.name}.learning_rate (or the stage's beta / "
                          "scale settings) and rerun it")
-    for out in outputs:
+    for out in outputs if ctx.is_main else ():  # the main process published them (another node's view may lag)
         path = ctx.dir / out
         if not path.exists() or (path.is_dir() and not any(path.iterdir())):
             raise StageError(f"stage '{ctx.name}' produced nothing: {path.resolve()} is missing or empty")

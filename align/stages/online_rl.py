@@ -120,6 +120,7 @@ class EngineRollouts:
             self.synced_step = trainer.state.global_step
         self.rounds += 1
         r = self.engine.generate_ids(q_ids, q_mask, self.cfg.generation, seed=self.ctx.seed * 7919 + self.rounds)
+        rest(self.engine)  # generation.sleep: the engine frees its memory before any model computes, while it trains
         n = min(CHECKED_ROWS, q_ids.size(0))  # the same count on every process: a forward under ZeRO-3 is collective
         head = type(r)(r.query_ids[:n], r.query_mask[:n], r.response_ids[:n], r.response_mask[:n], r.eos_found[:n],
                        r.engine_logprobs[:n])
@@ -135,7 +136,6 @@ class EngineRollouts:
                             reduce=across_processes(acc))
         if gap is not None:  # None: an engine that reports no log-probs of its own
             trainer._metrics["train" if trainer.model.training else "eval"]["rollout/logprob_gap_max"].append(gap["max"])
-        rest(self.engine)  # generation.sleep: the engine frees its memory while the policy trains
         return r
 
 

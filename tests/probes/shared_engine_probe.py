@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -33,6 +34,7 @@ class StandIn:
 
     def sync_weights(self, model):
         self.calls.append("sync")
+        self.sync_at = time.time()
         if self.scenario == "sync_fails":
             raise RuntimeError("bucket mapping failed")
         self.sync_bytes.append(123)
@@ -77,14 +79,23 @@ def main(rank: int, store: str, scenario: str, out: str) -> None:
 
     engine = None
     # before the engine wakes from its sleep, every process gives back its cached GPU memory: recorded in its calls
-    group.free_cached_memory = lambda: engine.engine.calls.append("free")
+
+    def free():
+        engine.engine.calls.append("free")
+        result.setdefault("free_at", []).append(time.time())
+
+    group.free_cached_memory = free
     try:
         engine = start_shared(placement, rank, start, attach)
         result["sampled"] = engine.generate([f"p{rank}"])
         result["described"] = engine.describe()
         engine.sleep()
+        if rank == 1:  # late to the sync after the sleep: the starter's sync must wait until this process freed
+            time.sleep(1.0)
         engine.sync_weights(model=None)
         result["syncs"] = len(engine.sync_seconds)
+        result["sampled_after_sync"] = engine.generate([f"q{rank}"])
+        result["sync_at"] = getattr(engine.engine, "sync_at", None)
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
         if scenario in ("sync_fails", "sleep_fails") and engine is not None:  # closing because of the error: the starter kills

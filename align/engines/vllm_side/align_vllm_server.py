@@ -21,8 +21,7 @@ request is a dict with "op", every reply a dict with "ok" (and "error" with the 
             pieces are loaded into the model in place or copied out of the bucket (align_vllm_worker.stream_chunks,
             bucket_tensors); in_place is "" or why the weights were reloaded instead; a chunk outside a stream (the
             rest of one that failed) is dropped unanswered
-  lora      {path: a peft adapter directory, id} -> {seconds}: the adapter every later generate applies (the one
-            before it is dropped, and its directory deleted)
+  lora      {path: a peft adapter directory, id} -> {seconds}: the adapter later generates apply (the last one deleted)
   join      {path, backend, timeout_s} -> {}: join the trainer's process group of two (weight_sync: broadcast) at
             its file store; a stream with {broadcast: true} then takes its bucket's bytes from the trainer's
             broadcast after each chunk message that says how many ({broadcast: bytes}), once it has answered
@@ -184,8 +183,7 @@ def handle(llm, conn, msg: dict) -> dict | None:
             llm, reply = start(msg)
             return {"ok": True, "llm": llm, **reply}
         if op == "sleep":  # generation.sleep: level 1, the weights to host memory, the KV cache dropped
-            if len(_ASLEEP) < 2:  # asleep: nothing; half awake (a sync since): all of it, then to sleep
-                awake(llm)
+            if len(_ASLEEP) < 2:  # asleep: nothing; half awake (a sync since): vLLM puts the weights back to sleep
                 llm.sleep(level=1)
                 _ASLEEP[:] = ["weights", "kv_cache"]
             return {"ok": True}
@@ -347,6 +345,8 @@ def generate(llm, msg: dict) -> dict:
 
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in msg["prompts"]], params, use_tqdm=False,
                         lora_request=ADAPTER.get("request"))
+    if len(outs) != len(msg["prompts"]):  # an earlier failed batch's requests, drained with these: answer none
+        raise RuntimeError(f"vLLM answered {len(msg['prompts'])} prompts with {len(outs)} outputs")
     results = []
     for o in outs:
         c = o.outputs[0]

@@ -8,7 +8,7 @@ import torch
 from align.config.ppo import PPOStage
 from align.data.lengths import DROPS_LONG_PROMPTS, enforce
 from align.engines import make_engine
-from align.engines.base import RolloutEngine
+from align.engines.base import RolloutEngine, rest
 from align.modeling.generation import Rollout
 from align.runtime.context import StageContext
 from align.judges.pointwise import WeightedJudge, check_same_tokenizer
@@ -72,11 +72,12 @@ def fit_reward_scale(ctx: StageContext, cfg: PPOStage, accelerator, engine: Roll
     g = torch.Generator().manual_seed(ctx.seed + 104_729)
     order = torch.randperm(len(prompts), generator=g).tolist()
     picked = [prompts[order[i % len(prompts)]] for i in range(n)][rank::world]
-    scores = []
-    for start in range(0, len(picked), cfg.generation.batch_size):
-        batch = picked[start:start + cfg.generation.batch_size]
-        r = rollout(cfg, accelerator, engine, batch, seed=ctx.seed * 31 + start * world + rank)
-        scores.append(scorer.score_rollout(r, batch, tokenizer))
+    starts = range(0, len(picked), cfg.generation.batch_size)
+    rollouts = [rollout(cfg, accelerator, engine, picked[start:start + cfg.generation.batch_size],
+                        seed=ctx.seed * 31 + start * world + rank) for start in starts]
+    rest(engine)  # generation.sleep: asleep before any model computes (align estimate counts it so)
+    scores = [scorer.score_rollout(r, picked[start:start + cfg.generation.batch_size], tokenizer)
+              for start, r in zip(starts, rollouts)]
     all_scores = accelerator.gather(torch.cat(scores))
     scale.fit(all_scores)
     if accelerator.is_main_process:

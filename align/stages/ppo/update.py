@@ -11,6 +11,15 @@ from align.runtime.context import NonFiniteLossError
 from align.stages.ppo.optim import backward_and_step
 
 
+
+def finite_everywhere(accelerator, loss: torch.Tensor) -> bool:
+    """Whether `loss` is finite on every process (one all-reduce of a flag: a process that stopped alone would
+    leave the others waiting in the backward's collectives for the launcher to kill them, its error unseen)."""
+    finite = torch.isfinite(loss.detach()).float().reshape(1)
+    if accelerator.num_processes > 1:
+        finite = accelerator.gather(finite).min()
+    return bool(finite.item())
+
 def ppo_update(cfg: PPOStage, accelerator, model, optimizer, groups, ids, mask, rmask, lq, old_logprobs, old_values,
                advantages, returns) -> dict[str, float]:
     """Step 6: clipped policy + value losses over shuffled mini-batches; after an epoch whose mean approximate
@@ -46,13 +55,14 @@ def _ppo_epochs(cfg: PPOStage, accelerator, model, optimizer, groups, ids, mask,
                 vf_loss, vm = ppo_value_loss(values, old_values[mb], returns[mb], rmask[mb], cfg.clip_range_value)
                 ent = masked_mean(entropy, rmask[mb])
                 loss = pg_loss + cfg.vf_coef * vf_loss - cfg.entropy_coef * ent
-                if not torch.isfinite(loss):
+                if not finite_everywhere(accelerator, loss):  # every process stops together, none in a collective
                     parts = {"policy loss": pg_loss, "value loss": vf_loss, "entropy": ent, "log-probs": logprobs,
                              "rollout log-probs": old_logprobs[mb], "values": values, "advantages": advantages[mb],
                              "returns": returns[mb]}
                     bad = ", ".join(k for k, v in parts.items() if not torch.isfinite(v).all()) or "none"
-                    raise NonFiniteLossError(f"PPO loss is {loss.item()} (non-finite parts: {bad}); stopping (lower "
-                                             "the learning rate, or try precision: float32)")
+                    raise NonFiniteLossError(f"PPO loss is {loss.item()} on process {accelerator.process_index} "
+                                             f"(non-finite parts here: {bad}; a loss is non-finite on some process); "
+                                             "stopping (lower the learning rate, or try precision: float32)")
                 if first_ratio is None:
                     first_ratio = masked_mean(torch.exp(logprobs - old_logprobs[mb]), rmask[mb]).item()
                 norms = backward_and_step(accelerator, model, optimizer, loss, groups, cfg.max_grad_norm)
