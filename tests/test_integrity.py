@@ -145,7 +145,7 @@ def test_a_non_finite_final_metric_fails_the_stage(tmp_path):
     from align.runtime.process import check_produced
 
     class Ctx:
-        name, dir, extra_manifest, cfg = "sft", tmp_path, {"global_step": 3}, stage_types()["sft"]()
+        name, dir, extra_manifest, cfg, is_main = "sft", tmp_path, {"global_step": 3}, stage_types()["sft"](), True
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")

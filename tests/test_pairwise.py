@@ -297,3 +297,20 @@ def test_preferences_labelled_by_a_pairwise_judge_keep_only_its_consistent_verdi
     assert 0 < len(differ) and set(pairs) == set(differ)  # equal lengths: ties, no pair
     for prompt, p in pairs.items():
         assert p["chosen"] == max(differ[prompt]["responses"], key=len)
+
+
+def test_each_process_appends_to_a_cache_file_of_its_own_and_reads_them_all(tmp_path):
+    """Several processes judging at once (the preference stage over 2 processes): each appends to NAME.rankR.jsonl
+    (appends from several nodes to one file on a network filesystem can tear lines), and each, and any later run,
+    reads every process's answers, the one-process file's too; a torn line is skipped."""
+    from align.judges.pairwise import JudgeCache
+
+    base = tmp_path / "judge_cache" / "smol.jsonl"
+    JudgeCache(base).put({"k0": "A"})  # a one-process run's answers
+    JudgeCache(base, rank=0).put({"k1": "B"})
+    JudgeCache(base, rank=1).put({"k2": "tie"})
+    with open(base.with_name("smol.rank1.jsonl"), "a", encoding="utf-8") as fh:
+        fh.write('{"key": "k3", "ans')  # a process killed mid-line
+    assert sorted(p.name for p in base.parent.iterdir()) == ["smol.jsonl", "smol.rank0.jsonl", "smol.rank1.jsonl"]
+    for rank in (None, 0, 1):
+        assert JudgeCache(base, rank).answers == {"k0": "A", "k1": "B", "k2": "tie"}

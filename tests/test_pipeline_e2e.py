@@ -125,6 +125,23 @@ def test_preference_pairs_are_ordered_by_the_judge(e2e):
     assert not test_prompts & {p["prompt"] for p in every}  # held-out prompts stay held out
 
 
+@pytest.mark.distributed
+def test_preferences_on_two_processes_sample_what_one_process_samples(private):
+    """The preference stage over 2 processes (plain data parallel, gloo): each takes every other length-sorted batch
+    and the records are gathered back in prompt order; each batch is sampled with its own seed (its first prompt's
+    index), so the samples, their scores and the pairs equal the one-process run's."""
+    run = private["run"]
+    data = run / "preferences" / "data"
+    one = {name: (data / f"{name}.jsonl").read_text() for name in ("samples", "train", "test")}
+    two = run_align(*private["args"], "--only", "preferences", "preferences.accelerate=ddp",
+                    "preferences.num_processes=2", cwd=private["root"])
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
+    manifest = _manifest(run, "preferences")
+    assert manifest["status"] == "completed" and manifest["world_size"] == 2, manifest
+    for name, text in one.items():
+        assert (data / f"{name}.jsonl").read_text() == text, name
+
+
 def test_ppo_logs_every_iteration_with_shared_metric_names(e2e):
     rows = [r for r in _metrics(e2e["run"], "ppo") if "objective/kl" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

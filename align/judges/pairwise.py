@@ -235,13 +235,14 @@ def retry_after(value: str | None) -> float | None:
 
 class JudgeCache:
     """Raw answers by key, in a JSONL file appended as answers arrive (a killed run keeps what it was told; a torn
-    last line is skipped)."""
+    last line is skipped). `rank`: with several processes, each appends to a file of its own (NAME.rankR.jsonl beside
+    `path`: appends from several nodes to one file on a network filesystem can tear lines), and each reads them all."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, rank: int | None = None):
+        self.path = path if rank is None else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
         self.answers: dict[str, str] = {}
-        if path.is_file():
-            for line in path.read_text(encoding="utf-8").splitlines():
+        for file in sorted({path, *path.parent.glob(f"{path.stem}.rank*{path.suffix}")}):
+            for line in file.read_text(encoding="utf-8").splitlines() if file.is_file() else ():
                 try:
                     row = json.loads(line)
                     self.answers[row["key"]] = row["answer"]
@@ -315,5 +316,6 @@ def build_pairwise(ctx, settings: PairwiseJudge) -> PairwiseLLMJudge:
         backend = LocalBackend(ctx.load_lm(path, device=True, frozen=True).eval(), tokenizer, settings.batch_size,
                                settings.max_new_tokens)
     chunk = settings.max_concurrency if settings.base_url else settings.batch_size  # in flight at a kill, at most
-    return PairwiseLLMJudge(settings, backend, template, JudgeCache(ctx.dir / "judge_cache" / f"{settings.name}.jsonl"),
-                            chunk=chunk)
+    rank = ctx.state.process_index if ctx.state.num_processes > 1 else None
+    return PairwiseLLMJudge(settings, backend, template,
+                            JudgeCache(ctx.dir / "judge_cache" / f"{settings.name}.jsonl", rank), chunk=chunk)

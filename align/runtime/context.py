@@ -36,9 +36,9 @@ log = logging.getLogger("align")
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
 """How long a process waits in a collective for the others before the job fails (torch's default under NCCL and
-DeepSpeed is 10 minutes; gloo's 30): some phases keep one process busy while the others wait (evaluate's judging
-and report, the reward stage's held-out scoring, TRL's dataset preparation on the main process first), past 10
-minutes at 8B scale. A process that fails still ends the job at once: the launcher stops the others."""
+DeepSpeed is 10 minutes; gloo's 30): some phases keep one process busy while the others wait (a judge's scoring and
+a report written by the main process, held-out scoring, TRL's dataset preparation on the main process first), past
+10 minutes at 8B scale. A process that fails still ends the job at once: the launcher stops the others."""
 LAYOUT = "LAYOUT.json"  # in checkpoints/: the process layout that wrote them (StageContext.layout)
 
 

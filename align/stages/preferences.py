@@ -92,13 +92,15 @@ def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts:
                          dtype=ctx.compute.engine_dtype(),
                          max_model_len=longest_prompt(tokenizer, prompts) + gen.max_new_tokens + 1,
                          log_path=ctx.dir / f"engine.rank{rank}.log", device=ctx.compute.device)
-    # Prompts of similar length share a batch (less padding); pairs are put back in prompt order by the caller.
+    # Prompts of similar length share a batch (less padding); each process takes every world-th batch (long and
+    # short alike: contiguous shares gave the longest prompts to one process, the others waiting for it at the
+    # gather); pairs are put back in prompt order by the caller.
     ordered = [(i, prompts[i]) for i in by_length(tokenizer, prompts)]
+    mine = [ordered[s:s + per_batch] for s in range(0, len(ordered), per_batch)][rank::ctx.state.num_processes]
     records, counts, t0 = [], {"generated_tokens": 0}, time.perf_counter()
-    with ctx.state.split_between_processes(ordered) as mine, closing(engine):
-        for start in range(0, len(mine), per_batch):
-            ctx.progress(start, len(mine))
-            batch = mine[start:start + per_batch]
+    with closing(engine):
+        for k, batch in enumerate(mine):
+            ctx.progress(k, len(mine))
             flat = [p for _, p in batch for _ in range(n)]
             with ctx.compute.autocast():
                 texts, scores = sample_texts(engine, tokenizer, flat, cfg.generation,
