@@ -20,7 +20,8 @@ ARGS = ["run", "pipelines/default.yaml", "--run-id", "zero", "tracking.wandb=dis
         "sft.accelerate=zero2", "sft.num_processes=2", "sft.per_device_batch_size=4", "sft.gradient_accumulation_steps=2",
         "reward.accelerate=zero2", "reward.num_processes=2", "reward.per_device_batch_size=4",
         "reward.gradient_accumulation_steps=2", "ppo.rollout_batch_size=8", "ppo.mini_batch_size=4",
-        "ppo.gradient_accumulation_steps=2", "ppo.num_processes=2", "dpo.gradient_accumulation_steps=2"]
+        "ppo.gradient_accumulation_steps=2", "ppo.num_processes=2", "dpo.gradient_accumulation_steps=2",
+        "preferences.test_fraction=0.3"]  # held-out pairs for both reward processes to score
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,21 @@ def test_sft_zero2_and_reward_zero2_chain(chain):
     _loads(run / "sft" / "model", "lm")
     assert _manifest(run / "reward")["status"] == "completed"
     _loads(run / "reward" / "model", "cls")
+
+
+def test_reward_held_out_accuracy_is_every_process_share_together(chain):
+    """The reward stage's held-out accuracy over 2 processes: each loads the saved model whole and scores every other
+    held-out pair, and the shares are gathered; it equals scoring every pair in one process here (same model, same
+    rule), pair count, accuracy and margin."""
+    from align.judges.pointwise import RewardModelJudge, pairwise_accuracy
+
+    _, run = chain
+    final = _manifest(run / "reward")["final_metrics"]
+    test = [json.loads(x) for x in (run / "preferences" / "data" / "test.jsonl").read_text().splitlines()]
+    alone = pairwise_accuracy(RewardModelJudge.load("reward", str(run / "reward" / "model")), test)
+    assert final["eval/pairs"] == len(test) > 1
+    assert final["eval/rewards/accuracy"] == pytest.approx(alone["accuracy"], abs=1e-9)
+    assert final["eval/rewards/margin"] == pytest.approx(alone["margin"], rel=1e-4, abs=1e-6)
 
 
 def _losses(stage_dir: Path) -> dict[int, float]:
