@@ -100,7 +100,14 @@ fetch_packaged() {
 }
 
 gpu_count() {
-  if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true; else echo 0; fi
+  # the GPUs this job may use: those CUDA_VISIBLE_DEVICES lists when it is set (a scheduler's share), else every one
+  local all visible
+  if command -v nvidia-smi >/dev/null 2>&1; then all=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); else all=0; fi
+  if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
+    visible=$(printf '%s\n' "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c '^ *[0-9A-Za-z]' || true)
+    if [ "$visible" -lt "$all" ]; then all=$visible; fi
+  fi
+  echo "$all"
 }
 
 [ -n "${ALIGN_DRY_RUN:-}" ] || setup_once

@@ -68,6 +68,28 @@ def test_launch_sh_derives_node_rank_and_master_from_slurm(tmp_path):
                                   "--master-addr", "gpu-a17", "--master-port", "29500", "--rdzv-timeout", "900"]
 
 
+def test_launch_sh_starts_one_process_per_gpu_it_may_use(tmp_path):
+    """launch.sh passes --num-processes for the GPUs the job may use: every GPU nvidia-smi lists, or those
+    CUDA_VISIBLE_DEVICES names when it is set (a scheduler's share of a node; nvidia-smi lists them all), none for
+    an empty or -1 list. A stand-in nvidia-smi lists 8."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text('#!/bin/sh\nfor i in 0 1 2 3 4 5 6 7; do echo "GPU $i: NVIDIA H100 (UUID: GPU-$i)"; done\n')
+    (fake / "nvidia-smi").chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    base.update(PATH=f"{fake}:{os.environ['PATH']}", ALIGN_DRY_RUN="1")
+    seen = {}
+    for visible in (None, "0,1,2,3", "GPU-5,GPU-6", "", "-1"):
+        env = base if visible is None else {**base, "CUDA_VISIBLE_DEVICES": visible}
+        out = subprocess.run([str(REPO / "launch.sh"), "pipelines/default.yaml"], capture_output=True, text=True,
+                             env=env, timeout=60)
+        assert out.returncode == 0, out.stderr
+        seen[visible] = out.stdout.split()
+    assert seen[None] == ["align", "run", "pipelines/default.yaml", "--num-processes", "8"]
+    assert seen["0,1,2,3"][-2:] == ["--num-processes", "4"] and seen["GPU-5,GPU-6"][-2:] == ["--num-processes", "2"]
+    assert seen[""] == seen["-1"] == ["align", "run", "pipelines/default.yaml"]
+
+
 def _worker_env(tmp_path, venv, wait: int) -> dict:
     return {**os.environ, "ALIGN_VENV": str(venv), "SLURM_JOB_ID": "77", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
             "ALIGN_SETUP_WAIT_S": str(wait)}
