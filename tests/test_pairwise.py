@@ -230,6 +230,30 @@ def test_evaluate_with_the_endpoint_judge_writes_the_key_nowhere(smollm2, evalua
     assert key not in proc.stdout + proc.stderr
 
 
+@pytest.mark.distributed
+def test_evaluate_over_two_processes_asks_each_question_once(smollm2, evaluated):
+    """evaluate over 2 processes (plain data parallel, gloo) with the endpoint judge: each process judges every other
+    prompt (its own answer cache) and the verdicts are gathered in prompt order, so the endpoint is asked every
+    distinct question once in all, and the report's pairs are every judged prompt's."""
+    workdir = evaluated
+    server = Server(smollm2, workdir)
+    try:
+        proc = run_align("run", "pipelines/default.yaml", "--only", "evaluate", "tracking.wandb=disabled", *TINY, "evaluate.accelerate=ddp", "evaluate.num_processes=2",
+                         _endpoint_judge(server.url), cwd=workdir)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        served = server.completions()
+    finally:
+        server.stop()
+    run = workdir / "runs" / "default" / "main"
+    metrics = json.loads((run / "report" / "metrics.json").read_text())
+    assert served == _distinct_judgments(run)
+    assert sorted(p.name for p in (run / "evaluate" / "judge_cache").iterdir()) == ["smol.rank0.jsonl",
+                                                                                    "smol.rank1.jsonl"]
+    for p in ("ppo", "dpo"):
+        assert metrics[f"eval/{p}/smol/pairs"] == JUDGED
+    assert metrics["eval/smol/requests"] == served
+
+
 def test_validate_names_an_unreachable_endpoint(workdir):
     proc = run_align("validate", "pipelines/default.yaml", *TINY, _endpoint_judge("http://127.0.0.1:9/v1"),
                      cwd=workdir)

@@ -209,7 +209,7 @@ class PairwiseJudge:
     batch_size: int = ranged(16, ge=1)
     """Local backend: judging prompts per generate call."""
     max_concurrency: int = ranged(4, ge=1)
-    """Endpoint: requests in flight at once."""
+    """Endpoint: requests in flight at once, per process (a stage over several processes judges a share on each)."""
     timeout: float = ranged(60.0, gt=0)
     """Endpoint: seconds one request may take in all (connecting, waiting, reading the answer) before it is retried."""
     retries: int = ranged(3, ge=0)

@@ -209,7 +209,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
                          device=ctx.compute.device)
     with closing(engine):
         samples, seconds, generated, gaps = sample_policies(ctx, cfg, engine, reference, tokenizer, prompts, judges)
-    if not ctx.is_main:  # the other processes sampled their share of the prompts; the main process reports
+    judged: dict[str, Any] = {}
+    verdicts = judge_pairwise(ctx, cfg, prompts, samples, judged)  # every process judges a share
+    if not ctx.is_main:  # the other processes sampled and judged their share of the prompts; the main process reports
         ctx.publish("../report", lambda out: None)
         return {"eval/prompts": len(prompts)}
     metrics: dict[str, Any] = {"eval/prompts": len(prompts), "perf/generated_tokens": generated,
@@ -217,7 +219,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                                "eval/engine": engine.name}
     metrics.update({f"eval/{name}/logprob_gap_max": gap for name, gap in gaps.items()})
     metrics.update(policy_metrics(cfg, samples, ctx.seed))
-    verdicts = judge_pairwise(ctx, cfg, prompts, samples, metrics)
+    metrics.update(judged)
     rm_metrics, buckets = reward_model_metrics(ctx, cfg, judges, tokenizer)
     metrics.update(rm_metrics)
     groups = policy_groups(ctx, cfg, metrics)
@@ -235,9 +237,14 @@ def judge_pairwise(ctx: StageContext, cfg: EvaluateStage, prompts: list[str], sa
     """Each pairwise judge on each policy against the baseline (align/judges/pairwise.py): its summary in `metrics`
     (eval/<policy>/<judge>/win_rate, _ci, lc_win_rate, tie_rate, consistency, invalid_rate, lengths, agreement with
     each gold judge); the verdicts per judge and policy are returned for samples.jsonl. A judge whose invalid answers
-    exceed its max_invalid_fraction fails the stage, with examples in the log."""
+    exceed its max_invalid_fraction fails the stage, with examples in the log. Over several processes each judges
+    every world-th prompt (its own answer cache, align/judges/pairwise.py JudgeCache) and the verdicts are gathered
+    back in prompt order on every process."""
+    from accelerate.utils import gather_object  # heavy: stage processes only
+
     out: dict[str, dict[str, list[dict[str, Any]]]] = {}
     base = samples[cfg.baseline]
+    rank, world = ctx.state.process_index, ctx.state.num_processes
     for settings in cfg.pairwise:
         judge = build_pairwise(ctx, settings)
         n = min(len(prompts), settings.max_prompts or len(prompts))
@@ -248,14 +255,19 @@ def judge_pairwise(ctx: StageContext, cfg: EvaluateStage, prompts: list[str], sa
             if ctx.is_main:
                 print(f"[align] {ctx.name}: judging {name} against {cfg.baseline} on {n} prompts with "
                       f"{settings.name} ({judge.backend.name}, both orders)", flush=True)
-            mine = samples[name]
-            results = judge.compare(prompts[:n], mine["responses"][:n], base["responses"][:n])
+            mine, share = samples[name], list(range(n))[rank::world]
+            results = judge.compare([prompts[i] for i in share], [mine["responses"][i] for i in share],
+                                    [base["responses"][i] for i in share])
+            if world > 1:
+                parts = gather_object([list(zip(share, results))])
+                results = [r for _, r in sorted((pair for part in parts for pair in part), key=lambda p: p[0])]
             gold = {j: (mine["scores"][j][:n], base["scores"][j][:n]) for j in cfg.judges}
             summary = pairwise_summary(results, mine["length"][:n], base["length"][:n], cfg.bootstrap_samples,
                                        ctx.seed, gold)
             metrics.update({f"eval/{name}/{settings.name}/{k}": v for k, v in summary.items()})
             out[settings.name][name] = results
             check_invalid(results, settings, ctx.name, f"pairs of {name} vs {cfg.baseline}")
-        metrics[f"eval/{settings.name}/requests"] = judge.backend.requests
+        asked = [judge.backend.requests]
+        metrics[f"eval/{settings.name}/requests"] = sum(gather_object(asked) if world > 1 else asked)
         del judge
     return out
