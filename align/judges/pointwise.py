@@ -175,16 +175,12 @@ def check_same_tokenizer(stage: str, policy: str, policy_tokenizer, reward_token
                              "(train the reward model from the same SFT checkpoint)")
 
 
-def pairwise_accuracy(judge: RewardModelJudge, pairs: list[dict[str, Any]], gather=None) -> dict[str, float]:
+def pairwise_accuracy(judge: RewardModelJudge, pairs: list[dict[str, Any]]) -> dict[str, float]:
     """Fraction of pairs whose chosen response scores above the rejected one, and the mean margin (each text
-    scored by the one rule, as the model was trained on it: align/judges/pointwise.py). `gather`, when given, turns
-    this process's (chosen, rejected) scores into every process's lists (each scored a share of the pairs)."""
+    scored by the one rule, as the model was trained on it: align/judges/pointwise.py)."""
     prompts = [p["prompt"] for p in pairs]
-    chosen = judge(prompts, [p["chosen"] for p in pairs]) if pairs else []
-    rejected = judge(prompts, [p["rejected"] for p in pairs]) if pairs else []
-    if gather is not None:
-        shares = gather([(list(chosen), list(rejected))])
-        chosen, rejected = [c for s in shares for c in s[0]], [r for s in shares for r in s[1]]
+    chosen = judge(prompts, [p["chosen"] for p in pairs])
+    rejected = judge(prompts, [p["rejected"] for p in pairs])
     margins = [c - r for c, r in zip(chosen, rejected)]
     return {"accuracy": sum(m > 0 for m in margins) / len(margins), "margin": sum(margins) / len(margins),
             "chosen": sum(chosen) / len(chosen), "rejected": sum(rejected) / len(rejected),

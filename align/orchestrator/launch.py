@@ -172,7 +172,7 @@ def node_processes(plan: StagePlan, source: str | Path, num_processes: int | Non
     """The processes the stage starts on each machine: its own count or --num-processes (processes_per_node), else
     its accelerate config's."""
     n = processes_per_node(plan.cfg, num_processes)
-    return n or int((yaml_load(accelerate_config(plan.cfg.accelerate, source)) or {}).get("num_processes", 1))
+    return n or int((yaml_load(accelerate_config(plan.cfg.accelerate, source)) or {}).get("num_processes") or 1)
 
 
 def placement_problem(plan: StagePlan, source: str | Path, num_processes: int | None, gpus: int) -> str | None:
@@ -183,7 +183,9 @@ def placement_problem(plan: StagePlan, source: str | Path, num_processes: int | 
     from align.engines import placement_problem as engine_placement_problem
 
     n = node_processes(plan, source, num_processes)
-    if gpus and is_distributed(plan.cfg) and n > gpus:  # two processes on one GPU: NCCL's first collective fails
+    raw = (yaml_load(accelerate_config(plan.cfg.accelerate, source)) or {}) if gpus and n > gpus else {}
+    on_gpus = raw and not raw.get("use_cpu") and raw.get("distributed_type") not in ("NO", "MULTI_CPU")
+    if on_gpus and is_distributed(plan.cfg):  # two processes on one GPU: NCCL's first collective fails
         return (f"stages.{plan.name}: {n} processes per node (stages.{plan.name}.num_processes, --num-processes or the "
                 f"accelerate config '{plan.cfg.accelerate}'), but this machine has {gpus} GPUs visible (one each); set "
                 f"--num-processes {gpus} or stages.{plan.name}.num_processes: {gpus}")

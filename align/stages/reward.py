@@ -45,15 +45,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
                             peft_config=peft_config(cfg.lora, "SEQ_CLS"))
     final = train_with_resume(ctx, trainer)
     ctx.save_trainer_model(trainer, tokenizer)
-    if test:  # held-out accuracy of the saved model/: every process loads it whole and scores every world-th pair
-        from accelerate.utils import gather_object  # heavy: stage processes only
-
+    if test and ctx.is_main:  # held-out accuracy of the saved model/, in the main process only
         with unsharded_loading():
             judge = RewardModelJudge.load(ctx.name, str(ctx.dir / "model"), autocast=ctx.compute.autocast,
                                           load=lambda p, pad: ctx.load_scalar(p, pad, device=True, frozen=True))
-        world = ctx.state.num_processes
-        held_out = pairwise_accuracy(judge, test[ctx.state.process_index::world],
-                                     gather=gather_object if world > 1 else None)
+        held_out = pairwise_accuracy(judge, test)
         metrics = {"eval/rewards/accuracy": held_out["accuracy"], "eval/rewards/margin": held_out["margin"],
                    "eval/rewards/chosen": held_out["chosen"], "eval/rewards/rejected": held_out["rejected"],
                    "eval/pairs": len(test)}
