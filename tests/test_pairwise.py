@@ -238,8 +238,9 @@ def test_evaluate_over_two_processes_asks_each_question_once(smollm2, evaluated)
     workdir = evaluated
     server = Server(smollm2, workdir)
     try:
-        proc = run_align("run", "pipelines/default.yaml", "--only", "evaluate", "tracking.wandb=disabled", *TINY, "evaluate.accelerate=ddp", "evaluate.num_processes=2",
-                         _endpoint_judge(server.url), cwd=workdir)
+        proc = run_align("run", "pipelines/default.yaml", "--only", "evaluate", "tracking.wandb=disabled", *TINY,
+                         "evaluate.accelerate=ddp", "evaluate.num_processes=2", _endpoint_judge(server.url),
+                         cwd=workdir)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         served = server.completions()
     finally:

@@ -161,6 +161,7 @@ class GroupEngine:
             free_cached_memory()
             _all_gather(None, self.group)
             self.asleep = "cache" if waking == "weights" else ""
+            self.engine.asleep = ""  # done here for every process: the starter's engine need not free again
 
     def sync_weights(self, model) -> float:
         """The starter syncs the engine; the others join its gathers. Then every process of the job waits for every

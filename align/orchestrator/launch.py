@@ -183,9 +183,9 @@ def placement_problem(plan: StagePlan, source: str | Path, num_processes: int | 
     from align.engines import placement_problem as engine_placement_problem
 
     n = node_processes(plan, source, num_processes)
+    # more processes than GPUs: two on one GPU fail NCCL's first collective (a config on the CPU takes none)
     raw = (yaml_load(accelerate_config(plan.cfg.accelerate, source)) or {}) if gpus and n > gpus else {}
-    on_gpus = raw and not raw.get("use_cpu") and raw.get("distributed_type") not in ("NO", "MULTI_CPU")
-    if on_gpus and is_distributed(plan.cfg):  # two processes on one GPU: NCCL's first collective fails
+    if raw and not raw.get("use_cpu") and str(raw.get("distributed_type", "NO")).upper() not in ("NO", "MULTI_CPU"):
         return (f"stages.{plan.name}: {n} processes per node (stages.{plan.name}.num_processes, --num-processes or the "
                 f"accelerate config '{plan.cfg.accelerate}'), but this machine has {gpus} GPUs visible (one each); set "
                 f"--num-processes {gpus} or stages.{plan.name}.num_processes: {gpus}")

@@ -11,14 +11,14 @@ from align.runtime.context import NonFiniteLossError
 from align.stages.ppo.optim import backward_and_step
 
 
-
 def finite_everywhere(accelerator, loss: torch.Tensor) -> bool:
-    """Whether `loss` is finite on every process (one all-reduce of a flag: a process that stopped alone would
-    leave the others waiting in the backward's collectives for the launcher to kill them, its error unseen)."""
+    """Whether `loss` is finite on every process (one gather of a flag: a process that stopped alone would leave the
+    others waiting in the backward's collectives for the launcher to kill them, its error unseen)."""
     finite = torch.isfinite(loss.detach()).float().reshape(1)
     if accelerator.num_processes > 1:
         finite = accelerator.gather(finite).min()
     return bool(finite.item())
+
 
 def ppo_update(cfg: PPOStage, accelerator, model, optimizer, groups, ids, mask, rmask, lq, old_logprobs, old_values,
                advantages, returns) -> dict[str, float]:
