@@ -28,28 +28,44 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rollout_engines import TRANSPORTS, machine, sync_summary  # noqa: E402  (benchmarks/ is not a package)
+from rollout_engines import machine, sync_summary  # noqa: E402  (benchmarks/ is not a package)
 
 SEED = 4242
+ZERO3_TRANSPORTS = ("before", "file", "gather", "node")
+"""before: the file path as it was (a gathered state dict written to /dev/shm, vLLM's reload_weights); file: the same
+file through this engine; gather: every process gathers the policy a layer at a time and streams it through its
+bucket in /dev/shm (weight_sync: host; how every ZeRO-3 sync went until 2026-11-28); node: every process writes its
+own partitions into the node's bucket (align/engines/node_bucket.py), no gather."""
 
 
 class StandIn:
-    """Process 1's engine, and the gather alone on process 0: builds what an engine would be sent (the same per-layer
-    gathers as process 0's engines, each weight copied out contiguous) and loads it nowhere."""
+    """Process 1's engine, and the gather alone on process 0: builds what an engine would be sent and loads it
+    nowhere: with `how` "node" its shares written into the node's bucket (node_bucket.join: process 0's sync through
+    it waits for them), else the same per-layer gathers as process 0's engines, each weight copied out contiguous."""
 
     holds_own_weights = True
+
+    def __init__(self, how: str = "gather"):
+        self.how, self.synced = how, False
 
     def sync_weights(self, model) -> float:
         import time
 
+        from align.engines import node_bucket
+        from align.engines.vllm_env import shm_dir
         from align.engines.weight_sync import policy_state_for_engine
 
         t0 = time.perf_counter()
-        policy_state_for_engine(model)
+        node = node_bucket.for_model(model, 0, 600.0, shm_dir()) if self.how == "node" else None
+        if node:
+            node_bucket.join(node, model, changed_only=self.synced)
+            self.synced = True
+        else:
+            policy_state_for_engine(model)
         return time.perf_counter() - t0
 
 
-def worker(out: str, rounds: int) -> None:
+def worker(out: str, rounds: int, bucket_mib: float) -> None:
     """One process of the 2-process launch (see the module doc); process 0 writes `out`."""
     import statistics
 
@@ -94,29 +110,33 @@ def worker(out: str, rounds: int) -> None:
             return logprob_gap(r.engine_logprobs, response_logprobs(whole, r), r.response_mask)["max"]
 
     main = state.is_main_process
-    now = VLLMEngine(model_dir, tok, seed=SEED) if main else StandIn()
+    now = VLLMEngine(model_dir, tok, seed=SEED, bucket_mib=bucket_mib) if main else StandIn()
     before = VLLMEngine(model_dir, tok, seed=SEED, weight_sync="file", keep_weights=False) if main else StandIn()
-    engines = {"before": before, "file": now, "host": now, "shared": now}
+    engines = {"before": before, "file": now, "gather": now, "node": now}
     try:
-        for e in (now, before):  # the first, full sync of the policy into each engine: not timed
+        for e, how in ((now, "node"), (before, "before")):  # the first, full sync into each engine: not timed
+            e.how = how
             sync_engine(e, model, acc)
-        runs: dict[str, list] = {how: [] for how in TRANSPORTS}
+        runs: dict[str, list] = {how: [] for how in ZERO3_TRANSPORTS}
+        node_used = None  # whether the "node" syncs did go through the node's bucket
         gathers: list[float] = []
         for i in range(rounds):
-            for how in TRANSPORTS[i % len(TRANSPORTS):] + TRANSPORTS[:i % len(TRANSPORTS)]:
+            for how in ZERO3_TRANSPORTS[i % 4:] + ZERO3_TRANSPORTS[:i % 4]:
                 step()
+                engines[how].how = how  # process 1's stand-in does what process 0's engine does
                 if main and how != "before":
-                    now.weight_sync = how
+                    now.weight_sync, now.node_sync = {"file": "file"}.get(how, "host"), how == "node"
                 seconds = sync_engine(engines[how], model, acc)
                 g = gap(engines[how] if main else None)
                 if main:
                     runs[how].append((seconds, engines[how].sync_bytes[-1], g))
-            gathers.append(sync_engine(StandIn(), model, acc))  # what every transport pays first, alone
+                    node_used = now.last_sync.get("node_bucket") if how == "node" else node_used
+            gathers.append(sync_engine(StandIn(), model, acc))  # what the gathering transports pay first, alone
         if main:
             result = {how: sync_summary(rs) for how, rs in runs.items()}
-            result["speedup"] = result["before"]["seconds"] / result["shared"]["seconds"]
-            result["speedup_same_engine"] = result["file"]["seconds"] / result["shared"]["seconds"]
-            result["shared_host_tensors"] = now.last_sync.get("host_tensors")
+            result["speedup"] = result["before"]["seconds"] / result["node"]["seconds"]
+            result["speedup_same_engine"] = result["file"]["seconds"] / result["node"]["seconds"]
+            result["node_bucket"] = node_used
             result["world"] = state.num_processes
             result["gather_seconds"] = statistics.median(gathers)
             Path(out).write_text(json.dumps(result, indent=2, default=str))
@@ -129,32 +149,34 @@ def worker(out: str, rounds: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3, help="syncs per transport (median reported)")
+    p.add_argument("--bucket-mib", type=float, default=32.0, help="generation.sync_bucket_mib of process 0's engine")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # set by the launch below: this process's output file
     args = p.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.rounds)
+        worker(args.worker, args.rounds, args.bucket_mib)
         return
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "zero3.json"
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(REPO / "pipelines" / "accelerate" / "zero3.yaml"), "--num_processes", "2", __file__,
-               "--worker", str(out), "--rounds", str(args.rounds)]
+               "--worker", str(out), "--rounds", str(args.rounds), "--bucket-mib", str(args.bucket_mib)]
         proc = subprocess.run(cmd, cwd=tmp)
         if proc.returncode != 0 or not out.exists():
             sys.exit(f"zero3_sync: the 2-process launch failed (exit {proc.returncode})")
         sync = json.loads(out.read_text())
-    results = {"machine": machine(), "rounds": args.rounds, "sync": sync}
+    results = {"machine": machine(), "rounds": args.rounds, "bucket_mib": args.bucket_mib, "sync": sync}
     print(f"\nweight sync under 2-process ZeRO-3 (gloo), packaged SmolLM2-135M fp32, {args.rounds} syncs per transport "
           f"(median, the gather included); {results['machine']}")
     print("| transport | s per sync | MB loaded per sync | max log-prob gap | before / this |")
     print("|---|---|---|---|---|")
-    for how in TRANSPORTS:
+    for how in ZERO3_TRANSPORTS:
         x = sync[how]
         print(f"| {how} | {x['seconds']:.3f} | {x['bytes'] / 1e6:.0f} | {x['max_logprob_gap']:.1e} | "
               f"{sync['before']['seconds'] / x['seconds']:.2f}x |")
-    print(f"file / shared in the same engine: {sync['speedup_same_engine']:.2f}x; {sync['shared_host_tensors']} tensors "
-          f"read where they lie; the gather alone (policy_state_for_engine, no engine): {sync['gather_seconds']:.3f} s")
+    print(f"file / node in the same engine: {sync['speedup_same_engine']:.2f}x; the last sync through the node's "
+          f"bucket: {sync['node_bucket']}; the gather alone (policy_state_for_engine, no engine): "
+          f"{sync['gather_seconds']:.3f} s")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str))
 

@@ -189,7 +189,7 @@ def test_a_sleeping_engine_is_woken_by_whatever_comes_next(monkeypatch):
 @pytest.mark.distributed
 def test_zero3_ppo_with_both_processes_on_one_vllm_engine(tmp_path):
     """Full-weight PPO under 2-process ZeRO-3, generation.tensor_parallel_size 2 on a CPU: process 0 starts one vLLM
-    engine for both and syncs it (process 1 joins the layer-by-layer gathers), process 1 samples through it. One
+    engine for both and syncs it (process 1 writes its partitions into the node's bucket), process 1 samples through it. One
     engine process and one engine log; on both processes, every iteration's engine log-probs equal the trained
     policy's within 1e-3 (the gap is the max over processes), so process 1 never sampled before a sync was done."""
     from test_vllm_ppo import PIPELINE, gaps_per_iteration
@@ -208,6 +208,7 @@ def test_zero3_ppo_with_both_processes_on_one_vllm_engine(tmp_path):
     assert m["status"] == "completed" and m["world_size"] == 2 and m["zero_stage"] == 3
     assert m["engine"]["started_by_process"] == 0 and m["engine"]["shared_by_local_ranks"] == [0, 1]
     assert m["engine"]["weight_sync"] == "shared" and m["engine"]["devices"] == []
+    assert m["engine"]["sync_transport"] == "node_shared_memory", m["engine"]
     assert sorted(p.name for p in ppo.glob("engine*.log")) == ["engine.rank0.log"]  # one engine, not one per process
     gaps = gaps_per_iteration(ppo)
     assert sorted(gaps) == [1, 2, 3] and max(gaps.values()) < 1e-3, gaps

@@ -297,9 +297,10 @@ def test_align_validate_names_the_setting_and_the_install_command(workdir):
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["merged", "adapter"])
 def test_zero3_gathered_sync(tmp_path, mode):
-    """tests/probes/zero3_vllm_sync.py under 2-process ZeRO-3: PPO's sync_engine gathers the sharded policy on every
-    process; rank 0's vLLM engine then samples what the whole (perturbed) policy would, and did not before. adapter:
-    a LoRA policy synced with its adapters alone (lora_sync: adapter), gathered as they are read."""
+    """tests/probes/zero3_vllm_sync.py under 2-process ZeRO-3: PPO's sync_engine sends the sharded policy through the
+    node's bucket (each process its own partitions); rank 0's vLLM engine then samples what the whole (perturbed)
+    policy would, and did not before, and rank 1 read the whole weights from it. adapter: a LoRA policy synced with
+    its adapters alone (lora_sync: adapter), gathered as they are read."""
     import json
     import subprocess
     import sys

@@ -120,9 +120,9 @@ def gaps_per_iteration(ppo: Path) -> dict[int, float]:
 
 @pytest.mark.distributed
 def test_zero3_two_processes_with_vllm_resumes_after_sigkill(tmp_path):
-    """Full-weight PPO under 2-process ZeRO-3, one vLLM engine per process, each synced through its own bucket with
-    the policy gathered one layer at a time: killed after its first checkpoint, it resumes and completes, and every
-    iteration's engine log-probs equal the trained policy's."""
+    """Full-weight PPO under 2-process ZeRO-3, one vLLM engine per process, both synced through the node's bucket
+    (each process writes its own partitions, none gathers: align/engines/node_bucket.py): killed after its first
+    checkpoint, it resumes and completes, and every iteration's engine log-probs equal the trained policy's."""
     (tmp_path / "p.yaml").write_text(PIPELINE.format(repo=REPO))
     ppo = tmp_path / "runs" / "vllm_ppo" / "main" / "ppo"
     zero3 = ("ppo.accelerate=zero3", "ppo.num_processes=2", "ppo.lora.enabled=false", "ppo.learning_rate=1.0e-5",
@@ -133,6 +133,7 @@ def test_zero3_two_processes_with_vllm_resumes_after_sigkill(tmp_path):
     m = json.loads((ppo / "manifest.json").read_text())
     assert m["status"] == "completed" and m["final_metrics"]["ppo/iterations_run"] == 4
     assert m["resumed_from_iteration"] == 2 and m["world_size"] == 2 and m["zero_stage"] == 3
+    assert m["engine"]["sync_transport"] == "node_shared_memory", m["engine"]
     gaps = gaps_per_iteration(ppo)
     assert sorted(gaps) == [1, 2, 3, 4] and max(gaps.values()) < 1e-3, gaps
 

@@ -141,9 +141,11 @@ class Generation:
     its memory), after the first sync only the weights that train (a LoRA run: the adapted layers, merged); the
     bucket is on the trainer's GPU, shared by CUDA IPC, where the engine runs on that GPU (colocated), else in
     /dev/shm. Weights in host memory (a CPU run) skip the bucket: the trainer's storages move into shared memory once
-    and the engine reads them where they lie (merged LoRA layers still travel). `host`: every weight through the
-    bucket in /dev/shm, on GPUs too (a device-to-host copy each way; for machines where CUDA IPC between processes is
-    not allowed). `file` writes the whole policy as a safetensors file in /dev/shm for the engine to reload (the older
+    and the engine reads them where they lie (merged LoRA layers still travel). Under ZeRO-3 with the partitions in
+    host memory (a CPU run; offload_param on GPUs, not run there) and every process on one node, nothing is gathered:
+    each process writes its own partitions into one bucket of the node's (align/engines/node_bucket.py; `host` too). `host`: every
+    weight through the bucket in /dev/shm, on GPUs too (a device-to-host copy each way; for machines where CUDA IPC
+    between processes is not allowed). `file` writes the whole policy as a safetensors file in /dev/shm for the engine to reload (the older
     path, kept for comparison). `broadcast`: the bucket stays in the trainer's memory and reaches the engine by a
     broadcast in a process group of the two (NCCL GPU to GPU, for engines on separate GPUs; gloo on a CPU, where it
     is the tested twin and slower than shared memory); NCCL has not run in this project. The CUDA IPC bucket has not run on a GPU in this project (vLLM's CUDA build cannot be
@@ -156,7 +158,8 @@ class Generation:
     against 1.1 s merged, but sampling with the adapter was 1.6-2.2x slower (docs/benchmarks.md); not measured on a GPU."""
     sync_bucket_mib: float = ranged(32.0, gt=0, fix="the sync bucket in MiB, e.g. 32")
     """vllm with weight_sync: shared or host: the bucket's size in MiB per process, on the GPU or in /dev/shm (a larger
-    tensor travels in pieces); Docker's default /dev/shm is 64 MiB in all."""
+    tensor travels in pieces); Docker's default /dev/shm is 64 MiB in all. The node's bucket under ZeRO-3 (above) is
+    this times the processes, at least 512 MiB where /dev/shm has room."""
     tensor_parallel_size: int = ranged(1, ge=1, fix="the GPUs one engine spans, e.g. 2")
     """vllm: the GPUs one engine spans (vLLM's tensor parallelism), each engine shared by that many training processes
     (align/engines/placement.py, group.py): colocated, the processes of GPUs 0-1 share one engine over GPUs 0-1 and so

@@ -8,7 +8,8 @@ operation and the engine's log, never a hang (TRL #2923, #6797, #7103 are syncs 
 Weight sync (weight_sync.py): the policy's weights under their checkpoint names (LoRA merged out of place, ZeRO-3
 gathered a layer at a time), after the first sync only those that train. `shared` (default) streams them through one
 bucket the engine loads from in place (on the trainer's GPU by CUDA IPC where the engine runs there, else /dev/shm)
-and, in a CPU run, the engine reads the weights where they lie; `host`: every weight through /dev/shm; `file`: the
+and, in a CPU run, the engine reads the weights where they lie (ZeRO-3's partitions in host memory on one node:
+through the node's bucket, no gather; node_bucket.py); `host`: every weight through /dev/shm; `file`: the
 whole state as a safetensors file the engine reloads (the older path; benchmarks/rollout_engines.py --sync measures
 all). Prompts travel as token ids tokenised here; responses come back as ids with the sampled tokens' log-probs.
 An engine shared by several processes: group.py (its other processes reach it through vllm_client.py).
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from align.engines import EngineError
+from align.engines import EngineError, node_bucket
 from align.engines.placement import node_placement
 from align.engines.vllm_client import EngineClient
 from align.engines.vllm_env import (VLLM_INSTALL, engine_environment, keeps_weights, shm_dir, shm_problem,
@@ -37,6 +38,7 @@ from align.engines.buckets import (BroadcastBucket, Bucket, CudaBucket, SharedBu
 from align.engines.weight_sync import (HostTensors, adapter_state, engine_entries, finish_gathers,
                                        policy_state_for_engine)
 
+NODE_SYNCS = ("host", "shared")  # the transports ZeRO-3's partitions in host memory take through node_bucket.py
 SERVER = Path(__file__).parent / "vllm_side" / "align_vllm_server.py"
 
 
@@ -56,6 +58,7 @@ class VLLMEngine(EngineClient):
         self.tokenizer, self.timeout_s, self.weight_sync = tokenizer, timeout_s, weight_sync
         self.clients, self.sleeps = clients, sleeps  # processes served (group.py, by `contact`); generation.sleep
         self.bucket_bytes = max(1, int(bucket_mib * 2 ** 20))
+        self.node_sync = True  # ZeRO-3 partitions in host memory, one node: through the node's bucket (False: gather)
         self.sync_seconds, self.sync_bytes = [], []
         self._bucket: Bucket | None = None
         self._held: dict = {}  # the trainer's storages the engine has mapped (weight_sync.HostTensors)
@@ -235,37 +238,52 @@ class VLLMEngine(EngineClient):
         """Stream the entries through the bucket: fill it, tell the engine what is where, wait until it has copied
         them out, fill it again; with `shared`, the weights that lie in host memory are not copied into it but named
         in the last message, read by the engine where they lie (HostTensors). The whole sync within one deadline."""
-        entries = engine_entries(model, changed_only=changed_only)
+        node = (node_bucket.for_model(model, self.bucket_bytes, self.timeout_s, self._dir)  # made in process 0's
+                if self.node_sync and self.weight_sync in NODE_SYNCS else None)
+        entries = node_bucket.shares(model, changed_only) if node else engine_entries(model, changed_only=changed_only)
         names = 0
-        host = HostTensors(self._held)  # not used by weight_sync: host
+        host = HostTensors(self._held)  # not used by weight_sync: host, nor through the node's bucket
+        chunks = chunk_messages(node, model, entries, None) if node else iter(())  # lazy: run below, or drained
         try:
-            bucket = self._open_bucket(model)
+            bucket = node or self._open_bucket(model)
             deadline = time.monotonic() + self.timeout_s
             before = bucket.sent_bytes
-            self._send({"op": "stream", **bucket.where(), "size": self.bucket_bytes, "partial": changed_only},
+            self._send({"op": "stream", **bucket.where(), "size": bucket.size, "partial": changed_only},
                        "sync_weights")
-            for msg, fds, done in chunk_messages(bucket, model, entries, host if self.weight_sync == "shared" else None):
+            if not node:
+                chunks = chunk_messages(bucket, model, entries, host if self.weight_sync == "shared" else None)
+            else:  # the node's bucket waits for each chunk's acknowledgement itself, after writing the next chunk
+                node.loaded = lambda: self._reply("chunk", "sync_weights", deadline)
+            for msg, fds, done in chunks:
                 names += done
                 self._send(msg, "sync_weights", fds=fds)
                 if msg.get("broadcast"):  # once the engine waits in it (a broadcast it never joins would never end)
                     self._reply("ready", "sync_weights", deadline)
                     bucket.send(msg).wait()
-                self._reply("chunk", "sync_weights", deadline)
+                if not node:
+                    self._reply("chunk", "sync_weights", deadline)
             reply = self._reply("stream", "sync_weights", deadline)
         except BaseException as exc:  # stopped halfway (here or there): the engine holds a mix of old and new weights
             self.broken = self.broken or f"interrupted by {type(exc).__name__}"
             if self._bucket is not None and self._bucket.kind == "broadcast":  # its group may be half-way: not reused
                 self._bucket.abort()
                 self._bucket = None
-            if isinstance(exc, Exception):  # under ZeRO-3 the other processes are still gathering, layer by layer
+            if isinstance(exc, Exception) and node:  # the other processes are still writing the node's bucket
+                node.loaded = None
+                node_bucket.drain(chunks)
+            elif isinstance(exc, Exception):  # under ZeRO-3 the other processes are still gathering, layer by layer
                 finish_gathers(entries, model)
             raise
+        finally:
+            if node:
+                node.loaded = None  # no acknowledgement awaited after this (and no reference to this engine kept)
         if reply["tensors"] != names:  # the engine holds a mix of old and new weights: it must not sample again
             self.broken = f"sync_weights loaded {reply['tensors']} of {names} tensors"
             raise EngineError(f"vLLM engine: {self.broken}")
         if host.problem and host.problem != self.last_sync.get("host_problem"):
             print(f"vLLM weight sync: {host.problem}; the rest goes through the bucket", flush=True)
-        self.last_sync = {**reply, "host_tensors": len(host.refs), "host_new": len(host.new), "host_problem": host.problem}
+        self.last_sync = {**reply, "host_tensors": len(host.refs), "host_new": len(host.new), "host_problem": host.problem,
+                          "node_bucket": node.size if node else 0}
         return bucket.sent_bytes - before + host.nbytes()  # bytes the engine loaded
 
     def describe(self) -> dict:
@@ -289,6 +307,9 @@ class VLLMEngine(EngineClient):
         """The bucket a sync will use (for the manifest, before the first sync): the trainer's current device."""
         device = torch.device("cuda", torch.cuda.current_device()) if self.devices else torch.device("cpu")
         kind = self._transport(device)
+        if self.last_sync.get("node_bucket"):  # ZeRO-3's partitions through the node's bucket (node_bucket.py)
+            return {"sync_transport": "node_shared_memory", "sync_bucket_bytes": self.last_sync["node_bucket"],
+                    "sync_path": node_bucket.opened_path()}
         return {"sync_bucket_bytes": self.bucket_bytes, "sync_transport": kind,
                 **({"sync_path": self.bucket_path} if kind == "shared_memory" else {}),
                 **({"cuda_ipc_not_used": self.ipc_problem} if self.ipc_problem else {})}
@@ -296,6 +317,7 @@ class VLLMEngine(EngineClient):
     def close(self, kill: bool = False) -> None:
         """Stop the engine: asked to exit (then waited for, then killed), or killed at once (`kill`, after a timeout:
         a busy engine would not read the request)."""
+        node_bucket.forget()  # every process's engines close at the same point (process 0's holds the node's bucket)
         if kill and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=60)

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-from align.engines import EngineError
+from align.engines import EngineError, node_bucket
 from align.engines.base import free_cached_memory
+from align.engines.vllm_env import shm_dir
 from align.engines.weight_sync import join_gathers
 from align.modeling.generation import Rollout, finish_rollout, tokenize_prompts
 
@@ -210,10 +211,17 @@ class SharedClient(EngineClient):
         changed_only = self._synced is not None and self._synced() is model
         how = ("adapter" if self.adapters and hasattr(model, "peft_config") else
                "changed" if changed_only and self.weight_sync != "file" else "whole")
-        join_gathers(model, how)
+        node = None
+        if how != "adapter" and self.weight_sync in ("host", "shared"):  # as VLLMEngine._sync_shared decides (a collective)
+            node = node_bucket.for_model(model, 0, self.timeout_s, shm_dir())
+        if node:
+            node_bucket.join(node, model, changed_only=how == "changed")
+        else:
+            join_gathers(model, how)
         self._synced = weakref.ref(model)
 
     def close(self, kill: bool = False) -> None:
+        node_bucket.forget()  # as VLLMEngine.close: at the same point on every process
         if self.conn is not None:
             self.conn.close()
             self.conn = None

@@ -16,7 +16,8 @@ load them (in place, by vLLM's weight loaders, straight from the bucket) before 
 in flight per process instead of a file of the whole policy (8 processes x 16 GB at 8B in bf16 before). Weights that
 lie in host memory (a CPU run) need no bucket at all (`HostTensors`): the engine maps the trainer's own storages,
 moved into shared memory once, and reads them where they lie; only what is computed (merged LoRA layers) or gathered
-(ZeRO-3) still travels.
+(ZeRO-3) still travels. Under ZeRO-3 with the partitions in host memory and every process on one node nothing is
+gathered: each process writes its own partitions into one bucket of the node's (align/engines/node_bucket.py).
 """
 
 from __future__ import annotations

@@ -306,14 +306,15 @@ class StageContext:
         (path / ADAPTER_BASE).write_text(json.dumps(record) + "\n")
 
     # ------------------------------------------------------------------ manifest
-    def note_engine(self, engine) -> None:
+    def note_engine(self, engine, synced: bool = False) -> None:
         """Record a started rollout engine in the manifest (what its `describe()` says; nothing for one that describes
-        nothing, the hf engine) and say on the main process that it started, and where its log is."""
+        nothing, the hf engine) and say on the main process that it started, and where its log is; `synced`: again
+        after its first sync, which says how the weights travelled (said nowhere else)."""
         described = engine.describe()
         if not described:
             return
         self.note(engine=described)
-        if self.is_main:
+        if self.is_main and not synced:
             print(f"[align] {self.name}: {engine.name} {described.get('version', '')} engine started in "
                   f"{described.get('startup_seconds', 0):.0f} s (log: {engine.log_path})", flush=True)
 

@@ -1,6 +1,7 @@
 """PPO's weight sync under DeepSpeed ZeRO-3 (align.stages.ppo.rollouts.sync_engine): the policy's parameters are sharded over
-2 processes; every process gathers them (a collective) and pushes the whole policy to its own engine. Rank 0's
-engine is vLLM; rank 1's records the state it was given. Written to OUT (by rank 0): the engine-vs-model log-prob gap
+2 processes; every process writes its own partitions into the node's bucket (align/engines/node_bucket.py; a LoRA
+policy's adapters are gathered, a collective) and each engine loads the whole policy from it. Rank 0's engine is
+vLLM; rank 1's records the state it was given (read from the bucket as rank 0's engine reads it). Written to OUT (by rank 0): the engine-vs-model log-prob gap
 and greedy agreement before and after the sync, and whether rank 1 received the whole, unsharded weights. With a
 third argument `adapter`: the policy is a LoRA model (its base as the engine starts, its adapters not), synced with
 the adapters alone (generation.lora_sync: adapter), gathered under ZeRO-3 as they are read.
@@ -25,9 +26,20 @@ class Recorder:
         self.adapter = adapter
 
     def sync_weights(self, model) -> float:
+        from align.engines import node_bucket
         from align.engines.weight_sync import adapter_state, policy_state_for_engine
 
-        self.state = adapter_state(model)[0] if self.adapter else policy_state_for_engine(model)
+        node = None if self.adapter else node_bucket.for_model(model, 0, 600.0, "/dev/shm")  # as rank 0's engine
+        if node is None:  # gathered (a collective every process joins)
+            self.state = adapter_state(model)[0] if self.adapter else policy_state_for_engine(model)
+            return 0.0
+        self.state, building = {}, {}
+        for pieces, _ in node.pieces(node_bucket.shares(model)):  # whole in the bucket until the next barrier
+            for name, dtype, shape, total, at, offset, size in pieces:
+                whole = building.setdefault(name, torch.empty(total, dtype=torch.uint8))
+                whole[at:at + size].copy_(node.buffer[offset:offset + size])
+                if at + size == total:
+                    self.state[name] = building.pop(name).view(getattr(torch, dtype)).reshape(shape)
         return 0.0
 
     def close(self):

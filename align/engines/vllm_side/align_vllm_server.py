@@ -367,7 +367,7 @@ def clean_up(address: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(folder, name))
     for name in os.listdir(folder) if os.path.isdir(folder) else ():
-        if name.startswith("adapter"):  # LoRA adapters synced (align/engines/vllm.py _sync_adapter)
+        if name.startswith(("adapter", "align-node-")):  # synced LoRA adapters, the node's bucket (node_bucket.py)
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
     with contextlib.suppress(OSError):
         os.rmdir(folder)  # not empty (the engine's own log is there when the stage gave none): kept

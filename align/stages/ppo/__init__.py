@@ -325,7 +325,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     cfg, accelerator = s.cfg, s.accelerator
     with closing(open_engine(ctx, cfg, accelerator, s.model, s.tokenizer, s.policy_path)) as engine:
         s.engine = engine  # a vllm engine's process ends with the stage, also when it fails
-        t_sync = sync_engine(engine, s.model, accelerator)  # the engine starts from policy_path; a resumed one differs
+        t_sync = sync_engine(engine, s.model, accelerator, ctx)  # it starts from policy_path; a resumed one differs
         fix_reward_scale(s)
         history, gaps = restore_history(ctx, s.start), []
         # kl.max: the weights of the last update inside the budget (at the start: the starting or resumed policy,

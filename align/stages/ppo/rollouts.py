@@ -53,14 +53,18 @@ def open_engine(ctx: StageContext, cfg: PPOStage, accelerator, model, tokenizer,
     return engine
 
 
-def sync_engine(engine: RolloutEngine, model, accelerator) -> float:
+def sync_engine(engine: RolloutEngine, model, accelerator, ctx: StageContext | None = None) -> float:
     """Push the policy's current weights to an engine that holds its own copy (vllm); under ZeRO-3 every process
     gathers the parameters one layer at a time as it sends them (align/engines/weight_sync.py: a collective per layer,
-    in the same order everywhere) and syncs its own engine. Returns the seconds it took."""
+    in the same order everywhere), or writes its own into the node's bucket (node_bucket.py), and syncs its own engine.
+    Returns the seconds it took. `ctx` (the first sync): the manifest records how the weights travelled."""
     if not engine.holds_own_weights:
         return 0.0
     with torch.no_grad():
-        return engine.sync_weights(accelerator.unwrap_model(model).policy)
+        seconds = engine.sync_weights(accelerator.unwrap_model(model).policy)
+    if ctx is not None:
+        ctx.note_engine(engine, synced=True)
+    return seconds
 
 
 def fit_reward_scale(ctx: StageContext, cfg: PPOStage, accelerator, engine: RolloutEngine, tokenizer, scorer: WeightedJudge,
