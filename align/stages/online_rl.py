@@ -117,6 +117,8 @@ class EngineRollouts:
         if trainer.state.global_step != self.synced_step:
             with torch.no_grad():
                 self.engine.sync_weights(policy)
+            if self.synced_step == -1:  # the manifest says how the weights travelled
+                self.ctx.note_engine(self.engine, synced=True)
             self.synced_step = trainer.state.global_step
         self.rounds += 1
         r = self.engine.generate_ids(q_ids, q_mask, self.cfg.generation, seed=self.ctx.seed * 7919 + self.rounds)
