@@ -129,6 +129,8 @@ def test_a_sync_that_fails_part_way_still_joins_the_remaining_zero3_gathers(monk
     monkeypatch.setattr(vllm_engine, "engine_entries", entries)
     engine = object.__new__(vllm_engine.VLLMEngine)  # its sync only: no process of vLLM's is started
     engine.broken, engine._held, engine._open_bucket, engine._bucket = None, {}, no_bucket, None
+    # one process (no process group here): the node's bucket is not for it (align/engines/node_bucket.py), it gathers
+    engine.weight_sync, engine.bucket_bytes, engine.timeout_s, engine._dir = "host", 1 << 20, 60, "/nonexistent"
     model = torch.nn.Linear(2, 2)
     with pytest.raises(EngineError, match="no room"):
         engine._sync_shared(model, changed_only=False)

@@ -23,8 +23,8 @@ def test_each_process_writes_its_partitions_and_every_engine_reads_the_gathered_
     out = tmp_path / "probe"
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                            str(REPO / "pipelines" / "accelerate" / "zero3.yaml"), "--num_processes", "2",
-                           "--main_process_port", str(free_port()), str(REPO / "tests" / "probes" / "node_bucket_probe.py"),
-                           str(shm), str(out)], capture_output=True, text=True, timeout=300,
+                           "--main_process_port", str(free_port()),
+                           str(REPO / "tests" / "probes" / "node_bucket_probe.py"), str(shm), str(out)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = [json.loads((tmp_path / f"probe.{rank}").read_text()) for rank in (0, 1)]

@@ -6,17 +6,18 @@ One bucket in /dev/shm that every process of the node maps (NodeBucket). For eac
 copies its own partition of each weight into the bucket's place for that weight; once all have (a barrier) each
 engine loads the chunk as it loads any bucket's (align/engines/buckets.py, the same messages); the bucket's two
 halves take turns, the next chunk written while the engines load the last, and a half is written again only once
-every engine has loaded it (the next barrier: one a chunk, and one at the end). No process gathers a weight: each copies 1/world of the
-policy per sync, where the gathers of weight_sync.engine_entries (a collective per layer) make every process receive
-the other (world-1)/world and copy all of it out. Where this cannot be used (`problem`: partitions on a GPU, where
-the gather is NCCL's all-gather; over a subgroup, as hpZ and MiCS partition; processes on several nodes; a LoRA
-policy, whose merged layers are computed from gathered weights) the sync gathers as before. All processes use it
-or none (`for_model`). The bucket lies in process 0's engine's directory and goes with it (`forget`).
+every engine has loaded it (the next barrier: one a chunk, and one at the end). No process gathers a weight: each
+copies 1/world of the policy per sync, where the gathers of weight_sync.engine_entries (a collective per layer) make
+every process receive the other (world-1)/world and copy all of it out. Where this cannot be used (`problem`:
+partitions on a GPU, where the gather is NCCL's all-gather; over a subgroup, as hpZ and MiCS partition; processes on
+several nodes; a LoRA policy, whose merged layers are computed from gathered weights) the sync gathers as before.
+All processes use it or none (`for_model`). The bucket lies in process 0's engine's directory and goes with it
+(`forget`).
 
 DeepSpeed's layout (deepspeed/runtime/zero/partition_parameters.py, `_partition_param`): a weight's flattened
 elements, padded to a multiple of the group's size, in equal consecutive parts, part r on the group's rank r as
-`ds_tensor` (`ds_tensor.ds_numel` elements). The padding is at the end, so the parts side by side are the weight
-and then the padding, which no piece covers.
+`ds_tensor` (`ds_tensor.ds_numel` elements). The padding is at the end, so the parts side by side are the weight and
+then the padding, which no piece covers.
 """
 
 from __future__ import annotations
@@ -84,8 +85,9 @@ def problem(model) -> str | None:
 
 def shares(model, changed_only: bool = False) -> Iterator[tuple]:
     """What this process puts in the node bucket, in weight_sync.engine_entries' order and under its names: per weight
-    (name, dtype, shape, its bytes, this process's share of them as bytes or None, the share's first byte). A partitioned
-    weight's share is its partition; any other weight is process 0's alone. `changed_only`: the weights that train."""
+    (name, dtype, shape, its bytes, this process's share of them as bytes or None, the share's first byte). A
+    partitioned weight's share is its partition; any other weight is process 0's alone. `changed_only`: the weights
+    that train."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -108,13 +110,14 @@ def shares(model, changed_only: bool = False) -> Iterator[tuple]:
 
 class NodeBucket(Bucket):
     """The bucket every process of the node maps: a file of `size` bytes at `path` (in /dev/shm) that process 0 made
-    (holding `lock` while it lives) and removes at `close`, used as two halves in turn. `pieces(shares)` writes this process's shares of a chunk into
-    one half and yields the chunk (Bucket.pieces' form) once every process has written its own (a barrier); resumed,
-    it writes the next chunk into the other half while this process's engine loads the first, then waits until its
-    engine has loaded it (`loaded`: set by the process that syncs an engine, None for one that only joins) and in the
-    next barrier until every engine has: a half is written again only after every engine has read it. One barrier per
-    chunk and one at the end. When `loaded` fails, the rest is written and every barrier joined all the same (the
-    other processes are not left waiting), and the failure is raised at the end."""
+    (holding `lock` while it lives) and removes at `close`, used as two halves in turn. `pieces(shares)` writes this
+    process's shares of a chunk into one half and yields the chunk (Bucket.pieces' form) once every process has
+    written its own (a barrier); resumed, it writes the next chunk into the other half while this process's engine
+    loads the first, then waits until its engine has loaded it (`loaded`: set by the process that syncs an engine,
+    None for one that only joins) and in the next barrier until every engine has: a half is written again only after
+    every engine has read it. One barrier per chunk and one at the end. When `loaded` fails, the rest is written and
+    every barrier joined all the same (the other processes are not left waiting), and the failure is raised at the
+    end."""
 
     kind = "node_shared_memory"
 

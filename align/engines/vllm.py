@@ -35,7 +35,7 @@ from align.engines.vllm_env import (VLLM_INSTALL, engine_environment, keeps_weig
                                     sync_space_problem, vllm_python)
 from align.engines.buckets import (BroadcastBucket, Bucket, CudaBucket, SharedBucket, bucket_kind, chunk_messages,
                                    cuda_ipc_problem)
-from align.engines.weight_sync import (HostTensors, adapter_state, engine_entries, finish_gathers,
+from align.engines.weight_sync import (HostTensors, adapter_state, engine_entries, finish_gathers, partitioned,
                                        policy_state_for_engine)
 
 NODE_SYNCS = ("host", "shared")  # the transports ZeRO-3's partitions in host memory take through node_bucket.py
@@ -45,6 +45,8 @@ SERVER = Path(__file__).parent / "vllm_side" / "align_vllm_server.py"
 class VLLMEngine(EngineClient):
     """The engine process this process starts and syncs (its requests: vllm_client.EngineClient); `clients` > 1: it
     also serves that many processes in all, which reach it by `contact` (align/engines/group.py)."""
+
+    node_sync = True  # ZeRO-3 partitions in host memory, one node: through the node's bucket (False: gather)
 
     def __init__(self, model_dir: str, tokenizer, seed: int = 0, dtype: str = "float32", max_model_len: int = 512,
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.3, log_path=None, timeout_s: float = 600.0,
@@ -58,7 +60,6 @@ class VLLMEngine(EngineClient):
         self.tokenizer, self.timeout_s, self.weight_sync = tokenizer, timeout_s, weight_sync
         self.clients, self.sleeps = clients, sleeps  # processes served (group.py, by `contact`); generation.sleep
         self.bucket_bytes = max(1, int(bucket_mib * 2 ** 20))
-        self.node_sync = True  # ZeRO-3 partitions in host memory, one node: through the node's bucket (False: gather)
         self.sync_seconds, self.sync_bytes = [], []
         self._bucket: Bucket | None = None
         self._held: dict = {}  # the trainer's storages the engine has mapped (weight_sync.HostTensors)
@@ -239,7 +240,7 @@ class VLLMEngine(EngineClient):
         them out, fill it again; with `shared`, the weights that lie in host memory are not copied into it but named
         in the last message, read by the engine where they lie (HostTensors). The whole sync within one deadline."""
         node = (node_bucket.for_model(model, self.bucket_bytes, self.timeout_s, self._dir)  # made in process 0's
-                if self.node_sync and self.weight_sync in NODE_SYNCS else None)
+                if partitioned(model) and self.node_sync and self.weight_sync in NODE_SYNCS else None)
         entries = node_bucket.shares(model, changed_only) if node else engine_entries(model, changed_only=changed_only)
         names = 0
         host = HostTensors(self._held)  # not used by weight_sync: host, nor through the node's bucket
