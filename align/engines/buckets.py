@@ -136,14 +136,19 @@ class SharedBucket(Bucket):
 
     def close(self) -> None:
         self.buffer = None
-        try:
-            self._map.close()
-        except BufferError:  # a view still alive somewhere: the mapping goes with it
-            pass
+        unmap(self._map)
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def unmap(mapping: mmap.mmap) -> None:
+    """A bucket's mapping closed, unless a view of it is still alive somewhere (it then goes with the last view)."""
+    try:
+        mapping.close()
+    except BufferError:
+        pass
 
 
 class CudaBucket(Bucket):

@@ -34,7 +34,7 @@ from typing import Iterator
 
 import torch
 
-from align.engines.buckets import Bucket
+from align.engines.buckets import Bucket, unmap
 from align.engines.weight_sync import dtype_name, groups, shm_room_problem
 
 NODE_MIN_BYTES = 512 * 2 ** 20
@@ -182,10 +182,7 @@ class NodeBucket(Bucket):
 
     def close(self) -> None:
         self.buffer = None
-        try:
-            self._map.close()
-        except BufferError:  # a view still alive somewhere: the mapping goes with it
-            pass
+        unmap(self._map)
         if self.lock is not None:
             shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
             os.close(self.lock)
