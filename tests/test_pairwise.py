@@ -217,17 +217,25 @@ def test_evaluate_with_the_endpoint_judge_writes_the_key_nowhere(smollm2, evalua
         served = server.completions()
     finally:
         server.stop()
-    run = workdir / "runs" / "default" / "main"
-    metrics = json.loads((run / "report" / "metrics.json").read_text())
-    assert served == _distinct_judgments(run)  # every distinct question once, both orders, each policy against sft
+    run, metrics = _judged_report(workdir, served)
     for p in ("ppo", "dpo"):
-        assert metrics[f"eval/{p}/smol/pairs"] == JUDGED
         assert 0.0 <= metrics[f"eval/{p}/smol/invalid_rate"] <= 1.0
     assert "smol win rate vs sft" in (run / "report" / "report.md").read_text()
     for root in (workdir / "runs", workdir / "wandb"):
         for f in (p for p in root.rglob("*") if p.is_file()) if root.exists() else []:
             assert key.encode() not in f.read_bytes(), f  # the key's value, anywhere on disk
     assert key not in proc.stdout + proc.stderr
+
+
+def _judged_report(workdir, served: int):
+    """The evaluated run's directory and report metrics once the endpoint judged it, checked: the endpoint was asked
+    every distinct question once (both orders, each policy against sft) and every judged prompt is a pair."""
+    run = workdir / "runs" / "default" / "main"
+    metrics = json.loads((run / "report" / "metrics.json").read_text())
+    assert served == _distinct_judgments(run)
+    for p in ("ppo", "dpo"):
+        assert metrics[f"eval/{p}/smol/pairs"] == JUDGED
+    return run, metrics
 
 
 @pytest.mark.distributed
@@ -245,13 +253,9 @@ def test_evaluate_over_two_processes_asks_each_question_once(smollm2, evaluated)
         served = server.completions()
     finally:
         server.stop()
-    run = workdir / "runs" / "default" / "main"
-    metrics = json.loads((run / "report" / "metrics.json").read_text())
-    assert served == _distinct_judgments(run)
+    run, metrics = _judged_report(workdir, served)
     assert sorted(p.name for p in (run / "evaluate" / "judge_cache").iterdir()) == ["smol.rank0.jsonl",
                                                                                     "smol.rank1.jsonl"]
-    for p in ("ppo", "dpo"):
-        assert metrics[f"eval/{p}/smol/pairs"] == JUDGED
     assert metrics["eval/smol/requests"] == served
 
 

@@ -37,6 +37,7 @@ import torch
 from align.engines.buckets import Bucket, unmap
 from align.engines.weight_sync import dtype_name, groups, shm_room_problem
 
+SYNCS = ("host", "shared")  # the generation.weight_sync values whose ZeRO-3 syncs may take the node's bucket
 NODE_MIN_BYTES = 512 * 2 ** 20
 """The node's bucket at least (one per node, in host memory, which ZeRO-3's offload has in plenty): each chunk costs
 about 3 ms beyond its bytes on a 2-core CPU (a barrier, a message, the engine's load call), so at 8B in bf16 halves of

@@ -38,7 +38,6 @@ from align.engines.buckets import (BroadcastBucket, Bucket, CudaBucket, SharedBu
 from align.engines.weight_sync import (HostTensors, adapter_state, engine_entries, finish_gathers, partitioned,
                                        policy_state_for_engine)
 
-NODE_SYNCS = ("host", "shared")  # the transports ZeRO-3's partitions in host memory take through node_bucket.py
 SERVER = Path(__file__).parent / "vllm_side" / "align_vllm_server.py"
 
 
@@ -240,7 +239,7 @@ class VLLMEngine(EngineClient):
         them out, fill it again; with `shared`, the weights that lie in host memory are not copied into it but named
         in the last message, read by the engine where they lie (HostTensors). The whole sync within one deadline."""
         node = (node_bucket.for_model(model, self.bucket_bytes, self.timeout_s, self._dir)  # made in process 0's
-                if partitioned(model) and self.node_sync and self.weight_sync in NODE_SYNCS else None)
+                if partitioned(model) and self.node_sync and self.weight_sync in node_bucket.SYNCS else None)
         entries = node_bucket.shares(model, changed_only) if node else engine_entries(model, changed_only=changed_only)
         names = 0
         host = HostTensors(self._held)  # not used by weight_sync: host, nor through the node's bucket

@@ -212,7 +212,7 @@ class SharedClient(EngineClient):
         how = ("adapter" if self.adapters and hasattr(model, "peft_config") else
                "changed" if changed_only and self.weight_sync != "file" else "whole")
         node = None
-        if how != "adapter" and self.weight_sync in ("host", "shared"):  # as VLLMEngine._sync_shared decides
+        if how != "adapter" and self.weight_sync in node_bucket.SYNCS:  # as VLLMEngine._sync_shared decides
             node = node_bucket.for_model(model, 0, self.timeout_s, shm_dir())
         if node:
             node_bucket.join(node, model, changed_only=how == "changed")
