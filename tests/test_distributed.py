@@ -64,9 +64,9 @@ def test_sft_zero2_and_reward_zero2_chain(chain):
 
 
 def test_reward_held_out_accuracy_over_two_processes_is_every_pair_scored(chain):
-    """The reward stage's held-out accuracy over 2 processes (scored by the main process from the saved model/, while
-    the other waits): it equals scoring every held-out pair in one process here (same model, same rule): pair count,
-    accuracy and margin."""
+    """The reward stage's held-out accuracy over 2 processes (each loads the saved model/ and scores a share of the
+    pairs): it equals scoring every held-out pair in one process here (same model, same rule): pair count, accuracy
+    and margin."""
     from align.judges.pointwise import RewardModelJudge, pairwise_accuracy
 
     _, run = chain

@@ -242,8 +242,10 @@ def _judged_report(workdir, served: int):
 def test_evaluate_over_two_processes_asks_each_question_once(smollm2, evaluated):
     """evaluate over 2 processes (plain data parallel, gloo) with the endpoint judge: each process judges every other
     prompt (its own answer cache) and the verdicts are gathered in prompt order, so the endpoint is asked every
-    distinct question once in all, and the report's pairs are every judged prompt's."""
+    distinct question once in all, and the report's pairs are every judged prompt's. The reward model's held-out
+    pairs, scored a share on each process, give what the one-process evaluation of the same run gave."""
     workdir = evaluated
+    alone = json.loads((workdir / "runs" / "default" / "main" / "report" / "metrics.json").read_text())
     server = Server(smollm2, workdir)
     try:
         proc = run_align("run", "pipelines/default.yaml", "--only", "evaluate", "tracking.wandb=disabled", *TINY,
@@ -257,6 +259,11 @@ def test_evaluate_over_two_processes_asks_each_question_once(smollm2, evaluated)
     assert sorted(p.name for p in (run / "evaluate" / "judge_cache").iterdir()) == ["smol.rank0.jsonl",
                                                                                     "smol.rank1.jsonl"]
     assert metrics["eval/smol/requests"] == served
+    held_out = [k for k in alone if k.startswith("eval/reward_model/")]
+    assert alone["eval/reward_model/pairs"] >= 1 and len(held_out) >= 7  # the tiny run holds one out: rank 1 has none
+    rounded = lambda v: json.loads(json.dumps(v), parse_float=lambda f: round(float(f), 6))  # noqa: E731
+    for k in held_out:  # calibration buckets are a list of dicts
+        assert rounded(metrics[k]) == rounded(alone[k]), k
 
 
 def test_validate_names_an_unreachable_endpoint(workdir):
@@ -321,6 +328,8 @@ def test_preferences_labelled_by_a_pairwise_judge_keep_only_its_consistent_verdi
     pairs = {json.loads(x)["prompt"]: json.loads(x) for f in ("train", "test")
              for x in (data / f"{f}.jsonl").read_text().splitlines()}
     assert len(samples) == 16 and all(len(s["responses"]) == 2 and len(s["verdicts"]) == 2 for s in samples)
+    lengths = [(len(s["responses"][0]), len(s["responses"][1])) for s in samples]
+    assert [s["outcome"] for s in samples] == ["win" if a > b else "loss" if a < b else "tie" for a, b in lengths]
     assert asked == len({(s["prompt"], *o) for s in samples for o in (s["responses"], s["responses"][::-1])})
     differ = {s["prompt"]: s for s in samples if len(s["responses"][0]) != len(s["responses"][1])}
     assert 0 < len(differ) and set(pairs) == set(differ)  # equal lengths: ties, no pair

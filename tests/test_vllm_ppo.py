@@ -173,6 +173,7 @@ def test_ppo_with_vllm_resumes_after_sigkill_and_keeps_the_logprob_gap_small(tmp
     assert max(gaps.values()) < 1e-3, gaps
     ev = json.loads((run_dir / "evaluate" / "manifest.json").read_text())
     assert ev["status"] == "completed"
+    assert ev["engine"]["sync_load"] == "in place" and ev["engine"]["sync_read_where_they_lie"] > 0, ev["engine"]
     metrics = json.loads((run_dir / "report" / "metrics.json").read_text())
     assert metrics["eval/engine"] == "vllm"
     for policy in ("sft", "ppo"):  # each policy's weights were synced into the engine before it sampled

@@ -175,12 +175,28 @@ def check_same_tokenizer(stage: str, policy: str, policy_tokenizer, reward_token
                              "(train the reward model from the same SFT checkpoint)")
 
 
-def pairwise_accuracy(judge: RewardModelJudge, pairs: list[dict[str, Any]]) -> dict[str, float]:
+def pairwise_accuracy(judge: RewardModelJudge, pairs: list[dict[str, Any]], rank: int = 0,
+                      world: int = 1) -> dict[str, float]:
     """Fraction of pairs whose chosen response scores above the rejected one, and the mean margin (each text
-    scored by the one rule, as the model was trained on it: align/judges/pointwise.py)."""
-    prompts = [p["prompt"] for p in pairs]
-    chosen = judge(prompts, [p["chosen"] for p in pairs])
-    rejected = judge(prompts, [p["rejected"] for p in pairs])
+    scored by the one rule, as the model was trained on it: align/judges/pointwise.py).
+
+    Over several processes (`rank` of `world`: a collective every process joins) each scores every world-th batch of
+    `judge.batch_size` pairs and the scores are gathered: every process returns what one process would, batch for
+    batch the same rows (so the same floats)."""
+    size = judge.batch_size
+    mine: dict[int, tuple[list[float], list[float]]] = {}
+    for start in list(range(0, len(pairs), size))[rank::world]:
+        rows = pairs[start:start + size]
+        prompts = [p["prompt"] for p in rows]
+        mine[start] = (judge(prompts, [p["chosen"] for p in rows]), judge(prompts, [p["rejected"] for p in rows]))
+    if world > 1:
+        import torch.distributed as dist
+
+        shares: list[Any] = [None] * world
+        dist.all_gather_object(shares, mine)
+        mine = {start: scored for share in shares for start, scored in share.items()}
+    chosen = [s for start in sorted(mine) for s in mine[start][0]]
+    rejected = [s for start in sorted(mine) for s in mine[start][1]]
     margins = [c - r for c, r in zip(chosen, rejected)]
     return {"accuracy": sum(m > 0 for m in margins) / len(margins), "margin": sum(margins) / len(margins),
             "chosen": sum(chosen) / len(chosen), "rejected": sum(rejected) / len(rejected),

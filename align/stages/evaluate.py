@@ -111,6 +111,8 @@ def sample_policies(ctx: StageContext, cfg: EvaluateStage, engine: RolloutEngine
             print(f"[align] {ctx.name}: sampling {len(prompts)} prompts from '{name}'", flush=True)
         policy = ctx.load_lm(ctx.input_model(name), device=True, frozen=True).eval()
         engine.sync_weights(policy)
+        if i == 0:
+            ctx.note_engine(engine, synced=True)  # again: now it says how the weights travelled
         with ctx.compute.autocast():
             texts, kls, lengths, ref_sums, scores, gap = sample_with_kl(
                 engine, policy, reference, tokenizer, prompts, cfg, ctx.seed,
@@ -154,14 +156,16 @@ def policy_metrics(cfg: EvaluateStage, samples: dict[str, dict[str, Any]], seed:
 def reward_model_metrics(ctx: StageContext, cfg: EvaluateStage, judges: dict[str, WeightedJudge],
                          tokenizer) -> tuple[dict[str, Any], list[dict[str, float]]]:
     """The reward model on the preference stage's held-out pairs: accuracy, margin, score spreads and calibration
-    buckets (none without a reward model and preference pairs)."""
+    buckets (none without a reward model and preference pairs). Over several processes each scores a share of the
+    pairs (a collective: every process calls this)."""
     if not (cfg.reward and cfg.preferences):
         return {}, []
     pairs = load_rows(ctx, cfg.preferences, "test", tokenizer=tokenizer)
     if not pairs:
         return {}, []
     with ctx.compute.autocast():
-        acc = pairwise_accuracy(judges["reward_model"].reward_models[cfg.reward], pairs)
+        acc = pairwise_accuracy(judges["reward_model"].reward_models[cfg.reward], pairs, ctx.state.process_index,
+                                ctx.state.num_processes)
     buckets = calibration_buckets(acc["margins"])
     return {"eval/reward_model/accuracy": acc["accuracy"], "eval/reward_model/margin": acc["margin"],
             "eval/reward_model/pairs": len(pairs), "eval/reward_model/calibration": buckets,
@@ -207,11 +211,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
                          fast=ctx.compute.fast_generation(cfg.generation.fast), seed=ctx.seed,
                          dtype=ctx.compute.engine_dtype(), max_model_len=max_model_len, log_path=ctx.dir / "engine.log",
                          device=ctx.compute.device)
+    ctx.note_engine(engine)
     with closing(engine):
         samples, seconds, generated, gaps = sample_policies(ctx, cfg, engine, reference, tokenizer, prompts, judges)
     judged: dict[str, Any] = {}
     verdicts = judge_pairwise(ctx, cfg, prompts, samples, judged)  # every process judges a share
-    if not ctx.is_main:  # the other processes sampled and judged their share of the prompts; the main process reports
+    rm_metrics, buckets = reward_model_metrics(ctx, cfg, judges, tokenizer)  # and scores a share of the held-out pairs
+    if not ctx.is_main:  # the other processes sampled, judged and scored their shares; the main process reports
         ctx.publish("../report", lambda out: None)
         return {"eval/prompts": len(prompts)}
     metrics: dict[str, Any] = {"eval/prompts": len(prompts), "perf/generated_tokens": generated,
@@ -220,7 +226,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
     metrics.update({f"eval/{name}/logprob_gap_max": gap for name, gap in gaps.items()})
     metrics.update(policy_metrics(cfg, samples, ctx.seed))
     metrics.update(judged)
-    rm_metrics, buckets = reward_model_metrics(ctx, cfg, judges, tokenizer)
     metrics.update(rm_metrics)
     groups = policy_groups(ctx, cfg, metrics)
     ctx.publish("../report", lambda out: write_report(out, cfg, metrics, prompts, samples, groups, verdicts, buckets))

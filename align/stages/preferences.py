@@ -62,9 +62,9 @@ def all_pairs(prompt: str, responses: list[str], scores: list[float], min_margin
 def judge_pairwise(ctx: StageContext, cfg: PreferencesStage, records: list[dict[str, Any]]) -> None:
     """RLAIF: the first two responses of each prompt judged by the pairwise LLM judge in both orders
     (align/judges/pairwise.py); the first one scores 1 and the second 0 when the judge prefers the first in both
-    orders, the reverse when it prefers the second, 0.5 each for a tie or a verdict that flips. Invalid answers above
-    the judge's max_invalid_fraction fail the stage."""
-    from align.judges.pairwise import build_pairwise, check_invalid
+    orders, the reverse when it prefers the second, 0.5 each for a tie or a verdict that flips. Each record keeps
+    the answers and the outcome; invalid ones are counted once every process's records are gathered (run)."""
+    from align.judges.pairwise import build_pairwise
 
     judge = build_pairwise(ctx, cfg.pairwise)
     results = judge.compare([r["prompt"] for r in records], [r["responses"][0] for r in records],
@@ -72,7 +72,7 @@ def judge_pairwise(ctx: StageContext, cfg: PreferencesStage, records: list[dict[
     value = {"win": [1.0, 0.0], "loss": [0.0, 1.0], "tie": [0.5, 0.5], "invalid": [0.5, 0.5]}
     for r, res in zip(records, results):
         r["responses"], r["scores"], r["verdicts"] = r["responses"][:2], value[res["outcome"]], res["answers"]
-    check_invalid(results, cfg.pairwise, ctx.name, "prompts")
+        r["outcome"] = res["outcome"]
 
 
 def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts: list[str],
@@ -92,6 +92,7 @@ def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts:
                          dtype=ctx.compute.engine_dtype(),
                          max_model_len=longest_prompt(tokenizer, prompts) + gen.max_new_tokens + 1,
                          log_path=ctx.dir / f"engine.rank{rank}.log", device=ctx.compute.device)
+    ctx.note_engine(engine)
     # Prompts of similar length share a batch (less padding); each process takes every world-th batch (long and
     # short alike: contiguous shares gave the longest prompts to one process, the others waiting for it at the
     # gather); pairs are put back in prompt order by the caller.
@@ -151,6 +152,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
     prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer)  # conversations: rendered
     records, mine_generated, t0 = sample_records(ctx, cfg, tokenizer, prompts, path)
     records = sorted(gather_object(records), key=lambda r: r["index"])
+    if cfg.pairwise is not None:  # over every process's prompts: all of them stop here together, or none does
+        from align.judges.pairwise import check_invalid
+
+        check_invalid([{"outcome": r["outcome"], "answers": r["verdicts"]} for r in records], cfg.pairwise, ctx.name,
+                      "prompts")
     seconds = time.perf_counter() - t0
     generated = sum(gather_object([mine_generated]))
     splits, pairs, ties = split_pairs(ctx, cfg, records)

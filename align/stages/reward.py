@@ -45,11 +45,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
                             peft_config=peft_config(cfg.lora, "SEQ_CLS"))
     final = train_with_resume(ctx, trainer)
     ctx.save_trainer_model(trainer, tokenizer)
-    if test and ctx.is_main:  # held-out accuracy of the saved model/, in the main process only
+    if test:  # held-out accuracy of the saved model/: every process loads it whole and scores a share of the pairs
         with unsharded_loading():
             judge = RewardModelJudge.load(ctx.name, str(ctx.dir / "model"), autocast=ctx.compute.autocast,
                                           load=lambda p, pad: ctx.load_scalar(p, pad, device=True, frozen=True))
-        held_out = pairwise_accuracy(judge, test)
+        held_out = pairwise_accuracy(judge, test, ctx.state.process_index, ctx.state.num_processes)
         metrics = {"eval/rewards/accuracy": held_out["accuracy"], "eval/rewards/margin": held_out["margin"],
                    "eval/rewards/chosen": held_out["chosen"], "eval/rewards/rejected": held_out["rejected"],
                    "eval/pairs": len(test)}
