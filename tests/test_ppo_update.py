@@ -99,6 +99,103 @@ def test_policy_and_value_gradients_are_clipped_separately_on_cpu():
     assert value_seen == pytest.approx(1.0, rel=1e-4)
 
 
+def test_gradient_norms_and_skipped_steps_are_averaged_over_optimiser_steps_not_mini_batches(monkeypatch):
+    """With gradient accumulation 2, 4 mini-batches make 2 optimiser steps: the logged gradient norms are the mean
+    of the 2 steps' norms, and when every step is skipped the fraction is 1 and the iteration stops (averaged over
+    the 4 mini-batches, as before, the fraction was 0.5 and the check never fired)."""
+    from accelerate import Accelerator
+
+    import importlib
+
+    from align.modeling.models import disable_dropout
+    from align.runtime.context import NonFiniteLossError
+    from align.stages.ppo.models import PolicyAndValue
+
+    update = importlib.import_module("align.stages.ppo.update")  # the package's `update` names a function
+
+    def run(skip: bool) -> tuple[dict[str, float], list[dict[str, float]]]:
+        print(f"seed {SEED}")
+        policy, value = _gpt2_pair(dropout=0.0)
+        disable_dropout(policy), disable_dropout(value)
+        model = PolicyAndValue(policy, value)
+        groups = {"policy": list(policy.parameters()), "value": list(value.parameters())}
+        seen: list[dict[str, float]] = []
+
+        def recording(*args, **kwargs):
+            norms = real(*args, **kwargs)
+            if norms:
+                seen.append(dict(norms))
+                if skip:
+                    norms["skipped"] = 1.0
+            return norms
+
+        monkeypatch.setattr(update, "backward_and_step", recording)
+        g = torch.Generator().manual_seed(SEED)
+        ids = torch.randint(1, 64, (8, 12), generator=g)
+        mask, rmask = torch.ones_like(ids), torch.ones(8, 6)
+        with torch.no_grad():
+            old_lp, _, old_v = model(ids, mask, 6, 1.0)
+        cfg = PPOStage(type="ppo", ppo_epochs=1, mini_batch_size=2, rollout_batch_size=8, gradient_accumulation_steps=2)
+        adv = torch.randn(8, 6, generator=g)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        out = update.ppo_update(cfg, Accelerator(cpu=True, gradient_accumulation_steps=2), model, opt, groups, ids,
+                                mask, rmask, 6, old_lp, old_v, adv, old_v + adv)
+        return out, seen
+
+    real = update.backward_and_step
+    out, seen = run(skip=False)
+    assert len(seen) == 2  # 4 mini-batches, accumulation 2
+    for group in ("policy", "value"):
+        assert out[f"{group}/grad_norm"] == pytest.approx(sum(n[group] for n in seen) / 2, rel=1e-6)
+    assert out["train/skipped_step_fraction"] == 0.0
+    with pytest.raises(NonFiniteLossError, match="100% of this iteration's optimiser steps"):
+        run(skip=True)
+
+
+def test_under_deepspeed_a_non_finite_step_is_skipped_and_never_applied_silently():
+    """PPO turns DeepSpeed's joint clipping off but keeps its non-finite check on whatever the config said; a step
+    DeepSpeed skipped is counted, and one it applied although the norms were not finite stops the stage."""
+    from types import SimpleNamespace
+
+    from align.runtime.context import NonFiniteLossError
+    from align.stages.ppo.optim import backward_and_step, disable_deepspeed_clipping
+
+    config = {"gradient_clipping": 1.0, "bf16": {"enabled": True, "check_grad_overflow": False},
+              "zero_optimization": {"stage": 2, "compute_grad_norm": False}}
+    accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=config)),
+                                  sync_gradients=True, device=torch.device("cpu"))
+    disable_deepspeed_clipping(accelerator)
+    assert config == {"gradient_clipping": 0.0, "bf16": {"enabled": True, "check_grad_overflow": True},
+                      "zero_optimization": {"stage": 2}}
+
+    class Engine:  # DeepSpeed's engine as PPO calls it
+        def __init__(self, applies: bool):
+            self.applies = applies
+
+        def set_gradient_accumulation_boundary(self, boundary):
+            pass
+
+        def backward(self, loss):
+            loss.backward()
+
+        def step(self):
+            pass
+
+        def was_step_applied(self):
+            return self.applies
+
+    for applies in (False, True):
+        weight = torch.nn.Parameter(torch.ones(3))
+        loss = (weight * torch.tensor([1.0, float("nan"), 1.0])).sum()
+        groups = {"policy": [weight], "value": []}
+        if not applies:
+            norms = backward_and_step(accelerator, Engine(applies), None, loss, groups, max_norm=1.0)
+            assert norms["skipped"] == 1.0 and math.isnan(norms["policy"])
+        else:
+            with pytest.raises(NonFiniteLossError, match="the weights are no longer finite"):
+                backward_and_step(accelerator, Engine(applies), None, loss, groups, max_norm=1.0)
+
+
 @pytest.mark.distributed
 def test_clipping_under_deepspeed_zero2_and_zero3_matches_cpu_without_gathering_a_gradient(tmp_path):
     """The same probe (seeded models and loss, SGD lr 1) on one CPU process and under 2-process ZeRO-2 and ZeRO-3: the
@@ -170,6 +267,15 @@ def test_ppo_with_a_judge_reward_validates_and_value_init_reward_needs_a_reward_
     validate(parse_pipeline(raw, "default.yaml"), REPO / "pipelines" / "default.yaml", verbose=False)
     raw["stages"]["ppo"]["value_init"] = "reward"
     with pytest.raises(PipelineError, match="value_init: 'reward' starts the value model from the reward model"):
+        validate(parse_pipeline(raw, "default.yaml"), REPO / "pipelines" / "default.yaml", verbose=False)
+
+
+def test_ppo_in_float16_is_refused_by_validate():
+    """PPO's per-model clipping and non-finite-step skip read unscaled gradients; float16's loss scale would leave
+    them scaled: refused before anything starts, naming the setting and the fix."""
+    raw = _default_raw()
+    raw["precision"] = "float16"
+    with pytest.raises(PipelineError, match=r"stages.ppo: precision: float16 .*use precision: bfloat16 .* or float32"):
         validate(parse_pipeline(raw, "default.yaml"), REPO / "pipelines" / "default.yaml", verbose=False)
 
 

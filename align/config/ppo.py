@@ -180,6 +180,11 @@ class PPOStage(StageBase):
 
     def check(self, ctx: CheckContext) -> None:
         ctx.check_judge("reward", self.reward)
+        if ctx.pipeline.precision == "float16":  # align/stages/ppo/optim.py works on unscaled gradients
+            raise ValueError("precision: float16 (the pipeline's): PPO clips the policy's and the value model's "
+                             "gradients separately and skips non-finite steps, on gradients float16 would leave "
+                             "multiplied by its loss scale (each overflow counted as a failed step); use precision: "
+                             "bfloat16 (GPUs from Ampere on) or float32")
         problem = lora_sync_problem(self.generation, self.lora)
         if problem:
             raise ValueError(problem)

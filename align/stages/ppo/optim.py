@@ -6,8 +6,9 @@ matters). DeepSpeed can clip only the joint norm, so under DeepSpeed its own cli
 (`gradient_clipping: 0` in the stage's DeepSpeed config) and align clips between DeepSpeed's backward and step, on
 the gradient partitions each process already holds (ZeRO-1/2: the fragment its optimiser owns; ZeRO-3: its
 partition): each process sums its partitions' squares per group, one all-reduce of that short vector gives every
-group's norm (one host sync per step), and each process scales its own partitions. No parameter's gradient is
-gathered (`safe_get_full_grad` all-reduced a zero-padded full gradient per parameter: 582 collectives per step for
+group's norm (one host sync per step under ZeRO-1/2; under ZeRO-3 DeepSpeed's local-gradient accessor also waits on
+its reduce stream per parameter, and copies where the partition is bf16 or offloaded: a local cost, no collective),
+and each process scales its own partitions. No parameter's gradient is gathered (`safe_get_full_grad` all-reduced a zero-padded full gradient per parameter: 582 collectives per step for
 an 8B policy and value). A non-finite gradient norm skips the step on every backend: DeepSpeed detects it in its
 own step (its overflow check clears the gradients and applies nothing) and `was_step_applied` says so.
 """
@@ -99,6 +100,12 @@ def backward_and_step(accelerator, model, optimizer, loss: torch.Tensor,
         model.step()  # DeepSpeed's step also zeroes the gradients, and applies nothing on a non-finite norm
         if not model.was_step_applied():
             norms["skipped"] = 1.0
+        elif not all(math.isfinite(n) for n in norms.values()):  # its overflow check was off (disable_deepspeed_clipping)
+            from align.runtime.context import NonFiniteLossError
+
+            raise NonFiniteLossError(f"PPO: DeepSpeed applied an optimiser step whose gradient norms are {norms}; the "
+                                     "weights are no longer finite: stopping (its bf16.check_grad_overflow or "
+                                     "zero_optimization.compute_grad_norm was off)")
         return norms
     accelerator.backward(loss)
     if not accelerator.sync_gradients:
@@ -113,6 +120,13 @@ def backward_and_step(accelerator, model, optimizer, loss: torch.Tensor,
 
 
 def disable_deepspeed_clipping(accelerator) -> None:
-    """Before `prepare`: DeepSpeed clips the joint norm; align clips per model instead (see module doc)."""
+    """Before `prepare`: DeepSpeed clips the joint norm; align clips per model instead (see module doc). DeepSpeed's
+    own non-finite check stays on whatever the config says (bf16.check_grad_overflow, zero_optimization's
+    compute_grad_norm): the skip relies on it."""
     if _is_deepspeed(accelerator):
-        accelerator.state.deepspeed_plugin.deepspeed_config["gradient_clipping"] = 0.0
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        config["gradient_clipping"] = 0.0
+        if isinstance(config.get("bf16"), dict):
+            config["bf16"]["check_grad_overflow"] = True
+        if isinstance(config.get("zero_optimization"), dict):
+            config["zero_optimization"].pop("compute_grad_norm", None)  # DeepSpeed's default: on

@@ -40,8 +40,9 @@ def ppo_update(cfg: PPOStage, accelerator, model, optimizer, groups, ids, mask, 
 def _ppo_epochs(cfg: PPOStage, accelerator, model, optimizer, groups, ids, mask, rmask, lq, old_logprobs,
                 old_values, advantages, returns) -> dict[str, float]:
     b = ids.size(0)
-    sums: dict[str, float] = {}
-    count = 0
+    sums: dict[str, float] = {}  # per mini-batch
+    step_sums: dict[str, float] = {}  # per optimiser step (accumulation boundary): gradient norms, skips
+    count = steps = 0
     stop = False
     first_ratio = None
     for _ in range(cfg.ppo_epochs):
@@ -66,22 +67,27 @@ def _ppo_epochs(cfg: PPOStage, accelerator, model, optimizer, groups, ids, mask,
                 if first_ratio is None:
                     first_ratio = masked_mean(torch.exp(logprobs - old_logprobs[mb]), rmask[mb]).item()
                 norms = backward_and_step(accelerator, model, optimizer, loss, groups, cfg.max_grad_norm)
-            skipped = norms.pop("skipped", 0.0)
-            step = {"train/skipped_step_fraction": skipped, "train/loss": loss.item(), "policy/loss": pg_loss.item(), "value/loss": vf_loss.item(),
-                    "policy/entropy": ent.item(), **{k: v.item() for k, v in {**pm, **vm}.items()},
-                    **{f"{k}/grad_norm": v for k, v in norms.items()}}
+            step = {"train/loss": loss.item(), "policy/loss": pg_loss.item(), "value/loss": vf_loss.item(),
+                    "policy/entropy": ent.item(), **{k: v.item() for k, v in {**pm, **vm}.items()}}
             if count == 0:
                 step_first = {"policy/approx_kl_first": pm["policy/approx_kl"].item()}
             for k, v in step.items():
                 sums[k] = sums.get(k, 0.0) + v
             count += 1
+            if norms:  # an optimiser step ({} between accumulation boundaries)
+                stepped = {"train/skipped_step_fraction": norms.pop("skipped", 0.0),
+                           **{f"{k}/grad_norm": v for k, v in norms.items()}}
+                for k, v in stepped.items():
+                    step_sums[k] = step_sums.get(k, 0.0) + v
+                steps += 1
             epoch_kl, epoch_n = epoch_kl + pm["policy/approx_kl"].item(), epoch_n + 1
         # early stopping looks at this epoch alone (its mean over mini-batches, averaged over processes)
         approx_kl = accelerator.reduce(torch.tensor(epoch_kl / epoch_n, device=ids.device), "mean")
         if cfg.max_approx_kl is not None and approx_kl.item() > cfg.max_approx_kl:
             stop = True
             break
-    out = {k: accelerator.reduce(torch.tensor(v / count, device=ids.device), "mean").item() for k, v in sums.items()}
+    out = {k: accelerator.reduce(torch.tensor(v / n, device=ids.device), "mean").item()
+           for part, n in ((sums, count), (step_sums, steps)) for k, v in part.items()}
     out["policy/early_stopped"] = float(stop)
     if out["train/skipped_step_fraction"] > 0.5:
         raise NonFiniteLossError(f"PPO: {out['train/skipped_step_fraction']:.0%} of this iteration's optimiser steps had "
