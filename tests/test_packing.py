@@ -172,6 +172,39 @@ def test_query_rows_that_attend_to_nothing_give_nan_gradients_padded_and_none_pa
         assert (g - ref).norm() <= 1e-5 * ref.norm() + 1e-8, (name, (g - ref).norm(), ref.norm())
 
 
+@pytest.mark.parametrize("device, padding_free, family, leaves", [
+    ("cuda", False, "llama", True), ("cuda", True, "opt", True),  # padded: off, or a family that cannot pack
+    ("cuda", True, "llama", False), ("cpu", False, "llama", False)])  # packed; a CPU's SDPA has no such backward
+def test_ppo_leaves_sdpa_for_eager_only_where_its_gpu_forwards_run_padded(models, device, padding_free, family,
+                                                                          leaves):
+    """Where PPO's forwards would run padded under SDPA on a GPU (the fault above, which packing removes), the policy
+    and the value model switch to eager attention, whose padded gradients are finite and equal to SDPA's packed
+    ones (eager's additive mask never leaves a row with nothing to attend to)."""
+    from align.modeling.packing import attention_kernel, padded_forwards
+    from align.modeling.models import load_causal_lm, load_scalar_model, load_tokenizer
+    from align.stages.ppo.models import PolicyAndValue, leave_sdpa_if_padded
+
+    torch.manual_seed(SEED)
+    print("seed", SEED)
+    base, tok_dir = models[family]
+    tok = load_tokenizer(str(tok_dir))
+    policy, value = load_causal_lm(str(base), attn_implementation="sdpa"), load_scalar_model(str(base),
+                                                                                              tok.pad_token_id)
+    value.set_attn_implementation("sdpa")
+    r = _rollout(tok, TEXTS, RESPONSES)
+    reference = _loss_and_grads(policy, value, r)
+    why = leave_sdpa_if_padded(PolicyAndValue(policy, value), device, padding_free)
+    assert bool(why) == leaves and (attention_kernel(policy), attention_kernel(value)) == (
+        ("eager", "eager") if leaves else ("sdpa", "sdpa"))
+    if leaves:
+        with padded_forwards():
+            loss, _, _, grads = _loss_and_grads(policy, value, r)
+        assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())
+        for name, g in grads.items():
+            ref = reference[3][name]
+            assert (g - ref).norm() <= 1e-5 * ref.norm() + 1e-8, (name, (g - ref).norm(), ref.norm())
+
+
 def test_flash_attention_packs_one_row_and_dense_kernels_rows_of_the_padded_width():
     """Flash-attention's varlen path reads sequence boundaries from one row's positions: several rows would each be
     read as one causal sequence. SDPA and eager get rows of the padded width (no more attention per row than a

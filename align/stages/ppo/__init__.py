@@ -39,7 +39,7 @@ from align.stages.ppo.checkpoint import resume, restore_history, save_checkpoint
 from align.stages.ppo.optim import disable_deepspeed_clipping
 from align.stages.ppo.update import ppo_update
 from align.stages.ppo.metrics import iteration_metrics, summarise
-from align.stages.ppo.models import load_frozen, load_trained
+from align.stages.ppo.models import leave_sdpa_if_padded, load_frozen, load_trained
 from align.judges.pointwise import RewardModelJudge, WeightedJudge, build_judge
 from align.stages.ppo.state import (AdaptiveKLController, FixedKLController, PIKLController, PromptStream,
                                     RewardScale, RunningMoments)
@@ -168,6 +168,10 @@ def setup(ctx: StageContext) -> PPORun:
         ctx.extra_manifest["deepspeed_buffers"] = buffers
     reference, reward_fns = load_frozen(ctx, cfg, accelerator, accelerator.unwrap_model(model), pad_id, reward_stages)
     policy = accelerator.unwrap_model(model).policy
+    if why := leave_sdpa_if_padded(accelerator.unwrap_model(model), ctx.compute.device.type, cfg.padding_free):
+        ctx.note(attention_left_sdpa=why)
+        if ctx.is_main:
+            print(f"[align] {ctx.name}: {why}", flush=True)
     # as resolved on this machine: the attention kernel the policy runs (attn_implementation auto: transformers' pick)
     ctx.note(kernels={"fused_head": fused_head(cfg, policy, reference), "attention": attention_kernel(policy),
                       "autocast": ctx.compute.mixed_precision})

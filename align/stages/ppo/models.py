@@ -167,3 +167,27 @@ def load_frozen(ctx: StageContext, cfg: PPOStage, accelerator, trained: PolicyAn
     return reference, reward_fns
 
 
+
+
+def padded_attention_problem(device_type: str, kernel: str, packs: bool) -> str | None:
+    """Why PPO's trained models must leave SDPA for eager attention (None: they need not). On a GPU, a padded batch's
+    left padding makes SDPA query rows that attend to nothing, whose backward under CUDA's kernels is NaN (PPO's H100
+    run in bf16; reproduced on CPU with a stand-in kernel in tests/test_packing.py). Padding-free forwards have no
+    such rows, so only a stage that runs padded (`padding_free: false`, or a family that cannot pack) leaves SDPA."""
+    if device_type != "cuda" or kernel != "sdpa" or packs:
+        return None
+    return ("its forwards run padded (padding_free is off, or the family cannot pack), and SDPA's CUDA kernels give "
+            "NaN gradients for left padding's query rows: eager attention instead")
+
+
+def leave_sdpa_if_padded(pv: PolicyAndValue, device_type: str, padding_free: bool) -> str | None:
+    """Switch the policy and the value model to eager attention where `padded_attention_problem` says so; returns
+    the reason (None: left as they are)."""
+    from align.modeling.packing import attention_kernel, base_and_backbone, packing_works
+
+    why = padded_attention_problem(device_type, attention_kernel(pv.policy), padding_free and packing_works(pv.policy))
+    if why:
+        for m in (pv.policy, pv.value):
+            if m is not None:
+                base_and_backbone(m)[0].set_attn_implementation("eager")  # peft's wrapper: the model within
+    return why
