@@ -350,20 +350,33 @@ def test_each_process_vllm_engine_is_pinned_to_its_own_gpu(monkeypatch, tmp_path
 @pytest.mark.parametrize("overrides, message", [
     (["ppo.generation.lora_sync=adapter"], "(generation.engine: vllm); generation.engine is 'hf'"),
     (["ppo.generation.lora_sync=adapter", "ppo.generation.engine=vllm"], "needs lora.enabled: true"),
-    (["ppo.generation.lora_sync=adapter", "ppo.generation.engine=vllm", "ppo.lora.enabled=true",
-      "ppo.lora.quantize=4bit"], "lora.quantize: 4bit: the engine's base is full precision"),
     (["ppo.generation.lora_sync=adapter", "ppo.generation.engine=vllm", "ppo.lora.enabled=true", "ppo.lora.r=1024"],
      "vLLM serves LoRA ranks up to 512, lora.r is 1024"),
 ])
 def test_an_adapter_sync_that_cannot_work_is_refused_by_validate(workdir, overrides, message):
-    """generation.lora_sync: adapter where there is no vLLM engine, no adapter, a 4-bit base or a rank vLLM does not
-    serve: refused before anything starts, naming the fields and the fix (lora_sync: merged)."""
+    """generation.lora_sync: adapter where there is no vLLM engine, no adapter or a rank vLLM does not serve: refused
+    before anything starts, naming the fields and the fix (lora_sync: merged)."""
     from conftest import run_align
 
     p = run_align("validate", "pipelines/default.yaml", *overrides, cwd=workdir, env={"ALIGN_VLLM_PYTHON": sys.executable})
     assert p.returncode != 0
     out = p.stdout + p.stderr
     assert message in out and "lora_sync: merged" in out and "Traceback" not in out, out[-2000:]
+
+
+@pytest.mark.parametrize("sync", ["merged", "adapter"])
+def test_a_4bit_base_with_an_engine_of_its_own_is_refused_by_validate(workdir, sync):
+    """QLoRA (lora.quantize: 4bit) with the vLLM engine: its full-precision copy cannot be synced from a 4-bit base
+    (merged would add the delta to packed uint8 weights), whichever lora_sync: refused, naming both fixes."""
+    from conftest import run_align
+
+    p = run_align("validate", "pipelines/default.yaml", "ppo.generation.engine=vllm", "ppo.lora.enabled=true",
+                  "ppo.lora.quantize=4bit", f"ppo.generation.lora_sync={sync}", cwd=workdir,
+                  env={"ALIGN_VLLM_PYTHON": sys.executable})
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "Traceback" not in out, out[-2000:]
+    assert "lora.quantize: 4bit with generation.engine: 'vllm'" in out, out[-2000:]
+    assert "use generation.engine: hf, or lora.quantize: none" in out, out[-2000:]
 
 
 @pytest.mark.parametrize("override", ["ppo.generation.tensor_parallel_size=2", "ppo.generation.placement=separate"])

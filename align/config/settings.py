@@ -339,7 +339,13 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def lora_sync_problem(gen: Generation, lora: LoraSettings) -> str | None:
-    """Why `generation.lora_sync: adapter` cannot serve this stage (None when it can, or is not asked for)."""
+    """Why the engine's weight sync cannot serve this stage's LoRA policy (None when it can): a 4-bit base with an
+    engine that keeps its own copy, or `generation.lora_sync: adapter` where it cannot work."""
+    if lora.enabled and lora.quantize != "none" and kind(gen.engine).own_copy:
+        return (f"lora.quantize: {lora.quantize} with generation.engine: {gen.engine!r}: the engine keeps its own "
+                "full-precision copy of the policy, which a 4-bit base cannot be synced into (lora_sync: merged would "
+                "add the adapters' delta to packed 4-bit weights; adapter, the adapters would act on other weights "
+                "than the trainer's); use generation.engine: hf, or lora.quantize: none")
     if gen.lora_sync != "adapter":
         return None
     if not kind(gen.engine).adapters:
@@ -349,9 +355,6 @@ def lora_sync_problem(gen: Generation, lora: LoraSettings) -> str | None:
     if not lora.enabled:
         return ("generation.lora_sync: adapter needs lora.enabled: true (there are no adapters to send); use "
                 "lora_sync: merged")
-    if lora.quantize != "none":
-        return ("generation.lora_sync: adapter with lora.quantize: 4bit: the engine's base is full precision, the "
-                "trainer's 4-bit, so the adapters would act on other weights; use lora_sync: merged")
     if lora.r > VLLM_LORA_RANKS[-1]:
         return (f"generation.lora_sync: adapter: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}, lora.r is "
                 f"{lora.r}; use lora_sync: merged")

@@ -121,7 +121,8 @@ class EngineRollouts:
                 self.ctx.note_engine(self.engine, synced=True)
             self.synced_step = trainer.state.global_step
         self.rounds += 1
-        r = self.engine.generate_ids(q_ids, q_mask, self.cfg.generation, seed=self.ctx.seed * 7919 + self.rounds)
+        seed = (self.ctx.seed * 7919 + self.rounds) * 1009 + self.ctx.state.process_index  # a group split over
+        r = self.engine.generate_ids(q_ids, q_mask, self.cfg.generation, seed=seed)  # processes: distinct samples
         rest(self.engine)  # generation.sleep: the engine frees its memory before any model computes, while it trains
         n = min(CHECKED_ROWS, q_ids.size(0))  # the same count on every process: a forward under ZeRO-3 is collective
         head = type(r)(r.query_ids[:n], r.query_mask[:n], r.response_ids[:n], r.response_mask[:n], r.eos_found[:n],
@@ -184,8 +185,12 @@ def open_engine(ctx: StageContext, cfg: OnlineRLStage, tokenizer, path: str) -> 
                          dtype=ctx.compute.engine_dtype(), max_model_len=cfg.max_length + 1,
                          log_path=ctx.dir / f"engine.rank{rank}.log", rank=rank, device=ctx.state.device,
                          lora_rank=cfg.lora.r if cfg.lora.enabled else None)
-    ctx.note_engine(engine)
-    return EngineRollouts(ctx, cfg, engine, tokenizer)
+    try:
+        ctx.note_engine(engine)
+        return EngineRollouts(ctx, cfg, engine, tokenizer)
+    except BaseException:  # not yet in run()'s try: closed here
+        engine.close()
+        raise
 
 
 def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> dict[str, Any]:
