@@ -172,6 +172,32 @@ def test_grpo_losses_still_exist_upstream():
     assert all(f"'{loss}'" in help_text for loss in GRPO_LOSSES)
 
 
+def test_grpo_on_an_engine_turns_on_trls_importance_sampling_correction_and_trl_still_reads_it():
+    """GRPO through rollout_func: TRL weighs the loss by the trainer-over-engine importance ratio only under its
+    `use_vllm` flag; align sets it (and a no-op for TRL's sync) where the correction is on, nothing where it is off.
+    TRL 1.16's scoring reads exactly those names: if an upgrade renames them, this fails rather than the correction
+    silently stopping."""
+    import inspect
+    from types import SimpleNamespace
+
+    from trl import GRPOTrainer
+
+    from align.stages.online_rl import correct_for_the_engine
+
+    args = SimpleNamespace(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="sequence_mask",
+                           vllm_importance_sampling_clip_min=None, vllm_importance_sampling_clip_max=3.0)
+    trainer = SimpleNamespace(args=args, use_vllm=False)
+    assert correct_for_the_engine(trainer) == "sequence_mask (ratio bounds None, 3.0)"
+    assert trainer.use_vllm and trainer._last_loaded_step == -1 and trainer.vllm_generation.sync_weights() is None
+    off = SimpleNamespace(args=SimpleNamespace(vllm_importance_sampling_correction=False), use_vllm=False)
+    assert correct_for_the_engine(off) is None and off.use_vllm is False
+    scoring = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert "self.use_vllm and self.vllm_importance_sampling_correction" in scoring
+    generate = inspect.getsource(GRPOTrainer._generate)  # where rollout_func is called
+    assert "self.vllm_generation.sync_weights()" in generate and "self._last_loaded_step" in generate
+    assert "self.use_vllm and self.vllm_importance_sampling_correction" in inspect.getsource(GRPOTrainer._compute_loss)
+
+
 def _default_with(stage: dict, **evaluate) -> tuple:
     from align.config import parse_pipeline
 

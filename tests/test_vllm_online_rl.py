@@ -45,4 +45,14 @@ def test_grpo_and_rloo_sample_through_the_vllm_engine(tmp_path):
         print(stage, "log-prob gap per logged step:", gaps)
         assert len(gaps) == 3 and max(gaps) < 1e-3, gaps
         assert m["final_metrics"]["perf/sync_seconds"] > 0
+        ratios = [r["sampling/importance_sampling_ratio/mean"] for r in rows if "sampling/importance_sampling_ratio/mean"
+                  in r]
+        if stage == "grpo":  # TRL's correction for the engine's numerics, on (RLOO recomputes its old log-probs)
+            assert m["engine_importance_sampling"].startswith("sequence_mask"), m.get("engine_importance_sampling")
+            diffs = [r["sampling/sampling_logp_difference/max"] for r in rows if "sampling/sampling_logp_difference/max"
+                     in r]
+            print("importance ratios", ratios, "largest log-prob differences", diffs)
+            assert len(ratios) == 3 and all(abs(x - 1) < 1e-2 for x in ratios) and max(diffs) < 1e-3
+        else:
+            assert not ratios and "engine_importance_sampling" not in m
         assert not Path(m["engine"]["sync_path"]).exists()  # the bucket went with the engine

@@ -173,6 +173,28 @@ def trainer_with_engine(trainer_cls, rollouts: EngineRollouts | None) -> tuple[t
     return EngineSampled, {}
 
 
+class _AlignSyncs:
+    """Stands for TRL's vLLM client where TRL would sync it before a rollout_func round: align's EngineRollouts
+    syncs its engine itself, once per optimiser step."""
+
+    def sync_weights(self) -> None:
+        pass
+
+
+def correct_for_the_engine(trainer) -> str | None:
+    """GRPO sampling through rollout_func: TRL corrects for an engine that samples with other numerics than the
+    trainer (bf16 kernels, prefix caching) only where it drives vLLM itself (`use_vllm`): it then recomputes the
+    trainer's log-probs of every round and weighs the loss by its importance-sampling ratio over the engine's
+    (`vllm_importance_sampling_*` of GRPOConfig, grpo_trainer.py `_generate_and_score_completions`). Turned on for
+    align's engine too, TRL's own sync a no-op. Returns the mode (None: off, or a trainer without that machinery)."""
+    args = trainer.args
+    if not getattr(args, "vllm_importance_sampling_correction", False) or not hasattr(trainer, "use_vllm"):
+        return None
+    trainer.use_vllm, trainer.vllm_generation, trainer._last_loaded_step = True, _AlignSyncs(), -1
+    return f"{args.vllm_importance_sampling_mode} (ratio bounds {args.vllm_importance_sampling_clip_min}, " \
+           f"{args.vllm_importance_sampling_clip_max})"
+
+
 def open_engine(ctx: StageContext, cfg: OnlineRLStage, tokenizer, path: str) -> EngineRollouts | None:
     """This process's engine when `generation.engine` names one with its own copy of the policy (else None: TRL
     samples with its own generate), started from the policy's directory."""
@@ -221,6 +243,8 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
                       train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
                       callbacks=[metrics_callback(ctx, online_rl_metric_name)],
                       peft_config=peft_config(cfg.lora, "CAUSAL_LM"), **sampling)
+        if "rollout_func" in sampling and (mode := correct_for_the_engine(trainer)):
+            ctx.note(engine_importance_sampling=mode)
         if cfg.padding_free and getattr(trainer, "ref_model", None) is not None:  # TRL's own copy of the start
             install_padding_free(trainer.ref_model)  # (TRL builds it inside the trainer, after the policy)
         final = train_with_resume(ctx, trainer)
