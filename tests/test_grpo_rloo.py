@@ -186,11 +186,16 @@ def test_grpo_on_an_engine_turns_on_trls_importance_sampling_correction_and_trl_
 
     args = SimpleNamespace(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="sequence_mask",
                            vllm_importance_sampling_clip_min=None, vllm_importance_sampling_clip_max=3.0)
+    whole = SimpleNamespace(top_k=None, top_p=1.0)
     trainer = SimpleNamespace(args=args, use_vllm=False)
-    assert correct_for_the_engine(trainer) == "sequence_mask (ratio bounds None, 3.0)"
+    assert correct_for_the_engine(trainer, whole) == "sequence_mask (ratio bounds None, 3.0)"
     assert trainer.use_vllm and trainer._last_loaded_step == -1 and trainer.vllm_generation.sync_weights() is None
     off = SimpleNamespace(args=SimpleNamespace(vllm_importance_sampling_correction=False), use_vllm=False)
-    assert correct_for_the_engine(off) is None and off.use_vllm is False
+    assert correct_for_the_engine(off, whole) is None and off.use_vllm is False
+    for truncated in (SimpleNamespace(top_k=50, top_p=1.0), SimpleNamespace(top_k=None, top_p=0.9)):
+        # the engine's log-probs are of the truncated distribution: its ratios would all be below 1
+        trainer = SimpleNamespace(args=args, use_vllm=False)
+        assert correct_for_the_engine(trainer, truncated).startswith("off: top_k") and trainer.use_vllm is False
     scoring = inspect.getsource(GRPOTrainer._generate_and_score_completions)
     assert "self.use_vllm and self.vllm_importance_sampling_correction" in scoring
     generate = inspect.getsource(GRPOTrainer._generate)  # where rollout_func is called

@@ -178,8 +178,9 @@ def test_query_rows_that_attend_to_nothing_give_nan_gradients_padded_and_none_pa
 def test_ppo_leaves_sdpa_for_eager_only_where_its_gpu_forwards_run_padded(models, device, padding_free, family,
                                                                           leaves):
     """Where PPO's forwards would run padded under SDPA on a GPU (the fault above, which packing removes), the policy
-    and the value model switch to eager attention, whose padded gradients are finite and equal to SDPA's packed
-    ones (eager's additive mask never leaves a row with nothing to attend to)."""
+    and the value model switch to eager attention (the device is named, not present: the decision is what is
+    tested), whose padded gradients equal SDPA's (packed; OPT, which cannot pack: padded). On a CPU SDPA's own
+    backward is finite, so the fault itself is the stand-in test's above."""
     from align.modeling.packing import attention_kernel, padded_forwards
     from align.modeling.models import load_causal_lm, load_scalar_model, load_tokenizer
     from align.stages.ppo.models import PolicyAndValue, leave_sdpa_if_padded

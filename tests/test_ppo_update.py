@@ -167,6 +167,10 @@ def test_under_deepspeed_a_non_finite_step_is_skipped_and_never_applied_silently
     disable_deepspeed_clipping(accelerator)
     assert config == {"gradient_clipping": 0.0, "bf16": {"enabled": True, "check_grad_overflow": True},
                       "zero_optimization": {"stage": 2}}
+    legacy = {"bfloat16": {"enabled": True, "check_grad_overflow": False}}  # DeepSpeed's older name for the section
+    disable_deepspeed_clipping(SimpleNamespace(state=SimpleNamespace(
+        deepspeed_plugin=SimpleNamespace(deepspeed_config=legacy))))
+    assert legacy["bfloat16"]["check_grad_overflow"] is True
 
     class Engine:  # DeepSpeed's engine as PPO calls it
         def __init__(self, applies: bool):

@@ -63,14 +63,16 @@ class InvalidVerdicts(ValueError):
     """A pairwise judge answered something other than A, B or tie too often for its verdicts to be used."""
 
 
-def check_invalid(results: list[dict[str, Any]], settings: PairwiseJudge, stage: str, what: str) -> None:
+def check_invalid(results: list[dict[str, Any]], settings: PairwiseJudge, stage: str, what: str,
+                  show: bool = True) -> None:
     """The one failure rule of both callers (preferences labelling pairs, evaluate comparing policies): invalid
-    outcomes above the judge's `max_invalid_fraction` end the stage, the first five answers in the log. `what`
-    names the pairs in the message ("prompts", "pairs of ppo vs sft")."""
+    outcomes above the judge's `max_invalid_fraction` end the stage, the first five answers in the log (`show`: the
+    main process says them; every process raises). `what` names the pairs in the message ("prompts", "pairs of ppo
+    vs sft")."""
     invalid = [r for r in results if r["outcome"] == "invalid"]
     if not results or len(invalid) / len(results) <= settings.max_invalid_fraction:
         return
-    for r in invalid[:5]:
+    for r in invalid[:5] if show else ():
         print(f"[align] {stage}: {settings.name}: invalid answers (first as A, as B): {r['answers']!r}", flush=True)
     raise InvalidVerdicts(
         f"stage '{stage}': pairwise judge '{settings.name}' gave invalid answers (not exactly A, B or tie) for "

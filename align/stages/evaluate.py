@@ -211,8 +211,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
                          fast=ctx.compute.fast_generation(cfg.generation.fast), seed=ctx.seed,
                          dtype=ctx.compute.engine_dtype(), max_model_len=max_model_len, log_path=ctx.dir / "engine.log",
                          device=ctx.compute.device)
-    ctx.note_engine(engine)
     with closing(engine):
+        ctx.note_engine(engine)
         samples, seconds, generated, gaps = sample_policies(ctx, cfg, engine, reference, tokenizer, prompts, judges)
     judged: dict[str, Any] = {}
     verdicts = judge_pairwise(ctx, cfg, prompts, samples, judged)  # every process judges a share
@@ -271,7 +271,7 @@ def judge_pairwise(ctx: StageContext, cfg: EvaluateStage, prompts: list[str], sa
                                        ctx.seed, gold)
             metrics.update({f"eval/{name}/{settings.name}/{k}": v for k, v in summary.items()})
             out[settings.name][name] = results
-            check_invalid(results, settings, ctx.name, f"pairs of {name} vs {cfg.baseline}")
+            check_invalid(results, settings, ctx.name, f"pairs of {name} vs {cfg.baseline}", show=ctx.is_main)
         asked = [judge.backend.requests]
         metrics[f"eval/{settings.name}/requests"] = sum(gather_object(asked) if world > 1 else asked)
         del judge

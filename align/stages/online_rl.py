@@ -121,8 +121,10 @@ class EngineRollouts:
                 self.ctx.note_engine(self.engine, synced=True)
             self.synced_step = trainer.state.global_step
         self.rounds += 1
-        seed = (self.ctx.seed * 7919 + self.rounds) * 1009 + self.ctx.state.process_index  # a group split over
-        r = self.engine.generate_ids(q_ids, q_mask, self.cfg.generation, seed=seed)  # processes: distinct samples
+        # distinct per process, for an engine that takes a seed per call (a prompt's group may be split over processes;
+        # vLLM's CPU sampler takes none: each process's engine was started with a seed of its own)
+        seed = (self.ctx.seed * 7919 + self.rounds) * 1009 + self.ctx.state.process_index
+        r = self.engine.generate_ids(q_ids, q_mask, self.cfg.generation, seed=seed)
         rest(self.engine)  # generation.sleep: the engine frees its memory before any model computes, while it trains
         n = min(CHECKED_ROWS, q_ids.size(0))  # the same count on every process: a forward under ZeRO-3 is collective
         head = type(r)(r.query_ids[:n], r.query_mask[:n], r.response_ids[:n], r.response_mask[:n], r.eos_found[:n],
@@ -181,15 +183,21 @@ class _AlignSyncs:
         pass
 
 
-def correct_for_the_engine(trainer) -> str | None:
+def correct_for_the_engine(trainer, gen) -> str | None:
     """GRPO sampling through rollout_func: TRL corrects for an engine that samples with other numerics than the
     trainer (bf16 kernels, prefix caching) only where it drives vLLM itself (`use_vllm`): it then recomputes the
     trainer's log-probs of every round and weighs the loss by its importance-sampling ratio over the engine's
     (`vllm_importance_sampling_*` of GRPOConfig, grpo_trainer.py `_generate_and_score_completions`). Turned on for
-    align's engine too, TRL's own sync a no-op. Returns the mode (None: off, or a trainer without that machinery)."""
+    align's engine too, TRL's own sync a no-op. Not under `top_k`/`top_p` (`gen`): the engine's log-probs are then
+    those of the truncated distribution it sampled, the trainer's of the whole one, so every ratio would be below 1
+    and a sequence's product of them would all but erase its policy loss. Returns the mode, or why it is off (None:
+    a trainer without that machinery)."""
     args = trainer.args
     if not getattr(args, "vllm_importance_sampling_correction", False) or not hasattr(trainer, "use_vllm"):
         return None
+    if gen.top_k or gen.top_p < 1.0:
+        return (f"off: top_k {gen.top_k} / top_p {gen.top_p} truncate what the engine samples, so its log-probs are "
+                "not comparable with the trainer's")
     trainer.use_vllm, trainer.vllm_generation, trainer._last_loaded_step = True, _AlignSyncs(), -1
     return f"{args.vllm_importance_sampling_mode} (ratio bounds {args.vllm_importance_sampling_clip_min}, " \
            f"{args.vllm_importance_sampling_clip_max})"
@@ -243,7 +251,7 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
                       train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
                       callbacks=[metrics_callback(ctx, online_rl_metric_name)],
                       peft_config=peft_config(cfg.lora, "CAUSAL_LM"), **sampling)
-        if "rollout_func" in sampling and (mode := correct_for_the_engine(trainer)):
+        if "rollout_func" in sampling and (mode := correct_for_the_engine(trainer, gen)):
             ctx.note(engine_importance_sampling=mode)
         if cfg.padding_free and getattr(trainer, "ref_model", None) is not None:  # TRL's own copy of the start
             install_padding_free(trainer.ref_model)  # (TRL builds it inside the trainer, after the policy)

@@ -92,7 +92,6 @@ def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts:
                          dtype=ctx.compute.engine_dtype(),
                          max_model_len=longest_prompt(tokenizer, prompts) + gen.max_new_tokens + 1,
                          log_path=ctx.dir / f"engine.rank{rank}.log", device=ctx.compute.device)
-    ctx.note_engine(engine)
     # Prompts of similar length share a batch (less padding); each process takes every world-th batch (long and
     # short alike: contiguous shares gave the longest prompts to one process, the others waiting for it at the
     # gather); pairs are put back in prompt order by the caller.
@@ -100,6 +99,7 @@ def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts:
     mine = [ordered[s:s + per_batch] for s in range(0, len(ordered), per_batch)][rank::ctx.state.num_processes]
     records, counts, t0 = [], {"generated_tokens": 0}, time.perf_counter()
     with closing(engine):
+        ctx.note_engine(engine)
         for k, batch in enumerate(mine):
             ctx.progress(k, len(mine))
             flat = [p for _, p in batch for _ in range(n)]
@@ -156,7 +156,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         from align.judges.pairwise import check_invalid
 
         check_invalid([{"outcome": r["outcome"], "answers": r["verdicts"]} for r in records], cfg.pairwise, ctx.name,
-                      "prompts")
+                      "prompts", show=ctx.is_main)
     seconds = time.perf_counter() - t0
     generated = sum(gather_object([mine_generated]))
     splits, pairs, ties = split_pairs(ctx, cfg, records)

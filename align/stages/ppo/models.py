@@ -190,4 +190,9 @@ def leave_sdpa_if_padded(pv: PolicyAndValue, device_type: str, padding_free: boo
         for m in (pv.policy, pv.value):
             if m is not None:
                 base_and_backbone(m)[0].set_attn_implementation("eager")  # peft's wrapper: the model within
+                if attention_kernel(m) != "eager":  # transformers only warns for a family it cannot switch
+                    from align.runtime.context import StageError
+
+                    raise StageError(f"PPO: {why}, but {type(base_and_backbone(m)[0]).__name__} cannot switch its "
+                                     "attention: set padding_free: true, or attn_implementation: eager")
     return why

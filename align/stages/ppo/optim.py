@@ -126,7 +126,8 @@ def disable_deepspeed_clipping(accelerator) -> None:
     if _is_deepspeed(accelerator):
         config = accelerator.state.deepspeed_plugin.deepspeed_config
         config["gradient_clipping"] = 0.0
-        if isinstance(config.get("bf16"), dict):
-            config["bf16"]["check_grad_overflow"] = True
+        for key in ("bf16", "bfloat16"):  # DeepSpeed reads either (its legacy name)
+            if isinstance(config.get(key), dict):
+                config[key]["check_grad_overflow"] = True
         if isinstance(config.get("zero_optimization"), dict):
             config["zero_optimization"].pop("compute_grad_norm", None)  # DeepSpeed's default: on
