@@ -132,3 +132,35 @@ def test_a_slurm_worker_node_waits_for_node_zeros_install(tmp_path):
     assert out.returncode == 0, out.stderr
     assert f"[launch] {venv} is set up" in out.stdout and time.time() - t0 >= 3
     assert "installing" not in out.stdout + out.stderr
+
+
+def test_a_worker_waits_past_an_earlier_attempts_failure_and_stops_at_this_ones(tmp_path):
+    """A rerun after node 0's stage failed (or was preempted): the worker finds that attempt's manifest (same
+    fingerprint, failed) before node 0 has started the stage again; it waits instead of giving up at once, and
+    stops on the failure node 0 records in this run."""
+    import threading
+
+    from align.core.errors import PipelineError
+    from align.core.rundir import write_manifest
+    from align.orchestrator.multinode import wait_for_stage
+
+    earlier = {"fingerprint": "f1", "status": "interrupted", "attempts": 1, "error": "SIGTERM",
+               "ended_at": "2026-11-28T10:00:00+0000"}
+    write_manifest(tmp_path, earlier)
+    with pytest.raises(PipelineError, match="did not record it as completed within 2s"):
+        wait_for_stage(tmp_path, "f1", "sft", timeout=2.0)  # the earlier attempt's record: not this run's
+
+    def node0():  # starts the stage again, which fails
+        time.sleep(1.5)
+        write_manifest(tmp_path, {**earlier, "status": "running", "attempts": 2})
+        time.sleep(1.5)
+        write_manifest(tmp_path, {**earlier, "status": "failed", "attempts": 2, "error": "CUDA out of memory",
+                                  "ended_at": "2026-11-28T11:00:00+0000"})
+
+    thread = threading.Thread(target=node0)
+    thread.start()
+    try:
+        with pytest.raises(PipelineError, match="stage 'sft' failed on node 0: CUDA out of memory"):
+            wait_for_stage(tmp_path, "f1", "sft", timeout=30.0)
+    finally:
+        thread.join()

@@ -199,3 +199,20 @@ def headline(manifest: Manifest | None, keys: tuple[str, ...]) -> str:
     final = (manifest or {}).get("final_metrics") or {}
     return ", ".join(f"{k} {final[k]:.4g}" if isinstance(final[k], float) else f"{k} {final[k]}"
                      for k in keys if final.get(k) is not None)
+
+
+def checkpoint_complete(ckpt: Path, world_size: int) -> bool:
+    """Whether a Trainer checkpoint was written whole. transformers' main process writes trainer_state.json last of
+    its files, but every other process writes its RNG state (rng_state_<rank>.pth; rng_state.pth for one process) at
+    its own pace, with no barrier before: complete when trainer_state.json parses and every process's RNG state is a
+    whole torch.save archive (a zip, whose central directory comes last)."""
+    import zipfile
+
+    try:
+        json.loads((ckpt / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if not any(ckpt.glob("rng_state*.pth")):  # save_only_model: none were written
+        return True
+    names = ["rng_state.pth"] if world_size == 1 else [f"rng_state_{r}.pth" for r in range(world_size)]
+    return all(zipfile.is_zipfile(ckpt / n) for n in names)

@@ -39,12 +39,19 @@ def wait_for_master(multi: MultiNode, stage: str) -> None:
         "port is open between the nodes; --rdzv-timeout sets the wait.")
 
 
+_WRITTEN = ("attempts", "status", "ended_at", "error")  # what node 0 rewrites at each attempt's start and end
+
+
 def wait_for_stage(stage_dir: Path, fingerprint: str, name: str, timeout: float | None) -> None:
-    """Worker nodes: wait until node 0 has recorded the stage as completed (or failed)."""
+    """Worker nodes: wait until node 0 has recorded the stage as completed (or failed). A failed or interrupted
+    manifest counts only once node 0 wrote it in this run: one already there when the wait began (an earlier
+    attempt's, with the same fingerprint) is what node 0 is about to retry (its attempt count changes first)."""
     t0 = time.time()
+    before = read_manifest(stage_dir) or {}
     while not is_complete(stage_dir, fingerprint):
         m = read_manifest(stage_dir) or {}
-        if m.get("fingerprint") == fingerprint and m.get("status") in ("failed", "interrupted"):
+        if m.get("fingerprint") == fingerprint and m.get("status") in ("failed", "interrupted") and [
+                m.get(k) for k in _WRITTEN] != [before.get(k) for k in _WRITTEN]:
             raise PipelineError(f"stage '{name}' {m['status']} on node 0: {m.get('error', 'see its log')}")
         if timeout is not None and time.time() - t0 > timeout:
             raise PipelineError(f"stage '{name}': node 0 did not record it as completed within {timeout:.0f}s "

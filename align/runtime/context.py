@@ -27,7 +27,7 @@ from align.config import PipelineConfig, StageBase, from_dict, stage_from_dict
 from align.core.console import emit_progress
 from align.core.fsutil import (atomic_write_text, disk_full, output_digest, publish_dir, staging_dir, staging_path,
                           tree_bytes)
-from align.core.rundir import Manifest, StageSpec, read_manifest, write_manifest
+from align.core.rundir import Manifest, StageSpec, checkpoint_complete, read_manifest, write_manifest
 from align.templates import ChatTemplate
 from align.core.tracking import Tracker, sweep_config
 
@@ -174,7 +174,8 @@ class StageContext:
             if self.checkpoints.exists() and (not stamp.is_file() or stamp.read_text() != self.fingerprint):
                 shutil.rmtree(self.checkpoints)
             self.checkpoints.mkdir(parents=True, exist_ok=True)
-            stamp.write_text(self.fingerprint)
+            if not stamp.is_file():  # written once, whole (a stamp torn by a kill would cost every checkpoint)
+                atomic_write_text(stamp, self.fingerprint)
             atomic_write_text(self.checkpoints / LAYOUT, json.dumps(self.layout()))
         self.state.wait_for_everyone()
 
@@ -185,8 +186,9 @@ class StageContext:
 
     def check_checkpoint_layout(self) -> None:
         """Before anything loads: checkpoints of this fingerprint written under another number of processes or
-        another ZeRO stage cannot be resumed (DeepSpeed partitions optimiser states per rank); refuse with the fix
-        instead of failing inside DeepSpeed after the models are loaded."""
+        another ZeRO stage cannot be resumed (DeepSpeed partitions optimiser states per rank; without ZeRO the global
+        batch, the data position and each rank's RNG state depend on the number of processes); refuse with the fix
+        instead of failing inside DeepSpeed, or silently training on another trajectory."""
         stamp = self.checkpoints / LAYOUT
         if not stamp.is_file() or (self.checkpoints / "FINGERPRINT").read_text() != self.fingerprint or not any(
                 self.checkpoints.glob("checkpoint-*")) and not any(self.checkpoints.glob("iter-*")):
@@ -196,32 +198,34 @@ class StageContext:
         except ValueError:
             return
         now = self.layout()
-        if old == now or not (old.get("zero_stage") or now["zero_stage"]):
+        if old == now:
             return
         raise StageError(
             f"stage '{self.name}': its checkpoints in {self.checkpoints} were written by {old.get('world_size')} "
             f"process(es) under ZeRO-{old.get('zero_stage') or 0}, and this run has {now['world_size']} under "
-            f"ZeRO-{now['zero_stage'] or 0}: DeepSpeed's per-rank states do not load under another layout. Rerun "
+            f"ZeRO-{now['zero_stage'] or 0}: per-rank states (DeepSpeed's, the RNG's, the data position) do not "
+            "resume under another layout. Rerun "
             f"with the same layout (stages.{self.name}.num_processes={old.get('world_size')}, or --num-processes / "
             f"the number of GPUs and nodes it had), or delete {self.checkpoints} to start the stage over")
 
     def last_checkpoint(self) -> str | None:
-        """The newest complete Trainer checkpoint of this fingerprint; stale or partial ones are removed.
+        """The newest complete Trainer checkpoint of this fingerprint (`rundir.checkpoint_complete`); one killed
+        mid-write is deleted rather than resumed from. The main process chooses and tells the others (on a shared
+        filesystem another node's listing may lag a deletion or a new checkpoint)."""
+        from accelerate.utils import broadcast_object_list  # heavy: stage processes only
 
-        transformers writes trainer_state.json last, so a checkpoint whose trainer_state.json parses is
-        complete; one killed mid-write is deleted rather than resumed from.
-        """
         self.prepare_checkpoints()
+        chosen: list[str | None] = [None]
         if self.is_main:
             for ckpt in self.checkpoints.glob("checkpoint-*"):
-                try:
-                    json.loads((ckpt / "trainer_state.json").read_text())
-                except (OSError, json.JSONDecodeError):
+                if not checkpoint_complete(ckpt, self.state.num_processes):
                     log.warning("removing incomplete checkpoint %s", ckpt)
                     shutil.rmtree(ckpt)
-        self.state.wait_for_everyone()
-        ckpts = sorted(self.checkpoints.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
-        return str(ckpts[-1]) if ckpts else None
+            ckpts = sorted(self.checkpoints.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
+            chosen = [str(ckpts[-1]) if ckpts else None]
+        if self.state.num_processes > 1:
+            broadcast_object_list(chosen, from_process=0)
+        return chosen[0]
 
     # ------------------------------------------------------------------ outputs
     def publish(self, name: str, write) -> None:

@@ -1,0 +1,86 @@
+"""Which checkpoints a stage resumes from (align/runtime/context.py, align/core/rundir.py): a Trainer checkpoint is
+complete only with every process's RNG state whole; a checkpoint of another process layout is refused, ZeRO or not;
+the fingerprint stamp is written once, whole."""
+
+from __future__ import annotations
+
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+SEED = 1128
+
+
+def _checkpoint(root, world: int, rng: bool = True):
+    ckpt = root / "checkpoint-4"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 4}))
+    if rng:
+        for name in (["rng_state.pth"] if world == 1 else [f"rng_state_{r}.pth" for r in range(world)]):
+            torch.save({"python": random.getstate(), "cpu": torch.get_rng_state()}, ckpt / name)
+    return ckpt
+
+
+def test_a_checkpoint_is_complete_only_with_every_process_rng_state_whole(tmp_path):
+    from align.core.rundir import checkpoint_complete
+
+    random.seed(SEED)
+    print(f"seed {SEED}")
+    assert checkpoint_complete(_checkpoint(tmp_path / "one", 1), 1)
+    assert checkpoint_complete(_checkpoint(tmp_path / "two", 2), 2)
+    assert checkpoint_complete(_checkpoint(tmp_path / "model-only", 2, rng=False), 2)  # save_only_model
+    missing = _checkpoint(tmp_path / "missing", 2)
+    (missing / "rng_state_1.pth").unlink()  # rank 1 killed before it wrote its state
+    assert not checkpoint_complete(missing, 2)
+    torn = _checkpoint(tmp_path / "torn", 2)
+    data = (torn / "rng_state_1.pth").read_bytes()
+    (torn / "rng_state_1.pth").write_bytes(data[:len(data) // 2])  # killed mid-write
+    assert not checkpoint_complete(torn, 2)
+    state = _checkpoint(tmp_path / "state", 1)
+    (state / "trainer_state.json").write_text('{"global_step": ')
+    assert not checkpoint_complete(state, 1)
+
+
+def _stub(tmp_path, old: dict, now: dict):
+    from align.runtime.context import LAYOUT
+
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "checkpoint-2").mkdir(parents=True)
+    (checkpoints / "FINGERPRINT").write_text("abc")
+    (checkpoints / LAYOUT).write_text(json.dumps(old))
+    return SimpleNamespace(checkpoints=checkpoints, fingerprint="abc", name="sft", layout=lambda: now)
+
+
+@pytest.mark.parametrize("old, now, refused", [
+    ({"world_size": 2, "zero_stage": None}, {"world_size": 4, "zero_stage": None}, True),  # plain DDP, 2 -> 4 GPUs
+    ({"world_size": 2, "zero_stage": 2}, {"world_size": 1, "zero_stage": 2}, True),
+    ({"world_size": 2, "zero_stage": None}, {"world_size": 2, "zero_stage": None}, False)])
+def test_checkpoints_of_another_process_layout_are_refused_with_or_without_zero(tmp_path, old, now, refused):
+    from align.runtime.context import StageContext, StageError
+
+    stub = _stub(tmp_path, old, now)
+    if refused:
+        with pytest.raises(StageError, match=f"written by {old['world_size']} process"):
+            StageContext.check_checkpoint_layout(stub)
+    else:
+        StageContext.check_checkpoint_layout(stub)
+
+
+def test_the_fingerprint_stamp_is_kept_when_it_matches_and_checkpoints_of_another_are_removed(tmp_path):
+    from align.runtime.context import StageContext
+
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "checkpoint-2").mkdir(parents=True)
+    stamp = checkpoints / "FINGERPRINT"
+    stamp.write_text("abc")
+    before = stamp.stat().st_mtime_ns, stamp.stat().st_ino
+    stub = SimpleNamespace(checkpoints=checkpoints, fingerprint="abc", is_main=True, layout=lambda: {"world_size": 1},
+                           state=SimpleNamespace(wait_for_everyone=lambda: None))
+    StageContext.prepare_checkpoints(stub)
+    assert (stamp.stat().st_mtime_ns, stamp.stat().st_ino) == before and (checkpoints / "checkpoint-2").is_dir()
+    stub.fingerprint = "new"
+    StageContext.prepare_checkpoints(stub)
+    assert stamp.read_text() == "new" and not (checkpoints / "checkpoint-2").exists()
