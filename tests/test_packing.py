@@ -348,3 +348,83 @@ def test_a_stage_that_turns_padding_free_off_computes_the_padded_batch(models):
     finally:
         set_padding_free(True)
     assert packs(policy, mask)
+
+
+def test_an_engine_wrapped_model_packs_as_its_kernel_asks(models, tmp_path):
+    """TRL wraps GRPO's and RLOO's reference in a DeepSpeed engine (DDP here: the same `.module` wrapping), whose
+    `config` is not the model's: the kernel, and so a flash kernel's one-row packs, must be read through it."""
+    import torch.distributed as dist
+
+    from align.modeling.models import load_causal_lm
+    from align.modeling.packing import attention_kernel, pack_capacity
+
+    base, _ = models["llama"]
+    model = load_causal_lm(str(base))
+    model.config._attn_implementation = "flash_attention_2"  # read, not run: flash needs a GPU
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+        assert attention_kernel(wrapped) == "flash_attention_2"
+        assert pack_capacity(wrapped, mask) == 5  # one row of every real token
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
+def test_router_logits_a_cache_or_padding_free_off_keep_the_padded_forward(monkeypatch):
+    """A mixture of experts asked for its router logits (TRL's auxiliary loss) gets them in the padded layout, as
+    without packing; a call with a cache, or a stage with padding_free: false (the stage's switch), is not packed."""
+    from types import SimpleNamespace
+
+    from transformers import DynamicCache, MixtralConfig, MixtralForCausalLM
+
+    from align.modeling.packing import backbone_counts, install_padding_free, packs, set_padding_free
+    from align.runtime.trl import padding_free
+
+    torch.manual_seed(SEED)
+    print("seed", SEED)
+    cfg = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=32, pad_token_id=0)
+    padded, packed = MixtralForCausalLM(cfg).eval(), MixtralForCausalLM(cfg).eval()
+    packed.load_state_dict(padded.state_dict())
+    assert install_padding_free(packed)
+    ids = torch.randint(1, 64, (3, 8))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # a left-padded row
+    mask[2, 6:] = 0  # a right-padded one
+    with torch.no_grad():
+        want = padded(input_ids=ids, attention_mask=mask, output_router_logits=True)
+        got = packed(input_ids=ids, attention_mask=mask, output_router_logits=True)
+        assert backbone_counts(packed)[1] == 0  # not packed
+        for a, b in zip(got.router_logits, want.router_logits):
+            assert a.shape == b.shape == (3 * 8, 4) and torch.allclose(a, b, atol=1e-6)
+        packed.model(input_ids=ids, attention_mask=mask, cache=DynamicCache(config=cfg))
+        assert backbone_counts(packed)[1] == 0
+        packed(input_ids=ids, attention_mask=mask)  # nothing asked beyond the hidden state: packed
+        assert backbone_counts(packed)[1] > 0
+    try:
+        padding_free(SimpleNamespace(cfg=SimpleNamespace(padding_free=False), extra_manifest={}), packed)
+        assert not packs(packed, mask)  # align's own forwards (GRPO's check, reward judges) follow the setting
+    finally:
+        set_padding_free(True)
+
+
+def test_a_composite_model_is_not_probed_at_full_size():
+    """Gemma 3's checkpoints load as a composite model (a vision tower beside the text model): the probe's shrink
+    reaches only top-level fields, so it would build the model at full size; it stays padded instead."""
+    from transformers import Gemma3Config
+
+    from align.modeling.packing import _probe_packing
+
+    built: list[int] = []
+
+    class Recorder:  # what the probe would build, and how many text layers it would have
+        def __init__(self, config):
+            built.append(config.get_text_config().num_hidden_layers)
+            raise RuntimeError("not built here")
+
+    assert _probe_packing(Recorder, Gemma3Config(), "sdpa") is False and built == []

@@ -205,6 +205,8 @@ def packing_works(model) -> bool:
 def _probe_packing(cls, config, attn: str) -> bool:
     import copy
 
+    if config.get_text_config() is not config:  # composite (a vision tower beside the text model, e.g. Gemma 3): a
+        return False  # copy would be full-size (the shrink below reaches only top-level fields): padded, as before
     small = copy.deepcopy(config)  # one layer, a 64-token vocabulary, a narrow MLP: what masks is left as it is
     small.num_hidden_layers = 1
     if getattr(small, "layer_types", None):
@@ -259,8 +261,11 @@ def pack_capacity(model, mask: torch.Tensor) -> int | None:
 
 
 def unwrapped_model(model):
-    """The transformers model behind PPO's FrozenView (peft_model) and peft's wrapper (get_output_embeddings and
-    config pass through peft's)."""
+    """The transformers model behind a DeepSpeed engine or DDP (TRL wraps GRPO's and RLOO's reference in a
+    DeepSpeed engine of its own, whose `config` is DeepSpeed's), PPO's FrozenView (peft_model) and peft's wrapper
+    (get_output_embeddings and config pass through peft's)."""
+    while type(model).__name__ in ("DeepSpeedEngine", "DistributedDataParallel") and hasattr(model, "module"):
+        model = model.module
     return getattr(model, "peft_model", model)
 
 
@@ -285,7 +290,8 @@ def install_padding_free(model) -> bool:
     """Make every forward of `model`'s backbone over a padded batch run padding-free, whoever calls it (TRL's DPO,
     KTO and reward trainers, their fused LM head included): the backbone's `forward` is wrapped on the instance, so
     DDP, DeepSpeed (ZeRO-3's hooks sit on the layers), peft and checkpoints see the same module. A call with an
-    attention mask that has padding, no cache and nothing asked beyond the last hidden state is packed
+    attention mask that has padding, no cache and nothing asked beyond the last hidden state (a mixture of experts'
+    router logits for its auxiliary loss included: they would come back packed) is packed
     (align/modeling/packing.py), run with restarting positions and no mask, and its last hidden state unpacked to the
     padded layout (0 at padding), which the caller's head reads as before: a classifier's last-non-pad pooling, a
     fused LM head's label mask. Anything else (generation with a cache, hidden states asked for) takes the original
@@ -300,8 +306,9 @@ def install_padding_free(model) -> bool:
     def forward(input_ids=None, attention_mask=None, position_ids=None, **kwargs):
         plain = (input_ids is None or attention_mask is None or attention_mask.dim() != 2
                  or not _PADDING_FREE[0] or bool((attention_mask != 0).all())
-                 or kwargs.get("past_key_values") is not None or kwargs.get("use_cache")
-                 or kwargs.get("output_hidden_states") or kwargs.get("output_attentions")
+                 or kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
+                 or kwargs.get("use_cache") or kwargs.get("output_hidden_states") or kwargs.get("output_attentions")
+                 or kwargs.get("output_router_logits", getattr(base.config, "output_router_logits", False))
                  or kwargs.get("inputs_embeds") is not None or kwargs.get("return_dict") is False)
         if not plain and position_ids is not None:  # the caller's positions must be the ones packing restarts
             plain = not torch.equal(position_ids.expand_as(attention_mask)[attention_mask.bool()],

@@ -226,9 +226,10 @@ def train_with_resume(ctx: StageContext, trainer) -> dict[str, Any]:
 def padding_free(ctx: StageContext, model, reference=None) -> None:
     """The stage's `padding_free` setting applied to `model` and to a frozen `reference` copy when there is one
     (install_padding_free), and what came of it for `model` in the manifest."""
-    from align.modeling.packing import install_padding_free
+    from align.modeling.packing import install_padding_free, set_padding_free
 
-    if not ctx.cfg.padding_free:  # type: ignore[attr-defined]
+    set_padding_free(ctx.cfg.padding_free)  # type: ignore[attr-defined]  # align's own forwards too (GRPO's check,
+    if not ctx.cfg.padding_free:  # type: ignore[attr-defined]  # reward judges, held-out scoring)
         ctx.extra_manifest["padding_free"] = "off (padding_free: false)"
         return
     if install_padding_free(model):
