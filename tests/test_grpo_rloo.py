@@ -214,6 +214,24 @@ def _default_with(stage: dict, **evaluate) -> tuple:
 
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_validate_refuses_checkpoints_inside_a_generation_round(kind):
+    """TRL counts generation rounds from 0 when it resumes: a checkpoint inside a round (steps_per_generation x
+    num_iterations micro-steps spanning several optimiser steps) would regenerate and retrain that round's prompts.
+    Refused with the multiple that works; on the shipped defaults every checkpoint falls between rounds."""
+    from align.core.errors import PipelineError
+    from align.orchestrator.validate import validate
+
+    round_of = {"type": kind, "steps_per_generation": 4, "num_iterations": 2, "gradient_accumulation_steps": 2,
+                "per_device_batch_size": 8, "num_generations": 4, "logging_steps": 1}
+    cfg, source = _default_with({**round_of, "save_steps": 6})  # 12 micro-steps, rounds of 8
+    with pytest.raises(PipelineError, match=r"stages\.online: save_steps \(6\) would put checkpoints inside a "
+                                            r"generation round .* set save_steps to a multiple of 4"):
+        validate(cfg, source, verbose=False)
+    cfg, source = _default_with({**round_of, "save_steps": 8})  # 16 micro-steps: two whole rounds
+    validate(cfg, source, verbose=False)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
 def test_validate_accepts_them_as_policies_and_checks_batches_and_lengths(kind):
     from align.core.errors import PipelineError
     from align.orchestrator.validate import validate

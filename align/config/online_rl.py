@@ -7,6 +7,7 @@ prompt from the policy, score them with a judge (a reward stage, Python judges, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -76,6 +77,13 @@ class OnlineRLStage(TrainedStage):
         if self.generation.max_new_tokens >= self.max_length:
             raise ValueError(f"generation.max_new_tokens ({self.generation.max_new_tokens}) leaves no room for a "
                              f"prompt within max_length ({self.max_length}); raise max_length or lower max_new_tokens")
+        cycle = (self.steps_per_generation or self.gradient_accumulation_steps) * self.num_iterations
+        if (self.save_steps * self.gradient_accumulation_steps) % cycle:  # TRL counts rounds from 0 at a resume
+            unit = cycle // math.gcd(cycle, self.gradient_accumulation_steps)
+            raise ValueError(f"save_steps ({self.save_steps}) would put checkpoints inside a generation round "
+                             f"(steps_per_generation x num_iterations = {cycle} micro-steps, gradient_accumulation_"
+                             f"steps {self.gradient_accumulation_steps}): a resume from one regenerates and trains "
+                             f"that round's prompts again; set save_steps to a multiple of {unit}")
         if ctx.card_produces("prompts", self.split) == "messages":
             raise ValueError("prompts: the card produces 'messages'; use a card with prompts (prompt, "
                              "prompt_completion or preference form) or a data stage")
