@@ -169,18 +169,19 @@ _PADDING_FREE = [True]
 
 
 def set_padding_free(enabled: bool) -> None:
-    """Padding-free forwards on or off for this process (a stage's `padding_free` setting; PPO's)."""
+    """Padding-free forwards on or off for this process (a stage's `padding_free` setting: PPO's, and the TRL
+    stages' through runtime/trl.padding_free)."""
     _PADDING_FREE[0] = enabled
 
 
 @contextmanager
 def padded_forwards():
     """Within it, forwards take the padded path (the equality tests and the benchmark's side-by-side runs)."""
-    _PADDING_FREE[0] = False
+    before, _PADDING_FREE[0] = _PADDING_FREE[0], False
     try:
         yield
     finally:
-        _PADDING_FREE[0] = True
+        _PADDING_FREE[0] = before  # a stage's padding_free: false stays off
 
 
 def packing_works(model) -> bool:
