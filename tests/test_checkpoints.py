@@ -24,24 +24,56 @@ def _checkpoint(root, world: int, rng: bool = True):
     return ckpt
 
 
-def test_a_checkpoint_is_complete_only_with_every_process_rng_state_whole(tmp_path):
-    from align.core.rundir import checkpoint_complete
+def test_a_checkpoint_is_whole_only_with_every_process_rng_state_whole(tmp_path):
+    from align.core.rundir import torn_rng_states
 
     random.seed(SEED)
     print(f"seed {SEED}")
-    assert checkpoint_complete(_checkpoint(tmp_path / "one", 1), 1)
-    assert checkpoint_complete(_checkpoint(tmp_path / "two", 2), 2)
-    assert checkpoint_complete(_checkpoint(tmp_path / "model-only", 2, rng=False), 2)  # save_only_model
+    assert torn_rng_states(_checkpoint(tmp_path / "one", 1), 1) == []
+    assert torn_rng_states(_checkpoint(tmp_path / "two", 2), 2) == []
+    assert torn_rng_states(_checkpoint(tmp_path / "model-only", 2, rng=False), 2) == []  # save_only_model
     missing = _checkpoint(tmp_path / "missing", 2)
     (missing / "rng_state_1.pth").unlink()  # rank 1 killed before it wrote its state
-    assert not checkpoint_complete(missing, 2)
+    assert torn_rng_states(missing, 2) == [missing / "rng_state_1.pth"]
     torn = _checkpoint(tmp_path / "torn", 2)
     data = (torn / "rng_state_1.pth").read_bytes()
     (torn / "rng_state_1.pth").write_bytes(data[:len(data) // 2])  # killed mid-write
-    assert not checkpoint_complete(torn, 2)
+    assert torn_rng_states(torn, 2) == [torn / "rng_state_1.pth"]
     state = _checkpoint(tmp_path / "state", 1)
     (state / "trainer_state.json").write_text('{"global_step": ')
-    assert not checkpoint_complete(state, 1)
+    assert torn_rng_states(state, 1) is None
+
+
+def _series(root, steps_and_faults: list[tuple[int, str]], world: int = 2):
+    """checkpoint-<step> directories, each whole, with a torn rank-1 RNG state, or with a torn trainer state."""
+    for step, fault in steps_and_faults:
+        ckpt = _checkpoint(root / "tmp", world).rename(root / f"checkpoint-{step}")
+        if fault == "rng":
+            data = (ckpt / "rng_state_1.pth").read_bytes()
+            (ckpt / "rng_state_1.pth").write_bytes(data[:10])
+        elif fault == "state":
+            (ckpt / "trainer_state.json").write_text("{")
+
+
+def test_the_newest_whole_checkpoint_is_chosen_and_a_torn_newest_one_only_repaired_when_nothing_else_is_left(tmp_path):
+    import logging
+
+    from align.core.rundir import choose_checkpoint
+
+    random.seed(SEED)
+    log = logging.getLogger("test")
+    older = tmp_path / "older"
+    older.mkdir()
+    _series(older, [(2, ""), (4, "rng"), (6, "state")])  # killed while writing 6, and 4 never got rank 1's state
+    assert choose_checkpoint(older, 2, log) == older / "checkpoint-2"
+    assert sorted(p.name for p in older.glob("checkpoint-*")) == ["checkpoint-2"]
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    _series(alone, [(4, "rng")])  # save_total_limit 1: the whole one before it was rotated away
+    assert choose_checkpoint(alone, 2, log) == alone / "checkpoint-4"
+    assert not (alone / "checkpoint-4" / "rng_state_1.pth").exists()  # transformers resumes without it
+    assert (alone / "checkpoint-4" / "rng_state_0.pth").is_file()
+    assert choose_checkpoint(tmp_path / "none", 2, log) is None
 
 
 def _stub(tmp_path, old: dict, now: dict):

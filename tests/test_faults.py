@@ -215,6 +215,8 @@ def test_ctrl_c_records_the_stage_as_interrupted_and_a_killed_stage_says_why(tmp
     assert "SIGKILL: most often the kernel's out-of-memory killer" in err, err[-3000:]
     assert "resume: align run faults.yaml" in err
     assert "SIGKILL: most often the kernel's out-of-memory killer" in (run_dir / "sft" / "stage.log").read_text()
+    killed = json.loads((run_dir / "sft" / "manifest.json").read_text())  # not `running`: worker nodes read it
+    assert killed["status"] == "failed" and "exited with code" in killed["error"], killed.get("error")
 
 
 def test_sigterm_stops_a_stage_as_ctrl_c_does_and_the_next_run_resumes(tmp_path):

@@ -136,8 +136,9 @@ def test_a_slurm_worker_node_waits_for_node_zeros_install(tmp_path):
 
 def test_a_worker_waits_past_an_earlier_attempts_failure_and_stops_at_this_ones(tmp_path):
     """A rerun after node 0's stage failed (or was preempted): the worker finds that attempt's manifest (same
-    fingerprint, failed) before node 0 has started the stage again; it waits instead of giving up at once, and
-    stops on the failure node 0 records in this run."""
+    fingerprint, failed) before node 0 has started the stage again; it waits instead of giving up at once, stops on
+    the failure node 0 records in this run, and, left unchanged, stops on it after stale_after (never waits
+    forever)."""
     import threading
 
     from align.core.errors import PipelineError
@@ -147,8 +148,10 @@ def test_a_worker_waits_past_an_earlier_attempts_failure_and_stops_at_this_ones(
     earlier = {"fingerprint": "f1", "status": "interrupted", "attempts": 1, "error": "SIGTERM",
                "ended_at": "2026-11-28T10:00:00+0000"}
     write_manifest(tmp_path, earlier)
-    with pytest.raises(PipelineError, match="did not record it as completed within 2s"):
-        wait_for_stage(tmp_path, "f1", "sft", timeout=2.0)  # the earlier attempt's record: not this run's
+    t0 = time.time()
+    with pytest.raises(PipelineError, match="interrupted on node 0: SIGTERM"):  # left as it was: after stale_after
+        wait_for_stage(tmp_path, "f1", "sft", timeout=None, stale_after=2.0)
+    assert time.time() - t0 >= 2.0  # not at once: node 0 may be about to start it again
 
     def node0():  # starts the stage again, which fails
         time.sleep(1.5)
@@ -161,6 +164,6 @@ def test_a_worker_waits_past_an_earlier_attempts_failure_and_stops_at_this_ones(
     thread.start()
     try:
         with pytest.raises(PipelineError, match="stage 'sft' failed on node 0: CUDA out of memory"):
-            wait_for_stage(tmp_path, "f1", "sft", timeout=30.0)
+            wait_for_stage(tmp_path, "f1", "sft", timeout=None, stale_after=30.0)
     finally:
         thread.join()

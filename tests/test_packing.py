@@ -406,6 +406,11 @@ def test_router_logits_a_cache_or_padding_free_off_keep_the_padded_forward(monke
         assert backbone_counts(packed)[1] == 0
         packed(input_ids=ids, attention_mask=mask)  # nothing asked beyond the hidden state: packed
         assert backbone_counts(packed)[1] > 0
+    from align.modeling.packing import _asks_router_logits
+
+    asks = SimpleNamespace(config=SimpleNamespace(output_router_logits=True))  # the config asks; the call says None
+    assert _asks_router_logits({"output_router_logits": None}, asks) and _asks_router_logits({}, asks)
+    assert not _asks_router_logits({"output_router_logits": False}, asks)
     try:
         padding_free(SimpleNamespace(cfg=SimpleNamespace(padding_free=False), extra_manifest={}), packed)
         assert not packs(packed, mask)  # align's own forwards (GRPO's check, reward judges) follow the setting

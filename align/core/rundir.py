@@ -201,18 +201,49 @@ def headline(manifest: Manifest | None, keys: tuple[str, ...]) -> str:
                      for k in keys if final.get(k) is not None)
 
 
-def checkpoint_complete(ckpt: Path, world_size: int) -> bool:
-    """Whether a Trainer checkpoint was written whole. transformers' main process writes trainer_state.json last of
-    its files, but every other process writes its RNG state (rng_state_<rank>.pth; rng_state.pth for one process) at
-    its own pace, with no barrier before: complete when trainer_state.json parses and every process's RNG state is a
-    whole torch.save archive (a zip, whose central directory comes last)."""
+def torn_rng_states(ckpt: Path, world_size: int) -> list[Path] | None:
+    """A Trainer checkpoint's per-process RNG states that are missing or torn ([] when all are whole), or None when
+    the checkpoint itself is not (its trainer_state.json, which transformers' main process writes last of its files,
+    does not parse). The other processes write their RNG states (rng_state_<rank>.pth; rng_state.pth for one
+    process) at their own pace, with no barrier before: whole means a whole torch.save archive (a zip, whose
+    central directory comes last). A checkpoint without any (save_only_model) has none to miss."""
     import zipfile
 
     try:
         json.loads((ckpt / "trainer_state.json").read_text())
     except (OSError, ValueError):
-        return False
-    if not any(ckpt.glob("rng_state*.pth")):  # save_only_model: none were written
-        return True
+        return None
+    if not any(ckpt.glob("rng_state*.pth")):
+        return []
     names = ["rng_state.pth"] if world_size == 1 else [f"rng_state_{r}.pth" for r in range(world_size)]
-    return all(zipfile.is_zipfile(ckpt / n) for n in names)
+    return [ckpt / n for n in names if not zipfile.is_zipfile(ckpt / n)]
+
+
+def choose_checkpoint(checkpoints: Path, world_size: int, log) -> Path | None:
+    """The Trainer checkpoint to resume from (main process): the newest whole one; checkpoints whose trainer state
+    is torn, and newer ones with a missing or torn RNG state, are removed. Where no whole one is left (rotation with
+    save_total_limit 1 removes the last before the other processes finished writing), the newest with its torn RNG
+    states removed: it resumes, those processes' random streams not restored (transformers says so in its log)."""
+    import shutil
+
+    states: dict[Path, list[Path]] = {}
+    for ckpt in sorted(checkpoints.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1])):
+        torn = torn_rng_states(ckpt, world_size)
+        if torn is None:
+            log.warning("removing incomplete checkpoint %s", ckpt)
+            shutil.rmtree(ckpt)
+        else:
+            states[ckpt] = torn
+    whole = [c for c, torn in states.items() if not torn]
+    for ckpt in [c for c, torn in states.items() if torn]:
+        if whole and int(ckpt.name.split("-")[-1]) > int(whole[-1].name.split("-")[-1]):
+            log.warning("removing checkpoint %s: RNG states %s missing or torn", ckpt, [t.name for t in states[ckpt]])
+            shutil.rmtree(ckpt)
+    if whole or not states:
+        return whole[-1] if whole else None
+    newest = list(states)[-1]
+    for torn in states[newest]:
+        torn.unlink(missing_ok=True)
+    log.warning("resuming from %s without the RNG states %s (missing or torn; no older whole checkpoint)", newest,
+                [t.name for t in states[newest]])
+    return newest

@@ -18,6 +18,7 @@ sequence boundaries from the positions of a single row; several rows would be re
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -206,8 +207,12 @@ def packing_works(model) -> bool:
 def _probe_packing(cls, config, attn: str) -> bool:
     import copy
 
-    if config.get_text_config() is not config:  # composite (a vision tower beside the text model, e.g. Gemma 3): a
-        return False  # copy would be full-size (the shrink below reaches only top-level fields): padded, as before
+    try:
+        composite = config.get_text_config() is not config
+    except ValueError:  # several text configs
+        composite = True
+    if composite:  # a vision tower beside the text model (Gemma 3): a copy would be full-size (the shrink below
+        return False  # reaches only top-level fields): padded, as before
     small = copy.deepcopy(config)  # one layer, a 64-token vocabulary, a narrow MLP: what masks is left as it is
     small.num_hidden_layers = 1
     if getattr(small, "layer_types", None):
@@ -265,9 +270,21 @@ def unwrapped_model(model):
     """The transformers model behind a DeepSpeed engine or DDP (TRL wraps GRPO's and RLOO's reference in a
     DeepSpeed engine of its own, whose `config` is DeepSpeed's), PPO's FrozenView (peft_model) and peft's wrapper
     (get_output_embeddings and config pass through peft's)."""
-    while type(model).__name__ in ("DeepSpeedEngine", "DistributedDataParallel") and hasattr(model, "module"):
-        model = model.module
-    return getattr(model, "peft_model", model)
+    while True:
+        inner = getattr(model, "_orig_mod", None)  # torch.compile's wrapper
+        if inner is None and hasattr(model, "module") and _is_engine(model):
+            inner = model.module
+        if inner is None:
+            return getattr(model, "peft_model", model)
+        model = inner
+
+
+def _is_engine(model) -> bool:
+    """A DDP or DeepSpeed engine (any of DeepSpeed's engine classes) around a model."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return True
+    deepspeed = sys.modules.get("deepspeed")  # imported where it is used: never imported here
+    return deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine)
 
 
 def base_and_backbone(model):
@@ -309,7 +326,7 @@ def install_padding_free(model) -> bool:
                  or not _PADDING_FREE[0] or bool((attention_mask != 0).all())
                  or kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
                  or kwargs.get("use_cache") or kwargs.get("output_hidden_states") or kwargs.get("output_attentions")
-                 or kwargs.get("output_router_logits", getattr(base.config, "output_router_logits", False))
+                 or _asks_router_logits(kwargs, base)
                  or kwargs.get("inputs_embeds") is not None or kwargs.get("return_dict") is False)
         if not plain and position_ids is not None:  # the caller's positions must be the ones packing restarts
             plain = not torch.equal(position_ids.expand_as(attention_mask)[attention_mask.bool()],
@@ -330,6 +347,13 @@ def install_padding_free(model) -> bool:
     forward.counts = counts  # type: ignore[attr-defined]
     backbone.forward = forward
     return True
+
+
+def _asks_router_logits(kwargs: dict, base) -> bool:
+    """Whether a call wants a mixture of experts' router logits: its own argument, or (absent or None, as some
+    families pass it on unresolved) the model's config."""
+    asked = kwargs.get("output_router_logits")
+    return bool(asked if asked is not None else getattr(base.config, "output_router_logits", False))
 
 
 def backbone_counts(model) -> tuple[int, int, int] | None:

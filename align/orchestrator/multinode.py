@@ -42,17 +42,20 @@ def wait_for_master(multi: MultiNode, stage: str) -> None:
 _WRITTEN = ("attempts", "status", "ended_at", "error")  # what node 0 rewrites at each attempt's start and end
 
 
-def wait_for_stage(stage_dir: Path, fingerprint: str, name: str, timeout: float | None) -> None:
+def wait_for_stage(stage_dir: Path, fingerprint: str, name: str, timeout: float | None,
+                   stale_after: float | None = None) -> None:
     """Worker nodes: wait until node 0 has recorded the stage as completed (or failed). A failed or interrupted
-    manifest counts only once node 0 wrote it in this run: one already there when the wait began (an earlier
-    attempt's, with the same fingerprint) is what node 0 is about to retry (its attempt count changes first)."""
+    manifest already there when the wait began (same fingerprint) may be an earlier attempt's, which node 0 is about
+    to retry (its attempt count changes when it starts): it counts at once only when rewritten, else after
+    `stale_after` seconds unchanged (node 0 may have failed this run's attempt before this node looked)."""
     t0 = time.time()
     before = read_manifest(stage_dir) or {}
     while not is_complete(stage_dir, fingerprint):
         m = read_manifest(stage_dir) or {}
-        if m.get("fingerprint") == fingerprint and m.get("status") in ("failed", "interrupted") and [
-                m.get(k) for k in _WRITTEN] != [before.get(k) for k in _WRITTEN]:
-            raise PipelineError(f"stage '{name}' {m['status']} on node 0: {m.get('error', 'see its log')}")
+        if m.get("fingerprint") == fingerprint and m.get("status") in ("failed", "interrupted"):
+            unchanged = [m.get(k) for k in _WRITTEN] == [before.get(k) for k in _WRITTEN]
+            if not unchanged or (stale_after is not None and time.time() - t0 > stale_after):
+                raise PipelineError(f"stage '{name}' {m['status']} on node 0: {m.get('error', 'see its log')}")
         if timeout is not None and time.time() - t0 > timeout:
             raise PipelineError(f"stage '{name}': node 0 did not record it as completed within {timeout:.0f}s "
                                 f"({stage_dir / MANIFEST})")
@@ -65,7 +68,7 @@ def follow_stage(plan: StagePlan, stage_dir: Path, header: str, source: str | Pa
     wrote), or wait while node 0 runs a one-process stage. Writes nothing under the run directory."""
     if not is_distributed(plan.cfg):
         print(f"{header}: runs on node 0 only ({plan.cfg.accelerate}); waiting for it", flush=True)
-        wait_for_stage(stage_dir, plan.fingerprint, plan.name, None)
+        wait_for_stage(stage_dir, plan.fingerprint, plan.name, None, stale_after=multi.rdzv_timeout)
         return
     wait_for_master(multi, plan.name)
     spec_path = stage_dir / SPEC
@@ -82,4 +85,4 @@ def follow_stage(plan: StagePlan, stage_dir: Path, header: str, source: str | Pa
     rc = stream_stage(lambda: warm.start_stage(cmd, stage_env(), warm_start=False), log, plan.name)
     if rc != 0:
         raise PipelineError(f"stage '{plan.name}' failed on node {multi.node_rank} (exit code {rc}); log: {log}")
-    wait_for_stage(stage_dir, plan.fingerprint, plan.name, multi.rdzv_timeout)
+    wait_for_stage(stage_dir, plan.fingerprint, plan.name, multi.rdzv_timeout, stale_after=multi.rdzv_timeout)

@@ -199,6 +199,8 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
                               f"its last checkpoint, if it saved one)\n  log: {stage_dir / 'stage.log'}",
                               isinstance(exc, Terminated)) from None
         if rc != 0 or not is_complete(stage_dir, plan.fingerprint):
+            if rc != 0:  # killed before it could say so (SIGKILL, the OOM killer): not `running` for worker nodes
+                _mark_interrupted(stage_dir, f"the stage process exited with code {rc}", status="failed")
             statuses[plan.name] = "failed"
             _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)
             raise _stage_failed(plan, stage_dir, rc, peak_before, source, multi)
@@ -307,11 +309,11 @@ class Interrupted(PipelineError):
         self.terminated = terminated
 
 
-def _mark_interrupted(stage_dir: Path, cause: str = INTERRUPTED) -> None:
-    """A stage killed before it could record the interrupt itself still says so (not `running`)."""
+def _mark_interrupted(stage_dir: Path, cause: str = INTERRUPTED, status: str = "interrupted") -> None:
+    """A stage killed before it could record the interrupt (or its failure) itself still says so (not `running`)."""
     m = read_manifest(stage_dir)
     if m and m.get("status") == "running":
-        m.update(status="interrupted", error=cause, ended_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        m.update(status=status, error=cause, ended_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         write_manifest(stage_dir, m)
 
 

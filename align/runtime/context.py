@@ -27,7 +27,7 @@ from align.config import PipelineConfig, StageBase, from_dict, stage_from_dict
 from align.core.console import emit_progress
 from align.core.fsutil import (atomic_write_text, disk_full, output_digest, publish_dir, staging_dir, staging_path,
                           tree_bytes)
-from align.core.rundir import Manifest, StageSpec, checkpoint_complete, read_manifest, write_manifest
+from align.core.rundir import Manifest, StageSpec, choose_checkpoint, read_manifest, write_manifest
 from align.templates import ChatTemplate
 from align.core.tracking import Tracker, sweep_config
 
@@ -209,20 +209,16 @@ class StageContext:
             f"the number of GPUs and nodes it had), or delete {self.checkpoints} to start the stage over")
 
     def last_checkpoint(self) -> str | None:
-        """The newest complete Trainer checkpoint of this fingerprint (`rundir.checkpoint_complete`); one killed
-        mid-write is deleted rather than resumed from. The main process chooses and tells the others (on a shared
-        filesystem another node's listing may lag a deletion or a new checkpoint)."""
+        """The Trainer checkpoint of this fingerprint to resume from (`rundir.choose_checkpoint`: the newest whole
+        one; one killed mid-write is removed rather than resumed from). The main process chooses and tells the others
+        (on a shared filesystem another node's listing may lag a deletion or a new checkpoint)."""
         from accelerate.utils import broadcast_object_list  # heavy: stage processes only
 
         self.prepare_checkpoints()
         chosen: list[str | None] = [None]
         if self.is_main:
-            for ckpt in self.checkpoints.glob("checkpoint-*"):
-                if not checkpoint_complete(ckpt, self.state.num_processes):
-                    log.warning("removing incomplete checkpoint %s", ckpt)
-                    shutil.rmtree(ckpt)
-            ckpts = sorted(self.checkpoints.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
-            chosen = [str(ckpts[-1]) if ckpts else None]
+            ckpt = choose_checkpoint(self.checkpoints, self.state.num_processes, log)
+            chosen = [str(ckpt) if ckpt else None]
         if self.state.num_processes > 1:
             broadcast_object_list(chosen, from_process=0)
         return chosen[0]
