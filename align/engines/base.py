@@ -60,6 +60,15 @@ def free_cached_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def all_gather_objects(obj, group=None) -> list:
+    """Every process's `obj`, in rank order (a collective: torch.distributed's all_gather_object over `group`)."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def logprob_gap(engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """Mean and max |engine - trainer| log-prob over the response tokens (mask 1): how far the engine's sampling
     distribution is from the one the trainer optimises (a drift here biases every importance ratio)."""

@@ -29,7 +29,7 @@ import time
 from typing import Callable
 
 from align.engines import EngineError
-from align.engines.base import free_cached_memory
+from align.engines.base import all_gather_objects as _all_gather, free_cached_memory
 from align.engines.placement import Placement
 
 
@@ -39,14 +39,6 @@ def _world() -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1
     return dist.get_rank(), dist.get_world_size()
-
-
-def _all_gather(obj, group=None) -> list:
-    import torch.distributed as dist
-
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj, group=group)
-    return out
 
 
 def _waiting_group(timeout_s: float, clients: int):

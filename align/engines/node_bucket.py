@@ -34,6 +34,7 @@ from typing import Iterator
 
 import torch
 
+from align.engines.base import all_gather_objects as _all_gather
 from align.engines.buckets import Bucket, unmap
 from align.engines.weight_sync import dtype_name, groups, shm_room_problem
 
@@ -188,14 +189,6 @@ class NodeBucket(Bucket):
             shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
             os.close(self.lock)
             self.lock = None
-
-
-def _all_gather(obj, group) -> list:
-    import torch.distributed as dist
-
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj, group=group)
-    return out
 
 
 def _sweep(directory: str) -> None:

@@ -190,11 +190,9 @@ def pairwise_accuracy(judge: RewardModelJudge, pairs: list[dict[str, Any]], rank
         prompts = [p["prompt"] for p in rows]
         mine[start] = (judge(prompts, [p["chosen"] for p in rows]), judge(prompts, [p["rejected"] for p in rows]))
     if world > 1:
-        import torch.distributed as dist
+        from align.engines.base import all_gather_objects
 
-        shares: list[Any] = [None] * world
-        dist.all_gather_object(shares, mine)
-        mine = {start: scored for share in shares for start, scored in share.items()}
+        mine = {start: scored for share in all_gather_objects(mine) for start, scored in share.items()}
     chosen = [s for start in sorted(mine) for s in mine[start][0]]
     rejected = [s for start in sorted(mine) for s in mine[start][1]]
     margins = [c - r for c, r in zip(chosen, rejected)]

@@ -20,7 +20,7 @@ from align.report.markdown import all_judges, headline, write_report
 from align.config.evaluate import EvaluateStage
 from align.runtime.rows import load_prompts, load_rows
 from align.engines import make_engine
-from align.engines.base import RolloutEngine, check_gap, logprob_gap, nan_max
+from align.engines.base import RolloutEngine, all_gather_objects, check_gap, logprob_gap, nan_max
 from align.modeling.generation import by_length, longest_prompt, response_logprobs
 from align.modeling.losses import sequence_kl
 from align.judges.pointwise import WeightedJudge, pairwise_accuracy, stage_judge
@@ -81,14 +81,11 @@ def sample_with_kl(engine: RolloutEngine, policy, reference, tokenizer, prompts:
 
 def _gathered(order: list[int], batch_size: int, rank: int, world: int, *columns):
     """Every process's share of sample_with_kl's results, merged by prompt index (a collective)."""
-    import torch.distributed as dist
-
     texts, kls, lengths, ref_sums, scores, gap = columns
     mine = [i for start in list(range(0, len(order), batch_size))[rank::world] for i in order[start:start + batch_size]]
     local = {"rows": {i: (texts[i], kls[i], lengths[i], ref_sums[i], {j: s[i] for j, s in scores.items()})
                       for i in mine}, "gap": gap}
-    shares: list[Any] = [None] * world
-    dist.all_gather_object(shares, local)
+    shares = all_gather_objects(local)
     for share in shares:
         for i, (text, kl, length, ref_sum, judged) in share["rows"].items():
             texts[i], kls[i], lengths[i], ref_sums[i] = text, kl, length, ref_sum
