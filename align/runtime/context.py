@@ -212,16 +212,19 @@ class StageContext:
         """The Trainer checkpoint of this fingerprint to resume from (`rundir.choose_checkpoint`: the newest whole
         one; one killed mid-write is removed rather than resumed from). The main process chooses and tells the others
         (on a shared filesystem another node's listing may lag a deletion or a new checkpoint)."""
-        from accelerate.utils import broadcast_object_list  # heavy: stage processes only
-
         self.prepare_checkpoints()
-        chosen: list[str | None] = [None]
-        if self.is_main:
-            ckpt = choose_checkpoint(self.checkpoints, self.state.num_processes, log)
-            chosen = [str(ckpt) if ckpt else None]
+        ckpt = self.main_decides(lambda: choose_checkpoint(self.checkpoints, self.state.num_processes, log))
+        return str(ckpt) if ckpt else None
+
+    def main_decides(self, decide):
+        """`decide()` run on the main process alone, its answer given to every process (a collective where there are
+        several): one view of what only one should look at, such as a shared filesystem's listing."""
+        answer = [decide() if self.is_main else None]
         if self.state.num_processes > 1:
-            broadcast_object_list(chosen, from_process=0)
-        return chosen[0]
+            from accelerate.utils import broadcast_object_list  # heavy: stage processes only
+
+            broadcast_object_list(answer, from_process=0)
+        return answer[0]
 
     # ------------------------------------------------------------------ outputs
     def publish(self, name: str, write) -> None:

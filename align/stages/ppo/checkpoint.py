@@ -82,20 +82,17 @@ def resume(ctx: StageContext, accelerator, kl_ctl, moments, scale, stream, progr
         for partial in ckpts.glob(".iter-*"):  # a save that was killed mid-write
             shutil.rmtree(partial)
     accelerator.wait_for_everyone()
-    chosen: list[str | None] = [None]  # the main process chooses (another node's listing may lag) and says which
-    if accelerator.is_main_process:
+    def newest():  # the main process's listing (another node's may lag), given to every process
         done = sorted((p for p in ckpts.glob("iter-*") if (p / "COMPLETE").is_file()), key=lambda p: int(p.name[5:]))
-        chosen = [str(done[-1]) if done else None]
-    if accelerator.num_processes > 1:
-        from accelerate.utils import broadcast_object_list  # heavy: stage processes only
+        return str(done[-1]) if done else None
 
-        broadcast_object_list(chosen, from_process=0)
-    if chosen[0] is None:
+    chosen = ctx.main_decides(newest)
+    if chosen is None:
         ctx.extra_manifest["resumed_from_iteration"] = 0
         return 0
-    accelerator.load_state(chosen[0], **_model_kwargs(accelerator, trainable_only, saving=False))
+    accelerator.load_state(chosen, **_model_kwargs(accelerator, trainable_only, saving=False))
     if accelerator.is_main_process:
-        print(f"[align] {ctx.name}: resuming from {chosen[0]} (iteration {progress['iteration']}, "
+        print(f"[align] {ctx.name}: resuming from {chosen} (iteration {progress['iteration']}, "
               f"beta {kl_ctl.value:.4f}, reward gain {scale.gain:.4f} bias {scale.bias:.4f})", flush=True)
     ctx.extra_manifest["resumed_from_iteration"] = progress["iteration"]
     return int(progress["iteration"])
