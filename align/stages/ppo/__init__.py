@@ -166,9 +166,10 @@ def setup(ctx: StageContext) -> PPORun:
     model, optimizer = accelerator.prepare(model, optimizer)
     if (buffers := in_use(model)) is not None:
         ctx.extra_manifest["deepspeed_buffers"] = buffers
-    reference, reward_fns = load_frozen(ctx, cfg, accelerator, accelerator.unwrap_model(model), pad_id, reward_stages)
-    policy = accelerator.unwrap_model(model).policy
-    if why := leave_sdpa_if_padded(accelerator.unwrap_model(model), ctx.compute.device.type, cfg.padding_free):
+    trained = accelerator.unwrap_model(model)
+    reference, reward_fns = load_frozen(ctx, cfg, accelerator, trained, pad_id, reward_stages)
+    policy = trained.policy
+    if why := leave_sdpa_if_padded(trained, ctx.compute.device.type, cfg.padding_free):
         ctx.note(attention_left_sdpa=why)
         if ctx.is_main:
             print(f"[align] {ctx.name}: {why}", flush=True)
@@ -180,7 +181,7 @@ def setup(ctx: StageContext) -> PPORun:
                scorer, kl_controller(cfg), reward_stages, stream=PromptStream(len(prompts), ctx.seed))
     s.start = resume(ctx, accelerator, s.kl_ctl, s.moments, s.scale, s.stream, s.progress,
                      trainable_only=cfg.lora.enabled)
-    accelerator.unwrap_model(model).eval()  # dropout is off anyway; eval() keeps train-only code out of the forward
+    trained.eval()  # dropout is off anyway; eval() keeps train-only code out of the forward
     return s
 
 

@@ -12,7 +12,7 @@ from align.config.ppo import PPOStage
 from align.modeling.generation import response_scores, scalar_outputs
 from align.modeling.models import disable_dropout
 from align.modeling.lora import add_adapters, without_peft
-from align.runtime.context import StageContext
+from align.runtime.context import StageContext, StageError
 from align.runtime.zero_buffers import widest, width_sized
 from align.stages.ppo.rewards import FrozenView
 
@@ -167,8 +167,6 @@ def load_frozen(ctx: StageContext, cfg: PPOStage, accelerator, trained: PolicyAn
     return reference, reward_fns
 
 
-
-
 def padded_attention_problem(device_type: str, kernel: str, packs: bool) -> str | None:
     """Why PPO's trained models must leave SDPA for eager attention (None: they need not). On a GPU, a padded batch's
     left padding makes SDPA query rows that attend to nothing, whose backward under CUDA's kernels is NaN (PPO's H100
@@ -186,13 +184,12 @@ def leave_sdpa_if_padded(pv: PolicyAndValue, device_type: str, padding_free: boo
     from align.modeling.packing import attention_kernel, base_and_backbone, packing_works
 
     why = padded_attention_problem(device_type, attention_kernel(pv.policy), padding_free and packing_works(pv.policy))
-    if why:
-        for m in (pv.policy, pv.value):
-            if m is not None:
-                base_and_backbone(m)[0].set_attn_implementation("eager")  # peft's wrapper: the model within
-                if attention_kernel(m) != "eager":  # transformers only warns for a family it cannot switch
-                    from align.runtime.context import StageError
-
-                    raise StageError(f"PPO: {why}, but {type(base_and_backbone(m)[0]).__name__} cannot switch its "
-                                     "attention: set padding_free: true, or attn_implementation: eager")
+    for m in (pv.policy, pv.value) if why else ():
+        if m is None:
+            continue
+        base = base_and_backbone(m)[0]  # peft's wrapper: the model within
+        base.set_attn_implementation("eager")
+        if attention_kernel(base) != "eager":  # transformers only warns for a family it cannot switch
+            raise StageError(f"PPO: {why}, but {type(base).__name__} cannot switch its attention: set padding_free: "
+                             "true, or attn_implementation: eager")
     return why
