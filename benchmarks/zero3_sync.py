@@ -121,7 +121,7 @@ def worker(out: str, rounds: int, bucket_mib: float) -> None:
         node_used = None  # whether the "node" syncs did go through the node's bucket
         gathers: list[float] = []
         for i in range(rounds):
-            for how in ZERO3_TRANSPORTS[i % 4:] + ZERO3_TRANSPORTS[:i % 4]:
+            for how in ZERO3_TRANSPORTS[i % len(ZERO3_TRANSPORTS):] + ZERO3_TRANSPORTS[:i % len(ZERO3_TRANSPORTS)]:
                 step()
                 engines[how].how = how  # process 1's stand-in does what process 0's engine does
                 if main and how != "before":

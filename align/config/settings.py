@@ -143,10 +143,10 @@ class Generation:
     /dev/shm. Weights in host memory (a CPU run) skip the bucket: the trainer's storages move into shared memory once
     and the engine reads them where they lie (merged LoRA layers still travel). Under ZeRO-3 with the partitions in
     host memory (a CPU run; offload_param on GPUs, not run there) and every process on one node, nothing is gathered:
-    each process writes its own partitions into one bucket of the node's (align/engines/node_bucket.py; `host` too). `host`: every
-    weight through the bucket in /dev/shm, on GPUs too (a device-to-host copy each way; for machines where CUDA IPC
-    between processes is not allowed). `file` writes the whole policy as a safetensors file in /dev/shm for the engine to reload (the older
-    path, kept for comparison). `broadcast`: the bucket stays in the trainer's memory and reaches the engine by a
+    each process writes its own partitions into one bucket of the node's (align/engines/node_bucket.py; `host` too).
+    `host`: every weight through the bucket in /dev/shm, on GPUs too (a device-to-host copy each way; for machines
+    where CUDA IPC between processes is not allowed). `file` writes the whole policy as a safetensors file in /dev/shm
+    for the engine to reload (the older path, kept for comparison). `broadcast`: the bucket stays in the trainer's memory and reaches the engine by a
     broadcast in a process group of the two (NCCL GPU to GPU, for engines on separate GPUs; gloo on a CPU, where it
     is the tested twin and slower than shared memory); NCCL has not run in this project. The CUDA IPC bucket has not run on a GPU in this project (vLLM's CUDA build cannot be
     carried to the lent GPU)."""

@@ -282,8 +282,8 @@ class VLLMEngine(EngineClient):
             raise EngineError(f"vLLM engine: {self.broken}")
         if host.problem and host.problem != self.last_sync.get("host_problem"):
             print(f"vLLM weight sync: {host.problem}; the rest goes through the bucket", flush=True)
-        self.last_sync = {**reply, "host_tensors": len(host.refs), "host_new": len(host.new), "host_problem": host.problem,
-                          "node_bucket": node.size if node else 0}
+        self.last_sync = {**reply, "host_tensors": len(host.refs), "host_new": len(host.new),
+                          "host_problem": host.problem, "node_bucket": node.size if node else 0}
         return bucket.sent_bytes - before + host.nbytes()  # bytes the engine loaded
 
     def describe(self) -> dict:

@@ -8,8 +8,8 @@ the gradient partitions each process already holds (ZeRO-1/2: the fragment its o
 partition): each process sums its partitions' squares per group, one all-reduce of that short vector gives every
 group's norm (one host sync per step under ZeRO-1/2; under ZeRO-3 DeepSpeed's local-gradient accessor also waits on
 its reduce stream per parameter, and copies where the partition is bf16 or offloaded: a local cost, no collective),
-and each process scales its own partitions. No parameter's gradient is gathered (`safe_get_full_grad` all-reduced a zero-padded full gradient per parameter: 582 collectives per step for
-an 8B policy and value). A non-finite gradient norm skips the step on every backend: DeepSpeed detects it in its
+and each process scales its own partitions. No parameter's gradient is gathered (`safe_get_full_grad` all-reduced a
+zero-padded full gradient per parameter: 582 collectives per step for an 8B policy and value). A non-finite gradient norm skips the step on every backend: DeepSpeed detects it in its
 own step (its overflow check clears the gradients and applies nothing) and `was_step_applied` says so.
 """
 
@@ -100,7 +100,7 @@ def backward_and_step(accelerator, model, optimizer, loss: torch.Tensor,
         model.step()  # DeepSpeed's step also zeroes the gradients, and applies nothing on a non-finite norm
         if not model.was_step_applied():
             norms["skipped"] = 1.0
-        elif not all(math.isfinite(n) for n in norms.values()):  # its overflow check was off (disable_deepspeed_clipping)
+        elif not all(math.isfinite(n) for n in norms.values()):  # its overflow check was off (see below)
             from align.runtime.context import NonFiniteLossError
 
             raise NonFiniteLossError(f"PPO: DeepSpeed applied an optimiser step whose gradient norms are {norms}; the "
