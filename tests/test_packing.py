@@ -181,9 +181,9 @@ def test_ppo_leaves_sdpa_for_eager_only_where_its_gpu_forwards_run_padded(models
     and the value model switch to eager attention (the device is named, not present: the decision is what is
     tested), whose padded gradients equal SDPA's (packed; OPT, which cannot pack: padded). On a CPU SDPA's own
     backward is finite, so the fault itself is the stand-in test's above."""
-    from align.modeling.packing import attention_kernel, padded_forwards
+    from align.modeling.compute import leave_sdpa_if_padded
+    from align.modeling.packing import attention_kernel, packing_works, padded_forwards
     from align.modeling.models import load_causal_lm, load_scalar_model, load_tokenizer
-    from align.stages.ppo.models import PolicyAndValue, leave_sdpa_if_padded
 
     torch.manual_seed(SEED)
     print("seed", SEED)
@@ -194,7 +194,7 @@ def test_ppo_leaves_sdpa_for_eager_only_where_its_gpu_forwards_run_padded(models
     value.set_attn_implementation("sdpa")
     r = _rollout(tok, TEXTS, RESPONSES)
     reference = _loss_and_grads(policy, value, r)
-    why = leave_sdpa_if_padded(PolicyAndValue(policy, value), device, padding_free)
+    why = leave_sdpa_if_padded([policy, value], device, padding_free and packing_works(policy), "PPO")  # as PPO calls it
     assert bool(why) == leaves and (attention_kernel(policy), attention_kernel(value)) == (
         ("eager", "eager") if leaves else ("sdpa", "sdpa"))
     if leaves:
@@ -204,6 +204,38 @@ def test_ppo_leaves_sdpa_for_eager_only_where_its_gpu_forwards_run_padded(models
         for name, g in grads.items():
             ref = reference[3][name]
             assert (g - ref).norm() <= 1e-5 * ref.norm() + 1e-8, (name, (g - ref).norm(), ref.norm())
+
+
+@pytest.mark.parametrize("device, padding_free, family, leaves", [
+    ("cuda", False, "llama", True), ("cuda", True, "opt", True), ("cuda", True, "llama", False),
+    ("cpu", False, "llama", False)])
+def test_grpo_and_rloo_policies_leave_sdpa_as_ppos_do_and_right_padded_stages_keep_it(models, device, padding_free,
+                                                                                    family, leaves):
+    """GRPO's and RLOO's prompts are left-padded as PPO's are, so their policy takes PPO's rule through the TRL
+    stages' padding-free setup (runtime/trl.padding_free, left_padded); the same model in a right-padded stage (DPO,
+    KTO, reward, SFT: every row attends to something) stays on SDPA. Before, only PPO left SDPA."""
+    from types import SimpleNamespace
+
+    from align.modeling.models import load_causal_lm
+    from align.modeling.packing import attention_kernel, set_padding_free
+    from align.runtime.trl import padding_free as setup
+
+    print("seed", SEED)
+    base, _ = models[family]
+    notes: dict = {}
+    ctx = SimpleNamespace(cfg=SimpleNamespace(padding_free=padding_free), extra_manifest={}, name="grpo",
+                          compute=SimpleNamespace(device=torch.device(device)), is_main=True,
+                          note=lambda **kw: notes.update(kw))
+    policy, offline = (load_causal_lm(str(base), attn_implementation="sdpa") for _ in range(2))
+    try:
+        setup(ctx, policy, left_padded=True)
+        setup(ctx, offline)
+    finally:
+        set_padding_free(True)
+    assert attention_kernel(policy) == ("eager" if leaves else "sdpa"), ctx.extra_manifest
+    assert ("attention_left_sdpa" in notes) == leaves, notes
+    assert attention_kernel(offline) == "sdpa"
+    assert ctx.extra_manifest["padding_free"].startswith("off" if leaves or not padding_free else "packed")
 
 
 def test_flash_attention_packs_one_row_and_dense_kernels_rows_of_the_padded_width():

@@ -97,3 +97,35 @@ def resolve(precision: str = "auto", attn_implementation: str = "auto", device: 
         dtype = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[precision]
     attn = None if attn_implementation == "auto" else attn_implementation
     return Compute(device, dtype, attn, zero3)
+
+
+def padded_attention_problem(device_type: str, kernel: str, packs: bool) -> str | None:
+    """Why a stage's trained models must leave SDPA for eager attention (None: they need not). On a GPU, a batch with
+    left padding has query rows that attend to nothing (the prompts' padding in PPO's, GRPO's and RLOO's batches;
+    TRL's DPO and KTO flush their rows left and SFT and reward pad on the right, so each of their rows attends to
+    something), and CUDA's SDPA kernels give NaN gradients for such rows (PPO's H100 run in bf16; reproduced on CPU
+    with a stand-in kernel in tests/test_packing.py). Padding-free forwards have no such rows, so only a stage whose
+    trained forwards run padded (`padding_free: false`, or a family that cannot pack) leaves SDPA."""
+    if device_type != "cuda" or kernel != "sdpa" or packs:
+        return None
+    return ("its forwards run padded (padding_free is off, or the family cannot pack), and SDPA's CUDA kernels give "
+            "NaN gradients for left padding's query rows: eager attention instead")
+
+
+def leave_sdpa_if_padded(models: list, device_type: str, packs: bool, stage: str) -> str | None:
+    """Switch a left-padded stage's trained models (None entries skipped) to eager attention where
+    `padded_attention_problem` says so; returns the reason (None: all left as they are)."""
+    from align.core.errors import ModelError
+    from align.modeling.packing import attention_kernel, base_and_backbone
+
+    reasons = []
+    for m in (m for m in models if m is not None):
+        if (why := padded_attention_problem(device_type, attention_kernel(m), packs)) is None:
+            continue
+        reasons.append(why)
+        base = base_and_backbone(m)[0]  # peft's wrapper: the model within
+        base.set_attn_implementation("eager")
+        if attention_kernel(base) != "eager":  # transformers only warns for a family it cannot switch
+            raise ModelError(f"{stage}: {why}, but {type(base).__name__} cannot switch its attention: set "
+                             "padding_free: true, or attn_implementation: eager")
+    return reasons[0] if reasons else None

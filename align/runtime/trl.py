@@ -223,21 +223,28 @@ def train_with_resume(ctx: StageContext, trainer) -> dict[str, Any]:
     return final
 
 
-def padding_free(ctx: StageContext, model, reference=None) -> None:
+def padding_free(ctx: StageContext, model, reference=None, left_padded: bool = False) -> None:
     """The stage's `padding_free` setting applied to `model` and to a frozen `reference` copy when there is one
-    (install_padding_free), and what came of it for `model` in the manifest."""
+    (install_padding_free), and what came of it for `model` in the manifest. A `left_padded` stage's batches (GRPO's,
+    RLOO's prompts) leave SDPA for eager attention on a GPU where `model`'s forwards run padded
+    (compute.leave_sdpa_if_padded)."""
+    from align.modeling.compute import leave_sdpa_if_padded
     from align.modeling.packing import install_padding_free, set_padding_free
 
-    set_padding_free(ctx.cfg.padding_free)  # type: ignore[attr-defined]  # align's own forwards too (GRPO's check,
-    if not ctx.cfg.padding_free:  # type: ignore[attr-defined]  # reward judges, held-out scoring)
-        ctx.extra_manifest["padding_free"] = "off (padding_free: false)"
-        return
-    if install_padding_free(model):
+    on = ctx.cfg.padding_free  # type: ignore[attr-defined]
+    set_padding_free(on)  # align's own forwards too (GRPO's check, reward judges, held-out scoring)
+    packs = on and install_padding_free(model)
+    if packs:
         ctx.extra_manifest["padding_free"] = "packed inside the backbone's forward"
     else:
-        ctx.extra_manifest["padding_free"] = f"off ({type(model).__name__} does not read packed positions)"
-    if reference is not None:
+        why_not = "padding_free: false" if not on else f"{type(model).__name__} does not read packed positions"
+        ctx.extra_manifest["padding_free"] = f"off ({why_not})"
+    if on and reference is not None:
         install_padding_free(reference)
+    if left_padded and (why := leave_sdpa_if_padded([model], ctx.compute.device.type, packs, ctx.name)):
+        ctx.note(attention_left_sdpa=why)
+        if ctx.is_main:
+            print(f"[align] {ctx.name}: {why}", flush=True)
 
 
 def policy_and_reference(ctx: StageContext, path: str, lora_settings):

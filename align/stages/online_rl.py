@@ -243,7 +243,7 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
                          disable_dropout=True,  # old and new log-probs agree, as in PPO
                          trust_remote_code=ctx.pipeline.trust_remote_code, log_completions=False, **algorithm_args)
     model = ctx.load_lm(path, quantize=cfg.lora.quantize)
-    padding_free(ctx, model)
+    padding_free(ctx, model, left_padded=True)
     rollouts = open_engine(ctx, cfg, tokenizer, path)
     try:
         cls, sampling = trainer_with_engine(trainer_cls, rollouts)

@@ -25,8 +25,10 @@ from align.config.ppo import PPOStage
 from align.runtime.rows import load_rows, unique_prompts
 from align.engines.base import RolloutEngine, across_processes, check_rollout, nan_max, rest
 from align.modeling.generation import Rollout, fused_head_gap, response_logprobs
+from align.modeling.compute import leave_sdpa_if_padded
 from align.modeling.fused_head import FUSED_TOLERANCE, exclude, set_fused_head, use_fused_head
-from align.modeling.packing import attention_kernel, base_and_backbone, set_padding_free, unwrapped_model
+from align.modeling.packing import (attention_kernel, base_and_backbone, packing_works, set_padding_free,
+                                   unwrapped_model)
 from align.judges import judge_weights
 from align.modeling.losses import gae, kl_estimate, masked_whiten, token_rewards
 from align.modeling.models import load_causal_lm, load_tokenizer, unsharded_loading
@@ -39,7 +41,7 @@ from align.stages.ppo.checkpoint import resume, restore_history, save_checkpoint
 from align.stages.ppo.optim import disable_deepspeed_clipping
 from align.stages.ppo.update import ppo_update
 from align.stages.ppo.metrics import iteration_metrics, summarise
-from align.stages.ppo.models import leave_sdpa_if_padded, load_frozen, load_trained
+from align.stages.ppo.models import load_frozen, load_trained
 from align.judges.pointwise import RewardModelJudge, WeightedJudge, build_judge
 from align.stages.ppo.state import (AdaptiveKLController, FixedKLController, PIKLController, PromptStream,
                                     RewardScale, RunningMoments)
@@ -169,7 +171,8 @@ def setup(ctx: StageContext) -> PPORun:
     trained = accelerator.unwrap_model(model)
     reference, reward_fns = load_frozen(ctx, cfg, accelerator, trained, pad_id, reward_stages)
     policy = trained.policy
-    if why := leave_sdpa_if_padded(trained, ctx.compute.device.type, cfg.padding_free):
+    packed = cfg.padding_free and packing_works(policy)
+    if why := leave_sdpa_if_padded([policy, trained.value], ctx.compute.device.type, packed, "PPO"):
         ctx.note(attention_left_sdpa=why)
         if ctx.is_main:
             print(f"[align] {ctx.name}: {why}", flush=True)

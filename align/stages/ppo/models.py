@@ -12,7 +12,7 @@ from align.config.ppo import PPOStage
 from align.modeling.generation import response_scores, scalar_outputs
 from align.modeling.models import disable_dropout
 from align.modeling.lora import add_adapters, without_peft
-from align.runtime.context import StageContext, StageError
+from align.runtime.context import StageContext
 from align.runtime.zero_buffers import widest, width_sized
 from align.stages.ppo.rewards import FrozenView
 
@@ -165,31 +165,3 @@ def load_frozen(ctx: StageContext, cfg: PPOStage, accelerator, trained: PolicyAn
             rm = prepare_frozen(ctx.load_scalar(ctx.input_model(name), pad_id, frozen=True), accelerator)
             reward_fns[name] = partial(scalar_outputs, rm)
     return reference, reward_fns
-
-
-def padded_attention_problem(device_type: str, kernel: str, packs: bool) -> str | None:
-    """Why PPO's trained models must leave SDPA for eager attention (None: they need not). On a GPU, a padded batch's
-    left padding makes SDPA query rows that attend to nothing, whose backward under CUDA's kernels is NaN (PPO's H100
-    run in bf16; reproduced on CPU with a stand-in kernel in tests/test_packing.py). Padding-free forwards have no
-    such rows, so only a stage that runs padded (`padding_free: false`, or a family that cannot pack) leaves SDPA."""
-    if device_type != "cuda" or kernel != "sdpa" or packs:
-        return None
-    return ("its forwards run padded (padding_free is off, or the family cannot pack), and SDPA's CUDA kernels give "
-            "NaN gradients for left padding's query rows: eager attention instead")
-
-
-def leave_sdpa_if_padded(pv: PolicyAndValue, device_type: str, padding_free: bool) -> str | None:
-    """Switch the policy and the value model to eager attention where `padded_attention_problem` says so; returns
-    the reason (None: left as they are)."""
-    from align.modeling.packing import attention_kernel, base_and_backbone, packing_works
-
-    why = padded_attention_problem(device_type, attention_kernel(pv.policy), padding_free and packing_works(pv.policy))
-    for m in (pv.policy, pv.value) if why else ():
-        if m is None:
-            continue
-        base = base_and_backbone(m)[0]  # peft's wrapper: the model within
-        base.set_attn_implementation("eager")
-        if attention_kernel(base) != "eager":  # transformers only warns for a family it cannot switch
-            raise StageError(f"PPO: {why}, but {type(base).__name__} cannot switch its attention: set padding_free: "
-                             "true, or attn_implementation: eager")
-    return why
