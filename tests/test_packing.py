@@ -406,31 +406,101 @@ def test_an_engine_wrapped_model_packs_as_its_kernel_asks(models, tmp_path):
             dist.destroy_process_group()
 
 
-def test_router_logits_a_cache_or_padding_free_off_keep_the_padded_forward(monkeypatch):
-    """A mixture of experts asked for its router logits (TRL's auxiliary loss) gets them in the padded layout, as
-    without packing; a call with a cache, or a stage with padding_free: false (the stage's switch), is not packed."""
+def _moe_config(family: str, **big):
+    """A tiny mixture-of-experts config of `family` (transformers' Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)."""
+    import transformers as T
+
+    common = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, num_experts_per_tok=2, max_position_embeddings=32, pad_token_id=0)
+    experts = {"mixtral": dict(num_local_experts=4), "olmoe": dict(num_experts=4),
+               "qwen2_moe": dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16),
+               "qwen3_moe": dict(num_experts=4, moe_intermediate_size=16, head_dim=8)}[family]
+    cls = {"mixtral": T.MixtralConfig, "olmoe": T.OlmoeConfig, "qwen2_moe": T.Qwen2MoeConfig,
+           "qwen3_moe": T.Qwen3MoeConfig}[family]
+    return cls(**{**common, **experts, **big})
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_a_mixture_of_experts_asked_for_router_logits_packs_with_the_padded_loss_aux_loss_and_gradients(family):
+    """TRL's MoE auxiliary loss asks every training forward for the router logits: the packed forward gives them
+    back in the padded layout, and the loss, the auxiliary loss and every gradient equal the padded path's (fp32).
+    Before, such a call ran padded (and under SDPA on a GPU, GRPO's left padding gave NaN gradients)."""
+    from transformers import AutoModelForCausalLM
+
+    from align.modeling.packing import backbone_counts, install_padding_free
+
+    torch.manual_seed(SEED)
+    print("seed", SEED)
+    cfg = _moe_config(family)
+    padded = AutoModelForCausalLM.from_config(cfg)
+    packed = AutoModelForCausalLM.from_config(cfg)
+    packed.load_state_dict(padded.state_dict())
+    assert install_padding_free(packed)
+    ids = torch.randint(1, 64, (3, 8))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # a left-padded row (5 tokens)
+    mask[2, 3:] = 0  # a right-padded one (3 tokens): packed with the first
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[0, 3] = -100  # a left-padded row's first token is not predicted (a padding position would predict it)
+    outs = [m(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True) for m in (padded, packed)]
+    assert backbone_counts(packed)[1] == 2 * 8 < ids.numel()  # packed: two rows of 8 for three padded rows
+    want, got = outs
+    for a, b in zip(got.router_logits, want.router_logits):
+        assert a.shape == b.shape == (3 * 8, 4) and torch.allclose(a[mask.flatten().bool()], b[mask.flatten().bool()],
+                                                                   atol=1e-5)
+    assert got.aux_loss is not None and torch.allclose(got.aux_loss, want.aux_loss, rtol=1e-5)
+    for o in outs:
+        o.loss.backward()
+    assert torch.allclose(got.loss, want.loss, rtol=1e-5)
+    for (name, a), b in zip(packed.named_parameters(), padded.parameters()):
+        if b.grad is not None:
+            assert (a.grad - b.grad).norm() <= 1e-5 * b.grad.norm() + 1e-7, (family, name)
+
+
+def test_the_packing_probe_of_a_mixture_of_experts_builds_few_narrow_experts():
+    """The probe that decides whether a family packs builds one layer from the model's config: of a mixture of
+    experts, few and narrow experts (128 experts at full width are GBs in every process)."""
+    from transformers import Qwen3MoeModel
+
+    from align.modeling.packing import _probe_packing
+
+    built = []
+
+    class Counting(Qwen3MoeModel):
+        def __init__(self, config):
+            super().__init__(config)
+            built.append(sum(p.numel() for p in self.parameters()))
+
+    big = _moe_config("qwen3_moe", hidden_size=64, num_experts=64, moe_intermediate_size=1024, num_experts_per_tok=8)
+    assert _probe_packing(Counting, big, "sdpa")
+    assert built and built[0] < 1_000_000, built  # 64 experts x 3 x 1024 x 64 alone would be 12.6M
+
+
+def test_router_logits_of_an_unknown_layout_a_cache_or_padding_free_off_keep_the_padded_forward(monkeypatch):
+    """Router logits in a layout the unpacking does not know send the call to the padded forward; a call with a
+    cache, or a stage with padding_free: false (the stage's switch), is not packed."""
     from types import SimpleNamespace
 
-    from transformers import DynamicCache, MixtralConfig, MixtralForCausalLM
+    from transformers import DynamicCache, MixtralForCausalLM
 
+    import align.modeling.packing as packing
     from align.modeling.packing import backbone_counts, install_padding_free, packs, set_padding_free
     from align.runtime.trl import padding_free
 
     torch.manual_seed(SEED)
     print("seed", SEED)
-    cfg = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
-                        max_position_embeddings=32, pad_token_id=0)
+    cfg = _moe_config("mixtral")
     padded, packed = MixtralForCausalLM(cfg).eval(), MixtralForCausalLM(cfg).eval()
     packed.load_state_dict(padded.state_dict())
     assert install_padding_free(packed)
     ids = torch.randint(1, 64, (3, 8))
     mask = torch.ones_like(ids)
-    mask[0, :3] = 0  # a left-padded row
-    mask[2, 6:] = 0  # a right-padded one
+    mask[0, :3] = 0
     with torch.no_grad():
+        monkeypatch.setattr(packing, "_unpack_router_logits", lambda out, p: False)
         want = padded(input_ids=ids, attention_mask=mask, output_router_logits=True)
         got = packed(input_ids=ids, attention_mask=mask, output_router_logits=True)
+        monkeypatch.undo()
         assert backbone_counts(packed)[1] == 0  # not packed
         for a, b in zip(got.router_logits, want.router_logits):
             assert a.shape == b.shape == (3 * 8, 4) and torch.allclose(a, b, atol=1e-6)

@@ -219,8 +219,15 @@ def _probe_packing(cls, config, attn: str) -> bool:
         small.layer_types = small.layer_types[:1]
     if getattr(small, "vocab_size", None):
         small.vocab_size, small.pad_token_id = 64, None
-    if getattr(small, "intermediate_size", None):
-        small.intermediate_size = 64
+    for field in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(small, field, None):  # a mixture of experts' too: 128 full-width experts are GBs per process
+            setattr(small, field, 64)
+    for field in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if isinstance(getattr(small, field, None), int) and getattr(small, field) > 4:
+            setattr(small, field, 4)
+            small.num_experts_per_tok = min(getattr(small, "num_experts_per_tok", None) or 1, 4)
+            if getattr(small, "n_group", None):  # DeepSeek's grouped routing: the groups must divide the experts
+                small.n_group = small.topk_group = 1
     flash = is_flash(attn)
     device = torch.device("cuda") if flash and torch.cuda.is_available() else torch.device("cpu")
     try:
@@ -308,11 +315,11 @@ def install_padding_free(model) -> bool:
     """Make every forward of `model`'s backbone over a padded batch run padding-free, whoever calls it (TRL's DPO,
     KTO and reward trainers, their fused LM head included): the backbone's `forward` is wrapped on the instance, so
     DDP, DeepSpeed (ZeRO-3's hooks sit on the layers), peft and checkpoints see the same module. A call with an
-    attention mask that has padding, no cache and nothing asked beyond the last hidden state (a mixture of experts'
-    router logits for its auxiliary loss included: they would come back packed) is packed
-    (align/modeling/packing.py), run with restarting positions and no mask, and its last hidden state unpacked to the
-    padded layout (0 at padding), which the caller's head reads as before: a classifier's last-non-pad pooling, a
-    fused LM head's label mask. Anything else (generation with a cache, hidden states asked for) takes the original
+    attention mask that has padding, no cache and nothing asked beyond the last hidden state and a mixture of experts'
+    router logits (TRL's auxiliary loss) is packed (align/modeling/packing.py), run with restarting positions and no
+    mask, and its last hidden state and router logits unpacked to the padded layout (0 at padding), which the
+    caller's head reads as before: a classifier's last-non-pad pooling, a fused LM head's label mask, the auxiliary
+    loss's attention mask. Anything else (generation with a cache, hidden states asked for) takes the original
     forward. Returns whether it was installed (False for a family that cannot read packed positions)."""
     base, backbone = base_and_backbone(model)
     if backbone is None or backbone is base or getattr(backbone.forward, "_align_padding_free", False):
@@ -326,7 +333,6 @@ def install_padding_free(model) -> bool:
                  or not _PADDING_FREE[0] or bool((attention_mask != 0).all())
                  or kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
                  or kwargs.get("use_cache") or kwargs.get("output_hidden_states") or kwargs.get("output_attentions")
-                 or _asks_router_logits(kwargs, base)
                  or kwargs.get("inputs_embeds") is not None or kwargs.get("return_dict") is False)
         if not plain and position_ids is not None:  # the caller's positions must be the ones packing restarts
             plain = not torch.equal(position_ids.expand_as(attention_mask)[attention_mask.bool()],
@@ -336,6 +342,8 @@ def install_padding_free(model) -> bool:
         kwargs["use_cache"] = False
         p = pack(input_ids, attention_mask, capacity=pack_capacity(base, attention_mask))
         out = original(input_ids=p.ids, position_ids=p.position_ids, **kwargs)
+        if _asks_router_logits(kwargs, base) and not _unpack_router_logits(out, p):  # a layout not known: padded
+            return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
         out.last_hidden_state = p.unpack(out.last_hidden_state)
         counts[0] += p.rows.numel()
         counts[1] += p.ids.numel()
@@ -346,6 +354,20 @@ def install_padding_free(model) -> bool:
     forward._align_padding_free = True  # type: ignore[attr-defined]
     forward.counts = counts  # type: ignore[attr-defined]
     backbone.forward = forward
+    return True
+
+
+def _unpack_router_logits(out, p: Packed) -> bool:
+    """A mixture of experts' router logits from a packed forward, one (rows x width, experts) tensor per layer (as
+    transformers' Mixtral, Qwen2/3-MoE and OLMoE give them), put back in the padded batch's layout (batch x length,
+    experts), 0 at its padding, which the auxiliary loss leaves out by the attention mask (TRL's, through the
+    CausalLM's `load_balancing_loss_func`). False, nothing changed, where a layer's logits have another shape."""
+    logits = getattr(out, "router_logits", None)
+    if not logits:
+        return True
+    if not all(r.dim() == 2 and r.size(0) == p.ids.numel() for r in logits):
+        return False
+    out.router_logits = tuple(p.unpack(r.view(*p.ids.shape, -1)).flatten(0, 1) for r in logits)
     return True
 
 
