@@ -112,20 +112,17 @@ def padded_attention_problem(device_type: str, kernel: str, packs: bool) -> str 
             "NaN gradients for left padding's query rows: eager attention instead")
 
 
-def leave_sdpa_if_padded(models: list, device_type: str, packs: bool, stage: str) -> str | None:
-    """Switch a left-padded stage's trained models (None entries skipped) to eager attention where
-    `padded_attention_problem` says so; returns the reason (None: all left as they are)."""
+def leave_sdpa_if_padded(model, device_type: str, packs: bool, stage: str) -> str | None:
+    """Switch a left-padded stage's trained model to eager attention where `padded_attention_problem` says so
+    (`packs`: whether this model's forwards run padding-free); returns the reason (None: left as it is)."""
     from align.core.errors import ModelError
     from align.modeling.packing import attention_kernel, base_and_backbone
 
-    reasons = []
-    for m in (m for m in models if m is not None):
-        if (why := padded_attention_problem(device_type, attention_kernel(m), packs)) is None:
-            continue
-        reasons.append(why)
-        base = base_and_backbone(m)[0]  # peft's wrapper: the model within
-        base.set_attn_implementation("eager")
-        if attention_kernel(base) != "eager":  # transformers only warns for a family it cannot switch
-            raise ModelError(f"{stage}: {why}, but {type(base).__name__} cannot switch its attention: set "
-                             "padding_free: true, or attn_implementation: eager")
-    return reasons[0] if reasons else None
+    if (why := padded_attention_problem(device_type, attention_kernel(model), packs)) is None:
+        return None
+    base = base_and_backbone(model)[0]  # peft's wrapper: the model within
+    base.set_attn_implementation("eager")
+    if attention_kernel(base) != "eager":  # transformers only warns for a family it cannot switch
+        raise ModelError(f"{stage}: {why}, but {type(base).__name__} cannot switch its attention: set padding_free: "
+                         "true, or attn_implementation: eager")
+    return why

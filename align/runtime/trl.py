@@ -241,7 +241,7 @@ def padding_free(ctx: StageContext, model, reference=None, left_padded: bool = F
         ctx.extra_manifest["padding_free"] = f"off ({why_not})"
     if on and reference is not None:
         install_padding_free(reference)
-    if left_padded and (why := leave_sdpa_if_padded([model], ctx.compute.device.type, packs, ctx.name)):
+    if left_padded and (why := leave_sdpa_if_padded(model, ctx.compute.device.type, packs, ctx.name)):
         ctx.note(attention_left_sdpa=why)
         if ctx.is_main:
             print(f"[align] {ctx.name}: {why}", flush=True)

@@ -171,8 +171,9 @@ def setup(ctx: StageContext) -> PPORun:
     trained = accelerator.unwrap_model(model)
     reference, reward_fns = load_frozen(ctx, cfg, accelerator, trained, pad_id, reward_stages)
     policy = trained.policy
-    packed = cfg.padding_free and packing_works(policy)
-    if why := leave_sdpa_if_padded([policy, trained.value], ctx.compute.device.type, packed, "PPO"):
+    whys = [leave_sdpa_if_padded(m, ctx.compute.device.type, cfg.padding_free and packing_works(m), "PPO")
+            for m in (policy, trained.value) if m is not None]  # each model packs (or not) by its own family
+    if why := next((w for w in whys if w), None):
         ctx.note(attention_left_sdpa=why)
         if ctx.is_main:
             print(f"[align] {ctx.name}: {why}", flush=True)
