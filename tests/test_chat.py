@@ -310,3 +310,39 @@ def test_chat_pipeline_runs_sft_reward_dpo_ppo_evaluate(workdir):
     assert all("<|im_end|>" not in s["ppo"]["response"] for s in samples)
     report = json.loads((run / "report" / "metrics.json").read_text())
     assert report["eval/prompts"] == len(samples) and "eval/ppo/reward_model/win_rate" in report
+
+
+def test_sampling_ignores_the_checkpoints_own_generation_settings():
+    """A checkpoint's generation_config.json (Qwen2.5 ships repetition_penalty 1.05, top_k 20, temperature 0.7) does
+    not change what align samples: PPO's log-probs, KL and ratios describe the plain distribution at the stage's own
+    temperature, top_k and top_p. Same weights and seed, with and without such settings: the same samples through
+    align's generate, and through a GenerationConfig object as TRL's GRPO/RLOO build one (generation_kwargs)."""
+    import copy
+
+    from transformers import GenerationConfig
+
+    from align.config import Generation
+    from align.modeling.generation import generate, plain_sampling
+
+    print(f"seed {SEED}")
+    tok = chat_tokenizer("chatml")
+    clean = tiny_model(tok)
+    dirty = copy.deepcopy(clean)
+    dirty.generation_config.update(repetition_penalty=1.8, top_k=3, min_p=0.3, no_repeat_ngram_size=1, typical_p=0.5,
+                                   temperature=0.3, top_p=0.5, do_sample=True)
+    prompts = [r["prompt"] for r in as_text([{"prompt": CHAT[:1]}, {"prompt": CHAT[:3]}], tok)]
+    gen = Generation(max_new_tokens=12)  # temperature 1, no top-k, no top-p
+    want = generate(clean, tok, prompts, gen, seed=SEED)
+    got = generate(dirty, tok, prompts, gen, seed=SEED)
+    assert torch.equal(got.response_ids, want.response_ids)
+
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    trl_like = dict(max_new_tokens=12, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
+                    repetition_penalty=1.0, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    undo = {k: v for k, v in plain_sampling(dirty.generation_config).items() if v is not None}
+    outs = []
+    for model, kwargs in ((clean, {}), (dirty, {}), (dirty, undo)):
+        torch.manual_seed(SEED)
+        outs.append(model.generate(**enc, generation_config=GenerationConfig(**{**trl_like, **kwargs})))
+    assert not torch.equal(outs[1], outs[0])  # left in, the checkpoint's settings change the samples
+    assert torch.equal(outs[2], outs[0])

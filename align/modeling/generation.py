@@ -74,6 +74,29 @@ def static_cache_safe(model, device: torch.device) -> bool:
     return next(model.parameters()).dtype == torch.get_autocast_dtype(device.type)
 
 
+# Settings a checkpoint's generation_config.json may carry that change what `generate` samples (or how it decodes),
+# each at a value under which it changes nothing; None where only None is neutral.
+_NEUTRAL = {"num_beams": 1, "num_beam_groups": 1, "penalty_alpha": None, "dola_layers": None, "repetition_penalty": 1.0,
+            "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0,
+            "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_p": 0.0, "top_h": None, "min_length": 0,
+            "min_new_tokens": 0, "bad_words_ids": None, "sequence_bias": None, "suppress_tokens": None,
+            "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+            "exponential_decay_length_penalty": None, "guidance_scale": None, "watermarking_config": None,
+            "diversity_penalty": 0.0, "prompt_lookup_num_tokens": None, "assistant_early_exit": None}
+
+
+def plain_sampling(own) -> dict:
+    """Every setting of a model's own generation config `own` (its checkpoint's generation_config.json: Qwen2.5's
+    repetition_penalty 1.05, say; None: none) that would change what `generate` samples, set back to its neutral
+    value. transformers fills each setting a call leaves unset from that config, while align's log-probs, KL and PPO
+    ratios are those of the plain distribution at the stage's own temperature, top_k and top_p; the caller's
+    settings go after these. A setting whose only neutral value is None is undone in a call's arguments, not in a
+    GenerationConfig object (transformers fills its None fields from the model's config)."""
+    if own is None:
+        return {}
+    return {k: neutral for k, neutral in _NEUTRAL.items() if getattr(own, k, None) not in (None, neutral)}
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], gen: Generation, seed: int, max_prompt_length: int | None = None,
              synced_gpus: bool = False, logits_processor=None, fast: bool = False,
@@ -96,11 +119,13 @@ def generate(model, tokenizer, prompts: list[str], gen: Generation, seed: int, m
         extra["logits_processor"] = LogitsProcessorList([logits_processor])
     if fast:
         extra["cache_implementation"] = "static"
+    sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": gen.temperature,
+                                                      "top_k": gen.top_k or None, "top_p": gen.top_p}
+    sampling = {**plain_sampling(getattr(model, "generation_config", None)), **sampling}  # ours, not the checkpoint's
     out = model.generate(
-        input_ids=q_ids, attention_mask=q_mask,
-        **({"do_sample": False} if greedy else {"do_sample": True, "temperature": gen.temperature,
-                                                "top_k": gen.top_k or None, "top_p": gen.top_p}), max_new_tokens=gen.max_new_tokens,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, synced_gpus=synced_gpus, **extra,
+        input_ids=q_ids, attention_mask=q_mask, **sampling,
+        max_new_tokens=gen.max_new_tokens, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        synced_gpus=synced_gpus, **extra,
     )
     return finish_rollout(q_ids, q_mask, out[:, q_ids.size(1):], tokenizer.eos_token_id, tokenizer.pad_token_id)
 

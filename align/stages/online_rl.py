@@ -34,6 +34,28 @@ from align.runtime.context import StageContext, StageError
 from align.runtime.trl import metrics_callback, online_rl_metric_name, padding_free, train_with_resume, training_args
 
 
+def plain_generation_kwargs(ctx: StageContext, path: str) -> dict | None:
+    """TRL's own sampling (`generation.engine: hf`) fills every setting it leaves unset from the policy's
+    generation_config.json: the settings of that file that would change what is sampled, set back to neutral values
+    (modeling.generation.plain_sampling), as TRL's `generation_kwargs`. One whose only neutral value is None cannot be
+    undone that way: named in the manifest (`generation_config_kept`) and the log."""
+    from transformers import GenerationConfig
+
+    from align.modeling.generation import plain_sampling
+
+    try:
+        own = GenerationConfig.from_pretrained(path)
+    except (OSError, ValueError):  # none shipped: transformers' neutral defaults
+        return None
+    undo = plain_sampling(own)
+    if kept := sorted(k for k, v in undo.items() if v is None):
+        ctx.note(generation_config_kept=kept)
+        if ctx.is_main:
+            print(f"[align] {ctx.name}: {path}'s generation_config.json sets {', '.join(kept)}, which TRL's sampling "
+                  "keeps (remove them from the file to sample from the plain distribution)", flush=True)
+    return {k: v for k, v in undo.items() if v is not None} or None
+
+
 def reward_functions(ctx: StageContext, cfg: OnlineRLStage, tokenizer) -> tuple[list, list[float]]:
     """One TRL reward function per name of `cfg.reward`, and their weights (TRL sums them): the one judge builder
     (align/judges/pointwise.py), so a reward stage scores prompt ids + completion ids by the rule PPO's rollouts are
@@ -241,7 +263,8 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
                          temperature=gen.temperature, top_k=gen.top_k or 0, top_p=gen.top_p, beta=cfg.beta,
                          num_iterations=cfg.num_iterations, epsilon=cfg.epsilon, reward_weights=weights,
                          disable_dropout=True,  # old and new log-probs agree, as in PPO
-                         trust_remote_code=ctx.pipeline.trust_remote_code, log_completions=False, **algorithm_args)
+                         trust_remote_code=ctx.pipeline.trust_remote_code, log_completions=False,
+                         generation_kwargs=plain_generation_kwargs(ctx, path), **algorithm_args)
     model = ctx.load_lm(path, quantize=cfg.lora.quantize)
     padding_free(ctx, model, left_padded=True)
     rollouts = open_engine(ctx, cfg, tokenizer, path)
