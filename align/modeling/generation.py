@@ -130,6 +130,24 @@ def generate(model, tokenizer, prompts: list[str], gen: Generation, seed: int, m
     return finish_rollout(q_ids, q_mask, out[:, q_ids.size(1):], tokenizer.eos_token_id, tokenizer.pad_token_id)
 
 
+def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
+    """One rollout of several (consecutive chunks of one batch of prompts): queries left-padded and responses
+    right-padded with `pad_id` (mask 0) to the widest, so each row reads as it did alone."""
+    if len(parts) == 1:
+        return parts[0]
+    lq, lr = max(p.query_ids.size(1) for p in parts), max(p.response_ids.size(1) for p in parts)
+
+    def cat(ts, width, left, fill):
+        pad = torch.nn.functional.pad
+        return torch.cat([pad(t, (width - t.size(1), 0) if left else (0, width - t.size(1)), value=fill) for t in ts])
+
+    engine = None if any(p.engine_logprobs is None for p in parts) else cat([p.engine_logprobs for p in parts], lr,
+                                                                               False, 0.0)
+    return Rollout(cat([p.query_ids for p in parts], lq, True, pad_id), cat([p.query_mask for p in parts], lq, True, 0),
+                   cat([p.response_ids for p in parts], lr, False, pad_id),
+                   cat([p.response_mask for p in parts], lr, False, 0), torch.cat([p.eos_found for p in parts]), engine)
+
+
 def finish_rollout(q_ids: torch.Tensor, q_mask: torch.Tensor, resp: torch.Tensor, eos_token_id: int, pad_token_id: int,
                    lengths: torch.Tensor | None = None) -> Rollout:
     """The Rollout every engine returns from its raw responses (B, Lr): every token after the first EOS masked and

@@ -24,7 +24,7 @@ import torch
 from align.config.ppo import PPOStage
 from align.runtime.rows import load_rows, unique_prompts
 from align.engines.base import RolloutEngine, across_processes, check_rollout, nan_max, rest
-from align.modeling.generation import Rollout, fused_head_gap, response_logprobs
+from align.modeling.generation import Rollout, fused_head_gap
 from align.modeling.compute import leave_sdpa_if_padded
 from align.modeling.fused_head import FUSED_TOLERANCE, exclude, set_fused_head, use_fused_head
 from align.modeling.packing import (attention_kernel, base_and_backbone, packing_works, set_padding_free,
@@ -36,7 +36,7 @@ from align.modeling.lora import merged_lora_model
 from align.runtime.context import StageContext, StageError
 from align.runtime.zero_buffers import in_use, widest, width_sized
 from align.stages.ppo.budget import HeldoutKL, PolicySnapshot, budget_summary, heldout_kl, split_heldout, stop_inside_budget
-from align.stages.ppo.rollouts import fit_reward_scale, open_engine, rollout, sync_engine, usable_prompts
+from align.stages.ppo.rollouts import fit_reward_scale, open_engine, rollout, scored, sync_engine, usable_prompts
 from align.stages.ppo.checkpoint import resume, restore_history, save_checkpoint
 from align.stages.ppo.optim import disable_deepspeed_clipping
 from align.stages.ppo.update import ppo_update
@@ -243,7 +243,8 @@ def collect(s: PPORun, it: int, t0: float, t_sync: float) -> Batch:
     cfg, accelerator = s.cfg, s.accelerator
     mine = s.stream.take(cfg.rollout_batch_size * s.world)[accelerator.process_index::s.world]
     prompts = [s.prompts[i] for i in mine]
-    r = rollout(cfg, accelerator, s.engine, prompts, seed=s.ctx.seed * 7919 + it * s.world + accelerator.process_index)
+    r = rollout(cfg, accelerator, s.engine, prompts, seed=s.ctx.seed * 7919 + it * s.world + accelerator.process_index,
+                pad_id=s.tokenizer.pad_token_id)
     rest(s.engine)  # generation.sleep: the engine frees its memory while the batch is scored and trained on
     t_sampled = now(accelerator.device)  # the engine's time, its sleep included, counts as generation
     with torch.no_grad():
@@ -258,10 +259,8 @@ def collect(s: PPORun, it: int, t0: float, t_sync: float) -> Batch:
         penalties = torch.zeros_like(scores)
         if cfg.missing_eos_penalty is not None:
             penalties = cfg.missing_eos_penalty * (~r.eos_found).float()
-        with accelerator.autocast():
-            logprobs, _, values = s.model(r.input_ids, r.attention_mask, r.query_ids.size(1),
-                                          cfg.generation.temperature, with_entropy=False)
-            ref_logprobs = response_logprobs(s.reference, r, cfg.generation.temperature)
+    logprobs, values, ref_logprobs = scored(s.model, s.reference, r, cfg.generation.temperature, cfg.mini_batch_size,
+                                            accelerator)
     # what the engine sampled with vs what PPO optimises (same tokens)
     gap = check_rollout(s.engine, r, logprobs, cfg.generation.max_logprob_gap,
                         f"stage '{s.ctx.name}' iteration {it + 1} (after a weight sync of {t_sync:.2f} s)",

@@ -9,7 +9,7 @@ from align.config.ppo import PPOStage
 from align.data.lengths import DROPS_LONG_PROMPTS, enforce
 from align.engines import make_engine
 from align.engines.base import RolloutEngine, rest
-from align.modeling.generation import Rollout
+from align.modeling.generation import Rollout, concat_rollouts, sequence_logprobs
 from align.runtime.context import StageContext
 from align.judges.pointwise import WeightedJudge, check_same_tokenizer
 from align.stages.ppo.models import is_zero3, policy_for_generation
@@ -30,11 +30,33 @@ def usable_prompts(ctx: StageContext, cfg: PPOStage, tokenizer, reward_tokenizer
     return [p for p, n in zip(prompts, lengths) if n <= cfg.max_prompt_length]
 
 
-def rollout(cfg: PPOStage, accelerator, engine: RolloutEngine, prompts: list[str], seed: int) -> Rollout:
+def rollout(cfg: PPOStage, accelerator, engine: RolloutEngine, prompts: list[str], seed: int,
+            pad_id: int | None = None) -> Rollout:
     """Sample one response per prompt through the stage's engine; the hf engine samples in the training precision
-    (bf16 autocast when the stage uses it), so the samples are scored by the same numerics that produced them."""
+    (bf16 autocast when the stage uses it), so the samples are scored by the same numerics that produced them. With
+    `pad_id`, the hf engine takes `generation.batch_size` prompts per call (the KV cache align estimate counts; the
+    chunk at offset i seeded seed + i) and the chunks' rollouts are joined, padded with it; a vllm engine takes them
+    all at once and schedules them itself."""
+    size = cfg.generation.batch_size if pad_id is not None and not engine.holds_own_weights else len(prompts)
     with torch.no_grad(), accelerator.autocast():
-        return engine.generate(prompts, cfg.generation, seed=seed)
+        parts = [engine.generate(prompts[i:i + size], cfg.generation, seed=seed + i)
+                 for i in range(0, len(prompts), max(size, 1))]
+    return concat_rollouts(parts, pad_id) if len(parts) > 1 else parts[0]
+
+
+def scored(model, reference, r: Rollout, temperature: float, rows: int, accelerator):
+    """PPO's step 3 over a rollout, `rows` sequences at a time (the mini-batch, whose logits align estimate counts:
+    64 sequences of 1,024 tokens over a 128k vocabulary at once would hold about 39 GiB of logits): the policy's
+    log-probs and values and the reference's log-probs, each (B, Lr). Every process has as many rows, so ZeRO-3's
+    gathers line up."""
+    parts = []
+    lq = r.query_ids.size(1)
+    with torch.no_grad(), accelerator.autocast():
+        for i in range(0, r.query_ids.size(0), rows):
+            ids, mask = r.input_ids[i:i + rows], r.attention_mask[i:i + rows]
+            logprobs, _, values = model(ids, mask, lq, temperature, with_entropy=False)
+            parts.append((logprobs, values, sequence_logprobs(reference, ids, mask, lq, temperature)))
+    return tuple(torch.cat(t) for t in zip(*parts))
 
 
 def open_engine(ctx: StageContext, cfg: PPOStage, accelerator, model, tokenizer, policy_path: str) -> RolloutEngine:

@@ -1,0 +1,87 @@
+"""PPO's rollout and scoring in chunks (align/stages/ppo/rollouts.py): the hf engine samples generation.batch_size
+prompts per call and the chunks are joined (concat_rollouts), and the policy, value and reference score a
+mini-batch of rows at a time, each giving what one call over the whole batch gives."""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import torch
+
+from families import RESPONSES, TEXTS, _rollout, build
+
+SEED = 31
+
+
+class _Recording:
+    """An engine stand-in: one response per prompt from a fixed list, each call's prompts and seed recorded."""
+
+    def __init__(self, tok, holds_own_weights: bool):
+        self.tok, self.holds_own_weights, self.calls = tok, holds_own_weights, []
+
+    def generate(self, prompts, gen, seed):
+        self.calls.append((list(prompts), seed))
+        return _rollout(self.tok, prompts, [RESPONSES[TEXTS.index(p) % len(RESPONSES)] for p in prompts])
+
+
+def _accelerator():
+    return SimpleNamespace(autocast=contextlib.nullcontext)
+
+
+def test_the_hf_engine_samples_batch_size_prompts_per_call_and_the_chunks_join_row_for_row(tmp_path):
+    """64 prompts per process with generation.batch_size 16 were one generate call (4x the KV cache align estimate
+    counts): now the hf engine gets chunks of batch_size, each seeded by its offset, and the joined rollout's rows
+    are the chunks' rows (padding aside) in prompt order; an engine holding its own weights (vllm) gets them all."""
+    from align.config import Generation
+    from align.config.ppo import PPOStage
+    from align.modeling.models import load_tokenizer
+    from align.stages.ppo.rollouts import rollout
+
+    print("seed", SEED)
+    _, tok_dir = build("llama", tmp_path / "llama", seed=SEED)
+    tok = load_tokenizer(str(tok_dir))
+    cfg = PPOStage(type="ppo", policy="sft", reward="reward", prompts="p.yaml", generation=Generation(batch_size=2))
+    prompts = TEXTS  # 3 prompts of different lengths: chunks of 2 and 1, of different widths
+    hf = _Recording(tok, holds_own_weights=False)
+    joined = rollout(cfg, _accelerator(), hf, prompts, seed=100, pad_id=tok.pad_token_id)
+    assert [(len(p), s) for p, s in hf.calls] == [(2, 100), (1, 102)]
+    alone = [_rollout(tok, [p], [RESPONSES[i]]) for i, p in enumerate(prompts)]
+    for i, a in enumerate(alone):
+        q, resp = joined.query_mask[i].bool(), joined.response_mask[i].bool()
+        assert torch.equal(joined.query_ids[i][q], a.query_ids[0][a.query_mask[0].bool()])
+        assert torch.equal(joined.response_ids[i][resp], a.response_ids[0][a.response_mask[0].bool()])
+        assert bool((joined.response_ids[i][~resp] == tok.pad_token_id).all())  # a reward model finds its last token
+    own = _Recording(tok, holds_own_weights=True)
+    rollout(cfg, _accelerator(), own, prompts, seed=100, pad_id=tok.pad_token_id)
+    assert [(len(p), s) for p, s in own.calls] == [(3, 100)]
+
+
+def test_scoring_a_mini_batch_at_a_time_equals_scoring_the_whole_rollout(tmp_path):
+    """Step 3 in chunks of rows (the mini-batch): the policy's log-probs and values and the reference's log-probs
+    equal one forward over the whole rollout (fp32), whatever the chunk."""
+    from align.modeling.generation import sequence_logprobs
+    from align.modeling.models import load_causal_lm, load_scalar_model, load_tokenizer
+    from align.stages.ppo.models import PolicyAndValue
+    from align.stages.ppo.rollouts import scored
+
+    print("seed", SEED)
+    torch.manual_seed(SEED)
+    base, tok_dir = build("llama", tmp_path / "llama", seed=SEED)
+    tok = load_tokenizer(str(tok_dir))
+    model = PolicyAndValue(load_causal_lm(str(base)), load_scalar_model(str(base), tok.pad_token_id)).eval()
+    reference = load_causal_lm(str(base)).eval()
+    with torch.no_grad():  # the reference one step away from the policy, so the two log-probs differ
+        for p in reference.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    r = _rollout(tok, TEXTS * 2, RESPONSES * 2)
+    lq = r.query_ids.size(1)
+    with torch.no_grad():
+        logprobs, _, values = model(r.input_ids, r.attention_mask, lq, 0.7, with_entropy=False)
+        ref = sequence_logprobs(reference, r.input_ids, r.attention_mask, lq, 0.7)
+    rmask = r.response_mask.bool()
+    for rows in (1, 4, 6):
+        got = scored(model, reference, r, 0.7, rows, _accelerator())
+        for a, b, what in zip(got, (logprobs, values, ref), ("log-probs", "values", "reference")):
+            assert a.shape == b.shape and torch.allclose(a[rmask], b[rmask], rtol=1e-5, atol=1e-6), (rows, what)
+    assert not torch.allclose(got[0][rmask], got[2][rmask])
