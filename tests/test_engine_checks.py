@@ -506,3 +506,28 @@ def test_sleep_on_a_stage_that_trains_nothing_is_refused_by_validate(workdir):
     out = p.stdout + p.stderr
     assert p.returncode != 0 and "Traceback" not in out, out[-2000:]
     assert "stages.evaluate.generation.sleep: true, but stage type 'evaluate' trains nothing" in out, out[-2000:]
+
+
+def test_the_hf_engine_lets_go_of_the_policy_it_samples_from(tmp_path):
+    """evaluate samples several policies in turn through the hf engine, which samples from the policy it is given:
+    synced with None it holds none, so the stage's last reference frees each policy before the next loads (two 8B
+    policies on one GPU otherwise)."""
+    import gc
+    import weakref
+
+    import torch
+
+    from align.config import Generation
+    from align.engines import make_engine
+
+    policy = torch.nn.Linear(2, 2)
+    engine = make_engine(Generation(), model=None, tokenizer=None, model_dir=str(tmp_path))
+    assert not engine.holds_own_weights
+    engine.sync_weights(policy)
+    held = weakref.ref(policy)
+    del policy
+    gc.collect()
+    assert held() is not None  # the engine samples from it
+    engine.sync_weights(None)
+    gc.collect()
+    assert held() is None

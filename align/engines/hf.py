@@ -37,6 +37,7 @@ class HFEngine:
                             greedy=greedy)
 
     def sync_weights(self, model) -> float:
+        """Sample from `model` from now on (None: hold none, so a caller's last reference to it frees it)."""
         if self.context is None:
             self.model = model
         return 0.0

@@ -119,6 +119,8 @@ def sample_policies(ctx: StageContext, cfg: EvaluateStage, engine: RolloutEngine
             ctx.progress((i + 1) * len(prompts), total, policy=name)
         generated += int(sum(lengths))
         del policy
+        if not engine.holds_own_weights:  # the hf engine samples from the policy itself: let it go before the next
+            engine.sync_weights(None)  # loads (two 8B policies on one GPU otherwise)
         samples[name] = {"responses": texts, "kl": kls, "length": lengths, "ref_logprob": ref_sums, "scores": scores}
         if gap is not None:
             gaps[name] = gap
