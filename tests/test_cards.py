@@ -1,6 +1,7 @@
 """Data cards: shipped cards validate; bad inputs fail early with the file, line/row or field named."""
 
 import gzip
+import sys
 import json
 from pathlib import Path
 
@@ -341,3 +342,33 @@ def test_a_byte_order_mark_is_not_text_and_jsonl_lines_end_at_newline_only(tmp_p
     text = "".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows)
     card = _card(tmp_path, "\ufeff" + text)
     assert load_split(card, "train").rows == rows
+
+
+def test_a_hub_revision_resolved_once_is_remembered_when_the_hub_cannot_be_asked(tmp_path, monkeypatch):
+    """A hub card's fingerprint holds the commit its revision names. Resolved while the hub answers, it is
+    remembered (align's cache), so a resume while the hub is down (or from an offline node) plans the same
+    fingerprints instead of rerunning every stage that reads the dataset; never resolved, the revision as written."""
+    import types
+
+    import align.data.hub as hub
+
+    monkeypatch.setenv("ALIGN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(hub, "_REVISIONS", {})
+    asked = []
+
+    class Api:
+        def dataset_info(self, hub_id, revision=None):
+            asked.append((hub_id, revision))
+            return types.SimpleNamespace(sha="c0ffee" + hub_id[-1])
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(HfApi=Api))
+    monkeypatch.setattr(hub, "hub_reachable", lambda: False)
+    assert hub.resolved_revision("org/data1", "main") == "main"  # never resolved: as written
+    monkeypatch.setattr(hub, "_REVISIONS", {})
+    monkeypatch.setattr(hub, "hub_reachable", lambda: True)
+    assert hub.resolved_revision("org/data1", "main") == "c0ffee1" and asked == [("org/data1", "main")]
+    monkeypatch.setattr(hub, "_REVISIONS", {})  # a new planning process, the hub down
+    monkeypatch.setattr(hub, "hub_reachable", lambda: False)
+    assert hub.resolved_revision("org/data1", "main") == "c0ffee1"
+    assert hub.resolved_revision("org/data2", None) is None  # another dataset, never resolved
+    assert json.loads((tmp_path / "cache" / "hub-revisions.json").read_text()) == {"org/data1@main": "c0ffee1"}

@@ -179,3 +179,42 @@ def test_an_unreachable_hub_id_is_a_note_not_an_error(capsys, tmp_path, monkeypa
     assert rc == 0, out
     assert "warning: base_model 'align-tests/not-a-cached-model' is not cached here" in out
     assert "warning: tokenizer 'align-tests/not-a-cached-model' is not cached here" in out
+
+
+def test_a_hub_tokenizers_own_template_fingerprints_alike_deferred_or_cached(tmp_path, monkeypatch):
+    """Planned before the hub tokenizer is cached (validate and estimate do not download it), its own chat template
+    is `deferred:` and the first stage reads it; planned again after (any resume), it is `tokenizer:` with its
+    text. Both plans give every stage the same fingerprint, so a resume does not rerun SFT and all after it. A
+    local tokenizer's template still fingerprints by its text: editing it reruns the stage that installs it."""
+    import yaml
+
+    import align.templates as templates
+    from align.config import parse_pipeline
+    from align.orchestrator.plan import build_plan
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_id = "align-tests/not-a-cached-model"
+    pipeline = _pipeline(tmp_path, hub_id, None)
+
+    def plan():
+        return {p.name: p for p in build_plan(parse_pipeline(yaml.safe_load(Path(pipeline).read_text()), pipeline),
+                                              pipeline)}
+
+    deferred = plan()
+    assert deferred["sft"].chat_template.source == f"deferred:{hub_id}"
+    cached = tmp_path / "hub-cache"
+    base, _ = build("gpt2", tmp_path / "gpt2")
+    shutil.copytree(base, cached)
+    config = json.loads((cached / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}"
+    (cached / "tokenizer_config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(templates, "hub_file", lambda repo, f: str(cached / f) if (cached / f).is_file() else None)
+    resolved = plan()
+    assert resolved["sft"].chat_template.source == f"tokenizer:{hub_id}"
+    assert {n: p.fingerprint for n, p in resolved.items()} == {n: p.fingerprint for n, p in deferred.items()}
+
+    pipeline = _pipeline(tmp_path, hub_id, str(cached))  # the same files as a local tokenizer directory
+    before = plan()["sft"].fingerprint
+    config["chat_template"] = config["chat_template"].replace("<|", "<<|")
+    (cached / "tokenizer_config.json").write_text(json.dumps(config))
+    assert plan()["sft"].fingerprint != before

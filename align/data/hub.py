@@ -56,15 +56,57 @@ _REVISIONS: dict[tuple[str, str | None], str | None] = {}
 
 def resolved_revision(hub_id: str, revision: str | None) -> str | None:
     """The commit a hub dataset's `revision` (a branch, a tag or a commit; None: main) names now, so a fingerprint
-    changes when the dataset does; the revision as written when the hub cannot be asked from here."""
+    changes when the dataset does. When the hub cannot be asked from here, the commit it named when it last could
+    (remembered in align's cache, `hub-revisions.json`): a resume while the hub is down or from an offline node
+    keeps the fingerprints it had, instead of rerunning every stage that reads the dataset; the revision as written
+    when it never could."""
     key = (hub_id, revision)
     if key not in _REVISIONS:
-        _REVISIONS[key] = revision
+        _REVISIONS[key] = _remembered(hub_id, revision)
         if hub_reachable():
             try:
                 from huggingface_hub import HfApi  # light (no torch): only for hub cards, and only when reachable
 
-                _REVISIONS[key] = HfApi().dataset_info(hub_id, revision=revision).sha or revision
+                sha = HfApi().dataset_info(hub_id, revision=revision).sha
             except Exception:  # unknown repo or revision, no access: loading the rows will say which
-                pass
+                sha = None
+            if sha:
+                _REVISIONS[key] = sha
+                _remember(hub_id, revision, sha)
     return _REVISIONS[key]
+
+
+def _revisions_file() -> Path:
+    from align.core.fsutil import cache_root
+
+    return cache_root() / "hub-revisions.json"
+
+
+def _remembered(hub_id: str, revision: str | None) -> str | None:
+    import json
+
+    try:
+        known = json.loads(_revisions_file().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return revision
+    return known.get(f"{hub_id}@{revision}", revision) if isinstance(known, dict) else revision
+
+
+def _remember(hub_id: str, revision: str | None, sha: str) -> None:
+    import json
+
+    from align.core.fsutil import atomic_write_json
+
+    path = _revisions_file()
+    try:
+        known = json.loads(path.read_text(encoding="utf-8"))
+        known = known if isinstance(known, dict) else {}
+    except (OSError, ValueError):
+        known = {}
+    if known.get(f"{hub_id}@{revision}") == sha:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, {**known, f"{hub_id}@{revision}": sha})
+    except OSError:
+        pass  # a read-only cache: asked again next time

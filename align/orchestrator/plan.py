@@ -136,8 +136,10 @@ def _fingerprint(plan: StagePlan, cfg: PipelineConfig, inputs: dict[str, str], c
     if plan.cfg.starts_from_base():
         base = {"base_model": cfg.base_model, "tokenizer": cfg.tokenizer, "builtin": to_dict(cfg.builtin)}
         ct = plan.chat_template
-        if ct is not None and ct.text is not None:  # its content and masking: editing the .jinja file reruns
-            base["chat_template"] = ct.digest      # the stage that installs it
+        if ct is not None and ct.own and not Path(ct.name).exists():  # a hub tokenizer's own: named by its id alone,
+            base["chat_template"] = f"tokenizer:{ct.name}"  # the same whether it was cached when planned or deferred
+        elif ct is not None and ct.text is not None:  # its content and masking: editing the .jinja file (or a local
+            base["chat_template"] = ct.digest  # tokenizer's) reruns the stage that installs it
             if ct.masking != "markers":
                 base["chat_template_masking"] = [ct.masking, ct.training_text and templates.text_digest(ct.training_text)]
     files = {key: hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
