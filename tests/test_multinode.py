@@ -167,3 +167,26 @@ def test_a_worker_waits_past_an_earlier_attempts_failure_and_stops_at_this_ones(
             wait_for_stage(tmp_path, "f1", "sft", timeout=None, stale_after=30.0)
     finally:
         thread.join()
+
+
+def test_a_process_group_made_without_a_timeout_waits_as_long_as_the_default_one(tmp_path):
+    """DeepSpeed makes ZeRO-3's process group (a clone of the world) without a timeout, and torch gives such a group
+    its backend's default (30 minutes under gloo, 10 under NCCL) rather than the 2 hours the stage's default group
+    waits: a stage process sets the default (runtime/process.long_group_timeouts), so a group made afterwards
+    waits COLLECTIVE_TIMEOUT. In a subprocess: the defaults are process-wide."""
+    code = (
+        "import datetime, os, torch, torch.distributed as dist\n"
+        "from align.runtime.context import COLLECTIVE_TIMEOUT\n"
+        "from align.runtime.process import long_group_timeouts\n"
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(29500 + os.getpid() % 1000))\n"
+        "dist.init_process_group('gloo', rank=0, world_size=1, timeout=COLLECTIVE_TIMEOUT)\n"
+        "cpu = torch.device('cpu')\n"
+        "before = dist.new_group([0])._get_backend(cpu).options._timeout\n"
+        "long_group_timeouts()\n"
+        "after = dist.new_group([0])._get_backend(cpu).options._timeout\n"
+        "print(before.total_seconds(), after.total_seconds(), COLLECTIVE_TIMEOUT.total_seconds())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, after, wanted = map(float, out.stdout.split())
+    assert before < wanted and after == wanted == 7200.0

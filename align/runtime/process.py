@@ -25,9 +25,24 @@ from align.core.errors import Terminated, describe, die_with_parent, interrupt_c
 from align.core.console import verbose
 from align.core.fsutil import write_failure
 from align.core.rundir import MANIFEST, StageSpec, read_manifest, write_manifest
-from align.runtime.context import NonFiniteLossError, StageContext, StageError, startup_done
+from align.runtime.context import COLLECTIVE_TIMEOUT, NonFiniteLossError, StageContext, StageError, startup_done
 
 log = logging.getLogger("align")
+
+def long_group_timeouts() -> None:
+    """Every process group made in this process without a timeout of its own waits COLLECTIVE_TIMEOUT, as the
+    default group does: torch gives such a group its backend's default instead (10 minutes under NCCL), and
+    DeepSpeed makes ZeRO-3's (its clone of the world group, every gather and reduce-scatter) so. A main process
+    removing an old checkpoint from a slow shared filesystem for longer than that while the others wait in a
+    ZeRO-3 gather would otherwise stop the job."""
+    import datetime
+
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d.default_pg_timeout = COLLECTIVE_TIMEOUT
+    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), datetime.timedelta):  # None without NCCL
+        c10d.default_pg_nccl_timeout = COLLECTIVE_TIMEOUT
+
 
 def main(spec_path: str) -> int:
     """Run one stage in this process (called under `accelerate launch`). Returns the exit code: 0; 2 for a refused
@@ -39,6 +54,7 @@ def main(spec_path: str) -> int:
     quiet_libraries()
     terminate_as_interrupt()  # SIGTERM (a scheduler, the launcher stopping its workers) recorded as Ctrl-C
     die_with_parent()  # and SIGTERM when the launcher dies (a SIGKILLed run): no stage outlives its run
+    long_group_timeouts()
     ctx: StageContext | None = None
     spec: dict[str, Any] = {}
     gc.disable()  # until the libraries are imported and the first model is loaded: see startup_done()
@@ -101,6 +117,13 @@ def leave_process_group(code: int) -> int:
     os._exit(code)
 
 
+def drop_checkpoints(ctx: StageContext) -> None:
+    """A completed stage's training checkpoints removed (main process) unless the pipeline keeps them
+    (`keep_checkpoints`): only an interrupted attempt resumes from them."""
+    if ctx.is_main and not ctx.pipeline.keep_checkpoints:
+        shutil.rmtree(ctx.checkpoints, ignore_errors=True)
+
+
 def _run(ctx: StageContext) -> None:
     old = read_manifest(ctx.dir)
     # Resume only an interrupted attempt of this very fingerprint; anything else starts clean.
@@ -125,6 +148,7 @@ def _run(ctx: StageContext) -> None:
         ctx.tracker.summary(final)
     wandb_info = ctx.tracker.finish() if ctx.tracker else {}
     ctx.write_manifest("completed", final_metrics=final, outputs=module.OUTPUTS, wandb=wandb_info)
+    drop_checkpoints(ctx)
     if ctx.is_main:
         print(f"[align] {ctx.name}: completed " + ", ".join(f"{k}={_fmt(v)}" for k, v in final.items()
                                                             if isinstance(v, (int, float))), flush=True)
