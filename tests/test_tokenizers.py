@@ -218,3 +218,62 @@ def test_a_hub_tokenizers_own_template_fingerprints_alike_deferred_or_cached(tmp
     config["chat_template"] = config["chat_template"].replace("<|", "<<|")
     (cached / "tokenizer_config.json").write_text(json.dumps(config))
     assert plan()["sft"].fingerprint != before
+
+
+def test_validate_fetches_an_uncached_hub_tokenizers_small_files_so_the_plan_and_checks_read_it(tmp_path, monkeypatch):
+    """With the hub reachable, validation fetches a hub tokenizer that is not cached (its small files only, never
+    weights) before it plans: the chat template is read at plan time (`tokenizer:`, not `deferred:`) and the
+    tokenizer is one validation loads to measure lengths, so PPO's prompt-length refusal no longer waits for SFT and
+    the reward model to train. Offline (the suite), or when the hub refuses, nothing changes but a note."""
+    import fnmatch
+
+    import huggingface_hub
+    import yaml
+
+    import align.data.hub as hub
+    from align.config import parse_pipeline
+    from align.orchestrator.inputs import fetch_tokenizer, tokenizer_to_check
+    from align.orchestrator.plan import build_plan
+
+    hub_id = "align-tests/uncached-chat-model"
+    source = _pipeline(tmp_path, hub_id, None)
+    cfg = parse_pipeline(yaml.safe_load(Path(source).read_text()), source)
+    files, _ = build("gpt2", tmp_path / "gpt2")
+    config = json.loads((files / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}"
+    (files / "tokenizer_config.json").write_text(json.dumps(config))
+    cache = tmp_path / "hf-cache"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    asked = []
+
+    def snapshot_download(repo_id, allow_patterns=None, **kw):  # what the hub does: the HF cache's layout
+        asked.append((repo_id, allow_patterns))
+        repo = cache / f"models--{repo_id.replace('/', '--')}"
+        (repo / "refs").mkdir(parents=True)
+        (repo / "refs" / "main").write_text("0" * 40)
+        shutil.copytree(files, repo / "snapshots" / ("0" * 40),
+                        ignore=lambda d, names: [n for n in names if not any(fnmatch.fnmatch(n, p) for p in allow_patterns)])
+        return str(repo / "snapshots" / ("0" * 40))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(hub, "hub_reachable", lambda: False)
+    assert fetch_tokenizer(cfg, source) is None and asked == []  # offline: as before
+    assert build_plan(cfg, source)[0].chat_template.source == f"deferred:{hub_id}"
+    monkeypatch.setattr(hub, "hub_reachable", lambda: True)
+    assert fetch_tokenizer(cfg, source) is None and [a[0] for a in asked] == [hub_id]
+    patterns = asked[0][1]
+    assert not any(fnmatch.fnmatch(w, p) for w in ("model.safetensors", "pytorch_model.bin", "model.gguf")
+                   for p in patterns)
+    assert all(any(fnmatch.fnmatch(f, p) for p in patterns) for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                     "tokenizer.model", "config.json", "merges.txt"))
+    assert build_plan(cfg, source)[0].chat_template.source == f"tokenizer:{hub_id}"
+    assert tokenizer_to_check(cfg, source) == hub_id
+    assert fetch_tokenizer(cfg, source) is None and len(asked) == 1  # cached now: not asked again
+
+    def refused(repo_id, **kw):
+        raise OSError("401 Client Error: gated repo")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", refused)
+    other = _pipeline(tmp_path, "align-tests/gated-model", None)
+    note = fetch_tokenizer(parse_pipeline(yaml.safe_load(Path(other).read_text()), other), other)
+    assert "align-tests/gated-model" in note and "gated repo" in note and "HF_TOKEN" in note

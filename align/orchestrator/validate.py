@@ -27,8 +27,8 @@ from align.data.formats import row_prompt_key
 from align.orchestrator import helper
 from align.orchestrator.estimate import EstimateError, ModelShape, model_sources
 from align.orchestrator.memory import missing_lora_targets
-from align.orchestrator.inputs import (base_model_config, check_model_inputs, resolve_model_paths, tokenizer_name,
-                                       tokenizer_to_check)
+from align.orchestrator.inputs import (base_model_config, check_model_inputs, fetch_tokenizer, resolve_model_paths,
+                                       tokenizer_name, tokenizer_to_check)
 from align.orchestrator.launch import check_accelerate
 from align.orchestrator.plan import StagePlan, build_plan
 from align.core.errors import PipelineError
@@ -61,7 +61,10 @@ def card_loader() -> SplitLoader:
 def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | None = None,
              verbose: bool = True) -> list[StagePlan]:
     """Everything that can be checked without training: graph, cards and their data, stage settings; then, in a
-    helper process, what needs the tokenizer or the model classes."""
+    helper process, what needs the tokenizer or the model classes. A hub tokenizer not cached here is fetched first
+    when the hub answers (its small files: inputs.fetch_tokenizer), so the plan and the checks read it."""
+    if plans is None and (note := fetch_tokenizer(cfg, source)) and verbose:
+        print(f"  warning: {note}")
     plans = plans or build_plan(cfg, source)
     split_of = card_loader()
     problem = flash_attention_problem(cfg.attn_implementation)
