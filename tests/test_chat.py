@@ -346,3 +346,21 @@ def test_sampling_ignores_the_checkpoints_own_generation_settings():
         outs.append(model.generate(**enc, generation_config=GenerationConfig(**{**trl_like, **kwargs})))
     assert not torch.equal(outs[1], outs[0])  # left in, the checkpoint's settings change the samples
     assert torch.equal(outs[2], outs[0])
+
+
+def test_grpo_and_rloo_hand_trl_the_neutral_settings_of_the_loaded_policys_generation_config():
+    """TRL's sampling fills what it is not given from the loaded policy's generation config (a LoRA adapter's is
+    its base model's: no file in the adapter's directory says so), so GRPO and RLOO read that config from the model
+    itself. A setting only None undoes (TRL's GenerationConfig refills None) is named in the manifest."""
+    from types import SimpleNamespace
+
+    from align.stages.online_rl import plain_generation_kwargs
+
+    print(f"seed {SEED}")
+    notes: dict = {}
+    ctx = SimpleNamespace(name="grpo", is_main=False, note=lambda **kw: notes.update(kw))
+    model = tiny_model(chat_tokenizer("chatml"))
+    assert plain_generation_kwargs(ctx, model) is None and notes == {}  # nothing set: nothing to undo
+    model.generation_config.update(repetition_penalty=1.05, top_k=20, temperature=0.7, suppress_tokens=[5])
+    assert plain_generation_kwargs(ctx, model) == {"repetition_penalty": 1.0}  # TRL passes temperature, top_k
+    assert notes == {"generation_config_kept": ["suppress_tokens"]}

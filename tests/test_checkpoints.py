@@ -121,7 +121,8 @@ def test_the_fingerprint_stamp_is_kept_when_it_matches_and_checkpoints_of_anothe
 @pytest.mark.parametrize("keep", [True, False])
 def test_a_completed_stage_keeps_or_drops_its_checkpoints_as_the_pipeline_says(tmp_path, keep):
     """Checkpoints serve only to resume an interrupted attempt: `keep_checkpoints: false` (the 8B pipelines) removes a
-    completed stage's, which at 8B are ~110-220 GB each; the default keeps them. Only the main process removes."""
+    completed stage's, which at 8B are ~110-220 GB each; the default keeps them. Each node's first process removes
+    (a run directory on node-local disks), the others leave them."""
     from types import SimpleNamespace
 
     from align.runtime.process import drop_checkpoints
@@ -129,6 +130,7 @@ def test_a_completed_stage_keeps_or_drops_its_checkpoints_as_the_pipeline_says(t
     checkpoints = tmp_path / "checkpoints"
     (checkpoints / "checkpoint-2").mkdir(parents=True)
     for main in (False, True):
-        ctx = SimpleNamespace(is_main=main, pipeline=SimpleNamespace(keep_checkpoints=keep), checkpoints=checkpoints)
+        ctx = SimpleNamespace(state=SimpleNamespace(is_local_main_process=main),
+                              pipeline=SimpleNamespace(keep_checkpoints=keep), checkpoints=checkpoints)
         drop_checkpoints(ctx)
         assert (checkpoints / "checkpoint-2").is_dir() == (keep or not main)

@@ -129,6 +129,26 @@ def test_eager_attention_keeps_the_scores_that_sdpa_recomputes(tiny_cfg, tiny_sh
     assert sdpa["dpo"].bytes_by_mode["zero3"] < est["dpo"].bytes_by_mode["zero3"]
 
 
+def test_a_left_padded_stage_run_padded_is_estimated_with_the_eager_scores_it_keeps(tiny_cfg, tiny_shapes):
+    """PPO (and GRPO, RLOO) with padding_free: false leave SDPA for eager attention on a GPU (their prompts are
+    left-padded: modeling.compute.leave_sdpa_if_padded), so the estimate counts the scores eager attention keeps;
+    DPO run padded keeps SDPA (its rows are flushed left) and its estimate does not change."""
+    import dataclasses
+
+    from align.orchestrator.estimate import estimate_pipeline
+    from align.orchestrator.hardware import hardware
+
+    def estimate(**padding_free):
+        stages = {n: dataclasses.replace(st, padding_free=padding_free[n]) if n in padding_free else st
+                  for n, st in tiny_cfg.stages.items()}
+        cfg = dataclasses.replace(tiny_cfg, stages=stages)
+        return {e.name: e.parts["zero2"]["activations"]
+                for e in estimate_pipeline(cfg, REPO / "pipelines" / "default.yaml", hardware(cfg), shapes=tiny_shapes)}
+
+    packed, padded = estimate(), estimate(ppo=False, dpo=False)
+    assert padded["ppo"] > packed["ppo"] and padded["dpo"] == packed["dpo"] and padded["sft"] == packed["sft"]
+
+
 def test_hh_recipe_estimate_prints_every_mode_and_fits_the_declared_node(workdir):
     proc = run_align("estimate", "pipelines/hh_rlhf.yaml", cwd=workdir)
     assert proc.returncode == 0, proc.stderr

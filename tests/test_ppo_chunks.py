@@ -31,8 +31,8 @@ def _accelerator():
 
 def test_the_hf_engine_samples_batch_size_prompts_per_call_and_the_chunks_join_row_for_row(tmp_path):
     """64 prompts per process with generation.batch_size 16 were one generate call (4x the KV cache align estimate
-    counts): now the hf engine gets chunks of batch_size, each seeded by its offset, and the joined rollout's rows
-    are the chunks' rows (padding aside) in prompt order; an engine holding its own weights (vllm) gets them all."""
+    counts): now the hf engine gets chunks of batch_size, and the joined rollout's rows are the chunks' rows (padding
+    aside) in prompt order; an engine holding its own weights (vllm) gets them all."""
     from align.config import Generation
     from align.config.ppo import PPOStage
     from align.modeling.models import load_tokenizer
@@ -45,7 +45,7 @@ def test_the_hf_engine_samples_batch_size_prompts_per_call_and_the_chunks_join_r
     prompts = TEXTS  # 3 prompts of different lengths: chunks of 2 and 1, of different widths
     hf = _Recording(tok, holds_own_weights=False)
     joined = rollout(cfg, _accelerator(), hf, prompts, seed=100, pad_id=tok.pad_token_id)
-    assert [(len(p), s) for p, s in hf.calls] == [(2, 100), (1, 102)]
+    assert [len(p) for p, _ in hf.calls] == [2, 1] and hf.calls[0][1] == 100  # the first chunk: the rollout's seed
     alone = [_rollout(tok, [p], [RESPONSES[i]]) for i, p in enumerate(prompts)]
     for i, a in enumerate(alone):
         q, resp = joined.query_mask[i].bool(), joined.response_mask[i].bool()
@@ -85,3 +85,19 @@ def test_scoring_a_mini_batch_at_a_time_equals_scoring_the_whole_rollout(tmp_pat
         for a, b, what in zip(got, (logprobs, values, ref), ("log-probs", "values", "reference")):
             assert a.shape == b.shape and torch.allclose(a[rmask], b[rmask], rtol=1e-5, atol=1e-6), (rows, what)
     assert not torch.allclose(got[0][rmask], got[2][rmask])
+
+
+def test_no_two_chunks_of_any_iteration_or_process_share_a_seed():
+    """Each chunk's sampling stream is its own: over PPO's rollout seeds (seed * 7919 + iteration * world + rank)
+    for 8 processes, 200 iterations and 8 chunks a rollout, every chunk's seed is distinct; the first chunk keeps the
+    rollout's seed (one call's stream, as before chunking)."""
+    from align.stages.ppo.rollouts import chunk_seed
+
+    print("seed", SEED)
+    world, seeds = 8, []
+    for it in range(200):
+        for rank in range(world):
+            rollout_seed = 17 * 7919 + it * world + rank
+            seeds += [chunk_seed(rollout_seed, c) for c in range(8)]
+            assert chunk_seed(rollout_seed, 0) == rollout_seed
+    assert len(set(seeds)) == len(seeds)

@@ -182,9 +182,9 @@ def test_an_unreachable_hub_id_is_a_note_not_an_error(capsys, tmp_path, monkeypa
 
 
 def test_a_hub_tokenizers_own_template_fingerprints_alike_deferred_or_cached(tmp_path, monkeypatch):
-    """Planned before the hub tokenizer is cached (validate and estimate do not download it), its own chat template
-    is `deferred:` and the first stage reads it; planned again after (any resume), it is `tokenizer:` with its
-    text. Both plans give every stage the same fingerprint, so a resume does not rerun SFT and all after it. A
+    """Planned before the hub tokenizer is cached (offline), its own chat template is `deferred:` and the first
+    stage reads it; planned again after (any resume), it is `tokenizer:` with its text, or align's default where
+    the tokenizer ships none. Every such plan gives every stage the same fingerprint, so a resume does not rerun SFT and all after it. A
     local tokenizer's template still fingerprints by its text: editing it reruns the stage that installs it."""
     import yaml
 
@@ -212,6 +212,13 @@ def test_a_hub_tokenizers_own_template_fingerprints_alike_deferred_or_cached(tmp
     resolved = plan()
     assert resolved["sft"].chat_template.source == f"tokenizer:{hub_id}"
     assert {n: p.fingerprint for n, p in resolved.items()} == {n: p.fingerprint for n, p in deferred.items()}
+    own = config.pop("chat_template")  # a hub tokenizer that ships none: align's default, once it is cached
+    (cached / "tokenizer_config.json").write_text(json.dumps(config))
+    default = plan()
+    assert default["sft"].chat_template.source == "shipped:default"
+    assert {n: p.fingerprint for n, p in default.items()} == {n: p.fingerprint for n, p in deferred.items()}
+    config["chat_template"] = own
+    (cached / "tokenizer_config.json").write_text(json.dumps(config))
 
     pipeline = _pipeline(tmp_path, hub_id, str(cached))  # the same files as a local tokenizer directory
     before = plan()["sft"].fingerprint

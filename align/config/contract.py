@@ -154,6 +154,8 @@ class StageBase:
     they must not occur in any `train` stage's cards) or "" (neither)."""
     TRL_FUSED_HEAD: ClassVar[bool] = False
     """Its trained policy's log-probs come from TRL's fused LM head (tiles, never the whole logits: `align estimate`)."""
+    LEFT_PADDED: ClassVar[bool] = False
+    """Trains on left-padded prompts (PPO, GRPO, RLOO): run padded on a GPU, eager attention (modeling.compute)."""
     PRODUCES: ClassVar[str] = ""
     """What the stage publishes: `policy` (a causal LM in model/), `reward_model` (a scalar model in model/),
     `data` (preference pairs in data/) or `report`."""

@@ -24,6 +24,8 @@ class OnlineRLStage(TrainedStage):
     """Group-sampled policy optimisation with a TRL trainer: num_generations completions per prompt, each
     scored, its advantage measured against the others of its group; KL to the starting policy (beta)."""
 
+    LEFT_PADDED: ClassVar[bool] = True
+
     # hf: TRL's own generate; an engine with its own copy that samples token ids (vllm): align/stages/online_rl.py
     ENGINES: ClassVar[tuple[str, ...]] = tuple(n for n in engine_names() if n == DEFAULT_ENGINE or kind(n).token_ids)
     ENGINE_NOTE: ClassVar[str] = ("TRL's trainers hand over prompts as token ids, so an engine other than hf must "

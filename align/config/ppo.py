@@ -65,6 +65,8 @@ class PPOLoraSettings(LoraSettings):
 class PPOStage(StageBase):
     """PPO against a frozen reward model or Python judges, with a KL penalty to the reference (align's own)."""
 
+    LEFT_PADDED: ClassVar[bool] = True
+
     ENGINES: ClassVar[tuple[str, ...]] = engine_names()  # every engine (align/engines/)
     TYPE: ClassVar[str] = "ppo"
     PROMPTS: ClassVar[str] = "train"

@@ -225,7 +225,8 @@ def _probe_packing(cls, config, attn: str) -> bool:
     for field in ("num_local_experts", "num_experts", "n_routed_experts"):
         if isinstance(getattr(small, field, None), int) and getattr(small, field) > 4:
             setattr(small, field, 4)
-            small.num_experts_per_tok = min(getattr(small, "num_experts_per_tok", None) or 1, 4)
+            if isinstance(getattr(small, "num_experts_per_tok", None), int):
+                small.num_experts_per_tok = min(small.num_experts_per_tok, 4)
             if getattr(small, "n_group", None):  # DeepSeek's grouped routing: the groups must divide the experts
                 small.n_group = small.topk_group = 1
     flash = is_flash(attn)

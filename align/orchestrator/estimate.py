@@ -167,7 +167,9 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
     frozen = [h for h in held if not h.trained or lora]
     est.trained_params = trained_params
     est.lora = ("QLoRA" if lora.quantize == "4bit" else "LoRA") if lora else ""
-    eager = attention == "eager"  # else SDPA or flash (auto: transformers picks SDPA)
+    # else SDPA or flash (auto: transformers picks SDPA); a left-padded stage run padded leaves SDPA for eager
+    eager = attention == "eager" or (stage.LEFT_PADDED and not getattr(stage, "padding_free", True)
+                                     and attention in ("auto", "sdpa"))
 
     def fused(h: Held) -> bool:  # a TRL trainer's policy: TRL's fused head holds tiles, never the whole logits
         return stage.TRL_FUSED_HEAD and h.role == "policy"

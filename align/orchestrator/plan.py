@@ -130,14 +130,17 @@ def code_version() -> str:
     return h.hexdigest()[:16]
 
 
-def _fingerprint(plan: StagePlan, cfg: PipelineConfig, inputs: dict[str, str], code: str) -> str:
+def _fingerprint(plan: StagePlan, cfg: PipelineConfig, inputs: dict[str, str], code: str,
+                 hub_tokenizer: str | None = None) -> str:
     stage = {k: v for k, v in to_dict(plan.cfg).items() if k not in NON_SEMANTIC}
     base = {}
     if plan.cfg.starts_from_base():
         base = {"base_model": cfg.base_model, "tokenizer": cfg.tokenizer, "builtin": to_dict(cfg.builtin)}
         ct = plan.chat_template
-        if ct is not None and ct.own and not Path(ct.name).exists():  # a hub tokenizer's own: named by its id alone,
-            base["chat_template"] = f"tokenizer:{ct.name}"  # the same whether it was cached when planned or deferred
+        if ct is not None and hub_tokenizer:  # chat_template null and a hub tokenizer: its own template (align's
+            # default where it ships none) is read at plan time only once cached, so it is named by the tokenizer's
+            # id: a plan made before the tokenizer was cached and one made after fingerprint alike
+            base["chat_template"] = f"own:{hub_tokenizer}"
         elif ct is not None and ct.text is not None:  # its content and masking: editing the .jinja file (or a local
             base["chat_template"] = ct.digest  # tokenizer's) reruns the stage that installs it
             if ct.masking != "markers":
@@ -161,6 +164,7 @@ def build_plan(cfg: PipelineConfig, source: str | Path) -> list[StagePlan]:
         raise PipelineError(f"{source}: {exc}") from None
     paths = resolve_model_paths(cfg, source)
     tokenizer = paths["tokenizer"] or (None if is_builtin(str(paths["base_model"])) else paths["base_model"])
+    hub_tokenizer = tokenizer if tokenizer and cfg.chat_template is None and not Path(tokenizer).exists() else None
     try:  # the one place the pipeline's chat_template is resolved: every stage reads it from its spec
         chat_template = templates.resolve(cfg.chat_template, source, tokenizer)
     except GGUFError as exc:
@@ -191,7 +195,7 @@ def build_plan(cfg: PipelineConfig, source: str | Path) -> list[StagePlan]:
             plan.card_hashes = {fld: load_card(p).content_hash() for fld, p in plan.cards.items()}
         except DataCardError as exc:
             raise PipelineError(f"{source}: stages.{name}: {exc}") from None
-        plan.fingerprint = _fingerprint(plan, cfg, {d: plans[d].fingerprint for d in plan.deps}, code)
+        plan.fingerprint = _fingerprint(plan, cfg, {d: plans[d].fingerprint for d in plan.deps}, code, hub_tokenizer)
     return [plans[n] for n in order]
 
 

@@ -118,9 +118,10 @@ def leave_process_group(code: int) -> int:
 
 
 def drop_checkpoints(ctx: StageContext) -> None:
-    """A completed stage's training checkpoints removed (main process) unless the pipeline keeps them
-    (`keep_checkpoints`): only an interrupted attempt resumes from them."""
-    if ctx.is_main and not ctx.pipeline.keep_checkpoints:
+    """A completed stage's training checkpoints removed (each node's first process: a run directory on node-local
+    disks holds each node's shards) unless the pipeline keeps them (`keep_checkpoints`): only an interrupted attempt
+    resumes from them."""
+    if ctx.state.is_local_main_process and not ctx.pipeline.keep_checkpoints:
         shutil.rmtree(ctx.checkpoints, ignore_errors=True)
 
 

@@ -20,7 +20,8 @@ from align.report.markdown import all_judges, headline, write_report
 from align.config.evaluate import EvaluateStage
 from align.runtime.rows import load_prompts, load_rows
 from align.engines import make_engine
-from align.engines.base import RolloutEngine, all_gather_objects, check_gap, logprob_gap, nan_max
+from align.engines.base import (RolloutEngine, all_gather_objects, check_gap, free_cached_memory, logprob_gap,
+                                nan_max)
 from align.modeling.generation import by_length, longest_prompt, response_logprobs
 from align.modeling.losses import sequence_kl
 from align.judges.pointwise import WeightedJudge, pairwise_accuracy, stage_judge
@@ -120,7 +121,8 @@ def sample_policies(ctx: StageContext, cfg: EvaluateStage, engine: RolloutEngine
         generated += int(sum(lengths))
         del policy
         if not engine.holds_own_weights:  # the hf engine samples from the policy itself: let it go before the next
-            engine.sync_weights(None)  # loads (two 8B policies on one GPU otherwise)
+            engine.sync_weights(None)  # loads (two 8B policies on one GPU otherwise), the reference cycle a compiled
+            free_cached_memory()  # generate() leaves (fast generation: model._compiled_call) collected with it
         samples[name] = {"responses": texts, "kl": kls, "length": lengths, "ref_logprob": ref_sums, "scores": scores}
         if gap is not None:
             gaps[name] = gap

@@ -34,25 +34,21 @@ from align.runtime.context import StageContext, StageError
 from align.runtime.trl import metrics_callback, online_rl_metric_name, padding_free, train_with_resume, training_args
 
 
-def plain_generation_kwargs(ctx: StageContext, path: str) -> dict | None:
-    """TRL's own sampling (`generation.engine: hf`) fills every setting it leaves unset from the policy's
-    generation_config.json: the settings of that file that would change what is sampled, set back to neutral values
-    (modeling.generation.plain_sampling), as TRL's `generation_kwargs`. One whose only neutral value is None cannot be
-    undone that way: named in the manifest (`generation_config_kept`) and the log."""
-    from transformers import GenerationConfig
-
+def plain_generation_kwargs(ctx: StageContext, model) -> dict | None:
+    """TRL's own sampling (`generation.engine: hf`) fills every setting it leaves unset from the loaded policy's
+    generation config (its checkpoint's generation_config.json, or its base model's for a LoRA adapter): the settings
+    of it that would change what is sampled, set back to neutral values (modeling.generation.plain_sampling), as
+    TRL's `generation_kwargs`. One whose only neutral value is None cannot be undone that way: named in the manifest
+    (`generation_config_kept`) and the log."""
     from align.modeling.generation import plain_sampling
 
-    try:
-        own = GenerationConfig.from_pretrained(path)
-    except (OSError, ValueError):  # none shipped: transformers' neutral defaults
-        return None
-    undo = plain_sampling(own)
+    undo = plain_sampling(getattr(model, "generation_config", None))
     if kept := sorted(k for k, v in undo.items() if v is None):
         ctx.note(generation_config_kept=kept)
         if ctx.is_main:
-            print(f"[align] {ctx.name}: {path}'s generation_config.json sets {', '.join(kept)}, which TRL's sampling "
-                  "keeps (remove them from the file to sample from the plain distribution)", flush=True)
+            print(f"[align] {ctx.name}: the policy's generation config sets {', '.join(kept)}, which TRL's sampling "
+                  "keeps (remove them from its generation_config.json to sample from the plain distribution)",
+                  flush=True)
     return {k: v for k, v in undo.items() if v is not None} or None
 
 
@@ -263,9 +259,9 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
                          temperature=gen.temperature, top_k=gen.top_k or 0, top_p=gen.top_p, beta=cfg.beta,
                          num_iterations=cfg.num_iterations, epsilon=cfg.epsilon, reward_weights=weights,
                          disable_dropout=True,  # old and new log-probs agree, as in PPO
-                         trust_remote_code=ctx.pipeline.trust_remote_code, log_completions=False,
-                         generation_kwargs=plain_generation_kwargs(ctx, path), **algorithm_args)
+                         trust_remote_code=ctx.pipeline.trust_remote_code, log_completions=False, **algorithm_args)
     model = ctx.load_lm(path, quantize=cfg.lora.quantize)
+    args.generation_kwargs = plain_generation_kwargs(ctx, model)  # read by the trainer as it starts
     padding_free(ctx, model, left_padded=True)
     rollouts = open_engine(ctx, cfg, tokenizer, path)
     try:

@@ -34,14 +34,20 @@ def rollout(cfg: PPOStage, accelerator, engine: RolloutEngine, prompts: list[str
             pad_id: int | None = None) -> Rollout:
     """Sample one response per prompt through the stage's engine; the hf engine samples in the training precision
     (bf16 autocast when the stage uses it), so the samples are scored by the same numerics that produced them. With
-    `pad_id`, the hf engine takes `generation.batch_size` prompts per call (the KV cache align estimate counts; the
-    chunk at offset i seeded seed + i) and the chunks' rollouts are joined, padded with it; a vllm engine takes them
+    `pad_id`, the hf engine takes `generation.batch_size` prompts per call (the KV cache align estimate counts; each
+    chunk seeded by chunk_seed) and the chunks' rollouts are joined, padded with it; a vllm engine takes them
     all at once and schedules them itself."""
     size = cfg.generation.batch_size if pad_id is not None and not engine.holds_own_weights else len(prompts)
     with torch.no_grad(), accelerator.autocast():
-        parts = [engine.generate(prompts[i:i + size], cfg.generation, seed=seed + i)
+        parts = [engine.generate(prompts[i:i + size], cfg.generation, seed=chunk_seed(seed, i // max(size, 1)))
                  for i in range(0, len(prompts), max(size, 1))]
     return concat_rollouts(parts, pad_id) if len(parts) > 1 else parts[0]
+
+
+def chunk_seed(seed: int, chunk: int) -> int:
+    """The seed of a rollout's chunk: the first keeps the rollout's own (one call's stream, as before chunking); the
+    others get seeds no other chunk of any iteration or process takes (PPO's rollout seeds are below 2**40)."""
+    return seed if chunk == 0 else 2 ** 40 + seed * 1_000_003 + chunk
 
 
 def scored(model, reference, r: Rollout, temperature: float, rows: int, accelerator):
