@@ -236,16 +236,16 @@ def check_tokenizer_files(cfg: PipelineConfig, source: str | Path, paths: dict[s
     return None
 
 
-TOKENIZER_FILES = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+HUB_TOKENIZER_PATTERNS = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 """What `fetch_tokenizer` takes of a hub model repository: the tokenizer's files, its chat template, config.json and
 generation_config.json; never weights."""
 
 
 def fetch_tokenizer(cfg: PipelineConfig, source: str | Path) -> str | None:
     """A hub tokenizer not cached here, fetched into the Hugging Face cache when the hub answers (its small files
-    alone, TOKENIZER_FILES), so that validation measures lengths and renders the chat template before any stage runs
-    (PPO's prompt-length refusal came only after SFT and the reward model had trained), and the plan reads the
-    template instead of leaving it to the first stage. Returns a note when the hub did not give it (a gated model
+    alone, HUB_TOKENIZER_PATTERNS), so that validation measures lengths and renders the chat template before any
+    stage runs (PPO's prompt-length refusal came only after SFT and the reward model had trained), and the plan
+    reads the template instead of leaving it to the first stage. Returns a note when the hub did not give it (a gated model
     without a token, an unknown id), else None."""
     from align.data.hub import hub_reachable
 
@@ -255,7 +255,7 @@ def fetch_tokenizer(cfg: PipelineConfig, source: str | Path) -> str | None:
     try:
         from huggingface_hub import snapshot_download  # light (no torch); only when the hub answers
 
-        snapshot_download(name, allow_patterns=TOKENIZER_FILES)
+        snapshot_download(name, allow_patterns=HUB_TOKENIZER_PATTERNS)
     except Exception as exc:  # gated, unknown, rate-limited: the first stage loads it (and says why) as before
         return (f"{key} '{name}': its tokenizer could not be fetched from the hub ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0][:160] if str(exc) else 'no message'}); for a gated model log in "
