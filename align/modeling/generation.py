@@ -85,6 +85,9 @@ _NEUTRAL = {"num_beams": 1, "num_beam_groups": 1, "penalty_alpha": None, "dola_l
             "diversity_penalty": 0.0, "prompt_lookup_num_tokens": None, "assistant_early_exit": None}
 
 
+_WARPERS = ("min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")  # sampling alone reads them
+
+
 def plain_sampling(own) -> dict:
     """Every setting of a model's own generation config `own` (its checkpoint's generation_config.json: Qwen2.5's
     repetition_penalty 1.05, say; None: none) that would change what `generate` samples, set back to its neutral
@@ -121,7 +124,10 @@ def generate(model, tokenizer, prompts: list[str], gen: Generation, seed: int, m
         extra["cache_implementation"] = "static"
     sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": gen.temperature,
                                                       "top_k": gen.top_k or None, "top_p": gen.top_p}
-    sampling = {**plain_sampling(getattr(model, "generation_config", None)), **sampling}  # ours, not the checkpoint's
+    undo = plain_sampling(getattr(model, "generation_config", None))  # ours, not the checkpoint's
+    if greedy:  # argmax reads no warper (and transformers warns of one that is set)
+        undo = {k: v for k, v in undo.items() if k not in _WARPERS}
+    sampling = {**undo, **sampling}
     out = model.generate(
         input_ids=q_ids, attention_mask=q_mask, **sampling,
         max_new_tokens=gen.max_new_tokens, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,

@@ -56,10 +56,10 @@ def scored(model, reference, r: Rollout, temperature: float, rows: int, accelera
     log-probs and values and the reference's log-probs, each (B, Lr). Every process has as many rows, so ZeRO-3's
     gathers line up."""
     parts = []
-    lq = r.query_ids.size(1)
+    lq, all_ids, all_mask = r.query_ids.size(1), r.input_ids, r.attention_mask  # each property concatenates anew
     with torch.no_grad(), accelerator.autocast():
-        for i in range(0, r.query_ids.size(0), rows):
-            ids, mask = r.input_ids[i:i + rows], r.attention_mask[i:i + rows]
+        for i in range(0, all_ids.size(0), rows):
+            ids, mask = all_ids[i:i + rows], all_mask[i:i + rows]
             logprobs, _, values = model(ids, mask, lq, temperature, with_entropy=False)
             parts.append((logprobs, values, sequence_logprobs(reference, ids, mask, lq, temperature)))
     return tuple(torch.cat(t) for t in zip(*parts))
