@@ -12,7 +12,8 @@ from align.engines import PLUGIN_ERRORS
 from align.orchestrator import packaged
 from align.config import ConfigError, load_pipeline
 from align.data.cards import DataCardError
-from align.orchestrator.estimate import EstimateError, estimate_pipeline, render, too_big
+from align.orchestrator.disk import disk_peak, disk_problem
+from align.orchestrator.estimate import EstimateError, dtype_bytes, estimate_pipeline, render, too_big
 from align.orchestrator.hardware import hardware
 from align.orchestrator.helper import HelperError
 from align.orchestrator.inputs import resolved_once
@@ -149,8 +150,15 @@ def _estimate(cfg, args: argparse.Namespace) -> int:
     except EstimateError as exc:
         raise PipelineError(str(exc)) from None
     print(render(estimates, hw))
+    peak = disk_peak(cfg, estimates, dtype_bytes(cfg.dtype, hw.gpu_memory is not None))
+    if peak is not None:
+        print(f"\nrun directory ({cfg.runs_dir}): ~{peak.bytes / 1e9:,.1f} GB of disk at its peak, during stage "
+              f"'{peak.stage}' (checkpoints {peak.checkpoints / 1e9:,.1f} GB, models {peak.models / 1e9:,.1f} GB; "
+              "align/orchestrator/disk.py)")
     for line in too_big(estimates, hw):
         print(f"[align] does not fit: {line}")
+    if problem := disk_problem(cfg, peak, cfg.runs_dir):  # this machine's disk: perhaps not where the run will go
+        print(f"[align] warning: disk: {problem}")
     return 0
 
 

@@ -22,7 +22,8 @@ from align.orchestrator import warm
 from align.config import PipelineConfig, to_dict
 from align.core.console import stream_stage, tail, verbose
 from align.core.errors import INTERRUPTED, Terminated, interrupt_cause
-from align.orchestrator.estimate import EstimateError, estimate_pipeline, too_big
+from align.orchestrator.disk import disk_peak, disk_problem
+from align.orchestrator.estimate import EstimateError, dtype_bytes, estimate_pipeline, too_big
 from align.orchestrator.hardware import Hardware, hardware
 from align.core.fsutil import atomic_write_json
 from align.orchestrator.inputs import resolve_model_paths
@@ -289,6 +290,10 @@ def memory_preflight(cfg: PipelineConfig, source: str | Path, plans: list[StageP
     except EstimateError as exc:
         print(f"[align] memory preflight skipped: {exc}", flush=True)
         return
+    disk = disk_problem(cfg, disk_peak(cfg, [e for e in estimates if e.name in names], dtype_bytes(cfg.dtype, True)),
+                        cfg.runs_dir)
+    if disk:  # an estimate of checkpoints that may never all be written (a short stage saves none): a warning
+        print(f"[align] warning: disk: {disk}", flush=True)
     problems = too_big(estimates, hw, names)
     if not problems:
         return

@@ -1,0 +1,82 @@
+"""The disk a run directory needs at its peak, before anything is launched: `align estimate` prints it, and `align
+run`'s preflight warns when the run directory's filesystem has less free. Arithmetic from the memory estimate's
+parameter counts (align/orchestrator/estimate.py), not measured:
+
+* a trained stage's checkpoint holds its trained parameters (the adapters alone with LoRA) at 12 bytes each (fp32
+  master weights and two Adam moments under DeepSpeed; fp32 weights and the moments outside it) plus the weights
+  again where they are 16-bit (DeepSpeed's consolidated copy): ~14 bytes a parameter in bf16. `save_total_limit`
+  of them are kept, and one more is on disk while the newest is written before the oldest goes;
+* its published model: the trained models it publishes (not PPO's value model) in the weights' dtype (the adapters
+  alone for LoRA without merge);
+* a completed stage's checkpoints stay unless `keep_checkpoints: false`.
+
+The peak is the largest, over the stages in run order, of every earlier stage's model and kept checkpoints plus this
+stage's checkpoints while it trains and its model."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from align.config import PipelineConfig
+
+
+@dataclass(frozen=True)
+class DiskPeak:
+    bytes: int
+    stage: str  # the stage during which the peak falls
+    checkpoints: int  # of it: checkpoints (that stage's while it trains, and earlier ones kept)
+    models: int  # of it: published models
+
+
+def state_bytes_per_param(weight_bytes: int) -> int:
+    """A checkpoint's bytes per trained parameter: 12 of optimiser state (and fp32 weights), plus a 16-bit copy."""
+    return 12 + (weight_bytes if weight_bytes < 4 else 0)
+
+
+def disk_peak(cfg: PipelineConfig, estimates: list, weight_bytes: int) -> DiskPeak | None:
+    """The run directory's peak over `estimates` (StageEstimate, in run order); None when nothing trains."""
+    per_param = state_bytes_per_param(weight_bytes)
+    done_models = done_checkpoints = 0
+    peak: DiskPeak | None = None
+    for e in estimates:
+        stage = cfg.stages[e.name]
+        trained = [h for h in e.held if h.trained]
+        if not trained:
+            continue
+        states = sum(e.trained_params.get(h.role, h.shape.params) for h in trained) * per_param
+        keep = getattr(stage, "save_total_limit", 1)
+        lora = getattr(stage, "lora", None)
+        unmerged = bool(lora is not None and lora.enabled and not lora.merge)
+        model = sum((e.trained_params[h.role] * 4 if unmerged else h.shape.params * weight_bytes)
+                    for h in trained if h.role != "value")
+        at = DiskPeak(done_models + done_checkpoints + states * (keep + 1) + model, e.name,
+                      done_checkpoints + states * (keep + 1), done_models + model)
+        peak = at if peak is None or at.bytes > peak.bytes else peak
+        done_models += model
+        done_checkpoints += states * keep if cfg.keep_checkpoints else 0
+    return peak
+
+
+def free_bytes(runs_dir: str | Path) -> int:
+    """Free space on the filesystem that holds (or will hold) `runs_dir`."""
+    path = Path(runs_dir).resolve()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def disk_problem(cfg: PipelineConfig, peak: DiskPeak | None, runs_dir: str | Path) -> str | None:
+    """What to say when the run directory's filesystem has less free space than the peak (None: it has enough)."""
+    if peak is None:
+        return None
+    free = free_bytes(runs_dir)
+    if peak.bytes <= free:
+        return None
+    fixes = ["free space or point runs_dir elsewhere", "lower save_total_limit"]
+    if cfg.keep_checkpoints:
+        fixes.insert(1, "set keep_checkpoints: false")
+    return (f"the run directory needs ~{peak.bytes / 1e9:,.0f} GB at its peak (during stage '{peak.stage}': "
+            f"checkpoints {peak.checkpoints / 1e9:,.0f} GB, models {peak.models / 1e9:,.0f} GB) but {runs_dir} has "
+            f"{free / 1e9:,.0f} GB free; " + ", ".join(fixes))
