@@ -364,3 +364,23 @@ def test_grpo_and_rloo_hand_trl_the_neutral_settings_of_the_loaded_policys_gener
     model.generation_config.update(repetition_penalty=1.05, top_k=20, temperature=0.7, suppress_tokens=[5])
     assert plain_generation_kwargs(ctx, model) == {"repetition_penalty": 1.0}  # TRL passes temperature, top_k
     assert notes == {"generation_config_kept": ["suppress_tokens"]}
+
+
+def test_greedy_decoding_undoes_the_checkpoints_repetition_penalty():
+    """Greedy decoding (the engine comparisons) reads the checkpoint's repetition penalty too: undone, the argmax is
+    the plain model's (the sampling warpers, which argmax never reads, are left out: transformers logs each one set)."""
+    import copy
+
+    from align.config import Generation
+    from align.modeling.generation import generate
+
+    print(f"seed {SEED}")
+    tok = chat_tokenizer("chatml")
+    clean = tiny_model(tok)
+    dirty = copy.deepcopy(clean)
+    dirty.generation_config.update(repetition_penalty=5.0, min_p=0.3, typical_p=0.5)
+    prompts = [r["prompt"] for r in as_text([{"prompt": CHAT[:1]}, {"prompt": CHAT[:3]}], tok)]
+    gen = Generation(max_new_tokens=12)
+    want = generate(clean, tok, prompts, gen, seed=SEED, greedy=True)
+    got = generate(dirty, tok, prompts, gen, seed=SEED, greedy=True)
+    assert torch.equal(got.response_ids, want.response_ids)
