@@ -82,30 +82,29 @@ def _revisions_file() -> Path:
     return cache_root() / "hub-revisions.json"
 
 
-def _remembered(hub_id: str, revision: str | None) -> str | None:
+def _known() -> dict:
+    """The commits remembered in align's cache, by `<hub id>@<revision>` ({} when none are, or the file is torn)."""
     import json
 
     try:
         known = json.loads(_revisions_file().read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return revision
-    return known.get(f"{hub_id}@{revision}", revision) if isinstance(known, dict) else revision
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def _remembered(hub_id: str, revision: str | None) -> str | None:
+    return _known().get(f"{hub_id}@{revision}", revision)
 
 
 def _remember(hub_id: str, revision: str | None, sha: str) -> None:
-    import json
-
     from align.core.fsutil import atomic_write_json
 
-    path = _revisions_file()
-    try:
-        known = json.loads(path.read_text(encoding="utf-8"))
-        known = known if isinstance(known, dict) else {}
-    except (OSError, ValueError):
-        known = {}
+    known = _known()
     if known.get(f"{hub_id}@{revision}") == sha:
         return
     try:
+        path = _revisions_file()
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, {**known, f"{hub_id}@{revision}": sha})
     except OSError:

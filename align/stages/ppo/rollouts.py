@@ -37,11 +37,11 @@ def rollout(cfg: PPOStage, accelerator, engine: RolloutEngine, prompts: list[str
     `pad_id`, the hf engine takes `generation.batch_size` prompts per call (the KV cache align estimate counts; each
     chunk seeded by chunk_seed) and the chunks' rollouts are joined, padded with it; a vllm engine takes them
     all at once and schedules them itself."""
-    size = cfg.generation.batch_size if pad_id is not None and not engine.holds_own_weights else len(prompts)
+    size = max(1, cfg.generation.batch_size if pad_id is not None and not engine.holds_own_weights else len(prompts))
     with torch.no_grad(), accelerator.autocast():
-        parts = [engine.generate(prompts[i:i + size], cfg.generation, seed=chunk_seed(seed, i // max(size, 1)))
-                 for i in range(0, len(prompts), max(size, 1))]
-    return concat_rollouts(parts, pad_id) if len(parts) > 1 else parts[0]
+        parts = [engine.generate(prompts[i:i + size], cfg.generation, seed=chunk_seed(seed, i // size))
+                 for i in range(0, len(prompts), size)]
+    return concat_rollouts(parts, pad_id)  # one part: itself
 
 
 def chunk_seed(seed: int, chunk: int) -> int:
