@@ -181,15 +181,22 @@ def test_an_unreachable_hub_id_is_a_note_not_an_error(capsys, tmp_path, monkeypa
     assert "warning: tokenizer 'align-tests/not-a-cached-model' is not cached here" in out
 
 
+def _templated_tokenizer(root: Path) -> tuple[Path, dict]:
+    """A GPT-2 family tokenizer directory whose tokenizer_config.json carries a chat template, and that config."""
+    files, _ = build("gpt2", root)
+    config = json.loads((files / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}"
+    (files / "tokenizer_config.json").write_text(json.dumps(config))
+    return files, config
+
+
 def test_a_hub_tokenizers_own_template_fingerprints_alike_deferred_or_cached(tmp_path, monkeypatch):
     """Planned before the hub tokenizer is cached (offline), its own chat template is `deferred:` and the first
     stage reads it; planned again after (any resume), it is `tokenizer:` with its text, or align's default where
     the tokenizer ships none. Every such plan gives every stage the same fingerprint, so a resume does not rerun SFT and all after it. A
     local tokenizer's template still fingerprints by its text: editing it reruns the stage that installs it."""
-    import yaml
-
     import align.templates as templates
-    from align.config import parse_pipeline
+    from align.config import load_pipeline
     from align.orchestrator.plan import build_plan
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -197,17 +204,11 @@ def test_a_hub_tokenizers_own_template_fingerprints_alike_deferred_or_cached(tmp
     pipeline = _pipeline(tmp_path, hub_id, None)
 
     def plan():
-        return {p.name: p for p in build_plan(parse_pipeline(yaml.safe_load(Path(pipeline).read_text()), pipeline),
-                                              pipeline)}
+        return {p.name: p for p in build_plan(load_pipeline(pipeline), pipeline)}
 
     deferred = plan()
     assert deferred["sft"].chat_template.source == f"deferred:{hub_id}"
-    cached = tmp_path / "hub-cache"
-    base, _ = build("gpt2", tmp_path / "gpt2")
-    shutil.copytree(base, cached)
-    config = json.loads((cached / "tokenizer_config.json").read_text())
-    config["chat_template"] = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}"
-    (cached / "tokenizer_config.json").write_text(json.dumps(config))
+    cached, config = _templated_tokenizer(tmp_path / "hub-cache")
     monkeypatch.setattr(templates, "hub_file", lambda repo, f: str(cached / f) if (cached / f).is_file() else None)
     resolved = plan()
     assert resolved["sft"].chat_template.source == f"tokenizer:{hub_id}"
@@ -235,20 +236,16 @@ def test_validate_fetches_an_uncached_hub_tokenizers_small_files_so_the_plan_and
     import fnmatch
 
     import huggingface_hub
-    import yaml
 
     import align.data.hub as hub
-    from align.config import parse_pipeline
+    from align.config import load_pipeline
     from align.orchestrator.inputs import fetch_tokenizer, tokenizer_to_check
     from align.orchestrator.plan import build_plan
 
     hub_id = "align-tests/uncached-chat-model"
     source = _pipeline(tmp_path, hub_id, None)
-    cfg = parse_pipeline(yaml.safe_load(Path(source).read_text()), source)
-    files, _ = build("gpt2", tmp_path / "gpt2")
-    config = json.loads((files / "tokenizer_config.json").read_text())
-    config["chat_template"] = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}"
-    (files / "tokenizer_config.json").write_text(json.dumps(config))
+    cfg = load_pipeline(source)
+    files, _ = _templated_tokenizer(tmp_path / "gpt2")
     cache = tmp_path / "hf-cache"
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     asked = []
@@ -282,5 +279,5 @@ def test_validate_fetches_an_uncached_hub_tokenizers_small_files_so_the_plan_and
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", refused)
     other = _pipeline(tmp_path, "align-tests/gated-model", None)
-    note = fetch_tokenizer(parse_pipeline(yaml.safe_load(Path(other).read_text()), other), other)
+    note = fetch_tokenizer(load_pipeline(other), other)
     assert "align-tests/gated-model" in note and "gated repo" in note and "HF_TOKEN" in note
