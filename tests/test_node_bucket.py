@@ -47,6 +47,10 @@ def test_each_process_writes_its_partitions_and_every_engine_reads_the_gathered_
     assert r[0]["failed_errors"] and r[1]["failed_errors"] == []  # 0 stopped part-way; 1 finished, not left waiting
     assert any("raised: the engine failed" in e for e in r[0]["refused_errors"])  # raised once all were through
     assert r[1]["refused_errors"] == []
+    # 0's engine timed out part-way and was closed, its node bucket with it: 0 raises the timeout (not an error of
+    # writing into a bucket closed under it) once every process is through, and 1 is not left waiting
+    assert any("raised: the engine did not finish" in e for e in r[0]["timed_out_errors"]), r[0]["timed_out_errors"]
+    assert r[1]["timed_out_errors"] == [] and r[0]["closed_after_timeout"] and not r[1]["closed_after_timeout"]
     assert not r[0]["one_unable"] and not r[1]["one_unable"]  # one process unable: none uses the bucket
     assert r[0]["left_after_refusal"] == []  # and process 0 removed the one it had made
     assert not list(shm.iterdir())  # process 0 removed the bucket at exit

@@ -133,6 +133,7 @@ class NodeBucket(Bucket):
         self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
         self.sent_bytes = self.copied_bytes = 0
         self.loaded = None
+        self._streaming = self._close_pending = False  # `close` during `pieces` waits for its end
 
     def where(self) -> dict:
         return {"path": self.path}
@@ -143,6 +144,15 @@ class NodeBucket(Bucket):
         dist.barrier(group=self.group)
 
     def pieces(self, entries) -> Iterator[tuple[list[tuple], bool]]:
+        self._streaming = True
+        try:
+            yield from self._pieces(entries)
+        finally:
+            self._streaming = False
+            if self._close_pending:
+                self.close()
+
+    def _pieces(self, entries) -> Iterator[tuple[list[tuple], bool]]:
         half = max(1, self.size // 2)
         pending: list[tuple] = []
         used, base, state = 0, 0, {"out": False, "failure": None}
@@ -183,6 +193,15 @@ class NodeBucket(Bucket):
             yield pending, last
 
     def close(self) -> None:
+        """Unmapped (and removed by process 0). Asked during `pieces` (this process's engine timed out in `loaded` and
+        was closed), it waits for the stream's end: the rest is still written and every barrier joined, so the other
+        processes are not left waiting and the engine's timeout is what this process raises."""
+        if self._streaming:
+            self._close_pending = True
+            return
+        self._close_pending = False
+        if self.buffer is None:
+            return
         self.buffer = None
         unmap(self._map)
         if self.lock is not None:

@@ -56,10 +56,11 @@ def engine_reads(path: str, conn, got: dict, errors: list) -> None:
 
 
 def sync(bucket, model, changed_only: bool, reads: bool, stop_after: int | None = None,
-         refuse_after: int | None = None) -> dict | None:
+         refuse_after: int | None = None, closes: bool = False) -> dict | None:
     """One sync through the node's bucket as VLLMEngine._sync_shared makes it; `reads`: this process's engine loads
     it (else it only joins); `stop_after`: this process fails after sending that many chunks and drains the rest (as
-    _sync_shared does on an error); `refuse_after`: the engine's acknowledgement of that chunk is an error."""
+    _sync_shared does on an error); `refuse_after`: the engine's acknowledgement of that chunk is an error, and with
+    `closes` a timeout, where the engine is closed first (its close forgets the node's bucket, as VLLMEngine.close)."""
     if not reads:
         node_bucket.join(bucket, model, changed_only)
         return None
@@ -71,6 +72,9 @@ def sync(bucket, model, changed_only: bool, reads: bool, stop_after: int | None 
     def loaded():  # the engine's acknowledgement of the chunk sent before
         assert trainer.recv() == {"ok": True, "op": "chunk"}
         acks[0] += 1
+        if acks[0] == refuse_after and closes:
+            node_bucket.forget()
+            raise RuntimeError("the engine did not finish in time and was stopped (the probe says so)")
         if acks[0] == refuse_after:
             raise RuntimeError("the engine failed to load a chunk (the probe says so)")
 
@@ -139,6 +143,10 @@ def main(directory: str, out: str) -> None:
     result["refused_errors"] = refused["errors"]
     want = policy_state_for_engine(inner)
     result["after_failure"] = compare(sync(bucket, inner, True, True), want)
+    step()
+    timed_out = sync(bucket, inner, True, True, refuse_after=2 if rank == 0 else None, closes=rank == 0)
+    result["timed_out_errors"] = timed_out["errors"]
+    result["closed_after_timeout"] = bucket.buffer is None  # 0's closed once its stream ended, 1's still open
     node_bucket.forget()  # as at an engine's close: decided again, with process 1 unable to map the new bucket
     if rank == 1:
         def refuse(*args, **kwargs):
