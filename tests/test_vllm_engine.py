@@ -341,3 +341,55 @@ def test_a_sync_leaves_no_cached_prefix_of_the_old_weights(smollm2, tmp_path):
             gap = logprob_gap(r.engine_logprobs, response_logprobs(model, r), r.response_mask)["max"]
     print(f"seed {SEED + 40}: gap after the sync {gap:.2e}")
     assert gap < 1e-3, gap
+
+
+PACK_AGAIN = """
+import os, resource, sys
+import torch
+from vllm import _custom_ops as ops
+sys.path.insert(0, sys.argv[1])
+import align_vllm_worker
+torch.manual_seed(int(sys.argv[3]))
+weights = [torch.randn(49152, 576)] + [torch.randn(3072, 576) for _ in range(4)]  # SmolLM2's head, 4 gate/up layers
+handles = [ops.create_onednn_mm(w.t(), 32) for w in weights]  # as vLLM's CPU backend packs them at start-up
+kept = align_vllm_worker.keep_freed_memory() if sys.argv[2] == "keep" else None
+faults = []
+for _ in range(6):  # an in-place sync each: every handle packed again, the one before freed once replaced
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for i, w in enumerate(weights):
+        handles[i] = ops.create_onednn_mm(w.t(), 32)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(kept, faults)
+"""
+
+
+@pytest.mark.parametrize("user_setting", [False, True])
+def test_an_engine_that_packs_again_each_sync_keeps_the_memory_it_frees(user_setting):
+    """keep_freed_memory (the engine, once it loads in place on a CPU): packing oneDNN handles again sync after sync,
+    as vLLM's CPU backend does, stops faulting fresh pages in once the memory the handles before freed is kept (by
+    glibc's defaults a handle as large as SmolLM2's head is mapped anew every time: 27,648 page faults a sync). A
+    user's own malloc setting wins: nothing is changed then."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    env.update({"MALLOC_ARENA_MAX": "4"} if user_setting else {})
+    runs = {}
+    for how in ("keep", "default"):
+        out = subprocess.run([vllm_python(), "-c", PACK_AGAIN, str(Path(align_vllm_worker_dir())), how, str(SEED)],
+                             capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        kept, faults = out.stdout.strip().splitlines()[-1].split(" ", 1)
+        runs[how] = (kept, [int(f) for f in faults.strip("[]").split(",")])
+    print(f"seed {SEED}", runs)
+    head_pages = 49152 * 576 * 4 // 4096
+    assert min(runs["default"][1]) >= head_pages  # the head alone, mapped anew each time
+    if user_setting:
+        assert runs["keep"][0] == "False" and min(runs["keep"][1]) >= head_pages
+    else:
+        # from the fourth sync on: until then each new handle is larger than any freed block (an aligned one asks
+        # for its size and the alignment), and the kept blocks join up
+        assert runs["keep"][0] == "True" and max(runs["keep"][1][3:]) < head_pages // 4, runs["keep"]
+
+
+def align_vllm_worker_dir() -> Path:
+    return Path(__file__).resolve().parents[1] / "align" / "engines" / "vllm_side"

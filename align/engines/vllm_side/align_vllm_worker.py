@@ -193,6 +193,35 @@ def keep_cpu_weights() -> bool:
     return True
 
 
+KEEP_FREED = ((-1, 2 ** 31 - 1), (-2, 2 ** 30), (-3, 2 ** 25))
+"""glibc's mallopt settings (malloc.h: M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD) for an engine that loads in
+place on a CPU: nothing freed is given back to the system (below 2 GiB at the heap's top), the heap grows in 1 GiB
+steps of address space (not memory) and blocks up to 32 MiB are never mapped apart."""
+
+
+def keep_freed_memory() -> bool:
+    """Each in-place sync packs every linear layer's oneDNN handle again and frees the old one; by default glibc gives
+    such large blocks back to the system, so the next sync faults as much memory in again (SmolLM2: 27,649 page faults
+    a sync for its head alone). Kept, a sync packs into memory the last one freed (measured: packing 0.15-0.17 s a sync
+    against 0.21-0.22; docs/benchmarks.md). Not where the user set glibc's malloc variables, nor outside glibc. Returns
+    whether all three were taken."""
+    import ctypes
+    import os
+
+    if any(k.startswith("MALLOC_") for k in os.environ) or "malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt, malloc, free = libc.mallopt, libc.malloc, libc.free
+    except (OSError, AttributeError):
+        return False
+    if not all([mallopt(option, value) == 1 for option, value in KEEP_FREED]):
+        return False
+    malloc.restype, free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    free(malloc(KEEP_FREED[2][1] - 2 ** 16))  # the heap's next growth takes the 1 GiB pad: larger blocks fit in it
+    return True
+
+
 def in_place_problem(model) -> str | None:
     """Why weights cannot be loaded into `model` in place (None: they can). In place means vLLM's weight loaders copy
     into the live parameters and each touched layer is processed again after loading: right only where that
@@ -287,6 +316,8 @@ class WeightSync:
         model = self.model_runner.get_model()
         if not hasattr(self, "_align_in_place"):
             self._align_in_place = in_place_problem(model) or ""
+            if not self._align_in_place and next(model.parameters()).device.type == "cpu":
+                keep_freed_memory()
         if self._align_in_place:
             return {"tensors": self._align_load(bucket_tensors(conn, bucket), partial=partial),
                     "in_place": self._align_in_place, "process_seconds": None}
