@@ -375,7 +375,7 @@ def test_an_engine_that_packs_again_each_sync_keeps_the_memory_it_frees(user_set
     env.update({"MALLOC_ARENA_MAX": "4"} if user_setting else {})
     runs = {}
     for how in ("keep", "default"):
-        out = subprocess.run([vllm_python(), "-c", PACK_AGAIN, str(Path(align_vllm_worker_dir())), how, str(SEED)],
+        out = subprocess.run([vllm_python(), "-c", PACK_AGAIN, str(align_vllm_worker_dir()), how, str(SEED)],
                              capture_output=True, text=True, env=env, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         kept, faults = out.stdout.strip().splitlines()[-1].split(" ", 1)
