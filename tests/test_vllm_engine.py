@@ -23,7 +23,7 @@ import torch
 from align.config import Generation
 from align.engines.vllm_env import check_vllm_installed, vllm_python
 from align.engines import EngineError
-from align.engines.base import logprob_gap
+from align.engines.base import logprob_gap, release
 from align.engines.hf import HFEngine
 from align.modeling.generation import response_logprobs
 from align.engines.vllm import VLLMEngine
@@ -156,6 +156,36 @@ def test_full_weight_sync_including_the_tied_head(engine, smollm2):
         assert engine.last_sync["in_place"] == "", engine.last_sync  # vLLM's weight loaders, not reload_weights
         assert engine.last_sync["host_tensors"] == entries and not engine.last_sync["host_problem"], engine.last_sync
     assert engine.describe()["sync_load"] == "in place"
+
+
+def shared_maps(pid: int | str) -> int:
+    """How many of a process's mappings are storages torch moved into shared memory (weight_sync: shared)."""
+    return sum("/dev/shm/torch_" in line for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
+
+
+def test_a_dropped_policy_is_let_go_by_both_sides_at_release(engine, smollm2):
+    """evaluate drops each policy once sampled and calls base.release: the storages the engine mapped (weight_sync:
+    shared) are unmapped on both sides then, not at the next sync, which comes after the next policy has loaded (two
+    policies in memory at once before). The next policy still syncs in full and samples as the trainer would."""
+    import gc
+
+    _, tok = smollm2
+    first, _ = load(smollm2_dir())
+    perturb(first, SEED + 50)
+    engine.sync_weights(first)
+    assert engine.last_sync["host_tensors"] > 0 and shared_maps(engine.proc.pid) > 0 and shared_maps("self") > 0
+    del first
+    gc.collect()
+    assert shared_maps("self") > 0  # held for the engine until it is told
+    release(engine)
+    gc.collect()
+    assert shared_maps(engine.proc.pid) == 0 and shared_maps("self") == 0
+    second, _ = load(smollm2_dir())
+    perturb(second, SEED + 51)
+    engine.sync_weights(second)
+    assert engine.last_sync["host_new"] == engine.last_sync["host_tensors"] > 0  # every weight, mapped anew
+    gap, same = agree(engine, second, tok, SEED + 51)
+    assert gap < 1e-3 and same, gap
 
 
 def test_an_engine_without_kept_weights_reloads_and_still_samples_the_policy(smollm2, tmp_path):

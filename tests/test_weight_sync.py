@@ -457,3 +457,46 @@ def test_sharing_stays_within_the_open_file_budget_sync_after_sync(tmp_path, eng
         assert len(host.refs) + len(through) == len(state) and all(torch.equal(got[k], v) for k, v in state.items())
     assert opened == [3, 0, 0, 0]
     bucket.close()
+
+
+def test_a_dropped_chunk_leaves_no_descriptor_in_the_connection(tmp_path):
+    """A stream that failed on the engine's side before it read its last chunk (the bucket would not open, say): the
+    trainer had already sent that chunk and passed the descriptors of its weights after it. The engine drops the
+    chunk and reads the descriptors too, so the next request (the close) is read whole; before, its bytes were read
+    from the middle of theirs and the engine waited for a message that never came."""
+    import os
+
+    trainer_end, engine_end = Pipe()
+    files = [open(tmp_path / f"w{i}", "wb") for i in range(2)]
+    chunk = {"op": "chunk", "last": True, "pieces": [], "refs": [], "files": {1: 8, 2: 8}, "new": [1, 2]}
+    trainer_end.send(chunk)
+    for f in files:
+        send_handle(trainer_end, f.fileno(), 0)
+    trainer_end.send({"op": "close"})
+    got, opened = [], len(os.listdir("/proc/self/fd"))
+    assert align_vllm_server.handle(None, engine_end, engine_end.recv()) is None
+    t = threading.Thread(target=lambda: got.append(engine_end.recv()), daemon=True)
+    t.start()
+    t.join(10)
+    assert got == [{"op": "close"}]
+    assert len(os.listdir("/proc/self/fd")) <= opened  # the descriptors read were closed, not kept
+    for f in files:
+        f.close()
+
+
+def test_a_bucket_made_again_at_the_same_path_is_opened_again(tmp_path):
+    """The engine opens the trainer's bucket once and keeps it while the trainer names the same one; a bucket the
+    trainer made again at the same path and size (after CUDA IPC failed, say) is another file: the engine maps the
+    new one, not the unlinked file it had (whose old bytes it would have loaded as the new weights)."""
+    import os
+
+    path = tmp_path / "bucket"
+    msg = {"op": "stream", "path": str(path), "size": 16}
+    path.write_bytes(bytes(range(16)))
+    first = align_vllm_server.bucket(msg)
+    assert align_vllm_server.bucket(msg) is first and first[3].item() == 3  # kept while it is the same file
+    os.unlink(path)
+    path.write_bytes(bytes([7] * 16))
+    again = align_vllm_server.bucket(msg)
+    assert again is not first and again.tolist() == [7] * 16
+    align_vllm_server._BUCKETS.clear()

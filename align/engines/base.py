@@ -34,7 +34,8 @@ class RolloutEngine(Protocol):
 
     def sync_weights(self, model) -> float: ...
 
-    # an engine that can free its memory while the policy trains (generation.sleep) has sleep() (see `rest`)
+    # an engine that can free its memory while the policy trains (generation.sleep) has sleep() (see `rest`), one
+    # that maps the caller's weights where they lie has release() (see `release`)
     # engines that hold their own weights also sample prompts already tokenised (TRL's GRPO and RLOO hold ids):
     # generate_ids(query_ids, query_mask, gen, seed, greedy=False) -> Rollout (align/stages/online_rl.py)
 
@@ -47,6 +48,15 @@ def rest(engine) -> None:
     sleep = getattr(engine, "sleep", None)
     if callable(sleep):
         sleep()
+
+
+def release(engine) -> None:
+    """The caller drops the policy it synced last: an engine that maps that policy's weights where they lie (vLLM's
+    with weight_sync: shared, on a CPU) lets them go now, not at its next sync (which comes after the next policy has
+    loaded: two policies in host memory and /dev/shm at once)."""
+    let_go = getattr(engine, "release", None)
+    if callable(let_go):
+        let_go()
 
 
 def free_cached_memory() -> None:

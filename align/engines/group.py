@@ -29,7 +29,7 @@ import time
 from typing import Callable
 
 from align.engines import EngineError
-from align.engines.base import all_gather_objects as _all_gather, free_cached_memory
+from align.engines.base import all_gather_objects as _all_gather, free_cached_memory, release
 from align.engines.placement import Placement
 
 
@@ -172,6 +172,11 @@ class GroupEngine:
         seconds = time.perf_counter() - t0
         self.sync_seconds.append(seconds)
         return seconds
+
+    def release(self) -> None:
+        """base.release: the starter's engine maps the starter's storages only; the others hold none."""
+        if self.rank == self.owner:
+            release(self.engine)
 
     def sleep(self) -> None:
         """generation.sleep: once every process has sampled (an all-gather: every process calls this at the same

@@ -21,7 +21,7 @@ from align.config.evaluate import EvaluateStage
 from align.runtime.rows import load_prompts, load_rows
 from align.engines import make_engine
 from align.engines.base import (RolloutEngine, all_gather_objects, check_gap, free_cached_memory, logprob_gap,
-                                nan_max)
+                                nan_max, release)
 from align.modeling.generation import by_length, longest_prompt, response_logprobs
 from align.modeling.losses import sequence_kl
 from align.judges.pointwise import WeightedJudge, pairwise_accuracy, stage_judge
@@ -120,6 +120,7 @@ def sample_policies(ctx: StageContext, cfg: EvaluateStage, engine: RolloutEngine
             ctx.progress((i + 1) * len(prompts), total, policy=name)
         generated += int(sum(lengths))
         del policy
+        release(engine)  # an engine that maps the policy's weights lets them go before the next policy loads
         if not engine.holds_own_weights:  # the hf engine samples from the policy itself: let it go before the next
             engine.sync_weights(None)  # loads (two 8B policies on one GPU otherwise), the reference cycle a compiled
             free_cached_memory()  # generate() leaves (fast generation: model._compiled_call) collected with it

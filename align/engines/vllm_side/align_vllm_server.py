@@ -6,26 +6,26 @@ multiprocessing connection on a Unix socket (authkey from ALIGN_VLLM_AUTHKEY, ne
 request is a dict with "op", every reply a dict with "ok" (and "error" with the traceback when not ok):
 
   init      {model, dtype, max_model_len, seed, kv_cache_gib, gpu_memory_utilization[, enforce_eager, lora_rank,
-            keep_weights, clients, tensor_parallel_size]} (lora_rank: vLLM's LoRA support on, for adapters of that rank
-            or less; keep_weights, default on: on a CPU the linear layers keep their weights beside vLLM's packed
-            copies, so syncs load in place; clients: the processes the engine serves, the parent included: the others
-            connect after init and may only generate; tensor_parallel_size: vLLM's, on that many GPUs; sleep: vLLM's
-            sleep mode on: `sleep` {} puts it to sleep; a sync wakes its weights, a generate all of it)
+            keep_weights, clients, tensor_parallel_size, sleep]}: lora_rank, vLLM's LoRA support up to that rank;
+            keep_weights (on): a CPU engine's linear layers keep their weights beside vLLM's packed copies, to load
+            syncs in place; clients: the processes served, the parent's included (the others connect after init, to
+            generate only); sleep: vLLM's sleep mode (`sleep` {}; a sync wakes its weights, a generate all of it)
   generate  {prompts: [[token ids]], temperature, top_k, top_p, max_tokens, stop_token_ids[, greedy]}
             -> {outputs: [{token_ids, logprobs}]}  (the sampled tokens' log-probs, after temperature)
-  load      {path: a safetensors file of the full model state} -> {tensors, seconds}; the file is deleted once
-            read (loaded or not), so a parent killed mid-sync leaves no copy of the weights in /dev/shm
+  load      {path: a safetensors file of the whole model} -> {tensors, seconds}; the file deleted once read (loaded
+            or not): a parent killed mid-sync leaves no copy of the weights in /dev/shm
   stream    {path: the bucket in /dev/shm (a file of `size` bytes) | cuda: {uuid, args} of the bucket on the trainer's
             GPU (a CUDA IPC handle), size, partial} -> {tensors, seconds, in_place, process_seconds}; in
             between, the parent sends `chunk` messages {pieces, last} and each is answered {ok, op: chunk} once its
             pieces are loaded into the model in place or copied out of the bucket (align_vllm_worker.stream_chunks,
             bucket_tensors); in_place is "" or why the weights were reloaded instead; a chunk outside a stream (the
-            rest of one that failed) is dropped unanswered
+            rest of one that failed) is dropped unanswered, the descriptors passed after it read and closed
   lora      {path: a peft adapter directory, id} -> {seconds}: the adapter later generates apply (the last one deleted)
   join      {path, backend, timeout_s} -> {}: join the trainer's process group of two (weight_sync: broadcast) at
             its file store; a stream with {broadcast: true} then takes its bucket's bytes from the trainer's
             broadcast after each chunk message that says how many ({broadcast: bytes}), once it has answered
             {ok, op: ready} (it waits in the broadcast then)
+  release   {} -> {}: the trainer's storages mapped by syncs with weight_sync: shared let go (it drops its policy)
   close     answered once every other process has disconnected; then the engine exits
 
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): weights reach the worker as tensors, not lists, and
@@ -35,7 +35,10 @@ the engine uses this process's threads. Seeds: only LLM(seed=...) (a per-request
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import shutil
+import signal
 import sys
 import time
 import traceback
@@ -182,6 +185,11 @@ def handle(llm, conn, msg: dict) -> dict | None:
         if op == "init":
             llm, reply = start(msg)
             return {"ok": True, "llm": llm, **reply}
+        import align_vllm_worker  # the engine's side of syncs (start imported it)
+
+        if op == "release":
+            align_vllm_worker.HOST.clear()
+            return {"ok": True}
         if op == "sleep":  # generation.sleep: level 1, the weights to host memory, the KV cache dropped
             if len(_ASLEEP) < 2:  # asleep: nothing; half awake (a sync since): vLLM puts the weights back to sleep
                 llm.sleep(level=1)
@@ -200,8 +208,6 @@ def handle(llm, conn, msg: dict) -> dict | None:
             reply = {"tensors": counts[0], "seconds": time.perf_counter() - t0}
         elif op == "stream":
             t0 = time.perf_counter()
-            import align_vllm_worker
-
             align_vllm_worker.CHANNEL = (conn, bucket(msg))
             align_vllm_worker.RECEIVE = align_vllm_worker.receive if msg.get("broadcast") else None
             try:
@@ -211,14 +217,11 @@ def handle(llm, conn, msg: dict) -> dict | None:
                 release_cached(msg)
             reply = {**counts[0], "seconds": time.perf_counter() - t0}
         elif op == "lora":
-            import align_vllm_worker
-
             reply = align_vllm_worker.load_adapter(llm, msg)
         elif op == "join":
-            import align_vllm_worker
-
             reply = align_vllm_worker.join_group(msg)
         elif op == "chunk":  # the rest of a stream that failed: its error was the stream's reply
+            align_vllm_worker.drop_handles(conn, msg)
             return None
         else:
             raise ValueError(f"unknown op {op!r}")
@@ -235,8 +238,9 @@ _BUCKETS: dict = {}
 def bucket(msg: dict):
     """The trainer's bucket as a uint8 tensor, opened once per bucket: the file at msg["path"] in /dev/shm mapped, or
     the trainer's GPU buffer opened from its CUDA IPC handle (msg["cuda"])."""
-    size = msg["size"]
-    key = (msg.get("path"), repr(msg["cuda"]["args"]) if msg.get("cuda") else None, size, bool(msg.get("broadcast")))
+    size, path = msg["size"], msg.get("path")  # a file by its identity: one made again at the same path is another
+    key = (path, os.stat(path)[1:3] if path else None, repr(msg["cuda"]["args"]) if msg.get("cuda") else None, size,
+           bool(msg.get("broadcast")))
     if _BUCKETS.get("key") != key:
         import torch
 
@@ -361,8 +365,6 @@ def clean_up(address: str) -> None:
     folder = os.path.dirname(os.path.abspath(address))
     if not os.path.basename(folder).startswith("align-vllm-"):
         return
-    import shutil
-
     for name in ("sock", "weights.safetensors", "weights.safetensors.tmp", "bucket"):
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(folder, name))
@@ -377,8 +379,6 @@ def exit_with_parent() -> None:
     """Linux: SIGTERM when the training process that started this engine dies (prctl PR_SET_PDEATHSIG), turned into
     SystemExit, so clean_up still runs: an engine busy in a long generate would otherwise read the EOF of its dead
     parent's socket only when it finishes."""
-    import ctypes
-    import signal
 
     def stop(signum, frame):
         raise SystemExit(143)

@@ -136,6 +136,17 @@ def host_views(conn, refs, files: dict, new) -> list:
     return out
 
 
+def drop_handles(conn, msg: dict) -> None:
+    """A chunk of a stream that failed before it was read, dropped: the file descriptors the trainer passed after it
+    (its last, with weights read where they lie) are read and closed, or the connection's next message would be read
+    from the middle of their bytes."""
+    import os
+    from multiprocessing.reduction import recv_handle
+
+    for _ in msg.get("new", ()) if msg.get("last") and "files" in msg else ():
+        os.close(recv_handle(conn))
+
+
 def _done_with_chunk(conn, bucket: torch.Tensor, building: dict, last: bool) -> None:
     """Tell the trainer it may fill the bucket again; after the last chunk, no tensor may be incomplete."""
     if bucket.is_cuda:  # the copies out must land before the trainer refills the bucket
