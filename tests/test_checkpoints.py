@@ -122,15 +122,19 @@ def test_the_fingerprint_stamp_is_kept_when_it_matches_and_checkpoints_of_anothe
 def test_a_completed_stage_keeps_or_drops_its_checkpoints_as_the_pipeline_says(tmp_path, keep):
     """Checkpoints serve only to resume an interrupted attempt: `keep_checkpoints: false` (the 8B pipelines) removes a
     completed stage's, which at 8B are ~110-220 GB each; the default keeps them. Each node's first process removes
-    (a run directory on node-local disks), the others leave them."""
+    (a run directory on node-local disks), the others leave them; all of them only once every process is through
+    the main process's writing the stage completed (a barrier, reached with the checkpoints still there)."""
     from types import SimpleNamespace
 
     from align.runtime.process import drop_checkpoints
 
     checkpoints = tmp_path / "checkpoints"
     (checkpoints / "checkpoint-2").mkdir(parents=True)
+    waited = []
     for main in (False, True):
-        ctx = SimpleNamespace(state=SimpleNamespace(is_local_main_process=main),
-                              pipeline=SimpleNamespace(keep_checkpoints=keep), checkpoints=checkpoints)
+        state = SimpleNamespace(is_local_main_process=main,
+                                wait_for_everyone=lambda: waited.append((checkpoints / "checkpoint-2").is_dir()))
+        ctx = SimpleNamespace(state=state, pipeline=SimpleNamespace(keep_checkpoints=keep), checkpoints=checkpoints)
         drop_checkpoints(ctx)
         assert (checkpoints / "checkpoint-2").is_dir() == (keep or not main)
+    assert waited == ([] if keep else [True, True])

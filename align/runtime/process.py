@@ -120,8 +120,13 @@ def leave_process_group(code: int) -> int:
 def drop_checkpoints(ctx: StageContext) -> None:
     """A completed stage's training checkpoints removed (each node's first process: a run directory on node-local
     disks holds each node's shards) unless the pipeline keeps them (`keep_checkpoints`): only an interrupted attempt
-    resumes from them."""
-    if ctx.state.is_local_main_process and not ctx.pipeline.keep_checkpoints:
+    resumes from them. Once every process is past the main process's writing the stage completed: another node's
+    first process must not remove what a completion that fails or is interrupted (W&B's finish, a full disk, the
+    job's time limit) would resume from."""
+    if ctx.pipeline.keep_checkpoints:
+        return
+    ctx.state.wait_for_everyone()
+    if ctx.state.is_local_main_process:
         shutil.rmtree(ctx.checkpoints, ignore_errors=True)
 
 
