@@ -372,3 +372,30 @@ def test_a_hub_revision_resolved_once_is_remembered_when_the_hub_cannot_be_asked
     assert hub.resolved_revision("org/data1", "main") == "c0ffee1"
     assert hub.resolved_revision("org/data2", None) is None  # another dataset, never resolved
     assert json.loads((tmp_path / "cache" / "hub-revisions.json").read_text()) == {"org/data1@main": "c0ffee1"}
+
+
+def test_revisions_remembered_at_the_same_moment_are_all_kept(tmp_path, monkeypatch):
+    """Runs sharing align's cache (a sweep) or a run's processes resolving other datasets at once: each adds its
+    commit to the one file of remembered revisions, and none drops another's (each read is slowed here so that
+    every writer reads before any has written: without the lock only one commit would be left)."""
+    import threading
+    import time
+
+    import align.data.hub as hub
+
+    monkeypatch.setenv("ALIGN_CACHE", str(tmp_path / "cache"))
+    known = hub._known
+
+    def slow_known():
+        found = known()
+        time.sleep(0.05)
+        return found
+
+    monkeypatch.setattr(hub, "_known", slow_known)
+    writers = [threading.Thread(target=hub._remember, args=(f"org/data{i}", "main", f"sha{i}")) for i in range(6)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(30)
+    kept = json.loads((tmp_path / "cache" / "hub-revisions.json").read_text())
+    assert kept == {f"org/data{i}@main": f"sha{i}" for i in range(6)}, kept

@@ -98,14 +98,19 @@ def _remembered(hub_id: str, revision: str | None) -> str | None:
 
 
 def _remember(hub_id: str, revision: str | None, sha: str) -> None:
+    """Add one commit to the remembered ones: read, added to and written again under a lock on a file beside them,
+    so that runs (or a run's processes) resolving other datasets at the same moment do not drop each other's."""
+    import fcntl
+
     from align.core.fsutil import atomic_write_json
 
-    known = _known()
-    if known.get(f"{hub_id}@{revision}") == sha:
+    if _known().get(f"{hub_id}@{revision}") == sha:
         return
     try:
         path = _revisions_file()
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path, {**known, f"{hub_id}@{revision}": sha})
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            atomic_write_json(path, {**_known(), f"{hub_id}@{revision}": sha})
     except OSError:
         pass  # a read-only cache: asked again next time
