@@ -57,6 +57,36 @@ def test_the_hf_engine_samples_batch_size_prompts_per_call_and_the_chunks_join_r
     assert [(len(p), s) for p, s in own.calls] == [(3, 100)]
 
 
+def test_a_rollouts_chunks_share_one_gather_of_the_policy(tmp_path):
+    """The hf engine prepares the policy for each generate through its `context` (under ZeRO-3 with gather: whole, a
+    gather of the whole policy, 16 GB at 8B): a rollout's chunks now share one (base.holding), not one a chunk; a
+    generate outside a rollout still prepares it itself."""
+    from align.config import Generation
+    from align.config.ppo import PPOStage
+    from align.engines.hf import HFEngine
+    from align.modeling.models import load_causal_lm, load_tokenizer
+    from align.stages.ppo.rollouts import rollout
+
+    print("seed", SEED)
+    base, tok_dir = build("llama", tmp_path / "llama", seed=SEED)
+    tok = load_tokenizer(str(tok_dir))
+    model = load_causal_lm(str(base)).eval()
+    entered = []
+
+    @contextlib.contextmanager
+    def gathered():
+        entered.append(1)
+        yield model
+
+    gen = Generation(batch_size=2, max_new_tokens=3)
+    cfg = PPOStage(type="ppo", policy="sft", reward="reward", prompts="p.yaml", generation=gen)
+    engine = HFEngine(None, tok, context=gathered)
+    r = rollout(cfg, _accelerator(), engine, TEXTS * 2, seed=SEED, pad_id=tok.pad_token_id)  # 3 chunks of 2
+    assert r.query_ids.size(0) == 6 and len(entered) == 1
+    engine.generate(TEXTS, gen, seed=SEED)
+    assert len(entered) == 2
+
+
 def test_scoring_a_mini_batch_at_a_time_equals_scoring_the_whole_rollout(tmp_path):
     """Step 3 in chunks of rows (the mini-batch): the policy's log-probs and values and the reference's log-probs
     equal one forward over the whole rollout (fp32), whatever the chunk."""

@@ -35,7 +35,8 @@ class RolloutEngine(Protocol):
     def sync_weights(self, model) -> float: ...
 
     # an engine that can free its memory while the policy trains (generation.sleep) has sleep() (see `rest`), one
-    # that maps the caller's weights where they lie has release() (see `release`)
+    # that maps the caller's weights where they lie has release() (see `release`), one that prepares the caller's
+    # model for each generate has holding() (see `holding`)
     # engines that hold their own weights also sample prompts already tokenised (TRL's GRPO and RLOO hold ids):
     # generate_ids(query_ids, query_mask, gen, seed, greedy=False) -> Rollout (align/stages/online_rl.py)
 
@@ -48,6 +49,15 @@ def rest(engine) -> None:
     sleep = getattr(engine, "sleep", None)
     if callable(sleep):
         sleep()
+
+
+def holding(engine):
+    """Several generates in a row (PPO's rollout in chunks): an engine that prepares the caller's model for each (the
+    hf engine under ZeRO-3 gathers the policy whole) prepares it once for all of them; for the others nothing."""
+    from contextlib import nullcontext
+
+    hold = getattr(engine, "holding", None)
+    return hold() if callable(hold) else nullcontext()
 
 
 def release(engine) -> None:

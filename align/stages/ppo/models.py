@@ -85,10 +85,10 @@ def prepare_frozen(model, accelerator):
 @contextmanager
 def policy_for_generation(model, accelerator, gather: str = "whole"):
     """The policy, ready for `generate` (or a weight sync). Under ZeRO-3 with `gather: whole` the policy's weights,
-    and only the policy's (not the value model's or head's), are gathered once per rollout batch and DeepSpeed's
-    forward hooks are taken off for the duration (as TRL's unwrap_model_for_generation does): with the hooks on,
-    every decoding step is a collective, and a process whose samples all end early would leave the others waiting
-    forever. With `gather: layers` nothing is gathered here: the hooks fetch one layer at a time and the caller
+    and only the policy's (not the value model's or head's), are gathered once per rollout (all of its chunks: the
+    engine's `holding`) and DeepSpeed's forward hooks are taken off for the duration (as TRL's
+    unwrap_model_for_generation does): with the hooks on, every decoding step is a collective, and a process whose
+    samples all end early would leave the others waiting forever. With `gather: layers` nothing is gathered here: the hooks fetch one layer at a time and the caller
     samples with synced_gpus (every process steps until all are done)."""
     unwrapped = accelerator.unwrap_model(model)
     if not is_zero3(accelerator) or gather == "layers":

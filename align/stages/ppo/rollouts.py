@@ -8,7 +8,7 @@ import torch
 from align.config.ppo import PPOStage
 from align.data.lengths import DROPS_LONG_PROMPTS, enforce
 from align.engines import make_engine
-from align.engines.base import RolloutEngine, rest
+from align.engines.base import RolloutEngine, holding, rest
 from align.modeling.generation import Rollout, concat_rollouts, sequence_logprobs
 from align.runtime.context import StageContext
 from align.judges.pointwise import WeightedJudge, check_same_tokenizer
@@ -38,7 +38,7 @@ def rollout(cfg: PPOStage, accelerator, engine: RolloutEngine, prompts: list[str
     chunk seeded by chunk_seed) and the chunks' rollouts are joined, padded with it; a vllm engine takes them
     all at once and schedules them itself."""
     size = max(1, cfg.generation.batch_size if pad_id is not None and not engine.holds_own_weights else len(prompts))
-    with torch.no_grad(), accelerator.autocast():
+    with torch.no_grad(), accelerator.autocast(), holding(engine):  # under ZeRO-3 the policy gathered once, not a chunk
         parts = [engine.generate(prompts[i:i + size], cfg.generation, seed=chunk_seed(seed, i // size))
                  for i in range(0, len(prompts), size)]
     return concat_rollouts(parts, pad_id)  # one part: itself
