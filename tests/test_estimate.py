@@ -149,6 +149,33 @@ def test_a_left_padded_stage_run_padded_is_estimated_with_the_eager_scores_it_ke
     assert padded["ppo"] > packed["ppo"] and padded["dpo"] == packed["dpo"] and padded["sft"] == packed["sft"]
 
 
+def test_a_family_that_cannot_pack_is_estimated_with_the_eager_scores_it_keeps(tiny_cfg, tiny_shapes, tmp_path):
+    """A family whose forwards cannot run padding-free (OPT: its forward passes no positions to the mask builder)
+    runs PPO padded, which leaves SDPA for eager on a GPU as padding_free: false does: the helper says which families
+    pack (the probe of align/modeling/packing.py on a one-layer copy) and the estimate counts eager's scores for them."""
+    import dataclasses
+
+    from families import build
+
+    from align.modeling.shapes import shapes
+    from align.orchestrator.estimate import estimate_pipeline
+    from align.orchestrator.hardware import hardware
+
+    assert tiny_shapes["lm"].packs and tiny_shapes["scalar"].packs  # the builtin Llama
+    opt, _ = build("opt", tmp_path / "opt")
+    answer = shapes(str(opt), None, None, {}, False, "test")
+    assert answer["shapes"]["lm"]["packs"] is False and answer["shapes"]["scalar"]["packs"] is False
+
+    def ppo(cfg, shaped):
+        return {e.name: e for e in estimate_pipeline(cfg, REPO / "pipelines" / "default.yaml", hardware(cfg),
+                                                     shapes=shaped)}["ppo"].parts["zero2"]["activations"]
+
+    unpackable = {k: dataclasses.replace(v, packs=False) for k, v in tiny_shapes.items()}
+    stages = {n: dataclasses.replace(st, padding_free=False) if n == "ppo" else st for n, st in tiny_cfg.stages.items()}
+    padded = ppo(dataclasses.replace(tiny_cfg, stages=stages), tiny_shapes)
+    assert ppo(tiny_cfg, unpackable) == padded > ppo(tiny_cfg, tiny_shapes)
+
+
 def test_hh_recipe_estimate_prints_every_mode_and_fits_the_declared_node(workdir):
     proc = run_align("estimate", "pipelines/hh_rlhf.yaml", cwd=workdir)
     assert proc.returncode == 0, proc.stderr

@@ -4,7 +4,8 @@ validation's LoRA-target check, which do their arithmetic without torch (align/o
 
 The answer is plain JSON: per model kind (`lm`, the causal LM; `scalar`, a reward / value model on the same
 backbone) its parameter count, largest layer, width, depth, heads, vocabulary, every linear layer by name with
-(in, out) features, the output head's name, and whether it is a scalar model.
+(in, out) features, the output head's name, whether it is a scalar model, and whether it runs padding-free with SDPA
+(a probe on a one-layer copy, align/modeling/packing.py).
 """
 
 from __future__ import annotations
@@ -75,5 +76,9 @@ def shapes(base_model: str, base_model_config: str | None, tokenizer: str | None
     except (ValueError, ImportError, KeyError, TypeError, OSError) as exc:  # e.g. an architecture transformers
         return {"error": f"{source}: base_model '{base_model}': its shapes cannot be built here "  # builds no
                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"}  # scalar head for
-    return {"shapes": {"lm": shape_of(lm), "scalar": shape_of(scalar)}}
+    from align.modeling.packing import packing_works
+
+    lm.config._attn_implementation = scalar.config._attn_implementation = "sdpa"  # what `auto` trains with
+    return {"shapes": {"lm": {**shape_of(lm), "packs": packing_works(lm)},
+                       "scalar": {**shape_of(scalar), "packs": packing_works(scalar)}}}
 

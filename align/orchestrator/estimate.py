@@ -146,12 +146,13 @@ def dtype_bytes(dtype: str, on_gpu: bool) -> int:
     return _DTYPE_BYTES["bfloat16" if on_gpu else "float32"] if dtype == "auto" else _DTYPE_BYTES[dtype]
 
 
-def runs_eager(stage, attention: str) -> bool:
+def runs_eager(stage, attention: str, packs: bool = True) -> bool:
     """Whether the stage's trained models keep eager attention's scores: `attn_implementation: eager`, or a
-    left-padded stage (PPO, GRPO, RLOO) run padded, which leaves SDPA for eager on a GPU (modeling.compute); else
-    SDPA or flash (auto: transformers picks SDPA), which never keep them."""
-    return attention == "eager" or (stage.LEFT_PADDED and not getattr(stage, "padding_free", True)
-                                    and attention in ("auto", "sdpa"))
+    left-padded stage (PPO, GRPO, RLOO) run padded (`padding_free: false`, or a family that cannot pack: `packs`),
+    which leaves SDPA for eager on a GPU (modeling.compute); else SDPA or flash (auto: transformers picks SDPA),
+    which never keep them."""
+    padded = not getattr(stage, "padding_free", True) or not packs
+    return attention == "eager" or (stage.LEFT_PADDED and padded and attention in ("auto", "sdpa"))
 
 
 def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], shapes: dict[str, ModelShape],
@@ -175,7 +176,7 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
     frozen = [h for h in held if not h.trained or lora]
     est.trained_params = trained_params
     est.lora = ("QLoRA" if lora.quantize == "4bit" else "LoRA") if lora else ""
-    eager = runs_eager(stage, attention)
+    eager = runs_eager(stage, attention, packs=all(h.shape.packs for h in trained))
 
     def fused(h: Held) -> bool:  # a TRL trainer's policy: TRL's fused head holds tiles, never the whole logits
         return stage.TRL_FUSED_HEAD and h.role == "policy"

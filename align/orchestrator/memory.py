@@ -34,6 +34,8 @@ class ModelShape:
     """The output head's module name (lm_head, embed_out, score): never quantized; a scalar model trains a copy."""
     scalar: bool = False
     """A reward / value model (with LoRA its head is trained whole)."""
+    packs: bool = True
+    """Whether the family's forwards can run padding-free with SDPA (align/modeling/packing.py packing_works)."""
 
 
 def model_state_bytes(mode: str, params: int, largest_layer: int, gpus: int) -> int:
