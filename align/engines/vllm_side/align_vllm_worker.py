@@ -212,19 +212,21 @@ steps of address space (not memory) and blocks up to 32 MiB are never mapped apa
 
 def keep_freed_memory() -> bool:
     """Each in-place sync packs every linear layer's oneDNN handle again and frees the old one; by default glibc gives
-    such large blocks back to the system, so the next sync faults as much memory in again (SmolLM2: 27,649 page faults
-    a sync for its head alone). Kept, a sync packs into memory the last one freed (measured: packing 0.15-0.17 s a sync
-    against 0.21-0.22; docs/benchmarks.md). Not where the user set glibc's malloc variables, nor outside glibc. Returns
-    whether all three were taken."""
+    such large blocks back to the system, and the next sync faults them in again (SmolLM2: 27,649 page faults a sync
+    for its head alone). Kept, a sync packs into memory the last one freed (packing 0.14-0.18 s a sync against
+    0.22-0.23: docs/benchmarks.md). Not where the user set glibc's malloc variables, outside glibc, or under strict
+    overcommit (which would count the 1 GiB pad as memory taken). Returns whether it was done."""
     import ctypes
     import os
 
-    if any(k.startswith("MALLOC_") for k in os.environ) or "malloc" in os.environ.get("GLIBC_TUNABLES", ""):
-        return False
     try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            strict = f.read().strip() == "2"
         libc = ctypes.CDLL(None)
         mallopt, malloc, free = libc.mallopt, libc.malloc, libc.free
     except (OSError, AttributeError):
+        return False
+    if strict or any(k.startswith("MALLOC_") for k in os.environ) or "malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     if not all([mallopt(option, value) == 1 for option, value in KEEP_FREED]):
         return False
