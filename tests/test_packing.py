@@ -477,6 +477,24 @@ def test_the_packing_probe_of_a_mixture_of_experts_builds_few_narrow_experts():
     assert built and built[0] < 1_000_000, built  # 64 experts x 3 x 1024 x 64 alone would be 12.6M
 
 
+def test_a_mixture_of_experts_whose_router_logits_cannot_be_unpacked_does_not_pack(monkeypatch):
+    """The packing probe asks a mixture of experts for its router logits too: a family giving them in a layout the
+    unpacking does not know cannot pack (its stages then run padded from the start, with eager attention where
+    they are left-padded on a GPU, as the estimate counts), instead of packing until TRL's auxiliary loss asks for
+    them and then falling back to the padded forward under SDPA."""
+    from transformers import MixtralModel
+
+    import align.modeling.packing as packing
+
+    cfg = _moe_config("mixtral")
+    assert packing._probe_packing(MixtralModel, cfg, "sdpa")
+    monkeypatch.setattr(packing, "_router_layout_known", lambda logits, tokens: False)
+    assert not packing._probe_packing(MixtralModel, cfg, "sdpa")
+    monkeypatch.undo()
+    assert packing._router_layout_known([torch.zeros(5, 4)] * 2, 5)
+    assert not packing._router_layout_known([torch.zeros(5, 4), torch.zeros(1, 5, 4)], 5)
+
+
 def test_router_logits_of_an_unknown_layout_a_cache_or_padding_free_off_keep_the_padded_forward(monkeypatch):
     """Router logits in a layout the unpacking does not know send the call to the padded forward; a call with a
     cache, or a stage with padding_free: false (the stage's switch), is not packed."""

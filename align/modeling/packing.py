@@ -243,6 +243,11 @@ def _probe_packing(cls, config, attn: str) -> bool:
             alone = run(second, torch.tensor([[0, 1]], device=device))
             packed = run(both, torch.tensor([[0, 1, 2, 0, 1]], device=device))
             joined = run(both, torch.arange(5, device=device)[None])
+            if hasattr(small, "output_router_logits"):  # a mixture of experts: its router logits must unpack too, or
+                routed = probe(input_ids=both, position_ids=torch.tensor([[0, 1, 2, 0, 1]], device=device),  # TRL's
+                               use_cache=False, output_router_logits=True)  # auxiliary loss would run it padded
+                if not _router_layout_known(getattr(routed, "router_logits", None) or (), both.numel()):
+                    return False
     except Exception as exc:  # a family the probe cannot build or run: padded, as before
         import logging
 
@@ -366,10 +371,15 @@ def _unpack_router_logits(out, p: Packed) -> bool:
     logits = getattr(out, "router_logits", None)
     if not logits:
         return True
-    if not all(r.dim() == 2 and r.size(0) == p.ids.numel() for r in logits):
+    if not _router_layout_known(logits, p.ids.numel()):
         return False
     out.router_logits = tuple(p.unpack(r.view(*p.ids.shape, -1)).flatten(0, 1) for r in logits)
     return True
+
+
+def _router_layout_known(logits, tokens: int) -> bool:
+    """Whether every layer's router logits are (tokens, experts), the layout `_unpack_router_logits` unpacks."""
+    return all(r.dim() == 2 and r.size(0) == tokens for r in logits)
 
 
 def _asks_router_logits(kwargs: dict, base) -> bool:
