@@ -487,7 +487,10 @@ def test_a_mixture_of_experts_whose_router_logits_cannot_be_unpacked_does_not_pa
     import align.modeling.packing as packing
 
     cfg = _moe_config("mixtral")
-    assert packing._probe_packing(MixtralModel, cfg, "sdpa")
+    known, seen = packing._router_layout_known, []
+    monkeypatch.setattr(packing, "_router_layout_known", lambda logits, tokens: seen.append(len(logits)) or known(
+        logits, tokens))
+    assert packing._probe_packing(MixtralModel, cfg, "sdpa") and seen == [1]  # the probe's one layer's logits checked
     monkeypatch.setattr(packing, "_router_layout_known", lambda logits, tokens: False)
     assert not packing._probe_packing(MixtralModel, cfg, "sdpa")
     monkeypatch.undo()

@@ -147,10 +147,12 @@ class VLLMEngine(EngineClient):
     def release(self) -> None:
         """Hold none of the caller's storages (base.release): those the engine maps (weight_sync: shared) are let go
         on both sides, so a policy the caller drops is freed now; the next sync of any model sends every weight."""
-        if self._held and self.conn is not None and self.proc.poll() is None and not self.broken:
-            self._call({"op": "release"}, "release", self.timeout_s)
-        self._held.clear()
-        self._synced = None
+        try:
+            if self._held and self.conn is not None and self.proc.poll() is None and not self.broken:
+                self._call({"op": "release"}, "release", self.timeout_s)
+        finally:
+            self._held.clear()
+            self._synced = None
 
     def _sync_file(self, model) -> int:
         """The whole state as a safetensors file in /dev/shm, reloaded by the engine (deleted once read)."""

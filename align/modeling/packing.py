@@ -213,25 +213,25 @@ def _probe_packing(cls, config, attn: str) -> bool:
         composite = True
     if composite:  # a vision tower beside the text model (Gemma 3): a copy would be full-size (the shrink below
         return False  # reaches only top-level fields): padded, as before
-    small = copy.deepcopy(config)  # one layer, a 64-token vocabulary, a narrow MLP: what masks is left as it is
-    small.num_hidden_layers = 1
-    if getattr(small, "layer_types", None):
-        small.layer_types = small.layer_types[:1]
-    if getattr(small, "vocab_size", None):
-        small.vocab_size, small.pad_token_id = 64, None
-    for field in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
-        if getattr(small, field, None):  # a mixture of experts' too: 128 full-width experts are GBs per process
-            setattr(small, field, 64)
-    for field in ("num_local_experts", "num_experts", "n_routed_experts"):
-        if isinstance(getattr(small, field, None), int) and getattr(small, field) > 4:
-            setattr(small, field, 4)
-            if isinstance(getattr(small, "num_experts_per_tok", None), int):
-                small.num_experts_per_tok = min(small.num_experts_per_tok, 4)
-            if getattr(small, "n_group", None):  # DeepSeek's grouped routing: the groups must divide the experts
-                small.n_group = small.topk_group = 1
     flash = is_flash(attn)
     device = torch.device("cuda") if flash and torch.cuda.is_available() else torch.device("cpu")
-    try:
+    try:  # the shrink too: a config (remote code) may refuse a field's new value
+        small = copy.deepcopy(config)  # one layer, a 64-token vocabulary, a narrow MLP: what masks is left as it is
+        small.num_hidden_layers = 1
+        if getattr(small, "layer_types", None):
+            small.layer_types = small.layer_types[:1]
+        if getattr(small, "vocab_size", None):
+            small.vocab_size, small.pad_token_id = 64, None
+        for field in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+            if getattr(small, field, None):  # a mixture of experts' too: 128 full-width experts are GBs per process
+                setattr(small, field, 64)
+        for field in ("num_local_experts", "num_experts", "n_routed_experts"):
+            if isinstance(getattr(small, field, None), int) and getattr(small, field) > 4:
+                setattr(small, field, 4)
+                if isinstance(getattr(small, "num_experts_per_tok", None), int):
+                    small.num_experts_per_tok = min(small.num_experts_per_tok, 4)
+                if getattr(small, "n_group", None):  # DeepSeek's grouped routing: the groups must divide the experts
+                    small.n_group = small.topk_group = 1
         with torch.device(device):
             probe = cls(small).to(torch.bfloat16 if flash else torch.float32).eval()
         probe.config._attn_implementation = attn

