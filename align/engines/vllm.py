@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -127,8 +128,6 @@ class VLLMEngine(EngineClient):
         gathered a layer at a time, a collective every process joins) into the engine. The first sync of a model
         sends every weight, later ones of the same model only those computed from parameters that train. Returns the
         seconds it took; `sync_bytes` records the bytes moved."""
-        import weakref
-
         self._make_room("weights")
         t0 = time.perf_counter()
         changed_only = self._synced is not None and self._synced() is model
