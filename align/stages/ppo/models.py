@@ -88,8 +88,9 @@ def policy_for_generation(model, accelerator, gather: str = "whole"):
     and only the policy's (not the value model's or head's), are gathered once per rollout (all of its chunks: the
     engine's `holding`) and DeepSpeed's forward hooks are taken off for the duration (as TRL's
     unwrap_model_for_generation does): with the hooks on, every decoding step is a collective, and a process whose
-    samples all end early would leave the others waiting forever. With `gather: layers` nothing is gathered here: the hooks fetch one layer at a time and the caller
-    samples with synced_gpus (every process steps until all are done)."""
+    samples all end early would leave the others waiting forever. With `gather: layers` nothing is gathered here:
+    the hooks fetch one layer at a time and the caller samples with synced_gpus (every process steps until all are
+    done)."""
     unwrapped = accelerator.unwrap_model(model)
     if not is_zero3(accelerator) or gather == "layers":
         yield unwrapped.policy
