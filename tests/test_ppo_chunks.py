@@ -87,6 +87,39 @@ def test_a_rollouts_chunks_share_one_gather_of_the_policy(tmp_path):
     assert len(entered) == 2
 
 
+def test_the_heldout_kl_rollouts_share_one_gather_of_the_policy(tmp_path):
+    """The held-out KL (every iteration) samples its prompts generation.batch_size at a time, one rollout a chunk:
+    under ZeRO-3 with gather: whole each was a gather of the whole policy (16 GB at 8B); now all of an iteration's
+    share one (base.holding around them), and the KL is measured on every prompt."""
+    from align.config import Generation
+    from align.config.ppo import PPOStage
+    from align.engines.hf import HFEngine
+    from align.modeling.models import load_causal_lm, load_scalar_model, load_tokenizer
+    from align.stages.ppo.budget import heldout_kl
+    from align.stages.ppo.models import PolicyAndValue
+
+    print("seed", SEED)
+    torch.manual_seed(SEED)
+    base, tok_dir = build("llama", tmp_path / "llama", seed=SEED)
+    tok = load_tokenizer(str(tok_dir))
+    model = PolicyAndValue(load_causal_lm(str(base)), load_scalar_model(str(base), tok.pad_token_id)).eval()
+    reference = load_causal_lm(str(base)).eval()
+    entered = []
+
+    @contextlib.contextmanager
+    def gathered():
+        entered.append(1)
+        yield model.policy
+
+    cfg = PPOStage(type="ppo", policy="sft", reward="reward", prompts="p.yaml",
+                   generation=Generation(batch_size=2, max_new_tokens=3))
+    accelerator = SimpleNamespace(autocast=contextlib.nullcontext, num_processes=1, process_index=0,
+                                  gather=lambda t: t)
+    kl = heldout_kl(cfg, accelerator, HFEngine(None, tok, context=gathered), model, reference, TEXTS * 2,
+                    seed=SEED, where="iteration 1")
+    assert kl.n == 6 and len(entered) == 1  # 3 rollouts of 2 prompts, one gather
+
+
 def test_scoring_a_mini_batch_at_a_time_equals_scoring_the_whole_rollout(tmp_path):
     """Step 3 in chunks of rows (the mini-batch): the policy's log-probs and values and the reference's log-probs
     equal one forward over the whole rollout (fp32), whatever the chunk."""

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from align.config.ppo import PPOStage
-from align.engines.base import RolloutEngine, across_processes, check_rollout, rest
+from align.engines.base import RolloutEngine, across_processes, check_rollout, holding, rest
 from align.modeling.generation import response_logprobs
 from align.modeling.losses import sequence_kl
 from align.runtime.context import StageContext, StageError
@@ -121,8 +121,10 @@ def heldout_kl(cfg: PPOStage, accelerator, engine: RolloutEngine, model, referen
     n = max(world, len(heldout) // world * world)
     mine = [heldout[i % len(heldout)] for i in range(n)][rank::world]
     kls = []
-    rollouts = [rollout(cfg, accelerator, engine, mine[start:start + cfg.generation.batch_size],
-                        seed=seed + start * world + rank) for start in range(0, len(mine), cfg.generation.batch_size)]
+    with holding(engine):  # under ZeRO-3 the policy gathered once for every chunk, not once a chunk
+        rollouts = [rollout(cfg, accelerator, engine, mine[start:start + cfg.generation.batch_size],
+                            seed=seed + start * world + rank)
+                    for start in range(0, len(mine), cfg.generation.batch_size)]
     rest(engine)  # generation.sleep: asleep before any model computes (align estimate counts it so)
     for r in rollouts:
         with torch.no_grad(), accelerator.autocast():

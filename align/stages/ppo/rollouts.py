@@ -105,8 +105,9 @@ def fit_reward_scale(ctx: StageContext, cfg: PPOStage, accelerator, engine: Roll
     order = torch.randperm(len(prompts), generator=g).tolist()
     picked = [prompts[order[i % len(prompts)]] for i in range(n)][rank::world]
     starts = range(0, len(picked), cfg.generation.batch_size)
-    rollouts = [rollout(cfg, accelerator, engine, picked[start:start + cfg.generation.batch_size],
-                        seed=ctx.seed * 31 + start * world + rank) for start in starts]
+    with holding(engine):  # under ZeRO-3 the policy gathered once for every chunk, not once a chunk
+        rollouts = [rollout(cfg, accelerator, engine, picked[start:start + cfg.generation.batch_size],
+                            seed=ctx.seed * 31 + start * world + rank) for start in starts]
     rest(engine)  # generation.sleep: asleep before any model computes (align estimate counts it so)
     scores = [scorer.score_rollout(r, picked[start:start + cfg.generation.batch_size], tokenizer)
               for start, r in zip(starts, rollouts)]
