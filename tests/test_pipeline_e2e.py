@@ -436,4 +436,4 @@ def test_a_third_engine_from_outside_align_samples_for_ppo_and_evaluate(private)
     evaluate = json.loads((run / "report" / "metrics.json").read_text())
     assert evaluate["eval/engine"] == "copy"
     assert all(0 <= evaluate[f"eval/{p}/logprob_gap_max"] < 1e-3 for p in ("sft", "ppo", "dpo")), evaluate
-    assert (run / "evaluate" / "engine.log").read_text().count("sync") >= 3  # one per policy
+    assert (run / "evaluate" / "engine.rank0.log").read_text().count("sync") >= 3  # one per policy

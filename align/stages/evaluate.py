@@ -47,7 +47,8 @@ def sample_with_kl(engine: RolloutEngine, policy, reference, tokenizer, prompts:
 
     Over several processes (`rank` of `world`), each samples every world-th batch of the same length-sorted batches
     with the same seeds as one process would, and the results are gathered: every process returns all of them, the
-    same as one process at the same seed."""
+    same as one process at the same seed with an engine that takes a seed per call (hf); one seeded once (vllm)
+    draws from a stream of its own on each process."""
     n = len(prompts)
     texts, kls, lengths, ref_sums = [""] * n, [0.0] * n, [0.0] * n, [0.0] * n
     scores = {name: [0.0] * n for name in judges or {}}
@@ -209,10 +210,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if cfg.reward:
         judges["reward_model"] = stage_judge(ctx, cfg.reward)
     max_model_len = longest_prompt(tokenizer, prompts) + cfg.generation.max_new_tokens + 1
+    rank = ctx.state.process_index  # an engine seeded once (vllm) gets a stream of its own on each process
     engine = make_engine(cfg.generation, model=reference, tokenizer=tokenizer, model_dir=ref_path,
-                         fast=ctx.compute.fast_generation(cfg.generation.fast), seed=ctx.seed,
-                         dtype=ctx.compute.engine_dtype(), max_model_len=max_model_len, log_path=ctx.dir / "engine.log",
-                         device=ctx.compute.device)
+                         fast=ctx.compute.fast_generation(cfg.generation.fast), seed=ctx.seed + 1_000_003 * rank,
+                         dtype=ctx.compute.engine_dtype(), max_model_len=max_model_len,
+                         log_path=ctx.dir / f"engine.rank{rank}.log", rank=rank, device=ctx.compute.device)
     with closing(engine):
         ctx.note_engine(engine)
         samples, seconds, generated, gaps = sample_policies(ctx, cfg, engine, reference, tokenizer, prompts, judges)
