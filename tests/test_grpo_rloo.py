@@ -250,3 +250,40 @@ def test_validate_accepts_them_as_policies_and_checks_batches_and_lengths(kind):
                                             r"stages\.preferences\.generation\.max_new_tokens=32, "
                                             r"stages\.evaluate\.generation\.max_new_tokens=32"):
         validate(cfg, source, verbose=False)
+
+
+def test_an_engine_that_returns_no_logprobs_of_its_own_is_refused_by_name():
+    """TRL's rollout_func requires the engine's log-probs of its samples (and align checks them against the policy):
+    an engine with its own copy that returns none stops the stage with an EngineError naming the engine and the fix,
+    not a TypeError from slicing None."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from align.config.grpo import GRPOStage
+    from align.engines import EngineError
+    from align.modeling.generation import Rollout
+    from align.stages.online_rl import EngineRollouts
+
+    seed = 5
+    print("seed", seed)
+    g = torch.Generator().manual_seed(seed)
+
+    class NoLogprobs:
+        name, holds_own_weights, log_path = "nolp", True, None
+
+        def sync_weights(self, model):
+            return 0.0
+
+        def generate_ids(self, q_ids, q_mask, gen, seed, greedy=False):
+            resp = torch.randint(3, 60, (q_ids.size(0), 4), generator=g)
+            return Rollout(q_ids, q_mask, resp, torch.ones_like(resp), torch.zeros(q_ids.size(0), dtype=torch.bool))
+
+    ctx = SimpleNamespace(name="grpo", seed=seed, state=SimpleNamespace(process_index=0), note_engine=lambda *a, **k: None)
+    cfg = GRPOStage(type="grpo", policy="sft", prompts="p.yaml")
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(unwrap_model=lambda m: m), model=torch.nn.Linear(2, 2),
+                              state=SimpleNamespace(global_step=0))
+    rollouts = EngineRollouts(ctx, cfg, NoLogprobs(), tokenizer=None)
+    q = torch.randint(3, 60, (2, 5), generator=g)
+    with pytest.raises(EngineError, match="'nolp' returned no log-probs.*generation.engine: hf"):
+        rollouts.sample(q, torch.ones_like(q), trainer)

@@ -29,7 +29,8 @@ class EngineKind:
     stage's own model."""
     token_ids: bool = False
     """Samples prompts given as token ids (`generate_ids(query_ids, query_mask, gen, seed, greedy)`), as TRL's GRPO
-    and RLOO hold them: what those stage types need of an engine with its own copy (align/stages/online_rl.py)."""
+    and RLOO hold them, and returns its own log-probs of its samples (`engine_logprobs`, which TRL's rollout_func
+    requires): what those stage types need of an engine with its own copy (align/stages/online_rl.py)."""
     adapters: bool = False
     """Applies a LoRA policy's adapters itself (`generation.lora_sync: adapter`: started with `lora_rank`, synced
     with the adapters alone)."""

@@ -127,6 +127,7 @@ class EngineRollouts:
         """One round: sync if an optimiser step passed, sample (B, Lq) left-padded prompt ids, check the first rows."""
         import torch  # heavy: stage processes only
 
+        from align.engines import EngineError
         from align.engines.base import across_processes, check_rollout, rest
         from align.modeling.generation import response_logprobs
 
@@ -143,6 +144,10 @@ class EngineRollouts:
         # vLLM's CPU sampler takes none: each process's engine was started with a seed of its own)
         seed = (self.ctx.seed * 7919 + self.rounds) * 1009 + self.ctx.state.process_index
         r = self.engine.generate_ids(q_ids, q_mask, self.cfg.generation, seed=seed)
+        if r.engine_logprobs is None:  # TRL's rollout_func requires them, and the check below compares them
+            raise EngineError(f"stage '{self.ctx.name}': generation.engine '{self.engine.name}' returned no log-probs "
+                              "of its own samples; GRPO and RLOO on an engine with its own copy of the policy need them "
+                              "(EngineKind.token_ids); use generation.engine: hf, or make the engine return them")
         rest(self.engine)  # generation.sleep: the engine frees its memory before any model computes, while it trains
         n = min(CHECKED_ROWS, q_ids.size(0))  # the same count on every process: a forward under ZeRO-3 is collective
         head = type(r)(r.query_ids[:n], r.query_mask[:n], r.response_ids[:n], r.response_mask[:n], r.eos_found[:n],
