@@ -67,3 +67,47 @@ def test_pairs_that_render_identically_through_the_template_are_dropped_or_refus
         check_length(tok, "p.yaml", False, "stages.dpo.data", "dpo", rule, rows, 512, 0.5)
     rows[7]["rejected"] = [{"role": "assistant", "content": "No 7."}]  # 1 of 150: dropped by the stage, passes
     check_length(tok, "p.yaml", False, "stages.dpo.data", "dpo", rule, rows, 512, 0.5)
+
+
+def test_the_policy_is_freed_before_a_pairwise_judge_loads(tmp_path, monkeypatch):
+    """A local pairwise judge loads a model of its own onto the GPU once sampling is done: the policy (held by the hf
+    engine, itself held by the stage's closing(engine) until its block ended) must be gone by then, or an 8B policy
+    and an 8B judge share one GPU. The judge sees no live policy and every prompt's samples."""
+    import contextlib
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    import torch
+
+    from align.config import Generation
+    from align.modeling.models import load_causal_lm, load_tokenizer
+    from align.stages import preferences
+    from families import TEXTS, build
+
+    seed = 13
+    print("seed", seed)
+    torch.manual_seed(seed)
+    base, tok_dir = build("llama", tmp_path / "llama", seed=seed)
+    tok = load_tokenizer(str(tok_dir))
+    loaded = []
+
+    def load_lm(path, device=False, frozen=False):
+        loaded.append(weakref.ref(model := load_causal_lm(path)))
+        return model
+
+    seen = []
+
+    def judge_pairwise(ctx, cfg, records):
+        gc.collect()
+        seen.append(([ref() is None for ref in loaded], len(records)))
+
+    monkeypatch.setattr(preferences, "judge_pairwise", judge_pairwise)
+    compute = SimpleNamespace(fast_generation=lambda fast: False, engine_dtype=lambda: "float32",
+                              autocast=contextlib.nullcontext, device=torch.device("cpu"))
+    ctx = SimpleNamespace(load_lm=load_lm, compute=compute, seed=seed, dir=tmp_path, progress=lambda *a: None,
+                          state=SimpleNamespace(process_index=0, num_processes=1), note_engine=lambda e: None)
+    cfg = SimpleNamespace(generation=Generation(batch_size=4, max_new_tokens=3), judge=None, samples_per_prompt=2,
+                          pairwise=object())
+    records, _, _ = preferences.sample_records(ctx, cfg, tok, list(TEXTS), str(base))
+    assert seen == [([True], len(TEXTS))] and all(len(r["responses"]) == 2 for r in records)

@@ -22,6 +22,7 @@ from typing import Any
 from align.config.preferences import PreferencesStage
 from align.runtime.rows import load_prompts
 from align.engines import holds_own_copy, make_engine
+from align.engines.base import free_cached_memory
 from align.modeling.generation import by_length, longest_prompt, sample_texts
 from align.judges.pointwise import stage_judge
 from align.modeling.models import load_tokenizer
@@ -112,10 +113,10 @@ def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts:
                 records.append({"index": idx, "prompt": prompt, "responses": texts[j * n:(j + 1) * n],
                                 "scores": scores[j * n:(j + 1) * n]})
         ctx.progress(len(mine), len(mine))
-        engine.close()
-        if cfg.pairwise is not None:
-            del policy, engine
-            judge_pairwise(ctx, cfg, records)
+    if cfg.pairwise is not None:  # the policy freed (closing(engine) held it until here) before a local judge loads
+        del policy, engine
+        free_cached_memory()
+        judge_pairwise(ctx, cfg, records)
     return records, counts["generated_tokens"], t0
 
 
