@@ -77,7 +77,11 @@ def open_engine(ctx: StageContext, cfg: PPOStage, accelerator, model, tokenizer,
                          log_path=ctx.dir / f"engine.rank{accelerator.process_index}.log",
                          rank=accelerator.process_index, device=accelerator.device,
                          lora_rank=cfg.lora.r if cfg.lora.enabled else None)
-    ctx.note_engine(engine)
+    try:
+        ctx.note_engine(engine)  # a manifest write that fails (a full disk) must not leave the engine's process behind
+    except BaseException:  # not yet in the caller's closing(): closed here
+        engine.close()
+        raise
     return engine
 
 
