@@ -218,6 +218,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     with closing(engine):
         ctx.note_engine(engine)
         samples, seconds, generated, gaps = sample_policies(ctx, cfg, engine, reference, tokenizer, prompts, judges)
+    engine_name = engine.name
+    del engine, reference  # freed (the hf engine samples with the reference) before a local pairwise judge loads
+    free_cached_memory()
     judged: dict[str, Any] = {}
     verdicts = judge_pairwise(ctx, cfg, prompts, samples, judged)  # every process judges a share
     rm_metrics, buckets = reward_model_metrics(ctx, cfg, judges, tokenizer)  # and scores a share of the held-out pairs
@@ -226,7 +229,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         return {"eval/prompts": len(prompts)}
     metrics: dict[str, Any] = {"eval/prompts": len(prompts), "perf/generated_tokens": generated,
                                "perf/generation_seconds": seconds, "perf/tokens_per_s": generated / seconds,
-                               "eval/engine": engine.name}
+                               "eval/engine": engine_name}
     metrics.update({f"eval/{name}/logprob_gap_max": gap for name, gap in gaps.items()})
     metrics.update(policy_metrics(cfg, samples, ctx.seed))
     metrics.update(judged)
