@@ -110,6 +110,34 @@ def test_an_engine_that_died_between_calls_is_named_with_its_pid_and_log(tmp_pat
     assert str(log) in msg and "CUDA error: out of memory" in msg
 
 
+def test_a_request_the_engine_never_reads_ends_by_its_deadline_and_stops_the_engine(tmp_path):
+    """A shared engine wedged serving another process never reads this one's next request: a request larger than the
+    socket's buffer (a generate of a few hundred long prompts) then blocked in send() forever, before the reply's
+    deadline was ever watched. Now the send has the call's deadline: an EngineError naming the request, and the
+    engine (a process that accepted the connection and reads nothing) is stopped."""
+    from multiprocessing.connection import Client
+
+    address, key = str(tmp_path / "engine.sock"), b"k" * 16
+    script = ("import sys, time; from multiprocessing.connection import Listener\n"
+              f"l = Listener({address!r}, authkey={key!r}); c = l.accept(); print('ready', flush=True); time.sleep(30)")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(address) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        engine = object.__new__(vllm_engine.VLLMEngine)  # its transport only: no process of vLLM's is started
+        engine.conn, engine.broken, engine.proc, engine.log_path = Client(address, authkey=key), None, proc, tmp_path
+        engine.close = lambda kill=False: (proc.kill(), proc.wait()) if kill else None
+        assert proc.stdout.readline().strip() == "ready"
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match="did not take the request 'generate' by its deadline and was stopped"):
+            engine._call({"op": "generate", "prompts": [[70_000] * 1024 for _ in range(1024)]}, "generate", 2)
+        assert 1.5 < time.monotonic() - t0 < 30 and proc.poll() is not None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_a_sync_that_fails_part_way_still_joins_the_remaining_zero3_gathers(monkeypatch):
     """Under ZeRO-3 every process gathers each layer group together as it syncs; a process whose sync fails (here:
     no bucket) must still go through the remaining groups, or the others wait in a gather for it forever. Not

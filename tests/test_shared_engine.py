@@ -39,6 +39,18 @@ def two_processes(tmp_path, scenario: str) -> list[dict]:
     return [json.loads(o.read_text()) for o in outs]
 
 
+def _server(monkeypatch):
+    """The engine's server module (vllm_side/align_vllm_server.py), loaded by path as the engine's process runs it,
+    with its directory on sys.path (it imports align_vllm_worker from there, as the engine's process does)."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(REPO / "align/engines/vllm_side"))
+    spec = importlib.util.spec_from_file_location("server", REPO / "align/engines/vllm_side/align_vllm_server.py")
+    server = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(server)
+    return server
+
+
 def test_the_second_process_samples_through_the_engine_the_first_starts_and_syncs(tmp_path):
     first, second = two_processes(tmp_path, "ok")
     assert first["owner"] and not second["owner"] and first["serves"] == second["serves"] == [0, 1]
@@ -47,8 +59,10 @@ def test_the_second_process_samples_through_the_engine_the_first_starts_and_sync
     assert first["sampled"] == ["owner:p0"] and second["sampled"] == ["client:p1"]
     # the starter alone puts it to sleep; before the sync wakes its weights and again before sampling wakes the rest,
     # every process gives back its cached GPU memory, and the starter syncs only once the other has (it came late)
-    assert first["calls"] == ["generate 1", "sleep", "free", "sync", "free", "generate 1", "close"]
-    assert second["calls"] == ["generate 1", "free", "join", "free", "generate 1", "close"]
+    # and both let the policy go (base.release): the other forgets its last sync too, so its next join takes every
+    # weight's gathers as the starter's next sync sends every weight (under ZeRO-3 the collectives line up)
+    assert first["calls"] == ["generate 1", "sleep", "free", "sync", "free", "generate 1", "release", "close"]
+    assert second["calls"] == ["generate 1", "free", "join", "free", "generate 1", "release", "close"]
     assert first["sync_at"] >= second["free_at"][0] >= first["free_at"][0] + 0.8
     assert first["syncs"] == second["syncs"] == 1
     assert second["described"] == {"name": "stand_in", "started_by_process": 0, "shared_by_local_ranks": [0, 1]}
@@ -66,6 +80,8 @@ def test_the_second_process_samples_through_the_engine_the_first_starts_and_sync
                      "socket refused", "ConnectionRefusedError: engine socket refused the connection"),
     ("sleep_fails", "RuntimeError: cuMemUnmap failed", "EngineError: process 0's engine failed to sleep (RuntimeError: "
                                                        "cuMemUnmap failed); every process stops with it"),
+    ("release_fails", "RuntimeError: engine lost the mapping", "EngineError: process 0's engine failed to let the "
+                                                               "policy go (RuntimeError: engine lost the mapping)"),
 ])
 def test_a_failure_on_either_side_stops_both_processes_with_its_cause(tmp_path, scenario, first_error, second_error):
     first, second = two_processes(tmp_path, scenario)
@@ -75,6 +91,8 @@ def test_a_failure_on_either_side_stops_both_processes_with_its_cause(tmp_path, 
         assert first["started_calls"] == ["kill"], first
     if scenario == "sync_fails":  # closed while the error is raised: the starter stops the engine at once
         assert first["calls"] == ["generate 1", "sleep", "free", "sync", "kill"], first
+    if scenario == "release_fails":  # the other learnt of it at once, not at the next sync's gathers
+        assert second["calls"][-2:] == ["release", "close"], second
     if scenario == "sleep_fails":  # the other process waited for the sleep and learnt it failed: nobody syncs
         assert first["calls"] == ["generate 1", "sleep", "kill"] and second["calls"] == ["generate 1", "close"]
 
@@ -85,11 +103,7 @@ def test_the_engine_serves_what_arrives_together_in_one_batch_and_only_its_start
     in order; other settings get their own batch; a bad request fails only its own process (unless the failed batch
     left its requests in vLLM: then every process of it); a process other than the starter may not sync or close the
     engine, and the starter's close is noted (answered once the others have gone)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("server", REPO / "align/engines/vllm_side/align_vllm_server.py")
-    server = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(server)
+    server = _server(monkeypatch)
     batches = []
 
     def stand_in(llm, msg):  # one reply row per prompt: its ids reversed, tagged with the settings
@@ -148,11 +162,7 @@ def test_a_sleeping_engine_is_woken_by_whatever_comes_next(monkeypatch):
     next request wakes what it needs: a generate from any process all of it, a sync its weights alone (the KV cache
     comes back at the next generate); a sleep after a sync alone puts the weights back to sleep without waking the
     cache (vLLM sleeps an engine whose weights are awake). A stand-in for vLLM's LLM records it."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("server", REPO / "align/engines/vllm_side/align_vllm_server.py")
-    server = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(server)
+    server = _server(monkeypatch)
     calls = []
 
     class LLM:
@@ -243,12 +253,11 @@ def test_grpo_under_zero2_with_both_processes_on_one_vllm_engine(tmp_path):
     assert len(gaps) == 3 and max(gaps) < 1e-3, gaps
 
 
-def test_the_engine_keeps_accepting_after_a_garbled_handshake_and_a_silent_one_is_an_error(tmp_path):
+def test_the_engine_keeps_accepting_after_a_garbled_handshake_and_a_silent_one_is_an_error(tmp_path, monkeypatch):
     """The engine's accepting thread (align_vllm_server.accept_others) survives a connection whose handshake is
     garbage (an OSError "bad message length", which once ended the thread, leaving the processes still to come
     hanging), and a process whose engine never accepts gets an EngineError by its deadline (vllm_client._dial:
     multiprocessing's handshake itself has none)."""
-    import importlib.util
     import socket
     import threading
     import time
@@ -257,9 +266,7 @@ def test_the_engine_keeps_accepting_after_a_garbled_handshake_and_a_silent_one_i
     from align.engines import EngineError
     from align.engines.vllm_client import _dial
 
-    spec = importlib.util.spec_from_file_location("server", REPO / "align/engines/vllm_side/align_vllm_server.py")
-    server = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(server)
+    server = _server(monkeypatch)
     key, address = b"k" * 16, str(tmp_path / "sock")
     with Listener(address, authkey=key) as listener:
         others, accepted = [], []
@@ -282,3 +289,23 @@ def test_the_engine_keeps_accepting_after_a_garbled_handshake_and_a_silent_one_i
         with pytest.raises(EngineError, match="did not accept a connection by its deadline"):
             _dial(silent, key, time.monotonic() + 2)
         assert time.monotonic() - t0 < 10
+
+
+def test_after_a_release_the_other_process_joins_every_weights_gathers(monkeypatch):
+    """The starter's engine sends every weight at its first sync after base.release (it no longer maps the last
+    policy); the other process must then join every weight's ZeRO-3 gathers too, not only the trained ones', or the
+    two processes' collectives no longer line up and both wait until the group's timeout."""
+    import torch
+
+    from align.engines import vllm_client
+
+    joined = []
+    monkeypatch.setattr(vllm_client, "join_gathers", lambda model, how: joined.append(how))
+    client = object.__new__(vllm_client.SharedClient)  # its sync bookkeeping only: no engine to reach
+    client.adapters, client.weight_sync, client._synced, client.timeout_s = False, "host", None, 60
+    model = torch.nn.Linear(2, 2)
+    client.join_sync(model)
+    client.join_sync(model)
+    client.release()
+    client.join_sync(model)
+    assert joined == ["whole", "changed", "whole"]

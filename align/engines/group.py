@@ -174,9 +174,11 @@ class GroupEngine:
         return seconds
 
     def release(self) -> None:
-        """base.release: the starter's engine maps the starter's storages only; the others hold none."""
-        if self.rank == self.owner:
-            release(self.engine)
+        """base.release, on every process at the same point: the starter's engine lets the starter's storages go (it
+        maps no other's) and its next sync sends every weight, so every other process forgets its last sync too (its
+        next join then takes every weight's gathers, as the starter's sync does: under ZeRO-3 the collectives line
+        up); then every process learns whether the starter's succeeded."""
+        self._together(lambda: release(self.engine), "process {r}'s engine failed to let the policy go ({e})")
 
     def sleep(self) -> None:
         """generation.sleep: once every process has sampled (an all-gather: every process calls this at the same

@@ -258,14 +258,14 @@ class VLLMEngine(EngineClient):
             deadline = time.monotonic() + self.timeout_s
             before = bucket.sent_bytes
             self._send({"op": "stream", **bucket.where(), "size": bucket.size, "partial": changed_only},
-                       "sync_weights")
+                       "sync_weights", deadline=deadline)
             if not node:
                 chunks = chunk_messages(bucket, model, entries, host if self.weight_sync == "shared" else None)
             else:  # the node's bucket waits for each chunk's acknowledgement itself, after writing the next chunk
                 node.loaded = lambda: self._reply("chunk", "sync_weights", deadline)
             for msg, fds, done in chunks:
                 names += done
-                self._send(msg, "sync_weights", fds=fds)
+                self._send(msg, "sync_weights", fds=fds, deadline=deadline)
                 if msg.get("broadcast"):  # once the engine waits in it (a broadcast it never joins would never end)
                     self._reply("ready", "sync_weights", deadline)
                     bucket.send(msg).wait()

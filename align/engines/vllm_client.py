@@ -55,25 +55,42 @@ class EngineClient:
             time.sleep(0.2)
 
     def _call(self, msg: dict, what: str, timeout_s: float) -> dict:
-        """Send one request and wait for its reply, at most `timeout_s`, watching the process: a dead or silent
-        engine is an EngineError (and the engine is stopped), never a hang."""
-        self._send(msg, what)
-        return self._reply(msg["op"], what, time.monotonic() + timeout_s, seconds=timeout_s)
+        """Send one request and wait for its reply, both by one deadline `timeout_s` away, watching the process: a
+        dead or silent engine is an EngineError (and the engine is stopped), never a hang."""
+        deadline = time.monotonic() + timeout_s
+        self._send(msg, what, deadline=deadline)
+        return self._reply(msg["op"], what, deadline, seconds=timeout_s)
 
-    def _send(self, msg: dict, what: str, fds=()) -> None:
-        """`msg`, then the file descriptors `fds` (passed over the Unix socket, in order, after the message)."""
+    def _send(self, msg: dict, what: str, fds=(), deadline: float | None = None) -> None:
+        """`msg`, then the file descriptors `fds` (passed over the Unix socket, in order, after the message), by
+        `deadline` (time.monotonic; default timeout_s from now): a message larger than the socket's buffer waits
+        until the engine reads it, and an engine that never does (wedged serving another process) is an EngineError
+        like a reply that never comes, not a send that blocks forever."""
         if self.conn is None:
             raise EngineError(f"vLLM engine: '{what}' after close()")
         if self.broken:
             raise EngineError(f"vLLM engine: '{what}' after a failed weight sync ({self.broken}); its weights are "
                               "partly loaded and it samples nothing trustworthy")
-        try:
+
+        def write():
             self.conn.send(msg)
             for fd in fds:
                 send_handle(self.conn, fd, self.proc.pid)
+
+        deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
+        try:
+            if _by_deadline(write, deadline, alive=lambda: self.proc.poll() is None):
+                return
         except OSError as exc:  # the engine died between calls: a broken pipe here, never an unnamed EPIPE upstream
             raise EngineError(f"the vLLM engine process (pid {self.proc.pid}) is gone ({type(exc).__name__}) at "
                               f"'{what}'; its log ({self.log_path}) ends:\n{self._tail()}") from None
+        if self.proc.poll() is not None:
+            raise EngineError(f"the vLLM engine process (pid {self.proc.pid}) died ({self.proc.returncode}) during "
+                              f"'{what}'; its log ({self.log_path}) ends:\n{self._tail()}")
+        self.close(kill=True)
+        raise EngineError(f"the vLLM engine did not take the request '{what}' by its deadline"
+                          f"{' and was stopped' if self.stops_engine else ''} (log: {self.log_path}); raise "
+                          "generation.engine_timeout_s if the work before it is that long")
 
     stops_engine = True  # a timed-out call stops the engine (a SharedClient only disconnects from it)
     asleep = ""  # generation.sleep: "all" once this process put the engine to sleep, "cache" when a sync woke its weights
@@ -150,25 +167,37 @@ class EngineClient:
         return r
 
 
-def _dial(address: str, key: bytes, deadline: float):
-    """multiprocessing's Client by `deadline` (time.monotonic): its authentication handshake waits without one when the
-    listener never accepts (an engine whose accepting stopped), so it runs in a thread this one stops waiting for."""
+def _by_deadline(work, deadline: float, alive=lambda: True) -> bool:
+    """Run `work()` in a thread this one stops waiting for at `deadline` (time.monotonic) or once `alive()` is false
+    (the peer died): True when it finished, False when it did not (the thread is left, a daemon, blocked on a
+    connection the caller closes); its exception is raised here."""
     import threading
 
     out: dict = {}
 
-    def dial():
+    def run():
         try:
-            out["conn"] = Client(address, authkey=key)
+            work()
+            out["done"] = True
         except BaseException as exc:  # raised below, in the caller's thread
             out["error"] = exc
 
-    t = threading.Thread(target=dial, daemon=True)
+    t = threading.Thread(target=run, daemon=True)
     t.start()
-    t.join(max(1.0, deadline - time.monotonic()))
+    while True:
+        t.join(max(0.0, min(0.2, deadline - time.monotonic())))
+        if not t.is_alive() or time.monotonic() >= deadline or not alive():
+            break
     if "error" in out:
         raise out["error"]
-    if "conn" not in out:
+    return "done" in out
+
+
+def _dial(address: str, key: bytes, deadline: float):
+    """multiprocessing's Client by `deadline` (time.monotonic, at least a second away): its authentication handshake
+    waits without one when the listener never accepts (an engine whose accepting stopped)."""
+    out: dict = {}
+    if not _by_deadline(lambda: out.update(conn=Client(address, authkey=key)), max(deadline, time.monotonic() + 1)):
         raise EngineError(f"the vLLM engine at {address} did not accept a connection by its deadline")
     return out["conn"]
 
@@ -219,6 +248,11 @@ class SharedClient(EngineClient):
         else:
             join_gathers(model, how)
         self._synced = weakref.ref(model)
+
+    def release(self) -> None:
+        """base.release, as the starter's engine does it (group.py): the next sync of any model joins every weight's
+        gathers."""
+        self._synced = None
 
     def close(self, kill: bool = False) -> None:
         node_bucket.forget()  # as VLLMEngine.close: at the same point on every process

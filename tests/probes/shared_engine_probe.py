@@ -2,7 +2,8 @@
 shared_engine_probe.py RANK STORE SCENARIO OUT`; writes what happened to OUT (JSON). Scenarios: ok (process 0 starts
 the engine, process 1 reaches it by its contact, both sample and sync), start_fails (process 0's start raises),
 sync_fails (process 0's sync raises), join_fails (process 1's part of a sync raises), attach_fails
-(process 1 cannot reach the engine), sleep_fails (process 0's engine fails to go to sleep: generation.sleep)."""
+(process 1 cannot reach the engine), sleep_fails (process 0's engine fails to go to sleep: generation.sleep),
+release_fails (process 0's engine fails to let the policy go: evaluate's base.release)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,11 @@ class StandIn:
         self.calls.append("sleep")
         if self.scenario == "sleep_fails":
             raise RuntimeError("cuMemUnmap failed")
+
+    def release(self):
+        self.calls.append("release")
+        if self.scenario == "release_fails" and self.role == "owner":
+            raise RuntimeError("engine lost the mapping")
 
     def describe(self):
         return {"name": self.name, "pid": self.contact["pid"]}
@@ -96,9 +102,10 @@ def main(rank: int, store: str, scenario: str, out: str) -> None:
         result["syncs"] = len(engine.sync_seconds)
         result["sampled_after_sync"] = engine.generate([f"q{rank}"])
         result["sync_at"] = getattr(engine.engine, "sync_at", None)
+        engine.release()  # every process at the same point, as evaluate lets each policy go
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
-        if scenario in ("sync_fails", "sleep_fails") and engine is not None:  # closing because of the error: the starter kills
+        if scenario in ("sync_fails", "sleep_fails", "release_fails") and engine is not None:  # closing because of the error: the starter kills
             engine.close()
             result["calls"] = engine.engine.calls
             engine = None
