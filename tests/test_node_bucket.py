@@ -87,6 +87,34 @@ def test_the_nodes_bucket_is_the_first_size_there_is_room_for(tmp_path, monkeypa
     os.close(lock)
 
 
+def test_a_bucket_file_that_cannot_be_made_leaves_no_folder_and_no_lock_behind(tmp_path, monkeypatch):
+    """Process 0 holds its bucket folder's lock from the moment it makes it: a bucket file it then cannot create (out
+    of descriptors or inodes) must remove the folder and let the lock go, or the folder outlives the error (no sweep
+    takes a folder whose lock its living maker holds)."""
+    import errno
+
+    from align.engines import node_bucket
+
+    monkeypatch.setattr(node_bucket, "shm_room_problem", lambda needed, directory: None)
+    opened, real_open = [], os.open
+
+    def open_(path, flags, *args, **kwargs):
+        if os.path.basename(path) == "bucket":
+            raise OSError(errno.EMFILE, "Too many open files")
+        fd = real_open(path, flags, *args, **kwargs)
+        if os.path.basename(path) == "lock":
+            opened.append(fd)
+        return fd
+
+    monkeypatch.setattr(node_bucket.os, "open", open_)
+    with pytest.raises(OSError, match="Too many open files"):
+        node_bucket._make((4096,), str(tmp_path))
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == [] and len(opened) == 1
+    with pytest.raises(OSError):  # the lock's descriptor was closed
+        os.fstat(opened[0])
+
+
 def test_a_bucket_left_by_a_killed_run_is_swept_and_a_live_ones_is_kept(tmp_path, monkeypatch):
     """Each node bucket's maker holds a lock on it while it lives: a bucket whose maker was SIGKILLed (here: a child
     process that made one and was killed) is removed when the next is made; a live one (made here) is kept."""

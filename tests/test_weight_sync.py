@@ -500,3 +500,43 @@ def test_a_bucket_made_again_at_the_same_path_is_opened_again(tmp_path):
     again = align_vllm_server.bucket(msg)
     assert again is not first and again.tolist() == [7] * 16
     align_vllm_server._BUCKETS.clear()
+
+
+def test_a_malloc_setting_glibc_refuses_leaves_every_other_unchanged(monkeypatch):
+    """keep_freed_memory sets glibc's mmap threshold, trim threshold and top pad; glibc refuses only the first (past
+    half its largest heap), so it is asked first: a refusal then changes nothing (the trim threshold and pad alone,
+    with the dynamic threshold off, are the state the guard exists to avoid), and the answer is False."""
+    import ctypes
+
+    asked = []
+
+    class Libc:
+        def mallopt(self, option, value):
+            asked.append(option)
+            return 0 if option == -3 else 1  # M_MMAP_THRESHOLD refused
+
+        malloc = free = None
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Libc())
+    monkeypatch.setattr(align_vllm_worker.os, "environ", {})
+    monkeypatch.setattr(align_vllm_worker.resource, "getrlimit", lambda r: (align_vllm_worker.resource.RLIM_INFINITY,) * 2)
+    assert align_vllm_worker.keep_freed_memory() is False and asked == [-3]
+
+
+def test_a_dropped_chunk_whose_descriptors_never_came_gets_no_reply():
+    """The rest of a stream that failed is dropped without a reply (its error was the stream's): descriptors that
+    never arrived (multiprocessing's recvfds raises RuntimeError on missing ancillary data) must not turn into an
+    {"ok": False} reply the trainer would read as the answer to its next request."""
+    import socket
+
+    from multiprocessing.connection import Connection
+
+    a, b = socket.socketpair()
+    try:
+        sender, receiver = Connection(a.detach()), Connection(b.detach())
+        sender.send_bytes(b"x")  # a message without the descriptors the chunk promised
+        msg = {"op": "chunk", "last": True, "files": {1: 8}, "new": [1]}
+        assert align_vllm_worker.drop_handles(receiver, msg) is None
+    finally:
+        for c in (sender, receiver):
+            c.close()

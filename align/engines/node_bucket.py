@@ -205,8 +205,7 @@ class NodeBucket(Bucket):
         self.buffer = None
         unmap(self._map)
         if self.lock is not None:
-            shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
-            os.close(self.lock)
+            _remove(os.path.dirname(self.path), self.lock)
             self.lock = None
 
 
@@ -254,18 +253,24 @@ def _make(sizes: tuple[int, ...], directory: str) -> tuple[str, int, int]:
     folder = tempfile.mkdtemp(prefix="align-node-", dir=directory)
     lock = os.open(os.path.join(folder, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(lock, fcntl.LOCK_EX)
-    path = os.path.join(folder, "bucket")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    path, fd = os.path.join(folder, "bucket"), None
     try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         os.ftruncate(fd, size)
         os.posix_fallocate(fd, 0, size)
     except OSError:
-        os.close(lock)
-        shutil.rmtree(folder, ignore_errors=True)
+        _remove(folder, lock)
         raise
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
     return path, size, lock
+
+
+def _remove(folder: str, lock: int) -> None:
+    """Process 0's bucket folder removed, then its lock let go (a sweep never takes a folder still being removed)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    os.close(lock)
 
 
 def _open(sizes: tuple[int, ...], directory: str) -> NodeBucket | str:
@@ -281,7 +286,12 @@ def _open(sizes: tuple[int, ...], directory: str) -> NodeBucket | str:
         except OSError as exc:
             error = f"the node's weight bucket could not be made in {directory} ({exc})"
     lock = made[2] if made else None
-    made, error = _all_gather((made[:2] if made else None, error), group)[0]
+    try:
+        made, error = _all_gather((made[:2] if made else None, error), group)[0]
+    except BaseException:  # the collective itself failed: process 0's bucket goes now, not at the sweep
+        if lock is not None:
+            _remove(os.path.dirname(made[0]), lock)
+        raise
     bucket = None
     if made is not None:
         try:
@@ -289,9 +299,13 @@ def _open(sizes: tuple[int, ...], directory: str) -> NodeBucket | str:
         except OSError as exc:
             error = f"process {rank} could not map the node's weight bucket {made[0]} ({exc})"
             if lock is not None:  # process 0's: its folder goes now
-                shutil.rmtree(os.path.dirname(made[0]), ignore_errors=True)
-                os.close(lock)
-    errors = [e for e in _all_gather(error, group) if e]
+                _remove(os.path.dirname(made[0]), lock)
+    try:
+        errors = [e for e in _all_gather(error, group) if e]
+    except BaseException:  # as above: this process's mapping (and process 0's folder) go now
+        if bucket is not None:
+            bucket.close()
+        raise
     if errors:
         if bucket is not None:
             bucket.close()

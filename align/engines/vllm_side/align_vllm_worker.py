@@ -115,8 +115,9 @@ def host_views(conn, refs, files: dict, new) -> list:
     memory, no copy: each storage mapped once, read-only, from the file descriptor the trainer passes after the message
     (`new`: their ids, in order) and kept while the trainer names it in `files` (id -> bytes); the others are let go.
     Valid while the trainer waits for the sync's reply (it writes to them again after)."""
-    fds = [recv_handle(conn) for _ in new]  # every descriptor first: the stream stays in step whatever fails after
-    try:
+    fds: list[int] = []
+    try:  # every descriptor first (the stream stays in step whatever fails after), each closed whatever fails
+        fds.extend(recv_handle(conn) for _ in new)
         for key in [k for k in HOST if k not in files]:
             del HOST[key]
         for key, fd in zip(new, fds):
@@ -140,7 +141,7 @@ def drop_handles(conn, msg: dict) -> None:
     """A chunk of a stream that failed before it was read, dropped: the file descriptors the trainer passed after it
     (its last, with weights read where they lie) are read and closed, or the connection's next message would be read
     from the middle of their bytes."""
-    with contextlib.suppress(OSError, EOFError):  # the connection broken: its own error comes next; no reply to this
+    with contextlib.suppress(OSError, EOFError, RuntimeError):  # broken, or descriptors missing: no reply to this
         for _ in msg.get("new", ()) if msg.get("last") and "files" in msg else ():
             os.close(recv_handle(conn))
 
@@ -202,10 +203,11 @@ def keep_cpu_weights() -> bool:
     return True
 
 
-KEEP_FREED = ((-1, 2 ** 31 - 1), (-2, 2 ** 30), (-3, 2 ** 25))
-"""glibc's mallopt settings (malloc.h: M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD) for an engine that loads in
-place on a CPU: nothing freed is given back to the system (below 2 GiB at the heap's top), the heap grows in 1 GiB
-steps of address space (not memory) and blocks up to 32 MiB are never mapped apart."""
+KEEP_FREED = ((-3, 2 ** 25), (-1, 2 ** 31 - 1), (-2, 2 ** 30))
+"""glibc's mallopt settings (malloc.h: M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_TOP_PAD) for an engine that loads in
+place on a CPU: blocks up to 32 MiB are never mapped apart, nothing freed is given back to the system (below 2 GiB at
+the heap's top) and the heap grows in 1 GiB steps of address space (not memory). The one glibc may refuse first,
+before anything has changed."""
 
 
 def keep_freed_memory() -> bool:
@@ -229,7 +231,7 @@ def keep_freed_memory() -> bool:
     if any(mallopt(option, value) != 1 for option, value in KEEP_FREED):
         return False
     malloc.restype, malloc.argtypes, free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
-    free(malloc(KEEP_FREED[2][1] - 2 ** 16))  # the heap's next growth takes the 1 GiB pad: larger blocks fit in it
+    free(malloc(KEEP_FREED[0][1] - 2 ** 16))  # the heap's next growth takes the 1 GiB pad: larger blocks fit in it
     return True
 
 
