@@ -118,8 +118,8 @@ def leave_process_group(code: int) -> int:
 
 
 def drop_checkpoints(ctx: StageContext) -> None:
-    """A completed stage's training checkpoints removed (each node's first process: a run directory on node-local
-    disks holds each node's shards) unless the pipeline keeps them (`keep_checkpoints`): only an interrupted attempt
+    """A completed stage's training checkpoints removed (by each node's first process; the run directory is on a
+    filesystem every node sees, README) unless the pipeline keeps them (`keep_checkpoints`): only an interrupted attempt
     resumes from them. Once every process is past the main process's writing the stage completed: another node's
     first process must not remove what a completion that fails or is interrupted (W&B's finish, a full disk, the
     job's time limit) would resume from."""
