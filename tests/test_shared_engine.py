@@ -97,6 +97,19 @@ def test_a_failure_on_either_side_stops_both_processes_with_its_cause(tmp_path, 
         assert first["calls"] == ["generate 1", "sleep", "kill"] and second["calls"] == ["generate 1", "close"]
 
 
+def test_an_engine_of_its_own_that_fails_to_start_stops_every_process(tmp_path):
+    """Every process with an engine of its own (colocated, tensor_parallel_size 1): one that fails to start (its GPU
+    out of memory) used to raise on that process alone, the others going on into ZeRO-3's collectives until the
+    launcher stopped them as interrupted. Now every process learns of it at once and raises: its own error, or an
+    EngineError naming the process; the engine started on the other is stopped. When all start, all sample."""
+    ok, failed = two_processes(tmp_path, "own_ok"), two_processes(tmp_path, "own_start_fails")
+    assert [r["sampled"] for r in ok] == [["owner:p0"], ["owner:p1"]] and all("error" not in r for r in ok)
+    assert failed[1]["error"] == "RuntimeError: CUDA out of memory on GPU 1" and failed[1]["started_calls"] is None
+    assert failed[0]["error"] == ("EngineError: process 1's rollout engine did not start (RuntimeError: CUDA out of "
+                                  "memory on GPU 1); every process stops with it")
+    assert failed[0]["started_calls"] == ["kill"] and "sampled" not in failed[0]
+
+
 def test_the_engine_serves_what_arrives_together_in_one_batch_and_only_its_starter_syncs(monkeypatch):
     """The engine's server (vllm_side/align_vllm_server.py serve_received), with a stand-in for vLLM: generate
     requests that arrive together with the same settings become one batch, each process's reply holding its own rows

@@ -8,6 +8,8 @@ serves, this module makes that true.
   a second whether every process reached its engine: on a failure every process raises, none waits for a peer that
   will not come. Under `placement: separate` with engines serving unequal numbers of processes, a process alone on
   its engine still goes through here (placement's `shared` is the node's): the collectives need every process.
+- start_each: where every process has an engine of its own, each starts its own and then learns in one all-gather
+  whether all did (one that failed ends every process's stage, none goes on into collectives it would wait in).
 - generate: each process sends its own prompts to its engine whenever it samples (the engine serves requests one at
   a time, in the order they come), so stages whose processes sample different numbers of batches (preferences,
   evaluate) work unchanged.
@@ -87,6 +89,26 @@ def start_shared(placement: Placement, local_rank: int, start: Callable[[int], o
                      failure if error else None, engine,
                      "process {r} could not reach its rollout engine ({e})")  # every process reached its engine
     return GroupEngine(engine, placement, owner, rank, group)
+
+
+def start_each(start: Callable[[], object], timeout_s: float = 600.0):
+    """This process's own engine (placement not shared), started by `start()`; in a job of several processes, every
+    process then learns in one all-gather whether every engine started (a collective every process joins): on a
+    failure every process raises, its own or an EngineError naming the first, and an engine started here is stopped,
+    rather than the others going on into collectives (ZeRO-3's, a sync's) a failed process never joins and being
+    stopped by the launcher as interrupted."""
+    rank, world = _world()
+    if world == 1:
+        return start()
+    group = _waiting_group(timeout_s, 1)
+    engine, error, failure = None, None, None
+    try:
+        engine = start()
+    except Exception as exc:  # told to every process below, then raised here
+        error, failure = f"{type(exc).__name__}: {exc}", exc
+    _stop_on_failure([(r, e) for r, e in _gather_or_stop((rank, error), group, engine) if e],
+                     failure if error else None, engine, "process {r}'s rollout engine did not start ({e})")
+    return engine
 
 
 def _gather_or_stop(obj, group, engine) -> list:

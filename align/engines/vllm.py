@@ -380,7 +380,7 @@ def make(gen, *, tokenizer, model_dir, seed=0, dtype="float32", max_model_len=51
     process's engine where placement puts it (colocated: process r's own GPU; none on a CPU); one shared by several
     processes (tensor_parallel_size > 1, separate GPUs) is started by the first and reached by the others
     (align/engines/group.py)."""
-    from align.engines.group import start_shared
+    from align.engines.group import start_each, start_shared
     from align.engines.vllm_client import SharedClient
 
     placement = node_placement(gen)
@@ -394,7 +394,7 @@ def make(gen, *, tokenizer, model_dir, seed=0, dtype="float32", max_model_len=51
                           keep_weights=keeps_weights(gen), clients=clients, sleeps=gen.sleep,
                           cuda_graphs=gen.cuda_graphs)
 
-    if not placement.shared:
-        return start(1)
+    if not placement.shared:  # its own; every process learns whether every one started
+        return start_each(lambda: start(1), gen.engine_timeout_s)
     return start_shared(placement, int(os.environ.get("LOCAL_RANK", 0)), start,
                         lambda contact: SharedClient(contact, tokenizer, gen.engine_timeout_s), gen.engine_timeout_s)

@@ -3,7 +3,8 @@ shared_engine_probe.py RANK STORE SCENARIO OUT`; writes what happened to OUT (JS
 the engine, process 1 reaches it by its contact, both sample and sync), start_fails (process 0's start raises),
 sync_fails (process 0's sync raises), join_fails (process 1's part of a sync raises), attach_fails
 (process 1 cannot reach the engine), sleep_fails (process 0's engine fails to go to sleep: generation.sleep),
-release_fails (process 0's engine fails to let the policy go: evaluate's base.release)."""
+release_fails (process 0's engine fails to let the policy go: evaluate's base.release); own_ok and own_start_fails
+(every process starts an engine of its own, group.start_each: process 1's start fails in the second)."""
 
 from __future__ import annotations
 
@@ -91,6 +92,22 @@ def main(rank: int, store: str, scenario: str, out: str) -> None:
         result.setdefault("free_at", []).append(time.time())
 
     group.free_cached_memory = free
+    if scenario.startswith("own_"):  # every process its own engine (group.start_each); process 1's fails to start
+        def own():
+            if scenario == "own_start_fails" and rank == 1:
+                raise RuntimeError("CUDA out of memory on GPU 1")
+            started.append(StandIn("owner", scenario))
+            return started[0]
+
+        try:
+            result["sampled"] = group.start_each(own).generate([f"p{rank}"])
+        except Exception as exc:
+            result["error"] = f"{type(exc).__name__}: {exc}"
+        result["started_calls"] = started[0].calls if started else None
+        with open(out, "w") as f:
+            json.dump(result, f)
+        dist.destroy_process_group()
+        return
     try:
         engine = start_shared(placement, rank, start, attach)
         result["sampled"] = engine.generate([f"p{rank}"])
