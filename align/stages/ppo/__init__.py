@@ -178,9 +178,12 @@ def setup(ctx: StageContext) -> PPORun:
         if ctx.is_main:
             print(f"[align] {ctx.name}: {why}", flush=True)
     # as resolved on this machine: the attention kernel the policy runs (attn_implementation auto: transformers' pick)
-    ctx.note(kernels={"fused_head": fused_head(cfg, policy, reference), "attention": attention_kernel(policy),
+    with accelerator.autocast():  # the fused head's probe runs the models as training does (flash attention: bf16)
+        heads = fused_head(cfg, policy, reference)
+    ctx.note(kernels={"fused_head": heads, "attention": attention_kernel(policy),
                       "autocast": ctx.compute.mixed_precision})
-    scorer = build_judge(cfg.reward, lambda n: RewardModelJudge(n, reward_fns[n], tokenizer) if n in reward_fns else None)
+    scorer = build_judge(cfg.reward, lambda n: RewardModelJudge(  # scored in the training precision (a value head
+        n, reward_fns[n], tokenizer, autocast=accelerator.autocast) if n in reward_fns else None)  # trained: fp32)
     s = PPORun(ctx, cfg, accelerator, tokenizer, policy_path, prompts, heldout, model, optimizer, groups, reference,
                scorer, kl_controller(cfg), reward_stages, stream=PromptStream(len(prompts), ctx.seed))
     s.start = resume(ctx, accelerator, s.kl_ctl, s.moments, s.scale, s.stream, s.progress,
