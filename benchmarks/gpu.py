@@ -228,7 +228,7 @@ def stage_rows(run_dir: Path, pipeline: Path, peak_flops: float | None, failed: 
             stage_cfg = cfg.stages[name]
             flops = secs = 0.0
             for r in its:
-                t = stage_cfg.rollout_batch_size / r["perf/episodes_per_s"]
+                t = stage_cfg.rollout_batch_size * gpus / r["perf/episodes_per_s"]  # the iteration's seconds
                 seq = r["perf/sequence_tokens"]
                 flops += (2 * n_lm * r["perf/tokens_per_s"] * t + 2 * (2 * n_lm + 2 * n_rm) * seq
                           + 6 * (n_lm + n_rm) * seq * stage_cfg.ppo_epochs)
