@@ -557,3 +557,24 @@ def test_a_composite_model_is_not_probed_at_full_size():
             raise RuntimeError("not built here")
 
     assert _probe_packing(Recorder, Gemma3Config(), "sdpa") is False and built == []
+
+
+def test_ppos_padding_fraction_counts_each_mini_batch_packed_on_its_own(models):
+    """PPO scores (and trains on) mini_batch_size sequences a forward, each mini-batch packed on its own, so each can
+    end in a part-filled row: the reported fraction is of those forwards, not of one packing of the whole rollout.
+    Sequences of 6, 6, 4 and 4 tokens in rows of 10 (sdpa: the padded width): packed whole, two full rows (no
+    padding); two a forward, [6, 6] takes two rows and [4, 4] one, 30 tokens computed for 20 real (1/3)."""
+    import torch
+
+    from align.modeling.models import load_causal_lm
+    from align.modeling.packing import attention_kernel, computed_padding_fraction
+
+    base, _ = models["llama"]
+    policy = load_causal_lm(str(base))
+    assert attention_kernel(policy) == "sdpa"
+    mask = torch.zeros(4, 10, dtype=torch.long)
+    for i, n in enumerate((6, 6, 4, 4)):
+        mask[i, :n] = 1
+    assert computed_padding_fraction(policy, mask) == pytest.approx(0.0)
+    assert computed_padding_fraction(policy, mask, rows=2) == pytest.approx(1 / 3)
+    assert computed_padding_fraction(policy, mask, rows=4) == pytest.approx(0.0)

@@ -261,15 +261,17 @@ def _probe_packing(cls, config, attn: str) -> bool:
 _PACKING_WORKS: dict[tuple[type, str], bool] = {}
 
 
-def computed_padding_fraction(model, mask: torch.Tensor) -> float:
-    """Of the tokens a forward of `model` over this (B, T) batch computes, the fraction that is padding: the filler
-    at packed rows' ends when it runs padding-free, else every pad of the padded batch (`perf/padding_fraction`)."""
-    if not packs(model, mask):
-        return padding_fraction(mask)
-    lengths = mask.sum(1).tolist()
-    capacity = pack_capacity(model, mask) or mask.size(1)
-    rows = len(first_fit_decreasing(lengths, capacity))
-    return 1.0 - sum(lengths) / (rows * max(capacity, max(lengths)))
+def computed_padding_fraction(model, mask: torch.Tensor, rows: int | None = None) -> float:
+    """Of the tokens forwards of `model` over this (B, T) batch compute, `rows` sequences a forward (PPO's mini-batches;
+    default all), the fraction that is padding: the filler at packed rows' ends where a forward runs padding-free,
+    else every pad of the padded batch (`perf/padding_fraction`)."""
+    real = computed = 0
+    for chunk in mask.split(rows or mask.size(0)):
+        lengths, capacity = chunk.sum(1).tolist(), pack_capacity(model, chunk) or chunk.size(1)
+        real += sum(lengths)
+        computed += (len(first_fit_decreasing(lengths, capacity)) * max(capacity, max(lengths)) if packs(model, chunk)
+                     else chunk.numel())
+    return 1.0 - real / max(1, computed)
 
 
 def pack_capacity(model, mask: torch.Tensor) -> int | None:

@@ -46,7 +46,7 @@ def iteration_metrics(s, b, kl: torch.Tensor, beta: float, stats: dict[str, floa
         "perf/sequence_tokens": gather(r.attention_mask.sum()).sum().item(),  # prompt + response, no padding
         # of the tokens the rollout batch's scoring passes compute, padding: as run (packed), and as a padded batch
         "perf/padding_fraction": mean(computed_padding_fraction(s.accelerator.unwrap_model(s.model).policy,
-                                                                r.attention_mask)),
+                                                                r.attention_mask, s.cfg.mini_batch_size)),
         "perf/padding_fraction_unpacked": mean(padding_fraction(r.attention_mask)),
         "train/learning_rate": s.optimizer.param_groups[0]["lr"], **stats,
         **(measured.metrics() if measured else {}),
