@@ -578,3 +578,29 @@ def test_ppos_padding_fraction_counts_each_mini_batch_packed_on_its_own(models):
     assert computed_padding_fraction(policy, mask) == pytest.approx(0.0)
     assert computed_padding_fraction(policy, mask, rows=2) == pytest.approx(1 / 3)
     assert computed_padding_fraction(policy, mask, rows=4) == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("router_logits", [True, False])
+def test_sft_trains_a_mixture_of_experts_with_its_auxiliary_loss_padded(router_logits):
+    """TRL adds a mixture of experts' load-balancing loss (output_router_logits) over every token of a batch it is
+    given without an attention mask, as packed rows are: the filler at a row's end would be balanced too. Such a
+    model trains padded under SDPA, and says why; without the auxiliary loss it packs."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from align.config.sft import SFTStage
+    from align.modeling.packing import RowPackingCollator
+    from align.stages.sft import collator
+
+    torch.manual_seed(SEED)
+    print("seed", SEED)
+    model = AutoModelForCausalLM.from_config(_moe_config("mixtral", output_router_logits=router_logits))
+    ctx = SimpleNamespace(extra_manifest={}, is_main=True, name="sft")
+    args = SimpleNamespace(packing=False)
+    cfg = SFTStage(type="sft", data="d.yaml", padding_free=True)
+    made = collator(ctx, cfg, args, model, SimpleNamespace(pad_token_id=0))
+    if router_logits:
+        assert made is None and ctx.extra_manifest["padding_free"].startswith("off (a mixture of experts'")
+    else:
+        assert isinstance(made, RowPackingCollator) and ctx.extra_manifest["padding_free"] == "rows of the batch width"

@@ -51,6 +51,13 @@ def collator(ctx: StageContext, cfg: SFTStage, args, model, tokenizer):
                   "positions): training padded" + (", packing: true ignored" if cfg.packing else ""), flush=True)
         return None
     one_row = is_flash(attention_kernel(model))
+    if getattr(model.config, "output_router_logits", False) and not one_row:  # TRL adds the MoE auxiliary loss
+        why = "a mixture of experts' load-balancing loss would count the filler of packed rows (only one row has none)"
+        ctx.extra_manifest["padding_free"] = f"off ({why})"
+        if ctx.is_main:
+            print(f"[align] {ctx.name}: training padded: {why}" + (", packing: true ignored" if cfg.packing else ""),
+                  flush=True)
+        return None
     args.packing = cfg.packing
     if cfg.packing:
         ctx.extra_manifest["padding_free"] = ("packed rows of max_length, one row per batch (flash-attention)" if one_row
