@@ -187,3 +187,24 @@ def test_finish_rollout_masks_after_eos_and_beyond_engine_lengths():
     assert resp[2, 0] == 9  # the caller's tensor is not changed
     empty = finish_rollout(q, q, torch.zeros(3, 0, dtype=torch.long), eos, pad)
     assert empty.response_ids.shape == (3, 1) and empty.response_mask.tolist() == [[1], [1], [1]]
+
+
+def test_tempered_logits_are_divided_in_fp32_and_an_fp32_input_is_left_alone():
+    """Log-probs at a sampling temperature: a bf16 logit divided in bf16 is rounded twice (the sampler and the fused
+    head divide in fp32), so the two paths' log-probs drift apart by ~1e-2 nats at T 0.7. tempered() divides the fp32
+    copy; an fp32 tensor (the model's own output) is not changed in place."""
+    import torch
+
+    from align.modeling.generation import tempered
+
+    seed = 23
+    print("seed", seed)
+    g = torch.Generator().manual_seed(seed)
+    fp32 = 8 * torch.randn(4, 6, 50, generator=g)
+    bf16 = fp32.to(torch.bfloat16)
+    got = tempered(bf16, 0.7)
+    assert got.dtype == torch.float32 and torch.equal(got, bf16.float() / 0.7)
+    twice = (bf16 / 0.7).float()  # the old way
+    assert (got - twice).abs().max().item() > 1e-3
+    before = fp32.clone()
+    assert torch.equal(tempered(fp32, 0.7), before / 0.7) and torch.equal(fp32, before)

@@ -293,7 +293,15 @@ def response_logits(model, ids: torch.Tensor, mask: torch.Tensor, query_len: int
     if head_inputs:
         return None, grabbed[0][:, :-1]
     hidden = out.hidden_states[-1][:, query_len - 1:-1] if with_hidden else None  # the final (normed) layer's
-    return out.logits[:, -keep:][:, :-1] / temperature, hidden
+    return tempered(out.logits[:, -keep:][:, :-1], temperature), hidden
+
+
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature in fp32, as the sampler and the fused head divide (a bf16 logit divided in bf16 is rounded
+    twice, ~1e-2 nats at T 0.7): a bf16 tensor's fp32 copy is divided in place (less memory than before: no bf16
+    quotient), an fp32 one (the model's own output, which autograd may hold) out of place."""
+    x = logits.float()
+    return x / temperature if x is logits else x.div_(temperature)
 
 
 def _grab(store: list, pick):
@@ -337,7 +345,7 @@ def _packed_response_logits(model, ids, mask, query_len, temperature, with_hidde
         h = out.hidden_states[-1]
         hidden = h.new_zeros((b, lr, h.size(-1)))
         hidden[rows, cols] = h[at]
-    return logits / temperature, hidden
+    return tempered(logits, temperature), hidden
 
 
 def takes_logits_to_keep(model) -> bool:
