@@ -200,11 +200,69 @@ def test_under_deepspeed_a_non_finite_step_is_skipped_and_never_applied_silently
                 backward_and_step(accelerator, Engine(applies), None, loss, groups, max_norm=1.0)
 
 
+def test_under_offload_the_gradients_copies_land_before_their_norm_is_read():
+    """ZeRO-1/2 with the optimiser offloaded copies each gradient into host memory asynchronously and waits for the
+    copies only in its own step; align's per-group norm is read before that step, so it waits first: here the
+    "copy" lands only when waited for, and the norm is that of the landed gradient (3), not of the zeros before it."""
+    import math
+    from types import SimpleNamespace
+
+    import torch
+
+    from align.stages.ppo.optim import backward_and_step
+
+    weight = torch.nn.Parameter(torch.zeros(9))
+    landed = torch.ones(9)
+
+    class Offloading:  # DeepSpeed's ZeRO-2 optimiser with offload, as the clipping meets it
+        def _wait_for_offload_copies(self):
+            weight.grad.copy_(landed)
+
+    class Engine:
+        optimizer = Offloading()
+
+        def set_gradient_accumulation_boundary(self, boundary):
+            pass
+
+        def backward(self, loss):
+            weight.grad = torch.zeros(9)  # the copy still in flight
+
+        def step(self):
+            pass
+
+        def was_step_applied(self):
+            return True
+
+    accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config={})),
+                                  sync_gradients=True, device=torch.device("cpu"))
+    norms = backward_and_step(accelerator, Engine(), None, weight.sum(), {"policy": [weight], "value": []}, None)
+    assert math.isclose(norms["policy"], 3.0)
+
+
+def test_a_parameter_another_process_optimises_is_not_counted_here():
+    """DeepSpeed's ZeRO-1/2 optimisers link every parameter of a group to a partition (`_hp_mapping`, None where
+    another process's optimiser owns it). Where this process still holds such a parameter's whole gradient (ZeRO-1
+    need not free it before the step), counting it as replicated added the other processes' parameters to this
+    process's norm: each process clipped by a different, inflated norm."""
+    import torch
+
+    from align.stages.ppo.optim import _local_partitions
+
+    theirs = torch.nn.Parameter(torch.ones(4))
+    theirs.grad, theirs._hp_mapping = torch.ones(4), None
+    assert _local_partitions(theirs) == (None, True)
+    plain = torch.nn.Parameter(torch.ones(4))  # DeepSpeed without a ZeRO optimiser: every process the whole gradient
+    plain.grad = torch.full((4,), 2.0)
+    g, partitioned = _local_partitions(plain)
+    assert g is plain.grad and partitioned is False
+
+
 @pytest.mark.distributed
-def test_clipping_under_deepspeed_zero2_and_zero3_matches_cpu_without_gathering_a_gradient(tmp_path):
-    """The same probe (seeded models and loss, SGD lr 1) on one CPU process and under 2-process ZeRO-2 and ZeRO-3: the
-    step each group took (parameter change = clipped gradient) has norm min(pre-clip norm, 1) in all three, and the
-    pre-clip norms agree. Under DeepSpeed the norms come from each process's own gradient partitions: no whole
+def test_clipping_under_deepspeed_zero1_2_and_3_matches_cpu_without_gathering_a_gradient(tmp_path):
+    """The same probe (seeded models and loss, SGD lr 1) on one CPU process and under 2-process ZeRO-1, 2 and 3: the
+    step each group took (parameter change = clipped gradient) has norm min(pre-clip norm, 1) in all four, and the
+    pre-clip norms agree (ZeRO-1 keeps every gradient whole on every process: only the process whose optimiser owns
+    a parameter counts it, or each process's norm counted the others' parameters too). Under DeepSpeed the norms come from each process's own gradient partitions: no whole
     gradient is gathered (the old clipping called safe_get_full_grad once per parameter: 4 here, 582 at 8B). A NaN
     loss then skips the step everywhere, the weights untouched."""
     probe = REPO / "tests" / "probes" / "clip_probe.py"
@@ -212,6 +270,7 @@ def test_clipping_under_deepspeed_zero2_and_zero3_matches_cpu_without_gathering_
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--config_file"]
     for name, cmd in {
         "cpu": [sys.executable, str(probe), str(tmp_path / "cpu.json")],
+        "zero1": [*launch, str(REPO / "pipelines" / "accelerate" / "zero1.yaml"), str(probe), str(tmp_path / "zero1.json")],
         "zero2": [*launch, str(REPO / "pipelines" / "accelerate" / "zero2.yaml"), str(probe), str(tmp_path / "zero2.json")],
         "zero3": [*launch, str(REPO / "pipelines" / "accelerate" / "zero3.yaml"), str(probe), str(tmp_path / "zero3.json")],
     }.items():
@@ -219,7 +278,7 @@ def test_clipping_under_deepspeed_zero2_and_zero3_matches_cpu_without_gathering_
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         out[name] = json.loads((tmp_path / f"{name}.json").read_text())
     print({k: (v["gathers"], v["all_reduces_in_step"]) for k, v in out.items()})
-    assert (out["cpu"]["world"], out["zero2"]["world"], out["zero3"]["world"]) == (1, 2, 2)
+    assert [out[k]["world"] for k in ("cpu", "zero1", "zero2", "zero3")] == [1, 2, 2, 2]
     for name, r in out.items():
         for group in ("policy", "value"):
             assert r["step_norm"][group] == pytest.approx(min(r["pre_norm"][group], 1.0), rel=1e-3), (name, group)

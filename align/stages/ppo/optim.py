@@ -42,6 +42,8 @@ def _local_partitions(p: torch.nn.Parameter) -> tuple[torch.Tensor | None, bool]
         from deepspeed.utils import safe_get_local_grad  # heavy: only under DeepSpeed
 
         return safe_get_local_grad(p), True
+    if hasattr(p, "_hp_mapping") and p._hp_mapping is None:  # linked to another process's optimiser partition: its
+        return None, True  # gradient, even where this process still holds it whole (ZeRO-1), is that process's to count
     mapping = getattr(p, "_hp_mapping", None)
     if mapping is not None:  # ZeRO-1/2: the fragment this process's optimiser owns
         fragment = mapping.get_lp_grad_fragment(p._index_in_param_group)
@@ -96,6 +98,9 @@ def backward_and_step(accelerator, model, optimizer, loss: torch.Tensor,
         model.backward(loss)
         if not accelerator.sync_gradients:
             return {}
+        landed = getattr(getattr(model, "optimizer", None), "_wait_for_offload_copies", None)
+        if callable(landed):  # ZeRO-1/2 offload: the gradients' copies into host memory are asynchronous; DeepSpeed
+            landed()  # waits for them in its step, and the norms below are read before it
         norms = _clip_deepspeed(groups, max_norm, accelerator.device)
         model.step()  # DeepSpeed's step also zeroes the gradients, and applies nothing on a non-finite norm
         if not model.was_step_applied():
