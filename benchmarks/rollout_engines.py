@@ -116,11 +116,39 @@ third engine (the CPU twin of NCCL between separate GPUs), loaded in place."""
 
 
 def sync_summary(runs: list[tuple]) -> dict:
-    """One transport's syncs, each (seconds, bytes loaded, log-prob gap after it): medians, every time, the worst gap."""
+    """One transport's syncs, each (seconds, bytes loaded, log-prob gap after it, whether the engine's greedy output
+    then equalled the trainer's): medians, every time, the worst gap, and whether every sync passed both checks (the
+    engine samples from the trainer's weights: gap < 1e-3 in fp32 and the same greedy text)."""
     import statistics
 
+    gap = max(r[2] for r in runs)
     return {"seconds": statistics.median(r[0] for r in runs), "all_seconds": [r[0] for r in runs],
-            "bytes": statistics.median(r[1] for r in runs), "max_logprob_gap": max(r[2] for r in runs)}
+            "bytes": statistics.median(r[1] for r in runs), "max_logprob_gap": gap,
+            "greedy_equal": all(r[3] for r in runs), "checks_pass": gap < 1e-3 and all(r[3] for r in runs)}
+
+
+def times_faster(summaries: dict, slow: str, fast: str) -> float | None:
+    """How many times faster `fast` synced than `slow` (medians), None unless both passed their checks: a figure is
+    reported only for syncs that did what a sync must."""
+    a, b = summaries[slow], summaries[fast]
+    return a["seconds"] / b["seconds"] if a["checks_pass"] and b["checks_pass"] else None
+
+
+def checked(engine, model, tok, prompts: list[str], gen) -> tuple[float, bool]:
+    """After a sync: the largest |engine - trainer| log-prob of what the engine sampled, and whether the engine's
+    greedy output equals transformers' greedy output of the trainer's model (`model`, whole)."""
+    import torch
+
+    from align.engines.base import logprob_gap
+    from align.engines.hf import HFEngine
+    from align.modeling.generation import response_logprobs
+
+    r = engine.generate(prompts, gen, seed=0)
+    with torch.no_grad():
+        lp = response_logprobs(model, r)
+        trainer = HFEngine(model, tok).generate(prompts, gen, seed=0, greedy=True).texts(tok)
+    greedy = engine.generate(prompts, gen, seed=0, greedy=True).texts(tok)
+    return logprob_gap(r.engine_logprobs, lp, r.response_mask)["max"], greedy == trainer
 
 
 def sync_side_by_side(rounds: int, bucket_mib: float, seed: int = 4242) -> dict:
@@ -131,9 +159,7 @@ def sync_side_by_side(rounds: int, bucket_mib: float, seed: int = 4242) -> dict:
     from transformers import AutoModelForCausalLM
 
     from align.config import Generation
-    from align.engines.base import logprob_gap
     from align.engines.vllm import VLLMEngine
-    from align.modeling.generation import response_logprobs
     from align.modeling.models import load_tokenizer
     from align.orchestrator import packaged
 
@@ -144,11 +170,8 @@ def sync_side_by_side(rounds: int, bucket_mib: float, seed: int = 4242) -> dict:
     g = torch.Generator().manual_seed(seed)
     print(f"seed {seed}")
 
-    def gap(engine, model) -> float:
-        r = engine.generate(prompts, gen, seed=0)
-        with torch.no_grad():
-            lp = response_logprobs(model, r)
-        return logprob_gap(r.engine_logprobs, lp, r.response_mask)["max"]
+    def gap(engine, model) -> tuple[float, bool]:
+        return checked(engine, model, tok, prompts, gen)
 
     out: dict[str, dict] = {}
     with VLLMEngine(model_dir, tok, seed=seed, bucket_mib=bucket_mib) as engine, \
@@ -165,6 +188,8 @@ def sync_side_by_side(rounds: int, bucket_mib: float, seed: int = 4242) -> dict:
             engine.weight_sync = "shared"
             for first in (engine, before, sent):  # the first, full sync of this model into each engine: not timed
                 first.sync_weights(model)
+            engine.weight_sync = "file"  # and one through the file into this engine, as `before` had one
+            engine.sync_weights(model)
             runs: dict[str, list] = {how: [] for how in TRANSPORTS}
             for i in range(rounds):
                 for how in TRANSPORTS[i % len(TRANSPORTS):] + TRANSPORTS[:i % len(TRANSPORTS)]:
@@ -174,10 +199,10 @@ def sync_side_by_side(rounds: int, bucket_mib: float, seed: int = 4242) -> dict:
                     if how in ("file", "host", "shared"):
                         engine.weight_sync = how
                     seconds = engines[how].sync_weights(model)
-                    runs[how].append((seconds, engines[how].sync_bytes[-1], gap(engines[how], model)))
+                    runs[how].append((seconds, engines[how].sync_bytes[-1], *gap(engines[how], model)))
             out[mode] = {how: sync_summary(rs) for how, rs in runs.items()}
-            out[mode]["speedup"] = out[mode]["before"]["seconds"] / out[mode]["shared"]["seconds"]
-            out[mode]["speedup_same_engine"] = out[mode]["file"]["seconds"] / out[mode]["shared"]["seconds"]
+            out[mode]["speedup"] = times_faster(out[mode], "before", "shared")
+            out[mode]["speedup_same_engine"] = times_faster(out[mode], "file", "shared")
             out[mode]["shared_load"] = engine.last_sync.get("in_place") or "in place"
             out[mode]["shared_host_tensors"] = engine.last_sync["host_tensors"]
             if mode == "lora":  # what sampling costs with the merged weights, for the adapter's comparison below
@@ -222,17 +247,18 @@ def adapter_sync(out: dict, model_dir: str, tok, gen, seed: int, rounds: int, g,
                 for p in trains:
                     p.add_(torch.randn(p.shape, generator=g) * 1e-3)
             seconds = engine.sync_weights(model)
-            runs.append((seconds, engine.sync_bytes[-1], gap(engine, model)))
+            runs.append((seconds, engine.sync_bytes[-1], *gap(engine, model)))
         out["generation_seconds"]["adapter"] = sample_seconds(engine, tok, gen)
     out["lora"]["adapter"] = sync_summary(runs)
-    out["lora"]["adapter_speedup"] = out["lora"]["before"]["seconds"] / out["lora"]["adapter"]["seconds"]
+    out["lora"]["adapter_speedup"] = times_faster(out["lora"], "before", "adapter")
 
 
 def print_sync(sync: dict, machine_line: str, rounds: int, bucket_mib: float) -> None:
     print(f"\nweight sync, packaged SmolLM2-135M fp32, {rounds} syncs per transport (median), bucket {bucket_mib:g} MiB; "
           f"{machine_line}")
-    print("| policy | transport | s per sync | MB loaded per sync | max log-prob gap | before / this |")
-    print("|---|---|---|---|---|---|")
+    print("| policy | transport | s per sync | MB loaded per sync | max log-prob gap | greedy = trainer's | "
+          "before / this |")
+    print("|---|---|---|---|---|---|---|")
     names = {"before": "file, engine as before (reload_weights)", "file": "file, this engine (reload_weights)",
              "host": "bucket in /dev/shm, loaded in place", "shared": "read where they lie (+ bucket), in place",
              "broadcast": "bucket sent by gloo broadcast, in place", "adapter": "adapter alone (vLLM LoRA)"}
@@ -241,16 +267,19 @@ def print_sync(sync: dict, machine_line: str, rounds: int, bucket_mib: float) ->
         for how in ("before", "file", "host", "shared", "broadcast", "adapter"):
             if how not in r:
                 continue
-            x = r[how]
-            ratio = r["before"]["seconds"] / x["seconds"]
+            x, times = r[how], times_faster(r, "before", how)
             print(f"| {mode} | {names[how]} | {x['seconds']:.3f} | {x['bytes'] / 1e6:.0f} | {x['max_logprob_gap']:.1e} "
-                  f"| {ratio:.2f}x |")
+                  f"| {'yes' if x['greedy_equal'] else 'NO'} | {shown(times)} |")
         print(f"{mode}: the shared sync loaded {r['shared_load']}, {r['shared_host_tensors']} tensors read where they "
-              f"lie; file / shared in the same engine: {r['speedup_same_engine']:.2f}x")
+              f"lie; file / shared in the same engine: {shown(r['speedup_same_engine'])}")
     gen_s = sync["generation_seconds"]
     print(f"\nsampling 16 prompts x 32 tokens, LoRA policy: merged weights {gen_s['merged']:.2f} s (the engine as "
           f"before: {gen_s['merged_before']:.2f} s), adapter applied by vLLM {gen_s['adapter']:.2f} s "
           f"({gen_s['adapter'] / gen_s['merged']:.2f}x)")
+
+
+def shown(times: float | None) -> str:
+    return "a check failed: no figure" if times is None else f"{times:.2f}x"
 
 
 def tiny_run_dir(root: Path) -> Path:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rollout_engines import machine, sync_summary  # noqa: E402  (benchmarks/ is not a package)
+from rollout_engines import checked, machine, shown, sync_summary, times_faster  # noqa: E402  (not a package)
 
 SEED = 4242
 ZERO3_TRANSPORTS = ("before", "file", "gather", "node")
@@ -74,9 +74,7 @@ def worker(out: str, rounds: int, bucket_mib: float) -> None:
     from transformers import AutoModelForCausalLM
 
     from align.config import Generation
-    from align.engines.base import logprob_gap
     from align.engines.vllm import VLLMEngine
-    from align.modeling.generation import response_logprobs
     from align.modeling.models import load_tokenizer
     from align.orchestrator import packaged
     from align.stages.ppo.models import PolicyAndValue, policy_for_generation
@@ -102,20 +100,20 @@ def worker(out: str, rounds: int, bucket_mib: float) -> None:
     prompts = ["The movie was", "I think this film", "Honestly, the acting", "What a"]
     gen = Generation(max_new_tokens=8, temperature=1.0)
 
-    def gap(engine) -> float | None:
-        with policy_for_generation(model, acc) as whole, torch.no_grad():  # a gather every process joins
-            if engine is None:
-                return None
-            r = engine.generate(prompts, gen, seed=0)
-            return logprob_gap(r.engine_logprobs, response_logprobs(whole, r), r.response_mask)["max"]
+    def gap(engine) -> tuple[float, bool] | None:  # the log-prob gap, and the greedy output against the trainer's
+        with policy_for_generation(model, acc) as whole:  # a gather every process joins
+            return None if engine is None else checked(engine, whole, tok, prompts, gen)
 
     main = state.is_main_process
     now = VLLMEngine(model_dir, tok, seed=SEED, bucket_mib=bucket_mib) if main else StandIn()
     before = VLLMEngine(model_dir, tok, seed=SEED, weight_sync="file", keep_weights=False) if main else StandIn()
     engines = {"before": before, "file": now, "gather": now, "node": now}
     try:
-        for e, how in ((now, "node"), (before, "before")):  # the first, full sync into each engine: not timed
+        # the first, full sync into each engine, and one through the file into this engine (as `before` had one):
+        for e, how in ((now, "node"), (before, "before"), (now, "file")):  # not timed
             e.how = how
+            if main and how == "file":
+                now.weight_sync = "file"
             sync_engine(e, model, acc)
         runs: dict[str, list] = {how: [] for how in ZERO3_TRANSPORTS}
         node_used = None  # whether the "node" syncs did go through the node's bucket
@@ -129,13 +127,13 @@ def worker(out: str, rounds: int, bucket_mib: float) -> None:
                 seconds = sync_engine(engines[how], model, acc)
                 g = gap(engines[how] if main else None)
                 if main:
-                    runs[how].append((seconds, engines[how].sync_bytes[-1], g))
+                    runs[how].append((seconds, engines[how].sync_bytes[-1], *g))
                     node_used = now.last_sync.get("node_bucket") if how == "node" else node_used
             gathers.append(sync_engine(StandIn(), model, acc))  # what the gathering transports pay first, alone
         if main:
             result = {how: sync_summary(rs) for how, rs in runs.items()}
-            result["speedup"] = result["before"]["seconds"] / result["node"]["seconds"]
-            result["speedup_same_engine"] = result["file"]["seconds"] / result["node"]["seconds"]
+            result["speedup"] = times_faster(result, "before", "node")
+            result["speedup_same_engine"] = times_faster(result, "file", "node")
             result["node_bucket"] = node_used
             result["world"] = state.num_processes
             result["gather_seconds"] = statistics.median(gathers)
@@ -168,13 +166,13 @@ def main(argv: list[str] | None = None) -> None:
     results = {"machine": machine(), "rounds": args.rounds, "bucket_mib": args.bucket_mib, "sync": sync}
     print(f"\nweight sync under 2-process ZeRO-3 (gloo), packaged SmolLM2-135M fp32, {args.rounds} syncs per transport "
           f"(median, the gather included); {results['machine']}")
-    print("| transport | s per sync | MB loaded per sync | max log-prob gap | before / this |")
-    print("|---|---|---|---|---|")
+    print("| transport | s per sync | MB loaded per sync | max log-prob gap | greedy = trainer's | before / this |")
+    print("|---|---|---|---|---|---|")
     for how in ZERO3_TRANSPORTS:
         x = sync[how]
         print(f"| {how} | {x['seconds']:.3f} | {x['bytes'] / 1e6:.0f} | {x['max_logprob_gap']:.1e} | "
-              f"{sync['before']['seconds'] / x['seconds']:.2f}x |")
-    print(f"file / node in the same engine: {sync['speedup_same_engine']:.2f}x; the last sync through the node's "
+              f"{'yes' if x['greedy_equal'] else 'NO'} | {shown(times_faster(sync, 'before', how))} |")
+    print(f"file / node in the same engine: {shown(sync['speedup_same_engine'])}; the last sync through the node's "
           f"bucket: {sync['node_bucket']}; the gather alone (policy_state_for_engine, no engine): "
           f"{sync['gather_seconds']:.3f} s")
     if args.json:
