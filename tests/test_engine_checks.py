@@ -138,6 +138,38 @@ def test_a_request_the_engine_never_reads_ends_by_its_deadline_and_stops_the_eng
         proc.wait()
 
 
+def test_a_shared_engines_client_whose_request_timed_out_hangs_up_for_good(tmp_path):
+    """A process of a shared engine does not stop the engine when its request times out (the starter's to stop): it
+    hangs up. The write left blocked must fail then, or the engine, once free, would read the whole request and
+    serve a process that has already stopped: here the engine reads after the deadline and finds the connection
+    ended, not a request."""
+    from multiprocessing.connection import Client
+
+    from align.engines.vllm_client import SharedClient, _Started
+
+    address, key = str(tmp_path / "engine.sock"), b"k" * 16
+    script = ("import time; from multiprocessing.connection import Listener\n"
+              f"l = Listener({address!r}, authkey={key!r}); c = l.accept(); print('ready', flush=True); time.sleep(4)\n"
+              "try:\n    c.recv(); print('request', flush=True)\n"
+              "except Exception as e:\n    print('ended', type(e).__name__, flush=True)")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(address) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        client = object.__new__(SharedClient)  # its transport only: the engine above stands in for vLLM's
+        client.conn, client.broken, client.log_path = Client(address, authkey=key), None, tmp_path
+        client.proc = _Started(proc.pid)
+        assert proc.stdout.readline().strip() == "ready"
+        with pytest.raises(EngineError, match="did not take the request 'generate' by its deadline \\(log"):
+            client._call({"op": "generate", "prompts": [[70_000] * 1024 for _ in range(1024)]}, "generate", 2)
+        assert proc.poll() is None  # not stopped by this process
+        assert proc.stdout.readline().split()[0] == "ended"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_a_sync_that_fails_part_way_still_joins_the_remaining_zero3_gathers(monkeypatch):
     """Under ZeRO-3 every process gathers each layer group together as it syncs; a process whose sync fails (here:
     no bucket) must still go through the remaining groups, or the others wait in a gather for it forever. Not

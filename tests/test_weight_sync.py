@@ -523,10 +523,11 @@ def test_a_malloc_setting_glibc_refuses_leaves_every_other_unchanged(monkeypatch
     assert align_vllm_worker.keep_freed_memory() is False and asked == [-3]
 
 
-def test_a_dropped_chunk_whose_descriptors_never_came_gets_no_reply():
+def test_a_dropped_chunk_whose_descriptors_never_came_ends_the_engine():
     """The rest of a stream that failed is dropped without a reply (its error was the stream's): descriptors that
-    never arrived (multiprocessing's recvfds raises RuntimeError on missing ancillary data) must not turn into an
-    {"ok": False} reply the trainer would read as the answer to its next request."""
+    never arrived (multiprocessing's recvfds raises RuntimeError on missing ancillary data, a byte of the next message
+    already read) must neither turn into an {"ok": False} reply the trainer would read as the answer to its next
+    request nor leave the engine reading what follows out of step: the engine stops, saying why."""
     import socket
 
     from multiprocessing.connection import Connection
@@ -536,7 +537,9 @@ def test_a_dropped_chunk_whose_descriptors_never_came_gets_no_reply():
         sender, receiver = Connection(a.detach()), Connection(b.detach())
         sender.send_bytes(b"x")  # a message without the descriptors the chunk promised
         msg = {"op": "chunk", "last": True, "files": {1: 8}, "new": [1]}
-        assert align_vllm_worker.drop_handles(receiver, msg) is None
+        with pytest.raises(SystemExit, match="descriptors never came"):
+            align_vllm_worker.drop_handles(receiver, msg)
+        assert align_vllm_worker.drop_handles(receiver, {"op": "chunk", "last": False}) is None  # none promised
     finally:
         for c in (sender, receiver):
             c.close()

@@ -7,7 +7,9 @@ of a shared engine (align/engines/group.py) reach it: they sample, and join the 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import time
 import weakref
 from multiprocessing.connection import Client
@@ -77,7 +79,9 @@ class EngineClient:
             for fd in fds:
                 send_handle(self.conn, fd, self.proc.pid)
 
-        deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
+        # at least a second: a sync's deadline may pass while the trainer gathers, and a request the engine takes at
+        # once must still go (the reply's wait gives the same grace)
+        deadline = max(time.monotonic() + 1.0, time.monotonic() + self.timeout_s if deadline is None else deadline)
         try:
             if _by_deadline(write, deadline, alive=lambda: self.proc.poll() is None):
                 return
@@ -87,6 +91,9 @@ class EngineClient:
         if self.proc.poll() is not None:
             raise EngineError(f"the vLLM engine process (pid {self.proc.pid}) died ({self.proc.returncode}) during "
                               f"'{what}'; its log ({self.log_path}) ends:\n{self._tail()}")
+        with contextlib.suppress(OSError):  # the write left blocked fails now (a shared engine, not killed here, then
+            with socket.socket(fileno=os.dup(self.conn.fileno())) as s:  # sees this process gone, not its request)
+                s.shutdown(socket.SHUT_RDWR)
         self.close(kill=True)
         raise EngineError(f"the vLLM engine did not take the request '{what}' by its deadline"
                           f"{' and was stopped' if self.stops_engine else ''} (log: {self.log_path}); raise "
@@ -170,7 +177,7 @@ class EngineClient:
 def _by_deadline(work, deadline: float, alive=lambda: True) -> bool:
     """Run `work()` in a thread this one stops waiting for at `deadline` (time.monotonic) or once `alive()` is false
     (the peer died): True when it finished, False when it did not (the thread is left, a daemon, blocked on a
-    connection the caller closes); its exception is raised here."""
+    connection the caller shuts down); its exception is raised here."""
     import threading
 
     out: dict = {}

@@ -28,8 +28,7 @@ in the server's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so this module i
 RECEIVE = None
 """(bucket, bytes) -> None: fills the bucket from the trainer's broadcast (weight_sync: broadcast), else None."""
 
-# vLLM warns per layer (and lists every name) when a reload leaves layers out; a stream after the first sends only
-# the weights that train, on purpose, and the layers it leaves out keep their weights (layerwise.py places them back).
+# vLLM warns per layer (naming each) when a reload leaves layers out, as streams after the first do on purpose.
 QUIET = ("vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")
 
 
@@ -138,12 +137,16 @@ def host_views(conn, refs, files: dict, new) -> list:
 
 
 def drop_handles(conn, msg: dict) -> None:
-    """A chunk of a stream that failed before it was read, dropped: the file descriptors the trainer passed after it
-    (its last, with weights read where they lie) are read and closed, or the connection's next message would be read
-    from the middle of their bytes."""
-    with contextlib.suppress(OSError, EOFError, RuntimeError):  # broken, or descriptors missing: no reply to this
+    """A chunk of a stream that failed, dropped unanswered: the descriptors passed after it (its last) read and closed,
+    or the next message would be read from their bytes; ones that never came end the engine (nothing after is in step;
+    the trainer already failed the stream)."""
+    try:
         for _ in msg.get("new", ()) if msg.get("last") and "files" in msg else ():
             os.close(recv_handle(conn))
+    except (OSError, EOFError):  # the connection broken: its own error comes next
+        pass
+    except RuntimeError as exc:  # recvfds: ancillary data missing (a byte of the next message read)
+        raise SystemExit(f"align engine: a dropped chunk's descriptors never came ({exc}): stopping") from None
 
 
 def _done_with_chunk(conn, bucket: torch.Tensor, building: dict, last: bool) -> None:
@@ -204,10 +207,9 @@ def keep_cpu_weights() -> bool:
 
 
 KEEP_FREED = ((-3, 2 ** 25), (-1, 2 ** 31 - 1), (-2, 2 ** 30))
-"""glibc's mallopt settings (malloc.h: M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_TOP_PAD) for an engine that loads in
-place on a CPU: blocks up to 32 MiB are never mapped apart, nothing freed is given back to the system (below 2 GiB at
-the heap's top) and the heap grows in 1 GiB steps of address space (not memory). The one glibc may refuse first,
-before anything has changed."""
+"""glibc's mallopt settings (malloc.h: M_MMAP_THRESHOLD first, the one glibc may refuse, M_TRIM_THRESHOLD, M_TOP_PAD)
+for an engine loading in place on a CPU: blocks up to 32 MiB never mapped apart, nothing freed given back (below 2 GiB
+at the heap's top), the heap grown in 1 GiB steps of address space (not memory)."""
 
 
 def keep_freed_memory() -> bool:
