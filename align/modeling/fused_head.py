@@ -40,6 +40,11 @@ and its decoder's; what this list misses, the stage's probe (`fused_head_gap`) c
 FUSED_TOLERANCE = 1e-3
 """The largest |fused - model's own| log-prob (nats) on the stage's probe before the fused head is refused for a
 model: both compute the same head matmul in the same dtype, so an exact family differs by rounding (~1e-6)."""
+HALF_TOLERANCE = 0.5
+"""The same under bf16 autocast (the probe of a policy with flash attention, which runs in half precision only): two
+head matmuls whose fp32 sums differ in the last bits can round a logit of 32-64 to neighbouring bf16 values (0.25
+apart); what the probe exists to catch in a trained model (a soft-cap, a logit scale or divisor) moves log-probs by
+nats. Looser, it lets through smaller changes: halving a tiny random model's logits moves its log-probs 0.12."""
 
 _MODE = ["off"]
 _EXCLUDED: set[int] = set()  # models (id) whose probe showed the fused head is not exact: the logits path for them

@@ -14,7 +14,7 @@ value_init: reward, the reward model) is served by a trained model's base weight
 from __future__ import annotations
 
 import time
-from contextlib import closing
+from contextlib import closing, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,8 +26,8 @@ from align.runtime.rows import load_rows, unique_prompts
 from align.engines.base import RolloutEngine, across_processes, check_rollout, nan_max, rest
 from align.modeling.generation import Rollout, fused_head_gap
 from align.modeling.compute import leave_sdpa_if_padded
-from align.modeling.fused_head import FUSED_TOLERANCE, exclude, set_fused_head, use_fused_head
-from align.modeling.packing import (attention_kernel, base_and_backbone, packing_works, set_padding_free,
+from align.modeling.fused_head import FUSED_TOLERANCE, HALF_TOLERANCE, exclude, set_fused_head, use_fused_head
+from align.modeling.packing import (attention_kernel, base_and_backbone, is_flash, packing_works, set_padding_free,
                                    unwrapped_model)
 from align.judges import judge_weights
 from align.modeling.losses import gae, kl_estimate, masked_whiten, token_rewards
@@ -177,9 +177,10 @@ def setup(ctx: StageContext) -> PPORun:
         ctx.note(attention_left_sdpa=why)
         if ctx.is_main:
             print(f"[align] {ctx.name}: {why}", flush=True)
+    half = is_flash(attention_kernel(policy))  # flash attention runs in half precision only: its probe under the
+    with accelerator.autocast() if half else nullcontext():  # training autocast; every other kernel's in fp32 (exact)
+        heads = fused_head(cfg, policy, reference, HALF_TOLERANCE if half else FUSED_TOLERANCE)
     # as resolved on this machine: the attention kernel the policy runs (attn_implementation auto: transformers' pick)
-    with accelerator.autocast():  # the fused head's probe runs the models as training does (flash attention: bf16)
-        heads = fused_head(cfg, policy, reference)
     ctx.note(kernels={"fused_head": heads, "attention": attention_kernel(policy),
                       "autocast": ctx.compute.mixed_precision})
     scorer = build_judge(cfg.reward, lambda n: RewardModelJudge(  # scored in the training precision (a value head
@@ -192,11 +193,12 @@ def setup(ctx: StageContext) -> PPORun:
     return s
 
 
-def fused_head(cfg: PPOStage, policy, reference) -> dict[str, bool]:
+def fused_head(cfg: PPOStage, policy, reference, tolerance: float = FUSED_TOLERANCE) -> dict[str, bool]:
     """Resolve the `fused_head` setting for the policy and the reference (align/modeling/fused_head.py), refusing
     `on` where it is not exact before any rollout: what each model's log-probs are computed with. Where it would be
     used, a probe compares it with the model's own logits first; a family that changes them after its head in a way
-    the blocker list does not know keeps the logits path (or, with `on`, is refused)."""
+    the blocker list does not know (by more than `tolerance` nats) keeps the logits path (or, with `on`, is
+    refused)."""
     set_fused_head(cfg.fused_head)
     resolved = {}
     for name, m in (("policy", policy), ("reference", reference)):
@@ -206,7 +208,7 @@ def fused_head(cfg: PPOStage, policy, reference) -> dict[str, bool]:
         except ValueError as e:
             raise StageError(str(e)) from None
         gap = fused_head_gap(m) if resolved[name] else 0.0
-        if gap > FUSED_TOLERANCE:
+        if gap > tolerance:
             if cfg.fused_head == "on":
                 raise StageError(f"fused_head: on, but the {name}'s log-probs from it differ from the model's own by "
                                  f"{gap:.3g} nats (its forward changes the logits after the head); set fused_head: "
