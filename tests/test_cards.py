@@ -353,6 +353,7 @@ def test_a_hub_revision_resolved_once_is_remembered_when_the_hub_cannot_be_asked
     import align.data.hub as hub
 
     monkeypatch.setenv("ALIGN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(hub.RUN_REVISIONS_ENV, raising=False)
     monkeypatch.setattr(hub, "_REVISIONS", {})
     asked = []
 
@@ -384,10 +385,11 @@ def test_revisions_remembered_at_the_same_moment_are_all_kept(tmp_path, monkeypa
     import align.data.hub as hub
 
     monkeypatch.setenv("ALIGN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(hub.RUN_REVISIONS_ENV, raising=False)
     known = hub._known
 
-    def slow_known():
-        found = known()
+    def slow_known(path=None):
+        found = known(path)
         time.sleep(0.05)
         return found
 
@@ -399,3 +401,34 @@ def test_revisions_remembered_at_the_same_moment_are_all_kept(tmp_path, monkeypa
         w.join(30)
     kept = json.loads((tmp_path / "cache" / "hub-revisions.json").read_text())
     assert kept == {f"org/data{i}@main": f"sha{i}" for i in range(6)}, kept
+
+
+def test_a_runs_own_record_of_a_commit_wins_over_a_newer_one_another_run_left(tmp_path, monkeypatch):
+    """Two runs on one cache: A resolved the dataset's main at one commit, B later at a newer one (the hub moved).
+    A resumed while the hub cannot be asked keeps the commit A resolved (its own record, <run dir>/hub-revisions.json),
+    so its fingerprints do not change; a run with no record of its own takes the newest any run left in the cache."""
+    import types
+
+    import align.data.hub as hub
+
+    monkeypatch.setenv("ALIGN_CACHE", str(tmp_path / "cache"))
+    head = {"sha": "aaa111"}
+
+    class Api:
+        def dataset_info(self, hub_id, revision=None):
+            return types.SimpleNamespace(sha=head["sha"])
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(HfApi=Api))
+
+    def resolve(run: str, online: bool) -> str | None:
+        monkeypatch.setattr(hub, "_REVISIONS", {})  # a new process
+        monkeypatch.setenv(hub.RUN_REVISIONS_ENV, str(tmp_path / run / "hub-revisions.json"))
+        monkeypatch.setattr(hub, "hub_reachable", lambda: online)
+        return hub.resolved_revision("org/data", "main")
+
+    assert resolve("a", online=True) == "aaa111"
+    head["sha"] = "bbb222"
+    assert resolve("b", online=True) == "bbb222"
+    assert resolve("a", online=False) == "aaa111"
+    assert resolve("c", online=False) == "bbb222"
+    assert json.loads((tmp_path / "cache" / "hub-revisions.json").read_text()) == {"org/data@main": "bbb222"}

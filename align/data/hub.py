@@ -54,12 +54,18 @@ def mirror_digest(root: Path) -> str:
 _REVISIONS: dict[tuple[str, str | None], str | None] = {}
 
 
+RUN_REVISIONS_ENV = "ALIGN_RUN_REVISIONS"
+"""The run's own record of the commits it resolved (`align run` sets it to <run dir>/hub-revisions.json for itself
+and its stage processes): read before align's cache, so another run that resolved a newer commit since does not
+change this run's fingerprints when it resumes offline."""
+
+
 def resolved_revision(hub_id: str, revision: str | None) -> str | None:
     """The commit a hub dataset's `revision` (a branch, a tag or a commit; None: main) names now, so a fingerprint
-    changes when the dataset does. When the hub cannot be asked from here, the commit it named when it last could
-    (remembered in align's cache, `hub-revisions.json`): a resume while the hub is down or from an offline node
-    keeps the fingerprints it had, instead of rerunning every stage that reads the dataset; the revision as written
-    when it never could."""
+    changes when the dataset does. When the hub cannot be asked from here, the commit it named when this run last
+    could ($ALIGN_RUN_REVISIONS), else when any run on this cache did (`hub-revisions.json` in align's cache): a resume
+    while the hub is down or from an offline node keeps the fingerprints it had, instead of rerunning every stage
+    that reads the dataset; the revision as written when it never could."""
     key = (hub_id, revision)
     if key not in _REVISIONS:
         _REVISIONS[key] = _remembered(hub_id, revision)
@@ -76,21 +82,27 @@ def resolved_revision(hub_id: str, revision: str | None) -> str | None:
     return _REVISIONS[key]
 
 
-def _revisions_file() -> Path:
+def _revisions_files() -> list[Path]:
+    """Where commits are remembered, the first read first: the run's own record, then align's cache."""
     from align.core.fsutil import cache_root
 
-    return cache_root() / "hub-revisions.json"
+    run = os.environ.get(RUN_REVISIONS_ENV)
+    return ([Path(run)] if run else []) + [cache_root() / "hub-revisions.json"]
 
 
-def _known() -> dict:
-    """The commits remembered in align's cache, by `<hub id>@<revision>` ({} when none are, or the file is torn)."""
+def _known(path: Path | None = None) -> dict:
+    """The commits remembered in `path` (default: every file, the run's winning), by `<hub id>@<revision>` ({} when
+    none are, or a file is torn)."""
     import json
 
-    try:
-        known = json.loads(_revisions_file().read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return known if isinstance(known, dict) else {}
+    known: dict = {}
+    for file in reversed(_revisions_files()) if path is None else [path]:
+        try:
+            found = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        known.update(found if isinstance(found, dict) else {})
+    return known
 
 
 def _remembered(hub_id: str, revision: str | None) -> str | None:
@@ -98,19 +110,20 @@ def _remembered(hub_id: str, revision: str | None) -> str | None:
 
 
 def _remember(hub_id: str, revision: str | None, sha: str) -> None:
-    """Add one commit to the remembered ones: read, added to and written again under a lock on a file beside them,
-    so that runs (or a run's processes) resolving other datasets at the same moment do not drop each other's."""
+    """Add one commit to the remembered ones, in each file: read, added to and written again under a lock on a file
+    beside it, so that runs (or a run's processes) resolving other datasets at the same moment do not drop each
+    other's."""
     import fcntl
 
     from align.core.fsutil import atomic_write_json
 
-    if _known().get(f"{hub_id}@{revision}") == sha:
-        return
-    try:
-        path = _revisions_file()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            atomic_write_json(path, {**_known(), f"{hub_id}@{revision}": sha})
-    except OSError:
-        pass  # a read-only cache: asked again next time
+    for path in _revisions_files():
+        if _known(path).get(f"{hub_id}@{revision}") == sha:
+            continue
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path.with_suffix(".lock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                atomic_write_json(path, {**_known(path), f"{hub_id}@{revision}": sha})
+        except OSError:
+            pass  # read-only: asked again next time

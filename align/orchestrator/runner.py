@@ -9,6 +9,7 @@ trained from the outputs its inputs have now. Validation (align/orchestrator/val
 from __future__ import annotations
 
 import contextvars
+import os
 import difflib
 import resource
 import signal
@@ -38,6 +39,7 @@ from align.orchestrator.runlock import RunLock, RunLockedError
 from align.config.sweeps import by_stage
 from align.core.tracking import scrub
 from align.orchestrator.validate import validate
+from align.data.hub import RUN_REVISIONS_ENV
 
 
 def result_line(plan: StagePlan, stage_dir: Path) -> str:
@@ -67,6 +69,24 @@ def resume_command(source: str | Path) -> str:
 def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_stage: str | None = None,
         force: bool = False, num_processes: int | None = None, trust_completed_inputs: bool = False,
         ignore_memory_check: bool = False, multi: MultiNode | None = None, run_dir: Path | None = None) -> Path:
+    """`_run` with the run's own record of the hub commits it resolves first (align/data/hub.py: read before align's
+    cache by this process and its stage processes; as it was before, after)."""
+    run_dir = Path(run_dir) if run_dir is not None else run_dir_of(cfg)
+    before = os.environ.get(RUN_REVISIONS_ENV)
+    os.environ[RUN_REVISIONS_ENV] = str(run_dir.resolve() / "hub-revisions.json")
+    try:
+        return _run(cfg, source, only, from_stage, force, num_processes, trust_completed_inputs, ignore_memory_check,
+                    multi, run_dir)
+    finally:
+        if before is None:
+            os.environ.pop(RUN_REVISIONS_ENV, None)
+        else:
+            os.environ[RUN_REVISIONS_ENV] = before
+
+
+def _run(cfg: PipelineConfig, source: str | Path, only: str | None, from_stage: str | None, force: bool,
+         num_processes: int | None, trust_completed_inputs: bool, ignore_memory_check: bool, multi: MultiNode | None,
+         run_dir: Path) -> Path:
     """Validate, then run every stage that is not up to date: completed with the same fingerprint, from the
     very outputs (publications) of its inputs that exist now. Node 0 holds the run directory's lock
     (align/orchestrator/runlock.py) throughout; `run_dir` (default runs/<name>/<run_id>) is what `align report DIR` uses.
@@ -104,7 +124,6 @@ def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_s
     else:
         selected = set(deps)
     forced = selected if (force or from_stage) else set()
-    run_dir = Path(run_dir) if run_dir is not None else run_dir_of(cfg)
     to_run = [p.name for p in plans if p.name in selected and (p.name in forced or not up_to_date(p, run_dir, source))]
     hw = hardware(cfg, nodes=multi.nodes)  # asks nvidia-smi once, for both checks
     memory_preflight(cfg, source, plans, set(to_run), num_processes, hw, ignore_memory_check)
