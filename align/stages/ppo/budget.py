@@ -16,11 +16,11 @@ from typing import Any
 import torch
 
 from align.config.ppo import PPOStage
-from align.engines.base import RolloutEngine, across_processes, check_rollout, holding, rest
+from align.engines.base import RolloutEngine, across_processes, check_rollout, rest
 from align.modeling.generation import response_logprobs
 from align.modeling.losses import sequence_kl
 from align.runtime.context import StageContext, StageError
-from align.stages.ppo.rollouts import rollout
+from align.stages.ppo.rollouts import rollouts_in_chunks
 
 # one-sided 95% normal quantile: the budget holds the mean's upper confidence bound, so a fresh sample of prompts
 # (the evaluation's) lands inside it too, not only the held-out slice that was measured
@@ -121,10 +121,7 @@ def heldout_kl(cfg: PPOStage, accelerator, engine: RolloutEngine, model, referen
     n = max(world, len(heldout) // world * world)
     mine = [heldout[i % len(heldout)] for i in range(n)][rank::world]
     kls = []
-    with holding(engine):  # under ZeRO-3 the policy gathered once for every chunk, not once a chunk
-        rollouts = [rollout(cfg, accelerator, engine, mine[start:start + cfg.generation.batch_size],
-                            seed=seed + start * world + rank)
-                    for start in range(0, len(mine), cfg.generation.batch_size)]
+    rollouts = rollouts_in_chunks(cfg, accelerator, engine, mine, seed, world, rank)
     rest(engine)  # generation.sleep: asleep before any model computes (align estimate counts it so)
     for r in rollouts:
         with torch.no_grad(), accelerator.autocast():

@@ -44,6 +44,16 @@ def rollout(cfg: PPOStage, accelerator, engine: RolloutEngine, prompts: list[str
     return concat_rollouts(parts, pad_id)  # one part: itself
 
 
+def rollouts_in_chunks(cfg: PPOStage, accelerator, engine: RolloutEngine, prompts: list[str], seed: int, world: int,
+                       rank: int) -> list[Rollout]:
+    """One rollout per `generation.batch_size` prompts (the one at `start` seeded seed + start x world + rank), the
+    policy prepared once for all of them (base.holding: under ZeRO-3 one gather, not one a chunk)."""
+    size = cfg.generation.batch_size
+    with holding(engine):
+        return [rollout(cfg, accelerator, engine, prompts[start:start + size], seed=seed + start * world + rank)
+                for start in range(0, len(prompts), size)]
+
+
 def chunk_seed(seed: int, chunk: int) -> int:
     """The seed of a rollout's chunk: the first keeps the rollout's own (one call's stream, as before chunking); the
     others get seeds no other chunk of any iteration or process takes (PPO's rollout seeds are below 2**40)."""
@@ -77,11 +87,6 @@ def open_engine(ctx: StageContext, cfg: PPOStage, accelerator, model, tokenizer,
                          log_path=ctx.dir / f"engine.rank{accelerator.process_index}.log",
                          rank=accelerator.process_index, device=accelerator.device,
                          lora_rank=cfg.lora.r if cfg.lora.enabled else None)
-    try:
-        ctx.note_engine(engine)  # a manifest write that fails (a full disk) must not leave the engine's process behind
-    except BaseException:  # not yet in the caller's closing(): closed here
-        engine.close()
-        raise
     return engine
 
 
@@ -109,9 +114,7 @@ def fit_reward_scale(ctx: StageContext, cfg: PPOStage, accelerator, engine: Roll
     order = torch.randperm(len(prompts), generator=g).tolist()
     picked = [prompts[order[i % len(prompts)]] for i in range(n)][rank::world]
     starts = range(0, len(picked), cfg.generation.batch_size)
-    with holding(engine):  # under ZeRO-3 the policy gathered once for every chunk, not once a chunk
-        rollouts = [rollout(cfg, accelerator, engine, picked[start:start + cfg.generation.batch_size],
-                            seed=ctx.seed * 31 + start * world + rank) for start in starts]
+    rollouts = rollouts_in_chunks(cfg, accelerator, engine, picked, ctx.seed * 31, world, rank)
     rest(engine)  # generation.sleep: asleep before any model computes (align estimate counts it so)
     scores = [scorer.score_rollout(r, picked[start:start + cfg.generation.batch_size], tokenizer)
               for start, r in zip(starts, rollouts)]
