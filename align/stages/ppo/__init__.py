@@ -338,11 +338,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
     cfg, accelerator = s.cfg, s.accelerator
     with closing(open_engine(ctx, cfg, accelerator, s.model, s.tokenizer, s.policy_path)) as engine:
         s.engine = engine  # a vllm engine's process ends with the stage, also when it fails
+        ctx.note_engine(engine)  # inside closing(): a manifest write that fails does not leave the engine behind
         t_sync = sync_engine(engine, s.model, accelerator, ctx)  # it starts from policy_path; a resumed one differs
         fix_reward_scale(s)
         history, gaps = restore_history(ctx, s.start), []
-        # kl.max: the weights of the last update inside the budget (at the start: the starting or resumed policy,
-        # whose checkpoint was only written inside the budget)
+        # kl.max: the last update's weights inside the budget (first: the starting or resumed policy, saved inside it)
         snapshot = PolicySnapshot(s.groups["policy"]) if cfg.kl.max is not None else None
         if snapshot is not None:
             snapshot.take(s.start, HeldoutKL.from_metrics(history[-1]) if history else None)
