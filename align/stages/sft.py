@@ -44,20 +44,18 @@ def collator(ctx: StageContext, cfg: SFTStage, args, model, tokenizer):
     if not (cfg.padding_free or cfg.packing):
         ctx.extra_manifest["padding_free"] = "off (padding_free: false)"
         return None
-    if not packing_works(model):
-        ctx.extra_manifest["padding_free"] = f"off ({type(model).__name__} does not read packed positions)"
+    def padded(why: str, said: str):  # None: TRL's own collator; the manifest says `why`, the console `said`
+        ctx.extra_manifest["padding_free"] = f"off ({why})"
         if ctx.is_main:
-            print(f"[align] {ctx.name}: {type(model).__name__} does not keep packed sequences apart (its mask ignores "
-                  "positions): training padded" + (", packing: true ignored" if cfg.packing else ""), flush=True)
-        return None
+            print(f"[align] {ctx.name}: {said}" + (", packing: true ignored" if cfg.packing else ""), flush=True)
+
+    if not packing_works(model):
+        return padded(f"{type(model).__name__} does not read packed positions", f"{type(model).__name__} does not "
+                      "keep packed sequences apart (its mask ignores positions): training padded")
     one_row = is_flash(attention_kernel(model))
     if getattr(model.config, "output_router_logits", False) and not one_row:  # TRL adds the MoE auxiliary loss
         why = "a mixture of experts' load-balancing loss would count the filler of packed rows (only one row has none)"
-        ctx.extra_manifest["padding_free"] = f"off ({why})"
-        if ctx.is_main:
-            print(f"[align] {ctx.name}: training padded: {why}" + (", packing: true ignored" if cfg.packing else ""),
-                  flush=True)
-        return None
+        return padded(why, f"training padded: {why}")
     args.packing = cfg.packing
     if cfg.packing:
         ctx.extra_manifest["padding_free"] = ("packed rows of max_length, one row per batch (flash-attention)" if one_row
