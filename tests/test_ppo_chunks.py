@@ -29,6 +29,19 @@ def _accelerator():
     return SimpleNamespace(autocast=contextlib.nullcontext)
 
 
+def _policy_value_reference(tmp_path):
+    """A seeded tiny Llama as PPO holds it: (tokenizer, policy and value model, frozen reference)."""
+    from align.modeling.models import load_causal_lm, load_scalar_model, load_tokenizer
+    from align.stages.ppo.models import PolicyAndValue
+
+    print("seed", SEED)
+    torch.manual_seed(SEED)
+    base, tok_dir = build("llama", tmp_path / "llama", seed=SEED)
+    tok = load_tokenizer(str(tok_dir))
+    model = PolicyAndValue(load_causal_lm(str(base)), load_scalar_model(str(base), tok.pad_token_id)).eval()
+    return tok, model, load_causal_lm(str(base)).eval()
+
+
 def test_the_hf_engine_samples_batch_size_prompts_per_call_and_the_chunks_join_row_for_row(tmp_path):
     """64 prompts per process with generation.batch_size 16 were one generate call (4x the KV cache align estimate
     counts): now the hf engine gets chunks of batch_size, and the joined rollout's rows are the chunks' rows (padding
@@ -94,16 +107,9 @@ def test_the_heldout_kl_rollouts_share_one_gather_of_the_policy(tmp_path):
     from align.config import Generation
     from align.config.ppo import PPOStage
     from align.engines.hf import HFEngine
-    from align.modeling.models import load_causal_lm, load_scalar_model, load_tokenizer
     from align.stages.ppo.budget import heldout_kl
-    from align.stages.ppo.models import PolicyAndValue
 
-    print("seed", SEED)
-    torch.manual_seed(SEED)
-    base, tok_dir = build("llama", tmp_path / "llama", seed=SEED)
-    tok = load_tokenizer(str(tok_dir))
-    model = PolicyAndValue(load_causal_lm(str(base)), load_scalar_model(str(base), tok.pad_token_id)).eval()
-    reference = load_causal_lm(str(base)).eval()
+    tok, model, reference = _policy_value_reference(tmp_path)
     entered = []
 
     @contextlib.contextmanager
@@ -124,16 +130,9 @@ def test_scoring_a_mini_batch_at_a_time_equals_scoring_the_whole_rollout(tmp_pat
     """Step 3 in chunks of rows (the mini-batch): the policy's log-probs and values and the reference's log-probs
     equal one forward over the whole rollout (fp32), whatever the chunk."""
     from align.modeling.generation import sequence_logprobs
-    from align.modeling.models import load_causal_lm, load_scalar_model, load_tokenizer
-    from align.stages.ppo.models import PolicyAndValue
     from align.stages.ppo.rollouts import scored
 
-    print("seed", SEED)
-    torch.manual_seed(SEED)
-    base, tok_dir = build("llama", tmp_path / "llama", seed=SEED)
-    tok = load_tokenizer(str(tok_dir))
-    model = PolicyAndValue(load_causal_lm(str(base)), load_scalar_model(str(base), tok.pad_token_id)).eval()
-    reference = load_causal_lm(str(base)).eval()
+    tok, model, reference = _policy_value_reference(tmp_path)
     with torch.no_grad():  # the reference one step away from the policy, so the two log-probs differ
         for p in reference.parameters():
             p.add_(0.01 * torch.randn_like(p))
