@@ -9,8 +9,8 @@ trained from the outputs its inputs have now. Validation (align/orchestrator/val
 from __future__ import annotations
 
 import contextvars
-import os
 import difflib
+import os
 import resource
 import signal
 import subprocess
