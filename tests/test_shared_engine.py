@@ -5,7 +5,7 @@ Stand-ins first (two gloo processes, no vLLM): the second process reaches the fi
 sample through it, a sync is the starter's while the other joins its gathers, and a failure of either side (the
 engine's start, the sync, the other's part of it) ends both processes with an error naming it instead of leaving one
 waiting for the other. Then the real thing, vLLM on the packaged SmolLM2 with both processes on one engine: PPO
-under 2-process ZeRO-3 (~200 s, long tier) and GRPO under ZeRO-2 (~80 s): one engine process, and every iteration's engine
+under 2-process ZeRO-3 (~200 s) and GRPO under ZeRO-2 (~80 s alone), both in the long tier: one engine process, and every iteration's engine
 log-probs equal the trained policy's on both processes (the second samples through the first's engine after the
 first's syncs).
 """
