@@ -208,3 +208,41 @@ def test_tempered_logits_are_divided_in_fp32_and_an_fp32_input_is_left_alone():
     assert (got - twice).abs().max().item() > 1e-3
     before = fp32.clone()
     assert torch.equal(tempered(fp32, 0.7), before / 0.7) and torch.equal(fp32, before)
+
+
+def test_a_bf16_models_response_logits_are_its_own_logits_divided_in_fp32_padded_or_packed():
+    """response_logits (the log-probs of PPO, GRPO and the engine check) divides a bf16 model's logits by the
+    temperature in fp32 on both of its paths: the padded forward of an unpadded batch and the padding-free one of a
+    padded batch. What it returns is exactly some bf16 logits divided in fp32 (dividing in bf16, the old way, returns
+    bf16 quotients that are not), and they are the model's own logits at the response positions (a forward of each
+    sequence alone, within bf16's noise: a position off by one would be off by ~10)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from align.modeling.generation import response_logits
+    from align.modeling.packing import packs
+
+    seed = 29
+    print("seed", seed)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)  # logits of ~10: where a second bf16 rounding shows
+    q, t = 3, 0.7
+    ids = torch.randint(1, 64, (2, 7))
+    for mask in (torch.ones_like(ids), torch.tensor([[0, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]])):
+        with torch.no_grad():
+            got, _ = response_logits(model, ids * mask, mask, q, temperature=t)
+            assert got.dtype == torch.float32 and packs(model, mask) == bool((mask == 0).any())
+            for b in range(2):
+                n = int(mask[b, q:].sum())  # real response tokens (right padding last)
+                have = got[b, :n]
+                assert torch.equal((have * t).to(torch.bfloat16).float() / t, have)  # bf16 logits / t, in fp32
+                real = mask[b].bool()
+                start = int((~real[:q]).sum())  # left padding inside the prompt
+                own = model(input_ids=ids[b][real][None]).logits[0].float()  # the sequence alone
+                want = own[q - 1 - start:q - 1 - start + n] / t
+                assert (have - want).abs().max() < 0.25, (mask.tolist(), (have - want).abs().max())
+                assert have.abs().max() > 5  # large enough logits for the exactness check above to bite
