@@ -356,6 +356,8 @@ def test_ppo_pushed_hard_ends_inside_kl_max_where_the_old_controller_ends_far_ou
     assert rows[-1]["heldout/kl_upper"] > kl_max and rows[-1]["heldout/over_budget"] == 1.0
     assert all(r["heldout/kl_upper"] <= kl_max for r in rows[:-1])
     assert final["heldout/kl_last"] == rows[published - 1]["heldout/kl"] <= kl_max
+    # beta as the published policy left it (the undone iteration ran with it), not moved by the KL of an undone update
+    assert final["objective/kl_coef_final"] == rows[-1]["objective/kl_coef"] != rows[-2]["objective/kl_coef"]
     assert "kl_budget/undone_iteration" in new.stdout  # the console's result line says it stopped
     assert f"Publishing the policy after iteration {published}" in (e2e["run"] / "ppo" / "stage.log").read_text()
 

@@ -368,14 +368,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
                                       f"KL (after a weight sync of {t_sync:.2f} s)")
                 split["heldout"] = now(accelerator.device) - t_heldout - t_sync
             metrics = iteration_metrics(s, b, kl, beta, stats, measured, t0, t_sync, split)
-            s.kl_ctl.update(measured.mean if measured else metrics["objective/kl"], cfg.rollout_batch_size * s.world)
             if b.gap is not None:
                 gaps.append(metrics["rollout/logprob_gap_max"])
-            if snapshot is not None and measured is not None:
-                if measured.within(cfg.kl.max):
+            if snapshot is not None and measured is not None and not measured.within(cfg.kl.max):
+                over, metrics["heldout/over_budget"] = (it + 1, measured), 1.0  # undone below, beta kept as it was
+            else:
+                s.kl_ctl.update(measured.mean if measured else metrics["objective/kl"], cfg.rollout_batch_size * s.world)
+                if snapshot is not None and measured is not None:
                     snapshot.take(it + 1, measured)
-                else:
-                    over, metrics["heldout/over_budget"] = (it + 1, measured), 1.0
             history.append(metrics)
             ctx.log(metrics, step=it + 1)
             ctx.progress(it + 1, cfg.iterations, score=metrics["objective/scores"],

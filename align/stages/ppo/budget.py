@@ -113,7 +113,9 @@ def heldout_kl(cfg: PPOStage, accelerator, engine: RolloutEngine, model, referen
                seed: int, where: str) -> HeldoutKL:
     """Sequence KL(policy || reference) = sum over the response of log pi - log ref (k1, at the sampling temperature,
     as the evaluation measures it) of one response per held-out prompt, sampled with the same seeds every iteration
-    (the iterations differ by the policy, not by the draw). Every process measures an equal share (so the
+    (the iterations differ by the policy, not by the draw) by engines that take a seed per request (hf; vLLM is
+    seeded once, so its held-out draws are fresh each iteration: the bound's 1.645 std/sqrt(n) covers that noise,
+    which then moves the KL from one iteration to the next as well). Every process measures an equal share (so the
     collectives of ZeRO-3 generation line up) and the shares are gathered. These are the first samples after a
     weight sync: an engine that reports its own log-probs is checked against the policy here (`where` names the
     iteration), so a broken sync stops the stage before its KL can steer the controller or the budget."""
