@@ -4,7 +4,8 @@ PID, host and start time.
 The kernel drops a flock when its process dies, however it dies, so a runner killed with SIGKILL never
 blocks the next one: the next runner gets the lock, finds the dead runner's record still in the file (a clean
 exit empties it) and says it took over a stale lock. A second live runner fails at once, naming the holder.
-On filesystems without flock (some NFS mounts) the PID record alone decides: a live PID on this host holds it.
+On filesystems without flock (some NFS mounts) the PID record alone decides: a live PID on this host holds it, and
+so does any record of another host (whose PIDs this host cannot see: the user deletes a stale one).
 Multi-node workers (node rank > 0) take no lock: they write nothing under the run directory.
 """
 
@@ -84,6 +85,10 @@ class RunLock:
                 if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                     raise
                 holder = self._holder(fd)
+                if holder.get("pid") and holder.get("host") != socket.gethostname():  # alive or not: unseen here
+                    raise RunLockedError(self._busy(holder) + f". This filesystem has no locks (flock: {exc.strerror}),"
+                                         " so a runner on another host is never taken for ended: if it has, delete "
+                                         "the lock file and run again") from None
                 if holder.get("host") == socket.gethostname() and _alive(int(holder.get("pid", 0)) or -1):
                     raise RunLockedError(self._busy(holder)) from None
             holder = self._holder(fd)
