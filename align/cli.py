@@ -22,7 +22,8 @@ from align.core.errors import PipelineError
 from align.orchestrator.report import rebuild
 from align.core.errors import Terminated, describe, terminate_as_interrupt
 from align.core.rundir import ManifestError
-from align.orchestrator.runner import Interrupted, resume_as, run
+from align.orchestrator.commands import resume_args, resume_as
+from align.orchestrator.runner import Interrupted, run
 from align.orchestrator.status import status_table, verify
 from align.orchestrator.validate import stage_lines, validate
 
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"align: error: {PLUGIN_ERRORS[0]}", file=sys.stderr)
         return 2
     terminate_as_interrupt()  # SIGTERM (schedulers, systemctl stop) handled as Ctrl-C: stages recorded interrupted
-    typed = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--force"]  # a resume restarts nothing
+    typed = resume_args(sys.argv[1:] if argv is None else argv)
     with resolved_once(), resume_as(f"align {shlex.join(typed)}"):  # inputs once; messages say how to resume
         return _command(args)
 

@@ -118,6 +118,21 @@ def test_the_fingerprint_stamp_is_kept_when_it_matches_and_checkpoints_of_anothe
     assert stamp.read_text() == "new" and not (checkpoints / "checkpoint-2").exists()
 
 
+def test_only_an_interrupted_attempt_of_this_fingerprint_from_these_very_inputs_resumes():
+    """An upstream stage retrained with the same settings since (`--only sft --force`) gives the same fingerprint
+    but another published model: checkpoints trained from the old one must not resume (the policy would come from the
+    old SFT, the reference from the new, and the manifest would record the new)."""
+    from align.runtime.process import resumes
+
+    old = {"fingerprint": "f1", "status": "interrupted", "input_digests": {"sft": {"id": "a", "files": {"x": "1"}}}}
+    same = {"sft": {"id": "a", "files": {"x": "1"}}}
+    assert resumes(old, "f1", same)
+    assert not resumes(old, "f1", {"sft": {"id": "b", "files": {"x": "2"}}})  # sft published again
+    assert not resumes(old, "f2", same) and not resumes({**old, "status": "completed"}, "f1", same)
+    assert not resumes(None, "f1", same) and not resumes({}, "f1", {})
+    assert resumes({"fingerprint": "f1", "status": "failed"}, "f1", {})  # a first stage: no inputs
+
+
 @pytest.mark.parametrize("keep", [True, False])
 def test_a_completed_stage_keeps_or_drops_its_checkpoints_as_the_pipeline_says(tmp_path, keep):
     """Checkpoints serve only to resume an interrupted attempt: `keep_checkpoints: false` (the 8B pipelines) removes a

@@ -123,6 +123,31 @@ def test_fingerprints_change_downstream_only():
     assert c == a  # logging cadence does not change results
 
 
+def test_precision_and_the_attention_kernel_change_every_fingerprint():
+    """Both change a stage's numerics (bf16 + SDPA once gave non-finite PPO gradients where eager did not): a run with
+    another precision or kernel retrains rather than skipping stages as up to date, or resuming one across them."""
+    path = REPO / "pipelines" / "default.yaml"
+    a = {p.name: p.fingerprint for p in build_plan(_parse(_raw()), path)}
+    for override in ("precision=bfloat16", "attn_implementation=eager"):
+        b = {p.name: p.fingerprint for p in build_plan(_parse(apply_overrides(_raw(), [override])), path)}
+        assert all(a[n] != b[n] for n in a), override
+
+
+def test_a_stage_named_report_and_a_second_evaluate_stage_are_refused_before_anything_runs():
+    """The run's report/ is the evaluate stage's: a stage named `report` would be replaced by it (its manifest and
+    log with it), and two evaluate stages would each replace the other's report (the next run then finds it changed
+    and asks to rerun one, which breaks the other)."""
+    raw = _raw()
+    raw["stages"]["report"] = raw["stages"].pop("evaluate")
+    with pytest.raises(ConfigError, match=r"stages.report: `report` is the run directory's report/.*Rename it"):
+        _parse(raw)
+    raw = _raw()
+    raw["stages"]["evaluate_dpo"] = {**raw["stages"]["evaluate"], "type": "evaluate", "policies": ["dpo"]}
+    with pytest.raises(ConfigError, match=r"stages evaluate, evaluate_dpo: each writes the run's one report/.*"
+                                          r"keep one evaluate stage"):
+        _parse(raw)
+
+
 def test_launch_command_applies_gpu_count_to_distributed_stages_only(tmp_path):
     from align.orchestrator.launch import launch_command
 

@@ -293,6 +293,16 @@ def test_the_resume_command_is_the_command_as_typed(monkeypatch):
     assert "SIGKILL" in seen[0]
     assert "resume: align run p.yaml --run-id r1 sft.max_steps=3 'ppo.note=a b' (the stage restarts" in seen[0], seen[0]
     assert runner.resume_command("p.yaml") == "align run p.yaml"  # the command's scope ended with it
+    seen.clear()  # --from restarts a completed stage from scratch: a resume leaves it out (the forced stage is
+    # interrupted, and resumes unasked, or completed by the time the message shows)
+    monkeypatch.setattr(cli, "_command", lambda args: seen.append((runner.exit_meaning(-9, 0, "p.yaml"),
+                                                                   runner.rerun_from("p.yaml", "reward"))) or 0)
+    assert cli.main(["run", "p.yaml", "--from", "sft", "--run-id", "r1", "--only=dpo", "x.y=1"]) == 0
+    assert "resume: align run p.yaml --run-id r1 --only=dpo x.y=1 (the stage" in seen[0][0], seen[0][0]
+    assert seen[0][1] == "align run p.yaml --run-id r1 x.y=1 --from reward"  # a damaged stage's rerun: same run
+    assert cli.main(["run", "p.yaml", "--from=sft", "--only", "dpo"]) == 0
+    assert "resume: align run p.yaml --only dpo (the stage" in seen[1][0] and seen[1][1] == (
+        "align run p.yaml --from reward")
 
 
 # --------------------------------------------------------------------------------------------- orphans
@@ -339,3 +349,38 @@ def test_a_stage_process_does_not_outlive_its_launcher(tmp_path):
         time.sleep(0.1)
     else:
         raise AssertionError(f"process {child_pid} still runs after its parent was killed")
+
+
+LAUNCHER = """
+import sys, time
+from align.core.errors import terminate_as_interrupt, Terminated
+terminate_as_interrupt()  # no die_with_parent: accelerate's launcher calls none
+try:
+    time.sleep(120)
+except Terminated:
+    open(sys.argv[1], "w").write("terminated")
+"""
+RUNNER = """
+import os, sys, time
+from align.orchestrator import warm
+launcher = warm.start_stage([sys.executable, "-c", sys.argv[1], sys.argv[2]], dict(os.environ), warm_start=False)
+print(launcher.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_stage_launcher_does_not_outlive_a_sigkilled_runner(tmp_path):
+    """`kill -9` of `align run` alone signals no process group and releases the run's lock: the stage's launcher
+    (accelerate launch, which starts the stage's processes and calls no die_with_parent) is started to receive
+    SIGTERM when the runner dies, so it cannot train on beside the next run of the same stage."""
+    marker = tmp_path / "launcher.txt"
+    runner = subprocess.Popen([sys.executable, "-c", RUNNER, LAUNCHER, str(marker)], stdout=subprocess.PIPE, text=True,
+                              cwd=REPO)
+    launcher_pid = int(runner.stdout.readline())
+    time.sleep(3)  # the launcher is past its imports and sleeping
+    runner.kill()
+    runner.wait()
+    deadline = time.time() + 30
+    while not marker.exists() and time.time() < deadline:
+        time.sleep(0.1)
+    assert marker.exists() and marker.read_text() == "terminated", f"launcher {launcher_pid} outlived its runner"

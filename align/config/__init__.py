@@ -16,7 +16,8 @@ from typing import Any
 
 import yaml
 
-from align.config.contract import STAGE_TYPES, CheckContext, StageBase, TrainedStage, import_builtin_types, stage_types
+from align.config.contract import (REPORT, STAGE_TYPES, CheckContext, StageBase, TrainedStage, import_builtin_types,
+                                   stage_types)
 from align.config.settings import (ATTN_IMPLEMENTATIONS, DTYPES, PRECISIONS, LR_SCHEDULERS, BuiltinModel, Generation,
                                    LoraSettings)
 from align.core.schema import (ConfigError, check_plain_name, closest, from_dict, name_field, one_of, ranged,
@@ -168,6 +169,9 @@ def parse_pipeline(raw: dict[str, Any], source: str) -> PipelineConfig:
                               "digits, _ and -, starting with a letter, at most 64 characters): it names the stage's "
                               "directory and is the first part of overrides like `sft.learning_rate=...`. Rename it "
                               "(e.g. `sft_v2` for `sft.v2`)")
+        if name == "report":
+            raise ConfigError(f"{source}: stages.report: `report` is the run directory's report/, which the evaluate "
+                              "stage writes: a stage of that name would be replaced by it. Rename it (e.g. `evaluate`)")
         if body is not None and not isinstance(body, dict):
             raise ConfigError(f"{source}: stages.{name}: expected a mapping of stage settings (e.g. `policy: sft`), "
                               f"got a {type(body).__name__}: {str(body)[:80]!r}")
@@ -192,6 +196,11 @@ def parse_pipeline(raw: dict[str, Any], source: str) -> PipelineConfig:
     if stray:
         raise ConfigError(f"{source}: variants: '{stray[0]}' is not a stage; `variants` is written by align from "
                           "`sweep:` (pipeline.json), remove it from the pipeline file")
+    reports = [n for n, st in cfg.stages.items() if st.PRODUCES == REPORT]
+    if len(reports) > 1:
+        raise ConfigError(f"{source}: stages {', '.join(reports)}: each writes the run's one report/, replacing the "
+                          "other's (and the next run finds the first one's report changed); keep one evaluate stage "
+                          "and list every policy it compares in its `policies`")
     resolve_references(cfg.stages, by_stage(cfg.variants), source)
     return cfg
 

@@ -59,6 +59,27 @@ def die_with_parent() -> bool:
     return True
 
 
+def dies_with_this_process():
+    """For `subprocess.Popen(preexec_fn=...)`: the child is sent SIGTERM when this process dies (prctl
+    PR_SET_PDEATHSIG, set in the child between fork and exec). `align run` starts each stage's launcher so: a SIGKILL
+    of the runner alone (`kill -9 PID`, which signals no process group) releases the run's lock, and a launcher that
+    lived on would keep training beside the next `align run` of the same stage. None off Linux. prctl is looked up
+    here, before the fork; the child only calls it (the signal follows the forking thread: call Popen from the thread
+    that waits for the child)."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    term = int(signal.SIGTERM)
+    return lambda: prctl(1, term)  # 1 = PR_SET_PDEATHSIG
+
+
 TOKENIZER_SAVE_FIX = "copy the tokenizer again, or save it with tokenizer.save_pretrained(<dir>)"
 """The fix for a tokenizer whose files are damaged, named where they are read (validation, the helper process)."""
 

@@ -148,7 +148,8 @@ def _fingerprint(plan: StagePlan, cfg: PipelineConfig, inputs: dict[str, str], c
     files = {key: hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
              for key, path in plan.files.items()}  # their content: editing the file reruns the stage
     blob = {"stage": stage, "base": base, "seed": plan.cfg.seed if plan.cfg.seed is not None else cfg.seed,
-            "dtype": cfg.dtype, "inputs": inputs, "cards": plan.card_hashes, "code": code}
+            "dtype": cfg.dtype, "precision": cfg.precision, "attn_implementation": cfg.attn_implementation,
+            "inputs": inputs, "cards": plan.card_hashes, "code": code}
     if files:
         blob["files"] = files
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:20]

@@ -8,16 +8,14 @@ trained from the outputs its inputs have now. Validation (align/orchestrator/val
 
 from __future__ import annotations
 
-import contextvars
 import difflib
 import os
 import resource
 import signal
 import subprocess
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from align.orchestrator import warm
 from align.config import PipelineConfig, to_dict
@@ -35,6 +33,7 @@ from align.orchestrator.plan import REPO_DIR, StagePlan, code_version, descendan
 from align.core.errors import PipelineError
 from align.core.rundir import (MANIFEST, PIPELINE, SPEC, PipelineRecord, StageSpec, headline, is_complete,
                           output_digests, outputs_problem, read_manifest, write_manifest)
+from align.orchestrator.commands import rerun_from, resume_command
 from align.orchestrator.runlock import RunLock, RunLockedError
 from align.config.sweeps import by_stage
 from align.core.tracking import scrub
@@ -45,25 +44,6 @@ from align.data.hub import RUN_REVISIONS_ENV
 def result_line(plan: StagePlan, stage_dir: Path) -> str:
     """The stage's headline final metrics (declared by its config class), for the console."""
     return headline(read_manifest(stage_dir), type(plan.cfg).HEADLINE)
-
-
-_RESUME: contextvars.ContextVar[str | None] = contextvars.ContextVar("resume", default=None)
-
-
-@contextmanager
-def resume_as(command: str) -> Iterator[None]:
-    """Within it, the runner's messages tell the user to resume with `command` (the CLI passes the command line as
-    it was typed: a run started with --run-id or overrides resumes only with them)."""
-    token = _RESUME.set(command)
-    try:
-        yield
-    finally:
-        _RESUME.reset(token)
-
-
-def resume_command(source: str | Path) -> str:
-    """The command that resumes this run: the one typed (resume_as), else `align run SOURCE`."""
-    return _RESUME.get() or f"align run {source}"
 
 
 def run(cfg: PipelineConfig, source: str | Path, only: str | None = None, from_stage: str | None = None,
@@ -166,7 +146,7 @@ def check_outputs(run_dir: Path, name: str, source: str | Path) -> None:
     problem = outputs_problem((run_dir / name).resolve())
     if problem:
         raise PipelineError(f"stage '{name}' completed, but {problem}: nothing may load or skip over it. Rerun it "
-                            f"and what depends on it: `align run {source} --from {name}`")
+                            f"and what depends on it: `{rerun_from(source, name)}`")
 
 
 def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan], selected: set[str],

@@ -33,6 +33,7 @@ import sys
 from contextlib import contextmanager
 from typing import Iterator
 
+from align.core.errors import dies_with_this_process
 from align.core.machine import has_gpu
 
 PRELOAD = "align.runtime.preload"
@@ -54,7 +55,8 @@ def start_stage(cmd: list[str], env: dict[str, str], warm_start: bool) -> subpro
     entry point (`python -m align.cli stage <spec>`), else a fresh process; stdout and stderr on one pipe."""
     if warm_start and cmd[1:4] == ["-m", "align.cli", "stage"] and len(cmd) == 5:
         return WarmStage(cmd[4], env)
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                            preexec_fn=dies_with_this_process())  # a SIGKILLed runner takes its stage along
 
 
 @contextmanager

@@ -130,10 +130,16 @@ def drop_checkpoints(ctx: StageContext) -> None:
         shutil.rmtree(ctx.checkpoints, ignore_errors=True)
 
 
+def resumes(old: dict | None, fingerprint: str, input_digests: dict) -> bool:
+    """Whether this attempt resumes the stage's checkpoints: only an interrupted attempt of this very fingerprint
+    whose inputs were the same published outputs (an upstream stage retrained with the same settings since, e.g.
+    `--only sft --force`, made checkpoints of a policy trained from the old model: they start clean)."""
+    return (bool(old) and old.get("fingerprint") == fingerprint and old.get("status") != "completed"
+            and (old.get("input_digests") or {}) == (input_digests or {}))
+
+
 def _run(ctx: StageContext) -> None:
-    old = read_manifest(ctx.dir)
-    # Resume only an interrupted attempt of this very fingerprint; anything else starts clean.
-    resumable = bool(old) and old.get("fingerprint") == ctx.fingerprint and old.get("status") != "completed"
+    resumable = resumes(read_manifest(ctx.dir), ctx.fingerprint, ctx.spec.input_digests)
     if ctx.is_main and not resumable:
         shutil.rmtree(ctx.checkpoints, ignore_errors=True)
         for name in ("metrics.jsonl", "samples.jsonl"):

@@ -1,0 +1,55 @@
+"""The commands the runner's messages tell a user to type: the command line as typed resumes a run (its --run-id and
+overrides kept, less --force and --from, which would restart what is done), and a damaged stage reruns with `--from`
+added to it."""
+
+from __future__ import annotations
+
+import contextvars
+import shlex
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+_RESUME: contextvars.ContextVar[str | None] = contextvars.ContextVar("resume", default=None)
+
+
+@contextmanager
+def resume_as(command: str) -> Iterator[None]:
+    """Within it, the runner's messages tell the user to resume with `command` (the CLI passes the command line as
+    it was typed: a run started with --run-id or overrides resumes only with them)."""
+    token = _RESUME.set(command)
+    try:
+        yield
+    finally:
+        _RESUME.reset(token)
+
+
+def resume_command(source: str | Path) -> str:
+    """The command that resumes this run: the one typed (resume_as), else `align run SOURCE`."""
+    return _RESUME.get() or f"align run {source}"
+
+
+def rerun_from(source: str | Path, name: str) -> str:
+    """The command that reruns stage `name` and what follows it in this run: the typed `align run` (its --run-id and
+    overrides) with --only dropped and `--from name` added."""
+    typed = shlex.split(resume_command(source))
+    if typed[:2] != ["align", "run"]:  # `align report ...`: the run's pipeline file instead
+        typed = ["align", "run", str(source)]
+    keep = [a for i, a in enumerate(typed) if a != "--only" and (i == 0 or typed[i - 1] != "--only")
+            and not a.startswith("--only=")]
+    return shlex.join([*keep, "--from", name])
+
+
+def resume_args(argv: list[str]) -> list[str]:
+    """The command line that resumes this run: without --force and --from, which restart what they name (a stage
+    they forced is interrupted or completed by the time a message shows this, and an interrupted one resumes
+    unasked; what ran after it is stale by its inputs' digests and reruns anyway)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--from":
+            skip = True
+        elif a != "--force" and not a.startswith("--from="):
+            out.append(a)
+    return out
