@@ -147,3 +147,75 @@ def test_validate_refuses_a_model_the_endpoint_does_not_serve_and_an_endpoint_pa
                                          rf"base_url: {url}$"):
         PairwiseJudge(name="j", model="judge", base_url=url + "/chat/completions").check("pairwise[0]", None)
     server.shutdown()
+
+
+def test_a_redirect_is_refused_and_the_key_goes_to_no_other_address(monkeypatch):
+    """urllib follows a 302/303 with every header but the body's, the key included, to whatever host the server
+    names (and 307/308 for the validate probe's GET): a judge's requests follow no redirect, and the error names
+    where to and the fix. The address redirected to never hears from align."""
+    from align.config.settings import endpoint_problem
+    from align.judges.pairwise import EndpointError
+
+    heard = []
+
+    class Elsewhere(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            heard.append(self.headers.get("Authorization"))
+            send(self, 200, {"object": "list", "data": [{"id": "judge"}]})
+
+        do_POST = do_GET
+
+    other = ThreadingHTTPServer(("127.0.0.1", 0), Elsewhere)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    target = f"http://127.0.0.1:{other.server_address[1]}/v1/chat/completions"
+
+    class Redirecting(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            self.send_response(307)
+            self.send_header("Location", target)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(302)
+            self.send_header("Location", target)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Redirecting)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    monkeypatch.setenv("JUDGE_KEY", KEY)
+    with pytest.raises(EndpointError, match=rf"redirects \(HTTP 302\) to {target}: .*set base_url to where it"):
+        backend(url, key_env="JUDGE_KEY").ask("judge this")
+    problem = endpoint_problem(url, KEY, 2.0, "judge")
+    assert problem.startswith(f"the endpoint redirects (HTTP 307) to {target}") and KEY not in problem
+    assert heard == []
+    server.shutdown()
+    other.shutdown()
+
+
+def test_an_answer_cut_off_mid_body_is_retried():
+    """A chunk of the body lost (the connection closed before Content-Length bytes came: http.client's
+    IncompleteRead, not an OSError) is a transient fault like a reset connection: retried, not a traceback."""
+    def cut_once(h, state):
+        if state["posts"] == 1:
+            h.send_response(200)
+            h.send_header("Content-Length", "1000")
+            h.end_headers()
+            h.wfile.write(b'{"choices": [')
+            h.wfile.flush()
+            h.close_connection = True
+            return
+        send(h, 200, ANSWER)
+
+    server, state, url = serve(cut_once)
+    assert backend(url).ask("judge this") == "A" and state["posts"] == 2
+    server.shutdown()

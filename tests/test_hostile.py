@@ -99,6 +99,8 @@ def validate(capsys, *args: str) -> None:
     ("dpo.loss_type=sigmod", ["stages.dpo.loss_type", "'sigmod'", "sigmoid"]),
     ("sft.num_processes=0", ["stages.sft.num_processes", ">= 1"]),
     ("ppo.generation.top_p=1.5", ["stages.ppo.generation.top_p", "1.5", "(0, 1]"]),
+    ("evaluate.generation.top_p=0.9", ["stages.evaluate", "top_p 0.9", "report's KL", "leave top_k null and top_p 1.0"]),
+    ("ppo.generation.top_k=50", ["stages.ppo", "top_k 50", "held-out KL (kl.max)", "top_p 1.0"]),
     ("preferences.generation.temperature=0", ["stages.preferences.generation.temperature", "> 0"]),
     ("preferences.generation.top_k=0", ["stages.preferences.generation.top_k", "null"]),
     ("dpo.accelerate=zer2", ["stages.dpo.accelerate", "'zer2' not found"]),

@@ -56,6 +56,9 @@ class EvaluateStage(StageBase):
     """Decoding settings (identical for every policy)."""
 
     def check(self, ctx: CheckContext) -> None:
+        problem = self.generation.truncation_problem("the report's KL to the reference")
+        if problem:
+            raise ValueError(problem)
         if self.baseline not in self.policies:
             raise ValueError(f"baseline: '{self.baseline}' must be one of policies {self.policies}")
         for j in self.judges:

@@ -187,7 +187,8 @@ class PPOStage(StageBase):
                              "gradients separately and skips non-finite steps, on gradients float16 would leave "
                              "multiplied by its loss scale (each overflow counted as a failed step); use precision: "
                              "bfloat16 (GPUs from Ampere on) or float32")
-        problem = lora_sync_problem(self.generation, self.lora)
+        problem = lora_sync_problem(self.generation, self.lora) or self.generation.truncation_problem(
+            "PPO's KL penalty, its held-out KL (kl.max) and its policy gradient each")
         if problem:
             raise ValueError(problem)
         reward_stages = {n for n, st in ctx.pipeline.stages.items() if st.PRODUCES == REWARD_MODEL}

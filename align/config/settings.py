@@ -184,6 +184,15 @@ class Generation:
     `separate` engines get the node's GPUs training does not use (launch fewer processes than GPUs), the whole of each,
     process r served by engine r mod the number of engines; weights reach them through /dev/shm. Ignored on a CPU."""
 
+    def truncation_problem(self, measures: str) -> str | None:
+        """Why top_k / top_p cannot be used where align `measures` something as an expectation under the policy's own
+        distribution at the temperature (its log-probs are of the whole distribution; truncated samples do not
+        estimate it: TRL's PPO asked for top_k 0 and top_p 1.0 for this, its KL could come out negative), else None."""
+        if not self.top_k and self.top_p >= 1.0:
+            return None
+        return (f"generation.top_k {self.top_k} / top_p {self.top_p}: {measures} is an expectation under the policy's "
+                "own distribution at generation.temperature, which truncated samples do not estimate (log-probs are "
+                "of the whole distribution); leave top_k null and top_p 1.0 (temperature alone)")
 
 
 @dataclass
@@ -304,6 +313,28 @@ def without_key(text: str, key: str) -> str:
     return text.replace(key, "<key>").replace(repr(key.encode())[2:-1], "<key>") if key else text
 
 
+def no_redirects():
+    """An opener for requests that carry a judge's key: it follows no redirect (urllib's own rebuilds a redirected
+    request with every header but the body's, the key included, for whatever host the server names); a 3xx reaches
+    the caller as an HTTPError, whose Location `redirected` names."""
+    import urllib.request
+
+    class Refuse(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args, **kwargs):
+            return None
+
+    return urllib.request.build_opener(Refuse)
+
+
+def redirected(exc) -> str | None:
+    """What to say of an HTTPError that is a redirect (None for any other): where to, and the fix."""
+    if not 300 <= exc.code < 400:
+        return None
+    where = (exc.headers.get("Location") if exc.headers else None) or "an address it does not name"
+    return (f"the endpoint redirects (HTTP {exc.code}) to {where}: align sends the key to no other address than "
+            "base_url; set base_url to where it redirects")
+
+
 def endpoint_problem(base_url: str, key: str, timeout: float, model: str | None = None) -> str | None:
     """One probe of an OpenAI-compatible endpoint (GET {base_url}/models): None when it answers (and, when it lists
     its models, lists `model`); else why not (never the key: any text that may carry it is scrubbed)."""
@@ -314,9 +345,11 @@ def endpoint_problem(base_url: str, key: str, timeout: float, model: str | None 
     req = urllib.request.Request(base_url.rstrip("/") + "/models", headers={"Authorization": f"Bearer {key}"}
                                  if key else {})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with no_redirects().open(req, timeout=timeout) as resp:
             listing = resp.read(1 << 20)
     except urllib.error.HTTPError as exc:
+        if redirected(exc):
+            return redirected(exc)
         if exc.code in (401, 403):
             return f"the endpoint refused the key (HTTP {exc.code}); check the key in the named variable"
         if exc.code == 404:  # an endpoint without /models still answers chat completions

@@ -21,6 +21,7 @@ evaluation resumed after a kill, asks only what it has not asked before.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import os
 import threading
@@ -31,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
-from align.config.settings import PairwiseJudge, header_value_problem, without_key
+from align.config.settings import PairwiseJudge, header_value_problem, no_redirects, redirected, without_key
 
 VERDICTS = ("A", "B", "tie")
 DEFAULT_TEMPLATE = Path(__file__).resolve().parent.parent / "templates" / "pairwise_judge.txt"
@@ -164,7 +165,7 @@ class EndpointBackend:
         """The answer's body, within `timeout` seconds in all: the socket timeout bounds each wait, and the body is
         read in pieces against the request's deadline (a server that trickles its answer cannot hold a request)."""
         deadline = time.monotonic() + self.timeout
-        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+        with no_redirects().open(req, timeout=self.timeout) as resp:
             chunks = []
             while True:
                 if time.monotonic() > deadline:
@@ -193,6 +194,8 @@ class EndpointBackend:
                 return str(answer["choices"][0]["message"]["content"] or "")
             except urllib.error.HTTPError as exc:
                 last = f"HTTP {exc.code}"
+                if redirected(exc):
+                    raise EndpointError(f"{self.url}: {redirected(exc)}") from None
                 if exc.code not in (408, 429) and exc.code < 500:  # the request itself is wrong: retrying will not help
                     raise EndpointError(f"{self.url} refused the request ({last}"
                                         + (": check the key in " + self.key_env if exc.code in (401, 403)
@@ -200,7 +203,8 @@ class EndpointBackend:
                 limited += exc.code == 429
                 wait = min(retry_after(exc.headers.get("Retry-After") if exc.headers else None) or 0.0,
                            self.max_retry_wait)
-            except (urllib.error.URLError, TimeoutError, OSError) as exc:
+            except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as exc:  # the last: an
+                # answer cut off mid-body (IncompleteRead) or a garbled status line, as a transient fault is retried
                 last = without_key(f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}",
                                    os.environ.get(self.key_env or "", ""))
             except (ValueError, KeyError, IndexError, TypeError) as exc:
