@@ -27,6 +27,28 @@ def test_unequal_lengths_are_an_error():
         win_indicators([1, 2], [1])
 
 
+def test_a_non_finite_score_is_an_error_not_a_loss():
+    """NaN > x and NaN == x are both false: the old indicator counted a NaN score as a loss for its side."""
+    with pytest.raises(ValueError, match="pair 1 is not"):
+        win_indicators([1.0, float("nan"), 2.0], [0.0, 0.0, 1.0])
+    with pytest.raises(ValueError, match="pair 2 is not"):
+        win_indicators([1.0, 1.0, 2.0], [0.0, 0.0, float("inf")])
+
+
+def test_calibration_buckets_are_quartiles_for_any_count():
+    """Four buckets whose sizes differ by at most one, for any number of pairs (10 margins made 5 buckets of 2 before,
+    7 made 7 of 1); fewer pairs than buckets: one bucket each."""
+    from align.report.stats import calibration_buckets
+
+    ten = [0.1, -0.2, 0.3, 0.4, -0.5, 0.6, 0.7, 0.8, -0.9, 1.0]
+    buckets = calibration_buckets(ten)
+    assert [b["n"] for b in buckets] == [3, 3, 2, 2]
+    assert [b["accuracy"] for b in buckets] == [2 / 3, 2 / 3, 1.0, 0.5]  # |m| 0.1-0.3, 0.4-0.6, 0.7-0.8, 0.9-1.0
+    assert (buckets[0]["lo"], buckets[0]["hi"], buckets[-1]["lo"], buckets[-1]["hi"]) == (0.1, 0.3, 0.9, 1.0)
+    assert [b["n"] for b in calibration_buckets(ten[:7])] == [2, 2, 2, 1]
+    assert [b["n"] for b in calibration_buckets(ten[:3])] == [1, 1, 1] and calibration_buckets([]) == []
+
+
 def test_bootstrap_ci_covers_truth_at_about_nominal_rate():
     """Draw 200 synthetic experiments with true win probability 0.6; the 95% CI should cover 0.6 in roughly
     95% of them (percentile bootstrap, n = 100: allow 88-99%)."""
@@ -45,3 +67,21 @@ def test_perplexity_is_token_weighted_over_all_responses():
     assert perplexity([-2.0, -4.0], [1, 3]) == pytest.approx(4.4816891)
     assert perplexity([0.0], [5]) == 1.0  # every token certain
     assert np.isnan(perplexity([], []))  # no tokens: undefined, not 1
+
+
+def test_evaluate_names_the_judge_policy_and_prompt_of_a_non_finite_score():
+    from types import SimpleNamespace
+
+    from align.judges import JudgeError
+    from align.stages.evaluate import policy_metrics
+
+    def policy(scores):
+        return {"kl": [0.1, 0.2, 0.3], "length": [3, 4, 5], "ref_logprob": [-3.0, -4.0, -5.0],
+                "scores": {"reward_model": scores}}
+
+    cfg = SimpleNamespace(bootstrap_samples=100, baseline="sft")
+    fine = policy_metrics(cfg, {"sft": policy([0.0, 0.5, 1.0]), "ppo": policy([1.0, 0.5, 2.0])}, seed=3)
+    assert fine["eval/ppo/reward_model/win_rate"] == pytest.approx(2.5 / 3)
+    with pytest.raises(JudgeError, match=r"judge 'reward_model' scored policy 'ppo' nan on held-out prompt 1 \(and 0 "
+                                         r"more\): every score must be a finite number"):
+        policy_metrics(cfg, {"sft": policy([0.0, 0.5, 1.0]), "ppo": policy([1.0, float("nan"), 2.0])}, seed=3)

@@ -10,6 +10,8 @@ def win_indicators(scores: list[float], baseline: list[float]) -> np.ndarray:
     a, b = np.asarray(scores, dtype=float), np.asarray(baseline, dtype=float)
     if a.shape != b.shape:
         raise ValueError(f"paired scores need equal lengths, got {a.shape} and {b.shape}")
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):  # a NaN compares false both ways: it would be a loss
+        raise ValueError(f"paired scores must be finite: pair {int(np.flatnonzero(~np.isfinite(a - b))[0])} is not")
     return np.where(a > b, 1.0, np.where(a == b, 0.5, 0.0))
 
 
@@ -119,13 +121,10 @@ def pairwise_summary(results: list[dict], policy_lengths: list[float], baseline_
 def calibration_buckets(margins: list[float], n_buckets: int = 4) -> list[dict[str, float]]:
     """Accuracy by |margin| quantile bucket: a calibrated reward model is more often right when it is surer."""
     ordered = sorted(margins, key=abs)
-    size = max(1, len(ordered) // n_buckets)
+    if not ordered:
+        return []
     out = []
-    for i in range(0, len(ordered), size):
-        chunk = ordered[i:i + size]
-        if len(chunk) < size and out:  # fold a short tail into the last bucket
-            prev = out.pop()
-            chunk = prev["_items"] + chunk
-        out.append({"lo": abs(chunk[0]), "hi": abs(chunk[-1]), "n": len(chunk),
-                    "accuracy": sum(m > 0 for m in chunk) / len(chunk), "_items": chunk})
-    return [{k: v for k, v in b.items() if k != "_items"} for b in out]
+    for chunk in np.array_split(np.asarray(ordered, dtype=float), min(n_buckets, len(ordered))):  # sizes differ by 1
+        out.append({"lo": float(abs(chunk[0])), "hi": float(abs(chunk[-1])), "n": len(chunk),
+                    "accuracy": float((chunk > 0).mean())})
+    return out

@@ -25,6 +25,7 @@ from align.engines.base import (RolloutEngine, all_gather_objects, check_gap, fr
 from align.modeling.generation import by_length, longest_prompt, response_logprobs
 from align.modeling.losses import sequence_kl
 from align.judges.pointwise import WeightedJudge, pairwise_accuracy, stage_judge
+from align.judges import JudgeError
 from align.judges.pairwise import build_pairwise, check_invalid
 from align.modeling.models import load_tokenizer
 from align.core.rundir import read_manifest
@@ -144,6 +145,12 @@ def policy_metrics(cfg: EvaluateStage, samples: dict[str, dict[str, Any]], seed:
         # fluency: a policy that buys reward with text its reference finds unlikely shows it here, beside its KL
         metrics[f"eval/{name}/ref_perplexity"] = perplexity(s["ref_logprob"], s["length"])
         for j, sc in s["scores"].items():
+            bad = next((i for i, v in enumerate(sc) if not np.isfinite(v)), None)
+            if bad is not None:  # a win rate would count it a loss, a mean would be NaN: nothing to report
+                raise JudgeError(f"judge '{j}' scored policy '{name}' {sc[bad]} on held-out prompt {bad} (and "
+                                 f"{sum(not np.isfinite(v) for v in sc) - 1} more): every score must be a finite "
+                                 "number; a reward model that scores so has non-finite weights or overflowed (score "
+                                 "it in float32)")
             m = mean_ci(sc, cfg.bootstrap_samples, seed)
             metrics[f"eval/{name}/{j}/mean"] = m["mean"]
             metrics[f"eval/{name}/{j}/mean_ci"] = [m["ci_low"], m["ci_high"]]
