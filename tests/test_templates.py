@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from align import templates
-from align.data.chat import TemplateError, render_prompt, sft_example, trained_text
+from align.data.chat import TemplateError, render_prompt, sft_every_token, sft_example, trained_text
 from conftest import REPO, run_align
 
 DIR = REPO / "tests" / "chat_templates"
@@ -187,3 +187,31 @@ def test_validate_refuses_when_trl_no_longer_patches_the_planned_template(monkey
     job = model_job(cfg, build_plan(cfg, source), card_loader(), str(source), verbose=False)
     with pytest.raises(checks.CheckError, match="align planned masking 'trl' .*has no patched template"):
         checks.run(**job)
+
+
+def test_a_marker_template_on_a_tokenizer_that_adds_bos_trains_after_the_bos_later_stages_prompt_with(tmp_path):
+    """chatml (generation markers) writes no BOS, and transformers' apply_chat_template adds none, while PPO, DPO,
+    the reward model and evaluation encode prompts with `tokenizer(text)`, which for a Llama tokenizer puts BOS first.
+    SFT's ids then started at <|im_start|>: a model trained on sequences without the BOS it is later prompted with.
+    Now the SFT example starts with that BOS (untrained), and its prompt tokens are exactly the later stages'."""
+    from families import SEED, sentencepiece_tokenizer
+
+    from align.modeling.models import load_tokenizer, prepare_tokenizer
+
+    print(f"sentencepiece seed {SEED}")
+    tok = prepare_tokenizer(load_tokenizer(str(sentencepiece_tokenizer(tmp_path / "tok"))))
+    planned = templates.resolve("chatml", REPO / "pipelines" / "x.yaml", None)
+    templates.install(tok, planned)
+    assert planned.masking == "markers" and tok("a")["input_ids"][0] == tok.bos_token_id
+    for messages in (ONE, SYSTEM + MULTI):
+        example = sft_example(tok, planned, messages)
+        assert example["input_ids"][0] == tok.bos_token_id and example["assistant_masks"][0] == 0
+        assert example["input_ids"].count(tok.bos_token_id) == 1
+        start = example["assistant_masks"].index(1)
+        assert example["input_ids"][:start] == tok(render_prompt(tok, messages[:1 + (messages[0]["role"] == "system")]))[
+            "input_ids"]
+        replies = [m["content"] for m in messages if m["role"] == "assistant"]
+        assert [t.strip() for t in trained_text(tok, example)] == [f"{r}<|im_end|>" for r in replies]
+        # completion_only_loss: false trains the same tokens (align tokenises them; TRL's own adds no BOS), all of them
+        whole = sft_every_token(tok, messages)
+        assert whole["input_ids"] == example["input_ids"] and set(whole["assistant_masks"]) == {1}

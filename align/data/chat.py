@@ -166,6 +166,10 @@ def sft_example(tokenizer, template, messages: list[dict[str, str]]) -> dict[str
         out = _apply(tokenizer, messages, chat_template=text, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+        bos = tokenizer.bos_token_id
+        if _adds_bos(tokenizer) and ids[:1] != [bos]:  # the template writes no BOS (chatml on a Llama tokenizer) and
+            ids, mask = [bos, *ids], [0, *mask]  # apply_chat_template adds none: the prompts of every later stage
+            # (`tokenizer(text)`) start with it, so the model learns replies after the BOS it will be prompted with
         if masking == "trl":  # TRL's copies also mark the newline before a reply and after its end-of-turn
             mask = _reply_only(tokenizer, ids, mask, _generation_prompt(tokenizer, text))
         return {"input_ids": ids, "assistant_masks": mask}
@@ -177,6 +181,14 @@ def sft_example(tokenizer, template, messages: list[dict[str, str]]) -> dict[str
         ids += piece
         mask += [int(trained)] * len(piece)
     return {"input_ids": ids, "assistant_masks": mask}
+
+
+def sft_every_token(tokenizer, messages: list[dict[str, str]]) -> dict[str, list[int]]:
+    """A conversation SFT trains on whole (`completion_only_loss: false`): its rendering encoded as every other stage
+    encodes text (`tokenizer(text)`, BOS as the tokenizer adds it; TRL's own tokenising of `messages` adds none),
+    every token trained."""
+    ids = tokenizer(_bos_stripped(tokenizer, _apply(tokenizer, messages, tokenize=False)))["input_ids"]
+    return {"input_ids": ids, "assistant_masks": [1] * len(ids)}
 
 
 def _generation_prompt(tokenizer, text: str) -> str:

@@ -17,7 +17,7 @@ from align.core import gguf
 from align.core.builtin import is_builtin
 from align.config.sft import SFTStage
 from align.data.cards import load_split
-from align.data.chat import TemplateError, sft_example
+from align.data.chat import TemplateError, sft_every_token, sft_example
 from align.modeling.models import build_builtin, fit_model_to_tokenizer, load_tokenizer, train_tokenizer
 from align.modeling.lora import peft_config
 from align.runtime.context import StageContext, StageError
@@ -103,15 +103,17 @@ def load_start(ctx: StageContext, cfg: SFTStage, rows: list[dict[str, Any]], cha
     return model, tok
 
 
-def tokenized(ctx: StageContext, rows: list[dict[str, Any]], tokenizer, split: str):
+def tokenized(ctx: StageContext, rows: list[dict[str, Any]], tokenizer, split: str, every_token: bool = False):
     """Conversations as the token ids and assistant masks SFT trains on (align/data/chat.py `sft_example`,
-    masking as planned); a conversation the template cannot split names its row."""
+    masking as planned; `every_token`: `sft_every_token`, all of it); a conversation the template cannot split names
+    its row."""
     from datasets import Dataset  # heavy: stage processes only
 
     out = []
     for i, row in enumerate(rows):
         try:
-            out.append(sft_example(tokenizer, ctx.chat_template, row["messages"]))
+            out.append(sft_every_token(tokenizer, row["messages"]) if every_token else
+                       sft_example(tokenizer, ctx.chat_template, row["messages"]))
         except TemplateError as exc:
             raise StageError(f"stage '{ctx.name}': split '{split}' row {i}: {exc}") from None
     if not any(1 in ex["assistant_masks"] for ex in out):
@@ -138,10 +140,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if cfg.eval_split:
         eval_rows = load_split(cfg.data, cfg.eval_split).rows[: cfg.eval_max_examples]
         eval_ds = Dataset.from_list([{c: r[c] for c in columns} for r in eval_rows])
-    if cfg.completion_only_loss and chat:  # assistant turns only: masks as the plan decided, tokenised here
-        train = tokenized(ctx, rows, tokenizer, cfg.split)
+    if chat:  # tokenised here: assistant turns only (masks as the plan decided), or every token; BOS as later stages
+        every = not cfg.completion_only_loss
+        train = tokenized(ctx, rows, tokenizer, cfg.split, every)
         if eval_ds is not None:
-            eval_ds = tokenized(ctx, eval_rows, tokenizer, cfg.eval_split)
+            eval_ds = tokenized(ctx, eval_rows, tokenizer, cfg.eval_split, every)
+    if cfg.completion_only_loss and chat:
         ctx.extra_manifest["chat_template"] = {"source": ctx.chat_template.source, "digest": ctx.chat_template.digest,
                                                "masking": ctx.chat_template.masking,
                                                "trl_template": ctx.chat_template.trl_name}
