@@ -77,6 +77,12 @@ BAD = [
     ("unknown-produces", PAIR, {"produces": "triples"}, "train", ["field 'produces'", "triples"]),
     ("unknown-transform", PAIR, {"transform": {"shout": True}}, "train", ["unknown transform 'shout'"]),
     ("unknown-card-field", PAIR, {"licence": "MIT"}, "train", ["unknown field", "licence"]),
+    ("sharegpt-roles", json.dumps({"messages": [{"role": "human", "content": "hi"}, {"role": "gpt", "content": "yo"}]})
+     + "\n", {"produces": "messages"}, "train", ["row 0: field 'messages'", "role 'human'", "user/assistant"]),
+    ("splits-a-list", PAIR, {"splits": ["train"]}, "train", ["field 'splits': a mapping", "got a list"]),
+    ("transform-a-list", PAIR, {"transform": ["alpaca"]}, "train", ["field 'transform': a mapping", "{alpaca: {}}"]),
+    ("columns-a-list", PAIR, {"columns": ["prompt", "completion"]}, "train", ["field 'columns': a mapping"]),
+    ("split-seed-text", PAIR, {"splits": {"train": 1.0, "seed": "abc"}}, "train", ["splits.seed", "'abc'"]),
     ("splits-do-not-sum", PAIR, {"splits": {"train": 0.5, "test": 0.2}}, "train", ["splits", "sum to 1"]),
     ("missing-license", PAIR, {"license": None}, "train", ["field 'license' is required"]),
     ("non-text-field", json.dumps({"prompt": 3, "chosen": "a", "rejected": "b"}) + "\n", {}, "train",
@@ -130,11 +136,13 @@ def test_hh_pairs_diverging_before_last_turn_are_skipped_and_counted():
     empty = "\n\nHuman: Hi\n\nAssistant: "
     rows, dropped = hh_transcript([{"chosen": a, "rejected": b}, {"chosen": same, "rejected": same},
                                    {"chosen": two, "rejected": spaced}, {"chosen": empty, "rejected": same},
-                                   {"chosen": "no markers", "rejected": a}], None, 0)
+                                   {"chosen": "no markers", "rejected": a},
+                                   {"chosen": same + "\n\nAssistant: A", "rejected": same + "\n\nAssistant: B"}],
+                                  None, 0)
     assert rows == []
     assert dropped == {"chosen and rejected diverge before the final reply": 1,
                        "chosen identical to rejected (up to whitespace)": 2, "empty final reply": 1,
-                       "unparseable transcript": 1}
+                       "unparseable transcript": 1, "final reply not after a Human turn": 1}
 
 
 def test_hh_turn_parser():

@@ -121,6 +121,14 @@ def load_card(path: str | Path) -> DataCard:
     source = raw["source"]
     if not isinstance(source, dict) or not ({"path"} <= source.keys() or {"hub"} <= source.keys()):
         raise DataCardError(f"{path}: field 'source' needs `path: <file>` or `hub: <org/name>` (+ revision)")
+    for key, example in (("columns", "{prompt: question, completion: answer}"), ("transform", "{alpaca: {}}"),
+                         ("splits", "{train: 0.9, test: 0.1, seed: 0}")):
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            raise DataCardError(f"{path}: field '{key}': a mapping, e.g. `{key}: {example}`, got a "
+                                f"{type(raw[key]).__name__}: {str(raw[key])[:80]}")
+    seed = (raw.get("splits") or {}).get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise DataCardError(f"{path}: field 'splits.seed': a whole number (it seeds the split), got {seed!r}")
     for name in (raw.get("transform") or {}):
         if ":" in name:  # a user's own transform, `module:function` (like judges): resolved now, not at the stage
             try:

@@ -44,7 +44,9 @@ def check_conversation(messages: Any, where: str, last_role: str | None = None) 
         raise FormatError(f"{where}: expected a list of {{role, content}} messages with text content")
     bad = [m["role"] for m in messages if m["role"] not in ROLES]
     if bad:
-        raise FormatError(f"{where}: role '{bad[0]}' is not one of {list(ROLES)}")
+        hint = ("; ShareGPT's human/gpt are user/assistant: rename them in a transform of your own (module:function)"
+                if bad[0] in ("human", "gpt") else "")
+        raise FormatError(f"{where}: role '{bad[0]}' is not one of {list(ROLES)}{hint}")
     if last_role and messages[-1]["role"] != last_role:
         raise FormatError(f"{where}: the last message must be a '{last_role}' turn, got '{messages[-1]['role']}'")
 
@@ -172,6 +174,7 @@ def rows_named(rows: list[int]) -> str:
 def _check_messages(row: dict[str, Any], where: str) -> None:
     if not is_conversation(row["messages"]):
         raise FormatError(f"{where}: field 'messages' must be a list of {{role, content}}")
+    check_conversation(row["messages"], f"{where}: field 'messages'")  # roles the templates and later stages know
 
 
 def _silent_conversations(rows: Rows) -> dict[str, list[int]]:

@@ -80,6 +80,9 @@ def _hh_pairs(rows: Rows, args: Any, transform: str) -> tuple[list[tuple[list, s
         if chosen[:-1] != rejected[:-1]:
             dropped["chosen and rejected diverge before the final reply"] += 1
             continue
+        if len(chosen) < 2 or chosen[-2][0] != "user":  # two Assistant turns in a row: no Human turn to reply to
+            dropped["final reply not after a Human turn"] += 1
+            continue
         if not text_of(chosen[-1][1]) or not text_of(rejected[-1][1]):
             dropped["empty final reply"] += 1
             continue
