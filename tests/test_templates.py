@@ -215,3 +215,31 @@ def test_a_marker_template_on_a_tokenizer_that_adds_bos_trains_after_the_bos_lat
         # completion_only_loss: false trains the same tokens (align tokenises them; TRL's own adds no BOS), all of them
         whole = sft_every_token(tok, messages)
         assert whole["input_ids"] == example["input_ids"] and set(whole["assistant_masks"]) == {1}
+
+
+def test_a_marker_template_that_leaves_the_end_of_turn_untrained_is_refused(tmp_path):
+    """A user's copy of chatml with {% endgeneration %} before <|im_end|>: the replies train, their end-of-turn (the
+    EOS) does not, and the model never learns to stop. Refused naming the template and the fix (align validate reaches
+    it through the helper's example rows, as every TemplateError)."""
+    text = (REPO / "align" / "templates" / "chatml.jinja").read_text()
+    bad = text.replace("{{- message['content'] + '<|im_end|>' -}}\n        {%- endgeneration -%}",
+                       "{{- message['content'] -}}\n        {%- endgeneration -%}{{- '<|im_end|>' -}}", 1)
+    assert bad != text
+    from transformers import AutoTokenizer
+
+    from align.modeling.models import prepare_tokenizer
+
+    path = tmp_path / "mine.jinja"
+    path.write_text(bad)
+    tok = prepare_tokenizer(AutoTokenizer.from_pretrained(GPT2))
+    planned = templates.resolve(str(path), REPO / "pipelines" / "x.yaml", None)
+    templates.install(tok, planned)
+    assert planned.masking == "markers"
+    with pytest.raises(TemplateError, match=r"mine.jinja: a reply's trained tokens end before the end-of-turn token "
+                                            r"'<\|im_end\|>'.*put \{% endgeneration %\} after the end-of-turn token"):
+        sft_example(tok, planned, ONE)
+    good = tmp_path / "good.jinja"
+    good.write_text(text)
+    planned = templates.resolve(str(good), REPO / "pipelines" / "x.yaml", None)
+    assert trained_text(tok, sft_example(tok, planned, MULTI)) == [m["content"] + "<|im_end|>" for m in MULTI
+                                                                     if m["role"] == "assistant"]

@@ -172,6 +172,12 @@ def sft_example(tokenizer, template, messages: list[dict[str, str]]) -> dict[str
             # (`tokenizer(text)`) start with it, so the model learns replies after the BOS it will be prompted with
         if masking == "trl":  # TRL's copies also mark the newline before a reply and after its end-of-turn
             mask = _reply_only(tokenizer, ids, mask, _generation_prompt(tokenizer, text))
+        ends = [i for i, m in enumerate(mask) if m and (i + 1 == len(mask) or not mask[i + 1])]
+        if any(ids[i] != tokenizer.eos_token_id for i in ends):  # a model never taught to stop never stops
+            name = template.source if template is not None else "the tokenizer's chat template"
+            raise TemplateError(f"chat template {name}: a reply's trained tokens end before the end-of-turn token "
+                                f"{tokenizer.eos_token!r} (its {{% generation %}} markers close before it): the model "
+                                "would never learn to stop; put {% endgeneration %} after the end-of-turn token")
         return {"input_ids": ids, "assistant_masks": mask}
     ids: list[int] = []
     mask: list[int] = []
