@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from align.data.cards import DataCardError, load_card, load_split
+from align.data.cards import DataCardError, DataUnavailableError, load_card, load_split
 from align.data.transforms import hh_transcript, parse_hh_turns
 
 REPO = Path(__file__).resolve().parent.parent
@@ -242,6 +242,13 @@ def test_the_ultrafeedback_card_reads_the_datasets_own_splits_as_published(tmp_p
     assert set(train.rows[0]) == {"prompt", "chosen", "rejected"}  # `columns:` keeps what the stages read
     with pytest.raises(DataCardError, match=r"no split 'validation'; the card defines \['test', 'train'\]"):
         load_split(card, "validation")
+    typo = tmp_path / "typo.yaml"  # the dataset is reached: a split it lacks is the card's error, not "unreachable"
+    typo.write_text((REPO / "data_cards" / "ultrafeedback_binarized_prefs.yaml").read_text().replace(
+        "train: train_prefs", "train: trian_prefs"))
+    with pytest.raises(DataCardError, match=r"typo.yaml: field 'source' \(split: trian_prefs\): hub dataset .*has no "
+                                            r"such split or config: .*trian_prefs.*fix the card") as err:
+        load_split(load_card(typo), "train")
+    assert not isinstance(err.value, DataUnavailableError)
     before = card.content_hash()
     (tmp_path / "hub" / "HuggingFaceH4" / "ultrafeedback_binarized" / "README.md").write_text(
         (tmp_path / "hub" / "HuggingFaceH4" / "ultrafeedback_binarized" / "README.md").read_text() + "\n")

@@ -257,10 +257,20 @@ def _read_hub(card: DataCard, split: str) -> list[dict[str, Any]]:
         else:
             ds = datasets.load_dataset(src["hub"], src.get("config"), data_dir=src.get("data_dir"), split=split,
                                        revision=resolved_revision(src["hub"], src.get("revision")))
-    except Exception as exc:  # network, auth, missing revision or split: all need the same advice
+    except ValueError as exc:  # reached, and wrong: an unknown split or config ("Unknown split 'trian'. Should be
+        # one of [...]"), which a run would only meet when its stage starts, hours in
+        raise DataCardError(f"{card.path}: field 'source' ({_named(src, split)}): hub dataset {where} has no such "
+                            f"split or config: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; fix "
+                            "the card") from exc
+    except Exception as exc:  # network, auth, gated, a missing revision: not reachable from here, maybe elsewhere
         raise DataUnavailableError(f"{card.path}: could not load split {split!r} of hub dataset {where}: "
                                    f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
     return [_map_columns(card, r, f"{card.path}: hub row {i}") for i, r in enumerate(ds)]
+
+
+def _named(src: dict[str, Any], split: str) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in (("config", src.get("config")), ("data_dir", src.get("data_dir")),
+                                                  ("split", split)) if v)
 
 
 # --------------------------------------------------------------------------------------------- splits
