@@ -447,3 +447,33 @@ def test_a_runs_own_record_of_a_commit_wins_over_a_newer_one_another_run_left(tm
     assert resolve("a", online=False) == "aaa111"
     assert resolve("c", online=False) == "bbb222"
     assert json.loads((tmp_path / "cache" / "hub-revisions.json").read_text()) == {"org/data@main": "bbb222"}
+
+
+def test_a_prompts_split_does_not_depend_on_the_other_rows_a_card_kept(tmp_path):
+    """A messages card and a preference card over the same 200 prompts, 0.9/0.1 with one seed, where the preference
+    card drops one pair as unusable (chosen equal to rejected): every prompt lands in the same split in both. (Shuffled
+    and cut by position, removing one key moved others across the cut: 2 of 20 SFT test prompts were in DPO train.)"""
+    seed = 17
+    print("split seed", seed)
+    prompts = [f"Question number {i}?" for i in range(200)]
+    sft = [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": f"Answer {i}."}]}
+           for i, p in enumerate(prompts)]
+    pairs = [{"prompt": [{"role": "user", "content": p}], "chosen": [{"role": "assistant", "content": "good"}],
+              "rejected": [{"role": "assistant", "content": "good" if i == 0 else "bad"}]} for i, p in enumerate(prompts)]
+    splits = {"train": 0.9, "test": 0.1, "seed": seed}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = _card(tmp_path / "a", "".join(json.dumps(r) + "\n" for r in sft), produces="messages", splits=splits)
+    b = _card(tmp_path / "b", "".join(json.dumps(r) + "\n" for r in pairs), splits=splits)
+
+    def of(card, split, key):
+        return {key(r) for r in load_split(card, split).rows}
+
+    sft_test = of(a, "test", lambda r: r["messages"][0]["content"])
+    sft_train = of(a, "train", lambda r: r["messages"][0]["content"])
+    dpo_train = of(b, "train", lambda r: r["prompt"][0]["content"])
+    dpo_test = of(b, "test", lambda r: r["prompt"][0]["content"])
+    assert load_split(b, "train").dropped and len(dpo_train | dpo_test) == 199  # the one pair was dropped
+    assert not sft_test & dpo_train and not sft_train & dpo_test
+    assert sft_test | sft_train == set(prompts) and not sft_test & sft_train
+    assert 8 <= len(sft_test) <= 34, len(sft_test)  # 20 expected; binomial(200, 0.1) within ~3.5 sd

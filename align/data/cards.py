@@ -11,7 +11,6 @@ import gzip
 import hashlib
 import io
 import json
-import random
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
@@ -317,23 +316,22 @@ def load_split(card: DataCard | str | Path, split: str) -> LoadedSplit:
     fractions = {k: float(v) for k, v in card.splits.items() if k != "seed"}
     if split not in fractions:
         raise DataCardError(f"{card.path}: no split '{split}'; the card defines {sorted(fractions)}")
-    # Assign whole prompt groups to splits, so rows sharing a prompt never straddle train and test.
-    groups: dict[str, list[int]] = {}
-    for i, row in enumerate(rows):
-        groups.setdefault(_split_key(row), []).append(i)
-    keys = sorted(groups)
-    random.Random(seed).shuffle(keys)
-    start = 0.0
-    chosen: list[int] = []
-    for name, frac in fractions.items():
-        lo, hi = round(start * len(keys)), round((start + frac) * len(keys))
-        if name == split:
-            chosen = sorted(i for k in keys[lo:hi] for i in groups[k])
-        start += frac
+    # Whole prompt groups go to splits, so rows sharing a prompt never straddle train and test; each group by its own
+    # seeded hash, so a prompt's split does not depend on which other rows the card kept (a messages card and a
+    # preference card over the same prompts, one dropping a pair, split alike). Sizes follow the fractions on average.
+    lo = sum(f for name, f in list(fractions.items())[:list(fractions).index(split)])
+    hi = lo + fractions[split]
+    last = [name for name, f in fractions.items() if f > 0][-1] == split  # takes what rounding leaves above 1 - eps
+    chosen = [i for i, row in enumerate(rows) if lo <= (u := _unit(seed, _split_key(row))) < hi or (last and u >= hi)]
     if not chosen:
         raise DataCardError(f"{card.path}: split '{split}' is empty ({len(rows)} rows after transforms, "
                             f"fraction {fractions[split]}); give it a larger fraction or more data")
     return LoadedSplit(card, split, [rows[i] for i in chosen], dropped, len(rows))
+
+
+def _unit(seed: int, key: str) -> float:
+    """A prompt's place in [0, 1) for the split: sha256 of the seed and the prompt (the same on every machine)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}\x00{key}".encode()).digest()[:8], "big") / 2 ** 64
 
 
 def _split_key(row: dict[str, Any]) -> str:
