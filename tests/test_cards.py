@@ -79,6 +79,12 @@ BAD = [
     ("unknown-card-field", PAIR, {"licence": "MIT"}, "train", ["unknown field", "licence"]),
     ("sharegpt-roles", json.dumps({"messages": [{"role": "human", "content": "hi"}, {"role": "gpt", "content": "yo"}]})
      + "\n", {"produces": "messages"}, "train", ["row 0: field 'messages'", "role 'human'", "user/assistant"]),
+    ("csv-header-read-as-a-row", "prompt,completion\nHi,there\n", {"format": "csv", "produces": "prompt_completion",
+                                                                     "columns": {"prompt": 0, "completion": 1}},
+     "train", ["line 1 is a header (prompt, completion)", "name them by the header", "prompt: prompt"]),
+    ("csv-header-lacks-a-name", "question,answer\nHi,there\n", {"format": "csv", "produces": "prompt_completion",
+                                                                 "columns": {"prompt": "question", "completion": "reply"}},
+     "train", ["field 'columns': 'reply' is not in the header line", "question, answer"]),
     ("splits-a-list", PAIR, {"splits": ["train"]}, "train", ["field 'splits': a mapping", "got a list"]),
     ("transform-a-list", PAIR, {"transform": ["alpaca"]}, "train", ["field 'transform': a mapping", "{alpaca: {}}"]),
     ("columns-a-list", PAIR, {"columns": ["prompt", "completion"]}, "train", ["field 'columns': a mapping"]),
@@ -477,3 +483,16 @@ def test_a_prompts_split_does_not_depend_on_the_other_rows_a_card_kept(tmp_path)
     assert not sft_test & dpo_train and not sft_train & dpo_test
     assert sft_test | sft_train == set(prompts) and not sft_test & sft_train
     assert 8 <= len(sft_test) <= 34, len(sft_test)  # 20 expected; binomial(200, 0.1) within ~3.5 sd
+
+
+def test_csv_columns_named_by_the_header_line(tmp_path):
+    """`columns` by name reads the first line as the header (a quoted field may hold the delimiter); by index there
+    is no header line."""
+    data = 'id,question,answer\n1,"Hi, you",there\n2,Why?,Because.\n'
+    card = _card(tmp_path, data, name="d.csv", format="csv", produces="prompt_completion",
+                 columns={"prompt": "question", "completion": "answer"})
+    assert load_split(card, "train").rows == [{"prompt": "Hi, you", "completion": "there"},
+                                               {"prompt": "Why?", "completion": "Because."}]
+    card = _card(tmp_path, data.split("\n", 1)[1], name="e.csv", format="csv", produces="prompt_completion",
+                 columns={"prompt": 1, "completion": 2})
+    assert [r["prompt"] for r in load_split(card, "train").rows] == ["Hi, you", "Why?"]

@@ -96,6 +96,18 @@ _CARD_FIELDS = {"name", "description", "source", "license", "citation", "format"
                 "transform", "splits", "max_unusable_fraction"}
 
 
+def _check_mappings(path: Path, raw: dict[str, Any]) -> None:
+    """The card fields that are mappings are mappings, and the split's seed a whole number."""
+    for key, example in (("columns", "{prompt: question, completion: answer}"), ("transform", "{alpaca: {}}"),
+                         ("splits", "{train: 0.9, test: 0.1, seed: 0}")):
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            raise DataCardError(f"{path}: field '{key}': a mapping, e.g. `{key}: {example}`, got a "
+                                f"{type(raw[key]).__name__}: {str(raw[key])[:80]}")
+    seed = (raw.get("splits") or {}).get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise DataCardError(f"{path}: field 'splits.seed': a whole number (it seeds the split), got {seed!r}")
+
+
 def load_card(path: str | Path) -> DataCard:
     """Parse and check a card's fields (not its data: see `load_split`)."""
     path = Path(path)
@@ -120,14 +132,7 @@ def load_card(path: str | Path) -> DataCard:
     source = raw["source"]
     if not isinstance(source, dict) or not ({"path"} <= source.keys() or {"hub"} <= source.keys()):
         raise DataCardError(f"{path}: field 'source' needs `path: <file>` or `hub: <org/name>` (+ revision)")
-    for key, example in (("columns", "{prompt: question, completion: answer}"), ("transform", "{alpaca: {}}"),
-                         ("splits", "{train: 0.9, test: 0.1, seed: 0}")):
-        if raw.get(key) is not None and not isinstance(raw[key], dict):
-            raise DataCardError(f"{path}: field '{key}': a mapping, e.g. `{key}: {example}`, got a "
-                                f"{type(raw[key]).__name__}: {str(raw[key])[:80]}")
-    seed = (raw.get("splits") or {}).get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise DataCardError(f"{path}: field 'splits.seed': a whole number (it seeds the split), got {seed!r}")
+    _check_mappings(path, raw)
     for name in (raw.get("transform") or {}):
         if ":" in name:  # a user's own transform, `module:function` (like judges): resolved now, not at the stage
             try:
@@ -230,13 +235,31 @@ def read_rows(card: DataCard, hub_split: str | None = None) -> list[dict[str, An
         if not isinstance(objs, list):
             raise DataCardError(f"{file}: a json source must hold a list of rows")
         rows = [_map_columns(card, o, f"{file}: row {i}") for i, o in enumerate(objs)]
-    else:  # tsv / csv: columns by index
+    else:  # tsv / csv: `columns` by index (no header line), or by name (the first line is the header)
         delim = "\t" if card.format == "tsv" else ","
         reader = csv.reader(io.StringIO(text), delimiter=delim, quoting=csv.QUOTE_NONE if delim == "\t" else 0)
+        names = [v for v in card.columns.values() if isinstance(v, str)]
+        if names and len(names) != len(card.columns):
+            raise DataCardError(f"{card.path}: field 'columns': name every column by its header or by its index "
+                                f"(from 0), not both: {card.columns}")
+        header: list[str] | None = None
         for n, fields_ in enumerate(reader, start=1):
             if not fields_:
                 continue
-            rows.append(_map_columns(card, fields_, f"{file}: line {n}"))
+            if names and header is None:
+                header = fields_
+                missing = [v for v in names if v not in header]
+                if missing:
+                    raise DataCardError(f"{card.path}: field 'columns': {missing[0]!r} is not in the header line of "
+                                        f"{file} ({', '.join(header)[:200]})")
+                continue
+            if not names and not rows and [fields_[v] for v in card.columns.values() if isinstance(v, int)
+                                           and v < len(fields_)] == list(card.columns):
+                raise DataCardError(f"{file}: line {n} is a header ({', '.join(fields_)[:120]}) and the card names "
+                                    "columns by index, which reads it as a row: name them by the header instead, "
+                                    f"e.g. `columns: {{{', '.join(f'{k}: {k}' for k in card.columns)}}}`")
+            row = dict(zip(header, fields_)) if header is not None else fields_
+            rows.append(_map_columns(card, row, f"{file}: line {n}"))
     return rows
 
 
