@@ -452,6 +452,9 @@ def test_a_runs_own_record_of_a_commit_wins_over_a_newer_one_another_run_left(tm
     assert resolve("b", online=True) == "bbb222"
     assert resolve("a", online=False) == "aaa111"
     assert resolve("c", online=False) == "bbb222"
+    monkeypatch.setattr(hub, "_PINNED", [True])  # a stage process of run a, started after the branch moved: it reads
+    assert resolve("a", online=True) == "aaa111"  # the commit a's plan fingerprinted, not the branch's newest
+    assert resolve("d", online=True) == "bbb222"  # a commit its run's plan never resolved: asked for as before
     assert json.loads((tmp_path / "cache" / "hub-revisions.json").read_text()) == {"org/data@main": "bbb222"}
 
 

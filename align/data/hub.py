@@ -68,8 +68,10 @@ def resolved_revision(hub_id: str, revision: str | None) -> str | None:
     that reads the dataset; the revision as written when it never could."""
     key = (hub_id, revision)
     if key not in _REVISIONS:
-        _REVISIONS[key] = _remembered(hub_id, revision)
-        if hub_reachable():
+        run = os.environ.get(RUN_REVISIONS_ENV)  # a stage process (pin_to_run): the commit this run's plan resolved
+        planned = _known(Path(run)).get(f"{hub_id}@{revision}") if _PINNED[0] and run else None
+        _REVISIONS[key] = planned or _remembered(hub_id, revision)
+        if not planned and hub_reachable():
             try:
                 from huggingface_hub import HfApi  # light (no torch): only for hub cards, and only when reachable
 
@@ -80,6 +82,16 @@ def resolved_revision(hub_id: str, revision: str | None) -> str | None:
                 _REVISIONS[key] = sha
                 _remember(hub_id, revision, sha)
     return _REVISIONS[key]
+
+
+_PINNED = [False]
+
+
+def pin_to_run() -> None:
+    """In a stage process: a dataset's commit is the one this run's plan resolved and fingerprinted (the run's own
+    record), not what its branch names by the time the stage starts (hours later, for DPO after SFT); a commit the
+    plan never resolved is asked for as before."""
+    _PINNED[0] = True
 
 
 def _revisions_files() -> list[Path]:

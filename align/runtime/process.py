@@ -25,6 +25,7 @@ from align.core.errors import Terminated, describe, die_with_parent, interrupt_c
 from align.core.console import verbose
 from align.core.fsutil import write_failure
 from align.core.rundir import MANIFEST, StageSpec, read_manifest, write_manifest
+from align.data.hub import pin_to_run
 from align.runtime.context import COLLECTIVE_TIMEOUT, NonFiniteLossError, StageContext, StageError, startup_done
 
 log = logging.getLogger("align")
@@ -55,6 +56,7 @@ def main(spec_path: str) -> int:
     terminate_as_interrupt()  # SIGTERM (a scheduler, the launcher stopping its workers) recorded as Ctrl-C
     die_with_parent()  # and SIGTERM when the launcher dies (a SIGKILLed run): no stage outlives its run
     long_group_timeouts()
+    pin_to_run()  # hub datasets: the commits the run's plan resolved, not what a branch names by now
     ctx: StageContext | None = None
     spec: dict[str, Any] = {}
     gc.disable()  # until the libraries are imported and the first model is loaded: see startup_done()
