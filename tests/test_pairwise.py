@@ -352,3 +352,46 @@ def test_each_process_appends_to_a_cache_file_of_its_own_and_reads_them_all(tmp_
     assert sorted(p.name for p in base.parent.iterdir()) == ["smol.jsonl", "smol.rank0.jsonl", "smol.rank1.jsonl"]
     for rank in (None, 0, 1):
         assert JudgeCache(base, rank).answers == {"k0": "A", "k1": "B", "k2": "tie"}
+
+
+def test_a_local_judge_model_is_found_beside_the_pipeline_and_its_replaced_weights_rerun_and_re_ask(workdir):
+    """A pairwise judge `model: judge` (a directory beside the pipeline file) was checked there at validate but
+    loaded from the user's directory by the stage process, and its cached answers were keyed by the name alone:
+    replacing the weights reused the old judge's verdicts. Now the spec names it absolutely, its files' stamps are
+    in the stage's fingerprint and in the cache's key; a hub id passes through untouched."""
+    from types import SimpleNamespace
+
+    import yaml
+
+    from align.config import parse_pipeline
+    from align.config.settings import PairwiseJudge
+    from align.judges.pairwise import JudgeCache, PairwiseLLMJudge
+    from align.orchestrator.plan import build_plan
+    from align.orchestrator.runner import _resolved_stage
+
+    sub = workdir / "sub"
+    (sub / "judge").mkdir(parents=True)
+    (sub / "judge" / "config.json").write_text("{}")
+    (sub / "judge" / "model.safetensors").write_bytes(b"old weights")
+    raw = yaml.safe_load((REPO / "pipelines" / "default.yaml").read_text())
+    raw["stages"]["evaluate"]["pairwise"] = [{"name": "mine", "model": "judge"}, {"name": "hub", "model": "org/judge"}]
+    source = sub / "p.yaml"
+
+    def plans():
+        return {p.name: p for p in build_plan(parse_pipeline(raw, str(source)), source)}
+
+    before = plans()
+    judges = _resolved_stage(before["evaluate"])["pairwise"]
+    assert judges[0]["model"] == str((sub / "judge").resolve()) and judges[1]["model"] == "org/judge"
+
+    def identity():
+        settings = PairwiseJudge(name="mine", model=judges[0]["model"])
+        return PairwiseLLMJudge(settings, SimpleNamespace(name="local"), "{prompt}{response_a}{response_b}",
+                                JudgeCache(workdir / "cache.jsonl")).identity
+
+    old = identity()
+    time.sleep(0.01)
+    (sub / "judge" / "model.safetensors").write_bytes(b"new weights, longer")
+    after = plans()
+    assert {n for n in before if before[n].fingerprint != after[n].fingerprint} == {"evaluate"}
+    assert identity() != old

@@ -39,10 +39,8 @@ MODEL = "model"
 """An input role (not something a stage produces): a policy or a reward model (the push stage uploads either)."""
 ROLES = {POLICY: "a policy", REWARD_MODEL: "a reward model", DATA: "preference pairs", REPORT: "a report",
          "receipt": "a receipt (nothing other stages read)", MODEL: "a policy or a reward model"}
-# How a stage reads a data card named in one of its fields (`StageBase.CARDS`).
-EXAMPLES, PROMPTS_ONLY = "examples", "prompts"
-# Extra modules that define stage types (comma-separated import names), for types that live outside align/.
-STAGE_MODULES_ENV = "ALIGN_STAGE_MODULES"
+EXAMPLES, PROMPTS_ONLY = "examples", "prompts"  # how a stage reads a card named in one of its fields (`CARDS`)
+STAGE_MODULES_ENV = "ALIGN_STAGE_MODULES"  # extra modules (comma-separated) defining stage types outside align/
 
 
 def refs(value: Any) -> list[str]:
@@ -221,9 +219,13 @@ class StageBase:
         return "train"
 
     def relative_files(self) -> dict[str, str]:
-        """Settings other than data cards that name a file relative to the pipeline (dotted key, list items by
-        index -> the value): the runner writes them absolute into the spec; their content is part of the stage's
-        fingerprint (editing the file reruns the stage)."""
+        """Settings other than data cards naming a file relative to the pipeline (dotted key, list items by index ->
+        value): written absolute into the spec, their content fingerprinted (editing the file reruns the stage).
+        `local_models`: settings naming another model (a pairwise judge's) by path or hub id; one found relative to
+        the pipeline likewise, its files' stamps fingerprinted (tree_stamp); a hub id as written."""
+        return {}
+
+    def local_models(self) -> dict[str, str]:
         return {}
 
     def starts_from_base(self) -> bool:

@@ -77,6 +77,9 @@ class EvaluateStage(StageBase):
     def relative_files(self) -> dict[str, str]:
         return {f"pairwise.{i}.template": j.template for i, j in enumerate(self.pairwise) if j.template}
 
+    def local_models(self) -> dict[str, str]:
+        return {f"pairwise.{i}.model": j.model for i, j in enumerate(self.pairwise) if j.loads_a_model()}
+
     def card_split(self, fld: str) -> str:
         return self.split
 

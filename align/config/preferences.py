@@ -59,6 +59,9 @@ class PreferencesStage(StageBase):
     def relative_files(self) -> dict[str, str]:
         return {"pairwise.template": self.pairwise.template} if self.pairwise and self.pairwise.template else {}
 
+    def local_models(self) -> dict[str, str]:
+        return {"pairwise.model": self.pairwise.model} if self.pairwise and self.pairwise.loads_a_model() else {}
+
     def card_split(self, fld: str) -> str:
         return self.split
 

@@ -237,6 +237,10 @@ class PairwiseJudge:
     max_invalid_fraction: float = ranged(0.2, ge=0, le=1)
     """Fail the stage when more than this fraction of answers are invalid (with examples in the log)."""
 
+    def loads_a_model(self) -> bool:
+        """A local model the stage process loads (a directory or a hub id), not an endpoint's or a packaged one."""
+        return not self.base_url and not self.model.startswith(PACKAGED)
+
     def check(self, where: str, base_dir: Path) -> None:
         """`align validate`: the model or endpoint is there, the key variable is set, the template exists; an
         endpoint is probed (one request naming the URL) so a wrong URL fails now, not after sampling."""

@@ -177,6 +177,15 @@ def file_stamp(path: str | Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
 
+def tree_stamp(root: str | Path) -> str:
+    """What identifies a directory's current files without reading them (a local model named in a setting, e.g. a
+    pairwise judge's): a hash over every file's relative name and stamp (`file_stamp`). Replacing the weights at
+    the same path changes it."""
+    root = Path(root)
+    stamps = {p.relative_to(root).as_posix(): file_stamp(p) for p in sorted(root.rglob("*")) if p.is_file()}
+    return hashlib.sha256(json.dumps(stamps, sort_keys=True).encode()).hexdigest()[:20]
+
+
 def output_digest(root: str | Path) -> dict[str, Any]:
     """Identity of one publication of a stage output (model/, data/, report/), recorded in its manifest and,
     through the spec, in the manifests of the stages that consume it.

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
+from align.core.fsutil import tree_stamp
 from align.config.settings import PairwiseJudge, header_value_problem, no_redirects, redirected, without_key
 
 VERDICTS = ("A", "B", "tie")
@@ -273,6 +274,8 @@ class PairwiseLLMJudge:
         self.settings, self.backend, self.template, self.cache = settings, backend, template, cache
         self.chunk = chunk  # answers cached in chunks of this many (a kill loses at most one chunk)
         model = settings.model if settings.base_url is None else f"{settings.base_url}:{settings.model}"
+        if settings.base_url is None and Path(model).is_dir():  # a local judge: its files as they are now, so an
+            model = f"{model}:{tree_stamp(model)}"  # answer cached before its weights were replaced is not reused
         self.identity = json.dumps([backend.name, model, hashlib.sha256(template.encode()).hexdigest(),
                                     settings.max_new_tokens])
 

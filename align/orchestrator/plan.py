@@ -19,6 +19,7 @@ from pathlib import Path
 from align import templates
 from align.core.builtin import check_builtin, is_builtin
 from align.core.errors import PipelineError
+from align.core.fsutil import tree_stamp
 from align.config import PipelineConfig, StageBase, stage_types, to_dict
 from align.config.contract import MODEL, POLICY, REWARD_MODEL, ROLES, refs
 from align.data.cards import DataCardError, load_card
@@ -145,8 +146,8 @@ def _fingerprint(plan: StagePlan, cfg: PipelineConfig, inputs: dict[str, str], c
             base["chat_template"] = ct.digest  # tokenizer's) reruns the stage that installs it
             if ct.masking != "markers":
                 base["chat_template_masking"] = [ct.masking, ct.training_text and templates.text_digest(ct.training_text)]
-    files = {key: hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
-             for key, path in plan.files.items()}  # their content: editing the file reruns the stage
+    files = {key: hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else tree_stamp(path)
+             if path.is_dir() else None for key, path in plan.files.items()}  # editing the file reruns the stage
     blob = {"stage": stage, "base": base, "seed": plan.cfg.seed if plan.cfg.seed is not None else cfg.seed,
             "dtype": cfg.dtype, "precision": cfg.precision, "attn_implementation": cfg.attn_implementation,
             "inputs": inputs, "cards": plan.card_hashes, "code": code}
@@ -187,6 +188,9 @@ def build_plan(cfg: PipelineConfig, source: str | Path) -> list[StagePlan]:
                                     f"file (looked for {card})" + (f"; did you mean stage '{hint[0]}'?" if hint else ""))
             plan.cards[fld] = card
         plan.files = {key: (base_dir / value).resolve() for key, value in st.relative_files().items()}
+        plan.files.update({key: (base_dir / Path(value).expanduser()).resolve() for key, value in
+                           st.local_models().items() if (base_dir / Path(value).expanduser()).exists()})  # a hub id
+        # passes through
         plans[name] = plan
     order = topological_order({n: p.deps for n, p in plans.items()}, source)
     code = code_version()
