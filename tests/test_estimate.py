@@ -590,3 +590,18 @@ def test_the_run_directorys_disk_peak_by_hand_and_the_warning_when_it_has_less_f
     assert disk.disk_problem(cfg, dropped, "runs") is None
     problem = disk.disk_problem(cfg, kept, "runs")
     assert "stage 'ppo'" in problem and "keep_checkpoints: false" in problem and "runs has" in problem
+
+
+def test_a_preferences_stage_judged_by_a_weighted_mapping_holds_each_reward_model_it_names():
+    """`judge` may be a mapping of weights (a reward stage and Python judges): the estimate held a judge only where
+    `judge in stages`, which for a mapping raised TypeError (unhashable dict) and stopped `align estimate` and run."""
+    from types import SimpleNamespace
+
+    from align.config.contract import REWARD_MODEL
+    from align.config.preferences import PreferencesStage
+
+    stages = {"rm": SimpleNamespace(PRODUCES=REWARD_MODEL), "sft": SimpleNamespace(PRODUCES="policy")}
+    roles = [h.role for h in PreferencesStage(judge={"rm": 1.0, "vader": 0.5}).held_models(stages)]
+    assert roles == ["policy", "judge"]
+    assert [h.role for h in PreferencesStage(judge="vader").held_models(stages)] == ["policy"]
+    assert [h.role for h in PreferencesStage(judge="rm").held_models(stages)] == ["policy", "judge"]

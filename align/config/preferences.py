@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from align.engines import engine_names
-from align.config.contract import HeldModel, DATA, POLICY, PROMPTS_ONLY, CheckContext, StageBase
+from align.config.contract import HeldModel, DATA, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, StageBase
 from align.config.settings import Generation, PairwiseJudge
 from align.core.schema import ranged
+from align.judges import judge_weights
 
 
 @dataclass
@@ -70,5 +71,5 @@ class PreferencesStage(StageBase):
 
     def held_models(self, stages: dict[str, StageBase]) -> list[HeldModel]:
         """Nothing trains: each model whole on every GPU."""
-        return [HeldModel("policy", "lm", False, False)] + \
-            ([HeldModel("judge", "scalar", False, False)] if self.judge in stages else [])
+        rewards = [n for n in judge_weights(self.judge) if n in stages and stages[n].PRODUCES == REWARD_MODEL]
+        return [HeldModel("policy", "lm", False, False)] + [HeldModel("judge", "scalar", False, False)] * len(rewards)
