@@ -70,6 +70,8 @@ def _config(tmp_path: Path, **ds) -> Path:
      r"mine\.yaml sets gradient_clipping: 1\.0, but the stage's max_grad_norm is 0\.5"),
     ({"gradient_clipping": 1.0}, ["sft.max_grad_norm=null"],
      r"sets gradient_clipping: 1\.0, but the stage's max_grad_norm is None"),
+    ({"zero_stage": 3}, [],  # accelerate's default is false: Trainer then saves ZeRO shards as model/ and completes
+     r"mine\.yaml: ZeRO-3 without zero3_save_16bit_model: true .*no later stage can load.*set it to true"),
 ])
 def test_validate_refuses_a_config_that_fixes_a_stage_setting_to_another_value(tmp_path, workdir, ds, stage_values,
                                                                                message):

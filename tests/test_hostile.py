@@ -99,6 +99,8 @@ def validate(capsys, *args: str) -> None:
     ("dpo.loss_type=sigmod", ["stages.dpo.loss_type", "'sigmod'", "sigmoid"]),
     ("sft.num_processes=0", ["stages.sft.num_processes", ">= 1"]),
     ("ppo.generation.top_p=1.5", ["stages.ppo.generation.top_p", "1.5", "(0, 1]"]),
+    ("dpo.label_smoothing=0.1", ["stages.dpo", "label_smoothing: 0.1 with loss_type: sigmoid", "loss_type: robust"]),
+    ("dpo.loss_type=exo_pair", ["stages.dpo", "exo_pair with label_smoothing: 0", "1.0e-3"]),
     ("evaluate.generation.top_p=0.9", ["stages.evaluate", "top_p 0.9", "report's KL", "leave top_k null and top_p 1.0"]),
     ("ppo.generation.top_k=50", ["stages.ppo", "top_k 50", "held-out KL (kl.max)", "top_p 1.0"]),
     ("preferences.generation.temperature=0", ["stages.preferences.generation.temperature", "> 0"]),

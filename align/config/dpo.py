@@ -37,10 +37,19 @@ class DPOStage(TrainedStage):
     loss_type: str = one_of("sigmoid", *DPO_LOSSES)
     """TRL DPO loss variant: sigmoid (DPO), ipo, hinge, robust, ..."""
     label_smoothing: float = ranged(0.0, ge=0, lt=0.5, fix="0.5 or more flips which response is preferred")
-    """Conservative-DPO label smoothing."""
+    """Label smoothing epsilon (the chance a pair is flipped), for the losses that read it in TRL: robust
+    (Chowdhury et al.), exo_pair (its epsilon, > 0), aot; the others ignore it, so it is refused there."""
 
     def check(self, ctx: CheckContext) -> None:
         super().check(ctx)
+        reads = [t for t in ("robust", "exo_pair", "aot", "aot_unpaired") if t in DPO_LOSSES]
+        if self.label_smoothing > 0 and self.loss_type not in reads:
+            raise ValueError(f"label_smoothing: {self.label_smoothing} with loss_type: {self.loss_type}: TRL reads "
+                             f"label_smoothing only for {', '.join(reads)} (the others train as if it were 0); set "
+                             "loss_type: robust for noise-robust DPO, or label_smoothing: 0")
+        if self.loss_type == "exo_pair" and self.label_smoothing == 0:
+            raise ValueError("loss_type: exo_pair with label_smoothing: 0: EXO's epsilon must be above 0 (TRL refuses "
+                             "0 once the models are loaded); set label_smoothing, e.g. 1.0e-3")
         self.check_preference_card(ctx)
 
     def held_models(self, stages: dict[str, StageBase]) -> list[HeldModel]:

@@ -95,7 +95,9 @@ def _deepspeed_values(path: Path, raw: dict[str, Any]) -> tuple[dict[str, Any], 
     ds = raw.get("deepspeed_config") or {}
     file = ds.get("deepspeed_config_file") if isinstance(ds, dict) else None
     if not file:
-        return (ds if isinstance(ds, dict) else {}), str(path)
+        ds = ds if isinstance(ds, dict) else {}
+        return {**ds, "zero3_saves_whole": int(ds.get("zero_stage", 0) or 0) != 3 or
+                bool(ds.get("zero3_save_16bit_model"))}, str(path)
     json_path = (path.parent / file) if not Path(file).is_absolute() else Path(file)
     try:
         conf = json.loads(json_path.read_text(encoding="utf-8"))
@@ -103,6 +105,8 @@ def _deepspeed_values(path: Path, raw: dict[str, Any]) -> tuple[dict[str, Any], 
         raise PipelineError(f"{path}: deepspeed_config_file: {json_path} is not a readable JSON file "
                             f"({type(exc).__name__})") from None
     values = {k: conf[k] for k in ("gradient_accumulation_steps", "gradient_clipping") if k in conf}
+    zero = conf.get("zero_optimization") if isinstance(conf.get("zero_optimization"), dict) else {}
+    values["zero3_saves_whole"] = zero.get("stage") != 3 or bool(zero.get("stage3_gather_16bit_weights_on_model_save"))
     for kind in ("bf16", "fp16"):
         if isinstance(conf.get(kind), dict) and conf[kind].get("enabled") not in (None, "auto", False):
             values["mixed_precision"] = kind
@@ -129,6 +133,10 @@ def owned_setting_problems(plan: StagePlan, path: Path, raw: dict[str, Any], pre
             problems.append(f"{where} sets {key}: {value}, but the stage's {stage_key[key]} is {mine} (in {source}); "
                             f"remove {key} from {Path(where).name} (DeepSpeed then takes the stage's value) or set "
                             f"stages.{plan.name}.{stage_key[key]}: {value}")
+    if not fixed.get("zero3_saves_whole", True):
+        problems.append(f"{where}: ZeRO-3 without zero3_save_16bit_model: true (stage3_gather_16bit_weights_on_model_"
+                        "save in a DeepSpeed JSON): model/ would hold DeepSpeed's shards, which no later stage can "
+                        "load, and the stage would still complete; set it to true")
     mixed = fixed.get("mixed_precision") or raw.get("mixed_precision")
     if mixed not in (None, "no", "auto") and _MIXED_PRECISION.get(precision) != mixed:
         problems.append(f"{where} sets mixed_precision {mixed}, but the pipeline's precision is {precision!r} (in "
