@@ -141,7 +141,10 @@ def test_validate_refuses_a_missing_template_and_warns_of_llama3_on_gpt2(workdir
                      cwd=workdir)
     assert proc.returncode == 0, proc.stderr
     assert "warning: chat template: a prompt's last tokens ['ĊĊ']" in proc.stdout
-    assert "length check reward: 97 examples" in proc.stdout  # conversational pairs measured as rendered
+    from align.data.cards import load_split
+
+    pairs = len(load_split(REPO / "data_cards" / "hh_rlhf_harmless_chat_pairs.yaml", "train").rows)
+    assert f"length check reward: {pairs} examples" in proc.stdout  # conversational pairs measured as rendered
 
 
 @pytest.mark.parametrize("name", ["chatml", "llama3", "default"])

@@ -35,7 +35,8 @@ PIPELINE = {
         "sft": {"data": "data_cards/movie_review_snippets.yaml", "learning_rate": 3.0e-3, "max_steps": 20,
                 "per_device_batch_size": 16, "max_length": 96, "max_truncated_fraction": 0.1,
                 "max_train_examples": 1000, "logging_steps": 5, "save_steps": 10, "eval_split": None},
-        "rloo": {**ONLINE, "type": "rloo"},
+        "rloo": {**ONLINE, "type": "rloo", "learning_rate": 2.0e-2},  # (1e-2 until the splits became per-prompt
+        # hashes, 2026-11-29: on the new SFT model 12 steps at 1e-2 or 5e-3 ended below where they began)
         # 20 steps, so the kill after the first checkpoint (step 4) lands well before the end
         # under ZeRO-2 with gradient accumulation 2 (4 x 2 processes x 2 = 16 completions per step, as above)
         **{f"{kind}_zero2": {**ONLINE, "type": kind, "accelerate": "zero2", "num_processes": 2,

@@ -329,12 +329,13 @@ def test_ppo_killed_mid_run_resumes_iteration_beta_and_statistics(private):
 
 def test_ppo_pushed_hard_ends_inside_kl_max_where_the_old_controller_ends_far_outside(private):
     """Issue 39: PPO pushed hard (learning rate 3.5e-2, beta 0.001, 8 iterations) on the tiny run. With Ziegler's
-    controller and no budget, the KL after the last update, on held-out prompts, ends far outside 10 nats; with
-    kl.max 10 (and the PI controller) the stage undoes the update that left the budget, stops, publishes the last
-    policy inside it, and the evaluation (other prompts: the test split) measures that policy inside 10 too.
+    controller and no budget, the KL after the last update, on held-out prompts, ends far outside 15 nats; with
+    kl.max 15 (and the PI controller) the stage undoes the update that left the budget, stops, publishes the last
+    policy inside it, and the evaluation (other prompts: the test split) measures that policy inside 15 too.
     (Until 2026-11-27 this ran at 3e-2 and kl.max 8; padding-free forwards changed the float rounding, and this
-    chaotic trajectory with it: at 3e-2 Ziegler's controller now stays near 8.)"""
-    e2e, kl_max = private, 10.0
+    chaotic trajectory with it. Until 2026-11-29 kl.max was 10: splits by each prompt's hash changed the tiny run's
+    data, and the first update then reached 11.3 nats.)"""
+    e2e, kl_max = private, 15.0
     seed = yaml.safe_load((REPO / "pipelines" / "default.yaml").read_text())["seed"]
     print(f"seed {seed} (the pipeline's)")
     hard = ["ppo.iterations=8", "ppo.learning_rate=3.5e-2", "ppo.kl.coef=0.001", "tracking.wandb=disabled"]

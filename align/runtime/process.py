@@ -135,7 +135,7 @@ def drop_checkpoints(ctx: StageContext) -> None:
 def resumes(old: dict | None, fingerprint: str, input_digests: dict) -> bool:
     """Whether this attempt resumes the stage's checkpoints: only an interrupted attempt of this very fingerprint
     whose inputs were the same published outputs (an upstream stage retrained with the same settings since, e.g.
-    `--only sft --force`, made checkpoints of a policy trained from the old model: they start clean)."""
+    `--only <it> --force`, made checkpoints of a policy trained from the old model: they start clean)."""
     return (bool(old) and old.get("fingerprint") == fingerprint and old.get("status") != "completed"
             and (old.get("input_digests") or {}) == (input_digests or {}))
 
