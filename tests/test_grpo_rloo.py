@@ -288,3 +288,31 @@ def test_an_engine_that_returns_no_logprobs_of_its_own_is_refused_by_name():
     q = torch.randint(3, 60, (2, 5), generator=g)
     with pytest.raises(EngineError, match="'nolp' returned no log-probs.*generation.engine: hf"):
         rollouts.sample(q, torch.ones_like(q), trainer)
+
+
+def test_grpo_from_an_sft_adapter_keeps_the_sft_policy_as_its_reference(tmp_path):
+    """SFT with LoRA publishes its adapter alone (a loadable base: the packaged SmolLM2); GRPO (beta > 0, no LoRA of
+    its own) loads it merged. TRL builds the reference from the policy's config name, which was the base's: the KL
+    pulled towards the model before SFT. Now the reference is the merged SFT policy, so the first step's KL (policy
+    and reference still equal) is ~0 instead of SFT's distance from its base."""
+    pipeline = {"name": "adapter_ref", "base_model": "packaged:smollm2", "seed": SEED, "tracking": {"wandb": "disabled"},
+                "stages": {
+                    "sft": {"data": f"{REPO}/data_cards/movie_review_snippets.yaml", "learning_rate": 2.0e-3,
+                            "max_steps": 3, "per_device_batch_size": 4, "max_length": 48, "logging_steps": 1,
+                            "save_steps": 3, "eval_split": None, "lora": {"enabled": True, "r": 8, "alpha": 16}},
+                    "grpo": {"type": "grpo", "policy": "sft", "reward": "vader",
+                             "prompts": f"{REPO}/data_cards/movie_review_snippets.yaml", "num_generations": 2,
+                             "per_device_batch_size": 2, "max_steps": 1, "learning_rate": 1.0e-6, "beta": 0.05,
+                             "logging_steps": 1, "save_steps": 100, "max_length": 48, "max_train_examples": 8,
+                             "generation": {"max_new_tokens": 6}}}}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(pipeline))
+    print(f"pipeline seed {SEED}")
+    proc = run_align("run", "p.yaml", cwd=tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / "runs" / "adapter_ref" / "main"
+    assert _manifest(run / "sft")["lora_published"] == "adapter"
+    grpo = _manifest(run / "grpo")
+    assert "an adapter merged into its base" in grpo["reference"] and not (run / "grpo" / "reference").exists()
+    kl = [r["objective/kl"] for r in _rows(run / "grpo") if "objective/kl" in r]
+    print("GRPO KL per logged step:", kl)
+    assert len(kl) == 1 and abs(kl[0]) < 1e-4, kl

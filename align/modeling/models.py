@@ -198,6 +198,8 @@ def merged_adapter(path: str, base, trust_remote_code: bool = False):
     from peft import PeftModel  # heavy: loaded on use
 
     model = PeftModel.from_pretrained(base, path, is_trainable=False).merge_and_unload()
+    model.requires_grad_(True)  # as from_pretrained leaves a plain model (peft froze the base's weights: a stage that
+    # trained it whole, GRPO from an SFT adapter, had no gradient at all); who holds it frozen runs it without
     record = adapter_base(path) or {}
     for key, value in (record.get("config") or {}).items():
         setattr(model.config, key, value)

@@ -20,6 +20,8 @@ of the others) and a KL to the reference (beta). align hands them:
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 from align.config.online_rl import OnlineRLStage
@@ -27,7 +29,8 @@ from align.runtime.rows import load_rows, unique_prompts
 from align.judges import judge_weights
 from align.judges.pointwise import check_same_tokenizer, stage_judge
 from align.data.lengths import LengthReport, enforce
-from align.modeling.models import load_tokenizer
+from align.core.fsutil import publish_dir, staging_dir
+from align.modeling.models import adapter_base, load_tokenizer
 from align.modeling.lora import peft_config
 from align.modeling.packing import install_padding_free
 from align.runtime.context import StageContext, StageError
@@ -246,6 +249,25 @@ def open_engine(ctx: StageContext, cfg: OnlineRLStage, tokenizer, path: str) -> 
         raise
 
 
+def reference_is_the_policy(ctx: StageContext, cfg: OnlineRLStage, model, path: str) -> Path | None:
+    """TRL builds GRPO's and RLOO's reference (beta > 0, no LoRA here) from the policy's config name
+    (`get_config_model_id`). A policy published as an adapter alone loads as its base with the adapter merged in, and
+    that name is the base's: the KL would pull towards the model before the stage that trained the adapter. The
+    policy as loaded is written once into the stage's directory (reference/, removed once the trainer has built the
+    reference from it) and named there. Returns that directory (None when TRL's own name is right)."""
+    if not cfg.beta or cfg.lora.enabled or adapter_base(path) is None:
+        return None
+    where = ctx.dir / "reference"
+    if ctx.is_main:  # whole on every process here: a merged adapter loads unpartitioned (align/modeling/models.py)
+        tmp = staging_dir(where)
+        model.save_pretrained(tmp)
+        publish_dir(tmp, where)
+    ctx.state.wait_for_everyone()
+    model.config._name_or_path = str(where)
+    ctx.note(reference=f"the policy as loaded ({path}: an adapter merged into its base), not its base")
+    return where
+
+
 def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> dict[str, Any]:
     """Train the policy with a TRL online trainer (GRPOTrainer or RLOOTrainer) and publish model/."""
     from datasets import Dataset  # heavy: trl and datasets load only when the stage runs
@@ -266,6 +288,7 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
                          disable_dropout=True,  # old and new log-probs agree, as in PPO
                          trust_remote_code=ctx.pipeline.trust_remote_code, log_completions=False, **algorithm_args)
     model = ctx.load_lm(path, quantize=cfg.lora.quantize)
+    reference = reference_is_the_policy(ctx, cfg, model, path)
     args.generation_kwargs = plain_generation_kwargs(ctx, model)  # read by the trainer as it starts
     padding_free(ctx, model, left_padded=True)
     rollouts = open_engine(ctx, cfg, tokenizer, path)
@@ -275,6 +298,9 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
                       train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
                       callbacks=[metrics_callback(ctx, online_rl_metric_name)],
                       peft_config=peft_config(cfg.lora, "CAUSAL_LM"), **sampling)
+        ctx.state.wait_for_everyone()  # every process has built its reference from reference/: not needed again
+        if reference is not None and ctx.is_main:
+            shutil.rmtree(reference, ignore_errors=True)
         if "rollout_func" in sampling and (mode := correct_for_the_engine(trainer, gen)):
             ctx.note(engine_importance_sampling=mode)
         if cfg.padding_free and getattr(trainer, "ref_model", None) is not None:  # TRL's own copy of the start
