@@ -605,3 +605,29 @@ def test_a_preferences_stage_judged_by_a_weighted_mapping_holds_each_reward_mode
     assert roles == ["policy", "judge"]
     assert [h.role for h in PreferencesStage(judge="vader").held_models(stages)] == ["policy"]
     assert [h.role for h in PreferencesStage(judge="rm").held_models(stages)] == ["policy", "judge"]
+
+
+def test_kto_holds_activations_for_its_examples_alone_and_an_engine_with_its_own_copy_gathers_nothing(tiny_cfg,
+                                                                                                      tiny_shapes):
+    """KTO's KL completions run under no_grad (TRL's kto_trainer), so it keeps activations for B sequences, as DPO
+    keeps them for its B pairs' 2B: KTO at batch 2B equals DPO at batch B (it was counted at 2 x 2B). An engine that
+    holds its own copy of the policy (vllm) syncs it a layer at a time: no whole-policy gather is counted under
+    ZeRO-3, where the hf engine's (TRL's generate, PPO's `zero3_gather: whole`) is."""
+    import dataclasses
+
+    from align.config.dpo import DPOStage
+    from align.config.kto import KTOStage
+    from align.orchestrator.estimate import estimate_stage
+
+    def parts(stage, name="x"):
+        return estimate_stage(name, stage, tiny_cfg.stages, tiny_shapes, "zero3", 8, "float32").parts["zero3"]
+
+    kto, dpo = parts(KTOStage(per_device_batch_size=4, max_length=64)), parts(DPOStage(per_device_batch_size=2,
+                                                                                         max_length=64))
+    assert kto["activations"] == dpo["activations"] > 0
+    from align.config.grpo import GRPOStage
+
+    for stage in (tiny_cfg.stages["ppo"], GRPOStage(policy="sft", prompts="p.yaml", max_length=64)):
+        hf = parts(stage)["rollout_gather"]
+        vllm = parts(dataclasses.replace(stage, generation=dataclasses.replace(stage.generation, engine="vllm")))
+        assert hf == 4 * tiny_shapes["lm"].params and vllm["rollout_gather"] == 0, stage.type

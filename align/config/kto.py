@@ -103,4 +103,6 @@ class KTOStage(TrainedStage):
         return [HeldModel("policy", "lm", True), HeldModel("reference", "lm", False)]  # TRL shards it under ZeRO-3
 
     def workload(self) -> tuple[int, int, int, int]:
-        return 2 * self.per_device_batch_size, self.max_length, 0, 0  # each example and its KL completion
+        # the examples alone: TRL runs each one's KL completion under no_grad (kto_trainer `_compute_kl_logps`), and
+        # with its fused head, so nothing of that pass is kept for the backward
+        return self.per_device_batch_size, self.max_length, 0, 0

@@ -14,7 +14,7 @@ from typing import ClassVar
 from align.config.contract import (HeldModel, DATA, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, StageBase,
                                  TrainedStage, response_length_problems)
 from align.config.settings import Generation, lora_sync_problem
-from align.engines import DEFAULT as DEFAULT_ENGINE, engine_names, kind
+from align.engines import DEFAULT as DEFAULT_ENGINE, engine_names, holds_own_copy, kind
 from align.judges import judge_weights
 from align.core.schema import ranged
 
@@ -126,8 +126,9 @@ class OnlineRLStage(TrainedStage):
         # a reward model scores from a Python reward function (align/stages/online_rl.py): whole on every GPU
         return held + [HeldModel("reward", "scalar", False, False)] * len(rewards)
 
-    def gathers_policy_for_generation(self) -> bool:
-        return True  # TRL samples from the whole policy, gathered (ds3_gather_for_generation)
+    def gathers_policy_for_generation(self) -> bool:  # TRL samples from the whole policy, gathered
+        # (ds3_gather_for_generation); an engine of align's samples from its own copy, synced a layer at a time
+        return not holds_own_copy(self.generation.engine)
 
     def workload(self) -> tuple[int, int, int, int]:
         steps = self.steps_per_generation or self.gradient_accumulation_steps

@@ -254,9 +254,10 @@ class PPOStage(StageBase):
         return held + [HeldModel("reward", "scalar", False)] * (len(reward_stages) - shared)
 
     def gathers_policy_for_generation(self) -> bool:
-        """The hf engine samples from the policy gathered whole (generation.zero3_gather: whole); a vllm engine's
-        weight sync gathers it too (align/stages/ppo/models.py policy_for_generation)."""
-        return holds_own_copy(self.generation.engine) or self.generation.zero3_gather == "whole"
+        """The hf engine samples from the policy gathered whole (generation.zero3_gather: whole; align/stages/ppo/
+        models.py policy_for_generation); an engine with its own copy gathers one layer at a time as it syncs
+        (align/engines/weight_sync.py) and never the whole policy."""
+        return not holds_own_copy(self.generation.engine) and self.generation.zero3_gather == "whole"
 
     def workload(self) -> tuple[int, int, int, int]:
         seq = self.max_prompt_length + self.generation.max_new_tokens

@@ -25,8 +25,9 @@ under each parallelism mode. The parts, all per GPU, with N = GPUs in the job:
   (`generation.sleep`) counts only what it holds beyond the activations, at least `ASLEEP_BYTES` or all of it when less
   (the peak is the larger of sampling and training).
 * the rollout gather: under ZeRO-3 a stage that samples from its sharded policy gathers it whole on every GPU for the
-  duration (PPO's hf engine with `generation.zero3_gather: whole` and its weight sync to vllm, TRL's GRPO/RLOO): one
-  whole copy of the policy in the pipeline dtype (`StageBase.gathers_policy_for_generation`); and a fixed allowance
+  duration (PPO's hf engine with `generation.zero3_gather: whole`, TRL's own generate in GRPO/RLOO; an engine with its
+  own copy, vllm, is synced a layer at a time and gathers none): one whole copy of the policy in the pipeline dtype
+  (`StageBase.gathers_policy_for_generation`); and a fixed allowance
   for the CUDA context and allocator fragmentation.
 
 With `lora.enabled` a trained model is a frozen base (a frozen model as above, in the pipeline dtype) plus adapters,
