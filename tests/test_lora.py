@@ -13,9 +13,14 @@ SEED = 2024
 
 
 @pytest.mark.slow
-def test_sft_lora_merges_into_a_plain_model(workdir):
+@pytest.mark.parametrize("zero3", [False, True], ids=["one-process", "zero3-2-processes"])
+def test_sft_lora_merges_into_a_plain_model(workdir, zero3):
+    """The adapters merged into model/, a plain checkpoint whose adapted projections alone changed. Under 2-process
+    ZeRO-3 each process holds a partition of every weight: merging in place added B A to empty tensors (a save of
+    nothing, or a shape error after all training); the whole state is gathered onto the main process and merged there."""
+    dist = ["sft.accelerate=zero3", "sft.num_processes=2", "sft.max_steps=10", "sft.save_steps=10"] if zero3 else []
     proc = run_align("run", "pipelines/default.yaml", "--run-id", "lora", "--only", "sft", "tracking.wandb=disabled",
-                     *TINY, "sft.lora.enabled=true", "sft.lora.target_modules=[q_proj,v_proj]", cwd=workdir)
+                     *TINY, "sft.lora.enabled=true", "sft.lora.target_modules=[q_proj,v_proj]", *dist, cwd=workdir)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     model_dir = workdir / "runs" / "default" / "lora" / "sft" / "model"
     assert not (model_dir / "adapter_config.json").exists()

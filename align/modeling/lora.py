@@ -50,9 +50,12 @@ def merged_lora_model(base, lora: LoraSettings, task_type: str, trained_state: d
     return model.merge_and_unload()
 
 
-def merged_for_saving(peft_model, lora: LoraSettings, dtype: str):
+def merged_for_saving(peft_model, lora: LoraSettings, dtype: str, gathered: dict[str, torch.Tensor] | None = None):
     """A trained PeftModel as the plain model that `model/` holds: merged in place, or, for QLoRA (a 4-bit training
-    copy, which merging in place would re-quantize), merged into a fresh unquantized load of the same weights."""
+    copy, which merging in place would re-quantize), merged into a fresh unquantized load of the same weights, or,
+    under ZeRO-3 (`gathered`: every parameter's 16-bit whole, on the main process), merged from that."""
+    if gathered is not None:
+        return merged_from_gathered(peft_model, lora, gathered)
     if not getattr(peft_model, "is_loaded_in_4bit", False):
         return peft_model.merge_and_unload()
     config = peft_model.peft_config[peft_model.active_adapter]
@@ -60,6 +63,28 @@ def merged_for_saving(peft_model, lora: LoraSettings, dtype: str):
     with unsharded_loading():
         base = load_scalar_model(path, None, dtype) if task == "SEQ_CLS" else load_causal_lm(path, dtype)
     return merged_lora_model(base, lora, task, peft_model.state_dict())
+
+
+def merged_from_gathered(peft_model, lora: LoraSettings, gathered: dict[str, torch.Tensor]):
+    """Under ZeRO-3 a process holds a partition of each weight: merging in place adds B A to empty tensors (nothing,
+    or a shape error). `gathered` (the wrapped PeftModel's whole 16-bit state, every key) is loaded into a PeftModel
+    of the same structure built on the CPU (the embeddings as the stage grew them, the token ids it set), and merged
+    there. Keys a tied weight shares are the only ones allowed to be absent."""
+    from peft import get_peft_model  # heavy: loaded on use
+
+    base = peft_model.get_base_model()
+    config = peft_model.peft_config[peft_model.active_adapter]
+    with unsharded_loading():
+        plain = type(base)._from_config(base.config, dtype=next(iter(gathered.values())).dtype)
+    model = get_peft_model(plain, peft_config(lora, getattr(config.task_type, "value", config.task_type)))
+    missing, unexpected = model.load_state_dict(gathered, strict=False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {p.data_ptr() for n, p in params.items() if n in gathered}
+    untied = [n for n in missing if n not in params or params[n].data_ptr() not in loaded]
+    if untied or unexpected:
+        raise ModelError(f"cannot merge the ZeRO-3 LoRA model: the gathered state lacks {untied[:3]} / has unknown "
+                         f"{unexpected[:3]}")
+    return model.merge_and_unload()
 
 
 def without_peft(model) -> torch.nn.Module:

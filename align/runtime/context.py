@@ -275,9 +275,13 @@ class StageContext:
             elif adapters:
                 from align.modeling.lora import merged_for_saving  # heavy (torch): stage processes only
 
-                # LoRA: save full merged weights so the next stage loads a plain model with from_pretrained.
-                merged = merged_for_saving(trainer.accelerator.unwrap_model(model), self.cfg.lora,
-                                          self.weights_dtype(frozen=True))
+                # LoRA: save full merged weights so the next stage loads a plain model with from_pretrained. Under
+                # ZeRO-3 from the whole state, gathered by every process (a collective) onto the main one.
+                zero3 = any(hasattr(p, "ds_id") for p in model.parameters())
+                gathered = trainer.accelerator.get_state_dict(trainer.model_wrapped) if zero3 else None
+                if self.is_main or not zero3:
+                    merged = merged_for_saving(trainer.accelerator.unwrap_model(model), self.cfg.lora,
+                                               self.weights_dtype(frozen=True), gathered)
                 if self.is_main:
                     merged.save_pretrained(path)
             else:
