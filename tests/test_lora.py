@@ -69,11 +69,14 @@ def test_qlora_is_refused_with_the_field_and_the_fix_where_it_cannot_run(workdir
             assert f"stages.{stage}: lora.quantize: '4bit'" in proc.stderr and "lora.quantize: none" in proc.stderr
 
 
+@pytest.mark.parametrize("grown", [False, True], ids=["same-vocab", "template-tokens-added"])
 @pytest.mark.parametrize("task", ["CAUSAL_LM", "SEQ_CLS"])
-def test_the_qlora_merge_into_a_fresh_load_equals_the_in_place_merge(tmp_path, task):
+def test_the_qlora_merge_into_a_fresh_load_equals_the_in_place_merge(tmp_path, task, grown):
     """QLoRA's training copy of the base is 4-bit, so model/ merges the adapters into a fresh unquantized load of
     the same checkpoint (merged_for_saving). On CPU the 4-bit flag is set by hand on a plain model: the merge that
-    reloads must give the model the in-place merge gives, and must differ from the base (the adapters moved)."""
+    reloads must give the model the in-place merge gives, and must differ from the base (the adapters moved).
+    `grown`: a chat template's tokens grew the embeddings and set EOS before training (fit_model_to_tokenizer); the
+    fresh load had the old vocabulary and EOS, so model/ lacked rows its tokenizer produces."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from align.config import LoraSettings
@@ -92,6 +95,9 @@ def test_the_qlora_merge_into_a_fresh_load_equals_the_in_place_merge(tmp_path, t
     for flagged in (True, False):
         torch.manual_seed(SEED)
         base = load()
+        if grown:
+            base.resize_token_embeddings(68, mean_resizing=False)
+            base.config.eos_token_id = 66
         base.is_loaded_in_4bit = flagged  # only what merged_for_saving reads
         peft = add_adapters(base, lora, task)
         torch.manual_seed(SEED + 1)
@@ -100,11 +106,14 @@ def test_the_qlora_merge_into_a_fresh_load_equals_the_in_place_merge(tmp_path, t
                 if p.requires_grad:
                     p.add_(torch.randn_like(p))  # "trained" adapters (B starts at zero) and head copy
         models.append(merged_for_saving(peft, lora, "float32"))
+    assert models[0].config.eos_token_id == models[1].config.eos_token_id == (66 if grown else cfg.eos_token_id)
     reloaded, in_place = (m.state_dict() for m in models)
     assert reloaded.keys() == in_place.keys() and not [k for k in reloaded if "lora" in k]
+    assert all(reloaded[k].shape == in_place[k].shape for k in reloaded)
     assert all(torch.allclose(reloaded[k], in_place[k], atol=1e-6) for k in reloaded)
     untouched = load().state_dict()
     assert any(not torch.allclose(reloaded[k], untouched[k]) for k in reloaded if "q_proj" in k)
+    assert reloaded["model.embed_tokens.weight"].size(0) == (68 if grown else 64)
 
 
 def test_an_adapter_alone_is_published_only_when_it_gives_the_trained_model_back():

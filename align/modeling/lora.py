@@ -62,7 +62,24 @@ def merged_for_saving(peft_model, lora: LoraSettings, dtype: str, gathered: dict
     path, task = config.base_model_name_or_path, getattr(config.task_type, "value", config.task_type)
     with unsharded_loading():
         base = load_scalar_model(path, None, dtype) if task == "SEQ_CLS" else load_causal_lm(path, dtype)
+    _as_trained(base, peft_model.get_base_model())
     return merged_lora_model(base, lora, task, peft_model.state_dict())
+
+
+def _as_trained(fresh, trained) -> None:
+    """A fresh load of the base given what the stage changed before training (`fit_model_to_tokenizer`: embeddings
+    grown for a chat template's new tokens, unquantized in a 4-bit model, and the token ids it set), so model/ holds
+    every row its tokenizer can produce."""
+    grown = trained.get_input_embeddings().weight
+    if fresh.get_input_embeddings().num_embeddings != grown.size(0):
+        fresh.resize_token_embeddings(grown.size(0), mean_resizing=False)
+        with torch.no_grad():
+            fresh.get_input_embeddings().weight.copy_(grown)
+            head, own = fresh.get_output_embeddings(), trained.get_output_embeddings()
+            if head is not None and own is not None and head.weight is not fresh.get_input_embeddings().weight:
+                head.weight.copy_(own.weight)
+    for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        setattr(fresh.config, key, getattr(trained.config, key, None))
 
 
 def merged_from_gathered(peft_model, lora: LoraSettings, gathered: dict[str, torch.Tensor]):
