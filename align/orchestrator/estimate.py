@@ -156,6 +156,15 @@ def runs_eager(stage, attention: str, packs: bool = True) -> bool:
     return attention == "eager" or (stage.LEFT_PADDED and padded and attention in ("auto", "sdpa"))
 
 
+def _frozen(h: Held, lora, mode: str, gpus: int, dtype: str, dbytes: int) -> int:
+    """A frozen model's weights, or a LoRA base's. A LoRA base is loaded as the model a stage trains: outside
+    DeepSpeed `dtype: auto` keeps it in fp32 (the stage process's weights_dtype), 4 bytes a weight."""
+    if h.trained and lora.quantize == "4bit":
+        return qlora_base_bytes(h.shape)
+    base = _DTYPE_BYTES["float32"] if h.trained and mode == "ddp" and dtype == "auto" else dbytes
+    return frozen_bytes(mode if h.sharded or h.trained else "ddp", h.shape.params, h.shape.largest_layer, gpus, base)
+
+
 def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], shapes: dict[str, ModelShape],
                    mode: str, gpus: int, dtype: str, gpu_memory: int | None = None, attention: str = "auto",
                    ) -> StageEstimate:
@@ -197,10 +206,7 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
                                                                                 not lora) for h in trained if fused(h))
             if m == mode and not ckpt and hasattr(stage, "gradient_checkpointing"):
                 est.with_checkpointing = acts(True, chunk) - acts(False, chunk)  # plus the total, filled in below
-        parts["frozen_weights"] = sum(
-            qlora_base_bytes(h.shape) if h.trained and lora.quantize == "4bit"
-            else frozen_bytes(m if h.sharded or h.trained else "ddp", h.shape.params, h.shape.largest_layer, n, dbytes)
-            for h in frozen)
+        parts["frozen_weights"] = sum(_frozen(h, lora, m, n, dtype, dbytes) for h in frozen)
         if gen_b:
             policy, gen = held[0].shape, stage.generation_settings()
             awake = engine_bytes(gen, policy, gen_b, gen_s, dbytes, gpu_memory)
