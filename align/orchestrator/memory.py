@@ -44,11 +44,13 @@ def model_state_bytes(mode: str, params: int, largest_layer: int, gpus: int) -> 
     estimate_zero2_model_states_mem_needs, stage3.estimate_zero3_model_states_mem_needs: 2 bytes of 16-bit
     parameters, 18 of 16-bit and 32-bit gradients, 32-bit master weights and Adam moments), written out here
     because importing DeepSpeed imports torch, which the orchestrator never does; tests/test_estimate.py holds
-    them equal to DeepSpeed's functions. DDP and ZeRO-1 follow the ZeRO paper (K = 12)."""
+    them equal to DeepSpeed's functions. DDP: the ZeRO paper's 16 bytes (K = 12) plus DDP's gradient buckets, a
+    second fp32 copy of the gradients (accelerate's default gradient_as_bucket_view=False): 20. ZeRO-1 by the same
+    accounting as DeepSpeed's ZeRO-2 (its fp32 gradient partition included): 4P + 16P/N."""
     if mode == "ddp":
-        return 16 * params
+        return 20 * params
     if mode == "zero1":
-        return 4 * params + int(12 * params / gpus)
+        return 4 * params + int(16 * params / gpus)
     if mode == "zero2":
         return 2 * params + int(18 * params / gpus)
     if mode == "zero2_offload":
