@@ -59,6 +59,9 @@ def test_zero_state_bytes_are_deepspeeds_own_estimates(params, largest, gpus):
                                                     cpu_offload=offload, cpu_offload_params=offload)
         assert model_state_bytes("zero2_offload" if offload else "zero2", params, largest, gpus) == ds2[1]
         assert model_state_bytes("zero3_offload" if offload else "zero3", params, largest, gpus) == ds3[1]
+    optimizer_only = estimate_zero3_model_states_mem_needs(params, largest, num_gpus_per_node=gpus, num_nodes=1,
+                                                           cpu_offload=True, cpu_offload_params=False)
+    assert model_state_bytes("zero3_offload_optimizer", params, largest, gpus) == optimizer_only[1]
 
 
 # TRL's fused LM head for the tiny SFT (fp32 on this CPU, b*s = 32*96 = 3,072 tokens, V = 512, h = 32): one tile of
@@ -650,3 +653,23 @@ def test_a_lora_base_outside_deepspeed_is_counted_in_fp32_as_the_stage_loads_it(
             "frozen_weights"]
 
     assert frozen("ddp") == 4 * P_LM and frozen("zero2") == 2 * P_LM and frozen("ddp", "bfloat16") == 2 * P_LM
+
+
+def test_zero3_with_only_the_optimizer_offloaded_keeps_the_parameter_shards_on_the_gpus(tmp_path):
+    """offload_optimizer_device: cpu with offload_param_device: none is its own mode: the 16-bit parameter shards stay
+    on the GPUs (DeepSpeed's estimate_zero3_model_states_mem_needs with cpu_offload_params=False: 4L + 2P/N), and a
+    frozen model DeepSpeed prepares is sharded there as under plain ZeRO-3. It was estimated as full offload (4L):
+    an 8B full fine-tune on one GPU at 2 GiB of states where DeepSpeed counts 17."""
+    import yaml
+
+    from align.orchestrator.launch import accelerate_mode
+    from align.orchestrator.memory import frozen_bytes, model_state_bytes
+
+    raw = yaml.safe_load((REPO / "pipelines" / "accelerate" / "zero3_offload.yaml").read_text())
+    raw["deepspeed_config"]["offload_param_device"] = "none"
+    (tmp_path / "opt.yaml").write_text(yaml.safe_dump(raw))
+    assert accelerate_mode(tmp_path / "opt.yaml")[0] == "zero3_offload_optimizer"
+    assert accelerate_mode(REPO / "pipelines" / "accelerate" / "zero3_offload.yaml")[0] == "zero3_offload"
+    p, largest = 8_030_261_248, 525_336_576
+    assert model_state_bytes("zero3_offload_optimizer", p, largest, 1) == 4 * largest + 2 * p
+    assert frozen_bytes("zero3_offload_optimizer", p, largest, 8, 2) == frozen_bytes("zero3", p, largest, 8, 2)

@@ -216,7 +216,7 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
             if sleeps and m == mode and est.with_checkpointing is not None:  # so far: the activations' change
                 fewer = asleep_engine(awake, parts["activations"] + est.with_checkpointing)  # more engine beyond them
                 est.with_checkpointing += fewer - parts["generation"]
-            if m in ("zero3", "zero3_offload") and trained and stage.gathers_policy_for_generation():
+            if m.startswith("zero3") and trained and stage.gathers_policy_for_generation():
                 parts["rollout_gather"] = dbytes * policy.params  # the whole policy, beside its own shard
         est.parts[m] = parts
         est.bytes_by_mode[m] = sum(parts.values())

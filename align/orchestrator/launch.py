@@ -154,13 +154,15 @@ def accelerate_mode(path: Path) -> tuple[str, int | None]:
         return ("ddp", n)
     ds = raw.get("deepspeed_config") or {}
     stage = int(ds.get("zero_stage", 0))
-    offload = str(ds.get("offload_optimizer_device", "none")) != "none" or \
-        str(ds.get("offload_param_device", "none")) != "none"
+    optimizer = str(ds.get("offload_optimizer_device", "none")) != "none"
+    params = str(ds.get("offload_param_device", "none")) != "none"
     if stage <= 0:
         return ("ddp", n)
     if stage == 1:
         return ("zero1", n)
-    return (f"zero{stage}_offload" if offload else f"zero{stage}", n)
+    if stage == 3 and optimizer and not params:  # the parameters' shards stay on the GPUs
+        return ("zero3_offload_optimizer", n)
+    return (f"zero{stage}_offload" if optimizer or params else f"zero{stage}", n)
 
 
 # --------------------------------------------------------------------------------------------- processes

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-MODES = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload")
+MODES = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "zero3_offload_optimizer")
 
 
 class EstimateError(ValueError):
@@ -59,12 +59,14 @@ def model_state_bytes(mode: str, params: int, largest_layer: int, gpus: int) -> 
         return 4 * largest_layer + int(18 * params / gpus)
     if mode == "zero3_offload":
         return 4 * largest_layer
+    if mode == "zero3_offload_optimizer":  # parameters stay on the GPUs, partitioned: their 16-bit shard
+        return 4 * largest_layer + int(2 * params / gpus)
     raise ValueError(f"unknown mode '{mode}' (one of {MODES})")
 
 
 def frozen_bytes(mode: str, params: int, largest_layer: int, gpus: int, dtype_bytes: int) -> int:
     """Bytes per GPU for a model that is only run forward (reference, reward model)."""
-    if mode == "zero3":
+    if mode in ("zero3", "zero3_offload_optimizer"):
         return int(dtype_bytes * params / gpus) + dtype_bytes * largest_layer
     if mode == "zero3_offload":
         return dtype_bytes * largest_layer
