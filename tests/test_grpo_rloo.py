@@ -291,19 +291,26 @@ def test_an_engine_that_returns_no_logprobs_of_its_own_is_refused_by_name():
 
 
 def test_grpo_from_an_sft_adapter_keeps_the_sft_policy_as_its_reference(tmp_path):
-    """SFT with LoRA publishes its adapter alone (a loadable base: the packaged SmolLM2); GRPO (beta > 0, no LoRA of
-    its own) loads it merged. TRL builds the reference from the policy's config name, which was the base's: the KL
-    pulled towards the model before SFT. Now the reference is the merged SFT policy, so the first step's KL (policy
-    and reference still equal) is ~0 instead of SFT's distance from its base."""
-    pipeline = {"name": "adapter_ref", "base_model": "packaged:smollm2", "seed": SEED, "tracking": {"wandb": "disabled"},
+    """SFT with LoRA publishes its adapter alone (a loadable base: a tiny Llama saved here); GRPO (beta > 0, no LoRA
+    of its own) loads it merged. It trained with no gradient at all (the merged model kept peft's frozen weights),
+    and TRL builds the reference from the policy's config name, which was the base's: the KL pulled towards the
+    model before SFT. Now the reference is the merged SFT policy, so the first step's KL (policy and reference still
+    equal) is ~0 instead of SFT's distance from its base."""
+    from families import build
+
+    base, tok = build("llama", tmp_path / "llama")
+    pipeline = {"name": "adapter_ref", "base_model": str(base), "tokenizer": str(tok), "seed": SEED,
+                "tracking": {"wandb": "disabled"},
                 "stages": {
-                    "sft": {"data": f"{REPO}/data_cards/movie_review_snippets.yaml", "learning_rate": 2.0e-3,
-                            "max_steps": 3, "per_device_batch_size": 4, "max_length": 48, "logging_steps": 1,
-                            "save_steps": 3, "eval_split": None, "lora": {"enabled": True, "r": 8, "alpha": 16}},
+                    "sft": {"data": f"{REPO}/data_cards/movie_review_snippets.yaml", "learning_rate": 2.0e-2,
+                            "max_steps": 3, "per_device_batch_size": 4, "max_length": 128, "logging_steps": 1,
+                            "max_train_examples": 64, "max_truncated_fraction": 1.0,
+                            "save_steps": 3, "eval_split": None, "lora": {"enabled": True, "r": 8, "alpha": 16,
+                                                                         "target_modules": ["q_proj", "v_proj"]}},
                     "grpo": {"type": "grpo", "policy": "sft", "reward": "vader",
                              "prompts": f"{REPO}/data_cards/movie_review_snippets.yaml", "num_generations": 2,
                              "per_device_batch_size": 2, "max_steps": 1, "learning_rate": 1.0e-6, "beta": 0.05,
-                             "logging_steps": 1, "save_steps": 100, "max_length": 48, "max_train_examples": 8,
+                             "logging_steps": 1, "save_steps": 100, "max_length": 128, "max_train_examples": 8,
                              "generation": {"max_new_tokens": 6}}}}
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(pipeline))
     print(f"pipeline seed {SEED}")
