@@ -79,6 +79,8 @@ BAD = [
     ("unknown-card-field", PAIR, {"licence": "MIT"}, "train", ["unknown field", "licence"]),
     ("sharegpt-roles", json.dumps({"messages": [{"role": "human", "content": "hi"}, {"role": "gpt", "content": "yo"}]})
      + "\n", {"produces": "messages"}, "train", ["row 0: field 'messages'", "role 'human'", "user/assistant"]),
+    ("csv-without-columns", "a,b\n", {"format": "csv", "produces": "prompt_completion"}, "train",
+     ["rows are not named; add `columns:`"]),
     ("csv-header-read-as-a-row", "prompt,completion\nHi,there\n", {"format": "csv", "produces": "prompt_completion",
                                                                      "columns": {"prompt": 0, "completion": 1}},
      "train", ["line 1 is a header (prompt, completion)", "name them by the header", "prompt: prompt"]),

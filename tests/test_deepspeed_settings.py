@@ -145,3 +145,17 @@ def test_accumulation_two_under_zero2_completes_and_a_resume_under_another_layou
     assert again.returncode == 2
     assert "were written by 2 process(es) under ZeRO-2, and this run has 1 under ZeRO-2" in again.stderr
     assert "stages.sft.num_processes=2" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_a_deepspeed_json_whose_16bit_save_is_auto_is_refused_under_zero3(tmp_path):
+    """In a DeepSpeed JSON, stage3_gather_16bit_weights_on_model_save: "auto" takes accelerate's
+    zero3_save_16bit_model, false unless an accelerate config section sets it: shards would be published."""
+    import json
+
+    from align.orchestrator.launch import _deepspeed_values
+
+    for value, whole in (("auto", False), (True, True), (False, False)):
+        (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {
+            "stage": 3, "stage3_gather_16bit_weights_on_model_save": value}}))
+        fixed, _ = _deepspeed_values(tmp_path / "acc.yaml", {"deepspeed_config": {"deepspeed_config_file": "ds.json"}})
+        assert fixed["zero3_saves_whole"] is whole, value

@@ -305,6 +305,34 @@ def test_the_resume_command_is_the_command_as_typed(monkeypatch):
         "align run p.yaml --from reward")
 
 
+def test_a_forced_stage_stopped_before_it_began_is_named_in_the_resume_command(tmp_path):
+    """--from X stopped before X's process wrote `running`: X still reads `completed` (its earlier run), so the plain
+    resume would skip it; the message reruns it by name. A stage that began (or was not forced) resumes plainly."""
+    from align.core.rundir import write_manifest
+    from align.orchestrator import runner
+    from align.orchestrator.commands import resume_as
+
+    write_manifest(tmp_path / "dpo", {"stage": "dpo", "status": "completed", "fingerprint": "f", "outputs": ["model"]})
+    (tmp_path / "dpo" / "model").mkdir()
+    write_manifest(tmp_path / "ppo", {"stage": "ppo", "status": "interrupted", "fingerprint": "f"})
+    with resume_as("align run p.yaml --run-id r1"):
+        assert runner._again("dpo", {"dpo", "ppo"}, tmp_path / "dpo", "p.yaml") == "align run p.yaml --run-id r1 --from dpo"
+        assert runner._again("ppo", {"dpo", "ppo"}, tmp_path / "ppo", "p.yaml") == "align run p.yaml --run-id r1"
+        assert runner._again("dpo", set(), tmp_path / "dpo", "p.yaml") == "align run p.yaml --run-id r1"
+
+
+def test_a_stage_that_failed_before_its_context_existed_still_resumes_its_checkpoints(tmp_path):
+    """A stage stopped while its process group formed (preemption, an NCCL error) is recorded from its spec alone:
+    with the inputs it was to read, so the next run still resumes its checkpoints (`resumes` compares them)."""
+    from align.core.rundir import read_manifest
+    from align.runtime.process import _record_failure, resumes
+
+    digests = {"sft": {"content": "c1", "publication": "p1"}}
+    spec = {"stage_dir": str(tmp_path), "stage_name": "dpo", "fingerprint": "f1", "input_digests": digests}
+    _record_failure(None, spec, "interrupted while the process group formed", status="interrupted")
+    assert resumes(read_manifest(tmp_path), "f1", digests)
+
+
 # --------------------------------------------------------------------------------------------- orphans
 CHILD = """
 import sys, time

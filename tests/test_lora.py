@@ -98,6 +98,8 @@ def test_the_qlora_merge_into_a_fresh_load_equals_the_in_place_merge(tmp_path, t
         if grown:
             base.resize_token_embeddings(68, mean_resizing=False)
             base.config.eos_token_id = 66
+            if getattr(base, "generation_config", None) is not None:  # as fit_model_to_tokenizer sets both
+                base.generation_config.eos_token_id = 66
         base.is_loaded_in_4bit = flagged  # only what merged_for_saving reads
         peft = add_adapters(base, lora, task)
         torch.manual_seed(SEED + 1)
@@ -107,6 +109,8 @@ def test_the_qlora_merge_into_a_fresh_load_equals_the_in_place_merge(tmp_path, t
                     p.add_(torch.randn_like(p))  # "trained" adapters (B starts at zero) and head copy
         models.append(merged_for_saving(peft, lora, "float32"))
     assert models[0].config.eos_token_id == models[1].config.eos_token_id == (66 if grown else cfg.eos_token_id)
+    if getattr(models[0], "generation_config", None) is not None:  # what outside generate() and vLLM stop on
+        assert models[0].generation_config.eos_token_id == models[1].generation_config.eos_token_id
     reloaded, in_place = (m.state_dict() for m in models)
     assert reloaded.keys() == in_place.keys() and not [k for k in reloaded if "lora" in k]
     assert all(reloaded[k].shape == in_place[k].shape for k in reloaded)

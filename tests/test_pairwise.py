@@ -389,6 +389,12 @@ def test_a_local_judge_model_is_found_beside_the_pipeline_and_its_replaced_weigh
         return PairwiseLLMJudge(settings, SimpleNamespace(name="local"), "{prompt}{response_a}{response_b}",
                                 JudgeCache(workdir / "cache.jsonl")).identity
 
+    import shutil
+
+    from align.core.fsutil import tree_stamp
+
+    copy = shutil.copytree(sub / "judge", workdir / "node_local_copy", copy_function=shutil.copy)  # new inodes, times
+    assert tree_stamp(copy) == tree_stamp(sub / "judge")  # every node of a multi-node stage plans one fingerprint
     old = identity()
     time.sleep(0.01)
     (sub / "judge" / "model.safetensors").write_bytes(b"new weights, longer")

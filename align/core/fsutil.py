@@ -178,12 +178,21 @@ def file_stamp(path: str | Path) -> list[int]:
 
 
 def tree_stamp(root: str | Path) -> str:
-    """What identifies a directory's current files without reading them (a local model named in a setting, e.g. a
-    pairwise judge's): a hash over every file's relative name and stamp (`file_stamp`). Replacing the weights at
-    the same path changes it."""
+    """What identifies a directory's files without reading all of them (a local model named in a setting, e.g. a
+    pairwise judge's): a hash over every file's relative name, size, and first and last MiB. The same on every node
+    that holds a copy (no inode or time in it: a multi-node stage's fingerprint must agree), and new weights at the
+    same path change it (training changes the values at both ends of a weights file, not only in its middle)."""
     root = Path(root)
-    stamps = {p.relative_to(root).as_posix(): file_stamp(p) for p in sorted(root.rglob("*")) if p.is_file()}
-    return hashlib.sha256(json.dumps(stamps, sort_keys=True).encode()).hexdigest()[:20]
+    h = hashlib.sha256()
+    for p in sorted(q for q in root.rglob("*") if q.is_file()):
+        size = p.stat().st_size
+        h.update(f"{p.relative_to(root).as_posix()}\0{size}\0".encode())
+        with open(p, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            if size > 1 << 20:
+                fh.seek(max(1 << 20, size - (1 << 20)))
+                h.update(fh.read(1 << 20))
+    return h.hexdigest()[:20]
 
 
 def output_digest(root: str | Path) -> dict[str, Any]:

@@ -253,7 +253,7 @@ def read_rows(card: DataCard, hub_split: str | None = None) -> list[dict[str, An
                     raise DataCardError(f"{card.path}: field 'columns': {missing[0]!r} is not in the header line of "
                                         f"{file} ({', '.join(header)[:200]})")
                 continue
-            if not names and not rows and [fields_[v] for v in card.columns.values() if isinstance(v, int)
+            if card.columns and not names and not rows and [fields_[v] for v in card.columns.values() if isinstance(v, int)
                                            and v < len(fields_)] == list(card.columns):
                 raise DataCardError(f"{file}: line {n} is a header ({', '.join(fields_)[:120]}) and the card names "
                                     "columns by index, which reads it as a row: name them by the header instead, "

@@ -79,7 +79,10 @@ def _as_trained(fresh, trained) -> None:
             if head is not None and own is not None and head.weight is not fresh.get_input_embeddings().weight:
                 head.weight.copy_(own.weight)
     for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
-        setattr(fresh.config, key, getattr(trained.config, key, None))
+        for cfg, own in ((fresh.config, trained.config),
+                         (getattr(fresh, "generation_config", None), getattr(trained, "generation_config", None))):
+            if cfg is not None and own is not None:
+                setattr(cfg, key, getattr(own, key, None))
 
 
 def merged_from_gathered(peft_model, lora: LoraSettings, gathered: dict[str, torch.Tensor]):

@@ -43,7 +43,8 @@ def rerun_from(source: str | Path, name: str) -> str:
 def resume_args(argv: list[str]) -> list[str]:
     """The command line that resumes this run: without --force and --from, which restart what they name (a stage
     they forced is interrupted or completed by the time a message shows this, and an interrupted one resumes
-    unasked; what ran after it is stale by its inputs' digests and reruns anyway)."""
+    unasked; what ran after it is stale by its inputs' digests and reruns anyway). A forced stage stopped before it
+    began still reads `completed`: the runner's message names it with `rerun_from` instead."""
     out, skip = [], False
     for a in argv:
         if skip:

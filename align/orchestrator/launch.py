@@ -97,7 +97,7 @@ def _deepspeed_values(path: Path, raw: dict[str, Any]) -> tuple[dict[str, Any], 
     if not file:
         ds = ds if isinstance(ds, dict) else {}
         return {**ds, "zero3_saves_whole": int(ds.get("zero_stage", 0) or 0) != 3 or
-                bool(ds.get("zero3_save_16bit_model"))}, str(path)
+                ds.get("zero3_save_16bit_model") in (True, "true", "True")}, str(path)
     json_path = (path.parent / file) if not Path(file).is_absolute() else Path(file)
     try:
         conf = json.loads(json_path.read_text(encoding="utf-8"))
@@ -106,7 +106,8 @@ def _deepspeed_values(path: Path, raw: dict[str, Any]) -> tuple[dict[str, Any], 
                             f"({type(exc).__name__})") from None
     values = {k: conf[k] for k in ("gradient_accumulation_steps", "gradient_clipping") if k in conf}
     zero = conf.get("zero_optimization") if isinstance(conf.get("zero_optimization"), dict) else {}
-    values["zero3_saves_whole"] = zero.get("stage") != 3 or bool(zero.get("stage3_gather_16bit_weights_on_model_save"))
+    values["zero3_saves_whole"] = zero.get("stage") != 3 or zero.get("stage3_gather_16bit_weights_on_model_save") is True
+    # ("auto" takes accelerate's zero3_save_16bit_model, false unless the accelerate config sets it)
     for kind in ("bf16", "fp16"):
         if isinstance(conf.get(kind), dict) and conf[kind].get("enabled") not in (None, "auto", False):
             values["mixed_precision"] = kind

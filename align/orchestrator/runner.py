@@ -194,8 +194,8 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
             statuses[plan.name] = "interrupted"
             _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)
             how = "stopped by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
-            raise Interrupted(f"{how} during stage {i}/{len(plans)} '{plan.name}'; what earlier stages "
-                              f"published is kept. Resume with: {resume_command(source)} (the stage restarts from "
+            raise Interrupted(f"{how} during stage {i}/{len(plans)} '{plan.name}'; what earlier stages published "
+                              f"is kept. Resume with: {_again(plan.name, forced, stage_dir, source)} (the stage restarts from "
                               f"its last checkpoint, if it saved one)\n  log: {stage_dir / 'stage.log'}",
                               isinstance(exc, Terminated)) from None
         if rc != 0 or not is_complete(stage_dir, plan.fingerprint):
@@ -208,6 +208,12 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
         result = result_line(plan, stage_dir)
         print(f"{header}: done in {time.time() - t_stage:.0f}s" + (f": {result}" if result else ""), flush=True)
     return _finish(cfg, source, plans, selected, run_dir, statuses, multi, t0)
+
+
+def _again(name: str, forced: set[str], stage_dir: Path, source: str | Path) -> str:
+    """How to resume after a stop during stage `name`: the command as typed, less --force and --from, except for a
+    forced stage stopped before it began, which still reads `completed` (its earlier run): rerun it by name."""
+    return rerun_from(source, name) if name in forced and is_complete(stage_dir) else resume_command(source)
 
 
 def _check_inputs(plan: StagePlan, plans: list[StagePlan], run_dir: Path, source: str | Path,

@@ -222,8 +222,9 @@ def _record_failure(ctx: StageContext | None, spec: dict[str, Any], message: str
                 ctx.tracker.finish()
             ctx.write_manifest(status, error=message, traceback=trace)
         elif spec.get("stage_dir") and os.environ.get("RANK", "0") == "0":
-            write_manifest(spec["stage_dir"], {
+            write_manifest(spec["stage_dir"], {  # with the inputs it was to read: `resumes` compares them
                 "stage": spec.get("stage_name"), "status": status, "fingerprint": spec.get("fingerprint"),
+                "input_digests": spec.get("input_digests") or {},
                 "error": message, "traceback": trace, "ended_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         else:
             return ""

@@ -268,6 +268,11 @@ def reference_is_the_policy(ctx: StageContext, cfg: OnlineRLStage, model, path: 
     return where
 
 
+def drop(ctx: StageContext, reference: Path | None) -> None:
+    if reference is not None and ctx.is_main:
+        shutil.rmtree(reference, ignore_errors=True)
+
+
 def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> dict[str, Any]:
     """Train the policy with a TRL online trainer (GRPOTrainer or RLOOTrainer) and publish model/."""
     from datasets import Dataset  # heavy: trl and datasets load only when the stage runs
@@ -288,19 +293,18 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
                          disable_dropout=True,  # old and new log-probs agree, as in PPO
                          trust_remote_code=ctx.pipeline.trust_remote_code, log_completions=False, **algorithm_args)
     model = ctx.load_lm(path, quantize=cfg.lora.quantize)
-    reference = reference_is_the_policy(ctx, cfg, model, path)
     args.generation_kwargs = plain_generation_kwargs(ctx, model)  # read by the trainer as it starts
     padding_free(ctx, model, left_padded=True)
-    rollouts = open_engine(ctx, cfg, tokenizer, path)
+    rollouts, reference = open_engine(ctx, cfg, tokenizer, path), None
     try:
+        reference = reference_is_the_policy(ctx, cfg, model, path)
         cls, sampling = trainer_with_engine(trainer_cls, rollouts)
         trainer = cls(model=model, reward_funcs=funcs, args=args, processing_class=tokenizer,
                       train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
                       callbacks=[metrics_callback(ctx, online_rl_metric_name)],
                       peft_config=peft_config(cfg.lora, "CAUSAL_LM"), **sampling)
         ctx.state.wait_for_everyone()  # every process has built its reference from reference/: not needed again
-        if reference is not None and ctx.is_main:
-            shutil.rmtree(reference, ignore_errors=True)
+        drop(ctx, reference)
         if "rollout_func" in sampling and (mode := correct_for_the_engine(trainer, gen)):
             ctx.note(engine_importance_sampling=mode)
         if cfg.padding_free and getattr(trainer, "ref_model", None) is not None:  # TRL's own copy of the start
@@ -309,6 +313,7 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
     finally:
         if rollouts is not None:
             rollouts.engine.close()
+        drop(ctx, reference)  # also when building the trainer failed (the full policy, gigabytes at 8B)
     if rollouts is not None:
         final["perf/sync_seconds"] = sum(rollouts.engine.sync_seconds) / max(1, len(rollouts.engine.sync_seconds))
     final.update(score_summary(ctx))
