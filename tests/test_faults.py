@@ -353,19 +353,27 @@ time.sleep(120)
 """
 
 
-def test_a_stage_process_does_not_outlive_its_launcher(tmp_path):
-    """A process that called die_with_parent (every stage process does) is sent SIGTERM, which it records as an
-    interrupt, when the process that started it is SIGKILLed, even in a session of its own (as torchrun starts its
-    workers, out of reach of a kill of the run's process group)."""
-    marker = tmp_path / "child.txt"
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD, str(marker)], stdout=subprocess.PIPE, text=True)
+def _kill_the_starter(starter: str, child: str, marker: Path, **popen) -> int:
+    """Run `starter` (it starts `child`, which writes `marker` on SIGTERM, and prints the child's pid), SIGKILL the
+    starter once the child is past its imports and sleeping, and wait up to 30 s for the marker. Returns the pid."""
+    parent = subprocess.Popen([sys.executable, "-c", starter, child, str(marker)], stdout=subprocess.PIPE, text=True,
+                              **popen)
     child_pid = int(parent.stdout.readline())
-    time.sleep(3)  # the child is past its imports and sleeping
+    time.sleep(3)
     parent.kill()
     parent.wait()
     deadline = time.time() + 30
     while not marker.exists() and time.time() < deadline:
         time.sleep(0.1)
+    return child_pid
+
+
+def test_a_stage_process_does_not_outlive_its_launcher(tmp_path):
+    """A process that called die_with_parent (every stage process does) is sent SIGTERM, which it records as an
+    interrupt, when the process that started it is SIGKILLed, even in a session of its own (as torchrun starts its
+    workers, out of reach of a kill of the run's process group)."""
+    marker = tmp_path / "child.txt"
+    child_pid = _kill_the_starter(PARENT, CHILD, marker)
     assert marker.read_text() == "terminated"
     deadline = time.time() + 10
     while time.time() < deadline:  # gone, or a zombie nobody reaps (its parent is dead)
@@ -402,13 +410,5 @@ def test_a_stage_launcher_does_not_outlive_a_sigkilled_runner(tmp_path):
     (accelerate launch, which starts the stage's processes and calls no die_with_parent) is started to receive
     SIGTERM when the runner dies, so it cannot train on beside the next run of the same stage."""
     marker = tmp_path / "launcher.txt"
-    runner = subprocess.Popen([sys.executable, "-c", RUNNER, LAUNCHER, str(marker)], stdout=subprocess.PIPE, text=True,
-                              cwd=REPO)
-    launcher_pid = int(runner.stdout.readline())
-    time.sleep(3)  # the launcher is past its imports and sleeping
-    runner.kill()
-    runner.wait()
-    deadline = time.time() + 30
-    while not marker.exists() and time.time() < deadline:
-        time.sleep(0.1)
+    launcher_pid = _kill_the_starter(RUNNER, LAUNCHER, marker, cwd=REPO)
     assert marker.exists() and marker.read_text() == "terminated", f"launcher {launcher_pid} outlived its runner"
