@@ -352,8 +352,8 @@ def endpoint_problem(base_url: str, key: str, timeout: float, model: str | None 
         with no_redirects().open(req, timeout=timeout) as resp:
             listing = resp.read(1 << 20)
     except urllib.error.HTTPError as exc:
-        if redirected(exc):
-            return redirected(exc)
+        if moved := redirected(exc):
+            return moved
         if exc.code in (401, 403):
             return f"the endpoint refused the key (HTTP {exc.code}); check the key in the named variable"
         if exc.code == 404:  # an endpoint without /models still answers chat completions

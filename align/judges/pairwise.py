@@ -195,8 +195,8 @@ class EndpointBackend:
                 return str(answer["choices"][0]["message"]["content"] or "")
             except urllib.error.HTTPError as exc:
                 last = f"HTTP {exc.code}"
-                if redirected(exc):
-                    raise EndpointError(f"{self.url}: {redirected(exc)}") from None
+                if moved := redirected(exc):
+                    raise EndpointError(f"{self.url}: {moved}") from None
                 if exc.code not in (408, 429) and exc.code < 500:  # the request itself is wrong: retrying will not help
                     raise EndpointError(f"{self.url} refused the request ({last}"
                                         + (": check the key in " + self.key_env if exc.code in (401, 403)
