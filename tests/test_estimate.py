@@ -71,6 +71,45 @@ FUSED_TINY = (3072 * 512 + 512 * 32) * 4 + 4 * 3072 * 32 + (4 + 4) * 512 * 32
 assert FUSED_TINY == 6_881_280
 
 
+def llama_layer(h: int, inter: int, heads: int, kv_heads: int, head_dim: int, k: int = 1) -> int:
+    """Bytes a Llama decoder layer of transformers 5 keeps for backward per token in bf16 with SDPA, counted by hand:
+    each RMSNorm its fp32 input (4h), rsqrt (4), the normalised bf16 (2h) and its output (2h), two of them; q (2h),
+    k and v (2 * kv_heads * head_dim each), SDPA's output (2h, o_proj's input as a view) and log-sum-exp (4 per
+    head); the gated MLP's gate and up outputs, SiLU's output and the product (2 * inter each). With the probe's
+    narrowing by k, the two rsqrt scalars are counted k times."""
+    return 20 * h + 8 * inter + 4 * kv_heads * head_dim + 4 * heads + 8 * k
+
+
+TINY_LAYER = llama_layer(H, INTER, HEADS, HEADS, H // HEADS)  # the builtin: no grouped-query heads, k = 1
+assert TINY_LAYER == 1296  # Korthikanti et al.'s 34h (GPT-3's layer) is 1,088
+
+
+def test_the_layer_probe_counts_what_a_llama_layer_keeps_as_counted_by_hand(tiny_shapes):
+    """The helper measures what one decoder layer keeps for backward (align/modeling/shapes.py layer_probe): for
+    the builtin Llama exactly the hand count, and with eager attention 6 bytes per head per query-key pair more
+    (the fp32 softmax and its bf16 copy, where Korthikanti et al. count 5)."""
+    assert tiny_shapes["lm"].layer_bytes == tiny_shapes["scalar"].layer_bytes == TINY_LAYER
+    assert tiny_shapes["lm"].score_bytes == 6 * HEADS
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "gpt2", "gpt_neox", "opt"])
+def test_the_narrowed_probe_keeps_at_least_what_the_full_width_layer_keeps(family, tmp_path):
+    """The probe measures a copy narrowed by k and counts k times its bytes: on each family's config widened 4x
+    (so that it narrows), that is never less than the full-width layer's own measure and at most 2% more (per-token
+    scalars, counted k times); the eager scores' bytes within 1%."""
+    from families import config, tokenizer
+
+    from align.modeling.shapes import _per_layer, layer_probe, narrowing, scaled
+
+    cfg = scaled(config(family, tokenizer(family, tmp_path)), 4, 1)
+    assert narrowing(cfg) >= 4
+    probe = layer_probe(cfg)
+    full = _per_layer(cfg, "sdpa", 16, False) / 16
+    assert full <= probe["layer_bytes"] <= 1.02 * full, (probe, full)
+    pairs = (_per_layer(cfg, "eager", 32, False) / 32 - _per_layer(cfg, "eager", 16, False) / 16) / 16
+    assert probe["score_bytes"] == pytest.approx(pairs, rel=0.01)
+
+
 def test_trl_fused_head_at_8b_holds_tiles_and_the_heads_gradient_not_the_logits():
     """Llama-3.1-8B's head (V 128,256, h 4,096), DPO's micro-batch of 2 x 4,096 tokens in bf16: a 4,096 x 32,768
     tile and a 32,768 x 4,096 slice of the head (2 bytes each), fp32 gradients of 8,192 hidden states and of the head,
@@ -104,32 +143,35 @@ def test_per_gpu_bytes_follow_deepspeed_arithmetic(tiny_cfg, tiny_shapes):
     assert ppo.parts["zero3"]["trained_states"] == 4 * LARGEST + int(18 * both / 8)
     assert ppo.parts["zero2"]["frozen_weights"] == 4 * P_LM + 4 * P_RM
     assert ppo.parts["zero3"]["frozen_weights"] == (int(4 * P_LM / 8) + 4 * LARGEST) + (int(4 * P_RM / 8) + 4 * LARGEST)
-    # SFT activations (default.yaml: micro-batch b = 32, max_length s = 96), Korthikanti et al. eq. 1 less the
-    # attention scores that SDPA never keeps (attn_implementation auto): 34*s*b*h = 96*32*32*34 per layer, one
-    # 16-bit b*s*s mask, plus TRL's fused LM head instead of the logits (FUSED_TINY)
-    want = 2 * 96 * 32 * 32 * 34 + 2 * 32 * 96 * 96 + FUSED_TINY
-    assert sft.parts["zero2"]["activations"] == want == 14_155_776
+    # SFT activations (default.yaml: micro-batch b = 32, max_length s = 96): what a layer keeps per token with SDPA
+    # (attn_implementation auto), TINY_LAYER * s * b per layer, one 16-bit b*s*s mask, plus TRL's fused LM head
+    # instead of the logits (FUSED_TINY)
+    want = 2 * 96 * 32 * TINY_LAYER + 2 * 32 * 96 * 96 + FUSED_TINY
+    assert sft.parts["zero2"]["activations"] == want == 15_433_728
     assert sft.bytes_by_mode["zero2"] == sum(sft.parts["zero2"].values())
     assert sft.parts["zero2"]["overhead"] == OVERHEAD_BYTES
 
 
 def test_eager_attention_keeps_the_scores_that_sdpa_recomputes(tiny_cfg, tiny_shapes):
-    """attn_implementation eager: Korthikanti et al. eq. 1 whole, s*b*h*(34 + 5*a*s/h) per layer, the scores too
-    (the first GPU proof, 2026-11-27: counting them for SDPA put a 1B SFT at 2,048 tokens at ~120 GiB and refused it)."""
+    """attn_implementation eager: the scores too, 6a bytes per query-key pair per layer as the probe measured them
+    (the first GPU proof, 2026-11-27: counting them for SDPA put a 1B SFT at 2,048 tokens at ~120 GiB and refused it).
+    Where the probe could not run (layer_bytes 0), Korthikanti et al. eq. 1 whole: s*b*h*(34 + 5*a*s/h) per layer."""
     import dataclasses
 
     from align.orchestrator.estimate import estimate_pipeline
     from align.orchestrator.hardware import hardware
 
+    def sft(cfg, shapes):
+        return {e.name: e for e in estimate_pipeline(cfg, REPO / "pipelines" / "default.yaml", hardware(cfg),
+                                                     shapes=shapes)}["sft"].parts["zero2"]["activations"]
+
     eager_cfg = dataclasses.replace(tiny_cfg, attn_implementation="eager")
-    est = {e.name: e for e in estimate_pipeline(eager_cfg, REPO / "pipelines" / "default.yaml", hardware(eager_cfg),
-                                                shapes=tiny_shapes)}
-    assert est["sft"].parts["zero2"]["activations"] == 2 * 96 * 32 * 32 * 64 + FUSED_TINY == 19_464_192
-    sdpa = {e.name: e for e in estimate_pipeline(dataclasses.replace(tiny_cfg, attn_implementation="sdpa"),
-                                                 REPO / "pipelines" / "default.yaml", hardware(tiny_cfg),
-                                                 shapes=tiny_shapes)}
-    assert sdpa["sft"].parts["zero2"]["activations"] == 14_155_776  # what auto gives (the test above)
-    assert sdpa["dpo"].bytes_by_mode["zero3"] < est["dpo"].bytes_by_mode["zero3"]
+    scores = 6 * HEADS * 96 * 96 * 32  # per layer: 6 bytes per head per pair, s*s pairs, b sequences
+    assert sft(eager_cfg, tiny_shapes) == 2 * (96 * 32 * TINY_LAYER + scores) + FUSED_TINY == 21_921_792
+    assert sft(dataclasses.replace(tiny_cfg, attn_implementation="sdpa"), tiny_shapes) == 15_433_728  # auto's (above)
+    korthikanti = {k: dataclasses.replace(v, layer_bytes=0.0, score_bytes=0.0) for k, v in tiny_shapes.items()}
+    assert sft(eager_cfg, korthikanti) == 2 * 96 * 32 * 32 * 64 + FUSED_TINY == 19_464_192
+    assert sft(tiny_cfg, korthikanti) == 2 * 96 * 32 * 32 * 34 + 2 * 32 * 96 * 96 + FUSED_TINY == 14_155_776
 
 
 def test_a_left_padded_stage_run_padded_is_estimated_with_the_eager_scores_it_keeps(tiny_cfg, tiny_shapes):
@@ -213,7 +255,7 @@ def test_run_refuses_a_stage_that_does_not_fit_unless_told_to_ignore(workdir):
 
 def test_gradient_checkpointing_is_counted_and_recommended_when_it_makes_a_stage_fit(tiny_cfg, tiny_shapes):
     """Full recomputation keeps each layer's 16-bit input (2sbh per layer) and one layer's activations while it is
-    recomputed: 2 * (2*96*32*32) + 96*32*32*34 (SDPA: no scores kept), plus the same mask 2*b*s*s and TRL's fused
+    recomputed: 2 * (2*96*32*32) + 96*32*TINY_LAYER (SDPA: no scores kept), plus the same mask 2*b*s*s and TRL's fused
     head (FUSED_TINY), which recomputation does not change."""
     from align.orchestrator.estimate import estimate_pipeline, too_big
     from align.orchestrator.hardware import Hardware, hardware
@@ -221,9 +263,9 @@ def test_gradient_checkpointing_is_counted_and_recommended_when_it_makes_a_stage
     source = REPO / "pipelines" / "default.yaml"
     est = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg), shapes=tiny_shapes)}
     sft = est["sft"]
-    with_ckpt = 2 * (2 * 96 * 32 * 32) + 96 * 32 * 32 * 34 + 2 * 32 * 96 * 96 + FUSED_TINY
+    with_ckpt = 2 * (2 * 96 * 32 * 32) + 96 * 32 * TINY_LAYER + 2 * 32 * 96 * 96 + FUSED_TINY
     saved = sft.parts["zero2"]["activations"] - with_ckpt
-    assert saved == 2 * 96 * 32 * 32 * 34 - (2 * 2 * 96 * 32 * 32 + 96 * 32 * 32 * 34) > 0
+    assert saved == 2 * 96 * 32 * TINY_LAYER - (2 * 2 * 96 * 32 * 32 + 96 * 32 * TINY_LAYER) > 0
     assert sft.with_checkpointing == sft.chosen_bytes - saved
     between = (sft.with_checkpointing + sft.chosen_bytes) // 2  # fits with checkpointing only
     hw = Hardware(gpus_per_node=8, gpu_memory=between, nodes=1, detected=False)
@@ -431,6 +473,8 @@ def test_llama8b_shapes_are_the_published_model(llama8b):
     _, _, shapes = llama8b
     lm = shapes["lm"]
     assert (lm.params, lm.layers, lm.kv_heads, lm.head_dim, lm.vocab) == tuple(L8.values())  # 8,030,261,248 as published
+    # a layer keeps ~49h bytes per token (the probe narrows it by 4: 8 heads, 2 key/value heads), not GPT-3's 34h
+    assert lm.layer_bytes == llama_layer(4096, 14_336, 32, 8, 128, k=4) == 200_864 > 1.4 * 34 * 4096
 
 
 def test_ppo_counts_the_whole_policy_gathered_under_zero3_and_not_with_layer_gathers(llama8b):

@@ -14,9 +14,11 @@ under each parallelism mode. The parts, all per GPU, with N = GPUs in the job:
   those DeepSpeed prepares are sharded like the trained ones (bytes x P / N plus one gathered layer), or offloaded
   (one layer); a stage type says which it holds whole (`HeldModel.sharded`: e.g. GRPO's reward model, called from a
   Python reward function, and every model of a stage that trains nothing).
-* activations of one micro-batch, Korthikanti et al. 2022 eq. 1: s*b*h*(34 + 5*a*s/h) bytes per layer (no
-  recomputation) with eager attention; SDPA and flash never keep the scores (5*a*s^2*b), so otherwise (`auto` is
-  SDPA) 34*s*b*h plus one 16-bit b*s*s mask; plus the logits and their gradient in fp32 (8*s*b*V bytes), except
+* activations of one micro-batch: what one decoder layer of the family keeps for backward per token, measured by
+  the helper on a narrowed copy of the model (align/modeling/shapes.py `layer_probe`: a Llama-3 layer ~49h bytes in
+  bf16 with SDPA), else Korthikanti et al. 2022 eq. 1's 34h (GPT-3's layer); with eager attention the scores too
+  (measured per query-key pair, a Llama's 6a: fp32 softmax and its 16-bit copy; else eq. 1's 5a), with SDPA (`auto`)
+  one 16-bit b*s*s mask; plus the logits and their gradient in fp32 (8*s*b*V bytes), except
   where a fused head never holds them: PPO's (one chunk's, `logit_tokens`) and TRL's in every TRL trainer (tiles
   and the head's fp32 gradient, align/orchestrator/memory.py `trl_fused_head_bytes`);
 * the KV cache of generation (PPO rollouts, preference sampling, evaluation): 2 * layers * b * s * kv_heads *

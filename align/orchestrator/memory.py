@@ -36,6 +36,11 @@ class ModelShape:
     """A reward / value model (with LoRA its head is trained whole)."""
     packs: bool = True
     """Whether the family's forwards can run padding-free with SDPA (align/modeling/packing.py packing_works)."""
+    layer_bytes: float = 0.0
+    """Bytes one decoder layer keeps for backward per token, bf16, SDPA: measured by the helper's probe
+    (align/modeling/shapes.py layer_probe); 0: unknown, Korthikanti et al.'s 34h."""
+    score_bytes: float = 0.0
+    """With eager attention, bytes more per layer per (query, key) pair (the probe's; 0: unknown, Korthikanti's 5a)."""
 
 
 def model_state_bytes(mode: str, params: int, largest_layer: int, gpus: int) -> int:
@@ -75,14 +80,17 @@ def frozen_bytes(mode: str, params: int, largest_layer: int, gpus: int, dtype_by
 
 def activation_bytes(shape: ModelShape, batch: int, seq: int, logits: bool = True, checkpointing: bool = False,
                      logit_tokens: int | None = None, eager: bool = False) -> int:
-    """One micro-batch's activations kept for backward (Korthikanti et al. 2022, eq. 1) plus, for a language model,
-    the fp32 logits and their gradient (a scalar head's output is negligible) of every token, or with `logit_tokens`
-    (PPO's fused head) one chunk's recomputed logits and what its backward makes of them (~6 fp32 copies). With
-    gradient checkpointing (full recomputation, Korthikanti et al. sec. 4) only each layer's 16-bit input is kept
-    (2sbh bytes per layer), plus one layer's activations while it is recomputed.
-    `eager` keeps the attention scores too (5as^2b per layer); SDPA/flash keep one 16-bit b*s*s mask."""
+    """One micro-batch's activations kept for backward plus, for a language model, the fp32 logits and their gradient
+    (a scalar head's output is negligible) of every token, or with `logit_tokens` (PPO's fused head) one chunk's
+    recomputed logits and what its backward makes of them (~6 fp32 copies). Per layer and token: what the family's
+    layer was measured to keep (`shape.layer_bytes`, the helper's probe), else Korthikanti et al. 2022 eq. 1's 34h
+    (GPT-3's layer); `eager` keeps the attention scores too (`shape.score_bytes` per query-key pair, else eq. 1's
+    5a), SDPA/flash one 16-bit b*s*s mask. With gradient checkpointing (full recomputation, Korthikanti et al.
+    sec. 4) only each layer's 16-bit input is kept (2sbh bytes per layer), plus one layer's activations while it is
+    recomputed."""
     s, b, h, a = seq, batch, shape.hidden, shape.heads
-    per_layer, mask = (s * b * h * 34 + 5 * a * s * s * b, 0) if eager else (s * b * h * 34, 2 * b * s * s)
+    token, pair = shape.layer_bytes or 34 * h, shape.score_bytes or 5 * a
+    per_layer, mask = (s * b * token + pair * s * s * b, 0) if eager else (s * b * token, 2 * b * s * s)
     kept = (shape.layers * 2 * s * b * h + per_layer if checkpointing else shape.layers * per_layer) + mask
     if not logits:
         return int(kept)
