@@ -401,3 +401,36 @@ def test_a_local_judge_model_is_found_beside_the_pipeline_and_its_replaced_weigh
     after = plans()
     assert {n for n in before if before[n].fingerprint != after[n].fingerprint} == {"evaluate"}
     assert identity() != old
+
+
+def test_a_hub_judges_cached_answers_are_keyed_by_the_commit_its_weights_came_from(tmp_path):
+    """A hub judge's answers were keyed by its id alone: after the repository moved on, a rerun reused the older
+    commit's verdicts. The key now holds the commit the local Hugging Face cache loaded (its ref), read by
+    hub_commit from the cache's layout (models--org--name/refs/main -> snapshots/<commit>/)."""
+    from types import SimpleNamespace
+
+    from align.config.settings import PairwiseJudge
+    from align.judges.pairwise import JudgeCache, PairwiseLLMJudge, hub_commit
+
+    repo = tmp_path / "hub" / "models--org--judge"
+    first, second = "a" * 40, "b" * 40
+
+    def moved_to(commit: str) -> None:
+        (repo / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+        (repo / "snapshots" / commit / "config.json").write_text("{}")
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(commit)
+
+    def key(revision):
+        judge = PairwiseLLMJudge(PairwiseJudge(name="hub", model="org/judge"), SimpleNamespace(name="local"),
+                                 "{prompt}{response_a}{response_b}", JudgeCache(tmp_path / "c.jsonl"),
+                                 revision=revision)
+        return judge.key("p", "a", "b")
+
+    assert hub_commit("org/judge", cache_dir=str(tmp_path / "hub")) is None  # not cached: no commit to name
+    moved_to(first)
+    assert hub_commit("org/judge", cache_dir=str(tmp_path / "hub")) == first
+    old = key(first)
+    moved_to(second)
+    assert hub_commit("org/judge", cache_dir=str(tmp_path / "hub")) == second
+    assert key(second) != old and key(first) == old

@@ -270,12 +270,14 @@ class PairwiseLLMJudge:
     """One pairwise judge: a backend, a judging prompt template, a cache."""
 
     def __init__(self, settings: PairwiseJudge, backend: Backend, template: str, cache: JudgeCache,
-                 chunk: int = 64):
+                 chunk: int = 64, revision: str | None = None):
         self.settings, self.backend, self.template, self.cache = settings, backend, template, cache
         self.chunk = chunk  # answers cached in chunks of this many (a kill loses at most one chunk)
         model = settings.model if settings.base_url is None else f"{settings.base_url}:{settings.model}"
         if settings.base_url is None and Path(model).is_dir():  # a local judge: its files as they are now, so an
             model = f"{model}:{tree_stamp(model)}"  # answer cached before its weights were replaced is not reused
+        elif settings.base_url is None:  # a hub judge: the commit its weights came from (`revision`, hub_commit), so
+            model = f"{model}@{revision}"  # an answer cached from an older commit of the repository is not reused
         self.identity = json.dumps([backend.name, model, hashlib.sha256(template.encode()).hexdigest(),
                                     settings.max_new_tokens])
 
@@ -307,11 +309,21 @@ class PairwiseLLMJudge:
         return out
 
 
+def hub_commit(model_id: str, cache_dir: str | None = None) -> str | None:
+    """The commit of a hub model's files in the local Hugging Face cache: after loading, the one loaded (loading
+    moves the cache's ref to what it fetched); None when the cache has none."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(model_id, "config.json", cache_dir=cache_dir)
+    return Path(found).parent.name if isinstance(found, str) else None
+
+
 def build_pairwise(ctx, settings: PairwiseJudge) -> PairwiseLLMJudge:
     """The judge of a setting in a stage process (`ctx`: its StageContext): the template read from its resolved
     path (or the shipped one), the local model loaded on the stage's device, the cache in the stage's directory."""
     template = Path(settings.template).read_text(encoding="utf-8") if settings.template else \
         DEFAULT_TEMPLATE.read_text(encoding="utf-8")
+    revision = None
     if settings.base_url:
         backend: Backend = EndpointBackend(settings.base_url, settings.model, settings.key_env,
                                            settings.max_new_tokens, settings.timeout, settings.retries,
@@ -324,7 +336,9 @@ def build_pairwise(ctx, settings: PairwiseJudge) -> PairwiseLLMJudge:
         tokenizer = load_tokenizer(path)
         backend = LocalBackend(ctx.load_lm(path, device=True, frozen=True).eval(), tokenizer, settings.batch_size,
                                settings.max_new_tokens)
+        revision = None if Path(path).is_dir() else hub_commit(path)
     chunk = settings.max_concurrency if settings.base_url else settings.batch_size  # in flight at a kill, at most
     rank = ctx.state.process_index if ctx.state.num_processes > 1 else None
     return PairwiseLLMJudge(settings, backend, template,
-                            JudgeCache(ctx.dir / "judge_cache" / f"{settings.name}.jsonl", rank), chunk=chunk)
+                            JudgeCache(ctx.dir / "judge_cache" / f"{settings.name}.jsonl", rank), chunk=chunk,
+                            revision=revision)
