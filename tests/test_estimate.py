@@ -576,10 +576,10 @@ def test_every_stage_of_the_shipped_8b_pipelines_fits_8x80gb_with_its_breakdown(
     assert mode == "zero3 + ckpt" and float(gather) == pytest.approx(2 * policy_params / 2 ** 30, abs=0.006)
     assert float(total) == pytest.approx(sum(map(float, (trained, frozen, acts, gen, gather, overhead))), abs=0.03)
     assert "does not fit" not in proc.stdout
-    # the disk: PPO's policy and value model (~1.9 policies) in checkpoints of ~14 bytes a parameter, two at once
-    # (save_total_limit 1, and the next while it is written), are most of the peak; the published models the rest
+    # the disk: PPO's policy and value model (~1.9 policies) in ZeRO-3 checkpoints of 12 bytes a parameter, two at
+    # once (save_total_limit 1, and the next while it is written), are most of the peak; the published models the rest
     peak = float(proc.stdout.split("of disk at its peak")[0].rsplit("~", 1)[1].split()[0].replace(",", ""))
-    assert 2 * 14 * 1.8 * policy_params / 1e9 < peak < 2 * 14 * 2.1 * policy_params / 1e9 + 80, proc.stdout[-600:]
+    assert 2 * 12 * 1.8 * policy_params / 1e9 < peak < 2 * 12 * 2.1 * policy_params / 1e9 + 80, proc.stdout[-600:]
 
 
 def test_the_gpus_present_win_over_hardware_and_the_table_says_which_values_they_replaced(monkeypatch):
@@ -606,33 +606,49 @@ def test_the_gpus_present_win_over_hardware_and_the_table_says_which_values_they
 
 
 def test_the_run_directorys_disk_peak_by_hand_and_the_warning_when_it_has_less_free(monkeypatch):
-    """align/orchestrator/disk.py on made-up counts, in bf16 (14 bytes a trained parameter in a checkpoint):
-    sft trains 1,000 parameters (save_total_limit 2), reward 800 (limit 1), ppo a policy of 1,000 and a value model
-    of 800 (limit 2; the value model is not published). By hand, keeping checkpoints: sft 3 x 14,000 + 2,000 =
-    44,000; reward 2,000 + 28,000 (sft's 2 kept) + 2 x 11,200 + 1,600 = 54,000; ppo 3,600 + 28,000 + 11,200 + 3 x
-    25,200 + 2,000 = 120,400, the peak. With keep_checkpoints false: ppo 3,600 + 75,600 + 2,000 = 81,200."""
+    """align/orchestrator/disk.py on made-up counts, in bf16 under ZeRO-3: 14 bytes a trained parameter in a TRL
+    stage's checkpoint (12 of optimiser state, the Trainer's gathered model file), 12 in PPO's (accelerate's
+    save_state writes no model file, and ZeRO-3's module states hold no weights). sft trains 1,000 parameters
+    (save_total_limit 2), reward 800 (limit 1), ppo a policy of 1,000 and a value model of 800 (limit 2; the value
+    model is not published). By hand, keeping checkpoints: sft 3 x 14,000 + 2,000 = 44,000; reward 2,000 + 28,000
+    (sft's 2 kept) + 2 x 11,200 + 1,600 = 54,000; ppo 3,600 + 28,000 + 11,200 + 3 x 21,600 + 2,000 = 109,600, the
+    peak. With keep_checkpoints false: ppo 3,600 + 64,800 + 2,000 = 70,400."""
     from types import SimpleNamespace
 
     import align.orchestrator.disk as disk
+    from align.config.reward import RewardStage
+    from align.config.sft import SFTStage
 
     def held(role, params, trained=True):
         return SimpleNamespace(role=role, shape=SimpleNamespace(params=params), trained=trained)
 
-    estimates = [SimpleNamespace(name="sft", held=[held("policy", 1000)], trained_params={"policy": 1000}),
-                 SimpleNamespace(name="reward", held=[held("reward", 800)], trained_params={"reward": 800}),
-                 SimpleNamespace(name="ppo", held=[held("policy", 1000), held("value", 800), held("reference", 1000,
-                                                                                                   False)],
-                                 trained_params={"policy": 1000, "value": 800}),
-                 SimpleNamespace(name="evaluate", held=[held("policy", 1000, False)], trained_params={})]
+    def estimate(name, models, trained):
+        return SimpleNamespace(name=name, mode="zero3", held=models, trained_params=trained)
+
+    estimates = [estimate("sft", [held("policy", 1000)], {"policy": 1000}),
+                 estimate("reward", [held("reward", 800)], {"reward": 800}),
+                 estimate("ppo", [held("policy", 1000), held("value", 800), held("reference", 1000, False)],
+                          {"policy": 1000, "value": 800}),
+                 estimate("evaluate", [held("policy", 1000, False)], {})]
     no_lora = SimpleNamespace(enabled=False, merge=True)
-    stages = {"sft": SimpleNamespace(save_total_limit=2, lora=no_lora),
-              "reward": SimpleNamespace(save_total_limit=1, lora=no_lora),
+
+    def trl(cls, limit):  # a TRL stage's config as disk_peak reads it: its class, save_total_limit, lora
+        stage = object.__new__(cls)
+        stage.save_total_limit, stage.lora = limit, no_lora
+        return stage
+
+    stages = {"sft": trl(SFTStage, 2), "reward": trl(RewardStage, 1),
               "ppo": SimpleNamespace(save_total_limit=2, lora=no_lora), "evaluate": SimpleNamespace()}
     kept = disk.disk_peak(SimpleNamespace(stages=stages, keep_checkpoints=True), estimates, weight_bytes=2)
-    assert (kept.bytes, kept.stage, kept.models) == (120_400, "ppo", 5_600)
+    assert (kept.bytes, kept.stage, kept.models) == (109_600, "ppo", 5_600)
     dropped = disk.disk_peak(SimpleNamespace(stages=stages, keep_checkpoints=False), estimates, weight_bytes=2)
-    assert (dropped.bytes, dropped.stage, dropped.checkpoints) == (81_200, "ppo", 75_600)
-    assert disk.state_bytes_per_param(4) == 12  # fp32: weights and moments, no 16-bit copy
+    assert (dropped.bytes, dropped.stage, dropped.checkpoints) == (70_400, "ppo", 64_800)
+    assert disk.state_bytes_per_param(4) == 12  # fp32 outside DeepSpeed: weights and moments, no 16-bit copy
+    # under ZeRO-1/2 DeepSpeed also keeps its module copy: a TRL stage 12 + 2 + 2, PPO 12 + 2; fp32 (this CPU's
+    # ZeRO-2 GRPO checkpoint above) 12 + 4 + 4
+    assert [disk.state_bytes_per_param(2, "zero2", True), disk.state_bytes_per_param(2, "zero1", False),
+            disk.state_bytes_per_param(4, "zero2", True), disk.state_bytes_per_param(2, "zero3_offload", True)] \
+        == [16, 14, 20, 14]
 
     cfg = SimpleNamespace(keep_checkpoints=True)
     monkeypatch.setattr(disk, "free_bytes", lambda runs_dir: 100_000)

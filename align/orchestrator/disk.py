@@ -3,9 +3,10 @@ run`'s preflight warns when the run directory's filesystem has less free. Arithm
 parameter counts (align/orchestrator/estimate.py), not measured:
 
 * a trained stage's checkpoint holds its trained parameters (the adapters alone with LoRA) at 12 bytes each (fp32
-  master weights and two Adam moments under DeepSpeed; fp32 weights and the moments outside it) plus the weights
-  again where they are 16-bit (DeepSpeed's consolidated copy): ~14 bytes a parameter in bf16. `save_total_limit`
-  of them are kept, and one more is on disk while the newest is written before the oldest goes;
+  master weights and two Adam moments under DeepSpeed; fp32 weights and the moments outside it), plus copies of the
+  weights in their dtype as the checkpoint's writer keeps them (`state_bytes_per_param`: in bf16 16 bytes a
+  parameter for a TRL stage under ZeRO-1/2, 12 for PPO under ZeRO-3). `save_total_limit` of them are kept, and one
+  more is on disk while the newest is written before the oldest goes;
 * its published model: the trained models it publishes (not PPO's value model) in the weights' dtype (the adapters
   alone for LoRA without merge);
 * a completed stage's checkpoints stay unless `keep_checkpoints: false`.
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from align.config import PipelineConfig
+from align.config.contract import TrainedStage
 
 
 @dataclass(frozen=True)
@@ -30,14 +32,22 @@ class DiskPeak:
     models: int  # of it: published models
 
 
-def state_bytes_per_param(weight_bytes: int) -> int:
-    """A checkpoint's bytes per trained parameter: 12 of optimiser state (and fp32 weights), plus a 16-bit copy."""
-    return 12 + (weight_bytes if weight_bytes < 4 else 0)
+def state_bytes_per_param(weight_bytes: int, mode: str = "ddp", trainer: bool = False) -> int:
+    """A checkpoint's bytes per trained parameter. Outside DeepSpeed: 12 (fp32 weights and two Adam moments) plus
+    a 16-bit model file where the weights are 16-bit. Under DeepSpeed: 12 of optimiser state (fp32 master weights
+    and two moments, zero_pp_rank_*_optim_states.pt), plus under ZeRO-1/2 DeepSpeed's module copy in the weights'
+    dtype (mp_rank_00_model_states.pt; under ZeRO-3 it holds placeholders of the partitions), plus a Trainer's
+    model file in the weights' dtype (`trainer`: the TRL stages' model.safetensors, gathered under ZeRO-3; PPO's
+    accelerate save_state writes none). As found on this CPU (2026-11-29), a 2-process ZeRO-2 GRPO checkpoint of
+    SmolLM2-135M in fp32: model.safetensors 651 MB, mp_rank_00_model_states.pt 538 MB, optimiser states 2 x 807 MB."""
+    if mode == "ddp":
+        return 12 + (weight_bytes if weight_bytes < 4 else 0)
+    module = weight_bytes if mode in ("zero1", "zero2", "zero2_offload") else 0
+    return 12 + module + (weight_bytes if trainer else 0)
 
 
 def disk_peak(cfg: PipelineConfig, estimates: list, weight_bytes: int) -> DiskPeak | None:
     """The run directory's peak over `estimates` (StageEstimate, in run order); None when nothing trains."""
-    per_param = state_bytes_per_param(weight_bytes)
     done_models = done_checkpoints = 0
     peak: DiskPeak | None = None
     for e in estimates:
@@ -45,6 +55,7 @@ def disk_peak(cfg: PipelineConfig, estimates: list, weight_bytes: int) -> DiskPe
         trained = [h for h in e.held if h.trained]
         if not trained:
             continue
+        per_param = state_bytes_per_param(weight_bytes, e.mode, isinstance(stage, TrainedStage))
         states = sum(e.trained_params.get(h.role, h.shape.params) for h in trained) * per_param
         keep = getattr(stage, "save_total_limit", 1)
         lora = getattr(stage, "lora", None)
