@@ -14,11 +14,13 @@ under each parallelism mode. The parts, all per GPU, with N = GPUs in the job:
   those DeepSpeed prepares are sharded like the trained ones (bytes x P / N plus one gathered layer), or offloaded
   (one layer); a stage type says which it holds whole (`HeldModel.sharded`: e.g. GRPO's reward model, called from a
   Python reward function, and every model of a stage that trains nothing).
-* activations of one micro-batch: what one decoder layer of the family keeps for backward per token, measured by
-  the helper on a narrowed copy of the model (align/modeling/shapes.py `layer_probe`: a Llama-3 layer ~49h bytes in
-  bf16 with SDPA), else Korthikanti et al. 2022 eq. 1's 34h (GPT-3's layer); with eager attention the scores too
-  (measured per query-key pair, a Llama's 6a: fp32 softmax and its 16-bit copy; else eq. 1's 5a), with SDPA (`auto`)
-  one 16-bit b*s*s mask; plus the logits and their gradient in fp32 (8*s*b*V bytes), except
+* activations of one micro-batch: what one decoder layer of the family keeps for backward, measured by the helper
+  on narrowed copies of the model (align/modeling/activations.py), per token and per query-key pair (SDPA: the mask
+  it is handed, one per sequence; eager: the scores), for the way the stage trains (`training_variant`: bf16
+  weights, fp32 weights under bf16 autocast plus autocast's 16-bit weight copies, fp32, and with LoRA the stage's
+  own adapters: a Llama-3 layer ~52h bytes per token in bf16); unmeasured, Korthikanti et al. 2022 eq. 1 (GPT-3's
+  34h per token, 5a per pair with eager), said below the table; plus the logits and their gradient in fp32
+  (8*s*b*V bytes), except
   where a fused head never holds them: PPO's (one chunk's, `logit_tokens`) and TRL's in every TRL trainer (tiles
   and the head's fp32 gradient, align/orchestrator/memory.py `trl_fused_head_bytes`);
 * the KV cache of generation (PPO rollouts, preference sampling, evaluation): 2 * layers * b * s * kv_heads *
@@ -38,13 +40,15 @@ and only the adapters have trained states: r * (in + out) parameters per targete
 plus a scalar model's head, which peft trains as a copy (`lora_params`). With `lora.quantize: 4bit` (QLoRA) the base
 is whole on every GPU at about 0.52 bytes per linear weight and fp32 elsewhere (`qlora_base_bytes`). A stage that
 serves a frozen model from a trained one's base (PPO's reference, DPO's) says so in `held_models`. Activations are
-counted as in full fine-tuning (an upper bound: frozen layers need not keep their inputs). These are estimates for
-a go/no-go decision, not promises: they leave out temporary buffers.
+measured with the stage's adapters (their dropout and fp32 copies can keep more than full fine-tuning: 2.2x for a
+Llama layer with fp32 adapters on every linear layer). QLoRA's 4-bit base is measured as a bf16 one. These are
+estimates for a go/no-go decision, not promises: they leave out temporary buffers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,7 +61,7 @@ from align.orchestrator.hardware import Hardware
 from align.orchestrator.inputs import resolve_model_paths
 from align.orchestrator.launch import accelerate_config, accelerate_mode, is_distributed, processes_per_node
 from align.orchestrator.memory import (EstimateError, ModelShape, activation_bytes, frozen_bytes, kv_cache_bytes,
-                                      lora_layers, lora_params, model_state_bytes, qlora_base_bytes,
+                                      lora_key, lora_layers, lora_params, model_state_bytes, qlora_base_bytes,
                                       trl_fused_head_bytes)
 from align.orchestrator.plan import StagePlan, build_plan
 
@@ -89,6 +93,7 @@ class StageEstimate:
     lora: str = ""  # "LoRA" or "QLoRA" when the stage trains adapters
     trained_params: dict[str, int] = field(default_factory=dict)  # role -> parameters with optimizer states
     with_checkpointing: int | None = None  # chosen mode's bytes if checkpointing were on (when it is off)
+    notes: set[str] = field(default_factory=set)  # what was not measured, and what was counted instead
 
     @property
     def chosen_bytes(self) -> int:
@@ -135,11 +140,19 @@ def model_sources(cfg: PipelineConfig, source: str | Path) -> dict[str, Any]:
 def model_shapes(cfg: PipelineConfig, source: str | Path) -> dict[str, ModelShape]:
     """Shapes of the causal LM and of the scalar (reward / value) model on the same backbone, built on the meta
     device in a helper process (torch; align/modeling/shapes.py)."""
-    answer = helper.call("align.modeling.shapes:shapes", **model_sources(cfg, source))
+    loras = [lora_spec(st.lora) for st in cfg.stages.values() if getattr(st, "lora", None) is not None
+             and st.lora.enabled]
+    loras = list({json.dumps(x, sort_keys=True): x for x in loras}.values())
+    answer = helper.call("align.modeling.shapes:shapes", **model_sources(cfg, source), loras=loras)
     if "error" in answer:
         raise EstimateError(answer["error"])
-    return {kind: ModelShape(**{**d, "linears": {k: tuple(v) for k, v in d["linears"].items()}})
-            for kind, d in answer["shapes"].items()}
+    out = {}
+    for kind, d in answer["shapes"].items():
+        adapted = {lora_key(spec, variant): measure for spec, found in zip(loras, d.pop("lora_activations", []))
+                   for variant, measure in found.items()}
+        out[kind] = ModelShape(**{**d, "linears": {k: tuple(v) for k, v in d["linears"].items()},
+                                  "activations": {**d.get("activations", {}), **adapted}})
+    return out
 
 
 # --------------------------------------------------------------------------------------------- stages
@@ -168,9 +181,45 @@ def _frozen(h: Held, lora, mode: str, gpus: int, dtype: str, dbytes: int) -> int
     return frozen_bytes(mode if h.sharded or h.trained else "ddp", h.shape.params, h.shape.largest_layer, gpus, base)
 
 
+def lora_spec(lora) -> dict[str, Any]:
+    """A stage's LoRA setting as the helper's layer probe measures it (align/modeling/activations.py)."""
+    return {"r": lora.r, "dropout": lora.dropout, "targets": sorted(lora.target_modules)}
+
+
+def training_variant(lora, mode: str, dtype: str, precision: str, on_gpu: bool) -> tuple[str, str]:
+    """How a stage's trained layers compute, as (the layer probe's variant, the base variant without LoRA): fp32
+    where the stage computes in fp32 (`precision: float32`, or `auto` off a GPU); else fp32 weights under bf16
+    autocast where they are fp32 (`dtype: float32`, or `auto` outside DeepSpeed: the stage process's weights_dtype),
+    else bf16. LoRA: under DeepSpeed base and adapters in bf16 (DeepSpeed casts the module), outside it fp32 under
+    autocast, and a bf16 or 4-bit base with fp32 adapters (peft's autocast_adapter_dtype; QLoRA)."""
+    if (not on_gpu and precision == "auto") or precision == "float32":
+        return "fp32", "fp32"
+    fp32_weights = dtype == "float32" or (dtype == "auto" and mode == "ddp")
+    base = "autocast" if fp32_weights else "bf16"
+    if lora is None:
+        return base, base
+    if lora.quantize == "4bit" or (mode == "ddp" and not fp32_weights):
+        return lora_key(lora_spec(lora), "bf16+fp32 adapters"), "bf16"
+    return lora_key(lora_spec(lora), "bf16" if mode != "ddp" else base), base
+
+
+def _activations(est: StageEstimate, h: Held, variant: tuple[str, str], batch: int, seq: int, unfused: bool,
+                 recompute: bool, chunk: int | None, eager: bool) -> int:
+    """One trained model's activations as `variant` (wanted, base) says it trains, noting in `est` what was not
+    measured and what was counted instead."""
+    wanted, base = variant
+    chosen = wanted if wanted in h.shape.activations else base
+    if chosen not in h.shape.activations:
+        est.notes.add(f"activations: Korthikanti et al.'s formula, not measured ({h.shape.probe_note})")
+    elif chosen != wanted:
+        est.notes.add(f"activations of stage '{est.name}': its LoRA setting was not measured; counted as full "
+                      "training")
+    return activation_bytes(h.shape, batch, seq, h.role == "policy" and unfused, recompute, chunk, eager, chosen)
+
+
 def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], shapes: dict[str, ModelShape],
                    mode: str, gpus: int, dtype: str, gpu_memory: int | None = None, attention: str = "auto",
-                   ) -> StageEstimate:
+                   precision: str = "auto") -> StageEstimate:
     held = [Held(h.role, shapes[h.kind], h.trained, h.sharded) for h in stage.held_models(stages)]
     ckpt = bool(getattr(stage, "gradient_checkpointing", False))
     est = StageEstimate(name, stage.type, mode, gpus, held, checkpointing=ckpt)
@@ -194,9 +243,10 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
     def fused(h: Held) -> bool:  # a TRL trainer's policy: TRL's fused head holds tiles, never the whole logits
         return stage.TRL_FUSED_HEAD and h.role == "policy"
 
-    def acts(recompute: bool, chunk: int | None) -> int:
-        return sum(activation_bytes(h.shape, train_b, train_s, h.role == "policy" and not fused(h), recompute, chunk,
-                                    eager) for h in trained)
+    def acts(recompute: bool, chunk: int | None, m: str) -> int:
+        variant = training_variant(lora, m, dtype, precision, gpu_memory is not None)
+        return sum(_activations(est, h, variant, train_b, train_s, not fused(h), recompute, chunk, eager)
+                   for h in trained)
 
     for m in dict.fromkeys((*REPORTED_MODES, mode)):
         n = gpus
@@ -205,10 +255,10 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
         if trained:  # trained models share one engine (PPO: policy + value)
             chunk = stage.logit_tokens(m, gpu_memory is not None)
             parts["trained_states"] = model_state_bytes(m, sum(trained_params.values()), largest, n)
-            parts["activations"] = acts(ckpt, chunk) + sum(trl_fused_head_bytes(h.shape, train_b * train_s, dbytes,
+            parts["activations"] = acts(ckpt, chunk, m) + sum(trl_fused_head_bytes(h.shape, train_b * train_s, dbytes,
                                                                                 not lora) for h in trained if fused(h))
             if m == mode and not ckpt and hasattr(stage, "gradient_checkpointing"):
-                est.with_checkpointing = acts(True, chunk) - acts(False, chunk)  # plus the total, filled in below
+                est.with_checkpointing = acts(True, chunk, m) - acts(False, chunk, m)  # plus the total, filled in below
         parts["frozen_weights"] = sum(_frozen(h, lora, m, n, dtype, dbytes) for h in frozen)
         if gen_b:
             policy, gen = held[0].shape, stage.generation_settings()
@@ -241,7 +291,7 @@ def estimate_pipeline(cfg: PipelineConfig, source: str | Path, hw: Hardware, num
         per_node = processes_per_node(plan.cfg, num_processes or hw.gpus_per_node) or (cfg_n if distributed else 1) or 1
         gpus = per_node * (hw.nodes if distributed else 1)
         out.append(estimate_stage(plan.name, plan.cfg, cfg.stages, shapes, mode, gpus, cfg.dtype, hw.gpu_memory,
-                                  cfg.attn_implementation))
+                                  cfg.attn_implementation, cfg.precision))
     return out
 
 
@@ -284,6 +334,7 @@ def render(estimates: list[StageEstimate], hw: Hardware) -> str:
               "LM head's tiles instead of whole logits where the stage has one; generation: the KV cache (grouped-query "
               "attention) or a vllm engine; rollout gather: the whole policy gathered under ZeRO-3 to sample; overhead: "
               f"{OVERHEAD_BYTES / GIB:.0f} GiB CUDA context, allocator slack and DeepSpeed's buckets."]
+    lines += sorted({note for e in estimates for note in e.notes})
     ckpt = [f"{e.name} {_gib(e.with_checkpointing)}" for e in estimates
             if e.with_checkpointing is not None and e.with_checkpointing < e.chosen_bytes]
     if ckpt:

@@ -36,11 +36,18 @@ class ModelShape:
     """A reward / value model (with LoRA its head is trained whole)."""
     packs: bool = True
     """Whether the family's forwards can run padding-free with SDPA (align/modeling/packing.py packing_works)."""
-    layer_bytes: float = 0.0
-    """Bytes one decoder layer keeps for backward per token, bf16, SDPA: measured by the helper's probe
-    (align/modeling/shapes.py layer_probe); 0: unknown, Korthikanti et al.'s 34h."""
-    score_bytes: float = 0.0
-    """With eager attention, bytes more per layer per (query, key) pair (the probe's; 0: unknown, Korthikanti's 5a)."""
+    activations: dict[str, dict[str, float]] = field(default_factory=dict)
+    """What one decoder layer keeps for backward, measured by the helper (align/modeling/activations.py) per way of
+    training (`bf16`, `autocast`, `fp32`, and each LoRA setting's): bytes per token (`token`) and per query-key pair
+    (`sdpa_pair`: the mask SDPA is handed; `eager_pair`: eager's scores). Empty: unmeasured (`probe_note` says why),
+    and Korthikanti et al.'s formula is counted instead."""
+    probe_note: str = ""
+
+
+def lora_key(lora: dict[str, Any], variant: str) -> str:
+    """The name in ModelShape.activations of a LoRA setting's measure ({"r", "dropout", "targets"}) computed as
+    `variant` (align/modeling/activations.py LORA_VARIANTS)."""
+    return f"lora r={lora['r']} dropout={lora['dropout']} targets={','.join(sorted(lora['targets']))} {variant}"
 
 
 def model_state_bytes(mode: str, params: int, largest_layer: int, gpus: int) -> int:
@@ -79,19 +86,28 @@ def frozen_bytes(mode: str, params: int, largest_layer: int, gpus: int, dtype_by
 
 
 def activation_bytes(shape: ModelShape, batch: int, seq: int, logits: bool = True, checkpointing: bool = False,
-                     logit_tokens: int | None = None, eager: bool = False) -> int:
-    """One micro-batch's activations kept for backward plus, for a language model, the fp32 logits and their gradient
-    (a scalar head's output is negligible) of every token, or with `logit_tokens` (PPO's fused head) one chunk's
-    recomputed logits and what its backward makes of them (~6 fp32 copies). Per layer and token: what the family's
-    layer was measured to keep (`shape.layer_bytes`, the helper's probe), else Korthikanti et al. 2022 eq. 1's 34h
-    (GPT-3's layer); `eager` keeps the attention scores too (`shape.score_bytes` per query-key pair, else eq. 1's
-    5a), SDPA/flash one 16-bit b*s*s mask. With gradient checkpointing (full recomputation, Korthikanti et al.
-    sec. 4) only each layer's 16-bit input is kept (2sbh bytes per layer), plus one layer's activations while it is
-    recomputed."""
+                     logit_tokens: int | None = None, eager: bool = False, variant: str = "bf16") -> int:
+    """One micro-batch's activations kept for backward, for a model trained as `variant` (a key of
+    `shape.activations`: `bf16`, `autocast`, `fp32` or a LoRA setting's), plus, for a language model, the fp32
+    logits and their gradient (a scalar head's output is negligible) of every token, or with `logit_tokens` (PPO's
+    fused head) one chunk's recomputed logits and what its backward makes of them (~6 fp32 copies).
+    Per layer: the measured bytes per token times s*b, and per query-key pair times s*s*b (SDPA: its mask; eager:
+    the scores); unmeasured, Korthikanti et al. 2022 eq. 1: 34h per token, 5a per pair with eager, one 16-bit mask
+    with SDPA (twice as many bytes in fp32). Under autocast, the 16-bit copies it makes of every weight, kept for
+    backward: 2 bytes a weight of the layers' linear layers. With gradient checkpointing (full recomputation,
+    Korthikanti et al. sec. 4) only each layer's input is kept (2 bytes per element, 4 where the residual stream is
+    fp32: autocast, fp32), plus one layer's activations while it is recomputed."""
     s, b, h, a = seq, batch, shape.hidden, shape.heads
-    token, pair = shape.layer_bytes or 34 * h, shape.score_bytes or 5 * a
-    per_layer, mask = (s * b * token + pair * s * s * b, 0) if eager else (s * b * token, 2 * b * s * s)
-    kept = (shape.layers * 2 * s * b * h + per_layer if checkpointing else shape.layers * per_layer) + mask
+    wide = variant == "fp32" or variant.endswith("autocast")  # fp32 residual stream
+    measured = shape.activations.get(variant)
+    if measured:
+        token, pair = measured["token"], measured["eager_pair" if eager else "sdpa_pair"]
+    else:
+        token, pair = 34 * h * (1 + (variant == "fp32")), (5 * a if eager else 2) * (1 + (variant == "fp32"))
+    per_layer = s * b * token + pair * s * s * b
+    kept = shape.layers * (2 + 2 * wide) * s * b * h + per_layer if checkpointing else shape.layers * per_layer
+    if variant.endswith("autocast"):
+        kept += 2 * sum(i * o for name, (i, o) in shape.linears.items() if name != shape.head)
     if not logits:
         return int(kept)
     # the fused head's chunk in its backward: its fp32 logits, softmax, their product and gradients, ~6 copies

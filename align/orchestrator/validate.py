@@ -170,7 +170,7 @@ def model_job(cfg: PipelineConfig, plans: list[StagePlan], split_of: SplitLoader
     job: dict[str, Any] = {"source": source, "verbose": verbose}
     if lora:
         try:
-            job["shapes"] = model_sources(cfg, source)
+            job["shapes"] = {**model_sources(cfg, source), "probe": False}  # names only: no layer probe
         except EstimateError as exc:
             if verbose:
                 print(f"  warning: LoRA target_modules not checked here ({exc})")
