@@ -434,3 +434,6 @@ def test_a_hub_judges_cached_answers_are_keyed_by_the_commit_its_weights_came_fr
     moved_to(second)
     assert hub_commit("org/judge", cache_dir=str(tmp_path / "hub")) == second
     assert key(second) != old and key(first) == old
+    assert key(None) != old  # no commit known (a packaged model): the name alone, as before
+    for odd in ("./judge.gguf", "/abs/model.Q8_0.gguf", "a/b/c"):  # paths, not repository ids: no commit, no error
+        assert hub_commit(odd, cache_dir=str(tmp_path / "hub")) is None

@@ -276,8 +276,8 @@ class PairwiseLLMJudge:
         model = settings.model if settings.base_url is None else f"{settings.base_url}:{settings.model}"
         if settings.base_url is None and Path(model).is_dir():  # a local judge: its files as they are now, so an
             model = f"{model}:{tree_stamp(model)}"  # answer cached before its weights were replaced is not reused
-        elif settings.base_url is None:  # a hub judge: the commit its weights came from (`revision`, hub_commit), so
-            model = f"{model}@{revision}"  # an answer cached from an older commit of the repository is not reused
+        elif revision:  # a hub judge: the commit its weights came from (hub_commit), so an answer cached from an
+            model = f"{model}@{revision}"  # older commit of the repository is not reused
         self.identity = json.dumps([backend.name, model, hashlib.sha256(template.encode()).hexdigest(),
                                     settings.max_new_tokens])
 
@@ -311,10 +311,13 @@ class PairwiseLLMJudge:
 
 def hub_commit(model_id: str, cache_dir: str | None = None) -> str | None:
     """The commit of a hub model's files in the local Hugging Face cache: after loading, the one loaded (loading
-    moves the cache's ref to what it fetched); None when the cache has none."""
+    moves the cache's ref to what it fetched); None when the cache has none or `model_id` names no repository."""
     from huggingface_hub import try_to_load_from_cache
 
-    found = try_to_load_from_cache(model_id, "config.json", cache_dir=cache_dir)
+    try:
+        found = try_to_load_from_cache(model_id, "config.json", cache_dir=cache_dir)
+    except ValueError:  # not a repository id (a GGUF file, a relative path): no commit to name
+        return None
     return Path(found).parent.name if isinstance(found, str) else None
 
 
