@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -28,6 +29,30 @@ from align.orchestrator.status import status_table, verify
 from align.orchestrator.validate import stage_lines, validate
 
 
+def _count(text: str) -> int:
+    """A whole number of 1 or more (GPUs, machines, processes), or argparse's one-line error naming the flag."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number (give 1 or more)") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: give 1 or more")
+    return n
+
+
+def _gigabytes(text: str) -> float:
+    """A finite size in GB above 0, or argparse's one-line error naming the flag."""
+    import math
+
+    try:
+        gb = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of GB (e.g. 80)") from None
+    if not math.isfinite(gb) or gb <= 0:
+        raise argparse.ArgumentTypeError(f"{text}: give a size above 0 GB (e.g. 80)")
+    return gb
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="align", description="Staged alignment pipelines: SFT -> RM -> PPO / DPO.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -40,10 +65,10 @@ def _parser() -> argparse.ArgumentParser:
                      "(a swept stage's name: all its variants)")
     run.add_argument("--run-id", help="run directory name under runs/<pipeline>/ (default: the pipeline's run_id)")
     run.add_argument("--force", action="store_true", help="rerun the selected stages even if up to date")
-    run.add_argument("--num-processes", type=int, help="processes per stage (default: each accelerate config's)")
+    run.add_argument("--num-processes", type=_count, help="processes per stage (default: each accelerate config's)")
     run.add_argument("--ignore-memory-check", action="store_true",
                      help="launch even when `align estimate` says a stage does not fit the GPUs")
-    run.add_argument("--nodes", type=int, default=1, help="machines in a multi-node job (default 1)")
+    run.add_argument("--nodes", type=_count, default=1, help="machines in a multi-node job (default 1)")
     run.add_argument("--node-rank", type=int, default=0, help="this machine's rank, 0 .. nodes-1")
     run.add_argument("--master-addr", help="address of node 0 (required with --nodes > 1)")
     run.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0 (default 29500)")
@@ -54,9 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     est = sub.add_parser("estimate", help="per-stage parameter counts and per-GPU memory for ZeRO-2/3/offload")
     est.add_argument("pipeline")
     est.add_argument("overrides", nargs="*")
-    est.add_argument("--gpus", type=int, help="GPUs per node (default: the GPUs present, else the pipeline's hardware:)")
-    est.add_argument("--gpu-memory-gb", type=float, help="memory of one GPU in GB (default: the GPUs present, else the pipeline's hardware:)")
-    est.add_argument("--nodes", type=int, help="machines (default: the pipeline's hardware.nodes)")
+    est.add_argument("--gpus", type=_count, help="GPUs per node (default: the GPUs present, else the pipeline's hardware:)")
+    est.add_argument("--gpu-memory-gb", type=_gigabytes, help="memory of one GPU in GB (default: the GPUs present, else the pipeline's hardware:)")
+    est.add_argument("--nodes", type=_count, help="machines (default: the pipeline's hardware.nodes)")
     val = sub.add_parser("validate", help="check config, data cards and stage settings without training")
     val.add_argument("pipeline")
     val.add_argument("overrides", nargs="*")
@@ -116,7 +141,7 @@ def _command(args: argparse.Namespace) -> int:
             return packaged.main(args.name, args.gguf)
         overrides = list(args.overrides)
         if args.command == "run" and args.run_id is not None:
-            overrides.append(f"run_id={args.run_id!r}" if args.run_id == "" else f"run_id={args.run_id}")
+            overrides.append(f"run_id={json.dumps(args.run_id)}")  # a string as typed: 123 or 2024-06-01 too
         cfg = load_pipeline(args.pipeline, overrides)
         if args.command == "estimate":
             return _estimate(cfg, args)

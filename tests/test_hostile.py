@@ -389,6 +389,33 @@ def test_run_ids_that_are_not_plain_names(run_id, capsys, tmp_path, monkeypatch)
     assert not (tmp_path.parent / "x").exists()
 
 
+@pytest.mark.parametrize("run_id", ["123", "2024-06-01", "true", "1e3"])
+def test_a_run_id_that_yaml_would_read_as_a_number_or_date_is_the_name_typed(run_id, tmp_path, monkeypatch):
+    """`--run-id 123` became the override run_id=123, which YAML reads as an int (a date, a bool, a float) and the
+    pipeline refused with an error blaming the file; the flag's value is a string as typed."""
+    import align.cli
+
+    monkeypatch.chdir(tmp_path)
+    write_pipeline(tmp_path)
+    seen = []
+    monkeypatch.setattr(align.cli, "run", lambda cfg, *a, **k: seen.append(cfg.run_id))
+    assert cli(["run", "hostile.yaml", "--run-id", run_id]) == 0
+    assert seen == [run_id]
+
+
+@pytest.mark.parametrize("flags,said", [(["--gpu-memory-gb", "nan"], "nan: give a size above 0 GB"),
+                                        (["--gpu-memory-gb", "inf"], "inf: give a size above 0 GB"),
+                                        (["--gpu-memory-gb", "-80"], "-80: give a size above 0 GB"),
+                                        (["--gpus", "0"], "--gpus: 0: give 1 or more"),
+                                        (["--nodes", "-3"], "--nodes: -3: give 1 or more")])
+def test_estimate_flags_out_of_range_are_refused_by_name(flags, said, capsys):
+    """--gpu-memory-gb nan ended in a ValueError traceback, inf in an OverflowError; 0 GPUs or nodes were quietly
+    ignored ("no GPU present or declared") and -80 GB printed a negative GPU."""
+    with pytest.raises(SystemExit) as exc:
+        cli(["estimate", DEFAULT, *flags])
+    assert exc.value.code == 2 and said in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------------------------- zero results
 class _State:
     global_step = 0
