@@ -69,6 +69,15 @@ def test_unknown_stage_type():
         _parse(raw)
 
 
+@pytest.mark.parametrize("kind", [["dpo"], {"dpo": 1}, 3])
+def test_a_stage_type_that_is_not_a_name_is_refused_by_field(kind):
+    """`type: [dpo]` ended in TypeError (unhashable type: 'list') in `validate` and `estimate`."""
+    raw = _raw()
+    raw["stages"]["dpo2"] = {"type": kind, "policy": "sft"}
+    with pytest.raises(ConfigError, match=r"stages\.dpo2\.type: expected one stage type name \(one of .*dpo.*\), got a"):
+        _parse(raw)
+
+
 def test_overrides_address_stages_and_nested_fields():
     raw = apply_overrides(_raw(), ["dpo.beta=0.3", "seed=5", "preferences.generation.top_k=50"])
     cfg = _parse(raw)

@@ -389,6 +389,20 @@ def test_run_ids_that_are_not_plain_names(run_id, capsys, tmp_path, monkeypatch)
     assert not (tmp_path.parent / "x").exists()
 
 
+@pytest.mark.parametrize("body", ["{{ m.content / 0 }}", "{{ m.nosuch.attr }}"])
+def test_a_chat_template_that_parses_but_fails_on_a_conversation_is_named(body, capsys, tmp_path, monkeypatch):
+    """A template that is valid Jinja but fails when rendered ended `align validate` in the helper's traceback
+    (TypeError, jinja2's UndefinedError) without naming chat_template or its file."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}" + body + "{% endfor %}")
+    write_pipeline(tmp_path, lambda raw: raw.update(
+        tokenizer=str(REPO / "tokenizers" / "gpt2"), chat_template="bad.jinja",
+        stages={"sft": {"data": str(REPO / "data_cards" / "hh_rlhf_harmless_sft.yaml"), "max_length": 96,
+                        "max_truncated_fraction": 1.0}}))
+    rc, out = validate(capsys, "hostile.yaml")
+    refused(out, rc, "chat_template (file:", "bad.jinja): rendering a conversation failed", "fix the template")
+
+
 @pytest.mark.parametrize("run_id", ["123", "2024-06-01", "true", "1e3"])
 def test_a_run_id_that_yaml_would_read_as_a_number_or_date_is_the_name_typed(run_id, tmp_path, monkeypatch):
     """`--run-id 123` became the override run_id=123, which YAML reads as an int (a date, a bool, a float) and the

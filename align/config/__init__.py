@@ -178,6 +178,9 @@ def parse_pipeline(raw: dict[str, Any], source: str) -> PipelineConfig:
         body = dict(body or {})
         kind = body.get("type") or name
         types_ = stage_types()
+        if not isinstance(kind, str):
+            raise ConfigError(f"{source}: stages.{name}.type: expected one stage type name (one of "
+                              f"{', '.join(sorted(types_))}), got a {type(kind).__name__}: {str(kind)[:80]!r}")
         if kind not in types_:
             raise ConfigError(
                 f"{source}: stages.{name}: unknown stage type '{kind}'{closest(str(kind), list(types_))}"

@@ -50,22 +50,37 @@ def run(source: str, verbose: bool = True, tokenizer: dict[str, Any] | None = No
     if tok is None:
         return out
     planned = templates.ChatTemplate.from_dict(template) if template else None
-    if install_template and planned is not None:
-        try:
-            templates.install(tok, planned)
-        except ModelError as exc:
-            raise CheckError(f"{source}: tokenizer: {exc}") from None
-        problem = templates.prompt_boundary_problem(tok)
-        if problem and verbose:
-            print(f"  warning: chat template: {problem}")
-        check_trl_agrees(tok, planned, source)
-        if verbose:
-            print(f"  chat template: {planned.describe()}")
-    for ex in examples:
-        show_example(tok, planned, source, verbose, **ex)
-    for job in lengths:
-        check_length(tok, source, verbose, **job)
+    try:
+        if install_template and planned is not None:
+            try:
+                templates.install(tok, planned)
+            except ModelError as exc:
+                raise CheckError(f"{source}: tokenizer: {exc}") from None
+            problem = templates.prompt_boundary_problem(tok)
+            if problem and verbose:
+                print(f"  warning: chat template: {problem}")
+            check_trl_agrees(tok, planned, source)
+            if verbose:
+                print(f"  chat template: {planned.describe()}")
+        for ex in examples:
+            show_example(tok, planned, source, verbose, **ex)
+        for job in lengths:
+            check_length(tok, source, verbose, **job)
+    except TEMPLATE_FAULTS as exc:  # a template that parses but fails on a conversation (m.content / 0, a
+        where = planned.source if planned is not None else "the tokenizer's own"  # missing attribute)
+        raise CheckError(f"{source}: chat_template ({where}): rendering a conversation failed "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); fix the "
+                         "template so it renders messages of role system/user/assistant with string content") from None
     return out
+
+
+def _template_faults() -> tuple[type[BaseException], ...]:
+    from jinja2 import TemplateError  # the helper process: transformers renders chat templates with jinja2
+
+    return TemplateError, TypeError, ZeroDivisionError, AttributeError
+
+
+TEMPLATE_FAULTS = _template_faults()
 
 
 def load_tokenizer_checked(source: str, verbose: bool, name: str, field: str, trust_remote_code: bool,
