@@ -389,6 +389,19 @@ def test_run_ids_that_are_not_plain_names(run_id, capsys, tmp_path, monkeypatch)
     assert not (tmp_path.parent / "x").exists()
 
 
+def test_a_role_no_stage_produces_and_stages_that_are_not_a_mapping_are_said_plainly(capsys, tmp_path, monkeypatch):
+    """`evaluate.reward=sft` with no reward stage ended "...needs a reward model: use (no such stage in this
+    pipeline)"; `stages: [sft, dpo]` was told "(none given)"."""
+    monkeypatch.chdir(tmp_path)
+    write_pipeline(tmp_path)
+    rc, out = validate(capsys, "hostile.yaml", "evaluate.reward=sft")
+    refused(out, rc, "stages.evaluate.reward: 'sft' is a sft stage", "no stage of this pipeline produces", "add one")
+    assert "use (" not in out
+    write_pipeline(tmp_path, lambda raw: raw.update(stages=["sft", "dpo"]))
+    rc, out = validate(capsys, "hostile.yaml")
+    refused(out, rc, "`stages` must map stage names to their settings", "got a list: \"['sft', 'dpo']\"")
+
+
 @pytest.mark.parametrize("body", ["{{ m.content / 0 }}", "{{ m.nosuch.attr }}"])
 def test_a_chat_template_that_parses_but_fails_on_a_conversation_is_named(body, capsys, tmp_path, monkeypatch):
     """A template that is valid Jinja but fails when rendered ended `align validate` in the helper's traceback

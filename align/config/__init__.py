@@ -155,7 +155,10 @@ def parse_pipeline(raw: dict[str, Any], source: str) -> PipelineConfig:
         raise ConfigError(f"{source}: the file must hold a mapping with `name` and `stages`")
     raw = dict(raw)
     stages_raw = raw.pop("stages", None) or {}
-    if not isinstance(stages_raw, dict) or not stages_raw:
+    if not isinstance(stages_raw, dict):
+        raise ConfigError(f"{source}: `stages` must map stage names to their settings (e.g. `sft: {{data: ...}}`), "
+                          f"got a {type(stages_raw).__name__}: {str(stages_raw)[:80]!r}")
+    if not stages_raw:
         raise ConfigError(f"{source}: `stages` must map stage names to their settings (none given)")
     cfg: PipelineConfig = from_dict(PipelineConfig, raw, f"{source}:")
     if not cfg.name:

@@ -76,7 +76,8 @@ def _check_role(name: str, fld: str, role: str, ref: str, stages: dict[str, Stag
     fits = [n for n, st in stages.items() if type(st).PRODUCES in accepted and n != name]
     raise PipelineError(
         f"{source}: stages.{name}.{fld}: '{ref}' is a {stages[ref].type} stage, which produces {ROLES[produced]}; "
-        f"{fld} needs {ROLES[want]}: use " + (" or ".join(fits) if fits else "(no such stage in this pipeline)")
+        f"{fld} needs {ROLES[want]}: " + (f"use {' or '.join(fits)}" if fits else "no stage of this pipeline produces "
+                                          f"{ROLES[want]}; add one")
         + (", or a Python judge such as vader" if role == "judge" else ""))
 
 
