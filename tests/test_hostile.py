@@ -402,6 +402,23 @@ def test_a_role_no_stage_produces_and_stages_that_are_not_a_mapping_are_said_pla
     refused(out, rc, "`stages` must map stage names to their settings", "got a list: \"['sft', 'dpo']\"")
 
 
+@pytest.mark.parametrize("override, needles", [
+    ("sft.lora.enabled=true", ["stages.sft: lora.target_modules: [] names no layer", "no adapter would train"]),
+    ("evaluate.pairwise=[{name: j, model: m, base_url: 'localhost:8000/v1'}]",
+     ["base_url: 'localhost:8000/v1' is not an http(s) URL", "base_url: http://localhost:8000/v1"]),
+    ("evaluate.pairwise=[{name: j, model: m, base_url: 'ftp://host/v1'}]", ["'ftp://host/v1' is not an http(s) URL"]),
+])
+def test_settings_that_would_do_nothing_or_reach_nothing_are_refused(override, needles, capsys, tmp_path,
+                                                                     monkeypatch):
+    """LoRA with no target modules passed validate (peft refuses it when the stage starts); a judge's base_url
+    without a scheme was probed and reported as "unknown url type: localhost", ftp:// as a refused connection."""
+    monkeypatch.chdir(tmp_path)
+    write_pipeline(tmp_path)
+    extra = ["sft.lora.target_modules=[]"] if override.startswith("sft.lora") else []
+    rc, out = validate(capsys, "hostile.yaml", override, *extra)
+    refused(out, rc, *needles)
+
+
 @pytest.mark.parametrize("body", ["{{ m.content / 0 }}", "{{ m.nosuch.attr }}"])
 def test_a_chat_template_that_parses_but_fails_on_a_conversation_is_named(body, capsys, tmp_path, monkeypatch):
     """A template that is valid Jinja but fails when rendered ended `align validate` in the helper's traceback

@@ -79,7 +79,11 @@ class LoraSettings:
     the merged 16/32-bit model."""
 
     def check(self) -> None:
-        """`align validate`: QLoRA only with LoRA on, bitsandbytes installed and a CUDA GPU present."""
+        """`align validate`: targets named where LoRA is on; QLoRA only with LoRA on, bitsandbytes installed and a
+        CUDA GPU present."""
+        if self.enabled and not [t for t in self.target_modules if str(t).strip()]:
+            raise ValueError(f"lora.target_modules: {self.target_modules} names no layer, so no adapter would train; "
+                             "name the linear layers to adapt (e.g. [q_proj, k_proj, v_proj, o_proj])")
         if self.quantize == "none":
             return
         if not self.enabled:
@@ -257,6 +261,9 @@ class PairwiseJudge:
                 raise ValueError(f"{where}.template: {path.resolve()}: {problem}")
         if self.base_url:
             url = self.base_url.rstrip("/")
+            if not url.lower().startswith(("http://", "https://")):
+                raise ValueError(f"{where}.base_url: {self.base_url!r} is not an http(s) URL; give the API's root "
+                                 f"with its scheme, e.g. base_url: http://{url.split('://')[-1]}")
             suffix = next((s for s in ("/chat/completions", "/completions", "/models") if url.endswith(s)), None)
             if suffix:
                 raise ValueError(f"{where}.base_url: {self.base_url} names an endpoint path; give the API's root "
