@@ -404,13 +404,15 @@ def test_a_role_no_stage_produces_and_stages_that_are_not_a_mapping_are_said_pla
 
 @pytest.mark.parametrize("override, needles", [
     ("sft.lora.enabled=true", ["stages.sft: lora.target_modules: [] names no layer", "no adapter would train"]),
+    ("sft.eval_split=train", ["eval_split: 'train' is the split SFT trains on", "would not be held out"]),
     ("evaluate.pairwise=[{name: j, model: m, base_url: 'localhost:8000/v1'}]",
      ["base_url: 'localhost:8000/v1' is not an http(s) URL", "base_url: http://localhost:8000/v1"]),
     ("evaluate.pairwise=[{name: j, model: m, base_url: 'ftp://host/v1'}]", ["'ftp://host/v1' is not an http(s) URL"]),
 ])
 def test_settings_that_would_do_nothing_or_reach_nothing_are_refused(override, needles, capsys, tmp_path,
                                                                      monkeypatch):
-    """LoRA with no target modules passed validate (peft refuses it when the stage starts); a judge's base_url
+    """LoRA with no target modules passed validate (peft refuses it when the stage starts), and SFT evaluated on its
+    own training split (a held-out loss that is not held out); a judge's base_url
     without a scheme was probed and reported as "unknown url type: localhost", ftp:// as a refused connection."""
     monkeypatch.chdir(tmp_path)
     write_pipeline(tmp_path)

@@ -57,6 +57,10 @@ class SFTStage(TrainedStage):
         produces = ctx.card_produces("data", self.split)
         if produces not in (None, "prompt_completion", "messages"):
             raise ValueError(f"data: card produces '{produces}'; sft needs prompt_completion or messages")
+        if self.eval_split and self.eval_split == self.split:
+            raise ValueError(f"eval_split: '{self.eval_split}' is the split SFT trains on (split: {self.split}), so "
+                             "its loss would not be held out; name another split of the card, or set eval_split: "
+                             "null to skip the evaluation")
         if self.eval_split and "data" in ctx.cards:  # a missing eval split is found here, not after training
             try:
                 ctx.card_produces("data", self.eval_split)
