@@ -402,6 +402,16 @@ def test_a_role_no_stage_produces_and_stages_that_are_not_a_mapping_are_said_pla
     refused(out, rc, "`stages` must map stage names to their settings", "got a list: \"['sft', 'dpo']\"")
 
 
+@pytest.mark.parametrize("where", ["afile", "afile/sub"])
+def test_a_runs_dir_that_is_a_file_or_under_one_is_refused_at_validate(where, capsys, tmp_path, monkeypatch):
+    """runs_dir naming a file (or a path under one) passed validate; the run failed making its directory."""
+    monkeypatch.chdir(tmp_path)
+    write_pipeline(tmp_path)
+    (tmp_path / "afile").write_text("not a directory")
+    rc, out = validate(capsys, "hostile.yaml", f"runs_dir={tmp_path / where}")
+    refused(out, rc, "runs_dir:", f"{tmp_path / 'afile'} is a file, not a directory")
+
+
 @pytest.mark.parametrize("override, needles", [
     ("sft.lora.enabled=true", ["stages.sft: lora.target_modules: [] names no layer", "no adapter would train"]),
     ("sft.eval_split=train", ["eval_split: 'train' is the split SFT trains on", "would not be held out"]),

@@ -10,6 +10,8 @@ imports torch.
 
 from __future__ import annotations
 
+import os
+
 import sys
 from collections import Counter
 from pathlib import Path
@@ -58,6 +60,19 @@ def card_loader() -> SplitLoader:
     return split_of
 
 
+def runs_dir_problem(runs_dir: str) -> str | None:
+    """Why run directories cannot be made under `runs_dir` (a file on its path, an unwritable directory), or None."""
+    path = Path(runs_dir).expanduser()
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                return f"{part} is a file, not a directory; point runs_dir at a directory"
+            if not os.access(part, os.W_OK | os.X_OK):
+                return f"{part} is not writable here; point runs_dir at a directory you can write"
+            return None
+    return None
+
+
 def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | None = None,
              verbose: bool = True) -> list[StagePlan]:
     """Everything that can be checked without training: graph, cards and their data, stage settings; then, in a
@@ -70,6 +85,9 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
     problem = flash_attention_problem(cfg.attn_implementation)
     if problem:
         raise PipelineError(f"{source}: attn_implementation: {cfg.attn_implementation!r}: {problem}")
+    problem = runs_dir_problem(cfg.runs_dir)
+    if problem:
+        raise PipelineError(f"{source}: runs_dir: {cfg.runs_dir!r}: {problem}")
     for note in check_model_inputs(cfg, source):
         if verbose:
             print(f"  warning: {note}")
