@@ -11,6 +11,7 @@ import gzip
 import hashlib
 import io
 import json
+import math
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
@@ -147,6 +148,8 @@ def load_card(path: str | Path) -> DataCard:
                     splits=raw.get("splits") or {"train": 1.0, "seed": 0}, license=raw["license"],
                     description=raw.get("description", ""), citation=raw.get("citation", ""),
                     max_unusable_fraction=_fraction(path, raw.get("max_unusable_fraction", 0.01)))
+    if card.file is not None and card.file.is_dir():
+        raise DataCardError(f"{path}: field 'source.path': {card.file} is a directory; name the data file in it")
     if card.file is not None and not card.file.is_file():
         raise DataCardError(f"{path}: field 'source.path': file {card.file} does not exist")
     if "splits" in source:
@@ -163,8 +166,13 @@ def load_card(path: str | Path) -> DataCard:
                                 f"{'`splits:`' if raw.get('splits') else '`source.split`'} (nothing is re-split)")
         return card
     fractions = {k: v for k, v in card.splits.items() if k != "seed"}
-    if not fractions or any(not isinstance(v, (int, float)) or v < 0 for v in fractions.values()) \
-            or abs(sum(fractions.values()) - 1.0) > 1e-6:
+    wrong = {k: v for k, v in fractions.items() if isinstance(v, bool) or not isinstance(v, (int, float))
+             or not math.isfinite(v)}
+    if wrong:
+        raise DataCardError(f"{path}: field 'splits': each fraction must be a number, got "
+                            + ", ".join(f"{k}: {v!r} ({type(v).__name__})" for k, v in wrong.items())
+                            + "; write e.g. {train: 0.9, test: 0.1} (unquoted)")
+    if not fractions or any(v < 0 for v in fractions.values()) or abs(sum(fractions.values()) - 1.0) > 1e-6:
         raise DataCardError(f"{path}: field 'splits': fractions must be >= 0 and sum to 1, got {fractions}")
     return card
 

@@ -114,7 +114,9 @@ def check_canonical(rows: Rows, produces: str, source: str) -> None:
         where = f"{source}: row {i}"
         for col in form.columns:
             if col not in row:
-                raise FormatError(f"{where}: missing field '{col}' required by produces={produces}")
+                have = ", ".join(sorted(map(str, row))) or "none"
+                raise FormatError(f"{where}: missing field '{col}' required by produces={produces} (its fields: "
+                                  f"{have}); map a field to it in the card, e.g. `columns: {{{col}: <field>}}`")
         if form.check_row is not None:
             form.check_row(row, where)
             continue
