@@ -148,7 +148,7 @@ def _command(args: argparse.Namespace) -> int:
         if args.command == "validate":
             plans = validate(cfg, args.pipeline)
             print("\n".join(stage_lines(cfg, plans)))
-            print(f"[align] {args.pipeline}: valid ({len(plans)} stages)")
+            print(f"[align] {args.pipeline}: valid ({len(plans)} stage{'' if len(plans) == 1 else 's'})")
             return 0
         if args.verbose:
             os.environ["ALIGN_VERBOSE"] = "1"  # read by the runner and inherited by every stage process

@@ -402,6 +402,20 @@ def test_a_role_no_stage_produces_and_stages_that_are_not_a_mapping_are_said_pla
     refused(out, rc, "`stages` must map stage names to their settings", "got a list: \"['sft', 'dpo']\"")
 
 
+@pytest.mark.parametrize("override, needles", [
+    ("base_model=''", ["base_model: empty; name a model"]),
+    ("tokenizer=' '", ["tokenizer: empty; name a tokenizer", "remove the field"]),
+    ("evaluate.policies=[sft, sft]", ["stages.evaluate: policies: ['sft', 'sft'] names sft more than once"]),
+])
+def test_empty_model_names_and_a_policy_listed_twice_are_refused(override, needles, capsys, tmp_path, monkeypatch):
+    """base_model: '' was looked for in the working directory ("holds no tokenizer files (found: .ci, .git, ...)"),
+    tokenizer: '' passed, and evaluate compared a policy listed twice with itself."""
+    monkeypatch.chdir(tmp_path)
+    write_pipeline(tmp_path)
+    rc, out = validate(capsys, "hostile.yaml", override)
+    refused(out, rc, *needles)
+
+
 @pytest.mark.parametrize("where", ["afile", "afile/sub"])
 def test_a_runs_dir_that_is_a_file_or_under_one_is_refused_at_validate(where, capsys, tmp_path, monkeypatch):
     """runs_dir naming a file (or a path under one) passed validate; the run failed making its directory."""

@@ -46,7 +46,7 @@ def test_a_stage_type_from_outside_align_validates_runs_and_shows_in_status(tmp_
 
     valid = _align("validate", "echoes.yaml", cwd=tmp_path)
     assert valid.returncode == 0, valid.stdout + valid.stderr
-    assert "echo" in valid.stdout and "valid (1 stages)" in valid.stdout
+    assert "echo" in valid.stdout and "valid (1 stage)" in valid.stdout
 
     ran = _align("run", "echoes.yaml", cwd=tmp_path)
     assert ran.returncode == 0, ran.stdout + ran.stderr

@@ -62,7 +62,7 @@ def test_sentencepiece_training_is_seeded(tmp_path, llama):
 def test_the_good_pipeline_validates(capsys, tmp_path, llama):
     base, tok_dir = llama
     rc, out = _validate(capsys, _pipeline(tmp_path, str(base), str(tok_dir)))
-    assert rc == 0 and "valid (1 stages)" in out, out
+    assert rc == 0 and "valid (1 stage)" in out, out
 
 
 def _copy(src: Path, dst: Path) -> Path:

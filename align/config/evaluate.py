@@ -59,6 +59,10 @@ class EvaluateStage(StageBase):
         problem = self.generation.truncation_problem("the report's KL to the reference")
         if problem:
             raise ValueError(problem)
+        repeated = sorted({p for p in self.policies if self.policies.count(p) > 1})
+        if repeated:
+            raise ValueError(f"policies: {self.policies} names {', '.join(repeated)} more than once; each policy is "
+                             "compared once, so list it once")
         if self.baseline not in self.policies:
             raise ValueError(f"baseline: '{self.baseline}' must be one of policies {self.policies}")
         for j in self.judges:

@@ -77,6 +77,11 @@ def _resolve_model_paths(cfg: PipelineConfig, source: str | Path) -> dict[str, s
     out: dict[str, str | None] = {}
     for key in ("base_model", "tokenizer"):
         value = getattr(cfg, key)
+        if value is not None and not value.strip():
+            raise ConfigError(f"{source}: {key}: empty; " + (
+                "name a model (a hub id, a local directory, a .gguf file, builtin:tiny-llama or packaged:smollm2)"
+                if key == "base_model" else "name a tokenizer (a hub id or a local directory), or remove the field "
+                                            "to use the base model's own"))
         if not value or is_builtin(value):
             out[key] = value
             continue
