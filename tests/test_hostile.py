@@ -403,6 +403,20 @@ def test_a_role_no_stage_produces_and_stages_that_are_not_a_mapping_are_said_pla
 
 
 @pytest.mark.parametrize("override, needles", [
+    ("sft.max_steps=", ["override 'sft.max_steps=': no value after '='", "sft.max_steps=null"]),
+    ("=x", ["override '=x': no key before '='"]),
+    ("tracking.wandb=yes", ["tracking.wandb: expected a string, got True", "quote the word"]),
+])
+def test_overrides_with_no_value_no_key_or_a_yaml_boolean_say_so(override, needles, capsys, tmp_path, monkeypatch):
+    """`sft.max_steps=` quietly became null (training by epochs instead); `=x` was an unknown key '' blamed on the
+    file; `tracking.wandb=yes` was "expected a string, got True" with no word on YAML's booleans."""
+    monkeypatch.chdir(tmp_path)
+    write_pipeline(tmp_path)
+    rc, out = validate(capsys, "hostile.yaml", override)
+    refused(out, rc, *needles)
+
+
+@pytest.mark.parametrize("override, needles", [
     ("base_model=''", ["base_model: empty; name a model"]),
     ("tokenizer=' '", ["tokenizer: empty; name a tokenizer", "remove the field"]),
     ("evaluate.policies=[sft, sft]", ["stages.evaluate: policies: ['sft', 'sft'] names sft more than once"]),

@@ -121,6 +121,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         if "=" not in item:
             raise ConfigError(f"override '{item}': expected dotted.key=value, e.g. dpo.beta=0.2")
         key, text = item.split("=", 1)
+        if not key.strip():
+            raise ConfigError(f"override '{item}': no key before '='; expected dotted.key=value, e.g. dpo.beta=0.2")
+        if not text.strip():
+            raise ConfigError(f"override '{item}': no value after '='; give one, or `{key.strip()}=null` to unset it")
         parts = key.strip().split(".")
         stages = raw.get("stages") if isinstance(raw.get("stages"), dict) else {}
         dotted = [n for n in stages if isinstance(n, str) and "." in n and key.strip().startswith(n + ".")]

@@ -170,7 +170,9 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
         return value
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
+            hint = ("; YAML reads yes/no/on/off/true/false as a boolean: quote the word" if isinstance(value, bool)
+                    else "; YAML read it as a number or a date: quote it" if value is not None else "")
+            raise ConfigError(f"{where}: expected a string, got {value!r}{hint}")
         return value
     if tp is Any:
         return value
