@@ -111,7 +111,7 @@ def test_autocast_keeps_a_bf16_copy_of_every_weight_as_the_estimate_counts_it():
     cfg = transformers.LlamaConfig(hidden_size=h, intermediate_size=inter, num_attention_heads=heads,
                                    num_key_value_heads=kv, vocab_size=64)
     one, two = (_build(cfg, n, "float32", None, False) for n in (1, 2))
-    layer = [_saved(two, "sdpa", s, True) - _saved(one, "sdpa", s, True) for s in PROBE_TOKENS]
+    layer = [sum(_saved(two, "sdpa", s, True)) - sum(_saved(one, "sdpa", s, True)) for s in PROBE_TOKENS]
     constant, _, _ = fit(PROBE_TOKENS, layer)
     weights = 2 * h * h + 2 * h * (h // heads * kv) + 3 * h * inter  # q, o; k, v (grouped); gate, up, down
     assert constant == pytest.approx(2 * weights, abs=1)
@@ -132,10 +132,35 @@ def test_the_narrowed_probe_keeps_at_least_what_the_full_width_layer_keeps(famil
     probe = layer_probe(cfg)
     assert probe["probe_note"] == ""
     cfg.vocab_size, cfg.pad_token_id = 64, None
-    full, narrowed = _measure(cfg, 1, "bfloat16", False, None, False), probe["activations"]["bf16"]
+    full, narrowed = _measure([cfg], 1, "bfloat16", False, None, False), probe["activations"]["bf16"]
     assert full["token"] <= narrowed["token"] <= 1.02 * full["token"], (narrowed, full)
     assert narrowed["eager_pair"] == pytest.approx(full["eager_pair"], rel=0.01)
     assert narrowed["sdpa_pair"] == pytest.approx(full["sdpa_pair"], abs=0.01)
+
+
+def test_each_kind_of_layer_in_a_stack_is_measured_and_a_torn_cache_entry_is_measured_again(tmp_path, monkeypatch):
+    """A stack of several kinds of layer (Gemma 3: sliding-window layers, every sixth full attention) was measured by
+    its second layer alone: the probe also builds a copy whose second layer is each other kind, and keeps the
+    largest figure. A cached answer that is not the probe's shape is measured again, not trusted."""
+    import json
+
+    import transformers
+
+    from align.modeling import activations
+
+    monkeypatch.setenv("ALIGN_CACHE", str(tmp_path))
+    cfg = transformers.Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=16, vocab_size=64, num_hidden_layers=6,
+                                        sliding_window=24, layer_types=["sliding_attention"] * 5 + ["full_attention"])
+    stacks = activations._stacks(cfg)
+    assert [c.layer_types[1] for c in stacks] == ["sliding_attention", "full_attention"]
+    found = activations.layer_probe(cfg)
+    (entry,) = (tmp_path / "layer-probe").glob("*.json")
+    entry.write_text(json.dumps({"activations": {"bf16": {"token": "lots"}}, "lora_activations": [],
+                                 "probe_note": ""}))
+    assert activations.layer_probe(cfg) == found  # measured again
+    entry.write_text("[1, 2")
+    assert activations.layer_probe(cfg) == found
 
 
 def test_a_layer_too_large_to_probe_here_is_not_built():
@@ -181,9 +206,12 @@ def test_lora_is_estimated_with_its_own_adapters_which_can_keep_more_than_full_t
     assert with_lora - full == 2 * S * B * (acts[variant]["token"] - acts["bf16"]["token"]) - head > 0 and not notes
     unmeasured = {k: dataclasses.replace(v, activations={n: a for n, a in v.activations.items() if n != variant})
                   for k, v in shapes.items()}
-    as_full, notes = activations(cfg.stages["sft"], unmeasured)
-    assert as_full == full - head and notes == {"activations of stage 'sft': its LoRA setting was not measured; counted "
-                                         "as full training"}
+    guessed, notes = activations(cfg.stages["sft"], unmeasured)
+    assert guessed - (full - head) == pytest.approx(2 * S * B * 1.2 * acts["bf16"]["token"], abs=2)
+    assert notes == {"activations of stage 'sft': its LoRA setting was not measured; counted 2.2x training without "
+                     "adapters"}
+    in_fp32, _ = training_variant(lora, "ddp", "auto", "float32", True)  # precision float32: LoRA in fp32, measured
+    assert in_fp32 == variant.rsplit(" ", 1)[0] + " fp32" and acts[in_fp32]["token"] > acts["fp32"]["token"]
 
 
 def test_trl_fused_head_at_8b_holds_tiles_and_the_heads_gradient_not_the_logits():
@@ -232,8 +260,8 @@ def test_per_gpu_bytes_follow_deepspeed_arithmetic(tiny_cfg, tiny_shapes):
 def test_eager_attention_keeps_the_scores_that_sdpa_recomputes(tiny_cfg, tiny_shapes):
     """attn_implementation eager: the scores too, 6a bytes per query-key pair per layer as the probe measured them
     (the first GPU proof, 2026-11-27: counting them for SDPA put a 1B SFT at 2,048 tokens at ~120 GiB and refused it).
-    Where the probe could not run, Korthikanti et al. eq. 1 whole, s*b*h*(34 + 5*a*s/h) per layer (SDPA: 34 and one
-    16-bit mask), and the table says so."""
+    Where the probe could not run, a conservative 96h per token and 6a per pair (Korthikanti et al.'s GPT-3 figures,
+    34h and 5a, are below what transformers' layers keep), and the table says so."""
     import dataclasses
 
     from align.orchestrator.estimate import estimate_pipeline
@@ -251,12 +279,14 @@ def test_eager_attention_keeps_the_scores_that_sdpa_recomputes(tiny_cfg, tiny_sh
     sdpa = sft(dataclasses.replace(tiny_cfg, attn_implementation="sdpa"), tiny_shapes).parts["zero2"]["activations"]
     assert sdpa == 2 * (S * B * ac + 2 * B * S * S) + TINY_COPIES + FUSED_TINY < eager  # auto's (the test above)
     note = "the layer probe could not run (RuntimeError: made up)"
-    korthikanti = {k: dataclasses.replace(v, activations={}, probe_note=note) for k, v in tiny_shapes.items()}
-    old = sft(eager_cfg, korthikanti)
-    assert old.parts["zero2"]["activations"] == 2 * S * B * H * (34 + 5 * HEADS * S / H) + TINY_COPIES + FUSED_TINY
-    assert sft(tiny_cfg, korthikanti).parts["zero2"]["activations"] == \
-        2 * (S * B * H * 34 + 2 * B * S * S) + TINY_COPIES + FUSED_TINY
-    assert old.notes == {f"activations: Korthikanti et al.'s formula, not measured ({note})"}
+    unmeasured = {k: dataclasses.replace(v, activations={}, probe_note=note) for k, v in tiny_shapes.items()}
+    guessed = sft(eager_cfg, unmeasured)
+    assert guessed.parts["zero2"]["activations"] == 2 * (S * B * 96 * H + 6 * HEADS * S * S * B) + TINY_COPIES \
+        + FUSED_TINY
+    assert sft(tiny_cfg, unmeasured).parts["zero2"]["activations"] == \
+        2 * (S * B * 96 * H + 2 * B * S * S) + TINY_COPIES + FUSED_TINY
+    assert guessed.notes == {f"activations: not measured ({note}); counted 96h bytes per token per layer"}
+    assert 96 * H > max(v["token"] for v in tiny_shapes["lm"].activations.values() if v is not None) / 2
 
 
 def test_a_left_padded_stage_run_padded_is_estimated_with_the_eager_scores_it_keeps(tiny_cfg, tiny_shapes):
@@ -406,8 +436,8 @@ def test_ppo_with_lora_holds_no_reference_and_trains_only_adapters(tiny_cfg, tin
     source = REPO / "pipelines" / "default.yaml"
     full = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg), shapes=tiny_shapes)}["ppo"]
     tiny_cfg.stages["ppo"].lora = PPOLoraSettings(enabled=True, r=4, target_modules=["q_proj", "v_proj"])
-    try:
-        lora = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg), shapes=tiny_shapes)}["ppo"]
+    try:  # the shapes measured with this LoRA setting (the helper probes each setting the pipeline has)
+        lora = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg))}["ppo"]
     finally:
         tiny_cfg.stages["ppo"].lora = PPOLoraSettings()
     assert [h.role for h in full.held] == ["policy", "value", "reference", "reward"]
@@ -417,7 +447,8 @@ def test_ppo_with_lora_holds_no_reference_and_trains_only_adapters(tiny_cfg, tin
     assert lora.parts["zero3"]["frozen_weights"] == full.parts["zero3"]["frozen_weights"] == sharded
     saving = full.parts["zero3"]["trained_states"] - lora.parts["zero3"]["trained_states"]
     assert saving == 4 * LARGEST + int(18 * (P_LM + P_RM) / 8) - (4 * 256 + int(18 * 2080 / 8))
-    assert full.bytes_by_mode["zero3"] - lora.bytes_by_mode["zero3"] == saving
+    acts = full.parts["zero3"]["activations"] - lora.parts["zero3"]["activations"]  # each its own layers', measured
+    assert full.bytes_by_mode["zero3"] - lora.bytes_by_mode["zero3"] == saving + acts and not lora.notes
 
 
 PYTHIA_LM, PYTHIA_RM = 1_011_781_632, 1_011_781_632 - 50304 * 2048 + 2048  # the RM drops embed_out, adds a score

@@ -39,51 +39,85 @@ narrowed with it."""
 KV_HEADS = ("num_key_value_heads", "num_kv_heads")  # Falcon names them num_kv_heads
 MAX_NARROWING = 8  # widths a config has that WIDTHS does not name (MLA ranks, Mamba's) stay: k stays small
 MAX_LAYER_PARAMS = 150_000_000
-"""The largest narrowed layer the probe builds (in CPU memory, fp32 for two of its variants: ~1.8 GB for its two
-models): Llama-3-70B's narrows to ~61M; a larger one (Llama-3.1-405B's, ~230M) is not probed here."""
+"""The largest narrowed layer the probe builds (in CPU memory, fp32 for some variants): Llama-3-70B's narrows to
+~54M parameters; Llama-3.1-405B's (~199M) is not probed here."""
 PROBE_TOKENS = (16, 32, 64)
 VARIANTS = {"bf16": ("bfloat16", False), "autocast": ("float32", True), "fp32": ("float32", False)}
 """How a trained model's layers may compute: 16-bit weights (DeepSpeed's bf16, or `dtype: bfloat16`), fp32 weights
 under bf16 autocast (outside DeepSpeed with `dtype: auto` on a GPU), fp32 throughout (`precision: float32`, CPUs)."""
 LORA_VARIANTS = {"bf16": ("bfloat16", False, False), "autocast": ("float32", True, True),
-                 "bf16+fp32 adapters": ("bfloat16", False, True)}
-"""LoRA's: base and adapters in bf16 (DeepSpeed casts the whole module), fp32 base and adapters under autocast
-(outside DeepSpeed), a bf16 base with fp32 adapters (QLoRA's compute dtype, peft's autocast_adapter_dtype)."""
+                 "bf16+fp32 adapters": ("bfloat16", False, True), "fp32": ("float32", False, True)}
+"""LoRA's: base and adapters in bf16 (DeepSpeed ZeRO-1/2 casts every parameter; under ZeRO-3 the adapters keep the
+base's dtype, align/modeling/lora.py), fp32 base and adapters under autocast (outside DeepSpeed), a 16-bit base with
+fp32 adapters (peft's autocast_adapter_dtype outside DeepSpeed; QLoRA's 4-bit base, whose other parameters peft
+keeps in fp32, is measured as this), and fp32 throughout."""
 
 
 def layer_probe(config, loras: list[dict[str, Any]] = (), trust_remote_code: bool = False) -> dict[str, Any]:
     """{"activations": {variant: {"token": bytes per token, "sdpa_pair": bytes per query-key pair with SDPA,
     "eager_pair": with eager attention}}, "lora_activations": [{variant: ...}], "probe_note": ""}: every VARIANTS
     entry, and for each LoRA setting of `loras` ({"r", "dropout", "targets"}, in that order) each LORA_VARIANTS
-    entry; or no measures and a note saying why (the estimate then counts Korthikanti et al.'s formula and says so)."""
-    key = _cache_key(config, loras, trust_remote_code)
-    cached = cache_root() / "layer-probe" / f"{key}.json"
+    entry (empty for a setting that could not be measured: the note says why); or no measures and a note saying
+    why (the estimate then counts a conservative formula and says so)."""
     try:
-        return json.loads(cached.read_text())
-    except (OSError, ValueError):
-        pass
-    try:
+        cached = cache_root() / "layer-probe" / f"{_cache_key(config, loras, trust_remote_code)}.json"
         text = config.get_text_config()  # a composite (vision beside text): its decoder
         k = narrowing(text)
         small = scaled(text, 1, k)
         small.vocab_size, small.pad_token_id = 64, None
-        params = _layer_params(small, trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 -- a model's own config code may raise anything: said, never a traceback
+        return _unmeasured(f"the layer probe could not run ({_why(exc)})")
+    found = _read_cached(cached)
+    if found is not None:
+        return found
+    try:
+        stacks = _stacks(small)
+        params = max(_layer_params(c, trust_remote_code) for c in stacks)
         if params > MAX_LAYER_PARAMS:
-            return {"activations": {}, "lora_activations": [], "probe_note": f"the layer probe was not run: a layer narrowed by {k} still has "
-                                                      f"{params:,} parameters (more than {MAX_LAYER_PARAMS:,})"}
-        out = {name: _measure(small, k, dtype, autocast, None, trust_remote_code)
+            return _unmeasured(f"the layer probe was not run: a layer narrowed by {k} still has {params:,} "
+                               f"parameters (more than {MAX_LAYER_PARAMS:,})")
+        out = {name: _measure(stacks, k, dtype, autocast, None, trust_remote_code)
                for name, (dtype, autocast) in VARIANTS.items()}
-        adapted = [{name: _measure(small, k, dtype, autocast, {**lora, "fp32": fp32_adapters}, trust_remote_code)
-                    for name, (dtype, autocast, fp32_adapters) in LORA_VARIANTS.items()} for lora in loras]
-        found = {"activations": out, "lora_activations": adapted, "probe_note": ""}
     except Exception as exc:  # noqa: BLE001 -- a model's own code may raise anything; the estimate says so, and why
-        why = str(exc).splitlines()[0][:200] if str(exc) else ""
-        return {"activations": {}, "lora_activations": [], "probe_note": f"the layer probe could not run ({type(exc).__name__}: {why})"}
+        return _unmeasured(f"the layer probe could not run ({_why(exc)})")
+    adapted, notes = [], []
+    for lora in loras:
+        try:
+            adapted.append({name: _measure(stacks, k, dtype, autocast, {**lora, "fp32": fp32}, trust_remote_code)
+                            for name, (dtype, autocast, fp32) in LORA_VARIANTS.items()})
+        except Exception as exc:  # noqa: BLE001 -- e.g. peft refusing a target: this setting alone is unmeasured
+            adapted.append({})
+            notes.append(f"LoRA r={lora['r']} targets={lora['targets']} could not be probed ({_why(exc)})")
+    found = {"activations": out, "lora_activations": adapted, "probe_note": "; ".join(notes)}
     try:
         atomic_write_json(cached, found)
     except OSError:  # a read-only or full cache: measured again next time
         pass
     return found
+
+
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+
+
+def _unmeasured(note: str) -> dict[str, Any]:
+    return {"activations": {}, "lora_activations": [], "probe_note": note}
+
+
+def _read_cached(path: Path) -> dict[str, Any] | None:
+    """A cached answer of the right shape, else None (absent, torn, or written by something else: measured again)."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    measures = [found.get("activations")] + list(found.get("lora_activations") or []) if isinstance(found, dict) \
+        else [None]
+    ok = isinstance(found, dict) and isinstance(found.get("probe_note"), str) and isinstance(
+        found.get("lora_activations"), list) and all(
+        isinstance(m, dict) and all(isinstance(v, dict) and all(isinstance(v.get(t), (int, float)) for t in
+                                                                 ("token", "sdpa_pair", "eager_pair"))
+                                    for v in m.values()) for m in measures)
+    return found if ok else None
 
 
 def _cache_key(config, loras, trust_remote_code: bool) -> str:
@@ -97,13 +131,13 @@ def _cache_key(config, loras, trust_remote_code: bool) -> str:
 def narrowing(config) -> int:
     """The probe's k: the largest common divisor of the heads, key/value heads and every width, at most
     MAX_NARROWING, that leaves at least 2 heads and 2 key/value heads where there were (a single head makes a
-    transposed copy a view: a layer would keep less than the model's)."""
+    transposed copy a view: a layer would keep less than the model's); 1 when none does."""
     heads = config.num_attention_heads
     kv = next((getattr(config, f) for f in KV_HEADS if getattr(config, f, None)), heads)
     widths = [getattr(config, f) for f in WIDTHS if isinstance(getattr(config, f, None), int)]
     common = math.gcd(heads, kv, config.hidden_size, *widths)
-    return max(k for k in range(1, min(common, MAX_NARROWING) + 1)
-               if common % k == 0 and heads // k >= 2 and (kv < 2 or kv // k >= 2))
+    return max((k for k in range(1, min(common, MAX_NARROWING) + 1)
+                if common % k == 0 and heads // k >= 2 and (kv < 2 or kv // k >= 2)), default=1)
 
 
 def scaled(config, num: int, den: int):
@@ -118,6 +152,33 @@ def scaled(config, num: int, den: int):
     return small
 
 
+def _stacks(config) -> list:
+    """Copies of `config` whose second layer (the one measured) is each kind of layer its stack holds: each distinct
+    entry of `layer_types` / `mlp_layer_types` (sliding or full attention, linear attention), and where some layers
+    are dense and others a mixture of experts (DeepSeek's first_k_dense_replace, Qwen-MoE's mlp_only_layers and
+    decoder_sparse_step), an expert layer too. The largest figure of each term counts."""
+    out = [config]
+    for f in ("layer_types", "mlp_layer_types"):
+        kinds = getattr(config, f, None)
+        if isinstance(kinds, list) and len(kinds) > 1:
+            out += [_edited(config, **{f: [kinds[0], kind, *kinds[2:]]}) for kind in dict.fromkeys(kinds)
+                    if kind != kinds[1]]
+    if isinstance(getattr(config, "first_k_dense_replace", None), int):  # layers before it dense, after it experts
+        out += [_edited(config, first_k_dense_replace=n) for n in (1, 2) if n != config.first_k_dense_replace]
+    if getattr(config, "mlp_only_layers", None):  # these layers dense, the others experts
+        out += [_edited(config, mlp_only_layers=[]), _edited(config, mlp_only_layers=[1])]
+    if isinstance(getattr(config, "decoder_sparse_step", None), int) and config.decoder_sparse_step > 1:
+        out.append(_edited(config, decoder_sparse_step=1))
+    return out
+
+
+def _edited(config, **fields):
+    cfg = copy.deepcopy(config)
+    for name, value in fields.items():
+        setattr(cfg, name, value)
+    return cfg
+
+
 def _layers(config, layers: int):
     """A copy of `config` with `layers` decoder layers (and its per-layer type lists cut to them)."""
     cfg = copy.deepcopy(config)
@@ -129,7 +190,7 @@ def _layers(config, layers: int):
 
 
 def _layer_params(config, trust_remote_code: bool) -> int:
-    """Parameters of one decoder layer of `config`, built on the meta device (nothing allocated)."""
+    """Parameters of the second decoder layer of `config`, built on the meta device (nothing allocated)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -141,16 +202,23 @@ def _layer_params(config, trust_remote_code: bool) -> int:
     return counts[1] - counts[0]
 
 
-def _measure(config, k: int, dtype: str, autocast: bool, lora: dict[str, Any] | None,
+def _measure(stacks: list, k: int, dtype: str, autocast: bool, lora: dict[str, Any] | None,
              trust_remote_code: bool) -> dict[str, float]:
-    one, two = (_build(config, n, dtype, lora, trust_remote_code) for n in (1, 2))
-    found = {}
-    for attention in ("sdpa", "eager"):
-        layer = [_saved(two, attention, s, autocast) - _saved(one, attention, s, autocast) for s in PROBE_TOKENS]
-        found[attention] = fit(PROBE_TOKENS, layer)
-    (_, token, mask), (_, _, scores) = found["sdpa"], found["eager"]
-    return {"token": k * token, "sdpa_pair": mask if mask <= 4 else k * mask,  # a 16-bit mask per sequence, or
-            "eager_pair": k * max(scores, 0.0)}  # per-head scores a kernel kept: those narrowed with the heads
+    """The largest of each term over `stacks` (the kinds of layer), per the full model: bytes per token and the
+    scores' bytes per pair times k (they narrow with the width and the heads), a mask's bytes per pair as found
+    (one per sequence, broadcast over the heads: the narrowing leaves it whole)."""
+    found = {"token": 0.0, "sdpa_pair": 0.0, "eager_pair": 0.0}
+    for config in stacks:
+        one, two = (_build(config, n, dtype, lora, trust_remote_code) for n in (1, 2))
+        for attention in ("sdpa", "eager"):
+            rest, masks = zip(*[(a - c, b - d) for (a, b), (c, d) in
+                                ((_saved(two, attention, s, autocast), _saved(one, attention, s, autocast))
+                                 for s in PROBE_TOKENS)])
+            (_, token, pair), (_, _, mask) = fit(PROBE_TOKENS, list(rest)), fit(PROBE_TOKENS, list(masks))
+            if attention == "sdpa":
+                found["token"] = max(found["token"], k * token)
+            found[f"{attention}_pair"] = max(found[f"{attention}_pair"], max(mask, 0.0) + k * max(pair, 0.0))
+    return found
 
 
 def fit(tokens: tuple[int, int, int], found: list[int]) -> tuple[float, float, float]:
@@ -178,19 +246,20 @@ def _build(config, layers: int, dtype: str, lora: dict[str, Any] | None, trust_r
     return model.train()
 
 
-def _saved(model, attention: str, tokens: int, autocast: bool) -> int:
+def _saved(model, attention: str, tokens: int, autocast: bool) -> tuple[int, int]:
     """Bytes of the storages autograd saves in one forward of `tokens` tokens (one sequence, its first position
-    padding), the model's weights left out."""
+    padding), the model's weights left out: (everything else, attention masks: (1, 1, s, s) tensors)."""
     import torch
 
     model.set_attn_implementation(attention)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept: dict[int, int] = {}
+    kept: dict[int, tuple[int, bool]] = {}
 
     def pack(t):
         storage = t.untyped_storage()
         if storage.data_ptr() not in weights:
-            kept[storage.data_ptr()] = storage.nbytes()
+            is_mask = t.dim() == 4 and t.shape[1] == 1 and t.shape[-1] == t.shape[-2] == tokens
+            kept[storage.data_ptr()] = (storage.nbytes(), is_mask)
         return t
 
     mask = torch.ones(1, tokens, dtype=torch.long)
@@ -198,4 +267,4 @@ def _saved(model, attention: str, tokens: int, autocast: bool) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             torch.autocast("cpu", torch.bfloat16, enabled=autocast):
         model(input_ids=torch.zeros(1, tokens, dtype=torch.long), attention_mask=mask)
-    return sum(kept.values())
+    return (sum(n for n, is_mask in kept.values() if not is_mask), sum(n for n, is_mask in kept.values() if is_mask))

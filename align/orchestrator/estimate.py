@@ -18,8 +18,8 @@ under each parallelism mode. The parts, all per GPU, with N = GPUs in the job:
   on narrowed copies of the model (align/modeling/activations.py), per token and per query-key pair (SDPA: the mask
   it is handed, one per sequence; eager: the scores), for the way the stage trains (`training_variant`: bf16
   weights, fp32 weights under bf16 autocast plus autocast's 16-bit weight copies, fp32, and with LoRA the stage's
-  own adapters: a Llama-3 layer ~52h bytes per token in bf16); unmeasured, Korthikanti et al. 2022 eq. 1 (GPT-3's
-  34h per token, 5a per pair with eager), said below the table; plus the logits and their gradient in fp32
+  own adapters: a Llama-3 layer ~52h bytes per token in bf16); unmeasured, a conservative 96h per token (where
+  Korthikanti et al. 2022's GPT-3 figure is 34h), said below the table; plus the logits and their gradient in fp32
   (8*s*b*V bytes), except
   where a fused head never holds them: PPO's (one chunk's, `logit_tokens`) and TRL's in every TRL trainer (tiles
   and the head's fp32 gradient, align/orchestrator/memory.py `trl_fused_head_bytes`);
@@ -60,8 +60,8 @@ from align.config import PipelineConfig, StageBase
 from align.orchestrator.hardware import Hardware
 from align.orchestrator.inputs import resolve_model_paths
 from align.orchestrator.launch import accelerate_config, accelerate_mode, is_distributed, processes_per_node
-from align.orchestrator.memory import (EstimateError, ModelShape, activation_bytes, frozen_bytes, kv_cache_bytes,
-                                      lora_key, lora_layers, lora_params, model_state_bytes, qlora_base_bytes,
+from align.orchestrator.memory import (FALLBACK_TOKEN_H, LORA_UNMEASURED, EstimateError, ModelShape,
+                                      activation_bytes, frozen_bytes, kv_cache_bytes, lora_key, lora_layers, lora_params, model_state_bytes, qlora_base_bytes,
                                       trl_fused_head_bytes)
 from align.orchestrator.plan import StagePlan, build_plan
 
@@ -190,10 +190,11 @@ def training_variant(lora, mode: str, dtype: str, precision: str, on_gpu: bool) 
     """How a stage's trained layers compute, as (the layer probe's variant, the base variant without LoRA): fp32
     where the stage computes in fp32 (`precision: float32`, or `auto` off a GPU); else fp32 weights under bf16
     autocast where they are fp32 (`dtype: float32`, or `auto` outside DeepSpeed: the stage process's weights_dtype),
-    else bf16. LoRA: under DeepSpeed base and adapters in bf16 (DeepSpeed casts the module), outside it fp32 under
-    autocast, and a bf16 or 4-bit base with fp32 adapters (peft's autocast_adapter_dtype; QLoRA)."""
+    else bf16. LoRA: under DeepSpeed base and adapters in bf16 (ZeRO-1/2 casts every parameter; under ZeRO-3 the
+    adapters keep the base's dtype), outside it fp32 under autocast, a 16-bit base with fp32 adapters (peft's
+    autocast_adapter_dtype), QLoRA measured as that (its 4-bit base's other parameters are fp32), fp32 in fp32."""
     if (not on_gpu and precision == "auto") or precision == "float32":
-        return "fp32", "fp32"
+        return (lora_key(lora_spec(lora), "fp32") if lora is not None else "fp32"), "fp32"
     fp32_weights = dtype == "float32" or (dtype == "auto" and mode == "ddp")
     base = "autocast" if fp32_weights else "bf16"
     if lora is None:
@@ -209,12 +210,15 @@ def _activations(est: StageEstimate, h: Held, variant: tuple[str, str], batch: i
     measured and what was counted instead."""
     wanted, base = variant
     chosen = wanted if wanted in h.shape.activations else base
-    if chosen not in h.shape.activations:
-        est.notes.add(f"activations: Korthikanti et al.'s formula, not measured ({h.shape.probe_note})")
-    elif chosen != wanted:
-        est.notes.add(f"activations of stage '{est.name}': its LoRA setting was not measured; counted as full "
-                      "training")
-    return activation_bytes(h.shape, batch, seq, h.role == "policy" and unfused, recompute, chunk, eager, chosen)
+    if base not in h.shape.activations:
+        est.notes.add(f"activations: not measured ({h.shape.probe_note}); counted {FALLBACK_TOKEN_H}h bytes per "
+                      "token per layer")
+    if chosen != wanted:
+        est.notes.add(f"activations of stage '{est.name}': its LoRA setting was not measured"
+                      + (f" ({h.shape.probe_note})" if h.shape.probe_note else "")
+                      + f"; counted {LORA_UNMEASURED}x training without adapters")
+    return activation_bytes(h.shape, batch, seq, h.role == "policy" and unfused, recompute, chunk, eager, chosen,
+                            lora_unmeasured=chosen != wanted)
 
 
 def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], shapes: dict[str, ModelShape],

@@ -40,7 +40,7 @@ class ModelShape:
     """What one decoder layer keeps for backward, measured by the helper (align/modeling/activations.py) per way of
     training (`bf16`, `autocast`, `fp32`, and each LoRA setting's): bytes per token (`token`) and per query-key pair
     (`sdpa_pair`: the mask SDPA is handed; `eager_pair`: eager's scores). Empty: unmeasured (`probe_note` says why),
-    and Korthikanti et al.'s formula is counted instead."""
+    and a conservative figure is counted instead (`activation_bytes`)."""
     probe_note: str = ""
 
 
@@ -85,25 +85,38 @@ def frozen_bytes(mode: str, params: int, largest_layer: int, gpus: int, dtype_by
     return dtype_bytes * params
 
 
+FALLBACK_TOKEN_H = 96
+"""Bytes per token per unit of width per layer counted for a layer the probe could not measure (16-bit; twice in
+fp32): above every family measured here (a Llama-3 layer 52, Gemma 3's ~72, GPT-2's ~91 with its tanh GELU), where
+Korthikanti et al.'s GPT-3 figure is 34."""
+LORA_UNMEASURED = 2.2
+"""A LoRA setting the probe could not measure counts its base's figure this many times: the most measured here
+(fp32 adapters on every linear layer of a Llama, with dropout: 114h against 52h)."""
+
+
 def activation_bytes(shape: ModelShape, batch: int, seq: int, logits: bool = True, checkpointing: bool = False,
-                     logit_tokens: int | None = None, eager: bool = False, variant: str = "bf16") -> int:
+                     logit_tokens: int | None = None, eager: bool = False, variant: str = "bf16",
+                     lora_unmeasured: bool = False) -> int:
     """One micro-batch's activations kept for backward, for a model trained as `variant` (a key of
     `shape.activations`: `bf16`, `autocast`, `fp32` or a LoRA setting's), plus, for a language model, the fp32
     logits and their gradient (a scalar head's output is negligible) of every token, or with `logit_tokens` (PPO's
     fused head) one chunk's recomputed logits and what its backward makes of them (~6 fp32 copies).
     Per layer: the measured bytes per token times s*b, and per query-key pair times s*s*b (SDPA: its mask; eager:
-    the scores); unmeasured, Korthikanti et al. 2022 eq. 1: 34h per token, 5a per pair with eager, one 16-bit mask
-    with SDPA (twice as many bytes in fp32). Under autocast, the 16-bit copies it makes of every weight, kept for
-    backward: 2 bytes a weight of the layers' linear layers. With gradient checkpointing (full recomputation,
-    Korthikanti et al. sec. 4) only each layer's input is kept (2 bytes per element, 4 where the residual stream is
-    fp32: autocast, fp32), plus one layer's activations while it is recomputed."""
+    the scores); unmeasured, FALLBACK_TOKEN_H * h per token, 6a per pair with eager, one 16-bit mask with SDPA (twice
+    as many bytes in fp32); `lora_unmeasured`: a LoRA setting measured only without its adapters, LORA_UNMEASURED
+    times. Under autocast, the 16-bit copies it makes of every weight, kept for backward: 2 bytes a weight of the
+    layers' linear layers. With gradient checkpointing (full recomputation, Korthikanti et al. 2022 sec. 4) only
+    each layer's input is kept (2 bytes per element, 4 where the residual stream is fp32: autocast, fp32, fp32
+    adapters and QLoRA's fp32 norms), plus one layer's activations while it is recomputed."""
     s, b, h, a = seq, batch, shape.hidden, shape.heads
-    wide = variant == "fp32" or variant.endswith("autocast")  # fp32 residual stream
+    wide = variant == "fp32" or variant.endswith((" fp32", "autocast", "fp32 adapters"))  # fp32 residual stream
     measured = shape.activations.get(variant)
     if measured:
         token, pair = measured["token"], measured["eager_pair" if eager else "sdpa_pair"]
     else:
-        token, pair = 34 * h * (1 + (variant == "fp32")), (5 * a if eager else 2) * (1 + (variant == "fp32"))
+        fp32 = 1 + (variant == "fp32" or variant.endswith(" fp32"))
+        token, pair = FALLBACK_TOKEN_H * h * fp32, (6 * a if eager else 2) * fp32
+    token *= LORA_UNMEASURED if lora_unmeasured else 1
     per_layer = s * b * token + pair * s * s * b
     kept = shape.layers * (2 + 2 * wide) * s * b * h + per_layer if checkpointing else shape.layers * per_layer
     if variant.endswith("autocast"):
