@@ -5,6 +5,7 @@ stage-type contract that uses them is align/config/contract.py. No torch here.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,18 +80,15 @@ class LoraSettings:
     the merged 16/32-bit model."""
 
     def check(self) -> None:
-        """`align validate`: targets named where LoRA is on; QLoRA only with LoRA on, bitsandbytes installed and a
-        CUDA GPU present."""
+        """`align validate`: targets named where LoRA is on; QLoRA only with LoRA on, bitsandbytes and a CUDA GPU."""
         if self.enabled and not [t for t in self.target_modules if str(t).strip()]:
             raise ValueError(f"lora.target_modules: {self.target_modules} names no layer, so no adapter would train; "
-                             "name the linear layers to adapt (e.g. [q_proj, k_proj, v_proj, o_proj])")
+                             "name the linear layers to adapt (e.g. [q_proj, v_proj])")
         if self.quantize == "none":
             return
         if not self.enabled:
             raise ValueError(f"lora.quantize: '{self.quantize}' quantizes the frozen base under LoRA adapters; set "
                              "lora.enabled: true, or lora.quantize: none")
-        import importlib.util
-
         if importlib.util.find_spec("bitsandbytes") is None:
             raise ValueError(f"lora.quantize: '{self.quantize}' needs the bitsandbytes package, which is not "
                              "installed; `pip install 'align[qlora]'` on a CUDA machine, or set lora.quantize: none")
@@ -256,8 +254,7 @@ class PairwiseJudge:
             path = (base_dir / self.template)
             if not path.is_file():
                 raise ValueError(f"{where}.template: '{self.template}' not found (looked for {path.resolve()})")
-            problem = template_problem(path.read_text(encoding="utf-8"))
-            if problem:
+            if problem := template_problem(path.read_text(encoding="utf-8")):
                 raise ValueError(f"{where}.template: {path.resolve()}: {problem}")
         if self.base_url:
             url = self.base_url.rstrip("/")
@@ -271,12 +268,10 @@ class PairwiseJudge:
             if self.key_env and not os.environ.get(self.key_env):
                 raise ValueError(f"{where}.key_env: the variable {self.key_env} is not set (or empty); export "
                                  f"it with the endpoint's key before running")
-            problem = header_value_problem(self.key_env) if self.key_env else None
-            if problem:
+            if self.key_env and (problem := header_value_problem(self.key_env)):
                 raise ValueError(f"{where}.key_env: {problem}")
-            problem = endpoint_problem(self.base_url, os.environ.get(self.key_env or "", ""), min(self.timeout, 10),
-                                       self.model)
-            if problem:
+            if problem := endpoint_problem(self.base_url, os.environ.get(self.key_env or "", ""),
+                                           min(self.timeout, 10), self.model):
                 raise ValueError(f"{where}.base_url: {self.base_url}: {problem}")
         elif self.model.startswith(PACKAGED):
             from align.core.packaged import PackagedError, resolve

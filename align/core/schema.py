@@ -115,6 +115,13 @@ def closest(name: str, options: list[str]) -> str:
     return f"; did you mean '{match[0]}'?" if match else f"; valid keys: {', '.join(sorted(options))}"
 
 
+def _yaml_hint(value: Any) -> str:
+    """Why YAML gave a non-string where a string was meant: an unquoted yes/no/on/off, a number or a date."""
+    if isinstance(value, bool):
+        return "; YAML reads yes/no/on/off/true/false as a boolean: quote the word"
+    return "; YAML read it as a number or a date: quote it" if value is not None else ""
+
+
 def coerce(value: Any, tp: Any, where: str) -> Any:
     """Check `value` against the annotation `tp` (after `from __future__` evaluation)."""
     origin = typing.get_origin(tp)
@@ -170,9 +177,7 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
         return value
     if tp is str:
         if not isinstance(value, str):
-            hint = ("; YAML reads yes/no/on/off/true/false as a boolean: quote the word" if isinstance(value, bool)
-                    else "; YAML read it as a number or a date: quote it" if value is not None else "")
-            raise ConfigError(f"{where}: expected a string, got {value!r}{hint}")
+            raise ConfigError(f"{where}: expected a string, got {value!r}{_yaml_hint(value)}")
         return value
     if tp is Any:
         return value

@@ -165,7 +165,11 @@ def load_card(path: str | Path) -> DataCard:
             raise DataCardError(f"{path}: field 'source.splits' names the dataset's own splits; remove "
                                 f"{'`splits:`' if raw.get('splits') else '`source.split`'} (nothing is re-split)")
         return card
-    fractions = {k: v for k, v in card.splits.items() if k != "seed"}
+    _check_fractions(path, {k: v for k, v in card.splits.items() if k != "seed"})
+    return card
+
+
+def _check_fractions(path: Path, fractions: dict[str, Any]) -> None:
     wrong = {k: v for k, v in fractions.items() if isinstance(v, bool) or not isinstance(v, (int, float))
              or not math.isfinite(v)}
     if wrong:
@@ -174,7 +178,6 @@ def load_card(path: str | Path) -> DataCard:
                             + "; write e.g. {train: 0.9, test: 0.1} (unquoted)")
     if not fractions or any(v < 0 for v in fractions.values()) or abs(sum(fractions.values()) - 1.0) > 1e-6:
         raise DataCardError(f"{path}: field 'splits': fractions must be >= 0 and sum to 1, got {fractions}")
-    return card
 
 
 def _fraction(path: Path, value: Any) -> float:
