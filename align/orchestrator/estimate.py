@@ -61,8 +61,8 @@ from align.orchestrator.hardware import Hardware
 from align.orchestrator.inputs import resolve_model_paths
 from align.orchestrator.launch import accelerate_config, accelerate_mode, is_distributed, processes_per_node
 from align.orchestrator.memory import (FALLBACK_TOKEN_H, LORA_UNMEASURED, EstimateError, ModelShape,
-                                      activation_bytes, frozen_bytes, kv_cache_bytes, lora_key, lora_layers, lora_params, model_state_bytes, qlora_base_bytes,
-                                      trl_fused_head_bytes)
+                                      activation_bytes, frozen_bytes, kv_cache_bytes, lora_key, lora_layers,
+                                      lora_params, model_state_bytes, qlora_base_bytes, trl_fused_head_bytes)
 from align.orchestrator.plan import StagePlan, build_plan
 
 GB = 1e9
