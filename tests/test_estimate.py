@@ -598,6 +598,27 @@ def test_llama8b_shapes_are_the_published_model(llama8b):
     assert lm.activations["autocast"]["token"] > lm.activations["bf16"]["token"] + 9 * 4096
 
 
+def test_the_estimate_asks_the_probe_only_for_the_variants_its_stages_read(llama8b, tiny_cfg):
+    """Each variant the layer probe measures builds two models (~5 s each for an 8B config on this CPU): `align
+    estimate` asks for those its stages read. The shipped 8B pipeline trains every stage under DeepSpeed in bf16;
+    the tiny pipeline (dtype float32 under ZeRO) reads autocast only; LoRA adds its own (bf16: ZeRO casts them)."""
+    import dataclasses
+
+    from align.orchestrator.estimate import lora_spec, probe_plan
+    from align.orchestrator.hardware import hardware
+    from align.orchestrator.plan import build_plan
+
+    cfg, source, _ = llama8b
+    assert probe_plan(cfg, build_plan(cfg, source), source, hardware(cfg)) == (["bf16"], {})
+    tiny = REPO / "pipelines" / "default.yaml"
+    assert probe_plan(tiny_cfg, build_plan(tiny_cfg, tiny), tiny, hardware(tiny_cfg)) == (["autocast"], {})
+    sft = tiny_cfg.stages["sft"]
+    lora = dataclasses.replace(sft.lora, enabled=True)
+    with_lora = dataclasses.replace(tiny_cfg, stages={**tiny_cfg.stages, "sft": dataclasses.replace(sft, lora=lora)})
+    bases, classes = probe_plan(with_lora, build_plan(with_lora, tiny), tiny, hardware(with_lora))
+    assert bases == ["autocast"] and classes == {json.dumps(lora_spec(lora), sort_keys=True): {"bf16"}}  # ZeRO casts
+
+
 def test_ppo_counts_the_whole_policy_gathered_under_zero3_and_not_with_layer_gathers(llama8b):
     """Under ZeRO-3 PPO's hf engine samples from the policy gathered whole on every GPU: one bf16 copy, 2 bytes x
     8,030,261,248 = 14.96 GiB beside its shard; none under ZeRO-2 (the policy is whole already) or with

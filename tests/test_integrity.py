@@ -129,7 +129,7 @@ def test_settings_are_finite_bounded_and_meaningful(workdir, override, message):
 
 @pytest.mark.parametrize("flags, message", [
     (["--only", "reward", "--from", "dpo"], "--only reward and --from dpo together"),
-    (["--num-processes", "0"], "--num-processes 0: must be at least 1"),
+    (["--num-processes", "0"], "--num-processes: 0: give 1 or more"),
     (["--only", ""], "--only '': no such stage"),
     (["--from", "rewrd"], "did you mean 'reward'? (stages: sft, preferences, reward, ppo, dpo, evaluate)"),
 ])

@@ -14,11 +14,13 @@ How: a copy of the config narrowed by k (`narrowing`: every width and head count
 (the worst case: transformers then hands SDPA a mask and repeats K/V per head), under
 torch.autograd.graph.saved_tensors_hooks, counting each saved storage once and leaving the weights out. The
 two-layer model less the one-layer model is one layer. Three sequence lengths separate, per layer, bytes per token
-(times k), bytes per query-key pair (eager: the scores, per head, times k; SDPA: the mask it is handed, one per
-sequence, not times k) and a constant (autocast's 16-bit copies of the weights: the estimate counts those from the
+(times k), bytes per query-key pair (eager: the scores, per head, times k; SDPA: the masks it is handed, (b, 1, s, s)
+tensors told by their shape, one per sequence, not times k) and a constant (autocast's 16-bit copies of the weights: the estimate counts those from the
 shapes, 2 bytes a weight). A per-token scalar (RMSNorm's rsqrt) is counted k times: a few bytes per token more.
-Measures are kept in align's cache (`layer-probe/`), keyed by the config, the LoRA settings, this file and the versions
-of torch, transformers and peft: ~5 s for a Llama-3-8B config with one LoRA setting on a 2-core CPU, once.
+Each kind of layer a stack holds is measured (`_stacks`) and the largest figure of each term kept. Measures are kept in
+align's cache (`layer-probe/`), keyed by the config, what was asked, this file and the versions of torch,
+transformers and peft: a Llama-3-8B config takes ~5 s a variant on a 2-core CPU, once; `align estimate` asks only for
+the variants its stages read (bf16 alone for the shipped 8B pipelines).
 """
 
 from __future__ import annotations
@@ -53,14 +55,16 @@ fp32 adapters (peft's autocast_adapter_dtype outside DeepSpeed; QLoRA's 4-bit ba
 keeps in fp32, is measured as this), and fp32 throughout."""
 
 
-def layer_probe(config, loras: list[dict[str, Any]] = (), trust_remote_code: bool = False) -> dict[str, Any]:
+def layer_probe(config, loras: list[dict[str, Any]] = (), trust_remote_code: bool = False,
+                variants: list[str] | None = None) -> dict[str, Any]:
     """{"activations": {variant: {"token": bytes per token, "sdpa_pair": bytes per query-key pair with SDPA,
-    "eager_pair": with eager attention}}, "lora_activations": [{variant: ...}], "probe_note": ""}: every VARIANTS
-    entry, and for each LoRA setting of `loras` ({"r", "dropout", "targets"}, in that order) each LORA_VARIANTS
-    entry (empty for a setting that could not be measured: the note says why); or no measures and a note saying
-    why (the estimate then counts a conservative formula and says so)."""
+    "eager_pair": with eager attention}}, "lora_activations": [{variant: ...}], "probe_note": ""}: the VARIANTS
+    named in `variants` (all when None), and for each LoRA setting of `loras` ({"r", "dropout", "targets"} and
+    optionally "variants", the LORA_VARIANTS to measure; in that order) each of its variants (empty for a setting
+    that could not be measured: the note says why); or no measures and a note saying why (the estimate then counts
+    a conservative figure and says so). Each variant builds two models: asking for fewer is faster."""
     try:
-        cached = cache_root() / "layer-probe" / f"{_cache_key(config, loras, trust_remote_code)}.json"
+        cached = cache_root() / "layer-probe" / f"{_cache_key(config, [loras, variants], trust_remote_code)}.json"
         text = config.get_text_config()  # a composite (vision beside text): its decoder
         k = narrowing(text)
         small = scaled(text, 1, k)
@@ -77,14 +81,15 @@ def layer_probe(config, loras: list[dict[str, Any]] = (), trust_remote_code: boo
             return _unmeasured(f"the layer probe was not run: a layer narrowed by {k} still has {params:,} "
                                f"parameters (more than {MAX_LAYER_PARAMS:,})")
         out = {name: _measure(stacks, k, dtype, autocast, None, trust_remote_code)
-               for name, (dtype, autocast) in VARIANTS.items()}
+               for name, (dtype, autocast) in VARIANTS.items() if variants is None or name in variants}
     except Exception as exc:  # noqa: BLE001 -- a model's own code may raise anything; the estimate says so, and why
         return _unmeasured(f"the layer probe could not run ({_why(exc)})")
     adapted, notes = [], []
     for lora in loras:
         try:
             adapted.append({name: _measure(stacks, k, dtype, autocast, {**lora, "fp32": fp32}, trust_remote_code)
-                            for name, (dtype, autocast, fp32) in LORA_VARIANTS.items()})
+                            for name, (dtype, autocast, fp32) in LORA_VARIANTS.items()
+                            if name in lora.get("variants", LORA_VARIANTS)})
         except Exception as exc:  # noqa: BLE001 -- e.g. peft refusing a target: this setting alone is unmeasured
             adapted.append({})
             notes.append(f"LoRA r={lora['r']} targets={lora['targets']} could not be probed ({_why(exc)})")

@@ -60,10 +60,12 @@ def base_config(base_model: str, base_model_config: str | None, tokenizer: str |
 
 
 def shapes(base_model: str, base_model_config: str | None, tokenizer: str | None, builtin: dict[str, Any],
-           trust_remote_code: bool, source: str, loras: list[dict[str, Any]] = (), probe: bool = True) -> dict[str, Any]:
+           trust_remote_code: bool, source: str, loras: list[dict[str, Any]] = (), probe: bool = True,
+           variants: list[str] | None = None) -> dict[str, Any]:
     """The helper's entry point: {"shapes": {"lm": ..., "scalar": ...}}, or {"error": why} when the config
     cannot be read here (the caller decides whether that stops it). With `probe`, what a layer keeps for backward
-    (align/modeling/activations.py), for full training and for each LoRA setting of `loras`."""
+    (align/modeling/activations.py), for full training (`variants`: which ways; all when None) and for each LoRA
+    setting of `loras`."""
     import torch  # heavy: this is the helper process
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -82,6 +84,6 @@ def shapes(base_model: str, base_model_config: str | None, tokenizer: str | None
     from align.modeling.packing import packing_works
 
     lm.config._attn_implementation = scalar.config._attn_implementation = "sdpa"  # what `auto` trains with
-    kept = layer_probe(config, loras, trust_remote_code) if probe else {}  # the same decoder layers under either head
+    kept = layer_probe(config, loras, trust_remote_code, variants) if probe else {}  # the same decoder layers under either head
     return {"shapes": {"lm": {**shape_of(lm), "packs": packing_works(lm), **kept},
                        "scalar": {**shape_of(scalar), "packs": packing_works(scalar), **kept}}}

@@ -62,7 +62,8 @@ from align.orchestrator.inputs import resolve_model_paths
 from align.orchestrator.launch import accelerate_config, accelerate_mode, is_distributed, processes_per_node
 from align.orchestrator.memory import (FALLBACK_TOKEN_H, LORA_UNMEASURED, EstimateError, ModelShape,
                                       activation_bytes, frozen_bytes, kv_cache_bytes, lora_key, lora_layers,
-                                      lora_params, model_state_bytes, qlora_base_bytes, trl_fused_head_bytes)
+                                      lora_params, lora_spec, model_state_bytes, qlora_base_bytes, training_variant,
+                                      trl_fused_head_bytes, variant_class)
 from align.orchestrator.plan import StagePlan, build_plan
 
 GB = 1e9
@@ -137,13 +138,20 @@ def model_sources(cfg: PipelineConfig, source: str | Path) -> dict[str, Any]:
             "source": str(source)}
 
 
-def model_shapes(cfg: PipelineConfig, source: str | Path) -> dict[str, ModelShape]:
+def model_shapes(cfg: PipelineConfig, source: str | Path,
+                 needed: tuple[list[str], dict[str, set[str]]] | None = None) -> dict[str, ModelShape]:
     """Shapes of the causal LM and of the scalar (reward / value) model on the same backbone, built on the meta
-    device in a helper process (torch; align/modeling/shapes.py)."""
+    device in a helper process (torch; align/modeling/shapes.py), with what a layer keeps for backward: the
+    variants `needed` names (`probe_plan`), else every variant and each LoRA setting's every variant."""
     loras = [lora_spec(st.lora) for st in cfg.stages.values() if getattr(st, "lora", None) is not None
              and st.lora.enabled]
     loras = list({json.dumps(x, sort_keys=True): x for x in loras}.values())
-    answer = helper.call("align.modeling.shapes:shapes", **model_sources(cfg, source), loras=loras)
+    variants = None
+    if needed is not None:
+        variants, classes = needed[0], needed[1]
+        loras = [{**x, "variants": sorted(classes.get(json.dumps(x, sort_keys=True), ()))} for x in loras]
+    answer = helper.call("align.modeling.shapes:shapes", **model_sources(cfg, source), loras=loras,
+                         variants=variants)
     if "error" in answer:
         raise EstimateError(answer["error"])
     out = {}
@@ -181,27 +189,24 @@ def _frozen(h: Held, lora, mode: str, gpus: int, dtype: str, dbytes: int) -> int
     return frozen_bytes(mode if h.sharded or h.trained else "ddp", h.shape.params, h.shape.largest_layer, gpus, base)
 
 
-def lora_spec(lora) -> dict[str, Any]:
-    """A stage's LoRA setting as the helper's layer probe measures it (align/modeling/activations.py)."""
-    return {"r": lora.r, "dropout": lora.dropout, "targets": sorted(lora.target_modules)}
-
-
-def training_variant(lora, mode: str, dtype: str, precision: str, on_gpu: bool) -> tuple[str, str]:
-    """How a stage's trained layers compute, as (the layer probe's variant, the base variant without LoRA): fp32
-    where the stage computes in fp32 (`precision: float32`, or `auto` off a GPU); else fp32 weights under bf16
-    autocast where they are fp32 (`dtype: float32`, or `auto` outside DeepSpeed: the stage process's weights_dtype),
-    else bf16. LoRA: under DeepSpeed base and adapters in bf16 (ZeRO-1/2 casts every parameter; under ZeRO-3 the
-    adapters keep the base's dtype), outside it fp32 under autocast, a 16-bit base with fp32 adapters (peft's
-    autocast_adapter_dtype), QLoRA measured as that (its 4-bit base's other parameters are fp32), fp32 in fp32."""
-    if (not on_gpu and precision == "auto") or precision == "float32":
-        return (lora_key(lora_spec(lora), "fp32") if lora is not None else "fp32"), "fp32"
-    fp32_weights = dtype == "float32" or (dtype == "auto" and mode == "ddp")
-    base = "autocast" if fp32_weights else "bf16"
-    if lora is None:
-        return base, base
-    if lora.quantize == "4bit" or (mode == "ddp" and not fp32_weights):
-        return lora_key(lora_spec(lora), "bf16+fp32 adapters"), "bf16"
-    return lora_key(lora_spec(lora), "bf16" if mode != "ddp" else base), base
+def probe_plan(cfg: PipelineConfig, plans: list[StagePlan], source: str | Path,
+               hw: Hardware) -> tuple[list[str], dict[str, set[str]]]:
+    """The layer-probe variants the estimate of `plans` reads (every reported mode and each stage's own): base
+    variants, and per LoRA setting (its JSON) the LoRA variants; the probe measures those alone."""
+    bases: set[str] = set()
+    classes: dict[str, set[str]] = {}
+    for plan in plans:
+        if not any(h.trained for h in plan.cfg.held_models(cfg.stages)):
+            continue  # nothing trains: no activations are counted
+        lora = getattr(plan.cfg, "lora", None)
+        lora = lora if lora is not None and lora.enabled else None
+        mode, _ = accelerate_mode(accelerate_config(plan.cfg.accelerate, source))
+        for m in {*REPORTED_MODES, mode}:
+            cls, base = variant_class(lora, m, cfg.dtype, cfg.precision, hw.gpu_memory is not None)
+            bases.add(base)
+            if cls is not None:
+                classes.setdefault(json.dumps(lora_spec(lora), sort_keys=True), set()).add(cls)
+    return sorted(bases), classes
 
 
 def _activations(est: StageEstimate, h: Held, variant: tuple[str, str], batch: int, seq: int, unfused: bool,
@@ -287,7 +292,7 @@ def estimate_pipeline(cfg: PipelineConfig, source: str | Path, hw: Hardware, num
                       shapes: dict[str, ModelShape] | None = None) -> list[StageEstimate]:
     """Every stage's estimate; the model shapes come from a helper process unless given."""
     plans = plans or build_plan(cfg, source)
-    shapes = shapes or model_shapes(cfg, source)
+    shapes = shapes or model_shapes(cfg, source, probe_plan(cfg, plans, source, hw))
     out = []
     for plan in plans:
         mode, cfg_n = accelerate_mode(accelerate_config(plan.cfg.accelerate, source))

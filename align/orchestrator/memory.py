@@ -50,6 +50,35 @@ def lora_key(lora: dict[str, Any], variant: str) -> str:
     return f"lora r={lora['r']} dropout={lora['dropout']} targets={','.join(sorted(lora['targets']))} {variant}"
 
 
+def lora_spec(lora) -> dict[str, Any]:
+    """A stage's LoRA setting as the helper's layer probe measures it (align/modeling/activations.py)."""
+    return {"r": lora.r, "dropout": lora.dropout, "targets": sorted(lora.target_modules)}
+
+
+def training_variant(lora, mode: str, dtype: str, precision: str, on_gpu: bool) -> tuple[str, str]:
+    """How a stage's trained layers compute, as (the layer probe's variant, the base variant without LoRA): fp32
+    where the stage computes in fp32 (`precision: float32`, or `auto` off a GPU); else fp32 weights under bf16
+    autocast where they are fp32 (`dtype: float32`, or `auto` outside DeepSpeed: the stage process's weights_dtype),
+    else bf16. LoRA: under DeepSpeed base and adapters in bf16 (ZeRO-1/2 casts every parameter; under ZeRO-3 the
+    adapters keep the base's dtype), outside it fp32 under autocast, a 16-bit base with fp32 adapters (peft's
+    autocast_adapter_dtype), QLoRA measured as that (its 4-bit base's other parameters are fp32), fp32 in fp32."""
+    cls, base = variant_class(lora, mode, dtype, precision, on_gpu)
+    return (lora_key(lora_spec(lora), cls) if lora is not None else base), base
+
+
+def variant_class(lora, mode: str, dtype: str, precision: str, on_gpu: bool) -> tuple[str | None, str]:
+    """`training_variant`'s parts: (the LoRA variant, None without LoRA; the base variant)."""
+    if (not on_gpu and precision == "auto") or precision == "float32":
+        return ("fp32" if lora is not None else None), "fp32"
+    fp32_weights = dtype == "float32" or (dtype == "auto" and mode == "ddp")
+    base = "autocast" if fp32_weights else "bf16"
+    if lora is None:
+        return None, base
+    if lora.quantize == "4bit" or (mode == "ddp" and not fp32_weights):
+        return "bf16+fp32 adapters", "bf16"
+    return ("bf16" if mode != "ddp" else base), base
+
+
 def model_state_bytes(mode: str, params: int, largest_layer: int, gpus: int) -> int:
     """Bytes per GPU for a trained model's weights, gradients and Adam states (mixed precision). ZeRO-2 and ZeRO-3
     are DeepSpeed's own estimators' GPU figures (deepspeed.runtime.zero.stage_1_and_2.
