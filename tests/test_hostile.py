@@ -402,6 +402,14 @@ def test_a_role_no_stage_produces_and_stages_that_are_not_a_mapping_are_said_pla
     refused(out, rc, "`stages` must map stage names to their settings", "got a list: \"['sft', 'dpo']\"")
 
 
+def test_a_stage_whose_type_defaults_to_itself_says_which_setting(capsys):
+    """`sft.type=dpo` on the default pipeline said only "a stage cannot depend on itself": a dpo stage's policy is
+    `sft` unless set, which the stage named sft then is."""
+    rc, out = validate(capsys, DEFAULT, "sft.type=dpo")
+    refused(out, rc, "stages.sft.policy: a stage cannot depend on itself", "a dpo stage's policy is 'sft' unless set",
+            "set stages.sft.policy, or rename the stage")
+
+
 @pytest.mark.parametrize("override, needles", [
     ("sft.max_steps=", ["override 'sft.max_steps=': no value after '='", "sft.max_steps=null"]),
     ("=x", ["override '=x': no key before '='"]),

@@ -55,7 +55,11 @@ def stage_dependencies(name: str, cfg: StageBase, stages: dict[str, StageBase], 
         for ref in refs(getattr(cfg, fld)):
             if ref in stages:
                 if ref == name:
-                    raise PipelineError(f"{source}: stages.{name}.{fld}: a stage cannot depend on itself")
+                    declared = getattr(type(cfg), "__dataclass_fields__", {}).get(fld)
+                    default = declared is not None and declared.default == ref  # the type's default, not set
+                    raise PipelineError(f"{source}: stages.{name}.{fld}: a stage cannot depend on itself"
+                                        + (f" (a {cfg.type} stage's {fld} is '{ref}' unless set: set stages.{name}."
+                                           f"{fld}, or rename the stage)" if default else ""))
                 _check_role(name, fld, role, ref, stages, source)
                 deps.append(ref)
             elif required:
