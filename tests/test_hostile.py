@@ -402,6 +402,13 @@ def test_a_role_no_stage_produces_and_stages_that_are_not_a_mapping_are_said_pla
     refused(out, rc, "`stages` must map stage names to their settings", "got a list: \"['sft', 'dpo']\"")
 
 
+def test_a_base_model_config_beside_the_builtin_model_is_said_to_be_unread(capsys):
+    """base_model_config was silently ignored for the builtin model (a user who meant it for a real model learns
+    nothing): validate says it is not read."""
+    rc, out = validate(capsys, DEFAULT, "base_model_config=nosuch.json")
+    assert rc == 0 and "warning: base_model_config 'nosuch.json' is not read" in out, out
+
+
 def test_a_stage_whose_type_defaults_to_itself_says_which_setting(capsys):
     """`sft.type=dpo` on the default pipeline said only "a stage cannot depend on itself": a dpo stage's policy is
     `sft` unless set, which the stage named sft then is."""

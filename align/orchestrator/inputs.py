@@ -306,6 +306,9 @@ def check_model_inputs(cfg: PipelineConfig, source: str | Path) -> list[str]:
     if config is None and not is_builtin(cfg.base_model):
         notes.append(f"base_model '{cfg.base_model}' is not cached here and has no base_model_config copy; its "
                      "config is checked when the first stage starts")
+    if cfg.base_model_config and is_builtin(cfg.base_model):
+        notes.append(f"base_model_config '{cfg.base_model_config}' is not read: base_model '{cfg.base_model}' is "
+                     "built from `builtin:` (remove the field, or name the model it describes in base_model)")
     auto_map = (config or {}).get("auto_map")
     if auto_map and not cfg.trust_remote_code:  # the stage refuses it too (models.check_remote_code): say it now
         named = sorted(map(str, auto_map)) if isinstance(auto_map, (dict, list)) else repr(auto_map)
