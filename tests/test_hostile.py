@@ -402,6 +402,20 @@ def test_a_role_no_stage_produces_and_stages_that_are_not_a_mapping_are_said_pla
     refused(out, rc, "`stages` must map stage names to their settings", "got a list: \"['sft', 'dpo']\"")
 
 
+@pytest.mark.parametrize("overrides, needles", [
+    (["ppo.lora.enabled=true", "ppo.lora.target_modules=[qproj]"],
+     ["stages.ppo.lora.target_modules: ['qproj'] name no linear layer of the policy model", "q_proj"]),
+    (["sft.lora.enabled=true", "sft.lora.r=100000"],
+     ["stages.sft.lora.r: 100000 is above the rank any targeted layer of the policy model can have (128"]),
+])
+def test_lora_targets_and_rank_are_checked_for_every_trained_stage_ppo_included(overrides, needles, capsys):
+    """PPO's LoRA targets were never checked at validate (only TRL stages' were): a misspelt target failed when PPO
+    started, after SFT and the reward model had trained. A rank above every targeted layer's in/out features
+    passed too."""
+    rc, out = validate(capsys, DEFAULT, *overrides)
+    refused(out, rc, *needles)
+
+
 def test_a_base_model_config_beside_the_builtin_model_is_said_to_be_unread(capsys):
     """base_model_config was silently ignored for the builtin model (a user who meant it for a real model learns
     nothing): validate says it is not read."""

@@ -181,7 +181,7 @@ def model_job(cfg: PipelineConfig, plans: list[StagePlan], split_of: SplitLoader
     the planned chat template and whether it is installed, the rows to render an example from and the rows to count
     lengths of (each stage's card, as its class reads it), and the model's shapes when a stage trains LoRA adapters.
     Empty when there is nothing to load here (a builtin model's tokenizer is trained by its first stage)."""
-    lora = any(isinstance(p.cfg, TrainedStage) and p.cfg.lora.enabled for p in plans)
+    lora = any(_lora(p.cfg) is not None for p in plans)
     name = tokenizer_to_check(cfg, source)
     if name is None and not lora:
         return {}
@@ -238,15 +238,34 @@ def _check_lora_targets(cfg: PipelineConfig, plans: list[StagePlan], answer: dic
         return
     shapes = {kind: ModelShape(**d) for kind, d in answer["shapes"].items()}
     for plan in plans:
-        if not (isinstance(plan.cfg, TrainedStage) and plan.cfg.lora.enabled):
+        lora = _lora(plan.cfg)
+        if lora is None:
             continue
         for held in plan.cfg.held_models(cfg.stages):
-            missing = missing_lora_targets(shapes[held.kind], plan.cfg.lora) if held.trained else []
+            if not held.trained:
+                continue
+            shape = shapes[held.kind]
+            missing = missing_lora_targets(shape, lora)
             if missing:
-                names = sorted({n.rsplit(".", 1)[-1] for n in shapes[held.kind].linears})
+                names = sorted({n.rsplit(".", 1)[-1] for n in shape.linears})
                 raise PipelineError(f"{source}: stages.{plan.name}.lora.target_modules: {missing} name no linear "
                                     f"layer of the {held.role} model ({cfg.base_model}); its linear layers are named "
                                     f"{names}: name some of those")
+            widest = max(min(dims) for n, dims in shape.linears.items() if n != shape.head and _targets(n, lora))
+            if lora.r > widest:
+                raise PipelineError(f"{source}: stages.{plan.name}.lora.r: {lora.r} is above the rank any targeted "
+                                    f"layer of the {held.role} model can have ({widest}: the smallest of its in and "
+                                    f"out features); an adapter of higher rank trains no more. Lower lora.r")
+
+
+def _lora(stage):
+    """A stage's enabled LoRA settings (every trained stage type has them, PPO's included), else None."""
+    lora = getattr(stage, "lora", None)
+    return lora if lora is not None and getattr(lora, "enabled", False) else None
+
+
+def _targets(name: str, lora) -> bool:
+    return any(name == t or name.endswith("." + t) for t in lora.target_modules)
 
 
 def stage_lines(cfg: PipelineConfig, plans: list[StagePlan]) -> list[str]:
