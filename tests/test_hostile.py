@@ -734,6 +734,58 @@ def test_malformed_manifest(content, needles, shared, tmp_path, capsys, monkeypa
     assert snapshot(run) == before
 
 
+@pytest.mark.parametrize("edit, field", [
+    (lambda m: m.update(final_metrics="x"), "field 'final_metrics' is a str, not a dict"),
+    (lambda m: m.update(output_digests={**m["output_digests"], "data": "x"}), "field 'output_digests.data'"),
+    (lambda m: m["output_digests"]["data"].update(files={"train.jsonl": "abc"}), "field 'output_digests.data'"),
+    (lambda m: m["output_digests"]["data"].update(files={"train.jsonl": [712, 5]}), "field 'output_digests.data'"),
+], ids=["metrics-a-string", "digest-a-string", "file-entry-a-string", "file-entry-sha-a-number"])
+def test_a_manifest_field_edited_to_the_wrong_type_is_one_line_everywhere(edit, field, shared, tmp_path, capsys,
+                                                                           monkeypatch):
+    """Hand-edited manifests whose fields had the wrong type ended `status`, `verify` and `run` in tracebacks
+    (AttributeError, ValueError, TypeError) where a malformed JSON file was already one line."""
+    root, run = _copy(shared, tmp_path)
+    monkeypatch.chdir(root)
+    path = run / "preferences" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+    before = snapshot(run)
+    for command in (["status", str(run)], ["verify", str(run)], ["run", "hostile.yaml"]):
+        rc = cli(command)
+        cap = capsys.readouterr()
+        refused(cap.out + cap.err, rc, "preferences/manifest.json", field, "delete the manifest to rerun the stage")
+    assert snapshot(run) == before
+
+
+def test_a_stage_made_from_an_input_republished_since_is_stale_and_only_refuses_to_build_on_it(shared, tmp_path,
+                                                                                              capsys, monkeypatch):
+    """After `--only sft --force` republished sft, `align status` still called preferences (made from the old sft)
+    "current", and `--only <a stage reading preferences>` trained on it without a word; the guide says a retrained
+    upstream reruns its dependants."""
+    root, run = _copy(shared, tmp_path)
+    proc = run_align("run", "hostile.yaml", "--only", "sft", "--force", cwd=root)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    monkeypatch.chdir(root)
+    assert cli(["status", str(run)]) == 0
+    table = capsys.readouterr().out
+    assert "| preferences | preferences | completed | stale (input 'sft' republished since) |" in table, table
+    # a stage reading preferences (this pipeline's evaluate reads sft alone: a consumer stands in) is refused
+    from types import SimpleNamespace
+
+    from align.config import load_pipeline
+    from align.core.errors import PipelineError
+    from align.orchestrator.plan import build_plan
+    from align.orchestrator.runner import _check_inputs
+
+    plans = build_plan(load_pipeline("hostile.yaml", []), "hostile.yaml")
+    consumer = SimpleNamespace(name="dpo", deps=["preferences"])
+    with pytest.raises(PipelineError, match=r"stage 'dpo' needs stage 'preferences', but 'preferences' was made from "
+                                            r"an earlier publication of 'sft' .* --from preferences"):
+        _check_inputs(consumer, plans, run, "hostile.yaml", trust_completed_inputs=False)
+    _check_inputs(SimpleNamespace(name="dpo", deps=["sft"]), plans, run, "hostile.yaml", False)  # sft itself: current
+
+
 def test_stage_process_refuses_a_bad_spec_at_start(shared, tmp_path):
     """The stage process re-parses its spec through the same checks as `align validate`."""
     root, run = _copy(shared, tmp_path)
@@ -802,6 +854,17 @@ def test_status_calls_a_running_stage_whose_runner_died_interrupted(shared, tmp_
     assert "interrupted (its runner has exited before the stage ended)" in status_table(run)
     lock.write_text(json.dumps({"pid": int(dead), "host": "another-host", "since": "x"}))
     assert "| sft | sft | running |" in status_table(run)  # another host's PID cannot be checked from here
+    # the resume hint is the command as the run was typed (its overrides, --only), which the runner records: the
+    # pipeline file alone planned other fingerprints, retrained from scratch and ran stages never asked for
+    record = json.loads((run / "pipeline.json").read_text())
+    assert record["resume"].startswith("align run ") and "hostile.yaml" in record["resume"]
+    record["resume"] = "align run hostile.yaml --run-id main sft.max_steps=3000 --only sft"
+    (run / "pipeline.json").write_text(json.dumps(record))
+    lock.write_text(json.dumps({"pid": int(dead), "host": socket.gethostname(), "since": "x"}))
+    assert "resume: align run hostile.yaml --run-id main sft.max_steps=3000 --only sft |" in status_table(run)
+    (run / "sft" / "manifest.json").write_text(json.dumps({**manifest, "status": "completed"}))
+    (run / "sft" / "model" / "config.json").write_text("{}")
+    assert "rerun it: align run hostile.yaml --run-id main sft.max_steps=3000 --from sft" in status_table(run)
 
 
 @pytest.mark.parametrize("record, problem", [

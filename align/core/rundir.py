@@ -122,6 +122,7 @@ class PipelineRecord(TypedDict, total=False):
     source: str
     config: dict[str, Any]
     stages: list[dict[str, Any]]  # {name, type, deps, fingerprint, status, this_invocation}
+    resume: str  # the command that resumes the run, as typed (--run-id, overrides; less --force and --from)
     updated_at: str
 
 
@@ -156,7 +157,26 @@ def read_manifest(stage_dir: str | Path) -> Manifest | None:
     if not isinstance(m, dict) or not isinstance(m.get("status", ""), str):
         raise ManifestError(f"{path}: not a stage manifest (a JSON {type(m).__name__}, not an object with a "
                             "status); delete it to rerun the stage")
+    problem = _shape_problem(m)
+    if problem:
+        raise ManifestError(f"{path}: {problem}, which align never writes (edited by hand?); delete the manifest to "
+                            "rerun the stage")
     return m  # type: ignore[return-value]
+
+
+def _shape_problem(m: dict) -> str | None:
+    """The first field of a manifest whose type is not what align writes (readers index into these)."""
+    for key, kind in (("final_metrics", dict), ("input_digests", dict), ("output_digests", dict),
+                      ("fingerprint", str), ("attempts", int)):
+        if m.get(key) is not None and not isinstance(m[key], kind):
+            return f"field '{key}' is a {type(m[key]).__name__}, not a {kind.__name__}"
+    for name, out in (m.get("output_digests") or {}).items():
+        files = out.get("files") if isinstance(out, dict) else None
+        if not isinstance(out, dict) or not isinstance(files, (dict, type(None))) or any(
+                not (isinstance(f, list) and len(f) == 2 and isinstance(f[0], int) and isinstance(f[1], str))
+                for f in (files or {}).values()):
+            return f"field 'output_digests.{name}' is not an output's digest ({{files: {{path: [size, sha256]}}}})"
+    return None
 
 
 def write_manifest(stage_dir: str | Path, manifest: Manifest) -> None:

@@ -29,10 +29,10 @@ def resume_command(source: str | Path) -> str:
     return _RESUME.get() or f"align run {source}"
 
 
-def rerun_from(source: str | Path, name: str) -> str:
+def rerun_from(source: str | Path, name: str, typed_command: str | None = None) -> str:
     """The command that reruns stage `name` and what follows it in this run: the typed `align run` (its --run-id and
-    overrides) with --only dropped and `--from name` added."""
-    typed = shlex.split(resume_command(source))
+    overrides; `typed_command`, else resume_command) with --only dropped and `--from name` added."""
+    typed = shlex.split(typed_command or resume_command(source))
     if typed[:2] != ["align", "run"]:  # `align report ...`: the run's pipeline file instead
         typed = ["align", "run", str(source)]
     keep = [a for i, a in enumerate(typed) if a != "--only" and (i == 0 or typed[i - 1] != "--only")

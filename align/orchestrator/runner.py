@@ -226,6 +226,21 @@ def _check_inputs(plan: StagePlan, plans: list[StagePlan], run_dir: Path, source
             raise PipelineError(f"stage '{plan.name}' needs stage '{d}' completed in {run_dir / d} with the "
                                 "current config; run the pipeline without --only first")
         check_outputs(run_dir, d, source)  # what the stage will load is what `d` published
+        stale = None if trust_completed_inputs else _stale_below(d, {p.name: p for p in plans}, run_dir)
+        if stale:  # `d` (or a stage it was made from) was made from an input republished since
+            raise PipelineError(f"stage '{plan.name}' needs stage '{d}', but '{stale[0]}' was made from an earlier "
+                                f"publication of '{stale[1]}' (republished since); rerun from there first: "
+                                f"`{rerun_from(source, stale[0])}`")
+
+
+def _stale_below(name: str, plans: dict[str, StagePlan], run_dir: Path) -> tuple[str, str] | None:
+    """(stage, input) for the first stage at or below `name` made from an output its input no longer publishes."""
+    recorded = (read_manifest(run_dir / name) or {}).get("input_digests") or {}
+    for d in plans[name].deps:
+        if recorded.get(d) != output_digests(run_dir / d):
+            return name, d
+        if below := _stale_below(d, plans, run_dir):
+            return below
 
 
 def _write_spec(plan: StagePlan, run_dir: Path, pipeline_info: dict[str, Any], code: str, git: str | None) -> Path:
@@ -369,6 +384,7 @@ def _write_pipeline_manifest(run_dir: Path, cfg: PipelineConfig, plans: list[Sta
                              statuses: dict[str, str], source: str | Path) -> None:
     record: PipelineRecord = {
         "pipeline": cfg.name, "run_id": cfg.run_id, "source": str(Path(source).resolve()), "config": to_dict(cfg),
+        "resume": resume_command(source),  # as typed (--run-id, overrides): `align status` prints it
         "stages": [{"name": p.name, "type": p.cfg.type, "deps": p.deps, "fingerprint": p.fingerprint,
                     "status": (read_manifest(run_dir / p.name) or {}).get("status", "not run"),
                     "this_invocation": statuses.get(p.name, "not run")} for p in plans],

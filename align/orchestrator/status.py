@@ -8,11 +8,12 @@ from datetime import datetime
 from pathlib import Path
 
 from align.config import parse_pipeline, stage_types
+from align.orchestrator.commands import rerun_from
 from align.orchestrator.plan import build_plan
 from align.orchestrator.runlock import runner_state
 from align.core.errors import PipelineError
-from align.core.rundir import (PIPELINE, Manifest, PipelineRecord, headline, is_complete, outputs_problem, read_manifest,
-                               record_problem)
+from align.core.rundir import (PIPELINE, Manifest, PipelineRecord, headline, is_complete, output_digests,
+                               outputs_problem, read_manifest, record_problem)
 
 _TIME = "%Y-%m-%dT%H:%M:%S%z"
 
@@ -68,6 +69,9 @@ def status_table(run_dir: str | Path) -> str:
              "| stage | type | state | fingerprint | attempts | duration | headline |", "|---|---|---|---|---|---|---|"]
     damaged: list[str] = []
     gone = runner_state(run_dir)
+    source = info.get("source", "PIPELINE.yaml")  # the command as the run was typed (--run-id, overrides), if known
+    typed = info.get("resume") if isinstance(info.get("resume"), str) else \
+        f"align run {source} --run-id {info.get('run_id')}"
     for st in info["stages"]:
         name, kind = st["name"], st["type"]
         m = read_manifest(run_dir / name) or {}
@@ -77,17 +81,18 @@ def status_table(run_dir: str | Path) -> str:
         if state == "completed":
             problem = outputs_problem(run_dir / name)
             if problem:
-                damaged.append(f"{name}: {problem}; rerun it: align run {info.get('source', 'PIPELINE.yaml')} "
-                               f"--from {name}")
+                damaged.append(f"{name}: {problem}; rerun it: {rerun_from(source, name, typed)}")
                 state = "completed, output damaged (see below)"
         if state == "running" and gone:
-            state = (f"interrupted (its runner {gone} before the stage ended); resume: align run {info.get('source', 'PIPELINE.yaml')} "
-                     f"--run-id {info.get('run_id')}")
+            state = f"interrupted (its runner {gone} before the stage ended); resume: {typed}"
         if state == "failed" and m.get("error"):
             state = f"failed: {str(m['error'])[:60]}"
         fp = m.get("fingerprint")
         match = "-" if not fp else ("current" if now and now.get(name) == fp else
                                     "unknown (pipeline file gone)" if now is None else "stale (config, data or code changed)")
+        moved = [d for d, digest in (m.get("input_digests") or {}).items() if output_digests(run_dir / d) != digest]
+        if match == "current" and moved:  # made from an earlier publication of an input: the runner reruns it
+            match = f"stale (input '{moved[0]}' republished since)"
         lines.append(f"| {name} | {kind} | {state} | {match} | {m.get('attempts', 0)} | {_duration(m)} | "
                      f"{_headline(kind, m)} |")
     if damaged:
