@@ -259,7 +259,7 @@ def _check_lora_targets(cfg: PipelineConfig, plans: list[StagePlan], answer: dic
 
 
 def _lora(stage):
-    """A stage's enabled LoRA settings (every trained stage type has them, PPO's included), else None."""
+    """A stage's enabled LoRA settings (every stage type that trains has them, not only the TRL ones), else None."""
     lora = getattr(stage, "lora", None)
     return lora if lora is not None and getattr(lora, "enabled", False) else None
 
