@@ -182,7 +182,7 @@ def lora_layers(shape: ModelShape, lora: Any) -> list[int]:
     (out x r) for every linear layer that `lora.target_modules` names (peft's rule: the module's name is a target
     or ends with "." + target), plus the whole head of a scalar model (peft's modules_to_save)."""
     targets = set(lora.target_modules)
-    hit = [dims for name, dims in shape.linears.items() if _targeted(name, targets)]
+    hit = [dims for name, dims in shape.linears.items() if targeted(name, targets)]
     if not hit:
         raise EstimateError(f"lora.target_modules {sorted(targets)} match no linear layer of this model; its layers "
                             f"are named {sorted({n.rsplit('.', 1)[-1] for n in shape.linears})}")
@@ -190,7 +190,7 @@ def lora_layers(shape: ModelShape, lora: Any) -> list[int]:
     return [lora.r * (i + o) for i, o in hit] + head
 
 
-def _targeted(name: str, targets: set[str]) -> bool:
+def targeted(name: str, targets: set[str]) -> bool:
     """peft's rule for a list of target_modules: the module's name is a target or ends with "." + target."""
     return name in targets or any(name.endswith("." + t) for t in targets)
 
@@ -198,7 +198,7 @@ def _targeted(name: str, targets: set[str]) -> bool:
 def missing_lora_targets(shape: ModelShape, lora: Any) -> list[str]:
     """The names in `lora.target_modules` that match no linear layer of this model (peft only fails when none
     matches; a misspelt one among good ones would silently train fewer layers than asked)."""
-    return [t for t in lora.target_modules if not any(_targeted(name, {t}) for name in shape.linears)]
+    return [t for t in lora.target_modules if not any(targeted(name, {t}) for name in shape.linears)]
 
 
 def lora_params(shape: ModelShape, lora: Any) -> int:

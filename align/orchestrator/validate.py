@@ -28,7 +28,7 @@ from align.data.cards import (DataCardError, DataUnavailableError, LoadedSplit, 
 from align.data.formats import row_prompt_key
 from align.orchestrator import helper
 from align.orchestrator.estimate import EstimateError, ModelShape, model_sources
-from align.orchestrator.memory import missing_lora_targets
+from align.orchestrator.memory import missing_lora_targets, targeted
 from align.orchestrator.inputs import (base_model_config, check_model_inputs, fetch_tokenizer, resolve_model_paths,
                                        tokenizer_name, tokenizer_to_check)
 from align.orchestrator.launch import check_accelerate
@@ -251,7 +251,7 @@ def _check_lora_targets(cfg: PipelineConfig, plans: list[StagePlan], answer: dic
                 raise PipelineError(f"{source}: stages.{plan.name}.lora.target_modules: {missing} name no linear "
                                     f"layer of the {held.role} model ({cfg.base_model}); its linear layers are named "
                                     f"{names}: name some of those")
-            widest = max(min(dims) for n, dims in shape.linears.items() if n != shape.head and _targets(n, lora))
+            widest = max(min(dims) for n, dims in shape.linears.items() if n != shape.head and targeted(n, set(lora.target_modules)))
             if lora.r > widest:
                 raise PipelineError(f"{source}: stages.{plan.name}.lora.r: {lora.r} is above the rank any targeted "
                                     f"layer of the {held.role} model can have ({widest}: the smallest of its in and "
@@ -263,9 +263,6 @@ def _lora(stage):
     lora = getattr(stage, "lora", None)
     return lora if lora is not None and getattr(lora, "enabled", False) else None
 
-
-def _targets(name: str, lora) -> bool:
-    return any(name == t or name.endswith("." + t) for t in lora.target_modules)
 
 
 def stage_lines(cfg: PipelineConfig, plans: list[StagePlan]) -> list[str]:
