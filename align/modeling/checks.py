@@ -67,7 +67,9 @@ def run(source: str, verbose: bool = True, tokenizer: dict[str, Any] | None = No
         for job in lengths:
             check_length(tok, source, verbose, **job)
     except TEMPLATE_FAULTS as exc:  # a template that parses but fails on a conversation (m.content / 0, a
-        where = planned.source if planned is not None else "the tokenizer's own"  # missing attribute)
+        if not _raised_in_template(exc):  # missing attribute); raised anywhere else, it is not the template's
+            raise
+        where = planned.source if planned is not None else "the tokenizer's own"
         raise CheckError(f"{source}: chat_template ({where}): rendering a conversation failed "
                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); fix the "
                          "template so it renders messages of role system/user/assistant with string content") from None
@@ -81,6 +83,17 @@ def _template_faults() -> tuple[type[BaseException], ...]:
 
 
 TEMPLATE_FAULTS = _template_faults()
+
+
+def _raised_in_template(exc: BaseException) -> bool:
+    """Whether `exc` came from a chat template's own code: jinja2's errors, or a frame of compiled template code
+    (jinja2 names its file "<template>")."""
+    import traceback
+
+    from jinja2 import TemplateError
+
+    return isinstance(exc, TemplateError) or any(f.filename == "<template>"
+                                                 for f in traceback.extract_tb(exc.__traceback__))
 
 
 def load_tokenizer_checked(source: str, verbose: bool, name: str, field: str, trust_remote_code: bool,
