@@ -133,6 +133,27 @@ def test_only_an_interrupted_attempt_of_this_fingerprint_from_these_very_inputs_
     assert resumes({"fingerprint": "f1", "status": "failed"}, "f1", {})  # a first stage: no inputs
 
 
+def test_a_stage_is_stale_when_an_input_it_recorded_publishes_other_outputs_or_none(tmp_path):
+    """One comparison (core/rundir.py moved_inputs) serves `up to date`, `--only`'s refusal and `align status`."""
+    from align.core.rundir import moved_inputs
+
+    def manifest(name, **fields):
+        (tmp_path / name).mkdir(exist_ok=True)
+        (tmp_path / name / "manifest.json").write_text(json.dumps(fields))
+
+    pub = {"model": {"publication": "p1", "files": {"a": [1, "00"]}}}
+    manifest("sft", output_digests=pub)
+    manifest("rm", output_digests={"model": {"publication": "r1", "files": {}}})
+    manifest("dpo", input_digests={"sft": pub, "rm": {"model": {"publication": "r0", "files": {}}}})
+    assert moved_inputs(tmp_path, "dpo") == ["rm"]  # rm republished (another publication id)
+    assert moved_inputs(tmp_path, "dpo", ["sft"]) == []
+    manifest("ref", output_digests=pub)
+    assert moved_inputs(tmp_path, "dpo", ["sft", "ref"]) == ["ref"]  # an input it never recorded
+    (tmp_path / "sft" / "manifest.json").unlink()  # sft's record gone: nothing it publishes is what dpo read
+    assert moved_inputs(tmp_path, "dpo") == ["sft", "rm"]
+    assert moved_inputs(tmp_path, "nothing-here") == [] and moved_inputs(tmp_path, "nothing-here", ["sft"]) == []
+
+
 @pytest.mark.parametrize("keep", [True, False])
 def test_a_completed_stage_keeps_or_drops_its_checkpoints_as_the_pipeline_says(tmp_path, keep):
     """Checkpoints serve only to resume an interrupted attempt: `keep_checkpoints: false` (the 8B pipelines) removes a
@@ -153,3 +174,4 @@ def test_a_completed_stage_keeps_or_drops_its_checkpoints_as_the_pipeline_says(t
         drop_checkpoints(ctx)
         assert (checkpoints / "checkpoint-2").is_dir() == (keep or not main)
     assert waited == ([] if keep else [True, True])
+

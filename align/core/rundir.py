@@ -214,6 +214,14 @@ def output_digests(stage_dir: str | Path) -> Any:
     return (read_manifest(stage_dir) or {}).get("output_digests")
 
 
+def moved_inputs(run_dir: str | Path, name: str, deps: Any = None) -> list[str]:
+    """The inputs of stage `name` (`deps`, or those its manifest recorded) whose published outputs are not the
+    ones it was made from: its manifest's input_digests against each input's output_digests now. The one
+    comparison behind "up to date", `--only`'s stale-input refusal and `align status`'s "stale (input ...)"."""
+    recorded = (read_manifest(Path(run_dir) / name) or {}).get("input_digests") or {}
+    return [d for d in (recorded if deps is None else deps) if recorded.get(d) != output_digests(Path(run_dir) / d)]
+
+
 def headline(manifest: Manifest | None, keys: tuple[str, ...]) -> str:
     """A stage's headline final metrics, `key value, ...`, for the keys its config class names (HEADLINE)."""
     final = (manifest or {}).get("final_metrics") or {}

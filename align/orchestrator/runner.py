@@ -32,7 +32,7 @@ from align.orchestrator.multinode import follow_stage
 from align.orchestrator.plan import REPO_DIR, StagePlan, code_version, descendants, run_dir_of
 from align.core.errors import PipelineError
 from align.core.rundir import (MANIFEST, PIPELINE, SPEC, PipelineRecord, StageSpec, headline, is_complete,
-                          output_digests, outputs_problem, read_manifest, write_manifest)
+                          moved_inputs, output_digests, outputs_problem, read_manifest, write_manifest)
 from align.orchestrator.commands import rerun_from, resume_command
 from align.orchestrator.runlock import RunLock, RunLockedError
 from align.config.sweeps import by_stage
@@ -133,8 +133,7 @@ def up_to_date(plan: StagePlan, run_dir: Path, source: str | Path = "PIPELINE.ya
     stage_dir = run_dir / plan.name
     if not is_complete(stage_dir, plan.fingerprint):
         return False
-    recorded = (read_manifest(stage_dir) or {}).get("input_digests") or {}
-    if not all(recorded.get(d) == output_digests(run_dir / d) and is_complete(run_dir / d) for d in plan.deps):
+    if moved_inputs(run_dir, plan.name, plan.deps) or not all(is_complete(run_dir / d) for d in plan.deps):
         return False  # an input was retrained, or its output is gone (it reruns first, or --only refuses)
     for name in (plan.name, *plan.deps):
         check_outputs(run_dir, name, source)
@@ -235,10 +234,9 @@ def _check_inputs(plan: StagePlan, plans: list[StagePlan], run_dir: Path, source
 
 def _stale_below(name: str, plans: dict[str, StagePlan], run_dir: Path) -> tuple[str, str] | None:
     """(stage, input) for the first stage at or below `name` made from an output its input no longer publishes."""
-    recorded = (read_manifest(run_dir / name) or {}).get("input_digests") or {}
+    if moved := moved_inputs(run_dir, name, plans[name].deps):
+        return name, moved[0]
     for d in plans[name].deps:
-        if recorded.get(d) != output_digests(run_dir / d):
-            return name, d
         if below := _stale_below(d, plans, run_dir):
             return below
 

@@ -12,7 +12,7 @@ from align.orchestrator.commands import rerun_from
 from align.orchestrator.plan import build_plan
 from align.orchestrator.runlock import runner_state
 from align.core.errors import PipelineError
-from align.core.rundir import (PIPELINE, Manifest, PipelineRecord, headline, is_complete, output_digests,
+from align.core.rundir import (PIPELINE, Manifest, PipelineRecord, headline, is_complete, moved_inputs,
                                outputs_problem, read_manifest, record_problem)
 
 _TIME = "%Y-%m-%dT%H:%M:%S%z"
@@ -90,7 +90,7 @@ def status_table(run_dir: str | Path) -> str:
         fp = m.get("fingerprint")
         match = "-" if not fp else ("current" if now and now.get(name) == fp else
                                     "unknown (pipeline file gone)" if now is None else "stale (config, data or code changed)")
-        moved = [d for d, digest in (m.get("input_digests") or {}).items() if output_digests(run_dir / d) != digest]
+        moved = moved_inputs(run_dir, name)
         if match == "current" and moved:  # made from an earlier publication of an input: the runner reruns it
             match = f"stale (input '{moved[0]}' republished since)"
         lines.append(f"| {name} | {kind} | {state} | {match} | {m.get('attempts', 0)} | {_duration(m)} | "
