@@ -175,3 +175,63 @@ def test_a_completed_stage_keeps_or_drops_its_checkpoints_as_the_pipeline_says(t
         assert (checkpoints / "checkpoint-2").is_dir() == (keep or not main)
     assert waited == ([] if keep else [True, True])
 
+
+def test_the_run_loss_weighs_each_logged_window_before_a_resume_by_its_steps():
+    """train/loss_final_avg after a resume: transformers' training_loss covers only the steps since it."""
+    from align.runtime.trl import run_loss
+
+    log = [{"loss": 2.0, "step": 2}, {"loss": 1.0, "step": 4}, {"eval_loss": 9.0, "step": 4}, {"loss": 0.5, "step": 6}]
+    assert run_loss(log, 4, 0.25, 6) == pytest.approx((2.0 * 2 + 1.0 * 2 + 0.25 * 2) / 6)  # 1.0833
+    assert run_loss(log, 0, 0.75, 6) == 0.75  # not resumed: transformers' own mean
+    assert run_loss(log, 6, 0.0, 6) == pytest.approx((2.0 * 2 + 1.0 * 2 + 0.5 * 2) / 6)  # nothing left to train
+    assert run_loss(log, 3, 0.25, 6) is None  # step 3 is no logged window's end: no honest mean
+    assert run_loss([], 0, 0.0, 0) is None
+
+
+def _tiny_trainer(out, init: int = SEED):
+    from datasets import Dataset
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    torch.manual_seed(init)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
+    gen = torch.Generator().manual_seed(SEED)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (4, 12), generator=gen).tolist()]
+    args = TrainingArguments(output_dir=str(out), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2,
+                             logging_steps=1, save_steps=1, save_strategy="steps", report_to="none", use_cpu=True,
+                             seed=SEED, disable_tqdm=True)
+    return Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows))
+
+
+def test_a_resume_from_the_last_checkpoint_trains_no_step_past_max_steps_and_keeps_the_whole_runs_loss(tmp_path):
+    """Two batches an epoch, max_steps 3: resumed from checkpoint-3 (a stage killed after its last save, before it
+    published), transformers trained a 4th step, and train/loss_final_avg was the mean of the steps since the
+    resume alone. Resumed from checkpoint-3 or checkpoint-2, the stage ends at step 3 with the uninterrupted run's
+    weights and loss."""
+    from align.runtime.trl import train_with_resume
+
+    print(f"seed {SEED}")
+
+    class Ctx:
+        name, is_main = "sft", True
+
+        def __init__(self, ckpt):
+            self.dir, self.extra_manifest, self.ckpt = tmp_path, {}, ckpt
+
+        def last_checkpoint(self):
+            return self.ckpt
+
+    whole = _tiny_trainer(tmp_path / "a")
+    first = train_with_resume(Ctx(None), whole)
+    weights = {k: v.clone() for k, v in whole.model.state_dict().items()}
+    assert first["train/global_step"] == 3 and (tmp_path / "a" / "checkpoint-3").is_dir()
+    for step in (3, 2):
+        again = _tiny_trainer(tmp_path / f"b{step}", init=SEED + 1)  # other initial weights: the checkpoint's count
+        ctx = Ctx(str(tmp_path / "a" / f"checkpoint-{step}"))
+        final = train_with_resume(ctx, again)
+        assert (final["train/global_step"], again.state.global_step, ctx.extra_manifest["resumed_from_step"]) == (
+            3, 3, step)
+        assert final["train/loss_final_avg"] == pytest.approx(first["train/loss_final_avg"], rel=1e-5), step
+        for k, v in again.model.state_dict().items():
+            torch.testing.assert_close(v, weights[k], rtol=1e-5, atol=1e-6, msg=f"{k} after resuming at {step}")
+

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -203,15 +204,24 @@ def train_with_resume(ctx: StageContext, trainer) -> dict[str, Any]:
     plugin = trainer.accelerator.state.deepspeed_plugin
     if plugin is not None:  # buckets sized from the model, not DeepSpeed's 5e8 (align/runtime/zero_buffers.py)
         width_sized(plugin.deepspeed_config, widest(trainer.model))
-    out = trainer.train(resume_from_checkpoint=ckpt)
+    trainer.add_callback(_stop_at_max_steps())
+    start = time.monotonic()
+    try:
+        out = trainer.train(resume_from_checkpoint=ckpt)
+        loss_since, seconds = out.training_loss, out.metrics["train_runtime"]
+    except _Trained:  # resumed from a checkpoint at max_steps: its weights are loaded, nothing is left to train
+        trainer.callback_handler.on_train_end(trainer.args, trainer.state, trainer.control)
+        loss_since, seconds = 0.0, time.monotonic() - start
     ctx.extra_manifest["global_step"] = trainer.state.global_step
     if (buffers := in_use(trainer.deepspeed)) is not None:
         ctx.extra_manifest["deepspeed_buffers"] = buffers
     if trainer.state.global_step == 0:
         raise StageError(f"stage '{ctx.name}' trained 0 optimiser steps (no examples, or epochs/max_steps too "
                          "small for the batch size); nothing is published")
-    final = {"train/loss_final_avg": out.training_loss, "train/global_step": trainer.state.global_step,
-             "perf/train_seconds": out.metrics["train_runtime"]}
+    loss = run_loss(trainer.state.log_history, resumed_from, loss_since, trainer.state.global_step)
+    final = {"train/global_step": trainer.state.global_step, "perf/train_seconds": seconds}
+    if loss is not None:
+        final["train/loss_final_avg"] = loss
     tokens = next((cb.tokens for cb in trainer.callback_handler.callbacks if getattr(cb, "tokens", None)), None)
     padding, real = _padding_metrics(trainer)
     final.update(padding)
@@ -219,8 +229,42 @@ def train_with_resume(ctx: StageContext, trainer) -> dict[str, Any]:
         tokens = real or None
     if tokens and not resumed_from:  # after a resume TRL counts from zero again: no honest total
         final["perf/train_tokens"] = tokens
-        final["perf/tokens_per_s"] = tokens / out.metrics["train_runtime"]
+        final["perf/tokens_per_s"] = tokens / seconds
     return final
+
+
+class _Trained(Exception):
+    """Raised before a step past max_steps: the resumed checkpoint already holds every step."""
+
+
+def _stop_at_max_steps():
+    """transformers' loop trains a step before it first asks whether max_steps is reached: resumed from a
+    checkpoint at max_steps (a stage killed after its last save, before it published), it trained one step more
+    than asked. This callback stops it before that step's forward."""
+    from transformers import TrainerCallback  # heavy: stage processes only
+
+    class StopAtMaxSteps(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if 0 < state.max_steps <= state.global_step:
+                raise _Trained
+
+    return StopAtMaxSteps()
+
+
+def run_loss(log_history: list[dict[str, Any]], resumed_from: int, loss_since: float, steps: int) -> float | None:
+    """The mean training loss per optimiser step over the whole run. transformers' `training_loss` covers only
+    this train() call: after a resume, the steps since `resumed_from`. The steps before are read from the logged
+    losses the checkpoint kept (each the mean over its logging window; save_steps is a multiple of
+    logging_steps, so they tile steps 1..resumed_from). None when they do not, or no step was trained."""
+    if steps <= 0:
+        return None
+    before, last = 0.0, 0
+    for row in log_history:
+        if "loss" in row and last < row.get("step", 0) <= resumed_from:
+            before, last = before + float(row["loss"]) * (row["step"] - last), row["step"]
+    if last != resumed_from:
+        return None
+    return (before + loss_since * (steps - resumed_from)) / steps
 
 
 def padding_free(ctx: StageContext, model, reference=None, left_padded: bool = False) -> None:
