@@ -235,3 +235,16 @@ def test_a_resume_from_the_last_checkpoint_trains_no_step_past_max_steps_and_kee
         for k, v in again.model.state_dict().items():
             torch.testing.assert_close(v, weights[k], rtol=1e-5, atol=1e-6, msg=f"{k} after resuming at {step}")
 
+
+def test_a_stage_without_its_headline_metrics_shows_its_training_loss():
+    """A DPO stage with no eval split had an empty headline in `align run` and `align status`."""
+    from align.config import stage_types
+    from align.core.rundir import headline
+
+    dpo = stage_types()["dpo"].HEADLINE
+    evaluated = {"final_metrics": {"eval/rewards/accuracy": 0.75, "eval/rewards/margin": 0.5,
+                                   "train/loss_final_avg": 0.6}}
+    assert headline(evaluated, dpo) == "eval/rewards/accuracy 0.75, eval/rewards/margin 0.5"
+    assert headline({"final_metrics": {"train/loss_final_avg": 0.6125}}, dpo) == "train/loss_final_avg 0.6125"
+    assert headline({"final_metrics": {}}, dpo) == "" and headline(None, dpo) == ""
+    assert headline({"final_metrics": {"train/loss_final_avg": 0.6}}, ()) == ""  # a type that names no headline

@@ -223,8 +223,11 @@ def moved_inputs(run_dir: str | Path, name: str, deps: Any = None) -> list[str]:
 
 
 def headline(manifest: Manifest | None, keys: tuple[str, ...]) -> str:
-    """A stage's headline final metrics, `key value, ...`, for the keys its config class names (HEADLINE)."""
+    """A stage's headline final metrics, `key value, ...`, for the keys its config class names (HEADLINE); a
+    trained stage with none of them (DPO, KTO, a reward model run without an eval split) shows its training loss."""
     final = (manifest or {}).get("final_metrics") or {}
+    if keys and not any(final.get(k) is not None for k in keys):
+        keys = ("train/loss_final_avg",)
     return ", ".join(f"{k} {final[k]:.4g}" if isinstance(final[k], float) else f"{k} {final[k]}"
                      for k in keys if final.get(k) is not None)
 
