@@ -412,3 +412,30 @@ def test_a_stage_launcher_does_not_outlive_a_sigkilled_runner(tmp_path):
     marker = tmp_path / "launcher.txt"
     launcher_pid = _kill_the_starter(RUNNER, LAUNCHER, marker, cwd=REPO)
     assert marker.exists() and marker.read_text() == "terminated", f"launcher {launcher_pid} outlived its runner"
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_a_published_output_is_as_readable_as_the_umask_allows(tmp_path, umask, mode):
+    """transformers writes model.safetensors 0600 whatever the umask: a model published on a shared cluster
+    filesystem was unreadable to the user's own group. Publishing gives each file what the umask allows, and takes
+    nothing away (an executable bit stays)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from align.core.fsutil import publish_dir, staging_dir
+
+    final = tmp_path / "model"
+    old = os.umask(umask)
+    try:
+        tmp = staging_dir(final)
+        LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=2)).save_pretrained(tmp)
+        (tmp / "run.sh").write_text("#!/bin/sh\n")
+        (tmp / "run.sh").chmod(0o700)
+        (tmp / "extra.bin").write_bytes(b"x")
+        (tmp / "extra.bin").chmod(0o600)  # as transformers leaves model.safetensors (a newer one may mend it)
+        publish_dir(tmp, final)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in final.iterdir()}
+    assert modes.pop("run.sh") == 0o700 | mode
+    assert set(modes) >= {"model.safetensors", "config.json", "extra.bin"} and set(modes.values()) == {mode}, modes

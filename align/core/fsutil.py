@@ -13,6 +13,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,31 @@ def fsync_tree(root: Path) -> None:
         _fsync_dir(Path(dirpath))
 
 
+def _umask() -> int:
+    try:  # Linux: read it without setting it (os.umask sets it, racing other threads)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def umask_modes(root: Path) -> None:
+    """Give every file under `root` the read/write bits the umask allows (0644 under the usual 022).
+    transformers writes model.safetensors through a private temporary file, 0600 whatever the umask: a
+    published model on a shared cluster filesystem was unreadable to the user's own group."""
+    allowed = 0o666 & ~_umask()
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            mode = os.lstat(path).st_mode
+            if stat.S_ISREG(mode) and (mode | allowed) != mode:
+                os.chmod(path, stat.S_IMODE(mode) | allowed)
+
+
 def staging_path(final: str | Path) -> Path:
     """Where `final` is built before `publish_dir` renames it into place: a hidden sibling."""
     final = Path(final)
@@ -98,6 +124,7 @@ def publish_dir(tmp: str | Path, final: str | Path) -> None:
     """
     tmp, final = Path(tmp), Path(final)
     try:
+        umask_modes(tmp)
         fsync_tree(tmp)
         oserror(final)
     except BaseException:

@@ -27,7 +27,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from align.core.fsutil import atomic_write_text
+from align.core.fsutil import atomic_write_text, umask_modes
 from align.core.packaged import (CONVERTED, Packaged, PackagedError, damage, entry_of,
                                  gguf_file, hf_dir, is_fetched, model_dir)
 
@@ -105,6 +105,7 @@ def _convert(entry: Packaged, gguf_path: Path, target: Path, log) -> None:
             f"re-trained.\n\nLicence: {entry.license}. Source: {entry.source}.\n"))
         sizes = {str(p.relative_to(staged)): p.stat().st_size for p in sorted(staged.rglob("*")) if p.is_file()}
         atomic_write_text(staged / CONVERTED, json.dumps({"gguf_sha256": entry.gguf_sha256, "sizes": sizes}, indent=1))
+        umask_modes(staged)  # transformers saved the weights 0600
         if target.exists():
             shutil.rmtree(target)
         os.replace(staged, target)
