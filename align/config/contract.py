@@ -22,7 +22,7 @@ from align.config.settings import LR_SCHEDULERS, Generation, LoraSettings
 from align.judges import JudgeError, check_judges, judge_weights
 from align.data.lengths import LengthRule
 from align.engines import DEFAULT as DEFAULT_ENGINE
-from align.core.schema import ConfigError, one_of, ranged
+from align.core.schema import ConfigError, one_of, ranged, step_size
 
 
 
@@ -307,7 +307,7 @@ class TrainedStage(StageBase):
     training, at `align validate` and again at the stage's start."""
     WORK: ClassVar[str] = "train/global_step"
 
-    learning_rate: float = ranged(5e-4, gt=0)
+    learning_rate: float = step_size(5e-4)
     """Peak learning rate."""
     lr_scheduler: str = one_of("cosine", *LR_SCHEDULERS)
     """transformers scheduler name (linear, cosine, constant, ...)."""

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from align.config.contract import HeldModel, DATA, EXAMPLES, POLICY, CheckContext, StageBase, TrainedStage
 from align.data.lengths import TRUNCATES_PAIRS
-from align.core.schema import one_of, ranged
+from align.core.schema import one_of, ranged, step_size
 
 # TRL DPOConfig.loss_type values for paired data (tests check they still exist in the installed TRL).
 DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
@@ -25,7 +25,7 @@ class DPOStage(TrainedStage):
     INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"policy": (POLICY, True), "data": (DATA, False)}
     CARDS: ClassVar[dict[str, str]] = {"data": EXAMPLES}
 
-    learning_rate: float = ranged(5e-7, gt=0)
+    learning_rate: float = step_size(5e-7)
     """Peak learning rate. 5e-7 is the published recipe for DPO on 7B chat models (Tunstall et al. 2023, Zephyr);
     a small model trained from scratch (the demo) needs ~1e-4."""
     policy: str = "sft"

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from align.config.contract import HeldModel, DATA, EXAMPLES, POLICY, CheckContext, StageBase, TrainedStage
 from align.data.formats import DataForm, Rows, register_form, text_of
 from align.data.lengths import TRUNCATES_COMPLETIONS
-from align.core.schema import one_of, ranged
+from align.core.schema import one_of, ranged, step_size
 
 PAIRS, UNPAIRED = "preference", "unpaired_preference"
 
@@ -63,7 +63,7 @@ class KTOStage(TrainedStage):
     INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"policy": (POLICY, True), "data": (DATA, False)}
     CARDS: ClassVar[dict[str, str]] = {"data": EXAMPLES}
 
-    learning_rate: float = ranged(5e-7, gt=0)
+    learning_rate: float = step_size(5e-7)
     """Peak learning rate: 5e-7, as DPO's (both fine-tune against the same frozen reference); a small model
     trained from scratch needs ~1e-4."""
     policy: str = "sft"

@@ -16,7 +16,7 @@ from align.config.contract import (HeldModel, DATA, POLICY, PROMPTS_ONLY, REWARD
 from align.config.settings import Generation, lora_sync_problem
 from align.engines import DEFAULT as DEFAULT_ENGINE, engine_names, holds_own_copy, kind
 from align.judges import judge_weights
-from align.core.schema import ranged
+from align.core.schema import ranged, step_size
 
 
 @dataclass
@@ -40,7 +40,7 @@ class OnlineRLStage(TrainedStage):
     ALGORITHM: ClassVar[str] = ""
     """The trainer's name in messages (GRPO, RLOO)."""
 
-    learning_rate: float = ranged(1e-6, gt=0)
+    learning_rate: float = step_size(1e-6)
     """Peak learning rate: 1e-6 (TRL's GRPO default; full fine-tuning of 7-8B policies); a small model trained from
     scratch needs ~1e-3."""
     policy: str = "sft"

@@ -11,7 +11,7 @@ from align.config.contract import (HeldModel, POLICY, PROMPTS_ONLY, REWARD_MODEL
 from align.config.settings import Generation, LoraSettings, lora_sync_problem
 from align.judges import judge_weights
 from align.data.lengths import DROPS_LONG_PROMPTS, LengthRule
-from align.core.schema import one_of, ranged
+from align.core.schema import one_of, ranged, step_size
 
 FUSED_HEAD_CHUNK = 1024
 """Tokens per chunk of PPO's fused head (align/modeling/fused_head.py), here so the estimate reads it without torch."""
@@ -105,10 +105,10 @@ class PPOStage(StageBase):
     """Mini-batches per optimiser step."""
     ppo_epochs: int = ranged(4, ge=1)
     """Passes over each rollout."""
-    learning_rate: float = ranged(1e-6, gt=0)
+    learning_rate: float = step_size(1e-6)
     """Policy learning rate: 1e-6, the order of published 7-8B PPO recipes (OpenRLHF's actor: 5e-7); a small model
     trained from scratch needs ~1e-4."""
-    value_learning_rate: float = ranged(1e-5, gt=0)
+    value_learning_rate: float = step_size(1e-5)
     """Value model learning rate (OpenRLHF's critic: 9e-6); with value_init: shared, the value head's only."""
     gamma: float = ranged(1.0, ge=0, le=1)
     """Discount."""

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from align.config.contract import HeldModel, DATA, EXAMPLES, POLICY, REWARD_MODEL, CheckContext, StageBase, TrainedStage
 from align.data.lengths import DROPS_LONG_PAIRS
-from align.core.schema import ranged
+from align.core.schema import ranged, step_size
 
 
 @dataclass
@@ -21,7 +21,7 @@ class RewardStage(TrainedStage):
     INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"init": (POLICY, True), "data": (DATA, False)}
     CARDS: ClassVar[dict[str, str]] = {"data": EXAMPLES}
 
-    learning_rate: float = ranged(1e-5, gt=0)
+    learning_rate: float = step_size(1e-5)
     """Peak learning rate: 1e-5, the order of InstructGPT's reward models (9e-6 for 6B; Ouyang et al. 2022,
     appendix C.2); a small model trained from scratch needs ~1e-4."""
     init: str = "sft"

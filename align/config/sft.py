@@ -8,7 +8,7 @@ from typing import ClassVar
 from align.core.builtin import is_builtin
 from align.config.contract import HeldModel, EXAMPLES, POLICY, CheckContext, StageBase, TrainedStage
 from align.data.lengths import TRUNCATES_COMPLETIONS
-from align.core.schema import ranged
+from align.core.schema import ranged, step_size
 
 
 @dataclass
@@ -23,7 +23,7 @@ class SFTStage(TrainedStage):
     INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"model": (POLICY, False)}
     CARDS: ClassVar[dict[str, str]] = {"data": EXAMPLES}
 
-    learning_rate: float = ranged(2e-5, gt=0)
+    learning_rate: float = step_size(2e-5)
     """Peak learning rate: 2e-5, the published recipe for full fine-tuning of 7-8B models (Tunstall et al. 2023,
     Zephyr; Ivison et al. 2023, Tulu 2); with LoRA ~1e-4; a small model trained from scratch needs ~1e-3."""
     model: str = "base"

@@ -77,6 +77,12 @@ def ranged(default: Any, *, ge: float | None = None, gt: float | None = None, le
     return field(default=default, metadata={"rule": Rule(ge=ge, gt=gt, le=le, lt=lt, fix=fix)})
 
 
+def step_size(default: float) -> Any:
+    """A learning rate: above 0, and at most 1 (AdamW's are 1e-7..1e-3: `1e5` is a lost minus sign)."""
+    return ranged(default, gt=0, le=1, fix="a learning rate is around 1e-7 to 1e-3 for AdamW; 1e5 is 100000 (did you "
+                                          "mean 1e-5?)")
+
+
 def one_of(default: Any, *choices: str, fix: str = "") -> Any:
     """A field whose value must be one of `choices`."""
     return field(default=default, metadata={"rule": Rule(choices=tuple(choices), fix=fix)})
