@@ -264,10 +264,11 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
         if trained:  # trained models share one engine (PPO: policy + value)
             chunk = stage.logit_tokens(m, gpu_memory is not None)
             parts["trained_states"] = model_state_bytes(m, sum(trained_params.values()), largest, n)
-            parts["activations"] = acts(ckpt, chunk, m) + sum(trl_fused_head_bytes(h.shape, train_b * train_s, dbytes,
-                                                                                not lora) for h in trained if fused(h))
+            kept = acts(ckpt, chunk, m)
+            parts["activations"] = kept + sum(trl_fused_head_bytes(h.shape, train_b * train_s, dbytes, not lora)
+                                              for h in trained if fused(h))
             if m == mode and not ckpt and hasattr(stage, "gradient_checkpointing"):
-                est.with_checkpointing = acts(True, chunk, m) - acts(False, chunk, m)  # plus the total, filled in below
+                est.with_checkpointing = acts(True, chunk, m) - kept  # plus the total, filled in below
         parts["frozen_weights"] = sum(_frozen(h, lora, m, n, dtype, dbytes) for h in frozen)
         if gen_b:
             policy, gen = held[0].shape, stage.generation_settings()
