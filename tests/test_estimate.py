@@ -118,6 +118,22 @@ def test_autocast_keeps_a_bf16_copy_of_every_weight_as_the_estimate_counts_it():
     assert fit((1, 2, 4), [7 + 3 + 2, 7 + 6 + 8, 7 + 12 + 32]) == (7, 3, 2)  # 7 + 3s + 2s^2, by hand
 
 
+def test_a_width_read_through_an_alias_is_narrowed_once():
+    """DeepSeek-V4's config reads intermediate_size from moe_intermediate_size, LongCat-Flash's from ffn_hidden_size
+    (attribute_map): both names are widths, and the field was divided by k twice, its bytes counted k times too few."""
+    import transformers
+
+    from align.modeling.activations import scaled
+
+    cfg = transformers.LongcatFlashConfig(hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048,
+                                          expert_ffn_hidden_size=1024)
+    small = scaled(cfg, 1, 4)
+    assert (small.hidden_size, small.num_attention_heads, small.ffn_hidden_size, small.expert_ffn_hidden_size) == (
+        128, 2, 512, 256)
+    gpt2 = scaled(transformers.GPT2Config(n_embd=256, n_head=8, n_inner=1024), 1, 4)  # aliased width and heads
+    assert (gpt2.n_embd, gpt2.n_head, gpt2.n_inner) == (64, 2, 256)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "gpt2", "gpt_neox", "opt"])
 def test_the_narrowed_probe_keeps_at_least_what_the_full_width_layer_keeps(family, tmp_path):
     """The probe measures a copy narrowed by k and counts k times its bytes: on each family's config widened 4x
@@ -192,7 +208,7 @@ def test_lora_is_estimated_with_its_own_adapters_which_can_keep_more_than_full_t
     cfg = dataclasses.replace(tiny_cfg, stages={**tiny_cfg.stages, "sft": dataclasses.replace(sft, lora=lora)})
     shapes = model_shapes(cfg, REPO / "pipelines" / "default.yaml")
     variant, base = training_variant(lora, "zero2", "bfloat16", "auto", True)
-    assert (variant.endswith(" bf16"), base) == (True, "bf16") and lora_spec(lora)["r"] == lora.r
+    assert (variant.endswith(" bf16"), base) == (True, "bf16") and lora_spec(lora, True)["r"] == lora.r
     acts = shapes["lm"].activations
     assert acts[variant]["token"] > acts["bf16"]["token"]
 
@@ -247,14 +263,36 @@ def test_per_gpu_bytes_follow_deepspeed_arithmetic(tiny_cfg, tiny_shapes):
     assert ppo.parts["zero3"]["trained_states"] == 4 * LARGEST + int(18 * both / 8)
     assert ppo.parts["zero2"]["frozen_weights"] == 4 * P_LM + 4 * P_RM
     assert ppo.parts["zero3"]["frozen_weights"] == (int(4 * P_LM / 8) + 4 * LARGEST) + (int(4 * P_RM / 8) + 4 * LARGEST)
-    # SFT activations (default.yaml: micro-batch b = 32, max_length s = 96), fp32 weights under autocast on the GPU
-    # (dtype float32): per layer what it keeps per token (measured, AC) times s*b and SDPA's bf16 mask 2*b*s*s,
-    # autocast's bf16 copies of the weights, plus TRL's fused LM head instead of the logits (FUSED_TINY)
-    ac = tiny_shapes["lm"].activations["autocast"]["token"]
-    want = 2 * (S * B * ac + 2 * B * S * S) + TINY_COPIES + FUSED_TINY
+    # SFT activations (default.yaml: micro-batch b = 32, max_length s = 96) in bf16 on the GPU (dtype float32 loads
+    # fp32 weights; DeepSpeed's bf16 engine casts them, and accelerate leaves autocast off: no autocast copies): per
+    # layer what it keeps per token (measured, BF) times s*b and SDPA's bf16 mask 2*b*s*s, plus TRL's fused LM head
+    # instead of the logits (FUSED_TINY)
+    bf = tiny_shapes["lm"].activations["bf16"]["token"]
+    want = 2 * (S * B * bf + 2 * B * S * S) + FUSED_TINY
     assert sft.parts["zero2"]["activations"] == want and not sft.notes
     assert sft.bytes_by_mode["zero2"] == sum(sft.parts["zero2"].values())
     assert sft.parts["zero2"]["overhead"] == OVERHEAD_BYTES
+
+
+def test_autocast_keeps_a_16bit_copy_of_each_weight_and_of_a_plain_heads_but_deepspeed_casts_instead(tiny_shapes):
+    """Outside DeepSpeed, fp32 weights (DDP with dtype auto or float32) train under bf16 autocast, which keeps a bf16
+    copy of each weight it multiplies: the layers' (TINY_COPIES), and the LM head's where the logits are computed
+    whole (PPO's own head; TRL's fused head casts a slice at a time). Under DeepSpeed a pipeline with dtype float32
+    trains in bf16: its engine casts the weights and accelerate leaves autocast off (it was counted as autocast)."""
+    from align.orchestrator.memory import activation_bytes, training_variant
+
+    assert training_variant(None, "ddp", "float32", "auto", True) == ("autocast", "autocast")
+    assert training_variant(None, "ddp", "auto", "auto", True) == ("autocast", "autocast")
+    assert training_variant(None, "ddp", "bfloat16", "auto", True) == ("bf16", "bf16")
+    for mode in ("zero1", "zero2", "zero3", "zero3_offload"):
+        assert training_variant(None, mode, "float32", "auto", True) == ("bf16", "bf16"), mode
+    lm = tiny_shapes["lm"]
+    body = LAYERS * (S * B * lm.activations["autocast"]["token"] + 2 * B * S * S)
+    assert activation_bytes(lm, B, S, logits=False, variant="autocast") == body + TINY_COPIES
+    assert activation_bytes(lm, B, S, logits=True, variant="autocast") == body + TINY_COPIES + 2 * VOCAB * H \
+        + 8 * S * B * VOCAB  # the head's bf16 copy, and the fp32 logits with their gradient
+    bf = LAYERS * (S * B * lm.activations["bf16"]["token"] + 2 * B * S * S)
+    assert activation_bytes(lm, B, S, logits=True, variant="bf16") == bf + 8 * S * B * VOCAB
 
 
 def test_eager_attention_keeps_the_scores_that_sdpa_recomputes(tiny_cfg, tiny_shapes):
@@ -272,19 +310,18 @@ def test_eager_attention_keeps_the_scores_that_sdpa_recomputes(tiny_cfg, tiny_sh
                                                      shapes=shapes)}["sft"]
 
     eager_cfg = dataclasses.replace(tiny_cfg, attn_implementation="eager")
-    ac = tiny_shapes["lm"].activations["autocast"]["token"]
+    bf = tiny_shapes["lm"].activations["bf16"]["token"]
     scores = 6 * HEADS * S * S * B  # per layer: 6 bytes per head per pair, s*s pairs, b sequences
     eager = sft(eager_cfg, tiny_shapes).parts["zero2"]["activations"]
-    assert eager == 2 * (S * B * ac + scores) + TINY_COPIES + FUSED_TINY
+    assert eager == 2 * (S * B * bf + scores) + FUSED_TINY
     sdpa = sft(dataclasses.replace(tiny_cfg, attn_implementation="sdpa"), tiny_shapes).parts["zero2"]["activations"]
-    assert sdpa == 2 * (S * B * ac + 2 * B * S * S) + TINY_COPIES + FUSED_TINY < eager  # auto's (the test above)
+    assert sdpa == 2 * (S * B * bf + 2 * B * S * S) + FUSED_TINY < eager  # auto's (the test above)
     note = "the layer probe could not run (RuntimeError: made up)"
     unmeasured = {k: dataclasses.replace(v, activations={}, probe_note=note) for k, v in tiny_shapes.items()}
     guessed = sft(eager_cfg, unmeasured)
-    assert guessed.parts["zero2"]["activations"] == 2 * (S * B * 96 * H + 6 * HEADS * S * S * B) + TINY_COPIES \
-        + FUSED_TINY
+    assert guessed.parts["zero2"]["activations"] == 2 * (S * B * 96 * H + 6 * HEADS * S * S * B) + FUSED_TINY
     assert sft(tiny_cfg, unmeasured).parts["zero2"]["activations"] == \
-        2 * (S * B * 96 * H + 2 * B * S * S) + TINY_COPIES + FUSED_TINY
+        2 * (S * B * 96 * H + 2 * B * S * S) + FUSED_TINY
     assert guessed.notes == {f"activations: not measured ({note}); counted 96h bytes per token per layer"}
     assert 96 * H > max(v["token"] for v in tiny_shapes["lm"].activations.values() if v is not None) / 2
 
@@ -351,6 +388,23 @@ def test_hh_recipe_estimate_prints_every_mode_and_fits_the_declared_node(workdir
     assert "does not fit: stage 'ppo' (zero3, 8 GPUs)" in small.stdout
 
 
+def test_a_crashed_shape_helper_skips_the_preflight_instead_of_refusing_the_run(tiny_cfg, monkeypatch, capsys):
+    """The estimate's helper builds the model's layers and runs them (the layer probe): where it dies (a model's own
+    code, the OOM killer), `align run` said "align: error: ..." and stopped; the preflight is a check, skipped as when
+    the config cannot be read."""
+    from align.orchestrator import runner
+    from align.orchestrator.hardware import Hardware
+    from align.orchestrator.helper import HelperError
+
+    def crash(*args, **kwargs):
+        raise HelperError("Traceback (most recent call last):\n  ...\nSystemExit: 3")
+
+    monkeypatch.setattr(runner, "estimate_pipeline", crash)
+    hw = Hardware(gpus_per_node=8, gpu_memory=80 * 2**30, nodes=1, detected=False)
+    runner.memory_preflight(tiny_cfg, REPO / "pipelines" / "default.yaml", [], {"sft"}, None, hw, ignore=False)
+    assert capsys.readouterr().out == "[align] memory preflight skipped: SystemExit: 3\n"
+
+
 @pytest.mark.slow
 def test_run_refuses_a_stage_that_does_not_fit_unless_told_to_ignore(workdir):
     args = ["run", "pipelines/default.yaml", "--run-id", "mem", "--only", "sft", "tracking.wandb=disabled", *TINY,
@@ -369,19 +423,18 @@ def test_run_refuses_a_stage_that_does_not_fit_unless_told_to_ignore(workdir):
 
 
 def test_gradient_checkpointing_is_counted_and_recommended_when_it_makes_a_stage_fit(tiny_cfg, tiny_shapes):
-    """Full recomputation keeps each layer's input (fp32 under autocast: 4sbh per layer) and one layer's
-    activations while it is recomputed, plus autocast's weight copies and TRL's fused head (FUSED_TINY), which
-    recomputation does not change."""
+    """Full recomputation keeps each layer's input (bf16 under DeepSpeed: 2sbh per layer) and one layer's
+    activations while it is recomputed, plus TRL's fused head (FUSED_TINY), which recomputation does not change."""
     from align.orchestrator.estimate import estimate_pipeline, too_big
     from align.orchestrator.hardware import Hardware, hardware
 
     source = REPO / "pipelines" / "default.yaml"
     est = {e.name: e for e in estimate_pipeline(tiny_cfg, source, hardware(tiny_cfg), shapes=tiny_shapes)}
     sft = est["sft"]
-    layer = S * B * tiny_shapes["lm"].activations["autocast"]["token"] + 2 * B * S * S
-    with_ckpt = 2 * (4 * S * B * H) + layer + TINY_COPIES + FUSED_TINY
+    layer = S * B * tiny_shapes["lm"].activations["bf16"]["token"] + 2 * B * S * S
+    with_ckpt = 2 * (2 * S * B * H) + layer + FUSED_TINY
     saved = sft.parts["zero2"]["activations"] - with_ckpt
-    assert saved == 2 * layer - (2 * 4 * S * B * H + layer) > 0
+    assert saved == 2 * layer - (2 * 2 * S * B * H + layer) > 0
     assert sft.with_checkpointing == sft.chosen_bytes - saved
     between = (sft.with_checkpointing + sft.chosen_bytes) // 2  # fits with checkpointing only
     hw = Hardware(gpus_per_node=8, gpu_memory=between, nodes=1, detected=False)
@@ -601,7 +654,9 @@ def test_llama8b_shapes_are_the_published_model(llama8b):
 def test_the_estimate_asks_the_probe_only_for_the_variants_its_stages_read(llama8b, tiny_cfg):
     """Each variant the layer probe measures builds two models (~5 s each for an 8B config on this CPU): `align
     estimate` asks for those its stages read. The shipped 8B pipeline trains every stage under DeepSpeed in bf16;
-    the tiny pipeline (dtype float32 under ZeRO) reads autocast only; LoRA adds its own (bf16: ZeRO casts them)."""
+    the tiny pipeline (dtype float32) reads bf16 for its stages under ZeRO (DeepSpeed's bf16 engine casts the
+    weights) and autocast for its reward stage (one process, no DeepSpeed: fp32 weights under autocast); LoRA adds
+    its own (bf16: ZeRO casts them)."""
     import dataclasses
 
     from align.orchestrator.estimate import lora_spec, probe_plan
@@ -611,12 +666,19 @@ def test_the_estimate_asks_the_probe_only_for_the_variants_its_stages_read(llama
     cfg, source, _ = llama8b
     assert probe_plan(cfg, build_plan(cfg, source), source, hardware(cfg)) == (["bf16"], {})
     tiny = REPO / "pipelines" / "default.yaml"
-    assert probe_plan(tiny_cfg, build_plan(tiny_cfg, tiny), tiny, hardware(tiny_cfg)) == (["autocast"], {})
+    assert probe_plan(tiny_cfg, build_plan(tiny_cfg, tiny), tiny, hardware(tiny_cfg)) == (["autocast", "bf16"], {})
     sft = tiny_cfg.stages["sft"]
     lora = dataclasses.replace(sft.lora, enabled=True)
     with_lora = dataclasses.replace(tiny_cfg, stages={**tiny_cfg.stages, "sft": dataclasses.replace(sft, lora=lora)})
     bases, classes = probe_plan(with_lora, build_plan(with_lora, tiny), tiny, hardware(with_lora))
-    assert bases == ["autocast"] and classes == {json.dumps(lora_spec(lora), sort_keys=True): {"bf16"}}  # ZeRO casts
+    assert bases == ["autocast", "bf16"] and classes == {json.dumps(lora_spec(lora, True), sort_keys=True): {"bf16"}}  # ZeRO casts
+    # DPO trains with dropout off (TRL's disable_dropout, LoRA's dropout modules too): its adapters measured without
+    dpo = tiny_cfg.stages["dpo"]
+    dpo_lora = dataclasses.replace(dpo.lora, enabled=True, dropout=0.1)
+    with_dpo_lora = dataclasses.replace(tiny_cfg, stages={**tiny_cfg.stages,
+                                                          "dpo": dataclasses.replace(dpo, lora=dpo_lora)})
+    _, classes = probe_plan(with_dpo_lora, build_plan(with_dpo_lora, tiny), tiny, hardware(with_dpo_lora))
+    assert [json.loads(key)["dropout"] for key in classes] == [0.0] and lora_spec(dpo_lora, True)["dropout"] == 0.1
 
 
 def test_ppo_counts_the_whole_policy_gathered_under_zero3_and_not_with_layer_gathers(llama8b):

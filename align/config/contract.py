@@ -173,8 +173,9 @@ class StageBase:
     ENGINE_NOTE: ClassVar[str] = ""
     """Why the stage type lacks an engine, said when a pipeline asks for it."""
     WORK: ClassVar[str] = ""
-    """The final metric that counts the work the stage did (optimiser steps, iterations, prompts evaluated): a
-    stage that ends with it at 0 has failed, whatever it published."""
+    """The final metric counting the work the stage did (steps, iterations, prompts): at 0 the stage has failed."""
+    DROPOUT: ClassVar[bool] = False
+    """Its trained models' dropout (LoRA's too) runs while it trains (`align estimate` measures it)."""
 
     type: str = ""
     """Stage kind, a registered stage type: sft, preferences, reward, dpo, ppo, evaluate, ... (default: the name)."""

@@ -19,6 +19,7 @@ class SFTStage(TrainedStage):
     PROMPTS: ClassVar[str] = "train"
     LENGTH_RULE = TRUNCATES_COMPLETIONS
     HEADLINE: ClassVar[tuple[str, ...]] = ("train/loss_final_avg", "eval/loss")
+    DROPOUT: ClassVar[bool] = True  # TRL's SFTTrainer leaves the model's dropout as it is
     PRODUCES: ClassVar[str] = POLICY
     INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"model": (POLICY, False)}
     CARDS: ClassVar[dict[str, str]] = {"data": EXAMPLES}

@@ -143,7 +143,7 @@ def model_shapes(cfg: PipelineConfig, source: str | Path,
     """Shapes of the causal LM and of the scalar (reward / value) model on the same backbone, built on the meta
     device in a helper process (torch; align/modeling/shapes.py), with what a layer keeps for backward: the
     variants `needed` names (`probe_plan`), else every variant and each LoRA setting's every variant."""
-    loras = [lora_spec(st.lora) for st in cfg.stages.values() if getattr(st, "lora", None) is not None
+    loras = [lora_spec(st.lora, st.DROPOUT) for st in cfg.stages.values() if getattr(st, "lora", None) is not None
              and st.lora.enabled]
     loras = list({json.dumps(x, sort_keys=True): x for x in loras}.values())
     variants = None
@@ -205,7 +205,7 @@ def probe_plan(cfg: PipelineConfig, plans: list[StagePlan], source: str | Path,
             cls, base = variant_class(lora, m, cfg.dtype, cfg.precision, hw.gpu_memory is not None)
             bases.add(base)
             if cls is not None:
-                classes.setdefault(json.dumps(lora_spec(lora), sort_keys=True), set()).add(cls)
+                classes.setdefault(json.dumps(lora_spec(lora, plan.cfg.DROPOUT), sort_keys=True), set()).add(cls)
     return sorted(bases), classes
 
 
@@ -216,8 +216,9 @@ def _activations(est: StageEstimate, h: Held, variant: tuple[str, str], batch: i
     wanted, base = variant
     chosen = wanted if wanted in h.shape.activations else base
     if base not in h.shape.activations:
-        est.notes.add(f"activations: not measured ({h.shape.probe_note}); counted {FALLBACK_TOKEN_H}h bytes per "
-                      "token per layer")
+        wide = 2 if chosen == "fp32" or chosen.endswith(" fp32") else 1  # activation_bytes' fallback, in fp32
+        est.notes.add(f"activations: not measured ({h.shape.probe_note}); counted {wide * FALLBACK_TOKEN_H}h bytes "
+                      "per token per layer")
     if chosen != wanted:
         est.notes.add(f"activations of stage '{est.name}': its LoRA setting was not measured"
                       + (f" ({h.shape.probe_note})" if h.shape.probe_note else "")
@@ -253,7 +254,7 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
         return stage.TRL_FUSED_HEAD and h.role == "policy"
 
     def acts(recompute: bool, chunk: int | None, m: str) -> int:
-        variant = training_variant(lora, m, dtype, precision, gpu_memory is not None)
+        variant = training_variant(lora, m, dtype, precision, gpu_memory is not None, stage.DROPOUT)
         return sum(_activations(est, h, variant, train_b, train_s, not fused(h), recompute, chunk, eager)
                    for h in trained)
 

@@ -50,27 +50,32 @@ def lora_key(lora: dict[str, Any], variant: str) -> str:
     return f"lora r={lora['r']} dropout={lora['dropout']} targets={','.join(sorted(lora['targets']))} {variant}"
 
 
-def lora_spec(lora) -> dict[str, Any]:
-    """A stage's LoRA setting as the helper's layer probe measures it (align/modeling/activations.py)."""
-    return {"r": lora.r, "dropout": lora.dropout, "targets": sorted(lora.target_modules)}
+def lora_spec(lora, dropout_runs: bool) -> dict[str, Any]:
+    """A stage's LoRA setting as the helper's layer probe measures it (align/modeling/activations.py); its dropout
+    0 where the stage's type trains with dropout off (`DROPOUT`: TRL's preference and RL trainers and PPO turn off
+    every dropout module, LoRA's too, and a dropout of 0 keeps nothing)."""
+    return {"r": lora.r, "dropout": lora.dropout if dropout_runs else 0.0, "targets": sorted(lora.target_modules)}
 
 
-def training_variant(lora, mode: str, dtype: str, precision: str, on_gpu: bool) -> tuple[str, str]:
+def training_variant(lora, mode: str, dtype: str, precision: str, on_gpu: bool,
+                     dropout_runs: bool = True) -> tuple[str, str]:
     """How a stage's trained layers compute, as (the layer probe's variant, the base variant without LoRA): fp32
-    where the stage computes in fp32 (`precision: float32`, or `auto` off a GPU); else fp32 weights under bf16
-    autocast where they are fp32 (`dtype: float32`, or `auto` outside DeepSpeed: the stage process's weights_dtype),
-    else bf16. LoRA: under DeepSpeed base and adapters in bf16 (ZeRO-1/2 casts every parameter; under ZeRO-3 the
-    adapters keep the base's dtype), outside it fp32 under autocast, a 16-bit base with fp32 adapters (peft's
-    autocast_adapter_dtype), QLoRA measured as that (its 4-bit base's other parameters are fp32), fp32 in fp32."""
+    where the stage computes in fp32 (`precision: float32`, or `auto` off a GPU); else, outside DeepSpeed, fp32
+    weights under bf16 autocast where they are fp32 (`dtype: float32`, or `auto`: the stage process's
+    weights_dtype), and bf16 under DeepSpeed (its bf16 engine casts the model, whatever `dtype` loaded it as, and
+    accelerate leaves autocast off) or with `dtype: bfloat16`. LoRA: under DeepSpeed base and adapters in bf16
+    (ZeRO-1/2 casts every parameter; under ZeRO-3 the adapters keep the base's dtype), outside it fp32 under
+    autocast, a 16-bit base with fp32 adapters under autocast (peft's autocast_adapter_dtype), QLoRA measured as
+    that (its 4-bit base's other parameters are fp32), fp32 in fp32. `dropout_runs`: see lora_spec."""
     cls, base = variant_class(lora, mode, dtype, precision, on_gpu)
-    return (lora_key(lora_spec(lora), cls) if lora is not None else base), base
+    return (lora_key(lora_spec(lora, dropout_runs), cls) if lora is not None else base), base
 
 
 def variant_class(lora, mode: str, dtype: str, precision: str, on_gpu: bool) -> tuple[str | None, str]:
     """`training_variant`'s parts: (the LoRA variant, None without LoRA; the base variant)."""
     if (not on_gpu and precision == "auto") or precision == "float32":
         return ("fp32" if lora is not None else None), "fp32"
-    fp32_weights = dtype == "float32" or (dtype == "auto" and mode == "ddp")
+    fp32_weights = mode == "ddp" and dtype in ("float32", "auto")
     base = "autocast" if fp32_weights else "bf16"
     if lora is None:
         return None, base
@@ -134,7 +139,8 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, logits: bool = Tru
     the scores); unmeasured, FALLBACK_TOKEN_H * h per token, 6a per pair with eager, one 16-bit mask with SDPA (twice
     as many bytes in fp32); `lora_unmeasured`: a LoRA setting measured only without its adapters, LORA_UNMEASURED
     times. Under autocast, the 16-bit copies it makes of every weight, kept for backward: 2 bytes a weight of the
-    layers' linear layers. With gradient checkpointing (full recomputation, Korthikanti et al. 2022 sec. 4) only
+    layers' linear layers, and of the LM head where `logits` are computed whole (MoE experts held as 3-D parameters
+    are not linear layers: not counted). With gradient checkpointing (full recomputation, Korthikanti et al. 2022 sec. 4) only
     each layer's input is kept (2 bytes per element, 4 where the residual stream is fp32: autocast, fp32, fp32
     adapters and QLoRA's fp32 norms), plus one layer's activations while it is recomputed."""
     s, b, h, a = seq, batch, shape.hidden, shape.heads
@@ -148,8 +154,8 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, logits: bool = Tru
     token *= LORA_UNMEASURED if lora_unmeasured else 1
     per_layer = s * b * token + pair * s * s * b
     kept = shape.layers * (2 + 2 * wide) * s * b * h + per_layer if checkpointing else shape.layers * per_layer
-    if variant.endswith("autocast"):
-        kept += 2 * sum(i * o for name, (i, o) in shape.linears.items() if name != shape.head)
+    if variant.endswith("autocast"):  # the head's copy too where it runs as a plain layer (not TRL's tiles)
+        kept += 2 * sum(i * o for name, (i, o) in shape.linears.items() if name != shape.head or logits)
     if not logits:
         return int(kept)
     # the fused head's chunk in its backward: its fp32 logits, softmax, their product and gradients, ~6 copies
