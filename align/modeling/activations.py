@@ -48,11 +48,11 @@ VARIANTS = {"bf16": ("bfloat16", False), "autocast": ("float32", True), "fp32": 
 """How a trained model's layers may compute: 16-bit weights (DeepSpeed's bf16, or `dtype: bfloat16`), fp32 weights
 under bf16 autocast (outside DeepSpeed with `dtype: auto` on a GPU), fp32 throughout (`precision: float32`, CPUs)."""
 LORA_VARIANTS = {"bf16": ("bfloat16", False, False), "autocast": ("float32", True, True),
-                 "bf16+fp32 adapters": ("bfloat16", False, True), "fp32": ("float32", False, True)}
+                 "bf16+fp32 adapters": ("bfloat16", True, True), "fp32": ("float32", False, True)}
 """LoRA's: base and adapters in bf16 (DeepSpeed ZeRO-1/2 casts every parameter; under ZeRO-3 the adapters keep the
 base's dtype, align/modeling/lora.py), fp32 base and adapters under autocast (outside DeepSpeed), a 16-bit base with
-fp32 adapters (peft's autocast_adapter_dtype outside DeepSpeed; QLoRA's 4-bit base, whose other parameters peft
-keeps in fp32, is measured as this), and fp32 throughout."""
+fp32 adapters under autocast (peft's autocast_adapter_dtype outside DeepSpeed, where accelerate's bf16 autocast is
+on; QLoRA's 4-bit base, whose other parameters peft keeps in fp32, is measured as this), and fp32 throughout."""
 
 
 def layer_probe(config, loras: list[dict[str, Any]] = (), trust_remote_code: bool = False,
@@ -151,8 +151,10 @@ def scaled(config, num: int, den: int):
     small = copy.deepcopy(config)
     small.hidden_size = small.hidden_size * num // den
     small.num_attention_heads = small.num_attention_heads * num // den
-    for f in (*KV_HEADS, *WIDTHS):
-        if isinstance(getattr(small, f, None), int):
+    alias = getattr(small, "attribute_map", None) or {}  # e.g. intermediate_size read from moe_intermediate_size
+    done = {alias.get(f, f) for f in ("hidden_size", "num_attention_heads")}
+    for f in dict.fromkeys(alias.get(f, f) for f in (*KV_HEADS, *WIDTHS)):  # each field once, under its own name
+        if f not in done and isinstance(getattr(small, f, None), int):
             setattr(small, f, getattr(small, f) * num // den)
     return small
 
