@@ -34,6 +34,7 @@ from align.core.errors import PipelineError
 from align.core.rundir import (MANIFEST, PIPELINE, SPEC, PipelineRecord, StageSpec, headline, is_complete,
                           moved_inputs, output_digests, outputs_problem, read_manifest, write_manifest)
 from align.orchestrator.commands import rerun_from, resume_command
+from align.orchestrator.helper import HelperError
 from align.orchestrator.runlock import RunLock, RunLockedError
 from align.config.sweeps import by_stage
 from align.core.tracking import scrub
@@ -305,8 +306,8 @@ def memory_preflight(cfg: PipelineConfig, source: str | Path, plans: list[StageP
         return
     try:
         estimates = estimate_pipeline(cfg, source, hw, num_processes, plans)
-    except EstimateError as exc:
-        print(f"[align] memory preflight skipped: {exc}", flush=True)
+    except (EstimateError, HelperError) as exc:  # a crash of the shape helper (a model's own code) skips it too
+        print(f"[align] memory preflight skipped: {(str(exc).strip() or repr(exc)).splitlines()[-1]}", flush=True)
         return
     disk = disk_problem(cfg, disk_peak(cfg, [e for e in estimates if e.name in names], dtype_bytes(cfg.dtype, True)),
                         cfg.runs_dir)
