@@ -305,6 +305,21 @@ def test_the_resume_command_is_the_command_as_typed(monkeypatch):
         "align run p.yaml --from reward")
 
 
+def test_rebuilding_a_report_keeps_the_runs_own_command_in_its_record(tmp_path):
+    """`align report runs/p/r1` wrote its own command into pipeline.json's `resume`, from which `align status` builds
+    its hints: a damaged stage's rerun then came out as `align run p.yaml --from X`, without --run-id r1 (another
+    run). The record keeps the `align run` it had, or names the run."""
+    from align.orchestrator.commands import resume_as, run_command
+
+    (tmp_path / "pipeline.json").write_text(json.dumps({"resume": "align run p.yaml --run-id r1 x.y=1"}))
+    with resume_as("align report runs/p/r1"):
+        assert run_command(tmp_path, "p.yaml", "r1") == "align run p.yaml --run-id r1 x.y=1"
+        (tmp_path / "pipeline.json").write_text("{not json")
+        assert run_command(tmp_path, "p.yaml", "r1") == "align run p.yaml --run-id r1"
+    with resume_as("align run p.yaml --run-id r1 --only dpo"):  # a run's own command is recorded as typed
+        assert run_command(tmp_path, "p.yaml", "r1") == "align run p.yaml --run-id r1 --only dpo"
+
+
 def test_a_forced_stage_stopped_before_it_began_is_named_in_the_resume_command(tmp_path):
     """--from X stopped before X's process wrote `running`: X still reads `completed` (its earlier run), so the plain
     resume would skip it; the message reruns it by name. A stage that began (or was not forced) resumes plainly."""

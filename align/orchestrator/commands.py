@@ -5,10 +5,13 @@ added to it."""
 from __future__ import annotations
 
 import contextvars
+import json
 import shlex
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+from align.core.rundir import PIPELINE
 
 _RESUME: contextvars.ContextVar[str | None] = contextvars.ContextVar("resume", default=None)
 
@@ -27,6 +30,22 @@ def resume_as(command: str) -> Iterator[None]:
 def resume_command(source: str | Path) -> str:
     """The command that resumes this run: the one typed (resume_as), else `align run SOURCE`."""
     return _RESUME.get() or f"align run {source}"
+
+
+def run_command(run_dir: str | Path, source: str | Path, run_id: str) -> str:
+    """The command pipeline.json records as the run's own (`align status` builds its resume and rerun hints on it):
+    the one typed when it is an `align run`; else (`align report` rebuilt the report) the one recorded before, or
+    `align run SOURCE --run-id ID` (a report's command recorded there sent later reruns to another run)."""
+    typed = resume_command(source)
+    if typed.startswith("align run "):
+        return typed
+    try:
+        before = json.loads((Path(run_dir) / PIPELINE).read_text(encoding="utf-8")).get("resume")
+    except (OSError, ValueError, AttributeError):
+        before = None
+    if isinstance(before, str) and before.startswith("align run "):
+        return before
+    return shlex.join(["align", "run", str(source), "--run-id", run_id])
 
 
 def rerun_from(source: str | Path, name: str, typed_command: str | None = None) -> str:

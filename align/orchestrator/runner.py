@@ -33,7 +33,7 @@ from align.orchestrator.plan import REPO_DIR, StagePlan, code_version, descendan
 from align.core.errors import PipelineError
 from align.core.rundir import (MANIFEST, PIPELINE, SPEC, PipelineRecord, StageSpec, headline, is_complete,
                           moved_inputs, output_digests, outputs_problem, read_manifest, write_manifest)
-from align.orchestrator.commands import rerun_from, resume_command
+from align.orchestrator.commands import rerun_from, resume_command, run_command
 from align.orchestrator.helper import HelperError
 from align.orchestrator.runlock import RunLock, RunLockedError
 from align.config.sweeps import by_stage
@@ -383,7 +383,7 @@ def _write_pipeline_manifest(run_dir: Path, cfg: PipelineConfig, plans: list[Sta
                              statuses: dict[str, str], source: str | Path) -> None:
     record: PipelineRecord = {
         "pipeline": cfg.name, "run_id": cfg.run_id, "source": str(Path(source).resolve()), "config": to_dict(cfg),
-        "resume": resume_command(source),  # as typed (--run-id, overrides): `align status` prints it
+        "resume": run_command(run_dir, source, cfg.run_id),  # as typed (--run-id, overrides): status prints it
         "stages": [{"name": p.name, "type": p.cfg.type, "deps": p.deps, "fingerprint": p.fingerprint,
                     "status": (read_manifest(run_dir / p.name) or {}).get("status", "not run"),
                     "this_invocation": statuses.get(p.name, "not run")} for p in plans],
