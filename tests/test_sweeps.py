@@ -81,7 +81,7 @@ def test_every_variant_has_its_own_fingerprint_and_upstream_is_shared():
     ({"beta.x": [4]}, r"stages\.dpo\.sweep\.beta\.x: 'beta' is not a group of settings"),
     ({"beta": []}, r"stages\.dpo\.sweep\.beta: expected a non-empty list"),
     ({"beta": 0.1}, r"stages\.dpo\.sweep\.beta: expected a non-empty list"),
-    ({"lora": {"r": [4, 8]}}, r"use a dotted key"),
+    ({"lora": {"r": [4, 8]}}, r"'lora' is a group of settings; sweep one setting in it with a dotted key"),
     ({"beta": [0.1, -1]}, r"stages\.dpo\.sweep\.beta\[1\]: -1(\.0)? is not allowed: must be > 0"),
     ({"beta": [0.1, "big"]}, r"stages\.dpo\.sweep\.beta\[1\]: expected a number"),
     ({"loss_type": ["sigmoid", "nope"]}, r"stages\.dpo\.sweep\.loss_type\[1\]: 'nope' is not allowed"),
@@ -132,7 +132,24 @@ def test_overrides_apply_to_every_variant_but_not_to_a_swept_key():
             apply_overrides(json.loads(json.dumps(raw)), [item])
     nested = {"name": "t", "stages": {"ppo": {"sweep": {"kl.coef": [0.1, 0.2]}}}}
     with pytest.raises(ConfigError, match=r"sweeps kl\.coef"):  # a group above the swept key covers it too
-        apply_overrides(nested, ["ppo.kl={coef: 0.3}"])
+        apply_overrides(json.loads(json.dumps(nested)), ["ppo.kl={coef: 0.3}"])
+    kept = apply_overrides(json.loads(json.dumps(nested)), ["ppo.kl={adaptive: false}"])  # beside it: no conflict
+    assert kept["stages"]["ppo"]["kl"] == {"adaptive": False}
+
+
+def test_a_mapping_override_sets_the_keys_it_names_and_a_whole_group_is_not_swept():
+    """`ppo.kl={coef: 0.3}` replaced the whole group (its controller and target went back to their defaults without
+    a word), and `sweep: {kl: [{coef: 0.1}, {coef: 0.2}]}` did the same to each variant."""
+    raw = {"name": "t", "stages": {"ppo": {"kl": {"controller": "ziegler", "target": 4.0, "coef": 0.1}}}}
+    merged = apply_overrides(json.loads(json.dumps(raw)), ["ppo.kl={coef: 0.3, horizon: 100}"])
+    assert merged["stages"]["ppo"]["kl"] == {"controller": "ziegler", "target": 4.0, "coef": 0.3, "horizon": 100}
+    assert apply_overrides(json.loads(json.dumps(raw)), ["ppo.kl.coef=0.3"]) == apply_overrides(
+        json.loads(json.dumps(raw)), ["ppo.kl={coef: 0.3}"])
+    assert apply_overrides(json.loads(json.dumps(raw)), ["ppo.kl=null"])["stages"]["ppo"]["kl"] is None
+    swept = {"name": "t", "stages": {"ppo": {"type": "ppo", "sweep": {"kl": [{"coef": 0.1}, {"coef": 0.2}]}}}}
+    with pytest.raises(ConfigError, match=r"stages\.ppo\.sweep\.kl: 'kl' is a group of settings; sweep one setting "
+                                          r"in it with a dotted key, e.g. `kl\.coef: \[\.\.\.\]`"):
+        parse_pipeline(swept, "p.yaml")
 
 
 def test_sweep_config_for_wandb():

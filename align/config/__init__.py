@@ -132,22 +132,38 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             raise ConfigError(f"override '{item}': the stage name '{dotted[0]}' holds a dot, so no override can reach "
                               "it; a stage name is a plain identifier (letters, digits, _ and -, starting with a "
                               f"letter): rename it, e.g. `{dotted[0].replace('.', '_')}`")
+        try:
+            value = strict_yaml(text)
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(f"override '{item}': the value {text!r} is not valid YAML ({problem}); quote it or "
+                              "close its brackets, e.g. sft.epochs=1 or judges=[vader]") from None
         if parts[0] in stages:
-            stage_paths.append((parts[0], parts[1:], item))
+            stage_paths += [(parts[0], parts[1:] + leaf, item) for leaf in _leaves(value)]
             parts = ["stages", *parts]
         node = raw
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override '{item}': '{part}' is not a mapping")
-        try:
-            node[parts[-1]] = strict_yaml(text)
-        except yaml.YAMLError as exc:
-            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise ConfigError(f"override '{item}': the value {text!r} is not valid YAML ({problem}); quote it or "
-                              "close its brackets, e.g. sft.epochs=1 or judges=[vader]") from None
+        node[parts[-1]] = value if parts[-1] == SWEEP else _merged(node.get(parts[-1]), value)  # a sweep: whole
     override_conflicts(raw, stage_paths)
     return raw
+
+
+def _merged(old: Any, new: Any) -> Any:
+    """An override's value in place of `old`; a mapping over a mapping sets the keys it names and keeps the others
+    (`ppo.kl={coef: 0.3}` replaced the whole group: its controller and target went back to their defaults)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return {**old, **{k: _merged(old.get(k), v) for k, v in new.items()}}
+    return new
+
+
+def _leaves(value: Any) -> list[list[str]]:
+    """The key paths a (nested) mapping sets, [[]] for a plain value: what an override sets inside a stage."""
+    if not isinstance(value, dict) or not value:
+        return [[]]
+    return [[str(k), *rest] for k, v in value.items() for rest in _leaves(v)]
 
 
 STAGE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
