@@ -228,3 +228,18 @@ def test_an_override_of_a_dotted_stage_name_states_the_naming_rule():
         apply_overrides(raw, ["sft.v2.epochs=1"])
     with pytest.raises(ConfigError, match=r"stages.sft.v2: a stage name is a plain identifier"):
         _parse(raw)
+
+
+def test_variants_in_a_pipeline_file_and_a_directory_for_a_file_are_named(tmp_path):
+    """`variants:` is pipeline.json's record of a sweep: in a user's file it was a traceback (`variants: {dpo: 5}`),
+    or let a stage named `dpo.v2` past the naming rule. A directory given as the pipeline was "not found"."""
+    path = tmp_path / "p.yaml"
+    path.write_text("name: p\nstages:\n  dpo: {}\nvariants:\n  dpo: 5\n")
+    with pytest.raises(ConfigError, match=r"p\.yaml: variants: written by align from a stage's `sweep:` .* add "
+                                          r"`sweep:` to the stage"):
+        load_pipeline(path)
+    with pytest.raises(ConfigError, match=r"not a pipeline file \(a directory or a device\); name the \.yaml file"):
+        load_pipeline(tmp_path)
+    with pytest.raises(ConfigError, match=r"gone\.yaml: pipeline file not found"):
+        load_pipeline(tmp_path / "gone.yaml")
+

@@ -77,6 +77,7 @@ def validate(capsys, *args: str) -> None:
     ("sft.epochs=0", ["stages.sft.epochs", "> 0"]),
     ("sft.max_steps=-1", ["stages.sft.max_steps", "-1", "null"]),
     ("dpo.beta=-0.5", ["stages.dpo.beta", "-0.5", "reversed"]),
+    ("variants={dpo: 5}", ["override 'variants=...'", "written by align from a stage's `sweep:`", "dpo.sweep="]),
     ("dpo.learning_rate=1e5", ["stages.dpo.learning_rate", "100000.0", "in (0, 1]", "did you mean 1e-5?"]),
     ("evaluate.max_prompts=-975", ["stages.evaluate.max_prompts", "-975", "null for all"]),
     ("sft.max_train_examples=-90", ["stages.sft.max_train_examples", "-90"]),

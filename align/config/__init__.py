@@ -249,7 +249,8 @@ def load_pipeline(path: str | Path, overrides: list[str] | None = None) -> Pipel
     """Read a pipeline YAML (a key given twice is an error), apply dotted overrides, parse strictly."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"{path}: pipeline file not found")
+        raise ConfigError(f"{path}: " + ("not a pipeline file (a directory or a device); name the .yaml file"
+                                         if path.exists() else "pipeline file not found"))
     try:
         raw = strict_yaml(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -260,7 +261,13 @@ def load_pipeline(path: str | Path, overrides: list[str] | None = None) -> Pipel
         raise ConfigError(f"{path}: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the pipeline file ({exc.strerror or exc})") from None
+    if isinstance(raw, dict) and "variants" in raw:  # pipeline.json's record of a sweep, never a user's setting
+        raise ConfigError(f"{path}: variants: written by align from a stage's `sweep:` (in pipeline.json), not read "
+                          "from a pipeline file; remove it, and add `sweep:` to the stage to sweep it")
     raw = apply_overrides(raw or {}, overrides or [])
+    if isinstance(raw, dict) and "variants" in raw:
+        raise ConfigError("override 'variants=...': `variants` is written by align from a stage's `sweep:`; "
+                          "override the sweep instead, e.g. 'dpo.sweep={beta: [0.1, 0.3]}'")
     return parse_pipeline(raw, str(path))
 
 
