@@ -243,3 +243,21 @@ def test_variants_in_a_pipeline_file_and_a_directory_for_a_file_are_named(tmp_pa
     with pytest.raises(ConfigError, match=r"gone\.yaml: pipeline file not found"):
         load_pipeline(tmp_path / "gone.yaml")
 
+
+
+def test_an_accelerate_path_is_read_relative_to_the_pipeline_file(tmp_path, monkeypatch):
+    """`accelerate: ./cfgs/my.yaml` was read from the working directory (data cards are read relative to the
+    pipeline file): it worked from one directory only, and the error named pipelines/accelerate/./cfgs/my.yaml.yaml."""
+    from align.core.errors import PipelineError
+    from align.orchestrator.launch import accelerate_config
+
+    conf = tmp_path / "proj" / "cfgs" / "my.yaml"
+    conf.parent.mkdir(parents=True)
+    conf.write_text("distributed_type: 'NO'\n")
+    source = tmp_path / "proj" / "p.yaml"
+    monkeypatch.chdir(tmp_path)  # not the pipeline's directory
+    assert accelerate_config("cfgs/my.yaml", source) == accelerate_config("./cfgs/my.yaml", source) == conf.resolve()
+    with pytest.raises(PipelineError, match=r"accelerate config 'cfgs/nope\.yaml' not found: a path is read relative "
+                                            r"to the pipeline file \(.*proj/cfgs/nope\.yaml\)"):
+        accelerate_config("cfgs/nope.yaml", source)
+    assert accelerate_config("zero2", source) == (REPO / "pipelines" / "accelerate" / "zero2.yaml").resolve()

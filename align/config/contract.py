@@ -180,7 +180,7 @@ class StageBase:
     type: str = ""
     """Stage kind, a registered stage type: sft, preferences, reward, dpo, ppo, evaluate, ... (default: the name)."""
     accelerate: str = "cpu"
-    """Accelerate config: a name under pipelines/accelerate/ (cpu, ddp, zero2, zero3, ...) or a path."""
+    """Accelerate config: a name under pipelines/accelerate/ (cpu, ddp, zero2, zero3, ...) or a path (from the pipeline)."""
     num_processes: int | None = ranged(None, ge=1, fix="use null for the accelerate config's own value")
     """Processes for `accelerate launch` (default: the accelerate config's own value)."""
     seed: int | None = ranged(None, ge=0, le=2 ** 31 - 1, fix="a seed below 2**31 (stages add ranks and batch "

@@ -52,12 +52,20 @@ class MultiNode:
 
 # --------------------------------------------------------------------------------------------- configs
 def accelerate_config(name: str, source: str | Path) -> Path:
-    """A config name (beside the pipeline under accelerate/, else pipelines/accelerate/) or a path."""
-    for candidate in (Path(name), Path(source).resolve().parent / "accelerate" / f"{name}.yaml",
-                      REPO_DIR / "pipelines" / "accelerate" / f"{name}.yaml"):
+    """A config name (beside the pipeline under accelerate/, else pipelines/accelerate/) or a path: relative to the
+    pipeline file, as a data card's is (else to the working directory, where it was read from before)."""
+    here = Path(source).resolve().parent
+    if "/" in name or name.endswith((".yaml", ".yml")):
+        for candidate in (here / name, Path(name)):
+            if candidate.is_file():
+                return candidate.resolve()
+        raise PipelineError(f"accelerate config '{name}' not found: a path is read relative to the pipeline file "
+                            f"({here / name})")
+    for candidate in (here / "accelerate" / f"{name}.yaml", REPO_DIR / "pipelines" / "accelerate" / f"{name}.yaml"):
         if candidate.is_file():
             return candidate.resolve()
-    raise PipelineError(f"accelerate config '{name}' not found (pipelines/accelerate/{name}.yaml or a path)")
+    raise PipelineError(f"accelerate config '{name}' not found (pipelines/accelerate/{name}.yaml, or a path to a "
+                        "file relative to the pipeline)")
 
 
 def yaml_load(path: Path) -> Any:
