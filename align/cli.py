@@ -26,7 +26,7 @@ from align.core.rundir import ManifestError
 from align.orchestrator.commands import resume_args, resume_as
 from align.orchestrator.runner import Interrupted, run
 from align.orchestrator.status import status_table, verify
-from align.orchestrator.validate import stage_lines, validate
+from align.orchestrator.validate import check_environment, stage_lines, validate
 
 
 def _count(text: str) -> int:
@@ -147,6 +147,7 @@ def _command(args: argparse.Namespace) -> int:
             return _estimate(cfg, args)
         if args.command == "validate":
             plans = validate(cfg, args.pipeline)
+            check_environment(plans, {p.name for p in plans}, args.pipeline)
             print("\n".join(stage_lines(cfg, plans)))
             print(f"[align] {args.pipeline}: valid ({len(plans)} stage{'' if len(plans) == 1 else 's'})")
             return 0

@@ -61,8 +61,19 @@ PUSH = ["stages.push.type=push", "stages.push.model=dpo", "stages.push.repo=my-o
     ({"ALIGN_TEST_HUB_TOKEN": TOKEN}, ["stages.push.model=preferences"],
      "stages.push.model: 'preferences' is a preferences stage, which produces preference pairs; model needs a policy "
      "or a reward model: use sft or reward or ppo or dpo"),
+    ({"ALIGN_TEST_HUB_TOKEN": TOKEN, "HF_HUB_OFFLINE": "1"}, [], "stages.push: HF_HUB_OFFLINE is set: the hub cannot "
+                                                                  "be reached to push to"),
+    ({"ALIGN_TEST_HUB_TOKEN": TOKEN}, ["stages.push.revision=no such/branch.."], "stages.push: revision: 'no "
+                                                                                "such/branch..' is not a branch name"),
+    ({"ALIGN_TEST_HUB_TOKEN": TOKEN}, ["stages.push2.type=push", "stages.push2.model=sft",
+                                       "stages.push2.repo=my-org/tiny-dpo", "stages.push2.token_env=ALIGN_TEST_HUB_TOKEN"],
+     "stages.push2: pushes to my-org/tiny-dpo@main as stage 'push' does: the later commit replaces the other's files"),
+    ({"ALIGN_TEST_HUB_TOKEN": TOKEN}, ["dpo.lora.enabled=true", "dpo.lora.target_modules=[q_proj,v_proj]"],
+     "stages.push: stage 'dpo' publishes LoRA adapters alone, on a model that exists only in this run: the pushed "
+     "repository could not be loaded; set stages.dpo.lora.merge: true"),
 ])
 def test_validate_refuses_what_the_push_would_fail_on_and_never_prints_the_token(workdir, env, extra, message):
+    env = {"HF_HUB_OFFLINE": "0", **env}  # the suite's default (no hub here) would refuse every push
     proc = run_align("validate", "pipelines/default.yaml", *TINY, *PUSH, *extra, cwd=workdir, env=env)
     assert proc.returncode == 2, proc.stdout
     assert message in proc.stderr, proc.stderr
@@ -70,8 +81,24 @@ def test_validate_refuses_what_the_push_would_fail_on_and_never_prints_the_token
 
 
 def test_a_push_stage_validates_with_a_token_and_runs_last(workdir):
-    proc = run_align("validate", "pipelines/default.yaml", *TINY, *PUSH, cwd=workdir,
-                     env={"ALIGN_TEST_HUB_TOKEN": TOKEN})
+    variable = ["stages.push.token_env=HF_TOKEN_ACME_WRITE_ONLY"]  # upper case: a variable's name, not a token
+    proc = run_align("validate", "pipelines/default.yaml", *TINY, *PUSH, *variable, cwd=workdir,
+                     env={"HF_TOKEN_ACME_WRITE_ONLY": TOKEN, "HF_HUB_OFFLINE": "0"})
     assert proc.returncode == 0, proc.stderr
     line = next(x for x in proc.stdout.splitlines() if x.strip().startswith("push "))
     assert "<- dpo" in line and TOKEN not in proc.stdout
+
+
+def test_a_push_token_is_asked_for_only_by_the_commands_that_push():
+    """`align report` (which reruns the evaluate stage alone) refused a run whose pipeline has a push stage when the
+    token was not exported: the token is checked for the stages a command runs, and by `align validate`."""
+    from align.config.push import PushStage
+    from align.core.errors import PipelineError
+    from align.orchestrator.validate import check_environment
+
+    plans = [SimpleNamespace(name="push", cfg=PushStage(type="push", model="dpo", repo="a/b",
+                                                        token_env="ALIGN_TEST_UNSET_TOKEN"))]
+    check_environment(plans, {"evaluate"}, "p.yaml")  # not run by this command: not asked
+    with pytest.raises(PipelineError, match=r"p\.yaml: stages\.push: (token_env: the variable ALIGN_TEST_UNSET_TOKEN "
+                                            r"is not set|HF_HUB_OFFLINE is set)"):
+        check_environment(plans, {"push", "evaluate"}, "p.yaml")

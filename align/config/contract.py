@@ -210,6 +210,11 @@ class StageBase:
         """Problems between this stage and others, reported after every stage's own check (one line each)."""
         return []
 
+    def environment_problem(self) -> str | None:
+        """What this process's environment lacks for the stage to run (a push's hub token), or None: checked by
+        `align validate`, and by `align run` for the stages it runs, before anything launches."""
+        return None
+
     # ------------------------------------------------------------------ what the orchestrator asks
     def references(self, role: str) -> list[str]:
         """The names this stage's reference fields of `role` hold (stages, cards or judges)."""
@@ -220,18 +225,16 @@ class StageBase:
         return "train"
 
     def relative_files(self) -> dict[str, str]:
-        """Settings other than data cards naming a file relative to the pipeline (dotted key, list items by index ->
-        value): written absolute into the spec, their content fingerprinted (editing the file reruns the stage).
-        `local_models`: settings naming another model (a pairwise judge's) by path or hub id; one found relative to
-        the pipeline likewise, its files' stamps fingerprinted (tree_stamp); a hub id as written."""
+        """Settings besides data cards naming a file relative to the pipeline (dotted key, list items by index ->
+        value): written absolute into the spec, their content fingerprinted. `local_models`: settings naming another
+        model (a judge's) by path or hub id; one found beside the pipeline likewise, by its files' stamps."""
         return {}
 
     def local_models(self) -> dict[str, str]:
         return {}
 
     def starts_from_base(self) -> bool:
-        """Whether the stage starts from the pipeline's base model: its fingerprint then covers the base model,
-        the tokenizer and the chat template."""
+        """Whether it starts from the base model (its fingerprint then covers model, tokenizer and chat template)."""
         return False
 
     def installs_chat_template(self, card_forms: dict[str, str], template_named: bool) -> bool:
@@ -241,8 +244,8 @@ class StageBase:
         return False
 
     def trains_on_assistant_turns(self) -> bool:
-        """Whether conversations in this stage's cards are split into trained (assistant) and untrained tokens:
-        validation renders them all that way, refusing a template that cannot be split, and shows one."""
+        """Whether its cards' conversations split into trained (assistant) and untrained tokens: validation renders
+        them so, refusing a template that cannot be split."""
         return False
 
     def response_tokens(self) -> int | None:
@@ -265,13 +268,11 @@ class StageBase:
         return []
 
     def gathers_policy_for_generation(self) -> bool:
-        """Whether, under ZeRO-3, the stage gathers its whole policy on every GPU to sample from it (the estimate
-        then counts one whole 16-bit copy of it)."""
+        """Under ZeRO-3, whether it gathers its whole policy on every GPU to sample (the estimate counts a copy)."""
         return False
 
     def logit_tokens(self, mode: str, on_gpu: bool) -> int | None:
-        """How many tokens' logits the trained policy holds at once under DeepSpeed `mode` (the estimate's logits
-        term): None = the whole micro-batch's."""
+        """Tokens whose logits the trained policy holds at once under DeepSpeed `mode` (None: the micro-batch's)."""
         return None
 
     def length_check(self, fld: str) -> tuple[LengthRule, int, float] | None:
@@ -280,8 +281,7 @@ class StageBase:
         return None
 
     def length_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The rows of a card as the stage's length rule counts them (text rows; conversational ones already
-        rendered with the chat template)."""
+        """A card's rows as the stage's length rule counts them (conversations rendered with the chat template)."""
         return rows
 
     def deepspeed_settings(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from typing import ClassVar
 from align.config.contract import MODEL, CheckContext, StageBase
 
 _REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+_REF = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_./-]{0,199}")  # a branch name (git check-ref-format, simplified)
 
 
 def token_problem(variable: str) -> str | None:
@@ -52,13 +53,37 @@ class PushStage(StageBase):
     def check(self, ctx: CheckContext) -> None:
         if not _REPO.fullmatch(self.repo):
             raise ValueError(f"repo: {self.repo!r} is not a hub repository id; name it org/name, e.g. my-org/llama3-8b-ppo")
-        if self.token_env.lower().startswith(("hf_", "hf-")) and len(self.token_env) > 20:
+        if not _REF.fullmatch(self.revision) or ".." in self.revision or self.revision.endswith((".lock", "/", ".")):
+            raise ValueError(f"revision: {self.revision!r} is not a branch name git accepts; name an existing branch "
+                             "of the repository, e.g. main")
+        if self.token_env.lower().startswith(("hf_", "hf-")) and len(self.token_env) > 20 and \
+                not self.token_env.isupper():  # tokens are mixed case; HF_TOKEN_ACME_WRITE is a variable's name
             raise ValueError("token_env: this looks like a token, not the name of the variable that holds one (its "
                              "value is not repeated here); never write a token in a pipeline file: export it, and "
                              "name the variable, e.g. token_env: HF_TOKEN")
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.token_env):
             raise ValueError("token_env: not an environment variable name (its value is not repeated here, in case it "
                              "is a token); name the variable that holds the token, e.g. token_env: HF_TOKEN")
+
+    def environment_problem(self) -> str | None:
+        if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+            return ("HF_HUB_OFFLINE is set: the hub cannot be reached to push to; unset it for this run, or run the "
+                    "pipeline with --only for the stages before the push")
         problem = token_problem(self.token_env)
-        if problem:
-            raise ValueError(f"token_env: {problem}")
+        return f"token_env: {problem}" if problem else None
+
+    def pipeline_problems(self, name: str, stages: dict[str, StageBase]) -> list[str]:
+        out = []
+        same = [n for n, st in stages.items() if n != name and isinstance(st, PushStage)
+                and (st.repo, st.revision) == (self.repo, self.revision)]
+        if same and list(stages).index(same[0]) < list(stages).index(name):
+            out.append(f"stages.{name}: pushes to {self.repo}@{self.revision} as stage '{same[0]}' does: the later "
+                       "commit replaces the other's files; give each its own repo or revision")
+        source = stages.get(self.model)
+        lora = getattr(source, "lora", None)
+        if source is not None and lora is not None and lora.enabled and not lora.merge and \
+                not source.starts_from_base():
+            out.append(f"stages.{name}: stage '{self.model}' publishes LoRA adapters alone, on a model that exists "
+                       f"only in this run: the pushed repository could not be loaded; set "
+                       f"stages.{self.model}.lora.merge: true to push whole weights")
+        return out

@@ -38,7 +38,7 @@ from align.orchestrator.helper import HelperError
 from align.orchestrator.runlock import RunLock, RunLockedError
 from align.config.sweeps import by_stage
 from align.core.tracking import scrub
-from align.orchestrator.validate import validate
+from align.orchestrator.validate import check_environment, validate
 from align.data.hub import RUN_REVISIONS_ENV
 
 
@@ -106,6 +106,7 @@ def _run(cfg: PipelineConfig, source: str | Path, only: str | None, from_stage: 
         selected = set(deps)
     forced = selected if (force or from_stage) else set()
     to_run = [p.name for p in plans if p.name in selected and (p.name in forced or not up_to_date(p, run_dir, source))]
+    check_environment(plans, set(to_run), source)  # a push's token: only for the stages this command runs
     hw = hardware(cfg, nodes=multi.nodes)  # asks nvidia-smi once, for both checks
     memory_preflight(cfg, source, plans, set(to_run), num_processes, hw, ignore_memory_check)
     gpus = hw.gpus_per_node if hw.detected else 0  # the GPUs present (the pipeline's `hardware:` is not)
