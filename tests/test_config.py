@@ -261,3 +261,19 @@ def test_an_accelerate_path_is_read_relative_to_the_pipeline_file(tmp_path, monk
                                             r"to the pipeline file \(.*proj/cfgs/nope\.yaml\)"):
         accelerate_config("cfgs/nope.yaml", source)
     assert accelerate_config("zero2", source) == (REPO / "pipelines" / "accelerate" / "zero2.yaml").resolve()
+
+
+def test_a_pipeline_nested_thousands_deep_and_a_seed_sweep_of_null_and_the_pipeline_seed_are_named(tmp_path):
+    """A key holding 5,000 nested brackets was a RecursionError traceback; `sweep: {seed: [null, 17]}` under `seed: 17`
+    made two variants that train identically (their spread then understated the seeds' variance)."""
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("name: d\nstages:\n  sft:\n    data: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match=r"deep\.yaml: nested too deeply to read"):
+        load_pipeline(deep)
+    with pytest.raises(ConfigError, match=r"override 'sft\.data=\.\.\.': its value is nested too deeply"):
+        apply_overrides(_raw(), ["sft.data=" + "[" * 5000 + "]" * 5000])
+    raw = {"name": "t", "seed": 17, "stages": {"dpo": {"sweep": {"seed": [None, 17]}}}}
+    with pytest.raises(ConfigError, match=r"variants 'dpo-seed_null' and 'dpo-seed_17' have equal settings"):
+        _parse(raw)
+    assert len(_parse({"name": "t", "seed": 17, "stages": {"dpo": {"sweep": {"seed": [None, 18]}}}}).stages) == 2
+

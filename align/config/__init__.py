@@ -134,6 +134,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
                               f"letter): rename it, e.g. `{dotted[0].replace('.', '_')}`")
         try:
             value = strict_yaml(text)
+        except RecursionError:
+            raise ConfigError(f"override '{key.strip()}=...': its value is nested too deeply to read") from None
         except yaml.YAMLError as exc:
             problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
             raise ConfigError(f"override '{item}': the value {text!r} is not valid YAML ({problem}); quote it or "
@@ -237,8 +239,11 @@ def _add_stage(cfg: PipelineConfig, name: str, stage: StageBase, variant_of: str
     if name in cfg.stages or (variant_of and name in stages_raw):
         raise ConfigError(f"{source}: stages.{variant_of or name}: two stages would be named '{name}' (a sweep variant "
                           "is named <stage>-<key>_<value>); rename one of the stages")
+    def settings(st: StageBase) -> dict[str, Any]:  # seed null is the pipeline's seed: [null, 17] at 17 are twins
+        return {**to_dict(st), "seed": cfg.seed if st.seed is None else st.seed}
+
     twin = next((n for n, v in cfg.variants.items() if variant_of and v["stage"] == variant_of
-                 and to_dict(cfg.stages[n]) == to_dict(stage)), None)
+                 and settings(cfg.stages[n]) == settings(stage)), None)
     if twin:
         raise ConfigError(f"{source}: stages.{variant_of}.sweep: variants '{twin}' and '{name}' have equal settings "
                           "(one value written twice, e.g. 1e-4 and 0.0001?); every variant must differ")
@@ -259,6 +264,9 @@ def load_pipeline(path: str | Path, overrides: list[str] | None = None) -> Pipel
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to read (brackets or indentation hundreds of levels deep); "
+                          "a pipeline needs a few levels") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the pipeline file ({exc.strerror or exc})") from None
     if isinstance(raw, dict) and "variants" in raw:  # pipeline.json's record of a sweep, never a user's setting
