@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import os
 import signal
 import subprocess
@@ -454,3 +455,18 @@ def test_a_published_output_is_as_readable_as_the_umask_allows(tmp_path, umask, 
     modes = {p.name: p.stat().st_mode & 0o777 for p in final.iterdir()}
     assert modes.pop("run.sh") == 0o700 | mode
     assert set(modes) >= {"model.safetensors", "config.json", "extra.bin"} and set(modes.values()) == {mode}, modes
+
+
+def test_a_report_of_a_run_whose_pipeline_file_moved_says_how_to_rebuild_it(tmp_path):
+    """`align report` of a run whose pipeline file is gone said so and stopped there: it names the fix."""
+    from align.core.errors import PipelineError
+    from align.orchestrator.report import rebuild
+
+    run = tmp_path / "runs" / "p" / "main"
+    run.mkdir(parents=True)
+    gone = tmp_path / "moved.yaml"
+    (run / "pipeline.json").write_text(json.dumps({"stages": [], "config": {}, "source": str(gone)}))
+    with pytest.raises(PipelineError, match=rf"the pipeline file this run came from \({re.escape(str(gone))}\) is "
+                                            r"gone; put it \(and the data cards beside it\) back there"):
+        rebuild(run)
+

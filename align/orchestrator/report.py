@@ -50,7 +50,9 @@ def rebuild(run_dir: str | Path) -> Path:
                             "which writes it anew")
     source = info.get("source")
     if not source or not Path(source).is_file():
-        raise PipelineError(f"{run_dir}: the pipeline file this run came from ({source}) is gone")
+        raise PipelineError(f"{run_dir}: the pipeline file this run came from ({source}) is gone; put it (and the data "
+                            "cards beside it) back there to rebuild the report: its settings and relative paths are "
+                            "read from it")
     cfg = parse_pipeline(info["config"], source)
     if is_plain_name(run_dir.name):
         cfg.run_id = run_dir.name  # what this directory is called now, for its pipeline.json
