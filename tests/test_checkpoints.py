@@ -188,7 +188,7 @@ def test_the_run_loss_weighs_each_logged_window_before_a_resume_by_its_steps():
     assert run_loss([], 0, 0.0, 0) is None
 
 
-def _tiny_trainer(out, init: int = SEED):
+def _tiny_trainer(out, init: int = SEED, log: int = 1):
     from datasets import Dataset
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
@@ -198,16 +198,18 @@ def _tiny_trainer(out, init: int = SEED):
     gen = torch.Generator().manual_seed(SEED)
     rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (4, 12), generator=gen).tolist()]
     args = TrainingArguments(output_dir=str(out), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2,
-                             logging_steps=1, save_steps=1, save_strategy="steps", report_to="none", use_cpu=True,
+                             logging_steps=log, save_steps=log, save_strategy="steps", report_to="none", use_cpu=True,
                              seed=SEED, disable_tqdm=True)
     return Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows))
 
 
-def test_a_resume_from_the_last_checkpoint_trains_no_step_past_max_steps_and_keeps_the_whole_runs_loss(tmp_path):
+@pytest.mark.parametrize("log", [1, 2])
+def test_a_resume_from_the_last_checkpoint_trains_no_step_past_max_steps_and_keeps_the_whole_runs_loss(tmp_path, log):
     """Two batches an epoch, max_steps 3: resumed from checkpoint-3 (a stage killed after its last save, before it
     published), transformers trained a 4th step, and train/loss_final_avg was the mean of the steps since the
     resume alone. Resumed from checkpoint-3 or checkpoint-2, the stage ends at step 3 with the uninterrupted run's
-    weights and loss."""
+    weights and loss; also where step 3 ends no logging window (logging and save steps 2: the final checkpoint,
+    always saved, holds the last window's loss)."""
     from align.runtime.trl import train_with_resume
 
     print(f"seed {SEED}")
@@ -221,12 +223,12 @@ def test_a_resume_from_the_last_checkpoint_trains_no_step_past_max_steps_and_kee
         def last_checkpoint(self):
             return self.ckpt
 
-    whole = _tiny_trainer(tmp_path / "a")
+    whole = _tiny_trainer(tmp_path / "a", log=log)
     first = train_with_resume(Ctx(None), whole)
     weights = {k: v.clone() for k, v in whole.model.state_dict().items()}
     assert first["train/global_step"] == 3 and (tmp_path / "a" / "checkpoint-3").is_dir()
     for step in (3, 2):
-        again = _tiny_trainer(tmp_path / f"b{step}", init=SEED + 1)  # other initial weights: the checkpoint's count
+        again = _tiny_trainer(tmp_path / f"b{step}", init=SEED + 1, log=log)  # other initial weights: the checkpoint's
         ctx = Ctx(str(tmp_path / "a" / f"checkpoint-{step}"))
         final = train_with_resume(ctx, again)
         assert (final["train/global_step"], again.state.global_step, ctx.extra_manifest["resumed_from_step"]) == (

@@ -240,13 +240,18 @@ class _Trained(Exception):
 def _stop_at_max_steps():
     """transformers' loop trains a step before it first asks whether max_steps is reached: resumed from a
     checkpoint at max_steps (a stage killed after its last save, before it published), it trained one step more
-    than asked. This callback stops it before that step's forward."""
+    than asked. This callback stops it before that step's forward; and logs the last step's loss window, which the
+    final checkpoint (always saved) then holds, so that run_loss covers a run resumed from it."""
     from transformers import TrainerCallback  # heavy: stage processes only
 
     class StopAtMaxSteps(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             if 0 < state.max_steps <= state.global_step:
                 raise _Trained
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if 0 < state.max_steps <= state.global_step:
+                control.should_log = True
 
     return StopAtMaxSteps()
 
