@@ -146,6 +146,9 @@ def test_a_mapping_override_sets_the_keys_it_names_and_a_whole_group_is_not_swep
     assert apply_overrides(json.loads(json.dumps(raw)), ["ppo.kl.coef=0.3"]) == apply_overrides(
         json.loads(json.dumps(raw)), ["ppo.kl={coef: 0.3}"])
     assert apply_overrides(json.loads(json.dumps(raw)), ["ppo.kl=null"])["stages"]["ppo"]["kl"] is None
+    mix = {"name": "t", "stages": {"ppo": {"reward": {"reward": 1.0, "vader": 0.5}, "sweep": {"seed": [1, 2]}}}}
+    mixed = apply_overrides(json.loads(json.dumps(mix)), ["ppo.reward={vader: 1.0}", "ppo={sweep: {beta: [0.1]}}"])
+    assert mixed["stages"]["ppo"] == {"reward": {"vader": 1.0}, "sweep": {"beta": [0.1]}}  # a judges' mix, a sweep: whole
     swept = {"name": "t", "stages": {"ppo": {"type": "ppo", "sweep": {"kl": [{"coef": 0.1}, {"coef": 0.2}]}}}}
     with pytest.raises(ConfigError, match=r"stages\.ppo\.sweep\.kl: 'kl' is a group of settings; sweep one setting "
                                           r"in it with a dotted key, e.g. `kl\.coef: \[\.\.\.\]`"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from align.config.settings import (ATTN_IMPLEMENTATIONS, DTYPES, PRECISIONS, LR_
                                    LoraSettings)
 from align.core.schema import (ConfigError, check_plain_name, closest, from_dict, name_field, one_of, ranged,
                           strict_yaml)
-from align.config.sweeps import SWEEP, by_stage, expand, override_conflicts, resolve_references
+from align.config.sweeps import SWEEP, by_stage, dataclass_of, expand, override_conflicts, resolve_references
 
 # Re-exported: callers parse through align.config; each stage type's class is in align/config/<type>.py.
 __all__ = ["ConfigError", "from_dict", "DTYPES", "LR_SCHEDULERS", "STAGE_TYPES", "BuiltinModel", "CheckContext",
@@ -148,17 +149,35 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override '{item}': '{part}' is not a mapping")
-        node[parts[-1]] = value if parts[-1] == SWEEP else _merged(node.get(parts[-1]), value)  # a sweep: whole
+        node[parts[-1]] = _merged(raw, parts, node.get(parts[-1]), value)
     override_conflicts(raw, stage_paths)
     return raw
 
 
-def _merged(old: Any, new: Any) -> Any:
-    """An override's value in place of `old`; a mapping over a mapping sets the keys it names and keeps the others
-    (`ppo.kl={coef: 0.3}` replaced the whole group: its controller and target went back to their defaults)."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        return {**old, **{k: _merged(old.get(k), v) for k, v in new.items()}}
+def _merged(raw: dict[str, Any], parts: list[str], old: Any, new: Any) -> Any:
+    """An override's value for the key `parts` in place of `old`: over a group of settings (a stage, kl, lora,
+    generation, hardware, ...) a mapping sets the keys it names and keeps the others (`ppo.kl={coef: 0.3}` replaced
+    the whole group: its controller and target went back to their defaults); anything else, a weighted mix of
+    judges or a stage's sweep, it replaces whole."""
+    if isinstance(old, dict) and isinstance(new, dict) and _is_group(raw, parts):
+        return {**old, **{k: _merged(raw, [*parts, str(k)], old.get(k), v) for k, v in new.items()}}
     return new
+
+
+def _is_group(raw: dict[str, Any], parts: list[str]) -> bool:
+    """Whether the dotted key `parts`, from the file's top, names a group of settings (a dataclass)."""
+    if parts[:1] == ["stages"] and len(parts) > 1:
+        body = (raw.get("stages") or {}).get(parts[1])
+        kind = body.get("type") if isinstance(body, dict) and isinstance(body.get("type"), str) else parts[1]
+        tp, rest = STAGE_TYPES.get(kind), parts[2:]
+    else:
+        tp, rest = PipelineConfig, parts
+    for part in rest:
+        hints = typing.get_type_hints(tp) if (tp := dataclass_of(tp)) is not None else {}
+        if part not in hints:
+            return False
+        tp = hints[part]
+    return dataclass_of(tp) is not None
 
 
 def _leaves(value: Any) -> list[list[str]]:

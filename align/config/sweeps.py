@@ -141,7 +141,7 @@ def _check_key(key: str, values: Any, cls: type, at: str) -> None:
                           "write one stage per type")
     tp, fld = cls, None
     for i, part in enumerate(key.split(".")):
-        tp = _dataclass_of(tp)
+        tp = dataclass_of(tp)
         if tp is None:
             raise ConfigError(f"{at}: '{'.'.join(key.split('.')[:i])}' is not a group of settings, so it has no "
                               f"'{part}'")
@@ -151,9 +151,9 @@ def _check_key(key: str, values: Any, cls: type, at: str) -> None:
             group = f"'{'.'.join(key.split('.')[:i])}' in " if i else ""
             raise ConfigError(f"{at}: '{part}' is not a setting of {group}a {kind} stage{closest(part, list(fields))}")
         fld, tp = fields[part], typing.get_type_hints(tp)[part]
-    if _dataclass_of(tp) is not None:  # a whole group: each variant would reset the group's other settings
+    if dataclass_of(tp) is not None:  # a whole group: each variant would reset the group's other settings
         raise ConfigError(f"{at}: '{key}' is a group of settings; sweep one setting in it with a dotted key, e.g. "
-                          f"`{key}.{dataclasses.fields(_dataclass_of(tp))[0].name}: [...]`")
+                          f"`{key}.{dataclasses.fields(dataclass_of(tp))[0].name}: [...]`")
     if not isinstance(values, list) or not values:
         raise ConfigError(f"{at}: expected a non-empty list of values, e.g. `{key}: [0.05, 0.1]`, got "
                           f"{str(values)[:80]!r}" + ("; for a nested setting use a dotted key such as kl.coef"
@@ -163,7 +163,7 @@ def _check_key(key: str, values: Any, cls: type, at: str) -> None:
         check_rule(fld, checked, f"{at}[{i}]")
 
 
-def _dataclass_of(tp: Any) -> type | None:
+def dataclass_of(tp: Any) -> type | None:
     """The dataclass an annotation holds (`Generation`, `KLSettings | None`), else None."""
     if dataclasses.is_dataclass(tp):
         return tp
