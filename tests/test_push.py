@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import TINY, run_align
+from conftest import REPO, TINY, run_align
 
 TOKEN = "hf_abcdefghijklmnopqrstuvwxyz012345"
 
@@ -102,3 +102,28 @@ def test_a_push_token_is_asked_for_only_by_the_commands_that_push():
     with pytest.raises(PipelineError, match=r"p\.yaml: stages\.push: (token_env: the variable ALIGN_TEST_UNSET_TOKEN "
                                             r"is not set|HF_HUB_OFFLINE is set)"):
         check_environment(plans, {"push", "evaluate"}, "p.yaml")
+
+
+def test_a_push_below_a_stage_that_reruns_is_asked_for_its_token_before_anything_trains(tmp_path, monkeypatch):
+    """sft's model deleted (or `--only sft --force` earlier), the token not exported: at the start the push still
+    read up to date (its input dpo had not changed yet), so its token went unasked; sft and dpo then retrained and
+    the push failed after all of it. What reruns below a stage that reruns is checked with it."""
+    from align.config import load_pipeline
+    from align.core.errors import PipelineError
+    from align.orchestrator import runner
+    from align.orchestrator.plan import build_plan
+
+    source = REPO / "pipelines" / "default.yaml"
+    cfg = load_pipeline(source, [*TINY, *PUSH, "stages.push.token_env=ALIGN_TEST_UNSET_TOKEN",
+                                 f"runs_dir={tmp_path / 'runs'}"])
+    monkeypatch.delenv("ALIGN_TEST_UNSET_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(runner, "validate", lambda cfg, source: build_plan(cfg, source))
+    monkeypatch.setattr(runner, "up_to_date", lambda plan, run_dir, source: plan.name != "sft")  # sft reruns
+    with pytest.raises(PipelineError, match=r"stages\.push: token_env: the variable ALIGN_TEST_UNSET_TOKEN is not set"):
+        runner.run(cfg, source)
+    assert not (tmp_path / "runs").exists()  # refused before the run directory was made
+    monkeypatch.setattr(runner, "up_to_date", lambda plan, run_dir, source: True)
+    monkeypatch.setattr(runner, "_run_stages", lambda *args: "ran")  # nothing reruns: the push is not asked
+    monkeypatch.setattr(runner, "memory_preflight", lambda *args: None)
+    assert runner.run(cfg, source) == "ran"

@@ -105,10 +105,11 @@ def _run(cfg: PipelineConfig, source: str | Path, only: str | None, from_stage: 
     else:
         selected = set(deps)
     forced = selected if (force or from_stage) else set()
-    to_run = [p.name for p in plans if p.name in selected and (p.name in forced or not up_to_date(p, run_dir, source))]
-    check_environment(plans, set(to_run), source)  # a push's token: only for the stages this command runs
+    stale = [p.name for p in plans if p.name in selected and (p.name in forced or not up_to_date(p, run_dir, source))]
+    to_run = selected & set().union(*(descendants(n, deps) for n in stale))  # and what reruns once they republish
+    check_environment(plans, to_run, source)  # a push's token: only for the stages this command runs
     hw = hardware(cfg, nodes=multi.nodes)  # asks nvidia-smi once, for both checks
-    memory_preflight(cfg, source, plans, set(to_run), num_processes, hw, ignore_memory_check)
+    memory_preflight(cfg, source, plans, to_run, num_processes, hw, ignore_memory_check)
     gpus = hw.gpus_per_node if hw.detected else 0  # the GPUs present (the pipeline's `hardware:` is not)
     for problem in filter(None, (placement_problem(p, source, num_processes, gpus) for p in plans if p.name in to_run)):
         raise PipelineError(f"{source}: {problem}")
@@ -219,8 +220,7 @@ def _again(name: str, forced: set[str], stage_dir: Path, source: str | Path) -> 
 
 def _check_inputs(plan: StagePlan, plans: list[StagePlan], run_dir: Path, source: str | Path,
                   trust_completed_inputs: bool) -> None:
-    """Every input stage is complete (with the current fingerprint, unless trusted) and its outputs are the very
-    files it published."""
+    """Every input is complete (with the current fingerprint, unless trusted) and its outputs are what it published."""
     for d in plan.deps:
         expected = None if trust_completed_inputs else next(p.fingerprint for p in plans if p.name == d)
         if not is_complete(run_dir / d, expected):
