@@ -107,7 +107,7 @@ def _run(cfg: PipelineConfig, source: str | Path, only: str | None, from_stage: 
     forced = selected if (force or from_stage) else set()
     stale = [p.name for p in plans if p.name in selected and (p.name in forced or not up_to_date(p, run_dir, source))]
     to_run = selected & set().union(*(descendants(n, deps) for n in stale))  # and what reruns once they republish
-    check_environment(plans, to_run, source)  # a push's token: only for the stages this command runs
+    check_environment(plans, to_run, source)  # a hub token: only for the stages this command runs
     hw = hardware(cfg, nodes=multi.nodes)  # asks nvidia-smi once, for both checks
     memory_preflight(cfg, source, plans, to_run, num_processes, hw, ignore_memory_check)
     gpus = hw.gpus_per_node if hw.detected else 0  # the GPUs present (the pipeline's `hardware:` is not)

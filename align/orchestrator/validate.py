@@ -74,9 +74,9 @@ def runs_dir_problem(runs_dir: str) -> str | None:
 
 
 def check_environment(plans: list[StagePlan], names: set[str], source: str | Path) -> None:
-    """Refuse the stages named in `names` whose environment lacks what they need to run (a push's hub token;
+    """Refuse the stages named in `names` whose environment lacks what they need to run (a hub token;
     StageBase.environment_problem): `align validate` asks for every stage, `align run` for those it will run
-    (`align report` rebuilds the report without a push's token)."""
+    (`align report` rebuilds the report without asking for an upload's token)."""
     for plan in plans:
         if plan.name in names and (problem := plan.cfg.environment_problem()):
             raise PipelineError(f"{source}: stages.{plan.name}: {problem}")
