@@ -118,6 +118,30 @@ def test_autocast_keeps_a_bf16_copy_of_every_weight_as_the_estimate_counts_it():
     assert fit((1, 2, 4), [7 + 3 + 2, 7 + 6 + 8, 7 + 12 + 32]) == (7, 3, 2)  # 7 + 3s + 2s^2, by hand
 
 
+def test_the_layer_probe_measures_a_remote_code_model_again_when_its_code_changes(tmp_path, monkeypatch):
+    """The probe's cache key held the config and a flag for remote code, not the code: a model whose own modeling
+    file changed (another commit of its repository) reused the old measure."""
+    import importlib
+
+    from align.modeling.activations import _cache_key
+
+    folder = tmp_path / "transformers_modules" / "org" / "abc123"
+    folder.mkdir(parents=True)
+    (folder / "configuration_remote.py").write_text(
+        "from transformers import PretrainedConfig\n\nclass RemoteConfig(PretrainedConfig):\n"
+        "    model_type = 'remote-probe-test'\n")
+    (folder / "modeling_remote.py").write_text("# layers v1\n")
+    monkeypatch.syspath_prepend(str(folder))
+    config = importlib.import_module("configuration_remote").RemoteConfig()
+    before = _cache_key(config, [], True)
+    assert _cache_key(config, [], True) == before and _cache_key(config, [], False) != before
+    (folder / "modeling_remote.py").write_text("# layers v2\n")
+    assert _cache_key(config, [], True) != before
+    plain = _cache_key(config, [], False)
+    (folder / "modeling_remote.py").write_text("# layers v3\n")
+    assert _cache_key(config, [], False) == plain  # remote code not trusted: none of it runs, none of it keys
+
+
 def test_a_width_read_through_an_alias_is_narrowed_once():
     """DeepSeek-V4's config reads intermediate_size from moe_intermediate_size, LongCat-Flash's from ffn_hidden_size
     (attribute_map): both names are widths, and the field was divided by k twice, its bytes counted k times too few."""

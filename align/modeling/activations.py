@@ -29,6 +29,7 @@ import copy
 import hashlib
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,10 @@ def _cache_key(config, loras, trust_remote_code: bool) -> str:
 
     parts = [config.to_json_string(use_diff=False), list(loras), trust_remote_code, Path(__file__).read_text(),
              *(version(p) for p in ("torch", "transformers", "peft"))]  # this file: a changed probe measures again
+    if trust_remote_code:  # a model's own code: the folder transformers put it in (named by its commit), its text
+        path = getattr(sys.modules.get(type(config).__module__), "__file__", None)
+        parts += [type(config).__module__, *(f.read_text(errors="replace") for f in
+                                             (sorted(Path(path).parent.glob("*.py")) if path else []))]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
