@@ -64,11 +64,12 @@ def test_zero_state_bytes_are_deepspeeds_own_estimates(params, largest, gpus):
     assert model_state_bytes("zero3_offload_optimizer", params, largest, gpus) == optimizer_only[1]
 
 
-# TRL's fused LM head for the tiny SFT (fp32 on this CPU, b*s = 32*96 = 3,072 tokens, V = 512, h = 32): one tile of
-# 3,072 tokens x 512 entries and the 512 x 32 slice of the head, the fp32 gradients of 3,072 hidden states and of the
-# head, and that gradient cast back to the head's dtype. The logits and their gradient were 8*s*b*V = 12,582,912.
-FUSED_TINY = (3072 * 512 + 512 * 32) * 4 + 4 * 3072 * 32 + (4 + 4) * 512 * 32
-assert FUSED_TINY == 6_881_280
+# TRL's fused LM head for the tiny SFT under ZeRO-2 on the declared GPUs (bf16: DeepSpeed casts the fp32 weights of
+# `dtype: float32`; b*s = 32*96 = 3,072 tokens, V = 512, h = 32): one bf16 tile of 3,072 tokens x 512 entries and the
+# 512 x 32 slice of the head, the fp32 gradients of 3,072 hidden states and of the head, and that gradient cast back
+# to the head's dtype. The logits and their gradient were 8*s*b*V = 12,582,912.
+FUSED_TINY = (3072 * 512 + 512 * 32) * 2 + 4 * 3072 * 32 + (4 + 2) * 512 * 32
+assert FUSED_TINY == 3_670_016
 
 
 def llama_layer(h: int, inter: int, heads: int, kv_heads: int, head_dim: int, k: int = 1) -> int:

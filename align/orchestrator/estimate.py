@@ -266,8 +266,9 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
             chunk = stage.logit_tokens(m, gpu_memory is not None)
             parts["trained_states"] = model_state_bytes(m, sum(trained_params.values()), largest, n)
             kept = acts(ckpt, chunk, m)
-            parts["activations"] = kept + sum(trl_fused_head_bytes(h.shape, train_b * train_s, dbytes, not lora)
-                                              for h in trained if fused(h))
+            computes = 2 if training_variant(lora, m, dtype, precision, gpu_memory is not None)[1] == "bf16" else dbytes
+            parts["activations"] = kept + sum(trl_fused_head_bytes(h.shape, train_b * train_s, computes, not lora)
+                                              for h in trained if fused(h))  # in bf16 where DeepSpeed cast it
             if m == mode and not ckpt and hasattr(stage, "gradient_checkpointing"):
                 est.with_checkpointing = acts(True, chunk, m) - kept  # plus the total, filled in below
         parts["frozen_weights"] = sum(_frozen(h, lora, m, n, dtype, dbytes) for h in frozen)
