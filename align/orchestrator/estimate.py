@@ -281,7 +281,7 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
                 fewer = asleep_engine(awake, parts["activations"] + est.with_checkpointing)  # more engine beyond them
                 est.with_checkpointing += fewer - parts["generation"]
             if m.startswith("zero3") and trained and stage.gathers_policy_for_generation():
-                parts["rollout_gather"] = dbytes * policy.params  # the whole policy, beside its own shard
+                parts["rollout_gather"] = computes * policy.params  # the whole policy (as DeepSpeed holds it)
         est.parts[m] = parts
         est.bytes_by_mode[m] = sum(parts.values())
     if est.with_checkpointing is not None:
