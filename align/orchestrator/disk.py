@@ -22,6 +22,7 @@ from pathlib import Path
 
 from align.config import PipelineConfig
 from align.config.contract import TrainedStage
+from align.orchestrator.memory import enabled_lora
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,8 @@ def disk_peak(cfg: PipelineConfig, estimates: list, weight_bytes: int) -> DiskPe
         per_param = state_bytes_per_param(weight_bytes, e.mode, isinstance(stage, TrainedStage))
         states = sum(e.trained_params.get(h.role, h.shape.params) for h in trained) * per_param
         keep = getattr(stage, "save_total_limit", 1)
-        lora = getattr(stage, "lora", None)
-        unmerged = bool(lora is not None and lora.enabled and not lora.merge)
+        lora = enabled_lora(stage)
+        unmerged = lora is not None and not lora.merge
         model = sum((e.trained_params[h.role] * 4 if unmerged else h.shape.params * weight_bytes)
                     for h in trained if h.role != "value")
         at = DiskPeak(done_models + done_checkpoints + states * (keep + 1) + model, e.name,

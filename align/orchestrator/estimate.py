@@ -61,7 +61,7 @@ from align.orchestrator.hardware import Hardware
 from align.orchestrator.inputs import resolve_model_paths
 from align.orchestrator.launch import accelerate_config, accelerate_mode, is_distributed, processes_per_node
 from align.orchestrator.memory import (FALLBACK_TOKEN_H, LORA_UNMEASURED, EstimateError, ModelShape,
-                                      activation_bytes, frozen_bytes, kv_cache_bytes, lora_key, lora_layers,
+                                      activation_bytes, enabled_lora, frozen_bytes, kv_cache_bytes, lora_key, lora_layers,
                                       lora_params, lora_spec, model_state_bytes, qlora_base_bytes, training_variant,
                                       trl_fused_head_bytes, variant_class)
 from align.orchestrator.plan import StagePlan, build_plan
@@ -143,8 +143,7 @@ def model_shapes(cfg: PipelineConfig, source: str | Path,
     """Shapes of the causal LM and of the scalar (reward / value) model on the same backbone, built on the meta
     device in a helper process (torch; align/modeling/shapes.py), with what a layer keeps for backward: the
     variants `needed` names (`probe_plan`), else every variant and each LoRA setting's every variant."""
-    loras = [lora_spec(st.lora, st.DROPOUT) for st in cfg.stages.values() if getattr(st, "lora", None) is not None
-             and st.lora.enabled]
+    loras = [lora_spec(st.lora, st.DROPOUT) for st in cfg.stages.values() if enabled_lora(st) is not None]
     loras = list({json.dumps(x, sort_keys=True): x for x in loras}.values())
     variants = None
     if needed is not None:
@@ -198,8 +197,7 @@ def probe_plan(cfg: PipelineConfig, plans: list[StagePlan], source: str | Path,
     for plan in plans:
         if not any(h.trained for h in plan.cfg.held_models(cfg.stages)):
             continue  # nothing trains: no activations are counted
-        lora = getattr(plan.cfg, "lora", None)
-        lora = lora if lora is not None and lora.enabled else None
+        lora = enabled_lora(plan.cfg)
         mode, _ = accelerate_mode(accelerate_config(plan.cfg.accelerate, source))
         for m in {*REPORTED_MODES, mode}:
             cls, base = variant_class(lora, m, cfg.dtype, cfg.precision, hw.gpu_memory is not None)
@@ -236,8 +234,7 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
     dbytes = dtype_bytes(dtype, on_gpu=gpu_memory is not None)
     train_b, train_s, gen_b, gen_s = stage.workload()
     trained = [h for h in held if h.trained]
-    lora = getattr(stage, "lora", None)
-    lora = lora if lora is not None and lora.enabled else None
+    lora = enabled_lora(stage)
     # With LoRA the trained states are the adapters' (their largest layer is small: one head or one A + B pair)
     # and each trained model's base is frozen; without, the whole model trains.
     try:
@@ -253,8 +250,7 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
     def fused(h: Held) -> bool:  # a TRL trainer's policy: TRL's fused head holds tiles, never the whole logits
         return stage.TRL_FUSED_HEAD and h.role == "policy"
 
-    def acts(recompute: bool, chunk: int | None, m: str) -> int:
-        variant = training_variant(lora, m, dtype, precision, gpu_memory is not None, stage.DROPOUT)
+    def acts(recompute: bool, chunk: int | None, variant: tuple[str, str]) -> int:
         return sum(_activations(est, h, variant, train_b, train_s, not fused(h), recompute, chunk, eager)
                    for h in trained)
 
@@ -265,12 +261,13 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
         if trained:  # trained models share one engine (PPO: policy + value)
             chunk = stage.logit_tokens(m, gpu_memory is not None)
             parts["trained_states"] = model_state_bytes(m, sum(trained_params.values()), largest, n)
-            kept = acts(ckpt, chunk, m)
-            computes = 2 if training_variant(lora, m, dtype, precision, gpu_memory is not None)[1] == "bf16" else dbytes
+            variant = training_variant(lora, m, dtype, precision, gpu_memory is not None, stage.DROPOUT)
+            kept = acts(ckpt, chunk, variant)
+            computes = 2 if variant[1] == "bf16" else dbytes
             parts["activations"] = kept + sum(trl_fused_head_bytes(h.shape, train_b * train_s, computes, not lora)
                                               for h in trained if fused(h))  # in bf16 where DeepSpeed cast it
             if m == mode and not ckpt and hasattr(stage, "gradient_checkpointing"):
-                est.with_checkpointing = acts(True, chunk, m) - kept  # plus the total, filled in below
+                est.with_checkpointing = acts(True, chunk, variant) - kept  # plus the total, filled in below
         parts["frozen_weights"] = sum(_frozen(h, lora, m, n, dtype, dbytes) for h in frozen)
         if gen_b:
             policy, gen = held[0].shape, stage.generation_settings()

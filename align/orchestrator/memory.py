@@ -50,6 +50,12 @@ def lora_key(lora: dict[str, Any], variant: str) -> str:
     return f"lora r={lora['r']} dropout={lora['dropout']} targets={','.join(sorted(lora['targets']))} {variant}"
 
 
+def enabled_lora(stage: Any) -> Any:
+    """A stage's LoRA settings when it trains adapters (every stage type that trains has the settings), else None."""
+    lora = getattr(stage, "lora", None)
+    return lora if lora is not None and lora.enabled else None
+
+
 def lora_spec(lora, dropout_runs: bool) -> dict[str, Any]:
     """A stage's LoRA setting as the helper's layer probe measures it (align/modeling/activations.py); its dropout
     0 where the stage's type trains with dropout off (`DROPOUT`: TRL's preference and RL trainers and PPO turn off

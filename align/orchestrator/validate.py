@@ -28,7 +28,7 @@ from align.data.cards import (DataCardError, DataUnavailableError, LoadedSplit, 
 from align.data.formats import row_prompt_key
 from align.orchestrator import helper
 from align.orchestrator.estimate import EstimateError, ModelShape, model_sources
-from align.orchestrator.memory import missing_lora_targets, targeted
+from align.orchestrator.memory import enabled_lora, missing_lora_targets, targeted
 from align.orchestrator.inputs import (base_model_config, check_model_inputs, fetch_tokenizer, resolve_model_paths,
                                        tokenizer_name, tokenizer_to_check)
 from align.orchestrator.launch import check_accelerate
@@ -163,8 +163,8 @@ def _check_engine(plan: StagePlan, cfg: PipelineConfig, source: str) -> None:
                                 f" {', '.join(n for n in plan.cfg.ENGINES if engine_kind(n).own_copy) or 'none here'})")
         return
     for ref in refs(getattr(plan.cfg, plan.cfg.ENGINE_MODEL, None)):
-        lora = getattr(cfg.stages.get(ref), "lora", None)
-        if lora is not None and lora.enabled and not lora.merge:
+        lora = enabled_lora(cfg.stages.get(ref))
+        if lora is not None and not lora.merge:
             raise PipelineError(f"{where}: '{gen.engine}' starts from stage '{ref}''s model/, which holds LoRA adapters "
                                 f"alone; the engine needs whole weights: set stages.{ref}.lora.merge: true")
     problem = kind.problems(where, lambda: _head_dim(cfg, source))
@@ -190,7 +190,7 @@ def model_job(cfg: PipelineConfig, plans: list[StagePlan], split_of: SplitLoader
     the planned chat template and whether it is installed, the rows to render an example from and the rows to count
     lengths of (each stage's card, as its class reads it), and the model's shapes when a stage trains LoRA adapters.
     Empty when there is nothing to load here (a builtin model's tokenizer is trained by its first stage)."""
-    lora = any(_lora(p.cfg) is not None for p in plans)
+    lora = any(enabled_lora(p.cfg) is not None for p in plans)
     name = tokenizer_to_check(cfg, source)
     if name is None and not lora:
         return {}
@@ -247,7 +247,7 @@ def _check_lora_targets(cfg: PipelineConfig, plans: list[StagePlan], answer: dic
         return
     shapes = {kind: ModelShape(**d) for kind, d in answer["shapes"].items()}
     for plan in plans:
-        lora = _lora(plan.cfg)
+        lora = enabled_lora(plan.cfg)
         if lora is None:
             continue
         for held in plan.cfg.held_models(cfg.stages):
@@ -265,13 +265,6 @@ def _check_lora_targets(cfg: PipelineConfig, plans: list[StagePlan], answer: dic
                 raise PipelineError(f"{source}: stages.{plan.name}.lora.r: {lora.r} is above the rank any targeted "
                                     f"layer of the {held.role} model can have ({widest}: the smallest of its in and "
                                     f"out features); an adapter of higher rank trains no more. Lower lora.r")
-
-
-def _lora(stage):
-    """A stage's enabled LoRA settings (every stage type that trains has them, not only the TRL ones), else None."""
-    lora = getattr(stage, "lora", None)
-    return lora if lora is not None and getattr(lora, "enabled", False) else None
-
 
 
 def stage_lines(cfg: PipelineConfig, plans: list[StagePlan]) -> list[str]:
