@@ -43,9 +43,15 @@ def run_command(run_dir: str | Path, source: str | Path, run_id: str) -> str:
         before = json.loads((Path(run_dir) / PIPELINE).read_text(encoding="utf-8")).get("resume")
     except (OSError, ValueError, AttributeError):
         before = None
-    if isinstance(before, str) and before.startswith("align run "):
-        return before
-    return shlex.join(["align", "run", str(source), "--run-id", run_id])
+    return recorded_run(before, source, run_id)
+
+
+def recorded_run(recorded: object, source: str | Path, run_id: object) -> str:
+    """A run's own command from its pipeline.json `resume` when that is an `align run`, else `align run SOURCE
+    --run-id ID` (a record from before align kept the command)."""
+    if isinstance(recorded, str) and recorded.startswith("align run "):
+        return recorded
+    return shlex.join(["align", "run", str(source), "--run-id", str(run_id)])
 
 
 def rerun_from(source: str | Path, name: str, typed_command: str | None = None) -> str:

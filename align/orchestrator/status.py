@@ -8,7 +8,7 @@ from datetime import datetime
 from pathlib import Path
 
 from align.config import parse_pipeline, stage_types
-from align.orchestrator.commands import rerun_from
+from align.orchestrator.commands import recorded_run, rerun_from
 from align.orchestrator.plan import build_plan
 from align.orchestrator.runlock import runner_state
 from align.core.errors import PipelineError
@@ -70,8 +70,7 @@ def status_table(run_dir: str | Path) -> str:
     damaged: list[str] = []
     gone = runner_state(run_dir)
     source = info.get("source", "PIPELINE.yaml")  # the command as the run was typed (--run-id, overrides), if known
-    typed = info.get("resume") if isinstance(info.get("resume"), str) else \
-        f"align run {source} --run-id {info.get('run_id')}"
+    typed = recorded_run(info.get("resume"), source, info.get("run_id"))
     for st in info["stages"]:
         name, kind = st["name"], st["type"]
         m = read_manifest(run_dir / name) or {}
