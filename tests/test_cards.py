@@ -259,7 +259,7 @@ def test_the_ultrafeedback_card_reads_the_datasets_own_splits_as_published(tmp_p
     typo.write_text((REPO / "data_cards" / "ultrafeedback_binarized_prefs.yaml").read_text().replace(
         "train: train_prefs", "train: trian_prefs"))
     with pytest.raises(DataCardError, match=r"typo.yaml: field 'source' \(split: trian_prefs\): hub dataset .*has no "
-                                            r"such split or config: .*trian_prefs.*fix the card") as err:
+                                            r"such split, config or data_dir: .*trian_prefs.*fix the card") as err:
         load_split(load_card(typo), "train")
     assert not isinstance(err.value, DataUnavailableError)
     before = card.content_hash()

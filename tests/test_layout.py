@@ -155,7 +155,7 @@ def test_the_shared_layers_import_no_heavy_library_but_the_hub_card_reader():
     """core, config, data and templates run in the torch-free orchestrator too, and so do the registries they read:
     the engines' (align/engines/__init__.py, kinds.py, vllm_env.py) and the Python judges' (align/judges/__init__.py). One
     function-level exception:
-    reading a hub dataset card's rows (data/cards.py `_read_hub`) needs `datasets` (it does not import torch)."""
+    reading a hub dataset card's rows (data/sources.py `_read_hub`) needs `datasets` (it does not import torch)."""
     heavy = ("torch", "transformers", "trl", "peft", "deepspeed", "accelerate", "datasets", "vllm")
     found = []
     torch_free = [PACKAGE / "engines" / n for n in ("__init__.py", "kinds.py", "vllm_env.py")] + [PACKAGE / "judges" / "__init__.py"]
@@ -165,7 +165,7 @@ def test_the_shared_layers_import_no_heavy_library_but_the_hub_card_reader():
                 names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                          else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
                 found += [f"{layer}/{f.name}: {n}" for n in names if n.split(".")[0] in heavy]
-    assert sorted(found) == ["data/cards.py: datasets", "data/cards.py: datasets.utils"], found
+    assert sorted(found) == ["data/sources.py: datasets", "data/sources.py: datasets.utils"], found
 
 
 

@@ -6,34 +6,25 @@ row's parse (errors name the file and line), the column mapping, the transform, 
 
 from __future__ import annotations
 
-import csv
-import gzip
 import hashlib
-import io
 import json
 import math
-import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import yaml
 
-from align.core.console import verbose
 from align.data.hub import hub_mirror, mirror_digest, resolved_revision
 from align.data.formats import FORMS, FormatError, check_canonical, drop_unusable, row_prompt_key
+from align.data.sources import DataCardError, DataUnavailableError, read_jsonl, read_rows
 from align.data.transforms import TRANSFORMS, transform_source_digest, user_transform
 
 FORMATS = ("jsonl", "json", "tsv", "csv", "parquet", "hub")
 
-
-class DataCardError(ValueError):
-    """A data card or its data is invalid; the message names the file, line/row or field, and the fix."""
-
-
-class DataUnavailableError(DataCardError):
-    """A hub dataset could not be fetched from here (offline, no access); the card itself may be fine."""
+__all__ = ["DataCard", "DataCardError", "DataUnavailableError", "LoadedSplit", "load_card", "load_split", "read_jsonl",
+           "read_rows"]  # the errors and readers live in align/data/sources.py; callers import them from here too
 
 
 @dataclass
@@ -133,6 +124,7 @@ def load_card(path: str | Path) -> DataCard:
     source = raw["source"]
     if not isinstance(source, dict) or not ({"path"} <= source.keys() or {"hub"} <= source.keys()):
         raise DataCardError(f"{path}: field 'source' needs `path: <file>` or `hub: <org/name>` (+ revision)")
+    _check_source(path, raw["format"], source)
     _check_mappings(path, raw)
     for name in (raw.get("transform") or {}):
         if ":" in name:  # a user's own transform, `module:function` (like judges): resolved now, not at the stage
@@ -148,10 +140,7 @@ def load_card(path: str | Path) -> DataCard:
                     splits=raw.get("splits") or {"train": 1.0, "seed": 0}, license=raw["license"],
                     description=raw.get("description", ""), citation=raw.get("citation", ""),
                     max_unusable_fraction=_fraction(path, raw.get("max_unusable_fraction", 0.01)))
-    if card.file is not None and card.file.is_dir():
-        raise DataCardError(f"{path}: field 'source.path': {card.file} is a directory; name the data file in it")
-    if card.file is not None and not card.file.is_file():
-        raise DataCardError(f"{path}: field 'source.path': file {card.file} does not exist")
+    _check_file(card)
     if "splits" in source:
         named = source["splits"]
         if card.format != "hub":
@@ -169,6 +158,37 @@ def load_card(path: str | Path) -> DataCard:
     return card
 
 
+def _check_source(path: Path, format: str, source: dict[str, Any]) -> None:
+    """A hub card names `source.hub`, a local one `source.path`, each a non-empty string, not both."""
+    key, other = ("hub", "path") if format == "hub" else ("path", "hub")
+    if other in source:
+        fix = "a local file takes its own format (jsonl, json, csv, tsv, parquet)" if format == "hub" else \
+            "a hub dataset is `format: hub`"
+        raise DataCardError(f"{path}: field 'source.{other}' with `format: {format}`, which reads `source.{key}`: "
+                            f"{fix}")
+    if not isinstance(source.get(key), str) or not source[key].strip():
+        what = "the dataset id, e.g. org/name" if key == "hub" else "the data file, relative to the card"
+        raise DataCardError(f"{path}: field 'source.{key}': {what}, as text; got {source.get(key)!r}")
+
+
+def _check_file(card: DataCard) -> None:
+    if "path" not in card.source:
+        return
+    try:
+        file = card.file
+    except (RuntimeError, OSError) as exc:  # Path.resolve: a symlink loop
+        raise DataCardError(f"{card.path}: field 'source.path': {card.source['path']!r} cannot be resolved ({exc}); "
+                            "point it at the data file") from None
+    if file.is_dir():
+        raise DataCardError(f"{card.path}: field 'source.path': {file} is a directory; name the data file in it")
+    if file.exists() and not file.is_file():
+        raise DataCardError(f"{card.path}: field 'source.path': {file} is not a regular file (a device, a pipe or "
+                            "a socket), which cannot be read twice as the card's hash and rows need; copy the data "
+                            "to a file")
+    if not file.is_file():
+        raise DataCardError(f"{card.path}: field 'source.path': file {file} does not exist")
+
+
 def _check_fractions(path: Path, fractions: dict[str, Any]) -> None:
     wrong = {k: v for k, v in fractions.items() if isinstance(v, bool) or not isinstance(v, (int, float))
              or not math.isfinite(v)}
@@ -184,126 +204,6 @@ def _fraction(path: Path, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         raise DataCardError(f"{path}: field 'max_unusable_fraction': {value!r} is not a fraction between 0 and 1")
     return float(value)
-
-
-# --------------------------------------------------------------------------------------------- reading
-def _read_text(file: Path) -> str:
-    data = file.read_bytes()
-    if file.suffix == ".gz":
-        try:
-            data = gzip.decompress(data)
-        except (EOFError, OSError, zlib.error) as exc:  # truncated, or not gzip at all
-            raise DataCardError(f"{file}: not a complete gzip file ({exc}); download or copy it again") from None
-    try:
-        return data.decode("utf-8-sig")  # a byte-order mark (Excel's CSV, Notepad's UTF-8) is not row 0's text
-    except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        raise DataCardError(f"{file}: line {line}: bytes that are not UTF-8 at offset {exc.start}; "
-                            "re-encode the file as UTF-8") from exc
-
-
-def _map_columns(card: DataCard, row: Any, where: str) -> dict[str, Any]:
-    if not card.columns:
-        if not isinstance(row, dict):
-            raise DataCardError(f"{where}: rows are not named; add `columns:` to {card.path}")
-        return row
-    out = {}
-    for name, key in card.columns.items():
-        try:
-            out[name] = row[key]
-        except (KeyError, IndexError, TypeError):
-            have = list(row.keys()) if isinstance(row, dict) else f"{len(row)} columns"
-            raise DataCardError(f"{where}: column {key!r} (mapped to '{name}' in {card.path}) is missing; "
-                                f"the row has {have}") from None
-    return out
-
-
-def read_rows(card: DataCard, hub_split: str | None = None) -> list[dict[str, Any]]:
-    """Read every row of the card's source (of a hub source, `hub_split` or its `split`), mapped to the card's column
-    names."""
-    if card.format == "hub":
-        return _read_hub(card, hub_split or card.source.get("split", "train"))
-    file = card.file
-    assert file is not None
-    if card.format == "parquet":
-        import pyarrow.parquet as pq  # heavy: only for parquet cards
-
-        try:
-            table = pq.read_table(file).to_pylist()
-        except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-            raise DataCardError(f"{file}: not a readable parquet file ({str(exc).splitlines()[0]})") from None
-        return [_map_columns(card, r, f"{file}: row {i}") for i, r in enumerate(table)]
-    text = _read_text(file)
-    rows: list[dict[str, Any]] = []
-    if card.format == "jsonl":
-        for n, obj in _json_lines(text, file, "fix or remove the line"):
-            rows.append(_map_columns(card, obj, f"{file}: line {n}"))
-    elif card.format == "json":
-        try:
-            objs = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise DataCardError(f"{file}: line {exc.lineno}: invalid JSON ({exc.msg})") from None
-        if not isinstance(objs, list):
-            raise DataCardError(f"{file}: a json source must hold a list of rows")
-        rows = [_map_columns(card, o, f"{file}: row {i}") for i, o in enumerate(objs)]
-    else:  # tsv / csv: `columns` by index (no header line), or by name (the first line is the header)
-        delim = "\t" if card.format == "tsv" else ","
-        reader = csv.reader(io.StringIO(text), delimiter=delim, quoting=csv.QUOTE_NONE if delim == "\t" else 0)
-        names = [v for v in card.columns.values() if isinstance(v, str)]
-        if names and len(names) != len(card.columns):
-            raise DataCardError(f"{card.path}: field 'columns': name every column by its header or by its index "
-                                f"(from 0), not both: {card.columns}")
-        header: list[str] | None = None
-        for n, fields_ in enumerate(reader, start=1):
-            if not fields_:
-                continue
-            if names and header is None:
-                header = fields_
-                missing = [v for v in names if v not in header]
-                if missing:
-                    raise DataCardError(f"{card.path}: field 'columns': {missing[0]!r} is not in the header line of "
-                                        f"{file} ({', '.join(header)[:200]})")
-                continue
-            if card.columns and not names and not rows and [fields_[v] for v in card.columns.values() if isinstance(v, int)
-                                           and v < len(fields_)] == list(card.columns):
-                raise DataCardError(f"{file}: line {n} is a header ({', '.join(fields_)[:120]}) and the card names "
-                                    "columns by index, which reads it as a row: name them by the header instead, "
-                                    f"e.g. `columns: {{{', '.join(f'{k}: {k}' for k in card.columns)}}}`")
-            row = dict(zip(header, fields_)) if header is not None else fields_
-            rows.append(_map_columns(card, row, f"{file}: line {n}"))
-    return rows
-
-
-def _read_hub(card: DataCard, split: str) -> list[dict[str, Any]]:
-    import datasets  # heavy: only for hub cards
-    from datasets.utils import logging as ds_logging
-
-    if not verbose():  # its download and split bars would only fill the console (the stage's log has the rows)
-        ds_logging.disable_progress_bar()
-        ds_logging.set_verbosity_error()
-    src = card.source
-    mirror = hub_mirror(src["hub"])
-    where = f"{src['hub']!r}" + (f" from its mirror {mirror}" if mirror else f" (revision {src.get('revision')!r})")
-    try:
-        if mirror is not None:
-            ds = datasets.load_dataset(str(mirror), src.get("config"), data_dir=src.get("data_dir"), split=split)
-        else:
-            ds = datasets.load_dataset(src["hub"], src.get("config"), data_dir=src.get("data_dir"), split=split,
-                                       revision=resolved_revision(src["hub"], src.get("revision")))
-    except ValueError as exc:  # reached, and wrong: an unknown split or config ("Unknown split 'trian'. Should be
-        # one of [...]"), which a run would only meet when its stage starts, hours in
-        raise DataCardError(f"{card.path}: field 'source' ({_named(src, split)}): hub dataset {where} has no such "
-                            f"split or config: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; fix "
-                            "the card") from exc
-    except Exception as exc:  # network, auth, gated, a missing revision: not reachable from here, maybe elsewhere
-        raise DataUnavailableError(f"{card.path}: could not load split {split!r} of hub dataset {where}: "
-                                   f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
-    return [_map_columns(card, r, f"{card.path}: hub row {i}") for i, r in enumerate(ds)]
-
-
-def _named(src: dict[str, Any], split: str) -> str:
-    return ", ".join(f"{k}: {v}" for k, v in (("config", src.get("config")), ("data_dir", src.get("data_dir")),
-                                                  ("split", split)) if v)
 
 
 # --------------------------------------------------------------------------------------------- splits
@@ -371,30 +271,3 @@ def _unit(seed: int, key: str) -> float:
 def _split_key(row: dict[str, Any]) -> str:
     key = row_prompt_key(row)
     return json.dumps(row, sort_keys=True) if key is None else key
-
-
-def _json_lines(text: str, where: Path, fix: str) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed object) for every non-blank line; invalid JSON names its line and the fix. Lines end at
-    \n only (JSON Lines): str.splitlines() would also split inside strings at U+2028, U+0085 or a form feed, which
-    JSON allows raw."""
-    for n, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            yield n, json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataCardError(f"{where}: line {n}: invalid JSON ({exc.msg}); {fix}") from None
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Rows of a JSONL file that a stage wrote (e.g. preference pairs); a damaged file names its line."""
-    rows = []
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataCardError(f"{path}: cannot be read ({type(exc).__name__}: {exc}); rerun the stage that wrote it") from None
-    for n, row in _json_lines(text, path, "rerun the stage that wrote it"):
-        if not isinstance(row, dict):
-            raise DataCardError(f"{path}: line {n}: a row must be a JSON object, got {type(row).__name__}")
-        rows.append(row)
-    return rows

@@ -147,7 +147,13 @@ DROPS_LONG_PROMPTS = LengthRule("drops_long_prompts", _drop_long_prompts, settin
 
 
 def enforce(report: LengthReport, max_fraction: float) -> None:
-    """Raise LengthError naming the field and the fix when too many examples are affected."""
+    """Raise LengthError naming the field and the fix when too many examples are affected, or when every one would be
+    dropped (nothing would train, whatever max_truncated_fraction allows)."""
+    if report.examples and report.dropped == report.examples:
+        raise LengthError(
+            f"stages.{report.stage}.{report.setting}={report.max_length}: all {report.examples} examples would be "
+            f"dropped (longest {report.longest} tokens after templating and tokenisation), so the stage would train on "
+            f"nothing, whatever max_truncated_fraction allows. Raise {report.setting}, or shorten or filter the data")
     if report.fraction <= max_fraction:
         return
     suggestion = min(report.longest, 2 ** (report.longest - 1).bit_length()) if report.longest else 0

@@ -25,15 +25,17 @@ def prefix_words(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
     This is the DPO paper's controlled-sentiment prompt construction (review prefixes). Rows with too few
     words to leave a non-empty completion are dropped and counted.
     """
-    lo, hi = (int(args[0]), int(args[1])) if isinstance(args, (list, tuple)) else (int(args), int(args))
-    if not 1 <= lo <= hi:
-        raise FormatError(f"transform prefix_words: expected [min, max] with 1 <= min <= max, got {args!r}")
+    bounds = list(args) if isinstance(args, (list, tuple)) else [args, args]
+    if len(bounds) != 2 or not all(_whole(b) for b in bounds) or not 1 <= bounds[0] <= bounds[1]:
+        raise FormatError(f"transform prefix_words: expected [min, max] whole numbers of words with 1 <= min <= max "
+                          f"(or one number), got {args!r}")
+    lo, hi = bounds
     rng = random.Random(seed)
     out, dropped = [], Counter()
     for i, row in enumerate(rows):
         if "text" not in row:
             raise FormatError(f"row {i}: transform prefix_words needs a `text` column (map one in `columns`)")
-        words = str(row["text"]).split()
+        words = _text(row, "text", i, "prefix_words").split()
         k = rng.randint(lo, hi)
         if len(words) <= k:
             dropped["too few words for the prefix"] += 1
@@ -68,15 +70,22 @@ def _hh_pairs(rows: Rows, args: Any, transform: str) -> tuple[list[tuple[list, s
     """Parsed HH-RLHF pairs as (turns before the final reply, chosen reply, rejected reply), filtered and counted
     as `hh_transcript` documents (the max_prompt_chars limit applies to the HH-format prompt text)."""
     max_chars = args.get("max_prompt_chars") if isinstance(args, dict) else None
+    if max_chars is not None and (not _whole(max_chars) or max_chars < 1):
+        raise FormatError(f"transform {transform}: max_prompt_chars is a whole number of characters, got {max_chars!r}")
     out, dropped = [], Counter()
     for row in rows:
         try:
-            chosen, rejected = parse_hh_turns(row["chosen"]), parse_hh_turns(row["rejected"])
+            texts = row["chosen"], row["rejected"]
+        except KeyError as exc:
+            raise FormatError(f"transform {transform} needs a {exc} column") from exc
+        if not all(isinstance(t, str) for t in texts):
+            dropped["transcript not text (null or another type)"] += 1
+            continue
+        try:
+            chosen, rejected = parse_hh_turns(texts[0]), parse_hh_turns(texts[1])
         except FormatError:
             dropped["unparseable transcript"] += 1
             continue
-        except KeyError as exc:
-            raise FormatError(f"transform {transform} needs a {exc} column") from exc
         if chosen[:-1] != rejected[:-1]:
             dropped["chosen and rejected diverge before the final reply"] += 1
             continue
@@ -141,13 +150,27 @@ def alpaca(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
     for i, row in enumerate(rows):
         if "instruction" not in row or "output" not in row:
             raise FormatError(f"row {i}: transform alpaca needs `instruction` and `output` columns")
-        if not str(row["output"]).strip():
+        if row["output"] is None or not _text(row, "output", i, "alpaca").strip():
             dropped["empty output"] += 1
             continue
-        extra = str(row.get("input") or "").strip()
-        prompt = str(row["instruction"]).strip() + (f"\n\n{extra}" if extra else "")
-        out.append({"prompt": prompt, "completion": " " + str(row["output"]).strip()})
+        extra = (_text(row, "input", i, "alpaca") if row.get("input") is not None else "").strip()
+        prompt = _text(row, "instruction", i, "alpaca").strip() + (f"\n\n{extra}" if extra else "")
+        out.append({"prompt": prompt, "completion": " " + row["output"].strip()})
     return out, dropped
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _text(row: dict[str, Any], key: str, i: int, transform: str) -> str:
+    """A row's field that a transform reads as text; anything else (null, a number, a list) is an error naming it,
+    not text made of its repr."""
+    value = row[key]
+    if not isinstance(value, str):
+        raise FormatError(f"row {i}: transform {transform}: field '{key}' must be text, got {type(value).__name__} "
+                          f"{str(value)[:60]}; fix the row, or map `columns:` to the field that holds the text")
+    return value
 
 
 def _keep(row: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,162 @@
+"""Hostile data (a probe of how align reads data cards, 2026-11-29): each case either trained on the wrong rows without
+a word, or stopped with a Python traceback; each is now a named error before anything trains, or a counted drop."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from align.data.cards import DataCardError, DataUnavailableError, load_card, load_split
+from conftest import REPO
+
+SEED = 20261129
+
+
+def _card(folder: Path, data: str | bytes, name: str = "rows.jsonl", fmt: str = "jsonl",
+          produces: str = "preference", extra: str = "") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_bytes(data if isinstance(data, bytes) else data.encode())
+    card = folder / f"{name}.yaml"
+    card.write_text(f"name: probe\nlicense: MIT\nformat: {fmt}\nproduces: {produces}\nsource: {{path: {name}}}\n{extra}")
+    return card
+
+
+def _pairs(n: int = 60) -> str:
+    return "".join(json.dumps({"prompt": f"p{i}", "chosen": f"good {i}", "rejected": f"bad {i}"}) + "\n"
+                   for i in range(n))
+
+
+def test_two_cards_own_transforms_of_one_module_name_are_refused_not_swapped(tmp_path):
+    """Python holds one module per name: the second card's `clash_fix:fix` ran the first card's file, and editing
+    its own file left its fingerprint unchanged."""
+    cards = []
+    for k, src in enumerate(("q", "question")):
+        folder = tmp_path / f"t{k}"
+        card = _card(folder, "".join(json.dumps({src: f"q{i}", "a": f" a{i}"}) + "\n" for i in range(5)),
+                     produces="prompt_completion", extra="transform: {'clash_fix:fix': null}\n")
+        (folder / "clash_fix.py").write_text(f"def fix(rows, args, seed):\n    return [{{'prompt': r['{src}'], "
+                                             f"'completion': r['a']}} for r in rows]\n")
+        cards.append(card)
+    assert load_split(cards[0], "train").rows[0]["prompt"] == "q0"
+    with pytest.raises(DataCardError, match=r"module 'clash_fix' is .*t0/clash_fix\.py, not .*t1/clash_fix\.py"):
+        load_card(cards[1])
+
+
+def test_every_example_dropped_is_refused_whatever_max_truncated_fraction_allows():
+    from align.data.lengths import LengthError, LengthReport, enforce
+
+    report = LengthReport("reward", "drops_long_pairs", examples=102, truncated=0, dropped=102, longest=90,
+                          max_length=8)
+    with pytest.raises(LengthError, match=r"all 102 examples would be dropped .* train on nothing"):
+        enforce(report, 1.0)
+    enforce(LengthReport("reward", "drops_long_pairs", 102, 0, 101, 90, 8), 1.0)  # one left: the setting decides
+
+
+def test_a_mirrored_hub_card_with_a_wrong_data_dir_is_a_card_error_not_unreachable(tmp_path, monkeypatch):
+    hh = tmp_path / "hub" / "Anthropic" / "hh-rlhf" / "harmless-base"
+    hh.mkdir(parents=True)
+    with gzip.open(REPO / "data_cards" / "data" / "hh_rlhf_harmless" / "harmless_base_sample_200.jsonl.gz", "rt") as fh:
+        lines = fh.readlines()[:20]
+    with gzip.open(hh / "train.jsonl.gz", "wt") as fh:
+        fh.writelines(lines)
+    monkeypatch.setenv("ALIGN_HUB_MIRROR", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    card = tmp_path / "typo.yaml"
+    card.write_text("name: hh\nlicense: MIT\nformat: hub\nproduces: preference\nsource: {hub: Anthropic/hh-rlhf, "
+                    "data_dir: harmles-base, revision: main}\ntransform: {hh_transcript: true}\n")
+    with pytest.raises(DataCardError, match=r"data_dir: harmles-base.*no such split, config or data_dir") as exc:
+        load_split(card, "train")
+    assert not isinstance(exc.value, DataUnavailableError)  # validate no longer passes it as "not reachable"
+
+
+def test_delimited_rows_never_shift_or_drop_a_field(tmp_path):
+    good = "prompt,chosen,rejected\n" + "".join(f"p{i},c{i},r{i}\n" for i in range(30))
+    cols = "columns: {prompt: prompt, chosen: chosen, rejected: rejected}\n"
+    with pytest.raises(DataCardError, match=r"extra\.csv: line 32: 4 fields where the header has 3"):
+        load_split(_card(tmp_path, good + "hello, world,chosen text,rejected text\n", "extra.csv", "csv", extra=cols),
+                   "train")
+    with pytest.raises(DataCardError, match=r"line 1: the header names 'chosen' twice"):
+        load_split(_card(tmp_path, good.replace("rejected\n", "chosen,rejected\n", 1), "dup.csv", "csv", extra=cols),
+                   "train")
+    tsv = "".join(f"p{i}\tc{i}\tr{i}\n" for i in range(30)) + "p\tc with\ttab\tr\n"
+    with pytest.raises(DataCardError, match=r"tab\.tsv: line 31: 4 fields where the first row has 3"):
+        load_split(_card(tmp_path, tsv, "tab.tsv", "tsv", extra="columns: {prompt: 0, chosen: 1, rejected: 2}\n"),
+                   "train")
+    with pytest.raises(DataCardError, match=r"cr\.tsv: line 3: not readable as TSV"):
+        load_split(_card(tmp_path, "a\tb\tc\nd\te\tf\ng\th\ri\tj\n", "cr.tsv", "tsv",
+                         extra="columns: {prompt: 0, chosen: 1, rejected: 2}\n"), "train")
+    long = "x " * 100_000  # 200,000 characters: above Python's csv default field limit (131,072)
+    rows = load_split(_card(tmp_path, good + f"p-long,{long},r\n", "long.csv", "csv", extra=cols), "train").rows
+    assert any(r["chosen"] == long for r in rows)
+
+
+def test_transforms_refuse_values_that_are_not_text_instead_of_writing_their_repr(tmp_path):
+    rows = [{"instruction": f"do {i}", "output": f"done {i}"} for i in range(20)]
+    alpaca = "transform: {alpaca: {}}\n"
+    data = rows + [{"instruction": "empty", "output": None}]
+    loaded = load_split(_card(tmp_path, "\n".join(map(json.dumps, data)), "a.jsonl", produces="prompt_completion",
+                              extra=alpaca), "train")
+    assert loaded.dropped == Counter({"empty output": 1}) and all("None" not in r["completion"] for r in loaded.rows)
+    for bad, field in (({"instruction": None, "output": "x"}, "instruction"), ({"instruction": "i", "output": [1, 2]},
+                                                                                "output")):
+        card = _card(tmp_path, "\n".join(map(json.dumps, rows + [bad])), f"{field}.jsonl", produces="prompt_completion",
+                     extra=alpaca)
+        with pytest.raises(DataCardError, match=rf"row 20: transform alpaca: field '{field}' must be text, got"):
+            load_split(card, "train")
+    words = [{"text": "alpha beta gamma delta epsilon"}] * 5 + [{"text": ["alpha beta", "gamma delta"]}]
+    card = _card(tmp_path, "\n".join(map(json.dumps, words)), "w.jsonl", produces="prompt_completion",
+                 extra="transform: {prefix_words: [1, 2]}\n")
+    with pytest.raises(DataCardError, match=r"row 5: transform prefix_words: field 'text' must be text, got list"):
+        load_split(card, "train")
+    for args in ("[2]", "abc", "null", "[1, true]"):
+        bad_card = _card(tmp_path, "\n".join(map(json.dumps, words[:5])), "w2.jsonl", produces="prompt_completion",
+                         extra=f"transform: {{prefix_words: {args}}}\n")
+        with pytest.raises(DataCardError, match=r"transform prefix_words: expected \[min, max\] whole numbers"):
+            load_split(bad_card, "train")
+
+
+def test_hh_transcripts_that_are_not_text_are_counted_and_bad_settings_named(tmp_path):
+    with gzip.open(REPO / "data_cards" / "data" / "hh_rlhf_harmless" / "harmless_base_sample_200.jsonl.gz", "rt") as fh:
+        lines = fh.readlines()[:30]
+    data = "".join(lines) + json.dumps({"chosen": None, "rejected": "\n\nHuman: a\n\nAssistant: b"}) + "\n"
+    card = _card(tmp_path, data, produces="preference", extra="transform: {hh_transcript: true}\n")
+    assert load_split(card, "train").dropped["transcript not text (null or another type)"] == 1
+    card.write_text(card.read_text().replace("{hh_transcript: true}", "{hh_transcript: {max_prompt_chars: abc}}"))
+    with pytest.raises(DataCardError, match=r"max_prompt_chars is a whole number of characters, got 'abc'"):
+        load_split(card, "train")
+
+
+def test_unreadable_rows_paths_and_sources_name_the_line_or_field(tmp_path):
+    cols = "columns: {prompt: prompt, chosen: chosen, rejected: rejected}\n"
+    with pytest.raises(DataCardError, match=r"int\.jsonl: line 61: a row is a JSON object or a list of column values, "
+                                            r"got int 5"):
+        load_split(_card(tmp_path, _pairs() + "5\n", "int.jsonl", extra=cols), "train")
+    surrogate = json.dumps({"prompt": "cut", "chosen": "a", "rejected": "b"}).replace("cut", "cut \\ud800")
+    with pytest.raises(DataCardError, match=r"surr\.jsonl: line 61: the escape \\ud800 is half of a UTF-16 surrogate"):
+        load_split(_card(tmp_path, _pairs() + surrogate + "\n", "surr.jsonl"), "train")
+    emoji = json.dumps({"prompt": "whole \U0001F600", "chosen": "a", "rejected": "b"})  # a pair escaped: one character
+    assert len(load_split(_card(tmp_path, _pairs() + emoji + "\n", "emoji.jsonl"), "train").rows) > 0
+    with pytest.raises(DataCardError, match=r"arr\.jsonl: line 1: holds a list of rows, not one row; .*`format: json`"):
+        load_split(_card(tmp_path, json.dumps([{"prompt": "p", "chosen": "c", "rejected": "r"}] * 3), "arr.jsonl"),
+                   "train")
+    loop = tmp_path / "loop"
+    loop.mkdir()
+    os.symlink(loop / "a", loop / "b")
+    os.symlink(loop / "b", loop / "a")
+    (loop / "c.yaml").write_text("name: x\nlicense: MIT\nformat: jsonl\nproduces: preference\nsource: {path: a}\n")
+    with pytest.raises(DataCardError, match=r"field 'source.path': 'a' cannot be resolved"):
+        load_card(loop / "c.yaml")
+    for source, fmt, message in (("{path: /dev/null}", "jsonl", r"/dev/null is not a regular file"),
+                                 ("{path: 5}", "jsonl", r"field 'source.path': the data file.*got 5"),
+                                 ("{path: null}", "jsonl", r"field 'source.path': the data file.*got None"),
+                                 ("{hub: org/name}", "jsonl", r"field 'source.hub' with `format: jsonl`.*format: hub"),
+                                 ("{path: rows.jsonl}", "hub", r"field 'source.path' with `format: hub`")):
+        (tmp_path / "s.yaml").write_text(f"name: x\nlicense: MIT\nformat: {fmt}\nproduces: preference\n"
+                                         f"source: {source}\n")
+        with pytest.raises(DataCardError, match=message):
+            load_card(tmp_path / "s.yaml")
