@@ -6,6 +6,8 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import random
+import types
 from collections import Counter
 from pathlib import Path
 
@@ -160,3 +162,52 @@ def test_unreadable_rows_paths_and_sources_name_the_line_or_field(tmp_path):
                                          f"source: {source}\n")
         with pytest.raises(DataCardError, match=message):
             load_card(tmp_path / "s.yaml")
+
+
+def _chatml_gpt2():
+    from transformers import AutoTokenizer
+
+    from align import templates
+    from align.modeling.models import prepare_tokenizer
+
+    tok = prepare_tokenizer(AutoTokenizer.from_pretrained(REPO / "tokenizers" / "gpt2"))
+    templates.install(tok, templates.resolve("chatml", REPO / "pipelines" / "chat.yaml", None))
+    return tok
+
+
+def test_rows_holding_a_special_tokens_text_are_dropped_and_counted_or_refused():
+    """A chosen reply that mentions `<|im_end|>` was cut there for the reward model, DPO and PPO (the rendered reply
+    ends at the first EOS), and a user turn holding `<|im_start|>assistant` opened a turn the data never had."""
+    from align.data.chat import as_text, holding_special_text
+    from align.runtime.context import StageError
+    from align.runtime.rows import drop_special_text
+
+    rng = random.Random(SEED)
+    print(f"seed {SEED}")
+    tok = _chatml_gpt2()
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "chosen": [{"role": "assistant", "content": f"good {i}"}],
+             "rejected": [{"role": "assistant", "content": f"bad {i}"}]} for i in range(200)]
+    at = rng.randrange(200)
+    rows[at]["chosen"][0]["content"] = "Sure: <|im_end|> and then the rest of the good answer"
+    assert as_text([rows[at]], tok)[0]["chosen"] == "Sure: "  # what the stages read of it: why it must go
+    assert holding_special_text(rows, tok) == [(at, "<|im_end|>")]
+    ctx = types.SimpleNamespace(name="reward", extra_manifest={})
+    kept = drop_special_text(ctx, rows, tok, "pairs split 'train'")
+    assert len(kept) == 199 and rows[at] not in kept
+    assert ctx.extra_manifest["dropped_rows"] == {"pairs split 'train': holds a special token's text": 1}
+    rows[(at + 1) % 200]["prompt"][0]["content"] = "<|im_start|>assistant\nfake"
+    rows[(at + 2) % 200]["rejected"][0]["content"] = "x <|endoftext|>"
+    with pytest.raises(StageError, match=r"3 of 200 rows hold the text of the tokenizer's special tokens"):
+        drop_special_text(ctx, rows, tok, "pairs split 'train'")
+
+
+def test_a_cards_dropped_rows_and_empty_prompts_reach_the_manifest(tmp_path):
+    from align.runtime.rows import card_split
+
+    data = _pairs(40) + json.dumps({"prompt": "p-same", "chosen": "same", "rejected": "same "}) + "\n"
+    card = _card(tmp_path, data, extra="max_unusable_fraction: 0.05\n")
+    ctx = types.SimpleNamespace(name="dpo", extra_manifest={}, inputs={})
+    loaded = card_split(ctx, str(card), "train")
+    assert sum(loaded.dropped.values()) == 1
+    assert list(ctx.extra_manifest["dropped_rows"].values()) == [1]
+    assert "the whole file, before the split" in next(iter(ctx.extra_manifest["dropped_rows"]))

@@ -19,7 +19,8 @@ stops at EOS) and scores, and what the reward-model judge scores at evaluation.
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections import Counter
+from typing import Any, Iterator
 
 from align.data.formats import FormatError, check_conversation
 
@@ -276,3 +277,59 @@ def same_after_template_problem(rows: list[dict[str, Any]], where: str) -> str |
             f"through the chat template (it trims or rewrites what differs), so they teach nothing: the pairs of the "
             f"prompts {', '.join(tail(rows[i]['prompt']) for i in same[:3])}{more}. Remove them from the data, or fix "
             "the template")
+
+
+MAX_SPECIAL_TEXT = 0.01
+"""The largest fraction of rows holding a special token's text that a stage drops (and counts in its manifest)
+instead of refusing the data."""
+
+
+def special_texts(tokenizer) -> list[str]:
+    """The text of every special token (and added token marked special) that the tokenizer reads as the token itself
+    where it appears in text, longest first; none where it splits such text into ordinary tokens."""
+    if getattr(tokenizer, "split_special_tokens", False):
+        return []
+    found = set(getattr(tokenizer, "all_special_tokens", []))
+    found |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+    return sorted((t for t in found if t), key=len, reverse=True)
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+
+
+def holding_special_text(rows: list[dict[str, Any]], tokenizer) -> list[tuple[int, str]]:
+    """(position, token text) of the rows (before the chat template) whose text holds a special token's text: the
+    tokenizer reads it as the token, so an `<|im_end|>` a reply mentions ends the reply there (the reward model, DPO
+    and PPO read it cut; SFT trains an end of turn mid-reply), and a user turn holding `<|im_start|>assistant` opens
+    a turn the data never had."""
+    texts = special_texts(tokenizer)
+    if not texts or not rows:
+        return []
+    pattern = re.compile("|".join(map(re.escape, texts)))
+    found = []
+    for i, row in enumerate(rows):
+        hit = next((m.group() for text in _strings(row) if (m := pattern.search(text))), None)
+        if hit is not None:
+            found.append((i, hit))
+    return found
+
+
+def special_text_problem(rows: list[dict[str, Any]], found: list[tuple[int, str]], where: str) -> str | None:
+    """The refusal when more than MAX_SPECIAL_TEXT of `rows` hold a special token's text (None: few enough to drop
+    and count)."""
+    if len(found) <= MAX_SPECIAL_TEXT * len(rows):
+        return None
+    tokens = ", ".join(f"{t!r} ({n})" for t, n in Counter(t for _, t in found).most_common(3))
+    more = f" and {len(found) - 5} more" if len(found) > 5 else ""
+    return (f"{where}: {len(found)} of {len(rows)} rows hold the text of the tokenizer's special tokens {tokens}, "
+            f"which it reads as the tokens themselves (a reply would end, or a turn begin, where the data only "
+            f"mentions one): rows {', '.join(str(i) for i, _ in found[:5])}{more} of the split. Remove or rewrite "
+            f"them (up to {MAX_SPECIAL_TEXT:.0%} of a split is dropped and counted instead)")

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from align.data.cards import load_split, read_jsonl
-from align.data.chat import as_text, same_after_template, same_after_template_problem
+from align.data.cards import LoadedSplit, load_split, read_jsonl
+from align.data.chat import (as_text, holding_special_text, same_after_template, same_after_template_problem,
+                             special_text_problem)
 from align.data.formats import FormatError, prompt_key, text_of
 from align.runtime.context import StageContext, StageError
 
@@ -21,12 +22,38 @@ def load_rows(ctx: StageContext, ref: str, split: str, limit: int | None = None,
     if ref in ctx.inputs:
         rows = read_jsonl(ctx.input_dir(ref) / "data" / f"{split}.jsonl")
     else:
-        rows = load_split(ref, split).rows
+        rows = card_split(ctx, ref, split).rows
     rows = rows[:limit] if limit else rows
     return rows if tokenizer is None else _rendered(ctx, rows, tokenizer, f"{ref} split '{split}'")
 
 
+def card_split(ctx: StageContext, card: str, split: str) -> LoadedSplit:
+    """A data card's split, with the rows its transforms and checks dropped counted in the manifest (`dropped_rows`,
+    the card's whole file: a split is drawn after them)."""
+    loaded = load_split(card, split)
+    dropped = ctx.extra_manifest.setdefault("dropped_rows", {})
+    for why, n in loaded.dropped.items():
+        dropped[f"{card} (the whole file, before the split): {why}"] = n
+    return loaded
+
+
+def drop_special_text(ctx: StageContext, rows: list[dict[str, Any]], tokenizer, where: str) -> list[dict[str, Any]]:
+    """Rows whose text holds a special token's text (align/data/chat.py `holding_special_text`): up to
+    MAX_SPECIAL_TEXT of them are dropped and counted (`dropped_rows` in the manifest), more refuse the data (as
+    `align validate` does before anything trains: align/modeling/checks.py)."""
+    found = holding_special_text(rows, tokenizer)
+    if not found:
+        return rows
+    problem = special_text_problem(rows, found, where)
+    if problem:
+        raise StageError(f"stage '{ctx.name}': {problem}")
+    ctx.extra_manifest.setdefault("dropped_rows", {})[f"{where}: holds a special token's text"] = len(found)
+    drop = {i for i, _ in found}
+    return [r for i, r in enumerate(rows) if i not in drop]
+
+
 def _rendered(ctx: StageContext, rows: list[dict[str, Any]], tokenizer, where: str) -> list[dict[str, Any]]:
+    rows = drop_special_text(ctx, rows, tokenizer, where)
     try:
         rendered = as_text(rows, tokenizer)
     except FormatError as exc:
@@ -68,7 +95,10 @@ def load_prompts(ctx: StageContext, ref: str, split: str, limit: int | None = No
     for row in load_rows(ctx, ref, split):
         first.setdefault(prompt_key(row["prompt"]), row)
     rows = list(first.values())[:limit] if limit else list(first.values())
-    rows = [r for r in rows if text_of(r["prompt"])]  # visible text: not whitespace or zero-width characters alone
+    kept = [r for r in rows if text_of(r["prompt"])]  # visible text: not whitespace or zero-width characters alone
+    if len(kept) < len(rows):
+        ctx.extra_manifest.setdefault("dropped_rows", {})[f"{ref} split '{split}': empty prompt"] = len(rows) - len(kept)
+    rows = kept
     if not rows:
         raise StageError(f"stage '{ctx.name}': no non-empty prompts in {ref} split '{split}'")
     if tokenizer is not None:

@@ -21,6 +21,7 @@ from align.data.chat import TemplateError, sft_every_token, sft_example
 from align.modeling.models import build_builtin, fit_model_to_tokenizer, load_tokenizer, train_tokenizer
 from align.modeling.lora import peft_config
 from align.runtime.context import StageContext, StageError
+from align.runtime.rows import card_split, drop_special_text
 from align.runtime.trl import check_lengths, metrics_callback, train_with_resume, training_args
 
 OUTPUTS = ["model"]
@@ -127,18 +128,20 @@ def run(ctx: StageContext) -> dict[str, Any]:
     from trl import SFTConfig, SFTTrainer
 
     cfg: SFTStage = ctx.cfg  # type: ignore[assignment]
-    data = load_split(cfg.data, cfg.split)
+    data = card_split(ctx, cfg.data, cfg.split)
     rows = data.rows[: cfg.max_train_examples] if cfg.max_train_examples else data.rows
     chat = data.card.produces == "messages"
     args = training_args(SFTConfig, cfg, ctx, completion_only_loss=cfg.completion_only_loss and not chat,
                          assistant_only_loss=False, eval_strategy="no", packing=False)
     model, tokenizer = load_start(ctx, cfg, rows, chat)  # after the config: partitioned as it loads under ZeRO-3
+    rows = drop_special_text(ctx, rows, tokenizer, f"{cfg.data} split '{cfg.split}'")
     check_lengths(ctx, rows, tokenizer)
     columns = ["messages"] if chat else ["prompt", "completion"]
     train = Dataset.from_list([{c: r[c] for c in columns} for r in rows])
     eval_ds, eval_rows = None, []
     if cfg.eval_split:
-        eval_rows = load_split(cfg.data, cfg.eval_split).rows[: cfg.eval_max_examples]
+        eval_rows = drop_special_text(ctx, load_split(cfg.data, cfg.eval_split).rows[: cfg.eval_max_examples],
+                                      tokenizer, f"{cfg.data} split '{cfg.eval_split}'")
         eval_ds = Dataset.from_list([{c: r[c] for c in columns} for r in eval_rows])
     if chat:  # tokenised here: assistant turns only (masks as the plan decided), or every token; BOS as later stages
         every = not cfg.completion_only_loss
