@@ -55,7 +55,7 @@ def send(handler, code: int, body: dict, headers: dict | None = None) -> None:
 
 
 def backend(url: str, **kw):
-    from align.judges.pairwise import EndpointBackend
+    from align.judges.endpoint import EndpointBackend
 
     args = dict(model="judge", key_env=None, max_new_tokens=4, timeout=2.0, retries=1, max_concurrency=2)
     return EndpointBackend(url, **{**args, **kw})
@@ -75,7 +75,7 @@ def test_a_trickled_answer_cannot_hold_a_request_past_its_timeout():
             pass
 
     server, state, url = serve(trickle)
-    from align.judges.pairwise import EndpointError
+    from align.judges.endpoint import EndpointError
 
     t0 = time.monotonic()
     with pytest.raises(EndpointError, match=r"no answer after 2 attempts \(last: TimeoutError: the answer took longer "
@@ -97,7 +97,7 @@ def test_429_with_retry_after_is_waited_out_and_named_when_it_never_ends():
     server.shutdown()
 
     server, state, url = serve(lambda h, s: send(h, 429, {"error": "slow down"}, {"Retry-After": "600"}))
-    from align.judges.pairwise import EndpointError
+    from align.judges.endpoint import EndpointError
 
     t0 = time.monotonic()
     with pytest.raises(EndpointError, match=r"rate limited \(HTTP 429 to 3 of 3 attempts.*max_retry_wait=1 s\); lower "
@@ -113,7 +113,7 @@ def test_the_whole_judging_has_a_deadline():
         send(h, 200, ANSWER)
 
     server, state, url = serve(slow)
-    from align.judges.pairwise import EndpointError
+    from align.judges.endpoint import EndpointError
 
     b = backend(url, max_concurrency=1, deadline=1.0)
     with pytest.raises(EndpointError, match=r"the judging took longer than deadline=1 s"):
@@ -124,12 +124,12 @@ def test_the_whole_judging_has_a_deadline():
 
 def test_a_key_with_a_carriage_return_is_refused_without_its_value(monkeypatch):
     from align.config.settings import PairwiseJudge
-    from align.judges.pairwise import EndpointError
+    from align.judges.endpoint import EndpointError
 
     monkeypatch.setenv("JUDGE_KEY", KEY + "\r")
     with pytest.raises(EndpointError) as err:
         backend("http://127.0.0.1:9/v1", key_env="JUDGE_KEY")
-    assert "JUDGE_KEY holds whitespace or control characters" in str(err.value) and KEY not in str(err.value)
+    assert "JUDGE_KEY holds whitespace, control or non-ASCII characters" in str(err.value) and KEY not in str(err.value)
     with pytest.raises(ValueError) as err:
         PairwiseJudge(name="j", model="judge", base_url="http://127.0.0.1:9/v1", key_env="JUDGE_KEY").check("pairwise[0]", None)
     assert "pairwise[0].key_env: the value of JUDGE_KEY holds whitespace" in str(err.value) and KEY not in str(err.value)
@@ -154,7 +154,7 @@ def test_a_redirect_is_refused_and_the_key_goes_to_no_other_address(monkeypatch)
     names (and 307/308 for the validate probe's GET): a judge's requests follow no redirect, and the error names
     where to and the fix. The address redirected to never hears from align."""
     from align.config.settings import endpoint_problem
-    from align.judges.pairwise import EndpointError
+    from align.judges.endpoint import EndpointError
 
     heard = []
 
@@ -219,3 +219,81 @@ def test_an_answer_cut_off_mid_body_is_retried():
     server, state, url = serve(cut_once)
     assert backend(url).ask("judge this") == "A" and state["posts"] == 2
     server.shutdown()
+
+
+def test_a_trickled_status_line_or_header_cannot_hold_a_request_nor_a_retry_wait_the_deadline():
+    """urllib reads the status line and headers inside `open`, where the socket timeout restarts with every byte: a
+    server sending a header line every 0.3 s held a request with timeout=2 for over a minute. A watchdog now shuts the
+    connection at the request's limit; and a long Retry-After is not slept past the judging's deadline."""
+    from align.judges.endpoint import EndpointError
+
+    def headers_forever(h, state):
+        try:
+            h.wfile.write(b"HTTP/1.1 200 OK\r\n")
+            for i in range(200):
+                h.wfile.write(f"X-Slow-{i}: 1\r\n".encode())
+                h.wfile.flush()
+                time.sleep(0.3)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    server, state, url = serve(headers_forever)
+    t0 = time.monotonic()
+    with pytest.raises(EndpointError, match=r"last: TimeoutError: the answer took longer than timeout=1 s"):
+        backend(url, timeout=1.0, retries=0).ask("judge this")
+    assert time.monotonic() - t0 < 5  # ~1 s; before, the 100-header limit ended it after ~30 s
+    server.shutdown()
+
+    server, state, url = serve(lambda h, s: send(h, 429, {"error": "slow down"}, {"Retry-After": "30"}))
+    b = backend(url, retries=3, max_retry_wait=30.0, deadline=1.5)
+    t0 = time.monotonic()
+    with pytest.raises(EndpointError, match=r"the judging took longer than deadline=1.5 s"):
+        b.answers(["q"])
+    assert time.monotonic() - t0 < 6  # the deadline, not 30 s of Retry-After
+    server.shutdown()
+
+
+def test_a_cut_off_body_and_a_servers_error_object_are_named_as_such():
+    from align.judges.endpoint import EndpointError
+
+    def cut(h, state):
+        h.send_response(200)
+        h.send_header("Content-Length", "500")
+        h.end_headers()
+        h.wfile.write(b'{"choices": [')
+        h.wfile.flush()
+        h.connection.shutdown(2)
+
+    server, state, url = serve(cut)
+    with pytest.raises(EndpointError, match=r"last: IncompleteRead"):
+        backend(url, retries=0).ask("judge this")
+    server.shutdown()
+    server, state, url = serve(lambda h, s: send(h, 200, {"error": {"message": "model overloaded"}}))
+    with pytest.raises(EndpointError, match=r"not a chat completion \(KeyError: the server says 'model overloaded'\)"):
+        backend(url, retries=0).ask("judge this")
+    server.shutdown()
+
+
+def test_a_key_that_is_not_ascii_is_refused_by_name(monkeypatch):
+    from align.judges.endpoint import EndpointError
+
+    monkeypatch.setenv("JUDGE_KEY", "sk-ключ-0123456789")
+    with pytest.raises(EndpointError, match=r"JUDGE_KEY holds whitespace, control or non-ASCII characters") as err:
+        backend("http://127.0.0.1:9/v1", key_env="JUDGE_KEY")
+    assert "ключ" not in str(err.value)
+
+
+def test_a_damaged_judge_cache_is_asked_again_not_a_traceback(tmp_path):
+    """A cache line whose answer is not text crashed evaluate after all its sampling (AttributeError in
+    parse_verdict), a byte that is not UTF-8 failed it naming no file; and an append after a torn last line was glued
+    onto it, losing one more answer."""
+    from align.judges.pairwise import JudgeCache
+
+    path = tmp_path / "judge_cache" / "ep.jsonl"
+    path.parent.mkdir()
+    path.write_bytes(b'{"key": "k1", "answer": "A"}\n{"key": "k2", "answer": null}\n{"key": "k3", "answer": 7}\n'
+                     b'{"key": "k4", "answer": "B\xff"}\n{"key": "k5", "answer": "tie"}\n{"key": "k6", "ans')
+    cache = JudgeCache(path)
+    assert cache.answers == {"k1": "A", "k5": "tie"}
+    cache.put({"k2": "B"})
+    assert JudgeCache(path).answers == {"k1": "A", "k5": "tie", "k2": "B"}

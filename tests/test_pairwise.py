@@ -26,9 +26,10 @@ SERVER = REPO / "tests" / "servers" / "openai_compatible.py"
 def test_verdicts_are_parsed_strictly_and_never_guessed():
     from align.judges.pairwise import parse_verdict
 
-    for answer, verdict in [("A", "A"), (" b \n", "B"), ("Tie", "tie"), ("A.", "A"), ("**B**", "B"), ('"tie"', "tie")]:
+    for answer, verdict in [("A", "A"), (" b \n", "B"), ("Tie", "tie"), ("A.", "A"), ("**B**", "B"), ('"tie"', "tie"),
+                            ("**A**.", "A"), ('"A".', "A"), ("`B`.", "B"), ("**Tie**.", "tie"), ('"A."', "A")]:
         assert parse_verdict(answer) == verdict, answer
-    for answer in ["Response A", "A or B", "AB", "", "I think A", "tied", "A, because it is positive"]:
+    for answer in ["Response A", "A or B", "AB", "", "I think A", "tied", "A, because it is positive", "A..", "*A*.."]:
         assert parse_verdict(answer) is None, answer
 
 
@@ -139,8 +140,8 @@ def test_the_endpoint_and_the_local_model_give_the_same_verdicts(smollm2, tmp_pa
 
     from align.config.settings import PairwiseJudge
     from align.modeling.models import load_causal_lm, load_tokenizer
-    from align.judges.pairwise import (DEFAULT_TEMPLATE, EndpointBackend, JudgeCache, LocalBackend,
-                                       PairwiseLLMJudge)
+    from align.judges.endpoint import EndpointBackend
+    from align.judges.pairwise import DEFAULT_TEMPLATE, JudgeCache, LocalBackend, PairwiseLLMJudge
 
     torch.manual_seed(17)
     template = DEFAULT_TEMPLATE.read_text()

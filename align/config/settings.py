@@ -306,8 +306,8 @@ def template_problem(text: str) -> str | None:
 def header_value_problem(variable: str) -> str | None:
     """Why the value of environment variable `variable` cannot go into an HTTP header (never the value itself)."""
     value = os.environ.get(variable, "")
-    if any(ch.isspace() or ord(ch) < 32 or ord(ch) == 127 for ch in value):
-        return (f"the value of {variable} holds whitespace or control characters (a key file saved with CRLF line "
+    if any(ch.isspace() or not 32 <= ord(ch) < 127 for ch in value):  # http.client sends headers as Latin-1
+        return (f"the value of {variable} holds whitespace, control or non-ASCII characters (a key file saved with CRLF line "
                 f"ends leaves a trailing \\r); export it again without them, e.g. export {variable}=$(tr -d '\\r\\n' < "
                 "FILE)")
     return None
@@ -319,17 +319,17 @@ def without_key(text: str, key: str) -> str:
     return text.replace(key, "<key>").replace(repr(key.encode())[2:-1], "<key>") if key else text
 
 
-def no_redirects():
-    """An opener for requests that carry a judge's key: it follows no redirect (urllib's own rebuilds a redirected
-    request with every header but the body's, the key included, for whatever host the server names); a 3xx reaches
-    the caller as an HTTPError, whose Location `redirected` names."""
+def no_redirects(*handlers):
+    """An opener for requests that carry a judge's key (with `handlers` besides): it follows no redirect (urllib's own
+    rebuilds a redirected request with every header but the body's, the key included, for whatever host the server
+    names); a 3xx reaches the caller as an HTTPError, whose Location `redirected` names."""
     import urllib.request
 
     class Refuse(urllib.request.HTTPRedirectHandler):
         def redirect_request(self, *args, **kwargs):
             return None
 
-    return urllib.request.build_opener(Refuse)
+    return urllib.request.build_opener(Refuse, *handlers)
 
 
 def redirected(exc) -> str | None:

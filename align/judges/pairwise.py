@@ -9,7 +9,7 @@ or tie is invalid: counted and reported, never guessed (`parse_verdict`).
 Backends, behind one interface (`answers(judging prompts) -> raw answers`):
 - `LocalBackend`: a causal LM in the stage process (a directory, hub id or packaged:NAME), greedy, batched, the
   judging prompt sent as one user turn through the model's chat template;
-- `EndpointBackend`: an OpenAI-compatible chat-completions endpoint (`base_url`, `model`), temperature 0, bounded
+- `EndpointBackend` (align/judges/endpoint.py): an OpenAI-compatible chat-completions endpoint (`base_url`, `model`), temperature 0, bounded
   concurrency, a timeout per request, retries with exponential backoff on timeouts, 429 and 5xx; the API key is
   read from the named environment variable when a request is made and is never logged or written.
 
@@ -21,19 +21,14 @@ evaluation resumed after a kill, asks only what it has not asked before.
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
-import os
 import threading
-import time
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
 from align.core.fsutil import tree_stamp
-from align.config.settings import PairwiseJudge, header_value_problem, no_redirects, redirected, without_key
+from align.config.settings import PairwiseJudge
+from align.judges.endpoint import EndpointBackend
 
 VERDICTS = ("A", "B", "tie")
 DEFAULT_TEMPLATE = Path(__file__).resolve().parent.parent / "templates" / "pairwise_judge.txt"
@@ -42,9 +37,11 @@ DEFAULT_TEMPLATE = Path(__file__).resolve().parent.parent / "templates" / "pairw
 def parse_verdict(answer: str) -> str | None:
     """Strict: the answer, without surrounding whitespace, quotes, asterisks and one final period, is exactly A, B
     or tie (any case): "A." counts as A; anything else ("Response A", "A or B") is None: invalid."""
-    text = answer.strip().strip("\"'*`").strip()
-    if text.endswith("."):
-        text = text[:-1].strip()
+    text = answer.strip()
+    outside = text.endswith(".")  # the one period: outside the quotes or asterisks ('**A**.') or inside them ('"A."')
+    text = text.removesuffix(".").strip().strip("\"'*`").strip()
+    if not outside:
+        text = text.removesuffix(".").strip()
     for verdict in VERDICTS:
         if text.lower() == verdict.lower():
             return verdict
@@ -133,113 +130,6 @@ def chat_prompt(tokenizer, text: str) -> str:
     return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
 
 
-class EndpointError(OSError):
-    """The endpoint failed a request after its retries, or refused it; the message names the URL and the cause (an
-    I/O failure: the stage ends with it as its error, exit code 2, no traceback)."""
-
-
-class EndpointBackend:
-    """An OpenAI-compatible chat-completions endpoint."""
-
-    name = "endpoint"
-
-    def __init__(self, base_url: str, model: str, key_env: str | None, max_new_tokens: int, timeout: float,
-                 retries: int, max_concurrency: int, max_retry_wait: float = 60.0, deadline: float = 3600.0):
-        self.url = base_url.rstrip("/") + "/chat/completions"
-        self.model, self.key_env, self.max_new_tokens = model, key_env, max_new_tokens
-        self.timeout, self.retries, self.max_concurrency = timeout, retries, max_concurrency
-        self.max_retry_wait, self.deadline = max_retry_wait, deadline
-        self.stop_at = float("inf")  # set per `answers` call: the judging's deadline
-        self.requests = 0
-        self._lock = threading.Lock()
-        problem = header_value_problem(key_env) if key_env else None
-        if problem:
-            raise EndpointError(f"{self.url}: key_env: {problem}")
-
-    def _headers(self) -> dict[str, str]:
-        headers = {"Content-Type": "application/json"}
-        if self.key_env:  # read now, used in this request only
-            headers["Authorization"] = f"Bearer {os.environ.get(self.key_env, '')}"
-        return headers
-
-    def _read(self, req) -> bytes:
-        """The answer's body, within `timeout` seconds in all: the socket timeout bounds each wait, and the body is
-        read in pieces against the request's deadline (a server that trickles its answer cannot hold a request)."""
-        deadline = time.monotonic() + self.timeout
-        with no_redirects().open(req, timeout=self.timeout) as resp:
-            chunks = []
-            while True:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the answer took longer than timeout={self.timeout:g} s to arrive")
-                chunk = resp.read1(1 << 16) if hasattr(resp, "read1") else resp.read(1 << 16)
-                if not chunk:
-                    return b"".join(chunks)
-                chunks.append(chunk)
-
-    def ask(self, text: str) -> str:
-        body = json.dumps({"model": self.model, "messages": [{"role": "user", "content": text}],
-                           "max_tokens": self.max_new_tokens, "temperature": 0}).encode()
-        last, wait, limited = "", 0.0, 0
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(wait or min(0.5 * 2 ** (attempt - 1), 8.0))
-            if time.monotonic() > self.stop_at:
-                raise EndpointError(f"{self.url}: the judging took longer than deadline={self.deadline:g} s (last: "
-                                    f"{last or 'no answer yet'}); raise the judge's deadline, or lower max_prompts")
-            req = urllib.request.Request(self.url, data=body, headers=self._headers(), method="POST")
-            with self._lock:
-                self.requests += 1
-            wait = 0.0
-            try:
-                answer = json.loads(self._read(req).decode("utf-8"))
-                return str(answer["choices"][0]["message"]["content"] or "")
-            except urllib.error.HTTPError as exc:
-                last = f"HTTP {exc.code}"
-                if moved := redirected(exc):
-                    raise EndpointError(f"{self.url}: {moved}") from None
-                if exc.code not in (408, 429) and exc.code < 500:  # the request itself is wrong: retrying will not help
-                    raise EndpointError(f"{self.url} refused the request ({last}"
-                                        + (": check the key in " + self.key_env if exc.code in (401, 403)
-                                           and self.key_env else "") + f"; model '{self.model}')") from None
-                limited += exc.code == 429
-                wait = min(retry_after(exc.headers.get("Retry-After") if exc.headers else None) or 0.0,
-                           self.max_retry_wait)
-            except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as exc:  # the last: an
-                # answer cut off mid-body (IncompleteRead) or a garbled status line, as a transient fault is retried
-                last = without_key(f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}",
-                                   os.environ.get(self.key_env or "", ""))
-            except (ValueError, KeyError, IndexError, TypeError) as exc:
-                last = f"an answer that is not a chat completion ({type(exc).__name__})"
-        if limited:
-            raise EndpointError(f"{self.url}: rate limited (HTTP 429 to {limited} of {self.retries + 1} attempts, each "
-                                f"retried after the server's Retry-After, at most max_retry_wait={self.max_retry_wait:g} "
-                                "s); lower max_concurrency, or raise retries / max_retry_wait")
-        raise EndpointError(f"{self.url}: no answer after {self.retries + 1} attempts (last: {last}); check that the "
-                            "server is up, or raise timeout / retries")
-
-    def answers(self, texts: list[str]) -> list[str]:
-        if self.stop_at == float("inf"):
-            self.stop_at = time.monotonic() + self.deadline
-        with ThreadPoolExecutor(max_workers=self.max_concurrency) as pool:
-            return list(pool.map(self.ask, texts))
-
-
-def retry_after(value: str | None) -> float | None:
-    """Seconds a Retry-After header asks for (delta-seconds or an HTTP date; RFC 9110 sec. 10.2.3), None if absent or
-    unreadable."""
-    if not value:
-        return None
-    value = value.strip()
-    if value.isdigit():
-        return float(value)
-    try:
-        from email.utils import parsedate_to_datetime
-
-        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
-    except (TypeError, ValueError, IndexError, OverflowError):
-        return None
-
-
 class JudgeCache:
     """Raw answers by key, in a JSONL file appended as answers arrive (a killed run keeps what it was told; a torn
     last line is skipped). `rank`: with several processes, each appends to a file of its own (NAME.rankR.jsonl beside
@@ -249,12 +139,15 @@ class JudgeCache:
         self.path = path if rank is None else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
         self.answers: dict[str, str] = {}
         for file in sorted({path, *path.parent.glob(f"{path.stem}.rank*{path.suffix}")}):
-            for line in file.read_text(encoding="utf-8").splitlines() if file.is_file() else ():
-                try:
-                    row = json.loads(line)
-                    self.answers[row["key"]] = row["answer"]
-                except (json.JSONDecodeError, KeyError, TypeError):
+            for line in file.read_bytes().split(b"\n") if file.is_file() else ():
+                try:  # a damaged line (torn, bytes that are not UTF-8, an answer that is not text) is asked again
+                    row = json.loads(line.decode("utf-8"))
+                    if isinstance(row["key"], str) and isinstance(row["answer"], str):
+                        self.answers[row["key"]] = row["answer"]
+                except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
                     continue
+        self._torn = self.path.is_file() and self.path.stat().st_size > 0 and not \
+            self.path.read_bytes().endswith(b"\n")  # a killed append: the next one starts on a line of its own
         self._lock = threading.Lock()
 
     def put(self, items: dict[str, str]) -> None:
@@ -262,6 +155,9 @@ class JudgeCache:
             self.answers.update(items)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a", encoding="utf-8") as fh:
+                if self._torn:
+                    fh.write("\n")
+                    self._torn = False
                 fh.writelines(json.dumps({"key": k, "answer": v}) + "\n" for k, v in items.items())
                 fh.flush()
 

@@ -1,0 +1,177 @@
+"""An OpenAI-compatible chat-completions endpoint as a pairwise judge's backend (align/judges/pairwise.py): temperature
+0, bounded concurrency, every request bounded in all (connecting, the status line and headers, the body) by `timeout`
+and the judging by `deadline`, retries with exponential backoff on timeouts, 429 (its Retry-After) and 5xx; the API
+key is read from the named environment variable when a request is made, sent to no other address (no redirect is
+followed), and never logged or written."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from align.config.settings import header_value_problem, no_redirects, redirected, without_key
+
+
+class EndpointError(OSError):
+    """The endpoint failed a request after its retries, or refused it; the message names the URL and the cause (an
+    I/O failure: the stage ends with it as its error, exit code 2, no traceback)."""
+
+
+class EndpointBackend:
+    """An OpenAI-compatible chat-completions endpoint."""
+
+    name = "endpoint"
+
+    def __init__(self, base_url: str, model: str, key_env: str | None, max_new_tokens: int, timeout: float,
+                 retries: int, max_concurrency: int, max_retry_wait: float = 60.0, deadline: float = 3600.0):
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.model, self.key_env, self.max_new_tokens = model, key_env, max_new_tokens
+        self.timeout, self.retries, self.max_concurrency = timeout, retries, max_concurrency
+        self.max_retry_wait, self.deadline = max_retry_wait, deadline
+        self.stop_at = float("inf")  # set per `answers` call: the judging's deadline
+        self.requests = 0
+        self._lock = threading.Lock()
+        problem = header_value_problem(key_env) if key_env else None
+        if problem:
+            raise EndpointError(f"{self.url}: key_env: {problem}")
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self.key_env:  # read now, used in this request only
+            headers["Authorization"] = f"Bearer {os.environ.get(self.key_env, '')}"
+        return headers
+
+    def _read(self, req) -> bytes:
+        """The answer's body, within `timeout` seconds in all (and within the judging's deadline): the socket timeout
+        bounds each wait, the body is read in pieces against the request's deadline, and a watchdog shuts the
+        connection when it passes, so a server that trickles its status line or headers cannot hold a request
+        either (urllib reads those inside `open`, where the socket timeout restarts with every byte)."""
+        limit = max(0.0, min(self.timeout, self.stop_at - time.monotonic()))
+        deadline = time.monotonic() + limit
+        late = TimeoutError(f"the answer took longer than timeout={self.timeout:g} s to arrive")
+        conns: list[http.client.HTTPConnection] = []
+        watchdog = threading.Timer(limit, _shut, (conns,))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            with no_redirects(*_watched(conns)).open(req, timeout=max(limit, 0.01)) as resp:
+                chunks = []
+                while True:
+                    if time.monotonic() > deadline:
+                        raise late
+                    chunk = resp.read1(1 << 16) if hasattr(resp, "read1") else resp.read(1 << 16)
+                    if not chunk:
+                        body = b"".join(chunks)
+                        if resp.length:  # Content-Length not met: the answer was cut off, not malformed
+                            raise http.client.IncompleteRead(body, resp.length)
+                        return body
+                    chunks.append(chunk)
+        except urllib.error.HTTPError:
+            raise
+        except (OSError, http.client.HTTPException):
+            if time.monotonic() >= deadline:  # the watchdog shut it
+                raise late from None
+            raise
+        finally:
+            watchdog.cancel()
+
+    def ask(self, text: str) -> str:
+        body = json.dumps({"model": self.model, "messages": [{"role": "user", "content": text}],
+                           "max_tokens": self.max_new_tokens, "temperature": 0}).encode()
+        last, wait, limited = "", 0.0, 0
+        for attempt in range(self.retries + 1):
+            if attempt:  # never past the judging's deadline, however long Retry-After asks
+                time.sleep(max(0.0, min(wait or min(0.5 * 2 ** (attempt - 1), 8.0), self.stop_at - time.monotonic())))
+            if time.monotonic() > self.stop_at:
+                raise EndpointError(f"{self.url}: the judging took longer than deadline={self.deadline:g} s (last: "
+                                    f"{last or 'no answer yet'}); raise the judge's deadline, or lower max_prompts")
+            req = urllib.request.Request(self.url, data=body, headers=self._headers(), method="POST")
+            with self._lock:
+                self.requests += 1
+            wait, answer = 0.0, None
+            try:
+                answer = json.loads(self._read(req).decode("utf-8"))
+                return str(answer["choices"][0]["message"]["content"] or "")
+            except urllib.error.HTTPError as exc:
+                last = f"HTTP {exc.code}"
+                if moved := redirected(exc):
+                    raise EndpointError(f"{self.url}: {moved}") from None
+                if exc.code not in (408, 429) and exc.code < 500:  # the request itself is wrong: retrying will not help
+                    raise EndpointError(f"{self.url} refused the request ({last}"
+                                        + (": check the key in " + self.key_env if exc.code in (401, 403)
+                                           and self.key_env else "") + f"; model '{self.model}')") from None
+                limited += exc.code == 429
+                wait = min(retry_after(exc.headers.get("Retry-After") if exc.headers else None) or 0.0,
+                           self.max_retry_wait)
+            except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as exc:  # the last: an
+                # answer cut off mid-body (IncompleteRead) or a garbled status line, as a transient fault is retried
+                last = without_key(f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}",
+                                   os.environ.get(self.key_env or "", ""))
+            except (ValueError, KeyError, IndexError, TypeError) as exc:
+                last = f"an answer that is not a chat completion ({type(exc).__name__}{_server_error(answer)})"
+        if limited:
+            raise EndpointError(f"{self.url}: rate limited (HTTP 429 to {limited} of {self.retries + 1} attempts, each "
+                                f"retried after the server's Retry-After, at most max_retry_wait={self.max_retry_wait:g} "
+                                "s); lower max_concurrency, or raise retries / max_retry_wait")
+        raise EndpointError(f"{self.url}: no answer after {self.retries + 1} attempts (last: {last}); check that the "
+                            "server is up, or raise timeout / retries")
+
+    def answers(self, texts: list[str]) -> list[str]:
+        if self.stop_at == float("inf"):
+            self.stop_at = time.monotonic() + self.deadline
+        with ThreadPoolExecutor(max_workers=self.max_concurrency) as pool:
+            return list(pool.map(self.ask, texts))
+
+
+def _watched(conns: list) -> tuple:
+    """urllib's HTTP and HTTPS handlers, each connection they open kept in `conns` for the watchdog."""
+    class Kept:
+        def do_open(self, http_class, req, **kwargs):
+            def made(*args, **kw):
+                conns.append(conn := http_class(*args, **kw))
+                return conn
+            return super().do_open(made, req, **kwargs)
+
+    return (type("KeptHTTP", (Kept, urllib.request.HTTPHandler), {})(),
+            type("KeptHTTPS", (Kept, urllib.request.HTTPSHandler), {})())
+
+
+def _shut(conns: list) -> None:
+    """Shut the connections' sockets: a read blocked on one returns at once."""
+    for conn in conns:
+        if getattr(conn, "sock", None) is not None:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def _server_error(answer: Any) -> str:
+    """The server's own message when its answer is an OpenAI-style error object (`{"error": {"message": ...}}`)."""
+    error = answer.get("error") if isinstance(answer, dict) else None
+    message = error.get("message") if isinstance(error, dict) else error
+    return f": the server says {str(message)[:200]!r}" if message else ""
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds a Retry-After header asks for (delta-seconds or an HTTP date; RFC 9110 sec. 10.2.3), None if absent or
+    unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        from email.utils import parsedate_to_datetime
+
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
