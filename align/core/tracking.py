@@ -77,6 +77,16 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def json_ready(value: Any) -> Any:
+    """`value` with every non-finite float inside it (dicts, lists) as a string ("nan", "inf"), as metrics.jsonl
+    writes them: JSON has no NaN, and a file with a bare NaN is refused by every reader but Python's."""
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    return _clean(value)
+
+
 class Tracker:
     """Writes metrics.jsonl and mirrors to W&B. Construct on every rank; only the main process writes."""
 

@@ -9,17 +9,18 @@ from pathlib import Path
 from typing import Any
 
 from align.config.evaluate import EvaluateStage
+from align.core.tracking import json_ready
 from align.report import frontier, plots, seeds
 
 
 def write_report(out: Path, cfg: EvaluateStage, metrics: dict[str, Any], prompts: list[str],
                  samples: dict[str, dict[str, Any]], groups: list, verdicts: dict, buckets: list) -> None:
     """report/: metrics.json, the plots, report.md and samples.jsonl (every prompt, every policy's response)."""
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    (out / "metrics.json").write_text(json.dumps(json_ready(metrics), indent=2, sort_keys=True, allow_nan=False) + "\n")
     judge_names = all_judges(cfg)
     for j in judge_names:
         plots.reward_vs_kl(metrics, cfg.policies, j, cfg.reference, out / f"reward_vs_kl_{j}.png")
-    if len(cfg.policies) > 1:
+    if len(cfg.policies) > 1 and judge_names:
         plots.win_rates(metrics, cfg.policies, judge_names, cfg.baseline, out / "win_rates.png")
         for j in judge_names:
             plots.frontier(metrics, groups, j, cfg.reference, cfg.baseline, out / f"frontier_{j}.png")
@@ -32,7 +33,7 @@ def write_report(out: Path, cfg: EvaluateStage, metrics: dict[str, Any], prompts
                                        **{j: sc[i] for j, sc in s["scores"].items()},
                                        **{j: by[n][i] for j, by in verdicts.items() if i < len(by.get(n, []))}}
                                    for n, s in samples.items()}}
-            fh.write(json.dumps(row) + "\n")
+            fh.write(json.dumps(json_ready(row), allow_nan=False) + "\n")
 
 
 def all_judges(cfg: EvaluateStage) -> list[str]:
@@ -44,10 +45,8 @@ def headline(cfg: EvaluateStage, m: dict[str, Any], groups: list[frontier.Group]
     """The report's first tables: every policy's judge means, KL, perplexity and win rates; each pairwise judge's
     verdicts; and, when stages were swept over seeds, their mean and spread (align/report/seeds.py)."""
     judges = all_judges(cfg)
-    lines = [f"| policy | {' | '.join(f'{j} mean' for j in judges)} | KL to {cfg.reference} | "
-             f"perplexity under {cfg.reference} | "
-             + " | ".join(f"{j} win rate vs {cfg.baseline} [95% CI]" for j in judges) + " |",
-             "|" + "---|" * (3 + 2 * len(judges))]
+    lines = _header(["policy", *(f"{j} mean" for j in judges), f"KL to {cfg.reference}",
+                     f"perplexity under {cfg.reference}", *(f"{j} win rate vs {cfg.baseline} [95% CI]" for j in judges)])
     for p in cfg.policies:
         cells = ([f"{m[f'eval/{p}/{j}/mean']:.3f}" for j in judges] + [f"{m[f'eval/{p}/kl']:.2f}"]
                  + [f"{m.get(f'eval/{p}/ref_perplexity', float('nan')):.2f}"])
@@ -80,11 +79,16 @@ def headline(cfg: EvaluateStage, m: dict[str, Any], groups: list[frontier.Group]
         f"; {name}: the first {n} of them, each pair judged in both orders" for name, n in judged.items())
 
 
+def _header(cells: list[str]) -> list[str]:
+    """A markdown table's header and separator lines, one cell each."""
+    return ["| " + " | ".join(cells) + " |", "|" + "---|" * len(cells)]
+
+
 def render_report(cfg: EvaluateStage, m: dict[str, Any], prompts: list[str], samples: dict[str, Any],
                   groups: list[frontier.Group]) -> str:
     out = ["# Evaluation report", "", headline(cfg, m, groups), ""]
     judges = all_judges(cfg)
-    if len(cfg.policies) > 1:
+    if len(cfg.policies) > 1 and judges:
         out += ["## Reward–KL frontier", "",
                 "Policies grouped by the stage they come from (every variant of a sweep is one curve), in order of "
                 "KL to the reference. A point is Pareto-optimal when no other policy here has at most its KL and at "
@@ -92,15 +96,15 @@ def render_report(cfg: EvaluateStage, m: dict[str, Any], prompts: list[str], sam
         for j in judges:
             out += [f"### {j}", "", *frontier.frontier_table(m, groups, j, cfg.baseline), "",
                     frontier.dominance_summary(m, groups, j), "", f"![frontier {j}](frontier_{j}.png)", ""]
-    out += ["## Length and reward", "", "| policy | mean response length [tokens] | "
-            + " | ".join(f"corr({j}, length)" for j in judges) + " |", "|" + "---|" * (2 + len(judges))]
+    out += ["## Length and reward", "",
+            *_header(["policy", "mean response length [tokens]", *(f"corr({j}, length)" for j in judges)])]
     for p in cfg.policies:
-        out.append(f"| {p} | {m[f'eval/{p}/response_length']:.1f} | "
-                   + " | ".join(f"{m.get(f'eval/{p}/{j}/length_corr', float('nan')):.3f}" for j in judges) + " |")
+        out.append("| " + " | ".join([p, f"{m[f'eval/{p}/response_length']:.1f}", *(
+            f"{m.get(f'eval/{p}/{j}/length_corr', float('nan')):.3f}" for j in judges)]) + " |")
     out += ["", "A strong positive correlation of the reward model's score with length, without the same in the "
             "gold judge, is a sign of reward hacking.", ""]
     out += [f"![reward vs KL](reward_vs_kl_{j}.png)" for j in judges]
-    if len(cfg.policies) > 1:
+    if len(cfg.policies) > 1 and judges:
         out.append("![win rates](win_rates.png)")
     out.append("")
     if "eval/reward_model/accuracy" in m:
@@ -118,6 +122,6 @@ def render_report(cfg: EvaluateStage, m: dict[str, Any], prompts: list[str], sam
         out.append(f"**{prompts[i]}**")
         for name, s in samples.items():
             scores = ", ".join(f"{j} {sc[i]:.2f}" for j, sc in s["scores"].items())
-            out.append(f"- {name}: {s['responses'][i]!r} ({scores})")
+            out.append(f"- {name}: {s['responses'][i]!r}" + (f" ({scores})" if scores else ""))
         out.append("")
     return "\n".join(out)

@@ -7,6 +7,7 @@ Pure functions over evaluate's metrics dict (align/stages/evaluate.py) and its g
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -40,8 +41,8 @@ def aggregate(m: dict[str, Any], group: Group, judges: list[str], pairwise: list
     for j in [*judges, *pairwise]:
         for stat in ("mean", "win_rate"):
             vals = [m.get(f"eval/{p}/{j}/{stat}") for p in ps]
-            if None in vals:
-                continue
+            if any(v is None or not math.isfinite(v) for v in vals):  # a seed without one (NaN: no valid verdict)
+                continue  # is no spread: the row shows '-' and each seed's own row says why
             out.update({f"{key}/{j}/{stat}/{k}": v for k, v in spread(vals).items()})
             if stat == "win_rate":
                 out[f"{key}/{j}/win_rate/ci_low_min"] = min(m[f"eval/{p}/{j}/win_rate_ci"][0] for p in ps)

@@ -60,12 +60,19 @@ def length_controlled_win_rate(values: list[float], length_diff: list[float], ri
     AlpacaEval", eq. 2 without the instruction term): judges prefer longer answers, and a policy that wins by
     writing more shows a lower rate here. Fitted by Newton's method on the Bernoulli log-likelihood (fractional
     targets for ties) with a small L2 penalty on (a, b), so a perfectly separated sample still has a finite fit.
-    With no length difference at all, it is the plain win rate."""
+    With no length difference at all, it is the plain win rate. NaN where the data cannot tell length from the
+    policy: every pair differs in length by the same amount (the length term and the intercept are one column), or
+    the outcomes are all wins (or all losses) with the policy always longer (or always shorter): equal length is
+    then outside the data and any sigmoid(a) fits it, the penalty alone would choose one."""
     y = np.asarray(values, dtype=float)
     d = np.asarray(length_diff, dtype=float)
     if len(y) == 0:
         return float("nan")
     sd = d.std()
+    if sd == 0 and d.any():
+        return float("nan")
+    if (np.all(y == 1) or np.all(y == 0)) and (np.all(d > 0) or np.all(d < 0)):
+        return float("nan")
     x = d / sd if sd > 0 else np.zeros_like(d)  # not centred: x = 0 is equal length
     X = np.stack([np.ones_like(x), x], axis=1)
     w = np.zeros(2)

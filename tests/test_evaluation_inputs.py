@@ -1,0 +1,90 @@
+"""Hostile evaluation inputs (a probe of the judges and the report, 2026-11-29): a seed sweep whose pairwise win rate is
+NaN crashed evaluate after all its sampling; metrics.json held bare NaN (no JSON reader but Python's takes it); a
+report without pointwise judges had tables whose rows and headers disagreed; a pairwise judge named `response`
+replaced the policy's text in samples.jsonl; a pairwise judge with only the baseline completed judging nothing; the
+length-controlled win rate reported the penalty's choice where the data could not tell length from the policy."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from align.report import frontier, seeds
+
+SEED = 20261129
+
+
+def test_a_seed_without_a_pairwise_win_rate_leaves_the_spread_out_instead_of_crashing():
+    policies = ["sft", "ppo-seed_1", "ppo-seed_2", "ppo-seed_3"]
+    variants = {p: {"stage": "ppo", "values": {"seed": int(p[-1])}} for p in policies[1:]}
+    (ppo,) = seeds.seed_sweeps(frontier.group_policies(policies, variants, {p: p.split("-")[0] for p in policies}))
+    m = {}
+    for p, kl, w in zip(policies[1:], (4.0, 5.0, 6.0), (0.3, float("nan"), 0.6)):
+        m.update({f"eval/{p}/kl": kl, f"eval/{p}/ep/win_rate": w, f"eval/{p}/ep/win_rate_ci": [w - 0.1, w + 0.1]})
+    agg = seeds.aggregate(m, ppo, [], ["ep"])  # statistics.stdev on a NaN raised AttributeError: 'numerator'
+    assert agg["eval/ppo/seeds/kl/mean"] == 5.0 and not any("/ep/" in k for k in agg)
+
+
+def test_the_length_controlled_win_rate_is_nan_where_length_and_policy_cannot_be_told_apart():
+    from align.report.stats import length_controlled_win_rate as lc
+
+    assert math.isnan(lc([1] * 19 + [0], [5] * 20))  # a constant gap: was 0.95, the plain win rate
+    for ridge in (1e-1, 1e-3, 1e-6):  # all wins, always longer: was 0.548 / 0.591 / 0.662 by the penalty alone
+        assert math.isnan(lc([1, 1, 1, 1], [5, 6, 7, 8], ridge=ridge))
+    assert lc([1, 1, 0, 0.5], [0, 0, 0, 0]) == pytest.approx(0.625, abs=1e-3)  # no gap at all: the plain rate
+    assert 0 < lc([1, 1, 0, 1, 0], [3, -1, 2, 0, -2]) < 1  # length varies, outcomes too: a fit
+
+
+def _cfg(**kw):
+    from align.config.evaluate import EvaluateStage
+    from align.config.settings import PairwiseJudge
+
+    base = dict(policies=["sft", "dpo"], reference="sft", baseline="sft", prompts="x.yaml", judges=[], reward=None,
+                pairwise=[PairwiseJudge(name="ep", model="m", base_url="http://127.0.0.1:9/v1")])
+    return EvaluateStage(**{**base, **kw})
+
+
+def _metrics():
+    m = {"eval/prompts": 2}
+    for p in ("sft", "dpo"):
+        m.update({f"eval/{p}/kl": 0.5, f"eval/{p}/ref_perplexity": 3.0, f"eval/{p}/response_length": 7.0})
+    key = "eval/dpo/ep"
+    m.update({f"{key}/win_rate": float("nan"), f"{key}/win_rate_ci": [float("nan"), float("nan")],
+              f"{key}/lc_win_rate": float("nan"), f"{key}/tie_rate": 0.0, f"{key}/consistency": float("nan"),
+              f"{key}/invalid_rate": 1.0, f"{key}/pairs": 2})
+    return m
+
+
+def test_a_report_without_pointwise_judges_has_whole_tables_and_json_without_nan(tmp_path):
+    from align.report.markdown import headline, render_report, write_report
+
+    cfg, m = _cfg(), _metrics()
+    samples = {p: {"responses": ["r0", "r1"], "kl": [0.1, float("nan")], "scores": {}} for p in cfg.policies}
+    text = render_report(cfg, m, ["p0", "p1"], samples, [])
+    for table in (headline(cfg, m).split("\n\n")[0], text.split("## Length and reward")[1].split("\n\n")[1]):
+        widths = {line.count("|") for line in table.splitlines() if line.startswith("|")}
+        assert len(widths) == 1, table  # header, separator and rows: one cell count
+    assert "Reward–KL frontier" not in text and "- sft: 'r0'\n" in text + "\n"
+    write_report(tmp_path, cfg, m, ["p0", "p1"], samples, [], {}, [])
+    def refuse(constant):  # what JSON.parse and every non-Python reader refuse
+        pytest.fail(f"bare {constant} written")
+
+    for line in (tmp_path / "samples.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=refuse)
+    stored = json.loads((tmp_path / "metrics.json").read_text(), parse_constant=refuse)
+    assert stored["eval/dpo/ep/win_rate"] == "nan" and not (tmp_path / "win_rates.png").exists()
+
+
+def test_pairwise_judges_that_would_hide_a_sample_or_judge_nothing_are_refused():
+    from align.config.settings import PairwiseJudge
+
+    ctx = type("Ctx", (), {"pipeline": type("P", (), {"stages": {}})(), "base_dir": None,
+                           "check_judge": lambda *a: None})()
+    for name in ("response", "kl"):
+        with pytest.raises(ValueError, match=rf"pairwise\[0\].name: '{name}' is taken .* a sample's own fields"):
+            _cfg(pairwise=[PairwiseJudge(name=name, model="m", base_url="http://127.0.0.1:9/v1")]).check(ctx)
+    with pytest.raises(ValueError, match=r"pairwise: each policy is judged against the baseline 'sft', and policies "
+                                         r"lists no other"):
+        _cfg(policies=["sft"]).check(ctx)
