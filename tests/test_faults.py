@@ -42,6 +42,7 @@ def short(prompts, responses): return [1.0] * (len(responses) - 1)
 def words(prompts, responses): return ["great" for _ in responses]
 def nan(prompts, responses): return [math.nan if i == 2 else 1.0 for i, _ in enumerate(responses)]
 def scalar(prompts, responses): return 3.0
+def huge(prompts, responses): return [1e308 if i == 1 else 1.0 for i, _ in enumerate(responses)]
 def numpy_scores(prompts, responses):
     import numpy
     return [numpy.float32(len(r)) for r in responses]
@@ -54,7 +55,9 @@ def numpy_scores(prompts, responses):
     ("words", "judge 'userjudges:words' returned 'great' (str) for response 0; every score must be a number"),
     ("nan", "judge 'userjudges:nan' returned nan for response 2 ('ccc'); every score must be a finite number"),
     ("scalar", "judge 'userjudges:scalar' returned a float; it must return a list of 4 numbers"),
-], ids=["raises", "short", "words", "nan", "scalar"])
+    ("huge", "judge 'userjudges:huge' returned 1e+308 for response 1 ('bb'); every score must be a finite number "
+             "within float32's range"),  # it was inf once a float32 tensor, and the error blamed a reward model
+], ids=["raises", "short", "words", "nan", "scalar", "huge"])
 def test_a_faulty_user_judge_is_named_with_its_fault(tmp_path, monkeypatch, name, message):
     from align.judges import JudgeFault, python_judge
 

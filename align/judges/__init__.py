@@ -75,6 +75,9 @@ class JudgeFault(ValueError):
     """A judge that raised, or returned something other than one finite number per response."""
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # a larger score is inf once rewards become float32 tensors
+
+
 class CheckedJudge:
     """A user's judge, called as any judge is, with what it returns checked: one real, finite number per
     response. A fault names the judge and what it did, instead of surfacing later as a NaN loss or a tensor
@@ -103,10 +106,11 @@ class CheckedJudge:
         if bad:
             raise JudgeFault(f"judge '{self.name}' returned {bad[1]!r} ({type(bad[1]).__name__}) for response "
                              f"{bad[0]}; every score must be a number")
-        bad = next(((i, s) for i, s in enumerate(scores) if not math.isfinite(s)), None)
+        bad = next(((i, s) for i, s in enumerate(scores) if not math.isfinite(s) or abs(s) > FLOAT32_MAX), None)
         if bad:
             raise JudgeFault(f"judge '{self.name}' returned {bad[1]} for response {bad[0]} "
-                             f"({responses[bad[0]][:60]!r}); every score must be a finite number")
+                             f"({responses[bad[0]][:60]!r}); every score must be a finite number within float32's "
+                             f"range (±{FLOAT32_MAX:.3g}), in which rewards are computed")
         return [float(s) for s in scores]
 
 
