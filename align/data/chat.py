@@ -294,29 +294,26 @@ def special_texts(tokenizer) -> list[str]:
     return sorted((t for t in found if t), key=len, reverse=True)
 
 
-def _strings(value: Any) -> Iterator[str]:
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _strings(v)
-    elif isinstance(value, list):
-        for v in value:
-            yield from _strings(v)
+def _contents(row: dict[str, Any]) -> Iterator[str]:
+    """The messages' content of a conversational row (prompt, replies, messages)."""
+    for value in row.values():
+        if isinstance(value, list):
+            yield from (m["content"] for m in value if isinstance(m, dict) and isinstance(m.get("content"), str))
 
 
 def holding_special_text(rows: list[dict[str, Any]], tokenizer) -> list[tuple[int, str]]:
-    """(position, token text) of the rows (before the chat template) whose text holds a special token's text: the
-    tokenizer reads it as the token, so an `<|im_end|>` a reply mentions ends the reply there (the reward model, DPO
-    and PPO read it cut; SFT trains an end of turn mid-reply), and a user turn holding `<|im_start|>assistant` opens
-    a turn the data never had."""
+    """(position, token text) of the conversational rows (before the chat template) whose messages hold a special
+    token's text: the tokenizer reads it as the token, so an `<|im_end|>` a reply mentions ends the reply there (the
+    reward model, DPO and PPO read it cut; SFT trains an end of turn mid-reply), and a user turn holding
+    `<|im_start|>assistant` opens a turn the data never had. Text rows are the user's own rendering, where such tokens
+    may be meant (a prompt written in the template already): they are left as they are."""
     texts = special_texts(tokenizer)
     if not texts or not rows:
         return []
     pattern = re.compile("|".join(map(re.escape, texts)))
     found = []
     for i, row in enumerate(rows):
-        hit = next((m.group() for text in _strings(row) if (m := pattern.search(text))), None)
+        hit = next((m.group() for text in _contents(row) if (m := pattern.search(text))), None)
         if hit is not None:
             found.append((i, hit))
     return found
@@ -329,7 +326,7 @@ def special_text_problem(rows: list[dict[str, Any]], found: list[tuple[int, str]
         return None
     tokens = ", ".join(f"{t!r} ({n})" for t, n in Counter(t for _, t in found).most_common(3))
     more = f" and {len(found) - 5} more" if len(found) > 5 else ""
-    return (f"{where}: {len(found)} of {len(rows)} rows hold the text of the tokenizer's special tokens {tokens}, "
+    return (f"{where}: {len(found)} of {len(rows)} conversations hold the text of the tokenizer's special tokens {tokens}, "
             f"which it reads as the tokens themselves (a reply would end, or a turn begin, where the data only "
             f"mentions one): rows {', '.join(str(i) for i, _ in found[:5])}{more} of the split. Remove or rewrite "
             f"them (up to {MAX_SPECIAL_TEXT:.0%} of a split is dropped and counted instead)")
