@@ -77,7 +77,7 @@ def test_a_report_without_pointwise_judges_has_whole_tables_and_json_without_nan
     assert stored["eval/dpo/ep/win_rate"] == "nan" and not (tmp_path / "win_rates.png").exists()
 
 
-def test_pairwise_judges_that_would_hide_a_sample_or_judge_nothing_are_refused():
+def test_pairwise_judges_that_would_hide_a_sample_or_judge_nothing_are_refused(monkeypatch):
     from align.config.settings import PairwiseJudge
 
     ctx = type("Ctx", (), {"pipeline": type("P", (), {"stages": {}})(), "base_dir": None,
@@ -85,6 +85,7 @@ def test_pairwise_judges_that_would_hide_a_sample_or_judge_nothing_are_refused()
     for name in ("response", "kl"):
         with pytest.raises(ValueError, match=rf"pairwise\[0\].name: '{name}' is taken .* a sample's own fields"):
             _cfg(pairwise=[PairwiseJudge(name=name, model="m", base_url="http://127.0.0.1:9/v1")]).check(ctx)
+    monkeypatch.setattr(PairwiseJudge, "check", lambda self, where, base: None)  # its endpoint probe: not the rule here
     with pytest.raises(ValueError, match=r"pairwise: each policy is judged against the baseline 'sft', and policies "
                                          r"lists no other"):
         _cfg(policies=["sft"]).check(ctx)

@@ -70,10 +70,6 @@ class EvaluateStage(StageBase):
                 raise ValueError(f"judges: '{j}' is a stage; a reward stage goes in `reward:`, `judges:` lists "
                                  "Python judges (vader, or your own module:function)")
             ctx.check_judge("judges", j)
-        if self.pairwise and self.policies == [self.baseline]:
-            raise ValueError(f"pairwise: each policy is judged against the baseline '{self.baseline}', and policies "
-                             f"lists no other, so nothing would be judged; add the policies to compare, or remove "
-                             "pairwise")
         names = [*self.judges, "reward_model"]
         for i, judge in enumerate(self.pairwise):
             if judge.name in names or judge.name in ("response", "kl"):  # a sample's own fields in samples.jsonl
@@ -81,6 +77,10 @@ class EvaluateStage(StageBase):
                                  "a sample's own fields (response, kl); name each judge once, and otherwise")
             names.append(judge.name)
             judge.check(f"pairwise[{i}]", ctx.base_dir)
+        if self.pairwise and self.policies == [self.baseline]:
+            raise ValueError(f"pairwise: each policy is judged against the baseline '{self.baseline}', and policies "
+                             f"lists no other, so nothing would be judged; add the policies to compare, or remove "
+                             "pairwise")
 
     def relative_files(self) -> dict[str, str]:
         return {f"pairwise.{i}.template": j.template for i, j in enumerate(self.pairwise) if j.template}

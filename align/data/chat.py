@@ -28,8 +28,9 @@ GENERATION_TAG = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")
 
 
 def has_generation_markers(text: str) -> bool:
-    """Whether the template marks assistant tokens with `{% generation %}` (one of the masking modes)."""
-    return GENERATION_TAG.search(text) is not None
+    """Whether the template marks assistant tokens with `{% generation %}` (one of the masking modes); a marker in a
+    Jinja comment marks nothing."""
+    return GENERATION_TAG.search(re.sub(r"\{#.*?#\}", "", text, flags=re.S)) is not None
 
 
 def _apply(tokenizer, messages, **kwargs):
@@ -49,6 +50,26 @@ def _adds_bos(tokenizer) -> bool:
     bos = tokenizer.bos_token_id
     ids = tokenizer("a")["input_ids"]
     return bos is not None and len(ids) > 1 and ids[0] == bos
+
+
+def encoding_problem(tokenizer) -> str | None:
+    """Why this tokenizer cannot take align's rendered text (None: it can): every stage encodes text with
+    `tokenizer(text)`, so the EOS (end-of-turn) token's text must encode to its id, and encoding must append nothing
+    after the text, or the model would be trained on a spelled-out end of turn it can never emit, or every prompt
+    would end in a stop token."""
+    eos = tokenizer.eos_token
+    if eos is not None and tokenizer(eos, add_special_tokens=False)["input_ids"] != [tokenizer.eos_token_id]:
+        return (f"encodes its EOS text {eos!r} as {tokenizer(eos, add_special_tokens=False)['input_ids']}, not "
+                f"as its id {tokenizer.eos_token_id} (split_special_tokens: true in tokenizer_config.json?): "
+                "replies would be trained to end in that text, never in the token that stops generation; set "
+                "split_special_tokens: false and save the tokenizer again")
+    plain, full = (tokenizer("a", add_special_tokens=flag)["input_ids"] for flag in (False, True))
+    if plain and len(full) > len(plain) and full[-1] != plain[-1]:
+        return (f"appends {tokenizer.convert_ids_to_tokens(full[-1:])} to every text it encodes (add_eos_token: "
+                "true in tokenizer_config.json, or a post-processor that adds it): every prompt would end in a "
+                "stop token and every SFT example carry one mid-conversation; set add_eos_token: false (or remove "
+                "the post-processor's trailing token) and save the tokenizer again")
+    return None
 
 
 def render_prompt(tokenizer, messages: list[dict[str, str]]) -> str:
@@ -126,7 +147,12 @@ def prefix_segments(tokenizer, template, messages: list[dict[str, str]]) -> list
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = render(messages[:i], True) if i else ""
+        if i == 0:  # what the template writes before any turn (a default system turn, a BOS, a date header) would be
+            # read as the reply: transformers renders no empty conversation to tell it apart
+            raise TemplateError(f"chat template {name}: turn 0 is the assistant's, and prefix masking reads a reply as "
+                                "what the template adds after the turns before it, of which there are none; start "
+                                "the conversation with a user or system turn, or " + fix)
+        before = render(messages[:i], True)
         if not before.startswith(done):
             raise TemplateError(f"chat template {name}: turn {i} (assistant): rendering the conversation up to it "
                                 "rewrites an earlier turn's text, so no token mask fits every turn; " + fix)

@@ -55,8 +55,8 @@ def run(source: str, verbose: bool = True, tokenizer: dict[str, Any] | None = No
         if install_template and planned is not None:
             try:
                 templates.install(tok, planned)
-            except ModelError as exc:
-                raise CheckError(f"{source}: tokenizer: {exc}") from None
+            except (ModelError, FormatError) as exc:  # FormatError: the template renders no prompt then reply
+                raise CheckError(f"{source}: chat_template ({planned.source}): {exc}") from None
             problem = templates.prompt_boundary_problem(tok)
             if problem and verbose:
                 print(f"  warning: chat template: {problem}")
@@ -157,6 +157,10 @@ def show_example(tokenizer, template, source: str, verbose: bool, where: str, la
         try:
             for i, r in enumerate(rows):
                 example = sft_example(tokenizer, template, r["messages"])
+                if 1 not in example["assistant_masks"]:  # a marker under a branch no row takes, or in a comment
+                    raise TemplateError(f"chat template {template.source if template else 'of the tokenizer'}: no "
+                                        "token of this conversation is trained: its {% generation %} markers never "
+                                        "enclose a reply here; fix the markers, or remove them for prefix masking")
                 if i == 0:
                     spans = trained_text(tokenizer, example)
                     shown = (f"trains on {len(spans)} span(s), {sum(example['assistant_masks'])} of "

@@ -21,6 +21,7 @@ import torch
 
 from align.core import gguf
 from align.core.errors import ModelError
+from align.data.chat import encoding_problem
 
 if TYPE_CHECKING:  # annotations only
     from align.config import BuiltinModel
@@ -87,6 +88,9 @@ def prepare_tokenizer(tok):
                              "tokens({'pad_token': '<|pad|>'})) and save it with the model")
         tok.pad_token = tok.eos_token
         log.warning("tokenizer has no pad token: using EOS (%r) as pad", tok.eos_token)
+    problem = encoding_problem(tok)
+    if problem:
+        raise ModelError(f"the tokenizer {problem}")
     return tok
 
 

@@ -117,9 +117,11 @@ def tokenized(ctx: StageContext, rows: list[dict[str, Any]], tokenizer, split: s
                        sft_example(tokenizer, ctx.chat_template, row["messages"]))
         except TemplateError as exc:
             raise StageError(f"stage '{ctx.name}': split '{split}' row {i}: {exc}") from None
-    if not any(1 in ex["assistant_masks"] for ex in out):
-        raise StageError(f"stage '{ctx.name}': no assistant token to train on in split '{split}' (chat template "
-                         f"{ctx.chat_template.source})")
+    blank = next((i for i, ex in enumerate(out) if 1 not in ex["assistant_masks"]), None)
+    if blank is not None:  # every assistant turn trains its end-of-turn token at least: the masking never fired
+        raise StageError(f"stage '{ctx.name}': split '{split}' row {blank}: no assistant token to train on (chat "
+                         f"template {ctx.chat_template.source}: its {{% generation %}} markers never enclose this "
+                         "conversation's replies); fix the template's markers")
     return Dataset.from_list(out)
 
 

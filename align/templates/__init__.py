@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from align.data.chat import GENERATION_TAG, as_text, has_generation_markers
+from align.data.chat import GENERATION_TAG, as_text, encoding_problem, has_generation_markers
 from align.core.errors import ModelError
 from align.core.schema import ConfigError
 
@@ -134,7 +134,7 @@ def resolve(value: str | None, source: str | Path, tokenizer: str | None) -> Cha
         raise ConfigError(f"{where}: file '{value}' not found (looked for {path}); the path is relative to the "
                           "pipeline file")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # an editor's byte-order mark is no text of every prompt
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{where}: {path} cannot be read as UTF-8 text ({type(exc).__name__})") from None
     return _make(f"file:{path}", text, f"{where}: {path}")
@@ -167,9 +167,12 @@ def check_syntax(text: str, where: str) -> None:
     import jinja2  # light, but only needed when a template is checked
 
     try:
-        jinja2.Environment().parse(GENERATION_TAG.sub("", text))
+        jinja2.Environment().parse(GENERATION_TAG.sub(  # as a block, so an unclosed or crossed marker is found
+            lambda m: "{% endif %}" if m.group(1) else "{% if true %}", text))
     except jinja2.TemplateSyntaxError as exc:
-        raise ConfigError(f"{where}: not a valid Jinja template (line {exc.lineno}: {exc.message})") from None
+        hint = (" (each {% generation %} is read as a block, here as an `if`: close it with {% endgeneration %} "
+                "inside the block that opens it)") if GENERATION_TAG.search(text) else ""
+        raise ConfigError(f"{where}: not a valid Jinja template (line {exc.lineno}: {exc.message}){hint}") from None
     if "messages" not in text:
         raise ConfigError(f"{where}: the template never reads `messages`; a chat template renders the "
                           "conversation in `messages` (see align/templates/chatml.jinja)")
@@ -361,6 +364,9 @@ def install(tokenizer, template: ChatTemplate) -> list[str]:
         log.warning("chat template: EOS is now the end-of-turn token %r (was %r): generation stops there and "
                     "reward models score there", eot, tokenizer.eos_token)
         tokenizer.eos_token = eot
+    problem = encoding_problem(tokenizer)  # the end-of-turn token, now EOS, encodes to its id
+    if problem:
+        raise ModelError(f"chat template {template.source}: the tokenizer {problem}")
     problem = prompt_boundary_problem(tokenizer)
     if problem:
         log.warning("chat template: %s", problem)

@@ -1,0 +1,100 @@
+"""Hostile tokenizers and chat templates (a probe, 2026-11-29): each case trained on the wrong tokens without a word,
+or was refused with the wrong fix; each is now refused naming the setting and its fix."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from align import templates
+from align.core.errors import ModelError
+from align.core.schema import ConfigError
+from conftest import REPO
+
+CHAT = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}]
+DEAD_BRANCH = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'bot' %}{% generation %}{{ m.content }}"
+               "<|im_end|>{% endgeneration %}{% else %}{{ m.content }}<|im_end|>{% endif %}\n{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _gpt2(tmp_path, **config):
+    folder = tmp_path / "tok"
+    shutil.copytree(REPO / "tokenizers" / "gpt2", folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, **config}))
+    return folder
+
+
+def test_a_tokenizer_that_spells_out_its_eos_or_appends_a_token_is_refused(tmp_path):
+    """split_special_tokens: true encoded '<|im_end|>' as seven ordinary tokens, so SFT trained replies to end in
+    that text and never in the id that stops generation; a tokenizer that appends EOS put a stop token at the end of
+    every prompt."""
+    from align.data.chat import encoding_problem
+    from align.modeling.models import load_tokenizer
+
+    load_tokenizer(str(_gpt2(tmp_path / "plain")))  # as shipped: fine
+    with pytest.raises(ModelError, match=r"encodes its EOS text '<\|endoftext\|>' as \[.*\], not as its id 50256 "
+                                         r"\(split_special_tokens: true"):
+        load_tokenizer(str(_gpt2(tmp_path / "split", split_special_tokens=True)))
+
+    class Appending:  # what add_eos_token: true or a `$A </s>` post-processor does
+        eos_token, eos_token_id = "</s>", 2
+
+        def __call__(self, text, add_special_tokens=True):
+            ids = [2] if text == "</s>" else [7]
+            return {"input_ids": ids + ([2] if add_special_tokens else [])}
+
+        def convert_ids_to_tokens(self, ids):
+            return ["</s>" if i == 2 else "a" for i in ids]
+
+    assert "appends ['</s>'] to every text it encodes (add_eos_token: true" in encoding_problem(Appending())
+
+
+def _chatml_gpt2(tmp_path):
+    from align.modeling.models import load_tokenizer
+
+    tok = load_tokenizer(str(_gpt2(tmp_path)))
+    templates.install(tok, templates.resolve("chatml", REPO / "pipelines" / "chat.yaml", None))
+    return tok
+
+
+def test_an_assistant_turn_first_is_refused_by_prefix_masking_not_trained_as_the_system_prompt(tmp_path):
+    """Prefix masking took the template's default system turn for turn 0's reply (SmolLM2's), or the BOS and date
+    header (Llama-3.1's), and never trained the reply."""
+    from align.data.chat import TemplateError, prefix_segments
+
+    tok = _chatml_gpt2(tmp_path)
+    first = [{"role": "assistant", "content": "Welcome"}, *CHAT]
+    with pytest.raises(TemplateError, match=r"turn 0 is the assistant's.*start the conversation with a user or system"):
+        prefix_segments(tok, None, first)
+    assert [t for t, trained in prefix_segments(tok, None, CHAT) if trained] == ["Hello!<|im_end|>"]
+
+
+def test_markers_that_never_fire_are_refused_at_validate_and_in_a_comment_mark_nothing(tmp_path):
+    from align.data.chat import has_generation_markers
+    from align.modeling.checks import CheckError, show_example
+
+    assert not has_generation_markers("{# {% generation %}{% endgeneration %} #}{{ messages }}")
+    path = tmp_path / "dead.jinja"
+    path.write_text(DEAD_BRANCH)
+    planned = templates.resolve(str(path), tmp_path / "p.yaml", None)
+    assert planned.masking == "markers"
+    tok = _chatml_gpt2(tmp_path)
+    tok.chat_template = planned.text
+    with pytest.raises(CheckError, match=r"row 0: chat template file:.*dead.jinja: no token of this conversation is "
+                                         r"trained"):
+        show_example(tok, planned, "p.yaml", False, "stages.sft.data", "sft.data", [{"messages": CHAT}],
+                     assistant_turns=True, replies=False)
+
+
+def test_an_unclosed_marker_is_a_syntax_error_and_a_byte_order_mark_no_text(tmp_path):
+    path = tmp_path / "unclosed.jinja"
+    path.write_text("{% for m in messages %}{% generation %}{{ m.content }}{% endfor %}")
+    with pytest.raises(ConfigError, match=r"not a valid Jinja template .*each \{% generation %\} is read as a block"):
+        templates.resolve(str(path), tmp_path / "p.yaml", None)
+    bom = tmp_path / "bom.jinja"
+    bom.write_text("\ufeff" + (REPO / "align" / "templates" / "chatml.jinja").read_text(), encoding="utf-8")
+    text = templates.resolve(str(bom), tmp_path / "p.yaml", None).text
+    assert not text.startswith("\ufeff") and text == (REPO / "align" / "templates" / "chatml.jinja").read_text()
