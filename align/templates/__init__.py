@@ -24,8 +24,10 @@ that stage saved) does three things, each logged:
    tag-shaped text it lacks (`[INST]`, `<think>`) stays ordinary text;
 2. the template becomes the tokenizer's chat template (unless it is the tokenizer's own);
 3. the template's end-of-turn token (the special token right after an assistant's content) becomes the
-   tokenizer's EOS, as Qwen and Llama-3 instruct models ship it: generation stops there, reward models score
-   there, and the EOS that TRL's reward and DPO trainers append is that token.
+   tokenizer's EOS, as Qwen and Llama-3 instruct models ship it: generation stops there, and the EOS that TRL's
+   reward and DPO trainers append is that token. Reward models score there when the pad token is another one;
+   where pad is EOS (SmolLM2, Llama-2, Mistral, GPT-2), transformers' classifier rule (the rightmost token that is
+   not pad) reads the token before it, in training and scoring alike.
 
 No torch here: the runner resolves the setting when it plans.
 """
@@ -362,7 +364,7 @@ def install(tokenizer, template: ChatTemplate) -> list[str]:
                          f"template was planned with end-of-turn {template.end_of_turn!r}")
     if eot != tokenizer.eos_token:
         log.warning("chat template: EOS is now the end-of-turn token %r (was %r): generation stops there and "
-                    "reward models score there", eot, tokenizer.eos_token)
+                    "reward models score there unless pad is EOS too", eot, tokenizer.eos_token)
         tokenizer.eos_token = eot
     problem = encoding_problem(tokenizer)  # the end-of-turn token, now EOS, encodes to its id
     if problem:
