@@ -64,11 +64,18 @@ def test_pi_kl_acts_within_iterations_where_ziegler_drifts():
 
 
 def test_heldout_kl_upper_bound_by_hand():
-    """KLs 1, 2, 3, 6: mean 3, sample std sqrt(14/3) = 2.1602; upper = 3 + 1.645 * 2.1602 / 2 = 4.7768."""
+    """KLs 1, 2, 3, 6: mean 3, sample std sqrt(14/3) = 2.1602; with 3 degrees of freedom Student's t gives 2.353,
+    upper = 3 + 2.353 * 2.1602 / 2 = 5.5415 (the normal's 1.645 gave 4.7768: a bound four prompts do not support).
+    Two prompts, KLs 1 and 5: 3 + 6.314 * 2.8284 / 1.4142 = 15.63 (1.645 gave 6.29); one prompt: no bound."""
     m = HeldoutKL.of(torch.tensor([1.0, 2.0, 3.0, 6.0]))
     assert (m.mean, m.n) == (3.0, 4)
-    assert m.upper == pytest.approx(3 + 1.645 * math.sqrt(14 / 3) / 2, rel=1e-12)
-    assert m.within(4.8) and not m.within(4.7) and m.within(None)
+    assert m.upper == pytest.approx(3 + 2.353 * math.sqrt(14 / 3) / 2, rel=1e-12)
+    assert m.within(5.6) and not m.within(5.5) and m.within(None)
+    assert HeldoutKL.of(torch.tensor([1.0, 5.0])).upper == pytest.approx(3 + 6.314 * math.sqrt(8) / math.sqrt(2))
+    assert HeldoutKL.of(torch.tensor([3.0])).upper == math.inf and not HeldoutKL.of(torch.tensor([3.0])).within(99)
+    from align.stages.ppo.budget import t95
+
+    assert t95(60) == pytest.approx(1.671, abs=1e-3) and t95(120) == pytest.approx(1.658, abs=1e-3)
     assert not HeldoutKL.of(torch.tensor([1.0, float("nan")])).within(100.0)
     assert HeldoutKL.from_metrics(m.metrics()) == m
 
@@ -137,3 +144,29 @@ def test_prompt_stream_covers_each_epoch_and_resumes_identically():
     assert t.take(7) == ahead
     u = PromptStream(10, seed=3)
     assert u.take(10) == first
+
+
+def test_ziegler_beta_never_crosses_zero_however_short_the_horizon():
+    """coef 0.2, target 4, 128 episodes an update, horizon 10: the rule as written multiplies beta by
+    1 - 0.2 * 12.8 = -1.56 (beta -0.312, then a KL over target pushed it further down: a bonus for drifting). Capped
+    at K_beta = 1, beta moves 20% at most: 0.2 -> 0.16 (KL under target) -> 0.192 (over)."""
+    ctl = AdaptiveKLController(0.2, target=4.0, horizon=10)
+    ctl.update(1.0, 128)
+    assert ctl.value == pytest.approx(0.16)
+    ctl.update(9.0, 128)
+    assert ctl.value == pytest.approx(0.192)
+    slow = AdaptiveKLController(0.2, target=4.0, horizon=1000)
+    slow.update(1.0, 128)
+    assert slow.value == pytest.approx(0.2 * (1 - 0.2 * 0.128))  # Ziegler's rule unchanged below the cap
+
+
+def test_reward_scale_only_centres_scores_that_barely_vary():
+    """A judge scoring every initial response alike (std 5e-6 around 3): 1/std made a score of 2.0 into -200,000."""
+    from align.stages.ppo.state import RewardScale
+
+    flat = RewardScale()
+    assert flat.fit(torch.tensor([3.0, 3.0 + 1e-5] * 64)) is False
+    assert flat.gain == 1.0 and flat(torch.tensor([2.0])).item() == pytest.approx(2.0 - (3.0 + 5e-6))
+    spread = RewardScale()
+    assert spread.fit(torch.tensor([1.0, 3.0] * 64)) is True
+    assert (spread.gain, spread.bias) == (pytest.approx(1.0), pytest.approx(-2.0))

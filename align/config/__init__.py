@@ -236,8 +236,14 @@ def parse_pipeline(raw: dict[str, Any], source: str) -> PipelineConfig:
             continue
         variants = expand(name, body, types_[kind], f"{source}: stages.{name}")
         for v in variants:
-            _add_stage(cfg, v.name, from_dict(types_[kind], v.body, f"{source}: stages.{name}"), name, stages_raw,
-                       source)
+            stage = from_dict(types_[kind], v.body, f"{source}: stages.{name}")
+            unread = getattr(stage, "unread_settings", dict)()  # what this stage type leaves unread as it is set
+            key = next((k for k in v.values if k in unread), None)
+            if key is not None:
+                raise ConfigError(f"{source}: stages.{name}.sweep.{key}: the stage does not read {key} "
+                                  f"({unread[key]}), so its variants would train the same stage; sweep a setting it "
+                                  "reads, or change the one that leaves it unread")
+            _add_stage(cfg, v.name, stage, name, stages_raw, source)
             cfg.variants[v.name] = {"stage": name, "values": v.values}
     stray = [n for n in cfg.variants if n not in cfg.stages]
     if stray:

@@ -8,8 +8,10 @@ from typing import ClassVar
 from align.config.online_rl import OnlineRLStage
 from align.core.schema import one_of, ranged
 
-# TRL GRPOConfig.loss_type values that need no other setting (tests check they still exist in the installed TRL).
+# TRL GRPOConfig.loss_type values align passes (tests check they still exist in the installed TRL); cispo reads
+# epsilon_high as its cap on the importance weights, set for it below.
 GRPO_LOSSES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo")
+CISPO_EPSILON_MAX = 5.0  # ScaleRL's (Khatri et al. 2025) and TRL's recommended epsilon_max for cispo
 
 
 @dataclass
@@ -28,3 +30,12 @@ class GRPOStage(OnlineRLStage):
     scale_rewards: str = one_of("group", "group", "batch", "none")
     """Divide advantages by the group's score std (group, as in the paper), the batch's (batch), or not at all
     (none, as Dr. GRPO recommends)."""
+    epsilon_high: float | None = ranged(None, gt=0, fix="use null for TRL's default")
+    """The ratio's upper clip, 1 + epsilon_high (DAPO's clip-higher recommends 0.28; null: epsilon). For
+    `loss_type: cispo` it is the cap on the importance weights themselves (ScaleRL's epsilon_max; null: 5.0, the
+    value TRL recommends: epsilon's 0.2 would cap every weight at 0.2). `sapo` reads neither."""
+
+    def trl_epsilon_high(self) -> float | None:
+        """What TRL's GRPOConfig takes as epsilon_high (None: its default, epsilon)."""
+        return self.epsilon_high if self.epsilon_high is not None else \
+            (CISPO_EPSILON_MAX if self.loss_type == "cispo" else None)

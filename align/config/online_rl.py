@@ -60,7 +60,7 @@ class OnlineRLStage(TrainedStage):
     samples per_device_batch_size x processes x steps_per_generation completions, which must be whole groups."""
     num_iterations: int = ranged(1, ge=1)
     """Optimisation passes over each generation round (mu; >1 reuses samples with the clipped ratio)."""
-    epsilon: float = ranged(0.2, gt=0)
+    epsilon: float = ranged(0.2, gt=0, lt=1, fix="the ratio's lower clip 1 - epsilon must stay above 0 to bind")
     """Clip range of the importance ratio (as PPO's clip_range)."""
     beta: float = ranged(0.05, ge=0, fix="a negative coefficient rewards moving away from the reference")
     """KL coefficient to the reference (the starting policy); 0 = no reference is held."""
@@ -72,7 +72,8 @@ class OnlineRLStage(TrainedStage):
 
     def check(self, ctx: CheckContext) -> None:
         super().check(ctx)
-        problem = lora_sync_problem(self.generation, self.lora)
+        problem = lora_sync_problem(self.generation, self.lora) or (self.beta and self.generation.truncation_problem(
+            f"{self.ALGORITHM}'s KL to the reference (beta {self.beta:g})"))
         if problem:
             raise ValueError(problem)
         ctx.check_judge("reward", self.reward)
@@ -94,6 +95,10 @@ class OnlineRLStage(TrainedStage):
             problem = self.batch_problem(known)
             if problem:
                 raise ValueError(problem)
+
+    def unread_settings(self) -> dict[str, str]:
+        """Settings this stage does not read (dotted key -> why): a sweep over one trains twins."""
+        return dict.fromkeys(("generation.batch_size", "generation.fast"), "a generation round is one call per process")
 
     def card_split(self, fld: str) -> str:
         return self.split

@@ -28,7 +28,8 @@ class KLSettings:
     controller: str = one_of("pi", "pi", "ziegler")
     """pi: beta = coef + a Lagrange multiplier set by a PI rule on the KL's excess over target, per iteration (Stooke
     et al. 2020; gains `kp`, `ki`): it acts within the iterations a run has. ziegler: Ziegler et al. 2019's
-    proportional rule, beta moved by at most 20% x episodes-per-iteration / `horizon` per iteration."""
+    proportional rule, beta moved by at most 20% x min(1, episodes-per-iteration / `horizon`) per iteration (the
+    cap is align's: a shorter horizon would take beta through zero)."""
     target: float = ranged(4.0, gt=0)
     """Target KL (nats per response) for the adaptive controller."""
     kp: float = ranged(0.1, ge=0)
@@ -42,7 +43,7 @@ class KLSettings:
     max: float | None = ranged(None, gt=0, fix="use null for no budget")
     """A hard budget, nats per response against the reference, that the published policy is kept inside: after every
     update the KL is measured on `heldout_prompts` prompts PPO never trains on; when its one-sided 95% upper bound
-    (mean + 1.645 x standard error) passes `max`, that update is undone and training stops, and the policy of the
+    (mean + Student's t x standard error, at least 2 prompts) passes `max`, that update is undone and training stops, and the policy of the
     last update inside the budget is published (the summary says which iteration and why). null: no budget."""
     heldout_prompts: int = ranged(64, ge=0)
     """Prompts set aside from `prompts` (a seeded sample, never trained on) on which the KL to the reference is
@@ -114,11 +115,12 @@ class PPOStage(StageBase):
     """Discount."""
     lam: float = ranged(0.95, ge=0, le=1)
     """GAE lambda."""
-    clip_range: float = ranged(0.2, gt=0)
+    clip_range: float = ranged(0.2, gt=0, lt=1, fix="the ratio's lower clip 1 - clip_range must stay above 0 to bind")
     """Policy ratio clip epsilon."""
     clip_range_value: float = ranged(0.2, gt=0)
     """Value clip range."""
-    vf_coef: float = ranged(0.1, ge=0)
+    vf_coef: float = ranged(0.1, gt=0, fix="at 0 the value model never learns, and GAE's advantages read its "
+                                             "initial values throughout")
     """Value loss weight."""
     entropy_coef: float = ranged(0.0, ge=0)
     """Entropy bonus weight."""
@@ -180,6 +182,15 @@ class PPOStage(StageBase):
             return None
         return FUSED_HEAD_CHUNK
 
+    def unread_settings(self) -> dict[str, str]:
+        """Settings this stage does not read as it is set (dotted key -> why): a sweep over one trains twins."""
+        kl = self.kl
+        unread = dict.fromkeys(("kl.kp", "kl.ki") if kl.controller == "ziegler" else ("kl.horizon",),
+                               f"kl.controller is {kl.controller}")
+        if not kl.adaptive:
+            unread = dict.fromkeys(("kl.controller", "kl.target", "kl.kp", "kl.ki", "kl.horizon"), "kl.adaptive is false")
+        return unread
+
     def check(self, ctx: CheckContext) -> None:
         ctx.check_judge("reward", self.reward)
         if ctx.pipeline.precision == "float16":  # align/stages/ppo/optim.py works on unscaled gradients
@@ -201,9 +212,14 @@ class PPOStage(StageBase):
                              f"never leaves 0 and the KL target ({self.kl.target:g}) is never enforced; start from a "
                              "positive coef (e.g. 0.05), use kl.controller: pi (which adds to coef), or set "
                              "kl.adaptive: false to train without a KL penalty")
-        if self.kl.max is not None and not self.kl.heldout_prompts:
-            raise ValueError(f"kl.max: {self.kl.max:g} with kl.heldout_prompts: 0; the budget is checked on held-out "
-                             "prompts after every update; set kl.heldout_prompts (e.g. 64)")
+        if self.kl.adaptive and self.kl.controller == "pi" and not (self.kl.kp or self.kl.ki):
+            raise ValueError("kl.kp and kl.ki: both 0 with kl.controller: pi; beta would stay at coef whatever the KL, "
+                             "so the target is never enforced; set a gain (e.g. kp 0.1, ki 0.1), or kl.adaptive: false "
+                             "for a fixed beta")
+        if self.kl.max is not None and self.kl.heldout_prompts < 2:
+            raise ValueError(f"kl.max: {self.kl.max:g} with kl.heldout_prompts: {self.kl.heldout_prompts}; the budget "
+                             "is checked on held-out prompts after every update, against an upper confidence bound "
+                             "that needs at least 2 of them; set kl.heldout_prompts (e.g. 64)")
         if self.kl.max is not None and self.kl.adaptive and self.kl.target >= self.kl.max:
             raise ValueError(f"kl.target: {self.kl.target:g} is not below kl.max: {self.kl.max:g}; the controller "
                              "would steer to a KL the budget stops training at; set kl.target below kl.max (e.g. "

@@ -197,9 +197,11 @@ def override_conflicts(raw: dict[str, Any], paths: list[tuple[str, list[str], st
             swept = str(key).split(".")
             n = min(len(swept), len(parts))
             if key != "mode" and swept[:n] == parts[:n]:
+                example = f"'{stage}.{SWEEP}={{{key}: [0.1, 0.3]}}'" if "." in str(key) else \
+                    f"{stage}.{SWEEP}.{key}=[0.1,0.3]"  # a dotted key would be read as a group of the sweep
                 raise ConfigError(f"override '{item}': stages.{stage} sweeps {key} ({sweep[key]}); an override "
                                   f"cannot set one value for all of its variants. Override the list instead, e.g. "
-                                  f"{stage}.{SWEEP}.{key}=[0.1,0.3], or remove {key} from the sweep")
+                                  f"{example}, or remove {key} from the sweep")
 
 
 # --------------------------------------------------------------------------------------------- references

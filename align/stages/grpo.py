@@ -16,4 +16,5 @@ def run(ctx: StageContext) -> dict[str, Any]:
     from trl import GRPOConfig, GRPOTrainer  # heavy: stage processes only
 
     cfg: GRPOStage = ctx.cfg  # type: ignore[assignment]
-    return online_rl.run(ctx, GRPOTrainer, GRPOConfig, loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards)
+    return online_rl.run(ctx, GRPOTrainer, GRPOConfig, loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards,
+                         epsilon_high=cfg.trl_epsilon_high())

@@ -22,9 +22,21 @@ from align.modeling.losses import sequence_kl
 from align.runtime.context import StageContext, StageError
 from align.stages.ppo.rollouts import rollouts_in_chunks
 
-# one-sided 95% normal quantile: the budget holds the mean's upper confidence bound, so a fresh sample of prompts
-# (the evaluation's) lands inside it too, not only the held-out slice that was measured
-Z95 = 1.645
+# one-sided 95% quantiles of Student's t by degrees of freedom 1..30 (a few held-out prompts: the normal's 1.645
+# would claim a bound the data do not give); the budget holds the mean's upper confidence bound, so a fresh sample
+# of prompts (the evaluation's) lands inside it too, not only the held-out slice that was measured
+T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
+       1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
+Z95 = 1.6448536269514722
+
+
+def t95(df: int) -> float:
+    """Student's t one-sided 95% quantile: the table up to 30 degrees of freedom, beyond it the Cornish-Fisher
+    expansion z + (z^3 + z) / 4v + (5z^5 + 16z^3 + 3z) / 96v^2 (Abramowitz and Stegun 26.7.5; 1.671 at v = 60)."""
+    if df <= len(T95):
+        return T95[df - 1]
+    z = Z95
+    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
 
 
 def split_heldout(stage: str, prompts: list[str], n: int, seed: int, required: bool) -> tuple[list[str], list[str]]:
@@ -60,8 +72,11 @@ class HeldoutKL:
 
     @property
     def upper(self) -> float:
-        """The mean's one-sided 95% upper confidence bound: mean + 1.645 x std / sqrt(n)."""
-        return self.mean + Z95 * self.std / math.sqrt(max(1, self.n))
+        """The mean's one-sided 95% upper confidence bound: mean + t95(n - 1) x std / sqrt(n); none (inf) from one
+        prompt, whose spread is unknown."""
+        if self.n < 2:
+            return math.inf
+        return self.mean + t95(self.n - 1) * self.std / math.sqrt(self.n)
 
     def within(self, budget: float | None) -> bool:
         """True when there is no budget, or the upper bound is inside it (a NaN KL is never inside)."""

@@ -119,9 +119,11 @@ def fit_reward_scale(ctx: StageContext, cfg: PPOStage, accelerator, engine: Roll
     scores = [scorer.score_rollout(r, picked[start:start + cfg.generation.batch_size], tokenizer)
               for start, r in zip(starts, rollouts)]
     all_scores = accelerator.gather(torch.cat(scores))
-    scale.fit(all_scores)
+    scaled = scale.fit(all_scores)
     if accelerator.is_main_process:
         print(f"[align] {ctx.name}: reward normalisation from {all_scores.numel()} initial-policy rollouts: "
-              f"mean {all_scores.mean().item():.4f}, std {all_scores.std(unbiased=False).item():.4f} -> "
-              f"gain {scale.gain:.4f}, bias {scale.bias:.4f}", flush=True)
-    ctx.note(reward_normalization={"gain": scale.gain, "bias": scale.bias, "samples": n, "fitted_at_iteration": 0})
+              f"mean {all_scores.mean().item():.4f}, std {all_scores.std(unbiased=False).item():.4g} -> "
+              f"gain {scale.gain:.4f}, bias {scale.bias:.4f}"
+              + ("" if scaled else " (the scores barely vary: centred only, not scaled)"), flush=True)
+    ctx.note(reward_normalization={"gain": scale.gain, "bias": scale.bias, "samples": n, "fitted_at_iteration": 0,
+                                   "scaled": scaled})

@@ -27,7 +27,9 @@ class AdaptiveKLController(FixedKLController):
     """Ziegler et al. 2019, sec. 2.2: proportional control of beta towards a target KL.
 
     e_t = clip(KL_t / KL_target - 1, -0.2, 0.2);  beta_{t+1} = beta_t * (1 + K_beta * e_t),
-    with K_beta = n_steps / horizon (n_steps = episodes in this update).
+    with K_beta = min(n_steps / horizon, 1) (n_steps = episodes in this update). The cap is align's: with a horizon
+    under a fifth of an update's episodes the rule as written takes beta through zero (K_beta * e_t < -1), and a
+    negative beta rewards moving away from the reference; capped, beta moves by at most 20% an update.
     """
 
     def __init__(self, value: float, target: float, horizon: int):
@@ -36,7 +38,7 @@ class AdaptiveKLController(FixedKLController):
 
     def update(self, current_kl: float, n_steps: int) -> None:
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + error * n_steps / self.horizon
+        self.value *= 1.0 + error * min(n_steps / self.horizon, 1.0)
 
 
 class PIKLController(FixedKLController):
@@ -128,6 +130,9 @@ class PromptStream:
         self.epoch, self.index = state["epoch"], state["index"]
 
 
+FLAT_SCORES = 1e-4
+
+
 class RewardScale:
     """Ziegler et al. 2019, sec. 2.2: a gain and bias fixed once, before training, so the initial policy's scores
     have mean 0 and std 1: normalised = gain * score + bias, gain = 1 / std, bias = -mean / std. Unlike running
@@ -136,10 +141,16 @@ class RewardScale:
     def __init__(self):
         self.gain, self.bias, self.fitted = 1.0, 0.0, False
 
-    def fit(self, scores: torch.Tensor) -> None:
+    def fit(self, scores: torch.Tensor) -> bool:
+        """Fix the gain and bias; False when the scores barely vary (std below 1e-4 of max(1, |mean|): a judge that
+        scores every initial response alike), where 1/std would multiply the first differences by up to a million:
+        then the scores are only centred (gain 1)."""
         xs = scores.detach().double().flatten()
-        std = max(xs.std(unbiased=False).item(), 1e-6)
-        self.gain, self.bias, self.fitted = 1.0 / std, -xs.mean().item() / std, True
+        mean, std = xs.mean().item(), xs.std(unbiased=False).item()
+        flat = not std >= FLAT_SCORES * max(1.0, abs(mean))
+        gain = 1.0 if flat else 1.0 / std
+        self.gain, self.bias, self.fitted = gain, -mean * gain, True
+        return not flat
 
     def __call__(self, scores: torch.Tensor) -> torch.Tensor:
         return scores * self.gain + self.bias

@@ -1,0 +1,77 @@
+"""Online-RL settings that trained something other than asked (a probe of the RL settings, 2026-11-29): each passed
+`align validate` and is now refused naming the field and the fix, or set as the setting's own docs say."""
+
+from __future__ import annotations
+
+import pytest
+
+from align.cli import main as cli
+from conftest import REPO
+
+ONLINE = str(REPO / "pipelines" / "online_rl.yaml")
+DEFAULT = str(REPO / "pipelines" / "default.yaml")
+
+
+def validate(capsys, *args: str) -> tuple[int, str]:
+    rc = cli(["validate", *args])
+    cap = capsys.readouterr()
+    return rc, cap.out + cap.err
+
+
+@pytest.mark.parametrize("pipeline, overrides, needles", [
+    # RLOO/GRPO sampled with top_k/top_p while their KL to the reference read the whole distribution (PPO refused it)
+    (ONLINE, ["rloo.generation.top_p=0.5"], ["generation.top_k None / top_p 0.5: RLOO's KL to the reference"]),
+    (ONLINE, ["grpo.generation.top_k=5"], ["generation.top_k 5", "GRPO's KL to the reference"]),
+    # a ratio clip of 1 or more never binds below (1 - epsilon <= 0)
+    (ONLINE, ["grpo.epsilon=3"], ["stages.grpo.epsilon", "lower clip 1 - epsilon must stay above 0"]),
+    (DEFAULT, ["ppo.clip_range=1.5"], ["stages.ppo.clip_range", "lower clip 1 - clip_range"]),
+    # the value model never learns at vf_coef 0, and GAE reads its initial values
+    (DEFAULT, ["ppo.vf_coef=0"], ["stages.ppo.vf_coef", "the value model never learns"]),
+    # an adaptive beta that can never move
+    (DEFAULT, ["ppo.kl.controller=pi", "ppo.kl.kp=0", "ppo.kl.ki=0"], ["kl.kp and kl.ki: both 0 with kl.controller: pi"]),
+    # one held-out prompt has no spread: no upper bound exists
+    (DEFAULT, ["ppo.kl.max=10", "ppo.kl.heldout_prompts=1", "ppo.kl.target=5", "ppo.kl.controller=pi"],
+     ["kl.max: 10 with kl.heldout_prompts: 1", "needs at least 2"]),
+    # sweeps over settings the stage leaves unread trained identical variants
+    (DEFAULT, ["ppo.sweep={kl.kp: [0.1, 0.5]}", "ppo.kl.controller=ziegler"],
+     ["stages.ppo.sweep.kl.kp: the stage does not read kl.kp (kl.controller is ziegler)"]),
+    (DEFAULT, ["ppo.sweep={kl.horizon: [100, 1000]}", "ppo.kl.controller=pi"],
+     ["stages.ppo.sweep.kl.horizon: the stage does not read kl.horizon (kl.controller is pi)"]),
+    (ONLINE, ["grpo.sweep={generation.batch_size: [8, 64]}"],
+     ["stages.grpo.sweep.generation.batch_size: the stage does not read", "one call per process"]),
+])
+def test_rl_settings_that_would_not_train_as_asked_are_refused(pipeline, overrides, needles, capsys):
+    rc, out = validate(capsys, pipeline, *overrides)
+    assert rc == 2, out[-2000:]
+    for needle in needles:
+        assert needle in out, (needle, out[-2000:])
+    assert "Traceback" not in out
+
+
+def test_swept_settings_the_stage_reads_still_expand(capsys):
+    rc, out = validate(capsys, DEFAULT, "ppo.sweep={kl.kp: [0.1, 0.5]}", "ppo.kl.controller=pi")
+    assert rc == 0 and "sweep ppo: 2 variants" in out, out[-2000:]
+
+
+def test_cispo_caps_importance_weights_at_its_own_epsilon_max_not_the_clip_range():
+    """TRL's cispo clamps the importance weights at epsilon_high, which defaults to epsilon (0.2): every weight of
+    ratio 0.9..1.1 became 0.2, the gradient a fifth and nearly every token 'clipped'."""
+    from trl import GRPOConfig
+
+    from align.config.grpo import CISPO_EPSILON_MAX, GRPOStage
+
+    assert CISPO_EPSILON_MAX == 5.0
+    for loss, given, expected in (("cispo", None, 5.0), ("cispo", 2.0, 2.0), ("dapo", None, None), ("dapo", 0.28, 0.28)):
+        stage = GRPOStage(loss_type=loss, epsilon_high=given)
+        assert stage.trl_epsilon_high() == expected
+    trl = GRPOConfig(output_dir="/tmp/unused", loss_type="cispo", epsilon=0.2, bf16=False, use_cpu=True,
+                     epsilon_high=GRPOStage(loss_type="cispo").trl_epsilon_high())
+    assert trl.epsilon_high == 5.0  # what TRL's cispo clamps at
+
+
+def test_a_conflicting_override_of_a_dotted_swept_key_names_a_fix_that_parses(capsys):
+    """The fix named was `ppo.sweep.kl.target=[...]`, which is itself refused ('kl' is a group of settings)."""
+    rc, out = validate(capsys, DEFAULT, "ppo.sweep={kl.target: [3, 5]}", "ppo.kl.target=4")
+    assert rc == 2 and "Override the list instead, e.g. 'ppo.sweep={kl.target: [0.1, 0.3]}'" in out, out[-1500:]
+    rc, out = validate(capsys, DEFAULT, "ppo.sweep={kl.target: [0.1, 0.3]}")  # the fix as named: it parses
+    assert rc == 0, out[-1500:]
