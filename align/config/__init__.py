@@ -234,17 +234,7 @@ def parse_pipeline(raw: dict[str, Any], source: str) -> PipelineConfig:
         if SWEEP not in body:
             _add_stage(cfg, name, from_dict(types_[kind], body, f"{source}: stages.{name}"), None, stages_raw, source)
             continue
-        variants = expand(name, body, types_[kind], f"{source}: stages.{name}")
-        for v in variants:
-            stage = from_dict(types_[kind], v.body, f"{source}: stages.{name}")
-            unread = getattr(stage, "unread_settings", dict)()  # what this stage type leaves unread as it is set
-            key = next((k for k in v.values if k in unread), None)
-            if key is not None:
-                raise ConfigError(f"{source}: stages.{name}.sweep.{key}: the stage does not read {key} "
-                                  f"({unread[key]}), so its variants would train the same stage; sweep a setting it "
-                                  "reads, or change the one that leaves it unread")
-            _add_stage(cfg, v.name, stage, name, stages_raw, source)
-            cfg.variants[v.name] = {"stage": name, "values": v.values}
+        _add_variants(cfg, name, body, types_[kind], stages_raw, source)
     stray = [n for n in cfg.variants if n not in cfg.stages]
     if stray:
         raise ConfigError(f"{source}: variants: '{stray[0]}' is not a stage; `variants` is written by align from "
@@ -256,6 +246,22 @@ def parse_pipeline(raw: dict[str, Any], source: str) -> PipelineConfig:
                           "and list every policy it compares in its `policies`")
     resolve_references(cfg.stages, by_stage(cfg.variants), source)
     return cfg
+
+
+def _add_variants(cfg: PipelineConfig, name: str, body: dict[str, Any], cls: type, stages_raw: dict[str, Any],
+                  source: str) -> None:
+    """The variants of a swept stage, each a stage of the pipeline; a swept setting the stage leaves unread as it is
+    set (kl.kp under the ziegler controller) is refused: its variants would train one stage twice."""
+    for v in expand(name, body, cls, f"{source}: stages.{name}"):
+        stage = from_dict(cls, v.body, f"{source}: stages.{name}")
+        unread = getattr(stage, "unread_settings", dict)()  # declared by the stage types that leave some unread
+        key = next((k for k in v.values if k in unread), None)
+        if key is not None:
+            raise ConfigError(f"{source}: stages.{name}.sweep.{key}: the stage does not read {key} ({unread[key]}), "
+                              "so its variants would train the same stage; sweep a setting it reads, or change the "
+                              "one that leaves it unread")
+        _add_stage(cfg, v.name, stage, name, stages_raw, source)
+        cfg.variants[v.name] = {"stage": name, "values": v.values}
 
 
 def _add_stage(cfg: PipelineConfig, name: str, stage: StageBase, variant_of: str | None,
