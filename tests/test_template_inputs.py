@@ -98,3 +98,21 @@ def test_an_unclosed_marker_is_a_syntax_error_and_a_byte_order_mark_no_text(tmp_
     bom.write_text("\ufeff" + (REPO / "align" / "templates" / "chatml.jinja").read_text(), encoding="utf-8")
     text = templates.resolve(str(bom), tmp_path / "p.yaml", None).text
     assert not text.startswith("\ufeff") and text == (REPO / "align" / "templates" / "chatml.jinja").read_text()
+
+
+def test_a_reply_opening_with_a_newline_keeps_the_prompt_tokens_ppo_samples_after(tmp_path):
+    """Under {% generation %} markers the whole conversation was tokenised at once: a reply opening with '\\n' merged
+    with the newline that ends ChatML's generation prompt ('ĊĊ' on GPT-2's BPE), so SFT trained tokens after a prompt
+    PPO never has ('...assistant' without its 'Ċ'). Such rows are tokenised by prefixes."""
+    from align.data.chat import render_prompt, sft_example, trained_text
+
+    tok = _chatml_gpt2(tmp_path)
+    planned = templates.resolve("chatml", REPO / "pipelines" / "chat.yaml", None)
+    assert planned.masking == "markers"
+    for reply in ("\n\nHello there", "\nHello", "Hello"):
+        conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": reply}]
+        example = sft_example(tok, planned, conv)
+        prompt = tok(render_prompt(tok, conv[:1]))["input_ids"]
+        assert example["input_ids"][:len(prompt)] == prompt, reply
+        assert example["assistant_masks"][:len(prompt)] == [0] * len(prompt)
+        assert trained_text(tok, example) == [reply + "<|im_end|>"], reply

@@ -205,7 +205,16 @@ def sft_example(tokenizer, template, messages: list[dict[str, str]]) -> dict[str
             raise TemplateError(f"chat template {name}: a reply's trained tokens end before the end-of-turn token "
                                 f"{tokenizer.eos_token!r} (its {{% generation %}} markers close before it): the model "
                                 "would never learn to stop; put {% endgeneration %} after the end-of-turn token")
+        if _fused_seam(tokenizer, text, messages, ids):  # a reply opening with whitespace merged into the prompt's
+            try:  # last token: tokenised by prefixes instead, so its prompt's tokens are the ones PPO samples after
+                return _by_prefixes(tokenizer, template, messages)
+            except TemplateError:  # a template that rewrites earlier turns: the markers' tokens, as they are
+                pass
         return {"input_ids": ids, "assistant_masks": mask}
+    return _by_prefixes(tokenizer, template, messages)
+
+
+def _by_prefixes(tokenizer, template, messages: list[dict[str, str]]) -> dict[str, list[int]]:
     ids: list[int] = []
     mask: list[int] = []
     for k, (text, trained) in enumerate(prefix_segments(tokenizer, template, messages)):
@@ -214,6 +223,20 @@ def sft_example(tokenizer, template, messages: list[dict[str, str]]) -> dict[str
         ids += piece
         mask += [int(trained)] * len(piece)
     return {"input_ids": ids, "assistant_masks": mask}
+
+
+def _fused_seam(tokenizer, text: str, messages: list[dict[str, str]], ids: list[int]) -> bool:
+    """Whether an assistant turn's prompt (the turns before it with the generation prompt), tokenised alone as PPO
+    and evaluation tokenise it, is not where `ids` (the whole conversation tokenised at once) begin: a reply opening
+    with whitespace can merge with the prompt's last token (a newline after ChatML's header, on GPT-2's BPE). Only
+    such turns are rendered again."""
+    for i, message in enumerate(messages):
+        if i and message["role"] == "assistant" and message["content"][:1].isspace():
+            prompt = _apply(tokenizer, messages[:i], chat_template=text, tokenize=False, add_generation_prompt=True)
+            alone = tokenizer(_bos_stripped(tokenizer, prompt))["input_ids"]
+            if ids[:len(alone)] != alone:
+                return True
+    return False
 
 
 def sft_every_token(tokenizer, messages: list[dict[str, str]]) -> dict[str, list[int]]:
