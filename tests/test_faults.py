@@ -354,15 +354,16 @@ def test_a_stage_that_failed_before_its_context_existed_still_resumes_its_checkp
 
 # --------------------------------------------------------------------------------------------- orphans
 CHILD = """
-import sys, time
+import os, sys, time
 from align.core.errors import die_with_parent, terminate_as_interrupt, Terminated
 terminate_as_interrupt()
 assert die_with_parent()
-print("ready", flush=True)
+open(sys.argv[1] + ".ready", "w").close()
 try:
     time.sleep(120)
 except Terminated:
-    open(sys.argv[1], "w").write("terminated")
+    open(sys.argv[1] + ".tmp", "w").write("terminated")
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])  # whole or absent: the test may look at any moment
 """
 PARENT = """
 import subprocess, sys, time
@@ -374,11 +375,15 @@ time.sleep(120)
 
 def _kill_the_starter(starter: str, child: str, marker: Path, **popen) -> int:
     """Run `starter` (it starts `child`, which writes `marker` on SIGTERM, and prints the child's pid), SIGKILL the
-    starter once the child is past its imports and sleeping, and wait up to 30 s for the marker. Returns the pid."""
+    starter once the child has its signal handlers (it says so in `<marker>.ready`; a fixed wait was too short on a
+    loaded CI machine), and wait up to 30 s for the marker, which the child writes whole. Returns the pid."""
     parent = subprocess.Popen([sys.executable, "-c", starter, child, str(marker)], stdout=subprocess.PIPE, text=True,
                               **popen)
     child_pid = int(parent.stdout.readline())
-    time.sleep(3)
+    ready, deadline = Path(f"{marker}.ready"), time.time() + 120
+    while not ready.exists() and time.time() < deadline:
+        time.sleep(0.1)
+    assert ready.exists(), f"process {child_pid} did not start within 120 s"
     parent.kill()
     parent.wait()
     deadline = time.time() + 30
@@ -407,13 +412,15 @@ def test_a_stage_process_does_not_outlive_its_launcher(tmp_path):
 
 
 LAUNCHER = """
-import sys, time
+import os, sys, time
 from align.core.errors import terminate_as_interrupt, Terminated
 terminate_as_interrupt()  # no die_with_parent: accelerate's launcher calls none
+open(sys.argv[1] + ".ready", "w").close()
 try:
     time.sleep(120)
 except Terminated:
-    open(sys.argv[1], "w").write("terminated")
+    open(sys.argv[1] + ".tmp", "w").write("terminated")
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])  # whole or absent: the test may look at any moment
 """
 RUNNER = """
 import os, sys, time
