@@ -197,7 +197,9 @@ def test_rows_holding_a_special_tokens_text_are_dropped_and_counted_or_refused()
     assert ctx.extra_manifest["dropped_rows"] == {"pairs split 'train': holds a special token's text": 1}
     rows[(at + 1) % 200]["prompt"][0]["content"] = "<|im_start|>assistant\nfake"
     rows[(at + 2) % 200]["rejected"][0]["content"] = "x <|endoftext|>"
-    with pytest.raises(StageError, match=r"3 of 200 conversations hold the text of the tokenizer's special tokens"):
+    assert len(drop_special_text(ctx, rows, tok, "pairs split 'train'")) == 197  # 3 rows: at most 1% or 3 dropped
+    rows[(at + 3) % 200]["chosen"][0]["content"] = "<|im_end|> again"
+    with pytest.raises(StageError, match=r"4 of 200 conversations hold the text of the tokenizer's special tokens"):
         drop_special_text(ctx, rows, tok, "pairs split 'train'")
     rendered = [{"prompt": "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n", "completion": "a"}] * 3
     assert holding_special_text(rendered, tok) == []  # text rows: the user's own rendering, tokens meant

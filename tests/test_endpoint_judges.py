@@ -297,3 +297,26 @@ def test_a_damaged_judge_cache_is_asked_again_not_a_traceback(tmp_path):
     assert cache.answers == {"k1": "A", "k5": "tie"}
     cache.put({"k2": "B"})
     assert JudgeCache(path).answers == {"k1": "A", "k5": "tie", "k2": "B"}
+
+
+def test_a_body_without_a_length_cut_by_the_watchdog_is_a_timeout_not_an_answer():
+    """A server that sends no Content-Length, part of a body, then nothing: when the watchdog's shutdown (not the
+    socket's timeout, which races it) ends the blocked read, it ends with no error, and the part read was returned
+    as the answer ('not a chat completion')."""
+    from align.judges.endpoint import EndpointError
+
+    def endless(h, state):
+        h.send_response(200)
+        h.send_header("Connection", "close")
+        h.end_headers()
+        try:
+            h.wfile.write(b'{"choices": [')
+            h.wfile.flush()
+            time.sleep(10)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    server, state, url = serve(endless)
+    with pytest.raises(EndpointError, match=r"last: TimeoutError: the answer took longer than timeout=1 s"):
+        backend(url, timeout=1.0, retries=0).ask("judge this")
+    server.shutdown()

@@ -170,3 +170,12 @@ def test_reward_scale_only_centres_scores_that_barely_vary():
     spread = RewardScale()
     assert spread.fit(torch.tensor([1.0, 3.0] * 64)) is True
     assert (spread.gain, spread.bias) == (pytest.approx(1.0), pytest.approx(-2.0))
+
+
+def test_heldout_kl_counts_distinct_prompts_not_repeats():
+    """Fewer held-out prompts than processes repeat some: eight KLs of two prompts are a bound of two (t with 1 degree
+    of freedom, 6.314), not of eight (1.895)."""
+    kls = torch.tensor([1.0, 5.0] * 4)
+    m = HeldoutKL.of(kls, prompts=2)
+    assert m.n == 2 and m.upper == pytest.approx(3 + 6.314 * kls.double().std().item() / math.sqrt(2))
+    assert HeldoutKL.of(kls).n == 8

@@ -250,16 +250,20 @@ def parse_pipeline(raw: dict[str, Any], source: str) -> PipelineConfig:
 
 def _add_variants(cfg: PipelineConfig, name: str, body: dict[str, Any], cls: type, stages_raw: dict[str, Any],
                   source: str) -> None:
-    """The variants of a swept stage, each a stage of the pipeline; a swept setting the stage leaves unread as it is
-    set (kl.kp under the ziegler controller) is refused: its variants would train one stage twice."""
+    """The variants of a swept stage, each a stage of the pipeline. Two variants that differ only in settings the
+    stage leaves unread as it is set (kl.kp under the ziegler controller) are refused: they would train one stage
+    twice under two names."""
+    read: dict[str, str] = {}  # the swept values a variant's stage reads -> the first variant with them
     for v in expand(name, body, cls, f"{source}: stages.{name}"):
         stage = from_dict(cls, v.body, f"{source}: stages.{name}")
         unread = getattr(stage, "unread_settings", dict)()  # declared by the stage types that leave some unread
+        used = repr(sorted((k, repr(x)) for k, x in v.values.items() if k not in unread))
         key = next((k for k in v.values if k in unread), None)
-        if key is not None:
-            raise ConfigError(f"{source}: stages.{name}.sweep.{key}: the stage does not read {key} ({unread[key]}), "
-                              "so its variants would train the same stage; sweep a setting it reads, or change the "
-                              "one that leaves it unread")
+        if used in read and key is not None:
+            raise ConfigError(f"{source}: stages.{name}.sweep.{key}: variants '{read[used]}' and '{v.name}' differ only "
+                              f"in {key}, which the stage does not read ({unread[key]}), so they would train the same "
+                              "stage; sweep a setting it reads, or change the one that leaves it unread")
+        read.setdefault(used, v.name)
         _add_stage(cfg, v.name, stage, name, stages_raw, source)
         cfg.variants[v.name] = {"stage": name, "values": v.values}
 

@@ -74,7 +74,7 @@ class EvaluateStage(StageBase):
         for i, judge in enumerate(self.pairwise):
             if judge.name in names or judge.name in ("response", "kl"):  # a sample's own fields in samples.jsonl
                 raise ValueError(f"pairwise[{i}].name: '{judge.name}' is taken by another judge of this stage or by "
-                                 "a sample's own fields (response, kl); name each judge once, and otherwise")
+                                 "a sample's own fields (response, kl); give it a name of its own")
             names.append(judge.name)
             judge.check(f"pairwise[{i}]", ctx.base_dir)
         if self.pairwise and self.policies == [self.baseline]:

@@ -192,7 +192,7 @@ class Generation:
         estimate it: TRL's PPO asked for top_k 0 and top_p 1.0 for this, its KL could come out negative), else None."""
         if not self.top_k and self.top_p >= 1.0:
             return None
-        return (f"generation.top_k {self.top_k} / top_p {self.top_p}: {measures} is an expectation under the policy's "
+        return (f"generation.top_k {self.top_k or 'null'} / top_p {self.top_p}: {measures} is an expectation under the policy's "
                 "own distribution at generation.temperature, which truncated samples do not estimate (log-probs are "
                 "of the whole distribution); leave top_k null and top_p 1.0 (temperature alone)")
 

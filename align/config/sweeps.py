@@ -23,6 +23,7 @@ it must say which one it means.
 from __future__ import annotations
 
 import copy
+import json
 import dataclasses
 import itertools
 import math
@@ -197,7 +198,8 @@ def override_conflicts(raw: dict[str, Any], paths: list[tuple[str, list[str], st
             swept = str(key).split(".")
             n = min(len(swept), len(parts))
             if key != "mode" and swept[:n] == parts[:n]:
-                example = f"'{stage}.{SWEEP}={{{key}: [0.1, 0.3]}}'" if "." in str(key) else \
+                whole = ", ".join(f"{k}: {json.dumps(v)}" for k, v in sweep.items())  # the sweep replaces whole
+                example = f"'{stage}.{SWEEP}={{{whole}}}' with {key}'s list edited" if "." in str(key) else \
                     f"{stage}.{SWEEP}.{key}=[0.1,0.3]"  # a dotted key would be read as a group of the sweep
                 raise ConfigError(f"override '{item}': stages.{stage} sweeps {key} ({sweep[key]}); an override "
                                   f"cannot set one value for all of its variants. Override the list instead, e.g. "

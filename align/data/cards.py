@@ -217,6 +217,7 @@ class LoadedSplit:
     dropped: Counter
     total_rows: int
     available: bool = True  # False: a hub dataset not reachable from here (rows not checked)
+    read: int = 0  # rows the source held, before the card's transforms (which may drop, split or join rows)
 
 
 def load_split(card: DataCard | str | Path, split: str) -> LoadedSplit:
@@ -246,7 +247,7 @@ def load_split(card: DataCard | str | Path, split: str) -> LoadedSplit:
     except FormatError as exc:
         raise DataCardError(f"{card.path}: {exc}") from None
     if named is not None:  # the dataset's own split, whole
-        return LoadedSplit(card, split, rows, dropped, len(rows))
+        return LoadedSplit(card, split, rows, dropped, len(rows), read=read)
     fractions = {k: float(v) for k, v in card.splits.items() if k != "seed"}
     if split not in fractions:
         raise DataCardError(f"{card.path}: no split '{split}'; the card defines {sorted(fractions)}")
@@ -260,7 +261,7 @@ def load_split(card: DataCard | str | Path, split: str) -> LoadedSplit:
     if not chosen:
         raise DataCardError(f"{card.path}: split '{split}' is empty ({len(rows)} rows after transforms, "
                             f"fraction {fractions[split]}); give it a larger fraction or more data")
-    return LoadedSplit(card, split, [rows[i] for i in chosen], dropped, len(rows))
+    return LoadedSplit(card, split, [rows[i] for i in chosen], dropped, len(rows), read=read)
 
 
 def _unit(seed: int, key: str) -> float:

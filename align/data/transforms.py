@@ -153,7 +153,9 @@ def alpaca(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
         if row["output"] is None or not _text(row, "output", i, "alpaca").strip():
             dropped["empty output"] += 1
             continue
-        extra = (_text(row, "input", i, "alpaca") if row.get("input") is not None else "").strip()
+        extra = row.get("input")  # optional: null, or NaN where pandas wrote a missing value
+        extra = "" if extra is None or (isinstance(extra, float) and extra != extra) else _text(row, "input", i, "alpaca")
+        extra = extra.strip()
         prompt = _text(row, "instruction", i, "alpaca").strip() + (f"\n\n{extra}" if extra else "")
         out.append({"prompt": prompt, "completion": " " + row["output"].strip()})
     return out, dropped

@@ -106,7 +106,7 @@ class CheckedJudge:
         if bad:
             raise JudgeFault(f"judge '{self.name}' returned {bad[1]!r} ({type(bad[1]).__name__}) for response "
                              f"{bad[0]}; every score must be a number")
-        bad = next(((i, s) for i, s in enumerate(scores) if not math.isfinite(s) or abs(s) > FLOAT32_MAX), None)
+        bad = next(((i, s) for i, s in enumerate(scores) if abs(s) > FLOAT32_MAX or not math.isfinite(s)), None)
         if bad:
             raise JudgeFault(f"judge '{self.name}' returned {bad[1]} for response {bad[0]} "
                              f"({responses[bad[0]][:60]!r}); every score must be a finite number within float32's "

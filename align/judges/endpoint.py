@@ -56,7 +56,8 @@ class EndpointBackend:
         either (urllib reads those inside `open`, where the socket timeout restarts with every byte)."""
         limit = max(0.0, min(self.timeout, self.stop_at - time.monotonic()))
         deadline = time.monotonic() + limit
-        late = TimeoutError(f"the answer took longer than timeout={self.timeout:g} s to arrive")
+        late = TimeoutError(f"the answer took longer than timeout={self.timeout:g} s to arrive" if limit >= self.timeout
+                            else f"the judging's deadline={self.deadline:g} s passed while the answer arrived")
         conns: list[http.client.HTTPConnection] = []
         watchdog = threading.Timer(limit, _shut, (conns,))
         watchdog.daemon = True
@@ -70,6 +71,8 @@ class EndpointBackend:
                     chunk = resp.read1(1 << 16) if hasattr(resp, "read1") else resp.read(1 << 16)
                     if not chunk:
                         body = b"".join(chunks)
+                        if time.monotonic() >= deadline:  # the watchdog ended a body without a length
+                            raise late
                         if resp.length:  # Content-Length not met: the answer was cut off, not malformed
                             raise http.client.IncompleteRead(body, resp.length)
                         return body

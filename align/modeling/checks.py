@@ -55,7 +55,9 @@ def run(source: str, verbose: bool = True, tokenizer: dict[str, Any] | None = No
         if install_template and planned is not None:
             try:
                 templates.install(tok, planned)
-            except (ModelError, FormatError) as exc:  # FormatError: the template renders no prompt then reply
+            except ModelError as exc:  # names the template itself
+                raise CheckError(f"{source}: chat_template: {exc}") from None
+            except FormatError as exc:  # the template renders no prompt then reply
                 raise CheckError(f"{source}: chat_template ({planned.source}): {exc}") from None
             problem = templates.prompt_boundary_problem(tok)
             if problem and verbose:

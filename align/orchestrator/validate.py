@@ -109,10 +109,9 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
                 print(f"  {plan.name}.{fld}: {card.name}: warning: hub dataset {data.card.source.get('hub')} not "
                       "reachable from here; its rows are checked when the stage starts")
             elif verbose:
-                read = data.total_rows + sum(data.dropped.values())
                 dropped = ", ".join(f"{n} {why}" for why, n in data.dropped.items()) or "none dropped"
-                print(f"  {plan.name}.{fld}: {card.name} split '{data.split}': {len(data.rows)} rows, of {read} read "
-                      f"({dropped})")
+                print(f"  {plan.name}.{fld}: {card.name} split '{data.split}': {len(data.rows)} rows, of {data.read} "
+                      f"read ({dropped})")
         try:
             plan.cfg.check(CheckContext(plan.name, cfg, plan.cards, split_of, Path(source).resolve().parent))
         except (ConfigError, ValueError) as exc:

@@ -65,10 +65,12 @@ class HeldoutKL:
     n: int
 
     @classmethod
-    def of(cls, kls: torch.Tensor) -> "HeldoutKL":
+    def of(cls, kls: torch.Tensor, prompts: int | None = None) -> "HeldoutKL":
+        """From the KLs of one response each; `prompts`: how many distinct prompts they answer (fewer held-out prompts
+        than processes repeat some, and repeats are no new prompts for the bound's count)."""
         xs = kls.detach().double().flatten()
         std = xs.std(unbiased=True).item() if xs.numel() > 1 else 0.0
-        return cls(xs.mean().item(), std, int(xs.numel()))
+        return cls(xs.mean().item(), std, int(xs.numel()) if prompts is None else min(int(xs.numel()), prompts))
 
     @property
     def upper(self) -> float:
@@ -129,7 +131,7 @@ def heldout_kl(cfg: PPOStage, accelerator, engine: RolloutEngine, model, referen
     """Sequence KL(policy || reference) = sum over the response of log pi - log ref (k1, at the sampling temperature,
     as the evaluation measures it) of one response per held-out prompt, sampled with the same seeds every iteration
     (the iterations differ by the policy, not by the draw) by engines that take a seed per request (hf; vLLM is
-    seeded once, so its held-out draws are fresh each iteration: the bound's 1.645 std/sqrt(n) covers that noise,
+    seeded once, so its held-out draws are fresh each iteration: the bound's t x std/sqrt(n) covers that noise,
     which then moves the KL from one iteration to the next as well). Every process measures an equal share (so the
     collectives of ZeRO-3 generation line up) and the shares are gathered. These are the first samples after a
     weight sync: an engine that reports its own log-probs is checked against the policy here (`where` names the
@@ -147,7 +149,7 @@ def heldout_kl(cfg: PPOStage, accelerator, engine: RolloutEngine, model, referen
             ref_logprobs = response_logprobs(reference, r, cfg.generation.temperature)
         check_rollout(engine, r, logprobs, cfg.generation.max_logprob_gap, where, reduce=across_processes(accelerator))
         kls.append(sequence_kl(logprobs, ref_logprobs, r.response_mask))
-    return HeldoutKL.of(accelerator.gather(torch.cat(kls)).cpu())
+    return HeldoutKL.of(accelerator.gather(torch.cat(kls)).cpu(), prompts=len(set(heldout)))
 
 
 def stop_inside_budget(ctx: StageContext, cfg: PPOStage, snapshot: PolicySnapshot, iteration: int,
