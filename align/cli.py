@@ -177,7 +177,7 @@ def _estimate(cfg, args: argparse.Namespace) -> int:
     except EstimateError as exc:
         raise PipelineError(str(exc)) from None
     print(render(estimates, hw))
-    peak = disk_peak(cfg, estimates, dtype_bytes(cfg.dtype, hw.gpu_memory is not None))
+    peak = disk_peak(cfg, estimates, dtype_bytes(cfg.dtype, hw.gpu_memory is not None, cfg.precision))
     if peak is not None:
         print(f"\nrun directory ({cfg.runs_dir}): ~{peak.bytes / 1e9:,.1f} GB of disk at its peak, during stage "
               f"'{peak.stage}' (checkpoints {peak.checkpoints / 1e9:,.1f} GB, models {peak.models / 1e9:,.1f} GB; "

@@ -90,9 +90,10 @@ class OnlineRLStage(TrainedStage):
         if ctx.card_produces("prompts", self.split) == "messages":
             raise ValueError("prompts: the card produces 'messages'; use a card with prompts (prompt, "
                              "prompt_completion or preference form) or a data stage")
-        known = self.num_processes if self.num_processes or self.accelerate != "cpu" else 1
-        if known:  # on a distributed config without num_processes the count is known only at launch
-            problem = self.batch_problem(known)
+        hw, distributed = ctx.pipeline.hardware, self.accelerate != "cpu"
+        per_node = self.num_processes or (hw.gpus_per_node if distributed else 1)  # one process per GPU by default
+        if per_node:  # else (a distributed config, no count given) the count is known only at launch
+            problem = self.batch_problem(per_node * (hw.nodes if distributed else 1))
             if problem:
                 raise ValueError(problem)
 

@@ -182,6 +182,13 @@ class PPOStage(StageBase):
             return None
         return FUSED_HEAD_CHUNK
 
+    def mode_problem(self, mode: str) -> str | None:
+        """What `fused_head: on` cannot do under this accelerate mode (checked at validate, not when PPO starts)."""
+        if self.fused_head == "on" and mode.startswith("zero3"):
+            return ("fused_head: on under ZeRO-3: the output head is partitioned across processes, so its chunks cannot "
+                    "be computed from the hidden states; set fused_head: auto (off under ZeRO-3) or use zero2")
+        return None
+
     def unread_settings(self) -> dict[str, str]:
         """Settings this stage does not read as it is set (dotted key -> why): a sweep over one trains twins."""
         kl = self.kl

@@ -163,11 +163,14 @@ def model_shapes(cfg: PipelineConfig, source: str | Path,
 
 
 # --------------------------------------------------------------------------------------------- stages
-def dtype_bytes(dtype: str, on_gpu: bool) -> int:
-    """Bytes per weight of the pipeline's `dtype`; `auto` is bfloat16 on GPUs, float32 on CPUs (the stage process's
+def dtype_bytes(dtype: str, on_gpu: bool, precision: str = "auto") -> int:
+    """Bytes per weight of the pipeline's `dtype`; `auto` is bfloat16 where the stage computes in bf16 on a GPU
+    (`precision` auto or bfloat16), float32 otherwise: `precision: float32` or float16, and CPUs (the stage process's
     rule, align/runtime/context.py `weights_dtype`: trained models outside DeepSpeed keep fp32 weights, which the
     state formulas below count anyway)."""
-    return _DTYPE_BYTES["bfloat16" if on_gpu else "float32"] if dtype == "auto" else _DTYPE_BYTES[dtype]
+    if dtype != "auto":
+        return _DTYPE_BYTES[dtype]
+    return _DTYPE_BYTES["bfloat16" if on_gpu and precision in ("auto", "bfloat16") else "float32"]
 
 
 def runs_eager(stage, attention: str, packs: bool = True) -> bool:
@@ -231,7 +234,7 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
     held = [Held(h.role, shapes[h.kind], h.trained, h.sharded) for h in stage.held_models(stages)]
     ckpt = bool(getattr(stage, "gradient_checkpointing", False))
     est = StageEstimate(name, stage.type, mode, gpus, held, checkpointing=ckpt)
-    dbytes = dtype_bytes(dtype, on_gpu=gpu_memory is not None)
+    dbytes = dtype_bytes(dtype, on_gpu=gpu_memory is not None, precision=precision)
     train_b, train_s, gen_b, gen_s = stage.workload()
     trained = [h for h in held if h.trained]
     lora = enabled_lora(stage)

@@ -88,7 +88,19 @@ def check_accelerate(plan: StagePlan, source: str | Path, precision: str = "auto
     if not isinstance(raw, dict) or str(raw.get("distributed_type", "")).upper() not in ACCELERATE_TYPES:
         raise PipelineError(f"{where}: {path} is not an accelerate config (it needs `distributed_type:` one of "
                             f"{', '.join(ACCELERATE_TYPES)}); name one of pipelines/accelerate/*.yaml")
+    try:  # first: its ZeRO stage is read as a number below
+        mode, _ = accelerate_mode(path)
+    except PipelineError as exc:
+        raise PipelineError(f"{where}: {exc}") from None
     problems = owned_setting_problems(plan, path, raw, precision, source)
+    lora = getattr(plan.cfg, "lora", None)
+    if lora is not None and lora.enabled and lora.quantize != "none" and mode.startswith("zero3"):
+        problems.append(f"lora.quantize: {lora.quantize} under ZeRO-3 ({path.name}): transformers loads a 4-bit base "
+                        "onto each process's GPU with a device map, which ZeRO-3's partitioning refuses as the model "
+                        "loads; the 4-bit base is small: use accelerate: zero2 (or ddp)")
+    problem = getattr(plan.cfg, "mode_problem", lambda m: None)(mode)  # a stage type's own rule for a mode
+    if problem:
+        problems.append(problem)
     if problems:
         raise PipelineError(f"{source}: stages.{plan.name}: " + "; ".join(problems))
 
@@ -155,16 +167,37 @@ def owned_setting_problems(plan: StagePlan, path: Path, raw: dict[str, Any], pre
 
 
 def accelerate_mode(path: Path) -> tuple[str, int | None]:
-    """(mode, num_processes) that an accelerate config file describes."""
+    """(mode, num_processes) that an accelerate config file describes: its ZeRO stage and offloads, written in its
+    `deepspeed_config:` (a stage not written there is accelerate's default, 2) or in the DeepSpeed JSON its
+    `deepspeed_config_file` names (DeepSpeed's default there: 0). FSDP is not a mode align sizes."""
     raw = yaml_load(path) or {}
     n = raw.get("num_processes")
     dist = str(raw.get("distributed_type", "NO")).upper()
+    if dist == "FSDP":
+        raise PipelineError(f"{path}: distributed_type: FSDP; align's memory estimate, checkpoints and weight syncs "
+                            "are built and tested on DeepSpeed ZeRO: use pipelines/accelerate/zero3.yaml (or zero2)")
     if dist != "DEEPSPEED":
         return ("ddp", n)
     ds = raw.get("deepspeed_config") or {}
-    stage = int(ds.get("zero_stage", 0))
-    optimizer = str(ds.get("offload_optimizer_device", "none")) != "none"
-    params = str(ds.get("offload_param_device", "none")) != "none"
+    ds = ds if isinstance(ds, dict) else {}
+    if ds.get("deepspeed_config_file"):
+        json_path = Path(ds["deepspeed_config_file"])
+        json_path = json_path if json_path.is_absolute() else path.parent / json_path
+        try:
+            zero = json.loads(json_path.read_text(encoding="utf-8")).get("zero_optimization") or {}
+        except (OSError, ValueError, AttributeError) as exc:
+            raise PipelineError(f"{path}: deepspeed_config_file: {json_path} is not a readable JSON file "
+                                f"({type(exc).__name__})") from None
+        stage, where = zero.get("stage", 0), json_path
+        optimizer = str((zero.get("offload_optimizer") or {}).get("device", "none")) != "none"
+        params = str((zero.get("offload_param") or {}).get("device", "none")) != "none"
+    else:
+        stage, where = ds.get("zero_stage", 2), path
+        optimizer = str(ds.get("offload_optimizer_device", "none")) != "none"
+        params = str(ds.get("offload_param_device", "none")) != "none"
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
+        raise PipelineError(f"{where}: ZeRO stage {stage!r}: align sizes memory and plans checkpoints by the stage; "
+                            "write 0, 1, 2 or 3")
     if stage <= 0:
         return ("ddp", n)
     if stage == 1:

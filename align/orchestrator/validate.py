@@ -31,7 +31,7 @@ from align.orchestrator.estimate import EstimateError, ModelShape, model_sources
 from align.orchestrator.memory import enabled_lora, missing_lora_targets, targeted
 from align.orchestrator.inputs import (base_model_config, check_model_inputs, fetch_tokenizer, resolve_model_paths,
                                        tokenizer_name, tokenizer_to_check)
-from align.orchestrator.launch import check_accelerate
+from align.orchestrator.launch import accelerate_config, accelerate_mode, check_accelerate
 from align.orchestrator.plan import StagePlan, build_plan
 from align.core.errors import PipelineError
 
@@ -91,7 +91,10 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
         print(f"  warning: {note}")
     plans = plans or build_plan(cfg, source)
     split_of = card_loader()
-    problem = flash_attention_problem(cfg.attn_implementation)
+    problem = flash_attention_problem(cfg.attn_implementation) or (
+        "flash-attention computes in 16 bits only, and precision: float32 keeps fp32 weights and no autocast; use "
+        "precision: bfloat16 (or auto on a GPU with bf16), or attn_implementation: sdpa"
+        if cfg.attn_implementation == "flash_attention_2" and cfg.precision == "float32" else None)
     if problem:
         raise PipelineError(f"{source}: attn_implementation: {cfg.attn_implementation!r}: {problem}")
     problem = runs_dir_problem(cfg.runs_dir)
@@ -102,6 +105,9 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
             print(f"  warning: {note}")
     for plan in plans:
         check_accelerate(plan, source, cfg.precision)
+        problem = _half_weights_problem(plan, cfg, source)
+        if problem:
+            raise PipelineError(f"{source}: stages.{plan.name}: {problem}")
         for fld, card in plan.cards.items():
             data = split_of(card, plan.cfg.card_split(fld))
             _check_card_rows(plan, fld, card, data, str(source))
@@ -261,11 +267,25 @@ def _check_lora_targets(cfg: PipelineConfig, plans: list[StagePlan], answer: dic
                 raise PipelineError(f"{source}: stages.{plan.name}.lora.target_modules: {missing} name no linear "
                                     f"layer of the {held.role} model ({cfg.base_model}); its linear layers are named "
                                     f"{names}: name some of those")
-            widest = max(min(dims) for n, dims in shape.linears.items() if n != shape.head and targeted(n, set(lora.target_modules)))
-            if lora.r > widest:
+            widest = max((min(dims) for n, dims in shape.linears.items() if targeted(n, set(lora.target_modules))),
+                         default=None)  # the head alone is a target too (its width: the hidden size)
+            if widest is not None and lora.r > widest:
                 raise PipelineError(f"{source}: stages.{plan.name}.lora.r: {lora.r} is above the rank any targeted "
                                     f"layer of the {held.role} model can have ({widest}: the smallest of its in and "
                                     f"out features); an adapter of higher rank trains no more. Lower lora.r")
+
+
+def _half_weights_problem(plan: StagePlan, cfg: PipelineConfig, source: str | Path) -> str | None:
+    """`dtype: float16` for a model trained whole outside DeepSpeed (whose optimiser keeps fp32 master weights)."""
+    if cfg.dtype != "float16" or enabled_lora(plan.cfg) is not None or \
+            not any(h.trained for h in plan.cfg.held_models(cfg.stages)):
+        return None
+    if accelerate_mode(accelerate_config(plan.cfg.accelerate, source))[0] != "ddp":
+        return None
+    return (f"dtype: float16 trains the model's own fp16 weights outside DeepSpeed (accelerate: {plan.cfg.accelerate}):"
+            " under precision float16 the loss scaler refuses fp16 gradients at the first step ('Attempting to unscale "
+            "FP16 gradients'), else AdamW steps fp16 weights with no fp32 master copy; use dtype: auto (fp32 weights "
+            "under mixed precision), LoRA (fp32 adapters), or a DeepSpeed config (fp32 master weights)")
 
 
 def stage_lines(cfg: PipelineConfig, plans: list[StagePlan]) -> list[str]:

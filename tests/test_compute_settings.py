@@ -1,0 +1,87 @@
+"""Compute settings that a GPU run would reject hours in, or that the memory estimate misread (a probe of the compute
+settings, 2026-11-29): each is now refused at `align validate` naming the setting, or estimated as it runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from align.cli import main as cli
+from align.orchestrator.launch import accelerate_mode
+from align.core.errors import PipelineError
+from conftest import REPO
+
+DEFAULT = str(REPO / "pipelines" / "default.yaml")
+ONLINE = str(REPO / "pipelines" / "online_rl.yaml")
+
+
+def validate(capsys, *args: str) -> tuple[int, str]:
+    rc = cli(["validate", *args])
+    cap = capsys.readouterr()
+    return rc, cap.out + cap.err
+
+
+def test_dtype_auto_is_sized_as_the_precision_loads_it():
+    """`precision: float32` loads every frozen model in fp32 (align/runtime/context.py weights_dtype); the estimate
+    sized them in bf16 and said an 8B evaluate on 80 GB fits (it needs ~88 GiB of weights)."""
+    from align.orchestrator.estimate import dtype_bytes
+
+    assert dtype_bytes("auto", True) == dtype_bytes("auto", True, "bfloat16") == 2
+    assert dtype_bytes("auto", True, "float32") == dtype_bytes("auto", True, "float16") == 4
+    assert dtype_bytes("auto", False, "bfloat16") == 4 and dtype_bytes("bfloat16", False, "float32") == 2
+
+
+def test_the_zero_stage_is_read_where_the_config_writes_it(tmp_path):
+    (tmp_path / "ds3.json").write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                                                         "offload_optimizer": {"device": "cpu"}}}))
+    head = "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_processes: 8\n"
+    cases = {"file.yaml": (head + "deepspeed_config:\n  deepspeed_config_file: ds3.json\n", "zero3_offload"),
+             "default.yaml": (head + "deepspeed_config:\n  zero-stage: 3\n", "zero2"),  # a typo: accelerate's default
+             "inline.yaml": (head + "deepspeed_config:\n  zero_stage: 1\n", "zero1")}
+    for name, (text, mode) in cases.items():
+        (tmp_path / name).write_text(text)
+        assert accelerate_mode(tmp_path / name) == (mode, 8), name
+    (tmp_path / "auto.yaml").write_text(head + "deepspeed_config:\n  zero_stage: auto\n")
+    with pytest.raises(PipelineError, match=r"ZeRO stage 'auto'.*write 0, 1, 2 or 3"):
+        accelerate_mode(tmp_path / "auto.yaml")
+    (tmp_path / "fsdp.yaml").write_text("distributed_type: FSDP\nnum_processes: 8\n")
+    with pytest.raises(PipelineError, match=r"distributed_type: FSDP.*DeepSpeed ZeRO"):
+        accelerate_mode(tmp_path / "fsdp.yaml")
+
+
+@pytest.mark.parametrize("pipeline, overrides, needles", [
+    # transformers refuses a device map under ZeRO-3 as the model loads: the QLoRA base never loaded
+    (DEFAULT, ["sft.lora.enabled=true", "sft.lora.quantize=4bit", "sft.accelerate=zero3"],
+     ["stages.sft: lora.quantize: 4bit under ZeRO-3 (zero3.yaml)", "use accelerate: zero2"]),
+    # refused when PPO started, after the stages before it had trained
+    (DEFAULT, ["ppo.fused_head=on", "ppo.accelerate=zero3"], ["stages.ppo: fused_head: on under ZeRO-3"]),
+    # the whole-group rule with one process per GPU (3) and per node x nodes
+    (ONLINE, ["grpo.per_device_batch_size=1", "grpo.accelerate=ddp", "hardware.gpus_per_node=3"],
+     ["1 x 3 x 4 = 12 completions per generation round) must be divisible by num_generations (8)"]),
+    # fp16 weights trained outside DeepSpeed: the loss scaler refuses fp16 gradients at the first step
+    (DEFAULT, ["dtype=float16"], ["stages.sft: dtype: float16 trains the model's own fp16 weights outside DeepSpeed"]),
+])
+def test_compute_settings_a_gpu_run_would_reject_are_refused(pipeline, overrides, needles, capsys):
+    rc, out = validate(capsys, pipeline, *overrides)
+    assert rc == 2, out[-2000:]
+    for needle in needles:
+        assert needle in out, (needle, out[-2000:])
+    assert "Traceback" not in out
+
+
+def test_the_world_is_processes_per_node_times_nodes_and_a_head_alone_is_a_lora_target(capsys):
+    rc, out = validate(capsys, ONLINE, "grpo.num_processes=3", "hardware.nodes=2", "grpo.accelerate=ddp",
+                       "grpo.per_device_batch_size=1")  # 1 x 6 x 4 = 24 completions: whole groups of 8
+    assert rc == 0, out[-2000:]
+    rc, out = validate(capsys, DEFAULT, "sft.lora.enabled=true", "sft.lora.target_modules=[lm_head]")
+    assert rc == 0 and "Traceback" not in out, out[-2000:]  # was max() of an empty sequence
+
+
+def test_flash_attention_with_fp32_compute_is_refused(capsys, monkeypatch):
+    """flash-attn takes 16-bit inputs only; precision: float32 keeps fp32 weights and no autocast."""
+    from align.orchestrator import validate as validate_module
+
+    monkeypatch.setattr(validate_module, "flash_attention_problem", lambda name: None)  # as with flash-attn installed
+    rc, out = validate(capsys, DEFAULT, "attn_implementation=flash_attention_2", "precision=float32")
+    assert rc == 2 and "flash-attention computes in 16 bits only" in out, out[-2000:]
