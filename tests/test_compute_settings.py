@@ -85,3 +85,24 @@ def test_flash_attention_with_fp32_compute_is_refused(capsys, monkeypatch):
     monkeypatch.setattr(validate_module, "flash_attention_problem", lambda name: None)  # as with flash-attn installed
     rc, out = validate(capsys, DEFAULT, "attn_implementation=flash_attention_2", "precision=float32")
     assert rc == 2 and "flash-attention computes in 16 bits only" in out, out[-2000:]
+
+
+@pytest.mark.parametrize("params, gpus, nodes", [(8_030_261_248, 8, 1), (70_553_706_496, 8, 1), (70_553_706_496, 8, 2),
+                                                 (1_000_000, 1, 1)])
+def test_host_memory_of_offload_modes_is_deepspeeds_own_estimate(params, gpus, nodes):
+    """`zero3_offload would fit` said nothing of the host: a 70B model's offloaded states need ~1.8 TB of RAM per node
+    (DeepSpeed's own estimator). The CPU figures are written out as the GPU ones are, and held equal to DeepSpeed's."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    from align.orchestrator.memory import host_state_bytes
+
+    per_node = gpus
+    ds2 = estimate_zero2_model_states_mem_needs(params, num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=True)
+    ds3 = estimate_zero3_model_states_mem_needs(params, 1, num_gpus_per_node=per_node, num_nodes=nodes)
+    ds3_opt = estimate_zero3_model_states_mem_needs(params, 1, num_gpus_per_node=per_node, num_nodes=nodes,
+                                                    cpu_offload_params=False)
+    assert host_state_bytes("zero2_offload", params, per_node * nodes, nodes) == ds2[0]
+    assert host_state_bytes("zero3_offload", params, per_node * nodes, nodes) == ds3[0]
+    assert host_state_bytes("zero3_offload_optimizer", params, per_node * nodes, nodes) == ds3_opt[0]
+    assert host_state_bytes("zero3", params, per_node * nodes, nodes) == 0

@@ -61,7 +61,8 @@ from align.orchestrator.hardware import Hardware
 from align.orchestrator.inputs import resolve_model_paths
 from align.orchestrator.launch import accelerate_config, accelerate_mode, is_distributed, processes_per_node
 from align.orchestrator.memory import (FALLBACK_TOKEN_H, LORA_UNMEASURED, EstimateError, ModelShape,
-                                      activation_bytes, enabled_lora, frozen_bytes, kv_cache_bytes, lora_key, lora_layers,
+                                      activation_bytes, enabled_lora, frozen_bytes, host_state_bytes, kv_cache_bytes,
+                                      lora_key, lora_layers,
                                       lora_params, lora_spec, model_state_bytes, qlora_base_bytes, training_variant,
                                       trl_fused_head_bytes, variant_class)
 from align.orchestrator.plan import StagePlan, build_plan
@@ -230,7 +231,7 @@ def _activations(est: StageEstimate, h: Held, variant: tuple[str, str], batch: i
 
 def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], shapes: dict[str, ModelShape],
                    mode: str, gpus: int, dtype: str, gpu_memory: int | None = None, attention: str = "auto",
-                   precision: str = "auto") -> StageEstimate:
+                   precision: str = "auto", nodes: int = 1) -> StageEstimate:
     held = [Held(h.role, shapes[h.kind], h.trained, h.sharded) for h in stage.held_models(stages)]
     ckpt = bool(getattr(stage, "gradient_checkpointing", False))
     est = StageEstimate(name, stage.type, mode, gpus, held, checkpointing=ckpt)
@@ -286,6 +287,10 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
         est.bytes_by_mode[m] = sum(parts.values())
     if est.with_checkpointing is not None:
         est.with_checkpointing += est.bytes_by_mode[mode]
+    host = host_state_bytes(mode, sum(trained_params.values()), gpus, nodes)
+    if host:  # what the offload moves off the GPUs lands in the node's memory
+        est.notes.add(f"stage '{name}' under {mode} keeps ~{host / GIB:,.0f} GiB of trained states in host memory per "
+                      "node (DeepSpeed's estimator, with its 1.5 buffer factor): the node needs that much RAM free")
     return est
 
 
@@ -303,7 +308,7 @@ def estimate_pipeline(cfg: PipelineConfig, source: str | Path, hw: Hardware, num
         per_node = processes_per_node(plan.cfg, num_processes or hw.gpus_per_node) or (cfg_n if distributed else 1) or 1
         gpus = per_node * (hw.nodes if distributed else 1)
         out.append(estimate_stage(plan.name, plan.cfg, cfg.stages, shapes, mode, gpus, cfg.dtype, hw.gpu_memory,
-                                  cfg.attn_implementation, cfg.precision))
+                                  cfg.attn_implementation, cfg.precision, hw.nodes if distributed else 1))
     return out
 
 
@@ -385,5 +390,7 @@ def _fixes(e: StageEstimate, hw: Hardware) -> list[str]:
                      "much slower sampling)")
     alts = [m for m in REPORTED_MODES if e.bytes_by_mode[m] <= cap]
     if alts:
-        fixes.append(f"{' or '.join(alts)} would fit (set stages.{e.name}.accelerate)")
+        host = {m: host_state_bytes(m, sum(e.trained_params.values()), e.gpus, hw.nodes) for m in alts}
+        fixes.append(" or ".join(m + (f" (with ~{host[m] / GIB:,.0f} GiB of host memory per node)" if host[m] else "")
+                                 for m in alts) + f" would fit (set stages.{e.name}.accelerate)")
     return fixes or ["use more GPUs, smaller batches or a smaller model"]

@@ -116,6 +116,18 @@ def model_state_bytes(mode: str, params: int, largest_layer: int, gpus: int) -> 
     raise ValueError(f"unknown mode '{mode}' (one of {MODES})")
 
 
+def host_state_bytes(mode: str, params: int, gpus: int, nodes: int) -> int:
+    """Host memory per node that an offload mode keeps for a trained model's states (0 for the other modes): the CPU
+    figures of DeepSpeed's estimators, as `model_state_bytes` writes their GPU figures out, with their default buffer
+    factor 1.5 and zero_init (align builds ZeRO-3 models under zero.Init): ZeRO-3 18 bytes a parameter over the nodes
+    (16 with the parameters on the GPUs), ZeRO-2 max(4 x GPUs, 16)."""
+    if mode == "zero2_offload":
+        return int(params * max(4 * gpus, 16) * 1.5)
+    if mode in ("zero3_offload", "zero3_offload_optimizer"):
+        return int(params * (18 if mode == "zero3_offload" else 16) / nodes * 1.5)
+    return 0
+
+
 def frozen_bytes(mode: str, params: int, largest_layer: int, gpus: int, dtype_bytes: int) -> int:
     """Bytes per GPU for a model that is only run forward (reference, reward model)."""
     if mode in ("zero3", "zero3_offload_optimizer"):
