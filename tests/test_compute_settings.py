@@ -106,3 +106,11 @@ def test_host_memory_of_offload_modes_is_deepspeeds_own_estimate(params, gpus, n
     assert host_state_bytes("zero3_offload", params, per_node * nodes, nodes) == ds3[0]
     assert host_state_bytes("zero3_offload_optimizer", params, per_node * nodes, nodes) == ds3_opt[0]
     assert host_state_bytes("zero3", params, per_node * nodes, nodes) == 0
+
+
+def test_a_lora_dropout_the_trainer_turns_off_is_said_not_applied(capsys):
+    """TRL's preference and RL trainers set every dropout to 0 (the adapters' too): a dpo.lora.dropout of 0.5 was
+    accepted without a word (PPO refuses one for the same reason)."""
+    rc, out = validate(capsys, str(REPO / "pipelines" / "smollm2_hh.yaml"), "dpo.lora.dropout=0.5")
+    assert rc == 0 and "warning: stages.dpo.lora.dropout 0.5 is not applied: a dpo stage trains with dropout off" in out
+    assert "stages.sft.lora.dropout" not in out  # SFT's trainer keeps the model's dropout: applied

@@ -108,6 +108,10 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
         problem = _half_weights_problem(plan, cfg, source)
         if problem:
             raise PipelineError(f"{source}: stages.{plan.name}: {problem}")
+        lora = enabled_lora(plan.cfg)
+        if verbose and lora is not None and lora.dropout and not type(plan.cfg).DROPOUT:
+            print(f"  warning: stages.{plan.name}.lora.dropout {lora.dropout:g} is not applied: a {plan.cfg.type} stage "
+                  "trains with dropout off (its trainer sets every dropout to 0, the adapters' too); set it to 0")
         for fld, card in plan.cards.items():
             data = split_of(card, plan.cfg.card_split(fld))
             _check_card_rows(plan, fld, card, data, str(source))
