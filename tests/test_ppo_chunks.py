@@ -123,7 +123,8 @@ def test_the_heldout_kl_rollouts_share_one_gather_of_the_policy(tmp_path):
                                   gather=lambda t: t)
     kl = heldout_kl(cfg, accelerator, HFEngine(None, tok, context=gathered), model, reference, TEXTS * 2,
                     seed=SEED, where="iteration 1")
-    assert kl.n == 6 and len(entered) == 1  # 3 rollouts of 2 prompts, one gather
+    assert len(entered) == 1  # 3 rollouts of 2 prompts, one gather
+    assert kl.n == 3  # six prompts measured, three of them distinct: the bound counts prompts, not repeats
 
 
 def test_scoring_a_mini_batch_at_a_time_equals_scoring_the_whole_rollout(tmp_path):
