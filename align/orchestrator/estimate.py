@@ -287,11 +287,15 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
         est.bytes_by_mode[m] = sum(parts.values())
     if est.with_checkpointing is not None:
         est.with_checkpointing += est.bytes_by_mode[mode]
-    host = host_state_bytes(mode, sum(trained_params.values()), gpus, nodes)
-    if host:  # what the offload moves off the GPUs lands in the node's memory
-        est.notes.add(f"stage '{name}' under {mode} keeps ~{host / GIB:,.0f} GiB of trained states in host memory per "
-                      "node (DeepSpeed's estimator, with its 1.5 buffer factor): the node needs that much RAM free")
+    _note_host(est, sum(trained_params.values()), nodes)
     return est
+
+
+def _note_host(est: StageEstimate, trained: int, nodes: int) -> None:
+    """What an offload mode moves off the GPUs lands in the node's memory: say how much."""
+    if host := host_state_bytes(est.mode, trained, est.gpus, nodes):
+        est.notes.add(f"stage '{est.name}' under {est.mode} keeps ~{host / GIB:,.0f} GiB of trained states in host "
+                      "memory per node (DeepSpeed's estimator, 1.5 buffer factor): the node needs that much RAM free")
 
 
 # --------------------------------------------------------------------------------------------- pipeline
