@@ -18,6 +18,7 @@ import yaml
 
 from align.config import StageBase
 from align.core.console import verbose
+from align.orchestrator.memory import enabled_lora
 from align.orchestrator.plan import REPO_DIR, StagePlan
 from align.core.errors import PipelineError
 
@@ -93,8 +94,8 @@ def check_accelerate(plan: StagePlan, source: str | Path, precision: str = "auto
     except PipelineError as exc:
         raise PipelineError(f"{where}: {exc}") from None
     problems = owned_setting_problems(plan, path, raw, precision, source)
-    lora = getattr(plan.cfg, "lora", None)
-    if lora is not None and lora.enabled and lora.quantize != "none" and mode.startswith("zero3"):
+    lora = enabled_lora(plan.cfg)
+    if lora is not None and lora.quantize != "none" and mode.startswith("zero3"):
         problems.append(f"lora.quantize: {lora.quantize} under ZeRO-3 ({path.name}): transformers loads a 4-bit base "
                         "onto each process's GPU with a device map, which ZeRO-3's partitioning refuses as the model "
                         "loads; the 4-bit base is small: use accelerate: zero2 (or ddp)")
@@ -118,12 +119,7 @@ def _deepspeed_values(path: Path, raw: dict[str, Any]) -> tuple[dict[str, Any], 
         ds = ds if isinstance(ds, dict) else {}
         return {**ds, "zero3_saves_whole": int(ds.get("zero_stage", 0) or 0) != 3 or
                 ds.get("zero3_save_16bit_model") in (True, "true", "True")}, str(path)
-    json_path = (path.parent / file) if not Path(file).is_absolute() else Path(file)
-    try:
-        conf = json.loads(json_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise PipelineError(f"{path}: deepspeed_config_file: {json_path} is not a readable JSON file "
-                            f"({type(exc).__name__})") from None
+    conf, json_path = _deepspeed_json(path, file)
     values = {k: conf[k] for k in ("gradient_accumulation_steps", "gradient_clipping") if k in conf}
     zero = conf.get("zero_optimization") if isinstance(conf.get("zero_optimization"), dict) else {}
     values["zero3_saves_whole"] = zero.get("stage") != 3 or zero.get("stage3_gather_16bit_weights_on_model_save") is True
@@ -132,6 +128,19 @@ def _deepspeed_values(path: Path, raw: dict[str, Any]) -> tuple[dict[str, Any], 
         if isinstance(conf.get(kind), dict) and conf[kind].get("enabled") not in (None, "auto", False):
             values["mixed_precision"] = kind
     return values, str(json_path)
+
+
+def _deepspeed_json(path: Path, file: str) -> tuple[dict[str, Any], Path]:
+    """The DeepSpeed JSON an accelerate config's `deepspeed_config_file` names (relative to the config), and its path."""
+    json_path = Path(file) if Path(file).is_absolute() else path.parent / file
+    try:
+        conf = json.loads(json_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise PipelineError(f"{path}: deepspeed_config_file: {json_path} is not a readable JSON file "
+                            f"({type(exc).__name__})") from None
+    if not isinstance(conf, dict):
+        raise PipelineError(f"{path}: deepspeed_config_file: {json_path} holds no mapping of DeepSpeed settings")
+    return conf, json_path
 
 
 def owned_setting_problems(plan: StagePlan, path: Path, raw: dict[str, Any], precision: str,
@@ -181,14 +190,9 @@ def accelerate_mode(path: Path) -> tuple[str, int | None]:
     ds = raw.get("deepspeed_config") or {}
     ds = ds if isinstance(ds, dict) else {}
     if ds.get("deepspeed_config_file"):
-        json_path = Path(ds["deepspeed_config_file"])
-        json_path = json_path if json_path.is_absolute() else path.parent / json_path
-        try:
-            zero = json.loads(json_path.read_text(encoding="utf-8")).get("zero_optimization") or {}
-        except (OSError, ValueError, AttributeError) as exc:
-            raise PipelineError(f"{path}: deepspeed_config_file: {json_path} is not a readable JSON file "
-                                f"({type(exc).__name__})") from None
-        stage, where = zero.get("stage", 0), json_path
+        conf, where = _deepspeed_json(path, ds["deepspeed_config_file"])
+        zero = conf.get("zero_optimization") if isinstance(conf.get("zero_optimization"), dict) else {}
+        stage = zero.get("stage", 0)
         optimizer = str((zero.get("offload_optimizer") or {}).get("device", "none")) != "none"
         params = str((zero.get("offload_param") or {}).get("device", "none")) != "none"
     else:
