@@ -381,3 +381,14 @@ def special_text_problem(rows: list[dict[str, Any]], found: list[tuple[int, str]
             f"which it reads as the tokens themselves (a reply would end, or a turn begin, where the data only "
             f"mentions one): rows {', '.join(str(i) for i, _ in found[:5])}{more} of the split. Remove or rewrite "
             f"them (up to {MAX_SPECIAL_TEXT:.0%} of a split, or {MIN_SPECIAL_TEXT} rows, are dropped and counted instead)")
+
+
+def without_special_text(rows: list[dict[str, Any]], tokenizer, where: str) -> tuple[list[dict[str, Any]], list]:
+    """`rows` less those holding a special token's text (`holding_special_text`), and those found (position, token
+    text); a FormatError naming them when more than MAX_SPECIAL_TEXT of the rows (and MIN_SPECIAL_TEXT) hold one."""
+    found = holding_special_text(rows, tokenizer)
+    problem = special_text_problem(rows, found, where)
+    if problem:
+        raise FormatError(problem)
+    drop = {i for i, _ in found}
+    return [r for i, r in enumerate(rows) if i not in drop], found

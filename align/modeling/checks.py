@@ -26,8 +26,8 @@ from typing import Any
 from align import templates
 from align.core.errors import TOKENIZER_SAVE_FIX, ModelError
 from align.core.schema import ConfigError
-from align.data.chat import (TemplateError, as_text, holding_special_text, same_after_template_problem,
-                             sft_example, special_text_problem, trained_text)
+from align.data.chat import (TemplateError, as_text, same_after_template_problem, sft_example, trained_text,
+                             without_special_text)
 from align.data.formats import FormatError
 from align.data.lengths import RULES, LengthError, enforce
 from align.modeling import shapes as model_shapes
@@ -189,16 +189,14 @@ def check_length(tokenizer, source: str, verbose: bool, where: str, stage: str, 
     """Count a trained stage's over-long examples by its trainer's rule, rendered as the stage will render them
     (conversational prompts and replies with the chat template; `messages` rows as they are), after the rows that
     hold a special token's text, which the stage drops (or refuses: align/runtime/rows.py `drop_special_text`)."""
-    found = holding_special_text(rows, tokenizer)
-    problem = special_text_problem(rows, found, f"{source}: {where}")
-    if problem:
-        raise CheckError(problem)
-    if found:
-        if verbose:
-            print(f"  {where}: {len(found)} of {len(rows)} rows hold a special token's text ({found[0][1]!r}): "
-                  "dropped and counted when the stage starts")
-        drop = {i for i, _ in found}
-        rows = [r for i, r in enumerate(rows) if i not in drop]
+    try:
+        kept, found = without_special_text(rows, tokenizer, f"{source}: {where}")
+    except FormatError as exc:
+        raise CheckError(str(exc)) from None
+    if found and verbose:
+        print(f"  {where}: {len(found)} of {len(rows)} rows hold a special token's text ({found[0][1]!r}): "
+              "dropped and counted when the stage starts")
+    rows = kept
     try:
         rows = as_text(rows, tokenizer)
     except FormatError as exc:

@@ -9,8 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from align.data.cards import LoadedSplit, load_split, read_jsonl
-from align.data.chat import (as_text, holding_special_text, same_after_template, same_after_template_problem,
-                             special_text_problem)
+from align.data.chat import as_text, same_after_template, same_after_template_problem, without_special_text
 from align.data.formats import FormatError, prompt_key, text_of
 from align.runtime.context import StageContext, StageError
 
@@ -31,25 +30,27 @@ def card_split(ctx: StageContext, card: str, split: str) -> LoadedSplit:
     """A data card's split, with the rows its transforms and checks dropped counted in the manifest (`dropped_rows`,
     the card's whole file: a split is drawn after them)."""
     loaded = load_split(card, split)
-    dropped = ctx.extra_manifest.setdefault("dropped_rows", {})
     for why, n in loaded.dropped.items():
-        dropped[f"{card} (the whole file, before the split): {why}"] = n
+        count_dropped(ctx, f"{card} (the whole file, before the split): {why}", n)
     return loaded
+
+
+def count_dropped(ctx: StageContext, why: str, n: int) -> None:
+    """Rows a stage dropped, counted in its manifest (`dropped_rows`: where and why -> how many)."""
+    ctx.extra_manifest.setdefault("dropped_rows", {})[why] = n
 
 
 def drop_special_text(ctx: StageContext, rows: list[dict[str, Any]], tokenizer, where: str) -> list[dict[str, Any]]:
     """Rows whose text holds a special token's text (align/data/chat.py `holding_special_text`): up to
     MAX_SPECIAL_TEXT of them are dropped and counted (`dropped_rows` in the manifest), more refuse the data (as
     `align validate` does before anything trains: align/modeling/checks.py)."""
-    found = holding_special_text(rows, tokenizer)
-    if not found:
-        return rows
-    problem = special_text_problem(rows, found, where)
-    if problem:
-        raise StageError(f"stage '{ctx.name}': {problem}")
-    ctx.extra_manifest.setdefault("dropped_rows", {})[f"{where}: holds a special token's text"] = len(found)
-    drop = {i for i, _ in found}
-    return [r for i, r in enumerate(rows) if i not in drop]
+    try:
+        kept, found = without_special_text(rows, tokenizer, where)
+    except FormatError as exc:
+        raise StageError(f"stage '{ctx.name}': {exc}") from None
+    if found:
+        count_dropped(ctx, f"{where}: holds a special token's text", len(found))
+    return kept
 
 
 def _rendered(ctx: StageContext, rows: list[dict[str, Any]], tokenizer, where: str) -> list[dict[str, Any]]:
@@ -72,8 +73,7 @@ def drop_same_after_template(ctx: StageContext, rows: list[dict[str, Any]], wher
     problem = same_after_template_problem(rows, where)
     if problem:
         raise StageError(f"stage '{ctx.name}': {problem}")
-    dropped = ctx.extra_manifest.setdefault("dropped_rows", {})
-    dropped[f"{where}: identical after the chat template"] = len(same)
+    count_dropped(ctx, f"{where}: identical after the chat template", len(same))
     drop = set(same)
     return [r for i, r in enumerate(rows) if i not in drop]
 
@@ -97,7 +97,7 @@ def load_prompts(ctx: StageContext, ref: str, split: str, limit: int | None = No
     rows = list(first.values())[:limit] if limit else list(first.values())
     kept = [r for r in rows if text_of(r["prompt"])]  # visible text: not whitespace or zero-width characters alone
     if len(kept) < len(rows):
-        ctx.extra_manifest.setdefault("dropped_rows", {})[f"{ref} split '{split}': empty prompt"] = len(rows) - len(kept)
+        count_dropped(ctx, f"{ref} split '{split}': empty prompt", len(rows) - len(kept))
     rows = kept
     if not rows:
         raise StageError(f"stage '{ctx.name}': no non-empty prompts in {ref} split '{split}'")
