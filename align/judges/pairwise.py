@@ -138,16 +138,17 @@ class JudgeCache:
     def __init__(self, path: Path, rank: int | None = None):
         self.path = path if rank is None else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
         self.answers: dict[str, str] = {}
+        self._torn = False  # a killed append left a last line without its end: the next one starts a line of its own
         for file in sorted({path, *path.parent.glob(f"{path.stem}.rank*{path.suffix}")}):
-            for line in file.read_bytes().split(b"\n") if file.is_file() else ():
+            data = file.read_bytes() if file.is_file() else b""
+            self._torn = self._torn or (file == self.path and data[-1:] not in (b"", b"\n"))
+            for line in data.split(b"\n"):
                 try:  # a damaged line (torn, bytes that are not UTF-8, an answer that is not text) is asked again
                     row = json.loads(line.decode("utf-8"))
                     if isinstance(row["key"], str) and isinstance(row["answer"], str):
                         self.answers[row["key"]] = row["answer"]
                 except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
                     continue
-        self._torn = self.path.is_file() and self.path.stat().st_size > 0 and not \
-            self.path.read_bytes().endswith(b"\n")  # a killed append: the next one starts on a line of its own
         self._lock = threading.Lock()
 
     def put(self, items: dict[str, str]) -> None:
