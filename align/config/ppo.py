@@ -192,11 +192,10 @@ class PPOStage(StageBase):
     def unread_settings(self) -> dict[str, str]:
         """Settings this stage does not read as it is set (dotted key -> why): a sweep over one trains twins."""
         kl = self.kl
-        unread = dict.fromkeys(("kl.kp", "kl.ki") if kl.controller == "ziegler" else ("kl.horizon",),
-                               f"kl.controller is {kl.controller}")
         if not kl.adaptive:
-            unread = dict.fromkeys(("kl.controller", "kl.target", "kl.kp", "kl.ki", "kl.horizon"), "kl.adaptive is false")
-        return unread
+            return dict.fromkeys(("kl.controller", "kl.target", "kl.kp", "kl.ki", "kl.horizon"), "kl.adaptive is false")
+        return dict.fromkeys(("kl.kp", "kl.ki") if kl.controller == "ziegler" else ("kl.horizon",),
+                             f"kl.controller is {kl.controller}")
 
     def check(self, ctx: CheckContext) -> None:
         ctx.check_judge("reward", self.reward)

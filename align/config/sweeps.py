@@ -23,9 +23,9 @@ it must say which one it means.
 from __future__ import annotations
 
 import copy
-import json
 import dataclasses
 import itertools
+import json
 import math
 import re
 import typing

@@ -58,8 +58,9 @@ def encoding_problem(tokenizer) -> str | None:
     after the text, or the model would be trained on a spelled-out end of turn it can never emit, or every prompt
     would end in a stop token."""
     eos = tokenizer.eos_token
-    if eos is not None and tokenizer(eos, add_special_tokens=False)["input_ids"] != [tokenizer.eos_token_id]:
-        return (f"encodes its EOS text {eos!r} as {tokenizer(eos, add_special_tokens=False)['input_ids']}, not "
+    eos_ids = tokenizer(eos, add_special_tokens=False)["input_ids"] if eos is not None else None
+    if eos_ids is not None and eos_ids != [tokenizer.eos_token_id]:
+        return (f"encodes its EOS text {eos!r} as {eos_ids}, not "
                 f"as its id {tokenizer.eos_token_id} (split_special_tokens: true in tokenizer_config.json?): "
                 "replies would be trained to end in that text, never in the token that stops generation; set "
                 "split_special_tokens: false and save the tokenizer again")

@@ -58,9 +58,9 @@ def headline(cfg: EvaluateStage, m: dict[str, Any], groups: list[frontier.Group]
                 cells.append(f"{m[f'eval/{p}/{j}/win_rate']:.3f} [{lo:.3f}, {hi:.3f}]")
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
     for judge in cfg.pairwise:  # pairwise judges: win rate vs the baseline, both orders, ties as halves
-        lines += ["", f"| policy | {judge.name} win rate vs {cfg.baseline} [95% CI] | length-controlled | ties | "
-                  f"position-consistent | invalid | agreement with {', '.join(cfg.judges) or '-'} |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", *_header(["policy", f"{judge.name} win rate vs {cfg.baseline} [95% CI]", "length-controlled",
+                                "ties", "position-consistent", "invalid",
+                                f"agreement with {', '.join(cfg.judges) or '-'}"])]
         for p in cfg.policies:
             if p == cfg.baseline:
                 continue

@@ -147,10 +147,10 @@ class RewardScale:
         then the scores are only centred (gain 1)."""
         xs = scores.detach().double().flatten()
         mean, std = xs.mean().item(), xs.std(unbiased=False).item()
-        flat = not std >= FLAT_SCORES * max(1.0, abs(mean))
-        gain = 1.0 if flat else 1.0 / std
+        scaled = std >= FLAT_SCORES * max(1.0, abs(mean))  # False for a NaN spread too
+        gain = 1.0 / std if scaled else 1.0
         self.gain, self.bias, self.fitted = gain, -mean * gain, True
-        return not flat
+        return scaled
 
     def __call__(self, scores: torch.Tensor) -> torch.Tensor:
         return scores * self.gain + self.bias
