@@ -107,6 +107,23 @@ def run_align(*args: str, cwd: Path, timeout: int = 900, env: dict | None = None
                           env={**os.environ, **(env or {})})
 
 
+def validate(capsys, *args: str) -> tuple[int, str]:
+    """`align validate` in-process; returns (exit code, stdout + stderr)."""
+    from align.cli import main as cli
+
+    rc = cli(["validate", *args])
+    cap = capsys.readouterr()
+    return rc, cap.out + cap.err
+
+
+def refused(out: str, rc: int, *needles: str) -> None:
+    """A refusal as align gives one: exit code 2, no traceback, each of `needles` in what it said."""
+    assert rc == 2, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    for n in needles:
+        assert n in out, f"{n!r} not in:\n{out[-3000:]}"
+
+
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     """A scratch project root with the repo's pipelines/ and data_cards/ linked in (runs/ goes here)."""

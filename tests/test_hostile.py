@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from align.cli import main as cli
-from conftest import REPO, align_cmd, run_align
+from conftest import REPO, align_cmd, refused, run_align, validate
 
 SEED = int(os.environ.get("ALIGN_HOSTILE_SEED", time.time_ns() % 100_000))
 CARD = str(REPO / "data_cards" / "movie_review_snippets.yaml")
@@ -55,20 +55,6 @@ def write_pipeline(root: Path, edit=None, name: str = "hostile.yaml") -> Path:
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
-
-
-def refused(out: str, rc: int, *needles: str) -> None:
-    assert rc == 2, out[-3000:]
-    assert "Traceback" not in out, out[-3000:]
-    for n in needles:
-        assert n in out, f"{n!r} not in:\n{out[-3000:]}"
-
-
-def validate(capsys, *args: str) -> None:
-    """`align validate` in-process; returns (exit code, stdout + stderr)."""
-    rc = cli(["validate", *args])
-    cap = capsys.readouterr()
-    return rc, cap.out + cap.err
 
 
 # --------------------------------------------------------------------------------------------- validate: overrides
