@@ -77,6 +77,19 @@ def test_a_report_without_pointwise_judges_has_whole_tables_and_json_without_nan
     assert stored["eval/dpo/ep/win_rate"] == "nan" and not (tmp_path / "win_rates.png").exists()
 
 
+def test_a_manifest_with_a_nan_final_metric_is_json_every_reader_takes(tmp_path):
+    from align.core.rundir import headline, read_manifest, write_manifest
+
+    write_manifest(tmp_path, {"status": "completed", "final_metrics": {"eval/ppo/ep/win_rate": float("nan"),
+                                                                       "eval/ppo/kl": [1.5, float("inf")]}})
+    def refuse(constant):
+        pytest.fail(f"bare {constant} written")
+
+    stored = json.loads((tmp_path / "manifest.json").read_text(), parse_constant=refuse)
+    assert stored["final_metrics"] == {"eval/ppo/ep/win_rate": "nan", "eval/ppo/kl": [1.5, "inf"]}
+    assert headline(read_manifest(tmp_path), ("eval/ppo/ep/win_rate",)) == "eval/ppo/ep/win_rate nan"
+
+
 def test_pairwise_judges_that_would_hide_a_sample_or_judge_nothing_are_refused(monkeypatch):
     from align.config.settings import PairwiseJudge
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from align.core.fsutil import atomic_write_json, output_problem
-from align.core.tracking import scrub
+from align.core.tracking import json_ready, scrub
 
 SPEC = "spec.json"
 MANIFEST = "manifest.json"
@@ -180,7 +180,9 @@ def _shape_problem(m: dict) -> str | None:
 
 
 def write_manifest(stage_dir: str | Path, manifest: Manifest) -> None:
-    atomic_write_json(Path(stage_dir) / MANIFEST, scrub(dict(manifest)))
+    """Non-finite final metrics (an evaluation's NaN win rate) as strings, as metrics.jsonl has them: a bare NaN
+    is not JSON, and every reader but Python's refuses the file."""
+    atomic_write_json(Path(stage_dir) / MANIFEST, json_ready(scrub(dict(manifest))))
 
 
 def is_complete(stage_dir: str | Path, fingerprint: str | None = None) -> bool:
