@@ -256,7 +256,7 @@ def _add_variants(cfg: PipelineConfig, name: str, body: dict[str, Any], cls: typ
     read: dict[str, str] = {}  # the swept values a variant's stage reads -> the first variant with them
     for v in expand(name, body, cls, f"{source}: stages.{name}"):
         stage = from_dict(cls, v.body, f"{source}: stages.{name}")
-        unread = getattr(stage, "unread_settings", dict)()  # declared by the stage types that leave some unread
+        unread = stage.unread_settings()
         used = repr(sorted((k, repr(x)) for k, x in v.values.items() if k not in unread))
         key = next((k for k in v.values if k in unread), None)
         if used in read and key is not None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, NamedTuple, Protocol
 
 from align.config.settings import LR_SCHEDULERS, Generation, LoraSettings
-from align.judges import JudgeError, check_judges, judge_weights
+from align.judges import JudgeError, check_judges
 from align.data.lengths import LengthRule
 from align.engines import DEFAULT as DEFAULT_ENGINE
 from align.core.schema import ConfigError, one_of, ranged, step_size
@@ -48,28 +48,6 @@ def refs(value: Any) -> list[str]:
     if isinstance(value, dict):  # a weighted judge mapping: its keys
         return list(value)
     return value if isinstance(value, list) else [value] if isinstance(value, str) else []
-
-
-def response_length_problems(name: str, algorithm: str, max_new_tokens: int, reward: str | dict[str, float],
-                             stages: dict[str, StageBase]) -> list[str]:
-    """Online RL (PPO, GRPO, RLOO) optimises responses of `max_new_tokens`; its reward model learned from pairs
-    sampled at the length of the data stage it was trained on, and a report stage samples at its own. One line when
-    they differ. Stages are asked what they read (`references`) and how long they sample (`response_tokens`)."""
-    own = f"stages.{name}.generation.max_new_tokens"
-    lengths = {own: max_new_tokens}
-    for rm in (n for n in judge_weights(reward) if n in stages and stages[n].PRODUCES == REWARD_MODEL):
-        for data in stages[rm].references(DATA):
-            tokens = stages[data].response_tokens() if data in stages and stages[data].PRODUCES == DATA else None
-            if tokens is not None:
-                lengths[f"stages.{data}.generation.max_new_tokens"] = tokens
-    for other_name, other in stages.items():
-        if other.PRODUCES == REPORT and name in other.references(POLICY) and other.response_tokens() is not None:
-            lengths[f"stages.{other_name}.generation.max_new_tokens"] = other.response_tokens()
-    if len(set(lengths.values())) == 1:
-        return []
-    return ["response lengths differ: " + ", ".join(f"{k}={v}" for k, v in lengths.items())
-            + f"; {algorithm} would optimise {max_new_tokens}-token responses against a reward model trained on, "
-            "and an evaluation run at, other lengths. Set them equal"]
 
 
 # --------------------------------------------------------------------------------------------- contract
@@ -216,6 +194,14 @@ class StageBase:
         return None
 
     # ------------------------------------------------------------------ what the orchestrator asks
+    def mode_problem(self, mode: str) -> str | None:
+        """Why this stage cannot run under accelerate mode `mode` (zero2, zero3, ...; None: it can), at validate."""
+        return None
+
+    def unread_settings(self) -> dict[str, str]:
+        """Settings this stage leaves unread as it is set (dotted key -> why): a sweep over only these trains twins."""
+        return {}
+
     def references(self, role: str) -> list[str]:
         """The names this stage's reference fields of `role` hold (stages, cards or judges)."""
         return [r for fld, (want, _) in self.INPUTS.items() if want == role for r in refs(getattr(self, fld))]

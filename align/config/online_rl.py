@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from align.config.contract import (HeldModel, DATA, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, StageBase,
-                                 TrainedStage, response_length_problems)
-from align.config.settings import Generation, lora_sync_problem
+                                 TrainedStage)
+from align.config.online import lora_sync_problem, response_length_problems
+from align.config.settings import Generation
 from align.engines import DEFAULT as DEFAULT_ENGINE, engine_names, holds_own_copy, kind
 from align.judges import judge_weights
 from align.core.schema import ranged, step_size

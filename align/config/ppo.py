@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from align.engines import engine_names, holds_own_copy
-from align.config.contract import (HeldModel, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, StageBase,
-                                 response_length_problems)
-from align.config.settings import Generation, LoraSettings, lora_sync_problem
+from align.config.contract import HeldModel, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, StageBase
+from align.config.online import lora_sync_problem, response_length_problems
+from align.config.settings import Generation, LoraSettings
 from align.judges import judge_weights
 from align.data.lengths import DROPS_LONG_PROMPTS, LengthRule
 from align.core.schema import one_of, ranged, step_size

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from align.core.machine import has_gpu
-from align.engines import DEFAULT as DEFAULT_ENGINE, engine_names, kind
+from align.engines import DEFAULT as DEFAULT_ENGINE, engine_names
 from align.core.schema import name_field, one_of, ranged
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -370,31 +370,4 @@ def endpoint_problem(base_url: str, key: str, timeout: float, model: str | None 
         return None  # not a listing we can read: the chat completions will tell
     if model and ids and model not in ids:
         return f"it serves no model {model!r} (its /models lists {', '.join(map(repr, ids[:8]))}); set model to one of them"
-    return None
-
-
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The ranks vLLM's LoRA support is built for (its max_lora_rank takes one of them)."""
-
-
-def lora_sync_problem(gen: Generation, lora: LoraSettings) -> str | None:
-    """Why the engine's weight sync cannot serve this stage's LoRA policy (None when it can): a 4-bit base with an
-    engine that keeps its own copy, or `generation.lora_sync: adapter` where it cannot work."""
-    if lora.enabled and lora.quantize != "none" and kind(gen.engine).own_copy:
-        return (f"lora.quantize: {lora.quantize} with generation.engine: {gen.engine!r}: the engine keeps its own "
-                "full-precision copy of the policy, which a 4-bit base cannot be synced into (lora_sync: merged would "
-                "add the adapters' delta to packed 4-bit weights; adapter, the adapters would act on other weights "
-                "than the trainer's); use generation.engine: hf, or lora.quantize: none")
-    if gen.lora_sync != "adapter":
-        return None
-    if not kind(gen.engine).adapters:
-        takers = ", ".join(n for n in engine_names() if kind(n).adapters)
-        return (f"generation.lora_sync: adapter needs an engine that applies adapters itself (generation.engine: "
-                f"{takers}); generation.engine is {gen.engine!r}; use lora_sync: merged")
-    if not lora.enabled:
-        return ("generation.lora_sync: adapter needs lora.enabled: true (there are no adapters to send); use "
-                "lora_sync: merged")
-    if lora.r > VLLM_LORA_RANKS[-1]:
-        return (f"generation.lora_sync: adapter: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}, lora.r is "
-                f"{lora.r}; use lora_sync: merged")
     return None

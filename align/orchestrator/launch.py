@@ -99,7 +99,7 @@ def check_accelerate(plan: StagePlan, source: str | Path, precision: str = "auto
         problems.append(f"lora.quantize: {lora.quantize} under ZeRO-3 ({path.name}): transformers loads a 4-bit base "
                         "onto each process's GPU with a device map, which ZeRO-3's partitioning refuses as the model "
                         "loads; the 4-bit base is small: use accelerate: zero2 (or ddp)")
-    problem = getattr(plan.cfg, "mode_problem", lambda m: None)(mode)  # a stage type's own rule for a mode
+    problem = plan.cfg.mode_problem(mode)  # a stage type's own rule for a mode
     if problem:
         problems.append(problem)
     if problems:

@@ -1,0 +1,59 @@
+"""The checks the stage types that train on their own samples (ppo, grpo, rloo) make alike: whether the rollout
+engine's weight sync can serve a LoRA policy, and whether the policy samples at the lengths its reward model learned
+from and its evaluation samples at."""
+
+from __future__ import annotations
+
+from align.config.contract import DATA, POLICY, REPORT, REWARD_MODEL, StageBase
+from align.config.settings import Generation, LoraSettings
+from align.engines import engine_names, kind
+from align.judges import judge_weights
+
+
+def response_length_problems(name: str, algorithm: str, max_new_tokens: int, reward: str | dict[str, float],
+                             stages: dict[str, StageBase]) -> list[str]:
+    """Online RL (PPO, GRPO, RLOO) optimises responses of `max_new_tokens`; its reward model learned from pairs
+    sampled at the length of the data stage it was trained on, and a report stage samples at its own. One line when
+    they differ. Stages are asked what they read (`references`) and how long they sample (`response_tokens`)."""
+    own = f"stages.{name}.generation.max_new_tokens"
+    lengths = {own: max_new_tokens}
+    for rm in (n for n in judge_weights(reward) if n in stages and stages[n].PRODUCES == REWARD_MODEL):
+        for data in stages[rm].references(DATA):
+            tokens = stages[data].response_tokens() if data in stages and stages[data].PRODUCES == DATA else None
+            if tokens is not None:
+                lengths[f"stages.{data}.generation.max_new_tokens"] = tokens
+    for other_name, other in stages.items():
+        if other.PRODUCES == REPORT and name in other.references(POLICY) and other.response_tokens() is not None:
+            lengths[f"stages.{other_name}.generation.max_new_tokens"] = other.response_tokens()
+    if len(set(lengths.values())) == 1:
+        return []
+    return ["response lengths differ: " + ", ".join(f"{k}={v}" for k, v in lengths.items())
+            + f"; {algorithm} would optimise {max_new_tokens}-token responses against a reward model trained on, "
+            "and an evaluation run at, other lengths. Set them equal"]
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ranks vLLM's LoRA support is built for (its max_lora_rank takes one of them)."""
+
+
+def lora_sync_problem(gen: Generation, lora: LoraSettings) -> str | None:
+    """Why the engine's weight sync cannot serve this stage's LoRA policy (None when it can): a 4-bit base with an
+    engine that keeps its own copy, or `generation.lora_sync: adapter` where it cannot work."""
+    if lora.enabled and lora.quantize != "none" and kind(gen.engine).own_copy:
+        return (f"lora.quantize: {lora.quantize} with generation.engine: {gen.engine!r}: the engine keeps its own "
+                "full-precision copy of the policy, which a 4-bit base cannot be synced into (lora_sync: merged would "
+                "add the adapters' delta to packed 4-bit weights; adapter, the adapters would act on other weights "
+                "than the trainer's); use generation.engine: hf, or lora.quantize: none")
+    if gen.lora_sync != "adapter":
+        return None
+    if not kind(gen.engine).adapters:
+        takers = ", ".join(n for n in engine_names() if kind(n).adapters)
+        return (f"generation.lora_sync: adapter needs an engine that applies adapters itself (generation.engine: "
+                f"{takers}); generation.engine is {gen.engine!r}; use lora_sync: merged")
+    if not lora.enabled:
+        return ("generation.lora_sync: adapter needs lora.enabled: true (there are no adapters to send); use "
+                "lora_sync: merged")
+    if lora.r > VLLM_LORA_RANKS[-1]:
+        return (f"generation.lora_sync: adapter: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}, lora.r is "
+                f"{lora.r}; use lora_sync: merged")
+    return None
