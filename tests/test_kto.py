@@ -36,7 +36,34 @@ def test_pairs_are_unpaired_into_a_desirable_and_an_undesirable_row_each():
         [(f"p{i}", f"good {i}", True) for i in range(20)] + [(f"p{i}", f"bad {i}", False) for i in range(20)])
     assert rows == unpaired(pairs, SEED) and rows != unpaired(pairs, SEED + 1)  # shuffled, by the seed
     assert [r["label"] for r in rows] != [True, False] * 20  # not left in pair order (KTO reads batches in order)
-    assert unpaired(rows, SEED) is rows  # unpaired rows are read as they are
+    assert len(unpaired(pairs, SEED, 10)) == 10  # max_train_examples counts examples, not the pairs they came from
+
+
+def test_a_card_of_unpaired_rows_in_label_order_is_shuffled_into_mixed_batches():
+    from align.config.kto import unpaired
+
+    print(f"seed {SEED}")
+    rows = [{"prompt": f"p{i}", "completion": f"c{i}", "label": i < 40} for i in range(80)]  # desirable ones first
+    out = unpaired(rows, SEED)
+    assert sorted(map(repr, out)) == sorted(map(repr, rows)) and out == unpaired(rows, SEED)
+    batches = [{r["label"] for r in out[i:i + 8]} for i in range(0, 80, 8)]
+    assert sum(len(b) == 2 for b in batches) >= 8, batches  # in file order, all 10 batches held one label
+
+
+def test_validate_refuses_a_cut_of_kto_data_that_holds_one_label(capsys, tmp_path):
+    from conftest import refused, validate
+
+    rows = [{"prompt": f"The movie {i}", "completion": f" was {'great' if i % 2 else 'dull'}", "label": bool(i % 2)}
+            for i in range(40)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    card = tmp_path / "thumbs.yaml"
+    card.write_text("name: thumbs\nsource: {path: rows.jsonl}\nlicense: MIT\nformat: jsonl\n"
+                    "produces: unpaired_preference\nsplits: {train: 0.8, test: 0.2, seed: 1}\n")
+    base = [str(REPO / "pipelines" / "kto.yaml"), *TINY_KTO, f"kto.data={card}"]
+    rc, out = validate(capsys, *base)
+    assert rc == 0, out[-2000:]
+    rc, out = validate(capsys, *base, "kto.max_train_examples=1")
+    refused(out, rc, "stages.kto", "thumbs.yaml", "every training example is", "max_train_examples: 1 keeps 1")
 
 
 def test_the_unpaired_form_is_declared_by_the_stage_and_checked(tmp_path):

@@ -101,6 +101,18 @@ def test_evaluation_prompts_overlapping_training_prompts_are_an_error():
         validate(parse_pipeline(raw, "default.yaml"), REPO / "pipelines" / "default.yaml", verbose=False)
 
 
+@pytest.mark.parametrize("stage", ["dpo", "reward"])
+def test_evaluation_prompts_a_preference_stage_trained_on_are_an_error(stage):
+    raw = yaml.safe_load((REPO / "pipelines" / "default.yaml").read_text())
+    pairs = "../data_cards/hh_rlhf_harmless_pairs.yaml"
+    raw["stages"][stage]["data"] = pairs  # learns from the card's train split
+    raw["stages"]["evaluate"].update(prompts=pairs, split="train")
+    with pytest.raises(PipelineError, match=f"also occur in the training prompts of stage '{stage}'"):
+        validate(parse_pipeline(raw, "default.yaml"), REPO / "pipelines" / "default.yaml", verbose=False)
+    raw["stages"]["evaluate"]["split"] = "test"
+    validate(parse_pipeline(raw, "default.yaml"), REPO / "pipelines" / "default.yaml", verbose=False)
+
+
 def test_a_fresh_scalar_head_depends_on_the_stage_seed_only(tmp_path):
     """StageContext.load_scalar on a language-model checkpoint (a reward or value model's start): the new score
     head is the same whatever the global RNG did before, differs for another seed, and the global stream is left

@@ -31,6 +31,7 @@ class PipelineView(Protocol):
     align/config/__init__.py, which defines PipelineConfig)."""
 
     base_model: str
+    seed: int
     stages: dict[str, StageBase]
 
 # What a stage publishes (`StageBase.PRODUCES`), which is also the role an input reference needs (`INPUTS`).

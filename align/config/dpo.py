@@ -21,6 +21,7 @@ class DPOStage(TrainedStage):
     TYPE: ClassVar[str] = "dpo"
     LENGTH_RULE = TRUNCATES_PAIRS
     HEADLINE: ClassVar[tuple[str, ...]] = ("eval/rewards/accuracy", "eval/rewards/margin")
+    PROMPTS: ClassVar[str] = "train"
     PRODUCES: ClassVar[str] = POLICY
     INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"policy": (POLICY, True), "data": (DATA, False)}
     CARDS: ClassVar[dict[str, str]] = {"data": EXAMPLES}

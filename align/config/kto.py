@@ -3,8 +3,8 @@
 KTO (Ethayarajh et al. 2024) learns from single responses marked desirable or not (thumbs up / down), not from
 pairs. Its data form, `unpaired_preference` (prompt, completion, label), is declared here; a card may produce it
 directly, and preference pairs (a preferences stage, or a card of pairs) are unpaired into one desirable row (the
-chosen reply) and one undesirable row (the rejected one), shuffled with the stage's seed: TRL's KTOTrainer reads
-its batches in order and estimates the KL term from each batch's mismatched prompt/completion pairs.
+chosen reply) and one undesirable row (the rejected one); every row is shuffled with the stage's seed: TRL's
+KTOTrainer reads its batches in order and estimates the KL term from each batch's mismatched prompt/completion pairs.
 """
 
 from __future__ import annotations
@@ -41,15 +41,27 @@ register_form(DataForm(UNPAIRED, ("prompt", "completion", "label"), replies=("co
                        conversational=True, contents=_unusable_unpaired))
 
 
-def unpaired(rows: Rows, seed: int) -> Rows:
-    """Rows in the unpaired form: preference pairs become a desirable row (chosen) and an undesirable row
-    (rejected) each, in an order shuffled with `seed`; unpaired rows are returned as they are."""
-    if not rows or "chosen" not in rows[0]:
-        return rows
-    out = [{"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
-           for r in rows for side in ("chosen", "rejected")]
+def unpaired(rows: Rows, seed: int, limit: int | None = None) -> Rows:
+    """Rows in the unpaired form, in an order shuffled with `seed`, at most `limit` of them: preference pairs become a
+    desirable row (chosen) and an undesirable row (rejected) each; unpaired rows are shuffled too (a card that lists
+    its desirable rows first would give TRL, which reads its batches in order, batches of one label)."""
+    if rows and "chosen" in rows[0]:
+        rows = [{"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
+                for r in rows for side in ("chosen", "rejected")]
+    out = list(rows)
     random.Random(seed).shuffle(out)
-    return out
+    return out[:limit] if limit else out
+
+
+def one_label_problem(rows: Rows, where: str, limit: int | None) -> str | None:
+    """Why KTO cannot learn from these training rows (None: it can): they hold one label only."""
+    kinds = {bool(r["label"]) for r in rows}
+    if len(kinds) != 1:
+        return None
+    held = "desirable" if kinds == {True} else "undesirable"
+    cut = (f" (max_train_examples: {limit} keeps {len(rows)} of them; raise it or use null)" if limit else
+           "; give it rows of both labels")
+    return f"{where}: every training example is {held}: KTO weighs desirable against undesirable examples{cut}"
 
 
 @dataclass
@@ -59,6 +71,7 @@ class KTOStage(TrainedStage):
     TYPE: ClassVar[str] = "kto"
     LENGTH_RULE = TRUNCATES_COMPLETIONS  # KTOTrainer truncates prompt + completion, drops prompts that fill the window
     HEADLINE: ClassVar[tuple[str, ...]] = ("eval/rewards/margin", "eval/loss")
+    PROMPTS: ClassVar[str] = "train"
     PRODUCES: ClassVar[str] = POLICY
     INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"policy": (POLICY, True), "data": (DATA, False)}
     CARDS: ClassVar[dict[str, str]] = {"data": EXAMPLES}
@@ -89,13 +102,19 @@ class KTOStage(TrainedStage):
             held_out = ctx.split_of(ctx.cards["data"], "test")
             if held_out.available and not held_out.rows:
                 raise ValueError(f"data: {ctx.cards['data'].name} has no held-out rows (split 'test')")
+        if ctx.card_produces("data", "train") is not None:
+            seed = ctx.pipeline.seed if self.seed is None else self.seed  # the stage's, as it runs (runtime/context.py)
+            rows = unpaired(ctx.split_of(ctx.cards["data"], "train").rows, seed, self.max_train_examples)
+            problem = rows and one_label_problem(rows, f"data: {ctx.cards['data'].name}", self.max_train_examples)
+            if problem:
+                raise ValueError(problem)
         if self.loss_type == "kto" and self.per_device_batch_size < 2:
             raise ValueError(f"per_device_batch_size: {self.per_device_batch_size}; the kto loss estimates its KL "
                              "term from the other examples of each batch: use 2 or more (or loss_type: "
                              "apo_zero_unpaired)")
 
     def length_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return unpaired(rows, 0)  # the order does not change a length count
+        return unpaired(rows, 0, self.max_train_examples)  # as many as the stage reads (which ones: its seed's)
 
     def held_models(self, stages: dict[str, StageBase]) -> list[HeldModel]:
         if self.lora.enabled:  # TRL's reference is then the policy's base with its adapters disabled

@@ -17,6 +17,7 @@ class RewardStage(TrainedStage):
     TYPE: ClassVar[str] = "reward"
     LENGTH_RULE = DROPS_LONG_PAIRS
     HEADLINE: ClassVar[tuple[str, ...]] = ("eval/rewards/accuracy",)
+    PROMPTS: ClassVar[str] = "train"
     PRODUCES: ClassVar[str] = REWARD_MODEL
     INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {"init": (POLICY, True), "data": (DATA, False)}
     CARDS: ClassVar[dict[str, str]] = {"data": EXAMPLES}

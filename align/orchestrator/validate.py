@@ -337,7 +337,8 @@ def _check_eval_overlap(plans: list[StagePlan], split_of, source: str) -> None:
             for name, prompts in trained.items():
                 overlap = held_out & prompts
                 if overlap:
-                    example = sorted(overlap)[0]
+                    example = min(overlap, key=len)
+                    example = example if len(example) <= 160 else example[:160] + "..."
                     raise PipelineError(
                         f"{source}: stages.{plan.name}: {len(overlap)} evaluation prompts (split '{split}') "
                         f"also occur in the training prompts of stage '{name}', e.g. {example!r}. Measure on a "

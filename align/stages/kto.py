@@ -2,16 +2,16 @@
 (Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect Theoretic Optimization", eq. 8).
 
 Pairs (a preferences stage or a card of pairs) are unpaired into desirable and undesirable rows by the config class
-(align/config/kto.py `unpaired`), shuffled with the stage's seed; a card of unpaired rows is read as it is.
+(align/config/kto.py `unpaired`); every row is shuffled with the stage's seed (TRL reads KTO's batches in order).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from align.config.kto import KTOStage, unpaired
+from align.config.kto import KTOStage, one_label_problem, unpaired
 from align.modeling.models import load_tokenizer
-from align.runtime.context import StageContext
+from align.runtime.context import StageContext, StageError
 from align.runtime.rows import load_rows
 from align.runtime.trl import (check_lengths, eval_metrics, metrics_callback, policy_and_reference, train_with_resume,
                                training_args)
@@ -27,8 +27,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
     cfg: KTOStage = ctx.cfg  # type: ignore[assignment]
     path = ctx.input_model(cfg.policy)
     tokenizer = load_tokenizer(path)
-    train = [{c: r[c] for c in COLUMNS}
-             for r in unpaired(load_rows(ctx, cfg.data, "train", cfg.max_train_examples, tokenizer), ctx.seed)]
+    train = [{c: r[c] for c in COLUMNS}  # cut after unpairing: max_train_examples counts examples, not pairs
+             for r in unpaired(load_rows(ctx, cfg.data, "train", tokenizer=tokenizer), ctx.seed, cfg.max_train_examples)]
+    problem = one_label_problem(train, f"data: {cfg.data}", cfg.max_train_examples)
+    if problem:  # data from a preferences stage has both labels; a card's is checked by `align validate` too
+        raise StageError(f"stage '{ctx.name}': {problem}")
     test = [{c: r[c] for c in COLUMNS} for r in unpaired(load_rows(ctx, cfg.data, "test", tokenizer=tokenizer), ctx.seed)]
     check_lengths(ctx, train, tokenizer)
     args = training_args(KTOConfig, cfg, ctx, beta=cfg.beta, desirable_weight=cfg.desirable_weight,
