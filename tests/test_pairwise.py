@@ -317,7 +317,7 @@ def test_preferences_labelled_by_a_pairwise_judge_keep_only_its_consistent_verdi
     template.write_text((REPO / "tests" / "servers" / "marked_judge.txt").read_text())
     judge = json.dumps({"name": "longer", "model": "judge", "base_url": server.url, "template": str(template)})
     common = ["run", "pipelines/default.yaml", "tracking.wandb=disabled", *TINY, "preferences.max_prompts=16",
-              f"preferences.pairwise={judge}"]
+              "preferences.samples_per_prompt=2", f"preferences.pairwise={judge}"]
     try:
         proc = run_align(*common, "--only", "preferences", cwd=workdir)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,6 +1,5 @@
-"""The stage-type contract (`StageBase`, `TrainedStage`), its registry, and the checks that read several stages
-(response lengths). The settings several stage types share (LoRA, decoding, pairwise judges, ...) are in
-align/config/settings.py.
+"""The stage-type contract (`StageBase`, `TrainedStage`) and its registry. The settings several stage types share
+(LoRA, decoding, pairwise judges, ...) are in align/config/settings.py.
 
 A stage type is one config class (a module in this package, or one named in ALIGN_STAGE_MODULES) plus one
 stage module with `run(ctx)` and `OUTPUTS`. Subclassing `StageBase` with a `TYPE` registers the class;
@@ -18,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, NamedTuple, Protocol
 
-from align.config.settings import LR_SCHEDULERS, Generation, LoraSettings
+from align.config.settings import LR_SCHEDULERS, Generation, LoraSettings, warmup_steps
 from align.judges import JudgeError, check_judges
 from align.data.lengths import LengthRule
 from align.engines import DEFAULT as DEFAULT_ENGINE
@@ -363,6 +362,20 @@ class TrainedStage(StageBase):
         if self.save_steps % self.logging_steps:
             raise ValueError(f"save_steps ({self.save_steps}) must be a multiple of logging_steps "
                              f"({self.logging_steps}) so a NaN loss is caught before a checkpoint is written")
+        if self.lr_scheduler == "polynomial" and self.learning_rate <= 1e-7:
+            raise ValueError(f"learning_rate: {self.learning_rate:g} with lr_scheduler: polynomial, which decays to "
+                             "transformers' fixed end rate 1e-07: raise learning_rate, or use linear or cosine")
+        if (steps := self.max_steps) is not None and warmup_steps(steps, self.warmup_ratio, self.lr_scheduler) >= steps:
+            raise ValueError(f"warmup_ratio: {self.warmup_ratio:g} of max_steps {steps} warms up for every step (the "
+                             "first at learning rate 0: one step trains nothing); lower warmup_ratio or raise max_steps")
+
+    def unread_settings(self) -> dict[str, str]:
+        unread = self.lora.unread()
+        if self.lr_scheduler == "constant":  # transformers' has no warmup (constant_with_warmup has)
+            unread["warmup_ratio"] = "lr_scheduler is constant"
+        if not self.DROPOUT and self.lora.enabled:
+            unread["lora.dropout"] = f"a {self.TYPE} stage trains with dropout off"
+        return unread
 
     def check_positions(self, limit: int, fix: str) -> None:
         if self.max_length > limit:

@@ -100,7 +100,8 @@ class OnlineRLStage(TrainedStage):
 
     def unread_settings(self) -> dict[str, str]:
         """Settings this stage does not read (dotted key -> why): a sweep over one trains twins."""
-        return dict.fromkeys(("generation.batch_size", "generation.fast"), "a generation round is one call per process")
+        return {**super().unread_settings(),
+                **dict.fromkeys(("generation.batch_size", "generation.fast"), "a generation round is one call per process")}
 
     def card_split(self, fld: str) -> str:
         return self.split

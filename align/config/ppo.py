@@ -193,9 +193,11 @@ class PPOStage(StageBase):
         """Settings this stage does not read as it is set (dotted key -> why): a sweep over one trains twins."""
         kl = self.kl
         if not kl.adaptive:
-            return dict.fromkeys(("kl.controller", "kl.target", "kl.kp", "kl.ki", "kl.horizon"), "kl.adaptive is false")
-        return dict.fromkeys(("kl.kp", "kl.ki") if kl.controller == "ziegler" else ("kl.horizon",),
-                             f"kl.controller is {kl.controller}")
+            unread = dict.fromkeys(("kl.controller", "kl.target", "kl.kp", "kl.ki", "kl.horizon"), "kl.adaptive is false")
+        else:
+            unread = dict.fromkeys(("kl.kp", "kl.ki") if kl.controller == "ziegler" else ("kl.horizon",),
+                                   f"kl.controller is {kl.controller}")
+        return {**self.lora.unread(), **unread}
 
     def check(self, ctx: CheckContext) -> None:
         ctx.check_judge("reward", self.reward)

@@ -9,6 +9,7 @@ from align.engines import engine_names
 from align.config.contract import HeldModel, DATA, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, StageBase
 from align.config.settings import Generation, PairwiseJudge
 from align.core.schema import ranged
+from align.data.formats import row_prompt_key
 from align.judges import judge_weights
 
 
@@ -36,7 +37,8 @@ class PreferencesStage(StageBase):
     max_prompts: int | None = ranged(2048, ge=1, fix="use null for all prompts")
     """Use at most this many prompts (None = all)."""
     samples_per_prompt: int = ranged(4, ge=2, fix="a pair needs two completions")
-    """Completions per prompt (>= 2); the best and worst by the judge form the pair."""
+    """Completions per prompt (>= 2); the best and worst by the judge form the pair (2 with a pairwise judge, which
+    compares two)."""
     judge: str | dict[str, float] = "vader"
     """A reward stage, a Python judge (vader, or your own module:function), or a weighted sum of them as a
     mapping (see align/judges/__init__.py)."""
@@ -53,9 +55,37 @@ class PreferencesStage(StageBase):
 
     def check(self, ctx: CheckContext) -> None:
         if self.pairwise is not None:
-            self.pairwise.check("pairwise", ctx.base_dir)
+            n = self.samples_per_prompt
+            if n != 2:
+                raise ValueError(f"samples_per_prompt: {n} with a pairwise judge, which compares the first two responses "
+                                 f"of each prompt: the other {n - 2} would be sampled for nothing; set "
+                                 "samples_per_prompt: 2")
+            if self.pairwise.max_prompts is not None:
+                raise ValueError(f"pairwise.max_prompts: {self.pairwise.max_prompts}: a preferences stage judges every "
+                                 "prompt it samples; set the stage's max_prompts instead, and pairwise.max_prompts: null")
+            self.pairwise.check("pairwise", ctx.base_dir)  # last: it may ask the endpoint
         else:
             ctx.check_judge("judge", self.judge)
+        if "prompts" in ctx.cards:
+            self._check_split(ctx.split_of(ctx.cards["prompts"], self.split), ctx.cards["prompts"].name)
+
+    def _check_split(self, loaded, card: str) -> None:
+        """Both splits of pairs get prompts: the stage holds out round(test_fraction x prompts) of its distinct ones."""
+        if not loaded.available:
+            return
+        n = len({k for k in map(row_prompt_key, loaded.rows) if k is not None})
+        n = n if self.max_prompts is None else min(n, self.max_prompts)
+        held = round(self.test_fraction * n)
+        if n and held in (0, n):
+            which, fix = ("held-out", "raise test_fraction or max_prompts") if held == 0 else \
+                ("training", "lower test_fraction or raise max_prompts")
+            raise ValueError(f"test_fraction: {self.test_fraction} of {n} prompts ({card} split '{self.split}') "
+                             f"holds out {held}: no {which} pairs would be written; {fix}")
+
+    def unread_settings(self) -> dict[str, str]:
+        if self.pairwise is None:
+            return {}
+        return dict.fromkeys(("judge", "min_margin"), "a pairwise judge labels the pairs")
 
     def relative_files(self) -> dict[str, str]:
         return {"pairwise.template": self.pairwise.template} if self.pairwise and self.pairwise.template else {}

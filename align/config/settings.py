@@ -6,6 +6,7 @@ stage-type contract that uses them is align/config/contract.py. No torch here.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,14 @@ DTYPES = ("float32", "bfloat16", "float16")
 # transformers SchedulerType values that need no extra scheduler kwargs (tests check they still exist).
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
+
+
+def warmup_steps(steps: int, ratio: float, scheduler: str) -> int:
+    """The warmup steps transformers gives `steps` optimiser steps (TrainingArguments.get_warmup_steps: a ratio below 1
+    rounds up); its constant schedule has none."""
+    return 0 if scheduler == "constant" else math.ceil(steps * ratio)
+
+
 # Pipeline-level compute settings, resolved in each stage process by align/modeling/compute.py.
 PRECISIONS = ("auto", "float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -78,6 +87,12 @@ class LoraSettings:
     quantization and bf16 compute (bitsandbytes), the adapters train on top. Needs a CUDA GPU and
     `pip install 'align[qlora]'`; `model/` holds the adapters (trained over the unquantised base), or with `merge`
     the merged 16/32-bit model."""
+
+    def unread(self) -> dict[str, str]:
+        """Its settings a stage does not read (dotted key -> why): all of them while LoRA is off."""
+        if self.enabled:
+            return {}
+        return {f"lora.{k}": "lora.enabled is false" for k in ("r", "alpha", "dropout", "target_modules", "merge")}
 
     def check(self) -> None:
         """`align validate`: targets named where LoRA is on; QLoRA only with LoRA on, bitsandbytes and a CUDA GPU."""

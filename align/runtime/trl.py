@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from align.config import TrainedStage
+from align.config.settings import warmup_steps
 from align.core import faults
 from align.core.console import verbose
 from align.data.lengths import enforce
@@ -204,7 +205,7 @@ def train_with_resume(ctx: StageContext, trainer) -> dict[str, Any]:
     plugin = trainer.accelerator.state.deepspeed_plugin
     if plugin is not None:  # buckets sized from the model, not DeepSpeed's 5e8 (align/runtime/zero_buffers.py)
         width_sized(plugin.deepspeed_config, widest(trainer.model))
-    trainer.add_callback(_stop_at_max_steps())
+    trainer.add_callback(_stop_at_max_steps(ctx.name))
     start = time.monotonic()
     try:
         out = trainer.train(resume_from_checkpoint=ckpt)
@@ -237,14 +238,22 @@ class _Trained(Exception):
     """Raised before a step past max_steps: the resumed checkpoint already holds every step."""
 
 
-def _stop_at_max_steps():
+def _stop_at_max_steps(stage: str):
     """transformers' loop trains a step before it first asks whether max_steps is reached: resumed from a
     checkpoint at max_steps (a stage killed after its last save, before it published), it trained one step more
     than asked. This callback stops it before that step's forward; and logs the last step's loss window, which the
-    final checkpoint (always saved) then holds, so that run_loss covers a run resumed from it."""
+    final checkpoint (always saved) then holds, so that run_loss covers a run resumed from it. Before the first
+    step it refuses a warmup as long as the run (the steps its epochs give: `align validate` checks max_steps)."""
     from transformers import TrainerCallback  # heavy: stage processes only
 
     class StopAtMaxSteps(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            steps, ratio = state.max_steps, args.warmup_steps
+            if 0 < steps <= warmup_steps(steps, ratio, str(getattr(args.lr_scheduler_type, "value", ""))):
+                raise StageError(f"stage '{stage}': warmup_ratio {ratio:g} of its {steps} optimiser steps warms up "
+                                 "for every step (the first at learning rate 0: one step trains nothing); lower "
+                                 "warmup_ratio, or train more steps (epochs, max_steps)")
+
         def on_step_begin(self, args, state, control, **kwargs):
             if 0 < state.max_steps <= state.global_step:
                 raise _Trained

@@ -132,14 +132,20 @@ def split_pairs(ctx: StageContext, cfg: PreferencesStage, records: list[dict[str
         else:
             pairs.append(pair)
     if not pairs:
-        raise StageError(f"stage '{ctx.name}': every one of {len(records)} prompts was a tie (min_margin "
-                           f"{cfg.min_margin}); sample more per prompt or lower min_margin")
+        raise StageError(f"stage '{ctx.name}': every one of {len(records)} prompts was a tie " + (
+            "(the pairwise judge preferred neither response in both orders); see its answers in samples.jsonl"
+            if cfg.pairwise is not None else f"(min_margin {cfg.min_margin}); sample more per prompt or lower "
+            "min_margin"))
     held_out = set(random.Random(ctx.seed).sample(range(len(records)), round(cfg.test_fraction * len(records))))
     test_prompts = {records[i]["prompt"] for i in held_out}
     splits = {"train": [p for p in pairs if p["prompt"] not in test_prompts],
               "test": [p for p in pairs if p["prompt"] in test_prompts],
               "train_all_pairs": [p for r in records if r["prompt"] not in test_prompts
                                   for p in all_pairs(r["prompt"], r["responses"], r["scores"], margin)]}
+    if not splits["train"]:  # every pair's prompt held out (ties took the rest): nothing for a stage to train on
+        raise StageError(f"stage '{ctx.name}': no training pairs: {len(splits['test'])} pairs are held out "
+                         f"(test_fraction {cfg.test_fraction} of {len(records)} prompts) and {ties} prompts tied; "
+                         "lower test_fraction or raise max_prompts")
     return splits, pairs, ties
 
 

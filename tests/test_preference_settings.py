@@ -1,0 +1,96 @@
+"""Offline preference-stage settings that trained something other than asked (a probe of dpo, kto, reward and
+preferences settings, 2026-11-29): each passed `align validate` and is now refused naming the field and the fix, or
+refused by the stage before it trains. Seeds: the pipelines' own (17) and SEED below, printed."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from conftest import REPO, refused, validate
+
+DEFAULT = str(REPO / "pipelines" / "default.yaml")
+SEED = 20261129
+PAIRWISE = "preferences.pairwise={name: j, model: m, base_url: 'http://127.0.0.1:9/v1'}"
+
+
+@pytest.mark.parametrize("overrides, needles", [
+    # one optimiser step at the default warmup (0.05 of 1 step rounds up to 1): the only step ran at learning rate 0
+    (["dpo.max_steps=1"], ["stages.dpo", "warmup_ratio: 0.05 of max_steps 1 warms up for every step"]),
+    (["sft.max_steps=9", "sft.warmup_ratio=0.9"], ["stages.sft", "warmup_ratio: 0.9 of max_steps 9"]),
+    # transformers' polynomial schedule decays to a fixed 1e-7, which it refuses to reach from below, at train time
+    (["dpo.lr_scheduler=polynomial", "dpo.learning_rate=1e-7"], ["stages.dpo", "learning_rate: 1e-07 with lr_scheduler: polynomial"]),
+    # a pairwise judge compares the first two samples: the rest were sampled and dropped
+    ([PAIRWISE], ["stages.preferences", "samples_per_prompt: 4 with a pairwise judge", "set samples_per_prompt: 2"]),
+    ([PAIRWISE.replace("}", ", max_prompts: 10}"), "preferences.samples_per_prompt=2"],
+     ["pairwise.max_prompts: 10: a preferences stage judges every prompt it samples"]),
+    # the held-out share of the prompts rounds to none or all of them
+    (["preferences.max_prompts=2"], ["test_fraction: 0.1 of 2 prompts", "holds out 0: no held-out pairs"]),
+    (["preferences.max_prompts=2", "preferences.test_fraction=0.9"], ["holds out 2: no training pairs"]),
+    # sweeps whose variants differ only in what the stage leaves unread trained twins
+    (["dpo.sweep={lora.r: [8, 16]}"], ["stages.dpo.sweep.lora.r:", "which the stage does not read (lora.enabled is false)"]),
+    (["dpo.sweep={lora.dropout: [0.0, 0.1]}", "dpo.lora.enabled=true"],
+     ["stages.dpo.sweep.lora.dropout:", "a dpo stage trains with dropout off"]),
+    (["reward.sweep={warmup_ratio: [0.0, 0.1]}", "reward.lr_scheduler=constant"],
+     ["stages.reward.sweep.warmup_ratio:", "lr_scheduler is constant"]),
+    ([PAIRWISE, "preferences.samples_per_prompt=2", "preferences.sweep={min_margin: [0.1, 0.5]}"],
+     ["stages.preferences.sweep.min_margin:", "a pairwise judge labels the pairs"]),
+    (["ppo.sweep={lora.alpha: [16, 32]}"], ["stages.ppo.sweep.lora.alpha:", "lora.enabled is false"]),
+])
+def test_preference_settings_that_would_not_train_as_asked_are_refused(overrides, needles, capsys):
+    rc, out = validate(capsys, DEFAULT, *overrides)
+    refused(out, rc, *needles)
+
+
+def test_the_same_settings_where_they_are_read_still_validate(capsys):
+    for overrides in (["dpo.max_steps=2"], ["dpo.max_steps=1", "dpo.warmup_ratio=0"],
+                      ["dpo.max_steps=1", "dpo.lr_scheduler=constant"],
+                      ["dpo.lr_scheduler=polynomial", "dpo.learning_rate=1e-6"],
+                      ["dpo.sweep={lora.r: [8, 16]}", "dpo.lora.enabled=true"],
+                      ["preferences.max_prompts=10"], ["dpo.sweep={warmup_ratio: [0.0, 0.1]}"]):
+        rc, out = validate(capsys, DEFAULT, *overrides)
+        assert rc == 0, (overrides, out[-2000:])
+
+
+def test_a_stage_whose_epochs_give_one_step_is_refused_before_it_trains(tmp_path):
+    """max_steps is checked at validate; the steps an epoch gives are known only once the data is loaded."""
+    from transformers import TrainerState, TrainingArguments
+
+    from align.runtime.context import StageError
+    from align.runtime.trl import _stop_at_max_steps
+
+    callback = _stop_at_max_steps("dpo")
+    for scheduler, steps, refuses in (("cosine", 1, True), ("cosine", 2, False), ("constant", 1, False),
+                                      ("linear", 19, False)):
+        args = TrainingArguments(output_dir=str(tmp_path), warmup_steps=0.05, lr_scheduler_type=scheduler,
+                                 use_cpu=True, report_to="none")
+        state = TrainerState()
+        state.max_steps = steps
+        if refuses:
+            with pytest.raises(StageError, match=r"stage 'dpo': warmup_ratio 0.05 of its 1 optimiser steps"):
+                callback.on_train_begin(args, state, None)
+        else:
+            callback.on_train_begin(args, state, None)
+
+
+def test_a_preferences_stage_whose_pairs_are_all_held_out_fails_instead_of_publishing_none():
+    from align.config.preferences import PreferencesStage
+    from align.runtime.context import StageError
+    from align.stages.preferences import split_pairs
+
+    print(f"seed {SEED}")
+    ctx = types.SimpleNamespace(name="preferences", seed=SEED)
+    records = [{"prompt": f"p{i}", "responses": ["good", "bad"], "scores": [1.0, 0.0]} for i in range(3)]
+    cfg = PreferencesStage(test_fraction=0.5)
+    splits, pairs, ties = split_pairs(ctx, cfg, records)  # 2 of 3 prompts held out: 1 pair left to train on
+    assert (len(splits["train"]), len(splits["test"]), ties) == (1, 2, 0)
+    records[0]["scores"] = records[1]["scores"] = records[2]["scores"]  # still three pairs ...
+    tied = [dict(r, scores=[0.5, 0.5]) for r in records]
+    cfg = PreferencesStage(test_fraction=0.9)  # ... held out: round(0.9 x 3) = 3
+    with pytest.raises(StageError, match=r"no training pairs: 3 pairs are held out \(test_fraction 0.9 of 3 prompts\)"):
+        split_pairs(ctx, cfg, records)
+    with pytest.raises(StageError, match=r"every one of 3 prompts was a tie \(min_margin"):
+        split_pairs(ctx, PreferencesStage(), tied)
+    with pytest.raises(StageError, match=r"the pairwise judge preferred neither response"):
+        split_pairs(ctx, PreferencesStage(pairwise=object()), tied)
