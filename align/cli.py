@@ -53,8 +53,17 @@ def _gigabytes(text: str) -> float:
     return gb
 
 
+def _port(text: str) -> int:
+    """A TCP port, 1 to 65535, or argparse's one-line error naming the flag."""
+    if not text.strip().isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a TCP port (give 1 to 65535)")
+    return int(text)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="align", description="Staged alignment pipelines: SFT -> RM -> PPO / DPO.")
+    # No abbreviated flags (`--fr` for --from): the resume command align prints drops --from and --force by name
+    p = argparse.ArgumentParser(prog="align", description="Staged alignment pipelines: SFT -> RM -> PPO / DPO.",
+                                allow_abbrev=False)
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a pipeline (completed stages with the same fingerprint are skipped)")
     run.add_argument("pipeline", help="pipeline YAML")
@@ -71,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--nodes", type=_count, default=1, help="machines in a multi-node job (default 1)")
     run.add_argument("--node-rank", type=int, default=0, help="this machine's rank, 0 .. nodes-1")
     run.add_argument("--master-addr", help="address of node 0 (required with --nodes > 1)")
-    run.add_argument("--master-port", type=int, default=29500, help="rendezvous port on node 0 (default 29500)")
+    run.add_argument("--master-port", type=_port, default=29500, help="rendezvous port on node 0 (default 29500)")
     run.add_argument("--rdzv-timeout", type=int, default=600,
                      help="seconds to wait for all nodes to join a stage before failing (default 600)")
     run.add_argument("--verbose", action="store_true",
@@ -99,6 +108,8 @@ def _parser() -> argparse.ArgumentParser:
                      "Hugging Face directory")
     stage = sub.add_parser("stage", help=argparse.SUPPRESS)
     stage.add_argument("spec")
+    for command in sub.choices.values():
+        command.allow_abbrev = False
     return p
 
 

@@ -70,7 +70,12 @@ def detected_gpus() -> list[int]:
             gpus[index] = int(mib) * 2 ** 20
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        wanted = [v.strip() for v in visible.split(",") if v.strip()]
-        if all(v.isdigit() for v in wanted):  # indices (UUIDs: every GPU nvidia-smi lists is counted)
-            gpus = {i: m for i, m in gpus.items() if i in wanted}
+        wanted = [v.strip() for v in visible.split(",")]
+        if not any(v.startswith(("GPU-", "MIG-")) for v in wanted):  # indices (UUIDs: every GPU listed is counted)
+            kept = []
+            for v in wanted:  # as CUDA reads it: up to the first entry that is not a GPU's index ("-1": none)
+                if v not in gpus or v in kept:
+                    break
+                kept.append(v)
+            gpus = {i: gpus[i] for i in kept}
     return list(gpus.values())

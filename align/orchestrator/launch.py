@@ -45,6 +45,16 @@ class MultiNode:
                                 "SLURM_JOB_NODELIST under SLURM)")
         if self.rdzv_timeout < 1:
             raise PipelineError(f"--rdzv-timeout {self.rdzv_timeout}: must be >= 1 second")
+        if not 1 <= self.master_port <= 65535:
+            raise PipelineError(f"--master-port {self.master_port}: not a TCP port; give 1 to 65535")
+        if self.nodes > 1:  # before any stage runs: an unknown host otherwise surfaced after the stages before it
+            import socket
+
+            try:
+                socket.getaddrinfo(self.master_addr, self.master_port)
+            except (OSError, UnicodeError) as exc:
+                raise PipelineError(f"--master-addr {self.master_addr}: cannot be resolved from this machine "
+                                    f"({exc}); give node 0's hostname or IP address") from None
 
     @property
     def is_main(self) -> bool:
@@ -102,6 +112,10 @@ def check_accelerate(plan: StagePlan, source: str | Path, precision: str = "auto
     problem = plan.cfg.mode_problem(mode)  # a stage type's own rule for a mode
     if problem:
         problems.append(problem)
+    if (n := plan.cfg.num_processes) and n > 1 and str(raw["distributed_type"]).upper() == "NO":
+        problems.append(f"num_processes: {n} with accelerate: {plan.cfg.accelerate} ({path.name}), which runs one "
+                        "process (distributed_type NO): the others would never start; use accelerate: ddp, zero2 or "
+                        "zero3 for several processes, or num_processes: 1")
     if problems:
         raise PipelineError(f"{source}: stages.{plan.name}: " + "; ".join(problems))
 

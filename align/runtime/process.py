@@ -67,6 +67,11 @@ def main(spec_path: str) -> int:
         _run(ctx)
         return leave_process_group(0)
     except EXPECTED as exc:
+        if isinstance(exc, BrokenPipeError) and output_gone(sys.stdout):  # the runner is gone (SIGKILL, SIGHUP)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to say to anyone
+            os.dup2(sys.stdout.fileno(), sys.stderr.fileno())
+            _record_failure(ctx, spec, "the run's runner is gone (its output pipe closed)", status="interrupted")
+            return 143
         message = describe(exc)
         recorded = _record_failure(ctx, spec, message)
         print(f"align: error: stage '{spec.get('stage_name', spec_path)}': {message}" + recorded, file=sys.stderr,
@@ -94,6 +99,20 @@ def main(spec_path: str) -> int:
         raise
 
 
+
+
+def output_gone(stream) -> bool:
+    """Whether nobody reads `stream` any more: a pipe whose reading end closed (the runner that started this stage
+    was SIGKILLed or lost its terminal; a warm-started stage then fails its next print with EPIPE before the
+    death signal arrives). Resumable, as a SIGTERM is, not a failure."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(stream.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # closed, or not a real file
+        return False
 
 
 def leave_process_group(code: int) -> int:

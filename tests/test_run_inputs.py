@@ -1,0 +1,105 @@
+"""The run's own inputs (a probe of the run lifecycle, 2026-11-29): command-line flags, the machine's GPUs as CUDA
+reads CUDA_VISIBLE_DEVICES, a stage's process count, files of a run directory, and a stage whose runner is gone.
+Each was taken wrong (an abbreviated --from kept in the printed resume command, which then restarted finished work)
+or failed late; each is now refused up front naming the flag or file and the fix, or recorded as what it was."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from conftest import REPO, refused, validate
+
+DEFAULT = str(REPO / "pipelines" / "default.yaml")
+
+
+def test_abbreviated_flags_are_refused_so_the_printed_resume_command_is_what_resumes(capsys, monkeypatch):
+    from align import cli
+
+    monkeypatch.setattr(cli, "_command", lambda args: 0)  # nothing runs, whatever the parser makes of the line
+    for flag in ("--fr", "--forc", "--on"):  # --from, --force, --only: the resume command drops the first two by name
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["run", DEFAULT, flag, "sft"])
+        assert exit_.value.code == 2 and f"unrecognized arguments: {flag}" in capsys.readouterr().err
+    for port in ("99999", "-5", "http"):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["run", DEFAULT, "--master-port", port])
+        assert exit_.value.code == 2
+        assert f"argument --master-port: '{port}' is not a TCP port (give 1 to 65535)" in capsys.readouterr().err
+
+
+def test_a_master_address_that_does_not_resolve_is_refused_before_any_stage_runs():
+    from align.core.errors import PipelineError
+    from align.orchestrator.launch import MultiNode
+
+    MultiNode(nodes=2, node_rank=1, master_addr="127.0.0.1").check()
+    with pytest.raises(PipelineError, match=r"--master-addr no-such-host.invalid: cannot be resolved from this "
+                                            r"machine .*give node 0's hostname or IP address"):
+        MultiNode(nodes=2, node_rank=1, master_addr="no-such-host.invalid").check()
+
+
+def test_a_stage_count_its_accelerate_config_cannot_start_is_refused(capsys):
+    rc, out = validate(capsys, DEFAULT, "sft.num_processes=2")
+    refused(out, rc, "stages.sft: num_processes: 2 with accelerate: cpu (cpu.yaml), which runs one process",
+            "use accelerate: ddp, zero2 or zero3")
+    rc, out = validate(capsys, DEFAULT, "sft.num_processes=2", "sft.accelerate=ddp")
+    assert rc == 0, out[-2000:]
+
+
+@pytest.mark.parametrize("visible, expected", [
+    (None, 4), ("1,3", 2), ("-1", 0), ("", 0), ("0,-1,2", 1), ("7", 0), ("2,2", 1), ("GPU-5d8f", 4),
+])
+def test_the_gpus_counted_are_those_cuda_would_use(visible, expected, monkeypatch, tmp_path):
+    """CUDA reads CUDA_VISIBLE_DEVICES up to its first entry that is not a GPU's index: "-1" hides every GPU."""
+    from align.orchestrator import hardware
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nprintf '0, 81559\\n1, 81559\\n2, 81559\\n3, 81559\\n'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert len(hardware.detected_gpus()) == expected
+
+
+def test_a_stage_whose_runner_is_gone_is_recorded_interrupted_not_failed(tmp_path, monkeypatch):
+    """A warm-started stage's next print after its runner was SIGKILLed fails with EPIPE, before the death signal
+    arrives: that is the runner gone (resumable, as a SIGTERM is), not the stage failing."""
+    import gc
+
+    from align.runtime import process
+
+    recorded = []
+    ctx = type("Ctx", (), {"tracker": None, "dir": tmp_path,
+                           "write_manifest": lambda self, status, **kw: recorded.append((status, kw["error"]))})()
+    monkeypatch.setattr(process, "StageContext", lambda spec: ctx)
+    monkeypatch.setattr(process.StageSpec, "parse", staticmethod(lambda raw, path: raw))
+    for name in ("die_with_parent", "pin_to_run", "long_group_timeouts", "quiet_libraries"):
+        monkeypatch.setattr(process, name, lambda: None)
+
+    def printing(ctx):
+        print("step 7", flush=True)
+
+    monkeypatch.setattr(process, "_run", printing)
+    spec = tmp_path / "spec.json"
+    spec.write_text('{"stage_name": "sft"}')
+    read, write = os.pipe()
+    err_read, err_write = os.pipe()
+    out, err = os.fdopen(write, "w"), os.fdopen(err_write, "w")
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    os.close(read)  # the runner, reading the stage's output, is gone
+    try:
+        assert process.main(str(spec)) == 143
+    finally:
+        gc.enable()
+        out.close()
+        err.close()
+        os.close(err_read)
+    assert recorded == [("interrupted", "the run's runner is gone (its output pipe closed)")]
+    # the same error while someone still reads the stage's output is the stage's own failure
+    assert not process.output_gone(open(os.devnull, "w"))
