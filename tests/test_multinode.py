@@ -169,6 +169,61 @@ def test_a_worker_waits_past_an_earlier_attempts_failure_and_stops_at_this_ones(
         thread.join()
 
 
+def test_a_worker_stops_when_node_zero_runs_the_stage_under_another_config_or_never_starts_it(tmp_path):
+    """A worker started with other overrides (or align code) than node 0 waited for ever on a one-process stage that
+    node 0 ran under its own fingerprint; with no node 0 at all it waited for ever too. It now stops at once on a
+    spec or manifest node 0 writes with another fingerprint, and after --rdzv-timeout on a stage nobody starts."""
+    import threading
+    from types import SimpleNamespace
+
+    from align.core.errors import PipelineError
+    from align.core.rundir import StageSpec, write_manifest
+    from align.orchestrator.launch import MultiNode
+    from align.orchestrator.multinode import await_start, wait_for_stage
+
+    plan = SimpleNamespace(name="sft", fingerprint="ours")
+    multi = MultiNode(nodes=2, node_rank=1, master_addr="127.0.0.1", rdzv_timeout=2)
+    t0 = time.time()
+    with pytest.raises(PipelineError, match=r"did not start stage 'sft' within 2s .*is node 0 running\?"):
+        await_start(plan, tmp_path, multi)
+    assert 2.0 <= time.time() - t0 < 10
+    (tmp_path / "spec.json").write_text('{"stage_name": "sft", "fing')  # torn: waited out, never a traceback
+
+    def node0(fingerprint):
+        time.sleep(0.8)
+        StageSpec("sft", str(tmp_path), fingerprint, {}, {}).write(tmp_path / "spec.json")
+
+    for fingerprint, outcome in (("theirs", "fails"), ("ours", "starts")):
+        thread = threading.Thread(target=node0, args=(fingerprint,))
+        thread.start()
+        multi.rdzv_timeout = 30
+        t0 = time.time()
+        try:
+            if outcome == "fails":
+                with pytest.raises(PipelineError, match="node 0 runs it with fingerprint theirs, this node planned "
+                                                        "ours: .*start every node with the same command"):
+                    await_start(plan, tmp_path, multi)
+            else:
+                assert await_start(plan, tmp_path, multi) == tmp_path / "spec.json"
+        finally:
+            thread.join()
+        assert time.time() - t0 < 10  # at once, not after the timeout
+
+    write_manifest(tmp_path, {"fingerprint": "older", "status": "completed", "outputs": ["model"]})  # a last run's
+
+    def node0_runs_theirs():
+        time.sleep(0.8)
+        write_manifest(tmp_path, {"fingerprint": "theirs", "status": "running", "attempts": 1})
+
+    thread = threading.Thread(target=node0_runs_theirs)
+    thread.start()
+    try:
+        with pytest.raises(PipelineError, match="node 0 runs it with fingerprint theirs, this node planned ours"):
+            wait_for_stage(tmp_path, "ours", "sft", timeout=None, stale_after=30.0)
+    finally:
+        thread.join()
+
+
 def test_a_process_group_made_without_a_timeout_waits_as_long_as_the_default_one(tmp_path):
     """DeepSpeed makes ZeRO-3's process group (a clone of the world) without a timeout, and torch gives such a group
     its backend's default (30 minutes under gloo, 10 under NCCL) rather than the 2 hours the stage's default group

@@ -103,3 +103,26 @@ def test_a_stage_whose_runner_is_gone_is_recorded_interrupted_not_failed(tmp_pat
     assert recorded == [("interrupted", "the run's runner is gone (its output pipe closed)")]
     # the same error while someone still reads the stage's output is the stage's own failure
     assert not process.output_gone(open(os.devnull, "w"))
+
+
+@pytest.mark.parametrize("pid", ['"abc"', "[1]", "99999999999999999999", "true", "-4", "0"])
+def test_a_damaged_lock_record_is_no_holder_and_no_traceback(pid, tmp_path):
+    import socket
+
+    from align.orchestrator.runlock import LOCK_FILE, RunLock, runner_state
+
+    (tmp_path / LOCK_FILE).write_text(f'{{"pid": {pid}, "host": "{socket.gethostname()}", "since": "x"}}')
+    assert runner_state(tmp_path) == "has exited"
+    with RunLock(tmp_path) as lock:  # taken: nobody alive holds it
+        assert lock.note == ""
+    assert runner_state(tmp_path) == "has exited"
+
+
+@pytest.mark.parametrize("outputs", ["5", "[null]", '["model", 3]', '""'])
+def test_a_manifest_whose_outputs_are_not_names_is_refused_naming_the_field(outputs, tmp_path):
+    from align.core.rundir import ManifestError, outputs_problem, read_manifest
+
+    (tmp_path / "manifest.json").write_text(f'{{"status": "completed", "fingerprint": "f", "outputs": {outputs}}}')
+    for reader in (read_manifest, outputs_problem):  # `align verify` read them as names: TypeError
+        with pytest.raises(ManifestError, match=r"field 'outputs' is .*, not a list of output names"):
+            reader(tmp_path)

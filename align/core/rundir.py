@@ -170,6 +170,9 @@ def _shape_problem(m: dict) -> str | None:
                       ("fingerprint", str), ("attempts", int)):
         if m.get(key) is not None and not isinstance(m[key], kind):
             return f"field '{key}' is a {type(m[key]).__name__}, not a {kind.__name__}"
+    outputs = m.get("outputs")
+    if outputs is not None and not (isinstance(outputs, list) and all(isinstance(o, str) and o for o in outputs)):
+        return f"field 'outputs' is {str(outputs)[:60]}, not a list of output names"
     for name, out in (m.get("output_digests") or {}).items():
         files = out.get("files") if isinstance(out, dict) else None
         if not isinstance(out, dict) or not isinstance(files, (dict, type(None))) or any(

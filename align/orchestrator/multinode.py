@@ -52,6 +52,8 @@ def wait_for_stage(stage_dir: Path, fingerprint: str, name: str, timeout: float 
     before = read_manifest(stage_dir) or {}
     while not is_complete(stage_dir, fingerprint):
         m = read_manifest(stage_dir) or {}
+        if m.get("fingerprint") not in (None, fingerprint) and m != before:  # node 0 ran it under another config
+            raise PipelineError(_other_config(name, m["fingerprint"], fingerprint))
         if m.get("fingerprint") == fingerprint and m.get("status") in ("failed", "interrupted"):
             unchanged = [m.get(k) for k in _WRITTEN] == [before.get(k) for k in _WRITTEN]
             if not unchanged or (stale_after is not None and time.time() - t0 > stale_after):
@@ -62,23 +64,55 @@ def wait_for_stage(stage_dir: Path, fingerprint: str, name: str, timeout: float 
         time.sleep(1.0)
 
 
+def _other_config(name: str, theirs: str, ours: str) -> str:
+    return (f"stage '{name}': node 0 runs it with fingerprint {theirs}, this node planned {ours}: the nodes run "
+            "different pipeline files, overrides or align versions; start every node with the same command")
+
+
+def _stamp(path: Path) -> tuple[float, int] | None:
+    try:
+        st = path.stat()
+        return st.st_mtime, st.st_size
+    except OSError:
+        return None
+
+
+def await_start(plan: StagePlan, stage_dir: Path, multi: MultiNode) -> Path:
+    """Worker nodes: wait until node 0 starts the stage (writes its spec.json with this node's fingerprint) or has
+    completed it, for at most --rdzv-timeout; a spec node 0 writes meanwhile with another fingerprint fails at
+    once. Returns the spec's path. A spec still being written (or torn on a lagging filesystem) is waited out."""
+    spec_path = stage_dir / SPEC
+    t_wait, before, theirs = time.time(), _stamp(spec_path), None
+    while not is_complete(stage_dir, plan.fingerprint):
+        try:
+            theirs = StageSpec.read(spec_path).fingerprint if spec_path.is_file() else None
+        except (OSError, ValueError):
+            theirs = None
+        if theirs == plan.fingerprint:
+            break
+        if theirs is not None and _stamp(spec_path) != before:
+            raise PipelineError(_other_config(plan.name, theirs, plan.fingerprint))
+        if time.time() - t_wait > multi.rdzv_timeout:
+            seen = f"; it holds fingerprint {theirs}: " + _other_config(plan.name, theirs, plan.fingerprint) \
+                if theirs else "; is the run directory on a filesystem all nodes share, and is node 0 running?"
+            raise PipelineError(f"node {multi.node_rank}: node 0 ({multi.master_addr}:{multi.master_port}) did not "
+                                f"start stage '{plan.name}' within {multi.rdzv_timeout}s (no {spec_path} with "
+                                f"fingerprint {plan.fingerprint}){seen}")
+        time.sleep(0.5)
+    return spec_path
+
+
 def follow_stage(plan: StagePlan, stage_dir: Path, header: str, source: str | Path, num_processes: int | None,
                  multi: MultiNode) -> None:
     """A worker node's part of one stage: launch its processes for a distributed stage (reading the spec node 0
     wrote), or wait while node 0 runs a one-process stage. Writes nothing under the run directory."""
     if not is_distributed(plan.cfg):
         print(f"{header}: runs on node 0 only ({plan.cfg.accelerate}); waiting for it", flush=True)
+        await_start(plan, stage_dir, multi)  # a stage node 0 never starts is not waited for without end
         wait_for_stage(stage_dir, plan.fingerprint, plan.name, None, stale_after=multi.rdzv_timeout)
         return
     wait_for_master(multi, plan.name)
-    spec_path = stage_dir / SPEC
-    t_wait = time.time()
-    while not (spec_path.is_file() and StageSpec.read(spec_path).fingerprint == plan.fingerprint):
-        if time.time() - t_wait > multi.rdzv_timeout:
-            raise PipelineError(f"node {multi.node_rank}: node 0 ({multi.master_addr}:{multi.master_port}) did not "
-                                f"start stage '{plan.name}' within {multi.rdzv_timeout}s (no {spec_path} with "
-                                f"fingerprint {plan.fingerprint}); is the run directory on a filesystem all nodes share?")
-        time.sleep(0.5)
+    spec_path = await_start(plan, stage_dir, multi)
     print(f"{header}: running on node {multi.node_rank} of {multi.nodes}", flush=True)
     log = Path(tempfile.gettempdir()) / f"align-{plan.name}-node{multi.node_rank}.log"
     cmd = launch_command(plan, spec_path, source, num_processes, multi)

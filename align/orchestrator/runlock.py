@@ -28,6 +28,21 @@ class RunLockedError(RuntimeError):
     """Another live runner holds the run directory."""
 
 
+def _parsed(raw: str) -> dict:
+    """A holder record as the runner writes it; a damaged one (edited, torn) has no holder: its `pid` is dropped
+    unless it is a whole number a process can have."""
+    try:
+        holder = json.loads(raw) if raw.strip() else {}
+    except json.JSONDecodeError:
+        return {}
+    if not isinstance(holder, dict):
+        return {}
+    pid = holder.get("pid")
+    if type(pid) is not int or not 0 < pid < 2 ** 22:  # Linux's pid_max limit
+        holder.pop("pid", None)
+    return holder
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -44,15 +59,14 @@ def runner_state(run_dir: str | Path) -> str | None:
     host cannot see) holds it, else why nobody does: "has exited" (an empty record: the runner stopped on an error
     it could not write into the manifest, e.g. a full disk) or "PID N died" (SIGKILL, OOM killer, power)."""
     try:
-        raw = (Path(run_dir) / LOCK_FILE).read_text(errors="replace")
-        holder = json.loads(raw) if raw.strip() else {}
+        holder = _parsed((Path(run_dir) / LOCK_FILE).read_text(errors="replace"))
     except FileNotFoundError:
         return "never took the run directory's lock"
-    except (OSError, json.JSONDecodeError):
+    except OSError:
         return None
-    if not isinstance(holder, dict) or not holder.get("pid"):
+    if not holder.get("pid"):
         return "has exited"
-    if holder.get("host") != socket.gethostname() or _alive(int(holder["pid"])):
+    if holder.get("host") != socket.gethostname() or _alive(holder["pid"]):
         return None
     return f"PID {holder['pid']} died"
 
@@ -67,10 +81,8 @@ class RunLock:
 
     def _holder(self, fd: int) -> dict:
         try:
-            raw = os.pread(fd, 4096, 0).decode("utf-8", "replace")
-            holder = json.loads(raw) if raw.strip() else {}
-            return holder if isinstance(holder, dict) else {}
-        except (OSError, json.JSONDecodeError):
+            return _parsed(os.pread(fd, 4096, 0).decode("utf-8", "replace"))
+        except OSError:
             return {}
 
     def __enter__(self) -> RunLock:
@@ -89,12 +101,12 @@ class RunLock:
                     raise RunLockedError(self._busy(holder) + f". This filesystem has no locks (flock: {exc.strerror}),"
                                          " so a runner on another host is never taken for ended: if it has, delete "
                                          "the lock file and run again") from None
-                if holder.get("host") == socket.gethostname() and _alive(int(holder.get("pid", 0)) or -1):
+                if holder.get("host") == socket.gethostname() and holder.get("pid") and _alive(holder["pid"]):
                     raise RunLockedError(self._busy(holder)) from None
             holder = self._holder(fd)
             if holder.get("pid"):
                 state = "still running but not holding the lock" if holder.get("host") == socket.gethostname() \
-                    and _alive(int(holder["pid"])) else "no longer running"
+                    and _alive(holder["pid"]) else "no longer running"
                 self.note = (f"took over a stale lock on {self.path.parent}: PID {holder['pid']} on host "
                              f"{holder.get('host')} (since {holder.get('since')}) ended without releasing it ({state})")
             record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
