@@ -132,6 +132,28 @@ def test_fingerprints_change_downstream_only():
     assert c == a  # logging cadence does not change results
 
 
+def test_new_weights_at_the_base_models_path_change_the_fingerprints_of_the_stages_that_load_it(tmp_path):
+    """The base model was fingerprinted by its path alone: new weights (or a packaged model converted again) at the
+    same path left every stage "up to date". Stages that load it rerun, and so does everything made from them."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(REPO / "tokenizers" / "gpt2", model)
+    (model / "config.json").write_text('{"model_type": "gpt2"}')
+    (model / "model.safetensors").write_bytes(b"\0" * (3 << 20))
+    raw = _raw()
+    raw.update(base_model=str(model), chat_template=None)
+    raw.pop("builtin", None)
+    path = REPO / "pipelines" / "default.yaml"
+    a = {p.name: p.fingerprint for p in build_plan(_parse(raw), path)}
+    assert a == {p.name: p.fingerprint for p in build_plan(_parse(raw), path)}  # the same files: the same plan
+    with open(model / "model.safetensors", "r+b") as fh:  # training moves the values at the file's end too
+        fh.seek((3 << 20) - 8)
+        fh.write(b"trained!")
+    b = {p.name: p.fingerprint for p in build_plan(_parse(raw), path)}
+    assert all(a[n] != b[n] for n in a)  # sft loads it; everything else is made from sft
+
+
 def test_precision_and_the_attention_kernel_change_every_fingerprint():
     """Both change a stage's numerics (bf16 + SDPA once gave non-finite PPO gradients where eager did not): a run with
     another precision or kernel retrains rather than skipping stages as up to date, or resuming one across them."""

@@ -204,6 +204,32 @@ def file_stamp(path: str | Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
 
+def stamp(path: str | Path) -> str | None:
+    """What identifies a file or directory named in a setting, for a fingerprint: a small file's sha256, a large
+    one's (a .gguf checkpoint) and a directory's `tree_stamp`; None when nothing is there."""
+    path = Path(path)
+    if path.is_dir():
+        return tree_stamp(path)
+    if not path.is_file():
+        return None
+    if path.stat().st_size <= 8 << 20:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    h = hashlib.sha256()
+    _sample(path, "", h)
+    return h.hexdigest()[:20]
+
+
+def _sample(p: Path, name: str, h) -> None:
+    """A file's name, size, and first and last MiB into `h`."""
+    size = p.stat().st_size
+    h.update(f"{name}\0{size}\0".encode())
+    with open(p, "rb") as fh:
+        h.update(fh.read(1 << 20))
+        if size > 1 << 20:
+            fh.seek(max(1 << 20, size - (1 << 20)))
+            h.update(fh.read(1 << 20))
+
+
 def tree_stamp(root: str | Path) -> str:
     """What identifies a directory's files without reading all of them (a local model named in a setting, e.g. a
     pairwise judge's): a hash over every file's relative name, size, and first and last MiB. The same on every node
@@ -212,13 +238,7 @@ def tree_stamp(root: str | Path) -> str:
     root = Path(root)
     h = hashlib.sha256()
     for p in sorted(q for q in root.rglob("*") if q.is_file()):
-        size = p.stat().st_size
-        h.update(f"{p.relative_to(root).as_posix()}\0{size}\0".encode())
-        with open(p, "rb") as fh:
-            h.update(fh.read(1 << 20))
-            if size > 1 << 20:
-                fh.seek(max(1 << 20, size - (1 << 20)))
-                h.update(fh.read(1 << 20))
+        _sample(p, p.relative_to(root).as_posix(), h)
     return h.hexdigest()[:20]
 
 

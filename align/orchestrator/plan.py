@@ -19,7 +19,7 @@ from pathlib import Path
 from align import templates
 from align.core.builtin import check_builtin, is_builtin
 from align.core.errors import PipelineError
-from align.core.fsutil import tree_stamp
+from align.core.fsutil import stamp
 from align.config import PipelineConfig, StageBase, stage_types, to_dict
 from align.config.contract import MODEL, POLICY, REWARD_MODEL, ROLES, refs
 from align.data.cards import DataCardError, load_card
@@ -137,7 +137,7 @@ def code_version() -> str:
 
 
 def _fingerprint(plan: StagePlan, cfg: PipelineConfig, inputs: dict[str, str], code: str,
-                 hub_tokenizer: str | None = None) -> str:
+                 hub_tokenizer: str | None = None, base_files: dict[str, Path] | None = None) -> str:
     stage = {k: v for k, v in to_dict(plan.cfg).items() if k not in NON_SEMANTIC}
     base = {}
     if plan.cfg.starts_from_base():
@@ -151,8 +151,9 @@ def _fingerprint(plan: StagePlan, cfg: PipelineConfig, inputs: dict[str, str], c
             base["chat_template"] = ct.digest  # tokenizer's) reruns the stage that installs it
             if ct.masking != "markers":
                 base["chat_template_masking"] = [ct.masking, ct.training_text and templates.text_digest(ct.training_text)]
-    files = {key: hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else tree_stamp(path)
-             if path.is_dir() else None for key, path in plan.files.items()}  # editing the file reruns the stage
+    files = {key: stamp(path) for key, path in plan.files.items()}  # editing the file reruns the stage
+    if plan.cfg.starts_from_base():  # new weights (or a new conversion of a packaged model) at the same path too
+        files.update({k: stamp(p) for k, p in (base_files or {}).items()})
     blob = {"stage": stage, "base": base, "seed": plan.cfg.seed if plan.cfg.seed is not None else cfg.seed,
             "dtype": cfg.dtype, "precision": cfg.precision, "attn_implementation": cfg.attn_implementation,
             "inputs": inputs, "cards": plan.card_hashes, "code": code}
@@ -199,13 +200,15 @@ def build_plan(cfg: PipelineConfig, source: str | Path) -> list[StagePlan]:
         plans[name] = plan
     order = topological_order({n: p.deps for n, p in plans.items()}, source)
     code = code_version()
+    base_files = {k: Path(p) for k, p in paths.items() if p and not is_builtin(str(p)) and Path(p).exists()}
     for name in order:
         plan = plans[name]
         try:
             plan.card_hashes = {fld: load_card(p).content_hash() for fld, p in plan.cards.items()}
         except DataCardError as exc:
             raise PipelineError(f"{source}: stages.{name}: {exc}") from None
-        plan.fingerprint = _fingerprint(plan, cfg, {d: plans[d].fingerprint for d in plan.deps}, code, hub_tokenizer)
+        plan.fingerprint = _fingerprint(plan, cfg, {d: plans[d].fingerprint for d in plan.deps}, code, hub_tokenizer,
+                                        base_files)
     return [plans[n] for n in order]
 
 
