@@ -126,3 +126,27 @@ def test_a_manifest_whose_outputs_are_not_names_is_refused_naming_the_field(outp
     for reader in (read_manifest, outputs_problem):  # `align verify` read them as names: TypeError
         with pytest.raises(ManifestError, match=r"field 'outputs' is .*, not a list of output names"):
             reader(tmp_path)
+
+
+def test_a_data_file_edited_after_the_run_planned_its_stage_is_refused_not_trained_on(tmp_path):
+    """The stage's fingerprint holds the card's digest (its data file's too): data edited while earlier stages ran
+    was trained on under the planned digest, and the next run called the stage up to date."""
+    import json
+    from types import SimpleNamespace
+
+    from align.data.cards import load_card
+    from align.runtime.context import StageError
+    from align.runtime.rows import card_split
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"p{i}", "completion": f" c{i}"}) + "\n" for i in range(20)))
+    card = tmp_path / "card.yaml"
+    card.write_text("name: t\nsource: {path: rows.jsonl}\nlicense: MIT\nformat: jsonl\nproduces: prompt_completion\n"
+                    "splits: {train: 0.8, test: 0.2, seed: 1}\n")
+    planned = load_card(card).content_hash()
+    ctx = SimpleNamespace(name="sft", extra_manifest={},
+                          spec=SimpleNamespace(data_cards={"data": {"path": str(card), "sha256": planned}}))
+    assert card_split(ctx, str(card), "train").rows
+    data.write_text(data.read_text().replace("c3", "terrible"))
+    with pytest.raises(StageError, match=r"stage 'sft': data card .*card.yaml \(or its data file\) changed since"):
+        card_split(ctx, str(card), "test")

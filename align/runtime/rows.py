@@ -6,9 +6,10 @@ so every stage after SFT reads text, rendered the same way everywhere.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from align.data.cards import LoadedSplit, load_split, read_jsonl
+from align.data.cards import LoadedSplit, load_card, load_split, read_jsonl
 from align.data.chat import as_text, same_after_template, same_after_template_problem, without_special_text
 from align.data.formats import FormatError, prompt_key, text_of
 from align.runtime.context import StageContext, StageError
@@ -28,8 +29,15 @@ def load_rows(ctx: StageContext, ref: str, split: str, limit: int | None = None,
 
 def card_split(ctx: StageContext, card: str, split: str) -> LoadedSplit:
     """A data card's split, with the rows its transforms and checks dropped counted in the manifest (`dropped_rows`,
-    the card's whole file: a split is drawn after them)."""
+    the card's whole file: a split is drawn after them). The card and its data are what the run planned (their
+    digest is in the spec and so in the stage's fingerprint): a file edited since is refused, not trained on
+    under the planned digest."""
     loaded = load_split(card, split)
+    planned = next((c.get("sha256") for c in ctx.spec.data_cards.values()
+                    if isinstance(c, dict) and Path(str(c.get("path"))) == Path(card).resolve()), None)
+    if planned and load_card(card).content_hash() != planned:  # after loading: what was read is what was planned
+        raise StageError(f"stage '{ctx.name}': data card {card} (or its data file) changed since this run planned "
+                         "the stage; run `align run` again: the stage's fingerprint follows the new content")
     for why, n in loaded.dropped.items():
         count_dropped(ctx, f"{card} (the whole file, before the split): {why}", n)
     return loaded

@@ -16,7 +16,6 @@ from align import templates
 from align.core import gguf
 from align.core.builtin import is_builtin
 from align.config.sft import SFTStage
-from align.data.cards import load_split
 from align.data.chat import TemplateError, sft_every_token, sft_example
 from align.modeling.models import build_builtin, fit_model_to_tokenizer, load_tokenizer, train_tokenizer
 from align.modeling.lora import peft_config
@@ -142,7 +141,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     train = Dataset.from_list([{c: r[c] for c in columns} for r in rows])
     eval_ds, eval_rows = None, []
     if cfg.eval_split:
-        eval_rows = drop_special_text(ctx, load_split(cfg.data, cfg.eval_split).rows[: cfg.eval_max_examples],
+        eval_rows = drop_special_text(ctx, card_split(ctx, cfg.data, cfg.eval_split).rows[: cfg.eval_max_examples],
                                       tokenizer, f"{cfg.data} split '{cfg.eval_split}'")
         eval_ds = Dataset.from_list([{c: r[c] for c in columns} for r in eval_rows])
     if chat:  # tokenised here: assistant turns only (masks as the plan decided), or every token; BOS as later stages
