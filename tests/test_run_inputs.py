@@ -150,3 +150,30 @@ def test_a_data_file_edited_after_the_run_planned_its_stage_is_refused_not_train
     data.write_text(data.read_text().replace("c3", "terrible"))
     with pytest.raises(StageError, match=r"stage 'sft': data card .*card.yaml \(or its data file\) changed since"):
         card_split(ctx, str(card), "test")
+
+
+def test_status_compares_a_run_with_its_pipeline_file_as_it_is_now_with_the_runs_own_overrides(workdir):
+    """`align status` planned from the config pipeline.json recorded, so a stage whose setting was edited in the file
+    since read "current" while `align run` would retrain it."""
+    import shutil
+
+    from align.config import load_pipeline, to_dict
+    from align.orchestrator.plan import build_plan
+    from align.orchestrator.status import current_fingerprints, recorded_overrides
+
+    source = workdir / "mine.yaml"
+    shutil.copy(REPO / "pipelines" / "default.yaml", source)
+    source.write_text(source.read_text().replace("../data_cards/", "data_cards/"))
+    typed = ["sft.max_steps=3", "dpo.beta=0.3"]
+    assert recorded_overrides(f"align run --run-id x {source} --only dpo {typed[0]} --force {typed[1]}") == typed
+    cfg = load_pipeline(source, typed)
+    planned = {p.name: p.fingerprint for p in build_plan(cfg, source)}
+    info = {"source": str(source), "config": to_dict(cfg), "resume": f"align run {source} --run-id x {' '.join(typed)}"}
+    assert current_fingerprints(info) == planned
+    source.write_text(source.read_text().replace("learning_rate: 2.0e-4", "learning_rate: 1.0e-4"))  # dpo's
+    now = current_fingerprints(info)
+    assert {n for n in planned if now[n] != planned[n]} == {"dpo", "evaluate"}
+    source.write_text(source.read_text().replace("data_cards/movie_review_snippets.yaml", "data_cards/gone.yaml"))
+    assert current_fingerprints(info).startswith("mine.yaml no longer plans: ")
+    source.unlink()
+    assert current_fingerprints(info) == "pipeline file gone"

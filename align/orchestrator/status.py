@@ -4,10 +4,11 @@ each stage's manifest.json), with whether the stage is still up to date with its
 from __future__ import annotations
 
 import json
+import shlex
 from datetime import datetime
 from pathlib import Path
 
-from align.config import parse_pipeline, stage_types
+from align.config import load_pipeline, parse_pipeline, stage_types
 from align.orchestrator.commands import recorded_run, rerun_from
 from align.orchestrator.plan import build_plan
 from align.orchestrator.runlock import runner_state
@@ -33,16 +34,40 @@ def _headline(kind: str, manifest: Manifest) -> str:
     return headline(manifest, cls.HEADLINE if cls else ()) or "-"
 
 
-def current_fingerprints(info: PipelineRecord) -> dict[str, str] | None:
-    """Each stage's fingerprint under today's pipeline file and code (None when the file is gone or invalid)."""
+_VALUED = {"--only", "--from", "--run-id", "--num-processes", "--nodes", "--node-rank", "--master-addr",
+           "--master-port", "--rdzv-timeout"}  # `align run` flags that take a value (align/cli.py)
+
+
+def recorded_overrides(command: object) -> list[str] | None:
+    """The dotted overrides of a recorded `align run` command (None when there is none to read them from)."""
+    if not isinstance(command, str) or not command.startswith("align run "):
+        return None
+    words, out, skip = shlex.split(command)[2:], [], False  # after `align run` (the pipeline has no `=`)
+    for w in words:
+        if skip:
+            skip = False
+        elif w in _VALUED:
+            skip = True
+        elif not w.startswith("-") and "=" in w:
+            out.append(w)
+    return out
+
+
+def current_fingerprints(info: PipelineRecord) -> dict[str, str] | str:
+    """Each stage's fingerprint under today's pipeline file (with the run's own overrides) and code; or why there
+    is none: the file is gone, or no longer plans (it names a card that is gone, say)."""
     source = info.get("source")
     if not source or not Path(source).is_file():
-        return None
+        return "pipeline file gone"
+    overrides = recorded_overrides(info.get("resume"))
     try:
-        raw = json.loads(json.dumps(info["config"]))
-        return {p.name: p.fingerprint for p in build_plan(parse_pipeline(raw, source), source)}
-    except (ValueError, KeyError):
-        return None
+        if overrides is None:  # a record from before align kept the command: the config it recorded
+            cfg = parse_pipeline(json.loads(json.dumps(info["config"])), source)
+        else:
+            cfg = load_pipeline(source, overrides)
+        return {p.name: p.fingerprint for p in build_plan(cfg, source)}
+    except (ValueError, KeyError) as exc:
+        return f"{Path(source).name} no longer plans: {str(exc).splitlines()[0][:80]}"
 
 
 def _record(run_dir: Path) -> PipelineRecord:
@@ -87,8 +112,8 @@ def status_table(run_dir: str | Path) -> str:
         if state == "failed" and m.get("error"):
             state = f"failed: {str(m['error'])[:60]}"
         fp = m.get("fingerprint")
-        match = "-" if not fp else ("current" if now and now.get(name) == fp else
-                                    "unknown (pipeline file gone)" if now is None else "stale (config, data or code changed)")
+        match = "-" if not fp else (f"unknown ({now})" if isinstance(now, str) else "current" if now.get(name) == fp
+                                    else "stale (config, data or code changed)")
         moved = moved_inputs(run_dir, name)
         if match == "current" and moved:  # made from an earlier publication of an input: the runner reruns it
             match = f"stale (input '{moved[0]}' republished since)"
