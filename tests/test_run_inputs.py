@@ -177,3 +177,19 @@ def test_status_compares_a_run_with_its_pipeline_file_as_it_is_now_with_the_runs
     assert current_fingerprints(info).startswith("mine.yaml no longer plans: ")
     source.unlink()
     assert current_fingerprints(info) == "pipeline file gone"
+
+
+def test_a_run_directory_last_run_from_another_pipeline_file_is_named_before_it_is_taken_over(tmp_path):
+    import json
+
+    from align.orchestrator.commands import other_source
+
+    run = tmp_path / "runs" / "default" / "main"
+    run.mkdir(parents=True)
+    mine = tmp_path / "mine.yaml"
+    assert other_source(run, mine) is None  # a new run directory
+    (run / "pipeline.json").write_text(json.dumps({"source": str(REPO / "pipelines" / "default.yaml")}))
+    note = other_source(run, mine)
+    assert f"was last run from {REPO / 'pipelines' / 'default.yaml'}; this run is from {mine}" in note
+    assert "give this pipeline its own `name:` or a --run-id" in note
+    assert other_source(run, REPO / "pipelines" / "default.yaml") is None

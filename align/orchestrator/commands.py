@@ -46,6 +46,21 @@ def run_command(run_dir: str | Path, source: str | Path, run_id: str) -> str:
     return recorded_run(before, source, run_id)
 
 
+def other_source(run_dir: str | Path, source: str | Path) -> str | None:
+    """A warning when the run directory was last run from another pipeline file with the same `name:` (a copy of
+    a shipped pipeline, edited): its stages are taken over, those whose settings differ retrained in place."""
+    try:
+        before = json.loads((Path(run_dir) / PIPELINE).read_text(encoding="utf-8")).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+    now = str(Path(source).resolve())
+    if not isinstance(before, str) or before == now:
+        return None
+    return (f"warning: {run_dir} was last run from {before}; this run is from {now} (the same name: "
+            f"{Path(run_dir).parent.name}): stages with the same settings are reused, the others are retrained in "
+            "place. To keep both runs, give this pipeline its own `name:` or a --run-id")
+
+
 def recorded_run(recorded: object, source: str | Path, run_id: object) -> str:
     """A run's own command from its pipeline.json `resume` when that is an `align run`, else `align run SOURCE
     --run-id ID` (a record from before align kept the command)."""

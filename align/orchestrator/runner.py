@@ -33,7 +33,7 @@ from align.orchestrator.plan import REPO_DIR, StagePlan, code_version, descendan
 from align.core.errors import PipelineError
 from align.core.rundir import (MANIFEST, PIPELINE, SPEC, PipelineRecord, StageSpec, headline, is_complete,
                           moved_inputs, output_digests, outputs_problem, read_manifest, write_manifest)
-from align.orchestrator.commands import rerun_from, resume_command, run_command
+from align.orchestrator.commands import other_source, rerun_from, resume_command, run_command
 from align.orchestrator.helper import HelperError
 from align.orchestrator.runlock import RunLock, RunLockedError
 from align.config.sweeps import by_stage
@@ -119,8 +119,8 @@ def _run(cfg: PipelineConfig, source: str | Path, only: str | None, from_stage: 
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         with RunLock(run_dir) as lock:
-            if lock.note:
-                print(f"[align] {lock.note}", flush=True)
+            for note in filter(None, (lock.note, other_source(run_dir, source))):
+                print(f"[align] {note}", flush=True)
             return _run_stages(cfg, source, plans, selected, forced, run_dir, num_processes,
                                trust_completed_inputs, multi, t0)
     except RunLockedError as exc:
