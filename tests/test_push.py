@@ -56,7 +56,17 @@ PUSH = ["stages.push.type=push", "stages.push.model=dpo", "stages.push.repo=my-o
     ({"ALIGN_TEST_HUB_TOKEN": TOKEN + "\r"}, [], "the value of ALIGN_TEST_HUB_TOKEN holds whitespace or control "
                                                   "characters (a key file saved with CRLF"),
     ({"ALIGN_TEST_HUB_TOKEN": TOKEN}, ["stages.push.repo=tiny-dpo"], "stages.push: repo: 'tiny-dpo' is not a hub "
-                                                                     "repository id; name it org/name"),
+                                                                     "repository id: name it org/name"),
+    # ids the hub refuses only when the push runs, after every stage before it
+    ({"ALIGN_TEST_HUB_TOKEN": TOKEN}, ["stages.push.repo=org/my--model"], "the hub refuses '--' and '..'"),
+    ({"ALIGN_TEST_HUB_TOKEN": TOKEN}, ["stages.push.repo=org/model.git"], "a repository name cannot end in .git"),
+    ({"ALIGN_TEST_HUB_TOKEN": TOKEN}, ["stages.push.repo=org/x-"], "nor ending with '-' or '.'"),
+    ({"ALIGN_TEST_HUB_TOKEN": TOKEN}, ["stages.push.repo=org/" + "x" * 97], "each part 1 to 96 characters"),
+    # adapters alone on a base only this machine has: the pushed repository names a path here as its base
+    ({"ALIGN_TEST_HUB_TOKEN": TOKEN}, ["stages.push.model=sft", "sft.lora.enabled=true",
+                                       "sft.lora.target_modules=[q_proj,v_proj]"],
+     "stages.push: model: stage 'sft' publishes LoRA adapters alone, on base_model 'builtin:tiny-llama', which is not "
+     "on the hub"),
     ({"ALIGN_TEST_HUB_TOKEN": TOKEN}, [f"stages.push.token_env={TOKEN}"], "token_env: this looks like a token"),
     ({"ALIGN_TEST_HUB_TOKEN": TOKEN}, ["stages.push.model=preferences"],
      "stages.push.model: 'preferences' is a preferences stage, which produces preference pairs; model needs a policy "

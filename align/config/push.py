@@ -6,12 +6,30 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 from align.config.contract import MODEL, CheckContext, StageBase
+from align.core.builtin import is_builtin
+from align.core.packaged import SCHEME as PACKAGED
 
-_REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+_PART = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?")  # the hub's rules (huggingface_hub)
 _REF = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_./-]{0,199}")  # a branch name (git check-ref-format, simplified)
+
+
+def repo_problem(repo: str) -> str | None:
+    """Why `repo` is not a hub repository id the hub accepts (None: it is): `org/name`, each part 1 to 96 letters,
+    digits, `-`, `_` or `.`, starting with a letter or digit and not ending in `-` or `.`, no `--` or `..`, and a
+    name not ending in `.git`."""
+    parts = repo.split("/")
+    if len(parts) != 2 or not all(_PART.fullmatch(p) for p in parts):
+        return "name it org/name: letters, digits, '-', '_' or '.', each part 1 to 96 characters, not starting with "\
+               "'-', '_' or '.' nor ending with '-' or '.'"
+    if "--" in repo or ".." in repo:
+        return "the hub refuses '--' and '..' in a repository id"
+    if parts[1].endswith(".git"):
+        return "a repository name cannot end in .git"
+    return None
 
 
 def token_problem(variable: str) -> str | None:
@@ -24,6 +42,12 @@ def token_problem(variable: str) -> str | None:
         return (f"the value of {variable} holds whitespace or control characters (a key file saved with CRLF line ends "
                 f"leaves a trailing \\r); export it again without them, e.g. export {variable}=$(tr -d '\\r\\n' < FILE)")
     return None
+
+
+def _on_the_hub(base: str, ctx: CheckContext) -> bool:
+    """Whether base_model names a hub repository (not a builtin, packaged, .gguf or local model)."""
+    local = (ctx.base_dir / Path(base).expanduser()).exists() or base.lower().endswith(".gguf")
+    return not (local or is_builtin(base) or base.startswith(PACKAGED))
 
 
 @dataclass
@@ -51,8 +75,16 @@ class PushStage(StageBase):
     """The commit message (empty: `align: <pipeline>/<run> stage <model>, fingerprint ...`)."""
 
     def check(self, ctx: CheckContext) -> None:
-        if not _REPO.fullmatch(self.repo):
-            raise ValueError(f"repo: {self.repo!r} is not a hub repository id; name it org/name, e.g. my-org/llama3-8b-ppo")
+        if problem := repo_problem(self.repo):
+            raise ValueError(f"repo: {self.repo!r} is not a hub repository id: {problem}; e.g. my-org/llama3-8b-ppo")
+        source = ctx.pipeline.stages.get(self.model)
+        lora = getattr(source, "lora", None)
+        if source is not None and lora is not None and lora.enabled and not lora.merge and \
+                source.starts_from_base() and not _on_the_hub(ctx.pipeline.base_model, ctx):
+            raise ValueError(f"model: stage '{self.model}' publishes LoRA adapters alone, on base_model "
+                             f"{ctx.pipeline.base_model!r}, which is not on the hub: the pushed repository would name "
+                             f"a base only this machine has; set stages.{self.model}.lora.merge: true to push whole "
+                             "weights")
         if not _REF.fullmatch(self.revision) or ".." in self.revision or self.revision.endswith((".lock", "/", ".")):
             raise ValueError(f"revision: {self.revision!r} is not a branch name git accepts; name an existing branch "
                              "of the repository, e.g. main")
