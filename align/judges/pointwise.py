@@ -43,12 +43,12 @@ class RewardModelJudge:
 
     @classmethod
     def load(cls, name: str, model_dir: str, load: Callable[[str, int | None], Any] | None = None,
-             batch_size: int = 64, autocast=None) -> RewardModelJudge:
+             batch_size: int = 64, autocast=None, trust_remote_code: bool = False) -> RewardModelJudge:
         """From a reward stage's model/: `load(path, pad_token_id)` loads the model (a stage passes its own, for
-        device, dtype and attention kernel)."""
+        device, dtype and attention kernel; and the pipeline's trust_remote_code, as the model loads with it)."""
         from align.modeling.models import load_scalar_model, load_tokenizer
 
-        tokenizer = load_tokenizer(model_dir)
+        tokenizer = load_tokenizer(model_dir, trust_remote_code)
         model = (load or load_scalar_model)(model_dir, tokenizer.pad_token_id).eval()
         judge = cls(name, lambda ids, mask: scalar_outputs(model, ids, mask), tokenizer, batch_size, autocast)
         judge.model = model
@@ -163,7 +163,7 @@ def stage_judge(ctx, spec: str | dict[str, float]) -> WeightedJudge:
     for its training backend, ZeRO-3 or LoRA bases, and calls `build_judge` with them.)"""
     return build_judge(spec, lambda n: RewardModelJudge.load(
         n, ctx.input_model(n), load=lambda p, pad: ctx.load_scalar(p, pad, device=True, frozen=True),
-        autocast=ctx.compute.autocast) if n in ctx.inputs else None)
+        autocast=ctx.compute.autocast, trust_remote_code=ctx.pipeline.trust_remote_code) if n in ctx.inputs else None)
 
 
 def check_same_tokenizer(stage: str, policy: str, policy_tokenizer, reward_tokenizers: dict[str, Any]) -> None:

@@ -50,7 +50,8 @@ def merged_lora_model(base, lora: LoraSettings, task_type: str, trained_state: d
     return model.merge_and_unload()
 
 
-def merged_for_saving(peft_model, lora: LoraSettings, dtype: str, gathered: dict[str, torch.Tensor] | None = None):
+def merged_for_saving(peft_model, lora: LoraSettings, dtype: str, gathered: dict[str, torch.Tensor] | None = None,
+                      trust_remote_code: bool = False):
     """A trained PeftModel as the plain model that `model/` holds: merged in place, or, for QLoRA (a 4-bit training
     copy, which merging in place would re-quantize), merged into a fresh unquantized load of the same weights, or,
     under ZeRO-3 (`gathered`: every parameter's 16-bit whole, on the main process), merged from that."""
@@ -61,7 +62,8 @@ def merged_for_saving(peft_model, lora: LoraSettings, dtype: str, gathered: dict
     config = peft_model.peft_config[peft_model.active_adapter]
     path, task = config.base_model_name_or_path, getattr(config.task_type, "value", config.task_type)
     with unsharded_loading():
-        base = load_scalar_model(path, None, dtype) if task == "SEQ_CLS" else load_causal_lm(path, dtype)
+        base = load_scalar_model(path, None, dtype, trust_remote_code) if task == "SEQ_CLS" else \
+            load_causal_lm(path, dtype, trust_remote_code)
     _as_trained(base, peft_model.get_base_model())
     return merged_lora_model(base, lora, task, peft_model.state_dict())
 

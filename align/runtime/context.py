@@ -281,7 +281,7 @@ class StageContext:
                 gathered = trainer.accelerator.get_state_dict(trainer.model_wrapped) if zero3 else None
                 if self.is_main or not zero3:
                     merged = merged_for_saving(trainer.accelerator.unwrap_model(model), self.cfg.lora,
-                                               self.weights_dtype(frozen=True), gathered)
+                                               self.weights_dtype(frozen=True), gathered, self.pipeline.trust_remote_code)
                 if self.is_main:
                     merged.save_pretrained(path)
             else:

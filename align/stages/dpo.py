@@ -21,7 +21,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     cfg: DPOStage = ctx.cfg  # type: ignore[assignment]
     columns = ("prompt", "chosen", "rejected")
     path = ctx.input_model(cfg.policy)
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path, ctx.pipeline.trust_remote_code)
     train = [{c: r[c] for c in columns} for r in load_rows(ctx, cfg.data, "train", cfg.max_train_examples, tokenizer)]
     test = [{c: r[c] for c in columns} for r in load_rows(ctx, cfg.data, "test", tokenizer=tokenizer)]
     check_lengths(ctx, train, tokenizer)

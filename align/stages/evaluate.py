@@ -210,7 +210,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     """Evaluate: sample every policy on the held-out prompts, score (judges, KL, perplexity, pairwise), report."""
     cfg: EvaluateStage = ctx.cfg  # type: ignore[assignment]
     ref_path = ctx.input_model(cfg.reference)
-    tokenizer = load_tokenizer(ref_path)
+    tokenizer = load_tokenizer(ref_path, ctx.pipeline.trust_remote_code)
     prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer)  # conversations: rendered
     reference = ctx.load_lm(ref_path, device=True, frozen=True).eval()
     judges: dict[str, WeightedJudge] = {name: stage_judge(ctx, name) for name in cfg.judges}

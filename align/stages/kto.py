@@ -26,7 +26,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     cfg: KTOStage = ctx.cfg  # type: ignore[assignment]
     path = ctx.input_model(cfg.policy)
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path, ctx.pipeline.trust_remote_code)
     train = [{c: r[c] for c in COLUMNS}  # cut after unpairing: max_train_examples counts examples, not pairs
              for r in unpaired(load_rows(ctx, cfg.data, "train", tokenizer=tokenizer), ctx.seed, cfg.max_train_examples)]
     problem = one_label_problem(train, f"data: {cfg.data}", cfg.max_train_examples)

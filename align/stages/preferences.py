@@ -155,7 +155,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     cfg: PreferencesStage = ctx.cfg  # type: ignore[assignment]
     path = ctx.input_model(cfg.policy)
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path, ctx.pipeline.trust_remote_code)
     prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer)  # conversations: rendered
     records, mine_generated, t0 = sample_records(ctx, cfg, tokenizer, prompts, path)
     records = sorted(gather_object(records), key=lambda r: r["index"])

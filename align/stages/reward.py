@@ -28,7 +28,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     cfg: RewardStage = ctx.cfg  # type: ignore[assignment]
     path = ctx.input_model(cfg.init)
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path, ctx.pipeline.trust_remote_code)
     train = load_rows(ctx, cfg.data, cfg.split, cfg.max_train_examples, tokenizer)
     test = load_rows(ctx, cfg.data, "test", tokenizer=tokenizer)
     check_lengths(ctx, train, tokenizer)
@@ -48,7 +48,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if test:  # held-out accuracy of the saved model/: every process loads it whole and scores a share of the pairs
         with unsharded_loading():
             judge = RewardModelJudge.load(ctx.name, str(ctx.dir / "model"), autocast=ctx.compute.autocast,
-                                          load=lambda p, pad: ctx.load_scalar(p, pad, device=True, frozen=True))
+                                          load=lambda p, pad: ctx.load_scalar(p, pad, device=True, frozen=True),
+                                          trust_remote_code=ctx.pipeline.trust_remote_code)
         held_out = pairwise_accuracy(judge, test, ctx.state.process_index, ctx.state.num_processes)
         metrics = {"eval/rewards/accuracy": held_out["accuracy"], "eval/rewards/margin": held_out["margin"],
                    "eval/rewards/chosen": held_out["chosen"], "eval/rewards/rejected": held_out["rejected"],

@@ -77,7 +77,7 @@ def load_start(ctx: StageContext, cfg: SFTStage, rows: list[dict[str, Any]], cha
     template = ctx.chat_template
     if cfg.model != "base":
         path = ctx.input_model(cfg.model)
-        tok = load_tokenizer(path)
+        tok = load_tokenizer(path, ctx.pipeline.trust_remote_code)
         model = ctx.load_lm(path, quantize=cfg.lora.quantize)
         if chat and not tok.chat_template and template is not None:  # an upstream stage trained on plain text
             templates.install(tok, template)

@@ -128,7 +128,7 @@ def training_prompts(ctx: StageContext, cfg: PPOStage, tokenizer, reward_stages:
     """The prompts PPO trains on and those it holds out for the KL after each update (split before any model
     loads: a held-out share that leaves too little to train on is refused here)."""
     prompts = unique_prompts(load_rows(ctx, cfg.prompts, cfg.split, tokenizer=tokenizer))  # chat: rendered
-    prompts = usable_prompts(ctx, cfg, tokenizer, {n: load_tokenizer(ctx.input_model(n)) for n in reward_stages},
+    prompts = usable_prompts(ctx, cfg, tokenizer, {n: load_tokenizer(ctx.input_model(n), ctx.pipeline.trust_remote_code) for n in reward_stages},
                              prompts)
     try:
         prompts, heldout = split_heldout(ctx.name, prompts, cfg.kl.heldout_prompts, ctx.seed + 7_368_787,
@@ -153,7 +153,7 @@ def setup(ctx: StageContext) -> PPORun:
     accelerator = make_accelerator(ctx, cfg)
     policy_path = ctx.input_model(cfg.policy)
     reward_stages = [n for n in judge_weights(cfg.reward) if n in ctx.inputs]
-    tokenizer = load_tokenizer(policy_path)
+    tokenizer = load_tokenizer(policy_path, ctx.pipeline.trust_remote_code)
     prompts, heldout = training_prompts(ctx, cfg, tokenizer, reward_stages)
     pad_id = tokenizer.pad_token_id
     # peft draws the LoRA adapters' initial weights from torch's global generator, which nothing else seeds here:
@@ -323,7 +323,7 @@ def publish_policy(s: PPORun, path: Path) -> None:
         ctx.extra_manifest["lora_published"] = "adapter"
     elif cfg.lora.enabled:  # adapters merged into a fresh, unquantized load of the starting policy
         with unsharded_loading():  # main process only: no ZeRO-3 partitioning (a collective) here
-            base = load_causal_lm(s.policy_path, ctx.weights_dtype(frozen=True))
+            base = load_causal_lm(s.policy_path, ctx.weights_dtype(frozen=True), ctx.pipeline.trust_remote_code)
         merged = merged_lora_model(base, cfg.lora, "CAUSAL_LM", policy_state)
         merged.generation_config.pad_token_id = s.tokenizer.pad_token_id
         merged.save_pretrained(path)
