@@ -193,3 +193,40 @@ def test_a_run_directory_last_run_from_another_pipeline_file_is_named_before_it_
     assert f"was last run from {REPO / 'pipelines' / 'default.yaml'}; this run is from {mine}" in note
     assert "give this pipeline its own `name:` or a --run-id" in note
     assert other_source(run, REPO / "pipelines" / "default.yaml") is None
+
+
+def _judge_dir(root, name, **change):
+    import json
+    import shutil
+
+    path = root / name
+    shutil.copytree(REPO / "tokenizers" / "gpt2", path)
+    (path / "config.json").write_text(json.dumps({"model_type": "gpt2", **change.get("config", {})}))
+    (path / "model.safetensors").write_bytes(b"\0" * 64)
+    for gone in change.get("remove", ()):
+        (path / gone).unlink()
+    for file, text in change.get("write", {}).items():
+        (path / file).write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"remove": ["model.safetensors"]}, "has a config.json but no weights"),
+    ({"config": {"auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}}, "ships its own Python code"),
+    ({"remove": [p.name for p in (REPO / "tokenizers" / "gpt2").iterdir()]}, "holds no tokenizer files"),
+    ({"write": {"tokenizer_config.json": "{not json"}}, "tokenizer_config.json is damaged"),
+    ({"write": {"config.json": "{}"}}, "has no `model_type`"),
+])
+def test_a_pairwise_judge_model_directory_is_checked_as_the_base_model_is(change, needle, tmp_path, capsys):
+    """It passed validate and failed after every policy was trained and sampled."""
+    judge = _judge_dir(tmp_path, "judge", **change)
+    rc, out = validate(capsys, DEFAULT, f"evaluate.pairwise=[{{name: j, model: {judge}}}]")
+    refused(out, rc, "stages.evaluate.pairwise.0.model:", needle)
+
+
+def test_a_mistyped_local_judge_path_is_not_taken_for_a_hub_id(tmp_path, capsys):
+    rc, out = validate(capsys, DEFAULT, "evaluate.pairwise=[{name: j, model: accelerate/judge}]")  # pipelines/accelerate
+    refused(out, rc, "stages.evaluate.pairwise.0.model: local path 'accelerate/judge' not found")
+    judge = _judge_dir(tmp_path, "judge")
+    rc, out = validate(capsys, DEFAULT, f"evaluate.pairwise=[{{name: j, model: {judge}}}]")
+    assert rc == 0, out[-2000:]

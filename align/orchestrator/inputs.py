@@ -167,6 +167,34 @@ def _base_model_config(cfg: PipelineConfig, source: str | Path, paths: dict[str,
     return None
 
 
+def local_model_problem(value: str, base_dir: Path, trust_remote_code: bool) -> str | None:
+    """What keeps a model a setting names (a pairwise judge's `model`) from loading, found as the base model's is,
+    before anything trains (None: a hub id, a packaged model, or a whole model directory)."""
+    if value.startswith(core_packaged.SCHEME):  # fetched into align's cache (`align model`), checked there
+        return None
+    local = base_dir / Path(value).expanduser()
+    if not local.exists():
+        first = value.split("/")[0]
+        if value.startswith((".", "/", "~")) or not HUB_ID.fullmatch(value) or (base_dir / first).is_dir():
+            return (f"local path '{value}' not found (looked for {local}); a value that names a local directory is "
+                    "never looked up on the hub. Fix the path (it is relative to the pipeline file)")
+        return None
+    if local.is_file():
+        return None if gguf.is_gguf(str(local)) else f"{local} is a file; name the model's directory"
+    if not (local / "config.json").is_file():
+        return f"{local} has no config.json; it is not a transformers model directory (save one with save_pretrained)"
+    try:
+        config = _read_config(local / "config.json", str(local))
+    except ConfigError as exc:
+        return str(exc)
+    if not any(any(local.glob(pattern)) for pattern in WEIGHT_FILES):
+        return f"{local} has a config.json but no weights (none of {', '.join(WEIGHT_FILES)}); copy the whole directory"
+    if config.get("auto_map") and not trust_remote_code:
+        return (f"{local} ships its own Python code (config.json auto_map), which align does not run by default. Read "
+                "that code, then set `trust_remote_code: true` in the pipeline to allow it")
+    return tokenizer_files_problem(local)
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt",
                    "spiece.model", "sentencepiece.bpe.model", "tekken.json")
 TIKTOKEN_LINE = re.compile(rb"[A-Za-z0-9+/]+=* \d+")

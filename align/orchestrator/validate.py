@@ -29,8 +29,8 @@ from align.data.formats import row_prompt_key
 from align.orchestrator import helper
 from align.orchestrator.estimate import EstimateError, ModelShape, model_sources
 from align.orchestrator.memory import enabled_lora, missing_lora_targets, targeted
-from align.orchestrator.inputs import (base_model_config, check_model_inputs, fetch_tokenizer, resolve_model_paths,
-                                       tokenizer_name, tokenizer_to_check)
+from align.orchestrator.inputs import (base_model_config, check_model_inputs, fetch_tokenizer, local_model_problem,
+                                       resolve_model_paths, tokenizer_name, tokenizer_to_check)
 from align.orchestrator.launch import accelerate_config, accelerate_mode, check_accelerate
 from align.orchestrator.plan import StagePlan, build_plan
 from align.core.errors import PipelineError
@@ -127,6 +127,9 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
         except (ConfigError, ValueError) as exc:
             raise PipelineError(f"{source}: stages.{plan.name}: {exc}") from None
         _check_engine(plan, cfg, str(source))
+        for key, value in plan.cfg.local_models().items():  # checked as the base model is, not when first loaded
+            if problem := local_model_problem(value, Path(source).resolve().parent, cfg.trust_remote_code):
+                raise PipelineError(f"{source}: stages.{plan.name}.{key}: {problem}")
     _check_eval_overlap(plans, split_of, str(source))
     mismatches = [line for name, st in cfg.stages.items() for line in st.pipeline_problems(name, cfg.stages)]
     if mismatches:
