@@ -116,6 +116,38 @@ def test_a_damaged_cache_is_refused_by_name_and_repaired_by_align_model(gguf_pat
     assert calls == ["download", gguf] and not gguf.exists()  # (the stand-in download wrote nothing)
 
 
+def test_align_model_reads_every_byte_and_repairs_damage_that_keeps_sizes_and_clears_a_killed_fetch(
+        gguf_path, tmp_path, monkeypatch):
+    """`align model NAME` is the repair the messages name: it compared sizes only, so a file damaged in place (a bit
+    flip, an edit) was kept, and a fetch killed half way left its ~0.5 GB staging directory for ever."""
+    import json
+    import shutil
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("ALIGN_CACHE", str(cache))
+    shutil.copytree(gguf_path.parent, cache / "models" / "smollm2", ignore=shutil.ignore_patterns("*.safetensors"))
+    hf = core_packaged.hf_dir("smollm2")
+    (hf / "model.safetensors").write_bytes(b"\0" * 1000)
+    files = sorted(p for p in hf.iterdir() if p.is_file() and p.name != core_packaged.CONVERTED)
+    (hf / core_packaged.CONVERTED).write_text(json.dumps({  # as a conversion records it now
+        "sizes": {p.name: p.stat().st_size for p in files}, "sha256": {p.name: core_packaged.file_sha256(p) for p in files}}))
+    assert core_packaged.damage("smollm2", full=True) is None
+    config = hf / "config.json"
+    config.write_bytes(b"X" + config.read_bytes()[1:])  # the same size
+    assert core_packaged.damage("smollm2") is None  # what every validate checks: sizes, never the weights' bytes
+    assert core_packaged.damage("smollm2", full=True) == f"{config} is not what the conversion wrote (its sha256 differs)"
+    root = core_packaged.model_dir("smollm2")
+    for debris in (root / ".hf-x1y2", root / "tmpab12"):
+        debris.mkdir()
+        (debris / "model.safetensors").write_bytes(b"\0" * 100)
+    (root / "SmolLM2.gguf.part").write_bytes(b"\0")
+    calls = []
+    monkeypatch.setattr(packaged, "_convert", lambda entry, gguf, target, log: calls.append(gguf))
+    packaged.fetch("smollm2", log=lambda msg: None)
+    assert calls == [core_packaged.gguf_file("smollm2")]  # converted again from the intact .gguf
+    assert sorted(p.name for p in root.iterdir()) == sorted([core_packaged.gguf_file("smollm2").name, "hf"])
+
+
 def test_a_gguf_with_tensors_no_loader_dequantises_is_refused_at_validation(tmp_path):
     """Q8_K has no dequantiser (transformers' GGUF loader would end in a traceback after the run started)."""
     import numpy as np

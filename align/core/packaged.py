@@ -4,6 +4,7 @@ Fetching and converting them is align/orchestrator/packaged.py's (`align model N
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,25 +69,40 @@ def is_fetched(name: str) -> bool:
     return (hf_dir(name) / "config.json").is_file() and gguf_file(name).is_file()
 
 
-def damage(name: str) -> str | None:
+def damage(name: str, full: bool = False) -> str | None:
     """What is wrong with a fetched model's cache, by the sizes recorded at download (pinned) and conversion (its
-    record), without reading the weights: a truncated or replaced file, a conversion cut short. None: intact."""
+    record), without reading the weights: a truncated or replaced file, a conversion cut short. `full` (`align model`)
+    reads every file and compares its sha256 too: damage that keeps a file's size. None: intact."""
     entry, gguf = entry_of(name), gguf_file(name)
     if not gguf.is_file():
         return f"{gguf} is missing"
     if gguf.stat().st_size != entry.gguf_size:
         return f"{gguf} is {gguf.stat().st_size} bytes, the packaged file {entry.gguf_size} (truncated or replaced)"
+    if full and file_sha256(gguf) != entry.gguf_sha256:
+        return f"{gguf} is not the packaged file (its sha256 differs)"
     try:
         record = json.loads((hf_dir(name) / CONVERTED).read_text())
-        sizes = dict(record["sizes"])
+        sizes, digests = dict(record["sizes"]), dict(record.get("sha256") or {})
     except (OSError, ValueError, KeyError, TypeError):
         return f"{hf_dir(name)} holds no record of a finished conversion ({CONVERTED})"
+    if full and set(digests) != set(sizes):
+        return f"{hf_dir(name) / CONVERTED} records no sha256 of the files (written by an older align)"
     for rel, size in sizes.items():
         path = hf_dir(name) / rel
         have = path.stat().st_size if path.is_file() else None
         if have != size:
             return f"{path} is {'missing' if have is None else f'{have} bytes'}, the conversion wrote {size} bytes"
+        if full and file_sha256(path) != digests[rel]:
+            return f"{path} is not what the conversion wrote (its sha256 differs)"
     return None
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def resolve(value: str) -> str:

@@ -111,7 +111,8 @@ def _read_config(path: Path, what: str) -> dict[str, Any]:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{what}: {path} cannot be read as JSON ({type(exc).__name__}: {exc}); the model "
-                          "directory is damaged: copy it again") from None
+                          "directory is damaged: copy it again (a packaged model: `align model NAME` reads every file "
+                          "and converts it again)") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{what}: {path} holds a JSON {type(raw).__name__}, not the object of a model config")
     if "model_type" not in raw:

