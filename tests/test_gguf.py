@@ -59,7 +59,11 @@ def test_a_gguf_tokenizer_is_converted_once_into_the_cache(gguf_path, tmp_path, 
     folder, name = folder_and_file(gguf_path)
     direct = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     texts = ["Hello, world!", "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n", "naïve café — ünïcödé"]
-    for tok in (first, again):
+    tokenizer_json = cached[0] / "tokenizer.json"
+    tokenizer_json.write_bytes(tokenizer_json.read_bytes()[:1000])  # damaged since: it was reused for ever, and the
+    repaired = load_tokenizer(str(gguf_path))  # error blamed the intact .gguf; now converted again from it
+    assert (cached[0].stat().st_mode & 0o777) == 0o755 and tokenizer_json.stat().st_size > 1000
+    for tok in (first, again, repaired):
         assert [tok(t)["input_ids"] for t in texts] == [direct(t)["input_ids"] for t in texts]
         assert tok.chat_template == direct.chat_template and tok.eos_token == direct.eos_token
 

@@ -109,17 +109,21 @@ def load_tokenizer(path_or_id: str, trust_remote_code: bool = False):
     check_remote_code(path_or_id, trust_remote_code)
     path, extra = from_pretrained_args(path_or_id)
     if "gguf_file" in extra:
-        return prepare_tokenizer(AutoTokenizer.from_pretrained(_gguf_tokenizer_dir(path_or_id)))
+        try:
+            return prepare_tokenizer(AutoTokenizer.from_pretrained(_gguf_tokenizer_dir(path_or_id)))
+        except Exception:  # noqa: BLE001 - a damaged cached conversion (any reader's error): converted again once
+            return prepare_tokenizer(AutoTokenizer.from_pretrained(_gguf_tokenizer_dir(path_or_id, rebuild=True)))
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **extra)
     return prepare_tokenizer(tok)
 
 
-def _gguf_tokenizer_dir(gguf_path: str) -> str:
+def _gguf_tokenizer_dir(gguf_path: str, rebuild: bool = False) -> str:
     """The tokenizer of a `.gguf` file, converted once into a tokenizer directory in align's cache
     (`$ALIGN_CACHE/gguf-tokenizers/<file digest>/`): converting SmolLM2's vocabulary and merges from the GGUF
     metadata takes ~7 s on the 2-core CPU, loading the converted directory 0.4 s, and validation and the first
     stage each load it. The digest covers the file's path, size and modification time; a conversion is written
-    to a temporary directory and renamed into place, so a killed one leaves nothing half-written."""
+    to a temporary directory and renamed into place, so a killed one leaves nothing half-written; one damaged
+    since (`rebuild`: it did not load) is converted again."""
     from transformers import AutoTokenizer  # heavy: loaded on use
 
     from align.core.fsutil import cache_root
@@ -128,11 +132,14 @@ def _gguf_tokenizer_dir(gguf_path: str) -> str:
     st = p.stat()
     key = hashlib.sha256(f"{p}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:20]
     out = cache_root() / "gguf-tokenizers" / key
+    if rebuild:
+        shutil.rmtree(out, ignore_errors=True)
     if not (out / "tokenizer_config.json").is_file():
         folder, name = gguf.folder_and_file(p)
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=out.parent))
+        tmp.chmod(0o755)  # a cache others on the machine may read, as align's other cached models
         try:
             tok.save_pretrained(tmp)
             (tmp / "SOURCE").write_text(f"{p}\n", encoding="utf-8")
