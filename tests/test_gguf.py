@@ -3,12 +3,14 @@ transformers' GGUF loader and dequantised. (tests/test_smollm2.py runs a whole p
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from align.core import packaged as core_packaged
 from align.orchestrator import packaged
-from conftest import run_align
+from conftest import REPO, run_align
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +175,19 @@ def test_a_gguf_with_tensors_no_loader_dequantises_is_refused_at_validation(tmp_
     writer.close()
     with pytest.raises(gguf.GGUFError, match=r"tiny.Q8_K.gguf: holds tensors .* 1 Q8_K tensors \(blk.0.attn_q.weight\)"):
         gguf.config_of(path)
+
+
+def test_a_gguf_named_through_a_link_or_in_capitals_is_a_gguf(gguf_path, tmp_path, capsys):
+    """huggingface_hub's cache names a file through a link (snapshots/<rev>/M.gguf -> ../../blobs/<sha>): resolving
+    the link lost the extension, and `M.gguf is a file; name ... a .gguf checkpoint` named the blob."""
+    from align.core.gguf import is_gguf
+    from conftest import validate
+
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    (blobs / "b179c9523d0e").symlink_to(gguf_path)
+    (snapshot / "SmolLM2.gguf").symlink_to(Path("..") / ".." / "blobs" / "b179c9523d0e")
+    assert is_gguf("M.GGUF") and not is_gguf("M.gguf.json")
+    rc, out = validate(capsys, str(REPO / "pipelines" / "smollm2_hh.yaml"), f"base_model={snapshot / 'SmolLM2.gguf'}")
+    assert rc == 0, out[-2000:]

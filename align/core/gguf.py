@@ -30,7 +30,7 @@ class GGUFError(ValueError):
 
 
 def is_gguf(path_or_id: str | Path | None) -> bool:
-    return bool(path_or_id) and str(path_or_id).endswith(".gguf")
+    return bool(path_or_id) and str(path_or_id).lower().endswith(".gguf")  # model.GGUF too
 
 
 def folder_and_file(path: str | Path) -> tuple[str, str]:

@@ -92,8 +92,8 @@ def _resolve_model_paths(cfg: PipelineConfig, source: str | Path) -> dict[str, s
                 raise ConfigError(f"{source}: {key}: {exc}") from None
             continue
         local = (base_dir / Path(value).expanduser())
-        if local.exists():
-            out[key] = str(local.resolve())
+        if local.exists():  # a file keeps its own name: a hub cache's snapshots/x/M.gguf links to blobs/<sha>
+            out[key] = str(local.resolve() if local.is_dir() else local.parent.resolve() / local.name)
             continue
         first = value.split("/")[0]
         looks_local = (value.startswith((".", "/", "~")) or value.endswith("/") or not HUB_ID.fullmatch(value)

@@ -250,7 +250,7 @@ def tokenizer_template(name: str) -> tuple[str | None | bool, dict[str, str]]:
     chat_template.jinja or tokenizer_config.json, a GGUF file's metadata, or the same files in the Hugging Face
     cache. Text None: the tokenizer has no template; False: it cannot be read here (a hub tokenizer not cached)."""
     path = Path(name)
-    if path.is_file() and path.suffix == ".gguf":
+    if path.is_file() and path.suffix.lower() == ".gguf":
         return _gguf_template(path)
     if path.is_dir():
         files = {f: path / f for f in ("chat_template.jinja", "tokenizer_config.json", "tokenizer.json")}
