@@ -94,3 +94,22 @@ def test_a_preferences_stage_whose_pairs_are_all_held_out_fails_instead_of_publi
         split_pairs(ctx, PreferencesStage(), tied)
     with pytest.raises(StageError, match=r"the pairwise judge preferred neither response"):
         split_pairs(ctx, PreferencesStage(pairwise=object()), tied)
+
+
+@pytest.mark.parametrize("overrides, needles, absent", [
+    # a list or mapping where one value is meant was told it was "a number or a date: quote it"
+    (["dpo.policy=[sft]"], ["stages.dpo.policy: expected a string, got ['sft']"], "quote it"),
+    (["preferences.judge=[vader]"], ["stages.preferences.judge: expected a string or a mapping, got ['vader']"],
+     "quote it"),
+    (["preferences.judge={vader: x}"], ["stages.preferences.judge.vader: expected a number, got 'x'"], "convert"),
+    (["dpo.beta=2026-11-29"], ["stages.dpo.beta", "expected a number"], None),
+    # a split the card lacks named the card alone, not the stage that asked for it
+    (["sft.split=validation"], ["stages.sft.data (split 'validation'):", "no split 'validation'"], None),
+    # distinct values whose variant names collide were called duplicates
+    (["dpo.sweep={data: [a/b.yaml, a_b.yaml]}"], ["both named 'dpo-data_a_b.yaml'", "differ only elsewhere"],
+     "must be distinct"),
+])
+def test_refusals_name_the_field_and_say_what_is_wrong(overrides, needles, absent, capsys):
+    rc, out = validate(capsys, DEFAULT, *overrides)
+    refused(out, rc, *needles)
+    assert absent is None or absent not in out, out[-2000:]

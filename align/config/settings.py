@@ -125,7 +125,8 @@ class Generation:
     top_p: float = ranged(1.0, gt=0, le=1, fix="1.0 turns nucleus sampling off")
     """Nucleus sampling mass (1.0 = off)."""
     batch_size: int = ranged(64, ge=1)
-    """Prompts per generate call."""
+    """Responses per generate call (one per prompt; a preferences stage samples batch_size // samples_per_prompt
+    prompts at once, each samples_per_prompt times)."""
     fast: str = one_of("auto", "auto", "on", "off")
     """Static KV cache (compiled with torch.compile by transformers on a GPU) and prompts padded to a multiple of
     32 tokens: auto = on on a GPU outside ZeRO-3, off on CPU (align/modeling/compute.py). hf engine only."""

@@ -100,8 +100,10 @@ def expand(name: str, body: dict[str, Any], cls: type, where: str) -> list[Varia
                               "(it becomes a directory name); sweep fewer keys, or give the stage a shorter name")
         same = next((v for v in variants if v.name == vname), None)
         if same is not None:
-            raise ConfigError(f"{where}.{SWEEP}: two variants are both named '{vname}' ({same.values} and {values}); "
-                              "every value of a sweep must be distinct")
+            raise ConfigError(f"{where}.{SWEEP}: two variants are both named '{vname}' ({same.values} and {values}): "
+                              + ("every value of a sweep must be distinct" if same.values == values else
+                                 "a variant's name keeps letters, digits, '.', '-' and '_' of its values, and these "
+                                 "differ only elsewhere; give values that differ in those characters"))
         variant_body = copy.deepcopy(base)
         for key, value in values.items():
             _set(variant_body, key.split("."), copy.deepcopy(value), f"{where}.{key}")

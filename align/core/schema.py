@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import dataclasses
+import datetime
 import difflib
 import re
 import types
@@ -125,7 +126,21 @@ def _yaml_hint(value: Any) -> str:
     """Why YAML gave a non-string where a string was meant: an unquoted yes/no/on/off, a number or a date."""
     if isinstance(value, bool):
         return "; YAML reads yes/no/on/off/true/false as a boolean: quote the word"
-    return "; YAML read it as a number or a date: quote it" if value is not None else ""
+    if isinstance(value, (int, float, datetime.date)):
+        return "; YAML read it as a number or a date: quote it"
+    return ""  # a list, a mapping, null: no quoting makes it a string
+
+
+_KINDS = ((str, "a string", str), (bool, "true or false", bool), (int, "an integer", int), (float, "a number", (int, float)),
+          (list, "a list", list), (dict, "a mapping", dict))
+
+
+def _kind(tp: Any) -> tuple[str, Any]:
+    """How an error names annotation `tp`, and the Python types of values of its shape."""
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping of {tp.__name__} fields", dict
+    origin = typing.get_origin(tp) or tp
+    return next(((name, shape) for t, name, shape in _KINDS if origin is t), (str(tp), object))
 
 
 def coerce(value: Any, tp: Any, where: str) -> Any:
@@ -135,14 +150,21 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
+        errors, kinds = [], []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return coerce(value, arg, where)
             except ConfigError as exc:
+                name, shape = _kind(arg)
+                if isinstance(value, shape) and (arg is bool or not isinstance(value, bool)):
+                    raise  # the alternative of the value's own shape says what is wrong inside it
                 errors.append(str(exc))
+                kinds.append(name)
+        if len(kinds) > 1:  # `judge: [vader]` where a name or a weighted mapping is meant
+            null = ", or null" if type(None) in args else ""
+            raise ConfigError(f"{where}: expected {' or '.join(kinds)}{null}, got {value!r}{_yaml_hint(value)}")
         raise ConfigError(errors[0] if errors else f"{where}: got {value!r}")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
@@ -156,7 +178,8 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return dict(value)
+        key_tp, value_tp = typing.get_args(tp) or (Any, Any)
+        return {coerce(k, key_tp, f"{where} (a key)"): coerce(v, value_tp, f"{where}.{k}") for k, v in value.items()}
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
             try:

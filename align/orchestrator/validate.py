@@ -113,7 +113,11 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
             print(f"  warning: stages.{plan.name}.lora.dropout {lora.dropout:g} is not applied: a {plan.cfg.type} stage "
                   "trains with dropout off (its trainer sets every dropout to 0, the adapters' too); set it to 0")
         for fld, card in plan.cards.items():
-            data = split_of(card, plan.cfg.card_split(fld))
+            try:
+                data = split_of(card, plan.cfg.card_split(fld))
+            except PipelineError as exc:  # a split the card lacks: which stage asked for it
+                raise PipelineError(f"{source}: stages.{plan.name}.{fld} (split '{plan.cfg.card_split(fld)}'): "
+                                    f"{exc}") from None
             _check_card_rows(plan, fld, card, data, str(source))
             if verbose and not data.available:
                 print(f"  {plan.name}.{fld}: {card.name}: warning: hub dataset {data.card.source.get('hub')} not "
