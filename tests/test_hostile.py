@@ -298,7 +298,7 @@ def _case_model_directory_without_weights(root):
 
 def _case_model_with_its_own_code(root):
     model = _model_dir(root, auto_map={"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
-    (root / "mymodel" / "model.safetensors").write_bytes(b"")
+    (root / "mymodel" / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")  # whole, with no tensor
     write_pipeline(root, lambda r: r.update(base_model=model))
     return ["hostile.yaml"], ["base_model", "ships its own Python code", "AutoModelForCausalLM",
                               "trust_remote_code: true"]

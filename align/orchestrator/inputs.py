@@ -122,6 +122,24 @@ def _read_config(path: Path, what: str) -> dict[str, Any]:
     return raw
 
 
+def weights_problem(directory: Path) -> str | None:
+    """A safetensors file of `directory` that is shorter than its own header says (a copy cut short), found by
+    reading its header alone; None: every one is whole (or there is none)."""
+    for path in sorted(directory.glob("*.safetensors")):
+        size = path.stat().st_size
+        try:
+            with open(path, "rb") as fh:
+                length = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(length)) if 2 <= length <= min(size - 8, 100 << 20) else None
+            end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+        except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return f"{path} is not a readable safetensors file (its header is damaged); copy the model again"
+        if 8 + length + end > size:
+            return (f"{path} is {size:,} bytes, its header describes {8 + length + end:,}: the copy was cut short; "
+                    "copy the model again")
+    return None
+
+
 WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
 """What transformers loads a PyTorch model's weights from."""
 
@@ -140,13 +158,17 @@ def _base_model_config(cfg: PipelineConfig, source: str | Path, paths: dict[str,
     if Path(value).is_dir():
         config = Path(value) / "config.json"
         if not config.is_file():
+            ggufs = sorted(p.name for p in Path(value).iterdir() if gguf.is_gguf(p.name))
             raise ConfigError(f"{source}: base_model: {value} has no config.json; it is not a transformers model "
-                              "directory (save one with model.save_pretrained)")
+                              "directory (save one with model.save_pretrained)"
+                              + (f"; to use its GGUF checkpoint, name the file: {Path(value) / ggufs[0]}" if ggufs else ""))
         read = _read_config(config, f"{source}: base_model")
         if not any(any(Path(value).glob(pattern)) for pattern in WEIGHT_FILES):
             raise ConfigError(f"{source}: base_model: {value} has a config.json but no weights (none of "
                               f"{', '.join(WEIGHT_FILES)}); copy the whole model directory, or save it with "
                               "model.save_pretrained")
+        if problem := weights_problem(Path(value)):
+            raise ConfigError(f"{source}: base_model: {problem}")
         return read
     if Path(value).is_file():
         if not gguf.is_gguf(value):
@@ -190,6 +212,8 @@ def local_model_problem(value: str, base_dir: Path, trust_remote_code: bool) -> 
         return str(exc)
     if not any(any(local.glob(pattern)) for pattern in WEIGHT_FILES):
         return f"{local} has a config.json but no weights (none of {', '.join(WEIGHT_FILES)}); copy the whole directory"
+    if problem := weights_problem(local):
+        return problem
     if config.get("auto_map") and not trust_remote_code:
         return (f"{local} ships its own Python code (config.json auto_map), which align does not run by default. Read "
                 "that code, then set `trust_remote_code: true` in the pipeline to allow it")
