@@ -102,3 +102,14 @@ def test_a_trusted_remote_code_model_runs_through_every_stage_that_loads_it(tmp_
 @pytest.fixture(autouse=True)
 def _no_hub(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def test_an_engine_that_loads_its_own_copy_is_refused_for_a_remote_code_model(tmp_path, capsys):
+    """The vLLM engine starts without remote code: a remote-code policy failed when the engine started."""
+    from conftest import refused, validate
+
+    model_dir = _remote_code_model(tmp_path)
+    rc, out = validate(capsys, str(REPO / "pipelines" / "online_rl.yaml"), f"base_model={model_dir}",
+                       "trust_remote_code=true", "chat_template=null", "grpo.generation.engine=vllm",
+                       "sft.lora.enabled=false")
+    refused(out, rc, "stages.grpo.generation.engine: 'vllm' keeps its own copy", "use generation.engine: hf")

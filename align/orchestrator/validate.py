@@ -185,6 +185,9 @@ def _check_engine(plan: StagePlan, cfg: PipelineConfig, source: str) -> None:
         if lora is not None and not lora.merge:
             raise PipelineError(f"{where}: '{gen.engine}' starts from stage '{ref}''s model/, which holds LoRA adapters "
                                 f"alone; the engine needs whole weights: set stages.{ref}.lora.merge: true")
+    if (base_model_config(cfg, source, resolve_model_paths(cfg, source)) or {}).get("auto_map"):
+        raise PipelineError(f"{where}: '{gen.engine}' keeps its own copy of the policy and loads it without the "
+                            "model's own code (align starts it with trust_remote_code off); use generation.engine: hf")
     problem = kind.problems(where, lambda: _head_dim(cfg, source))
     if problem:
         raise PipelineError(problem)
