@@ -134,12 +134,26 @@ def test_a_slurm_worker_node_waits_for_node_zeros_install(tmp_path):
     assert "installing" not in out.stdout + out.stderr
 
 
+def _raises_while(node0, match: str, wait) -> None:
+    """`wait()` (a worker's) raises PipelineError matching `match` while `node0` writes the run directory."""
+    import threading
+
+    from align.core.errors import PipelineError
+
+    thread = threading.Thread(target=node0)
+    thread.start()
+    try:
+        with pytest.raises(PipelineError, match=match):
+            wait()
+    finally:
+        thread.join()
+
+
 def test_a_worker_waits_past_an_earlier_attempts_failure_and_stops_at_this_ones(tmp_path):
     """A rerun after node 0's stage failed (or was preempted): the worker finds that attempt's manifest (same
     fingerprint, failed) before node 0 has started the stage again; it waits instead of giving up at once, stops on
     the failure node 0 records in this run, and, left unchanged, stops on it after stale_after (never waits
     forever)."""
-    import threading
 
     from align.core.errors import PipelineError
     from align.core.rundir import write_manifest
@@ -160,13 +174,8 @@ def test_a_worker_waits_past_an_earlier_attempts_failure_and_stops_at_this_ones(
         write_manifest(tmp_path, {**earlier, "status": "failed", "attempts": 2, "error": "CUDA out of memory",
                                   "ended_at": "2026-11-28T11:00:00+0000"})
 
-    thread = threading.Thread(target=node0)
-    thread.start()
-    try:
-        with pytest.raises(PipelineError, match="stage 'sft' failed on node 0: CUDA out of memory"):
-            wait_for_stage(tmp_path, "f1", "sft", timeout=None, stale_after=30.0)
-    finally:
-        thread.join()
+    _raises_while(node0, "stage 'sft' failed on node 0: CUDA out of memory",
+                  lambda: wait_for_stage(tmp_path, "f1", "sft", timeout=None, stale_after=30.0))
 
 
 def test_a_worker_stops_when_node_zero_runs_the_stage_under_another_config_or_never_starts_it(tmp_path):
@@ -215,13 +224,8 @@ def test_a_worker_stops_when_node_zero_runs_the_stage_under_another_config_or_ne
         time.sleep(0.8)
         write_manifest(tmp_path, {"fingerprint": "theirs", "status": "running", "attempts": 1})
 
-    thread = threading.Thread(target=node0_runs_theirs)
-    thread.start()
-    try:
-        with pytest.raises(PipelineError, match="node 0 runs it with fingerprint theirs, this node planned ours"):
-            wait_for_stage(tmp_path, "ours", "sft", timeout=None, stale_after=30.0)
-    finally:
-        thread.join()
+    _raises_while(node0_runs_theirs, "node 0 runs it with fingerprint theirs, this node planned ours",
+                  lambda: wait_for_stage(tmp_path, "ours", "sft", timeout=None, stale_after=30.0))
 
 
 def test_a_process_group_made_without_a_timeout_waits_as_long_as_the_default_one(tmp_path):
