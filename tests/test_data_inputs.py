@@ -210,7 +210,7 @@ def test_a_cards_dropped_rows_and_empty_prompts_reach_the_manifest(tmp_path):
 
     data = _pairs(40) + json.dumps({"prompt": "p-same", "chosen": "same", "rejected": "same "}) + "\n"
     card = _card(tmp_path, data, extra="max_unusable_fraction: 0.05\n")
-    ctx = types.SimpleNamespace(name="dpo", extra_manifest={}, inputs={})
+    ctx = types.SimpleNamespace(name="dpo", extra_manifest={}, inputs={}, spec=types.SimpleNamespace(data_cards={}))
     loaded = card_split(ctx, str(card), "train")
     assert sum(loaded.dropped.values()) == 1
     assert list(ctx.extra_manifest["dropped_rows"].values()) == [1]

@@ -309,7 +309,8 @@ def test_grpo_from_an_sft_adapter_keeps_the_sft_policy_as_its_reference(tmp_path
                                                                          "target_modules": ["q_proj", "v_proj"]}},
                     "grpo": {"type": "grpo", "policy": "sft", "reward": "vader",
                              "prompts": f"{REPO}/data_cards/movie_review_snippets.yaml", "num_generations": 2,
-                             "per_device_batch_size": 2, "max_steps": 1, "learning_rate": 1.0e-6, "beta": 0.05,
+                             "per_device_batch_size": 2, "max_steps": 1, "warmup_ratio": 0.0,  # one step: no warmup
+                             "learning_rate": 1.0e-6, "beta": 0.05,
                              "logging_steps": 1, "save_steps": 100, "max_length": 128, "max_train_examples": 8,
                              "generation": {"max_new_tokens": 6}}}}
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(pipeline))

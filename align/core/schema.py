@@ -143,29 +143,34 @@ def _kind(tp: Any) -> tuple[str, Any]:
     return next(((name, shape) for t, name, shape in _KINDS if origin is t), (str(tp), object))
 
 
+def _coerce_union(value: Any, args: tuple, where: str) -> Any:
+    """`value` as the first alternative of a union it fits; else the error of the alternative of its own shape,
+    or one naming every alternative."""
+    if value is None and type(None) in args:
+        return None
+    errors, kinds = [], []
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return coerce(value, arg, where)
+        except ConfigError as exc:
+            name, shape = _kind(arg)
+            if isinstance(value, shape) and (arg is bool or not isinstance(value, bool)):
+                raise  # the alternative of the value's own shape says what is wrong inside it
+            errors.append(str(exc))
+            kinds.append(name)
+    if len(kinds) > 1:  # `judge: [vader]` where a name or a weighted mapping is meant
+        null = ", or null" if type(None) in args else ""
+        raise ConfigError(f"{where}: expected {' or '.join(kinds)}{null}, got {value!r}{_yaml_hint(value)}")
+    raise ConfigError(errors[0] if errors else f"{where}: got {value!r}")
+
+
 def coerce(value: Any, tp: Any, where: str) -> Any:
     """Check `value` against the annotation `tp` (after `from __future__` evaluation)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors, kinds = [], []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return coerce(value, arg, where)
-            except ConfigError as exc:
-                name, shape = _kind(arg)
-                if isinstance(value, shape) and (arg is bool or not isinstance(value, bool)):
-                    raise  # the alternative of the value's own shape says what is wrong inside it
-                errors.append(str(exc))
-                kinds.append(name)
-        if len(kinds) > 1:  # `judge: [vader]` where a name or a weighted mapping is meant
-            null = ", or null" if type(None) in args else ""
-            raise ConfigError(f"{where}: expected {' or '.join(kinds)}{null}, got {value!r}{_yaml_hint(value)}")
-        raise ConfigError(errors[0] if errors else f"{where}: got {value!r}")
+        return _coerce_union(value, typing.get_args(tp), where)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping of {tp.__name__} fields, got {value!r}")

@@ -112,20 +112,7 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
         if verbose and lora is not None and lora.dropout and not type(plan.cfg).DROPOUT:
             print(f"  warning: stages.{plan.name}.lora.dropout {lora.dropout:g} is not applied: a {plan.cfg.type} stage "
                   "trains with dropout off (its trainer sets every dropout to 0, the adapters' too); set it to 0")
-        for fld, card in plan.cards.items():
-            try:
-                data = split_of(card, plan.cfg.card_split(fld))
-            except PipelineError as exc:  # a split the card lacks: which stage asked for it
-                raise PipelineError(f"{source}: stages.{plan.name}.{fld} (split '{plan.cfg.card_split(fld)}'): "
-                                    f"{exc}") from None
-            _check_card_rows(plan, fld, card, data, str(source))
-            if verbose and not data.available:
-                print(f"  {plan.name}.{fld}: {card.name}: warning: hub dataset {data.card.source.get('hub')} not "
-                      "reachable from here; its rows are checked when the stage starts")
-            elif verbose:
-                dropped = ", ".join(f"{n} {why}" for why, n in data.dropped.items()) or "none dropped"
-                print(f"  {plan.name}.{fld}: {card.name} split '{data.split}': {len(data.rows)} rows, of {data.read} "
-                      f"read ({dropped})")
+        _check_cards(plan, split_of, str(source), verbose)
         try:
             plan.cfg.check(CheckContext(plan.name, cfg, plan.cards, split_of, Path(source).resolve().parent))
         except (ConfigError, ValueError) as exc:
@@ -147,6 +134,24 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
     if verbose and is_builtin(cfg.base_model) and not cfg.tokenizer:
         print("  length check: at stage start (the builtin model's tokenizer is trained by the first stage)")
     return plans
+
+
+def _check_cards(plan: StagePlan, split_of: SplitLoader, source: str, verbose: bool) -> None:
+    """Each card the stage reads: its split exists and its rows are usable (and, verbose, how many were kept)."""
+    for fld, card in plan.cards.items():
+        try:
+            data = split_of(card, plan.cfg.card_split(fld))
+        except PipelineError as exc:  # a split the card lacks: which stage asked for it
+            raise PipelineError(f"{source}: stages.{plan.name}.{fld} (split '{plan.cfg.card_split(fld)}'): "
+                                f"{exc}") from None
+        _check_card_rows(plan, fld, card, data, source)
+        if verbose and not data.available:
+            print(f"  {plan.name}.{fld}: {card.name}: warning: hub dataset {data.card.source.get('hub')} not "
+                  "reachable from here; its rows are checked when the stage starts")
+        elif verbose:
+            dropped = ", ".join(f"{n} {why}" for why, n in data.dropped.items()) or "none dropped"
+            print(f"  {plan.name}.{fld}: {card.name} split '{data.split}': {len(data.rows)} rows, of {data.read} "
+                  f"read ({dropped})")
 
 
 def _check_engine(plan: StagePlan, cfg: PipelineConfig, source: str) -> None:
