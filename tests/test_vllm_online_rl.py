@@ -22,7 +22,7 @@ ONLINE = {"policy": "sft", "reward": "vader", "prompts": f"{REPO}/data_cards/mov
 PIPELINE = {
     "name": "vllm_online", "base_model": "packaged:smollm2", "seed": SEED, "tracking": {"wandb": "disabled"},
     "stages": {
-        "sft": {"data": f"{REPO}/data_cards/movie_review_snippets.yaml", "learning_rate": 5.0e-5, "max_steps": 1,
+        "sft": {"data": f"{REPO}/data_cards/movie_review_snippets.yaml", "learning_rate": 5.0e-5, "max_steps": 1, "warmup_ratio": 0.0,
                 "per_device_batch_size": 4, "max_length": 48, "logging_steps": 1, "save_steps": 1, "eval_split": None},
         "grpo": {**ONLINE, "type": "grpo", "lora": {"enabled": True, "r": 8, "alpha": 16}},
         "rloo": {**ONLINE, "type": "rloo", "learning_rate": 1.0e-5},
