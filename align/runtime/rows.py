@@ -35,7 +35,8 @@ def card_split(ctx: StageContext, card: str, split: str) -> LoadedSplit:
     loaded = load_split(card, split)
     planned = next((c.get("sha256") for c in ctx.spec.data_cards.values()
                     if isinstance(c, dict) and Path(str(c.get("path"))) == Path(card).resolve()), None)
-    if planned and load_card(card).content_hash() != planned:  # after loading: what was read is what was planned
+    if planned and loaded.card.file is not None and load_card(card).content_hash() != planned:  # after loading:
+        # what was read is what was planned (a hub dataset's commit is pinned to the plan's: align/data/hub.py)
         raise StageError(f"stage '{ctx.name}': data card {card} (or its data file) changed since this run planned "
                          "the stage; run `align run` again: the stage's fingerprint follows the new content")
     for why, n in loaded.dropped.items():
