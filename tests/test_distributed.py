@@ -20,7 +20,8 @@ ARGS = ["run", "pipelines/default.yaml", "--run-id", "zero", "tracking.wandb=dis
         "sft.accelerate=zero2", "sft.num_processes=2", "sft.per_device_batch_size=4", "sft.gradient_accumulation_steps=2",
         "reward.accelerate=zero2", "reward.num_processes=2", "reward.per_device_batch_size=4",
         "reward.gradient_accumulation_steps=2", "ppo.rollout_batch_size=8", "ppo.mini_batch_size=4",
-        "ppo.gradient_accumulation_steps=2", "ppo.num_processes=2", "dpo.gradient_accumulation_steps=2",
+        "ppo.gradient_accumulation_steps=2", "ppo.accelerate=zero2", "ppo.num_processes=2",  # (each PPO test: its own)
+        "dpo.gradient_accumulation_steps=2",
         "preferences.test_fraction=0.3"]  # held-out pairs for both reward processes to score
 
 
