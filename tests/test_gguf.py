@@ -129,6 +129,8 @@ def test_align_model_reads_every_byte_and_repairs_damage_that_keeps_sizes_and_cl
     import json
     import shutil
 
+    from align.core.fsutil import file_sha256
+
     cache = tmp_path / "cache"
     monkeypatch.setenv("ALIGN_CACHE", str(cache))
     shutil.copytree(gguf_path.parent, cache / "models" / "smollm2", ignore=shutil.ignore_patterns("*.safetensors"))
@@ -136,7 +138,7 @@ def test_align_model_reads_every_byte_and_repairs_damage_that_keeps_sizes_and_cl
     (hf / "model.safetensors").write_bytes(b"\0" * 1000)
     files = sorted(p for p in hf.iterdir() if p.is_file() and p.name != core_packaged.CONVERTED)
     (hf / core_packaged.CONVERTED).write_text(json.dumps({  # as a conversion records it now
-        "sizes": {p.name: p.stat().st_size for p in files}, "sha256": {p.name: core_packaged.file_sha256(p) for p in files}}))
+        "sizes": {p.name: p.stat().st_size for p in files}, "sha256": {p.name: file_sha256(p) for p in files}}))
     assert core_packaged.damage("smollm2", full=True) is None
     config = hf / "config.json"
     config.write_bytes(b"X" + config.read_bytes()[1:])  # the same size

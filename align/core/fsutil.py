@@ -213,7 +213,7 @@ def stamp(path: str | Path) -> str | None:
     if not path.is_file():
         return None
     if path.stat().st_size <= 8 << 20:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
+        return file_sha256(path)
     h = hashlib.sha256()
     _sample(path, "", h)
     return h.hexdigest()[:20]

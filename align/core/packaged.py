@@ -4,12 +4,11 @@ Fetching and converting them is align/orchestrator/packaged.py's (`align model N
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from align.core.fsutil import cache_root
+from align.core.fsutil import cache_root, file_sha256
 
 SCHEME = "packaged:"
 
@@ -95,14 +94,6 @@ def damage(name: str, full: bool = False) -> str | None:
         if full and file_sha256(path) != digests[rel]:
             return f"{path} is not what the conversion wrote (its sha256 differs)"
     return None
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def resolve(value: str) -> str:

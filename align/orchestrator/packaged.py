@@ -27,9 +27,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from align.core.fsutil import atomic_write_text, umask_modes
-from align.core.packaged import (CONVERTED, Packaged, PackagedError, damage, entry_of, file_sha256,
-                                 gguf_file, hf_dir, is_fetched, model_dir)
+from align.core.fsutil import atomic_write_text, file_sha256, umask_modes
+from align.core.packaged import (CONVERTED, Packaged, PackagedError, damage, entry_of, gguf_file, hf_dir, is_fetched,
+                                 model_dir)
 
 def fetch(name: str, log=print) -> Path:
     """Fetch and convert `name` unless it is in the cache; returns its Hugging Face directory."""
