@@ -95,31 +95,62 @@ def _resolve_model_paths(cfg: PipelineConfig, source: str | Path) -> dict[str, s
         if local.exists():  # a file keeps its own name: a hub cache's snapshots/x/M.gguf links to blobs/<sha>
             out[key] = str(local.resolve() if local.is_dir() else local.parent.resolve() / local.name)
             continue
-        first = value.split("/")[0]
-        looks_local = (value.startswith((".", "/", "~")) or value.endswith("/") or not HUB_ID.fullmatch(value)
-                       or (base_dir / first).is_dir() or Path(first).is_dir())
-        if looks_local:
-            raise ConfigError(f"{source}: {key}: local path '{value}' not found (looked for {local}); a value "
-                              "that names a local directory is never looked up on the hub. Fix the path (it is "
-                              "relative to the pipeline file)")
+        if problem := _missing_local(value, base_dir):
+            raise ConfigError(f"{source}: {key}: {problem}")
         out[key] = value  # a hub id
     return out
 
 
-def _read_config(path: Path, what: str) -> dict[str, Any]:
+def _missing_local(value: str, base_dir: Path) -> str | None:
+    """Why a model value that names nothing here is not a hub id either (None: it is one): it looks like a local path
+    (a ./ or / start, a trailing /, not a hub id's shape, or a first part that is a local directory)."""
+    first = value.split("/")[0]
+    if value.startswith((".", "/", "~")) or value.endswith("/") or not HUB_ID.fullmatch(value) or \
+            (base_dir / first).is_dir() or Path(first).is_dir():
+        return (f"local path '{value}' not found (looked for {base_dir / Path(value).expanduser()}); a value that "
+                "names a local directory is never looked up on the hub. Fix the path (it is relative to the pipeline "
+                "file)")
+    return None
+
+
+def _config_problem(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """A model's config.json as a dict, or what is wrong with it."""
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{what}: {path} cannot be read as JSON ({type(exc).__name__}: {exc}); the model "
-                          "directory is damaged: copy it again (a packaged model: `align model NAME` reads every file "
-                          "and converts it again)") from None
+        return None, (f"{path} cannot be read as JSON ({type(exc).__name__}: {exc}); the model directory is "
+                      "damaged: copy it again (a packaged model: `align model NAME` reads every file and converts it "
+                      "again)")
     if not isinstance(raw, dict):
-        raise ConfigError(f"{what}: {path} holds a JSON {type(raw).__name__}, not the object of a model config")
+        return None, f"{path} holds a JSON {type(raw).__name__}, not the object of a model config"
     if "model_type" not in raw:
-        raise ConfigError(f"{what}: {path} has no `model_type`, so transformers cannot tell which architecture "
-                          "it is; the directory is damaged or not a transformers model: save it again with "
-                          "model.save_pretrained")
+        return None, (f"{path} has no `model_type`, so transformers cannot tell which architecture it is; the "
+                      "directory is damaged or not a transformers model: save it again with model.save_pretrained")
+    return raw, None
+
+
+def _read_config(path: Path, what: str) -> dict[str, Any]:
+    raw, problem = _config_problem(path)
+    if problem:
+        raise ConfigError(f"{what}: {problem}")
     return raw
+
+
+def model_dir_problem(directory: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """A local model directory's config.json as a dict, or what keeps the directory from loading: no config (a
+    .gguf inside is named), a damaged one, no weights, weights cut short."""
+    if not (directory / "config.json").is_file():
+        ggufs = sorted(p.name for p in directory.iterdir() if gguf.is_gguf(p.name))
+        return None, (f"{directory} has no config.json; it is not a transformers model directory (save one with "
+                      "model.save_pretrained)"
+                      + (f"; to use its GGUF checkpoint, name the file: {directory / ggufs[0]}" if ggufs else ""))
+    read, problem = _config_problem(directory / "config.json")
+    if problem:
+        return None, problem
+    if not any(any(directory.glob(pattern)) for pattern in WEIGHT_FILES):
+        return None, (f"{directory} has a config.json but no weights (none of {', '.join(WEIGHT_FILES)}); copy the "
+                      "whole model directory, or save it with model.save_pretrained")
+    return (None, problem) if (problem := weights_problem(directory)) else (read, None)
 
 
 def weights_problem(directory: Path) -> str | None:
@@ -156,18 +187,8 @@ def _base_model_config(cfg: PipelineConfig, source: str | Path, paths: dict[str,
     if not value or is_builtin(value):
         return None
     if Path(value).is_dir():
-        config = Path(value) / "config.json"
-        if not config.is_file():
-            ggufs = sorted(p.name for p in Path(value).iterdir() if gguf.is_gguf(p.name))
-            raise ConfigError(f"{source}: base_model: {value} has no config.json; it is not a transformers model "
-                              "directory (save one with model.save_pretrained)"
-                              + (f"; to use its GGUF checkpoint, name the file: {Path(value) / ggufs[0]}" if ggufs else ""))
-        read = _read_config(config, f"{source}: base_model")
-        if not any(any(Path(value).glob(pattern)) for pattern in WEIGHT_FILES):
-            raise ConfigError(f"{source}: base_model: {value} has a config.json but no weights (none of "
-                              f"{', '.join(WEIGHT_FILES)}); copy the whole model directory, or save it with "
-                              "model.save_pretrained")
-        if problem := weights_problem(Path(value)):
+        read, problem = model_dir_problem(Path(value))
+        if problem:
             raise ConfigError(f"{source}: base_model: {problem}")
         return read
     if Path(value).is_file():
@@ -197,22 +218,11 @@ def local_model_problem(value: str, base_dir: Path, trust_remote_code: bool) -> 
         return None
     local = base_dir / Path(value).expanduser()
     if not local.exists():
-        first = value.split("/")[0]
-        if value.startswith((".", "/", "~")) or not HUB_ID.fullmatch(value) or (base_dir / first).is_dir():
-            return (f"local path '{value}' not found (looked for {local}); a value that names a local directory is "
-                    "never looked up on the hub. Fix the path (it is relative to the pipeline file)")
-        return None
+        return _missing_local(value, base_dir)
     if local.is_file():
         return None if gguf.is_gguf(str(local)) else f"{local} is a file; name the model's directory"
-    if not (local / "config.json").is_file():
-        return f"{local} has no config.json; it is not a transformers model directory (save one with save_pretrained)"
-    try:
-        config = _read_config(local / "config.json", str(local))
-    except ConfigError as exc:
-        return str(exc)
-    if not any(any(local.glob(pattern)) for pattern in WEIGHT_FILES):
-        return f"{local} has a config.json but no weights (none of {', '.join(WEIGHT_FILES)}); copy the whole directory"
-    if problem := weights_problem(local):
+    config, problem = model_dir_problem(local)
+    if problem:
         return problem
     if config.get("auto_map") and not trust_remote_code:
         return (f"{local} ships its own Python code (config.json auto_map), which align does not run by default. Read "
