@@ -126,7 +126,7 @@ class RunLock:
         deadline = time.time() + 2.0
         while True:
             holder = self._holder(fd)
-            pid = int(holder.get("pid", 0) or 0)
+            pid = holder.get("pid")  # a whole number, or absent (`_parsed`)
             if pid and (holder.get("host") != socket.gethostname() or _alive(pid)) or time.time() > deadline:
                 return holder
             time.sleep(0.05)
