@@ -118,7 +118,7 @@ def test_a_fresh_scalar_head_depends_on_the_stage_seed_only(tmp_path):
     head is the same whatever the global RNG did before, differs for another seed, and the global stream is left
     as it was (the reward stage was not reproducible before: its head was drawn from an unseeded stream)."""
     import gc
-    from types import SimpleNamespace
+    from types import MethodType, SimpleNamespace
 
     import torch
 
@@ -133,8 +133,9 @@ def test_a_fresh_scalar_head_depends_on_the_stage_seed_only(tmp_path):
 
     def head(seed: int, draws: int) -> torch.Tensor:
         ctx = SimpleNamespace(seed=seed, pipeline=SimpleNamespace(dtype="float32", trust_remote_code=False),
-                              compute=SimpleNamespace(model_kwargs=lambda: {}, device="cpu"),
-                              weights_dtype=lambda frozen: "float32", _record_load=lambda path, model: None)
+                              compute=SimpleNamespace(model_kwargs=lambda: {}, device="cpu", distributed_zero3=False),
+                              weights_dtype=lambda frozen: "float32", extra_manifest={})
+        ctx._loaded = MethodType(StageContext._loaded, ctx)
         torch.manual_seed(1234)
         torch.rand(draws)  # the stage's global stream in another state each time
         before = torch.random.get_rng_state()

@@ -230,10 +230,9 @@ def build_pairwise(ctx, settings: PairwiseJudge) -> PairwiseLLMJudge:
                                            settings.max_concurrency, settings.max_retry_wait, settings.deadline)
     else:
         from align.core.packaged import SCHEME, resolve
-        from align.modeling.models import load_tokenizer
 
         path = resolve(settings.model) if settings.model.startswith(SCHEME) else settings.model
-        tokenizer = load_tokenizer(path, ctx.pipeline.trust_remote_code)  # as the model itself loads (load_lm)
+        tokenizer = ctx.load_tokenizer(path)
         backend = LocalBackend(ctx.load_lm(path, device=True, frozen=True).eval(), tokenizer, settings.batch_size,
                                settings.max_new_tokens)
         revision = None if Path(path).is_dir() else hub_commit(path)

@@ -112,18 +112,22 @@ class StageContext:
 
         model = load_causal_lm(path, self.weights_dtype(frozen), self.pipeline.trust_remote_code, quantize,
                                **self.compute.model_kwargs())
+        return self._loaded(path, model, device, frozen)
+
+    def _loaded(self, path: str, model, device: bool, frozen: bool):
+        """A model just loaded: ZeRO-3's manifest notes if it came partitioned (zero.Init) or whole; trained: from where."""
         startup_done()
-        self._record_load(path, model)
+        if self.compute.distributed_zero3:
+            partitioned = all(hasattr(p, "ds_id") for p in model.parameters())
+            self.extra_manifest.setdefault("models_loaded", []).append({"path": path, "zero3_partitioned": partitioned})
         if not frozen:
             self.trained_from, self.trained_vocab = path, model.get_input_embeddings().num_embeddings
         return model.to(self.compute.device) if device else model
 
-    def _record_load(self, path: str, model) -> None:
-        """Under ZeRO-3, note in the manifest whether the model arrived partitioned (deepspeed.zero.Init: this rank
-        holds only its share of the weights) or whole."""
-        if self.compute.distributed_zero3:
-            partitioned = all(hasattr(p, "ds_id") for p in model.parameters())
-            self.extra_manifest.setdefault("models_loaded", []).append({"path": path, "zero3_partitioned": partitioned})
+    def load_tokenizer(self, path: str):
+        """A tokenizer with the pipeline's trust_remote_code, as its model loads (`load_lm`, `load_scalar`)."""
+        from align.modeling.models import load_tokenizer  # heavy: stage processes only
+        return load_tokenizer(path, self.pipeline.trust_remote_code)
 
     def load_scalar(self, path: str, pad_token_id: int | None, device: bool = False, quantize: str = "none",
                     frozen: bool = False):
@@ -139,11 +143,7 @@ class StageContext:
             torch.manual_seed(self.seed)
             model = load_scalar_model(path, pad_token_id, self.weights_dtype(frozen), self.pipeline.trust_remote_code,
                                       quantize, **self.compute.model_kwargs())
-        startup_done()
-        self._record_load(path, model)
-        if not frozen:
-            self.trained_from, self.trained_vocab = path, model.get_input_embeddings().num_embeddings
-        return model.to(self.compute.device) if device else model
+        return self._loaded(path, model, device, frozen)
 
     # ------------------------------------------------------------------ tracking
     def start_tracking(self) -> Tracker:

@@ -6,7 +6,6 @@ from typing import Any
 
 from align.config.dpo import DPOStage
 from align.runtime.rows import load_rows
-from align.modeling.models import load_tokenizer
 from align.runtime.context import StageContext
 from align.runtime.trl import (check_lengths, eval_metrics, metrics_callback, policy_and_reference, train_with_resume,
                                training_args)
@@ -21,7 +20,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     cfg: DPOStage = ctx.cfg  # type: ignore[assignment]
     columns = ("prompt", "chosen", "rejected")
     path = ctx.input_model(cfg.policy)
-    tokenizer = load_tokenizer(path, ctx.pipeline.trust_remote_code)
+    tokenizer = ctx.load_tokenizer(path)
     train = [{c: r[c] for c in columns} for r in load_rows(ctx, cfg.data, "train", cfg.max_train_examples, tokenizer)]
     test = [{c: r[c] for c in columns} for r in load_rows(ctx, cfg.data, "test", tokenizer=tokenizer)]
     check_lengths(ctx, train, tokenizer)

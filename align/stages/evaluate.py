@@ -27,7 +27,6 @@ from align.modeling.losses import sequence_kl
 from align.judges.pointwise import WeightedJudge, pairwise_accuracy, stage_judge
 from align.judges import JudgeError
 from align.judges.pairwise import build_pairwise, check_invalid
-from align.modeling.models import load_tokenizer
 from align.core.rundir import read_manifest
 from align.runtime.context import StageContext
 from align.report.stats import calibration_buckets, mean_ci, pairwise_summary, perplexity, win_rate
@@ -210,7 +209,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     """Evaluate: sample every policy on the held-out prompts, score (judges, KL, perplexity, pairwise), report."""
     cfg: EvaluateStage = ctx.cfg  # type: ignore[assignment]
     ref_path = ctx.input_model(cfg.reference)
-    tokenizer = load_tokenizer(ref_path, ctx.pipeline.trust_remote_code)
+    tokenizer = ctx.load_tokenizer(ref_path)
     prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer)  # conversations: rendered
     reference = ctx.load_lm(ref_path, device=True, frozen=True).eval()
     judges: dict[str, WeightedJudge] = {name: stage_judge(ctx, name) for name in cfg.judges}

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 from align.config.kto import KTOStage, one_label_problem, unpaired
-from align.modeling.models import load_tokenizer
 from align.runtime.context import StageContext, StageError
 from align.runtime.rows import load_rows
 from align.runtime.trl import (check_lengths, eval_metrics, metrics_callback, policy_and_reference, train_with_resume,
@@ -26,7 +25,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     cfg: KTOStage = ctx.cfg  # type: ignore[assignment]
     path = ctx.input_model(cfg.policy)
-    tokenizer = load_tokenizer(path, ctx.pipeline.trust_remote_code)
+    tokenizer = ctx.load_tokenizer(path)
     train = [{c: r[c] for c in COLUMNS}  # cut after unpairing: max_train_examples counts examples, not pairs
              for r in unpaired(load_rows(ctx, cfg.data, "train", tokenizer=tokenizer), ctx.seed, cfg.max_train_examples)]
     problem = one_label_problem(train, f"data: {cfg.data}", cfg.max_train_examples)

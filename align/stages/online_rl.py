@@ -30,7 +30,7 @@ from align.judges import judge_weights
 from align.judges.pointwise import check_same_tokenizer, stage_judge
 from align.data.lengths import LengthReport, enforce
 from align.core.fsutil import publish_dir, staging_dir
-from align.modeling.models import adapter_base, load_tokenizer
+from align.modeling.models import adapter_base
 from align.modeling.lora import peft_config
 from align.modeling.packing import install_padding_free
 from align.runtime.context import StageContext, StageError
@@ -60,7 +60,7 @@ def reward_functions(ctx: StageContext, cfg: OnlineRLStage, tokenizer) -> tuple[
     (align/judges/pointwise.py), so a reward stage scores prompt ids + completion ids by the rule PPO's rollouts are
     scored by."""
     stages = [n for n in judge_weights(cfg.reward) if n in ctx.inputs]
-    check_same_tokenizer(ctx.name, cfg.policy, tokenizer, {n: load_tokenizer(ctx.input_model(n), ctx.pipeline.trust_remote_code) for n in stages})
+    check_same_tokenizer(ctx.name, cfg.policy, tokenizer, {n: ctx.load_tokenizer(ctx.input_model(n)) for n in stages})
     return stage_judge(ctx, cfg.reward).trl_reward_functions()
 
 
@@ -279,7 +279,7 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
 
     cfg: OnlineRLStage = ctx.cfg  # type: ignore[assignment]
     path = ctx.input_model(cfg.policy)
-    tokenizer = load_tokenizer(path, ctx.pipeline.trust_remote_code)
+    tokenizer = ctx.load_tokenizer(path)
     prompts = training_prompts(ctx, cfg, tokenizer)
     # The reward models are loaded whole, before the config exists: each process scores its own completions with
     # them in a Python function (align/orchestrator/estimate.py counts them unsharded on every GPU).

@@ -25,7 +25,6 @@ from align.engines import holds_own_copy, make_engine
 from align.engines.base import free_cached_memory
 from align.modeling.generation import by_length, longest_prompt, sample_texts
 from align.judges.pointwise import stage_judge
-from align.modeling.models import load_tokenizer
 from align.runtime.context import StageContext, StageError
 
 OUTPUTS = ["data"]
@@ -155,7 +154,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     cfg: PreferencesStage = ctx.cfg  # type: ignore[assignment]
     path = ctx.input_model(cfg.policy)
-    tokenizer = load_tokenizer(path, ctx.pipeline.trust_remote_code)
+    tokenizer = ctx.load_tokenizer(path)
     prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer)  # conversations: rendered
     records, mine_generated, t0 = sample_records(ctx, cfg, tokenizer, prompts, path)
     records = sorted(gather_object(records), key=lambda r: r["index"])

@@ -11,7 +11,7 @@ from typing import Any
 from align.config.reward import RewardStage
 from align.runtime.rows import load_rows
 from align.judges.pointwise import RewardModelJudge, pairwise_accuracy
-from align.modeling.models import load_tokenizer, unsharded_loading
+from align.modeling.models import unsharded_loading
 from align.modeling.lora import peft_config
 from align.runtime.context import StageContext
 from align.runtime.trl import (check_lengths, metrics_callback, train_with_resume, training_args,
@@ -28,7 +28,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     cfg: RewardStage = ctx.cfg  # type: ignore[assignment]
     path = ctx.input_model(cfg.init)
-    tokenizer = load_tokenizer(path, ctx.pipeline.trust_remote_code)
+    tokenizer = ctx.load_tokenizer(path)
     train = load_rows(ctx, cfg.data, cfg.split, cfg.max_train_examples, tokenizer)
     test = load_rows(ctx, cfg.data, "test", tokenizer=tokenizer)
     check_lengths(ctx, train, tokenizer)

@@ -17,7 +17,7 @@ from align.core import gguf
 from align.core.builtin import is_builtin
 from align.config.sft import SFTStage
 from align.data.chat import TemplateError, sft_every_token, sft_example
-from align.modeling.models import build_builtin, fit_model_to_tokenizer, load_tokenizer, train_tokenizer
+from align.modeling.models import build_builtin, fit_model_to_tokenizer, train_tokenizer
 from align.modeling.lora import peft_config
 from align.runtime.context import StageContext, StageError
 from align.runtime.rows import card_split, drop_special_text
@@ -77,7 +77,7 @@ def load_start(ctx: StageContext, cfg: SFTStage, rows: list[dict[str, Any]], cha
     template = ctx.chat_template
     if cfg.model != "base":
         path = ctx.input_model(cfg.model)
-        tok = load_tokenizer(path, ctx.pipeline.trust_remote_code)
+        tok = ctx.load_tokenizer(path)
         model = ctx.load_lm(path, quantize=cfg.lora.quantize)
         if chat and not tok.chat_template and template is not None:  # an upstream stage trained on plain text
             templates.install(tok, template)
@@ -86,14 +86,14 @@ def load_start(ctx: StageContext, cfg: SFTStage, rows: list[dict[str, Any]], cha
     install = template is not None and (chat or p.chat_template is not None)
     if is_builtin(p.base_model):
         if p.tokenizer:  # a real tokenizer (e.g. GPT-2) for the fresh model: fix what it lacks
-            tok = load_tokenizer(p.tokenizer, p.trust_remote_code)
+            tok = ctx.load_tokenizer(p.tokenizer)
         else:  # the template's tokens are special tokens of the trained vocabulary from the start
             tok = train_tokenizer(_corpus(rows), p.builtin.vocab_size, p.builtin.max_position_embeddings,
                                   template.special_tokens if install else ())
         if install:
             templates.install(tok, template)
         return build_builtin(p.builtin, tok, ctx.seed, ctx.compute.attn_implementation), tok
-    tok = load_tokenizer(p.tokenizer or p.base_model, p.trust_remote_code)
+    tok = ctx.load_tokenizer(p.tokenizer or p.base_model)
     model = ctx.load_lm(p.base_model, quantize=cfg.lora.quantize)
     if gguf.is_gguf(p.base_model):
         ctx.extra_manifest["base_model_format"] = gguf.describe(p.base_model) + f" into {ctx.weights_dtype(frozen=False)}"

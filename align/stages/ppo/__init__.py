@@ -31,7 +31,7 @@ from align.modeling.packing import (attention_kernel, base_and_backbone, is_flas
                                    unwrapped_model)
 from align.judges import judge_weights
 from align.modeling.losses import gae, kl_estimate, masked_whiten, token_rewards
-from align.modeling.models import load_causal_lm, load_tokenizer, unsharded_loading
+from align.modeling.models import load_causal_lm, unsharded_loading
 from align.modeling.lora import merged_lora_model
 from align.runtime.context import StageContext, StageError
 from align.runtime.zero_buffers import in_use, widest, width_sized
@@ -128,7 +128,7 @@ def training_prompts(ctx: StageContext, cfg: PPOStage, tokenizer, reward_stages:
     """The prompts PPO trains on and those it holds out for the KL after each update (split before any model
     loads: a held-out share that leaves too little to train on is refused here)."""
     prompts = unique_prompts(load_rows(ctx, cfg.prompts, cfg.split, tokenizer=tokenizer))  # chat: rendered
-    prompts = usable_prompts(ctx, cfg, tokenizer, {n: load_tokenizer(ctx.input_model(n), ctx.pipeline.trust_remote_code) for n in reward_stages},
+    prompts = usable_prompts(ctx, cfg, tokenizer, {n: ctx.load_tokenizer(ctx.input_model(n)) for n in reward_stages},
                              prompts)
     try:
         prompts, heldout = split_heldout(ctx.name, prompts, cfg.kl.heldout_prompts, ctx.seed + 7_368_787,
@@ -153,7 +153,7 @@ def setup(ctx: StageContext) -> PPORun:
     accelerator = make_accelerator(ctx, cfg)
     policy_path = ctx.input_model(cfg.policy)
     reward_stages = [n for n in judge_weights(cfg.reward) if n in ctx.inputs]
-    tokenizer = load_tokenizer(policy_path, ctx.pipeline.trust_remote_code)
+    tokenizer = ctx.load_tokenizer(policy_path)
     prompts, heldout = training_prompts(ctx, cfg, tokenizer, reward_stages)
     pad_id = tokenizer.pad_token_id
     # peft draws the LoRA adapters' initial weights from torch's global generator, which nothing else seeds here:
