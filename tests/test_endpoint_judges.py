@@ -153,7 +153,7 @@ def test_a_redirect_is_refused_and_the_key_goes_to_no_other_address(monkeypatch)
     """urllib follows a 302/303 with every header but the body's, the key included, to whatever host the server
     names (and 307/308 for the validate probe's GET): a judge's requests follow no redirect, and the error names
     where to and the fix. The address redirected to never hears from align."""
-    from align.config.settings import endpoint_problem
+    from align.core.endpoints import endpoint_problem
     from align.judges.endpoint import EndpointError
 
     heard = []

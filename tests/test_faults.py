@@ -480,3 +480,44 @@ def test_a_report_of_a_run_whose_pipeline_file_moved_says_how_to_rebuild_it(tmp_
                                             r"gone; put it \(and the data cards beside it\) back there"):
         rebuild(run)
 
+
+
+def test_a_report_accepts_a_stage_that_published_a_lora_adapter_and_names_both_forms_when_neither_is_whole(tmp_path):
+    """`align report` required a whole model's config.json and weights: every stage of a LoRA pipeline publishes its
+    adapter alone, so the report of pipelines/smollm2_hh.yaml was refused with a fix (--from sft) that never helped."""
+    from align.core.errors import PipelineError
+    from align.core.rundir import write_manifest
+    from align.orchestrator.report import check_model_dir
+
+    model = tmp_path / "sft" / "model"
+    model.mkdir(parents=True)
+    write_manifest(tmp_path / "sft", {"stage": "sft", "status": "completed"})
+    for name in ("adapter_config.json", "align_adapter.json"):
+        (model / name).write_text("{}")
+    with pytest.raises(PipelineError, match="neither a model's config.json and weights nor a LoRA adapter's"):
+        check_model_dir(tmp_path, "sft")
+    (model / "adapter_model.safetensors").write_bytes(b"\0")
+    check_model_dir(tmp_path, "sft")  # an adapter with its weights is a model the evaluate stage loads
+
+
+def test_a_reused_stage_says_when_this_run_would_start_it_on_another_process_count(tmp_path):
+    """A completed stage's fingerprint covers its settings, not where it ran: reused under another process count
+    (its global batch differs), the skip line says so and how to retrain it."""
+    import yaml
+
+    from align.config import parse_pipeline
+    from align.core.rundir import write_manifest
+    from align.orchestrator.launch import world_change
+    from align.orchestrator.plan import build_plan
+
+    source = REPO / "pipelines" / "default.yaml"
+    raw = yaml.safe_load(source.read_text())
+    raw["stages"]["dpo"].update(accelerate="zero2", num_processes=2)
+    plans = {p.name: p for p in build_plan(parse_pipeline(raw, str(source)), source)}
+    for stage, world in (("sft", 1), ("dpo", 2), ("reward", 4)):
+        write_manifest(tmp_path / stage, {"stage": stage, "status": "completed", "world_size": world})
+    assert world_change(plans["sft"], tmp_path, source, None, 1) == ""
+    assert world_change(plans["dpo"], tmp_path, source, None, 1) == ""
+    assert "trained on 2 processes, this run would start 4" in world_change(plans["dpo"], tmp_path, source, None, 2)
+    note = world_change(plans["reward"], tmp_path, source, None, 1)
+    assert "trained on 4 processes, this run would start 1 (another global batch)" in note and "--from reward" in note

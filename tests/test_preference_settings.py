@@ -37,6 +37,11 @@ PAIRWISE = "preferences.pairwise={name: j, model: m, base_url: 'http://127.0.0.1
     ([PAIRWISE, "preferences.samples_per_prompt=2", "preferences.sweep={min_margin: [0.1, 0.5]}"],
      ["stages.preferences.sweep.min_margin:", "a pairwise judge labels the pairs"]),
     (["ppo.sweep={lora.alpha: [16, 32]}"], ["stages.ppo.sweep.lora.alpha:", "lora.enabled is false"]),
+    # settings left out of the fingerprint, and epochs under max_steps (2026-11-30 probe: twins that validated)
+    (["dpo.sweep={save_steps: [5, 10]}"], ["stages.dpo.sweep.save_steps:", "left out of its fingerprint"]),
+    (["dpo.sweep={accelerate: [cpu, ddp]}"], ["stages.dpo.sweep.accelerate:", "to compare process counts, sweep "
+                                                                            "num_processes"]),
+    (["dpo.max_steps=20", "dpo.sweep={epochs: [1, 2]}"], ["stages.dpo.sweep.epochs:", "max_steps is set"]),
 ])
 def test_preference_settings_that_would_not_train_as_asked_are_refused(overrides, needles, capsys):
     rc, out = validate(capsys, DEFAULT, *overrides)
@@ -48,7 +53,8 @@ def test_the_same_settings_where_they_are_read_still_validate(capsys):
                       ["dpo.max_steps=1", "dpo.lr_scheduler=constant"],
                       ["dpo.lr_scheduler=polynomial", "dpo.learning_rate=1e-6"],
                       ["dpo.sweep={lora.r: [8, 16]}", "dpo.lora.enabled=true"],
-                      ["preferences.max_prompts=10"], ["dpo.sweep={warmup_ratio: [0.0, 0.1]}"]):
+                      ["preferences.max_prompts=10"], ["dpo.sweep={warmup_ratio: [0.0, 0.1]}"],
+                      ["dpo.sweep={epochs: [1, 2]}"]):
         rc, out = validate(capsys, DEFAULT, *overrides)
         assert rc == 0, (overrides, out[-2000:])
 

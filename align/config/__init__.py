@@ -249,6 +249,12 @@ def parse_pipeline(raw: dict[str, Any], source: str) -> PipelineConfig:
     return cfg
 
 
+# Fields that never change a stage's result (logging and checkpoint cadence, the validation tolerance, the launch
+# config: the process count that sets the global batch is `num_processes`): left out of its fingerprint, and a sweep
+# over only these is refused as twins.
+NON_SEMANTIC = ("logging_steps", "save_steps", "save_every", "sample_every", "accelerate", "max_truncated_fraction")
+
+
 def _add_variants(cfg: PipelineConfig, name: str, body: dict[str, Any], cls: type, stages_raw: dict[str, Any],
                   source: str) -> None:
     """The variants of a swept stage, each a stage of the pipeline. Two variants that differ only in settings the
@@ -257,13 +263,15 @@ def _add_variants(cfg: PipelineConfig, name: str, body: dict[str, Any], cls: typ
     read: dict[str, str] = {}  # the swept values a variant's stage reads -> the first variant with them
     for v in expand(name, body, cls, f"{source}: stages.{name}"):
         stage = from_dict(cls, v.body, f"{source}: stages.{name}")
-        unread = stage.unread_settings()
+        unread = {**{k: "left out of its fingerprint: it does not change what the stage trains" for k in NON_SEMANTIC},
+                  **stage.unread_settings()}
         used = repr(sorted((k, repr(x)) for k, x in v.values.items() if k not in unread))
         key = next((k for k in v.values if k in unread), None)
         if used in read and key is not None:
             raise ConfigError(f"{source}: stages.{name}.sweep.{key}: variants '{read[used]}' and '{v.name}' differ only "
                               f"in {key}, which the stage does not read ({unread[key]}), so they would train the same "
-                              "stage; sweep a setting it reads, or change the one that leaves it unread")
+                              "stage; sweep a setting it reads, or change the one that leaves it unread" +
+                              ("; to compare process counts, sweep num_processes" if key == "accelerate" else ""))
         read.setdefault(used, v.name)
         _add_stage(cfg, v.name, stage, name, stages_raw, source)
         cfg.variants[v.name] = {"stage": name, "values": v.values}

@@ -45,9 +45,7 @@ STAGE_MODULES_ENV = "ALIGN_STAGE_MODULES"  # extra modules (comma-separated) def
 
 def refs(value: Any) -> list[str]:
     """The names a reference field holds: a name, a list of names, or a weighted judge mapping's keys."""
-    if isinstance(value, dict):  # a weighted judge mapping: its keys
-        return list(value)
-    return value if isinstance(value, list) else [value] if isinstance(value, str) else []
+    return list(value) if isinstance(value, (dict, list)) else [value] if isinstance(value, str) else []
 
 
 # --------------------------------------------------------------------------------------------- contract
@@ -85,10 +83,9 @@ class CheckContext:
 
     def check_judge(self, fld: str, spec: str | dict[str, float]) -> None:
         """Every name in a judge setting is a reward stage of this pipeline or a Python judge."""
-        stages = self.pipeline.stages
         try:
-            check_judges(spec, {n for n, st in stages.items() if st.PRODUCES == REWARD_MODEL},
-                         {n: st.type for n, st in stages.items()})
+            check_judges(spec, {n for n, st in self.pipeline.stages.items() if st.PRODUCES == REWARD_MODEL},
+                         {n: st.type for n, st in self.pipeline.stages.items()})
         except JudgeError as exc:
             raise ValueError(f"{fld}: {exc}") from None
 
@@ -373,6 +370,8 @@ class TrainedStage(StageBase):
         unread = self.lora.unread()
         if self.lr_scheduler == "constant":  # transformers' has no warmup (constant_with_warmup has)
             unread["warmup_ratio"] = "lr_scheduler is constant"
+        if self.max_steps is not None:  # the Trainer's max_steps wins over num_train_epochs
+            unread["epochs"] = "max_steps is set"
         if not self.DROPOUT and self.lora.enabled:
             unread["lora.dropout"] = f"a {self.TYPE} stage trains with dropout off"
         return unread

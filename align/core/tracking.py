@@ -3,7 +3,10 @@
 One W&B run per stage, grouped by pipeline run, job_type = stage type; a sweep variant's run is named after the
 variant and carries its swept values in its config (`sweep`). Without an API key W&B runs in
 offline mode (no prompt, no network); the run directory lands in `<stage>/wandb/` and can be synced later
-with `wandb sync`. Only the main process logs. Secrets never reach W&B config or files.
+with `wandb sync`. A stage that cannot reach W&B online (no network on a compute node, a revoked key) logs offline
+instead, and one that cannot start W&B at all logs locally only: tracking never fails a training run. A resumed
+stage continues its W&B run (the same id, `resume="allow"`); a failed one ends its W&B run with exit code 1.
+Only the main process logs. Secrets never reach W&B config or files.
 """
 
 from __future__ import annotations
@@ -12,9 +15,13 @@ import json
 import math
 import os
 import re
+import secrets
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from align.core.fsutil import atomic_write_text
 
 SECRET_ENV = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_API_TOKEN", "OPENAI_API_KEY")
 # Keys that hold credentials (api_key, hf_token, auth_token, password, ...), not e.g. max_new_tokens or pad_token.
@@ -25,6 +32,10 @@ _SECRET_KEY = re.compile(r"(api[_-]?key|secret|passw(or)?d|^token$|(^|[_-])(hf|h
 # Environment variables whose values are treated as secrets besides SECRET_ENV: names that say so (OPENAI_API_KEY,
 # MY_JUDGE_KEY, ..._TOKEN, ..._SECRET, ..._PASSWORD), such as a pairwise judge's `key_env`.
 _SECRET_ENV_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD)$", re.IGNORECASE)
+# Credentials written into a URL: user:password@ before the host, and a query parameter named like a key.
+_URL_USERINFO = re.compile(r"\b([a-z][a-z0-9+.-]*://)[^/\s@]+@", re.IGNORECASE)
+_QUERY_SECRET = re.compile(r"([?&](?:api[_-]?key|key|token|access[_-]?token|secret|password|sig)=)[^&#\s]+",
+                           re.IGNORECASE)
 
 
 def secret_values() -> list[str]:
@@ -34,7 +45,8 @@ def secret_values() -> list[str]:
 
 
 def scrub(obj: Any) -> Any:
-    """Drop secret-looking keys and replace any secret env value found inside strings."""
+    """Drop secret-looking keys; in strings, replace any secret env value and a URL's credentials (user:password@,
+    ?api_key=...)."""
     secrets = secret_values()
     if isinstance(obj, dict):
         return {k: ("<redacted>" if _SECRET_KEY.search(str(k)) else scrub(v)) for k, v in obj.items()}
@@ -43,15 +55,32 @@ def scrub(obj: Any) -> Any:
     if isinstance(obj, str):
         for s in secrets:
             obj = obj.replace(s, "<redacted>")
+        obj = _QUERY_SECRET.sub(r"\1<redacted>", _URL_USERINFO.sub(r"\1<redacted>@", obj))
     return obj
+
+
+# The values wandb itself accepts in WANDB_MODE (wandb.Settings.mode), as align reads them: any case, spaces around.
+WANDB_MODES = ("online", "offline", "dryrun", "disabled", "run", "shared")
+
+
+def wandb_env_problem() -> str | None:
+    """Why the environment's WANDB_MODE would stop W&B from starting in every stage (wandb refuses what it does not
+    know), or None; `align validate` and `align run` say it before any stage starts."""
+    env = os.environ.get("WANDB_MODE", "")
+    if env.strip() and env.strip().lower() not in WANDB_MODES:
+        return (f"the environment variable WANDB_MODE is {env!r}, which W&B does not accept; set it to one of "
+                f"{', '.join(WANDB_MODES[:4])} (or unset it and choose with tracking.wandb)")
+    return None
 
 
 def wandb_mode(setting: str) -> str | None:
     """Resolve the tracking.wandb setting to a wandb mode, or None when disabled. The user's own WANDB_MODE
     (offline / dryrun / disabled) wins over the pipeline's setting: a key in the environment never forces W&B
-    online from a machine the user said has no network; WANDB_MODE=online only decides `auto`."""
+    online from a machine the user said has no network; WANDB_MODE=online only decides `auto`. WANDB_DISABLED
+    (true / 1 / yes, the transformers convention) is WANDB_MODE=disabled."""
     env = os.environ.get("WANDB_MODE", "").strip().lower()
-    if setting == "disabled" or env == "disabled":
+    off = os.environ.get("WANDB_DISABLED", "").strip().lower() in ("true", "1", "yes")
+    if setting == "disabled" or env == "disabled" or off:
         return None
     if env in ("offline", "dryrun"):
         return "offline"
@@ -87,24 +116,67 @@ def json_ready(value: Any) -> Any:
     return _clean(value)
 
 
+def run_id(stage_dir: Path, resume: bool) -> str:
+    """The W&B run id of this attempt of the stage, kept in `<stage>/wandb/align_run_id`: an attempt that resumes
+    the stage's checkpoints continues its predecessor's W&B run (one run per stage, as metrics.jsonl), a fresh
+    attempt (another config, --force) starts its own."""
+    path = Path(stage_dir) / "wandb" / "align_run_id"
+    if resume:
+        try:
+            old = path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            old = ""
+        if re.fullmatch(r"[a-z0-9]{8,64}", old):
+            return old
+    new = secrets.token_hex(8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, new + "\n")
+    return new
+
+
+def _warn(message: str) -> None:
+    print(f"[align] warning: {scrub(message)}", file=sys.stderr, flush=True)
+
+
 class Tracker:
     """Writes metrics.jsonl and mirrors to W&B. Construct on every rank; only the main process writes."""
 
     def __init__(self, stage_dir: Path, *, main_process: bool, wandb_setting: str, project: str,
-                 entity: str | None, group: str, name: str, job_type: str, config: dict[str, Any]):
+                 entity: str | None, group: str, name: str, job_type: str, config: dict[str, Any],
+                 resume: bool = False):
         self.main = main_process
         self.path = Path(stage_dir) / "metrics.jsonl"
         self.run = None
+        self.problem = ""  # why W&B is not logging although it was asked to (recorded in the manifest)
         if not self.main:
             return
         mode = wandb_mode(wandb_setting)
         if mode is not None:
-            import wandb  # optional and heavy: only when W&B is on
-
+            if os.environ.get("WANDB_MODE"):  # wandb reads it too, and refuses "OFFLINE" or " offline"
+                os.environ["WANDB_MODE"] = os.environ["WANDB_MODE"].strip().lower()
             os.environ.setdefault("WANDB_SILENT", "true")
-            self.run = wandb.init(project=project, entity=entity, group=group, name=name, job_type=job_type,
-                                  dir=str(stage_dir), mode=mode, config=scrub(config), reinit="finish_previous",
-                                  settings=wandb.Settings(console="off", x_disable_stats=True))
+            kwargs = dict(project=project, entity=entity, group=group, name=name, job_type=job_type,
+                          dir=str(stage_dir), config=scrub(config), id=run_id(stage_dir, resume), resume="allow")
+            self.run = self._start(mode, kwargs)
+
+    def _start(self, mode: str, kwargs: dict[str, Any]):
+        import wandb  # optional and heavy: only when W&B is on
+
+        settings = wandb.Settings(console="off", x_disable_stats=True)
+        try:
+            return wandb.init(mode=mode, reinit="finish_previous", settings=settings, **kwargs)
+        except Exception as exc:  # wandb.Error (a revoked key, no network, a timeout), OSError, ...
+            first = f"{type(exc).__name__}: {exc}"
+        if mode == "online":
+            _warn(f"W&B did not start online ({first}); this stage logs to W&B offline instead (`wandb sync` its "
+                  "wandb/ directory later); set WANDB_MODE=offline to skip the attempt on machines without network")
+            try:
+                return wandb.init(mode="offline", reinit="finish_previous", settings=settings, **kwargs)
+            except Exception as exc:
+                first = f"{type(exc).__name__}: {exc}"
+        self.problem = scrub(first)
+        _warn(f"W&B did not start ({first}); this stage's metrics are written to metrics.jsonl only")
+        return None
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if not self.main or not metrics:
@@ -119,9 +191,9 @@ class Tracker:
         """A table of samples: to W&B as a wandb.Table, locally as `<name>.jsonl` beside metrics.jsonl."""
         if not self.main:
             return
-        with open(self.path.parent / f"{name.replace('/', '_')}.jsonl", "a", encoding="utf-8") as fh:
+        with open(self.path.parent / table_file(name), "a", encoding="utf-8") as fh:
             for r in rows:
-                fh.write(json.dumps({"step": step, **dict(zip(columns, r))}) + "\n")
+                fh.write(json.dumps(json_ready({"step": step, **dict(zip(columns, r))})) + "\n")
         if self.run is not None:
             import wandb  # optional and heavy: only when W&B is on
 
@@ -139,11 +211,30 @@ class Tracker:
             for k, v in values.items():
                 self.run.summary[k] = _clean(v)
 
-    def finish(self) -> dict[str, Any]:
-        """Close the W&B run; return its id/path/dir for the manifest."""
+    def info(self) -> dict[str, Any]:
+        """The W&B run's id/path/dir/mode for the manifest (or why W&B did not start)."""
         if self.run is None:
-            return {}
-        info = {"id": self.run.id, "path": "/".join(p for p in (self.run.entity, self.run.project, self.run.id) if p),
+            return {"error": self.problem} if self.problem else {}
+        return {"id": self.run.id, "path": "/".join(p for p in (self.run.entity, self.run.project, self.run.id) if p),
                 "dir": str(Path(self.run.dir).parent), "mode": self.run.settings.mode}
-        self.run.finish()
+
+    def finish(self, failed: bool = False) -> dict[str, Any]:
+        """Close the W&B run (exit code 1 when the stage failed: W&B shows it failed, not finished); return info().
+        A W&B that cannot close (the network went) is a warning: the stage's own result stands."""
+        info = self.info()
+        run, self.run = self.run, None
+        if run is not None:
+            try:
+                run.finish(exit_code=1 if failed else 0)
+            except Exception as exc:
+                _warn(f"W&B run {info.get('id')} did not close cleanly ({type(exc).__name__}: {exc})")
         return info
+
+
+# The tables stages write (Tracker.table): a stage's fresh attempt sets their files aside with metrics.jsonl's.
+TABLES = ("samples", "report/headline")
+
+
+def table_file(name: str) -> str:
+    """The local file of a Tracker table (beside metrics.jsonl): report/headline -> report_headline.jsonl."""
+    return f"{name.replace('/', '_')}.jsonl"

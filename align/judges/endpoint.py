@@ -17,7 +17,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from align.config.settings import header_value_problem, no_redirects, redirected, without_key
+from align.core.endpoints import header_value_problem, no_redirects, redirected, without_key
 
 
 class EndpointError(OSError):

@@ -21,6 +21,7 @@ from align.core.console import verbose
 from align.orchestrator.memory import enabled_lora
 from align.orchestrator.plan import REPO_DIR, StagePlan
 from align.core.errors import PipelineError
+from align.core.rundir import read_manifest
 
 ACCELERATE_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU", "DEEPSPEED", "FSDP")
 
@@ -278,6 +279,19 @@ def one_plain_process(plan: StagePlan, source: str | Path, num_processes: int | 
     raw = yaml_load(accelerate_config(plan.cfg.accelerate, source)) or {}
     n = processes_per_node(plan.cfg, num_processes)
     return str(raw.get("distributed_type", "NO")).upper() == "NO" and (n or raw.get("num_processes", 1)) == 1
+
+
+def world_change(plan: StagePlan, run_dir: Path, source: str | Path, num_processes: int | None, nodes: int) -> str:
+    """What a completed stage that is reused should say when this run would start it on another number of processes
+    than trained it ("" when the same): its fingerprint covers its settings, not where it ran, but the global batch
+    is per_device_batch_size x gradient_accumulation_steps x processes."""
+    trained = (read_manifest(run_dir / plan.name) or {}).get("world_size")
+    now = 1 if one_plain_process(plan, source, num_processes) else \
+        node_processes(plan, source, num_processes) * (nodes if is_distributed(plan.cfg) else 1)
+    if not isinstance(trained, int) or trained == now:
+        return ""
+    return (f"; note: it was trained on {trained} process{'es' * (trained != 1)}, this run would start {now} (another "
+            f"global batch); to retrain it here: --from {plan.name}")
 
 
 def launch_command(plan: StagePlan, spec: Path, source: str | Path, num_processes: int | None,

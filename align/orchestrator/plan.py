@@ -20,7 +20,7 @@ from align import templates
 from align.core.builtin import check_builtin, is_builtin
 from align.core.errors import PipelineError
 from align.core.fsutil import stamp
-from align.config import PipelineConfig, StageBase, stage_types, to_dict
+from align.config import NON_SEMANTIC, PipelineConfig, StageBase, stage_types, to_dict
 from align.config.contract import MODEL, POLICY, REWARD_MODEL, ROLES, refs
 from align.data.cards import DataCardError, load_card
 from align.core.gguf import GGUFError
@@ -29,8 +29,6 @@ from align.templates import ChatTemplate
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # align/
 REPO_DIR = PACKAGE_DIR.parent
-# Fields that never change a stage's result: left out of its fingerprint.
-NON_SEMANTIC = ("logging_steps", "save_steps", "save_every", "sample_every", "accelerate", "max_truncated_fraction")
 
 
 @dataclass

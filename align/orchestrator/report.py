@@ -18,6 +18,16 @@ from align.orchestrator.runner import run
 from align.core.schema import is_plain_name
 
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+# A LoRA stage publishes its adapter alone (align/modeling/models.py ADAPTER_BASE names what it was trained on).
+_ADAPTER = ("adapter_config.json", "align_adapter.json")
+_ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def _complete(model: Path) -> bool:
+    """A whole model (config + weights) or a published adapter (its config, its base record, its weights)."""
+    if (model / "config.json").is_file() and any((model / w).is_file() for w in _WEIGHTS):
+        return True
+    return all((model / f).is_file() for f in _ADAPTER) and any((model / w).is_file() for w in _ADAPTER_WEIGHTS)
 
 
 def check_model_dir(run_dir: Path, stage: str) -> None:
@@ -28,9 +38,10 @@ def check_model_dir(run_dir: Path, stage: str) -> None:
     if status != "completed":
         raise PipelineError(f"{run_dir / stage}: stage '{stage}' is {status!r}, not completed; rerun the "
                             "pipeline to finish it before building a report")
-    if not (model / "config.json").is_file() or not any((model / w).is_file() for w in _WEIGHTS):
-        raise PipelineError(f"{model}: missing or incomplete (no config.json or weights); rerun the pipeline "
-                            f"with --from {stage}")
+    if not _complete(model):
+        raise PipelineError(f"{model}: missing or incomplete (neither a model's config.json and weights nor a LoRA "
+                            f"adapter's adapter_config.json, {_ADAPTER[1]} and weights); rerun the pipeline with "
+                            f"--from {stage}")
 
 
 def rebuild(run_dir: str | Path) -> Path:

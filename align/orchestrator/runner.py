@@ -27,7 +27,7 @@ from align.orchestrator.hardware import Hardware, hardware
 from align.core.fsutil import atomic_write_json
 from align.orchestrator.inputs import resolve_model_paths
 from align.orchestrator.launch import (MultiNode, is_distributed, launch_command, one_plain_process, placement_problem,
-                                      stage_env)
+                                      stage_env, world_change)
 from align.orchestrator.multinode import follow_stage
 from align.orchestrator.plan import REPO_DIR, StagePlan, code_version, descendants, run_dir_of
 from align.core.errors import PipelineError
@@ -175,7 +175,8 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
             statuses[plan.name] = "not selected"
             continue
         if plan.name not in forced and up_to_date(plan, run_dir, source):
-            print(f"{header}: up to date (fingerprint {plan.fingerprint}), skipped", flush=True)
+            print(f"{header}: up to date (fingerprint {plan.fingerprint}), skipped"
+                  f"{world_change(plan, run_dir, source, num_processes, multi.nodes)}", flush=True)
             statuses[plan.name] = "skipped"
             continue
         _check_inputs(plan, plans, run_dir, source, trust_completed_inputs)
@@ -336,8 +337,7 @@ class Interrupted(PipelineError):
 
 def _mark_interrupted(stage_dir: Path, cause: str = INTERRUPTED, status: str = "interrupted") -> None:
     """A stage killed before it could record the interrupt (or its failure) itself still says so (not `running`)."""
-    m = read_manifest(stage_dir)
-    if m and m.get("status") == "running":
+    if (m := read_manifest(stage_dir)) and m.get("status") == "running":
         m.update(status=status, error=cause, ended_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         write_manifest(stage_dir, m)
 

@@ -17,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
+from align.core.tracking import wandb_env_problem
 from align.config import CheckContext, ConfigError, PipelineConfig, TrainedStage
 from align.config.contract import EXAMPLES, POLICY, PROMPTS_ONLY, refs
 from align.config.settings import flash_attention_problem
@@ -100,6 +101,8 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
     problem = runs_dir_problem(cfg.runs_dir)
     if problem:
         raise PipelineError(f"{source}: runs_dir: {cfg.runs_dir!r}: {problem}")
+    if cfg.tracking.wandb != "disabled" and (problem := wandb_env_problem()):
+        raise PipelineError(f"{source}: tracking.wandb: {problem}")
     for note in check_model_inputs(cfg, source):
         if verbose:
             print(f"  warning: {note}")

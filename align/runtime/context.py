@@ -146,14 +146,14 @@ class StageContext:
         return self._loaded(path, model, device, frozen)
 
     # ------------------------------------------------------------------ tracking
-    def start_tracking(self) -> Tracker:
+    def start_tracking(self, resume: bool = False) -> Tracker:
         tr, p = self.pipeline.tracking, self.pipeline
         self.tracker = Tracker(
             self.dir, main_process=self.is_main, wandb_setting=tr.wandb, project=tr.project,
             entity=tr.entity, group=f"{p.name}/{p.run_id}", name=self.name, job_type=self.cfg.type,
             config={"stage": self.spec.stage, "fingerprint": self.fingerprint,
                     "input_fingerprints": self.spec.input_fingerprints, "data_cards": self.spec.data_cards,
-                    "pipeline": self.spec.pipeline, **sweep_config(self.name, p.variants)})  # spec: no stages
+                    "pipeline": self.spec.pipeline, **sweep_config(self.name, p.variants)}, resume=resume)  # spec: no stages
         return self.tracker
 
     def log(self, metrics: dict[str, Any], step: int) -> None:

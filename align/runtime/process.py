@@ -20,6 +20,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from align.core.tracking import TABLES, table_file
 from align.engines import EngineError
 from align.core.errors import Terminated, describe, die_with_parent, interrupt_cause, terminate_as_interrupt
 from align.core.console import verbose
@@ -163,7 +164,7 @@ def _run(ctx: StageContext) -> None:
     resumable = resumes(read_manifest(ctx.dir), ctx.fingerprint, ctx.spec.input_digests)
     if ctx.is_main and not resumable:
         shutil.rmtree(ctx.checkpoints, ignore_errors=True)
-        for name in ("metrics.jsonl", "samples.jsonl"):
+        for name in ("metrics.jsonl", *map(table_file, TABLES)):
             if (ctx.dir / name).exists():
                 os.replace(ctx.dir / name, ctx.dir / f"{name}.prev")
     ctx.state.wait_for_everyone()
@@ -171,7 +172,7 @@ def _run(ctx: StageContext) -> None:
         ctx.check_checkpoint_layout()
     ctx.write_manifest("running")
     module = importlib.import_module(type(ctx.cfg).stage_module())
-    ctx.start_tracking()
+    ctx.start_tracking(resume=resumable)
     t0 = time.perf_counter()
     final = {**module.run(ctx), **ctx.compute.resource_metrics(time.perf_counter() - t0)}
     startup_done()  # a stage that never loaded a model through the context
@@ -236,10 +237,10 @@ def _record_failure(ctx: StageContext | None, spec: dict[str, Any], message: str
     could not). Either status resumes from the stage's last checkpoint on the next run of the same config."""
     trace = traceback.format_exc(limit=20)
     try:
-        if ctx is not None:
+        if ctx is not None:  # the manifest first: a W&B that cannot close must not keep the failure unrecorded
+            ctx.write_manifest(status, error=message, traceback=trace, wandb=ctx.tracker.info() if ctx.tracker else {})
             if ctx.tracker:
-                ctx.tracker.finish()
-            ctx.write_manifest(status, error=message, traceback=trace)
+                ctx.tracker.finish(failed=True)
         elif spec.get("stage_dir") and os.environ.get("RANK", "0") == "0":
             write_manifest(spec["stage_dir"], {  # with the inputs it was to read: `resumes` compares them
                 "stage": spec.get("stage_name"), "status": status, "fingerprint": spec.get("fingerprint"),

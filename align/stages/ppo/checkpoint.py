@@ -12,6 +12,7 @@ import json
 import shutil
 from typing import Any
 
+from align.core.tracking import table_file
 from align.runtime.context import StageContext, keep_metrics_until
 
 
@@ -100,10 +101,12 @@ def resume(ctx: StageContext, accelerator, kl_ctl, moments, scale, stream, progr
 
 def restore_history(ctx: StageContext, start: int) -> list[dict[str, Any]]:
     """The per-iteration metrics of iterations 1..start from metrics.jsonl (a resumed run summarises the whole
-    run); rows a killed attempt logged after its last checkpoint are dropped, as they are logged again."""
+    run); rows a killed attempt logged after its last checkpoint are dropped, as they are logged again (its sample
+    table's too)."""
     path = ctx.dir / "metrics.jsonl"
     if ctx.is_main:
         keep_metrics_until(path, start)
+        keep_metrics_until(ctx.dir / table_file("samples"), start)
     ctx.state.wait_for_everyone()
     if not start or not path.is_file():
         return []
