@@ -46,6 +46,22 @@ def long_group_timeouts() -> None:
         c10d.default_pg_nccl_timeout = COLLECTIVE_TIMEOUT
 
 
+def no_cpu_shm_op() -> None:
+    """Under DeepSpeed on a machine without CUDA (the CPU twin of a GPU job, over gloo), DeepSpeed's first collective
+    compiles a C++ shared-memory op (deepspeed_shm_comm: about 60 s of both cores on a 2-core machine, and a C++
+    compiler required) that only its inference all-reduce calls; training never does. It is marked unavailable, which
+    also skips DeepSpeed's probe of every op (compiler subprocesses); comm/torch.py is the only reader of the list.
+    Where CUDA is present nothing changes (DeepSpeed's CUDA accelerator has no such op)."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true":
+        return
+    import torch  # the stage process imports it anyway
+
+    if not torch.cuda.is_available():
+        import deepspeed.ops
+
+        vars(deepspeed.ops)["__compatible_ops__"] = {}
+
+
 def main(spec_path: str) -> int:
     """Run one stage in this process (called under `accelerate launch`). Returns the exit code: 0; 2 for a refused
     input or an I/O failure (one paragraph on stderr, the traceback only in the manifest); 130 / 143 when Ctrl-C /
@@ -57,6 +73,7 @@ def main(spec_path: str) -> int:
     terminate_as_interrupt()  # SIGTERM (a scheduler, the launcher stopping its workers) recorded as Ctrl-C
     die_with_parent()  # and SIGTERM when the launcher dies (a SIGKILLed run): no stage outlives its run
     long_group_timeouts()
+    no_cpu_shm_op()
     pin_to_run()  # hub datasets: the commits the run's plan resolved, not what a branch names by now
     ctx: StageContext | None = None
     spec: dict[str, Any] = {}

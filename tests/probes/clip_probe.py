@@ -11,6 +11,7 @@ import torch
 from accelerate import Accelerator, PartialState
 
 from align.stages.ppo.optim import backward_and_step, disable_deepspeed_clipping
+from align.runtime.process import no_cpu_shm_op
 
 
 class Pair(torch.nn.Module):
@@ -35,6 +36,8 @@ def counting(module, name: str, calls: dict[str, int]) -> None:
 
 def main(out: str) -> None:
     import importlib
+
+    no_cpu_shm_op()  # as a stage process does: DeepSpeed on CPU compiles no shared-memory op
 
     calls: dict[str, int] = {}
     counting(importlib.import_module("deepspeed.utils"), "safe_get_full_grad", calls)

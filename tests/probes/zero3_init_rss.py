@@ -57,12 +57,14 @@ def main(model_dir: str, out: str) -> None:
     from accelerate import PartialState
     from trl import SFTConfig
 
+    from align.runtime.process import no_cpu_shm_op
     from align.runtime.trl import share_process_group_with_deepspeed
 
     state = PartialState(cpu=not torch.cuda.is_available())
     before = measured_load(state, model_dir)
     args = SFTConfig(output_dir="/tmp/unused", per_device_train_batch_size=1, max_steps=1, report_to="none",
                      use_cpu=not torch.cuda.is_available())  # the config first, as the stages do now
+    no_cpu_shm_op()  # as a stage process does: DeepSpeed on CPU compiles no shared-memory op
     share_process_group_with_deepspeed()
     after = measured_load(state, model_dir)
     if state.is_main_process:

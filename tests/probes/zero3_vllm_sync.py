@@ -13,6 +13,8 @@ import sys
 import torch
 from accelerate import Accelerator, PartialState
 
+from align.runtime.process import no_cpu_shm_op
+
 SEED = 4321
 
 
@@ -66,6 +68,7 @@ def perturbed(path, adapter: bool):
 
 
 def main(model_dir: str, out: str, adapter: bool = False) -> None:
+    no_cpu_shm_op()  # as a stage process does: DeepSpeed on CPU compiles no shared-memory op
     from align.config import Generation
     from align.engines.base import logprob_gap
     from align.engines.hf import HFEngine
