@@ -126,3 +126,12 @@ def test_stage_log_holds_each_line_while_the_stage_still_runs(tmp_path):
     t.join()
     assert seen and "step 1" in seen[0] and "done" not in seen[0], seen
     assert "done" in log.read_text()
+
+
+def test_a_resumed_stages_bar_starts_at_its_checkpoint():
+    """A stage resumed at step 51 of 100 drew its bar from 0, so its rate counted 50 steps it never took this time
+    and its time left was wrong: the bar starts where the first event is."""
+    console = StageConsole("ppo", io.BytesIO(), stream_all=False)
+    console.feed(_event(51, 100) + _event(52, 100))
+    assert console.bar.n == 52 and console.bar.format_dict["initial"] == 50
+    console.close()

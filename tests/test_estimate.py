@@ -834,6 +834,8 @@ def test_the_gpus_present_win_over_hardware_and_the_table_says_which_values_they
 
     hw = hw_module.hardware(cfg, gpus_per_node=4, gpu_memory_gb=40)  # flags win over both, and replace nothing
     assert (hw.gpus_per_node, hw.gpu_memory, hw.detected, hw.overrides) == (4, int(40e9), False, "")
+    hw = hw_module.hardware(cfg, gpus_per_node=8, gpu_memory_gb=0.5)  # the flag is named as the source, a small size not rounded to 0
+    assert "8 GPU(s), 0.5 GB each (--gpu-memory-gb)" in render([], hw).splitlines()[0]
 
 
 def test_the_run_directorys_disk_peak_by_hand_and_the_warning_when_it_has_less_free(monkeypatch):

@@ -121,8 +121,10 @@ class StageConsole:
                 # On a terminal the bar redraws in place; into a file or pipe (CI, nohup) every redraw is a
                 # new frame, so it redraws at most once a minute there, and once at the end.
                 tty = sys.stderr.isatty()
+                # A resumed stage's first event is past its checkpoint: the bar starts there (initial), so its
+                # rate and time left count this attempt's steps only.
                 self.bar = tqdm(total=total, desc=f"  {self.name}", dynamic_ncols=True, leave=True,
-                                mininterval=0.5 if tty else 60.0, maxinterval=1e9,
+                                initial=max(0, n - 1), mininterval=0.5 if tty else 60.0, maxinterval=1e9,
                                 bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
                                            "[{elapsed}<{remaining}{postfix}]")
             self.bar.total = total

@@ -27,6 +27,8 @@ class Hardware:
     detected: bool
     overrides: str = ""
     """The pipeline's `hardware:` values the GPUs present replaced, as the table prints them ("" when none)."""
+    flag: bool = False
+    """The memory came from `--gpu-memory-gb`."""
 
 
 def hardware(cfg: PipelineConfig, gpus_per_node: int | None = None, gpu_memory_gb: float | None = None,
@@ -49,7 +51,8 @@ def hardware(cfg: PipelineConfig, gpus_per_node: int | None = None, gpu_memory_g
     n = n or declared.gpus_per_node
     mem = mem or declared.gpu_memory_gb
     overrides = f"the GPUs present replace the pipeline's hardware: {', '.join(replaced)}" if replaced else ""
-    return Hardware(n, int(mem * GB) if mem else None, nodes or declared.nodes, detected, overrides)
+    return Hardware(n, int(mem * GB) if mem else None, nodes or declared.nodes, detected, overrides,
+                    flag=gpu_memory_gb is not None)
 
 
 def detected_gpus() -> list[int]:
