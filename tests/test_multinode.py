@@ -79,7 +79,7 @@ def test_launch_sh_starts_one_process_per_gpu_it_may_use(tmp_path):
     base = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     base.update(PATH=f"{fake}:{os.environ['PATH']}", ALIGN_DRY_RUN="1")
     seen = {}
-    for visible in (None, "0,1,2,3", "GPU-5,GPU-6", "", "-1"):
+    for visible in (None, "0,1,2,3", "GPU-5,GPU-6", "", "-1", "0,1,-1,2", "0,1,9,2", "NoDevFiles", "3,3"):
         env = base if visible is None else {**base, "CUDA_VISIBLE_DEVICES": visible}
         out = subprocess.run([str(REPO / "launch.sh"), "pipelines/default.yaml"], capture_output=True, text=True,
                              env=env, timeout=60)
@@ -87,7 +87,42 @@ def test_launch_sh_starts_one_process_per_gpu_it_may_use(tmp_path):
         seen[visible] = out.stdout.split()
     assert seen[None] == ["align", "run", "pipelines/default.yaml", "--num-processes", "8"]
     assert seen["0,1,2,3"][-2:] == ["--num-processes", "4"] and seen["GPU-5,GPU-6"][-2:] == ["--num-processes", "2"]
-    assert seen[""] == seen["-1"] == ["align", "run", "pipelines/default.yaml"]
+    assert seen[""] == seen["-1"] == seen["NoDevFiles"] == ["align", "run", "pipelines/default.yaml"]
+    # as CUDA reads the list: up to the first entry that is not a GPU's index, a repeated one included
+    assert seen["0,1,-1,2"][-1] == seen["0,1,9,2"][-1] == "2" and seen["3,3"][-1] == "1"
+
+
+def test_launch_sh_under_a_slurm_step_on_part_of_the_job_names_the_steps_first_node(tmp_path):
+    """A 4-node job running a 2-node srun step: the master is the step's first node, not the job's; where scontrol is
+    missing (a container), ALIGN_MASTER_ADDR names it, and without it the launcher says so instead of exit 127."""
+    env = {**os.environ, "ALIGN_DRY_RUN": "1", "PATH": f"{tmp_path}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "gpu[01-04]",
+           "SLURM_NNODES": "4", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "gpu[03-04]", "SLURM_NODEID": "1"}
+    (tmp_path / "scontrol").write_text('#!/bin/sh\n[ "$3" = "gpu[03-04]" ] && printf "gpu03\\ngpu04\\n"\n')
+    (tmp_path / "scontrol").chmod(0o755)
+    out = subprocess.run(["bash", str(REPO / "launch.sh")], capture_output=True, text=True, env=env, timeout=60)
+    assert out.stdout.split()[3:9] == ["--nodes", "2", "--node-rank", "1", "--master-addr", "gpu03"], out.stderr
+    (tmp_path / "scontrol").unlink()
+    out = subprocess.run(["bash", str(REPO / "launch.sh")], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 2 and "scontrol is not on PATH" in out.stderr and "ALIGN_MASTER_ADDR" in out.stderr
+    out = subprocess.run(["bash", str(REPO / "launch.sh")], capture_output=True, text=True, timeout=60,
+                         env={**env, "ALIGN_MASTER_ADDR": "gpu03"})
+    assert out.returncode == 0 and "--master-addr gpu03" in out.stdout, out.stderr
+
+
+def test_launch_sh_reads_a_pipeline_from_the_callers_directory_and_refuses_what_is_not_one(tmp_path):
+    (tmp_path / "mine.yml").write_text("name: mine\n")
+    env = {**os.environ, "ALIGN_DRY_RUN": "1", "ALIGN_VENV": str(tmp_path / "venv")}
+    out = subprocess.run([str(REPO / "launch.sh"), "mine.yml"], cwd=tmp_path, capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert out.stdout.split()[:3] == ["align", "run", str(tmp_path / "mine.yml")], out.stderr
+    out = subprocess.run([str(REPO / "launch.sh"), "notes.txt"], cwd=tmp_path, capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert out.returncode == 2 and "'notes.txt' is not a pipeline file (*.yaml) or an override" in out.stderr
+    for flag in ("--setup", "--vllm", "--tests"):  # a dry run sets nothing up
+        out = subprocess.run([str(REPO / "launch.sh"), flag], cwd=tmp_path, capture_output=True, text=True, env=env,
+                             timeout=60)
+        assert out.returncode == 0 and ("dry run" in out.stdout or "pytest" in out.stdout), out.stdout + out.stderr
+    assert not (tmp_path / "venv").exists()
 
 
 def _worker_env(tmp_path, venv, wait: int) -> dict:
