@@ -13,7 +13,7 @@ from align.engines import PLUGIN_ERRORS
 from align.orchestrator import packaged
 from align.config import ConfigError, load_pipeline
 from align.data.cards import DataCardError
-from align.orchestrator.disk import disk_peak, disk_problem
+from align.orchestrator.disk import disk_peak, disk_problem, gb
 from align.orchestrator.estimate import EstimateError, dtype_bytes, estimate_pipeline, render, too_big
 from align.orchestrator.hardware import hardware
 from align.orchestrator.helper import HelperError
@@ -190,8 +190,8 @@ def _estimate(cfg, args: argparse.Namespace) -> int:
     print(render(estimates, hw))
     peak = disk_peak(cfg, estimates, dtype_bytes(cfg.dtype, hw.gpu_memory is not None, cfg.precision))
     if peak is not None:
-        print(f"\nrun directory ({cfg.runs_dir}): ~{peak.bytes / 1e9:,.1f} GB of disk at its peak, during stage "
-              f"'{peak.stage}' (checkpoints {peak.checkpoints / 1e9:,.1f} GB, models {peak.models / 1e9:,.1f} GB; "
+        print(f"\nrun directory ({cfg.runs_dir}): ~{gb(peak.bytes)} GB of disk at its peak, during stage "
+              f"'{peak.stage}' (checkpoints {gb(peak.checkpoints)} GB, models {gb(peak.models)} GB; "
               "align/orchestrator/disk.py)")
     for line in too_big(estimates, hw):
         print(f"[align] does not fit: {line}")

@@ -836,6 +836,16 @@ def test_the_gpus_present_win_over_hardware_and_the_table_says_which_values_they
     assert (hw.gpus_per_node, hw.gpu_memory, hw.detected, hw.overrides) == (4, int(40e9), False, "")
     hw = hw_module.hardware(cfg, gpus_per_node=8, gpu_memory_gb=0.5)  # the flag is named as the source, a small size not rounded to 0
     assert "8 GPU(s), 0.5 GB each (--gpu-memory-gb)" in render([], hw).splitlines()[0]
+    bare = parse_pipeline({"name": "x", "stages": {"sft": {"data": "c.yaml"}}}, "x.yaml")
+    monkeypatch.setattr(hw_module, "detected_gpus", lambda: [])
+    header = render([], hw_module.hardware(bare, gpus_per_node=2)).splitlines()[0]  # --gpus alone: said, not dropped
+    assert "1 node(s) x 2 GPU(s) of unknown memory (give --gpu-memory-gb)" in header
+
+
+def test_disk_sizes_below_one_gb_are_not_printed_as_zero():
+    from align.orchestrator.disk import gb
+
+    assert [gb(x) for x in (0.0, 4.2e7, 5e8, 3.456e9, 99.4e9, 1234.5e9)] == ["0", "0.042", "0.5", "3.46", "99.4", "1,234"]
 
 
 def test_the_run_directorys_disk_peak_by_hand_and_the_warning_when_it_has_less_free(monkeypatch):

@@ -730,7 +730,10 @@ def test_malformed_manifest(content, needles, shared, tmp_path, capsys, monkeypa
     (lambda m: m.update(output_digests={**m["output_digests"], "data": "x"}), "field 'output_digests.data'"),
     (lambda m: m["output_digests"]["data"].update(files={"train.jsonl": "abc"}), "field 'output_digests.data'"),
     (lambda m: m["output_digests"]["data"].update(files={"train.jsonl": [712, 5]}), "field 'output_digests.data'"),
-], ids=["metrics-a-string", "digest-a-string", "file-entry-a-string", "file-entry-sha-a-number"])
+    (lambda m: m["output_digests"]["data"].update(stamps=5), "field 'output_digests.data'"),
+    (lambda m: m["output_digests"]["data"].update(publication=["x"]), "field 'output_digests.data'"),
+], ids=["metrics-a-string", "digest-a-string", "file-entry-a-string", "file-entry-sha-a-number", "stamps-a-number",
+        "publication-a-list"])
 def test_a_manifest_field_edited_to_the_wrong_type_is_one_line_everywhere(edit, field, shared, tmp_path, capsys,
                                                                            monkeypatch):
     """Hand-edited manifests whose fields had the wrong type ended `status`, `verify` and `run` in tracebacks
@@ -863,6 +866,7 @@ def test_status_calls_a_running_stage_whose_runner_died_interrupted(shared, tmp_
     ({"config": {}, "stages": [{"name": "../sft", "type": "sft"}]}, "stage entry 0 has no plain-name `name`"),
     ({"config": 7, "stages": [{"name": "sft", "type": "sft"}]}, "`config` is not a mapping (it holds int data)"),
     ({"config": {}, "run_id": ["x"], "stages": []}, "`run_id` is not text"),
+    ({"config": {}, "resume": "align run p.yaml 'unclosed", "stages": []}, "`resume` is not a command line (No closing"),
 ])
 def test_a_pipeline_json_with_fields_of_the_wrong_type_is_one_line_for_status_verify_and_report(tmp_path, record,
                                                                                               problem):

@@ -87,16 +87,20 @@ def test_a_resumed_attempt_continues_its_wandb_run_and_a_fresh_attempt_starts_it
 def test_no_network_logs_offline_and_a_wandb_that_cannot_start_leaves_local_metrics(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WANDB_API_KEY", "k" * 40)  # `auto` with a key: online
     calls = fake_wandb(monkeypatch, fail_modes=("online",))
-    t = tracker(tmp_path, "auto")
+    t = tracker(tmp_path / "sft", "auto")
     assert [c["mode"] for c in calls] == ["online", "offline"] and t.finish()["mode"] == "offline"
     err = capsys.readouterr().err
     assert "W&B did not start online" in err and "WANDB_MODE=offline" in err and SECRET not in err
 
+    calls = fake_wandb(monkeypatch)  # the run's next stage does not wait for an unreachable W&B again
+    assert tracker(tmp_path / "dpo", "auto").finish()["mode"] == "offline" and [c["mode"] for c in calls] == ["offline"]
+    assert "could not reach it" in capsys.readouterr().err
+
     calls = fake_wandb(monkeypatch, fail_modes=("online", "offline"))
-    t = tracker(tmp_path, "auto")
+    t = tracker(tmp_path / "ppo", "auto")
     t.log({"loss": 0.5}, 3)
     assert t.run is None and "no such host" in t.finish()["error"] and SECRET not in t.finish()["error"]
-    assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == 0.5
+    assert json.loads((tmp_path / "ppo" / "metrics.jsonl").read_text())["loss"] == 0.5
     assert "metrics.jsonl only" in capsys.readouterr().err
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
@@ -139,8 +140,14 @@ def record_problem(info: Any) -> str | None:
             return f"stage entry {i} has no plain-name `name` and text `type` ({str(st)[:80]})"
     if not isinstance(info.get("config", {}), dict):
         return f"`config` is not a mapping (it holds {type(info['config']).__name__} data)"
-    bad = [k for k in ("pipeline", "run_id", "source") if k in info and not isinstance(info[k], str)]
-    return f"`{bad[0]}` is not text" if bad else None
+    bad = [k for k in ("pipeline", "run_id", "source", "resume") if k in info and not isinstance(info[k], str)]
+    if bad:
+        return f"`{bad[0]}` is not text"
+    try:  # `align status` and the printed rerun commands read its overrides
+        shlex.split(info.get("resume") or "")
+    except ValueError as exc:
+        return f"`resume` is not a command line ({exc}: {info['resume'][:80]})"
+    return None
 
 
 def read_manifest(stage_dir: str | Path) -> Manifest | None:
@@ -175,10 +182,13 @@ def _shape_problem(m: dict) -> str | None:
         return f"field 'outputs' is {str(outputs)[:60]}, not a list of output names"
     for name, out in (m.get("output_digests") or {}).items():
         files = out.get("files") if isinstance(out, dict) else None
-        if not isinstance(out, dict) or not isinstance(files, (dict, type(None))) or any(
+        if not isinstance(out, dict) or not isinstance(files, (dict, type(None))) or \
+                not isinstance(out.get("stamps"), (dict, type(None))) or \
+                not isinstance(out.get("publication"), (str, type(None))) or any(
                 not (isinstance(f, list) and len(f) == 2 and isinstance(f[0], int) and isinstance(f[1], str))
                 for f in (files or {}).values()):
-            return f"field 'output_digests.{name}' is not an output's digest ({{files: {{path: [size, sha256]}}}})"
+            return (f"field 'output_digests.{name}' is not an output's digest ({{files: {{path: [size, sha256]}}, "
+                    "stamps: {path: [...]}, publication: id})")
     return None
 
 

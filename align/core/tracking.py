@@ -134,6 +134,12 @@ def run_id(stage_dir: Path, resume: bool) -> str:
     return new
 
 
+OFFLINE_MARK = ".wandb_unreachable"
+"""In the run directory: a stage found W&B unreachable online (its error), so stages that start within
+OFFLINE_FOR_S of it log offline at once (a run resumed the next day tries online again)."""
+OFFLINE_FOR_S = 3600.0
+
+
 def _warn(message: str) -> None:
     print(f"[align] warning: {scrub(message)}", file=sys.stderr, flush=True)
 
@@ -163,13 +169,19 @@ class Tracker:
         import wandb  # optional and heavy: only when W&B is on
 
         settings = wandb.Settings(console="off", x_disable_stats=True)
+        # An earlier stage of this run found W&B unreachable online: this one does not wait for it again (wandb's
+        # own timeout is 90 s a stage); the run's later stages log offline too.
+        gone = Path(kwargs["dir"]).parent / OFFLINE_MARK
         try:
+            if mode == "online" and gone.is_file() and time.time() - gone.stat().st_mtime < OFFLINE_FOR_S:
+                raise ConnectionError(f"an earlier stage of this run could not reach it ({gone})")
             return wandb.init(mode=mode, reinit="finish_previous", settings=settings, **kwargs)
         except Exception as exc:  # wandb.Error (a revoked key, no network, a timeout), OSError, ...
             first = f"{type(exc).__name__}: {exc}"
         if mode == "online":
             _warn(f"W&B did not start online ({first}); this stage logs to W&B offline instead (`wandb sync` its "
                   "wandb/ directory later); set WANDB_MODE=offline to skip the attempt on machines without network")
+            atomic_write_text(gone, scrub(first) + "\n")
             try:
                 return wandb.init(mode="offline", reinit="finish_previous", settings=settings, **kwargs)
             except Exception as exc:

@@ -79,6 +79,11 @@ def free_bytes(runs_dir: str | Path) -> int:
     return shutil.disk_usage(path).free
 
 
+def gb(n: float) -> str:
+    """Bytes as GB (1e9) for people: whole GB from 100 up, three significant digits below (0.05 GB is not 0)."""
+    return f"{n / 1e9:,.0f}" if n >= 100e9 else f"{n / 1e9:.3g}"
+
+
 def disk_problem(cfg: PipelineConfig, peak: DiskPeak | None, runs_dir: str | Path) -> str | None:
     """What to say when the run directory's filesystem has less free space than the peak (None: it has enough)."""
     if peak is None:
@@ -89,6 +94,6 @@ def disk_problem(cfg: PipelineConfig, peak: DiskPeak | None, runs_dir: str | Pat
     fixes = ["free space or point runs_dir elsewhere", "lower save_total_limit"]
     if cfg.keep_checkpoints:
         fixes.insert(1, "set keep_checkpoints: false")
-    return (f"the run directory needs ~{peak.bytes / 1e9:,.0f} GB at its peak (during stage '{peak.stage}': "
-            f"checkpoints {peak.checkpoints / 1e9:,.0f} GB, models {peak.models / 1e9:,.0f} GB) but {runs_dir} has "
-            f"{free / 1e9:,.0f} GB free; " + ", ".join(fixes))
+    return (f"the run directory needs ~{gb(peak.bytes)} GB at its peak (during stage '{peak.stage}': "
+            f"checkpoints {gb(peak.checkpoints)} GB, models {gb(peak.models)} GB) but {runs_dir} has "
+            f"{gb(free)} GB free; " + ", ".join(fixes))
