@@ -326,12 +326,7 @@ PARTS = (("trained_states", "trained states"), ("frozen_weights", "frozen weight
 
 def render(estimates: list[StageEstimate], hw: Hardware) -> str:
     cap = hw.gpu_memory
-    origin = " (detected)" if hw.detected else " (--gpu-memory-gb)" if hw.flag else " (declared)"
-    where = (f"{hw.nodes} node(s) x {hw.gpus_per_node or '?'} GPU(s), {cap / GB:.3g} GB each{origin}" if cap else
-             f"{hw.nodes} node(s) x {hw.gpus_per_node} GPU(s) of unknown memory (give --gpu-memory-gb)"
-             if hw.gpus_per_node else "no GPU present or declared")
-    where += f"; {hw.overrides}" if hw.overrides else ""
-    lines = [f"per-GPU memory estimate, GiB ({where}); see align/orchestrator/estimate.py for the formulas", "",
+    lines = [f"per-GPU memory estimate, GiB ({hw.describe()}); see align/orchestrator/estimate.py for the formulas", "",
              "| stage | type | models (parameters) | GPUs | " + " | ".join(REPORTED_MODES) + " | chosen | fits |",
              "|---|---|---|---|" + "---|" * len(REPORTED_MODES) + "---|---|"]
     for e in estimates:

@@ -30,6 +30,14 @@ class Hardware:
     flag: bool = False
     """The memory came from `--gpu-memory-gb`."""
 
+    def describe(self) -> str:
+        """The GPUs compared with and where their memory came from, as the estimate table's header says it."""
+        origin = " (detected)" if self.detected else " (--gpu-memory-gb)" if self.flag else " (declared)"
+        where = (f"{self.nodes} node(s) x {self.gpus_per_node or '?'} GPU(s), {self.gpu_memory / GB:.3g} GB each{origin}"
+                 if self.gpu_memory else f"{self.nodes} node(s) x {self.gpus_per_node} GPU(s) of unknown memory (give "
+                 "--gpu-memory-gb)" if self.gpus_per_node else "no GPU present or declared")
+        return where + (f"; {self.overrides}" if self.overrides else "")
+
 
 def hardware(cfg: PipelineConfig, gpus_per_node: int | None = None, gpu_memory_gb: float | None = None,
              nodes: int | None = None) -> Hardware:
