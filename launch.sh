@@ -156,13 +156,15 @@ if [ "${1:-}" = "--tests" ]; then
   exec python -m pytest "${tier[@]}" "$@"
 fi
 pipeline=pipelines/default.yaml
-if [ $# -gt 0 ] && [ "${1#-}" = "$1" ] && [ "${1#*=}" = "$1" ]; then  # not a flag, not an override: the pipeline
-  case "$1" in
-    *.yaml|*.yml|*.YAML|*.YML) ;;
-    *) echo "launch.sh: error: '$1' is not a pipeline file (*.yaml) or an override (key=value); give the pipeline" \
-            "first, e.g. ./launch.sh pipelines/default.yaml dpo.beta=0.2" >&2; exit 2 ;;
-  esac
-  pipeline=$1; shift
+case "${1:-}" in  # the pipeline, else a flag or an override (key=value) for the default one
+  ""|-*) ;;
+  *=*) # an override (sft.data=cards/x.yaml), unless it names a pipeline file that exists (pipelines/lr=1e-5.yaml)
+    case "$1" in *.yaml|*.yml|*.YAML|*.YML) if [ -f "$CALLER_DIR/$1" ] || [ -f "$1" ]; then pipeline=$1; shift; fi ;; esac ;;
+  *.yaml|*.yml|*.YAML|*.YML) pipeline=$1; shift ;;
+  *) echo "launch.sh: error: '$1' is not a pipeline file (*.yaml) or an override (key=value); give the pipeline" \
+          "first, e.g. ./launch.sh pipelines/default.yaml dpo.beta=0.2" >&2; exit 2 ;;
+esac
+if [ "$pipeline" != pipelines/default.yaml ]; then
   # read from where launch.sh was called (this script runs from its checkout)
   case "$pipeline" in /*) ;; *) if [ -f "$CALLER_DIR/$pipeline" ]; then pipeline="$CALLER_DIR/$pipeline"; fi ;; esac
   if [ "$CALLER_DIR" = "$PWD" ]; then pipeline=${pipeline#"$PWD"/}; fi

@@ -845,7 +845,8 @@ def test_the_gpus_present_win_over_hardware_and_the_table_says_which_values_they
 def test_disk_sizes_below_one_gb_are_not_printed_as_zero():
     from align.orchestrator.disk import gb
 
-    assert [gb(x) for x in (0.0, 4.2e7, 5e8, 3.456e9, 99.4e9, 1234.5e9)] == ["0", "0.042", "0.5", "3.46", "99.4", "1,234"]
+    assert [gb(x) for x in (0.0, 2e4, 4.2e7, 5e8, 3.456e9, 99.4e9, 1234.5e9)] == ["0", "<0.001", "0.042", "0.5", "3.46",
+                                                                                 "99.4", "1,234"]
 
 
 def test_the_run_directorys_disk_peak_by_hand_and_the_warning_when_it_has_less_free(monkeypatch):

@@ -95,7 +95,8 @@ def test_launch_sh_starts_one_process_per_gpu_it_may_use(tmp_path):
 def test_launch_sh_under_a_slurm_step_on_part_of_the_job_names_the_steps_first_node(tmp_path):
     """A 4-node job running a 2-node srun step: the master is the step's first node, not the job's; where scontrol is
     missing (a container), ALIGN_MASTER_ADDR names it, and without it the launcher says so instead of exit 127."""
-    env = {**os.environ, "ALIGN_DRY_RUN": "1", "PATH": f"{tmp_path}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "gpu[01-04]",
+    env = {**os.environ, "ALIGN_DRY_RUN": "1", "PATH": f"{tmp_path}:/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "",
+           "SLURM_JOB_NODELIST": "gpu[01-04]",
            "SLURM_NNODES": "4", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "gpu[03-04]", "SLURM_NODEID": "1"}
     (tmp_path / "scontrol").write_text('#!/bin/sh\n[ "$3" = "gpu[03-04]" ] && printf "gpu03\\ngpu04\\n"\n')
     (tmp_path / "scontrol").chmod(0o755)
@@ -123,6 +124,10 @@ def test_launch_sh_reads_a_pipeline_from_the_callers_directory_and_refuses_what_
                              timeout=60)
         assert out.returncode == 0 and ("dry run" in out.stdout or "pytest" in out.stdout), out.stdout + out.stderr
     assert not (tmp_path / "venv").exists()
+    (tmp_path / "lr=1e-5.yaml").write_text("name: lr\n")  # a pipeline file whose name holds =, and an override
+    out = subprocess.run([str(REPO / "launch.sh"), "lr=1e-5.yaml", "sft.data=cards/x.yaml"], cwd=tmp_path,
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.stdout.split()[:4] == ["align", "run", str(tmp_path / "lr=1e-5.yaml"), "sft.data=cards/x.yaml"]
 
 
 def _worker_env(tmp_path, venv, wait: int) -> dict:

@@ -7,9 +7,11 @@ a stand-in here (no network; the real offline run is tests/test_pipeline_e2e.py)
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import threading
+import time
 import types
 
 import pytest
@@ -69,35 +71,63 @@ def clean_env(monkeypatch):
     print("seed", SEED)
 
 
-def test_a_resumed_attempt_continues_its_wandb_run_and_a_fresh_attempt_starts_its_own(tmp_path, monkeypatch):
+def test_a_resumed_attempt_continues_its_wandb_run_past_its_steps_else_starts_one_holding_metrics_jsonl(tmp_path,
+                                                                                                     monkeypatch):
+    """W&B drops a step at or below the last one a run holds: an attempt resumed from the checkpoint before the kill
+    logs steps again, so it starts a new run that first gets metrics.jsonl's rows; one resumed past every logged step
+    continues the run. A fresh attempt (another config, --force) starts its own."""
+    from align.runtime.context import keep_metrics_until
+
     calls = fake_wandb(monkeypatch)
     first = tracker(tmp_path)
-    first.log({"loss": 1.0}, 1)
-    assert first.finish()["id"] == calls[0]["id"]
-    tracker(tmp_path, resume=True).finish()
-    tracker(tmp_path, resume=False).finish()
-    assert calls[1]["id"] == calls[0]["id"] and calls[1]["resume"] == "allow"  # W&B continues the same run
-    assert calls[2]["id"] != calls[0]["id"]  # another config or --force: a new run
-    assert calls[0]["config"]["api_key"] == "<redacted>"
+    for step in (1, 2, 3):
+        first.log({"loss": 1.0 / step}, step)
+    first_id = first.finish()["id"]  # killed after step 3, its last checkpoint at 3
+    second = tracker(tmp_path, resume=True)
+    second.log({"loss": 0.25}, 4)
+    assert calls[1]["id"] == first_id and calls[1]["resume"] == "allow" and second.run.logged == [(4, {"loss": 0.25})]
+    second.finish()
+    third = tracker(tmp_path, resume=True)  # killed after step 4, its last checkpoint at 2: the stage trims
+    keep_metrics_until(tmp_path / "metrics.jsonl", 2)  # metrics.jsonl after the tracker starts (runtime/trl.py)
+    third.log({"loss": float("nan")}, 3)
+    assert calls[2]["id"] != first_id and calls[2]["config"]["resumed_from"] == first_id and "resume" not in calls[2]
+    assert [s for s, _ in third.run.logged] == [1, 2, 3]  # the new run holds what metrics.jsonl holds
+    assert third.run.logged[0] == (1, {"loss": 1.0}) and third.run.logged[2][1]["loss"] != third.run.logged[2][1]["loss"]
+    assert third.finish()["id"] == calls[2]["id"] and calls[2]["config"]["api_key"] == "<redacted>"
+    fresh = tracker(tmp_path, resume=False)
+    fresh.log({"loss": 1.0}, 1)
+    assert calls[3]["id"] not in (calls[2]["id"], first_id) and "resumed_from" not in calls[3]["config"]
     (tmp_path / "wandb" / "align_run_id").write_text("../../etc\n")  # a damaged record is not an id
-    tracker(tmp_path, resume=True).finish()
-    assert calls[3]["id"] not in (calls[2]["id"], "../../etc") and len(calls[3]["id"]) == 16
+    damaged = tracker(tmp_path, resume=True)
+    damaged.log({"loss": 1.0}, 9)
+    assert calls[4]["id"] != "../../etc" and len(calls[4]["id"]) == 16
 
 
 def test_no_network_logs_offline_and_a_wandb_that_cannot_start_leaves_local_metrics(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WANDB_API_KEY", "k" * 40)  # `auto` with a key: online
     calls = fake_wandb(monkeypatch, fail_modes=("online",))
     t = tracker(tmp_path / "sft", "auto")
+    t.log({"loss": 1.0}, 1)
     assert [c["mode"] for c in calls] == ["online", "offline"] and t.finish()["mode"] == "offline"
     err = capsys.readouterr().err
     assert "W&B did not start online" in err and "WANDB_MODE=offline" in err and SECRET not in err
 
     calls = fake_wandb(monkeypatch)  # the run's next stage does not wait for an unreachable W&B again
-    assert tracker(tmp_path / "dpo", "auto").finish()["mode"] == "offline" and [c["mode"] for c in calls] == ["offline"]
+    mark = tmp_path / ".wandb_unreachable"
+    first_mark = mark.read_text()
+    os.utime(mark, (mark.stat().st_atime - 1800, mark.stat().st_mtime - 1800))  # marked half an hour ago
+    t = tracker(tmp_path / "dpo", "auto")
+    t.summary({"done": 1})
+    assert t.finish()["mode"] == "offline" and [c["mode"] for c in calls] == ["offline"]
     assert "could not reach it" in capsys.readouterr().err
+    assert mark.read_text() == first_mark and time.time() - mark.stat().st_mtime > 1700  # not renewed by a skip
+    os.utime(mark, (0, 0))  # an hour and more ago: the next stage tries online again
+    calls = fake_wandb(monkeypatch)
+    tracker(tmp_path / "reward", "auto").summary({"done": 1})
+    assert [c["mode"] for c in calls] == ["online"]
 
     calls = fake_wandb(monkeypatch, fail_modes=("online", "offline"))
-    t = tracker(tmp_path / "ppo", "auto")
+    t = tracker(tmp_path / "ppo", "auto")  # failing online now re-marks the run
     t.log({"loss": 0.5}, 3)
     assert t.run is None and "no such host" in t.finish()["error"] and SECRET not in t.finish()["error"]
     assert json.loads((tmp_path / "ppo" / "metrics.jsonl").read_text())["loss"] == 0.5
@@ -110,6 +140,7 @@ def test_a_failed_stage_records_its_failure_first_then_ends_its_wandb_run_as_fai
     fake_wandb(monkeypatch, finish_error=ConnectionError("the network went"))
     order = []
     t = tracker(tmp_path)
+    t.log({"loss": 1.0}, 1)
     run = t.run
     run_finish = run.finish
     run.finish = lambda exit_code=None: (order.append(("finish", exit_code)), run_finish(exit_code))
@@ -134,11 +165,9 @@ def test_wandb_mode_in_any_case_and_wandb_disabled_are_read(monkeypatch, env, mo
 
 
 def test_the_environments_wandb_mode_is_handed_to_wandb_as_it_accepts_it(tmp_path, monkeypatch):
-    import os
-
     monkeypatch.setenv("WANDB_MODE", " Offline")
     calls = fake_wandb(monkeypatch)
-    tracker(tmp_path, "auto").finish()
+    tracker(tmp_path, "auto").finish(failed=True)  # a stage that failed before it logged anything still shows
     assert os.environ["WANDB_MODE"] == "offline" and calls[0]["mode"] == "offline"
 
 
@@ -176,11 +205,17 @@ def test_scrub_removes_credentials_written_into_urls():
                   "url": "http://svc.local:8000/v1?token=tok999"})
     assert "hunter2secret" not in text["cmd"] and "abc123" not in text["cmd"] and SECRET not in text["cmd"]
     assert "judge.example.com/v1" in text["cmd"] and "model=m" in text["cmd"] and "tok999" not in text["url"]
+    assert "pa/ss" not in scrub("http://bob:pa/ss@host/v1") and "sig123" not in scrub("s3://b/k?X-Amz-Signature=sig123")
+    kept = ["hf://datasets/org/name@rev", "git+https://github.com/org/pkg@v1.2", "git@github.com:org/repo",
+            "alice@example.com", "max_new_tokens=32"]
+    assert [scrub(x) for x in kept] == kept
 
 
 @pytest.mark.parametrize("url, needles", [
     ("http://alice:hunter2secret@127.0.0.1:9/v1", ["carries credentials in the URL", "http://***@127.0.0.1:9/v1"]),
     ("https://alice:hunter2secret@judge.example.com/v1", ["carries credentials in the URL"]),  # urllib: "nonnumeric port"
+    ("http://alice:hunter2/secret@127.0.0.1:9/v1", ["carries credentials in the URL", "http://***@127.0.0.1:9/v1"]),
+    ("http://alice:hunter2?secret@127.0.0.1/v1", ["carries credentials in the URL"]),
     ("http://127.0.0.1:eighty/v1", ["is not a URL", "http://host:8000/v1"]),
 ])
 def test_a_judge_url_with_credentials_or_a_bad_port_is_refused_without_echoing_them(url, needles, capsys):

@@ -249,9 +249,10 @@ def parse_pipeline(raw: dict[str, Any], source: str) -> PipelineConfig:
     return cfg
 
 
-# Fields that never change a stage's result (logging and checkpoint cadence, the validation tolerance, the launch
-# config: the process count that sets the global batch is `num_processes`): left out of its fingerprint, and a sweep
-# over only these is refused as twins.
+# Fields left out of a stage's fingerprint: logging and checkpoint cadence and the validation tolerance never change
+# its result (a sweep over only these is refused as twins); the launch config (`accelerate`) decides where it runs
+# and, through the process count, its global batch, which a reused stage's skip line names (a sweep over it is
+# allowed: cpu against ddp, or ddp against zero3, are runs worth comparing).
 NON_SEMANTIC = ("logging_steps", "save_steps", "save_every", "sample_every", "accelerate", "max_truncated_fraction")
 
 
@@ -263,15 +264,14 @@ def _add_variants(cfg: PipelineConfig, name: str, body: dict[str, Any], cls: typ
     read: dict[str, str] = {}  # the swept values a variant's stage reads -> the first variant with them
     for v in expand(name, body, cls, f"{source}: stages.{name}"):
         stage = from_dict(cls, v.body, f"{source}: stages.{name}")
-        unread = {**{k: "left out of its fingerprint: it does not change what the stage trains" for k in NON_SEMANTIC},
-                  **stage.unread_settings()}
+        unread = {**{k: "left out of its fingerprint: it does not change what the stage trains" for k in NON_SEMANTIC
+                     if k != "accelerate"}, **stage.unread_settings()}
         used = repr(sorted((k, repr(x)) for k, x in v.values.items() if k not in unread))
         key = next((k for k in v.values if k in unread), None)
         if used in read and key is not None:
             raise ConfigError(f"{source}: stages.{name}.sweep.{key}: variants '{read[used]}' and '{v.name}' differ only "
                               f"in {key}, which the stage does not read ({unread[key]}), so they would train the same "
-                              "stage; sweep a setting it reads, or change the one that leaves it unread" +
-                              ("; to compare process counts, sweep num_processes" if key == "accelerate" else ""))
+                              "stage; sweep a setting it reads, or change the one that leaves it unread")
         read.setdefault(used, v.name)
         _add_stage(cfg, v.name, stage, name, stages_raw, source)
         cfg.variants[v.name] = {"stage": name, "values": v.values}

@@ -15,14 +15,13 @@ def url_problem(base_url: str) -> str | None:
     if not url.lower().startswith(("http://", "https://")):
         return (f"{url_without_credentials(base_url)!r} is not an http(s) URL; give the API's root with its scheme, "
                 f"e.g. base_url: http://{url_without_credentials(url).split('://')[-1]}")
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 (raises ValueError for a port that is not a number)
-    except ValueError as exc:
-        return f"{url_without_credentials(base_url)} is not a URL ({exc}); give the API's root, e.g. http://host:8000/v1"
-    if "@" in parts.netloc:
+    if "@" in url.partition("://")[2]:  # before any parsing (a password may hold / or ?); an API root has no @
         return (f"{url_without_credentials(base_url)} carries credentials in the URL, which would be written to logs "
                 "and manifests; give base_url without them and the key in the variable that key_env names")
+    try:
+        urlsplit(url).port  # noqa: B018 (raises ValueError for a port that is not a number)
+    except ValueError as exc:
+        return f"{base_url} is not a URL ({exc}); give the API's root, e.g. http://host:8000/v1"
     suffix = next((s for s in ("/chat/completions", "/completions", "/models") if url.endswith(s)), None)
     if suffix:
         return (f"{base_url} names an endpoint path; give the API's root (align adds /chat/completions): "
@@ -31,10 +30,9 @@ def url_problem(base_url: str) -> str | None:
 
 
 def url_without_credentials(url: str) -> str:
-    """`url` with any user:password@ before its host shown as ***@."""
+    """`url` with everything up to the last @ after its scheme shown as ***@ (a password may hold / or ?)."""
     scheme, sep, rest = url.partition("://")
-    host, slash, path = rest.partition("/")
-    return f"{scheme}{sep}***@{host.rpartition('@')[2]}{slash}{path}" if sep and "@" in host else url
+    return f"{scheme}{sep}***@{rest.rpartition('@')[2]}" if sep and "@" in rest else url
 
 
 def header_value_problem(variable: str) -> str | None:

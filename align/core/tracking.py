@@ -5,7 +5,8 @@ variant and carries its swept values in its config (`sweep`). Without an API key
 offline mode (no prompt, no network); the run directory lands in `<stage>/wandb/` and can be synced later
 with `wandb sync`. A stage that cannot reach W&B online (no network on a compute node, a revoked key) logs offline
 instead, and one that cannot start W&B at all logs locally only: tracking never fails a training run. A resumed
-stage continues its W&B run (the same id, `resume="allow"`); a failed one ends its W&B run with exit code 1.
+stage continues its W&B run, or starts one holding metrics.jsonl's rows where it logs steps again (Tracker._ensure);
+a failed one ends its W&B run with exit code 1.
 Only the main process logs. Secrets never reach W&B config or files.
 """
 
@@ -33,8 +34,10 @@ _SECRET_KEY = re.compile(r"(api[_-]?key|secret|passw(or)?d|^token$|(^|[_-])(hf|h
 # MY_JUDGE_KEY, ..._TOKEN, ..._SECRET, ..._PASSWORD), such as a pairwise judge's `key_env`.
 _SECRET_ENV_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD)$", re.IGNORECASE)
 # Credentials written into a URL: user:password@ before the host, and a query parameter named like a key.
-_URL_USERINFO = re.compile(r"\b([a-z][a-z0-9+.-]*://)[^/\s@]+@", re.IGNORECASE)
-_QUERY_SECRET = re.compile(r"([?&](?:api[_-]?key|key|token|access[_-]?token|secret|password|sig)=)[^&#\s]+",
+# (user:password@ with a / in the password too; hf://org/name@rev and git+https://host/pkg@v1 are left alone)
+_URL_USERINFO = re.compile(r"\b([a-z][a-z0-9+.-]*://)(?:[^\s/@:]+:[^\s@]+|[^/\s@]+)@", re.IGNORECASE)
+_QUERY_SECRET = re.compile(r"([?&](?:api[_-]?key|key|token|access[_-]?token|secret|password|sig|signature|"
+                           r"x-amz-signature|x-amz-credential|x-amz-security-token|x-goog-signature)=)[^&#\s]+",
                            re.IGNORECASE)
 
 
@@ -116,22 +119,42 @@ def json_ready(value: Any) -> Any:
     return _clean(value)
 
 
-def run_id(stage_dir: Path, resume: bool) -> str:
-    """The W&B run id of this attempt of the stage, kept in `<stage>/wandb/align_run_id`: an attempt that resumes
-    the stage's checkpoints continues its predecessor's W&B run (one run per stage, as metrics.jsonl), a fresh
-    attempt (another config, --force) starts its own."""
-    path = Path(stage_dir) / "wandb" / "align_run_id"
-    if resume:
-        try:
-            old = path.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError):
-            old = ""
-        if re.fullmatch(r"[a-z0-9]{8,64}", old):
-            return old
+def _id_file(stage_dir: Path) -> Path:
+    return Path(stage_dir) / "wandb" / "align_run_id"
+
+
+def previous_run_id(stage_dir: Path) -> str | None:
+    """The W&B run id the stage's last attempt used (`<stage>/wandb/align_run_id`), or None."""
+    try:
+        old = _id_file(stage_dir).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return old if re.fullmatch(r"[a-z0-9]{8,64}", old) else None
+
+
+def new_run_id(stage_dir: Path) -> str:
+    """A fresh W&B run id for this attempt of the stage, recorded for the next attempt."""
     new = secrets.token_hex(8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, new + "\n")
+    _id_file(stage_dir).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(_id_file(stage_dir), new + "\n")
     return new
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's rows (a torn last line of a killed attempt left out)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return []
+    rows = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), (int, float)):
+            rows.append(row)
+    return rows
 
 
 OFFLINE_MARK = ".wandb_unreachable"
@@ -156,14 +179,37 @@ class Tracker:
         self.problem = ""  # why W&B is not logging although it was asked to (recorded in the manifest)
         if not self.main:
             return
-        mode = wandb_mode(wandb_setting)
-        if mode is not None:
+        self.mode = wandb_mode(wandb_setting)
+        self._kwargs: dict[str, Any] | None = None  # the W&B run to start at the first thing logged
+        if self.mode is not None:
             if os.environ.get("WANDB_MODE"):  # wandb reads it too, and refuses "OFFLINE" or " offline"
                 os.environ["WANDB_MODE"] = os.environ["WANDB_MODE"].strip().lower()
             os.environ.setdefault("WANDB_SILENT", "true")
-            kwargs = dict(project=project, entity=entity, group=group, name=name, job_type=job_type,
-                          dir=str(stage_dir), config=scrub(config), id=run_id(stage_dir, resume), resume="allow")
-            self.run = self._start(mode, kwargs)
+            self._kwargs = dict(project=project, entity=entity, group=group, name=name, job_type=job_type,
+                                dir=str(stage_dir), config=scrub(config))
+            self._previous = previous_run_id(stage_dir) if resume else None
+            self._logged = max((r["step"] for r in _rows(self.path)), default=0) if self._previous else 0
+
+    def _ensure(self, step: int | None) -> None:
+        """Start the W&B run at the first thing logged. An attempt that resumes past every step its predecessor
+        logged continues that W&B run. One that logs a step again (resumed from a checkpoint before the kill, or
+        from none) starts a new run, because W&B drops a step at or below the last it holds: the new run first
+        gets metrics.jsonl's rows so far (the resumed ones, trimmed to the checkpoint), so it holds what
+        metrics.jsonl holds, and its config names the run it replaces (`resumed_from`)."""
+        if self._kwargs is None:
+            return
+        kwargs, self._kwargs = self._kwargs, None
+        if self._previous and (step is None or step > self._logged):
+            kwargs.update(id=self._previous, resume="allow")
+            self.run = self._start(self.mode, kwargs)
+            return
+        kwargs["id"] = new_run_id(Path(kwargs["dir"]))
+        if self._previous:
+            kwargs["config"] = {**kwargs["config"], "resumed_from": self._previous}
+        self.run = self._start(self.mode, kwargs)
+        for row in _rows(self.path) if self.run is not None and self._previous else ():
+            if step is None or row["step"] < step:
+                self.run.log(_wandb_row(row), step=int(row["step"]))
 
     def _start(self, mode: str, kwargs: dict[str, Any]):
         import wandb  # optional and heavy: only when W&B is on
@@ -172,8 +218,9 @@ class Tracker:
         # An earlier stage of this run found W&B unreachable online: this one does not wait for it again (wandb's
         # own timeout is 90 s a stage); the run's later stages log offline too.
         gone = Path(kwargs["dir"]).parent / OFFLINE_MARK
+        marked = mode == "online" and gone.is_file() and time.time() - gone.stat().st_mtime < OFFLINE_FOR_S
         try:
-            if mode == "online" and gone.is_file() and time.time() - gone.stat().st_mtime < OFFLINE_FOR_S:
+            if marked:
                 raise ConnectionError(f"an earlier stage of this run could not reach it ({gone})")
             return wandb.init(mode=mode, reinit="finish_previous", settings=settings, **kwargs)
         except Exception as exc:  # wandb.Error (a revoked key, no network, a timeout), OSError, ...
@@ -181,7 +228,8 @@ class Tracker:
         if mode == "online":
             _warn(f"W&B did not start online ({first}); this stage logs to W&B offline instead (`wandb sync` its "
                   "wandb/ directory later); set WANDB_MODE=offline to skip the attempt on machines without network")
-            atomic_write_text(gone, scrub(first) + "\n")
+            if not marked:  # only a real attempt marks (or re-marks) the run: the mark expires OFFLINE_FOR_S after it
+                atomic_write_text(gone, scrub(first) + "\n")
             try:
                 return wandb.init(mode="offline", reinit="finish_previous", settings=settings, **kwargs)
             except Exception as exc:
@@ -194,15 +242,17 @@ class Tracker:
         if not self.main or not metrics:
             return
         row = {"step": int(step), "time": round(time.time(), 3), **{k: _clean(v) for k, v in metrics.items()}}
+        self._ensure(int(step))
         with open(self.path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(row) + "\n")
         if self.run is not None:
-            self.run.log({k: v for k, v in row.items() if k not in ("step", "time")}, step=int(step))
+            self.run.log(_wandb_row(row), step=int(step))
 
     def table(self, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
         """A table of samples: to W&B as a wandb.Table, locally as `<name>.jsonl` beside metrics.jsonl."""
         if not self.main:
             return
+        self._ensure(int(step))
         with open(self.path.parent / table_file(name), "a", encoding="utf-8") as fh:
             for r in rows:
                 fh.write(json.dumps(json_ready({"step": step, **dict(zip(columns, r))})) + "\n")
@@ -213,12 +263,16 @@ class Tracker:
 
     def images(self, paths: dict[str, Path], step: int) -> None:
         """PNG files (already on disk) as W&B images."""
+        if self.main and paths:
+            self._ensure(int(step))
         if self.run is not None and paths:
             import wandb  # optional and heavy: only when W&B is on
 
             self.run.log({k: wandb.Image(str(v)) for k, v in paths.items() if Path(v).is_file()}, step=int(step))
 
     def summary(self, values: dict[str, Any]) -> None:
+        if self.main:
+            self._ensure(None)
         if self.run is not None:
             for k, v in values.items():
                 self.run.summary[k] = _clean(v)
@@ -232,7 +286,10 @@ class Tracker:
 
     def finish(self, failed: bool = False) -> dict[str, Any]:
         """Close the W&B run (exit code 1 when the stage failed: W&B shows it failed, not finished); return info().
-        A W&B that cannot close (the network went) is a warning: the stage's own result stands."""
+        A W&B that cannot close (the network went) is a warning: the stage's own result stands. A stage that failed
+        before it logged anything still shows in W&B, as failed."""
+        if failed and self.main:
+            self._ensure(None)
         info = self.info()
         run, self.run = self.run, None
         if run is not None:
@@ -245,6 +302,11 @@ class Tracker:
 
 # The tables stages write (Tracker.table): a stage's fresh attempt sets their files aside with metrics.jsonl's.
 TABLES = ("samples", "report/headline")
+
+
+def _wandb_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A metrics.jsonl row as W&B takes it: without step and time (W&B has its own), "nan" / "inf" as numbers."""
+    return {k: float(v) if v in ("nan", "inf", "-inf") else v for k, v in row.items() if k not in ("step", "time")}
 
 
 def table_file(name: str) -> str:

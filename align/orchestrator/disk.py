@@ -81,7 +81,7 @@ def free_bytes(runs_dir: str | Path) -> int:
 
 def gb(n: float) -> str:
     """Bytes as GB (1e9) for people: whole GB from 100 up, three significant digits below (0.05 GB is not 0)."""
-    return f"{n / 1e9:,.0f}" if n >= 100e9 else f"{n / 1e9:.3g}"
+    return f"{n / 1e9:,.0f}" if n >= 100e9 else f"{n / 1e9:.3g}" if n >= 1e6 or not n else "<0.001"
 
 
 def disk_problem(cfg: PipelineConfig, peak: DiskPeak | None, runs_dir: str | Path) -> str | None:
