@@ -12,6 +12,7 @@ from collections import namedtuple
 from pathlib import Path
 
 import pytest
+import torch
 
 from align.engines import EngineError
 from align.engines import vllm as vllm_engine
@@ -591,3 +592,55 @@ def test_the_hf_engine_lets_go_of_the_policy_it_samples_from(tmp_path):
     engine.sync_weights(None)
     gc.collect()
     assert held() is None
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie no init reaps, as in a container, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def test_a_killed_engine_takes_its_worker_processes_with_it(tmp_path):
+    """With tensor_parallel_size > 1 vLLM's workers are children of the engine's server, in its process group: killing
+    the server alone (an engine past its deadline) left them holding their share of the GPUs, since vLLM's own
+    shutdown, which stops them, never runs after a SIGKILL. The engine is killed as a group."""
+    pidfile = tmp_path / "worker.pid"
+    script = ("import subprocess, sys, time\n"
+              "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+              f"open({str(pidfile)!r}, 'w').write(str(w.pid)); time.sleep(300)")
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)  # as VLLMEngine starts it
+    try:
+        deadline = time.monotonic() + 60
+        while not (pidfile.is_file() and pidfile.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        worker = int(pidfile.read_text())
+        assert _alive(worker)
+        vllm_engine.kill_group(proc)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(worker)
+        vllm_engine.kill_group(proc)  # an engine already gone: nothing to do, no error (its group id may be reused)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_broadcast_between_two_torch_versions_goes_through_dev_shm_and_says_why():
+    """weight_sync: broadcast joins the trainer and the engine's own venv in one NCCL group: two torch minor versions
+    bring two NCCL libraries, which refuse to mix (the sync hung until its deadline). It goes through /dev/shm, as
+    CUDA IPC already did across torch versions."""
+    from align.engines.buckets import sync_transport
+
+    separate = torch.device("cuda", 3)  # the trainer's GPU, not one of the engine's (0, 1): a broadcast
+    assert sync_transport(separate, (0, 1), "broadcast", "2.13.0+cu128", "2.13.1", None) == ("broadcast", None)
+    kind, why = sync_transport(separate, (0, 1), "broadcast", "2.13.0+cu128", "2.11.0", None)
+    assert kind == "shared_memory" and "engine's torch (2.11.0)" in why and "NCCL" in why
+    assert sync_transport(torch.device("cpu"), (), "broadcast", "2.13.0", "2.11.0", None) == ("broadcast", None)  # gloo
+    assert sync_transport(torch.device("cuda", 0), (0,), "shared", "2.13.0", "2.13.0", "no IPC") == ("shared_memory",
+                                                                                                     "no IPC")

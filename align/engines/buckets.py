@@ -28,14 +28,34 @@ def bucket_kind(device: torch.device, engine_devices: tuple[int, ...], setting: 
     return "shared_memory"
 
 
+def same_minor(trainer_torch: str, engine_torch: str | None) -> bool:
+    """Whether two torch versions are one minor release (2.13.0+cu128 and 2.13.1: yes; the engine's unknown: no)."""
+    def minor(version: str) -> str:
+        return ".".join(version.split("+")[0].split(".")[:2])
+
+    return engine_torch is not None and minor(engine_torch) == minor(trainer_torch)
+
+
+def sync_transport(device: torch.device, engine_devices: tuple[int, ...], setting: str, trainer_torch: str,
+                   engine_torch: str | None, ipc_problem: str | None) -> tuple[str, str | None]:
+    """bucket_kind, then /dev/shm ("shared_memory") where the GPU transport cannot work here, with why (None when
+    it can): CUDA IPC under `ipc_problem` (torch versions, the allocator, a failed handle), and a broadcast over NCCL
+    between two torch versions (each wheel brings its own NCCL, which refuses to mix ranks: the broadcast would hang
+    until the sync's deadline)."""
+    kind = bucket_kind(device, engine_devices, setting)
+    if kind == "cuda_ipc" and ipc_problem:
+        return "shared_memory", ipc_problem
+    if kind == "broadcast" and device.type == "cuda" and not same_minor(trainer_torch, engine_torch):
+        return "shared_memory", (f"weight_sync: broadcast needs the engine's torch ({engine_torch}) to be the "
+                                 f"trainer's ({trainer_torch}): their NCCL libraries differ")
+    return kind, None
+
+
 def cuda_ipc_problem(trainer_torch: str, engine_torch: str | None, alloc_conf: str) -> str | None:
     """Why the engine could not open a CUDA IPC handle of this trainer's (None: it can): torch's handle format changes
     between minor versions (2.13 writes a version byte older ones refuse), and with the allocator's expandable segments
     the handle needs pidfd_getfd, which containers often forbid (pytorch#165685). The sync then goes through /dev/shm."""
-    def minor(version: str) -> str:
-        return ".".join(version.split("+")[0].split(".")[:2])
-
-    if engine_torch is None or minor(engine_torch) != minor(trainer_torch):
+    if not same_minor(trainer_torch, engine_torch):
         return f"the engine's torch {engine_torch} is not the trainer's {trainer_torch} (CUDA IPC handles differ)"
     if "expandable_segments:true" in alloc_conf.replace(" ", "").lower():
         return "the trainer's CUDA allocator uses expandable segments (their IPC handles need pidfd_getfd)"

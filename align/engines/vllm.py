@@ -31,11 +31,11 @@ import torch
 
 from align.engines import EngineError, node_bucket
 from align.engines.placement import node_placement
-from align.engines.vllm_client import EngineClient
+from align.engines.vllm_client import EngineClient, kill_group
 from align.engines.vllm_env import (VLLM_INSTALL, engine_environment, keeps_weights, shm_dir, shm_problem,
                                     sync_space_problem, vllm_python)
-from align.engines.buckets import (BroadcastBucket, Bucket, CudaBucket, SharedBucket, bucket_kind, chunk_messages,
-                                   cuda_ipc_problem)
+from align.engines.buckets import (BroadcastBucket, Bucket, CudaBucket, SharedBucket, chunk_messages, cuda_ipc_problem,
+                                   sync_transport)
 from align.engines.weight_sync import (HostTensors, adapter_state, engine_entries, finish_gathers, partitioned,
                                        policy_state_for_engine)
 
@@ -307,10 +307,13 @@ class VLLMEngine(EngineClient):
                    if self.last_sync else {})}
 
     def _transport(self, device: torch.device) -> str:
-        """cuda_ipc or shared_memory for weights on `device` (buckets.bucket_kind), /dev/shm where CUDA IPC
-        cannot work here (`ipc_problem`: torch versions, the allocator, a failed handle)."""
-        kind = bucket_kind(device, self.devices, self.weight_sync)
-        return "shared_memory" if kind == "cuda_ipc" and self.ipc_problem else kind
+        """The sync's transport for weights on `device`: buckets.sync_transport (said once when not the asked one)."""
+        kind, problem = sync_transport(device, self.devices, self.weight_sync, torch.__version__, self.engine_torch,
+                                       self.ipc_problem)
+        if problem and not self.ipc_problem:
+            self.ipc_problem = problem
+            print(f"vLLM weight sync: {problem}; syncing through /dev/shm", flush=True)
+        return kind
 
     def _bucket_plan(self) -> dict:
         """The bucket a sync will use (for the manifest, before the first sync): the trainer's current device."""
@@ -328,7 +331,7 @@ class VLLMEngine(EngineClient):
         a busy engine would not read the request)."""
         node_bucket.forget()  # every process's engines close at the same point (process 0's holds the node's bucket)
         if kill and self.proc.poll() is None:
-            self.proc.kill()
+            kill_group(self.proc)
             self.proc.wait(timeout=60)
         clean = False  # the engine acknowledged the close: its log (when in the sync directory) goes with it
         if self.conn is not None:
@@ -345,7 +348,7 @@ class VLLMEngine(EngineClient):
             try:
                 self.proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                kill_group(self.proc)
                 self.proc.wait()
         self._log.close()
         if self._bucket is not None:
@@ -360,16 +363,10 @@ class VLLMEngine(EngineClient):
             with contextlib.suppress(OSError):
                 os.rmdir(self._dir)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
     def __del__(self):
         try:
-            if getattr(self, "proc", None) is not None and self.proc.poll() is None:
-                self.proc.kill()
+            if getattr(self, "proc", None) is not None:
+                kill_group(self.proc)
         except Exception:
             pass
 

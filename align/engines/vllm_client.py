@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import time
 import weakref
@@ -24,6 +25,18 @@ from align.engines.vllm_env import shm_dir
 from align.engines.weight_sync import join_gathers
 from align.modeling.generation import Rollout, finish_rollout, tokenize_prompts
 
+
+
+def kill_group(proc) -> None:
+    """SIGKILL an engine's server and every process of its group (it starts in a session of its own: with
+    tensor_parallel_size > 1 its vLLM workers are there, and vLLM's own shutdown, which stops them, never runs after
+    a SIGKILL). Only while the server lives, so that its group id cannot be another's."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
 
 class EngineClient:
     """The requests every user of an engine process makes. Subclasses set tokenizer, timeout_s, clients (processes the
@@ -260,6 +273,12 @@ class SharedClient(EngineClient):
         """base.release, as the starter's engine does it (group.py): the next sync of any model joins every weight's
         gathers."""
         self._synced = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def close(self, kill: bool = False) -> None:
         node_bucket.forget()  # as VLLMEngine.close: at the same point on every process
