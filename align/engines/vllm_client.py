@@ -47,6 +47,12 @@ class EngineClient:
     holds_own_weights = True
 
     # -- transport -----------------------------------------------------------------------------------------------
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     def _tail(self) -> str:
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()
@@ -273,12 +279,6 @@ class SharedClient(EngineClient):
         """base.release, as the starter's engine does it (group.py): the next sync of any model joins every weight's
         gathers."""
         self._synced = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def close(self, kill: bool = False) -> None:
         node_bucket.forget()  # as VLLMEngine.close: at the same point on every process
