@@ -76,7 +76,7 @@ def test_a_resumed_attempt_continues_its_wandb_run_past_its_steps_else_starts_on
     """W&B drops a step at or below the last one a run holds: an attempt resumed from the checkpoint before the kill
     logs steps again, so it starts a new run that first gets metrics.jsonl's rows; one resumed past every logged step
     continues the run. A fresh attempt (another config, --force) starts its own."""
-    from align.runtime.context import keep_metrics_until
+    from align.core.tracking import keep_metrics_until
 
     calls = fake_wandb(monkeypatch)
     first = tracker(tmp_path)

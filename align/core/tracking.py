@@ -140,21 +140,34 @@ def new_run_id(stage_dir: Path) -> str:
     return new
 
 
-def _rows(path: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl's rows (a torn last line of a killed attempt left out)."""
+def _step_row(line: str) -> tuple[float, dict[str, Any]]:
+    """A metrics.jsonl line's (step, row): step 0 for a row that names none; (inf, {}) for a torn line (a killed
+    attempt's last) or one that is not a row."""
+    try:
+        row = json.loads(line)
+        return float(row.get("step", 0)), row
+    except (ValueError, AttributeError, TypeError):
+        return float("inf"), {}
+
+
+def _rows(path: Path) -> list[tuple[float, dict[str, Any]]]:
+    """metrics.jsonl's (step, row) pairs, a torn line left out."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError):
         return []
-    rows = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), (int, float)):
-            rows.append(row)
-    return rows
+    return [(step, row) for step, row in map(_step_row, lines) if math.isfinite(step)]
+
+
+def keep_metrics_until(path: Path, step: int) -> None:
+    """Drop metrics rows (or a table's) after `step`, and a torn line, atomically: a resumed stage never logs a step
+    twice."""
+    if not path.is_file():
+        return
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    kept = [line for line in lines if _step_row(line)[0] <= step]
+    if len(kept) != len(lines):
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 
 OFFLINE_MARK = ".wandb_unreachable"
@@ -177,10 +190,10 @@ class Tracker:
         self.path = Path(stage_dir) / "metrics.jsonl"
         self.run = None
         self.problem = ""  # why W&B is not logging although it was asked to (recorded in the manifest)
+        self._kwargs: dict[str, Any] | None = None  # the W&B run to start at the first thing logged (main process)
         if not self.main:
             return
         self.mode = wandb_mode(wandb_setting)
-        self._kwargs: dict[str, Any] | None = None  # the W&B run to start at the first thing logged
         if self.mode is not None:
             if os.environ.get("WANDB_MODE"):  # wandb reads it too, and refuses "OFFLINE" or " offline"
                 os.environ["WANDB_MODE"] = os.environ["WANDB_MODE"].strip().lower()
@@ -188,7 +201,7 @@ class Tracker:
             self._kwargs = dict(project=project, entity=entity, group=group, name=name, job_type=job_type,
                                 dir=str(stage_dir), config=scrub(config))
             self._previous = previous_run_id(stage_dir) if resume else None
-            self._logged = max((r["step"] for r in _rows(self.path)), default=0) if self._previous else 0
+            self._logged = max((step for step, _ in _rows(self.path)), default=0) if self._previous else 0
 
     def _ensure(self, step: int | None) -> None:
         """Start the W&B run at the first thing logged. An attempt that resumes past every step its predecessor
@@ -207,9 +220,9 @@ class Tracker:
         if self._previous:
             kwargs["config"] = {**kwargs["config"], "resumed_from": self._previous}
         self.run = self._start(self.mode, kwargs)
-        for row in _rows(self.path) if self.run is not None and self._previous else ():
-            if step is None or row["step"] < step:
-                self.run.log(_wandb_row(row), step=int(row["step"]))
+        for at, row in _rows(self.path) if self.run is not None and self._previous else ():
+            if step is None or at < step:
+                self.run.log(_wandb_row(row), step=int(at))
 
     def _start(self, mode: str, kwargs: dict[str, Any]):
         import wandb  # optional and heavy: only when W&B is on

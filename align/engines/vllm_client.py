@@ -26,7 +26,6 @@ from align.engines.weight_sync import join_gathers
 from align.modeling.generation import Rollout, finish_rollout, tokenize_prompts
 
 
-
 def kill_group(proc) -> None:
     """SIGKILL an engine's server and every process of its group (it starts in a session of its own: with
     tensor_parallel_size > 1 its vLLM workers are there, and vLLM's own shutdown, which stops them, never runs after
@@ -37,6 +36,7 @@ def kill_group(proc) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         proc.kill()
+
 
 class EngineClient:
     """The requests every user of an engine process makes. Subclasses set tokenizer, timeout_s, clients (processes the

@@ -368,23 +368,6 @@ def package_versions() -> dict[str, str]:
     return out
 
 
-def keep_metrics_until(path: Path, step: int) -> None:
-    """Drop metrics rows after `step` (atomically), so a resumed stage never logs a step twice."""
-    if not path.is_file():
-        return
-    lines = path.read_text(encoding="utf-8").splitlines()
-    kept = [line for line in lines if line.strip() and _step(line) <= step]
-    if len(kept) != len([line for line in lines if line.strip()]):
-        atomic_write_text(path, "".join(line + "\n" for line in kept))
-
-
-def _step(line: str) -> float:
-    try:
-        return float(json.loads(line).get("step", 0))
-    except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
-        return float("inf")  # a torn last line of a killed attempt
-
-
 # --------------------------------------------------------------------------------------------- start-up
 def startup_done() -> None:
     """End the stage process's start-up window: the cyclic garbage collector, off since main() began, is turned

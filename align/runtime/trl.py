@@ -14,7 +14,8 @@ from align.config.settings import warmup_steps
 from align.core import faults
 from align.core.console import verbose
 from align.data.lengths import enforce
-from align.runtime.context import NonFiniteLossError, StageContext, StageError, keep_metrics_until, startup_done
+from align.core.tracking import keep_metrics_until
+from align.runtime.context import NonFiniteLossError, StageContext, StageError, startup_done
 from align.runtime.zero_buffers import in_use, widest, width_sized
 
 # TRL's plural reward metrics under align's singular names (docs/ARCHITECTURE.md, "Metric names").

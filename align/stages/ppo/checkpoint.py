@@ -12,8 +12,8 @@ import json
 import shutil
 from typing import Any
 
-from align.core.tracking import table_file
-from align.runtime.context import StageContext, keep_metrics_until
+from align.core.tracking import keep_metrics_until, table_file
+from align.runtime.context import StageContext
 
 
 def _trainable(model) -> set[str]:
