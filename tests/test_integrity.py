@@ -60,6 +60,27 @@ def test_truncated_missing_and_added_files_are_named(tmp_path):
     assert output_problem(out, recorded) == f"{out} is missing"
 
 
+def test_a_file_rewritten_at_its_size_with_its_mtime_put_back_is_found_in_the_same_process(tmp_path, monkeypatch):
+    """The process that published an output remembered its digest by path, size and mtime: the same bytes' count
+    rewritten in place with the mtime set back (`touch -r`, a restore that keeps times) was reported intact by that
+    process, and its new stamp recorded as verified, so every later `align run` and `status` trusted it too."""
+    import os
+
+    monkeypatch.setenv("ALIGN_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "model"
+    out.mkdir()
+    weights = out / "w.bin"
+    weights.write_bytes(b"A" * 4096)
+    recorded = output_digest(out)  # this process hashed w.bin
+    st = os.stat(weights)
+    with open(weights, "r+b") as fh:
+        fh.write(b"B" * 4096)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert f"{weights} changed after it was published" in output_problem(out, recorded)
+    assert f"{weights} changed after it was published" in output_problem(out, recorded, full=True)
+    assert f"{weights} changed after it was published" in output_problem(out, recorded)  # nothing vouched for it
+
+
 ARGS = ["pipelines/default.yaml", "--run-id", "integrity", "tracking.wandb=disabled", *TINY, "sft.max_steps=5",
         "sft.save_steps=5", "preferences.max_prompts=32", "reward.max_steps=2", "reward.save_steps=2"]
 

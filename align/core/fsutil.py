@@ -20,7 +20,7 @@ from typing import Any
 from align.core.faults import oserror
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -43,7 +43,7 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     except BaseException:
         _remove(tmp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _remove(path: Path) -> None:
@@ -68,7 +68,7 @@ def fsync_tree(root: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(Path(dirpath))
+        fsync_dir(Path(dirpath))
 
 
 def _umask() -> int:
@@ -142,12 +142,12 @@ def publish_dir(tmp: str | Path, final: str | Path) -> None:
             os.replace(old, final)  # put the previous output back
         _remove(tmp)
         raise
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if old.exists():
         shutil.rmtree(old)
 
 
-_HASHED: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256, within one process
+_HASHED: dict[tuple, str] = {}  # (path, *file_stamp) -> sha256, within one process
 
 
 def tree_bytes(root: str | Path) -> int:
@@ -183,10 +183,11 @@ def size_text(n: float) -> str:
 
 
 def file_sha256(path: str | Path) -> str:
-    """sha256 of a whole file, read in 4 MiB blocks; remembered for this process while the file's size and mtime
-    stay the same (one `align run` verifies an input once however many stages consume it)."""
-    st = os.stat(path)
-    key = (str(path), st.st_size, st.st_mtime_ns)
+    """sha256 of a whole file, read in 4 MiB blocks; remembered for this process while its `file_stamp` stays the
+    same (one `align run` verifies an input once however many stages consume it). Not by size and mtime alone: a
+    file rewritten in place at its size with its mtime put back (`touch -r`) kept its old digest, which the verified
+    cache then recorded under its new stamp."""
+    key = (str(path), *file_stamp(path))
     if key not in _HASHED:
         h = hashlib.sha256()
         with open(path, "rb") as fh:
