@@ -19,15 +19,19 @@ gives, per stage, tokens/s in all and per GPU, seconds per optimiser step (PPO: 
 the GPUs used, as NeMo-RL reports RL throughput; PPO's iteration split (generation / scoring and update / weight
 sync) beside it.
 
-How the figures are computed (N = parameters of the model(s) involved; attention FLOPs are left out, so MFU is
-a slight underestimate):
-  tokens/s  training stages: non-padding tokens trained (TRL's count) / training time; preferences and evaluate:
-            response tokens sampled / sampling time; PPO: response tokens / iteration time.
-  MFU       FLOPs / time / the GPU's dense bf16 peak (spec sheet: H100/H200 989 TFLOP/s). FLOPs: SFT and reward
-            6N per trained token; DPO 8N (policy forward and backward, reference forward); preferences and
-            evaluate 2N per sampled token (decoding only); PPO per iteration 2N_policy per sampled token +
-            2(N_policy + N_reference + N_value + N_reward) per sequence token (scoring pass) + 6(N_policy + N_value)
-            per sequence token and PPO epoch; the first PPO iteration is a warm-up and not counted.
+How the figures are computed (N = the parameters a token is multiplied by: the input embedding left out unless the
+LM head is tied to it, a scalar model's never counted; attention FLOPs are left out, so MFU is a slight underestimate):
+  tokens/s  training stages: non-padding tokens trained (TRL's count) / the optimiser steps' time, taken as the mean
+            step after the first times the steps (`perf/step_seconds`: checkpoint saves, evaluations and the first
+            step's kernel compilation are not in it; the stage's whole time is the table's "stage s"); preferences
+            and evaluate: response tokens sampled / sampling time; PPO: response tokens / iteration time, the first
+            (warm-up) iteration left out.
+  MFU       FLOPs / time / the GPU's dense bf16 peak (spec sheet: H100/H200 SXM 989 TFLOP/s, NVL 836, H100 PCIe 756).
+            FLOPs: SFT and reward 6N per trained token; DPO 8N (policy forward and backward, reference forward);
+            preferences and evaluate 2N per sampled token (decoding only); PPO per iteration 2N_policy per sampled
+            token + 2(N_policy + N_reference + N_value + N_reward) per sequence token (scoring pass) +
+            6(N_policy + N_value) per sequence token and PPO epoch, over the iteration less its held-out KL pass;
+            the first PPO iteration is a warm-up and not counted.
   memory    torch.cuda.max_memory_allocated over the stage (all processes), next to `align estimate`'s figure for
             the stage's chosen mode without its fixed 1 GiB CUDA-context allowance.
 """
@@ -45,8 +49,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "pipelines" / "model_configs" / "pythia-160m" / "config.json"
-# Dense bf16 tensor-core peaks from the vendors' spec sheets (TFLOP/s, SXM parts).
-PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 125.0, "L4": 121.0}
+# Dense bf16 tensor-core peaks from the vendors' spec sheets (TFLOP/s): SXM parts by their plain names, the PCIe and
+# NVL cards by theirs (the longest name a device's contains wins: "NVIDIA H200 NVL" is not an SXM H200).
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H100 PCIe": 756.0, "H100 NVL": 835.5, "H200": 989.4, "H200 NVL": 835.5,
+                    "A100": 312.0, "L40S": 362.1, "A10G": 125.0, "L4": 121.0}
 STAGES = ("sft", "preferences", "reward", "ppo", "dpo", "evaluate")
 
 GPU_SIZES = {"shrink": {}, "sft_steps": 400, "sft_batch": 64, "max_length": 128, "pair_length": 128, "prompts": 2048, "samples": 4,
@@ -61,6 +67,12 @@ CPU_SIZES = {"shrink": {"hidden_size": 64, "num_hidden_layers": 2, "num_attentio
              "sft_steps": 12, "sft_batch": 8, "max_length": 64, "pair_length": 64, "prompts": 48, "samples": 2, "new_tokens": 8,
              "gen_batch": 32, "rm_epochs": 1, "ppo_iterations": 3, "rollout": 8, "mini": 4, "dpo_epochs": 1,
              "pair_batch": 8, "eval_prompts": 16, "ab_prompts": 16}
+
+
+def peak_tflops(device: str) -> float | None:
+    """The dense bf16 peak of the GPU named `device` (torch.cuda.get_device_name), by the longest name it contains."""
+    names = [k for k in PEAK_BF16_TFLOPS if k in device]
+    return PEAK_BF16_TFLOPS[max(names, key=len)] if names else None
 
 
 def build_base(out: Path, shrink: dict[str, int], seed: int, config_dir: Path | None = None) -> Path:
@@ -97,19 +109,24 @@ def build_base(out: Path, shrink: dict[str, int], seed: int, config_dir: Path | 
     return base
 
 
-def pipeline_yaml(out: Path, base: Path, s: dict, precision: str = "auto", attn: str = "auto") -> Path:
+def pipeline_yaml(out: Path, base: Path, s: dict, precision: str = "auto", attn: str = "auto",
+                  packed: bool = False) -> Path:
+    """The benchmark pipeline. Checkpoints are not kept once a stage completes (at 1B each is ~13 GB); SFT takes as
+    many examples as its steps' rows need, all of them when packed (a row of 2,048 tokens holds ~80 reviews)."""
     card = REPO / "data_cards" / "movie_review_snippets.yaml"
     gen = f"{{max_new_tokens: {s['new_tokens']}, batch_size: {s['gen_batch']}}}"
+    cap = "" if packed else f"max_train_examples: {s['sft_steps'] * s['sft_batch']},"
     text = f"""name: gpu-benchmark
 base_model: {base}
 precision: {precision}
 attn_implementation: {attn}
 runs_dir: {out / 'runs'}
 tracking: {{wandb: disabled}}
+keep_checkpoints: false
 seed: 5
 stages:
   sft: {{data: {card}, max_steps: {s['sft_steps']}, per_device_batch_size: {s['sft_batch']}, learning_rate: 6.0e-4,
-        max_train_examples: {s['sft_steps'] * s['sft_batch']},
+        {cap}
         max_length: {s['max_length']}, logging_steps: {s['sft_steps'] // 4}, save_steps: {s['sft_steps']},
         eval_max_examples: 64}}
   preferences: {{policy: sft, prompts: {card}, max_prompts: {s['prompts']}, samples_per_prompt: {s['samples']},
@@ -199,7 +216,7 @@ def stage_rows(run_dir: Path, pipeline: Path, peak_flops: float | None, failed: 
 
     cfg = load_pipeline(pipeline)
     shapes = model_shapes(cfg, pipeline)
-    n_lm, n_rm = shapes["lm"].params, shapes["scalar"].params
+    n_lm, n_rm = matmul_params(shapes["lm"], tied(cfg.base_model)), matmul_params(shapes["scalar"], False)
     estimates = {e.name: e for e in estimate_pipeline(cfg, pipeline, hardware(cfg))}
     rows = []
     for name in STAGES:
@@ -214,26 +231,26 @@ def stage_rows(run_dir: Path, pipeline: Path, peak_flops: float | None, failed: 
                "peak_gb": m.get("perf/peak_memory_gb"), "padding_fraction": m.get("perf/padding_fraction"),
                "padding_fraction_unpacked": m.get("perf/padding_fraction_unpacked"),
                "estimate_gb": (estimates[name].chosen_bytes - OVERHEAD_BYTES) / 1e9, "flops_per_s": None,
-               "step_seconds": (m["perf/train_seconds"] / m["train/global_step"]
-                                if m.get("train/global_step") and m.get("perf/train_seconds") else None)}
+               "step_seconds": None}
         if name in ("sft", "reward", "dpo"):
-            per_token = {"sft": 6 * n_lm, "reward": 6 * n_rm, "dpo": 8 * n_lm}[name]
-            if m.get("perf/train_tokens"):
-                row["flops_per_s"] = per_token * m["perf/train_tokens"] / m["perf/train_seconds"]
+            row.update(training_rates(m, {"sft": 6 * n_lm, "reward": 6 * n_rm, "dpo": 8 * n_lm}[name]))
         elif name in ("preferences", "evaluate"):
             row["flops_per_s"] = 2 * n_lm * m["perf/generated_tokens"] / m["perf/generation_seconds"]
         else:
             its = [json.loads(x) for x in (run_dir / name / "metrics.jsonl").read_text().splitlines() if x.strip()]
             its = [r for r in its if "perf/episodes_per_s" in r][1:]  # the first iteration is a warm-up
             stage_cfg = cfg.stages[name]
-            flops = secs = 0.0
+            flops = secs = counted = tokens = 0.0
             for r in its:
                 t = stage_cfg.rollout_batch_size * gpus / r["perf/episodes_per_s"]  # the iteration's seconds
                 seq = r["perf/sequence_tokens"]
                 flops += (2 * n_lm * r["perf/tokens_per_s"] * t + 2 * (2 * n_lm + 2 * n_rm) * seq
                           + 6 * (n_lm + n_rm) * seq * stage_cfg.ppo_epochs)
                 secs += t
-            row["flops_per_s"] = flops / secs if secs else None
+                counted += t - r.get("perf/heldout_seconds", 0.0)  # the held-out KL's FLOPs are not counted above
+                tokens += r["perf/tokens_per_s"] * t
+            row["flops_per_s"] = flops / counted if counted else None
+            row["tokens_per_s"] = tokens / secs if secs else row["tokens_per_s"]  # the warm-up iteration left out
             row["generation_share"] = m.get("perf/generation_fraction")
             # NeMo-RL's split of an iteration, seconds per process (the stage's averages over iterations)
             row["split"] = {p: m.get(f"perf/{p}_seconds") for p in ("generation", "scoring", "training",
@@ -245,6 +262,36 @@ def stage_rows(run_dir: Path, pipeline: Path, peak_flops: float | None, failed: 
         row["mfu"] = row["flops_per_s"] / (peak_flops * gpus) if peak_flops and row["flops_per_s"] else None
         rows.append(row)
     return rows
+
+
+def training_rates(m: dict, flops_per_token: float) -> dict:
+    """A training stage's rates from its final metrics: over its optimiser steps after the first (perf/step_seconds,
+    align/runtime/trl.py: no checkpoint save, evaluation or first-step compilation in it) where it was timed, else over
+    the trainer's whole runtime (perf/train_seconds). tokens/s, FLOPs/s (`flops_per_token` per trained token) and the
+    seconds per step, with which time they are over."""
+    steps, tokens = m.get("train/global_step"), m.get("perf/train_tokens")
+    if m.get("perf/step_seconds") and steps:
+        seconds, timed = m["perf/step_seconds"] * steps, "steps after the first"
+    else:
+        seconds, timed = m.get("perf/train_seconds"), "train runtime"
+    if not seconds or not steps:
+        return {}
+    return {"step_seconds": seconds / steps, "timed": timed, "train_seconds": m.get("perf/train_seconds"),
+            "tokens_per_s": tokens / seconds if tokens else m.get("perf/tokens_per_s"),
+            "flops_per_s": flops_per_token * tokens / seconds if tokens else None}
+
+
+def matmul_params(shape, tied_head: bool) -> int:
+    """The parameters a token's forward multiplies by (the 2N of 6N): all but the input embedding, which is a lookup,
+    unless the LM head is tied to it (then it is the head's matmul). A scalar model's head is its `score`."""
+    return shape.params if tied_head else shape.params - shape.vocab * shape.hidden
+
+
+def tied(model_dir) -> bool:
+    """Whether the model's LM head is its input embedding (transformers' resolved config)."""
+    from transformers import AutoConfig
+
+    return bool(getattr(AutoConfig.from_pretrained(str(model_dir)), "tie_word_embeddings", True))
 
 
 def kernels(k: dict) -> str:
@@ -317,11 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     if not on_gpu:  # the tiny model whatever the step counts
         sizes = {**sizes, "shrink": CPU_SIZES["shrink"]}
     device = torch.cuda.get_device_name(0) if on_gpu else "cpu (tiny model: MFU and memory not reported)"
-    peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if on_gpu and k in device), None)
+    peak = args.peak_tflops or (peak_tflops(device) if on_gpu else None)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     base = build_base(out, sizes["shrink"], seed=5, config_dir=args.model_config)
-    pipeline = pipeline_yaml(out, base, sizes, args.precision, args.attn)
+    packed = any(o.replace(" ", "").lower() in ("sft.packing=true", "sft.packing=on") for o in args.overrides)
+    pipeline = pipeline_yaml(out, base, sizes, args.precision, args.attn, packed)
     launch = ([f"--num-processes={args.num_processes}"] if args.num_processes else []) + \
         (["--ignore-memory-check"] if args.ignore_memory_check else []) + \
         ([f"{stage}.accelerate={args.accelerate}" for stage in STAGES] if args.accelerate else []) + args.overrides

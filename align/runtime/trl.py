@@ -66,8 +66,15 @@ def metrics_callback(ctx: StageContext, name: Callable[[str], str] = metric_name
     class AlignMetrics(TrainerCallback):
         loss: float | None = None
         tokens: float | None = None  # TRL's running count of trained tokens (non-padding), at the last log
+        started: float | None = None
+        step_seconds: list[float]  # each optimiser step's forward, backward and update: no save, eval or log
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.started = _synced_clock()
 
         def on_step_end(self, args, state, control, **kwargs):
+            if self.started is not None:
+                self.step_seconds.append(_synced_clock() - self.started)
             if state.is_world_process_zero:
                 ctx.progress(state.global_step, state.max_steps, loss=self.loss)
 
@@ -90,7 +97,28 @@ def metrics_callback(ctx: StageContext, name: Callable[[str], str] = metric_name
                 ctx.log({name(k): v for k, v in logs.items() if isinstance(v, (int, float))},
                         step=state.global_step)
 
-    return AlignMetrics()
+    callback = AlignMetrics()
+    callback.step_seconds = []
+    return callback
+
+
+def _synced_clock() -> float:
+    """time.perf_counter() once the GPU's queued work has run (a step's kernels run after its Python returns)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def step_metrics(step_seconds: list[float]) -> dict[str, float]:
+    """perf/step_seconds: the mean optimiser step after the first (which compiles kernels: Liger's Triton, autotuning)
+    as `metrics_callback` timed it, checkpoint saves, evaluations and logging left out; the steady rate MFU is taken
+    at (benchmarks/gpu.py). perf/first_step_seconds beside it. Nothing with fewer than two steps."""
+    if len(step_seconds) < 2:
+        return {}
+    rest = step_seconds[1:]
+    return {"perf/step_seconds": sum(rest) / len(rest), "perf/first_step_seconds": step_seconds[0]}
 
 
 def trainer_kwargs(cfg: TrainedStage, ctx: StageContext) -> dict[str, Any]:
@@ -225,6 +253,8 @@ def train_with_resume(ctx: StageContext, trainer) -> dict[str, Any]:
     if loss is not None:
         final["train/loss_final_avg"] = loss
     tokens = next((cb.tokens for cb in trainer.callback_handler.callbacks if getattr(cb, "tokens", None)), None)
+    final.update(step_metrics(next((cb.step_seconds for cb in trainer.callback_handler.callbacks
+                                    if hasattr(cb, "step_seconds")), [])))
     padding, real = _padding_metrics(trainer)
     final.update(padding)
     if hasattr(trainer.data_collator, "count_first"):  # RowPackingCollator's own count (TRL's: a row's width)
