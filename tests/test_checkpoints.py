@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -74,6 +76,36 @@ def test_the_newest_whole_checkpoint_is_chosen_and_a_torn_newest_one_only_repair
     assert not (alone / "checkpoint-4" / "rng_state_1.pth").exists()  # transformers resumes without it
     assert (alone / "checkpoint-4" / "rng_state_0.pth").is_file()
     assert choose_checkpoint(tmp_path / "none", 2, log) is None
+
+
+def test_an_older_checkpoint_whose_removal_was_cut_short_is_not_chosen_over_the_newest(tmp_path):
+    """save_total_limit 1, 2 processes: transformers' rotation removes checkpoint-2 right after checkpoint-4's trainer
+    state, before rank 1 wrote checkpoint-4's RNG state. Killed then, checkpoint-2 still parsed and had its RNG
+    states, so it was chosen and checkpoint-4, the only one with weights and optimizer, was removed: every resume
+    failed, or one without optimizer.pt trained on with a fresh optimizer. Now checkpoint-4 resumes."""
+    import logging
+
+    from align.core.rundir import choose_checkpoint
+
+    random.seed(SEED)
+    print(f"seed {SEED}")
+    _series(tmp_path, [(2, ""), (4, "rng")])
+    for step in (2, 4):
+        ckpt = tmp_path / f"checkpoint-{step}"
+        (ckpt / f"global_step{step}").mkdir()
+        for name in ("model.safetensors", "optimizer.pt", f"global_step{step}/zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+            (ckpt / name).write_bytes(b"w" * 16)
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    for ckpt in ("checkpoint-2", "checkpoint-4"):  # both whole but for 4's RNG: 2 is chosen, as before
+        shutil.copytree(tmp_path / ckpt, kept / ckpt)
+    assert choose_checkpoint(kept, 2, logging.getLogger("test")) == kept / "checkpoint-2"
+    (tmp_path / "checkpoint-2" / "model.safetensors").unlink()  # the rotation's rmtree, killed part way
+    (tmp_path / "checkpoint-2" / "optimizer.pt").unlink()
+    chosen = choose_checkpoint(tmp_path, 2, logging.getLogger("test"))
+    assert chosen == tmp_path / "checkpoint-4" and (chosen / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4"]
+    assert not (chosen / "rng_state_1.pth").exists() and (chosen / "rng_state_0.pth").is_file()
 
 
 def _stub(tmp_path, old: dict, now: dict):
@@ -250,3 +282,47 @@ def test_a_stage_without_its_headline_metrics_shows_its_training_loss():
     assert headline({"final_metrics": {"train/loss_final_avg": 0.6125}}, dpo) == "train/loss_final_avg 0.6125"
     assert headline({"final_metrics": {}}, dpo) == "" and headline(None, dpo) == ""
     assert headline({"final_metrics": {"train/loss_final_avg": 0.6}}, ()) == ""  # a type that names no headline
+
+
+def test_a_ppo_checkpoint_reaches_the_disk_before_it_is_marked_and_before_older_ones_go(tmp_path, monkeypatch):
+    """PPO wrote COMPLETE and renamed its checkpoint without fsync, then removed the older ones: after a power loss
+    the renames and removals could reach the disk before the new files' bytes, leaving a marked checkpoint of empty
+    files and none older. Now every file is synced before the marker, and the directory before the removal."""
+    import os
+
+    from align.stages.ppo import checkpoint
+
+    events: list[str] = []
+    real_fsync, real_rmtree = os.fsync, shutil.rmtree
+
+    def fsync(fd):
+        events.append("fsync " + os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", lambda p: (events.append(f"remove {Path(p).name}"),
+                                                                real_rmtree(p)))
+
+    class Accelerator:  # accelerate's save_state: each process's files, then the marker by the main one
+        is_main_process = is_local_main_process = True
+
+        def save_state(self, path, **kwargs):
+            os.makedirs(path)
+            for name in ("model.safetensors", "optimizer.bin", "random_states_0.pkl"):
+                Path(path, name).write_bytes(b"w" * 16)
+            events.append("saved")
+
+        def wait_for_everyone(self):
+            pass
+
+    ctx = SimpleNamespace(checkpoints=tmp_path / "checkpoints")
+    ctx.checkpoints.mkdir()
+    for it in (1, 2):
+        (ctx.checkpoints / f"iter-{it}").mkdir()
+        (ctx.checkpoints / f"iter-{it}" / "COMPLETE").write_text("{}")
+    checkpoint.save_checkpoint(ctx, Accelerator(), 3, keep=2)
+    marked = next(i for i, e in enumerate(events) if e.startswith("fsync .COMPLETE") or e == "fsync COMPLETE")
+    for name in ("model.safetensors", "optimizer.bin", "random_states_0.pkl"):
+        assert events.index(f"fsync {name}") < marked
+    assert events.index("fsync checkpoints") < events.index("remove iter-1")
+    assert sorted(p.name for p in ctx.checkpoints.iterdir()) == ["iter-2", "iter-3"]

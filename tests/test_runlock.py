@@ -14,6 +14,7 @@ import pytest
 
 from align.orchestrator import runlock
 from align.orchestrator.runlock import RunLock, RunLockedError
+from conftest import REPO
 
 
 @pytest.fixture
@@ -49,3 +50,54 @@ def test_without_flock_a_live_runner_here_holds_and_a_dead_one_is_taken_over(tmp
         assert f"PID {dead}" in lock.note and "no longer running" in lock.note
         assert json.loads((tmp_path / runlock.LOCK_FILE).read_text())["pid"] == os.getpid()
     assert (tmp_path / runlock.LOCK_FILE).read_text() == ""  # a clean exit leaves no record
+
+
+def test_without_flock_two_runners_that_take_the_directory_at_once_leave_one_holding(tmp_path, no_flock, monkeypatch):
+    """Without flock the record was read, checked and written with nothing in between making it atomic: two runners
+    started together both found no holder and both ran, training into the same stage directories. Each now reads its
+    record back after a moment; the one whose record the other overwrote gives way, naming it."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        def another_runner_writes(seconds):  # during the settle: the other runner's record lands over this one's
+            _record(tmp_path, other.pid, socket.gethostname())
+
+        monkeypatch.setattr(runlock.time, "sleep", another_runner_writes)
+        with pytest.raises(RunLockedError, match=f"PID {other.pid} on host .*took the run directory as this runner"):
+            RunLock(tmp_path).__enter__()
+        monkeypatch.setattr(runlock.time, "sleep", lambda seconds: None)
+        (tmp_path / runlock.LOCK_FILE).write_text("")
+        with RunLock(tmp_path):  # alone, it holds
+            assert json.loads((tmp_path / runlock.LOCK_FILE).read_text())["pid"] == os.getpid()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_stage_is_not_started_again_while_a_process_of_an_earlier_attempt_lives(tmp_path):
+    """A runner killed with SIGKILL frees the run's lock at once, while its stage's processes still record their
+    interruption (or a launcher's workers, in sessions of their own, still train): the next runner started the stage
+    again beside them, and the two attempts removed each other's checkpoints. Each stage process now holds the
+    stage's lock while it lives, and the runner waits for it (here: not at all) before refusing."""
+    from align.core.rundir import STAGE_LOCK, stage_in_use
+
+    assert stage_in_use(tmp_path, wait_s=0) is False  # never started
+    code = (f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from align.core.rundir import hold_stage; "
+            f"hold_stage({str(tmp_path)!r}); print('held', flush=True); time.sleep(30)")
+    stage = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    holder = stage
+    try:
+        assert stage.stdout.readline().strip() == "held"
+        assert stage_in_use(tmp_path, wait_s=0) is True and (tmp_path / STAGE_LOCK).is_file()
+        holder = subprocess.Popen([sys.executable, "-c", code.replace("held", "also")], stdout=subprocess.PIPE,
+                                  text=True)  # another process of the same attempt (a second rank) shares it
+        assert holder.stdout.readline().strip() == "also"
+        stage.kill()
+        stage.wait()
+        assert stage_in_use(tmp_path, wait_s=0) is True  # the second still lives
+        holder.kill()
+        holder.wait()
+        assert stage_in_use(tmp_path, wait_s=5) is False  # the kernel dropped the locks with the processes
+    finally:
+        for p in (stage, holder):
+            p.kill()
+            p.wait()

@@ -265,11 +265,25 @@ def torn_rng_states(ckpt: Path, world_size: int) -> list[Path] | None:
     return [ckpt / n for n in names if not zipfile.is_zipfile(ckpt / n)]
 
 
+def missing_files(ckpt: Path, reference: Path) -> list[str]:
+    """The files of checkpoint `reference` that `ckpt` lacks, RNG states aside (rundir.torn_rng_states) and DeepSpeed's
+    `global_step<N>` folder matched by its pattern. transformers' rotation removes an old checkpoint (shutil.rmtree,
+    files in no fixed order) right after the new one's trainer state: one killed meanwhile parses but lacks some."""
+    import re
+
+    def files(root: Path) -> set[str]:
+        return {re.sub(r"global_step\d+", "global_step*", str(p.relative_to(root))) for p in root.rglob("*")
+                if p.is_file() and not p.name.startswith("rng_state")}
+
+    return sorted(files(reference) - files(ckpt))
+
+
 def choose_checkpoint(checkpoints: Path, world_size: int, log) -> Path | None:
     """The Trainer checkpoint to resume from (main process): the newest whole one; checkpoints whose trainer state
-    is torn, and newer ones with a missing or torn RNG state, are removed. Where no whole one is left (rotation with
-    save_total_limit 1 removes the last before the other processes finished writing), the newest with its torn RNG
-    states removed: it resumes, those processes' random streams not restored (transformers says so in its log)."""
+    is torn, older ones lacking files the newest holds (a rotation's removal cut short), and newer ones with a missing
+    or torn RNG state, are removed. Where no whole one is left (rotation with save_total_limit 1 removes the last
+    before the other processes finished writing), the newest with its torn RNG states removed: it resumes, those
+    processes' random streams not restored (transformers says so in its log)."""
     import shutil
 
     states: dict[Path, list[Path]] = {}
@@ -280,6 +294,12 @@ def choose_checkpoint(checkpoints: Path, world_size: int, log) -> Path | None:
             shutil.rmtree(ckpt)
         else:
             states[ckpt] = torn
+    for ckpt in list(states)[:-1]:
+        lacking = missing_files(ckpt, list(states)[-1])
+        if lacking:
+            log.warning("removing checkpoint %s: it lacks %s (its removal was cut short)", ckpt, lacking[:3])
+            shutil.rmtree(ckpt)
+            del states[ckpt]
     whole = [c for c, torn in states.items() if not torn]
     for ckpt in [c for c, torn in states.items() if torn]:
         if whole and int(ckpt.name.split("-")[-1]) > int(whole[-1].name.split("-")[-1]):
@@ -293,3 +313,54 @@ def choose_checkpoint(checkpoints: Path, world_size: int, log) -> Path | None:
     log.warning("resuming from %s without the RNG states %s (missing or torn; no older whole checkpoint)", newest,
                 [t.name for t in states[newest]])
     return newest
+
+
+STAGE_LOCK = ".stage.lock"
+_HELD: list[int] = []  # this process's shared lock on its stage (kept open for the process's life)
+
+
+def hold_stage(stage_dir: str | Path) -> None:
+    """Every process of a stage attempt holds a shared flock on `<stage>/.stage.lock` until it ends (the dataloader
+    workers it forks inherit it): the kernel drops it however the process dies. A runner killed with SIGKILL frees
+    the run's lock at once while its stage's processes are still recording their interruption (or a launcher's
+    workers, in sessions of their own, still train); `stage_in_use` keeps the next runner from starting the stage
+    again meanwhile. Where the filesystem has no flock, nothing is held (the run's lock alone guards)."""
+    import fcntl
+    import os
+
+    try:
+        fd = os.open(Path(stage_dir) / STAGE_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        _HELD.append(fd)
+    except OSError:
+        os.close(fd)
+
+
+def stage_in_use(stage_dir: str | Path, wait_s: float = 30.0) -> bool:
+    """Whether a process of an earlier attempt of the stage still lives (holds `hold_stage`'s lock), after waiting
+    up to `wait_s` for it to end (an interrupted stage records its interruption, then exits)."""
+    import fcntl
+    import os
+    import time
+
+    try:
+        fd = os.open(Path(stage_dir) / STAGE_LOCK, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:  # never started (or no such directory): nobody holds it
+        return False
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return False  # closing the descriptor below drops the lock
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return True
+                time.sleep(0.2)
+            except OSError:  # no flock on this filesystem
+                return False
+    finally:
+        os.close(fd)

@@ -1,12 +1,14 @@
 """The commands the runner's messages tell a user to type: the command line as typed resumes a run (its --run-id and
 overrides kept, less --force and --from, which would restart what is done), and a damaged stage reruns with `--from`
-added to it."""
+added to it; what a killed stage's exit code means (`exit_meaning`)."""
 
 from __future__ import annotations
 
 import contextvars
 import json
+import resource
 import shlex
+import signal
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -94,3 +96,26 @@ def resume_args(argv: list[str]) -> list[str]:
         elif a != "--force" and not a.startswith("--from="):
             out.append(a)
     return out
+
+
+def children_peak_rss() -> int:
+    """The largest peak resident memory (bytes) of any finished child process of the runner so far (Linux
+    reports kilobytes); stage processes are waited for by their launcher, so they count."""
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+
+
+def exit_meaning(rc: int, peak_before: int, source: str | Path) -> str:
+    """What a stage's exit code says beyond "failed": a signal's name and its usual cause, and how to resume."""
+    killed = -rc if rc < 0 else rc - 128 if rc > 128 else 0  # launchers report a child's signal as 128 + N
+    if killed not in (signal.SIGKILL, signal.SIGTERM, signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS):
+        return ""
+    name = signal.Signals(killed).name
+    peak = children_peak_rss()
+    memory = (f"; the stage's processes peaked at {peak / 2**30:.1f} GiB resident" if peak > peak_before else "")
+    cause = {signal.SIGKILL: "most often the kernel's out-of-memory killer (see `dmesg` or `journalctl -k`)"
+                             f"{memory}: lower per_device_batch_size or max_length, enable "
+                             "gradient_checkpointing or LoRA, or use a larger machine",
+             signal.SIGTERM: "stopped from outside (a scheduler's time limit or preemption, or kill)"}.get(
+        signal.Signals(killed), "the process crashed (a bug in a native library, or a damaged install)")
+    return (f"\n  {name}: {cause}.\n  resume: {resume_command(source)} (the stage restarts from its last "
+            "checkpoint, if it saved one)")

@@ -5,7 +5,8 @@ The kernel drops a flock when its process dies, however it dies, so a runner kil
 blocks the next one: the next runner gets the lock, finds the dead runner's record still in the file (a clean
 exit empties it) and says it took over a stale lock. A second live runner fails at once, naming the holder.
 On filesystems without flock (some NFS mounts) the PID record alone decides: a live PID on this host holds it, and
-so does any record of another host (whose PIDs this host cannot see: the user deletes a stale one).
+so does any record of another host (whose PIDs this host cannot see: the user deletes a stale one); a runner reads
+its record back after SETTLE_S, and one whose record another runner has overwritten meanwhile gives way.
 Multi-node workers (node rank > 0) take no lock: they write nothing under the run directory.
 """
 
@@ -22,6 +23,7 @@ from pathlib import Path
 from align.core.faults import oserror
 
 LOCK_FILE = ".align.lock"
+SETTLE_S = 0.5  # without flock: how long a runner waits after writing its record before it reads it back
 
 
 class RunLockedError(RuntimeError):
@@ -88,6 +90,7 @@ class RunLock:
     def __enter__(self) -> RunLock:
         oserror(self.path)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        unlocked = False
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -96,6 +99,7 @@ class RunLock:
             except OSError as exc:
                 if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                     raise
+                unlocked = True
                 holder = self._holder(fd)
                 if holder.get("pid") and holder.get("host") != socket.gethostname():  # alive or not: unseen here
                     raise RunLockedError(self._busy(holder) + f". This filesystem has no locks (flock: {exc.strerror}),"
@@ -114,6 +118,11 @@ class RunLock:
             os.ftruncate(fd, 0)
             os.pwrite(fd, record.encode(), 0)
             os.fsync(fd)
+            if unlocked:  # two runners that read the record at once both wrote theirs: the last written holds
+                time.sleep(SETTLE_S)
+                holder = self._holder(fd)
+                if holder.get("pid") != os.getpid() or holder.get("host") != socket.gethostname():
+                    raise RunLockedError(self._busy(holder) + " (it took the run directory as this runner did)")
         except BaseException:
             os.close(fd)
             raise

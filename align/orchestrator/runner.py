@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import difflib
 import os
-import resource
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -31,9 +29,11 @@ from align.orchestrator.launch import (MultiNode, is_distributed, launch_command
 from align.orchestrator.multinode import follow_stage
 from align.orchestrator.plan import REPO_DIR, StagePlan, code_version, descendants, run_dir_of
 from align.core.errors import PipelineError
-from align.core.rundir import (MANIFEST, PIPELINE, SPEC, PipelineRecord, StageSpec, headline, is_complete,
-                          moved_inputs, output_digests, outputs_problem, read_manifest, write_manifest)
-from align.orchestrator.commands import other_source, rerun_from, resume_command, run_command
+from align.core.rundir import (MANIFEST, PIPELINE, SPEC, STAGE_LOCK, PipelineRecord, StageSpec, headline, is_complete,
+                               moved_inputs, output_digests, outputs_problem, read_manifest, stage_in_use,
+                               write_manifest)
+from align.orchestrator.commands import (children_peak_rss, exit_meaning, other_source, rerun_from, resume_command,
+                                        run_command)
 from align.orchestrator.helper import HelperError
 from align.orchestrator.runlock import RunLock, RunLockedError
 from align.config.sweeps import by_stage
@@ -249,6 +249,10 @@ def _write_spec(plan: StagePlan, run_dir: Path, pipeline_info: dict[str, Any], c
     cards' hashes, the chat template and the code version (align/core/rundir.py StageSpec)."""
     stage_dir = run_dir / plan.name
     stage_dir.mkdir(parents=True, exist_ok=True)
+    if stage_in_use(stage_dir):  # a SIGKILLed runner's stage processes, still recording or still training
+        raise PipelineError(f"stage '{plan.name}' is still being run by a process of an earlier attempt (it holds "
+                            f"{stage_dir / STAGE_LOCK}; `fuser -v` names it): wait for it to end, or stop it, then "
+                            f"run again")
     spec = StageSpec(
         stage_name=plan.name, stage_dir=str(stage_dir.resolve()), fingerprint=plan.fingerprint,
         stage=_resolved_stage(plan), pipeline=pipeline_info,
@@ -340,29 +344,6 @@ def _mark_interrupted(stage_dir: Path, cause: str = INTERRUPTED, status: str = "
     if (m := read_manifest(stage_dir)) and m.get("status") == "running":
         m.update(status=status, error=cause, ended_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         write_manifest(stage_dir, m)
-
-
-def children_peak_rss() -> int:
-    """The largest peak resident memory (bytes) of any finished child process of the runner so far (Linux
-    reports kilobytes); stage processes are waited for by their launcher, so they count."""
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-
-
-def exit_meaning(rc: int, peak_before: int, source: str | Path) -> str:
-    """What a stage's exit code says beyond "failed": a signal's name and its usual cause, and how to resume."""
-    killed = -rc if rc < 0 else rc - 128 if rc > 128 else 0  # launchers report a child's signal as 128 + N
-    if killed not in (signal.SIGKILL, signal.SIGTERM, signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS):
-        return ""
-    name = signal.Signals(killed).name
-    peak = children_peak_rss()
-    memory = (f"; the stage's processes peaked at {peak / 2**30:.1f} GiB resident" if peak > peak_before else "")
-    cause = {signal.SIGKILL: "most often the kernel's out-of-memory killer (see `dmesg` or `journalctl -k`)"
-                             f"{memory}: lower per_device_batch_size or max_length, enable "
-                             "gradient_checkpointing or LoRA, or use a larger machine",
-             signal.SIGTERM: "stopped from outside (a scheduler's time limit or preemption, or kill)"}.get(
-        signal.Signals(killed), "the process crashed (a bug in a native library, or a damaged install)")
-    return (f"\n  {name}: {cause}.\n  resume: {resume_command(source)} (the stage restarts from its last "
-            "checkpoint, if it saved one)")
 
 
 def _resolved_stage(plan: StagePlan) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from align.engines import EngineError
 from align.core.errors import Terminated, describe, die_with_parent, interrupt_cause, terminate_as_interrupt
 from align.core.console import verbose
 from align.core.fsutil import write_failure
-from align.core.rundir import MANIFEST, StageSpec, read_manifest, write_manifest
+from align.core.rundir import MANIFEST, StageSpec, hold_stage, read_manifest, write_manifest
 from align.data.hub import pin_to_run
 from align.runtime.context import COLLECTIVE_TIMEOUT, NonFiniteLossError, StageContext, StageError, startup_done
 
@@ -81,6 +81,7 @@ def main(spec_path: str) -> int:
     try:
         raw = json.loads(Path(spec_path).read_text(encoding="utf-8"))
         spec = raw if isinstance(raw, dict) else {}  # enough to record a failure in the manifest
+        hold_stage(Path(spec_path).parent)  # until this process ends: no runner starts the stage again meanwhile
         ctx = StageContext(StageSpec.parse(raw, spec_path))
         _run(ctx)
         return leave_process_group(0)

@@ -12,6 +12,7 @@ import json
 import shutil
 from typing import Any
 
+from align.core.fsutil import atomic_write_text, fsync_dir, fsync_tree
 from align.core.tracking import keep_metrics_until, table_file
 from align.runtime.context import StageContext
 
@@ -116,14 +117,20 @@ def restore_history(ctx: StageContext, start: int) -> list[dict[str, Any]]:
 
 def save_checkpoint(ctx: StageContext, accelerator, iteration: int, trainable_only: bool = False,
                     keep: int = 2) -> None:
-    """accelerator.save_state into a hidden dir, then a rename + COMPLETE marker; keep the last `keep`."""
+    """accelerator.save_state into a hidden dir, then a rename + COMPLETE marker; keep the last `keep`. Its files
+    reach the disk (fsync, by each node's first process) before the marker, and the rename before the older
+    checkpoints go: after a power loss or a kernel crash the newest marked checkpoint is whole, or an older one is
+    still there."""
     final = ctx.checkpoints / f"iter-{iteration}"
     tmp = ctx.checkpoints / f".iter-{iteration}"
     accelerator.save_state(str(tmp), **_model_kwargs(accelerator, trainable_only, saving=True))
+    if accelerator.is_local_main_process:
+        fsync_tree(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (tmp / "COMPLETE").write_text(json.dumps({"iteration": iteration}))
+        atomic_write_text(tmp / "COMPLETE", json.dumps({"iteration": iteration}))
         tmp.rename(final)
+        fsync_dir(ctx.checkpoints)
         for old in sorted(ctx.checkpoints.glob("iter-*"), key=lambda p: int(p.name[5:]))[:-keep]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
