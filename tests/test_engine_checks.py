@@ -16,7 +16,7 @@ import torch
 
 from align.engines import EngineError
 from align.engines import vllm as vllm_engine
-from align.engines import placement, vllm_env
+from align.engines import placement, vllm_env, vllm_sync
 from align.engines.base import check_gap, nan_max
 from conftest import REPO
 
@@ -187,7 +187,7 @@ def test_a_sync_that_fails_part_way_still_joins_the_remaining_zero3_gathers(monk
     def no_bucket(model):
         raise EngineError("no room in /dev/shm")
 
-    monkeypatch.setattr(vllm_engine, "engine_entries", entries)
+    monkeypatch.setattr(vllm_sync, "engine_entries", entries)
     engine = object.__new__(vllm_engine.VLLMEngine)  # its sync only: no process of vLLM's is started
     engine.broken, engine._held, engine._open_bucket, engine._bucket = None, {}, no_bucket, None
     # one process (no process group here): the node's bucket is not for it (align/engines/node_bucket.py), it gathers
@@ -644,3 +644,74 @@ def test_a_broadcast_between_two_torch_versions_goes_through_dev_shm_and_says_wh
     assert sync_transport(torch.device("cpu"), (), "broadcast", "2.13.0", "2.11.0", None) == ("broadcast", None)  # gloo
     assert sync_transport(torch.device("cuda", 0), (0,), "shared", "2.13.0", "2.13.0", "no IPC") == ("shared_memory",
                                                                                                      "no IPC")
+
+
+def test_a_cuda_ipc_handle_the_engine_cannot_open_falls_back_to_dev_shm(tmp_path, monkeypatch):
+    """The engine opens the trainer's CUDA IPC handle only at the first sync; where it cannot (a container without
+    --ipc=host, another GPU numbering) the stage stopped with a hint to set weight_sync: host. Nothing was loaded
+    then, so the sync now goes through /dev/shm and says why; the engine is not marked broken. The CPU stand-in: a
+    bucket that calls itself cuda_ipc and an engine that answers as the server does when a bucket will not open."""
+    from align.engines.buckets import Bucket, SharedBucket
+
+    class IpcBucket(Bucket):  # CudaBucket's protocol on a CPU buffer (CudaBucket needs a GPU)
+        kind, closed = "cuda_ipc", False
+
+        def __init__(self, size):
+            self.size, self.buffer = size, torch.zeros(size, dtype=torch.uint8)
+
+        def where(self):
+            return {"cuda": {"uuid": "GPU-0", "args": []}}
+
+        def close(self):
+            IpcBucket.closed = True
+
+    class Answers:  # the engine's connection: the stream's bucket will not open; then a sync through /dev/shm
+        sent: list = []
+        replies = [{"ok": False, "unopened": True, "error": "RuntimeError: CUDA error: invalid resource handle"},
+                   {"ok": True}, {"ok": True, "tensors": 2, "in_place": ""}]
+
+        def send(self, msg):
+            self.sent.append((msg["op"], "cuda" in msg, "path" in msg))
+
+        def poll(self, timeout):
+            return True
+
+        def recv(self):
+            return self.replies.pop(0)
+
+    engine = object.__new__(vllm_engine.VLLMEngine)  # its sync only: no process of vLLM's is started
+    engine.conn, engine.broken, engine._held, engine.weight_sync, engine.ipc_problem = Answers(), None, {}, "host", None
+    engine.proc, engine.log_path, engine.timeout_s, engine.bucket_bytes = None, tmp_path / "log", 60, 1 << 16
+    engine._bucket, engine._synced, engine.lora_rank, engine.sync_seconds, engine.sync_bytes = None, None, 0, [], []
+    engine.last_sync, engine.node_sync, engine._dir = {}, False, str(tmp_path)
+
+    def open_bucket(model):  # as _open_bucket decides on a GPU: CUDA IPC until a problem is known, then /dev/shm
+        if engine._bucket is None:
+            engine._bucket = (IpcBucket(engine.bucket_bytes) if not engine.ipc_problem else
+                              SharedBucket(str(tmp_path / "bucket"), engine.bucket_bytes))
+        return engine._bucket
+
+    engine._open_bucket = open_bucket
+    model = torch.nn.Linear(64, 64)
+    passes = []
+
+    def entries(model, changed_only=False):  # engine_entries without DeepSpeed's gathers (partitioned below)
+        passes.append(changed_only)
+        yield from (("weight", model.weight.detach()), ("bias", model.bias.detach()))
+
+    monkeypatch.setattr(vllm_sync, "engine_entries", entries)
+    engine.sync_weights(model)
+    assert Answers.sent == [("stream", True, False), ("chunk", False, False), ("stream", False, True),
+                            ("chunk", False, False)]
+    assert IpcBucket.closed and engine._bucket.kind == "shared_memory" and not engine.broken
+    assert "invalid resource handle" in engine.ipc_problem and engine.sync_bytes == [64 * 64 * 4 + 64 * 4]
+    assert passes == [False, False]  # every weight again through /dev/shm
+    engine._bucket.close()
+
+    # under ZeRO-3 the other processes would gather again with this one: the stage stops, naming the fix, as before
+    Answers.sent, Answers.replies = [], [{"ok": False, "unopened": True, "error": "RuntimeError: invalid handle"}]
+    engine.ipc_problem, engine._bucket, engine._synced = None, None, None
+    model.weight.ds_id = 0  # as DeepSpeed marks a partitioned parameter
+    with pytest.raises(EngineError, match="weight_sync: host"):
+        engine.sync_weights(model)
+    assert Answers.sent == [("stream", True, False), ("chunk", False, False)] and engine._bucket is None

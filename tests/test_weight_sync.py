@@ -25,7 +25,8 @@ from align.engines.weight_sync import engine_entries, groups, policy_state_for_e
 
 SEED = 2718
 sys.path.insert(0, str(REPO / "align" / "engines" / "vllm_side"))
-import align_vllm_server  # noqa: E402  (the engine's process, which opens the bucket)
+import align_vllm_buckets  # noqa: E402  (the engine's side of the bucket)
+import align_vllm_server  # noqa: E402  (the engine's process)
 import align_vllm_worker  # noqa: E402  (the engine side's reader, by the name vLLM loads it)
 
 
@@ -103,7 +104,7 @@ def test_the_shared_bucket_carries_every_tensor_bit_for_bit(tmp_path, size):
             "empty": torch.zeros(0, 4), "scalar": torch.tensor(3.5, dtype=torch.float16),
             "big": torch.randn(300, generator=g).to(torch.float64), "ints": torch.arange(11)}
     bucket = SharedBucket(str(tmp_path / "bucket"), size)
-    reader_view = align_vllm_server.bucket({**bucket.where(), "size": size})  # the engine's own mapping of it
+    reader_view = align_vllm_buckets.bucket({**bucket.where(), "size": size})  # the engine's own mapping of it
     assert bucket.kind == "shared_memory" and reader_view.numel() == size
     trainer, engine = Pipe()
     got, errors = {}, []
@@ -136,7 +137,7 @@ def test_in_place_chunks_are_views_of_the_bucket_and_acknowledged_only_after_the
     size = 64  # small (48 bytes) and half (14) fit, large (160) travels in pieces, tail lands whole but at byte 30
     #            of its bucket: a float32 view there would be misaligned, so it is copied like a piece
     bucket = SharedBucket(str(tmp_path / "bucket"), size)
-    reader_view = align_vllm_server.bucket({**bucket.where(), "size": size})
+    reader_view = align_vllm_buckets.bucket({**bucket.where(), "size": size})
     lo = reader_view.data_ptr()
     trainer, engine = Pipe()
     got, kinds, early_acks, errors = {}, {}, [], []
@@ -270,13 +271,13 @@ def test_the_engine_opens_the_trainers_gpu_under_its_own_index(monkeypatch):
     CUDA_VISIBLE_DEVICES) rebuilds the buffer on its index of that GPU, the one field of torch's rebuild arguments
     that changes; a GPU it cannot see is an error naming the setting that avoids CUDA IPC."""
     args = ["Tensor", (32,), (1,), 0, "UntypedStorage", "uint8", 3, b"handle", 32, 0, False, b"ref", 0, b"ev", True]
-    moved = align_vllm_server.on_device(args, 0)
-    assert moved[align_vllm_server.STORAGE_DEVICE] == 0 and args[6] == 3  # the trainer's index 3, the engine's 0
+    moved = align_vllm_buckets.on_device(args, 0)
+    assert moved[align_vllm_buckets.STORAGE_DEVICE] == 0 and args[6] == 3  # the trainer's index 3, the engine's 0
     assert [a for i, a in enumerate(moved) if i != 6] == [a for i, a in enumerate(args) if i != 6]
-    assert align_vllm_server.local_gpu("GPU-b", ["GPU-a", "GPU-b"]) == 1
+    assert align_vllm_buckets.local_gpu("GPU-b", ["GPU-a", "GPU-b"]) == 1
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
     with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES='5'.*generation.weight_sync: host"):
-        align_vllm_server.local_gpu("GPU-c", ["GPU-a"])
+        align_vllm_buckets.local_gpu("GPU-c", ["GPU-a"])
 
 
 def test_cuda_ipc_is_used_only_where_the_engine_can_open_the_handle():
@@ -459,6 +460,19 @@ def test_sharing_stays_within_the_open_file_budget_sync_after_sync(tmp_path, eng
     bucket.close()
 
 
+def test_a_bucket_the_engine_cannot_open_is_answered_as_unopened_and_nothing_is_loaded(tmp_path):
+    """The engine's answer when a stream's bucket will not open (a CUDA IPC handle it cannot map; here a /dev/shm
+    file that is gone): an error marked `unopened`, before anything reaches vLLM (no llm is given: a call to it
+    would fail otherwise), so the trainer sends the sync again through /dev/shm (vllm_sync.BucketSync)."""
+    _, engine_end = Pipe()
+    reply = align_vllm_server.handle(None, engine_end, {"op": "stream", "path": str(tmp_path / "gone"), "size": 16})
+    assert reply["ok"] is False and reply["unopened"] is True and "FileNotFoundError" in reply["error"]
+    path = tmp_path / "bucket"
+    path.write_bytes(bytes(16))
+    opened = align_vllm_server.handle(None, engine_end, {"op": "stream", "path": str(path), "size": 16})
+    assert "unopened" not in opened and "AttributeError" in opened["error"]  # opened, it went on to vLLM (None)
+
+
 def test_a_dropped_chunk_leaves_no_descriptor_in_the_connection(tmp_path):
     """A stream that failed on the engine's side before it read its last chunk (the bucket would not open, say): the
     trainer had already sent that chunk and passed the descriptors of its weights after it. The engine drops the
@@ -493,13 +507,13 @@ def test_a_bucket_made_again_at_the_same_path_is_opened_again(tmp_path):
     path = tmp_path / "bucket"
     msg = {"op": "stream", "path": str(path), "size": 16}
     path.write_bytes(bytes(range(16)))
-    first = align_vllm_server.bucket(msg)
-    assert align_vllm_server.bucket(msg) is first and first[3].item() == 3  # kept while it is the same file
+    first = align_vllm_buckets.bucket(msg)
+    assert align_vllm_buckets.bucket(msg) is first and first[3].item() == 3  # kept while it is the same file
     os.unlink(path)
     path.write_bytes(bytes([7] * 16))
-    again = align_vllm_server.bucket(msg)
+    again = align_vllm_buckets.bucket(msg)
     assert again is not first and again.tolist() == [7] * 16
-    align_vllm_server._BUCKETS.clear()
+    align_vllm_buckets._BUCKETS.clear()
 
 
 def test_a_malloc_setting_glibc_refuses_leaves_every_other_unchanged(monkeypatch):

@@ -11,8 +11,9 @@ bucket the engine loads from in place (on the trainer's GPU by CUDA IPC where th
 and, in a CPU run, the engine reads the weights where they lie (ZeRO-3's partitions in host memory on one node:
 through the node's bucket, no gather; node_bucket.py); `host`: every weight through /dev/shm; `file`: the
 whole state as a safetensors file the engine reloads (the older path; benchmarks/rollout_engines.py --sync measures
-all). Prompts travel as token ids tokenised here; responses come back as ids with the sampled tokens' log-probs.
-An engine shared by several processes: group.py (its other processes reach it through vllm_client.py).
+all; the streamed transports: vllm_sync.py). Prompts travel as token ids tokenised here; responses come back as ids
+with the sampled tokens' log-probs. An engine shared by several processes: group.py (its other processes reach it
+through vllm_client.py).
 """
 
 from __future__ import annotations
@@ -31,22 +32,19 @@ import torch
 
 from align.engines import EngineError, node_bucket
 from align.engines.placement import node_placement
+from align.engines.buckets import Bucket, cuda_ipc_problem
 from align.engines.vllm_client import EngineClient, kill_group
 from align.engines.vllm_env import (VLLM_INSTALL, engine_environment, keeps_weights, shm_dir, shm_problem,
                                     sync_space_problem, vllm_python)
-from align.engines.buckets import (BroadcastBucket, Bucket, CudaBucket, SharedBucket, chunk_messages, cuda_ipc_problem,
-                                   sync_transport)
-from align.engines.weight_sync import (HostTensors, adapter_state, engine_entries, finish_gathers, partitioned,
-                                       policy_state_for_engine)
+from align.engines.vllm_sync import BucketSync
+from align.engines.weight_sync import adapter_state, policy_state_for_engine
 
 SERVER = Path(__file__).parent / "vllm_side" / "align_vllm_server.py"
 
 
-class VLLMEngine(EngineClient):
+class VLLMEngine(BucketSync, EngineClient):
     """The engine process this process starts and syncs (its requests: vllm_client.EngineClient); `clients` > 1: it
     also serves that many processes in all, which reach it by `contact` (align/engines/group.py)."""
-
-    node_sync = True  # ZeRO-3 partitions in host memory, one node: through the node's bucket (False: gather)
 
     def __init__(self, model_dir: str, tokenizer, seed: int = 0, dtype: str = "float32", max_model_len: int = 512,
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.3, log_path=None, timeout_s: float = 600.0,
@@ -136,7 +134,7 @@ class VLLMEngine(EngineClient):
         elif self.weight_sync == "file":
             moved = self._sync_file(model)
         else:
-            moved = self._sync_shared(model, changed_only)
+            moved = self._sync_bucketed(model, changed_only)
         self._synced = weakref.ref(model)
         seconds = time.perf_counter() - t0
         self.sync_seconds.append(seconds)
@@ -190,111 +188,6 @@ class VLLMEngine(EngineClient):
         self._call({"op": "lora", "path": path, "id": self._adapters}, "sync_weights", self.timeout_s)
         return size
 
-    def _open_bucket(self, model) -> Bucket:
-        """The sync bucket for `model`'s weights (align/engines/weight_sync.py `bucket_kind`): on its GPU when the
-        engine runs there (CUDA IPC), else in /dev/shm; reopened when the size or the place changes."""
-        device = next(model.parameters()).device
-        kind = self._transport(device)
-        if self._bucket is not None and (self._bucket.size, self._bucket.kind) != (self.bucket_bytes, kind):
-            self._bucket.close()
-            self._bucket = None
-        if self._bucket is None and kind == "broadcast":
-            self._bucket = self._join_broadcast(device)
-        if self._bucket is None and kind == "cuda_ipc":
-            try:
-                self._bucket = CudaBucket(self.bucket_bytes, device)
-            except RuntimeError as exc:  # CUDA IPC not allowed here (WSL, some containers): /dev/shm instead
-                self.ipc_problem = f"CUDA IPC failed on this machine ({str(exc).splitlines()[0][:200]})"
-                print(f"vLLM weight sync: {self.ipc_problem}; syncing through /dev/shm", flush=True)
-                kind = "shared_memory"
-        if self._bucket is None:
-            problem = sync_space_problem(self._dir, self.bucket_bytes)
-            if problem:
-                raise EngineError(f"vLLM engine: {problem}, or a smaller generation.sync_bucket_mib")
-            self._bucket = SharedBucket(self.bucket_path, self.bucket_bytes)
-        return self._bucket
-
-    def _join_broadcast(self, device: torch.device) -> BroadcastBucket:
-        """A bucket sent by broadcast (weight_sync: broadcast): the engine is asked to join a process group of two with
-        this process, through a file store in this engine's private directory; the bucket's group is made in a thread
-        while the engine's answer is awaited, so a failure on either side is raised at once, not after the timeout."""
-        import threading
-
-        made: dict = {}
-        path = os.path.join(self._dir, f"group{len(os.listdir(self._dir))}")
-
-        def make():
-            try:
-                made["bucket"] = BroadcastBucket(self.bucket_bytes, device, path, self.timeout_s)
-            except Exception as exc:
-                made["error"] = exc
-
-        self._send({"op": "join", "path": path, "backend": "nccl" if device.type == "cuda" else "gloo",
-                    "timeout_s": self.timeout_s}, "sync_weights")
-        maker = threading.Thread(target=make, daemon=True)
-        maker.start()
-        try:
-            self._reply("join", "sync_weights", time.monotonic() + self.timeout_s, failed=lambda: made.get("error"))
-        except BaseException:
-            self.broken = self.broken or "its process group for weight_sync: broadcast could not be made"
-            raise
-        maker.join(self.timeout_s)
-        if "bucket" not in made:
-            raise made.get("error") or EngineError(f"vLLM engine: the process group did not form in {self.timeout_s} s")
-        return made["bucket"]
-
-    def _sync_shared(self, model, changed_only: bool) -> int:
-        """Stream the entries through the bucket: fill it, tell the engine what is where, wait until it has copied
-        them out, fill it again; with `shared`, the weights that lie in host memory are not copied into it but named
-        in the last message, read by the engine where they lie (HostTensors). The whole sync within one deadline."""
-        node = (node_bucket.for_model(model, self.bucket_bytes, self.timeout_s, self._dir)  # made in process 0's
-                if partitioned(model) and self.node_sync and self.weight_sync in node_bucket.SYNCS else None)
-        entries = node_bucket.shares(model, changed_only) if node else engine_entries(model, changed_only=changed_only)
-        names = 0
-        host = HostTensors(self._held)  # not used by weight_sync: host, nor through the node's bucket
-        chunks = chunk_messages(node, model, entries, None) if node else iter(())  # lazy: run below, or drained
-        try:
-            bucket = node or self._open_bucket(model)
-            deadline = time.monotonic() + self.timeout_s
-            before = bucket.sent_bytes
-            self._send({"op": "stream", **bucket.where(), "size": bucket.size, "partial": changed_only},
-                       "sync_weights", deadline=deadline)
-            if not node:
-                chunks = chunk_messages(bucket, model, entries, host if self.weight_sync == "shared" else None)
-            else:  # the node's bucket waits for each chunk's acknowledgement itself, after writing the next chunk
-                node.loaded = lambda: self._reply("chunk", "sync_weights", deadline)
-            for msg, fds, done in chunks:
-                names += done
-                self._send(msg, "sync_weights", fds=fds, deadline=deadline)
-                if msg.get("broadcast"):  # once the engine waits in it (a broadcast it never joins would never end)
-                    self._reply("ready", "sync_weights", deadline)
-                    bucket.send(msg).wait()
-                if not node:
-                    self._reply("chunk", "sync_weights", deadline)
-            reply = self._reply("stream", "sync_weights", deadline)
-        except BaseException as exc:  # stopped halfway (here or there): the engine holds a mix of old and new weights
-            self.broken = self.broken or f"interrupted by {type(exc).__name__}"
-            if self._bucket is not None and self._bucket.kind == "broadcast":  # its group may be half-way: not reused
-                self._bucket.abort()
-                self._bucket = None
-            if isinstance(exc, Exception) and node:  # the other processes are still writing the node's bucket
-                node.loaded = None
-                node_bucket.drain(chunks)
-            elif isinstance(exc, Exception):  # under ZeRO-3 the other processes are still gathering, layer by layer
-                finish_gathers(entries, model)
-            raise
-        finally:
-            if node:
-                node.loaded = None  # no acknowledgement awaited after this (and no reference to this engine kept)
-        if reply["tensors"] != names:  # the engine holds a mix of old and new weights: it must not sample again
-            self.broken = f"sync_weights loaded {reply['tensors']} of {names} tensors"
-            raise EngineError(f"vLLM engine: {self.broken}")
-        if host.problem and host.problem != self.last_sync.get("host_problem"):
-            print(f"vLLM weight sync: {host.problem}; the rest goes through the bucket", flush=True)
-        self.last_sync = {**reply, "host_tensors": len(host.refs), "host_new": len(host.new),
-                          "host_problem": host.problem, "node_bucket": node.size if node else 0}
-        return bucket.sent_bytes - before + host.nbytes()  # bytes the engine loaded
-
     def describe(self) -> dict:
         """What the stage's manifest records of this engine."""
         return {"name": self.name, "version": self.version, "startup_seconds": self.startup_seconds,
@@ -305,26 +198,6 @@ class VLLMEngine(EngineClient):
                     f"reload_weights ({self.last_sync['in_place']})", "sync_read_where_they_lie":
                     self.last_sync["host_tensors"], "sync_not_read_where_they_lie": self.last_sync["host_problem"]}
                    if self.last_sync else {})}
-
-    def _transport(self, device: torch.device) -> str:
-        """The sync's transport for weights on `device`: buckets.sync_transport (said once when not the asked one)."""
-        kind, problem = sync_transport(device, self.devices, self.weight_sync, torch.__version__, self.engine_torch,
-                                       self.ipc_problem)
-        if problem and not self.ipc_problem:
-            self.ipc_problem = problem
-            print(f"vLLM weight sync: {problem}; syncing through /dev/shm", flush=True)
-        return kind
-
-    def _bucket_plan(self) -> dict:
-        """The bucket a sync will use (for the manifest, before the first sync): the trainer's current device."""
-        device = torch.device("cuda", torch.cuda.current_device()) if self.devices else torch.device("cpu")
-        kind = self._transport(device)
-        if self.last_sync.get("node_bucket"):  # ZeRO-3's partitions through the node's bucket (node_bucket.py)
-            return {"sync_transport": "node_shared_memory", "sync_bucket_bytes": self.last_sync["node_bucket"],
-                    "sync_path": node_bucket.opened_path()}
-        return {"sync_bucket_bytes": self.bucket_bytes, "sync_transport": kind,
-                **({"sync_path": self.bucket_path} if kind == "shared_memory" else {}),
-                **({"cuda_ipc_not_used": self.ipc_problem} if self.ipc_problem else {})}
 
     def close(self, kill: bool = False) -> None:
         """Stop the engine: asked to exit (then waited for, then killed), or killed at once (`kill`, after a timeout:

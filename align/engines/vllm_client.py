@@ -38,6 +38,11 @@ def kill_group(proc) -> None:
         proc.kill()
 
 
+class BucketUnopened(EngineError):
+    """The engine could not open the bucket a sync announced (a CUDA IPC handle it cannot map): it loaded nothing,
+    dropped the chunk sent meanwhile, and can be synced another way."""
+
+
 class EngineClient:
     """The requests every user of an engine process makes. Subclasses set tokenizer, timeout_s, clients (processes the
     engine serves), address, conn, proc (poll(), pid, returncode), log_path and broken (why it may not be used, or
@@ -150,6 +155,8 @@ class EngineClient:
             raise EngineError(f"the vLLM engine closed the connection during '{what}' (log: {self.log_path}):\n"
                               f"{self._tail()}") from None
         if not reply.get("ok"):
+            if reply.get("unopened"):  # the engine could not open the sync's bucket: it loaded nothing
+                raise BucketUnopened(f"the vLLM engine could not open the weight bucket: {reply.get('error')}")
             if op in ("load", "stream", "chunk", "ready", "lora", "join"):
                 self.broken = reply.get("error")
             hint = ("; the bucket is on the GPU, shared by CUDA IPC: generation.weight_sync: host syncs through "

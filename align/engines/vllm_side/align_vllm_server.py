@@ -19,7 +19,8 @@ request is a dict with "op", every reply a dict with "ok" (and "error" with the 
             between, the parent sends `chunk` messages {pieces, last} and each is answered {ok, op: chunk} once its
             pieces are loaded into the model in place or copied out of the bucket (align_vllm_worker.stream_chunks,
             bucket_tensors); in_place is "" or why the weights were reloaded instead; a chunk outside a stream (the
-            rest of one that failed) is dropped unanswered, the descriptors passed after it read and closed
+            rest of one that failed) is dropped unanswered, the descriptors passed after it read and closed; a bucket
+            this process cannot open (align_vllm_buckets.py) is answered {ok: false, unopened: true}: nothing loaded
   lora      {path: a peft adapter directory, id} -> {seconds}: the adapter later generates apply (the last one deleted)
   join      {path, backend, timeout_s} -> {}: join the trainer's process group of two (weight_sync: broadcast) at
             its file store; a stream with {broadcast: true} then takes its bucket's bytes from the trainer's
@@ -95,7 +96,9 @@ def serve_received(state: dict, parent, received: list) -> list:
         elif op == "generate" and state["llm"] is not None:
             generates.append((c, msg))
         elif op == "close" and c is parent:
-            _BUCKETS.clear()  # a GPU bucket: let go of the trainer's memory before the trainer frees it
+            from align_vllm_buckets import forget
+
+            forget()  # a GPU bucket: let go of the trainer's memory before the trainer frees it
             state["closing"] = True
         elif c is not parent:
             replies.append((c, {"ok": False, "error": f"ValueError: {op!r} is the engine starter's to ask (a process "
@@ -207,8 +210,14 @@ def handle(llm, conn, msg: dict) -> dict | None:
                     os.unlink(msg["path"])
             reply = {"tensors": counts[0], "seconds": time.perf_counter() - t0}
         elif op == "stream":
+            from align_vllm_buckets import bucket, release_cached
+
             t0 = time.perf_counter()
-            align_vllm_worker.CHANNEL = (conn, bucket(msg))
+            try:
+                opened = bucket(msg)
+            except Exception as e:  # nothing loaded: the trainer may send the weights another way (a CUDA IPC
+                return {**failure(e), "unopened": True}  # handle this process cannot map); the chunk after: dropped
+            align_vllm_worker.CHANNEL = (conn, opened)
             align_vllm_worker.RECEIVE = align_vllm_worker.receive if msg.get("broadcast") else None
             try:
                 counts = llm.collective_rpc("align_stream", args=(bool(msg.get("partial")),))
@@ -230,74 +239,6 @@ def handle(llm, conn, msg: dict) -> dict | None:
         return {"ok": True, **reply}
     except Exception as e:  # reported to the parent, which ends the stage with it
         return failure(e)
-
-
-_BUCKETS: dict = {}
-
-
-def bucket(msg: dict):
-    """The trainer's bucket as a uint8 tensor, opened once per bucket: the file at msg["path"] in /dev/shm mapped, or
-    the trainer's GPU buffer opened from its CUDA IPC handle (msg["cuda"])."""
-    size, path = msg["size"], msg.get("path")  # a file by its identity: one made again at the same path is another
-    key = (path, os.stat(path)[1:3] if path else None, repr(msg["cuda"]["args"]) if msg.get("cuda") else None, size,
-           bool(msg.get("broadcast")))
-    if _BUCKETS.get("key") != key:
-        import torch
-
-        _BUCKETS.clear()  # the old bucket's mapping goes before the new one opens
-        if msg.get("broadcast"):  # this process's own, filled by the trainer's broadcasts (receive)
-            tensor = torch.empty(size, dtype=torch.uint8, device="cuda" if torch_cuda() else "cpu")
-        elif msg.get("cuda"):
-            tensor = cuda_bucket(msg["cuda"])
-        else:
-            import mmap
-
-            with open(msg["path"], "r+b") as f:
-                tensor = torch.frombuffer(mmap.mmap(f.fileno(), size), dtype=torch.uint8)
-        if tensor.numel() != size:
-            raise RuntimeError(f"weight bucket: {tensor.numel()} bytes opened, {size} announced")
-        _BUCKETS.update(key=key, tensor=tensor)
-    return _BUCKETS["tensor"]
-
-
-def release_cached(msg: dict) -> None:
-    """After a sync through a GPU bucket: the tensors copied out of it were handed to vLLM; what its allocator still
-    caches goes back to the GPU the trainer shares (gpu_memory_utilization does not count it)."""
-    if msg.get("cuda"):
-        import torch
-
-        torch.cuda.empty_cache()
-
-
-def cuda_bucket(handle: dict):
-    """GPU only: the trainer's bucket opened from its CUDA IPC handle (torch's `rebuild_cuda_tensor`, the inverse of
-    the `reduce_tensor` that made it), on this process's index of the GPU with the handle's UUID."""
-    import torch
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
-    return rebuild_cuda_tensor(*on_device(handle["args"], local_gpu(handle["uuid"], uuids)))
-
-
-def local_gpu(uuid: str, uuids: list[str]) -> int:
-    """This process's index of the GPU `uuid` among the GPUs it sees (`uuids`, in index order)."""
-    if uuid not in uuids:
-        raise RuntimeError(f"weight bucket: the trainer's GPU {uuid} is not among the engine's "
-                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); CUDA IPC needs the "
-                           "engine on the trainer's GPU: set generation.weight_sync: host")
-    return uuids.index(uuid)
-
-
-STORAGE_DEVICE = 6
-"""Where `reduce_tensor`'s arguments for `rebuild_cuda_tensor` hold the storage's device index (torch's
-torch/multiprocessing/reductions.py; vLLM's IPC weight transfer rewrites the same place)."""
-
-
-def on_device(args: list, index: int) -> list:
-    """rebuild_cuda_tensor's arguments with the device index this process knows the GPU by."""
-    out = list(args)
-    out[STORAGE_DEVICE] = index
-    return out
 
 
 def start(msg: dict):
