@@ -303,17 +303,19 @@ def test_a_ppo_checkpoint_reaches_the_disk_before_it_is_marked_and_before_older_
     monkeypatch.setattr(checkpoint.shutil, "rmtree", lambda p: (events.append(f"remove {Path(p).name}"),
                                                                 real_rmtree(p)))
 
-    class Accelerator:  # accelerate's save_state: each process's files, then the marker by the main one
+    class Accelerator:  # accelerate's save_state: each process writes its files, its RNG state last, no barrier
         is_main_process = is_local_main_process = True
 
         def save_state(self, path, **kwargs):
             os.makedirs(path)
             for name in ("model.safetensors", "optimizer.bin", "random_states_0.pkl"):
                 Path(path, name).write_bytes(b"w" * 16)
-            events.append("saved")
+            self.path = path
 
-        def wait_for_everyone(self):
-            pass
+        def wait_for_everyone(self):  # the other process's RNG state lands by the first barrier after save_state
+            if Path(self.path).is_dir() and not Path(self.path, "random_states_1.pkl").exists():
+                Path(self.path, "random_states_1.pkl").write_bytes(b"r" * 16)
+                events.append("all saved")
 
     ctx = SimpleNamespace(checkpoints=tmp_path / "checkpoints")
     ctx.checkpoints.mkdir()
@@ -322,7 +324,7 @@ def test_a_ppo_checkpoint_reaches_the_disk_before_it_is_marked_and_before_older_
         (ctx.checkpoints / f"iter-{it}" / "COMPLETE").write_text("{}")
     checkpoint.save_checkpoint(ctx, Accelerator(), 3, keep=2)
     marked = next(i for i, e in enumerate(events) if e.startswith("fsync .COMPLETE") or e == "fsync COMPLETE")
-    for name in ("model.safetensors", "optimizer.bin", "random_states_0.pkl"):
-        assert events.index(f"fsync {name}") < marked
+    for name in ("model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl"):
+        assert events.index("all saved") < events.index(f"fsync {name}") < marked  # process 1's file too
     assert events.index("fsync checkpoints") < events.index("remove iter-1")
     assert sorted(p.name for p in ctx.checkpoints.iterdir()) == ["iter-2", "iter-3"]

@@ -20,7 +20,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "align" / "engines" / "vllm_side"))
-import align_vllm_server  # noqa: E402  (the engine's process: maps the bucket its message names)
+import align_vllm_buckets  # noqa: E402  (the engine's side: maps the bucket its message names)
 import align_vllm_worker  # noqa: E402  (the engine's reader)
 
 from align.engines import node_bucket  # noqa: E402
@@ -48,7 +48,7 @@ class Net(torch.nn.Module):
 
 def engine_reads(path: str, conn, got: dict, errors: list) -> None:
     try:
-        view = align_vllm_server.bucket({"path": path, "size": 2 * BUCKET})
+        view = align_vllm_buckets.bucket({"path": path, "size": 2 * BUCKET})
         for name, t in align_vllm_worker.bucket_tensors(conn, view):
             got[name] = t.clone()
     except Exception as exc:  # reported in the output

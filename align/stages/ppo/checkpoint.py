@@ -124,6 +124,7 @@ def save_checkpoint(ctx: StageContext, accelerator, iteration: int, trainable_on
     final = ctx.checkpoints / f"iter-{iteration}"
     tmp = ctx.checkpoints / f".iter-{iteration}"
     accelerator.save_state(str(tmp), **_model_kwargs(accelerator, trainable_only, saving=True))
+    accelerator.wait_for_everyone()  # every process's files written (its RNG state last, with no barrier after it)
     if accelerator.is_local_main_process:
         fsync_tree(tmp)
     accelerator.wait_for_everyone()
