@@ -328,15 +328,22 @@ def hold_stage(stage_dir: str | Path) -> None:
     import fcntl
     import os
 
+    import time
+
     try:
         fd = os.open(Path(stage_dir) / STAGE_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError:
         return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        _HELD.append(fd)
-    except OSError:
-        os.close(fd)
+    for _ in range(50):  # a runner's probe (stage_in_use) holds it exclusively for an instant
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            _HELD.append(fd)
+            return
+        except BlockingIOError:
+            time.sleep(0.02)
+        except OSError:  # no flock on this filesystem
+            break
+    os.close(fd)
 
 
 def stage_in_use(stage_dir: str | Path, wait_s: float = 30.0) -> bool:

@@ -120,7 +120,7 @@ class RunLock:
             os.fsync(fd)
             if unlocked:  # two runners that read the record at once both wrote theirs: the last written holds
                 time.sleep(SETTLE_S)
-                holder = self._holder(fd)
+                holder = self._reread()
                 if holder.get("pid") != os.getpid() or holder.get("host") != socket.gethostname():
                     raise RunLockedError(self._busy(holder) + " (it took the run directory as this runner did)")
         except BaseException:
@@ -128,6 +128,18 @@ class RunLock:
             raise
         self.fd = fd
         return self
+
+    def _reread(self) -> dict:
+        """The record as the file holds it now, through a descriptor of its own: NFS shows another client's write to
+        a file opened after it (close-to-open), not to one this process already has open and cached."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return {}
+        try:
+            return self._holder(fd)
+        finally:
+            os.close(fd)
 
     def _live_holder(self, fd: int) -> dict:
         """The record of the runner holding the lock. It writes the record just after taking the lock, so for
