@@ -670,8 +670,16 @@ def test_a_cuda_ipc_handle_the_engine_cannot_open_falls_back_to_dev_shm(tmp_path
         replies = [{"ok": False, "unopened": True, "error": "RuntimeError: CUDA error: invalid resource handle"},
                    {"ok": True}, {"ok": True, "tensors": 2, "in_place": ""}]
 
+        news: list = []
+        sock = None
+
         def send(self, msg):
             self.sent.append((msg["op"], "cuda" in msg, "path" in msg))
+            if "new" in msg:
+                self.news.append(msg["new"])
+
+        def fileno(self):  # where the descriptors of storages read where they lie are passed (weight_sync: shared)
+            return self.sock.fileno()
 
         def poll(self, timeout):
             return True
@@ -715,3 +723,24 @@ def test_a_cuda_ipc_handle_the_engine_cannot_open_falls_back_to_dev_shm(tmp_path
     with pytest.raises(EngineError, match="weight_sync: host"):
         engine.sync_weights(model)
     assert Answers.sent == [("stream", True, False), ("chunk", False, False)] and engine._bucket is None
+
+    # weight_sync: shared: the storages the failed attempt shared went with the chunk the engine dropped; the
+    # attempt through /dev/shm hands them over again (else the engine is named storages it never mapped)
+    import socket
+    from types import SimpleNamespace
+
+    del model.weight.ds_id
+    here, there = socket.socketpair()
+    Answers.sock, Answers.news = here, []
+    Answers.replies = [{"ok": False, "unopened": True, "error": "RuntimeError: invalid handle"}, {"ok": True},
+                       {"ok": True, "tensors": 2, "in_place": ""}]
+    engine.weight_sync, engine.proc = "shared", SimpleNamespace(pid=os.getpid(), poll=lambda: None)
+    engine.ipc_problem, engine._bucket, engine._synced = None, None, None
+    try:
+        engine.sync_weights(model)
+        assert len(Answers.news) == 2 and len(Answers.news[0]) == len(Answers.news[1]) == 2, Answers.news
+        assert len(engine._held) == 2 and not engine.broken and engine.last_sync["host_tensors"] == 2
+    finally:
+        engine._bucket.close()
+        here.close()
+        there.close()

@@ -83,6 +83,7 @@ class BucketSync:
         --ipc=host, a GPU it does not see), it loaded nothing: the sync goes again through /dev/shm, said once, and
         so do the later ones. Not under ZeRO-3 without the node's bucket: the other processes gathered each layer
         once with this one, and a second pass would wait for them."""
+        held = dict(self._held)
         try:
             return self._sync_shared(model, changed_only)
         except BucketUnopened as exc:
@@ -90,6 +91,8 @@ class BucketSync:
                 raise
             self._bucket.close()
             self._bucket = None
+            self._held.clear()  # storages this attempt shared went with the last chunk, which the engine dropped
+            self._held.update(held)
             if partitioned(model):
                 raise EngineError(f"{exc}; the bucket is on the GPU, shared by CUDA IPC: generation.weight_sync: "
                                   "host syncs through /dev/shm instead") from None
