@@ -23,7 +23,8 @@ How the figures are computed (N = the parameters a token is multiplied by: the i
 LM head is tied to it, a scalar model's never counted; attention FLOPs are left out, so MFU is a slight underestimate):
   tokens/s  training stages: non-padding tokens trained (TRL's count) / the optimiser steps' time, taken as the mean
             step after the first times the steps (`perf/step_seconds`: checkpoint saves, evaluations and the first
-            step's kernel compilation are not in it; the stage's whole time is the table's "stage s"); preferences
+            step's kernel compilation are not in it, nor fetching and collating batches, which transformers does
+            before a step begins; the stage's whole time is the table's "stage s"); preferences
             and evaluate: response tokens sampled / sampling time; PPO: response tokens / iteration time, the first
             (warm-up) iteration left out.
   MFU       FLOPs / time / the GPU's dense bf16 peak (spec sheet: H100/H200 SXM 989 TFLOP/s, NVL 836, H100 PCIe 756).
@@ -276,8 +277,9 @@ def training_rates(m: dict, flops_per_token: float) -> dict:
         seconds, timed = m.get("perf/train_seconds"), "train runtime"
     if not seconds or not steps:
         return {}
+    over_runtime = m.get("perf/tokens_per_s") if timed == "train runtime" else None  # (no count: not over the steps)
     return {"step_seconds": seconds / steps, "timed": timed, "train_seconds": m.get("perf/train_seconds"),
-            "tokens_per_s": tokens / seconds if tokens else m.get("perf/tokens_per_s"),
+            "tokens_per_s": tokens / seconds if tokens else over_runtime,
             "flops_per_s": flops_per_token * tokens / seconds if tokens else None}
 
 

@@ -176,16 +176,19 @@ def test_gpu_proof_script_runs_end_to_end_in_its_cpu_dry_run(tmp_path):
 
 
 def test_gpu_proof_out_of_time_still_writes_its_summary_and_fails(tmp_path):
-    """A budget too short for the proof: the first step is stopped at its deadline (or skipped), the others are
-    skipped, and the summary and archive are still written (what a lent GPU returns), from whatever the stopped step
+    """A budget too short for the proof: a step is stopped at its deadline or skipped, the last one always, and the
+    summary and archive are still written (what a lent GPU returns), from whatever the stopped step
     left, with a non-zero exit naming the steps that did not complete."""
     proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_proof.sh"), "--dry-run", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=600,
                           env={**__import__("os").environ, "PYTHON": sys.executable, "PROOF_BUDGET_S": "55"})
     assert proc.returncode != 0 and "not every step completed" in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
     proof = json.loads((tmp_path / "proof.json").read_text())
-    # 55 s less the 30 kept back and the version check: (a) stopped within 25 s, or skipped when less was left
-    assert proof["steps"]["a"] in ("124", "skipped") and proof["steps"]["f"] == proof["steps"]["c"] == "skipped"
+    # 55 s less the 30 kept back and the version check: the first step stopped at its deadline or skipped, or (on a
+    # fast machine: the tiny default pipeline in 17 s on an AMD EPYC with AVX-512) done; the last never has the time
+    steps = proof["steps"]
+    assert list(steps) == ["c", "f", "a"] and steps["a"] in ("124", "skipped"), steps
+    assert all(rc in ("0", "124", "skipped") for rc in steps.values()), steps
     md = (tmp_path / "proof.md").read_text()
     assert f"gpu.py did not finish (rc {proof['steps']['a']})" in md and "| sft |" in md, md
     assert (tmp_path / "logs.tar.gz").is_file()

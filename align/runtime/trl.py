@@ -66,15 +66,19 @@ def metrics_callback(ctx: StageContext, name: Callable[[str], str] = metric_name
     class AlignMetrics(TrainerCallback):
         loss: float | None = None
         tokens: float | None = None  # TRL's running count of trained tokens (non-padding), at the last log
-        started: float | None = None
-        step_seconds: list[float]  # each optimiser step's forward, backward and update: no save, eval or log
+        started = None
+        marks: list  # each optimiser step's (begin, end) marks: forward, backward and update; no save, eval or log
+
+        @property
+        def step_seconds(self) -> list[float]:
+            return [_seconds(a, b) for a, b in self.marks]
 
         def on_step_begin(self, args, state, control, **kwargs):
-            self.started = _synced_clock()
+            self.started = _mark()
 
         def on_step_end(self, args, state, control, **kwargs):
             if self.started is not None:
-                self.step_seconds.append(_synced_clock() - self.started)
+                self.marks.append((self.started, _mark()))
             if state.is_world_process_zero:
                 ctx.progress(state.global_step, state.max_steps, loss=self.loss)
 
@@ -98,23 +102,36 @@ def metrics_callback(ctx: StageContext, name: Callable[[str], str] = metric_name
                         step=state.global_step)
 
     callback = AlignMetrics()
-    callback.step_seconds = []
+    callback.marks = []
     return callback
 
 
-def _synced_clock() -> float:
-    """time.perf_counter() once the GPU's queued work has run (a step's kernels run after its Python returns)."""
+def _mark():
+    """A point in the step's time: on a GPU a CUDA event recorded on the current stream (a step's kernels run after
+    its Python returns; an event times them without making the host wait, as a synchronize per step would), else
+    time.perf_counter()."""
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
     return time.perf_counter()
+
+
+def _seconds(begin, end) -> float:
+    """Seconds between two `_mark`s (read once training is over: the events have long completed)."""
+    if isinstance(begin, float):
+        return end - begin
+    end.synchronize()
+    return begin.elapsed_time(end) / 1000.0
 
 
 def step_metrics(step_seconds: list[float]) -> dict[str, float]:
     """perf/step_seconds: the mean optimiser step after the first (which compiles kernels: Liger's Triton, autotuning)
-    as `metrics_callback` timed it, checkpoint saves, evaluations and logging left out; the steady rate MFU is taken
-    at (benchmarks/gpu.py). perf/first_step_seconds beside it. Nothing with fewer than two steps."""
+    as `metrics_callback` timed it, from step begin to step end: checkpoint saves, evaluations and logging left out,
+    and so is fetching and collating the step's batches (transformers does it before the step begins); the steady rate
+    MFU is taken at (benchmarks/gpu.py). perf/first_step_seconds beside it. Nothing with fewer than two steps."""
     if len(step_seconds) < 2:
         return {}
     rest = step_seconds[1:]
