@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
+
 import pytest
 
 from align.report import frontier, seeds
@@ -35,6 +37,16 @@ def test_the_length_controlled_win_rate_is_nan_where_length_and_policy_cannot_be
         assert math.isnan(lc([1, 1, 1, 1], [5, 6, 7, 8], ridge=ridge))
     assert lc([1, 1, 0, 0.5], [0, 0, 0, 0]) == pytest.approx(0.625, abs=1e-3)  # no gap at all: the plain rate
     assert 0 < lc([1, 1, 0, 1, 0], [3, -1, 2, 0, -2]) < 1  # length varies, outcomes too: a fit
+    # the policy always 40-50 tokens longer, outcomes that do not depend on length: equal length is outside the
+    # data, and sigmoid(a) was anything from 0.01 to 0.99 over seeds (the truth 0.70); one pair in 20 on the other
+    # side is not enough either (MIN_SIDE: 10%)
+    seed = 30
+    print(f"seed {seed}")
+    rng = np.random.default_rng(seed)
+    wins = (rng.random(256) < 0.7).astype(float).tolist()
+    assert math.isnan(lc(wins, rng.uniform(40, 50, 256).tolist()))
+    assert math.isnan(lc(wins[:20], [-3.0] + rng.uniform(40, 50, 19).tolist()))
+    assert 0 < lc(wins[:20], [-3.0, -5.0] + rng.uniform(40, 50, 18).tolist()) < 1
 
 
 def _cfg(**kw):

@@ -32,7 +32,8 @@ def test_two_processes_score_disjoint_batches_and_return_what_one_process_return
     rejected = [len(r["prompt"]) * 0.1 + len(r["rejected"]) + 0.01 * len(rows[i - i % 3:i - i % 3 + 3])
                 for i, r in enumerate(rows)]
     assert alone["chosen_scores"] == pytest.approx(chosen, abs=1e-12)
-    assert alone["accuracy"] == sum(c > r for c, r in zip(chosen, rejected)) / len(rows)
+    assert alone["accuracy"] == sum((c > r) + 0.5 * (c == r) for c, r in zip(chosen, rejected)) / len(rows)  # tie: half
+    assert alone["ties"] == sum(c == r for c, r in zip(chosen, rejected)) == 1  # the seed gives one
     assert 0 < alone["accuracy"] < 1  # the seed gives both outcomes
 
     store = tmp_path / "store"

@@ -85,3 +85,42 @@ def test_evaluate_names_the_judge_policy_and_prompt_of_a_non_finite_score():
     with pytest.raises(JudgeError, match=r"judge 'reward_model' scored policy 'ppo' nan on held-out prompt 1 \(and 0 "
                                          r"more\): every score must be a finite number"):
         policy_metrics(cfg, {"sft": policy([0.0, 0.5, 1.0]), "ppo": policy([1.0, float("nan"), 2.0])}, seed=3)
+
+
+def test_a_win_rate_of_every_prompt_alike_has_an_interval_not_a_point():
+    """30 wins out of 30: the bootstrap has nothing to resample and gave [1, 1], certainty from 30 prompts, so any
+    'lower bound >= X' bar passed. Wilson's score interval instead, by hand: z = 1.96, n = 30, p = 1: centre
+    (1 + 1.92/30) / (1 + 3.8415/30) = 0.9432, half-width sqrt(3.8415/3600) * 1.96 / ... = 0.0568 -> [0.886, 1]."""
+    from align.report.stats import outcome_ci, pairwise_summary
+
+    lo, hi = outcome_ci([1.0] * 30)
+    assert lo == pytest.approx(0.8865, abs=5e-4) and hi == 1.0
+    r = win_rate([2.0] * 30, [1.0] * 30)
+    assert (r["ci_low"], r["ci_high"]) == (lo, hi)
+    lo0, hi0 = outcome_ci([0.0] * 30)
+    assert lo0 == 0.0 and hi0 == pytest.approx(1 - 0.8865, abs=5e-4)
+    tie_lo, tie_hi = outcome_ci([0.5] * 30)  # every pair a tie: the rate is 0.5, not known to be exactly that
+    assert tie_lo < 0.35 and tie_hi > 0.65
+    mixed = outcome_ci([1.0] * 29 + [0.0])  # not all alike: the bootstrap, as before
+    assert mixed == bootstrap_ci([1.0] * 29 + [0.0])
+    verdicts = [{"outcome": "win", "verdicts": ["A", "B"]}] * 20
+    assert pairwise_summary(verdicts, [10.0] * 20, [9.0] * 20)["win_rate_ci"][0] < 0.9
+
+
+def test_a_reward_model_tie_counts_half_in_accuracy_and_calibration():
+    """A margin of 0 (the model scores both alike) counted as wrong: a constant reward model read accuracy 0 where
+    every win rate reads a tie as 0.5."""
+    from align.judges import pointwise
+    from align.report.stats import calibration_buckets
+
+    assert calibration_buckets([0.0, 0.0, 0.0, 0.0])[0]["accuracy"] == 0.5
+    assert [b["accuracy"] for b in calibration_buckets([0.0, 1.0, -2.0, 3.0])] == [0.5, 1.0, 0.0, 1.0]
+
+    class Constant:  # a reward model whose head learned nothing: every text scores the same
+        batch_size = 2
+
+        def __call__(self, prompts, responses):
+            return [0.25] * len(responses)
+
+    r = pointwise.pairwise_accuracy(Constant(), [{"prompt": "p", "chosen": "a", "rejected": "b"}] * 3)
+    assert r["accuracy"] == 0.5 and r["ties"] == 3

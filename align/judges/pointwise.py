@@ -177,7 +177,8 @@ def check_same_tokenizer(stage: str, policy: str, policy_tokenizer, reward_token
 
 def pairwise_accuracy(judge: RewardModelJudge, pairs: list[dict[str, Any]], rank: int = 0,
                       world: int = 1) -> dict[str, float]:
-    """Fraction of pairs whose chosen response scores above the rejected one, and the mean margin (each text
+    """Fraction of pairs whose chosen response scores above the rejected one (a tie counts half, as in every win
+    rate: a model that scores both alike is at chance, not wrong; `ties` counts them), and the mean margin (each text
     scored by the one rule, as the model was trained on it: align/judges/pointwise.py).
 
     Over several processes (`rank` of `world`: a collective every process joins) each scores every world-th batch of
@@ -196,6 +197,7 @@ def pairwise_accuracy(judge: RewardModelJudge, pairs: list[dict[str, Any]], rank
     chosen = [s for start in sorted(mine) for s in mine[start][0]]
     rejected = [s for start in sorted(mine) for s in mine[start][1]]
     margins = [c - r for c, r in zip(chosen, rejected)]
-    return {"accuracy": sum(m > 0 for m in margins) / len(margins), "margin": sum(margins) / len(margins),
+    return {"accuracy": sum(1.0 if m > 0 else 0.5 if m == 0 else 0.0 for m in margins) / len(margins),  # a tie: half
+            "ties": sum(m == 0 for m in margins), "margin": sum(margins) / len(margins),
             "chosen": sum(chosen) / len(chosen), "rejected": sum(rejected) / len(rejected),
             "margins": margins, "chosen_scores": chosen, "rejected_scores": rejected}

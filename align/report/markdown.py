@@ -68,9 +68,16 @@ def headline(cfg: EvaluateStage, m: dict[str, Any], groups: list[frontier.Group]
             lo, hi = m[f"{key}/win_rate_ci"]
             agree = ", ".join(f"{m.get(f'{key}/agreement/{j}', float('nan')):.3f} "
                               f"(n={m.get(f'{key}/agreement/{j}/pairs', 0):.0f})" for j in cfg.judges) or "-"
-            lines.append(f"| {p} | {m[f'{key}/win_rate']:.3f} [{lo:.3f}, {hi:.3f}] | {m[f'{key}/lc_win_rate']:.3f} | "
+            lc = m[f"{key}/lc_win_rate"]
+            lc_cell = f"{lc:.3f}" if lc == lc else "n/a"  # NaN: stats.length_controlled_win_rate could not tell
+            lines.append(f"| {p} | {m[f'{key}/win_rate']:.3f} [{lo:.3f}, {hi:.3f}] | {lc_cell} | "
                          f"{m[f'{key}/tie_rate']:.3f} | {m[f'{key}/consistency']:.3f} | {m[f'{key}/invalid_rate']:.3f} | "
                          f"{agree} |")
+    if any(m[f"eval/{p}/{j.name}/lc_win_rate"] != m[f"eval/{p}/{j.name}/lc_win_rate"]
+           for j in cfg.pairwise for p in cfg.policies if p != cfg.baseline):
+        lines += ["", "length-controlled n/a: the lengths cannot be told from the policy (fewer than 10% of the pairs "
+                  "on one side of equal length, or every pair the same length apart), and a rate at equal length "
+                  "would be an extrapolation"]
     judged = {j.name: next((int(m[f"eval/{p}/{j.name}/pairs"]) for p in cfg.policies if p != cfg.baseline), 0)
               for j in cfg.pairwise}
     swept = seeds.table(m, groups or [], judges, [j.name for j in cfg.pairwise], cfg.reference, cfg.baseline)

@@ -25,10 +25,26 @@ def bootstrap_ci(values: np.ndarray | list[float], samples: int = 2000, level: f
     return float(lo), float(hi)
 
 
+def outcome_ci(outcomes: np.ndarray | list[float], samples: int = 2000, seed: int = 0,
+               z: float = 1.959964) -> tuple[float, float]:
+    """95% CI of a win rate from its per-prompt outcomes (1 win, 0.5 tie, 0 loss): the percentile bootstrap
+    (`bootstrap_ci`), except where every outcome is the same: the bootstrap then has nothing to resample and gives
+    an interval of width 0 ([1, 1] for 30 wins out of 30, certainty from 30 prompts), and Wilson's score interval at
+    that rate is given instead (Wilson 1927, "Probable inference...", JASA 22: the centre (p + z^2/2n) / (1 + z^2/n),
+    the half-width z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n)): [0.886, 1] for 30 of 30."""
+    v = np.asarray(outcomes, dtype=float)
+    if len(v) == 0 or v.min() != v.max():
+        return bootstrap_ci(v, samples, seed=seed)
+    n, p = len(v), float(v[0])
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return float(max(0.0, centre - half)), float(min(1.0, centre + half))
+
+
 def win_rate(scores: list[float], baseline: list[float], samples: int = 2000, seed: int = 0) -> dict[str, float]:
-    """Win rate against a baseline on the same prompts (ties count half), its 95% CI and n."""
+    """Win rate against a baseline on the same prompts (ties count half), its 95% CI (`outcome_ci`) and n."""
     w = win_indicators(scores, baseline)
-    lo, hi = bootstrap_ci(w, samples, seed=seed)
+    lo, hi = outcome_ci(w, samples, seed=seed)
     return {"win_rate": float(w.mean()), "ci_low": lo, "ci_high": hi, "n": int(len(w))}
 
 
@@ -50,6 +66,7 @@ def perplexity(logprob_sums: list[float], token_counts: list[float]) -> float:
 
 # --------------------------------------------------------------------------------------------- pairwise judges
 OUTCOME_VALUE = {"win": 1.0, "tie": 0.5, "loss": 0.0}
+MIN_SIDE = 0.1  # the length-controlled win rate: the least share of pairs on each side of equal length
 
 
 def length_controlled_win_rate(values: list[float], length_diff: list[float], ridge: float = 1e-3,
@@ -62,8 +79,10 @@ def length_controlled_win_rate(values: list[float], length_diff: list[float], ri
     targets for ties) with a small L2 penalty on (a, b), so a perfectly separated sample still has a finite fit.
     With no length difference at all, it is the plain win rate. NaN where the data cannot tell length from the
     policy: every pair differs in length by the same amount (the length term and the intercept are one column), or
-    the outcomes are all wins (or all losses) with the policy always longer (or always shorter): equal length is
-    then outside the data and any sigmoid(a) fits it, the penalty alone would choose one."""
+    equal length lies outside the data: fewer than `MIN_SIDE` of the pairs have the policy no longer, or fewer no
+    shorter, than the baseline. sigmoid(a) is then an extrapolation to where there are no pairs (with the policy
+    always 40-50 tokens longer and outcomes that do not depend on length, 0.04 to 0.99 over seeds where the truth is
+    0.70; before, only all wins or all losses with the policy always longer or shorter was refused)."""
     y = np.asarray(values, dtype=float)
     d = np.asarray(length_diff, dtype=float)
     if len(y) == 0:
@@ -71,7 +90,7 @@ def length_controlled_win_rate(values: list[float], length_diff: list[float], ri
     sd = d.std()
     if sd == 0 and d.any():
         return float("nan")
-    if (np.all(y == 1) or np.all(y == 0)) and (np.all(d > 0) or np.all(d < 0)):
+    if sd > 0 and min(np.mean(d <= 0), np.mean(d >= 0)) < MIN_SIDE:
         return float("nan")
     x = d / sd if sd > 0 else np.zeros_like(d)  # not centred: x = 0 is equal length
     X = np.stack([np.ones_like(x), x], axis=1)
@@ -108,7 +127,7 @@ def pairwise_summary(results: list[dict], policy_lengths: list[float], baseline_
     if not valid:
         return {**out, "win_rate": float("nan"), "win_rate_ci": [float("nan"), float("nan")],
                 "tie_rate": float("nan"), "consistency": float("nan"), "lc_win_rate": float("nan")}
-    lo, hi = bootstrap_ci(values, samples, seed=seed)
+    lo, hi = outcome_ci(values, samples, seed=seed)
     flips = sum(1 for i in valid if {"A": "B", "B": "A", "tie": "tie"}[results[i]["verdicts"][0]] !=
                 results[i]["verdicts"][1])
     out.update({"win_rate": float(np.mean(values)), "win_rate_ci": [lo, hi],
@@ -126,12 +145,13 @@ def pairwise_summary(results: list[dict], policy_lengths: list[float], baseline_
 
 
 def calibration_buckets(margins: list[float], n_buckets: int = 4) -> list[dict[str, float]]:
-    """Accuracy by |margin| quantile bucket: a calibrated reward model is more often right when it is surer."""
+    """Accuracy by |margin| quantile bucket (a tie, margin 0, counts half, as in every win rate): a calibrated reward
+    model is more often right when it is surer."""
     ordered = sorted(margins, key=abs)
     if not ordered:
         return []
     out = []
     for chunk in np.array_split(np.asarray(ordered, dtype=float), min(n_buckets, len(ordered))):  # sizes differ by 1
         out.append({"lo": float(abs(chunk[0])), "hi": float(abs(chunk[-1])), "n": len(chunk),
-                    "accuracy": float((chunk > 0).mean())})
+                    "accuracy": float(((chunk > 0) + 0.5 * (chunk == 0)).mean())})
     return out

@@ -51,7 +51,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
                                           load=lambda p, pad: ctx.load_scalar(p, pad, device=True, frozen=True),
                                           trust_remote_code=ctx.pipeline.trust_remote_code)
         held_out = pairwise_accuracy(judge, test, ctx.state.process_index, ctx.state.num_processes)
-        metrics = {"eval/rewards/accuracy": held_out["accuracy"], "eval/rewards/margin": held_out["margin"],
+        metrics = {"eval/rewards/accuracy": held_out["accuracy"], "eval/rewards/ties": held_out["ties"],
+                   "eval/rewards/margin": held_out["margin"],
                    "eval/rewards/chosen": held_out["chosen"], "eval/rewards/rejected": held_out["rejected"],
                    "eval/pairs": len(test)}
         ctx.log(metrics, step=trainer.state.global_step)
