@@ -61,3 +61,38 @@ def test_the_peak_is_the_cards_own():
     assert gpu.peak_tflops("NVIDIA H200") == 989.4 and gpu.peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
     assert gpu.peak_tflops("NVIDIA H200 NVL") == 835.5 and gpu.peak_tflops("NVIDIA H100 PCIe") == 756.0
     assert gpu.peak_tflops("NVIDIA GeForce RTX 4090") is None
+
+
+def test_generation_seconds_are_the_engines_sampling_alone():
+    """preferences' and evaluate's perf/generation_seconds (what their tokens/s and benchmarks/gpu.py's sampling MFU
+    are over) held loading each policy, its weight sync, the log-prob passes and the judges' scoring. Sampling alone
+    now: here an engine that takes 0.05 s a batch and a judge that takes 0.2 s."""
+    import torch
+
+    from align.config import Generation
+    from align.modeling.generation import sample_texts
+
+    class Rollout:
+        def __init__(self, n):
+            self.response_mask = torch.ones(n, 3)
+
+        def texts(self, tokenizer):
+            return ["ok"] * len(self.response_mask)
+
+    class Engine:
+        def generate(self, batch, gen, seed):
+            time.sleep(0.05)
+            return Rollout(len(batch))
+
+    def tokenizer(prompts, add_special_tokens=True):
+        return {"input_ids": [p.split() for p in prompts]}
+
+    def slow_judge(rollout, prompts):
+        time.sleep(0.2)
+        return torch.zeros(len(prompts))
+
+    counts: dict = {}
+    sample_texts(Engine(), tokenizer, ["a b", "c", "d e f", "g"], Generation(batch_size=2), seed=0, counts=counts,
+                 score=slow_judge)
+    assert counts["generated_tokens"] == 12
+    assert 0.1 <= counts["generation_seconds"] < 0.3, counts  # two batches of 0.05 s; the 0.4 s of judging not in it

@@ -7,6 +7,8 @@ left padding does not shift them.
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -189,14 +191,16 @@ def sample_texts(engine, tokenizer, prompts: list[str], gen: Generation, seed: i
     length-sorted batches of gen.batch_size, returned
     in the order of `prompts`, with each one's score by `score(rollout, prompts)` when given (a judge reads the
     sampled ids, not a re-tokenised text; [] without). `counts["generated_tokens"]` is increased by the response
-    tokens sampled."""
+    tokens sampled and `counts["generation_seconds"]` by the time the engine took to sample them (scoring not in it)."""
     order = by_length(tokenizer, prompts)
     texts: list[str] = [""] * len(prompts)
     scores: list[float] = [0.0] * len(prompts) if score is not None else []
     for start in range(0, len(prompts), gen.batch_size):
         idx = order[start:start + gen.batch_size]
         batch = [prompts[i] for i in idx]
+        t0 = time.perf_counter()
         r = engine.generate(batch, gen, seed=seed + start)
+        sampled = time.perf_counter() - t0
         batch_scores = score(r, batch).tolist() if score is not None else []
         for j, (i, text) in enumerate(zip(idx, r.texts(tokenizer))):
             texts[i] = text
@@ -204,6 +208,7 @@ def sample_texts(engine, tokenizer, prompts: list[str], gen: Generation, seed: i
                 scores[i] = batch_scores[j]
         if counts is not None:
             counts["generated_tokens"] = counts.get("generated_tokens", 0) + int(r.response_mask.sum())
+            counts["generation_seconds"] = counts.get("generation_seconds", 0.0) + sampled
     return texts, scores
 
 

@@ -54,11 +54,13 @@ def sample_with_kl(engine: RolloutEngine, policy, reference, tokenizer, prompts:
     scores = {name: [0.0] * n for name in judges or {}}
     gen = cfg.generation
     order = by_length(tokenizer, prompts)
-    gap = None
+    gap, sampling = None, 0.0
     for start in list(range(0, n, gen.batch_size))[rank::world]:
         on_batch(start)
         idx = order[start:start + gen.batch_size]
+        t0 = time.perf_counter()
         r = engine.generate([prompts[i] for i in idx], gen, seed=seed + start)
+        sampling += time.perf_counter() - t0
         lp = response_logprobs(policy, r, gen.temperature)
         if r.engine_logprobs is not None:  # several processes: checked once gathered, on all of them alike (below)
             gap = nan_max([gap or 0.0, logprob_gap(r.engine_logprobs, lp, r.response_mask)["max"]])
@@ -74,19 +76,19 @@ def sample_with_kl(engine: RolloutEngine, policy, reference, tokenizer, prompts:
             for i, s in zip(idx, judge.score_rollout(r, [prompts[i] for i in idx], tokenizer).tolist()):
                 scores[name][i] = s
     if world > 1:
-        texts, kls, lengths, ref_sums, scores, gap = _gathered(order, gen.batch_size, rank, world, texts, kls, lengths,
-                                                               ref_sums, scores, gap)
+        texts, kls, lengths, ref_sums, scores, gap, sampling = _gathered(order, gen.batch_size, rank, world, texts,
+                                                                         kls, lengths, ref_sums, scores, gap, sampling)
         if gap is not None:
             check_gap(gap, gen.max_logprob_gap, f"evaluation (every process's batches, {n} prompts)", engine.log_path)
-    return texts, kls, lengths, ref_sums, scores, gap
+    return texts, kls, lengths, ref_sums, scores, gap, sampling
 
 
 def _gathered(order: list[int], batch_size: int, rank: int, world: int, *columns):
     """Every process's share of sample_with_kl's results, merged by prompt index (a collective)."""
-    texts, kls, lengths, ref_sums, scores, gap = columns
+    texts, kls, lengths, ref_sums, scores, gap, sampling = columns
     mine = [i for start in list(range(0, len(order), batch_size))[rank::world] for i in order[start:start + batch_size]]
     local = {"rows": {i: (texts[i], kls[i], lengths[i], ref_sums[i], {j: s[i] for j, s in scores.items()})
-                      for i in mine}, "gap": gap}
+                      for i in mine}, "gap": gap, "sampling": sampling}
     shares = all_gather_objects(local)
     for share in shares:
         for i, (text, kl, length, ref_sum, judged) in share["rows"].items():
@@ -94,14 +96,16 @@ def _gathered(order: list[int], batch_size: int, rank: int, world: int, *columns
             for j, s in judged.items():
                 scores[j][i] = s
     gaps = [s["gap"] for s in shares if s["gap"] is not None]
-    return texts, kls, lengths, ref_sums, scores, (nan_max(gaps) if gaps else None)
+    return (texts, kls, lengths, ref_sums, scores, (nan_max(gaps) if gaps else None),
+            max(s["sampling"] for s in shares))  # the processes sample side by side: the slowest's time
 
 
 def sample_policies(ctx: StageContext, cfg: EvaluateStage, engine: RolloutEngine, reference, tokenizer,
                     prompts: list[str], judges: dict[str, WeightedJudge]):
-    """Each policy's samples (sample_with_kl) through `engine`, synced to the policy first; the seconds it took,
-    the response tokens generated, and each policy's largest engine-vs-policy log-prob gap (vllm only)."""
-    t0, generated = time.perf_counter(), 0
+    """Each policy's samples (sample_with_kl) through `engine`, synced to the policy first; the seconds the engine
+    took to sample (loading, syncing, the log-prob passes and scoring not in it: what the throughput is over), the
+    response tokens generated, and each policy's largest engine-vs-policy log-prob gap (vllm only)."""
+    sampling, generated = 0.0, 0
     samples: dict[str, dict[str, Any]] = {}
     gaps: dict[str, float] = {}
     total = len(cfg.policies) * len(prompts)
@@ -113,13 +117,13 @@ def sample_policies(ctx: StageContext, cfg: EvaluateStage, engine: RolloutEngine
         if i == 0:
             ctx.note_engine(engine, synced=True)  # again: now it says how the weights travelled
         with ctx.compute.autocast():
-            texts, kls, lengths, ref_sums, scores, gap = sample_with_kl(
+            texts, kls, lengths, ref_sums, scores, gap, seconds = sample_with_kl(
                 engine, policy, reference, tokenizer, prompts, cfg, ctx.seed,
                 lambda done: ctx.progress(i * len(prompts) + done, total, policy=name),  # noqa: B023 (called now)
                 judges=judges,
                 rank=ctx.state.process_index, world=ctx.state.num_processes)
             ctx.progress((i + 1) * len(prompts), total, policy=name)
-        generated += int(sum(lengths))
+        generated, sampling = generated + int(sum(lengths)), sampling + seconds
         del policy
         release(engine)  # an engine that maps the policy's weights lets them go before the next policy loads
         if not engine.holds_own_weights:  # the hf engine samples from the policy itself: let it go before the next
@@ -128,7 +132,7 @@ def sample_policies(ctx: StageContext, cfg: EvaluateStage, engine: RolloutEngine
         samples[name] = {"responses": texts, "kl": kls, "length": lengths, "ref_logprob": ref_sums, "scores": scores}
         if gap is not None:
             gaps[name] = gap
-    return samples, time.perf_counter() - t0, generated, gaps
+    return samples, sampling, generated, gaps
 
 
 def policy_metrics(cfg: EvaluateStage, samples: dict[str, dict[str, Any]], seed: int) -> dict[str, Any]:
@@ -176,7 +180,8 @@ def reward_model_metrics(ctx: StageContext, cfg: EvaluateStage, judges: dict[str
         acc = pairwise_accuracy(judges["reward_model"].reward_models[cfg.reward], pairs, ctx.state.process_index,
                                 ctx.state.num_processes)
     buckets = calibration_buckets(acc["margins"])
-    return {"eval/reward_model/accuracy": acc["accuracy"], "eval/reward_model/margin": acc["margin"],
+    return {"eval/reward_model/accuracy": acc["accuracy"], "eval/reward_model/ties": acc["ties"],
+            "eval/reward_model/margin": acc["margin"],
             "eval/reward_model/pairs": len(pairs), "eval/reward_model/calibration": buckets,
             "eval/reward_model/chosen_mean": acc["chosen"], "eval/reward_model/rejected_mean": acc["rejected"],
             "eval/reward_model/chosen_std": float(np.std(acc["chosen_scores"])),
@@ -221,9 +226,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
                          fast=ctx.compute.fast_generation(cfg.generation.fast), seed=ctx.seed + 1_000_003 * rank,
                          dtype=ctx.compute.engine_dtype(), max_model_len=max_model_len,
                          log_path=ctx.dir / f"engine.rank{rank}.log", rank=rank, device=ctx.compute.device)
+    t0 = time.perf_counter()
     with closing(engine):
         ctx.note_engine(engine)
         samples, seconds, generated, gaps = sample_policies(ctx, cfg, engine, reference, tokenizer, prompts, judges)
+    wall = time.perf_counter() - t0
     engine_name = engine.name
     del engine, reference  # freed (the hf engine samples with the reference) before a local pairwise judge loads
     free_cached_memory()
@@ -234,7 +241,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
         ctx.publish("../report", lambda out: None)
         return {"eval/prompts": len(prompts)}
     metrics: dict[str, Any] = {"eval/prompts": len(prompts), "perf/generated_tokens": generated,
-                               "perf/generation_seconds": seconds, "perf/tokens_per_s": generated / seconds,
+                               "perf/generation_seconds": seconds, "perf/sampling_seconds": wall,
+                               "perf/tokens_per_s": generated / seconds if seconds else None,
                                "eval/engine": engine_name}
     metrics.update({f"eval/{name}/logprob_gap_max": gap for name, gap in gaps.items()})
     metrics.update(policy_metrics(cfg, samples, ctx.seed))

@@ -76,10 +76,11 @@ def judge_pairwise(ctx: StageContext, cfg: PreferencesStage, records: list[dict[
 
 
 def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts: list[str],
-                   path: str) -> tuple[list[dict[str, Any]], int, float]:
+                   path: str) -> tuple[list[dict[str, Any]], dict[str, float], float]:
     """`samples_per_prompt` responses to every prompt (this process's share) with their judge's scores (pairwise
-    judges give theirs after sampling); returns this process's records, the tokens it generated and when sampling
-    began (perf_counter: model loading and the engine's start-up are not generation time)."""
+    judges give theirs after sampling); returns this process's records, its counts (the tokens it generated and the
+    seconds its engine took: sample_texts) and when sampling began (perf_counter: model loading and the engine's
+    start-up are not in it)."""
     gen = cfg.generation
     # an engine with its own copy of the policy (vllm) starts from `path`: the stage then loads none
     policy = None if holds_own_copy(gen.engine) else ctx.load_lm(path, device=True, frozen=True).eval()
@@ -116,7 +117,7 @@ def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts:
         del policy, engine
         free_cached_memory()
         judge_pairwise(ctx, cfg, records)
-    return records, counts["generated_tokens"], t0
+    return records, counts, t0
 
 
 def split_pairs(ctx: StageContext, cfg: PreferencesStage, records: list[dict[str, Any]]):
@@ -156,15 +157,16 @@ def run(ctx: StageContext) -> dict[str, Any]:
     path = ctx.input_model(cfg.policy)
     tokenizer = ctx.load_tokenizer(path)
     prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer)  # conversations: rendered
-    records, mine_generated, t0 = sample_records(ctx, cfg, tokenizer, prompts, path)
+    records, mine, t0 = sample_records(ctx, cfg, tokenizer, prompts, path)
     records = sorted(gather_object(records), key=lambda r: r["index"])
     if cfg.pairwise is not None:  # over every process's prompts: all of them stop here together, or none does
         from align.judges.pairwise import check_invalid
 
         check_invalid([{"outcome": r["outcome"], "answers": r["verdicts"]} for r in records], cfg.pairwise, ctx.name,
                       "prompts", show=ctx.is_main)
-    seconds = time.perf_counter() - t0
-    generated = sum(gather_object([mine_generated]))
+    seconds = time.perf_counter() - t0  # sampling, scoring and judging; the engine's own time below
+    generated = sum(gather_object([mine["generated_tokens"]]))
+    sampling = max(gather_object([mine.get("generation_seconds", 0.0)]))  # the processes sample side by side
     splits, pairs, ties = split_pairs(ctx, cfg, records)
 
     def write(out: Path) -> None:
@@ -182,7 +184,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
              "preferences/all_pairs_train": len(splits["train_all_pairs"]),
              "preferences/mean_margin": sum(margins) / len(margins),
              "objective/scores": sum(all_scores) / len(all_scores),
-             "perf/generated_tokens": generated, "perf/generation_seconds": seconds,
-             "perf/tokens_per_s": generated / seconds}
+             "perf/generated_tokens": generated, "perf/generation_seconds": sampling,
+             "perf/sampling_seconds": seconds, "perf/tokens_per_s": generated / sampling if sampling else None}
     ctx.log(final, step=0)
     return final
