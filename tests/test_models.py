@@ -101,6 +101,25 @@ def test_evaluation_prompts_overlapping_training_prompts_are_an_error():
         validate(parse_pipeline(raw, "default.yaml"), REPO / "pipelines" / "default.yaml", verbose=False)
 
 
+def test_evaluation_prompts_in_another_form_of_the_training_prompts_are_an_error():
+    """A text card and a chat card over the same HH transcripts key their prompts differently (the text, the
+    messages), so they split differently and the overlap check compared keys that never meet: SFT on the text card
+    and evaluate on the chat card's test split passed validate with every one of its 10 prompts trained on. The
+    check now compares prompts by their turns, whatever their form (the splits are unchanged)."""
+    raw = {"name": "hh_mixed", "base_model": "builtin:tiny-llama", "tokenizer": "../tokenizers/gpt2",
+           "chat_template": "chatml", "seed": 17,
+           "builtin": {"hidden_size": 32, "intermediate_size": 64, "max_position_embeddings": 192, "num_heads": 2,
+                       "num_layers": 2},
+           "stages": {"sft": {"data": "../data_cards/hh_rlhf_harmless_sft.yaml", "max_length": 192, "max_steps": 2},
+                      "evaluate": {"policies": ["sft"], "baseline": "sft", "reference": "sft", "judges": [],
+                                   "reward": None, "preferences": None, "max_prompts": 8, "split": "test",
+                                   "prompts": "../data_cards/hh_rlhf_harmless_chat_pairs.yaml"}}}
+    with pytest.raises(PipelineError, match="evaluation prompts .* also occur in the training prompts of stage 'sft'"):
+        validate(parse_pipeline(raw, "hh_mixed.yaml"), REPO / "pipelines" / "hh_mixed.yaml", verbose=False)
+    raw["stages"]["evaluate"]["prompts"] = "../data_cards/movie_review_snippets.yaml"  # prompts no stage trains on
+    validate(parse_pipeline(raw, "hh_mixed.yaml"), REPO / "pipelines" / "hh_mixed.yaml", verbose=False)
+
+
 @pytest.mark.parametrize("stage", ["dpo", "reward"])
 def test_evaluation_prompts_a_preference_stage_trained_on_are_an_error(stage):
     raw = yaml.safe_load((REPO / "pipelines" / "default.yaml").read_text())

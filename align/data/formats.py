@@ -19,6 +19,7 @@ The named transforms a card may apply before its rows are checked against their 
 from __future__ import annotations
 
 import json
+import re
 import unicodedata
 from collections import Counter
 from dataclasses import dataclass
@@ -56,6 +57,49 @@ def prompt_key(prompt: str | list[dict[str, str]]) -> str:
     like a `messages` row's earlier turns (`row_prompt_key`), so a messages card and a preference card over the
     same transcripts split alike, and their overlap is found."""
     return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
+_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+
+
+def parse_hh_turns(transcript: str) -> list[tuple[str, str]]:
+    """Split an Anthropic HH transcript ("\\n\\nHuman: ...\\n\\nAssistant: ...") into (role, text) turns."""
+    pieces = _HH_TURN.split(transcript)
+    if pieces[0].strip():
+        raise FormatError("transcript does not start with '\\n\\nHuman:'")
+    turns = []
+    for role, text in zip(pieces[1::2], pieces[2::2]):
+        turns.append(("user" if role == "Human" else "assistant", text.strip()))
+    if not turns or turns[-1][0] != "assistant":
+        raise FormatError("transcript does not end with an Assistant turn")
+    return turns
+
+
+def turns_key(prompt: str | list[dict[str, str]]) -> str:
+    """A prompt by its turns, whatever its form, for the overlap check between training and evaluation prompts (the
+    splits keep `prompt_key`): a conversation's (role, text) turns; a text prompt in Anthropic's HH format
+    ("\n\nHuman: ...\n\nAssistant:") parsed into its turns; any other text one user turn. A text card and a chat
+    card over the same transcripts key the same prompt alike, so training on one and evaluating on the other is
+    found."""
+    if isinstance(prompt, str):
+        turns = [("user", prompt.strip())]
+        if prompt.startswith("\n\nHuman:") and prompt.rstrip().endswith("\n\nAssistant:"):
+            try:
+                turns = parse_hh_turns(prompt.rstrip() + " .")[:-1]  # the final cue, given a reply to parse
+            except FormatError:
+                pass
+    else:
+        turns = [(m["role"], m["content"].strip()) for m in prompt]
+    return json.dumps(turns)
+
+
+def row_turns_key(row: dict[str, Any]) -> str | None:
+    """`turns_key` of what a row prompts with: its `prompt`, or a `messages` row's turns before the last one."""
+    if "prompt" in row:
+        return turns_key(row["prompt"])
+    if "messages" in row:
+        return turns_key(row["messages"][:-1])
+    return None
 
 
 def row_prompt_key(row: dict[str, Any]) -> str | None:

@@ -10,14 +10,13 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-import re
 import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
 from align.core.userfunc import import_function
-from align.data.formats import FormatError, Rows, text_of
+from align.data.formats import FormatError, Rows, parse_hh_turns, text_of
 
 def prefix_words(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
     """Split `text` into a prompt of the first k words (k uniform in [lo, hi]) and the rest as completion.
@@ -42,22 +41,6 @@ def prefix_words(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
             continue
         out.append({**_keep(row), "prompt": " ".join(words[:k]), "completion": " " + " ".join(words[k:])})
     return out, dropped
-
-
-_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
-
-
-def parse_hh_turns(transcript: str) -> list[tuple[str, str]]:
-    """Split an Anthropic HH transcript ("\\n\\nHuman: ...\\n\\nAssistant: ...") into (role, text) turns."""
-    pieces = _HH_TURN.split(transcript)
-    if pieces[0].strip():
-        raise FormatError("transcript does not start with '\\n\\nHuman:'")
-    turns = []
-    for role, text in zip(pieces[1::2], pieces[2::2]):
-        turns.append(("user" if role == "Human" else "assistant", text.strip()))
-    if not turns or turns[-1][0] != "assistant":
-        raise FormatError("transcript does not end with an Assistant turn")
-    return turns
 
 
 def render_hh_prompt(turns: list[tuple[str, str]]) -> str:
