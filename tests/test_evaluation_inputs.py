@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from align.report import frontier, seeds
+from conftest import REPO
 
 SEED = 20261129
 
@@ -114,3 +115,24 @@ def test_pairwise_judges_that_would_hide_a_sample_or_judge_nothing_are_refused(m
     with pytest.raises(ValueError, match=r"pairwise: each policy is judged against the baseline 'sft', and policies "
                                          r"lists no other"):
         _cfg(policies=["sft"]).check(ctx)
+
+
+def test_every_stage_that_samples_prompts_drops_empty_ones_and_counts_them(monkeypatch):
+    """PPO, GRPO and RLOO read their prompts with unique_prompts(load_rows(...)), which keeps an empty one (evaluate
+    and preferences went through load_prompts, which drops it): a prompt of nothing, left-padded, is a row with no
+    token to attend to. Every stage that samples now reads its prompts through load_prompts."""
+    import ast
+    from types import SimpleNamespace
+
+    from align.runtime import rows
+
+    monkeypatch.setattr(rows, "load_rows", lambda ctx, ref, split, tokenizer=None: [
+        {"prompt": "Rate this film:"}, {"prompt": ""}, {"prompt": " \u200b\n"}, {"prompt": "Rate this film:"},
+        {"prompt": "Go on:"}])
+    ctx = SimpleNamespace(name="ppo", extra_manifest={})
+    assert rows.load_prompts(ctx, "card.yaml", "train") == ["Rate this film:", "Go on:"]
+    assert ctx.extra_manifest["dropped_rows"] == {"card.yaml split 'train': empty prompt": 2}
+    for module in ("ppo/__init__.py", "online_rl.py", "evaluate.py", "preferences.py"):
+        tree = ast.parse((REPO / "align" / "stages" / module).read_text())
+        called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        assert "load_prompts" in called and "unique_prompts" not in called, module

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from align.config.online_rl import OnlineRLStage
-from align.runtime.rows import load_rows, unique_prompts
+from align.runtime.rows import load_prompts
 from align.judges import judge_weights
 from align.judges.pointwise import check_same_tokenizer, stage_judge
 from align.data.lengths import LengthReport, enforce
@@ -68,7 +68,7 @@ def training_prompts(ctx: StageContext, cfg: OnlineRLStage, tokenizer) -> list[s
     """Distinct prompts (rendered with the chat template when conversational) that leave room for max_new_tokens
     within max_length; longer ones are dropped, counted in the manifest, and refused above
     max_truncated_fraction (align/data/lengths.py)."""
-    prompts = unique_prompts(load_rows(ctx, cfg.prompts, cfg.split, tokenizer=tokenizer))
+    prompts = load_prompts(ctx, cfg.prompts, cfg.split, tokenizer=tokenizer)  # chat: rendered; empty ones dropped
     prompts = prompts[:cfg.max_train_examples] if cfg.max_train_examples else prompts
     room = cfg.max_length - cfg.generation.max_new_tokens
     lengths = [len(ids) for ids in tokenizer(prompts)["input_ids"]] if prompts else []

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from align.config.ppo import PPOStage
-from align.runtime.rows import load_rows, unique_prompts
+from align.runtime.rows import load_prompts
 from align.engines.base import RolloutEngine, across_processes, check_rollout, nan_max, rest
 from align.modeling.generation import Rollout, fused_head_gap
 from align.modeling.compute import leave_sdpa_if_padded
@@ -127,7 +127,7 @@ def make_accelerator(ctx: StageContext, cfg: PPOStage):
 def training_prompts(ctx: StageContext, cfg: PPOStage, tokenizer, reward_stages: list[str]) -> tuple[list[str], list[str]]:
     """The prompts PPO trains on and those it holds out for the KL after each update (split before any model
     loads: a held-out share that leaves too little to train on is refused here)."""
-    prompts = unique_prompts(load_rows(ctx, cfg.prompts, cfg.split, tokenizer=tokenizer))  # chat: rendered
+    prompts = load_prompts(ctx, cfg.prompts, cfg.split, tokenizer=tokenizer)  # chat: rendered; empty ones dropped
     prompts = usable_prompts(ctx, cfg, tokenizer, {n: ctx.load_tokenizer(ctx.input_model(n)) for n in reward_stages},
                              prompts)
     try:
