@@ -78,7 +78,7 @@ def parse_hh_turns(transcript: str) -> list[tuple[str, str]]:
 def turns_key(prompt: str | list[dict[str, str]]) -> str:
     """A prompt by its turns, whatever its form, for the overlap check between training and evaluation prompts (the
     splits keep `prompt_key`): a conversation's (role, text) turns; a text prompt in Anthropic's HH format
-    ("\n\nHuman: ...\n\nAssistant:") parsed into its turns; any other text one user turn. A text card and a chat
+    ("\\n\\nHuman: ...\\n\\nAssistant:") parsed into its turns; any other text one user turn. A text card and a chat
     card over the same transcripts key the same prompt alike, so training on one and evaluating on the other is
     found."""
     if isinstance(prompt, str):
