@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, refused, validate
+from conftest import REPO, TINY, refused, run_align, validate
 
 DEFAULT = str(REPO / "pipelines" / "default.yaml")
 
@@ -247,3 +247,17 @@ def test_a_base_model_whose_weights_were_cut_short_or_that_is_a_gguf_folder_is_r
     (folder / "M.Q4.gguf").write_bytes(b"GGUF")
     rc, out = validate(capsys, DEFAULT, f"base_model={folder}")
     refused(out, rc, f"{folder} has no config.json", f"to use its GGUF checkpoint, name the file: {folder / 'M.Q4.gguf'}")
+
+
+@pytest.mark.parametrize("where", ["run", "stage"])
+def test_a_file_where_a_directory_belongs_is_named_before_anything_runs(workdir, where):
+    """A regular file at the run directory's or a stage directory's path was named only by the OS's "File exists"
+    (a traceback for the run directory), and for a stage only at its turn, after the stages before it trained."""
+    run_dir = workdir / "runs" / "default" / "main"
+    path = run_dir if where == "run" else run_dir / "reward"
+    path.parent.mkdir(parents=True)
+    path.write_text("notes")
+    proc = run_align("run", "pipelines/default.yaml", "--run-id", "main", "tracking.wandb=disabled", *TINY, cwd=workdir)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"{path.relative_to(workdir)} is a file where align keeps the {where}'s directory: move it away" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (run_dir / "sft").exists() and path.read_text() == "notes"

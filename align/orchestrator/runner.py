@@ -89,12 +89,7 @@ def _run(cfg: PipelineConfig, source: str | Path, only: str | None, from_stage: 
     if num_processes is not None and num_processes < 1:
         raise PipelineError(f"--num-processes {num_processes}: must be at least 1 (leave it out to use each stage's "
                             "accelerate config)")
-    for flag, value in (("--only", only), ("--from", from_stage)):
-        if value is not None and value not in cfg.stages and value not in swept:
-            names = [*cfg.stages, *swept]
-            hint = difflib.get_close_matches(value, names, n=1)
-            raise PipelineError(f"{flag} {value or repr(value)}: no such stage" + (f"; did you mean '{hint[0]}'?" if hint else "")
-                                + f" (stages: {', '.join(names)})")
+    _check_stage_flags(cfg, swept, only, from_stage)
     print(f"[align] validating {source}", flush=True)
     plans = validate(cfg, source)
     deps = {p.name: p.deps for p in plans}
@@ -108,6 +103,7 @@ def _run(cfg: PipelineConfig, source: str | Path, only: str | None, from_stage: 
     stale = [p.name for p in plans if p.name in selected and (p.name in forced or not up_to_date(p, run_dir, source))]
     to_run = selected & set().union(*(descendants(n, deps) for n in stale))  # and what reruns once they republish
     check_environment(plans, to_run, source)  # a hub token: only for the stages this command runs
+    _check_directories(run_dir, to_run)
     hw = hardware(cfg, nodes=multi.nodes)  # asks nvidia-smi once, for both checks
     memory_preflight(cfg, source, plans, to_run, num_processes, hw, ignore_memory_check)
     gpus = hw.gpus_per_node if hw.detected else 0  # the GPUs present (the pipeline's `hardware:` is not)
@@ -125,6 +121,25 @@ def _run(cfg: PipelineConfig, source: str | Path, only: str | None, from_stage: 
                                trust_completed_inputs, multi, t0)
     except RunLockedError as exc:
         raise PipelineError(str(exc)) from None
+
+
+def _check_stage_flags(cfg: PipelineConfig, swept: dict, only: str | None, from_stage: str | None) -> None:
+    """--only and --from name a stage of the pipeline (or a swept stage, meaning all of its variants)."""
+    for flag, value in (("--only", only), ("--from", from_stage)):
+        if value is not None and value not in cfg.stages and value not in swept:
+            names = [*cfg.stages, *swept]
+            hint = difflib.get_close_matches(value, names, n=1)
+            raise PipelineError(f"{flag} {value or repr(value)}: no such stage" + (f"; did you mean '{hint[0]}'?" if hint else "")
+                                + f" (stages: {', '.join(names)})")
+
+
+def _check_directories(run_dir: Path, to_run: set[str]) -> None:
+    """A file where the run's or a stage's directory belongs is named before anything runs (not by the OS's "File
+    exists" at that stage's turn, after the stages before it trained)."""
+    for path in [run_dir, *(run_dir / n for n in sorted(to_run))]:
+        if path.exists() and not path.is_dir():
+            raise PipelineError(f"{path} is a file where align keeps the {'run' if path == run_dir else 'stage'}'s "
+                                "directory: move it away (or delete it), then run again")
 
 
 def up_to_date(plan: StagePlan, run_dir: Path, source: str | Path = "PIPELINE.yaml") -> bool:
