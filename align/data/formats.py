@@ -93,21 +93,13 @@ def turns_key(prompt: str | list[dict[str, str]]) -> str:
     return json.dumps(turns)
 
 
-def row_turns_key(row: dict[str, Any]) -> str | None:
-    """`turns_key` of what a row prompts with: its `prompt`, or a `messages` row's turns before the last one."""
+def row_prompt_key(row: dict[str, Any], key: Callable[[Any], str] = prompt_key) -> str | None:
+    """The key (`prompt_key`, or `turns_key` for the overlap check) of what a row prompts with: its `prompt`, or a
+    `messages` row's turns before the last one."""
     if "prompt" in row:
-        return turns_key(row["prompt"])
+        return key(row["prompt"])
     if "messages" in row:
-        return turns_key(row["messages"][:-1])
-    return None
-
-
-def row_prompt_key(row: dict[str, Any]) -> str | None:
-    """The key of what a row prompts with: its `prompt`, or a `messages` row's turns before the last one."""
-    if "prompt" in row:
-        return prompt_key(row["prompt"])
-    if "messages" in row:
-        return json.dumps(row["messages"][:-1], sort_keys=True)
+        return key(row["messages"][:-1])
     return None
 
 

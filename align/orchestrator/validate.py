@@ -28,7 +28,7 @@ from align.core.builtin import is_builtin
 from align.data.hub import hub_mirror, hub_reachable
 from align.data.cards import (DataCardError, DataUnavailableError, LoadedSplit, load_card,
                               load_split)
-from align.data.formats import row_turns_key
+from align.data.formats import row_prompt_key, turns_key
 from align.orchestrator import helper
 from align.orchestrator.estimate import EstimateError, ModelShape, model_sources
 from align.orchestrator.memory import enabled_lora, missing_lora_targets, targeted
@@ -340,6 +340,11 @@ def _check_card_rows(plan: StagePlan, fld: str, card: Path, data: LoadedSplit, s
                             f"'{data.split}' is empty; a policy would be sampled from nothing")
 
 
+def _turn_keys(rows: list[dict]) -> set[str]:
+    """The rows' prompts by their turns (formats.turns_key), whatever the card's form."""
+    return {k for k in (row_prompt_key(r, turns_key) for r in rows) if k is not None}
+
+
 def _check_eval_overlap(plans: list[StagePlan], split_of, source: str) -> None:
     """Evaluation prompts must not appear among any stage's training prompts, in whatever form either card gives
     them (formats.turns_key: a text card and a chat card over the same transcripts)."""
@@ -348,13 +353,13 @@ def _check_eval_overlap(plans: list[StagePlan], split_of, source: str) -> None:
         if plan.cfg.PROMPTS == "train":
             for fld, card in plan.cards.items():
                 rows = split_of(card, plan.cfg.card_split(fld)).rows  # conversations: keyed by their turns
-                trained.setdefault(plan.name, set()).update(k for k in map(row_turns_key, rows) if k is not None)
+                trained.setdefault(plan.name, set()).update(_turn_keys(rows))
     for plan in plans:
         if plan.cfg.PROMPTS != "held_out":
             continue
         for fld, card in plan.cards.items():
             split = plan.cfg.card_split(fld)
-            held_out = {k for k in map(row_turns_key, split_of(card, split).rows) if k is not None}
+            held_out = _turn_keys(split_of(card, split).rows)
             for name, prompts in trained.items():
                 overlap = held_out & prompts
                 if overlap:
