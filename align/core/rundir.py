@@ -265,17 +265,15 @@ def torn_rng_states(ckpt: Path, world_size: int) -> list[Path] | None:
     return [ckpt / n for n in names if not zipfile.is_zipfile(ckpt / n)]
 
 
-def missing_files(ckpt: Path, reference: Path) -> list[str]:
-    """The files of checkpoint `reference` that `ckpt` lacks, RNG states aside (rundir.torn_rng_states) and DeepSpeed's
-    `global_step<N>` folder matched by its pattern. transformers' rotation removes an old checkpoint (shutil.rmtree,
-    files in no fixed order) right after the new one's trainer state: one killed meanwhile parses but lacks some."""
+def checkpoint_files(root: Path) -> set[str]:
+    """A checkpoint's files, RNG states aside (rundir.torn_rng_states) and DeepSpeed's `global_step<N>` folder named by
+    its pattern: what an older checkpoint must hold of the newest's. transformers' rotation removes an old checkpoint
+    (shutil.rmtree, files in no fixed order) right after the new one's trainer state: one killed meanwhile parses but
+    lacks some."""
     import re
 
-    def files(root: Path) -> set[str]:
-        return {re.sub(r"global_step\d+", "global_step*", str(p.relative_to(root))) for p in root.rglob("*")
-                if p.is_file() and not p.name.startswith("rng_state")}
-
-    return sorted(files(reference) - files(ckpt))
+    return {re.sub(r"global_step\d+", "global_step*", str(p.relative_to(root))) for p in root.rglob("*")
+            if p.is_file() and not p.name.startswith("rng_state")}
 
 
 def choose_checkpoint(checkpoints: Path, world_size: int, log) -> Path | None:
@@ -294,8 +292,9 @@ def choose_checkpoint(checkpoints: Path, world_size: int, log) -> Path | None:
             shutil.rmtree(ckpt)
         else:
             states[ckpt] = torn
+    expected = checkpoint_files(list(states)[-1]) if states else set()
     for ckpt in list(states)[:-1]:
-        lacking = missing_files(ckpt, list(states)[-1])
+        lacking = sorted(expected - checkpoint_files(ckpt))
         if lacking:
             log.warning("removing checkpoint %s: it lacks %s (its removal was cut short)", ckpt, lacking[:3])
             shutil.rmtree(ckpt)
@@ -327,7 +326,6 @@ def hold_stage(stage_dir: str | Path) -> None:
     again meanwhile. Where the filesystem has no flock, nothing is held (the run's lock alone guards)."""
     import fcntl
     import os
-
     import time
 
     try:

@@ -8,7 +8,6 @@ left padding does not shift them.
 from __future__ import annotations
 
 import time
-
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
