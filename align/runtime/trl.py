@@ -67,7 +67,9 @@ def metrics_callback(ctx: StageContext, name: Callable[[str], str] = metric_name
         loss: float | None = None
         tokens: float | None = None  # TRL's running count of trained tokens (non-padding), at the last log
         started = None
-        marks: list  # each optimiser step's (begin, end) marks: forward, backward and update; no save, eval or log
+
+        def __init__(self):
+            self.marks: list = []  # each optimiser step's (begin, end): forward, backward and update; no save or eval
 
         @property
         def step_seconds(self) -> list[float]:
@@ -101,9 +103,7 @@ def metrics_callback(ctx: StageContext, name: Callable[[str], str] = metric_name
                 ctx.log({name(k): v for k, v in logs.items() if isinstance(v, (int, float))},
                         step=state.global_step)
 
-    callback = AlignMetrics()
-    callback.marks = []
-    return callback
+    return AlignMetrics()
 
 
 def _mark():
