@@ -80,6 +80,11 @@ def test_a_report_without_pointwise_judges_has_whole_tables_and_json_without_nan
         widths = {line.count("|") for line in table.splitlines() if line.startswith("|")}
         assert len(widths) == 1, table  # header, separator and rows: one cell count
     assert "Reward–KL frontier" not in text and "- sft: 'r0'\n" in text + "\n"
+    head = headline(cfg, m)  # a length-controlled rate that could not be fitted: n/a, and why under the table
+    assert "| dpo | nan [nan, nan] | n/a |" in head and "length-controlled n/a: the lengths cannot be told" in head
+    m["eval/dpo/ep/lc_win_rate"] = 0.61
+    assert "| 0.610 |" in headline(cfg, m) and "length-controlled n/a" not in headline(cfg, m)
+    m["eval/dpo/ep/lc_win_rate"] = float("nan")
     write_report(tmp_path, cfg, m, ["p0", "p1"], samples, [], {}, [])
     def refuse(constant):  # what JSON.parse and every non-Python reader refuse
         pytest.fail(f"bare {constant} written")

@@ -57,6 +57,7 @@ def headline(cfg: EvaluateStage, m: dict[str, Any], groups: list[frontier.Group]
                 lo, hi = m[f"eval/{p}/{j}/win_rate_ci"]
                 cells.append(f"{m[f'eval/{p}/{j}/win_rate']:.3f} [{lo:.3f}, {hi:.3f}]")
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    unfit = False  # a length-controlled rate stats.length_controlled_win_rate could not give (NaN)
     for judge in cfg.pairwise:  # pairwise judges: win rate vs the baseline, both orders, ties as halves
         lines += ["", *_header(["policy", f"{judge.name} win rate vs {cfg.baseline} [95% CI]", "length-controlled",
                                 "ties", "position-consistent", "invalid",
@@ -69,12 +70,12 @@ def headline(cfg: EvaluateStage, m: dict[str, Any], groups: list[frontier.Group]
             agree = ", ".join(f"{m.get(f'{key}/agreement/{j}', float('nan')):.3f} "
                               f"(n={m.get(f'{key}/agreement/{j}/pairs', 0):.0f})" for j in cfg.judges) or "-"
             lc = m[f"{key}/lc_win_rate"]
-            lc_cell = f"{lc:.3f}" if lc == lc else "n/a"  # NaN: stats.length_controlled_win_rate could not tell
+            unfit = unfit or lc != lc
+            lc_cell = "n/a" if lc != lc else f"{lc:.3f}"
             lines.append(f"| {p} | {m[f'{key}/win_rate']:.3f} [{lo:.3f}, {hi:.3f}] | {lc_cell} | "
                          f"{m[f'{key}/tie_rate']:.3f} | {m[f'{key}/consistency']:.3f} | {m[f'{key}/invalid_rate']:.3f} | "
                          f"{agree} |")
-    if any(m[f"eval/{p}/{j.name}/lc_win_rate"] != m[f"eval/{p}/{j.name}/lc_win_rate"]
-           for j in cfg.pairwise for p in cfg.policies if p != cfg.baseline):
+    if unfit:
         lines += ["", "length-controlled n/a: the lengths cannot be told from the policy (fewer than 10% of the pairs "
                   "on one side of equal length, or every pair the same length apart), and a rate at equal length "
                   "would be an extrapolation"]
