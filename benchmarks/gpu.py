@@ -370,8 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     base = build_base(out, sizes["shrink"], seed=5, config_dir=args.model_config)
-    packed = any(o.replace(" ", "").lower() in ("sft.packing=true", "sft.packing=on") for o in args.overrides)
-    pipeline = pipeline_yaml(out, base, sizes, args.precision, args.attn, packed)
+    pipeline = pipeline_yaml(out, base, sizes, args.precision, args.attn)
+    from align.config import load_pipeline
+
+    if load_pipeline(pipeline, args.overrides).stages["sft"].packing:  # the overrides as `align run` reads them
+        pipeline = pipeline_yaml(out, base, sizes, args.precision, args.attn, packed=True)
     launch = ([f"--num-processes={args.num_processes}"] if args.num_processes else []) + \
         (["--ignore-memory-check"] if args.ignore_memory_check else []) + \
         ([f"{stage}.accelerate={args.accelerate}" for stage in STAGES] if args.accelerate else []) + args.overrides
