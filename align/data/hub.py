@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import socket
 from pathlib import Path
 from urllib.parse import urlparse
@@ -38,6 +39,38 @@ def hub_mirror(hub_id: str) -> Path | None:
         return None
     path = Path(root) / hub_id
     return path if path.is_dir() else None
+
+
+def mirror_commits(root: Path) -> set[str]:
+    """The commits a mirror's files were downloaded at, as huggingface_hub records them beside a `--local-dir`
+    download (`.cache/huggingface/download/<file>.metadata`, first line); empty when it was made another way."""
+    found = set()
+    for meta in (root / ".cache" / "huggingface" / "download").rglob("*.metadata"):
+        try:
+            first = meta.read_text(encoding="utf-8").split("\n", 1)[0].strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if _COMMIT.fullmatch(first):
+            found.add(first)
+    return found
+
+
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def mirror_mismatch(root: Path, hub_id: str, revision: str | None) -> str | None:
+    """Why the mirror of `hub_id` at `root` is not the commit a card pins as its `revision` (a full commit or a
+    prefix of 7+ hex digits); None when it is, when nothing says which commit the mirror is, or when the revision is
+    a branch or tag (which names whatever was downloaded: the fingerprint is the mirror's files)."""
+    commits = mirror_commits(root)
+    if not commits or not revision or not re.fullmatch(r"[0-9a-f]{7,40}", revision):
+        return None
+    other = sorted(c for c in commits if not c.startswith(revision))
+    if not other:
+        return None
+    return (f"its mirror {root} holds files downloaded at commit {', '.join(c[:12] for c in other)}, not the commit "
+            f"the card pins as its revision, {revision}; download that revision into it (huggingface-cli download "
+            f"--repo-type dataset {hub_id} --revision {revision} --local-dir {root}), or pin the card to the mirror's")
 
 
 def mirror_digest(root: Path) -> str:

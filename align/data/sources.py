@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from align.core.console import verbose
-from align.data.hub import hub_mirror, resolved_revision
+from align.data.hub import hub_mirror, mirror_mismatch, resolved_revision
 
 DataCard = Any  # align/data/cards.py's DataCard, which imports this module: named here only to say what is read
 
@@ -35,8 +35,38 @@ CSV_FIELD_LIMIT = 1 << 30
 _SURROGATE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
-def _read_text(file: Path) -> str:
+_CONTAINERS = ((b"\x1f\x8b", "gzip-compressed", "name it with `.gz` at the end (e.g. train.jsonl.gz); it is read "
+                "unpacked"),
+               (b"PAR1", "a parquet file", "set `format: parquet` in the card"),
+               (b"PK\x03\x04", "a zip archive", "unpack it and point `source.path` at the file inside"),
+               (b"\xfe\xff", "UTF-16 text", "save it as UTF-8"), (b"\xff\xfe", "UTF-16 text", "save it as UTF-8"))
+"""Leading bytes of a file that is no text of any format: reading one as text would be a misleading 'not UTF-8'."""
+
+
+def _container(data: bytes, file: Path, fmt: str) -> str | None:
+    """What a file read as text of format `fmt` really is, and the fix, when its first bytes say so; else None."""
+    for magic, what, fix in _CONTAINERS:
+        if data.startswith(magic):
+            return f"{file}: the card reads it as {fmt} text but it is {what}; {fix}"
+    return None
+
+
+def _looks_like(file: Path) -> str:
+    """'; it looks like X: set `format: X`' for a file whose first line says which text format it is; else ''."""
+    with open(file, "rb") as fh:
+        head = fh.read(4096)
+    if head.startswith(b"\x1f\x8b"):
+        return "; it is gzip-compressed: unpack it, or name it *.jsonl.gz / *.csv.gz with that `format:`"
+    first = head.lstrip(b"\xef\xbb\xbf \r\n\t").split(b"\n", 1)[0]
+    guess = ("jsonl" if first.startswith(b"{") else "json" if first.startswith(b"[") else
+             "tsv" if b"\t" in first else "csv" if b"," in first else None)
+    return f"; its first line looks like {guess}: set `format: {guess}` in the card" if guess else ""
+
+
+def _read_text(file: Path, fmt: str) -> str:
     data = file.read_bytes()
+    if file.suffix != ".gz" and (problem := _container(data[:4], file, fmt)):
+        raise DataCardError(problem)
     if file.suffix == ".gz":
         try:
             data = gzip.decompress(data)
@@ -90,9 +120,10 @@ def read_rows(card: DataCard, hub_split: str | None = None) -> list[dict[str, An
         try:
             table = pq.read_table(file).to_pylist()
         except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-            raise DataCardError(f"{file}: not a readable parquet file ({str(exc).splitlines()[0]})") from None
+            raise DataCardError(f"{file}: not a readable parquet file ({str(exc).splitlines()[0]})"
+                                f"{_looks_like(file)}") from None
         return [_map_columns(card, r, f"{file}: row {i}") for i, r in enumerate(table)]
-    text = _read_text(file)
+    text = _read_text(file, card.format)
     if card.format == "jsonl":
         return [_map_columns(card, obj, f"{file}: line {n}")
                 for n, obj in _json_lines(text, file, "fix or remove the line")]
@@ -170,6 +201,9 @@ def _read_hub(card: DataCard, split: str) -> list[dict[str, Any]]:
     src = card.source
     mirror = hub_mirror(src["hub"])
     where = f"{src['hub']!r}" + (f" from its mirror {mirror}" if mirror else f" (revision {src.get('revision')!r})")
+    problem = mirror is not None and mirror_mismatch(mirror, src["hub"], src.get("revision"))
+    if problem:
+        raise DataCardError(f"{card.path}: field 'source': hub dataset {src['hub']!r}: {problem}")
     try:
         if mirror is not None:
             ds = datasets.load_dataset(str(mirror), src.get("config"), data_dir=src.get("data_dir"), split=split)
