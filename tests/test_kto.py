@@ -86,7 +86,7 @@ def test_the_unpaired_form_is_declared_by_the_stage_and_checked(tmp_path):
 
     loaded = load_split(card(rows), "train")
     assert loaded.rows and all(isinstance(r["label"], bool) for r in loaded.rows)
-    with pytest.raises(DataCardError, match=r"row 3: field 'label' must be true or false, got 'yes'"):
+    with pytest.raises(DataCardError, match=r"row 3: field 'label' must be true or false .*got 'yes'"):
         load_split(card(rows[:3] + [dict(rows[3], label="yes")] + rows[4:]), "train")
     with pytest.raises(DataCardError, match=r"1 row \(5\) with no visible text in 'completion'"):
         load_split(card(rows[:5] + [dict(rows[5], completion="  ")] + rows[6:]), "train")
@@ -99,6 +99,35 @@ def test_the_unpaired_form_is_declared_by_the_stage_and_checked(tmp_path):
     assert "raise max_unusable_fraction" not in str(err.value)  # advice that cannot work is not given
     with pytest.raises(DataCardError, match=r"no undesirable \(label: false\) row at all.*That is every row"):
         load_split(card([r for r in rows if r["label"]], max_unusable_fraction=1.0), "train")  # not "split is empty"
+
+
+@pytest.mark.parametrize("fmt", ["csv", "tsv"])
+def test_a_csv_card_spells_its_labels_as_text_and_they_are_read_as_true_or_false(tmp_path, fmt):
+    """CSV / TSV hold text only: a label column of "True" / "false" / "1" / "0" is the labels (it was refused as
+    "must be true or false, got 'True'"); other text still is refused, naming the row."""
+    from align.config import stage_types
+    from align.data.cards import DataCardError, load_split
+
+    stage_types()
+    sep = "," if fmt == "csv" else "\t"
+    spellings = ["True", "false", "1", "0", " TRUE ", "False"]
+    lines = [sep.join(["prompt", "completion", "label"])] + [
+        sep.join([f"The movie {i}", f"was take {i}", spellings[i % 6]]) for i in range(24)]
+
+    def card(text):
+        (tmp_path / f"rows.{fmt}").write_text(text)
+        path = tmp_path / "card.yaml"
+        path.write_text(f"name: thumbs\nsource: {{path: rows.{fmt}}}\nlicense: MIT\nformat: {fmt}\n"
+                        "columns: {prompt: prompt, completion: completion, label: label}\n"
+                        "produces: unpaired_preference\nsplits: {train: 1.0, seed: 1}\n")
+        return path
+
+    rows = load_split(card("\n".join(lines) + "\n"), "train").rows
+    want = {f"The movie {i}": spellings[i % 6].strip().lower() in ("true", "1") for i in range(24)}
+    assert {r["prompt"]: r["label"] for r in rows} == want and all(type(r["label"]) is bool for r in rows)
+    lines[4] = lines[4].rsplit(sep, 1)[0] + sep + "yes"
+    with pytest.raises(DataCardError, match=r"row 3: field 'label' must be true or false .*got 'yes'"):
+        load_split(card("\n".join(lines) + "\n"), "train")
 
 
 def test_validate_refuses_a_card_kto_cannot_learn_from(workdir):

@@ -140,6 +140,20 @@ def register_form(form: DataForm) -> DataForm:
     return form
 
 
+_FLAG_SPELLINGS = {"true": True, "false": False, "1": True, "0": False}
+
+
+def flag_value(value: Any, where: str) -> bool:
+    """A true / false field as a bool: JSON's true / false, or as CSV / TSV (which hold text only) or a 0/1 column
+    spell it: "true" / "false" (any case), "1" / "0", 1 / 0. Anything else is refused, naming `where`."""
+    if isinstance(value, bool):
+        return value
+    key = value.strip().lower() if isinstance(value, str) else str(value) if type(value) is int else None
+    if key in _FLAG_SPELLINGS:
+        return _FLAG_SPELLINGS[key]
+    raise FormatError(f"{where} must be true or false (or, as text, 1 / 0), got {value!r}")
+
+
 def check_canonical(rows: Rows, produces: str, source: str) -> None:
     """Every row must carry the canonical columns of `produces` with the right types (text, or for forms that
     allow it TRL's conversational form: see the module docstring), then hold something to learn from."""
@@ -157,8 +171,7 @@ def check_canonical(rows: Rows, produces: str, source: str) -> None:
             form.check_row(row, where)
             continue
         for col in form.flags:
-            if not isinstance(row[col], bool):
-                raise FormatError(f"{where}: field '{col}' must be true or false, got {row[col]!r}")
+            row[col] = flag_value(row[col], f"{where}: field '{col}'")
         if form.conversational and isinstance(row.get("prompt"), list):
             check_conversation(row["prompt"], f"{where}: field 'prompt'", last_role="user")
             for col in form.replies:
