@@ -108,6 +108,30 @@ def test_an_older_checkpoint_whose_removal_was_cut_short_is_not_chosen_over_the_
     assert not (chosen / "rng_state_1.pth").exists() and (chosen / "rng_state_0.pth").is_file()
 
 
+@pytest.mark.parametrize("local_main, main", [(True, True), (True, False), (False, False)])
+def test_older_checkpoints_go_only_after_every_process_wrote_the_newest_and_it_reached_the_disk(
+        tmp_path, monkeypatch, local_main, main):
+    """transformers' save_total_limit removed older checkpoints on the main process right after its own writes: a
+    process still writing its shard, or a power loss before the page cache was written, left a torn newest and no
+    whole one. Now every process waits, each node's first process fsyncs the newest, all wait, then the main one
+    rotates (by step) and syncs the directory."""
+    import align.runtime.trl as trl
+
+    events: list = []
+    for step in (2, 10, 6):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "model.safetensors").write_bytes(b"w")
+    state = SimpleNamespace(wait_for_everyone=lambda: events.append("wait"), is_local_main_process=local_main,
+                            is_main_process=main)
+    monkeypatch.setattr(trl, "fsync_tree", lambda root: events.append(
+        ("fsync", root.name, sorted(p.name for p in tmp_path.iterdir()))))
+    callback = trl.durable_checkpoints(SimpleNamespace(state=state), keep=2)
+    callback.on_save(SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(global_step=10), None)
+    every = ["checkpoint-10", "checkpoint-2", "checkpoint-6"]
+    assert events == ["wait"] + ([("fsync", "checkpoint-10", every)] if local_main else []) + ["wait"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["checkpoint-10", "checkpoint-6"] if main else every)
+
+
 def _stub(tmp_path, old: dict, now: dict):
     from align.runtime.context import LAYOUT
 
@@ -248,6 +272,8 @@ def test_a_resume_from_the_last_checkpoint_trains_no_step_past_max_steps_and_kee
 
     class Ctx:
         name, is_main = "sft", True
+        cfg = SimpleNamespace(save_total_limit=2)
+        state = SimpleNamespace(wait_for_everyone=lambda: None, is_local_main_process=True, is_main_process=True)
 
         def __init__(self, ckpt):
             self.dir, self.extra_manifest, self.ckpt = tmp_path, {}, ckpt
@@ -259,6 +285,7 @@ def test_a_resume_from_the_last_checkpoint_trains_no_step_past_max_steps_and_kee
     first = train_with_resume(Ctx(None), whole)
     weights = {k: v.clone() for k, v in whole.model.state_dict().items()}
     assert first["train/global_step"] == 3 and (tmp_path / "a" / "checkpoint-3").is_dir()
+    assert sorted(p.name for p in (tmp_path / "a").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
     for step in (3, 2):
         again = _tiny_trainer(tmp_path / f"b{step}", init=SEED + 1, log=log)  # other initial weights: the checkpoint's
         ctx = Ctx(str(tmp_path / "a" / f"checkpoint-{step}"))

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from align.core.fsutil import atomic_write_json, output_problem
+from align.core.fsutil import atomic_write_json, fsync_dir, output_problem
 from align.core.tracking import json_ready, scrub
 
 SPEC = "spec.json"
@@ -312,6 +312,19 @@ def choose_checkpoint(checkpoints: Path, world_size: int, log) -> Path | None:
     log.warning("resuming from %s without the RNG states %s (missing or torn; no older whole checkpoint)", newest,
                 [t.name for t in states[newest]])
     return newest
+
+
+def rotate_checkpoints(checkpoints: Path, keep: int) -> list[Path]:
+    """Remove all but the newest `keep` Trainer checkpoints (by step, not mtime: a copied run dir keeps its order),
+    then sync the directory; returns those removed."""
+    import shutil
+
+    found = sorted(checkpoints.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
+    gone = found[:-keep] if keep > 0 else []
+    for old in gone:
+        shutil.rmtree(old)
+    fsync_dir(checkpoints)
+    return gone
 
 
 STAGE_LOCK = ".stage.lock"

@@ -13,7 +13,9 @@ from align.config import TrainedStage
 from align.config.settings import warmup_steps
 from align.core import faults
 from align.core.console import verbose
+from align.core.fsutil import fsync_tree
 from align.data.lengths import enforce
+from align.core.rundir import rotate_checkpoints
 from align.core.tracking import keep_metrics_until
 from align.runtime.context import NonFiniteLossError, StageContext, StageError, startup_done
 from align.runtime.zero_buffers import in_use, widest, width_sized
@@ -106,6 +108,27 @@ def metrics_callback(ctx: StageContext, name: Callable[[str], str] = metric_name
     return AlignMetrics()
 
 
+def durable_checkpoints(ctx: StageContext, keep: int):
+    """A TrainerCallback that, after each checkpoint save, waits for every process's files, has each node's first
+    process fsync the new checkpoint, and only then has the main process remove all but the newest `keep`
+    (the stage's save_total_limit). transformers rotated right after its own writes: a process still writing its
+    optimizer shard or RNG state, or a power loss before the page cache reached the disk, left the newest torn and
+    the whole one before it gone (align/core/rundir.py `choose_checkpoint` resumes from what is left)."""
+    from transformers import TrainerCallback  # heavy: stage processes only
+
+    class DurableCheckpoints(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            newest = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            ctx.state.wait_for_everyone()
+            if ctx.state.is_local_main_process and newest.is_dir():
+                fsync_tree(newest)
+            ctx.state.wait_for_everyone()
+            if ctx.state.is_main_process:
+                rotate_checkpoints(Path(args.output_dir), keep)
+
+    return DurableCheckpoints()
+
+
 def _mark():
     """A point in the step's time: on a GPU a CUDA event recorded on the current stream (a step's kernels run after
     its Python returns; an event times them without making the host wait, as a synchronize per step would), else
@@ -153,7 +176,9 @@ def trainer_kwargs(cfg: TrainedStage, ctx: StageContext) -> dict[str, Any]:
         per_device_eval_batch_size=cfg.per_device_batch_size,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, logging_steps=cfg.logging_steps,
         max_grad_norm=cfg.max_grad_norm if cfg.max_grad_norm is not None else 0.0,
-        save_strategy="steps", save_steps=cfg.save_steps, save_total_limit=cfg.save_total_limit, report_to="none", seed=ctx.seed,
+        # transformers' own rotation (save_total_limit) removes older checkpoints on the main process as soon as it
+        # has written, before the others have and before anything reached the disk: `durable_checkpoints` rotates.
+        save_strategy="steps", save_steps=cfg.save_steps, save_total_limit=None, report_to="none", seed=ctx.seed,
         data_seed=ctx.seed, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
         disable_tqdm=not verbose(),  # the runner draws one bar per stage from ctx.progress (align/core/console.py)
         # The pipeline's `precision` (align/modeling/compute.py; TRL's own default, bf16 everywhere, is ~6x slower on CPUs
@@ -252,6 +277,7 @@ def train_with_resume(ctx: StageContext, trainer) -> dict[str, Any]:
     if plugin is not None:  # buckets sized from the model, not DeepSpeed's 5e8 (align/runtime/zero_buffers.py)
         width_sized(plugin.deepspeed_config, widest(trainer.model))
     trainer.add_callback(_stop_at_max_steps(ctx.name))
+    trainer.add_callback(durable_checkpoints(ctx, ctx.cfg.save_total_limit))
     start = time.monotonic()
     try:
         out = trainer.train(resume_from_checkpoint=ckpt)
