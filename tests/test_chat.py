@@ -241,6 +241,34 @@ def test_ppo_responses_end_at_the_end_of_turn_token(name):
                                                                                             abs=1e-5)
 
 
+def test_a_reward_model_of_another_vocabulary_reads_the_decoded_texts_not_the_sampled_ids():
+    """evaluate and preferences score sampled rollouts with a reward stage whose tokenizer is not checked against
+    the sampler's (PPO, GRPO and RLOO refuse another one): its head read the sampler's ids as its own tokens. Now
+    such a model reads prompt + decoded response + its EOS in its own tokens; one of the same vocabulary still reads
+    the sampled ids as they are."""
+    from align.judges.pointwise import RewardModelJudge, build_judge
+    from align.modeling.generation import Rollout, tokenize_prompts
+
+    sampler, other = chat_tokenizer("chatml"), chat_tokenizer("llama3")
+    assert sampler.get_vocab() != other.get_vocab()
+    prompts = ["bread and flour?", "water"]
+    q_ids, q_mask = tokenize_prompts(sampler, prompts)
+    words = sampler("salt yeast bread", add_special_tokens=False)["input_ids"]
+    resp = torch.tensor([words[:2] + [sampler.eos_token_id], words[1:2] + [sampler.pad_token_id] * 2])
+    r = Rollout(q_ids, q_mask, resp, torch.tensor([[1, 1, 1], [1, 0, 0]]), torch.tensor([True, False]))
+    seen: list = []
+
+    def outputs(ids, mask):
+        seen.append([row[m.bool()].tolist() for row, m in zip(ids, mask)])
+        return torch.zeros(ids.shape)
+
+    for tok, want in ((other, [other(p + t + other.eos_token)["input_ids"] for p, t in zip(prompts, r.texts(sampler))]),
+                      (sampler, [row[m.bool()].tolist() for row, m in zip(r.input_ids, r.attention_mask)])):
+        rm = RewardModelJudge("reward", outputs, tok)
+        build_judge("reward", lambda n, rm=rm: rm).score_rollout(r, prompts, sampler)
+        assert seen[-1] == want
+
+
 @pytest.mark.parametrize("name", ["chatml", "llama3", "default"])
 def test_reward_training_ppo_and_evaluate_score_the_same_tokens(name, tmp_path):
     """One conversation, three readers: TRL's RewardTrainer (on the rows align renders), a rollout (rendered prompt

@@ -6,8 +6,8 @@ A pointwise judge scores each (prompt, response), higher is better. The setting 
 reward-model stage of the pipeline or a Python judge (align/judges/__init__.py: built-in or `module:function`).
 `build_judge` turns it into a `WeightedJudge` that scores
 
-- sampled rollouts (`score_rollout`: PPO, preferences, evaluate): a reward model reads the sampled ids, a Python
-  judge the decoded texts;
+- sampled rollouts (`score_rollout`: PPO, preferences, evaluate): a reward model reads the sampled ids (the decoded
+  texts when its vocabulary is not the sampler's), a Python judge the decoded texts;
 - TRL's completions (`trl_reward_functions`: GRPO, RLOO): prompt ids + completion ids, or texts;
 - plain texts (`__call__`: held-out pairs, a user's texts).
 
@@ -90,6 +90,14 @@ class RewardModelJudge:
         prompt_ids = self.tokenizer(list(prompts))["input_ids"]
         return self.score_sequences([list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)], self.device)
 
+    def reads_ids_of(self, tokenizer) -> bool:
+        """Whether token ids of `tokenizer` mean to this model what they meant when sampled: the same vocabulary,
+        added tokens included (asked once per tokenizer)."""
+        known = self.__dict__.setdefault("_same_vocab", {})
+        if id(tokenizer) not in known:
+            known[id(tokenizer)] = tokenizer is self.tokenizer or tokenizer.get_vocab() == self.tokenizer.get_vocab()
+        return known[id(tokenizer)]
+
     @property
     def device(self):
         model = getattr(self, "model", None)
@@ -113,12 +121,14 @@ class WeightedJudge:
         return total
 
     def score_rollout(self, r: Rollout, prompts: list[str], tokenizer) -> torch.Tensor:
-        """Scores (B,) of sampled responses: reward models read the sampled ids, Python judges the decoded texts."""
+        """Scores (B,) of sampled responses (sampled with `tokenizer`): reward models read the sampled ids, Python
+        judges the decoded texts, and so does a reward model of another vocabulary (evaluate's: PPO, GRPO and RLOO
+        refuse one, `check_same_tokenizer`), which would read the ids as other tokens."""
         ids, mask = r.input_ids, r.attention_mask
         total = torch.zeros(ids.size(0), device=ids.device)
         texts = None
         for weight, judge in self.parts.values():
-            if isinstance(judge, RewardModelJudge):
+            if isinstance(judge, RewardModelJudge) and judge.reads_ids_of(tokenizer):
                 total += weight * judge.score_ids(ids, mask).to(total.device)
             else:
                 texts = r.texts(tokenizer) if texts is None else texts
