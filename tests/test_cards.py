@@ -80,7 +80,7 @@ BAD = [
     ("non-utf8", PAIR.encode() + b"\n" + b'{"prompt": "\xff\xfe"}\n', {}, "train", ["line 2", "not UTF-8"]),
     ("gzip-without-gz-name", gzip.compress((PAIR + "\n").encode(), mtime=0), {}, "train",
      ["d.jsonl", "reads it as jsonl text but it is gzip-compressed", "name it with `.gz` at the end"]),
-    ("parquet-read-as-jsonl", b"PAR1\x15\x04\x15\x00" + b"\x00" * 16 + b"PAR1", {}, "train",
+    ("parquet-read-as-jsonl", b"PAR1\x15\x04\x15\x90\x01\x15\x90\x01\x2c" + b"\x00" * 16 + b"PAR1", {}, "train",
      ["d.jsonl", "it is a parquet file", "set `format: parquet`"]),
     ("utf16-text", (PAIR + "\n").encode("utf-16"), {}, "train", ["d.jsonl", "it is UTF-16 text", "save it as UTF-8"]),
     ("jsonl-read-as-parquet", PAIR + "\n", {"format": "parquet"}, "train",
@@ -123,6 +123,22 @@ def test_bad_inputs_fail_with_location(tmp_path, case):
         load_split(card, split)
     for frag in fragments:
         assert frag in str(err.value), f"{frag!r} not in {err.value}"
+
+
+def test_a_parquet_file_cut_short_is_called_that_and_a_csv_beginning_par1_is_a_csv(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"prompt": f"p{i},\t", "chosen": "a", "rejected": "b"} for i in range(50)]),
+                   tmp_path / "whole.parquet")
+    data = (tmp_path / "whole.parquet").read_bytes()
+    with pytest.raises(DataCardError, match=r"cut\.parquet: not a readable parquet file .*begins as parquet but is cut "
+                                            r"short or damaged: copy or download it again"):
+        load_split(_card(tmp_path, data[: len(data) // 2], "cut.parquet", format="parquet"), "train")
+    csv = "PAR1,chosen,rejected\nhello,a,b\n"
+    rows = load_split(_card(tmp_path, csv, "par.csv", format="csv", produces="preference",
+                            columns={"prompt": "PAR1", "chosen": "chosen", "rejected": "rejected"}), "train").rows
+    assert rows == [{"prompt": "hello", "chosen": "a", "rejected": "b"}]
 
 
 def test_missing_card_file(tmp_path):
@@ -233,7 +249,7 @@ def test_implicit_prompt_conversations_become_the_explicit_form():
 
 def _uf_mirror(root: Path) -> Path:
     """A two-split UltraFeedback-shaped dataset in the hub's layout (parquet per split, named by the card's
-    `configs:`), as `huggingface-cli download` leaves it."""
+    `configs:`), as `hf download` leaves it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

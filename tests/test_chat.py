@@ -244,8 +244,8 @@ def test_ppo_responses_end_at_the_end_of_turn_token(name):
 def test_a_reward_model_of_another_vocabulary_reads_the_decoded_texts_not_the_sampled_ids():
     """evaluate and preferences score sampled rollouts with a reward stage whose tokenizer is not checked against
     the sampler's (PPO, GRPO and RLOO refuse another one): its head read the sampler's ids as its own tokens. Now
-    such a model reads prompt + decoded response + its EOS in its own tokens; one of the same vocabulary still reads
-    the sampled ids as they are."""
+    such a model reads prompt + decoded response in its own tokens, + its EOS where one was sampled; one of the same
+    vocabulary still reads the sampled ids as they are."""
     from align.judges.pointwise import RewardModelJudge, build_judge
     from align.modeling.generation import Rollout, tokenize_prompts
 
@@ -262,7 +262,9 @@ def test_a_reward_model_of_another_vocabulary_reads_the_decoded_texts_not_the_sa
         seen.append([row[m.bool()].tolist() for row, m in zip(ids, mask)])
         return torch.zeros(ids.shape)
 
-    for tok, want in ((other, [other(p + t + other.eos_token)["input_ids"] for p, t in zip(prompts, r.texts(sampler))]),
+    texts = r.texts(sampler)  # the first ended with EOS, the second was cut: read unfinished, as the ids rule does
+    for tok, want in ((other, [other(prompts[0] + texts[0] + other.eos_token)["input_ids"],
+                               other(prompts[1] + texts[1])["input_ids"]]),
                       (sampler, [row[m.bool()].tolist() for row, m in zip(r.input_ids, r.attention_mask)])):
         rm = RewardModelJudge("reward", outputs, tok)
         build_judge("reward", lambda n, rm=rm: rm).score_rollout(r, prompts, sampler)

@@ -121,15 +121,17 @@ def test_older_checkpoints_go_only_after_every_process_wrote_the_newest_and_it_r
     for step in (2, 10, 6):
         (tmp_path / f"checkpoint-{step}").mkdir()
         (tmp_path / f"checkpoint-{step}" / "model.safetensors").write_bytes(b"w")
+    (tmp_path / "checkpoint-notes.txt").write_text("a user's file: neither a checkpoint nor removed\n")
     state = SimpleNamespace(wait_for_everyone=lambda: events.append("wait"), is_local_main_process=local_main,
                             is_main_process=main)
     monkeypatch.setattr(trl, "fsync_tree", lambda root: events.append(
         ("fsync", root.name, sorted(p.name for p in tmp_path.iterdir()))))
     callback = trl.durable_checkpoints(SimpleNamespace(state=state), keep=2)
     callback.on_save(SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(global_step=10), None)
-    every = ["checkpoint-10", "checkpoint-2", "checkpoint-6"]
+    every = ["checkpoint-10", "checkpoint-2", "checkpoint-6", "checkpoint-notes.txt"]
     assert events == ["wait"] + ([("fsync", "checkpoint-10", every)] if local_main else []) + ["wait"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == (["checkpoint-10", "checkpoint-6"] if main else every)
+    kept = ["checkpoint-10", "checkpoint-6", "checkpoint-notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == (kept if main else every)
 
 
 def _stub(tmp_path, old: dict, now: dict):

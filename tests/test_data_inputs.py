@@ -77,32 +77,48 @@ def test_a_mirrored_hub_card_with_a_wrong_data_dir_is_a_card_error_not_unreachab
 
 
 def test_a_mirror_downloaded_at_another_commit_than_the_card_pins_is_refused(tmp_path, monkeypatch):
-    """A mirror made by `huggingface-cli download --local-dir` says which commit its files are; a card pinned to
-    another commit was read from it silently (and the run called it that commit)."""
+    """A mirror made by `hf download --local-dir` says which commit its files are; a card pinned to another commit
+    was read from it silently (and the run called it that commit). Records huggingface_hub itself would ignore (a
+    file since removed, one changed after its download) and files outside the card's data_dir say nothing."""
+    import time
+
     hh = tmp_path / "hub" / "Anthropic" / "hh-rlhf"
     (hh / "harmless-base").mkdir(parents=True)
     with gzip.open(REPO / "data_cards" / "data" / "hh_rlhf_harmless" / "harmless_base_sample_200.jsonl.gz", "rt") as fh:
         lines = fh.readlines()[:20]
     with gzip.open(hh / "harmless-base" / "train.jsonl.gz", "wt") as fh:
         fh.writelines(lines)
-    have, pinned = "a" * 8 + "1" * 32, "b" * 40
-    meta = hh / ".cache" / "huggingface" / "download" / "harmless-base" / "train.jsonl.gz.metadata"
-    meta.parent.mkdir(parents=True)
-    meta.write_text(f"{have}\n\"etag\"\n1700000000.0\n")
+    (hh / "README.md").write_text("# hh\n")
+    have, pinned, older = "a" * 8 + "1" * 32, "b" * 40, "c" * 40
+    records = hh / ".cache" / "huggingface" / "download"
+
+    def record(name, commit, stamp=None):
+        meta = records / f"{name}.metadata"
+        meta.parent.mkdir(parents=True, exist_ok=True)
+        meta.write_text(f"{commit}\n\"etag\"\n{time.time() + 5 if stamp is None else stamp}\n")
+
+    record("harmless-base/train.jsonl.gz", have)
+    record("harmless-base/test.jsonl.gz", older)  # a file of the older commit, gone from the newer one
+    record("README.md", older)  # outside the card's data_dir (`--include harmless-base/*` fetched the newer one)
     monkeypatch.setenv("ALIGN_HUB_MIRROR", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
 
     def card(revision):
         path = tmp_path / "pinned.yaml"
         path.write_text("name: hh\nlicense: MIT\nformat: hub\nproduces: preference\nsource: {hub: Anthropic/hh-rlhf, "
-                        f"data_dir: harmless-base, revision: '{revision}'}}\ntransform: {{hh_transcript: true}}\n")
+                        f"data_dir: harmless-base, revision: {revision}}}\ntransform: {{hh_transcript: true}}\n")
         return path
 
     with pytest.raises(DataCardError, match=rf"mirror .*hh-rlhf holds files downloaded at commit {have[:12]}, not the "
-                                            rf"commit the card pins as its revision, {pinned}.*--revision {pinned}"):
-        load_split(card(pinned), "train")
-    assert load_split(card(have[:10]), "train").rows  # a prefix of the mirror's commit
+                                            rf"commit the card pins as its revision, {pinned}.*hf download .*"
+                                            rf"--revision {pinned}"):
+        load_split(card(f"'{pinned}'"), "train")
+    assert load_split(card(f"'{have}'"), "train").rows  # the older commit's records are not the mirror's
     assert load_split(card("main"), "train").rows  # a branch names whatever was downloaded
+    with pytest.raises(DataCardError, match=r"field 'source.revision': text, got 20240101 \(int\); quote it"):
+        load_split(card("20240101"), "train")
+    record("harmless-base/train.jsonl.gz", have, stamp=1700000000.0)  # the file changed after its download
+    assert load_split(card(f"'{pinned}'"), "train").rows
 
 
 def test_delimited_rows_never_shift_or_drop_a_field(tmp_path):

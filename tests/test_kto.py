@@ -130,6 +130,21 @@ def test_a_csv_card_spells_its_labels_as_text_and_they_are_read_as_true_or_false
         load_split(card("\n".join(lines) + "\n"), "train")
 
 
+def test_a_flag_is_read_from_numbers_and_numpy_scalars_and_nothing_else():
+    """A 0/1 column made float by a missing value (pandas), or numpy scalars a transform returned, are labels too;
+    a 2, a NaN, 'yes' or None is not."""
+    import numpy as np
+
+    from align.data.formats import FormatError, flag_value
+
+    for value, want in ((np.bool_(True), True), (np.int64(0), False), (1.0, True), (0.0, False), (" 1.0", True),
+                        (1, True), (False, False)):
+        assert flag_value(value, "row 0: field 'label'") is want, value
+    for value in (2, float("nan"), "yes", None, -1.0, b"1"):
+        with pytest.raises(FormatError, match=r"row 0: field 'label' must be true or false"):
+            flag_value(value, "row 0: field 'label'")
+
+
 def test_validate_refuses_a_card_kto_cannot_learn_from(workdir):
     proc = run_align("validate", "pipelines/kto.yaml", *TINY_KTO, "kto.data=../data_cards/movie_review_snippets.yaml",
                      cwd=workdir)

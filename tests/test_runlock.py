@@ -101,3 +101,24 @@ def test_a_stage_is_not_started_again_while_a_process_of_an_earlier_attempt_live
         for p in (stage, holder):
             p.kill()
             p.wait()
+
+
+def test_a_stage_started_fresh_is_held_from_its_first_instant_not_once_its_imports_are_done(tmp_path):
+    """A fresh stage process took the stage's lock only after its imports (torch, transformers: seconds; through
+    `accelerate launch` on a GPU node, tens of seconds): a runner started meanwhile saw the stage free and started
+    it again. The runner now hands the process a shared hold as it starts it, and keeps none itself."""
+    from align.core.rundir import stage_in_use
+    from align.orchestrator import warm
+
+    importing = "import sys, time; sys.stdout.write('importing\\n'); sys.stdout.flush(); time.sleep(30)"
+    proc = warm.start_stage([sys.executable, "-c", importing], dict(os.environ), warm_start=False,
+                            stage_dir=str(tmp_path))
+    try:
+        assert proc.stdout.readline().strip() == b"importing"  # it never called hold_stage
+        assert stage_in_use(tmp_path, wait_s=0) is True
+        proc.kill()
+        proc.wait()
+        assert stage_in_use(tmp_path, wait_s=5) is False  # the runner itself held nothing
+    finally:
+        proc.kill()
+        proc.wait()

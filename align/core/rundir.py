@@ -267,9 +267,9 @@ def torn_rng_states(ckpt: Path, world_size: int) -> list[Path] | None:
 
 def checkpoint_files(root: Path) -> set[str]:
     """A checkpoint's files, RNG states aside (rundir.torn_rng_states) and DeepSpeed's `global_step<N>` folder named by
-    its pattern: what an older checkpoint must hold of the newest's. transformers' rotation removes an old checkpoint
-    (shutil.rmtree, files in no fixed order) right after the new one's trainer state: one killed meanwhile parses but
-    lacks some."""
+    its pattern: what an older checkpoint must hold of the newest's. A rotation removes an old checkpoint
+    (shutil.rmtree, files in no fixed order; `rotate_checkpoints`, and transformers' own before align rotated): one
+    killed meanwhile parses but lacks some."""
     import re
 
     return {re.sub(r"global_step\d+", "global_step*", str(p.relative_to(root))) for p in root.rglob("*")
@@ -279,9 +279,9 @@ def checkpoint_files(root: Path) -> set[str]:
 def choose_checkpoint(checkpoints: Path, world_size: int, log) -> Path | None:
     """The Trainer checkpoint to resume from (main process): the newest whole one; checkpoints whose trainer state
     is torn, older ones lacking files the newest holds (a rotation's removal cut short), and newer ones with a missing
-    or torn RNG state, are removed. Where no whole one is left (rotation with save_total_limit 1 removes the last
-    before the other processes finished writing), the newest with its torn RNG states removed: it resumes, those
-    processes' random streams not restored (transformers says so in its log)."""
+    or torn RNG state, are removed. Where no whole one is left (checkpoints rotated by transformers, which removed
+    the last before the other processes finished writing, or copied by hand), the newest with its torn RNG states
+    removed: it resumes, those processes' random streams not restored (transformers says so in its log)."""
     import shutil
 
     states: dict[Path, list[Path]] = {}
@@ -319,7 +319,8 @@ def rotate_checkpoints(checkpoints: Path, keep: int) -> list[Path]:
     then sync the directory; returns those removed."""
     import shutil
 
-    found = sorted(checkpoints.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
+    found = sorted((p for p in checkpoints.glob("checkpoint-*") if p.is_dir() and p.name[11:].isdigit()),
+                   key=lambda p: int(p.name[11:]))
     gone = found[:-keep] if keep > 0 else []
     for old in gone:
         shutil.rmtree(old)
@@ -337,6 +338,16 @@ def hold_stage(stage_dir: str | Path) -> None:
     the run's lock at once while its stage's processes are still recording their interruption (or a launcher's
     workers, in sessions of their own, still train); `stage_in_use` keeps the next runner from starting the stage
     again meanwhile. Where the filesystem has no flock, nothing is held (the run's lock alone guards)."""
+    fd = stage_lock_fd(stage_dir)
+    if fd is not None:
+        _HELD.append(fd)
+
+
+def stage_lock_fd(stage_dir: str | Path) -> int | None:
+    """A descriptor (close-on-exec) holding a shared flock on the stage's lock, or None where there is no flock. The
+    runner takes one before it starts a stage and passes it to the process it starts (`warm.start_stage`): the stage
+    is held from its first instant, not only once its imports are done and it calls `hold_stage` (seconds, or tens
+    of seconds through `accelerate launch` on a GPU node)."""
     import fcntl
     import os
     import time
@@ -344,17 +355,17 @@ def hold_stage(stage_dir: str | Path) -> None:
     try:
         fd = os.open(Path(stage_dir) / STAGE_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError:
-        return
+        return None
     for _ in range(50):  # a runner's probe (stage_in_use) holds it exclusively for an instant
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            _HELD.append(fd)
-            return
+            return fd
         except BlockingIOError:
             time.sleep(0.02)
         except OSError:  # no flock on this filesystem
             break
     os.close(fd)
+    return None
 
 
 def stage_in_use(stage_dir: str | Path, wait_s: float = 30.0) -> bool:

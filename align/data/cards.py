@@ -169,6 +169,11 @@ def _check_source(path: Path, format: str, source: dict[str, Any]) -> None:
     if not isinstance(source.get(key), str) or not source[key].strip():
         what = "the dataset id, e.g. org/name" if key == "hub" else "the data file, relative to the card"
         raise DataCardError(f"{path}: field 'source.{key}': {what}, as text; got {source.get(key)!r}")
+    for field_ in ("revision", "config", "data_dir"):
+        if field_ in source and source[field_] is not None and not isinstance(source[field_], str):
+            raise DataCardError(f"{path}: field 'source.{field_}': text, got {source[field_]!r} "
+                                f"({type(source[field_]).__name__}); quote it (YAML reads 0123456 or 20240101 as a "
+                                f"number), e.g. {field_}: '{source[field_]}'")
 
 
 def _check_file(card: DataCard) -> None:

@@ -140,15 +140,20 @@ def register_form(form: DataForm) -> DataForm:
     return form
 
 
-_FLAG_SPELLINGS = {"true": True, "false": False, "1": True, "0": False}
+_FLAG_SPELLINGS = {"true": True, "false": False, "1": True, "0": False, "1.0": True, "0.0": False}
 
 
 def flag_value(value: Any, where: str) -> bool:
-    """A true / false field as a bool: JSON's true / false, or as CSV / TSV (which hold text only) or a 0/1 column
-    spell it: "true" / "false" (any case), "1" / "0", 1 / 0. Anything else is refused, naming `where`."""
+    """A true / false field as a bool: JSON's true / false; as CSV / TSV (which hold text only) spell it, "true" /
+    "false" (any case) or "1" / "0"; or a number 1 / 0 (a 0/1 column, one made float by a missing value, a numpy
+    scalar from a transform). Anything else is refused, naming `where`."""
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):  # numpy / torch scalars
+        value = value.item()
     if isinstance(value, bool):
         return value
-    key = value.strip().lower() if isinstance(value, str) else str(value) if type(value) is int else None
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    key = value.strip().lower() if isinstance(value, str) else None
     if key in _FLAG_SPELLINGS:
         return _FLAG_SPELLINGS[key]
     raise FormatError(f"{where} must be true or false (or, as text, 1 / 0), got {value!r}")

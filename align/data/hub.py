@@ -27,7 +27,7 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 
 HUB_MIRROR_ENV = "ALIGN_HUB_MIRROR"
-"""A directory of local copies of hub dataset repositories, one per `<org>/<name>` (what `huggingface-cli download
+"""A directory of local copies of hub dataset repositories, one per `<org>/<name>` (what `hf download
 --repo-type dataset ORG/NAME --local-dir $ALIGN_HUB_MIRROR/ORG/NAME` writes): a hub card whose dataset is there is
 read from it, for clusters whose compute nodes cannot reach the hub (and for tests: fixtures in the hub's layout)."""
 
@@ -41,36 +41,41 @@ def hub_mirror(hub_id: str) -> Path | None:
     return path if path.is_dir() else None
 
 
-def mirror_commits(root: Path) -> set[str]:
-    """The commits a mirror's files were downloaded at, as huggingface_hub records them beside a `--local-dir`
-    download (`.cache/huggingface/download/<file>.metadata`, first line); empty when it was made another way."""
+def mirror_commits(root: Path, under: str | None = None) -> set[str]:
+    """The commits the files of a mirror (those under `under`, a card's data_dir, when given) were downloaded at, as
+    huggingface_hub records them beside a `--local-dir` download (`.cache/huggingface/download/<file>.metadata`:
+    commit, etag, time). As huggingface_hub reads them: the record of a file since removed, or changed after it was
+    downloaded, says nothing. Empty when the mirror was made another way."""
     found = set()
-    for meta in (root / ".cache" / "huggingface" / "download").rglob("*.metadata"):
+    records = root / ".cache" / "huggingface" / "download"
+    for meta in (records / under if under else records).rglob("*.metadata"):
+        file = root / meta.relative_to(records).with_suffix("")
         try:
-            first = meta.read_text(encoding="utf-8").split("\n", 1)[0].strip()
-        except (OSError, UnicodeDecodeError):
+            commit, _etag, stamp = meta.read_text(encoding="utf-8").split("\n")[:3]
+            fresh = file.stat().st_mtime - 1 <= float(stamp)  # huggingface_hub's own rule (1 s of slack)
+        except (OSError, UnicodeDecodeError, ValueError):  # no such file any more, or a torn record
             continue
-        if _COMMIT.fullmatch(first):
-            found.add(first)
+        if fresh and _COMMIT.fullmatch(commit.strip()):
+            found.add(commit.strip())
     return found
 
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
-def mirror_mismatch(root: Path, hub_id: str, revision: str | None) -> str | None:
-    """Why the mirror of `hub_id` at `root` is not the commit a card pins as its `revision` (a full commit or a
-    prefix of 7+ hex digits); None when it is, when nothing says which commit the mirror is, or when the revision is
-    a branch or tag (which names whatever was downloaded: the fingerprint is the mirror's files)."""
-    commits = mirror_commits(root)
-    if not commits or not revision or not re.fullmatch(r"[0-9a-f]{7,40}", revision):
+def mirror_mismatch(root: Path, hub_id: str, revision: str | None, under: str | None = None) -> str | None:
+    """Why the mirror of `hub_id` at `root` (its files under `under`) is not the commit a card pins as its
+    `revision` (40 hex digits); None when it is, when nothing says which commit the mirror is, or when the revision
+    is a branch, a tag or a short commit (which name whatever was downloaded: the fingerprint is the mirror's files)."""
+    commits = mirror_commits(root, under)
+    if not commits or not isinstance(revision, str) or not _COMMIT.fullmatch(revision):
         return None
-    other = sorted(c for c in commits if not c.startswith(revision))
+    other = sorted(c for c in commits if c != revision)
     if not other:
         return None
     return (f"its mirror {root} holds files downloaded at commit {', '.join(c[:12] for c in other)}, not the commit "
-            f"the card pins as its revision, {revision}; download that revision into it (huggingface-cli download "
-            f"--repo-type dataset {hub_id} --revision {revision} --local-dir {root}), or pin the card to the mirror's")
+            f"the card pins as its revision, {revision}; download that revision into it (hf download --repo-type "
+            f"dataset {hub_id} --revision {revision} --local-dir {root}), or pin the card to the mirror's")
 
 
 def mirror_digest(root: Path) -> str:

@@ -43,20 +43,35 @@ _CONTAINERS = ((b"\x1f\x8b", "gzip-compressed", "name it with `.gz` at the end (
 """Leading bytes of a file that is no text of any format: reading one as text would be a misleading 'not UTF-8'."""
 
 
-def _container(data: bytes, file: Path, fmt: str) -> str | None:
-    """What a file read as text of format `fmt` really is, and the fix, when its first bytes say so; else None."""
+def _text(head: bytes) -> bool:
+    """Whether a file's first bytes are UTF-8 text (a character cut at the end of the sample allowed)."""
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return exc.start >= len(head) - 3
+    return True
+
+
+def _container(head: bytes, file: Path, fmt: str) -> str | None:
+    """What a file read as text of format `fmt` really is, and the fix, when its first bytes say so (and are not
+    text: a CSV whose header begins `PAR1,` is a CSV); else None."""
     for magic, what, fix in _CONTAINERS:
-        if data.startswith(magic):
+        if head.startswith(magic) and not _text(head):
             return f"{file}: the card reads it as {fmt} text but it is {what}; {fix}"
     return None
 
 
 def _looks_like(file: Path) -> str:
-    """'; it looks like X: set `format: X`' for a file whose first line says which text format it is; else ''."""
+    """Why a file a parquet card names did not read, where its first bytes say: a parquet file cut short, a gzip
+    file, or text whose first line says which format it is ('; ...'); else ''."""
     with open(file, "rb") as fh:
         head = fh.read(4096)
+    if head.startswith(b"PAR1"):
+        return "; it begins as parquet but is cut short or damaged: copy or download it again"
     if head.startswith(b"\x1f\x8b"):
         return "; it is gzip-compressed: unpack it, or name it *.jsonl.gz / *.csv.gz with that `format:`"
+    if not _text(head):
+        return ""
     first = head.lstrip(b"\xef\xbb\xbf \r\n\t").split(b"\n", 1)[0]
     guess = ("jsonl" if first.startswith(b"{") else "json" if first.startswith(b"[") else
              "tsv" if b"\t" in first else "csv" if b"," in first else None)
@@ -65,7 +80,7 @@ def _looks_like(file: Path) -> str:
 
 def _read_text(file: Path, fmt: str) -> str:
     data = file.read_bytes()
-    if file.suffix != ".gz" and (problem := _container(data[:4], file, fmt)):
+    if file.suffix != ".gz" and (problem := _container(data[:4096], file, fmt)):
         raise DataCardError(problem)
     if file.suffix == ".gz":
         try:
@@ -201,7 +216,7 @@ def _read_hub(card: DataCard, split: str) -> list[dict[str, Any]]:
     src = card.source
     mirror = hub_mirror(src["hub"])
     where = f"{src['hub']!r}" + (f" from its mirror {mirror}" if mirror else f" (revision {src.get('revision')!r})")
-    problem = mirror is not None and mirror_mismatch(mirror, src["hub"], src.get("revision"))
+    problem = mirror is not None and mirror_mismatch(mirror, src["hub"], src.get("revision"), src.get("data_dir"))
     if problem:
         raise DataCardError(f"{card.path}: field 'source': hub dataset {src['hub']!r}: {problem}")
     try:

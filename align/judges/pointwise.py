@@ -84,6 +84,13 @@ class RewardModelJudge:
     def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
         return self.score_sequences(self.encode(prompts, responses), self.device)
 
+    def score_sampled_texts(self, prompts: list[str], responses: list[str], ended: list[bool]) -> list[float]:
+        """Sampled responses decoded from another vocabulary's ids: prompt + response, + EOS where one was sampled
+        (a response cut at max_new_tokens is read as the ids rule reads it, unfinished)."""
+        eos = self.tokenizer.eos_token
+        return self.score_sequences(self.tokenizer([p + r + (eos if e else "") for p, r, e in zip(
+            prompts, responses, ended)])["input_ids"], self.device)
+
     def score_completions(self, prompts: list[str], completion_ids: list[list[int]]) -> list[float]:
         """TRL's completions (GRPO, RLOO): prompt ids (the tokenizer's, as TRL and PPO tokenise prompts) +
         completion ids (EOS included when sampled)."""
@@ -122,17 +129,20 @@ class WeightedJudge:
 
     def score_rollout(self, r: Rollout, prompts: list[str], tokenizer) -> torch.Tensor:
         """Scores (B,) of sampled responses (sampled with `tokenizer`): reward models read the sampled ids, Python
-        judges the decoded texts, and so does a reward model of another vocabulary (evaluate's: PPO, GRPO and RLOO
-        refuse one, `check_same_tokenizer`), which would read the ids as other tokens."""
+        judges the decoded texts, and so does a reward model of another vocabulary (evaluate's and preferences':
+        PPO, GRPO and RLOO refuse one, `check_same_tokenizer`), which would read the ids as other tokens. The
+        prompts are rendered with the pipeline's one chat template, which every stage's tokenizer carries."""
         ids, mask = r.input_ids, r.attention_mask
         total = torch.zeros(ids.size(0), device=ids.device)
         texts = None
         for weight, judge in self.parts.values():
             if isinstance(judge, RewardModelJudge) and judge.reads_ids_of(tokenizer):
                 total += weight * judge.score_ids(ids, mask).to(total.device)
-            else:
-                texts = r.texts(tokenizer) if texts is None else texts
-                total += weight * torch.tensor(judge(prompts, texts), dtype=torch.float32, device=ids.device)
+                continue
+            texts = r.texts(tokenizer) if texts is None else texts
+            scores = (judge.score_sampled_texts(prompts, texts, r.eos_found.tolist())
+                      if isinstance(judge, RewardModelJudge) else judge(prompts, texts))
+            total += weight * torch.tensor(scores, dtype=torch.float32, device=ids.device)
         return total
 
     def trl_reward_functions(self) -> tuple[list[Callable[..., list[float]]], list[float]]:

@@ -327,7 +327,7 @@ def fetch_tokenizer(cfg: PipelineConfig, source: str | Path) -> str | None:
     except Exception as exc:  # gated, unknown, rate-limited: the first stage loads it (and says why) as before
         return (f"{key} '{name}': its tokenizer could not be fetched from the hub ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0][:160] if str(exc) else 'no message'}); for a gated model log in "
-                "(`huggingface-cli login` or HF_TOKEN)")
+                "(`hf auth login` or HF_TOKEN)")
     return None
 
 

@@ -116,7 +116,8 @@ def follow_stage(plan: StagePlan, stage_dir: Path, header: str, source: str | Pa
     print(f"{header}: running on node {multi.node_rank} of {multi.nodes}", flush=True)
     log = Path(tempfile.gettempdir()) / f"align-{plan.name}-node{multi.node_rank}.log"
     cmd = launch_command(plan, spec_path, source, num_processes, multi)
-    rc = stream_stage(lambda: warm.start_stage(cmd, stage_env(), warm_start=False), log, plan.name)
+    rc = stream_stage(lambda: warm.start_stage(cmd, stage_env(), warm_start=False, stage_dir=str(stage_dir)),
+                      log, plan.name)
     if rc != 0:
         raise PipelineError(f"stage '{plan.name}' failed on node {multi.node_rank} (exit code {rc}); log: {log}")
     wait_for_stage(stage_dir, plan.fingerprint, plan.name, multi.rdzv_timeout, stale_after=multi.rdzv_timeout)

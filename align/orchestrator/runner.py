@@ -205,7 +205,7 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
         peak_before = children_peak_rss()
         try:
             cmd = launch_command(plan, spec_path, source, num_processes, multi)
-            rc = stream_stage(lambda: warm.start_stage(cmd, stage_env(), warm_start),  # noqa: B023 (called here)
+            rc = stream_stage(lambda: warm.start_stage(cmd, stage_env(), warm_start, str(stage_dir)),  # noqa: B023 (called here)
                               stage_dir / "stage.log", plan.name)
         except KeyboardInterrupt as exc:
             _mark_interrupted(stage_dir, interrupt_cause(exc))

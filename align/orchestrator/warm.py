@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from align.core.errors import dies_with_this_process
+from align.core.rundir import stage_lock_fd
 from align.core.machine import has_gpu
 
 PRELOAD = "align.runtime.preload"
@@ -50,13 +51,22 @@ def enabled() -> bool:
     return not has_gpu()
 
 
-def start_stage(cmd: list[str], env: dict[str, str], warm_start: bool) -> subprocess.Popen | WarmStage:
+def start_stage(cmd: list[str], env: dict[str, str], warm_start: bool,
+                stage_dir: str | None = None) -> subprocess.Popen | WarmStage:
     """Start a stage's command: forked from the warm server when asked and the command is the plain one-process
-    entry point (`python -m align.cli stage <spec>`), else a fresh process; stdout and stderr on one pipe."""
+    entry point (`python -m align.cli stage <spec>`), else a fresh process; stdout and stderr on one pipe. A fresh
+    process inherits a shared hold on `stage_dir`'s lock (`rundir.stage_lock_fd`) from its first instant: its
+    imports take seconds before it holds its own (a forked one has done them)."""
     if warm_start and cmd[1:4] == ["-m", "align.cli", "stage"] and len(cmd) == 5:
         return WarmStage(cmd[4], env)
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                            preexec_fn=dies_with_this_process())  # a SIGKILLed runner takes its stage along
+    held = stage_lock_fd(stage_dir) if stage_dir else None
+    try:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                pass_fds=() if held is None else (held,),
+                                preexec_fn=dies_with_this_process())  # a SIGKILLed runner takes its stage along
+    finally:
+        if held is not None:
+            os.close(held)  # the process holds its own copy; the runner none
 
 
 @contextmanager

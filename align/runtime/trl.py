@@ -13,7 +13,7 @@ from align.config import TrainedStage
 from align.config.settings import warmup_steps
 from align.core import faults
 from align.core.console import verbose
-from align.core.fsutil import fsync_tree
+from align.core.fsutil import fsync_dir, fsync_tree
 from align.data.lengths import enforce
 from align.core.rundir import rotate_checkpoints
 from align.core.tracking import keep_metrics_until
@@ -122,6 +122,7 @@ def durable_checkpoints(ctx: StageContext, keep: int):
             ctx.state.wait_for_everyone()
             if ctx.state.is_local_main_process and newest.is_dir():
                 fsync_tree(newest)
+                fsync_dir(newest.parent)  # its name too, before any older one goes
             ctx.state.wait_for_everyone()
             if ctx.state.is_main_process:
                 rotate_checkpoints(Path(args.output_dir), keep)

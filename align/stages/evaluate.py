@@ -40,7 +40,7 @@ def sample_with_kl(engine: RolloutEngine, policy, reference, tokenizer, prompts:
                    rank: int = 0, world: int = 1):
     """Responses (text), sequence-level KL(policy || reference) = sum_t log pi - log ref on them, their lengths,
     the sum of their tokens' log-probs under the reference at temperature 1 (for its perplexity), and each judge's
-    scores of them (of the sampled ids: align/judges/pointwise.py), in the order of `prompts` (sampled in
+    scores of them (`WeightedJudge.score_rollout`: align/judges/pointwise.py), in the order of `prompts` (sampled in
     length-sorted batches: every policy gets the same batches and seeds). `engine` samples (synced to `policy`); the
     log-probs are the policy's own, and with an engine that reports its own (vllm) the largest gap between the two
     is returned too (None otherwise).
