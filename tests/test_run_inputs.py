@@ -261,3 +261,42 @@ def test_a_file_where_a_directory_belongs_is_named_before_anything_runs(workdir,
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"{path.relative_to(workdir)} is a file where align keeps the {where}'s directory: move it away" in proc.stderr
     assert "Traceback" not in proc.stderr and not (run_dir / "sft").exists() and path.read_text() == "notes"
+
+
+def test_weights_a_copy_left_incomplete_or_mixed_and_a_tokenizer_without_its_vocabulary_are_refused_at_validate(
+        tmp_path, capsys):
+    """A probe of model loading (2026-11-30): each passed validate. A shard an index names but the copy has not
+    brought failed at the first stage's load; a stale model.safetensors beside a newer sharded checkpoint was loaded
+    instead of it (transformers prefers the single file), silently; a zip-format .bin cut short failed naming no
+    file; a tokenizer folder without tokenizer.json / vocab.json loaded as a tokenizer of a few special tokens and
+    would have trained on empty sequences; custom code named by tokenizer_config.json's auto_map was replaced by a
+    generic tokenizer without a word."""
+    import json
+
+    model = _judge_dir(tmp_path, "sharded")
+    (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")
+    index = {"metadata": {}, "weight_map": {"w": "model-00001-of-00002.safetensors",
+                                            "v": "model-00002-of-00002.safetensors"}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    rc, out = validate(capsys, DEFAULT, f"base_model={model}")
+    refused(out, rc, "base_model:", "names 2 shards, 1 of them missing (model-00002-of-00002.safetensors)",
+            "the copy is incomplete")
+    stale = _judge_dir(tmp_path, "stale")  # its model.safetensors, and an index of shards copied over it
+    (stale / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "model.safetensors"}}))
+    rc, out = validate(capsys, DEFAULT, f"base_model={stale}")
+    refused(out, rc, "holds both model.safetensors and model.safetensors.index.json",
+            "transformers loads model.safetensors, and the shards are ignored; remove whichever is stale")
+    binary = _judge_dir(tmp_path, "binary", remove=["model.safetensors"])
+    (binary / "pytorch_model.bin").write_bytes(b"PK\x03\x04" + b"\0" * 200)  # a zip's first entry, no directory
+    rc, out = validate(capsys, DEFAULT, f"base_model={binary}")
+    refused(out, rc, f"{binary / 'pytorch_model.bin'} is a zip archive without its end")
+    bare = _judge_dir(tmp_path, "bare", remove=["vocab.json", "merges.txt"])
+    rc, out = validate(capsys, DEFAULT, f"base_model={bare}", f"tokenizer={bare}")
+    refused(out, rc, "the tokenizer encodes ordinary text ('The movie was great.') as []", "no vocabulary to speak of",
+            "missing or damaged: copy the tokenizer again")
+    custom = _judge_dir(tmp_path, "custom")
+    config = json.loads((custom / "tokenizer_config.json").read_text())
+    (custom / "tokenizer_config.json").write_text(json.dumps({**config, "auto_map": {
+        "AutoTokenizer": [None, "tokenization_x.XTokenizer"]}}))
+    rc, out = validate(capsys, DEFAULT, f"base_model={custom}", f"tokenizer={custom}")
+    refused(out, rc, "ships its own Python code (tokenizer_config.json auto_map)", "trust_remote_code: true")

@@ -33,18 +33,19 @@ PAD_TOKEN = "<|pad|>"
 
 
 def check_remote_code(path_or_id: str, trust_remote_code: bool) -> None:
-    """Refuse a local model whose config asks for custom code unless the user opted in."""
-    cfg = Path(path_or_id) / "config.json"
-    if trust_remote_code or not cfg.is_file():
+    """Refuse a local model or tokenizer whose config asks for custom code (config.json's or tokenizer_config.json's
+    `auto_map`) unless the user opted in: transformers would load a generic class in its place without a word."""
+    if trust_remote_code:
         return
-    try:
-        auto_map = json.loads(cfg.read_text()).get("auto_map")
-    except (OSError, json.JSONDecodeError):
-        return
-    if auto_map:
-        raise ModelError(f"{path_or_id}: this model ships its own Python code (config.json auto_map); align does "
-                         "not run remote code by default. Read the code, then set `trust_remote_code: true` "
-                         "in the pipeline YAML to allow it.")
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            raw = json.loads((Path(path_or_id) / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(raw, dict) and raw.get("auto_map"):
+            raise ModelError(f"{path_or_id}: this model ships its own Python code ({name} auto_map); align does "
+                             "not run remote code by default. Read the code, then set `trust_remote_code: true` "
+                             "in the pipeline YAML to allow it.")
 
 
 # --------------------------------------------------------------------------------------------- tokenizers
@@ -88,6 +89,12 @@ def prepare_tokenizer(tok):
                              "tokens({'pad_token': '<|pad|>'})) and save it with the model")
         tok.pad_token = tok.eos_token
         log.warning("tokenizer has no pad token: using EOS (%r) as pad", tok.eos_token)
+    words = tok("The movie was great.", add_special_tokens=False)["input_ids"]
+    if not words or all(i == tok.unk_token_id for i in words):
+        raise ModelError(f"the tokenizer encodes ordinary text ('The movie was great.') as {words}, with {len(tok)} "
+                         "tokens in all: it has no vocabulary to speak of, and every example would train on nothing. "
+                         "Its vocabulary file (tokenizer.json, tokenizer.model, vocab.json + merges.txt) is missing "
+                         "or damaged: copy the tokenizer again")
     problem = encoding_problem(tok)
     if problem:
         raise ModelError(f"the tokenizer {problem}")

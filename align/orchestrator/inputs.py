@@ -35,6 +35,7 @@ from align.core.builtin import is_builtin
 from align.core.errors import TOKENIZER_SAVE_FIX
 from align.config import PipelineConfig
 from align.core.schema import ConfigError
+from align.orchestrator.model_files import config_problem, model_dir_problem
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
@@ -113,66 +114,11 @@ def _missing_local(value: str, base_dir: Path) -> str | None:
     return None
 
 
-def _config_problem(path: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """A model's config.json as a dict, or what is wrong with it."""
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return None, (f"{path} cannot be read as JSON ({type(exc).__name__}: {exc}); the model directory is "
-                      "damaged: copy it again (a packaged model: `align model NAME` reads every file and converts it "
-                      "again)")
-    if not isinstance(raw, dict):
-        return None, f"{path} holds a JSON {type(raw).__name__}, not the object of a model config"
-    if "model_type" not in raw:
-        return None, (f"{path} has no `model_type`, so transformers cannot tell which architecture it is; the "
-                      "directory is damaged or not a transformers model: save it again with model.save_pretrained")
-    return raw, None
-
-
 def _read_config(path: Path, what: str) -> dict[str, Any]:
-    raw, problem = _config_problem(path)
+    raw, problem = config_problem(path)
     if problem:
         raise ConfigError(f"{what}: {problem}")
     return raw
-
-
-def model_dir_problem(directory: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """A local model directory's config.json as a dict, or what keeps the directory from loading: no config (a
-    .gguf inside is named), a damaged one, no weights, weights cut short."""
-    if not (directory / "config.json").is_file():
-        ggufs = sorted(p.name for p in directory.iterdir() if gguf.is_gguf(p.name))
-        return None, (f"{directory} has no config.json; it is not a transformers model directory (save one with "
-                      "model.save_pretrained)"
-                      + (f"; to use its GGUF checkpoint, name the file: {directory / ggufs[0]}" if ggufs else ""))
-    read, problem = _config_problem(directory / "config.json")
-    if problem:
-        return None, problem
-    if not any(any(directory.glob(pattern)) for pattern in WEIGHT_FILES):
-        return None, (f"{directory} has a config.json but no weights (none of {', '.join(WEIGHT_FILES)}); copy the "
-                      "whole model directory, or save it with model.save_pretrained")
-    return (None, problem) if (problem := weights_problem(directory)) else (read, None)
-
-
-def weights_problem(directory: Path) -> str | None:
-    """A safetensors file of `directory` that is shorter than its own header says (a copy cut short), found by
-    reading its header alone; None: every one is whole (or there is none)."""
-    for path in sorted(directory.glob("*.safetensors")):
-        size = path.stat().st_size
-        try:
-            with open(path, "rb") as fh:
-                length = int.from_bytes(fh.read(8), "little")
-                header = json.loads(fh.read(length)) if 2 <= length <= min(size - 8, 100 << 20) else None
-            end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
-        except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
-            return f"{path} is not a readable safetensors file (its header is damaged); copy the model again"
-        if 8 + length + end > size:
-            return (f"{path} is {size:,} bytes, its header describes {8 + length + end:,}: the copy was cut short; "
-                    "copy the model again")
-    return None
-
-
-WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
-"""What transformers loads a PyTorch model's weights from."""
 
 
 def base_model_config(cfg: PipelineConfig, source: str | Path, paths: dict[str, str | None]) -> dict[str, Any] | None:
