@@ -196,3 +196,111 @@ def test_a_published_adapter_is_refused_as_qloras_4bit_base_before_any_load(tmp_
         (lambda: load_scalar_model(str(tmp_path), 0, quantize="4bit"))
     with pytest.raises(ModelError, match=r"cannot be the 4-bit base of QLoRA .*lora.merge: true"):
         load()
+
+
+@pytest.mark.slow
+def test_sft_lora_trains_the_rows_of_the_tokens_its_chat_template_adds(tmp_path):
+    """A pretrained model without the chat template's tokens (here a tiny Llama, untied head, and `chatml`): the
+    template adds <|im_start|> and <|im_end|>, the end-of-turn token every response must end with. LoRA froze the
+    embeddings and the head, so their rows stayed as resize_token_embeddings drew them, whatever SFT trained: the
+    same after 1 step as after 4. peft trains those embedding rows now (its trainable tokens) and a copy of the
+    whole head (TRL's fused head reads the head's weight), as TRL does, and model/ holds them merged; the other
+    embedding rows are untouched."""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    import families
+    from conftest import REPO
+
+    print(f"seed {families.SEED}")
+    base, tok_dir = families.build("llama", tmp_path)
+    card = REPO / "data_cards" / "hh_rlhf_harmless_chat_sft.yaml"
+    (tmp_path / "p.yaml").write_text(f"""\
+name: added
+base_model: {base}
+tokenizer: {tok_dir}
+chat_template: chatml
+seed: {families.SEED}
+tracking: {{wandb: disabled}}
+stages:
+  sft: {{data: {card}, per_device_batch_size: 4, max_length: 128, max_train_examples: 32, max_truncated_fraction: 1.0,
+        eval_split: null, logging_steps: 1, save_steps: 10, learning_rate: 3.0e-2, warmup_ratio: 0.0,
+        lora: {{enabled: true, r: 4, alpha: 8, target_modules: [q_proj, v_proj]}}}}
+""")
+    rows = {}
+    for steps in (1, 4):
+        proc = subprocess.run([sys.executable, "-m", "align.cli", "run", str(tmp_path / "p.yaml"), "--run-id",
+                               f"s{steps}", f"sft.max_steps={steps}"], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        stage = tmp_path / "runs" / "added" / f"s{steps}" / "sft"
+        tok = AutoTokenizer.from_pretrained(stage / "model")
+        new = [tok.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")]
+        manifest = json.loads((stage / "manifest.json").read_text())
+        assert manifest["lora_new_tokens"] == {"rows": [min(new), max(new)], "embeddings": "embed_tokens",
+                                               "head_trained_whole": "lm_head"}
+        rows[steps] = load_file(str(stage / "model" / "model.safetensors"))
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        moved = (rows[4][key][new] - rows[1][key][new]).abs().amax(dim=1)
+        assert (moved > 1e-4).all(), (key, moved)  # trained: frozen rows are equal however long SFT runs
+    embed = "model.embed_tokens.weight"
+    assert torch.equal(rows[4][embed][:min(new)], rows[1][embed][:min(new)])  # the base's input rows stay frozen
+
+
+@pytest.mark.parametrize("family, extra, refused", [
+    ("gemma3", [], "whose output head is tied to its embeddings: LoRA cannot train their rows there"),
+    ("llama", ["sft.accelerate=zero3", "sft.num_processes=2"], "which it cannot do on ZeRO-3's partitions; set "
+                                                               "stages.sft.accelerate: zero2"),
+    ("llama", [], None)])
+def test_validate_refuses_lora_where_it_cannot_train_the_rows_a_template_adds(tmp_path, family, extra, refused):
+    """Where peft cannot train the rows of the tokens a chat template adds (a head tied to the embeddings, ZeRO-3's
+    partitions), `align validate` says so; the stage found it only once the model had loaded."""
+    import subprocess
+    import sys
+
+    import families
+    from conftest import REPO
+
+    base, tok_dir = families.build(family, tmp_path)
+    card = REPO / "data_cards" / "hh_rlhf_harmless_chat_sft.yaml"
+    (tmp_path / "p.yaml").write_text(f"""\
+name: added
+base_model: {base}
+tokenizer: {tok_dir if tok_dir != base else "null"}
+chat_template: chatml
+stages:
+  sft: {{data: {card}, max_length: 128, max_train_examples: 32, max_truncated_fraction: 1.0,
+        lora: {{enabled: true, r: 4, alpha: 8, target_modules: [q_proj, v_proj]}}}}
+""")
+    proc = subprocess.run([sys.executable, "-m", "align.cli", "validate", str(tmp_path / "p.yaml"), *extra],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    if refused is None:
+        assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-1500:]
+    else:
+        assert proc.returncode == 2 and "stages.sft: the chat template adds 2 tokens to the model" in proc.stderr, \
+            proc.stdout[-1500:] + proc.stderr[-1500:]
+        assert refused in proc.stderr, proc.stderr
+
+
+def test_a_qlora_stage_over_a_stage_that_publishes_adapters_alone_is_refused_at_validate():
+    """QLoRA loads its input 4-bit; an upstream stage that publishes adapters alone cannot be that base. The stage
+    said so when it loaded, after every stage before it had trained (a probe of LoRA, 2026-11-30)."""
+    from types import SimpleNamespace
+
+    from align.config import LoraSettings
+    from align.orchestrator.memory import qlora_base_problems
+
+    def stage(lora, **inputs):
+        return SimpleNamespace(lora=lora, references=lambda role: inputs.get(role, []))
+
+    alone, merged = LoraSettings(enabled=True, merge=False), LoraSettings(enabled=True, merge=True)
+    qlora = LoraSettings(enabled=True, quantize="4bit", merge=True)
+    stages = {"sft": stage(alone), "reward": stage(merged), "dpo": stage(qlora, policy=["sft"]),
+              "ppo": stage(qlora, policy=["dpo"], reward_model=["reward"]), "plain": stage(alone, policy=["sft"])}
+    assert qlora_base_problems(stages) == [
+        "stages.dpo: lora.quantize: 4bit loads stage 'sft''s model as its 4-bit base, and 'sft' publishes LoRA "
+        "adapters alone (merging needs full weights); set stages.sft.lora.merge: true"]

@@ -63,6 +63,7 @@ def run(source: str, verbose: bool = True, tokenizer: dict[str, Any] | None = No
             if problem and verbose:
                 print(f"  warning: chat template: {problem}")
             check_trl_agrees(tok, planned, source)
+            out["tokens"] = len(tok)  # above the model's embedding rows: the stage grows them for the new tokens
             if verbose:
                 print(f"  chat template: {planned.describe()}")
         for ex in examples:

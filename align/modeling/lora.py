@@ -4,6 +4,7 @@ QLoRA's 4-bit loading itself is part of loading a model (align/modeling/models.p
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,15 +16,49 @@ if TYPE_CHECKING:
     from align.config import LoraSettings
 
 
-def peft_config(lora: LoraSettings, task_type: str) -> Any:
+def peft_config(lora: LoraSettings, task_type: str, new_tokens: NewTokens | None = None) -> Any:
     """A peft LoraConfig when LoRA is enabled, else None (full fine-tuning). For SEQ_CLS peft also trains a copy
-    of the scalar head (`modules_to_save`: `score`), keeping the original for when adapters are disabled."""
+    of the scalar head (`modules_to_save`: `score`), keeping the original for when adapters are disabled.
+    `new_tokens` (`new_token_rows`): embedding rows and the head peft trains beside the adapters."""
     if not lora.enabled:
         return None
     from peft import LoraConfig  # heavy: loaded on use
 
     return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                      target_modules=list(lora.target_modules), task_type=task_type)
+                      target_modules=list(lora.target_modules), task_type=task_type,
+                      trainable_token_indices={new_tokens.embeddings: new_tokens.ids} if new_tokens else None,
+                      modules_to_save=[new_tokens.head] if new_tokens else None)
+
+
+@dataclass(frozen=True)
+class NewTokens:
+    """The embedding rows a chat template's new tokens added to a loaded model, and what LoRA trains for them."""
+
+    embeddings: str
+    """The input embeddings' module name: peft trains these rows of it alone (its trainable tokens)."""
+    ids: list[int]
+    head: str
+    """The output head's module name: peft trains a copy of it whole (`modules_to_save`), as TRL's SFTTrainer does
+    for a template it installs: TRL's fused LM head reads the head's weight, which only a copy of the whole head
+    gives it (525M parameters at Llama-3.1-8B)."""
+
+
+def new_token_rows(model, loaded_rows: int) -> NewTokens | None:
+    """The rows a chat template's new tokens added after the model was loaded with `loaded_rows` embedding rows
+    (`fit_model_to_tokenizer`). LoRA freezes the embeddings and the head, so those tokens (the end-of-turn token
+    among them, the one every response must end with) would keep the random rows they were given. None when nothing
+    grew. A head tied to the embeddings is refused (ModelError): TRL's fused head would read the frozen rows."""
+    rows = model.get_input_embeddings().num_embeddings
+    if not loaded_rows or rows <= loaded_rows:
+        return None
+    names = {id(m): n.rsplit(".", 1)[-1] for n, m in model.named_modules()}
+    head = model.get_output_embeddings()
+    if head is None or head.weight is model.get_input_embeddings().weight:
+        raise ModelError(f"the chat template added {rows - loaded_rows} tokens to a model whose output head is tied "
+                         "to its embeddings: LoRA cannot train their rows there (TRL's fused head reads the head's "
+                         "frozen weight); use a template whose tokens the model has, or train this stage without "
+                         "LoRA (lora.enabled: false)")
+    return NewTokens(names[id(model.get_input_embeddings())], list(range(loaded_rows, rows)), names[id(head)])
 
 
 def add_adapters(model, lora: LoraSettings, task_type: str, zero3: bool = False):
@@ -34,13 +69,17 @@ def add_adapters(model, lora: LoraSettings, task_type: str, zero3: bool = False)
     return get_peft_model(model, peft_config(lora, task_type), autocast_adapter_dtype=not zero3)
 
 
-def merged_lora_model(base, lora: LoraSettings, task_type: str, trained_state: dict[str, torch.Tensor]):
+def merged_lora_model(base, lora: LoraSettings, task_type: str, trained_state: dict[str, torch.Tensor],
+                      config: Any = None):
     """A plain transformers model: `base` (a fresh, unquantized load of the weights the adapters were trained on)
     with the trained adapter weights from `trained_state` (a PeftModel's state_dict) merged in. Merging into a
-    fresh load rather than in place also serves QLoRA, whose training copy of the base is 4-bit."""
+    fresh load rather than in place also serves QLoRA, whose training copy of the base is 4-bit. `config`: the
+    trained model's own peft config (its trainable token rows too), else the settings' one."""
+    import copy
+
     from peft import get_peft_model  # heavy: loaded on use
 
-    model = get_peft_model(base, peft_config(lora, task_type))
+    model = get_peft_model(base, copy.deepcopy(config) if config is not None else peft_config(lora, task_type))
     wanted = [n for n, p in model.named_parameters() if p.requires_grad]
     missing = [n for n in wanted if n not in trained_state]
     if missing:
@@ -65,14 +104,21 @@ def merged_for_saving(peft_model, lora: LoraSettings, dtype: str, gathered: dict
         base = load_scalar_model(path, None, dtype, trust_remote_code) if task == "SEQ_CLS" else \
             load_causal_lm(path, dtype, trust_remote_code)
     _as_trained(base, peft_model.get_base_model())
-    return merged_lora_model(base, lora, task, peft_model.state_dict())
+    return merged_lora_model(base, lora, task, peft_model.state_dict(), config)
+
+
+def plain_embeddings(model):
+    """The model's input embedding module itself, under peft's trainable-tokens wrapper when it wears one (which
+    answers none of nn.Embedding's attributes but its weight)."""
+    emb = model.get_input_embeddings()
+    return getattr(getattr(emb, "token_adapter", None), "base_layer", emb)
 
 
 def _as_trained(fresh, trained) -> None:
     """A fresh load of the base given what the stage changed before training (`fit_model_to_tokenizer`: embeddings
     grown for a chat template's new tokens, unquantized in a 4-bit model, and the token ids it set), so model/ holds
     every row its tokenizer can produce."""
-    grown = trained.get_input_embeddings().weight
+    grown = plain_embeddings(trained).weight
     if fresh.get_input_embeddings().num_embeddings != grown.size(0):
         fresh.resize_token_embeddings(grown.size(0), mean_resizing=False)
         with torch.no_grad():
@@ -92,13 +138,15 @@ def merged_from_gathered(peft_model, lora: LoraSettings, gathered: dict[str, tor
     or a shape error). `gathered` (the wrapped PeftModel's whole 16-bit state, every key) is loaded into a PeftModel
     of the same structure built on the CPU (the embeddings as the stage grew them, the token ids it set), and merged
     there. Keys a tied weight shares are the only ones allowed to be absent."""
+    import copy
+
     from peft import get_peft_model  # heavy: loaded on use
 
     base = peft_model.get_base_model()
     config = peft_model.peft_config[peft_model.active_adapter]
     with unsharded_loading():
         plain = type(base)._from_config(base.config, dtype=next(iter(gathered.values())).dtype)
-    model = get_peft_model(plain, peft_config(lora, getattr(config.task_type, "value", config.task_type)))
+    model = get_peft_model(plain, copy.deepcopy(config))  # the trained one's: its trainable token rows too
     missing, unexpected = model.load_state_dict(gathered, strict=False)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded = {p.data_ptr() for n, p in params.items() if n in gathered}

@@ -29,7 +29,8 @@ def shape_of(model) -> dict[str, Any]:
             # grouped-query attention: the KV cache holds num_key_value_heads heads of head_dim each
             "kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
             "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-            "vocab": cfg.vocab_size, "linears": linears, "head": head, "scalar": hasattr(model, "score")}
+            "vocab": cfg.vocab_size, "linears": linears, "head": head, "scalar": hasattr(model, "score"),
+            "tied": head_module is not None and head_module.weight is model.get_input_embeddings().weight}
 
 
 def base_config(base_model: str, base_model_config: str | None, tokenizer: str | None, builtin: dict[str, Any],

@@ -34,6 +34,8 @@ class ModelShape:
     """The output head's module name (lm_head, embed_out, score): never quantized; a scalar model trains a copy."""
     scalar: bool = False
     """A reward / value model (with LoRA its head is trained whole)."""
+    tied: bool = False
+    """The output head is the input embeddings' weight (tie_word_embeddings)."""
     packs: bool = True
     """Whether the family's forwards can run padding-free with SDPA (align/modeling/packing.py packing_works)."""
     activations: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -54,6 +56,23 @@ def enabled_lora(stage: Any) -> Any:
     """A stage's LoRA settings when it trains adapters (every stage type that trains has the settings), else None."""
     lora = getattr(stage, "lora", None)
     return lora if lora is not None and lora.enabled else None
+
+
+def qlora_base_problems(stages: dict[str, Any]) -> list[str]:
+    """A QLoRA stage loads its input models 4-bit (align/modeling/models.py `published_adapter`): an input stage that
+    publishes LoRA adapters alone cannot be that base (merging needs full weights). The stage found it when it
+    loaded, after the stages before it trained; one line each."""
+    out = []
+    for name, stage in stages.items():
+        lora = enabled_lora(stage)
+        for ref in stage.references("policy") + stage.references("reward_model") + stage.references("model") \
+                if lora is not None and lora.quantize != "none" else []:
+            upstream = enabled_lora(stages.get(ref))
+            if upstream is not None and not upstream.merge:
+                out.append(f"stages.{name}: lora.quantize: {lora.quantize} loads stage '{ref}''s model as its 4-bit "
+                           f"base, and '{ref}' publishes LoRA adapters alone (merging needs full weights); set "
+                           f"stages.{ref}.lora.merge: true")
+    return out
 
 
 def lora_spec(lora, dropout_runs: bool) -> dict[str, Any]:

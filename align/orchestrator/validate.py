@@ -31,7 +31,7 @@ from align.data.cards import (DataCardError, DataUnavailableError, LoadedSplit, 
 from align.data.formats import row_prompt_key, turns_key
 from align.orchestrator import helper
 from align.orchestrator.estimate import EstimateError, ModelShape, model_sources
-from align.orchestrator.memory import enabled_lora, missing_lora_targets, targeted
+from align.orchestrator.memory import enabled_lora, missing_lora_targets, qlora_base_problems, targeted
 from align.orchestrator.inputs import (base_model_config, check_model_inputs, fetch_tokenizer, local_model_problem,
                                        resolve_model_paths, tokenizer_name, tokenizer_to_check)
 from align.orchestrator.launch import accelerate_config, accelerate_mode, check_accelerate
@@ -128,6 +128,7 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
                 raise PipelineError(f"{source}: stages.{plan.name}.{key}: {problem}")
     _check_eval_overlap(plans, split_of, str(source))
     mismatches = [line for name, st in cfg.stages.items() for line in st.pipeline_problems(name, cfg.stages)]
+    mismatches += qlora_base_problems(cfg.stages)
     if mismatches:
         raise PipelineError(f"{source}: " + "\n".join(mismatches))
     job = model_job(cfg, plans, split_of, str(source), verbose)
@@ -136,6 +137,7 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
         answer = helper.call("align.modeling.checks:run", **job)
         if "shapes" in answer:
             _check_lora_targets(cfg, plans, answer["shapes"], str(source), verbose)
+        _check_new_token_rows(cfg, plans, job, answer, str(source))
     if verbose and is_builtin(cfg.base_model) and not cfg.tokenizer:
         print("  length check: at stage start (the builtin model's tokenizer is trained by the first stage)")
     return plans
@@ -291,12 +293,38 @@ def _check_lora_targets(cfg: PipelineConfig, plans: list[StagePlan], answer: dic
                 raise PipelineError(f"{source}: stages.{plan.name}.lora.target_modules: {missing} name no linear "
                                     f"layer of the {held.role} model ({cfg.base_model}); its linear layers are named "
                                     f"{names}: name some of those")
+            if shape.tied and targeted(shape.head, set(lora.target_modules)):
+                raise PipelineError(f"{source}: stages.{plan.name}.lora.target_modules: {shape.head} is the {held.role} "
+                                    "model's output head, tied to its input embeddings: merging writes the adapter into "
+                                    f"the embeddings too, and a vLLM engine drops a tied head; leave {shape.head} out")
             widest = max((min(dims) for n, dims in shape.linears.items() if targeted(n, set(lora.target_modules))),
                          default=None)  # the head alone is a target too (its width: the hidden size)
             if widest is not None and lora.r > widest:
                 raise PipelineError(f"{source}: stages.{plan.name}.lora.r: {lora.r} is above the rank any targeted "
                                     f"layer of the {held.role} model can have ({widest}: the smallest of its in and "
                                     f"out features); an adapter of higher rank trains no more. Lower lora.r")
+
+
+def _check_new_token_rows(cfg: PipelineConfig, plans: list[StagePlan], job: dict[str, Any], answer: dict[str, Any],
+                          source: str) -> None:
+    """A stage that installs a chat template whose tokens the model lacks grows its embeddings; under LoRA peft
+    trains the new rows (align/modeling/lora.py `new_token_rows`), which it cannot do on a head tied to the
+    embeddings or on ZeRO-3's partitions: refused here, not after the model has loaded."""
+    vocab, tokens = (job.get("tokenizer") or {}).get("vocab"), answer.get("tokens")
+    if not isinstance(vocab, int) or not isinstance(tokens, int) or tokens <= vocab:
+        return
+    tied = bool((((answer.get("shapes") or {}).get("shapes") or {}).get("lm") or {}).get("tied"))
+    for plan in (p for p in plans if enabled_lora(p.cfg) is not None and p.cfg.installs_chat_template(
+            {f: load_card(c).produces for f, c in p.cards.items()}, cfg.chat_template is not None)):
+        where = f"{source}: stages.{plan.name}: the chat template adds {tokens - vocab} tokens to the model"
+        if tied:
+            raise PipelineError(f"{where}, whose output head is tied to its embeddings: LoRA cannot train their rows "
+                                "there (TRL's fused head reads the head's frozen weight); use a template whose tokens "
+                                f"the model has, or set stages.{plan.name}.lora.enabled: false")
+        if accelerate_mode(accelerate_config(plan.cfg.accelerate, source))[0].startswith("zero3"):
+            raise PipelineError(f"{where}: LoRA trains their new embedding rows whole (peft's trainable tokens), which "
+                                f"it cannot do on ZeRO-3's partitions; set stages.{plan.name}.accelerate: zero2, or "
+                                f"stages.{plan.name}.lora.enabled: false, or use a template whose tokens the model has")
 
 
 def _half_weights_problem(plan: StagePlan, cfg: PipelineConfig, source: str | Path) -> str | None:

@@ -294,9 +294,11 @@ class StageContext:
     def adapter_alone_suffices(self, peft_model) -> bool:
         """Whether the adapters alone, on the model the stage loaded, give the trained model back: not when there is
         no loadable base (a builtin model built here) or the stage grew the embeddings (a chat template's new
-        tokens: those rows are trained but not part of an adapter)."""
+        tokens: the base has no rows for them)."""
+        from align.modeling.lora import plain_embeddings  # heavy (torch): stage processes only
+
         return self.trained_from is not None and \
-            peft_model.get_base_model().get_input_embeddings().num_embeddings == self.trained_vocab
+            plain_embeddings(peft_model.get_base_model()).num_embeddings == self.trained_vocab
 
     def write_adapter_base(self, path: Path, peft_model) -> None:
         """Beside a saved adapter: the model it was trained on (as this stage loaded it), its task, and the token ids

@@ -18,7 +18,8 @@ from align.core.builtin import is_builtin
 from align.config.sft import SFTStage
 from align.data.chat import TemplateError, sft_every_token, sft_example
 from align.modeling.models import build_builtin, fit_model_to_tokenizer, train_tokenizer
-from align.modeling.lora import peft_config
+from align.core.errors import ModelError
+from align.modeling.lora import NewTokens, new_token_rows, peft_config
 from align.runtime.context import StageContext, StageError
 from align.runtime.rows import card_split, drop_special_text
 from align.runtime.trl import check_lengths, metrics_callback, train_with_resume, training_args
@@ -124,6 +125,26 @@ def tokenized(ctx: StageContext, rows: list[dict[str, Any]], tokenizer, split: s
     return Dataset.from_list(out)
 
 
+def _new_tokens(ctx: StageContext, cfg: SFTStage, model) -> NewTokens | None:
+    """Under LoRA, the embedding rows the chat template's new tokens added to a loaded model and the head, which
+    peft trains (`lora.new_token_rows`), noted in the manifest; refused under ZeRO-3, whose partitions peft cannot
+    index."""
+    try:
+        new = new_token_rows(model, ctx.trained_vocab) if cfg.lora.enabled and ctx.trained_from else None
+    except ModelError as exc:
+        raise StageError(f"stage '{ctx.name}': {exc}") from None
+    if new is None:
+        return None
+    if ctx.compute.distributed_zero3:
+        raise StageError(f"stage '{ctx.name}': the chat template added {len(new.ids)} tokens to {ctx.trained_from}, "
+                         "whose new embedding rows LoRA must train whole (peft's trainable tokens), which it cannot "
+                         f"do on ZeRO-3's partitions; run this stage under ZeRO-2 (stages.{ctx.name}.accelerate: "
+                         "zero2), without LoRA, or with a template whose tokens the model has")
+    ctx.extra_manifest["lora_new_tokens"] = {"rows": [new.ids[0], new.ids[-1]], "embeddings": new.embeddings,
+                                             "head_trained_whole": new.head}
+    return new
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     from datasets import Dataset  # heavy: trl and datasets load only when the stage runs
     from trl import SFTConfig, SFTTrainer
@@ -159,7 +180,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     rows_collator = collator(ctx, cfg, args, model, tokenizer)
     trainer = SFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=eval_ds,
                          processing_class=tokenizer, callbacks=[metrics_callback(ctx)],
-                         peft_config=peft_config(cfg.lora, "CAUSAL_LM"),
+                         peft_config=peft_config(cfg.lora, "CAUSAL_LM", _new_tokens(ctx, cfg, model)),
                          data_collator=None if args.packing else rows_collator)
     if args.packing and rows_collator is not None:  # TRL refuses a collator of ours with its packing: set it after
         trainer.data_collator = rows_collator
