@@ -300,3 +300,35 @@ def test_weights_a_copy_left_incomplete_or_mixed_and_a_tokenizer_without_its_voc
         "AutoTokenizer": [None, "tokenization_x.XTokenizer"]}}))
     rc, out = validate(capsys, DEFAULT, f"base_model={custom}", f"tokenizer={custom}")
     refused(out, rc, "ships its own Python code (tokenizer_config.json auto_map)", "trust_remote_code: true")
+
+
+def test_a_vision_language_model_is_checked_by_its_decoders_config(tmp_path, capsys):
+    """Gemma 3 4B+ (and Mistral-Small-3.1, Llama 4) keep the decoder's vocabulary, positions and heads under
+    `text_config`: validate read none of them (a tokenizer 40 tokens past the embeddings passed), and `align
+    estimate` ended in a traceback (no attribute 'num_attention_heads'). A probe of model loading, 2026-11-30."""
+    import json
+
+    import torch
+    import transformers as t
+
+    import families
+    from align.cli import main as cli
+
+    print(f"seed {families.SEED}")
+    tok = families.tokenizer("gemma3", tmp_path / "vlm")
+    vision = t.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                  image_size=28, patch_size=14)
+    config = t.Gemma3Config(text_config=families.config("gemma3", tok).to_dict(), vision_config=vision.to_dict(),
+                            mm_tokens_per_image=4, boi_token_index=2, eoi_token_index=3, image_token_index=1)
+    torch.manual_seed(families.SEED)
+    t.AutoModelForImageTextToText.from_config(config).save_pretrained(tmp_path / "vlm")
+    assert "vocab_size" not in json.loads((tmp_path / "vlm" / "config.json").read_text())  # under text_config only
+    tok.add_special_tokens({"additional_special_tokens": [f"<x{i}>" for i in range(40)]})
+    tok.save_pretrained(tmp_path / "big")
+    rc, out = validate(capsys, DEFAULT, f"base_model={tmp_path / 'vlm'}", f"tokenizer={tmp_path / 'big'}")
+    refused(out, rc, f"has {len(tok)} tokens but the base model's embeddings hold {len(tok) - 40}")
+    rc, out = validate(capsys, DEFAULT, f"base_model={tmp_path / 'vlm'}", "sft.max_length=4096")
+    refused(out, rc, "sft", "4096", str(families.POSITIONS))
+    assert cli(["estimate", DEFAULT, f"base_model={tmp_path / 'vlm'}"]) == 0
+    out = capsys.readouterr().out
+    assert "| sft |" in out and "Traceback" not in out

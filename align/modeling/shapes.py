@@ -17,7 +17,7 @@ from align.core import gguf
 
 
 def shape_of(model) -> dict[str, Any]:
-    cfg = model.config
+    cfg = model.config.get_text_config()  # a vision-language model (Gemma 3 4B+) keeps its decoder's under text_config
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     linears = {n: (m.in_features, m.out_features) if hasattr(m, "in_features") else tuple(m.weight.shape)
                for n, m in model.named_modules() if type(m).__name__ in ("Linear", "Conv1D")}  # Conv1D: (in, out)

@@ -125,7 +125,15 @@ def base_model_config(cfg: PipelineConfig, source: str | Path, paths: dict[str, 
     """The base model's config.json as a dict: local directory, HF cache, or the declared copy; None for a
     builtin model or a hub model that nothing here describes."""
     key = ("config", str(Path(source).resolve()), str(source), paths["base_model"], cfg.base_model_config)
-    return _once(key, lambda: _base_model_config(cfg, source, paths))
+    return _once(key, lambda: _decoder_fields(_base_model_config(cfg, source, paths)))
+
+
+def _decoder_fields(config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A vision-language model's config (Gemma 3 4B+, Mistral-Small-3.1, Llama 4) keeps its decoder's vocabulary
+    and positions under `text_config`: read there, so the tokenizer and length checks see them (the top level's own
+    keys, model_type and auto_map among them, win)."""
+    text = (config or {}).get("text_config")
+    return {**text, **config} if isinstance(text, dict) else config
 
 
 def _base_model_config(cfg: PipelineConfig, source: str | Path, paths: dict[str, str | None]) -> dict[str, Any] | None:
