@@ -106,8 +106,10 @@ def _parser() -> argparse.ArgumentParser:
     mod.add_argument("name", help="packaged model: smollm2 (SmolLM2-135M-Instruct)")
     mod.add_argument("--gguf", action="store_true", help="print the .gguf file's path instead of the converted "
                      "Hugging Face directory")
-    stage = sub.add_parser("stage", help=argparse.SUPPRESS)
+    stage = sub.add_parser("stage")  # a stage process's entry point (align/runtime/process.py), not a user's command
     stage.add_argument("spec")
+    sub._choices_actions = [a for a in sub._choices_actions if a.dest != "stage"]  # argparse cannot hide a subcommand
+    sub.metavar = "{" + ",".join(name for name in sub.choices if name != "stage") + "}"
     for command in sub.choices.values():
         command.allow_abbrev = False
     return p

@@ -332,3 +332,15 @@ def test_a_vision_language_model_is_checked_by_its_decoders_config(tmp_path, cap
     assert cli(["estimate", DEFAULT, f"base_model={tmp_path / 'vlm'}"]) == 0
     out = capsys.readouterr().out
     assert "| sft |" in out and "Traceback" not in out
+
+
+def test_align_help_lists_the_users_commands_and_not_the_stage_entry_point(capsys):
+    """`align --help` listed `stage ==SUPPRESS==` (argparse cannot hide a subcommand by its help); the stage
+    process's entry point still parses."""
+    from align import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "SUPPRESS" not in out and "{run,estimate,validate,report,status,verify,model}" in out
+    assert cli._parser().parse_args(["stage", "spec.json"]).spec == "spec.json"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import typing
 import inspect
 import sys
 import textwrap
@@ -62,6 +63,10 @@ def rows(cls: type, prefix: str = "", skip: frozenset[str] = frozenset()) -> lis
     """(dotted name, type, default, valid values, help) of each setting; a field holding a config class of its own
     (lora, kl, generation, ...) is expanded into its settings under its dotted name."""
     docs, out = field_docs(cls), []
+    try:
+        hints = typing.get_type_hints(cls)
+    except (NameError, TypeError):  # an annotation this module cannot resolve: shown as written
+        hints = {}
     for f in dataclasses.fields(cls):
         if f.name in skip or f.name.startswith("_"):
             continue
@@ -73,6 +78,10 @@ def rows(cls: type, prefix: str = "", skip: frozenset[str] = frozenset()) -> lis
         rule: Rule | None = f.metadata.get("rule")
         out.append((prefix + f.name, str(f.type), _shown(default), rule.describe() if rule else "",
                     docs.get(f.name, "")))
+        hint = hints.get(f.name)
+        inner = [a for a in typing.get_args(hint) if isinstance(a, type) and dataclasses.is_dataclass(a)]
+        if inner:  # a list of settings (`list[PairwiseJudge]`: each entry's) or optional ones (`PairwiseJudge | None`)
+            out += rows(inner[0], prefix + f.name + ("[]." if typing.get_origin(hint) is list else "."))
     return out
 
 
