@@ -85,19 +85,47 @@ def test_a_preferences_stage_whose_pairs_are_all_held_out_fails_instead_of_publi
 
     print(f"seed {SEED}")
     ctx = types.SimpleNamespace(name="preferences", seed=SEED)
-    records = [{"prompt": f"p{i}", "responses": ["good", "bad"], "scores": [1.0, 0.0]} for i in range(3)]
+    records = [{"prompt": f"p{i}", "responses": ["good", "bad"], "scores": [1.0, 0.0], "ended": [True, True]}
+               for i in range(3)]
     cfg = PreferencesStage(test_fraction=0.5)
-    splits, pairs, ties = split_pairs(ctx, cfg, records)  # 2 of 3 prompts held out: 1 pair left to train on
-    assert (len(splits["train"]), len(splits["test"]), ties) == (1, 2, 0)
+    splits, pairs, ties, cut = split_pairs(ctx, cfg, records)  # 2 of 3 prompts held out: 1 pair left to train on
+    assert (len(splits["train"]), len(splits["test"]), ties, cut) == (1, 2, 0, 0)
     records[0]["scores"] = records[1]["scores"] = records[2]["scores"]  # still three pairs ...
     tied = [dict(r, scores=[0.5, 0.5]) for r in records]
     cfg = PreferencesStage(test_fraction=0.9)  # ... held out: round(0.9 x 3) = 3
     with pytest.raises(StageError, match=r"no training pairs: 3 pairs are held out \(test_fraction 0.9 of 3 prompts\)"):
         split_pairs(ctx, cfg, records)
-    with pytest.raises(StageError, match=r"every one of 3 prompts was a tie \(min_margin"):
+    with pytest.raises(StageError, match=r"none of 3 prompts made a pair: 3 were ties \(min_margin"):
         split_pairs(ctx, PreferencesStage(), tied)
     with pytest.raises(StageError, match=r"the pairwise judge preferred neither response"):
         split_pairs(ctx, PreferencesStage(pairwise=object()), tied)
+
+
+def test_a_sample_cut_at_max_new_tokens_goes_into_no_pair():
+    """TRL's DPO, KTO and reward trainers append EOS to a text reply: a sample cut at max_new_tokens ("the film was
+    so very") was trained as a reply that ends there. Such samples are left out of every pair (and counted); a
+    prompt left with fewer than two makes none; `drop_unfinished: false` pairs them as before."""
+    from align.config.preferences import PreferencesStage
+    from align.runtime.context import StageError
+    from align.stages.preferences import split_pairs
+
+    print(f"seed {SEED}")
+    ctx = types.SimpleNamespace(name="preferences", seed=SEED)
+    records = [{"prompt": f"p{i}", "responses": ["great.", "the film was so very", "dull.", "fine."],
+                "scores": [0.9, 1.0, 0.1, 0.5], "ended": [True, False, True, True]} for i in range(10)]
+    records[3]["ended"] = [True, False, False, False]  # one finished sample: no pair
+    splits, pairs, ties, cut = split_pairs(ctx, PreferencesStage(test_fraction=0.2), records)
+    assert (len(pairs), ties, cut) == (9, 0, 1)
+    assert all((p["chosen"], p["rejected"]) == ("great.", "dull.") for p in pairs)  # not the cut best-scored one
+    assert not [p for p in splits["train_all_pairs"] if "so very" in p["chosen"] + p["rejected"]]
+    assert len(splits["train_all_pairs"]) == 3 * len({p["prompt"] for p in splits["train"]})
+    _, pairs, _, cut = split_pairs(ctx, PreferencesStage(test_fraction=0.2, drop_unfinished=False), records)
+    assert cut == 0 and pairs[0]["chosen"] == "the film was so very"
+    every = [dict(r, ended=[False, False, True, False]) for r in records]
+    with pytest.raises(StageError, match=r"none of 10 prompts made a pair: 0 were ties .*; 10 had fewer than two "
+                                         r"samples that ended within generation.max_new_tokens \(\d+\): raise it, "
+                                         r"or set drop_unfinished: false"):
+        split_pairs(ctx, PreferencesStage(), every)
 
 
 @pytest.mark.parametrize("overrides, needles, absent", [
@@ -117,3 +145,30 @@ def test_refusals_name_the_field_and_say_what_is_wrong(overrides, needles, absen
     rc, out = validate(capsys, DEFAULT, *overrides)
     refused(out, rc, *needles)
     assert absent is None or absent not in out, out[-2000:]
+
+
+def test_sample_texts_says_which_samples_ended_in_the_order_of_the_prompts():
+    """The engine samples in length-sorted batches; `ended` comes back in the order of the prompts, as the texts."""
+    import torch
+
+    from align.config import Generation
+    from align.modeling.generation import Rollout, sample_texts
+
+    class Engine:
+        def generate(self, batch, gen, seed):  # ends (EOS) exactly the prompts of an odd number of words
+            n = len(batch)
+            return Rollout(torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1, dtype=torch.long),
+                           torch.zeros(n, 2, dtype=torch.long), torch.ones(n, 2, dtype=torch.long),
+                           torch.tensor([len(p.split()) % 2 == 1 for p in batch]))
+
+    class Tokenizer:
+        def __call__(self, prompts, add_special_tokens=True):
+            return {"input_ids": [p.split() for p in prompts]}
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "x"
+
+    prompts = ["a b c d", "e", "f g", "h i j", "k l m n o p"]
+    ended: list = []
+    texts, _ = sample_texts(Engine(), Tokenizer(), prompts, Generation(batch_size=2), seed=0, ended=ended)
+    assert len(texts) == 5 and ended == [len(p.split()) % 2 == 1 for p in prompts]

@@ -48,6 +48,11 @@ class PreferencesStage(StageBase):
     `min_margin` does not apply."""
     min_margin: float = ranged(0.05, ge=0)
     """Pairs whose judge scores differ by less than this are ties: dropped and counted."""
+    drop_unfinished: bool = True
+    """Leave out of every pair a sample that did not end (no EOS within generation.max_new_tokens): TRL's DPO, KTO
+    and reward trainers append EOS to a reply as text, so a cut sample would be trained as a reply that ends there.
+    Counted (`preferences/unfinished_samples`); a prompt left with fewer than two finished samples makes no pair.
+    false: pair every sample, cut ones too."""
     test_fraction: float = ranged(0.1, gt=0, lt=1, fix="the reward and evaluate stages need held-out pairs")
     """Fraction of prompts whose pairs go to the held-out `test` split."""
     generation: Generation = field(default_factory=Generation)

@@ -185,15 +185,19 @@ def by_length(tokenizer, prompts: list[str]) -> list[int]:
 
 def sample_texts(engine, tokenizer, prompts: list[str], gen: Generation, seed: int,
                  counts: dict[str, int] | None = None,
-                 score: Callable[[Rollout, list[str]], torch.Tensor] | None = None) -> tuple[list[str], list[float]]:
+                 score: Callable[[Rollout, list[str]], torch.Tensor] | None = None,
+                 ended: list[bool] | None = None) -> tuple[list[str], list[float]]:
     """Sampled response texts (EOS and padding removed) from a rollout engine (align/engines/), in
     length-sorted batches of gen.batch_size, returned
     in the order of `prompts`, with each one's score by `score(rollout, prompts)` when given (a judge reads the
     sampled ids, not a re-tokenised text; [] without). `counts["generated_tokens"]` is increased by the response
-    tokens sampled and `counts["generation_seconds"]` by the time the engine took to sample them (scoring not in it)."""
+    tokens sampled and `counts["generation_seconds"]` by the time the engine took to sample them (scoring not in it).
+    `ended`, when given, is filled with whether each response ended with EOS (else it was cut at max_new_tokens)."""
     order = by_length(tokenizer, prompts)
     texts: list[str] = [""] * len(prompts)
     scores: list[float] = [0.0] * len(prompts) if score is not None else []
+    if ended is not None:
+        ended[:] = [False] * len(prompts)
     for start in range(0, len(prompts), gen.batch_size):
         idx = order[start:start + gen.batch_size]
         batch = [prompts[i] for i in idx]
@@ -205,6 +209,8 @@ def sample_texts(engine, tokenizer, prompts: list[str], gen: Generation, seed: i
             texts[i] = text
             if score is not None:
                 scores[i] = batch_scores[j]
+            if ended is not None:
+                ended[i] = bool(r.eos_found[j])
         if counts is not None:
             counts["generated_tokens"] = counts.get("generated_tokens", 0) + int(r.response_mask.sum())
             counts["generation_seconds"] = counts.get("generation_seconds", 0.0) + sampled

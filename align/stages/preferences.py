@@ -1,7 +1,8 @@
 """Preferences stage: sample several completions per prompt from a policy, judge them, keep ordered pairs.
 
 For each prompt: `samples_per_prompt` completions are sampled; the best and the worst by the judge form a
-(chosen, rejected) pair. Pairs whose scores differ by less than `min_margin`, or whose texts are identical,
+(chosen, rejected) pair, of the samples that ended (`drop_unfinished`: TRL appends EOS to a text reply, so a sample
+cut at max_new_tokens would be trained as one that ends there). Pairs whose scores differ by less than `min_margin`, or whose texts are identical,
 are ties: dropped and counted. Pairs are split by prompt into `train` and `test` (held-out prompts) and
 written atomically to `data/{train,test}.jsonl`, with every scored sample in `data/samples.jsonl`, and every
 pair of a training prompt's samples that is not a tie in `data/train_all_pairs.jsonl` (up to k(k-1)/2 per prompt
@@ -67,12 +68,15 @@ def judge_pairwise(ctx: StageContext, cfg: PreferencesStage, records: list[dict[
     from align.judges.pairwise import build_pairwise
 
     judge = build_pairwise(ctx, cfg.pairwise)
-    results = judge.compare([r["prompt"] for r in records], [r["responses"][0] for r in records],
-                            [r["responses"][1] for r in records])
+    judged = [r for r in records if len(usable(cfg, r)) >= 2]  # a cut sample is not judged (drop_unfinished)
+    results = judge.compare([r["prompt"] for r in judged], [r["responses"][0] for r in judged],
+                            [r["responses"][1] for r in judged])
     value = {"win": [1.0, 0.0], "loss": [0.0, 1.0], "tie": [0.5, 0.5], "invalid": [0.5, 0.5]}
-    for r, res in zip(records, results):
-        r["responses"], r["scores"], r["verdicts"] = r["responses"][:2], value[res["outcome"]], res["answers"]
-        r["outcome"] = res["outcome"]
+    for r in records:
+        r["responses"], r["scores"], r["ended"] = r["responses"][:2], [0.5, 0.5], r["ended"][:2]
+        r["outcome"], r["verdicts"] = "unfinished", []
+    for r, res in zip(judged, results):
+        r["scores"], r["verdicts"], r["outcome"] = value[res["outcome"]], res["answers"], res["outcome"]
 
 
 def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts: list[str],
@@ -103,15 +107,15 @@ def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts:
         ctx.note_engine(engine)
         for k, batch in enumerate(mine):
             ctx.progress(k, len(mine))
-            flat = [p for _, p in batch for _ in range(n)]
+            flat, ended = [p for _, p in batch for _ in range(n)], []
             with ctx.compute.autocast():
                 texts, scores = sample_texts(engine, tokenizer, flat, cfg.generation,
                                              seed=ctx.seed * 1_000_003 + batch[0][0], counts=counts,
                                              score=None if judge is None else
-                                             lambda r, ps: judge.score_rollout(r, ps, tokenizer))
+                                             lambda r, ps: judge.score_rollout(r, ps, tokenizer), ended=ended)
             for j, (idx, prompt) in enumerate(batch):
                 records.append({"index": idx, "prompt": prompt, "responses": texts[j * n:(j + 1) * n],
-                                "scores": scores[j * n:(j + 1) * n]})
+                                "scores": scores[j * n:(j + 1) * n], "ended": ended[j * n:(j + 1) * n]})
         ctx.progress(len(mine), len(mine))
     if cfg.pairwise is not None:  # the policy freed (closing(engine) held it until here) before a local judge loads
         del policy, engine
@@ -120,33 +124,50 @@ def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts:
     return records, counts, t0
 
 
+def usable(cfg: PreferencesStage, record: dict[str, Any]) -> list[int]:
+    """The samples of a prompt that may go into a pair: those that ended (EOS sampled), or all of them with
+    drop_unfinished: false."""
+    return [i for i, done in enumerate(record["ended"]) if done or not cfg.drop_unfinished]
+
+
 def split_pairs(ctx: StageContext, cfg: PreferencesStage, records: list[dict[str, Any]]):
-    """Best-vs-worst pairs per prompt (ties dropped), a seeded held-out share of the prompts for `test`, and every
-    non-tied pair of the training prompts' samples (`train_all_pairs`). Returns (splits, pairs, ties)."""
-    pairs, ties = [], 0
+    """Best-vs-worst pairs per prompt of its usable samples (ties dropped; a prompt with fewer than two usable
+    samples makes none), a seeded held-out share of the prompts for `test`, and every non-tied pair of the
+    training prompts' samples (`train_all_pairs`). Returns (splits, pairs, ties, unfinished prompts)."""
+    pairs, ties, cut = [], 0, 0
     margin = 0.5 if cfg.pairwise is not None else cfg.min_margin  # pairwise: 1 vs 0 decides, 0.5 vs 0.5 ties
+    kept = {id(r): usable(cfg, r) for r in records}
     for r in records:
-        pair = pair_up(r["prompt"], r["responses"], r["scores"], margin)
+        if len(kept[id(r)]) < 2:
+            cut += 1
+            continue
+        pair = pair_up(r["prompt"], *_picked(r, kept[id(r)]), margin)
         if pair is None:
             ties += 1
         else:
             pairs.append(pair)
     if not pairs:
-        raise StageError(f"stage '{ctx.name}': every one of {len(records)} prompts was a tie " + (
-            "(the pairwise judge preferred neither response in both orders); see its answers in samples.jsonl"
-            if cfg.pairwise is not None else f"(min_margin {cfg.min_margin}); sample more per prompt or lower "
-            "min_margin"))
+        unfinished = (f"; {cut} had fewer than two samples that ended within generation.max_new_tokens "
+                      f"({cfg.generation.max_new_tokens}): raise it, or set drop_unfinished: false" if cut else "")
+        raise StageError(f"stage '{ctx.name}': none of {len(records)} prompts made a pair: {ties} were ties " + (
+            "(the pairwise judge preferred neither response in both orders; see its answers in samples.jsonl)"
+            if cfg.pairwise is not None else f"(min_margin {cfg.min_margin}: sample more per prompt or lower "
+            "min_margin)") + unfinished)
     held_out = set(random.Random(ctx.seed).sample(range(len(records)), round(cfg.test_fraction * len(records))))
     test_prompts = {records[i]["prompt"] for i in held_out}
     splits = {"train": [p for p in pairs if p["prompt"] not in test_prompts],
               "test": [p for p in pairs if p["prompt"] in test_prompts],
               "train_all_pairs": [p for r in records if r["prompt"] not in test_prompts
-                                  for p in all_pairs(r["prompt"], r["responses"], r["scores"], margin)]}
+                                  for p in all_pairs(r["prompt"], *_picked(r, kept[id(r)]), margin)]}
     if not splits["train"]:  # every pair's prompt held out (ties took the rest): nothing for a stage to train on
         raise StageError(f"stage '{ctx.name}': no training pairs: {len(splits['test'])} pairs are held out "
                          f"(test_fraction {cfg.test_fraction} of {len(records)} prompts) and {ties} prompts tied; "
                          "lower test_fraction or raise max_prompts")
-    return splits, pairs, ties
+    return splits, pairs, ties, cut
+
+
+def _picked(record: dict[str, Any], idx: list[int]) -> tuple[list[str], list[float]]:
+    return [record["responses"][i] for i in idx], [record["scores"][i] for i in idx]
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -162,12 +183,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if cfg.pairwise is not None:  # over every process's prompts: all of them stop here together, or none does
         from align.judges.pairwise import check_invalid
 
-        check_invalid([{"outcome": r["outcome"], "answers": r["verdicts"]} for r in records], cfg.pairwise, ctx.name,
-                      "prompts", show=ctx.is_main)
+        check_invalid([{"outcome": r["outcome"], "answers": r["verdicts"]} for r in records
+                       if r["outcome"] != "unfinished"], cfg.pairwise, ctx.name, "prompts", show=ctx.is_main)
     seconds = time.perf_counter() - t0  # sampling, scoring and judging; the engine's own time below
     generated = sum(gather_object([mine["generated_tokens"]]))
     sampling = max(gather_object([mine.get("generation_seconds", 0.0)]))  # the processes sample side by side
-    splits, pairs, ties = split_pairs(ctx, cfg, records)
+    splits, pairs, ties, cut = split_pairs(ctx, cfg, records)
 
     def write(out: Path) -> None:
         if not ctx.is_main:
@@ -181,6 +202,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     margins = [p["score_chosen"] - p["score_rejected"] for p in pairs]
     final = {"preferences/prompts": len(records), "preferences/pairs_train": len(splits["train"]),
              "preferences/pairs_test": len(splits["test"]), "preferences/ties_dropped": ties,
+             "preferences/unfinished_samples": sum(not e for r in records for e in r["ended"]),
+             "preferences/prompts_unfinished": cut,
              "preferences/all_pairs_train": len(splits["train_all_pairs"]),
              "preferences/mean_margin": sum(margins) / len(margins),
              "objective/scores": sum(all_scores) / len(all_scores),
