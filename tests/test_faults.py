@@ -29,7 +29,7 @@ PIPELINE = {  # sft, long enough to be interrupted mid-training; a second one-pr
                        "max_train_examples": 200, "max_truncated_fraction": 0.1, "logging_steps": 5,
                        "save_steps": 20, "eval_split": None},
                "preferences": {"policy": "sft", "prompts": CARD, "judge": "length", "max_prompts": 8,
-                               "samples_per_prompt": 2}},
+                               "samples_per_prompt": 2, "drop_unfinished": False}},
 }
 
 

@@ -166,3 +166,44 @@ def test_sft_on_messages_trains_and_too_short_max_length_stops_before_training(t
     assert not list(stage.glob("checkpoints/checkpoint-*"))
     metrics = stage / "metrics.jsonl"
     assert not metrics.exists() or "train/loss" not in metrics.read_text()
+
+
+def test_a_reply_is_counted_without_a_bos_of_its_own_and_with_one_eos(tmp_path):
+    """A probe of the preference stages (2026-11-30): with a tokenizer that puts BOS first (Llama's), each reply was
+    counted with a BOS of its own, one token more than TRL's sequence (refusing `train on nothing` at a max_length
+    where TRL keeps the pair); a reply that already ends with the EOS text got a second EOS counted, and the reward
+    model's held-out scoring read it at a second EOS it was never trained at."""
+    import families
+    from align.data.lengths import DROPS_LONG_PAIRS, TRUNCATES_COMPLETIONS, pairs_within
+    from align.judges.pointwise import RewardModelJudge
+    from align.modeling.models import load_tokenizer
+
+    families.tokenizer("llama", tmp_path)
+    tok = load_tokenizer(str(tmp_path))
+    prompt, reply = "The movie was", " warm and funny."
+    plain = tok(prompt)["input_ids"]
+    assert plain[0] == tok.bos_token_id  # the tokenizer puts BOS first
+    whole = len(plain) + len(tok(reply, add_special_tokens=False)["input_ids"]) + 1  # + the EOS TRL appends
+    rows = [{"prompt": prompt, "chosen": reply, "rejected": reply + tok.eos_token}]
+    assert DROPS_LONG_PAIRS.measure("reward", rows, tok, max_length=whole).dropped == 0
+    assert DROPS_LONG_PAIRS.measure("reward", rows, tok, max_length=whole - 1).dropped == 1
+    assert TRUNCATES_COMPLETIONS.measure("sft", [{"prompt": prompt, "completion": reply}], tok, whole).longest == whole
+    assert pairs_within(rows, tok, whole) == rows and pairs_within(rows, tok, whole - 1) == []
+    judge = RewardModelJudge("rm", lambda ids, mask: ids.float(), tok)
+    ended, unended = judge.encode([prompt] * 2, [reply + tok.eos_token, reply])
+    assert ended == unended and ended.count(tok.eos_token_id) == 1
+
+
+def test_a_dpo_pair_whose_sides_are_the_same_once_cut_is_counted_as_dropped(gpt2):
+    """DPOTrainer keeps a pair whose prompt fits and cuts both sides at max_length: when they differ only after the
+    cut the two sequences are the same (no gradient, and a wrong pair in its accuracy); it was counted as truncated,
+    so a refusal's advice to raise max_truncated_fraction kept it silently."""
+    from align.data.lengths import TRUNCATES_PAIRS
+
+    shared = " ".join("s" * 8)
+    rows = [{"prompt": "q q q", "chosen": shared + " good", "rejected": shared + " bad"},  # differ at token 12
+            {"prompt": "q q q", "chosen": " c c c c c c c c", "rejected": " r r r r r r r r"}]  # differ at once
+    rep = TRUNCATES_PAIRS.measure("dpo", rows, gpt2, max_length=10)
+    assert (rep.truncated, rep.dropped) == (1, 1)
+    rep = TRUNCATES_PAIRS.measure("dpo", rows, gpt2, max_length=12)  # the first differing token fits: it trains
+    assert (rep.truncated, rep.dropped) == (1, 0)  # (the other, 3 + 8 + EOS, fits whole)

@@ -50,6 +50,20 @@ def _ids(tokenizer, texts: list[str]) -> list[int]:
     return [len(x) for x in tokenizer(texts)["input_ids"]] if texts else []
 
 
+def _reply_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Replies' ids as they follow a prompt in the trainers' sequences: no BOS of their own (the prompt's is the
+    sequence's), and the EOS every trainer appends to a text reply that does not already end with it."""
+    if not texts:
+        return []
+    eos = tokenizer.eos_token or ""
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [list(x) + ([] if eos and t.endswith(eos) else [tokenizer.eos_token_id] * EOS) for x, t in zip(ids, texts)]
+
+
+def _replies(tokenizer, texts: list[str]) -> list[int]:
+    return [len(x) for x in _reply_ids(tokenizer, texts)]
+
+
 def _chat_lengths(tokenizer, conversations: list[list[dict[str, str]]]) -> list[int]:
     out = []
     for messages in conversations:
@@ -73,8 +87,7 @@ def _truncate_completions(rows: list[dict[str, Any]], tokenizer, max_length: int
         firsts = _chat_lengths(tokenizer, [r["messages"][:-1] or r["messages"] for r in rows])
     else:
         firsts = _ids(tokenizer, [r["prompt"] for r in rows])
-        completions = _ids(tokenizer, [r["completion"] for r in rows])
-        totals = [p + c + EOS for p, c in zip(firsts, completions)]
+        totals = [p + c for p, c in zip(firsts, _replies(tokenizer, [r["completion"] for r in rows]))]
     dropped = sum(f >= max_length for f in firsts)
     truncated = sum(t > max_length for t in totals) - dropped
     return truncated, dropped, max(totals, default=0)
@@ -83,9 +96,16 @@ def _truncate_completions(rows: list[dict[str, Any]], tokenizer, max_length: int
 def _pairs(rows: list[dict[str, Any]], tokenizer) -> tuple[list[int], list[int]]:
     """Per pair: the prompt's length and the longer side's whole length (prompt + reply + EOS)."""
     prompts = _ids(tokenizer, [r["prompt"] for r in rows])
-    chosen = _ids(tokenizer, [r["chosen"] for r in rows])
-    rejected = _ids(tokenizer, [r["rejected"] for r in rows])
-    return prompts, [p + max(c, r) + EOS for p, c, r in zip(prompts, chosen, rejected)]
+    chosen = _replies(tokenizer, [r["chosen"] for r in rows])
+    rejected = _replies(tokenizer, [r["rejected"] for r in rows])
+    return prompts, [p + max(c, r) for p, c, r in zip(prompts, chosen, rejected)]
+
+
+def pairs_within(rows: list[dict[str, Any]], tokenizer, max_length: int) -> list[dict[str, Any]]:
+    """The pairs whose both sides fit max_length (what RewardTrainer keeps of its training pairs): held-out pairs
+    are scored on the same terms, never past the positions the model has."""
+    _, totals = _pairs(rows, tokenizer)
+    return [r for r, t in zip(rows, totals) if t <= max_length]
 
 
 def _drop_long_pairs(rows: list[dict[str, Any]], tokenizer, max_length: int) -> tuple[int, int, int]:
@@ -95,9 +115,15 @@ def _drop_long_pairs(rows: list[dict[str, Any]], tokenizer, max_length: int) -> 
 
 
 def _truncate_pairs(rows: list[dict[str, Any]], tokenizer, max_length: int) -> tuple[int, int, int]:
-    """A pair whose prompt alone fills max_length is dropped; the rest are cut at max_length."""
-    prompts, totals = _pairs(rows, tokenizer)
-    dropped = sum(p >= max_length for p in prompts)
+    """A pair whose prompt alone fills max_length is dropped; the rest are cut at max_length (keeping the start),
+    and a pair whose two sides are the same once cut teaches nothing (its loss has no gradient, and it is scored a
+    wrong pair in the trainer's accuracy): counted as dropped."""
+    prompts = _ids(tokenizer, [r["prompt"] for r in rows])
+    chosen = _reply_ids(tokenizer, [r["chosen"] for r in rows])
+    rejected = _reply_ids(tokenizer, [r["rejected"] for r in rows])
+    totals = [p + max(len(c), len(r)) for p, c, r in zip(prompts, chosen, rejected)]
+    dropped = sum(p >= max_length or (t > max_length and c[:max_length - p] == r[:max_length - p])
+                  for p, c, r, t in zip(prompts, chosen, rejected, totals))
     return sum(t > max_length for t in totals) - dropped, dropped, max(totals, default=0)
 
 

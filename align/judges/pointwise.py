@@ -77,9 +77,10 @@ class RewardModelJudge:
 
     def encode(self, prompts: list[str], responses: list[str]) -> list[list[int]]:
         """Text as the model was trained on it: prompt + response + EOS, tokenised as one text (TRL's
-        RewardTrainer appends EOS to non-conversational text and tokenises prompt + completion together)."""
+        RewardTrainer appends EOS to non-conversational text that does not end with it, and tokenises prompt +
+        completion together)."""
         eos = self.tokenizer.eos_token
-        return self.tokenizer([p + r + eos for p, r in zip(prompts, responses)])["input_ids"]
+        return self.tokenizer([p + r + ("" if r.endswith(eos) else eos) for p, r in zip(prompts, responses)])["input_ids"]
 
     def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
         return self.score_sequences(self.encode(prompts, responses), self.device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from align.config.reward import RewardStage
+from align.data.lengths import pairs_within
 from align.runtime.rows import load_rows
 from align.judges.pointwise import RewardModelJudge, pairwise_accuracy
 from align.modeling.models import unsharded_loading
@@ -32,6 +33,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     train = load_rows(ctx, cfg.data, cfg.split, cfg.max_train_examples, tokenizer)
     test = load_rows(ctx, cfg.data, "test", tokenizer=tokenizer)
     check_lengths(ctx, train, tokenizer)
+    kept = pairs_within(test, tokenizer, cfg.max_length)  # scored as trained: a longer one ran past the positions
+    long_test, test = len(test) - len(kept), kept
     # Liger's fused linear cross-entropy replaces a causal LM's forward; a scalar model has no LM head, so only the
     # layer kernels (RMSNorm, RoPE, SwiGLU) apply (the first H100 proof, 2026-11-27: "no attribute 'lm_head'").
     args = training_args(RewardConfig, cfg, ctx, center_rewards_coefficient=cfg.center_rewards_coefficient,
@@ -57,5 +60,5 @@ def run(ctx: StageContext) -> dict[str, Any]:
                    "eval/pairs": len(test)}
         ctx.log(metrics, step=trainer.state.global_step)
         final.update(metrics)
-    final["train/pairs"] = len(train)
+    final["train/pairs"], final["eval/pairs_over_max_length"] = len(train), long_test
     return final
