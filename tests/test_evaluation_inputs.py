@@ -6,6 +6,7 @@ length-controlled win rate reported the penalty's choice where the data could no
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 import json
 import math
 
@@ -141,3 +142,53 @@ def test_every_stage_that_samples_prompts_drops_empty_ones_and_counts_them(monke
         tree = ast.parse((REPO / "align" / "stages" / module).read_text())
         called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
         assert "load_prompts" in called and "unique_prompts" not in called, module
+
+
+def test_evaluate_scores_the_reward_model_on_pairs_within_the_reward_stages_max_length(tmp_path, monkeypatch):
+    """Held-out pairs longer than the reward stage's max_length ran past a small model's positions (an IndexError,
+    after every policy was sampled) or were scored at lengths it never trained at; they are left out and counted,
+    as the reward stage leaves out its own (a probe of the preference stages, 2026-11-30)."""
+    import json
+    from types import SimpleNamespace
+
+    import align.stages.evaluate as evaluate
+
+    (tmp_path / "reward").mkdir()
+    (tmp_path / "reward" / "spec.json").write_text(json.dumps({"stage": {"max_length": 8}}))
+    pairs = [{"prompt": "a", "chosen": " b", "rejected": " c"},
+             {"prompt": "a " * 20, "chosen": " b", "rejected": " c"}]  # 20 words of prompt: past 8 tokens
+    scored: list = []
+    monkeypatch.setattr(evaluate, "load_rows", lambda *a, **k: pairs)
+    monkeypatch.setattr(evaluate, "pairwise_accuracy", lambda judge, rows, *a: scored.extend(rows) or {
+        "accuracy": 1.0, "ties": 0, "margin": 1.0, "chosen": 1.0, "rejected": 0.0, "margins": [1.0],
+        "chosen_scores": [1.0], "rejected_scores": [0.0]})
+
+    class Tok:
+        eos_token, eos_token_id = "</s>", 0
+
+        def __call__(self, texts, add_special_tokens=True):
+            return {"input_ids": [t.split() for t in texts]}
+
+    ctx = SimpleNamespace(input_dir=lambda name: tmp_path / name, compute=SimpleNamespace(autocast=lambda: nullcontext()),
+                          state=SimpleNamespace(process_index=0, num_processes=1))
+    cfg = SimpleNamespace(reward="reward", preferences="preferences")
+    judges = {"reward_model": SimpleNamespace(reward_models={"reward": object()})}
+    metrics, _ = evaluate.reward_model_metrics(ctx, cfg, judges, Tok())
+    assert scored == pairs[:1]
+    assert (metrics["eval/reward_model/pairs"], metrics["eval/reward_model/pairs_over_max_length"]) == (1, 1)
+
+
+def test_the_report_says_how_many_held_out_pairs_were_longer_than_the_reward_stage_trained_on():
+    from align.report.markdown import render_report
+
+    cfg, m = _cfg(), _metrics()
+    m.update({"eval/reward_model/accuracy": 0.75, "eval/reward_model/pairs": 40, "eval/reward_model/margin": 0.5,
+              "eval/reward_model/chosen_mean": 1.0, "eval/reward_model/chosen_std": 0.1,
+              "eval/reward_model/rejected_mean": 0.5, "eval/reward_model/rejected_std": 0.1,
+              "eval/reward_model/calibration": [], "eval/reward_model/pairs_over_max_length": 3})
+    samples = {p: {"responses": ["r0", "r1"], "kl": [0.1, 0.2], "scores": {}} for p in cfg.policies}
+    text = render_report(cfg, m, ["p0", "p1"], samples, [])
+    assert ("0.750 on 40 pairs (mean margin 0.500; 3 longer than the reward stage's max_length left out). Scores: "
+            "chosen 1.000") in text
+    m["eval/reward_model/pairs_over_max_length"] = 0
+    assert "40 pairs (mean margin 0.500). Scores:" in render_report(cfg, m, ["p0", "p1"], samples, [])

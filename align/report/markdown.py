@@ -118,7 +118,9 @@ def render_report(cfg: EvaluateStage, m: dict[str, Any], prompts: list[str], sam
     if "eval/reward_model/accuracy" in m:
         out += ["## Reward model", "",
                 f"Held-out pairwise accuracy: {m['eval/reward_model/accuracy']:.3f} on "
-                f"{m['eval/reward_model/pairs']} pairs (mean margin {m['eval/reward_model/margin']:.3f}). "
+                f"{m['eval/reward_model/pairs']} pairs (mean margin {m['eval/reward_model/margin']:.3f}"
+                + (f"; {m['eval/reward_model/pairs_over_max_length']} longer than the reward stage's max_length left "
+                   "out" if m.get("eval/reward_model/pairs_over_max_length") else "") + "). "
                 f"Scores: chosen {m['eval/reward_model/chosen_mean']:.3f} ± {m['eval/reward_model/chosen_std']:.3f}, "
                 f"rejected {m['eval/reward_model/rejected_mean']:.3f} ± {m['eval/reward_model/rejected_std']:.3f}.",
                 "", "| abs margin bucket | pairs | accuracy |", "|---|---|---|"]

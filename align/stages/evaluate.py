@@ -7,6 +7,7 @@ Writes `<run>/report/metrics.json` and `<run>/report/report.md` atomically.
 
 from __future__ import annotations
 
+import json
 import time
 from contextlib import closing
 from typing import Any
@@ -18,6 +19,7 @@ from align.report import frontier, seeds
 
 from align.report.markdown import all_judges, headline, write_report
 from align.config.evaluate import EvaluateStage
+from align.data.lengths import pairs_within
 from align.runtime.rows import load_prompts, load_rows
 from align.engines import make_engine
 from align.engines.base import (RolloutEngine, all_gather_objects, check_gap, free_cached_memory, logprob_gap,
@@ -174,6 +176,9 @@ def reward_model_metrics(ctx: StageContext, cfg: EvaluateStage, judges: dict[str
     if not (cfg.reward and cfg.preferences):
         return {}, []
     pairs = load_rows(ctx, cfg.preferences, "test", tokenizer=tokenizer)
+    trained = _trained_length(ctx, cfg.reward)  # scored as the reward stage scored its own: within its max_length
+    within = pairs if trained is None else pairs_within(pairs, tokenizer, trained)
+    longer, pairs = len(pairs) - len(within), within
     if not pairs:
         return {}, []
     with ctx.compute.autocast():
@@ -182,10 +187,20 @@ def reward_model_metrics(ctx: StageContext, cfg: EvaluateStage, judges: dict[str
     buckets = calibration_buckets(acc["margins"])
     return {"eval/reward_model/accuracy": acc["accuracy"], "eval/reward_model/ties": acc["ties"],
             "eval/reward_model/margin": acc["margin"],
-            "eval/reward_model/pairs": len(pairs), "eval/reward_model/calibration": buckets,
+            "eval/reward_model/pairs": len(pairs), "eval/reward_model/pairs_over_max_length": longer,
+            "eval/reward_model/calibration": buckets,
             "eval/reward_model/chosen_mean": acc["chosen"], "eval/reward_model/rejected_mean": acc["rejected"],
             "eval/reward_model/chosen_std": float(np.std(acc["chosen_scores"])),
             "eval/reward_model/rejected_std": float(np.std(acc["rejected_scores"]))}, buckets
+
+
+def _trained_length(ctx: StageContext, reward: str) -> int | None:
+    """The reward stage's max_length, as its spec.json says (None when it does not)."""
+    try:
+        value = json.loads((ctx.input_dir(reward) / "spec.json").read_text(encoding="utf-8"))["stage"]["max_length"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def policy_groups(ctx: StageContext, cfg: EvaluateStage, metrics: dict[str, Any]) -> list:
