@@ -172,8 +172,8 @@ def test_evaluate_scores_the_reward_model_on_pairs_within_the_reward_stages_max_
     ctx = SimpleNamespace(input_dir=lambda name: tmp_path / name, compute=SimpleNamespace(autocast=lambda: nullcontext()),
                           state=SimpleNamespace(process_index=0, num_processes=1))
     cfg = SimpleNamespace(reward="reward", preferences="preferences")
-    judges = {"reward_model": SimpleNamespace(reward_models={"reward": object()})}
-    metrics, _ = evaluate.reward_model_metrics(ctx, cfg, judges, Tok())
+    judges = {"reward_model": SimpleNamespace(reward_models={"reward": SimpleNamespace(tokenizer=Tok())})}
+    metrics, _ = evaluate.reward_model_metrics(ctx, cfg, judges, None)  # counted in the reward model's own tokens
     assert scored == pairs[:1]
     assert (metrics["eval/reward_model/pairs"], metrics["eval/reward_model/pairs_over_max_length"]) == (1, 1)
 

@@ -199,25 +199,35 @@ def test_a_published_adapter_is_refused_as_qloras_4bit_base_before_any_load(tmp_
 
 
 @pytest.mark.slow
-def test_sft_lora_trains_the_rows_of_the_tokens_its_chat_template_adds(tmp_path):
+@pytest.mark.parametrize("padded", [False, True], ids=["rows-grown", "rows-of-a-padded-vocabulary"])
+def test_sft_lora_trains_the_rows_of_the_tokens_its_chat_template_adds(tmp_path, padded):
     """A pretrained model without the chat template's tokens (here a tiny Llama, untied head, and `chatml`): the
     template adds <|im_start|> and <|im_end|>, the end-of-turn token every response must end with. LoRA froze the
     embeddings and the head, so their rows stayed as resize_token_embeddings drew them, whatever SFT trained: the
     same after 1 step as after 4. peft trains those embedding rows now (its trainable tokens) and a copy of the
     whole head (TRL's fused head reads the head's weight), as TRL does, and model/ holds them merged; the other
-    embedding rows are untouched."""
+    embedding rows are untouched. `padded`: the model has 8 rows past its tokenizer (as Qwen2.5's 152,064 rows for
+    151,665 tokens): the new tokens take never-trained rows without growing anything, and were missed at first."""
     import json
     import subprocess
     import sys
 
-    from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
     import families
+    from align.modeling.models import load_causal_lm
     from conftest import REPO
 
     print(f"seed {families.SEED}")
     base, tok_dir = families.build("llama", tmp_path)
+    if padded:
+        import torch as torch_
+        from transformers import AutoModelForCausalLM
+
+        config = families.config("llama", AutoTokenizer.from_pretrained(tok_dir))
+        config.vocab_size += 8
+        torch_.manual_seed(families.SEED)
+        AutoModelForCausalLM.from_config(config).save_pretrained(base)
     card = REPO / "data_cards" / "hh_rlhf_harmless_chat_sft.yaml"
     (tmp_path / "p.yaml").write_text(f"""\
 name: added
@@ -243,7 +253,7 @@ stages:
         manifest = json.loads((stage / "manifest.json").read_text())
         assert manifest["lora_new_tokens"] == {"rows": [min(new), max(new)], "embeddings": "embed_tokens",
                                                "head_trained_whole": "lm_head"}
-        rows[steps] = load_file(str(stage / "model" / "model.safetensors"))
+        rows[steps] = load_causal_lm(str(stage / "model")).state_dict()  # merged, or (padded) the adapter on its base
     for key in ("model.embed_tokens.weight", "lm_head.weight"):
         moved = (rows[4][key][new] - rows[1][key][new]).abs().amax(dim=1)
         assert (moved > 1e-4).all(), (key, moved)  # trained: frozen rows are equal however long SFT runs
@@ -300,7 +310,13 @@ def test_a_qlora_stage_over_a_stage_that_publishes_adapters_alone_is_refused_at_
     alone, merged = LoraSettings(enabled=True, merge=False), LoraSettings(enabled=True, merge=True)
     qlora = LoraSettings(enabled=True, quantize="4bit", merge=True)
     stages = {"sft": stage(alone), "reward": stage(merged), "dpo": stage(qlora, policy=["sft"]),
-              "ppo": stage(qlora, policy=["dpo"], reward_model=["reward"]), "plain": stage(alone, policy=["sft"])}
+              "ppo": stage(qlora, policy=["dpo"], reward_model=["reward"]), "plain": stage(alone, policy=["sft"]),
+              "rm2": stage(alone)}
     assert qlora_base_problems(stages) == [
         "stages.dpo: lora.quantize: 4bit loads stage 'sft''s model as its 4-bit base, and 'sft' publishes LoRA "
         "adapters alone (merging needs full weights); set stages.sft.lora.merge: true"]
+    ppo = stage(qlora, policy=["dpo"], judge=["rm2"])  # PPO's value model starts from its reward stage, 4-bit too
+    assert qlora_base_problems({**stages, "ppo": ppo}) == qlora_base_problems(stages)  # value_init: policy
+    ppo.value_init = "reward"
+    assert qlora_base_problems({**stages, "ppo": ppo})[-1].startswith("stages.ppo: lora.quantize: 4bit loads stage "
+                                                                      "'rm2''s model")

@@ -272,6 +272,7 @@ def test_weights_a_copy_left_incomplete_or_mixed_and_a_tokenizer_without_its_voc
     would have trained on empty sequences; custom code named by tokenizer_config.json's auto_map was replaced by a
     generic tokenizer without a word."""
     import json
+    import shutil
 
     model = _judge_dir(tmp_path, "sharded")
     (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")
@@ -281,11 +282,17 @@ def test_weights_a_copy_left_incomplete_or_mixed_and_a_tokenizer_without_its_voc
     rc, out = validate(capsys, DEFAULT, f"base_model={model}")
     refused(out, rc, "base_model:", "names 2 shards, 1 of them missing (model-00002-of-00002.safetensors)",
             "the copy is incomplete")
-    stale = _judge_dir(tmp_path, "stale")  # its model.safetensors, and an index of shards copied over it
-    (stale / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "model.safetensors"}}))
+    stale = _judge_dir(tmp_path, "stale")  # its model.safetensors, and a checkpoint of shards copied over it
+    shutil.copy(stale / "model.safetensors", stale / "model-00001-of-00001.safetensors")
+    (stale / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "w": "model-00001-of-00001.safetensors"}}))
     rc, out = validate(capsys, DEFAULT, f"base_model={stale}")
     refused(out, rc, "holds both model.safetensors and model.safetensors.index.json",
             "transformers loads model.safetensors, and the shards are ignored; remove whichever is stale")
+    downloaded = _judge_dir(tmp_path, "downloaded")  # `--exclude "*.bin"`: the .bin index without its shards
+    (downloaded / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"w": "pytorch_model.bin"}}))
+    rc, out = validate(capsys, DEFAULT, f"base_model={downloaded}")
+    assert rc == 0, out[-2000:]  # transformers loads model.safetensors and never reads the .bin index
     binary = _judge_dir(tmp_path, "binary", remove=["model.safetensors"])
     (binary / "pytorch_model.bin").write_bytes(b"PK\x03\x04" + b"\0" * 200)  # a zip's first entry, no directory
     rc, out = validate(capsys, DEFAULT, f"base_model={binary}")

@@ -55,9 +55,9 @@ def _reply_ids(tokenizer, texts: list[str]) -> list[list[int]]:
     sequence's), and the EOS every trainer appends to a text reply that does not already end with it."""
     if not texts:
         return []
-    eos = tokenizer.eos_token or ""
+    eos = tokenizer.eos_token or ""  # none: the trainers append nothing
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    return [list(x) + ([] if eos and t.endswith(eos) else [tokenizer.eos_token_id] * EOS) for x, t in zip(ids, texts)]
+    return [list(x) + ([] if not eos or t.endswith(eos) else [tokenizer.eos_token_id] * EOS) for x, t in zip(ids, texts)]
 
 
 def _replies(tokenizer, texts: list[str]) -> list[int]:

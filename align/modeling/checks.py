@@ -53,6 +53,7 @@ def run(source: str, verbose: bool = True, tokenizer: dict[str, Any] | None = No
     planned = templates.ChatTemplate.from_dict(template) if template else None
     try:
         if install_template and planned is not None:
+            before = len(tok)
             try:
                 templates.install(tok, planned)
             except ModelError as exc:  # names the template itself
@@ -63,7 +64,7 @@ def run(source: str, verbose: bool = True, tokenizer: dict[str, Any] | None = No
             if problem and verbose:
                 print(f"  warning: chat template: {problem}")
             check_trl_agrees(tok, planned, source)
-            out["tokens"] = len(tok)  # above the model's embedding rows: the stage grows them for the new tokens
+            out["tokens_added"] = len(tok) - before  # rows LoRA must train (align/modeling/lora.py new_token_rows)
             if verbose:
                 print(f"  chat template: {planned.describe()}")
         for ex in examples:

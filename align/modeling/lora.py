@@ -43,22 +43,22 @@ class NewTokens:
     gives it (525M parameters at Llama-3.1-8B)."""
 
 
-def new_token_rows(model, loaded_rows: int) -> NewTokens | None:
-    """The rows a chat template's new tokens added after the model was loaded with `loaded_rows` embedding rows
-    (`fit_model_to_tokenizer`). LoRA freezes the embeddings and the head, so those tokens (the end-of-turn token
-    among them, the one every response must end with) would keep the random rows they were given. None when nothing
-    grew. A head tied to the embeddings is refused (ModelError): TRL's fused head would read the frozen rows."""
-    rows = model.get_input_embeddings().num_embeddings
-    if not loaded_rows or rows <= loaded_rows:
+def new_token_rows(model, ids: list[int]) -> NewTokens | None:
+    """What LoRA trains for the tokens a chat template added (`ids`, from `fit_model_to_tokenizer`'s growth or rows
+    past the tokenizer a padded vocabulary never used, as Qwen2.5's): LoRA freezes the embeddings and the head, so
+    those tokens (the end-of-turn token among them, the one every response must end with) would keep rows that were
+    never trained. TRL's SFTTrainer does the same for a template it installs. None without ids. A head tied to the
+    embeddings is refused (ModelError): TRL's fused head would read the frozen rows."""
+    if not ids:
         return None
     names = {id(m): n.rsplit(".", 1)[-1] for n, m in model.named_modules()}
     head = model.get_output_embeddings()
     if head is None or head.weight is model.get_input_embeddings().weight:
-        raise ModelError(f"the chat template added {rows - loaded_rows} tokens to a model whose output head is tied "
-                         "to its embeddings: LoRA cannot train their rows there (TRL's fused head reads the head's "
-                         "frozen weight); use a template whose tokens the model has, or train this stage without "
-                         "LoRA (lora.enabled: false)")
-    return NewTokens(names[id(model.get_input_embeddings())], list(range(loaded_rows, rows)), names[id(head)])
+        raise ModelError(f"the chat template added {len(ids)} tokens to a model whose output head is tied to its "
+                         "embeddings: LoRA cannot train their rows there (TRL's fused head reads the head's frozen "
+                         "weight); use a template whose tokens the model has, or train this stage without LoRA "
+                         "(lora.enabled: false)")
+    return NewTokens(names[id(model.get_input_embeddings())], list(ids), names[id(head)])
 
 
 def add_adapters(model, lora: LoraSettings, task_type: str, zero3: bool = False):

@@ -42,7 +42,8 @@ def check_remote_code(path_or_id: str, trust_remote_code: bool) -> None:
             raw = json.loads((Path(path_or_id) / name).read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(raw, dict) and raw.get("auto_map"):
+        code = raw.get("auto_map") if isinstance(raw, dict) else None
+        if code and (name == "config.json" or not isinstance(code, dict) or "AutoTokenizer" in code):
             raise ModelError(f"{path_or_id}: this model ships its own Python code ({name} auto_map); align does "
                              "not run remote code by default. Read the code, then set `trust_remote_code: true` "
                              "in the pipeline YAML to allow it.")

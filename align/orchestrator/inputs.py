@@ -130,10 +130,13 @@ def base_model_config(cfg: PipelineConfig, source: str | Path, paths: dict[str, 
 
 def _decoder_fields(config: dict[str, Any] | None) -> dict[str, Any] | None:
     """A vision-language model's config (Gemma 3 4B+, Mistral-Small-3.1, Llama 4) keeps its decoder's vocabulary
-    and positions under `text_config`: read there, so the tokenizer and length checks see them (the top level's own
-    keys, model_type and auto_map among them, win)."""
+    and positions under `text_config`: read there (as transformers' get_text_config reads them), so the tokenizer
+    and length checks see them; what names the model and its code (model_type, architectures, auto_map) stays the
+    top level's."""
     text = (config or {}).get("text_config")
-    return {**text, **config} if isinstance(text, dict) else config
+    if not isinstance(text, dict):
+        return config
+    return {**config, **text, **{k: config[k] for k in ("model_type", "architectures", "auto_map") if k in config}}
 
 
 def _base_model_config(cfg: PipelineConfig, source: str | Path, paths: dict[str, str | None]) -> dict[str, Any] | None:

@@ -59,14 +59,16 @@ def enabled_lora(stage: Any) -> Any:
 
 
 def qlora_base_problems(stages: dict[str, Any]) -> list[str]:
-    """A QLoRA stage loads its input models 4-bit (align/modeling/models.py `published_adapter`): an input stage that
+    """A QLoRA stage loads its input models 4-bit (align/modeling/models.py `published_adapter`; PPO's value model
+    from the reward stage too, with value_init: reward): an input stage that
     publishes LoRA adapters alone cannot be that base (merging needs full weights). The stage found it when it
     loaded, after the stages before it trained; one line each."""
     out = []
     for name, stage in stages.items():
         lora = enabled_lora(stage)
+        value_base = stage.references("judge") if getattr(stage, "value_init", None) == "reward" else []  # PPO's
         for ref in stage.references("policy") + stage.references("reward_model") + stage.references("model") \
-                if lora is not None and lora.quantize != "none" else []:
+                + value_base if lora is not None and lora.quantize != "none" else []:
             upstream = enabled_lora(stages.get(ref))
             if upstream is not None and not upstream.merge:
                 out.append(f"stages.{name}: lora.quantize: {lora.quantize} loads stage '{ref}''s model as its 4-bit "

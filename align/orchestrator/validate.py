@@ -137,7 +137,7 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
         answer = helper.call("align.modeling.checks:run", **job)
         if "shapes" in answer:
             _check_lora_targets(cfg, plans, answer["shapes"], str(source), verbose)
-        _check_new_token_rows(cfg, plans, job, answer, str(source))
+        _check_new_token_rows(cfg, plans, answer, str(source))
     if verbose and is_builtin(cfg.base_model) and not cfg.tokenizer:
         print("  length check: at stage start (the builtin model's tokenizer is trained by the first stage)")
     return plans
@@ -305,18 +305,17 @@ def _check_lora_targets(cfg: PipelineConfig, plans: list[StagePlan], answer: dic
                                     f"out features); an adapter of higher rank trains no more. Lower lora.r")
 
 
-def _check_new_token_rows(cfg: PipelineConfig, plans: list[StagePlan], job: dict[str, Any], answer: dict[str, Any],
-                          source: str) -> None:
-    """A stage that installs a chat template whose tokens the model lacks grows its embeddings; under LoRA peft
-    trains the new rows (align/modeling/lora.py `new_token_rows`), which it cannot do on a head tied to the
-    embeddings or on ZeRO-3's partitions: refused here, not after the model has loaded."""
-    vocab, tokens = (job.get("tokenizer") or {}).get("vocab"), answer.get("tokens")
-    if not isinstance(vocab, int) or not isinstance(tokens, int) or tokens <= vocab:
+def _check_new_token_rows(cfg: PipelineConfig, plans: list[StagePlan], answer: dict[str, Any], source: str) -> None:
+    """A stage that installs a chat template whose tokens the tokenizer lacks adds them; under LoRA peft trains
+    their rows (align/modeling/lora.py `new_token_rows`), which it cannot do on a head tied to the embeddings or on
+    ZeRO-3's partitions: refused here, not after the model has loaded."""
+    added = answer.get("tokens_added")
+    if not isinstance(added, int) or added <= 0:
         return
     tied = bool((((answer.get("shapes") or {}).get("shapes") or {}).get("lm") or {}).get("tied"))
     for plan in (p for p in plans if enabled_lora(p.cfg) is not None and p.cfg.installs_chat_template(
             {f: load_card(c).produces for f, c in p.cards.items()}, cfg.chat_template is not None)):
-        where = f"{source}: stages.{plan.name}: the chat template adds {tokens - vocab} tokens to the model"
+        where = f"{source}: stages.{plan.name}: the chat template adds {added} tokens to the model"
         if tied:
             raise PipelineError(f"{where}, whose output head is tied to its embeddings: LoRA cannot train their rows "
                                 "there (TRL's fused head reads the head's frozen weight); use a template whose tokens "

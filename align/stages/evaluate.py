@@ -176,14 +176,14 @@ def reward_model_metrics(ctx: StageContext, cfg: EvaluateStage, judges: dict[str
     if not (cfg.reward and cfg.preferences):
         return {}, []
     pairs = load_rows(ctx, cfg.preferences, "test", tokenizer=tokenizer)
-    trained = _trained_length(ctx, cfg.reward)  # scored as the reward stage scored its own: within its max_length
-    within = pairs if trained is None else pairs_within(pairs, tokenizer, trained)
+    judge = judges["reward_model"].reward_models[cfg.reward]
+    trained = _trained_length(ctx, cfg.reward)  # scored as the reward stage scored its own: within its max_length,
+    within = pairs if trained is None else pairs_within(pairs, judge.tokenizer, trained)  # in its own tokens
     longer, pairs = len(pairs) - len(within), within
     if not pairs:
         return {}, []
     with ctx.compute.autocast():
-        acc = pairwise_accuracy(judges["reward_model"].reward_models[cfg.reward], pairs, ctx.state.process_index,
-                                ctx.state.num_processes)
+        acc = pairwise_accuracy(judge, pairs, ctx.state.process_index, ctx.state.num_processes)
     buckets = calibration_buckets(acc["margins"])
     return {"eval/reward_model/accuracy": acc["accuracy"], "eval/reward_model/ties": acc["ties"],
             "eval/reward_model/margin": acc["margin"],

@@ -61,10 +61,11 @@ def all_pairs(prompt: str, responses: list[str], scores: list[float], min_margin
 
 
 def judge_pairwise(ctx: StageContext, cfg: PreferencesStage, records: list[dict[str, Any]]) -> None:
-    """RLAIF: the first two responses of each prompt judged by the pairwise LLM judge in both orders
-    (align/judges/pairwise.py); the first one scores 1 and the second 0 when the judge prefers the first in both
-    orders, the reverse when it prefers the second, 0.5 each for a tie or a verdict that flips. Each record keeps
-    the answers and the outcome; invalid ones are counted once every process's records are gathered (run)."""
+    """RLAIF: the two responses of each prompt (samples_per_prompt is 2) judged by the pairwise LLM judge in both
+    orders (align/judges/pairwise.py), when both ended (or drop_unfinished is off; else the outcome is `unfinished`,
+    with no scores, and nothing is asked); the first one scores 1 and the second 0 when the judge prefers the first in
+    both orders, the reverse when it prefers the second, 0.5 each for a tie or a verdict that flips. Each record
+    keeps the answers and the outcome; invalid ones are counted once every process's records are gathered (run)."""
     from align.judges.pairwise import build_pairwise
 
     judge = build_pairwise(ctx, cfg.pairwise)
@@ -73,7 +74,7 @@ def judge_pairwise(ctx: StageContext, cfg: PreferencesStage, records: list[dict[
                             [r["responses"][1] for r in judged])
     value = {"win": [1.0, 0.0], "loss": [0.0, 1.0], "tie": [0.5, 0.5], "invalid": [0.5, 0.5]}
     for r in records:
-        r["responses"], r["scores"], r["ended"] = r["responses"][:2], [0.5, 0.5], r["ended"][:2]
+        r["responses"], r["scores"], r["ended"] = r["responses"][:2], [], r["ended"][:2]
         r["outcome"], r["verdicts"] = "unfinished", []
     for r, res in zip(judged, results):
         r["scores"], r["verdicts"], r["outcome"] = value[res["outcome"]], res["answers"], res["outcome"]
@@ -161,8 +162,8 @@ def split_pairs(ctx: StageContext, cfg: PreferencesStage, records: list[dict[str
                                   for p in all_pairs(r["prompt"], *_picked(r, kept[id(r)]), margin)]}
     if not splits["train"]:  # every pair's prompt held out (ties took the rest): nothing for a stage to train on
         raise StageError(f"stage '{ctx.name}': no training pairs: {len(splits['test'])} pairs are held out "
-                         f"(test_fraction {cfg.test_fraction} of {len(records)} prompts) and {ties} prompts tied; "
-                         "lower test_fraction or raise max_prompts")
+                         f"(test_fraction {cfg.test_fraction} of {len(records)} prompts), {ties} prompts tied and {cut} "
+                         "had fewer than two finished samples; lower test_fraction or raise max_prompts")
     return splits, pairs, ties, cut
 
 

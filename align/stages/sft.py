@@ -73,17 +73,20 @@ def load_start(ctx: StageContext, cfg: SFTStage, rows: list[dict[str, Any]], cha
     """The starting model and tokenizer: an upstream stage, the pipeline's base model (a directory, hub id or
     .gguf file), or a builtin. From the base model, the planned chat template (`ctx.chat_template`) is installed
     when the data is conversational or the pipeline names a template (align/templates/): its special tokens
-    added, its end-of-turn token made EOS, the model's embeddings and token ids fitted to the tokenizer."""
+    added, its end-of-turn token made EOS, the model's embeddings and token ids fitted to the tokenizer. Returns the
+    model, the tokenizer and the ids of the tokens the template added to a loaded model's (their rows untrained:
+    grown, or rows past its tokenizer that were never used)."""
     p = ctx.pipeline
     template = ctx.chat_template
     if cfg.model != "base":
         path = ctx.input_model(cfg.model)
         tok = ctx.load_tokenizer(path)
         model = ctx.load_lm(path, quantize=cfg.lora.quantize)
+        before = len(tok)
         if chat and not tok.chat_template and template is not None:  # an upstream stage trained on plain text
             templates.install(tok, template)
             fit_model_to_tokenizer(model, tok)
-        return model, tok
+        return model, tok, list(range(before, len(tok)))
     install = template is not None and (chat or p.chat_template is not None)
     if is_builtin(p.base_model):
         if p.tokenizer:  # a real tokenizer (e.g. GPT-2) for the fresh model: fix what it lacks
@@ -93,15 +96,16 @@ def load_start(ctx: StageContext, cfg: SFTStage, rows: list[dict[str, Any]], cha
                                   template.special_tokens if install else ())
         if install:
             templates.install(tok, template)
-        return build_builtin(p.builtin, tok, ctx.seed, ctx.compute.attn_implementation), tok
+        return build_builtin(p.builtin, tok, ctx.seed, ctx.compute.attn_implementation), tok, []
     tok = ctx.load_tokenizer(p.tokenizer or p.base_model)
     model = ctx.load_lm(p.base_model, quantize=cfg.lora.quantize)
     if gguf.is_gguf(p.base_model):
         ctx.extra_manifest["base_model_format"] = gguf.describe(p.base_model) + f" into {ctx.weights_dtype(frozen=False)}"
+    before = len(tok)
     if install:
         templates.install(tok, template)
         fit_model_to_tokenizer(model, tok)
-    return model, tok
+    return model, tok, list(range(before, len(tok)))
 
 
 def tokenized(ctx: StageContext, rows: list[dict[str, Any]], tokenizer, split: str, every_token: bool = False):
@@ -125,12 +129,12 @@ def tokenized(ctx: StageContext, rows: list[dict[str, Any]], tokenizer, split: s
     return Dataset.from_list(out)
 
 
-def _new_tokens(ctx: StageContext, cfg: SFTStage, model) -> NewTokens | None:
-    """Under LoRA, the embedding rows the chat template's new tokens added to a loaded model and the head, which
+def _new_tokens(ctx: StageContext, cfg: SFTStage, model, added: list[int]) -> NewTokens | None:
+    """Under LoRA, the rows of the tokens the chat template added to a loaded model (`added`) and the head, which
     peft trains (`lora.new_token_rows`), noted in the manifest; refused under ZeRO-3, whose partitions peft cannot
     index."""
     try:
-        new = new_token_rows(model, ctx.trained_vocab) if cfg.lora.enabled and ctx.trained_from else None
+        new = new_token_rows(model, added) if cfg.lora.enabled and ctx.trained_from else None
     except ModelError as exc:
         raise StageError(f"stage '{ctx.name}': {exc}") from None
     if new is None:
@@ -155,7 +159,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     chat = data.card.produces == "messages"
     args = training_args(SFTConfig, cfg, ctx, completion_only_loss=cfg.completion_only_loss and not chat,
                          assistant_only_loss=False, eval_strategy="no", packing=False)
-    model, tokenizer = load_start(ctx, cfg, rows, chat)  # after the config: partitioned as it loads under ZeRO-3
+    model, tokenizer, added = load_start(ctx, cfg, rows, chat)  # after the config: partitioned under ZeRO-3
     rows = drop_special_text(ctx, rows, tokenizer, f"{cfg.data} split '{cfg.split}'")
     check_lengths(ctx, rows, tokenizer)
     columns = ["messages"] if chat else ["prompt", "completion"]
@@ -180,7 +184,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     rows_collator = collator(ctx, cfg, args, model, tokenizer)
     trainer = SFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=eval_ds,
                          processing_class=tokenizer, callbacks=[metrics_callback(ctx)],
-                         peft_config=peft_config(cfg.lora, "CAUSAL_LM", _new_tokens(ctx, cfg, model)),
+                         peft_config=peft_config(cfg.lora, "CAUSAL_LM", _new_tokens(ctx, cfg, model, added)),
                          data_collator=None if args.packing else rows_collator)
     if args.packing and rows_collator is not None:  # TRL refuses a collator of ours with its packing: set it after
         trainer.data_collator = rows_collator
