@@ -131,7 +131,8 @@ stages:
         max_length: {s['max_length']}, logging_steps: {s['sft_steps'] // 4}, save_steps: {s['sft_steps']},
         eval_max_examples: 64}}
   preferences: {{policy: sft, prompts: {card}, max_prompts: {s['prompts']}, samples_per_prompt: {s['samples']},
-                judge: vader, min_margin: 0.05, generation: {gen}}}
+                judge: vader, min_margin: 0.05, generation: {gen},
+                drop_unfinished: false}}  # review continuations, as pipelines/default.yaml: every sample pairs
   reward: {{init: sft, data: preferences, epochs: {s['rm_epochs']}, per_device_batch_size: {s['pair_batch']},
            max_length: {s['pair_length']}, logging_steps: 1, save_steps: 1000, max_truncated_fraction: 0.5}}
   ppo: {{policy: sft, reward: reward, prompts: {card}, iterations: {s['ppo_iterations']},

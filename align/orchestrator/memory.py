@@ -60,9 +60,9 @@ def enabled_lora(stage: Any) -> Any:
 
 def qlora_base_problems(stages: dict[str, Any]) -> list[str]:
     """A QLoRA stage loads its input models 4-bit (align/modeling/models.py `published_adapter`; PPO's value model
-    from the reward stage too, with value_init: reward): an input stage that
-    publishes LoRA adapters alone cannot be that base (merging needs full weights). The stage found it when it
-    loaded, after the stages before it trained; one line each."""
+    from the reward stage too, with value_init: reward): an input stage that publishes LoRA adapters alone cannot be
+    that base (merging needs full weights). The stage found it when it loaded, after the stages before it trained;
+    one line each."""
     out = []
     for name, stage in stages.items():
         lora = enabled_lora(stage)
