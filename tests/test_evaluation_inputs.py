@@ -154,7 +154,9 @@ def test_evaluate_scores_the_reward_model_on_pairs_within_the_reward_stages_max_
     import align.stages.evaluate as evaluate
 
     (tmp_path / "reward").mkdir()
-    (tmp_path / "reward" / "spec.json").write_text(json.dumps({"stage": {"max_length": 8}}))
+    (tmp_path / "reward" / "spec.json").write_text(json.dumps({  # as the runner writes it (align/core/rundir.py)
+        "stage_name": "reward", "stage_dir": str(tmp_path / "reward"), "fingerprint": "f", "pipeline": {},
+        "stage": {"type": "reward", "max_length": 8}}))
     pairs = [{"prompt": "a", "chosen": " b", "rejected": " c"},
              {"prompt": "a " * 20, "chosen": " b", "rejected": " c"}]  # 20 words of prompt: past 8 tokens
     scored: list = []

@@ -75,22 +75,17 @@ class RewardModelJudge:
             out += self.score_ids(ids, mask).tolist()
         return out
 
-    def encode(self, prompts: list[str], responses: list[str]) -> list[list[int]]:
+    def encode(self, prompts: list[str], responses: list[str], ended: list[bool] | None = None) -> list[list[int]]:
         """Text as the model was trained on it: prompt + response + EOS, tokenised as one text (TRL's
         RewardTrainer appends EOS to non-conversational text that does not end with it, and tokenises prompt +
-        completion together)."""
+        completion together). `ended`: sampled responses decoded from another vocabulary's ids get EOS only where
+        one was sampled (one cut at max_new_tokens is read as the ids rule reads it, unfinished)."""
         eos = self.tokenizer.eos_token
-        return self.tokenizer([p + r + ("" if r.endswith(eos) else eos) for p, r in zip(prompts, responses)])["input_ids"]
+        ends = ended if ended is not None else [not r.endswith(eos) for r in responses]
+        return self.tokenizer([p + r + (eos if e else "") for p, r, e in zip(prompts, responses, ends)])["input_ids"]
 
-    def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
-        return self.score_sequences(self.encode(prompts, responses), self.device)
-
-    def score_sampled_texts(self, prompts: list[str], responses: list[str], ended: list[bool]) -> list[float]:
-        """Sampled responses decoded from another vocabulary's ids: prompt + response, + EOS where one was sampled
-        (a response cut at max_new_tokens is read as the ids rule reads it, unfinished)."""
-        eos = self.tokenizer.eos_token
-        return self.score_sequences(self.tokenizer([p + r + (eos if e else "") for p, r, e in zip(
-            prompts, responses, ended)])["input_ids"], self.device)
+    def __call__(self, prompts: list[str], responses: list[str], ended: list[bool] | None = None) -> list[float]:
+        return self.score_sequences(self.encode(prompts, responses, ended), self.device)
 
     def score_completions(self, prompts: list[str], completion_ids: list[list[int]]) -> list[float]:
         """TRL's completions (GRPO, RLOO): prompt ids (the tokenizer's, as TRL and PPO tokenise prompts) +
@@ -141,8 +136,8 @@ class WeightedJudge:
                 total += weight * judge.score_ids(ids, mask).to(total.device)
                 continue
             texts = r.texts(tokenizer) if texts is None else texts
-            scores = (judge.score_sampled_texts(prompts, texts, r.eos_found.tolist())
-                      if isinstance(judge, RewardModelJudge) else judge(prompts, texts))
+            scores = (judge(prompts, texts, r.eos_found.tolist()) if isinstance(judge, RewardModelJudge)
+                      else judge(prompts, texts))
             total += weight * torch.tensor(scores, dtype=torch.float32, device=ids.device)
         return total
 

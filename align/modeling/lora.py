@@ -95,7 +95,7 @@ def merged_for_saving(peft_model, lora: LoraSettings, dtype: str, gathered: dict
     copy, which merging in place would re-quantize), merged into a fresh unquantized load of the same weights, or,
     under ZeRO-3 (`gathered`: every parameter's 16-bit whole, on the main process), merged from that."""
     if gathered is not None:
-        return merged_from_gathered(peft_model, lora, gathered)
+        return merged_from_gathered(peft_model, gathered)
     if not getattr(peft_model, "is_loaded_in_4bit", False):
         return peft_model.merge_and_unload()
     config = peft_model.peft_config[peft_model.active_adapter]
@@ -133,7 +133,7 @@ def _as_trained(fresh, trained) -> None:
                 setattr(cfg, key, getattr(own, key, None))
 
 
-def merged_from_gathered(peft_model, lora: LoraSettings, gathered: dict[str, torch.Tensor]):
+def merged_from_gathered(peft_model, gathered: dict[str, torch.Tensor]):
     """Under ZeRO-3 a process holds a partition of each weight: merging in place adds B A to empty tensors (nothing,
     or a shape error). `gathered` (the wrapped PeftModel's whole 16-bit state, every key) is loaded into a PeftModel
     of the same structure built on the CPU (the embeddings as the stage grew them, the token ids it set), and merged

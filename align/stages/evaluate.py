@@ -7,7 +7,6 @@ Writes `<run>/report/metrics.json` and `<run>/report/report.md` atomically.
 
 from __future__ import annotations
 
-import json
 import time
 from contextlib import closing
 from typing import Any
@@ -29,7 +28,7 @@ from align.modeling.losses import sequence_kl
 from align.judges.pointwise import WeightedJudge, pairwise_accuracy, stage_judge
 from align.judges import JudgeError
 from align.judges.pairwise import build_pairwise, check_invalid
-from align.core.rundir import read_manifest
+from align.core.rundir import SPEC, StageSpec, read_manifest
 from align.runtime.context import StageContext
 from align.report.stats import calibration_buckets, mean_ci, pairwise_summary, perplexity, win_rate
 
@@ -197,8 +196,8 @@ def reward_model_metrics(ctx: StageContext, cfg: EvaluateStage, judges: dict[str
 def _trained_length(ctx: StageContext, reward: str) -> int | None:
     """The reward stage's max_length, as its spec.json says (None when it does not)."""
     try:
-        value = json.loads((ctx.input_dir(reward) / "spec.json").read_text(encoding="utf-8"))["stage"]["max_length"]
-    except (OSError, ValueError, KeyError, TypeError):
+        value = StageSpec.read(ctx.input_dir(reward) / SPEC).stage.get("max_length")
+    except (OSError, ValueError, KeyError):
         return None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
