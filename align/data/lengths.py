@@ -93,12 +93,16 @@ def _truncate_completions(rows: list[dict[str, Any]], tokenizer, max_length: int
     return truncated, dropped, max(totals, default=0)
 
 
+def _pair_ids(rows: list[dict[str, Any]], tokenizer) -> tuple[list[int], list[list[int]], list[list[int]]]:
+    """Per pair: the prompt's length, and each side's reply ids as they follow it (`_reply_ids`)."""
+    return (_ids(tokenizer, [r["prompt"] for r in rows]), _reply_ids(tokenizer, [r["chosen"] for r in rows]),
+            _reply_ids(tokenizer, [r["rejected"] for r in rows]))
+
+
 def _pairs(rows: list[dict[str, Any]], tokenizer) -> tuple[list[int], list[int]]:
     """Per pair: the prompt's length and the longer side's whole length (prompt + reply + EOS)."""
-    prompts = _ids(tokenizer, [r["prompt"] for r in rows])
-    chosen = _replies(tokenizer, [r["chosen"] for r in rows])
-    rejected = _replies(tokenizer, [r["rejected"] for r in rows])
-    return prompts, [p + max(c, r) for p, c, r in zip(prompts, chosen, rejected)]
+    prompts, chosen, rejected = _pair_ids(rows, tokenizer)
+    return prompts, [p + max(len(c), len(r)) for p, c, r in zip(prompts, chosen, rejected)]
 
 
 def pairs_within(rows: list[dict[str, Any]], tokenizer, max_length: int) -> list[dict[str, Any]]:
@@ -118,9 +122,7 @@ def _truncate_pairs(rows: list[dict[str, Any]], tokenizer, max_length: int) -> t
     """A pair whose prompt alone fills max_length is dropped; the rest are cut at max_length (keeping the start),
     and a pair whose two sides are the same once cut teaches nothing (its loss has no gradient, and it is scored a
     wrong pair in the trainer's accuracy): counted as dropped."""
-    prompts = _ids(tokenizer, [r["prompt"] for r in rows])
-    chosen = _reply_ids(tokenizer, [r["chosen"] for r in rows])
-    rejected = _reply_ids(tokenizer, [r["rejected"] for r in rows])
+    prompts, chosen, rejected = _pair_ids(rows, tokenizer)
     totals = [p + max(len(c), len(r)) for p, c, r in zip(prompts, chosen, rejected)]
     dropped = sum(p >= max_length or (t > max_length and c[:max_length - p] == r[:max_length - p])
                   for p, c, r, t in zip(prompts, chosen, rejected, totals))

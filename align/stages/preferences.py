@@ -1,13 +1,14 @@
 """Preferences stage: sample several completions per prompt from a policy, judge them, keep ordered pairs.
 
-For each prompt: `samples_per_prompt` completions are sampled; the best and the worst by the judge form a
-(chosen, rejected) pair, of the samples that ended (`drop_unfinished`: TRL appends EOS to a text reply, so a sample
-cut at max_new_tokens would be trained as one that ends there). Pairs whose scores differ by less than `min_margin`, or whose texts are identical,
-are ties: dropped and counted. Pairs are split by prompt into `train` and `test` (held-out prompts) and
-written atomically to `data/{train,test}.jsonl`, with every scored sample in `data/samples.jsonl`, and every
-pair of a training prompt's samples that is not a tie in `data/train_all_pairs.jsonl` (up to k(k-1)/2 per prompt
-from k samples: more comparisons for a reward model at no extra sampling, as InstructGPT trains on all of a
-prompt's comparisons, Ouyang et al. 2022 sec. 3.5; a reward stage reads them with `split: train_all_pairs`).
+For each prompt: `samples_per_prompt` completions are sampled; the best and the worst by the judge form a (chosen,
+rejected) pair, of the samples that ended (`drop_unfinished`: TRL appends EOS to a text reply, so a sample cut at
+max_new_tokens would be trained as one that ends there). Pairs whose scores differ by less than `min_margin`, or
+whose texts are identical, are ties: dropped and counted. Pairs are split by prompt into `train` and `test`
+(held-out prompts) and written atomically to `data/{train,test}.jsonl`, with every scored sample in
+`data/samples.jsonl`, and every pair of a training prompt's samples that is not a tie in
+`data/train_all_pairs.jsonl` (up to k(k-1)/2 per prompt from k samples: more comparisons for a reward model at no
+extra sampling, as InstructGPT trains on all of a prompt's comparisons, Ouyang et al. 2022 sec. 3.5; a reward stage
+reads them with `split: train_all_pairs`).
 """
 
 from __future__ import annotations
