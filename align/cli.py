@@ -106,16 +106,17 @@ def _parser() -> argparse.ArgumentParser:
     mod.add_argument("name", help="packaged model: smollm2 (SmolLM2-135M-Instruct)")
     mod.add_argument("--gguf", action="store_true", help="print the .gguf file's path instead of the converted "
                      "Hugging Face directory")
-    stage = sub.add_parser("stage")  # a stage process's entry point (align/runtime/process.py), not a user's command
-    stage.add_argument("spec")
-    sub._choices_actions = [a for a in sub._choices_actions if a.dest != "stage"]  # argparse cannot hide a subcommand
-    sub.metavar = "{" + ",".join(name for name in sub.choices if name != "stage") + "}"
     for command in sub.choices.values():
         command.allow_abbrev = False
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 2 and argv[0] == "stage":  # a stage process (align/runtime/process.py), not a user's command:
+        from align.runtime.process import main as stage_main  # the only path into the stage side, kept out of --help
+
+        return stage_main(argv[1])
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     # Overrides may come after options (`run x.yaml --run-id a dpo.beta=0.2`): argparse leaves those in `extra`.
@@ -124,15 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    if args.command == "stage":  # a stage process (align/runtime/process.py): the only path into the stage side
-        from align.runtime.process import main as stage_main
-
-        return stage_main(args.spec)
     if PLUGIN_ERRORS:  # an engine module from ALIGN_ENGINE_MODULES that did not import
         print(f"align: error: {PLUGIN_ERRORS[0]}", file=sys.stderr)
         return 2
     terminate_as_interrupt()  # SIGTERM (schedulers, systemctl stop) handled as Ctrl-C: stages recorded interrupted
-    typed = resume_args(sys.argv[1:] if argv is None else argv)
+    typed = resume_args(argv)
     with resolved_once(), resume_as(f"align {shlex.join(typed)}"):  # inputs once; messages say how to resume
         return _command(args)
 

@@ -357,3 +357,22 @@ def test_a_ppo_checkpoint_reaches_the_disk_before_it_is_marked_and_before_older_
         assert events.index("all saved") < events.index(f"fsync {name}") < marked  # process 1's file too
     assert events.index("fsync checkpoints") < events.index("remove iter-1")
     assert sorted(p.name for p in ctx.checkpoints.iterdir()) == ["iter-2", "iter-3"]
+
+
+def test_a_checkpoint_directory_not_named_by_a_step_is_left_alone_by_resume_and_rotation(tmp_path):
+    """A user copied `checkpoint-best` beside the Trainer's checkpoints. Resume parsed every `checkpoint-*` name as a
+    step: int("best") raised, and every later attempt of the stage failed before loading. Now it is no checkpoint,
+    as transformers' own `get_last_checkpoint` reads it: resume picks the newest step, rotation keeps it."""
+    import logging
+
+    from align.core.rundir import choose_checkpoint, rotate_checkpoints
+
+    random.seed(SEED)
+    print(f"seed {SEED}")
+    _series(tmp_path, [(2, ""), (4, "")])
+    shutil.copytree(tmp_path / "checkpoint-4", tmp_path / "checkpoint-best")
+    (tmp_path / "checkpoint-notes.txt").write_text("kept by hand")
+    assert choose_checkpoint(tmp_path, 2, logging.getLogger("test")) == tmp_path / "checkpoint-4"
+    assert rotate_checkpoints(tmp_path, 1) == [tmp_path / "checkpoint-2"]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-best",
+                                                                     "checkpoint-notes.txt"]

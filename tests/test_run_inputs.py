@@ -341,13 +341,19 @@ def test_a_vision_language_model_is_checked_by_its_decoders_config(tmp_path, cap
     assert "| sft |" in out and "Traceback" not in out
 
 
-def test_align_help_lists_the_users_commands_and_not_the_stage_entry_point(capsys):
-    """`align --help` listed `stage ==SUPPRESS==` (argparse cannot hide a subcommand by its help); the stage
-    process's entry point still parses."""
+def test_align_help_lists_the_users_commands_and_not_the_stage_entry_point(capsys, monkeypatch):
+    """`align --help` listed `stage ==SUPPRESS==` (argparse cannot hide a subcommand by its help), and a mistyped
+    command's error still offered `stage`; the stage process's entry point still runs a spec."""
     from align import cli
 
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     out = capsys.readouterr().out
     assert "SUPPRESS" not in out and "{run,estimate,validate,report,status,verify,model}" in out
-    assert cli._parser().parse_args(["stage", "spec.json"]).spec == "spec.json"
+    with pytest.raises(SystemExit):
+        cli.main(["stagee"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'stagee'" in err and "'model')" in err and "'stage'" not in err
+    called = []
+    monkeypatch.setattr("align.runtime.process.main", lambda spec: called.append(spec) or 0)
+    assert cli.main(["stage", "spec.json"]) == 0 and called == ["spec.json"]

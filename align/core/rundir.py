@@ -285,7 +285,7 @@ def choose_checkpoint(checkpoints: Path, world_size: int, log) -> Path | None:
     import shutil
 
     states: dict[Path, list[Path]] = {}
-    for ckpt in sorted(checkpoints.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1])):
+    for ckpt in step_checkpoints(checkpoints):
         torn = torn_rng_states(ckpt, world_size)
         if torn is None:
             log.warning("removing incomplete checkpoint %s", ckpt)
@@ -301,7 +301,7 @@ def choose_checkpoint(checkpoints: Path, world_size: int, log) -> Path | None:
             del states[ckpt]
     whole = [c for c, torn in states.items() if not torn]
     for ckpt in [c for c, torn in states.items() if torn]:
-        if whole and int(ckpt.name.split("-")[-1]) > int(whole[-1].name.split("-")[-1]):
+        if whole and list(states).index(ckpt) > list(states).index(whole[-1]):
             log.warning("removing checkpoint %s: RNG states %s missing or torn", ckpt, [t.name for t in states[ckpt]])
             shutil.rmtree(ckpt)
     if whole or not states:
@@ -314,13 +314,18 @@ def choose_checkpoint(checkpoints: Path, world_size: int, log) -> Path | None:
     return newest
 
 
+def step_checkpoints(checkpoints: Path) -> list[Path]:
+    """The Trainer checkpoints `checkpoint-<step>` by step, as transformers finds them (`checkpoint-old`: not one)."""
+    return sorted((p for p in checkpoints.glob("checkpoint-*") if p.is_dir() and p.name[11:].isdigit()),
+                  key=lambda p: int(p.name[11:]))
+
+
 def rotate_checkpoints(checkpoints: Path, keep: int) -> list[Path]:
     """Remove all but the newest `keep` Trainer checkpoints (by step, not mtime: a copied run dir keeps its order),
     then sync the directory; returns those removed."""
     import shutil
 
-    found = sorted((p for p in checkpoints.glob("checkpoint-*") if p.is_dir() and p.name[11:].isdigit()),
-                   key=lambda p: int(p.name[11:]))
+    found = step_checkpoints(checkpoints)
     gone = found[:-keep] if keep > 0 else []
     for old in gone:
         shutil.rmtree(old)

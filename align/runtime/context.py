@@ -27,7 +27,7 @@ from align.config import PipelineConfig, StageBase, from_dict, stage_from_dict
 from align.core.console import emit_progress
 from align.core.fsutil import (atomic_write_text, disk_full, output_digest, publish_dir, staging_dir, staging_path,
                           tree_bytes)
-from align.core.rundir import Manifest, StageSpec, choose_checkpoint, read_manifest, write_manifest
+from align.core.rundir import Manifest, StageSpec, choose_checkpoint, read_manifest, step_checkpoints, write_manifest
 from align.templates import ChatTemplate
 from align.core.tracking import Tracker, sweep_config
 
@@ -190,8 +190,8 @@ class StageContext:
         batch, the data position and each rank's RNG state depend on the number of processes); refuse with the fix
         instead of failing inside DeepSpeed, or silently training on another trajectory."""
         stamp = self.checkpoints / LAYOUT
-        if not stamp.is_file() or (self.checkpoints / "FINGERPRINT").read_text() != self.fingerprint or not any(
-                self.checkpoints.glob("checkpoint-*")) and not any(self.checkpoints.glob("iter-*")):
+        if not stamp.is_file() or (self.checkpoints / "FINGERPRINT").read_text() != self.fingerprint or not (
+                step_checkpoints(self.checkpoints)) and not any(self.checkpoints.glob("iter-*")):
             return
         try:
             old = json.loads(stamp.read_text())
