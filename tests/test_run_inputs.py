@@ -226,6 +226,22 @@ def test_a_pairwise_judge_model_directory_is_checked_as_the_base_model_is(change
     refused(out, rc, "stages.evaluate.pairwise.0.model:", needle)
 
 
+@pytest.mark.parametrize("model_type, needle", [
+    ("qwen9", "is a 'qwen9' model (config.json model_type), which transformers"),  # newer than transformers here
+    ("t5", "cannot load as a causal LM (AutoModelForCausalLM has no class for it)"),  # an encoder-decoder
+    ("llama4", "cannot load as a sequence classifier (the reward stage's model)"),  # causal, but no scalar class
+])
+def test_a_base_model_transformers_has_no_class_for_is_refused_at_validate(model_type, needle, tmp_path, capsys):
+    """A base model whose model_type transformers does not know, or has no causal-LM (or, for the reward stage, no
+    sequence-classification) class for, passed validate and every stage's data checks, then failed in the first
+    stage's from_pretrained after the launch."""
+    model = _judge_dir(tmp_path, "model", config={"model_type": model_type, "vocab_size": 50257})
+    rc, out = validate(capsys, DEFAULT, f"base_model={model}")
+    refused(out, rc, "base_model:", needle)
+    rc, out = validate(capsys, DEFAULT, f"base_model={_judge_dir(tmp_path, 'gpt2', config={'vocab_size': 50257})}")
+    assert rc == 0, out[-2000:]
+
+
 def test_a_mistyped_local_judge_path_is_not_taken_for_a_hub_id(tmp_path, capsys):
     rc, out = validate(capsys, DEFAULT, "evaluate.pairwise=[{name: j, model: accelerate/judge}]")  # pipelines/accelerate
     refused(out, rc, "stages.evaluate.pairwise.0.model: local path 'accelerate/judge' not found")

@@ -2,6 +2,7 @@
 (align/orchestrator/helper.py): the orchestrator decides what to check and sends it here as JSON (a job, built by
 align/orchestrator/validate.py `model_job`); this module loads, renders and counts. In order:
 
+- transformers here has the classes the stages load the base model with (`model_class_problem`);
 - the tokenizer loads as a stage will load it (a local one that does not is refused, naming the file and the fix; a
   hub one that cannot be fetched from here is a warning: the first stage checks it) and fits the base model's
   vocabulary;
@@ -39,11 +40,13 @@ class CheckError(ValueError):
 def run(source: str, verbose: bool = True, tokenizer: dict[str, Any] | None = None,
         template: dict[str, Any] | None = None, install_template: bool = False,
         examples: list[dict[str, Any]] = (), lengths: list[dict[str, Any]] = (),
-        shapes: dict[str, Any] | None = None) -> dict[str, Any]:
+        shapes: dict[str, Any] | None = None, model: dict[str, Any] | None = None) -> dict[str, Any]:
     """The helper's entry point (`align.modeling.checks:run`); the keyword arguments are `model_job`'s."""
     from align.config import stage_types
 
     stage_types()  # every stage type's module: the length rules and data forms they declare are registered
+    if model is not None and (problem := model_class_problem(**model)):
+        raise CheckError(f"{source}: base_model: {problem}")
     out: dict[str, Any] = {}
     if shapes is not None:
         out["shapes"] = model_shapes.shapes(**shapes)
@@ -99,6 +102,31 @@ def _raised_in_template(exc: BaseException) -> bool:
 
     return isinstance(exc, TemplateError) or any(f.filename == "<template>"
                                                  for f in traceback.extract_tb(exc.__traceback__))
+
+
+def model_class_problem(name: str, model_type: str, scalar: bool) -> str | None:
+    """Why transformers here has no class to load the base model `name` (config.json `model_type`) as a causal LM,
+    or, when a stage trains a reward model from it (`scalar`), as a sequence classifier (None: it has both). Found
+    at validate, not by the first stage's from_pretrained."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL,
+                                                        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as SCALAR)
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        return (f"{name} is a {model_type!r} model (config.json model_type), which transformers "
+                f"{transformers.__version__} installed here does not know: upgrade it (`pip install -U "
+                "transformers`), or, for a model that ships its own code (config.json auto_map), read that code and "
+                "set `trust_remote_code: true`")
+    for needed, mapping, auto in ((True, CAUSAL, "AutoModelForCausalLM"),
+                                  (scalar, SCALAR, "AutoModelForSequenceClassification")):
+        if needed and model_type not in mapping:
+            what = "a causal LM" if mapping is CAUSAL else "a sequence classifier (the reward stage's model)"
+            return (f"{name} is a {model_type!r} model, which transformers {transformers.__version__} cannot load "
+                    f"as {what} ({auto} has no class for it): align trains decoder-only text models; for a "
+                    "vision-language or encoder-decoder checkpoint use a text-only decoder (its text variant), or "
+                    "another base_model")
+    return None
 
 
 def load_tokenizer_checked(source: str, verbose: bool, name: str, field: str, trust_remote_code: bool,

@@ -11,9 +11,7 @@ imports torch.
 from __future__ import annotations
 
 import json
-
 import os
-
 import sys
 from collections import Counter
 from pathlib import Path
@@ -21,13 +19,12 @@ from typing import Any, Callable
 
 from align.core.tracking import wandb_env_problem
 from align.config import CheckContext, ConfigError, PipelineConfig, TrainedStage
-from align.config.contract import EXAMPLES, POLICY, PROMPTS_ONLY, refs
+from align.config.contract import EXAMPLES, POLICY, PROMPTS_ONLY, REWARD_MODEL, refs
 from align.config.settings import flash_attention_problem
 from align.config.sweeps import by_stage
 from align.core.builtin import is_builtin
 from align.data.hub import hub_mirror, hub_reachable
-from align.data.cards import (DataCardError, DataUnavailableError, LoadedSplit, load_card,
-                              load_split)
+from align.data.cards import DataCardError, DataUnavailableError, LoadedSplit, load_card, load_split
 from align.data.formats import row_prompt_key, turns_key
 from align.orchestrator import helper
 from align.orchestrator.estimate import EstimateError, ModelShape, model_sources
@@ -238,8 +235,12 @@ def model_job(cfg: PipelineConfig, plans: list[StagePlan], split_of: SplitLoader
         return job
     paths = resolve_model_paths(cfg, source)
     _, field = tokenizer_name(cfg, paths)
-    vocab = (base_model_config(cfg, source, paths) or {}).get("vocab_size")
-    job["tokenizer"] = {"name": name, "field": field, "trust_remote_code": cfg.trust_remote_code, "vocab": vocab}
+    config = base_model_config(cfg, source, paths) or {}
+    job["tokenizer"] = {"name": name, "field": field, "trust_remote_code": cfg.trust_remote_code,
+                        "vocab": config.get("vocab_size")}
+    if config.get("model_type") and not (config.get("auto_map") and cfg.trust_remote_code):  # transformers' classes
+        job["model"] = {"name": cfg.base_model, "model_type": config["model_type"],
+                        "scalar": any(p.cfg.PRODUCES == REWARD_MODEL for p in plans)}
     cards = {(p.name, fld): split_of(card, p.cfg.card_split(fld)) for p in plans for fld, card in p.cards.items()}
     cards = {k: d for k, d in cards.items() if d.available and d.rows}
     template = plans[0].chat_template if plans else None
