@@ -42,6 +42,13 @@ class StagePlan:
     files: dict[str, Path] = field(default_factory=dict)  # setting (dotted) -> absolute path of a file it names
     chat_template: ChatTemplate | None = None  # the pipeline's, resolved once per plan (the same object for all)
 
+    def installs_template(self, template_named: bool) -> bool:
+        """Whether the stage installs the planned chat template on the base tokenizer (its config class's rule, over
+        the forms its cards produce; `template_named`: the pipeline sets `chat_template`): what validation installs
+        before counting lengths, and where LoRA must train the rows of tokens the template adds."""
+        forms = {fld: load_card(card).produces for fld, card in self.cards.items()}
+        return self.chat_template is not None and self.cfg.installs_chat_template(forms, template_named)
+
 
 # --------------------------------------------------------------------------------------------- graph
 def stage_dependencies(name: str, cfg: StageBase, stages: dict[str, StageBase], source: str) -> list[str]:

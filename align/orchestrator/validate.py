@@ -246,9 +246,7 @@ def model_job(cfg: PipelineConfig, plans: list[StagePlan], split_of: SplitLoader
     template = plans[0].chat_template if plans else None
     job["template"] = template.as_dict() if template is not None else None
     # Installed as the stage that installs it will (its class's rule: e.g. from the base model, on conversations).
-    job["install_template"] = template is not None and any(
-        p.cfg.installs_chat_template({f: d.card.produces for (n, f), d in cards.items() if n == p.name},
-                                     cfg.chat_template is not None) for p in plans)
+    job["install_template"] = any(p.installs_template(cfg.chat_template is not None) for p in plans)
     job["examples"], job["lengths"] = [], []
     for plan in plans:
         limit = plan.cfg.max_train_examples if isinstance(plan.cfg, TrainedStage) else None
@@ -314,8 +312,8 @@ def _check_new_token_rows(cfg: PipelineConfig, plans: list[StagePlan], answer: d
     if not isinstance(added, int) or added <= 0:
         return
     tied = bool((((answer.get("shapes") or {}).get("shapes") or {}).get("lm") or {}).get("tied"))
-    for plan in (p for p in plans if enabled_lora(p.cfg) is not None and p.cfg.installs_chat_template(
-            {f: load_card(c).produces for f, c in p.cards.items()}, cfg.chat_template is not None)):
+    for plan in (p for p in plans if enabled_lora(p.cfg) is not None and p.installs_template(
+            cfg.chat_template is not None)):
         where = f"{source}: stages.{plan.name}: the chat template adds {added} tokens to the model"
         if tied:
             raise PipelineError(f"{where}, whose output head is tied to its embeddings: LoRA cannot train their rows "
