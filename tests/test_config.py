@@ -299,3 +299,27 @@ def test_a_pipeline_nested_thousands_deep_and_a_seed_sweep_of_null_and_the_pipel
         _parse(raw)
     assert len(_parse({"name": "t", "seed": 17, "stages": {"dpo": {"sweep": {"seed": [None, 18]}}}}).stages) == 2
 
+
+
+def test_editing_a_users_judge_reruns_the_stages_that_score_with_it(tmp_path, monkeypatch):
+    """A `module:function` judge's code was not fingerprinted: after editing it, PPO (and evaluate, which reports it
+    as a gold judge) were "up to date" and skipped, and the run reported scores of the old judge. Its module's
+    content is now part of the fingerprint of each stage that names it, and so reruns them and what follows."""
+    judge = tmp_path / "fp_probe_judge.py"
+    judge.write_text("def score(prompts, responses):\n    return [1.0 for _ in responses]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = REPO / "pipelines" / "default.yaml"
+
+    def plan(override: str) -> dict[str, str]:
+        return {p.name: p.fingerprint for p in build_plan(_parse(apply_overrides(_raw(), [override])), path)}
+
+    for override, expected in (("ppo.reward=fp_probe_judge:score", {"ppo", "evaluate"}),
+                               ("evaluate.judges=[vader, fp_probe_judge:score]", {"evaluate"}),
+                               ("preferences.judge=fp_probe_judge:score", {"preferences", "reward", "ppo", "dpo",
+                                                                           "evaluate"})):
+        before = plan(override)
+        assert plan(override) == before  # the same code: the same plan
+        text = judge.read_text()
+        judge.write_text(text.replace("1.0", "2.0") if "1.0" in text else text.replace("2.0", "1.0"))
+        after = plan(override)
+        assert {n for n in before if before[n] != after[n]} == expected, override

@@ -82,6 +82,9 @@ class EvaluateStage(StageBase):
                              f"lists no other, so nothing would be judged; add the policies to compare, or remove "
                              "pairwise")
 
+    def references(self, role: str) -> list[str]:
+        return super().references(role) + (list(self.judges) if role == "judge" else [])  # its gold judges too
+
     def relative_files(self) -> dict[str, str]:
         return {f"pairwise.{i}.template": j.template for i, j in enumerate(self.pairwise) if j.template}
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import sys
 from functools import lru_cache
+from pathlib import Path
 from typing import Callable
 
 from align.core.userfunc import import_function
@@ -69,6 +71,20 @@ def python_judge(name: str) -> Judge:
                          lambda path: f"looked in the working directory ({cwd}) and on the Python path: run align from "
                                       f"the directory that holds {path}, or add that directory to PYTHONPATH")
     return CheckedJudge(name, fn)
+
+
+def judge_source(name: str) -> Path | None:
+    """The file of a user's `module:function` judge (its content is part of the stage's fingerprint: editing the
+    judge reruns the stage), or None: a built-in judge, a reward stage, or one that does not import (validation
+    says why)."""
+    if ":" not in name or name in PYTHON_JUDGES:
+        return None
+    try:
+        python_judge(name)
+    except JudgeError:
+        return None
+    file = getattr(sys.modules.get(name.partition(":")[0]), "__file__", None)
+    return Path(file) if file else None
 
 
 class JudgeFault(ValueError):

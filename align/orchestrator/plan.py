@@ -2,8 +2,9 @@
 each stage's fingerprint.
 
 A stage's fingerprint is sha256 of its resolved config (minus settings that never change a result), the
-fingerprints of its inputs, the content of its data cards and data files, and the code version. Changing one
-stage's config therefore reruns it and everything downstream. Fast: nothing is trained or loaded here.
+fingerprints of its inputs, the content of its data cards, of the files its settings name and of a user's
+`module:function` judges' modules, and the code version. Changing one stage's config (or editing its judge)
+therefore reruns it and everything downstream. Fast: nothing is trained or loaded here.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from align.core.fsutil import stamp
 from align.config import NON_SEMANTIC, PipelineConfig, StageBase, stage_types, to_dict
 from align.config.contract import MODEL, POLICY, REWARD_MODEL, ROLES, refs
 from align.data.cards import DataCardError, load_card
+from align.judges import judge_source
 from align.core.gguf import GGUFError
 from align.orchestrator.inputs import resolve_model_paths
 from align.templates import ChatTemplate
@@ -40,6 +42,7 @@ class StagePlan:
     fingerprint: str = ""
     card_hashes: dict[str, str] = field(default_factory=dict)
     files: dict[str, Path] = field(default_factory=dict)  # setting (dotted) -> absolute path of a file it names
+    judge_code: dict[str, Path] = field(default_factory=dict)  # a user's module:function judge -> its module's file
     chat_template: ChatTemplate | None = None  # the pipeline's, resolved once per plan (the same object for all)
 
     def installs_template(self, template_named: bool) -> bool:
@@ -164,6 +167,8 @@ def _fingerprint(plan: StagePlan, cfg: PipelineConfig, inputs: dict[str, str], c
             "inputs": inputs, "cards": plan.card_hashes, "code": code}
     if files:
         blob["files"] = files
+    if plan.judge_code:  # editing a user's judge rescores: the stage reruns
+        blob["judge_code"] = {name: stamp(path) for name, path in plan.judge_code.items()}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -202,6 +207,7 @@ def build_plan(cfg: PipelineConfig, source: str | Path) -> list[StagePlan]:
         plan.files.update({key: (base_dir / Path(value).expanduser()).resolve() for key, value in
                            st.local_models().items() if (base_dir / Path(value).expanduser()).exists()})  # a hub id
         # passes through
+        plan.judge_code = {n: f for n in st.references("judge") if (f := judge_source(n)) is not None}
         plans[name] = plan
     order = topological_order({n: p.deps for n, p in plans.items()}, source)
     code = code_version()
