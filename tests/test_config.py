@@ -323,3 +323,21 @@ def test_editing_a_users_judge_reruns_the_stages_that_score_with_it(tmp_path, mo
         judge.write_text(text.replace("1.0", "2.0") if "1.0" in text else text.replace("2.0", "1.0"))
         after = plan(override)
         assert {n for n in before if before[n] != after[n]} == expected, override
+
+
+@pytest.mark.parametrize("override", ["grpo.split=validation", "rloo.split=valid", "reward.split=train_all"])
+def test_a_split_that_a_data_stage_does_not_write_is_refused_when_the_plan_is_made(override):
+    """GRPO and RLOO took prompts from a preferences stage with any `split`: `align validate` said valid, and the
+    stage failed after its upstream trained, telling the user to rerun the stage that wrote the file. Every reader of
+    a data stage (reward's check was its own) is now held to the splits that stage writes."""
+    path = REPO / "pipelines" / "online_rl.yaml"
+    stage, _, split = override.partition(".split=")
+    raw = yaml.safe_load(path.read_text())
+    if stage != "reward":
+        raw["stages"][stage]["prompts"] = "preferences"
+    good = apply_overrides(raw, [f"{stage}.split=train_all_pairs"])
+    assert any(p.name == stage for p in build_plan(_parse(good), path))
+    with pytest.raises(PipelineError, match=rf"stages\.{stage}: reads split '{split}' of stage 'preferences' "
+                       rf"\((prompts|data)\), which writes \['train', 'test', 'train_all_pairs'\]; set stages\.{stage}"
+                       r"\.split to one of them"):
+        build_plan(_parse(apply_overrides(raw, [override])), path)

@@ -229,7 +229,7 @@ def test_rerun_skips_everything_then_beta_reruns_only_downstream(private):
     ("sft.model=dpo", "dependency cycle"),
     ("dpo.bta=0.1", "did you mean 'beta'"),
     ("preferences.samples_per_prompt=1", "stages.preferences.samples_per_prompt: 1 is not allowed: must be >= 2"),
-    ("reward.split=train_all", "split: 'train_all' is not a split stage 'preferences' writes"),
+    ("reward.split=train_all", "stages.reward: reads split 'train_all' of stage 'preferences' (data)"),
 ])
 def test_bad_input_fails_fast_and_keeps_completed_stages(e2e, override, message):
     run = e2e["run"]

@@ -40,11 +40,6 @@ class RewardStage(TrainedStage):
     def check(self, ctx: CheckContext) -> None:
         super().check(ctx)
         self.check_preference_card(ctx)
-        producer = ctx.pipeline.stages.get(self.data)
-        splits = getattr(producer, "PAIR_SPLITS", None)
-        if splits is not None and self.split not in splits:
-            raise ValueError(f"split: {self.split!r} is not a split stage '{self.data}' writes; use one of "
-                             f"{[s for s in splits if s != 'test']}")
         if self.split == "test":
             raise ValueError("split: 'test' holds the held-out pairs the accuracy is measured on; train on 'train'")
 

@@ -22,7 +22,7 @@ from align.core.builtin import check_builtin, is_builtin
 from align.core.errors import PipelineError
 from align.core.fsutil import stamp
 from align.config import NON_SEMANTIC, PipelineConfig, StageBase, stage_types, to_dict
-from align.config.contract import MODEL, POLICY, REWARD_MODEL, ROLES, refs
+from align.config.contract import DATA, MODEL, POLICY, REWARD_MODEL, ROLES, refs
 from align.data.cards import DataCardError, load_card
 from align.judges import judge_source
 from align.core.gguf import GGUFError
@@ -69,6 +69,10 @@ def stage_dependencies(name: str, cfg: StageBase, stages: dict[str, StageBase], 
                                         + (f" (a {cfg.type} stage's {fld} is '{ref}' unless set: set stages.{name}."
                                            f"{fld}, or rename the stage)" if default else ""))
                 _check_role(name, fld, role, ref, stages, source)
+                splits = getattr(stages[ref], "PAIR_SPLITS", None)  # the splits a data stage writes
+                if role == DATA and splits is not None and (split := cfg.card_split(fld)) not in splits:
+                    raise PipelineError(f"{source}: stages.{name}: reads split {split!r} of stage '{ref}' ({fld}), "
+                                        f"which writes {list(splits)}; set stages.{name}.split to one of them")
                 deps.append(ref)
             elif required:
                 hint = difflib.get_close_matches(ref, list(stages), n=1)
