@@ -174,6 +174,9 @@ def test_kto_trains_from_the_sft_policy_on_the_unpaired_pairs(kto_run):
     margins = [r["rewards/margin"] for r in rows if "rewards/margin" in r]
     # desirable completions gained log-probability over undesirable ones, relative to the reference (0 at first)
     assert len(margins) == 4 and margins[0] < 0.01 and margins[-1] > margins[0] + 0.02, margins
+    held_out = [r for r in rows if "eval/rewards/margin" in r]  # logged once, under its singular name (TRL's plural
+    assert len(held_out) == 1 and not any("eval/rewards/margins" in r for r in rows)  # was logged beside it)
+    assert held_out[0]["eval/rewards/margin"] == m["final_metrics"]["eval/rewards/margin"]
 
     from transformers import AutoModelForCausalLM
 

@@ -30,8 +30,8 @@ def metric_name(key: str) -> str:
     """Map TRL/transformers log keys to align's metric names (docs/ARCHITECTURE.md)."""
     if key in _RENAME:
         return _RENAME[key]
-    if key.startswith("eval_"):
-        return "eval/" + key[5:]
+    if key.startswith("eval_"):  # trainer.evaluate()'s keys: the same singular names
+        return "eval/" + _PLURALS.get(key[5:], key[5:])
     if key.startswith("train_"):
         return "perf/" + key[6:]
     return key if "/" in key else f"train/{key}"
@@ -55,9 +55,9 @@ def online_rl_metric_name(key: str) -> str:
 
 
 def eval_metrics(ev: dict[str, float]) -> dict[str, float]:
-    """`trainer.evaluate()`'s loss and reward metrics under align's names: eval/loss, eval/rewards/margin, ..."""
-    return {"eval/" + _PLURALS.get(k[5:], k[5:]): v for k, v in ev.items()
-            if k.startswith("eval_rewards/") or k == "eval_loss"}
+    """`trainer.evaluate()`'s loss and reward metrics under align's names (eval/loss, eval/rewards/margin, ...), for
+    the final metrics: the metrics callback has already logged them."""
+    return {metric_name(k): v for k, v in ev.items() if k.startswith("eval_rewards/") or k == "eval_loss"}
 
 
 def metrics_callback(ctx: StageContext, name: Callable[[str], str] = metric_name):

@@ -34,9 +34,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     final = train_with_resume(ctx, trainer)
     if test:
         ev = trainer.evaluate()
-        metrics = eval_metrics(ev)
-        ctx.log(metrics, step=trainer.state.global_step)
-        final.update(metrics)
+        final.update(eval_metrics(ev))  # logged as they came (metrics_callback): not a second row
     final["train/pairs"] = len(train)
     ctx.save_trainer_model(trainer, tokenizer)
     return final

@@ -43,9 +43,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     final = train_with_resume(ctx, trainer)
     if len(test) > 1:
         ev = trainer.evaluate()
-        metrics = eval_metrics(ev)
-        ctx.log(metrics, step=trainer.state.global_step)
-        final.update(metrics)
+        final.update(eval_metrics(ev))  # logged as they came (metrics_callback): not a second row
     final["train/examples"] = len(train)
     final["train/desirable_fraction"] = sum(r["label"] for r in train) / len(train)
     ctx.save_trainer_model(trainer, tokenizer)
