@@ -32,6 +32,14 @@ DEFAULT = str(REPO / "pipelines" / "default.yaml")
      ["stages.ppo.sweep.kl.horizon:", "differ only in kl.horizon, which the stage does not read (kl.controller is pi)"]),
     (ONLINE, ["grpo.sweep={generation.batch_size: [8, 64]}"],
      ["stages.grpo.sweep.generation.batch_size:", "the stage does not read", "one call per process"]),
+    # TRL 1.16's cispo caps the weights at epsilon_high alone, sapo's soft gate reads neither clip
+    (ONLINE, ["grpo.loss_type=cispo", "grpo.sweep={epsilon: [0.1, 0.3]}"],
+     ["stages.grpo.sweep.epsilon:", "differ only in epsilon", "(loss_type cispo does not read it)"]),
+    (ONLINE, ["grpo.loss_type=sapo", "grpo.sweep={epsilon_high: [0.2, 0.28]}"],
+     ["stages.grpo.sweep.epsilon_high:", "(loss_type sapo does not read it)"]),
+    # DAPO's clip-higher habit under cispo caps every importance weight (about 1 on policy) at 0.28
+    (ONLINE, ["grpo.loss_type=cispo", "grpo.epsilon_high=0.28"],
+     ["stages.grpo: epsilon_high: 0.28 under loss_type: cispo caps the importance weights", "a cap above 1"]),
 ])
 def test_rl_settings_that_would_not_train_as_asked_are_refused(pipeline, overrides, needles, capsys):
     rc, out = validate(capsys, pipeline, *overrides)
@@ -44,6 +52,10 @@ def test_swept_settings_the_stage_reads_still_expand(capsys):
     # variants that differ in what the stage reads (the controller) are no twins, though one leaves kl.kp unread
     rc, out = validate(capsys, DEFAULT, "ppo.sweep={kl.controller: [pi, ziegler], kl.kp: [0.1]}")
     assert rc == 0 and "sweep ppo: 2 variants" in out, out[-2000:]
+    for loss, key in (("dapo", "epsilon"), ("cispo", "epsilon_high")):  # the clips these losses read
+        rc, out = validate(capsys, ONLINE, f"grpo.loss_type={loss}", f"grpo.sweep={{{key}: [0.1, 0.3]}}" if loss ==
+                           "dapo" else f"grpo.sweep={{{key}: [2.0, 5.0]}}")
+        assert rc == 0 and "sweep grpo: 2 variants" in out, out[-2000:]
 
 
 def test_cispo_caps_importance_weights_at_its_own_epsilon_max_not_the_clip_range():

@@ -35,6 +35,19 @@ class GRPOStage(OnlineRLStage):
     `loss_type: cispo` it is the cap on the importance weights themselves (ScaleRL's epsilon_max; null: 5.0, the
     value TRL recommends: epsilon's 0.2 would cap every weight at 0.2). `sapo` reads neither."""
 
+    def check(self, ctx) -> None:
+        super().check(ctx)
+        if self.loss_type == "cispo" and self.epsilon_high is not None and self.epsilon_high <= 1:
+            raise ValueError(f"epsilon_high: {self.epsilon_high:g} under loss_type: cispo caps the importance weights "
+                             f"themselves (1 on policy), not the ratio's distance from 1 as DAPO's clip-higher does: "
+                             f"every token's gradient would be scaled by about {self.epsilon_high:g}; use null "
+                             f"(ScaleRL's {CISPO_EPSILON_MAX:g}) or a cap above 1")
+
+    def unread_settings(self) -> dict[str, str]:
+        """TRL 1.16's GRPO loss: cispo caps the weights at epsilon_high alone; sapo's soft gate reads neither."""
+        clip = {"cispo": ("epsilon",), "sapo": ("epsilon", "epsilon_high")}.get(self.loss_type, ())
+        return {**super().unread_settings(), **dict.fromkeys(clip, f"loss_type {self.loss_type} does not read it")}
+
     def trl_epsilon_high(self) -> float | None:
         """What TRL's GRPOConfig takes as epsilon_high (None: its default, epsilon)."""
         return self.epsilon_high if self.epsilon_high is not None else \
