@@ -240,6 +240,17 @@ def test_bad_input_fails_fast_and_keeps_completed_stages(e2e, override, message)
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == snapshot
 
 
+def test_a_refused_only_run_leaves_the_runs_record_as_it_was(private):
+    """`--only evaluate` with an upstream setting changed is refused (dpo is not completed with that config), but
+    pipeline.json was rewritten first: `align status` then called every stage stale, a sweep's variants vanished
+    from it, and `align report` rebuilt the report from the refused command's config."""
+    record = private["run"] / "pipeline.json"
+    before = record.read_bytes()
+    proc = run_align(*private["args"], "--only", "evaluate", "dpo.beta=0.3", cwd=private["root"])
+    assert proc.returncode == 2 and "stage 'evaluate' needs stage 'dpo' completed" in proc.stderr, proc.stderr[-2000:]
+    assert record.read_bytes() == before
+
+
 def test_report_has_plots_and_tables(e2e):
     report = e2e["run"] / "report"
     for name in ("metrics.json", "report.md", "win_rates.png", "reward_vs_kl_vader.png",

@@ -174,8 +174,7 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
     code = code_version()
     git = _git_commit()
     statuses: dict[str, str] = {}
-    if multi.is_main:  # from the start: `align status` reads a run that dies in its first stage
-        _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)
+    recorded = False  # pipeline.json: this config's record, once a stage of it launches
     # Two or more one-process stages to run: start the warm server now (it imports while the runner goes on),
     # and fork those stages from it (align/orchestrator/warm.py). For a single stage it would only add its start.
     plain = [p for p in plans if p.name in selected and (p.name in forced or not is_complete(run_dir / p.name,
@@ -199,6 +198,9 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
             follow_stage(plan, stage_dir, header, source, num_processes, multi)
             statuses[plan.name] = "completed"
             continue
+        if not recorded:  # at the first launch (`align status` reads a run that dies in it), never at a refusal
+            _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)  # (`align report` rebuilds from it)
+            recorded = True
         spec_path = _write_spec(plan, run_dir, pipeline_info, code, git)
         print(f"{header}: running (fingerprint {plan.fingerprint})", flush=True)
         t_stage = time.time()
