@@ -169,10 +169,8 @@ def check_outputs(run_dir: Path, name: str, source: str | Path) -> None:
 def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan], selected: set[str],
                 forced: set[str], run_dir: Path, num_processes: int | None, trust_completed_inputs: bool,
                 multi: MultiNode, t0: float) -> Path:
-    pipeline_info = {k: v for k, v in to_dict(cfg).items() if k != "stages"}
-    pipeline_info.update(resolve_model_paths(cfg, source))
-    code = code_version()
-    git = _git_commit()
+    pipeline_info = {**{k: v for k, v in to_dict(cfg).items() if k != "stages"}, **resolve_model_paths(cfg, source)}
+    code, git = code_version(), _git_commit()
     statuses: dict[str, str] = {}
     recorded = False  # pipeline.json: this config's record, once a stage of it launches
     # Two or more one-process stages to run: start the warm server now (it imports while the runner goes on),
