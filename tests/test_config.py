@@ -341,3 +341,16 @@ def test_a_split_that_a_data_stage_does_not_write_is_refused_when_the_plan_is_ma
                        rf"\((prompts|data)\), which writes \['train', 'test', 'train_all_pairs'\]; set stages\.{stage}"
                        r"\.split to one of them"):
         build_plan(_parse(apply_overrides(raw, [override])), path)
+
+
+def test_a_stage_set_to_null_on_the_command_line_is_removed_and_an_empty_one_in_a_file_is_kept():
+    """`dpo=null` (the override error's own advice for unsetting a key) gave a dpo stage of all defaults, beta 0.1
+    and lr 5e-7, which evaluate then compared as if it were the pipeline's; it now removes the stage."""
+    raw = apply_overrides(_raw(), ["dpo=null", "evaluate.policies=[sft, ppo]"])
+    assert "dpo" not in raw["stages"] and "dpo" not in _parse(raw).stages
+    with pytest.raises(PipelineError, match="stages.evaluate.policies: 'dpo' is not a stage of this pipeline"):
+        build_plan(_parse(apply_overrides(_raw(), ["dpo=null"])), REPO / "pipelines" / "default.yaml")
+    empty = _raw()
+    empty["stages"]["dpo"] = None  # `dpo:` with no body in a file: a dpo stage of defaults, as before
+    assert _parse(empty).stages["dpo"].type == "dpo"
+    assert apply_overrides(_raw(), ["dpo.beta=null"])["stages"]["dpo"]["beta"] is None  # a key of it: unset

@@ -126,7 +126,7 @@ def test_overrides_apply_to_every_variant_but_not_to_a_swept_key():
                          "p.yaml")
     got = {n: (st.beta, st.max_steps) for n, st in cfg.stages.items()}
     assert got == {"dpo-beta_0.5-learning_rate_0.0001": (0.5, 7)}
-    for item in ("dpo.beta=0.3", "dpo.learning_rate=1e-3"):
+    for item in ("dpo.beta=0.3", "dpo.learning_rate=1e-3", "stages.dpo.beta=0.3"):  # the full path: it was dropped
         with pytest.raises(ConfigError, match=rf"override '{re.escape(item)}': stages\.dpo sweeps \w+ .*Override the "
                                               r"list instead, e.g. dpo\.sweep\.\w+="):
             apply_overrides(json.loads(json.dumps(raw)), [item])

@@ -143,8 +143,12 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             raise ConfigError(f"override '{item}': the value {text!r} is not valid YAML ({problem}); quote it or "
                               "close its brackets, e.g. sft.epochs=1 or judges=[vader]") from None
         if parts[0] in stages:
-            stage_paths += [(parts[0], parts[1:] + leaf, item) for leaf in _leaves(value)]
             parts = ["stages", *parts]
+        if len(parts) == 2 and parts[0] == "stages" and value is None and parts[1] in stages:  # `dpo=null`: gone, not
+            del stages[parts[1]]  # a stage of defaults (what `dpo:` with no body means in a file); what names it
+            continue  # is told at the plan
+        if parts[0] == "stages" and len(parts) > 1 and parts[1] in stages:  # dpo.beta and stages.dpo.beta alike
+            stage_paths += [(parts[1], parts[2:] + leaf, item) for leaf in _leaves(value)]
         node = raw
         for part in parts[:-1]:
             node = node.setdefault(part, {})
