@@ -521,3 +521,16 @@ def test_a_reused_stage_says_when_this_run_would_start_it_on_another_process_cou
     assert "trained on 2 processes, this run would start 4" in world_change(plans["dpo"], tmp_path, source, None, 2)
     note = world_change(plans["reward"], tmp_path, source, None, 1)
     assert "trained on 4 processes, this run would start 1 (another global batch)" in note and "--from reward" in note
+
+
+def test_a_copied_or_renamed_runs_command_names_its_own_run_id():
+    """`cp -a runs/p/r1 runs/p/r1copy`: status and a rebuilt report kept the command typed for r1, so the rerun they
+    named retrained the intact original (after a `mv`, started an empty run) instead of this one."""
+    from align.orchestrator.commands import recorded_run
+
+    for typed, expected in (("align run p.yaml --run-id r1 x.y=1", "align run p.yaml --run-id r1copy x.y=1"),
+                            ("align run p.yaml --run-id=r1 --only dpo", "align run p.yaml --run-id r1copy --only dpo"),
+                            ("align run p.yaml x.y=1", "align run p.yaml x.y=1 --run-id r1copy"),
+                            ("align run p.yaml --run-id r1copy", "align run p.yaml --run-id r1copy"),
+                            (None, "align run p.yaml --run-id r1copy")):
+        assert recorded_run(typed, "p.yaml", "r1copy") == expected, typed

@@ -860,6 +860,11 @@ def test_status_calls_a_running_stage_whose_runner_died_interrupted(shared, tmp_
     (run / "sft" / "manifest.json").write_text(json.dumps({**manifest, "status": "completed"}))
     (run / "sft" / "model" / "config.json").write_text("{}")
     assert "rerun it: align run hostile.yaml --run-id main sft.max_steps=3000 --from sft" in status_table(run)
+    # a copied (or renamed) run: its hints named the original's --run-id, which retrains that one instead
+    copy = run.parent / "copied"
+    shutil.copytree(run, copy)
+    (copy / ".align.lock").write_text("")
+    assert "rerun it: align run hostile.yaml --run-id copied sft.max_steps=3000 --from sft" in status_table(copy)
 
 
 @pytest.mark.parametrize("record, problem", [

@@ -65,10 +65,19 @@ def other_source(run_dir: str | Path, source: str | Path) -> str | None:
 
 def recorded_run(recorded: object, source: str | Path, run_id: object) -> str:
     """A run's own command from its pipeline.json `resume` when that is an `align run`, else `align run SOURCE
-    --run-id ID` (a record from before align kept the command)."""
-    if isinstance(recorded, str) and recorded.startswith("align run "):
+    --run-id ID` (a record from before align kept the command). Its --run-id is `run_id`: a run directory copied
+    or renamed (`cp -a runs/p/r1 runs/p/r1copy`) keeps the command typed for the original, which would retrain that
+    one (or, after a move, start an empty run) instead of this."""
+    if not (isinstance(recorded, str) and recorded.startswith("align run ")):
+        return shlex.join(["align", "run", str(source), "--run-id", str(run_id)])
+    args = shlex.split(recorded)
+    at = next((i for i, a in enumerate(args) if a == "--run-id" or a.startswith("--run-id=")), None)
+    if at is None:
+        return shlex.join([*args, "--run-id", str(run_id)])
+    given = args[at].partition("=")[2] or (args[at + 1] if at + 1 < len(args) else "")
+    if given == str(run_id):
         return recorded
-    return shlex.join(["align", "run", str(source), "--run-id", str(run_id)])
+    return shlex.join([*args[:at], "--run-id", str(run_id), *args[at + (1 if "=" in args[at] else 2):]])
 
 
 def rerun_from(source: str | Path, name: str, typed_command: str | None = None) -> str:

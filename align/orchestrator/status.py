@@ -13,6 +13,7 @@ from align.orchestrator.commands import recorded_run, rerun_from
 from align.orchestrator.plan import build_plan
 from align.orchestrator.runlock import runner_state
 from align.core.errors import PipelineError
+from align.core.schema import is_plain_name
 from align.core.rundir import (PIPELINE, Manifest, PipelineRecord, headline, is_complete, moved_inputs,
                                outputs_problem, read_manifest, record_problem)
 
@@ -95,7 +96,8 @@ def status_table(run_dir: str | Path) -> str:
     damaged: list[str] = []
     gone = runner_state(run_dir)
     source = info.get("source", "PIPELINE.yaml")  # the command as the run was typed (--run-id, overrides), if known
-    typed = recorded_run(info.get("resume"), source, info.get("run_id"))
+    here = run_dir.resolve().name  # a copied or renamed run: its hints name this directory, not the original
+    typed = recorded_run(info.get("resume"), source, here if is_plain_name(here) else info.get("run_id"))
     for st in info["stages"]:
         name, kind = st["name"], st["type"]
         m = read_manifest(run_dir / name) or {}
