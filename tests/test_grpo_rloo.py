@@ -42,6 +42,7 @@ PIPELINE = {
         **{f"{kind}_zero2": {**ONLINE, "type": kind, "accelerate": "zero2", "num_processes": 2,
                              "per_device_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 20}
            for kind in ("grpo", "rloo")},
+        "grpo_flat": {**ONLINE, "type": "grpo", "reward": "letter_judge:constant", "max_steps": 2, "save_steps": 2},
     },
 }
 ARGS = ["--run-id", "t", "tracking.wandb=disabled"]
@@ -94,6 +95,18 @@ def test_rloo_raises_the_reward_and_changes_every_parameter(upstream):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     m = _check_trained(run, "rloo", 12)
     assert m["world_size"] == 1 and m["length_check"]["dropped"] == 0
+
+
+def test_a_judge_that_scores_every_completion_alike_fails_the_stage_instead_of_publishing_the_start(upstream):
+    """A constant judge (or a pass/fail one failing everything): every advantage 0, so no step moved the policy, yet
+    GRPO "completed" with loss 0 and grad norm 0 and published the SFT weights as the trained policy."""
+    root, run = upstream
+    proc = run_align("run", "online.yaml", *ARGS, "--only", "grpo_flat", cwd=root, env=ENV)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert ("in all 2 logged steps every group of 4 completions got one score from letter_judge:constant "
+            "(train/frac_reward_zero_std 1.0)") in out, out[-3000:]
+    assert _manifest(run / "grpo_flat")["status"] == "failed" and not (run / "grpo_flat" / "model").exists()
 
 
 @pytest.mark.distributed

@@ -310,6 +310,7 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
         if cfg.padding_free and getattr(trainer, "ref_model", None) is not None:  # TRL's own copy of the start
             install_padding_free(trainer.ref_model)  # (TRL builds it inside the trainer, after the policy)
         final = train_with_resume(ctx, trainer)
+        untrained(ctx, cfg, trainer.state.log_history)
     finally:
         if rollouts is not None:
             rollouts.engine.close()
@@ -320,6 +321,20 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
     final["train/prompts"] = len(prompts)
     ctx.save_trainer_model(trainer, tokenizer)
     return final
+
+
+def untrained(ctx: StageContext, cfg: OnlineRLStage, history: list[dict[str, Any]]) -> None:
+    """Refuse to publish a policy no step trained: every group's completions scored alike in every logged step
+    (TRL's frac_reward_zero_std, over all processes' groups, the same on each process), so every advantage was 0,
+    the policy stayed the reference and the KL term had no gradient. A constant judge, or a pass/fail judge that
+    fails every completion, "completed" with the starting weights published as the trained policy."""
+    flat = [h["frac_reward_zero_std"] for h in history if "frac_reward_zero_std" in h]
+    if flat and min(flat) >= 1.0:
+        raise StageError(f"stage '{ctx.name}': in all {len(flat)} logged steps every group of {cfg.num_generations} "
+                         f"completions got one score from {cfg.reward} (train/frac_reward_zero_std 1.0): "
+                         f"{cfg.ALGORITHM}'s advantages were all 0 and the policy was not trained, so nothing is "
+                         "published. Check the judge (a constant score, or a pass/fail judge failing every "
+                         "completion), or sample more varied completions (num_generations, generation.temperature)")
 
 
 def score_summary(ctx: StageContext) -> dict[str, float]:
