@@ -481,7 +481,7 @@ def test_lora_adapter_counts_match_hand_arithmetic(tiny_shapes):
     head (h x 1 = 32 weights): 1,056. Adding the MLP (gate and up: 32 -> 64, down: 64 -> 32, r * 96 each) adds
     3 * 384 per layer."""
     from align.config import LoraSettings
-    from align.orchestrator.estimate import EstimateError, lora_layers, lora_params
+    from align.orchestrator.memory import EstimateError, lora_layers, lora_params
 
     shapes = tiny_shapes
     qv = LoraSettings(enabled=True, r=4, target_modules=["q_proj", "v_proj"])
@@ -612,7 +612,8 @@ def test_a_sleeping_engine_counts_only_what_it_holds_beyond_the_activations(tiny
     "with gradient checkpointing" is what the estimate with checkpointing on says (fewer activations: more of the
     sleeping engine stands beyond them)."""
     from align.config import Generation
-    from align.orchestrator.estimate import ASLEEP_BYTES, estimate_pipeline
+    from align.orchestrator.estimate import estimate_pipeline
+    from align.orchestrator.memory import ASLEEP_BYTES
     from align.orchestrator.hardware import hardware
 
     source = REPO / "pipelines" / "default.yaml"
@@ -977,3 +978,51 @@ def test_zero3_with_only_the_optimizer_offloaded_keeps_the_parameter_shards_on_t
     p, largest = 8_030_261_248, 525_336_576
     assert model_state_bytes("zero3_offload_optimizer", p, largest, 1) == 4 * largest + 2 * p
     assert frozen_bytes("zero3_offload_optimizer", p, largest, 8, 2) == frozen_bytes("zero3", p, largest, 8, 2)
+
+
+def test_a_lora_stage_whose_template_adds_tokens_counts_their_rows_and_the_head_it_trains(tiny_cfg, tiny_shapes):
+    """SFT under LoRA installing a template the tokenizer lacks tokens of trains their embedding rows and a copy of
+    the untied head (align/modeling/lora.py new_token_rows): at Llama-3.1-8B 525M parameters, ~8 GiB of states per
+    GPU under DDP, which the estimate left out. Counted now; a tied head (refused at validate) adds the rows only."""
+    import dataclasses
+
+    from align import templates
+    from align.modeling.shapes import template_tokens
+    from align.orchestrator.estimate import estimate_stage
+
+    chatml = templates.resolve("chatml", REPO / "pipelines" / "default.yaml", None)
+    assert template_tokens(str(REPO / "tokenizers" / "gpt2"), chatml.as_dict(), False) == 2  # <|im_start|>, <|im_end|>
+    sft = tiny_cfg.stages["sft"]
+    stage = dataclasses.replace(sft, lora=dataclasses.replace(sft.lora, enabled=True, target_modules=["q_proj"]))
+    lm = tiny_shapes["lm"]
+    head = lm.linears[lm.head][0] * lm.linears[lm.head][1]
+    for tied, extra in ((False, head + 2 * H), (True, 2 * H)):
+        shapes = {**tiny_shapes, "lm": dataclasses.replace(lm, new_tokens=2, tied=tied)}
+
+        without, with_rows = (estimate_stage("sft", stage, tiny_cfg.stages, shapes, "ddp", 8, "bfloat16", int(80e9),
+                                             installs_template=installs) for installs in (False, True))
+        assert with_rows.trained_params["policy"] - without.trained_params["policy"] == extra, tied
+        grown = with_rows.parts["ddp"]["trained_states"] - without.parts["ddp"]["trained_states"]
+        assert grown == 20 * extra  # DDP: 20 bytes a trained parameter (memory.model_state_bytes)
+
+
+def test_the_estimate_asks_the_helper_how_many_tokens_the_installed_template_adds(tmp_path):
+    """The glue: a LoRA SFT stage that installs `chatml` on a local GPT-2-shaped model whose tokenizer lacks its two
+    tokens: model_shapes reports them on the causal LM's shape (the estimate then counts their rows and the head)."""
+    import json
+    import shutil
+
+    from align.config import load_pipeline
+    from align.orchestrator.estimate import model_shapes
+    from align.orchestrator.plan import build_plan
+
+    model = tmp_path / "model"
+    shutil.copytree(REPO / "tokenizers" / "gpt2", model)
+    (model / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2,
+                                                   "vocab_size": 50257, "tie_word_embeddings": False}))
+    source = REPO / "pipelines" / "default.yaml"
+    for template, lora, expected in (("chatml", "true", 2), ("chatml", "false", 0)):
+        cfg = load_pipeline(source, [f"base_model={model}", f"chat_template={template}",
+                                     f"sft.lora.enabled={lora}", "sft.lora.target_modules=[c_attn]"])
+        shapes = model_shapes(cfg, source, ([], {}), build_plan(cfg, source))
+        assert shapes["lm"].new_tokens == expected and not shapes["lm"].tied

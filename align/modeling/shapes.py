@@ -11,6 +11,8 @@ backbone) its parameter count, largest layer, width, depth, heads, vocabulary, e
 
 from __future__ import annotations
 
+import contextlib
+import io
 from typing import Any
 
 from align.core import gguf
@@ -31,6 +33,22 @@ def shape_of(model) -> dict[str, Any]:
             "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             "vocab": cfg.vocab_size, "linears": linears, "head": head, "scalar": hasattr(model, "score"),
             "tied": head_module is not None and head_module.weight is model.get_input_embeddings().weight}
+
+
+def template_tokens(tokenizer: str, template: dict[str, Any], trust_remote_code: bool) -> int:
+    """How many tokens installing the planned chat template adds to the tokenizer (0 where it does not load here:
+    validation names why)."""
+    from align import templates
+    from align.modeling.models import load_tokenizer
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # its notes are validation's to print, not the estimate's
+            tok = load_tokenizer(tokenizer, trust_remote_code)
+            before = len(tok)
+            templates.install(tok, templates.ChatTemplate.from_dict(template))
+    except (OSError, ValueError, TypeError, KeyError):  # ModelError, FormatError: ValueErrors
+        return 0
+    return len(tok) - before
 
 
 def base_config(base_model: str, base_model_config: str | None, tokenizer: str | None, builtin: dict[str, Any],
@@ -62,11 +80,12 @@ def base_config(base_model: str, base_model_config: str | None, tokenizer: str |
 
 def shapes(base_model: str, base_model_config: str | None, tokenizer: str | None, builtin: dict[str, Any],
            trust_remote_code: bool, source: str, loras: list[dict[str, Any]] = (), probe: bool = True,
-           variants: list[str] | None = None) -> dict[str, Any]:
+           variants: list[str] | None = None, template: dict[str, Any] | None = None,
+           template_tokenizer: str | None = None) -> dict[str, Any]:
     """The helper's entry point: {"shapes": {"lm": ..., "scalar": ...}}, or {"error": why} when the config
     cannot be read here (the caller decides whether that stops it). With `probe`, what a layer keeps for backward
     (align/modeling/activations.py), for full training (`variants`: which ways; all when None) and for each LoRA
-    setting of `loras`."""
+    setting of `loras`. With `template`, the tokens it adds to `template_tokenizer` (the lm's `new_tokens`)."""
     import torch  # heavy: this is the helper process
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -86,5 +105,6 @@ def shapes(base_model: str, base_model_config: str | None, tokenizer: str | None
 
     lm.config._attn_implementation = scalar.config._attn_implementation = "sdpa"  # what `auto` trains with
     kept = layer_probe(config, loras, trust_remote_code, variants) if probe else {}  # the same decoder layers under either head
-    return {"shapes": {"lm": {**shape_of(lm), "packs": packing_works(lm), **kept},
+    added = template_tokens(template_tokenizer, template, trust_remote_code) if template and template_tokenizer else 0
+    return {"shapes": {"lm": {**shape_of(lm), "packs": packing_works(lm), "new_tokens": added, **kept},
                        "scalar": {**shape_of(scalar), "packs": packing_works(scalar), **kept}}}

@@ -27,8 +27,8 @@ under each parallelism mode. The parts, all per GPU, with N = GPUs in the job:
   head_dim * bytes (grouped-query attention keeps kv_heads < heads: Llama-3-8B 8 of 32, a quarter of 2 * h); with
   `generation.engine: vllm` the engine's own copy of the policy plus its KV cache, or the `gpu_memory_utilization`
   share of the GPU that vLLM takes, whichever is larger (`engine_bytes`); one that sleeps while the policy trains
-  (`generation.sleep`) counts only what it holds beyond the activations, at least `ASLEEP_BYTES` or all of it when less
-  (the peak is the larger of sampling and training).
+  (`generation.sleep`) counts only what it holds beyond the activations, at least `ASLEEP_BYTES` (memory.py) or all
+  of it when less (the peak is the larger of sampling and training).
 * the rollout gather: under ZeRO-3 a stage that samples from its sharded policy gathers it whole on every GPU for the
   duration (PPO's hf engine with `generation.zero3_gather: whole`, TRL's own generate in GRPO/RLOO; an engine with its
   own copy, vllm, is synced a layer at a time and gathers none): one whole copy of the policy in the pipeline dtype
@@ -37,8 +37,9 @@ under each parallelism mode. The parts, all per GPU, with N = GPUs in the job:
 
 With `lora.enabled` a trained model is a frozen base (a frozen model as above, in the pipeline dtype) plus adapters,
 and only the adapters have trained states: r * (in + out) parameters per targeted linear layer (Hu et al. 2021),
-plus a scalar model's head, which peft trains as a copy (`lora_params`). With `lora.quantize: 4bit` (QLoRA) the base
-is whole on every GPU at about 0.52 bytes per linear weight and fp32 elsewhere (`qlora_base_bytes`). A stage that
+plus a scalar model's head, which peft trains as a copy (memory.py `lora_layers`), and, where a stage installs a
+chat template that adds tokens, their embedding rows and a copy of the untied head. With `lora.quantize: 4bit`
+(QLoRA) the base is whole on every GPU at about 0.52 bytes per linear weight and fp32 elsewhere (`qlora_base_bytes`). A stage that
 serves a frozen model from a trained one's base (PPO's reference, DPO's) says so in `held_models`. Activations are
 measured with the stage's adapters (their dropout and fp32 copies can keep more than full fine-tuning: 2.2x for a
 Llama layer with fp32 adapters on every linear layer). QLoRA's 4-bit base is measured as a bf16 one. These are
@@ -58,17 +59,15 @@ from align.orchestrator import helper
 from align.core.builtin import is_builtin
 from align.config import PipelineConfig, StageBase
 from align.orchestrator.hardware import Hardware
-from align.orchestrator.inputs import resolve_model_paths
+from align.orchestrator.inputs import resolve_model_paths, tokenizer_to_check
 from align.orchestrator.launch import accelerate_config, accelerate_mode, is_distributed, processes_per_node
-from align.orchestrator.memory import (FALLBACK_TOKEN_H, LORA_UNMEASURED, EstimateError, ModelShape,
-                                      activation_bytes, enabled_lora, frozen_bytes, host_state_bytes, kv_cache_bytes,
-                                      lora_key, lora_layers,
-                                      lora_params, lora_spec, model_state_bytes, qlora_base_bytes, training_variant,
-                                      trl_fused_head_bytes, variant_class)
+from align.orchestrator.memory import (FALLBACK_TOKEN_H, LORA_UNMEASURED, EstimateError, ModelShape, activation_bytes,
+                                      asleep_engine, enabled_lora, frozen_bytes, host_state_bytes, kv_cache_bytes,
+                                      lora_key, lora_layers, lora_spec, model_state_bytes, qlora_base_bytes,
+                                      training_variant, trl_fused_head_bytes, variant_class)
 from align.orchestrator.plan import StagePlan, build_plan
 
-GB = 1e9
-GIB = 2 ** 30
+GB, GIB = 1e9, 2 ** 30
 OVERHEAD_BYTES = 1 * GIB  # CUDA context, allocator slack, DeepSpeed's buckets (h^2: 34 MB at h 4096; runtime/zero_buffers.py)
 REPORTED_MODES = ("zero2", "zero3", "zero3_offload")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -102,18 +101,6 @@ class StageEstimate:
         return self.bytes_by_mode[self.mode]
 
 
-ASLEEP_BYTES = GIB
-"""What a sleeping engine (generation.sleep) still holds on the GPU: its process's CUDA context and what vLLM keeps
-outside its sleeping pools. An allowance, not measured (vLLM's sleep mode has not run in this project)."""
-
-
-def asleep_engine(awake: int, activations: int) -> int:
-    """What an engine of `awake` bytes that sleeps while the policy trains (generation.sleep: the stages put it to
-    sleep before any model computes) adds to a GPU's peak, the larger of sampling (the engine awake) and training
-    (the activations): its bytes beyond the activations, at least ASLEEP_BYTES (or all of them, when fewer)."""
-    return max(awake - activations, min(awake, ASLEEP_BYTES))
-
-
 def engine_bytes(gen: Any, policy: ModelShape, batch: int, seq: int, dtype_bytes: int, gpu_memory: int | None) -> int:
     """What sampling holds per GPU: the KV cache of one generation batch for an engine that samples with the stage's
     own model (counted above), more for one with its own copy of the policy (its EngineKind.memory)."""
@@ -139,19 +126,23 @@ def model_sources(cfg: PipelineConfig, source: str | Path) -> dict[str, Any]:
             "source": str(source)}
 
 
-def model_shapes(cfg: PipelineConfig, source: str | Path,
-                 needed: tuple[list[str], dict[str, set[str]]] | None = None) -> dict[str, ModelShape]:
+def model_shapes(cfg: PipelineConfig, source: str | Path, needed: tuple[list[str], dict[str, set[str]]] | None = None,
+                 plans: list[StagePlan] = ()) -> dict[str, ModelShape]:
     """Shapes of the causal LM and of the scalar (reward / value) model on the same backbone, built on the meta
     device in a helper process (torch; align/modeling/shapes.py), with what a layer keeps for backward: the
-    variants `needed` names (`probe_plan`), else every variant and each LoRA setting's every variant."""
+    variants `needed` names (`probe_plan`), else every variant and each LoRA setting's every variant; and the tokens
+    the chat template adds where a LoRA stage of `plans` installs it (`installs_template`)."""
     loras = [lora_spec(st.lora, st.DROPOUT) for st in cfg.stages.values() if enabled_lora(st) is not None]
     loras = list({json.dumps(x, sort_keys=True): x for x in loras}.values())
     variants = None
     if needed is not None:
         variants, classes = needed[0], needed[1]
         loras = [{**x, "variants": sorted(classes.get(json.dumps(x, sort_keys=True), ()))} for x in loras]
+    adds = [p for p in plans if enabled_lora(p.cfg) is not None and p.installs_template(cfg.chat_template is not None)]
+    template = {"template": adds[0].chat_template.as_dict(), "template_tokenizer": tokenizer_to_check(cfg, source)} \
+        if adds and not is_builtin(cfg.base_model) else {}
     answer = helper.call("align.modeling.shapes:shapes", **model_sources(cfg, source), loras=loras,
-                         variants=variants)
+                         variants=variants, **template)
     if "error" in answer:
         raise EstimateError(answer["error"])
     out = {}
@@ -231,7 +222,7 @@ def _activations(est: StageEstimate, h: Held, variant: tuple[str, str], batch: i
 
 def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], shapes: dict[str, ModelShape],
                    mode: str, gpus: int, dtype: str, gpu_memory: int | None = None, attention: str = "auto",
-                   precision: str = "auto", nodes: int = 1) -> StageEstimate:
+                   precision: str = "auto", nodes: int = 1, installs_template: bool = False) -> StageEstimate:
     held = [Held(h.role, shapes[h.kind], h.trained, h.sharded) for h in stage.held_models(stages)]
     ckpt = bool(getattr(stage, "gradient_checkpointing", False))
     est = StageEstimate(name, stage.type, mode, gpus, held, checkpointing=ckpt)
@@ -239,15 +230,15 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
     train_b, train_s, gen_b, gen_s = stage.workload()
     trained = [h for h in held if h.trained]
     lora = enabled_lora(stage)
-    # With LoRA the trained states are the adapters' (their largest layer is small: one head or one A + B pair)
-    # and each trained model's base is frozen; without, the whole model trains.
+    # With LoRA the trained states are the adapters' (and a head where peft trains one); without, the whole model's.
     try:
-        trained_params = {h.role: lora_params(h.shape, lora) if lora else h.shape.params for h in trained}
-        largest = max((max(lora_layers(h.shape, lora)) if lora else h.shape.largest_layer for h in trained), default=0)
+        layers = {h.role: lora_layers(h.shape, lora, h.shape.new_tokens if installs_template and not h.shape.scalar
+                                      else 0) for h in trained} if lora else {}
     except EstimateError as exc:
         raise EstimateError(f"stages.{name}.{exc}; name some of these in stages.{name}.lora.target_modules") from None
+    est.trained_params = trained_params = {h.role: sum(layers[h.role]) if lora else h.shape.params for h in trained}
+    largest = max((max(layers[h.role]) if lora else h.shape.largest_layer for h in trained), default=0)
     frozen = [h for h in held if not h.trained or lora]
-    est.trained_params = trained_params
     est.lora = ("QLoRA" if lora.quantize == "4bit" else "LoRA") if lora else ""
     eager = runs_eager(stage, attention, packs=all(h.shape.packs for h in trained))
 
@@ -259,12 +250,11 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
                    for h in trained)
 
     for m in dict.fromkeys((*REPORTED_MODES, mode)):
-        n = gpus
         parts = {"trained_states": 0, "frozen_weights": 0, "activations": 0, "generation": 0, "rollout_gather": 0,
                  "overhead": OVERHEAD_BYTES}
         if trained:  # trained models share one engine (PPO: policy + value)
             chunk = stage.logit_tokens(m, gpu_memory is not None)
-            parts["trained_states"] = model_state_bytes(m, sum(trained_params.values()), largest, n)
+            parts["trained_states"] = model_state_bytes(m, sum(trained_params.values()), largest, gpus)
             variant = training_variant(lora, m, dtype, precision, gpu_memory is not None, stage.DROPOUT)
             kept = acts(ckpt, chunk, variant)
             computes = 2 if variant[1] == "bf16" else dbytes
@@ -272,7 +262,7 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
                                               for h in trained if fused(h))  # in bf16 where DeepSpeed cast it
             if m == mode and not ckpt and hasattr(stage, "gradient_checkpointing"):
                 est.with_checkpointing = acts(True, chunk, variant) - kept  # plus the total, filled in below
-        parts["frozen_weights"] = sum(_frozen(h, lora, m, n, dtype, dbytes) for h in frozen)
+        parts["frozen_weights"] = sum(_frozen(h, lora, m, gpus, dtype, dbytes) for h in frozen)
         if gen_b:
             policy, gen = held[0].shape, stage.generation_settings()
             awake = engine_bytes(gen, policy, gen_b, gen_s, dbytes, gpu_memory)
@@ -304,7 +294,7 @@ def estimate_pipeline(cfg: PipelineConfig, source: str | Path, hw: Hardware, num
                       shapes: dict[str, ModelShape] | None = None) -> list[StageEstimate]:
     """Every stage's estimate; the model shapes come from a helper process unless given."""
     plans = plans or build_plan(cfg, source)
-    shapes = shapes or model_shapes(cfg, source, probe_plan(cfg, plans, source, hw))
+    shapes = shapes or model_shapes(cfg, source, probe_plan(cfg, plans, source, hw), plans)
     out = []
     for plan in plans:
         mode, cfg_n = accelerate_mode(accelerate_config(plan.cfg.accelerate, source))
@@ -312,7 +302,8 @@ def estimate_pipeline(cfg: PipelineConfig, source: str | Path, hw: Hardware, num
         per_node = processes_per_node(plan.cfg, num_processes or hw.gpus_per_node) or (cfg_n if distributed else 1) or 1
         gpus = per_node * (hw.nodes if distributed else 1)
         out.append(estimate_stage(plan.name, plan.cfg, cfg.stages, shapes, mode, gpus, cfg.dtype, hw.gpu_memory,
-                                  cfg.attn_implementation, cfg.precision, hw.nodes if distributed else 1))
+                                  cfg.attn_implementation, cfg.precision, hw.nodes if distributed else 1,
+                                  plan.installs_template(cfg.chat_template is not None)))
     return out
 
 

@@ -38,12 +38,27 @@ class ModelShape:
     """The output head is the input embeddings' weight (tie_word_embeddings)."""
     packs: bool = True
     """Whether the family's forwards can run padding-free with SDPA (align/modeling/packing.py packing_works)."""
+    new_tokens: int = 0
+    """Tokens the planned chat template adds to the tokenizer: a LoRA stage that installs it trains their embedding
+    rows and a copy of the untied head (align/modeling/lora.py new_token_rows; 0: none, or not known here)."""
     activations: dict[str, dict[str, float]] = field(default_factory=dict)
     """What one decoder layer keeps for backward, measured by the helper (align/modeling/activations.py) per way of
     training (`bf16`, `autocast`, `fp32`, and each LoRA setting's): bytes per token (`token`) and per query-key pair
     (`sdpa_pair`: the mask SDPA is handed; `eager_pair`: eager's scores). Empty: unmeasured (`probe_note` says why),
     and a conservative figure is counted instead (`activation_bytes`)."""
     probe_note: str = ""
+
+
+ASLEEP_BYTES = 2 ** 30
+"""What a sleeping engine (generation.sleep) still holds on the GPU: its process's CUDA context and what vLLM keeps
+outside its sleeping pools. An allowance, not measured (vLLM's sleep mode has not run in this project)."""
+
+
+def asleep_engine(awake: int, activations: int) -> int:
+    """What an engine of `awake` bytes that sleeps while the policy trains (generation.sleep: the stages put it to
+    sleep before any model computes) adds to a GPU's peak, the larger of sampling (the engine awake) and training
+    (the activations): its bytes beyond the activations, at least ASLEEP_BYTES (or all of them, when fewer)."""
+    return max(awake - activations, min(awake, ASLEEP_BYTES))
 
 
 def lora_key(lora: dict[str, Any], variant: str) -> str:
@@ -222,17 +237,20 @@ def trl_fused_head_bytes(shape: ModelShape, tokens: int, compute_bytes: int, hea
     return tile + 4 * tokens * shape.hidden + (4 + compute_bytes) * shape.vocab * shape.hidden * head_trains
 
 
-def lora_layers(shape: ModelShape, lora: Any) -> list[int]:
+def lora_layers(shape: ModelShape, lora: Any, new_tokens: int = 0) -> list[int]:
     """Parameters LoRA trains on a model of this shape, per layer (Hu et al. 2021, sec. 4.1): A (r x in) and B
     (out x r) for every linear layer that `lora.target_modules` names (peft's rule: the module's name is a target
-    or ends with "." + target), plus the whole head of a scalar model (peft's modules_to_save)."""
+    or ends with "." + target), plus the whole head of a scalar model (peft's modules_to_save), and where a chat
+    template adds `new_tokens` (a causal LM with an untied head), their embedding rows and the whole head."""
     targets = set(lora.target_modules)
     hit = [dims for name, dims in shape.linears.items() if targeted(name, targets)]
     if not hit:
         raise EstimateError(f"lora.target_modules {sorted(targets)} match no linear layer of this model; its layers "
                             f"are named {sorted({n.rsplit('.', 1)[-1] for n in shape.linears})}")
-    head = [shape.linears[shape.head][0] * shape.linears[shape.head][1]] if shape.scalar else []
-    return [lora.r * (i + o) for i, o in hit] + head
+    whole_head = shape.scalar or (new_tokens > 0 and not shape.tied)
+    head = [shape.linears[shape.head][0] * shape.linears[shape.head][1]] if whole_head else []
+    rows = [new_tokens * shape.hidden] if new_tokens > 0 and not shape.scalar else []
+    return [lora.r * (i + o) for i, o in hit] + head + rows
 
 
 def targeted(name: str, targets: set[str]) -> bool:
@@ -246,8 +264,8 @@ def missing_lora_targets(shape: ModelShape, lora: Any) -> list[str]:
     return [t for t in lora.target_modules if not any(targeted(name, {t}) for name in shape.linears)]
 
 
-def lora_params(shape: ModelShape, lora: Any) -> int:
-    return sum(lora_layers(shape, lora))
+def lora_params(shape: ModelShape, lora: Any, new_tokens: int = 0) -> int:
+    return sum(lora_layers(shape, lora, new_tokens))
 
 
 QLORA_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 4 / (64 * 256)
