@@ -37,6 +37,12 @@ DEFAULT = str(REPO / "pipelines" / "default.yaml")
      ["stages.grpo.sweep.epsilon:", "differ only in epsilon", "(loss_type cispo does not read it)"]),
     (ONLINE, ["grpo.loss_type=sapo", "grpo.sweep={epsilon_high: [0.2, 0.28]}"],
      ["stages.grpo.sweep.epsilon_high:", "(loss_type sapo does not read it)"]),
+    # KL to the reference at two temperatures: PPO's budget (kl.max) and the report's "KL to sft" are two quantities
+    (DEFAULT, ["ppo.generation.temperature=0.7"],
+     ["sampling temperatures differ: stages.ppo.generation.temperature=0.7, stages.evaluate.generation.temperature=1",
+      "PPO's KL to the reference (its penalty, and a kl budget) is taken at its own temperature", "Set them equal"]),
+    (ONLINE, ["grpo.generation.temperature=0.9"],
+     ["stages.grpo.generation.temperature=0.9, stages.evaluate.generation.temperature=1", "GRPO's KL"]),
     # DAPO's clip-higher habit under cispo caps every importance weight (about 1 on policy) at 0.28
     (ONLINE, ["grpo.loss_type=cispo", "grpo.epsilon_high=0.28"],
      ["stages.grpo: epsilon_high: 0.28 under loss_type: cispo caps the importance weights", "a cap above 1"]),

@@ -25,11 +25,30 @@ def response_length_problems(name: str, algorithm: str, max_new_tokens: int, rew
     for other_name, other in stages.items():
         if other.PRODUCES == REPORT and name in other.references(POLICY) and other.response_tokens() is not None:
             lengths[f"stages.{other_name}.generation.max_new_tokens"] = other.response_tokens()
-    if len(set(lengths.values())) == 1:
+    out = [] if len(set(lengths.values())) == 1 else [
+        "response lengths differ: " + ", ".join(f"{k}={v}" for k, v in lengths.items())
+        + f"; {algorithm} would optimise {max_new_tokens}-token responses against a reward model trained on, and an "
+        "evaluation run at, other lengths. Set them equal"]
+    return out + temperature_problems(name, algorithm, stages)
+
+
+def temperature_problems(name: str, algorithm: str, stages: dict[str, StageBase]) -> list[str]:
+    """The policy's KL to its reference is taken at its sampling temperature, by the stage (its KL penalty, PPO's
+    held-out KL that `kl.max` and the pi controller read) and by each report stage that evaluates it (the report's
+    "KL to the reference"): at two temperatures they are two quantities, a budget set from the report is not kept in
+    it, and the win rates come from another distribution than the one optimised. One line when they differ."""
+    own = stages[name].generation_settings()
+    temps = {f"stages.{name}.generation.temperature": own.temperature} if own is not None else {}
+    for other_name, other in stages.items():
+        gen = other.generation_settings() if other.PRODUCES == REPORT and name in other.references(POLICY) else None
+        if gen is not None:
+            temps[f"stages.{other_name}.generation.temperature"] = gen.temperature
+    if len(set(temps.values())) <= 1:
         return []
-    return ["response lengths differ: " + ", ".join(f"{k}={v}" for k, v in lengths.items())
-            + f"; {algorithm} would optimise {max_new_tokens}-token responses against a reward model trained on, "
-            "and an evaluation run at, other lengths. Set them equal"]
+    return ["sampling temperatures differ: " + ", ".join(f"{k}={v:g}" for k, v in temps.items())
+            + f"; {algorithm}'s KL to the reference (its penalty, and a kl budget) is taken at its own temperature, the "
+            "report's at the evaluation's, and the win rates come from another distribution than the one optimised. "
+            "Set them equal"]
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
