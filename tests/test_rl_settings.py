@@ -37,6 +37,11 @@ DEFAULT = str(REPO / "pipelines" / "default.yaml")
      ["stages.grpo.sweep.epsilon:", "differ only in epsilon", "(loss_type cispo does not read it)"]),
     (ONLINE, ["grpo.loss_type=sapo", "grpo.sweep={epsilon_high: [0.2, 0.28]}"],
      ["stages.grpo.sweep.epsilon_high:", "(loss_type sapo does not read it)"]),
+    # a value model read off the reward model's raw scores, trained on running-normalised returns
+    (DEFAULT, ["ppo.reward_normalization=running"],
+     ["stages.ppo: value_init: 'reward' with reward_normalization: running", "value_init: policy"]),
+    (DEFAULT, ["ppo.reward_normalization=none", "ppo.sweep={reward_normalization_samples: [64, 256]}"],
+     ["differ only in reward_normalization_samples", "(reward_normalization is none)"]),
     # KL to the reference at two temperatures: PPO's budget (kl.max) and the report's "KL to sft" are two quantities
     (DEFAULT, ["ppo.generation.temperature=0.7"],
      ["sampling temperatures differ: stages.ppo.generation.temperature=0.7, stages.evaluate.generation.temperature=1",

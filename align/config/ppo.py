@@ -197,6 +197,8 @@ class PPOStage(StageBase):
         else:
             unread = dict.fromkeys(("kl.kp", "kl.ki") if kl.controller == "ziegler" else ("kl.horizon",),
                                    f"kl.controller is {kl.controller}")
+        if self.reward_normalization != "initial":
+            unread["reward_normalization_samples"] = f"reward_normalization is {self.reward_normalization}"
         return {**self.lora.unread(), **unread}
 
     def check(self, ctx: CheckContext) -> None:
@@ -215,6 +217,12 @@ class PPOStage(StageBase):
         if self.value_init == "reward" and len(used) != 1:
             raise ValueError(f"value_init: 'reward' starts the value model from the reward model, but reward "
                              f"{self.reward!r} names {len(used)} reward stages; set value_init: policy")
+        if self.value_init == "reward" and self.reward_normalization == "running":
+            raise ValueError("value_init: 'reward' with reward_normalization: running; the value model would start at "
+                             "the reward model's raw scores while its returns are in running-normalised units (mean "
+                             "0, std 1), an offset its clipped loss (clip_range_value) closes by a little per "
+                             "iteration, biasing every advantage meanwhile; use reward_normalization: initial (its "
+                             "gain and bias start the value model in the same units) or value_init: policy")
         if self.kl.adaptive and self.kl.controller == "ziegler" and self.kl.coef == 0:
             raise ValueError("kl.coef: 0 with kl.controller: ziegler; that controller scales beta by a factor, so it "
                              f"never leaves 0 and the KL target ({self.kl.target:g}) is never enforced; start from a "
