@@ -49,6 +49,15 @@ def test_the_length_controlled_win_rate_is_nan_where_length_and_policy_cannot_be
     assert math.isnan(lc(wins, rng.uniform(40, 50, 256).tolist()))
     assert math.isnan(lc(wins[:20], [-3.0] + rng.uniform(40, 50, 19).tolist()))
     assert 0 < lc(wins[:20], [-3.0, -5.0] + rng.uniform(40, 50, 18).tolist()) < 1
+    # a judge that always picks the longer response and flips a coin at equal length (integer token lengths): the
+    # truth at equal length is 0.5, the fit gave 0.22 to 0.97 over seeds (its slope runs off; the penalty set sigmoid(a))
+    for n in (32, 128):
+        diff = rng.integers(-6, 7, n).astype(float)
+        verdicts = np.where(diff > 0, 1.0, np.where(diff < 0, 0.0, (rng.random(n) < 0.5).astype(float)))
+        assert math.isnan(lc(verdicts.tolist(), diff.tolist())), n
+    mixed = verdicts.copy()
+    mixed[np.argmax(diff)] = 0.0  # one loss where the policy was longest: overlap, a fit again
+    assert 0 < lc(mixed.tolist(), diff.tolist()) < 1
 
 
 def _cfg(**kw):

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import math
+
 import pytest
 
 from conftest import REPO, TINY, run_align
@@ -71,8 +73,9 @@ def test_length_controlled_win_rate_against_hand_computed_values():
     assert sum(values) / len(values) == pytest.approx(7 / 12)
     assert length_controlled_win_rate(values, diff) == pytest.approx(0.5, abs=2e-3)
     assert length_controlled_win_rate([1, 1, 0, 0.5], [0, 0, 0, 0]) == pytest.approx(0.625, abs=1e-3)
-    # every win where the policy is longer (perfect separation): still a finite fit (ridge), under the raw 2/3
-    assert 0.5 <= length_controlled_win_rate([1, 1, 0], [3, 3, -3]) < 2 / 3 - 0.05
+    # every win where the policy is longer (perfect separation): nothing says what happens at equal length; the
+    # ridge's finite fit (0.5 to 0.62 here, 0.22 to 0.97 over seeds elsewhere) was the penalty's, not the data's
+    assert math.isnan(length_controlled_win_rate([1, 1, 0], [3, 3, -3]))
 
 
 def test_pairwise_summary_counts_what_the_report_says():

@@ -82,7 +82,10 @@ def length_controlled_win_rate(values: list[float], length_diff: list[float], ri
     equal length lies outside the data: fewer than `MIN_SIDE` of the pairs have the policy no longer, or fewer no
     shorter, than the baseline. sigmoid(a) is then an extrapolation to where there are no pairs (with the policy
     always 40-50 tokens longer and outcomes that do not depend on length, 0.04 to 0.99 over seeds where the truth is
-    0.70; before, only all wins or all losses with the policy always longer or shorter was refused)."""
+    0.70; before, only all wins or all losses with the policy always longer or shorter was refused); and where
+    length alone decides every verdict (every win no shorter than every loss, or no longer: a judge that picks the
+    longer answer, even flipping a coin at equal length), where the fit's slope runs off and sigmoid(a) is whatever
+    the penalty leaves (0.22 to 0.97 over seeds where the truth at equal length is 0.5)."""
     y = np.asarray(values, dtype=float)
     d = np.asarray(length_diff, dtype=float)
     if len(y) == 0:
@@ -92,6 +95,9 @@ def length_controlled_win_rate(values: list[float], length_diff: list[float], ri
         return float("nan")
     if sd > 0 and min(np.mean(d <= 0), np.mean(d >= 0)) < MIN_SIDE:
         return float("nan")
+    wins, losses = d[y == 1], d[y == 0]
+    if sd > 0 and len(wins) and len(losses) and (wins.min() >= losses.max() or wins.max() <= losses.min()):
+        return float("nan")  # length alone decides every verdict: no intercept is identified
     x = d / sd if sd > 0 else np.zeros_like(d)  # not centred: x = 0 is equal length
     X = np.stack([np.ones_like(x), x], axis=1)
     w = np.zeros(2)
