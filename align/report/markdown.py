@@ -78,7 +78,8 @@ def headline(cfg: EvaluateStage, m: dict[str, Any], groups: list[frontier.Group]
     if unfit:
         lines += ["", "length-controlled n/a: the lengths cannot be told from the policy (fewer than 10% of the pairs "
                   "on one side of equal length, or every pair the same length apart), and a rate at equal length "
-                  "would be an extrapolation"]
+                  "would be an extrapolation; or length alone decides every verdict (no win shorter than a loss, or "
+                  "none longer), and the data say nothing of equal length"]
     judged = {j.name: next((int(m[f"eval/{p}/{j.name}/pairs"]) for p in cfg.policies if p != cfg.baseline), 0)
               for j in cfg.pairwise}
     swept = seeds.table(m, groups or [], judges, [j.name for j in cfg.pairwise], cfg.reference, cfg.baseline)
