@@ -320,7 +320,7 @@ def test_grpo_from_an_sft_adapter_keeps_the_sft_policy_as_its_reference(tmp_path
                             "max_train_examples": 64, "max_truncated_fraction": 1.0,
                             "save_steps": 3, "eval_split": None, "lora": {"enabled": True, "r": 8, "alpha": 16,
                                                                          "target_modules": ["q_proj", "v_proj"]}},
-                    "grpo": {"type": "grpo", "policy": "sft", "reward": "vader",
+                    "grpo": {"type": "grpo", "policy": "sft", "reward": "length",  # vader: 0 on every sample
                              "prompts": f"{REPO}/data_cards/movie_review_snippets.yaml", "num_generations": 2,
                              "per_device_batch_size": 2, "max_steps": 1, "warmup_ratio": 0.0,  # one step: no warmup
                              "learning_rate": 1.0e-6, "beta": 0.05,

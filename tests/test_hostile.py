@@ -90,6 +90,11 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     ("ppo.generation.top_p=1.5", ["stages.ppo.generation.top_p", "1.5", "(0, 1]"]),
     ("dpo.label_smoothing=0.1", ["stages.dpo", "label_smoothing: 0.1 with loss_type: sigmoid", "loss_type: robust"]),
     ("dpo.loss_type=exo_pair", ["stages.dpo", "exo_pair with label_smoothing: 0", "1.0e-3"]),
+    # settings that train what another value trains (a sweep over them trained twins): robust DPO at epsilon 0 is
+    # the sigmoid loss, a centring penalty of 0 adds nothing, cosine_with_restarts at transformers' one cycle is cosine
+    ("dpo.loss_type=robust", ["stages.dpo", "robust with label_smoothing: 0 is the sigmoid (DPO) loss", "0.1"]),
+    ("reward.center_rewards_coefficient=0", ["stages.reward.center_rewards_coefficient", "> 0", "use null for none"]),
+    ("sft.lr_scheduler=cosine_with_restarts", ["stages.sft.lr_scheduler", "with transformers' one cycle it is cosine"]),
     ("evaluate.generation.top_p=0.9", ["stages.evaluate", "top_p 0.9", "report's KL", "leave top_k null and top_p 1.0"]),
     ("ppo.generation.top_k=50", ["stages.ppo", "top_k 50", "held-out KL (kl.max)", "top_p 1.0"]),
     ("preferences.generation.temperature=0", ["stages.preferences.generation.temperature", "> 0"]),

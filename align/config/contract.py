@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, NamedTuple, Protocol
 
-from align.config.settings import LR_SCHEDULERS, Generation, LoraSettings, warmup_steps
+from align.config.settings import LR_SCHEDULER_FIX, LR_SCHEDULERS, Generation, LoraSettings, warmup_steps
 from align.judges import JudgeError, check_judges
 from align.data.lengths import LengthRule
 from align.engines import DEFAULT as DEFAULT_ENGINE
@@ -293,7 +293,7 @@ class TrainedStage(StageBase):
 
     learning_rate: float = step_size(5e-4)
     """Peak learning rate."""
-    lr_scheduler: str = one_of("cosine", *LR_SCHEDULERS)
+    lr_scheduler: str = one_of("cosine", *LR_SCHEDULERS, fix=LR_SCHEDULER_FIX)
     """transformers scheduler name (linear, cosine, constant, ...)."""
     warmup_ratio: float = ranged(0.05, ge=0, lt=1)
     """Fraction of steps spent warming up."""

@@ -51,6 +51,10 @@ class DPOStage(TrainedStage):
         if self.loss_type == "exo_pair" and self.label_smoothing == 0:
             raise ValueError("loss_type: exo_pair with label_smoothing: 0: EXO's epsilon must be above 0 (TRL refuses "
                              "0 once the models are loaded); set label_smoothing, e.g. 1.0e-3")
+        if self.loss_type == "robust" and self.label_smoothing == 0:
+            raise ValueError("loss_type: robust with label_smoothing: 0 is the sigmoid (DPO) loss, gradient for "
+                             "gradient: robust DPO corrects for a flip rate epsilon; set label_smoothing to it (e.g. "
+                             "0.1), or loss_type: sigmoid")
         self.check_preference_card(ctx)
 
     def held_models(self, stages: dict[str, StageBase]) -> list[HeldModel]:

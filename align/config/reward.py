@@ -34,7 +34,8 @@ class RewardStage(TrainedStage):
     `train` (one best-vs-worst pair per prompt, what DPO reads) and `train_all_pairs` (every pair of a prompt's
     samples that is not a tie: about k(k-1)/2 per prompt from k samples, more comparisons at no extra sampling);
     for a card, one of its splits."""
-    center_rewards_coefficient: float | None = ranged(None, ge=0)
+    center_rewards_coefficient: float | None = ranged(None, gt=0, fix="0 adds nothing (TRL: 0 x the penalty); use null "
+                                                      "for none")
     """Optional penalty keeping rewards centred at zero (TRL)."""
 
     def check(self, ctx: CheckContext) -> None:

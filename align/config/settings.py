@@ -17,9 +17,10 @@ from align.engines import DEFAULT as DEFAULT_ENGINE, engine_names
 from align.core.schema import name_field, one_of, ranged
 
 DTYPES = ("float32", "bfloat16", "float16")
-# transformers SchedulerType values that need no extra scheduler kwargs (tests check they still exist).
-LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
-                 "inverse_sqrt")
+# transformers SchedulerType values that need no extra scheduler kwargs (tests check they still exist); not
+# cosine_with_restarts: with transformers' default of one cycle (align sets no num_cycles) it is cosine, step for step.
+LR_SCHEDULERS = ("linear", "cosine", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt")
+LR_SCHEDULER_FIX = "cosine_with_restarts is not offered: with transformers' one cycle it is cosine; use cosine"
 
 
 def warmup_steps(steps: int, ratio: float, scheduler: str) -> int:
