@@ -451,3 +451,17 @@ def test_a_third_engine_from_outside_align_samples_for_ppo_and_evaluate(private)
     assert evaluate["eval/engine"] == "copy"
     assert all(0 <= evaluate[f"eval/{p}/logprob_gap_max"] < 1e-3 for p in ("sft", "ppo", "dpo")), evaluate
     assert (run / "evaluate" / "engine.rank0.log").read_text().count("sync") >= 3  # one per policy
+
+
+def test_held_out_evaluations_are_logged_once_and_dpo_scores_the_pairs_that_fit(e2e):
+    """SFT's and DPO's final held-out evaluation was logged twice at its step (by the callback and again by the
+    stage); DPO scored every held-out pair, and TRL drops or cuts one longer than max_length (a cut pair whose two
+    sides then agree counts as a wrong one): it scores those within max_length now, and counts the others."""
+    import json
+
+    for stage in ("sft", "dpo"):
+        rows = [json.loads(x) for x in (e2e["run"] / stage / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        steps = [r["step"] for r in rows if "eval/loss" in r]
+        assert steps and len(steps) == len(set(steps)), (stage, steps)
+    final = json.loads((e2e["run"] / "dpo" / "manifest.json").read_text())["final_metrics"]
+    assert final["eval/pairs_over_max_length"] >= 0 and final["eval/rewards/accuracy"] >= 0

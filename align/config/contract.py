@@ -333,8 +333,8 @@ class TrainedStage(StageBase):
     (`perf/padding_fraction` beside `perf/padding_fraction_unpacked`); reward, DPO, KTO, GRPO and RLOO pack inside
     the backbone's forward. A family whose forward cannot read packed positions (OPT) runs padded whatever this says."""
     liger: str = one_of("auto", "auto", "on", "off")
-    """Liger kernels (the liger-kernel package's Triton kernels: fused RMSNorm, RoPE, SwiGLU and a linear
-    cross-entropy that never holds the whole logits), applied to the trained model by transformers'
+    """Liger kernels (the liger-kernel package's Triton kernels: fused RMSNorm, RoPE, SwiGLU; not its linear
+    cross-entropy, which TRL 1.16 turns off for its fused LM head), applied to the trained model by transformers'
     `use_liger_kernel`: auto = on on a CUDA GPU when liger-kernel is installed, off elsewhere (Triton does not run on
     CPUs); on = required (refused without the package, and by the stage on a machine without CUDA). Not measured on
     a GPU by this project yet."""

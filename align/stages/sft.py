@@ -190,9 +190,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         trainer.data_collator = rows_collator
     final = train_with_resume(ctx, trainer)
     if eval_ds is not None:
-        ev = trainer.evaluate()
-        final["eval/loss"] = ev["eval_loss"]
-        ctx.log({"eval/loss": ev["eval_loss"]}, step=trainer.state.global_step)
+        final["eval/loss"] = trainer.evaluate()["eval_loss"]  # logged as it came (metrics_callback): not twice
     final["train/examples"] = len(train)
     ctx.save_trainer_model(trainer, tokenizer)
     return final
