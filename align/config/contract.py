@@ -336,8 +336,8 @@ class TrainedStage(StageBase):
     """Liger kernels (the liger-kernel package's Triton kernels: fused RMSNorm, RoPE, SwiGLU; not its linear
     cross-entropy, which TRL 1.16 turns off for its fused LM head), applied to the trained model by transformers'
     `use_liger_kernel`: auto = on on a CUDA GPU when liger-kernel is installed, off elsewhere (Triton does not run on
-    CPUs); on = required (refused without the package, and by the stage on a machine without CUDA). Not measured on
-    a GPU by this project yet."""
+    CPUs); on = required (refused without the package, and by the stage on a machine without CUDA). On in one H200
+    run (2026-11-27); its effect is not measured (no on/off comparison has run)."""
     torch_compile: bool = False
     """Compile the trained model with torch.compile (transformers' `torch_compile`). Off by default: on the 2-core
     CPU it made SFT slower (docs/benchmarks.md); not measured on a GPU by this project yet."""
