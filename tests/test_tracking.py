@@ -241,3 +241,17 @@ def test_a_server_that_does_not_speak_http_is_not_reachable_not_a_traceback():
     problem = endpoint_problem(f"http://127.0.0.1:{server.getsockname()[1]}/v1", SECRET, 5.0, "judge")
     server.close()
     assert problem.startswith("not reachable (") and SECRET not in problem
+
+
+def test_trainer_log_keys_get_aligns_names_evaluation_and_end_of_training_alike():
+    """TRL's plural reward keys were renamed only outside evaluation (eval/rewards/margins was logged beside the
+    stage's eval/rewards/margin), and transformers' end-of-training mean loss, over one attempt's steps, was logged
+    as perf/loss."""
+    from align.runtime.trl import eval_metrics, metric_name
+
+    assert metric_name("rewards/margins") == "rewards/margin"
+    assert metric_name("eval_rewards/margins") == "eval/rewards/margin"
+    assert metric_name("eval_rewards/accuracies") == "eval/rewards/accuracy"
+    assert metric_name("train_loss") == "train/loss_attempt_mean" and metric_name("train_runtime") == "perf/runtime"
+    assert eval_metrics({"eval_loss": 0.5, "eval_rewards/margins": 0.1, "eval_runtime": 3.0}) == {
+        "eval/loss": 0.5, "eval/rewards/margin": 0.1}

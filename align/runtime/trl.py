@@ -23,7 +23,10 @@ from align.runtime.zero_buffers import in_use, widest, width_sized
 # TRL's plural reward metrics under align's singular names (docs/ARCHITECTURE.md, "Metric names").
 _PLURALS = {"rewards/margins": "rewards/margin", "rewards/accuracies": "rewards/accuracy"}
 _RENAME = {"loss": "train/loss", "learning_rate": "train/learning_rate", "grad_norm": "train/grad_norm",
-           "epoch": "train/epoch", **_PLURALS}
+           "epoch": "train/epoch", **_PLURALS,
+           # transformers' end-of-training mean loss covers this attempt's steps only (a resumed run's last ones):
+           # a loss, not a performance figure (it was perf/loss); the run's mean is train/loss_final_avg
+           "train_loss": "train/loss_attempt_mean"}
 
 
 def metric_name(key: str) -> str:
