@@ -192,6 +192,26 @@ def test_launch_command_applies_gpu_count_to_distributed_stages_only(tmp_path):
     assert "--cpu" not in dpo  # --cpu would silently turn a DeepSpeed config into one plain process
 
 
+def test_a_one_process_accelerate_config_by_path_or_of_the_users_own_is_not_distributed(tmp_path):
+    """Only the name `cpu` counted as one process: `accelerate/cpu.yaml` by path, or a user's one-GPU config
+    (distributed_type NO), got --num_processes 8, which accelerate ignores (the manifest's world then disagreed
+    with what ran), and on two nodes the worker node waited at a rendezvous node 0 never opened."""
+    from align.orchestrator.launch import is_distributed, launch_command
+    from align.orchestrator.multinode import MultiNode
+
+    (tmp_path / "one_gpu.yaml").write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\n"
+                                           "mixed_precision: 'no'\nnum_processes: 1\n")
+    for accelerate in (str(REPO / "pipelines" / "accelerate" / "cpu.yaml"), str(tmp_path / "one_gpu.yaml")):
+        cfg = _parse(apply_overrides(_raw(), [f"sft.accelerate={accelerate}"]))
+        plans = {p.name: p for p in build_plan(cfg, REPO / "pipelines" / "default.yaml")}
+        assert not is_distributed(plans["sft"].cfg, REPO / "pipelines" / "default.yaml"), accelerate
+        cmd = launch_command(plans["sft"], tmp_path / "s.json", REPO / "pipelines" / "default.yaml", 8,
+                             MultiNode(nodes=2, node_rank=0, master_addr="h"))
+        assert "--num_processes" not in cmd and "--machine_rank" not in cmd, cmd
+    zero2 = _parse(apply_overrides(_raw(), ["sft.accelerate=zero2"])).stages["sft"]
+    assert is_distributed(zero2, REPO / "pipelines" / "default.yaml")
+
+
 def test_launch_command_for_one_node_of_a_multi_node_job(tmp_path):
     from align.orchestrator.launch import launch_command
     from align.orchestrator.multinode import MultiNode

@@ -199,6 +199,15 @@ def _case_accelerate_not_a_config(root):
     return ["hostile.yaml"], ["stages.sft.accelerate", "notes.txt", "not an accelerate config"]
 
 
+def _case_accelerate_type_in_lower_case(root):
+    """accelerate reads distributed_type case-sensitively: `deepspeed` passed validate (sized as zero2) and was
+    refused only when its stage launched, after the stages before it had trained."""
+    (root / "ds.yaml").write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: deepspeed\n"
+                                  "deepspeed_config: {zero_stage: 2}\nnum_processes: 2\n")
+    write_pipeline(root, lambda r: r["stages"]["sft"].update(accelerate=str(root / "ds.yaml")))
+    return ["hostile.yaml"], ["stages.sft.accelerate", "distributed_type: 'deepspeed'", "write DEEPSPEED"]
+
+
 def _case_parquet_not_parquet(root):
     (root / "rows.parquet").write_text("prompt,completion\na,b\n")
     card = _card(root, "pq.yaml", "parquet", "rows.parquet", "prompt_completion")
@@ -339,7 +348,8 @@ def _case_sweep_past_its_bound(root):
     _case_transform_drops_every_row, _case_model_directory_without_weights, _case_model_with_its_own_code,
     _case_lora_target_the_model_lacks, _case_eval_split_the_card_lacks, _case_stage_name_not_an_identifier,
     _case_sweep_past_its_bound,
-    _case_duplicate_key, _case_not_utf8, _case_accelerate_not_a_config, _case_parquet_not_parquet, _case_truncated_gz,
+    _case_duplicate_key, _case_not_utf8, _case_accelerate_not_a_config, _case_accelerate_type_in_lower_case,
+    _case_parquet_not_parquet, _case_truncated_gz,
     _case_missing_local_model, _case_corrupt_model_config, _case_tokenizer_without_eos,
     _case_pairs_without_test_split, _case_single_pair, _case_every_prompt_empty, _case_stage_is_a_list,
 ], ids=lambda f: f.__name__[6:])

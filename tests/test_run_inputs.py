@@ -49,14 +49,18 @@ def test_a_stage_count_its_accelerate_config_cannot_start_is_refused(capsys):
 
 
 @pytest.mark.parametrize("visible, expected", [
-    (None, 4), ("1,3", 2), ("-1", 0), ("", 0), ("0,-1,2", 1), ("7", 0), ("2,2", 1), ("GPU-5d8f", 4),
+    (None, 4), ("1,3", 2), ("-1", 0), ("", 0), ("0,-1,2", 1), ("7", 0), ("2,2", 1),
+    # UUIDs (SLURM and Kubernetes hand GPUs out so): every GPU of the node was counted; a unique prefix names one
+    ("GPU-bbbb-0001,GPU-dddd-0003", 2), ("GPU-bb", 1), ("GPU-aaaa-0000,GPU-99", 1), ("GPU-", 0),
+    ("MIG-bbbb-0001/1/0", 0),  # a MIG slice: not sized from the whole GPU's memory
 ])
 def test_the_gpus_counted_are_those_cuda_would_use(visible, expected, monkeypatch, tmp_path):
-    """CUDA reads CUDA_VISIBLE_DEVICES up to its first entry that is not a GPU's index: "-1" hides every GPU."""
+    """CUDA reads CUDA_VISIBLE_DEVICES up to its first entry that names no GPU: "-1" hides every GPU."""
     from align.orchestrator import hardware
 
     smi = tmp_path / "nvidia-smi"
-    smi.write_text("#!/bin/sh\nprintf '0, 81559\\n1, 81559\\n2, 81559\\n3, 81559\\n'\n")
+    smi.write_text("#!/bin/sh\nprintf '" + "".join(f"{i}, GPU-{c * 3}{c}-000{i}, 81559\\n"
+                                                    for i, c in enumerate("abcd")) + "'\n")
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     if visible is None:

@@ -298,8 +298,8 @@ def estimate_pipeline(cfg: PipelineConfig, source: str | Path, hw: Hardware, num
     out = []
     for plan in plans:
         mode, cfg_n = accelerate_mode(accelerate_config(plan.cfg.accelerate, source))
-        distributed = is_distributed(plan.cfg)
-        per_node = processes_per_node(plan.cfg, num_processes or hw.gpus_per_node) or (cfg_n if distributed else 1) or 1
+        distributed = is_distributed(plan.cfg, source)
+        per_node = processes_per_node(plan.cfg, num_processes or hw.gpus_per_node, source) or (cfg_n if distributed else 1) or 1
         gpus = per_node * (hw.nodes if distributed else 1)
         out.append(estimate_stage(plan.name, plan.cfg, cfg.stages, shapes, mode, gpus, cfg.dtype, hw.gpu_memory,
                                   cfg.attn_implementation, cfg.precision, hw.nodes if distributed else 1,

@@ -65,28 +65,33 @@ def hardware(cfg: PipelineConfig, gpus_per_node: int | None = None, gpu_memory_g
 
 def detected_gpus() -> list[int]:
     """Memory (bytes) of each NVIDIA GPU this process may use, from `nvidia-smi` (no torch: the orchestrator never
-    imports it), restricted to CUDA_VISIBLE_DEVICES when it lists indices. Empty without nvidia-smi or a GPU."""
+    imports it), restricted to CUDA_VISIBLE_DEVICES as CUDA reads it: indices or GPU UUIDs (a unique prefix names
+    one), up to the first entry that names no GPU. MIG slices are not sized (nvidia-smi's memory.total is the
+    whole GPU's): none is reported, and the pipeline's `hardware` or --gpus / --gpu-memory-gb decide. Empty without
+    nvidia-smi or a GPU."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return []
     try:
-        out = subprocess.run([exe, "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
+        out = subprocess.run([exe, "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return []
-    gpus = {}
+    gpus: dict[str, tuple[str, int]] = {}  # index -> (uuid, bytes)
     for line in out.stdout.splitlines() if out.returncode == 0 else []:
-        index, _, mib = (x.strip() for x in line.partition(","))
+        index, uuid, mib = ([x.strip() for x in line.split(",")] + ["", ""])[:3]
         if index.isdigit() and mib.isdigit():
-            gpus[index] = int(mib) * 2 ** 20
+            gpus[index] = (uuid, int(mib) * 2 ** 20)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        wanted = [v.strip() for v in visible.split(",")]
-        if not any(v.startswith(("GPU-", "MIG-")) for v in wanted):  # indices (UUIDs: every GPU listed is counted)
-            kept = []
-            for v in wanted:  # as CUDA reads it: up to the first entry that is not a GPU's index ("-1": none)
-                if v not in gpus or v in kept:
-                    break
-                kept.append(v)
-            gpus = {i: gpus[i] for i in kept}
-    return list(gpus.values())
+    if visible is None:
+        return [mem for _, mem in gpus.values()]
+    kept: list[str] = []
+    for v in (v.strip() for v in visible.split(",")):  # "-1" hides every GPU
+        if v.startswith("MIG-"):
+            return []
+        match = [i for i, (uuid, _) in gpus.items() if uuid.startswith(v)] if v.startswith("GPU-") else \
+            ([v] if v in gpus else [])
+        if len(match) != 1 or match[0] in kept:
+            break
+        kept.append(match[0])
+    return [gpus[i][1] for i in kept]

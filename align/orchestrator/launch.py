@@ -100,6 +100,10 @@ def check_accelerate(plan: StagePlan, source: str | Path, precision: str = "auto
     if not isinstance(raw, dict) or str(raw.get("distributed_type", "")).upper() not in ACCELERATE_TYPES:
         raise PipelineError(f"{where}: {path} is not an accelerate config (it needs `distributed_type:` one of "
                             f"{', '.join(ACCELERATE_TYPES)}); name one of pipelines/accelerate/*.yaml")
+    if raw["distributed_type"] not in ACCELERATE_TYPES:  # accelerate reads it case-sensitively, at launch only
+        raise PipelineError(f"{where}: {path}: distributed_type: {raw['distributed_type']!r}; accelerate takes it "
+                            f"as written and refuses this when the stage launches: write "
+                            f"{str(raw['distributed_type']).upper()}")
     try:  # first: its ZeRO stage is read as a number below
         mode, _ = accelerate_mode(path)
     except PipelineError as exc:
@@ -227,22 +231,30 @@ def accelerate_mode(path: Path) -> tuple[str, int | None]:
 
 
 # --------------------------------------------------------------------------------------------- processes
-def is_distributed(stage: StageBase) -> bool:
-    """Whether the stage runs under a distributed accelerate config (anything but `cpu`)."""
-    return stage.accelerate != "cpu"
+def is_distributed(stage: StageBase, source: str | Path) -> bool:
+    """Whether the stage runs under a distributed accelerate config: any but one of `distributed_type: NO` (`cpu`,
+    by name or by path, or a user's one-GPU config), which accelerate runs as one process whatever --num_processes
+    says (a config that cannot be read is refused by validate: taken as distributed here)."""
+    if stage.accelerate == "cpu":
+        return False
+    try:
+        raw = yaml_load(accelerate_config(stage.accelerate, source)) or {}
+    except (PipelineError, OSError, ValueError, yaml.YAMLError):
+        return True
+    return not isinstance(raw, dict) or str(raw.get("distributed_type", "NO")).upper() != "NO"
 
 
-def processes_per_node(stage: StageBase, num_processes: int | None) -> int | None:
+def processes_per_node(stage: StageBase, num_processes: int | None, source: str | Path) -> int | None:
     """Processes per machine: the stage's own setting, else the pipeline-wide count (`--num-processes`, one per
     GPU) for distributed configs only (a stage on `cpu` stays one process unless it asks for more); None
     leaves it to the accelerate config."""
-    return stage.num_processes or (num_processes if is_distributed(stage) else None)
+    return stage.num_processes or (num_processes if is_distributed(stage, source) else None)
 
 
 def node_processes(plan: StagePlan, source: str | Path, num_processes: int | None) -> int:
     """The processes the stage starts on each machine: its own count or --num-processes (processes_per_node), else
     its accelerate config's."""
-    n = processes_per_node(plan.cfg, num_processes)
+    n = processes_per_node(plan.cfg, num_processes, source)
     return n or int((yaml_load(accelerate_config(plan.cfg.accelerate, source)) or {}).get("num_processes") or 1)
 
 
@@ -277,7 +289,7 @@ def free_port() -> int:
 def one_plain_process(plan: StagePlan, source: str | Path, num_processes: int | None) -> bool:
     """Whether the stage runs as one plain process (no launcher): the only kind align/orchestrator/warm.py can fork."""
     raw = yaml_load(accelerate_config(plan.cfg.accelerate, source)) or {}
-    n = processes_per_node(plan.cfg, num_processes)
+    n = processes_per_node(plan.cfg, num_processes, source)
     return str(raw.get("distributed_type", "NO")).upper() == "NO" and (n or raw.get("num_processes", 1)) == 1
 
 
@@ -287,7 +299,7 @@ def world_change(plan: StagePlan, run_dir: Path, source: str | Path, num_process
     is per_device_batch_size x gradient_accumulation_steps x processes."""
     trained = (read_manifest(run_dir / plan.name) or {}).get("world_size")
     now = 1 if one_plain_process(plan, source, num_processes) else \
-        node_processes(plan, source, num_processes) * (nodes if is_distributed(plan.cfg) else 1)
+        node_processes(plan, source, num_processes) * (nodes if is_distributed(plan.cfg, source) else 1)
     if not isinstance(trained, int) or trained == now:
         return ""
     return (f"; note: it was trained on {trained} process{'es' * (trained != 1)}, this run would start {now} (another "
@@ -298,13 +310,13 @@ def launch_command(plan: StagePlan, spec: Path, source: str | Path, num_processe
                    multi: MultiNode | None = None) -> list[str]:
     """The command that starts the stage's processes on this machine (all of them, or this node's share)."""
     config = accelerate_config(plan.cfg.accelerate, source)
-    n = processes_per_node(plan.cfg, num_processes)
+    n = processes_per_node(plan.cfg, num_processes, source)
     raw = yaml_load(config) or {}
     if one_plain_process(plan, source, num_processes):
         # One plain process: accelerate launch would only add ~2.6 s of imports (measured) before starting it.
         return [sys.executable, "-m", "align.cli", "stage", str(spec)]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
-    if multi is not None and multi.nodes > 1 and is_distributed(plan.cfg):
+    if multi is not None and multi.nodes > 1 and is_distributed(plan.cfg, source):
         per_node = node_processes(plan, source, num_processes)
         # accelerate counts processes over all machines; torchrun (DeepSpeed's `standard` multi-node launcher,
         # no ssh/pdsh needed) starts per_node of them here and meets the others at the master's port.

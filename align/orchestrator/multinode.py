@@ -106,7 +106,7 @@ def follow_stage(plan: StagePlan, stage_dir: Path, header: str, source: str | Pa
                  multi: MultiNode) -> None:
     """A worker node's part of one stage: launch its processes for a distributed stage (reading the spec node 0
     wrote), or wait while node 0 runs a one-process stage. Writes nothing under the run directory."""
-    if not is_distributed(plan.cfg):
+    if not is_distributed(plan.cfg, source):
         print(f"{header}: runs on node 0 only ({plan.cfg.accelerate}); waiting for it", flush=True)
         await_start(plan, stage_dir, multi)  # a stage node 0 never starts is not waited for without end
         wait_for_stage(stage_dir, plan.fingerprint, plan.name, None, stale_after=multi.rdzv_timeout)

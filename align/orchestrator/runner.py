@@ -291,7 +291,7 @@ def _stage_failed(plan: StagePlan, stage_dir: Path, rc: int, peak_before, source
     m = read_manifest(stage_dir) or {}
     hint = (f"\n  multi-node: if the log shows a rendezvous timeout, a node did not join "
             f"{multi.master_addr}:{multi.master_port} within --rdzv-timeout {multi.rdzv_timeout}s"
-            if multi.nodes > 1 and is_distributed(plan.cfg) else "")
+            if multi.nodes > 1 and is_distributed(plan.cfg, source) else "")
     meaning = exit_meaning(rc, peak_before, source)
     if meaning:  # the stage could not say it (it was killed): its log gets the runner's reading
         with open(stage_dir / "stage.log", "a", encoding="utf-8") as log:
