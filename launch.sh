@@ -107,7 +107,8 @@ fetch_packaged() {
 gpu_count() {
   # The GPUs this job may use, as CUDA reads CUDA_VISIBLE_DEVICES when it is set (a scheduler's share): the indices
   # up to the first that is not a GPU's (so "-1", "" and SLURM's "NoDevFiles" are none; UUIDs count as listed),
-  # else every GPU nvidia-smi lists (align/orchestrator/hardware.py detected_gpus reads it the same way).
+  # else every GPU nvidia-smi lists (align/orchestrator/hardware.py detected_gpus counts alike, matching UUIDs to
+  # nvidia-smi's; it sizes no MIG slice, whose memory nvidia-smi reports as the whole GPU's).
   local all n=0 v seen=","
   if command -v nvidia-smi >/dev/null 2>&1; then all=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); else all=0; fi
   if [ -z "${CUDA_VISIBLE_DEVICES+set}" ]; then echo "$all"; return; fi
