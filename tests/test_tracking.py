@@ -252,6 +252,6 @@ def test_trainer_log_keys_get_aligns_names_evaluation_and_end_of_training_alike(
     assert metric_name("rewards/margins") == "rewards/margin"
     assert metric_name("eval_rewards/margins") == "eval/rewards/margin"
     assert metric_name("eval_rewards/accuracies") == "eval/rewards/accuracy"
-    assert metric_name("train_loss") == "train/loss_attempt_mean" and metric_name("train_runtime") == "perf/runtime"
+    assert metric_name("train_loss") == "train/attempt_mean_loss" and metric_name("train_runtime") == "perf/runtime"
     assert eval_metrics({"eval_loss": 0.5, "eval_rewards/margins": 0.1, "eval_runtime": 3.0}) == {
         "eval/loss": 0.5, "eval/rewards/margin": 0.1}

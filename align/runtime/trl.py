@@ -26,7 +26,7 @@ _RENAME = {"loss": "train/loss", "learning_rate": "train/learning_rate", "grad_n
            "epoch": "train/epoch", **_PLURALS,
            # transformers' end-of-training mean loss covers this attempt's steps only (a resumed run's last ones):
            # a loss, not a performance figure (it was perf/loss); the run's mean is train/loss_final_avg
-           "train_loss": "train/loss_attempt_mean"}
+           "train_loss": "train/attempt_mean_loss"}
 
 
 def metric_name(key: str) -> str:
