@@ -241,6 +241,11 @@ def is_distributed(stage: StageBase, source: str | Path) -> bool:
         raw = yaml_load(accelerate_config(stage.accelerate, source)) or {}
     except (PipelineError, OSError, ValueError, yaml.YAMLError):
         return True
+    return _runs_distributed(raw)
+
+
+def _runs_distributed(raw: Any) -> bool:
+    """An accelerate config's rule: anything but `distributed_type: NO` starts a distributed launch."""
     return not isinstance(raw, dict) or str(raw.get("distributed_type", "NO")).upper() != "NO"
 
 
@@ -290,7 +295,7 @@ def one_plain_process(plan: StagePlan, source: str | Path, num_processes: int | 
     """Whether the stage runs as one plain process (no launcher): the only kind align/orchestrator/warm.py can fork."""
     raw = yaml_load(accelerate_config(plan.cfg.accelerate, source)) or {}
     n = processes_per_node(plan.cfg, num_processes, source)
-    return str(raw.get("distributed_type", "NO")).upper() == "NO" and (n or raw.get("num_processes", 1)) == 1
+    return not _runs_distributed(raw) and (n or raw.get("num_processes", 1)) == 1
 
 
 def world_change(plan: StagePlan, run_dir: Path, source: str | Path, num_processes: int | None, nodes: int) -> str:
