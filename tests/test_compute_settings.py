@@ -108,3 +108,24 @@ def test_a_lora_dropout_the_trainer_turns_off_is_said_not_applied(capsys):
     rc, out = validate(capsys, str(REPO / "pipelines" / "smollm2_hh.yaml"), "dpo.lora.dropout=0.5")
     assert rc == 0 and "warning: stages.dpo.lora.dropout 0.5 is not applied: a dpo stage trains with dropout off" in out
     assert "stages.sft.lora.dropout" not in out  # SFT's trainer keeps the model's dropout: applied
+
+
+def test_a_lora_base_loads_in_bf16_on_a_bf16_gpu_in_or_outside_deepspeed():
+    """A LoRA base is frozen: `dtype: auto` loads it in bf16 on a bf16 GPU as peers do, outside DeepSpeed too (it was
+    loaded in fp32 there as a model trained whole is: ~30 GiB at Llama-3.1-8B); fp32 on a CPU and with `dtype:
+    float32`. The decision alone (a GPU's own device placement is not taken here)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from align.runtime.context import StageContext
+
+    def dtype(device="cuda", distributed="MULTI_GPU", pipeline_dtype="auto", **kind):
+        ctx = SimpleNamespace(pipeline=SimpleNamespace(dtype=pipeline_dtype), state=SimpleNamespace(
+            distributed_type=distributed), compute=SimpleNamespace(device=torch.device(device), mixed_precision="bf16"))
+        return StageContext.weights_dtype(ctx, **kind)
+
+    assert dtype(frozen=False, lora=True) == dtype(frozen=True) == "bfloat16"
+    assert dtype(frozen=False) == "float32" and dtype(frozen=False, distributed="DistributedType.DEEPSPEED") == "bfloat16"
+    assert dtype("cpu", frozen=False, lora=True) == "float32"
+    assert dtype(frozen=False, lora=True, pipeline_dtype="float32") == "float32"

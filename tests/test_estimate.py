@@ -943,10 +943,12 @@ def test_kto_holds_activations_for_its_examples_alone_and_an_engine_with_its_own
         assert hf == 4 * tiny_shapes["lm"].params and vllm["rollout_gather"] == 0, stage.type
 
 
-def test_a_lora_base_outside_deepspeed_is_counted_in_fp32_as_the_stage_loads_it(tiny_cfg, tiny_shapes):
-    """With `dtype: auto` on GPUs a stage loads the model it trains in fp32 outside DeepSpeed (weights_dtype: mixed
-    precision keeps fp32 weights), and with LoRA that model is the frozen base: 4 bytes a weight under ddp (it was
-    counted at 2, accepting 8B LoRA configs that ran out of memory), 2 under DeepSpeed, which loads it in bf16."""
+def test_a_lora_base_is_counted_in_the_dtype_the_stage_loads_it(tiny_cfg, tiny_shapes):
+    """With `dtype: auto` on a bf16 GPU a stage loads a LoRA base in bf16 in or outside DeepSpeed (weights_dtype: it
+    is frozen; its adapters are fp32), 2 bytes a weight (it was loaded, and counted, in fp32 under ddp: ~30 GiB at
+    Llama-3.1-8B where peers hold 15), and in fp32 with `dtype: float32`; its layers measured as a bf16 base with fp32
+    adapters under ddp."""
+    from align.orchestrator.memory import training_variant
     from align.config import LoraSettings
     from align.config.sft import SFTStage
     from align.orchestrator.estimate import estimate_stage
@@ -957,7 +959,10 @@ def test_a_lora_base_outside_deepspeed_is_counted_in_fp32_as_the_stage_loads_it(
         return estimate_stage("sft", sft, tiny_cfg.stages, tiny_shapes, mode, 8, dtype, 80 * 10 ** 9).parts[mode][
             "frozen_weights"]
 
-    assert frozen("ddp") == 4 * P_LM and frozen("zero2") == 2 * P_LM and frozen("ddp", "bfloat16") == 2 * P_LM
+    assert frozen("ddp") == 2 * P_LM and frozen("zero2") == 2 * P_LM and frozen("ddp", "bfloat16") == 2 * P_LM
+    assert frozen("ddp", "float32") == 4 * P_LM
+    assert training_variant(sft.lora, "ddp", "auto", "auto", True)[0].endswith("bf16+fp32 adapters")
+    assert training_variant(sft.lora, "ddp", "float32", "auto", True)[0].endswith("autocast")
 
 
 def test_zero3_with_only_the_optimizer_offloaded_keeps_the_parameter_shards_on_the_gpus(tmp_path):

@@ -52,10 +52,10 @@ def upstream(tmp_path_factory) -> Path:
     return root
 
 
-def _stage_context(root: Path, cfg: StageBase, dirname: str, inputs: list[str]):
+def _stage_context(root: Path, cfg: StageBase, dirname: str, inputs: list[str], **numerics: str):
     from align.runtime.context import StageContext
 
-    pipeline = to_dict(PipelineConfig(name="t", seed=SEED, tracking=Tracking(wandb="disabled")))
+    pipeline = to_dict(PipelineConfig(name="t", seed=SEED, tracking=Tracking(wandb="disabled"), **numerics))
     pipeline.pop("stages")
     stage_dir = root / dirname
     stage_dir.mkdir(exist_ok=True)
@@ -358,3 +358,39 @@ def test_ppo_with_a_shared_value_head_trains_the_policy_and_its_head_only_and_re
             assert torch.equal(w, sft_state[key]), key
 
     _resumes_from_iteration_2(ctx, monkeypatch)
+
+
+def test_every_parameter_lora_trains_over_a_16_bit_base_is_fp32(upstream, monkeypatch):
+    """A LoRA base loads in bf16 on a bf16 GPU (weights_dtype); peft upcasts the adapters but not a modules_to_save
+    copy (the reward or value model's scalar head), which outside DeepSpeed would take Adam's steps in bf16. Both
+    ways a LoRA model is built: PPO's add_adapters, and a TRL trainer's own (the reward stage), seen as its optimiser
+    is built. `dtype: bfloat16` and `precision: bfloat16` stand in for a GPU's auto here; without autocast the copy
+    keeps its base's dtype (its inputs')."""
+    from transformers import Trainer
+
+    import align.stages.reward as reward
+    from align.modeling.lora import add_adapters
+    from align.modeling.models import load_scalar_model
+
+    lora = LoraSettings(enabled=True, r=4, alpha=8, target_modules=list(TARGETS))
+    def value(autocast):
+        model = load_scalar_model(str(upstream / "reward" / "model"), None, "bfloat16")
+        return add_adapters(model, lora, "SEQ_CLS", autocast=autocast)
+
+    trained = {n: p.dtype for n, p in value(True).named_parameters() if p.requires_grad}
+    assert any("score" in n for n in trained) and set(trained.values()) == {torch.float32}, trained
+    assert {p.dtype for p in value(True).parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for n, p in value(False).named_parameters() if "score" in n} == {torch.bfloat16}
+
+    seen = {}
+    real = Trainer.create_optimizer
+
+    def create_optimizer(self, *args, **kwargs):
+        seen.update({n: p.dtype for n, p in self.model.named_parameters() if p.requires_grad})
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "create_optimizer", create_optimizer)
+    cfg = RewardStage(type="reward", init="sft", data="pairs", **TRL_COMMON)
+    reward.run(_stage_context(upstream, cfg, "reward_lora_bf16", ["sft", "pairs"], dtype="bfloat16",
+                              precision="bfloat16"))
+    assert any("score" in n for n in seen) and set(seen.values()) == {torch.float32}, seen

@@ -153,7 +153,7 @@ def test_a_fresh_scalar_head_depends_on_the_stage_seed_only(tmp_path):
     def head(seed: int, draws: int) -> torch.Tensor:
         ctx = SimpleNamespace(seed=seed, pipeline=SimpleNamespace(dtype="float32", trust_remote_code=False),
                               compute=SimpleNamespace(model_kwargs=lambda: {}, device="cpu", distributed_zero3=False),
-                              weights_dtype=lambda frozen: "float32", extra_manifest={})
+                              weights_dtype=lambda frozen, lora: "float32", extra_manifest={})
         ctx._loaded = MethodType(StageContext._loaded, ctx)
         torch.manual_seed(1234)
         torch.rand(draws)  # the stage's global stream in another state each time

@@ -85,8 +85,9 @@ class PipelineConfig:
     """Size of the builtin model."""
     dtype: str = one_of("auto", "auto", *DTYPES)
     """Weights dtype for loading: auto | float32 | bfloat16 | float16. auto: bfloat16 on a GPU that computes in
-    bf16, for frozen models and for models trained under DeepSpeed (whose optimiser keeps fp32 master weights);
-    float32 for a model trained outside DeepSpeed (mixed precision under bf16 autocast) and on CPUs."""
+    bf16, for frozen models, LoRA bases (adapters and what else LoRA trains are fp32) and models trained under
+    DeepSpeed (whose optimiser keeps fp32 master weights); float32 for a model trained whole outside DeepSpeed (mixed
+    precision under bf16 autocast) and on CPUs."""
     precision: str = one_of("auto", *PRECISIONS)
     """Compute precision of every stage (training steps, rollouts, scoring): auto (bfloat16 autocast on a GPU
     that supports it, float32 elsewhere) | float32 | bfloat16 | float16. Mixed precision: weights keep `dtype`."""

@@ -51,9 +51,10 @@ under bf16 autocast (outside DeepSpeed with `dtype: auto` on a GPU), fp32 throug
 LORA_VARIANTS = {"bf16": ("bfloat16", False, False), "autocast": ("float32", True, True),
                  "bf16+fp32 adapters": ("bfloat16", True, True), "fp32": ("float32", False, True)}
 """LoRA's: base and adapters in bf16 (DeepSpeed ZeRO-1/2 casts every parameter; under ZeRO-3 the adapters keep the
-base's dtype, align/modeling/lora.py), fp32 base and adapters under autocast (outside DeepSpeed), a 16-bit base with
-fp32 adapters under autocast (peft's autocast_adapter_dtype outside DeepSpeed, where accelerate's bf16 autocast is
-on; QLoRA's 4-bit base, whose other parameters peft keeps in fp32, is measured as this), and fp32 throughout."""
+base's dtype, align/modeling/lora.py), fp32 base and adapters under autocast (outside DeepSpeed with `dtype:
+float32`), a 16-bit base with fp32 adapters under autocast (outside DeepSpeed otherwise: peft's
+autocast_adapter_dtype, where accelerate's bf16 autocast is on; QLoRA's 4-bit base, whose other parameters peft keeps
+in fp32, is measured as this), and fp32 throughout."""
 
 
 def layer_probe(config, loras: list[dict[str, Any]] = (), trust_remote_code: bool = False,

@@ -61,12 +61,30 @@ def new_token_rows(model, ids: list[int]) -> NewTokens | None:
     return NewTokens(names[id(model.get_input_embeddings())], list(ids), names[id(head)])
 
 
-def add_adapters(model, lora: LoraSettings, task_type: str, zero3: bool = False):
-    """`model` wrapped in trainable LoRA adapters, its own weights frozen (a peft PeftModel)."""
+def add_adapters(model, lora: LoraSettings, task_type: str, zero3: bool = False, autocast: bool = False):
+    """`model` wrapped in trainable LoRA adapters, its own weights frozen (a peft PeftModel); under `autocast` (the
+    stage computes in mixed precision) every parameter it trains in fp32 (`fp32_trainables`)."""
     from peft import get_peft_model  # heavy: loaded on use
 
     # Under ZeRO-3 adapters keep the base's dtype: DeepSpeed gathers parameters in one dtype (TRL issue 6089).
-    return get_peft_model(model, peft_config(lora, task_type), autocast_adapter_dtype=not zero3)
+    peft_model = get_peft_model(model, peft_config(lora, task_type), autocast_adapter_dtype=not zero3)
+    return fp32_trainables(peft_model) if autocast and not zero3 else peft_model
+
+
+def fp32_trainables(model):
+    """`model` (a PeftModel on a 16-bit base) with every parameter it trains in fp32: peft's autocast_adapter_dtype
+    upcasts LoRA's A and B and trainable token rows, but not a `modules_to_save` copy (a reward or value model's
+    scalar head, the head a chat template's new tokens train), which outside DeepSpeed (no fp32 master weights)
+    would take Adam's updates in bf16, most of them rounded away. Only under autocast, where they compute in bf16 as
+    the rest (without it the copy's fp32 weight would meet its base's 16-bit inputs); not for QLoRA under TRL (it
+    keeps adapters bf16 on purpose, after the QLoRA paper) nor under DeepSpeed (its own master weights; ZeRO-3
+    gathers one dtype). Anything but a PeftModel (a model trained whole) is left as it is."""
+    if not hasattr(model, "peft_config") or getattr(model, "is_loaded_in_4bit", False):
+        return model
+    for param in model.parameters():
+        if param.requires_grad and param.dtype in (torch.bfloat16, torch.float16):
+            param.data = param.data.float()
+    return model
 
 
 def merged_lora_model(base, lora: LoraSettings, task_type: str, trained_state: dict[str, torch.Tensor],

@@ -158,8 +158,8 @@ def model_shapes(cfg: PipelineConfig, source: str | Path, needed: tuple[list[str
 def dtype_bytes(dtype: str, on_gpu: bool, precision: str = "auto") -> int:
     """Bytes per weight of the pipeline's `dtype`; `auto` is bfloat16 where the stage computes in bf16 on a GPU
     (`precision` auto or bfloat16), float32 otherwise: `precision: float32` or float16, and CPUs (the stage process's
-    rule, align/runtime/context.py `weights_dtype`: trained models outside DeepSpeed keep fp32 weights, which the
-    state formulas below count anyway)."""
+    rule, align/runtime/context.py `weights_dtype`: models trained whole outside DeepSpeed keep fp32 weights, which
+    the state formulas below count anyway)."""
     if dtype != "auto":
         return _DTYPE_BYTES[dtype]
     return _DTYPE_BYTES["bfloat16" if on_gpu and precision in ("auto", "bfloat16") else "float32"]
@@ -174,13 +174,12 @@ def runs_eager(stage, attention: str, packs: bool = True) -> bool:
     return attention == "eager" or (stage.LEFT_PADDED and padded and attention in ("auto", "sdpa"))
 
 
-def _frozen(h: Held, lora, mode: str, gpus: int, dtype: str, dbytes: int) -> int:
-    """A frozen model's weights, or a LoRA base's. A LoRA base is loaded as the model a stage trains: outside
-    DeepSpeed `dtype: auto` keeps it in fp32 (the stage process's weights_dtype), 4 bytes a weight."""
+def _frozen(h: Held, lora, mode: str, gpus: int, dbytes: int) -> int:
+    """A frozen model's weights, or a LoRA base's, loaded as a frozen one is (the stage process's weights_dtype:
+    `dtype: auto` is bf16 for both on a bf16 GPU, in or outside DeepSpeed); QLoRA's in 4 bits."""
     if h.trained and lora.quantize == "4bit":
         return qlora_base_bytes(h.shape)
-    base = _DTYPE_BYTES["float32"] if h.trained and mode == "ddp" and dtype == "auto" else dbytes
-    return frozen_bytes(mode if h.sharded or h.trained else "ddp", h.shape.params, h.shape.largest_layer, gpus, base)
+    return frozen_bytes(mode if h.sharded or h.trained else "ddp", h.shape.params, h.shape.largest_layer, gpus, dbytes)
 
 
 def probe_plan(cfg: PipelineConfig, plans: list[StagePlan], source: str | Path,
@@ -262,7 +261,7 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
                                               for h in trained if fused(h))  # in bf16 where DeepSpeed cast it
             if m == mode and not ckpt and hasattr(stage, "gradient_checkpointing"):
                 est.with_checkpointing = acts(True, chunk, variant) - kept  # plus the total, filled in below
-        parts["frozen_weights"] = sum(_frozen(h, lora, m, gpus, dtype, dbytes) for h in frozen)
+        parts["frozen_weights"] = sum(_frozen(h, lora, m, gpus, dbytes) for h in frozen)
         if gen_b:
             policy, gen = held[0].shape, stage.generation_settings()
             awake = engine_bytes(gen, policy, gen_b, gen_s, dbytes, gpu_memory)

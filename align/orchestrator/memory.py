@@ -106,9 +106,10 @@ def training_variant(lora, mode: str, dtype: str, precision: str, on_gpu: bool,
     weights under bf16 autocast where they are fp32 (`dtype: float32`, or `auto`: the stage process's
     weights_dtype), and bf16 under DeepSpeed (its bf16 engine casts the model, whatever `dtype` loaded it as, and
     accelerate leaves autocast off) or with `dtype: bfloat16`. LoRA: under DeepSpeed base and adapters in bf16
-    (ZeRO-1/2 casts every parameter; under ZeRO-3 the adapters keep the base's dtype), outside it fp32 under
-    autocast, a 16-bit base with fp32 adapters under autocast (peft's autocast_adapter_dtype), QLoRA measured as
-    that (its 4-bit base's other parameters are fp32), fp32 in fp32. `dropout_runs`: see lora_spec."""
+    (ZeRO-1/2 casts every parameter; under ZeRO-3 the adapters keep the base's dtype), outside it a 16-bit base
+    (`dtype: auto` loads a LoRA base in bf16: weights_dtype) with fp32 adapters under autocast (peft's
+    autocast_adapter_dtype), fp32 under autocast with `dtype: float32`, QLoRA measured as a 16-bit base (its 4-bit
+    base's other parameters are fp32), fp32 in fp32. `dropout_runs`: see lora_spec."""
     cls, base = variant_class(lora, mode, dtype, precision, on_gpu)
     return (lora_key(lora_spec(lora, dropout_runs), cls) if lora is not None else base), base
 
@@ -121,7 +122,7 @@ def variant_class(lora, mode: str, dtype: str, precision: str, on_gpu: bool) -> 
     base = "autocast" if fp32_weights else "bf16"
     if lora is None:
         return None, base
-    if lora.quantize == "4bit" or (mode == "ddp" and not fp32_weights):
+    if lora.quantize == "4bit" or (mode == "ddp" and dtype != "float32"):
         return "bf16+fp32 adapters", "bf16"
     return ("bf16" if mode != "ddp" else base), base
 

@@ -93,24 +93,26 @@ class StageContext:
         return str(self.input_dir(stage_name) / "model")
 
     # ------------------------------------------------------------------ models
-    def weights_dtype(self, frozen: bool) -> str:
+    def weights_dtype(self, frozen: bool, lora: bool = False) -> str:
         """The pipeline's `dtype`, with `auto` resolved for this process: bfloat16 where the stage computes in bf16
-        on a GPU, for a frozen model (run forward only), and for a trained one under DeepSpeed, whose optimiser keeps
-        fp32 master weights; float32 for a trained model outside DeepSpeed (fp32 weights under bf16 autocast: mixed
-        precision) and everywhere on a CPU."""
+        on a GPU, for a frozen model (run forward only), a LoRA base (`lora`: frozen too; its adapters and whatever
+        else it trains are fp32, align/modeling/lora.py fp32_trainables) and a model trained under DeepSpeed, whose
+        optimiser keeps fp32 master weights; float32 for a model trained whole outside DeepSpeed (fp32 weights under
+        bf16 autocast: mixed precision) and everywhere on a CPU."""
         if self.pipeline.dtype != "auto":
             return self.pipeline.dtype
         bf16 = self.compute.device.type == "cuda" and self.compute.mixed_precision == "bf16"
         deepspeed = str(self.state.distributed_type).endswith("DEEPSPEED")
-        return "bfloat16" if bf16 and (frozen or deepspeed) else "float32"
+        return "bfloat16" if bf16 and (frozen or lora or deepspeed) else "float32"
 
-    def load_lm(self, path: str, device: bool = False, quantize: str = "none", frozen: bool = False):
-        """A causal LM in the pipeline's dtype (`frozen`: only run forward; see `weights_dtype`) and attention kernel
-        (moved to this process's device if asked: stages that do not hand the model to accelerate or a Trainer);
-        `quantize: 4bit` for a QLoRA base."""
+    def load_lm(self, path: str, device: bool = False, quantize: str = "none", frozen: bool = False,
+                lora: bool = False):
+        """A causal LM in the pipeline's dtype (`frozen`: only run forward; `lora`: the base of LoRA adapters; see
+        `weights_dtype`) and attention kernel (moved to this process's device if asked: stages that do not hand the
+        model to accelerate or a Trainer); `quantize: 4bit` for a QLoRA base."""
         from align.modeling.models import load_causal_lm  # heavy: stage processes only
 
-        model = load_causal_lm(path, self.weights_dtype(frozen), self.pipeline.trust_remote_code, quantize,
+        model = load_causal_lm(path, self.weights_dtype(frozen, lora), self.pipeline.trust_remote_code, quantize,
                                **self.compute.model_kwargs())
         return self._loaded(path, model, device, frozen)
 
@@ -130,7 +132,7 @@ class StageContext:
         return load_tokenizer(path, self.pipeline.trust_remote_code)
 
     def load_scalar(self, path: str, pad_token_id: int | None, device: bool = False, quantize: str = "none",
-                    frozen: bool = False):
+                    frozen: bool = False, lora: bool = False):
         """A scalar model (sequence classification, one output), like `load_lm`. A scalar head that the
         checkpoint does not hold (a scalar model started from a language model) is initialised
         from the stage's seed alone, on a forked RNG: the same seed gives the same head in every run, and the
@@ -141,8 +143,8 @@ class StageContext:
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            model = load_scalar_model(path, pad_token_id, self.weights_dtype(frozen), self.pipeline.trust_remote_code,
-                                      quantize, **self.compute.model_kwargs())
+            model = load_scalar_model(path, pad_token_id, self.weights_dtype(frozen, lora),
+                                      self.pipeline.trust_remote_code, quantize, **self.compute.model_kwargs())
         return self._loaded(path, model, device, frozen)
 
     # ------------------------------------------------------------------ tracking

@@ -280,6 +280,9 @@ def train_with_resume(ctx: StageContext, trainer) -> dict[str, Any]:
     plugin = trainer.accelerator.state.deepspeed_plugin
     if plugin is not None:  # buckets sized from the model, not DeepSpeed's 5e8 (align/runtime/zero_buffers.py)
         width_sized(plugin.deepspeed_config, widest(trainer.model))
+    elif ctx.compute.dtype is not None:  # under autocast, before train() builds the optimiser over them
+        from align.modeling.lora import fp32_trainables  # heavy: stage processes only
+        fp32_trainables(trainer.model)
     trainer.add_callback(_stop_at_max_steps(ctx.name))
     trainer.add_callback(durable_checkpoints(ctx, ctx.cfg.save_total_limit))
     start = time.monotonic()
@@ -389,7 +392,7 @@ def policy_and_reference(ctx: StageContext, path: str, lora_settings):
     free. Call after the TRL config: under ZeRO-3 they are partitioned as they load."""
     from align.modeling.lora import peft_config
 
-    model = ctx.load_lm(path, quantize=lora_settings.quantize)
+    model = ctx.load_lm(path, quantize=lora_settings.quantize, lora=lora_settings.enabled)
     lora = peft_config(lora_settings, "CAUSAL_LM")
     ref = None if lora is not None else ctx.load_lm(path, frozen=True)
     padding_free(ctx, model, ref)

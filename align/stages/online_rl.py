@@ -292,7 +292,7 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
                          num_iterations=cfg.num_iterations, epsilon=cfg.epsilon, reward_weights=weights,
                          disable_dropout=True,  # old and new log-probs agree, as in PPO
                          trust_remote_code=ctx.pipeline.trust_remote_code, log_completions=False, **algorithm_args)
-    model = ctx.load_lm(path, quantize=cfg.lora.quantize)
+    model = ctx.load_lm(path, quantize=cfg.lora.quantize, lora=cfg.lora.enabled)
     args.generation_kwargs = plain_generation_kwargs(ctx, model)  # read by the trainer as it starts
     padding_free(ctx, model, left_padded=True)
     rollouts, reference = open_engine(ctx, cfg, tokenizer, path), None

@@ -40,7 +40,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     args = training_args(RewardConfig, cfg, ctx, center_rewards_coefficient=cfg.center_rewards_coefficient,
                          eval_strategy="no", liger_kernel_config=SCALAR_LIGER)
     # after the config: partitioned as it loads under ZeRO-3
-    model = ctx.load_scalar(path, tokenizer.pad_token_id, quantize=cfg.lora.quantize)
+    model = ctx.load_scalar(path, tokenizer.pad_token_id, quantize=cfg.lora.quantize, lora=cfg.lora.enabled)
     padding_free(ctx, model)
     columns = ("prompt", "chosen", "rejected")
     trainer = RewardTrainer(model=model, args=args, processing_class=tokenizer, callbacks=[metrics_callback(ctx)],

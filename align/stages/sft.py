@@ -81,7 +81,7 @@ def load_start(ctx: StageContext, cfg: SFTStage, rows: list[dict[str, Any]], cha
     if cfg.model != "base":
         path = ctx.input_model(cfg.model)
         tok = ctx.load_tokenizer(path)
-        model = ctx.load_lm(path, quantize=cfg.lora.quantize)
+        model = ctx.load_lm(path, quantize=cfg.lora.quantize, lora=cfg.lora.enabled)
         before = len(tok)
         if chat and not tok.chat_template and template is not None:  # an upstream stage trained on plain text
             templates.install(tok, template)
@@ -98,9 +98,9 @@ def load_start(ctx: StageContext, cfg: SFTStage, rows: list[dict[str, Any]], cha
             templates.install(tok, template)
         return build_builtin(p.builtin, tok, ctx.seed, ctx.compute.attn_implementation), tok, []
     tok = ctx.load_tokenizer(p.tokenizer or p.base_model)
-    model = ctx.load_lm(p.base_model, quantize=cfg.lora.quantize)
+    model = ctx.load_lm(p.base_model, quantize=cfg.lora.quantize, lora=cfg.lora.enabled)
     if gguf.is_gguf(p.base_model):
-        ctx.extra_manifest["base_model_format"] = gguf.describe(p.base_model) + f" into {ctx.weights_dtype(frozen=False)}"
+        ctx.extra_manifest["base_model_format"] = gguf.describe(p.base_model) + f" into {ctx.weights_dtype(False, cfg.lora.enabled)}"
     before = len(tok)
     if install:
         templates.install(tok, template)

@@ -113,10 +113,11 @@ def load_trained(ctx: StageContext, cfg: PPOStage, accelerator, pad_id: int, rew
     lora = cfg.lora
     quantize = lora.quantize if lora.enabled else "none"
     policy_path = ctx.input_model(cfg.policy)
-    policy = ctx.load_lm(policy_path, quantize=quantize)
+    mixed = ctx.compute.dtype is not None  # adapters and the value head's copy trained in fp32 under autocast
+    policy = ctx.load_lm(policy_path, quantize=quantize, lora=lora.enabled)
     policy.generation_config.pad_token_id = pad_id
     if lora.enabled:
-        policy = add_adapters(policy, lora, "CAUSAL_LM", zero3=is_zero3(accelerator))
+        policy = add_adapters(policy, lora, "CAUSAL_LM", zero3=is_zero3(accelerator), autocast=mixed)
     if cfg.gradient_checkpointing:
         checkpointed(policy)
     if cfg.value_init == "shared":  # a value head on the policy's trunk, starting at V = 0
@@ -128,11 +129,11 @@ def load_trained(ctx: StageContext, cfg: PPOStage, accelerator, pad_id: int, rew
         torch.nn.init.zeros_(head.bias)
         return PolicyAndValue(disable_dropout(policy), value_head=head)
     value_path = ctx.input_model(reward_stages[0]) if cfg.value_init == "reward" else policy_path
-    value = ctx.load_scalar(value_path, pad_id, quantize=quantize)
+    value = ctx.load_scalar(value_path, pad_id, quantize=quantize, lora=lora.enabled)
     if cfg.gradient_checkpointing:
         checkpointed(value)
     if lora.enabled:
-        value = add_adapters(value, lora, "SEQ_CLS", zero3=is_zero3(accelerator))
+        value = add_adapters(value, lora, "SEQ_CLS", zero3=is_zero3(accelerator), autocast=mixed)
     return PolicyAndValue(disable_dropout(policy), disable_dropout(value))
 
 
