@@ -34,6 +34,8 @@ def test_two_nodes_rendezvous_on_localhost_and_finish_a_stage(workdir):
     stage = workdir / "runs" / "default" / "nodes" / "sft"
     manifest = json.loads((stage / "manifest.json").read_text())
     assert manifest["status"] == "completed" and manifest["world_size"] == 2 and manifest["global_step"] == 6
+    worker_log = (stage / "stage.node1.log").read_text()  # on the shared run directory, not the worker's /tmp
+    assert "train_runtime" in worker_log and "Traceback" not in worker_log, worker_log[-2000:]
     steps = [json.loads(x)["step"] for x in (stage / "metrics.jsonl").read_text().splitlines() if "train/loss" in x]
     assert steps == [5, 6]  # each logged once, by the global main process (6: the last step's loss window)
     from transformers import AutoModelForCausalLM

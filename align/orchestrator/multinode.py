@@ -1,13 +1,13 @@
 """Multi-node runs: one `align run` per machine against one run directory on a shared filesystem.
 
 Node 0 writes everything (specs, manifests, outputs) and holds the run lock; other nodes launch their share of
-each distributed stage, skip stages that run on one process, and wait for node 0 to record each stage.
+each distributed stage (each writing only its own log there, `stage.node<R>.log`), skip stages that run on one
+process, and wait for node 0 to record each stage.
 """
 
 from __future__ import annotations
 
 import socket
-import tempfile
 import time
 from pathlib import Path
 
@@ -105,7 +105,8 @@ def await_start(plan: StagePlan, stage_dir: Path, multi: MultiNode) -> Path:
 def follow_stage(plan: StagePlan, stage_dir: Path, header: str, source: str | Path, num_processes: int | None,
                  multi: MultiNode) -> None:
     """A worker node's part of one stage: launch its processes for a distributed stage (reading the spec node 0
-    wrote), or wait while node 0 runs a one-process stage. Writes nothing under the run directory."""
+    wrote), or wait while node 0 runs a one-process stage. Writes nothing under the run directory but its log,
+    `stage.node<R>.log` beside node 0's stage.log (every node sees it there; it was in the node's own /tmp)."""
     if not is_distributed(plan.cfg, source):
         print(f"{header}: runs on node 0 only ({plan.cfg.accelerate}); waiting for it", flush=True)
         await_start(plan, stage_dir, multi)  # a stage node 0 never starts is not waited for without end
@@ -114,7 +115,7 @@ def follow_stage(plan: StagePlan, stage_dir: Path, header: str, source: str | Pa
     wait_for_master(multi, plan.name)
     spec_path = await_start(plan, stage_dir, multi)
     print(f"{header}: running on node {multi.node_rank} of {multi.nodes}", flush=True)
-    log = Path(tempfile.gettempdir()) / f"align-{plan.name}-node{multi.node_rank}.log"
+    log = stage_dir / f"stage.node{multi.node_rank}.log"
     cmd = launch_command(plan, spec_path, source, num_processes, multi)
     rc = stream_stage(lambda: warm.start_stage(cmd, stage_env(), warm_start=False, stage_dir=str(stage_dir)),
                       log, plan.name)
