@@ -963,6 +963,7 @@ def test_a_lora_base_is_counted_in_the_dtype_the_stage_loads_it(tiny_cfg, tiny_s
     assert frozen("ddp", "float32") == 4 * P_LM
     assert training_variant(sft.lora, "ddp", "auto", "auto", True)[0].endswith("bf16+fp32 adapters")
     assert training_variant(sft.lora, "ddp", "float32", "auto", True)[0].endswith("autocast")
+    assert training_variant(sft.lora, "ddp", "auto", "float16", True)[0].endswith("autocast")  # fp32 base, fp16 autocast
 
 
 def test_zero3_with_only_the_optimizer_offloaded_keeps_the_parameter_shards_on_the_gpus(tmp_path):

@@ -369,10 +369,11 @@ def test_every_parameter_lora_trains_over_a_16_bit_base_is_fp32(upstream, monkey
     from transformers import Trainer
 
     import align.stages.reward as reward
-    from align.modeling.lora import add_adapters
+    from align.modeling.lora import add_adapters, fp32_trainables, merged_for_saving
     from align.modeling.models import load_scalar_model
 
     lora = LoraSettings(enabled=True, r=4, alpha=8, target_modules=list(TARGETS))
+
     def value(autocast):
         model = load_scalar_model(str(upstream / "reward" / "model"), None, "bfloat16")
         return add_adapters(model, lora, "SEQ_CLS", autocast=autocast)
@@ -381,6 +382,17 @@ def test_every_parameter_lora_trains_over_a_16_bit_base_is_fp32(upstream, monkey
     assert any("score" in n for n in trained) and set(trained.values()) == {torch.float32}, trained
     assert {p.dtype for p in value(True).parameters() if not p.requires_grad} == {torch.bfloat16}
     assert {p.dtype for n, p in value(False).named_parameters() if "score" in n} == {torch.bfloat16}
+    # model/ in one dtype: the fp32 head copy merged beside the bf16 base made a mix
+    merged = merged_for_saving(value(True), lora, "bfloat16")
+    assert {p.dtype for p in merged.parameters()} == {torch.bfloat16}
+    # QLoRA: TRL casts the adapters to bf16 on purpose (kept), the head copy too (upcast: Adam on it in fp32)
+    qlora = value(False)
+    qlora.base_model.model.is_loaded_in_4bit = True
+    for param in qlora.parameters():
+        param.data = param.data.to(torch.bfloat16) if param.requires_grad else param.data  # as TRL leaves QLoRA's
+    kinds = {("score" if "modules_to_save" in n else "lora"): p.dtype
+             for n, p in fp32_trainables(qlora).named_parameters() if p.requires_grad}
+    assert kinds == {"score": torch.float32, "lora": torch.bfloat16}, kinds
 
     seen = {}
     real = Trainer.create_optimizer

@@ -76,13 +76,16 @@ def fp32_trainables(model):
     upcasts LoRA's A and B and trainable token rows, but not a `modules_to_save` copy (a reward or value model's
     scalar head, the head a chat template's new tokens train), which outside DeepSpeed (no fp32 master weights)
     would take Adam's updates in bf16, most of them rounded away. Only under autocast, where they compute in bf16 as
-    the rest (without it the copy's fp32 weight would meet its base's 16-bit inputs); not for QLoRA under TRL (it
-    keeps adapters bf16 on purpose, after the QLoRA paper) nor under DeepSpeed (its own master weights; ZeRO-3
-    gathers one dtype). Anything but a PeftModel (a model trained whole) is left as it is."""
-    if not hasattr(model, "peft_config") or getattr(model, "is_loaded_in_4bit", False):
+    the rest (without it the copy's fp32 weight would meet its base's 16-bit inputs), and not under ZeRO-3 (it
+    gathers one dtype; ZeRO-1/2's bf16 engine casts every parameter itself). QLoRA's adapters stay as TRL casts them
+    (bf16, after the QLoRA paper), its head copies and token rows too are fp32. Anything but a PeftModel (a model
+    trained whole) is left as it is."""
+    if not hasattr(model, "peft_config"):
         return model
-    for param in model.parameters():
-        if param.requires_grad and param.dtype in (torch.bfloat16, torch.float16):
+    quantized = getattr(model, "is_loaded_in_4bit", False)
+    for name, param in model.named_parameters():
+        if param.requires_grad and param.dtype in (torch.bfloat16, torch.float16) and \
+                (not quantized or "modules_to_save" in name or "trainable_tokens" in name):
             param.data = param.data.float()
     return model
 
@@ -115,7 +118,7 @@ def merged_for_saving(peft_model, lora: LoraSettings, dtype: str, gathered: dict
     if gathered is not None:
         return merged_from_gathered(peft_model, gathered)
     if not getattr(peft_model, "is_loaded_in_4bit", False):
-        return peft_model.merge_and_unload()
+        return in_one_dtype(peft_model.merge_and_unload())
     config = peft_model.peft_config[peft_model.active_adapter]
     path, task = config.base_model_name_or_path, getattr(config.task_type, "value", config.task_type)
     with unsharded_loading():
@@ -123,6 +126,21 @@ def merged_for_saving(peft_model, lora: LoraSettings, dtype: str, gathered: dict
             load_causal_lm(path, dtype, trust_remote_code)
     _as_trained(base, peft_model.get_base_model())
     return merged_lora_model(base, lora, task, peft_model.state_dict(), config)
+
+
+def in_one_dtype(model):
+    """A merged model with every floating weight in the dtype most of its weights have: the fp32 copies LoRA trained
+    beside a 16-bit base (a scalar or LM head: fp32_trainables) made model/ a mix, its config naming the first
+    weight's dtype (~1 GB more at 8B for the head). Weights only: buffers (RoPE's) stay as the model keeps them."""
+    sizes: dict[torch.dtype, int] = {}
+    for param in model.parameters():
+        if param.is_floating_point():
+            sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
+    dtype = max(sizes, key=sizes.__getitem__, default=None)
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    return model
 
 
 def plain_embeddings(model):

@@ -122,7 +122,8 @@ def variant_class(lora, mode: str, dtype: str, precision: str, on_gpu: bool) -> 
     base = "autocast" if fp32_weights else "bf16"
     if lora is None:
         return None, base
-    if lora.quantize == "4bit" or (mode == "ddp" and dtype != "float32"):
+    base_16bit = dtype in ("bfloat16", "float16") or (dtype == "auto" and precision in ("auto", "bfloat16"))
+    if lora.quantize == "4bit" or (mode == "ddp" and base_16bit):
         return "bf16+fp32 adapters", "bf16"
     return ("bf16" if mode != "ddp" else base), base
 

@@ -112,8 +112,9 @@ class StageContext:
         model to accelerate or a Trainer); `quantize: 4bit` for a QLoRA base."""
         from align.modeling.models import load_causal_lm  # heavy: stage processes only
 
-        model = load_causal_lm(path, self.weights_dtype(frozen, lora), self.pipeline.trust_remote_code, quantize,
-                               **self.compute.model_kwargs())
+        # QLoRA's base: loaded as a model trained whole, the 4-bit quantisation and peft's fp32 copies of the rest
+        model = load_causal_lm(path, self.weights_dtype(frozen, lora and quantize == "none"),  # from its weights
+                               self.pipeline.trust_remote_code, quantize, **self.compute.model_kwargs())
         return self._loaded(path, model, device, frozen)
 
     def _loaded(self, path: str, model, device: bool, frozen: bool):
@@ -143,7 +144,7 @@ class StageContext:
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            model = load_scalar_model(path, pad_token_id, self.weights_dtype(frozen, lora),
+            model = load_scalar_model(path, pad_token_id, self.weights_dtype(frozen, lora and quantize == "none"),
                                       self.pipeline.trust_remote_code, quantize, **self.compute.model_kwargs())
         return self._loaded(path, model, device, frozen)
 

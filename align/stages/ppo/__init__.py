@@ -177,8 +177,10 @@ def setup(ctx: StageContext) -> PPORun:
         ctx.note(attention_left_sdpa=why)
         if ctx.is_main:
             print(f"[align] {ctx.name}: {why}", flush=True)
-    half = is_flash(attention_kernel(policy))  # flash attention runs in half precision only: its probe under the
-    with accelerator.autocast() if half else nullcontext():  # training autocast; every other kernel's in fp32 (exact)
+    # flash attention runs in half precision only, and a head of 16-bit weights (a LoRA base, DeepSpeed's bf16 cast)
+    # computes in it: their probe under the training autocast, its tolerance a bf16 rounding; else fp32 (exact)
+    half = is_flash(attention_kernel(policy)) or policy.get_output_embeddings().weight.dtype != torch.float32
+    with accelerator.autocast() if half else nullcontext():
         heads = fused_head(cfg, policy, reference, HALF_TOLERANCE if half else FUSED_TOLERANCE)
     # as resolved on this machine: the attention kernel the policy runs (attn_implementation auto: transformers' pick)
     ctx.note(kernels={"fused_head": heads, "attention": attention_kernel(policy),
