@@ -21,11 +21,23 @@ def test_every_pair_that_is_not_a_tie_higher_score_chosen():
     assert [(p["chosen"], p["rejected"]) for p in got] == [("w", "x"), ("z", "w"), ("y", "x"), ("z", "x"),
                                                             ("z", "y")]
     assert all(p["prompt"] == "p" and p["score_chosen"] - p["score_rejected"] >= 0.1 for p in got)
-    # identical texts are dropped whatever their scores; two samples give at most one pair
+    # identical texts are no pair whatever their scores, and a text sampled twice counts once, as first sampled:
+    # [A, A, B] wrote the pair of A and B twice (weighing it double), and both ways round where the copies' scores
+    # straddle B's
     assert all_pairs("p", ["a", "a", "b"], [0.0, 1.0, 2.0], 0.1) == [
-        {"prompt": "p", "chosen": "b", "rejected": "a", "score_chosen": 2.0, "score_rejected": 0.0},
-        {"prompt": "p", "chosen": "b", "rejected": "a", "score_chosen": 2.0, "score_rejected": 1.0}]
+        {"prompt": "p", "chosen": "b", "rejected": "a", "score_chosen": 2.0, "score_rejected": 0.0}]
+    assert [(p["chosen"], p["rejected"]) for p in all_pairs("p", ["a", "b", "a"], [0.0, 1.0, 3.0], 0.1)] == [("b", "a")]
     assert len(all_pairs("p", ["a", "b"], [0.0, 1.0], 0.1)) == 1
+
+
+def test_equal_scores_are_a_tie_at_min_margin_0():
+    """`min_margin: 0` is allowed; an exact tie (VADER scores neutral text 0.0) was a pair then, its chosen side the
+    earlier sample by position alone: coin-flip labels for the reward model. Equal scores are a tie at any margin."""
+    assert pair_up("p", ["a", "b", "c"], [0.0, 0.0, 0.0], 0.0) is None
+    assert all_pairs("p", ["a", "b", "c"], [0.0, 0.0, 0.25], 0.0) == [
+        {"prompt": "p", "chosen": "c", "rejected": "a", "score_chosen": 0.25, "score_rejected": 0.0},
+        {"prompt": "p", "chosen": "c", "rejected": "b", "score_chosen": 0.25, "score_rejected": 0.0}]
+    assert pair_up("p", ["a", "b"], [0.0, 0.25], 0.25)["chosen"] == "b"  # a margin equal to min_margin is a pair
 
 
 def test_pairs_that_render_identically_through_the_template_are_dropped_or_refused():
@@ -105,9 +117,44 @@ def test_the_policy_is_freed_before_a_pairwise_judge_loads(tmp_path, monkeypatch
     monkeypatch.setattr(preferences, "judge_pairwise", judge_pairwise)
     compute = SimpleNamespace(fast_generation=lambda fast: False, engine_dtype=lambda: "float32",
                               autocast=contextlib.nullcontext, device=torch.device("cpu"))
-    ctx = SimpleNamespace(load_lm=load_lm, compute=compute, seed=seed, dir=tmp_path, progress=lambda *a: None,
+    ctx = SimpleNamespace(load_lm=load_lm, compute=compute, seed=seed, dir=tmp_path, progress=lambda *a: None, name="p",
                           state=SimpleNamespace(process_index=0, num_processes=1), note_engine=lambda e: None)
     cfg = SimpleNamespace(generation=Generation(batch_size=4, max_new_tokens=3), judge=None, samples_per_prompt=2,
                           pairwise=object())
     records, _, _ = preferences.sample_records(ctx, cfg, tok, list(TEXTS), str(base))
     assert seen == [([True], len(TEXTS))] and all(len(r["responses"]) == 2 for r in records)
+
+
+def test_each_round_of_iterated_dpo_samples_with_its_own_random_numbers(tmp_path, monkeypatch):
+    """pairs1, pairs2, ... share the pipeline's seed: every round sampled with round 1's random numbers (the same
+    tokens wherever DPO had moved the policy little). The stage's name is in its sampling seed now: one stage samples
+    the same texts each time it runs, another stage from the same policy others."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from align.config import Generation
+    from align.modeling.models import load_causal_lm, load_tokenizer
+    from align.stages import preferences
+    from families import TEXTS, build
+
+    seed = 29
+    print("seed", seed)
+    torch.manual_seed(seed)
+    base, tok_dir = build("llama", tmp_path / "llama", seed=seed)
+    tok = load_tokenizer(str(tok_dir))
+    monkeypatch.setattr(preferences, "judge_pairwise", lambda ctx, cfg, records: None)
+    compute = SimpleNamespace(fast_generation=lambda fast: False, engine_dtype=lambda: "float32",
+                              autocast=contextlib.nullcontext, device=torch.device("cpu"))
+    cfg = SimpleNamespace(generation=Generation(batch_size=8, max_new_tokens=6), judge=None, samples_per_prompt=2,
+                          pairwise=object())
+
+    def samples(name):
+        ctx = SimpleNamespace(load_lm=lambda path, device=False, frozen=False: load_causal_lm(path), compute=compute,
+                              seed=seed, dir=tmp_path, progress=lambda *a: None, name=name, note_engine=lambda e: None,
+                              state=SimpleNamespace(process_index=0, num_processes=1))
+        return [r["responses"] for r in preferences.sample_records(ctx, cfg, tok, list(TEXTS), str(base))[0]]
+
+    first = samples("pairs1")
+    assert samples("pairs1") == first and samples("pairs2") != first

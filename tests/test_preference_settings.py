@@ -40,6 +40,10 @@ PAIRWISE = "preferences.pairwise={name: j, model: m, base_url: 'http://127.0.0.1
     # settings left out of the fingerprint, and epochs under max_steps (2026-11-30 probe: twins that validated)
     (["dpo.sweep={save_steps: [5, 10]}"], ["stages.dpo.sweep.save_steps:", "left out of its fingerprint"]),
     (["dpo.max_steps=20", "dpo.sweep={epochs: [1, 2]}"], ["stages.dpo.sweep.epochs:", "max_steps is set"]),
+    # a trainer's max_length that no reply of its preferences stage fits in, after any prompt: refused after sampling
+    (["dpo.max_length=32"], ["stages.dpo.max_length: 32 cannot hold a reply of stages.preferences.generation."
+                             "max_new_tokens (32 tokens)", "raise max_length"]),
+    (["reward.max_length=24"], ["stages.reward.max_length: 24 cannot hold a reply"]),
 ])
 def test_preference_settings_that_would_not_train_as_asked_are_refused(overrides, needles, capsys):
     rc, out = validate(capsys, DEFAULT, *overrides)

@@ -87,6 +87,17 @@ class PreferencesStage(StageBase):
             raise ValueError(f"test_fraction: {self.test_fraction} of {n} prompts ({card} split '{self.split}') "
                              f"holds out {held}: no {which} pairs would be written; {fix}")
 
+    def pipeline_problems(self, name: str, stages: dict[str, StageBase]) -> list[str]:
+        """A stage training on these pairs whose `max_length` cannot hold a reply of `generation.max_new_tokens`
+        after any prompt: it drops or cuts such pairs, and refuses once too many are (after this stage sampled)."""
+        tokens = self.generation.max_new_tokens
+        return [f"stages.{other}.max_length: {st.max_length} cannot hold a reply of stages.{name}.generation."
+                f"max_new_tokens ({tokens} tokens) after any prompt: {st.TYPE} would drop or cut such pairs (refusing "
+                f"after {name} has sampled once more than max_truncated_fraction are); raise max_length above "
+                "max_new_tokens plus the prompts' length, or lower max_new_tokens"
+                for other, st in stages.items() if name in st.references(DATA)
+                and isinstance(getattr(st, "max_length", None), int) and tokens >= st.max_length]
+
     def unread_settings(self) -> dict[str, str]:
         if self.pairwise is None:
             return {}

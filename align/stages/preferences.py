@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import random
 import time
+import zlib
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,10 @@ OUTPUTS = ["data"]
 
 
 def _tie(responses: list[str], scores: list[float], hi: int, lo: int, min_margin: float) -> bool:
-    """Samples `hi` and `lo` make no comparison: scores closer than min_margin, or the same text."""
-    return scores[hi] - scores[lo] < min_margin or responses[hi] == responses[lo]
+    """Samples `hi` and `lo` make no comparison: scores closer than min_margin, equal scores whatever min_margin (at
+    `min_margin: 0` an exact tie was a pair, its chosen side picked by sample order alone), a NaN, or the same text."""
+    margin = scores[hi] - scores[lo]
+    return not (margin > 0 and margin >= min_margin) or responses[hi] == responses[lo]
 
 
 def pair_up(prompt: str, responses: list[str], scores: list[float], min_margin: float) -> dict[str, Any] | None:
@@ -48,8 +51,12 @@ def pair_up(prompt: str, responses: list[str], scores: list[float], min_margin: 
 
 
 def all_pairs(prompt: str, responses: list[str], scores: list[float], min_margin: float) -> list[dict[str, Any]]:
-    """Every (chosen, rejected) pair of one prompt's samples, the higher-scored chosen, in sample order; pairs
-    whose scores differ by less than min_margin, or whose texts are identical, are ties and left out."""
+    """Every (chosen, rejected) pair of one prompt's distinct samples, the higher-scored chosen, in sample order;
+    pairs whose scores differ by less than min_margin, or whose texts are identical, are ties and left out. A text
+    sampled twice counts once, as first sampled (from [A, A, B] the pair of A and B was written twice, weighing it
+    double; a judge scoring the copies apart could write it both ways round)."""
+    first = [i for i, text in enumerate(responses) if text not in responses[:i]]
+    responses, scores = [responses[i] for i in first], [scores[i] for i in first]
     out = []
     for i in range(len(scores)):
         for j in range(i + 1, len(scores)):
@@ -81,6 +88,14 @@ def judge_pairwise(ctx: StageContext, cfg: PreferencesStage, records: list[dict[
         r["scores"], r["verdicts"], r["outcome"] = value[res["outcome"]], res["answers"], res["outcome"]
 
 
+def sampling_seed(ctx: StageContext) -> int:
+    """The seed the stage's sampling starts from: its seed and its name. Iterated DPO's rounds (pairs1, pairs2, ... on
+    one pipeline seed) drew every round's samples with round 1's random numbers, so where DPO moved a token's
+    distribution little the same token came out again; the held-out prompts stay the seed's alone (the same ones
+    every round)."""
+    return ctx.seed * 1_000_003 + zlib.crc32(ctx.name.encode())
+
+
 def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts: list[str],
                    path: str) -> tuple[list[dict[str, Any]], dict[str, float], float]:
     """`samples_per_prompt` responses to every prompt (this process's share) with their judge's scores (pairwise
@@ -95,7 +110,7 @@ def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts:
     per_batch = max(1, gen.batch_size // n)
     rank = ctx.state.process_index
     engine = make_engine(gen, model=policy, tokenizer=tokenizer, model_dir=path,
-                         fast=ctx.compute.fast_generation(gen.fast), seed=ctx.seed * 1_000_003 + rank,
+                         fast=ctx.compute.fast_generation(gen.fast), seed=sampling_seed(ctx) + rank,
                          dtype=ctx.compute.engine_dtype(),
                          max_model_len=longest_prompt(tokenizer, prompts) + gen.max_new_tokens + 1,
                          log_path=ctx.dir / f"engine.rank{rank}.log", device=ctx.compute.device)
@@ -112,7 +127,7 @@ def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts:
             flat, ended = [p for _, p in batch for _ in range(n)], []
             with ctx.compute.autocast():
                 texts, scores = sample_texts(engine, tokenizer, flat, cfg.generation,
-                                             seed=ctx.seed * 1_000_003 + batch[0][0], counts=counts,
+                                             seed=sampling_seed(ctx) + batch[0][0], counts=counts,
                                              score=None if judge is None else
                                              lambda r, ps: judge.score_rollout(r, ps, tokenizer), ended=ended)
             for j, (idx, prompt) in enumerate(batch):
@@ -207,9 +222,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
              "preferences/unfinished_samples": sum(not e for r in records for e in r["ended"]),
              "preferences/prompts_unfinished": cut,
              "preferences/all_pairs_train": len(splits["train_all_pairs"]),
-             "preferences/mean_margin": sum(margins) / len(margins),
-             "objective/scores": sum(all_scores) / len(all_scores),
              "perf/generated_tokens": generated, "perf/generation_seconds": sampling,
              "perf/sampling_seconds": seconds, "perf/tokens_per_s": generated / sampling if sampling else None}
+    if cfg.pairwise is None:
+        final.update({"preferences/mean_margin": sum(margins) / len(margins),
+                      "objective/scores": sum(all_scores) / len(all_scores)})
+    else:  # 1 vs 0 or 0.5 each: a margin of 1 and a mean score of 0.5 always; what the judge decided instead
+        judged = [r["outcome"] for r in records if r["outcome"] != "unfinished"]
+        final.update({f"preferences/pairwise_{k}": sum(o in kinds for o in judged) / len(judged) for k, kinds in
+                      (("decided", ("win", "loss")), ("ties", ("tie",)), ("invalid", ("invalid",)))})
     ctx.log(final, step=0)
     return final
