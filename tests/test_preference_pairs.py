@@ -158,3 +158,40 @@ def test_each_round_of_iterated_dpo_samples_with_its_own_random_numbers(tmp_path
 
     first = samples("pairs1")
     assert samples("pairs1") == first and samples("pairs2") != first
+
+
+def test_prompts_that_leave_no_room_for_a_reply_within_the_models_positions_are_dropped_and_counted(tmp_path):
+    """Preferences and evaluate sampled every prompt whatever its length: past the model's positions a RoPE model
+    samples from positions it never learned (nothing refuses) and the vllm engine refuses to start after loading.
+    They are dropped and counted now, as PPO drops prompts over max_prompt_length; a published adapter is sized by
+    its base; none left fails the stage."""
+    import json
+    from types import SimpleNamespace
+
+    import pytest
+
+    from align.modeling.models import ADAPTER_BASE, load_tokenizer
+    from align.runtime.context import StageError
+    from align.runtime.rows import prompts_within_positions
+    from families import TEXTS, build
+
+    base, tok_dir = build("llama", tmp_path / "llama")
+    tok = load_tokenizer(str(tok_dir))
+    config = json.loads((base / "config.json").read_text())
+    config["max_position_embeddings"] = 24
+    (base / "config.json").write_text(json.dumps(config))
+    lengths = [len(tok(t)["input_ids"]) for t in TEXTS]
+    room = 24 - sorted(lengths)[1]  # the two shorter prompts fit with this many new tokens, the longest not
+    assert sorted(lengths)[1] < max(lengths)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / ADAPTER_BASE).write_text(json.dumps({"base_model": str(base), "task": "CAUSAL_LM"}))
+    for path in (base, adapter):
+        ctx = SimpleNamespace(pipeline=SimpleNamespace(trust_remote_code=False), extra_manifest={}, is_main=True,
+                              name="pairs")
+        kept = prompts_within_positions(ctx, list(TEXTS), tok, str(path), room)
+        assert kept == [t for t, n in zip(TEXTS, lengths) if n + room <= 24] and len(kept) == 2
+        assert ctx.extra_manifest["dropped_rows"] == {
+            f"prompt + generation.max_new_tokens ({room}) over the model's 24 positions": 1}
+    with pytest.raises(StageError, match=r"every prompt is too long to sample 24 tokens .* 24 positions"):
+        prompts_within_positions(ctx, list(TEXTS), tok, str(base), 24)

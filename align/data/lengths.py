@@ -13,6 +13,17 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+"""Where a model's config.json gives the longest sequence it accepts (the first one present counts)."""
+
+
+def config_positions(config: dict[str, Any] | None) -> int | None:
+    """The longest sequence a model accepts, from its config (a composite's text config where it has one), when
+    it says."""
+    parts = [(config or {}).get("text_config") or {}, config or {}]
+    return next((d[k] for d in parts if isinstance(d, dict) for k in POSITION_KEYS if isinstance(d.get(k), int)), None)
+
+
 class LengthError(ValueError):
     """Too many examples would be truncated or dropped by a stage's max_length."""
 

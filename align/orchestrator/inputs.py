@@ -35,6 +35,7 @@ from align.core.builtin import is_builtin
 from align.core.errors import TOKENIZER_SAVE_FIX
 from align.config import PipelineConfig
 from align.core.schema import ConfigError
+from align.data.lengths import config_positions
 from align.orchestrator.model_files import config_problem, model_dir_problem
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -300,10 +301,7 @@ def positions(cfg: PipelineConfig, config: dict[str, Any] | None) -> int | None:
     """The longest sequence the base model accepts, when known."""
     if is_builtin(cfg.base_model):
         return cfg.builtin.max_position_embeddings
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        if config and isinstance(config.get(key), int):
-            return config[key]
-    return None
+    return config_positions(config)
 
 
 def check_lengths_fit(cfg: PipelineConfig, source: str | Path, limit: int | None) -> None:

@@ -113,3 +113,44 @@ def load_prompts(ctx: StageContext, ref: str, split: str, limit: int | None = No
     if tokenizer is not None:
         rows = _rendered(ctx, rows, tokenizer, f"{ref} split '{split}'")
     return unique_prompts(rows)
+
+
+def prompts_within_positions(ctx: StageContext, prompts: list[str], tokenizer, model_path: str,
+                             new_tokens: int) -> list[str]:
+    """The prompts that leave `new_tokens` (generation.max_new_tokens) within the positions of the model at
+    `model_path`: the rest are dropped and counted (`dropped_rows`), as PPO drops prompts over max_prompt_length.
+    Past its positions a model samples from positions it never learned (RoPE refuses nothing) and the vllm engine
+    refuses to start, after loading; none left fails the stage. A model whose config says no limit keeps them all."""
+    limit = model_positions(model_path, ctx.pipeline.trust_remote_code)
+    if limit is None:
+        return prompts
+    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"]]
+    kept = [p for p, n in zip(prompts, lengths) if n + new_tokens <= limit]
+    if len(kept) < len(prompts):
+        why = f"prompt + generation.max_new_tokens ({new_tokens}) over the model's {limit} positions"
+        count_dropped(ctx, why, len(prompts) - len(kept))
+        if ctx.is_main:
+            print(f"[align] {ctx.name}: {len(prompts) - len(kept)} of {len(prompts)} prompts dropped: {why}", flush=True)
+    if not kept:
+        raise StageError(f"stage '{ctx.name}': every prompt is too long to sample {new_tokens} tokens after it within "
+                         f"the model's {limit} positions (the shortest has {min(lengths)} tokens); lower "
+                         "generation.max_new_tokens or use shorter prompts")
+    return kept
+
+
+def model_positions(path: str, trust_remote_code: bool = False) -> int | None:
+    """The longest sequence the model at `path` accepts (a published adapter: its base's), when its config says."""
+    import json
+
+    from align.data.lengths import config_positions
+    from align.modeling.models import adapter_base  # heavy: stage processes only
+
+    if (base := adapter_base(path)) is not None:
+        return model_positions(base["base_model"], trust_remote_code)
+    if (Path(path) / "config.json").is_file():
+        return config_positions(json.loads((Path(path) / "config.json").read_text(encoding="utf-8")))
+    try:  # a hub base: its config, cached where the base itself loads from
+        from transformers import AutoConfig  # heavy: loaded on use
+        return config_positions(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).to_dict())
+    except (OSError, ValueError):
+        return None

@@ -19,7 +19,7 @@ from align.report import frontier, seeds
 from align.report.markdown import all_judges, headline, write_report
 from align.config.evaluate import EvaluateStage
 from align.data.lengths import pairs_within
-from align.runtime.rows import load_prompts, load_rows
+from align.runtime.rows import load_prompts, load_rows, prompts_within_positions
 from align.engines import make_engine
 from align.engines.base import (RolloutEngine, all_gather_objects, check_gap, free_cached_memory, logprob_gap,
                                 nan_max, release)
@@ -230,6 +230,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     ref_path = ctx.input_model(cfg.reference)
     tokenizer = ctx.load_tokenizer(ref_path)
     prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer)  # conversations: rendered
+    prompts = prompts_within_positions(ctx, prompts, tokenizer, ref_path, cfg.generation.max_new_tokens)
     reference = ctx.load_lm(ref_path, device=True, frozen=True).eval()
     judges: dict[str, WeightedJudge] = {name: stage_judge(ctx, name) for name in cfg.judges}
     if cfg.reward:

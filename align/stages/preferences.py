@@ -23,7 +23,7 @@ from typing import Any
 
 
 from align.config.preferences import PreferencesStage
-from align.runtime.rows import load_prompts
+from align.runtime.rows import load_prompts, prompts_within_positions
 from align.engines import holds_own_copy, make_engine
 from align.engines.base import free_cached_memory
 from align.modeling.generation import by_length, longest_prompt, sample_texts
@@ -195,6 +195,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     path = ctx.input_model(cfg.policy)
     tokenizer = ctx.load_tokenizer(path)
     prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer)  # conversations: rendered
+    prompts = prompts_within_positions(ctx, prompts, tokenizer, path, cfg.generation.max_new_tokens)
     records, mine, t0 = sample_records(ctx, cfg, tokenizer, prompts, path)
     records = sorted(gather_object(records), key=lambda r: r["index"])
     if cfg.pairwise is not None:  # over every process's prompts: all of them stop here together, or none does
