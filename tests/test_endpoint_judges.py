@@ -103,10 +103,66 @@ def test_429_with_retry_after_is_waited_out_and_named_when_it_never_ends():
     from align.judges.endpoint import EndpointError
 
     t0 = time.monotonic()
-    with pytest.raises(EndpointError, match=r"rate limited \(HTTP 429 to 3 of 3 attempts.*max_retry_wait=1 s\); lower "
-                                            r"max_concurrency"):
+    with pytest.raises(EndpointError, match=r"rate limited \(HTTP 429 to 3 of 3 attempts.*max_retry_wait=1 s; last: "
+                                            r"HTTP 429: the server says 'slow down'\); lower max_concurrency"):
         backend(url, retries=2, max_retry_wait=1.0).ask("judge this")
     assert 1.9 <= time.monotonic() - t0 < 5  # two waits of max_retry_wait, not 600 s
+    server.shutdown()
+
+
+def test_429_without_retry_after_backs_off_as_asked_in_milliseconds_or_longer_than_for_a_fault():
+    """OpenAI and Azure send `retry-after-ms`, not Retry-After: it was ignored, and a 429 without either got the
+    fault back-off (0.5, 1, 2 s: 3.5 s in all, then "rate limited", naming a Retry-After never sent)."""
+    import random
+
+    seed = 20261130
+    print("seed", seed)
+    random.seed(seed)
+
+    def limited_once(header):
+        def behaviour(h, state):
+            if state["posts"] == 1:
+                return send(h, 429, {"error": {"message": "Rate limit reached"}}, header)
+            send(h, 200, ANSWER)
+        return behaviour
+
+    for header, least in (({"retry-after-ms": "1500"}, 1.45), ({}, 0.99)):  # no header: 2 s x U(0.5, 1), at least 1
+        server, state, url = serve(limited_once(header))
+        assert backend(url).ask("judge this") == "A"
+        assert state["posts"] == 2 and state["times"][1] - state["times"][0] >= least, (header, state["times"])
+        server.shutdown()
+
+
+def test_a_request_the_endpoint_refuses_is_that_pairs_invalid_answer_and_a_refusal_of_every_one_ends_it(tmp_path):
+    """One prompt a content filter refuses (HTTP 400) ended the whole judging, after every policy had sampled, and the
+    server's reason was dropped; max_invalid_fraction never applied. It is that pair's invalid answer now, quoting
+    the server, and not cached (a rerun asks again); a server that refuses every request (a parameter it does not
+    take) ends the judging after REFUSED_EVERY of them, quoting it."""
+    from align.config.settings import PairwiseJudge
+    from align.judges.endpoint import REFUSED_EVERY, EndpointError, Refused
+    from align.judges.pairwise import JudgeCache, PairwiseLLMJudge, parse_verdict
+
+    filtered = {"error": {"message": "The response was filtered due to the prompt triggering content management"}}
+
+    def some(h, state):
+        return send(h, 400, filtered) if state["posts"] % 2 == 0 else send(h, 200, ANSWER)
+
+    server, state, url = serve(some)
+    judge = PairwiseLLMJudge(PairwiseJudge(name="j", model="judge", base_url=url), backend(url, max_concurrency=1),
+                             "{prompt}|{response_a}|{response_b}", JudgeCache(tmp_path / "cache.jsonl"))
+    answers = judge.raw_answers(["p1", "p2", "p3", "p4"], ["a"] * 4, ["b"] * 4)
+    refused = [a for a in answers if isinstance(a, Refused)]
+    assert len(refused) == 2 and all(parse_verdict(a) is None and "filtered due to the prompt" in a for a in refused)
+    assert sorted(a for a in answers if not isinstance(a, Refused)) == ["A", "A"]
+    assert len(JudgeCache(tmp_path / "cache.jsonl").answers) == 2  # the refused ones are asked again by a rerun
+    server.shutdown()
+
+    unsupported = {"error": {"message": "Unsupported parameter: 'max_tokens'. Use 'max_completion_tokens' instead."}}
+    server, state, url = serve(lambda h, s: send(h, 400, unsupported))
+    with pytest.raises(EndpointError, match=rf"refused each of the first {REFUSED_EVERY} requests \(HTTP 400: the "
+                                            r"server says \"Unsupported parameter: 'max_tokens'"):
+        backend(url, max_concurrency=1).answers(["q"] * 40)
+    assert REFUSED_EVERY <= state["posts"] <= REFUSED_EVERY + 1  # (+1: the request in flight as it ended)
     server.shutdown()
 
 

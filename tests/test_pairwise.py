@@ -411,6 +411,13 @@ def test_a_local_judge_model_is_found_beside_the_pipeline_and_its_replaced_weigh
     after = plans()
     assert {n for n in before if before[n].fingerprint != after[n].fingerprint} == {"evaluate"}
     assert identity() != old
+    # a judge that is one .gguf file was keyed by its path alone: replaced weights reused the old model's answers
+    gguf = sub / "judge.gguf"
+    gguf.write_bytes(b"GGUF old weights")
+    judges[0]["model"] = str(gguf)
+    old = identity()
+    gguf.write_bytes(b"GGUF new weights")
+    assert identity() != old
 
 
 def test_a_hub_judges_cached_answers_are_keyed_by_the_commit_its_weights_came_from(tmp_path):

@@ -246,9 +246,10 @@ class PairwiseJudge:
     """Endpoint: seconds one request may take in all (connecting, waiting, reading the answer) before it is retried."""
     retries: int = ranged(3, ge=0)
     """Endpoint: retries of a failed request (timeouts, 429 and 5xx), with exponential backoff, or after the server's
-    Retry-After (at most max_retry_wait seconds)."""
+    Retry-After or retry-after-ms (at most max_retry_wait seconds). A request refused for what it asks (HTTP 400, 413,
+    422: a content filter, a prompt over the judge's context) is that pair's invalid answer, not retried."""
     max_retry_wait: float = ranged(60.0, gt=0)
-    """Endpoint: the longest a Retry-After header may make a request wait before its retry."""
+    """Endpoint: the longest a Retry-After header (or a 429's own backoff) may make a request wait before its retry."""
     deadline: float = ranged(3600.0, gt=0)
     """Endpoint: seconds the whole judging (every policy of the stage) may take; past it the stage stops, naming this
     setting (cached answers are kept: a rerun asks only what is left)."""

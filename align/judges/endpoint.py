@@ -1,14 +1,16 @@
 """An OpenAI-compatible chat-completions endpoint as a pairwise judge's backend (align/judges/pairwise.py): temperature
 0, bounded concurrency, every request bounded in all (connecting, the status line and headers, the body) by `timeout`
-and the judging by `deadline`, retries with exponential backoff on timeouts, 429 (its Retry-After) and 5xx; the API
-key is read from the named environment variable when a request is made, sent to no other address (no redirect is
-followed), and never logged or written."""
+and the judging by `deadline`, retries with exponential backoff on timeouts, 429 (its Retry-After or retry-after-ms,
+else a longer jittered backoff) and 5xx; a request refused for what it asks (400, 413, 422) is that pair's invalid
+answer (`Refused`), quoting the server; the API key is read from the named environment variable when a request is
+made, sent to no other address (no redirect is followed), and never logged or written."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import os
+import random
 import socket
 import threading
 import time
@@ -25,6 +27,17 @@ class EndpointError(OSError):
     I/O failure: the stage ends with it as its error, exit code 2, no traceback)."""
 
 
+class Refused(str):
+    """The answer to a request the endpoint refused for what it asks (HTTP 400, 413, 422: a content filter, a prompt
+    over the model's context): an invalid verdict for that pair, counted against max_invalid_fraction as any other,
+    and never cached (a rerun asks again)."""
+
+
+REFUSED_EVERY = 16
+"""Refusals before any answer that end the judging: a request the server refuses every time is a setting (a parameter
+it does not take), not a prompt; the error quotes the server."""
+
+
 class EndpointBackend:
     """An OpenAI-compatible chat-completions endpoint."""
 
@@ -37,7 +50,7 @@ class EndpointBackend:
         self.timeout, self.retries, self.max_concurrency = timeout, retries, max_concurrency
         self.max_retry_wait, self.deadline = max_retry_wait, deadline
         self.stop_at = float("inf")  # set per `answers` call: the judging's deadline
-        self.requests = 0
+        self.requests = self.answered = self.refused = 0
         self._lock = threading.Lock()
         problem = header_value_problem(key_env) if key_env else None
         if problem:
@@ -102,18 +115,25 @@ class EndpointBackend:
             wait, answer = 0.0, None
             try:
                 answer = json.loads(self._read(req).decode("utf-8"))
-                return str(answer["choices"][0]["message"]["content"] or "")
+                content = str(answer["choices"][0]["message"]["content"] or "")
+                with self._lock:
+                    self.answered += 1
+                return content
             except urllib.error.HTTPError as exc:
-                last = f"HTTP {exc.code}"
+                last = without_key(f"HTTP {exc.code}{_server_error(_error_body(exc))}",
+                                   os.environ.get(self.key_env or "", ""))
                 if moved := redirected(exc):
                     raise EndpointError(f"{self.url}: {moved}") from None
+                if exc.code in (400, 413, 422):  # this request (a filtered prompt, one over the context): invalid
+                    return self._refused(last)
                 if exc.code not in (408, 429) and exc.code < 500:  # the request itself is wrong: retrying will not help
                     raise EndpointError(f"{self.url} refused the request ({last}"
                                         + (": check the key in " + self.key_env if exc.code in (401, 403)
                                            and self.key_env else "") + f"; model '{self.model}')") from None
                 limited += exc.code == 429
-                wait = min(retry_after(exc.headers.get("Retry-After") if exc.headers else None) or 0.0,
-                           self.max_retry_wait)
+                wait = min(_asked_wait(exc.headers) or 0.0, self.max_retry_wait)
+                if exc.code == 429 and not wait:  # no Retry-After: back off longer than for a fault, jittered
+                    wait = min(2.0 ** (attempt + 1), self.max_retry_wait) * random.uniform(0.5, 1.0)
             except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as exc:  # the last: an
                 # answer cut off mid-body (IncompleteRead) or a garbled status line, as a transient fault is retried
                 last = without_key(f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}",
@@ -122,10 +142,22 @@ class EndpointBackend:
                 last = f"an answer that is not a chat completion ({type(exc).__name__}{_server_error(answer)})"
         if limited:
             raise EndpointError(f"{self.url}: rate limited (HTTP 429 to {limited} of {self.retries + 1} attempts, each "
-                                f"retried after the server's Retry-After, at most max_retry_wait={self.max_retry_wait:g} "
-                                "s); lower max_concurrency, or raise retries / max_retry_wait")
+                                "retried after the server's Retry-After or retry-after-ms, else a jittered backoff, at "
+                                f"most max_retry_wait={self.max_retry_wait:g} s; last: {last}); lower max_concurrency, "
+                                "or raise retries / max_retry_wait")
         raise EndpointError(f"{self.url}: no answer after {self.retries + 1} attempts (last: {last}); check that the "
                             "server is up, or raise timeout / retries")
+
+    def _refused(self, last: str) -> Refused:
+        """A request the endpoint refused: an invalid answer, or the end of the judging when it has refused every
+        request so far (REFUSED_EVERY of them)."""
+        with self._lock:
+            self.refused += 1
+            every = self.refused >= REFUSED_EVERY and not self.answered
+        if every:
+            raise EndpointError(f"{self.url} refused each of the first {self.refused} requests ({last}; model "
+                                f"'{self.model}'): a setting the server does not take, not a prompt; see its message")
+        return Refused(f"[no verdict: the endpoint refused the request: {last}]")
 
     def answers(self, texts: list[str]) -> list[str]:
         if self.stop_at == float("inf"):
@@ -162,6 +194,23 @@ def _server_error(answer: Any) -> str:
     error = answer.get("error") if isinstance(answer, dict) else None
     message = error.get("message") if isinstance(error, dict) else error
     return f": the server says {str(message)[:200]!r}" if message else ""
+
+
+def _error_body(exc: urllib.error.HTTPError) -> Any:
+    """An error answer's JSON body (OpenAI-style: `{"error": {"message": ...}}`), or None: what the server said."""
+    try:
+        return json.loads(exc.read(1 << 16).decode("utf-8", "replace"))
+    except (OSError, ValueError, http.client.HTTPException, AttributeError):
+        return None
+
+
+def _asked_wait(headers: Any) -> float | None:
+    """Seconds a 429 or 503 asks to wait: Retry-After, or OpenAI's and Azure's `retry-after-ms`."""
+    if not headers:
+        return None
+    ms = (headers.get("retry-after-ms") or "").strip()
+    asked = retry_after(headers.get("Retry-After"))
+    return asked if asked is not None else (float(ms) / 1000 if ms.replace(".", "", 1).isdigit() else None)
 
 
 def retry_after(value: str | None) -> float | None:

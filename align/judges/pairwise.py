@@ -10,8 +10,9 @@ Backends, behind one interface (`answers(judging prompts) -> raw answers`):
 - `LocalBackend`: a causal LM in the stage process (a directory, hub id or packaged:NAME), greedy, batched, the
   judging prompt sent as one user turn through the model's chat template;
 - `EndpointBackend` (align/judges/endpoint.py): an OpenAI-compatible chat-completions endpoint (`base_url`, `model`), temperature 0, bounded
-  concurrency, a timeout per request, retries with exponential backoff on timeouts, 429 and 5xx; the API key is
-  read from the named environment variable when a request is made and is never logged or written.
+  concurrency, a timeout per request, retries with exponential backoff on timeouts, 429 and 5xx, a request it
+  refuses (a content filter) an invalid answer, never cached; the API key is read from the named environment
+  variable when a request is made and is never logged or written.
 
 Answers are cached (`JudgeCache`, <stage>/judge_cache/<judge>.jsonl), keyed by the judge's identity (backend,
 model, template, answer length), the prompt and both responses, and appended as they arrive: a rerun, or an
@@ -26,9 +27,9 @@ import threading
 from pathlib import Path
 from typing import Any, Protocol
 
-from align.core.fsutil import tree_stamp
+from align.core.fsutil import stamp
 from align.config.settings import PairwiseJudge
-from align.judges.endpoint import EndpointBackend
+from align.judges.endpoint import EndpointBackend, Refused
 
 VERDICTS = ("A", "B", "tie")
 DEFAULT_TEMPLATE = Path(__file__).resolve().parent.parent / "templates" / "pairwise_judge.txt"
@@ -171,8 +172,9 @@ class PairwiseLLMJudge:
         self.settings, self.backend, self.template, self.cache = settings, backend, template, cache
         self.chunk = chunk  # answers cached in chunks of this many (a kill loses at most one chunk)
         model = settings.model if settings.base_url is None else f"{settings.base_url}:{settings.model}"
-        if settings.base_url is None and Path(model).is_dir():  # a local judge: its files as they are now, so an
-            model = f"{model}:{tree_stamp(model)}"  # answer cached before its weights were replaced is not reused
+        local = stamp(model) if settings.base_url is None else None  # a local judge, a directory or a .gguf file:
+        if local is not None:  # its files as they are now, so an answer cached before its weights were replaced
+            model = f"{model}:{local}"  # is not reused (a .gguf file was keyed by its path alone)
         elif revision:  # a hub judge: the commit its weights came from (hub_commit), so an answer cached from an
             model = f"{model}@{revision}"  # older commit of the repository is not reused
         self.identity = json.dumps([backend.name, model, hashlib.sha256(template.encode()).hexdigest(),
@@ -189,11 +191,14 @@ class PairwiseLLMJudge:
         keys = [self.key(p, x, y) for p, x, y in zip(prompts, a, b)]
         todo = list(dict.fromkeys(k for k in keys if k not in self.cache.answers))
         where = {k: i for i, k in enumerate(keys)}
+        refused: dict[str, str] = {}  # answers to requests an endpoint refused (endpoint.Refused): never cached
         for start in range(0, len(todo), self.chunk):
             part = todo[start:start + self.chunk]
             texts = [self.text(prompts[where[k]], a[where[k]], b[where[k]]) for k in part]
-            self.cache.put(dict(zip(part, self.backend.answers(texts))))
-        return [self.cache.answers[k] for k in keys]
+            got = dict(zip(part, self.backend.answers(texts)))
+            refused.update({k: v for k, v in got.items() if isinstance(v, Refused)})
+            self.cache.put({k: v for k, v in got.items() if not isinstance(v, Refused)})
+        return [refused[k] if k in refused else self.cache.answers[k] for k in keys]
 
     def compare(self, prompts: list[str], policy: list[str], baseline: list[str]) -> list[dict[str, Any]]:
         """Both orders for each prompt: the raw answers, the verdicts and the policy's outcome."""
