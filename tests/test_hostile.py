@@ -544,6 +544,7 @@ class _Trainer:
     state = _State()
     accelerator = type("Accelerator", (), {"state": type("State", (), {"deepspeed_plugin": None})()})()
     deepspeed = None
+    model = None  # a model trained whole: no LoRA parameters to upcast
 
     def add_callback(self, callback):
         pass
