@@ -291,3 +291,65 @@ def test_a_process_group_made_without_a_timeout_waits_as_long_as_the_default_one
     assert out.returncode == 0, out.stderr[-2000:]
     before, after, wanted = map(float, out.stdout.split())
     assert before < wanted and after == wanted == 7200.0
+
+
+def test_with_force_a_worker_waits_for_node_zeros_rerun_not_the_last_runs_completed_stage(tmp_path):
+    """`align run --force` (or --from) on two nodes: a forced stage's `completed` manifest from the last run has this
+    run's fingerprint, and a worker took it for done, moving on (a one-process stage) or launching from the last
+    run's spec while node 0 was still on earlier stages. The nodes agree on a token first (`handshake`, earlier
+    runs' records in `.nodes/` told apart); node 0 marks each forced stage started in its run after writing the spec,
+    and the worker waits for that spec and for a manifest written since."""
+    import threading
+    from types import SimpleNamespace
+
+    from align.core.rundir import StageSpec, write_manifest
+    from align.orchestrator.launch import MultiNode
+    from align.orchestrator.multinode import NODES, await_start, handshake, mark_started, wait_for_stage
+
+    nodes = tmp_path / NODES
+    nodes.mkdir()
+    (nodes / "node0.json").write_text(json.dumps({"token": "last", "accepted": {"1": "w-last"}}))  # the last run's
+    (nodes / "node1.json").write_text(json.dumps({"token": "w-last", "saw": "last"}))
+    tokens = {}
+
+    def node(rank):
+        tokens[rank] = handshake(tmp_path, MultiNode(nodes=2, node_rank=rank, master_addr="127.0.0.1", rdzv_timeout=30))
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in (1, 0)]  # the worker first: it reads a stale record
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert tokens[0] == tokens[1] and tokens[0] not in ("last", "w-last")
+
+    stage = tmp_path / "sft"
+    (stage / "model").mkdir(parents=True)
+    last = {"fingerprint": "f1", "status": "completed", "outputs": ["model"], "attempts": 1}
+    write_manifest(stage, last)
+    StageSpec("sft", str(stage), "f1", {}, {}).write(stage / "spec.json")
+    plan = SimpleNamespace(name="sft", fingerprint="f1")
+    multi = MultiNode(nodes=2, node_rank=1, master_addr="127.0.0.1", rdzv_timeout=30)
+    assert await_start(plan, stage, multi) == stage / "spec.json"  # without a token: the last run's counts at once
+    events = {}
+
+    def node0():
+        time.sleep(1.0)
+        StageSpec("sft", str(stage), "f1", {}, {}).write(stage / "spec.json")
+        mark_started(stage, tokens[0])
+        events["started"] = time.time()
+        time.sleep(1.0)
+        write_manifest(stage, {**last, "status": "running", "attempts": 2})
+        time.sleep(1.0)
+        write_manifest(stage, {**last, "attempts": 2})
+        events["completed"] = time.time()
+
+    thread = threading.Thread(target=node0)
+    thread.start()
+    try:
+        await_start(plan, stage, multi, tokens[1])
+        events["worker_saw_start"] = time.time()
+        wait_for_stage(stage, "f1", "sft", timeout=30, stale_after=30, token=tokens[1])
+        events["worker_done"] = time.time()
+    finally:
+        thread.join()
+    assert events["worker_saw_start"] >= events["started"] and events["worker_done"] >= events["completed"], events

@@ -7,8 +7,10 @@ process, and wait for node 0 to record each stage.
 
 from __future__ import annotations
 
+import json
 import socket
 import time
+import uuid
 from pathlib import Path
 
 from align.orchestrator import warm
@@ -16,7 +18,76 @@ from align.core.console import stream_stage
 from align.orchestrator.launch import MultiNode, is_distributed, launch_command, stage_env
 from align.orchestrator.plan import StagePlan
 from align.core.errors import PipelineError
+from align.core.fsutil import atomic_write_json
 from align.core.rundir import MANIFEST, SPEC, StageSpec, is_complete, read_manifest
+
+NODES = ".nodes"
+"""The run directory's folder where the nodes of one `align run --force` or `--from` agree on a token (`handshake`)."""
+MARK = ".started"
+"""A forced stage's record that node 0 started it in the run of a token ({"token": ...}), written after its spec."""
+
+
+def handshake(run_dir: Path, multi: MultiNode) -> str:
+    """A token every node of this `align run` holds, for --force and --from: a forced stage's `completed` manifest
+    from an earlier run (same fingerprint) cannot be told from node 0's rerun of it, and workers took it for done.
+    Through `.nodes/` of the shared run directory: node 0 writes a fresh token; each worker writes its own beside the
+    token it read; node 0 accepts the workers that read this run's, and says so; a worker holds node 0's token once
+    node 0 has accepted its own (neither side's fresh token is in an earlier run's records). Within --rdzv-timeout."""
+    folder = run_dir / NODES
+    folder.mkdir(parents=True, exist_ok=True)
+    mine, deadline, head = uuid.uuid4().hex, time.time() + multi.rdzv_timeout, {}
+    while True:
+        if multi.is_main:
+            accepted = {str(r): rec["token"] for r in range(1, multi.nodes)
+                        if (rec := _record(folder / f"node{r}.json")).get("saw") == mine and "token" in rec}
+            atomic_write_json(folder / "node0.json", {"token": mine, "accepted": accepted})
+            if len(accepted) == multi.nodes - 1:
+                return mine
+        else:
+            head = _record(folder / "node0.json")
+            atomic_write_json(folder / f"node{multi.node_rank}.json", {"token": mine, "saw": head.get("token")})
+            if isinstance(head.get("accepted"), dict) and head["accepted"].get(str(multi.node_rank)) == mine:
+                return str(head["token"])
+        if time.time() > deadline:
+            missing = ", ".join(str(r) for r in range(1, multi.nodes) if str(r) not in accepted) \
+                if multi.is_main else "0"
+            raise PipelineError(f"node {multi.node_rank}: with --force or --from every node agrees on the run first "
+                                f"({folder}); node {missing} did not within --rdzv-timeout {multi.rdzv_timeout}s: "
+                                "start every node with the same command, on a run directory all of them share")
+        time.sleep(0.5)
+
+
+def _record(path: Path) -> dict:
+    """A small JSON record another node writes (atomically), or {} while it is absent or being replaced."""
+    try:
+        rec = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return rec if isinstance(rec, dict) else {}
+
+
+def mark_started(stage_dir: Path, token: str | None) -> None:
+    """Node 0, after writing a forced stage's spec: the stage starts in the run of `token` (None: not forced)."""
+    if token is not None:
+        atomic_write_json(stage_dir / MARK, {"token": token})
+
+
+def _this_run(stage_dir: Path, token: str | None, manifest: bool) -> bool:
+    """Whether node 0 started the stage in the run of `token` (None: not forced, any run counts) and, with
+    `manifest`, wrote its manifest since (both files are node 0's: one clock)."""
+    if token is None:
+        return True
+    if _record(stage_dir / MARK).get("token") != token:
+        return False
+    try:
+        return not manifest or (stage_dir / MANIFEST).stat().st_mtime_ns >= (stage_dir / MARK).stat().st_mtime_ns
+    except OSError:
+        return False
+
+
+def _done(stage_dir: Path, fingerprint: str, token: str | None) -> bool:
+    """Node 0 recorded the stage completed (with --force or --from: in this run, `token`)."""
+    return is_complete(stage_dir, fingerprint) and _this_run(stage_dir, token, manifest=True)
 
 
 def wait_for_master(multi: MultiNode, stage: str) -> None:
@@ -43,14 +114,15 @@ _WRITTEN = ("attempts", "status", "ended_at", "error")  # what node 0 rewrites a
 
 
 def wait_for_stage(stage_dir: Path, fingerprint: str, name: str, timeout: float | None,
-                   stale_after: float | None = None) -> None:
-    """Worker nodes: wait until node 0 has recorded the stage as completed (or failed). A failed or interrupted
-    manifest already there when the wait began (same fingerprint) may be an earlier attempt's, which node 0 is about
-    to retry (its attempt count changes when it starts): it counts at once only when rewritten, else after
-    `stale_after` seconds unchanged (node 0 may have failed this run's attempt before this node looked)."""
+                   stale_after: float | None = None, token: str | None = None) -> None:
+    """Worker nodes: wait until node 0 has recorded the stage as completed (or failed); a forced stage (`token`:
+    `handshake`'s) in this run. A failed or interrupted manifest already there when the wait began (same
+    fingerprint) may be an earlier attempt's, which node 0 is about to retry (its attempt count changes when it
+    starts): it counts at once only when rewritten, else after `stale_after` seconds unchanged (node 0 may have
+    failed this run's attempt before this node looked)."""
     t0 = time.time()
     before = read_manifest(stage_dir) or {}
-    while not is_complete(stage_dir, fingerprint):
+    while not _done(stage_dir, fingerprint, token):
         m = read_manifest(stage_dir) or {}
         if m.get("fingerprint") not in (None, fingerprint) and m != before:  # node 0 ran it under another config
             raise PipelineError(_other_config(name, m["fingerprint"], fingerprint))
@@ -77,18 +149,19 @@ def _stamp(path: Path) -> tuple[float, int] | None:
         return None
 
 
-def await_start(plan: StagePlan, stage_dir: Path, multi: MultiNode) -> Path:
-    """Worker nodes: wait until node 0 starts the stage (writes its spec.json with this node's fingerprint) or has
-    completed it, for at most --rdzv-timeout; a spec node 0 writes meanwhile with another fingerprint fails at
-    once. Returns the spec's path. A spec still being written (or torn on a lagging filesystem) is waited out."""
+def await_start(plan: StagePlan, stage_dir: Path, multi: MultiNode, token: str | None = None) -> Path:
+    """Worker nodes: wait until node 0 starts the stage (writes its spec.json with this node's fingerprint; a forced
+    stage, `token`: in this run) or has completed it, for at most --rdzv-timeout; a spec node 0 writes meanwhile
+    with another fingerprint fails at once. Returns the spec's path. A spec still being written (or torn on a
+    lagging filesystem) is waited out."""
     spec_path = stage_dir / SPEC
     t_wait, before, theirs = time.time(), _stamp(spec_path), None
-    while not is_complete(stage_dir, plan.fingerprint):
+    while not _done(stage_dir, plan.fingerprint, token):
         try:
             theirs = StageSpec.read(spec_path).fingerprint if spec_path.is_file() else None
         except (OSError, ValueError):
             theirs = None
-        if theirs == plan.fingerprint:
+        if theirs == plan.fingerprint and _this_run(stage_dir, token, manifest=False):
             break
         if theirs is not None and _stamp(spec_path) != before:
             raise PipelineError(_other_config(plan.name, theirs, plan.fingerprint))
@@ -103,17 +176,17 @@ def await_start(plan: StagePlan, stage_dir: Path, multi: MultiNode) -> Path:
 
 
 def follow_stage(plan: StagePlan, stage_dir: Path, header: str, source: str | Path, num_processes: int | None,
-                 multi: MultiNode) -> None:
+                 multi: MultiNode, token: str | None = None) -> None:
     """A worker node's part of one stage: launch its processes for a distributed stage (reading the spec node 0
     wrote), or wait while node 0 runs a one-process stage. Writes nothing under the run directory but its log,
     `stage.node<R>.log` beside node 0's stage.log (every node sees it there; it was in the node's own /tmp)."""
     if not is_distributed(plan.cfg, source):
         print(f"{header}: runs on node 0 only ({plan.cfg.accelerate}); waiting for it", flush=True)
-        await_start(plan, stage_dir, multi)  # a stage node 0 never starts is not waited for without end
-        wait_for_stage(stage_dir, plan.fingerprint, plan.name, None, stale_after=multi.rdzv_timeout)
+        await_start(plan, stage_dir, multi, token)  # a stage node 0 never starts is not waited for without end
+        wait_for_stage(stage_dir, plan.fingerprint, plan.name, None, stale_after=multi.rdzv_timeout, token=token)
         return
     wait_for_master(multi, plan.name)
-    spec_path = await_start(plan, stage_dir, multi)
+    spec_path = await_start(plan, stage_dir, multi, token)
     print(f"{header}: running on node {multi.node_rank} of {multi.nodes}", flush=True)
     log = stage_dir / f"stage.node{multi.node_rank}.log"
     cmd = launch_command(plan, spec_path, source, num_processes, multi)
@@ -121,4 +194,5 @@ def follow_stage(plan: StagePlan, stage_dir: Path, header: str, source: str | Pa
                       log, plan.name)
     if rc != 0:
         raise PipelineError(f"stage '{plan.name}' failed on node {multi.node_rank} (exit code {rc}); log: {log}")
-    wait_for_stage(stage_dir, plan.fingerprint, plan.name, multi.rdzv_timeout, stale_after=multi.rdzv_timeout)
+    wait_for_stage(stage_dir, plan.fingerprint, plan.name, multi.rdzv_timeout, stale_after=multi.rdzv_timeout,
+                   token=token)

@@ -18,7 +18,7 @@ from typing import Any
 from align.orchestrator import warm
 from align.config import PipelineConfig, to_dict
 from align.core.console import stream_stage, tail, verbose
-from align.core.errors import INTERRUPTED, Terminated, interrupt_cause
+from align.core.errors import INTERRUPTED, PipelineError, Terminated, interrupt_cause
 from align.orchestrator.disk import disk_peak, disk_problem
 from align.orchestrator.estimate import EstimateError, dtype_bytes, estimate_pipeline, too_big
 from align.orchestrator.hardware import Hardware, hardware
@@ -26,9 +26,8 @@ from align.core.fsutil import atomic_write_json
 from align.orchestrator.inputs import resolve_model_paths
 from align.orchestrator.launch import (MultiNode, is_distributed, launch_command, one_plain_process, placement_problem,
                                       stage_env, world_change)
-from align.orchestrator.multinode import follow_stage
+from align.orchestrator.multinode import follow_stage, handshake, mark_started
 from align.orchestrator.plan import REPO_DIR, StagePlan, code_version, descendants, run_dir_of
-from align.core.errors import PipelineError
 from align.core.rundir import (MANIFEST, PIPELINE, SPEC, STAGE_LOCK, PipelineRecord, StageSpec, headline, is_complete,
                                moved_inputs, output_digests, outputs_problem, read_manifest, stage_in_use,
                                write_manifest)
@@ -173,12 +172,12 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
     code, git = code_version(), _git_commit()
     statuses: dict[str, str] = {}
     recorded = False  # pipeline.json: this config's record, once a stage of it launches
+    token = handshake(run_dir, multi) if multi.nodes > 1 and forced else None  # this run's, on every node
     # Two or more one-process stages to run: start the warm server now (it imports while the runner goes on),
     # and fork those stages from it (align/orchestrator/warm.py). For a single stage it would only add its start.
     plain = [p for p in plans if p.name in selected and (p.name in forced or not is_complete(run_dir / p.name,
              p.fingerprint)) and one_plain_process(p, source, num_processes)]
-    warm_start = multi.is_main and len(plain) >= 2 and warm.enabled()
-    if warm_start:
+    if warm_start := multi.is_main and len(plain) >= 2 and warm.enabled():
         warm.start(stage_env())
     for i, plan in enumerate(plans, start=1):
         stage_dir = run_dir / plan.name
@@ -193,13 +192,13 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
             continue
         _check_inputs(plan, plans, run_dir, source, trust_completed_inputs)
         if not multi.is_main:
-            follow_stage(plan, stage_dir, header, source, num_processes, multi)
+            follow_stage(plan, stage_dir, header, source, num_processes, multi, token if plan.name in forced else None)
             statuses[plan.name] = "completed"
             continue
         if not recorded:  # at the first launch (`align status` reads a run that dies in it), never at a refusal
             _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)  # (`align report` rebuilds from it)
             recorded = True
-        spec_path = _write_spec(plan, run_dir, pipeline_info, code, git)
+        spec_path = _write_spec(plan, run_dir, pipeline_info, code, git, token if plan.name in forced else None)
         print(f"{header}: running (fingerprint {plan.fingerprint})", flush=True)
         t_stage = time.time()
         peak_before = children_peak_rss()
@@ -259,9 +258,11 @@ def _stale_below(name: str, plans: dict[str, StagePlan], run_dir: Path) -> tuple
             return below
 
 
-def _write_spec(plan: StagePlan, run_dir: Path, pipeline_info: dict[str, Any], code: str, git: str | None) -> Path:
+def _write_spec(plan: StagePlan, run_dir: Path, pipeline_info: dict[str, Any], code: str, git: str | None,
+                token: str | None = None) -> Path:
     """The stage's spec.json: its resolved config, its inputs with their fingerprints and output digests, its data
-    cards' hashes, the chat template and the code version (align/core/rundir.py StageSpec)."""
+    cards' hashes, the chat template and the code version (align/core/rundir.py StageSpec); then, for a forced stage
+    of a multi-node run (`token`: `handshake`'s), the mark by which workers tell its rerun from its last run."""
     stage_dir = run_dir / plan.name
     stage_dir.mkdir(parents=True, exist_ok=True)
     if stage_in_use(stage_dir):  # a SIGKILLed runner's stage processes, still recording or still training
@@ -281,6 +282,7 @@ def _write_spec(plan: StagePlan, run_dir: Path, pipeline_info: dict[str, Any], c
     for debris in stage_dir.glob(f".{SPEC}.tmp-*"):  # a runner SIGKILLed mid-write (this one holds the lock)
         debris.unlink(missing_ok=True)
     spec.write(spec_path)
+    mark_started(stage_dir, token)
     return spec_path
 
 
