@@ -174,8 +174,39 @@ def test_reward_scale_only_centres_scores_that_barely_vary():
 
 def test_heldout_kl_counts_distinct_prompts_not_repeats():
     """Fewer held-out prompts than processes repeat some: eight KLs of two prompts are a bound of two (t with 1 degree
-    of freedom, 6.314), not of eight (1.895)."""
+    of freedom, 6.314), not of eight (1.895), and its spread is the two prompts' (each prompt's responses averaged
+    first): the spread of all eight rows over a count of two made the bound too tight (1, 3, 1, 3 gave 7.16 where
+    the prompts' own 1 and 3 give 8.31)."""
     kls = torch.tensor([1.0, 5.0] * 4)
-    m = HeldoutKL.of(kls, prompts=2)
-    assert m.n == 2 and m.upper == pytest.approx(3 + 6.314 * kls.double().std().item() / math.sqrt(2))
+    m = HeldoutKL.of(kls, prompts=[0, 1] * 4)
+    assert m.n == 2 and m.upper == pytest.approx(3 + 6.314 * math.sqrt(8) / math.sqrt(2))
     assert HeldoutKL.of(kls).n == 8
+    m = HeldoutKL.of(torch.tensor([1.0, 3.0, 1.0, 3.0]), prompts=[0, 1, 0, 1])
+    assert m.upper == pytest.approx(2 + 6.314 * math.sqrt(2) / math.sqrt(2))  # 8.31
+    m = HeldoutKL.of(torch.tensor([1.0, 2.0, 5.0, 6.0]), prompts=[0, 0, 1, 1])  # a prompt's two draws differ
+    assert (m.mean, m.n) == (pytest.approx(3.5), 2) and m.std == pytest.approx(math.sqrt(8))
+
+
+def test_each_process_measures_an_equal_share_and_the_gathered_rows_name_their_prompts():
+    from align.stages.ppo.budget import heldout_shares
+
+    assert heldout_shares(2, 4) == [[0], [1], [0], [1]]  # fewer prompts than processes: repeated
+    assert heldout_shares(7, 2) == [[0, 2, 4], [1, 3, 5]]  # an equal share each: the odd one left out
+    assert heldout_shares(5, 1) == [[0, 1, 2, 3, 4]]
+
+
+def test_a_kl_that_is_not_finite_leaves_beta_as_it_was():
+    """A NaN KL made Ziegler's beta NaN, and reset the PI controller's integral and beta to coef (max(0, nan) is 0 in
+    Python), silently; both keep beta now."""
+    pi = PIKLController(0.1, target=4.0, kp=0.1, ki=0.1)
+    pi.update(10.0, 64)
+    before = (pi.value, pi.integral)
+    assert before == (pytest.approx(0.1 + 0.6 + 0.6), 6.0)
+    for kl in (float("nan"), float("inf")):
+        pi.update(kl, 64)
+        assert (pi.value, pi.integral) == before
+    ziegler = AdaptiveKLController(0.1, target=4.0, horizon=64)
+    ziegler.update(8.0, 64)
+    assert ziegler.value == pytest.approx(0.12)
+    ziegler.update(float("nan"), 64)
+    assert ziegler.value == pytest.approx(0.12)

@@ -132,7 +132,9 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                     mask: torch.Tensor, clip_range: float) -> tuple[torch.Tensor, Metrics]:
     """Clipped surrogate [PPO eq. 7], as a loss to minimise:
-    max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)), ratio = exp(logp - logp_old), token-averaged."""
+    max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)), ratio = exp(logp - logp_old), averaged over the mini-batch's
+    tokens (an optimiser step over several mini-batches, accumulated or on several processes, averages their means:
+    a short mini-batch's tokens weigh more than a long one's, as in TRL)."""
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     pg_loss1 = -advantages * ratio
@@ -147,7 +149,8 @@ def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
 def ppo_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
                    clip_range: float) -> tuple[torch.Tensor, Metrics]:
     """Clipped value loss (as in OpenAI's baselines PPO2 and Ziegler et al.'s lm-human-preferences):
-    0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2), token-averaged."""
+    0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2), averaged over the mini-batch's tokens (as
+    `ppo_policy_loss`)."""
     clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
     loss1 = (values - returns) ** 2
     loss2 = (clipped - returns) ** 2

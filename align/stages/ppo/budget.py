@@ -23,8 +23,9 @@ from align.runtime.context import StageContext, StageError
 from align.stages.ppo.rollouts import rollouts_in_chunks
 
 # one-sided 95% quantiles of Student's t by degrees of freedom 1..30 (a few held-out prompts: the normal's 1.645
-# would claim a bound the data do not give); the budget holds the mean's upper confidence bound, so a fresh sample
-# of prompts (the evaluation's) lands inside it too, not only the held-out slice that was measured
+# would claim a bound the data do not give); the budget holds the mean's upper confidence bound: the policy's KL over
+# the prompts' distribution is under it with 95% confidence, not only the held-out slice's (a fresh sample of m
+# prompts, the evaluation's, scatters around that mean by a further ~t x std / sqrt(m))
 T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
        1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
 Z95 = 1.6448536269514722
@@ -65,12 +66,18 @@ class HeldoutKL:
     n: int
 
     @classmethod
-    def of(cls, kls: torch.Tensor, prompts: int | None = None) -> "HeldoutKL":
-        """From the KLs of one response each; `prompts`: how many distinct prompts they answer (fewer held-out prompts
-        than processes repeat some, and repeats are no new prompts for the bound's count)."""
+    def of(cls, kls: torch.Tensor, prompts: list | None = None) -> "HeldoutKL":
+        """From the KLs of one response each; `prompts`: the prompt each answers (fewer held-out prompts than
+        processes repeat some): a prompt's responses are averaged into one value first, so the std and the count
+        are the prompts' (the spread of all the rows over the distinct prompts' count made the bound too tight)."""
         xs = kls.detach().double().flatten()
+        if prompts is not None:
+            groups: dict = {}
+            for x, prompt in zip(xs.tolist(), prompts):
+                groups.setdefault(prompt, []).append(x)
+            xs = torch.tensor([sum(g) / len(g) for g in groups.values()], dtype=torch.float64)
         std = xs.std(unbiased=True).item() if xs.numel() > 1 else 0.0
-        return cls(xs.mean().item(), std, int(xs.numel()) if prompts is None else min(int(xs.numel()), prompts))
+        return cls(xs.mean().item(), std, int(xs.numel()))
 
     @property
     def upper(self) -> float:
@@ -126,6 +133,14 @@ class PolicySnapshot:
             _local(p).copy_(saved.to(_local(p).device))
 
 
+def heldout_shares(count: int, world: int) -> list[list[int]]:
+    """Each process's held-out prompts (indices into `count` of them), an equal share each so the collectives of
+    ZeRO-3 generation line up: every prompt once when `count` divides evenly (the remainder left out), repeated
+    when there are fewer prompts than processes. Gathered in process order, they say which prompt each KL answers."""
+    n = max(world, count // world * world)
+    return [[i % count for i in range(n)[r::world]] for r in range(world)]
+
+
 def heldout_kl(cfg: PPOStage, accelerator, engine: RolloutEngine, model, reference, heldout: list[str],
                seed: int, where: str) -> HeldoutKL:
     """Sequence KL(policy || reference) = sum over the response of log pi - log ref (k1, at the sampling temperature,
@@ -137,8 +152,8 @@ def heldout_kl(cfg: PPOStage, accelerator, engine: RolloutEngine, model, referen
     weight sync: an engine that reports its own log-probs is checked against the policy here (`where` names the
     iteration), so a broken sync stops the stage before its KL can steer the controller or the budget."""
     world, rank = accelerator.num_processes, accelerator.process_index
-    n = max(world, len(heldout) // world * world)
-    mine = [heldout[i % len(heldout)] for i in range(n)][rank::world]
+    shares = heldout_shares(len(heldout), world)
+    mine = [heldout[i] for i in shares[rank]]
     kls = []
     rollouts = rollouts_in_chunks(cfg, accelerator, engine, mine, seed, world, rank)
     rest(engine)  # generation.sleep: asleep before any model computes (align estimate counts it so)
@@ -149,7 +164,7 @@ def heldout_kl(cfg: PPOStage, accelerator, engine: RolloutEngine, model, referen
             ref_logprobs = response_logprobs(reference, r, cfg.generation.temperature)
         check_rollout(engine, r, logprobs, cfg.generation.max_logprob_gap, where, reduce=across_processes(accelerator))
         kls.append(sequence_kl(logprobs, ref_logprobs, r.response_mask))
-    return HeldoutKL.of(accelerator.gather(torch.cat(kls)).cpu(), prompts=len(set(heldout)))
+    return HeldoutKL.of(accelerator.gather(torch.cat(kls)).cpu(), prompts=[heldout[i] for s in shares for i in s])
 
 
 def stop_inside_budget(ctx: StageContext, cfg: PPOStage, snapshot: PolicySnapshot, iteration: int,

@@ -37,6 +37,8 @@ class AdaptiveKLController(FixedKLController):
         self.target, self.horizon = float(target), int(horizon)
 
     def update(self, current_kl: float, n_steps: int) -> None:
+        if not math.isfinite(current_kl):  # a NaN made beta NaN: beta stays (the iteration's metrics show the NaN)
+            return
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * min(n_steps / self.horizon, 1.0)
 
@@ -53,7 +55,10 @@ class PIKLController(FixedKLController):
 
     Its horizon is in iterations, not episodes: one iteration over target by 1 nat adds K_P + K_I to beta at once,
     where Ziegler's rule moves beta by at most 20% x episodes / horizon. Under target the penalty returns to coef
-    (the integral unwinds first), never below it."""
+    (the integral unwinds first), never below it: the integral unwinds by at most `target` nats an iteration (KL is
+    never negative), so after a stretch far over target beta stays raised for longer than the stretch (5 iterations
+    at 12 nats over a target of 4 hold it up for ~12 more at 2), as in Stooke et al.'s rule, whose integral is
+    bounded below only. A KL that is not finite leaves beta as it was (both controllers)."""
 
     def __init__(self, value: float, target: float, kp: float, ki: float):
         super().__init__(value)
@@ -61,6 +66,8 @@ class PIKLController(FixedKLController):
         self.integral = 0.0
 
     def update(self, current_kl: float, n_steps: int) -> None:
+        if not math.isfinite(current_kl):  # max(0, nan) is 0: a NaN reset the integral and beta to coef, silently
+            return
         error = current_kl - self.target
         self.integral = max(0.0, self.integral + error)
         self.value = self.coef + max(0.0, self.kp * error + self.ki * self.integral)
