@@ -335,6 +335,7 @@ def test_with_force_a_worker_waits_for_node_zeros_rerun_not_the_last_runs_comple
     def node0():
         time.sleep(1.0)
         StageSpec("sft", str(stage), "f1", {}, {}).write(stage / "spec.json")
+        time.sleep(1.0)  # the spec rewritten, the mark not yet (a lagging filesystem): no "another config" error
         mark_started(stage, tokens[0])
         events["started"] = time.time()
         time.sleep(1.0)

@@ -163,8 +163,8 @@ def await_start(plan: StagePlan, stage_dir: Path, multi: MultiNode, token: str |
             theirs = None
         if theirs == plan.fingerprint and _this_run(stage_dir, token, manifest=False):
             break
-        if theirs is not None and _stamp(spec_path) != before:
-            raise PipelineError(_other_config(plan.name, theirs, plan.fingerprint))
+        if theirs not in (None, plan.fingerprint) and _stamp(spec_path) != before:  # (ours rewritten: node 0's rerun
+            raise PipelineError(_other_config(plan.name, theirs, plan.fingerprint))  # of a forced stage, its mark next)
         if time.time() - t_wait > multi.rdzv_timeout:
             seen = f"; it holds fingerprint {theirs}: " + _other_config(plan.name, theirs, plan.fingerprint) \
                 if theirs else "; is the run directory on a filesystem all nodes share, and is node 0 running?"
