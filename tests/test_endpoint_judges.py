@@ -128,7 +128,8 @@ def test_429_without_retry_after_backs_off_as_asked_in_milliseconds_or_longer_th
 
     for header, least in (({"retry-after-ms": "1500"}, 1.45), ({}, 0.99)):  # no header: 2 s x U(0.5, 1), at least 1
         server, state, url = serve(limited_once(header))
-        assert backend(url).ask("judge this") == "A"
+        b = backend(url)
+        assert b.ask("judge this") == "A" and b.served == []  # an answer naming no model: none recorded
         assert state["posts"] == 2 and state["times"][1] - state["times"][0] >= least, (header, state["times"])
         server.shutdown()
 
@@ -145,7 +146,7 @@ def test_a_request_the_endpoint_refuses_is_that_pairs_invalid_answer_and_a_refus
     filtered = {"error": {"message": "The response was filtered due to the prompt triggering content management"}}
 
     def some(h, state):
-        return send(h, 400, filtered) if state["posts"] % 2 == 0 else send(h, 200, ANSWER)
+        return send(h, 400, filtered) if state["posts"] % 2 == 0 else send(h, 200, {**ANSWER, "model": "judge-2026-11-30"})
 
     server, state, url = serve(some)
     judge = PairwiseLLMJudge(PairwiseJudge(name="j", model="judge", base_url=url), backend(url, max_concurrency=1),
@@ -154,6 +155,7 @@ def test_a_request_the_endpoint_refuses_is_that_pairs_invalid_answer_and_a_refus
     refused = [a for a in answers if isinstance(a, Refused)]
     assert len(refused) == 2 and all(parse_verdict(a) is None and "filtered due to the prompt" in a for a in refused)
     assert sorted(a for a in answers if not isinstance(a, Refused)) == ["A", "A"]
+    assert judge.backend.served == ["judge-2026-11-30"]  # the snapshot the alias named, as the endpoint said
     assert len(JudgeCache(tmp_path / "cache.jsonl").answers) == 2  # the refused ones are asked again by a rerun
     server.shutdown()
 

@@ -341,7 +341,9 @@ def test_preferences_labelled_by_a_pairwise_judge_keep_only_its_consistent_verdi
         assert p["chosen"] == max(differ[prompt]["responses"], key=len)
     # a pairwise judge's scores are 1 vs 0 or 0.5 each: its margin (always 1) and mean score (0.5) said nothing; how
     # often it decided does
-    final = json.loads((data.parent / "manifest.json").read_text())["final_metrics"]
+    manifest = json.loads((data.parent / "manifest.json").read_text())
+    final = manifest["final_metrics"]
+    assert manifest["judge_endpoint_models"] == {"longer": ["judge"]}  # the model the endpoint said answered
     assert "preferences/mean_margin" not in final and "objective/scores" not in final
     assert (final["preferences/pairwise_decided"], final["preferences/pairwise_ties"]) == (len(differ) / 16,
                                                                                           1 - len(differ) / 16)

@@ -51,6 +51,7 @@ class EndpointBackend:
         self.max_retry_wait, self.deadline = max_retry_wait, deadline
         self.stop_at = float("inf")  # set per `answers` call: the judging's deadline
         self.requests = self.answered = self.refused = 0
+        self.served: list[str] = []  # the models the endpoint says answered (its `model`: the snapshot an alias names)
         self._lock = threading.Lock()
         problem = header_value_problem(key_env) if key_env else None
         if problem:
@@ -118,6 +119,8 @@ class EndpointBackend:
                 content = str(answer["choices"][0]["message"]["content"] or "")
                 with self._lock:
                     self.answered += 1
+                    if isinstance(answer.get("model"), str) and answer["model"] not in self.served:
+                        self.served.append(answer["model"])
                 return content
             except urllib.error.HTTPError as exc:
                 last = without_key(f"HTTP {exc.code}{_server_error(_error_body(exc))}",

@@ -233,6 +233,9 @@ def build_pairwise(ctx, settings: PairwiseJudge) -> PairwiseLLMJudge:
         backend: Backend = EndpointBackend(settings.base_url, settings.model, settings.key_env,
                                            settings.max_new_tokens, settings.timeout, settings.retries,
                                            settings.max_concurrency, settings.max_retry_wait, settings.deadline)
+        # the snapshots that answered, in the manifest (filled as answers arrive): cached answers are keyed by the
+        # alias, so a moved alias shows here, not in the key
+        ctx.extra_manifest.setdefault("judge_endpoint_models", {})[settings.name] = backend.served
     else:
         from align.core.packaged import SCHEME, resolve
 
