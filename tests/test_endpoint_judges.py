@@ -167,6 +167,17 @@ def test_a_request_the_endpoint_refuses_is_that_pairs_invalid_answer_and_a_refus
     assert REFUSED_EVERY <= state["posts"] <= REFUSED_EVERY + 1  # (+1: the request in flight as it ended)
     server.shutdown()
 
+    # a rerun: its answers cached, the refused (never cached) asked first again, all refused: not "a setting"
+    server, state, url = serve(lambda h, s: send(h, 400, filtered))
+    cache = JudgeCache(tmp_path / "rerun.jsonl")
+    judge = PairwiseLLMJudge(PairwiseJudge(name="j", model="judge", base_url=url), backend(url, max_concurrency=1),
+                             "{prompt}|{response_a}|{response_b}", cache)
+    cache.put({judge.key("answered", "a", "b"): "A"})
+    prompts = ["answered", *(f"filtered {i}" for i in range(REFUSED_EVERY + 4))]
+    answers = judge.raw_answers(prompts, ["a"] * len(prompts), ["b"] * len(prompts))
+    assert answers[0] == "A" and all(isinstance(a, Refused) for a in answers[1:])
+    server.shutdown()
+
 
 def test_the_whole_judging_has_a_deadline():
     def slow(h, state):

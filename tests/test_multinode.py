@@ -302,6 +302,7 @@ def test_with_force_a_worker_waits_for_node_zeros_rerun_not_the_last_runs_comple
     import threading
     from types import SimpleNamespace
 
+    from align.core.errors import PipelineError
     from align.core.rundir import StageSpec, write_manifest
     from align.orchestrator.launch import MultiNode
     from align.orchestrator.multinode import NODES, await_start, handshake, mark_started, wait_for_stage
@@ -330,6 +331,8 @@ def test_with_force_a_worker_waits_for_node_zeros_rerun_not_the_last_runs_comple
     plan = SimpleNamespace(name="sft", fingerprint="f1")
     multi = MultiNode(nodes=2, node_rank=1, master_addr="127.0.0.1", rdzv_timeout=30)
     assert await_start(plan, stage, multi) == stage / "spec.json"  # without a token: the last run's counts at once
+    with pytest.raises(PipelineError, match=r"spec.json is an earlier run's \(no .*\.started of this run\)"):
+        await_start(plan, stage, MultiNode(nodes=2, node_rank=1, master_addr="127.0.0.1", rdzv_timeout=1), tokens[1])
     events = {}
 
     def node0():

@@ -158,6 +158,8 @@ def test_each_round_of_iterated_dpo_samples_with_its_own_random_numbers(tmp_path
 
     first = samples("pairs1")
     assert samples("pairs1") == first and samples("pairs2") != first
+    # a 32-bit seed whatever the pipeline's seed (vLLM and numpy refuse larger), with room for rank and batch index
+    assert all(preferences.sampling_seed(SimpleNamespace(seed=s, name="preferences")) < 2 ** 31 for s in (0, 383, 4294))
 
 
 def test_prompts_that_leave_no_room_for_a_reply_within_the_models_positions_are_dropped_and_counted(tmp_path):
@@ -181,7 +183,8 @@ def test_prompts_that_leave_no_room_for_a_reply_within_the_models_positions_are_
     config["max_position_embeddings"] = 24
     (base / "config.json").write_text(json.dumps(config))
     lengths = [len(tok(t)["input_ids"]) for t in TEXTS]
-    room = 24 - sorted(lengths)[1]  # the two shorter prompts fit with this many new tokens, the longest not
+    room = 24 - sorted(lengths)[1] - 1  # the two shorter prompts fit with this many new tokens (and the one position
+    # more the engine is started with), the longest not
     assert sorted(lengths)[1] < max(lengths)
     adapter = tmp_path / "adapter"
     adapter.mkdir()
@@ -190,8 +193,8 @@ def test_prompts_that_leave_no_room_for_a_reply_within_the_models_positions_are_
         ctx = SimpleNamespace(pipeline=SimpleNamespace(trust_remote_code=False), extra_manifest={}, is_main=True,
                               name="pairs")
         kept = prompts_within_positions(ctx, list(TEXTS), tok, str(path), room)
-        assert kept == [t for t, n in zip(TEXTS, lengths) if n + room <= 24] and len(kept) == 2
+        assert kept == [t for t, n in zip(TEXTS, lengths) if n + room < 24] and len(kept) == 2
         assert ctx.extra_manifest["dropped_rows"] == {
-            f"prompt + generation.max_new_tokens ({room}) over the model's 24 positions": 1}
+            f"no room for generation.max_new_tokens ({room}) within the model's 24 positions": 1}
     with pytest.raises(StageError, match=r"every prompt is too long to sample 24 tokens .* 24 positions"):
         prompts_within_positions(ctx, list(TEXTS), tok, str(base), 24)

@@ -153,7 +153,7 @@ class EndpointBackend:
 
     def _refused(self, last: str) -> Refused:
         """A request the endpoint refused: an invalid answer, or the end of the judging when it has refused every
-        request so far (REFUSED_EVERY of them)."""
+        request so far (REFUSED_EVERY of them) and answered none, this run or (the judge counts its cache) before."""
         with self._lock:
             self.refused += 1
             every = self.refused >= REFUSED_EVERY and not self.answered

@@ -191,6 +191,8 @@ class PairwiseLLMJudge:
         keys = [self.key(p, x, y) for p, x, y in zip(prompts, a, b)]
         todo = list(dict.fromkeys(k for k in keys if k not in self.cache.answers))
         where = {k: i for i, k in enumerate(keys)}
+        if hasattr(self.backend, "answered"):  # answers cached by an earlier run: the endpoint does answer this judge
+            self.backend.answered += len(set(keys)) - len(todo)  # (its refusals, never cached, are asked first again)
         refused: dict[str, str] = {}  # answers to requests an endpoint refused (endpoint.Refused): never cached
         for start in range(0, len(todo), self.chunk):
             part = todo[start:start + self.chunk]

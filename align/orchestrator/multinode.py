@@ -166,11 +166,14 @@ def await_start(plan: StagePlan, stage_dir: Path, multi: MultiNode, token: str |
         if theirs not in (None, plan.fingerprint) and _stamp(spec_path) != before:  # (ours rewritten: node 0's rerun
             raise PipelineError(_other_config(plan.name, theirs, plan.fingerprint))  # of a forced stage, its mark next)
         if time.time() - t_wait > multi.rdzv_timeout:
-            seen = f"; it holds fingerprint {theirs}: " + _other_config(plan.name, theirs, plan.fingerprint) \
-                if theirs else "; is the run directory on a filesystem all nodes share, and is node 0 running?"
+            seen = "; is the run directory on a filesystem all nodes share, and is node 0 running?"
+            if theirs == plan.fingerprint:  # a forced stage's last run: this run's mark never came
+                seen = f"; {spec_path} is an earlier run's (no {stage_dir / MARK} of this run){seen}"
+            elif theirs:
+                seen = f"; it holds fingerprint {theirs}: " + _other_config(plan.name, theirs, plan.fingerprint)
             raise PipelineError(f"node {multi.node_rank}: node 0 ({multi.master_addr}:{multi.master_port}) did not "
-                                f"start stage '{plan.name}' within {multi.rdzv_timeout}s (no {spec_path} with "
-                                f"fingerprint {plan.fingerprint}){seen}")
+                                f"start stage '{plan.name}' within {multi.rdzv_timeout}s (no {spec_path} of this run "
+                                f"with fingerprint {plan.fingerprint}){seen}")
         time.sleep(0.5)
     return spec_path
 

@@ -122,12 +122,12 @@ def prompts_within_positions(ctx: StageContext, prompts: list[str], tokenizer, m
     Past its positions a model samples from positions it never learned (RoPE refuses nothing) and the vllm engine
     refuses to start, after loading; none left fails the stage. A model whose config says no limit keeps them all."""
     limit = model_positions(model_path, ctx.pipeline.trust_remote_code)
-    if limit is None:
+    if limit is None or not prompts:
         return prompts
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"]]
-    kept = [p for p, n in zip(prompts, lengths) if n + new_tokens <= limit]
+    kept = [p for p, n in zip(prompts, lengths) if n + new_tokens < limit]  # the engine takes one position more
     if len(kept) < len(prompts):
-        why = f"prompt + generation.max_new_tokens ({new_tokens}) over the model's {limit} positions"
+        why = f"no room for generation.max_new_tokens ({new_tokens}) within the model's {limit} positions"
         count_dropped(ctx, why, len(prompts) - len(kept))
         if ctx.is_main:
             print(f"[align] {ctx.name}: {len(prompts) - len(kept)} of {len(prompts)} prompts dropped: {why}", flush=True)

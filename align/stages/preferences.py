@@ -93,7 +93,8 @@ def sampling_seed(ctx: StageContext) -> int:
     one pipeline seed) drew every round's samples with round 1's random numbers, so where DPO moved a token's
     distribution little the same token came out again; the held-out prompts stay the seed's alone (the same ones
     every round)."""
-    return ctx.seed * 1_000_003 + zlib.crc32(ctx.name.encode())
+    return (ctx.seed * 1_000_003 + zlib.crc32(ctx.name.encode())) % 2 ** 31  # vLLM and numpy take 32-bit seeds: room
+    # for the rank and a batch's first prompt index added to it
 
 
 def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts: list[str],
