@@ -62,13 +62,21 @@ def new_token_rows(model, ids: list[int]) -> NewTokens | None:
 
 
 def add_adapters(model, lora: LoraSettings, task_type: str, zero3: bool = False, autocast: bool = False):
-    """`model` wrapped in trainable LoRA adapters, its own weights frozen (a peft PeftModel); under `autocast` (the
-    stage computes in mixed precision) every parameter it trains in fp32 (`fp32_trainables`)."""
+    """`model` wrapped in trainable LoRA adapters, its own weights frozen (a peft PeftModel); with `autocast`
+    (`upcasts_trainables`) every parameter it trains in fp32 (`fp32_trainables`)."""
     from peft import get_peft_model  # heavy: loaded on use
 
     # Under ZeRO-3 adapters keep the base's dtype: DeepSpeed gathers parameters in one dtype (TRL issue 6089).
     peft_model = get_peft_model(model, peft_config(lora, task_type), autocast_adapter_dtype=not zero3)
-    return fp32_trainables(peft_model) if autocast and not zero3 else peft_model
+    return fp32_trainables(peft_model) if autocast else peft_model
+
+
+def upcasts_trainables(compute_dtype, deepspeed_plugin) -> bool:
+    """Whether a LoRA stage trains its adapters and head copies in fp32 (`fp32_trainables`): where it computes under
+    autocast (`compute_dtype`, modeling.compute) outside DeepSpeed. Under DeepSpeed its engine sets every
+    parameter's dtype itself (ZeRO-1/2's bf16 engine casts them all and keeps fp32 master weights; ZeRO-3 gathers
+    one dtype). The one rule for PPO's adapters and the TRL stages'."""
+    return compute_dtype is not None and deepspeed_plugin is None
 
 
 def fp32_trainables(model):

@@ -11,7 +11,7 @@ import torch
 from align.config.ppo import PPOStage
 from align.modeling.generation import response_scores, scalar_outputs
 from align.modeling.models import disable_dropout
-from align.modeling.lora import add_adapters, without_peft
+from align.modeling.lora import add_adapters, upcasts_trainables, without_peft
 from align.runtime.context import StageContext
 from align.runtime.zero_buffers import widest, width_sized
 from align.stages.ppo.rewards import FrozenView
@@ -113,7 +113,7 @@ def load_trained(ctx: StageContext, cfg: PPOStage, accelerator, pad_id: int, rew
     lora = cfg.lora
     quantize = lora.quantize if lora.enabled else "none"
     policy_path = ctx.input_model(cfg.policy)
-    mixed = ctx.compute.dtype is not None  # adapters and the value head's copy trained in fp32 under autocast
+    mixed = upcasts_trainables(ctx.compute.dtype, accelerator.state.deepspeed_plugin)  # adapters, head copies: fp32
     policy = ctx.load_lm(policy_path, quantize=quantize, lora=lora.enabled)
     policy.generation_config.pad_token_id = pad_id
     if lora.enabled:
