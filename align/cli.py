@@ -24,7 +24,8 @@ from align.orchestrator.report import rebuild
 from align.core.errors import Terminated, describe, terminate_as_interrupt
 from align.core.rundir import ManifestError
 from align.orchestrator.commands import resume_args, resume_as
-from align.orchestrator.runner import Interrupted, run
+from align.core.errors import Interrupted
+from align.orchestrator.runner import run
 from align.orchestrator.status import status_table, verify
 from align.orchestrator.validate import check_environment, stage_lines, validate
 

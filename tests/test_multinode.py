@@ -43,17 +43,25 @@ def test_two_nodes_rendezvous_on_localhost_and_finish_a_stage(workdir):
     AutoModelForCausalLM.from_pretrained(stage / "model")
 
 
-def test_unreachable_master_fails_within_the_timeout_naming_host_and_port(workdir):
-    # 192.0.2.1 is TEST-NET-1 (RFC 5737): never routed, so nothing can answer there.
+def test_a_worker_without_node_zero_fails_within_the_timeout_naming_host_and_port(workdir):
+    """No node 0 (its run directory never appears): the worker stops after --rdzv-timeout, naming node 0's address,
+    and creates nothing of the run directory. Node 0 there (the handshake done) but its rendezvous port unreachable:
+    the worker stops on the port. 192.0.2.1 is TEST-NET-1 (RFC 5737): never routed, so nothing answers there."""
+    from align.core.errors import PipelineError
+    from align.orchestrator.launch import MultiNode
+    from align.orchestrator.multinode import wait_for_master
+
     t0 = time.time()
     proc = run_align(*SFT, "--nodes", "2", "--node-rank", "1", "--master-addr", "192.0.2.1", "--master-port", "29577",
                      "--rdzv-timeout", "4", cwd=workdir, timeout=120)
     elapsed = time.time() - t0
     assert proc.returncode == 2
-    assert "rendezvous for stage 'sft' timed out after 4s" in proc.stderr
-    assert "192.0.2.1:29577" in proc.stderr
+    assert "node 0 (192.0.2.1:29577) did not within --rdzv-timeout 4s: is it running?" in proc.stderr, proc.stderr
     assert elapsed < 4 + 20  # the timeout plus CLI start-up, not a hang
     assert not (workdir / "runs").exists()  # a worker node writes nothing
+    with pytest.raises(PipelineError, match=r"rendezvous for stage 'sft' timed out after 2s.*192\.0\.2\.1:29577"):
+        wait_for_master(MultiNode(nodes=2, node_rank=1, master_addr="192.0.2.1", master_port=29577, rdzv_timeout=2),
+                        "sft")
 
 
 def test_launch_sh_derives_node_rank_and_master_from_slurm(tmp_path):
@@ -357,3 +365,121 @@ def test_with_force_a_worker_waits_for_node_zeros_rerun_not_the_last_runs_comple
     finally:
         thread.join()
     assert events["worker_saw_start"] >= events["started"] and events["worker_done"] >= events["completed"], events
+
+
+def _agreed(tmp_path, plans: dict) -> dict:
+    """Both nodes' handshake in threads: {rank: token or the PipelineError it raised}."""
+    import threading
+
+    from align.core.errors import PipelineError
+    from align.orchestrator.launch import MultiNode
+    from align.orchestrator.multinode import handshake
+
+    out = {}
+
+    def node(rank):
+        try:
+            out[rank] = handshake(tmp_path, MultiNode(nodes=2, node_rank=rank, master_addr="127.0.0.1",
+                                                      rdzv_timeout=20), plans[rank])
+        except PipelineError as exc:
+            out[rank] = exc
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in (1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_nodes_that_planned_different_pipelines_both_stop_at_the_handshake(tmp_path):
+    """A worker started with other overrides skipped a stage as up to date while node 0 reran it (node 0 then hung in
+    the rendezvous); the nodes now compare every stage's fingerprint when they agree on the run, and both stop,
+    naming the stage. The same plans agree on one token."""
+    same = _agreed(tmp_path, {0: {"sft": "a", "dpo": "b"}, 1: {"sft": "a", "dpo": "b"}})
+    assert isinstance(same[0], str) and same[0] == same[1]
+    other = _agreed(tmp_path, {0: {"sft": "a", "dpo": "b"}, 1: {"sft": "a", "dpo": "c"}})
+    for rank in (0, 1):
+        assert "stage 'dpo': node 0 planned fingerprint b, node 1 planned c" in str(other[rank]), other
+    fewer = _agreed(tmp_path, {0: {"sft": "a", "dpo": "b"}, 1: {"sft": "a"}})
+    assert "stage 'dpo': node 0 planned fingerprint b, node 1 planned None" in str(fewer[1]), fewer
+
+
+def test_a_worker_stops_at_once_when_node_zero_records_its_attempt_failed_over_a_last_runs_completed_manifest(
+        tmp_path):
+    """Node 0's stage process died before writing its manifest (a segfault at import, SIGKILL), over the last run's
+    `completed` one: node 0 exited, the worker waited for ever. Node 0 now marks the attempt ended (`mark_ended`, as
+    the runner does on any failure or stop) and the worker stops at once, with node 0's reason; a mark of another
+    run's token is not this run's end."""
+    from types import SimpleNamespace
+
+    from align.core.rundir import StageSpec, write_manifest
+    from align.orchestrator.launch import MultiNode
+    from align.orchestrator.multinode import await_start, mark_ended, mark_started, wait_for_stage
+
+    stage = tmp_path / "prefs"
+    (stage / "data").mkdir(parents=True)
+    write_manifest(stage, {"fingerprint": "f1", "status": "completed", "outputs": ["data"], "attempts": 1})
+    StageSpec("prefs", str(stage), "f1", {}, {}).write(stage / "spec.json")
+    mark_started(stage, "last-run")
+    mark_ended(stage, "this-run", "failed on node 0: not this run's")  # not this run's mark: nothing written
+    assert json.loads((stage / ".started").read_text()) == {"token": "last-run"}
+
+    def node0():
+        time.sleep(1.0)
+        StageSpec("prefs", str(stage), "f1", {}, {}).write(stage / "spec.json")
+        mark_started(stage, "this-run")
+        time.sleep(1.0)
+        mark_ended(stage, "this-run", "failed on node 0: the stage process exited with code -9")
+
+    multi = MultiNode(nodes=2, node_rank=1, master_addr="127.0.0.1", rdzv_timeout=60)
+    t0 = time.time()
+
+    def worker():
+        await_start(SimpleNamespace(name="prefs", fingerprint="f1"), stage, multi, "this-run")
+        wait_for_stage(stage, "f1", "prefs", None, stale_after=60, token="this-run", silence=60)
+
+    _raises_while(node0, r"stage 'prefs' failed on node 0: the stage process exited with code -9", worker)
+    assert time.time() - t0 < 15  # at once, not after stale_after
+
+
+def test_a_worker_stops_when_node_zeros_heartbeat_falls_silent_and_waits_while_it_beats(tmp_path, monkeypatch):
+    """Node 0's host went down during a one-process stage (its manifest left `running`): the worker waited for ever.
+    While node 0's run goes on it touches `.nodes/node0.json` (agreed_run); a worker waiting on a stage stops after
+    `silence` seconds without a touch, and waits on while the touches come."""
+    import threading
+
+    import align.orchestrator.multinode as mn
+    from align.core.rundir import write_manifest
+    from align.orchestrator.launch import MultiNode
+
+    monkeypatch.setattr(mn, "HEARTBEAT_SECONDS", 0.2)
+    stage = tmp_path / "prefs"
+    (stage / "data").mkdir(parents=True)
+    mn.mark_started(stage, "tok")
+    write_manifest(stage, {"fingerprint": "f1", "status": "running", "attempts": 1})
+    done = {}
+
+    def node0():
+        with mn.agreed_run(tmp_path, MultiNode(nodes=2, node_rank=0, master_addr="127.0.0.1", rdzv_timeout=20),
+                           {"prefs": "f1"}):
+            time.sleep(4.0)  # beating: longer than the worker's silence
+            write_manifest(stage, {"fingerprint": "f1", "status": "completed", "outputs": ["data"], "attempts": 1})
+            done["at"] = time.time()
+
+    thread = threading.Thread(target=node0)
+    thread.start()
+    try:
+        token = mn.handshake(tmp_path, MultiNode(nodes=2, node_rank=1, master_addr="127.0.0.1", rdzv_timeout=20),
+                             {"prefs": "f1"})
+        mn.mark_started(stage, token)  # as node 0's runner does once it starts the stage
+        mn.wait_for_stage(stage, "f1", "prefs", None, stale_after=60, token=token, silence=1.5)
+    finally:
+        thread.join()
+    assert "at" in done  # it waited past 1.5 s of the stage for the completed record
+    write_manifest(stage, {"fingerprint": "f1", "status": "running", "attempts": 2})
+    mn.mark_started(stage, token)
+    t0 = time.time()
+    with pytest.raises(mn.PipelineError, match=r"node 0 has not touched its heartbeat .*node0\.json for 2s"):
+        mn.wait_for_stage(stage, "f1", "prefs", None, stale_after=60, token=token, silence=2.0)
+    assert 2.0 <= time.time() - t0 < 10

@@ -91,3 +91,12 @@ def describe(exc: BaseException) -> str:
         where = f"{os.path.abspath(exc.filename)}: " if exc.filename else ""
         return f"{where}{exc.strerror}" + (f" ({code})" if code else "")
     return f"{type(exc).__name__}: {exc}"
+
+
+class Interrupted(PipelineError):
+    """Ctrl-C (or SIGTERM) during a stage: the stage is recorded as interrupted (resumable); the CLI exits with 130
+    (143 after SIGTERM)."""
+
+    def __init__(self, message: str, terminated: bool = False):
+        super().__init__(message)
+        self.terminated = terminated

@@ -18,7 +18,7 @@ from typing import Any
 from align.orchestrator import warm
 from align.config import PipelineConfig, to_dict
 from align.core.console import stream_stage, tail, verbose
-from align.core.errors import INTERRUPTED, PipelineError, Terminated, interrupt_cause
+from align.core.errors import INTERRUPTED, Interrupted, PipelineError, Terminated, interrupt_cause
 from align.orchestrator.disk import disk_peak, disk_problem
 from align.orchestrator.estimate import EstimateError, dtype_bytes, estimate_pipeline, too_big
 from align.orchestrator.hardware import Hardware, hardware
@@ -26,7 +26,7 @@ from align.core.fsutil import atomic_write_json
 from align.orchestrator.inputs import resolve_model_paths
 from align.orchestrator.launch import (MultiNode, is_distributed, launch_command, one_plain_process, placement_problem,
                                       stage_env, world_change)
-from align.orchestrator.multinode import follow_stage, handshake, mark_started
+from align.orchestrator.multinode import agreed_run, follow_stage, mark_ended, mark_started
 from align.orchestrator.plan import REPO_DIR, StagePlan, code_version, descendants, run_dir_of
 from align.core.rundir import (MANIFEST, PIPELINE, SPEC, STAGE_LOCK, PipelineRecord, StageSpec, headline, is_complete,
                                moved_inputs, output_digests, outputs_problem, read_manifest, stage_in_use,
@@ -166,13 +166,19 @@ def check_outputs(run_dir: Path, name: str, source: str | Path) -> None:
 
 
 def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan], selected: set[str],
-                forced: set[str], run_dir: Path, num_processes: int | None, trust_completed_inputs: bool,
-                multi: MultiNode, t0: float) -> Path:
+                forced: set[str], run_dir: Path, num_processes: int | None, trust: bool, multi: MultiNode,
+                t0: float) -> Path:
+    with agreed_run(run_dir, multi, {p.name: p.fingerprint for p in plans}) as token:  # every node's, multi-node
+        return _stages(cfg, source, plans, selected, forced, run_dir, num_processes, trust, multi, t0, token)
+
+
+def _stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan], selected: set[str], forced: set[str],
+            run_dir: Path, num_processes: int | None, trust_completed_inputs: bool, multi: MultiNode, t0: float,
+            token: str | None) -> Path:
     pipeline_info = {**{k: v for k, v in to_dict(cfg).items() if k != "stages"}, **resolve_model_paths(cfg, source)}
     code, git = code_version(), _git_commit()
     statuses: dict[str, str] = {}
     recorded = False  # pipeline.json: this config's record, once a stage of it launches
-    token = handshake(run_dir, multi) if multi.nodes > 1 and forced else None  # this run's, on every node
     # Two or more one-process stages to run: start the warm server now (it imports while the runner goes on),
     # and fork those stages from it (align/orchestrator/warm.py). For a single stage it would only add its start.
     plain = [p for p in plans if p.name in selected and (p.name in forced or not is_complete(run_dir / p.name,
@@ -192,13 +198,13 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
             continue
         _check_inputs(plan, plans, run_dir, source, trust_completed_inputs)
         if not multi.is_main:
-            follow_stage(plan, stage_dir, header, source, num_processes, multi, token if plan.name in forced else None)
+            follow_stage(plan, stage_dir, header, source, num_processes, multi, token)
             statuses[plan.name] = "completed"
             continue
         if not recorded:  # at the first launch (`align status` reads a run that dies in it), never at a refusal
             _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)  # (`align report` rebuilds from it)
             recorded = True
-        spec_path = _write_spec(plan, run_dir, pipeline_info, code, git, token if plan.name in forced else None)
+        spec_path = _write_spec(plan, run_dir, pipeline_info, code, git, token)
         print(f"{header}: running (fingerprint {plan.fingerprint})", flush=True)
         t_stage = time.time()
         peak_before = children_peak_rss()
@@ -207,7 +213,7 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
             rc = stream_stage(lambda: warm.start_stage(cmd, stage_env(), warm_start, str(stage_dir)),  # noqa: B023 (called here)
                               stage_dir / "stage.log", plan.name)
         except KeyboardInterrupt as exc:
-            _mark_interrupted(stage_dir, interrupt_cause(exc))
+            _mark_interrupted(stage_dir, interrupt_cause(exc), token=token)
             statuses[plan.name] = "interrupted"
             _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)
             how = "stopped by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
@@ -216,8 +222,7 @@ def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan],
                               f"its last checkpoint, if it saved one)\n  log: {stage_dir / 'stage.log'}",
                               isinstance(exc, Terminated)) from None
         if rc != 0 or not is_complete(stage_dir, plan.fingerprint):
-            if rc != 0:  # killed before it could say so (SIGKILL, the OOM killer): not `running` for worker nodes
-                _mark_interrupted(stage_dir, f"the stage process exited with code {rc}", status="failed")
+            _mark_interrupted(stage_dir, f"the stage process exited with code {rc}", "failed", token)
             statuses[plan.name] = "failed"
             _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)
             raise _stage_failed(plan, stage_dir, rc, peak_before, source, multi)
@@ -261,8 +266,8 @@ def _stale_below(name: str, plans: dict[str, StagePlan], run_dir: Path) -> tuple
 def _write_spec(plan: StagePlan, run_dir: Path, pipeline_info: dict[str, Any], code: str, git: str | None,
                 token: str | None = None) -> Path:
     """The stage's spec.json: its resolved config, its inputs with their fingerprints and output digests, its data
-    cards' hashes, the chat template and the code version (align/core/rundir.py StageSpec); then, for a forced stage
-    of a multi-node run (`token`: `handshake`'s), the mark by which workers tell its rerun from its last run."""
+    cards' hashes, the chat template and the code version (align/core/rundir.py StageSpec); then, in a multi-node
+    run (`token`: `handshake`'s), the mark by which workers tell this run's attempt from an earlier run's."""
     stage_dir = run_dir / plan.name
     stage_dir.mkdir(parents=True, exist_ok=True)
     if stage_in_use(stage_dir):  # a SIGKILLed runner's stage processes, still recording or still training
@@ -292,8 +297,8 @@ def _stage_failed(plan: StagePlan, stage_dir: Path, rc: int, peak_before, source
     a multi-node hint, the log's last lines, where the log and manifest are."""
     m = read_manifest(stage_dir) or {}
     hint = (f"\n  multi-node: if the log shows a rendezvous timeout, a node did not join "
-            f"{multi.master_addr}:{multi.master_port} within --rdzv-timeout {multi.rdzv_timeout}s"
-            if multi.nodes > 1 and is_distributed(plan.cfg, source) else "")
+            f"{multi.master_addr}:{multi.master_port} within --rdzv-timeout {multi.rdzv_timeout}s; node R's ranks "
+            f"log to {stage_dir / 'stage.node<R>.log'}" if multi.nodes > 1 and is_distributed(plan.cfg, source) else "")
     meaning = exit_meaning(rc, peak_before, source)
     if meaning:  # the stage could not say it (it was killed): its log gets the runner's reading
         with open(stage_dir / "stage.log", "a", encoding="utf-8") as log:
@@ -323,9 +328,7 @@ def memory_preflight(cfg: PipelineConfig, source: str | Path, plans: list[StageP
                      num_processes: int | None, hw: Hardware, ignore: bool) -> None:
     """Refuse, before anything is launched, stages whose per-GPU estimate exceeds the GPU memory (align/orchestrator/estimate.py).
     Skipped when no GPU is present or declared, or when the base model's config cannot be read here."""
-    if not names:
-        return
-    if not hw.gpu_memory:
+    if not names or not hw.gpu_memory:
         return
     try:
         estimates = estimate_pipeline(cfg, source, hw, num_processes, plans)
@@ -347,20 +350,15 @@ def memory_preflight(cfg: PipelineConfig, source: str | Path, plans: list[StageP
                         "--ignore-memory-check launches anyway)")
 
 
-class Interrupted(PipelineError):
-    """Ctrl-C (or SIGTERM) during a stage: the stage is recorded as interrupted (resumable); the CLI exits with 130
-    (143 after SIGTERM)."""
-
-    def __init__(self, message: str, terminated: bool = False):
-        super().__init__(message)
-        self.terminated = terminated
-
-
-def _mark_interrupted(stage_dir: Path, cause: str = INTERRUPTED, status: str = "interrupted") -> None:
-    """A stage killed before it could record the interrupt (or its failure) itself still says so (not `running`)."""
+def _mark_interrupted(stage_dir: Path, cause: str = INTERRUPTED, status: str = "interrupted",
+                      token: str | None = None) -> None:
+    """A stage killed before it could record the interrupt (or its failure) itself still says so (not `running`);
+    a multi-node run's workers are told (`token`: multinode.mark_ended), with the stage's own error where it gave
+    one."""
     if (m := read_manifest(stage_dir)) and m.get("status") == "running":
         m.update(status=status, error=cause, ended_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         write_manifest(stage_dir, m)
+    mark_ended(stage_dir, token, f"{status} on node 0: {m.get('error') if m and m.get('status') == status else cause}")
 
 
 def _resolved_stage(plan: StagePlan) -> dict[str, Any]:
