@@ -1010,6 +1010,10 @@ def test_a_lora_stage_whose_template_adds_tokens_counts_their_rows_and_the_head_
         assert with_rows.trained_params["policy"] - without.trained_params["policy"] == extra, tied
         grown = with_rows.parts["ddp"]["trained_states"] - without.parts["ddp"]["trained_states"]
         assert grown == 20 * extra  # DDP: 20 bytes a trained parameter (memory.model_state_bytes)
+        # and TRL's fused head, whose backward accumulates the trained head copy's gradient in fp32 beside its cast
+        # (memory.trl_fused_head_bytes): counted where the copy trains, as for a head trained whole
+        buffer = with_rows.parts["ddp"]["activations"] - without.parts["ddp"]["activations"]
+        assert buffer == (0 if tied else (4 + 2) * lm.vocab * lm.hidden), (tied, buffer)
 
 
 def test_the_estimate_asks_the_helper_how_many_tokens_the_installed_template_adds(tmp_path):
