@@ -236,8 +236,6 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
     except EstimateError as exc:
         raise EstimateError(f"stages.{name}.{exc}; name some of these in stages.{name}.lora.target_modules") from None
     est.trained_params = trained_params = {h.role: sum(layers[h.role]) if lora else h.shape.params for h in trained}
-    heads = {h.role: bool(lora) and not h.shape.scalar and not h.shape.tied and installs_template
-             and h.shape.new_tokens > 0 for h in trained}  # LoRA trains a copy of the head (new tokens' rows)
     largest = max((max(layers[h.role]) if lora else h.shape.largest_layer for h in trained), default=0)
     frozen = [h for h in held if not h.trained or lora]
     est.lora = ("QLoRA" if lora.quantize == "4bit" else "LoRA") if lora else ""
@@ -259,9 +257,9 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
             variant = training_variant(lora, m, dtype, precision, gpu_memory is not None, stage.DROPOUT)
             kept = acts(ckpt, chunk, variant)
             computes = 2 if variant[1] == "bf16" else dbytes
-            parts["activations"] = kept + sum(trl_fused_head_bytes(h.shape, train_b * train_s, computes,
-                                                                   not lora or heads[h.role])
-                                              for h in trained if fused(h))  # in bf16 where DeepSpeed cast it
+            parts["activations"] = kept + sum(  # in bf16 where DeepSpeed cast it; LoRA: a copy of the head for new tokens
+                trl_fused_head_bytes(h.shape, train_b * train_s, computes, not lora or bool(
+                    installs_template and h.shape.new_tokens and not h.shape.tied)) for h in trained if fused(h))
             if m == mode and not ckpt and hasattr(stage, "gradient_checkpointing"):
                 est.with_checkpointing = acts(True, chunk, variant) - kept  # plus the total, filled in below
         parts["frozen_weights"] = sum(_frozen(h, lora, m, gpus, dbytes) for h in frozen)

@@ -280,9 +280,10 @@ def train_with_resume(ctx: StageContext, trainer) -> dict[str, Any]:
     plugin = trainer.accelerator.state.deepspeed_plugin
     if plugin is not None:  # buckets sized from the model, not DeepSpeed's 5e8 (align/runtime/zero_buffers.py)
         width_sized(plugin.deepspeed_config, widest(trainer.model))
-    from align.modeling.lora import fp32_trainables, upcasts_trainables  # heavy: stage processes only
-    if upcasts_trainables(ctx.compute.dtype, plugin):  # LoRA, before train() builds the optimiser
-        fp32_trainables(trainer.model)
+    if hasattr(trainer.model, "peft_config"):  # LoRA: its rule, before train() builds the optimiser
+        from align.modeling.lora import fp32_trainables, upcasts_trainables  # heavy: stage processes only
+        if upcasts_trainables(ctx.compute.dtype, plugin):
+            fp32_trainables(trainer.model)
     trainer.add_callback(_stop_at_max_steps(ctx.name))
     trainer.add_callback(durable_checkpoints(ctx, ctx.cfg.save_total_limit))
     start = time.monotonic()
