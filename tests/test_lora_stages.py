@@ -411,3 +411,35 @@ def test_every_parameter_lora_trains_over_a_16_bit_base_is_fp32(upstream, monkey
     finally:  # the next stage of this process may compute in fp32: accelerate refuses another precision otherwise
         AcceleratorState._reset_state()
     assert any("score" in n for n in seen) and set(seen.values()) == {torch.float32}, seen
+
+
+def test_a_merged_model_keeps_the_weights_its_class_keeps_in_fp32(tmp_path):
+    """model/ in one dtype (in_one_dtype) cast every fp32 weight to the base's 16-bit dtype, a MoE router's gate too,
+    which transformers keeps in fp32 in a bf16 model (DeepSeek-V3's `_keep_in_fp32_modules_strict`): its routing
+    then ran on bf16-rounded weights. The trained fp32 head copy is cast; the gate stays fp32."""
+    import warnings
+
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from align.modeling.lora import add_adapters, merged_for_saving
+    from align.modeling.models import load_causal_lm
+
+    torch.manual_seed(0)
+    print("seed 0")
+    cfg = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                           num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
+                           q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                           tie_word_embeddings=False)
+    DeepseekV3ForCausalLM(cfg).save_pretrained(tmp_path / "ds")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = load_causal_lm(str(tmp_path / "ds"), "bfloat16")
+    gate = "model.layers.1.mlp.gate.weight"
+    assert {n for n, p in model.named_parameters() if p.dtype == torch.float32} == {gate}  # as transformers loads it
+    lora = LoraSettings(enabled=True, r=4, alpha=8, target_modules=["o_proj"])
+    peft_model = add_adapters(model, lora, "CAUSAL_LM", autocast=True)
+    peft_model.get_base_model().lm_head.weight.data = peft_model.get_base_model().lm_head.weight.data.float()  # a copy
+    merged = merged_for_saving(peft_model, lora, "bfloat16")
+    dtypes = {n: p.dtype for n, p in merged.named_parameters()}
+    assert dtypes.pop(gate) == torch.float32 and set(dtypes.values()) == {torch.bfloat16}, dtypes

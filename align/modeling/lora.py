@@ -4,8 +4,9 @@ QLoRA's 4-bit loading itself is part of loading a model (align/modeling/models.p
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -139,16 +140,33 @@ def merged_for_saving(peft_model, lora: LoraSettings, dtype: str, gathered: dict
 def in_one_dtype(model):
     """A merged model with every floating weight in the dtype most of its weights have: the fp32 copies LoRA trained
     beside a 16-bit base (a scalar or LM head: fp32_trainables) made model/ a mix, its config naming the first
-    weight's dtype (~1 GB more at 8B for the head). Weights only: buffers (RoPE's) stay as the model keeps them."""
+    weight's dtype (~1 GB more at 8B for the head). Weights only: buffers (RoPE's) stay as the model keeps them, and
+    so do the weights the model's class keeps in fp32 in that dtype (`kept_in_fp32`: a MoE router's gate)."""
     sizes: dict[torch.dtype, int] = {}
     for param in model.parameters():
         if param.is_floating_point():
             sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
     dtype = max(sizes, key=sizes.__getitem__, default=None)
-    for param in model.parameters():
-        if param.is_floating_point() and param.dtype != dtype:
+    kept = kept_in_fp32(model, dtype)
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and param.dtype != dtype and not (param.dtype == torch.float32 and kept(name)):
             param.data = param.data.to(dtype)
     return model
+
+
+def kept_in_fp32(model, dtype) -> Callable[[str], bool]:
+    """Whether a parameter (by name) is one transformers keeps in fp32 when it loads the model in `dtype`: its class's
+    `_keep_in_fp32_modules_strict` in bf16 and fp16, `_keep_in_fp32_modules` in fp16 (a MoE router's gate and
+    score-correction bias: DeepSeek-V3, GLM-4-MoE). A module name matches whole dotted parts, `*` any one part."""
+    names = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) if dtype in (torch.bfloat16,
+                                                                                         torch.float16) else set()
+    if dtype == torch.float16:
+        names |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    if not names:
+        return lambda name: False
+    pattern = re.compile("|".join(r"(?:^|\.)" + re.escape(n).replace(r"\*", r"[^.]+") + r"(?:$|\.)"
+                                  for n in sorted(names)))
+    return lambda name: pattern.search(name) is not None
 
 
 def plain_embeddings(model):
