@@ -443,3 +443,28 @@ def test_a_merged_model_keeps_the_weights_its_class_keeps_in_fp32(tmp_path):
     merged = merged_for_saving(peft_model, lora, "bfloat16")
     dtypes = {n: p.dtype for n, p in merged.named_parameters()}
     assert dtypes.pop(gate) == torch.float32 and set(dtypes.values()) == {torch.bfloat16}, dtypes
+
+
+def test_a_qlora_scalar_head_computes_in_fp32_compute_too(upstream):
+    """TRL casts every parameter a 4-bit model trains to bf16, whatever the precision; with `precision: float32` (no
+    autocast) the fp32 hidden states of QLoRA's base (its non-quantized weights fp32: prepare_model_for_kbit_training)
+    then met a bf16 scalar head: "expected m1 and m2 to have the same dtype". The rule the TRL stages read
+    (upcasts_trainables) now upcasts a quantized model's head copies in fp32 compute too. 4-bit weights need a GPU:
+    an fp32 model marked 4-bit stands in, its trainables cast as TRL leaves them."""
+    from align.modeling.lora import add_adapters, fp32_trainables, upcasts_trainables
+    from align.modeling.models import load_scalar_model
+
+    torch.manual_seed(0)
+    print("seed 0")
+    lora = LoraSettings(enabled=True, r=4, alpha=8, target_modules=list(TARGETS))
+    model = add_adapters(load_scalar_model(str(upstream / "reward" / "model"), None, "float32"), lora, "SEQ_CLS")
+    model.base_model.model.is_loaded_in_4bit = True
+    for param in model.parameters():
+        param.data = param.data.to(torch.bfloat16) if param.requires_grad else param.data  # as TRL leaves QLoRA's
+    assert upcasts_trainables(None, None, quantized=True) and not upcasts_trainables(None, None)
+    assert not upcasts_trainables(torch.bfloat16, object(), quantized=True)  # DeepSpeed casts them itself
+    ids = torch.randint(0, 100, (2, 6))
+    with pytest.raises(RuntimeError, match="dtype"):
+        model(input_ids=ids)
+    scores = fp32_trainables(model)(input_ids=ids).logits
+    assert scores.dtype == torch.float32 and torch.isfinite(scores).all()

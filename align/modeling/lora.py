@@ -72,12 +72,14 @@ def add_adapters(model, lora: LoraSettings, task_type: str, zero3: bool = False,
     return fp32_trainables(peft_model) if autocast else peft_model
 
 
-def upcasts_trainables(compute_dtype, deepspeed_plugin) -> bool:
+def upcasts_trainables(compute_dtype, deepspeed_plugin, quantized: bool = False) -> bool:
     """Whether a LoRA stage trains its adapters and head copies in fp32 (`fp32_trainables`): where it computes under
-    autocast (`compute_dtype`, modeling.compute) outside DeepSpeed. Under DeepSpeed its engine sets every
-    parameter's dtype itself (ZeRO-1/2's bf16 engine casts them all and keeps fp32 master weights; ZeRO-3 gathers
-    one dtype). The one rule for PPO's adapters and the TRL stages'."""
-    return compute_dtype is not None and deepspeed_plugin is None
+    autocast (`compute_dtype`, modeling.compute) outside DeepSpeed, and a QLoRA model's head copies and token rows
+    (`quantized`) in fp32 compute too: TRL casts them to bf16 whatever the precision, and the fp32 hidden states
+    met a bf16 scalar head. Under DeepSpeed its engine sets every parameter's dtype itself (ZeRO-1/2's bf16 engine
+    casts them all and keeps fp32 master weights; ZeRO-3 gathers one dtype). The one rule for PPO's adapters and
+    the TRL stages'."""
+    return deepspeed_plugin is None and (compute_dtype is not None or quantized)
 
 
 def fp32_trainables(model):

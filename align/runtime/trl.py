@@ -282,7 +282,7 @@ def train_with_resume(ctx: StageContext, trainer) -> dict[str, Any]:
         width_sized(plugin.deepspeed_config, widest(trainer.model))
     if hasattr(trainer.model, "peft_config"):  # LoRA: its rule, before train() builds the optimiser
         from align.modeling.lora import fp32_trainables, upcasts_trainables  # heavy: stage processes only
-        if upcasts_trainables(ctx.compute.dtype, plugin):
+        if upcasts_trainables(ctx.compute.dtype, plugin, getattr(trainer.model, "is_loaded_in_4bit", False)):
             fp32_trainables(trainer.model)
     trainer.add_callback(_stop_at_max_steps(ctx.name))
     trainer.add_callback(durable_checkpoints(ctx, ctx.cfg.save_total_limit))

@@ -113,7 +113,7 @@ def load_trained(ctx: StageContext, cfg: PPOStage, accelerator, pad_id: int, rew
     lora = cfg.lora
     quantize = lora.quantize if lora.enabled else "none"
     policy_path = ctx.input_model(cfg.policy)
-    mixed = upcasts_trainables(ctx.compute.dtype, accelerator.state.deepspeed_plugin)  # adapters, head copies: fp32
+    mixed = upcasts_trainables(ctx.compute.dtype, accelerator.state.deepspeed_plugin, quantize != "none")  # in fp32
     policy = ctx.load_lm(policy_path, quantize=quantize, lora=lora.enabled)
     policy.generation_config.pad_token_id = pad_id
     if lora.enabled:
