@@ -33,7 +33,11 @@ def serve(behaviour):
             self.wfile.write(body)
 
         def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            try:
+                self.body = json.loads(raw)  # what the client asked (a behaviour may answer by it)
+            except ValueError:
+                self.body = None
             state["posts"] += 1
             state["times"].append(time.monotonic())
             behaviour(self, state)
@@ -177,6 +181,39 @@ def test_a_request_the_endpoint_refuses_is_that_pairs_invalid_answer_and_a_refus
     answers = judge.raw_answers(prompts, ["a"] * len(prompts), ["b"] * len(prompts))
     assert answers[0] == "A" and all(isinstance(a, Refused) for a in answers[1:])
     server.shutdown()
+
+
+def test_prompts_longer_than_the_judges_context_are_invalid_answers_not_a_refused_setting(tmp_path):
+    """The stage judges the longest prompts first (length-sorted batches); a judge served with a shorter context than
+    the policy's (vLLM --max-model-len) refuses those at once with HTTP 400, and REFUSED_EVERY of them came back
+    before any slow answer: "a setting the server does not take", after all the sampling, the same on every rerun.
+    A refusal as too long for the context (413, or a message saying so) is that pair's invalid answer and never
+    counts towards that stop; when such answers pass max_invalid_fraction, the error says what to change."""
+    from align.config.settings import PairwiseJudge
+    from align.judges.endpoint import TOO_LONG, Refused, too_long
+    from align.judges.pairwise import InvalidVerdicts, JudgeCache, PairwiseLLMJudge, check_invalid
+
+    vllm = {"error": {"message": "This model's maximum context length is 8192 tokens. However, you requested 9000 "
+                                 "tokens (8990 in the messages, 10 in the completion)."}}
+
+    def by_length(h, state):
+        if len(h.body["messages"][0]["content"]) > 200:
+            return send(h, 400, vllm)
+        time.sleep(0.05)  # a real answer takes time: the refusals come back first
+        return send(h, 200, ANSWER)
+
+    server, state, url = serve(by_length)
+    prompts = [f"{i} " + "long " * 60 for i in range(20)] + [f"short {i}" for i in range(30)]  # longest first
+    judge = PairwiseLLMJudge(PairwiseJudge(name="j", model="judge", base_url=url), backend(url, max_concurrency=4),
+                             "{prompt}|{response_a}|{response_b}", JudgeCache(tmp_path / "cache.jsonl"), chunk=4)
+    results = judge.compare(prompts, ["a"] * 50, ["b"] * 50)
+    server.shutdown()
+    assert [r["outcome"] == "invalid" for r in results] == [True] * 20 + [False] * 30
+    assert all(isinstance(a, Refused) and TOO_LONG in a for r in results[:20] for a in r["answers"])
+    with pytest.raises(InvalidVerdicts, match=r"refused 20 of them as longer than the judge's context: serve the "
+                                              r"judge with a longer context \(vLLM --max-model-len\)"):
+        check_invalid(results, PairwiseJudge(name="j", model="judge", base_url=url), "prefs", "prompts", show=False)
+    assert too_long(413, "") and not too_long(400, "HTTP 400: the server says 'Unsupported parameter: max_tokens'")
 
 
 def test_the_whole_judging_has_a_deadline():

@@ -35,7 +35,20 @@ class Refused(str):
 
 REFUSED_EVERY = 16
 """Refusals before any answer that end the judging: a request the server refuses every time is a setting (a parameter
-it does not take), not a prompt; the error quotes the server."""
+it does not take), not a prompt; the error quotes the server. A request refused as longer than the judge's context
+(`too_long`) never counts: the longest prompts are judged first (length-sorted batches), and a judge served with a
+shorter context than the policy's refused them before any answer came."""
+TOO_LONG = "longer than the judge's context"
+"""In the answer to a request refused as `too_long` (pairwise.check_invalid counts them)."""
+_TOO_LONG_SAYS = ("context length", "context_length", "context window", "maximum context", "max_model_len",
+                  "model length", "too long", "too many tokens", "input length", "prompt length", "maximum input")
+
+
+def too_long(code: int, said: str) -> bool:
+    """Whether an HTTP refusal (`code`, with what the server `said`) is of a request longer than the model's context:
+    413, or a 400/422 whose message says so (vLLM: "maximum context length is ... tokens"; OpenAI:
+    context_length_exceeded)."""
+    return code == 413 or any(words in said.lower() for words in _TOO_LONG_SAYS)
 
 
 class EndpointBackend:
@@ -128,7 +141,7 @@ class EndpointBackend:
                 if moved := redirected(exc):
                     raise EndpointError(f"{self.url}: {moved}") from None
                 if exc.code in (400, 413, 422):  # this request (a filtered prompt, one over the context): invalid
-                    return self._refused(last)
+                    return self._refused(last, too_long(exc.code, last))
                 if exc.code not in (408, 429) and exc.code < 500:  # the request itself is wrong: retrying will not help
                     raise EndpointError(f"{self.url} refused the request ({last}"
                                         + (": check the key in " + self.key_env if exc.code in (401, 403)
@@ -151,9 +164,12 @@ class EndpointBackend:
         raise EndpointError(f"{self.url}: no answer after {self.retries + 1} attempts (last: {last}); check that the "
                             "server is up, or raise timeout / retries")
 
-    def _refused(self, last: str) -> Refused:
+    def _refused(self, last: str, long: bool = False) -> Refused:
         """A request the endpoint refused: an invalid answer, or the end of the judging when it has refused every
-        request so far (REFUSED_EVERY of them) and answered none, this run or (the judge counts its cache) before."""
+        request so far (REFUSED_EVERY of them, not counting those too `long` for its context) and answered none, this
+        run or (the judge counts its cache) before."""
+        if long:
+            return Refused(f"[no verdict: the endpoint refused the request as {TOO_LONG}: {last}]")
         with self._lock:
             self.refused += 1
             every = self.refused >= REFUSED_EVERY and not self.answered

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from align.core.fsutil import stamp
 from align.config.settings import PairwiseJudge
-from align.judges.endpoint import EndpointBackend, Refused
+from align.judges.endpoint import TOO_LONG, EndpointBackend, Refused
 
 VERDICTS = ("A", "B", "tie")
 DEFAULT_TEMPLATE = Path(__file__).resolve().parent.parent / "templates" / "pairwise_judge.txt"
@@ -74,11 +74,16 @@ def check_invalid(results: list[dict[str, Any]], settings: PairwiseJudge, stage:
         return
     for r in invalid[:5] if show else ():
         print(f"[align] {stage}: {settings.name}: invalid answers (first as A, as B): {r['answers']!r}", flush=True)
+    long = sum(any(TOO_LONG in str(a) for a in r["answers"]) for r in invalid)
     raise InvalidVerdicts(
         f"stage '{stage}': pairwise judge '{settings.name}' gave invalid answers (not exactly A, B or tie) for "
         f"{len(invalid)} of {len(results)} {what} ({len(invalid) / len(results):.1%}), above max_invalid_fraction "
-        f"{settings.max_invalid_fraction:g}; examples in the log. Use a stronger judge, a judging template that asks "
-        "for one word, or a larger max_new_tokens")
+        f"{settings.max_invalid_fraction:g}; examples in the log. " + (
+            f"The endpoint refused {long} of them as {TOO_LONG}: serve the judge with a longer context (vLLM "
+            "--max-model-len), sample shorter responses (generation.max_new_tokens), take shorter prompts, or lower the "
+            "judge's max_new_tokens"
+            if long else "Use a stronger judge, a judging template that asks for one word, or a larger "
+            "max_new_tokens"))
 
 
 class Backend(Protocol):
