@@ -17,10 +17,9 @@ import torch
 
 from align.config.ppo import PPOStage
 from align.engines.base import RolloutEngine, across_processes, check_rollout, rest
-from align.modeling.generation import response_logprobs
 from align.modeling.losses import sequence_kl
 from align.runtime.context import StageContext, StageError
-from align.stages.ppo.rollouts import rollouts_in_chunks
+from align.stages.ppo.rollouts import rollouts_in_chunks, scored
 
 # one-sided 95% quantiles of Student's t by degrees of freedom 1..30 (a few held-out prompts: the normal's 1.645
 # would claim a bound the data do not give); the budget holds the mean's upper confidence bound: the policy's KL over
@@ -157,11 +156,9 @@ def heldout_kl(cfg: PPOStage, accelerator, engine: RolloutEngine, model, referen
     kls = []
     rollouts = rollouts_in_chunks(cfg, accelerator, engine, mine, seed, world, rank)
     rest(engine)  # generation.sleep: asleep before any model computes (align estimate counts it so)
-    for r in rollouts:
-        with torch.no_grad(), accelerator.autocast():
-            logprobs, _, _ = model(r.input_ids, r.attention_mask, r.query_ids.size(1), cfg.generation.temperature,
-                                   with_entropy=False, with_values=False)
-            ref_logprobs = response_logprobs(reference, r, cfg.generation.temperature)
+    for r in rollouts:  # a mini-batch of rows at a time, as PPO scores its rollouts (their logits: align estimate)
+        logprobs, _, ref_logprobs = scored(model, reference, r, cfg.generation.temperature, cfg.mini_batch_size,
+                                           accelerator, with_values=False)
         check_rollout(engine, r, logprobs, cfg.generation.max_logprob_gap, where, reduce=across_processes(accelerator))
         kls.append(sequence_kl(logprobs, ref_logprobs, r.response_mask))
     return HeldoutKL.of(accelerator.gather(torch.cat(kls)).cpu(), prompts=[heldout[i] for s in shares for i in s])

@@ -60,19 +60,19 @@ def chunk_seed(seed: int, chunk: int) -> int:
     return seed if chunk == 0 else 2 ** 40 + seed * 1_000_003 + chunk
 
 
-def scored(model, reference, r: Rollout, temperature: float, rows: int, accelerator):
+def scored(model, reference, r: Rollout, temperature: float, rows: int, accelerator, with_values: bool = True):
     """PPO's step 3 over a rollout, `rows` sequences at a time (the mini-batch, whose logits align estimate counts:
     64 sequences of 1,024 tokens over a 128k vocabulary at once would hold about 39 GiB of logits): the policy's
-    log-probs and values and the reference's log-probs, each (B, Lr). Every process has as many rows, so ZeRO-3's
-    gathers line up."""
+    log-probs and values (None without `with_values`: the held-out KL) and the reference's log-probs, each (B, Lr).
+    Every process has as many rows, so ZeRO-3's gathers line up."""
     parts = []
     lq, all_ids, all_mask = r.query_ids.size(1), r.input_ids, r.attention_mask  # each property concatenates anew
     with torch.no_grad(), accelerator.autocast():
         for i in range(0, all_ids.size(0), rows):
             ids, mask = all_ids[i:i + rows], all_mask[i:i + rows]
-            logprobs, _, values = model(ids, mask, lq, temperature, with_entropy=False)
+            logprobs, _, values = model(ids, mask, lq, temperature, with_entropy=False, with_values=with_values)
             parts.append((logprobs, values, sequence_logprobs(reference, ids, mask, lq, temperature)))
-    return tuple(torch.cat(t) for t in zip(*parts))
+    return tuple(None if t[0] is None else torch.cat(t) for t in zip(*parts))
 
 
 def open_engine(ctx: StageContext, cfg: PPOStage, accelerator, model, tokenizer, policy_path: str) -> RolloutEngine:
