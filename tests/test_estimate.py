@@ -1036,3 +1036,28 @@ def test_the_estimate_asks_the_helper_how_many_tokens_the_installed_template_add
                                      f"sft.lora.enabled={lora}", "sft.lora.target_modules=[c_attn]"])
         shapes = model_shapes(cfg, source, ([], {}), build_plan(cfg, source))
         assert shapes["lm"].new_tokens == expected and not shapes["lm"].tied
+
+
+def test_a_kl_budget_says_how_much_host_memory_its_copy_of_the_policy_takes(tiny_cfg, tiny_shapes):
+    """kl.max keeps a host copy of the trained policy on every process (stages/ppo/budget.py PolicySnapshot): at 8B
+    trained in full under ZeRO-2 ~120 GiB per 8-GPU node, which align estimate never said; it does now, as it says
+    an offload mode's host memory: the whole 16-bit policy per process under ZeRO-1/2, fp32 under DDP, a partition
+    under ZeRO-3, and nothing without a budget."""
+    import dataclasses
+    import re
+
+    from align.orchestrator.estimate import estimate_stage
+
+    ppo = tiny_cfg.stages["ppo"]
+    budget = dataclasses.replace(ppo, kl=dataclasses.replace(ppo.kl, max=8.0, target=4.0))
+    params = 2**33  # an 8.6B policy's count on the tiny shapes: the copy's size reads in whole GiB
+    shapes = {**tiny_shapes, "lm": dataclasses.replace(tiny_shapes["lm"], params=params)}
+    found = {}
+    for mode in ("ddp", "zero2", "zero3"):
+        est = estimate_stage("ppo", budget, tiny_cfg.stages, shapes, mode, 8, "auto", int(80e9), nodes=2)
+        notes = [n for n in est.notes if "kl.max keeps a host copy" in n]
+        assert len(notes) == 1, est.notes
+        found[mode] = float(re.search(r"~([\d.,]+) GiB of host memory per node", notes[0]).group(1))
+        assert not any("kl.max" in n for n in estimate_stage("ppo", ppo, tiny_cfg.stages, shapes, mode, 8, "auto",
+                                                             int(80e9), nodes=2).notes)
+    assert found == {"ddp": 128.0, "zero2": 64.0, "zero3": 8.0}, found  # 4 processes a node: 4 x 2**33 x 4 bytes, ...

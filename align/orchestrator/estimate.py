@@ -277,12 +277,20 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
         est.bytes_by_mode[m] = sum(parts.values())
     if est.with_checkpointing is not None:
         est.with_checkpointing += est.bytes_by_mode[mode]
-    _note_host(est, sum(trained_params.values()), nodes)
+    _note_host(est, trained_params, nodes, getattr(getattr(stage, "kl", None), "max", None) is not None, bool(lora))
     return est
 
 
-def _note_host(est: StageEstimate, trained: int, nodes: int) -> None:
-    """What an offload mode moves off the GPUs lands in the node's memory: say how much."""
+def _note_host(est: StageEstimate, trained_params: dict[str, int], nodes: int, budget: bool, lora: bool) -> None:
+    """What an offload mode moves off the GPUs lands in the node's memory, and so does PPO's copy of the policy under
+    a KL budget (`budget`: kl.max; stages/ppo/budget.py PolicySnapshot): say how much."""
+    trained = sum(trained_params.values())
+    if budget and (policy := trained_params.get("policy")):  # as each process holds them: 16-bit under DeepSpeed
+        zero3, width = est.mode.startswith("zero3"), 4 if est.mode == "ddp" or lora else 2
+        copy = policy * width / (est.gpus if zero3 else 1) * est.gpus / nodes
+        est.notes.add(f"stage '{est.name}': kl.max keeps a host copy of the trained policy on every process (to undo "
+                      f"an update past the budget): ~{copy / GIB:,.1f} GiB of host memory per node under {est.mode}"
+                      + ("" if zero3 or lora else "; under ZeRO-3 or LoRA it is a partition or the adapters"))
     if host := host_state_bytes(est.mode, trained, est.gpus, nodes):
         est.notes.add(f"stage '{est.name}' under {est.mode} keeps ~{host / GIB:,.0f} GiB of trained states in host "
                       "memory per node (DeepSpeed's estimator, 1.5 buffer factor): the node needs that much RAM free")
