@@ -210,3 +210,35 @@ def test_a_kl_that_is_not_finite_leaves_beta_as_it_was():
     assert ziegler.value == pytest.approx(0.12)
     ziegler.update(float("nan"), 64)
     assert ziegler.value == pytest.approx(0.12)
+
+
+def test_objective_kl_is_the_sequence_kl_in_nats_whatever_estimator_the_penalty_takes(monkeypatch):
+    """objective/kl summed the penalty's per-token estimator; under k2 (biased: E[k2] = 0.31 nats where the KL is
+    0.64 for a peaked policy) the controller without held-out prompts steered that to kl.target, and kl_last
+    understated the KL. It is the summed log-ratio (k1) now, as the held-out KL and the evaluation measure it; the
+    non-score reward stays the penalty's own."""
+    from types import SimpleNamespace
+
+    import align.stages.ppo.metrics as metrics
+    from align.modeling.losses import kl_estimate
+
+    torch.manual_seed(0)
+    print("seed 0")
+    monkeypatch.setattr(metrics, "computed_padding_fraction", lambda *a: 0.0)
+    logprobs, ref = torch.randn(4, 5) - 1.0, torch.randn(4, 5) - 2.0
+    rmask = torch.ones(4, 5)
+    rmask[0, 3:] = 0
+    accelerator = SimpleNamespace(gather=lambda t: t, device=torch.device("cpu"), reduce=lambda t, op: t,
+                                  unwrap_model=lambda m: m)
+    s = SimpleNamespace(accelerator=accelerator, cfg=SimpleNamespace(rollout_batch_size=4, mini_batch_size=2), world=1,
+                        model=SimpleNamespace(policy=None), optimizer=SimpleNamespace(param_groups=[{"lr": 1e-6}]))
+    rollout = SimpleNamespace(eos_found=torch.ones(4, dtype=torch.bool), attention_mask=torch.ones(4, 8))
+    b = SimpleNamespace(rollout=rollout, rmask=rmask, scores=torch.zeros(4), scores_used=torch.zeros(4),
+                        penalties=torch.zeros(4), logprobs=logprobs, ref_logprobs=ref, t_gen=0.0, gap=None)
+    k1 = ((logprobs - ref) * rmask).sum(1).mean().item()
+    for estimator in ("k1", "k2", "k3"):
+        kl = kl_estimate(logprobs, ref, estimator) * rmask
+        row = metrics.iteration_metrics(s, b, kl, 0.1, {}, None, 0.0, 0.0, {})
+        assert math.isclose(row["objective/kl"], k1, rel_tol=1e-6), estimator
+        assert math.isclose(row["objective/non_score_reward"], (-0.1 * kl).sum(1).mean().item(), rel_tol=1e-6)
+    assert not math.isclose(kl_estimate(logprobs, ref, "k2").mul(rmask).sum(1).mean().item(), k1, rel_tol=1e-3)

@@ -51,7 +51,8 @@ class KLSettings:
     sampling temperature): `heldout/kl` in the metrics, what `max` and the pi controller read. 0: not measured
     (the controller then reads the KL of each iteration's rollout, measured before its update)."""
     estimator: str = one_of("k1", "k1", "k2", "k3")
-    """Per-token KL estimator in the reward: k1 (log-ratio), k2 or k3 (Schulman 2020)."""
+    """Per-token KL estimator in the reward: k1 (log-ratio), k2 or k3 (Schulman 2020). `objective/kl` reports the
+    summed log-ratio (k1: nats per response) whichever it is."""
 
 
 @dataclass
