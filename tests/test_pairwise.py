@@ -106,10 +106,11 @@ def smollm2() -> str:
 
 class Server:
     def __init__(self, model: str, tmp: Path, key_env: str | None = None, delay: float = 0.0, env=None,
-                 rule: str | None = None):
+                 rule: str | None = None, max_requests: int = 2000):
         port_file = tmp / f"port-{secrets.token_hex(4)}"
         cmd = [sys.executable, str(SERVER), "--port-file", str(port_file), "--idle-timeout", "300",
-               "--delay", str(delay)] + (["--require-key-env", key_env] if key_env else []) + \
+               "--delay", str(delay), "--max-requests", str(max_requests)] + \
+            (["--require-key-env", key_env] if key_env else []) + \
             (["--rule", rule] if rule else ["--model", model])
         self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True)
@@ -347,6 +348,39 @@ def test_preferences_labelled_by_a_pairwise_judge_keep_only_its_consistent_verdi
     assert "preferences/mean_margin" not in final and "objective/scores" not in final
     assert (final["preferences/pairwise_decided"], final["preferences/pairwise_ties"]) == (len(differ) / 16,
                                                                                           1 - len(differ) / 16)
+
+
+def test_a_pairwise_judging_that_fails_costs_no_sampling_on_the_rerun_even_with_another_judge(evaluated):
+    """With a pairwise judge the stage samples every prompt, then judges: a judge that failed (a rate limit past its
+    retries, its deadline) threw the sampling away, and the rerun (typically with other judge settings: another
+    fingerprint) drew it all again, hours at UltraFeedback scale. The samples are kept first (preferences/sampled/,
+    named by what drew them, not by the judge); the rerun judges them without sampling."""
+    workdir = evaluated
+    template = workdir / "marked_judge.txt"
+    template.write_text((REPO / "tests" / "servers" / "marked_judge.txt").read_text())
+    common = ["run", "pipelines/default.yaml", "tracking.wandb=disabled", *TINY, "preferences.max_prompts=16",
+              "preferences.samples_per_prompt=2", "--only", "preferences"]
+    stage = workdir / "runs" / "default" / "main" / "preferences"
+    spent = Server("", workdir, rule="longer", max_requests=6)  # then HTTP 429, not retried (retries: 0)
+    try:
+        judge = {"name": "longer", "model": "judge", "base_url": spent.url, "template": str(template), "retries": 0}
+        failed = run_align(*common, f"preferences.pairwise={json.dumps(judge)}", cwd=workdir)
+    finally:
+        spent.stop()
+    assert failed.returncode != 0 and "rate limited" in failed.stderr, failed.stdout[-2000:] + failed.stderr[-2000:]
+    [kept] = (stage / "sampled").iterdir()
+    drawn = [r["responses"] for r in json.loads(kept.read_text())["records"]]
+    assert len(drawn) == 16 and all(len(r) == 2 for r in drawn)
+    server = Server("", workdir, rule="longer")
+    try:
+        judge = {"name": "longer", "model": "judge", "base_url": server.url, "template": str(template)}
+        proc = run_align(*common, f"preferences.pairwise={json.dumps(judge)}", cwd=workdir)
+    finally:
+        server.stop()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "judging the samples an earlier attempt drew" in (stage / "stage.log").read_text()
+    samples = [json.loads(x) for x in (stage / "data" / "samples.jsonl").read_text().splitlines()]
+    assert sorted(s["responses"] for s in samples) == sorted(drawn)
 
 
 def test_each_process_appends_to_a_cache_file_of_its_own_and_reads_them_all(tmp_path):

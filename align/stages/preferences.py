@@ -9,17 +9,25 @@ whose texts are identical, are ties: dropped and counted. Pairs are split by pro
 `data/train_all_pairs.jsonl` (up to k(k-1)/2 per prompt from k samples: more comparisons for a reward model at no
 extra sampling, as InstructGPT trains on all of a prompt's comparisons, Ouyang et al. 2022 sec. 3.5; a reward stage
 reads them with `split: train_all_pairs`).
+
+With a pairwise judge the samples are judged after all of them are drawn; they are kept first, per process, in
+`sampled/` (keyed by what drew them: the policy's publication, the prompts, the generation settings, the seed and the
+code), so a judging that fails (a deadline, a rate limit, invalid verdicts) costs no sampling on the rerun, even with
+another judge or judge settings.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import random
+import shutil
 import time
 import zlib
 from contextlib import closing
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 from align.config.preferences import PreferencesStage
@@ -28,9 +36,12 @@ from align.engines import holds_own_copy, make_engine
 from align.engines.base import free_cached_memory
 from align.modeling.generation import by_length, longest_prompt, sample_texts
 from align.judges.pointwise import stage_judge
+from align.core.fsutil import atomic_write_text
 from align.runtime.context import StageContext, StageError
 
 OUTPUTS = ["data"]
+SAMPLED = "sampled"
+"""The stage directory's folder of samples drawn for a pairwise judge, kept until they are judged (`sampled_records`)."""
 
 
 def _tie(responses: list[str], scores: list[float], hi: int, lo: int, min_margin: float) -> bool:
@@ -97,12 +108,48 @@ def sampling_seed(ctx: StageContext) -> int:
     # for the rank and a batch's first prompt index added to it
 
 
-def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts: list[str],
-                   path: str) -> tuple[list[dict[str, Any]], dict[str, float], float]:
+def _sampled_path(ctx: StageContext, cfg: PreferencesStage, prompts: list[str], rank: int, world: int) -> Path:
+    """Where process `rank` of `world` keeps its samples before a pairwise judge sees them: named by what drew them
+    (not by the judge, so another judge or judge setting reuses them)."""
+    key = hashlib.sha256(json.dumps([ctx.spec.input_digests.get(cfg.policy), ctx.spec.code_version, prompts,
+                                     dataclasses.asdict(cfg.generation), cfg.samples_per_prompt, sampling_seed(ctx)],
+                                    sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return ctx.dir / SAMPLED / f"{key}.rank{rank}of{world}.json"
+
+
+def sampled_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts: list[str],
+                    path: str) -> tuple[list[dict[str, Any]], dict[str, float], float]:
+    """`sample_records`, or, with a pairwise judge, every process's samples an earlier attempt kept (its judging
+    failed) judged again without sampling; the main process decides for all of them (one view of the folder)."""
+    if cfg.pairwise is None:
+        return sample_records(ctx, cfg, tokenizer, prompts, path)
+    rank, world = ctx.state.process_index, ctx.state.num_processes
+    mine = _sampled_path(ctx, cfg, prompts, rank, world)
+    if ctx.main_decides(lambda: all(_sampled_path(ctx, cfg, prompts, r, world).is_file() for r in range(world))):
+        saved = json.loads(mine.read_text(encoding="utf-8"))
+        if ctx.is_main:
+            print(f"[align] {ctx.name}: judging the samples an earlier attempt drew ({mine.parent}): no sampling",
+                  flush=True)
+        t0 = time.perf_counter()
+        judge_pairwise(ctx, cfg, saved["records"])
+        return saved["records"], saved["counts"], t0
+
+    def keep(records: list[dict[str, Any]], counts: dict[str, float]) -> None:
+        mine.parent.mkdir(parents=True, exist_ok=True)
+        for old in mine.parent.glob(f"*.rank{rank}of{world}.json"):  # drawn by another policy, prompts or settings
+            old.unlink(missing_ok=True)
+        atomic_write_text(mine, json.dumps({"records": records, "counts": counts}))
+
+    return sample_records(ctx, cfg, tokenizer, prompts, path, keep=keep)
+
+
+def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts: list[str], path: str,
+                   keep: Callable[[list[dict[str, Any]], dict[str, float]], None] | None = None,
+                   ) -> tuple[list[dict[str, Any]], dict[str, float], float]:
     """`samples_per_prompt` responses to every prompt (this process's share) with their judge's scores (pairwise
     judges give theirs after sampling); returns this process's records, its counts (the tokens it generated and the
     seconds its engine took: sample_texts) and when sampling began (perf_counter: model loading and the engine's
-    start-up are not in it)."""
+    start-up are not in it). `keep` is given this process's records and counts before a pairwise judge sees them."""
     gen = cfg.generation
     # an engine with its own copy of the policy (vllm) starts from `path`: the stage then loads none
     policy = None if holds_own_copy(gen.engine) else ctx.load_lm(path, device=True, frozen=True).eval()
@@ -138,6 +185,8 @@ def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts:
     if cfg.pairwise is not None:  # the policy freed (closing(engine) held it until here) before a local judge loads
         del policy, engine
         free_cached_memory()
+        if keep is not None:  # before the judge: a judging that fails costs no sampling on the rerun
+            keep(records, counts)
         judge_pairwise(ctx, cfg, records)
     return records, counts, t0
 
@@ -197,7 +246,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     tokenizer = ctx.load_tokenizer(path)
     prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer)  # conversations: rendered
     prompts = prompts_within_positions(ctx, prompts, tokenizer, path, cfg.generation.max_new_tokens)
-    records, mine, t0 = sample_records(ctx, cfg, tokenizer, prompts, path)
+    records, mine, t0 = sampled_records(ctx, cfg, tokenizer, prompts, path)
     records = sorted(gather_object(records), key=lambda r: r["index"])
     if cfg.pairwise is not None:  # over every process's prompts: all of them stop here together, or none does
         from align.judges.pairwise import check_invalid
@@ -217,6 +266,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 fh.writelines(json.dumps(r) + "\n" for r in rows)
 
     ctx.publish("data", write)
+    if ctx.is_main and not ctx.pipeline.keep_checkpoints:  # judged and published: kept only as checkpoints are
+        shutil.rmtree(ctx.dir / SAMPLED, ignore_errors=True)
     all_scores = [s for r in records for s in r["scores"]]
     margins = [p["score_chosen"] - p["score_rejected"] for p in pairs]
     final = {"preferences/prompts": len(records), "preferences/pairs_train": len(splits["train"]),
