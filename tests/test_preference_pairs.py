@@ -198,3 +198,34 @@ def test_prompts_that_leave_no_room_for_a_reply_within_the_models_positions_are_
             f"no room for generation.max_new_tokens ({room}) within the model's 24 positions": 1}
     with pytest.raises(StageError, match=r"every prompt is too long to sample 24 tokens .* 24 positions"):
         prompts_within_positions(ctx, list(TEXTS), tok, str(base), 24)
+
+
+def test_a_judges_nan_or_inf_pairs_with_nothing_wherever_it_lies_and_one_text_counts_once():
+    """A reward model's NaN made a pair or a tie depending on its position among the samples ([nan, 1, 0]: a tie;
+    [1, 0, nan]: a pair), an inf made the mean margin inf (then "the model diverged: lower learning_rate", which a
+    preferences stage does not have), and NaN was written into samples.jsonl (not strict JSON). Non-finite scores
+    are None now, counted, and pair with nothing. The best and the worst sample of one text were a tie though a
+    distinct sample lay between them; each text counts once, as first sampled. A pairwise judge's prompt with one
+    finished sample of two (no scores) raised IndexError after all the judging."""
+    import json
+    import math
+    from types import SimpleNamespace
+
+    from align.config.preferences import PreferencesStage
+    from align.stages.preferences import finite_or_none, split_pairs
+
+    def record(prompt, responses, scores, ended=None, **kw):
+        return {"prompt": prompt, "responses": responses, "scores": scores, "ended": ended or [True] * 3, **kw}
+
+    ctx, cfg = SimpleNamespace(name="prefs", seed=0), PreferencesStage(test_fraction=0.0)
+    records = [record("a", ["x", "y", "z"], [math.nan, 1.0, 0.0]), record("b", ["x", "y", "z"], [1.0, 0.0, math.nan]),
+               record("c", ["x", "y", "z"], [math.inf, 1.0, 0.0]), record("d", ["same", "mid", "same"], [2.0, 1.0, 0.0])]
+    assert finite_or_none(records) == 3
+    json.loads(json.dumps(records), parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))  # strict JSON
+    splits, pairs, ties, cut = split_pairs(ctx, cfg, records)
+    assert [(p["prompt"], p["chosen"], p["rejected"]) for p in pairs] == [
+        ("a", "y", "z"), ("b", "x", "y"), ("c", "y", "z"), ("d", "same", "mid")] and ties == cut == 0
+    pairwise = [record("e", ["x", "y"], [1.0, 0.0], [True, True], outcome="win"),
+                record("f", ["x", "y"], [], [True, False], outcome="unfinished")]
+    _, pairs, ties, cut = split_pairs(ctx, PreferencesStage(pairwise=object(), test_fraction=0.0), pairwise)
+    assert [p["prompt"] for p in pairs] == ["e"] and (ties, cut) == (0, 1)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import random
 import shutil
 import time
@@ -52,7 +53,10 @@ def _tie(responses: list[str], scores: list[float], hi: int, lo: int, min_margin
 
 
 def pair_up(prompt: str, responses: list[str], scores: list[float], min_margin: float) -> dict[str, Any] | None:
-    """(chosen, rejected) = (best, worst) by score; None for a tie (margin < min_margin or same text)."""
+    """(chosen, rejected) = (best, worst) by score; None for a tie (margin < min_margin or same text, or fewer than
+    two samples)."""
+    if len(scores) < 2:
+        return None
     best = max(range(len(scores)), key=scores.__getitem__)
     worst = min(range(len(scores)), key=scores.__getitem__)
     if _tie(responses, scores, best, worst, min_margin):
@@ -234,7 +238,26 @@ def split_pairs(ctx: StageContext, cfg: PreferencesStage, records: list[dict[str
 
 
 def _picked(record: dict[str, Any], idx: list[int]) -> tuple[list[str], list[float]]:
-    return [record["responses"][i] for i in idx], [record["scores"][i] for i in idx]
+    """The samples `idx` of a record that may be compared: with a score (`finite_or_none` left a judge's NaN or inf
+    as None: no comparison, whatever its position among the samples), each text once, as first sampled (the best and
+    the worst of one text were a tie where a distinct sample lay between them)."""
+    seen, kept = set(), []
+    for i in idx if record["scores"] else []:  # (a pairwise judge's unfinished prompt has no scores)
+        if record["scores"][i] is not None and record["responses"][i] not in seen:
+            seen.add(record["responses"][i])
+            kept.append(i)
+    return [record["responses"][i] for i in kept], [record["scores"][i] for i in kept]
+
+
+def finite_or_none(records: list[dict[str, Any]]) -> int:
+    """A judge's scores that are not finite (a reward model's NaN, an fp16 overflow's inf) made None in place (they
+    pair with nothing, and samples.jsonl stays strict JSON); returns how many there were."""
+    bad = 0
+    for r in records:
+        for i, score in enumerate(r["scores"]):
+            if score is not None and not math.isfinite(score):
+                r["scores"][i], bad = None, bad + 1
+    return bad
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -248,6 +271,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     prompts = prompts_within_positions(ctx, prompts, tokenizer, path, cfg.generation.max_new_tokens)
     records, mine, t0 = sampled_records(ctx, cfg, tokenizer, prompts, path)
     records = sorted(gather_object(records), key=lambda r: r["index"])
+    nonfinite = finite_or_none(records)
     if cfg.pairwise is not None:  # over every process's prompts: all of them stop here together, or none does
         from align.judges.pairwise import check_invalid
 
@@ -268,12 +292,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
     ctx.publish("data", write)
     if ctx.is_main and not ctx.pipeline.keep_checkpoints:  # judged and published: kept only as checkpoints are
         shutil.rmtree(ctx.dir / SAMPLED, ignore_errors=True)
-    all_scores = [s for r in records for s in r["scores"]]
+    all_scores = [s for r in records for s in r["scores"] if s is not None]
     margins = [p["score_chosen"] - p["score_rejected"] for p in pairs]
     final = {"preferences/prompts": len(records), "preferences/pairs_train": len(splits["train"]),
              "preferences/pairs_test": len(splits["test"]), "preferences/ties_dropped": ties,
              "preferences/unfinished_samples": sum(not e for r in records for e in r["ended"]),
-             "preferences/prompts_unfinished": cut,
+             "preferences/prompts_unfinished": cut, "preferences/nonfinite_scores": nonfinite,
              "preferences/all_pairs_train": len(splits["train_all_pairs"]),
              "perf/generated_tokens": generated, "perf/generation_seconds": sampling,
              "perf/sampling_seconds": seconds, "perf/tokens_per_s": generated / sampling if sampling else None}
