@@ -214,6 +214,9 @@ def test_prompts_longer_than_the_judges_context_are_invalid_answers_not_a_refuse
                                               r"judge with a longer context \(vLLM --max-model-len\)"):
         check_invalid(results, PairwiseJudge(name="j", model="judge", base_url=url), "prefs", "prompts", show=False)
     assert too_long(413, "") and not too_long(400, "HTTP 400: the server says 'Unsupported parameter: max_tokens'")
+    # the judge's own max_new_tokens over its context: every request refused, a setting (REFUSED_EVERY ends it)
+    over = "This model's maximum context length is 4096 tokens. However, you requested 4106 tokens"
+    assert too_long(400, over, max_new_tokens=8) and not too_long(400, over, max_new_tokens=4096)
 
 
 def test_the_whole_judging_has_a_deadline():

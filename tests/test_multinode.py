@@ -379,12 +379,12 @@ def _agreed(tmp_path, plans: dict) -> dict:
 
     def node(rank):
         try:
-            out[rank] = handshake(tmp_path, MultiNode(nodes=2, node_rank=rank, master_addr="127.0.0.1",
+            out[rank] = handshake(tmp_path, MultiNode(nodes=len(plans), node_rank=rank, master_addr="127.0.0.1",
                                                       rdzv_timeout=20), plans[rank])
         except PipelineError as exc:
             out[rank] = exc
 
-    threads = [threading.Thread(target=node, args=(r,)) for r in (1, 0)]
+    threads = [threading.Thread(target=node, args=(r,)) for r in sorted(plans, reverse=True)]
     for t in threads:
         t.start()
     for t in threads:
@@ -403,6 +403,10 @@ def test_nodes_that_planned_different_pipelines_both_stop_at_the_handshake(tmp_p
         assert "stage 'dpo': node 0 planned fingerprint b, node 1 planned c" in str(other[rank]), other
     fewer = _agreed(tmp_path, {0: {"sft": "a", "dpo": "b"}, 1: {"sft": "a"}})
     assert "stage 'dpo': node 0 planned fingerprint b, node 1 planned None" in str(fewer[1]), fewer
+    t0 = time.time()  # three nodes, one of them another pipeline: every node stops at once, the matching one too
+    three = _agreed(tmp_path, {0: {"sft": "a"}, 1: {"sft": "a"}, 2: {"sft": "z"}})
+    assert all("node 0 planned fingerprint a, node 2 planned z" in str(three[r]) for r in (0, 1, 2)), three
+    assert time.time() - t0 < 15  # not after --rdzv-timeout (20 s)
 
 
 def test_a_worker_stops_at_once_when_node_zero_records_its_attempt_failed_over_a_last_runs_completed_manifest(

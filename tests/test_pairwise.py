@@ -379,6 +379,7 @@ def test_a_pairwise_judging_that_fails_costs_no_sampling_on_the_rerun_even_with_
         server.stop()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "judging the samples an earlier attempt drew" in (stage / "stage.log").read_text()
+    assert not (stage / "sampled").exists()  # judged and published: a forced rerun draws anew
     samples = [json.loads(x) for x in (stage / "data" / "samples.jsonl").read_text().splitlines()]
     assert sorted(s["responses"] for s in samples) == sorted(drawn)
 

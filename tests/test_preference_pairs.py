@@ -204,9 +204,13 @@ def test_a_judges_nan_or_inf_pairs_with_nothing_wherever_it_lies_and_one_text_co
     """A reward model's NaN made a pair or a tie depending on its position among the samples ([nan, 1, 0]: a tie;
     [1, 0, nan]: a pair), an inf made the mean margin inf (then "the model diverged: lower learning_rate", which a
     preferences stage does not have), and NaN was written into samples.jsonl (not strict JSON). Non-finite scores
-    are None now, counted, and pair with nothing. The best and the worst sample of one text were a tie though a
-    distinct sample lay between them; each text counts once, as first sampled. A pairwise judge's prompt with one
-    finished sample of two (no scores) raised IndexError after all the judging."""
+    are None now, counted, and pair with nothing; a judge that scores nothing finitely is named in the error. The
+    best and the worst sample of one text were a tie though a distinct sample lay between them; each text counts
+    once, at its copies' mean score (whatever their order). A pairwise judge's prompt with one finished sample of two
+    (no scores) raised IndexError after all the judging."""
+    import pytest
+
+    from align.runtime.context import StageError
     import json
     import math
     from types import SimpleNamespace
@@ -219,13 +223,55 @@ def test_a_judges_nan_or_inf_pairs_with_nothing_wherever_it_lies_and_one_text_co
 
     ctx, cfg = SimpleNamespace(name="prefs", seed=0), PreferencesStage(test_fraction=0.0)
     records = [record("a", ["x", "y", "z"], [math.nan, 1.0, 0.0]), record("b", ["x", "y", "z"], [1.0, 0.0, math.nan]),
-               record("c", ["x", "y", "z"], [math.inf, 1.0, 0.0]), record("d", ["same", "mid", "same"], [2.0, 1.0, 0.0])]
+               record("c", ["x", "y", "z"], [math.inf, 1.0, 0.0]), record("d", ["same", "mid", "same"], [3.0, 2.5, 0.0]),
+               record("e", ["same", "mid", "same"], [0.0, 2.5, 3.0])]
     assert finite_or_none(records) == 3
     json.loads(json.dumps(records), parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))  # strict JSON
     splits, pairs, ties, cut = split_pairs(ctx, cfg, records)
     assert [(p["prompt"], p["chosen"], p["rejected"]) for p in pairs] == [
-        ("a", "y", "z"), ("b", "x", "y"), ("c", "y", "z"), ("d", "same", "mid")] and ties == cut == 0
+        ("a", "y", "z"), ("b", "x", "y"), ("c", "y", "z"), ("d", "mid", "same"), ("e", "mid", "same")]
+    assert ties == cut == 0 and pairs[3]["score_rejected"] == 1.5  # "same" at its copies' mean
+    nan = [record(p, ["x", "y", "z"], [math.nan] * 3) for p in "fg"]
+    finite_or_none(nan)
+    with pytest.raises(StageError, match="the judge gave 6 samples no finite score"):
+        split_pairs(ctx, cfg, nan)
     pairwise = [record("e", ["x", "y"], [1.0, 0.0], [True, True], outcome="win"),
                 record("f", ["x", "y"], [], [True, False], outcome="unfinished")]
     _, pairs, ties, cut = split_pairs(ctx, PreferencesStage(pairwise=object(), test_fraction=0.0), pairwise)
     assert [p["prompt"] for p in pairs] == ["e"] and (ties, cut) == (0, 1)
+
+
+def test_samples_kept_for_a_pairwise_judge_are_named_by_what_drew_them_not_by_the_judge(tmp_path):
+    """preferences/sampled/ lets a rerun judge the samples an earlier attempt drew: its name must change with
+    anything that changes the samples (the prompts, the generation settings, the policy's publication, the dtype,
+    the engine's precision, the seed) and not with the judge (a rerun with other judge settings reuses them)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import torch
+
+    from align.config import Generation
+    from align.config.preferences import PreferencesStage
+    from align.stages.preferences import _sampled_path
+
+    def ctx(**kw):
+        p = {"dtype": "auto", "precision": "auto", "attn_implementation": "auto", **kw.pop("pipeline", {})}
+        compute = SimpleNamespace(engine_dtype=lambda: kw.get("engine_dtype", "float32"), device=torch.device("cpu"),
+                                  fast_generation=lambda fast: False)
+        spec = SimpleNamespace(input_digests={"sft": kw.get("digest", "d1")}, code_version="v1")
+        return SimpleNamespace(dir=tmp_path, seed=kw.get("seed", 7), name="prefs", spec=spec, compute=compute,
+                               pipeline=SimpleNamespace(**p))
+
+    cfg = PreferencesStage(policy="sft", pairwise=object(), generation=Generation(max_new_tokens=8))
+    base = _sampled_path(ctx(), cfg, ["p1", "p2"], 0, 1)
+    other_judge = dataclasses.replace(cfg, pairwise=object(), min_margin=0.5)
+    assert _sampled_path(ctx(), other_judge, ["p1", "p2"], 0, 1) == base
+    changed = [_sampled_path(ctx(), cfg, ["p1"], 0, 1),
+               _sampled_path(ctx(), dataclasses.replace(cfg, generation=Generation(max_new_tokens=9)), ["p1", "p2"], 0, 1),
+               _sampled_path(ctx(digest="d2"), cfg, ["p1", "p2"], 0, 1),
+               _sampled_path(ctx(pipeline={"dtype": "float32"}), cfg, ["p1", "p2"], 0, 1),
+               _sampled_path(ctx(engine_dtype="bfloat16"), cfg, ["p1", "p2"], 0, 1),
+               _sampled_path(ctx(seed=8), cfg, ["p1", "p2"], 0, 1),
+               _sampled_path(ctx(), dataclasses.replace(cfg, samples_per_prompt=3), ["p1", "p2"], 0, 1)]
+    assert base not in changed and len({p.name for p in changed}) == len(changed)
+    assert _sampled_path(ctx(), cfg, ["p1", "p2"], 1, 2).name.endswith(".rank1of2.json")

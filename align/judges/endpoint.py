@@ -11,6 +11,7 @@ import http.client
 import json
 import os
 import random
+import re
 import socket
 import threading
 import time
@@ -44,10 +45,14 @@ _TOO_LONG_SAYS = ("context length", "context_length", "context window", "maximum
                   "model length", "too long", "too many tokens", "input length", "prompt length", "maximum input")
 
 
-def too_long(code: int, said: str) -> bool:
+def too_long(code: int, said: str, max_new_tokens: int = 0) -> bool:
     """Whether an HTTP refusal (`code`, with what the server `said`) is of a request longer than the model's context:
     413, or a 400/422 whose message says so (vLLM: "maximum context length is ... tokens"; OpenAI:
-    context_length_exceeded)."""
+    context_length_exceeded), unless the context it names takes no more than the answer's `max_new_tokens` (then
+    every request is refused: a setting)."""
+    limit = re.search(r"context length is (\d+)", said)
+    if limit and int(limit.group(1)) <= max_new_tokens:
+        return False
     return code == 413 or any(words in said.lower() for words in _TOO_LONG_SAYS)
 
 
@@ -141,7 +146,7 @@ class EndpointBackend:
                 if moved := redirected(exc):
                     raise EndpointError(f"{self.url}: {moved}") from None
                 if exc.code in (400, 413, 422):  # this request (a filtered prompt, one over the context): invalid
-                    return self._refused(last, too_long(exc.code, last))
+                    return self._refused(last, too_long(exc.code, last, self.max_new_tokens))
                 if exc.code not in (408, 429) and exc.code < 500:  # the request itself is wrong: retrying will not help
                     raise EndpointError(f"{self.url} refused the request ({last}"
                                         + (": check the key in " + self.key_env if exc.code in (401, 403)

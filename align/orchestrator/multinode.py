@@ -52,11 +52,15 @@ def agreed_run(run_dir: Path, multi: MultiNode, fingerprints: dict[str, str]) ->
     stop, beat = threading.Event(), run_dir / NODES / "node0.json"
 
     def touch() -> None:
+        said = False
         while not stop.wait(HEARTBEAT_SECONDS):
             try:
                 os.utime(beat)
-            except OSError:  # a filesystem hiccup: the next beat tries again (a worker waits out a long silence)
-                pass
+            except OSError as exc:  # a hiccup: the next beat tries again (a worker waits out a long silence)
+                if not said:
+                    print(f"[align] warning: node 0 could not touch its heartbeat {beat} ({exc}); workers waiting "
+                          "on a stage stop after a silence of --rdzv-timeout (at least 5 minutes)", flush=True)
+                said = True
 
     thread = threading.Thread(target=touch, name="align-node0-heartbeat", daemon=True)
     thread.start()
@@ -73,9 +77,10 @@ def handshake(run_dir: Path, multi: MultiNode, fingerprints: dict[str, str] | No
     0's rerun of it, and workers took it for done. Through `.nodes/` of the shared run directory: node 0 writes a
     fresh token; each worker writes its own beside the token it read; node 0 accepts the workers that read this
     run's, and says so; a worker holds node 0's token once node 0 has accepted its own (neither side's fresh token is
-    in an earlier run's records). Within --rdzv-timeout. Each side also writes its stages' `fingerprints`: nodes
-    that planned different pipelines (other files, overrides or code) stop here, both of them, naming a stage. Node 0
-    makes the folder; a worker writes into it once it is there (it creates nothing of the run directory)."""
+    in an earlier run's records). Within --rdzv-timeout. Each side also writes its stages' `fingerprints`: once every
+    worker is there node 0 answers all of them at once, accepted, or refused when a node planned another pipeline
+    (other files, overrides or code), and then every node stops, naming a stage. Node 0 makes the folder; a worker
+    writes into it once it is there (it creates nothing of the run directory)."""
     folder = run_dir / NODES
     if multi.is_main:
         folder.mkdir(parents=True, exist_ok=True)
@@ -85,21 +90,27 @@ def handshake(run_dir: Path, multi: MultiNode, fingerprints: dict[str, str] | No
         if multi.is_main:
             found = {str(r): rec for r in range(1, multi.nodes)
                      if (rec := _record(folder / f"node{r}.json")).get("saw") == mine and "token" in rec}
-            accepted = {r: rec["token"] for r, rec in found.items()}
-            atomic_write_json(folder / "node0.json", {"token": mine, "accepted": accepted, "plans": plans})
-            if len(accepted) == multi.nodes - 1:
-                for r, rec in sorted(found.items()):
-                    _same_plans(plans, rec.get("plans"), int(r))
+            record: dict = {"token": mine, "plans": plans}
+            if len(found) == multi.nodes - 1:  # every worker: one answer to all of them
+                refused = next(filter(None, (_other_plans(plans, rec.get("plans"), int(r))
+                                             for r, rec in sorted(found.items()))), None)
+                record["answer"] = {"tokens": {r: rec["token"] for r, rec in found.items()}, "refused": refused}
+            atomic_write_json(folder / "node0.json", record)
+            if "answer" in record:
+                if record["answer"]["refused"]:
+                    raise PipelineError(record["answer"]["refused"])
                 return mine
         elif folder.is_dir():
             head = _record(folder / "node0.json")
             atomic_write_json(folder / f"node{multi.node_rank}.json",
                               {"token": mine, "saw": head.get("token"), "plans": plans})
-            if isinstance(head.get("accepted"), dict) and head["accepted"].get(str(multi.node_rank)) == mine:
-                _same_plans(head.get("plans"), plans, multi.node_rank)
+            answer = head.get("answer") if isinstance(head.get("answer"), dict) else {}
+            if isinstance(answer.get("tokens"), dict) and answer["tokens"].get(str(multi.node_rank)) == mine:
+                if answer.get("refused"):  # this run's refusal (it names this node's fresh token)
+                    raise PipelineError(str(answer["refused"]))
                 return str(head["token"])
         if time.time() > deadline:
-            missing = ", ".join(str(r) for r in range(1, multi.nodes) if str(r) not in accepted) \
+            missing = ", ".join(str(r) for r in range(1, multi.nodes) if str(r) not in found) \
                 if multi.is_main else f"0 ({multi.master_addr}:{multi.master_port})"
             raise PipelineError(f"node {multi.node_rank}: every node agrees on the run first, through {folder}; node "
                                 f"{missing} did not within --rdzv-timeout {multi.rdzv_timeout}s: is it running? Start "
@@ -107,14 +118,15 @@ def handshake(run_dir: Path, multi: MultiNode, fingerprints: dict[str, str] | No
         time.sleep(0.5)
 
 
-def _same_plans(node0: object, worker: object, rank: int) -> None:
-    """Node 0's stages and a worker's (name -> fingerprint) agree, or both nodes stop here."""
+def _other_plans(node0: object, worker: object, rank: int) -> str | None:
+    """Why node 0's stages and a worker's (name -> fingerprint) differ; None when they agree."""
     ours, theirs = node0 if isinstance(node0, dict) else {}, worker if isinstance(worker, dict) else {}
     for name in sorted(set(ours) | set(theirs)):
         if ours.get(name) != theirs.get(name):
-            raise PipelineError(f"stage '{name}': node 0 planned fingerprint {ours.get(name)}, node {rank} planned "
-                                f"{theirs.get(name)} (None: not in its pipeline): the nodes run different pipeline "
-                                "files, overrides or align versions; start every node with the same command")
+            return (f"stage '{name}': node 0 planned fingerprint {ours.get(name)}, node {rank} planned "
+                    f"{theirs.get(name)} (None: not in its pipeline): the nodes run different pipeline files, "
+                    "overrides or align versions; start every node with the same command")
+    return None
 
 
 def _record(path: Path) -> dict:

@@ -114,10 +114,18 @@ def sampling_seed(ctx: StageContext) -> int:
 
 def _sampled_path(ctx: StageContext, cfg: PreferencesStage, prompts: list[str], rank: int, world: int) -> Path:
     """Where process `rank` of `world` keeps its samples before a pairwise judge sees them: named by what drew them
-    (not by the judge, so another judge or judge setting reuses them)."""
-    key = hashlib.sha256(json.dumps([ctx.spec.input_digests.get(cfg.policy), ctx.spec.code_version, prompts,
-                                     dataclasses.asdict(cfg.generation), cfg.samples_per_prompt, sampling_seed(ctx)],
-                                    sort_keys=True, default=str).encode()).hexdigest()[:16]
+    (not by the judge, so another judge or judge setting reuses them): the policy's publication (its tokenizer
+    too), the rendered prompts, the generation settings, the seed, how the engine computes (dtype, precision,
+    attention, fast generation, device) and the code (align's, torch's, transformers')."""
+    import torch  # heavy: stage processes only
+    import transformers
+
+    gen, p = cfg.generation, ctx.pipeline
+    drew = [ctx.spec.input_digests.get(cfg.policy), prompts, dataclasses.asdict(gen), cfg.samples_per_prompt,
+            sampling_seed(ctx), p.dtype, p.precision, p.attn_implementation, ctx.compute.engine_dtype(),
+            ctx.compute.fast_generation(gen.fast), ctx.compute.device.type, ctx.spec.code_version,
+            torch.__version__, transformers.__version__]
+    key = hashlib.sha256(json.dumps(drew, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return ctx.dir / SAMPLED / f"{key}.rank{rank}of{world}.json"
 
 
@@ -131,6 +139,7 @@ def sampled_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts
     mine = _sampled_path(ctx, cfg, prompts, rank, world)
     if ctx.main_decides(lambda: all(_sampled_path(ctx, cfg, prompts, r, world).is_file() for r in range(world))):
         saved = json.loads(mine.read_text(encoding="utf-8"))
+        ctx.note(samples_drawn_by_an_earlier_attempt=str(mine.parent))
         if ctx.is_main:
             print(f"[align] {ctx.name}: judging the samples an earlier attempt drew ({mine.parent}): no sampling",
                   flush=True)
@@ -220,6 +229,8 @@ def split_pairs(ctx: StageContext, cfg: PreferencesStage, records: list[dict[str
     if not pairs:
         unfinished = (f"; {cut} had fewer than two samples that ended within generation.max_new_tokens "
                       f"({cfg.generation.max_new_tokens}): raise it, or set drop_unfinished: false" if cut else "")
+        if bad := sum(s is None for r in records for s in r["scores"]):
+            unfinished += f"; the judge gave {bad} samples no finite score (NaN or inf): check the judge"
         raise StageError(f"stage '{ctx.name}': none of {len(records)} prompts made a pair: {ties} were ties " + (
             "(the pairwise judge preferred neither response in both orders; see its answers in samples.jsonl)"
             if cfg.pairwise is not None else f"(min_margin {cfg.min_margin}: sample more per prompt or lower "
@@ -239,14 +250,14 @@ def split_pairs(ctx: StageContext, cfg: PreferencesStage, records: list[dict[str
 
 def _picked(record: dict[str, Any], idx: list[int]) -> tuple[list[str], list[float]]:
     """The samples `idx` of a record that may be compared: with a score (`finite_or_none` left a judge's NaN or inf
-    as None: no comparison, whatever its position among the samples), each text once, as first sampled (the best and
-    the worst of one text were a tie where a distinct sample lay between them)."""
-    seen, kept = set(), []
+    as None: no comparison, whatever its position among the samples), each text once, in the order first sampled,
+    at the mean of its copies' scores (the best and the worst of one text were a tie where a distinct sample lay
+    between them; the first copy's score alone would let sample order pick the side)."""
+    scores: dict[str, list[float]] = {}
     for i in idx if record["scores"] else []:  # (a pairwise judge's unfinished prompt has no scores)
-        if record["scores"][i] is not None and record["responses"][i] not in seen:
-            seen.add(record["responses"][i])
-            kept.append(i)
-    return [record["responses"][i] for i in kept], [record["scores"][i] for i in kept]
+        if record["scores"][i] is not None:
+            scores.setdefault(record["responses"][i], []).append(record["scores"][i])
+    return list(scores), [sum(v) / len(v) for v in scores.values()]
 
 
 def finite_or_none(records: list[dict[str, Any]]) -> int:
@@ -290,7 +301,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 fh.writelines(json.dumps(r) + "\n" for r in rows)
 
     ctx.publish("data", write)
-    if ctx.is_main and not ctx.pipeline.keep_checkpoints:  # judged and published: kept only as checkpoints are
+    if ctx.is_main:  # judged and published (samples.jsonl holds them): a forced rerun draws anew
         shutil.rmtree(ctx.dir / SAMPLED, ignore_errors=True)
     all_scores = [s for r in records for s in r["scores"] if s is not None]
     margins = [p["score_chosen"] - p["score_rejected"] for p in pairs]
