@@ -24,7 +24,7 @@ from align.core.tracking import TABLES, table_file
 from align.engines import EngineError
 from align.core.errors import Terminated, describe, die_with_parent, interrupt_cause, terminate_as_interrupt
 from align.core.console import verbose
-from align.core.fsutil import write_failure
+from align.core.fsutil import atomic_write_json, write_failure
 from align.core.rundir import MANIFEST, StageSpec, hold_stage, read_manifest, write_manifest
 from align.data.hub import pin_to_run
 from align.runtime.context import COLLECTIVE_TIMEOUT, NonFiniteLossError, StageContext, StageError, startup_done
@@ -100,6 +100,10 @@ def main(spec_path: str) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the record short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         terminated = isinstance(exc, Terminated)
+        if terminated and (other := rank_failure(ctx)):  # the launcher stopped us because another process failed
+            print(f"align: error: stage '{spec.get('stage_name', spec_path)}': {other}"
+                  + _record_failure(ctx, spec, other), file=sys.stderr, flush=True)
+            return 2
         _record_failure(ctx, spec, interrupt_cause(exc), status="interrupted")
         print(f"align: stage '{spec.get('stage_name', spec_path)}' {'stopped by SIGTERM' if terminated else 'interrupted'}"
               "; its last checkpoint is kept and the next `align run` resumes from it", file=sys.stderr, flush=True)
@@ -250,10 +254,38 @@ def check_produced(ctx: StageContext, outputs: list[str], final: dict[str, Any])
 EXPECTED: tuple[type[BaseException], ...] = (OSError, ValueError, NonFiniteLossError, StageError, EngineError)
 
 
+FAILED_RANK = "failed.rank{}.json"
+"""A process other than the main one records its failure here (`rank_failure`): only the main process writes the
+manifest, and the launcher then stops it with SIGTERM, which alone read as `interrupted`."""
+
+
+def rank_failure(ctx: StageContext | None) -> str | None:
+    """Main process: the failure another process of this attempt recorded (FAILED_RANK with the manifest's attempt
+    count), as "process R: error"; None when none did."""
+    if ctx is None or not ctx.is_main:
+        return None
+    attempt = (read_manifest(ctx.dir) or {}).get("attempts")
+    for path in sorted(ctx.dir.glob(FAILED_RANK.format("*"))):
+        try:
+            rec = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and rec.get("attempt") == attempt and rec.get("error"):
+            return f"process {path.name.split('.')[1].removeprefix('rank')}: {rec['error']}"
+    return None
+
+
 def _record_failure(ctx: StageContext | None, spec: dict[str, Any], message: str, status: str = "failed") -> str:
     """Write `failed` (or `interrupted`) with the error into the manifest; returns where it went (or why it
-    could not). Either status resumes from the stage's last checkpoint on the next run of the same config."""
+    could not). Either status resumes from the stage's last checkpoint on the next run of the same config. A
+    process other than the main one records its failure for the main one (FAILED_RANK)."""
     trace = traceback.format_exc(limit=20)
+    if ctx is not None and not ctx.is_main and status == "failed":
+        try:
+            atomic_write_json(ctx.dir / FAILED_RANK.format(ctx.state.process_index),
+                              {"error": message, "attempt": (read_manifest(ctx.dir) or {}).get("attempts")})
+        except (OSError, ValueError):
+            pass
     try:
         if ctx is not None:  # the manifest first: a W&B that cannot close must not keep the failure unrecorded
             ctx.write_manifest(status, error=message, traceback=trace, wandb=ctx.tracker.info() if ctx.tracker else {})
