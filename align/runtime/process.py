@@ -206,6 +206,8 @@ def _run(ctx: StageContext) -> None:
     ctx.write_manifest("completed", final_metrics=final, outputs=module.OUTPUTS, wandb=wandb_info)
     drop_checkpoints(ctx)
     if ctx.is_main:
+        for path in ctx.dir.glob(FAILED_RANK.format("*")):  # earlier attempts' (this one's processes all finished)
+            path.unlink(missing_ok=True)
         print(f"[align] {ctx.name}: completed " + ", ".join(f"{k}={_fmt(v)}" for k, v in final.items()
                                                             if isinstance(v, (int, float))), flush=True)
 
