@@ -203,3 +203,31 @@ def test_the_report_says_how_many_held_out_pairs_were_longer_than_the_reward_sta
             "chosen 1.000") in text
     m["eval/reward_model/pairs_over_max_length"] = 0
     assert "40 pairs (mean margin 0.500). Scores:" in render_report(cfg, m, ["p0", "p1"], samples, [])
+
+
+def test_an_llm_judge_reads_a_conversational_prompt_without_the_policys_chat_template(monkeypatch):
+    """Evaluate and preferences gave a pairwise LLM judge the prompt as the policy reads it, chat template and all:
+    wrapped in the judge's own template, a judge of the same format (SmolLM2 judging SmolLM2, Llama-3-70B judging
+    Llama-3-8B) read the policy's `<|im_start|>` text as its own control tokens (its user turn ended after
+    "Prompt:"). load_prompts gives each rendered prompt's plain text too: one user turn's words, or the turns with
+    their roles."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from align.runtime import rows
+
+    repo = Path(__file__).resolve().parent.parent
+    tok = AutoTokenizer.from_pretrained(repo / "tokenizers" / "gpt2")
+    tok.chat_template = (repo / "tests" / "chat_templates" / "llama3_1.jinja").read_text()
+    tok.add_special_tokens({"eos_token": "<|eot_id|>", "bos_token": "<|begin_of_text|>"})
+    one = [{"role": "user", "content": "Is it on?"}]
+    two = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}]
+    monkeypatch.setattr(rows, "load_rows", lambda ctx, ref, split, tokenizer=None: [
+        {"prompt": one}, {"prompt": two}, {"prompt": "Plain text:"}])
+    plain: dict[str, str] = {}
+    prompts = rows.load_prompts(SimpleNamespace(name="evaluate", extra_manifest={}), "card.yaml", "test", None, tok,
+                                plain)
+    assert all("<|start_header_id|>" in p for p in prompts[:2])  # the policy samples from the rendered prompt
+    assert [plain[p] for p in prompts] == ["Is it on?", "System: Be brief.\n\nUser: Why?", "Plain text:"]

@@ -110,7 +110,7 @@ def test_the_policy_is_freed_before_a_pairwise_judge_loads(tmp_path, monkeypatch
 
     seen = []
 
-    def judge_pairwise(ctx, cfg, records):
+    def judge_pairwise(ctx, cfg, records, plain=None):
         gc.collect()
         seen.append(([ref() is None for ref in loaded], len(records)))
 
@@ -144,7 +144,7 @@ def test_each_round_of_iterated_dpo_samples_with_its_own_random_numbers(tmp_path
     torch.manual_seed(seed)
     base, tok_dir = build("llama", tmp_path / "llama", seed=seed)
     tok = load_tokenizer(str(tok_dir))
-    monkeypatch.setattr(preferences, "judge_pairwise", lambda ctx, cfg, records: None)
+    monkeypatch.setattr(preferences, "judge_pairwise", lambda ctx, cfg, records, plain=None: None)
     compute = SimpleNamespace(fast_generation=lambda fast: False, engine_dtype=lambda: "float32",
                               autocast=contextlib.nullcontext, device=torch.device("cpu"))
     cfg = SimpleNamespace(generation=Generation(batch_size=8, max_new_tokens=6), judge=None, samples_per_prompt=2,

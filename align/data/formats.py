@@ -210,6 +210,17 @@ def drop_unusable(rows: Rows, produces: str, source: str, max_fraction: float) -
     return [r for i, r in enumerate(rows) if i not in drop], Counter({why: len(idx) for why, idx in found.items() if idx})
 
 
+def plain_prompt(prompt: str | list[dict[str, str]]) -> str:
+    """A prompt as a judge reads it, without any chat template's markup (an LLM judge wraps it in its own template,
+    and a policy's `<|im_start|>`-style text in it reads as the judge's own control tokens): a text prompt as it is,
+    one user turn as its words, a longer conversation as its turns, each led by its role."""
+    if isinstance(prompt, str):
+        return prompt
+    if len(prompt) == 1:
+        return prompt[0]["content"]
+    return "\n\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in prompt)
+
+
 def text_of(value: str | list[dict[str, str]]) -> str:
     """The words of a reply or conversation, whitespace normalised: what a comparison of contents looks at."""
     text = value if isinstance(value, str) else "\n".join(m["content"] for m in value)

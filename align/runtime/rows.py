@@ -11,7 +11,7 @@ from typing import Any
 
 from align.data.cards import LoadedSplit, load_card, load_split, read_jsonl
 from align.data.chat import as_text, same_after_template, same_after_template_problem, without_special_text
-from align.data.formats import FormatError, prompt_key, text_of
+from align.data.formats import FormatError, plain_prompt, prompt_key, text_of
 from align.runtime.context import StageContext, StageError
 
 
@@ -97,9 +97,11 @@ def unique_prompts(rows: list[dict[str, Any]], limit: int | None = None) -> list
     return prompts[:limit] if limit else prompts
 
 
-def load_prompts(ctx: StageContext, ref: str, split: str, limit: int | None = None, tokenizer=None) -> list[str]:
+def load_prompts(ctx: StageContext, ref: str, split: str, limit: int | None = None, tokenizer=None,
+                 plain: dict[str, str] | None = None) -> list[str]:
     """Distinct non-empty prompts of a data reference (at most `limit`), conversational ones rendered with
-    `tokenizer`'s chat template; none at all fails the stage."""
+    `tokenizer`'s chat template; none at all fails the stage. `plain`, when given, is filled with each prompt's text
+    without the template (formats.plain_prompt): what an LLM judge reads."""
     first: dict[str, dict[str, Any]] = {}
     for row in load_rows(ctx, ref, split):
         first.setdefault(prompt_key(row["prompt"]), row)
@@ -110,8 +112,12 @@ def load_prompts(ctx: StageContext, ref: str, split: str, limit: int | None = No
     rows = kept
     if not rows:
         raise StageError(f"stage '{ctx.name}': no non-empty prompts in {ref} split '{split}'")
+    if plain is not None:
+        rows = [dict(r, plain_prompt=plain_prompt(r["prompt"])) for r in rows]  # kept through the rendering
     if tokenizer is not None:
         rows = _rendered(ctx, rows, tokenizer, f"{ref} split '{split}'")
+    if plain is not None:
+        plain.update({r["prompt"]: r["plain_prompt"] for r in reversed(rows)})  # a prompt's first row's text
     return unique_prompts(rows)
 
 

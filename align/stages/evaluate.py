@@ -229,7 +229,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     cfg: EvaluateStage = ctx.cfg  # type: ignore[assignment]
     ref_path = ctx.input_model(cfg.reference)
     tokenizer = ctx.load_tokenizer(ref_path)
-    prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer)  # conversations: rendered
+    plain: dict[str, str] = {}  # each prompt without the chat template: what an LLM judge reads
+    prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer, plain)  # conversations: rendered
     prompts = prompts_within_positions(ctx, prompts, tokenizer, ref_path, cfg.generation.max_new_tokens)
     reference = ctx.load_lm(ref_path, device=True, frozen=True).eval()
     judges: dict[str, WeightedJudge] = {name: stage_judge(ctx, name) for name in cfg.judges}
@@ -250,7 +251,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     del engine, reference  # freed (the hf engine samples with the reference) before a local pairwise judge loads
     free_cached_memory()
     judged: dict[str, Any] = {}
-    verdicts = judge_pairwise(ctx, cfg, prompts, samples, judged)  # every process judges a share
+    verdicts = judge_pairwise(ctx, cfg, [plain.get(p, p) for p in prompts], samples, judged)  # a share each
     rm_metrics, buckets = reward_model_metrics(ctx, cfg, judges, tokenizer)  # and scores a share of the held-out pairs
     if not ctx.is_main:  # the other processes sampled, judged and scored their shares; the main process reports
         ctx.publish("../report", lambda out: None)

@@ -83,17 +83,20 @@ def all_pairs(prompt: str, responses: list[str], scores: list[float], min_margin
     return out
 
 
-def judge_pairwise(ctx: StageContext, cfg: PreferencesStage, records: list[dict[str, Any]]) -> None:
+def judge_pairwise(ctx: StageContext, cfg: PreferencesStage, records: list[dict[str, Any]],
+                   plain: dict[str, str] | None = None) -> None:
     """RLAIF: the two responses of each prompt (samples_per_prompt is 2) judged by the pairwise LLM judge in both
     orders (align/judges/pairwise.py), when both ended (or drop_unfinished is off; else the outcome is `unfinished`,
     with no scores, and nothing is asked); the first one scores 1 and the second 0 when the judge prefers the first in
     both orders, the reverse when it prefers the second, 0.5 each for a tie or a verdict that flips. Each record
-    keeps the answers and the outcome; invalid ones are counted once every process's records are gathered (run)."""
+    keeps the answers and the outcome; invalid ones are counted once every process's records are gathered (run).
+    The judge reads each prompt as `plain` gives it (without the policy's chat template), else as rendered."""
     from align.judges.pairwise import build_pairwise
 
     judge = build_pairwise(ctx, cfg.pairwise)
     judged = [r for r in records if len(usable(cfg, r)) >= 2]  # a cut sample is not judged (drop_unfinished)
-    results = judge.compare([r["prompt"] for r in judged], [r["responses"][0] for r in judged],
+    results = judge.compare([(plain or {}).get(r["prompt"], r["prompt"]) for r in judged],
+                            [r["responses"][0] for r in judged],
                             [r["responses"][1] for r in judged])
     value = {"win": [1.0, 0.0], "loss": [0.0, 1.0], "tie": [0.5, 0.5], "invalid": [0.5, 0.5]}
     for r in records:
@@ -129,8 +132,8 @@ def _sampled_path(ctx: StageContext, cfg: PreferencesStage, prompts: list[str], 
     return ctx.dir / SAMPLED / f"{key}.rank{rank}of{world}.json"
 
 
-def sampled_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts: list[str],
-                    path: str) -> tuple[list[dict[str, Any]], dict[str, float], float]:
+def sampled_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts: list[str], path: str,
+                    plain: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], dict[str, float], float]:
     """`sample_records`, or, with a pairwise judge, every process's samples an earlier attempt kept (its judging
     failed) judged again without sampling; the main process decides for all of them (one view of the folder)."""
     if cfg.pairwise is None:
@@ -144,7 +147,7 @@ def sampled_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts
             print(f"[align] {ctx.name}: judging the samples an earlier attempt drew ({mine.parent}): no sampling",
                   flush=True)
         t0 = time.perf_counter()
-        judge_pairwise(ctx, cfg, saved["records"])
+        judge_pairwise(ctx, cfg, saved["records"], plain)
         return saved["records"], saved["counts"], t0
 
     def keep(records: list[dict[str, Any]], counts: dict[str, float]) -> None:
@@ -153,16 +156,17 @@ def sampled_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts
             old.unlink(missing_ok=True)
         atomic_write_text(mine, json.dumps({"records": records, "counts": counts}))
 
-    return sample_records(ctx, cfg, tokenizer, prompts, path, keep=keep)
+    return sample_records(ctx, cfg, tokenizer, prompts, path, keep=keep, plain=plain)
 
 
 def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts: list[str], path: str,
                    keep: Callable[[list[dict[str, Any]], dict[str, float]], None] | None = None,
-                   ) -> tuple[list[dict[str, Any]], dict[str, float], float]:
+                   plain: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], dict[str, float], float]:
     """`samples_per_prompt` responses to every prompt (this process's share) with their judge's scores (pairwise
     judges give theirs after sampling); returns this process's records, its counts (the tokens it generated and the
     seconds its engine took: sample_texts) and when sampling began (perf_counter: model loading and the engine's
-    start-up are not in it). `keep` is given this process's records and counts before a pairwise judge sees them."""
+    start-up are not in it). `keep` is given this process's records and counts before a pairwise judge sees them;
+    `plain`: each prompt without the chat template, as the pairwise judge reads it."""
     gen = cfg.generation
     # an engine with its own copy of the policy (vllm) starts from `path`: the stage then loads none
     policy = None if holds_own_copy(gen.engine) else ctx.load_lm(path, device=True, frozen=True).eval()
@@ -200,7 +204,7 @@ def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts:
         free_cached_memory()
         if keep is not None:  # before the judge: a judging that fails costs no sampling on the rerun
             keep(records, counts)
-        judge_pairwise(ctx, cfg, records)
+        judge_pairwise(ctx, cfg, records, plain)
     return records, counts, t0
 
 
@@ -278,9 +282,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
     cfg: PreferencesStage = ctx.cfg  # type: ignore[assignment]
     path = ctx.input_model(cfg.policy)
     tokenizer = ctx.load_tokenizer(path)
-    prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer)  # conversations: rendered
+    plain: dict[str, str] = {}  # each prompt without the chat template: what a pairwise judge reads
+    prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer, plain)  # conversations: rendered
     prompts = prompts_within_positions(ctx, prompts, tokenizer, path, cfg.generation.max_new_tokens)
-    records, mine, t0 = sampled_records(ctx, cfg, tokenizer, prompts, path)
+    records, mine, t0 = sampled_records(ctx, cfg, tokenizer, prompts, path, plain)
     records = sorted(gather_object(records), key=lambda r: r["index"])
     nonfinite = finite_or_none(records)
     if cfg.pairwise is not None:  # over every process's prompts: all of them stop here together, or none does
