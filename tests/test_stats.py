@@ -6,7 +6,7 @@ from align.report.stats import bootstrap_ci, perplexity, win_indicators, win_rat
 
 def test_known_win_rate_with_ties_counted_half():
     # wins, loss, tie, win -> (1 + 0 + 0.5 + 1) / 4
-    r = win_rate([3, 1, 2, 5], [1, 2, 2, 4], samples=500)
+    r = win_rate([3, 1, 2, 5], [1, 2, 2, 4])
     assert r["win_rate"] == pytest.approx(0.625)
     assert r["n"] == 4
     assert r["ci_low"] <= 0.625 <= r["ci_high"]
@@ -101,8 +101,13 @@ def test_a_win_rate_of_every_prompt_alike_has_an_interval_not_a_point():
     assert lo0 == 0.0 and hi0 == pytest.approx(1 - 0.8865, abs=5e-4)
     tie_lo, tie_hi = outcome_ci([0.5] * 30)  # every pair a tie: the rate is 0.5, not known to be exactly that
     assert tie_lo < 0.35 and tie_hi > 0.65
-    mixed = outcome_ci([1.0] * 29 + [0.0])  # not all alike: the bootstrap, as before
-    assert mixed == bootstrap_ci([1.0] * 29 + [0.0])
+    # 29 wins and a loss: Wilson's [0.833, 0.994] (the bootstrap gave [0.90, 1], above 30 of 30's lower bound);
+    # the bound falls as the rate does, at every n
+    mixed = outcome_ci([1.0] * 29 + [0.0])
+    assert mixed[0] == pytest.approx(0.8333, abs=5e-4) and mixed[1] == pytest.approx(0.9941, abs=5e-4)
+    for n in (30, 512):
+        lows = [outcome_ci([1.0] * (n - k) + [0.0] * k)[0] for k in range(4)]
+        assert lows == sorted(lows, reverse=True) and len(set(lows)) == 4, (n, lows)
     verdicts = [{"outcome": "win", "verdicts": ["A", "B"]}] * 20
     assert pairwise_summary(verdicts, [10.0] * 20, [9.0] * 20)["win_rate_ci"][0] < 0.9
 

@@ -25,26 +25,27 @@ def bootstrap_ci(values: np.ndarray | list[float], samples: int = 2000, level: f
     return float(lo), float(hi)
 
 
-def outcome_ci(outcomes: np.ndarray | list[float], samples: int = 2000, seed: int = 0,
-               z: float = 1.959964) -> tuple[float, float]:
-    """95% CI of a win rate from its per-prompt outcomes (1 win, 0.5 tie, 0 loss): the percentile bootstrap
-    (`bootstrap_ci`), except where every outcome is the same: the bootstrap then has nothing to resample and gives
-    an interval of width 0 ([1, 1] for 30 wins out of 30, certainty from 30 prompts), and Wilson's score interval at
-    that rate is given instead (Wilson 1927, "Probable inference...", JASA 22: the centre (p + z^2/2n) / (1 + z^2/n),
-    the half-width z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n)): [0.886, 1] for 30 of 30."""
+def outcome_ci(outcomes: np.ndarray | list[float], z: float = 1.959964) -> tuple[float, float]:
+    """95% CI of a win rate from its per-prompt outcomes (1 win, 0.5 tie, 0 loss): Wilson's score interval at the
+    mean outcome p over n prompts (Wilson 1927, "Probable inference...", JASA 22: the centre (p + z^2/2n) /
+    (1 + z^2/n), the half-width z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n)), a tie half a win (its variance is below
+    p(1-p): the interval is then a little wide, never narrow). [0.886, 1] for 30 wins of 30, [0.833, 0.994] for 29
+    and a loss. The percentile bootstrap, used before, is too narrow near 0 and 1 and not monotone there: 29 wins
+    and a loss got [0.90, 1], a higher lower bound than 30 wins; with every outcome alike it had nothing to
+    resample ([1, 1] for 30 of 30). NaN for no outcomes."""
     v = np.asarray(outcomes, dtype=float)
-    if len(v) == 0 or v.min() != v.max():
-        return bootstrap_ci(v, samples, seed=seed)
-    n, p = len(v), float(v[0])
+    if len(v) == 0:
+        return float("nan"), float("nan")
+    n, p = len(v), float(v.mean())
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return float(max(0.0, centre - half)), float(min(1.0, centre + half))
 
 
-def win_rate(scores: list[float], baseline: list[float], samples: int = 2000, seed: int = 0) -> dict[str, float]:
+def win_rate(scores: list[float], baseline: list[float]) -> dict[str, float]:
     """Win rate against a baseline on the same prompts (ties count half), its 95% CI (`outcome_ci`) and n."""
     w = win_indicators(scores, baseline)
-    lo, hi = outcome_ci(w, samples, seed=seed)
+    lo, hi = outcome_ci(w)
     return {"win_rate": float(w.mean()), "ci_low": lo, "ci_high": hi, "n": int(len(w))}
 
 
@@ -113,12 +114,11 @@ def length_controlled_win_rate(values: list[float], length_diff: list[float], ri
 
 
 def pairwise_summary(results: list[dict], policy_lengths: list[float], baseline_lengths: list[float],
-                     samples: int = 2000, seed: int = 0,
                      gold: dict[str, tuple[list[float], list[float]]] | None = None) -> dict[str, float]:
     """A pairwise judge's verdicts on a policy against the baseline, prompt by prompt (`results`: each with
     `outcome` win / loss / tie / invalid and `verdicts` [with the policy as A, as B]):
 
-    - win_rate (wins + ties / 2 over valid pairs) with its 95% bootstrap CI, tie_rate, invalid_rate (over all);
+    - win_rate (wins + ties / 2 over valid pairs) with its 95% CI (`outcome_ci`), tie_rate, invalid_rate (over all);
     - consistency: the share of valid pairs whose verdict did not flip with the order (both orders name the same
       response, or both say tie);
     - mean response lengths, and the length-controlled win rate (`length_controlled_win_rate`);
@@ -133,7 +133,7 @@ def pairwise_summary(results: list[dict], policy_lengths: list[float], baseline_
     if not valid:
         return {**out, "win_rate": float("nan"), "win_rate_ci": [float("nan"), float("nan")],
                 "tie_rate": float("nan"), "consistency": float("nan"), "lc_win_rate": float("nan")}
-    lo, hi = outcome_ci(values, samples, seed=seed)
+    lo, hi = outcome_ci(values)
     flips = sum(1 for i in valid if {"A": "B", "B": "A", "tie": "tie"}[results[i]["verdicts"][0]] !=
                 results[i]["verdicts"][1])
     out.update({"win_rate": float(np.mean(values)), "win_rate_ci": [lo, hi],

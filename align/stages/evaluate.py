@@ -161,7 +161,7 @@ def policy_metrics(cfg: EvaluateStage, samples: dict[str, dict[str, Any]], seed:
             if np.std(sc) > 0 and np.std(s["length"]) > 0:
                 metrics[f"eval/{name}/{j}/length_corr"] = float(np.corrcoef(sc, s["length"])[0, 1])
             if name != cfg.baseline:
-                w = win_rate(sc, samples[cfg.baseline]["scores"][j], cfg.bootstrap_samples, seed)
+                w = win_rate(sc, samples[cfg.baseline]["scores"][j])
                 metrics[f"eval/{name}/{j}/win_rate"] = w["win_rate"]
                 metrics[f"eval/{name}/{j}/win_rate_ci"] = [w["ci_low"], w["ci_high"]]
     return metrics
@@ -304,8 +304,7 @@ def judge_pairwise(ctx: StageContext, cfg: EvaluateStage, prompts: list[str], sa
                 parts = gather_object([list(zip(share, results))])
                 results = [r for _, r in sorted((pair for part in parts for pair in part), key=lambda p: p[0])]
             gold = {j: (mine["scores"][j][:n], base["scores"][j][:n]) for j in cfg.judges}
-            summary = pairwise_summary(results, mine["length"][:n], base["length"][:n], cfg.bootstrap_samples,
-                                       ctx.seed, gold)
+            summary = pairwise_summary(results, mine["length"][:n], base["length"][:n], gold)
             metrics.update({f"eval/{name}/{settings.name}/{k}": v for k, v in summary.items()})
             out[settings.name][name] = results
             check_invalid(results, settings, ctx.name, f"pairs of {name} vs {cfg.baseline}", show=ctx.is_main)
