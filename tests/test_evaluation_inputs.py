@@ -231,3 +231,20 @@ def test_an_llm_judge_reads_a_conversational_prompt_without_the_policys_chat_tem
                                 plain)
     assert all("<|start_header_id|>" in p for p in prompts[:2])  # the policy samples from the rendered prompt
     assert [plain[p] for p in prompts] == ["Is it on?", "System: Be brief.\n\nUser: Why?", "Plain text:"]
+
+
+def test_the_report_says_how_many_responses_were_cut_and_at_what_temperature_its_kl_is():
+    """A policy that rambles had its responses cut at generation.max_new_tokens, its length, length difference and
+    scores read on unfinished text, and nothing in the report said so; its KL is the sampled distributions' (at the
+    sampling temperature), labelled "KL to ref" alone. The headline gives both now."""
+    from align.config import Generation
+    from align.report.markdown import headline
+    from align.stages.evaluate import policy_metrics
+
+    cfg = _cfg(generation=Generation(max_new_tokens=8, temperature=0.7))
+    samples = {p: {"kl": [0.1, 0.3, 0.2, 0.4], "length": lengths, "ref_logprob": [-4.0] * 4, "scores": {}}
+               for p, lengths in (("sft", [3, 8, 8, 5]), ("dpo", [8, 8, 8, 2]))}
+    m = {**_metrics(), **policy_metrics(cfg, samples, seed=0)}
+    assert (m["eval/sft/at_max_new_tokens"], m["eval/dpo/at_max_new_tokens"]) == (0.5, 0.75)
+    head = headline(cfg, m)
+    assert "KL to sft (T=0.7)" in head and "cut at 8 tokens" in head and "| 75.0% |" in head, head

@@ -45,11 +45,14 @@ def headline(cfg: EvaluateStage, m: dict[str, Any], groups: list[frontier.Group]
     """The report's first tables: every policy's judge means, KL, perplexity and win rates; each pairwise judge's
     verdicts; and, when stages were swept over seeds, their mean and spread (align/report/seeds.py)."""
     judges = all_judges(cfg)
-    lines = _header(["policy", *(f"{j} mean" for j in judges), f"KL to {cfg.reference}",
-                     f"perplexity under {cfg.reference}", *(f"{j} win rate vs {cfg.baseline} [95% CI]" for j in judges)])
+    t = cfg.generation.temperature  # the KL is the sampled distributions' (at T), as sampled and as PPO's penalty
+    lines = _header(["policy", *(f"{j} mean" for j in judges), f"KL to {cfg.reference} (T={t:g})",
+                     f"perplexity under {cfg.reference}", f"cut at {cfg.generation.max_new_tokens} tokens",
+                     *(f"{j} win rate vs {cfg.baseline} [95% CI]" for j in judges)])
     for p in cfg.policies:
         cells = ([f"{m[f'eval/{p}/{j}/mean']:.3f}" for j in judges] + [f"{m[f'eval/{p}/kl']:.2f}"]
-                 + [f"{m.get(f'eval/{p}/ref_perplexity', float('nan')):.2f}"])
+                 + [f"{m.get(f'eval/{p}/ref_perplexity', float('nan')):.2f}"]
+                 + [f"{m.get(f'eval/{p}/at_max_new_tokens', float('nan')):.1%}"])
         for j in judges:
             if p == cfg.baseline:
                 cells.append("(baseline)")

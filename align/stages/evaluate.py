@@ -146,6 +146,9 @@ def policy_metrics(cfg: EvaluateStage, samples: dict[str, dict[str, Any]], seed:
         kl = mean_ci(s["kl"], cfg.bootstrap_samples, seed)
         metrics[f"eval/{name}/kl_ci"] = [kl["ci_low"], kl["ci_high"]]
         metrics[f"eval/{name}/response_length"] = float(np.mean(s["length"]))
+        # responses that reached generation.max_new_tokens (cut, unless EOS came exactly there): their lengths, length
+        # differences and scores are of unfinished text
+        metrics[f"eval/{name}/at_max_new_tokens"] = float(np.mean(np.asarray(s["length"]) >= cfg.generation.max_new_tokens))
         # fluency: a policy that buys reward with text its reference finds unlikely shows it here, beside its KL
         metrics[f"eval/{name}/ref_perplexity"] = perplexity(s["ref_logprob"], s["length"])
         for j, sc in s["scores"].items():
