@@ -73,18 +73,18 @@ def test_evaluate_names_the_judge_policy_and_prompt_of_a_non_finite_score():
     from types import SimpleNamespace
 
     from align.judges import JudgeError
-    from align.stages.evaluate import policy_metrics
+    from align.stages.evaluate import check_scores, policy_metrics
 
     def policy(scores):
         return {"kl": [0.1, 0.2, 0.3], "length": [3, 4, 5], "ref_logprob": [-3.0, -4.0, -5.0],
                 "scores": {"reward_model": scores}}
 
-    cfg = SimpleNamespace(bootstrap_samples=100, baseline="sft")
+    cfg = SimpleNamespace(bootstrap_samples=100, baseline="sft", generation=SimpleNamespace(max_new_tokens=8))
     fine = policy_metrics(cfg, {"sft": policy([0.0, 0.5, 1.0]), "ppo": policy([1.0, 0.5, 2.0])}, seed=3)
     assert fine["eval/ppo/reward_model/win_rate"] == pytest.approx(2.5 / 3)
     with pytest.raises(JudgeError, match=r"judge 'reward_model' scored policy 'ppo' nan on held-out prompt 1 \(and 0 "
                                          r"more\): every score must be a finite number"):
-        policy_metrics(cfg, {"sft": policy([0.0, 0.5, 1.0]), "ppo": policy([1.0, float("nan"), 2.0])}, seed=3)
+        check_scores({"sft": policy([0.0, 0.5, 1.0]), "ppo": policy([1.0, float("nan"), 2.0])})  # before judging
 
 
 def test_a_win_rate_of_every_prompt_alike_has_an_interval_not_a_point():

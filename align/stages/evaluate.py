@@ -136,6 +136,19 @@ def sample_policies(ctx: StageContext, cfg: EvaluateStage, engine: RolloutEngine
     return samples, sampling, generated, gaps
 
 
+def check_scores(samples: dict[str, dict[str, Any]]) -> None:
+    """Every judge's score of every sample is a finite number, checked once sampling is done, before any pairwise
+    judging is paid for (a win rate would count a NaN a loss, an agreement a baseline's win, a mean would be NaN)."""
+    for name, s in samples.items():
+        for j, sc in s["scores"].items():
+            bad = next((i for i, v in enumerate(sc) if not np.isfinite(v)), None)
+            if bad is not None:
+                raise JudgeError(f"judge '{j}' scored policy '{name}' {sc[bad]} on held-out prompt {bad} (and "
+                                 f"{sum(not np.isfinite(v) for v in sc) - 1} more): every score must be a finite "
+                                 "number; a reward model that scores so has non-finite weights or overflowed (score "
+                                 "it in float32)")
+
+
 def policy_metrics(cfg: EvaluateStage, samples: dict[str, dict[str, Any]], seed: int) -> dict[str, Any]:
     """Per policy: KL to the reference (mean, spread, bootstrap CI), response length, perplexity under the reference,
     and per judge the mean score (CI), its correlation with length and the win rate against the baseline (CI)."""
@@ -152,12 +165,6 @@ def policy_metrics(cfg: EvaluateStage, samples: dict[str, dict[str, Any]], seed:
         # fluency: a policy that buys reward with text its reference finds unlikely shows it here, beside its KL
         metrics[f"eval/{name}/ref_perplexity"] = perplexity(s["ref_logprob"], s["length"])
         for j, sc in s["scores"].items():
-            bad = next((i for i, v in enumerate(sc) if not np.isfinite(v)), None)
-            if bad is not None:  # a win rate would count it a loss, a mean would be NaN: nothing to report
-                raise JudgeError(f"judge '{j}' scored policy '{name}' {sc[bad]} on held-out prompt {bad} (and "
-                                 f"{sum(not np.isfinite(v) for v in sc) - 1} more): every score must be a finite "
-                                 "number; a reward model that scores so has non-finite weights or overflowed (score "
-                                 "it in float32)")
             m = mean_ci(sc, cfg.bootstrap_samples, seed)
             metrics[f"eval/{name}/{j}/mean"] = m["mean"]
             metrics[f"eval/{name}/{j}/mean_ci"] = [m["ci_low"], m["ci_high"]]
@@ -253,6 +260,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     engine_name = engine.name
     del engine, reference  # freed (the hf engine samples with the reference) before a local pairwise judge loads
     free_cached_memory()
+    check_scores(samples)
     judged: dict[str, Any] = {}
     verdicts = judge_pairwise(ctx, cfg, [plain.get(p, p) for p in prompts], samples, judged)  # a share each
     rm_metrics, buckets = reward_model_metrics(ctx, cfg, judges, tokenizer)  # and scores a share of the held-out pairs
