@@ -129,3 +129,12 @@ def test_a_reward_model_tie_counts_half_in_accuracy_and_calibration():
 
     r = pointwise.pairwise_accuracy(Constant(), [{"prompt": "p", "chosen": "a", "rejected": "b"}] * 3)
     assert r["accuracy"] == 0.5 and r["ties"] == 3
+
+    class Overflowed(Constant):  # an fp16 head that overflowed on one text: a NaN was counted a wrong answer
+        def __call__(self, prompts, responses):
+            return [float("nan") if r == "b" else 0.25 for r in responses]
+
+    from align.judges import JudgeError
+
+    with pytest.raises(JudgeError, match="scored held-out pair 0 non-finite .*3 pairs in all"):
+        pointwise.pairwise_accuracy(Overflowed(), [{"prompt": "p", "chosen": "a", "rejected": "b"}] * 3)

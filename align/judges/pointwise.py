@@ -20,11 +20,12 @@ for text, `prompt + response + EOS` tokenised as one text: what TRL's RewardTrai
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Callable
 
 import torch
 
-from align.judges import Judge, judge_weights, python_judge
+from align.judges import Judge, JudgeError, judge_weights, python_judge
 from align.modeling.generation import Rollout, scalar_outputs
 from align.modeling.losses import last_token_index
 
@@ -213,6 +214,11 @@ def pairwise_accuracy(judge: RewardModelJudge, pairs: list[dict[str, Any]], rank
     chosen = [s for start in sorted(mine) for s in mine[start][0]]
     rejected = [s for start in sorted(mine) for s in mine[start][1]]
     margins = [c - r for c, r in zip(chosen, rejected)]
+    if (bad := next((i for i, m in enumerate(margins) if not math.isfinite(m)), None)) is not None:  # (every process)
+        raise JudgeError(f"reward model '{getattr(judge, 'name', 'reward')}' scored held-out pair {bad} non-finite "
+                         f"(chosen {chosen[bad]}, rejected {rejected[bad]}; {sum(not math.isfinite(m) for m in margins)}"
+                         " pairs in all): it has non-finite weights or overflowed (score it in float32); a NaN "
+                         "counted as a wrong answer")
     return {"accuracy": sum(1.0 if m > 0 else 0.5 if m == 0 else 0.0 for m in margins) / len(margins),  # a tie: half
             "ties": sum(m == 0 for m in margins), "margin": sum(margins) / len(margins),
             "chosen": sum(chosen) / len(chosen), "rejected": sum(rejected) / len(rejected),
