@@ -88,9 +88,6 @@ class OnlineRLStage(TrainedStage):
                              f"(steps_per_generation x num_iterations = {cycle} micro-steps, gradient_accumulation_"
                              f"steps {self.gradient_accumulation_steps}): a resume from one regenerates and trains "
                              f"that round's prompts again; set save_steps to a multiple of {unit}")
-        if ctx.card_produces("prompts", self.split) == "messages":
-            raise ValueError("prompts: the card produces 'messages'; use a card with prompts (prompt, "
-                             "prompt_completion or preference form) or a data stage")
         hw, distributed = ctx.pipeline.hardware, self.accelerate != "cpu"
         per_node = self.num_processes or (hw.gpus_per_node if distributed else 1)  # one process per GPU by default
         if per_node:  # else (a distributed config, no count given) the count is known only at launch

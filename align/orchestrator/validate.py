@@ -358,9 +358,12 @@ def stage_lines(cfg: PipelineConfig, plans: list[StagePlan]) -> list[str]:
 def _check_card_rows(plan: StagePlan, fld: str, card: Path, data: LoadedSplit, source: str) -> None:
     """A card a stage samples prompts from needs prompts that are not all empty (what a stage type needs of its
     cards beyond that is its own `check`)."""
+    where = f"{source}: stages.{plan.name}.{fld}"
+    if type(plan.cfg).CARDS[fld] == PROMPTS_ONLY and data.card.produces == "messages":  # known without its rows
+        raise PipelineError(f"{where}: {card.name} produces 'messages' (SFT conversations); the stage samples prompts: "
+                            "use a card with prompts (prompt, prompt_completion or preference form) or a data stage")
     if not data.available:
         return
-    where = f"{source}: stages.{plan.name}.{fld}"
     if type(plan.cfg).CARDS[fld] == PROMPTS_ONLY and not any(str(r.get("prompt", "")).strip() for r in data.rows):
         raise PipelineError(f"{where}: every one of the {len(data.rows)} prompts of {card.name} split "
                             f"'{data.split}' is empty; a policy would be sampled from nothing")
