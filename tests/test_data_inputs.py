@@ -260,3 +260,26 @@ def test_a_cards_dropped_rows_and_empty_prompts_reach_the_manifest(tmp_path):
     assert sum(loaded.dropped.values()) == 1
     assert list(ctx.extra_manifest["dropped_rows"].values()) == [1]
     assert "the whole file, before the split" in next(iter(ctx.extra_manifest["dropped_rows"]))
+
+
+def test_drops_of_a_datasets_own_splits_are_counted_per_split(monkeypatch):
+    """A hub card naming the dataset's own splits (UltraFeedback's train_prefs, test_prefs) reads each split alone,
+    and its drops are that split's; they were keyed as the whole file's, so the test split's count overwrote the
+    train split's in the manifest (train's 435 identical pairs shown as test's 12)."""
+    from collections import Counter
+
+    from align.runtime import rows
+
+    def load_split(card, split):
+        return types.SimpleNamespace(card=types.SimpleNamespace(source_splits={"train": "train_prefs",
+                                                                               "test": "test_prefs"}, file=None),
+                                     dropped=Counter({"chosen and rejected are the same": {"train": 435,
+                                                                                           "test": 12}[split]}))
+
+    monkeypatch.setattr(rows, "load_split", load_split)
+    ctx = types.SimpleNamespace(name="dpo", extra_manifest={}, spec=types.SimpleNamespace(data_cards={}))
+    for split in ("train", "test"):
+        rows.card_split(ctx, "prefs.yaml", split)
+    assert ctx.extra_manifest["dropped_rows"] == {
+        "prefs.yaml split 'train': chosen and rejected are the same": 435,
+        "prefs.yaml split 'test': chosen and rejected are the same": 12}

@@ -28,8 +28,8 @@ def load_rows(ctx: StageContext, ref: str, split: str, limit: int | None = None,
 
 
 def card_split(ctx: StageContext, card: str, split: str) -> LoadedSplit:
-    """A data card's split, with the rows its transforms and checks dropped counted in the manifest (`dropped_rows`,
-    the card's whole file: a split is drawn after them). The card and its data are what the run planned (their
+    """A data card's split, with the rows its transforms and checks dropped counted in the manifest (`dropped_rows`:
+    of the dataset's own split where the card names them, else of the card's whole file, a split drawn after them). The card and its data are what the run planned (their
     digest is in the spec and so in the stage's fingerprint): a file edited since is refused, not trained on
     under the planned digest."""
     loaded = load_split(card, split)
@@ -39,8 +39,10 @@ def card_split(ctx: StageContext, card: str, split: str) -> LoadedSplit:
         # what was read is what was planned (a hub dataset's commit is pinned to the plan's: align/data/hub.py)
         raise StageError(f"stage '{ctx.name}': data card {card} (or its data file) changed since this run planned "
                          "the stage; run `align run` again: the stage's fingerprint follows the new content")
+    where = (f"{card} split '{split}'" if loaded.card.source_splits is not None  # the dataset's own split, read alone
+             else f"{card} (the whole file, before the split)")
     for why, n in loaded.dropped.items():
-        count_dropped(ctx, f"{card} (the whole file, before the split): {why}", n)
+        count_dropped(ctx, f"{where}: {why}", n)
     return loaded
 
 
