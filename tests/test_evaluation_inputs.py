@@ -248,3 +248,33 @@ def test_the_report_says_how_many_responses_were_cut_and_at_what_temperature_its
     assert (m["eval/sft/at_max_new_tokens"], m["eval/dpo/at_max_new_tokens"]) == (0.5, 0.75)
     head = headline(cfg, m)
     assert "KL to sft (T=0.7)" in head and "cut at 8 tokens" in head and "| 75.0% |" in head, head
+
+
+def test_a_reply_holding_a_special_tokens_text_does_not_cost_a_stage_that_samples_its_own_replies_the_prompt(
+        monkeypatch):
+    """load_prompts rendered whole rows: a prompt was dropped because its card's chosen reply held a special token's
+    text, and PPO or evaluate refused a card where more than 1% of replies did, though they sample replies of their
+    own. Only the prompts are read now; a prompt that holds such text is still dropped and counted."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from align.runtime import rows
+
+    repo = Path(__file__).resolve().parent.parent
+    tok = AutoTokenizer.from_pretrained(repo / "tokenizers" / "gpt2")
+    tok.chat_template = (repo / "tests" / "chat_templates" / "llama3_1.jinja").read_text()
+    tok.add_special_tokens({"eos_token": "<|eot_id|>", "bos_token": "<|begin_of_text|>"})
+
+    def row(i, reply="Fine."):
+        return {"prompt": [{"role": "user", "content": f"Question {i}?"}],
+                "chosen": [{"role": "assistant", "content": reply}], "rejected": [{"role": "assistant", "content": "No."}]}
+
+    data = [row(i, "Sure <|eot_id|> then more" if i % 10 == 0 else "Fine.") for i in range(50)]  # 10% of replies
+    data[7]["prompt"][0]["content"] = "Say <|eot_id|> please"
+    monkeypatch.setattr(rows, "load_rows", lambda ctx, ref, split, tokenizer=None: data)
+    ctx = SimpleNamespace(name="evaluate", extra_manifest={})
+    prompts = rows.load_prompts(ctx, "card.yaml", "test", None, tok)
+    assert len(prompts) == 49 and not any("Say" in p for p in prompts)
+    assert ctx.extra_manifest["dropped_rows"] == {"card.yaml split 'test': holds a special token's text": 1}

@@ -111,11 +111,12 @@ def load_prompts(ctx: StageContext, ref: str, split: str, limit: int | None = No
     kept = [r for r in rows if text_of(r["prompt"])]  # visible text: not whitespace or zero-width characters alone
     if len(kept) < len(rows):
         count_dropped(ctx, f"{ref} split '{split}': empty prompt", len(rows) - len(kept))
-    rows = kept
-    if not rows:
+    if not kept:
         raise StageError(f"stage '{ctx.name}': no non-empty prompts in {ref} split '{split}'")
-    if plain is not None:
-        rows = [dict(r, plain_prompt=plain_prompt(r["prompt"])) for r in rows]  # kept through the rendering
+    # the prompts alone: a reply holding a special token's text (or two replies the template renders alike) is no
+    # reason to drop the prompt, nor to refuse the card, in a stage that samples its own replies
+    rows = [{"prompt": r["prompt"], **({"plain_prompt": plain_prompt(r["prompt"])} if plain is not None else {})}
+            for r in kept]
     if tokenizer is not None:
         rows = _rendered(ctx, rows, tokenizer, f"{ref} split '{split}'")
     if plain is not None:
