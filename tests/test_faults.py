@@ -536,17 +536,16 @@ def test_a_copied_or_renamed_runs_command_names_its_own_run_id():
         assert recorded_run(typed, "p.yaml", "r1copy") == expected, typed
 
 
-def test_a_failure_of_another_process_reaches_the_manifest_not_interrupted(tmp_path):
+def test_a_failure_of_another_process_reaches_the_manifest_not_interrupted(tmp_path, monkeypatch):
     """Only the main process writes the manifest; when process 3 of 8 failed (an OOM on one GPU, a judge's error on
     its share), the launcher stopped the main one with SIGTERM and the manifest said `interrupted` (stopped by
-    SIGTERM), the real error only in the log. The failing process records it (failed.rank3.json, with the attempt it
-    belongs to) and the main one, stopped, records that failure; an earlier attempt's record is not this one's."""
+    SIGTERM), the real error only in the log. The failing process records it (failed.rank3.json) and the main one,
+    stopped, records that failure; the main process removes an earlier attempt's record as the next one starts."""
     from types import SimpleNamespace
 
-    from align.core.rundir import write_manifest
+    from align.runtime import process
     from align.runtime.process import _record_failure, rank_failure
 
-    write_manifest(tmp_path, {"status": "running", "attempts": 2, "fingerprint": "f"})
     other = SimpleNamespace(is_main=False, dir=tmp_path, state=SimpleNamespace(process_index=3), tracker=None,
                             write_manifest=lambda *a, **k: None)  # not the main process: writes no manifest
     main = SimpleNamespace(is_main=True, dir=tmp_path)
@@ -554,7 +553,18 @@ def test_a_failure_of_another_process_reaches_the_manifest_not_interrupted(tmp_p
     _record_failure(other, {}, "CUDA out of memory. Tried to allocate 2.00 GiB")
     assert rank_failure(main) == "process 3: CUDA out of memory. Tried to allocate 2.00 GiB"
     assert rank_failure(other) is None  # only the main process reads them
-    write_manifest(tmp_path, {"status": "running", "attempts": 3, "fingerprint": "f"})  # the next attempt
-    assert rank_failure(main) is None
+
+    class Next(Exception):
+        pass
+
+    def barrier(*args):  # the next attempt's start, up to its first barrier: stop there
+        raise Next
+
+    ctx = SimpleNamespace(is_main=True, dir=tmp_path, fingerprint="f", spec=SimpleNamespace(input_digests={}),
+                          checkpoints=tmp_path / "checkpoints", state=SimpleNamespace(wait_for_everyone=barrier))
+    monkeypatch.setattr(process, "resumes", lambda *a: False)
+    with pytest.raises(Next):
+        process._run(ctx)
+    assert rank_failure(main) is None  # the earlier attempt's record went as the next attempt started
     _record_failure(other, {}, "stopped", status="interrupted")  # an interrupt is not a failure to pass on
     assert rank_failure(main) is None

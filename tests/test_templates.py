@@ -243,3 +243,21 @@ def test_a_marker_template_that_leaves_the_end_of_turn_untrained_is_refused(tmp_
     planned = templates.resolve(str(good), REPO / "pipelines" / "x.yaml", None)
     assert trained_text(tok, sft_example(tok, planned, MULTI)) == [m["content"] + "<|im_end|>" for m in MULTI
                                                                      if m["role"] == "assistant"]
+
+
+def test_validate_counts_a_stage_that_samples_its_replies_on_its_cards_prompts_alone():
+    """PPO's length check at validate read its prompt card's whole rows, replies too: a card where more than 1% of
+    the replies held a special token's text (or two replies rendered alike) was refused at validate for text PPO
+    never reads (the stage itself reads the prompts alone). What validate's helper gets for PPO is the prompts;
+    the trained stages' examples keep their replies."""
+    from align.config import load_pipeline
+    from align.orchestrator.plan import build_plan
+    from align.orchestrator.validate import card_loader, model_job
+
+    source = REPO / "pipelines" / "chat.yaml"
+    cfg = load_pipeline(source, ["tokenizer=../tokenizers/gpt2", f"chat_template={DIR / 'qwen2_5.jinja'}"])
+    job = model_job(cfg, build_plan(cfg, source), card_loader(), str(source), verbose=False)
+    rows = {entry["stage"]: entry["rows"] for entry in job["lengths"]}
+    assert {"ppo", "dpo"} <= set(rows), sorted(rows)
+    assert all(set(r) == {"prompt"} for r in rows["ppo"]) and len(rows["ppo"]) > 50
+    assert all({"prompt", "chosen", "rejected"} <= set(r) for r in rows["dpo"])

@@ -253,8 +253,8 @@ def model_job(cfg: PipelineConfig, plans: list[StagePlan], split_of: SplitLoader
         for fld, use in type(plan.cfg).CARDS.items():
             if (plan.name, fld) not in cards:
                 continue
-            rows = cards[(plan.name, fld)].rows
-            rows = rows[:limit] if limit else rows
+            rows = [r if use == EXAMPLES else {"prompt": r.get("prompt")} for r in cards[(plan.name, fld)].rows]
+            rows = rows[:limit] if limit else rows  # (a stage that samples its replies reads a card's prompts alone)
             where = f"stages.{plan.name}.{fld}"
             split_all = "messages" in rows[0] and plan.cfg.trains_on_assistant_turns()
             if split_all or isinstance(rows[0].get("prompt"), list):  # conversations: rendered in the helper

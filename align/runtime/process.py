@@ -110,6 +110,8 @@ def main(spec_path: str) -> int:
         return 143 if terminated else 130
     except Exception as exc:
         message = write_failure(exc, ctx.dir if ctx else Path(spec_path).parent)
+        if message is None and (other := rank_failure(ctx)):  # a collective failed under us: the cause is theirs
+            message = f"{other} (then this process: {type(exc).__name__}: {str(exc).strip()[:200]})"
         if message is None:
             _record_failure(ctx, spec, f"{type(exc).__name__}: {exc}")
             raise
@@ -184,6 +186,9 @@ def resumes(old: dict | None, fingerprint: str, input_digests: dict) -> bool:
 
 def _run(ctx: StageContext) -> None:
     resumable = resumes(read_manifest(ctx.dir), ctx.fingerprint, ctx.spec.input_digests)
+    if ctx.is_main:  # an earlier attempt's (before the barrier: this attempt's processes record theirs after it)
+        for path in ctx.dir.glob(FAILED_RANK.format("*")):
+            path.unlink(missing_ok=True)
     if ctx.is_main and not resumable:
         shutil.rmtree(ctx.checkpoints, ignore_errors=True)
         for name in ("metrics.jsonl", *map(table_file, TABLES)):
@@ -206,8 +211,6 @@ def _run(ctx: StageContext) -> None:
     ctx.write_manifest("completed", final_metrics=final, outputs=module.OUTPUTS, wandb=wandb_info)
     drop_checkpoints(ctx)
     if ctx.is_main:
-        for path in ctx.dir.glob(FAILED_RANK.format("*")):  # earlier attempts' (this one's processes all finished)
-            path.unlink(missing_ok=True)
         print(f"[align] {ctx.name}: completed " + ", ".join(f"{k}={_fmt(v)}" for k, v in final.items()
                                                             if isinstance(v, (int, float))), flush=True)
 
@@ -258,21 +261,21 @@ EXPECTED: tuple[type[BaseException], ...] = (OSError, ValueError, NonFiniteLossE
 
 FAILED_RANK = "failed.rank{}.json"
 """A process other than the main one records its failure here (`rank_failure`): only the main process writes the
-manifest, and the launcher then stops it with SIGTERM, which alone read as `interrupted`."""
+manifest, and the launcher then stops it with SIGTERM (or a collective fails under it), which alone read as
+`interrupted` (or as that collective's error). The main process removes earlier attempts' before its first barrier."""
 
 
 def rank_failure(ctx: StageContext | None) -> str | None:
-    """Main process: the failure another process of this attempt recorded (FAILED_RANK with the manifest's attempt
-    count), as "process R: error"; None when none did."""
+    """Main process: the failure another process of this attempt recorded (FAILED_RANK), as "process R: error";
+    None when none did."""
     if ctx is None or not ctx.is_main:
         return None
-    attempt = (read_manifest(ctx.dir) or {}).get("attempts")
     for path in sorted(ctx.dir.glob(FAILED_RANK.format("*"))):
         try:
             rec = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        if isinstance(rec, dict) and rec.get("attempt") == attempt and rec.get("error"):
+        if isinstance(rec, dict) and rec.get("error"):
             return f"process {path.name.split('.')[1].removeprefix('rank')}: {rec['error']}"
     return None
 
@@ -284,8 +287,7 @@ def _record_failure(ctx: StageContext | None, spec: dict[str, Any], message: str
     trace = traceback.format_exc(limit=20)
     if ctx is not None and not ctx.is_main and status == "failed":
         try:
-            atomic_write_json(ctx.dir / FAILED_RANK.format(ctx.state.process_index),
-                              {"error": message, "attempt": (read_manifest(ctx.dir) or {}).get("attempts")})
+            atomic_write_json(ctx.dir / FAILED_RANK.format(ctx.state.process_index), {"error": message})
         except (OSError, ValueError):
             pass
     try:
