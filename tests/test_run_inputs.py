@@ -78,7 +78,7 @@ def test_a_stage_whose_runner_is_gone_is_recorded_interrupted_not_failed(tmp_pat
     from align.runtime import process
 
     recorded = []
-    ctx = type("Ctx", (), {"tracker": None, "dir": tmp_path,
+    ctx = type("Ctx", (), {"tracker": None, "dir": tmp_path, "is_main": True,
                            "write_manifest": lambda self, status, **kw: recorded.append((status, kw["error"]))})()
     monkeypatch.setattr(process, "StageContext", lambda spec: ctx)
     monkeypatch.setattr(process.StageSpec, "parse", staticmethod(lambda raw, path: raw))

@@ -144,7 +144,7 @@ def test_a_failed_stage_records_its_failure_first_then_ends_its_wandb_run_as_fai
     run = t.run
     run_finish = run.finish
     run.finish = lambda exit_code=None: (order.append(("finish", exit_code)), run_finish(exit_code))
-    ctx = types.SimpleNamespace(tracker=t, dir=tmp_path,
+    ctx = types.SimpleNamespace(tracker=t, dir=tmp_path, is_main=True,
                                 write_manifest=lambda status, **kw: order.append((status, kw["wandb"]["id"])))
     where = _record_failure(ctx, {}, "boom")
     assert order == [("failed", run.id), ("finish", 1)] and "manifest" in where

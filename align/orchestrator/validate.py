@@ -360,7 +360,7 @@ def _check_card_rows(plan: StagePlan, fld: str, card: Path, data: LoadedSplit, s
     cards beyond that is its own `check`)."""
     where = f"{source}: stages.{plan.name}.{fld}"
     if type(plan.cfg).CARDS[fld] == PROMPTS_ONLY and data.card.produces == "messages":  # known without its rows
-        raise PipelineError(f"{where}: {card.name} produces 'messages' (SFT conversations); the stage samples prompts: "
+        raise PipelineError(f"{where}: {card.name} produces 'messages' (whole conversations); the stage samples prompts: "
                             "use a card with prompts (prompt, prompt_completion or preference form) or a data stage")
     if not data.available:
         return
