@@ -553,6 +553,11 @@ def test_a_failure_of_another_process_reaches_the_manifest_not_interrupted(tmp_p
     _record_failure(other, {}, "CUDA out of memory. Tried to allocate 2.00 GiB")
     assert rank_failure(main) == "process 3: CUDA out of memory. Tried to allocate 2.00 GiB"
     assert rank_failure(other) is None  # only the main process reads them
+    # the runner, where the main process was SIGKILLed (NCCL, mid-CUDA call): those written since the launch
+    from align.core.errors import recorded_failure
+
+    assert recorded_failure(tmp_path, since=time.time() - 60) == rank_failure(main)
+    assert recorded_failure(tmp_path, since=time.time() + 60) is None  # an earlier launch's
 
     class Next(Exception):
         pass

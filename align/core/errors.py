@@ -100,3 +100,27 @@ class Interrupted(PipelineError):
     def __init__(self, message: str, terminated: bool = False):
         super().__init__(message)
         self.terminated = terminated
+
+
+FAILED_RANK = "failed.rank{}.json"
+"""A stage process other than the main one records its failure here, in the stage's directory: only the main process
+writes the manifest, and the launcher then stops it with SIGTERM (or a collective fails under it, or it is
+SIGKILLed mid-CUDA call), none of which says why (align/runtime/process.py; the runner reads it too)."""
+
+
+def recorded_failure(stage_dir, since: float | None = None) -> str | None:
+    """The failure a stage process other than the main one recorded (FAILED_RANK), as "process R: error", of those
+    written at `since` (a time.time()) or later when given; None when none."""
+    import json
+    from pathlib import Path
+
+    for path in sorted(Path(stage_dir).glob(FAILED_RANK.format("*"))):
+        try:
+            if since is not None and path.stat().st_mtime < since:
+                continue
+            rec = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and rec.get("error"):
+            return f"process {path.name.split('.')[1].removeprefix('rank')}: {rec['error']}"
+    return None

@@ -18,7 +18,7 @@ from typing import Any
 from align.orchestrator import warm
 from align.config import PipelineConfig, to_dict
 from align.core.console import stream_stage, tail, verbose
-from align.core.errors import INTERRUPTED, Interrupted, PipelineError, Terminated, interrupt_cause
+from align.core.errors import INTERRUPTED, Interrupted, PipelineError, Terminated, interrupt_cause, recorded_failure
 from align.orchestrator.disk import disk_peak, disk_problem
 from align.orchestrator.estimate import EstimateError, dtype_bytes, estimate_pipeline, too_big
 from align.orchestrator.hardware import Hardware, hardware
@@ -222,7 +222,9 @@ def _stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan], sel
                               f"its last checkpoint, if it saved one)\n  log: {stage_dir / 'stage.log'}",
                               isinstance(exc, Terminated)) from None
         if rc != 0 or not is_complete(stage_dir, plan.fingerprint):
-            _mark_interrupted(stage_dir, f"the stage process exited with code {rc}", "failed", token)
+            other = recorded_failure(stage_dir, since=t_stage - 60)  # another process's, the main one killed
+            _mark_interrupted(stage_dir, f"the stage process exited with code {rc}" + (f"; {other}" if other else ""),
+                              "failed", token)
             statuses[plan.name] = "failed"
             _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)
             raise _stage_failed(plan, stage_dir, rc, peak_before, source, multi)

@@ -22,7 +22,8 @@ from typing import Any
 
 from align.core.tracking import TABLES, table_file
 from align.engines import EngineError
-from align.core.errors import Terminated, describe, die_with_parent, interrupt_cause, terminate_as_interrupt
+from align.core.errors import (FAILED_RANK, Terminated, describe, die_with_parent, interrupt_cause, recorded_failure,
+                               terminate_as_interrupt)
 from align.core.console import verbose
 from align.core.fsutil import atomic_write_json, write_failure
 from align.core.rundir import MANIFEST, StageSpec, hold_stage, read_manifest, write_manifest
@@ -259,25 +260,10 @@ def check_produced(ctx: StageContext, outputs: list[str], final: dict[str, Any])
 EXPECTED: tuple[type[BaseException], ...] = (OSError, ValueError, NonFiniteLossError, StageError, EngineError)
 
 
-FAILED_RANK = "failed.rank{}.json"
-"""A process other than the main one records its failure here (`rank_failure`): only the main process writes the
-manifest, and the launcher then stops it with SIGTERM (or a collective fails under it), which alone read as
-`interrupted` (or as that collective's error). The main process removes earlier attempts' before its first barrier."""
-
-
 def rank_failure(ctx: StageContext | None) -> str | None:
-    """Main process: the failure another process of this attempt recorded (FAILED_RANK), as "process R: error";
-    None when none did."""
-    if ctx is None or not ctx.is_main:
-        return None
-    for path in sorted(ctx.dir.glob(FAILED_RANK.format("*"))):
-        try:
-            rec = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if isinstance(rec, dict) and rec.get("error"):
-            return f"process {path.name.split('.')[1].removeprefix('rank')}: {rec['error']}"
-    return None
+    """Main process: the failure another process of this attempt recorded (core/errors.py FAILED_RANK), as
+    "process R: error"; None when none did (earlier attempts' are removed as an attempt starts: `_run`)."""
+    return recorded_failure(ctx.dir) if ctx is not None and ctx.is_main else None
 
 
 def _record_failure(ctx: StageContext | None, spec: dict[str, Any], message: str, status: str = "failed") -> str:
