@@ -252,7 +252,7 @@ def test_samples_kept_for_a_pairwise_judge_are_named_by_what_drew_them_not_by_th
 
     from align.config import Generation
     from align.config.preferences import PreferencesStage
-    from align.stages.preferences import _sampled_path
+    from align.stages.preferences import _sampled_paths
 
     def ctx(**kw):
         p = {"dtype": "auto", "precision": "auto", "attn_implementation": "auto", **kw.pop("pipeline", {})}
@@ -260,7 +260,11 @@ def test_samples_kept_for_a_pairwise_judge_are_named_by_what_drew_them_not_by_th
                                   fast_generation=lambda fast: False)
         spec = SimpleNamespace(input_digests={"sft": kw.get("digest", "d1")}, code_version="v1")
         return SimpleNamespace(dir=tmp_path, seed=kw.get("seed", 7), name="prefs", spec=spec, compute=compute,
-                               pipeline=SimpleNamespace(**p))
+                               pipeline=SimpleNamespace(**p), state=SimpleNamespace(num_processes=kw.get("world", 1)))
+
+    def _sampled_path(context, cfg, prompts, rank, world):  # process `rank`'s of `world` (its context says world)
+        assert context.state.num_processes == world
+        return _sampled_paths(context, cfg, prompts)[rank]
 
     cfg = PreferencesStage(policy="sft", pairwise=object(), generation=Generation(max_new_tokens=8))
     base = _sampled_path(ctx(), cfg, ["p1", "p2"], 0, 1)
@@ -274,4 +278,4 @@ def test_samples_kept_for_a_pairwise_judge_are_named_by_what_drew_them_not_by_th
                _sampled_path(ctx(seed=8), cfg, ["p1", "p2"], 0, 1),
                _sampled_path(ctx(), dataclasses.replace(cfg, samples_per_prompt=3), ["p1", "p2"], 0, 1)]
     assert base not in changed and len({p.name for p in changed}) == len(changed)
-    assert _sampled_path(ctx(), cfg, ["p1", "p2"], 1, 2).name.endswith(".rank1of2.json")
+    assert _sampled_path(ctx(world=2), cfg, ["p1", "p2"], 1, 2).name.endswith(".rank1of2.json")

@@ -115,8 +115,8 @@ def sampling_seed(ctx: StageContext) -> int:
     # for the rank and a batch's first prompt index added to it
 
 
-def _sampled_path(ctx: StageContext, cfg: PreferencesStage, prompts: list[str], rank: int, world: int) -> Path:
-    """Where process `rank` of `world` keeps its samples before a pairwise judge sees them: named by what drew them
+def _sampled_paths(ctx: StageContext, cfg: PreferencesStage, prompts: list[str]) -> list[Path]:
+    """Where each process of the stage keeps its samples before a pairwise judge sees them: named by what drew them
     (not by the judge, so another judge or judge setting reuses them): the policy's publication (its tokenizer
     too), the rendered prompts, the generation settings, the seed, how the engine computes (dtype, precision,
     attention, fast generation, device) and the code (align's, torch's, transformers')."""
@@ -128,8 +128,9 @@ def _sampled_path(ctx: StageContext, cfg: PreferencesStage, prompts: list[str], 
             sampling_seed(ctx), p.dtype, p.precision, p.attn_implementation, ctx.compute.engine_dtype(),
             ctx.compute.fast_generation(gen.fast), ctx.compute.device.type, ctx.spec.code_version,
             torch.__version__, transformers.__version__]
-    key = hashlib.sha256(json.dumps(drew, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return ctx.dir / SAMPLED / f"{key}.rank{rank}of{world}.json"
+    key = hashlib.sha256(json.dumps(drew, sort_keys=True, default=str).encode()).hexdigest()[:16]  # once: every prompt
+    world = ctx.state.num_processes
+    return [ctx.dir / SAMPLED / f"{key}.rank{rank}of{world}.json" for rank in range(world)]
 
 
 def sampled_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts: list[str], path: str,
@@ -139,8 +140,9 @@ def sampled_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts
     if cfg.pairwise is None:
         return sample_records(ctx, cfg, tokenizer, prompts, path)
     rank, world = ctx.state.process_index, ctx.state.num_processes
-    mine = _sampled_path(ctx, cfg, prompts, rank, world)
-    if ctx.main_decides(lambda: all(_sampled_path(ctx, cfg, prompts, r, world).is_file() for r in range(world))):
+    paths = _sampled_paths(ctx, cfg, prompts)
+    mine = paths[rank]
+    if ctx.main_decides(lambda: all(p.is_file() for p in paths)):
         saved = json.loads(mine.read_text(encoding="utf-8"))
         ctx.note(samples_drawn_by_an_earlier_attempt=str(mine.parent))
         if ctx.is_main:
