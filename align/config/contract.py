@@ -24,7 +24,6 @@ from align.engines import DEFAULT as DEFAULT_ENGINE
 from align.core.schema import ConfigError, one_of, ranged, step_size
 
 
-
 class PipelineView(Protocol):
     """The part of align.config.PipelineConfig that stage checks read (a protocol: this module is imported by
     align/config/__init__.py, which defines PipelineConfig)."""
@@ -52,8 +51,7 @@ def refs(value: Any) -> list[str]:
 class HeldModel(NamedTuple):
     """A model a stage holds on a GPU, as `align estimate` counts it."""
 
-    role: str
-    """policy, value, reference, reward, judge."""
+    role: str  # policy, value, reference, reward, judge
     kind: str
     """`lm` (a causal LM) or `scalar` (a reward / value model on the same backbone)."""
     trained: bool
@@ -254,6 +252,10 @@ class StageBase:
         """Under ZeRO-3, whether it gathers its whole policy on every GPU to sample (the estimate counts a copy)."""
         return False
 
+    def keeps_policy_snapshot(self) -> bool:
+        """Whether every process keeps a host copy of its trained policy (to undo an update; the estimate says so)."""
+        return False
+
     def logit_tokens(self, mode: str, on_gpu: bool) -> int | None:
         """Tokens whose logits the trained policy holds at once under DeepSpeed `mode` (None: the micro-batch's)."""
         return None
@@ -308,8 +310,7 @@ class TrainedStage(StageBase):
     gradient_accumulation_steps: int = ranged(1, ge=1)
     """Micro-batches per optimiser step."""
     max_grad_norm: float | None = ranged(1.0, gt=0, fix="use null for no clipping")
-    """Clip the gradient's global norm to this before each optimiser step (None = no clipping); under DeepSpeed it
-    is DeepSpeed's gradient_clipping."""
+    """Clip the gradient's global norm to this before each optimiser step (None: no clipping; DeepSpeed's clipping)."""
     max_length: int = ranged(128, ge=2)
     """Longest tokenised example (after the chat template); longer ones are truncated or dropped by the trainer."""
     max_truncated_fraction: float = ranged(0.05, ge=0, le=1)
@@ -319,8 +320,8 @@ class TrainedStage(StageBase):
     save_steps: int = ranged(50, ge=1)
     """Write a resumable checkpoint every N optimiser steps."""
     save_total_limit: int = ranged(2, ge=1)
-    """Keep this many resumable checkpoints (the newest; older ones are deleted once a newer one is complete). A
-    ZeRO checkpoint of an 8B model holds weights and optimiser states, ~100 GB: 1 keeps one on disk at a time."""
+    """Keep this many resumable checkpoints, the newest (older ones go once a newer one is complete). A ZeRO
+    checkpoint of an 8B model holds weights and optimiser states, ~100 GB: 1 keeps one on disk at a time."""
     max_train_examples: int | None = ranged(None, ge=1, fix="use null for all examples")
     """Use at most this many training examples (None = all)."""
     gradient_checkpointing: bool = False

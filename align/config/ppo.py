@@ -292,6 +292,10 @@ class PPOStage(StageBase):
         (align/engines/weight_sync.py) and never the whole policy."""
         return not holds_own_copy(self.generation.engine) and self.generation.zero3_gather == "whole"
 
+    def keeps_policy_snapshot(self) -> bool:
+        """kl.max undoes an update past the budget from a host copy (align/stages/ppo/budget.py PolicySnapshot)."""
+        return self.kl.max is not None
+
     def workload(self) -> tuple[int, int, int, int]:
         seq = self.max_prompt_length + self.generation.max_new_tokens
         return self.mini_batch_size, seq, min(self.generation.batch_size, self.rollout_batch_size), seq

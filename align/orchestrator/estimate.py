@@ -277,13 +277,13 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
         est.bytes_by_mode[m] = sum(parts.values())
     if est.with_checkpointing is not None:
         est.with_checkpointing += est.bytes_by_mode[mode]
-    _note_host(est, trained_params, nodes, getattr(getattr(stage, "kl", None), "max", None) is not None, bool(lora))
+    _note_host(est, trained_params, nodes, stage.keeps_policy_snapshot(), bool(lora))
     return est
 
 
 def _note_host(est: StageEstimate, trained_params: dict[str, int], nodes: int, budget: bool, lora: bool) -> None:
-    """What an offload mode moves off the GPUs lands in the node's memory, and so does PPO's copy of the policy under
-    a KL budget (`budget`: kl.max; stages/ppo/budget.py PolicySnapshot): say how much."""
+    """What an offload mode moves off the GPUs lands in the node's memory, and so does a stage's copy of its policy
+    (`budget`: StageBase.keeps_policy_snapshot): say how much."""
     trained = sum(trained_params.values())
     if budget and (policy := trained_params.get("policy")):  # as each process holds them: 16-bit under DeepSpeed
         zero3, width = est.mode.startswith("zero3"), 4 if est.mode == "ddp" or lora else 2
