@@ -223,7 +223,8 @@ def _chatml_gpt2():
 def test_rows_holding_a_special_tokens_text_are_dropped_and_counted_or_refused():
     """A chosen reply that mentions `<|im_end|>` was cut there for the reward model, DPO and PPO (the rendered reply
     ends at the first EOS), and a user turn holding `<|im_start|>assistant` opened a turn the data never had."""
-    from align.data.chat import as_text, holding_special_text
+    from align.data.chat import as_text
+    from align.data.special_text import holding_special_text
     from align.runtime.context import StageError
     from align.runtime.rows import drop_special_text
 

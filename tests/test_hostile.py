@@ -285,10 +285,13 @@ def _case_chat_rows_without_an_assistant_turn(root):
             for i in range(40)]
     rows[5]["messages"] = rows[5]["messages"][:1]
     rows[9]["messages"][1]["content"] = " "
+    rows[12]["messages"] = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""},
+                            {"role": "user", "content": "hello?"}, {"role": "assistant", "content": "hello"}]
     (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     card = _card(root, "chat.yaml", "jsonl", "chat.jsonl", "messages")
     write_pipeline(root, lambda r: r["stages"]["sft"].update(data=card))
-    return ["hostile.yaml"], ["chat.yaml", "2 rows (5, 9) with no assistant turn with visible text"]
+    return ["hostile.yaml"], ["chat.yaml", "2 rows (5, 9) with no assistant turn with visible text",
+                              "1 row (12) with an empty assistant turn among others"]
 
 
 def _case_transform_drops_every_row(root):

@@ -69,6 +69,24 @@ def test_messages_are_measured_after_the_chat_template(gpt2):
     assert (rep.truncated, rep.dropped) == (1, 0)
 
 
+def test_a_conversation_whose_first_reply_fits_is_truncated_not_dropped(gpt2):
+    """A probe of SFT (2026-11-30): a conversation counted as dropped when its turns before the last filled the
+    window, though its first reply trains there (SFTTrainer drops only an example left without a trained token):
+    on HH at max_length 128, 241 reported dropped where TRL drops 1. A conversation is dropped when the turns before
+    its first reply, with the generation prompt, fill the window."""
+    from align.data.lengths import TRUNCATES_COMPLETIONS
+
+    msgs = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi"},
+            {"role": "user", "content": "tell me more " * 30}, {"role": "assistant", "content": "no"}]
+    first = _n(gpt2, gpt2.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True))
+    before_last = _n(gpt2, gpt2.apply_chat_template(msgs[:3], tokenize=False))
+    assert first + 2 < before_last
+    rep = TRUNCATES_COMPLETIONS.measure("sft", [{"messages": msgs}], gpt2, max_length=first + 2)
+    assert (rep.truncated, rep.dropped) == (1, 0)  # the first reply's tokens lie inside the window
+    rep = TRUNCATES_COMPLETIONS.measure("sft", [{"messages": msgs}], gpt2, max_length=first)
+    assert (rep.truncated, rep.dropped) == (0, 1)  # the window ends where the first reply would begin
+
+
 def test_enforce_names_field_counts_and_fix(gpt2):
     from align.data.lengths import LengthError, LengthReport, enforce
 

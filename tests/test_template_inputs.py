@@ -116,3 +116,26 @@ def test_a_reply_opening_with_a_newline_keeps_the_prompt_tokens_ppo_samples_afte
         assert example["input_ids"][:len(prompt)] == prompt, reply
         assert example["assistant_masks"][:len(prompt)] == [0] * len(prompt)
         assert trained_text(tok, example) == [reply + "<|im_end|>"], reply
+
+
+def test_markers_that_also_hold_the_newline_after_the_end_of_turn_train_the_reply_and_its_end_of_turn(tmp_path):
+    """A template whose {% generation %} block holds the '\\n' after <|im_end|> (as TRL's own training copies do) was
+    refused with "put {% endgeneration %} after the end-of-turn token", which it already was. That newline is now
+    left untrained, as it is under TRL's copies; a reply's own leading newline stays trained."""
+    from align.data.chat import render_prompt, sft_example, trained_text
+
+    path = tmp_path / "nl.jinja"
+    path.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{% generation %}"
+                    "{{ m.content }}<|im_end|>\n{% endgeneration %}{% else %}{{ m.content }}<|im_end|>\n{% endif %}"
+                    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    planned = templates.resolve(str(path), tmp_path / "p.yaml", None)
+    assert planned.masking == "markers"
+    tok = _chatml_gpt2(tmp_path)
+    tok.chat_template = planned.text
+    for reply in ("Hello!", "\nTwo lines\nhere"):
+        conv = [*CHAT[:1], {"role": "assistant", "content": reply}, {"role": "user", "content": "And?"},
+                {"role": "assistant", "content": "Done."}]
+        example = sft_example(tok, planned, conv)
+        assert trained_text(tok, example) == [reply + "<|im_end|>", "Done.<|im_end|>"], reply
+        prompt = tok(render_prompt(tok, conv[:3]))["input_ids"]
+        assert example["input_ids"][:len(prompt)] == prompt and example["assistant_masks"][len(prompt)] == 1

@@ -18,9 +18,9 @@ stops at EOS) and scores, and what the reward-model judge scores at evaluation.
 
 from __future__ import annotations
 
+import bisect
 import re
-from collections import Counter
-from typing import Any, Iterator
+from typing import Any
 
 from align.data.formats import FormatError, check_conversation
 
@@ -189,29 +189,33 @@ def sft_example(tokenizer, template, messages: list[dict[str, str]]) -> dict[str
     if masking is None:  # a template the plan could not read (a hub tokenizer not cached there): as it renders
         masking = "markers" if has_generation_markers(str(tokenizer.chat_template)) else "prefix"
     if masking in ("markers", "trl"):
-        text = (template.training_text if masking == "trl" else template.text if template else None) or \
-            tokenizer.chat_template
+        stock = (template.text if template is not None else None) or tokenizer.chat_template
+        text = (template.training_text if masking == "trl" else stock) or tokenizer.chat_template
         out = _apply(tokenizer, messages, chat_template=text, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
+                     return_assistant_tokens_mask=True)
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
         bos = tokenizer.bos_token_id
         if _adds_bos(tokenizer) and ids[:1] != [bos]:  # the template writes no BOS (chatml on a Llama tokenizer) and
             ids, mask = [bos, *ids], [0, *mask]  # apply_chat_template adds none: the prompts of every later stage
             # (`tokenizer(text)`) start with it, so the model learns replies after the BOS it will be prompted with
-        if masking == "trl":  # TRL's copies also mark the newline before a reply and after its end-of-turn
-            mask = _reply_only(tokenizer, ids, mask, _generation_prompt(tokenizer, text))
+        # markers may hold the newline after a reply's end-of-turn; TRL's copies the newline before it too: cut to
+        # the reply (a user's markers keep what they open with: a reply's own leading newline)
+        mask = _reply_only(tokenizer, ids, mask, _generation_prompt(tokenizer, text) if masking == "trl" else "")
         ends = [i for i, m in enumerate(mask) if m and (i + 1 == len(mask) or not mask[i + 1])]
         if any(ids[i] != tokenizer.eos_token_id for i in ends):  # a model never taught to stop never stops
             name = template.source if template is not None else "the tokenizer's chat template"
             raise TemplateError(f"chat template {name}: a reply's trained tokens end before the end-of-turn token "
                                 f"{tokenizer.eos_token!r} (its {{% generation %}} markers close before it): the model "
                                 "would never learn to stop; put {% endgeneration %} after the end-of-turn token")
-        if _fused_seam(tokenizer, text, messages, ids):  # a reply opening with whitespace merged into the prompt's
-            try:  # last token: tokenised by prefixes instead, so its prompt's tokens are the ones PPO samples after
-                return _by_prefixes(tokenizer, template, messages)
-            except TemplateError:  # a template that rewrites earlier turns: the markers' tokens, as they are
-                pass
-        return {"input_ids": ids, "assistant_masks": mask}
+        if _contexts_match(tokenizer, stock, messages, ids, mask, exact=masking == "trl"):
+            return {"input_ids": ids, "assistant_masks": mask}
+        try:  # tokenised by prefixes instead, so each reply's context is the prompt PPO and evaluation sample after
+            return _by_prefixes(tokenizer, template, messages)
+        except TemplateError as exc:  # a stock template that rewrites earlier turns (Qwen3's reasoning)
+            if masking != "trl":
+                raise
+            raise TemplateError(f"{exc}; or set chat_template to TRL's copy (trl/chat_templates/{template.trl_name}"
+                                "_training.jinja) so that every stage renders earlier turns as SFT trains on them") from None
     return _by_prefixes(tokenizer, template, messages)
 
 
@@ -226,18 +230,28 @@ def _by_prefixes(tokenizer, template, messages: list[dict[str, str]]) -> dict[st
     return {"input_ids": ids, "assistant_masks": mask}
 
 
-def _fused_seam(tokenizer, text: str, messages: list[dict[str, str]], ids: list[int]) -> bool:
-    """Whether an assistant turn's prompt (the turns before it with the generation prompt), tokenised alone as PPO
-    and evaluation tokenise it, is not where `ids` (the whole conversation tokenised at once) begin: a reply opening
-    with whitespace can merge with the prompt's last token (a newline after ChatML's header, on GPT-2's BPE). Only
-    such turns are rendered again."""
-    for i, message in enumerate(messages):
-        if i and message["role"] == "assistant" and message["content"][:1].isspace():
-            prompt = _apply(tokenizer, messages[:i], chat_template=text, tokenize=False, add_generation_prompt=True)
-            alone = tokenizer(_bos_stripped(tokenizer, prompt))["input_ids"]
-            if ids[:len(alone)] != alone:
-                return True
-    return False
+def _contexts_match(tokenizer, stock: str, messages: list[dict[str, str]], ids: list[int], mask: list[int],
+                    exact: bool) -> bool:
+    """Whether each assistant turn's trained tokens follow the tokens the later stages prompt with: the turns before
+    it rendered with the (stock) template and the generation prompt, tokenised alone. A training copy that renders
+    earlier turns otherwise (TRL's Qwen3 keeps their reasoning blocks), or a reply whose first token merged with the
+    prompt's last (whitespace on GPT-2's BPE), breaks it. `exact` (TRL's copies, which mark whole replies): each
+    reply's training starts right at its prompt's end; else (a user's markers, which may leave a reasoning block
+    untrained) each run of trained tokens starts at or after the end of the prompt of the turn it is in."""
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if turns[:1] == [0]:
+        return False
+    ends = []
+    for turn in turns:
+        prompt = _apply(tokenizer, messages[:turn], chat_template=stock, tokenize=False, add_generation_prompt=True)
+        alone = tokenizer(_bos_stripped(tokenizer, prompt))["input_ids"]
+        if ids[:len(alone)] != alone:
+            return False
+        ends.append(len(alone))
+    starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
+    if exact:
+        return starts == ends
+    return all(bisect.bisect_right(ends, start) > 0 for start in starts)
 
 
 def sft_every_token(tokenizer, messages: list[dict[str, str]]) -> dict[str, list[int]]:
@@ -258,8 +272,8 @@ def _generation_prompt(tokenizer, text: str) -> str:
 
 def _reply_only(tokenizer, ids: list[int], mask: list[int], generation_prompt: str) -> list[int]:
     """A marker mask cut to what the other stages call a reply (the text after the generation prompt, up to and
-    including the end-of-turn token, EOS): in each marked run, leading tokens that end the generation prompt
-    (PPO's prompt already holds them) and tokens after the end-of-turn token are left untrained."""
+    including the end-of-turn token, EOS): in each marked run, leading tokens that end `generation_prompt` (PPO's
+    prompt already holds them; '' cuts none) and tokens after the end-of-turn token are left untrained."""
     mask = list(mask)
     eos = tokenizer.eos_token_id
     i = 0
@@ -270,13 +284,13 @@ def _reply_only(tokenizer, ids: list[int], mask: list[int], generation_prompt: s
         j = i
         while j < len(ids) and mask[j]:
             j += 1
-        lead = 0
+        lead = 0  # the most leading tokens whose text ends the generation prompt ('<think>\n' is '<', 'think', '>\n')
         for k in range(1, j - i + 1):
             piece = tokenizer.decode(ids[i:i + k])
+            if len(piece) > len(generation_prompt):
+                break
             if piece and generation_prompt.endswith(piece):
                 lead = k
-            elif not generation_prompt.endswith(piece):
-                break
         end = next((k + 1 for k in range(i, j) if ids[k] == eos), j)
         for k in range(i, j):
             mask[k] = int(i + lead <= k < end)
@@ -327,69 +341,3 @@ def same_after_template_problem(rows: list[dict[str, Any]], where: str) -> str |
             f"through the chat template (it trims or rewrites what differs), so they teach nothing: the pairs of the "
             f"prompts {', '.join(tail(rows[i]['prompt']) for i in same[:3])}{more}. Remove them from the data, or fix "
             "the template")
-
-
-MAX_SPECIAL_TEXT = 0.01
-"""The largest fraction of rows holding a special token's text that a stage drops (and counts in its manifest)
-instead of refusing the data; at least MIN_SPECIAL_TEXT rows of any split (a held-out split of 100 rows drawn from
-data that passed at 0.8% holds two such rows about one time in five)."""
-MIN_SPECIAL_TEXT = 3
-
-
-def special_texts(tokenizer) -> list[str]:
-    """The text of every special token (and added token marked special) that the tokenizer reads as the token itself
-    where it appears in text, longest first; none where it splits such text into ordinary tokens."""
-    if getattr(tokenizer, "split_special_tokens", False):
-        return []
-    found = set(getattr(tokenizer, "all_special_tokens", []))
-    found |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
-    return sorted((t for t in found if t), key=len, reverse=True)
-
-
-def _contents(row: dict[str, Any]) -> Iterator[str]:
-    """The messages' content of a conversational row (prompt, replies, messages)."""
-    for value in row.values():
-        if isinstance(value, list):
-            yield from (m["content"] for m in value if isinstance(m, dict) and isinstance(m.get("content"), str))
-
-
-def holding_special_text(rows: list[dict[str, Any]], tokenizer) -> list[tuple[int, str]]:
-    """(position, token text) of the conversational rows (before the chat template) whose messages hold a special
-    token's text: the tokenizer reads it as the token, so an `<|im_end|>` a reply mentions ends the reply there (the
-    reward model, DPO and PPO read it cut; SFT trains an end of turn mid-reply), and a user turn holding
-    `<|im_start|>assistant` opens a turn the data never had. Text rows are the user's own rendering, where such tokens
-    may be meant (a prompt written in the template already): they are left as they are."""
-    texts = special_texts(tokenizer)
-    if not texts or not rows:
-        return []
-    pattern = re.compile("|".join(map(re.escape, texts)))
-    found = []
-    for i, row in enumerate(rows):
-        hit = next((m.group() for text in _contents(row) if (m := pattern.search(text))), None)
-        if hit is not None:
-            found.append((i, hit))
-    return found
-
-
-def special_text_problem(rows: list[dict[str, Any]], found: list[tuple[int, str]], where: str) -> str | None:
-    """The refusal when more than MAX_SPECIAL_TEXT of `rows` hold a special token's text (None: few enough to drop
-    and count)."""
-    if len(found) <= max(MAX_SPECIAL_TEXT * len(rows), MIN_SPECIAL_TEXT):
-        return None
-    tokens = ", ".join(f"{t!r} ({n})" for t, n in Counter(t for _, t in found).most_common(3))
-    more = f" and {len(found) - 5} more" if len(found) > 5 else ""
-    return (f"{where}: {len(found)} of {len(rows)} conversations hold the text of the tokenizer's special tokens {tokens}, "
-            f"which it reads as the tokens themselves (a reply would end, or a turn begin, where the data only "
-            f"mentions one): rows {', '.join(str(i) for i, _ in found[:5])}{more} of the split. Remove or rewrite "
-            f"them (up to {MAX_SPECIAL_TEXT:.0%} of a split, or {MIN_SPECIAL_TEXT} rows, are dropped and counted instead)")
-
-
-def without_special_text(rows: list[dict[str, Any]], tokenizer, where: str) -> tuple[list[dict[str, Any]], list]:
-    """`rows` less those holding a special token's text (`holding_special_text`), and those found (position, token
-    text); a FormatError naming them when more than MAX_SPECIAL_TEXT of the rows (and MIN_SPECIAL_TEXT) hold one."""
-    found = holding_special_text(rows, tokenizer)
-    problem = special_text_problem(rows, found, where)
-    if problem:
-        raise FormatError(problem)
-    drop = {i for i, _ in found}
-    return [r for i, r in enumerate(rows) if i not in drop], found

@@ -245,10 +245,13 @@ def _check_messages(row: dict[str, Any], where: str) -> None:
 
 
 def _silent_conversations(rows: Rows) -> dict[str, list[int]]:
-    """A conversation with no assistant turn with text has nothing to train on."""
-    silent = [i for i, r in enumerate(rows)
-              if not any(m["role"] == "assistant" and text_of(m["content"]) for m in r["messages"])]
-    return {"with no assistant turn with visible text (nothing to train on)": silent}
+    """A conversation with no assistant turn with text has nothing to train on; one with an empty assistant turn
+    among others would teach ending a reply at once (its end-of-turn token is trained right after the prompt)."""
+    replies = [[text_of(m["content"]) for m in r["messages"] if m["role"] == "assistant"] for r in rows]
+    return {"with no assistant turn with visible text (nothing to train on)": [i for i, t in enumerate(replies)
+                                                                                if not any(t)],
+            "with an empty assistant turn among others (it would teach ending a reply at once)":
+                [i for i, t in enumerate(replies) if any(t) and not all(t)]}
 
 
 def _empty_field(column: str) -> Callable[[Rows], dict[str, list[int]]]:

@@ -75,10 +75,11 @@ def _replies(tokenizer, texts: list[str]) -> list[int]:
     return [len(x) for x in _reply_ids(tokenizer, texts)]
 
 
-def _chat_lengths(tokenizer, conversations: list[list[dict[str, str]]]) -> list[int]:
+def _chat_lengths(tokenizer, conversations: list[list[dict[str, str]]], prompt: bool = False) -> list[int]:
+    """Each conversation's tokens through the chat template; `prompt`: its turns with the generation prompt."""
     out = []
     for messages in conversations:
-        ids = tokenizer.apply_chat_template(messages, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=prompt) if messages else []
         if hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding by default
             ids = ids["input_ids"]
         out.append(len(ids))
@@ -91,11 +92,14 @@ RULES: dict[str, LengthRule] = {}
 
 
 def _truncate_completions(rows: list[dict[str, Any]], tokenizer, max_length: int) -> tuple[int, int, int]:
-    """A prompt and one completion (or a conversation) per example, cut at max_length; an example whose prompt (the
-    turns before the last one) alone fills the window teaches nothing: dropped."""
+    """A prompt and one completion (or a conversation) per example, cut at max_length; an example whose prompt (for a
+    conversation: the turns before its first reply, and the generation prompt) alone fills the window teaches
+    nothing: dropped (SFTTrainer drops an example left without a trained token once cut; a conversation whose first
+    reply starts inside the window is truncated, not dropped, however long its later turns)."""
     if rows and "messages" in rows[0]:
         totals = _chat_lengths(tokenizer, [r["messages"] for r in rows])
-        firsts = _chat_lengths(tokenizer, [r["messages"][:-1] or r["messages"] for r in rows])
+        firsts = _chat_lengths(tokenizer, [r["messages"][:next((i for i, m in enumerate(r["messages"])
+                                                               if m["role"] == "assistant"), 0)] for r in rows], True)
     else:
         firsts = _ids(tokenizer, [r["prompt"] for r in rows])
         totals = [p + c for p, c in zip(firsts, _replies(tokenizer, [r["completion"] for r in rows]))]

@@ -27,10 +27,10 @@ from typing import Any
 from align import templates
 from align.core.errors import TOKENIZER_SAVE_FIX, ModelError
 from align.core.schema import ConfigError
-from align.data.chat import (TemplateError, as_text, same_after_template_problem, sft_example, trained_text,
-                             without_special_text)
+from align.data.chat import TemplateError, as_text, same_after_template_problem, sft_example, trained_text
 from align.data.formats import FormatError
 from align.data.lengths import RULES, LengthError, enforce
+from align.data.special_text import without_special_text
 from align.modeling import shapes as model_shapes
 
 class CheckError(ValueError):

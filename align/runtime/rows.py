@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from align.data.cards import LoadedSplit, load_card, load_split, read_jsonl
-from align.data.chat import as_text, same_after_template, same_after_template_problem, without_special_text
+from align.data.chat import as_text, same_after_template, same_after_template_problem
+from align.data.special_text import without_special_text
 from align.data.formats import FormatError, plain_prompt, prompt_key, text_of
 from align.runtime.context import StageContext, StageError
 
@@ -52,7 +53,7 @@ def count_dropped(ctx: StageContext, why: str, n: int) -> None:
 
 
 def drop_special_text(ctx: StageContext, rows: list[dict[str, Any]], tokenizer, where: str) -> list[dict[str, Any]]:
-    """Rows whose text holds a special token's text (align/data/chat.py `holding_special_text`): up to
+    """Rows whose text holds a special token's text (align/data/special_text.py): up to
     MAX_SPECIAL_TEXT of them are dropped and counted (`dropped_rows` in the manifest), more refuse the data (as
     `align validate` does before anything trains: align/modeling/checks.py)."""
     try:

@@ -8,14 +8,13 @@ template, for tokenizers that ship none). All three mark the assistant's content
 
 `chat_template: null` means the tokenizer's own template (read from its files, a GGUF file's metadata, or the
 Hugging Face cache), as stock chat models ship it: without generation markers. Which tokens SFT trains on
-(`masking`) is then decided here, once:
+(`masking`; align/data/chat.py `sft_example`) is then decided here, once:
 - `markers`: the template has `{% generation %}` markers (transformers' assistant-token mask);
-- `trl`: TRL ships a marker-patched copy of this exact template (`trl/chat_templates/<name>_training.jinja`,
-  what `trl.chat_template_utils.get_training_chat_template` returns; `align validate` checks that TRL agrees):
-  SFT renders its masks with that copy, the saved tokenizer keeps the stock template;
-- `prefix`: prefix-by-prefix rendering (align/data/chat.py `sft_example`): `messages[:i]` with the generation
-  prompt, then `messages[:i+1]`; the new text up to and including the end-of-turn token is turn i's reply.
-  Templates that rewrite earlier turns once later ones follow are refused by `align validate`.
+- `trl`: TRL ships a marker-patched copy of this exact template (`trl/chat_templates/<name>_training.jinja`, as
+  `trl.chat_template_utils.get_training_chat_template` says; `align validate` checks that TRL agrees): SFT's masks
+  come from that copy where each reply's context renders as the stock template's; the tokenizer keeps the stock one;
+- `prefix`: `messages[:i]` rendered with the generation prompt, then `messages[:i+1]`: the new text up to and
+  including the end-of-turn token is turn i's reply. A template that rewrites earlier turns is refused.
 
 Installing a template (the SFT stage that starts from the base model; every later stage loads the tokenizer
 that stage saved) does three things, each logged:
