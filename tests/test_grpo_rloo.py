@@ -43,6 +43,12 @@ PIPELINE = {
                              "per_device_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 20}
            for kind in ("grpo", "rloo")},
         "grpo_flat": {**ONLINE, "type": "grpo", "reward": "letter_judge:constant", "max_steps": 2, "save_steps": 2},
+        # 4 prompts a round: 2 steps an epoch, 3 epochs; twins: one runs whole, one is stopped and resumed
+        **{f"grpo_epochs_{twin}": {**ONLINE, "type": "grpo", "reward": "letter_judge:logged_count_e",
+                                   "max_train_examples": 8, "max_steps": 6, "save_steps": 1}
+           for twin in ("whole", "stopped")},
+        "grpo_batch": {**ONLINE, "type": "grpo", "reward": "letter_judge:prompt_length", "scale_rewards": "batch",
+                       "max_steps": 2, "save_steps": 2},
     },
 }
 ARGS = ["--run-id", "t", "tracking.wandb=disabled"]
@@ -107,6 +113,19 @@ def test_a_judge_that_scores_every_completion_alike_fails_the_stage_instead_of_p
     assert ("in all 2 logged steps every group of 4 completions got one score from letter_judge:constant "
             "(train/frac_reward_zero_std 1.0)") in out, out[-3000:]
     assert _manifest(run / "grpo_flat")["status"] == "failed" and not (run / "grpo_flat" / "model").exists()
+
+
+def test_groups_scored_alike_under_batch_scaling_fail_the_stage_too(upstream):
+    """A probe of GRPO (2026-11-30): under scale_rewards: batch TRL's frac_reward_zero_std is the whole batch's spread,
+    0.0 when every group's completions scored alike but prompts apart (a pass/fail judge on problems always or never
+    solved): every advantage was 0, every grad norm 0, and the stage published the SFT weights as trained."""
+    root, run = upstream
+    proc = run_align("run", "online.yaml", *ARGS, "--only", "grpo_batch", cwd=root, env=ENV)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "in all 2 logged steps the gradient norm was 0 (train/grad_norm)" in out, out[-3000:]
+    assert _manifest(run / "grpo_batch")["status"] == "failed" and not (run / "grpo_batch" / "model").exists()
+    assert {r["train/frac_reward_zero_std"] for r in _rows(run / "grpo_batch") if "train/loss" in r} == {0.0}
 
 
 @pytest.mark.distributed
@@ -259,6 +278,11 @@ def test_validate_accepts_them_as_policies_and_checks_batches_and_lengths(kind):
     cfg, source = _default_with({"type": kind, "per_device_batch_size": 6, "num_generations": 4,
                                  "accelerate": "zero2", "num_processes": 2})
     validate(cfg, source, verbose=False)  # 6 x 2 = 12 completions: three whole groups of 4
+    cfg, source = _default_with({"type": kind, "per_device_batch_size": 8, "num_generations": 4,
+                                 "max_train_examples": 3, "accelerate": "zero2", "num_processes": 2})
+    with pytest.raises(PipelineError, match=r"stages\.online: max_train_examples: 3 prompts, but one generation round "
+                                            r"takes 4 .*raise max_train_examples to at least 4"):
+        validate(cfg, source, verbose=False)  # it failed only as the stage started, the stages before it trained
     cfg, source = _default_with({"type": kind, "generation": {"max_new_tokens": 24}}, policies=["sft", "online"])
     with pytest.raises(PipelineError, match=r"response lengths differ: stages\.online\.generation\.max_new_tokens=24, "
                                             r"stages\.preferences\.generation\.max_new_tokens=32, "
@@ -337,3 +361,44 @@ def test_grpo_from_an_sft_adapter_keeps_the_sft_policy_as_its_reference(tmp_path
     kl = [r["objective/kl"] for r in _rows(run / "grpo") if "objective/kl" in r]
     print("GRPO KL per logged step:", kl)
     assert len(kl) == 1 and abs(kl[0]) < 1e-4, kl
+
+
+def test_a_run_resumed_mid_epoch_samples_the_prompts_of_one_never_stopped(upstream, tmp_path):
+    """A probe of GRPO (2026-11-30): TRL's RepeatSampler draws each epoch's order from one generator seeded once, so
+    a run resumed after its first epoch replayed epoch 0's order (some prompts trained twice in an epoch, others
+    never). 8 prompts, 4 a round, 2 rounds an epoch: a run stopped at step 4 (a NaN injected) resumes from step 3's
+    checkpoint (mid epoch 1) and samples steps 4-6 (epoch 1's end, epoch 2) as the run never stopped does."""
+    root, run = upstream
+    logs = {k: tmp_path / f"{k}.jsonl" for k in ("whole", "first", "resumed")}
+    for stage, log, fault in (("whole", "whole", {}), ("stopped", "first", {"ALIGN_INJECT_NAN_AT_STEP": "4"}),
+                              ("stopped", "resumed", {})):
+        proc = run_align("run", "online.yaml", *ARGS, "--only", f"grpo_epochs_{stage}", cwd=root,
+                         env={**ENV, "LETTER_JUDGE_LOG": str(logs[log]), **fault})
+        assert (proc.returncode != 0) == bool(fault), proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _manifest(run / "grpo_epochs_stopped")["attempts"] == 2
+    rounds = {k: [json.loads(x) for x in p.read_text().splitlines()] for k, p in logs.items()}
+    assert len(rounds["whole"]) == 6 and len(rounds["resumed"]) == 3, rounds
+    for epoch in range(3):  # every epoch holds each of the 8 prompts once
+        assert len({q for r in rounds["whole"][2 * epoch:2 * epoch + 2] for q in r}) == 8, rounds["whole"]
+    assert rounds["first"][:3] == rounds["whole"][:3]
+    assert rounds["resumed"] == rounds["whole"][3:], (rounds["resumed"], rounds["whole"])
+
+
+def test_engine_rounds_are_seeded_by_their_step_so_a_resumed_run_samples_as_one_never_stopped():
+    """A probe of GRPO/RLOO on vLLM (2026-11-30): the engine's per-round seed counted rounds from 0 at every attempt,
+    so a resumed run replayed the first attempt's seeds. It is now the step's, the round's count at that step and
+    the process's."""
+    from types import SimpleNamespace
+
+    from align.stages.online_rl import EngineRollouts
+
+    def rollouts(rank):
+        ctx = SimpleNamespace(seed=SEED, state=SimpleNamespace(process_index=rank))
+        return EngineRollouts(ctx, None, None, None)
+
+    steps = [0, 0, 1, 2, 2, 3, 4]  # the optimiser step at each round (two rounds at steps 0 and 2)
+    never_stopped, resumed, other = rollouts(0), rollouts(0), rollouts(1)
+    whole = [never_stopped.next_seed(s) for s in steps]
+    assert [resumed.next_seed(s) for s in steps[3:]] == whole[3:]  # resumed at step 2's checkpoint
+    assert len(set(whole)) == len(whole)
+    assert not {other.next_seed(s) for s in steps} & set(whole)  # distinct per process

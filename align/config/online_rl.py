@@ -91,9 +91,17 @@ class OnlineRLStage(TrainedStage):
         hw, distributed = ctx.pipeline.hardware, self.accelerate != "cpu"
         per_node = self.num_processes or (hw.gpus_per_node if distributed else 1)  # one process per GPU by default
         if per_node:  # else (a distributed config, no count given) the count is known only at launch
-            problem = self.batch_problem(per_node * (hw.nodes if distributed else 1))
+            world = per_node * (hw.nodes if distributed else 1)
+            problem = self.batch_problem(world)
             if problem:
                 raise ValueError(problem)
+            needed = self.per_device_batch_size * world * (self.steps_per_generation or self.gradient_accumulation_steps
+                                                           ) // self.num_generations
+            if self.max_train_examples is not None and self.max_train_examples < needed:
+                raise ValueError(f"max_train_examples: {self.max_train_examples} prompts, but one generation round "
+                                 f"takes {needed} (per_device_batch_size x {world} process(es) x steps per round / "
+                                 f"num_generations); raise max_train_examples to at least {needed}, or lower "
+                                 "per_device_batch_size")
 
     def unread_settings(self) -> dict[str, str]:
         """Settings this stage does not read (dotted key -> why): a sweep over one trains twins."""

@@ -103,7 +103,14 @@ class EngineRollouts:
     def __init__(self, ctx: StageContext, cfg: OnlineRLStage, engine, tokenizer):
         self.ctx, self.cfg, self.engine, self.tokenizer = ctx, cfg, engine, tokenizer
         self.synced_step = -1
-        self.rounds = 0
+        self.round = (-1, 0)  # (the optimiser step a round was sampled at, its count at that step)
+
+    def next_seed(self, step: int) -> int:
+        """The seed of the round sampled at optimiser step `step`: distinct per process (a prompt's group may be split
+        over processes) and per round, and the same in a resumed run as in one never stopped (a count of rounds
+        since the attempt began restarted at every resume, so a resumed run replayed the first attempt's seeds)."""
+        self.round = (step, self.round[1] + 1 if self.round[0] == step else 0)
+        return ((self.ctx.seed * 7919 + step) * 31 + self.round[1]) * 1009 + self.ctx.state.process_index
 
     def rollout_func(self, prompts: list, trainer) -> dict[str, list]:
         """TRL GRPOTrainer's `rollout_func`: this process's prompts (each repeated num_generations times by TRL's
@@ -142,11 +149,9 @@ class EngineRollouts:
             if self.synced_step == -1:  # the manifest says how the weights travelled
                 self.ctx.note_engine(self.engine, synced=True)
             self.synced_step = trainer.state.global_step
-        self.rounds += 1
-        # distinct per process, for an engine that takes a seed per call (a prompt's group may be split over processes;
-        # vLLM's CPU sampler takes none: each process's engine was started with a seed of its own)
-        seed = (self.ctx.seed * 7919 + self.rounds) * 1009 + self.ctx.state.process_index
-        r = self.engine.generate_ids(q_ids, q_mask, self.cfg.generation, seed=seed)
+        # for an engine that takes a seed per call (vLLM's CPU sampler takes none: each process's engine was started
+        # with a seed of its own)
+        r = self.engine.generate_ids(q_ids, q_mask, self.cfg.generation, seed=self.next_seed(trainer.state.global_step))
         if r.engine_logprobs is None:  # TRL's rollout_func requires them, and the check below compares them
             raise EngineError(f"stage '{self.ctx.name}': generation.engine '{self.engine.name}' returned no log-probs "
                               "of its own samples; GRPO and RLOO on an engine with its own copy of the policy need them "
@@ -173,6 +178,33 @@ class EngineRollouts:
 def completions(r) -> list[list[int]]:
     """Each row's sampled ids up to and including its first EOS (what TRL's own samplers return)."""
     return [ids[m.bool()].tolist() for ids, m in zip(r.response_ids, r.response_mask)]
+
+
+def epoch_seeded(trainer_cls) -> tuple[type, Any]:
+    """The trainer class, and a callback for it, so each epoch's prompt order is a function of the seed and the epoch.
+    TRL's RepeatSampler draws every epoch's order from one generator seeded when it is built; a resumed run builds a
+    new one, so its epochs after the first replayed the first's order (some prompts trained twice in an epoch, others
+    never). The callback reseeds it as each epoch begins (TrainerState.epoch, restored on resume), before the epoch's
+    first batch is drawn: epoch 0 in TRL's own order, and every epoch alike resumed or not."""
+    from transformers import TrainerCallback
+
+    class Reseed(TrainerCallback):
+        sampler = None
+
+        def on_epoch_begin(self, args, state, control, **kwargs):
+            generator = getattr(self.sampler, "generator", None)
+            if generator is not None and getattr(self.sampler, "shuffle", False):
+                generator.manual_seed(args.seed + 7919 * int(state.epoch or 0))
+
+    reseed = Reseed()
+
+    class EpochSeeded(trainer_cls):
+        def _get_train_sampler(self, dataset=None):
+            reseed.sampler = super()._get_train_sampler(dataset)
+            return reseed.sampler
+
+    EpochSeeded.__name__ = trainer_cls.__name__
+    return EpochSeeded, reseed
 
 
 def trainer_with_engine(trainer_cls, rollouts: EngineRollouts | None) -> tuple[type, dict[str, Any]]:
@@ -299,9 +331,10 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
     try:
         reference = reference_is_the_policy(ctx, cfg, model, path)
         cls, sampling = trainer_with_engine(trainer_cls, rollouts)
+        cls, reseed = epoch_seeded(cls)
         trainer = cls(model=model, reward_funcs=funcs, args=args, processing_class=tokenizer,
                       train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
-                      callbacks=[metrics_callback(ctx, online_rl_metric_name)],
+                      callbacks=[metrics_callback(ctx, online_rl_metric_name), reseed],
                       peft_config=peft_config(cfg.lora, "CAUSAL_LM"), **sampling)
         ctx.state.wait_for_everyone()  # every process has built its reference from reference/: not needed again
         drop(ctx, reference)
@@ -329,12 +362,21 @@ def untrained(ctx: StageContext, cfg: OnlineRLStage, history: list[dict[str, Any
     the policy stayed the reference and the KL term had no gradient. A constant judge, or a pass/fail judge that
     fails every completion, "completed" with the starting weights published as the trained policy."""
     flat = [h["frac_reward_zero_std"] for h in history if "frac_reward_zero_std" in h]
+    norms = [h["grad_norm"] for h in history if isinstance(h.get("grad_norm"), (int, float))]
+    fix = ("so nothing is published. Check the judge (a constant score, or a pass/fail judge failing every completion, "
+           "or one each prompt always passes or always fails), or sample more varied completions (num_generations, "
+           "generation.temperature)")
     if flat and min(flat) >= 1.0:
         raise StageError(f"stage '{ctx.name}': in all {len(flat)} logged steps every group of {cfg.num_generations} "
                          f"completions got one score from {cfg.reward} (train/frac_reward_zero_std 1.0): "
-                         f"{cfg.ALGORITHM}'s advantages were all 0 and the policy was not trained, so nothing is "
-                         "published. Check the judge (a constant score, or a pass/fail judge failing every "
-                         "completion), or sample more varied completions (num_generations, generation.temperature)")
+                         f"{cfg.ALGORITHM}'s advantages were all 0 and the policy was not trained, {fix}")
+    if norms and max(norms) == 0.0:  # scale_rewards: batch: TRL's frac_reward_zero_std is the batch's spread, not
+        # the groups' (0.0 when every group scored alike but prompts apart): the first step's policy is the
+        # reference, so a zero gradient there and after is every advantage 0
+        raise StageError(f"stage '{ctx.name}': in all {len(norms)} logged steps the gradient norm was 0 "
+                         f"(train/grad_norm): every group of {cfg.num_generations} completions got one score from "
+                         f"{cfg.reward} (each its own), {cfg.ALGORITHM}'s advantages were all 0 and the policy was "
+                         f"not trained, {fix}")
 
 
 def score_summary(ctx: StageContext) -> dict[str, float]:

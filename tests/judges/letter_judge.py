@@ -9,3 +9,19 @@ def count_e(prompts: list[str], responses: list[str]) -> list[float]:
 def constant(prompts: list[str], responses: list[str]) -> list[float]:
     """One score for every response: no group of completions can tell its members apart."""
     return [1.0 for _ in responses]
+
+
+def prompt_length(prompts: list[str], responses: list[str]) -> list[float]:
+    """The prompt's length: every completion of a prompt alike, prompts apart (a pass/fail judge on problems each
+    always or never solved)."""
+    return [float(len(p)) for p in prompts]
+
+
+def logged_count_e(prompts: list[str], responses: list[str]) -> list[float]:
+    """count_e, writing each call's distinct prompts (one JSON line per sampling round) to $LETTER_JUDGE_LOG."""
+    import json
+    import os
+
+    with open(os.environ["LETTER_JUDGE_LOG"], "a") as f:
+        f.write(json.dumps(sorted(set(prompts))) + "\n")
+    return count_e(prompts, responses)
