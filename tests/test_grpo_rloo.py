@@ -47,6 +47,7 @@ PIPELINE = {
         **{f"grpo_epochs_{twin}": {**ONLINE, "type": "grpo", "reward": "letter_judge:logged_count_e",
                                    "max_train_examples": 8, "max_steps": 6, "save_steps": 1}
            for twin in ("whole", "stopped")},
+        "grpo_reuse": {**ONLINE, "type": "grpo", "num_iterations": 2, "max_steps": 4, "save_steps": 2},
         "grpo_batch": {**ONLINE, "type": "grpo", "reward": "letter_judge:prompt_length", "scale_rewards": "batch",
                        "max_steps": 2, "save_steps": 2},
     },
@@ -402,3 +403,15 @@ def test_engine_rounds_are_seeded_by_their_step_so_a_resumed_run_samples_as_one_
     assert [resumed.next_seed(s) for s in steps[3:]] == whole[3:]  # resumed at step 2's checkpoint
     assert len(set(whole)) == len(whole)
     assert not {other.next_seed(s) for s in steps} & set(whole)  # distinct per process
+
+
+def test_tokens_trained_count_every_pass_over_a_round(upstream):
+    """A probe of GRPO (2026-11-30): with num_iterations 2 each round's completions train twice, but TRL counts a
+    round's tokens once, as it samples them: perf/train_tokens and perf/tokens_per_s read half the work."""
+    root, run = upstream
+    proc = run_align("run", "online.yaml", *ARGS, "--only", "grpo_reuse", cwd=root, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sampled = [r["train/num_tokens"] for r in _rows(run / "grpo_reuse") if "train/num_tokens" in r]
+    assert len(set(sampled)) == 2, sampled  # 4 steps, 2 rounds: TRL's cumulative count moves at each round
+    final = _manifest(run / "grpo_reuse")["final_metrics"]
+    assert final["perf/train_tokens"] == 2 * sampled[-1]

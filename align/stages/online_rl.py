@@ -344,6 +344,9 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
             install_padding_free(trainer.ref_model)  # (TRL builds it inside the trainer, after the policy)
         final = train_with_resume(ctx, trainer)
         untrained(ctx, cfg, trainer.state.log_history)
+        for key in ("perf/train_tokens", "perf/tokens_per_s"):  # TRL counts a round's tokens once as it samples
+            if key in final:  # them; each is trained num_iterations times
+                final[key] *= cfg.num_iterations
     finally:
         if rollouts is not None:
             rollouts.engine.close()
