@@ -365,13 +365,17 @@ def test_engine_placement_refuses_shapes_it_cannot_hold_and_maps_through_visible
 
 
 def test_the_engine_environment_keeps_aligns_path_out_and_lets_idle_threads_sleep(monkeypatch):
-    """engine_environment: no PYTHONPATH of align's, the connection key, OpenMP threads that sleep when idle unless
+    """engine_environment: no PYTHONPATH of align's, none of the launcher's variables, the connection key, OpenMP threads that sleep when idle unless
     the user chose otherwise, and on GPUs only the engine's own GPUs (through the launcher's CUDA_VISIBLE_DEVICES)."""
     monkeypatch.setenv("PYTHONPATH", "/somewhere/align")
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    for name, value in {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "MASTER_ADDR": "10.0.0.1",
+                        "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+        monkeypatch.setenv(name, value)  # torchrun's: the engine is no training process (pytorch#192113)
     env = vllm_env.engine_environment(b"\x01\x02", (2,))
     assert "PYTHONPATH" not in env and env["ALIGN_VLLM_AUTHKEY"] == "0102"
+    assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"} & set(env)
     assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["CUDA_VISIBLE_DEVICES"] == "6"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     env = vllm_env.engine_environment(b"\x01", ())

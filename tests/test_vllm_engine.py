@@ -121,7 +121,7 @@ def test_lora_state_for_the_engine_is_the_merged_model_and_leaves_the_model_unto
     assert delta > 1e-4, "the adapters' delta is missing from the synced weights"
 
 
-def test_validate_names_the_install_command_when_vllm_is_missing(monkeypatch):
+def test_validate_names_the_install_command_when_vllm_is_missing(monkeypatch, tmp_path):
     monkeypatch.delenv("ALIGN_VLLM_PYTHON", raising=False)
     import importlib.util
 
@@ -133,6 +133,12 @@ def test_validate_names_the_install_command_when_vllm_is_missing(monkeypatch):
     assert "/nonexistent/python" in problem and "not an executable" in problem
     monkeypatch.setenv("ALIGN_VLLM_PYTHON", os.sys.executable)  # an interpreter without vLLM
     assert "vLLM is not installed in" in check_vllm_installed("x")
+    old = tmp_path / "python"  # answers the version probe as a vLLM before the layer-wise reload would
+    old.write_text("#!/bin/sh\necho 0.11.0\n")
+    old.chmod(0o755)
+    monkeypatch.setenv("ALIGN_VLLM_PYTHON", str(old))
+    assert "vLLM 0.11.0 in" in check_vllm_installed("x") and "older than align's engine needs (0.32" in \
+        check_vllm_installed("x")
 
 
 def test_engine_samples_what_the_model_would_before_any_sync(engine):

@@ -179,7 +179,10 @@ class Generation:
     sync_bucket_mib: float = ranged(32.0, gt=0, fix="the sync bucket in MiB, e.g. 32")
     """vllm with weight_sync: shared or host: the bucket's size in MiB per process, on the GPU or in /dev/shm (a larger
     tensor travels in pieces); Docker's default /dev/shm is 64 MiB in all. The node's bucket under ZeRO-3 (above) is
-    this times the processes, at least 512 MiB where /dev/shm has room."""
+    this times the processes, at least 512 MiB where /dev/shm has room. On a GPU (CUDA IPC, broadcast) a weight larger
+    than the bucket is put together inside the engine in a copy outside vLLM's memory share (Llama-3.1-8B's embedding:
+    1 GiB) over one round trip per piece: a bucket as large as the largest weight trades that for its room on the
+    trainer's GPU (read in the code, not measured: no GPU has run vLLM in this project)."""
     tensor_parallel_size: int = ranged(1, ge=1, fix="the GPUs one engine spans, e.g. 2")
     """vllm: the GPUs one engine spans (vLLM's tensor parallelism), each engine shared by that many training processes
     (align/engines/placement.py, group.py): colocated, the processes of GPUs 0-1 share one engine over GPUs 0-1 and so

