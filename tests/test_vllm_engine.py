@@ -13,6 +13,7 @@ These tests fail, not skip, without it: CI installs it.
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -453,3 +454,56 @@ def test_an_engine_that_packs_again_each_sync_keeps_the_memory_it_frees(user_set
 
 def align_vllm_worker_dir() -> Path:
     return Path(__file__).resolve().parents[1] / "align" / "engines" / "vllm_side"
+
+
+IN_PLACE_PROBE = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from align_vllm_inplace import in_place_problem
+from vllm.model_executor.layers.attention import Attention
+from vllm.v1.attention.backend import AttentionImplBase
+
+class Layer(Attention):  # vLLM's attention layer, its construction (a whole engine config) skipped
+    def __init__(self, impl):
+        torch.nn.Module.__init__(self)
+        self.impl = impl
+
+class Plain:  # a backend with nothing to derive (FlashAttention, the CPU's)
+    process_weights_after_loading = AttentionImplBase.process_weights_after_loading
+
+class Derives:  # FlashInfer's: an fp32 copy of the sinks
+    def process_weights_after_loading(self, act_dtype):
+        pass
+
+class Deriving(Layer):  # MLAAttention: W_UK/W_UV from kv_b_proj
+    def process_weights_after_loading(self, act_dtype):
+        pass
+
+def model(layer):
+    m = torch.nn.Module()
+    m.attn = layer
+    return m
+
+hooked = model(Layer(Plain()))
+hooked.process_weights_after_loading = lambda: None
+for m in (model(Layer(Plain())), model(Layer(Derives())), model(Deriving(Plain())), hooked):
+    print(repr(in_place_problem(m)))
+"""
+
+
+def test_a_model_whose_attention_derives_weights_once_loaded_is_not_loaded_in_place():
+    """A review of the GPU path (2026-11-30): in place, vLLM's loaders copy into the live parameters and the layers
+    with a quant method are processed again, but not the attention layers' own post-load step (MLA derives W_UK/W_UV
+    from kv_b_proj, FlashInfer keeps fp32 sinks) nor a model-level hook: the engine would decode with weights derived
+    from the old ones. Such a model loads through vLLM's reload_weights, which runs them. vLLM's own classes, in
+    vLLM's environment."""
+    from conftest import REPO
+
+    out = subprocess.run([vllm_python(), "-c", IN_PLACE_PROBE, str(REPO / "align" / "engines" / "vllm_side")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    plain, derives, deriving, hooked = out.stdout.strip().splitlines()[-4:]
+    assert plain == "None"
+    assert "attn (Layer, Derives) derives weights of its own once loaded" in derives
+    assert "attn (Deriving, Plain) derives weights of its own once loaded" in deriving
+    assert "the model (Module) processes its weights once they are loaded" in hooked
