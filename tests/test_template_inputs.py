@@ -139,3 +139,16 @@ def test_markers_that_also_hold_the_newline_after_the_end_of_turn_train_the_repl
         assert trained_text(tok, example) == [reply + "<|im_end|>", "Done.<|im_end|>"], reply
         prompt = tok(render_prompt(tok, conv[:3]))["input_ids"]
         assert example["input_ids"][:len(prompt)] == prompt and example["assistant_masks"][len(prompt)] == 1
+
+
+def test_a_conversation_the_assistant_opens_still_trains_under_markers(tmp_path):
+    """A review (2026-11-30) of the context check: a conversation whose first turn is the assistant's (a greeting) was
+    refused once markers were checked against every turn's prompt; its opening turn has no prompt (no later stage
+    samples there), and both replies train as the markers say."""
+    from align.data.chat import sft_example, trained_text
+
+    tok = _chatml_gpt2(tmp_path)
+    planned = templates.resolve("chatml", REPO / "pipelines" / "chat.yaml", None)
+    conv = [{"role": "assistant", "content": "Hi, how can I help?"}, {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": " Blue."}]  # (a reply opening with whitespace: its prompt is checked)
+    assert trained_text(tok, sft_example(tok, planned, conv)) == ["Hi, how can I help?<|im_end|>", " Blue.<|im_end|>"]

@@ -18,7 +18,6 @@ stops at EOS) and scores, and what the reward-model judge scores at evaluation.
 
 from __future__ import annotations
 
-import bisect
 import re
 from typing import Any
 
@@ -212,7 +211,7 @@ def sft_example(tokenizer, template, messages: list[dict[str, str]]) -> dict[str
         try:  # tokenised by prefixes instead, so each reply's context is the prompt PPO and evaluation sample after
             return _by_prefixes(tokenizer, template, messages)
         except TemplateError as exc:  # a stock template that rewrites earlier turns (Qwen3's reasoning)
-            if masking != "trl":
+            if masking != "trl" or "rewrites an earlier turn" not in str(exc):
                 raise
             raise TemplateError(f"{exc}; or set chat_template to TRL's copy (trl/chat_templates/{template.trl_name}"
                                 "_training.jinja) so that every stage renders earlier turns as SFT trains on them") from None
@@ -232,26 +231,26 @@ def _by_prefixes(tokenizer, template, messages: list[dict[str, str]]) -> dict[st
 
 def _contexts_match(tokenizer, stock: str, messages: list[dict[str, str]], ids: list[int], mask: list[int],
                     exact: bool) -> bool:
-    """Whether each assistant turn's trained tokens follow the tokens the later stages prompt with: the turns before
-    it rendered with the (stock) template and the generation prompt, tokenised alone. A training copy that renders
-    earlier turns otherwise (TRL's Qwen3 keeps their reasoning blocks), or a reply whose first token merged with the
-    prompt's last (whitespace on GPT-2's BPE), breaks it. `exact` (TRL's copies, which mark whole replies): each
-    reply's training starts right at its prompt's end; else (a user's markers, which may leave a reasoning block
-    untrained) each run of trained tokens starts at or after the end of the prompt of the turn it is in."""
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if turns[:1] == [0]:
-        return False
+    """Whether the assistant turns' trained tokens follow the tokens the later stages prompt with: the turns before
+    each rendered with the (stock) template and the generation prompt, tokenised alone. `exact` (TRL's copies, which
+    render earlier turns their own way, e.g. Qwen3's with their reasoning blocks that the stock template drops): every
+    turn's prompt, and each reply's training starts right at its prompt's end. Else (a template every stage renders
+    with, its markers as the user wrote them) only where a reply opens with whitespace, which can merge with the
+    prompt's last token (a newline after ChatML's header, on GPT-2's BPE). A conversation's opening assistant turn
+    has no prompt (no later stage samples there): its trained run is not compared."""
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i]
+    checked = turns if exact else [i for i in turns if messages[i]["content"][:1].isspace()]
     ends = []
-    for turn in turns:
+    for turn in checked:
         prompt = _apply(tokenizer, messages[:turn], chat_template=stock, tokenize=False, add_generation_prompt=True)
         alone = tokenizer(_bos_stripped(tokenizer, prompt))["input_ids"]
         if ids[:len(alone)] != alone:
             return False
         ends.append(len(alone))
+    if not exact:
+        return True
     starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
-    if exact:
-        return starts == ends
-    return all(bisect.bisect_right(ends, start) > 0 for start in starts)
+    return starts[1:] == ends if messages[:1] and messages[0]["role"] == "assistant" else starts == ends
 
 
 def sft_every_token(tokenizer, messages: list[dict[str, str]]) -> dict[str, list[int]]:

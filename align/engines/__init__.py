@@ -76,6 +76,13 @@ def placement_problem(gen, processes: int, gpus: int) -> str | None:
     return None
 
 
+def start_seed(seed: int, rank: int, resumed_at: int = 0) -> int:
+    """The seed an engine with its own copy of the policy starts with (vLLM takes one as it starts, none per request on
+    a CPU): its process's, and for a run resumed at step or iteration `resumed_at` that point's, so a resumed run does
+    not sample with its first attempt's random stream again. Below 2**31: numpy and vLLM take 32-bit seeds."""
+    return (seed * 7919 + rank + 104_729 * resumed_at) % 2 ** 31
+
+
 def make_engine(gen, *, model, tokenizer, model_dir: str, fast: bool = False, synced_gpus: bool = False,
                 context=None, seed: int = 0, dtype: str = "float32", max_model_len: int = 512, log_path=None,
                 rank: int = 0, device=None, lora_rank: int | None = None):

@@ -10,12 +10,9 @@ of the others) and a KL to the reference (beta). align hands them:
 - one reward function per judge name with its weight, from the one judge builder (align/judges/pointwise.py): a
   reward stage's scalar head read at the last real token of prompt ids + completion ids (EOS included when
   sampled), the rule PPO's rollouts are scored by, or a Python judge on (prompts, decoded completions);
-- with `generation.engine: vllm`, the sampling (EngineRollouts): each process's engine samples the trainer's prompt
-  ids, synced to the policy whenever an optimiser step has passed since its last sync; GRPO through TRL's
-  `rollout_func` (experimental in TRL 1.16), RLOO, which has no such argument in 1.16, through its one sampling
-  method `_generate_single_turn` (prompt ids in, completion ids out), overridden in a subclass. Either way TRL
-  computes every loss term as it does for its own samples. The first rows of each round are scored by the trainer
-  too and compared with the engine's log-probs (generation.max_logprob_gap), as PPO checks its rollouts.
+- with `generation.engine: vllm`, the sampling (align/stages/online_engine.py `EngineRollouts`): each process's
+  engine samples the trainer's prompt ids, synced to the policy whenever an optimiser step has passed since its last
+  sync, the first rows of each round checked against the trainer's log-probs (generation.max_logprob_gap).
 """
 
 from __future__ import annotations
@@ -35,6 +32,7 @@ from align.modeling.lora import peft_config
 from align.modeling.packing import install_padding_free
 from align.runtime.context import StageContext, StageError
 from align.runtime.trl import metrics_callback, online_rl_metric_name, padding_free, train_with_resume, training_args
+from align.stages.online_engine import correct_for_the_engine, open_engine, trainer_with_engine
 
 
 def plain_generation_kwargs(ctx: StageContext, model) -> dict | None:
@@ -91,194 +89,57 @@ def training_prompts(ctx: StageContext, cfg: OnlineRLStage, tokenizer) -> list[s
     return kept
 
 
-CHECKED_ROWS = 8
-"""Rows of each sampling round whose engine log-probs are compared with the trainer's (one forward pass of them)."""
+class Watch:
+    """What align reads from a TRL online trainer as it trains (`watched`): the prompt sampler, reseeded as each epoch
+    begins, and per training round whether any advantage was non-zero; per micro-batch the tokens trained."""
+
+    def __init__(self):
+        self.sampler, self.rounds_moved, self.tokens = None, [], 0
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        watch = self
+
+        class Reseed(TrainerCallback):
+            def on_epoch_begin(self, args, state, control, **kwargs):
+                generator = getattr(watch.sampler, "generator", None)
+                if generator is not None and getattr(watch.sampler, "shuffle", False):
+                    generator.manual_seed(args.seed + 7919 * int(state.epoch or 0))
+
+        return Reseed()
 
 
-class EngineRollouts:
-    """A TRL online trainer's sampling through an align engine that holds its own copy of the policy (vllm): one
-    engine per process, synced to the trained policy before the first round after each optimiser step (under ZeRO-3
-    every process gathers a layer at a time as it sends, the same collectives everywhere), its samples checked."""
+def watched(trainer_cls) -> tuple[type, Watch]:
+    """The trainer class, and what it reports to align (Watch), so that:
+    - each epoch's prompt order is a function of the seed and the epoch. TRL's RepeatSampler draws every epoch's order
+      from one generator seeded when it is built; a resumed run builds a new one, so its epochs after the first
+      replayed the first's order (some prompts trained twice in an epoch, others never). Watch's callback reseeds it as
+      each epoch begins (TrainerState.epoch, restored on resume), before the epoch's first batch is drawn: epoch 0 in
+      TRL's own order, and every epoch alike resumed or not;
+    - a round whose every advantage is 0 (all processes' groups, as TRL gathers them to normalise) is told apart from
+      one that trains, whatever `scale_rewards` makes of TRL's frac_reward_zero_std;
+    - the tokens trained are counted per micro-batch (prompt and completion tokens), each pass over a round's samples
+      (num_iterations) counted, where TRL counts a round's tokens once as it samples them."""
+    watch = Watch()
 
-    def __init__(self, ctx: StageContext, cfg: OnlineRLStage, engine, tokenizer):
-        self.ctx, self.cfg, self.engine, self.tokenizer = ctx, cfg, engine, tokenizer
-        self.synced_step = -1
-        self.round = (-1, 0)  # (the optimiser step a round was sampled at, its count at that step)
-
-    def next_seed(self, step: int) -> int:
-        """The seed of the round sampled at optimiser step `step`: distinct per process (a prompt's group may be split
-        over processes) and per round, and the same in a resumed run as in one never stopped (a count of rounds
-        since the attempt began restarted at every resume, so a resumed run replayed the first attempt's seeds)."""
-        self.round = (step, self.round[1] + 1 if self.round[0] == step else 0)
-        return ((self.ctx.seed * 7919 + step) * 31 + self.round[1]) * 1009 + self.ctx.state.process_index
-
-    def rollout_func(self, prompts: list, trainer) -> dict[str, list]:
-        """TRL GRPOTrainer's `rollout_func`: this process's prompts (each repeated num_generations times by TRL's
-        sampler) -> one completion each, with the prompt ids it was sampled from and the engine's log-probs."""
-        from align.modeling.generation import tokenize_prompts
-
-        q_ids, q_mask = tokenize_prompts(self.tokenizer, list(prompts))
-        r = self.sample(q_ids, q_mask, trainer)
-        return {"prompt_ids": [row[m.bool()].tolist() for row, m in zip(r.query_ids, r.query_mask)],
-                "completion_ids": completions(r), "logprobs": [lp[m.bool()].tolist() for lp, m in
-                                                               zip(r.engine_logprobs, r.response_mask)]}
-
-    def completion_ids(self, prompt_ids: list[list[int]], trainer) -> list[list[int]]:
-        """RLOOTrainer's `_generate_single_turn`: prompt ids (unpadded lists) -> completion ids."""
-        import torch  # heavy: stage processes only
-
-        pad = self.tokenizer.pad_token_id
-        width = max(len(p) for p in prompt_ids)
-        q_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompt_ids], dtype=torch.long)
-        q_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], dtype=torch.long)
-        return completions(self.sample(q_ids, q_mask, trainer))
-
-    def sample(self, q_ids, q_mask, trainer):
-        """One round: sync if an optimiser step passed, sample (B, Lq) left-padded prompt ids, check the first rows."""
-        import torch  # heavy: stage processes only
-
-        from align.engines import EngineError
-        from align.engines.base import across_processes, check_rollout, rest
-        from align.modeling.generation import response_logprobs
-
-        acc = trainer.accelerator
-        policy = acc.unwrap_model(trainer.model)
-        if trainer.state.global_step != self.synced_step:
-            with torch.no_grad():
-                self.engine.sync_weights(policy)
-            if self.synced_step == -1:  # the manifest says how the weights travelled
-                self.ctx.note_engine(self.engine, synced=True)
-            self.synced_step = trainer.state.global_step
-        # for an engine that takes a seed per call (vLLM's CPU sampler takes none: each process's engine was started
-        # with a seed of its own)
-        r = self.engine.generate_ids(q_ids, q_mask, self.cfg.generation, seed=self.next_seed(trainer.state.global_step))
-        if r.engine_logprobs is None:  # TRL's rollout_func requires them, and the check below compares them
-            raise EngineError(f"stage '{self.ctx.name}': generation.engine '{self.engine.name}' returned no log-probs "
-                              "of its own samples; GRPO and RLOO on an engine with its own copy of the policy need them "
-                              "(EngineKind.token_ids); use generation.engine: hf, or make the engine return them")
-        rest(self.engine)  # generation.sleep: the engine frees its memory before any model computes, while it trains
-        n = min(CHECKED_ROWS, q_ids.size(0))  # the same count on every process: a forward under ZeRO-3 is collective
-        head = type(r)(r.query_ids[:n], r.query_mask[:n], r.response_ids[:n], r.response_mask[:n], r.eos_found[:n],
-                       r.engine_logprobs[:n])
-        was_training = policy.training
-        policy.eval()
-        try:
-            with torch.no_grad(), self.ctx.compute.autocast():
-                lp = response_logprobs(policy, head, temperature=self.cfg.generation.temperature)
-        finally:
-            policy.train(was_training)
-        gap = check_rollout(self.engine, head, lp, self.cfg.generation.max_logprob_gap,
-                            f"stage '{self.ctx.name}', step {trainer.state.global_step} (after a weight sync)",
-                            reduce=across_processes(acc))
-        if gap is not None:  # None: an engine that reports no log-probs of its own
-            trainer._metrics["train" if trainer.model.training else "eval"]["rollout/logprob_gap_max"].append(gap["max"])
-        return r
-
-
-def completions(r) -> list[list[int]]:
-    """Each row's sampled ids up to and including its first EOS (what TRL's own samplers return)."""
-    return [ids[m.bool()].tolist() for ids, m in zip(r.response_ids, r.response_mask)]
-
-
-def epoch_seeded(trainer_cls) -> tuple[type, Any]:
-    """The trainer class, and a callback for it, so each epoch's prompt order is a function of the seed and the epoch.
-    TRL's RepeatSampler draws every epoch's order from one generator seeded when it is built; a resumed run builds a
-    new one, so its epochs after the first replayed the first's order (some prompts trained twice in an epoch, others
-    never). The callback reseeds it as each epoch begins (TrainerState.epoch, restored on resume), before the epoch's
-    first batch is drawn: epoch 0 in TRL's own order, and every epoch alike resumed or not."""
-    from transformers import TrainerCallback
-
-    class Reseed(TrainerCallback):
-        sampler = None
-
-        def on_epoch_begin(self, args, state, control, **kwargs):
-            generator = getattr(self.sampler, "generator", None)
-            if generator is not None and getattr(self.sampler, "shuffle", False):
-                generator.manual_seed(args.seed + 7919 * int(state.epoch or 0))
-
-    reseed = Reseed()
-
-    class EpochSeeded(trainer_cls):
+    class Watched(trainer_cls):
         def _get_train_sampler(self, dataset=None):
-            reseed.sampler = super()._get_train_sampler(dataset)
-            return reseed.sampler
+            watch.sampler = super()._get_train_sampler(dataset)
+            return watch.sampler
 
-    EpochSeeded.__name__ = trainer_cls.__name__
-    return EpochSeeded, reseed
+        def _generate_and_score_completions(self, *args, **kwargs):
+            out = super()._generate_and_score_completions(*args, **kwargs)
+            if self.model.training:  # the round's advantages over every process (TRL's own log of them)
+                watch.rounds_moved.append(any(abs(a) > 1e-6 for a in self._logs["advantages"]))
+            return out
 
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            watch.tokens += int(inputs["prompt_mask"].sum()) + int(inputs["completion_mask"].sum())
+            return super().compute_loss(model, inputs, *args, **kwargs)
 
-def trainer_with_engine(trainer_cls, rollouts: EngineRollouts | None) -> tuple[type, dict[str, Any]]:
-    """The trainer class and the extra keyword arguments that make it sample through `rollouts` (None: TRL's own
-    generate). GRPO: TRL's `rollout_func`; RLOO (no rollout_func in TRL 1.16): a subclass whose one sampling method
-    asks the engine."""
-    import inspect
-
-    if rollouts is None:
-        return trainer_cls, {}
-    if "rollout_func" in inspect.signature(trainer_cls.__init__).parameters:
-        return trainer_cls, {"rollout_func": rollouts.rollout_func}
-    method = getattr(trainer_cls, "_generate_single_turn", None)
-    if method is None or list(inspect.signature(method).parameters)[:2] != ["self", "prompt_ids"]:
-        import trl
-
-        raise StageError(f"{trainer_cls.__name__} in TRL {trl.__version__} has neither a rollout_func argument nor "
-                         "the _generate_single_turn(prompt_ids, ...) method align samples through (TRL 1.16's): set "
-                         "generation.engine: hf, or install trl 1.16")
-
-    class EngineSampled(trainer_cls):
-        def _generate_single_turn(self, prompt_ids, *args, **kwargs):
-            return rollouts.completion_ids(prompt_ids, self)
-
-    EngineSampled.__name__ = f"{trainer_cls.__name__}WithEngine"
-    return EngineSampled, {}
-
-
-class _AlignSyncs:
-    """Stands for TRL's vLLM client where TRL would sync it before a rollout_func round: align's EngineRollouts
-    syncs its engine itself, once per optimiser step."""
-
-    def sync_weights(self) -> None:
-        pass
-
-
-def correct_for_the_engine(trainer, gen) -> str | None:
-    """GRPO sampling through rollout_func: TRL corrects for an engine that samples with other numerics than the
-    trainer (bf16 kernels, prefix caching) only where it drives vLLM itself (`use_vllm`): it then recomputes the
-    trainer's log-probs of every round and weighs the loss by its importance-sampling ratio over the engine's
-    (`vllm_importance_sampling_*` of GRPOConfig, grpo_trainer.py `_generate_and_score_completions`). Turned on for
-    align's engine too, TRL's own sync a no-op. Not under `top_k`/`top_p` (`gen`): the engine's log-probs are then
-    those of the truncated distribution it sampled, the trainer's of the whole one, so every ratio would be below 1
-    and a sequence's product of them would all but erase its policy loss. Returns the mode, or why it is off (None:
-    a trainer without that machinery)."""
-    args = trainer.args
-    if not getattr(args, "vllm_importance_sampling_correction", False) or not hasattr(trainer, "use_vllm"):
-        return None
-    if gen.top_k or gen.top_p < 1.0:
-        return (f"off: top_k {gen.top_k} / top_p {gen.top_p} truncate what the engine samples, so its log-probs are "
-                "not comparable with the trainer's")
-    trainer.use_vllm, trainer.vllm_generation, trainer._last_loaded_step = True, _AlignSyncs(), -1
-    return f"{args.vllm_importance_sampling_mode} (ratio bounds {args.vllm_importance_sampling_clip_min}, " \
-           f"{args.vllm_importance_sampling_clip_max})"
-
-
-def open_engine(ctx: StageContext, cfg: OnlineRLStage, tokenizer, path: str) -> EngineRollouts | None:
-    """This process's engine when `generation.engine` names one with its own copy of the policy (else None: TRL
-    samples with its own generate), started from the policy's directory."""
-    from align.engines import kind, make_engine
-
-    if not kind(cfg.generation.engine).own_copy:
-        return None
-    rank = ctx.state.process_index
-    engine = make_engine(cfg.generation, model=None, tokenizer=tokenizer, model_dir=path, seed=ctx.seed * 7919 + rank,
-                         dtype=ctx.compute.engine_dtype(), max_model_len=cfg.max_length + 1,
-                         log_path=ctx.dir / f"engine.rank{rank}.log", rank=rank, device=ctx.state.device,
-                         lora_rank=cfg.lora.r if cfg.lora.enabled else None)
-    try:
-        ctx.note_engine(engine)
-        return EngineRollouts(ctx, cfg, engine, tokenizer)
-    except BaseException:  # not yet in run()'s try: closed here
-        engine.close()
-        raise
+    Watched.__name__ = trainer_cls.__name__
+    return Watched, watch
 
 
 def reference_is_the_policy(ctx: StageContext, cfg: OnlineRLStage, model, path: str) -> Path | None:
@@ -307,6 +168,7 @@ def drop(ctx: StageContext, reference: Path | None) -> None:
 
 def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> dict[str, Any]:
     """Train the policy with a TRL online trainer (GRPOTrainer or RLOOTrainer) and publish model/."""
+    import torch  # heavy: stage processes only
     from datasets import Dataset  # heavy: trl and datasets load only when the stage runs
 
     cfg: OnlineRLStage = ctx.cfg  # type: ignore[assignment]
@@ -331,10 +193,10 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
     try:
         reference = reference_is_the_policy(ctx, cfg, model, path)
         cls, sampling = trainer_with_engine(trainer_cls, rollouts)
-        cls, reseed = epoch_seeded(cls)
+        cls, watch = watched(cls)
         trainer = cls(model=model, reward_funcs=funcs, args=args, processing_class=tokenizer,
                       train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
-                      callbacks=[metrics_callback(ctx, online_rl_metric_name), reseed],
+                      callbacks=[metrics_callback(ctx, online_rl_metric_name), watch.callback()],
                       peft_config=peft_config(cfg.lora, "CAUSAL_LM"), **sampling)
         ctx.state.wait_for_everyone()  # every process has built its reference from reference/: not needed again
         drop(ctx, reference)
@@ -343,10 +205,10 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
         if cfg.padding_free and getattr(trainer, "ref_model", None) is not None:  # TRL's own copy of the start
             install_padding_free(trainer.ref_model)  # (TRL builds it inside the trainer, after the policy)
         final = train_with_resume(ctx, trainer)
-        untrained(ctx, cfg, trainer.state.log_history)
-        for key in ("perf/train_tokens", "perf/tokens_per_s"):  # TRL counts a round's tokens once as it samples
-            if key in final:  # them; each is trained num_iterations times
-                final[key] *= cfg.num_iterations
+        untrained(ctx, cfg, trainer.state.log_history, watch, resumed=bool(ctx.extra_manifest["resumed_from_step"]))
+        trained = int(trainer.accelerator.reduce(torch.tensor(watch.tokens, device=trainer.accelerator.device), "sum"))
+        if "perf/train_tokens" in final:  # a run not resumed (TRL's count, of what it sampled, restarts at a resume)
+            final["perf/train_tokens"], final["perf/tokens_per_s"] = trained, trained / final["perf/train_seconds"]
     finally:
         if rollouts is not None:
             rollouts.engine.close()
@@ -359,13 +221,13 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
     return final
 
 
-def untrained(ctx: StageContext, cfg: OnlineRLStage, history: list[dict[str, Any]]) -> None:
+def untrained(ctx: StageContext, cfg: OnlineRLStage, history: list[dict[str, Any]], watch: Watch,
+              resumed: bool) -> None:
     """Refuse to publish a policy no step trained: every group's completions scored alike in every logged step
     (TRL's frac_reward_zero_std, over all processes' groups, the same on each process), so every advantage was 0,
     the policy stayed the reference and the KL term had no gradient. A constant judge, or a pass/fail judge that
     fails every completion, "completed" with the starting weights published as the trained policy."""
     flat = [h["frac_reward_zero_std"] for h in history if "frac_reward_zero_std" in h]
-    norms = [h["grad_norm"] for h in history if isinstance(h.get("grad_norm"), (int, float))]
     fix = ("so nothing is published. Check the judge (a constant score, or a pass/fail judge failing every completion, "
            "or one each prompt always passes or always fails), or sample more varied completions (num_generations, "
            "generation.temperature)")
@@ -373,13 +235,11 @@ def untrained(ctx: StageContext, cfg: OnlineRLStage, history: list[dict[str, Any
         raise StageError(f"stage '{ctx.name}': in all {len(flat)} logged steps every group of {cfg.num_generations} "
                          f"completions got one score from {cfg.reward} (train/frac_reward_zero_std 1.0): "
                          f"{cfg.ALGORITHM}'s advantages were all 0 and the policy was not trained, {fix}")
-    if norms and max(norms) == 0.0:  # scale_rewards: batch: TRL's frac_reward_zero_std is the batch's spread, not
-        # the groups' (0.0 when every group scored alike but prompts apart): the first step's policy is the
-        # reference, so a zero gradient there and after is every advantage 0
-        raise StageError(f"stage '{ctx.name}': in all {len(norms)} logged steps the gradient norm was 0 "
-                         f"(train/grad_norm): every group of {cfg.num_generations} completions got one score from "
-                         f"{cfg.reward} (each its own), {cfg.ALGORITHM}'s advantages were all 0 and the policy was "
-                         f"not trained, {fix}")
+    if watch.rounds_moved and not any(watch.rounds_moved) and not resumed:  # under scale_rewards: batch TRL's
+        # frac_reward_zero_std is the batch's spread, not the groups' (0.0 when every group scored alike, prompts apart)
+        raise StageError(f"stage '{ctx.name}': in all {len(watch.rounds_moved)} sampling rounds every advantage was 0 "
+                         f"(every group of {cfg.num_generations} completions got one score from {cfg.reward}, each "
+                         f"group its own): the policy was not trained, {fix}")
 
 
 def score_summary(ctx: StageContext) -> dict[str, float]:

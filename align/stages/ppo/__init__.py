@@ -338,7 +338,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     """PPO: collect a batch, compute advantages, update, measure the held-out KL, log, keep inside kl.max."""
     s = setup(ctx)
     cfg, accelerator = s.cfg, s.accelerator
-    with closing(open_engine(ctx, cfg, accelerator, s.model, s.tokenizer, s.policy_path)) as engine:
+    with closing(open_engine(ctx, cfg, accelerator, s.model, s.tokenizer, s.policy_path, s.start)) as engine:
         s.engine = engine  # a vllm engine's process ends with the stage, also when it fails
         ctx.note_engine(engine)  # inside closing(): a manifest write that fails does not leave the engine behind
         t_sync = sync_engine(engine, s.model, accelerator, ctx)  # it starts from policy_path; a resumed one differs

@@ -7,7 +7,7 @@ import torch
 
 from align.config.ppo import PPOStage
 from align.data.lengths import DROPS_LONG_PROMPTS, enforce
-from align.engines import make_engine
+from align.engines import make_engine, start_seed
 from align.engines.base import RolloutEngine, holding, rest
 from align.modeling.generation import Rollout, concat_rollouts, sequence_logprobs
 from align.runtime.context import StageContext
@@ -75,14 +75,16 @@ def scored(model, reference, r: Rollout, temperature: float, rows: int, accelera
     return tuple(None if t[0] is None else torch.cat(t) for t in zip(*parts))
 
 
-def open_engine(ctx: StageContext, cfg: PPOStage, accelerator, model, tokenizer, policy_path: str) -> RolloutEngine:
+def open_engine(ctx: StageContext, cfg: PPOStage, accelerator, model, tokenizer, policy_path: str,
+                start: int) -> RolloutEngine:
     """The rollout engine `generation.engine` names. hf: the policy itself (under ZeRO-3 gathered for each rollout).
-    vllm: one engine per process, started from the starting policy's directory and synced before each rollout."""
+    vllm: one engine per process, started from the starting policy's directory (seeded per process and per the
+    iteration a resumed run `start`s at: engines.start_seed) and synced before each rollout."""
     layers = is_zero3(accelerator) and cfg.generation.zero3_gather == "layers"
     engine = make_engine(cfg.generation, model=None, tokenizer=tokenizer, model_dir=policy_path,
                          fast=ctx.compute.fast_generation(cfg.generation.fast), synced_gpus=layers,
                          context=lambda: policy_for_generation(model, accelerator, cfg.generation.zero3_gather),
-                         seed=ctx.seed * 7919 + accelerator.process_index, dtype=ctx.compute.engine_dtype(),
+                         seed=start_seed(ctx.seed, accelerator.process_index, start), dtype=ctx.compute.engine_dtype(),
                          max_model_len=cfg.max_prompt_length + cfg.generation.max_new_tokens + 1,
                          log_path=ctx.dir / f"engine.rank{accelerator.process_index}.log",
                          rank=accelerator.process_index, device=accelerator.device,
