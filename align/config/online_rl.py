@@ -27,7 +27,7 @@ class OnlineRLStage(TrainedStage):
 
     LEFT_PADDED: ClassVar[bool] = True
 
-    # hf: TRL's own generate; an engine with its own copy that samples token ids (vllm): align/stages/online_rl.py
+    # hf: TRL's own generate; an engine with its own copy that samples token ids (vllm): align/stages/online_engine.py
     ENGINES: ClassVar[tuple[str, ...]] = tuple(n for n in engine_names() if n == DEFAULT_ENGINE or kind(n).token_ids)
     ENGINE_NOTE: ClassVar[str] = ("TRL's trainers hand over prompts as token ids, so an engine other than hf must "
                                   "hold its own copy and sample ids (EngineKind.token_ids)")
@@ -68,7 +68,7 @@ class OnlineRLStage(TrainedStage):
     generation: Generation = field(default_factory=Generation)
     """Sampling settings: max_new_tokens (TRL's max_completion_length), temperature, top_k, top_p, and the engine:
     hf (TRL's own generate with the trained model) or vllm (align's engine, one per process, synced after each
-    optimiser step; align/stages/online_rl.py). Each process's whole generation round is one call, so `batch_size`
+    optimiser step; align/stages/online_engine.py). Each process's whole generation round is one call, so `batch_size`
     and `fast` are not used."""
 
     def check(self, ctx: CheckContext) -> None:

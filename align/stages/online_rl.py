@@ -89,12 +89,29 @@ def training_prompts(ctx: StageContext, cfg: OnlineRLStage, tokenizer) -> list[s
     return kept
 
 
+ROUNDS_APART = "frac_rounds_scored_apart"
+"""Logged with TRL's metrics (train/frac_rounds_scored_apart): the fraction of the window's sampling rounds in which
+some group's completions got different scores, from some reward function (`scored_apart`)."""
+
+
+def scored_apart(rewards: list[float], group: int) -> bool:
+    """Whether any group of `group` consecutive rewards (TRL's order: a prompt's completions together, every
+    process's gathered) holds two that differ beyond float rounding (a judge's None is NaN: left out). TRL's own
+    frac_reward_zero_std cannot say it: under scale_rewards: batch it is the batch's spread, and a constant 0.7 in
+    float32 leaves a std of ~6e-8 that its isclose(std, 0) (atol 1e-8) reads as a spread, and advantages of ~6e-4."""
+    for i in range(0, len(rewards) - group + 1, group):
+        seen = [r for r in rewards[i:i + group] if r == r]
+        if len(seen) > 1 and max(seen) - min(seen) > 1e-6 * max(1.0, *map(abs, seen)):
+            return True
+    return False
+
+
 class Watch:
     """What align reads from a TRL online trainer as it trains (`watched`): the prompt sampler, reseeded as each epoch
-    begins, and per training round whether any advantage was non-zero; per micro-batch the tokens trained."""
+    begins; per micro-batch the tokens trained."""
 
     def __init__(self):
-        self.sampler, self.rounds_moved, self.tokens = None, [], 0
+        self.sampler, self.tokens = None, 0
 
     def callback(self):
         from transformers import TrainerCallback
@@ -117,8 +134,8 @@ def watched(trainer_cls) -> tuple[type, Watch]:
       replayed the first's order (some prompts trained twice in an epoch, others never). Watch's callback reseeds it as
       each epoch begins (TrainerState.epoch, restored on resume), before the epoch's first batch is drawn: epoch 0 in
       TRL's own order, and every epoch alike resumed or not;
-    - a round whose every advantage is 0 (all processes' groups, as TRL gathers them to normalise) is told apart from
-      one that trains, whatever `scale_rewards` makes of TRL's frac_reward_zero_std;
+    - a round in which every group's completions scored alike (all processes' groups, as TRL gathers them to
+      normalise: every advantage 0) is told apart from one that trains (ROUNDS_APART, logged and restored on resume);
     - the tokens trained are counted per micro-batch (prompt and completion tokens), each pass over a round's samples
       (num_iterations) counted, where TRL counts a round's tokens once as it samples them."""
     watch = Watch()
@@ -130,12 +147,14 @@ def watched(trainer_cls) -> tuple[type, Watch]:
 
         def _generate_and_score_completions(self, *args, **kwargs):
             out = super()._generate_and_score_completions(*args, **kwargs)
-            if self.model.training:  # the round's advantages over every process (TRL's own log of them)
-                watch.rounds_moved.append(any(abs(a) > 1e-6 for a in self._logs["advantages"]))
+            if self.model.training:  # the round's scores over every process (TRL's own log of them, one round long)
+                apart = any(scored_apart(list(r), self.num_generations) for r in self._logs["rewards"].values())
+                self._metrics["train"][ROUNDS_APART].append(float(apart))
             return out
 
         def compute_loss(self, model, inputs, *args, **kwargs):
-            watch.tokens += int(inputs["prompt_mask"].sum()) + int(inputs["completion_mask"].sum())
+            if model.training:  # (TRL's prediction_step calls it too)
+                watch.tokens += int(inputs["prompt_mask"].sum()) + int(inputs["completion_mask"].sum())
             return super().compute_loss(model, inputs, *args, **kwargs)
 
     Watched.__name__ = trainer_cls.__name__
@@ -205,7 +224,7 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
         if cfg.padding_free and getattr(trainer, "ref_model", None) is not None:  # TRL's own copy of the start
             install_padding_free(trainer.ref_model)  # (TRL builds it inside the trainer, after the policy)
         final = train_with_resume(ctx, trainer)
-        untrained(ctx, cfg, trainer.state.log_history, watch, resumed=bool(ctx.extra_manifest["resumed_from_step"]))
+        untrained(ctx, cfg, trainer.state.log_history)
         trained = int(trainer.accelerator.reduce(torch.tensor(watch.tokens, device=trainer.accelerator.device), "sum"))
         if "perf/train_tokens" in final:  # a run not resumed (TRL's count, of what it sampled, restarts at a resume)
             final["perf/train_tokens"], final["perf/tokens_per_s"] = trained, trained / final["perf/train_seconds"]
@@ -221,8 +240,7 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
     return final
 
 
-def untrained(ctx: StageContext, cfg: OnlineRLStage, history: list[dict[str, Any]], watch: Watch,
-              resumed: bool) -> None:
+def untrained(ctx: StageContext, cfg: OnlineRLStage, history: list[dict[str, Any]]) -> None:
     """Refuse to publish a policy no step trained: every group's completions scored alike in every logged step
     (TRL's frac_reward_zero_std, over all processes' groups, the same on each process), so every advantage was 0,
     the policy stayed the reference and the KL term had no gradient. A constant judge, or a pass/fail judge that
@@ -235,11 +253,12 @@ def untrained(ctx: StageContext, cfg: OnlineRLStage, history: list[dict[str, Any
         raise StageError(f"stage '{ctx.name}': in all {len(flat)} logged steps every group of {cfg.num_generations} "
                          f"completions got one score from {cfg.reward} (train/frac_reward_zero_std 1.0): "
                          f"{cfg.ALGORITHM}'s advantages were all 0 and the policy was not trained, {fix}")
-    if watch.rounds_moved and not any(watch.rounds_moved) and not resumed:  # under scale_rewards: batch TRL's
-        # frac_reward_zero_std is the batch's spread, not the groups' (0.0 when every group scored alike, prompts apart)
-        raise StageError(f"stage '{ctx.name}': in all {len(watch.rounds_moved)} sampling rounds every advantage was 0 "
-                         f"(every group of {cfg.num_generations} completions got one score from {cfg.reward}, each "
-                         f"group its own): the policy was not trained, {fix}")
+    apart = [h[ROUNDS_APART] for h in history if ROUNDS_APART in h]  # (a resumed run's history is restored)
+    if apart and max(apart) == 0.0:  # TRL's frac_reward_zero_std misses it under scale_rewards: batch, or a constant
+        # score float32 does not hold exactly (scored_apart)
+        raise StageError(f"stage '{ctx.name}': in every sampling round of all {len(apart)} logged steps every group of "
+                         f"{cfg.num_generations} completions got one score from {cfg.reward} (each group its own; "
+                         f"train/{ROUNDS_APART} 0): every advantage was 0 and the policy was not trained, {fix}")
 
 
 def score_summary(ctx: StageContext) -> dict[str, float]:

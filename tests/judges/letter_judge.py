@@ -25,3 +25,8 @@ def logged_count_e(prompts: list[str], responses: list[str]) -> list[float]:
     with open(os.environ["LETTER_JUDGE_LOG"], "a") as f:
         f.write(json.dumps(sorted(set(prompts))) + "\n")
     return count_e(prompts, responses)
+
+
+def seven_tenths(prompts: list[str], responses: list[str]) -> list[float]:
+    """0.7 for every response: constant, but not exactly so in float32 once a group of 8 is averaged."""
+    return [0.7 for _ in responses]
