@@ -156,7 +156,8 @@ def test_under_zero2_resumes_after_sigkill_and_raises_the_reward(upstream, kind)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    assert _manifest(stage_dir)["status"] == "running"  # the killed attempt never looks completed
+    # the killed attempt never looks completed (its stage processes, orphaned by the kill, may record their stop)
+    assert _manifest(stage_dir)["status"] in ("running", "interrupted")
     assert not (stage_dir / "model").exists()
     at_kill = complete_checkpoints(stage_dir / "checkpoints")[-1]
     again = run_align("run", "online.yaml", *ARGS, "--only", stage, cwd=root, env=ENV)
