@@ -225,3 +225,31 @@ def test_a_dpo_pair_whose_sides_are_the_same_once_cut_is_counted_as_dropped(gpt2
     assert (rep.truncated, rep.dropped) == (1, 1)
     rep = TRUNCATES_PAIRS.measure("dpo", rows, gpt2, max_length=12)  # the first differing token fits: it trains
     assert (rep.truncated, rep.dropped) == (1, 0)  # (the other, 3 + 8 + EOS, fits whole)
+
+
+def test_a_conversation_is_counted_as_sft_tokenises_it_bos_and_all(tmp_path):
+    """SFT's length count rendered conversations with apply_chat_template, which writes no BOS for a template that has
+    none (chatml) on a tokenizer that adds one (Llama's), while SFT's ids start with it (align/data/chat.py
+    `sft_example`, as every later stage's prompts do): one token short, so an example one token too long passed
+    uncounted, and a first reply starting at the window's edge was counted as training."""
+    import families
+    from align import templates
+    from align.data.chat import sft_example
+    from align.data.lengths import TRUNCATES_COMPLETIONS
+    from align.modeling.models import load_tokenizer
+
+    families.tokenizer("llama", tmp_path)
+    tok = load_tokenizer(str(tmp_path))
+    planned = templates.resolve("chatml", REPO / "pipelines" / "chat.yaml", None)
+    templates.install(tok, planned)
+    msgs = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi, how are you?"},
+            {"role": "user", "content": "fine"}, {"role": "assistant", "content": "good to hear"}]
+    example = sft_example(tok, planned, msgs)
+    assert example["input_ids"][0] == tok.bos_token_id
+    n, first = len(example["input_ids"]), example["assistant_masks"].index(1)
+    rows = [{"messages": msgs}]
+    assert TRUNCATES_COMPLETIONS.measure("sft", rows, tok, n).longest == n
+    assert (TRUNCATES_COMPLETIONS.measure("sft", rows, tok, n - 1).truncated, ) == (1, )
+    assert TRUNCATES_COMPLETIONS.measure("sft", rows, tok, first).dropped == 1  # the window ends before the reply
+    rep = TRUNCATES_COMPLETIONS.measure("sft", rows, tok, first + 1)
+    assert (rep.truncated, rep.dropped) == (1, 0)  # its first token trains

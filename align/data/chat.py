@@ -44,7 +44,7 @@ def _apply(tokenizer, messages, **kwargs):
         raise TemplateError(f"the chat template refuses this conversation: {exc}") from None
 
 
-def _adds_bos(tokenizer) -> bool:
+def adds_bos(tokenizer) -> bool:
     """Whether encoding text prepends the BOS token by itself (Llama-style tokenizers do)."""
     bos = tokenizer.bos_token_id
     ids = tokenizer("a")["input_ids"]
@@ -122,7 +122,7 @@ class TemplateError(FormatError):
 
 def _bos_stripped(tokenizer, text: str) -> str:
     bos = tokenizer.bos_token
-    return text[len(bos):] if bos and text.startswith(bos) and _adds_bos(tokenizer) else text
+    return text[len(bos):] if bos and text.startswith(bos) and adds_bos(tokenizer) else text
 
 
 def prefix_segments(tokenizer, template, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
@@ -194,7 +194,7 @@ def sft_example(tokenizer, template, messages: list[dict[str, str]]) -> dict[str
                      return_assistant_tokens_mask=True)
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
         bos = tokenizer.bos_token_id
-        if _adds_bos(tokenizer) and ids[:1] != [bos]:  # the template writes no BOS (chatml on a Llama tokenizer) and
+        if adds_bos(tokenizer) and ids[:1] != [bos]:  # the template writes no BOS (chatml on a Llama tokenizer) and
             ids, mask = [bos, *ids], [0, *mask]  # apply_chat_template adds none: the prompts of every later stage
             # (`tokenizer(text)`) start with it, so the model learns replies after the BOS it will be prompted with
         # markers may hold the newline after a reply's end-of-turn; TRL's copies the newline before it too: cut to
