@@ -95,8 +95,7 @@ class OnlineRLStage(TrainedStage):
             problem = self.batch_problem(world)
             if problem:
                 raise ValueError(problem)
-            needed = self.per_device_batch_size * world * (self.steps_per_generation or self.gradient_accumulation_steps
-                                                           ) // self.num_generations
+            needed = self.prompts_per_round(world)
             if self.max_train_examples is not None and self.max_train_examples < needed:
                 raise ValueError(f"max_train_examples: {self.max_train_examples} prompts, but one generation round "
                                  f"takes {needed} (per_device_batch_size x {world} process(es) x steps per round / "
@@ -114,10 +113,18 @@ class OnlineRLStage(TrainedStage):
     def generation_settings(self) -> Generation:
         return self.generation
 
+    def completions_per_round(self, world: int) -> int:
+        """Completions one generation round samples over `world` processes (TRL's generation_batch_size)."""
+        return self.per_device_batch_size * world * (self.steps_per_generation or self.gradient_accumulation_steps)
+
+    def prompts_per_round(self, world: int) -> int:
+        """Prompts one generation round takes (TRL's RepeatSampler: whole rounds only)."""
+        return self.completions_per_round(world) // self.num_generations
+
     def batch_problem(self, world: int) -> str | None:
         """TRL's rule, named in align's fields: a generation round holds whole groups of num_generations."""
         steps = self.steps_per_generation or self.gradient_accumulation_steps
-        per_round = self.per_device_batch_size * world * steps
+        per_round = self.completions_per_round(world)
         if per_round % self.num_generations == 0:
             return None
         which = "steps_per_generation" if self.steps_per_generation else "gradient_accumulation_steps"
@@ -144,5 +151,4 @@ class OnlineRLStage(TrainedStage):
         return not holds_own_copy(self.generation.engine)
 
     def workload(self) -> tuple[int, int, int, int]:
-        steps = self.steps_per_generation or self.gradient_accumulation_steps
-        return self.per_device_batch_size, self.max_length, self.per_device_batch_size * steps, self.max_length
+        return self.per_device_batch_size, self.max_length, self.completions_per_round(1), self.max_length

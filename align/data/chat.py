@@ -125,6 +125,11 @@ def _bos_stripped(tokenizer, text: str) -> str:
     return text[len(bos):] if bos and text.startswith(bos) and adds_bos(tokenizer) else text
 
 
+def _stock_text(tokenizer, template) -> str:
+    """The template every stage renders with: the planned one's text, else the tokenizer's own."""
+    return template.text if template is not None and template.text else tokenizer.chat_template
+
+
 def prefix_segments(tokenizer, template, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
     """The conversation as (text, trained) segments by prefix-by-prefix rendering: for each assistant turn i,
     `messages[:i]` rendered with the generation prompt, then `messages[:i+1]`; the new text up to and including
@@ -133,7 +138,7 @@ def prefix_segments(tokenizer, template, messages: list[dict[str, str]]) -> list
 
     A template that renders an earlier turn differently once later turns follow (e.g. one that drops earlier
     turns' reasoning) cannot be split this way: TemplateError naming the turn and the fixes."""
-    text = template.text if template is not None and template.text else tokenizer.chat_template
+    text = _stock_text(tokenizer, template)
     name = template.source if template is not None else "the tokenizer's chat template"
     eot = tokenizer.eos_token
 
@@ -188,7 +193,7 @@ def sft_example(tokenizer, template, messages: list[dict[str, str]]) -> dict[str
     if masking is None:  # a template the plan could not read (a hub tokenizer not cached there): as it renders
         masking = "markers" if has_generation_markers(str(tokenizer.chat_template)) else "prefix"
     if masking in ("markers", "trl"):
-        stock = (template.text if template is not None else None) or tokenizer.chat_template
+        stock = _stock_text(tokenizer, template)
         text = (template.training_text if masking == "trl" else stock) or tokenizer.chat_template
         out = _apply(tokenizer, messages, chat_template=text, tokenize=True, return_dict=True,
                      return_assistant_tokens_mask=True)

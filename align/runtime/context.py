@@ -51,6 +51,11 @@ class StageError(RuntimeError):
     produced nothing); it is recorded as failed, never as completed."""
 
 
+def checkpoint_step(ckpt: str | None) -> int:
+    """The optimiser step a Trainer checkpoint `checkpoint-<step>` holds (0: none, a run from its start)."""
+    return int(Path(ckpt).name.split("-")[-1]) if ckpt else 0
+
+
 class StageContext:
     """Everything a stage's `run()` needs, built from spec.json."""
 
@@ -82,6 +87,7 @@ class StageContext:
         self.extra_manifest: dict[str, Any] = {}
         self.trained_from: str | None = None  # what the stage's trained model was loaded from (a LoRA adapter's base)
         self.trained_vocab = 0  # its embedding rows when loaded (a template that adds tokens grows them)
+        self._resume_from: tuple[str | None] | None = None  # last_checkpoint's choice, made once
 
     # ------------------------------------------------------------------ inputs
     def input_dir(self, stage_name: str) -> Path:
@@ -214,10 +220,13 @@ class StageContext:
     def last_checkpoint(self) -> str | None:
         """The Trainer checkpoint of this fingerprint to resume from (`rundir.choose_checkpoint`: the newest whole
         one; one killed mid-write is removed rather than resumed from). The main process chooses and tells the others
-        (on a shared filesystem another node's listing may lag a deletion or a new checkpoint)."""
-        self.prepare_checkpoints()
-        ckpt = self.main_decides(lambda: choose_checkpoint(self.checkpoints, self.state.num_processes, log))
-        return str(ckpt) if ckpt else None
+        (on a shared filesystem another node's listing may lag a deletion or a new checkpoint); once per attempt (a
+        stage with an engine seeds it by the step before its trainer resumes)."""
+        if self._resume_from is None:
+            self.prepare_checkpoints()
+            ckpt = self.main_decides(lambda: choose_checkpoint(self.checkpoints, self.state.num_processes, log))
+            self._resume_from = (str(ckpt) if ckpt else None,)
+        return self._resume_from[0]
 
     def main_decides(self, decide):
         """`decide()` run on the main process alone, its answer given to every process (a collective where there are

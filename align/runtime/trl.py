@@ -17,7 +17,7 @@ from align.core.fsutil import fsync_dir, fsync_tree
 from align.data.lengths import enforce
 from align.core.rundir import rotate_checkpoints
 from align.core.tracking import keep_metrics_until
-from align.runtime.context import NonFiniteLossError, StageContext, StageError, startup_done
+from align.runtime.context import NonFiniteLossError, StageContext, StageError, checkpoint_step, startup_done
 from align.runtime.zero_buffers import in_use, widest, width_sized
 
 # TRL's plural reward metrics under align's singular names (docs/ARCHITECTURE.md, "Metric names").
@@ -271,7 +271,7 @@ def check_lengths(ctx: StageContext, rows: list[dict[str, Any]], tokenizer) -> N
 def train_with_resume(ctx: StageContext, trainer) -> dict[str, Any]:
     """trainer.train(), resuming from the last complete checkpoint of this fingerprint if there is one."""
     ckpt = ctx.last_checkpoint()
-    resumed_from = int(Path(ckpt).name.split("-")[-1]) if ckpt else 0
+    resumed_from = checkpoint_step(ckpt)
     if ckpt and ctx.is_main:
         print(f"[align] {ctx.name}: resuming from {ckpt} (step {resumed_from})", flush=True)
     ctx.extra_manifest["resumed_from_step"] = resumed_from

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from align.config.online_rl import OnlineRLStage
-from align.runtime.context import StageContext, StageError
+from align.runtime.context import StageContext, StageError, checkpoint_step
 
 
 CHECKED_ROWS = 8
@@ -158,14 +158,12 @@ def correct_for_the_engine(trainer, gen) -> str | None:
 def open_engine(ctx: StageContext, cfg: OnlineRLStage, tokenizer, path: str) -> EngineRollouts | None:
     """This process's engine when `generation.engine` names one with its own copy of the policy (else None: TRL
     samples with its own generate), started from the policy's directory."""
-    from pathlib import Path
-
     from align.engines import kind, make_engine, start_seed
 
     if not kind(cfg.generation.engine).own_copy:
         return None
-    rank, ckpt = ctx.state.process_index, ctx.last_checkpoint()  # (the trainer resumes from the same checkpoint)
-    seed = start_seed(ctx.seed, rank, int(Path(ckpt).name.split("-")[-1]) if ckpt else 0)
+    rank = ctx.state.process_index  # (the trainer resumes from the same checkpoint: ctx chooses it once)
+    seed = start_seed(ctx.seed, rank, checkpoint_step(ctx.last_checkpoint()))
     engine = make_engine(cfg.generation, model=None, tokenizer=tokenizer, model_dir=path, seed=seed,
                          dtype=ctx.compute.engine_dtype(), max_model_len=cfg.max_length + 1,
                          log_path=ctx.dir / f"engine.rank{rank}.log", rank=rank, device=ctx.state.device,

@@ -81,8 +81,7 @@ def training_prompts(ctx: StageContext, cfg: OnlineRLStage, tokenizer) -> list[s
     problem = cfg.batch_problem(world)
     if problem:
         raise ValueError(f"stage '{ctx.name}' ({world} processes): {problem}")
-    steps = cfg.steps_per_generation or cfg.gradient_accumulation_steps
-    needed = cfg.per_device_batch_size * world * steps // cfg.num_generations
+    needed = cfg.prompts_per_round(world)
     if len(kept) < needed:
         raise StageError(f"stage '{ctx.name}': {len(kept)} usable prompts in {cfg.prompts} split '{cfg.split}', but "
                          f"one generation round takes {needed}; use more prompts or a smaller per_device_batch_size")
