@@ -97,7 +97,8 @@ def kill_after_first_checkpoint(tmp_path: Path, *overrides: str) -> dict:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     killed = json.loads((ppo / "manifest.json").read_text())
-    assert killed["status"] == "running"
+    # never completed; under ZeRO-3 the stage's workers, orphaned by the kill of the runner's group, may record their stop
+    assert killed["status"] in ("running", "interrupted"), killed["status"]
     engine_pid = killed["engine"]["pid"]
     deadline = time.time() + 30  # the engine reads EOF from the dead stage's socket and exits
     while _alive(engine_pid) and time.time() < deadline:
