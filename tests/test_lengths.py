@@ -186,6 +186,22 @@ def test_sft_on_messages_trains_and_too_short_max_length_stops_before_training(t
     assert not metrics.exists() or "train/loss" not in metrics.read_text()
 
 
+def test_sft_reports_the_examples_it_trained_on_not_those_trl_dropped(tmp_path):
+    """Every 8th conversation's question alone fills max_length: the length check counts it as dropped, TRL drops it
+    after truncating, and `train/examples` counts what trained (it counted the rows given to TRL before)."""
+    pipeline = _chat_project(tmp_path)
+    rows = [json.loads(x) for x in (tmp_path / "chat.jsonl").read_text().splitlines()]
+    for i in range(0, len(rows), 8):
+        rows[i]["messages"][0]["content"] = "spell " + "nine " * 80
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = run_align("run", str(pipeline), "sft.max_truncated_fraction=0.5", "sft.max_steps=4", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    manifest = json.loads((tmp_path / "runs" / "chat" / "main" / "sft" / "manifest.json").read_text())
+    check = manifest["length_check"]
+    assert check["dropped"] >= 25, check  # 38 of the 267 training rows (the card splits by hash, seed 1)
+    assert manifest["final_metrics"]["train/examples"] == check["examples"] - check["dropped"], check
+
+
 def test_a_reply_is_counted_without_a_bos_of_its_own_and_with_one_eos(tmp_path):
     """A probe of the preference stages (2026-11-30): with a tokenizer that puts BOS first (Llama's), each reply was
     counted with a BOS of its own, one token more than TRL's sequence (refusing `train on nothing` at a max_length

@@ -191,6 +191,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     final = train_with_resume(ctx, trainer)
     if eval_ds is not None:
         final["eval/loss"] = trainer.evaluate()["eval_loss"]  # logged as it came (metrics_callback): not twice
-    final["train/examples"] = len(train)
+    # what trained: TRL drops rows its truncation left without a trained token (the length check counted them)
+    final["train/examples"] = len(train) if args.packing else len(trainer.train_dataset)
     ctx.save_trainer_model(trainer, tokenizer)
     return final
