@@ -175,6 +175,15 @@ def test_a_non_finite_final_metric_fails_the_stage(tmp_path):
         check_produced(Ctx(), ["model"], {"train/loss": 1.2, "eval/loss": float("nan")})
     with pytest.raises(StageError, match=r"eval/rewards/margin = inf"):
         check_produced(Ctx(), ["model"], {"eval/rewards/margin": float("inf")})
+    # evaluate trains nothing: a pairwise judge named "accuracy_judge" whose length-controlled win rate (or a gold
+    # judge "math:accuracy" whose agreement) is NaN by design, printed "n/a", failed a finished report as "diverged"
+    class Eval(Ctx):
+        name, cfg, extra_manifest = "evaluate", stage_types()["evaluate"](), {}
+
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "report.md").write_text("# report")
+    check_produced(Eval(), ["report"], {"eval/prompts": 64, "eval/ppo/accuracy_judge/lc_win_rate": float("nan"),
+                                        "eval/ppo/accuracy_judge/agreement/math:accuracy": float("nan")})
 
 
 def test_status_reads_no_published_bytes_unless_a_stamp_changed_and_verify_reads_them_all(run, monkeypatch):

@@ -8,9 +8,8 @@ everything else (the runner, the validator, the estimator, `align status`) asks 
 
 from __future__ import annotations
 
-from importlib.util import find_spec
-
 import importlib
+from importlib.util import find_spec
 import os
 import pkgutil
 from dataclasses import dataclass, field
@@ -128,8 +127,7 @@ class StageBase:
     LEFT_PADDED: ClassVar[bool] = False
     """Trains on left-padded prompts (PPO, GRPO, RLOO): run padded on a GPU, eager attention (modeling.compute)."""
     PRODUCES: ClassVar[str] = ""
-    """What the stage publishes: `policy` (a causal LM in model/), `reward_model` (a scalar model in model/),
-    `data` (preference pairs in data/) or `report`."""
+    """What it publishes: `policy` (a causal LM in model/), `reward_model` (scalar), `data` (pairs) or `report`."""
     INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {}
     """Fields that may name another stage -> (role the stage must produce, whether the field must name a
     stage). Role `judge`: a reward-model stage or a Python judge (align/judges/__init__.py); `data`: a data stage or a card."""
@@ -147,6 +145,8 @@ class StageBase:
     """Why the stage type lacks an engine, said when a pipeline asks for it."""
     WORK: ClassVar[str] = ""
     """The final metric counting the work the stage did (steps, iterations, prompts): at 0 the stage has failed."""
+    DIVERGED: ClassVar[tuple[str, ...]] = ("loss", "margin", "accuracy", "rewards/")
+    """A final metric named with one of these that is not finite: the model diverged, the stage fails."""
     DROPOUT: ClassVar[bool] = False
     """Its trained models' dropout (LoRA's too) runs while it trains (`align estimate` measures it)."""
 

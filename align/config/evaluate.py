@@ -27,6 +27,7 @@ class EvaluateStage(StageBase):
         "reward": (REWARD_MODEL, True), "preferences": (DATA, True)}
     CARDS: ClassVar[dict[str, str]] = {"prompts": PROMPTS_ONLY}
     WORK: ClassVar[str] = "eval/prompts"
+    DIVERGED: ClassVar[tuple[str, ...]] = ()  # nothing trains; a NaN (an lc win rate, an agreement) reads "n/a"
 
     policies: list[str] = field(default_factory=lambda: ["sft"])
     """Stages whose model/ to evaluate."""

@@ -86,7 +86,7 @@ def frontier(m: dict[str, Any], groups: list, judge: str, reference: str, baseli
 
 
 def win_rates(m: dict[str, Any], policies: list[str], judges: list[str], baseline: str, out: Path) -> None:
-    """Win rate against the baseline per policy and judge, with 95% bootstrap CIs; 0.5 = no difference."""
+    """Win rate against the baseline per policy and judge, with 95% Wilson CIs; 0.5 = no difference."""
     plt = _plt()
     others = [p for p in policies if p != baseline]
     tilt = len(others) > 3  # a sweep: many policies, long names

@@ -245,7 +245,7 @@ def check_produced(ctx: StageContext, outputs: list[str], final: dict[str, Any])
     if work and final.get(work) == 0:
         raise StageError(f"stage '{ctx.name}' did no work: {work} is 0")
     bad = [k for k, v in final.items() if isinstance(v, float) and not math.isfinite(v)
-           and any(w in k for w in ("loss", "margin", "accuracy", "rewards/"))]
+           and any(w in k for w in type(ctx.cfg).DIVERGED)]
     if bad:  # the training-loss guard watches each step; a diverged model can still end with a NaN eval
         raise StageError(f"stage '{ctx.name}': {', '.join(f'{k} = {final[k]}' for k in bad)}: the model diverged "
                          f"(non-finite numbers); lower stages.{ctx.name}.learning_rate (or the stage's beta / "
