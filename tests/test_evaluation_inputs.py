@@ -153,6 +153,32 @@ def test_every_stage_that_samples_prompts_drops_empty_ones_and_counts_them(monke
         assert "load_prompts" in called and "unique_prompts" not in called, module
 
 
+def test_a_limit_on_prompts_takes_a_seeded_uniform_sample_not_the_files_head(monkeypatch):
+    """The default pipeline's held-out movie reviews are stored positive first: `max_prompts: 512` took the first
+    512 of 966 (89% positive, against 3% in the rest), and the report described them, not the split. Evaluate and
+    preferences now take a seeded random sample, drawn after the drops (an empty prompt no longer costs one), in an
+    order whose every prefix is a sample too (a pairwise judge's max_prompts takes one)."""
+    from types import SimpleNamespace
+
+    from align.runtime import rows
+
+    seed = 1234
+    print("seed", seed)
+    data = [{"prompt": f"good review {i}:"} for i in range(300)] + [{"prompt": ""}] * 40 + \
+        [{"prompt": f"bad review {i}:"} for i in range(300)]
+    monkeypatch.setattr(rows, "load_rows", lambda ctx, ref, split, tokenizer=None: data)
+    ctx = SimpleNamespace(name="evaluate", extra_manifest={})
+    picked = rows.load_prompts(ctx, "card.yaml", "test", sample=(100, seed))
+    assert len(picked) == 100 and len(set(picked)) == 100 and "" not in picked
+    good = sum(p.startswith("good") for p in picked)
+    assert 35 <= good <= 65, good  # binomial(100, 0.5): outside [35, 65] once in ~600 seeds; the head held 100
+    assert 5 <= sum(p.startswith("good") for p in picked[:20]) <= 15  # a prefix is a sample as well
+    assert rows.load_prompts(ctx, "card.yaml", "test", sample=(100, seed)) == picked  # the same on a rerun
+    assert rows.load_prompts(ctx, "card.yaml", "test", sample=(100, seed + 1)) != picked
+    assert rows.load_prompts(ctx, "card.yaml", "test", sample=(None, seed))[:100] == picked  # one order, cut
+    assert rows.load_prompts(ctx, "card.yaml", "test")[:3] == ["good review 0:", "good review 1:", "good review 2:"]
+
+
 def test_evaluate_scores_the_reward_model_on_pairs_within_the_reward_stages_max_length(tmp_path, monkeypatch):
     """Held-out pairs longer than the reward stage's max_length ran past a small model's positions (an IndexError,
     after every policy was sampled) or were scored at lengths it never trained at; they are left out and counted,
@@ -227,7 +253,7 @@ def test_an_llm_judge_reads_a_conversational_prompt_without_the_policys_chat_tem
     monkeypatch.setattr(rows, "load_rows", lambda ctx, ref, split, tokenizer=None: [
         {"prompt": one}, {"prompt": two}, {"prompt": "Plain text:"}])
     plain: dict[str, str] = {}
-    prompts = rows.load_prompts(SimpleNamespace(name="evaluate", extra_manifest={}), "card.yaml", "test", None, tok,
+    prompts = rows.load_prompts(SimpleNamespace(name="evaluate", extra_manifest={}), "card.yaml", "test", tok,
                                 plain)
     assert all("<|start_header_id|>" in p for p in prompts[:2])  # the policy samples from the rendered prompt
     assert [plain[p] for p in prompts] == ["Is it on?", "System: Be brief.\n\nUser: Why?", "Plain text:"]
@@ -275,6 +301,6 @@ def test_a_reply_holding_a_special_tokens_text_does_not_cost_a_stage_that_sample
     data[7]["prompt"][0]["content"] = "Say <|eot_id|> please"
     monkeypatch.setattr(rows, "load_rows", lambda ctx, ref, split, tokenizer=None: data)
     ctx = SimpleNamespace(name="evaluate", extra_manifest={})
-    prompts = rows.load_prompts(ctx, "card.yaml", "test", None, tok)
+    prompts = rows.load_prompts(ctx, "card.yaml", "test", tok)
     assert len(prompts) == 49 and not any("Say" in p for p in prompts)
     assert ctx.extra_manifest["dropped_rows"] == {"card.yaml split 'test': holds a special token's text": 1}

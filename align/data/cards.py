@@ -274,6 +274,13 @@ def _unit(seed: int, key: str) -> float:
     return int.from_bytes(hashlib.sha256(f"{seed}\x00{key}".encode()).digest()[:8], "big") / 2 ** 64
 
 
+def seeded_rank(seed: int, key: str) -> float:
+    """A prompt's place in a seeded random order (sha256, salted apart from the split's hash, so the order within a
+    split is not its place in the split): a prefix of rows sorted by it is a uniform sample of them, the same on
+    every machine and rerun."""
+    return _unit(seed, f"order\x00{key}")
+
+
 def _split_key(row: dict[str, Any]) -> str:
     key = row_prompt_key(row)
     return json.dumps(row, sort_keys=True) if key is None else key

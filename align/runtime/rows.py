@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from align.data.cards import LoadedSplit, load_card, load_split, read_jsonl
+from align.data.cards import LoadedSplit, load_card, load_split, read_jsonl, seeded_rank
 from align.data.chat import as_text, same_after_template, same_after_template_problem
 from align.data.special_text import without_special_text
 from align.data.formats import FormatError, plain_prompt, prompt_key, text_of
@@ -24,8 +24,8 @@ def load_rows(ctx: StageContext, ref: str, split: str, limit: int | None = None,
         rows = read_jsonl(ctx.input_dir(ref) / "data" / f"{split}.jsonl")
     else:
         rows = card_split(ctx, ref, split).rows
-    rows = rows[:limit] if limit else rows
-    return rows if tokenizer is None else _rendered(ctx, rows, tokenizer, f"{ref} split '{split}'")
+    rows = rows if tokenizer is None else _rendered(ctx, rows, tokenizer, f"{ref} split '{split}'")
+    return rows[:limit] if limit else rows  # after the drops: `limit` rows train when there are as many
 
 
 def card_split(ctx: StageContext, card: str, split: str) -> LoadedSplit:
@@ -100,15 +100,20 @@ def unique_prompts(rows: list[dict[str, Any]], limit: int | None = None) -> list
     return prompts[:limit] if limit else prompts
 
 
-def load_prompts(ctx: StageContext, ref: str, split: str, limit: int | None = None, tokenizer=None,
-                 plain: dict[str, str] | None = None) -> list[str]:
-    """Distinct non-empty prompts of a data reference (at most `limit`), conversational ones rendered with
-    `tokenizer`'s chat template; none at all fails the stage. `plain`, when given, is filled with each prompt's text
-    without the template (formats.plain_prompt): what an LLM judge reads."""
+def load_prompts(ctx: StageContext, ref: str, split: str, tokenizer=None, plain: dict[str, str] | None = None,
+                 sample: tuple[int | None, int] | None = None) -> list[str]:
+    """Distinct non-empty prompts of a data reference, conversational ones rendered with `tokenizer`'s chat template;
+    none at all fails the stage. `plain`, when given, is filled with each prompt's text without the template
+    (formats.plain_prompt): what an LLM judge reads. `sample` = (limit, seed): the prompts in a seeded random order
+    (cards.seeded_rank), at most `limit` of them after the drops, so they and any prefix of them are a uniform sample
+    of the split (a file in sorted order, as the movie reviews are, positive first, gave a skewed head); without it, in
+    file order."""
     first: dict[str, dict[str, Any]] = {}
     for row in load_rows(ctx, ref, split):
         first.setdefault(prompt_key(row["prompt"]), row)
-    rows = list(first.values())[:limit] if limit else list(first.values())
+    if sample is not None:
+        first = {k: first[k] for k in sorted(first, key=lambda k: seeded_rank(sample[1], k))}
+    rows = list(first.values())
     kept = [r for r in rows if text_of(r["prompt"])]  # visible text: not whitespace or zero-width characters alone
     if len(kept) < len(rows):
         count_dropped(ctx, f"{ref} split '{split}': empty prompt", len(rows) - len(kept))
@@ -122,7 +127,7 @@ def load_prompts(ctx: StageContext, ref: str, split: str, limit: int | None = No
         rows = _rendered(ctx, rows, tokenizer, f"{ref} split '{split}'")
     if plain is not None:
         plain.update({r["prompt"]: r["plain_prompt"] for r in reversed(rows)})  # a prompt's first row's text
-    return unique_prompts(rows)
+    return unique_prompts(rows, sample[0] if sample else None)
 
 
 def prompts_within_positions(ctx: StageContext, prompts: list[str], tokenizer, model_path: str,

@@ -1,6 +1,6 @@
 """Evaluate stage: every policy samples the same held-out prompts with the same seed and decoding; each
 sample is scored by every judge (gold functions and the reward model); KL to the reference is measured on
-the policy's own samples; win rates against the baseline come with 95% bootstrap CIs.
+the policy's own samples; win rates against the baseline come with 95% Wilson CIs (means and KL with bootstrap CIs).
 
 Writes `<run>/report/metrics.json` and `<run>/report/report.md` atomically.
 """
@@ -240,7 +240,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     ref_path = ctx.input_model(cfg.reference)
     tokenizer = ctx.load_tokenizer(ref_path)
     plain: dict[str, str] = {}  # each prompt without the chat template: what an LLM judge reads
-    prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer, plain)  # conversations: rendered
+    prompts = load_prompts(ctx, cfg.prompts, cfg.split, tokenizer, plain, (cfg.max_prompts, ctx.seed))  # conversations: rendered
     prompts = prompts_within_positions(ctx, prompts, tokenizer, ref_path, cfg.generation.max_new_tokens)
     reference = ctx.load_lm(ref_path, device=True, frozen=True).eval()
     judges: dict[str, WeightedJudge] = {name: stage_judge(ctx, name) for name in cfg.judges}

@@ -285,7 +285,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     path = ctx.input_model(cfg.policy)
     tokenizer = ctx.load_tokenizer(path)
     plain: dict[str, str] = {}  # each prompt without the chat template: what a pairwise judge reads
-    prompts = load_prompts(ctx, cfg.prompts, cfg.split, cfg.max_prompts, tokenizer, plain)  # conversations: rendered
+    prompts = load_prompts(ctx, cfg.prompts, cfg.split, tokenizer, plain, (cfg.max_prompts, ctx.seed))  # conversations: rendered
     prompts = prompts_within_positions(ctx, prompts, tokenizer, path, cfg.generation.max_new_tokens)
     records, mine, t0 = sampled_records(ctx, cfg, tokenizer, prompts, path, plain)
     records = sorted(gather_object(records), key=lambda r: r["index"])

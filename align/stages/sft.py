@@ -155,12 +155,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     cfg: SFTStage = ctx.cfg  # type: ignore[assignment]
     data = card_split(ctx, cfg.data, cfg.split)
-    rows = data.rows[: cfg.max_train_examples] if cfg.max_train_examples else data.rows
     chat = data.card.produces == "messages"
     args = training_args(SFTConfig, cfg, ctx, completion_only_loss=cfg.completion_only_loss and not chat,
                          assistant_only_loss=False, eval_strategy="no", packing=False)
-    model, tokenizer, added = load_start(ctx, cfg, rows, chat)  # after the config: partitioned under ZeRO-3
-    rows = drop_special_text(ctx, rows, tokenizer, f"{cfg.data} split '{cfg.split}'")
+    model, tokenizer, added = load_start(ctx, cfg, data.rows[: cfg.max_train_examples or None], chat)  # after the
+    # config: partitioned under ZeRO-3
+    rows = drop_special_text(ctx, data.rows, tokenizer, f"{cfg.data} split '{cfg.split}'")
+    rows = rows[: cfg.max_train_examples] if cfg.max_train_examples else rows  # after the drops, as load_rows
     check_lengths(ctx, rows, tokenizer)
     columns = ["messages"] if chat else ["prompt", "completion"]
     train = Dataset.from_list([{c: r[c] for c in columns} for r in rows])
