@@ -63,6 +63,25 @@ def test_pi_kl_acts_within_iterations_where_ziegler_drifts():
     assert (resumed.value, resumed.integral) == (pi.value, pi.integral)
 
 
+def test_one_reading_far_over_target_does_not_hold_beta_up_for_many_iterations():
+    """A review's probe (2026-11-30): coef 0.05, target 4, kp = ki = 0.1; one held-out reading of 30 nats (a
+    degenerate response), then 2 nats an iteration. Stooke et al.'s integral took 26 and unwound 2 an iteration:
+    beta stayed above coef for 13 iterations after the spike. Clipped to +-target it takes 4: by hand, 30 -> e 26,
+    I 4, beta 0.05 + 2.6 + 0.4 = 3.05; 2 -> e -2, I 2, lambda max(0, -0.2 + 0.2) = 0: coef at once."""
+    pi = PIKLController(0.05, target=4.0, kp=0.1, ki=0.1)
+    pi.update(30.0, 64)
+    assert (pi.value, pi.integral) == (pytest.approx(3.05), 4.0)
+    raised = 0
+    for _ in range(20):
+        pi.update(2.0, 64)
+        raised += pi.value > 0.05 + 1e-12
+    assert raised == 0 and pi.integral == 0.0
+    # a stretch over target still winds it up, one clipped step an iteration: 3 readings of 10 -> I = 12
+    for _ in range(3):
+        pi.update(10.0, 64)
+    assert pi.integral == 12.0 and pi.value == pytest.approx(0.05 + 0.6 + 1.2)
+
+
 def test_heldout_kl_upper_bound_by_hand():
     """KLs 1, 2, 3, 6: mean 3, sample std sqrt(14/3) = 2.1602; with 3 degrees of freedom Student's t gives 2.353,
     upper = 3 + 2.353 * 2.1602 / 2 = 5.5415 (the normal's 1.645 gave 4.7768: a bound four prompts do not support).
@@ -201,7 +220,7 @@ def test_a_kl_that_is_not_finite_leaves_beta_as_it_was():
     pi = PIKLController(0.1, target=4.0, kp=0.1, ki=0.1)
     pi.update(10.0, 64)
     before = (pi.value, pi.integral)
-    assert before == (pytest.approx(0.1 + 0.6 + 0.6), 6.0)
+    assert before == (pytest.approx(0.1 + 0.6 + 0.4), 4.0)  # the integral takes at most target (4) a reading
     for kl in (float("nan"), float("inf")):
         pi.update(kl, 64)
         assert (pi.value, pi.integral) == before

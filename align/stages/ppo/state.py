@@ -49,16 +49,17 @@ class PIKLController(FixedKLController):
     Learning by PID Lagrangian Methods", Algorithm 2) without its derivative term:
 
         e_t = KL_t - target                      (nats per response)
-        I_t = max(0, I_{t-1} + e_t)              (the integral, held at 0 while KL stays under target)
+        I_t = max(0, I_{t-1} + clip(e_t, -target, target))   (held at 0 while KL stays under target)
         lambda_t = max(0, K_P * e_t + K_I * I_t)
         beta_{t+1} = coef + lambda_t
 
     Its horizon is in iterations, not episodes: one iteration over target by 1 nat adds K_P + K_I to beta at once,
     where Ziegler's rule moves beta by at most 20% x episodes / horizon. Under target the penalty returns to coef
-    (the integral unwinds first), never below it: the integral unwinds by at most `target` nats an iteration (KL is
-    never negative), so after a stretch far over target beta stays raised for longer than the stretch (5 iterations
-    at 12 nats over a target of 4 hold it up for ~12 more at 2), as in Stooke et al.'s rule, whose integral is
-    bounded below only. A KL that is not finite leaves beta as it was (both controllers)."""
+    (the integral unwinds first), never below it. The clip is align's anti-windup: KL is never negative, so the
+    integral unwinds by at most `target` nats an iteration, and in Stooke et al.'s rule (bounded below only) one
+    held-out reading far over target (a degenerate response: 30 nats against a target of 4) wound it up by 26 and
+    held beta up for 13 iterations after it; clipped, it winds as fast as it can unwind (that reading: beta back at
+    coef two iterations later at 2 nats). A KL that is not finite leaves beta as it was (both controllers)."""
 
     def __init__(self, value: float, target: float, kp: float, ki: float):
         super().__init__(value)
@@ -69,7 +70,7 @@ class PIKLController(FixedKLController):
         if not math.isfinite(current_kl):  # max(0, nan) is 0: a NaN reset the integral and beta to coef, silently
             return
         error = current_kl - self.target
-        self.integral = max(0.0, self.integral + error)
+        self.integral = max(0.0, self.integral + min(max(error, -self.target), self.target))  # clipped: anti-windup
         self.value = self.coef + max(0.0, self.kp * error + self.ki * self.integral)
 
     def state_dict(self) -> dict:
