@@ -22,6 +22,9 @@ DEFAULT = str(REPO / "pipelines" / "default.yaml")
     (DEFAULT, ["ppo.vf_coef=0"], ["stages.ppo.vf_coef", "the value model never learns"]),
     # an adaptive beta that can never move
     (DEFAULT, ["ppo.kl.controller=pi", "ppo.kl.kp=0", "ppo.kl.ki=0"], ["kl.kp and kl.ki: both 0 with kl.controller: pi"]),
+    # k2/k3 in the reward: their policy gradient is not the KL's, and ~0 near the reference (a review, 2026-11-30)
+    (DEFAULT, ["ppo.kl.estimator=k3"], ["stages.ppo.kl.estimator: 'k3' is not allowed: must be one of k1",
+                                         "not its gradient", "grad KL(pi||ref) - grad KL(ref||pi)", "use k1"]),
     # one held-out prompt has no spread: no upper bound exists
     (DEFAULT, ["ppo.kl.max=10", "ppo.kl.heldout_prompts=1", "ppo.kl.target=5", "ppo.kl.controller=pi"],
      ["kl.max: 10 with kl.heldout_prompts: 1", "needs at least 2"]),

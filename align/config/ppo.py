@@ -36,7 +36,7 @@ class KLSettings:
     """pi: beta added per nat of KL over target in this iteration (proportional gain)."""
     ki: float = ranged(0.1, ge=0)
     """pi: beta added per nat of KL over target accumulated over iterations (integral gain; the sum never goes
-    below 0)."""
+    below 0, and each iteration adds at most `target` either way: align/stages/ppo/state.py)."""
     horizon: int = ranged(10000, ge=1)
     """ziegler: controller horizon in episodes (Ziegler et al. used 10000 with 512 episodes per update over
     thousands of updates; a short run needs a short horizon for beta to move at all)."""
@@ -50,9 +50,13 @@ class KLSettings:
     measured after every update, as the evaluation measures it (sum over the response of log pi - log ref, at the
     sampling temperature): `heldout/kl` in the metrics, what `max` and the pi controller read. 0: not measured
     (the controller then reads the KL of each iteration's rollout, measured before its update)."""
-    estimator: str = one_of("k1", "k1", "k2", "k3")
-    """Per-token KL estimator in the reward: k1 (log-ratio), k2 or k3 (Schulman 2020). `objective/kl` reports the
-    summed log-ratio (k1: nats per response) whichever it is."""
+    estimator: str = one_of("k1", "k1", fix=(
+        "k2 and k3 (Schulman 2020) estimate the KL's value, not its gradient: as a reward the policy gradient takes "
+        "E[k grad log pi], which for k3 is grad KL(pi||ref) - grad KL(ref||pi) and for k2 of second order, both ~0 "
+        "near the reference (measured: under 5% of k1's pull, the wrong way), so beta would not hold the policy "
+        "back; use k1"))
+    """Per-token KL estimator in the reward: k1, the log-ratio log pi - log ref (the only one whose policy gradient
+    is the KL's). `objective/kl` reports its sum over the response, in nats."""
 
 
 @dataclass
