@@ -351,12 +351,19 @@ def test_a_ppo_checkpoint_reaches_the_disk_before_it_is_marked_and_before_older_
     for it in (1, 2):
         (ctx.checkpoints / f"iter-{it}").mkdir()
         (ctx.checkpoints / f"iter-{it}" / "COMPLETE").write_text("{}")
+    # a user's copy and notes beside them: int("2.bak") raised in rotation (main process only: the others then
+    # waited at the barrier) and in resume, on every later attempt; now they are no checkpoints, left alone
+    shutil.copytree(ctx.checkpoints / "iter-2", ctx.checkpoints / "iter-2.bak")
+    (ctx.checkpoints / "iter-notes.txt").write_text("kept by hand")
     checkpoint.save_checkpoint(ctx, Accelerator(), 3, keep=2)
     marked = next(i for i, e in enumerate(events) if e.startswith("fsync .COMPLETE") or e == "fsync COMPLETE")
     for name in ("model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl"):
         assert events.index("all saved") < events.index(f"fsync {name}") < marked  # process 1's file too
     assert events.index("fsync checkpoints") < events.index("remove iter-1")
-    assert sorted(p.name for p in ctx.checkpoints.iterdir()) == ["iter-2", "iter-3"]
+    assert sorted(p.name for p in ctx.checkpoints.iterdir()) == ["iter-2", "iter-2.bak", "iter-3", "iter-notes.txt"]
+    from align.core.rundir import step_checkpoints
+
+    assert [p.name for p in step_checkpoints(ctx.checkpoints, "iter-")] == ["iter-2", "iter-3"]  # what resume reads
 
 
 def test_a_checkpoint_directory_not_named_by_a_step_is_left_alone_by_resume_and_rotation(tmp_path):

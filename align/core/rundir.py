@@ -314,10 +314,10 @@ def choose_checkpoint(checkpoints: Path, world_size: int, log) -> Path | None:
     return newest
 
 
-def step_checkpoints(checkpoints: Path) -> list[Path]:
-    """The Trainer checkpoints `checkpoint-<step>` by step, as transformers finds them (`checkpoint-old`: not one)."""
-    return sorted((p for p in checkpoints.glob("checkpoint-*") if p.is_dir() and p.name[11:].isdigit()),
-                  key=lambda p: int(p.name[11:]))
+def step_checkpoints(checkpoints: Path, prefix: str = "checkpoint-") -> list[Path]:
+    """The checkpoints `<prefix><step>` by step: Trainer's (`checkpoint-old`: not one), PPO's with prefix `iter-`."""
+    return sorted((p for p in checkpoints.glob(f"{prefix}*") if p.is_dir() and p.name[len(prefix):].isdigit()),
+                  key=lambda p: int(p.name[len(prefix):]))
 
 
 def rotate_checkpoints(checkpoints: Path, keep: int) -> list[Path]:

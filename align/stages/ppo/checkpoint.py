@@ -13,6 +13,7 @@ import shutil
 from typing import Any
 
 from align.core.fsutil import atomic_write_text, fsync_dir, fsync_tree
+from align.core.rundir import step_checkpoints
 from align.core.tracking import keep_metrics_until, table_file
 from align.runtime.context import StageContext
 
@@ -85,7 +86,7 @@ def resume(ctx: StageContext, accelerator, kl_ctl, moments, scale, stream, progr
             shutil.rmtree(partial)
     accelerator.wait_for_everyone()
     def newest():  # the main process's listing (another node's may lag), given to every process
-        done = sorted((p for p in ckpts.glob("iter-*") if (p / "COMPLETE").is_file()), key=lambda p: int(p.name[5:]))
+        done = [p for p in step_checkpoints(ckpts, "iter-") if (p / "COMPLETE").is_file()]  # `iter-40.bak`: not one
         return str(done[-1]) if done else None
 
     chosen = ctx.main_decides(newest)
@@ -132,6 +133,6 @@ def save_checkpoint(ctx: StageContext, accelerator, iteration: int, trainable_on
         atomic_write_text(tmp / "COMPLETE", json.dumps({"iteration": iteration}))
         tmp.rename(final)
         fsync_dir(ctx.checkpoints)
-        for old in sorted(ctx.checkpoints.glob("iter-*"), key=lambda p: int(p.name[5:]))[:-keep]:
+        for old in step_checkpoints(ctx.checkpoints, "iter-")[:-keep]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
