@@ -261,3 +261,47 @@ def test_objective_kl_is_the_sequence_kl_in_nats_whatever_estimator_the_penalty_
         assert math.isclose(row["objective/kl"], k1, rel_tol=1e-6), estimator
         assert math.isclose(row["objective/non_score_reward"], (-0.1 * kl).sum(1).mean().item(), rel_tol=1e-6)
     assert not math.isclose(kl_estimate(logprobs, ref, "k2").mul(rmask).sum(1).mean().item(), k1, rel_tol=1e-3)
+
+
+def test_publishing_outside_zero3_copies_no_whole_state_on_any_process(tmp_path):
+    """A review (2026-11-30): publish_policy called accelerate's get_state_dict on every process, which outside
+    ZeRO-3 (ZeRO-1/2 under DeepSpeed) clones the whole policy and value model to host memory on each (~32 GB per
+    process at 8B), where only the main process writes, from weights it holds whole. Now only ZeRO-3 gathers; the
+    published weights are the policy's either way."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from align.stages.ppo import publish_policy
+
+    torch.manual_seed(7)
+    print("seed 7")
+    policy = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1))
+    both = torch.nn.Module()
+    both.policy, both.value = policy, torch.nn.Linear(16, 1)
+    calls = []
+
+    class Accelerator:
+        def __init__(self, main):
+            self.is_main_process = main
+
+        def get_state_dict(self, model):
+            calls.append(self.is_main_process)
+            return {k: v.clone() for k, v in model.state_dict().items()}
+
+        def unwrap_model(self, model):
+            return model
+
+    for zero3 in (False, True):
+        calls.clear()
+        out = tmp_path / f"zero3_{zero3}"
+        for main in (False, True):
+            s = SimpleNamespace(ctx=SimpleNamespace(compute=SimpleNamespace(distributed_zero3=zero3)), model=both,
+                                cfg=SimpleNamespace(lora=SimpleNamespace(enabled=False)), accelerator=Accelerator(main),
+                                tokenizer=SimpleNamespace(save_pretrained=lambda path: None))
+            publish_policy(s, out)
+        assert calls == ([False, True] if zero3 else []), (zero3, calls)  # under ZeRO-3 a collective: every process
+        loaded = AutoModelForCausalLM.from_pretrained(out)
+        for name, tensor in policy.state_dict().items():
+            assert torch.equal(loaded.state_dict()[name], tensor), name

@@ -313,11 +313,15 @@ def after_iteration(s: PPORun, it: int, b: Batch) -> None:
 def publish_policy(s: PPORun, path: Path) -> None:
     """model/: the policy alone (LoRA: its adapters beside the name of their base, or merged with lora.merge)."""
     ctx, cfg, accelerator = s.ctx, s.cfg, s.accelerator
-    state = accelerator.get_state_dict(s.model)  # collective under ZeRO-3: every process gathers
+    zero3 = ctx.compute.distributed_zero3  # a collective then: every process gathers; otherwise the main process
+    # reads the weights in place (accelerate cloned the policy and value model whole to host memory on every process
+    # under ZeRO-1/2: ~32 GB each at 8B, 8 of them at once)
+    state = accelerator.get_state_dict(s.model) if zero3 else None
     if not accelerator.is_main_process:
         return
     policy = accelerator.unwrap_model(s.model).policy
-    policy_state = {k[len("policy."):]: v for k, v in state.items() if k.startswith("policy.")}
+    policy_state = ({k[len("policy."):]: v for k, v in state.items() if k.startswith("policy.")} if zero3
+                    else policy.state_dict())
     if cfg.lora.enabled and not cfg.lora.merge:  # the adapters alone, beside the name of their base
         policy.save_pretrained(path, state_dict=policy_state)
         ctx.trained_from = s.policy_path
