@@ -247,16 +247,16 @@ def test_implicit_prompt_conversations_become_the_explicit_form():
         implicit_prompt({**row, "prompt": "Name a composite."}, "row 5")
 
 
-def _uf_mirror(root: Path) -> Path:
+def _uf_mirror(root: Path, ties: tuple[int, ...] = ()) -> Path:
     """A two-split UltraFeedback-shaped dataset in the hub's layout (parquet per split, named by the card's
-    `configs:`), as `hf download` leaves it."""
+    `configs:`), as `hf download` leaves it; the rows in `ties` rated alike."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     user = lambda i: {"content": f"Question {i}?", "role": "user"}  # noqa: E731
     rows = [{"prompt": f"Question {i}?", "prompt_id": str(i), "chosen": [user(i), {"content": f"Good {i}.", "role": "assistant"}],
              "rejected": [user(i), {"content": f"Bad {i}.", "role": "assistant"}], "messages": [user(i)],
-             "score_chosen": 8.0, "score_rejected": 3.0} for i in range(12)]
+             "score_chosen": 8.0, "score_rejected": 8.0 if i in ties else 3.0} for i in range(12)]
     ds = root / "HuggingFaceH4" / "ultrafeedback_binarized"
     (ds / "data").mkdir(parents=True)
     for split, part in (("train_prefs", rows[:9]), ("test_prefs", rows[9:])):
@@ -278,6 +278,7 @@ def test_the_ultrafeedback_card_reads_the_datasets_own_splits_as_published(tmp_p
     assert set(train.rows[0]) == {"prompt", "chosen", "rejected"}  # `columns:` keeps what the stages read
     with pytest.raises(DataCardError, match=r"no split 'validation'; the card defines \['test', 'train'\]"):
         load_split(card, "validation")
+    assert train.dropped == {} and test.dropped == {}
     typo = tmp_path / "typo.yaml"  # the dataset is reached: a split it lacks is the card's error, not "unreachable"
     typo.write_text((REPO / "data_cards" / "ultrafeedback_binarized_prefs.yaml").read_text().replace(
         "train: train_prefs", "train: trian_prefs"))
@@ -289,6 +290,46 @@ def test_the_ultrafeedback_card_reads_the_datasets_own_splits_as_published(tmp_p
     (tmp_path / "hub" / "HuggingFaceH4" / "ultrafeedback_binarized" / "README.md").write_text(
         (tmp_path / "hub" / "HuggingFaceH4" / "ultrafeedback_binarized" / "README.md").read_text() + "\n")
     assert card.content_hash() != before  # the mirrored files are part of the fingerprint
+
+
+def test_ultrafeedback_pairs_rated_alike_are_dropped_and_counted(tmp_path, monkeypatch):
+    """A review (2026-11-30): the card kept only prompt / chosen / rejected, so a pair whose `rejected` (one of the
+    other completions at random) was rated as high as `chosen` trained the reward model and DPO on a coin flip, and
+    counted in their held-out accuracy. The card maps the ratings and drops such pairs (and reversed ones)."""
+    from align.data.formats import FormatError
+    from align.data.transforms import drop_score_ties
+
+    monkeypatch.setenv("ALIGN_HUB_MIRROR", str(_uf_mirror(tmp_path / "hub", ties=(2, 5, 10))))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    card = load_card(REPO / "data_cards" / "ultrafeedback_binarized_prefs.yaml")
+    train, test = load_split(card, "train"), load_split(card, "test")
+    assert (len(train.rows), len(test.rows)) == (7, 2)
+    assert train.dropped == {"rated alike (a tie)": 2} and test.dropped == {"rated alike (a tie)": 1}
+    assert "Question 2?" not in str(train.rows) and set(train.rows[0]) == {"prompt", "chosen", "rejected"}
+    rows = [{"chosen": "a", "rejected": "b", "s_c": 1, "s_r": 2}, {"chosen": "a", "rejected": "b", "s_c": 3, "s_r": 2}]
+    kept, dropped = drop_score_ties(rows, {"chosen": "s_c", "rejected": "s_r"}, 0)
+    assert kept == [{"chosen": "a", "rejected": "b"}] and dropped == {"rejected rated above chosen": 1}
+    with pytest.raises(FormatError, match=r"row 0: transform drop_score_ties: field 'score_chosen' must be a number "
+                                          r"\(a rating\), got None; map the ratings in `columns:`"):
+        drop_score_ties([{"chosen": "a", "rejected": "b", "score_rejected": 2}], {}, 0)
+    with pytest.raises(FormatError, match=r"expected \{\} or \{chosen: <field>, rejected: <field>\}"):
+        drop_score_ties(rows, {"margin": 1}, 0)
+
+
+def test_two_mirrors_of_one_dataset_and_a_mirror_rewritten_in_place_each_read_their_own_rows(tmp_path, monkeypatch):
+    """datasets keys a local dataset's cache by its name and file patterns: a second mirror of UltraFeedback, at
+    another path, read the first one's cached rows, and so did a mirror whose parquet was replaced in place, while
+    the card's fingerprint (a digest of the files) said the data had changed."""
+    import pyarrow.parquet as pq
+
+    card = load_card(REPO / "data_cards" / "ultrafeedback_binarized_prefs.yaml")
+    monkeypatch.setenv("ALIGN_HUB_MIRROR", str(_uf_mirror(tmp_path / "a")))
+    assert len(load_split(card, "train").rows) == 9
+    monkeypatch.setenv("ALIGN_HUB_MIRROR", str(_uf_mirror(tmp_path / "b", ties=(0, 1, 2))))
+    assert len(load_split(card, "train").rows) == 6
+    part = tmp_path / "b" / "HuggingFaceH4" / "ultrafeedback_binarized" / "data" / "train_prefs-00000-of-00001.parquet"
+    pq.write_table(pq.read_table(part).slice(0, 4), part)  # rows 0-3, three of them ties
+    assert len(load_split(card, "train").rows) == 1
 
 
 def test_hub_source_splits_are_checked(tmp_path):

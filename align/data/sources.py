@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import gzip
+import hashlib
 import io
 import json
 import re
@@ -206,6 +207,20 @@ def _check_header(card: DataCard, file: Path, header: list[str], names: list[str
                             "reads it: rename one of the two columns")
 
 
+def _mirror_cache(mirror: Path) -> Path:
+    """datasets' cache for a mirror as its files are now (place, size, mtime, inode of each): datasets keys a local
+    dataset's cache by its name and its card's file patterns, so a second mirror of the same dataset, or one whose
+    files were replaced in place, read the rows first cached (measured with datasets 5.2, 2026-11-30) while the
+    card's fingerprint, a digest of the files, said they had changed."""
+    from align.core.fsutil import cache_root
+
+    h = hashlib.sha256()
+    for file in sorted(p for p in mirror.rglob("*") if p.is_file() and ".cache" not in p.parts):
+        st = file.stat()
+        h.update(f"{file.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n".encode())
+    return cache_root() / "hub-mirrors" / h.hexdigest()[:20]
+
+
 def _read_hub(card: DataCard, split: str) -> list[dict[str, Any]]:
     import datasets  # heavy: only for hub cards
     from datasets.utils import logging as ds_logging
@@ -221,7 +236,8 @@ def _read_hub(card: DataCard, split: str) -> list[dict[str, Any]]:
         raise DataCardError(f"{card.path}: field 'source': hub dataset {src['hub']!r}: {problem}")
     try:
         if mirror is not None:
-            ds = datasets.load_dataset(str(mirror), src.get("config"), data_dir=src.get("data_dir"), split=split)
+            ds = datasets.load_dataset(str(mirror), src.get("config"), data_dir=src.get("data_dir"), split=split,
+                                       cache_dir=str(_mirror_cache(mirror)))
         else:
             ds = datasets.load_dataset(src["hub"], src.get("config"), data_dir=src.get("data_dir"), split=split,
                                        revision=resolved_revision(src["hub"], src.get("revision")))

@@ -144,6 +144,34 @@ def alpaca(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
     return out, dropped
 
 
+def drop_score_ties(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
+    """Preference pairs whose own ratings do not prefer `chosen` are dropped and counted: a tie teaches a coin flip
+    (HuggingFaceH4's UltraFeedback binarization draws `rejected` at random from the other completions, which may be
+    rated as high as the best; Argilla's cleaned version removes such ties), and a `rejected` rated higher teaches
+    the reverse. Reads the ratings from `score_chosen` / `score_rejected` (map them in the card's `columns:`; args
+    `{chosen: <field>, rejected: <field>}` name others) and leaves them out of the rows it keeps."""
+    if args is not None and not (isinstance(args, dict) and set(args) <= {"chosen", "rejected"}):
+        raise FormatError(f"transform drop_score_ties: expected {{}} or {{chosen: <field>, rejected: <field>}} naming "
+                          f"the ratings' fields, got {args!r}")
+    fields = {"chosen": "score_chosen", "rejected": "score_rejected", **(args or {})}
+    out, dropped = [], Counter()
+    for i, row in enumerate(rows):
+        chosen, rejected = (_rating(row, fields[side], i) for side in ("chosen", "rejected"))
+        if chosen <= rejected:
+            dropped["rated alike (a tie)" if chosen == rejected else "rejected rated above chosen"] += 1
+            continue
+        out.append({k: v for k, v in row.items() if k not in fields.values()})
+    return out, dropped
+
+
+def _rating(row: dict[str, Any], key: str, i: int) -> float:
+    value = row.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise FormatError(f"row {i}: transform drop_score_ties: field '{key}' must be a number (a rating), got "
+                          f"{str(value)[:60]}; map the ratings in `columns:` (e.g. {key}: {key})")
+    return float(value)
+
+
 def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -199,4 +227,5 @@ TRANSFORMS: dict[str, Callable[[Rows, Any, int], tuple[Rows, Counter]]] = {
     "hh_messages": hh_messages,
     "hh_chosen_messages": hh_chosen_messages,
     "alpaca": alpaca,
+    "drop_score_ties": drop_score_ties,
 }
