@@ -120,6 +120,37 @@ def test_evaluation_prompts_in_another_form_of_the_training_prompts_are_an_error
     validate(parse_pipeline(raw, "hh_mixed.yaml"), REPO / "pipelines" / "hh_mixed.yaml", verbose=False)
 
 
+def test_in_offline_mode_validation_reads_a_hub_cards_cached_copy_and_checks_the_overlap(tmp_path, monkeypatch):
+    """A review (2026-11-30): with the hub out of reach, validation treated a hub card as unreadable, and so never
+    compared its evaluation prompts with the training prompts, although in offline mode (HF_HUB_OFFLINE=1, as on
+    clusters) the stages read datasets' cached copy. Offline, validation now reads that copy too (here: a mirror
+    standing in for datasets' cache) and refuses the evaluation on the training split of UltraFeedback."""
+    import os
+
+    from align.orchestrator import validate as validation
+    from shapealike import hub_mirror
+
+    mirror, real = str(hub_mirror(tmp_path / "hub")), validation.load_split
+
+    def cached_copy(card, split):  # what datasets gives offline from its cache
+        os.environ["ALIGN_HUB_MIRROR"] = mirror
+        try:
+            return real(card, split)
+        finally:
+            del os.environ["ALIGN_HUB_MIRROR"]
+
+    monkeypatch.delenv("ALIGN_HUB_MIRROR", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(validation, "load_split", cached_copy)
+    source = REPO / "pipelines" / "llama3_8b_ultrafeedback.yaml"
+    raw = yaml.safe_load(source.read_text())
+    raw["stages"]["evaluate"]["split"] = "train"
+    with pytest.raises(PipelineError, match="evaluation prompts .* also occur in the training prompts of stage"):
+        validate(parse_pipeline(raw, source.name), source, verbose=False)
+    raw["stages"]["evaluate"]["split"] = "test"
+    validate(parse_pipeline(raw, source.name), source, verbose=False)
+
+
 @pytest.mark.parametrize("stage", ["dpo", "reward"])
 def test_evaluation_prompts_a_preference_stage_trained_on_are_an_error(stage):
     raw = yaml.safe_load((REPO / "pipelines" / "default.yaml").read_text())

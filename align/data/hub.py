@@ -13,10 +13,22 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 
+def hub_offline() -> bool:
+    """Offline mode (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE): datasets reads its cached copies and asks nothing."""
+    return any(os.environ.get(v, "0").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def hub_unreadable(hub_id: str) -> bool:
+    """Whether validation must leave hub dataset `hub_id` unread: no mirror of it, the hub not reachable, and not in
+    offline mode (where datasets reads its cached copy at once, as the stage will: its rows and the evaluation
+    prompts' overlap with training prompts are checked then, not skipped)."""
+    return hub_mirror(hub_id) is None and not hub_offline() and not hub_reachable()
+
+
 def hub_reachable(timeout: float = 3.0) -> bool:
     """Whether the Hugging Face hub answers a TCP connection from here (False in offline mode). Lets validation
     tell an unreachable hub at once instead of after the datasets library's retries."""
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+    if hub_offline():
         return False
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     try:

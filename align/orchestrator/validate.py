@@ -23,7 +23,7 @@ from align.config.contract import EXAMPLES, POLICY, PROMPTS_ONLY, REWARD_MODEL, 
 from align.config.settings import flash_attention_problem
 from align.config.sweeps import by_stage
 from align.core.builtin import is_builtin
-from align.data.hub import hub_mirror, hub_reachable
+from align.data.hub import hub_unreadable
 from align.data.cards import DataCardError, DataUnavailableError, LoadedSplit, load_card, load_split
 from align.data.formats import row_prompt_key, turns_key
 from align.orchestrator import helper
@@ -48,7 +48,7 @@ def card_loader() -> SplitLoader:
         if key not in cache:
             try:
                 loaded = load_card(card)
-                if loaded.format == "hub" and hub_mirror(loaded.source["hub"]) is None and not hub_reachable():
+                if loaded.format == "hub" and hub_unreadable(loaded.source["hub"]):
                     raise DataUnavailableError(str(card))
                 cache[key] = load_split(loaded, split)
             except DataUnavailableError:
@@ -150,8 +150,9 @@ def _check_cards(plan: StagePlan, split_of: SplitLoader, source: str, verbose: b
                                 f"{exc}") from None
         _check_card_rows(plan, fld, card, data, source)
         if verbose and not data.available:
-            print(f"  {plan.name}.{fld}: {card.name}: warning: hub dataset {data.card.source.get('hub')} not "
-                  "reachable from here; its rows are checked when the stage starts")
+            print(f"  {plan.name}.{fld}: {card.name}: warning: hub dataset {data.card.source.get('hub')} not read: no "
+                  "mirror or cached copy, no hub; its rows are checked as the stage starts, not their overlap with "
+                  "evaluation prompts (HF_HUB_OFFLINE=1 reads a cached copy)")
         elif verbose:
             dropped = ", ".join(f"{n} {why}" for why, n in data.dropped.items()) or "none dropped"
             print(f"  {plan.name}.{fld}: {card.name} split '{data.split}': {len(data.rows)} rows, of {data.read} "
@@ -356,8 +357,7 @@ def stage_lines(cfg: PipelineConfig, plans: list[StagePlan]) -> list[str]:
 
 
 def _check_card_rows(plan: StagePlan, fld: str, card: Path, data: LoadedSplit, source: str) -> None:
-    """A card a stage samples prompts from needs prompts that are not all empty (what a stage type needs of its
-    cards beyond that is its own `check`)."""
+    """A card a stage samples prompts from needs prompts that are not all empty (beyond that: the type's `check`)."""
     where = f"{source}: stages.{plan.name}.{fld}"
     if type(plan.cfg).CARDS[fld] == PROMPTS_ONLY and data.card.produces == "messages":  # known without its rows
         raise PipelineError(f"{where}: {card.name} produces 'messages' (whole conversations); the stage samples prompts: "
