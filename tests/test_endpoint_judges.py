@@ -210,7 +210,7 @@ def test_prompts_longer_than_the_judges_context_are_invalid_answers_not_a_refuse
     server.shutdown()
     assert [r["outcome"] == "invalid" for r in results] == [True] * 20 + [False] * 30
     assert all(isinstance(a, Refused) and TOO_LONG in a for r in results[:20] for a in r["answers"])
-    with pytest.raises(InvalidVerdicts, match=r"refused 20 of them as longer than the judge's context: serve the "
+    with pytest.raises(InvalidVerdicts, match=r"20 of them were longer than the judge's context: use or serve a "
                                               r"judge with a longer context \(vLLM --max-model-len\)"):
         check_invalid(results, PairwiseJudge(name="j", model="judge", base_url=url), "prefs", "prompts", show=False)
     assert too_long(413, "") and not too_long(400, "HTTP 400: the server says 'Unsupported parameter: max_tokens'")

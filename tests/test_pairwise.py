@@ -490,3 +490,28 @@ def test_a_hub_judges_cached_answers_are_keyed_by_the_commit_its_weights_came_fr
     assert key(None) != old  # no commit known (a packaged model): the name alone, as before
     for odd in ("./judge.gguf", "/abs/model.Q8_0.gguf", "a/b/c"):  # paths, not repository ids: no commit, no error
         assert hub_commit(odd, cache_dir=str(tmp_path / "hub")) is None
+
+
+def test_a_local_judge_leaves_a_judging_prompt_past_its_positions_unjudged_and_says_why():
+    """A review's probe (2026-11-30): a GPT-2-shaped judge with 128 positions given a 164-token judging prompt raised
+    IndexError (a traceback, after every policy was sampled); a RoPE judge would have judged past its training
+    length. Such a prompt now gets an invalid answer naming the cause, counted against max_invalid_fraction (whose
+    message says what to change), never cached; the prompts that fit are judged as before."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from align.judges.endpoint import TOO_LONG, Refused
+    from align.judges.pairwise import LocalBackend
+    from align.modeling.models import load_tokenizer
+    from conftest import REPO
+
+    torch.manual_seed(5)
+    print("seed 5")
+    tok = load_tokenizer(str(REPO / "tokenizers" / "gpt2"))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=16, n_layer=1, n_head=2)).eval()
+    backend = LocalBackend(model, tok, batch_size=3, max_new_tokens=4)
+    short, long = "Which is better, A or B?", "Which is better? " + "words " * 80
+    answers = backend.answers([short, long, short])
+    assert isinstance(answers[1], Refused) and TOO_LONG in answers[1] and "(64 positions)" in answers[1]
+    assert not isinstance(answers[0], Refused) and answers[0] == answers[2]  # greedy, the same prompt
+    assert backend.requests == 2

@@ -79,7 +79,7 @@ def check_invalid(results: list[dict[str, Any]], settings: PairwiseJudge, stage:
         f"stage '{stage}': pairwise judge '{settings.name}' gave invalid answers (not exactly A, B or tie) for "
         f"{len(invalid)} of {len(results)} {what} ({len(invalid) / len(results):.1%}), above max_invalid_fraction "
         f"{settings.max_invalid_fraction:g}; examples in the log. " + (
-            f"The endpoint refused {long} of them as {TOO_LONG}: serve the judge with a longer context (vLLM "
+            f"{long} of them were {TOO_LONG}: use or serve a judge with a longer context (vLLM "
             "--max-model-len), sample shorter responses (generation.max_new_tokens), take shorter prompts, or lower the "
             "judge's max_new_tokens"
             if long else "Use a stronger judge, a judging template that asks for one word, or a larger "
@@ -103,6 +103,7 @@ class LocalBackend:
         self.model, self.tokenizer = model, tokenizer
         self.batch_size, self.max_new_tokens = batch_size, max_new_tokens
         self.requests = 0
+        self.positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
     def render(self, text: str) -> str:
         return chat_prompt(self.tokenizer, text)
@@ -117,15 +118,31 @@ class LocalBackend:
         try:
             for start in range(0, len(texts), self.batch_size):
                 batch = [self.render(t) for t in texts[start:start + self.batch_size]]
-                enc = tok(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(self.model.device)
-                with torch.no_grad():
-                    ids = self.model.generate(**enc, do_sample=False, max_new_tokens=self.max_new_tokens,
-                                              pad_token_id=tok.pad_token_id)
-                out += tok.batch_decode(ids[:, enc["input_ids"].size(1):], skip_special_tokens=True)
-                self.requests += len(batch)
+                answers: list[str | None] = [self._too_long(len(ids)) for ids in
+                                             tok(batch, add_special_tokens=False)["input_ids"]]
+                fit = [text for text, answer in zip(batch, answers) if answer is None]
+                if fit:
+                    enc = tok(fit, return_tensors="pt", padding=True, add_special_tokens=False).to(self.model.device)
+                    with torch.no_grad():
+                        ids = self.model.generate(**enc, do_sample=False, max_new_tokens=self.max_new_tokens,
+                                                  pad_token_id=tok.pad_token_id)
+                    said = iter(tok.batch_decode(ids[:, enc["input_ids"].size(1):], skip_special_tokens=True))
+                    answers = [next(said) if answer is None else answer for answer in answers]
+                out += answers
+                self.requests += len(fit)
         finally:
             tok.padding_side = side
         return out
+
+
+    def _too_long(self, tokens: int) -> Refused | None:
+        """An invalid answer for a judging prompt whose tokens and max_new_tokens pass the judge's positions (a
+        learned-position model raised an IndexError after every policy was sampled; a RoPE one judged past what it
+        was trained on), None for one that fits. Not cached: a judge with a longer context answers it."""
+        if self.positions is None or tokens + self.max_new_tokens <= self.positions:
+            return None
+        return Refused(f"[no verdict: the judging prompt ({tokens} tokens) and max_new_tokens ({self.max_new_tokens}) "
+                       f"are {TOO_LONG} ({self.positions} positions)]")
 
 
 def chat_prompt(tokenizer, text: str) -> str:
