@@ -93,6 +93,9 @@ def test_pairwise_summary_counts_what_the_report_says():
     # decided by both judges: pairs 1, 2 (LLM win, vader better) and 3 (LLM loss, vader worse): all agree
     assert s["agreement/vader"] == 1.0 and s["agreement/vader/pairs"] == 3
     assert s["win_rate_ci"][0] <= s["win_rate"] <= s["win_rate_ci"][1]
+    # the invalid pair (an endpoint's content filter refusing the policy's reply, say) as a loss, and as a win:
+    # 3 / 6 and 4 / 6 over all six pairs, on either side of the 0.6 the valid five give
+    assert s["win_rate_bounds"] == [pytest.approx(3 / 6), pytest.approx(4 / 6)]
 
 
 # --------------------------------------------------------------------------------------------- backends

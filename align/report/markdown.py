@@ -75,9 +75,12 @@ def headline(cfg: EvaluateStage, m: dict[str, Any], groups: list[frontier.Group]
             lc = m[f"{key}/lc_win_rate"]
             unfit = unfit or lc != lc
             lc_cell = "n/a" if lc != lc else f"{lc:.3f}"
+            bounds = m.get(f"{key}/win_rate_bounds")  # invalid pairs as losses / as wins: what leaving them out hides
+            invalid = f"{m[f'{key}/invalid_rate']:.3f}" + (f" (win rate {bounds[0]:.3f}-{bounds[1]:.3f} with them as "
+                                                            "losses / wins)" if m[f"{key}/invalid_rate"] and bounds
+                                                            else "")
             lines.append(f"| {p} | {m[f'{key}/win_rate']:.3f} [{lo:.3f}, {hi:.3f}] | {lc_cell} | "
-                         f"{m[f'{key}/tie_rate']:.3f} | {m[f'{key}/consistency']:.3f} | {m[f'{key}/invalid_rate']:.3f} | "
-                         f"{agree} |")
+                         f"{m[f'{key}/tie_rate']:.3f} | {m[f'{key}/consistency']:.3f} | {invalid} | {agree} |")
     if unfit:
         lines += ["", "length-controlled n/a: the lengths cannot be told from the policy (fewer than 10% of the pairs "
                   "on one side of equal length, or every pair the same length apart), and a rate at equal length "
@@ -88,7 +91,8 @@ def headline(cfg: EvaluateStage, m: dict[str, Any], groups: list[frontier.Group]
     swept = seeds.table(m, groups or [], judges, [j.name for j in cfg.pairwise], cfg.reference, cfg.baseline)
     lines += ["", *swept] if swept else []
     return "\n".join(lines) + f"\n\nn = {m['eval/prompts']} held-out prompts" + "".join(
-        f"; {name}: the first {n} of them, each pair judged in both orders" for name, n in judged.items())
+        f"; {name}: {f'{n} of them (a seeded uniform sample)' if n < m['eval/prompts'] else 'all of them'}, each "
+        "pair judged in both orders" for name, n in judged.items())
 
 
 def _header(cells: list[str]) -> list[str]:

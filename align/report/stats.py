@@ -118,7 +118,10 @@ def pairwise_summary(results: list[dict], policy_lengths: list[float], baseline_
     """A pairwise judge's verdicts on a policy against the baseline, prompt by prompt (`results`: each with
     `outcome` win / loss / tie / invalid and `verdicts` [with the policy as A, as B]):
 
-    - win_rate (wins + ties / 2 over valid pairs) with its 95% CI (`outcome_ci`), tie_rate, invalid_rate (over all);
+    - win_rate (wins + ties / 2 over valid pairs) with its 95% CI (`outcome_ci`), tie_rate, invalid_rate (over all),
+      and win_rate_bounds, the rate over all pairs with every invalid one a loss, and a win: invalid pairs are not
+      missing at random (an endpoint's content filter refuses what a policy wrote), and leaving them out moves the
+      rate anywhere between the two;
     - consistency: the share of valid pairs whose verdict did not flip with the order (both orders name the same
       response, or both say tie);
     - mean response lengths, and the length-controlled win rate (`length_controlled_win_rate`);
@@ -136,7 +139,9 @@ def pairwise_summary(results: list[dict], policy_lengths: list[float], baseline_
     lo, hi = outcome_ci(values)
     flips = sum(1 for i in valid if {"A": "B", "B": "A", "tie": "tie"}[results[i]["verdicts"][0]] !=
                 results[i]["verdicts"][1])
+    invalid = len(results) - len(valid)
     out.update({"win_rate": float(np.mean(values)), "win_rate_ci": [lo, hi],
+                "win_rate_bounds": [sum(values) / len(results), (sum(values) + invalid) / len(results)],
                 "tie_rate": sum(results[i]["outcome"] == "tie" for i in valid) / len(valid),
                 "consistency": 1 - flips / len(valid),
                 "lc_win_rate": length_controlled_win_rate(
