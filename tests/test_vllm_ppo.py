@@ -137,6 +137,7 @@ def test_zero3_two_processes_with_vllm_resumes_after_sigkill(tmp_path):
     assert m["engine"]["sync_transport"] == "node_shared_memory", m["engine"]
     gaps = gaps_per_iteration(ppo)
     assert sorted(gaps) == [1, 2, 3, 4] and max(gaps.values()) < 1e-3, gaps
+    assert m["final_metrics"]["rollout/logprob_gap_max"] == max(gaps.values())  # the killed attempt's iterations too
 
 
 def test_lora_adapters_synced_alone_resume_after_sigkill(tmp_path):

@@ -347,7 +347,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         ctx.note_engine(engine)  # inside closing(): a manifest write that fails does not leave the engine behind
         t_sync = sync_engine(engine, s.model, accelerator, ctx)  # it starts from policy_path; a resumed one differs
         fix_reward_scale(s)
-        history, gaps = restore_history(ctx, s.start), []
+        history = restore_history(ctx, s.start)
         # kl.max: the last update's weights inside the budget (first: the starting or resumed policy, saved inside it)
         snapshot = PolicySnapshot(s.groups["policy"]) if cfg.kl.max is not None else None
         if snapshot is not None:
@@ -374,8 +374,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
                                       f"KL (after a weight sync of {t_sync:.2f} s)")
                 split["heldout"] = now(accelerator.device) - t_heldout - t_sync
             metrics = iteration_metrics(s, b, kl, beta, stats, measured, t0, t_sync, split)
-            if b.gap is not None:
-                gaps.append(metrics["rollout/logprob_gap_max"])
             if snapshot is not None and measured is not None and not measured.within(cfg.kl.max):
                 over, metrics["heldout/over_budget"] = (it + 1, measured), 1.0  # undone below, beta kept as it was
             else:
@@ -394,7 +392,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
         out = summarise(cfg, [h for h in history if not h.get("heldout/over_budget")], s.kl_ctl, s.start)
         if snapshot is not None:
             out.update(budget_summary(cfg, snapshot, over))
-        if gaps:
+        gaps = [h["rollout/logprob_gap_max"] for h in history if "rollout/logprob_gap_max" in h]
+        if gaps:  # every iteration's, those of an attempt killed before this one's resume too (the history's)
             out["rollout/logprob_gap_max"] = nan_max(gaps)
             out["perf/sync_seconds"] = sum(engine.sync_seconds) / max(1, len(engine.sync_seconds))
         return out
