@@ -906,13 +906,18 @@ def test_a_pipeline_json_with_fields_of_the_wrong_type_is_one_line_for_status_ve
         assert "pipeline.json: not a pipeline manifest" in proc.stderr and problem in proc.stderr, (command, proc.stderr)
 
 
-@pytest.mark.parametrize("stage, split", [("evaluate", "test_sft"), ("ppo", "train_sft")])
+@pytest.mark.parametrize("stage, split", [("evaluate", "test"), ("ppo", "train")])
 def test_a_conversation_card_as_prompts_is_refused_at_validate_even_without_the_hub(stage, split, capsys):
     """Evaluate's or PPO's prompts pointed at UltraFeedback's SFT card (its test split is `test_sft`: a natural slip)
     passed validate where the hub was not reachable (compute nodes) and failed as KeyError: 'prompt' when the stage
     started, after SFT, the reward model and PPO had trained; with the hub, validate said every prompt was empty.
-    The card's declared form refuses it at validate, hub or not."""
+    The card's declared form refuses it at validate, hub or not. (Offline, validation reads the card's cached copy
+    since 2026-11-30, and the hub's own split name is refused first, naming the card's.)"""
     pipeline = str(REPO / "pipelines" / "llama3_8b_ultrafeedback.yaml")
+    rc, out = validate(capsys, pipeline, f"{stage}.prompts=../data_cards/ultrafeedback_binarized_sft.yaml",
+                       f"{stage}.split={split}_sft")
+    refused(out, rc, f"stages.{stage}.prompts (split '{split}_sft')", f"no split '{split}_sft'; the card defines "
+            "['test', 'train']")
     rc, out = validate(capsys, pipeline, f"{stage}.prompts=../data_cards/ultrafeedback_binarized_sft.yaml",
                        f"{stage}.split={split}")
     refused(out, rc, f"stages.{stage}.prompts: ultrafeedback_binarized_sft.yaml produces 'messages'",
