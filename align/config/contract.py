@@ -323,7 +323,7 @@ class TrainedStage(StageBase):
     """Keep this many resumable checkpoints, the newest (older ones go once a newer one is complete). A ZeRO
     checkpoint of an 8B model holds weights and optimiser states, ~100 GB: 1 keeps one on disk at a time."""
     max_train_examples: int | None = ranged(None, ge=1, fix="use null for all examples")
-    """Use at most this many training examples (None = all)."""
+    """Use at most this many training examples: the split's first, in file order, after the drops (None = all)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about a third more compute. Off by default
     (TRL turns it on); `align estimate` and the memory preflight say when a stage needs it to fit."""

@@ -50,7 +50,7 @@ class EvaluateStage(StageBase):
     split: str = "test"
     """Held-out split of the card."""
     max_prompts: int | None = ranged(512, ge=1, fix="use null for all prompts")
-    """Evaluate on at most this many prompts (None = all)."""
+    """Evaluate on at most this many prompts, a seeded uniform sample of the split's (None = all)."""
     bootstrap_samples: int = ranged(2000, ge=100, fix="fewer resamples give confidence intervals that are noise")
     """Bootstrap resamples for confidence intervals."""
     generation: Generation = field(default_factory=Generation)

@@ -35,7 +35,7 @@ class PreferencesStage(StageBase):
     split: str = "train"
     """Split of the card to take prompts from."""
     max_prompts: int | None = ranged(2048, ge=1, fix="use null for all prompts")
-    """Use at most this many prompts (None = all)."""
+    """Use at most this many prompts, a seeded uniform sample of the split's (None = all)."""
     samples_per_prompt: int = ranged(4, ge=2, fix="a pair needs two completions")
     """Completions per prompt (>= 2); the best and worst by the judge form the pair (2 with a pairwise judge, which
     compares two)."""

@@ -257,7 +257,7 @@ class PairwiseJudge:
     """Endpoint: seconds the whole judging (every policy of the stage) may take; past it the stage stops, naming this
     setting (cached answers are kept: a rerun asks only what is left)."""
     max_prompts: int | None = ranged(None, ge=1, fix="use null to judge every prompt")
-    """Judge at most this many prompts per policy (null: all of them)."""
+    """Judge at most this many prompts per policy, a seeded uniform sample of the evaluated ones (null: all)."""
     max_invalid_fraction: float = ranged(0.2, ge=0, le=1)
     """Fail the stage when more than this fraction of answers are invalid (with examples in the log)."""
 
