@@ -134,7 +134,6 @@ class LocalBackend:
             tok.padding_side = side
         return out
 
-
     def _too_long(self, tokens: int) -> Refused | None:
         """An invalid answer for a judging prompt whose tokens and max_new_tokens pass the judge's positions (a
         learned-position model raised an IndexError after every policy was sampled; a RoPE one judged past what it
