@@ -208,16 +208,15 @@ def _check_header(card: DataCard, file: Path, header: list[str], names: list[str
 
 
 def _mirror_cache(mirror: Path) -> Path:
-    """datasets' cache for a mirror as its files are now (place, size, mtime, inode of each): datasets keys a local
+    """datasets' cache for a mirror as its files are now (each one's place and `file_stamp`): datasets keys a local
     dataset's cache by its name and its card's file patterns, so a second mirror of the same dataset, or one whose
     files were replaced in place, read the rows first cached (measured with datasets 5.2, 2026-11-30) while the
     card's fingerprint, a digest of the files, said they had changed."""
-    from align.core.fsutil import cache_root
+    from align.core.fsutil import cache_root, file_stamp
 
     h = hashlib.sha256()
     for file in sorted(p for p in mirror.rglob("*") if p.is_file() and ".cache" not in p.parts):
-        st = file.stat()
-        h.update(f"{file.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n".encode())
+        h.update(f"{file.resolve()}\0{file_stamp(file)}\n".encode())
     return cache_root() / "hub-mirrors" / h.hexdigest()[:20]
 
 
