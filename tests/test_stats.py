@@ -61,6 +61,25 @@ def test_bootstrap_ci_covers_truth_at_about_nominal_rate():
     assert 0.88 <= covered / 200 <= 0.99
 
 
+def test_bootstrap_ci_in_chunks_gives_the_one_shot_interval_without_its_memory():
+    """Seed 5. Chunks of 70 indices (7 resamples of 10) give the interval of one (1000, 10) draw; a
+    one-shot draw over 100k values would hold 2,000 x 100k indices (1.6 GB), the chunked one a few MB."""
+    import tracemalloc
+
+    v = np.random.default_rng(5).random(10)
+    rng = np.random.default_rng(0)
+    means = v[rng.integers(0, 10, size=(1000, 10))].mean(axis=1)
+    # the same resamples; a row's mean may differ in its last bit with the array's alignment (SIMD)
+    assert bootstrap_ci(v, samples=1000, chunk_elements=70) == pytest.approx(np.quantile(means, [0.025, 0.975]),
+                                                                            rel=1e-12)
+    big = np.random.default_rng(5).random(100_000)
+    tracemalloc.start()
+    bootstrap_ci(big, samples=2000)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 200 * 2**20, peak
+
+
 def test_perplexity_is_token_weighted_over_all_responses():
     # two responses: 1 token with log-prob -2, 3 tokens summing to -4 -> exp(6 / 4) = e^1.5, not the mean of
     # the per-response perplexities (e^2 + e^(4/3)) / 2 = 5.59
