@@ -32,6 +32,30 @@ def test_gpt2_tokenizer_gets_pad_and_the_plan_gives_it_the_default_chat_template
     assert text == "user: hi<|endoftext|>\nassistant:"
 
 
+def test_a_tokenizer_naming_no_pad_pads_with_its_vocabularys_pad_token_so_a_reward_reads_at_the_final_eos(tmp_path):
+    """Llama 3.1 (Instruct: EOS <|eot_id|>) names no pad token but holds <|finetune_right_pad_id|> for padding.
+    With EOS as pad, a reward model's rule (the last token that is not the pad) read an ended reply's score on its
+    last word, exactly where a reply cut at max_new_tokens is read: the two could not differ. Now the reply that
+    ended is read at its EOS. (GPT-2's vocabulary holds no pad: EOS stays, test above.)"""
+    import torch
+    from transformers import AutoTokenizer
+
+    from align.modeling.losses import last_token_index
+    from shapealike import LLAMA3_SPECIALS, _bpe
+
+    _bpe(LLAMA3_SPECIALS, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>").save_pretrained(tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path).pad_token is None
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.pad_token == "<|finetune_right_pad_id|>" and tok.pad_token_id != tok.eos_token_id
+    words = tok("a good film", add_special_tokens=False)["input_ids"]
+    ended, cut = words + [tok.eos_token_id], words + tok("it was", add_special_tokens=False)["input_ids"]
+    width = max(len(ended), len(cut)) + 2
+    ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in (ended, cut)])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in (ended, cut)])
+    assert last_token_index(ids, mask, tok.pad_token_id).tolist() == [len(ended) - 1, len(cut) - 1]
+    assert ids[0, len(ended) - 1] == tok.eos_token_id
+
+
 def test_trained_tokenizer_is_deterministic():
     texts = ["a good film", "a bad film", "the plot was thin"] * 20
     a, b = train_tokenizer(texts, 300, 64), train_tokenizer(texts, 300, 64)

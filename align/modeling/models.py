@@ -77,19 +77,31 @@ def default_chat_template() -> str:
     return (TEMPLATE_DIR / "default.jinja").read_text(encoding="utf-8")
 
 
+# Tokens a vocabulary holds for padding though its tokenizer names no pad token: Llama 3.1+'s reserved
+# <|finetune_right_pad_id|> (id 128004), Pythia's <|padding|>, and the usual spellings.
+PAD_NAMES = ("<|finetune_right_pad_id|>", "<|padding|>", "<|pad|>", "<pad>", "[PAD]")
+
+
 def prepare_tokenizer(tok):
-    """Give a tokenizer what training needs, and say what was changed: no pad token: reuse EOS as pad (labels
-    are masked by attention mask, so EOS still gets a loss). (A chat template is the plan's: align/templates/.)"""
+    """Give a tokenizer what training needs, and say what was changed. No pad token: a padding token its
+    vocabulary already holds (`PAD_NAMES`), else EOS. A pad distinct from EOS matters to a reward model: a
+    sequence classifier reads its score at the last token that is not the pad, so with pad = EOS every score is
+    read before the final EOS and a reply cut at max_new_tokens scores as one that ended. (Labels are masked by
+    the attention mask, so EOS as pad still gets a loss. A chat template is the plan's: align/templates/.)"""
     if tok.eos_token is None:
         raise ModelError("tokenizer has no EOS token: responses could never end and every response would get "
                          "the missing-EOS penalty; set `eos_token` in its tokenizer_config.json (or "
                          "special_tokens_map.json) and save it again")
     if tok.pad_token is None:
-        if tok.eos_token is None:
-            raise ModelError("tokenizer has neither a pad nor an EOS token; add one (e.g. tokenizer.add_special_"
-                             "tokens({'pad_token': '<|pad|>'})) and save it with the model")
-        tok.pad_token = tok.eos_token
-        log.warning("tokenizer has no pad token: using EOS (%r) as pad", tok.eos_token)
+        vocab = tok.get_vocab()
+        held = next((t for t in PAD_NAMES if t in vocab and vocab[t] != tok.eos_token_id), None)
+        tok.pad_token = held or tok.eos_token
+        if held:
+            log.info("tokenizer names no pad token: using %r, which its vocabulary holds for padding", held)
+        else:
+            log.warning("tokenizer has no pad token: using EOS (%r) as pad, so a reward model reads its score "
+                        "before the final EOS (add a pad token to tell a cut reply from one that ended)",
+                        tok.eos_token)
     words = tok("The movie was great.", add_special_tokens=False)["input_ids"]
     if not words or all(i == tok.unk_token_id for i in words):
         raise ModelError(f"the tokenizer encodes ordinary text ('The movie was great.') as {words}, with {len(tok)} "
