@@ -132,6 +132,19 @@ def test_fingerprints_change_downstream_only():
     assert c == a  # logging cadence does not change results
 
 
+@pytest.mark.parametrize("override", ["sft.save_total_limit=5", "ppo.generation.engine_timeout_s=900",
+                                      "ppo.generation.gpu_memory_utilization=0.5", "ppo.gradient_checkpointing=true"])
+def test_what_align_advises_after_a_full_disk_a_timeout_or_an_oom_keeps_every_fingerprint(override):
+    """align's errors advise lowering save_total_limit (a full disk), raising engine_timeout_s, or memory knobs; the
+    fingerprint read these (nested ones too), so following that advice on an interrupted stage started it again
+    from step 0 and deleted its checkpoints, and reran every stage after it."""
+    path = REPO / "pipelines" / "default.yaml"
+    a = {p.name: p.fingerprint for p in build_plan(_parse(_raw()), path)}
+    assert {p.name: p.fingerprint for p in build_plan(_parse(apply_overrides(_raw(), [override])), path)} == a
+    b = {p.name: p.fingerprint for p in build_plan(_parse(apply_overrides(_raw(), ["ppo.generation.top_k=5"])), path)}
+    assert {n for n in a if a[n] != b[n]} == {"ppo", "evaluate"}  # a nested setting that samples differently does
+
+
 def test_new_weights_at_the_base_models_path_change_the_fingerprints_of_the_stages_that_load_it(tmp_path):
     """The base model was fingerprinted by its path alone: new weights (or a packaged model converted again) at the
     same path left every stage "up to date". Stages that load it rerun, and so does everything made from them."""

@@ -40,6 +40,11 @@ PAIRWISE = "preferences.pairwise={name: j, model: m, base_url: 'http://127.0.0.1
     # settings left out of the fingerprint, and epochs under max_steps (2026-11-30 probe: twins that validated)
     (["dpo.sweep={save_steps: [5, 10]}"], ["stages.dpo.sweep.save_steps:", "left out of its fingerprint"]),
     (["dpo.max_steps=20", "dpo.sweep={epochs: [1, 2]}"], ["stages.dpo.sweep.epochs:", "max_steps is set"]),
+    (["dpo.sweep={save_total_limit: [1, 2]}"], ["stages.dpo.sweep.save_total_limit:", "left out of its fingerprint"]),
+    (["ppo.sweep={generation.engine_timeout_s: [60, 600]}"],
+     ["stages.ppo.sweep.generation.engine_timeout_s:", "left out of its fingerprint"]),
+    # `mode` is the sweep's own keyword: a value that is neither a mode nor a list of a setting's values
+    (["dpo.sweep={mode: 3, beta: [0.1, 0.2]}"], ["stages.dpo.sweep.mode: 3 is not one of cartesian, zip"]),
     # a trainer's max_length that no reply of its preferences stage fits in, after any prompt: refused after sampling
     (["dpo.max_length=32"], ["stages.dpo.max_length: 32 cannot hold a reply of stages.preferences.generation."
                              "max_new_tokens (32 tokens)", "raise max_length"]),

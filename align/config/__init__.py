@@ -254,11 +254,27 @@ def parse_pipeline(raw: dict[str, Any], source: str) -> PipelineConfig:
     return cfg
 
 
-# Fields left out of a stage's fingerprint: logging and checkpoint cadence and the validation tolerance never change
-# its result (a sweep over only these is refused as twins); the launch config (`accelerate`) decides where it runs
-# and, through the process count, its global batch, which a reused stage's skip line names (a sweep over it is
-# allowed: cpu against ddp, or ddp against zero3, are runs worth comparing).
-NON_SEMANTIC = ("logging_steps", "save_steps", "save_every", "sample_every", "accelerate", "max_truncated_fraction")
+# Fields left out of a stage's fingerprint, at any depth (each name means one thing wherever it appears): logging
+# and checkpoint cadence and retention, the validation tolerance, time limits and retries, the names of credential
+# variables, and memory knobs that change no arithmetic (activation recomputation, the vLLM engine's memory and its
+# sync bucket) never change its result. So raising `engine_timeout_s` or lowering `save_total_limit`, as align's own
+# errors advise, resumes the stage from its checkpoints instead of discarding them; a sweep over only these is
+# refused as twins. The launch config (`accelerate`) decides where it runs and, through the process count, its
+# global batch, which a reused stage's skip line names (a sweep over it is allowed: cpu against ddp, or ddp against
+# zero3, are runs worth comparing).
+NON_SEMANTIC = ("logging_steps", "save_steps", "save_every", "sample_every", "accelerate", "max_truncated_fraction",
+                "save_total_limit", "gradient_checkpointing", "engine_timeout_s", "kv_cache_gib",
+                "gpu_memory_utilization", "sync_bucket_mib", "key_env", "token_env", "max_concurrency", "timeout",
+                "retries", "max_retry_wait", "deadline")
+
+
+def semantic(settings: Any) -> Any:
+    """`settings` (a stage's `to_dict`) without the NON_SEMANTIC fields, at any depth: what its fingerprint reads."""
+    if isinstance(settings, dict):
+        return {k: semantic(v) for k, v in settings.items() if k not in NON_SEMANTIC}
+    if isinstance(settings, list):
+        return [semantic(v) for v in settings]
+    return settings
 
 
 def _add_variants(cfg: PipelineConfig, name: str, body: dict[str, Any], cls: type, stages_raw: dict[str, Any],
@@ -269,8 +285,8 @@ def _add_variants(cfg: PipelineConfig, name: str, body: dict[str, Any], cls: typ
     read: dict[str, str] = {}  # the swept values a variant's stage reads -> the first variant with them
     for v in expand(name, body, cls, f"{source}: stages.{name}"):
         stage = from_dict(cls, v.body, f"{source}: stages.{name}")
-        unread = {**{k: "left out of its fingerprint: it does not change what the stage trains" for k in NON_SEMANTIC
-                     if k != "accelerate"}, **stage.unread_settings()}
+        unread = {**{k: "left out of its fingerprint: it does not change what the stage trains" for k in v.values
+                     if k.rsplit(".", 1)[-1] in NON_SEMANTIC and k != "accelerate"}, **stage.unread_settings()}
         used = repr(sorted((k, repr(x)) for k, x in v.values.items() if k not in unread))
         key = next((k for k in v.values if k in unread), None)
         if used in read and key is not None:

@@ -65,7 +65,8 @@ def expand(name: str, body: dict[str, Any], cls: type, where: str) -> list[Varia
         raise ConfigError(f"{where}.{SWEEP}: expected a mapping of settings to lists of values, e.g. "
                           f"`{SWEEP}: {{beta: [0.05, 0.1]}}`, got {str(sweep)[:80]!r}")
     lists = dict(sweep)
-    mode = lists.pop("mode") if isinstance(lists.get("mode"), str) else "cartesian"  # a list: a setting named mode
+    named_mode = "mode" in lists and not isinstance(lists["mode"], list)  # a list: a setting named mode
+    mode = lists.pop("mode") if named_mode else "cartesian"
     if mode not in MODES:
         raise ConfigError(f"{where}.{SWEEP}.mode: {mode!r} is not one of {', '.join(MODES)}")
     bound = lists.pop("max_variants", MAX_VARIANTS)

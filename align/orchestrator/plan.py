@@ -21,7 +21,7 @@ from align import templates
 from align.core.builtin import check_builtin, is_builtin
 from align.core.errors import PipelineError
 from align.core.fsutil import stamp
-from align.config import NON_SEMANTIC, PipelineConfig, StageBase, stage_types, to_dict
+from align.config import PipelineConfig, StageBase, semantic, stage_types, to_dict
 from align.config.contract import DATA, MODEL, POLICY, REWARD_MODEL, ROLES, refs
 from align.data.cards import DataCardError, load_card
 from align.judges import judge_source
@@ -150,7 +150,7 @@ def code_version() -> str:
 
 def _fingerprint(plan: StagePlan, cfg: PipelineConfig, inputs: dict[str, str], code: str,
                  hub_tokenizer: str | None = None, base_files: dict[str, Path] | None = None) -> str:
-    stage = {k: v for k, v in to_dict(plan.cfg).items() if k not in NON_SEMANTIC}
+    stage = semantic(to_dict(plan.cfg))
     base = {}
     if plan.cfg.starts_from_base():
         base = {"base_model": cfg.base_model, "tokenizer": cfg.tokenizer, "builtin": to_dict(cfg.builtin)}
