@@ -570,3 +570,27 @@ def test_csv_columns_named_by_the_header_line(tmp_path):
     card = _card(tmp_path, data.split("\n", 1)[1], name="e.csv", format="csv", produces="prompt_completion",
                  columns={"prompt": 1, "completion": 2})
     assert [r["prompt"] for r in load_split(card, "train").rows] == ["Hi, you", "Why?"]
+
+
+def test_align_reads_offline_mode_as_huggingface_hub_and_datasets_do():
+    """Offline mode was read three ways: the push's check took HF_HUB_OFFLINE alone (TRANSFORMERS_OFFLINE=1 trained
+    every stage, then the push failed), the cards' took "on" for online and let HF_DATASETS_OFFLINE=1 turn the hub
+    offline. Each environment below is read by huggingface_hub and datasets themselves, in a fresh interpreter."""
+    import itertools
+    import subprocess
+
+    names = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+    cases = [dict(zip(names, v)) for v in itertools.product((None, "", "0", "1", "on", "True "), repeat=3)][::7]
+    probe = ("import json, os, sys, importlib\nimport huggingface_hub.constants as c, datasets.config as d\n"
+             "from align.data import hub\nout = []\nfor env in json.loads(sys.argv[1]):\n"
+             "    for k, v in env.items():\n        os.environ.pop(k, None) if v is None else os.environ.update({k: v})\n"
+             "    importlib.reload(c); importlib.reload(d)\n"
+             "    out.append([c.HF_HUB_OFFLINE, hub.hub_offline(), d.HF_HUB_OFFLINE, hub.datasets_offline()])\n"
+             "print(json.dumps(out))")
+    done = subprocess.run([sys.executable, "-c", probe, json.dumps(cases)], capture_output=True, text=True,
+                          check=True)
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(got) == len(cases) >= 30
+    for env, (lib, ours, lib_data, ours_data) in zip(cases, got):
+        assert (ours, ours_data) == (lib, lib_data), env
+    assert any(row[0] for row in got) and not all(row[0] for row in got)  # both answers occur

@@ -16,11 +16,17 @@ TOKEN = "hf_abcdefghijklmnopqrstuvwxyz012345"
 
 
 class RecordingApi:
-    def __init__(self):
-        self.calls = []
+    def __init__(self, there=(".gitattributes",)):
+        self.calls, self.there = [], list(there)
 
     def create_repo(self, repo_id, **kw):
         self.calls.append(("create_repo", repo_id, kw))
+
+    def create_branch(self, repo_id, **kw):
+        self.calls.append(("create_branch", repo_id, kw))
+
+    def list_repo_files(self, repo_id, **kw):
+        return self.there
 
     def upload_folder(self, **kw):
         self.calls.append(("upload_folder", kw))
@@ -40,11 +46,38 @@ def test_upload_creates_the_repository_commits_the_folder_and_keeps_no_token(tmp
     receipt = upload(model, cfg, TOKEN, "align: test", api=api)
     assert api.calls[0] == ("create_repo", "my-org/tiny-ppo", {"repo_type": "model", "private": True, "exist_ok": True})
     assert api.calls[1][1] == {"folder_path": str(model), "repo_id": "my-org/tiny-ppo", "repo_type": "model",
-                               "revision": "main", "commit_message": "align: test"}
+                               "revision": "main", "commit_message": "align: test",
+                               "ignore_patterns": ["training_args.bin"], "delete_patterns": None}
     assert receipt == {"repo": "my-org/tiny-ppo", "revision": "main", "commit": "0123abcd",
                        "url": "https://huggingface.co/my-org/tiny-ppo/commit/0123abcd",
-                       "files": ["config.json", "model.safetensors"], "bytes": 1002}
+                       "files": ["config.json", "model.safetensors"], "deleted": [], "bytes": 1002}
     assert TOKEN not in json.dumps(receipt)
+
+
+def test_a_second_push_deletes_what_the_first_left_that_this_model_lacks_and_makes_its_branch(tmp_path):
+    """A LoRA run pushed its adapters alone; pushed again with merged weights, the repository kept the old
+    adapter_config.json beside the new config.json, and transformers then loads the old base + adapter from it. Now
+    the commit deletes what this model/ lacks (the hub's README.md and .gitattributes stay), uploads no pickled
+    TrainingArguments (a TRL stage saves one into model/, with this machine's paths), and a branch other than main is
+    created first (upload_folder commits only to a branch that exists)."""
+    from align.config.push import PushStage
+    from align.stages.push import upload
+
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors", "training_args.bin", "tokenizer.json"):
+        (model / name).write_text("x")
+    api = RecordingApi(there=[".gitattributes", "README.md", "adapter_config.json", "adapter_model.safetensors",
+                              "config.json", "tokenizer.json"])
+    cfg = PushStage(type="push", model="ppo", repo="my-org/tiny-ppo", revision="v1")
+    receipt = upload(model, cfg, TOKEN, "align: again", api=api)
+    assert api.calls[1] == ("create_branch", "my-org/tiny-ppo", {"repo_type": "model", "branch": "v1",
+                                                                  "exist_ok": True})
+    sent = api.calls[2][1]
+    assert sent["delete_patterns"] == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sent["ignore_patterns"] == ["training_args.bin"] and sent["revision"] == "v1"
+    assert receipt["files"] == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert receipt["deleted"] == ["adapter_config.json", "adapter_model.safetensors"]
 
 
 PUSH = ["stages.push.type=push", "stages.push.model=dpo", "stages.push.repo=my-org/tiny-dpo",
@@ -62,17 +95,16 @@ PUSH = ["stages.push.type=push", "stages.push.model=dpo", "stages.push.repo=my-o
     ({"ALIGN_TEST_HUB_TOKEN": TOKEN}, ["stages.push.repo=org/model.git"], "a repository name cannot end in .git"),
     ({"ALIGN_TEST_HUB_TOKEN": TOKEN}, ["stages.push.repo=org/x-"], "nor ending with '-' or '.'"),
     ({"ALIGN_TEST_HUB_TOKEN": TOKEN}, ["stages.push.repo=org/" + "x" * 97], "each part 1 to 96 characters"),
-    # adapters alone on a base only this machine has: the pushed repository names a path here as its base
-    ({"ALIGN_TEST_HUB_TOKEN": TOKEN}, ["stages.push.model=sft", "sft.lora.enabled=true",
-                                       "sft.lora.target_modules=[q_proj,v_proj]"],
-     "stages.push: model: stage 'sft' publishes LoRA adapters alone, on base_model 'builtin:tiny-llama', which is not "
-     "on the hub"),
+    ({"ALIGN_TEST_HUB_TOKEN": TOKEN, "HF_HUB_OFFLINE": "", "TRANSFORMERS_OFFLINE": "1"}, [],
+     "stages.push: offline mode is on (HF_HUB_OFFLINE, or TRANSFORMERS_OFFLINE where HF_HUB_OFFLINE is unset)"),
+    ({"ALIGN_TEST_HUB_TOKEN": TOKEN, "HF_HUB_OFFLINE": "on"}, [], "stages.push: offline mode is on"),
     ({"ALIGN_TEST_HUB_TOKEN": TOKEN}, [f"stages.push.token_env={TOKEN}"], "token_env: this looks like a token"),
     ({"ALIGN_TEST_HUB_TOKEN": TOKEN}, ["stages.push.model=preferences"],
      "stages.push.model: 'preferences' is a preferences stage, which produces preference pairs; model needs a policy "
      "or a reward model: use sft or reward or ppo or dpo"),
-    ({"ALIGN_TEST_HUB_TOKEN": TOKEN, "HF_HUB_OFFLINE": "1"}, [], "stages.push: HF_HUB_OFFLINE is set: the hub cannot "
-                                                                  "be reached to push to"),
+    ({"ALIGN_TEST_HUB_TOKEN": TOKEN, "HF_HUB_OFFLINE": "1"}, [], "stages.push: offline mode is on (HF_HUB_OFFLINE, or "
+                                                                  "TRANSFORMERS_OFFLINE where HF_HUB_OFFLINE is unset): "
+                                                                  "the hub cannot be reached to push to"),
     ({"ALIGN_TEST_HUB_TOKEN": TOKEN}, ["stages.push.revision=no such/branch.."], "stages.push: revision: 'no "
                                                                                 "such/branch..' is not a branch name"),
     ({"ALIGN_TEST_HUB_TOKEN": TOKEN}, ["stages.push2.type=push", "stages.push2.model=sft",
@@ -88,6 +120,28 @@ def test_validate_refuses_what_the_push_would_fail_on_and_never_prints_the_token
     assert proc.returncode == 2, proc.stdout
     assert message in proc.stderr, proc.stderr
     assert TOKEN not in proc.stderr + proc.stdout
+
+
+def test_adapters_alone_are_refused_on_a_base_only_this_machine_has_but_not_on_a_builtin_one(tmp_path):
+    """A LoRA stage that publishes its adapters alone on a local base: the pushed repository would name a path here
+    as its base. A builtin base was refused too, though its stage builds the model and so publishes merged weights."""
+    from align.config.push import PushStage
+    from align.config.sft import SFTStage
+    from align.config.settings import LoraSettings
+
+    (tmp_path / "base").mkdir()
+    sft = SFTStage(type="sft", lora=LoraSettings(enabled=True))
+    push = PushStage(type="push", model="sft", repo="my-org/x")
+
+    def ctx(base):
+        return SimpleNamespace(pipeline=SimpleNamespace(stages={"sft": sft, "push": push}, base_model=base),
+                               base_dir=tmp_path)
+
+    with pytest.raises(ValueError, match="stage 'sft' publishes LoRA adapters alone, on base_model 'base', which is "
+                                         "not on the hub"):
+        push.check(ctx("base"))
+    push.check(ctx("builtin:tiny-llama"))
+    push.check(ctx("meta-llama/Llama-3.1-8B-Instruct"))
 
 
 def test_a_push_stage_validates_with_a_token_and_runs_last(workdir):
@@ -110,7 +164,7 @@ def test_a_push_token_is_asked_for_only_by_the_commands_that_push():
                                                         token_env="ALIGN_TEST_UNSET_TOKEN"))]
     check_environment(plans, {"evaluate"}, "p.yaml")  # not run by this command: not asked
     with pytest.raises(PipelineError, match=r"p\.yaml: stages\.push: (token_env: the variable ALIGN_TEST_UNSET_TOKEN "
-                                            r"is not set|HF_HUB_OFFLINE is set)"):
+                                            r"is not set|offline mode is on)"):
         check_environment(plans, {"push", "evaluate"}, "p.yaml")
 
 

@@ -12,6 +12,7 @@ from typing import ClassVar
 from align.config.contract import MODEL, CheckContext, StageBase
 from align.core.builtin import is_builtin
 from align.core.packaged import SCHEME as PACKAGED
+from align.data.hub import hub_offline
 
 _PART = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?")  # the hub's rules (huggingface_hub)
 _REF = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_./-]{0,199}")  # a branch name (git check-ref-format, simplified)
@@ -79,8 +80,9 @@ class PushStage(StageBase):
             raise ValueError(f"repo: {self.repo!r} is not a hub repository id: {problem}; e.g. my-org/llama3-8b-ppo")
         source = ctx.pipeline.stages.get(self.model)
         lora = getattr(source, "lora", None)
+        base = ctx.pipeline.base_model  # a builtin model is built, not loaded: its stage publishes merged weights
         if source is not None and lora is not None and lora.enabled and not lora.merge and \
-                source.starts_from_base() and not _on_the_hub(ctx.pipeline.base_model, ctx):
+                source.starts_from_base() and not is_builtin(base) and not _on_the_hub(base, ctx):
             raise ValueError(f"model: stage '{self.model}' publishes LoRA adapters alone, on base_model "
                              f"{ctx.pipeline.base_model!r}, which is not on the hub: the pushed repository would name "
                              f"a base only this machine has; set stages.{self.model}.lora.merge: true to push whole "
@@ -98,9 +100,10 @@ class PushStage(StageBase):
                              "is a token); name the variable that holds the token, e.g. token_env: HF_TOKEN")
 
     def environment_problem(self) -> str | None:
-        if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
-            return ("HF_HUB_OFFLINE is set: the hub cannot be reached to push to; unset it for this run, or run the "
-                    "pipeline with --only for the stages before the push")
+        if hub_offline():  # as huggingface_hub reads it: the push would fail after every stage before it
+            return ("offline mode is on (HF_HUB_OFFLINE, or TRANSFORMERS_OFFLINE where HF_HUB_OFFLINE is unset): the "
+                    "hub cannot be reached to push to; unset it for this run, or leave the push out of this run "
+                    "(the override `stages.<push stage>=null`)")
         problem = token_problem(self.token_env)
         return f"token_env: {problem}" if problem else None
 

@@ -13,16 +13,29 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 
+def _on(value: str | None) -> bool:
+    """huggingface_hub's reading of a boolean variable (constants._is_true): 1, ON, YES or TRUE, any case."""
+    return value is not None and value.upper() in ("1", "ON", "YES", "TRUE")
+
+
 def hub_offline() -> bool:
-    """Offline mode (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE): datasets reads its cached copies and asks nothing."""
-    return any(os.environ.get(v, "0").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    """huggingface_hub's offline mode, which models, tokenizers, revisions and pushes obey (constants.HF_HUB_OFFLINE):
+    HF_HUB_OFFLINE, or TRANSFORMERS_OFFLINE where HF_HUB_OFFLINE is unset or empty."""
+    return _on(os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE"))
+
+
+def datasets_offline() -> bool:
+    """datasets' offline mode (datasets.config.HF_HUB_OFFLINE): HF_DATASETS_OFFLINE where it is set, either way, else
+    the hub's. Offline, datasets reads its cached copies and asks nothing."""
+    own = os.environ.get("HF_DATASETS_OFFLINE")
+    return hub_offline() if own is None else _on(own)
 
 
 def hub_unreadable(hub_id: str) -> bool:
     """Whether validation must leave hub dataset `hub_id` unread: no mirror of it, the hub not reachable, and not in
-    offline mode (where datasets reads its cached copy at once, as the stage will: its rows and the evaluation
+    datasets' offline mode (where it reads its cached copy at once, as the stage will: its rows and the evaluation
     prompts' overlap with training prompts are checked then, not skipped)."""
-    return hub_mirror(hub_id) is None and not hub_offline() and not hub_reachable()
+    return hub_mirror(hub_id) is None and not datasets_offline() and not hub_reachable()
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:

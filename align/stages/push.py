@@ -5,6 +5,7 @@ pushed/receipt.json."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from pathlib import Path
@@ -17,17 +18,31 @@ from align.runtime.context import StageContext, StageError
 OUTPUTS = ["pushed"]
 
 
+# Not uploaded: the Trainer's pickled TrainingArguments (TRL-trained stages save it into model/; it records this
+# machine's paths, and the hub flags pickles). Kept on the hub when absent here: its own card and attributes.
+LEFT_OUT = ("training_args.bin",)
+KEPT_REMOTE = ("README.md", ".gitattributes")
+
+
 def upload(folder: Path, cfg: PushStage, token: str, message: str, api: Any = None) -> dict[str, Any]:
-    """Create the repository (if needed) and commit `folder` to it; the receipt (no token in it)."""
+    """Create the repository (and the branch) if needed and commit `folder` to it, in one commit that also deletes
+    the files an earlier push left there which this model does not have: a stale adapter_config.json beside new whole
+    weights makes transformers load the old base + adapter instead. The receipt (no token in it) names both."""
     from huggingface_hub import HfApi  # light: only when pushing
 
     api = api if api is not None else HfApi(token=token)
     api.create_repo(cfg.repo, repo_type="model", private=cfg.private, exist_ok=True)
+    if cfg.revision != "main":  # upload_folder commits only to a branch that exists
+        api.create_branch(cfg.repo, repo_type="model", branch=cfg.revision, exist_ok=True)
+    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()
+                   and p.name not in LEFT_OUT)
+    there = api.list_repo_files(cfg.repo, repo_type="model", revision=cfg.revision)
+    stale = sorted(set(there) - set(files) - set(KEPT_REMOTE))
     info = api.upload_folder(folder_path=str(folder), repo_id=cfg.repo, repo_type="model", revision=cfg.revision,
-                             commit_message=message)
-    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+                             commit_message=message, ignore_patterns=list(LEFT_OUT),
+                             delete_patterns=[glob.escape(f) for f in stale] or None)
     return {"repo": cfg.repo, "revision": cfg.revision, "commit": getattr(info, "oid", None),
-            "url": str(getattr(info, "commit_url", "") or ""), "files": files,
+            "url": str(getattr(info, "commit_url", "") or ""), "files": files, "deleted": stale,
             "bytes": sum((folder / f).stat().st_size for f in files)}
 
 
