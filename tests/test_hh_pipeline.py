@@ -36,7 +36,7 @@ def test_hh_pipeline_runs_with_the_gpt2_tokenizer(workdir):
     run = workdir / "runs" / "hh_rlhf_tiny" / "main"
     for stage in ("sft", "reward", "dpo"):
         assert json.loads((run / stage / "manifest.json").read_text())["status"] == "completed", stage
-    assert "no pad token: using EOS" in (run / "sft" / "stage.log").read_text()
+    assert "no pad token: using '<|endoftext|>' as pad (EOS" in (run / "sft" / "stage.log").read_text()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -90,24 +90,47 @@ def test_a_stage_whose_epochs_give_one_step_is_refused_before_it_trains(tmp_path
 def test_a_preferences_stage_whose_pairs_are_all_held_out_fails_instead_of_publishing_none():
     from align.config.preferences import PreferencesStage
     from align.runtime.context import StageError
+    from align.data.cards import held_out_prompts
     from align.stages.preferences import split_pairs
 
     print(f"seed {SEED}")
-    ctx = types.SimpleNamespace(name="preferences", seed=SEED)
+    ctx = types.SimpleNamespace(name="preferences", seed=SEED, pipeline=types.SimpleNamespace(seed=SEED))
     records = [{"prompt": f"p{i}", "responses": ["good", "bad"], "scores": [1.0, 0.0], "ended": [True, True]}
                for i in range(3)]
     cfg = PreferencesStage(test_fraction=0.5)
-    splits, pairs, ties, cut = split_pairs(ctx, cfg, records)  # 2 of 3 prompts held out: 1 pair left to train on
-    assert (len(splits["train"]), len(splits["test"]), ties, cut) == (1, 2, 0, 0)
-    records[0]["scores"] = records[1]["scores"] = records[2]["scores"]  # still three pairs ...
+    splits, pairs, ties, cut = split_pairs(ctx, cfg, records)
+    assert (len(splits["train"]) + len(splits["test"]), ties, cut) == (3, 0, 0) and splits["train"] and splits["test"]
     tied = [dict(r, scores=[0.5, 0.5]) for r in records]
-    cfg = PreferencesStage(test_fraction=0.9)  # ... held out: round(0.9 x 3) = 3
-    with pytest.raises(StageError, match=r"no training pairs: 3 pairs are held out \(test_fraction 0.9 of 3 prompts\)"):
-        split_pairs(ctx, cfg, records)
+    # at 0.9 every prompt but one is held out (one is always kept); that one's samples tie: nothing to train on
+    kept = next(p for p in ("p0", "p1", "p2") if p not in held_out_prompts(["p0", "p1", "p2"], 0.9, SEED))
+    records = [dict(r, scores=[0.5, 0.5]) if r["prompt"] == kept else r for r in records]
+    with pytest.raises(StageError, match=r"no training pairs: 2 pairs are held out \(test_fraction 0.9 of 3 prompts\), "
+                                         r"1 prompts tied"):
+        split_pairs(ctx, PreferencesStage(test_fraction=0.9), records)
     with pytest.raises(StageError, match=r"none of 3 prompts made a pair: 3 were ties \(min_margin"):
         split_pairs(ctx, PreferencesStage(), tied)
     with pytest.raises(StageError, match=r"the pairwise judge preferred neither response"):
         split_pairs(ctx, PreferencesStage(pairwise=object()), tied)
+
+
+def test_whether_a_prompt_is_held_out_is_its_own_so_a_later_round_with_more_prompts_never_tests_on_trained_ones():
+    """Iterated DPO: round 2's preferences stage sampled 300 prompts where round 1's sampled 200 (the same first
+    200). Held out by position (random.sample of indices), 15 of round 2's 30 test prompts had been round 1's training
+    prompts, so dpo2's held-out figures were partly on prompts its starting policy trained on. Now membership is a
+    seeded hash of the prompt: none, whatever the counts, and still about test_fraction of them."""
+    from align.config.preferences import PreferencesStage
+    from align.stages.preferences import split_pairs
+
+    print(f"seed {SEED}")
+    ctx = types.SimpleNamespace(name="pairs", seed=SEED, pipeline=types.SimpleNamespace(seed=SEED))
+    rows = [{"prompt": f"prompt {i}", "responses": ["good", "bad"], "scores": [1.0, 0.0], "ended": [True, True]}
+            for i in range(2048)]
+    for small, large in ((200, 300), (200, 190), (2000, 2048)):
+        first, _, _, _ = split_pairs(ctx, PreferencesStage(test_fraction=0.1), rows[:small])
+        later, _, _, _ = split_pairs(ctx, PreferencesStage(test_fraction=0.1), rows[:large])
+        trained = {p["prompt"] for p in first["train"]}
+        assert not trained & {p["prompt"] for p in later["test"]}, (small, large)
+        assert 0.05 * large <= len(later["test"]) <= 0.15 * large
 
 
 def test_a_sample_cut_at_max_new_tokens_goes_into_no_pair():
@@ -119,7 +142,7 @@ def test_a_sample_cut_at_max_new_tokens_goes_into_no_pair():
     from align.stages.preferences import split_pairs
 
     print(f"seed {SEED}")
-    ctx = types.SimpleNamespace(name="preferences", seed=SEED)
+    ctx = types.SimpleNamespace(name="preferences", seed=SEED, pipeline=types.SimpleNamespace(seed=SEED))
     records = [{"prompt": f"p{i}", "responses": ["great.", "the film was so very", "dull.", "fine."],
                 "scores": [0.9, 1.0, 0.1, 0.5], "ended": [True, False, True, True]} for i in range(10)]
     records[3]["ended"] = [True, False, False, False]  # one finished sample: no pair

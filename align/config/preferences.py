@@ -54,7 +54,9 @@ class PreferencesStage(StageBase):
     Counted (`preferences/unfinished_samples`); a prompt left with fewer than two finished samples makes no pair.
     false: pair every sample, cut ones too."""
     test_fraction: float = ranged(0.1, gt=0, lt=1, fix="the reward and evaluate stages need held-out pairs")
-    """Fraction of prompts whose pairs go to the held-out `test` split."""
+    """Fraction of prompts whose pairs go to the held-out `test` split: each prompt by a hash of it and the
+    pipeline's seed, so every preferences stage of a run holds out the same prompts (iterated DPO's rounds never test
+    on a prompt an earlier round trained on); with two or more prompts at least one is held out and one kept."""
     generation: Generation = field(default_factory=Generation)
     """Decoding settings."""
 
@@ -75,7 +77,8 @@ class PreferencesStage(StageBase):
             self._check_split(ctx.split_of(ctx.cards["prompts"], self.split), ctx.cards["prompts"].name)
 
     def _check_split(self, loaded, card: str) -> None:
-        """Both splits of pairs get prompts: the stage holds out round(test_fraction x prompts) of its distinct ones."""
+        """Both splits of pairs get prompts: the stage holds out about test_fraction x prompts of its distinct ones
+        (refused here when that rounds to none or all of them)."""
         if not loaded.available:
             return
         n = len({k for k in map(row_prompt_key, loaded.rows) if k is not None})

@@ -96,12 +96,8 @@ def prepare_tokenizer(tok):
         vocab = tok.get_vocab()
         held = next((t for t in PAD_NAMES if t in vocab and vocab[t] != tok.eos_token_id), None)
         tok.pad_token = held or tok.eos_token
-        if held:
-            log.info("tokenizer names no pad token: using %r, which its vocabulary holds for padding", held)
-        else:
-            log.warning("tokenizer has no pad token: using EOS (%r) as pad, so a reward model reads its score "
-                        "before the final EOS (add a pad token to tell a cut reply from one that ended)",
-                        tok.eos_token)
+        (log.info if held else log.warning)("tokenizer has no pad token: using %r as pad%s", tok.pad_token, "" if held
+                                            else " (EOS: a reward model reads its score before the final EOS)")
     words = tok("The movie was great.", add_special_tokens=False)["input_ids"]
     if not words or all(i == tok.unk_token_id for i in words):
         raise ModelError(f"the tokenizer encodes ordinary text ('The movie was great.') as {words}, with {len(tok)} "

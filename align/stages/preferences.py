@@ -22,7 +22,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import random
 import shutil
 import time
 import zlib
@@ -32,6 +31,7 @@ from typing import Any, Callable
 
 
 from align.config.preferences import PreferencesStage
+from align.data.cards import held_out_prompts
 from align.runtime.rows import load_prompts, prompts_within_positions
 from align.engines import holds_own_copy, make_engine
 from align.engines.base import free_cached_memory
@@ -241,8 +241,8 @@ def split_pairs(ctx: StageContext, cfg: PreferencesStage, records: list[dict[str
             "(the pairwise judge preferred neither response in both orders; see its answers in samples.jsonl)"
             if cfg.pairwise is not None else f"(min_margin {cfg.min_margin}: sample more per prompt or lower "
             "min_margin)") + unfinished)
-    held_out = set(random.Random(ctx.seed).sample(range(len(records)), round(cfg.test_fraction * len(records))))
-    test_prompts = {records[i]["prompt"] for i in held_out}
+    # by the pipeline's seed: every preferences stage of a run (iterated DPO's rounds) holds out the same prompts
+    test_prompts = held_out_prompts([r["prompt"] for r in records], cfg.test_fraction, ctx.pipeline.seed)
     splits = {"train": [p for p in pairs if p["prompt"] not in test_prompts],
               "test": [p for p in pairs if p["prompt"] in test_prompts],
               "train_all_pairs": [p for r in records if r["prompt"] not in test_prompts
