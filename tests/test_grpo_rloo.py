@@ -271,6 +271,14 @@ def test_validate_refuses_checkpoints_inside_a_generation_round(kind):
         validate(cfg, source, verbose=False)
     cfg, source = _default_with({**round_of, "save_steps": 8})  # 16 micro-steps: two whole rounds
     validate(cfg, source, verbose=False)
+    # rounds of 3 micro-steps, windows of 2: an epoch of 3 rounds (9 micro-steps) ends with a window of one, and a
+    # resume from step 6 sampled round 4 again and trained round 6 on one micro-batch of three (2026-12-01 probe)
+    cfg, source = _default_with({**round_of, "steps_per_generation": 3, "num_iterations": 1, "save_steps": 3})
+    with pytest.raises(PipelineError, match=r"stages\.online: steps_per_generation x num_iterations \(3 micro-steps a "
+                                            r"round\) and gradient_accumulation_steps \(2\) divide neither"):
+        validate(cfg, source, verbose=False)
+    cfg, source = _default_with({**round_of, "steps_per_generation": 1, "num_iterations": 1, "save_steps": 3})
+    validate(cfg, source, verbose=False)  # a window of two whole rounds: every step ends between rounds
 
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
@@ -456,3 +464,26 @@ def test_a_resumed_run_starts_its_engine_with_another_seed():
             engines.make_engine = original
     assert seeds == [start_seed(SEED, 1, 0), start_seed(SEED, 1, 8)] and seeds[0] != seeds[1]
     assert start_seed(SEED, 0, 0) != start_seed(SEED, 1, 0) and start_seed(2 ** 31 - 1, 7, 10 ** 6) < 2 ** 31
+
+
+def test_max_train_examples_counts_prompts_after_the_long_ones_are_dropped(monkeypatch):
+    """It sliced the split's first prompts and then dropped those too long: 8 long ones first, a limit of 8, and the
+    stage failed as it started with "0 usable prompts" (not naming the limit) though the split held plenty. Now the
+    limit is taken after the drops, as every other stage takes it."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from align.config.grpo import GRPOStage
+    from align.config.settings import Generation
+    from align.stages import online_rl
+
+    tok = AutoTokenizer.from_pretrained(REPO / "tokenizers" / "gpt2")
+    prompts = [f"a long prompt number {i} " * 6 for i in range(8)] + [f"short {i}" for i in range(20)]
+    monkeypatch.setattr(online_rl, "load_prompts", lambda *a, **k: list(prompts))
+    ctx = SimpleNamespace(name="online", is_main=False, extra_manifest={}, state=SimpleNamespace(num_processes=1))
+    cfg = GRPOStage(max_length=20, generation=Generation(max_new_tokens=12), max_train_examples=8,
+                    max_truncated_fraction=0.5, per_device_batch_size=4, num_generations=4)
+    kept = online_rl.training_prompts(ctx, cfg, tok)
+    assert kept == prompts[8:16]
+    assert ctx.extra_manifest["length_check"]["dropped"] == 8

@@ -82,6 +82,13 @@ class OnlineRLStage(TrainedStage):
             raise ValueError(f"generation.max_new_tokens ({self.generation.max_new_tokens}) leaves no room for a "
                              f"prompt within max_length ({self.max_length}); raise max_length or lower max_new_tokens")
         cycle = (self.steps_per_generation or self.gradient_accumulation_steps) * self.num_iterations
+        ga = self.gradient_accumulation_steps
+        if cycle % ga and ga % cycle:  # an epoch's last optimiser step takes what is left: later steps straddle rounds
+            raise ValueError(f"steps_per_generation x num_iterations ({cycle} micro-steps a round) and gradient_"
+                             f"accumulation_steps ({ga}) divide neither one the other: an epoch that ends inside an "
+                             "accumulation window shifts every later checkpoint into a generation round (a resume "
+                             "samples one round again and trains another on part of its data); make one a multiple of "
+                             "the other (steps_per_generation: null takes gradient_accumulation_steps)")
         if (self.save_steps * self.gradient_accumulation_steps) % cycle:  # TRL counts rounds from 0 at a resume
             unit = cycle // math.gcd(cycle, self.gradient_accumulation_steps)
             raise ValueError(f"save_steps ({self.save_steps}) would put checkpoints inside a generation round "

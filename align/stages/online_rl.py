@@ -67,7 +67,6 @@ def training_prompts(ctx: StageContext, cfg: OnlineRLStage, tokenizer) -> list[s
     within max_length; longer ones are dropped, counted in the manifest, and refused above
     max_truncated_fraction (align/data/lengths.py)."""
     prompts = load_prompts(ctx, cfg.prompts, cfg.split, tokenizer=tokenizer)  # chat: rendered; empty ones dropped
-    prompts = prompts[:cfg.max_train_examples] if cfg.max_train_examples else prompts
     room = cfg.max_length - cfg.generation.max_new_tokens
     lengths = [len(ids) for ids in tokenizer(prompts)["input_ids"]] if prompts else []
     report = LengthReport(ctx.name, "prompt", len(prompts), 0, sum(n > room for n in lengths),
@@ -76,7 +75,7 @@ def training_prompts(ctx: StageContext, cfg: OnlineRLStage, tokenizer) -> list[s
     if ctx.is_main:
         print(f"[align] length check {report.summary()} (prompt + max_new_tokens)", flush=True)
     enforce(report, cfg.max_truncated_fraction)
-    kept = [p for p, n in zip(prompts, lengths) if n <= room]
+    kept = [p for p, n in zip(prompts, lengths) if n <= room][:cfg.max_train_examples]  # the limit after the drops
     world = ctx.state.num_processes
     problem = cfg.batch_problem(world)
     if problem:
@@ -84,7 +83,8 @@ def training_prompts(ctx: StageContext, cfg: OnlineRLStage, tokenizer) -> list[s
     needed = cfg.prompts_per_round(world)
     if len(kept) < needed:
         raise StageError(f"stage '{ctx.name}': {len(kept)} usable prompts in {cfg.prompts} split '{cfg.split}', but "
-                         f"one generation round takes {needed}; use more prompts or a smaller per_device_batch_size")
+                         f"one generation round takes {needed}; use more prompts or a smaller per_device_batch_size"
+                         + (f" (max_train_examples is {cfg.max_train_examples})" if cfg.max_train_examples else ""))
     return kept
 
 
