@@ -487,3 +487,52 @@ def test_max_train_examples_counts_prompts_after_the_long_ones_are_dropped(monke
     kept = online_rl.training_prompts(ctx, cfg, tok)
     assert kept == prompts[8:16]
     assert ctx.extra_manifest["length_check"]["dropped"] == 8
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_trl_builds_the_frozen_reference_in_the_dtype_align_gives_a_frozen_model(kind, tmp_path):
+    """TRL built GRPO's and RLOO's reference in the policy's dtype: fp32 for a policy trained whole outside DeepSpeed
+    (one GPU, or DDP), so the reference took 4 bytes a parameter where `align estimate` counts 2 (~2.5 GB short at
+    1.2B). align now passes a frozen model's dtype (bf16 on a GPU computing in bf16; asked here of a stand-in
+    context, as a CPU computes in fp32) and TRL builds the reference in it."""
+    from types import SimpleNamespace
+
+    import torch
+    import transformers as t
+    from datasets import Dataset
+    import trl
+
+    from align.stages.online_rl import reference_kwargs
+
+    torch.manual_seed(0)
+    print("seed 0")
+    cfg = t.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=2)
+    t.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "policy")
+    policy = t.AutoModelForCausalLM.from_pretrained(tmp_path / "policy", dtype=torch.float32)
+    tok = t.AutoTokenizer.from_pretrained(REPO / "tokenizers" / "gpt2")
+    tok.pad_token = tok.eos_token
+    gpu_like = SimpleNamespace(weights_dtype=lambda frozen, lora=False: "bfloat16" if frozen else "float32")
+    config_cls, trainer_cls = (trl.GRPOConfig, trl.GRPOTrainer) if kind == "grpo" else (trl.RLOOConfig, trl.RLOOTrainer)
+    args = config_cls(output_dir=str(tmp_path / "out"), beta=0.1, per_device_train_batch_size=2, num_generations=2,
+                      report_to=[], model_init_kwargs=reference_kwargs(gpu_like), max_steps=1, use_cpu=True,
+                      bf16=False)
+    trainer = trainer_cls(model=policy, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                          processing_class=tok, train_dataset=Dataset.from_list([{"prompt": "hi"}] * 4))
+    assert policy.dtype == torch.float32 and trainer.ref_model.dtype == torch.bfloat16
+
+
+def test_the_logged_log_prob_gap_is_the_windows_largest_and_the_summary_the_runs():
+    """Each round's largest gap was appended to TRL's metric list, which TRL averages over the logging window: one
+    round of 5 nats among nine of 0.001 was logged as ~0.5, and the summary had no run-wide figure."""
+    from types import SimpleNamespace
+
+    from align.stages.online_engine import GAP, keep_window_max, run_gap_max
+
+    window: list[float] = []
+    for gap in [0.001] * 4 + [5.0] + [0.001] * 4:
+        keep_window_max(window, gap)
+    assert sum(window) / len(window) == 5.0  # TRL's log(): the mean of the list
+    rollouts = SimpleNamespace(gap_max=0.2)  # this attempt's rounds, after a resume
+    assert run_gap_max(rollouts, [{GAP: 0.1}, {"loss": 1.0}, {GAP: 5.0}]) == 5.0  # a window before the resume
+    assert run_gap_max(rollouts, [{GAP: 0.1}]) == 0.2

@@ -25,6 +25,7 @@ class EngineRollouts:
         self.ctx, self.cfg, self.engine, self.tokenizer = ctx, cfg, engine, tokenizer
         self.synced_step = -1
         self.round = (-1, 0)  # (the optimiser step a round was sampled at, its count at that step)
+        self.gap_max = 0.0  # the largest log-prob gap of this attempt's rounds
 
     def next_seed(self, step: int) -> int:
         """The seed of the round sampled at optimiser step `step`: distinct per process (a prompt's group may be split
@@ -92,8 +93,26 @@ class EngineRollouts:
                             f"stage '{self.ctx.name}', step {trainer.state.global_step} (after a weight sync)",
                             reduce=across_processes(acc))
         if gap is not None:  # None: an engine that reports no log-probs of its own
-            trainer._metrics["train" if trainer.model.training else "eval"]["rollout/logprob_gap_max"].append(gap["max"])
+            self.gap_max = max(self.gap_max, gap["max"])
+            keep_window_max(trainer._metrics["train" if trainer.model.training else "eval"][GAP], gap["max"])
         return r
+
+
+GAP = "rollout/logprob_gap_max"
+
+
+def keep_window_max(window: list[float], value: float) -> None:
+    """TRL logs the mean of a metric's list over its logging window (and then clears it): the list holds one entry,
+    the window's largest so far, so the logged figure is a maximum (each round's appended, one bad round of 5 nats
+    among nine of 0.001 logged as 0.5)."""
+    window[:] = [max(window + [value])]
+
+
+def run_gap_max(rollouts: EngineRollouts, log_history: list[dict]) -> float:
+    """The largest engine-trainer log-prob gap of the run: the logged windows' (before a resume too: TRL restores
+    its log history) and this attempt's rounds (those after the last logged window included)."""
+    logged = [row[GAP] for row in log_history if GAP in row]
+    return max([rollouts.gap_max, *logged])
 
 
 def completions(r) -> list[list[int]]:

@@ -32,7 +32,7 @@ from align.modeling.lora import peft_config
 from align.modeling.packing import install_padding_free
 from align.runtime.context import StageContext, StageError
 from align.runtime.trl import metrics_callback, online_rl_metric_name, padding_free, train_with_resume, training_args
-from align.stages.online_engine import correct_for_the_engine, open_engine, trainer_with_engine
+from align.stages.online_engine import GAP, correct_for_the_engine, open_engine, run_gap_max, trainer_with_engine
 
 
 def plain_generation_kwargs(ctx: StageContext, model) -> dict | None:
@@ -179,6 +179,13 @@ def reference_is_the_policy(ctx: StageContext, cfg: OnlineRLStage, model, path: 
     return where
 
 
+def reference_kwargs(ctx: StageContext) -> dict[str, Any]:
+    """How TRL loads the frozen reference it builds (beta > 0, no LoRA): as a frozen model, bf16 on a GPU computing
+    in bf16. TRL's default is the policy's dtype, fp32 for a policy trained whole outside DeepSpeed: twice the memory
+    `align estimate` counts, and fp32 matmuls for every reference forward."""
+    return {"dtype": ctx.weights_dtype(frozen=True)}
+
+
 def drop(ctx: StageContext, reference: Path | None) -> None:
     if reference is not None and ctx.is_main:
         shutil.rmtree(reference, ignore_errors=True)
@@ -203,7 +210,8 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
                          temperature=gen.temperature, top_k=gen.top_k or 0, top_p=gen.top_p, beta=cfg.beta,
                          num_iterations=cfg.num_iterations, epsilon=cfg.epsilon, reward_weights=weights,
                          disable_dropout=True,  # old and new log-probs agree, as in PPO
-                         trust_remote_code=ctx.pipeline.trust_remote_code, log_completions=False, **algorithm_args)
+                         trust_remote_code=ctx.pipeline.trust_remote_code, log_completions=False,
+                         model_init_kwargs=reference_kwargs(ctx), **algorithm_args)
     model = ctx.load_lm(path, quantize=cfg.lora.quantize, lora=cfg.lora.enabled)
     args.generation_kwargs = plain_generation_kwargs(ctx, model)  # read by the trainer as it starts
     padding_free(ctx, model, left_padded=True)
@@ -233,6 +241,7 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
         drop(ctx, reference)  # also when building the trainer failed (the full policy, gigabytes at 8B)
     if rollouts is not None:
         final["perf/sync_seconds"] = sum(rollouts.engine.sync_seconds) / max(1, len(rollouts.engine.sync_seconds))
+        final[GAP] = run_gap_max(rollouts, trainer.state.log_history)
     final.update(score_summary(ctx))
     final["train/prompts"] = len(prompts)
     ctx.save_trainer_model(trainer, tokenizer)
