@@ -273,7 +273,7 @@ def check_reward_padding_invariance(model_dir: Path, tok_dir: Path, tol: float =
     for key, scores in out.items():
         ref = alone if key.startswith("text") else ids_alone  # text-level / token-level inputs
         assert max(abs(a - b) for a, b in zip(scores, ref)) < tol, (key, scores, ref)
-    # Where the pad token is EOS (Llama-2, Mistral, GPT-2, Pythia), the classifier's rule (rightmost token that
+    # Where the pad token is EOS (Llama-2, Mistral, GPT-2), the classifier's rule (rightmost token that
     # is not pad) skips the final EOS, in training and in scoring alike; with a pad token of its own, the score
     # is read at the EOS itself.
     reads_eos = max(abs(a - b) for a, b in zip(alone, without_eos)) > tol
@@ -360,6 +360,8 @@ def check_run(family: str, r: dict) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+    from align.modeling.models import load_tokenizer
+
     proc, run = r["proc"], r["run"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for stage in STAGES:
@@ -379,7 +381,8 @@ def check_run(family: str, r: dict) -> None:
         tok = AutoTokenizer.from_pretrained(d)
         # the family's conventions survive the stage: same ids (BOS added or not), same EOS, a pad token
         assert tok(sample)["input_ids"] == start(sample)["input_ids"], stage
-        assert tok.eos_token == start.eos_token and tok.pad_token == (start.pad_token or start.eos_token), stage
+        # a pad token: the family's own, else one its vocabulary holds for padding (Pythia's <|padding|>), else EOS
+        assert tok.eos_token == start.eos_token and tok.pad_token == load_tokenizer(r["tokenizer"]).pad_token, stage
         if stage == "reward":
             assert model.config.num_labels == 1 and model.config.pad_token_id == tok.pad_token_id
         elif model.config.tie_word_embeddings:  # tied families (Gemma, Qwen2, GPT-2, OPT) stay tied

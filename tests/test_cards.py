@@ -445,6 +445,8 @@ def test_a_hub_revision_resolved_once_is_remembered_when_the_hub_cannot_be_asked
     import align.data.hub as hub
 
     monkeypatch.setenv("ALIGN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # (the suite's default is offline: nothing is asked then, below)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.delenv(hub.RUN_REVISIONS_ENV, raising=False)
     monkeypatch.setattr(hub, "_REVISIONS", {})
     asked = []
@@ -465,6 +467,10 @@ def test_a_hub_revision_resolved_once_is_remembered_when_the_hub_cannot_be_asked
     assert hub.resolved_revision("org/data1", "main") == "c0ffee1"
     assert hub.resolved_revision("org/data2", None) is None  # another dataset, never resolved
     assert json.loads((tmp_path / "cache" / "hub-revisions.json").read_text()) == {"org/data1@main": "c0ffee1"}
+    monkeypatch.setattr(hub, "_REVISIONS", {})  # datasets offline, the hub reachable: datasets reads its cache, so
+    monkeypatch.setattr(hub, "hub_reachable", lambda: True)  # the commit is not asked (it may not be cached)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    assert hub.resolved_revision("org/data3", "main") == "main" and ("org/data3", "main") not in asked
 
 
 def test_revisions_remembered_at_the_same_moment_are_all_kept(tmp_path, monkeypatch):
@@ -504,6 +510,8 @@ def test_a_runs_own_record_of_a_commit_wins_over_a_newer_one_another_run_left(tm
     import align.data.hub as hub
 
     monkeypatch.setenv("ALIGN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     head = {"sha": "aaa111"}
 
     class Api:

@@ -486,15 +486,20 @@ def test_max_train_examples_counts_prompts_after_the_long_ones_are_dropped(monke
                     max_truncated_fraction=0.5, per_device_batch_size=4, num_generations=4)
     kept = online_rl.training_prompts(ctx, cfg, tok)
     assert kept == prompts[8:16]
-    assert ctx.extra_manifest["length_check"]["dropped"] == 8
+    assert ctx.extra_manifest["length_check"]["dropped"] == 8  # of the 16 read until the limit was filled
+    prompts[:] = prompts[8:] + prompts[:8]  # the long ones after: the limit fills before them, none is dropped
+    assert online_rl.training_prompts(ctx, cfg, tok) == prompts[:8]
+    assert ctx.extra_manifest["length_check"]["dropped"] == 0
 
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
-def test_trl_builds_the_frozen_reference_in_the_dtype_align_gives_a_frozen_model(kind, tmp_path):
+def test_trl_builds_the_frozen_reference_in_the_dtype_align_gives_a_frozen_model(kind, tmp_path, monkeypatch, caplog):
     """TRL built GRPO's and RLOO's reference in the policy's dtype: fp32 for a policy trained whole outside DeepSpeed
     (one GPU, or DDP), so the reference took 4 bytes a parameter where `align estimate` counts 2 (~2.5 GB short at
-    1.2B). align now passes a frozen model's dtype (bf16 on a GPU computing in bf16; asked here of a stand-in
-    context, as a CPU computes in fp32) and TRL builds the reference in it."""
+    1.2B). The stage's own arguments (run() up to the model's loading, with a stand-in context whose frozen models
+    are bf16 as on a GPU computing in bf16) now carry a frozen model's dtype, TRL builds the reference in it, and its
+    warning that these arguments are ignored (they are not) is not shown. No reference (beta 0, or LoRA): none."""
+    import logging
     from types import SimpleNamespace
 
     import torch
@@ -502,7 +507,30 @@ def test_trl_builds_the_frozen_reference_in_the_dtype_align_gives_a_frozen_model
     from datasets import Dataset
     import trl
 
-    from align.stages.online_rl import reference_kwargs
+    from align.config.grpo import GRPOStage
+    from align.config.settings import LoraSettings
+    from align.stages import online_rl
+
+    def built_args(cfg):
+        seen = {}
+
+        def capture(config_cls, cfg, ctx, drop=(), **extra):
+            seen.update(extra)
+            raise KeyboardInterrupt  # stop run() here: nothing past the arguments is needed
+        monkeypatch.setattr(online_rl, "training_args", capture)
+        monkeypatch.setattr(online_rl, "training_prompts", lambda *a: ["hi"])
+        monkeypatch.setattr(online_rl, "reward_functions", lambda *a: ([], []))
+        ctx = SimpleNamespace(cfg=cfg, input_model=lambda name: "policy", load_tokenizer=lambda path: None,
+                              pipeline=SimpleNamespace(trust_remote_code=False),
+                              weights_dtype=lambda frozen, lora=False: "bfloat16" if frozen else "float32")
+        with pytest.raises(KeyboardInterrupt):
+            online_rl.run(ctx, None, None)
+        return seen
+
+    reference = built_args(GRPOStage(beta=0.1))["model_init_kwargs"]
+    assert reference == {"dtype": "bfloat16"}
+    assert "model_init_kwargs" not in built_args(GRPOStage(beta=0.0))
+    assert "model_init_kwargs" not in built_args(GRPOStage(beta=0.1, lora=LoraSettings(enabled=True)))
 
     torch.manual_seed(0)
     print("seed 0")
@@ -512,14 +540,14 @@ def test_trl_builds_the_frozen_reference_in_the_dtype_align_gives_a_frozen_model
     policy = t.AutoModelForCausalLM.from_pretrained(tmp_path / "policy", dtype=torch.float32)
     tok = t.AutoTokenizer.from_pretrained(REPO / "tokenizers" / "gpt2")
     tok.pad_token = tok.eos_token
-    gpu_like = SimpleNamespace(weights_dtype=lambda frozen, lora=False: "bfloat16" if frozen else "float32")
     config_cls, trainer_cls = (trl.GRPOConfig, trl.GRPOTrainer) if kind == "grpo" else (trl.RLOOConfig, trl.RLOOTrainer)
     args = config_cls(output_dir=str(tmp_path / "out"), beta=0.1, per_device_train_batch_size=2, num_generations=2,
-                      report_to=[], model_init_kwargs=reference_kwargs(gpu_like), max_steps=1, use_cpu=True,
-                      bf16=False)
-    trainer = trainer_cls(model=policy, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-                          processing_class=tok, train_dataset=Dataset.from_list([{"prompt": "hi"}] * 4))
+                      report_to=[], max_steps=1, use_cpu=True, bf16=False, model_init_kwargs=reference)
+    with caplog.at_level(logging.WARNING), online_rl.quiet_init_warning(trainer_cls):
+        trainer = trainer_cls(model=policy, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                              args=args, processing_class=tok, train_dataset=Dataset.from_list([{"prompt": "hi"}] * 4))
     assert policy.dtype == torch.float32 and trainer.ref_model.dtype == torch.bfloat16
+    assert "will be ignored" not in caplog.text
 
 
 def test_the_logged_log_prob_gap_is_the_windows_largest_and_the_summary_the_runs():

@@ -221,7 +221,7 @@ def test_a_judges_nan_or_inf_pairs_with_nothing_wherever_it_lies_and_one_text_co
     def record(prompt, responses, scores, ended=None, **kw):
         return {"prompt": prompt, "responses": responses, "scores": scores, "ended": ended or [True] * 3, **kw}
 
-    ctx, cfg = SimpleNamespace(name="prefs", seed=0, pipeline=SimpleNamespace(seed=0)), PreferencesStage(test_fraction=0.0)
+    ctx, cfg = SimpleNamespace(name="prefs", seed=0), PreferencesStage(test_fraction=0.0)
     records = [record("a", ["x", "y", "z"], [math.nan, 1.0, 0.0]), record("b", ["x", "y", "z"], [1.0, 0.0, math.nan]),
                record("c", ["x", "y", "z"], [math.inf, 1.0, 0.0]), record("d", ["same", "mid", "same"], [3.0, 2.5, 0.0]),
                record("e", ["same", "mid", "same"], [0.0, 2.5, 3.0])]

@@ -94,7 +94,7 @@ def test_a_preferences_stage_whose_pairs_are_all_held_out_fails_instead_of_publi
     from align.stages.preferences import split_pairs
 
     print(f"seed {SEED}")
-    ctx = types.SimpleNamespace(name="preferences", seed=SEED, pipeline=types.SimpleNamespace(seed=SEED))
+    ctx = types.SimpleNamespace(name="preferences", seed=SEED)
     records = [{"prompt": f"p{i}", "responses": ["good", "bad"], "scores": [1.0, 0.0], "ended": [True, True]}
                for i in range(3)]
     cfg = PreferencesStage(test_fraction=0.5)
@@ -122,7 +122,7 @@ def test_whether_a_prompt_is_held_out_is_its_own_so_a_later_round_with_more_prom
     from align.stages.preferences import split_pairs
 
     print(f"seed {SEED}")
-    ctx = types.SimpleNamespace(name="pairs", seed=SEED, pipeline=types.SimpleNamespace(seed=SEED))
+    ctx = types.SimpleNamespace(name="pairs", seed=SEED)
     rows = [{"prompt": f"prompt {i}", "responses": ["good", "bad"], "scores": [1.0, 0.0], "ended": [True, True]}
             for i in range(2048)]
     for small, large in ((200, 300), (200, 190), (2000, 2048)):
@@ -142,7 +142,7 @@ def test_a_sample_cut_at_max_new_tokens_goes_into_no_pair():
     from align.stages.preferences import split_pairs
 
     print(f"seed {SEED}")
-    ctx = types.SimpleNamespace(name="preferences", seed=SEED, pipeline=types.SimpleNamespace(seed=SEED))
+    ctx = types.SimpleNamespace(name="preferences", seed=SEED)
     records = [{"prompt": f"p{i}", "responses": ["great.", "the film was so very", "dull.", "fine."],
                 "scores": [0.9, 1.0, 0.1, 0.5], "ended": [True, False, True, True]} for i in range(10)]
     records[3]["ended"] = [True, False, False, False]  # one finished sample: no pair

@@ -57,7 +57,8 @@ def test_upload_creates_the_repository_commits_the_folder_and_keeps_no_token(tmp
 def test_a_second_push_deletes_what_the_first_left_that_this_model_lacks_and_makes_its_branch(tmp_path):
     """A LoRA run pushed its adapters alone; pushed again with merged weights, the repository kept the old
     adapter_config.json beside the new config.json, and transformers then loads the old base + adapter from it. Now
-    the commit deletes what this model/ lacks (the hub's README.md and .gitattributes stay), uploads no pickled
+    the upload deletes the model files this model/ lacks (what a user put there stays: README.md, LICENSE, images,
+    a GGUF quantisation, a folder), uploads no pickled
     TrainingArguments (a TRL stage saves one into model/, with this machine's paths), and a branch other than main is
     created first (upload_folder commits only to a branch that exists)."""
     from align.config.push import PushStage
@@ -68,7 +69,8 @@ def test_a_second_push_deletes_what_the_first_left_that_this_model_lacks_and_mak
     for name in ("config.json", "model.safetensors", "training_args.bin", "tokenizer.json"):
         (model / name).write_text("x")
     api = RecordingApi(there=[".gitattributes", "README.md", "adapter_config.json", "adapter_model.safetensors",
-                              "config.json", "tokenizer.json"])
+                              "config.json", "tokenizer.json", "LICENSE", "images/plot.png", "model-q4.gguf",
+                              "old/model.safetensors"])
     cfg = PushStage(type="push", model="ppo", repo="my-org/tiny-ppo", revision="v1")
     receipt = upload(model, cfg, TOKEN, "align: again", api=api)
     assert api.calls[1] == ("create_branch", "my-org/tiny-ppo", {"repo_type": "model", "branch": "v1",

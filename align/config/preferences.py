@@ -54,9 +54,11 @@ class PreferencesStage(StageBase):
     Counted (`preferences/unfinished_samples`); a prompt left with fewer than two finished samples makes no pair.
     false: pair every sample, cut ones too."""
     test_fraction: float = ranged(0.1, gt=0, lt=1, fix="the reward and evaluate stages need held-out pairs")
-    """Fraction of prompts whose pairs go to the held-out `test` split: each prompt by a hash of it and the
-    pipeline's seed, so every preferences stage of a run holds out the same prompts (iterated DPO's rounds never test
-    on a prompt an earlier round trained on); with two or more prompts at least one is held out and one kept."""
+    """Fraction of prompts whose pairs go to the held-out `test` split: each prompt by a hash of it and the stage's
+    seed, so preferences stages with the same seed and test_fraction hold out the same prompts, whatever else they
+    sample (iterated DPO's rounds never test on a prompt an earlier round trained on; a larger test_fraction holds
+    out a superset). The count is about test_fraction x prompts; with two or more prompts at least one is held out
+    and one kept."""
     generation: Generation = field(default_factory=Generation)
     """Decoding settings."""
 

@@ -134,7 +134,7 @@ def resolved_revision(hub_id: str, revision: str | None) -> str | None:
         run = os.environ.get(RUN_REVISIONS_ENV)  # a stage process (pin_to_run): the commit this run's plan resolved
         planned = _known(Path(run)).get(f"{hub_id}@{revision}") if _PINNED[0] and run else None
         _REVISIONS[key] = planned or _remembered(hub_id, revision)
-        if not planned and hub_reachable():
+        if not planned and not datasets_offline() and hub_reachable():  # offline, datasets reads only its cache
             try:
                 from huggingface_hub import HfApi  # light (no torch): only for hub cards, and only when reachable
 

@@ -17,6 +17,8 @@ of the others) and a KL to the reference (beta). align hands them:
 
 from __future__ import annotations
 
+import itertools
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -69,13 +71,17 @@ def training_prompts(ctx: StageContext, cfg: OnlineRLStage, tokenizer) -> list[s
     prompts = load_prompts(ctx, cfg.prompts, cfg.split, tokenizer=tokenizer)  # chat: rendered; empty ones dropped
     room = cfg.max_length - cfg.generation.max_new_tokens
     lengths = [len(ids) for ids in tokenizer(prompts)["input_ids"]] if prompts else []
+    if cfg.max_train_examples:  # prompts read until the limit is filled (the long ones dropped), as other stages
+        read = next((i + 1 for i, fit in enumerate(itertools.accumulate(n <= room for n in lengths))
+                     if fit == cfg.max_train_examples), len(prompts))
+        prompts, lengths = prompts[:read], lengths[:read]
     report = LengthReport(ctx.name, "prompt", len(prompts), 0, sum(n > room for n in lengths),
                           max(lengths, default=0) + cfg.generation.max_new_tokens, cfg.max_length)
     ctx.extra_manifest["length_check"] = report.as_dict()
     if ctx.is_main:
         print(f"[align] length check {report.summary()} (prompt + max_new_tokens)", flush=True)
     enforce(report, cfg.max_truncated_fraction)
-    kept = [p for p, n in zip(prompts, lengths) if n <= room][:cfg.max_train_examples]  # the limit after the drops
+    kept = [p for p, n in zip(prompts, lengths) if n <= room]
     world = ctx.state.num_processes
     problem = cfg.batch_problem(world)
     if problem:
@@ -179,11 +185,32 @@ def reference_is_the_policy(ctx: StageContext, cfg: OnlineRLStage, model, path: 
     return where
 
 
-def reference_kwargs(ctx: StageContext) -> dict[str, Any]:
-    """How TRL loads the frozen reference it builds (beta > 0, no LoRA): as a frozen model, bf16 on a GPU computing
-    in bf16. TRL's default is the policy's dtype, fp32 for a policy trained whole outside DeepSpeed: twice the memory
-    `align estimate` counts, and fp32 matmuls for every reference forward."""
-    return {"dtype": ctx.weights_dtype(frozen=True)}
+def reference_kwargs(ctx: StageContext, cfg: OnlineRLStage) -> dict[str, Any]:
+    """How TRL loads the frozen reference it builds (beta > 0, no LoRA; else none is built and nothing is passed):
+    as a frozen model, bf16 on a GPU computing in bf16. TRL's default is the policy's dtype, fp32 for a policy
+    trained whole outside DeepSpeed: twice the memory `align estimate` counts, and fp32 matmuls for every reference
+    forward. (TRL then warns that model_init_kwargs are ignored, as the policy is an instance; it reads them for the
+    reference all the same: `quiet_init_warning`.)"""
+    if not cfg.beta or cfg.lora.enabled:
+        return {}
+    return {"model_init_kwargs": {"dtype": ctx.weights_dtype(frozen=True)}}
+
+
+class quiet_init_warning(logging.Filter):
+    """Drops TRL's "model_init_kwargs will be ignored" warning while `trainer_cls` is built (see `reference_kwargs`)."""
+
+    def __init__(self, trainer_cls):
+        super().__init__()
+        self.logger = logging.getLogger(trainer_cls.__module__)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "`model_init_kwargs` will be ignored" not in record.getMessage()
+
+    def __enter__(self):
+        self.logger.addFilter(self)
+
+    def __exit__(self, *exc):
+        self.logger.removeFilter(self)
 
 
 def drop(ctx: StageContext, reference: Path | None) -> None:
@@ -211,7 +238,7 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
                          num_iterations=cfg.num_iterations, epsilon=cfg.epsilon, reward_weights=weights,
                          disable_dropout=True,  # old and new log-probs agree, as in PPO
                          trust_remote_code=ctx.pipeline.trust_remote_code, log_completions=False,
-                         model_init_kwargs=reference_kwargs(ctx), **algorithm_args)
+                         **reference_kwargs(ctx, cfg), **algorithm_args)
     model = ctx.load_lm(path, quantize=cfg.lora.quantize, lora=cfg.lora.enabled)
     args.generation_kwargs = plain_generation_kwargs(ctx, model)  # read by the trainer as it starts
     padding_free(ctx, model, left_padded=True)
@@ -220,10 +247,11 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
         reference = reference_is_the_policy(ctx, cfg, model, path)
         cls, sampling = trainer_with_engine(trainer_cls, rollouts)
         cls, watch = watched(cls)
-        trainer = cls(model=model, reward_funcs=funcs, args=args, processing_class=tokenizer,
-                      train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
-                      callbacks=[metrics_callback(ctx, online_rl_metric_name), watch.callback()],
-                      peft_config=peft_config(cfg.lora, "CAUSAL_LM"), **sampling)
+        with quiet_init_warning(trainer_cls):
+            trainer = cls(model=model, reward_funcs=funcs, args=args, processing_class=tokenizer,
+                          train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
+                          callbacks=[metrics_callback(ctx, online_rl_metric_name), watch.callback()],
+                          peft_config=peft_config(cfg.lora, "CAUSAL_LM"), **sampling)
         ctx.state.wait_for_everyone()  # every process has built its reference from reference/: not needed again
         drop(ctx, reference)
         if "rollout_func" in sampling and (mode := correct_for_the_engine(trainer, gen)):

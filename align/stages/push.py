@@ -1,10 +1,11 @@
 """Push stage: upload a stage's published model/ to a Hugging Face hub repository (huggingface_hub's HfApi: create
-the repository if needed, one commit of the whole folder). The token is read from the environment variable the
-stage names, used, and never written; the stage publishes a receipt (repository, revision, commit, files) in
-pushed/receipt.json."""
+the repository and branch if needed, upload the whole folder, delete an earlier model's files it lacks). The token
+is read from the environment variable the stage names, used, and never written; the stage publishes a receipt
+(repository, revision, commit, files, deleted files) in pushed/receipt.json."""
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import json
 import os
@@ -19,15 +20,28 @@ OUTPUTS = ["pushed"]
 
 
 # Not uploaded: the Trainer's pickled TrainingArguments (TRL-trained stages save it into model/; it records this
-# machine's paths, and the hub flags pickles). Kept on the hub when absent here: its own card and attributes.
+# machine's paths, and the hub flags pickles).
 LEFT_OUT = ("training_args.bin",)
-KEPT_REMOTE = ("README.md", ".gitattributes")
+# What a model/ is made of (weights, configs, adapters, tokenizer files, align's adapter record): the files at the
+# repository's top level matching these, and not in this model/, are an earlier model's and are deleted. Anything
+# else a user put there (README.md, LICENSE, images/, GGUF quantisations) is left alone.
+MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "*.bin",
+               "*.bin.index.json", "adapter_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
+               "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json", "align_adapter.json")
+
+
+def stale_files(there: list[str], files: list[str]) -> list[str]:
+    """The repository's files (`there`) that an earlier model left and this one (`files`) lacks: model files at its
+    top level only (MODEL_FILES)."""
+    return sorted(f for f in set(there) - set(files)
+                  if "/" not in f and any(fnmatch.fnmatchcase(f, pattern) for pattern in MODEL_FILES))
 
 
 def upload(folder: Path, cfg: PushStage, token: str, message: str, api: Any = None) -> dict[str, Any]:
-    """Create the repository (and the branch) if needed and commit `folder` to it, in one commit that also deletes
-    the files an earlier push left there which this model does not have: a stale adapter_config.json beside new whole
-    weights makes transformers load the old base + adapter instead. The receipt (no token in it) names both."""
+    """Create the repository (and the branch) if needed and upload `folder` to it (huggingface_hub may split a large
+    upload into several commits), deleting the model files an earlier push left there which this model does not have
+    (`stale_files`): a stale adapter_config.json beside new whole weights makes transformers load the old base +
+    adapter instead. The receipt (no token in it) names both."""
     from huggingface_hub import HfApi  # light: only when pushing
 
     api = api if api is not None else HfApi(token=token)
@@ -37,7 +51,7 @@ def upload(folder: Path, cfg: PushStage, token: str, message: str, api: Any = No
     files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()
                    and p.name not in LEFT_OUT)
     there = api.list_repo_files(cfg.repo, repo_type="model", revision=cfg.revision)
-    stale = sorted(set(there) - set(files) - set(KEPT_REMOTE))
+    stale = stale_files(there, files)
     info = api.upload_folder(folder_path=str(folder), repo_id=cfg.repo, repo_type="model", revision=cfg.revision,
                              commit_message=message, ignore_patterns=list(LEFT_OUT),
                              delete_patterns=[glob.escape(f) for f in stale] or None)
@@ -61,8 +75,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
         except Exception as exc:  # network, permissions, a missing revision: one line, never the token
             raise StageError(f"stage '{ctx.name}': pushing {folder} to {cfg.repo} (revision {cfg.revision}) failed: "
                              f"{scrub(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)}") from None
+        gone = f"; deleted an earlier model's {', '.join(receipt['deleted'])}" if receipt["deleted"] else ""
         print(f"[align] {ctx.name}: pushed {len(receipt['files'])} files to {cfg.repo}@{cfg.revision} "
-              f"({receipt['url'] or receipt['commit']})", flush=True)
+              f"({receipt['url'] or receipt['commit']}){gone}", flush=True)
 
     def write(path: Path) -> None:
         if ctx.is_main:
