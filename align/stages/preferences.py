@@ -8,9 +8,10 @@ whose texts are identical, are ties: dropped and counted. Pairs are split by pro
 `data/samples.jsonl`, and every pair of a training prompt's samples that is not a tie in
 `data/train_all_pairs.jsonl` (up to k(k-1)/2 per prompt from k samples: more comparisons for a reward model at no
 extra sampling; a reward stage reads them with `split: train_all_pairs`). InstructGPT also trains on all of a
-prompt's comparisons (Ouyang et al. 2022 sec. 3.5), but as one batch element per prompt, all its pairs together, so
-that correlated comparisons do not overfit; here each pair is its own row, shuffled like any other (TRL's reward
-trainer reads pairs), so a prompt with k samples weighs k(k-1)/2 times as much as in InstructGPT's batching.
+prompt's comparisons (Ouyang et al. 2022 sec. 3.5), but as one batch element per prompt, all its pairs together:
+shuffled as separate rows, a prompt's correlated comparisons each make a gradient step, and they overfit. Here each
+pair is its own row, shuffled like any other (TRL's reward trainer reads pairs), and a prompt weighs by its count of
+pairs that are not ties: the setup InstructGPT found to overfit, so use it with one epoch.
 
 With a pairwise judge the samples are judged after all of them are drawn; they are kept first, per process, in
 `sampled/` (keyed by what drew them: the policy's publication, the prompts, the generation settings, the seed and the
