@@ -269,3 +269,41 @@ def test_a_conversation_is_counted_as_sft_tokenises_it_bos_and_all(tmp_path):
     assert TRUNCATES_COMPLETIONS.measure("sft", rows, tok, first).dropped == 1  # the window ends before the reply
     rep = TRUNCATES_COMPLETIONS.measure("sft", rows, tok, first + 1)
     assert (rep.truncated, rep.dropped) == (1, 0)  # its first token trains
+
+
+def test_train_turns_last_trains_the_final_reply_alone_and_counts_what_the_window_leaves_it(tmp_path):
+    """HH-RLHF's harmless transcripts continued along the reply the red-teamer rated more harmful; only the final
+    reply was compared. `train_turns: last` trains that reply alone (its tokens and end-of-turn), the earlier replies
+    context, and the length count drops a conversation whose turns before the final reply fill the window (with
+    `all` its first reply still trains there)."""
+    from types import SimpleNamespace
+
+    import families
+    from align import templates
+    from align.config.sft import SFTStage
+    from align.data.chat import sft_example
+    from align.data.lengths import TRUNCATES_COMPLETIONS
+    from align.modeling.models import load_tokenizer
+    from align.stages.sft import tokenized
+
+    families.tokenizer("llama", tmp_path)
+    tok = load_tokenizer(str(tmp_path))
+    planned = templates.resolve("chatml", REPO / "pipelines" / "chat.yaml", None)
+    templates.install(tok, planned)
+    msgs = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi, how are you?"},
+            {"role": "user", "content": "fine"}, {"role": "assistant", "content": "good to hear"}]
+    every = sft_example(tok, planned, msgs)
+    ctx = SimpleNamespace(name="sft", chat_template=planned, cfg=SFTStage(train_turns="last"))
+    last = tokenized(ctx, [{"messages": msgs}], tok, "train")[0]
+    assert last["input_ids"] == every["input_ids"]
+    runs = lambda mask: [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]  # noqa: E731
+    assert len(runs(every["assistant_masks"])) == 2 and len(runs(last["assistant_masks"])) == 1
+    trained = tok.decode([t for t, m in zip(last["input_ids"], last["assistant_masks"]) if m])
+    assert trained.startswith("good to hear") and "how are you" not in trained and trained.endswith(tok.eos_token)
+    final_at = runs(last["assistant_masks"])[0]  # the window ends just before the final reply: nothing trains
+    rows = [{"messages": msgs}]
+    assert TRUNCATES_COMPLETIONS.measure("sft", SFTStage(train_turns="last").length_rows(rows), tok,
+                                         final_at).dropped == 1
+    assert TRUNCATES_COMPLETIONS.measure("sft", SFTStage().length_rows(rows), tok, final_at).dropped == 0
+    assert TRUNCATES_COMPLETIONS.measure("sft", SFTStage(train_turns="last").length_rows(rows), tok,
+                                         final_at + 1).dropped == 0

@@ -43,6 +43,9 @@ PAIRWISE = "preferences.pairwise={name: j, model: m, base_url: 'http://127.0.0.1
     (["dpo.sweep={save_total_limit: [1, 2]}"], ["stages.dpo.sweep.save_total_limit:", "left out of its fingerprint"]),
     (["ppo.sweep={generation.engine_timeout_s: [60, 600]}"],
      ["stages.ppo.sweep.generation.engine_timeout_s:", "left out of its fingerprint"]),
+    # train_turns picks among a conversation's assistant turns: not for prompt/completion rows
+    (["sft.train_turns=last"], ["stages.sft", "train_turns: 'last' picks the assistant turns", "the card produces "
+                                "'prompt_completion'"]),
     # `mode` is the sweep's own keyword: a value that is neither a mode nor a list of a setting's values
     (["dpo.sweep={mode: 3, beta: [0.1, 0.2]}"], ["stages.dpo.sweep.mode: 3 is not one of cartesian, zip"]),
     # a trainer's max_length that no reply of its preferences stage fits in, after any prompt: refused after sampling

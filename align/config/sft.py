@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from align.core.builtin import is_builtin
 from align.config.contract import HeldModel, EXAMPLES, POLICY, CheckContext, StageBase, TrainedStage
-from align.data.lengths import TRUNCATES_COMPLETIONS
-from align.core.schema import ranged, step_size
+from align.data.lengths import LAST_REPLY, TRUNCATES_COMPLETIONS
+from align.core.schema import one_of, ranged, step_size
 
 
 @dataclass
@@ -37,6 +37,11 @@ class SFTStage(TrainedStage):
     """Compute the loss on completion tokens only (prompt tokens masked); for messages data, on the assistant
     turns only (their content and end-of-turn token), masked by align (align/data/chat.py `sft_example`) as the
     planned template's `masking` says: its `{% generation %}` markers, TRL's patched copy, or prefix rendering."""
+    train_turns: str = one_of("all", "all", "last")
+    """Messages data with the assistant-only loss: which replies train. `all`: every assistant turn. `last`: the
+    final reply alone, the earlier turns context only: for transcripts whose earlier replies are not ones to imitate
+    (HH-RLHF's red-team transcripts continued along the reply the worker rated more harmful, Bai et al. 2022 sec.
+    2.2; only the final reply was compared, and `chosen` is the better one)."""
     packing: bool = False
     """Pack examples into rows of `max_length` tokens (TRL's best-fit-decreasing packing; an example longer than
     `max_length` is truncated as it would be unpacked), positions restarting per example: almost no padding, but more
@@ -58,6 +63,9 @@ class SFTStage(TrainedStage):
         produces = ctx.card_produces("data", self.split)
         if produces not in (None, "prompt_completion", "messages"):
             raise ValueError(f"data: card produces '{produces}'; sft needs prompt_completion or messages")
+        if self.train_turns == "last" and (produces not in (None, "messages") or not self.completion_only_loss):
+            raise ValueError("train_turns: 'last' picks the assistant turns a conversation trains on; it needs "
+                             f"messages data (the card produces '{produces}') and completion_only_loss: true")
         if self.eval_split and self.eval_split == self.split:
             raise ValueError(f"eval_split: '{self.eval_split}' is the split SFT trains on (split: {self.split}), so "
                              "its loss would not be held out; name another split of the card, or set eval_split: "
@@ -71,6 +79,10 @@ class SFTStage(TrainedStage):
 
     def card_split(self, fld: str) -> str:
         return self.split
+
+    def length_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Conversations that train their final reply alone are dropped when the turns before it fill the window."""
+        return [dict(r, trains_from=LAST_REPLY) for r in rows] if self.train_turns == "last" else rows
 
     def starts_from_base(self) -> bool:
         return self.model == "base"

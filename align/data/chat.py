@@ -181,6 +181,15 @@ def prefix_segments(tokenizer, template, messages: list[dict[str, str]]) -> list
     return [(t, trained) for t, trained in segments if t]
 
 
+def last_reply_only(mask: list[int]) -> list[int]:
+    """An assistant mask with only its last run of trained tokens kept (the final reply and its end-of-turn)."""
+    end = max((i for i, m in enumerate(mask) if m), default=-1)
+    start = end
+    while start > 0 and mask[start - 1]:
+        start -= 1
+    return [int(start <= i <= end and end >= 0) for i in range(len(mask))]
+
+
 def sft_example(tokenizer, template, messages: list[dict[str, str]]) -> dict[str, list[int]]:
     """Token ids and the assistant mask SFT trains on (1 = the token is trained), by the template's masking:
 

@@ -95,15 +95,24 @@ RULES: dict[str, LengthRule] = {}
 """Every length rule by name: these, and any a stage type's module defines (registered when it is built)."""
 
 
+LAST_REPLY = "last"
+"""A conversation row's `trains_from` (set by a stage's `length_rows`): only its final reply trains."""
+
+
+def _trained_from(row: dict[str, Any]) -> int:
+    """The index of a conversation's first trained message: its first assistant turn, or its last (LAST_REPLY)."""
+    turns = [i for i, m in enumerate(row["messages"]) if m["role"] == "assistant"] or [0]
+    return turns[-1] if row.get("trains_from") == LAST_REPLY else turns[0]
+
+
 def _truncate_completions(rows: list[dict[str, Any]], tokenizer, max_length: int) -> tuple[int, int, int]:
     """A prompt and one completion (or a conversation) per example, cut at max_length; an example whose prompt (for a
-    conversation: the turns before its first reply, and the generation prompt) alone fills the window teaches
+    conversation: the turns before its first trained reply, and the generation prompt) alone fills the window teaches
     nothing: dropped (SFTTrainer drops an example left without a trained token once cut; a conversation whose first
     reply starts inside the window is truncated, not dropped, however long its later turns)."""
     if rows and "messages" in rows[0]:
         totals = _chat_lengths(tokenizer, [r["messages"] for r in rows])
-        firsts = _chat_lengths(tokenizer, [r["messages"][:next((i for i, m in enumerate(r["messages"])
-                                                               if m["role"] == "assistant"), 0)] for r in rows], True)
+        firsts = _chat_lengths(tokenizer, [r["messages"][:_trained_from(r)] for r in rows], True)
     else:
         firsts = _ids(tokenizer, [r["prompt"] for r in rows])
         totals = [p + c for p, c in zip(firsts, _replies(tokenizer, [r["completion"] for r in rows]))]

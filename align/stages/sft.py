@@ -16,7 +16,7 @@ from align import templates
 from align.core import gguf
 from align.core.builtin import is_builtin
 from align.config.sft import SFTStage
-from align.data.chat import TemplateError, sft_every_token, sft_example
+from align.data.chat import TemplateError, last_reply_only, sft_every_token, sft_example
 from align.modeling.models import build_builtin, fit_model_to_tokenizer, train_tokenizer
 from align.core.errors import ModelError
 from align.modeling.lora import NewTokens, new_token_rows, peft_config
@@ -115,12 +115,15 @@ def tokenized(ctx: StageContext, rows: list[dict[str, Any]], tokenizer, split: s
     from datasets import Dataset  # heavy: stage processes only
 
     out = []
+    last = not every_token and ctx.cfg.train_turns == "last"  # the final reply alone trains
     for i, row in enumerate(rows):
         try:
             out.append(sft_every_token(tokenizer, row["messages"]) if every_token else
                        sft_example(tokenizer, ctx.chat_template, row["messages"]))
         except TemplateError as exc:
             raise StageError(f"stage '{ctx.name}': split '{split}' row {i}: {exc}") from None
+        if last:
+            out[-1]["assistant_masks"] = last_reply_only(out[-1]["assistant_masks"])
     blank = next((i for i, ex in enumerate(out) if 1 not in ex["assistant_masks"]), None)
     if blank is not None:  # every assistant turn trains its end-of-turn token at least: the masking never fired
         raise StageError(f"stage '{ctx.name}': split '{split}' row {blank}: no assistant token to train on (chat "
