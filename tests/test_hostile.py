@@ -29,14 +29,14 @@ from conftest import REPO, align_cmd, refused, run_align, validate
 SEED = int(os.environ.get("ALIGN_HOSTILE_SEED", time.time_ns() % 100_000))
 CARD = str(REPO / "data_cards" / "movie_review_snippets.yaml")
 DEFAULT = str(REPO / "pipelines" / "default.yaml")
-PIPELINE = {  # three stages, tiny: sft trains 6 steps, preferences samples 16 prompts, evaluate 8
+PIPELINE = {  # three stages, tiny: sft trains 6 steps, preferences samples 128 prompts (VADER ties most), evaluate 8
     "name": "hostile", "base_model": "builtin:tiny-llama", "seed": 17, "tracking": {"wandb": "disabled"},
     "builtin": {"vocab_size": 512, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64,
                 "max_position_embeddings": 96},
     "stages": {
         "sft": {"data": CARD, "max_steps": 6, "per_device_batch_size": 8, "max_length": 96, "max_train_examples": 200,
                 "max_truncated_fraction": 0.1, "logging_steps": 2, "save_steps": 4, "eval_split": None},
-        "preferences": {"policy": "sft", "prompts": CARD, "max_prompts": 16, "samples_per_prompt": 2,
+        "preferences": {"policy": "sft", "prompts": CARD, "max_prompts": 128, "samples_per_prompt": 2,
                         "drop_unfinished": False,  # 6 steps of SFT rarely end a review within 8 tokens
                         "min_margin": 0.0, "test_fraction": 0.25, "generation": {"max_new_tokens": 8, "batch_size": 32}},
         "evaluate": {"policies": ["sft"], "baseline": "sft", "reference": "sft", "reward": None, "preferences": None,
