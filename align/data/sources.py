@@ -224,8 +224,7 @@ def _mirror_cache(mirror: Path) -> Path:
     now = place / h.hexdigest()[:20]
     if not now.exists() and place.is_dir():
         for old in place.iterdir():
-            if old.name != now.name:  # (another process reading the same files may have just made it)
-                shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(old, ignore_errors=True)
     return now
 
 
