@@ -13,7 +13,6 @@ import hashlib
 import io
 import json
 import re
-import shutil
 import zlib
 from pathlib import Path
 from typing import Any, Iterator
@@ -218,14 +217,7 @@ def _mirror_cache(mirror: Path) -> Path:
     h = hashlib.sha256()
     for file in sorted(p for p in mirror.rglob("*") if p.is_file() and ".cache" not in p.parts):
         h.update(f"{file.resolve()}\0{file_stamp(file)}\n".encode())
-    # one folder per mirror, holding the cache of its files as they are now: the caches of files since replaced are
-    # removed (each is a whole copy of the dataset; a reader of one has its rows mapped already, which unlinking keeps)
-    place = cache_root() / "hub-mirrors" / hashlib.sha256(str(mirror.resolve()).encode()).hexdigest()[:20]
-    now = place / h.hexdigest()[:20]
-    if not now.exists() and place.is_dir():
-        for old in place.iterdir():
-            shutil.rmtree(old, ignore_errors=True)
-    return now
+    return cache_root() / "hub-mirrors" / h.hexdigest()[:20]
 
 
 def _read_hub(card: DataCard, split: str) -> list[dict[str, Any]]:
