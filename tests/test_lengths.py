@@ -186,15 +186,17 @@ def test_sft_on_messages_trains_and_too_short_max_length_stops_before_training(t
     assert not metrics.exists() or "train/loss" not in metrics.read_text()
 
 
-def test_sft_reports_the_examples_it_trained_on_not_those_trl_dropped(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["sft.packing=true"], ["sft.packing=true", "sft.train_turns=last"]])
+def test_sft_reports_the_examples_it_trained_on_not_those_trl_dropped(tmp_path, extra):
     """Every 8th conversation's question alone fills max_length: the length check counts it as dropped, TRL drops it
-    after truncating, and `train/examples` counts what trained (it counted the rows given to TRL before)."""
+    after truncating, and `train/examples` counts what trained (it counted the rows given to TRL before). Packed,
+    TRL kept such a conversation untrained in its rows (it drops them only when it does not pack): align drops it."""
     pipeline = _chat_project(tmp_path)
     rows = [json.loads(x) for x in (tmp_path / "chat.jsonl").read_text().splitlines()]
     for i in range(0, len(rows), 8):
         rows[i]["messages"][0]["content"] = "spell " + "nine " * 80
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = run_align("run", str(pipeline), "sft.max_truncated_fraction=0.5", "sft.max_steps=4", cwd=tmp_path)
+    proc = run_align("run", str(pipeline), "sft.max_truncated_fraction=0.5", "sft.max_steps=4", *extra, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     manifest = json.loads((tmp_path / "runs" / "chat" / "main" / "sft" / "manifest.json").read_text())
     check = manifest["length_check"]
@@ -307,3 +309,16 @@ def test_train_turns_last_trains_the_final_reply_alone_and_counts_what_the_windo
     assert TRUNCATES_COMPLETIONS.measure("sft", SFTStage().length_rows(rows), tok, final_at).dropped == 0
     assert TRUNCATES_COMPLETIONS.measure("sft", SFTStage(train_turns="last").length_rows(rows), tok,
                                          final_at + 1).dropped == 0
+    # `align validate` shows the spans the stage trains (it showed both replies)
+    import contextlib
+    import io
+
+    from align.modeling.checks import show_example
+
+    shown = {}
+    for turns in ("all", "last"):
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            show_example(tok, planned, "p.yaml", True, "stages.sft.data", "sft.data", rows, turns, False)
+        shown[turns] = out.getvalue()
+    assert "trains on 2 span(s)" in shown["all"] and "how are you" in shown["all"]
+    assert "trains on 1 span(s)" in shown["last"] and "how are you" not in shown["last"]

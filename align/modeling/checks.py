@@ -27,7 +27,8 @@ from typing import Any
 from align import templates
 from align.core.errors import TOKENIZER_SAVE_FIX, ModelError
 from align.core.schema import ConfigError
-from align.data.chat import TemplateError, as_text, same_after_template_problem, sft_example, trained_text
+from align.data.chat import (TemplateError, as_text, last_reply_only, same_after_template_problem, sft_example,
+                             trained_text)
 from align.data.formats import FormatError
 from align.data.lengths import RULES, LengthError, enforce
 from align.data.special_text import without_special_text
@@ -177,10 +178,10 @@ def check_trl_agrees(tokenizer, template, source: str) -> None:
 
 
 def show_example(tokenizer, template, source: str, verbose: bool, where: str, label: str, rows: list[dict[str, Any]],
-                 assistant_turns: bool, replies: bool) -> None:
+                 assistant_turns: bool | str, replies: bool) -> None:
     """Render a card's rows as the stage will, refusing what cannot be rendered; print the first one: for a stage
-    that trains on the assistant turns of conversations (`assistant_turns`: every row is split, so one that cannot
-    be is found now), the trained spans; for pairs or unpaired rows (`replies`), the prompt's end and the first
+    that trains on the assistant turns of conversations (`assistant_turns`: "all", or "last" for the final reply
+    alone; every row is split, so one that cannot be is found now), the trained spans; for pairs or unpaired rows (`replies`), the prompt's end and the first
     reply; for prompts, the prompt's end, where sampling starts."""
     row = rows[0]
     shown = ""
@@ -189,6 +190,8 @@ def show_example(tokenizer, template, source: str, verbose: bool, where: str, la
         try:
             for i, r in enumerate(rows):
                 example = sft_example(tokenizer, template, r["messages"])
+                if assistant_turns == "last":  # the final reply alone, as the stage trains it (stages/sft.py)
+                    example["assistant_masks"] = last_reply_only(example["assistant_masks"])
                 if 1 not in example["assistant_masks"]:  # a marker under a branch no row takes, or in a comment
                     raise TemplateError(f"chat template {template.source if template else 'of the tokenizer'}: no "
                                         "token of this conversation is trained: its {% generation %} markers never "

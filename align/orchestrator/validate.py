@@ -259,8 +259,8 @@ def model_job(cfg: PipelineConfig, plans: list[StagePlan], split_of: SplitLoader
             where = f"stages.{plan.name}.{fld}"
             split_all = "messages" in rows[0] and plan.cfg.trains_on_assistant_turns()
             if split_all or isinstance(rows[0].get("prompt"), list):  # conversations: rendered in the helper
-                job["examples"].append({"where": where, "label": f"{plan.name}.{fld}", "rows": rows if split_all
-                                        else rows[:1], "assistant_turns": split_all, "replies": use == EXAMPLES})
+                job["examples"].append({"where": where, "label": f"{plan.name}.{fld}", "rows": rows if split_all else rows[:1],
+                                        "assistant_turns": split_all and getattr(plan.cfg, "train_turns", "all"), "replies": use == EXAMPLES})
             check = plan.cfg.length_check(fld)
             if check is not None:
                 rule, bound, fraction = check

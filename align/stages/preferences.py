@@ -9,9 +9,10 @@ whose texts are identical, are ties: dropped and counted. Pairs are split by pro
 `data/train_all_pairs.jsonl` (up to k(k-1)/2 per prompt from k samples: more comparisons for a reward model at no
 extra sampling; a reward stage reads them with `split: train_all_pairs`). InstructGPT also trains on all of a
 prompt's comparisons (Ouyang et al. 2022 sec. 3.5), but as one batch element per prompt, all its pairs together:
-shuffled as separate rows, a prompt's correlated comparisons each make a gradient step, and they overfit. Here each
-pair is its own row, shuffled like any other (TRL's reward trainer reads pairs), and a prompt weighs by its count of
-pairs that are not ties: the setup InstructGPT found to overfit, so use it with one epoch.
+shuffled as separate rows, a prompt's correlated comparisons made the reward model overfit within a single epoch.
+Here each pair is its own row, shuffled like any other (TRL's reward trainer reads pairs), and a prompt weighs by its
+count of pairs that are not ties: the setup InstructGPT found to overfit, which one epoch does not avoid; `train`
+(one pair per prompt) is the safer default.
 
 With a pairwise judge the samples are judged after all of them are drawn; they are kept first, per process, in
 `sampled/` (keyed by what drew them: the policy's publication, the prompts, the generation settings, the seed and the

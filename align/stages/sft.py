@@ -176,6 +176,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if chat:  # tokenised here: assistant turns only (masks as the plan decided), or every token; BOS as later stages
         every = not cfg.completion_only_loss
         train = tokenized(ctx, rows, tokenizer, cfg.split, every)
+        if cfg.packing:  # TRL drops an example its truncation leaves untrained only when it does not pack: here
+            train = train.filter(lambda ex: 1 in ex["assistant_masks"][:cfg.max_length])  # (the length check counted)
         if eval_ds is not None:
             eval_ds = tokenized(ctx, eval_rows, tokenizer, cfg.eval_split, every)
     if cfg.completion_only_loss and chat:

@@ -123,6 +123,7 @@ class PolicySnapshot:
 
     @torch.no_grad()
     def take(self, iteration: int, kl: HeldoutKL | None) -> None:
+        self.saved = []  # the last copy released first: one host copy at a time, not two while the new one is made
         self.saved = [_local(p).detach().to("cpu", copy=True) for p in self.params]
         self.iteration, self.kl = iteration, kl
 
