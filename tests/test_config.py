@@ -145,6 +145,21 @@ def test_what_align_advises_after_a_full_disk_a_timeout_or_an_oom_keeps_every_fi
     assert {n for n in a if a[n] != b[n]} == {"ppo", "evaluate"}  # a nested setting that samples differently does
 
 
+def test_a_judge_weight_keyed_by_a_name_like_a_left_out_setting_stays_in_the_fingerprint():
+    """Settings are left out of the fingerprint by field name; the keys of a judge-weight mapping are names the user
+    gives (a reward stage named 'timeout'), and its weight was left out with them: PPO against twice the weight on
+    that reward model read as up to date (a hostile review, 2026-12-01)."""
+    def fingerprints(weight: float) -> dict[str, str]:
+        raw = _raw()
+        raw["stages"]["timeout"] = {**raw["stages"].pop("reward"), "type": "reward"}
+        raw["stages"]["evaluate"]["reward"] = "timeout"
+        raw["stages"]["ppo"]["reward"] = {"timeout": weight, "vader": 0.5}
+        return {p.name: p.fingerprint for p in build_plan(_parse(raw), REPO / "pipelines" / "default.yaml")}
+
+    a, b = fingerprints(1.0), fingerprints(2.0)
+    assert {n for n in a if a[n] != b[n]} == {"ppo", "evaluate"}
+
+
 def test_new_weights_at_the_base_models_path_change_the_fingerprints_of_the_stages_that_load_it(tmp_path):
     """The base model was fingerprinted by its path alone: new weights (or a packaged model converted again) at the
     same path left every stage "up to date". Stages that load it rerun, and so does everything made from them."""

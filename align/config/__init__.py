@@ -268,13 +268,15 @@ NON_SEMANTIC = ("logging_steps", "save_steps", "save_every", "sample_every", "ac
                 "retries", "max_retry_wait", "deadline")
 
 
-def semantic(settings: Any) -> Any:
-    """`settings` (a stage's `to_dict`) without the NON_SEMANTIC fields, at any depth: what its fingerprint reads."""
-    if isinstance(settings, dict):
-        return {k: semantic(v) for k, v in settings.items() if k not in NON_SEMANTIC}
-    if isinstance(settings, list):
-        return [semantic(v) for v in settings]
-    return settings
+def semantic(obj: Any) -> Any:
+    """A stage config in `to_dict`'s form without the NON_SEMANTIC fields of it and of the settings it nests, at any
+    depth: what its fingerprint reads. Only fields are left out: a mapping the user names the keys of (judge
+    weights: `reward: {timeout: 1.0}` names a stage 'timeout') is kept whole."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: semantic(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.name not in NON_SEMANTIC}
+    if isinstance(obj, list):
+        return [semantic(v) for v in obj]
+    return to_dict(obj)
 
 
 def _add_variants(cfg: PipelineConfig, name: str, body: dict[str, Any], cls: type, stages_raw: dict[str, Any],

@@ -150,7 +150,7 @@ def code_version() -> str:
 
 def _fingerprint(plan: StagePlan, cfg: PipelineConfig, inputs: dict[str, str], code: str,
                  hub_tokenizer: str | None = None, base_files: dict[str, Path] | None = None) -> str:
-    stage = semantic(to_dict(plan.cfg))
+    stage = semantic(plan.cfg)
     base = {}
     if plan.cfg.starts_from_base():
         base = {"base_model": cfg.base_model, "tokenizer": cfg.tokenizer, "builtin": to_dict(cfg.builtin)}
