@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from align.engines import engine_names
 from align.config.contract import HeldModel, DATA, POLICY, PROMPTS_ONLY, REPORT, REWARD_MODEL, CheckContext, StageBase
+from align.config.online import reward_room_problems
 from align.config.settings import Generation, PairwiseJudge
 from align.core.schema import ranged
 
@@ -82,6 +83,9 @@ class EvaluateStage(StageBase):
             raise ValueError(f"pairwise: each policy is judged against the baseline '{self.baseline}', and policies "
                              f"lists no other, so nothing would be judged; add the policies to compare, or remove "
                              "pairwise")
+
+    def pipeline_problems(self, name: str, stages: dict[str, StageBase]) -> list[str]:
+        return reward_room_problems(name, self.generation.max_new_tokens, self.reward, stages)
 
     def references(self, role: str) -> list[str]:
         return super().references(role) + (list(self.judges) if role == "judge" else [])  # its gold judges too

@@ -1,6 +1,7 @@
 """The checks the stage types that train on their own samples (ppo, grpo, rloo) make alike: whether the rollout
 engine's weight sync can serve a LoRA policy, and whether the policy samples at the lengths its reward model learned
-from and its evaluation samples at."""
+from and its evaluation samples at; and, for every stage that scores samples with a reward model (evaluate and
+preferences too), whether they fit in what it trained on."""
 
 from __future__ import annotations
 
@@ -30,6 +31,34 @@ def response_length_problems(name: str, algorithm: str, max_new_tokens: int, rew
         + f"; {algorithm} would optimise {max_new_tokens}-token responses against a reward model trained on, and an "
         "evaluation run at, other lengths. Set them equal"]
     return out + temperature_problems(name, algorithm, stages)
+
+
+def reward_length_problems(name: str, longest: int, lengths: str, reward: str | dict[str, float],
+                           stages: dict[str, StageBase]) -> list[str]:
+    """A reward stage scores sequences of up to `longest` tokens here (`lengths`: the settings that make it) but
+    trained on none longer than its own max_length (RewardTrainer drops longer pairs): past it, a score is read from
+    positions the head never learned to score (a learned-position model fails there). One line per such stage."""
+    out = []
+    for rm in (n for n in judge_weights(reward) if n in stages and stages[n].PRODUCES == REWARD_MODEL):
+        trained = getattr(stages[rm], "max_length", None)
+        if isinstance(trained, int) and longest > trained:
+            out.append(f"stages.{name}: {lengths} ({longest}) is longer than reward stage '{rm}' trained on "
+                       f"(stages.{rm}.max_length: {trained}), and its scores of longer sequences are untrained; raise "
+                       f"stages.{rm}.max_length to {longest} or shorten stages.{name}'s sequences")
+    return out
+
+
+def reward_room_problems(name: str, max_new_tokens: int, reward: str | dict[str, float] | None,
+                         stages: dict[str, StageBase]) -> list[str]:
+    """A stage that samples after prompts of any length (evaluate, preferences) drops those after which a response
+    of `max_new_tokens` could pass a reward stage's max_length (align/runtime/rows.py prompts_within_reward_models):
+    a response as long as that max_length alone leaves none, which would fail the stage after everything before it
+    trained. One line per such reward stage."""
+    return [f"stages.{name}.generation.max_new_tokens ({max_new_tokens}) leaves no room for a prompt within the "
+            f"longest sequence reward stage '{rm}' trained on (stages.{rm}.max_length: {stages[rm].max_length}); "
+            "raise that max_length or lower max_new_tokens"
+            for rm in judge_weights(reward or {}) if rm in stages and stages[rm].PRODUCES == REWARD_MODEL
+            and isinstance(getattr(stages[rm], "max_length", None), int) and max_new_tokens >= stages[rm].max_length]
 
 
 def temperature_problems(name: str, algorithm: str, stages: dict[str, StageBase]) -> list[str]:

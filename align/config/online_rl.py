@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from align.config.contract import (HeldModel, DATA, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, StageBase,
                                  TrainedStage)
-from align.config.online import lora_sync_problem, response_length_problems
+from align.config.online import lora_sync_problem, response_length_problems, reward_length_problems
 from align.config.settings import Generation
 from align.engines import DEFAULT as DEFAULT_ENGINE, engine_names, holds_own_copy, kind
 from align.judges import judge_weights
@@ -143,7 +143,8 @@ class OnlineRLStage(TrainedStage):
     def pipeline_problems(self, name: str, stages: dict[str, StageBase]) -> list[str]:
         """As PPO's: the responses optimised here, those the reward model learned from (its preferences stage) and
         those the evaluation samples must have one length."""
-        return response_length_problems(name, self.ALGORITHM, self.generation.max_new_tokens, self.reward, stages)
+        return (response_length_problems(name, self.ALGORITHM, self.generation.max_new_tokens, self.reward, stages)
+                + reward_length_problems(name, self.max_length, "max_length", self.reward, stages))
 
     def held_models(self, stages: dict[str, StageBase]) -> list[HeldModel]:
         held = [HeldModel("policy", "lm", True)]

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from align.engines import engine_names, holds_own_copy
 from align.config.contract import HeldModel, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, StageBase
-from align.config.online import lora_sync_problem, response_length_problems
+from align.config.online import lora_sync_problem, response_length_problems, reward_length_problems
 from align.config.settings import Generation, LoraSettings
 from align.judges import judge_weights
 from align.data.lengths import DROPS_LONG_PROMPTS, LengthRule
@@ -260,7 +260,10 @@ class PPOStage(StageBase):
         at the preferences stage's length, and the evaluation samples at its own. When they differ, PPO learns
         what a reward model says of responses it never saw (e.g. cut off before EOS) and is judged at yet
         another length."""
-        return response_length_problems(name, "PPO", self.generation.max_new_tokens, self.reward, stages)
+        longest = self.max_prompt_length + self.generation.max_new_tokens
+        return (response_length_problems(name, "PPO", self.generation.max_new_tokens, self.reward, stages)
+                + reward_length_problems(name, longest, "max_prompt_length + generation.max_new_tokens", self.reward,
+                                         stages))
 
     def card_split(self, fld: str) -> str:
         return self.split

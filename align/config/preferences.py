@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from align.engines import engine_names
 from align.config.contract import HeldModel, DATA, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, StageBase
+from align.config.online import reward_room_problems
 from align.config.settings import Generation, PairwiseJudge
 from align.core.schema import ranged
 from align.data.formats import row_prompt_key
@@ -101,7 +102,8 @@ class PreferencesStage(StageBase):
                 f"after {name} has sampled once more than max_truncated_fraction are); raise max_length above "
                 "max_new_tokens plus the prompts' length, or lower max_new_tokens"
                 for other, st in stages.items() if name in st.references(DATA)
-                and isinstance(getattr(st, "max_length", None), int) and tokens >= st.max_length]
+                and isinstance(getattr(st, "max_length", None), int) and tokens >= st.max_length] + \
+            ([] if self.pairwise else reward_room_problems(name, tokens, self.judge, stages))
 
     def unread_settings(self) -> dict[str, str]:
         if self.pairwise is None:

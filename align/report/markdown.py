@@ -90,7 +90,10 @@ def headline(cfg: EvaluateStage, m: dict[str, Any], groups: list[frontier.Group]
               for j in cfg.pairwise}
     swept = seeds.table(m, groups or [], judges, [j.name for j in cfg.pairwise], cfg.reference, cfg.baseline)
     lines += ["", *swept] if swept else []
-    return "\n".join(lines) + f"\n\nn = {m['eval/prompts']} held-out prompts" + "".join(
+    too_long = (f" ({m['eval/prompts_too_long']} more left out: too long for generation.max_new_tokens after them "
+                "within the model's positions or the reward stage's max_length; the manifest's dropped_rows says which)"
+                if m.get("eval/prompts_too_long") else "")
+    return "\n".join(lines) + f"\n\nn = {m['eval/prompts']} held-out prompts{too_long}" + "".join(
         f"; {name}: {f'{n} of them (a seeded uniform sample)' if n < m['eval/prompts'] else 'all of them'}, each "
         "pair judged in both orders" for name, n in judged.items())
 

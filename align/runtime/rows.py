@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from align.core.rundir import SPEC, StageSpec
 from align.data.cards import LoadedSplit, load_card, load_split, read_jsonl, seeded_rank
 from align.data.chat import as_text, same_after_template, same_after_template_problem
 from align.data.special_text import without_special_text
@@ -137,20 +138,52 @@ def prompts_within_positions(ctx: StageContext, prompts: list[str], tokenizer, m
     Past its positions a model samples from positions it never learned (RoPE refuses nothing) and the vllm engine
     refuses to start, after loading; none left fails the stage. A model whose config says no limit keeps them all."""
     limit = model_positions(model_path, ctx.pipeline.trust_remote_code)
-    if limit is None or not prompts:
+    if limit is None:
+        return prompts
+    # the engine takes one position more than it samples: a prompt of n tokens needs n + new_tokens < limit
+    return prompts_within(ctx, prompts, tokenizer, limit - 1, new_tokens, f"the model's {limit} positions")
+
+
+def prompts_within(ctx: StageContext, prompts: list[str], tokenizer, limit: int, new_tokens: int,
+                   within: str) -> list[str]:
+    """The prompts whose tokens (`tokenizer`'s, special ones added) and `new_tokens` make at most `limit`; the rest
+    are dropped and counted (`dropped_rows`), named by `within` (what the limit is); none left fails the stage."""
+    if not prompts:
         return prompts
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"]]
-    kept = [p for p, n in zip(prompts, lengths) if n + new_tokens < limit]  # the engine takes one position more
+    kept = [p for p, n in zip(prompts, lengths) if n + new_tokens <= limit]
     if len(kept) < len(prompts):
-        why = f"no room for generation.max_new_tokens ({new_tokens}) within the model's {limit} positions"
+        why = f"no room for generation.max_new_tokens ({new_tokens}) within {within}"
         count_dropped(ctx, why, len(prompts) - len(kept))
         if ctx.is_main:
             print(f"[align] {ctx.name}: {len(prompts) - len(kept)} of {len(prompts)} prompts dropped: {why}", flush=True)
     if not kept:
         raise StageError(f"stage '{ctx.name}': every prompt is too long to sample {new_tokens} tokens after it within "
-                         f"the model's {limit} positions (the shortest has {min(lengths)} tokens); lower "
-                         "generation.max_new_tokens or use shorter prompts")
+                         f"{within} (the shortest has {min(lengths)} tokens); lower generation.max_new_tokens or use "
+                         "shorter prompts")
     return kept
+
+
+def prompts_within_reward_models(ctx: StageContext, prompts: list[str], judge, new_tokens: int) -> list[str]:
+    """The prompts after which a response of `new_tokens` stays within the max_length of each reward stage `judge`
+    (a WeightedJudge) scores with, in its own tokens: the longest sequence it trained on (RewardTrainer drops longer
+    pairs). A score past it is read from positions the head never learned to score (where a learned-position model
+    fails); the rest are dropped and counted."""
+    for name, model in (judge.reward_models.items() if judge is not None else ()):
+        trained = trained_length(ctx, name)
+        if trained is not None:
+            prompts = prompts_within(ctx, prompts, model.tokenizer, trained, new_tokens,
+                                     f"the max_length of reward stage '{name}' ({trained}), the longest it trained on")
+    return prompts
+
+
+def trained_length(ctx: StageContext, reward: str) -> int | None:
+    """The reward stage's max_length, as its spec.json says (None when it does not)."""
+    try:
+        value = StageSpec.read(ctx.input_dir(reward) / SPEC).stage.get("max_length")
+    except (OSError, ValueError, KeyError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def model_positions(path: str, trust_remote_code: bool = False) -> int | None:

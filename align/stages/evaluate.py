@@ -19,7 +19,8 @@ from align.report import frontier, seeds
 from align.report.markdown import all_judges, headline, write_report
 from align.config.evaluate import EvaluateStage
 from align.data.lengths import pairs_within
-from align.runtime.rows import load_prompts, load_rows, prompts_within_positions
+from align.runtime.rows import (load_prompts, load_rows, prompts_within_positions, prompts_within_reward_models,
+                                trained_length)
 from align.engines import make_engine
 from align.engines.base import (RolloutEngine, all_gather_objects, check_gap, free_cached_memory, logprob_gap,
                                 nan_max, release)
@@ -28,7 +29,7 @@ from align.modeling.losses import sequence_kl
 from align.judges.pointwise import WeightedJudge, pairwise_accuracy, stage_judge
 from align.judges import JudgeError
 from align.judges.pairwise import build_pairwise, check_invalid
-from align.core.rundir import SPEC, StageSpec, read_manifest
+from align.core.rundir import read_manifest
 from align.runtime.context import StageContext
 from align.report.stats import calibration_buckets, mean_ci, pairwise_summary, perplexity, win_rate
 
@@ -186,7 +187,7 @@ def reward_model_metrics(ctx: StageContext, cfg: EvaluateStage, judges: dict[str
         return {}, []
     pairs = load_rows(ctx, cfg.preferences, "test", tokenizer=tokenizer)
     judge = judges["reward_model"].reward_models[cfg.reward]
-    trained = _trained_length(ctx, cfg.reward)  # scored as the reward stage scored its own: within its max_length,
+    trained = trained_length(ctx, cfg.reward)  # scored as the reward stage scored its own: within its max_length,
     within = pairs if trained is None else pairs_within(pairs, judge.tokenizer, trained)  # in its own tokens
     longer, pairs = len(pairs) - len(within), within
     if not pairs:
@@ -201,15 +202,6 @@ def reward_model_metrics(ctx: StageContext, cfg: EvaluateStage, judges: dict[str
             "eval/reward_model/chosen_mean": acc["chosen"], "eval/reward_model/rejected_mean": acc["rejected"],
             "eval/reward_model/chosen_std": float(np.std(acc["chosen_scores"])),
             "eval/reward_model/rejected_std": float(np.std(acc["rejected_scores"]))}, buckets
-
-
-def _trained_length(ctx: StageContext, reward: str) -> int | None:
-    """The reward stage's max_length, as its spec.json says (None when it does not)."""
-    try:
-        value = StageSpec.read(ctx.input_dir(reward) / SPEC).stage.get("max_length")
-    except (OSError, ValueError, KeyError):
-        return None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def policy_groups(ctx: StageContext, cfg: EvaluateStage, metrics: dict[str, Any]) -> list:
@@ -241,11 +233,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
     tokenizer = ctx.load_tokenizer(ref_path)
     plain: dict[str, str] = {}  # each prompt without the chat template: what an LLM judge reads
     prompts = load_prompts(ctx, cfg.prompts, cfg.split, tokenizer, plain, (cfg.max_prompts, ctx.seed))  # conversations: rendered
+    sampled = len(prompts)
     prompts = prompts_within_positions(ctx, prompts, tokenizer, ref_path, cfg.generation.max_new_tokens)
-    reference = ctx.load_lm(ref_path, device=True, frozen=True).eval()
     judges: dict[str, WeightedJudge] = {name: stage_judge(ctx, name) for name in cfg.judges}
     if cfg.reward:
         judges["reward_model"] = stage_judge(ctx, cfg.reward)
+        prompts = prompts_within_reward_models(ctx, prompts, judges["reward_model"], cfg.generation.max_new_tokens)
+    reference = ctx.load_lm(ref_path, device=True, frozen=True).eval()
     max_model_len = longest_prompt(tokenizer, prompts) + cfg.generation.max_new_tokens + 1
     rank = ctx.state.process_index  # an engine seeded once (vllm) gets a stream of its own on each process
     engine = make_engine(cfg.generation, model=reference, tokenizer=tokenizer, model_dir=ref_path,
@@ -267,7 +261,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if not ctx.is_main:  # the other processes sampled, judged and scored their shares; the main process reports
         ctx.publish("../report", lambda out: None)
         return {"eval/prompts": len(prompts)}
-    metrics: dict[str, Any] = {"eval/prompts": len(prompts), "perf/generated_tokens": generated,
+    metrics: dict[str, Any] = {"eval/prompts": len(prompts), "eval/prompts_too_long": sampled - len(prompts),
+                               "perf/generated_tokens": generated,
                                "perf/generation_seconds": seconds, "perf/sampling_seconds": wall,
                                "perf/tokens_per_s": generated / seconds if seconds else None,
                                "eval/engine": engine_name}

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from align.config.preferences import PreferencesStage
 from align.data.cards import held_out_prompts
-from align.runtime.rows import load_prompts, prompts_within_positions
+from align.runtime.rows import load_prompts, prompts_within_positions, prompts_within_reward_models
 from align.engines import holds_own_copy, make_engine
 from align.engines.base import free_cached_memory
 from align.modeling.generation import by_length, longest_prompt, sample_texts
@@ -177,6 +177,7 @@ def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts:
     # an engine with its own copy of the policy (vllm) starts from `path`: the stage then loads none
     policy = None if holds_own_copy(gen.engine) else ctx.load_lm(path, device=True, frozen=True).eval()
     judge = stage_judge(ctx, cfg.judge) if cfg.pairwise is None else None
+    prompts = prompts_within_reward_models(ctx, prompts, judge, gen.max_new_tokens)
     n = cfg.samples_per_prompt
     per_batch = max(1, gen.batch_size // n)
     rank = ctx.state.process_index
