@@ -726,8 +726,9 @@ def test_ppo_counts_the_whole_policy_gathered_under_zero3_and_not_with_layer_gat
     lean = estimate_stage("ppo", layers, cfg.stages, shapes, "zero3", 8, cfg.dtype, hw.gpu_memory)
     assert lean.parts["zero3"]["rollout_gather"] == 0
     assert est.chosen_bytes - lean.chosen_bytes == 2 * L8["params"]
-    # the KV cache of a 16-prompt batch of 512 + 512 tokens, grouped-query attention (8 of 32 heads)
-    assert est.parts["zero3"]["generation"] == 2_155_692_032
+    # the KV cache of a 16-prompt batch of 512 + 1024 tokens, grouped-query attention (8 of 32 heads): 16 x 1,536 x
+    # 32 layers x 2 (k, v) x 8 heads x 128 x 2 bytes, and one step's fp32 logits, 16 x 128,256 x 4 bytes
+    assert est.parts["zero3"]["generation"] == 16 * 1536 * 32 * 2 * 8 * 128 * 2 + 16 * 128_256 * 4 == 3_229_433_856
 
 
 def test_ppos_fused_head_holds_one_chunk_of_logits_on_gpus_except_under_zero3(llama8b):
