@@ -117,6 +117,7 @@ def pipeline_yaml(out: Path, base: Path, s: dict, precision: str = "auto", attn:
     card = REPO / "data_cards" / "movie_review_snippets.yaml"
     gen = f"{{max_new_tokens: {s['new_tokens']}, batch_size: {s['gen_batch']}}}"
     cap = "" if packed else f"max_train_examples: {s['sft_steps'] * s['sft_batch']},"
+    prompt_cap = min(64, s["pair_length"] - s["new_tokens"])  # PPO's prompts + replies within the reward model's
     text = f"""name: gpu-benchmark
 base_model: {base}
 precision: {precision}
@@ -136,7 +137,7 @@ stages:
   reward: {{init: sft, data: preferences, epochs: {s['rm_epochs']}, per_device_batch_size: {s['pair_batch']},
            max_length: {s['pair_length']}, logging_steps: 1, save_steps: 1000, max_truncated_fraction: 0.5}}
   ppo: {{policy: sft, reward: reward, prompts: {card}, iterations: {s['ppo_iterations']},
-        rollout_batch_size: {s['rollout']}, mini_batch_size: {s['mini']}, ppo_epochs: 2, max_prompt_length: 64,
+        rollout_batch_size: {s['rollout']}, mini_batch_size: {s['mini']}, ppo_epochs: 2, max_prompt_length: {prompt_cap},
         reward_normalization_samples: {s['rollout']}, save_every: 1000, generation: {gen}}}
   dpo: {{policy: sft, data: preferences, epochs: {s['dpo_epochs']}, per_device_batch_size: {s['pair_batch']},
         max_length: {s['pair_length']}, logging_steps: 1, save_steps: 1000, max_truncated_fraction: 0.5}}

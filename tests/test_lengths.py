@@ -106,7 +106,9 @@ def test_validate_refuses_when_too_many_hh_pairs_would_be_dropped(workdir):
 
     pairs = len(load_split(REPO / "data_cards" / "hh_rlhf_harmless_pairs.yaml", "train").rows)
     assert f"length check reward: {pairs} examples" in ok.stdout  # every training pair measured
-    bad = run_align("validate", "pipelines/hh_rlhf_tiny.yaml", "reward.max_length=96", cwd=workdir)
+    # PPO's prompts + replies kept within the reward model's 96 (a longer sequence is refused on its own, first)
+    bad = run_align("validate", "pipelines/hh_rlhf_tiny.yaml", "reward.max_length=96", "ppo.max_prompt_length=80",
+                    cwd=workdir)
     assert bad.returncode == 2
     assert "stages.reward.max_length=96" in bad.stderr and "dropped" in bad.stderr
     assert not (workdir / "runs").exists()

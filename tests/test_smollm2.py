@@ -32,7 +32,9 @@ FAST = ["base_model=packaged:smollm2-gguf", "sft.max_steps=3", "sft.per_device_b
         "ppo.save_every=1", "ppo.generation.max_new_tokens=12", "ppo.generation.batch_size=2", "ppo.kl.heldout_prompts=4",
         "evaluate.max_prompts=2", "evaluate.generation.max_new_tokens=12", f"seed={SEED}",
         # shorter sequences (a test of the path, not of quality): over-long pairs dropped, conversations cut
-        *[f"{s}.{k}" for s in ("sft", "reward", "dpo") for k in ("max_length=128", "max_truncated_fraction=1")]]
+        *[f"{s}.{k}" for s in ("sft", "dpo") for k in ("max_length=128", "max_truncated_fraction=1")],
+        # the reward model at the file's 256: it scores PPO's prompts (up to 192 tokens) and replies
+        "reward.max_truncated_fraction=1"]
 # Perplexity of 24 sampled tokens (temperature 1) under the base model. Measured on this run's models (seed 17,
 # 2-core CPU, 2026-11-25): 10.0 for sft, dpo and ppo alike (a few LoRA steps leave the sampled text unchanged);
 # tokens drawn uniformly from the vocabulary score > 3,000 (asserted below). A bound of 30 leaves room for
