@@ -100,6 +100,24 @@ def test_every_pipeline_sketch_in_readme_parses():
         assert cfg.stages
 
 
+def test_every_pipeline_sketch_in_readme_validates_on_a_real_card(tmp_path, monkeypatch):
+    """What a user copies passes `align validate` with its cards in place (the movie-review card for each): the
+    sketch's reward stage at its default max_length of 128 was refused once PPO's prompts + replies (512 + 24) had
+    to fit it (2026-12-01 review)."""
+    from align.config import parse_pipeline
+    from align.orchestrator.validate import validate
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the sketch's hub base is not asked for (no network here)
+    card = str(REPO / "data_cards" / "movie_review_snippets.yaml")
+    sketches = [yaml.safe_load(b) for b in _blocks(README, "yaml")]
+    for raw in [s for s in sketches if isinstance(s, dict) and "stages" in s]:
+        for stage in raw["stages"].values():
+            stage.update({k: card for k, v in stage.items() if isinstance(v, str) and v.endswith(".yaml")})
+        source = tmp_path / "sketch.yaml"
+        source.write_text(yaml.safe_dump(raw))
+        validate(parse_pipeline(raw, str(source)), source, verbose=False)
+
+
 def test_every_link_in_readme_and_docs_points_at_a_file():
     broken = []
     for doc in [REPO / "README.md", *(REPO / "docs").glob("*.md")]:
