@@ -183,10 +183,10 @@ stages:
   sft: {{data: {reviews}, max_steps: 3, per_device_batch_size: 4, max_length: 96, max_train_examples: 32,
         max_truncated_fraction: 0.5, eval_split: null, logging_steps: 1, save_steps: 10,
         learning_rate: 3.0e-3}}
-  reward: {{init: sft, data: {pairs}, max_steps: 3, per_device_batch_size: 4, max_length: 32, logging_steps: 1,
+  reward: {{init: sft, data: {pairs}, max_steps: 3, per_device_batch_size: 4, max_length: 64, logging_steps: 1,
            save_steps: 10, learning_rate: 3.0e-3}}
   ppo: {{policy: sft, reward: reward, prompts: {reviews}, iterations: 2, rollout_batch_size: 4, mini_batch_size: 2,
-        ppo_epochs: 1, max_prompt_length: 26, save_every: 2, learning_rate: 1.0e-3,
+        ppo_epochs: 1, max_prompt_length: 48, save_every: 2, learning_rate: 1.0e-3,
         generation: {{max_new_tokens: 6}}}}
   dpo: {{policy: sft, data: {pairs}, max_steps: 3, per_device_batch_size: 4, max_length: 32, logging_steps: 1,
         save_steps: 10, learning_rate: 3.0e-3}}
