@@ -247,15 +247,10 @@ def test_a_dpo_pair_whose_sides_are_the_same_once_cut_is_counted_as_dropped(gpt2
     assert (rep.truncated, rep.dropped) == (1, 0)  # (the other, 3 + 8 + EOS, fits whole)
 
 
-def test_a_conversation_is_counted_as_sft_tokenises_it_bos_and_all(tmp_path):
-    """SFT's length count rendered conversations with apply_chat_template, which writes no BOS for a template that has
-    none (chatml) on a tokenizer that adds one (Llama's), while SFT's ids start with it (align/data/chat.py
-    `sft_example`, as every later stage's prompts do): one token short, so an example one token too long passed
-    uncounted, and a first reply starting at the window's edge was counted as training."""
+def _chatml_llama_conversation(tmp_path):
+    """A Llama tokenizer (it adds BOS) with the chatml template installed, and a two-reply conversation."""
     import families
     from align import templates
-    from align.data.chat import sft_example
-    from align.data.lengths import TRUNCATES_COMPLETIONS
     from align.modeling.models import load_tokenizer
 
     families.tokenizer("llama", tmp_path)
@@ -264,6 +259,18 @@ def test_a_conversation_is_counted_as_sft_tokenises_it_bos_and_all(tmp_path):
     templates.install(tok, planned)
     msgs = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi, how are you?"},
             {"role": "user", "content": "fine"}, {"role": "assistant", "content": "good to hear"}]
+    return tok, planned, msgs
+
+
+def test_a_conversation_is_counted_as_sft_tokenises_it_bos_and_all(tmp_path):
+    """SFT's length count rendered conversations with apply_chat_template, which writes no BOS for a template that has
+    none (chatml) on a tokenizer that adds one (Llama's), while SFT's ids start with it (align/data/chat.py
+    `sft_example`, as every later stage's prompts do): one token short, so an example one token too long passed
+    uncounted, and a first reply starting at the window's edge was counted as training."""
+    from align.data.chat import sft_example
+    from align.data.lengths import TRUNCATES_COMPLETIONS
+
+    tok, planned, msgs = _chatml_llama_conversation(tmp_path)
     example = sft_example(tok, planned, msgs)
     assert example["input_ids"][0] == tok.bos_token_id
     n, first = len(example["input_ids"]), example["assistant_masks"].index(1)
@@ -282,20 +289,12 @@ def test_train_turns_last_trains_the_final_reply_alone_and_counts_what_the_windo
     `all` its first reply still trains there)."""
     from types import SimpleNamespace
 
-    import families
-    from align import templates
     from align.config.sft import SFTStage
     from align.data.chat import sft_example
     from align.data.lengths import TRUNCATES_COMPLETIONS
-    from align.modeling.models import load_tokenizer
     from align.stages.sft import tokenized
 
-    families.tokenizer("llama", tmp_path)
-    tok = load_tokenizer(str(tmp_path))
-    planned = templates.resolve("chatml", REPO / "pipelines" / "chat.yaml", None)
-    templates.install(tok, planned)
-    msgs = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi, how are you?"},
-            {"role": "user", "content": "fine"}, {"role": "assistant", "content": "good to hear"}]
+    tok, planned, msgs = _chatml_llama_conversation(tmp_path)
     every = sft_example(tok, planned, msgs)
     ctx = SimpleNamespace(name="sft", chat_template=planned, cfg=SFTStage(train_turns="last"))
     last = tokenized(ctx, [{"messages": msgs}], tok, "train")[0]

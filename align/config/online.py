@@ -11,6 +11,17 @@ from align.engines import engine_names, kind
 from align.judges import judge_weights
 
 
+def reward_stages(reward: str | dict[str, float] | None, stages: dict[str, StageBase]) -> list[str]:
+    """The reward stages of the pipeline that a judge setting (`ppo.reward`, `preferences.judge`, ...) names."""
+    return [n for n in judge_weights(reward or {}) if n in stages and stages[n].PRODUCES == REWARD_MODEL]
+
+
+def _trained_lengths(reward: str | dict[str, float] | None, stages: dict[str, StageBase]) -> dict[str, int]:
+    """Each reward stage `reward` names -> its max_length (the longest sequence it trained on)."""
+    return {rm: stages[rm].max_length for rm in reward_stages(reward, stages)
+            if isinstance(getattr(stages[rm], "max_length", None), int)}
+
+
 def response_length_problems(name: str, algorithm: str, max_new_tokens: int, reward: str | dict[str, float],
                              stages: dict[str, StageBase]) -> list[str]:
     """Online RL (PPO, GRPO, RLOO) optimises responses of `max_new_tokens`; its reward model learned from pairs
@@ -18,7 +29,7 @@ def response_length_problems(name: str, algorithm: str, max_new_tokens: int, rew
     they differ. Stages are asked what they read (`references`) and how long they sample (`response_tokens`)."""
     own = f"stages.{name}.generation.max_new_tokens"
     lengths = {own: max_new_tokens}
-    for rm in (n for n in judge_weights(reward) if n in stages and stages[n].PRODUCES == REWARD_MODEL):
+    for rm in reward_stages(reward, stages):
         for data in stages[rm].references(DATA):
             tokens = stages[data].response_tokens() if data in stages and stages[data].PRODUCES == DATA else None
             if tokens is not None:
@@ -38,14 +49,10 @@ def reward_length_problems(name: str, longest: int, lengths: str, reward: str | 
     """A reward stage scores sequences of up to `longest` tokens here (`lengths`: the settings that make it) but
     trained on none longer than its own max_length (RewardTrainer drops longer pairs): past it, a score is read from
     positions the head never learned to score (a learned-position model fails there). One line per such stage."""
-    out = []
-    for rm in (n for n in judge_weights(reward) if n in stages and stages[n].PRODUCES == REWARD_MODEL):
-        trained = getattr(stages[rm], "max_length", None)
-        if isinstance(trained, int) and longest > trained:
-            out.append(f"stages.{name}: {lengths} ({longest}) is longer than reward stage '{rm}' trained on "
-                       f"(stages.{rm}.max_length: {trained}), and its scores of longer sequences are untrained; raise "
-                       f"stages.{rm}.max_length to {longest} or shorten stages.{name}'s sequences")
-    return out
+    return [f"stages.{name}: {lengths} ({longest}) is longer than reward stage '{rm}' trained on "
+            f"(stages.{rm}.max_length: {trained}), and its scores of longer sequences are untrained; raise "
+            f"stages.{rm}.max_length to {longest} or shorten stages.{name}'s sequences"
+            for rm, trained in _trained_lengths(reward, stages).items() if longest > trained]
 
 
 def reward_room_problems(name: str, max_new_tokens: int, reward: str | dict[str, float] | None,
@@ -55,10 +62,9 @@ def reward_room_problems(name: str, max_new_tokens: int, reward: str | dict[str,
     a response as long as that max_length alone leaves none, which would fail the stage after everything before it
     trained. One line per such reward stage."""
     return [f"stages.{name}.generation.max_new_tokens ({max_new_tokens}) leaves no room for a prompt within the "
-            f"longest sequence reward stage '{rm}' trained on (stages.{rm}.max_length: {stages[rm].max_length}); "
+            f"longest sequence reward stage '{rm}' trained on (stages.{rm}.max_length: {trained}); "
             "raise that max_length or lower max_new_tokens"
-            for rm in judge_weights(reward or {}) if rm in stages and stages[rm].PRODUCES == REWARD_MODEL
-            and isinstance(getattr(stages[rm], "max_length", None), int) and max_new_tokens >= stages[rm].max_length]
+            for rm, trained in _trained_lengths(reward, stages).items() if max_new_tokens >= trained]
 
 
 def temperature_problems(name: str, algorithm: str, stages: dict[str, StageBase]) -> list[str]:

@@ -11,12 +11,11 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from align.config.contract import (HeldModel, DATA, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, StageBase,
+from align.config.contract import (HeldModel, DATA, POLICY, PROMPTS_ONLY, CheckContext, StageBase,
                                  TrainedStage)
-from align.config.online import lora_sync_problem, response_length_problems, reward_length_problems
+from align.config.online import lora_sync_problem, response_length_problems, reward_length_problems, reward_stages
 from align.config.settings import Generation
 from align.engines import DEFAULT as DEFAULT_ENGINE, engine_names, holds_own_copy, kind
-from align.judges import judge_weights
 from align.core.schema import ranged, step_size
 
 
@@ -150,7 +149,7 @@ class OnlineRLStage(TrainedStage):
         held = [HeldModel("policy", "lm", True)]
         if self.beta and not self.lora.enabled:  # with LoRA the reference is the base with adapters disabled
             held.append(HeldModel("reference", "lm", False))  # TRL shards it under ZeRO-3
-        rewards = [n for n in judge_weights(self.reward) if n in stages and stages[n].PRODUCES == REWARD_MODEL]
+        rewards = reward_stages(self.reward, stages)
         # a reward model scores from a Python reward function (align/stages/online_rl.py): whole on every GPU
         return held + [HeldModel("reward", "scalar", False, False)] * len(rewards)
 

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from align.engines import engine_names, holds_own_copy
 from align.config.contract import HeldModel, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, StageBase
-from align.config.online import lora_sync_problem, response_length_problems, reward_length_problems
+from align.config.online import lora_sync_problem, response_length_problems, reward_length_problems, reward_stages
 from align.config.settings import Generation, LoraSettings
 from align.judges import judge_weights
 from align.data.lengths import DROPS_LONG_PROMPTS, LengthRule
@@ -289,9 +289,9 @@ class PPOStage(StageBase):
         held += [] if self.value_init == "shared" else [HeldModel("value", "scalar", True)]
         if not self.lora.enabled:  # with LoRA the reference is the policy's base with adapters disabled
             held.append(HeldModel("reference", "lm", False))  # sharded under ZeRO-3 (ppo/models.py prepare_frozen)
-        reward_stages = [n for n in judge_weights(self.reward) if n in stages and stages[n].PRODUCES == REWARD_MODEL]
+        rewards = reward_stages(self.reward, stages)
         shared = self.lora.enabled and self.value_init == "reward"  # the reward model is the value model's base
-        return held + [HeldModel("reward", "scalar", False)] * (len(reward_stages) - shared)
+        return held + [HeldModel("reward", "scalar", False)] * (len(rewards) - shared)
 
     def gathers_policy_for_generation(self) -> bool:
         """The hf engine samples from the policy gathered whole (generation.zero3_gather: whole; align/stages/ppo/

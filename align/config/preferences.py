@@ -6,12 +6,11 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from align.engines import engine_names
-from align.config.contract import HeldModel, DATA, POLICY, PROMPTS_ONLY, REWARD_MODEL, CheckContext, StageBase
-from align.config.online import reward_room_problems
+from align.config.contract import HeldModel, DATA, POLICY, PROMPTS_ONLY, CheckContext, StageBase
+from align.config.online import reward_room_problems, reward_stages
 from align.config.settings import Generation, PairwiseJudge
 from align.core.schema import ranged
 from align.data.formats import row_prompt_key
-from align.judges import judge_weights
 
 
 @dataclass
@@ -124,5 +123,5 @@ class PreferencesStage(StageBase):
 
     def held_models(self, stages: dict[str, StageBase]) -> list[HeldModel]:
         """Nothing trains: each model whole on every GPU."""
-        rewards = [n for n in judge_weights(self.judge) if n in stages and stages[n].PRODUCES == REWARD_MODEL]
+        rewards = reward_stages(self.judge, stages)
         return [HeldModel("policy", "lm", False, False)] + [HeldModel("judge", "scalar", False, False)] * len(rewards)
