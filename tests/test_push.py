@@ -29,7 +29,14 @@ class RecordingApi:
         return self.there
 
     def upload_folder(self, **kw):
+        from pathlib import Path
+
+        from huggingface_hub.utils import filter_repo_objects
+
         self.calls.append(("upload_folder", kw))
+        folder = Path(kw["folder_path"])  # what huggingface_hub's own filter would send
+        self.sent = sorted(filter_repo_objects([p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                                                if p.is_file()], ignore_patterns=kw["ignore_patterns"]))
         return SimpleNamespace(oid="0123abcd", commit_url=f"https://huggingface.co/{kw['repo_id']}/commit/0123abcd")
 
 
@@ -47,7 +54,8 @@ def test_upload_creates_the_repository_commits_the_folder_and_keeps_no_token(tmp
     assert api.calls[0] == ("create_repo", "my-org/tiny-ppo", {"repo_type": "model", "private": True, "exist_ok": True})
     assert api.calls[1][1] == {"folder_path": str(model), "repo_id": "my-org/tiny-ppo", "repo_type": "model",
                                "revision": "main", "commit_message": "align: test",
-                               "ignore_patterns": ["training_args.bin"], "delete_patterns": None}
+                               "ignore_patterns": ["training_args.bin", "*/training_args.bin"],
+                               "delete_patterns": None}
     assert receipt == {"repo": "my-org/tiny-ppo", "revision": "main", "commit": "0123abcd",
                        "url": "https://huggingface.co/my-org/tiny-ppo/commit/0123abcd",
                        "files": ["config.json", "model.safetensors"], "deleted": [], "bytes": 1002}
@@ -66,7 +74,9 @@ def test_a_second_push_deletes_what_the_first_left_that_this_model_lacks_and_mak
 
     model = tmp_path / "model"
     model.mkdir()
-    for name in ("config.json", "model.safetensors", "training_args.bin", "tokenizer.json"):
+    (model / "value_head").mkdir()
+    for name in ("config.json", "model.safetensors", "training_args.bin", "tokenizer.json",
+                 "value_head/training_args.bin"):
         (model / name).write_text("x")
     api = RecordingApi(there=[".gitattributes", "README.md", "adapter_config.json", "adapter_model.safetensors",
                               "config.json", "tokenizer.json", "LICENSE", "images/plot.png", "model-q4.gguf",
@@ -77,8 +87,9 @@ def test_a_second_push_deletes_what_the_first_left_that_this_model_lacks_and_mak
                                                                   "exist_ok": True})
     sent = api.calls[2][1]
     assert sent["delete_patterns"] == ["adapter_config.json", "adapter_model.safetensors"]
-    assert sent["ignore_patterns"] == ["training_args.bin"] and sent["revision"] == "v1"
-    assert receipt["files"] == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert sent["revision"] == "v1"
+    # no pickle is sent, at the top level or in a folder, and the receipt names exactly what was sent
+    assert receipt["files"] == api.sent == ["config.json", "model.safetensors", "tokenizer.json"]
     assert receipt["deleted"] == ["adapter_config.json", "adapter_model.safetensors"]
 
 

@@ -22,6 +22,9 @@ OUTPUTS = ["pushed"]
 # Not uploaded: the Trainer's pickled TrainingArguments (TRL-trained stages save it into model/; it records this
 # machine's paths, and the hub flags pickles).
 LEFT_OUT = ("training_args.bin",)
+# huggingface_hub matches ignore_patterns against the whole relative path: a bare name leaves out the top-level file
+# only, so each name is also given under any folder.
+IGNORED = [*LEFT_OUT, *(f"*/{name}" for name in LEFT_OUT)]
 # What a model/ is made of (weights, configs, adapters, tokenizer files, align's adapter record): the files at the
 # repository's top level matching these, and not in this model/, are an earlier model's and are deleted. Anything
 # else a user put there (README.md, LICENSE, images/, GGUF quantisations) is left alone.
@@ -53,7 +56,7 @@ def upload(folder: Path, cfg: PushStage, token: str, message: str, api: Any = No
     there = api.list_repo_files(cfg.repo, repo_type="model", revision=cfg.revision)
     stale = stale_files(there, files)
     info = api.upload_folder(folder_path=str(folder), repo_id=cfg.repo, repo_type="model", revision=cfg.revision,
-                             commit_message=message, ignore_patterns=list(LEFT_OUT),
+                             commit_message=message, ignore_patterns=IGNORED,
                              delete_patterns=[glob.escape(f) for f in stale] or None)
     return {"repo": cfg.repo, "revision": cfg.revision, "commit": getattr(info, "oid", None),
             "url": str(getattr(info, "commit_url", "") or ""), "files": files, "deleted": stale,
