@@ -288,6 +288,42 @@ def test_clipping_under_deepspeed_zero1_2_and_3_matches_cpu_without_gathering_a_
         assert r["nan_skipped"] == 1.0 and r["nan_weights_unchanged"] is True, name
 
 
+@pytest.mark.distributed
+def test_clipping_under_deepspeed_bf16_matches_one_process_without_gathering_a_gradient(tmp_path):
+    """The GPU default: bf16 weights under DeepSpeed. The same probe under 2-process ZeRO-1 and ZeRO-2 in bf16, and
+    ZeRO-1 with fp32 gradient accumulation (DeepSpeed's BF16_Optimizer, which keeps a whole gradient buffer on
+    every process: each process's own fragment is a slice of it), against one DeepSpeed process in bf16: the
+    pre-clip norms agree, the clipped group's step has norm 1, no whole gradient is gathered, and a
+    NaN loss is skipped. A norm that counted another process's fragment, or missed one, is off by far more than
+    bf16's rounding (the groups' norms differ by 1e4)."""
+    probe = REPO / "tests" / "probes" / "clip_probe.py"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--mixed_precision", "bf16", "--config_file"]
+    zero = {k: str(REPO / "pipelines" / "accelerate" / f"{k}.yaml") for k in ("zero1", "zero2")}
+    out = {}
+    for name, cmd in {
+        "one": [*launch, zero["zero2"], "--num_processes", "1", str(probe), str(tmp_path / "one.json")],
+        "zero1": [*launch, zero["zero1"], "--num_processes", "2", str(probe), str(tmp_path / "zero1.json")],
+        "zero2": [*launch, zero["zero2"], "--num_processes", "2", str(probe), str(tmp_path / "zero2.json")],
+        "zero1_fp32_accum": [*launch, zero["zero1"], "--num_processes", "2", str(probe),
+                             str(tmp_path / "zero1_fp32_accum.json"), "fp32"],
+    }.items():
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        out[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    print({k: (v["world"], v["optimizer"], v["dtype"], v["pre_norm"]) for k, v in out.items()})
+    assert [out[k]["world"] for k in ("one", "zero1", "zero2", "zero1_fp32_accum")] == [1, 2, 2, 2]
+    assert out["zero1_fp32_accum"]["optimizer"] == "BF16_Optimizer"
+    for name, r in out.items():
+        assert r["dtype"] == "torch.bfloat16", name
+        for group in ("policy", "value"):
+            assert r["pre_norm"][group] == pytest.approx(out["one"]["pre_norm"][group], rel=2e-2), (name, group)
+        # the clipped group's step; the other's (0.006) is within the bf16 weights' rounding (~3e-3 over 72 weights)
+        assert r["step_norm"]["value"] == pytest.approx(1.0, rel=2e-2), name
+        assert r["pre_norm"]["value"] > 1.0 > r["pre_norm"]["policy"], name
+        assert r["gathers"] == {"safe_get_full_grad": 0, "get_full_hp_grad": 0}, (name, r["gathers"])
+        assert r["nan_skipped"] == 1.0 and r["nan_weights_unchanged"] is True, name
+
+
 # --------------------------------------------------------------------------------------------- judges
 def test_user_judge_module_function_and_weighted_sum(tmp_path, monkeypatch):
     from align.judges import JudgeError, check_judges, vader

@@ -53,11 +53,15 @@ def main(out: str) -> None:
     plugin = acc.state.deepspeed_plugin
     if plugin is not None:
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 16 // state.num_processes
+        if len(sys.argv) > 2:  # e.g. fp32: bf16 weights with fp32 gradient accumulation (DeepSpeed's BF16_Optimizer
+            plugin.deepspeed_config["data_types"] = {"grad_accum_dtype": sys.argv[2]}  # under ZeRO-1)
     disable_deepspeed_clipping(acc)
     model, opt = acc.prepare(model, opt)
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(99))
     x = x.chunk(state.num_processes)[state.process_index]  # each process its share of one global batch
+    x = x.to(next(acc.unwrap_model(model).parameters()).dtype)  # bf16 weights under DeepSpeed's bf16
     p, v = model(x)
+    p, v = p.float(), v.float()
     loss = 0.01 * p.pow(2).mean() + 1000.0 * v.pow(2).mean()
     named = dict(acc.unwrap_model(model).named_parameters())
     groups = {k: [named[n] for n in names] for k, names in {"policy": ["policy.weight", "policy.bias"],
@@ -77,6 +81,8 @@ def main(out: str) -> None:
     if state.is_main_process:
         with open(out, "w") as fh:
             json.dump({"pre_norm": norms, "step_norm": step, "world": state.num_processes, "gathers": gathers,
+                       "optimizer": type(getattr(model, "optimizer", opt)).__name__,
+                       "dtype": str(next(acc.unwrap_model(model).parameters()).dtype),
                        "all_reduces_in_step": reduces, "nan_skipped": nan.get("skipped", 0.0),
                        "nan_weights_unchanged": unchanged}, fh)
     from align.runtime.process import leave_process_group  # as a stage process leaves (a rank can abort at exit)
@@ -97,4 +103,4 @@ def full_state(acc, model) -> dict[str, torch.Tensor]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1])  # [grad_accum_dtype]
