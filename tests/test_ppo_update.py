@@ -257,6 +257,25 @@ def test_a_parameter_another_process_optimises_is_not_counted_here():
     assert g is plain.grad and partitioned is False
 
 
+CLIP_PROBE = REPO / "tests" / "probes" / "clip_probe.py"
+
+
+def clip_probe_runs(tmp_path, runs: dict[str, list[str]]) -> dict[str, dict]:
+    """Each run: the command before the probe (a launcher and its flags; [] for a plain process) and the probe's
+    arguments after its output file. Returns each run's JSON by name."""
+    out = {}
+    for name, (before, after) in runs.items():
+        cmd = [*before, str(CLIP_PROBE), str(tmp_path / f"{name}.json"), *after]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        out[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    return out
+
+
+def accelerate_config(name: str) -> str:
+    return str(REPO / "pipelines" / "accelerate" / f"{name}.yaml")
+
+
 @pytest.mark.distributed
 def test_clipping_under_deepspeed_zero1_2_and_3_matches_cpu_without_gathering_a_gradient(tmp_path):
     """The same probe (seeded models and loss, SGD lr 1) on one CPU process and under 2-process ZeRO-1, 2 and 3: the
@@ -265,18 +284,9 @@ def test_clipping_under_deepspeed_zero1_2_and_3_matches_cpu_without_gathering_a_
     a parameter counts it, or each process's norm counted the others' parameters too). Under DeepSpeed the norms come from each process's own gradient partitions: no whole
     gradient is gathered (the old clipping called safe_get_full_grad once per parameter: 4 here, 582 at 8B). A NaN
     loss then skips the step everywhere, the weights untouched."""
-    probe = REPO / "tests" / "probes" / "clip_probe.py"
-    out = {}
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--config_file"]
-    for name, cmd in {
-        "cpu": [sys.executable, str(probe), str(tmp_path / "cpu.json")],
-        "zero1": [*launch, str(REPO / "pipelines" / "accelerate" / "zero1.yaml"), str(probe), str(tmp_path / "zero1.json")],
-        "zero2": [*launch, str(REPO / "pipelines" / "accelerate" / "zero2.yaml"), str(probe), str(tmp_path / "zero2.json")],
-        "zero3": [*launch, str(REPO / "pipelines" / "accelerate" / "zero3.yaml"), str(probe), str(tmp_path / "zero3.json")],
-    }.items():
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-        out[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    out = clip_probe_runs(tmp_path, {"cpu": ([sys.executable], []),
+                                     **{z: ([*launch, accelerate_config(z)], []) for z in ("zero1", "zero2", "zero3")}})
     print({k: (v["gathers"], v["all_reduces_in_step"]) for k, v in out.items()})
     assert [out[k]["world"] for k in ("cpu", "zero1", "zero2", "zero3")] == [1, 2, 2, 2]
     for name, r in out.items():
@@ -296,20 +306,13 @@ def test_clipping_under_deepspeed_bf16_matches_one_process_without_gathering_a_g
     pre-clip norms agree, the clipped group's step has norm 1, no whole gradient is gathered, and a
     NaN loss is skipped. A norm that counted another process's fragment, or missed one, is off by far more than
     bf16's rounding (the groups' norms differ by 1e4)."""
-    probe = REPO / "tests" / "probes" / "clip_probe.py"
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--mixed_precision", "bf16", "--config_file"]
-    zero = {k: str(REPO / "pipelines" / "accelerate" / f"{k}.yaml") for k in ("zero1", "zero2")}
-    out = {}
-    for name, cmd in {
-        "one": [*launch, zero["zero2"], "--num_processes", "1", str(probe), str(tmp_path / "one.json")],
-        "zero1": [*launch, zero["zero1"], "--num_processes", "2", str(probe), str(tmp_path / "zero1.json")],
-        "zero2": [*launch, zero["zero2"], "--num_processes", "2", str(probe), str(tmp_path / "zero2.json")],
-        "zero1_fp32_accum": [*launch, zero["zero1"], "--num_processes", "2", str(probe),
-                             str(tmp_path / "zero1_fp32_accum.json"), "fp32"],
-    }.items():
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-        out[name] = json.loads((tmp_path / f"{name}.json").read_text())
+
+    def bf16(zero: str, processes: int) -> list[str]:
+        return [*launch, accelerate_config(zero), "--num_processes", str(processes)]
+
+    out = clip_probe_runs(tmp_path, {"one": (bf16("zero2", 1), []), "zero1": (bf16("zero1", 2), []),
+                                     "zero2": (bf16("zero2", 2), []), "zero1_fp32_accum": (bf16("zero1", 2), ["fp32"])})
     print({k: (v["world"], v["optimizer"], v["dtype"], v["pre_norm"]) for k, v in out.items()})
     assert [out[k]["world"] for k in ("one", "zero1", "zero2", "zero1_fp32_accum")] == [1, 2, 2, 2]
     assert out["zero1_fp32_accum"]["optimizer"] == "BF16_Optimizer"

@@ -46,13 +46,15 @@ def upload(folder: Path, cfg: PushStage, token: str, message: str, api: Any = No
     (`stale_files`): a stale adapter_config.json beside new whole weights makes transformers load the old base +
     adapter instead. The receipt (no token in it) names both."""
     from huggingface_hub import HfApi  # light: only when pushing
+    from huggingface_hub.utils import filter_repo_objects
 
     api = api if api is not None else HfApi(token=token)
     api.create_repo(cfg.repo, repo_type="model", private=cfg.private, exist_ok=True)
     if cfg.revision != "main":  # upload_folder commits only to a branch that exists
         api.create_branch(cfg.repo, repo_type="model", branch=cfg.revision, exist_ok=True)
-    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()
-                   and p.name not in LEFT_OUT)
+    # what upload_folder sends: the same filter, so the receipt names exactly that
+    files = sorted(filter_repo_objects([p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()],
+                                       ignore_patterns=IGNORED))
     there = api.list_repo_files(cfg.repo, repo_type="model", revision=cfg.revision)
     stale = stale_files(there, files)
     info = api.upload_folder(folder_path=str(folder), repo_id=cfg.repo, repo_type="model", revision=cfg.revision,
