@@ -192,3 +192,20 @@ def test_gpu_proof_out_of_time_still_writes_its_summary_and_fails(tmp_path):
     md = (tmp_path / "proof.md").read_text()
     assert f"gpu.py did not finish (rc {proof['steps']['a']})" in md and "| sft |" in md, md
     assert (tmp_path / "logs.tar.gz").is_file()
+
+
+def test_gpu_proof_runs_only_the_steps_asked_for(tmp_path):
+    """PROOF_STEPS: a second call in the same lease runs what the first had no time for, and reports only that;
+    a step it does not have is refused before anything runs."""
+    env = {**__import__("os").environ, "PYTHON": sys.executable}
+    bad = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_proof.sh"), "--dry-run", str(tmp_path / "bad")],
+                         cwd=REPO, capture_output=True, text=True, timeout=60, env={**env, "PROOF_STEPS": "f b"})
+    assert bad.returncode == 2 and "no step 'b'; the steps are c f a e" in bad.stderr, bad.stderr
+    assert not (tmp_path / "bad").exists()  # refused before the output folder was made
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_proof.sh"), "--dry-run", str(tmp_path / "f")],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, env={**env, "PROOF_STEPS": "f"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proof = json.loads((tmp_path / "f" / "proof.json").read_text())
+    assert proof["steps"] == {"f": "0"} and proof["f"]["gap"] < 1e-4, proof["steps"]
+    md = (tmp_path / "f" / "proof.md").read_text()
+    assert "(f) PPO's training pass" in md and "(a, b, d)" not in md and "(c)" not in md, md

@@ -96,3 +96,19 @@ def test_generation_seconds_are_the_engines_sampling_alone():
                  score=slow_judge)
     assert counts["generated_tokens"] == 12
     assert 0.1 <= counts["generation_seconds"] < 0.3, counts  # two batches of 0.05 s; the 0.4 s of judging not in it
+
+
+def test_the_benchmark_runs_sft_and_dpo_before_reward_ppo_and_evaluate(tmp_path):
+    """A 1B benchmark stopped at its deadline on a lent GPU (the proof's step (a)) keeps the stages it finished: DPO
+    runs third, so SFT's and DPO's figures, the two the MFU goal names, come before the reward model's and PPO's."""
+    import shutil
+
+    from align.config import load_pipeline
+    from align.orchestrator.plan import build_plan
+
+    gpu = _gpu()
+    base = tmp_path / "base"
+    shutil.copytree(REPO / "tokenizers" / "gpt2", base)
+    pipeline = gpu.pipeline_yaml(tmp_path, base, gpu.PROOF_SIZES, packed=True)
+    order = [p.name for p in build_plan(load_pipeline(pipeline, []), pipeline)]
+    assert order == ["sft", "preferences", "dpo", "reward", "ppo", "evaluate"], order
