@@ -4,9 +4,7 @@
         pipeline.json            PipelineRecord: the resolved config, the source file, one row per stage
         .align.lock              while a runner holds the directory (align/orchestrator/runlock.py)
         <stage>/spec.json        StageSpec: written by the runner, read by the stage process
-        <stage>/manifest.json    Manifest: written by the stage's main process (the runner marks one that died
-                                 while `running`)
-        <stage>/failed.rank<R>.json  another process's error, when that process failed first
+        <stage>/manifest.json    Manifest: by the stage's main process (or the runner: one that died running)
         <stage>/model/ | data/   the published output (report/ sits beside the stages, at ../report)
         <stage>/checkpoints/     resumable state; never a sign of completion (see `is_complete`)
 
