@@ -112,10 +112,11 @@ def build_base(out: Path, shrink: dict[str, int], seed: int, config_dir: Path | 
 
 def pipeline_yaml(out: Path, base: Path, s: dict, precision: str = "auto", attn: str = "auto",
                   packed: bool = False) -> Path:
-    """The benchmark pipeline. Checkpoints are not kept once a stage completes (at 1B each is ~13 GB); SFT takes as
-    many examples as its steps' rows need, all of them when packed (a row of 2,048 tokens holds ~80 reviews). DPO
-    comes third in the file, so third in the run (ties keep file order): a benchmark stopped at its deadline has SFT's
-    and DPO's figures, the two the 35% MFU goal names, before reward's, PPO's and evaluate's."""
+    """The benchmark pipeline. No stage writes a checkpoint (at 1B each is ~15 GB: a lent GPU's lease spent writing
+    it), and none would be kept once its stage completes; SFT takes as many examples as its steps' rows need, all of
+    them when packed (a row of 2,048 tokens holds ~80 reviews). DPO comes third in the file, so third in the run (ties
+    keep file order): a benchmark stopped at its deadline has SFT's and DPO's figures, the two the 35% MFU goal
+    names, before reward's, PPO's and evaluate's."""
     card = REPO / "data_cards" / "movie_review_snippets.yaml"
     gen = f"{{max_new_tokens: {s['new_tokens']}, batch_size: {s['gen_batch']}}}"
     cap = "" if packed else f"max_train_examples: {s['sft_steps'] * s['sft_batch']},"
@@ -131,7 +132,7 @@ seed: 5
 stages:
   sft: {{data: {card}, max_steps: {s['sft_steps']}, per_device_batch_size: {s['sft_batch']}, learning_rate: 6.0e-4,
         {cap}
-        max_length: {s['max_length']}, logging_steps: {s['sft_steps'] // 4}, save_steps: {s['sft_steps']},
+        max_length: {s['max_length']}, logging_steps: {s['sft_steps'] // 4}, save_steps: {s['sft_steps'] * 100},
         eval_max_examples: 64}}
   preferences: {{policy: sft, prompts: {card}, max_prompts: {s['prompts']}, samples_per_prompt: {s['samples']},
                 judge: vader, min_margin: 0.05, generation: {gen},
