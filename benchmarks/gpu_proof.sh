@@ -43,9 +43,10 @@ fi
 DRY=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY=1; shift; fi
 OUT="${1:?usage: gpu_proof.sh [--dry-run] OUT | --print-downloads}"
-PROOF_STEPS="${PROOF_STEPS:-c f a e}"
+ALL_STEPS="c f a e"  # in the order they run
+PROOF_STEPS="${PROOF_STEPS:-$ALL_STEPS}"
 for s in $PROOF_STEPS; do
-  case "$s" in c|f|a|e) ;; *) echo "gpu_proof.sh: PROOF_STEPS='$PROOF_STEPS': no step '$s'; the steps are c f a e" >&2; exit 2 ;; esac
+  [[ " $ALL_STEPS " == *" $s "* ]] || { echo "gpu_proof.sh: PROOF_STEPS='$PROOF_STEPS': no step '$s'; the steps are $ALL_STEPS" >&2; exit 2; }
 done
 wants() { [[ " $PROOF_STEPS " == *" $1 "* ]]; }
 mkdir -p "$OUT"
