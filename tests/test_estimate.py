@@ -851,6 +851,20 @@ def test_disk_sizes_below_one_gb_are_not_printed_as_zero():
                                                                                  "99.4", "1,234"]
 
 
+def _held(role, params, trained=True):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(role=role, shape=SimpleNamespace(params=params, scalar=role in ("reward", "value")),
+                           trained=trained)
+
+
+def _estimate(name, models, trained):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name=name, mode="zero3", held=models, trained_params=trained)
+
+
+
 def test_the_run_directorys_disk_peak_by_hand_and_the_warning_when_it_has_less_free(monkeypatch):
     """align/orchestrator/disk.py on made-up counts, in bf16 under ZeRO-3: 14 bytes a trained parameter in a TRL
     stage's checkpoint (12 of optimiser state, the Trainer's gathered model file), 12 in PPO's (accelerate's
@@ -862,20 +876,15 @@ def test_the_run_directorys_disk_peak_by_hand_and_the_warning_when_it_has_less_f
     from types import SimpleNamespace
 
     import align.orchestrator.disk as disk
+    from align.config.evaluate import EvaluateStage
     from align.config.reward import RewardStage
     from align.config.sft import SFTStage
 
-    def held(role, params, trained=True):
-        return SimpleNamespace(role=role, shape=SimpleNamespace(params=params), trained=trained)
-
-    def estimate(name, models, trained):
-        return SimpleNamespace(name=name, mode="zero3", held=models, trained_params=trained)
-
-    estimates = [estimate("sft", [held("policy", 1000)], {"policy": 1000}),
-                 estimate("reward", [held("reward", 800)], {"reward": 800}),
-                 estimate("ppo", [held("policy", 1000), held("value", 800), held("reference", 1000, False)],
+    estimates = [_estimate("sft", [_held("policy", 1000)], {"policy": 1000}),
+                 _estimate("reward", [_held("reward", 800)], {"reward": 800}),
+                 _estimate("ppo", [_held("policy", 1000), _held("value", 800), _held("reference", 1000, False)],
                           {"policy": 1000, "value": 800}),
-                 estimate("evaluate", [held("policy", 1000, False)], {})]
+                 _estimate("evaluate", [_held("policy", 1000, False)], {})]
     no_lora = SimpleNamespace(enabled=False, merge=True)
 
     def trl(cls, limit):  # a TRL stage's config as disk_peak reads it: its class, save_total_limit, lora
@@ -884,7 +893,7 @@ def test_the_run_directorys_disk_peak_by_hand_and_the_warning_when_it_has_less_f
         return stage
 
     stages = {"sft": trl(SFTStage, 2), "reward": trl(RewardStage, 1),
-              "ppo": SimpleNamespace(save_total_limit=2, lora=no_lora), "evaluate": SimpleNamespace()}
+              "ppo": SimpleNamespace(save_total_limit=2, lora=no_lora), "evaluate": EvaluateStage()}
     kept = disk.disk_peak(SimpleNamespace(stages=stages, keep_checkpoints=True), estimates, weight_bytes=2)
     assert (kept.bytes, kept.stage, kept.models) == (109_600, "ppo", 5_600)
     dropped = disk.disk_peak(SimpleNamespace(stages=stages, keep_checkpoints=False), estimates, weight_bytes=2)
@@ -901,6 +910,26 @@ def test_the_run_directorys_disk_peak_by_hand_and_the_warning_when_it_has_less_f
     assert disk.disk_problem(cfg, dropped, "runs") is None
     problem = disk.disk_problem(cfg, kept, "runs")
     assert "stage 'ppo'" in problem and "keep_checkpoints: false" in problem and "runs has" in problem
+
+
+def test_a_pretrained_stage_counts_the_base_it_republishes_on_disk():
+    """A pretrained stage holds nothing on a GPU, but its model/ is the base in the weights' dtype: 1,000 parameters
+    at 2 bytes. By hand for pretrained -> dpo (ZeRO-3, save_total_limit 1, a 1,000-parameter policy): dpo's
+    2 x 14,000 of checkpoints + its 2,000 model + the pretrained stage's 2,000 = 32,000, models 4,000 (28,000 and
+    2,000 before: 30,000 in all, the republished base left out)."""
+    from types import SimpleNamespace
+
+    import align.orchestrator.disk as disk
+    from align.config.dpo import DPOStage
+    from align.config.pretrained import PretrainedStage
+
+    dpo = object.__new__(DPOStage)
+    dpo.save_total_limit, dpo.lora = 1, SimpleNamespace(enabled=False, merge=True)
+    estimates = [_estimate("instruct", [], {}),
+                 _estimate("dpo", [_held("policy", 1000), _held("reference", 1000, False)], {"policy": 1000})]
+    cfg = SimpleNamespace(stages={"instruct": PretrainedStage(), "dpo": dpo}, keep_checkpoints=True)
+    peak = disk.disk_peak(cfg, estimates, weight_bytes=2)
+    assert (peak.bytes, peak.stage, peak.models, peak.checkpoints) == (32_000, "dpo", 4_000, 28_000)
 
 
 def test_a_preferences_stage_judged_by_a_weighted_mapping_holds_each_reward_model_it_names():

@@ -346,3 +346,16 @@ def write_failure(exc: BaseException, where: Path) -> str | None:
     return (f"{where}: a save failed ({type(exc).__name__}: {first[:200]}); {free}. Free space on that filesystem "
             "(or set runs_dir to one with room, and save_total_limit to keep fewer checkpoints), then run again: "
             "a stage resumes from its last complete checkpoint")
+
+
+def runs_dir_problem(runs_dir: str) -> str | None:
+    """Why run directories cannot be made under `runs_dir` (a file on its path, an unwritable directory), or None."""
+    path = Path(runs_dir).expanduser()
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                return f"{part} is a file, not a directory; point runs_dir at a directory"
+            if not os.access(part, os.W_OK | os.X_OK):
+                return f"{part} is not writable here; point runs_dir at a directory you can write"
+            return None
+    return None

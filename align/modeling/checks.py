@@ -68,7 +68,7 @@ def run(source: str, verbose: bool = True, tokenizer: dict[str, Any] | None = No
             if problem and verbose:
                 print(f"  warning: chat template: {problem}")
             check_trl_agrees(tok, planned, source)
-            out["tokens_added"] = len(tok) - before  # rows LoRA must train (align/modeling/lora.py new_token_rows)
+            out["tokens_added"] = len(tok) - before  # rows LoRA must train (lora.py new_token_rows), a pretrained stage refuses
             if verbose:
                 print(f"  chat template: {planned.describe()}")
         for ex in examples:

@@ -205,7 +205,8 @@ def fit_model_to_tokenizer(model, tokenizer):
     return model
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "auto": "auto"}  # the checkpoint's own (its config's dtype): a pretrained stage republishes it as it is
 
 
 ADAPTER_BASE = "align_adapter.json"

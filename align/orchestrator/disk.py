@@ -9,7 +9,8 @@ parameter counts (align/orchestrator/estimate.py), not measured:
   more is on disk while the newest is written before the oldest goes;
 * its published model: the trained models it publishes (not PPO's value model) in the weights' dtype (the adapters
   alone for LoRA without merge);
-* a completed stage's checkpoints stay unless `keep_checkpoints: false`.
+* a completed stage's checkpoints stay unless `keep_checkpoints: false`;
+* a stage that publishes the base model untrained (`pretrained`): the base's parameters in the weights' dtype.
 
 The peak is the largest, over the stages in run order, of every earlier stage's model and kept checkpoints plus this
 stage's checkpoints while it trains and its model."""
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from align.config import PipelineConfig
-from align.config.contract import TrainedStage
+from align.config.contract import POLICY, TrainedStage
 from align.orchestrator.memory import enabled_lora
 
 
@@ -51,10 +52,12 @@ def disk_peak(cfg: PipelineConfig, estimates: list, weight_bytes: int) -> DiskPe
     """The run directory's peak over `estimates` (StageEstimate, in run order); None when nothing trains."""
     done_models = done_checkpoints = 0
     peak: DiskPeak | None = None
+    base = next((h.shape.params for e in estimates for h in e.held if not h.shape.scalar), 0)  # an LM's: the base's
     for e in estimates:
         stage = cfg.stages[e.name]
         trained = [h for h in e.held if h.trained]
         if not trained:
+            done_models += base * weight_bytes if stage.PRODUCES == POLICY and stage.starts_from_base() else 0
             continue
         per_param = state_bytes_per_param(weight_bytes, e.mode, isinstance(stage, TrainedStage))
         states = sum(e.trained_params.get(h.role, h.shape.params) for h in trained) * per_param

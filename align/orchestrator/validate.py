@@ -11,7 +11,6 @@ imports torch.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -23,6 +22,7 @@ from align.config.contract import EXAMPLES, POLICY, PROMPTS_ONLY, REWARD_MODEL, 
 from align.config.settings import flash_attention_problem
 from align.config.sweeps import by_stage
 from align.core.builtin import is_builtin
+from align.core.fsutil import runs_dir_problem
 from align.data.hub import hub_unreadable
 from align.data.cards import DataCardError, DataUnavailableError, LoadedSplit, load_card, load_split
 from align.data.formats import row_prompt_key, turns_key
@@ -58,19 +58,6 @@ def card_loader() -> SplitLoader:
         return cache[key]
 
     return split_of
-
-
-def runs_dir_problem(runs_dir: str) -> str | None:
-    """Why run directories cannot be made under `runs_dir` (a file on its path, an unwritable directory), or None."""
-    path = Path(runs_dir).expanduser()
-    for part in (path, *path.parents):
-        if part.exists():
-            if not part.is_dir():
-                return f"{part} is a file, not a directory; point runs_dir at a directory"
-            if not os.access(part, os.W_OK | os.X_OK):
-                return f"{part} is not writable here; point runs_dir at a directory you can write"
-            return None
-    return None
 
 
 def check_environment(plans: list[StagePlan], names: set[str], source: str | Path) -> None:
@@ -306,12 +293,18 @@ def _check_lora_targets(cfg: PipelineConfig, plans: list[StagePlan], answer: dic
 
 
 def _check_new_token_rows(cfg: PipelineConfig, plans: list[StagePlan], answer: dict[str, Any], source: str) -> None:
-    """A stage that installs a chat template whose tokens the tokenizer lacks adds them; under LoRA peft trains
-    their rows (align/modeling/lora.py `new_token_rows`), which it cannot do on a head tied to the embeddings or on
-    ZeRO-3's partitions: refused here, not after the model has loaded."""
+    """A stage that installs a chat template whose tokens the tokenizer lacks adds them: a stage that trains nothing
+    would leave their rows random; under LoRA peft trains them (align/modeling/lora.py `new_token_rows`), which it
+    cannot do on a head tied to the embeddings or on ZeRO-3's partitions: refused here, not after the model loads."""
     added = answer.get("tokens_added")
     if not isinstance(added, int) or added <= 0:
         return
+    for plan in (p for p in plans if p.installs_template(cfg.chat_template is not None)
+                 and not any(h.trained for h in p.cfg.held_models(cfg.stages))):  # it republishes the base
+        raise PipelineError(f"{source}: stages.{plan.name}: the chat template adds {added} special tokens to the model, "
+                            "whose embedding rows would start random, and this stage trains nothing; use the model's "
+                            "own template (chat_template: null), a template built on its tokens, or a fine-tuning stage "
+                            "from the base (model: base), which trains them")
     tied = bool((((answer.get("shapes") or {}).get("shapes") or {}).get("lm") or {}).get("tied"))
     for plan in (p for p in plans if enabled_lora(p.cfg) is not None and p.installs_template(
             cfg.chat_template is not None)):

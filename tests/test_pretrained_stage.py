@@ -1,0 +1,131 @@
+"""The `pretrained` stage type: an instruction-tuned base model published as a policy stage, so DPO (and PPO, KTO,
+GRPO, RLOO, evaluate) start from it with no SFT stage; and what it refuses at `align validate`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import families
+from conftest import REPO, refused, run_align, validate
+
+SEED = families.SEED
+
+
+def _bf16_base(root: Path, family: str) -> tuple[Path, Path]:
+    """A tiny random model of `family` saved in bfloat16, as hub checkpoints of 7-8B models are."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base, tok = families.build(family, root)
+    AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).to(torch.bfloat16).save_pretrained(base)
+    return base, tok
+
+
+def _pipeline(root: Path, base: Path | str, template: str = "null", start: str = "{type: pretrained}") -> Path:
+    pairs = families.pairs_card(root)
+    reviews = REPO / "data_cards" / "movie_review_snippets.yaml"
+    path = root / "pipeline.yaml"
+    path.write_text(f"""\
+name: instruct_dpo
+base_model: {base}
+chat_template: {template}
+seed: {SEED}
+runs_dir: {root / "runs"}
+tracking: {{wandb: disabled}}
+stages:
+  instruct: {start}
+  dpo: {{policy: instruct, data: {pairs}, max_steps: 3, per_device_batch_size: 4, max_length: 32, logging_steps: 1,
+        save_steps: 10, learning_rate: 3.0e-3}}
+  reward: {{init: instruct, data: {pairs}, max_steps: 3, per_device_batch_size: 4, max_length: 64, logging_steps: 1,
+           save_steps: 10, learning_rate: 3.0e-3}}
+  ppo: {{policy: instruct, reward: reward, prompts: {reviews}, iterations: 2, rollout_batch_size: 4, mini_batch_size: 2,
+        ppo_epochs: 1, max_prompt_length: 48, save_every: 2, learning_rate: 1.0e-3, generation: {{max_new_tokens: 6}}}}
+  evaluate: {{policies: [instruct, dpo, ppo], baseline: instruct, reference: instruct, reward: reward,
+             preferences: null, judges: [vader], prompts: {reviews}, split: test, max_prompts: 4,
+             bootstrap_samples: 100, generation: {{max_new_tokens: 6}}}}
+""")
+    return path
+
+
+def test_dpo_reward_ppo_and_evaluate_start_from_a_published_instruct_base_with_no_sft_stage(tmp_path):
+    """The pretrained stage republishes the base bit for bit in its own dtype (bf16 here; a stage that trained it
+    on this CPU would write fp32) with the named chat template installed; DPO and PPO train from it, the reward
+    model starts from it, and evaluate measures KL against it."""
+    from safetensors.torch import load_file
+
+    print(f"seed {SEED}")
+    base, _ = _bf16_base(tmp_path, "qwen2")
+    r = run_align("run", str(_pipeline(tmp_path, base, template="chatml")), cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run = tmp_path / "runs" / "instruct_dpo" / "main"
+    theirs, ours = load_file(base / "model.safetensors"), load_file(run / "instruct" / "model" / "model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    assert all(ours[k].dtype == theirs[k].dtype and bool((ours[k] == theirs[k]).all()) for k in theirs)
+    assert {str(t.dtype) for t in ours.values()} == {"torch.bfloat16"}
+    tok_cfg = json.loads((run / "instruct" / "model" / "tokenizer_config.json").read_text())
+    template = tok_cfg.get("chat_template") or (run / "instruct" / "model" / "chat_template.jinja").read_text()
+    assert "<|im_start|>" in template
+    manifest = json.loads((run / "instruct" / "manifest.json").read_text())
+    assert manifest["status"] == "completed" and "bfloat16" in manifest["published"]
+    for stage in ("dpo", "reward", "ppo"):
+        m = json.loads((run / stage / "manifest.json").read_text())
+        assert m["status"] == "completed" and Path(m["inputs"]["instruct"]["path"]).name == "instruct", stage
+    dpo_weights = load_file(run / "dpo" / "model" / "model.safetensors")
+    assert any(not bool((dpo_weights[k].float() == theirs[k].float()).all()) for k in theirs)  # DPO trained it
+    metrics = json.loads((run / "report" / "metrics.json").read_text())
+    kl = {k: v for k, v in metrics.items() if k.startswith("eval/") and k.endswith("/kl") and "instruct" in k}
+    assert kl and all(abs(v) < 1e-6 for v in kl.values()), kl  # the reference against itself
+
+
+def test_the_tokenizers_own_template_ends_replies_with_its_end_of_turn_token_as_eos(tmp_path):
+    """With `chat_template: null` the base's own template is installed as an SFT stage from the base installs it:
+    a Qwen2.5-style base whose EOS is <|endoftext|> but whose replies end in <|im_end|> publishes <|im_end|> as EOS,
+    in the tokenizer and the generation config, so sampling from it stops at the end of the turn."""
+    from transformers import AutoTokenizer
+
+    base, _ = families.build("qwen2", tmp_path)
+    tok = AutoTokenizer.from_pretrained(base)
+    tok.eos_token = "<|endoftext|>"
+    tok.chat_template = (REPO / "tests" / "chat_templates" / "qwen2_5.jinja").read_text()
+    tok.save_pretrained(base)
+    r = run_align("run", str(_pipeline(tmp_path, base)), "--only", "instruct", cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    model = tmp_path / "runs" / "instruct_dpo" / "main" / "instruct" / "model"
+    published = AutoTokenizer.from_pretrained(model)
+    assert published.eos_token == "<|im_end|>"
+    generation = json.loads((model / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == published.convert_tokens_to_ids("<|im_end|>")
+
+
+@pytest.mark.parametrize("case", ["builtin", "new_tokens", "zero3", "processes"])
+def test_a_pretrained_stage_that_could_not_publish_a_trained_base_is_refused_at_validate(tmp_path, capsys, case):
+    """A builtin base (fresh weights), a chat template whose special tokens the tokenizer lacks (their rows would
+    start random, and nothing here trains them), a DeepSpeed config (nothing to shard) and several processes (all
+    but one would wait): each refused before anything runs, naming what to change."""
+    if case == "builtin":
+        path = _pipeline(tmp_path, "builtin:tiny-llama")
+        needles = ("type: pretrained", "builtin:tiny-llama", "sft stage")
+    elif case == "new_tokens":
+        base, _ = families.build("gpt2", tmp_path)  # byte-level BPE without ChatML's <|im_start|> / <|im_end|>
+        path = _pipeline(tmp_path, base, template="chatml")
+        needles = ("stages.instruct", "special tokens", "chat_template: null", "model: base")
+    elif case == "zero3":
+        base, _ = families.build("qwen2", tmp_path)
+        path = _pipeline(tmp_path, base, start="{type: pretrained, accelerate: zero3}")
+        needles = ("stages.instruct", "accelerate: zero3", "trains nothing")
+    else:
+        base, _ = families.build("qwen2", tmp_path)
+        path = _pipeline(tmp_path, base, start="{type: pretrained, num_processes: 8}")
+        needles = ("stages.instruct", "num_processes: 8", "num_processes: 1")
+    rc, out = validate(capsys, str(path))
+    refused(out, rc, *needles)
+
+
+def test_a_seed_sweep_over_a_pretrained_stage_is_refused_as_twins(tmp_path, capsys):
+    """Nothing in a pretrained stage is random: a sweep over its seed would publish identical copies."""
+    base, _ = families.build("qwen2", tmp_path)
+    rc, out = validate(capsys, str(_pipeline(tmp_path, base, start="{type: pretrained, sweep: {seed: [1, 2]}}")))
+    refused(out, rc, "seed", "draws nothing at random")
