@@ -105,6 +105,7 @@ LONG: dict[str, set[str] | None] = {
                      "test_gguf_loads_as_the_converted_weights_and_saves"},  # (~34 s)
     "test_remote_code.py": {"test_a_trusted_remote_code_model_runs_through_every_stage_that_loads_it"},  # (~40 s of
     # one worker; CI at 92d7258 took 20.1 min; the default tier keeps the remote-code refusals at validate)
+    "test_pretrained_stage.py": {"test_the_packaged_gguf_base_is_published_dequantised_with_its_stock_template"},
     "test_multinode.py": {"test_two_nodes_rendezvous_on_localhost_and_finish_a_stage"},  # (~145 s of one worker in
     # CI on 2026-11-26; the default tier keeps the unreachable master's timeout and launch.sh's SLURM arithmetic)
 }

