@@ -77,8 +77,9 @@ class PipelineConfig:
     chat_template: str | None = None
     """Chat template the stages from the base model (sft, pretrained) install on the tokenizer: llama3 | chatml
     (align/templates/) | a .jinja file (relative to the pipeline file) | null (the tokenizer's own, or align's
-    role-tagged default when it has none). Its `<|...|>` tokens are added when missing, and its end-of-turn token becomes EOS (generation stops
-    there; reward models score there unless the pad token is EOS too, when they read the token before it)."""
+    role-tagged default when it has none). Its `<|...|>` tokens are added when missing, and its end-of-turn token
+    becomes EOS (generation stops there; reward models score there unless the pad token is EOS too, when they read
+    the token before it)."""
     trust_remote_code: bool = False
     """Allow model repositories to run their own Python code. Off unless you set it."""
     builtin: BuiltinModel = field(default_factory=BuiltinModel)

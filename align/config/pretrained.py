@@ -32,9 +32,6 @@ class PretrainedStage(StageBase):
         if self.accelerate != "cpu":
             raise ValueError(f"accelerate: {self.accelerate}, but a pretrained stage trains nothing to distribute or "
                              "shard: one process loads the base on the host and writes it; leave accelerate unset (cpu)")
-        if self.num_processes is not None and self.num_processes > 1:
-            raise ValueError(f"num_processes: {self.num_processes}, but one process loads the base and writes it (the "
-                             "others would only wait); set num_processes: 1 or leave it unset")
 
     def starts_from_base(self) -> bool:
         return True

@@ -68,7 +68,8 @@ def run(source: str, verbose: bool = True, tokenizer: dict[str, Any] | None = No
             if problem and verbose:
                 print(f"  warning: chat template: {problem}")
             check_trl_agrees(tok, planned, source)
-            out["tokens_added"] = len(tok) - before  # rows LoRA must train (lora.py new_token_rows), a pretrained stage refuses
+            out["tokens_added"] = len(tok) - before  # rows LoRA must train (lora.py new_token_rows); refused where
+            # a stage that installs the template trains nothing (validate.py _check_new_token_rows)
             if verbose:
                 print(f"  chat template: {planned.describe()}")
         for ex in examples:

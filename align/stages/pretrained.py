@@ -1,8 +1,8 @@
 """Pretrained stage: the pipeline's base model written as this stage's model/ (align/config/pretrained.py), so that a
 stage that needs a policy stage (dpo, ppo, kto, grpo, rloo, preferences, evaluate) starts from an instruction-tuned
 base without an SFT stage. Nothing trains. The main process loads the base on the host in its own dtype (a .gguf
-file dequantised), installs the chat template the pipeline names, sets the EOS / PAD / BOS ids as the tokenizer
-says, and writes weights and tokenizer atomically; any other process only waits."""
+file dequantised), installs the planned chat template, sets the EOS / PAD / BOS ids as the tokenizer says, and
+writes weights and tokenizer atomically; any other process only waits."""
 
 from __future__ import annotations
 
@@ -43,20 +43,19 @@ def run(ctx: StageContext) -> dict[str, Any]:
     model = load_causal_lm(p.base_model, "auto", p.trust_remote_code) if ctx.is_main else None
     startup_done()
     if model is not None:
-        fit_model_to_tokenizer(model, tokenizer)  # EOS (a named template's end of turn), PAD, BOS; no new rows
+        fit_model_to_tokenizer(model, tokenizer)  # EOS (the template's end of turn), PAD, BOS; no new rows
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         ctx.extra_manifest["published"] = f"the base model's weights, untrained ({dtype})"
         if gguf.is_gguf(p.base_model):
             ctx.extra_manifest["base_model_format"] = gguf.describe(p.base_model) + f" into {dtype}"
-    written: dict[str, int] = {}
 
     def write(path: Path) -> None:
         if model is not None:
             model.save_pretrained(path)
             tokenizer.save_pretrained(path)
-            written["bytes"] = tree_bytes(path)
 
     ctx.publish("model", write)
     if model is None:  # another process: it loaded and wrote nothing, so it has nothing to report
         return {}
-    return {"pretrained/parameters": sum(t.numel() for t in model.parameters()), "pretrained/bytes": written["bytes"]}
+    return {"pretrained/parameters": sum(t.numel() for t in model.parameters()),
+            "pretrained/bytes": tree_bytes(ctx.dir / "model")}
