@@ -100,6 +100,45 @@ def test_the_tokenizers_own_template_ends_replies_with_its_end_of_turn_token_as_
     assert generation["eos_token_id"] == published.convert_tokens_to_ids("<|im_end|>")
 
 
+def test_lora_adapters_trained_on_the_copy_are_pushed_as_adapters_of_the_base_itself(tmp_path):
+    """DPO with LoRA on the pretrained stage's copy publishes adapters whose base is that copy, a path in this run: a
+    push refused them (`lora.merge` or nothing). The copy is base_model bit for bit, so the pushed folder names
+    base_model instead: loaded as a user would load the repository (peft on the base it names), it gives the logits
+    align's own stages get from the run's adapters; the run's files stay as they were."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from align.modeling.models import load_causal_lm
+    from align.runtime.context import StageError
+    from align.stages.push import hub_folder
+
+    print(f"seed {SEED}")
+    base, _ = families.build("qwen2", tmp_path)
+    lora = ["stages.dpo.lora.enabled=true", "stages.dpo.lora.target_modules=[q_proj,v_proj]", "stages.reward=null",
+            "stages.ppo=null", "stages.evaluate=null"]
+    r = run_align("run", str(_pipeline(tmp_path, base)), *lora, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run = tmp_path / "runs" / "instruct_dpo" / "main"
+    adapters, copy = run / "dpo" / "model", run / "instruct" / "model"
+    before = {f.name: f.read_bytes() for f in adapters.iterdir()}
+    assert json.loads(before["adapter_config.json"])["base_model_name_or_path"] == str(copy)  # the run's copy
+    staged, renamed = hub_folder(adapters, copy, str(base), tmp_path / "staged")
+    assert renamed == str(base) and staged != adapters
+    assert json.loads((staged / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    assert json.loads((staged / "align_adapter.json").read_text())["base_model"] == str(base)
+    assert {f.name: f.read_bytes() for f in adapters.iterdir()} == before  # the hard links were not written through
+    ids = torch.tensor([[1, 5, 9, 14, 3, 7]])
+    theirs = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)), staged).eval()
+    ours = load_causal_lm(str(adapters)).eval()
+    with torch.no_grad():
+        a, b = theirs(ids).logits, ours(ids).logits
+    assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+    assert not torch.allclose(a, AutoModelForCausalLM.from_pretrained(str(base))(ids).logits, atol=1e-5)  # trained
+    with pytest.raises(StageError, match="the run directory was moved or edited"):
+        hub_folder(adapters, run / "elsewhere" / "model", str(base), tmp_path / "staged2")
+
+
 @pytest.mark.parametrize("case", ["builtin", "new_tokens", "zero3", "processes"])
 def test_a_pretrained_stage_that_could_not_publish_a_trained_base_is_refused_at_validate(tmp_path, capsys, case):
     """A builtin base (fresh weights), a chat template whose special tokens the tokenizer lacks (their rows would

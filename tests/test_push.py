@@ -157,6 +157,35 @@ def test_adapters_alone_are_refused_on_a_base_only_this_machine_has_but_not_on_a
     push.check(ctx("meta-llama/Llama-3.1-8B-Instruct"))
 
 
+def test_adapters_trained_on_a_pretrained_copy_of_the_base_are_adapters_of_the_base(tmp_path):
+    """DPO with LoRA on a pretrained stage (the base republished unchanged) was refused as 'a model that exists only
+    in this run'; its adapters are the base's, so the push names base_model as their base (align/stages/push.py
+    hub_folder) and is refused only where an sft stage from the base would be: a base not on the hub. DPO on an sft
+    stage's model is still refused."""
+    from align.config.dpo import DPOStage
+    from align.config.pretrained import PretrainedStage
+    from align.config.push import PushStage
+    from align.config.settings import LoraSettings
+    from align.config.sft import SFTStage
+
+    (tmp_path / "base").mkdir()
+    stages = {"instruct": PretrainedStage(type="pretrained"), "sft": SFTStage(type="sft"),
+              "dpo": DPOStage(type="dpo", policy="instruct", lora=LoraSettings(enabled=True)),
+              "push": PushStage(type="push", model="dpo", repo="my-org/x")}
+
+    def ctx(base):
+        return SimpleNamespace(pipeline=SimpleNamespace(stages=stages, base_model=base), base_dir=tmp_path)
+
+    push = stages["push"]
+    assert push.pipeline_problems("push", stages) == []
+    push.check(ctx("meta-llama/Llama-3.1-8B-Instruct"))
+    with pytest.raises(ValueError, match="stage 'dpo' publishes LoRA adapters alone, on base_model 'base', which is "
+                                         "not on the hub"):
+        push.check(ctx("base"))
+    stages["dpo"].policy = "sft"
+    assert "exists only in this run" in push.pipeline_problems("push", stages)[0]
+
+
 def test_a_push_stage_validates_with_a_token_and_runs_last(workdir):
     variable = ["stages.push.token_env=HF_TOKEN_ACME_WRITE_ONLY"]  # upper case: a variable's name, not a token
     proc = run_align("validate", "pipelines/default.yaml", *TINY, *PUSH, *variable, cwd=workdir,

@@ -23,6 +23,9 @@ class PretrainedStage(StageBase):
     PRODUCES: ClassVar[str] = POLICY
     HEADLINE: ClassVar[tuple[str, ...]] = ("pretrained/parameters", "pretrained/bytes")
     WORK: ClassVar[str] = "pretrained/parameters"
+    REPUBLISHES_BASE: ClassVar[bool] = True
+    """Its model/ is base_model's weights unchanged: LoRA adapters trained on it are adapters of base_model, which a
+    push names as their base (align/stages/push.py hub_folder)."""
 
     def check(self, ctx: CheckContext) -> None:
         if is_builtin(ctx.pipeline.base_model):

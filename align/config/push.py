@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from align.config.contract import MODEL, CheckContext, StageBase
+from align.config.contract import MODEL, POLICY, CheckContext, StageBase, refs
 from align.core.builtin import is_builtin
 from align.core.packaged import SCHEME as PACKAGED
 from align.data.hub import hub_offline
@@ -51,6 +51,18 @@ def _on_the_hub(base: str, ctx: CheckContext) -> bool:
     return not (local or is_builtin(base) or base.startswith(PACKAGED))
 
 
+def base_copy(source: StageBase, stages: dict[str, StageBase]) -> str | None:
+    """The stage whose model/ `source` trains, when that is base_model republished unchanged (a pretrained stage's
+    copy: its `REPUBLISHES_BASE`), or None."""
+    named = [r for fld, (role, _) in source.INPUTS.items() if role == POLICY for r in refs(getattr(source, fld))]
+    return next((r for r in named if getattr(stages.get(r), "REPUBLISHES_BASE", False)), None)
+
+
+def on_base(source: StageBase, stages: dict[str, StageBase]) -> bool:
+    """Whether `source`'s LoRA adapters are adapters of base_model: it trains the base itself or a copy of it."""
+    return source.starts_from_base() or base_copy(source, stages) is not None
+
+
 @dataclass
 class PushStage(StageBase):
     """Upload `model`'s published model/ (weights, config, tokenizer) to a hub repository."""
@@ -82,7 +94,7 @@ class PushStage(StageBase):
         lora = getattr(source, "lora", None)
         base = ctx.pipeline.base_model  # a builtin model is built, not loaded: its stage publishes merged weights
         if source is not None and lora is not None and lora.enabled and not lora.merge and \
-                source.starts_from_base() and not is_builtin(base) and not _on_the_hub(base, ctx):
+                on_base(source, ctx.pipeline.stages) and not is_builtin(base) and not _on_the_hub(base, ctx):
             raise ValueError(f"model: stage '{self.model}' publishes LoRA adapters alone, on base_model "
                              f"{ctx.pipeline.base_model!r}, which is not on the hub: the pushed repository would name "
                              f"a base only this machine has; set stages.{self.model}.lora.merge: true to push whole "
@@ -117,7 +129,7 @@ class PushStage(StageBase):
         source = stages.get(self.model)
         lora = getattr(source, "lora", None)
         if source is not None and lora is not None and lora.enabled and not lora.merge and \
-                not source.starts_from_base():
+                not on_base(source, stages):
             out.append(f"stages.{name}: stage '{self.model}' publishes LoRA adapters alone, on a model that exists "
                        f"only in this run: the pushed repository could not be loaded; set "
                        f"stages.{self.model}.lora.merge: true to push whole weights")

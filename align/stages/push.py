@@ -9,10 +9,11 @@ import fnmatch
 import glob
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
-from align.config.push import PushStage, token_problem
+from align.config.push import PushStage, base_copy, token_problem
 from align.core.tracking import scrub
 from align.runtime.context import StageContext, StageError
 
@@ -38,6 +39,38 @@ def stale_files(there: list[str], files: list[str]) -> list[str]:
     top level only (MODEL_FILES)."""
     return sorted(f for f in set(there) - set(files)
                   if "/" not in f and any(fnmatch.fnmatchcase(f, pattern) for pattern in MODEL_FILES))
+
+
+def hub_folder(folder: Path, copy: Path, base_model: str, scratch: Path) -> tuple[Path, str | None]:
+    """model/ as the hub should receive it, and the base it was renamed to (None: as it is). LoRA adapters trained on
+    a pretrained stage's copy of base_model (`copy`, that stage's model/, the same weights) name that copy, a path in
+    this run, as their base in adapter_config.json (peft's base_model_name_or_path) and align_adapter.json: a pushed
+    repository naming it could not be loaded anywhere else. Such a folder is staged in `scratch` naming base_model
+    instead: those two files rewritten, every other file hard-linked (copied across file systems)."""
+    from align.modeling.models import ADAPTER_BASE, adapter_base  # heavy (torch): stage processes only
+
+    record = adapter_base(folder)
+    if record is None:  # whole weights (lora.merge): nothing names the copy
+        return folder, None
+    if Path(record["base_model"]).resolve() != copy.resolve():
+        raise StageError(f"{folder / ADAPTER_BASE}: the adapters name {record['base_model']} as their base, not this "
+                         f"run's copy of {base_model} ({copy}) that the stage trained: the run directory was moved or "
+                         "edited; rerun the stage (align run --force)")
+    shutil.rmtree(scratch, ignore_errors=True)
+    shutil.copytree(folder, scratch, copy_function=_link_or_copy)
+    config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+    for name, data in (("adapter_config.json", {**config, "base_model_name_or_path": base_model}),
+                       (ADAPTER_BASE, {**record, "base_model": base_model})):
+        (scratch / name).unlink()  # a hard link: writing through it would change the run's own model/
+        (scratch / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    return scratch, base_model
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system, or one without hard links
+        shutil.copy2(src, dst)
 
 
 def upload(folder: Path, cfg: PushStage, token: str, message: str, api: Any = None) -> dict[str, Any]:
@@ -71,6 +104,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if problem:  # checked by `align validate` too; the environment of the stage may differ from the planner's
         raise StageError(f"stage '{ctx.name}': token_env: {problem}")
     folder = ctx.input_dir(cfg.model) / "model"
+    copy, scratch = base_copy(ctx.pipeline.stages[cfg.model], ctx.pipeline.stages), ctx.dir / ".hub_folder"
+    renamed = None
+    if copy is not None and ctx.is_main:  # the copy's stage directory sits beside the source's in this run
+        folder, renamed = hub_folder(folder, ctx.input_dir(cfg.model).parent / copy / "model",
+                                     ctx.pipeline.base_model, scratch)
     message = cfg.commit_message or (f"align: {ctx.pipeline.name}/{ctx.pipeline.run_id} stage {cfg.model}, "
                                      f"fingerprint {ctx.spec.input_fingerprints.get(cfg.model, '?')}")
     receipt: dict[str, Any] = {}
@@ -80,7 +118,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
         except Exception as exc:  # network, permissions, a missing revision: one line, never the token
             raise StageError(f"stage '{ctx.name}': pushing {folder} to {cfg.repo} (revision {cfg.revision}) failed: "
                              f"{scrub(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)}") from None
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        if renamed:
+            receipt["adapter_base"] = renamed
         gone = f"; deleted an earlier model's {', '.join(receipt['deleted'])}" if receipt["deleted"] else ""
+        gone += f"; the adapters name {renamed} as their base" if renamed else ""
         print(f"[align] {ctx.name}: pushed {len(receipt['files'])} files to {cfg.repo}@{cfg.revision} "
               f"({receipt['url'] or receipt['commit']}){gone}", flush=True)
 
