@@ -100,13 +100,29 @@ def test_the_tokenizers_own_template_ends_replies_with_its_end_of_turn_token_as_
     assert generation["eos_token_id"] == published.convert_tokens_to_ids("<|im_end|>")
 
 
-def test_lora_adapters_trained_on_the_copy_are_pushed_as_adapters_of_the_base_itself(tmp_path):
-    """DPO with LoRA on the pretrained stage's copy publishes adapters whose base is that copy, a path in this run: a
-    push refused them (`lora.merge` or nothing). The copy is base_model bit for bit, so the pushed folder names
-    base_model instead: loaded as a user would load the repository (peft on the base it names), it gives the logits
-    align's own stages get from the run's adapters; the run's files stay as they were."""
+def _hub_cache(root: Path, base: Path, repo: str = "tiny-org/qwen2-instruct") -> tuple[Path, str, str]:
+    """`base` laid out as huggingface_hub caches a hub repository (snapshots/<commit>, refs/main), so that an offline
+    load of the id finds it as a user's cached download. -> (cache, repo id, commit)"""
+    import shutil
+
+    cache, commit = root / "hub", "0123456789abcdef0123456789abcdef01234567"
+    folder = cache / f"models--{repo.replace('/', '--')}"
+    shutil.copytree(base, folder / "snapshots" / commit)
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text(commit)
+    return cache, repo, commit
+
+
+def test_lora_adapters_trained_on_the_copy_are_pushed_as_adapters_of_the_base_itself(tmp_path, monkeypatch):
+    """DPO with LoRA on the pretrained stage's copy of a hub model (a cached download, offline) publishes adapters
+    whose base is that copy, a path in this run: a push refused them (`lora.merge` or nothing). The copy is the hub
+    model bit for bit, so the push stage (run as its process runs it, against a recording hub) sends
+    adapter_config.json, align_adapter.json and peft's card naming the hub id, at the snapshot the copy was made from:
+    loaded as a user would load the repository (peft on the base it names), the adapters give the logits align's own
+    stages get from the run's; the run's files stay as they were, the staging folder goes."""
     import torch
     from peft import PeftModel
+    from test_push import run_push
     from transformers import AutoModelForCausalLM
 
     from align.modeling.models import load_causal_lm
@@ -114,29 +130,47 @@ def test_lora_adapters_trained_on_the_copy_are_pushed_as_adapters_of_the_base_it
     from align.stages.push import hub_folder
 
     print(f"seed {SEED}")
-    base, _ = families.build("qwen2", tmp_path)
+    built, _ = families.build("qwen2", tmp_path)
+    cache, base, commit = _hub_cache(tmp_path, built)
     lora = ["stages.dpo.lora.enabled=true", "stages.dpo.lora.target_modules=[q_proj,v_proj]", "stages.reward=null",
             "stages.ppo=null", "stages.evaluate=null"]
-    r = run_align("run", str(_pipeline(tmp_path, base)), *lora, cwd=tmp_path, timeout=600)
+    r = run_align("run", str(_pipeline(tmp_path, base)), *lora, cwd=tmp_path, timeout=600,
+                  env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run = tmp_path / "runs" / "instruct_dpo" / "main"
-    adapters, copy = run / "dpo" / "model", run / "instruct" / "model"
+    assert json.loads((run / "instruct" / "manifest.json").read_text())["base_model_revision"] == commit
+    adapters, copy = run / "dpo" / "model", str(run / "instruct" / "model")
     before = {f.name: f.read_bytes() for f in adapters.iterdir()}
-    assert json.loads(before["adapter_config.json"])["base_model_name_or_path"] == str(copy)  # the run's copy
-    staged, renamed = hub_folder(adapters, copy, str(base), tmp_path / "staged")
-    assert renamed == str(base) and staged != adapters
-    assert json.loads((staged / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
-    assert json.loads((staged / "align_adapter.json").read_text())["base_model"] == str(base)
+    assert json.loads(before["adapter_config.json"])["base_model_name_or_path"] == copy  # the run's copy
+    assert copy.encode() in before["README.md"]  # peft's card names it too, which the hub refuses
+    metrics, api = run_push(run, "dpo", base, monkeypatch)
+    sent = api.content
+    config = json.loads(sent["adapter_config.json"])
+    assert (config["base_model_name_or_path"], config["revision"]) == (base, commit)
+    assert json.loads(sent["align_adapter.json"])["base_model"] == base
+    assert copy.encode() not in sent["README.md"] and f"base_model: {base}".encode() in sent["README.md"]
+    assert sent["adapter_model.safetensors"] == before["adapter_model.safetensors"]
+    receipt = json.loads((run / "push" / "pushed" / "receipt.json").read_text())
+    assert receipt["adapter_base"] == base and metrics["push/files"] == len(sent)
     assert {f.name: f.read_bytes() for f in adapters.iterdir()} == before  # the hard links were not written through
+    assert not (run / "push" / ".hub_folder").exists()
+    pushed = tmp_path / "pushed"  # the repository as a user downloads it
+    pushed.mkdir()
+    for name, data in sent.items():
+        (pushed / name).write_bytes(data)
+    hub = AutoModelForCausalLM.from_pretrained(base, revision=config["revision"], cache_dir=cache)
+    theirs = PeftModel.from_pretrained(hub, pushed).eval()
     ids = torch.tensor([[1, 5, 9, 14, 3, 7]])
-    theirs = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)), staged).eval()
     ours = load_causal_lm(str(adapters)).eval()
     with torch.no_grad():
         a, b = theirs(ids).logits, ours(ids).logits
     assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
-    assert not torch.allclose(a, AutoModelForCausalLM.from_pretrained(str(base))(ids).logits, atol=1e-5)  # trained
-    with pytest.raises(StageError, match="the run directory was moved or edited"):
-        hub_folder(adapters, run / "elsewhere" / "model", str(base), tmp_path / "staged2")
+    assert not torch.allclose(a, AutoModelForCausalLM.from_pretrained(built)(ids).logits, atol=1e-5)  # trained
+    record = json.loads(before["align_adapter.json"])
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "align_adapter.json").write_text(json.dumps({**record, "base_model": str(built)}))
+    with pytest.raises(StageError, match="a path on this machine and not a pretrained stage's copy"):
+        hub_folder(tmp_path / "elsewhere", run, base, tmp_path / "staged")
 
 
 @pytest.mark.parametrize("case", ["builtin", "new_tokens", "zero3", "processes"])

@@ -37,6 +37,7 @@ class RecordingApi:
         folder = Path(kw["folder_path"])  # what huggingface_hub's own filter would send
         self.sent = sorted(filter_repo_objects([p.relative_to(folder).as_posix() for p in folder.rglob("*")
                                                 if p.is_file()], ignore_patterns=kw["ignore_patterns"]))
+        self.content = {name: (folder / name).read_bytes() for name in self.sent}  # as sent (a staging folder goes)
         return SimpleNamespace(oid="0123abcd", commit_url=f"https://huggingface.co/{kw['repo_id']}/commit/0123abcd")
 
 
@@ -91,6 +92,44 @@ def test_a_second_push_deletes_what_the_first_left_that_this_model_lacks_and_mak
     # no pickle is sent, at the top level or in a folder, and the receipt names exactly what was sent
     assert receipt["files"] == api.sent == ["config.json", "model.safetensors", "tokenizer.json"]
     assert receipt["deleted"] == ["adapter_config.json", "adapter_model.safetensors"]
+
+
+def run_push(run, source: str, base_model: str, monkeypatch, api: RecordingApi | None = None):
+    """The push stage's run() in this process, as its stage process runs it (the spec the runner writes: the pipeline
+    without its stages), pushing `source`'s model/ in the run directory `run` to a recording hub. -> (metrics, api)"""
+    import huggingface_hub
+
+    from align.config import load_pipeline, to_dict
+    from align.core.rundir import StageSpec
+    from align.runtime.context import StageContext
+    from align.stages import push
+
+    monkeypatch.setenv("ALIGN_TEST_HUB_TOKEN", TOKEN)
+    api = api if api is not None else RecordingApi()
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda token: api)
+    cfg = load_pipeline(REPO / "pipelines" / "default.yaml", [*PUSH, f"stages.push.model={source}"])
+    (run / "push").mkdir(parents=True, exist_ok=True)
+    spec = StageSpec(stage_name="push", stage_dir=str(run / "push"), fingerprint="f", stage=to_dict(cfg.stages["push"]),
+                     pipeline={**{k: v for k, v in to_dict(cfg).items() if k != "stages"}, "base_model": base_model},
+                     inputs={source: str(run / source)})
+    return push.run(StageContext(spec)), api
+
+
+def test_the_push_stage_runs_as_its_process_runs_it_and_keeps_a_card_already_there(tmp_path, monkeypatch):
+    """The stage process's pipeline has no stages (the runner leaves them out of the spec): reading them crashed
+    every push as it started. A README.md already in the repository is kept (peft writes a boilerplate card beside
+    adapters, which replaced a user's); a repository without one gets the model's."""
+    model = tmp_path / "run" / "dpo" / "model"
+    model.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "README.md"):
+        (model / name).write_text("x")
+    metrics, api = run_push(tmp_path / "run", "dpo", "meta-llama/Llama-3.1-8B-Instruct", monkeypatch)
+    assert metrics == {"push/files": 3, "push/bytes": 3} and api.sent == ["README.md", "config.json", "model.safetensors"]
+    receipt = json.loads((tmp_path / "run" / "push" / "pushed" / "receipt.json").read_text())
+    assert receipt["files"] == api.sent and "adapter_base" not in receipt
+    _, api = run_push(tmp_path / "run", "dpo", "meta-llama/Llama-3.1-8B-Instruct", monkeypatch,
+                      RecordingApi(there=["README.md", "config.json"]))
+    assert api.sent == ["config.json", "model.safetensors"]
 
 
 PUSH = ["stages.push.type=push", "stages.push.model=dpo", "stages.push.repo=my-org/tiny-dpo",
@@ -165,6 +204,7 @@ def test_adapters_trained_on_a_pretrained_copy_of_the_base_are_adapters_of_the_b
     from align.config.dpo import DPOStage
     from align.config.pretrained import PretrainedStage
     from align.config.push import PushStage
+    from align.config.reward import RewardStage
     from align.config.settings import LoraSettings
     from align.config.sft import SFTStage
 
@@ -184,6 +224,9 @@ def test_adapters_trained_on_a_pretrained_copy_of_the_base_are_adapters_of_the_b
         push.check(ctx("base"))
     stages["dpo"].policy = "sft"
     assert "exists only in this run" in push.pipeline_problems("push", stages)[0]
+    stages["reward"] = RewardStage(type="reward", init="instruct", lora=LoraSettings(enabled=True))
+    push.model = "reward"  # a scalar head's num_labels and pad token live only in align's record: merged weights
+    assert "a reward model's LoRA adapters alone" in push.pipeline_problems("push", stages)[0]
 
 
 def test_a_push_stage_validates_with_a_token_and_runs_last(workdir):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from align.config.contract import MODEL, POLICY, CheckContext, StageBase, refs
+from align.config.contract import MODEL, POLICY, REWARD_MODEL, CheckContext, StageBase, refs
 from align.core.builtin import is_builtin
 from align.core.packaged import SCHEME as PACKAGED
 from align.data.hub import hub_offline
@@ -129,6 +129,12 @@ class PushStage(StageBase):
         source = stages.get(self.model)
         lora = getattr(source, "lora", None)
         if source is not None and lora is not None and lora.enabled and not lora.merge and \
+                source.PRODUCES == REWARD_MODEL and not source.starts_from_base():
+            out.append(f"stages.{name}: stage '{self.model}' publishes a reward model's LoRA adapters alone: loaded on "
+                       "the hub's base model they would lack the scoring head's settings (one label, the pad token "
+                       f"the score is read at), which only align records; set stages.{self.model}.lora.merge: true "
+                       "to push whole weights")
+        elif source is not None and lora is not None and lora.enabled and not lora.merge and \
                 not on_base(source, stages):
             out.append(f"stages.{name}: stage '{self.model}' publishes LoRA adapters alone, on a model that exists "
                        f"only in this run: the pushed repository could not be loaded; set "

@@ -37,6 +37,21 @@ def prepared_tokenizer(ctx: StageContext):
     return tok
 
 
+def hub_revision(base_model: str) -> str | None:
+    """The commit of the hub snapshot a hub id was just loaded from (the cache's refs/main, which a download updates
+    first), or None: a local directory or file, or a repository not cached."""
+    from huggingface_hub import try_to_load_from_cache  # light
+
+    if Path(base_model).exists():
+        return None
+    try:
+        found = try_to_load_from_cache(base_model, "config.json")
+    except ValueError:  # not a repository id (huggingface_hub's HFValidationError)
+        return None
+    parts = Path(found).parts if isinstance(found, str) else ()
+    return parts[parts.index("snapshots") + 1] if "snapshots" in parts[:-1] else None
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     p = ctx.pipeline
     tokenizer = prepared_tokenizer(ctx)
@@ -46,6 +61,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
         fit_model_to_tokenizer(model, tokenizer)  # EOS (the template's end of turn), PAD, BOS; no new rows
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         ctx.extra_manifest["published"] = f"the base model's weights, untrained ({dtype})"
+        if revision := hub_revision(p.base_model):  # a push of adapters trained on the copy pins it
+            ctx.extra_manifest["base_model_revision"] = revision
         if gguf.is_gguf(p.base_model):
             ctx.extra_manifest["base_model_format"] = gguf.describe(p.base_model) + f" into {dtype}"
 

@@ -13,7 +13,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from align.config.push import PushStage, base_copy, token_problem
+from align.config import stage_types
+from align.config.push import PushStage, token_problem
+from align.core.rundir import SPEC, StageSpec, read_manifest
 from align.core.tracking import scrub
 from align.runtime.context import StageContext, StageError
 
@@ -41,29 +43,48 @@ def stale_files(there: list[str], files: list[str]) -> list[str]:
                   if "/" not in f and any(fnmatch.fnmatchcase(f, pattern) for pattern in MODEL_FILES))
 
 
-def hub_folder(folder: Path, copy: Path, base_model: str, scratch: Path) -> tuple[Path, str | None]:
+def hub_folder(folder: Path, run_dir: Path, base_model: str, scratch: Path) -> tuple[Path, str | None]:
     """model/ as the hub should receive it, and the base it was renamed to (None: as it is). LoRA adapters trained on
-    a pretrained stage's copy of base_model (`copy`, that stage's model/, the same weights) name that copy, a path in
-    this run, as their base in adapter_config.json (peft's base_model_name_or_path) and align_adapter.json: a pushed
-    repository naming it could not be loaded anywhere else. Such a folder is staged in `scratch` naming base_model
-    instead: those two files rewritten, every other file hard-linked (copied across file systems)."""
+    a pretrained stage's copy of base_model (the same weights) name that copy, a path in this run, as their base: in
+    adapter_config.json (peft's base_model_name_or_path), align_adapter.json and the model card peft wrote (README.md,
+    whose `base_model` the hub checks). A pushed repository naming it could not be loaded anywhere else, and the hub
+    refuses the card. Such a folder is staged in `scratch` naming base_model instead (at the hub snapshot the copy was
+    made from, where its manifest records one): those files rewritten, every other file hard-linked (copied across
+    file systems). The copy is found in `run_dir` by its stage's name, so a run directory moved since still pushes;
+    adapters naming any other local path are refused."""
     from align.modeling.models import ADAPTER_BASE, adapter_base  # heavy (torch): stage processes only
 
     record = adapter_base(folder)
-    if record is None:  # whole weights (lora.merge): nothing names the copy
+    named = Path(record["base_model"]) if record is not None else None
+    if named is None or not named.is_absolute():  # whole weights (lora.merge), or adapters of a hub base
         return folder, None
-    if Path(record["base_model"]).resolve() != copy.resolve():
-        raise StageError(f"{folder / ADAPTER_BASE}: the adapters name {record['base_model']} as their base, not this "
-                         f"run's copy of {base_model} ({copy}) that the stage trained: the run directory was moved or "
-                         "edited; rerun the stage (align run --force)")
+    if named.name != "model" or not republishes_base(run_dir / named.parent.name):
+        raise StageError(f"{folder / ADAPTER_BASE}: the adapters name {named} as their base, a path on this machine "
+                         "and not a pretrained stage's copy of the base model in this run: the pushed repository "
+                         f"could not be loaded; set lora.merge: true on the stage that trained them and rerun it")
     shutil.rmtree(scratch, ignore_errors=True)
     shutil.copytree(folder, scratch, copy_function=_link_or_copy)
-    config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
-    for name, data in (("adapter_config.json", {**config, "base_model_name_or_path": base_model}),
-                       (ADAPTER_BASE, {**record, "base_model": base_model})):
+    config = {**json.loads((folder / "adapter_config.json").read_text(encoding="utf-8")),
+              "base_model_name_or_path": base_model}
+    if revision := (read_manifest(run_dir / named.parent.name) or {}).get("base_model_revision"):
+        config["revision"] = revision  # the hub snapshot the copy was made from: peft loads the base at it
+    rewritten = {"adapter_config.json": json.dumps(config, indent=2) + "\n",
+                 ADAPTER_BASE: json.dumps({**record, "base_model": base_model}) + "\n"}
+    if (folder / "README.md").is_file():  # peft's card: `base_model: <path>` and the tag `base_model:adapter:<path>`
+        rewritten["README.md"] = (folder / "README.md").read_text(encoding="utf-8").replace(str(named), base_model)
+    for name, text in rewritten.items():
         (scratch / name).unlink()  # a hard link: writing through it would change the run's own model/
-        (scratch / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        (scratch / name).write_text(text, encoding="utf-8")
     return scratch, base_model
+
+
+def republishes_base(stage_dir: Path) -> bool:
+    """Whether the stage in `stage_dir` (its spec's type) publishes the base model unchanged (`REPUBLISHES_BASE`)."""
+    try:
+        kind = StageSpec.read(stage_dir / SPEC).stage.get("type")
+    except (OSError, ValueError, KeyError):
+        return False
+    return bool(getattr(stage_types().get(kind), "REPUBLISHES_BASE", False))
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -77,7 +98,8 @@ def upload(folder: Path, cfg: PushStage, token: str, message: str, api: Any = No
     """Create the repository (and the branch) if needed and upload `folder` to it (huggingface_hub may split a large
     upload into several commits), deleting the model files an earlier push left there which this model does not have
     (`stale_files`): a stale adapter_config.json beside new whole weights makes transformers load the old base +
-    adapter instead. The receipt (no token in it) names both."""
+    adapter instead. A README.md already there is kept (peft writes a boilerplate card beside adapters). The receipt
+    (no token in it) names what was sent and deleted."""
     from huggingface_hub import HfApi  # light: only when pushing
     from huggingface_hub.utils import filter_repo_objects
 
@@ -85,13 +107,15 @@ def upload(folder: Path, cfg: PushStage, token: str, message: str, api: Any = No
     api.create_repo(cfg.repo, repo_type="model", private=cfg.private, exist_ok=True)
     if cfg.revision != "main":  # upload_folder commits only to a branch that exists
         api.create_branch(cfg.repo, repo_type="model", branch=cfg.revision, exist_ok=True)
+    there = api.list_repo_files(cfg.repo, repo_type="model", revision=cfg.revision)
+    # a model card is sent to a repository without one: a card there (a user's, or an earlier push's) is kept
+    ignored = [*IGNORED, "README.md"] if "README.md" in there else IGNORED
     # what upload_folder sends: the same filter, so the receipt names exactly that
     files = sorted(filter_repo_objects([p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()],
-                                       ignore_patterns=IGNORED))
-    there = api.list_repo_files(cfg.repo, repo_type="model", revision=cfg.revision)
+                                       ignore_patterns=ignored))
     stale = stale_files(there, files)
     info = api.upload_folder(folder_path=str(folder), repo_id=cfg.repo, repo_type="model", revision=cfg.revision,
-                             commit_message=message, ignore_patterns=IGNORED,
+                             commit_message=message, ignore_patterns=ignored,
                              delete_patterns=[glob.escape(f) for f in stale] or None)
     return {"repo": cfg.repo, "revision": cfg.revision, "commit": getattr(info, "oid", None),
             "url": str(getattr(info, "commit_url", "") or ""), "files": files, "deleted": stale,
@@ -104,17 +128,16 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if problem:  # checked by `align validate` too; the environment of the stage may differ from the planner's
         raise StageError(f"stage '{ctx.name}': token_env: {problem}")
     folder = ctx.input_dir(cfg.model) / "model"
-    copy, scratch = base_copy(ctx.pipeline.stages[cfg.model], ctx.pipeline.stages), ctx.dir / ".hub_folder"
-    renamed = None
-    if copy is not None and ctx.is_main:  # the copy's stage directory sits beside the source's in this run
-        folder, renamed = hub_folder(folder, ctx.input_dir(cfg.model).parent / copy / "model",
-                                     ctx.pipeline.base_model, scratch)
+    scratch, renamed = ctx.dir / ".hub_folder", None
     message = cfg.commit_message or (f"align: {ctx.pipeline.name}/{ctx.pipeline.run_id} stage {cfg.model}, "
                                      f"fingerprint {ctx.spec.input_fingerprints.get(cfg.model, '?')}")
     receipt: dict[str, Any] = {}
     if ctx.is_main:
         try:
-            receipt = upload(folder, cfg, os.environ[cfg.token_env], message)
+            sent, renamed = hub_folder(folder, ctx.run_dir, ctx.pipeline.base_model, scratch)
+            receipt = upload(sent, cfg, os.environ[cfg.token_env], message)
+        except StageError:
+            raise
         except Exception as exc:  # network, permissions, a missing revision: one line, never the token
             raise StageError(f"stage '{ctx.name}': pushing {folder} to {cfg.repo} (revision {cfg.revision}) failed: "
                              f"{scrub(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)}") from None
