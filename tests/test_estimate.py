@@ -922,6 +922,7 @@ def test_a_pretrained_stage_counts_the_base_it_republishes_on_disk():
     import align.orchestrator.disk as disk
     from align.config.dpo import DPOStage
     from align.config.pretrained import PretrainedStage
+    from align.config.reward import RewardStage
 
     dpo = object.__new__(DPOStage)
     dpo.save_total_limit, dpo.lora = 1, SimpleNamespace(enabled=False, merge=True)
@@ -930,6 +931,18 @@ def test_a_pretrained_stage_counts_the_base_it_republishes_on_disk():
     cfg = SimpleNamespace(stages={"instruct": PretrainedStage(), "dpo": dpo}, keep_checkpoints=True)
     peak = disk.disk_peak(cfg, estimates, weight_bytes=2)
     assert (peak.bytes, peak.stage, peak.models, peak.checkpoints) == (32_000, "dpo", 4_000, 28_000)
+    # `align run --only instruct`: nothing trains, but the copy is written (the base's size read from every stage)
+    alone = disk.disk_peak(cfg, estimates, weight_bytes=2, only={"instruct"})
+    assert (alone.bytes, alone.stage, alone.models, alone.checkpoints) == (2_000, "instruct", 2_000, 0)
+    # only a reward model starts from it: the base as an LM is the scalar model less its 1 x 16 head plus a 50 x 16
+    # untied LM head, 1,000 - 16 + 800 = 1,784 parameters, 3,568 bytes
+    reward = object.__new__(RewardStage)
+    reward.save_total_limit, reward.lora = 1, SimpleNamespace(enabled=False, merge=True)
+    scalar = SimpleNamespace(role="reward", trained=True,
+                             shape=SimpleNamespace(params=1000, scalar=True, hidden=16, vocab=50))
+    estimates = [_estimate("instruct", [], {}), _estimate("reward", [scalar], {"reward": 1000})]
+    cfg = SimpleNamespace(stages={"instruct": PretrainedStage(), "reward": reward}, keep_checkpoints=True)
+    assert disk.disk_peak(cfg, estimates, weight_bytes=2, only={"instruct"}).bytes == 3_568
 
 
 def test_a_preferences_stage_judged_by_a_weighted_mapping_holds_each_reward_model_it_names():

@@ -173,6 +173,39 @@ def test_lora_adapters_trained_on_the_copy_are_pushed_as_adapters_of_the_base_it
         hub_folder(tmp_path / "elsewhere", run, base, tmp_path / "staged")
 
 
+def test_the_snapshot_commit_is_read_from_the_cache_layout_wherever_the_cache_lies(tmp_path, monkeypatch):
+    """The commit a push pins is the folder under the repository's snapshots/: a cache kept under a folder itself
+    named `snapshots` (a cluster's /lustre/snapshots/hub) gave that folder's child instead, a revision that does not
+    exist. A local directory, or an id not cached, gives none."""
+    import huggingface_hub.constants
+
+    from align.stages.pretrained import hub_revision
+
+    built, _ = families.build("qwen2", tmp_path)
+    cache, repo, commit = _hub_cache(tmp_path / "snapshots" / "hub", built)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    assert hub_revision(repo) == commit
+    assert hub_revision(str(built)) is None and hub_revision("tiny-org/not-cached") is None
+
+
+def test_the_seed_a_pretrained_stage_does_not_read_reruns_nothing(tmp_path):
+    """A pretrained stage draws nothing at random, yet the pipeline's seed was in its fingerprint: changing it
+    re-copied the base and retrained every stage below, one that set its own seed too."""
+    from align.config import load_pipeline
+    from align.orchestrator.plan import build_plan
+
+    base, _ = families.build("qwen2", tmp_path)
+    path = _pipeline(tmp_path, base)
+
+    def fingerprints(seed: int) -> dict[str, str]:
+        cfg = load_pipeline(path, [f"seed={seed}", "stages.dpo.seed=5"])
+        return {p.name: p.fingerprint for p in build_plan(cfg, path)}
+
+    one, other = fingerprints(1), fingerprints(2)
+    assert (one["instruct"], one["dpo"]) == (other["instruct"], other["dpo"])
+    assert one["reward"] != other["reward"]  # it reads the pipeline's seed
+
+
 @pytest.mark.parametrize("case", ["builtin", "new_tokens", "zero3", "processes"])
 def test_a_pretrained_stage_that_could_not_publish_a_trained_base_is_refused_at_validate(tmp_path, capsys, case):
     """A builtin base (fresh weights), a chat template whose special tokens the tokenizer lacks (their rows would
@@ -192,7 +225,7 @@ def test_a_pretrained_stage_that_could_not_publish_a_trained_base_is_refused_at_
     else:
         base, _ = families.build("qwen2", tmp_path)
         path = _pipeline(tmp_path, base, start="{type: pretrained, num_processes: 8}")
-        needles = ("stages.instruct", "num_processes: 8", "num_processes: 1")
+        needles = ("stages.instruct", "num_processes: 8", "trains nothing to distribute", "set num_processes: 1")
     rc, out = validate(capsys, str(path))
     refused(out, rc, *needles)
 

@@ -23,6 +23,9 @@ class PretrainedStage(StageBase):
     PRODUCES: ClassVar[str] = POLICY
     HEADLINE: ClassVar[tuple[str, ...]] = ("pretrained/parameters", "pretrained/bytes")
     WORK: ClassVar[str] = "pretrained/parameters"
+    ONE_PROCESS: ClassVar[bool] = True
+    """It runs one process whatever the accelerate settings say: `align validate` refuses num_processes above 1
+    (align/orchestrator/launch.py) with that fix alone, not a distributed config, which check() refuses."""
     REPUBLISHES_BASE: ClassVar[bool] = True
     """Its model/ is base_model's weights unchanged: LoRA adapters trained on it are adapters of base_model, which a
     push names as their base (align/stages/push.py hub_folder)."""

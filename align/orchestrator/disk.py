@@ -48,16 +48,29 @@ def state_bytes_per_param(weight_bytes: int, mode: str = "ddp", trainer: bool = 
     return 12 + module + (weight_bytes if trainer else 0)
 
 
-def disk_peak(cfg: PipelineConfig, estimates: list, weight_bytes: int) -> DiskPeak | None:
-    """The run directory's peak over `estimates` (StageEstimate, in run order); None when nothing trains."""
+def base_params(estimates: list) -> int:
+    """The base model's parameters as a language model: an LM any stage holds, else the reward model's (its scalar
+    head swapped for an untied LM head: a tied one counts once more, an over-estimate), else 0."""
+    shapes = [h.shape for e in estimates for h in e.held]
+    lm = next((s.params for s in shapes if not s.scalar), None)
+    scalar = next((s for s in shapes if s.scalar), None)
+    return lm if lm is not None else scalar.params - scalar.hidden + scalar.vocab * scalar.hidden if scalar else 0
+
+
+def disk_peak(cfg: PipelineConfig, estimates: list, weight_bytes: int, only: set[str] | None = None) -> DiskPeak | None:
+    """The run directory's peak over `estimates` (StageEstimate, in run order; `only`: of these stages, the base's
+    size read from all); None when nothing trains or is written whole (a pretrained stage's copy of the base)."""
     done_models = done_checkpoints = 0
     peak: DiskPeak | None = None
-    base = next((h.shape.params for e in estimates for h in e.held if not h.shape.scalar), 0)  # an LM's: the base's
-    for e in estimates:
+    base = base_params(estimates)
+    for e in (e for e in estimates if only is None or e.name in only):
         stage = cfg.stages[e.name]
         trained = [h for h in e.held if h.trained]
         if not trained:
-            done_models += base * weight_bytes if stage.PRODUCES == POLICY and stage.starts_from_base() else 0
+            if stage.PRODUCES == POLICY and stage.starts_from_base() and base:  # the base published whole
+                done_models += base * weight_bytes
+                at = DiskPeak(done_models + done_checkpoints, e.name, done_checkpoints, done_models)
+                peak = at if peak is None or at.bytes > peak.bytes else peak
             continue
         per_param = state_bytes_per_param(weight_bytes, e.mode, isinstance(stage, TrainedStage))
         states = sum(e.trained_params.get(h.role, h.shape.params) for h in trained) * per_param

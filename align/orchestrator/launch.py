@@ -117,7 +117,10 @@ def check_accelerate(plan: StagePlan, source: str | Path, precision: str = "auto
     problem = plan.cfg.mode_problem(mode)  # a stage type's own rule for a mode
     if problem:
         problems.append(problem)
-    if (n := plan.cfg.num_processes) and n > 1 and str(raw["distributed_type"]).upper() == "NO":
+    if (n := plan.cfg.num_processes) and n > 1 and getattr(type(plan.cfg), "ONE_PROCESS", False):
+        problems.append(f"num_processes: {n}, but a {plan.cfg.type} stage runs one process whatever its accelerate "
+                        "config (it trains nothing to distribute); set num_processes: 1 (or leave it unset)")
+    elif n and n > 1 and str(raw["distributed_type"]).upper() == "NO":
         problems.append(f"num_processes: {n} with accelerate: {plan.cfg.accelerate} ({path.name}), which runs one "
                         "process (distributed_type NO): the others would never start; use accelerate: ddp, zero2 or "
                         "zero3 for several processes, or num_processes: 1")

@@ -337,8 +337,7 @@ def memory_preflight(cfg: PipelineConfig, source: str | Path, plans: list[StageP
     except (EstimateError, HelperError) as exc:  # a crash of the shape helper (a model's own code) skips it too
         print(f"[align] memory preflight skipped: {(str(exc).strip() or repr(exc)).splitlines()[-1]}", flush=True)
         return
-    disk = disk_problem(cfg, disk_peak(cfg, [e for e in estimates if e.name in names], dtype_bytes(cfg.dtype, True, cfg.precision)),
-                        cfg.runs_dir)
+    disk = disk_problem(cfg, disk_peak(cfg, estimates, dtype_bytes(cfg.dtype, True, cfg.precision), names), cfg.runs_dir)
     if disk:  # an estimate of checkpoints that may never all be written (a short stage saves none): a warning
         print(f"[align] warning: disk: {disk}", flush=True)
     problems = too_big(estimates, hw, names)

@@ -48,8 +48,9 @@ def hub_revision(base_model: str) -> str | None:
         found = try_to_load_from_cache(base_model, "config.json")
     except ValueError:  # not a repository id (huggingface_hub's HFValidationError)
         return None
-    parts = Path(found).parts if isinstance(found, str) else ()
-    return parts[parts.index("snapshots") + 1] if "snapshots" in parts[:-1] else None
+    parts = Path(found).parts if isinstance(found, str) else ()  # .../models--org--name/snapshots/<commit>/config.json
+    layout = len(parts) >= 4 and parts[-3] == "snapshots" and parts[-4].startswith("models--")
+    return parts[-2] if layout else None
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
