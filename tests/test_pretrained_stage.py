@@ -188,22 +188,29 @@ def test_the_snapshot_commit_is_read_from_the_cache_layout_wherever_the_cache_li
     assert hub_revision(str(built)) is None and hub_revision("tiny-org/not-cached") is None
 
 
-def test_the_seed_a_pretrained_stage_does_not_read_reruns_nothing(tmp_path):
-    """A pretrained stage draws nothing at random, yet the pipeline's seed was in its fingerprint: changing it
-    re-copied the base and retrained every stage below, one that set its own seed too."""
+@pytest.mark.parametrize("setting", ["seed", "dtype", "precision", "attn_implementation"])
+def test_the_settings_a_pretrained_stage_does_not_read_rerun_nothing(tmp_path, setting):
+    """A pretrained stage draws nothing at random and computes nothing (the weights are written in their own dtype),
+    yet the pipeline's seed, dtype, precision and attention kernel were in its fingerprint: changing one re-copied
+    the base and retrained every stage below, one that set its own seed too (where the setting is the seed)."""
     from align.config import load_pipeline
     from align.orchestrator.plan import build_plan
 
     base, _ = families.build("qwen2", tmp_path)
     path = _pipeline(tmp_path, base)
 
-    def fingerprints(seed: int) -> dict[str, str]:
-        cfg = load_pipeline(path, [f"seed={seed}", "stages.dpo.seed=5"])
+    values = {"seed": (1, 2), "dtype": ("float32", "bfloat16"), "precision": ("float32", "bfloat16"),
+              "attn_implementation": ("eager", "sdpa")}[setting]
+
+    def fingerprints(value) -> dict[str, str]:
+        cfg = load_pipeline(path, [f"{setting}={value}", "stages.dpo.seed=5"])
         return {p.name: p.fingerprint for p in build_plan(cfg, path)}
 
-    one, other = fingerprints(1), fingerprints(2)
-    assert (one["instruct"], one["dpo"]) == (other["instruct"], other["dpo"])
-    assert one["reward"] != other["reward"]  # it reads the pipeline's seed
+    one, other = fingerprints(values[0]), fingerprints(values[1])
+    assert one["instruct"] == other["instruct"]
+    assert one["reward"] != other["reward"]  # it reads the pipeline's setting
+    if setting == "seed":  # dpo sets its own; it reads the others
+        assert one["dpo"] == other["dpo"]
 
 
 @pytest.mark.parametrize("case", ["builtin", "new_tokens", "zero3", "processes"])

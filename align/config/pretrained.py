@@ -47,4 +47,8 @@ class PretrainedStage(StageBase):
         return True
 
     def unread_settings(self) -> dict[str, str]:
-        return {"seed": "a pretrained stage draws nothing at random: every seed publishes the same copy"}
+        """Also the pipeline's settings it does not read (left out of its fingerprint: changing one re-copies
+        nothing): it computes nothing, and writes the weights in their own dtype."""
+        computes = "a pretrained stage computes nothing: it writes the weights in their own dtype"
+        return {"seed": "a pretrained stage draws nothing at random: every seed publishes the same copy",
+                **dict.fromkeys(("dtype", "precision", "attn_implementation"), computes)}

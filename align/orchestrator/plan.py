@@ -166,9 +166,10 @@ def _fingerprint(plan: StagePlan, cfg: PipelineConfig, inputs: dict[str, str], c
     files = {key: stamp(path) for key, path in plan.files.items()}  # editing the file reruns the stage
     if plan.cfg.starts_from_base():  # new weights (or a new conversion of a packaged model) at the same path too
         files.update({k: stamp(p) for k, p in (base_files or {}).items()})
-    seed = None if "seed" in plan.cfg.unread_settings() else plan.cfg.seed if plan.cfg.seed is not None else cfg.seed
-    blob = {"stage": stage, "base": base, "seed": seed,  # a stage that draws nothing at random: any seed, one result
-            "dtype": cfg.dtype, "precision": cfg.precision, "attn_implementation": cfg.attn_implementation,
+    run_with = {"seed": plan.cfg.seed if plan.cfg.seed is not None else cfg.seed, "dtype": cfg.dtype,
+                "precision": cfg.precision, "attn_implementation": cfg.attn_implementation}
+    unread = plan.cfg.unread_settings()  # e.g. a stage that computes nothing: any of these, one result
+    blob = {"stage": stage, "base": base, **{k: None if k in unread else v for k, v in run_with.items()},
             "inputs": inputs, "cards": plan.card_hashes, "code": code}
     if files:
         blob["files"] = files
