@@ -113,6 +113,14 @@ def _hub_cache(root: Path, base: Path, repo: str = "tiny-org/qwen2-instruct") ->
     return cache, repo, commit
 
 
+def _perturbed(module) -> None:
+    import torch
+
+    with torch.no_grad():
+        for param in module.parameters(recurse=False):
+            param.add_(0.05)
+
+
 def test_lora_adapters_trained_on_the_copy_are_pushed_as_adapters_of_the_base_itself(tmp_path, monkeypatch):
     """DPO with LoRA on the pretrained stage's copy of a hub model (a cached download, offline) publishes adapters
     whose base is that copy, a path in this run: a push refused them (`lora.merge` or nothing). The copy is the hub
@@ -120,8 +128,10 @@ def test_lora_adapters_trained_on_the_copy_are_pushed_as_adapters_of_the_base_it
     adapter_config.json, align_adapter.json and peft's card naming the hub id, at the snapshot the copy was made from:
     loaded as a user would load the repository (peft on the base it names), the adapters give the logits align's own
     stages get from the run's; the run's files stay as they were, the staging folder goes."""
+    import shutil
+
     import torch
-    from peft import PeftModel
+    from peft import AutoPeftModelForCausalLM, PeftModel
     from test_push import run_push
     from transformers import AutoModelForCausalLM
 
@@ -158,14 +168,23 @@ def test_lora_adapters_trained_on_the_copy_are_pushed_as_adapters_of_the_base_it
     pushed.mkdir()
     for name, data in sent.items():
         (pushed / name).write_bytes(data)
-    hub = AutoModelForCausalLM.from_pretrained(base, revision=config["revision"], cache_dir=cache)
-    theirs = PeftModel.from_pretrained(hub, pushed).eval()
+    # the hub's main moves on after the run (new weights): peft loads the base at the revision the push pinned
+    later = cache / f"models--{base.replace('/', '--')}" / "snapshots" / ("f" * 40)
+    AutoModelForCausalLM.from_pretrained(built).apply(_perturbed).save_pretrained(later)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (built / name).is_file() and not (later / name).is_file():
+            shutil.copy(built / name, later / name)
+    (later.parent.parent / "refs" / "main").write_text("f" * 40)
+    theirs = AutoPeftModelForCausalLM.from_pretrained(pushed, cache_dir=cache).eval()
     ids = torch.tensor([[1, 5, 9, 14, 3, 7]])
     ours = load_causal_lm(str(adapters)).eval()
     with torch.no_grad():
         a, b = theirs(ids).logits, ours(ids).logits
     assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
     assert not torch.allclose(a, AutoModelForCausalLM.from_pretrained(built)(ids).logits, atol=1e-5)  # trained
+    at_main = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, cache_dir=cache), pushed).eval()
+    with torch.no_grad():  # the moved main would have given other logits: the pinned revision was read
+        assert not torch.allclose(at_main(ids).logits, b, atol=1e-3)
     record = json.loads(before["align_adapter.json"])
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / "align_adapter.json").write_text(json.dumps({**record, "base_model": str(built)}))

@@ -132,6 +132,22 @@ def test_the_push_stage_runs_as_its_process_runs_it_and_keeps_a_card_already_the
     assert api.sent == ["config.json", "model.safetensors"]
 
 
+def test_the_card_names_the_hub_base_where_yaml_wrapped_the_local_path():
+    """peft writes its card's metadata with yaml (80 columns): a long path with spaces is wrapped onto two lines, and a
+    plain text replacement of it missed, leaving a `base_model` the hub refuses. The metadata is parsed instead."""
+    import yaml
+
+    from align.stages.push import card_naming
+
+    path = "/home/user/My Projects/alignment experiments with a long name/runs and more runs/x/main/instruct/model"
+    meta = yaml.dump({"base_model": path, "library_name": "peft", "tags": [f"base_model:adapter:{path}", "lora"]},
+                     width=80, allow_unicode=True)
+    assert path not in meta  # wrapped, as peft writes it
+    out = card_naming(f"---\n{meta}---\n\n# Model card\n\nTrained on {path}.\n", path, "org/base-8b")
+    assert "base_model: org/base-8b\n" in out and "- base_model:adapter:org/base-8b\n" in out
+    assert "Trained on org/base-8b." in out and "My Projects" not in out and "- lora" in out
+
+
 PUSH = ["stages.push.type=push", "stages.push.model=dpo", "stages.push.repo=my-org/tiny-dpo",
         "stages.push.token_env=ALIGN_TEST_HUB_TOKEN"]
 

@@ -70,12 +70,27 @@ def hub_folder(folder: Path, run_dir: Path, base_model: str, scratch: Path) -> t
         config["revision"] = revision  # the hub snapshot the copy was made from: peft loads the base at it
     rewritten = {"adapter_config.json": json.dumps(config, indent=2) + "\n",
                  ADAPTER_BASE: json.dumps({**record, "base_model": base_model}) + "\n"}
-    if (folder / "README.md").is_file():  # peft's card: `base_model: <path>` and the tag `base_model:adapter:<path>`
-        rewritten["README.md"] = (folder / "README.md").read_text(encoding="utf-8").replace(str(named), base_model)
+    if (folder / "README.md").is_file():
+        rewritten["README.md"] = card_naming((folder / "README.md").read_text(encoding="utf-8"), str(named), base_model)
     for name, text in rewritten.items():
         (scratch / name).unlink()  # a hard link: writing through it would change the run's own model/
         (scratch / name).write_text(text, encoding="utf-8")
     return scratch, base_model
+
+
+def card_naming(text: str, path: str, base_model: str) -> str:
+    """peft's model card with `base_model` in place of the local `path` it names: its metadata (`base_model`, the tag
+    `base_model:adapter:<path>`, which the hub checks) parsed and rewritten, since YAML may wrap or quote a long
+    path; the body's mentions replaced as text."""
+    from huggingface_hub import ModelCard  # light: only when pushing
+
+    card = ModelCard(text.replace(path, base_model), ignore_metadata_errors=True)
+    if card.data.base_model is not None:
+        card.data.base_model = base_model
+    if card.data.tags:
+        card.data.tags = [f"base_model:adapter:{base_model}" if str(t).startswith("base_model:adapter:") else t
+                          for t in card.data.tags]
+    return str(card)
 
 
 def republishes_base(stage_dir: Path) -> bool:
