@@ -58,6 +58,12 @@ def base_copy(source: StageBase, stages: dict[str, StageBase]) -> str | None:
     return next((r for r in named if getattr(stages.get(r), "REPUBLISHES_BASE", False)), None)
 
 
+def adapters_alone(source: StageBase | None) -> bool:
+    """Whether `source` publishes its LoRA adapters alone (LoRA on, `lora.merge` off)."""
+    lora = getattr(source, "lora", None)
+    return lora is not None and lora.enabled and not lora.merge
+
+
 def on_base(source: StageBase, stages: dict[str, StageBase]) -> bool:
     """Whether `source`'s LoRA adapters are adapters of base_model: it trains the base itself or a copy of it."""
     return source.starts_from_base() or base_copy(source, stages) is not None
@@ -91,10 +97,9 @@ class PushStage(StageBase):
         if problem := repo_problem(self.repo):
             raise ValueError(f"repo: {self.repo!r} is not a hub repository id: {problem}; e.g. my-org/llama3-8b-ppo")
         source = ctx.pipeline.stages.get(self.model)
-        lora = getattr(source, "lora", None)
         base = ctx.pipeline.base_model  # a builtin model is built, not loaded: its stage publishes merged weights
-        if source is not None and lora is not None and lora.enabled and not lora.merge and \
-                on_base(source, ctx.pipeline.stages) and not is_builtin(base) and not _on_the_hub(base, ctx):
+        if adapters_alone(source) and on_base(source, ctx.pipeline.stages) and not is_builtin(base) and \
+                not _on_the_hub(base, ctx):
             raise ValueError(f"model: stage '{self.model}' publishes LoRA adapters alone, on base_model "
                              f"{ctx.pipeline.base_model!r}, which is not on the hub: the pushed repository would name "
                              f"a base only this machine has; set stages.{self.model}.lora.merge: true to push whole "
@@ -127,15 +132,12 @@ class PushStage(StageBase):
             out.append(f"stages.{name}: pushes to {self.repo}@{self.revision} as stage '{same[0]}' does: the later "
                        "commit replaces the other's files; give each its own repo or revision")
         source = stages.get(self.model)
-        lora = getattr(source, "lora", None)
-        if source is not None and lora is not None and lora.enabled and not lora.merge and \
-                source.PRODUCES == REWARD_MODEL and not source.starts_from_base():
+        if adapters_alone(source) and source.PRODUCES == REWARD_MODEL and not source.starts_from_base():
             out.append(f"stages.{name}: stage '{self.model}' publishes a reward model's LoRA adapters alone: loaded on "
                        "the hub's base model they would lack the scoring head's settings (one label, the pad token "
                        f"the score is read at), which only align records; set stages.{self.model}.lora.merge: true "
                        "to push whole weights")
-        elif source is not None and lora is not None and lora.enabled and not lora.merge and \
-                not on_base(source, stages):
+        elif adapters_alone(source) and not on_base(source, stages):
             out.append(f"stages.{name}: stage '{self.model}' publishes LoRA adapters alone, on a model that exists "
                        f"only in this run: the pushed repository could not be loaded; set "
                        f"stages.{self.model}.lora.merge: true to push whole weights")

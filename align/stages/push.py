@@ -58,7 +58,8 @@ def hub_folder(folder: Path, run_dir: Path, base_model: str, scratch: Path) -> t
     named = Path(record["base_model"]) if record is not None else None
     if named is None or not named.is_absolute():  # whole weights (lora.merge), or adapters of a hub base
         return folder, None
-    if named.name != "model" or not republishes_base(run_dir / named.parent.name):
+    copy_dir = run_dir / named.parent.name  # the stage directory of the copy, in this run wherever it now lies
+    if named.name != "model" or not republishes_base(copy_dir):
         raise StageError(f"{folder / ADAPTER_BASE}: the adapters name {named} as their base, a path on this machine "
                          "and not a pretrained stage's copy of the base model in this run: the pushed repository "
                          f"could not be loaded; set lora.merge: true on the stage that trained them and rerun it")
@@ -66,7 +67,7 @@ def hub_folder(folder: Path, run_dir: Path, base_model: str, scratch: Path) -> t
     shutil.copytree(folder, scratch, copy_function=_link_or_copy)
     config = {**json.loads((folder / "adapter_config.json").read_text(encoding="utf-8")),
               "base_model_name_or_path": base_model}
-    if revision := (read_manifest(run_dir / named.parent.name) or {}).get("base_model_revision"):
+    if revision := (read_manifest(copy_dir) or {}).get("base_model_revision"):
         config["revision"] = revision  # the hub snapshot the copy was made from: peft loads the base at it
     rewritten = {"adapter_config.json": json.dumps(config, indent=2) + "\n",
                  ADAPTER_BASE: json.dumps({**record, "base_model": base_model}) + "\n"}
