@@ -16,13 +16,13 @@ import yaml
 from conftest import REPO
 
 
-def _default(**stages) -> tuple:
+def _default(pipeline: str = "default.yaml", **stages) -> tuple:
     from align.config import parse_pipeline
 
-    raw = yaml.safe_load((REPO / "pipelines" / "default.yaml").read_text())
+    raw = yaml.safe_load((REPO / "pipelines" / pipeline).read_text())
     for name, settings in stages.items():
         raw["stages"].setdefault(name, {}).update(settings)
-    return parse_pipeline(raw, "pipelines/default.yaml"), REPO / "pipelines" / "default.yaml"
+    return parse_pipeline(raw, f"pipelines/{pipeline}"), REPO / "pipelines" / pipeline
 
 
 def test_ppo_whose_sequences_pass_the_reward_models_max_length_is_refused_at_validate():
@@ -62,6 +62,27 @@ def test_sampling_whose_responses_alone_fill_the_reward_models_max_length_is_ref
     with pytest.raises(PipelineError, match=r"stages\.again\.generation\.max_new_tokens \(32\) leaves no room for "
                                             r"a prompt within the longest sequence reward stage 'reward' trained on"):
         validate(*_default(again=second, reward={"max_length": 32}), verbose=False)
+
+
+def test_sampling_whose_every_prompt_leaves_no_room_within_the_reward_models_max_length_is_refused_at_validate():
+    """Before, the stage counted that only when it started (after every stage before it trained) and failed there."""
+    from align.core.errors import PipelineError
+    from align.orchestrator.validate import validate
+
+    tiny = "hh_rlhf_tiny.yaml"  # the gpt2 tokenizer: lengths are counted at validate; the reward model's max_length 192
+    evaluate = {"policies": ["sft", "dpo"], "generation": {"max_new_tokens": 170}}  # room for 22 tokens
+    validate(*_default(tiny, evaluate=evaluate), verbose=False)  # a few HH prompts are that short
+    evaluate["generation"] = {"max_new_tokens": 190}  # room for 2: shorter than any templated HH prompt
+    with pytest.raises(PipelineError, match=r"stages\.evaluate: all \d+ prompts are longer than 2 tokens after "
+                                            r"templating and tokenisation, so none leaves room for a reply of "
+                                            r"generation\.max_new_tokens within the max_length of the reward stage"):
+        validate(*_default(tiny, evaluate=evaluate), verbose=False)
+    validate(*_default(tiny, evaluate={**evaluate, "reward": None}), verbose=False)  # no reward model scores them
+    again = {"type": "preferences", "policy": "dpo", "judge": "reward", "generation": {"max_new_tokens": 190},
+             "prompts": "../data_cards/hh_rlhf_harmless_pairs.yaml"}  # a second round labelled by the reward model
+    with pytest.raises(PipelineError, match=r"stages\.again: all \d+ prompts are longer than 2 tokens"):
+        validate(*_default(tiny, again=again), verbose=False)
+    validate(*_default(tiny, again={**again, "judge": "vader"}), verbose=False)
 
 
 class _WordTokenizer:

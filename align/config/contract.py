@@ -260,9 +260,9 @@ class StageBase:
         """Tokens whose logits the trained policy holds at once under DeepSpeed `mode` (None: the micro-batch's)."""
         return None
 
-    def length_check(self, fld: str) -> tuple[LengthRule, int, float] | None:
-        """How over-long rows of the card in `fld` are treated: (rule, the length bound, the largest fraction that may
-        be affected), counted by `align validate` and again at the stage's start; None: not counted."""
+    def length_check(self, fld: str, stages: dict[str, StageBase]) -> tuple[LengthRule, int, float] | None:
+        """How over-long rows of the card in `fld` are treated (`stages`: the pipeline's): (rule, the length bound, the
+        largest fraction that may be affected), counted by `align validate` and at the stage's start; None: none."""
         return None
 
     def length_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -383,7 +383,7 @@ class TrainedStage(StageBase):
                              f"max_length to at most {limit}")
         super().check_positions(limit, fix)
 
-    def length_check(self, fld: str) -> tuple[LengthRule, int, float] | None:
+    def length_check(self, fld: str, stages: dict[str, StageBase]) -> tuple[LengthRule, int, float] | None:
         """The trainer's rule for the cards the stage learns from (`examples` fields)."""
         if self.LENGTH_RULE is None or type(self).CARDS.get(fld) != EXAMPLES:
             return None

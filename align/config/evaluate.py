@@ -8,9 +8,10 @@ from typing import ClassVar
 
 from align.engines import engine_names
 from align.config.contract import HeldModel, DATA, POLICY, PROMPTS_ONLY, REPORT, REWARD_MODEL, CheckContext, StageBase
-from align.config.online import reward_room_problems
+from align.config.online import reply_room_check, reward_room_problems
 from align.config.settings import Generation, PairwiseJudge
 from align.core.schema import ranged
+from align.data.lengths import LengthRule
 
 
 @dataclass
@@ -86,6 +87,9 @@ class EvaluateStage(StageBase):
 
     def pipeline_problems(self, name: str, stages: dict[str, StageBase]) -> list[str]:
         return reward_room_problems(name, self.generation.max_new_tokens, self.reward, stages)
+
+    def length_check(self, fld: str, stages: dict[str, StageBase]) -> tuple[LengthRule, int, float] | None:
+        return reply_room_check(self.generation.max_new_tokens, self.reward, stages) if fld == "prompts" else None
 
     def references(self, role: str) -> list[str]:
         return super().references(role) + (list(self.judges) if role == "judge" else [])  # its gold judges too

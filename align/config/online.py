@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from align.config.contract import DATA, POLICY, REPORT, REWARD_MODEL, StageBase
 from align.config.settings import Generation, LoraSettings
+from align.data.lengths import LengthRule, drop_long_prompts
 from align.engines import engine_names, kind
 from align.judges import judge_weights
 
@@ -65,6 +66,28 @@ def reward_room_problems(name: str, max_new_tokens: int, reward: str | dict[str,
             f"longest sequence reward stage '{rm}' trained on (stages.{rm}.max_length: {trained}); "
             "raise that max_length or lower max_new_tokens"
             for rm, trained in _trained_lengths(reward, stages).items() if max_new_tokens >= trained]
+
+
+LEAVES_REPLY_ROOM = LengthRule(
+    "leaves_reply_room", drop_long_prompts, setting="reward max_length - generation.max_new_tokens", per_prompt=True,
+    nothing_left="stages.{stage}: all {examples} prompts are longer than {max_length} tokens after templating and "
+                 "tokenisation, so none leaves room for a reply of generation.max_new_tokens within the max_length of "
+                 "the reward stage that scores it (the longest sequence it trained on): the stage would fail when it "
+                 "starts, after every stage before it ran. Lower generation.max_new_tokens, raise that reward stage's "
+                 "max_length, or use shorter prompts")
+"""Prompts a reward model scores the replies to (evaluate, preferences): one after which a reply of max_new_tokens
+could pass the reward stage's max_length is dropped and counted (align/runtime/rows.py prompts_within_reward_models);
+none left fails the stage."""
+
+
+def reply_room_check(max_new_tokens: int, reward: str | dict[str, float] | None,
+                     stages: dict[str, StageBase]) -> tuple[LengthRule, int, float] | None:
+    """A sampling stage's prompts (evaluate, preferences) counted at validate by the room they leave for a reply of
+    `max_new_tokens` within every reward stage `reward` names: the stage drops the longer ones and fails when none is
+    left (align/runtime/rows.py prompts_within_reward_models), after every stage before it ran; so any fraction is
+    allowed (1.0) but all. None when no reward stage scores, or when one leaves no room at all (reward_room_problems)."""
+    room = min(_trained_lengths(reward, stages).values(), default=0) - max_new_tokens
+    return (LEAVES_REPLY_ROOM, room, 1.0) if room > 0 else None
 
 
 def temperature_problems(name: str, algorithm: str, stages: dict[str, StageBase]) -> list[str]:

@@ -268,7 +268,7 @@ class PPOStage(StageBase):
     def card_split(self, fld: str) -> str:
         return self.split
 
-    def length_check(self, fld: str) -> tuple[LengthRule, int, float] | None:
+    def length_check(self, fld: str, stages: dict[str, StageBase]) -> tuple[LengthRule, int, float] | None:
         return (DROPS_LONG_PROMPTS, self.max_prompt_length, self.max_truncated_fraction) if fld == "prompts" else None
 
     def deepspeed_settings(self) -> dict[str, Any]:

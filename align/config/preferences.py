@@ -7,10 +7,11 @@ from typing import ClassVar
 
 from align.engines import engine_names
 from align.config.contract import HeldModel, DATA, POLICY, PROMPTS_ONLY, CheckContext, StageBase
-from align.config.online import reward_room_problems, reward_stages
+from align.config.online import reply_room_check, reward_room_problems, reward_stages
 from align.config.settings import Generation, PairwiseJudge
 from align.core.schema import ranged
 from align.data.formats import row_prompt_key
+from align.data.lengths import LengthRule
 
 
 @dataclass
@@ -103,6 +104,11 @@ class PreferencesStage(StageBase):
                 for other, st in stages.items() if name in st.references(DATA)
                 and isinstance(getattr(st, "max_length", None), int) and tokens >= st.max_length] + \
             ([] if self.pairwise else reward_room_problems(name, tokens, self.judge, stages))
+
+    def length_check(self, fld: str, stages: dict[str, StageBase]) -> tuple[LengthRule, int, float] | None:
+        if fld != "prompts" or self.pairwise is not None:  # a pairwise judge scores with no reward model
+            return None
+        return reply_room_check(self.generation.max_new_tokens, self.judge, stages)
 
     def unread_settings(self) -> dict[str, str]:
         if self.pairwise is None:

@@ -166,6 +166,12 @@ class LengthRule:
     count: Callable[[list[dict[str, Any]], Any, int], tuple[int, int, int]]
     setting: str = "max_length"
     """The stage setting that bounds the length (named in reports and errors)."""
+    per_prompt: bool = False
+    """Whether an example is a distinct prompt (rows of sampled pairs may repeat one), not a row."""
+    nothing_left: str = ("stages.{stage}.{setting}={max_length}: all {examples} examples would be dropped (longest "
+                         "{longest} tokens after templating and tokenisation), so the stage would train on nothing, "
+                         "whatever max_truncated_fraction allows. Raise {setting}, or shorten or filter the data")
+    """The refusal when every example would be dropped (formatted with the LengthReport's fields)."""
 
     def __post_init__(self) -> None:
         if RULES.get(self.name, self) != self:
@@ -175,7 +181,7 @@ class LengthRule:
     def measure(self, stage: str, rows: list[dict[str, Any]], tokenizer, max_length: int) -> LengthReport:
         """Count the over-long examples among `rows` (text rows: conversational ones rendered first)."""
         truncated, dropped, longest = self.count(rows, tokenizer, max_length)
-        examples = len({_key(r["prompt"]) for r in rows}) if self.setting == "max_prompt_length" else len(rows)
+        examples = len({_key(r["prompt"]) for r in rows}) if self.per_prompt else len(rows)
         return LengthReport(stage, self.name, examples, truncated, dropped, longest, max_length, self.setting)
 
 
@@ -183,7 +189,7 @@ def _key(prompt: Any) -> str:
     return prompt if isinstance(prompt, str) else repr(prompt)
 
 
-def _drop_long_prompts(rows: list[dict[str, Any]], tokenizer, max_length: int) -> tuple[int, int, int]:
+def drop_long_prompts(rows: list[dict[str, Any]], tokenizer, max_length: int) -> tuple[int, int, int]:
     """Each distinct prompt once (rows of sampled pairs may repeat one): dropped when its tokens exceed max_length."""
     prompts = list({_key(r["prompt"]): r["prompt"] for r in rows}.values())
     lengths = _ids(tokenizer, prompts)
@@ -198,7 +204,8 @@ DROPS_LONG_PAIRS = LengthRule("drops_long_pairs", _drop_long_pairs)
 """TRL's RewardTrainer: filters out pairs where either side is longer than max_length."""
 TRUNCATES_PAIRS = LengthRule("truncates_pairs", _truncate_pairs)
 """TRL's DPOTrainer: drops pairs whose prompt fills max_length, truncates the rest."""
-DROPS_LONG_PROMPTS = LengthRule("drops_long_prompts", _drop_long_prompts, setting="max_prompt_length")
+DROPS_LONG_PROMPTS = LengthRule("drops_long_prompts", drop_long_prompts, setting="max_prompt_length",
+                                per_prompt=True)
 """Rollout prompts: a prompt longer than max_prompt_length tokens is dropped before the first rollout."""
 
 
@@ -206,10 +213,7 @@ def enforce(report: LengthReport, max_fraction: float) -> None:
     """Raise LengthError naming the field and the fix when too many examples are affected, or when every one would be
     dropped (nothing would train, whatever max_truncated_fraction allows)."""
     if report.examples and report.dropped == report.examples:
-        raise LengthError(
-            f"stages.{report.stage}.{report.setting}={report.max_length}: all {report.examples} examples would be "
-            f"dropped (longest {report.longest} tokens after templating and tokenisation), so the stage would train on "
-            f"nothing, whatever max_truncated_fraction allows. Raise {report.setting}, or shorten or filter the data")
+        raise LengthError(RULES[report.kind].nothing_left.format(**report.as_dict()))
     if report.fraction <= max_fraction:
         return
     suggestion = min(report.longest, 2 ** (report.longest - 1).bit_length()) if report.longest else 0

@@ -248,7 +248,7 @@ def model_job(cfg: PipelineConfig, plans: list[StagePlan], split_of: SplitLoader
             if split_all or isinstance(rows[0].get("prompt"), list):  # conversations: rendered in the helper
                 job["examples"].append({"where": where, "label": f"{plan.name}.{fld}", "rows": rows if split_all else rows[:1],
                                         "assistant_turns": split_all and getattr(plan.cfg, "train_turns", "all"), "replies": use == EXAMPLES})
-            check = plan.cfg.length_check(fld)
+            check = plan.cfg.length_check(fld, cfg.stages)
             if check is not None:
                 rule, bound, fraction = check
                 job["lengths"].append({"where": where, "stage": plan.name, "rule": rule.name,
