@@ -15,9 +15,16 @@ from conftest import REPO, TINY, run_align
 TOKEN = "hf_abcdefghijklmnopqrstuvwxyz012345"
 
 
+HEAD = "c0ffee" * 6 + "c0ff"  # the branch's commit when the push reads it (40 hex digits)
+
+
 class RecordingApi:
-    def __init__(self, there=(".gitattributes",)):
-        self.calls, self.there = [], list(there)
+    def __init__(self, there=(".gitattributes",), private=True, refuse=None):
+        self.calls, self.there, self.private, self.refuse = [], list(there), private, refuse
+
+    def repo_info(self, repo_id, **kw):
+        self.calls.append(("repo_info", repo_id, kw))
+        return SimpleNamespace(sha=HEAD, private=self.private)
 
     def create_repo(self, repo_id, **kw):
         self.calls.append(("create_repo", repo_id, kw))
@@ -26,6 +33,7 @@ class RecordingApi:
         self.calls.append(("create_branch", repo_id, kw))
 
     def list_repo_files(self, repo_id, **kw):
+        self.calls.append(("list_repo_files", repo_id, kw))
         return self.there
 
     def upload_folder(self, **kw):
@@ -34,6 +42,8 @@ class RecordingApi:
         from huggingface_hub.utils import filter_repo_objects
 
         self.calls.append(("upload_folder", kw))
+        if self.refuse is not None:
+            raise self.refuse
         folder = Path(kw["folder_path"])  # what huggingface_hub's own filter would send
         self.sent = sorted(filter_repo_objects([p.relative_to(folder).as_posix() for p in folder.rglob("*")
                                                 if p.is_file()], ignore_patterns=kw["ignore_patterns"]))
@@ -53,12 +63,14 @@ def test_upload_creates_the_repository_commits_the_folder_and_keeps_no_token(tmp
     api = RecordingApi()
     receipt = upload(model, cfg, TOKEN, "align: test", api=api)
     assert api.calls[0] == ("create_repo", "my-org/tiny-ppo", {"repo_type": "model", "private": True, "exist_ok": True})
-    assert api.calls[1][1] == {"folder_path": str(model), "repo_id": "my-org/tiny-ppo", "repo_type": "model",
+    # the files there are listed at the branch's commit, and the commit is made on that one or refused
+    assert api.calls[2] == ("list_repo_files", "my-org/tiny-ppo", {"repo_type": "model", "revision": HEAD})
+    assert api.calls[3][1] == {"folder_path": str(model), "repo_id": "my-org/tiny-ppo", "repo_type": "model",
                                "revision": "main", "commit_message": "align: test",
                                "ignore_patterns": ["training_args.bin", "*/training_args.bin"],
-                               "delete_patterns": None}
-    assert receipt == {"repo": "my-org/tiny-ppo", "revision": "main", "commit": "0123abcd",
-                       "url": "https://huggingface.co/my-org/tiny-ppo/commit/0123abcd",
+                               "parent_commit": HEAD, "delete_patterns": None}
+    assert receipt == {"repo": "my-org/tiny-ppo", "revision": "main", "parent_commit": HEAD, "private": True,
+                       "commit": "0123abcd", "url": "https://huggingface.co/my-org/tiny-ppo/commit/0123abcd",
                        "files": ["config.json", "model.safetensors"], "deleted": [], "bytes": 1002}
     assert TOKEN not in json.dumps(receipt)
 
@@ -86,7 +98,8 @@ def test_a_second_push_deletes_what_the_first_left_that_this_model_lacks_and_mak
     receipt = upload(model, cfg, TOKEN, "align: again", api=api)
     assert api.calls[1] == ("create_branch", "my-org/tiny-ppo", {"repo_type": "model", "branch": "v1",
                                                                   "exist_ok": True})
-    sent = api.calls[2][1]
+    assert api.calls[2] == ("repo_info", "my-org/tiny-ppo", {"repo_type": "model", "revision": "v1"})
+    sent = api.calls[4][1]
     assert sent["delete_patterns"] == ["adapter_config.json", "adapter_model.safetensors"]
     assert sent["revision"] == "v1"
     # no pickle is sent, at the top level or in a folder, and the receipt names exactly what was sent
@@ -94,7 +107,72 @@ def test_a_second_push_deletes_what_the_first_left_that_this_model_lacks_and_mak
     assert receipt["deleted"] == ["adapter_config.json", "adapter_model.safetensors"]
 
 
-def run_push(run, source: str, base_model: str, monkeypatch, api: RecordingApi | None = None):
+def test_a_public_repository_is_refused_unless_private_is_false_and_a_moved_branch_commits_nothing(tmp_path):
+    """create_repo keeps an existing repository's visibility, so `private: true` (the default) pushed into a public
+    one published the weights; and two pushes to one branch each listed its files and committed, the later one's
+    deletions blind to the other's files (stale adapters beside new weights), both reporting success."""
+    from requests import HTTPError, Response
+
+    from align.config.push import PushStage
+    from align.runtime.context import StageError
+    from align.stages.push import upload
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    cfg = PushStage(type="push", model="ppo", repo="my-org/tiny-ppo")
+    api = RecordingApi(private=False)
+    with pytest.raises(StageError, match=r"my-org/tiny-ppo exists and is public, and private is true: the weights "
+                                         r"would be public\. Make the repository private on the hub, or set private: "
+                                         r"false"):
+        upload(model, cfg, TOKEN, "align: test", api=api)
+    assert [c[0] for c in api.calls] == ["create_repo", "repo_info"]  # nothing listed, nothing sent
+    cfg.private = False
+    assert upload(model, cfg, TOKEN, "align: test", api=api)["private"] is False
+    moved = HTTPError("412 Client Error: Precondition Failed", response=Response())
+    moved.response.status_code = 412  # what the hub answers when the branch is no longer at parent_commit
+    with pytest.raises(StageError, match=rf"my-org/tiny-ppo@main moved past commit {HEAD} while this push was being "
+                                         r"prepared \(another push committed first\); nothing was committed\. Rerun"):
+        upload(model, cfg, TOKEN, "align: test", api=RecordingApi(refuse=moved))
+    other = HTTPError("500 Server Error", response=Response())
+    other.response.status_code = 500
+    with pytest.raises(HTTPError, match="500"):  # any other failure: as it is (the stage says it in one line)
+        upload(model, cfg, TOKEN, "align: test", api=RecordingApi(refuse=other))
+
+
+def test_the_token_is_kept_out_of_a_failed_pushs_message_whatever_its_variable_is_called(tmp_path, monkeypatch):
+    """Only variables named like a secret (..._TOKEN, ..._KEY) were scrubbed: a token_env such as HF_WRITE was not."""
+    from align.runtime.context import StageError
+
+    model = tmp_path / "run" / "dpo" / "model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    monkeypatch.setenv("HF_WRITE", TOKEN)
+    leak = RecordingApi(refuse=RuntimeError(f"401 Unauthorized: token {TOKEN} cannot write to my-org/tiny-dpo"))
+    with pytest.raises(StageError) as caught:
+        run_push(tmp_path / "run", "dpo", "meta-llama/Llama-3.1-8B-Instruct", monkeypatch, leak,
+                 ("stages.push.token_env=HF_WRITE",))
+    assert "401 Unauthorized: token <redacted> cannot write" in str(caught.value) and TOKEN not in str(caught.value)
+
+
+def test_a_push_to_the_pipelines_own_base_model_or_tokenizer_is_refused():
+    """`repo` copied from `base_model`: the push would replace the base's weights (adapters alone: delete them), and
+    every later run loading it would start from this stage's model."""
+    from align.config.push import PushStage
+
+    push = PushStage(type="push", model="dpo", repo="my-org/Llama-3.1-8B-SFT")
+    for fld in ("base_model", "tokenizer"):
+        pipeline = SimpleNamespace(stages={"push": push}, base_model="meta-llama/Llama-3.1-8B", tokenizer=None)
+        setattr(pipeline, fld, "My-Org/llama-3.1-8b-sft")  # the hub's ids are case-insensitive
+        with pytest.raises(ValueError, match=rf"repo: 'my-org/Llama-3\.1-8B-SFT' is the pipeline's {fld}: the push "
+                                             r"would replace its files.*push to a repository of its own, e\.g\. "
+                                             r"my-org/Llama-3\.1-8B-SFT-dpo"):
+            push.check(SimpleNamespace(pipeline=pipeline))
+    push.check(SimpleNamespace(pipeline=SimpleNamespace(stages={}, base_model="meta-llama/Llama-3.1-8B")))
+
+
+def run_push(run, source: str, base_model: str, monkeypatch, api: RecordingApi | None = None,
+             overrides: tuple[str, ...] = ()):
     """The push stage's run() in this process, as its stage process runs it (the spec the runner writes: the pipeline
     without its stages), pushing `source`'s model/ in the run directory `run` to a recording hub. -> (metrics, api)"""
     import huggingface_hub
@@ -104,10 +182,11 @@ def run_push(run, source: str, base_model: str, monkeypatch, api: RecordingApi |
     from align.runtime.context import StageContext
     from align.stages import push
 
-    monkeypatch.setenv("ALIGN_TEST_HUB_TOKEN", TOKEN)
+    if not any(o.startswith("stages.push.token_env=") for o in overrides):  # else the test sets its variable
+        monkeypatch.setenv("ALIGN_TEST_HUB_TOKEN", TOKEN)
     api = api if api is not None else RecordingApi()
     monkeypatch.setattr(huggingface_hub, "HfApi", lambda token: api)
-    cfg = load_pipeline(REPO / "pipelines" / "default.yaml", [*PUSH, f"stages.push.model={source}"])
+    cfg = load_pipeline(REPO / "pipelines" / "default.yaml", [*PUSH, f"stages.push.model={source}", *overrides])
     (run / "push").mkdir(parents=True, exist_ok=True)
     spec = StageSpec(stage_name="push", stage_dir=str(run / "push"), fingerprint="f", stage=to_dict(cfg.stages["push"]),
                      pipeline={**{k: v for k, v in to_dict(cfg).items() if k != "stages"}, "base_model": base_model},

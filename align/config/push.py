@@ -84,7 +84,8 @@ class PushStage(StageBase):
     repo: str = ""
     """The hub repository, `org/name` (created when it does not exist)."""
     private: bool = True
-    """Create the repository private (an existing repository keeps its visibility)."""
+    """Create the repository private. An existing repository keeps its visibility: a public one is refused unless
+    this is false (the weights would be public)."""
     revision: str = "main"
     """The branch to commit to."""
     token_env: str = "HF_TOKEN"
@@ -96,6 +97,12 @@ class PushStage(StageBase):
     def check(self, ctx: CheckContext) -> None:
         if problem := repo_problem(self.repo):
             raise ValueError(f"repo: {self.repo!r} is not a hub repository id: {problem}; e.g. my-org/llama3-8b-ppo")
+        for fld in ("base_model", "tokenizer", "base_model_config"):  # hub ids are case-insensitive
+            if str(getattr(ctx.pipeline, fld, None) or "").strip().lower() == self.repo.lower():
+                raise ValueError(f"repo: {self.repo!r} is the pipeline's {fld}: the push would replace its files with "
+                                 f"stage '{self.model}''s (adapters alone: delete its weights), and every later run "
+                                 f"that loads it would start from them; push to a repository of its own, e.g. "
+                                 f"{self.repo}-{self.model}")
         source = ctx.pipeline.stages.get(self.model)
         base = ctx.pipeline.base_model  # a builtin model is built, not loaded: its stage publishes merged weights
         if adapters_alone(source) and on_base(source, ctx.pipeline.stages) and not is_builtin(base) and \
@@ -127,7 +134,7 @@ class PushStage(StageBase):
     def pipeline_problems(self, name: str, stages: dict[str, StageBase]) -> list[str]:
         out = []
         same = [n for n, st in stages.items() if n != name and isinstance(st, PushStage)
-                and (st.repo, st.revision) == (self.repo, self.revision)]
+                and (st.repo.lower(), st.revision) == (self.repo.lower(), self.revision)]
         if same and list(stages).index(same[0]) < list(stages).index(name):
             out.append(f"stages.{name}: pushes to {self.repo}@{self.revision} as stage '{same[0]}' does: the later "
                        "commit replaces the other's files; give each its own repo or revision")

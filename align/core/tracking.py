@@ -47,14 +47,14 @@ def secret_values() -> list[str]:
     return sorted({os.environ[k] for k in names if len(os.environ.get(k, "")) >= 8}, key=len, reverse=True)
 
 
-def scrub(obj: Any) -> Any:
-    """Drop secret-looking keys; in strings, replace any secret env value and a URL's credentials (user:password@,
-    ?api_key=...)."""
-    secrets = secret_values()
+def scrub(obj: Any, also: tuple[str, ...] = ()) -> Any:
+    """Drop secret-looking keys; in strings, replace any secret env value, each of `also` (e.g. a token read from a
+    variable of any name), and a URL's credentials (user:password@, ?api_key=...)."""
+    secrets = sorted({*secret_values(), *(s for s in also if len(s) >= 8)}, key=len, reverse=True)
     if isinstance(obj, dict):
-        return {k: ("<redacted>" if _SECRET_KEY.search(str(k)) else scrub(v)) for k, v in obj.items()}
+        return {k: ("<redacted>" if _SECRET_KEY.search(str(k)) else scrub(v, also)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [scrub(v) for v in obj]
+        return [scrub(v, also) for v in obj]
     if isinstance(obj, str):
         for s in secrets:
             obj = obj.replace(s, "<redacted>")

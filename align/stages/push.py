@@ -123,19 +123,32 @@ def upload(folder: Path, cfg: PushStage, token: str, message: str, api: Any = No
     api.create_repo(cfg.repo, repo_type="model", private=cfg.private, exist_ok=True)
     if cfg.revision != "main":  # upload_folder commits only to a branch that exists
         api.create_branch(cfg.repo, repo_type="model", branch=cfg.revision, exist_ok=True)
-    there = api.list_repo_files(cfg.repo, repo_type="model", revision=cfg.revision)
+    info = api.repo_info(cfg.repo, repo_type="model", revision=cfg.revision)
+    if cfg.private and info.private is False:  # create_repo keeps an existing repository's visibility
+        raise StageError(f"{cfg.repo} exists and is public, and private is true: the weights would be public. "
+                         "Make the repository private on the hub, or set private: false to publish them there")
+    # The branch's commit now: the files listed are at it, and the commit is made on it (parent_commit) or refused
+    # when another push moved the branch since, whose files this one's deletions did not see.
+    there = api.list_repo_files(cfg.repo, repo_type="model", revision=info.sha or cfg.revision)
     # a model card is sent to a repository without one: a card there (a user's, or an earlier push's) is kept
     ignored = [*IGNORED, "README.md"] if "README.md" in there else IGNORED
     # what upload_folder sends: the same filter, so the receipt names exactly that
     files = sorted(filter_repo_objects([p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()],
                                        ignore_patterns=ignored))
     stale = stale_files(there, files)
-    info = api.upload_folder(folder_path=str(folder), repo_id=cfg.repo, repo_type="model", revision=cfg.revision,
-                             commit_message=message, ignore_patterns=ignored,
-                             delete_patterns=[glob.escape(f) for f in stale] or None)
-    return {"repo": cfg.repo, "revision": cfg.revision, "commit": getattr(info, "oid", None),
-            "url": str(getattr(info, "commit_url", "") or ""), "files": files, "deleted": stale,
-            "bytes": sum((folder / f).stat().st_size for f in files)}
+    try:
+        commit = api.upload_folder(folder_path=str(folder), repo_id=cfg.repo, repo_type="model", revision=cfg.revision,
+                                   commit_message=message, ignore_patterns=ignored, parent_commit=info.sha,
+                                   delete_patterns=[glob.escape(f) for f in stale] or None)
+    except Exception as exc:
+        if getattr(getattr(exc, "response", None), "status_code", None) != 412:  # the hub's answer to a moved parent
+            raise
+        raise StageError(f"{cfg.repo}@{cfg.revision} moved past commit {info.sha} while this push was being "
+                         "prepared (another push committed first); nothing was committed. Rerun the push stage, "
+                         "and give each pipeline pushing there its own repo or revision") from None
+    return {"repo": cfg.repo, "revision": cfg.revision, "parent_commit": info.sha, "private": info.private,
+            "commit": getattr(commit, "oid", None), "url": str(getattr(commit, "commit_url", "") or ""),
+            "files": files, "deleted": stale, "bytes": sum((folder / f).stat().st_size for f in files)}
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -148,27 +161,29 @@ def run(ctx: StageContext) -> dict[str, Any]:
     message = cfg.commit_message or (f"align: {ctx.pipeline.name}/{ctx.pipeline.run_id} stage {cfg.model}, "
                                      f"fingerprint {ctx.spec.input_fingerprints.get(cfg.model, '?')}")
     receipt: dict[str, Any] = {}
+    token = os.environ[cfg.token_env]
     if ctx.is_main:
         try:
             sent, renamed = hub_folder(folder, ctx.run_dir, ctx.pipeline.base_model, scratch)
-            receipt = upload(sent, cfg, os.environ[cfg.token_env], message)
-        except StageError:
-            raise
+            receipt = upload(sent, cfg, token, message)
+        except StageError as exc:
+            raise StageError(f"stage '{ctx.name}': {exc}") from None
         except Exception as exc:  # network, permissions, a missing revision: one line, never the token
             raise StageError(f"stage '{ctx.name}': pushing {folder} to {cfg.repo} (revision {cfg.revision}) failed: "
-                             f"{scrub(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)}") from None
+                             f"{scrub(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, (token,))}") from None
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         if renamed:
             receipt["adapter_base"] = renamed
         gone = f"; deleted an earlier model's {', '.join(receipt['deleted'])}" if receipt["deleted"] else ""
         gone += f"; the adapters name {renamed} as their base" if renamed else ""
-        print(f"[align] {ctx.name}: pushed {len(receipt['files'])} files to {cfg.repo}@{cfg.revision} "
+        seen = {True: "private", False: "public"}.get(receipt["private"], "visibility unknown")
+        print(f"[align] {ctx.name}: pushed {len(receipt['files'])} files to {cfg.repo}@{cfg.revision} ({seen}) "
               f"({receipt['url'] or receipt['commit']}){gone}", flush=True)
 
     def write(path: Path) -> None:
         if ctx.is_main:
-            (path / "receipt.json").write_text(json.dumps(scrub(receipt), indent=2) + "\n")
+            (path / "receipt.json").write_text(json.dumps(scrub(receipt, (token,)), indent=2) + "\n")
 
     ctx.publish("pushed", write)
     return {"push/files": len(receipt.get("files", [])), "push/bytes": receipt.get("bytes", 0)}
