@@ -179,6 +179,32 @@ def test_a_gguf_with_tensors_no_loader_dequantises_is_refused_at_validation(tmp_
         gguf.config_of(path)
 
 
+@pytest.mark.parametrize("arch,model_type", [("qwen3moe", "qwen3_moe"), ("qwen2moe", "qwen2_moe"),
+                                             ("gpt-oss", "gpt_oss"), ("gemma3", "gemma3_text"), ("qwen2", "qwen2")])
+def test_a_gguf_architecture_is_read_as_the_model_type_transformers_loads_it_as(tmp_path, arch, model_type):
+    """llama.cpp names MoE architectures `qwen3moe`, `gpt-oss`, ...: taken as config.json's model_type, transformers
+    knew none of them, and validation refused a Qwen3-30B-A3B .gguf as a model this transformers cannot load."""
+    import numpy as np
+    from gguf import GGUFWriter
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from align.core import gguf
+    from align.modeling.checks import model_class_problem
+
+    path = tmp_path / f"tiny-{arch}.gguf"
+    writer = GGUFWriter(str(path), arch)
+    writer.add_context_length(64)
+    writer.add_embedding_length(256)
+    writer.add_tensor("token_embd.weight", np.zeros((2, 256), dtype=np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    config = gguf.config_of(path)
+    assert config["model_type"] == model_type and config["hidden_size"] == 256  # the sizes still read under `arch`
+    assert model_type in CONFIG_MAPPING_NAMES
+    assert model_class_problem(str(path), config["model_type"], scalar=False) is None
+
+
 def test_a_gguf_named_through_a_link_or_in_capitals_is_a_gguf(gguf_path, tmp_path, capsys):
     """huggingface_hub's cache names a file through a link (snapshots/<rev>/M.gguf -> ../../blobs/<sha>): resolving
     the link lost the extension, and `M.gguf is a file; name ... a .gguf checkpoint` named the blob."""

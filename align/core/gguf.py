@@ -90,6 +90,12 @@ def _undequantisable(reader) -> dict[str, list[str]]:
     return out
 
 
+MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2",
+               "gemma3": "gemma3_text", "gemma4": "gemma4_text"}
+"""llama.cpp's architecture names that transformers' GGUF loader renames to its own model_type
+(modeling_gguf_pytorch_utils.load_gguf_checkpoint); any other is the same in both."""
+
+
 def config_of(path: str | Path) -> dict[str, Any]:
     """The parts of a config.json that validation and `align estimate` read, from the GGUF metadata; a file with
     tensors no loader here can dequantise is refused, naming them."""
@@ -104,7 +110,7 @@ def config_of(path: str | Path) -> dict[str, Any]:
     arch = meta.get("general.architecture")
     if not isinstance(arch, str):
         raise GGUFError(f"{path}: its metadata names no `general.architecture`; it is not a model checkpoint")
-    config: dict[str, Any] = {"model_type": arch}
+    config: dict[str, Any] = {"model_type": MODEL_TYPES.get(arch, arch)}
     keys = {"max_position_embeddings": "context_length", "hidden_size": "embedding_length",
             "num_hidden_layers": "block_count", "intermediate_size": "feed_forward_length",
             "num_attention_heads": "attention.head_count", "num_key_value_heads": "attention.head_count_kv"}
