@@ -289,3 +289,34 @@ def test_the_packaged_gguf_base_is_published_dequantised_with_its_stock_template
 
 def torch_equal(a, b) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and bool((a == b).all())
+
+
+def test_a_peft_adapter_named_as_a_model_is_refused_before_its_weights_load(tmp_path, monkeypatch, capsys):
+    """transformers loads an adapter repo (adapter_config.json) as its base with the adapter attached, unmerged: a
+    pretrained stage then saved the adapter alone as its model/ (its manifest said the base's weights), and a stage
+    training on it trained the adapter's base with an adapter riding along. A cached hub adapter is refused at
+    validate; any adapter (a folder, or a hub id validate could not see) when a stage loads it, before any weight."""
+    import huggingface_hub.constants
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from align.core.errors import ModelError
+    from align.modeling.models import load_causal_lm, load_scalar_model
+
+    print(f"seed {SEED}")
+    base, _ = families.build("qwen2", tmp_path)
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    adapter = tmp_path / "adapter"
+    get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(adapter)
+    assert load_causal_lm(str(base)) is not None  # the base itself: a whole model
+    for load in (load_causal_lm, lambda p: load_scalar_model(p, 0)):
+        with pytest.raises(ModelError, match=rf"{adapter} is a PEFT adapter \(adapter_config\.json\), not a whole "
+                                             r"model\. Merge it into its base"):
+            load(str(adapter))
+    cache, repo, _ = _hub_cache(tmp_path, adapter, "tiny-org/qwen2-lora")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    rc, out = validate(capsys, str(_pipeline(tmp_path, repo)))
+    refused(out, rc, "base_model: tiny-org/qwen2-lora is a PEFT adapter (adapter_config.json), not a whole model",
+            "merge it into its base")

@@ -7,12 +7,9 @@ unless the pipeline sets `trust_remote_code: true`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
@@ -111,8 +108,7 @@ def prepare_tokenizer(tok):
 
 
 def from_pretrained_args(path_or_id: str) -> tuple[str, dict[str, Any]]:
-    """(path, kwargs) for transformers' from_pretrained: a `.gguf` file is read from its folder with
-    `gguf_file` (align/core/gguf.py); anything else as it is."""
+    """(path, kwargs) for from_pretrained: a `.gguf` file read from its folder with `gguf_file`; the rest as it is."""
     if gguf.is_gguf(path_or_id) and Path(path_or_id).is_file():
         folder, name = gguf.folder_and_file(path_or_id)
         return folder, {"gguf_file": name}
@@ -125,47 +121,14 @@ def load_tokenizer(path_or_id: str, trust_remote_code: bool = False):
     check_remote_code(path_or_id, trust_remote_code)
     path, extra = from_pretrained_args(path_or_id)
     if "gguf_file" in extra:
+        from align.modeling.gguf_tokenizer import gguf_tokenizer_dir
+
         try:
-            return prepare_tokenizer(AutoTokenizer.from_pretrained(_gguf_tokenizer_dir(path_or_id)))
+            return prepare_tokenizer(AutoTokenizer.from_pretrained(gguf_tokenizer_dir(path_or_id)))
         except Exception:  # noqa: BLE001 - a damaged cached conversion (any reader's error): converted again once
-            return prepare_tokenizer(AutoTokenizer.from_pretrained(_gguf_tokenizer_dir(path_or_id, rebuild=True)))
+            return prepare_tokenizer(AutoTokenizer.from_pretrained(gguf_tokenizer_dir(path_or_id, rebuild=True)))
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **extra)
     return prepare_tokenizer(tok)
-
-
-def _gguf_tokenizer_dir(gguf_path: str, rebuild: bool = False) -> str:
-    """The tokenizer of a `.gguf` file, converted once into a tokenizer directory in align's cache
-    (`$ALIGN_CACHE/gguf-tokenizers/<file digest>/`): converting SmolLM2's vocabulary and merges from the GGUF
-    metadata takes ~7 s on the 2-core CPU, loading the converted directory 0.4 s, and validation and the first
-    stage each load it. The digest covers the file's path, size and modification time; a conversion is written
-    to a temporary directory and renamed into place, so a killed one leaves nothing half-written; one damaged
-    since (`rebuild`: it did not load) is converted again."""
-    from transformers import AutoTokenizer  # heavy: loaded on use
-
-    from align.core.fsutil import cache_root
-
-    p = Path(gguf_path).resolve()
-    st = p.stat()
-    key = hashlib.sha256(f"{p}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:20]
-    out = cache_root() / "gguf-tokenizers" / key
-    if rebuild:
-        shutil.rmtree(out, ignore_errors=True)
-    if not (out / "tokenizer_config.json").is_file():
-        folder, name = gguf.folder_and_file(p)
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=out.parent))
-        tmp.chmod(0o755)  # a cache others on the machine may read, as align's other cached models
-        try:
-            tok.save_pretrained(tmp)
-            (tmp / "SOURCE").write_text(f"{p}\n", encoding="utf-8")
-            try:
-                os.replace(tmp, out)
-            except OSError:  # another process converted it first
-                pass
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(out)
 
 
 # --------------------------------------------------------------------------------------------- models
@@ -238,8 +201,17 @@ def merged_adapter(path: str, base, trust_remote_code: bool = False):
 
 
 def published_adapter(path_or_id: str, quantize: str) -> dict | None:
-    """`adapter_base` of a published LoRA adapter directory (None for anything else), refused as QLoRA's base."""
+    """`adapter_base` of a published LoRA adapter directory (None for anything else), refused as QLoRA's base. Any
+    other PEFT adapter (a hub repo or folder with adapter_config.json) is refused: transformers would load its base
+    with the adapter attached, unmerged, and a stage would train or save the adapter alone (`pretrained`: a model/
+    of adapter weights)."""
+    from transformers.utils import find_adapter_config_file  # heavy: loaded on use
+
     base = adapter_base(path_or_id) if Path(path_or_id).is_dir() else None
+    if base is None and not gguf.is_gguf(path_or_id) and find_adapter_config_file(path_or_id):
+        raise ModelError(f"{path_or_id} is a PEFT adapter (adapter_config.json), not a whole model. Merge it into its "
+                         "base (peft: AutoPeftModelForCausalLM.from_pretrained(...).merge_and_unload(), then "
+                         "save_pretrained(DIR)) and name DIR, or name its base and train adapters of your own")
     if base is not None and quantize != "none":
         raise ModelError(f"{path_or_id}: a LoRA adapter cannot be the 4-bit base of QLoRA (merging needs full "
                          "weights); publish it merged (lora.merge: true on the stage that trained it)")
@@ -355,7 +327,6 @@ def quantization_kwargs(quantize: str) -> dict[str, Any]:
     double quantization, bf16 compute, on this process's GPU. {} for `none`."""
     if quantize == "none":
         return {}
-    import os
 
     from transformers import BitsAndBytesConfig  # heavy: loaded on use
 

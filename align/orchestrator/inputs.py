@@ -157,6 +157,9 @@ def _base_model_config(cfg: PipelineConfig, source: str | Path, paths: dict[str,
             return gguf.config_of(value)
         except gguf.GGUFError as exc:
             raise ConfigError(f"{source}: base_model: {exc}") from None
+    if _hub_file(value, "adapter_config.json"):  # as align/modeling/models.py `published_adapter` refuses it
+        raise ConfigError(f"{source}: base_model: {value} is a PEFT adapter (adapter_config.json), not a whole model; "
+                          "merge it into its base and name the merged model, or name its base")
     cached = _hub_file(value, "config.json")
     if cached:
         return _read_config(Path(cached), f"{source}: base_model (cached hub model {value})")
