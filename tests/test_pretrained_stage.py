@@ -127,7 +127,9 @@ def test_lora_adapters_trained_on_the_copy_are_pushed_as_adapters_of_the_base_it
     model bit for bit, so the push stage (run as its process runs it, against a recording hub) sends
     adapter_config.json, align_adapter.json and peft's card naming the hub id, at the snapshot the copy was made from:
     loaded as a user would load the repository (peft on the base it names), the adapters give the logits align's own
-    stages get from the run's; the run's files stay as they were, the staging folder goes."""
+    stages get from the run's; the run's files stay as they were, the staging folder goes. Adapters an sft stage
+    trained on the hub id itself (`model: base`) are pushed pinned at the snapshot they trained on: they named the
+    hub id alone, and peft would load them on whatever its main is later."""
     import shutil
 
     import torch
@@ -143,7 +145,11 @@ def test_lora_adapters_trained_on_the_copy_are_pushed_as_adapters_of_the_base_it
     built, _ = families.build("qwen2", tmp_path)
     cache, base, commit = _hub_cache(tmp_path, built)
     lora = ["stages.dpo.lora.enabled=true", "stages.dpo.lora.target_modules=[q_proj,v_proj]", "stages.reward=null",
-            "stages.ppo=null", "stages.evaluate=null"]
+            "stages.ppo=null", "stages.evaluate=null", "stages.tuned.type=sft", "stages.tuned.model=base",
+            f"stages.tuned.data={REPO / 'data_cards' / 'movie_review_snippets.yaml'}", "stages.tuned.lora.enabled=true",
+            "stages.tuned.lora.target_modules=[q_proj,v_proj]", "stages.tuned.max_steps=2", "stages.tuned.max_length=32", "stages.tuned.max_train_examples=64",
+            "stages.tuned.max_truncated_fraction=1.0",
+            "stages.tuned.per_device_batch_size=4", "stages.tuned.save_steps=10"]
     r = run_align("run", str(_pipeline(tmp_path, base)), *lora, cwd=tmp_path, timeout=600,
                   env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -185,6 +191,14 @@ def test_lora_adapters_trained_on_the_copy_are_pushed_as_adapters_of_the_base_it
     at_main = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, cache_dir=cache), pushed).eval()
     with torch.no_grad():  # the moved main would have given other logits: the pinned revision was read
         assert not torch.allclose(at_main(ids).logits, b, atol=1e-3)
+    tuned = run / "tuned" / "model"
+    assert json.loads((tuned / "align_adapter.json").read_text())["base_model_revision"] == commit
+    assert json.loads((tuned / "adapter_config.json").read_text()).get("revision") is None  # peft writes none
+    _, api = run_push(run, "tuned", base, monkeypatch)
+    config = json.loads(api.content["adapter_config.json"])
+    assert (config["base_model_name_or_path"], config["revision"]) == (base, commit)
+    assert api.content["adapter_model.safetensors"] == (tuned / "adapter_model.safetensors").read_bytes()
+    assert not (run / "push" / ".hub_folder").exists()
     record = json.loads(before["align_adapter.json"])
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / "align_adapter.json").write_text(json.dumps({**record, "base_model": str(built)}))

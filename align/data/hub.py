@@ -202,3 +202,20 @@ def _remember(hub_id: str, revision: str | None, sha: str) -> None:
                 atomic_write_json(path, {**_known(path), f"{hub_id}@{revision}": sha})
         except OSError:
             pass  # read-only: asked again next time
+
+
+def hub_revision(base_model: str) -> str | None:
+    """The commit of the hub snapshot a hub id was just loaded from (the cache's refs/main, which a download updates
+    first), or None: a local directory or file, or a repository not cached. Recorded where a stage republishes the
+    base (pretrained) or trains adapters of it, so that a push pins the base its adapters load on."""
+    from huggingface_hub import try_to_load_from_cache  # light
+
+    if Path(base_model).exists():
+        return None
+    try:
+        found = try_to_load_from_cache(base_model, "config.json")
+    except ValueError:  # not a repository id (huggingface_hub's HFValidationError)
+        return None
+    parts = Path(found).parts if isinstance(found, str) else ()  # .../models--org--name/snapshots/<commit>/config.json
+    layout = len(parts) >= 4 and parts[-3] == "snapshots" and parts[-4].startswith("models--")
+    return parts[-2] if layout else None

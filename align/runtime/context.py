@@ -315,14 +315,15 @@ class StageContext:
     def write_adapter_base(self, path: Path, peft_model) -> None:
         """Beside a saved adapter: the model it was trained on (as this stage loaded it), its task, and the token ids
         the stage set on the model's config (EOS / PAD / BOS: a chat template's end-of-turn token, a pad token)."""
+        from align.data.hub import hub_revision
         from align.modeling.models import ADAPTER_BASE  # heavy (torch): stage processes only
 
         config = peft_model.peft_config[peft_model.active_adapter]
         task = getattr(config.task_type, "value", config.task_type)
         base = peft_model.get_base_model()
         ids = ("eos_token_id", "pad_token_id", "bos_token_id")
-        record = {"base_model": self.trained_from, "task": task,
-                  "config": {k: getattr(base.config, k, None) for k in ids},
+        record = {"base_model": self.trained_from, "task": task, "config": {k: getattr(base.config, k, None) for k in ids},
+                  "base_model_revision": hub_revision(self.trained_from or "."),  # a hub base's snapshot (None: local)
                   "generation": {k: getattr(getattr(base, "generation_config", None), k, None) for k in ids}}
         (path / ADAPTER_BASE).write_text(json.dumps(record) + "\n")
 

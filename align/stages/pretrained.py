@@ -12,6 +12,7 @@ from typing import Any
 from align import templates
 from align.core import gguf
 from align.core.fsutil import tree_bytes
+from align.data.hub import hub_revision
 from align.modeling.models import fit_model_to_tokenizer, load_causal_lm
 from align.runtime.context import StageContext, StageError, startup_done
 
@@ -35,22 +36,6 @@ def prepared_tokenizer(ctx: StageContext):
                              "(chat_template: null), a template built on its tokens, or an sft stage (model: base), "
                              "which trains them")
     return tok
-
-
-def hub_revision(base_model: str) -> str | None:
-    """The commit of the hub snapshot a hub id was just loaded from (the cache's refs/main, which a download updates
-    first), or None: a local directory or file, or a repository not cached."""
-    from huggingface_hub import try_to_load_from_cache  # light
-
-    if Path(base_model).exists():
-        return None
-    try:
-        found = try_to_load_from_cache(base_model, "config.json")
-    except ValueError:  # not a repository id (huggingface_hub's HFValidationError)
-        return None
-    parts = Path(found).parts if isinstance(found, str) else ()  # .../models--org--name/snapshots/<commit>/config.json
-    layout = len(parts) >= 4 and parts[-3] == "snapshots" and parts[-4].startswith("models--")
-    return parts[-2] if layout else None
 
 
 def run(ctx: StageContext) -> dict[str, Any]:

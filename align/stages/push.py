@@ -48,35 +48,50 @@ def hub_folder(folder: Path, run_dir: Path, base_model: str, scratch: Path) -> t
     a pretrained stage's copy of base_model (the same weights) name that copy, a path in this run, as their base: in
     adapter_config.json (peft's base_model_name_or_path), align_adapter.json and the model card peft wrote (README.md,
     whose `base_model` the hub checks). A pushed repository naming it could not be loaded anywhere else, and the hub
-    refuses the card. Such a folder is staged in `scratch` naming base_model instead (at the hub snapshot the copy was
-    made from, where its manifest records one): those files rewritten, every other file hard-linked (copied across
-    file systems). The copy is found in `run_dir` by its stage's name, so a run directory moved since still pushes;
-    adapters naming any other local path are refused."""
+    refuses the card. Such a folder is staged naming base_model instead, at the hub snapshot the copy was made from
+    (its manifest's record); adapters trained on a hub base itself are staged pinned at the snapshot they trained on
+    (align_adapter.json's record), so peft loads them on that base and not on whatever the hub's main is later. The
+    copy is found in `run_dir` by its stage's name, so a run directory moved since still pushes; adapters naming any
+    other local path are refused."""
     from align.modeling.models import ADAPTER_BASE, adapter_base  # heavy (torch): stage processes only
 
     record = adapter_base(folder)
     named = Path(record["base_model"]) if record is not None else None
-    if named is None or not named.is_absolute():  # whole weights (lora.merge), or adapters of a hub base
+    if named is None:  # whole weights (lora.merge)
         return folder, None
+    if not named.is_absolute():  # adapters of a hub base
+        revision = record.get("base_model_revision")
+        return (_staged(folder, scratch, record, str(named), None, revision) if revision else folder), None
     copy_dir = run_dir / named.parent.name  # the stage directory of the copy, in this run wherever it now lies
     if named.name != "model" or not republishes_base(copy_dir):
         raise StageError(f"{folder / ADAPTER_BASE}: the adapters name {named} as their base, a path on this machine "
                          "and not a pretrained stage's copy of the base model in this run: the pushed repository "
                          f"could not be loaded; set lora.merge: true on the stage that trained them and rerun it")
+    revision = (read_manifest(copy_dir) or {}).get("base_model_revision")
+    return _staged(folder, scratch, record, base_model, str(named), revision), base_model
+
+
+def _staged(folder: Path, scratch: Path, record: dict[str, Any], base: str, local: str | None,
+            revision: str | None) -> Path:
+    """`folder` in `scratch` with its adapters naming `base` (in place of the `local` path, where one is named) at the
+    hub snapshot `revision`: the files that say so rewritten, every other file hard-linked (copied across file
+    systems)."""
+    from align.modeling.models import ADAPTER_BASE  # heavy (torch): stage processes only
+
     shutil.rmtree(scratch, ignore_errors=True)
     shutil.copytree(folder, scratch, copy_function=_link_or_copy)
     config = {**json.loads((folder / "adapter_config.json").read_text(encoding="utf-8")),
-              "base_model_name_or_path": base_model}
-    if revision := (read_manifest(copy_dir) or {}).get("base_model_revision"):
-        config["revision"] = revision  # the hub snapshot the copy was made from: peft loads the base at it
+              "base_model_name_or_path": base}
+    if revision:
+        config["revision"] = revision  # peft loads the base at it
     rewritten = {"adapter_config.json": json.dumps(config, indent=2) + "\n",
-                 ADAPTER_BASE: json.dumps({**record, "base_model": base_model}) + "\n"}
-    if (folder / "README.md").is_file():
-        rewritten["README.md"] = card_naming((folder / "README.md").read_text(encoding="utf-8"), str(named), base_model)
+                 ADAPTER_BASE: json.dumps({**record, "base_model": base}) + "\n"}
+    if local is not None and (folder / "README.md").is_file():
+        rewritten["README.md"] = card_naming((folder / "README.md").read_text(encoding="utf-8"), local, base)
     for name, text in rewritten.items():
         (scratch / name).unlink()  # a hard link: writing through it would change the run's own model/
         (scratch / name).write_text(text, encoding="utf-8")
-    return scratch, base_model
+    return scratch
 
 
 def card_naming(text: str, path: str, base_model: str) -> str:
