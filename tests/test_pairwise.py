@@ -518,3 +518,29 @@ def test_a_local_judge_leaves_a_judging_prompt_past_its_positions_unjudged_and_s
     assert isinstance(answers[1], Refused) and TOO_LONG in answers[1] and "(64 positions)" in answers[1]
     assert not isinstance(answers[0], Refused) and answers[0] == answers[2]  # greedy, the same prompt
     assert backend.requests == 2
+
+
+def test_a_local_model_stamp_sees_new_weights_whose_first_and_last_mib_are_the_old_ones(tmp_path):
+    """safetensors stores tensors in name order: a merged MLP-only LoRA written over a local base changed neither the
+    first MiB (header, embeddings) nor the last (the last layer's attention), and the stamp of size and both ends
+    said the base was the same, so every stage from it was skipped as up to date."""
+    import random
+
+    from align.core.fsutil import stamp, tree_stamp
+
+    seed = 17
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    model = tmp_path / "base"
+    model.mkdir()
+    weights = bytearray(rng.randbytes(24 << 20))
+    (model / "model.safetensors").write_bytes(weights)
+    before = tree_stamp(model), stamp(model / "model.safetensors")
+    for offset in (5 << 20, 12 << 20, 20 << 20):  # three ~100 KiB tensors in the middle, rewritten
+        weights[offset:offset + (100 << 10)] = rng.randbytes(100 << 10)
+    (model / "model.safetensors").write_bytes(weights)
+    assert weights[:1 << 20] == (model / "model.safetensors").read_bytes()[:1 << 20]
+    after = tree_stamp(model), stamp(model / "model.safetensors")
+    assert after[0] != before[0] and after[1] != before[1]
+    (model / "model.safetensors").write_bytes(weights)  # the same bytes again (a copy): the same stamp
+    assert (tree_stamp(model), stamp(model / "model.safetensors")) == after

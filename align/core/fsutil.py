@@ -220,12 +220,23 @@ def stamp(path: str | Path) -> str | None:
     return h.hexdigest()[:20]
 
 
+SAMPLES = 64
+"""Blocks of 64 KiB read at even steps between a file's first and last MiB (4 MiB in all, whatever its size)."""
+
+
 def _sample(p: Path, name: str, h) -> None:
-    """A file's name, size, and first and last MiB into `h`."""
+    """A file's name, size, first and last MiB, and SAMPLES blocks between them into `h`. The ends alone missed new
+    weights at the same path whose ends were the old ones: safetensors stores tensors in name order, so a file's
+    first MiB is its header and embeddings and its last the last layer's attention, which a merged MLP-only LoRA, or a
+    fine-tune with frozen embeddings and attention, leaves as they were."""
     size = p.stat().st_size
     h.update(f"{name}\0{size}\0".encode())
     with open(p, "rb") as fh:
         h.update(fh.read(1 << 20))
+        inner = size - (2 << 20)
+        for i in range(SAMPLES if inner > 0 else 0):
+            fh.seek((1 << 20) + inner * i // SAMPLES)
+            h.update(fh.read(64 << 10))
         if size > 1 << 20:
             fh.seek(max(1 << 20, size - (1 << 20)))
             h.update(fh.read(1 << 20))
@@ -233,9 +244,9 @@ def _sample(p: Path, name: str, h) -> None:
 
 def tree_stamp(root: str | Path) -> str:
     """What identifies a directory's files without reading all of them (a local model named in a setting, e.g. a
-    pairwise judge's): a hash over every file's relative name, size, and first and last MiB. The same on every node
-    that holds a copy (no inode or time in it: a multi-node stage's fingerprint must agree), and new weights at the
-    same path change it (training changes the values at both ends of a weights file, not only in its middle)."""
+    pairwise judge's): a hash over every file's relative name, size, first and last MiB and blocks sampled between
+    (`_sample`). The same on every node that holds a copy (no inode or time in it: a multi-node stage's fingerprint
+    must agree), and new weights at the same path change it."""
     root = Path(root)
     h = hashlib.sha256()
     for p in sorted(q for q in root.rglob("*") if q.is_file()):
