@@ -9,7 +9,7 @@ under each parallelism mode. The parts, all per GPU, with N = GPUs in the job:
   ZeRO-2 2P + 18P/N, ZeRO-3 4L + 18P/N, ZeRO-3 with optimizer and parameter offload 4L (L = the largest layer's
   parameters, gathered whole). DeepSpeed has none for plain data parallel and ZeRO-1; those follow the ZeRO paper
   (Rajbhandari et al. 2020, section 3.1, K = 12) with what it leaves out: DDP 20P (its gradient buckets, a second
-  fp32 copy of the gradients), ZeRO-1 4P + 16P/N (the fp32 gradient partition, as DeepSpeed counts it for ZeRO-2).
+  fp32 copy of the gradients; 16P on one GPU, where nothing wraps the model), ZeRO-1 4P + 16P/N (the fp32 gradient partition, as DeepSpeed counts it for ZeRO-2).
 * frozen models (reference, reward model) in the pipeline dtype: whole on every GPU, except under ZeRO-3 where
   those DeepSpeed prepares are sharded like the trained ones (bytes x P / N plus one gathered layer), or offloaded
   (one layer); a stage type says which it holds whole (`HeldModel.sharded`: e.g. GRPO's reward model, called from a

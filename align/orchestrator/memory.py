@@ -135,10 +135,11 @@ def model_state_bytes(mode: str, params: int, largest_layer: int, gpus: int) -> 
     parameters, 18 of 16-bit and 32-bit gradients, 32-bit master weights and Adam moments), written out here
     because importing DeepSpeed imports torch, which the orchestrator never does; tests/test_estimate.py holds
     them equal to DeepSpeed's functions. DDP: the ZeRO paper's 16 bytes (K = 12) plus DDP's gradient buckets, a
-    second fp32 copy of the gradients (accelerate's default gradient_as_bucket_view=False): 20. ZeRO-1 by the same
-    accounting as DeepSpeed's ZeRO-2 (its fp32 gradient partition included): 4P + 16P/N."""
+    second fp32 copy of the gradients (accelerate's default gradient_as_bucket_view=False): 20; on one GPU nothing
+    wraps the model in DDP (accelerate's DistributedType.NO): 16. ZeRO-1 by the same accounting as DeepSpeed's ZeRO-2
+    (its fp32 gradient partition included): 4P + 16P/N."""
     if mode == "ddp":
-        return 20 * params
+        return (20 if gpus > 1 else 16) * params
     if mode == "zero1":
         return 4 * params + int(16 * params / gpus)
     if mode == "zero2":
