@@ -115,7 +115,7 @@ def test_older_checkpoints_go_only_after_every_process_wrote_the_newest_and_it_r
     process still writing its shard, or a power loss before the page cache was written, left a torn newest and no
     whole one. Now every process waits, each node's first process fsyncs the newest, all wait, then the main one
     rotates (by step) and syncs the directory."""
-    import align.runtime.trl as trl
+    import align.runtime.resume as resume
 
     events: list = []
     for step in (2, 10, 6):
@@ -124,9 +124,9 @@ def test_older_checkpoints_go_only_after_every_process_wrote_the_newest_and_it_r
     (tmp_path / "checkpoint-notes.txt").write_text("a user's file: neither a checkpoint nor removed\n")
     state = SimpleNamespace(wait_for_everyone=lambda: events.append("wait"), is_local_main_process=local_main,
                             is_main_process=main)
-    monkeypatch.setattr(trl, "fsync_tree", lambda root: events.append(
+    monkeypatch.setattr(resume, "fsync_tree", lambda root: events.append(
         ("fsync", root.name, sorted(p.name for p in tmp_path.iterdir()))))
-    callback = trl.durable_checkpoints(SimpleNamespace(state=state), keep=2)
+    callback = resume.durable_checkpoints(SimpleNamespace(state=state), keep=2)
     callback.on_save(SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(global_step=10), None)
     every = ["checkpoint-10", "checkpoint-2", "checkpoint-6", "checkpoint-notes.txt"]
     assert events == ["wait"] + ([("fsync", "checkpoint-10", every)] if local_main else []) + ["wait"]
@@ -276,6 +276,7 @@ def test_a_resume_from_the_last_checkpoint_trains_no_step_past_max_steps_and_kee
         name, is_main = "sft", True
         cfg = SimpleNamespace(save_total_limit=2)
         state = SimpleNamespace(wait_for_everyone=lambda: None, is_local_main_process=True, is_main_process=True)
+        pipeline = SimpleNamespace(keep_checkpoints=True)
 
         def __init__(self, ckpt):
             self.dir, self.extra_manifest, self.ckpt = tmp_path, {}, ckpt
@@ -297,6 +298,29 @@ def test_a_resume_from_the_last_checkpoint_trains_no_step_past_max_steps_and_kee
         assert final["train/loss_final_avg"] == pytest.approx(first["train/loss_final_avg"], rel=1e-5), step
         for k, v in again.model.state_dict().items():
             torch.testing.assert_close(v, weights[k], rtol=1e-5, atol=1e-6, msg=f"{k} after resuming at {step}")
+
+
+def test_a_stage_that_drops_its_checkpoints_writes_no_final_one(tmp_path):
+    """transformers saves a checkpoint at max_steps whatever save_steps says; with `keep_checkpoints: false` the stage
+    deletes it as soon as it has published (at 8B: ~130 GB of weights and Adam states written, synced, deleted).
+    Now it is not written; the checkpoints before it are, and the run's weights and loss are the same."""
+    from align.runtime.trl import train_with_resume
+
+    print(f"seed {SEED}")
+    ran = {}
+    for keep in (True, False):
+        ctx = SimpleNamespace(name="sft", is_main=True, cfg=SimpleNamespace(save_total_limit=5), dir=tmp_path,
+                              extra_manifest={}, last_checkpoint=lambda: None,
+                              pipeline=SimpleNamespace(keep_checkpoints=keep),
+                              state=SimpleNamespace(wait_for_everyone=lambda: None, is_local_main_process=True,
+                                                    is_main_process=True))
+        trainer = _tiny_trainer(tmp_path / str(keep), log=2)  # saves every 2 steps of 3
+        ran[keep] = train_with_resume(ctx, trainer)["train/loss_final_avg"], trainer.model.state_dict()
+        saved = sorted(p.name for p in (tmp_path / str(keep)).glob("checkpoint-*"))
+        assert saved == (["checkpoint-2", "checkpoint-3"] if keep else ["checkpoint-2"]), (keep, saved)
+    assert ran[True][0] == pytest.approx(ran[False][0], rel=1e-6)
+    for k, v in ran[True][1].items():
+        torch.testing.assert_close(v, ran[False][1][k])
 
 
 def test_a_stage_without_its_headline_metrics_shows_its_training_loss():

@@ -74,9 +74,9 @@ def test_a_stage_whose_epochs_give_one_step_is_refused_before_it_trains(tmp_path
     from transformers import TrainerState, TrainingArguments
 
     from align.runtime.context import StageError
-    from align.runtime.trl import _stop_at_max_steps
+    from align.runtime.resume import stop_at_max_steps
 
-    callback = _stop_at_max_steps("dpo")
+    callback = stop_at_max_steps("dpo")
     for scheduler, steps, refuses in (("cosine", 1, True), ("cosine", 2, False), ("constant", 1, False),
                                       ("linear", 19, False)):
         args = TrainingArguments(output_dir=str(tmp_path), warmup_steps=0.05, lr_scheduler_type=scheduler,
