@@ -107,6 +107,8 @@ def worker(args) -> dict:
     logprobs = step()  # untimed (first-call costs), but its memory counts: gradients are allocated here
     seconds = []
     for _ in range(args.steps):
+        if device.type == "cuda":  # the warm-up's (or the last pass's) queued kernels finish outside the timing
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         step()
         if device.type == "cuda":

@@ -28,9 +28,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # What the image lacks (../shared/notes/gpu-lease.md), wandb left out (the proof runs with tracking.wandb=disabled);
-# pydantic and hjson are DeepSpeed's, typing_extensions pydantic's newer floor.
-WHEELS="transformers==5.24.0 trl==1.16.0 peft==0.21.2 datasets==5.2.0 vaderSentiment==3.3.2 dill multiprocess
-liger-kernel==0.8.5 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection typing_extensions hjson"
+# pydantic and hjson are DeepSpeed's, typing_extensions pydantic's newer floor. Every one pinned as .venv has it:
+# installed with --no-deps, a newer dill or multiprocess than datasets 5.2 allows (dill<0.4.2, multiprocess<0.70.20)
+# would break `import datasets` in every TRL stage, found only on the lent GPU.
+WHEELS="transformers==5.24.0 trl==1.16.0 peft==0.21.2 datasets==5.2.0 vaderSentiment==3.3.2 dill==0.4.1
+multiprocess==0.70.19 liger-kernel==0.8.5 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
+typing-inspection==0.4.5 typing_extensions==4.16.0 hjson==3.1.0"
 if [[ "${1:-}" == "--print-downloads" ]]; then
   echo "echo /.whl/ >> .git/info/exclude"
   echo "python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp" \

@@ -152,6 +152,9 @@ def test_gpu_proof_script_runs_end_to_end_in_its_cpu_dry_run(tmp_path):
     lines = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_proof.sh"), "--print-downloads"], cwd=REPO,
                            capture_output=True, text=True, timeout=60).stdout
     assert "pip download" in lines and "trl==1.16.0" in lines and "deepspeed==0.19.8" in lines
+    carried = next(line for line in lines.splitlines() if "pip download" in line).split("-d .whl")[1].split()
+    assert {"dill==0.4.1", "multiprocess==0.70.19"} <= set(carried)  # what datasets 5.2 allows (--no-deps)
+    assert all("==" in wheel for wheel in carried), carried  # none drifts with PyPI before a lease
     proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_proof.sh"), "--dry-run", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=1200,
                           env={**__import__("os").environ, "PYTHON": sys.executable})
