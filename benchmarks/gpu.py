@@ -112,8 +112,10 @@ def build_base(out: Path, shrink: dict[str, int], seed: int, config_dir: Path | 
 
 def pipeline_yaml(out: Path, base: Path, s: dict, precision: str = "auto", attn: str = "auto",
                   packed: bool = False) -> Path:
-    """The benchmark pipeline. No stage writes a checkpoint (at 1B each is ~15 GB: a lent GPU's lease spent writing
-    it), and none would be kept once its stage completes; SFT takes as many examples as its steps' rows need, all of
+    """The benchmark pipeline. No stage writes a checkpoint before its last step (at 1B each is ~13 GB: a lent GPU's
+    lease spent writing it), and none is kept once its stage completes; transformers still saves one at a TRL
+    stage's last step whatever save_steps says (outside the step timing, inside the lease's time), which align keeps
+    so that a kill during the evaluation that follows resumes with nothing to retrain. SFT takes as many examples as its steps' rows need, all of
     them when packed (a row of 2,048 tokens holds ~80 reviews). DPO comes third in the file, so third in the run (ties
     keep file order): a benchmark stopped at its deadline has SFT's and DPO's figures, the two the 35% MFU goal
     names, before reward's, PPO's and evaluate's."""

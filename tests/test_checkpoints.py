@@ -300,29 +300,6 @@ def test_a_resume_from_the_last_checkpoint_trains_no_step_past_max_steps_and_kee
             torch.testing.assert_close(v, weights[k], rtol=1e-5, atol=1e-6, msg=f"{k} after resuming at {step}")
 
 
-def test_a_stage_that_drops_its_checkpoints_writes_no_final_one(tmp_path):
-    """transformers saves a checkpoint at max_steps whatever save_steps says; with `keep_checkpoints: false` the stage
-    deletes it as soon as it has published (at 8B: ~130 GB of weights and Adam states written, synced, deleted).
-    Now it is not written; the checkpoints before it are, and the run's weights and loss are the same."""
-    from align.runtime.trl import train_with_resume
-
-    print(f"seed {SEED}")
-    ran = {}
-    for keep in (True, False):
-        ctx = SimpleNamespace(name="sft", is_main=True, cfg=SimpleNamespace(save_total_limit=5), dir=tmp_path,
-                              extra_manifest={}, last_checkpoint=lambda: None,
-                              pipeline=SimpleNamespace(keep_checkpoints=keep),
-                              state=SimpleNamespace(wait_for_everyone=lambda: None, is_local_main_process=True,
-                                                    is_main_process=True))
-        trainer = _tiny_trainer(tmp_path / str(keep), log=2)  # saves every 2 steps of 3
-        ran[keep] = train_with_resume(ctx, trainer)["train/loss_final_avg"], trainer.model.state_dict()
-        saved = sorted(p.name for p in (tmp_path / str(keep)).glob("checkpoint-*"))
-        assert saved == (["checkpoint-2", "checkpoint-3"] if keep else ["checkpoint-2"]), (keep, saved)
-    assert ran[True][0] == pytest.approx(ran[False][0], rel=1e-6)
-    for k, v in ran[True][1].items():
-        torch.testing.assert_close(v, ran[False][1][k])
-
-
 def test_a_stage_without_its_headline_metrics_shows_its_training_loss():
     """A DPO stage with no eval split had an empty headline in `align run` and `align status`."""
     from align.config import stage_types

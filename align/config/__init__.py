@@ -106,8 +106,7 @@ class PipelineConfig:
     """Keep a stage's training checkpoints (`checkpoints/` in its run directory) once it has completed. They serve
     only to resume an interrupted attempt; false removes them when the stage completes (at 8B a ZeRO-3 checkpoint
     with its optimiser state is about 14 bytes a trained parameter for a TRL stage, ~112 GB for SFT, and 12 for PPO,
-    ~186 GB for its policy and value: align/orchestrator/disk.py), and a TRL stage then writes no checkpoint at its
-    last step (it would be removed as soon as the model is published)."""
+    ~186 GB for its policy and value: align/orchestrator/disk.py)."""
     tracking: Tracking = field(default_factory=Tracking)
     """W&B settings."""
     stages: dict[str, StageBase] = field(default_factory=dict)

@@ -1,6 +1,5 @@
-"""Resumable TRL training: checkpoints made durable before older ones go (and none written that the stage would
-delete at once), a resume that trains no step past max_steps, and the whole run's loss across a resume
-(align/runtime/trl.py `train_with_resume`)."""
+"""Resumable TRL training: checkpoints made durable before older ones go, a resume that trains no step past
+max_steps, and the whole run's loss across a resume (align/runtime/trl.py `train_with_resume`)."""
 
 from __future__ import annotations
 
@@ -18,18 +17,10 @@ def durable_checkpoints(ctx: StageContext, keep: int):
     process fsync the new checkpoint, and only then has the main process remove all but the newest `keep`
     (the stage's save_total_limit). transformers rotated right after its own writes: a process still writing its
     optimizer shard or RNG state, or a power loss before the page cache reached the disk, left the newest torn and
-    the whole one before it gone (align/core/rundir.py `choose_checkpoint` resumes from what is left). With
-    `keep_checkpoints: false` the final checkpoint transformers saves at max_steps whatever save_steps says is not
-    written: the stage publishes its model next and then removes its checkpoints (an 8B stage's weights and Adam
-    states, ~130 GB, were written, synced and deleted); killed in between, it resumes from the one before."""
+    the whole one before it gone (align/core/rundir.py `choose_checkpoint` resumes from what is left)."""
     from transformers import TrainerCallback  # heavy: stage processes only
 
     class DurableCheckpoints(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if not ctx.pipeline.keep_checkpoints and 0 < state.max_steps <= state.global_step:
-                control.should_save = False
-            return control
-
         def on_save(self, args, state, control, **kwargs):
             newest = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             ctx.state.wait_for_everyone()
