@@ -6,6 +6,7 @@ or failed late; each is now refused up front naming the flag or file and the fix
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import pytest
@@ -68,6 +69,48 @@ def test_the_gpus_counted_are_those_cuda_would_use(visible, expected, monkeypatc
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     assert len(hardware.detected_gpus()) == expected
+
+
+@pytest.mark.parametrize("after", ["sigterm", "disk"])
+def test_a_stage_stopped_or_failing_after_it_completed_stays_completed(tmp_path, monkeypatch, capsys, after):
+    """A SIGTERM (a scheduler, the launcher stopping the workers) or an I/O error while a completed stage dropped its
+    checkpoints or left the process group rewrote its manifest as interrupted or failed, without outputs: the next
+    run resumed it from checkpoints half removed (keep_checkpoints: false), or retrained it from step 0."""
+    from align.core.errors import Terminated
+    from align.runtime import process
+
+    recorded = []
+    ctx = type("Ctx", (), {"tracker": None, "dir": tmp_path, "is_main": True, "completed": False,
+                           "write_manifest": lambda self, status, **kw: recorded.append(status)})()
+    monkeypatch.setattr(process, "StageContext", lambda spec: ctx)
+    monkeypatch.setattr(process.StageSpec, "parse", staticmethod(lambda raw, path: raw))
+    for name in ("die_with_parent", "pin_to_run", "long_group_timeouts", "quiet_libraries", "terminate_as_interrupt"):
+        monkeypatch.setattr(process, name, lambda: None)
+
+    def completing(ctx):
+        ctx.write_manifest("completed")
+        ctx.completed = True  # as _run marks it right after that write
+        raise Terminated("SIGTERM") if after == "sigterm" else OSError(28, "No space left on device")
+
+    monkeypatch.setattr(process, "_run", completing)
+    monkeypatch.setattr(signal, "signal", lambda sig, handler: None)  # the interrupt path ignores SIGINT and SIGTERM
+    # while it records: not in the test process
+    spec = tmp_path / "spec.json"
+    spec.write_text('{"stage_name": "sft"}')
+    try:
+        code = process.main(str(spec))
+    finally:
+        __import__("gc").enable()
+    assert code == (143 if after == "sigterm" else 2)
+    assert recorded == ["completed"]  # nothing after it
+    assert "its manifest stays completed, and the next run skips it" in capsys.readouterr().err
+    ctx.completed, recorded[:] = False, []  # the same stop before completion: recorded, resumable
+    monkeypatch.setattr(process, "_run", lambda ctx: (_ for _ in ()).throw(Terminated("SIGTERM")))
+    try:
+        assert process.main(str(spec)) == 143
+    finally:
+        __import__("gc").enable()
+    assert recorded == ["interrupted"]
 
 
 def test_a_stage_whose_runner_is_gone_is_recorded_interrupted_not_failed(tmp_path, monkeypatch):

@@ -85,6 +85,7 @@ class StageContext:
                                                    if spec.chat_template else None)
         self.tracker: Tracker | None = None
         self.extra_manifest: dict[str, Any] = {}
+        self.completed = False  # the manifest says completed: nothing after it may undo that (align/runtime/process.py)
         self.trained_from: str | None = None  # what the stage's trained model was loaded from (a LoRA adapter's base)
         self.trained_vocab = 0  # its embedding rows when loaded (a template that adds tokens grows them)
         self._resume_from: tuple[str | None] | None = None  # last_checkpoint's choice, made once

@@ -105,9 +105,9 @@ def main(spec_path: str) -> int:
             print(f"align: error: stage '{spec.get('stage_name', spec_path)}': {other}"
                   + _record_failure(ctx, spec, other), file=sys.stderr, flush=True)
             return 2
-        _record_failure(ctx, spec, interrupt_cause(exc), status="interrupted")
+        recorded = _record_failure(ctx, spec, interrupt_cause(exc), status="interrupted")
         print(f"align: stage '{spec.get('stage_name', spec_path)}' {'stopped by SIGTERM' if terminated else 'interrupted'}"
-              "; its last checkpoint is kept and the next `align run` resumes from it", file=sys.stderr, flush=True)
+              + _after_stop(ctx, recorded), file=sys.stderr, flush=True)
         return 143 if terminated else 130
     except Exception as exc:
         message = write_failure(exc, ctx.dir if ctx else Path(spec_path).parent)
@@ -125,6 +125,14 @@ def main(spec_path: str) -> int:
         raise
 
 
+
+
+def _after_stop(ctx: StageContext | None, recorded: str) -> str:
+    """The end of a stopped stage's last line: it had completed (`recorded` says the manifest stays so), or it
+    resumes."""
+    if getattr(ctx, "completed", False):
+        return recorded
+    return "; its last checkpoint is kept and the next `align run` resumes from it"
 
 
 def output_gone(stream) -> bool:
@@ -210,6 +218,7 @@ def _run(ctx: StageContext) -> None:
         ctx.tracker.summary(final)
     wandb_info = ctx.tracker.finish() if ctx.tracker else {}
     ctx.write_manifest("completed", final_metrics=final, outputs=module.OUTPUTS, wandb=wandb_info)
+    ctx.completed = True
     drop_checkpoints(ctx)
     if ctx.is_main:
         print(f"[align] {ctx.name}: completed " + ", ".join(f"{k}={_fmt(v)}" for k, v in final.items()
@@ -270,6 +279,9 @@ def _record_failure(ctx: StageContext | None, spec: dict[str, Any], message: str
     """Write `failed` (or `interrupted`) with the error into the manifest; returns where it went (or why it
     could not). Either status resumes from the stage's last checkpoint on the next run of the same config. A
     process other than the main one records its failure for the main one (FAILED_RANK)."""
+    if getattr(ctx, "completed", False):  # a teardown stopped or failing after completion (dropping checkpoints, the
+        # process group's last barrier) must not turn the stage back into one to resume, its checkpoints maybe gone
+        return "\n  (after the stage had completed: its manifest stays completed, and the next run skips it)"
     trace = traceback.format_exc(limit=20)
     if ctx is not None and not ctx.is_main and status == "failed":
         try:
