@@ -27,7 +27,7 @@ def _checkpoint(root, world: int, rng: bool = True):
 
 
 def test_a_checkpoint_is_whole_only_with_every_process_rng_state_whole(tmp_path):
-    from align.core.rundir import torn_rng_states
+    from align.core.checkpoints import torn_rng_states
 
     random.seed(SEED)
     print(f"seed {SEED}")
@@ -60,7 +60,7 @@ def _series(root, steps_and_faults: list[tuple[int, str]], world: int = 2):
 def test_the_newest_whole_checkpoint_is_chosen_and_a_torn_newest_one_only_repaired_when_nothing_else_is_left(tmp_path):
     import logging
 
-    from align.core.rundir import choose_checkpoint
+    from align.core.checkpoints import choose_checkpoint
 
     random.seed(SEED)
     log = logging.getLogger("test")
@@ -78,6 +78,29 @@ def test_the_newest_whole_checkpoint_is_chosen_and_a_torn_newest_one_only_repair
     assert choose_checkpoint(tmp_path / "none", 2, log) is None
 
 
+def test_a_newer_checkpoint_not_yet_marked_durable_is_passed_over_for_the_newest_marked_one(tmp_path):
+    """A node lost after a checkpoint's trainer_state.json was written but before every process's files were synced
+    can come back with that checkpoint's weights short: it parsed, was chosen, failed to load, and every rerun chose
+    it again. The newest checkpoint marked DURABLE (every file synced) is chosen instead; checkpoints from before
+    the marker existed (none marked) are chosen as they were."""
+    import logging
+
+    from align.core.checkpoints import DURABLE, choose_checkpoint
+
+    random.seed(SEED)
+    print(f"seed {SEED}")
+    _series(tmp_path, [(2, ""), (4, ""), (6, "")])
+    for step in (2, 4, 6):
+        (tmp_path / f"checkpoint-{step}" / "model.safetensors").write_bytes(b"w" * (16 if step < 6 else 3))
+    unmarked = tmp_path / "unmarked"
+    shutil.copytree(tmp_path, unmarked)
+    assert choose_checkpoint(unmarked, 2, logging.getLogger("test")) == unmarked / "checkpoint-6"  # as before
+    (tmp_path / "checkpoint-2" / DURABLE).write_text("")
+    (tmp_path / "checkpoint-4" / DURABLE).write_text("")
+    assert choose_checkpoint(tmp_path, 2, logging.getLogger("test")) == tmp_path / "checkpoint-4"
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+
+
 def test_an_older_checkpoint_whose_removal_was_cut_short_is_not_chosen_over_the_newest(tmp_path):
     """save_total_limit 1, 2 processes: transformers' rotation removes checkpoint-2 right after checkpoint-4's trainer
     state, before rank 1 wrote checkpoint-4's RNG state. Killed then, checkpoint-2 still parsed and had its RNG
@@ -85,7 +108,7 @@ def test_an_older_checkpoint_whose_removal_was_cut_short_is_not_chosen_over_the_
     failed, or one without optimizer.pt trained on with a fresh optimizer. Now checkpoint-4 resumes."""
     import logging
 
-    from align.core.rundir import choose_checkpoint
+    from align.core.checkpoints import choose_checkpoint
 
     random.seed(SEED)
     print(f"seed {SEED}")
@@ -132,6 +155,7 @@ def test_older_checkpoints_go_only_after_every_process_wrote_the_newest_and_it_r
     assert events == ["wait"] + ([("fsync", "checkpoint-10", every)] if local_main else []) + ["wait"]
     kept = ["checkpoint-10", "checkpoint-6", "checkpoint-notes.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == (kept if main else every)
+    assert (tmp_path / "checkpoint-10" / "DURABLE").is_file() == main  # after every node synced it
 
 
 def _stub(tmp_path, old: dict, now: dict):
@@ -362,7 +386,7 @@ def test_a_ppo_checkpoint_reaches_the_disk_before_it_is_marked_and_before_older_
         assert events.index("all saved") < events.index(f"fsync {name}") < marked  # process 1's file too
     assert events.index("fsync checkpoints") < events.index("remove iter-1")
     assert sorted(p.name for p in ctx.checkpoints.iterdir()) == ["iter-2", "iter-2.bak", "iter-3", "iter-notes.txt"]
-    from align.core.rundir import step_checkpoints
+    from align.core.checkpoints import step_checkpoints
 
     assert [p.name for p in step_checkpoints(ctx.checkpoints, "iter-")] == ["iter-2", "iter-3"]  # what resume reads
 
@@ -373,7 +397,7 @@ def test_a_checkpoint_directory_not_named_by_a_step_is_left_alone_by_resume_and_
     as transformers' own `get_last_checkpoint` reads it: resume picks the newest step, rotation keeps it."""
     import logging
 
-    from align.core.rundir import choose_checkpoint, rotate_checkpoints
+    from align.core.checkpoints import choose_checkpoint, rotate_checkpoints
 
     random.seed(SEED)
     print(f"seed {SEED}")

@@ -27,7 +27,8 @@ from align.config import PipelineConfig, StageBase, from_dict, stage_from_dict
 from align.core.console import emit_progress
 from align.core.fsutil import (atomic_write_text, disk_full, output_digest, publish_dir, staging_dir, staging_path,
                           tree_bytes)
-from align.core.rundir import Manifest, StageSpec, choose_checkpoint, read_manifest, step_checkpoints, write_manifest
+from align.core.checkpoints import choose_checkpoint, step_checkpoints
+from align.core.rundir import Manifest, StageSpec, read_manifest, write_manifest
 from align.templates import ChatTemplate
 from align.core.tracking import Tracker, sweep_config
 
@@ -219,7 +220,7 @@ class StageContext:
             f"the number of GPUs and nodes it had), or delete {self.checkpoints} to start the stage over")
 
     def last_checkpoint(self) -> str | None:
-        """The Trainer checkpoint of this fingerprint to resume from (`rundir.choose_checkpoint`: the newest whole
+        """The Trainer checkpoint of this fingerprint to resume from (`checkpoints.choose_checkpoint`: the newest whole
         one; one killed mid-write is removed rather than resumed from). The main process chooses and tells the others
         (on a shared filesystem another node's listing may lag a deletion or a new checkpoint); once per attempt (a
         stage with an engine seeds it by the step before its trainer resumes)."""

@@ -8,16 +8,16 @@ from typing import Any
 
 from align.config.settings import warmup_steps
 from align.core.fsutil import fsync_dir, fsync_tree
-from align.core.rundir import rotate_checkpoints
+from align.core.checkpoints import mark_durable, rotate_checkpoints
 from align.runtime.context import StageContext, StageError
 
 
 def durable_checkpoints(ctx: StageContext, keep: int):
     """A TrainerCallback that, after each checkpoint save, waits for every process's files, has each node's first
-    process fsync the new checkpoint, and only then has the main process remove all but the newest `keep`
-    (the stage's save_total_limit). transformers rotated right after its own writes: a process still writing its
+    process fsync the new checkpoint, and only then has the main process mark it DURABLE and remove all but the
+    newest `keep` (the stage's save_total_limit). transformers rotated right after its own writes: a process still writing its
     optimizer shard or RNG state, or a power loss before the page cache reached the disk, left the newest torn and
-    the whole one before it gone (align/core/rundir.py `choose_checkpoint` resumes from what is left)."""
+    the whole one before it gone (align/core/checkpoints.py `choose_checkpoint` resumes from what is left)."""
     from transformers import TrainerCallback  # heavy: stage processes only
 
     class DurableCheckpoints(TrainerCallback):
@@ -29,6 +29,8 @@ def durable_checkpoints(ctx: StageContext, keep: int):
                 fsync_dir(newest.parent)  # its name too, before any older one goes
             ctx.state.wait_for_everyone()
             if ctx.state.is_main_process:
+                if newest.is_dir():
+                    mark_durable(newest)
                 rotate_checkpoints(Path(args.output_dir), keep)
 
     return DurableCheckpoints()

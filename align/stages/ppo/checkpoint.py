@@ -13,7 +13,7 @@ import shutil
 from typing import Any
 
 from align.core.fsutil import atomic_write_text, fsync_dir, fsync_tree
-from align.core.rundir import step_checkpoints
+from align.core.checkpoints import step_checkpoints
 from align.core.tracking import keep_metrics_until, table_file
 from align.runtime.context import StageContext
 
