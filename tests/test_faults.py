@@ -467,6 +467,31 @@ def test_a_published_output_is_as_readable_as_the_umask_allows(tmp_path, umask, 
     assert set(modes) >= {"model.safetensors", "config.json", "extra.bin"} and set(modes.values()) == {mode}, modes
 
 
+def test_a_signal_between_the_two_renames_of_a_publication_puts_the_old_output_back(tmp_path, monkeypatch):
+    """SIGTERM arrives as an exception: raised right after the old output was renamed aside and before the new one
+    was renamed in, it left no output at all (the stage's handler then removed the staging directory)."""
+    from align.core import fsutil
+    from align.core.errors import Terminated
+
+    final = tmp_path / "model"
+    final.mkdir()
+    (final / "weights").write_text("old")
+    tmp = fsutil.staging_dir(final)
+    (tmp / "weights").write_text("new")
+    real, calls = os.replace, []
+
+    def replace(src, dst):
+        real(src, dst)
+        calls.append(Path(dst).name)
+        if len(calls) == 1:  # the old output is aside now: the signal lands here
+            raise Terminated("SIGTERM")
+
+    monkeypatch.setattr(fsutil.os, "replace", replace)
+    with pytest.raises(Terminated):
+        fsutil.publish_dir(tmp, final)
+    assert (final / "weights").read_text() == "old" and not tmp.exists()
+
+
 def test_a_report_of_a_run_whose_pipeline_file_moved_says_how_to_rebuild_it(tmp_path):
     """`align report` of a run whose pipeline file is gone said so and stopped there: it names the fix."""
     from align.core.errors import PipelineError

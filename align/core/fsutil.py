@@ -119,8 +119,8 @@ def staging_dir(final: str | Path) -> Path:
 def publish_dir(tmp: str | Path, final: str | Path) -> None:
     """Make the fully written `tmp` visible as `final` (replacing an older `final`) by renames only.
 
-    A kill at any point leaves either the old complete `final`, no `final`, or the new complete one;
-    never a partial directory under the final name.
+    A kill at any point leaves either the old complete `final`, no `final` (SIGKILL between the renames: the old one
+    is `.<name>.old`), or the new complete one; never a partial directory under the final name.
     """
     tmp, final = Path(tmp), Path(final)
     try:
@@ -133,9 +133,9 @@ def publish_dir(tmp: str | Path, final: str | Path) -> None:
     old = final.with_name(f".{final.name}.old")
     if old.exists():
         shutil.rmtree(old)
-    if final.exists():
-        os.replace(final, old)
-    try:
+    try:  # a signal right after the first rename (SIGTERM is raised as an exception) puts the old output back too
+        if final.exists():
+            os.replace(final, old)
         os.replace(tmp, final)
     except BaseException:
         if old.exists() and not final.exists():
