@@ -122,3 +122,56 @@ def test_a_stage_started_fresh_is_held_from_its_first_instant_not_once_its_impor
     finally:
         proc.kill()
         proc.wait()
+
+
+def _beating(run, host, age):
+    """A holder record of `host` whose last heartbeat was `age` seconds ago."""
+    import time
+
+    (run / runlock.LOCK_FILE).write_text(json.dumps({"pid": 4242, "host": host, "since": "2026-12-02T06:00:00+0000",
+                                                     "beat": int(time.time() - age)}))
+
+
+def test_a_runner_on_another_node_holds_by_its_heartbeat_where_flock_does_not_reach_across_nodes(tmp_path):
+    """Lustre mounted localflock, or BeeGFS without global locks: flock succeeds on every node, so a second runner on
+    another node took the lock over from a live one ("no longer running") and both trained into one run directory.
+    A record of another host whose heartbeat is recent now holds; one whose heartbeat stopped is taken over."""
+    _beating(tmp_path, "node-b", 20)
+    with pytest.raises(RunLockedError, match=r"PID 4242 on host node-b.*Its heartbeat is 2\d s old: this filesystem's "
+                                             r"locks do not reach across nodes.*run again in 180 s or delete the lock"):
+        RunLock(tmp_path).__enter__()
+    assert json.loads((tmp_path / runlock.LOCK_FILE).read_text())["host"] == "node-b"  # the holder's record kept
+    assert runlock.runner_state(tmp_path) is None  # `align status`: running, on node-b
+    _beating(tmp_path, "node-b", 600)
+    assert runlock.runner_state(tmp_path) == "its heartbeat stopped 600 s ago"
+    with RunLock(tmp_path) as lock:
+        assert "PID 4242 on host node-b" in lock.note and "no longer running" in lock.note
+    _record(tmp_path, 4242, "node-b")  # an older align's record (no beat): taken over where flock holds, as before
+    with RunLock(tmp_path) as lock:
+        assert "PID 4242" in lock.note
+
+
+def test_without_flock_a_runner_of_another_host_whose_heartbeat_stopped_is_taken_over(tmp_path, no_flock):
+    _beating(tmp_path, "node-b", 30)
+    with pytest.raises(RunLockedError, match=r"PID 4242 on host node-b.*taken for ended only once its heartbeat stops"):
+        RunLock(tmp_path).__enter__()
+    _beating(tmp_path, "node-b", 600)  # a node lost: SLURM requeued the job elsewhere
+    with RunLock(tmp_path) as lock:
+        assert "PID 4242 on host node-b" in lock.note
+
+
+def test_the_holder_rewrites_its_heartbeat_while_it_holds_and_leaves_no_record(tmp_path, monkeypatch):
+    import time
+
+    real = time.time
+    monkeypatch.setattr(runlock, "HEARTBEAT_S", 0.01)
+    with RunLock(tmp_path):
+        first = json.loads((tmp_path / runlock.LOCK_FILE).read_text())
+        assert first["pid"] == os.getpid() and abs(first["beat"] - real()) < 5
+        monkeypatch.setattr(runlock.time, "time", lambda: real() + 1000)
+        deadline = real() + 10
+        while json.loads((tmp_path / runlock.LOCK_FILE).read_text())["beat"] < first["beat"] + 900 and real() < deadline:
+            time.sleep(0.01)
+        later = json.loads((tmp_path / runlock.LOCK_FILE).read_text())
+        assert later["beat"] >= first["beat"] + 900 and later["since"] == first["since"]
+    assert (tmp_path / runlock.LOCK_FILE).read_text() == ""  # no beat landed after the record was emptied

@@ -8,6 +8,12 @@ On filesystems without flock (some NFS mounts) the PID record alone decides: a l
 so does any record of another host (whose PIDs this host cannot see: the user deletes a stale one); a runner reads
 its record back after SETTLE_S, and one whose record another runner has overwritten meanwhile gives way.
 Multi-node workers (node rank > 0) take no lock: they write nothing under the run directory.
+
+A flock does not always reach across nodes (Lustre mounted `localflock`, BeeGFS without global file locks): a runner
+on another node can take it while the holder runs. So the holder also rewrites its record's `beat` (a Unix time)
+every HEARTBEAT_S; a record of another host whose beat is younger than STALE_S is a live runner, whatever flock
+said, and one whose beat is older is a dead one, with or without flock. A record without a beat (an older align)
+is judged as before.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import fcntl
 import json
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +31,8 @@ from align.core.faults import oserror
 
 LOCK_FILE = ".align.lock"
 SETTLE_S = 0.5  # without flock: how long a runner waits after writing its record before it reads it back
+HEARTBEAT_S = 30.0  # how often the holder rewrites its record's beat
+STALE_S = 180.0  # a beat older than this is a dead runner's (six beats missed; clocks of a cluster's nodes agree)
 
 
 class RunLockedError(RuntimeError):
@@ -55,6 +64,18 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def beat_age(holder: dict) -> float | None:
+    """Seconds since the holder's last beat (None: its record has none)."""
+    beat = holder.get("beat")
+    return time.time() - beat if type(beat) is int else None
+
+
+def _other_host_alive(holder: dict) -> bool:
+    """Whether a record of another host is a live runner's: its beat is recent (no beat: taken as alive)."""
+    age = beat_age(holder)
+    return age is None or age < STALE_S
+
+
 def runner_state(run_dir: str | Path) -> str | None:
     """Whether a runner holds `run_dir`, read from the holder record without touching the lock (so `align status`
     never races a runner starting): None while a live runner on this host (or one on another host, which this
@@ -68,9 +89,9 @@ def runner_state(run_dir: str | Path) -> str | None:
         return None
     if not holder.get("pid"):
         return "has exited"
-    if holder.get("host") != socket.gethostname() or _alive(holder["pid"]):
-        return None
-    return f"PID {holder['pid']} died"
+    if holder.get("host") != socket.gethostname():
+        return None if _other_host_alive(holder) else f"its heartbeat stopped {beat_age(holder):.0f} s ago"
+    return None if _alive(holder["pid"]) else f"PID {holder['pid']} died"
 
 
 class RunLock:
@@ -80,6 +101,8 @@ class RunLock:
         self.path = Path(run_dir) / LOCK_FILE
         self.fd: int | None = None
         self.note = ""
+        self._stop = threading.Event()
+        self._beating: threading.Thread | None = None
 
     def _holder(self, fd: int) -> dict:
         try:
@@ -101,23 +124,27 @@ class RunLock:
                     raise
                 unlocked = True
                 holder = self._holder(fd)
-                if holder.get("pid") and holder.get("host") != socket.gethostname():  # alive or not: unseen here
+                if holder.get("pid") and holder.get("host") != socket.gethostname() and _other_host_alive(holder):
                     raise RunLockedError(self._busy(holder) + f". This filesystem has no locks (flock: {exc.strerror}),"
-                                         " so a runner on another host is never taken for ended: if it has, delete "
-                                         "the lock file and run again") from None
+                                         " so a runner on another host is taken for ended only once its heartbeat "
+                                         "stops: if it has ended, delete the lock file and run again") from None
                 if holder.get("host") == socket.gethostname() and holder.get("pid") and _alive(holder["pid"]):
                     raise RunLockedError(self._busy(holder)) from None
             holder = self._holder(fd)
+            if not unlocked and holder.get("pid") and holder.get("host") != socket.gethostname() and \
+                    beat_age(holder) is not None and _other_host_alive(holder):  # a flock that is node-local
+                raise RunLockedError(self._busy(holder) + f". Its heartbeat is {beat_age(holder):.0f} s old: this "
+                                     "filesystem's locks do not reach across nodes (Lustre localflock, BeeGFS without "
+                                     f"global locks); if it has ended, run again in {STALE_S:.0f} s or delete the lock "
+                                     "file")
             if holder.get("pid"):
                 state = "still running but not holding the lock" if holder.get("host") == socket.gethostname() \
                     and _alive(holder["pid"]) else "no longer running"
                 self.note = (f"took over a stale lock on {self.path.parent}: PID {holder['pid']} on host "
                              f"{holder.get('host')} (since {holder.get('since')}) ended without releasing it ({state})")
-            record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+            self.since = time.strftime("%Y-%m-%dT%H:%M:%S%z")
             os.ftruncate(fd, 0)
-            os.pwrite(fd, record.encode(), 0)
-            os.fsync(fd)
+            self._write(fd)
             if unlocked:  # two runners that read the record at once both wrote theirs: the last written holds
                 time.sleep(SETTLE_S)
                 holder = self._reread()
@@ -127,7 +154,25 @@ class RunLock:
             os.close(fd)
             raise
         self.fd = fd
+        self._beating = threading.Thread(target=self._beat, name="align-runlock-beat", daemon=True)
+        self._beating.start()
         return self
+
+    def _write(self, fd: int) -> None:
+        """The holder record with a beat of now: the same length every time (a whole-second Unix time), written over
+        the last in one write, so a reader sees one or the other."""
+        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": self.since,
+                             "beat": int(time.time())})
+        os.pwrite(fd, record.encode(), 0)
+        os.fsync(fd)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._write(self.fd)
+            except (OSError, TypeError):  # closed meanwhile (TypeError: fd None), or a passing I/O error
+                if self.fd is None:
+                    return
 
     def _reread(self) -> dict:
         """The record as the file holds it now, through a descriptor of its own: NFS shows another client's write to
@@ -160,6 +205,9 @@ class RunLock:
     def __exit__(self, *exc: object) -> None:
         if self.fd is None:
             return
+        self._stop.set()
+        if self._beating is not None:
+            self._beating.join()  # no beat lands after the record is emptied
         try:
             os.ftruncate(self.fd, 0)  # a clean exit leaves no holder record: a record means a crash
         except OSError:
