@@ -149,13 +149,40 @@ def test_older_checkpoints_go_only_after_every_process_wrote_the_newest_and_it_r
                             is_main_process=main)
     monkeypatch.setattr(resume, "fsync_tree", lambda root: events.append(
         ("fsync", root.name, sorted(p.name for p in tmp_path.iterdir()))))
-    callback = resume.durable_checkpoints(SimpleNamespace(state=state), keep=2)
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    (stage / "metrics.jsonl").write_text('{"step": 5, "train/loss": 1.0}\n{"step": 10, "train/loss": 0.5}\n')
+    callback = resume.durable_checkpoints(SimpleNamespace(state=state, dir=stage), keep=2)
     callback.on_save(SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(global_step=10), None)
-    every = ["checkpoint-10", "checkpoint-2", "checkpoint-6", "checkpoint-notes.txt"]
+    every = ["checkpoint-10", "checkpoint-2", "checkpoint-6", "checkpoint-notes.txt", "stage"]
     assert events == ["wait"] + ([("fsync", "checkpoint-10", every)] if local_main else []) + ["wait"]
-    kept = ["checkpoint-10", "checkpoint-6", "checkpoint-notes.txt"]
+    kept = ["checkpoint-10", "checkpoint-6", "checkpoint-notes.txt", "stage"]
     assert sorted(p.name for p in tmp_path.iterdir()) == (kept if main else every)
     assert (tmp_path / "checkpoint-10" / "DURABLE").is_file() == main  # after every node synced it
+    if main:  # with the metrics rows logged by then: a resume from it keeps those and no more
+        assert json.loads((tmp_path / "checkpoint-10" / "DURABLE").read_text()) == {"metrics_rows": 2}
+
+
+def test_a_resume_keeps_the_metrics_rows_its_checkpoint_saw_and_not_those_logged_at_its_step_after_it(tmp_path):
+    """Killed after the last step's checkpoint, during the evaluation that follows: the resumed attempt (nothing left
+    to train) evaluates again at the same step, and the killed attempt's evaluation rows at that step were kept
+    beside the new ones. Rows are kept up to the count the checkpoint's DURABLE marker records; without one, by step."""
+    from align.core.checkpoints import durable_rows, mark_durable
+    from align.core.tracking import keep_metrics_until
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 2, "train/loss": 1.0}, {"step": 4, "train/loss": 0.8}]
+    ckpt = tmp_path / "checkpoint-4"
+    ckpt.mkdir()
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    mark_durable(ckpt, 2)
+    killed = [{"step": 4, "eval/loss": 0.9}, {"step": 5, "train/loss": 0.7}]
+    path.write_text(path.read_text() + "".join(json.dumps(r) + "\n" for r in killed) + '{"step": 6, "tr')
+    keep_metrics_until(path, 4, durable_rows(ckpt))
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows
+    path.write_text(path.read_text() + "".join(json.dumps(r) + "\n" for r in killed))
+    keep_metrics_until(path, 4, durable_rows(tmp_path / "unmarked"))  # no marker: by step, as before
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [*rows, killed[0]]
 
 
 def _stub(tmp_path, old: dict, now: dict):

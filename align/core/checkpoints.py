@@ -16,8 +16,18 @@ before an older one is removed: a newer checkpoint without it is passed over for
 written before align marked them have none, and are chosen as before)."""
 
 
-def mark_durable(ckpt: Path) -> None:
-    atomic_write_text(ckpt / DURABLE, "")
+def mark_durable(ckpt: Path, metrics_rows: int) -> None:
+    """`ckpt` synced on every node; `metrics_rows`: the stage's metrics rows when it was saved (`durable_rows`)."""
+    atomic_write_text(ckpt / DURABLE, json.dumps({"metrics_rows": metrics_rows}))
+
+
+def durable_rows(ckpt: Path | None) -> int | None:
+    """The metrics rows the stage had logged when `ckpt` was saved, as its DURABLE marker says (None: not said)."""
+    try:
+        rows = json.loads((Path(ckpt) / DURABLE).read_text()).get("metrics_rows") if ckpt else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return rows if type(rows) is int and rows >= 0 else None
 
 
 def torn_rng_states(ckpt: Path, world_size: int) -> list[Path] | None:

@@ -159,13 +159,23 @@ def _rows(path: Path) -> list[tuple[float, dict[str, Any]]]:
     return [(step, row) for step, row in map(_step_row, lines) if math.isfinite(step)]
 
 
-def keep_metrics_until(path: Path, step: int) -> None:
+def metrics_rows(path: Path) -> int:
+    """How many rows metrics.jsonl (or a table's file) holds now (0: none yet)."""
+    try:
+        return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    except (OSError, UnicodeDecodeError):
+        return 0
+
+
+def keep_metrics_until(path: Path, step: int, rows: int | None = None) -> None:
     """Drop metrics rows (or a table's) after `step`, and a torn line, atomically: a resumed stage never logs a step
-    twice."""
+    twice. `rows`: the rows there were when the checkpoint resumed from was saved (`metrics_rows`), kept and no
+    more: rows logged at its very step after it was saved (the evaluation after a stage's last step) go too."""
     if not path.is_file():
         return
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     kept = [line for line in lines if _step_row(line)[0] <= step]
+    kept = kept[:rows] if rows is not None else kept
     if len(kept) != len(lines):
         atomic_write_text(path, "".join(line + "\n" for line in kept))
 

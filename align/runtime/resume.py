@@ -9,6 +9,7 @@ from typing import Any
 from align.config.settings import warmup_steps
 from align.core.fsutil import fsync_dir, fsync_tree
 from align.core.checkpoints import mark_durable, rotate_checkpoints
+from align.core.tracking import metrics_rows
 from align.runtime.context import StageContext, StageError
 
 
@@ -30,7 +31,7 @@ def durable_checkpoints(ctx: StageContext, keep: int):
             ctx.state.wait_for_everyone()
             if ctx.state.is_main_process:
                 if newest.is_dir():
-                    mark_durable(newest)
+                    mark_durable(newest, metrics_rows(ctx.dir / "metrics.jsonl"))
                 rotate_checkpoints(Path(args.output_dir), keep)
 
     return DurableCheckpoints()

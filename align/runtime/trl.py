@@ -12,6 +12,7 @@ from align.config import TrainedStage
 from align.core import faults
 from align.core.console import verbose
 from align.data.lengths import enforce
+from align.core.checkpoints import durable_rows
 from align.core.tracking import keep_metrics_until
 from align.runtime.context import NonFiniteLossError, StageContext, StageError, checkpoint_step, startup_done
 from align.runtime.resume import AlreadyTrained, durable_checkpoints, run_loss, stop_at_max_steps
@@ -251,7 +252,7 @@ def train_with_resume(ctx: StageContext, trainer) -> dict[str, Any]:
         print(f"[align] {ctx.name}: resuming from {ckpt} (step {resumed_from})", flush=True)
     ctx.extra_manifest["resumed_from_step"] = resumed_from
     if ctx.is_main:  # rows a killed attempt logged after its last checkpoint are logged again from there
-        keep_metrics_until(ctx.dir / "metrics.jsonl", resumed_from)
+        keep_metrics_until(ctx.dir / "metrics.jsonl", resumed_from, durable_rows(ckpt))
     plugin = trainer.accelerator.state.deepspeed_plugin
     if plugin is not None:  # buckets sized from the model, not DeepSpeed's 5e8 (align/runtime/zero_buffers.py)
         width_sized(plugin.deepspeed_config, widest(trainer.model))
