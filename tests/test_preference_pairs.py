@@ -3,6 +3,8 @@ hand-made scores: the best-vs-worst pair, and every non-tied pair for a reward m
 
 from __future__ import annotations
 
+import pytest
+
 from align.stages.preferences import all_pairs, pair_up
 
 
@@ -118,7 +120,8 @@ def test_the_policy_is_freed_before_a_pairwise_judge_loads(tmp_path, monkeypatch
     compute = SimpleNamespace(fast_generation=lambda fast: False, engine_dtype=lambda: "float32",
                               autocast=contextlib.nullcontext, device=torch.device("cpu"))
     ctx = SimpleNamespace(load_lm=load_lm, compute=compute, seed=seed, dir=tmp_path, progress=lambda *a: None, name="p",
-                          state=SimpleNamespace(process_index=0, num_processes=1), note_engine=lambda e: None)
+                          state=SimpleNamespace(process_index=0, num_processes=1), note_engine=lambda e: None,
+                          is_main=True, checkpoints=tmp_path / "checkpoints")
     cfg = SimpleNamespace(generation=Generation(batch_size=4, max_new_tokens=3), judge=None, samples_per_prompt=2,
                           pairwise=object())
     records, _, _ = preferences.sample_records(ctx, cfg, tok, list(TEXTS), str(base))
@@ -150,14 +153,33 @@ def test_each_round_of_iterated_dpo_samples_with_its_own_random_numbers(tmp_path
     cfg = SimpleNamespace(generation=Generation(batch_size=8, max_new_tokens=6), judge=None, samples_per_prompt=2,
                           pairwise=object())
 
-    def samples(name):
+    prompts = [f"{text} ({i})" for i in range(3) for text in TEXTS]  # 3 batches of up to 4 prompts (8 samples)
+
+    def samples(name, attempt=""):
         ctx = SimpleNamespace(load_lm=lambda path, device=False, frozen=False: load_causal_lm(path), compute=compute,
                               seed=seed, dir=tmp_path, progress=lambda *a: None, name=name, note_engine=lambda e: None,
-                              state=SimpleNamespace(process_index=0, num_processes=1))
-        return [r["responses"] for r in preferences.sample_records(ctx, cfg, tok, list(TEXTS), str(base))[0]]
+                              state=SimpleNamespace(process_index=0, num_processes=1), is_main=True,
+                              checkpoints=tmp_path / f"{name}{attempt}" / "checkpoints")
+        return [r["responses"] for r in preferences.sample_records(ctx, cfg, tok, prompts, str(base))[0]]
 
     first = samples("pairs1")
-    assert samples("pairs1") == first and samples("pairs2") != first
+    assert samples("pairs1", "again") == first and samples("pairs2") != first
+    # killed after its first batch: the next attempt samples the others alone, and gets what one attempt gets
+    real, calls = preferences.sample_texts, []
+
+    def killed_after_one(*args, **kwargs):
+        calls.append(1)
+        if calls == [1, 1] and kill:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(preferences, "sample_texts", killed_after_one)
+    kill = True
+    with pytest.raises(KeyboardInterrupt):
+        samples("pairs1", "killed")
+    calls.clear()
+    kill = False
+    assert samples("pairs1", "killed") == first and len(calls) == 2
     # a 32-bit seed whatever the pipeline's seed (vLLM and numpy refuse larger), with room for rank and batch index
     assert all(preferences.sampling_seed(SimpleNamespace(seed=s, name="preferences")) < 2 ** 31 for s in (0, 383, 4294))
 

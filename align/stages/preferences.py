@@ -14,7 +14,9 @@ Here each pair is its own row, shuffled like any other (TRL's reward trainer rea
 count of pairs that are not ties: the setup InstructGPT found to overfit, which one epoch does not avoid; `train`
 (one pair per prompt) is the safer default.
 
-With a pairwise judge the samples are judged after all of them are drawn; they are kept first, per process, in
+Each process appends every batch it has sampled and scored to its file in checkpoints/ (synced): a killed attempt's
+rerun of the same fingerprint samples only the batches it had not done. With a pairwise judge the samples are judged
+after all of them are drawn; they are kept first, per process, in
 `sampled/` (keyed by what drew them: the policy's publication, the prompts, the generation settings, the seed and the
 code), so a judging that fails (a deadline, a rate limit, invalid verdicts) costs no sampling on the rerun, even with
 another judge or judge settings.
@@ -26,6 +28,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import shutil
 import time
 import zlib
@@ -192,19 +195,29 @@ def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts:
     ordered = [(i, prompts[i]) for i in by_length(tokenizer, prompts)]
     mine = [ordered[s:s + per_batch] for s in range(0, len(ordered), per_batch)][rank::ctx.state.num_processes]
     records, counts, t0 = [], {"generated_tokens": 0}, time.perf_counter()
+    journal = ctx.checkpoints / f"samples.rank{rank}of{ctx.state.num_processes}.jsonl"
+    done = journaled(journal, mine)
+    if done and ctx.is_main:
+        print(f"[align] {ctx.name}: {len(done)} of {len(mine)} batches were sampled by an interrupted attempt "
+              f"({journal.parent}): sampling the rest", flush=True)
     with closing(engine):
         ctx.note_engine(engine)
         for k, batch in enumerate(mine):
             ctx.progress(k, len(mine))
+            if k in done:
+                records.extend(done[k])
+                continue
             flat, ended = [p for _, p in batch for _ in range(n)], []
             with ctx.compute.autocast():
                 texts, scores = sample_texts(engine, tokenizer, flat, cfg.generation,
                                              seed=sampling_seed(ctx) + batch[0][0], counts=counts,
                                              score=None if judge is None else
                                              lambda r, ps: judge.score_rollout(r, ps, tokenizer), ended=ended)
-            for j, (idx, prompt) in enumerate(batch):
-                records.append({"index": idx, "prompt": prompt, "responses": texts[j * n:(j + 1) * n],
-                                "scores": scores[j * n:(j + 1) * n], "ended": ended[j * n:(j + 1) * n]})
+            drawn = [{"index": idx, "prompt": prompt, "responses": texts[j * n:(j + 1) * n],
+                      "scores": scores[j * n:(j + 1) * n], "ended": ended[j * n:(j + 1) * n]}
+                     for j, (idx, prompt) in enumerate(batch)]
+            append_synced(journal, {"batch": k, "records": drawn})
+            records.extend(drawn)
         ctx.progress(len(mine), len(mine))
     if cfg.pairwise is not None:  # the policy freed (closing(engine) held it until here) before a local judge loads
         del policy, engine
@@ -213,6 +226,35 @@ def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts:
             keep(records, counts)
         judge_pairwise(ctx, cfg, records, plain)
     return records, counts, t0
+
+
+def journaled(path: Path, batches: list[list[tuple[int, str]]]) -> dict[int, list[dict[str, Any]]]:
+    """The batches an interrupted attempt of this stage (same fingerprint: checkpoints/ is stamped with it) sampled
+    and scored on this process, by their place in `batches`: each line of `path` one batch, written as it was done
+    (a torn last line, or a batch whose prompts are not that place's, is sampled again)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return {}
+    done = {}
+    for line in lines:
+        try:
+            entry = json.loads(line)
+            k, drawn = entry["batch"], entry["records"]
+            if [(r["index"], r["prompt"]) for r in drawn] == [tuple(b) for b in batches[k]]:
+                done[k] = drawn
+        except (ValueError, KeyError, TypeError, IndexError):
+            continue
+    return done
+
+
+def append_synced(path: Path, entry: dict[str, Any]) -> None:
+    """One line appended and synced: an attempt killed after it keeps the batch."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(entry) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def usable(cfg: PreferencesStage, record: dict[str, Any]) -> list[int]:
@@ -292,6 +334,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     plain: dict[str, str] = {}  # each prompt without the chat template: what a pairwise judge reads
     prompts = load_prompts(ctx, cfg.prompts, cfg.split, tokenizer, plain, (cfg.max_prompts, ctx.seed))  # conversations: rendered
     prompts = prompts_within_positions(ctx, prompts, tokenizer, path, cfg.generation.max_new_tokens)
+    ctx.prepare_checkpoints()  # each process's sampled batches, kept as they are done (`journaled`)
     records, mine, t0 = sampled_records(ctx, cfg, tokenizer, prompts, path, plain)
     records = sorted(gather_object(records), key=lambda r: r["index"])
     nonfinite = finite_or_none(records)
