@@ -309,7 +309,8 @@ def test_a_peft_adapter_named_as_a_model_is_refused_before_its_weights_load(tmp_
     """transformers loads an adapter repo (adapter_config.json) as its base with the adapter attached, unmerged: a
     pretrained stage then saved the adapter alone as its model/ (its manifest said the base's weights), and a stage
     training on it trained the adapter's base with an adapter riding along. A cached hub adapter is refused at
-    validate; any adapter (a folder, or a hub id validate could not see) when a stage loads it, before any weight."""
+    validate; a folder or a cached hub adapter when a stage loads it, before any weight (no request to the hub); one
+    not cached once transformers has loaded it with the adapter attached."""
     import huggingface_hub.constants
     import torch
     from peft import LoraConfig, get_peft_model
@@ -329,6 +330,13 @@ def test_a_peft_adapter_named_as_a_model_is_refused_before_its_weights_load(tmp_
         with pytest.raises(ModelError, match=rf"{adapter} is a PEFT adapter \(adapter_config\.json\), not a whole "
                                              r"model\. Merge it into its base"):
             load(str(adapter))
+    from align.modeling import models  # a hub adapter not cached: transformers loads it, attached, and it is refused
+
+    monkeypatch.setattr(models, "_adapter_config", lambda path_or_id: False)
+    for load in (load_causal_lm, lambda p: load_scalar_model(p, 0)):
+        with pytest.raises(ModelError, match=rf"{adapter} is a PEFT adapter"):
+            load(str(adapter))
+    monkeypatch.undo()
     cache, repo, _ = _hub_cache(tmp_path, adapter, "tiny-org/qwen2-lora")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     rc, out = validate(capsys, str(_pipeline(tmp_path, repo)))

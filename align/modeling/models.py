@@ -204,18 +204,39 @@ def published_adapter(path_or_id: str, quantize: str) -> dict | None:
     """`adapter_base` of a published LoRA adapter directory (None for anything else), refused as QLoRA's base. Any
     other PEFT adapter (a hub repo or folder with adapter_config.json) is refused: transformers would load its base
     with the adapter attached, unmerged, and a stage would train or save the adapter alone (`pretrained`: a model/
-    of adapter weights)."""
-    from transformers.utils import find_adapter_config_file  # heavy: loaded on use
-
+    of adapter weights). Asked of the folder, or of the hub cache for an id: no request (one per load stalled an
+    offline cluster for minutes); a hub adapter not cached is refused once transformers has loaded it (`whole`)."""
     base = adapter_base(path_or_id) if Path(path_or_id).is_dir() else None
-    if base is None and not gguf.is_gguf(path_or_id) and find_adapter_config_file(path_or_id):
-        raise ModelError(f"{path_or_id} is a PEFT adapter (adapter_config.json), not a whole model. Merge it into its "
-                         "base (peft: AutoPeftModelForCausalLM.from_pretrained(...).merge_and_unload(), then "
-                         "save_pretrained(DIR)) and name DIR, or name its base and train adapters of your own")
+    if base is None and _adapter_config(path_or_id):
+        raise _adapter_refused(path_or_id)
     if base is not None and quantize != "none":
         raise ModelError(f"{path_or_id}: a LoRA adapter cannot be the 4-bit base of QLoRA (merging needs full "
                          "weights); publish it merged (lora.merge: true on the stage that trained it)")
     return base
+
+
+def _adapter_config(path_or_id: str) -> bool:
+    if Path(path_or_id).is_dir():
+        return (Path(path_or_id) / "adapter_config.json").is_file()
+    from huggingface_hub import try_to_load_from_cache  # light
+
+    try:
+        return isinstance(try_to_load_from_cache(path_or_id, "adapter_config.json"), str)
+    except ValueError:  # not a repository id (a .gguf path, a missing folder): transformers says what it is
+        return False
+
+
+def _adapter_refused(path_or_id: str) -> ModelError:
+    return ModelError(f"{path_or_id} is a PEFT adapter (adapter_config.json), not a whole model. Merge it into its "
+                      "base (peft: AutoPeftModelForCausalLM.from_pretrained(...).merge_and_unload(), then "
+                      "save_pretrained(DIR)) and name DIR, or name its base and train adapters of your own")
+
+
+def whole(model, path_or_id: str):
+    """`model` unless transformers attached a PEFT adapter to it as it loaded (`path_or_id` named one): refused."""
+    if getattr(model, "_hf_peft_config_loaded", False):
+        raise _adapter_refused(path_or_id)
+    return model
 
 
 def load_causal_lm(path_or_id: str, dtype: str = "float32", trust_remote_code: bool = False, quantize: str = "none",
@@ -237,9 +258,9 @@ def load_causal_lm(path_or_id: str, dtype: str = "float32", trust_remote_code: b
         raise ModelError(f"{path_or_id}: a .gguf base model cannot be loaded in 4-bit for QLoRA (transformers "
                          "refuses both at once): convert it with `align model` or save_pretrained first, or set "
                          "lora.quantize: none")
-    return for_kbit_training(dequantised(AutoModelForCausalLM.from_pretrained(
+    return for_kbit_training(dequantised(whole(AutoModelForCausalLM.from_pretrained(
         path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code, **quantization_kwargs(quantize),
-        **extra, **kwargs)))
+        **extra, **kwargs), path_or_id)))
 
 
 def load_scalar_model(path_or_id: str, pad_token_id: int | None, dtype: str = "float32",
@@ -260,9 +281,9 @@ def load_scalar_model(path_or_id: str, pad_token_id: int | None, dtype: str = "f
             return _scalar_from_lm(load_causal_lm(path_or_id, dtype, trust_remote_code, **kwargs), pad_token_id)
     check_remote_code(path_or_id, trust_remote_code)
     path, extra = from_pretrained_args(path_or_id)
-    model = dequantised(AutoModelForSequenceClassification.from_pretrained(
+    model = dequantised(whole(AutoModelForSequenceClassification.from_pretrained(
         path, num_labels=1, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code,
-        **quantization_kwargs(quantize), **extra, **kwargs))
+        **quantization_kwargs(quantize), **extra, **kwargs), path_or_id))
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     return for_kbit_training(model)
