@@ -420,3 +420,28 @@ def test_align_help_lists_the_users_commands_and_not_the_stage_entry_point(capsy
     called = []
     monkeypatch.setattr("align.runtime.process.main", lambda spec: called.append(spec) or 0)
     assert cli.main(["stage", "spec.json"]) == 0 and called == ["spec.json"]
+
+
+def test_the_runner_goes_on_after_a_stage_that_completed_then_exited_non_zero_in_its_teardown(tmp_path, capsys):
+    """The stage process keeps its manifest completed when a SIGTERM or an I/O error hits its teardown, but exits 143
+    or 2: the runner marked the run failed and stopped before the next stage. Now it warns and goes on; a manifest
+    that says completed from before this attempt (a forced rerun killed before it started) is still a failure."""
+    import time
+
+    from align.core.rundir import read_manifest, write_manifest
+    from align.orchestrator import runner
+
+    stage = tmp_path / "dpo"
+    (stage / "model").mkdir(parents=True)
+    plan = type("Plan", (), {"fingerprint": "f", "name": "dpo"})()
+    t_stage = time.time()
+    write_manifest(stage, {"stage": "dpo", "status": "completed", "fingerprint": "f", "outputs": ["model"],
+                           "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    assert runner._completed(143, plan, stage, "[align] stage 4/6 dpo (dpo)", None, t_stage)
+    assert "exited with code 143 after the stage completed" in capsys.readouterr().out
+    assert runner._completed(0, plan, stage, "h", None, t_stage)
+    assert not runner._completed(-9, plan, stage, "h", None, t_stage + 3600)  # completed an hour before it started
+    assert read_manifest(stage)["status"] == "completed"  # the earlier run's record is left as it was
+    write_manifest(stage, {"stage": "dpo", "status": "running", "fingerprint": "f"})
+    assert not runner._completed(0, plan, stage, "h", None, t_stage)
+    assert read_manifest(stage)["status"] == "failed"

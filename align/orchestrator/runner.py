@@ -19,9 +19,7 @@ from align.orchestrator import warm
 from align.config import PipelineConfig, to_dict
 from align.core.console import stream_stage, tail, verbose
 from align.core.errors import INTERRUPTED, Interrupted, PipelineError, Terminated, interrupt_cause, recorded_failure
-from align.orchestrator.disk import disk_peak, disk_problem
-from align.orchestrator.estimate import EstimateError, dtype_bytes, estimate_pipeline, too_big
-from align.orchestrator.hardware import Hardware, hardware
+from align.orchestrator.hardware import hardware
 from align.core.fsutil import atomic_write_json
 from align.orchestrator.inputs import resolve_model_paths
 from align.orchestrator.launch import (MultiNode, is_distributed, launch_command, one_plain_process, placement_problem,
@@ -33,7 +31,7 @@ from align.core.rundir import (MANIFEST, PIPELINE, SPEC, STAGE_LOCK, PipelineRec
                                write_manifest)
 from align.orchestrator.commands import (children_peak_rss, exit_meaning, other_source, rerun_from, resume_command,
                                         run_command)
-from align.orchestrator.helper import HelperError
+from align.orchestrator.preflight import memory_preflight
 from align.orchestrator.runlock import RunLock, RunLockedError
 from align.config.sweeps import by_stage
 from align.core.tracking import scrub
@@ -221,10 +219,7 @@ def _stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan], sel
                               f"is kept. Resume with: {_again(plan.name, forced, stage_dir, source)} (the stage restarts from "
                               f"its last checkpoint, if it saved one)\n  log: {stage_dir / 'stage.log'}",
                               isinstance(exc, Terminated)) from None
-        if rc != 0 or not is_complete(stage_dir, plan.fingerprint):
-            other = recorded_failure(stage_dir, since=t_stage - 60)  # another process's, the main one killed
-            _mark_interrupted(stage_dir, f"the stage process exited with code {rc}" + (f"; {other}" if other else ""),
-                              "failed", token)
+        if not _completed(rc, plan, stage_dir, header, token, t_stage):
             statuses[plan.name] = "failed"
             _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)
             raise _stage_failed(plan, stage_dir, rc, peak_before, source, multi)
@@ -232,6 +227,32 @@ def _stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan], sel
         result = result_line(plan, stage_dir)
         print(f"{header}: done in {time.time() - t_stage:.0f}s" + (f": {result}" if result else ""), flush=True)
     return _finish(cfg, source, plans, selected, run_dir, statuses, multi, t0)
+
+
+def _completed(rc: int, plan: StagePlan, stage_dir: Path, header: str, token: str | None, t_stage: float) -> bool:
+    """Whether the stage completed (its manifest says so, with this fingerprint), whatever its exit code: a process
+    stopped or failing in its teardown (removing checkpoints, the process group's last barrier) is warned of. One
+    that did not is marked failed, with another process's error where one recorded it (the main one killed)."""
+    if is_complete(stage_dir, plan.fingerprint) and (rc == 0 or _started_since(stage_dir, t_stage)):
+        if rc != 0:
+            print(f"{header}: warning: its process exited with code {rc} after the stage completed (see "
+                  f"{stage_dir / 'stage.log'}); its outputs stand", flush=True)
+        return True
+    other = recorded_failure(stage_dir, since=t_stage - 60)
+    _mark_interrupted(stage_dir, f"the stage process exited with code {rc}" + (f"; {other}" if other else ""),
+                      "failed", token)
+    return False
+
+
+def _started_since(stage_dir: Path, t: float) -> bool:
+    """Whether the stage's manifest is of an attempt started at `t` or later (not a forced rerun's earlier run)."""
+    from datetime import datetime
+
+    try:
+        return datetime.strptime((read_manifest(stage_dir) or {}).get("started_at", ""), "%Y-%m-%dT%H:%M:%S%z"
+                                 ).timestamp() >= int(t)
+    except (TypeError, ValueError):
+        return False
 
 
 def _again(name: str, forced: set[str], stage_dir: Path, source: str | Path) -> str:
@@ -324,31 +345,6 @@ def _finish(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan], sel
             print(f"[align] headline of {plan.name} ({run_dir / plan.name / MANIFEST}):\n{summary}", flush=True)
     print(f"[align] pipeline {cfg.name} finished in {time.time() - t0:.0f}s: {run_dir}", flush=True)
     return run_dir
-
-
-def memory_preflight(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan], names: set[str],
-                     num_processes: int | None, hw: Hardware, ignore: bool) -> None:
-    """Refuse, before anything is launched, stages whose per-GPU estimate exceeds the GPU memory (align/orchestrator/estimate.py).
-    Skipped when no GPU is present or declared, or when the base model's config cannot be read here."""
-    if not names or not hw.gpu_memory:
-        return
-    try:
-        estimates = estimate_pipeline(cfg, source, hw, num_processes, plans)
-    except (EstimateError, HelperError) as exc:  # a crash of the shape helper (a model's own code) skips it too
-        print(f"[align] memory preflight skipped: {(str(exc).strip() or repr(exc)).splitlines()[-1]}", flush=True)
-        return
-    disk = disk_problem(cfg, disk_peak(cfg, estimates, dtype_bytes(cfg.dtype, True, cfg.precision), names), cfg.runs_dir)
-    if disk:  # an estimate of checkpoints that may never all be written (a short stage saves none): a warning
-        print(f"[align] warning: disk: {disk}", flush=True)
-    problems = too_big(estimates, hw, names)
-    if not problems:
-        return
-    if ignore:
-        for line in problems:
-            print(f"[align] warning (--ignore-memory-check): {line}", flush=True)
-        return
-    raise PipelineError("memory preflight: " + "\n  ".join(problems) + "\n  (see `align estimate`; "
-                        "--ignore-memory-check launches anyway)")
 
 
 def _mark_interrupted(stage_dir: Path, cause: str = INTERRUPTED, status: str = "interrupted",
