@@ -417,16 +417,16 @@ def test_a_crashed_shape_helper_skips_the_preflight_instead_of_refusing_the_run(
     """The estimate's helper builds the model's layers and runs them (the layer probe): where it dies (a model's own
     code, the OOM killer), `align run` said "align: error: ..." and stopped; the preflight is a check, skipped as when
     the config cannot be read."""
-    from align.orchestrator import runner
+    from align.orchestrator import preflight
     from align.orchestrator.hardware import Hardware
     from align.orchestrator.helper import HelperError
 
     def crash(*args, **kwargs):
         raise HelperError("Traceback (most recent call last):\n  ...\nSystemExit: 3")
 
-    monkeypatch.setattr(runner, "estimate_pipeline", crash)
+    monkeypatch.setattr(preflight, "estimate_pipeline", crash)
     hw = Hardware(gpus_per_node=8, gpu_memory=80 * 2**30, nodes=1, detected=False)
-    runner.memory_preflight(tiny_cfg, REPO / "pipelines" / "default.yaml", [], {"sft"}, None, hw, ignore=False)
+    preflight.memory_preflight(tiny_cfg, REPO / "pipelines" / "default.yaml", [], {"sft"}, None, hw, ignore=False)
     assert capsys.readouterr().out == "[align] memory preflight skipped: SystemExit: 3\n"
 
 
