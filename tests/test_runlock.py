@@ -176,3 +176,23 @@ def test_the_holder_rewrites_its_heartbeat_while_it_holds_and_leaves_no_record(t
         later = json.loads((tmp_path / runlock.LOCK_FILE).read_text())
         assert later["beat"] >= first["beat"] + 900 and later["since"] == first["since"]
     assert (tmp_path / runlock.LOCK_FILE).read_text() == ""  # no beat landed after the record was emptied
+
+
+def test_a_holder_whose_record_another_runner_replaced_stops_instead_of_writing_over_it(tmp_path, monkeypatch, capsys):
+    """A runner stalled past the heartbeat's limit (SIGSTOP, a suspended job, a hung mount) is taken over by another
+    host's; resumed, it wrote its beat over the new holder's record every 30 s, and both trained into one run. Now it
+    stops (as a SIGTERM stops it, its stage recorded interrupted) and leaves the other's record as it is."""
+    import signal
+    import time
+
+    killed = []
+    monkeypatch.setattr(runlock.os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    monkeypatch.setattr(runlock, "HEARTBEAT_S", 0.01)
+    with RunLock(tmp_path):
+        _beating(tmp_path, "node-b", 0)  # node-b's runner took the directory over
+        deadline = time.time() + 10
+        while not killed and time.time() < deadline:
+            time.sleep(0.01)
+        assert killed == [(os.getpid(), signal.SIGTERM)]
+    assert json.loads((tmp_path / runlock.LOCK_FILE).read_text())["host"] == "node-b"  # neither beaten over nor emptied
+    assert "the runner PID 4242 on host node-b took this run directory over" in capsys.readouterr().err

@@ -1,9 +1,10 @@
 """One runner per run directory: an advisory `fcntl.flock` on `<run>/.align.lock`, which holds the runner's
 PID, host and start time.
 
-The kernel drops a flock when its process dies, however it dies, so a runner killed with SIGKILL never
-blocks the next one: the next runner gets the lock, finds the dead runner's record still in the file (a clean
-exit empties it) and says it took over a stale lock. A second live runner fails at once, naming the holder.
+The kernel drops a flock when its process dies, however it dies, so a runner killed with SIGKILL does not block
+the next one on its host: the next runner gets the lock, finds the dead runner's record still in the file (a clean
+exit empties it) and says it took over a stale lock. On another host the next runner waits out its heartbeat
+(below): up to STALE_S after the kill. A second live runner fails at once, naming the holder.
 On filesystems without flock (some NFS mounts) the PID record alone decides: a live PID on this host holds it, and
 so does any record of another host (whose PIDs this host cannot see: the user deletes a stale one); a runner reads
 its record back after SETTLE_S, and one whose record another runner has overwritten meanwhile gives way.
@@ -12,8 +13,10 @@ Multi-node workers (node rank > 0) take no lock: they write nothing under the ru
 A flock does not always reach across nodes (Lustre mounted `localflock`, BeeGFS without global file locks): a runner
 on another node can take it while the holder runs. So the holder also rewrites its record's `beat` (a Unix time)
 every HEARTBEAT_S; a record of another host whose beat is younger than STALE_S is a live runner, whatever flock
-said, and one whose beat is older is a dead one, with or without flock. A record without a beat (an older align)
-is judged as before.
+said (where flock does reach across nodes, a runner killed on one node holds its lock against another node's for up
+to STALE_S), and one whose beat is older is a dead one, with or without flock. A holder that finds another runner's
+record in place of its own (it was stalled past STALE_S and taken over) stops. A record without a beat (an older
+align) is judged as before.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import errno
 import fcntl
 import json
 import os
+import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -168,11 +173,27 @@ class RunLock:
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
+            holder = self._reread()
+            if not self._mine(holder):
+                return self._taken_over(holder)  # never written over: the other runner's record holds
             try:
                 self._write(self.fd)
             except (OSError, TypeError):  # closed meanwhile (TypeError: fd None), or a passing I/O error
                 if self.fd is None:
                     return
+
+    @staticmethod
+    def _mine(holder: dict) -> bool:
+        """Whether a record is this runner's, or none (empty, or being rewritten)."""
+        return not holder.get("pid") or (holder["pid"], holder.get("host")) == (os.getpid(), socket.gethostname())
+
+    def _taken_over(self, holder: dict) -> None:
+        """This runner was stalled (SIGSTOP, a suspended job, a hung mount) past STALE_S and another took the run
+        directory over: it stops as a SIGTERM stops it (its stage recorded interrupted), saying why first."""
+        print(f"[align] error: the runner PID {holder['pid']} on host {holder.get('host')} took this run directory "
+              f"over (since {holder.get('since')}) while this one was stalled past {STALE_S:.0f} s without a "
+              "heartbeat; this runner stops so that one runner holds it", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def _reread(self) -> dict:
         """The record as the file holds it now, through a descriptor of its own: NFS shows another client's write to
@@ -209,7 +230,8 @@ class RunLock:
         if self._beating is not None:
             self._beating.join()  # no beat lands after the record is emptied
         try:
-            os.ftruncate(self.fd, 0)  # a clean exit leaves no holder record: a record means a crash
+            if self._mine(self._reread()):
+                os.ftruncate(self.fd, 0)  # a clean exit leaves no holder record: a record means a crash
         except OSError:
             pass
         finally:
