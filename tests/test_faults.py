@@ -490,6 +490,13 @@ def test_a_signal_between_the_two_renames_of_a_publication_puts_the_old_output_b
     with pytest.raises(Terminated):
         fsutil.publish_dir(tmp, final)
     assert (final / "weights").read_text() == "old" and not tmp.exists()
+    os.replace(final, tmp_path / ".model.old")  # SIGKILLed there instead: only the aside copy is left
+    again = fsutil.staging_dir(final)
+    (again / "weights").write_text("newer")
+    calls.clear()  # the next publication fails too, after its first rename: the old output is back, not deleted
+    with pytest.raises(Terminated):
+        fsutil.publish_dir(again, final)
+    assert (final / "weights").read_text() == "old"
 
 
 def test_a_report_of_a_run_whose_pipeline_file_moved_says_how_to_rebuild_it(tmp_path):

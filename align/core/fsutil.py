@@ -120,7 +120,8 @@ def publish_dir(tmp: str | Path, final: str | Path) -> None:
     """Make the fully written `tmp` visible as `final` (replacing an older `final`) by renames only.
 
     A kill at any point leaves either the old complete `final`, no `final` (SIGKILL between the renames: the old one
-    is `.<name>.old`), or the new complete one; never a partial directory under the final name.
+    is `.<name>.old`, put back by the next publication before anything else), or the new complete one; never a
+    partial directory under the final name.
     """
     tmp, final = Path(tmp), Path(final)
     try:
@@ -131,6 +132,8 @@ def publish_dir(tmp: str | Path, final: str | Path) -> None:
         _remove(tmp)
         raise
     old = final.with_name(f".{final.name}.old")
+    if old.exists() and not final.exists():  # a SIGKILL between an earlier publication's renames: put it back first
+        os.replace(old, final)
     if old.exists():
         shutil.rmtree(old)
     try:  # a signal right after the first rename (SIGTERM is raised as an exception) puts the old output back too
