@@ -342,3 +342,27 @@ def test_a_peft_adapter_named_as_a_model_is_refused_before_its_weights_load(tmp_
     rc, out = validate(capsys, str(_pipeline(tmp_path, repo)))
     refused(out, rc, "base_model: tiny-org/qwen2-lora is a PEFT adapter (adapter_config.json), not a whole model",
             "merge it into its base")
+
+
+def test_the_snapshot_adapters_are_pinned_at_is_read_as_their_base_loads_not_when_they_are_saved(tmp_path, monkeypatch):
+    """On a shared hub cache another job's download can move `main` during hours of training: read at the save, the
+    pin named a snapshot the adapters never trained on."""
+    from types import SimpleNamespace
+
+    import huggingface_hub.constants
+
+    from align.runtime import context
+
+    built, _ = families.build("qwen2", tmp_path)
+    cache, repo, commit = _hub_cache(tmp_path, built)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(context, "startup_done", lambda: None)
+    ctx = SimpleNamespace(compute=SimpleNamespace(distributed_zero3=False), extra_manifest={})
+    model = SimpleNamespace(get_input_embeddings=lambda: SimpleNamespace(num_embeddings=64))
+    context.StageContext._loaded(ctx, repo, model, device=False, frozen=False)
+    moved = cache / f"models--{repo.replace('/', '--')}"
+    (moved / "snapshots" / commit).rename(moved / "snapshots" / ("f" * 40))  # main moved on before the save
+    (moved / "refs" / "main").write_text("f" * 40)
+    assert ctx.trained_revision == commit and ctx.trained_from == repo
+    context.StageContext._loaded(ctx, str(built), model, device=False, frozen=False)  # a local base: none
+    assert ctx.trained_revision is None

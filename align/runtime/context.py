@@ -28,6 +28,7 @@ from align.core.console import emit_progress
 from align.core.fsutil import (atomic_write_text, disk_full, output_digest, publish_dir, staging_dir, staging_path,
                           tree_bytes)
 from align.core.checkpoints import choose_checkpoint, step_checkpoints
+from align.data.hub import hub_revision
 from align.core.rundir import Manifest, StageSpec, read_manifest, write_manifest
 from align.templates import ChatTemplate
 from align.core.tracking import Tracker, sweep_config
@@ -131,8 +132,9 @@ class StageContext:
         if self.compute.distributed_zero3:
             partitioned = all(hasattr(p, "ds_id") for p in model.parameters())
             self.extra_manifest.setdefault("models_loaded", []).append({"path": path, "zero3_partitioned": partitioned})
-        if not frozen:
+        if not frozen:  # a hub base's snapshot read as it loaded (a shared cache's main may move before the save)
             self.trained_from, self.trained_vocab = path, model.get_input_embeddings().num_embeddings
+            self.trained_revision = hub_revision(path)
         return model.to(self.compute.device) if device else model
 
     def load_tokenizer(self, path: str):
@@ -317,7 +319,6 @@ class StageContext:
     def write_adapter_base(self, path: Path, peft_model) -> None:
         """Beside a saved adapter: the model it was trained on (as this stage loaded it), its task, and the token ids
         the stage set on the model's config (EOS / PAD / BOS: a chat template's end-of-turn token, a pad token)."""
-        from align.data.hub import hub_revision
         from align.modeling.models import ADAPTER_BASE  # heavy (torch): stage processes only
 
         config = peft_model.peft_config[peft_model.active_adapter]
@@ -325,7 +326,7 @@ class StageContext:
         base = peft_model.get_base_model()
         ids = ("eos_token_id", "pad_token_id", "bos_token_id")
         record = {"base_model": self.trained_from, "task": task, "config": {k: getattr(base.config, k, None) for k in ids},
-                  "base_model_revision": hub_revision(self.trained_from or "."),  # a hub base's snapshot (None: local)
+                  "base_model_revision": getattr(self, "trained_revision", None),  # a hub base's (None: local)
                   "generation": {k: getattr(getattr(base, "generation_config", None), k, None) for k in ids}}
         (path / ADAPTER_BASE).write_text(json.dumps(record) + "\n")
 
@@ -368,8 +369,7 @@ class StageContext:
             if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") else None,
             "process": {"pid": os.getpid(), "host": socket.gethostname(),
                         "start": "warm" if os.environ.get("ALIGN_WARM_STAGE") == "1" else "fresh"},
-            **self.extra_manifest, **extra,
-        }
+            **self.extra_manifest, **extra}
         if status != "running":
             manifest["ended_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         write_manifest(self.dir, manifest)
