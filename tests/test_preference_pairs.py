@@ -154,13 +154,15 @@ def test_each_round_of_iterated_dpo_samples_with_its_own_random_numbers(tmp_path
                           pairwise=object())
 
     prompts = [f"{text} ({i})" for i in range(3) for text in TEXTS]  # 3 batches of up to 4 prompts (8 samples)
+    last: dict = {}
 
     def samples(name, attempt=""):
         ctx = SimpleNamespace(load_lm=lambda path, device=False, frozen=False: load_causal_lm(path), compute=compute,
                               seed=seed, dir=tmp_path, progress=lambda *a: None, name=name, note_engine=lambda e: None,
                               state=SimpleNamespace(process_index=0, num_processes=1), is_main=True,
                               checkpoints=tmp_path / f"{name}{attempt}" / "checkpoints")
-        return [r["responses"] for r in preferences.sample_records(ctx, cfg, tok, prompts, str(base))[0]]
+        records, last["counts"], _ = preferences.sample_records(ctx, cfg, tok, prompts, str(base))
+        return [r["responses"] for r in records]
 
     first = samples("pairs1")
     assert samples("pairs1", "again") == first and samples("pairs2") != first
@@ -179,7 +181,7 @@ def test_each_round_of_iterated_dpo_samples_with_its_own_random_numbers(tmp_path
         samples("pairs1", "killed")
     calls.clear()
     kill = False
-    assert samples("pairs1", "killed") == first and len(calls) == 2
+    assert samples("pairs1", "killed") == first and len(calls) == 2 and last["counts"]["resumed_batches"] == 1
     # a 32-bit seed whatever the pipeline's seed (vLLM and numpy refuse larger), with room for rank and batch index
     assert all(preferences.sampling_seed(SimpleNamespace(seed=s, name="preferences")) < 2 ** 31 for s in (0, 383, 4294))
 

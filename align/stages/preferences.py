@@ -194,9 +194,9 @@ def sample_records(ctx: StageContext, cfg: PreferencesStage, tokenizer, prompts:
     # gather); pairs are put back in prompt order by the caller.
     ordered = [(i, prompts[i]) for i in by_length(tokenizer, prompts)]
     mine = [ordered[s:s + per_batch] for s in range(0, len(ordered), per_batch)][rank::ctx.state.num_processes]
-    records, counts, t0 = [], {"generated_tokens": 0}, time.perf_counter()
     journal = ctx.checkpoints / f"samples.rank{rank}of{ctx.state.num_processes}.jsonl"
-    done = journaled(journal, mine)
+    done = journaled(journal, mine)  # the perf counts are this attempt's: its batches alone
+    records, counts, t0 = [], {"generated_tokens": 0, "resumed_batches": len(done)}, time.perf_counter()
     if done and ctx.is_main:
         print(f"[align] {ctx.name}: {len(done)} of {len(mine)} batches were sampled by an interrupted attempt "
               f"({journal.parent}): sampling the rest", flush=True)
@@ -344,7 +344,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         check_invalid([{"outcome": r["outcome"], "answers": r["verdicts"]} for r in records
                        if r["outcome"] != "unfinished"], cfg.pairwise, ctx.name, "prompts", show=ctx.is_main)
     seconds = time.perf_counter() - t0  # sampling, scoring and judging; the engine's own time below
-    generated = sum(gather_object([mine["generated_tokens"]]))
+    generated, resumed = (sum(gather_object([mine.get(k, 0)])) for k in ("generated_tokens", "resumed_batches"))
     sampling = max(gather_object([mine.get("generation_seconds", 0.0)]))  # the processes sample side by side
     splits, pairs, ties, cut = split_pairs(ctx, cfg, records)
 
@@ -365,7 +365,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
              "preferences/unfinished_samples": sum(not e for r in records for e in r["ended"]),
              "preferences/prompts_unfinished": cut, "preferences/nonfinite_scores": nonfinite,
              "preferences/all_pairs_train": len(splits["train_all_pairs"]),
-             "perf/generated_tokens": generated, "perf/generation_seconds": sampling,
+             "perf/generated_tokens": generated, "perf/generation_seconds": sampling, "perf/batches_resumed": resumed,
              "perf/sampling_seconds": seconds, "perf/tokens_per_s": generated / sampling if sampling else None}
     if cfg.pairwise is None:
         final.update({"preferences/mean_margin": sum(margins) / len(margins),
