@@ -899,6 +899,13 @@ def test_the_run_directorys_disk_peak_by_hand_and_the_warning_when_it_has_less_f
     assert (kept.bytes, kept.stage, kept.models) == (109_600, "ppo", 5_600)
     dropped = disk.disk_peak(SimpleNamespace(stages=stages, keep_checkpoints=False), estimates, weight_bytes=2)
     assert (dropped.bytes, dropped.stage, dropped.checkpoints) == (70_400, "ppo", 64_800)
+    # PPO saves every save_every iterations, never at its last: 40 iterations, save_every 10 write 3 (3 on disk at
+    # most, as above); save_every 20 writes one, 21,600; save_every 40 none, and the peak is reward's 54,000
+    from align.config.ppo import PPOStage
+
+    for every, peak in ((10, 109_600), (20, 109_600 - 2 * 21_600), (40, 54_000)):
+        stages["ppo"] = PPOStage(iterations=40, save_every=every, save_total_limit=2)
+        assert disk.disk_peak(SimpleNamespace(stages=stages, keep_checkpoints=True), estimates, 2).bytes == peak, every
     assert disk.state_bytes_per_param(4) == 12  # fp32 outside DeepSpeed: weights and moments, no 16-bit copy
     # under ZeRO-1/2 DeepSpeed also keeps its module copy: a TRL stage 12 + 2 + 2, PPO 12 + 2; fp32 (this CPU's
     # ZeRO-2 GRPO checkpoint above) 12 + 4 + 4

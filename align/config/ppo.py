@@ -265,6 +265,11 @@ class PPOStage(StageBase):
                 + reward_length_problems(name, longest, "max_prompt_length + generation.max_new_tokens", self.reward,
                                          stages))
 
+    def checkpoints_written(self) -> int:
+        """The checkpoints a run writes: one every save_every iterations, none at the last (align/stages/ppo/__init__.py
+        `after_iteration`; the model is published then). Read by the disk estimate (align/orchestrator/disk.py)."""
+        return (self.iterations - 1) // self.save_every
+
     def card_split(self, fld: str) -> str:
         return self.split
 

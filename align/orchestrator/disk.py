@@ -6,7 +6,8 @@ parameter counts (align/orchestrator/estimate.py), not measured:
   master weights and two Adam moments under DeepSpeed; fp32 weights and the moments outside it), plus copies of the
   weights in their dtype as the checkpoint's writer keeps them (`state_bytes_per_param`: in bf16 16 bytes a
   parameter for a TRL stage under ZeRO-1/2, 12 for PPO under ZeRO-3). `save_total_limit` of them are kept, and one
-  more is on disk while the newest is written before the oldest goes;
+  more is on disk while the newest is written before the oldest goes; fewer where the stage says it writes fewer
+  (`checkpoints_written`: PPO saves every `save_every` iterations but never at its last);
 * its published model: the trained models it publishes (not PPO's value model) in the weights' dtype (the adapters
   alone for LoRA without merge);
 * a completed stage's checkpoints stay unless `keep_checkpoints: false`;
@@ -75,12 +76,15 @@ def disk_peak(cfg: PipelineConfig, estimates: list, weight_bytes: int, only: set
         per_param = state_bytes_per_param(weight_bytes, e.mode, isinstance(stage, TrainedStage))
         states = sum(e.trained_params.get(h.role, h.shape.params) for h in trained) * per_param
         keep = getattr(stage, "save_total_limit", 1)
+        written = getattr(stage, "checkpoints_written", lambda: None)()  # None: as many as it may (a TRL stage's
+        copies = keep + 1 if written is None else min(written, keep + 1)  # steps are not known before its data is)
+        keep = min(keep, copies)
         lora = enabled_lora(stage)
         unmerged = lora is not None and not lora.merge
         model = sum((e.trained_params[h.role] * 4 if unmerged else h.shape.params * weight_bytes)
                     for h in trained if h.role != "value")
-        at = DiskPeak(done_models + done_checkpoints + states * (keep + 1) + model, e.name,
-                      done_checkpoints + states * (keep + 1), done_models + model)
+        at = DiskPeak(done_models + done_checkpoints + states * copies + model, e.name,
+                      done_checkpoints + states * copies, done_models + model)
         peak = at if peak is None or at.bytes > peak.bytes else peak
         done_models += model
         done_checkpoints += states * keep if cfg.keep_checkpoints else 0
