@@ -19,6 +19,7 @@ import torch
 from align.core import gguf
 from align.core.errors import ModelError
 from align.data.chat import encoding_problem
+from align.templates import hub_file
 
 if TYPE_CHECKING:  # annotations only
     from align.config import BuiltinModel
@@ -216,14 +217,10 @@ def published_adapter(path_or_id: str, quantize: str) -> dict | None:
 
 
 def _adapter_config(path_or_id: str) -> bool:
+    """Whether a folder, or the hub cache's copy of an id (no request), holds adapter_config.json."""
     if Path(path_or_id).is_dir():
         return (Path(path_or_id) / "adapter_config.json").is_file()
-    from huggingface_hub import try_to_load_from_cache  # light
-
-    try:
-        return isinstance(try_to_load_from_cache(path_or_id, "adapter_config.json"), str)
-    except ValueError:  # not a repository id (a .gguf path, a missing folder): transformers says what it is
-        return False
+    return hub_file(path_or_id, "adapter_config.json") is not None
 
 
 def _adapter_refused(path_or_id: str) -> ModelError:
