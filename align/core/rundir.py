@@ -30,6 +30,19 @@ from align.core.tracking import json_ready, scrub
 SPEC = "spec.json"
 MANIFEST = "manifest.json"
 PIPELINE = "pipeline.json"
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%S%z"  # a manifest's started_at and ended_at
+
+
+def manifest_time(value: Any) -> float | None:
+    """A manifest time (TIME_FORMAT) as a Unix time; None when absent or not one."""
+    from datetime import datetime
+
+    try:
+        return datetime.strptime(value, TIME_FORMAT).timestamp()
+    except (TypeError, ValueError):
+        return None
+
+
 STATUSES = ("running", "completed", "failed", "interrupted")  # interrupted: Ctrl-C or SIGTERM, resumable
 
 

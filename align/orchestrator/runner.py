@@ -27,8 +27,8 @@ from align.orchestrator.launch import (MultiNode, is_distributed, launch_command
 from align.orchestrator.multinode import agreed_run, follow_stage, mark_ended, mark_started
 from align.orchestrator.plan import REPO_DIR, StagePlan, code_version, descendants, run_dir_of
 from align.core.rundir import (MANIFEST, PIPELINE, SPEC, STAGE_LOCK, PipelineRecord, StageSpec, headline, is_complete,
-                               moved_inputs, output_digests, outputs_problem, read_manifest, stage_in_use,
-                               write_manifest)
+                               manifest_time, moved_inputs, output_digests, outputs_problem, read_manifest,
+                               stage_in_use, write_manifest)
 from align.orchestrator.commands import (children_peak_rss, exit_meaning, other_source, rerun_from, resume_command,
                                         run_command)
 from align.orchestrator.preflight import memory_preflight
@@ -246,13 +246,8 @@ def _completed(rc: int, plan: StagePlan, stage_dir: Path, header: str, token: st
 
 def _started_since(stage_dir: Path, t: float) -> bool:
     """Whether the stage's manifest is of an attempt started at `t` or later (not a forced rerun's earlier run)."""
-    from datetime import datetime
-
-    try:
-        return datetime.strptime((read_manifest(stage_dir) or {}).get("started_at", ""), "%Y-%m-%dT%H:%M:%S%z"
-                                 ).timestamp() >= int(t)
-    except (TypeError, ValueError):
-        return False
+    started = manifest_time((read_manifest(stage_dir) or {}).get("started_at"))
+    return started is not None and started >= int(t)
 
 
 def _again(name: str, forced: set[str], stage_dir: Path, source: str | Path) -> str:

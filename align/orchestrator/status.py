@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shlex
-from datetime import datetime
 from pathlib import Path
 
 from align.config import load_pipeline, parse_pipeline, stage_types
@@ -15,18 +14,14 @@ from align.orchestrator.runlock import runner_state
 from align.core.errors import PipelineError
 from align.core.schema import is_plain_name
 from align.core.rundir import (PIPELINE, Manifest, PipelineRecord, headline, is_complete, moved_inputs,
-                               outputs_problem, read_manifest, record_problem)
-
-_TIME = "%Y-%m-%dT%H:%M:%S%z"
+                               manifest_time, outputs_problem, read_manifest, record_problem)
 
 
 def _duration(manifest: Manifest) -> str:
-    try:
-        start = datetime.strptime(manifest["started_at"], _TIME)
-        end = datetime.strptime(manifest["ended_at"], _TIME)
-    except (KeyError, TypeError, ValueError):
+    start, end = manifest_time(manifest.get("started_at")), manifest_time(manifest.get("ended_at"))
+    if start is None or end is None:
         return "-"
-    seconds = int((end - start).total_seconds())
+    seconds = int(end - start)
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
