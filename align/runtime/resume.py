@@ -15,10 +15,11 @@ from align.runtime.context import StageContext, StageError
 
 def durable_checkpoints(ctx: StageContext, keep: int):
     """A TrainerCallback that, after each checkpoint save, waits for every process's files, has each node's first
-    process fsync the new checkpoint, and only then has the main process mark it DURABLE and remove all but the
-    newest `keep` (the stage's save_total_limit). transformers rotated right after its own writes: a process still writing its
-    optimizer shard or RNG state, or a power loss before the page cache reached the disk, left the newest torn and
-    the whole one before it gone (align/core/checkpoints.py `choose_checkpoint` resumes from what is left)."""
+    process fsync the new checkpoint, and only then has the main process mark it DURABLE (with the metrics rows
+    logged by then) and remove all but the newest `keep` (the stage's save_total_limit). transformers rotated right
+    after its own writes: a process still writing its optimizer shard or RNG state, or a power loss before the page
+    cache reached the disk, left the newest torn and the whole one before it gone (align/core/checkpoints.py
+    `choose_checkpoint` resumes from what is left)."""
     from transformers import TrainerCallback  # heavy: stage processes only
 
     class DurableCheckpoints(TrainerCallback):
