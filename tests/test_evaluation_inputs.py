@@ -307,3 +307,28 @@ def test_a_reply_holding_a_special_tokens_text_does_not_cost_a_stage_that_sample
     prompts = rows.load_prompts(ctx, "card.yaml", "test", tok)
     assert len(prompts) == 49 and not any("Say" in p for p in prompts)
     assert ctx.extra_manifest["dropped_rows"] == {"card.yaml split 'test': holds a special token's text": 1}
+
+
+def test_sfts_evaluation_rows_are_a_seeded_sample_of_the_split_not_the_files_head():
+    """SFT's `eval/loss` read the first `eval_max_examples` rows of its eval split: the movie reviews are stored
+    positive first, so the default pipeline's 256 were 250 positive reviews (mean rating 1.76) of a split whose mean
+    is about 0 (a data review, 2026-12-02). They are a seeded sample now, drawn after the drops, as evaluate's prompts."""
+    import ast
+
+    from align.data.cards import load_split
+    from align.runtime.rows import seeded_sample
+
+    seed = 4321
+    print("seed", seed)
+    split = load_split(str(REPO / "data_cards" / "movie_review_snippets.yaml"), "test").rows
+    share = sum(float(r["score"]) > 0 for r in split) / len(split)
+    assert 0.4 < share < 0.6, share
+    assert sum(float(r["score"]) > 0 for r in split[:256]) / 256 > 0.9  # the head, as SFT read it
+    picked = seeded_sample(split, 256, seed)
+    assert len(picked) == 256 and len({r["id"] for r in picked}) == 256
+    assert abs(sum(float(r["score"]) > 0 for r in picked) / 256 - share) < 0.1
+    assert seeded_sample(split, 256, seed) == picked and seeded_sample(split, 256, seed + 1) != picked
+    assert seeded_sample(split, 10_000, seed) != split and len(seeded_sample(split, 10_000, seed)) == len(split)
+    tree = ast.parse((REPO / "align" / "stages" / "sft.py").read_text())
+    called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert "seeded_sample" in called

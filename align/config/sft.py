@@ -51,7 +51,7 @@ class SFTStage(TrainedStage):
     eval_split: str | None = "test"
     """Split whose loss is reported after training (None = skip)."""
     eval_max_examples: int = ranged(256, ge=1, fix="set eval_split: null to skip the evaluation")
-    """Evaluate on at most this many examples."""
+    """Evaluate on at most this many examples: a seeded sample of the eval split (the stage's seed), not its head."""
 
     def check(self, ctx: CheckContext) -> None:
         super().check(ctx)

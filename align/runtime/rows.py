@@ -6,6 +6,7 @@ so every stage after SFT reads text, rendered the same way everywhere.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,14 @@ def drop_same_after_template(ctx: StageContext, rows: list[dict[str, Any]], wher
     count_dropped(ctx, f"{where}: identical after the chat template", len(same))
     drop = set(same)
     return [r for i, r in enumerate(rows) if i not in drop]
+
+
+def seeded_sample(rows: list[dict[str, Any]], limit: int, seed: int) -> list[dict[str, Any]]:
+    """At most `limit` of `rows`, a uniform sample of them in a seeded random order (cards.seeded_rank of each row's
+    content), the same on every machine and rerun. The head of a file is no sample of it: the movie reviews are
+    sorted, positive first, so SFT's 256 evaluation rows were 250 positive reviews of a split half negative."""
+    order = sorted(range(len(rows)), key=lambda i: seeded_rank(seed, json.dumps(rows[i], sort_keys=True)))
+    return [rows[i] for i in order[:limit]]
 
 
 def unique_prompts(rows: list[dict[str, Any]], limit: int | None = None) -> list[str]:

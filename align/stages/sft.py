@@ -21,7 +21,7 @@ from align.modeling.models import build_builtin, fit_model_to_tokenizer, train_t
 from align.core.errors import ModelError
 from align.modeling.lora import NewTokens, new_token_rows, peft_config
 from align.runtime.context import StageContext, StageError
-from align.runtime.rows import card_split, drop_special_text
+from align.runtime.rows import card_split, drop_special_text, seeded_sample
 from align.runtime.trl import check_lengths, metrics_callback, train_with_resume, training_args
 
 OUTPUTS = ["model"]
@@ -170,8 +170,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     train = Dataset.from_list([{c: r[c] for c in columns} for r in rows])
     eval_ds, eval_rows = None, []
     if cfg.eval_split:
-        eval_rows = drop_special_text(ctx, card_split(ctx, cfg.data, cfg.eval_split).rows[: cfg.eval_max_examples],
-                                      tokenizer, f"{cfg.data} split '{cfg.eval_split}'")
+        eval_rows = seeded_sample(drop_special_text(ctx, card_split(ctx, cfg.data, cfg.eval_split).rows, tokenizer,
+                                                    f"{cfg.data} split '{cfg.eval_split}'"), cfg.eval_max_examples, ctx.seed)
         eval_ds = Dataset.from_list([{c: r[c] for c in columns} for r in eval_rows])
     if chat:  # tokenised here: assistant turns only (masks as the plan decided), or every token; BOS as later stages
         every = not cfg.completion_only_loss
