@@ -173,12 +173,15 @@ def test_hh_pairs_diverging_before_last_turn_are_skipped_and_counted():
     rows, dropped = hh_transcript([{"chosen": a, "rejected": b}, {"chosen": same, "rejected": same},
                                    {"chosen": two, "rejected": spaced}, {"chosen": empty, "rejected": same},
                                    {"chosen": "no markers", "rejected": a},
-                                   {"chosen": same + "\n\nAssistant: A", "rejected": same + "\n\nAssistant: B"}],
+                                   {"chosen": same + "\n\nAssistant: A", "rejected": same + "\n\nAssistant: B"},
+                                   {"chosen": same + "\n\nAssistant: more\n\nHuman: joke\n\nAssistant: ha",
+                                    "rejected": same + "\n\nAssistant: more\n\nHuman: joke\n\nAssistant: no"}],
                                   None, 0)
     assert rows == []
     assert dropped == {"chosen and rejected diverge before the final reply": 1,
                        "chosen identical to rejected (up to whitespace)": 2, "empty final reply": 1,
-                       "unparseable transcript": 1, "final reply not after a Human turn": 1}
+                       "unparseable transcript": 1, "final reply not after a Human turn": 1,
+                       "two turns of one role in a row": 1}
 
 
 def test_hh_turn_parser():
@@ -239,12 +242,43 @@ def test_implicit_prompt_conversations_become_the_explicit_form():
     assert implicit_prompt(explicit, "row 2") is explicit  # already explicit: as it is
     text = {"prompt": "a", "chosen": " b", "rejected": " c"}
     assert implicit_prompt(text, "row 3") is text
-    with pytest.raises(FormatError, match=r"row 4: fields 'chosen' and 'rejected' are whole conversations .* share 0"):
+    with pytest.raises(FormatError, match=r"row 4: fields 'chosen' and 'rejected' are whole conversations .* share 1 "
+                                          r"of 2 and 3 turns; turn 1 differs: \('assistant', '7'\) in 'chosen', "
+                                          r"\('assistant', '8'\) in 'rejected'"):  # rejected ends with no reply
         implicit_prompt({"chosen": [user, {"role": "assistant", "content": "7"}],
-                         "rejected": [{"role": "user", "content": "Other"}, {"role": "assistant", "content": "8"}]},
+                         "rejected": [user, {"role": "assistant", "content": "8"}, {"role": "user", "content": "?"}]},
                         "row 4")
     with pytest.raises(FormatError, match=r"row 5: field 'prompt' is not the conversation's last user turn"):
         implicit_prompt({**row, "prompt": "Name a composite."}, "row 5")
+
+
+def test_implicit_pairs_diverging_before_the_final_reply_are_dropped_and_counted_not_a_refused_card(tmp_path):
+    """One UltraFeedback-style row whose conversations differ before the final reply (earlier assistant turns, or
+    other user turns) refused the whole card, 1 row in 401, under a 1% allowance (a data review, 2026-12-02); such
+    pairs are dropped and counted, as the HH transforms drop theirs. A trailing space in one user turn is no other
+    prompt."""
+    from align.data.cards import load_split
+
+    def conv(*texts):
+        return [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(texts)]
+
+    rows = [{"prompt": f"Q{i}?", "chosen": conv(f"Q{i}?", "A"), "rejected": conv(f"Q{i}?", "B")} for i in range(400)]
+    rows.append({"prompt": "more?", "chosen": conv("Hi", "a1", "more?", "A"), "rejected": conv("Hi", "b1", "more?", "B")})
+    rows.append({"prompt": "Q ", "chosen": conv("Q ", "A"), "rejected": conv("Q", "B")})
+    (tmp_path / "uf.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    card = tmp_path / "uf.yaml"
+    card.write_text("name: uf\nsource: {path: uf.jsonl}\nlicense: MIT\nformat: jsonl\nproduces: preference\n"
+                    "splits: {train: 1.0, seed: 3}\n")
+    loaded = load_split(str(card), "train")
+    assert len(loaded.rows) == 401 and not any(len(r) != 3 for r in loaded.rows)  # no mark left on a kept row
+    assert [r["prompt"] for r in loaded.rows if r["chosen"][0]["content"] == "A" and
+            r["prompt"][0]["content"].startswith("Q ")] == [[{"role": "user", "content": "Q "}]]
+    assert {k: v for k, v in loaded.dropped.items() if "diverge" in k} == {
+        "whose 'chosen' and 'rejected' conversations diverge before the final reply (no one prompt to compare the "
+        "replies on)": 1}
+    (tmp_path / "uf.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:5] + rows[400:401] * 3))
+    with pytest.raises(Exception, match=r"3 rows \(5, 6, 7\) whose 'chosen' and 'rejected' conversations diverge"):
+        load_split(str(card), "train")  # above the card's max_unusable_fraction: refused, naming them
 
 
 def _uf_mirror(root: Path, ties: tuple[int, ...] = ()) -> Path:

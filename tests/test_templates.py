@@ -177,6 +177,26 @@ def test_a_template_that_refuses_a_conversation_is_named_not_a_traceback():
         sft_example(tok, planned, [ONE[0], ONE[0], ONE[1]])
 
 
+def test_hh_rows_with_two_turns_of_one_role_are_dropped_so_gemmas_template_takes_the_card():
+    """3 of 1,791 HH pairs in ../shared hold two Assistant turns in a row; Gemma's (and Mistral's) template refuses
+    such a conversation, and one refused row refused the whole chat card at validate, with no setting to pass it.
+    The HH transforms drop and count them now, in text and chat cards alike (the same pairs kept)."""
+    from align.data.transforms import hh_chosen_messages, hh_transcript
+
+    tok, planned = stock("gemma3")
+    ok = "\n\nHuman: Hi\n\nAssistant: Hello\n\nHuman: joke?\n\nAssistant: "
+    odd = "\n\nHuman: Hi\n\nAssistant: Hello\n\nAssistant: still there?\n\nHuman: joke?\n\nAssistant: "
+    hh = [{"chosen": ok + "ha", "rejected": ok + "no"}, {"chosen": odd + "ha", "rejected": odd + "no"}]
+    rows, dropped = hh_chosen_messages(hh, None, 0)
+    assert len(rows) == 1 and dropped == {"two turns of one role in a row": 1}
+    assert hh_transcript(hh, None, 0)[1] == dropped
+    assert sft_example(tok, planned, rows[0]["messages"])  # what is kept renders
+    with pytest.raises(TemplateError, match="alternate"):  # what was dropped would not have
+        sft_example(tok, planned, [{"role": r, "content": t} for r, t in
+                                   [("user", "Hi"), ("assistant", "Hello"), ("assistant", "still there?"),
+                                    ("user", "joke?"), ("assistant", "ha")]])
+
+
 def test_validate_refuses_when_trl_no_longer_patches_the_planned_template(monkeypatch):
     """The plan reads TRL's template files; if the installed TRL's function disagrees, `align validate` says so
     (it used to be swallowed as a tokenizer that cannot load)."""

@@ -75,6 +75,9 @@ def _hh_pairs(rows: Rows, args: Any, transform: str) -> tuple[list[tuple[list, s
         if len(chosen) < 2 or chosen[-2][0] != "user":  # two Assistant turns in a row: no Human turn to reply to
             dropped["final reply not after a Human turn"] += 1
             continue
+        if any(a[0] == b[0] for a, b in zip(chosen, chosen[1:])):  # as a chat template reads the turns: Gemma's and
+            dropped["two turns of one role in a row"] += 1  # Mistral's refuse them, and one row refused the card
+            continue
         if not text_of(chosen[-1][1]) or not text_of(rejected[-1][1]):
             dropped["empty final reply"] += 1
             continue
@@ -93,7 +96,8 @@ def hh_transcript(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
 
     prompt = every turn before the final assistant reply (rendered in the HH format, ending with the
     "Assistant:" cue); chosen / rejected = the two final replies. Pairs whose turns differ before the final
-    reply, whose final replies are identical, or that do not parse, are dropped and counted by reason.
+    reply, whose final replies are identical, with two turns of one role in a row (~0.2% of HH: a chat template
+    such as Gemma's refuses them), or that do not parse, are dropped and counted by reason.
     Args: `true`, or `{max_prompt_chars: N}` to also drop (and count) pairs with longer prompts.
     """
     pairs, dropped = _hh_pairs(rows, args, "hh_transcript")
