@@ -264,10 +264,16 @@ def _empty_field(column: str) -> Callable[[Rows], dict[str, list[int]]]:
 
 def _uninformative_pairs(rows: Rows) -> dict[str, list[int]]:
     """A preference pair with an empty reply, or whose replies differ only in whitespace, teaches nothing."""
+    diverged = [i for i, r in enumerate(rows) if r.get(DIVERGED)]  # marked by implicit_prompt
     replies = [(text_of(r["chosen"]), text_of(r["rejected"])) for r in rows]
     return {"with no visible text in 'chosen' or 'rejected'": [i for i, (c, r) in enumerate(replies) if not c or not r],
             "whose 'chosen' and 'rejected' differ at most in whitespace or invisible characters":
-                [i for i, (c, r) in enumerate(replies) if c and c == r]}
+                [i for i, (c, r) in enumerate(replies) if c and c == r and i not in diverged],
+            "whose 'chosen' and 'rejected' conversations diverge before the final reply (no one prompt to compare "
+            "the replies on)": diverged}
+
+
+DIVERGED = "_diverges_before_the_final_reply"  # an implicit-prompt row's mark: dropped and counted, never kept
 
 
 def implicit_prompt(row: dict[str, Any], where: str) -> dict[str, Any]:
@@ -278,21 +284,30 @@ def implicit_prompt(row: dict[str, Any], where: str) -> dict[str, Any]:
     the last user turn's text. Explicit: `prompt` = the shared turns (ending with a user turn), `chosen` /
     `rejected` = [the reply]. A row already explicit, or in text form, is returned as it is; an implicit row whose
     conversations share more or less than everything but one final assistant reply, or whose text `prompt` is not
-    their last user turn, is an error naming the row."""
+    their last user turn, is an error naming the row and the first turn that differs. Turns compare with their text
+    stripped (a trailing space is no other prompt). Two well-formed conversations (each a final assistant reply
+    after a user turn) that diverge earlier are marked (DIVERGED) for `_uninformative_pairs` to drop and count, up to
+    the card's max_unusable_fraction, as the HH transforms drop theirs: one such row refused the whole card."""
     chosen, rejected, prompt = row.get("chosen"), row.get("rejected"), row.get("prompt")
     if not (is_conversation(chosen) and is_conversation(rejected)) or isinstance(prompt, list) or \
             (len(chosen) == 1 and len(rejected) == 1):
         return row
+    turn = lambda m: (m.get("role"), m.get("content").strip() if isinstance(m.get("content"), str)  # noqa: E731
+                      else m.get("content"))
     shared = 0
-    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+    while shared < min(len(chosen), len(rejected)) and turn(chosen[shared]) == turn(rejected[shared]):
         shared += 1
-    if chosen == rejected:  # identical replies (UltraFeedback has some): split off the last turn; the pair is
-        shared = len(chosen) - 1  # then dropped and counted as teaching nothing (`_uninformative_pairs`)
+    if shared == len(chosen) == len(rejected):  # identical replies (UltraFeedback has some): split off the last
+        shared = len(chosen) - 1  # turn; the pair is then dropped and counted as teaching nothing (_uninformative_pairs)
     turns = chosen[:shared]
     if shared == 0 or turns[-1].get("role") != "user" or len(chosen) != shared + 1 or len(rejected) != shared + 1:
+        if all(len(c) >= 2 and turn(c[-1])[0] == "assistant" and turn(c[-2])[0] == "user" for c in (chosen, rejected)):
+            return {**row, "prompt": chosen[:-1], "chosen": chosen[-1:], "rejected": rejected[-1:], DIVERGED: True}
+        differ = (f"; turn {shared} differs: {turn(chosen[shared]) if shared < len(chosen) else None!r:.80} in "
+                  f"'chosen', {turn(rejected[shared]) if shared < len(rejected) else None!r:.80} in 'rejected'")
         raise FormatError(f"{where}: fields 'chosen' and 'rejected' are whole conversations (the implicit-prompt form), "
                           "but they do not share every turn up to a user turn followed by one assistant reply each "
-                          f"(they share {shared} of {len(chosen)} and {len(rejected)} turns)")
+                          f"(they share {shared} of {len(chosen)} and {len(rejected)} turns{differ})")
     if isinstance(prompt, str) and prompt.strip() != turns[-1]["content"].strip():
         raise FormatError(f"{where}: field 'prompt' is not the conversation's last user turn (prompt "
                           f"{prompt[:60]!r}, user turn {turns[-1]['content'][:60]!r})")
