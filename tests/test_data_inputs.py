@@ -284,3 +284,29 @@ def test_drops_of_a_datasets_own_splits_are_counted_per_split(monkeypatch):
     assert ctx.extra_manifest["dropped_rows"] == {
         "prefs.yaml split 'train': chosen and rejected are the same": 435,
         "prefs.yaml split 'test': chosen and rejected are the same": 12}
+
+
+def test_a_stage_reading_another_form_of_text_than_a_stage_upstream_is_warned_of(capsys, tmp_path):
+    """A policy SFT-trained on conversations rendered with the chat template, then DPO-trained on the same transcripts
+    as HH text ("\\n\\nHuman: ..."), learned from text in a form it never saw, and nothing said so (a data review,
+    2026-12-02). `align validate` names the stage, both cards and both forms; the shipped pipelines keep one form."""
+    from conftest import validate
+
+    rc, out = validate(capsys, str(REPO / "pipelines" / "chat.yaml"))
+    assert rc == 0 and "upstream of it" not in out
+    cards = REPO / "data_cards"
+    body = ("name: mixed\nbase_model: builtin:tiny-llama\nchat_template: chatml\nseed: 5\n"
+            "builtin: {vocab_size: 1024, hidden_size: 32, num_layers: 1, num_heads: 2, intermediate_size: 64, "
+            "max_position_embeddings: 320}\nstages:\n"
+            f"  sft: {{data: {cards / 'hh_rlhf_harmless_chat_sft.yaml'}, max_steps: 2, max_length: 320}}\n"
+            f"  reward: {{init: sft, data: {cards / '%s'}, max_steps: 2, max_length: 320}}\n"
+            f"  dpo: {{policy: sft, data: {cards / '%s'}, max_steps: 2, max_length: 320}}\n")
+    (tmp_path / "p.yaml").write_text(body % ("hh_rlhf_harmless_chat_pairs.yaml", "hh_rlhf_harmless_chat_pairs.yaml"))
+    rc, out = validate(capsys, str(tmp_path / "p.yaml"))
+    assert rc == 0 and "upstream of it" not in out, out
+    (tmp_path / "p.yaml").write_text(body % ("hh_rlhf_harmless_chat_pairs.yaml", "hh_rlhf_harmless_pairs.yaml"))
+    rc, out = validate(capsys, str(tmp_path / "p.yaml"))
+    assert rc == 0, out
+    assert ("stages.dpo: hh_rlhf_harmless_pairs.yaml gives plain text (no chat template), but stage 'sft' upstream "
+            "of it trained on or sampled from hh_rlhf_harmless_chat_sft.yaml, which gives conversations") in out, out
+    assert out.count("upstream of it") == 1  # reward reads the form sft trained on: no warning of its own

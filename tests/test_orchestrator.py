@@ -17,7 +17,7 @@ from conftest import REPO, TINY, run_align
 
 PROBE = REPO / "tests" / "probes" / "notorch.py"
 # The orchestrator's modules, which the class contract keeps free of stage-type names.
-NAME_FREE = ["align/orchestrator/plan.py", "align/orchestrator/validate.py", "align/data/lengths.py", "align/orchestrator/runner.py", "align/runtime/context.py", "align/runtime/process.py"]
+NAME_FREE = ["align/orchestrator/plan.py", "align/orchestrator/validate.py", "align/orchestrator/data_checks.py", "align/data/lengths.py", "align/orchestrator/runner.py", "align/runtime/context.py", "align/runtime/process.py"]
 
 
 def _no_torch(*args: str, cwd=REPO, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -10,11 +10,10 @@ imports torch.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from align.core.tracking import wandb_env_problem
 from align.config import CheckContext, ConfigError, PipelineConfig, TrainedStage
@@ -25,8 +24,8 @@ from align.core.builtin import is_builtin
 from align.core.fsutil import runs_dir_problem
 from align.data.hub import hub_unreadable
 from align.data.cards import DataCardError, DataUnavailableError, LoadedSplit, load_card, load_split
-from align.data.formats import row_prompt_key, turns_key
 from align.orchestrator import helper
+from align.orchestrator.data_checks import SplitLoader, check_eval_overlap, form_mismatches
 from align.orchestrator.estimate import EstimateError, ModelShape, model_sources
 from align.orchestrator.memory import enabled_lora, missing_lora_targets, qlora_base_problems, targeted
 from align.orchestrator.inputs import (base_model_config, check_model_inputs, fetch_tokenizer, local_model_problem,
@@ -34,9 +33,6 @@ from align.orchestrator.inputs import (base_model_config, check_model_inputs, fe
 from align.orchestrator.launch import accelerate_config, accelerate_mode, check_accelerate
 from align.orchestrator.plan import StagePlan, build_plan
 from align.core.errors import PipelineError
-
-SplitLoader = Callable[[Path, str], LoadedSplit]
-
 
 def card_loader() -> SplitLoader:
     """(card, split) -> its rows, loaded once per card and split; a hub dataset this machine cannot reach is an
@@ -110,7 +106,9 @@ def validate(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan] | N
         for key, value in plan.cfg.local_models().items():  # checked as the base model is, not when first loaded
             if problem := local_model_problem(value, Path(source).resolve().parent, cfg.trust_remote_code):
                 raise PipelineError(f"{source}: stages.{plan.name}.{key}: {problem}")
-    _check_eval_overlap(plans, split_of, str(source))
+    check_eval_overlap(plans, split_of, str(source))
+    for note in form_mismatches(plans, split_of, str(source)) if verbose else ():
+        print(f"  warning: {note}")
     mismatches = [line for name, st in cfg.stages.items() for line in st.pipeline_problems(name, cfg.stages)]
     mismatches += qlora_base_problems(cfg.stages)
     if mismatches:
@@ -360,34 +358,3 @@ def _check_card_rows(plan: StagePlan, fld: str, card: Path, data: LoadedSplit, s
     if type(plan.cfg).CARDS[fld] == PROMPTS_ONLY and not any(str(r.get("prompt", "")).strip() for r in data.rows):
         raise PipelineError(f"{where}: every one of the {len(data.rows)} prompts of {card.name} split "
                             f"'{data.split}' is empty; a policy would be sampled from nothing")
-
-
-def _turn_keys(rows: list[dict]) -> set[str]:
-    """The rows' prompts by their turns (formats.turns_key), whatever the card's form."""
-    return {k for k in (row_prompt_key(r, turns_key) for r in rows) if k is not None}
-
-
-def _check_eval_overlap(plans: list[StagePlan], split_of, source: str) -> None:
-    """Evaluation prompts must not appear among any stage's training prompts, in whatever form either card gives
-    them (formats.turns_key: a text card and a chat card over the same transcripts)."""
-    trained: dict[str, set[str]] = {}
-    for plan in plans:
-        if plan.cfg.PROMPTS == "train":
-            for fld, card in plan.cards.items():
-                rows = split_of(card, plan.cfg.card_split(fld)).rows  # conversations: keyed by their turns
-                trained.setdefault(plan.name, set()).update(_turn_keys(rows))
-    for plan in plans:
-        if plan.cfg.PROMPTS != "held_out":
-            continue
-        for fld, card in plan.cards.items():
-            split = plan.cfg.card_split(fld)
-            held_out = _turn_keys(split_of(card, split).rows)
-            for name, prompts in trained.items():
-                overlap = held_out & prompts
-                if overlap:
-                    example = json.loads(min(overlap, key=len))[-1][1]  # its last turn's text
-                    example = example if len(example) <= 160 else example[:160] + "..."
-                    raise PipelineError(
-                        f"{source}: stages.{plan.name}: {len(overlap)} evaluation prompts (split '{split}') "
-                        f"also occur in the training prompts of stage '{name}', e.g. {example!r}. Measure on a "
-                        "split no stage trains on.")
