@@ -261,6 +261,13 @@ def test_objective_kl_is_the_sequence_kl_in_nats_whatever_estimator_the_penalty_
         assert math.isclose(row["objective/kl"], k1, rel_tol=1e-6), estimator
         assert math.isclose(row["objective/non_score_reward"], (-0.1 * kl).sum(1).mean().item(), rel_tol=1e-6)
     assert not math.isclose(kl_estimate(logprobs, ref, "k2").mul(rmask).sum(1).mean().item(), k1, rel_tol=1e-3)
+    one = SimpleNamespace(**{**vars(b), "rmask": rmask[:1], "scores": torch.ones(1), "scores_used": torch.ones(1),
+                             "penalties": torch.zeros(1), "logprobs": logprobs[:1], "ref_logprobs": ref[:1],
+                             "rollout": SimpleNamespace(eos_found=torch.ones(1, dtype=torch.bool),
+                                                        attention_mask=torch.ones(1, 8))})
+    row = metrics.iteration_metrics(s, one, kl[:1], 0.1, {}, None, 0.0, 0.0, {})  # one episode (rollout_batch_size 1):
+    assert row["objective/scores_std"] == 0.0  # was NaN in every row (the unbiased std of one score)
+    assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
 
 
 def test_publishing_outside_zero3_copies_no_whole_state_on_any_process(tmp_path):

@@ -33,7 +33,7 @@ def iteration_metrics(s, b, kl: torch.Tensor, beta: float, stats: dict[str, floa
     used = gather(b.scores_used).mean().item()
     scores = gather(b.scores)
     metrics = {
-        "objective/scores": scores.mean().item(), "objective/scores_std": scores.std().item(),
+        "objective/scores": scores.mean().item(), "objective/scores_std": scores.std().item() if scores.numel() > 1 else 0.0,  # n - 1: NaN for one
         "objective/normalized_scores": gather(b.scores_used + b.penalties).mean().item(),
         "objective/penalties": gather(b.penalties).mean().item(),
         "objective/kl": seq_kl, "objective/kl_coef": beta, "objective/non_score_reward": non_score,
