@@ -32,7 +32,7 @@ class OnlineRLStage(TrainedStage):
                                   "hold its own copy and sample ids (EngineKind.token_ids)")
 
     PROMPTS: ClassVar[str] = "train"
-    HEADLINE: ClassVar[tuple[str, ...]] = ("objective/scores_last", "objective/kl_last")
+    HEADLINE: ClassVar[tuple[str, ...]] = ("objective/scores_last", "objective/kl_per_token_last")
     PRODUCES: ClassVar[str] = POLICY
     INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {
         "policy": (POLICY, True), "reward": ("judge", False), "prompts": (DATA, False)}

@@ -39,13 +39,14 @@ def metric_name(key: str) -> str:
 
 
 # GRPO's and RLOO's own log keys (their stages only: SFT's `entropy`, for one, stays train/entropy).
-_ONLINE_RL = {"reward": "objective/scores", "reward_std": "objective/scores_std", "kl": "objective/kl",
+_ONLINE_RL = {"reward": "objective/scores", "reward_std": "objective/scores_std", "kl": "objective/kl_per_token",
               "entropy": "policy/entropy", "completions/mean_length": "rollout/response_length"}
 
 
 def online_rl_metric_name(key: str) -> str:
     """GRPO/RLOO log keys under align's names: TRL's `reward` (the weighted score) is objective/scores, its `kl`
-    (mean per-token KL to the reference, where PPO's objective/kl sums over the response) objective/kl, one
+    (mean per-token KL to the reference) objective/kl_per_token (not objective/kl: PPO's, in nats per response, ~100x
+    larger at 100 tokens, and `align status` showed both as objective/kl_last), one
     judge's `rewards/<judge>/mean` objective/scores/<judge>; everything else as `metric_name`."""
     if key in _ONLINE_RL:
         return _ONLINE_RL[key]

@@ -305,7 +305,7 @@ def score_summary(ctx: StageContext) -> dict[str, float]:
         return {}
     rows = [json.loads(line) for line in (ctx.dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     out = {}
-    for key in ("objective/scores", "objective/kl"):
+    for key in ("objective/scores", "objective/kl_per_token"):
         seen = [r[key] for r in rows if key in r]
         if seen:
             out[f"{key}_first"], out[f"{key}_last"] = seen[0], seen[-1]
