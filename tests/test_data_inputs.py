@@ -310,3 +310,30 @@ def test_a_stage_reading_another_form_of_text_than_a_stage_upstream_is_warned_of
     assert ("stages.dpo: hh_rlhf_harmless_pairs.yaml gives plain text (no chat template), but stage 'sft' upstream "
             "of it trained on or sampled from hh_rlhf_harmless_chat_sft.yaml, which gives conversations") in out, out
     assert out.count("upstream of it") == 1  # reward reads the form sft trained on: no warning of its own
+
+
+@pytest.mark.parametrize("case", ["hh", "null_content", "trl_prompt_completion"])
+def test_rows_in_another_known_form_are_refused_with_the_fix_that_reads_them(tmp_path, case):
+    """Three forms were refused with a fix that could not help (a data review, 2026-12-02): raw HH transcripts
+    under `produces: preference` ("map a field to 'prompt'": there is none), a message whose content is null (a
+    tool call: the same hint), and TRL's conversational prompt-completion form ("must be text, got list", no fix).
+    Each error names the fix now; the last has a built-in transform, and the card then loads."""
+    user, reply = [{"role": "user", "content": "Hi"}], [{"role": "assistant", "content": "Hello"}]
+    row, produces, hint = {
+        "hh": ({"chosen": "\n\nHuman: Hi\n\nAssistant: Hello", "rejected": "\n\nHuman: Hi\n\nAssistant: Go"},
+               "preference", r"Anthropic HH transcripts: add `transform: \{hh_transcript: true\}`"),
+        "null_content": ({"chosen": user + [{"role": "assistant", "content": None}], "rejected": user + reply},
+                         "preference", r"field 'chosen': message 1 \(role 'assistant'\) has content 'None', not text"),
+        "trl_prompt_completion": ({"prompt": user, "completion": reply}, "prompt_completion",
+                                  r"declare `produces: messages` and add `transform: \{prompt_completion_messages"),
+    }[case]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(row) + "\n" for _ in range(4)))
+    card = tmp_path / "c.yaml"
+    card.write_text(f"name: c\nsource: {{path: d.jsonl}}\nlicense: MIT\nformat: jsonl\nproduces: {produces}\n"
+                    "splits: {train: 1.0, seed: 1}\n")
+    with pytest.raises(DataCardError, match=r"d.jsonl: row 0: .*" + hint):
+        load_split(str(card), "train")
+    if case == "trl_prompt_completion":
+        card.write_text("name: c\nsource: {path: d.jsonl}\nlicense: MIT\nformat: jsonl\nproduces: messages\n"
+                        "transform: {prompt_completion_messages: true}\nsplits: {train: 1.0, seed: 1}\n")
+        assert load_split(str(card), "train").rows[0]["messages"] == user + reply

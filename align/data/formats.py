@@ -171,7 +171,8 @@ def check_canonical(rows: Rows, produces: str, source: str) -> None:
             if col not in row:
                 have = ", ".join(sorted(map(str, row))) or "none"
                 raise FormatError(f"{where}: missing field '{col}' required by produces={produces} (its fields: "
-                                  f"{have}); map a field to it in the card, e.g. `columns: {{{col}: <field>}}`")
+                                  f"{have}); " + (_form_hint(row) or "map a field to it in the card, e.g. "
+                                                  f"`columns: {{{col}: <field>}}`"))
         if form.check_row is not None:
             form.check_row(row, where)
             continue
@@ -188,7 +189,28 @@ def check_canonical(rows: Rows, produces: str, source: str) -> None:
             continue
         for col in (c for c in form.columns if c not in form.flags):
             if not isinstance(row[col], str):
-                raise FormatError(f"{where}: field '{col}' must be text, got {type(row[col]).__name__}")
+                raise FormatError(f"{where}: field '{col}' must be text, got {type(row[col]).__name__}"
+                                  + (f"; {hint}" if (hint := _form_hint(row)) else ""))
+
+
+def _form_hint(row: dict[str, Any]) -> str | None:
+    """The fix for a row in a known form other than the card's: Anthropic's HH transcripts, TRL's conversational
+    prompt-completion form, or conversations with a message whose content is not text (a tool call, an image)."""
+    for col in ("chosen", "rejected", "prompt", "completion", "messages"):
+        value = row.get(col)
+        if isinstance(value, str) and col in ("chosen", "rejected") and value.startswith("\n\nHuman:"):
+            return ("the rows are Anthropic HH transcripts: add `transform: {hh_transcript: true}` to the card "
+                    "(text), or `transform: {hh_messages: true}` (conversations)")
+        if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m for m in value):
+            odd = next((i for i, m in enumerate(value) if not isinstance(m.get("content"), str)), None)
+            if odd is not None:
+                return (f"field '{col}': message {odd} (role {value[odd]['role']!r}) has content "
+                        f"{str(value[odd].get('content'))[:60]!r}, not text (a tool call or an image?): drop or "
+                        "rewrite such rows in a transform of your own (`transform: module:function`)")
+    if is_conversation(row.get("prompt")) and is_conversation(row.get("completion")):
+        return ("the rows are TRL's conversational prompt-completion form: declare `produces: messages` and add "
+                "`transform: {prompt_completion_messages: true}` (the turns joined; every assistant turn is trained)")
+    return None
 
 def drop_unusable(rows: Rows, produces: str, source: str, max_fraction: float) -> tuple[Rows, Counter]:
     """Rows in the right form that cannot teach anything (the form's `contents` rule: an empty reply, a pair whose

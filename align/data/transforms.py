@@ -131,6 +131,20 @@ def hh_chosen_messages(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]
     return [{"messages": _messages(turns) + [{"role": "assistant", "content": c}]} for turns, c, _ in pairs], dropped
 
 
+def prompt_completion_messages(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
+    """TRL's conversational prompt-completion rows (`prompt` and `completion` lists of messages) -> `messages` rows,
+    the prompt's turns then the completion's. SFT on them trains every assistant turn, the prompt's earlier ones too
+    (TRL's prompt-completion loss trains the completion's alone)."""
+    out = []
+    for i, row in enumerate(rows):
+        prompt, completion = row.get("prompt"), row.get("completion")
+        if not (isinstance(prompt, list) and isinstance(completion, list)):
+            raise FormatError(f"row {i}: transform prompt_completion_messages needs `prompt` and `completion` lists "
+                              f"of messages, got {type(prompt).__name__} and {type(completion).__name__}")
+        out.append({**_keep(row), "messages": prompt + completion})
+    return out, Counter()
+
+
 def alpaca(rows: Rows, args: Any, seed: int) -> tuple[Rows, Counter]:
     """Alpaca rows (instruction / input / output) -> prompt_completion."""
     out, dropped = [], Counter()
@@ -231,5 +245,6 @@ TRANSFORMS: dict[str, Callable[[Rows, Any, int], tuple[Rows, Counter]]] = {
     "hh_messages": hh_messages,
     "hh_chosen_messages": hh_chosen_messages,
     "alpaca": alpaca,
+    "prompt_completion_messages": prompt_completion_messages,
     "drop_score_ties": drop_score_ties,
 }
