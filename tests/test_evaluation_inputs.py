@@ -96,7 +96,10 @@ def test_a_report_without_pointwise_judges_has_whole_tables_and_json_without_nan
     assert "| 0.610 |" in headline(cfg, m) and "length-controlled n/a" not in headline(cfg, m)
     m["eval/dpo/ep/lc_win_rate"] = float("nan")
     assert "ep: all of them, each pair judged in both orders" in head
-    m["eval/dpo/ep/win_rate_bounds"] = [0.0, 1.0]  # every pair invalid: the rate could be anything
+    from align.report.stats import pairwise_summary  # every pair invalid: the rate could be anything
+
+    m["eval/dpo/ep/win_rate_bounds"] = pairwise_summary([{"outcome": "invalid", "verdicts": [None, None]}] * 2,
+                                                        [1, 1], [1, 1])["win_rate_bounds"]
     assert "| 1.000 (win rate 0.000-1.000 with them as losses / wins) |" in headline(cfg, m)
     write_report(tmp_path, cfg, m, ["p0", "p1"], samples, [], {}, [])
     def refuse(constant):  # what JSON.parse and every non-Python reader refuse

@@ -72,6 +72,22 @@ def test_table_rows_sorted_by_kl_with_cis_and_pareto_marks():
     assert summary.startswith("Pareto-optimal points for vader") and "sft 1 of 1 (KL 0.00)" in summary
 
 
+def test_a_policy_that_lost_to_the_baseline_at_more_kl_is_not_on_the_win_rate_frontier():
+    """The baseline logs no win rate, and was left out of the win-rate frontier: a lone policy with more KL that
+    lost to it (win rate 0.3) was marked Pareto-optimal there, dominated by nothing, beside "no" on the mean axis
+    (a review of the report, 2026-12-02). The baseline is the point (its KL, 0.5) now."""
+    m = {"eval/sft/kl": 0.0, "eval/sft/vader/mean": 0.5, "eval/sft/vader/mean_ci": [0.45, 0.55],
+         "eval/dpo/kl": 2.0, "eval/dpo/kl_ci": [1.8, 2.2], "eval/dpo/vader/mean": 0.3,
+         "eval/dpo/vader/mean_ci": [0.25, 0.35], "eval/dpo/vader/win_rate": 0.3, "eval/dpo/vader/win_rate_ci": [0.25, 0.35]}
+    groups = frontier.group_policies(["sft", "dpo"], {}, {"sft": "sft", "dpo": "dpo"})
+    rows = frontier.frontier_table(m, groups, "vader", "sft")
+    assert next(r for r in rows if r.startswith("| dpo")).endswith("| no / no |"), rows
+    assert next(r for r in rows if r.startswith("| sft")).endswith("| yes / - |"), rows
+    m["eval/dpo/vader/win_rate"] = 0.7  # won: on the frontier (more KL, more wins)
+    assert next(r for r in frontier.frontier_table(m, groups, "vader", "sft") if r.startswith("| dpo")).endswith(
+        "| no / yes |")
+
+
 def test_frontier_figure_has_two_panels_and_draws_every_group(tmp_path):
     seed = 5
     print(f"seed {seed}")

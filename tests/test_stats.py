@@ -157,3 +157,39 @@ def test_a_reward_model_tie_counts_half_in_accuracy_and_calibration():
 
     with pytest.raises(JudgeError, match="scored held-out pair 0 non-finite .*3 pairs in all"):
         pointwise.pairwise_accuracy(Overflowed(), [{"prompt": "p", "chosen": "a", "rejected": "b"}] * 3)
+
+
+@pytest.mark.parametrize("n", [4, 10, 69, 128, 300, 512])
+def test_a_win_rate_of_0_or_1_lies_in_its_interval_and_the_report_draws_it(n, tmp_path):
+    """Wilson's interval holds p, exactly 1 at p = 1, but in floating point centre + half fell one bit below 1 for
+    634 n under 2000 (512, evaluate's default max_prompts, among them) and centre - half above 0 for 128 (a review
+    of the report, 2026-12-02): the win-rate plot's error bar was -1e-16, matplotlib refused it, and evaluate
+    stopped after every policy was sampled and judged, with no report. The bounds hold p now, and the plots draw
+    no bar below 0."""
+    from align.report import plots
+    from align.report.stats import outcome_ci
+
+    for p in (0.0, 1.0):
+        lo, hi = outcome_ci([p] * n)
+        assert lo <= p <= hi and 0.0 <= lo and hi <= 1.0, (n, p, lo, hi)
+    assert outcome_ci([1.0] * n)[1] == 1.0 and outcome_ci([0.0] * n)[0] == 0.0
+    m = {}
+    for name, (mine, theirs) in {"all": ([1.0] * n, [0.0] * n), "none": ([0.0] * n, [1.0] * n)}.items():
+        w = win_rate(mine, theirs)
+        m.update({f"eval/{name}/judge/win_rate": w["win_rate"], f"eval/{name}/judge/win_rate_ci": [w["ci_low"],
+                                                                                                  w["ci_high"]]})
+    m["eval/all/judge/win_rate_ci"][1] -= 1e-16  # as the old bound came out: the plot draws it all the same
+    plots.win_rates(m, ["base", "all", "none"], ["judge"], "base", tmp_path / "w.png")
+    assert (tmp_path / "w.png").stat().st_size > 0
+
+
+def test_every_pair_invalid_still_gives_the_bounds_with_them_as_losses_and_as_wins():
+    """A judge that refused every pair left out win_rate_bounds, so the report's invalid cell hid them exactly where
+    they matter most (its test had set them by hand)."""
+    from align.report.stats import pairwise_summary
+
+    out = pairwise_summary([{"outcome": "invalid", "verdicts": [None, None]}] * 3, [1] * 3, [1] * 3)
+    assert out["win_rate_bounds"] == [0.0, 1.0] and out["invalid_rate"] == 1.0
+    some = pairwise_summary([{"outcome": "win", "verdicts": ["A", "B"]}, {"outcome": "invalid", "verdicts": [None]}],
+                            [1, 1], [1, 1])
+    assert some["win_rate_bounds"] == [0.5, 1.0] and some["win_rate"] == 1.0

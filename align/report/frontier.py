@@ -53,10 +53,15 @@ def pareto_optimal(points: dict[str, tuple[float, float]]) -> set[str]:
     return best
 
 
-def frontier_points(m: dict[str, Any], policies: list[str], judge: str, key: str = "mean") -> dict[str, tuple[float, float]]:
-    """Policy -> (mean KL, judge `key`) from evaluate's metrics; the baseline has no win rate and is left out of
-    the win-rate frontier."""
-    return {p: (m[f"eval/{p}/kl"], m[f"eval/{p}/{judge}/{key}"]) for p in policies if f"eval/{p}/{judge}/{key}" in m}
+def frontier_points(m: dict[str, Any], policies: list[str], judge: str, key: str = "mean",
+                    baseline: str | None = None) -> dict[str, tuple[float, float]]:
+    """Policy -> (mean KL, judge `key`) from evaluate's metrics. The baseline logs no win rate; its rate against
+    itself is 0.5 (ties count half), and it is a point of the win-rate frontier at that: left out, a policy with
+    more KL that lost to it was marked Pareto-optimal, dominated by nothing."""
+    points = {p: (m[f"eval/{p}/kl"], m[f"eval/{p}/{judge}/{key}"]) for p in policies if f"eval/{p}/{judge}/{key}" in m}
+    if key == "win_rate" and baseline in policies and f"eval/{baseline}/kl" in m:
+        points[baseline] = (m[f"eval/{baseline}/kl"], 0.5)
+    return points
 
 
 def _ci(m: dict[str, Any], key: str, fmt: str = ".3f") -> str:
@@ -69,7 +74,7 @@ def frontier_table(m: dict[str, Any], groups: list[Group], judge: str, baseline:
     whether the point is Pareto-optimal for the mean score and for the win rate."""
     policies = [p for g in groups for p in g.policies]
     best_mean = pareto_optimal(frontier_points(m, policies, judge, "mean"))
-    best_win = pareto_optimal(frontier_points(m, policies, judge, "win_rate"))
+    best_win = pareto_optimal(frontier_points(m, policies, judge, "win_rate", baseline))
     rows = [f"| group (type) | setting | KL [nats] [95% CI] | {judge} mean [95% CI] | {judge} win rate vs {baseline} "
             "[95% CI] | Pareto-optimal (mean / win rate) |", "|---|---|---|---|---|---|"]
     for g in groups:
