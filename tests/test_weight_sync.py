@@ -56,6 +56,20 @@ def test_groups_are_one_per_decoder_layer_and_the_rest():
     assert set(g[0]) == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     assert all(k.startswith(f"model.layers.{i}.") for i in range(3) for k in g[i + 1])
     assert all(len(g[i + 1]) == 9 for i in range(3))  # q k v o, gate up down, two norms
+    assert len(groups(with_lora(tiny_llama()))) == 4  # under PEFT's prefix alike
+
+
+def test_gpt2_style_models_sync_a_layer_at_a_time_too():
+    """Groups were found by the name `.layers.N.`: GPT-2, GPT-Neo, Falcon, BLOOM and StarCoder name theirs `.h.N.`,
+    so the whole model was one group, gathered whole on every GPU under ZeRO-3 at each sync (a review, 2026-12-02)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=16, n_head=2, n_positions=32, vocab_size=64))
+    g = groups(model)
+    assert len(g) == 4, [len(x) for x in g]
+    assert all(k.startswith(f"transformer.h.{i}.") for i in range(3) for k in g[i + 1])
+    assert dict(engine_entries(model)).keys() == {k for k in model.state_dict() if k != "lm_head.weight"}
 
 
 def test_full_entries_are_the_checkpoint_and_a_tied_head_is_left_out():

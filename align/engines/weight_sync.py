@@ -32,9 +32,6 @@ from typing import Iterator
 
 import torch
 
-LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
-
-
 def _peft_parts(model):
     from peft import PeftModel
 
@@ -53,12 +50,24 @@ def _gathered(params: list[torch.nn.Parameter]):
     return deepspeed.zero.GatheredParameters(partitioned)
 
 
+def decoder_layers(model) -> str | None:
+    """The qualified name of the model's decoder layers: its shallowest `nn.ModuleList` of two or more modules
+    (`model.layers` in Llama and its kin, `transformer.h` in GPT-2, Falcon, BLOOM, StarCoder, `transformer.blocks`
+    in MPT; an MoE layer's experts lie deeper), the longest at that depth; None for a model without one."""
+    lists = [(name.count("."), -len(module), name) for name, module in model.named_modules()
+             if isinstance(module, torch.nn.ModuleList) and len(module) > 1]
+    return min(lists)[2] if lists else None
+
+
 def groups(model) -> list[list[str]]:
-    """The model's state-dict keys in sync groups, in state-dict order: one per decoder layer (`...layers.N.`), the
-    rest in one group of its own."""
+    """The model's state-dict keys in sync groups, in state-dict order: one per decoder layer (`decoder_layers`),
+    the rest in one group of its own. Found by name alone (`.layers.N.`), every GPT-2-style model (`.h.N.`) was one
+    group, gathered whole under ZeRO-3 on every GPU at each sync, beside the engine (a review, 2026-12-02)."""
+    prefix = decoder_layers(model)
+    layer = re.compile(rf"^({re.escape(prefix)}\.\d+)\.") if prefix else None
     out: dict[str, list[str]] = {}
     for key in model.state_dict(keep_vars=True):
-        m = LAYER.match(key)
+        m = layer.match(key) if layer else None
         out.setdefault(m.group(1) if m else "", []).append(key)
     return list(out.values())
 
