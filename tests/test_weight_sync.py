@@ -571,3 +571,47 @@ def test_a_dropped_chunk_whose_descriptors_never_came_ends_the_engine():
     finally:
         for c in (sender, receiver):
             c.close()
+
+
+def test_the_cpu_engine_repacks_a_tied_head_whatever_its_embedding_is_called(monkeypatch):
+    """vLLM on CPU prepacks linear weights; a reload leaves a tied head's pack stale (log-probs off by up to 2.56
+    nats, ../shared/notes/vllm-cpu.md). The worker re-packed it only when a loaded name held "embed": GPT-2's
+    `transformer.wte` never was (a review, 2026-12-02). It goes by the tie itself now, and skips a sync of layer
+    weights alone (LoRA's) and an untied head."""
+    import sys
+    import types
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "align" / "engines" / "vllm_side"))
+    import align_vllm_worker
+
+    packed: list = []
+    utils = types.ModuleType("vllm.model_executor.layers.utils")
+    utils.dispatch_cpu_unquantized_gemm = lambda layer, remove_weight: packed.append(layer)
+    for name in ("vllm", "vllm.model_executor", "vllm.model_executor.layers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.layers.utils", utils)
+
+    def engine(tie: bool):
+        model = torch.nn.Module()
+        model.transformer = torch.nn.Module()
+        model.transformer.wte = torch.nn.Embedding(8, 4)
+        model.transformer.h = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+        model.lm_head = torch.nn.Linear(4, 8, bias=False)
+        if tie:
+            model.lm_head.weight = model.transformer.wte.weight
+        sync = object.__new__(align_vllm_worker.WeightSync)
+        sync.reload_weights = lambda weights_iterator, is_checkpoint_format: list(weights_iterator)
+        sync.model_runner = types.SimpleNamespace(get_model=lambda: model)
+        return sync, model
+
+    sync, model = engine(tie=True)
+    assert sync._align_load([("transformer.wte.weight", torch.zeros(8, 4)), ("transformer.h.0.weight", None)],
+                            partial=False) == 2
+    assert packed == [model.lm_head]
+    packed.clear()
+    sync._align_load([("transformer.h.0.weight", None)], partial=True)  # the layers alone: the head is as it was
+    assert packed == []
+    sync, model = engine(tie=False)
+    sync._align_load([("transformer.wte.weight", None), ("lm_head.weight", None)], partial=False)
+    assert packed == []  # an untied head is loaded and packed by the reload itself

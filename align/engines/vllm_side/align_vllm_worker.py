@@ -15,6 +15,7 @@ import logging
 import math
 import mmap
 import os
+import re
 import resource
 import time
 import warnings
@@ -272,8 +273,10 @@ class WeightSync:
     def _align_load(self, items, partial: bool) -> int:
         """vLLM's `reload_weights`. On CPU, vLLM prepacks linear weights into oneDNN handles at load time, and a
         reload refreshes the layers it loads but not the `lm_head` of a model with tied embeddings (its weight is the
-        embedding's): the head is re-dispatched here when the embedding was loaded, else the engine samples from the
-        new body and the old head (measured: log-probs off by up to 2.56; ../shared/notes/vllm-cpu.md)."""
+        embedding's): the head is re-dispatched here when it is tied (its weight is another module's too) and a
+        weight outside the decoder layers was loaded, else the engine samples from the new body and the old head
+        (measured: log-probs off by up to 2.56; ../shared/notes/vllm-cpu.md). Decided by the name "embed" before,
+        GPT-2's `wte` was never re-dispatched (a review, 2026-12-02)."""
         names: list[str] = []
 
         def counted():
@@ -285,9 +288,11 @@ class WeightSync:
             self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
         model = self.model_runner.get_model()
         head = getattr(model, "lm_head", None)
-        embedding_loaded = any("embed" in n for n in names)
-        if (embedding_loaded and head is not None and getattr(head, "weight", None) is not None
-                and head.weight.device.type == "cpu"):
+        weight = getattr(head, "weight", None)
+        tied = weight is not None and any(p is weight for n, p in model.named_parameters(remove_duplicate=False)
+                                          if not n.startswith("lm_head."))
+        outside_layers = any(not re.search(r"\.\d+\.", n) for n in names)  # the embedding, final norm, head
+        if tied and outside_layers and weight.device.type == "cpu":
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
             with torch.no_grad():
