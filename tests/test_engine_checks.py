@@ -111,6 +111,33 @@ def test_an_engine_that_died_between_calls_is_named_with_its_pid_and_log(tmp_pat
     assert str(log) in msg and "CUDA error: out of memory" in msg
 
 
+def test_an_engine_that_dies_with_a_request_unread_is_named_with_its_exit_and_log(tmp_path):
+    """An engine that exits with a message of ours still unread (OOM-killed mid-sync: the node-bucket sync sends the
+    next chunk before the last one's ack) resets the socket: recv() raised a bare ConnectionResetError, with no pid
+    and no log (a review, 2026-12-02). It is an EngineError naming the call, the exit and the engine's log."""
+    from multiprocessing.connection import Client
+
+    address, key = str(tmp_path / "engine.sock"), b"k" * 16
+    script = ("import os, time; from multiprocessing.connection import Listener\n"
+              f"l = Listener({address!r}, authkey={key!r}); c = l.accept(); c.recv(); time.sleep(3); os._exit(3)")
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    log = tmp_path / "engine.log"
+    log.write_text("loading\nKilled\n")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(address) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    engine = object.__new__(vllm_engine.VLLMEngine)  # its transport only: no process of vLLM's is started
+    engine.conn, engine.broken, engine.proc, engine.log_path = Client(address, authkey=key), None, proc, log
+    engine.conn.send({"op": "chunk", "n": 1})
+    engine.conn.send({"op": "chunk", "n": 2})  # never read: the engine exits with it in its queue
+    proc.wait(timeout=60)
+    with pytest.raises(EngineError) as err:
+        engine._reply("chunk", "weight sync chunk 2", time.monotonic() + 30)
+    msg = str(err.value)
+    assert f"process {proc.pid} exited 3" in msg and "weight sync chunk 2" in msg, msg
+    assert str(log) in msg and "Killed" in msg
+
+
 def test_a_request_the_engine_never_reads_ends_by_its_deadline_and_stops_the_engine(tmp_path):
     """A shared engine wedged serving another process never reads this one's next request: a request larger than the
     socket's buffer (a generate of a few hundred long prompts) then blocked in send() forever, before the reply's

@@ -151,8 +151,14 @@ class EngineClient:
                                   "generation.engine_timeout_s if the work is that long")
         try:
             reply = self.conn.recv()
-        except EOFError:
-            raise EngineError(f"the vLLM engine closed the connection during '{what}' (log: {self.log_path}):\n"
+        except (EOFError, OSError) as exc:  # a peer that exits with our message unread resets the socket
+            for _ in range(25):  # the engine is exiting: up to 5 s for its exit status
+                if self.proc.poll() is not None:
+                    break
+                time.sleep(0.2)
+            died = (f" (process {self.proc.pid} exited {self.proc.returncode})" if self.proc.poll() is not None
+                    else f" ({type(exc).__name__})")
+            raise EngineError(f"the vLLM engine closed the connection during '{what}'{died} (log: {self.log_path}):\n"
                               f"{self._tail()}") from None
         if not reply.get("ok"):
             if reply.get("unopened"):  # the engine could not open the sync's bucket: it loaded nothing
