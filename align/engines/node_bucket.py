@@ -36,7 +36,7 @@ import torch
 
 from align.engines.base import all_gather_objects as _all_gather
 from align.engines.buckets import Bucket, unmap
-from align.engines.weight_sync import dtype_name, groups, shm_room_problem
+from align.engines.weight_sync import converts_weights, dtype_name, groups, shm_room_problem
 
 SYNCS = ("host", "shared")  # the generation.weight_sync values whose ZeRO-3 syncs may take the node's bucket
 NODE_MIN_BYTES = 512 * 2 ** 20
@@ -62,6 +62,8 @@ def problem(model) -> str | None:
         return "its weights are not partitioned (ZeRO-3)"
     if hasattr(model, "peft_config"):
         return "a LoRA policy's merged layers are computed from gathered weights"
+    if converts_weights(model):  # the partitions hold memory's layout, the engine loads the checkpoint's
+        return "transformers converts its weights (fused experts) between the checkpoint and memory"
     world = dist.get_world_size()
     if int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
         return "the job's processes are on more than one node"

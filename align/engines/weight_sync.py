@@ -76,7 +76,10 @@ def engine_entries(model, changed_only: bool = False) -> Iterator[tuple[str, tor
     """(checkpoint name, tensor) for every weight the engine loads, group by group (gathered under ZeRO-3 while the
     group is read: consume each entry before asking for the next). `changed_only`: only entries computed from a
     parameter that trains (requires_grad). Tensors stay on the model's device; a tied `lm_head` is left out (the
-    engine ties it to the embedding)."""
+    engine ties it to the embedding). Checkpoint names: transformers 5 renames and fuses some families' weights as
+    it loads them (Mixtral's experts: `mlp.experts.gate_up_proj` in memory, `block_sparse_moe.experts.N.w1` on disk),
+    so each group is converted back as `save_pretrained` converts it (`checkpoint_names`); vLLM's loader knows only
+    the checkpoint's names, and a Mixtral policy's first sync failed (a review, 2026-12-02)."""
     from peft.tuners.lora import LoraLayer
 
     peft, base = _peft_parts(model)
@@ -102,13 +105,44 @@ def engine_entries(model, changed_only: bool = False) -> Iterator[tuple[str, tor
             continue
         with torch.no_grad(), _gathered([p for *_, sources in wanted for p in sources
                                          if isinstance(p, torch.nn.Parameter)]):
-            for k, name, layer, _ in wanted:
-                v = state[k].detach()
-                if isinstance(layer, LoraLayer) and name.endswith(".weight") and not layer.merged:
-                    for adapter in layer.active_adapters:
-                        if adapter in layer.lora_A:
-                            v = v + layer.get_delta_weight(adapter).to(v.dtype)
-                yield name, v
+            yield from checkpoint_names(base, _merged(state, wanted, LoraLayer))
+
+
+def _merged(state, wanted, lora_layer) -> Iterator[tuple[str, torch.Tensor]]:
+    """A group's (name, tensor), each LoRA layer's active adapters merged into its weight (out of place)."""
+    for k, name, layer, _ in wanted:
+        v = state[k].detach()
+        if isinstance(layer, lora_layer) and name.endswith(".weight") and not layer.merged:
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A:
+                    v = v + layer.get_delta_weight(adapter).to(v.dtype)
+        yield name, v
+
+
+def converts_weights(model) -> bool:
+    """Whether transformers renames or fuses `model`'s weights between its checkpoint and memory (Mixtral's and other
+    MoE families' experts): whether `save_pretrained`'s conversion of its state dict (on the meta device: no copy,
+    whatever ZeRO-3 partitioned) changes the names. Asked of the conversions' list instead, a Llama loaded by a stage
+    had one (a legacy renaming that names nothing of its) and was refused the node bucket."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return False
+    state = {k: torch.empty(tuple(getattr(v, "ds_shape", v.shape)), dtype=v.dtype, device="meta")
+             for k, v in model.state_dict(keep_vars=True).items()}
+    return set(revert_weight_conversion(model, state)) != set(state)
+
+
+def checkpoint_names(model, entries: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`entries` (one sync group) under the names and layout `save_pretrained` writes, by the call it makes
+    (transformers' `revert_weight_conversion`: a model it does not convert comes back as it was), so the engine,
+    started from the saved directory, is sent the names it loaded."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # a transformers that converts nothing: names are the checkpoint's
+        yield from entries
+        return
+    yield from revert_weight_conversion(model, dict(entries)).items()
 
 
 @torch.no_grad()
