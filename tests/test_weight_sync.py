@@ -657,3 +657,26 @@ def _bucket_problem(model, node_bucket) -> str:
     finally:
         for p in model.parameters():
             del p.ds_id
+
+
+def test_a_lora_sync_of_part_of_a_fused_checkpoint_tensor_sends_it_whole():
+    """A family whose checkpoint fuses q, k and v in one tensor (sarvam_moe's `query_key_value`, split as it loads),
+    trained with LoRA on q and v: every sync after the first sent the fused tensor rebuilt from the trained parts
+    alone, (96, 64) under the name of a (128, 64) tensor (a review of the day's diff, 2026-12-02). The group goes
+    whole where its trained part alone would convert to other shapes; a family that fuses nothing across them
+    (Llama) still sends its trained weights alone."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    print("seed 0")
+    cfg = AutoConfig.for_model("sarvam_moe", hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=128, moe_intermediate_size=32,
+                               num_experts=4, head_dim=16)
+    model = AutoModelForCausalLM.from_config(cfg)
+    full = {k: tuple(v.shape) for k, v in engine_entries(model)}
+    peft = with_lora(model)
+    changed = {k: tuple(v.shape) for k, v in engine_entries(peft, changed_only=True)}
+    fused = [k for k in changed if "query_key_value" in k]
+    assert fused and all(changed[k] == full[k] == (128, 64) for k in fused), changed
+    llama = with_lora(tiny_llama())
+    assert all(k.endswith(("q_proj.weight", "down_proj.weight")) for k, _ in engine_entries(llama, changed_only=True))

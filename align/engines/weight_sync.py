@@ -85,8 +85,9 @@ def engine_entries(model, changed_only: bool = False) -> Iterator[tuple[str, tor
     peft, base = _peft_parts(model)
     tied = getattr(getattr(base, "config", None), "tie_word_embeddings", False)
     state = model.state_dict(keep_vars=True)
+    converting = changed_only and converts_weights(base)
     for keys in groups(model):
-        wanted = []
+        wanted, others = [], []
         for k in keys:
             name = k.removeprefix("base_model.model.") if peft else k
             if peft and ("lora_" in name or "modules_to_save" in name):
@@ -98,11 +99,12 @@ def engine_entries(model, changed_only: bool = False) -> Iterator[tuple[str, tor
             if tied and name == "lm_head.weight":
                 continue
             sources = list(layer.parameters()) if layer is not None else [state[k]]
-            if changed_only and not any(getattr(p, "requires_grad", False) for p in sources):
-                continue
-            wanted.append((k, name, layer, sources))
+            trains = not changed_only or any(getattr(p, "requires_grad", False) for p in sources)
+            (wanted if trains else others).append((k, name, layer, sources))
         if not wanted:
             continue
+        if converting and not _converts_alone(base, state, wanted, wanted + others):
+            wanted = wanted + others  # a fused tensor is rebuilt from all its parts, the frozen ones too
         with torch.no_grad(), _gathered([p for *_, sources in wanted for p in sources
                                          if isinstance(p, torch.nn.Parameter)]):
             yield from checkpoint_names(base, _merged(state, wanted, LoraLayer))
@@ -117,6 +119,22 @@ def _merged(state, wanted, lora_layer) -> Iterator[tuple[str, torch.Tensor]]:
                 if adapter in layer.lora_A:
                     v = v + layer.get_delta_weight(adapter).to(v.dtype)
         yield name, v
+
+
+def _meta(state, entries) -> dict[str, torch.Tensor]:
+    return {name: torch.empty(tuple(getattr(state[k], "ds_shape", state[k].shape)), dtype=state[k].dtype, device="meta")
+            for k, name, *_ in entries}
+
+
+def _converts_alone(model, state, part, whole) -> bool:
+    """Whether `part` of a group converts to checkpoint tensors of the names and shapes the whole group gives (on the
+    meta device): a fused checkpoint tensor (sarvam's `query_key_value`) rebuilt from the trained parts alone (q and v
+    under LoRA) would be a tensor of another shape under the same name."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    full = revert_weight_conversion(model, _meta(state, whole))
+    return all(k in full and v.shape == full[k].shape
+               for k, v in revert_weight_conversion(model, _meta(state, part)).items())
 
 
 def converts_weights(model) -> bool:
