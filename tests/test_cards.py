@@ -265,6 +265,7 @@ def test_implicit_pairs_diverging_before_the_final_reply_are_dropped_and_counted
     rows = [{"prompt": f"Q{i}?", "chosen": conv(f"Q{i}?", "A"), "rejected": conv(f"Q{i}?", "B")} for i in range(400)]
     rows.append({"prompt": "more?", "chosen": conv("Hi", "a1", "more?", "A"), "rejected": conv("Hi", "b1", "more?", "B")})
     rows.append({"prompt": "Q ", "chosen": conv("Q ", "A"), "rejected": conv("Q", "B")})
+    rows.append({"prompt": "more?", "chosen": conv("Hi", "a1", "more?", " "), "rejected": conv("Hi", "b1", "more?", "B")})
     (tmp_path / "uf.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     card = tmp_path / "uf.yaml"
     card.write_text("name: uf\nsource: {path: uf.jsonl}\nlicense: MIT\nformat: jsonl\nproduces: preference\n"
@@ -275,7 +276,8 @@ def test_implicit_pairs_diverging_before_the_final_reply_are_dropped_and_counted
             r["prompt"][0]["content"].startswith("Q ")] == [[{"role": "user", "content": "Q "}]]
     assert {k: v for k, v in loaded.dropped.items() if "diverge" in k} == {
         "whose 'chosen' and 'rejected' conversations diverge before the final reply (no one prompt to compare the "
-        "replies on)": 1}
+        "replies on)": 2}
+    assert sum(loaded.dropped.values()) == 2  # the one with an empty reply as well counted once
     (tmp_path / "uf.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:5] + rows[400:401] * 3))
     with pytest.raises(Exception, match=r"3 rows \(5, 6, 7\) whose 'chosen' and 'rejected' conversations diverge"):
         load_split(str(card), "train")  # above the card's max_unusable_fraction: refused, naming them

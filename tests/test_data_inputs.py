@@ -312,7 +312,7 @@ def test_a_stage_reading_another_form_of_text_than_a_stage_upstream_is_warned_of
     assert out.count("upstream of it") == 1  # reward reads the form sft trained on: no warning of its own
 
 
-@pytest.mark.parametrize("case", ["hh", "null_content", "trl_prompt_completion"])
+@pytest.mark.parametrize("case", ["hh", "hh_as_messages", "null_content", "trl_prompt_completion"])
 def test_rows_in_another_known_form_are_refused_with_the_fix_that_reads_them(tmp_path, case):
     """Three forms were refused with a fix that could not help (a data review, 2026-12-02): raw HH transcripts
     under `produces: preference` ("map a field to 'prompt'": there is none), a message whose content is null (a
@@ -322,6 +322,8 @@ def test_rows_in_another_known_form_are_refused_with_the_fix_that_reads_them(tmp
     row, produces, hint = {
         "hh": ({"chosen": "\n\nHuman: Hi\n\nAssistant: Hello", "rejected": "\n\nHuman: Hi\n\nAssistant: Go"},
                "preference", r"Anthropic HH transcripts: add `transform: \{hh_transcript: true\}`"),
+        "hh_as_messages": ({"chosen": "\n\nHuman: Hi\n\nAssistant: Hello", "rejected": "\n\nHuman: Hi\n\nAssistant: Go"},
+                           "messages", r"Anthropic HH transcripts: add `transform: \{hh_chosen_messages: true\}`"),
         "null_content": ({"chosen": user + [{"role": "assistant", "content": None}], "rejected": user + reply},
                          "preference", r"field 'chosen': message 1 \(role 'assistant'\) has content 'None', not text"),
         "trl_prompt_completion": ({"prompt": user, "completion": reply}, "prompt_completion",

@@ -332,6 +332,8 @@ def test_sfts_evaluation_rows_are_a_seeded_sample_of_the_split_not_the_files_hea
     assert abs(sum(float(r["score"]) > 0 for r in picked) / 256 - share) < 0.1
     assert seeded_sample(split, 256, seed) == picked and seeded_sample(split, 256, seed + 1) != picked
     assert seeded_sample(split, 10_000, seed) != split and len(seeded_sample(split, 10_000, seed)) == len(split)
+    import datetime  # a column JSON cannot hold (a parquet timestamp a card passes through) is no crash
+    assert len(seeded_sample([{**r, "at": datetime.datetime(2026, 1, 1)} for r in split[:5]], 3, seed)) == 3
     tree = ast.parse((REPO / "align" / "stages" / "sft.py").read_text())
     called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
     assert "seeded_sample" in called

@@ -171,7 +171,7 @@ def check_canonical(rows: Rows, produces: str, source: str) -> None:
             if col not in row:
                 have = ", ".join(sorted(map(str, row))) or "none"
                 raise FormatError(f"{where}: missing field '{col}' required by produces={produces} (its fields: "
-                                  f"{have}); " + (_form_hint(row) or "map a field to it in the card, e.g. "
+                                  f"{have}); " + (_form_hint(row, produces) or "map a field to it in the card, e.g. "
                                                   f"`columns: {{{col}: <field>}}`"))
         if form.check_row is not None:
             form.check_row(row, where)
@@ -190,17 +190,23 @@ def check_canonical(rows: Rows, produces: str, source: str) -> None:
         for col in (c for c in form.columns if c not in form.flags):
             if not isinstance(row[col], str):
                 raise FormatError(f"{where}: field '{col}' must be text, got {type(row[col]).__name__}"
-                                  + (f"; {hint}" if (hint := _form_hint(row)) else ""))
+                                  + (f"; {hint}" if (hint := _form_hint(row, produces)) else ""))
 
 
-def _form_hint(row: dict[str, Any]) -> str | None:
+HH_TRANSFORMS = {"preference": "`transform: {hh_transcript: true}` to the card (text), or `transform: {hh_messages: "
+                               "true}` (conversations)",
+                 "messages": "`transform: {hh_chosen_messages: true}` to the card (the chosen conversation)",
+                 "prompt_completion": "`transform: {hh_chosen_sft: true}` to the card (the chosen final reply)"}
+
+
+def _form_hint(row: dict[str, Any], produces: str) -> str | None:
     """The fix for a row in a known form other than the card's: Anthropic's HH transcripts, TRL's conversational
     prompt-completion form, or conversations with a message whose content is not text (a tool call, an image)."""
     for col in ("chosen", "rejected", "prompt", "completion", "messages"):
         value = row.get(col)
         if isinstance(value, str) and col in ("chosen", "rejected") and value.startswith("\n\nHuman:"):
-            return ("the rows are Anthropic HH transcripts: add `transform: {hh_transcript: true}` to the card "
-                    "(text), or `transform: {hh_messages: true}` (conversations)")
+            return ("the rows are Anthropic HH transcripts: add " + HH_TRANSFORMS.get(
+                produces, HH_TRANSFORMS["preference"] + ", with `produces: preference`"))
         if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m for m in value):
             odd = next((i for i, m in enumerate(value) if not isinstance(m.get("content"), str)), None)
             if odd is not None:
@@ -286,13 +292,14 @@ def _empty_field(column: str) -> Callable[[Rows], dict[str, list[int]]]:
 
 def _uninformative_pairs(rows: Rows) -> dict[str, list[int]]:
     """A preference pair with an empty reply, or whose replies differ only in whitespace, teaches nothing."""
-    diverged = [i for i, r in enumerate(rows) if r.get(DIVERGED)]  # marked by implicit_prompt
+    diverged = {i for i, r in enumerate(rows) if r.get(DIVERGED)}  # marked by implicit_prompt: counted there alone
     replies = [(text_of(r["chosen"]), text_of(r["rejected"])) for r in rows]
-    return {"with no visible text in 'chosen' or 'rejected'": [i for i, (c, r) in enumerate(replies) if not c or not r],
+    return {"with no visible text in 'chosen' or 'rejected'": [i for i, (c, r) in enumerate(replies)
+                                                                if (not c or not r) and i not in diverged],
             "whose 'chosen' and 'rejected' differ at most in whitespace or invisible characters":
                 [i for i, (c, r) in enumerate(replies) if c and c == r and i not in diverged],
             "whose 'chosen' and 'rejected' conversations diverge before the final reply (no one prompt to compare "
-            "the replies on)": diverged}
+            "the replies on)": sorted(diverged)}
 
 
 DIVERGED = "_diverges_before_the_final_reply"  # an implicit-prompt row's mark: dropped and counted, never kept

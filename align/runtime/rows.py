@@ -95,8 +95,9 @@ def drop_same_after_template(ctx: StageContext, rows: list[dict[str, Any]], wher
 def seeded_sample(rows: list[dict[str, Any]], limit: int, seed: int) -> list[dict[str, Any]]:
     """At most `limit` of `rows`, a uniform sample of them in a seeded random order (cards.seeded_rank of each row's
     content), the same on every machine and rerun. The head of a file is no sample of it: the movie reviews are
-    sorted, positive first, so SFT's 256 evaluation rows were 250 positive reviews of a split half negative."""
-    order = sorted(range(len(rows)), key=lambda i: seeded_rank(seed, json.dumps(rows[i], sort_keys=True)))
+    sorted, positive first, so SFT's 256 evaluation rows were 250 positive reviews of a split half negative. A column
+    JSON cannot hold (a parquet timestamp a card passes through) is ranked by its text."""
+    order = sorted(range(len(rows)), key=lambda i: seeded_rank(seed, json.dumps(rows[i], sort_keys=True, default=str)))
     return [rows[i] for i in order[:limit]]
 
 
