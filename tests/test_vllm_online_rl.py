@@ -45,6 +45,7 @@ def test_grpo_and_rloo_sample_through_the_vllm_engine(tmp_path):
         print(stage, "log-prob gap per logged step:", gaps)
         assert len(gaps) == 3 and max(gaps) < 1e-3, gaps
         assert m["final_metrics"]["perf/sync_seconds"] > 0
+        assert m["final_metrics"]["perf/syncs"] == len(gaps), m["final_metrics"]  # one a round: no round skipped one
         ratios = [r["sampling/importance_sampling_ratio/mean"] for r in rows if "sampling/importance_sampling_ratio/mean"
                   in r]
         if stage == "grpo":  # TRL's correction for the engine's numerics, on (RLOO recomputes its old log-probs)

@@ -269,6 +269,7 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
         drop(ctx, reference)  # also when building the trainer failed (the full policy, gigabytes at 8B)
     if rollouts is not None:
         final["perf/sync_seconds"] = sum(rollouts.engine.sync_seconds) / max(1, len(rollouts.engine.sync_seconds))
+        final["perf/syncs"] = len(rollouts.engine.sync_seconds)  # one per sampling round: a skipped one shows here
         final[GAP] = run_gap_max(rollouts, trainer.state.log_history)
     final.update(score_summary(ctx))
     final["train/prompts"] = len(prompts)
