@@ -121,9 +121,13 @@ def _merged(state, wanted, lora_layer) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, v
 
 
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of `t`'s whole shape (ZeRO-3's `ds_shape` where partitioned) and dtype on the meta device: no copy."""
+    return torch.empty(tuple(getattr(t, "ds_shape", t.shape)), dtype=t.dtype, device="meta")
+
+
 def _meta(state, entries) -> dict[str, torch.Tensor]:
-    return {name: torch.empty(tuple(getattr(state[k], "ds_shape", state[k].shape)), dtype=state[k].dtype, device="meta")
-            for k, name, *_ in entries}
+    return {name: _meta_like(state[k]) for k, name, *_ in entries}
 
 
 def _converts_alone(model, state, part, whole) -> bool:
@@ -146,8 +150,7 @@ def converts_weights(model) -> bool:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:
         return False
-    state = {k: torch.empty(tuple(getattr(v, "ds_shape", v.shape)), dtype=v.dtype, device="meta")
-             for k, v in model.state_dict(keep_vars=True).items()}
+    state = {k: _meta_like(v) for k, v in model.state_dict(keep_vars=True).items()}
     return set(revert_weight_conversion(model, state)) != set(state)
 
 
