@@ -15,6 +15,12 @@ def _plt():
     return plt
 
 
+def _bars(values: list[float], cis: list) -> list[list[float]]:
+    """matplotlib's error bars (below, above) for `values` with their [lo, hi] intervals, none below 0 (it refuses
+    one, and an interval rounded a bit past its value would stop the report)."""
+    return [[max(0.0, v - lo) for v, (lo, _) in zip(values, cis)], [max(0.0, hi - v) for v, (_, hi) in zip(values, cis)]]
+
+
 def reward_vs_kl(m: dict[str, Any], policies: list[str], judge: str, reference: str, out: Path) -> None:
     """DPO-paper style frontier: each policy a point (mean KL to the reference, mean judge score, 95% CI)."""
     plt = _plt()
@@ -23,7 +29,7 @@ def reward_vs_kl(m: dict[str, Any], policies: list[str], judge: str, reference: 
     for p in policies:
         x, y = m[f"eval/{p}/kl"], m[f"eval/{p}/{judge}/mean"]
         lo, hi = m[f"eval/{p}/{judge}/mean_ci"]
-        ax.errorbar([x], [y], yerr=[[max(0.0, y - lo)], [max(0.0, hi - y)]], fmt="o", capsize=4, label=p)
+        ax.errorbar([x], [y], yerr=_bars([y], [(lo, hi)]), fmt="o", capsize=4, label=p)
         if not many:
             ax.annotate(p, (x, y), textcoords="offset points", xytext=(6, 4))
     if many:
@@ -67,10 +73,7 @@ def frontier(m: dict[str, Any], groups: list, judge: str, reference: str, baseli
                            (axes[1], "win_rate", f"{judge} win rate vs {baseline} [fraction, ties = 0.5]")):
         for s in frontier_series(m, groups, judge, key):
             xs, ys, g = s["xs"], s["ys"], s["group"]
-            ax.errorbar(xs, ys, xerr=[[max(0.0, x - lo) for x, (lo, _) in zip(xs, s["xci"])],  # matplotlib refuses
-                                      [max(0.0, hi - x) for x, (_, hi) in zip(xs, s["xci"])]],  # a bar below 0
-                        yerr=[[max(0.0, y - lo) for y, (lo, _) in zip(ys, s["yci"])],
-                              [max(0.0, hi - y) for y, (_, hi) in zip(ys, s["yci"])]],
+            ax.errorbar(xs, ys, xerr=_bars(xs, s["xci"]), yerr=_bars(ys, s["yci"]),
                         fmt="o-" if len(xs) > 1 else "s", color=s["color"], capsize=3, markersize=4,
                         label=f"{g.name} ({g.type})")
         if key == "win_rate":
@@ -96,9 +99,8 @@ def win_rates(m: dict[str, Any], policies: list[str], judges: list[str], baselin
     for j_i, j in enumerate(judges):
         xs = [i + j_i * width for i in range(len(others))]
         ys = [m[f"eval/{p}/{j}/win_rate"] for p in others]
-        errs = [[max(0.0, y - m[f"eval/{p}/{j}/win_rate_ci"][0]) for p, y in zip(others, ys)],  # matplotlib
-                [max(0.0, m[f"eval/{p}/{j}/win_rate_ci"][1] - y) for p, y in zip(others, ys)]]  # refuses < 0
-        ax.bar(xs, ys, width=width, yerr=errs, capsize=4, label=j)
+        ax.bar(xs, ys, width=width, yerr=_bars(ys, [m[f"eval/{p}/{j}/win_rate_ci"] for p in others]), capsize=4,
+               label=j)
     ax.axhline(0.5, color="black", linestyle="--", linewidth=1)
     ax.set_xticks([i + width * (len(judges) - 1) / 2 for i in range(len(others))], others,
                   rotation=30 if tilt else 0, ha="right" if tilt else "center")
