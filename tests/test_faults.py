@@ -605,3 +605,27 @@ def test_a_failure_of_another_process_reaches_the_manifest_not_interrupted(tmp_p
     assert rank_failure(main) is None  # the earlier attempt's record went as the next attempt started
     _record_failure(other, {}, "stopped", status="interrupted")  # an interrupt is not a failure to pass on
     assert rank_failure(main) is None
+
+
+def test_a_reports_rebuild_tells_a_damaged_input_to_rerun_in_its_own_run(tmp_path, monkeypatch):
+    """`align report runs/p/r2` ran evaluate under the command typed (`align report ...`): a damaged input's fix then
+    read `align run p.yaml --from X`, without --run-id r2 or the run's overrides, and retrained X in runs/p/main."""
+    from types import SimpleNamespace
+
+    from align.config.contract import REPORT
+    from align.orchestrator import report
+    from align.orchestrator.commands import rerun_from, resume_as
+
+    run = tmp_path / "runs" / "p" / "r2"
+    run.mkdir(parents=True)
+    source = tmp_path / "p.yaml"
+    source.write_text("name: p\n")
+    (run / "pipeline.json").write_text(json.dumps({"stages": [], "config": {}, "source": str(source),
+                                                   "resume": f"align run {source} --run-id r2 dpo.beta=0.3"}))
+    evaluate = SimpleNamespace(PRODUCES=REPORT, references=lambda role: [])
+    monkeypatch.setattr(report, "parse_pipeline", lambda config, src: SimpleNamespace(stages={"eval": evaluate}))
+    hints = []
+    monkeypatch.setattr(report, "run", lambda cfg, src, **kw: hints.append(rerun_from(src, "dpo")))
+    with resume_as("align report runs/p/r2"):
+        report.rebuild(run)
+    assert hints == [f"align run {source} --run-id r2 dpo.beta=0.3 --from dpo"], hints

@@ -14,6 +14,7 @@ from align.config import parse_pipeline
 from align.config.contract import POLICY, REPORT, REWARD_MODEL
 from align.core.errors import PipelineError
 from align.core.rundir import PIPELINE, read_manifest, record_problem
+from align.orchestrator.commands import recorded_run, resume_as
 from align.orchestrator.runner import run
 from align.core.schema import is_plain_name
 
@@ -75,6 +76,7 @@ def rebuild(run_dir: str | Path) -> Path:
         models = st.references(POLICY) + st.references(REWARD_MODEL)
         for stage in dict.fromkeys(models):
             check_model_dir(run_dir, stage)
-    for name in evaluations:
-        run(cfg, source, only=name, force=True, trust_completed_inputs=True, run_dir=run_dir)
+    with resume_as(recorded_run(info.get("resume"), source, run_dir.name)):  # hints rerun this run, not `main`
+        for name in evaluations:
+            run(cfg, source, only=name, force=True, trust_completed_inputs=True, run_dir=run_dir)
     return run_dir / "report"
