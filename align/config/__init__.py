@@ -151,6 +151,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             continue  # is told at the plan
         if parts[0] == "stages" and len(parts) > 1 and parts[1] in stages:  # dpo.beta and stages.dpo.beta alike
             stage_paths += [(parts[1], parts[2:] + leaf, item) for leaf in _leaves(value)]
+        elif parts == ["stages"] and isinstance(value, dict):  # stages={dpo: {beta: 0.3}} merges into dpo too
+            stage_paths += [(str(k), leaf, item) for k, v in value.items() if k in stages for leaf in _leaves(v)]
         node = raw
         for part in parts[:-1]:
             node = node.setdefault(part, {})
@@ -238,6 +240,8 @@ def parse_pipeline(raw: dict[str, Any], source: str) -> PipelineConfig:
                 " (set `type:` when the stage's name is not its type)"
             )
         body["type"] = kind
+        if body.get(SWEEP, {}) is None:  # `sweep: null` (or `dpo.sweep=null`): no sweep, as null turns off elsewhere
+            del body[SWEEP]
         if SWEEP not in body:
             _add_stage(cfg, name, from_dict(types_[kind], body, f"{source}: stages.{name}"), None, stages_raw, source)
             continue

@@ -77,20 +77,17 @@ def expand(name: str, body: dict[str, Any], cls: type, where: str) -> list[Varia
         raise ConfigError(f"{where}.{SWEEP}: no setting to sweep (only `mode` / `max_variants`)")
     for key, values in lists.items():
         _check_key(str(key), values, cls, f"{where}.{SWEEP}.{key}")
+    lengths = {k: len(v) for k, v in lists.items()}
+    if mode == "zip" and len(set(lengths.values())) > 1:  # before the bound, whose count reads the first list
+        raise ConfigError(f"{where}.{SWEEP}: mode zip pairs the i-th values of every list, but the lists differ in "
+                          f"length ({', '.join(f'{k}: {n}' for k, n in lengths.items())}); give them equal "
+                          "lengths, or use mode: cartesian for every combination")
     count = len(next(iter(lists.values()))) if mode == "zip" else math.prod(len(v) for v in lists.values())
     if count > bound:  # refused before anything is expanded: each variant is a stage to plan and train
         shape = " x ".join(str(len(v)) for v in lists.values()) if mode != "zip" else f"zip of {count}"
         raise ConfigError(f"{where}.{SWEEP}: {count} variants ({shape} values) exceed the bound of {bound}; sweep fewer values, or raise it with "
                           f"`max_variants: {count}` in the sweep if you mean it")
-    if mode == "zip":
-        lengths = {k: len(v) for k, v in lists.items()}
-        if len(set(lengths.values())) > 1:
-            raise ConfigError(f"{where}.{SWEEP}: mode zip pairs the i-th values of every list, but the lists differ in "
-                              f"length ({', '.join(f'{k}: {n}' for k, n in lengths.items())}); give them equal "
-                              "lengths, or use mode: cartesian for every combination")
-        combos = list(zip(*lists.values()))
-    else:
-        combos = list(itertools.product(*lists.values()))
+    combos = list(zip(*lists.values())) if mode == "zip" else list(itertools.product(*lists.values()))
     base = {k: v for k, v in body.items() if k != SWEEP}
     variants: list[Variant] = []
     for combo in combos:
