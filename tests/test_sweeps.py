@@ -87,6 +87,8 @@ def test_every_variant_has_its_own_fingerprint_and_upstream_is_shared():
     ({"loss_type": ["sigmoid", "nope"]}, r"stages\.dpo\.sweep\.loss_type\[1\]: 'nope' is not allowed"),
     ({"mode": "grid", "beta": [0.1]}, r"stages\.dpo\.sweep\.mode: 'grid' is not one of cartesian, zip"),
     ({"mode": "zip", "beta": [0.1, 0.2], "seed": [1]}, r"stages\.dpo\.sweep: mode zip .* \(beta: 2, seed: 1\)"),
+    ({"mode": "zip", "beta": [0.1, 0.2, 0.3], "seed": [1], "max_variants": 2},  # lengths before the bound, whose
+     r"stages\.dpo\.sweep: mode zip .* \(beta: 3, seed: 1\)"),  # count reads the first list: its fix led to this
     ({"type": ["ppo"]}, r"stages\.dpo\.sweep\.type: the stage type cannot be swept"),
     ({"beta": [0.1, 0.1]}, r"two variants are both named 'dpo-beta_0.1'"),
     ({"learning_rate": ["1e-4", 0.0001]}, r"variants 'dpo-learning_rate_1e-4' and 'dpo-learning_rate_0.0001' have "
@@ -135,6 +137,16 @@ def test_overrides_apply_to_every_variant_but_not_to_a_swept_key():
         apply_overrides(json.loads(json.dumps(nested)), ["ppo.kl={coef: 0.3}"])
     kept = apply_overrides(json.loads(json.dumps(nested)), ["ppo.kl={adaptive: false}"])  # beside it: no conflict
     assert kept["stages"]["ppo"]["kl"] == {"adaptive": False}
+    with pytest.raises(ConfigError, match=r"override 'stages=\{dpo: \{beta: 0\.3\}\}': stages\.dpo sweeps beta"):
+        apply_overrides(json.loads(json.dumps(raw)), ["stages={dpo: {beta: 0.3}}"])  # merged into dpo: 0.3 was lost
+
+
+def test_a_null_sweep_turns_the_sweep_off():
+    """`dpo.sweep=null` was refused ("expected a mapping"): there was no way to drop a stage's sweep from the command
+    line, where null turns a setting off everywhere else."""
+    cfg = load_pipeline(str(REPO / "pipelines" / "frontier.yaml"), ["dpo.sweep=null", "dpo.beta=0.3"])
+    assert cfg.stages["dpo"].beta == 0.3 and not any(n.startswith("dpo-") for n in cfg.stages)
+    assert "dpo" in cfg.stages["evaluate"].policies and "dpo" not in cfg.variants
 
 
 def test_a_mapping_override_sets_the_keys_it_names_and_a_whole_group_is_not_swept():
@@ -153,6 +165,20 @@ def test_a_mapping_override_sets_the_keys_it_names_and_a_whole_group_is_not_swep
     with pytest.raises(ConfigError, match=r"stages\.ppo\.sweep\.kl: 'kl' is a group of settings; sweep one setting "
                                           r"in it with a dotted key, e.g. `kl\.coef: \[\.\.\.\]`"):
         parse_pipeline(swept, "p.yaml")
+
+
+def test_a_setting_the_stage_does_not_read_leaves_its_fingerprint_alone():
+    """Editing kl.kp of a PPO stage with a fixed KL coefficient retrained it and the evaluation, though a sweep over
+    kl.kp there is refused as twins: the stage does not read it."""
+    frontier = str(REPO / "pipelines" / "frontier.yaml")
+
+    def prints(*overrides):
+        return {p.name: p.fingerprint for p in build_plan(load_pipeline(frontier, list(overrides)), frontier)}
+
+    plans = prints()
+    assert prints("ppo_rm.kl.kp=5.0", "ppo_rm.kl.target=3.0", "grpo.epochs=9") == plans  # grpo sets max_steps
+    read = prints("ppo_rm.ppo_epochs=3", "grpo.max_steps=256")  # what they read still reruns them
+    assert all(read[n] != plans[n] for n in plans if n.startswith(("ppo_rm-", "grpo-", "evaluate")))
 
 
 def test_sweep_config_for_wandb():

@@ -16,6 +16,7 @@ import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from align import templates
 from align.core.builtin import check_builtin, is_builtin
@@ -148,9 +149,23 @@ def code_version() -> str:
     return h.hexdigest()[:16]
 
 
+def _blanked(stage: dict[str, Any], unread: dict[str, str]) -> dict[str, Any]:
+    """A stage's settings with those it leaves unread (dotted keys; run-wide ones too: a stage that computes
+    nothing reads no seed) set to None."""
+    for key in unread:
+        *groups, leaf = key.split(".")
+        node = stage
+        for part in groups:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf in node:
+            node[leaf] = None
+    return stage
+
+
 def _fingerprint(plan: StagePlan, cfg: PipelineConfig, inputs: dict[str, str], code: str,
                  hub_tokenizer: str | None = None, base_files: dict[str, Path] | None = None) -> str:
-    stage = semantic(plan.cfg)
+    unread = plan.cfg.unread_settings()  # e.g. kl.kp under a fixed coefficient, epochs under max_steps: any value,
+    stage = _blanked(semantic(plan.cfg), unread)  # one result (a sweep over one of them is refused as twins)
     base = {}
     if plan.cfg.starts_from_base():
         base = {"base_model": cfg.base_model, "tokenizer": cfg.tokenizer, "builtin": to_dict(cfg.builtin)}
@@ -168,7 +183,6 @@ def _fingerprint(plan: StagePlan, cfg: PipelineConfig, inputs: dict[str, str], c
         files.update({k: stamp(p) for k, p in (base_files or {}).items()})
     run_with = {"seed": plan.cfg.seed if plan.cfg.seed is not None else cfg.seed, "dtype": cfg.dtype,
                 "precision": cfg.precision, "attn_implementation": cfg.attn_implementation}
-    unread = plan.cfg.unread_settings()  # e.g. a stage that computes nothing: any of these, one result
     blob = {"stage": stage, "base": base, **{k: None if k in unread else v for k, v in run_with.items()},
             "inputs": inputs, "cards": plan.card_hashes, "code": code}
     if files:
