@@ -19,6 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.pop("WANDB_API_KEY", None)  # offline mode, whatever the developer's shell holds
+os.environ["NETRC"] = os.devnull  # nor a key `wandb login` stored (tracking.wandb: auto reads it)
 
 # The smallest sizes that still exercise every stage of pipelines/default.yaml (used by e2e and stage tests).
 TINY = [

@@ -103,6 +103,31 @@ def test_a_resumed_attempt_continues_its_wandb_run_past_its_steps_else_starts_on
     assert calls[4]["id"] != "../../etc" and len(calls[4]["id"]) == 16
 
 
+def test_an_attempt_after_two_kills_does_not_continue_a_wandb_run_holding_its_steps(tmp_path, monkeypatch):
+    """The W&B run's last step was read from metrics.jsonl, which a resume trims to its checkpoint: an attempt killed
+    before it logged left the trimmed file, and the next one continued the run that held the dropped steps, so W&B
+    silently dropped its re-logged ones and kept the killed attempt's values."""
+    from align.core.tracking import keep_metrics_until
+
+    calls = fake_wandb(monkeypatch)
+    first = tracker(tmp_path)
+    for step in (5, 10, 15):
+        first.log({"loss": 1.0 / step}, step)
+    first_id = first.finish()["id"]  # killed after step 15, its checkpoint at 10
+    tracker(tmp_path, resume=True)  # the second attempt trims metrics.jsonl, then is killed before it logs
+    keep_metrics_until(tmp_path / "metrics.jsonl", 10)
+    third = tracker(tmp_path, resume=True)
+    keep_metrics_until(tmp_path / "metrics.jsonl", 10)
+    third.log({"loss": 0.5}, 15)
+    assert calls[-1]["id"] != first_id and calls[-1]["config"]["resumed_from"] == first_id
+    assert third.run.logged == [(5, {"loss": 0.2}), (10, {"loss": 0.1}), (15, {"loss": 0.5})]
+    third.log({"loss": 0.4}, 20)
+    third.finish()
+    fourth = tracker(tmp_path, resume=True)  # resumed past every step the new run holds: it continues that one
+    fourth.log({"loss": 0.3}, 25)
+    assert calls[-1]["id"] == calls[-2]["id"] and calls[-1]["resume"] == "allow"
+
+
 def test_no_network_logs_offline_and_a_wandb_that_cannot_start_leaves_local_metrics(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WANDB_API_KEY", "k" * 40)  # `auto` with a key: online
     calls = fake_wandb(monkeypatch, fail_modes=("online",))
@@ -255,3 +280,21 @@ def test_trainer_log_keys_get_aligns_names_evaluation_and_end_of_training_alike(
     assert metric_name("train_loss") == "train/attempt_mean_loss" and metric_name("train_runtime") == "perf/runtime"
     assert eval_metrics({"eval_loss": 0.5, "eval_rewards/margins": 0.1, "eval_runtime": 3.0}) == {
         "eval/loss": 0.5, "eval/rewards/margin": 0.1}
+
+
+def test_auto_is_online_for_a_user_who_ran_wandb_login(tmp_path, monkeypatch):
+    """`wandb login` keeps the key in ~/.netrc, not in the environment: `auto` logged such a user offline without a
+    word. The key is looked up for the W&B host named by WANDB_BASE_URL."""
+    from align.core.tracking import wandb_mode
+
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    assert wandb_mode("auto") == "online"
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.com")  # a key for another host is not this one's
+    assert wandb_mode("auto") == "offline"
+    netrc.write_text("machine wandb.example.com login user password\n")  # an entry without a key
+    assert wandb_mode("auto") == "offline"
+    netrc.write_text("machine wandb.example.com login\n")  # one netrc cannot parse
+    assert wandb_mode("auto") == "offline"

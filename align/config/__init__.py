@@ -36,7 +36,7 @@ class Tracking:
     """Experiment tracking."""
 
     wandb: str = one_of("auto", "auto", "online", "offline", "disabled")
-    """auto (online with an API key, offline without) | online | offline | disabled."""
+    """auto (online with an API key: WANDB_API_KEY, or the one `wandb login` stored; offline without) | online | offline | disabled."""
     project: str = "align"
     """W&B project."""
     entity: str | None = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import netrc
 import os
 import re
 import secrets
@@ -21,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from align.core.fsutil import atomic_write_text
 
@@ -88,8 +90,22 @@ def wandb_mode(setting: str) -> str | None:
     if env in ("offline", "dryrun"):
         return "offline"
     if setting == "auto":
-        return "online" if env == "online" or os.environ.get("WANDB_API_KEY") else "offline"
+        return "online" if env == "online" or os.environ.get("WANDB_API_KEY") or logged_in() else "offline"
     return setting
+
+
+def logged_in() -> bool:
+    """Whether `wandb login` stored a key for the W&B host (WANDB_BASE_URL, else api.wandb.ai) in the netrc file
+    wandb reads ($NETRC, else ~/.netrc or ~/_netrc): a user who logged in has no WANDB_API_KEY in the environment.
+    The key itself is not read out."""
+    host = urlsplit(os.environ.get("WANDB_BASE_URL", "").strip() or "https://api.wandb.ai").netloc
+    found = [p for p in (Path("~/.netrc").expanduser(), Path("~/_netrc").expanduser()) if p.is_file()]
+    path = Path(os.environ["NETRC"]).expanduser() if os.environ.get("NETRC") else (found or [None])[0]
+    try:
+        entry = netrc.netrc(str(path)).authenticators(host) if path is not None and host else None
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(entry and entry[2])
 
 
 def sweep_config(stage: str, variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -138,6 +154,21 @@ def new_run_id(stage_dir: Path) -> str:
     _id_file(stage_dir).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(_id_file(stage_dir), new + "\n")
     return new
+
+
+def _logged_file(stage_dir: Path) -> Path:
+    return Path(stage_dir) / "wandb" / "align_run_logged"
+
+
+def logged_to(stage_dir: Path, run_id: str) -> float:
+    """The highest step W&B run `run_id` was sent (`<stage>/wandb/align_run_logged`: "<id> <step>"), -inf when not
+    recorded for it. metrics.jsonl cannot say: a resume trims it to its checkpoint, and an attempt killed before it
+    logged leaves the trimmed file to the next, while the W&B run still holds the steps after the checkpoint."""
+    try:
+        rid, step = _logged_file(stage_dir).read_text(encoding="utf-8").split()
+        return float(step) if rid == run_id else float("-inf")
+    except (OSError, UnicodeDecodeError, ValueError):
+        return float("-inf")
 
 
 def _step_row(line: str) -> tuple[float, dict[str, Any]]:
@@ -211,7 +242,9 @@ class Tracker:
             self._kwargs = dict(project=project, entity=entity, group=group, name=name, job_type=job_type,
                                 dir=str(stage_dir), config=scrub(config))
             self._previous = previous_run_id(stage_dir) if resume else None
-            self._logged = max((step for step, _ in _rows(self.path)), default=0) if self._previous else 0
+            self._logged = max(max((step for step, _ in _rows(self.path)), default=0),  # a record from before
+                               logged_to(stage_dir, self._previous)) if self._previous else 0  # align kept one
+        self._sent = float("-inf")  # the highest step this attempt's W&B run was sent
 
     def _ensure(self, step: int | None) -> None:
         """Start the W&B run at the first thing logged. An attempt that resumes past every step its predecessor
@@ -232,7 +265,15 @@ class Tracker:
         self.run = self._start(self.mode, kwargs)
         for at, row in _rows(self.path) if self.run is not None and self._previous else ():
             if step is None or at < step:
-                self.run.log(_wandb_row(row), step=int(at))
+                self._send(_wandb_row(row), int(at))
+
+    def _send(self, values: dict[str, Any], step: int) -> None:
+        """Log to the W&B run, recording the highest step it holds (`logged_to`) for the attempt after a kill."""
+        self.run.log(values, step=step)
+        if step > self._sent:
+            self._sent = step
+            _logged_file(self.path.parent).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(_logged_file(self.path.parent), f"{self.run.id} {step}\n")
 
     def _start(self, mode: str, kwargs: dict[str, Any]):
         import wandb  # optional and heavy: only when W&B is on
@@ -269,7 +310,7 @@ class Tracker:
         with open(self.path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(row) + "\n")
         if self.run is not None:
-            self.run.log(_wandb_row(row), step=int(step))
+            self._send(_wandb_row(row), int(step))
 
     def table(self, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
         """A table of samples: to W&B as a wandb.Table, locally as `<name>.jsonl` beside metrics.jsonl."""
@@ -282,7 +323,7 @@ class Tracker:
         if self.run is not None:
             import wandb  # optional and heavy: only when W&B is on
 
-            self.run.log({name: wandb.Table(columns=columns, data=rows)}, step=int(step))
+            self._send({name: wandb.Table(columns=columns, data=rows)}, int(step))
 
     def images(self, paths: dict[str, Path], step: int) -> None:
         """PNG files (already on disk) as W&B images."""
@@ -291,7 +332,7 @@ class Tracker:
         if self.run is not None and paths:
             import wandb  # optional and heavy: only when W&B is on
 
-            self.run.log({k: wandb.Image(str(v)) for k, v in paths.items() if Path(v).is_file()}, step=int(step))
+            self._send({k: wandb.Image(str(v)) for k, v in paths.items() if Path(v).is_file()}, int(step))
 
     def summary(self, values: dict[str, Any]) -> None:
         if self.main:
