@@ -487,3 +487,31 @@ def test_a_worker_stops_when_node_zeros_heartbeat_falls_silent_and_waits_while_i
     with pytest.raises(mn.PipelineError, match=r"node 0 has not touched its heartbeat .*node0\.json for 2s"):
         mn.wait_for_stage(stage, "f1", "prefs", None, stale_after=60, token=token, silence=2.0)
     assert 2.0 <= time.time() - t0 < 10
+
+
+def test_a_worker_whose_processes_fail_after_node_zero_completed_the_stage_goes_on_as_node_zero_does(
+        tmp_path, monkeypatch, capsys):
+    """Node 0 accepts a stage whose processes exit non-zero after its manifest says completed (a rank aborting in the
+    last barrier): the worker failed the run there, and node 0 then waited out the next stage's rendezvous for it. A
+    worker whose processes fail before node 0 completes the stage still fails, naming its log."""
+    from types import SimpleNamespace
+
+    from align.core.errors import PipelineError
+    from align.core.rundir import write_manifest
+    from align.orchestrator import multinode
+    from align.orchestrator.launch import MultiNode
+
+    stage = tmp_path / "sft"
+    (stage / "model").mkdir(parents=True)
+    for name, value in {"is_distributed": lambda cfg, src: True, "wait_for_master": lambda m, n: None,
+                        "await_start": lambda *a: stage / "spec.json", "launch_command": lambda *a: [],
+                        "stream_stage": lambda start, log, name: 1, "TEARDOWN_S": 2.0}.items():
+        monkeypatch.setattr(multinode, name, value, raising=False)
+    plan = SimpleNamespace(name="sft", fingerprint="f1", cfg=SimpleNamespace(accelerate="zero3.yaml"))
+    multi = MultiNode(nodes=2, node_rank=1, master_addr="127.0.0.1", rdzv_timeout=30)
+    multinode.mark_started(stage, "this-run")
+    with pytest.raises(PipelineError, match=r"stage 'sft' failed on node 1 \(exit code 1\); log: .*stage\.node1\.log"):
+        multinode.follow_stage(plan, stage, "[1/1] sft", "p.yaml", 2, multi, "this-run")  # node 0 never completed it
+    write_manifest(stage, {"fingerprint": "f1", "status": "completed", "outputs": ["model"], "attempts": 1})
+    multinode.follow_stage(plan, stage, "[1/1] sft", "p.yaml", 2, multi, "this-run")
+    assert "exited with code 1 after node 0 recorded the stage completed" in capsys.readouterr().out

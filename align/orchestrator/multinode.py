@@ -28,6 +28,9 @@ from align.core.rundir import MANIFEST, SPEC, StageSpec, is_complete, read_manif
 NODES = ".nodes"
 """The run directory's folder where the nodes of one multi-node `align run` agree on a token (`handshake`)."""
 MARK = ".started"
+TEARDOWN_S = 120.0
+"""How long a worker whose processes failed waits for node 0 to record the stage completed before it fails: a rank
+that aborts in the teardown after the stage completed (the process group's last barrier) does so within it."""
 """A stage's record that node 0 started it in the run of a token ({"token": ...}), written after its spec; node 0
 adds {"ended": why} when the stage fails or is stopped."""
 HEARTBEAT_SECONDS = 10.0
@@ -305,6 +308,15 @@ def follow_stage(plan: StagePlan, stage_dir: Path, header: str, source: str | Pa
     rc = stream_stage(lambda: warm.start_stage(cmd, stage_env(), warm_start=False, stage_dir=str(stage_dir)),
                       log, plan.name)
     if rc != 0:
-        raise PipelineError(f"stage '{plan.name}' failed on node {multi.node_rank} (exit code {rc}); log: {log}")
+        try:  # node 0 takes a stage that completed before a process failed in its teardown (its last barrier) as
+            # done (runner._completed): so does this node, else it stops and node 0 waits at the next rendezvous
+            wait_for_stage(stage_dir, plan.fingerprint, plan.name, min(multi.rdzv_timeout, TEARDOWN_S),
+                           stale_after=min(multi.rdzv_timeout, TEARDOWN_S), token=token)
+        except PipelineError:
+            raise PipelineError(f"stage '{plan.name}' failed on node {multi.node_rank} (exit code {rc}); log: "
+                                f"{log}") from None
+        print(f"{header}: warning: this node's processes exited with code {rc} after node 0 recorded the stage "
+              f"completed (see {log}); its outputs stand", flush=True)
+        return
     wait_for_stage(stage_dir, plan.fingerprint, plan.name, multi.rdzv_timeout, stale_after=multi.rdzv_timeout,
                    token=token)
