@@ -196,3 +196,28 @@ def test_a_holder_whose_record_another_runner_replaced_stops_instead_of_writing_
         assert killed == [(os.getpid(), signal.SIGTERM)]
     assert json.loads((tmp_path / runlock.LOCK_FILE).read_text())["host"] == "node-b"  # neither beaten over nor emptied
     assert "the runner PID 4242 on host node-b took this run directory over" in capsys.readouterr().err
+
+
+def test_where_flock_may_stay_on_one_node_two_runners_taking_the_directory_at_once_leave_one_holding(
+        tmp_path, monkeypatch):
+    """flock succeeding on a cluster filesystem whose locks stay on each node (Lustre `localflock`, BeeGFS): two
+    runners on two nodes that started at once both held the run directory (3 of 6 trials), as the read-back ran
+    only where flock failed. Off a filesystem known to be local, the runner reads its record back too; /proc/mounts
+    decides which is which."""
+    monkeypatch.setattr(runlock.fcntl, "flock", lambda fd, op: None)  # granted on this node only
+    monkeypatch.setattr(runlock, "local_fs", lambda path: False, raising=False)
+
+    def another_node_writes(seconds):  # during the settle: the other node's runner's record lands over this one's
+        (tmp_path / runlock.LOCK_FILE).write_text(json.dumps({"pid": 4321, "host": "node-b", "since": "now",
+                                                              "beat": int(runlock.time.time())}))
+
+    monkeypatch.setattr(runlock.time, "sleep", another_node_writes)
+    with pytest.raises(RunLockedError, match=r"PID 4321 on host node-b .*took the run directory as this runner"):
+        RunLock(tmp_path).__enter__()
+    mounts = tmp_path / "mounts"
+    mounts.write_text("/dev/vda / ext4 rw 0 0\nhost:/exp /mnt/my\\040runs nfs4 rw 0 0\n/dev/sdb /mnt/fast xfs rw 0 0\n")
+    monkeypatch.undo()
+    real = runlock.Path
+    monkeypatch.setattr(runlock, "Path", lambda p: real(mounts) if p == "/proc/mounts" else real(p))
+    assert runlock.local_fs(real("/home/u/runs")) and runlock.local_fs(real("/mnt/fast/r"))
+    assert not runlock.local_fs(real("/mnt/my runs/p/main")) and not runlock.local_fs(real("/mnt/my runs"))

@@ -7,7 +7,8 @@ exit empties it) and says it took over a stale lock. On another host the next ru
 (below): up to STALE_S after the kill. A second live runner fails at once, naming the holder.
 On filesystems without flock (some NFS mounts) the PID record alone decides: a live PID on this host holds it, and
 so does any record of another host (whose PIDs this host cannot see: the user deletes a stale one); a runner reads
-its record back after SETTLE_S, and one whose record another runner has overwritten meanwhile gives way.
+its record back after SETTLE_S, and one whose record another runner has overwritten meanwhile gives way; so does
+one on a filesystem not known to be local (LOCAL_FS), where its flock may not reach across nodes.
 Multi-node workers (node rank > 0) take no lock: they write nothing under the run directory.
 
 A flock does not always reach across nodes (Lustre mounted `localflock`, BeeGFS without global file locks): a runner
@@ -35,7 +36,7 @@ from pathlib import Path
 from align.core.faults import oserror
 
 LOCK_FILE = ".align.lock"
-SETTLE_S = 0.5  # without flock: how long a runner waits after writing its record before it reads it back
+SETTLE_S = 0.5  # without flock, or off LOCAL_FS: how long a runner waits after writing its record to read it back
 HEARTBEAT_S = 30.0  # how often the holder rewrites its record's beat
 STALE_S = 180.0  # a beat older than this is a dead runner's (six beats missed; clocks of a cluster's nodes agree)
 
@@ -57,6 +58,26 @@ def _parsed(raw: str) -> dict:
     if type(pid) is not int or not 0 < pid < 2 ** 22:  # Linux's pid_max limit
         holder.pop("pid", None)
     return holder
+
+
+LOCAL_FS = ("ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "ramfs", "overlay")
+"""Filesystems of one machine, whose flock every runner sees: no read-back is needed (each other one, a network or
+cluster filesystem, may keep a flock on one node: Lustre `localflock`, BeeGFS)."""
+
+
+def local_fs(path: Path) -> bool:
+    """Whether `path` lies on a filesystem of this machine (LOCAL_FS), by the longest mount point above it in
+    /proc/mounts; not known: False."""
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines() if len(line.split()) > 2]
+    except OSError:
+        return False
+    where, best, kind = str(Path(path).resolve()), "", ""
+    for mount, fs in mounts:
+        mount = mount.replace("\\040", " ")  # /proc/mounts writes a space so
+        if (where == mount or where.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+            best, kind = mount, fs
+    return kind in LOCAL_FS
 
 
 def _alive(pid: int) -> bool:
@@ -150,7 +171,8 @@ class RunLock:
             self.since = time.strftime("%Y-%m-%dT%H:%M:%S%z")
             os.ftruncate(fd, 0)
             self._write(fd)
-            if unlocked:  # two runners that read the record at once both wrote theirs: the last written holds
+            if unlocked or not local_fs(self.path):  # two runners that read the record at once (no flock, or one
+                # that stays on each node) both wrote theirs: the last written holds
                 time.sleep(SETTLE_S)
                 holder = self._reread()
                 if holder.get("pid") != os.getpid() or holder.get("host") != socket.gethostname():
