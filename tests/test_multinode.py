@@ -515,3 +515,23 @@ def test_a_worker_whose_processes_fail_after_node_zero_completed_the_stage_goes_
     write_manifest(stage, {"fingerprint": "f1", "status": "completed", "outputs": ["model"], "attempts": 1})
     multinode.follow_stage(plan, stage, "[1/1] sft", "p.yaml", 2, multi, "this-run")
     assert "exited with code 1 after node 0 recorded the stage completed" in capsys.readouterr().out
+
+
+def test_nodes_started_with_other_stage_selections_both_stop_at_the_handshake(tmp_path):
+    """Node 0 with --force (or --from) and a worker without it, every stage done in an earlier run: the worker found
+    them all up to date and exited, and node 0 reran one and waited out its rendezvous. The nodes compare what each
+    runs whatever it finds, and what it leaves out."""
+    from types import SimpleNamespace
+
+    from align.orchestrator.multinode import node_plans
+
+    plans = [SimpleNamespace(name="sft", fingerprint="a"), SimpleNamespace(name="dpo", fingerprint="b")]
+    plain = node_plans(plans, {"sft", "dpo"}, set())
+    assert plain == {"sft": "a", "dpo": "b"}
+    forced = node_plans(plans, {"sft", "dpo"}, {"sft"})
+    other = _agreed(tmp_path, {0: forced, 1: plain})
+    for rank in (0, 1):
+        assert "stage 'sft': node 0 planned fingerprint a (forced: --force or --from), node 1 planned a " in \
+            str(other[rank]) and "stage selections" in str(other[rank]), other
+    only = _agreed(tmp_path, {0: node_plans(plans, {"dpo"}, set()), 1: plain})
+    assert "stage 'sft': node 0 planned fingerprint a (not selected: --only or --from)" in str(only[1]), only

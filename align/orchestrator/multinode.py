@@ -121,6 +121,15 @@ def handshake(run_dir: Path, multi: MultiNode, fingerprints: dict[str, str] | No
         time.sleep(0.5)
 
 
+def node_plans(plans: list, selected: set[str], forced: set[str]) -> dict[str, str]:
+    """What a node compares in `handshake`: each stage's fingerprint, and whether this node runs it whatever it
+    finds (--force, --from) or not at all (--only, --from): a worker started without node 0's --force found every
+    stage up to date and exited while node 0 reran one and waited out its rendezvous."""
+    return {p.name: p.fingerprint + ("" if p.name in selected and p.name not in forced else
+                                     " (forced: --force or --from)" if p.name in selected else
+                                     " (not selected: --only or --from)") for p in plans}
+
+
 def _other_plans(node0: object, worker: object, rank: int) -> str | None:
     """Why node 0's stages and a worker's (name -> fingerprint) differ; None when they agree."""
     ours, theirs = node0 if isinstance(node0, dict) else {}, worker if isinstance(worker, dict) else {}
@@ -128,7 +137,7 @@ def _other_plans(node0: object, worker: object, rank: int) -> str | None:
         if ours.get(name) != theirs.get(name):
             return (f"stage '{name}': node 0 planned fingerprint {ours.get(name)}, node {rank} planned "
                     f"{theirs.get(name)} (None: not in its pipeline): the nodes run different pipeline files, "
-                    "overrides or align versions; start every node with the same command")
+                    "overrides, stage selections or align versions; start every node with the same command")
     return None
 
 

@@ -24,7 +24,7 @@ from align.core.fsutil import atomic_write_json
 from align.orchestrator.inputs import resolve_model_paths
 from align.orchestrator.launch import (MultiNode, is_distributed, launch_command, one_plain_process, placement_problem,
                                       stage_env, world_change)
-from align.orchestrator.multinode import agreed_run, follow_stage, mark_ended, mark_started
+from align.orchestrator.multinode import agreed_run, follow_stage, mark_ended, mark_started, node_plans
 from align.orchestrator.plan import REPO_DIR, StagePlan, code_version, descendants, run_dir_of
 from align.core.rundir import (MANIFEST, PIPELINE, SPEC, STAGE_LOCK, PipelineRecord, StageSpec, headline, is_complete,
                                manifest_time, moved_inputs, output_digests, outputs_problem, read_manifest,
@@ -166,7 +166,7 @@ def check_outputs(run_dir: Path, name: str, source: str | Path) -> None:
 def _run_stages(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan], selected: set[str],
                 forced: set[str], run_dir: Path, num_processes: int | None, trust: bool, multi: MultiNode,
                 t0: float) -> Path:
-    with agreed_run(run_dir, multi, {p.name: p.fingerprint for p in plans}) as token:  # every node's, multi-node
+    with agreed_run(run_dir, multi, node_plans(plans, selected, forced)) as token:  # every node's, multi-node
         return _stages(cfg, source, plans, selected, forced, run_dir, num_processes, trust, multi, t0, token)
 
 
