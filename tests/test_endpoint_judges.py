@@ -432,3 +432,31 @@ def test_a_body_without_a_length_cut_by_the_watchdog_is_a_timeout_not_an_answer(
     with pytest.raises(EndpointError, match=r"last: TimeoutError: the answer took longer than timeout=1 s"):
         backend(url, timeout=1.0, retries=0).ask("judge this")
     server.shutdown()
+
+
+def test_a_gateways_error_object_echoing_the_key_is_named_without_it(monkeypatch):
+    """A proxy answering HTTP 200 with an error object that echoes the Authorization header put the key into the
+    stage's error and its manifest: the other error paths scrubbed it, this one did not."""
+    from align.judges.endpoint import EndpointError
+
+    monkeypatch.setenv("JUDGE_KEY", "sk-SECRET1234567890")
+    server, state, url = serve(lambda h, s: send(h, 200, {"error": {"message": h.headers["Authorization"]}}))
+    with pytest.raises(EndpointError) as err:
+        backend(url, retries=0, key_env="JUDGE_KEY").ask("judge this")
+    server.shutdown()
+    assert "sk-SECRET1234567890" not in str(err.value) and "the server says 'Bearer <key>'" in str(err.value), err.value
+
+
+def test_a_filtered_answer_is_a_refusal_never_cached_not_an_empty_verdict():
+    """A content filter's answer (HTTP 200, finish_reason content_filter, content null) was read as "" and cached as
+    the verdict: never asked again, and never counted toward the judging's stop after REFUSED_EVERY refusals."""
+    from align.judges.endpoint import REFUSED_EVERY, EndpointError, Refused
+
+    filtered = {"choices": [{"finish_reason": "content_filter", "message": {"role": "assistant", "content": None}}]}
+    server, state, url = serve(lambda h, s: send(h, 200, filtered))
+    judge = backend(url, retries=0)
+    first = judge.ask("judge this")
+    assert isinstance(first, Refused) and "finish_reason content_filter" in first and judge.refused == 1
+    with pytest.raises(EndpointError, match=rf"refused each of the first {REFUSED_EVERY} requests"):
+        judge.answers(["judge this"] * REFUSED_EVERY)
+    server.shutdown()

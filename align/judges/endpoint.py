@@ -134,7 +134,11 @@ class EndpointBackend:
             wait, answer = 0.0, None
             try:
                 answer = json.loads(self._read(req).decode("utf-8"))
-                content = str(answer["choices"][0]["message"]["content"] or "")
+                choice = answer["choices"][0]
+                if choice["message"]["content"] is None or choice.get("finish_reason") == "content_filter":
+                    return self._refused(f"an answer the server withheld (finish_reason {choice.get('finish_reason')}, "
+                                         f"content {str(choice['message']['content'])[:40]!r})")  # a filter: never cached
+                content = str(choice["message"]["content"])
                 with self._lock:
                     self.answered += 1
                     if isinstance(answer.get("model"), str) and answer["model"] not in self.served:
@@ -160,7 +164,9 @@ class EndpointBackend:
                 last = without_key(f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}",
                                    os.environ.get(self.key_env or "", ""))
             except (ValueError, KeyError, IndexError, TypeError) as exc:
-                last = f"an answer that is not a chat completion ({type(exc).__name__}{_server_error(answer)})"
+                last = without_key(f"an answer that is not a chat completion ({type(exc).__name__}"
+                                   f"{_server_error(answer)})", os.environ.get(self.key_env or "", ""))  # a gateway
+                # may echo the request's Authorization header in its error object
         if limited:
             raise EndpointError(f"{self.url}: rate limited (HTTP 429 to {limited} of {self.retries + 1} attempts, each "
                                 "retried after the server's Retry-After or retry-after-ms, else a jittered backoff, at "
