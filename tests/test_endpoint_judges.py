@@ -13,6 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from conftest import REPO
+
 KEY = "sk-test-0123456789abcdef"
 ANSWER = {"object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "A"}}]}
 
@@ -454,9 +456,54 @@ def test_a_filtered_answer_is_a_refusal_never_cached_not_an_empty_verdict():
 
     filtered = {"choices": [{"finish_reason": "content_filter", "message": {"role": "assistant", "content": None}}]}
     server, state, url = serve(lambda h, s: send(h, 200, filtered))
-    judge = backend(url, retries=0)
+    judge = backend(url, retries=2, timeout=20.0)  # a refusal is not retried: only a slow machine's faults are
     first = judge.ask("judge this")
     assert isinstance(first, Refused) and "finish_reason content_filter" in first and judge.refused == 1
     with pytest.raises(EndpointError, match=rf"refused each of the first {REFUSED_EVERY} requests"):
         judge.answers(["judge this"] * REFUSED_EVERY)
     server.shutdown()
+
+
+def test_a_base_url_without_v1_or_with_a_query_is_refused_at_validate_not_after_the_sampling():
+    """The probe took a 404 from {base_url}/models for a server without /models, so base_url with /v1 left off (or
+    with an Azure-style ?api-version, after which /chat/completions was glued) passed validate, and the stage failed
+    with HTTP 404 after every policy was sampled. A 404 there is now followed by one chat completion of 1 token."""
+    from align.core.endpoints import endpoint_problem, url_problem
+
+    class OnlyV1(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            if self.path == "/v1/models":
+                return send(self, 200, {"object": "list", "data": [{"id": "judge"}]})
+            send(self, 404, {"error": "not found"})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if self.path in ("/v1/chat/completions", "/bare/chat/completions"):
+                return send(self, 200, ANSWER)
+            send(self, 404, {"error": "not found"})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), OnlyV1)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    root = f"http://127.0.0.1:{server.server_address[1]}"
+    assert endpoint_problem(root, "", 2.0, "judge") == (f"neither {root}/models nor {root}/chat/completions exists "
+                                                        f"there (HTTP 404); did you mean base_url: {root}/v1?")
+    assert endpoint_problem(root + "/v1", "", 2.0, "judge") is None
+    assert endpoint_problem(root + "/bare", "", 2.0, "judge") is None  # no /models, but it answers chat completions
+    server.shutdown()
+    assert "holds a query or fragment" in url_problem("https://h.example.com/openai/v1?api-version=2024-06-01")
+    assert url_problem("https://h.example.com/openai/v1") is None
+
+
+def test_a_timeout_past_what_a_timer_takes_is_refused_by_name():
+    """timeout: 1e10 passed validate (its probe waits at most 10 s) and the judging died in threading.Timer with an
+    OverflowError traceback, not an error naming the setting."""
+    from align.config import ConfigError, load_pipeline
+
+    for key in ("timeout", "deadline", "max_retry_wait"):
+        with pytest.raises(ConfigError, match=rf"stages\.evaluate\.pairwise\[0\]\.{key}: 10000000000(\.0)? is not "
+                                              r"allowed: must be in \(0, 604800\]"):
+            load_pipeline(str(REPO / "pipelines" / "default.yaml"),
+                          [f"evaluate.pairwise=[{{base_url: 'http://h/v1', model: m, {key}: 1e10}}]"])

@@ -30,6 +30,7 @@ def warmup_steps(steps: int, ratio: float, scheduler: str) -> int:
 
 
 # Pipeline-level compute settings, resolved in each stage process by align/modeling/compute.py.
+WEEK_S = 7 * 86400.0  # the most an endpoint judge's timeouts may be (threading.Timer overflows far above)
 PRECISIONS = ("auto", "float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
@@ -245,15 +246,15 @@ class PairwiseJudge:
     """Local backend: judging prompts per generate call."""
     max_concurrency: int = ranged(4, ge=1)
     """Endpoint: requests in flight at once, per process (a stage over several processes judges a share on each)."""
-    timeout: float = ranged(60.0, gt=0)
+    timeout: float = ranged(60.0, gt=0, le=WEEK_S)
     """Endpoint: seconds one request may take in all (connecting, waiting, reading the answer) before it is retried."""
     retries: int = ranged(3, ge=0)
     """Endpoint: retries of a failed request (timeouts, 429 and 5xx), with exponential backoff, or after the server's
     Retry-After or retry-after-ms (at most max_retry_wait seconds). A request refused for what it asks (HTTP 400, 413,
     422: a content filter, a prompt over the judge's context) is that pair's invalid answer, not retried."""
-    max_retry_wait: float = ranged(60.0, gt=0)
+    max_retry_wait: float = ranged(60.0, gt=0, le=WEEK_S)
     """Endpoint: the longest a Retry-After header (or a 429's own backoff) may make a request wait before its retry."""
-    deadline: float = ranged(3600.0, gt=0)
+    deadline: float = ranged(3600.0, gt=0, le=WEEK_S)
     """Endpoint: seconds the whole judging (every policy of the stage) may take; past it the stage stops, naming this
     setting (cached answers are kept: a rerun asks only what is left)."""
     max_prompts: int | None = ranged(None, ge=1, fix="use null to judge every prompt")

@@ -22,6 +22,10 @@ def url_problem(base_url: str) -> str | None:
         urlsplit(url).port  # noqa: B018 (raises ValueError for a port that is not a number)
     except ValueError as exc:
         return f"{base_url} is not a URL ({exc}); give the API's root, e.g. http://host:8000/v1"
+    if urlsplit(url).query or urlsplit(url).fragment or url.endswith(("?", "#")):
+        return (f"{url_without_credentials(base_url)} holds a query or fragment: align adds /chat/completions to "
+                f"base_url, which would land after it; give the API's root alone, e.g. "
+                f"{url_without_credentials(url).split('?')[0].split('#')[0]}")
     suffix = next((s for s in ("/chat/completions", "/completions", "/models") if url.endswith(s)), None)
     if suffix:
         return (f"{base_url} names an endpoint path; give the API's root (align adds /chat/completions): "
@@ -90,8 +94,8 @@ def endpoint_problem(base_url: str, key: str, timeout: float, model: str | None 
             return moved
         if exc.code in (401, 403):
             return f"the endpoint refused the key (HTTP {exc.code}); check the key in the named variable"
-        if exc.code == 404:  # an endpoint without /models still answers chat completions
-            return None
+        if exc.code == 404:  # an endpoint without /models may still answer chat completions: one of 1 token
+            return _chat_problem(base_url, key, timeout, model)
         return f"the endpoint answered HTTP {exc.code} to a probe of /models"
     except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:  # BadStatusLine: not HTTP
         reason = without_key(str(getattr(exc, "reason", exc)), key)
@@ -102,4 +106,29 @@ def endpoint_problem(base_url: str, key: str, timeout: float, model: str | None 
         return None  # not a listing we can read: the chat completions will tell
     if model and ids and model not in ids:
         return f"it serves no model {model!r} (its /models lists {', '.join(map(repr, ids[:8]))}); set model to one of them"
+    return None
+
+
+def _chat_problem(base_url: str, key: str, timeout: float, model: str | None) -> str | None:
+    """An endpoint without /models: None when {base_url}/chat/completions exists (any answer but 404 to a request
+    of one token), else why not, with the usual slip (/v1 left off the root) named."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"model": model or "", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1})
+    req = urllib.request.Request(base_url.rstrip("/") + "/chat/completions", data=body.encode(), method="POST",
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with no_redirects().open(req, timeout=timeout) as resp:
+            resp.read(1 << 16)
+    except urllib.error.HTTPError as exc:
+        if exc.code != 404:
+            return redirected(exc)  # a refusal of the probe itself (400, 429, ...): the path is there
+        root = base_url.rstrip("/")
+        hint = f"; did you mean base_url: {root}/v1?" if not root.endswith("/v1") else ""
+        return f"neither {root}/models nor {root}/chat/completions exists there (HTTP 404){hint}"
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
+        return f"not reachable ({without_key(str(getattr(exc, 'reason', exc)), key)}); check base_url"
     return None
