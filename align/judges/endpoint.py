@@ -23,6 +23,10 @@ from typing import Any
 from align.core.endpoints import header_value_problem, no_redirects, redirected, without_key
 
 
+class _Withheld(Exception):
+    """An answer the endpoint withheld (a content filter) though it answered HTTP 200."""
+
+
 class EndpointError(OSError):
     """The endpoint failed a request after its retries, or refused it; the message names the URL and the cause (an
     I/O failure: the stage ends with it as its error, exit code 2, no traceback)."""
@@ -136,14 +140,16 @@ class EndpointBackend:
                 answer = json.loads(self._read(req).decode("utf-8"))
                 choice = answer["choices"][0]
                 if choice["message"]["content"] is None or choice.get("finish_reason") == "content_filter":
-                    return self._refused(f"an answer the server withheld (finish_reason {choice.get('finish_reason')}, "
-                                         f"content {str(choice['message']['content'])[:40]!r})")  # a filter: never cached
+                    raise _Withheld(f"an answer the server withheld (finish_reason {choice.get('finish_reason')}, "
+                                    f"content {str(choice['message']['content'])[:40]!r})")
                 content = str(choice["message"]["content"])
                 with self._lock:
                     self.answered += 1
                     if isinstance(answer.get("model"), str) and answer["model"] not in self.served:
                         self.served.append(answer["model"])
                 return content
+            except _Withheld as exc:  # a content filter's: that pair's invalid answer, never cached (outside the
+                return self._refused(str(exc))  # try: the EndpointError it may raise is not a fault to retry)
             except urllib.error.HTTPError as exc:
                 last = without_key(f"HTTP {exc.code}{_server_error(_error_body(exc))}",
                                    os.environ.get(self.key_env or "", ""))
