@@ -104,16 +104,33 @@ def test_a_preferences_stage_whose_pairs_are_all_held_out_fails_instead_of_publi
     splits, pairs, ties, cut = split_pairs(ctx, cfg, records)
     assert (len(splits["train"]) + len(splits["test"]), ties, cut) == (3, 0, 0) and splits["train"] and splits["test"]
     tied = [dict(r, scores=[0.5, 0.5]) for r in records]
-    # at 0.9 every prompt but one is held out (one is always kept); that one's samples tie: nothing to train on
-    kept = next(p for p in ("p0", "p1", "p2") if p not in held_out_prompts(["p0", "p1", "p2"], 0.9, SEED))
-    records = [dict(r, scores=[0.5, 0.5]) if r["prompt"] == kept else r for r in records]
-    with pytest.raises(StageError, match=r"no training pairs: 2 pairs are held out \(test_fraction 0.9 of 3 prompts\), "
-                                         r"1 prompts tied"):
+    # the one prompt that made a pair is held out at 0.9 (the floor of one kept needs two): nothing to train on
+    held = next(p for p in ("p0", "p1", "p2") if held_out_prompts([p], 0.9, SEED))
+    records = [r if r["prompt"] == held else dict(r, scores=[0.5, 0.5]) for r in records]
+    with pytest.raises(StageError, match=r"no training pairs: 1 pairs are held out \(test_fraction 0.9 of 3 prompts\), "
+                                         r"2 prompts tied"):
         split_pairs(ctx, PreferencesStage(test_fraction=0.9), records)
     with pytest.raises(StageError, match=r"none of 3 prompts made a pair: 3 were ties \(min_margin"):
         split_pairs(ctx, PreferencesStage(), tied)
     with pytest.raises(StageError, match=r"the pairwise judge preferred neither response"):
         split_pairs(ctx, PreferencesStage(pairwise=object()), tied)
+
+
+def test_the_held_out_prompts_are_drawn_from_those_that_made_a_pair():
+    """10 prompts at test_fraction 0.1 held out one by the floor of one; its samples tied, and the stage published no
+    held-out pair: the reward stage then reported no accuracy, DPO and KTO no eval/ metrics, without a word."""
+    from align.config.preferences import PreferencesStage
+    from align.data.cards import held_out_prompts
+    from align.stages.preferences import split_pairs
+
+    print(f"seed {SEED}")
+    ctx = types.SimpleNamespace(name="preferences", seed=SEED)
+    prompts = [f"p{i}" for i in range(10)]
+    held = held_out_prompts(prompts, 0.1, SEED)
+    records = [{"prompt": p, "responses": ["good", "bad"], "scores": [0.5, 0.5] if p in held else [1.0, 0.0],
+                "ended": [True, True]} for p in prompts]
+    splits, pairs, ties, cut = split_pairs(ctx, PreferencesStage(test_fraction=0.1), records)
+    assert ties == len(held) and len(splits["test"]) >= 1 and len(splits["train"]) + len(splits["test"]) == len(pairs)
 
 
 def test_whether_a_prompt_is_held_out_is_its_own_so_a_later_round_with_more_prompts_never_tests_on_trained_ones():
@@ -207,3 +224,24 @@ def test_sample_texts_says_which_samples_ended_in_the_order_of_the_prompts():
     ended: list = []
     texts, _ = sample_texts(Engine(), Tokenizer(), prompts, Generation(batch_size=2), seed=0, ended=ended)
     assert len(texts) == 5 and ended == [len(p.split()) % 2 == 1 for p in prompts]
+
+
+def test_a_reward_stage_with_no_held_out_pair_is_refused_before_it_trains(monkeypatch):
+    """Its held-out accuracy is the reward stage's result: with an empty test split (or every test pair longer than
+    max_length) it trained and published without eval/rewards/accuracy, and `align status` showed "-"."""
+    from align.config.reward import RewardStage
+    from align.runtime.context import StageError
+    from align.stages import reward
+
+    long_pair = {"prompt": "p", "chosen": "a " * 600, "rejected": "b"}
+    monkeypatch.setattr(reward, "load_rows", lambda ctx, data, split, *a, **kw: [] if split == "test" else [long_pair])
+    monkeypatch.setattr(reward, "check_lengths", lambda *a: None)
+    ctx = types.SimpleNamespace(cfg=RewardStage(init="sft", data="preferences", max_length=64), name="reward",
+                                input_model=lambda name: "model", load_tokenizer=lambda path: None)
+    with pytest.raises(StageError, match=r"stage 'reward': preferences's test split holds no pair to measure the "
+                                         r"reward model's accuracy on; give it held-out pairs"):
+        reward.run(ctx)
+    monkeypatch.setattr(reward, "pairs_within", lambda rows, tok, n: [])
+    monkeypatch.setattr(reward, "load_rows", lambda ctx, data, split, *a, **kw: [long_pair])
+    with pytest.raises(StageError, match=r"\(1 longer than max_length 64: raise it\)"):
+        reward.run(ctx)

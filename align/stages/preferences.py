@@ -288,8 +288,9 @@ def split_pairs(ctx: StageContext, cfg: PreferencesStage, records: list[dict[str
             "(the pairwise judge preferred neither response in both orders; see its answers in samples.jsonl)"
             if cfg.pairwise is not None else f"(min_margin {cfg.min_margin}: sample more per prompt or lower "
             "min_margin)") + unfinished)
-    # by the stage's seed (the pipeline's unless set): iterated DPO's rounds hold out the same prompts
-    test_prompts = held_out_prompts([r["prompt"] for r in records], cfg.test_fraction, ctx.seed)
+    # by the stage's seed (the pipeline's unless set): iterated DPO's rounds hold out the same prompts. Drawn from
+    # the prompts that made a pair: its one-prompt floor (tiny sets) then never lands on a tie, leaving no test pair
+    test_prompts = held_out_prompts([p["prompt"] for p in pairs], cfg.test_fraction, ctx.seed)
     splits = {"train": [p for p in pairs if p["prompt"] not in test_prompts],
               "test": [p for p in pairs if p["prompt"] in test_prompts],
               "train_all_pairs": [p for r in records if r["prompt"] not in test_prompts

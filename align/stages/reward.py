@@ -9,12 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 from align.config.reward import RewardStage
+
 from align.data.lengths import pairs_within
 from align.runtime.rows import load_rows
 from align.judges.pointwise import RewardModelJudge, pairwise_accuracy
 from align.modeling.models import unsharded_loading
 from align.modeling.lora import peft_config
-from align.runtime.context import StageContext
+from align.runtime.context import StageContext, StageError
 from align.runtime.trl import (check_lengths, metrics_callback, train_with_resume, training_args,
                                padding_free)
 
@@ -35,6 +36,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
     check_lengths(ctx, train, tokenizer)
     kept = pairs_within(test, tokenizer, cfg.max_length)  # scored as trained: a longer one ran past the positions
     long_test, test = len(test) - len(kept), kept
+    if not test:  # the held-out accuracy is the stage's result: refused before training, not published without it
+        raise StageError(f"stage '{ctx.name}': {cfg.data}'s test split holds no pair to measure the reward model's "
+                         f"accuracy on" + (f" ({long_test} longer than max_length {cfg.max_length}: raise it)"
+                                           if long_test else "; give it held-out pairs (a preferences stage: raise "
+                                           "test_fraction or max_prompts)"))
     # Liger's fused linear cross-entropy replaces a causal LM's forward; a scalar model has no LM head, so only the
     # layer kernels (RMSNorm, RoPE, SwiGLU) apply (the first H100 proof, 2026-11-27: "no attribute 'lm_head'").
     args = training_args(RewardConfig, cfg, ctx, center_rewards_coefficient=cfg.center_rewards_coefficient,
