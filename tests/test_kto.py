@@ -39,6 +39,19 @@ def test_pairs_are_unpaired_into_a_desirable_and_an_undesirable_row_each():
     assert len(unpaired(pairs, SEED, 10)) == 10  # max_train_examples counts examples, not the pairs they came from
 
 
+def test_a_reply_two_pairs_label_both_ways_is_dropped_as_a_cards_row_would_be():
+    """Pairs A > B and B > C unpaired into (B, desirable) and (B, undesirable): the two rows' gradients cancel, and
+    both counted toward the KL estimate and desirable_fraction; a card's such rows were dropped, pairs' were not."""
+    from align.config.kto import unpaired
+
+    print(f"seed {SEED}")
+    pairs = [{"prompt": "p", "chosen": "A", "rejected": "B"}, {"prompt": "p", "chosen": "B", "rejected": "C"},
+             {"prompt": "q", "chosen": "B", "rejected": "C"}]  # another prompt's B is another example
+    rows = unpaired(pairs, SEED)
+    assert sorted((r["prompt"], r["completion"], r["label"]) for r in rows) == [
+        ("p", "A", True), ("p", "C", False), ("q", "B", True), ("q", "C", False)]
+
+
 def test_a_card_of_unpaired_rows_in_label_order_is_shuffled_into_mixed_batches():
     from align.config.kto import unpaired
 
@@ -169,6 +182,7 @@ def test_kto_trains_from_the_sft_policy_on_the_unpaired_pairs(kto_run):
     pairs = json.loads((run / "preferences" / "manifest.json").read_text())["final_metrics"]["preferences/pairs_train"]
     assert m["status"] == "completed" and m["global_step"] == 8
     assert m["final_metrics"]["train/examples"] == 2 * pairs  # every pair: one desirable, one undesirable row
+    assert m["final_metrics"]["train/conflicting_rows_dropped"] == 0  # one pair a prompt: no reply labelled both ways
     assert m["final_metrics"]["train/desirable_fraction"] == 0.5
     rows = [json.loads(x) for x in (run / "kto" / "metrics.jsonl").read_text().splitlines()]
     margins = [r["rewards/margin"] for r in rows if "rewards/margin" in r]

@@ -19,6 +19,7 @@ from align.data.lengths import TRUNCATES_COMPLETIONS
 from align.core.schema import one_of, ranged, step_size
 
 PAIRS, UNPAIRED = "preference", "unpaired_preference"
+BOTH = "whose prompt and completion appear labelled both desirable and undesirable"
 
 
 def _unusable_unpaired(rows: Rows) -> dict[str, list[int]]:
@@ -32,8 +33,7 @@ def _unusable_unpaired(rows: Rows) -> dict[str, list[int]]:
     kinds = {bool(r["label"]) for r in rows}
     missing = "undesirable (label: false)" if kinds == {True} else "desirable (label: true)"
     return {"with no visible text in 'completion'": [i for i, (_, c) in enumerate(keys) if not c],
-            "whose prompt and completion appear labelled both desirable and undesirable":
-                [i for i, k in enumerate(keys) if len(labels[k]) > 1],
+            BOTH: [i for i, k in enumerate(keys) if len(labels[k]) > 1],
             f"in data with no {missing} row at all (KTO needs both kinds)": list(range(len(rows))) if len(kinds) == 1 else []}
 
 
@@ -43,11 +43,14 @@ register_form(DataForm(UNPAIRED, ("prompt", "completion", "label"), replies=("co
 
 def unpaired(rows: Rows, seed: int, limit: int | None = None) -> Rows:
     """Rows in the unpaired form, in an order shuffled with `seed`, at most `limit` of them: preference pairs become a
-    desirable row (chosen) and an undesirable row (rejected) each; unpaired rows are shuffled too (a card that lists
+    desirable row (chosen) and an undesirable row (rejected) each, less those of a reply labelled both ways by two
+    pairs (each would cancel the other's gradient, as a card's such rows are dropped); unpaired rows are shuffled too (a card that lists
     its desirable rows first would give TRL, which reads its batches in order, batches of one label)."""
     if rows and "chosen" in rows[0]:
         rows = [{"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
                 for r in rows for side in ("chosen", "rejected")]
+        both = set(_unusable_unpaired(rows)[BOTH])  # A > B and B > C label B both ways: dropped, as a card's rows are
+        rows = [r for i, r in enumerate(rows) if i not in both]
     out = list(rows)
     random.Random(seed).shuffle(out)
     return out[:limit] if limit else out

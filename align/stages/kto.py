@@ -26,8 +26,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
     cfg: KTOStage = ctx.cfg  # type: ignore[assignment]
     path = ctx.input_model(cfg.policy)
     tokenizer = ctx.load_tokenizer(path)
-    train = [{c: r[c] for c in COLUMNS}  # cut after unpairing: max_train_examples counts examples, not pairs
-             for r in unpaired(load_rows(ctx, cfg.data, "train", tokenizer=tokenizer), ctx.seed, cfg.max_train_examples)]
+    rows = load_rows(ctx, cfg.data, "train", tokenizer=tokenizer)
+    train = [{c: r[c] for c in COLUMNS} for r in unpaired(rows, ctx.seed)]
+    both = 2 * len(rows) - len(train) if rows and "chosen" in rows[0] else 0  # replies labelled both ways: dropped
+    if both and ctx.is_main:
+        print(f"[align] {ctx.name}: dropped {both} rows of replies that two pairs label both desirable and "
+              "undesirable", flush=True)
+    train = train[:cfg.max_train_examples] if cfg.max_train_examples else train  # examples, not pairs
     problem = one_label_problem(train, f"data: {cfg.data}", cfg.max_train_examples)
     if problem:  # data from a preferences stage has both labels; a card's is checked by `align validate` too
         raise StageError(f"stage '{ctx.name}': {problem}")
@@ -44,7 +49,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if len(test) > 1:
         ev = trainer.evaluate()
         final.update(eval_metrics(ev))  # logged as they came (metrics_callback): not a second row
-    final["train/examples"] = len(train)
+    final["train/examples"], final["train/conflicting_rows_dropped"] = len(train), both
     final["train/desirable_fraction"] = sum(r["label"] for r in train) / len(train)
     ctx.save_trainer_model(trainer, tokenizer)
     return final
