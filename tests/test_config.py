@@ -218,6 +218,25 @@ def test_launch_command_applies_gpu_count_to_distributed_stages_only(tmp_path):
     assert sft[1:] == ["-m", "align.cli", "stage", str(spec)]  # one plain process: no accelerate launcher
     assert dpo[dpo.index("--num_processes") + 1] == "8" and dpo[dpo.index("--config_file") + 1].endswith("zero2.yaml")
     assert "--cpu" not in dpo  # --cpu would silently turn a DeepSpeed config into one plain process
+    # one machine whatever the file says: a config copied from a cluster (num_machines: 2) waited for a second node
+    assert dpo[dpo.index("--num_machines") + 1] == "1" and dpo[dpo.index("--machine_rank") + 1] == "0"
+
+
+@pytest.mark.parametrize("body, needles", [
+    ("distributed_type: MULTI_GPU\nnum_processes: auto\n", ["sets num_processes: 'auto', not a count of processes"]),
+    ("distributed_type: MULTI_GPU\nnum_processes: 8\ngpu_ids: '0,1'\n", ["sets gpu_ids: '0,1', which align does not "
+                                                                        "count", "CUDA_VISIBLE_DEVICES"]),
+    ("distributed_type: NO\n", ["distributed_type: NO unquoted is YAML's false; write `distributed_type: 'NO'`"]),
+])
+def test_accelerate_keys_that_place_processes_behind_aligns_back_are_refused_at_validate(tmp_path, capsys, body,
+                                                                                          needles):
+    """`num_processes: auto` passed validate and `align run` died in int() with a traceback; gpu_ids put several
+    processes on one GPU, unseen by align's placement check; an unquoted NO was called "not an accelerate config"."""
+    from conftest import refused, validate
+
+    (tmp_path / "mine.yaml").write_text("compute_environment: LOCAL_MACHINE\n" + body)
+    rc, out = validate(capsys, str(REPO / "pipelines" / "default.yaml"), f"sft.accelerate={tmp_path / 'mine.yaml'}")
+    refused(out, rc, "stages.sft", *needles)
 
 
 def test_a_one_process_accelerate_config_by_path_or_of_the_users_own_is_not_distributed(tmp_path):

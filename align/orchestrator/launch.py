@@ -97,6 +97,9 @@ def check_accelerate(plan: StagePlan, source: str | Path, precision: str = "auto
         raw = yaml_load(path)
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise PipelineError(f"{where}: {path} is not a readable YAML file ({type(exc).__name__})") from None
+    if isinstance(raw, dict) and raw.get("distributed_type") is False:  # YAML reads a bare NO as false
+        raise PipelineError(f"{where}: {path}: distributed_type: NO unquoted is YAML's false; write "
+                            "`distributed_type: 'NO'` (quoted)")
     if not isinstance(raw, dict) or str(raw.get("distributed_type", "")).upper() not in ACCELERATE_TYPES:
         raise PipelineError(f"{where}: {path} is not an accelerate config (it needs `distributed_type:` one of "
                             f"{', '.join(ACCELERATE_TYPES)}); name one of pipelines/accelerate/*.yaml")
@@ -108,7 +111,7 @@ def check_accelerate(plan: StagePlan, source: str | Path, precision: str = "auto
         mode, _ = accelerate_mode(path)
     except PipelineError as exc:
         raise PipelineError(f"{where}: {exc}") from None
-    problems = owned_setting_problems(plan, path, raw, precision, source)
+    problems = owned_setting_problems(plan, path, raw, precision, source) + _placement_keys(raw, path)
     lora = enabled_lora(plan.cfg)
     if lora is not None and lora.quantize != "none" and mode.startswith("zero3"):
         problems.append(f"lora.quantize: {lora.quantize} under ZeRO-3 ({path.name}): transformers loads a 4-bit base "
@@ -252,6 +255,22 @@ def _runs_distributed(raw: Any) -> bool:
     return not isinstance(raw, dict) or str(raw.get("distributed_type", "NO")).upper() != "NO"
 
 
+def _placement_keys(raw: dict[str, Any], path: Path) -> list[str]:
+    """Keys of an accelerate config that place processes where align does not count them: a num_processes that is
+    not a count, and gpu_ids (accelerate then sets CUDA_VISIBLE_DEVICES to them: several processes on one GPU,
+    which align's placement check, counting every GPU visible, would not see). num_machines and machine_rank are
+    set on every launch (align's --nodes), whatever the file says."""
+    problems = []
+    n = raw.get("num_processes")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        problems.append(f"{path} sets num_processes: {n!r}, not a count of processes; give a whole number (one per "
+                        "GPU), or remove it and let --num-processes or the stage's num_processes decide")
+    if raw.get("gpu_ids") not in (None, "all"):
+        problems.append(f"{path} sets gpu_ids: {raw['gpu_ids']!r}, which align does not count when it places the "
+                        "processes; remove it and choose the GPUs with CUDA_VISIBLE_DEVICES instead")
+    return problems
+
+
 def processes_per_node(stage: StageBase, num_processes: int | None, source: str | Path) -> int | None:
     """Processes per machine: the stage's own setting, else the pipeline-wide count (`--num-processes`, one per
     GPU) for distributed configs only (a stage on `cpu` stays one process unless it asks for more); None
@@ -337,7 +356,9 @@ def launch_command(plan: StagePlan, spec: Path, source: str | Path, num_processe
     else:
         if n:
             cmd += ["--num_processes", str(n)]
-        cmd += ["--main_process_port", str(free_port())]
+        # one machine, whatever the file says (a config copied from a cluster with num_machines: 2 made this node
+        # wait for a second one until the rendezvous timed out)
+        cmd += ["--num_machines", "1", "--machine_rank", "0", "--main_process_port", str(free_port())]
     # No `--cpu` flag: accelerate then ignores a DeepSpeed config and runs one plain process. cpu.yaml says
     # use_cpu itself, and DeepSpeed picks its CPU accelerator (gloo) when no GPU is present.
     cmd += ["-m", "align.cli", "stage", str(spec)]
