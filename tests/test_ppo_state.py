@@ -152,6 +152,24 @@ def test_running_moments_match_batch_statistics():
     assert (m2.mean, m2.std) == (m.mean, m.std)
 
 
+def test_running_normalisation_of_scores_that_barely_vary_only_centres_them():
+    """`reward_normalization: running` divided by a std of 7e-6 (64 scores of 0.5, then 0.5 + 1e-5 noise): the
+    scorer's noise came out as rewards of 1 to 5. As `initial` does, a spread under 1e-4 of max(1, |mean|) only
+    centres; [1, 2, 3] then [4, 5] (mean 3, std sqrt 2) is scaled by hand: 5 -> (5 - 3) / sqrt(2)."""
+    seed = 20261202
+    print(f"seed {seed}")
+    flat = RunningMoments()
+    flat.update(torch.full((64,), 0.5))
+    noise = 0.5 + 1e-5 * torch.randn(64, generator=torch.Generator().manual_seed(seed))
+    flat.update(noise)
+    assert torch.allclose(flat.normalise(noise).double(), noise.double() - flat.mean, atol=1e-7)
+    assert flat.normalise(noise).abs().max() < 1e-4
+    m = RunningMoments()
+    m.update(torch.tensor([1.0, 2.0, 3.0]))
+    m.update(torch.tensor([4.0, 5.0]))
+    assert m.normalise(torch.tensor([5.0])).item() == pytest.approx(2 / math.sqrt(2.0))
+
+
 def test_prompt_stream_covers_each_epoch_and_resumes_identically():
     s = PromptStream(10, seed=3)
     first = s.take(6) + s.take(4)

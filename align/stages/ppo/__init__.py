@@ -260,7 +260,7 @@ def collect(s: PPORun, it: int, t0: float, t_sync: float) -> Batch:
             scores_used = s.scale(scores)
         elif cfg.reward_normalization == "running":
             s.moments.update(accelerator.gather(scores))
-            scores_used = (scores - s.moments.mean) / s.moments.std
+            scores_used = s.moments.normalise(scores)
         else:
             scores_used = scores
         penalties = torch.zeros_like(scores)

@@ -103,6 +103,13 @@ class RunningMoments:
     def std(self) -> float:
         return math.sqrt(max(self.var, 1e-12))
 
+    def normalise(self, scores: torch.Tensor) -> torch.Tensor:
+        """Scores less the running mean, over the running std while the scores seen vary (RewardScale.fit's rule:
+        a std below FLAT_SCORES of max(1, |mean|) only centres them; dividing by it turned a scorer's 1e-5 noise
+        into rewards of 1 to 5, which PPO then optimised)."""
+        flat = not self.std >= FLAT_SCORES * max(1.0, abs(self.mean))
+        return (scores - self.mean) / (1.0 if flat else self.std)
+
     def state_dict(self) -> dict:
         return {"mean": self.mean, "var": self.var, "count": self.count}
 
