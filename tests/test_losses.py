@@ -170,7 +170,8 @@ def test_sequence_logprobs_keeps_only_the_response_logits_and_matches_the_full_f
 
 def test_finish_rollout_masks_after_eos_and_beyond_engine_lengths():
     """Both engines build their Rollout with finish_rollout: tokens after the first EOS, and (vLLM) columns beyond a
-    row's reported length, are masked and set to padding; a row of length 0 keeps one masked EOS column."""
+    row's reported length, are masked and set to padding; a row of length 0 is EOS alone, as when every row stopped
+    at once (it was masked whole: its score and missing-EOS penalty fell on no token, and GAE dropped them)."""
     from align.modeling.generation import finish_rollout
 
     eos, pad = 2, 0
@@ -181,9 +182,9 @@ def test_finish_rollout_masks_after_eos_and_beyond_engine_lengths():
     assert r.response_ids.tolist() == [[5, 2, 0, 0], [5, 6, 7, 8], [9, 9, 9, 9]]
     assert r.eos_found.tolist() == [True, False, False]
     r = finish_rollout(q, q, resp, eos, pad, lengths=torch.tensor([4, 3, 0]))
-    assert r.response_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]]
-    assert r.response_ids.tolist() == [[5, 2, 0, 0], [5, 6, 7, 0], [0, 0, 0, 0]]
-    assert r.eos_found.tolist() == [True, False, False]
+    assert r.response_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0]]
+    assert r.response_ids.tolist() == [[5, 2, 0, 0], [5, 6, 7, 0], [2, 0, 0, 0]]
+    assert r.eos_found.tolist() == [True, False, True]
     assert resp[2, 0] == 9  # the caller's tensor is not changed
     empty = finish_rollout(q, q, torch.zeros(3, 0, dtype=torch.long), eos, pad)
     assert empty.response_ids.shape == (3, 1) and empty.response_mask.tolist() == [[1], [1], [1]]

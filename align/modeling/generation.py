@@ -159,13 +159,14 @@ def finish_rollout(q_ids: torch.Tensor, q_mask: torch.Tensor, resp: torch.Tensor
                    lengths: torch.Tensor | None = None) -> Rollout:
     """The Rollout every engine returns from its raw responses (B, Lr): every token after the first EOS masked and
     set to padding, and `eos_found` per row. `lengths` (B,), where the engine says how many tokens each row really
-    has (vLLM), masks the columns beyond them too; a row of length 0 keeps one masked EOS column."""
+    has (vLLM), masks the columns beyond them too; a row of length 0 is EOS alone, unmasked, as when every row
+    stopped at once (masked, its score and missing-EOS penalty landed on no token: GAE dropped both)."""
     if resp.size(1) == 0:  # every sequence stopped at once: keep one column so shapes stay valid
         resp = torch.full((resp.size(0), 1), eos_token_id, device=resp.device, dtype=resp.dtype)
     mask = response_mask_after_eos(resp, eos_token_id)
     if lengths is not None:
-        mask = mask * (torch.arange(resp.size(1), device=resp.device)[None, :] < lengths[:, None])
-        resp = resp.clone()
+        mask = mask * (torch.arange(resp.size(1), device=resp.device)[None, :] < lengths[:, None].clamp(min=1))
+        resp = resp.clone()  # (column 0 is always kept by the EOS rule: a row of length 0 keeps it, as EOS)
         resp[lengths == 0, 0] = eos_token_id
     resp = torch.where(mask.bool(), resp, torch.full_like(resp, pad_token_id))
     eos_found = ((resp == eos_token_id) & mask.bool()).any(dim=1)
