@@ -298,3 +298,17 @@ def test_auto_is_online_for_a_user_who_ran_wandb_login(tmp_path, monkeypatch):
     assert wandb_mode("auto") == "offline"
     netrc.write_text("machine wandb.example.com login\n")  # one netrc cannot parse
     assert wandb_mode("auto") == "offline"
+
+
+def test_a_killed_attempts_half_line_is_cut_before_the_next_attempt_appends(tmp_path):
+    """A stage killed mid-write left `{"step": 0, "eval/b/va`: the resumed attempt's row was appended onto it, the
+    glued line read as torn, and the new row was lost (metrics.jsonl and a table's file alike)."""
+    from align.core.tracking import _rows, table_file
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "eval/a/vader/mean": 0.5}\n{"step": 0, "eval/b/va')
+    (tmp_path / table_file("samples")).write_text('{"step": 1, "text": "whole"}\n{"step": 1, "te')
+    t = tracker(tmp_path, "disabled", resume=True)
+    t.log({"eval/a/vader/mean": 0.6}, 0)
+    t.table("samples", ["text"], [["new"]], 2)
+    assert [row.get("eval/a/vader/mean") for _, row in _rows(tmp_path / "metrics.jsonl")] == [0.5, 0.6]
+    assert [json.loads(x)["text"] for x in (tmp_path / table_file("samples")).read_text().splitlines()] == ["whole", "new"]

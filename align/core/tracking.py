@@ -211,6 +211,16 @@ def keep_metrics_until(path: Path, step: int, rows: int | None = None) -> None:
         atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 
+def drop_torn_tail(path: Path) -> None:
+    """Cut a metrics or table file after its last whole line (one a killed writer left half written), atomically."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return
+    if data and not data.endswith(b"\n"):
+        atomic_write_text(path, data[:data.rfind(b"\n") + 1].decode("utf-8", "replace"))
+
+
 OFFLINE_MARK = ".wandb_unreachable"
 """In the run directory: a stage found W&B unreachable online (its error), so stages that start within
 OFFLINE_FOR_S of it log offline at once (a run resumed the next day tries online again)."""
@@ -234,6 +244,8 @@ class Tracker:
         self._kwargs: dict[str, Any] | None = None  # the W&B run to start at the first thing logged (main process)
         if not self.main:
             return
+        for path in (self.path, *(self.path.parent / table_file(t) for t in TABLES)):
+            drop_torn_tail(path)  # a killed attempt's half line: the next append would be glued onto it and lost
         self.mode = wandb_mode(wandb_setting)
         if self.mode is not None:
             if os.environ.get("WANDB_MODE"):  # wandb reads it too, and refuses "OFFLINE" or " offline"
