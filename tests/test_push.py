@@ -64,8 +64,8 @@ def test_upload_creates_the_repository_commits_the_folder_and_keeps_no_token(tmp
     receipt = upload(model, cfg, TOKEN, "align: test", api=api)
     assert api.calls[0] == ("create_repo", "my-org/tiny-ppo", {"repo_type": "model", "private": True, "exist_ok": True})
     # the files there are listed at the branch's commit, and the commit is made on that one or refused
-    assert api.calls[2] == ("list_repo_files", "my-org/tiny-ppo", {"repo_type": "model", "revision": HEAD})
-    assert api.calls[3][1] == {"folder_path": str(model), "repo_id": "my-org/tiny-ppo", "repo_type": "model",
+    assert api.calls[3] == ("list_repo_files", "my-org/tiny-ppo", {"repo_type": "model", "revision": HEAD})
+    assert api.calls[4][1] == {"folder_path": str(model), "repo_id": "my-org/tiny-ppo", "repo_type": "model",
                                "revision": "main", "commit_message": "align: test",
                                "ignore_patterns": ["training_args.bin", "*/training_args.bin"],
                                "parent_commit": HEAD, "delete_patterns": None}
@@ -96,10 +96,10 @@ def test_a_second_push_deletes_what_the_first_left_that_this_model_lacks_and_mak
                               "old/model.safetensors"])
     cfg = PushStage(type="push", model="ppo", repo="my-org/tiny-ppo", revision="v1")
     receipt = upload(model, cfg, TOKEN, "align: again", api=api)
-    assert api.calls[1] == ("create_branch", "my-org/tiny-ppo", {"repo_type": "model", "branch": "v1",
+    assert api.calls[2] == ("create_branch", "my-org/tiny-ppo", {"repo_type": "model", "branch": "v1",
                                                                   "exist_ok": True})
-    assert api.calls[2] == ("repo_info", "my-org/tiny-ppo", {"repo_type": "model", "revision": "v1"})
-    sent = api.calls[4][1]
+    assert api.calls[3] == ("repo_info", "my-org/tiny-ppo", {"repo_type": "model", "revision": "v1"})
+    sent = api.calls[5][1]
     assert sent["delete_patterns"] == ["adapter_config.json", "adapter_model.safetensors"]
     assert sent["revision"] == "v1"
     # no pickle is sent, at the top level or in a folder, and the receipt names exactly what was sent
@@ -127,6 +127,10 @@ def test_a_public_repository_is_refused_unless_private_is_false_and_a_moved_bran
                                          r"false"):
         upload(model, cfg, TOKEN, "align: test", api=api)
     assert [c[0] for c in api.calls] == ["create_repo", "repo_info"]  # nothing listed, nothing sent
+    api = RecordingApi(private=False)  # to a branch: refused before the branch is made in the public repository
+    with pytest.raises(StageError, match=r"exists and is public"):
+        upload(model, PushStage(type="push", model="ppo", repo="my-org/tiny-ppo", revision="v1"), TOKEN, "m", api=api)
+    assert [c[0] for c in api.calls] == ["create_repo", "repo_info"]
     cfg.private = False
     assert upload(model, cfg, TOKEN, "align: test", api=api)["private"] is False
     moved = HTTPError("412 Client Error: Precondition Failed", response=Response())

@@ -136,12 +136,13 @@ def upload(folder: Path, cfg: PushStage, token: str, message: str, api: Any = No
 
     api = api if api is not None else HfApi(token=token)
     api.create_repo(cfg.repo, repo_type="model", private=cfg.private, exist_ok=True)
+    if cfg.private and api.repo_info(cfg.repo, repo_type="model").private is False:  # create_repo keeps an existing
+        # repository's visibility; refused before anything is written there (a branch made first stayed behind)
+        raise StageError(f"{cfg.repo} exists and is public, and private is true: the weights would be public. "
+                         "Make the repository private on the hub, or set private: false to publish them there")
     if cfg.revision != "main":  # upload_folder commits only to a branch that exists
         api.create_branch(cfg.repo, repo_type="model", branch=cfg.revision, exist_ok=True)
     info = api.repo_info(cfg.repo, repo_type="model", revision=cfg.revision)
-    if cfg.private and info.private is False:  # create_repo keeps an existing repository's visibility
-        raise StageError(f"{cfg.repo} exists and is public, and private is true: the weights would be public. "
-                         "Make the repository private on the hub, or set private: false to publish them there")
     # The branch's commit now: the files listed are at it, and the commit is made on it (parent_commit) or refused
     # when another push moved the branch since, whose files this one's deletions did not see.
     there = api.list_repo_files(cfg.repo, repo_type="model", revision=info.sha or cfg.revision)
