@@ -265,6 +265,36 @@ def test_a_judges_nan_or_inf_pairs_with_nothing_wherever_it_lies_and_one_text_co
     assert [p["prompt"] for p in pairs] == ["e"] and (ties, cut) == (0, 1)
 
 
+def test_an_invalid_verdict_or_a_prompt_without_two_finite_scores_is_not_counted_a_tie():
+    """`preferences/ties_dropped` counted the pairwise judge's invalid verdicts (scored 0.5 each, as a tie) and
+    prompts left without two finite scores: 8 wins and 2 invalid read as 2 ties though the judge said tie to none,
+    and with every verdict invalid the error said they "were ties (the pairwise judge preferred neither ...)"."""
+    import math
+    from types import SimpleNamespace
+
+    from align.config.preferences import PreferencesStage
+    from align.runtime.context import StageError
+    from align.stages.preferences import finite_or_none, split_pairs
+
+    def judged(prompt, outcome):
+        scores = {"win": [1.0, 0.0], "tie": [0.5, 0.5], "invalid": [0.5, 0.5]}[outcome]
+        return {"prompt": prompt, "responses": ["x", "y"], "scores": scores, "ended": [True, True], "outcome": outcome}
+
+    ctx, cfg = SimpleNamespace(name="prefs", seed=0), PreferencesStage(pairwise=object(), test_fraction=0.0)
+    records = [judged(f"w{i}", "win") for i in range(8)] + [judged("i0", "invalid"), judged("i1", "invalid"),
+                                                            judged("t0", "tie")]
+    _, pairs, ties, cut = split_pairs(ctx, cfg, records)
+    assert (len(pairs), ties, cut) == (8, 1, 0)
+    with pytest.raises(StageError, match=r"none of 2 prompts made a pair: 0 were ties .*; 2 had no valid verdict"):
+        split_pairs(ctx, cfg, [judged("i0", "invalid"), judged("i1", "invalid")])
+    nan = [{"prompt": "n", "responses": ["x", "y", "z"], "scores": [math.nan, 1.0, math.inf], "ended": [True] * 3},
+           {"prompt": "t", "responses": ["x", "y"], "scores": [1.0, 1.0], "ended": [True] * 2}]
+    finite_or_none(nan)
+    _, pairs, ties, cut = split_pairs(ctx, PreferencesStage(test_fraction=0.0), nan + [
+        {"prompt": "p", "responses": ["x", "y"], "scores": [1.0, 0.0], "ended": [True] * 2}])
+    assert (len(pairs), ties) == (1, 1)  # "n" has one finite score: no pair, and no tie
+
+
 def test_samples_kept_for_a_pairwise_judge_are_named_by_what_drew_them_not_by_the_judge(tmp_path):
     """preferences/sampled/ lets a rerun judge the samples an earlier attempt drew: its name must change with
     anything that changes the samples (the prompts, the generation settings, the policy's publication, the dtype,

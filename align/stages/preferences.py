@@ -267,7 +267,7 @@ def split_pairs(ctx: StageContext, cfg: PreferencesStage, records: list[dict[str
     """Best-vs-worst pairs per prompt of its usable samples (ties dropped; a prompt with fewer than two usable
     samples makes none), a seeded held-out share of the prompts for `test`, and every non-tied pair of the
     training prompts' samples (`train_all_pairs`). Returns (splits, pairs, ties, unfinished prompts)."""
-    pairs, ties, cut = [], 0, 0
+    pairs, ties, cut, other = [], 0, 0, {"invalid": 0, "unscored": 0}
     margin = 0.5 if cfg.pairwise is not None else cfg.min_margin  # pairwise: 1 vs 0 decides, 0.5 vs 0.5 ties
     kept = {id(r): usable(cfg, r) for r in records}
     for r in records:
@@ -275,15 +275,21 @@ def split_pairs(ctx: StageContext, cfg: PreferencesStage, records: list[dict[str
             cut += 1
             continue
         pair = pair_up(r["prompt"], *_picked(r, kept[id(r)]), margin)
-        if pair is None:
-            ties += 1
-        else:
+        scored = sum(r["scores"][i] is not None for i in kept[id(r)]) if r["scores"] else 0
+        if pair is not None:
             pairs.append(pair)
+        elif r.get("outcome") == "invalid" or scored < 2:  # no verdict, or no two finite scores: not a tie
+            other["invalid" if r.get("outcome") == "invalid" else "unscored"] += 1
+        else:
+            ties += 1
     if not pairs:
         unfinished = (f"; {cut} had fewer than two samples that ended within generation.max_new_tokens "
                       f"({cfg.generation.max_new_tokens}): raise it, or set drop_unfinished: false" if cut else "")
+        if other["invalid"]:
+            unfinished += f"; {other['invalid']} had no valid verdict from the pairwise judge (see its answers)"
         if bad := sum(s is None for r in records for s in r["scores"]):
-            unfinished += f"; the judge gave {bad} samples no finite score (NaN or inf): check the judge"
+            unfinished += (f"; the judge gave {bad} samples no finite score (NaN or inf), leaving {other['unscored']} "
+                           "prompts without two to compare: check the judge")
         raise StageError(f"stage '{ctx.name}': none of {len(records)} prompts made a pair: {ties} were ties " + (
             "(the pairwise judge preferred neither response in both orders; see its answers in samples.jsonl)"
             if cfg.pairwise is not None else f"(min_margin {cfg.min_margin}: sample more per prompt or lower "
