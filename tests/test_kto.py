@@ -52,6 +52,16 @@ def test_a_reply_two_pairs_label_both_ways_is_dropped_as_a_cards_row_would_be():
         ("p", "A", True), ("p", "C", False), ("q", "B", True), ("q", "C", False)]
 
 
+def test_the_weighted_ratio_of_desirable_to_undesirable_examples_by_hand():
+    """KTO's recommended lambda_D n_D / (lambda_U n_U) in [1, 4/3]: 80 desirable and 20 undesirable rows at weights
+    1 and 1 give 4 (the stage warns, naming desirable_weight 0.25 to 0.333); at 0.3 they give 1.2."""
+    from align.config.kto import weighted_ratio
+
+    assert weighted_ratio(80, 20, 1.0, 1.0) == 4.0
+    assert abs(weighted_ratio(80, 20, 0.3, 1.0) - 1.2) < 1e-12
+    assert weighted_ratio(5, 0, 1.0, 1.0) == float("inf")
+
+
 def test_a_card_of_unpaired_rows_in_label_order_is_shuffled_into_mixed_batches():
     from align.config.kto import unpaired
 
@@ -184,6 +194,7 @@ def test_kto_trains_from_the_sft_policy_on_the_unpaired_pairs(kto_run):
     assert m["final_metrics"]["train/examples"] == 2 * pairs  # every pair: one desirable, one undesirable row
     assert m["final_metrics"]["train/conflicting_rows_dropped"] == 0  # one pair a prompt: no reply labelled both ways
     assert m["final_metrics"]["train/desirable_fraction"] == 0.5
+    assert m["final_metrics"]["train/weighted_desirable_ratio"] == 1.0  # pairs: as many of each, at weights 1 and 1
     rows = [json.loads(x) for x in (run / "kto" / "metrics.jsonl").read_text().splitlines()]
     margins = [r["rewards/margin"] for r in rows if "rewards/margin" in r]
     # desirable completions gained log-probability over undesirable ones, relative to the reference (0 at first)

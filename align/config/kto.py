@@ -56,6 +56,12 @@ def unpaired(rows: Rows, seed: int, limit: int | None = None) -> Rows:
     return out[:limit] if limit else out
 
 
+def weighted_ratio(desirable: int, undesirable: int, desirable_weight: float, undesirable_weight: float) -> float:
+    """lambda_D n_D / (lambda_U n_U) of eq. 8's weights, which KTO's paper (Ethayarajh et al. 2024) recommends keeping
+    in [1, 4/3]: a card of unpaired rows may hold many more of one label than the other (pairs give 1)."""
+    return desirable_weight * desirable / (undesirable_weight * undesirable) if undesirable else float("inf")
+
+
 def one_label_problem(rows: Rows, where: str, limit: int | None) -> str | None:
     """Why KTO cannot learn from these training rows (None: it can): they hold one label only."""
     kinds = {bool(r["label"]) for r in rows}

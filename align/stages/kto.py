@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from align.config.kto import KTOStage, one_label_problem, unpaired
+from align.config.kto import KTOStage, one_label_problem, unpaired, weighted_ratio
 from align.runtime.context import StageContext, StageError
 from align.runtime.rows import load_rows
 from align.runtime.trl import (check_lengths, eval_metrics, metrics_callback, policy_and_reference, train_with_resume,
@@ -36,6 +36,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
     problem = one_label_problem(train, f"data: {cfg.data}", cfg.max_train_examples)
     if problem:  # data from a preferences stage has both labels; a card's is checked by `align validate` too
         raise StageError(f"stage '{ctx.name}': {problem}")
+    desirable = sum(r["label"] for r in train)
+    ratio = weighted_ratio(desirable, len(train) - desirable, cfg.desirable_weight, cfg.undesirable_weight)
+    if not 1.0 <= ratio <= 4 / 3 and ctx.is_main:
+        print(f"[align] {ctx.name}: warning: desirable_weight x desirable / (undesirable_weight x undesirable) is "
+              f"{ratio:.2f}; KTO's paper keeps it in [1, 4/3]: desirable_weight between "
+              f"{cfg.undesirable_weight * (len(train) - desirable) / desirable:.3g} and "
+              f"{4 / 3 * cfg.undesirable_weight * (len(train) - desirable) / desirable:.3g}", flush=True)
     test = [{c: r[c] for c in COLUMNS} for r in unpaired(load_rows(ctx, cfg.data, "test", tokenizer=tokenizer), ctx.seed)]
     check_lengths(ctx, train, tokenizer)
     args = training_args(KTOConfig, cfg, ctx, beta=cfg.beta, desirable_weight=cfg.desirable_weight,
@@ -50,6 +57,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
         ev = trainer.evaluate()
         final.update(eval_metrics(ev))  # logged as they came (metrics_callback): not a second row
     final["train/examples"], final["train/conflicting_rows_dropped"] = len(train), both
-    final["train/desirable_fraction"] = sum(r["label"] for r in train) / len(train)
+    final["train/desirable_fraction"], final["train/weighted_desirable_ratio"] = desirable / len(train), ratio
     ctx.save_trainer_model(trainer, tokenizer)
     return final
