@@ -337,3 +337,16 @@ def test_sfts_evaluation_rows_are_a_seeded_sample_of_the_split_not_the_files_hea
     tree = ast.parse((REPO / "align" / "stages" / "sft.py").read_text())
     called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
     assert "seeded_sample" in called
+
+
+def test_a_policy_with_no_valid_verdict_says_so_not_that_lengths_cannot_be_told(tmp_path):
+    """Every pair invalid (max_invalid_fraction: 1.0) made lc_win_rate NaN, and the footnote explained it by the
+    lengths; the cell now says there was no valid verdict, and the footnote is for a fit that failed."""
+    from align.report.markdown import headline
+
+    cfg, m = _cfg(), _metrics()
+    m["eval/dpo/ep/valid"] = 0.0
+    head = headline(cfg, m)
+    assert "| dpo | nan [nan, nan] | no valid verdicts |" in head and "length-controlled n/a" not in head
+    m["eval/dpo/ep/valid"] = 2.0
+    assert "length-controlled n/a: the lengths cannot be told" in headline(cfg, m)

@@ -72,9 +72,9 @@ def headline(cfg: EvaluateStage, m: dict[str, Any], groups: list[frontier.Group]
             lo, hi = m[f"{key}/win_rate_ci"]
             agree = ", ".join(f"{m.get(f'{key}/agreement/{j}', float('nan')):.3f} "
                               f"(n={m.get(f'{key}/agreement/{j}/pairs', 0):.0f})" for j in cfg.judges) or "-"
-            lc = m[f"{key}/lc_win_rate"]
-            unfit = unfit or lc != lc
-            lc_cell = "n/a" if lc != lc else f"{lc:.3f}"
+            lc, none_valid = m[f"{key}/lc_win_rate"], not m.get(f"{key}/valid", 1)
+            unfit = unfit or (lc != lc and not none_valid)  # no valid verdict: said in its own cell, not the footnote
+            lc_cell = "no valid verdicts" if none_valid else "n/a" if lc != lc else f"{lc:.3f}"
             bounds = m.get(f"{key}/win_rate_bounds")  # invalid pairs as losses / as wins: what leaving them out hides
             invalid = f"{m[f'{key}/invalid_rate']:.3f}" + (f" (win rate {bounds[0]:.3f}-{bounds[1]:.3f} with them as "
                                                             "losses / wins)" if m[f"{key}/invalid_rate"] and bounds
