@@ -141,6 +141,15 @@ def test_overrides_apply_to_every_variant_but_not_to_a_swept_key():
         apply_overrides(json.loads(json.dumps(raw)), ["stages={dpo: {beta: 0.3}}"])  # merged into dpo: 0.3 was lost
 
 
+def test_an_override_of_one_variant_says_what_a_variant_is():
+    """`dpo-beta_0.1.max_steps=3` said "unknown key 'dpo-beta_0'; valid keys: attn_implementation, ..." (the name cut
+    at the value's dot, the file's top-level keys listed), though `--only dpo-beta_0.1` takes the same name."""
+    for item in ("dpo-beta_0.1.max_steps=3", "stages.dpo-beta_0.1.max_steps=3", "dpo-beta_1.max_steps=3"):
+        with pytest.raises(ConfigError, match=rf"override '{re.escape(item)}': a variant of swept stage dpo cannot be "
+                                              r"set alone .*\(dpo\.<key>=\.\.\.\)"):
+            load_pipeline(str(REPO / "pipelines" / "frontier.yaml"), [item])
+
+
 def test_a_null_sweep_turns_the_sweep_off():
     """`dpo.sweep=null` was refused ("expected a mapping"): there was no way to drop a stage's sweep from the command
     line, where null turns a setting off everywhere else."""

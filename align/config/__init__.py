@@ -132,6 +132,12 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         parts = key.strip().split(".")
         stages = raw.get("stages") if isinstance(raw.get("stages"), dict) else {}
         dotted = [n for n in stages if isinstance(n, str) and "." in n and key.strip().startswith(n + ".")]
+        swept = [n for n, b in stages.items() if isinstance(b, dict) and b.get("sweep") and parts[0] not in stages
+                 and key.strip().removeprefix("stages.").startswith(f"{n}-")]
+        if swept:  # `dpo-beta_0.1.max_steps=3`: a variant's name, which exists only once the sweep is expanded
+            raise ConfigError(f"override '{item}': a variant of swept stage {swept[0]} cannot be set alone (its "
+                              f"settings come from the sweep); set the key for every variant ({swept[0]}.<key>=...), "
+                              "or make that variant a stage of its own in the pipeline file")
         if dotted and parts[0] not in stages:
             raise ConfigError(f"override '{item}': the stage name '{dotted[0]}' holds a dot, so no override can reach "
                               "it; a stage name is a plain identifier (letters, digits, _ and -, starting with a "
