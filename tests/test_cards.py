@@ -638,3 +638,22 @@ def test_align_reads_offline_mode_as_huggingface_hub_and_datasets_do():
     for env, (lib, ours, lib_data, ours_data) in zip(cases, got):
         assert (ours, ours_data) == (lib, lib_data), env
     assert any(row[0] for row in got) and not all(row[0] for row in got)  # both answers occur
+
+
+def test_the_hub_probe_goes_where_huggingface_hub_would_connect(monkeypatch):
+    """The probe took port 443 for an http HF_ENDPOINT (a mirror on port 80) and ignored HTTPS_PROXY: on a cluster
+    that reaches the hub through a proxy alone it said "unreachable", and validation left every hub card unread and
+    fingerprinted its revision as written, so a dataset's update never reran a stage."""
+    from align.data.hub import hub_address
+
+    for key in ("HF_ENDPOINT", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "NO_PROXY", "no_proxy",
+                "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(key, raising=False)
+    assert hub_address() == ("huggingface.co", 443)
+    monkeypatch.setenv("HF_ENDPOINT", "http://mirror.internal")
+    assert hub_address() == ("mirror.internal", 80)
+    monkeypatch.setenv("HF_ENDPOINT", "https://huggingface.co")
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.cluster:3128")
+    assert hub_address() == ("proxy.cluster", 3128)
+    monkeypatch.setenv("NO_PROXY", "huggingface.co")
+    assert hub_address() == ("huggingface.co", 443)

@@ -43,12 +43,27 @@ def hub_reachable(timeout: float = 3.0) -> bool:
     tell an unreachable hub at once instead of after the datasets library's retries."""
     if hub_offline():
         return False
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     try:
-        with socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout):
+        with socket.create_connection(hub_address(), timeout=timeout):
             return True
     except OSError:
         return False
+
+
+def hub_address() -> tuple[str, int]:
+    """Where a connection to the hub goes first: HF_ENDPOINT's host and port (its scheme's, 80 for http), or the
+    proxy the environment names for it (HTTPS_PROXY, HTTP_PROXY; not for a host NO_PROXY lists), as
+    huggingface_hub's requests would: on a cluster that reaches the hub through a proxy alone, the hub's own address
+    never answers."""
+    import urllib.request
+
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    scheme, host = url.scheme or "https", url.hostname or "huggingface.co"
+    proxy = urllib.request.getproxies().get(scheme)
+    if proxy and not urllib.request.proxy_bypass(host):
+        url = urlparse(proxy if "://" in proxy else f"http://{proxy}")
+        scheme, host = url.scheme, url.hostname or host
+    return host, url.port or (80 if scheme == "http" else 443)
 
 
 HUB_MIRROR_ENV = "ALIGN_HUB_MIRROR"
