@@ -81,6 +81,39 @@ def test_masked_whiten_hand_values():
     assert kept[:4].tolist() == pytest.approx([2.5 - 1.5 / s, 2.5 - 0.5 / s, 2.5 + 0.5 / s, 2.5 + 1.5 / s], abs=1e-5)
 
 
+def test_masked_whiten_over_two_processes_is_the_whole_batchs():
+    """Each PPO process whitened its own slice: with one global batch the advantages differed by the number of
+    processes, and a process whose responses all scored well still got half of them negative. With `total` (an
+    all-reduce sum) two processes holding [1, 2] and [3, 4] (+ a masked 100) get what one holding all four gets."""
+    import threading
+
+    barrier, posted = threading.Barrier(2), {}
+
+    def total_for(rank):
+        calls = [0]
+
+        def total(t):  # an all-reduce between two threads: each posts its term, waits for the other's, adds both
+            k = calls[0]
+            calls[0] += 1
+            posted[(k, rank)] = t
+            barrier.wait()
+            return posted[(k, 0)] + posted[(k, 1)]
+        return total
+
+    slices = {0: (torch.tensor([1.0, 2.0]), torch.tensor([1, 1])),
+              1: (torch.tensor([3.0, 4.0, 100.0]), torch.tensor([1, 1, 0]))}
+    out = {}
+    threads = [threading.Thread(target=lambda r=r: out.update({r: L.masked_whiten(*slices[r], total=total_for(r))}))
+               for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    whole = L.masked_whiten(torch.tensor([1.0, 2.0, 3.0, 4.0, 100.0]), torch.tensor([1, 1, 1, 1, 0]))
+    assert torch.cat([out[0], out[1]]).tolist() == pytest.approx(whole.tolist(), abs=1e-6)
+    assert out[0].tolist() == pytest.approx([-1.5 / math.sqrt(5 / 3), -0.5 / math.sqrt(5 / 3)], abs=1e-5)
+
+
 def test_ppo_policy_loss_hand_values():
     """A = +1 on both tokens. Token 1: ratio 1.5 -> losses -1.5 and clip -1.2 -> max -1.2 (clipped).
     Token 2: ratio 0.5 -> losses -0.5 and clip(0.8) -0.8 -> max -0.5 (not clipped). Mean -0.85, clipfrac 0.5."""

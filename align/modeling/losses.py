@@ -12,6 +12,8 @@ References
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -37,9 +39,18 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return var
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / std over masked entries; with shift_mean=False the mean is added back (used for rewards)."""
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
+                  total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """(x - mean) / std over masked entries; with shift_mean=False the mean is added back (used for rewards).
+    `total`: a sum over every process's tensor (all-reduce), so that the mean and the (Bessel-corrected) variance are
+    the whole batch's, as on one process, not each process's slice."""
+    if total is not None:
+        m = mask.to(x.dtype)
+        n = total(m.sum())
+        mean = total((x * m).sum()) / n.clamp(min=1.0)
+        var = total(((x - mean) ** 2 * m).sum()) / (n - 1).clamp(min=1.0)
+    else:
+        mean, var = masked_mean(x, mask), masked_var(x, mask)
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean

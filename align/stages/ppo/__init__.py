@@ -278,14 +278,15 @@ def collect(s: PPORun, it: int, t0: float, t_sync: float) -> Batch:
 
 def advantages(s: PPORun, b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Steps 4-5: per-token rewards -beta * KL plus the score on the last response token [Z19], GAE advantages
-    (whitened) and returns = advantages + values [GAE]. Returns (per-token KL, advantages, returns)."""
+    (whitened over the global batch, every process's responses) and returns = advantages + values [GAE]. Returns (per-token KL, advantages, returns)."""
     rmask = b.rmask
     with torch.no_grad():
         kl = kl_estimate(b.logprobs, b.ref_logprobs, s.cfg.kl.estimator) * rmask
         last = (rmask.sum(1) - 1).clamp(min=0).long()
         rewards = token_rewards(b.scores_used, kl, rmask, s.kl_ctl.value, last)
         adv, returns = gae(rewards, b.values, rmask, s.cfg.gamma, s.cfg.lam)
-        return kl, masked_whiten(adv, rmask), returns
+        total = (lambda t: s.accelerator.reduce(t, reduction="sum")) if s.world > 1 else None  # the whole batch's
+        return kl, masked_whiten(adv, rmask, total=total), returns  # statistics, whatever the number of processes
 
 
 def update(s: PPORun, it: int, b: Batch, adv: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
