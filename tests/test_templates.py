@@ -355,3 +355,37 @@ def test_every_trl_copy_trains_replies_after_the_prompts_later_stages_sample_aft
         assert ids[:start] == tok(prompt)["input_ids"], (name, turn, tok.decode(ids[:start])[-40:], prompt[-40:])
         reply = render_reply(tok, messages[:turn], messages[turn:turn + 1], prompt)
         assert trained_text(tok, example)[k] == reply + tok.eos_token, (name, turn)
+
+
+INST = ("{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+        "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}"
+        "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}")
+"""A Mistral-style [INST] template (no generation markers: SFT masks by prefixes)."""
+
+
+def test_a_dummy_prefix_tokenizer_trains_each_segment_as_it_follows_the_last_not_with_a_space(tmp_path):
+    """Prefix masking encoded each later segment alone, and a SentencePiece tokenizer with a dummy prefix (Mistral's,
+    Llama-2's) starts every text it encodes alone with "▁": every reply was trained to begin with a space the template
+    never writes, and from the third turn PPO's prompt (the template's text encoded whole) was no prefix of SFT's ids.
+    Later segments are now encoded as they follow earlier text."""
+    from families import SEED, tokenizer
+
+    from align.modeling.models import load_tokenizer, prepare_tokenizer
+
+    print(f"tokenizer seed {SEED}")
+    tokenizer("mistral", tmp_path / "tok")
+    tok = prepare_tokenizer(load_tokenizer(str(tmp_path / "tok")))
+    (tmp_path / "inst.jinja").write_text(INST)
+    planned = templates.resolve(str(tmp_path / "inst.jinja"), tmp_path / "p.yaml", None)
+    templates.install(tok, planned)
+    assert planned.masking == "prefix"
+    messages = MULTI
+    example = sft_example(tok, planned, messages)
+    prompt = tok(render_prompt(tok, messages[:3]))["input_ids"]
+    assert example["input_ids"][:len(prompt)] == prompt  # the third turn's prompt is what SFT trained after
+    trained = [t for t, m in zip(tok.convert_ids_to_tokens(example["input_ids"]), example["assistant_masks"]) if m]
+    whole = tok.convert_ids_to_tokens(tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+    assert trained[0] != "▁" and not trained[0].startswith("▁") and trained[0] in whole  # "Hello", as written
+    assert [t.strip() for t in trained_text(tok, example)] == [f"{m['content']}</s>" for m in messages[1::2]]

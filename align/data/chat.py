@@ -236,11 +236,26 @@ def _by_prefixes(tokenizer, template, messages: list[dict[str, str]]) -> dict[st
     ids: list[int] = []
     mask: list[int] = []
     for k, (text, trained) in enumerate(prefix_segments(tokenizer, template, messages)):
-        piece = tokenizer(_bos_stripped(tokenizer, text))["input_ids"] if k == 0 else \
-            tokenizer(text, add_special_tokens=False)["input_ids"]
+        piece = tokenizer(_bos_stripped(tokenizer, text))["input_ids"] if k == 0 else _continued(tokenizer, text)
         ids += piece
         mask += [int(trained)] * len(piece)
     return {"input_ids": ids, "assistant_masks": mask}
+
+
+ANCHOR = "\n"
+
+
+def _continued(tokenizer, text: str) -> list[int]:
+    """`text`'s tokens as they follow earlier text: those of ANCHOR + text after ANCHOR's own. A SentencePiece
+    tokenizer with a dummy prefix (Llama-2, Mistral) starts every text it encodes alone with "▁": each later segment
+    was trained as " Hello" where the template writes "Hello", and PPO's prompts (the template's text, encoded whole)
+    no longer began with SFT's ids from the third turn on. Encoded alone where the anchor merges with the text (a
+    byte-level BPE's newline before a newline), which only a dummy prefix would change."""
+    anchor = tokenizer(ANCHOR, add_special_tokens=False)["input_ids"]
+    full = tokenizer(ANCHOR + text, add_special_tokens=False)["input_ids"]
+    if anchor and full[:len(anchor)] == anchor:
+        return full[len(anchor):]
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _contexts_match(tokenizer, stock: str, messages: list[dict[str, str]], ids: list[int], mask: list[int],
