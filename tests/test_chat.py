@@ -111,6 +111,26 @@ def test_llama3_on_gpt2s_pre_tokenizer_is_flagged():
     assert problem is not None and "['ĊĊ'] become ['Ċ', 'Ċ']" in problem and "chatml" in problem
 
 
+def test_llama3_on_gpt2s_pre_tokenizer_trains_the_first_reply_after_the_prompt_later_stages_sample_after():
+    """The marker mask was kept unless a reply opened with whitespace: under Llama-3's template on GPT-2's BPE, SFT
+    trained "Hello" after "Ċ Ċ" while PPO and evaluation prompt with "ĊĊ". Every turn's prompt is compared now, and
+    such a conversation is tokenised by prefixes: its prompt tokens are the later stages' own."""
+    from transformers import AutoTokenizer
+
+    from align.data.chat import render_prompt, sft_example
+    from align.modeling.models import prepare_tokenizer
+
+    tok = prepare_tokenizer(AutoTokenizer.from_pretrained(REPO / "tokenizers" / "gpt2"))
+    planned = shipped("llama3")
+    templates.install(tok, planned)
+    for messages in (CHAT[:2], CHAT):  # (a later turn's prompt, encoded whole, splits the earlier "ĊĊ" before its
+        # reply's word: no tokenisation of the conversation agrees with both; install() flags the pairing for that)
+        example = sft_example(tok, planned, messages)
+        prompt = tok(render_prompt(tok, messages[:1]))["input_ids"]
+        assert example["input_ids"][:len(prompt)] == prompt, tok.convert_ids_to_tokens(prompt[-3:])
+        assert example["assistant_masks"].index(1) == len(prompt)
+
+
 def test_template_setting_errors_name_the_file_and_the_fix(tmp_path):
     source = tmp_path / "p.yaml"
     with pytest.raises(ConfigError, match="not found .*relative to the pipeline file"):

@@ -264,13 +264,14 @@ def _contexts_match(tokenizer, stock: str, messages: list[dict[str, str]], ids: 
     each rendered with the (stock) template and the generation prompt, tokenised alone. `exact` (TRL's copies, which
     render earlier turns their own way, e.g. Qwen3's with their reasoning blocks that the stock template drops): every
     turn's prompt, and each reply's training starts right at its prompt's end. Else (a template every stage renders
-    with, its markers as the user wrote them) only where a reply opens with whitespace, which can merge with the
-    prompt's last token (a newline after ChatML's header, on GPT-2's BPE). A conversation's opening assistant turn
-    has no prompt (no later stage samples there): its trained run is not compared."""
+    with, its markers as the user wrote them) every turn's prompt too: a reply opening with whitespace can merge with
+    the prompt's last token (a newline after ChatML's header, on GPT-2's BPE), and so can a prompt ending in
+    whitespace with the reply's first word (Llama-3's "\n\n" is one token at a text's end, two before a word, on
+    GPT-2's pre-tokenizer). A conversation's opening assistant turn has no prompt (no later stage samples there): its
+    trained run is not compared."""
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i]
-    checked = turns if exact else [i for i in turns if messages[i]["content"][:1].isspace()]
     ends = []
-    for turn in checked:
+    for turn in turns:
         prompt = _apply(tokenizer, messages[:turn], chat_template=stock, tokenize=False, add_generation_prompt=True)
         alone = tokenizer(_bos_stripped(tokenizer, prompt))["input_ids"]
         if ids[:len(alone)] != alone:
