@@ -389,3 +389,36 @@ def test_a_dummy_prefix_tokenizer_trains_each_segment_as_it_follows_the_last_not
     whole = tok.convert_ids_to_tokens(tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
     assert trained[0] != "▁" and not trained[0].startswith("▁") and trained[0] in whole  # "Hello", as written
     assert [t.strip() for t in trained_text(tok, example)] == [f"{m['content']}</s>" for m in messages[1::2]]
+
+
+def test_the_length_check_names_the_row_a_template_refuses(tmp_path):
+    """SFT's length check rendered each conversation with apply_chat_template itself: a conversation the template
+    refuses (a system turn under Mistral's) stopped the stage with a Jinja traceback naming no row."""
+    from transformers import AutoTokenizer
+
+    from align.data.lengths import _chat_lengths
+    from align.modeling.models import prepare_tokenizer
+
+    tok = prepare_tokenizer(AutoTokenizer.from_pretrained(REPO / "tokenizers" / "gpt2"))
+    tok.chat_template = INST
+    assert _chat_lengths(tok, [ONE])[0] > 0
+    with pytest.raises(TemplateError, match=r"row 1: the chat template refuses this conversation: Conversation "
+                                            r"roles must alternate"):
+        _chat_lengths(tok, [ONE, SYSTEM + ONE])
+
+
+def test_a_conversational_prompt_the_template_refuses_is_named_by_row_and_column():
+    """as_text named the row of a malformed conversation but not of one the template refuses: "the chat template
+    refuses this conversation: ..." for one bad row among thousands, with no row to find it by."""
+    from transformers import AutoTokenizer
+
+    from align.data.chat import as_text
+    from align.modeling.models import prepare_tokenizer
+
+    tok = prepare_tokenizer(AutoTokenizer.from_pretrained(REPO / "tokenizers" / "gpt2"))
+    tok.chat_template = INST
+    good = {"prompt": ONE[:1], "chosen": ONE[1:], "rejected": [{"role": "assistant", "content": "No."}]}
+    bad = dict(good, prompt=SYSTEM + ONE[:1])
+    assert len(as_text([good], tok)) == 1
+    with pytest.raises(TemplateError, match=r"row 2: prompt: the chat template refuses this conversation"):
+        as_text([good, good, bad], tok)

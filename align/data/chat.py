@@ -106,11 +106,15 @@ def as_text(rows: list[dict[str, Any]], tokenizer) -> list[dict[str, Any]]:
             out.append(row)
             continue
         check_conversation(prompt, f"row {i}: prompt", last_role="user")
-        new = dict(row, prompt=render_prompt(tokenizer, prompt))
-        for col in ("chosen", "rejected", "completion"):
-            if col in row:
-                check_conversation(row[col], f"row {i}: {col}", last_role="assistant")
-                new[col] = render_reply(tokenizer, prompt, row[col], new["prompt"])
+        col = "prompt"
+        try:  # a template's refusal names its row and column, as check_conversation's errors do
+            new = dict(row, prompt=render_prompt(tokenizer, prompt))
+            for col in ("chosen", "rejected", "completion"):
+                if col in row:
+                    check_conversation(row[col], f"row {i}: {col}", last_role="assistant")
+                    new[col] = render_reply(tokenizer, prompt, row[col], new["prompt"])
+        except TemplateError as exc:
+            raise TemplateError(f"row {i}: {col}: {exc}") from None
         out.append(new)
     return out
 

@@ -78,12 +78,15 @@ def _replies(tokenizer, texts: list[str]) -> list[int]:
 def _chat_lengths(tokenizer, conversations: list[list[dict[str, str]]], prompt: bool = False) -> list[int]:
     """Each conversation's tokens through the chat template (`prompt`: its turns with the generation prompt), with the
     BOS a conversation's ids start with where the tokenizer adds one and the template writes none (chat.sft_example)."""
-    from align.data.chat import adds_bos
+    from align.data.chat import TemplateError, _apply, adds_bos
 
     bos = tokenizer.bos_token_id if adds_bos(tokenizer) else None
     out = []
-    for messages in conversations:
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=prompt) if messages else []
+    for i, messages in enumerate(conversations):
+        try:  # a template's refusal (a system turn Mistral's does not take) names its row, not a Jinja traceback
+            ids = _apply(tokenizer, messages, tokenize=True, add_generation_prompt=prompt) if messages else []
+        except TemplateError as exc:
+            raise TemplateError(f"row {i}: {exc}") from None
         if hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding by default
             ids = ids["input_ids"]
         out.append(len(ids) + (bos is not None and list(ids[:1]) != [bos]))
