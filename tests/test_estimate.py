@@ -794,6 +794,24 @@ def test_advice_for_a_stage_that_trains_nothing_is_not_a_zero_config(llama8b):
     assert "zero3_offload (with ~391 GiB of host memory per node) would fit" in ppo  # 8.03B + 7.50B trained x 18 x 1.5
 
 
+def test_evaluate_counts_the_logits_of_one_scoring_slice(llama8b, monkeypatch):
+    """Evaluate's log-prob scoring held the whole batch's logits (~8 bytes per response token per vocabulary entry:
+    31.3 GiB at 32 replies of 1024 tokens and Llama-3's 128,256 entries), counted nowhere: the estimate said 49.9 GiB
+    where ~76 were needed. It scores slices of rows within 2 GiB now, and the estimate counts one slice."""
+    from align.orchestrator.estimate import estimate_pipeline
+    from align.orchestrator.hardware import Hardware
+
+    cfg, source, shapes = llama8b
+    hw = Hardware(gpus_per_node=8, gpu_memory=int(80e9), nodes=1, detected=False)
+    ev = cfg.stages["evaluate"]
+    assert (ev.generation.batch_size, ev.generation.max_new_tokens, shapes["lm"].vocab) == (32, 1024, 128_256)
+    assert ev.scoring_bytes(128_256) == 8 * 2 * 1024 * 128_256  # two rows a slice: 1.96 GiB
+    est = next(e for e in estimate_pipeline(cfg, source, hw, shapes=shapes) if e.name == "evaluate")
+    monkeypatch.setattr(ev, "scoring_bytes", lambda vocab: 0)
+    without = next(e for e in estimate_pipeline(cfg, source, hw, shapes=shapes) if e.name == "evaluate")
+    assert est.parts[est.mode]["generation"] - without.parts[est.mode]["generation"] == 8 * 2 * 1024 * 128_256
+
+
 @pytest.mark.parametrize("pipeline,policy_params", [("llama3_8b_ultrafeedback", 8_030_261_248),
                                                     ("qwen25_7b_hh", 7_615_616_512)])
 def test_every_stage_of_the_shipped_8b_pipelines_fits_8x80gb_with_its_breakdown(workdir, pipeline, policy_params):

@@ -260,3 +260,27 @@ def test_the_stages_probe_keeps_the_logits_path_for_a_family_the_blocker_list_mi
     nested = SimpleNamespace(get_text_config=lambda: SimpleNamespace(final_logit_softcapping=30.0))
     assert "final_logit_softcapping: 30.0" in fused_head_blocker(SimpleNamespace(config=nested),
                                                                  exact.get_output_embeddings())
+
+
+def test_evaluation_scores_a_batch_a_slice_of_rows_at_a_time_with_the_same_log_probs(models, monkeypatch):
+    """Evaluate scored a whole generation batch's logits at once (~8 bytes per response token per vocabulary entry:
+    31 GiB for 32 replies of 1024 tokens at Llama-3's vocabulary, which no estimate counted). It scores slices of rows
+    within SCORING_BYTES now; the log-probs are those of the whole batch."""
+    from align.config import evaluate as settings
+    from align.modeling.generation import response_logprobs
+    from align.modeling.models import load_causal_lm, load_tokenizer
+    from align.stages.evaluate import scored_logprobs
+
+    torch.manual_seed(SEED)
+    print("seed", SEED)
+    base, tok_dir = models["llama"]
+    model, r = load_causal_lm(str(base)).eval(), _rollout(load_tokenizer(str(tok_dir)), TEXTS, RESPONSES)
+    with torch.no_grad():
+        whole = response_logprobs(model, r, 0.7)
+    vocab, length = model.get_output_embeddings().weight.size(0), r.response_ids.size(1)
+    monkeypatch.setattr(settings, "SCORING_BYTES", 8 * length * vocab)  # one row a slice
+    assert settings.scoring_rows(length, vocab) == 1 and r.response_ids.size(0) > 1
+    real = r.response_mask.bool()
+    assert torch.allclose(scored_logprobs(model, r, 0.7)[real], whole[real], atol=1e-5)
+    monkeypatch.undo()
+    assert settings.scoring_rows(1024, 128_256) == 2  # Llama-3: two replies of 1024 tokens a slice, 2 GiB of logits

@@ -106,7 +106,23 @@ class EvaluateStage(StageBase):
     def generation_settings(self) -> Generation:
         return self.generation
 
+    def scoring_bytes(self, vocab: int) -> int:
+        """The logits one scoring call holds (align/stages/evaluate.py scored_logprobs), for the memory estimate."""
+        rows = min(self.generation.batch_size, scoring_rows(self.generation.max_new_tokens, vocab))
+        return 8 * rows * self.generation.max_new_tokens * vocab
+
     def held_models(self, stages: dict[str, StageBase]) -> list[HeldModel]:
         """One policy at a time, the reference and the reward model, each whole on every GPU (nothing trains)."""
         return [HeldModel("policy", "lm", False, False), HeldModel("reference", "lm", False, False)] + \
             ([HeldModel("reward", "scalar", False, False)] if self.reward else [])
+
+
+SCORING_BYTES = 2 * 2 ** 30
+"""The most one scoring call of evaluate holds in logits: without a fused head, scoring a batch keeps ~8 bytes per
+response token per vocabulary entry (an fp32 copy and its log-softmax): 31 GiB for 32 replies of 1024 tokens at
+Llama-3's 128k vocabulary, counted by no estimate. A batch past it is scored a slice of rows at a time."""
+
+
+def scoring_rows(length: int, vocab: int) -> int:
+    """Rows of `length` response tokens whose scoring logits (8 bytes an entry) fit SCORING_BYTES (at least one)."""
+    return max(1, SCORING_BYTES // max(1, 8 * length * vocab))

@@ -20,9 +20,9 @@ under each parallelism mode. The parts, all per GPU, with N = GPUs in the job:
   weights, fp32 weights under bf16 autocast plus autocast's 16-bit weight copies, fp32, and with LoRA the stage's
   own adapters: a Llama-3 layer ~52h bytes per token in bf16); unmeasured, a conservative 96h per token (where
   Korthikanti et al. 2022's GPT-3 figure is 34h), said below the table; plus the logits and their gradient in fp32
-  (8*s*b*V bytes), except
-  where a fused head never holds them: PPO's (one chunk's, `logit_tokens`) and TRL's in every TRL trainer (tiles
-  and the head's fp32 gradient, align/orchestrator/memory.py `trl_fused_head_bytes`);
+  (8*s*b*V bytes), except where a fused head never holds them: PPO's (one chunk's, `logit_tokens`) and TRL's in
+  every TRL trainer (tiles and the head's fp32 gradient, align/orchestrator/memory.py `trl_fused_head_bytes`); and
+  the logits a stage that scores its samples without a fused head holds (`scoring_bytes`, at most 2 GiB a call);
 * the KV cache of generation (PPO rollouts, preference sampling, evaluation): 2 * layers * b * s * kv_heads *
   head_dim * bytes (grouped-query attention keeps kv_heads < heads: Llama-3-8B 8 of 32, a quarter of 2 * h); with
   `generation.engine: vllm` the engine's own copy of the policy plus its KV cache, or the `gpu_memory_utilization`
@@ -108,6 +108,10 @@ def engine_bytes(gen: Any, policy: ModelShape, batch: int, seq: int, dtype_bytes
     if gen is None:
         return kv
     return engine_kind(gen.engine).sampling_bytes(gen, policy.params * dtype_bytes, kv, gpu_memory)
+
+
+def scoring(stage: StageBase, vocab: int) -> int:  # the logits a stage that scores its samples holds at once
+    return stage.scoring_bytes(vocab) if hasattr(stage, "scoring_bytes") else 0
 
 
 # --------------------------------------------------------------------------------------------- shapes
@@ -265,7 +269,7 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
         parts["frozen_weights"] = sum(_frozen(h, lora, m, gpus, dbytes) for h in frozen)
         if gen_b:
             policy, gen = held[0].shape, stage.generation_settings()
-            awake = engine_bytes(gen, policy, gen_b, gen_s, dbytes, gpu_memory)
+            awake = engine_bytes(gen, policy, gen_b, gen_s, dbytes, gpu_memory) + scoring(stage, policy.vocab)
             sleeps = gen is not None and gen.sleep and bool(trained)
             parts["generation"] = asleep_engine(awake, parts["activations"]) if sleeps else awake
             if sleeps and m == mode and est.with_checkpointing is not None:  # so far: the activations' change

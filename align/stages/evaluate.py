@@ -17,15 +17,16 @@ import torch
 from align.report import frontier, seeds
 
 from align.report.markdown import all_judges, headline, write_report
-from align.config.evaluate import EvaluateStage
+from align.config.evaluate import EvaluateStage, scoring_rows
 from align.data.lengths import pairs_within
 from align.runtime.rows import (load_prompts, load_rows, prompts_within_positions, prompts_within_reward_models,
                                 trained_length)
 from align.engines import make_engine
 from align.engines.base import (RolloutEngine, all_gather_objects, check_gap, free_cached_memory, logprob_gap,
                                 nan_max, release)
-from align.modeling.generation import by_length, longest_prompt, response_logprobs
+from align.modeling.generation import by_length, longest_prompt, sequence_logprobs
 from align.modeling.losses import sequence_kl
+from align.modeling.packing import unwrapped_model
 from align.judges.pointwise import WeightedJudge, pairwise_accuracy, stage_judge
 from align.judges import JudgeError
 from align.judges.pairwise import build_pairwise, check_invalid
@@ -37,6 +38,17 @@ OUTPUTS = ["../report"]
 
 
 @torch.no_grad()
+def scored_logprobs(model, rollout, temperature: float = 1.0) -> torch.Tensor:
+    """`response_logprobs` of a whole generation batch, with no graph kept, in slices of rows whose logits stay
+    within SCORING_BYTES (align/config/evaluate.py; the memory estimate counts the same bound)."""
+    vocab = unwrapped_model(model).get_output_embeddings().weight.size(0)
+    rows = scoring_rows(rollout.response_ids.size(1), vocab)
+    ids, mask, lq = rollout.input_ids, rollout.attention_mask, rollout.query_ids.size(1)
+    with torch.no_grad():
+        return torch.cat([sequence_logprobs(model, ids[i:i + rows], mask[i:i + rows], lq, temperature)
+                          for i in range(0, ids.size(0), rows)])
+
+
 def sample_with_kl(engine: RolloutEngine, policy, reference, tokenizer, prompts: list[str], cfg: EvaluateStage,
                    seed: int, on_batch=lambda done: None, judges: dict[str, WeightedJudge] | None = None,
                    rank: int = 0, world: int = 1):
@@ -63,14 +75,14 @@ def sample_with_kl(engine: RolloutEngine, policy, reference, tokenizer, prompts:
         t0 = time.perf_counter()
         r = engine.generate([prompts[i] for i in idx], gen, seed=seed + start)
         sampling += time.perf_counter() - t0
-        lp = response_logprobs(policy, r, gen.temperature)
+        lp = scored_logprobs(policy, r, gen.temperature)
         if r.engine_logprobs is not None:  # several processes: checked once gathered, on all of them alike (below)
             gap = nan_max([gap or 0.0, logprob_gap(r.engine_logprobs, lp, r.response_mask)["max"]])
             if world == 1:
                 check_gap(gap, gen.max_logprob_gap, f"evaluation batch {start}", engine.log_path)
-        ref_lp = response_logprobs(reference, r, gen.temperature)
+        ref_lp = scored_logprobs(reference, r, gen.temperature)
         mask = r.response_mask.float()
-        ref_plain = ref_lp if gen.temperature == 1.0 else response_logprobs(reference, r, 1.0)
+        ref_plain = ref_lp if gen.temperature == 1.0 else scored_logprobs(reference, r, 1.0)
         for i, kl, length, text, ref_sum in zip(idx, sequence_kl(lp, ref_lp, mask).tolist(), mask.sum(1).tolist(),
                                                 r.texts(tokenizer), (ref_plain * mask).sum(1).tolist()):
             texts[i], kls[i], lengths[i], ref_sums[i] = text, kl, length, ref_sum
