@@ -187,6 +187,14 @@ class PPOStage(StageBase):
             return None
         return FUSED_HEAD_CHUNK
 
+    def held_logits(self) -> tuple[int, int]:
+        """(positions a sequence, bytes a vocabulary entry) of the policy's logits in a training forward without the
+        fused head (the memory estimate): the response's positions alone (logits_to_keep), ~16 bytes an entry at the
+        peak of the backward (an fp32 log-softmax and the gradients), 24 when the entropy trains (entropy_coef > 0:
+        autograd keeps p): the peak resident memory of bf16 logits' forward and backward on CPU, 16.1 and 24.1 bytes
+        an entry (2026-12-02, an Intel Xeon)."""
+        return self.generation.max_new_tokens, 24 if self.entropy_coef > 0 else 16
+
     def mode_problem(self, mode: str) -> str | None:
         """What `fused_head: on` cannot do under this accelerate mode (checked at validate, not when PPO starts)."""
         if self.fused_head == "on" and mode.startswith("zero3"):

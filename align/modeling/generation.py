@@ -233,10 +233,11 @@ def sequence_logprobs(model, ids: torch.Tensor, mask: torch.Tensor, query_len: i
 
 
 def response_scores(model, ids: torch.Tensor, mask: torch.Tensor, query_len: int, temperature: float = 1.0,
-                    with_entropy: bool = False, with_hidden: bool = False):
+                    with_entropy: bool = False, with_hidden: bool = False, entropy_grad: bool = True):
     """Per-token log-probs (B, Lr) of the response part `ids[:, query_len:]` of (B, Lq + Lr) sequences under the
     sampling temperature, their entropies (None unless asked) and the LM head's input at those positions (None unless
-    asked: PPO's shared value head reads it). With the fused head on for this process and exact for this model
+    asked: PPO's shared value head reads it; `entropy_grad` False: the entropies without a graph, a metric only). With
+    the fused head on for this process and exact for this model
     (align/modeling/fused_head.py) the log-probs come from the hidden states a chunk of tokens at a time, and
     positions whose token is padding get 0; otherwise from response_logits. Every caller masks padding."""
     head = unwrapped_model(model).get_output_embeddings()
@@ -244,7 +245,7 @@ def response_scores(model, ids: torch.Tensor, mask: torch.Tensor, query_len: int
         logits, hidden = response_logits(model, ids, mask, query_len, temperature, with_hidden=with_hidden)
         targets = ids[:, query_len:]
         if with_entropy:
-            return (*logprobs_and_entropy(logits, targets), hidden)
+            return (*logprobs_and_entropy(logits, targets, entropy_grad), hidden)
         return logprobs_from_logits(logits, targets), None, hidden
     _, hidden = response_logits(model, ids, mask, query_len, head_inputs=True)
     real = mask[:, query_len:].bool()

@@ -206,7 +206,7 @@ def probe_plan(cfg: PipelineConfig, plans: list[StagePlan], source: str | Path,
 
 
 def _activations(est: StageEstimate, h: Held, variant: tuple[str, str], batch: int, seq: int, unfused: bool,
-                 recompute: bool, chunk: int | None, eager: bool) -> int:
+                 recompute: bool, chunk: int | None, eager: bool, held: tuple[int, int] | None) -> int:
     """One trained model's activations as `variant` (wanted, base) says it trains, noting in `est` what was not
     measured and what was counted instead."""
     wanted, base = variant
@@ -220,7 +220,7 @@ def _activations(est: StageEstimate, h: Held, variant: tuple[str, str], batch: i
                       + (f" ({h.shape.probe_note})" if h.shape.probe_note else "")
                       + f"; counted {LORA_UNMEASURED}x training without adapters")
     return activation_bytes(h.shape, batch, seq, h.role == "policy" and unfused, recompute, chunk, eager, chosen,
-                            lora_unmeasured=chosen != wanted)
+                            lora_unmeasured=chosen != wanted, held_logits=held)
 
 
 def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], shapes: dict[str, ModelShape],
@@ -249,8 +249,8 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
         return stage.TRL_FUSED_HEAD and h.role == "policy"
 
     def acts(recompute: bool, chunk: int | None, variant: tuple[str, str]) -> int:
-        return sum(_activations(est, h, variant, train_b, train_s, not fused(h), recompute, chunk, eager)
-                   for h in trained)
+        return sum(_activations(est, h, variant, train_b, train_s, not fused(h), recompute, chunk, eager,
+                                getattr(stage, "held_logits", lambda: None)()) for h in trained)
 
     for m in dict.fromkeys((*REPORTED_MODES, mode)):
         parts = {"trained_states": 0, "frozen_weights": 0, "activations": 0, "generation": 0, "rollout_gather": 0,

@@ -187,7 +187,7 @@ LORA_UNMEASURED = 2.2
 
 def activation_bytes(shape: ModelShape, batch: int, seq: int, logits: bool = True, checkpointing: bool = False,
                      logit_tokens: int | None = None, eager: bool = False, variant: str = "bf16",
-                     lora_unmeasured: bool = False) -> int:
+                     lora_unmeasured: bool = False, held_logits: tuple[int, int] | None = None) -> int:
     """One micro-batch's activations kept for backward, for a model trained as `variant` (a key of
     `shape.activations`: `bf16`, `autocast`, `fp32` or a LoRA setting's), plus, for a language model, the fp32
     logits and their gradient (a scalar head's output is negligible) of every token, or with `logit_tokens` (PPO's
@@ -215,8 +215,10 @@ def activation_bytes(shape: ModelShape, batch: int, seq: int, logits: bool = Tru
         kept += 2 * sum(i * o for name, (i, o) in shape.linears.items() if name != shape.head or logits)
     if not logits:
         return int(kept)
-    # the fused head's chunk in its backward: its fp32 logits, softmax, their product and gradients, ~6 copies
-    return int(kept) + (24 * min(s * b, logit_tokens) if logit_tokens else 8 * s * b) * shape.vocab
+    # the fused head's chunk in its backward: its fp32 logits, softmax, their product and gradients, ~6 copies;
+    # else the whole logits: `held_logits` (positions a sequence, bytes an entry) where the stage says, 8 bytes each
+    positions, per = held_logits or (s, 8)
+    return int(kept) + (24 * min(s * b, logit_tokens) if logit_tokens else per * positions * b) * shape.vocab
 
 
 def kv_cache_bytes(shape: ModelShape, batch: int, seq: int, dtype_bytes: int) -> int:

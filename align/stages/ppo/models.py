@@ -44,7 +44,7 @@ class PolicyAndValue(torch.nn.Module):
                 for name, part in (("policy", self.policy), ("value", value))}
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, query_len: int, temperature: float,
-                with_entropy: bool = True, with_values: bool = True):
+                with_entropy: bool = True, with_values: bool = True, entropy_grad: bool = True):
         """Per-token log-probs, entropies (None unless asked) and values (None unless asked: the held-out KL needs
         the policy alone, and a separate value model's forward costs as much as the policy's) of the response part.
         ids, mask: (B, Lq + Lr). The value at t is V(state before response token t). One forward of the policy gives
@@ -53,7 +53,7 @@ class PolicyAndValue(torch.nn.Module):
         partitions ungathered."""
         shared = self.value_head is not None and with_values
         logprobs, entropy, hidden = response_scores(self.policy, ids, mask, query_len, temperature, with_entropy,
-                                                    with_hidden=shared)
+                                                    with_hidden=shared, entropy_grad=entropy_grad)
         if shared:
             return logprobs, entropy, self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
         if not with_values:

@@ -51,7 +51,8 @@ def _ppo_epochs(cfg: PPOStage, accelerator, model, optimizer, groups, ids, mask,
         for start in range(0, b, cfg.mini_batch_size):
             mb = order[start:start + cfg.mini_batch_size]
             with accelerator.accumulate(model), accelerator.autocast():
-                logprobs, entropy, values = model(ids[mb], mask[mb], lq, cfg.generation.temperature)
+                logprobs, entropy, values = model(ids[mb], mask[mb], lq, cfg.generation.temperature,  # entropy: a
+                                                  entropy_grad=cfg.entropy_coef > 0)  # metric unless it is trained
                 pg_loss, pm = ppo_policy_loss(logprobs, old_logprobs[mb], advantages[mb], rmask[mb], cfg.clip_range)
                 vf_loss, vm = ppo_value_loss(values, old_values[mb], returns[mb], rmask[mb], cfg.clip_range_value)
                 ent = masked_mean(entropy, rmask[mb])
