@@ -801,6 +801,29 @@ def test_advice_for_a_stage_that_trains_nothing_is_not_a_zero_config(llama8b):
     assert "zero3_offload (with ~391 GiB of host memory per node) would fit" in ppo  # 8.03B + 7.50B trained x 18 x 1.5
 
 
+def test_the_preflight_shards_over_the_processes_the_stage_launches_not_the_gpus_present(llama8b, tmp_path):
+    """`align run` without --num-processes launches the accelerate config's num_processes, but the preflight sharded
+    over every GPU present: a ZeRO-3 config of 2 processes on 8 H100s was estimated at 70 GiB for PPO (8 shards), where
+    its 2 processes need ~179, and launched."""
+    from align.config import load_pipeline
+    from align.orchestrator.estimate import estimate_pipeline
+    from align.orchestrator.hardware import Hardware
+
+    _, source, shapes = llama8b
+    two = tmp_path / "zero3_two.yaml"
+    two.write_text((REPO / "pipelines" / "accelerate" / "zero3.yaml").read_text().replace("num_processes: 8",
+                                                                                          "num_processes: 2"))
+    cfg = load_pipeline(source, [f"ppo.accelerate={two}"])
+    hw = Hardware(gpus_per_node=8, gpu_memory=int(85.5e9), nodes=1, detected=True)
+    planned = {e.name: e for e in estimate_pipeline(cfg, source, hw, shapes=shapes)}
+    launched = {e.name: e for e in estimate_pipeline(cfg, source, hw, shapes=shapes, launched=True)}
+    assert (planned["ppo"].gpus, launched["ppo"].gpus) == (8, 2)
+    assert launched["ppo"].chosen_bytes > 2 * planned["ppo"].chosen_bytes
+    assert launched["sft"].gpus == 8  # the shipped configs name 8, as launch.sh passes one per GPU
+    flagged = {e.name: e for e in estimate_pipeline(cfg, source, hw, 4, shapes=shapes, launched=True)}
+    assert flagged["ppo"].gpus == 4  # --num-processes wins over the config's count, as when it launches
+
+
 def test_evaluate_counts_the_logits_of_one_scoring_slice(llama8b, monkeypatch):
     """Evaluate's log-prob scoring held the whole batch's logits (~8 bytes per response token per vocabulary entry:
     31.3 GiB at 32 replies of 1024 tokens and Llama-3's 128,256 entries), counted nowhere: the estimate said 49.9 GiB

@@ -36,14 +36,13 @@ under each parallelism mode. The parts, all per GPU, with N = GPUs in the job:
   for the CUDA context and allocator fragmentation.
 
 With `lora.enabled` a trained model is a frozen base (a frozen model as above, in the pipeline dtype) plus adapters,
-and only the adapters have trained states: r * (in + out) parameters per targeted linear layer (Hu et al. 2021),
-plus a scalar model's head, which peft trains as a copy (memory.py `lora_layers`), and, where a stage installs a
-chat template that adds tokens, their embedding rows and a copy of the untied head. With `lora.quantize: 4bit`
-(QLoRA) the base is whole on every GPU at about 0.52 bytes per linear weight and fp32 elsewhere (`qlora_base_bytes`). A stage that
-serves a frozen model from a trained one's base (PPO's reference, DPO's) says so in `held_models`. Activations are
-measured with the stage's adapters (their dropout and fp32 copies can keep more than full fine-tuning: 2.2x for a
-Llama layer with fp32 adapters on every linear layer). QLoRA's 4-bit base is measured as a bf16 one. These are
-estimates for a go/no-go decision, not promises: they leave out temporary buffers.
+and only the adapters have trained states: r * (in + out) parameters per targeted linear layer (Hu et al. 2021), plus
+a scalar model's head, which peft trains as a copy (memory.py `lora_layers`), and, where a stage installs a chat
+template that adds tokens, their embedding rows and a copy of the untied head. With `lora.quantize: 4bit` (QLoRA) the
+base is whole on every GPU at ~0.52 bytes per linear weight, fp32 elsewhere (`qlora_base_bytes`). A stage that serves
+a frozen model from a trained one's base (PPO's reference, DPO's) says so in `held_models`. Activations are measured
+with the stage's adapters (their dropout and fp32 copies can keep more than full fine-tuning: 2.2x for a Llama layer
+with fp32 adapters on every linear layer); a 4-bit base as a bf16 one. Estimates for a go/no-go decision, not promises.
 """
 
 from __future__ import annotations
@@ -108,10 +107,6 @@ def engine_bytes(gen: Any, policy: ModelShape, batch: int, seq: int, dtype_bytes
     if gen is None:
         return kv
     return engine_kind(gen.engine).sampling_bytes(gen, policy.params * dtype_bytes, kv, gpu_memory)
-
-
-def scoring(stage: StageBase, vocab: int) -> int:  # the logits a stage that scores its samples holds at once
-    return stage.scoring_bytes(vocab) if hasattr(stage, "scoring_bytes") else 0
 
 
 # --------------------------------------------------------------------------------------------- shapes
@@ -231,8 +226,7 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
     est = StageEstimate(name, stage.type, mode, gpus, held, checkpointing=ckpt)
     dbytes = dtype_bytes(dtype, on_gpu=gpu_memory is not None, precision=precision)
     train_b, train_s, gen_b, gen_s = stage.workload()
-    trained = [h for h in held if h.trained]
-    lora = enabled_lora(stage)
+    trained, lora = [h for h in held if h.trained], enabled_lora(stage)
     # With LoRA the trained states are the adapters' (and a head where peft trains one); without, the whole model's.
     try:
         layers = {h.role: lora_layers(h.shape, lora, h.shape.new_tokens if installs_template and not h.shape.scalar
@@ -269,7 +263,8 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
         parts["frozen_weights"] = sum(_frozen(h, lora, m, gpus, dbytes) for h in frozen)
         if gen_b:
             policy, gen = held[0].shape, stage.generation_settings()
-            awake = engine_bytes(gen, policy, gen_b, gen_s, dbytes, gpu_memory) + scoring(stage, policy.vocab)
+            awake = engine_bytes(gen, policy, gen_b, gen_s, dbytes, gpu_memory) + getattr(
+                stage, "scoring_bytes", lambda vocab: 0)(policy.vocab)  # the logits of scoring its samples at once
             sleeps = gen is not None and gen.sleep and bool(trained)
             parts["generation"] = asleep_engine(awake, parts["activations"]) if sleeps else awake
             if sleeps and m == mode and est.with_checkpointing is not None:  # so far: the activations' change
@@ -302,16 +297,18 @@ def _note_host(est: StageEstimate, trained_params: dict[str, int], nodes: int, b
 
 # --------------------------------------------------------------------------------------------- pipeline
 def estimate_pipeline(cfg: PipelineConfig, source: str | Path, hw: Hardware, num_processes: int | None = None,
-                      plans: list[StagePlan] | None = None,
-                      shapes: dict[str, ModelShape] | None = None) -> list[StageEstimate]:
-    """Every stage's estimate; the model shapes come from a helper process unless given."""
+                      plans: list[StagePlan] | None = None, shapes: dict[str, ModelShape] | None = None,
+                      launched: bool = False) -> list[StageEstimate]:
+    """Every stage's estimate (model shapes from a helper process unless given), on processes per node as `launched`
+    stages start (their own count, --num-processes, else their accelerate config's), else one per GPU as planned."""
     plans = plans or build_plan(cfg, source)
     shapes = shapes or model_shapes(cfg, source, probe_plan(cfg, plans, source, hw), plans)
     out = []
     for plan in plans:
         mode, cfg_n = accelerate_mode(accelerate_config(plan.cfg.accelerate, source))
         distributed = is_distributed(plan.cfg, source)
-        per_node = processes_per_node(plan.cfg, num_processes or hw.gpus_per_node, source) or (cfg_n if distributed else 1) or 1
+        per_node = processes_per_node(plan.cfg, num_processes if launched else num_processes or hw.gpus_per_node,
+                                      source) or (cfg_n if distributed else 1) or 1
         gpus = per_node * (hw.nodes if distributed else 1)
         out.append(estimate_stage(plan.name, plan.cfg, cfg.stages, shapes, mode, gpus, cfg.dtype, hw.gpu_memory,
                                   cfg.attn_implementation, cfg.precision, hw.nodes if distributed else 1,

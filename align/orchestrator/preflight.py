@@ -22,7 +22,7 @@ def memory_preflight(cfg: PipelineConfig, source: str | Path, plans: list[StageP
     if not names or not hw.gpu_memory:
         return
     try:
-        estimates = estimate_pipeline(cfg, source, hw, num_processes, plans)
+        estimates = estimate_pipeline(cfg, source, hw, num_processes, plans, launched=True)  # as launch_command
     except (EstimateError, HelperError) as exc:  # a crash of the shape helper (a model's own code) skips it too
         print(f"[align] memory preflight skipped: {(str(exc).strip() or repr(exc)).splitlines()[-1]}", flush=True)
         return
