@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from align.engines import kind as engine_kind
+from align.engines import holds_own_copy, kind as engine_kind
 from align.orchestrator import helper
 from align.core.builtin import is_builtin
 from align.config import PipelineConfig, StageBase
@@ -61,7 +61,7 @@ from align.orchestrator.hardware import Hardware
 from align.orchestrator.inputs import resolve_model_paths, tokenizer_to_check
 from align.orchestrator.launch import accelerate_config, accelerate_mode, is_distributed, processes_per_node
 from align.orchestrator.memory import (FALLBACK_TOKEN_H, LORA_UNMEASURED, EstimateError, ModelShape, activation_bytes,
-                                      asleep_engine, enabled_lora, frozen_bytes, host_state_bytes, kv_cache_bytes,
+                                      enabled_lora, sampling_parts, frozen_bytes, host_state_bytes, kv_cache_bytes,
                                       lora_key, lora_layers, lora_spec, model_state_bytes, qlora_base_bytes,
                                       training_variant, trl_fused_head_bytes, variant_class)
 from align.orchestrator.plan import StagePlan, build_plan
@@ -262,16 +262,15 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
                 est.with_checkpointing = acts(True, chunk, variant) - kept  # plus the total, filled in below
         parts["frozen_weights"] = sum(_frozen(h, lora, m, gpus, dbytes) for h in frozen)
         if gen_b:
-            policy, gen = held[0].shape, stage.generation_settings()
-            awake = engine_bytes(gen, policy, gen_b, gen_s, dbytes, gpu_memory) + getattr(
-                stage, "scoring_bytes", lambda vocab: 0)(policy.vocab)  # the logits of scoring its samples at once
-            sleeps = gen is not None and gen.sleep and bool(trained)
-            parts["generation"] = asleep_engine(awake, parts["activations"]) if sleeps else awake
-            if sleeps and m == mode and est.with_checkpointing is not None:  # so far: the activations' change
-                fewer = asleep_engine(awake, parts["activations"] + est.with_checkpointing)  # more engine beyond them
-                est.with_checkpointing += fewer - parts["generation"]
-            if m.startswith("zero3") and trained and stage.gathers_policy_for_generation():
-                parts["rollout_gather"] = computes * policy.params  # the whole policy (as DeepSpeed holds it)
+            awake = engine_bytes(stage.generation_settings(), held[0].shape, gen_b, gen_s, dbytes, gpu_memory) + getattr(
+                stage, "scoring_bytes", lambda vocab: 0)(held[0].shape.vocab)  # the logits of scoring samples at once
+            gather = computes * held[0].shape.params if m.startswith("zero3") and trained and \
+                stage.gathers_policy_for_generation() else 0  # the whole policy (as DeepSpeed holds it)
+            gen, change = stage.generation_settings(), est.with_checkpointing if m == mode else None
+            parts["generation"], parts["rollout_gather"], more = sampling_parts(  # an engine sampling with the
+                awake, gather, parts["activations"], bool(trained) and not holds_own_copy(gen.engine),  # trained
+                bool(trained) and gen.sleep, change)  # policy itself: its KV cache and gather end before the update
+            est.with_checkpointing = change + more if change is not None else est.with_checkpointing
         est.parts[m] = parts
         est.bytes_by_mode[m] = sum(parts.values())
     if est.with_checkpointing is not None:

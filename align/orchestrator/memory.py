@@ -61,6 +61,26 @@ def asleep_engine(awake: int, activations: int) -> int:
     return max(awake - activations, min(awake, ASLEEP_BYTES))
 
 
+def sampling_parts(awake: int, gather: int, activations: int, phased: bool, sleeps: bool,
+                   change: int | None) -> tuple[int, int, int]:
+    """What sampling adds to a GPU's peak, the larger of sampling and training, as (generation, rollout gather, how
+    their sum moves when the activations move by `change`, e.g. with gradient checkpointing): `phased`, an engine
+    that samples with the trained policy itself holds its KV cache (`awake`) and the policy gathered whole under
+    ZeRO-3 (`gather`) only while it samples, none of it during the update: what lies beyond the activations; a
+    sleeping one (`sleeps`) its bytes beyond them (asleep_engine); any other (an awake engine with its own copy of
+    the policy, or a stage that trains nothing) all of it."""
+    if phased:
+        def beyond(a: int) -> int:
+            return max(0, awake + gather - a)
+        generation = min(awake, beyond(activations))
+        return generation, beyond(activations) - generation, 0 if change is None else \
+            beyond(activations + change) - beyond(activations)
+    if sleeps:
+        generation = asleep_engine(awake, activations)
+        return generation, gather, 0 if change is None else asleep_engine(awake, activations + change) - generation
+    return awake, gather, 0
+
+
 def lora_key(lora: dict[str, Any], variant: str) -> str:
     """The name in ModelShape.activations of a LoRA setting's measure ({"r", "dropout", "targets"}) computed as
     `variant` (align/modeling/activations.py LORA_VARIANTS)."""
