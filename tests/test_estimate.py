@@ -1189,3 +1189,21 @@ def test_a_kl_budget_says_how_much_host_memory_its_copy_of_the_policy_takes(tiny
         assert not any("kl.max" in n for n in estimate_stage("ppo", ppo, tiny_cfg.stages, shapes, mode, 8, "auto",
                                                              int(80e9), nodes=2).notes)
     assert found == {"ddp": 128.0, "zero2": 64.0, "zero3": 8.0}, found  # 4 processes a node: 4 x 2**33 x 4 bytes, ...
+
+
+def test_falcons_key_value_heads_are_read_under_their_own_names():
+    """The shape read only num_key_value_heads: a Falcon config names them num_kv_heads (its new decoder
+    architecture: Falcon-40B's 8 of 128 heads), or attends with one (multi_query outside it): every head was counted,
+    a KV cache 8 (or 71) times too large."""
+    import torch
+    from transformers import FalconConfig, FalconForCausalLM
+
+    from align.modeling.shapes import shape_of
+
+    for kw, kv in ((dict(new_decoder_architecture=True, num_kv_heads=2), 2),
+                   (dict(multi_query=True, new_decoder_architecture=False), 1),
+                   (dict(multi_query=False, new_decoder_architecture=False), 8)):
+        with torch.device("meta"):
+            model = FalconForCausalLM(FalconConfig(hidden_size=64, num_attention_heads=8, num_hidden_layers=1,
+                                                   vocab_size=100, **kw))
+        assert shape_of(model)["kv_heads"] == kv, kw

@@ -16,6 +16,7 @@ import io
 from typing import Any
 
 from align.core import gguf
+from align.modeling.activations import KV_HEADS
 
 
 def shape_of(model) -> dict[str, Any]:
@@ -28,8 +29,10 @@ def shape_of(model) -> dict[str, Any]:
     heads = cfg.num_attention_heads
     return {"params": sum(p.numel() for p in model.parameters()), "largest_layer": largest,
             "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "heads": heads,
-            # grouped-query attention: the KV cache holds num_key_value_heads heads of head_dim each
-            "kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+            # grouped-query attention: the KV cache holds num_key_value_heads heads of head_dim each (Falcon's
+            # num_kv_heads; its multi_query attention outside the new decoder architecture, one)
+            "kv_heads": 1 if getattr(cfg, "multi_query", False) and not getattr(cfg, "new_decoder_architecture", True)
+            else next((getattr(cfg, f) for f in KV_HEADS if getattr(cfg, f, None)), heads),
             "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             "vocab": cfg.vocab_size, "linears": linears, "head": head, "scalar": hasattr(model, "score"),
             "tied": head_module is not None and head_module.weight is model.get_input_embeddings().weight}
