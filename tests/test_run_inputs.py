@@ -445,3 +445,22 @@ def test_the_runner_goes_on_after_a_stage_that_completed_then_exited_non_zero_in
     write_manifest(stage, {"stage": "dpo", "status": "running", "fingerprint": "f"})
     assert not runner._completed(0, plan, stage, "h", None, t_stage)
     assert read_manifest(stage)["status"] == "failed"
+
+
+def test_the_preflight_compares_with_what_other_processes_leave_on_a_gpu(monkeypatch, tmp_path):
+    """The preflight compared a stage with each GPU's whole memory: a leftover process of an earlier run (or another
+    tenant's job) holding 30 GiB let a stage through that then ran out of memory. Over 1 GiB in use, what is left
+    counts, and the table says so; the driver's own few MiB do not."""
+    from align.config import load_pipeline
+    from align.orchestrator import hardware
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nprintf '0, GPU-a, 81559, 30720\\n1, GPU-b, 81559, 4\\n'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert hardware.detected_gpus() == [81559 * 2 ** 20] * 2
+    assert hardware.detected_gpus(free=True) == [(81559 - 30720) * 2 ** 20, 81559 * 2 ** 20]  # 4 MiB: the driver's
+    hw = hardware.hardware(load_pipeline(DEFAULT, []))
+    assert hw.gpu_memory == (81559 - 30720) * 2 ** 20 and hw.detected
+    assert "other processes hold 30.0 GiB of a GPU here: what they leave is compared with" in hw.describe()

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from align.config import PipelineConfig
 
 GB = 1e9
+IN_USE = 2 ** 30
+"""Memory processes hold on a GPU (nvidia-smi's memory.used) above which the preflight compares with what is left:
+a leftover process of an earlier run, another tenant's job. Less is the driver's own."""
 
 
 @dataclass
@@ -45,7 +48,9 @@ def hardware(cfg: PipelineConfig, gpus_per_node: int | None = None, gpu_memory_g
     n, mem, detected = gpus_per_node, gpu_memory_gb, False
     declared = cfg.hardware
     replaced = []
-    present = detected_gpus()
+    present = detected_gpus(free=True)  # a leftover process, another tenant: what they leave is what a stage gets
+    whole = detected_gpus()
+    held = min(whole) - min(present) if present and whole and gpu_memory_gb is None else 0
     if present:
         if n is None:
             n = len(present)
@@ -58,13 +63,16 @@ def hardware(cfg: PipelineConfig, gpus_per_node: int | None = None, gpu_memory_g
                 replaced.append(f"gpu_memory_gb {declared.gpu_memory_gb:g}")
     n = n or declared.gpus_per_node
     mem = mem or declared.gpu_memory_gb
-    overrides = f"the GPUs present replace the pipeline's hardware: {', '.join(replaced)}" if replaced else ""
+    overrides = "; ".join(filter(None, (
+        f"the GPUs present replace the pipeline's hardware: {', '.join(replaced)}" if replaced else "",
+        f"other processes hold {held / 2 ** 30:.1f} GiB of a GPU here: what they leave is compared with" if held else "")))
     return Hardware(n, int(mem * GB) if mem else None, nodes or declared.nodes, detected, overrides,
                     flag=gpu_memory_gb is not None)
 
 
-def detected_gpus() -> list[int]:
-    """Memory (bytes) of each NVIDIA GPU this process may use, from `nvidia-smi` (no torch: the orchestrator never
+def detected_gpus(free: bool = False) -> list[int]:
+    """Memory (bytes) of each NVIDIA GPU this process may use (`free`: less what processes hold on it now, when that
+    is over IN_USE), from `nvidia-smi` (no torch: the orchestrator never
     imports it), restricted to CUDA_VISIBLE_DEVICES as CUDA reads it: indices or GPU UUIDs (a unique prefix names
     one), up to the first entry that names no GPU. MIG slices are not sized (nvidia-smi's memory.total is the
     whole GPU's): none is reported, and the pipeline's `hardware` or --gpus / --gpu-memory-gb decide. Empty without
@@ -73,15 +81,16 @@ def detected_gpus() -> list[int]:
     if exe is None:
         return []
     try:
-        out = subprocess.run([exe, "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"],
+        out = subprocess.run([exe, "--query-gpu=index,uuid,memory.total,memory.used", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return []
     gpus: dict[str, tuple[str, int]] = {}  # index -> (uuid, bytes)
     for line in out.stdout.splitlines() if out.returncode == 0 else []:
-        index, uuid, mib = ([x.strip() for x in line.split(",")] + ["", ""])[:3]
+        index, uuid, mib, used = ([x.strip() for x in line.split(",")] + ["", "", ""])[:4]
         if index.isdigit() and mib.isdigit():
-            gpus[index] = (uuid, int(mib) * 2 ** 20)
+            held = int(used) * 2 ** 20 if free and used.isdigit() and int(used) * 2 ** 20 > IN_USE else 0
+            gpus[index] = (uuid, int(mib) * 2 ** 20 - held)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return [mem for _, mem in gpus.values()]
