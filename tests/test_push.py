@@ -375,3 +375,42 @@ def test_a_push_below_a_stage_that_reruns_is_asked_for_its_token_before_anything
     monkeypatch.setattr(runner, "_run_stages", lambda *args: "ran")  # nothing reruns: the push is not asked
     monkeypatch.setattr(runner, "memory_preflight", lambda *args: None)
     assert runner.run(cfg, source) == "ran"
+
+
+def test_whole_weights_pushed_to_a_repository_without_a_card_get_one_naming_their_base_and_metrics(tmp_path,
+                                                                                                  monkeypatch):
+    """Merged or whole weights reached the hub with no README.md: no `base_model` for the hub to link, no word of the
+    stage or its results, and no licence note (peft writes a card beside adapters only). The stage sends one built
+    from the run's records to a repository without a card, never a path on this machine, and leaves model/ as it is."""
+    from align.core.rundir import StageSpec, write_manifest
+
+    stage = tmp_path / "run" / "dpo"
+    (stage / "model").mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        (stage / "model" / name).write_text("x")
+    StageSpec("dpo", str(stage), "f1", {"type": "dpo"}, {}).write(stage / "spec.json")
+    write_manifest(stage, {"stage": "dpo", "status": "completed", "outputs": ["model"],
+                           "final_metrics": {"eval/rewards/accuracy": 0.8125, "train/loss": 0.41}})
+    sent = {}
+
+    class Keeping(RecordingApi):
+        def upload_folder(self, **kw):
+            from pathlib import Path
+            card = Path(kw["folder_path"]) / "README.md"
+            sent["card"] = card.read_text() if card.is_file() else None
+            return super().upload_folder(**kw)
+
+    _, api = run_push(tmp_path / "run", "dpo", "meta-llama/Llama-3.1-8B-Instruct", monkeypatch, Keeping())
+    assert api.sent == ["README.md", "config.json", "model.safetensors"]
+    card = sent["card"]
+    assert card.startswith("---\nbase_model: meta-llama/Llama-3.1-8B-Instruct\nlibrary_name: transformers\n"
+                           "tags: [align, dpo]\n---\n") and "`dpo` stage `dpo` of the pipeline `default`" in card
+    assert "| eval/rewards/accuracy | 0.8125 |" in card and "licences of the base model" in card
+    assert not (stage / "model" / "README.md").exists()  # the published model/ is not changed
+    local = tmp_path / "weights"
+    local.mkdir()
+    _, api = run_push(tmp_path / "run", "dpo", str(local), monkeypatch, Keeping())
+    assert "base_model:" not in sent["card"] and str(tmp_path) not in sent["card"]
+    _, api = run_push(tmp_path / "run", "dpo", "meta-llama/Llama-3.1-8B-Instruct", monkeypatch,
+                      Keeping(there=["README.md"]))
+    assert "README.md" not in api.sent  # a card already there is kept

@@ -167,6 +167,39 @@ def upload(folder: Path, cfg: PushStage, token: str, message: str, api: Any = No
             "files": files, "deleted": stale, "bytes": sum((folder / f).stat().st_size for f in files)}
 
 
+def model_card(repo: str, pipeline: str, base_model: str, stage_dir: Path) -> str:
+    """A model card for a repository that has none (whole weights: peft writes one beside adapters): the base model
+    (in the metadata the hub reads, where it is a hub id, never a path on this machine), the stage and pipeline that
+    trained it, and its headline final metrics from the stage's manifest."""
+    try:
+        kind = StageSpec.read(stage_dir / SPEC).stage.get("type", "?")
+    except (OSError, ValueError, KeyError, AttributeError):  # a run directory from before align kept specs
+        kind = "?"
+    final = (read_manifest(stage_dir) or {}).get("final_metrics") or {}
+    keys = getattr(stage_types().get(kind), "HEADLINE", ())
+    hub_id = not base_model.startswith(("builtin:", "packaged:")) and not Path(base_model).expanduser().exists() \
+        and not base_model.startswith(("/", ".", "~")) and base_model.count("/") == 1
+    meta = ([f"base_model: {base_model}"] if hub_id else []) + ["library_name: transformers", f"tags: [align, {kind}]"]
+    rows = [f"| {k} | {final[k]:.4g} |" for k in keys if isinstance(final.get(k), (int, float))]
+    return "\n".join(["---", *meta, "---", "", f"# {repo}", "",
+                      f"Trained by align's `{kind}` stage `{stage_dir.name}` of the pipeline `{pipeline}`, from "
+                      + (f"[{base_model}](https://huggingface.co/{base_model})." if hub_id else "its base model."),
+                      "The licences of the base model and of the data it was trained on apply to it.",
+                      *(["", "| metric | value |", "|---|---|", *rows] if rows else []), ""])
+
+
+def with_card(folder: Path, scratch: Path, card: str) -> Path:
+    """`folder` as sent, with a model card (README.md) where it has none: staged in `scratch` (every file hard-linked,
+    the published model/ left as it is). upload() sends it only to a repository without a card."""
+    if (folder / "README.md").is_file():
+        return folder
+    if folder != scratch:
+        shutil.rmtree(scratch, ignore_errors=True)
+        shutil.copytree(folder, scratch, copy_function=_link_or_copy)
+    (scratch / "README.md").write_text(card, encoding="utf-8")
+    return scratch
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg: PushStage = ctx.cfg  # type: ignore[assignment]
     problem = token_problem(cfg.token_env)
@@ -181,6 +214,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if ctx.is_main:
         try:
             sent, renamed = hub_folder(folder, ctx.run_dir, ctx.pipeline.base_model, scratch)
+            sent = with_card(sent, scratch, model_card(cfg.repo, ctx.pipeline.name, ctx.pipeline.base_model,
+                                                       ctx.input_dir(cfg.model)))
             receipt = upload(sent, cfg, token, message)
         except StageError as exc:
             raise StageError(f"stage '{ctx.name}': {exc}") from None
