@@ -564,3 +564,62 @@ def test_the_logged_log_prob_gap_is_the_windows_largest_and_the_summary_the_runs
     rollouts = SimpleNamespace(gap_max=0.2)  # this attempt's rounds, after a resume
     assert run_gap_max(rollouts, [{GAP: 0.1}, {"loss": 1.0}, {GAP: 5.0}]) == 5.0  # a window before the resume
     assert run_gap_max(rollouts, [{GAP: 0.1}]) == 0.2
+
+
+def test_trls_sampling_ends_at_the_tokenizers_eos_alone_as_every_other_sampler_of_align_does(tmp_path):
+    """TRL ends a completion at every end id the policy's generation config declares (Llama-3.1-Instruct: three,
+    Qwen2.5: two), where PPO, evaluate, preferences and the vllm engine stop at the tokenizer's EOS alone, and the
+    reward models score a reply ending in it: GRPO on the hf engine sampled another distribution than on vllm. The
+    trainer is built with the tokenizer's EOS alone; the model's own list is put back (its published config keeps it)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+    from trl import GRPOConfig, GRPOTrainer
+
+    from align.stages.online_rl import one_end_token
+
+    tok = AutoTokenizer.from_pretrained(REPO / "tokenizers" / "gpt2")
+    tok.pad_token = tok.eos_token
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=len(tok)))
+    model.generation_config.eos_token_id = [tok.eos_token_id, 5, 7]  # an end-of-turn and an end-of-text besides
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
+                      max_completion_length=4, use_cpu=True, report_to=[], logging_steps=1)
+
+    def build():
+        return GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                           processing_class=tok, train_dataset=Dataset.from_list([{"prompt": "a"}] * 4))
+
+    assert build().eos_token_ids == [tok.eos_token_id, 5, 7]  # TRL's own rule
+    with one_end_token(model, tok):
+        trainer = build()
+    assert trainer.eos_token_ids == [tok.eos_token_id] and trainer.generation_config.eos_token_id == [tok.eos_token_id]
+    assert model.generation_config.eos_token_id == [tok.eos_token_id, 5, 7]
+
+
+def test_a_schedule_whose_passes_fall_in_one_optimiser_step_is_refused_and_its_clip_is_unread():
+    """num_iterations 2 with steps_per_generation x num_iterations dividing gradient_accumulation_steps passed: every
+    pass over a round fell inside one optimiser step (TRL then keeps no old log-probs: the ratio is 1), costing twice
+    the compute for mu = 1's update. On-policy (mu = 1, a round per optimiser step) the clip's settings are unread: a
+    sweep over epsilon trained twins. zero3_gather reached no TRL setting (ds3_gather_for_generation now)."""
+    from align.config import ConfigError, load_pipeline
+    from align.config.grpo import GRPOStage
+    from align.core.errors import PipelineError
+    from align.orchestrator.plan import build_plan
+    from align.orchestrator.validate import validate
+
+    source = REPO / "pipelines" / "online_rl.yaml"
+    cfg = load_pipeline(source, ["grpo.steps_per_generation=2", "grpo.num_iterations=2"])
+    with pytest.raises(PipelineError, match=r"stages\.grpo: num_iterations: 2 with steps_per_generation x "
+                                            r"num_iterations \(4 micro-steps a round\) dividing gradient_accumulation_"
+                                            r"steps \(4\): every pass over a round falls inside one optimiser step"):
+        validate(cfg, source, build_plan(cfg, source), verbose=False)
+    on_policy = GRPOStage(gradient_accumulation_steps=4, num_iterations=1)
+    assert {"epsilon", "epsilon_high"} <= set(on_policy.unread_settings())
+    reused = GRPOStage(gradient_accumulation_steps=1, steps_per_generation=8, num_iterations=2)
+    assert "epsilon" not in reused.unread_settings()  # two optimiser steps a round: the clip binds
+    with pytest.raises(ConfigError, match=r"sweep\.epsilon: variants .* differ only in epsilon, which the stage does "
+                                          r"not read \(every round is trained in the optimiser step it was sampled"):
+        load_pipeline(source, ["grpo.num_iterations=1", "grpo.steps_per_generation=null",
+                               "grpo.sweep={epsilon: [0.1, 0.3]}"])
+    layers = GRPOStage()
+    layers.generation.zero3_gather = "layers"
+    assert GRPOStage().gathers_policy_for_generation() and not layers.gathers_policy_for_generation()

@@ -21,6 +21,7 @@ class GRPOStage(OnlineRLStage):
 
     TYPE: ClassVar[str] = "grpo"
     ALGORITHM: ClassVar[str] = "GRPO"
+    CLIPS: ClassVar[tuple[str, ...]] = ("epsilon", "epsilon_high")
 
     beta: float = ranged(0.04, ge=0, fix="a negative coefficient rewards moving away from the reference")
     """KL coefficient to the reference in the loss (0.04 in Shao et al. 2024; 0 = no reference is held)."""

@@ -33,6 +33,8 @@ class OnlineRLStage(TrainedStage):
 
     PROMPTS: ClassVar[str] = "train"
     HEADLINE: ClassVar[tuple[str, ...]] = ("objective/scores_last", "objective/kl_per_token_last")
+    CLIPS: ClassVar[tuple[str, ...]] = ("epsilon",)
+    """The settings of the ratio's clip (unread where every round trains in the optimiser step it was sampled for)."""
     PRODUCES: ClassVar[str] = POLICY
     INPUTS: ClassVar[dict[str, tuple[str, bool]]] = {
         "policy": (POLICY, True), "reward": ("judge", False), "prompts": (DATA, False)}
@@ -88,6 +90,12 @@ class OnlineRLStage(TrainedStage):
                              "accumulation window shifts every later checkpoint into a generation round (a resume "
                              "samples one round again and trains another on part of its data); make one a multiple of "
                              "the other (steps_per_generation: null takes gradient_accumulation_steps)")
+        if self.num_iterations > 1 and ga % cycle == 0:  # TRL then keeps no old log-probs: the ratio is 1
+            raise ValueError(f"num_iterations: {self.num_iterations} with steps_per_generation x num_iterations "
+                             f"({cycle} micro-steps a round) dividing gradient_accumulation_steps ({ga}): every pass "
+                             "over a round falls inside one optimiser step, so none sees an updated policy and the "
+                             "passes only add the same gradient again; make steps_per_generation a multiple of "
+                             "gradient_accumulation_steps, or use num_iterations: 1")
         if (self.save_steps * self.gradient_accumulation_steps) % cycle:  # TRL counts rounds from 0 at a resume
             unit = cycle // math.gcd(cycle, self.gradient_accumulation_steps)
             raise ValueError(f"save_steps ({self.save_steps}) would put checkpoints inside a generation round "
@@ -110,8 +118,14 @@ class OnlineRLStage(TrainedStage):
 
     def unread_settings(self) -> dict[str, str]:
         """Settings this stage does not read (dotted key -> why): a sweep over one trains twins."""
-        return {**super().unread_settings(),
-                **dict.fromkeys(("generation.batch_size", "generation.fast"), "a generation round is one call per process")}
+        unread = dict.fromkeys(("generation.batch_size", "generation.fast"), "a generation round is one call per process")
+        cycle = (self.steps_per_generation or self.gradient_accumulation_steps) * self.num_iterations
+        if self.gradient_accumulation_steps % cycle == 0:
+            unread.update(dict.fromkeys(self.CLIPS, "every round is trained in the optimiser step it was sampled for: "
+                                        "the ratio is 1 and the clip never binds"))  # (num_iterations 1: else refused)
+        if holds_own_copy(self.generation.engine):
+            unread["generation.zero3_gather"] = f"the {self.generation.engine} engine samples from its own copy"
+        return {**super().unread_settings(), **unread}
 
     def card_split(self, fld: str) -> str:
         return self.split
@@ -154,8 +168,8 @@ class OnlineRLStage(TrainedStage):
         return held + [HeldModel("reward", "scalar", False, False)] * len(rewards)
 
     def gathers_policy_for_generation(self) -> bool:  # TRL samples from the whole policy, gathered
-        # (ds3_gather_for_generation); an engine of align's samples from its own copy, synced a layer at a time
-        return not holds_own_copy(self.generation.engine)
+        # (ds3_gather_for_generation: zero3_gather whole); an engine of align's from its own copy, synced by layers
+        return not holds_own_copy(self.generation.engine) and self.generation.zero3_gather == "whole"
 
     def workload(self) -> tuple[int, int, int, int]:
         return self.per_device_batch_size, self.max_length, self.completions_per_round(1), self.max_length

@@ -138,7 +138,8 @@ class Generation:
     process and environment, weights synced after every PPO update). vllm needs vLLM in this interpreter or
     ALIGN_VLLM_PYTHON naming one (./launch.sh --vllm sets up .venv-vllm); `align validate` says so when it is missing."""
     zero3_gather: str = one_of("whole", "whole", "layers")
-    """Under ZeRO-3, how the hf engine reaches the sharded policy's weights to sample (PPO): `whole` gathers the
+    """Under ZeRO-3, how the hf engine reaches the sharded policy's weights to sample (PPO; GRPO and RLOO as TRL's
+    ds3_gather_for_generation): `whole` gathers the
     whole policy once per rollout batch (fast; `align estimate` counts its full 16-bit copy on every GPU), `layers`
     leaves DeepSpeed's hooks on, so every decoding step gathers one layer at a time and every process steps until
     all are done (memory of one layer; a collective per layer and step: much slower)."""

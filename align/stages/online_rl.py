@@ -20,8 +20,9 @@ from __future__ import annotations
 import itertools
 import logging
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from align.config.online_rl import OnlineRLStage
 from align.runtime.rows import load_prompts
@@ -53,6 +54,23 @@ def plain_generation_kwargs(ctx: StageContext, model) -> dict | None:
                   "keeps (remove them from its generation_config.json to sample from the plain distribution)",
                   flush=True)
     return {k: v for k, v in undo.items() if v is not None} or None
+
+
+@contextmanager
+def one_end_token(model, tokenizer) -> Iterator[None]:
+    """While TRL's trainer is built, the policy's generation config names the tokenizer's EOS alone: TRL ends a
+    completion at every end id the config declares (Llama-3.1-Instruct's three, Qwen2.5's two), where align's other
+    samplers (PPO, evaluate, preferences, the vllm engine) and the reward models' scoring stop at the tokenizer's EOS
+    alone. Put back after: the published generation_config.json keeps the model's own."""
+    config = getattr(model, "generation_config", None)
+    declared = getattr(config, "eos_token_id", None)
+    if config is not None:
+        config.eos_token_id = tokenizer.eos_token_id
+    try:
+        yield
+    finally:
+        if config is not None:
+            config.eos_token_id = declared
 
 
 def reward_functions(ctx: StageContext, cfg: OnlineRLStage, tokenizer) -> tuple[list, list[float]]:
@@ -237,6 +255,7 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
                          temperature=gen.temperature, top_k=gen.top_k or 0, top_p=gen.top_p, beta=cfg.beta,
                          num_iterations=cfg.num_iterations, epsilon=cfg.epsilon, reward_weights=weights,
                          disable_dropout=True,  # old and new log-probs agree, as in PPO
+                         ds3_gather_for_generation=gen.zero3_gather == "whole",  # TRL's own generate, under ZeRO-3
                          trust_remote_code=ctx.pipeline.trust_remote_code, log_completions=False,
                          **reference_kwargs(ctx, cfg), **algorithm_args)
     model = ctx.load_lm(path, quantize=cfg.lora.quantize, lora=cfg.lora.enabled)
@@ -247,7 +266,7 @@ def run(ctx: StageContext, trainer_cls, config_cls, **algorithm_args: Any) -> di
         reference = reference_is_the_policy(ctx, cfg, model, path)
         cls, sampling = trainer_with_engine(trainer_cls, rollouts)
         cls, watch = watched(cls)
-        with quiet_init_warning(trainer_cls):
+        with quiet_init_warning(trainer_cls), one_end_token(model, tokenizer):
             trainer = cls(model=model, reward_funcs=funcs, args=args, processing_class=tokenizer,
                           train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
                           callbacks=[metrics_callback(ctx, online_rl_metric_name), watch.callback()],
