@@ -104,11 +104,11 @@ def test_a_preferences_stage_whose_pairs_are_all_held_out_fails_instead_of_publi
     splits, pairs, ties, cut = split_pairs(ctx, cfg, records)
     assert (len(splits["train"]) + len(splits["test"]), ties, cut) == (3, 0, 0) and splits["train"] and splits["test"]
     tied = [dict(r, scores=[0.5, 0.5]) for r in records]
-    # the one prompt that made a pair is held out at 0.9 (the floor of one kept needs two): nothing to train on
-    held = next(p for p in ("p0", "p1", "p2") if held_out_prompts([p], 0.9, SEED))
-    records = [r if r["prompt"] == held else dict(r, scores=[0.5, 0.5]) for r in records]
-    with pytest.raises(StageError, match=r"no training pairs: 1 pairs are held out \(test_fraction 0.9 of 3 prompts\), "
-                                         r"2 prompts tied"):
+    # at 0.9 every prompt but one is held out (one is always kept); that one's samples tie: nothing to train on
+    kept = next(p for p in ("p0", "p1", "p2") if p not in held_out_prompts(["p0", "p1", "p2"], 0.9, SEED))
+    records = [dict(r, scores=[0.5, 0.5]) if r["prompt"] == kept else r for r in records]
+    with pytest.raises(StageError, match=r"no training pairs: 2 pairs are held out \(test_fraction 0.9 of 3 prompts\), "
+                                         r"1 prompts tied"):
         split_pairs(ctx, PreferencesStage(test_fraction=0.9), records)
     with pytest.raises(StageError, match=r"none of 3 prompts made a pair: 3 were ties \(min_margin"):
         split_pairs(ctx, PreferencesStage(), tied)
@@ -116,9 +116,10 @@ def test_a_preferences_stage_whose_pairs_are_all_held_out_fails_instead_of_publi
         split_pairs(ctx, PreferencesStage(pairwise=object()), tied)
 
 
-def test_the_held_out_prompts_are_drawn_from_those_that_made_a_pair():
-    """10 prompts at test_fraction 0.1 held out one by the floor of one; its samples tied, and the stage published no
-    held-out pair: the reward stage then reported no accuracy, DPO and KTO no eval/ metrics, without a word."""
+def test_held_out_prompts_that_all_tie_are_said_and_stay_held_out_for_a_later_round(capsys):
+    """10 prompts at test_fraction 0.1 hold one out by the floor of one; when its samples tie, no held-out pair is left:
+    said (the reward stage refuses such data). Drawing the held-out prompts from those that paired instead moved the
+    floor onto a prompt round 1 of iterated DPO trained on: the held-out set is every sampled prompt's."""
     from align.config.preferences import PreferencesStage
     from align.data.cards import held_out_prompts
     from align.stages.preferences import split_pairs
@@ -127,10 +128,14 @@ def test_the_held_out_prompts_are_drawn_from_those_that_made_a_pair():
     ctx = types.SimpleNamespace(name="preferences", seed=SEED)
     prompts = [f"p{i}" for i in range(10)]
     held = held_out_prompts(prompts, 0.1, SEED)
-    records = [{"prompt": p, "responses": ["good", "bad"], "scores": [0.5, 0.5] if p in held else [1.0, 0.0],
-                "ended": [True, True]} for p in prompts]
-    splits, pairs, ties, cut = split_pairs(ctx, PreferencesStage(test_fraction=0.1), records)
-    assert ties == len(held) and len(splits["test"]) >= 1 and len(splits["train"]) + len(splits["test"]) == len(pairs)
+    paired = [{"prompt": p, "responses": ["good", "bad"], "scores": [1.0, 0.0], "ended": [True, True]} for p in prompts]
+    first, _, _, _ = split_pairs(ctx, PreferencesStage(test_fraction=0.1), paired)
+    assert {p["prompt"] for p in first["test"]} == held
+    tied = [dict(r, scores=[0.5, 0.5]) if r["prompt"] in held else r for r in paired]
+    later, pairs, ties, _ = split_pairs(ctx, PreferencesStage(test_fraction=0.1), tied)
+    assert ties == len(held) and not later["test"] and len(later["train"]) == len(pairs) == 10 - len(held)
+    assert not {p["prompt"] for p in first["train"]} & {p["prompt"] for p in later["test"]}
+    assert "warning: no held-out pair" in capsys.readouterr().out
 
 
 def test_whether_a_prompt_is_held_out_is_its_own_so_a_later_round_with_more_prompts_never_tests_on_trained_ones():

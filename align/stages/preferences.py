@@ -294,13 +294,18 @@ def split_pairs(ctx: StageContext, cfg: PreferencesStage, records: list[dict[str
             "(the pairwise judge preferred neither response in both orders; see its answers in samples.jsonl)"
             if cfg.pairwise is not None else f"(min_margin {cfg.min_margin}: sample more per prompt or lower "
             "min_margin)") + unfinished)
-    # by the stage's seed (the pipeline's unless set): iterated DPO's rounds hold out the same prompts. Drawn from
-    # the prompts that made a pair: its one-prompt floor (tiny sets) then never lands on a tie, leaving no test pair
-    test_prompts = held_out_prompts([p["prompt"] for p in pairs], cfg.test_fraction, ctx.seed)
+    # by the stage's seed (the pipeline's unless set), over every prompt sampled, whether it paired or not: iterated
+    # DPO's rounds hold out the same prompts (drawn from those that paired, a tie moved the one-prompt floor of a
+    # small set onto a prompt an earlier round trained on)
+    test_prompts = held_out_prompts([r["prompt"] for r in records], cfg.test_fraction, ctx.seed)
     splits = {"train": [p for p in pairs if p["prompt"] not in test_prompts],
               "test": [p for p in pairs if p["prompt"] in test_prompts],
               "train_all_pairs": [p for r in records if r["prompt"] not in test_prompts
                                   for p in all_pairs(r["prompt"], *_picked(r, kept[id(r)]), margin)]}
+    if not splits["test"] and getattr(ctx, "is_main", True):  # said, not refused: the sampling stands (a reward
+        print(f"[align] {ctx.name}: warning: no held-out pair: the {len(test_prompts)} held-out prompts (test_fraction "
+              f"{cfg.test_fraction}) made none (ties, unfinished or unscored samples); a reward stage reading this "
+              "data refuses it, DPO and KTO report no eval/ metrics. Raise test_fraction or max_prompts", flush=True)
     if not splits["train"]:  # every pair's prompt held out (ties took the rest): nothing for a stage to train on
         raise StageError(f"stage '{ctx.name}': no training pairs: {len(splits['test'])} pairs are held out "
                          f"(test_fraction {cfg.test_fraction} of {len(records)} prompts), {ties} prompts tied and {cut} "
