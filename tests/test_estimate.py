@@ -896,11 +896,11 @@ def test_the_gpus_present_win_over_hardware_and_the_table_says_which_values_they
 
     cfg = parse_pipeline({"name": "x", "hardware": {"gpus_per_node": 8, "gpu_memory_gb": 80},
                           "stages": {"sft": {"data": "c.yaml"}}}, "x.yaml")
-    monkeypatch.setattr(hw_module, "detected_gpus", lambda free=False: [])  # a login node: what the pipeline declares
+    monkeypatch.setattr(hw_module, "gpu_memory_in_use", lambda: [])  # a login node: what the pipeline declares
     hw = hw_module.hardware(cfg)
     assert (hw.gpus_per_node, hw.gpu_memory, hw.detected, hw.overrides) == (8, int(80e9), False, "")
 
-    monkeypatch.setattr(hw_module, "detected_gpus", lambda free=False: [int(24e9), int(24e9)])  # two 24 GB GPUs here
+    monkeypatch.setattr(hw_module, "gpu_memory_in_use", lambda: [(int(24e9), 0)] * 2)  # two 24 GB GPUs here
     hw = hw_module.hardware(cfg)
     assert (hw.gpus_per_node, hw.gpu_memory, hw.detected) == (2, int(24e9), True)
     assert hw.overrides == "the GPUs present replace the pipeline's hardware: gpus_per_node 8, gpu_memory_gb 80"
@@ -911,7 +911,7 @@ def test_the_gpus_present_win_over_hardware_and_the_table_says_which_values_they
     hw = hw_module.hardware(cfg, gpus_per_node=8, gpu_memory_gb=0.5)  # the flag is named as the source, a small size not rounded to 0
     assert "8 GPU(s), 0.5 GB each (--gpu-memory-gb)" in render([], hw).splitlines()[0]
     bare = parse_pipeline({"name": "x", "stages": {"sft": {"data": "c.yaml"}}}, "x.yaml")
-    monkeypatch.setattr(hw_module, "detected_gpus", lambda free=False: [])
+    monkeypatch.setattr(hw_module, "gpu_memory_in_use", lambda: [])
     header = render([], hw_module.hardware(bare, gpus_per_node=2)).splitlines()[0]  # --gpus alone: said, not dropped
     assert "1 node(s) x 2 GPU(s) of unknown memory (give --gpu-memory-gb)" in header
 

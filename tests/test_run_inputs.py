@@ -462,5 +462,10 @@ def test_the_preflight_compares_with_what_other_processes_leave_on_a_gpu(monkeyp
     assert hardware.detected_gpus() == [81559 * 2 ** 20] * 2
     assert hardware.detected_gpus(free=True) == [(81559 - 30720) * 2 ** 20, 81559 * 2 ** 20]  # 4 MiB: the driver's
     hw = hardware.hardware(load_pipeline(DEFAULT, []))
-    assert hw.gpu_memory == (81559 - 30720) * 2 ** 20 and hw.detected
-    assert "other processes hold 30.0 GiB of a GPU here: what they leave is compared with" in hw.describe()
+    # a stage is compared with what is left; a vLLM engine's gpu_memory_utilization share is of the whole memory
+    assert (hw.gpu_memory, hw.capacity, hw.detected) == (81559 * 2 ** 20, (81559 - 30720) * 2 ** 20, True)
+    assert "other processes hold memory on a GPU here: 49.6 GiB is left on the fullest" in hw.describe()
+    smi.write_text("#!/bin/sh\nprintf '0, GPU-a, 40960, 0\\n1, GPU-b, 81920, 51200\\n'\n")  # mixed GPUs: the least
+    hw = hardware.hardware(load_pipeline(DEFAULT, []))  # any has left (30 GiB), not the smallest less the most held
+    assert (hw.gpu_memory, hw.capacity) == (40960 * 2 ** 20, 30720 * 2 ** 20)
+    assert hardware.hardware(load_pipeline(DEFAULT, []), gpu_memory_gb=80).capacity == int(80e9)  # a flag: as given

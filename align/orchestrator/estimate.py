@@ -324,7 +324,7 @@ PARTS = (("trained_states", "trained states"), ("frozen_weights", "frozen weight
 
 
 def render(estimates: list[StageEstimate], hw: Hardware) -> str:
-    cap = hw.gpu_memory
+    cap = hw.capacity
     lines = [f"per-GPU memory estimate, GiB ({hw.describe()}); see align/orchestrator/estimate.py for the formulas", "",
              "| stage | type | models (parameters) | GPUs | " + " | ".join(REPORTED_MODES) + " | chosen | fits |",
              "|---|---|---|---|" + "---|" * len(REPORTED_MODES) + "---|---|"]
@@ -366,16 +366,16 @@ def too_big(estimates: list[StageEstimate], hw: Hardware, names: set[str] | None
         return []
     out = []
     for e in estimates:
-        if (names is None or e.name in names) and e.chosen_bytes > hw.gpu_memory:
+        if (names is None or e.name in names) and e.chosen_bytes > hw.capacity:
             detail = ", ".join(f"{k} {_gib(v)}" for k, v in e.parts[e.mode].items() if v)
             out.append(f"stage '{e.name}' ({e.mode}, {e.gpus} GPUs) needs ~{_gib(e.chosen_bytes)} GiB per GPU "
-                       f"({detail}) but a GPU has {_gib(hw.gpu_memory)} GiB; " + "; ".join(_fixes(e, hw)))
+                       f"({detail}) but a GPU has {_gib(hw.capacity)} GiB free; " + "; ".join(_fixes(e, hw)))
     return out
 
 
 def _fixes(e: StageEstimate, hw: Hardware) -> list[str]:
     """What would make a stage fit, by what it holds."""
-    cap, fixes = hw.gpu_memory or 0, []
+    cap, fixes = hw.capacity or 0, []
     if not any(h.trained for h in e.held):  # nothing trains: ZeRO does not apply, every model is whole
         if e.parts[e.mode]["generation"]:
             fixes.append(f"lower stages.{e.name}.generation.batch_size (the KV cache is "

@@ -32,6 +32,14 @@ class Hardware:
     """The pipeline's `hardware:` values the GPUs present replaced, as the table prints them ("" when none)."""
     flag: bool = False
     """The memory came from `--gpu-memory-gb`."""
+    free: int | None = None
+    """Where other processes hold memory on a GPU here (over IN_USE): the least any GPU has left, what a stage gets
+    (`capacity`); a vLLM engine still sizes its share from the whole memory, `gpu_memory`."""
+
+    @property
+    def capacity(self) -> int | None:
+        """What a stage may use of a GPU: its memory, or what other processes leave of it."""
+        return self.free if self.free is not None and self.gpu_memory else self.gpu_memory
 
     def describe(self) -> str:
         """The GPUs compared with and where their memory came from, as the estimate table's header says it."""
@@ -48,9 +56,9 @@ def hardware(cfg: PipelineConfig, gpus_per_node: int | None = None, gpu_memory_g
     n, mem, detected = gpus_per_node, gpu_memory_gb, False
     declared = cfg.hardware
     replaced = []
-    present = detected_gpus(free=True)  # a leftover process, another tenant: what they leave is what a stage gets
-    whole = detected_gpus()
-    held = min(whole) - min(present) if present and whole and gpu_memory_gb is None else 0
+    in_use = gpu_memory_in_use()  # a leftover process, another tenant: what they leave is what a stage gets
+    present = [total for total, _ in in_use]
+    free = min(t - h for t, h in in_use) if gpu_memory_gb is None and any(h for _, h in in_use) else None
     if present:
         if n is None:
             n = len(present)
@@ -65,18 +73,24 @@ def hardware(cfg: PipelineConfig, gpus_per_node: int | None = None, gpu_memory_g
     mem = mem or declared.gpu_memory_gb
     overrides = "; ".join(filter(None, (
         f"the GPUs present replace the pipeline's hardware: {', '.join(replaced)}" if replaced else "",
-        f"other processes hold {held / 2 ** 30:.1f} GiB of a GPU here: what they leave is compared with" if held else "")))
+        f"other processes hold memory on a GPU here: {free / 2 ** 30:.1f} GiB is left on the fullest, what a stage is "
+        "compared with" if free is not None else "")))
     return Hardware(n, int(mem * GB) if mem else None, nodes or declared.nodes, detected, overrides,
-                    flag=gpu_memory_gb is not None)
+                    flag=gpu_memory_gb is not None, free=free)
 
 
 def detected_gpus(free: bool = False) -> list[int]:
     """Memory (bytes) of each NVIDIA GPU this process may use (`free`: less what processes hold on it now, when that
-    is over IN_USE), from `nvidia-smi` (no torch: the orchestrator never
-    imports it), restricted to CUDA_VISIBLE_DEVICES as CUDA reads it: indices or GPU UUIDs (a unique prefix names
-    one), up to the first entry that names no GPU. MIG slices are not sized (nvidia-smi's memory.total is the
-    whole GPU's): none is reported, and the pipeline's `hardware` or --gpus / --gpu-memory-gb decide. Empty without
-    nvidia-smi or a GPU."""
+    is over IN_USE): `gpu_memory_in_use`'s, as one list."""
+    return [total - held if free else total for total, held in gpu_memory_in_use()]
+
+
+def gpu_memory_in_use() -> list[tuple[int, int]]:
+    """(memory, memory other processes hold where over IN_USE, else 0) in bytes of each NVIDIA GPU this process may
+    use, from one call of `nvidia-smi` (no torch: the orchestrator never imports it), restricted to
+    CUDA_VISIBLE_DEVICES as CUDA reads it: indices or GPU UUIDs (a unique prefix names one), up to the first entry
+    that names no GPU. MIG slices are not sized (nvidia-smi's memory.total is the whole GPU's): none is reported, and
+    the pipeline's `hardware` or --gpus / --gpu-memory-gb decide. Empty without nvidia-smi or a GPU."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return []
@@ -85,12 +99,12 @@ def detected_gpus(free: bool = False) -> list[int]:
                              capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return []
-    gpus: dict[str, tuple[str, int]] = {}  # index -> (uuid, bytes)
+    gpus: dict[str, tuple[str, tuple[int, int]]] = {}  # index -> (uuid, (bytes, held))
     for line in out.stdout.splitlines() if out.returncode == 0 else []:
         index, uuid, mib, used = ([x.strip() for x in line.split(",")] + ["", "", ""])[:4]
         if index.isdigit() and mib.isdigit():
-            held = int(used) * 2 ** 20 if free and used.isdigit() and int(used) * 2 ** 20 > IN_USE else 0
-            gpus[index] = (uuid, int(mib) * 2 ** 20 - held)
+            held = int(used) * 2 ** 20 if used.isdigit() and int(used) * 2 ** 20 > IN_USE else 0
+            gpus[index] = (uuid, (int(mib) * 2 ** 20, held))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return [mem for _, mem in gpus.values()]
