@@ -68,7 +68,7 @@ def test_the_gpus_counted_are_those_cuda_would_use(visible, expected, monkeypatc
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    assert len(hardware.detected_gpus()) == expected
+    assert len(hardware.gpu_memory_in_use()) == expected
 
 
 @pytest.mark.parametrize("after", ["sigterm", "disk"])
@@ -459,8 +459,8 @@ def test_the_preflight_compares_with_what_other_processes_leave_on_a_gpu(monkeyp
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert hardware.detected_gpus() == [81559 * 2 ** 20] * 2
-    assert hardware.detected_gpus(free=True) == [(81559 - 30720) * 2 ** 20, 81559 * 2 ** 20]  # 4 MiB: the driver's
+    assert hardware.gpu_memory_in_use() == [(81559 * 2 ** 20, 30720 * 2 ** 20), (81559 * 2 ** 20, 0)]  # 4 MiB: the
+    # driver's own
     hw = hardware.hardware(load_pipeline(DEFAULT, []))
     # a stage is compared with what is left; a vLLM engine's gpu_memory_utilization share is of the whole memory
     assert (hw.gpu_memory, hw.capacity, hw.detected) == (81559 * 2 ** 20, (81559 - 30720) * 2 ** 20, True)

@@ -79,12 +79,6 @@ def hardware(cfg: PipelineConfig, gpus_per_node: int | None = None, gpu_memory_g
                     flag=gpu_memory_gb is not None, free=free)
 
 
-def detected_gpus(free: bool = False) -> list[int]:
-    """Memory (bytes) of each NVIDIA GPU this process may use (`free`: less what processes hold on it now, when that
-    is over IN_USE): `gpu_memory_in_use`'s, as one list."""
-    return [total - held if free else total for total, held in gpu_memory_in_use()]
-
-
 def gpu_memory_in_use() -> list[tuple[int, int]]:
     """(memory, memory other processes hold where over IN_USE, else 0) in bytes of each NVIDIA GPU this process may
     use, from one call of `nvidia-smi` (no torch: the orchestrator never imports it), restricted to
