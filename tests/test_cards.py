@@ -657,3 +657,7 @@ def test_the_hub_probe_goes_where_huggingface_hub_would_connect(monkeypatch):
     assert hub_address() == ("proxy.cluster", 3128)
     monkeypatch.setenv("NO_PROXY", "huggingface.co")
     assert hub_address() == ("huggingface.co", 443)
+    for key in ("HTTPS_PROXY", "NO_PROXY"):
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("ALL_PROXY", "socks5h://gate.cluster")  # httpx reads ALL_PROXY too; SOCKS listens on 1080
+    assert hub_address() == ("gate.cluster", 1080)

@@ -463,6 +463,11 @@ def test_a_filtered_answer_is_a_refusal_never_cached_not_an_empty_verdict():
         judge.answers(["judge this"] * REFUSED_EVERY)
     assert judge.requests <= REFUSED_EVERY + 2  # (two in flight at once) none retried: a refusal is not a fault
     server.shutdown()
+    thought = {"choices": [{"finish_reason": "length", "message": {"role": "assistant", "content": None}}]}
+    server, state, url = serve(lambda h, s: send(h, 200, thought))  # a reasoning model out of tokens: not a filter
+    answer = backend(url, retries=0).ask("judge this")
+    assert isinstance(answer, Refused) and "no answer within max_new_tokens=4" in answer and "raise" in answer
+    server.shutdown()
 
 
 def test_a_base_url_without_v1_or_with_a_query_is_refused_at_validate_not_after_the_sampling():

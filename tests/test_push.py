@@ -414,3 +414,7 @@ def test_whole_weights_pushed_to_a_repository_without_a_card_get_one_naming_thei
     _, api = run_push(tmp_path / "run", "dpo", "meta-llama/Llama-3.1-8B-Instruct", monkeypatch,
                       Keeping(there=["README.md"]))
     assert "README.md" not in api.sent  # a card already there is kept
+    from align.stages.push import model_card
+
+    bare = model_card("me/x", "p", "gpt2", tmp_path / "nowhere")  # an unnamespaced hub id; no spec: no type tag
+    assert bare.startswith("---\nbase_model: gpt2\nlibrary_name: transformers\ntags: [align]\n---\n")

@@ -148,6 +148,9 @@ def test_an_override_of_one_variant_says_what_a_variant_is():
         with pytest.raises(ConfigError, match=rf"override '{re.escape(item)}': a variant of swept stage dpo cannot be "
                                               r"set alone .*\(dpo\.<key>=\.\.\.\)"):
             load_pipeline(str(REPO / "pipelines" / "frontier.yaml"), [item])
+    raw = {"name": "t", "stages": {"dpo": {"sweep": {"beta": [0.1, 0.2]}}, "dpo-final": {"type": "dpo"}}}
+    for item in ("dpo-final.beta=0.3", "stages.dpo-final.beta=0.3"):  # a stage of its own named so: not a variant
+        assert apply_overrides(json.loads(json.dumps(raw)), [item])["stages"]["dpo-final"]["beta"] == 0.3
 
 
 def test_a_null_sweep_turns_the_sweep_off():

@@ -132,7 +132,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         parts = key.strip().split(".")
         stages = raw.get("stages") if isinstance(raw.get("stages"), dict) else {}
         dotted = [n for n in stages if isinstance(n, str) and "." in n and key.strip().startswith(n + ".")]
-        swept = [n for n, b in stages.items() if isinstance(b, dict) and b.get("sweep") and parts[0] not in stages
+        named = key.strip().removeprefix("stages.").split(".")[0]  # a stage's name holds no dot
+        swept = [n for n, b in stages.items() if isinstance(b, dict) and b.get("sweep") and named not in stages
                  and key.strip().removeprefix("stages.").startswith(f"{n}-")]
         if swept:  # `dpo-beta_0.1.max_steps=3`: a variant's name, which exists only once the sweep is expanded
             raise ConfigError(f"override '{item}': a variant of swept stage {swept[0]} cannot be set alone (its "

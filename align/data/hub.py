@@ -59,11 +59,12 @@ def hub_address() -> tuple[str, int]:
 
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     scheme, host = url.scheme or "https", url.hostname or "huggingface.co"
-    proxy = urllib.request.getproxies().get(scheme)
+    proxies = urllib.request.getproxies()
+    proxy = proxies.get(scheme) or proxies.get("all")  # httpx, which huggingface_hub uses, reads ALL_PROXY too
     if proxy and not urllib.request.proxy_bypass(host):
         url = urlparse(proxy if "://" in proxy else f"http://{proxy}")
         scheme, host = url.scheme, url.hostname or host
-    return host, url.port or (80 if scheme == "http" else 443)
+    return host, url.port or (80 if scheme == "http" else 1080 if scheme.startswith("socks") else 443)
 
 
 HUB_MIRROR_ENV = "ALIGN_HUB_MIRROR"

@@ -139,6 +139,9 @@ class EndpointBackend:
             try:
                 answer = json.loads(self._read(req).decode("utf-8"))
                 choice = answer["choices"][0]
+                if choice["message"]["content"] is None and choice.get("finish_reason") == "length":
+                    raise _Withheld(f"no answer within max_new_tokens={self.max_new_tokens} (finish_reason length, "
+                                    "content null: a reasoning model spent them thinking); raise max_new_tokens")
                 if choice["message"]["content"] is None or choice.get("finish_reason") == "content_filter":
                     raise _Withheld(f"an answer the server withheld (finish_reason {choice.get('finish_reason')}, "
                                     f"content {str(choice['message']['content'])[:40]!r})")

@@ -38,7 +38,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         raise StageError(f"stage '{ctx.name}': {problem}")
     desirable = sum(r["label"] for r in train)
     ratio = weighted_ratio(desirable, len(train) - desirable, cfg.desirable_weight, cfg.undesirable_weight)
-    if not 1.0 <= ratio <= 4 / 3 and ctx.is_main:
+    if not 1.0 <= ratio <= 4 / 3 and ctx.is_main and not (rows and "chosen" in rows[0]):  # pairs: 1:1 but for the cut
         print(f"[align] {ctx.name}: warning: desirable_weight x desirable / (undesirable_weight x undesirable) is "
               f"{ratio:.2f}; KTO's paper keeps it in [1, 4/3]: desirable_weight between "
               f"{cfg.undesirable_weight * (len(train) - desirable) / desirable:.3g} and "

@@ -178,8 +178,9 @@ def model_card(repo: str, pipeline: str, base_model: str, stage_dir: Path) -> st
     final = (read_manifest(stage_dir) or {}).get("final_metrics") or {}
     keys = getattr(stage_types().get(kind), "HEADLINE", ())
     hub_id = not base_model.startswith(("builtin:", "packaged:")) and not Path(base_model).expanduser().exists() \
-        and not base_model.startswith(("/", ".", "~")) and base_model.count("/") == 1
-    meta = ([f"base_model: {base_model}"] if hub_id else []) + ["library_name: transformers", f"tags: [align, {kind}]"]
+        and not base_model.startswith(("/", ".", "~")) and base_model.count("/") <= 1 and bool(base_model)
+    tags = "[align]" if kind == "?" else f"[align, {kind}]"
+    meta = ([f"base_model: {base_model}"] if hub_id else []) + ["library_name: transformers", f"tags: {tags}"]
     rows = [f"| {k} | {final[k]:.4g} |" for k in keys if isinstance(final.get(k), (int, float))]
     return "\n".join(["---", *meta, "---", "", f"# {repo}", "",
                       f"Trained by align's `{kind}` stage `{stage_dir.name}` of the pipeline `{pipeline}`, from "
