@@ -623,3 +623,14 @@ def test_a_schedule_whose_passes_fall_in_one_optimiser_step_is_refused_and_its_c
     layers = GRPOStage()
     layers.generation.zero3_gather = "layers"
     assert GRPOStage().gathers_policy_for_generation() and not layers.gathers_policy_for_generation()
+
+
+def test_a_judge_of_weight_zero_does_not_make_a_constant_reward_look_trained():
+    """`reward: {reward: 0.0, vader: 1.0}` passes validate; when vader scored every group alike and the zero-weight
+    reward model did not, the round counted as scored apart and the constant reward went unseen."""
+    from align.stages.online_rl import round_apart
+
+    rewards = {"vader": [0.5, 0.5, 0.2, 0.2], "reward": [0.1, 0.9, 0.3, 0.4]}
+    assert not round_apart(rewards, {"vader": 1.0, "reward": 0.0}, group=2)
+    assert round_apart(rewards, {"vader": 1.0, "reward": 0.5}, group=2)
+    assert round_apart({"vader": [0.1, 0.9]}, {}, group=2)  # a name TRL gave that is not in the weights: counted

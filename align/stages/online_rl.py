@@ -129,6 +129,12 @@ def scored_apart(rewards: list[float], group: int) -> bool:
     return False
 
 
+def round_apart(rewards: dict[str, list[float]], weights: dict[str, float], group: int) -> bool:
+    """Whether a round trains: any judge of non-zero weight scored a group's completions apart (a judge of weight 0,
+    scoring apart, hid a constant reward)."""
+    return any(scored_apart(list(r), group) for name, r in rewards.items() if weights.get(name, 1.0))
+
+
 class Watch:
     """What align reads from a TRL online trainer as it trains (`watched`): the prompt sampler, reseeded as each epoch
     begins; per micro-batch the tokens trained."""
@@ -171,7 +177,8 @@ def watched(trainer_cls) -> tuple[type, Watch]:
         def _generate_and_score_completions(self, *args, **kwargs):
             out = super()._generate_and_score_completions(*args, **kwargs)
             if self.model.training:  # the round's scores over every process (TRL's own log of them, one round long)
-                apart = any(scored_apart(list(r), self.num_generations) for r in self._logs["rewards"].values())
+                apart = round_apart(self._logs["rewards"], dict(zip(self.reward_func_names,
+                                                                    self.reward_weights.tolist())), self.num_generations)
                 self._metrics["train"][ROUNDS_APART].append(float(apart))
             return out
 
