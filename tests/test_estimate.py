@@ -845,6 +845,20 @@ def test_the_preflight_shards_over_the_processes_the_stage_launches_not_the_gpus
     assert flagged["ppo"].gpus == 4  # --num-processes wins over the config's count, as when it launches
 
 
+def test_a_sampling_stage_whose_prompts_a_reward_model_bounds_is_estimated_at_that_bound(llama8b):
+    """Evaluate and preferences were estimated with 256-token prompts, while they keep any prompt that leaves a reply
+    room within the reward stage's max_length (2048 - 1024 = 1024 tokens in the 8B recipe): a batch of long prompts
+    needs a KV cache of 2048 positions, not 1280 (5.0 GiB where 8.0 are held at batch 32)."""
+    from align.orchestrator.estimate import _workload, kv_cache_bytes
+
+    cfg, _, shapes = llama8b
+    ev, reward = cfg.stages["evaluate"], cfg.stages[cfg.stages["evaluate"].reward]
+    assert ev.workload()[3] == 256 + ev.generation.max_new_tokens == 1280
+    assert _workload(ev, cfg.stages)[3] == reward.max_length == 2048
+    assert _workload(cfg.stages["ppo"], cfg.stages) == cfg.stages["ppo"].workload()  # PPO bounds its own prompts
+    assert kv_cache_bytes(shapes["lm"], 32, 2048, 2) - kv_cache_bytes(shapes["lm"], 32, 1280, 2) == 3 * 2 ** 30
+
+
 def test_evaluate_counts_the_logits_of_one_scoring_slice(llama8b, monkeypatch):
     """Evaluate's log-prob scoring held the whole batch's logits (~8 bytes per response token per vocabulary entry:
     31.3 GiB at 32 replies of 1024 tokens and Llama-3's 128,256 entries), counted nowhere: the estimate said 49.9 GiB

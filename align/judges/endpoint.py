@@ -27,6 +27,18 @@ class _Withheld(Exception):
     """An answer the endpoint withheld (a content filter) though it answered HTTP 200."""
 
 
+def withheld(choice: dict, max_new_tokens: int) -> str | None:
+    """Why an answer that came with HTTP 200 holds no verdict to read (a content filter's, or none within
+    max_new_tokens), or None."""
+    content, finish = choice["message"]["content"], choice.get("finish_reason")
+    if content is None and finish == "length":
+        return (f"no answer within max_new_tokens={max_new_tokens} (finish_reason length, content null: a reasoning "
+                "model spent them thinking); raise max_new_tokens")
+    if content is None or finish == "content_filter":
+        return f"an answer the server withheld (finish_reason {finish}, content {str(content)[:40]!r})"
+    return None
+
+
 class EndpointError(OSError):
     """The endpoint failed a request after its retries, or refused it; the message names the URL and the cause (an
     I/O failure: the stage ends with it as its error, exit code 2, no traceback)."""
@@ -139,12 +151,8 @@ class EndpointBackend:
             try:
                 answer = json.loads(self._read(req).decode("utf-8"))
                 choice = answer["choices"][0]
-                if choice["message"]["content"] is None and choice.get("finish_reason") == "length":
-                    raise _Withheld(f"no answer within max_new_tokens={self.max_new_tokens} (finish_reason length, "
-                                    "content null: a reasoning model spent them thinking); raise max_new_tokens")
-                if choice["message"]["content"] is None or choice.get("finish_reason") == "content_filter":
-                    raise _Withheld(f"an answer the server withheld (finish_reason {choice.get('finish_reason')}, "
-                                    f"content {str(choice['message']['content'])[:40]!r})")
+                if why := withheld(choice, self.max_new_tokens):
+                    raise _Withheld(why)
                 content = str(choice["message"]["content"])
                 with self._lock:
                     self.answered += 1

@@ -61,7 +61,7 @@ from align.orchestrator.hardware import Hardware
 from align.orchestrator.inputs import resolve_model_paths, tokenizer_to_check
 from align.orchestrator.launch import accelerate_config, accelerate_mode, is_distributed, processes_per_node
 from align.orchestrator.memory import (FALLBACK_TOKEN_H, LORA_UNMEASURED, EstimateError, ModelShape, activation_bytes,
-                                      enabled_lora, sampling_parts, frozen_bytes, host_state_bytes, kv_cache_bytes,
+                                      enabled_lora, host_notes, sampling_parts, frozen_bytes, host_state_bytes, kv_cache_bytes,
                                       lora_key, lora_layers, lora_spec, model_state_bytes, qlora_base_bytes,
                                       training_variant, trl_fused_head_bytes, variant_class)
 from align.orchestrator.plan import StagePlan, build_plan
@@ -218,6 +218,14 @@ def _activations(est: StageEstimate, h: Held, variant: tuple[str, str], batch: i
                             lora_unmeasured=chosen != wanted, held_logits=held)
 
 
+def _workload(stage: StageBase, stages: dict[str, StageBase]) -> tuple[int, int, int, int]:
+    """The stage's workload; a sampling stage whose prompts a reward model bounds (they leave a reply room within its
+    max_length) samples at most that bound plus max_new_tokens, not StageBase.workload's 256-token prompts."""
+    train_b, train_s, gen_b, gen_s = stage.workload()
+    check = stage.length_check("prompts", stages) if type(stage).workload is StageBase.workload and gen_b else None
+    return train_b, train_s, gen_b, check[1] + stage.generation_settings().max_new_tokens if check else gen_s
+
+
 def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], shapes: dict[str, ModelShape],
                    mode: str, gpus: int, dtype: str, gpu_memory: int | None = None, attention: str = "auto",
                    precision: str = "auto", nodes: int = 1, installs_template: bool = False) -> StageEstimate:
@@ -225,7 +233,7 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
     ckpt = bool(getattr(stage, "gradient_checkpointing", False))
     est = StageEstimate(name, stage.type, mode, gpus, held, checkpointing=ckpt)
     dbytes = dtype_bytes(dtype, on_gpu=gpu_memory is not None, precision=precision)
-    train_b, train_s, gen_b, gen_s = stage.workload()
+    train_b, train_s, gen_b, gen_s = _workload(stage, stages)
     trained, lora = [h for h in held if h.trained], enabled_lora(stage)
     # With LoRA the trained states are the adapters' (and a head where peft trains one); without, the whole model's.
     try:
@@ -275,23 +283,8 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
         est.bytes_by_mode[m] = sum(parts.values())
     if est.with_checkpointing is not None:
         est.with_checkpointing += est.bytes_by_mode[mode]
-    _note_host(est, trained_params, nodes, stage.keeps_policy_snapshot(), bool(lora))
+    est.notes.update(host_notes(name, mode, gpus, trained_params, nodes, stage.keeps_policy_snapshot(), bool(lora)))
     return est
-
-
-def _note_host(est: StageEstimate, trained_params: dict[str, int], nodes: int, budget: bool, lora: bool) -> None:
-    """What an offload mode moves off the GPUs lands in the node's memory, and so does a stage's copy of its policy
-    (`budget`: StageBase.keeps_policy_snapshot): say how much."""
-    trained = sum(trained_params.values())
-    if budget and (policy := trained_params.get("policy")):  # as each process holds them: 16-bit under DeepSpeed
-        zero3, width = est.mode.startswith("zero3"), 4 if est.mode == "ddp" or lora else 2
-        copy = policy * width / (est.gpus if zero3 else 1) * est.gpus / nodes
-        est.notes.add(f"stage '{est.name}': kl.max keeps a host copy of the trained policy on every process (to undo "
-                      f"an update past the budget): ~{copy / GIB:,.1f} GiB of host memory per node under {est.mode}"
-                      + ("" if zero3 or lora else "; under ZeRO-3 or LoRA it is a partition or the adapters"))
-    if host := host_state_bytes(est.mode, trained, est.gpus, nodes):
-        est.notes.add(f"stage '{est.name}' under {est.mode} keeps ~{host / GIB:,.0f} GiB of trained states in host "
-                      "memory per node (DeepSpeed's estimator, 1.5 buffer factor): the node needs that much RAM free")
 
 
 # --------------------------------------------------------------------------------------------- pipeline

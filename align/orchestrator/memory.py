@@ -304,3 +304,20 @@ def qlora_base_bytes(shape: ModelShape) -> int:
     leaves them. Not sharded by ZeRO: whole on every GPU."""
     quantized = sum(i * o for name, (i, o) in shape.linears.items() if name != shape.head)
     return int(quantized * QLORA_BYTES_PER_WEIGHT) + 4 * (shape.params - quantized)
+
+
+def host_notes(name: str, mode: str, gpus: int, trained_params: dict[str, int], nodes: int, budget: bool,
+               lora: bool) -> list[str]:
+    """What an offload mode moves off the GPUs lands in the node's memory, and so does a stage's copy of its policy
+    (`budget`: StageBase.keeps_policy_snapshot): how much, one line each."""
+    notes, trained, gib = [], sum(trained_params.values()), 2 ** 30
+    if budget and (policy := trained_params.get("policy")):  # as each process holds them: 16-bit under DeepSpeed
+        zero3, width = mode.startswith("zero3"), 4 if mode == "ddp" or lora else 2
+        copy = policy * width / (gpus if zero3 else 1) * gpus / nodes
+        notes.append(f"stage '{name}': kl.max keeps a host copy of the trained policy on every process (to undo an "
+                     f"update past the budget): ~{copy / gib:,.1f} GiB of host memory per node under {mode}"
+                     + ("" if zero3 or lora else "; under ZeRO-3 or LoRA it is a partition or the adapters"))
+    if host := host_state_bytes(mode, trained, gpus, nodes):
+        notes.append(f"stage '{name}' under {mode} keeps ~{host / gib:,.0f} GiB of trained states in host memory per "
+                     "node (DeepSpeed's estimator, 1.5 buffer factor): the node needs that much RAM free")
+    return notes
