@@ -251,6 +251,18 @@ def test_a_refused_only_run_leaves_the_runs_record_as_it_was(private):
     assert record.read_bytes() == before
 
 
+def test_from_a_stage_whose_other_input_was_made_under_other_overrides_is_refused_before_anything_trains(private):
+    """`align run p --from ppo` after a run with dpo.beta=0.2 (the README's own sequence, without the override): ppo
+    retrained, then evaluate refused, as dpo was not completed with this command's config. Every input this command
+    does not produce is checked before any stage starts, and the message gives the command that would run it."""
+    run = private["run"]
+    snapshot = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file() and p.name != ".align.lock"}
+    proc = run_align(*private["args"], "--from", "ppo", "dpo.beta=0.3", cwd=private["root"])
+    assert proc.returncode == 2 and "stage 'evaluate' needs stage 'dpo' completed" in proc.stderr, proc.stderr[-2000:]
+    assert "dpo.beta=0.3 --from dpo`" in proc.stderr and "running" not in proc.stdout, proc.stdout[-2000:]
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file() and p.name != ".align.lock"} == snapshot
+
+
 def test_report_has_plots_and_tables(e2e):
     report = e2e["run"] / "report"
     for name in ("metrics.json", "report.md", "win_rates.png", "reward_vs_kl_vader.png",

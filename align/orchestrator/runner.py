@@ -100,6 +100,8 @@ def _run(cfg: PipelineConfig, source: str | Path, only: str | None, from_stage: 
     stale = [p.name for p in plans if p.name in selected and (p.name in forced or not up_to_date(p, run_dir, source))]
     to_run = selected & set().union(*(descendants(n, deps) for n in stale))  # and what reruns once they republish
     check_environment(plans, to_run, source)  # a hub token: only for the stages this command runs
+    for plan in (p for p in plans if p.name in to_run):  # before any stage trains: an input this command does not
+        _check_inputs(plan, plans, run_dir, source, trust_completed_inputs, to_run)  # produce, made under others
     _check_directories(run_dir, to_run)
     hw = hardware(cfg, nodes=multi.nodes)  # asks nvidia-smi once, for both checks
     memory_preflight(cfg, source, plans, to_run, num_processes, hw, ignore_memory_check)
@@ -257,13 +259,16 @@ def _again(name: str, forced: set[str], stage_dir: Path, source: str | Path) -> 
 
 
 def _check_inputs(plan: StagePlan, plans: list[StagePlan], run_dir: Path, source: str | Path,
-                  trust_completed_inputs: bool) -> None:
-    """Every input is complete (with the current fingerprint, unless trusted) and its outputs are what it published."""
-    for d in plan.deps:
+                  trust_completed_inputs: bool, produced: set[str] = frozenset()) -> None:
+    """Every input (but those this run `produced` first) is complete (with the current fingerprint, unless trusted)
+    and its outputs are what it published."""
+    for d in (d for d in plan.deps if d not in produced):
         expected = None if trust_completed_inputs else next(p.fingerprint for p in plans if p.name == d)
         if not is_complete(run_dir / d, expected):
             raise PipelineError(f"stage '{plan.name}' needs stage '{d}' completed in {run_dir / d} with the "
-                                "current config; run the pipeline without --only first")
+                                "current config (this command's files and overrides), which this command does not "
+                                f"run: give it the overrides '{d}' was trained with, or run it too: "
+                                f"`{rerun_from(source, d)}`")
         check_outputs(run_dir, d, source)  # what the stage will load is what `d` published
         stale = None if trust_completed_inputs else _stale_below(d, {p.name: p for p in plans}, run_dir)
         if stale:  # `d` (or a stage it was made from) was made from an input republished since
