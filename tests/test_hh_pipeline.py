@@ -71,3 +71,44 @@ def test_nan_loss_stops_the_stage_and_keeps_the_last_good_checkpoint(workdir):
 
     weights = load_file(str(stage / "checkpoints" / f"checkpoint-{max(ckpts)}" / "model.safetensors"))
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_a_nan_the_model_itself_computes_stops_the_trainer_before_it_saves(tmp_path):
+    """transformers replaces a non-finite step loss with its running average (0.0 right after a log), so the stop on a
+    NaN loss never fired on a real one: the NaN gradients trained on, later steps' losses read 0.0, and checkpoints
+    of NaN weights replaced the good ones. (The test above injects the NaN after that filter.) align's own trainer
+    arguments log the loss as it is: a batch that makes the loss NaN stops the stage at its step, before a save.
+    The shuffle is the trainer's, seeded by the stage's seed (printed)."""
+    import types
+
+    import torch
+    from torch import nn
+    from transformers import Trainer, TrainingArguments
+
+    from align.config.sft import SFTStage
+    from align.runtime.context import NonFiniteLossError
+    from align.runtime.trl import metrics_callback, trainer_kwargs
+
+    seed = 3
+    print("seed", seed)
+    ctx = types.SimpleNamespace(name="sft", checkpoints=str(tmp_path / "ck"), seed=seed, log=lambda m, step: None,
+                                progress=lambda *a, **k: None, note=lambda **k: None,
+                                compute=types.SimpleNamespace(device=torch.device("cpu"), mixed_precision="no"))
+    kwargs = trainer_kwargs(SFTStage(max_steps=10, logging_steps=1, save_steps=5, learning_rate=1e-3), ctx)
+    args = TrainingArguments(**{k: v for k, v in kwargs.items() if k in TrainingArguments.__dataclass_fields__})
+
+    class Poisoned(nn.Module):  # the fourth batch makes the loss NaN
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4))
+
+        def forward(self, x, poison):
+            y = (self.w * x).sum(-1)
+            return {"loss": (torch.where(poison.bool(), y * float("nan"), y) ** 2).mean()}
+
+    rows = [{"x": torch.ones(4), "poison": torch.tensor(int(i == 3))} for i in range(10)]
+    with pytest.raises(NonFiniteLossError, match=r"loss is nan at step \d+") as err:
+        Trainer(model=Poisoned(), args=args, train_dataset=rows, callbacks=[metrics_callback(ctx)]).train()
+    step = int(str(err.value).split("at step ")[1].split(";")[0])  # where the shuffled data put the poisoned row
+    saved = [int(p.name.split("-")[1]) for p in (tmp_path / "ck").glob("checkpoint-*")]
+    assert all(s < step for s in saved), (step, saved)  # nothing saved at or after it

@@ -166,6 +166,9 @@ def trainer_kwargs(cfg: TrainedStage, ctx: StageContext) -> dict[str, Any]:
         # without bf16 units).
         bf16=ctx.compute.mixed_precision == "bf16", fp16=ctx.compute.mixed_precision == "fp16",
         max_length=cfg.max_length, logging_first_step=False,
+        # transformers replaces a non-finite step loss with the running average (0.0 right after a log): the NaN stop
+        # (metrics_callback) never saw one, and the NaN weights trained on and were checkpointed over the good ones
+        logging_nan_inf_filter=False,
         # TRL >= 1.16 turns gradient checkpointing on in every config; align leaves it to the stage setting
         # (off: the demo's SFT steps take about half the time without recomputation).
         activation_checkpointing=cfg.gradient_checkpointing,
