@@ -922,3 +922,26 @@ def test_a_conversation_card_as_prompts_is_refused_at_validate_even_without_the_
                        f"{stage}.split={split}")
     refused(out, rc, f"stages.{stage}.prompts: ultrafeedback_binarized_sft.yaml produces 'messages'",
             "use a card with prompts")
+
+
+def test_a_hub_model_that_ships_its_own_code_is_refused_as_a_local_one_is(tmp_path, monkeypatch):
+    """check_remote_code read `<id>/config.json` as a local path: a hub id's auto_map was never seen, transformers
+    loaded its generic class for the model_type, the first stage trained it, and the next stage refused the
+    directory it published (its config.json keeps the auto_map) after that stage's compute was spent."""
+    from huggingface_hub import constants
+
+    from align.core.errors import ModelError
+    from align.modeling.models import check_remote_code
+
+    snapshot = tmp_path / "models--acme--m" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "llama", "auto_map": {
+        "AutoModelForCausalLM": "modeling_acme.AcmeForCausalLM"}}))
+    (tmp_path / "models--acme--m" / "refs").mkdir()
+    (tmp_path / "models--acme--m" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # never the network from a test
+    with pytest.raises(ModelError, match=r"acme/m: this model ships its own Python code \(config.json auto_map\)"):
+        check_remote_code("acme/m", False)
+    check_remote_code("acme/m", True)  # opted in
+    check_remote_code("acme/not-cached", False)  # offline and not cached: the load says what is wrong

@@ -1,8 +1,7 @@
 """Loading models and tokenizers: local paths, hub ids, and `builtin:` tiny models built from a config.
 
-Everything here is explicit about two things users trip over: tokenizers without a pad token or chat
-template (fixed and logged, never silently), and repositories that ship their own Python code (refused
-unless the pipeline sets `trust_remote_code: true`).
+Everything here is explicit about two things users trip over: tokenizers without a pad token or chat template (fixed
+and logged, never silently), and repositories that ship their own Python code (refused unless `trust_remote_code`).
 """
 
 from __future__ import annotations
@@ -31,20 +30,32 @@ PAD_TOKEN = "<|pad|>"
 
 
 def check_remote_code(path_or_id: str, trust_remote_code: bool) -> None:
-    """Refuse a local model or tokenizer whose config asks for custom code (config.json's or tokenizer_config.json's
+    """Refuse a model or tokenizer whose config asks for custom code (config.json's or tokenizer_config.json's
     `auto_map`) unless the user opted in: transformers would load a generic class in its place without a word."""
     if trust_remote_code:
         return
     for name in ("config.json", "tokenizer_config.json"):
         try:
-            raw = json.loads((Path(path_or_id) / name).read_text())
-        except (OSError, ValueError):
+            raw = json.loads(_model_file(path_or_id, name).read_text())
+        except (OSError, ValueError, AttributeError):  # (None: neither here nor on the hub)
             continue
         code = raw.get("auto_map") if isinstance(raw, dict) else None
         if code and (name == "config.json" or not isinstance(code, dict) or "AutoTokenizer" in code):
             raise ModelError(f"{path_or_id}: this model ships its own Python code ({name} auto_map); align does "
                              "not run remote code by default. Read the code, then set `trust_remote_code: true` "
                              "in the pipeline YAML to allow it.")
+
+
+def _model_file(path_or_id: str, name: str) -> Path | None:
+    """A model's small file: in its directory, else a hub id's from the hub cache or the hub, as its load fetches it
+    first (a hub id's auto_map was never read: its model loaded as transformers' generic class)."""
+    if Path(path_or_id).exists() or path_or_id.startswith((".", "/", "~")):
+        return Path(path_or_id) / name
+    try:  # (light: huggingface_hub)
+        from huggingface_hub import hf_hub_download
+        return Path(hub_file(path_or_id, name) or hf_hub_download(path_or_id, name))
+    except Exception:  # not a repo id, offline, no such file: the load says what is wrong
+        return None
 
 
 # --------------------------------------------------------------------------------------------- tokenizers
