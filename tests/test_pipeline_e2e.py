@@ -263,6 +263,19 @@ def test_from_a_stage_whose_other_input_was_made_under_other_overrides_is_refuse
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file() and p.name != ".align.lock"} == snapshot
 
 
+def test_a_run_that_launches_nothing_keeps_the_runs_record(private):
+    """`align run p --only sft dpo.beta=0.3` skipped sft (up to date) and rewrote pipeline.json with its command and
+    config: `align status` then called dpo and evaluate stale though no file had changed, its resume hint lost the
+    run's own command, and `align report` would rebuild from a config dpo was not trained with."""
+    record = private["run"] / "pipeline.json"
+    before = record.read_bytes()
+    proc = run_align(*private["args"], "--only", "sft", "dpo.beta=0.3", cwd=private["root"])
+    assert proc.returncode == 0 and "up to date" in proc.stdout, proc.stderr[-2000:]
+    assert record.read_bytes() == before
+    status = run_align("status", str(private["run"]), cwd=private["root"])
+    assert "stale" not in status.stdout, status.stdout
+
+
 def test_report_has_plots_and_tables(e2e):
     report = e2e["run"] / "report"
     for name in ("metrics.json", "report.md", "win_rates.png", "reward_vs_kl_vader.png",

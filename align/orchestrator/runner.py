@@ -338,7 +338,8 @@ def _finish(cfg: PipelineConfig, source: str | Path, plans: list[StagePlan], sel
     if not multi.is_main:
         print(f"[align] node {multi.node_rank}: pipeline {cfg.name} finished in {time.time() - t0:.0f}s", flush=True)
         return run_dir
-    _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)
+    if set(statuses.values()) - {"skipped", "not selected"} or not (run_dir / PIPELINE).is_file():  # a command
+        _write_pipeline_manifest(run_dir, cfg, plans, statuses, source)  # that ran nothing keeps the run's record
     for plan in plans:
         summary = (read_manifest(run_dir / plan.name) or {}).get("summary")
         if plan.name in selected and isinstance(summary, str) and summary:
