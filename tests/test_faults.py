@@ -629,3 +629,16 @@ def test_a_reports_rebuild_tells_a_damaged_input_to_rerun_in_its_own_run(tmp_pat
     with resume_as("align report runs/p/r2"):
         report.rebuild(run)
     assert hints == [f"align run {source} --run-id r2 dpo.beta=0.3 --from dpo"], hints
+
+
+def test_status_reads_a_pipeline_path_with_an_equals_sign_and_resumes_without_another_stages_only():
+    """`align status` took a pipeline named `pipelines/lr=1e-3.yaml` (launch.sh takes such names) for an override, and
+    the run no longer planned; its resume hint for an interrupted stage kept the last command's `--only dpo`, which
+    never resumes that stage."""
+    from align.orchestrator.commands import without_only
+    from align.orchestrator.status import recorded_overrides
+
+    assert recorded_overrides("align run 'pipelines/lr=1e-3.yaml' dpo.beta=0.2 --run-id r1") == ["dpo.beta=0.2"]
+    assert recorded_overrides("align run --run-id r1 p.yaml a.b=1") == ["a.b=1"]
+    assert without_only("align run p.yaml --only dpo --run-id r1 x.y=1") == "align run p.yaml --run-id r1 x.y=1"
+    assert without_only("align run p.yaml --only=dpo") == "align run p.yaml"

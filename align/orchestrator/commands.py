@@ -83,12 +83,17 @@ def recorded_run(recorded: object, source: str | Path, run_id: object) -> str:
 def rerun_from(source: str | Path, name: str, typed_command: str | None = None) -> str:
     """The command that reruns stage `name` and what follows it in this run: the typed `align run` (its --run-id and
     overrides; `typed_command`, else resume_command) with --only dropped and `--from name` added."""
-    typed = shlex.split(typed_command or resume_command(source))
-    if typed[:2] != ["align", "run"]:  # `align report ...`: the run's pipeline file instead
-        typed = ["align", "run", str(source)]
-    keep = [a for i, a in enumerate(typed) if a != "--only" and (i == 0 or typed[i - 1] != "--only")
-            and not a.startswith("--only=")]
-    return shlex.join([*keep, "--from", name])
+    typed = typed_command or resume_command(source)
+    if not typed.startswith("align run "):  # `align report ...`: the run's pipeline file instead
+        typed = shlex.join(["align", "run", str(source)])
+    return shlex.join([*shlex.split(without_only(typed)), "--from", name])
+
+
+def without_only(command: str) -> str:
+    """`command` less its --only (which names one stage: a resume or a rerun of another must not keep it)."""
+    args = shlex.split(command)
+    return shlex.join([a for i, a in enumerate(args) if a != "--only" and (i == 0 or args[i - 1] != "--only")
+                       and not a.startswith("--only=")])
 
 
 def resume_args(argv: list[str]) -> list[str]:

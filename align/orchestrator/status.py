@@ -8,7 +8,7 @@ import shlex
 from pathlib import Path
 
 from align.config import load_pipeline, parse_pipeline, stage_types
-from align.orchestrator.commands import recorded_run, rerun_from
+from align.orchestrator.commands import recorded_run, rerun_from, without_only
 from align.orchestrator.plan import build_plan
 from align.orchestrator.runlock import runner_state
 from align.core.errors import PipelineError
@@ -38,12 +38,14 @@ def recorded_overrides(command: object) -> list[str] | None:
     """The dotted overrides of a recorded `align run` command (None when there is none to read them from)."""
     if not isinstance(command, str) or not command.startswith("align run "):
         return None
-    words, out, skip = shlex.split(command)[2:], [], False  # after `align run` (the pipeline has no `=`)
+    words, out, skip, pipeline = shlex.split(command)[2:], [], False, None  # after `align run`
     for w in words:
         if skip:
             skip = False
         elif w in _VALUED:
             skip = True
+        elif not w.startswith("-") and pipeline is None:  # the pipeline file, whatever its name holds (lr=1e-5.yaml)
+            pipeline = w
         elif not w.startswith("-") and "=" in w:
             out.append(w)
     return out
@@ -104,8 +106,8 @@ def status_table(run_dir: str | Path) -> str:
             if problem:
                 damaged.append(f"{name}: {problem}; rerun it: {rerun_from(source, name, typed)}")
                 state = "completed, output damaged (see below)"
-        if state == "running" and gone:
-            state = f"interrupted (its runner {gone} before the stage ended); resume: {typed}"
+        if state == "running" and gone:  # resumed by the run's command less --only (which may name another stage)
+            state = f"interrupted (its runner {gone} before the stage ended); resume: {without_only(typed)}"
         if state == "failed" and m.get("error"):
             state = f"failed: {str(m['error'])[:60]}"
         fp = m.get("fingerprint")
