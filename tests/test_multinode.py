@@ -138,6 +138,16 @@ def test_launch_sh_reads_a_pipeline_from_the_callers_directory_and_refuses_what_
     out = subprocess.run([str(REPO / "launch.sh"), "lr=1e-5.yaml", "sft.data=cards/x.yaml"], cwd=tmp_path,
                          capture_output=True, text=True, env=env, timeout=60)
     assert out.stdout.split()[:4] == ["align", "run", str(tmp_path / "lr=1e-5.yaml"), "sft.data=cards/x.yaml"]
+    # `pipelines/default.yaml` named from a directory with a file of that name is the caller's (it was the checkout's
+    # whatever the caller had); unnamed, the checkout's, by its absolute path (the run is started from the caller's
+    # directory, where its runs/ and the paths it prints then are)
+    out = subprocess.run([str(REPO / "launch.sh")], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=60)
+    assert out.stdout.split()[:3] == ["align", "run", str(REPO / "pipelines" / "default.yaml")], out.stderr
+    (tmp_path / "pipelines").mkdir()
+    (tmp_path / "pipelines" / "default.yaml").write_text("name: mine\n")
+    out = subprocess.run([str(REPO / "launch.sh"), "pipelines/default.yaml"], cwd=tmp_path, capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert out.stdout.split()[:3] == ["align", "run", str(tmp_path / "pipelines" / "default.yaml")], out.stderr
 
 
 def _worker_env(tmp_path, venv, wait: int) -> dict:
