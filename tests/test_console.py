@@ -135,3 +135,17 @@ def test_a_resumed_stages_bar_starts_at_its_checkpoint():
     console.feed(_event(51, 100) + _event(52, 100))
     assert console.bar.n == 52 and console.bar.format_dict["initial"] == 50
     console.close()
+
+
+def test_a_failed_stages_tail_is_its_last_lines_not_the_summary_of_repeated_ones(tmp_path):
+    """The console shows a failed stage's last 15 log lines; the log closes with a summary of repeated lines, which
+    could fill all 15 and leave out the traceback."""
+    from align.core.console import REPEATED, tail
+
+    log = tmp_path / "stage.log"
+    log.write_text("\n".join(["notice"] + [f"line {i}" for i in range(20)] + ["Traceback: boom", REPEATED]
+                             + [f"  x3: notice {i}" for i in range(15)]) + "\n")
+    shown = tail(log).splitlines()
+    assert shown[-1].strip() == "Traceback: boom" and len(shown) == 15 and "x3" not in "".join(shown)
+    log.write_text("a\nb\n")
+    assert tail(log) == "    a\n    b"

@@ -86,7 +86,7 @@ class StageConsole:
             self.bar.close()
         repeated = [(text, n) for text, n in self.seen.items() if n > 1]
         if repeated:
-            self._write("[align] lines repeated in this stage's output (written once above):")
+            self._write(REPEATED)
             for text, n in sorted(repeated, key=lambda t: -t[1]):
                 self._write(f"  x{n}: {text[:300]}")
         self.log.flush()
@@ -229,10 +229,15 @@ def _stop_interrupted(proc: StageProcess, sig: int = signal.SIGINT) -> None:
         proc.wait()
 
 
+REPEATED = "[align] lines repeated in this stage's output (written once above):"
+
+
 def tail(path: Path, lines: int = 15) -> str:
-    """The last lines of a stage log, for the console when a stage fails."""
+    """The last lines of a stage log, for the console when a stage fails: those before the summary of repeated lines
+    the log closes with (the error comes before it; the summary alone said nothing of the failure)."""
     try:
         text = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
         return ""
+    text = text[:max((i for i, line in enumerate(text) if line == REPEATED), default=len(text))]
     return "\n".join(f"    {line}" for line in text[-lines:])
