@@ -642,3 +642,5 @@ def test_status_reads_a_pipeline_path_with_an_equals_sign_and_resumes_without_an
     assert recorded_overrides("align run --run-id r1 p.yaml a.b=1") == ["a.b=1"]
     assert without_only("align run p.yaml --only dpo --run-id r1 x.y=1") == "align run p.yaml --run-id r1 x.y=1"
     assert without_only("align run p.yaml --only=dpo") == "align run p.yaml"
+    assert without_only("align run p.yaml --only dpo x=1", "dpo") == "align run p.yaml --only dpo x=1"  # its own
+    assert without_only("align run p.yaml --only dpo x=1", "ppo") == "align run p.yaml x=1"

@@ -89,9 +89,14 @@ def rerun_from(source: str | Path, name: str, typed_command: str | None = None) 
     return shlex.join([*shlex.split(without_only(typed)), "--from", name])
 
 
-def without_only(command: str) -> str:
-    """`command` less its --only (which names one stage: a resume or a rerun of another must not keep it)."""
+def without_only(command: str, keep: str | None = None) -> str:
+    """`command` less its --only (which names one stage: a resume or a rerun of another must not keep it), unless it
+    names `keep`."""
     args = shlex.split(command)
+    named = [a.partition("=")[2] or (args[i + 1] if i + 1 < len(args) else "") for i, a in enumerate(args)
+             if a == "--only" or a.startswith("--only=")]
+    if keep is not None and named == [keep]:
+        return command
     return shlex.join([a for i, a in enumerate(args) if a != "--only" and (i == 0 or args[i - 1] != "--only")
                        and not a.startswith("--only=")])
 

@@ -106,8 +106,8 @@ def status_table(run_dir: str | Path) -> str:
             if problem:
                 damaged.append(f"{name}: {problem}; rerun it: {rerun_from(source, name, typed)}")
                 state = "completed, output damaged (see below)"
-        if state == "running" and gone:  # resumed by the run's command less --only (which may name another stage)
-            state = f"interrupted (its runner {gone} before the stage ended); resume: {without_only(typed)}"
+        if state == "running" and gone:  # the run's command, less an --only that names another stage
+            state = f"interrupted (its runner {gone} before the stage ended); resume: {without_only(typed, name)}"
         if state == "failed" and m.get("error"):
             state = f"failed: {str(m['error'])[:60]}"
         fp = m.get("fingerprint")
