@@ -422,3 +422,25 @@ def test_a_conversational_prompt_the_template_refuses_is_named_by_row_and_column
     assert len(as_text([good], tok)) == 1
     with pytest.raises(TemplateError, match=r"row 2: prompt: the chat template refuses this conversation"):
         as_text([good, good, bad], tok)
+
+
+def test_the_rows_a_template_adds_are_drawn_by_the_stages_seed():
+    """The embedding rows a chat template's new tokens get were drawn from the process's random state, not the stage's
+    seed: a seed sweep left them alike. They follow the seed now, and the process's state is left as it was."""
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    from align.stages.sft import seeded_fit
+
+    def rows(seed):
+        tok = AutoTokenizer.from_pretrained(REPO / "tokenizers" / "gpt2")
+        torch.manual_seed(0)  # the same model each time: only the new rows may differ
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=len(tok)))
+        tok.add_special_tokens({"additional_special_tokens": ["<|turn|>", "<|end|>"]})
+        state = torch.random.get_rng_state()
+        seeded_fit(model, tok, seed)
+        assert torch.equal(torch.random.get_rng_state(), state)
+        return model.get_input_embeddings().weight[-2:].detach().clone()
+
+    print("seeds 1, 2")
+    assert torch.equal(rows(1), rows(1)) and not torch.equal(rows(1), rows(2))

@@ -85,7 +85,7 @@ def load_start(ctx: StageContext, cfg: SFTStage, rows: list[dict[str, Any]], cha
         before = len(tok)
         if chat and not tok.chat_template and template is not None:  # an upstream stage trained on plain text
             templates.install(tok, template)
-            fit_model_to_tokenizer(model, tok)
+            seeded_fit(model, tok, ctx.seed)
         return model, tok, list(range(before, len(tok)))
     install = template is not None and (chat or p.chat_template is not None)
     if is_builtin(p.base_model):
@@ -104,8 +104,18 @@ def load_start(ctx: StageContext, cfg: SFTStage, rows: list[dict[str, Any]], cha
     before = len(tok)
     if install:
         templates.install(tok, template)
-        fit_model_to_tokenizer(model, tok)
+        seeded_fit(model, tok, ctx.seed)
     return model, tok, list(range(before, len(tok)))
+
+
+def seeded_fit(model, tok, seed: int) -> None:
+    """fit_model_to_tokenizer with the embedding rows (and an untied head's) a template adds drawn by the stage's
+    seed, not the process's: a seed sweep left them alike."""
+    import torch  # heavy: stage processes only
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        fit_model_to_tokenizer(model, tok)
 
 
 def tokenized(ctx: StageContext, rows: list[dict[str, Any]], tokenizer, split: str, every_token: bool = False):
