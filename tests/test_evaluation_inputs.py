@@ -350,3 +350,14 @@ def test_a_policy_with_no_valid_verdict_says_so_not_that_lengths_cannot_be_told(
     assert "| dpo | nan [nan, nan] | no valid verdicts |" in head and "length-controlled n/a" not in head
     m["eval/dpo/ep/valid"] = 2.0
     assert "length-controlled n/a: the lengths cannot be told" in headline(cfg, m)
+
+
+def test_a_policy_named_prompt_is_refused_as_it_would_replace_the_prompt_in_samples_jsonl(capsys):
+    """report/samples.jsonl rows are {"prompt": ..., <policy>: {...}}: a stage named `prompt` (a plain, legal name)
+    replaced every row's prompt with its sample, without a word."""
+    from conftest import REPO, refused, validate
+
+    rc, out = validate(capsys, str(REPO / "pipelines" / "default.yaml"), "stages.prompt={type: dpo, policy: sft}",
+                       "evaluate.policies=[sft, prompt]")
+    refused(out, rc, "stages.evaluate: policies: a stage named 'prompt' would replace the prompt in "
+                     "report/samples.jsonl")

@@ -112,3 +112,17 @@ def test_a_group_keeps_its_colour_in_both_panels():
     win = {s["group"].name: s["color"] for s in plots.frontier_series(m, groups, "vader", "win_rate")}
     assert "sft" in mean and "sft" not in win
     assert all(win[g] == mean[g] for g in win) and len(set(mean.values())) == len(mean)
+
+
+def test_every_kl_label_names_the_temperature_it_is_taken_at(tmp_path):
+    """Only the headline said the KL was taken at the sampling temperature: the frontier table, the seed table and
+    both figures' axes said "KL" alone, and the frontier figure is the one cited beside the DPO paper's (KL at T=1)."""
+    from align.config.evaluate import EvaluateStage
+    from align.config.settings import Generation
+    from align.report import frontier
+    from align.report.markdown import reference_label
+
+    cfg = EvaluateStage(policies=["sft", "dpo"], baseline="sft", generation=Generation(temperature=0.7))
+    assert reference_label(cfg) == "sft (T=0.7)"
+    rows = frontier.frontier_table({}, [], "vader", "sft", reference_label(cfg))
+    assert "KL to sft (T=0.7) [nats per response] [95% CI]" in rows[0]

@@ -68,6 +68,9 @@ class EvaluateStage(StageBase):
                              "compared once, so list it once")
         if self.baseline not in self.policies:
             raise ValueError(f"baseline: '{self.baseline}' must be one of policies {self.policies}")
+        if "prompt" in self.policies:  # samples.jsonl's rows: {"prompt": ..., <policy>: {...}, ...}
+            raise ValueError("policies: a stage named 'prompt' would replace the prompt in report/samples.jsonl "
+                             "(each row holds the prompt beside every policy's sample); rename that stage")
         for j in self.judges:
             if j in ctx.pipeline.stages:
                 raise ValueError(f"judges: '{j}' is a stage; a reward stage goes in `reward:`, `judges:` lists "

@@ -69,13 +69,15 @@ def _ci(m: dict[str, Any], key: str, fmt: str = ".3f") -> str:
     return f"[{lo:{fmt}}, {hi:{fmt}}]"
 
 
-def frontier_table(m: dict[str, Any], groups: list[Group], judge: str, baseline: str) -> list[str]:
+def frontier_table(m: dict[str, Any], groups: list[Group], judge: str, baseline: str, reference: str = "the "
+                   "reference") -> list[str]:
     """Markdown rows: per group and setting, KL, judge mean and win rate against the baseline with 95% CIs, and
     whether the point is Pareto-optimal for the mean score and for the win rate."""
     policies = [p for g in groups for p in g.policies]
     best_mean = pareto_optimal(frontier_points(m, policies, judge, "mean"))
     best_win = pareto_optimal(frontier_points(m, policies, judge, "win_rate", baseline))
-    rows = [f"| group (type) | setting | KL [nats] [95% CI] | {judge} mean [95% CI] | {judge} win rate vs {baseline} "
+    rows = [f"| group (type) | setting | KL to {reference} [nats per response] [95% CI] | {judge} mean [95% CI] | "
+            f"{judge} win rate vs {baseline} "
             "[95% CI] | Pareto-optimal (mean / win rate) |", "|---|---|---|---|---|---|"]
     for g in groups:
         for p in sorted(g.policies, key=lambda q: m[f"eval/{q}/kl"]):

@@ -13,17 +13,23 @@ from align.core.tracking import json_ready
 from align.report import frontier, plots, seeds
 
 
+def reference_label(cfg: EvaluateStage) -> str:
+    """The reference as every KL label names it, with the temperature the KL is taken at ("sft (T=0.7)"): at T != 1
+    it is another quantity than the DPO paper's frontier's KL."""
+    return f"{cfg.reference} (T={cfg.generation.temperature:g})"
+
+
 def write_report(out: Path, cfg: EvaluateStage, metrics: dict[str, Any], prompts: list[str],
                  samples: dict[str, dict[str, Any]], groups: list, verdicts: dict, buckets: list) -> None:
     """report/: metrics.json, the plots, report.md and samples.jsonl (every prompt, every policy's response)."""
     (out / "metrics.json").write_text(json.dumps(json_ready(metrics), indent=2, sort_keys=True, allow_nan=False) + "\n")
-    judge_names = all_judges(cfg)
+    judge_names, ref = all_judges(cfg), reference_label(cfg)  # the KL of every figure is at the sampling T
     for j in judge_names:
-        plots.reward_vs_kl(metrics, cfg.policies, j, cfg.reference, out / f"reward_vs_kl_{j}.png")
+        plots.reward_vs_kl(metrics, cfg.policies, j, ref, out / f"reward_vs_kl_{j}.png")
     if len(cfg.policies) > 1 and judge_names:
         plots.win_rates(metrics, cfg.policies, judge_names, cfg.baseline, out / "win_rates.png")
         for j in judge_names:
-            plots.frontier(metrics, groups, j, cfg.reference, cfg.baseline, out / f"frontier_{j}.png")
+            plots.frontier(metrics, groups, j, ref, cfg.baseline, out / f"frontier_{j}.png")
     if buckets:
         plots.calibration(buckets, out / "reward_model_calibration.png")
     (out / "report.md").write_text(render_report(cfg, metrics, prompts, samples, groups))
@@ -44,9 +50,8 @@ def all_judges(cfg: EvaluateStage) -> list[str]:
 def headline(cfg: EvaluateStage, m: dict[str, Any], groups: list[frontier.Group] | None = None) -> str:
     """The report's first tables: every policy's judge means, KL, perplexity and win rates; each pairwise judge's
     verdicts; and, when stages were swept over seeds, their mean and spread (align/report/seeds.py)."""
-    judges = all_judges(cfg)
-    t = cfg.generation.temperature  # the KL is the sampled distributions' (at T), as sampled and as PPO's penalty
-    lines = _header(["policy", *(f"{j} mean" for j in judges), f"KL to {cfg.reference} (T={t:g})",
+    judges = all_judges(cfg)  # the KL is the sampled distributions' (at T), as sampled and as PPO's penalty
+    lines = _header(["policy", *(f"{j} mean" for j in judges), f"KL to {reference_label(cfg)}",
                      f"perplexity under {cfg.reference}", f"cut at {cfg.generation.max_new_tokens} tokens",
                      *(f"{j} win rate vs {cfg.baseline} [95% CI]" for j in judges)])
     for p in cfg.policies:
@@ -88,7 +93,7 @@ def headline(cfg: EvaluateStage, m: dict[str, Any], groups: list[frontier.Group]
                   "none longer), and the data say nothing of equal length"]
     judged = {j.name: next((int(m[f"eval/{p}/{j.name}/pairs"]) for p in cfg.policies if p != cfg.baseline), 0)
               for j in cfg.pairwise}
-    swept = seeds.table(m, groups or [], judges, [j.name for j in cfg.pairwise], cfg.reference, cfg.baseline)
+    swept = seeds.table(m, groups or [], judges, [j.name for j in cfg.pairwise], reference_label(cfg), cfg.baseline)
     lines += ["", *swept] if swept else []
     too_long = (f" ({m['eval/prompts_too_long']} more left out: too long for generation.max_new_tokens after them "
                 "within the model's positions or the reward stage's max_length; the manifest's dropped_rows says which)"
@@ -113,7 +118,7 @@ def render_report(cfg: EvaluateStage, m: dict[str, Any], prompts: list[str], sam
                 "KL to the reference. A point is Pareto-optimal when no other policy here has at most its KL and at "
                 "least its score; compare the CIs before calling two points different.", ""]
         for j in judges:
-            out += [f"### {j}", "", *frontier.frontier_table(m, groups, j, cfg.baseline), "",
+            out += [f"### {j}", "", *frontier.frontier_table(m, groups, j, cfg.baseline, reference_label(cfg)), "",
                     frontier.dominance_summary(m, groups, j), "", f"![frontier {j}](frontier_{j}.png)", ""]
     out += ["## Length and reward", "",
             *_header(["policy", "mean response length [tokens]", *(f"corr({j}, length)" for j in judges)])]
