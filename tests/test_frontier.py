@@ -126,3 +126,30 @@ def test_every_kl_label_names_the_temperature_it_is_taken_at(tmp_path):
     assert reference_label(cfg) == "sft (T=0.7)"
     rows = frontier.frontier_table({}, [], "vader", "sft", reference_label(cfg))
     assert "KL to sft (T=0.7) [nats per response] [95% CI]" in rows[0]
+
+
+def test_eleven_policies_on_one_plot_are_told_apart(tmp_path, monkeypatch):
+    """matplotlib's ten colours repeat: with eleven policies the baseline and the tenth swept variant were the same
+    mark in the reward-vs-KL plot's legend. Past ten, the marker changes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    from align.report import plots
+
+    policies = ["sft", *(f"dpo-beta_{i}" for i in range(11))]
+    m = {k: v for i, p in enumerate(policies) for k, v in {f"eval/{p}/kl": float(i), f"eval/{p}/vader/mean": 0.1 * i,
+                                                          f"eval/{p}/vader/mean_ci": [0.1 * i - 0.05, 0.1 * i + 0.05]}.items()}
+    seen = []
+    real = plt.Axes.errorbar
+
+    def errorbar(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        seen.append((kwargs["label"], out.lines[0].get_color(), out.lines[0].get_marker()))
+        return out
+
+    monkeypatch.setattr(plt.Axes, "errorbar", errorbar)
+    plots.reward_vs_kl(m, policies, "vader", "sft (T=1)", tmp_path / "r.png")
+    marks = [(color, marker) for _, color, marker in seen]
+    assert len(set(marks)) == len(policies), seen

@@ -21,15 +21,19 @@ def _bars(values: list[float], cis: list) -> list[list[float]]:
     return [[max(0.0, v - lo) for v, (lo, _) in zip(values, cis)], [max(0.0, hi - v) for v, (_, hi) in zip(values, cis)]]
 
 
+MARKERS = "os^Dv*Pphx"
+"""One marker for every ten points of a plot (with matplotlib's ten colours: a hundred points told apart)."""
+
+
 def reward_vs_kl(m: dict[str, Any], policies: list[str], judge: str, reference: str, out: Path) -> None:
     """DPO-paper style frontier: each policy a point (mean KL to the reference, mean judge score, 95% CI)."""
     plt = _plt()
     many = len(policies) > 4  # a sweep: a legend beside the axes, where labels at the points would overlap
     fig, ax = plt.subplots(figsize=(9 if many else 5.5, 4))
-    for p in policies:
+    for i, p in enumerate(policies):  # matplotlib's ten colours repeat: past ten, another marker tells them apart
         x, y = m[f"eval/{p}/kl"], m[f"eval/{p}/{judge}/mean"]
         lo, hi = m[f"eval/{p}/{judge}/mean_ci"]
-        ax.errorbar([x], [y], yerr=_bars([y], [(lo, hi)]), fmt="o", capsize=4, label=p)
+        ax.errorbar([x], [y], yerr=_bars([y], [(lo, hi)]), fmt=MARKERS[i // 10 % len(MARKERS)], capsize=4, label=p)
         if not many:
             ax.annotate(p, (x, y), textcoords="offset points", xytext=(6, 4))
     if many:
