@@ -597,6 +597,8 @@ def test_the_vllm_engine_counts_its_own_policy_copy_or_its_share_of_the_gpu(tiny
     cpu = engine_bytes(Generation(engine="vllm", kv_cache_gib=2.0), policy, 16, 40, 4, None)
     assert cpu == 2 * 4 * P_LM + max(kv, 2 * GIB)  # fp32: 4 bytes per parameter, packed and kept to load in place
     cpu_file = engine_bytes(Generation(engine="vllm", kv_cache_gib=2.0, weight_sync="file"), policy, 16, 40, 4, None)
+    small = engine_bytes(Generation(engine="vllm", kv_cache_gib=0.4, weight_sync="file"), policy, 16, 40, 4, None)
+    assert small == 4 * P_LM + max(kv, 2 ** 30)  # the server gives vLLM at least 1 GiB (a whole number); 0 was counted
     assert cpu_file == 4 * P_LM + max(kv, 2 * GIB)  # reloads: vLLM's packed copy alone
     assert engine_bytes(Generation(), policy, 16, 40, 4, None) == kv  # hf: the batch's KV cache only
     # on a GPU too small for gpu_memory_utilization to cover the copy: an engine over 2 GPUs holds half of it on each;

@@ -507,3 +507,24 @@ def test_a_model_whose_attention_derives_weights_once_loaded_is_not_loaded_in_pl
     assert "attn (Layer, Derives) derives weights of its own once loaded" in derives
     assert "attn (Deriving, Plain) derives weights of its own once loaded" in deriving
     assert "the model (Module) processes its weights once they are loaded" in hooked
+
+
+def test_a_file_sync_that_fails_mid_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    """Every process's engine writes its whole copy of the policy to /dev/shm at once: one that ran out of room
+    (ENOSPC mid-write) left its weights.safetensors.tmp there until the engine closed."""
+    import safetensors.torch
+
+    from align.engines import vllm
+
+    def partial(state, path):
+        Path(path).write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(vllm, "policy_state_for_engine", lambda model: {"w": torch.zeros(4)})
+    monkeypatch.setattr(vllm, "sync_space_problem", lambda where, size: None)
+    monkeypatch.setattr(safetensors.torch, "save_file", partial)
+    engine = vllm.VLLMEngine.__new__(vllm.VLLMEngine)
+    engine._dir, engine.weights = str(tmp_path), str(tmp_path / "weights.safetensors")
+    with pytest.raises(OSError, match="No space left"):
+        engine._sync_file(object())
+    assert not list(tmp_path.iterdir())

@@ -161,8 +161,12 @@ class VLLMEngine(BucketSync, EngineClient):
         if problem:
             raise EngineError(f"vLLM engine: {problem}")
         tmp = self.weights + ".tmp"
-        save_file(state, tmp)
-        os.replace(tmp, self.weights)
+        try:
+            save_file(state, tmp)
+            os.replace(tmp, self.weights)
+        finally:  # a write that failed (ENOSPC: every process's engine writes its copy at once) leaves no .tmp behind
+            if os.path.exists(tmp):
+                os.unlink(tmp)
         reply = self._call({"op": "load", "path": self.weights}, "sync_weights", self.timeout_s)
         if reply["tensors"] != len(state):  # a mix of old and new weights, as below
             self.broken = f"sync_weights loaded {reply['tensors']} of {len(state)} tensors"
@@ -205,7 +209,10 @@ class VLLMEngine(BucketSync, EngineClient):
         node_bucket.forget()  # every process's engines close at the same point (process 0's holds the node's bucket)
         if kill and self.proc.poll() is None:
             kill_group(self.proc)
-            self.proc.wait(timeout=60)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:  # in uninterruptible sleep (a GPU driver's teardown): clean up anyway
+                pass
         clean = False  # the engine acknowledged the close: its log (when in the sync directory) goes with it
         if self.conn is not None:
             try:

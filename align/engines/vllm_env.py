@@ -123,7 +123,7 @@ def _memory(gen: Any, weights_bytes: int, kv_bytes: int, gpu_memory: int | None)
         share = (weights_bytes + kv_bytes) // gen.tensor_parallel_size
         return max(int(gen.gpu_memory_utilization * gpu_memory), share)
     copies = 2 if keeps_weights(gen) else 1
-    return copies * weights_bytes + max(kv_bytes, int(round(gen.kv_cache_gib)) * 2 ** 30)
+    return copies * weights_bytes + max(kv_bytes, max(1, round(gen.kv_cache_gib)) * 2 ** 30)  # as the server sets it
 
 
 KIND = EngineKind("vllm", "align.engines.vllm", own_copy=True, token_ids=True, adapters=True, sleeps=True,
