@@ -92,6 +92,28 @@ def test_a_sync_directory_that_cannot_be_written_is_named_before_the_engine_star
     assert kind("vllm").problems("x", lambda: 64) is None
 
 
+def test_a_sync_directory_too_deep_for_the_engines_socket_is_named_before_the_engine_starts(tmp_path, monkeypatch):
+    """The engine's Unix socket is made in ALIGN_SYNC_DIR: past 107 bytes of path (a deep scratch directory, where
+    the space check's own advice sends users) the engine exited as it started, its trainer saying only that it
+    exited before it listened. Named at validate now, with the fix."""
+    import socket
+
+    deep = tmp_path / ("d" * 60) / ("e" * 40)
+    deep.mkdir(parents=True)
+    sock = deep / ("align-vllm-" + "x" * 8) / "sock"
+    assert len(str(sock)) > vllm_env.SOCKET_PATH_MAX
+    sock.parent.mkdir()
+    with pytest.raises(OSError, match="too long"), socket.socket(socket.AF_UNIX) as s:  # the engine's listener's error
+        s.bind(str(sock))
+    real = os.access
+    monkeypatch.setattr(vllm_engine.os, "access", lambda p, mode: True if p == "/dev/shm" else real(p, mode))
+    monkeypatch.setenv(vllm_env.SYNC_DIR_ENV, str(deep))
+    problem = vllm_engine.shm_problem()
+    assert problem.startswith(f"ALIGN_SYNC_DIR={deep}: the engine's socket is made in it") and "shorter" in problem
+    monkeypatch.setenv(vllm_env.SYNC_DIR_ENV, str(tmp_path))
+    assert vllm_engine.shm_problem() is None
+
+
 class _GoneConn:
     def send(self, msg):
         raise BrokenPipeError(32, "Broken pipe")

@@ -97,7 +97,14 @@ def shm_problem() -> str | None:
     if chosen and not (os.path.isdir(chosen) and os.access(chosen, os.W_OK)):
         return (f"{SYNC_DIR_ENV}={chosen}: weight syncs are written there, but it is not a writable directory; "
                 f"point {SYNC_DIR_ENV} at one with room for the policy's weights, or unset it to use /dev/shm")
+    if chosen and len(os.path.join(os.path.abspath(chosen), "align-vllm-" + "x" * 8, "sock")) > SOCKET_PATH_MAX:
+        return (f"{SYNC_DIR_ENV}={chosen}: the engine's socket is made in it, and its path would pass the "
+                f"{SOCKET_PATH_MAX} bytes a Unix socket's may have (the engine would exit as it starts); point "
+                f"{SYNC_DIR_ENV} at a shorter path (a link to it will do)")
     return None
+
+
+SOCKET_PATH_MAX = 107  # sun_path's 108 bytes, less its closing NUL (Linux)
 
 
 def _problems(where: str, head_dim: Callable[[], int | None]) -> str | None:
