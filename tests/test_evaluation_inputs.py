@@ -361,3 +361,24 @@ def test_a_policy_named_prompt_is_refused_as_it_would_replace_the_prompt_in_samp
                        "evaluate.policies=[sft, prompt]")
     refused(out, rc, "stages.evaluate: policies: a stage named 'prompt' would replace the prompt in "
                      "report/samples.jsonl")
+
+
+def test_the_wandb_headline_table_names_each_interval_by_what_it_bounds(tmp_path):
+    """The W&B table's `ci_low` / `ci_high` sat beside `mean` and bounded the win rate: read as the mean's interval.
+    Each interval is named now, the mean's is there too, and the KL says its unit."""
+    import types
+
+    from align.stages.evaluate import HEADLINE_COLUMNS, track_report
+
+    cfg, m = _cfg(), _metrics()
+    m.update({"eval/dpo/vader/mean": 0.4, "eval/dpo/vader/mean_ci": [0.3, 0.5], "eval/dpo/vader/win_rate": 0.6,
+              "eval/dpo/vader/win_rate_ci": [0.55, 0.65], "eval/sft/vader/mean": 0.2, "eval/sft/vader/mean_ci": [0.1, 0.3]})
+    cfg.judges = ["vader"]
+    tables = []
+    tracker = types.SimpleNamespace(images=lambda paths, step: None,
+                                    table=lambda name, columns, rows, step: tables.append((columns, rows)))
+    track_report(types.SimpleNamespace(run_dir=tmp_path, tracker=tracker), cfg, m, 2)
+    [(columns, rows)] = tables
+    row = dict(zip(columns, next(r for r in rows if r[:2] == ["dpo", "vader"])))
+    assert columns == HEADLINE_COLUMNS and row["mean_ci_low"] == 0.3 and row["win_rate_ci_low"] == 0.55
+    assert row["kl_nats_per_response"] == 0.5 and row["prompts"] == 2

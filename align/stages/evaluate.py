@@ -231,11 +231,17 @@ def track_report(ctx: StageContext, cfg: EvaluateStage, metrics: dict[str, Any],
     """The report's plots and headline table to the tracker (W&B)."""
     report = ctx.run_dir / "report"
     ctx.tracker.images({f"report/{p.stem}": p for p in sorted(report.glob("*.png"))}, step=0)
-    ctx.tracker.table("report/headline", ["policy", "judge", "mean", "kl", "win_rate", "ci_low", "ci_high", "n"],
-                      [[p, j, metrics[f"eval/{p}/{j}/mean"], metrics[f"eval/{p}/kl"],
-                        metrics.get(f"eval/{p}/{j}/win_rate"), *(metrics.get(f"eval/{p}/{j}/win_rate_ci")
-                                                                 or [None, None]), n_prompts]
+    ctx.tracker.table("report/headline", HEADLINE_COLUMNS,
+                      [[p, j, metrics[f"eval/{p}/{j}/mean"], *(metrics.get(f"eval/{p}/{j}/mean_ci") or [None, None]),
+                        metrics[f"eval/{p}/kl"], metrics.get(f"eval/{p}/{j}/win_rate"),
+                        *(metrics.get(f"eval/{p}/{j}/win_rate_ci") or [None, None]), n_prompts]
                        for p in cfg.policies for j in all_judges(cfg)], step=0)
+
+
+HEADLINE_COLUMNS = ["policy", "judge", "mean", "mean_ci_low", "mean_ci_high", "kl_nats_per_response", "win_rate",
+                    "win_rate_ci_low", "win_rate_ci_high", "prompts"]
+"""The W&B headline table's columns: each interval named by what it bounds (`ci_low` read as the mean's, and was
+the win rate's), the KL's unit (at the sampling temperature, as the report's)."""
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
