@@ -47,3 +47,24 @@ def test_mean_and_spread_over_seeds_by_hand():
     row = next(x for x in lines if x.startswith("| ppo |"))
     assert row == "| ppo | 3 | 5.00 ± 1.00 [4.00, 6.00] | 0.850 ± 0.050 [0.800, 0.900], lowest CI bound 0.760 | - |"
     assert seeds.table(m, [g for g in _groups() if g.name != "ppo"], ["vader"], [], "sft", "sft") == []
+
+
+def test_a_seed_sweep_holding_the_reference_and_baseline_leaves_them_out_where_they_have_no_measure():
+    """policies sft-seed_1..3 with sft-seed_1 the reference and the baseline: its KL to itself (0 by construction)
+    was averaged in as a measured seed ("0.93 ± 0.93 [0.00, 1.86]"), and the baseline's missing win rate dropped the
+    group's win-rate cell without a word."""
+    group = frontier.Group("sft", "sft", ["sft-seed_1", "sft-seed_2", "sft-seed_3"],
+                           {f"sft-seed_{i}": f"seed={i}" for i in (1, 2, 3)})
+    m = {"eval/sft-seed_1/kl": 0.0, "eval/sft-seed_2/kl": 1.0, "eval/sft-seed_3/kl": 2.0}
+    for p, w in (("sft-seed_2", 0.6), ("sft-seed_3", 0.4)):
+        m.update({f"eval/{p}/vader/win_rate": w, f"eval/{p}/vader/win_rate_ci": [w - 0.1, w + 0.1]})
+    for p in group.policies:
+        m[f"eval/{p}/vader/mean"] = 0.5
+    agg = seeds.aggregate(m, group, ["vader"], [], "sft-seed_1", "sft-seed_1")
+    assert [agg[f"eval/sft/seeds/kl/{k}"] for k in ("mean", "min", "max")] == pytest.approx([1.5, 1.0, 2.0])
+    assert agg["eval/sft/seeds/vader/win_rate/mean"] == pytest.approx(0.5)
+    assert agg["eval/sft/seeds/vader/win_rate/ci_low_min"] == pytest.approx(0.3)
+    assert agg["eval/sft/seeds/vader/mean/mean"] == 0.5 and agg["eval/sft/seeds/left_out"] == ["sft-seed_1"]
+    m.update(agg)
+    row = next(x for x in seeds.table(m, [group], ["vader"], [], "sft-seed_1", "sft-seed_1") if x.startswith("| sft |"))
+    assert "3 (sft-seed_1: the reference or baseline, left out where it has no measure)" in row

@@ -30,22 +30,28 @@ def spread(values: list[float]) -> dict[str, float]:
             "min": min(values), "max": max(values)}
 
 
-def aggregate(m: dict[str, Any], group: Group, judges: list[str], pairwise: list[str]) -> dict[str, Any]:
+def aggregate(m: dict[str, Any], group: Group, judges: list[str], pairwise: list[str], reference: str = "",
+              baseline: str = "") -> dict[str, Any]:
     """`eval/<group>/seeds/...` metrics of a seed sweep: its number of seeds, and for the KL to the reference, each
     judge's mean and win rate, and each pairwise judge's win rate: mean, std, min, max over the seeds, with the lowest
-    lower CI bound of a win rate among them (`win_rate_ci_low_min`)."""
+    lower CI bound of a win rate among them (`win_rate_ci_low_min`). A seed that is the `reference` is left out of
+    the KL (0 by construction), one that is the `baseline` out of the win rates (it has none): `left_out` names them."""
     ps = group.policies
     key = f"eval/{group.name}/seeds"
     out: dict[str, Any] = {f"{key}/n": len(ps), f"{key}/policies": list(ps)}
-    out.update({f"{key}/kl/{k}": v for k, v in spread([m[f"eval/{p}/kl"] for p in ps]).items()})
+    if left := [p for p in ps if p in (reference, baseline)]:
+        out[f"{key}/left_out"] = left
+    kls = [m[f"eval/{p}/kl"] for p in ps if p != reference]
+    out.update({f"{key}/kl/{k}": v for k, v in spread(kls).items()} if kls else {})
     for j in [*judges, *pairwise]:
         for stat in ("mean", "win_rate"):
-            vals = [m.get(f"eval/{p}/{j}/{stat}") for p in ps]
-            if any(v is None or not math.isfinite(v) for v in vals):  # a seed without one (NaN: no valid verdict)
-                continue  # is no spread: the row shows '-' and each seed's own row says why
+            vals = [m.get(f"eval/{p}/{j}/{stat}") for p in ps if stat == "mean" or p != baseline]
+            if not vals or any(v is None or not math.isfinite(v) for v in vals):  # a seed without one (NaN: no
+                continue  # valid verdict) is no spread: the row shows '-' and each seed's own row says why
             out.update({f"{key}/{j}/{stat}/{k}": v for k, v in spread(vals).items()})
             if stat == "win_rate":
-                out[f"{key}/{j}/win_rate/ci_low_min"] = min(m[f"eval/{p}/{j}/win_rate_ci"][0] for p in ps)
+                out[f"{key}/{j}/win_rate/ci_low_min"] = min(m[f"eval/{p}/{j}/win_rate_ci"][0] for p in ps
+                                                            if p != baseline)
     return out
 
 
@@ -76,5 +82,7 @@ def table(m: dict[str, Any], groups: list[Group], judges: list[str], pairwise: l
         for j in rated:
             low = m.get(f"{key}/{j}/win_rate/ci_low_min")
             cells.append(cell(m, f"{key}/{j}/win_rate") + (f", lowest CI bound {low:.3f}" if low is not None else ""))
-        lines.append(f"| {g.name} | {m[f'{key}/n']} | {cell(m, f'{key}/kl', 2)} | " + " | ".join(cells) + " |")
+        left = m.get(f"{key}/left_out") or []  # the reference's KL and the baseline's win rate are not measured
+        note = f" ({', '.join(left)}: the reference or baseline, left out where it has no measure)" if left else ""
+        lines.append(f"| {g.name} | {m[f'{key}/n']}{note} | {cell(m, f'{key}/kl', 2)} | " + " | ".join(cells) + " |")
     return lines

@@ -223,7 +223,8 @@ def policy_groups(ctx: StageContext, cfg: EvaluateStage, metrics: dict[str, Any]
     groups = frontier.group_policies(cfg.policies, ctx.pipeline.variants, types)
     metrics["eval/groups"] = {g.name: {"type": g.type, "policies": g.policies} for g in groups}
     for g in seeds.seed_sweeps(groups):
-        metrics.update(seeds.aggregate(metrics, g, all_judges(cfg), [j.name for j in cfg.pairwise]))
+        metrics.update(seeds.aggregate(metrics, g, all_judges(cfg), [j.name for j in cfg.pairwise], cfg.reference,
+                                       cfg.baseline))
     return groups
 
 
