@@ -797,3 +797,21 @@ def test_a_cuda_ipc_handle_the_engine_cannot_open_falls_back_to_dev_shm(tmp_path
         engine._bucket.close()
         here.close()
         there.close()
+
+
+def test_a_file_sync_counts_every_process_of_the_node_writing_its_copy_at_once(monkeypatch, tmp_path):
+    """With weight_sync: file every process's engine writes a whole copy of the policy into /dev/shm at the same
+    point; each checked its own copy alone, and the fourth of four ran out of room mid-write (ENOSPC, not the fix)."""
+    from types import SimpleNamespace
+
+    from align.engines import vllm as engine
+
+    gib = 2 ** 30
+    monkeypatch.setattr(vllm_env.shutil, "disk_usage", lambda where: SimpleNamespace(free=3 * gib))
+    assert vllm_env.sync_space_problem(str(tmp_path), gib) is None  # one copy fits
+    problem = vllm_env.sync_space_problem(str(tmp_path), gib, 4)
+    assert "writes the policy (4.00 GiB, 4 processes' copies at once)" in problem and "--shm-size=7g" in problem
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert engine.local_processes() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "x")
+    assert engine.local_processes() == 1

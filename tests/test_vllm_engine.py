@@ -521,7 +521,7 @@ def test_a_file_sync_that_fails_mid_write_leaves_no_partial_file(tmp_path, monke
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(vllm, "policy_state_for_engine", lambda model: {"w": torch.zeros(4)})
-    monkeypatch.setattr(vllm, "sync_space_problem", lambda where, size: None)
+    monkeypatch.setattr(vllm, "sync_space_problem", lambda where, size, copies=1: None)
     monkeypatch.setattr(safetensors.torch, "save_file", partial)
     engine = vllm.VLLMEngine.__new__(vllm.VLLMEngine)
     engine._dir, engine.weights = str(tmp_path), str(tmp_path / "weights.safetensors")

@@ -42,6 +42,14 @@ from align.engines.weight_sync import adapter_state, policy_state_for_engine
 SERVER = Path(__file__).parent / "vllm_side" / "align_vllm_server.py"
 
 
+def local_processes() -> int:
+    """The stage's processes on this node (the launcher's LOCAL_WORLD_SIZE): each one's engine syncs at once."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 class VLLMEngine(BucketSync, EngineClient):
     """The engine process this process starts and syncs (its requests: vllm_client.EngineClient); `clients` > 1: it
     also serves that many processes in all, which reach it by `contact` (align/engines/group.py)."""
@@ -157,7 +165,7 @@ class VLLMEngine(BucketSync, EngineClient):
 
         state = policy_state_for_engine(model)
         size = sum(v.numel() * v.element_size() for v in state.values())
-        problem = sync_space_problem(self._dir, size)
+        problem = sync_space_problem(self._dir, size, local_processes())
         if problem:
             raise EngineError(f"vLLM engine: {problem}")
         tmp = self.weights + ".tmp"
@@ -180,7 +188,7 @@ class VLLMEngine(BucketSync, EngineClient):
 
         state, config = adapter_state(model)
         size = sum(v.numel() * v.element_size() for v in state.values())
-        problem = sync_space_problem(self._dir, size)
+        problem = sync_space_problem(self._dir, size, local_processes())
         if problem:
             raise EngineError(f"vLLM engine: {problem}")
         self._adapters += 1

@@ -137,15 +137,17 @@ KIND = EngineKind("vllm", "align.engines.vllm", own_copy=True, token_ids=True, a
                   sleep_needs_gpu=True, problems=_problems, memory=_memory)
 
 
-def sync_space_problem(directory: str, needed: int) -> str | None:
-    """Why `needed` bytes of synced weights will not fit in `directory` (None when they will)."""
-    free = shutil.disk_usage(directory).free
+def sync_space_problem(directory: str, needed: int, copies: int = 1) -> str | None:
+    """Why `copies` x `needed` bytes of synced weights (every process of the node writes its own copy at once) will
+    not fit in `directory` (None when they will)."""
+    free, needed = shutil.disk_usage(directory).free, needed * max(1, copies)
     if free >= needed * 1.05:
         return None
     where = "/dev/shm, the container's shared memory," if directory.startswith("/dev/shm") else directory
-    return (f"a weight sync writes the policy ({size_text(needed)}) to {where} which has {size_text(free)} free: give the "
-            f"container more shared memory (docker run --shm-size={max(1, int(needed * 1.5 / 2 ** 30) + 1)}g), or set "
-            f"{SYNC_DIR_ENV} to a directory with room")
+    each = f", {copies} processes' copies at once" if copies > 1 else ""
+    return (f"a weight sync writes the policy ({size_text(needed)}{each}) to {where} which has {size_text(free)} free: "
+            f"give the container more shared memory (docker run --shm-size={max(1, int(needed * 1.5 / 2 ** 30) + 1)}g), "
+            f"or set {SYNC_DIR_ENV} to a directory with room")
 
 
 LAUNCHER_VARIABLES = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
