@@ -28,11 +28,11 @@ from align.core.rundir import MANIFEST, SPEC, StageSpec, is_complete, read_manif
 NODES = ".nodes"
 """The run directory's folder where the nodes of one multi-node `align run` agree on a token (`handshake`)."""
 MARK = ".started"
+"""A stage's record that node 0 started it in the run of a token ({"token": ...}), written after its spec; node 0
+adds {"ended": why} when the stage fails or is stopped."""
 TEARDOWN_S = 120.0
 """How long a worker whose processes failed waits for node 0 to record the stage completed before it fails: a rank
 that aborts in the teardown after the stage completed (the process group's last barrier) does so within it."""
-"""A stage's record that node 0 started it in the run of a token ({"token": ...}), written after its spec; node 0
-adds {"ended": why} when the stage fails or is stopped."""
 HEARTBEAT_SECONDS = 10.0
 """How often node 0 touches `.nodes/node0.json` while its run goes on (`agreed_run`)."""
 SILENCE = 300.0
