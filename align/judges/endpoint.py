@@ -162,8 +162,7 @@ class EndpointBackend:
             except _Withheld as exc:  # a content filter's: that pair's invalid answer, never cached (outside the
                 return self._refused(str(exc))  # try: the EndpointError it may raise is not a fault to retry)
             except urllib.error.HTTPError as exc:
-                last = without_key(f"HTTP {exc.code}{_server_error(_error_body(exc))}",
-                                   os.environ.get(self.key_env or "", ""))
+                last = self._unkeyed(f"HTTP {exc.code}{_server_error(_error_body(exc))}")
                 if moved := redirected(exc):
                     raise EndpointError(f"{self.url}: {moved}") from None
                 if exc.code in (400, 413, 422):  # this request (a filtered prompt, one over the context): invalid
@@ -178,12 +177,10 @@ class EndpointBackend:
                     wait = min(2.0 ** (attempt + 1), self.max_retry_wait) * random.uniform(0.5, 1.0)
             except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as exc:  # the last: an
                 # answer cut off mid-body (IncompleteRead) or a garbled status line, as a transient fault is retried
-                last = without_key(f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}",
-                                   os.environ.get(self.key_env or "", ""))
+                last = self._unkeyed(f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}")
             except (ValueError, KeyError, IndexError, TypeError) as exc:
-                last = without_key(f"an answer that is not a chat completion ({type(exc).__name__}"
-                                   f"{_server_error(answer)})", os.environ.get(self.key_env or "", ""))  # a gateway
-                # may echo the request's Authorization header in its error object
+                last = self._unkeyed(f"an answer that is not a chat completion ({type(exc).__name__}"
+                                     f"{_server_error(answer)})")  # a gateway may echo the Authorization header
         if limited:
             raise EndpointError(f"{self.url}: rate limited (HTTP 429 to {limited} of {self.retries + 1} attempts, each "
                                 "retried after the server's Retry-After or retry-after-ms, else a jittered backoff, at "
@@ -191,6 +188,10 @@ class EndpointBackend:
                                 "or raise retries / max_retry_wait")
         raise EndpointError(f"{self.url}: no answer after {self.retries + 1} attempts (last: {last}); check that the "
                             "server is up, or raise timeout / retries")
+
+    def _unkeyed(self, text: str) -> str:
+        """`text` with the endpoint's key (from its variable) replaced by <key>: what a failure may quote of it."""
+        return without_key(text, os.environ.get(self.key_env or "", ""))
 
     def _refused(self, last: str, long: bool = False) -> Refused:
         """A request the endpoint refused: an invalid answer, or the end of the judging when it has refused every
