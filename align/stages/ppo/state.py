@@ -107,8 +107,7 @@ class RunningMoments:
         """Scores less the running mean, over the running std while the scores seen vary (RewardScale.fit's rule:
         a std below FLAT_SCORES of max(1, |mean|) only centres them; dividing by it turned a scorer's 1e-5 noise
         into rewards of 1 to 5, which PPO then optimised)."""
-        flat = not self.std >= FLAT_SCORES * max(1.0, abs(self.mean))
-        return (scores - self.mean) / (1.0 if flat else self.std)
+        return (scores - self.mean) / (self.std if spread(self.std, self.mean) else 1.0)
 
     def state_dict(self) -> dict:
         return {"mean": self.mean, "var": self.var, "count": self.count}
@@ -148,6 +147,12 @@ class PromptStream:
 FLAT_SCORES = 1e-4
 
 
+def spread(std: float, mean: float) -> bool:
+    """Whether scores of this `std` and `mean` vary enough to be scaled by 1 / std: std at least FLAT_SCORES of
+    max(1, |mean|) (False for a NaN spread too)."""
+    return std >= FLAT_SCORES * max(1.0, abs(mean))
+
+
 class RewardScale:
     """Ziegler et al. 2019, sec. 2.2: a gain and bias fixed once, before training, so the initial policy's scores
     have mean 0 and std 1: normalised = gain * score + bias, gain = 1 / std, bias = -mean / std. Unlike running
@@ -162,7 +167,7 @@ class RewardScale:
         then the scores are only centred (gain 1)."""
         xs = scores.detach().double().flatten()
         mean, std = xs.mean().item(), xs.std(unbiased=False).item()
-        scaled = std >= FLAT_SCORES * max(1.0, abs(mean))  # False for a NaN spread too
+        scaled = spread(std, mean)
         gain = 1.0 / std if scaled else 1.0
         self.gain, self.bias, self.fitted = gain, -mean * gain, True
         return scaled
