@@ -27,8 +27,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     path = ctx.input_model(cfg.policy)
     tokenizer = ctx.load_tokenizer(path)
     rows = load_rows(ctx, cfg.data, "train", tokenizer=tokenizer)
+    paired = bool(rows) and "chosen" in rows[0]  # pairs, unpaired here (else a card of unpaired rows)
     train = [{c: r[c] for c in COLUMNS} for r in unpaired(rows, ctx.seed)]
-    both = 2 * len(rows) - len(train) if rows and "chosen" in rows[0] else 0  # replies labelled both ways: dropped
+    both = 2 * len(rows) - len(train) if paired else 0  # replies labelled both ways: dropped
     if both and ctx.is_main:
         print(f"[align] {ctx.name}: dropped {both} rows of replies that two pairs label both desirable and "
               "undesirable", flush=True)
@@ -38,7 +39,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         raise StageError(f"stage '{ctx.name}': {problem}")
     desirable = sum(r["label"] for r in train)
     ratio = weighted_ratio(desirable, len(train) - desirable, cfg.desirable_weight, cfg.undesirable_weight)
-    if not 1.0 <= ratio <= 4 / 3 and ctx.is_main and not (rows and "chosen" in rows[0]):  # pairs: 1:1 but for the cut
+    if not 1.0 <= ratio <= 4 / 3 and ctx.is_main and not paired:  # pairs: 1:1 but for the cut
         print(f"[align] {ctx.name}: warning: desirable_weight x desirable / (undesirable_weight x undesirable) is "
               f"{ratio:.2f}; KTO's paper keeps it in [1, 4/3]: desirable_weight between "
               f"{cfg.undesirable_weight * (len(train) - desirable) / desirable:.3g} and "
