@@ -270,11 +270,11 @@ def estimate_stage(name: str, stage: StageBase, stages: dict[str, StageBase], sh
                 est.with_checkpointing = acts(True, chunk, variant) - kept  # plus the total, filled in below
         parts["frozen_weights"] = sum(_frozen(h, lora, m, gpus, dbytes) for h in frozen)
         if gen_b:
-            awake = engine_bytes(stage.generation_settings(), held[0].shape, gen_b, gen_s, dbytes, gpu_memory) + getattr(
+            gen, change = stage.generation_settings(), est.with_checkpointing if m == mode else None
+            awake = engine_bytes(gen, held[0].shape, gen_b, gen_s, dbytes, gpu_memory) + getattr(
                 stage, "scoring_bytes", lambda vocab: 0)(held[0].shape.vocab)  # the logits of scoring samples at once
             gather = computes * held[0].shape.params if m.startswith("zero3") and trained and \
                 stage.gathers_policy_for_generation() else 0  # the whole policy (as DeepSpeed holds it)
-            gen, change = stage.generation_settings(), est.with_checkpointing if m == mode else None
             parts["generation"], parts["rollout_gather"], more = sampling_parts(  # an engine sampling with the
                 awake, gather, parts["activations"], bool(trained) and not holds_own_copy(gen.engine),  # trained
                 bool(trained) and gen.sleep, change)  # policy itself: its KV cache and gather end before the update
